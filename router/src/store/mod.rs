@@ -1,0 +1,160 @@
+//! Durable storage: the seam between the pipeline and its backends.
+//!
+//! The `Store` trait is shaped around the router's operations (accept an event with its
+//! fan-out, lease due entries, finish an attempt with its disposition, dead-letter, read an
+//! event's fate), not around keys and values, so a JetStream backend can implement it later.
+//! `RedbStore` is the embedded default; with redb's in-memory backend it is also the in-memory
+//! store that unit tests use, and with `fault::FaultBackend` it simulates power loss.
+
+pub mod fault;
+pub mod model;
+mod redb_store;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use tokio::sync::Notify;
+
+pub use model::*;
+pub use redb_store::{RedbStore, StoreOptions};
+
+/// A storage failure. Clone so one failed group commit can answer every request in it.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StoreError {
+    /// The backend failed (I/O, corruption, full disk). Ingest answers 503.
+    #[error("storage failure: {0}")]
+    Backend(String),
+    /// The store was written by another on-disk format version.
+    #[error("store format version {found} is not supported (this build reads {expected})")]
+    FormatVersion {
+        /// Version found on disk.
+        found: u32,
+        /// Version this build writes.
+        expected: u32,
+    },
+    /// The store is shutting down.
+    #[error("store is closed")]
+    Closed,
+    /// A record could not be decoded.
+    #[error("corrupt record in {table}: {message}")]
+    Corrupt {
+        /// Table name.
+        table: &'static str,
+        /// Decoder message.
+        message: String,
+    },
+}
+
+impl<E: Into<redb::Error>> From<E> for StoreError {
+    fn from(e: E) -> Self {
+        StoreError::Backend(e.into().to_string())
+    }
+}
+
+/// Why finishing a leased entry was refused.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum FinishError {
+    /// The lease was taken over (expired and re-leased, or reclaimed): the late worker's
+    /// result is discarded. This is the fencing that keeps a slow worker from acking.
+    #[error("lease is no longer held (fenced)")]
+    Fenced,
+    /// The entry does not exist or is not queued.
+    #[error("entry not found or not queued")]
+    NotFound,
+    /// Storage failure.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Totals of one sweep run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SweepStats {
+    /// Dedup keys that expired.
+    pub dedup_expired: u64,
+    /// Events (with their finished entries) removed.
+    pub events_removed: u64,
+}
+
+/// The router's durable operations.
+pub trait Store: Send + Sync + 'static {
+    /// Stores events, each with its dedup key and its queue entries (or its DLQ entry when
+    /// quarantined), atomically, and resolves only once that is durable on disk.
+    fn accept(
+        &self,
+        events: Vec<NewEvent>,
+    ) -> BoxFuture<'_, Result<Vec<AcceptOutcome>, StoreError>>;
+
+    /// Leases up to `max` entries of `target` due at `now`, records the start of an attempt
+    /// on each durably, and returns them with their events.
+    fn lease(
+        &self,
+        target: &str,
+        now: Millis,
+        max: usize,
+        lease_ms: i64,
+    ) -> BoxFuture<'_, Result<Vec<Leased>, StoreError>>;
+
+    /// Records the end of an attempt and moves the entry on (delivered, retry, DLQ),
+    /// atomically, if the lease is still held.
+    fn finish(
+        &self,
+        id: EntryId,
+        lease: Lease,
+        end: AttemptEnd,
+        disposition: Disposition,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<(), FinishError>>;
+
+    /// Earliest due time among `target`'s waiting entries.
+    fn next_due(&self, target: &str) -> Option<Millis>;
+
+    /// A notifier woken whenever `target` gets new or re-queued entries.
+    fn notifier(&self, target: &str) -> Arc<Notify>;
+
+    /// Returns in-memory leases that expired before `now` to their queues (the durable lease
+    /// record stays, so a late ack is still refused). Returns how many.
+    fn reclaim_expired(&self, now: Millis) -> usize;
+
+    /// Saves the last configuration of targets (opaque JSON), so entries of a target that a
+    /// later rule set no longer has can still drain under it.
+    fn save_targets(
+        &self,
+        configs: Vec<(String, serde_json::Value)>,
+    ) -> BoxFuture<'_, Result<(), StoreError>>;
+
+    /// Every saved target configuration.
+    fn saved_targets(&self) -> Result<Vec<(String, serde_json::Value)>, StoreError>;
+
+    /// Targets that have live (queued or in-flight) entries.
+    fn targets_with_entries(&self) -> Vec<String>;
+
+    /// Everything known about (`source`, `id`).
+    fn fate(&self, source: &str, id: &str) -> Result<Option<Fate>, StoreError>;
+
+    /// DLQ entries matching `filter`, ids greater than `after`, at most `limit`.
+    fn dlq_list(
+        &self,
+        filter: &DlqFilter,
+        after: Option<u64>,
+        limit: usize,
+    ) -> Result<Vec<DlqEntry>, StoreError>;
+
+    /// One DLQ entry with its event.
+    fn dlq_get(&self, id: u64) -> Result<Option<(DlqEntry, StoredEvent)>, StoreError>;
+
+    /// Per-target queue numbers.
+    fn queue_stats(&self) -> BTreeMap<String, QueueStats>;
+
+    /// Expires dedup keys older than `dedup_window_ms` and removes events older than
+    /// `retention_ms` that nothing refers to any more. Bounded work per call.
+    fn sweep(
+        &self,
+        now: Millis,
+        dedup_window_ms: i64,
+        retention_ms: i64,
+    ) -> BoxFuture<'_, Result<SweepStats, StoreError>>;
+
+    /// Size of the store on disk, in bytes (0 for in-memory stores).
+    fn disk_bytes(&self) -> u64;
+}

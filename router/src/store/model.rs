@@ -1,0 +1,440 @@
+//! The records the store keeps: events (stored once), queue entries that refer to them, DLQ
+//! entries, and the requests and answers of the store's write operations.
+//!
+//! Every record is serialised as JSON inside the store; the on-disk format carries a version
+//! (`FORMAT_VERSION`) checked at open.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::event::{CloudEvent, FieldError};
+
+/// Version of the on-disk record layout. Bumped on any incompatible change; a store written
+/// with another version is refused at open with a clear message instead of being misread.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Milliseconds since the Unix epoch (UTC). All store times use it.
+pub type Millis = i64;
+
+/// Identity of one queue entry: the event's sequence number and the index of the target in the
+/// event's fan-out. Shown to users as `"<event>.<idx>"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct EntryId {
+    /// Sequence number of the stored event.
+    pub event: u64,
+    /// Position of the target in the event's fan-out.
+    pub idx: u32,
+}
+
+impl fmt::Display for EntryId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.event, self.idx)
+    }
+}
+
+impl FromStr for EntryId {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        let (a, b) = s.split_once('.').ok_or(())?;
+        Ok(Self {
+            event: a.parse().map_err(|_| ())?,
+            idx: b.parse().map_err(|_| ())?,
+        })
+    }
+}
+
+/// An accepted event as stored: the envelope plus what the router decided at acceptance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StoredEvent {
+    /// Store sequence number (monotonic with acceptance order).
+    pub seq: u64,
+    /// The CloudEvent as accepted.
+    pub event: CloudEvent,
+    /// When the router accepted it (durably).
+    pub accepted_at: Millis,
+    /// Version of the rule set that routed it.
+    pub ruleset_version: String,
+    /// Names of the rules that matched.
+    pub matched_rules: Vec<String>,
+    /// True when the event went straight to the DLQ (contract violation).
+    #[serde(default)]
+    pub quarantined: bool,
+}
+
+/// Where a queue entry stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EntryState {
+    /// Waiting in its target's queue (first attempt or a retry), possibly leased.
+    Queued,
+    /// Delivered successfully; kept for the event's fate until swept.
+    Delivered,
+    /// Moved to the DLQ; kept for the event's fate until swept.
+    Dead,
+}
+
+/// How one attempt ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttemptResult {
+    /// The target took it.
+    Delivered,
+    /// A transient failure: worth retrying.
+    Retryable,
+    /// A permanent failure: retrying cannot help.
+    Permanent,
+    /// The process died (or the lease expired) while the attempt was in flight.
+    Interrupted,
+}
+
+/// One delivery attempt, recorded durably when it starts and completed when it ends.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttemptRecord {
+    /// 1-based attempt number for this entry (since the last redrive).
+    pub n: u32,
+    /// When the attempt started.
+    pub started_at: Millis,
+    /// When it ended; `None` while in flight.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<Millis>,
+    /// How it ended; `None` while in flight.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<AttemptResult>,
+    /// HTTP status (webhooks) if a response arrived.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    /// Error text for failed attempts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// A lease on a queue entry: the worker holding `token` may finish the entry until `until`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lease {
+    /// Fencing token; unique across restarts (boot epoch in the high bits).
+    pub token: u64,
+    /// Expiry; an ack after it is refused.
+    pub until: Millis,
+}
+
+/// One target's copy of an event: the unit of delivery.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct QueueEntry {
+    /// Identity.
+    pub id: EntryId,
+    /// Stable target id (from the rule file).
+    pub target_id: String,
+    /// Name of the rule that matched.
+    pub rule: String,
+    /// Current state.
+    pub state: EntryState,
+    /// Acceptance time of the event (for `max_age` and oldest-age metrics).
+    pub accepted_at: Millis,
+    /// Earliest time of the next attempt.
+    pub due_at: Millis,
+    /// Attempts since the last redrive, oldest first.
+    #[serde(default)]
+    pub attempts: Vec<AttemptRecord>,
+    /// Ordering key (per-key in-order delivery when the policy asks for it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ordering_key: Option<String>,
+    /// Present while a worker holds the entry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<Lease>,
+    /// How many times an operator moved it back from the DLQ.
+    #[serde(default)]
+    pub redrive_count: u32,
+    /// Handler hops of the event.
+    #[serde(default)]
+    pub hops: u32,
+    /// Replay job id, when this delivery comes from a replay.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay: Option<String>,
+    /// Stable across retries: what receivers dedupe on.
+    pub idempotency_key: String,
+    /// When the entry reached a final state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<Millis>,
+}
+
+/// Why an event (or one target's copy of it) is in the DLQ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DlqReason {
+    /// `data` failed its contract.
+    ContractViolation,
+    /// The type has contracts, but not the event's `dataversion`.
+    UnknownVersion,
+    /// The target said the failure is permanent (4xx other than 408/429, 3xx).
+    PermanentError,
+    /// `max_attempts` reached.
+    RetriesExhausted,
+    /// `max_age` passed before a successful attempt.
+    MaxAgeExceeded,
+    /// Handler emissions went past the hop limit.
+    LoopDetected,
+    /// A reload removed the target and the operator chose to dead-letter its queue.
+    TargetRemoved,
+    /// The target's queue was at its depth cap.
+    TargetOverflow,
+}
+
+impl DlqReason {
+    /// The wire name (`snake_case`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::ContractViolation => "contract_violation",
+            Self::UnknownVersion => "unknown_version",
+            Self::PermanentError => "permanent_error",
+            Self::RetriesExhausted => "retries_exhausted",
+            Self::MaxAgeExceeded => "max_age_exceeded",
+            Self::LoopDetected => "loop_detected",
+            Self::TargetRemoved => "target_removed",
+            Self::TargetOverflow => "target_overflow",
+        }
+    }
+
+    /// Every reason, for metrics and parsing.
+    pub const ALL: [DlqReason; 8] = [
+        Self::ContractViolation,
+        Self::UnknownVersion,
+        Self::PermanentError,
+        Self::RetriesExhausted,
+        Self::MaxAgeExceeded,
+        Self::LoopDetected,
+        Self::TargetRemoved,
+        Self::TargetOverflow,
+    ];
+}
+
+impl FromStr for DlqReason {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        Self::ALL.into_iter().find(|r| r.as_str() == s).ok_or(())
+    }
+}
+
+/// A dead letter: an event (and, for delivery failures, the target) that needs an operator.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DlqEntry {
+    /// DLQ entry id (monotonic).
+    pub id: u64,
+    /// The event's store sequence number (the event itself is stored once).
+    pub event_seq: u64,
+    /// The event's `id`, `source`, `type` (copied so listings need not read the event).
+    pub event_id: String,
+    /// See `event_id`.
+    pub event_source: String,
+    /// See `event_id`.
+    pub event_type: String,
+    /// The queue entry that failed; `None` for quarantined events.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entry: Option<EntryId>,
+    /// Target id; `None` for quarantined events.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_id: Option<String>,
+    /// Rule name; `None` for quarantined events.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
+    /// Reason class.
+    pub reason: DlqReason,
+    /// Validation errors (quarantine) or a single description of the final error.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub errors: Vec<FieldError>,
+    /// Every attempt, with its error.
+    #[serde(default)]
+    pub attempts: Vec<AttemptRecord>,
+    /// Number of attempts made.
+    pub attempt_count: u32,
+    /// Time of the first failure.
+    pub first_failure_at: Millis,
+    /// Time of the last failure.
+    pub last_failure_at: Millis,
+    /// Redrives of the entry so far.
+    #[serde(default)]
+    pub redrive_count: u32,
+}
+
+/// One target of an event about to be accepted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewEntry {
+    /// Target id.
+    pub target_id: String,
+    /// Rule that matched.
+    pub rule: String,
+    /// Ordering key, if the target's policy orders.
+    pub ordering_key: Option<String>,
+}
+
+/// Contract quarantine of an event about to be accepted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Quarantine {
+    /// `ContractViolation` or `UnknownVersion`.
+    pub reason: DlqReason,
+    /// Pointer-level validation errors.
+    pub errors: Vec<FieldError>,
+}
+
+/// An event to accept: stored once with its dedup key and fan-out, atomically.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewEvent {
+    /// The envelope.
+    pub event: CloudEvent,
+    /// Acceptance time.
+    pub accepted_at: Millis,
+    /// Rule-set version that matched.
+    pub ruleset_version: String,
+    /// Matched rule names.
+    pub matched_rules: Vec<String>,
+    /// One entry per target (empty when quarantined or unmatched).
+    pub targets: Vec<NewEntry>,
+    /// Set when the event goes to the DLQ instead of being routed.
+    pub quarantine: Option<Quarantine>,
+    /// Dedup window; a key older than this is treated as absent.
+    pub dedup_window_ms: i64,
+}
+
+/// Answer to accepting one event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AcceptOutcome {
+    /// Stored (and fanned out, or quarantined) durably.
+    Accepted {
+        /// The new sequence number.
+        seq: u64,
+    },
+    /// (`source`, `id`) was seen inside the dedup window; nothing stored.
+    Duplicate {
+        /// Sequence number of the first copy.
+        seq: u64,
+    },
+}
+
+/// What to do with a leased entry after an attempt.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Disposition {
+    /// Delivered: final.
+    Delivered,
+    /// Try again no earlier than `due_at`.
+    Retry {
+        /// Next attempt time.
+        due_at: Millis,
+    },
+    /// Give up: move to the DLQ.
+    DeadLetter {
+        /// Why.
+        reason: DlqReason,
+    },
+    /// Put back without counting the attempt (e.g. breaker open when checked); the attempt
+    /// record is removed.
+    Release {
+        /// Next attempt time.
+        due_at: Millis,
+    },
+}
+
+/// The end of one attempt, written together with the disposition.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttemptEnd {
+    /// When it ended.
+    pub finished_at: Millis,
+    /// How.
+    pub result: AttemptResult,
+    /// HTTP status, if any.
+    pub status: Option<u16>,
+    /// Error text, if any.
+    pub error: Option<String>,
+}
+
+/// A leased entry handed to a delivery worker, with its event.
+#[derive(Debug, Clone)]
+pub struct Leased {
+    /// The entry as written at lease time (its last attempt is the one now starting).
+    pub entry: QueueEntry,
+    /// The stored event.
+    pub event: std::sync::Arc<StoredEvent>,
+    /// The lease (token + expiry) to present when finishing.
+    pub lease: Lease,
+}
+
+/// Per-target numbers for `/v1/targets` and metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct QueueStats {
+    /// Entries waiting (due or not), excluding in-flight ones.
+    pub queued: u64,
+    /// Entries leased by a worker right now.
+    pub in_flight: u64,
+    /// Acceptance time of the oldest live entry.
+    pub oldest_accepted_at: Option<Millis>,
+    /// Entries in the DLQ for this target.
+    pub dlq: u64,
+}
+
+/// Filter for DLQ listings.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DlqFilter {
+    /// Only this target.
+    pub target: Option<String>,
+    /// Only this reason.
+    pub reason: Option<DlqReason>,
+    /// Only this rule.
+    pub rule: Option<String>,
+    /// Only this event type.
+    pub event_type: Option<String>,
+    /// Only entries whose last failure is at or after this time.
+    pub since: Option<Millis>,
+    /// Only entries whose last failure is before this time.
+    pub until: Option<Millis>,
+}
+
+impl DlqFilter {
+    /// Whether `e` passes the filter.
+    pub fn matches(&self, e: &DlqEntry) -> bool {
+        self.target
+            .as_ref()
+            .is_none_or(|t| e.target_id.as_deref() == Some(t.as_str()))
+            && self.reason.is_none_or(|r| e.reason == r)
+            && self
+                .rule
+                .as_ref()
+                .is_none_or(|r| e.rule.as_deref() == Some(r.as_str()))
+            && self.event_type.as_ref().is_none_or(|t| &e.event_type == t)
+            && self.since.is_none_or(|s| e.last_failure_at >= s)
+            && self.until.is_none_or(|u| e.last_failure_at < u)
+    }
+}
+
+/// Everything known about one event: for `GET /v1/events/{id}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fate {
+    /// The stored event.
+    pub event: StoredEvent,
+    /// Its queue entries (live and finished, until swept).
+    pub entries: Vec<QueueEntry>,
+    /// Its DLQ entries.
+    pub dlq: Vec<DlqEntry>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entry_id_round_trips_through_text() {
+        let id = EntryId { event: 42, idx: 3 };
+        assert_eq!(id.to_string().parse::<EntryId>(), Ok(id));
+        assert!("42".parse::<EntryId>().is_err());
+    }
+
+    #[test]
+    fn reasons_round_trip() {
+        for r in DlqReason::ALL {
+            assert_eq!(r.as_str().parse::<DlqReason>(), Ok(r));
+            assert_eq!(
+                serde_json::to_value(r).ok(),
+                Some(serde_json::Value::from(r.as_str()))
+            );
+        }
+    }
+}

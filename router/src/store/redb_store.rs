@@ -1,0 +1,1167 @@
+//! The embedded store: redb, one file, one committer thread doing group commit.
+//!
+//! redb allows one writer at a time, so every write (ingest accepts, leases, acks, retries,
+//! sweeps) is an `Op` sent to a single committer thread, which takes everything pending,
+//! applies it in one write transaction and commits it with `Durability::Immediate` (a real
+//! fsync). Callers wait on a oneshot for their commit: many requests share one flush.
+//!
+//! What is due when lives in an in-memory index rebuilt from the `live` table at open; the
+//! durable records stay the truth. Leases are recorded durably (with a fencing token and an
+//! expiry) as part of starting an attempt; leases held by a dead process are reclaimed at open.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use redb::{
+    Database, Durability, ReadableDatabase, ReadableTable, TableDefinition, WriteTransaction,
+};
+use tokio::sync::{Notify, mpsc, oneshot};
+
+use super::*;
+
+const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
+const DEDUP: TableDefinition<&str, (u64, i64)> = TableDefinition::new("dedup");
+const ENTRIES: TableDefinition<(u64, u32), &[u8]> = TableDefinition::new("entries");
+const LIVE: TableDefinition<(u64, u32), ()> = TableDefinition::new("live");
+const DLQ: TableDefinition<u64, &[u8]> = TableDefinition::new("dlq");
+const DLQ_BY_EVENT: TableDefinition<(u64, u64), ()> = TableDefinition::new("dlq_by_event");
+const TARGETS: TableDefinition<&str, &[u8]> = TableDefinition::new("targets");
+
+/// Most ops applied in one transaction; more wait for the next commit.
+const MAX_GROUP: usize = 4096;
+/// Events examined per sweep call, so a sweep never holds the committer for long.
+const SWEEP_BATCH: usize = 2000;
+
+/// Called after every commit with its duration and the number of ops it carried.
+pub type CommitObserver = Arc<dyn Fn(Duration, usize) + Send + Sync>;
+
+/// Options for opening a store.
+#[derive(Clone, Default)]
+pub struct StoreOptions {
+    /// Observer for commit latency and group size (metrics).
+    pub on_commit: Option<CommitObserver>,
+    /// redb page cache size in bytes (default: redb's).
+    pub cache_bytes: Option<usize>,
+}
+
+fn enc<T: serde::Serialize>(v: &T) -> Vec<u8> {
+    // Serialising our own plain structs to JSON cannot fail (no non-string map keys).
+    serde_json::to_vec(v).unwrap_or_default()
+}
+
+fn dec<T: serde::de::DeserializeOwned>(table: &'static str, b: &[u8]) -> Result<T, StoreError> {
+    serde_json::from_slice(b).map_err(|e| StoreError::Corrupt {
+        table,
+        message: e.to_string(),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// In-memory index
+
+#[derive(Default)]
+struct TargetIndex {
+    /// Waiting entries by due time.
+    ready: BTreeSet<(Millis, EntryId)>,
+    /// Leased entries.
+    in_flight: HashMap<EntryId, Lease>,
+    /// Acceptance time of every live entry (ready or in flight), for oldest-age.
+    live: BTreeMap<EntryId, Millis>,
+    /// DLQ entries for this target.
+    dlq: u64,
+}
+
+#[derive(Default)]
+struct Index {
+    targets: HashMap<String, TargetIndex>,
+    notifiers: HashMap<String, Arc<Notify>>,
+}
+
+impl Index {
+    fn target(&mut self, t: &str) -> &mut TargetIndex {
+        self.targets.entry(t.to_string()).or_default()
+    }
+
+    fn notify(&mut self, t: &str) {
+        self.notifiers
+            .entry(t.to_string())
+            .or_insert_with(|| Arc::new(Notify::new()))
+            .notify_one();
+    }
+
+    fn apply(&mut self, effect: Effect) {
+        match effect {
+            Effect::Enqueue {
+                target,
+                id,
+                due,
+                accepted_at,
+            } => {
+                let t = self.target(&target);
+                t.ready.insert((due, id));
+                t.live.insert(id, accepted_at);
+                self.notify(&target);
+            }
+            Effect::Requeue { target, id, due } => {
+                let t = self.target(&target);
+                t.in_flight.remove(&id);
+                t.ready.insert((due, id));
+                self.notify(&target);
+            }
+            Effect::Remove { target, id } => {
+                let t = self.target(&target);
+                t.in_flight.remove(&id);
+                t.live.remove(&id);
+            }
+            Effect::DlqAdded { target } => {
+                if let Some(target) = target {
+                    self.target(&target).dlq += 1;
+                }
+            }
+        }
+    }
+}
+
+/// An in-memory consequence of a write, applied only once its commit succeeded.
+enum Effect {
+    Enqueue {
+        target: String,
+        id: EntryId,
+        due: Millis,
+        accepted_at: Millis,
+    },
+    Requeue {
+        target: String,
+        id: EntryId,
+        due: Millis,
+    },
+    Remove {
+        target: String,
+        id: EntryId,
+    },
+    DlqAdded {
+        target: Option<String>,
+    },
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ops
+
+type Reply<T> = oneshot::Sender<T>;
+
+enum Op {
+    Accept {
+        events: Vec<NewEvent>,
+        reply: Reply<Result<Vec<AcceptOutcome>, StoreError>>,
+    },
+    Lease {
+        target: String,
+        ids: Vec<EntryId>,
+        lease: Lease,
+        now: Millis,
+        reply: Reply<Result<Vec<Leased>, StoreError>>,
+    },
+    Finish {
+        id: EntryId,
+        lease: Lease,
+        end: AttemptEnd,
+        disposition: Disposition,
+        now: Millis,
+        reply: Reply<Result<(), FinishError>>,
+    },
+    SaveTargets {
+        configs: Vec<(String, serde_json::Value)>,
+        reply: Reply<Result<(), StoreError>>,
+    },
+    Sweep {
+        now: Millis,
+        dedup_window_ms: i64,
+        retention_ms: i64,
+        reply: Reply<Result<SweepStats, StoreError>>,
+    },
+}
+
+/// A reply to send once the fate of the transaction is known.
+type Done = Box<dyn FnOnce(Option<&StoreError>) + Send>;
+
+fn done<T: Send + 'static>(reply: Reply<Result<T, StoreError>>, r: Result<T, StoreError>) -> Done {
+    Box::new(move |commit_err| {
+        let _ = reply.send(match commit_err {
+            Some(e) => Err(e.clone()),
+            None => r,
+        });
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The store
+
+/// The redb-backed store.
+pub struct RedbStore {
+    db: Arc<Database>,
+    tx: mpsc::Sender<Op>,
+    index: Arc<Mutex<Index>>,
+    boot: u64,
+    token_counter: AtomicU64,
+    path: Option<std::path::PathBuf>,
+}
+
+impl RedbStore {
+    /// Opens (or creates) the store in `dir` (file `router.redb`).
+    pub fn open_dir(dir: &Path, opts: StoreOptions) -> Result<Arc<Self>, StoreError> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| StoreError::Backend(format!("create {}: {e}", dir.display())))?;
+        let path = dir.join("router.redb");
+        let mut b = Database::builder();
+        if let Some(c) = opts.cache_bytes {
+            b.set_cache_size(c);
+        }
+        let db = b.create(&path)?;
+        Self::start(db, opts, Some(path))
+    }
+
+    /// An in-memory store (nothing survives the process): for unit tests.
+    pub fn in_memory() -> Result<Arc<Self>, StoreError> {
+        let db = Database::builder().create_with_backend(redb::backends::InMemoryBackend::new())?;
+        Self::start(db, StoreOptions::default(), None)
+    }
+
+    /// A store on any redb backend (e.g. `fault::FaultBackend`).
+    pub fn with_backend(
+        backend: impl redb::StorageBackend,
+        opts: StoreOptions,
+    ) -> Result<Arc<Self>, StoreError> {
+        let db = Database::builder().create_with_backend(backend)?;
+        Self::start(db, opts, None)
+    }
+
+    fn start(
+        db: Database,
+        opts: StoreOptions,
+        path: Option<std::path::PathBuf>,
+    ) -> Result<Arc<Self>, StoreError> {
+        let db = Arc::new(db);
+        let (boot, counters, index) = recover(&db)?;
+        let index = Arc::new(Mutex::new(index));
+        let (tx, rx) = mpsc::channel(65_536);
+        let committer = Committer {
+            db: db.clone(),
+            index: index.clone(),
+            next_seq: counters.0,
+            next_dlq: counters.1,
+            on_commit: opts.on_commit,
+        };
+        std::thread::Builder::new()
+            .name("store-committer".into())
+            .spawn(move || committer.run(rx))
+            .map_err(|e| StoreError::Backend(format!("spawn committer: {e}")))?;
+        Ok(Arc::new(Self {
+            db,
+            tx,
+            index,
+            boot,
+            token_counter: AtomicU64::new(1),
+            path,
+        }))
+    }
+
+    fn index(&self) -> MutexGuard<'_, Index> {
+        self.index.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    async fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Op) -> Result<T, StoreError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(make(reply))
+            .await
+            .map_err(|_| StoreError::Closed)?;
+        rx.await.map_err(|_| StoreError::Closed)
+    }
+
+    fn new_token(&self) -> u64 {
+        (self.boot << 40) | (self.token_counter.fetch_add(1, Ordering::Relaxed) & ((1 << 40) - 1))
+    }
+
+    async fn lease_impl(
+        &self,
+        target: &str,
+        now: Millis,
+        max: usize,
+        lease_ms: i64,
+    ) -> Result<Vec<Leased>, StoreError> {
+        let lease = Lease {
+            token: self.new_token(),
+            until: now + lease_ms,
+        };
+        let ids: Vec<EntryId> = {
+            let mut idx = self.index();
+            let t = idx.target(target);
+            let mut ids = Vec::new();
+            while ids.len() < max {
+                match t.ready.first() {
+                    Some(&(due, id)) if due <= now => {
+                        t.ready.pop_first();
+                        t.in_flight.insert(id, lease);
+                        ids.push(id);
+                    }
+                    _ => break,
+                }
+            }
+            ids
+        };
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let target_s = target.to_string();
+        let res = self
+            .call(|reply| Op::Lease {
+                target: target_s,
+                ids: ids.clone(),
+                lease,
+                now,
+                reply,
+            })
+            .await
+            .and_then(|r| r);
+        match res {
+            Ok(leased) => {
+                // Entries the committer skipped (no longer queued) leave the index.
+                if leased.len() != ids.len() {
+                    let got: BTreeSet<EntryId> = leased.iter().map(|l| l.entry.id).collect();
+                    let mut idx = self.index();
+                    let t = idx.target(target);
+                    for id in ids.iter().filter(|id| !got.contains(id)) {
+                        t.in_flight.remove(id);
+                        t.live.remove(id);
+                    }
+                }
+                Ok(leased)
+            }
+            Err(e) => {
+                let mut idx = self.index();
+                let t = idx.target(target);
+                for id in ids {
+                    t.in_flight.remove(&id);
+                    t.ready.insert((now, id));
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Store for RedbStore {
+    fn accept(
+        &self,
+        events: Vec<NewEvent>,
+    ) -> BoxFuture<'_, Result<Vec<AcceptOutcome>, StoreError>> {
+        async move { self.call(|reply| Op::Accept { events, reply }).await? }.boxed()
+    }
+
+    fn lease(
+        &self,
+        target: &str,
+        now: Millis,
+        max: usize,
+        lease_ms: i64,
+    ) -> BoxFuture<'_, Result<Vec<Leased>, StoreError>> {
+        let target = target.to_string();
+        async move { self.lease_impl(&target, now, max, lease_ms).await }.boxed()
+    }
+
+    fn finish(
+        &self,
+        id: EntryId,
+        lease: Lease,
+        end: AttemptEnd,
+        disposition: Disposition,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<(), FinishError>> {
+        async move {
+            self.call(|reply| Op::Finish {
+                id,
+                lease,
+                end,
+                disposition,
+                now,
+                reply,
+            })
+            .await
+            .map_err(FinishError::Store)?
+        }
+        .boxed()
+    }
+
+    fn next_due(&self, target: &str) -> Option<Millis> {
+        self.index().target(target).ready.first().map(|(d, _)| *d)
+    }
+
+    fn notifier(&self, target: &str) -> Arc<Notify> {
+        self.index()
+            .notifiers
+            .entry(target.to_string())
+            .or_insert_with(|| Arc::new(Notify::new()))
+            .clone()
+    }
+
+    fn reclaim_expired(&self, now: Millis) -> usize {
+        let mut idx = self.index();
+        let mut woken = Vec::new();
+        let mut n = 0;
+        for (name, t) in idx.targets.iter_mut() {
+            let expired: Vec<EntryId> = t
+                .in_flight
+                .iter()
+                .filter(|(_, l)| l.until < now)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in &expired {
+                t.in_flight.remove(id);
+                t.ready.insert((now, *id));
+            }
+            if !expired.is_empty() {
+                n += expired.len();
+                woken.push(name.clone());
+            }
+        }
+        for name in woken {
+            idx.notify(&name);
+        }
+        n
+    }
+
+    fn save_targets(
+        &self,
+        configs: Vec<(String, serde_json::Value)>,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        async move {
+            self.call(|reply| Op::SaveTargets { configs, reply })
+                .await?
+        }
+        .boxed()
+    }
+
+    fn saved_targets(&self) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+        let r = self.db.begin_read()?;
+        let t = r.open_table(TARGETS)?;
+        let mut out = Vec::new();
+        for row in t.iter()? {
+            let (k, v) = row?;
+            out.push((k.value().to_string(), dec("targets", v.value())?));
+        }
+        Ok(out)
+    }
+
+    fn targets_with_entries(&self) -> Vec<String> {
+        self.index()
+            .targets
+            .iter()
+            .filter(|(_, t)| !t.live.is_empty())
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
+    fn fate(&self, source: &str, id: &str) -> Result<Option<Fate>, StoreError> {
+        let r = self.db.begin_read()?;
+        let dedup = r.open_table(DEDUP)?;
+        let Some(seq) = dedup
+            .get(crate::event::dedup_key(source, id).as_str())?
+            .map(|v| v.value().0)
+        else {
+            return Ok(None);
+        };
+        let events = r.open_table(EVENTS)?;
+        let Some(ev) = events.get(seq)? else {
+            return Ok(None);
+        };
+        let event: StoredEvent = dec("events", ev.value())?;
+        let entries_t = r.open_table(ENTRIES)?;
+        let mut entries = Vec::new();
+        for row in entries_t.range((seq, 0)..=(seq, u32::MAX))? {
+            entries.push(dec("entries", row?.1.value())?);
+        }
+        let by_ev = r.open_table(DLQ_BY_EVENT)?;
+        let dlq_t = r.open_table(DLQ)?;
+        let mut dlq = Vec::new();
+        for row in by_ev.range((seq, 0)..=(seq, u64::MAX))? {
+            let (k, _) = row?;
+            if let Some(d) = dlq_t.get(k.value().1)? {
+                dlq.push(dec("dlq", d.value())?);
+            }
+        }
+        Ok(Some(Fate {
+            event,
+            entries,
+            dlq,
+        }))
+    }
+
+    fn dlq_list(
+        &self,
+        filter: &DlqFilter,
+        after: Option<u64>,
+        limit: usize,
+    ) -> Result<Vec<DlqEntry>, StoreError> {
+        let r = self.db.begin_read()?;
+        let t = r.open_table(DLQ)?;
+        let start = after.map_or(0, |a| a.saturating_add(1));
+        let mut out = Vec::new();
+        for row in t.range(start..)? {
+            let e: DlqEntry = dec("dlq", row?.1.value())?;
+            if filter.matches(&e) {
+                out.push(e);
+                if out.len() >= limit {
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn dlq_get(&self, id: u64) -> Result<Option<(DlqEntry, StoredEvent)>, StoreError> {
+        let r = self.db.begin_read()?;
+        let t = r.open_table(DLQ)?;
+        let Some(v) = t.get(id)? else { return Ok(None) };
+        let e: DlqEntry = dec("dlq", v.value())?;
+        let events = r.open_table(EVENTS)?;
+        let Some(ev) = events.get(e.event_seq)? else {
+            return Err(StoreError::Corrupt {
+                table: "dlq",
+                message: format!("entry {id} refers to missing event {}", e.event_seq),
+            });
+        };
+        let ev: StoredEvent = dec("events", ev.value())?;
+        Ok(Some((e, ev)))
+    }
+
+    fn queue_stats(&self) -> BTreeMap<String, QueueStats> {
+        self.index()
+            .targets
+            .iter()
+            .map(|(k, t)| {
+                (
+                    k.clone(),
+                    QueueStats {
+                        queued: t.ready.len() as u64,
+                        in_flight: t.in_flight.len() as u64,
+                        oldest_accepted_at: t.live.values().min().copied(),
+                        dlq: t.dlq,
+                    },
+                )
+            })
+            .collect()
+    }
+
+    fn sweep(
+        &self,
+        now: Millis,
+        dedup_window_ms: i64,
+        retention_ms: i64,
+    ) -> BoxFuture<'_, Result<SweepStats, StoreError>> {
+        async move {
+            self.call(|reply| Op::Sweep {
+                now,
+                dedup_window_ms,
+                retention_ms,
+                reply,
+            })
+            .await?
+        }
+        .boxed()
+    }
+
+    fn disk_bytes(&self) -> u64 {
+        self.path
+            .as_ref()
+            .and_then(|p| std::fs::metadata(p).ok())
+            .map_or(0, |m| m.len())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Open and recover
+
+fn read_u64(
+    meta: &impl ReadableTable<&'static str, &'static [u8]>,
+    key: &str,
+) -> Result<Option<u64>, StoreError> {
+    Ok(match meta.get(key)? {
+        Some(v) => {
+            let b: [u8; 8] = v.value().try_into().map_err(|_| StoreError::Corrupt {
+                table: "meta",
+                message: format!("{key} is not 8 bytes"),
+            })?;
+            Some(u64::from_le_bytes(b))
+        }
+        None => None,
+    })
+}
+
+/// Checks the format version, bumps the boot epoch, reclaims leases of the dead process and
+/// rebuilds the in-memory index. Returns (boot, (next_seq, next_dlq), index).
+fn recover(db: &Database) -> Result<(u64, (u64, u64), Index), StoreError> {
+    let mut txn = db.begin_write()?;
+    txn.set_durability(Durability::Immediate)?;
+    let boot;
+    let counters;
+    let mut index = Index::default();
+    {
+        let mut meta = txn.open_table(META)?;
+        match read_u64(&meta, "format_version")? {
+            None => {
+                meta.insert(
+                    "format_version",
+                    u64::from(FORMAT_VERSION).to_le_bytes().as_slice(),
+                )?;
+            }
+            Some(v) if v == u64::from(FORMAT_VERSION) => {}
+            Some(v) => {
+                return Err(StoreError::FormatVersion {
+                    found: u32::try_from(v).unwrap_or(u32::MAX),
+                    expected: FORMAT_VERSION,
+                });
+            }
+        }
+        boot = read_u64(&meta, "boot")?.unwrap_or(0) + 1;
+        meta.insert("boot", boot.to_le_bytes().as_slice())?;
+        counters = (
+            read_u64(&meta, "next_seq")?.unwrap_or(1),
+            read_u64(&meta, "next_dlq")?.unwrap_or(1),
+        );
+        // Create every table so readers never see "table does not exist".
+        txn.open_table(EVENTS)?;
+        txn.open_table(DEDUP)?;
+        txn.open_table(TARGETS)?;
+        let live = txn.open_table(LIVE)?;
+        let mut entries = txn.open_table(ENTRIES)?;
+        let ids: Vec<EntryId> = live
+            .iter()?
+            .map(|r| {
+                r.map(|(k, _)| {
+                    let (event, idx) = k.value();
+                    EntryId { event, idx }
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        let now = chrono::Utc::now().timestamp_millis();
+        for id in ids {
+            let Some(raw) = entries.get((id.event, id.idx))? else {
+                continue;
+            };
+            let mut e: QueueEntry = dec("entries", raw.value())?;
+            drop(raw);
+            if e.lease.take().is_some() {
+                if let Some(a) = e.attempts.last_mut().filter(|a| a.result.is_none()) {
+                    a.finished_at = Some(now);
+                    a.result = Some(AttemptResult::Interrupted);
+                    a.error = Some(
+                        "the router stopped during this attempt; lease reclaimed at start".into(),
+                    );
+                }
+                entries.insert((id.event, id.idx), enc(&e).as_slice())?;
+            }
+            let t = index.target(&e.target_id);
+            t.ready.insert((e.due_at, id));
+            t.live.insert(id, e.accepted_at);
+        }
+        let dlq = txn.open_table(DLQ)?;
+        for row in dlq.iter()? {
+            let e: DlqEntry = dec("dlq", row?.1.value())?;
+            if let Some(t) = e.target_id {
+                index.target(&t).dlq += 1;
+            }
+        }
+        txn.open_table(DLQ_BY_EVENT)?;
+    }
+    txn.commit()?;
+    Ok((boot, counters, index))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The committer
+
+struct Committer {
+    db: Arc<Database>,
+    index: Arc<Mutex<Index>>,
+    next_seq: u64,
+    next_dlq: u64,
+    on_commit: Option<CommitObserver>,
+}
+
+impl Committer {
+    fn run(mut self, mut rx: mpsc::Receiver<Op>) {
+        while let Some(first) = rx.blocking_recv() {
+            let mut ops = vec![first];
+            while ops.len() < MAX_GROUP {
+                match rx.try_recv() {
+                    Ok(op) => ops.push(op),
+                    Err(_) => break,
+                }
+            }
+            self.commit_group(ops);
+        }
+    }
+
+    fn commit_group(&mut self, ops: Vec<Op>) {
+        let started = Instant::now();
+        let n = ops.len();
+        let saved = (self.next_seq, self.next_dlq);
+        let mut dones: Vec<Done> = Vec::with_capacity(n);
+        let mut effects = Vec::new();
+        let result = (|| -> Result<(), StoreError> {
+            let mut txn = self.db.begin_write()?;
+            txn.set_durability(Durability::Immediate)?;
+            let mut failed = None;
+            for op in ops {
+                if let Err(e) = self.apply(&txn, op, &mut dones, &mut effects) {
+                    failed.get_or_insert(e);
+                }
+            }
+            {
+                let mut meta = txn.open_table(META)?;
+                meta.insert("next_seq", self.next_seq.to_le_bytes().as_slice())?;
+                meta.insert("next_dlq", self.next_dlq.to_le_bytes().as_slice())?;
+            }
+            if let Some(e) = failed {
+                txn.abort()?;
+                return Err(e);
+            }
+            txn.commit()?;
+            Ok(())
+        })();
+        match &result {
+            Ok(()) => {
+                let mut idx = self.index.lock().unwrap_or_else(|p| p.into_inner());
+                for e in effects {
+                    idx.apply(e);
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, ops = n, "store commit failed; every request in the group gets the error");
+                (self.next_seq, self.next_dlq) = saved;
+            }
+        }
+        if let Some(obs) = &self.on_commit {
+            obs(started.elapsed(), n);
+        }
+        for d in dones {
+            d(result.as_ref().err());
+        }
+    }
+
+    /// Applies one op inside `txn`. A storage error aborts the whole group (returned);
+    /// logical refusals (fenced, duplicate) are the op's own answer.
+    fn apply(
+        &mut self,
+        txn: &WriteTransaction,
+        op: Op,
+        dones: &mut Vec<Done>,
+        effects: &mut Vec<Effect>,
+    ) -> Result<(), StoreError> {
+        match op {
+            Op::Accept { events, reply } => {
+                let r = self.accept(txn, events, effects);
+                let err = r.as_ref().err().cloned();
+                dones.push(done(reply, r));
+                err.map_or(Ok(()), Err)
+            }
+            Op::Lease {
+                target,
+                ids,
+                lease,
+                now,
+                reply,
+            } => {
+                let r = self.lease(txn, &target, &ids, lease, now);
+                let err = r.as_ref().err().cloned();
+                dones.push(done(reply, r));
+                err.map_or(Ok(()), Err)
+            }
+            Op::Finish {
+                id,
+                lease,
+                end,
+                disposition,
+                now,
+                reply,
+            } => {
+                let r = self.finish(txn, id, lease, end, disposition, now, effects);
+                let err = match &r {
+                    Err(FinishError::Store(e)) => Some(e.clone()),
+                    _ => None,
+                };
+                dones.push(Box::new(move |commit_err| {
+                    let _ = reply.send(match commit_err {
+                        Some(e) => Err(FinishError::Store(e.clone())),
+                        None => r,
+                    });
+                }));
+                err.map_or(Ok(()), Err)
+            }
+            Op::SaveTargets { configs, reply } => {
+                let r = (|| -> Result<(), StoreError> {
+                    let mut t = txn.open_table(TARGETS)?;
+                    for (id, cfg) in configs {
+                        t.insert(id.as_str(), enc(&cfg).as_slice())?;
+                    }
+                    Ok(())
+                })();
+                let err = r.as_ref().err().cloned();
+                dones.push(done(reply, r));
+                err.map_or(Ok(()), Err)
+            }
+            Op::Sweep {
+                now,
+                dedup_window_ms,
+                retention_ms,
+                reply,
+            } => {
+                let r = sweep(txn, now, dedup_window_ms, retention_ms);
+                let err = r.as_ref().err().cloned();
+                dones.push(done(reply, r));
+                err.map_or(Ok(()), Err)
+            }
+        }
+    }
+
+    fn accept(
+        &mut self,
+        txn: &WriteTransaction,
+        events: Vec<NewEvent>,
+        effects: &mut Vec<Effect>,
+    ) -> Result<Vec<AcceptOutcome>, StoreError> {
+        let mut dedup = txn.open_table(DEDUP)?;
+        let mut ev_t = txn.open_table(EVENTS)?;
+        let mut entries_t = txn.open_table(ENTRIES)?;
+        let mut live_t = txn.open_table(LIVE)?;
+        let mut out = Vec::with_capacity(events.len());
+        for ne in events {
+            let key = ne.event.dedup_key();
+            if let Some(v) = dedup.get(key.as_str())? {
+                let (seq, at) = v.value();
+                if at >= ne.accepted_at - ne.dedup_window_ms {
+                    out.push(AcceptOutcome::Duplicate { seq });
+                    continue;
+                }
+            }
+            let seq = self.next_seq;
+            self.next_seq += 1;
+            dedup.insert(key.as_str(), (seq, ne.accepted_at))?;
+            let stored = StoredEvent {
+                seq,
+                event: ne.event,
+                accepted_at: ne.accepted_at,
+                ruleset_version: ne.ruleset_version,
+                matched_rules: ne.matched_rules,
+                quarantined: ne.quarantine.is_some(),
+            };
+            ev_t.insert(seq, enc(&stored).as_slice())?;
+            if let Some(q) = ne.quarantine {
+                let d = DlqEntry {
+                    id: 0,
+                    event_seq: seq,
+                    event_id: stored.event.id.clone(),
+                    event_source: stored.event.source.clone(),
+                    event_type: stored.event.ty.clone(),
+                    entry: None,
+                    target_id: None,
+                    rule: None,
+                    reason: q.reason,
+                    errors: q.errors,
+                    attempts: Vec::new(),
+                    attempt_count: 0,
+                    first_failure_at: ne.accepted_at,
+                    last_failure_at: ne.accepted_at,
+                    redrive_count: 0,
+                };
+                self.add_dlq(txn, d, effects)?;
+            } else {
+                for (i, t) in ne.targets.into_iter().enumerate() {
+                    let id = EntryId {
+                        event: seq,
+                        idx: u32::try_from(i).unwrap_or(u32::MAX),
+                    };
+                    let entry = QueueEntry {
+                        id,
+                        idempotency_key: idempotency_key(
+                            &stored.event.source,
+                            &stored.event.id,
+                            &t.target_id,
+                        ),
+                        target_id: t.target_id,
+                        rule: t.rule,
+                        state: EntryState::Queued,
+                        accepted_at: ne.accepted_at,
+                        due_at: ne.accepted_at,
+                        attempts: Vec::new(),
+                        ordering_key: t.ordering_key,
+                        lease: None,
+                        redrive_count: 0,
+                        hops: stored.event.hops(),
+                        replay: None,
+                        finished_at: None,
+                    };
+                    entries_t.insert((id.event, id.idx), enc(&entry).as_slice())?;
+                    live_t.insert((id.event, id.idx), ())?;
+                    effects.push(Effect::Enqueue {
+                        target: entry.target_id,
+                        id,
+                        due: entry.due_at,
+                        accepted_at: entry.accepted_at,
+                    });
+                }
+            }
+            out.push(AcceptOutcome::Accepted { seq });
+        }
+        Ok(out)
+    }
+
+    fn add_dlq(
+        &mut self,
+        txn: &WriteTransaction,
+        mut d: DlqEntry,
+        effects: &mut Vec<Effect>,
+    ) -> Result<u64, StoreError> {
+        let id = self.next_dlq;
+        self.next_dlq += 1;
+        d.id = id;
+        txn.open_table(DLQ)?.insert(id, enc(&d).as_slice())?;
+        txn.open_table(DLQ_BY_EVENT)?
+            .insert((d.event_seq, id), ())?;
+        effects.push(Effect::DlqAdded {
+            target: d.target_id.clone(),
+        });
+        Ok(id)
+    }
+
+    fn lease(
+        &mut self,
+        txn: &WriteTransaction,
+        target: &str,
+        ids: &[EntryId],
+        lease: Lease,
+        now: Millis,
+    ) -> Result<Vec<Leased>, StoreError> {
+        let mut entries_t = txn.open_table(ENTRIES)?;
+        let ev_t = txn.open_table(EVENTS)?;
+        let mut out = Vec::with_capacity(ids.len());
+        let mut cache: HashMap<u64, Arc<StoredEvent>> = HashMap::new();
+        for &id in ids {
+            let Some(raw) = entries_t.get((id.event, id.idx))? else {
+                continue;
+            };
+            let mut e: QueueEntry = dec("entries", raw.value())?;
+            drop(raw);
+            if e.state != EntryState::Queued || e.target_id != target {
+                continue;
+            }
+            let event = match cache.get(&id.event) {
+                Some(ev) => ev.clone(),
+                None => {
+                    let Some(raw) = ev_t.get(id.event)? else {
+                        continue;
+                    };
+                    let ev = Arc::new(dec::<StoredEvent>("events", raw.value())?);
+                    cache.insert(id.event, ev.clone());
+                    ev
+                }
+            };
+            e.attempts.push(AttemptRecord {
+                n: u32::try_from(e.attempts.len() + 1).unwrap_or(u32::MAX),
+                started_at: now,
+                finished_at: None,
+                result: None,
+                status: None,
+                error: None,
+            });
+            e.lease = Some(lease);
+            entries_t.insert((id.event, id.idx), enc(&e).as_slice())?;
+            out.push(Leased {
+                entry: e,
+                event,
+                lease,
+            });
+        }
+        Ok(out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn finish(
+        &mut self,
+        txn: &WriteTransaction,
+        id: EntryId,
+        lease: Lease,
+        end: AttemptEnd,
+        disposition: Disposition,
+        now: Millis,
+        effects: &mut Vec<Effect>,
+    ) -> Result<(), FinishError> {
+        let mut entries_t = txn.open_table(ENTRIES).map_err(StoreError::from)?;
+        let Some(raw) = entries_t
+            .get((id.event, id.idx))
+            .map_err(StoreError::from)?
+        else {
+            return Err(FinishError::NotFound);
+        };
+        let mut e: QueueEntry = dec("entries", raw.value())?;
+        drop(raw);
+        if e.state != EntryState::Queued {
+            return Err(FinishError::NotFound);
+        }
+        match e.lease {
+            Some(l) if l.token == lease.token && l.until >= now => {}
+            _ => return Err(FinishError::Fenced),
+        }
+        e.lease = None;
+        if let Some(a) = e.attempts.last_mut() {
+            a.finished_at = Some(end.finished_at);
+            a.result = Some(end.result);
+            a.status = end.status;
+            a.error = end.error.clone();
+        }
+        let target = e.target_id.clone();
+        match disposition {
+            Disposition::Delivered => {
+                e.state = EntryState::Delivered;
+                e.finished_at = Some(now);
+                txn.open_table(LIVE)
+                    .map_err(StoreError::from)?
+                    .remove((id.event, id.idx))
+                    .map_err(StoreError::from)?;
+                effects.push(Effect::Remove { target, id });
+            }
+            Disposition::Retry { due_at } => {
+                e.due_at = due_at;
+                effects.push(Effect::Requeue {
+                    target,
+                    id,
+                    due: due_at,
+                });
+            }
+            Disposition::Release { due_at } => {
+                e.attempts.pop();
+                e.due_at = due_at;
+                effects.push(Effect::Requeue {
+                    target,
+                    id,
+                    due: due_at,
+                });
+            }
+            Disposition::DeadLetter { reason } => {
+                e.state = EntryState::Dead;
+                e.finished_at = Some(now);
+                txn.open_table(LIVE)
+                    .map_err(StoreError::from)?
+                    .remove((id.event, id.idx))
+                    .map_err(StoreError::from)?;
+                let ev_t = txn.open_table(EVENTS).map_err(StoreError::from)?;
+                let (eid, esrc, ety) = match ev_t.get(id.event).map_err(StoreError::from)? {
+                    Some(raw) => {
+                        let ev: StoredEvent = dec("events", raw.value())?;
+                        (ev.event.id, ev.event.source, ev.event.ty)
+                    }
+                    None => Default::default(),
+                };
+                drop(ev_t);
+                let first = e
+                    .attempts
+                    .iter()
+                    .find(|a| a.result != Some(AttemptResult::Delivered))
+                    .map_or(now, |a| a.finished_at.unwrap_or(a.started_at));
+                let d = DlqEntry {
+                    id: 0,
+                    event_seq: id.event,
+                    event_id: eid,
+                    event_source: esrc,
+                    event_type: ety,
+                    entry: Some(id),
+                    target_id: Some(target.clone()),
+                    rule: Some(e.rule.clone()),
+                    reason,
+                    errors: end
+                        .error
+                        .iter()
+                        .map(|m| crate::event::FieldError::new("", m.clone()))
+                        .collect(),
+                    attempts: e.attempts.clone(),
+                    attempt_count: u32::try_from(e.attempts.len()).unwrap_or(u32::MAX),
+                    first_failure_at: first,
+                    last_failure_at: end.finished_at,
+                    redrive_count: e.redrive_count,
+                };
+                self.add_dlq(txn, d, effects)?;
+                effects.push(Effect::Remove { target, id });
+            }
+        }
+        entries_t
+            .insert((id.event, id.idx), enc(&e).as_slice())
+            .map_err(StoreError::from)?;
+        Ok(())
+    }
+}
+
+/// The `Idempotency-Key` of one (event, target): stable across retries, restarts and
+/// redrives, and the same on every backend.
+pub fn idempotency_key(source: &str, id: &str, target: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for part in [source, id, target] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    hex::encode(&h.finalize()[..16])
+}
+
+fn sweep(
+    txn: &WriteTransaction,
+    now: Millis,
+    dedup_window_ms: i64,
+    retention_ms: i64,
+) -> Result<SweepStats, StoreError> {
+    let mut stats = SweepStats::default();
+    let mut ev_t = txn.open_table(EVENTS)?;
+    let mut dedup = txn.open_table(DEDUP)?;
+    let mut entries_t = txn.open_table(ENTRIES)?;
+    let live_t = txn.open_table(LIVE)?;
+    let by_ev = txn.open_table(DLQ_BY_EVENT)?;
+    let dedup_cut = now - dedup_window_ms;
+    let retention_cut = now - retention_ms.max(dedup_window_ms);
+    let mut candidates = Vec::new();
+    for row in ev_t.iter()?.take(SWEEP_BATCH) {
+        let (k, v) = row?;
+        let ev: StoredEvent = dec("events", v.value())?;
+        if ev.accepted_at >= dedup_cut {
+            break;
+        }
+        candidates.push((k.value(), ev));
+    }
+    for (seq, ev) in candidates {
+        let key = ev.event.dedup_key();
+        let ours = dedup.get(key.as_str())?.is_some_and(|v| v.value().0 == seq);
+        if ours {
+            dedup.remove(key.as_str())?;
+            stats.dedup_expired += 1;
+        }
+        if ev.accepted_at >= retention_cut {
+            continue;
+        }
+        let referenced = live_t.range((seq, 0)..=(seq, u32::MAX))?.next().is_some()
+            || by_ev.range((seq, 0)..=(seq, u64::MAX))?.next().is_some();
+        if referenced {
+            continue;
+        }
+        ev_t.remove(seq)?;
+        entries_t.retain_in((seq, 0)..=(seq, u32::MAX), |_, _| false)?;
+        stats.events_removed += 1;
+    }
+    Ok(stats)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,340 @@
+use std::sync::Arc;
+
+use serde_json::json;
+
+use super::*;
+use crate::event::CloudEvent;
+use crate::store::fault::SimulatedDisk;
+
+fn ev(source: &str, id: &str) -> CloudEvent {
+    serde_json::from_value(json!({"id": id, "source": source, "type": "t", "data": {"n": 1}}))
+        .expect("valid event")
+}
+
+fn new_event(source: &str, id: &str, targets: &[&str], at: Millis) -> NewEvent {
+    NewEvent {
+        event: ev(source, id),
+        accepted_at: at,
+        ruleset_version: "v1".into(),
+        matched_rules: vec!["r".into()],
+        targets: targets
+            .iter()
+            .map(|t| NewEntry {
+                target_id: (*t).into(),
+                rule: "r".into(),
+                ordering_key: None,
+            })
+            .collect(),
+        quarantine: None,
+        dedup_window_ms: 86_400_000,
+    }
+}
+
+fn delivered(at: Millis) -> AttemptEnd {
+    AttemptEnd {
+        finished_at: at,
+        result: AttemptResult::Delivered,
+        status: Some(200),
+        error: None,
+    }
+}
+
+#[tokio::test]
+async fn accept_fans_out_and_lease_records_the_attempt() {
+    let s = RedbStore::in_memory().expect("store");
+    let r = s
+        .accept(vec![new_event("/s", "1", &["a", "b"], 1000)])
+        .await
+        .expect("accept");
+    assert_eq!(r, vec![AcceptOutcome::Accepted { seq: 1 }]);
+    assert_eq!(s.next_due("a"), Some(1000));
+    let leased = s.lease("a", 1000, 10, 5000).await.expect("lease");
+    assert_eq!(leased.len(), 1);
+    assert_eq!(leased[0].entry.attempts.len(), 1);
+    assert_eq!(leased[0].event.event.id, "1");
+    // Nothing else due for a; b still has its own copy.
+    assert!(
+        s.lease("a", 1000, 10, 5000)
+            .await
+            .expect("lease")
+            .is_empty()
+    );
+    assert_eq!(s.queue_stats()["b"].queued, 1);
+    let l = &leased[0];
+    s.finish(
+        l.entry.id,
+        l.lease,
+        delivered(1001),
+        Disposition::Delivered,
+        1001,
+    )
+    .await
+    .expect("finish");
+    let fate = s.fate("/s", "1").expect("fate").expect("known");
+    assert_eq!(fate.entries.len(), 2);
+    assert_eq!(fate.entries[0].state, EntryState::Delivered);
+    assert_eq!(fate.entries[1].state, EntryState::Queued);
+    assert_eq!(
+        fate.entries[0].idempotency_key,
+        fate.entries[0].idempotency_key.clone()
+    );
+    assert_ne!(
+        fate.entries[0].idempotency_key,
+        fate.entries[1].idempotency_key
+    );
+}
+
+#[tokio::test]
+async fn duplicates_inside_the_window_are_not_stored_again() {
+    let s = RedbStore::in_memory().expect("store");
+    s.accept(vec![new_event("/s", "1", &["a"], 1000)])
+        .await
+        .expect("accept");
+    let r = s
+        .accept(vec![new_event("/s", "1", &["a"], 2000)])
+        .await
+        .expect("accept");
+    assert_eq!(r, vec![AcceptOutcome::Duplicate { seq: 1 }]);
+    // Outside the window the key counts as new.
+    let mut late = new_event("/s", "1", &["a"], 1000 + 86_400_001);
+    late.dedup_window_ms = 86_400_000;
+    let r = s.accept(vec![late]).await.expect("accept");
+    assert_eq!(r, vec![AcceptOutcome::Accepted { seq: 2 }]);
+}
+
+#[tokio::test]
+async fn concurrent_same_key_accepts_exactly_once() {
+    let s = RedbStore::in_memory().expect("store");
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            s.accept(vec![new_event("/s", "same", &["a"], 1000)]).await
+        }));
+    }
+    let mut accepted = 0;
+    for t in tasks {
+        if let AcceptOutcome::Accepted { .. } = t.await.expect("join").expect("accept")[0] {
+            accepted += 1;
+        }
+    }
+    assert_eq!(accepted, 1);
+    assert_eq!(s.queue_stats()["a"].queued, 1);
+}
+
+#[tokio::test]
+async fn an_expired_lease_cannot_ack_and_the_entry_is_released() {
+    let s = RedbStore::in_memory().expect("store");
+    s.accept(vec![new_event("/s", "1", &["a"], 1000)])
+        .await
+        .expect("accept");
+    let slow = s.lease("a", 1000, 1, 100).await.expect("lease").remove(0);
+    assert_eq!(s.reclaim_expired(1200), 1);
+    let fast = s.lease("a", 1200, 1, 100).await.expect("lease").remove(0);
+    assert_eq!(fast.entry.attempts.len(), 2);
+    let late = s
+        .finish(
+            slow.entry.id,
+            slow.lease,
+            delivered(1250),
+            Disposition::Delivered,
+            1250,
+        )
+        .await;
+    assert!(matches!(late, Err(FinishError::Fenced)), "{late:?}");
+    s.finish(
+        fast.entry.id,
+        fast.lease,
+        delivered(1250),
+        Disposition::Delivered,
+        1250,
+    )
+    .await
+    .expect("current lease acks");
+}
+
+#[tokio::test]
+async fn retries_wait_in_the_queue_and_dead_letters_keep_every_attempt() {
+    let s = RedbStore::in_memory().expect("store");
+    s.accept(vec![new_event("/s", "1", &["a"], 1000)])
+        .await
+        .expect("accept");
+    let l = s.lease("a", 1000, 1, 100).await.expect("lease").remove(0);
+    let fail = |at| AttemptEnd {
+        finished_at: at,
+        result: AttemptResult::Retryable,
+        status: Some(500),
+        error: Some("HTTP 500".into()),
+    };
+    s.finish(
+        l.entry.id,
+        l.lease,
+        fail(1010),
+        Disposition::Retry { due_at: 5000 },
+        1010,
+    )
+    .await
+    .expect("retry");
+    assert!(s.lease("a", 4999, 1, 100).await.expect("lease").is_empty());
+    let l = s.lease("a", 5000, 1, 100).await.expect("lease").remove(0);
+    s.finish(
+        l.entry.id,
+        l.lease,
+        fail(5010),
+        Disposition::DeadLetter {
+            reason: DlqReason::RetriesExhausted,
+        },
+        5010,
+    )
+    .await
+    .expect("dead-letter");
+    let list = s.dlq_list(&DlqFilter::default(), None, 10).expect("list");
+    assert_eq!(list.len(), 1);
+    assert_eq!(list[0].attempt_count, 2);
+    assert_eq!(list[0].reason, DlqReason::RetriesExhausted);
+    assert_eq!(list[0].first_failure_at, 1010);
+    assert_eq!(list[0].last_failure_at, 5010);
+    assert_eq!(s.queue_stats()["a"].dlq, 1);
+    let filtered = s
+        .dlq_list(
+            &DlqFilter {
+                reason: Some(DlqReason::PermanentError),
+                ..Default::default()
+            },
+            None,
+            10,
+        )
+        .expect("list");
+    assert!(filtered.is_empty());
+}
+
+#[tokio::test]
+async fn restart_reclaims_leases_and_keeps_due_times() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let id = {
+        let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+        s.accept(vec![
+            new_event("/s", "1", &["a"], 1000),
+            new_event("/s", "2", &["a"], 1000),
+        ])
+        .await
+        .expect("accept");
+        let l = s
+            .lease("a", 1000, 1, 60_000)
+            .await
+            .expect("lease")
+            .remove(0);
+        let other = s
+            .lease("a", 1000, 1, 60_000)
+            .await
+            .expect("lease")
+            .remove(0);
+        s.finish(
+            other.entry.id,
+            other.lease,
+            AttemptEnd {
+                finished_at: 1001,
+                result: AttemptResult::Retryable,
+                status: None,
+                error: Some("conn".into()),
+            },
+            Disposition::Retry { due_at: 9000 },
+            1001,
+        )
+        .await
+        .expect("retry");
+        l.entry.id
+        // dropped without finishing: the lease is held by a "dead" process
+    };
+    // The committer thread of the old store may still hold the file briefly.
+    let s = loop {
+        match RedbStore::open_dir(dir.path(), StoreOptions::default()) {
+            Ok(s) => break s,
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+        }
+    };
+    assert_eq!(s.next_due("a"), Some(1000));
+    let l = s.lease("a", 1000, 10, 1000).await.expect("lease");
+    assert_eq!(
+        l.len(),
+        1,
+        "only the reclaimed entry is due; the retry waits until 9000"
+    );
+    assert_eq!(l[0].entry.id, id);
+    assert_eq!(l[0].entry.attempts.len(), 2);
+    assert_eq!(
+        l[0].entry.attempts[0].result,
+        Some(AttemptResult::Interrupted)
+    );
+    assert_eq!(s.lease("a", 9000, 10, 1000).await.expect("lease").len(), 1);
+}
+
+/// Power loss: only what was flushed survives. Every accept that resolved must be there.
+#[tokio::test]
+async fn accepted_events_survive_a_power_cut() {
+    let disk = SimulatedDisk::new();
+    let s = RedbStore::with_backend(disk.backend(), StoreOptions::default()).expect("open");
+    let mut tasks = Vec::new();
+    for i in 0..200 {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            s.accept(vec![new_event("/s", &i.to_string(), &["a"], 1000)])
+                .await
+                .map(|_| i)
+        }));
+    }
+    let mut acked = Vec::new();
+    for t in tasks {
+        if let Ok(i) = t.await.expect("join") {
+            acked.push(i);
+        }
+    }
+    let image = disk.power_cut();
+    drop(s);
+    let s2 = RedbStore::with_backend(
+        SimulatedDisk::from_image(image).backend(),
+        StoreOptions::default(),
+    )
+    .expect("reopen after power cut");
+    for i in &acked {
+        assert!(
+            s2.fate("/s", &i.to_string()).expect("fate").is_some(),
+            "event {i} lost"
+        );
+    }
+    assert_eq!(s2.queue_stats()["a"].queued, acked.len() as u64);
+}
+
+#[tokio::test]
+async fn a_failing_disk_fails_the_accept_and_recovers() {
+    let disk = SimulatedDisk::new();
+    let s: Arc<RedbStore> =
+        RedbStore::with_backend(disk.backend(), StoreOptions::default()).expect("open");
+    disk.set_failing(true);
+    assert!(
+        s.accept(vec![new_event("/s", "1", &["a"], 1000)])
+            .await
+            .is_err()
+    );
+    disk.set_failing(false);
+    let r = s.accept(vec![new_event("/s", "1", &["a"], 1000)]).await;
+    // redb may need the failed state cleared by a reopen; either it accepts, or reports an error.
+    if let Ok(r) = r {
+        assert_eq!(r, vec![AcceptOutcome::Accepted { seq: 1 }]);
+    }
+}
+
+#[tokio::test]
+async fn sweep_expires_dedup_keys_and_unreferenced_events() {
+    let s = RedbStore::in_memory().expect("store");
+    s.accept(vec![
+        new_event("/s", "1", &["a"], 1000),
+        new_event("/s", "2", &[], 1000),
+    ])
+    .await
+    .expect("accept");
+    let stats = s.sweep(1000 + 10_000, 5_000, 5_000).await.expect("sweep");
+    assert_eq!(stats.dedup_expired, 2);
+    // Event 1 still has a live entry; event 2 had none.
+    assert_eq!(stats.events_removed, 1);
+}
