@@ -1,4 +1,21 @@
-//! The router library: `run(config, listener, shutdown)` and the pipeline's modules.
+//! The router library. `app::run(config, listener, shutdown)` runs the whole router, so tests
+//! can hand in their own listener (and `app::run_with_store` their own store).
+//!
+//! The pipeline, readable from the modules: `ingest` (HTTP, envelope) → `contract` (JSON
+//! Schema) → `rules` (match) → `store` (durable accept + fan-out) → `deliver` (workers under
+//! `policy`) → `target` (webhook, ...), with `admin` for operators.
 
+pub mod admin;
+pub mod app;
+pub mod bench;
+pub mod clock;
+pub mod config;
+pub mod contract;
+pub mod deliver;
 pub mod event;
+pub mod ingest;
+pub mod policy;
+pub mod rules;
 pub mod store;
+pub mod target;
+pub mod telemetry;

@@ -1,1 +1,6 @@
+//! End-to-end tests: the real `router` binary, real HTTP receivers, temp data dirs.
 
+mod delivery;
+mod durability;
+mod harness;
+mod ingest;

@@ -1,0 +1,345 @@
+//! Operator API: event fate, DLQ inspection, targets, rules, status, health and metrics.
+//! Every read here is side-effect free.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::app::App;
+use crate::clock::rfc3339;
+use crate::event::FieldError;
+use crate::ingest::error_response;
+use crate::store::{AttemptRecord, DlqEntry, DlqFilter, EntryState, QueueEntry};
+
+fn store_error(e: &crate::store::StoreError) -> Response {
+    tracing::error!(error = %e, "store read failed");
+    error_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "storage unavailable",
+        Vec::new(),
+    )
+}
+
+fn attempt_json(a: &AttemptRecord) -> Value {
+    json!({
+        "n": a.n,
+        "started_at": rfc3339(a.started_at),
+        "finished_at": a.finished_at.map(rfc3339),
+        "latency_ms": a.finished_at.map(|f| f - a.started_at),
+        "result": a.result,
+        "status": a.status,
+        "error": a.error,
+    })
+}
+
+fn entry_state(e: &QueueEntry, now: i64) -> &'static str {
+    match e.state {
+        EntryState::Delivered => "delivered",
+        EntryState::Dead => "dlq",
+        EntryState::Queued if e.lease.is_some_and(|l| l.until >= now) => "in_flight",
+        EntryState::Queued if e.attempts.is_empty() => "queued",
+        EntryState::Queued => "retrying",
+    }
+}
+
+fn dlq_json(d: &DlqEntry) -> Value {
+    json!({
+        "id": d.id.to_string(),
+        "event": { "id": d.event_id, "source": d.event_source, "type": d.event_type },
+        "target": d.target_id,
+        "rule": d.rule,
+        "reason": d.reason,
+        "errors": d.errors,
+        "attempt_count": d.attempt_count,
+        "attempts": d.attempts.iter().map(attempt_json).collect::<Vec<_>>(),
+        "first_failure_at": rfc3339(d.first_failure_at),
+        "last_failure_at": rfc3339(d.last_failure_at),
+        "redrive_count": d.redrive_count,
+    })
+}
+
+/// Query of `GET /v1/events/{id}`.
+#[derive(Debug, Deserialize)]
+pub struct FateQuery {
+    source: Option<String>,
+}
+
+/// `GET /v1/events/{id}?source=`: where the event stands at every target.
+pub async fn event_fate(
+    State(app): State<Arc<App>>,
+    Path(id): Path<String>,
+    Query(q): Query<FateQuery>,
+) -> Response {
+    let Some(source) = q.source.filter(|s| !s.is_empty()) else {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "missing query parameter",
+            vec![FieldError::new(
+                "/source",
+                "the event's source is required: events are identified by (source, id)",
+            )],
+        );
+    };
+    let fate = match app.store.fate(&source, &id) {
+        Ok(Some(f)) => f,
+        Ok(None) => {
+            return error_response(
+                StatusCode::NOT_FOUND,
+                "unknown event",
+                vec![FieldError::new(
+                    "",
+                    format!("no event with id {id:?} and source {source:?} (or it expired)"),
+                )],
+            );
+        }
+        Err(e) => return store_error(&e),
+    };
+    let now = app.clock.now_ms();
+    let targets: Vec<Value> = fate
+        .entries
+        .iter()
+        .map(|e| {
+            let last_error = e.attempts.iter().rev().find_map(|a| a.error.clone());
+            json!({
+                "target": e.target_id,
+                "rule": e.rule,
+                "entry": e.id.to_string(),
+                "state": entry_state(e, now),
+                "attempt_count": e.attempts.len(),
+                "attempts": e.attempts.iter().map(attempt_json).collect::<Vec<_>>(),
+                "next_attempt_at": (e.state == EntryState::Queued).then(|| rfc3339(e.due_at)),
+                "last_error": last_error,
+                "idempotency_key": e.idempotency_key,
+                "ordering_key": e.ordering_key,
+                "redrive_count": e.redrive_count,
+            })
+        })
+        .collect();
+    let ev = &fate.event;
+    axum::Json(json!({
+        "id": ev.event.id,
+        "source": ev.event.source,
+        "type": ev.event.ty,
+        "accepted_at": rfc3339(ev.accepted_at),
+        "ruleset_version": ev.ruleset_version,
+        "matched_rules": ev.matched_rules,
+        "quarantined": ev.quarantined,
+        "targets": targets,
+        "dlq": fate.dlq.iter().map(dlq_json).collect::<Vec<_>>(),
+        "event": ev.event.to_json(),
+    }))
+    .into_response()
+}
+
+/// Query of `GET /v1/dlq`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DlqQuery {
+    target: Option<String>,
+    reason: Option<String>,
+    rule: Option<String>,
+    #[serde(rename = "type")]
+    ty: Option<String>,
+    since: Option<String>,
+    until: Option<String>,
+    after: Option<String>,
+    limit: Option<usize>,
+}
+
+fn parse_time(name: &str, v: Option<&String>) -> Result<Option<i64>, FieldError> {
+    v.map(|s| {
+        chrono::DateTime::parse_from_rfc3339(s)
+            .map(|t| t.timestamp_millis())
+            .map_err(|e| FieldError::new(format!("/{name}"), format!("not an RFC 3339 time: {e}")))
+    })
+    .transpose()
+}
+
+/// `GET /v1/dlq`: filtered, cursor-paged listing.
+pub async fn dlq_list(State(app): State<Arc<App>>, Query(q): Query<DlqQuery>) -> Response {
+    let mut errors = Vec::new();
+    let reason = match q.reason.as_deref().map(str::parse) {
+        Some(Ok(r)) => Some(r),
+        Some(Err(())) => {
+            errors.push(FieldError::new("/reason", "unknown reason"));
+            None
+        }
+        None => None,
+    };
+    let since = parse_time("since", q.since.as_ref()).unwrap_or_else(|e| {
+        errors.push(e);
+        None
+    });
+    let until = parse_time("until", q.until.as_ref()).unwrap_or_else(|e| {
+        errors.push(e);
+        None
+    });
+    let after = match q.after.as_deref().map(str::parse::<u64>) {
+        Some(Ok(a)) => Some(a),
+        Some(Err(_)) => {
+            errors.push(FieldError::new("/after", "cursor must be a DLQ entry id"));
+            None
+        }
+        None => None,
+    };
+    let limit = q.limit.unwrap_or(100);
+    if limit == 0 || limit > 1000 {
+        errors.push(FieldError::new("/limit", "limit must be in 1..=1000"));
+    }
+    if !errors.is_empty() {
+        return error_response(StatusCode::BAD_REQUEST, "invalid query", errors);
+    }
+    let filter = DlqFilter {
+        target: q.target,
+        reason,
+        rule: q.rule,
+        event_type: q.ty,
+        since,
+        until,
+    };
+    match app.store.dlq_list(&filter, after, limit) {
+        Ok(list) => {
+            let next = (list.len() == limit)
+                .then(|| list.last().map(|d| d.id.to_string()))
+                .flatten();
+            axum::Json(json!({
+                "entries": list.iter().map(dlq_json).collect::<Vec<_>>(),
+                "next": next,
+            }))
+            .into_response()
+        }
+        Err(e) => store_error(&e),
+    }
+}
+
+/// `GET /v1/dlq/{id}`: one entry with its full event.
+pub async fn dlq_show(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    let Ok(n) = id.parse::<u64>() else {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid id",
+            vec![FieldError::new("/id", "DLQ entry ids are integers")],
+        );
+    };
+    match app.store.dlq_get(n) {
+        Ok(Some((d, ev))) => {
+            let mut v = dlq_json(&d);
+            v["event"] = ev.event.to_json();
+            v["accepted_at"] = json!(rfc3339(ev.accepted_at));
+            axum::Json(v).into_response()
+        }
+        Ok(None) => error_response(StatusCode::NOT_FOUND, "unknown DLQ entry", Vec::new()),
+        Err(e) => store_error(&e),
+    }
+}
+
+/// `GET /v1/targets`: every target with its queue numbers.
+pub async fn targets(State(app): State<Arc<App>>) -> Response {
+    let now = app.clock.now_ms();
+    let stats = app.store.queue_stats();
+    let rules = app.rules.load();
+    let mut out: BTreeMap<String, Value> = BTreeMap::new();
+    for spec in app.dispatcher.running() {
+        out.insert(
+            spec.id.clone(),
+            json!({
+                "id": spec.id,
+                "rule": spec.rule,
+                "kind": spec.kind,
+                "policy": spec.policy_name,
+                "in_rule_set": rules.targets.contains_key(&spec.id),
+            }),
+        );
+    }
+    for (id, s) in stats {
+        let v = out.entry(id.clone()).or_insert_with(|| json!({ "id": id }));
+        v["queued"] = json!(s.queued);
+        v["in_flight"] = json!(s.in_flight);
+        v["oldest_age_seconds"] = json!(
+            s.oldest_accepted_at
+                .map(|a| (now - a).max(0) as f64 / 1000.0)
+        );
+        v["dlq"] = json!(s.dlq);
+    }
+    for v in out.values_mut() {
+        for k in ["queued", "in_flight", "dlq"] {
+            if v.get(k).is_none() {
+                v[k] = json!(0);
+            }
+        }
+    }
+    axum::Json(json!({ "targets": out.into_values().collect::<Vec<_>>() })).into_response()
+}
+
+/// `GET /v1/rules`: the live rule set.
+pub async fn rules(State(app): State<Arc<App>>) -> Response {
+    let r = app.rules.load();
+    axum::Json(json!({
+        "version": r.version,
+        "files": r.files,
+        "rules": r.rules.iter().map(|rule| json!({
+            "name": rule.name,
+            "file": rule.file,
+            "line": rule.line,
+            "enabled": rule.enabled,
+            "pattern": rule.pattern_json,
+            "targets": rule.target_ids,
+        })).collect::<Vec<_>>(),
+    }))
+    .into_response()
+}
+
+/// `GET /v1/status`.
+pub async fn status(State(app): State<Arc<App>>) -> Response {
+    let rules = app.rules.load();
+    let contracts = app.contracts.load();
+    let now = app.clock.now_ms();
+    axum::Json(json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "started_at": rfc3339(app.started_at),
+        "uptime_seconds": (now - app.started_at) / 1000,
+        "ready": app.ready.load(Ordering::SeqCst),
+        "rules": { "version": rules.version, "files": rules.files, "rules": rules.rules.len(), "dir": app.cfg.rules_dir },
+        "contracts": { "version": contracts.version(), "count": contracts.contracts().len(), "dir": app.cfg.contracts_dir },
+        "store": { "backend": "redb", "bytes": app.store.disk_bytes(), "dir": app.cfg.data_dir },
+        "warnings": *app.warnings.lock().unwrap_or_else(|p| p.into_inner()),
+    }))
+    .into_response()
+}
+
+/// `GET /metrics`.
+pub async fn metrics(State(app): State<Arc<App>>) -> Response {
+    let body = app.metrics.render(app.store.as_ref(), app.clock.now_ms());
+    (
+        [(
+            "content-type",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response()
+}
+
+/// `GET /healthz`: the process is up.
+pub async fn healthz() -> Response {
+    axum::Json(json!({ "status": "ok" })).into_response()
+}
+
+/// `GET /readyz`: ready to accept events (store open, workers started, not shutting down).
+pub async fn readyz(State(app): State<Arc<App>>) -> Response {
+    if app.ready.load(Ordering::SeqCst) {
+        axum::Json(json!({ "status": "ready" })).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({ "status": "not ready" })),
+        )
+            .into_response()
+    }
+}

@@ -1,0 +1,272 @@
+//! Assembly: loads rules and contracts, opens the store, starts delivery workers and the HTTP
+//! API, and shuts everything down in order.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use axum::Router;
+use axum::routing::{get, post};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::clock::{Clock, SystemClock};
+use crate::config::Config;
+use crate::contract::ContractSet;
+use crate::deliver::{DeliveryContext, Dispatcher};
+use crate::rules::{RuleSet, TargetSpec};
+use crate::store::{RedbStore, Store, StoreError, StoreOptions};
+use crate::telemetry::Metrics;
+
+/// Shared state of the running router.
+pub struct App {
+    /// Validated configuration.
+    pub cfg: Config,
+    /// The store.
+    pub store: Arc<dyn Store>,
+    /// Live rule set (swapped atomically on reload).
+    pub rules: ArcSwap<RuleSet>,
+    /// Live contracts.
+    pub contracts: ArcSwap<ContractSet>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Time source.
+    pub clock: Arc<dyn Clock>,
+    /// Delivery workers.
+    pub dispatcher: Arc<Dispatcher>,
+    /// Start time.
+    pub started_at: i64,
+    /// False until workers run, and again once shutdown starts.
+    pub ready: AtomicBool,
+    /// Problems worth an operator's attention that did not stop the router.
+    pub warnings: Mutex<Vec<String>>,
+}
+
+/// Why the router could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The store could not be opened.
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    /// Rule files are invalid.
+    #[error("rules in {dir}:\n{errors}")]
+    Rules {
+        /// Rules directory.
+        dir: String,
+        /// One problem per line.
+        errors: String,
+    },
+    /// Contracts are invalid.
+    #[error("contracts in {dir}:\n{errors}")]
+    Contracts {
+        /// Contracts directory.
+        dir: String,
+        /// One problem per line.
+        errors: String,
+    },
+    /// Serving failed.
+    #[error("http server: {0}")]
+    Serve(#[from] std::io::Error),
+    /// The webhook HTTP client could not be built.
+    #[error("http client: {0}")]
+    Client(#[from] crate::target::webhook::WebhookError),
+}
+
+/// Loads the rule set from `cfg.rules_dir` (a missing directory means no rules).
+pub fn load_rules(cfg: &Config) -> Result<(RuleSet, Vec<String>), RunError> {
+    if !cfg.rules_dir.exists() {
+        return Ok((
+            RuleSet::empty(),
+            vec![format!(
+                "rules directory {} does not exist: no rules loaded",
+                cfg.rules_dir.display()
+            )],
+        ));
+    }
+    match RuleSet::load_dir(&cfg.rules_dir) {
+        Ok((set, warnings)) => Ok((set, warnings.iter().map(ToString::to_string).collect())),
+        Err(errors) => Err(RunError::Rules {
+            dir: cfg.rules_dir.display().to_string(),
+            errors: errors
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("\n"),
+        }),
+    }
+}
+
+/// Loads contracts from `cfg.contracts_dir` (a missing directory means none).
+pub fn load_contracts(cfg: &Config) -> Result<ContractSet, RunError> {
+    if !cfg.contracts_dir.exists() {
+        return Ok(ContractSet::empty());
+    }
+    ContractSet::load_dir(&cfg.contracts_dir).map_err(|errors| RunError::Contracts {
+        dir: cfg.contracts_dir.display().to_string(),
+        errors: errors
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("\n"),
+    })
+}
+
+/// Runs the router on the embedded store in `cfg.data_dir` until `shutdown` is cancelled.
+pub async fn run(
+    cfg: Config,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), RunError> {
+    let metrics = Metrics::new();
+    let m = metrics.clone();
+    let store = RedbStore::open_dir(
+        &cfg.data_dir,
+        StoreOptions {
+            on_commit: Some(Arc::new(move |took, ops| m.observe_commit(took, ops))),
+            cache_bytes: Some(cfg.store.cache_bytes),
+        },
+    )?;
+    run_with_store(cfg, listener, store, metrics, shutdown).await
+}
+
+/// Runs the router on a given store (tests hand in fault-injecting ones).
+pub async fn run_with_store(
+    cfg: Config,
+    listener: TcpListener,
+    store: Arc<dyn Store>,
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+) -> Result<(), RunError> {
+    let (rules, mut warnings) = load_rules(&cfg)?;
+    let contracts = load_contracts(&cfg)?;
+    for w in &warnings {
+        tracing::warn!("{w}");
+    }
+    tracing::info!(version = %rules.version, rules = rules.rules.len(), contracts = contracts.contracts().len(), "configuration loaded");
+
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let tracker = TaskTracker::new();
+    let workers_cancel = CancellationToken::new();
+    let dispatcher = Dispatcher::new(DeliveryContext {
+        store: store.clone(),
+        metrics: metrics.clone(),
+        clock: clock.clone(),
+        cfg: cfg.delivery.clone(),
+        http: crate::target::webhook::shared_client()?,
+        cancel: workers_cancel.clone(),
+        tracker: tracker.clone(),
+    });
+
+    // Remember every target's configuration, then start workers for the current targets and
+    // for targets a previous rule set had that still hold entries (they drain under their last
+    // configuration instead of being stranded).
+    let current: Vec<(String, serde_json::Value)> = rules
+        .targets
+        .values()
+        .map(|t| (t.id.clone(), serde_json::to_value(t).unwrap_or_default()))
+        .collect();
+    store.save_targets(current).await?;
+    let saved: std::collections::HashMap<String, TargetSpec> = store
+        .saved_targets()?
+        .into_iter()
+        .filter_map(|(id, v)| serde_json::from_value(v).ok().map(|s| (id, s)))
+        .collect();
+    let mut to_start: Vec<TargetSpec> = rules.targets.values().cloned().collect();
+    for id in store.targets_with_entries() {
+        if !rules.targets.contains_key(&id) {
+            match saved.get(&id) {
+                Some(spec) => {
+                    warnings.push(format!("target {id} is no longer in the rules; its queued entries drain under its last configuration"));
+                    to_start.push(spec.clone());
+                }
+                None => warnings.push(format!(
+                    "target {id} has queued entries but no known configuration; they stay queued"
+                )),
+            }
+        }
+    }
+    for spec in to_start {
+        if let Err(e) = dispatcher.ensure(spec) {
+            tracing::warn!("{e}");
+            warnings.push(e.to_string());
+        }
+    }
+    dispatcher.start_reaper();
+
+    let app = Arc::new(App {
+        started_at: clock.now_ms(),
+        cfg,
+        store: store.clone(),
+        rules: ArcSwap::from_pointee(rules),
+        contracts: ArcSwap::from_pointee(contracts),
+        metrics,
+        clock,
+        dispatcher,
+        ready: AtomicBool::new(false),
+        warnings: Mutex::new(warnings),
+    });
+    spawn_sweeper(&app, &tracker, workers_cancel.clone());
+
+    let router = Router::new()
+        .route("/v1/events", post(crate::ingest::post_events))
+        .route("/v1/events/{id}", get(crate::admin::event_fate))
+        .route("/v1/dlq", get(crate::admin::dlq_list))
+        .route("/v1/dlq/{id}", get(crate::admin::dlq_show))
+        .route("/v1/targets", get(crate::admin::targets))
+        .route("/v1/rules", get(crate::admin::rules))
+        .route("/v1/status", get(crate::admin::status))
+        .route("/metrics", get(crate::admin::metrics))
+        .route("/healthz", get(crate::admin::healthz))
+        .route("/readyz", get(crate::admin::readyz))
+        .with_state(app.clone());
+
+    app.ready.store(true, Ordering::SeqCst);
+    tracing::info!(listen = %listener.local_addr()?, "router listening");
+    let http_shutdown = shutdown.clone();
+    axum::serve(listener, router)
+        .with_graceful_shutdown(async move { http_shutdown.cancelled().await })
+        .await?;
+
+    // Ingest has stopped. Let in-flight attempts finish within the grace period, then stop.
+    app.ready.store(false, Ordering::SeqCst);
+    tracing::info!(grace = ?app.cfg.shutdown_grace, "shutting down: finishing in-flight attempts");
+    workers_cancel.cancel();
+    tracker.close();
+    if tokio::time::timeout(app.cfg.shutdown_grace, tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("grace period over; unfinished attempts will be retried after restart");
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+fn spawn_sweeper(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToken) {
+    let app = app.clone();
+    tracker.spawn(async move {
+        let every = app.cfg.delivery.sweep_interval;
+        let window = i64::try_from(app.cfg.ingest.dedup_window.as_millis()).unwrap_or(i64::MAX);
+        let retention = i64::try_from(app.cfg.delivery.retention.as_millis()).unwrap_or(i64::MAX);
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                _ = tokio::time::sleep(every) => {}
+            }
+            match app.store.sweep(app.clock.now_ms(), window, retention).await {
+                Ok(s) if s.dedup_expired + s.events_removed > 0 => {
+                    tracing::debug!(
+                        dedup_expired = s.dedup_expired,
+                        events_removed = s.events_removed,
+                        "swept"
+                    );
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "sweep failed"),
+            }
+            tokio::time::sleep(Duration::ZERO).await;
+        }
+    });
+}

@@ -1,0 +1,299 @@
+//! The router's configuration: embedded defaults → TOML file → `ROUTER_*` environment →
+//! command-line flags, validated once so the rest of the code reads typed values.
+//!
+//! Every key has a default; unknown keys are an error that names the key. Environment
+//! variables map onto keys by lower-casing and splitting on `__`:
+//! `ROUTER_INGEST__MAX_BATCH=500` sets `[ingest] max_batch`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// A configuration problem, with the key or file it concerns.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The TOML (after env overrides) does not fit the schema: unknown key, wrong type.
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Address of the HTTP API (default `127.0.0.1:8080`).
+    pub listen: SocketAddr,
+    /// Directory of the embedded store (default `./data`).
+    pub data_dir: PathBuf,
+    /// Directory of rule files (default `./rules`; missing = no rules, with a warning).
+    pub rules_dir: PathBuf,
+    /// Directory of contracts (default `./contracts`; missing = no contracts).
+    pub contracts_dir: PathBuf,
+    /// How long SIGTERM waits for in-flight attempts before exiting (default 10s).
+    #[serde(with = "humantime_serde")]
+    pub shutdown_grace: Duration,
+    /// Log output: `text` or `json`.
+    pub log_format: LogFormat,
+    /// Producer-facing limits and dedup.
+    pub ingest: IngestConfig,
+    /// Delivery workers.
+    pub delivery: DeliveryConfig,
+    /// Storage.
+    pub store: StoreConfig,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// `[ingest]`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IngestConfig {
+    /// Largest request body accepted (413 past it). Default 1 MiB.
+    pub max_body_bytes: usize,
+    /// Deepest JSON nesting accepted (400 past it). Default 64.
+    pub max_json_depth: usize,
+    /// Most events in one batch request (413 past it). Default 1000.
+    pub max_batch: usize,
+    /// How long (`source`, `id`) is remembered for dedup. Default 24h.
+    #[serde(with = "humantime_serde")]
+    pub dedup_window: Duration,
+}
+
+/// `[delivery]`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DeliveryConfig {
+    /// Attempts in flight per target unless its policy sets `throttle.max_concurrency`.
+    pub concurrency: usize,
+    /// Added to a target's timeout to make its lease: a worker silent for longer loses it.
+    #[serde(with = "humantime_serde")]
+    pub lease_margin: Duration,
+    /// Bytes of a webhook response body read (for the attempt's error text); rest discarded.
+    pub max_response_bytes: usize,
+    /// How often expired dedup keys and finished events are swept.
+    #[serde(with = "humantime_serde")]
+    pub sweep_interval: Duration,
+    /// How long finished deliveries stay visible in an event's fate (at least the dedup window).
+    #[serde(with = "humantime_serde")]
+    pub retention: Duration,
+}
+
+/// `[store]`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    /// redb page cache, bytes. Default 256 MiB.
+    pub cache_bytes: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            data_dir: PathBuf::from("./data"),
+            rules_dir: PathBuf::from("./rules"),
+            contracts_dir: PathBuf::from("./contracts"),
+            shutdown_grace: Duration::from_secs(10),
+            log_format: LogFormat::Text,
+            ingest: IngestConfig::default(),
+            delivery: DeliveryConfig::default(),
+            store: StoreConfig::default(),
+        }
+    }
+}
+
+impl Default for IngestConfig {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 1 << 20,
+            max_json_depth: 64,
+            max_batch: 1000,
+            dedup_window: Duration::from_secs(24 * 3600),
+        }
+    }
+}
+
+impl Default for DeliveryConfig {
+    fn default() -> Self {
+        Self {
+            concurrency: 16,
+            lease_margin: Duration::from_secs(30),
+            max_response_bytes: 64 * 1024,
+            sweep_interval: Duration::from_secs(60),
+            retention: Duration::from_secs(24 * 3600),
+        }
+    }
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            cache_bytes: 256 << 20,
+        }
+    }
+}
+
+impl Config {
+    /// Loads defaults, then `file` (if any), then `ROUTER_*` variables from `env`.
+    pub fn load(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        let mut table = match file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: path.to_path_buf(),
+                    source,
+                })?;
+                toml::from_str::<toml::Table>(&text)
+                    .map_err(|e| ConfigError::Invalid(format!("{}: {e}", path.display())))?
+            }
+            None => toml::Table::new(),
+        };
+        for (k, v) in env {
+            let Some(rest) = k.strip_prefix("ROUTER_") else {
+                continue;
+            };
+            let path: Vec<String> = rest
+                .to_ascii_lowercase()
+                .split("__")
+                .map(str::to_string)
+                .collect();
+            set_path(&mut table, &path, parse_env_value(&v))
+                .map_err(|m| ConfigError::Invalid(format!("{k}: {m}")))?;
+        }
+        let cfg: Config = toml::Value::Table(table)
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::Invalid(e.message().to_string()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks values that the types alone do not rule out.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: &str| Err(ConfigError::Invalid(m.to_string()));
+        if self.ingest.max_body_bytes == 0 {
+            return bad("ingest.max_body_bytes must be > 0");
+        }
+        if self.ingest.max_batch == 0 {
+            return bad("ingest.max_batch must be > 0");
+        }
+        if self.ingest.max_json_depth == 0 || self.ingest.max_json_depth > 1000 {
+            return bad("ingest.max_json_depth must be in 1..=1000");
+        }
+        if self.delivery.concurrency == 0 {
+            return bad("delivery.concurrency must be > 0");
+        }
+        if self.delivery.sweep_interval.is_zero() {
+            return bad("delivery.sweep_interval must be > 0");
+        }
+        Ok(())
+    }
+}
+
+fn parse_env_value(raw: &str) -> toml::Value {
+    // Numbers and booleans keep their type; anything else (paths, durations, addresses) is a
+    // string, so `ROUTER_LISTEN=127.0.0.1:9000` needs no quoting.
+    match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
+        Ok(mut t) => t
+            .remove("v")
+            .unwrap_or_else(|| toml::Value::String(raw.to_string())),
+        Err(_) => toml::Value::String(raw.to_string()),
+    }
+}
+
+fn set_path(table: &mut toml::Table, path: &[String], value: toml::Value) -> Result<(), String> {
+    match path {
+        [] => Err("empty key".into()),
+        [last] => {
+            table.insert(last.clone(), value);
+            Ok(())
+        }
+        [first, rest @ ..] => {
+            let entry = table
+                .entry(first.clone())
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            match entry {
+                toml::Value::Table(t) => set_path(t, rest, value),
+                _ => Err(format!("`{first}` is not a table")),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn no_config_means_embedded_defaults_on_loopback() {
+        let c = Config::load(None, env(&[])).expect("defaults");
+        assert_eq!(c, Config::default());
+        assert!(c.listen.ip().is_loopback());
+        assert_eq!(c.data_dir, PathBuf::from("./data"));
+    }
+
+    #[test]
+    fn file_then_env_override() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let f = dir.path().join("router.toml");
+        std::fs::write(
+            &f,
+            "listen = \"127.0.0.1:9000\"\n[ingest]\nmax_batch = 10\ndedup_window = \"1h\"\n",
+        )
+        .expect("write");
+        let c = Config::load(
+            Some(&f),
+            env(&[("ROUTER_INGEST__MAX_BATCH", "20"), ("OTHER", "x")]),
+        )
+        .expect("load");
+        assert_eq!(c.listen.port(), 9000);
+        assert_eq!(c.ingest.max_batch, 20);
+        assert_eq!(c.ingest.dedup_window, Duration::from_secs(3600));
+        let c = Config::load(None, env(&[("ROUTER_LISTEN", "127.0.0.1:7000")])).expect("load");
+        assert_eq!(c.listen.port(), 7000);
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let f = dir.path().join("router.toml");
+        std::fs::write(&f, "[ingest]\nmax_bath = 10\n").expect("write");
+        let e = Config::load(Some(&f), env(&[])).expect_err("unknown key");
+        assert!(e.to_string().contains("max_bath"), "{e}");
+        let e = Config::load(None, env(&[("ROUTER_NOPE", "1")])).expect_err("unknown env key");
+        assert!(e.to_string().contains("nope"), "{e}");
+    }
+
+    #[test]
+    fn invalid_values_are_refused() {
+        let e = Config::load(None, env(&[("ROUTER_INGEST__MAX_BATCH", "0")])).expect_err("zero");
+        assert!(e.to_string().contains("max_batch"));
+    }
+}

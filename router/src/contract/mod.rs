@@ -1,0 +1,705 @@
+//! Pipeline stage 2 (envelope check → **contract** → rule match): versioned JSON Schema
+//! contracts for the `data` of each (`type`, `dataversion`), loaded from a directory of
+//! `<type>/v<N>.json` files plus an optional `modes.toml`, and checked per event.
+
+mod compat;
+mod locate;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::fs;
+use std::path::Path;
+
+use base64::Engine as _;
+use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
+use jsonschema::{Draft, Validator};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::event::{CloudEvent, FieldError};
+
+pub use compat::check_compatibility;
+use locate::{line_col, locate};
+
+/// Name of the optional per-type mode file at the root of a contracts directory.
+pub const MODES_FILE: &str = "modes.toml";
+
+/// Directory nesting `load_dir` descends into (only `<type>/v<N>.json` is valid; deeper
+/// `.json` files are reported, not silently skipped).
+const MAX_DIR_DEPTH: usize = 4;
+
+/// Base64 (standard alphabet), padding optional, as the ingest parser accepts it.
+const BASE64_LENIENT: GeneralPurpose = GeneralPurpose::new(
+    &base64::alphabet::STANDARD,
+    GeneralPurposeConfig::new().with_decode_padding_mode(DecodePaddingMode::Indifferent),
+);
+
+/// What happens to an event of a type whose `data` breaks its contract.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ContractMode {
+    /// 422 to the producer with the validation errors; nothing stored.
+    Enforce,
+    /// 202, stored in the DLQ with the reason; never routed or retried.
+    #[default]
+    Quarantine,
+    /// Contracts for the type are not checked.
+    Off,
+}
+
+impl ContractMode {
+    /// The name used in `modes.toml` and the API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ContractMode::Enforce => "enforce",
+            ContractMode::Quarantine => "quarantine",
+            ContractMode::Off => "off",
+        }
+    }
+}
+
+impl fmt::Display for ContractMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why an event failed its contract (also the DLQ reason class).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ViolationReason {
+    /// `data` does not validate against the schema (or is not JSON).
+    ContractViolation,
+    /// The type has contracts, but none for the event's `dataversion`.
+    UnknownVersion,
+}
+
+impl ViolationReason {
+    /// `"contract_violation"` or `"unknown_version"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ViolationReason::ContractViolation => "contract_violation",
+            ViolationReason::UnknownVersion => "unknown_version",
+        }
+    }
+}
+
+impl fmt::Display for ViolationReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Result of checking one event against the contract set.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ContractOutcome {
+    /// `data` validated, or the type has no contract, or its mode is `off`.
+    Pass,
+    /// The event breaks its type's contract.
+    Violation {
+        /// `Enforce` or `Quarantine` (never `Off`).
+        mode: ContractMode,
+        /// Which kind of violation.
+        reason: ViolationReason,
+        /// Every problem, pointers relative to the event (`/data/...`, `/dataversion`).
+        errors: Vec<FieldError>,
+    },
+}
+
+/// A problem found while loading contracts, located in a file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContractDiagnostic {
+    /// The file (path under the loaded directory, or the relative name given to `from_files`).
+    pub file: String,
+    /// 1-based line.
+    pub line: usize,
+    /// 1-based column (characters).
+    pub col: usize,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl ContractDiagnostic {
+    fn new(file: &str, (line, col): (usize, usize), message: impl Into<String>) -> Self {
+        Self {
+            file: file.to_owned(),
+            line,
+            col,
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for ContractDiagnostic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}:{}:{}: {}",
+            self.file, self.line, self.col, self.message
+        )
+    }
+}
+
+/// Description of one loaded contract (for `/v1/contracts` and the CLI).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ContractInfo {
+    /// The event `type`.
+    pub ty: String,
+    /// The `dataversion` it applies to.
+    pub version: u32,
+    /// Relative path, e.g. `order.created/v2.json`.
+    pub file: String,
+    /// The schema as loaded.
+    pub schema: Value,
+}
+
+struct Contract {
+    /// Relative path (`order.created/v2.json`).
+    file: String,
+    /// Name used in diagnostics (path under the loaded directory).
+    display: String,
+    text: String,
+    schema: Value,
+    validator: Validator,
+}
+
+/// An immutable, compiled set of contracts and modes. `Send + Sync`; share it behind an `Arc`
+/// and swap the `Arc` on reload.
+pub struct ContractSet {
+    types: BTreeMap<String, BTreeMap<u32, Contract>>,
+    modes: BTreeMap<String, ContractMode>,
+    version: String,
+}
+
+impl fmt::Debug for ContractSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let types: BTreeMap<&str, Vec<u32>> = self
+            .types
+            .iter()
+            .map(|(t, v)| (t.as_str(), v.keys().copied().collect()))
+            .collect();
+        f.debug_struct("ContractSet")
+            .field("version", &self.version)
+            .field("types", &types)
+            .field("modes", &self.modes)
+            .finish()
+    }
+}
+
+/// One input file: path relative to the contracts root, name for diagnostics, contents.
+struct Source {
+    rel: String,
+    display: String,
+    text: String,
+}
+
+impl ContractSet {
+    /// A set with no contracts: every event passes.
+    pub fn empty() -> Self {
+        Self {
+            types: BTreeMap::new(),
+            modes: BTreeMap::new(),
+            version: content_hash(&[]),
+        }
+    }
+
+    /// Loads a contracts directory: `<type>/v<N>.json` files and an optional root `modes.toml`.
+    /// Hidden entries and non-`.json` files (README, notes…) are ignored.
+    ///
+    /// # Errors
+    /// Every problem found (unreadable files, bad names, invalid JSON, schemas that do not
+    /// compile, invalid `modes.toml`), each with file, line and column.
+    pub fn load_dir(dir: &Path) -> Result<ContractSet, Vec<ContractDiagnostic>> {
+        let mut sources = Vec::new();
+        let mut modes = None;
+        let mut diags = Vec::new();
+        collect_dir(dir, dir, "", 0, &mut sources, &mut modes, &mut diags);
+        match Self::build(sources, modes) {
+            Ok(set) if diags.is_empty() => Ok(set),
+            Ok(_) => Err(sorted(diags)),
+            Err(mut more) => {
+                diags.append(&mut more);
+                Err(sorted(diags))
+            }
+        }
+    }
+
+    /// Builds a set from in-memory files (e.g. an API upload, tests): `(relative path, text)`
+    /// pairs such as `("order.created/v1.json", "{...}")`, and the text of `modes.toml`.
+    ///
+    /// # Errors
+    /// Every problem found, as for [`ContractSet::load_dir`].
+    pub fn from_files(
+        files: &[(&str, &str)],
+        modes_toml: Option<&str>,
+    ) -> Result<ContractSet, Vec<ContractDiagnostic>> {
+        let sources = files
+            .iter()
+            .map(|(path, text)| {
+                let rel = path.trim_start_matches("./").to_owned();
+                Source {
+                    display: rel.clone(),
+                    rel,
+                    text: (*text).to_owned(),
+                }
+            })
+            .collect();
+        let modes = modes_toml.map(|text| Source {
+            rel: MODES_FILE.to_owned(),
+            display: MODES_FILE.to_owned(),
+            text: text.to_owned(),
+        });
+        Self::build(sources, modes).map_err(sorted)
+    }
+
+    fn build(
+        sources: Vec<Source>,
+        modes_src: Option<Source>,
+    ) -> Result<ContractSet, Vec<ContractDiagnostic>> {
+        let mut diags = Vec::new();
+        let mut types: BTreeMap<String, BTreeMap<u32, Contract>> = BTreeMap::new();
+        let mut hashed: Vec<(String, String)> = Vec::new();
+
+        let modes = match &modes_src {
+            Some(src) => {
+                hashed.push((src.rel.clone(), src.text.clone()));
+                parse_modes(src, &mut diags)
+            }
+            None => BTreeMap::new(),
+        };
+
+        for src in sources {
+            let parts: Vec<&str> = src.rel.split('/').collect();
+            let Some(name) = parts.last().copied() else {
+                continue;
+            };
+            if !name.ends_with(".json") || parts.iter().any(|p| p.starts_with('.')) {
+                continue; // README, notes, hidden files: not contracts.
+            }
+            let (ty, version) = match (parts.as_slice(), parse_version_name(name)) {
+                ([ty, _], Some(v)) if !ty.is_empty() => ((*ty).to_owned(), v),
+                ([_, _], None) => {
+                    diags.push(ContractDiagnostic::new(
+                        &src.display,
+                        (1, 1),
+                        format!(
+                            "contract file name '{name}' must be v<N>.json with N >= 1 (e.g. v1.json, no leading zeros)"
+                        ),
+                    ));
+                    continue;
+                }
+                _ => {
+                    diags.push(ContractDiagnostic::new(
+                        &src.display,
+                        (1, 1),
+                        "contract files must be at <type>/v<N>.json (e.g. order.created/v1.json)",
+                    ));
+                    continue;
+                }
+            };
+            if types.get(&ty).is_some_and(|v| v.contains_key(&version)) {
+                diags.push(ContractDiagnostic::new(
+                    &src.display,
+                    (1, 1),
+                    format!("duplicate contract for type '{ty}' v{version}"),
+                ));
+                continue;
+            }
+            let schema: Value = match serde_json::from_str(&src.text) {
+                Ok(v) => v,
+                Err(e) => {
+                    diags.push(ContractDiagnostic::new(
+                        &src.display,
+                        (e.line().max(1), e.column().max(1)),
+                        format!("invalid JSON: {e}"),
+                    ));
+                    continue;
+                }
+            };
+            let validator = match compile(&src, &schema) {
+                Ok(v) => v,
+                Err(d) => {
+                    diags.push(d);
+                    continue;
+                }
+            };
+            hashed.push((src.rel.clone(), src.text.clone()));
+            types.entry(ty).or_default().insert(
+                version,
+                Contract {
+                    file: src.rel,
+                    display: src.display,
+                    text: src.text,
+                    schema,
+                    validator,
+                },
+            );
+        }
+
+        if !diags.is_empty() {
+            return Err(diags);
+        }
+        Ok(ContractSet {
+            types,
+            modes,
+            version: content_hash(&hashed),
+        })
+    }
+
+    /// Checks one event's `data` against the contract for its (`type`, `dataversion`).
+    pub fn check(&self, ev: &CloudEvent) -> ContractOutcome {
+        let Some(versions) = self.types.get(&ev.ty) else {
+            return ContractOutcome::Pass;
+        };
+        let mode = self.mode(&ev.ty);
+        if mode == ContractMode::Off {
+            return ContractOutcome::Pass;
+        }
+        let violation = |reason, errors| ContractOutcome::Violation {
+            mode,
+            reason,
+            errors,
+        };
+        let version = ev.dataversion();
+        let Some(contract) = versions.get(&version) else {
+            let known: Vec<String> = versions.keys().map(|v| v.to_string()).collect();
+            return violation(
+                ViolationReason::UnknownVersion,
+                vec![FieldError::new(
+                    "/dataversion",
+                    format!(
+                        "no contract for type '{}' dataversion {version}; known versions: {}",
+                        ev.ty,
+                        known.join(", ")
+                    ),
+                )],
+            );
+        };
+        if !ev.data_is_json() {
+            let got = ev
+                .datacontenttype
+                .as_deref()
+                .unwrap_or("binary data (data_base64 without datacontenttype)");
+            return violation(
+                ViolationReason::ContractViolation,
+                vec![FieldError::new(
+                    "/data",
+                    format!("contract requires JSON data, got {got}"),
+                )],
+            );
+        }
+        let decoded;
+        let data = match (&ev.data, &ev.data_base64) {
+            (Some(d), _) => d,
+            (None, Some(b64)) => match decode_json_base64(b64) {
+                Ok(v) => {
+                    decoded = v;
+                    &decoded
+                }
+                Err(msg) => {
+                    return violation(
+                        ViolationReason::ContractViolation,
+                        vec![FieldError::new("/data_base64", msg)],
+                    );
+                }
+            },
+            (None, None) => &Value::Null,
+        };
+        let errors: Vec<FieldError> = contract
+            .validator
+            .iter_errors(data)
+            .map(|e| {
+                FieldError::new(
+                    format!("/data{}", e.instance_path().as_str()),
+                    e.to_string(),
+                )
+            })
+            .collect();
+        if errors.is_empty() {
+            ContractOutcome::Pass
+        } else {
+            violation(ViolationReason::ContractViolation, errors)
+        }
+    }
+
+    /// The mode for a type (`quarantine` unless `modes.toml` says otherwise).
+    pub fn mode(&self, ty: &str) -> ContractMode {
+        self.modes.get(ty).copied().unwrap_or_default()
+    }
+
+    /// Every loaded contract, ordered by type then version.
+    pub fn contracts(&self) -> Vec<ContractInfo> {
+        self.types
+            .iter()
+            .flat_map(|(ty, versions)| {
+                versions.iter().map(move |(v, c)| ContractInfo {
+                    ty: ty.clone(),
+                    version: *v,
+                    file: c.file.clone(),
+                    schema: c.schema.clone(),
+                })
+            })
+            .collect()
+    }
+
+    /// A short content hash of the set (12 hex chars of FNV-1a 64 over the sorted contract
+    /// files and `modes.toml`): equal inputs give equal versions.
+    pub fn version(&self) -> String {
+        self.version.clone()
+    }
+
+    /// Compatibility of each version with the one before it (consecutive loaded versions of
+    /// the same type). Informational: loading never fails on it.
+    pub fn compatibility_report(&self) -> Vec<ContractDiagnostic> {
+        let mut out = Vec::new();
+        for versions in self.types.values() {
+            let list: Vec<(&u32, &Contract)> = versions.iter().collect();
+            for pair in list.windows(2) {
+                let [(old_v, old), (_, new)] = pair else {
+                    continue;
+                };
+                for issue in compat::compat_issues(&old.schema, &new.schema) {
+                    let pos = locate(&new.text, &issue.pointer).unwrap_or((1, 1));
+                    out.push(ContractDiagnostic::new(
+                        &new.display,
+                        pos,
+                        format!("incompatible with v{old_v}: {}", issue.message),
+                    ));
+                }
+            }
+        }
+        out
+    }
+}
+
+fn sorted(mut diags: Vec<ContractDiagnostic>) -> Vec<ContractDiagnostic> {
+    diags.sort_by(|a, b| (&a.file, a.line, a.col).cmp(&(&b.file, b.line, b.col)));
+    diags
+}
+
+/// `v<N>.json` with N >= 1 and no leading zeros.
+fn parse_version_name(name: &str) -> Option<u32> {
+    let digits = name.strip_prefix('v')?.strip_suffix(".json")?;
+    if digits.is_empty() || digits.starts_with('0') || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+fn decode_json_base64(b64: &str) -> Result<Value, String> {
+    let bytes = BASE64_LENIENT
+        .decode(b64.as_bytes())
+        .map_err(|e| format!("data_base64 is not valid base64: {e}"))?;
+    serde_json::from_slice(&bytes).map_err(|e| {
+        format!("datacontenttype is JSON but data_base64 does not decode to JSON: {e}")
+    })
+}
+
+/// Compiles one schema: draft from `$schema` (2020-12 or draft-07; default 2020-12), formats
+/// asserted.
+fn compile(src: &Source, schema: &Value) -> Result<Validator, ContractDiagnostic> {
+    let at = |pointer: &str| locate(&src.text, pointer).unwrap_or((1, 1));
+    if !schema.is_object() && !schema.is_boolean() {
+        return Err(ContractDiagnostic::new(
+            &src.display,
+            (1, 1),
+            "a contract must be a JSON Schema (an object or a boolean)",
+        ));
+    }
+    let draft = match schema.get("$schema") {
+        None => Draft::Draft202012,
+        Some(Value::String(uri)) => match Draft::from_schema_uri(uri) {
+            d @ (Draft::Draft202012 | Draft::Draft7) => d,
+            _ => {
+                return Err(ContractDiagnostic::new(
+                    &src.display,
+                    at("/$schema"),
+                    format!(
+                        "unsupported $schema '{uri}': contracts use JSON Schema 2020-12 \
+                         (https://json-schema.org/draft/2020-12/schema) or draft-07 \
+                         (http://json-schema.org/draft-07/schema#)"
+                    ),
+                ));
+            }
+        },
+        Some(_) => {
+            return Err(ContractDiagnostic::new(
+                &src.display,
+                at("/$schema"),
+                "$schema must be a string URI",
+            ));
+        }
+    };
+    jsonschema::options()
+        .with_draft(draft)
+        .should_validate_formats(true)
+        .build(schema)
+        .map_err(|e| {
+            let pointer = e.instance_path().as_str();
+            let message = if pointer.is_empty() {
+                format!("schema does not compile: {e}")
+            } else {
+                format!("schema does not compile at {pointer}: {e}")
+            };
+            ContractDiagnostic::new(&src.display, at(pointer), message)
+        })
+}
+
+fn parse_modes(
+    src: &Source,
+    diags: &mut Vec<ContractDiagnostic>,
+) -> BTreeMap<String, ContractMode> {
+    let mut modes = BTreeMap::new();
+    let table: BTreeMap<String, toml::Spanned<toml::Value>> = match toml::from_str(&src.text) {
+        Ok(t) => t,
+        Err(e) => {
+            let pos = e.span().map_or((1, 1), |s| line_col(&src.text, s.start));
+            diags.push(ContractDiagnostic::new(
+                &src.display,
+                pos,
+                format!("invalid TOML: {}", e.message().trim_end()),
+            ));
+            return modes;
+        }
+    };
+    for (ty, value) in table {
+        let pos = line_col(&src.text, value.span().start);
+        match value.get_ref() {
+            toml::Value::String(s) => match s.as_str() {
+                "enforce" => {
+                    modes.insert(ty, ContractMode::Enforce);
+                }
+                "quarantine" => {
+                    modes.insert(ty, ContractMode::Quarantine);
+                }
+                "off" => {
+                    modes.insert(ty, ContractMode::Off);
+                }
+                other => diags.push(ContractDiagnostic::new(
+                    &src.display,
+                    pos,
+                    format!(
+                        "unknown mode '{other}' for type '{ty}': expected enforce, quarantine or off"
+                    ),
+                )),
+            },
+            toml::Value::Table(_) => diags.push(ContractDiagnostic::new(
+                &src.display,
+                pos,
+                format!(
+                    "'{ty}' is a table, not a mode: quote type names that contain dots, \
+                     e.g. \"{ty}.created\" = \"enforce\""
+                ),
+            )),
+            _ => diags.push(ContractDiagnostic::new(
+                &src.display,
+                pos,
+                format!("mode for type '{ty}' must be a string: enforce, quarantine or off"),
+            )),
+        }
+    }
+    modes
+}
+
+/// Gathers `.json` files (any depth up to [`MAX_DIR_DEPTH`]) and the root `modes.toml`.
+fn collect_dir(
+    root: &Path,
+    dir: &Path,
+    rel_prefix: &str,
+    depth: usize,
+    sources: &mut Vec<Source>,
+    modes: &mut Option<Source>,
+    diags: &mut Vec<ContractDiagnostic>,
+) {
+    let io_diag = |path: &Path, msg: String| {
+        ContractDiagnostic::new(&path.display().to_string(), (1, 1), msg)
+    };
+    let entries = match fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) => {
+            diags.push(io_diag(dir, format!("cannot read directory: {e}")));
+            return;
+        }
+    };
+    let mut entries: Vec<_> = entries.filter_map(Result::ok).collect();
+    entries.sort_by_key(|e| e.file_name());
+    for entry in entries {
+        let path = entry.path();
+        let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
+            diags.push(io_diag(&path, "file name is not valid UTF-8".to_owned()));
+            continue;
+        };
+        if name.starts_with('.') {
+            continue;
+        }
+        let rel = if rel_prefix.is_empty() {
+            name.clone()
+        } else {
+            format!("{rel_prefix}/{name}")
+        };
+        let meta = match fs::metadata(&path) {
+            Ok(m) => m,
+            Err(e) => {
+                diags.push(io_diag(&path, format!("cannot read: {e}")));
+                continue;
+            }
+        };
+        if meta.is_dir() {
+            if depth < MAX_DIR_DEPTH {
+                collect_dir(root, &path, &rel, depth + 1, sources, modes, diags);
+            }
+            continue;
+        }
+        let is_modes = depth == 0 && name == MODES_FILE;
+        if !is_modes && !name.ends_with(".json") {
+            continue;
+        }
+        let text = match fs::read(&path).map(String::from_utf8) {
+            Ok(Ok(t)) => t,
+            Ok(Err(_)) => {
+                diags.push(io_diag(&path, "file is not valid UTF-8".to_owned()));
+                continue;
+            }
+            Err(e) => {
+                diags.push(io_diag(&path, format!("cannot read: {e}")));
+                continue;
+            }
+        };
+        let src = Source {
+            display: root.join(&rel).display().to_string(),
+            rel,
+            text,
+        };
+        if is_modes {
+            *modes = Some(src);
+        } else {
+            sources.push(src);
+        }
+    }
+}
+
+/// FNV-1a 64 over the (path, contents) pairs in path order; first 12 hex digits.
+fn content_hash(files: &[(String, String)]) -> String {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    fn feed(h: &mut u64, bytes: &[u8]) {
+        for &b in bytes {
+            *h ^= u64::from(b);
+            *h = h.wrapping_mul(PRIME);
+        }
+    }
+    let mut sorted: Vec<&(String, String)> = files.iter().collect();
+    sorted.sort();
+    let mut h = OFFSET;
+    for (path, text) in sorted {
+        feed(&mut h, &(path.len() as u64).to_le_bytes());
+        feed(&mut h, path.as_bytes());
+        feed(&mut h, &(text.len() as u64).to_le_bytes());
+        feed(&mut h, text.as_bytes());
+    }
+    let hex = format!("{h:016x}");
+    hex[..12].to_owned()
+}
+
+#[cfg(test)]
+mod tests;

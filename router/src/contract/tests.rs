@@ -1,0 +1,544 @@
+//! Tests for the contract stage.
+
+use super::*;
+use serde_json::{Map, json};
+
+const ORDER_V1: &str = r#"{
+  "$schema": "https://json-schema.org/draft/2020-12/schema",
+  "type": "object",
+  "required": ["id", "total"],
+  "properties": {
+    "id": {"type": "string"},
+    "total": {"type": "number", "minimum": 0},
+    "lines": {"type": "array", "items": {"type": "object", "required": ["sku"], "properties": {"sku": {"type": "string"}}}}
+  }
+}"#;
+
+const ORDER_V2: &str = r#"{
+  "type": "object",
+  "required": ["id", "total"],
+  "properties": {
+    "id": {"type": "string"},
+    "total": {"type": "number", "minimum": 0},
+    "lines": {"type": "array"},
+    "note": {"type": "string"}
+  }
+}"#;
+
+const DRAFT7: &str = r#"{
+  "$schema": "http://json-schema.org/draft-07/schema#",
+  "type": "object",
+  "required": ["user"],
+  "properties": {
+    "user": {"type": "string"},
+    "tags": {"type": "array", "items": [{"type": "string"}, {"type": "integer"}]}
+  }
+}"#;
+
+fn ev(ty: &str, data: Option<Value>) -> CloudEvent {
+    CloudEvent {
+        id: "1".into(),
+        source: "/s".into(),
+        ty: ty.into(),
+        subject: None,
+        time: None,
+        datacontenttype: None,
+        dataschema: None,
+        data,
+        data_base64: None,
+        extensions: Map::new(),
+    }
+}
+
+fn versioned(ty: &str, v: u32, data: Value) -> CloudEvent {
+    let mut e = ev(ty, Some(data));
+    e.extensions.insert("dataversion".into(), json!(v));
+    e
+}
+
+fn set(modes: Option<&str>) -> ContractSet {
+    ContractSet::from_files(
+        &[
+            ("order.created/v1.json", ORDER_V1),
+            ("order.created/v2.json", ORDER_V2),
+            ("user.signup/v1.json", DRAFT7),
+            ("README.md", "# contracts"),
+        ],
+        modes,
+    )
+    .unwrap()
+}
+
+fn errors(outcome: ContractOutcome) -> (ContractMode, ViolationReason, Vec<(String, String)>) {
+    match outcome {
+        ContractOutcome::Violation {
+            mode,
+            reason,
+            errors,
+        } => (
+            mode,
+            reason,
+            errors.into_iter().map(|e| (e.pointer, e.message)).collect(),
+        ),
+        ContractOutcome::Pass => panic!("expected a violation"),
+    }
+}
+
+fn pointers(outcome: ContractOutcome) -> Vec<String> {
+    let mut p: Vec<String> = errors(outcome).2.into_iter().map(|(p, _)| p).collect();
+    p.sort();
+    p
+}
+
+fn err_at(files: &[(&str, &str)], modes: Option<&str>) -> Vec<ContractDiagnostic> {
+    ContractSet::from_files(files, modes).unwrap_err()
+}
+
+#[test]
+fn is_send_sync() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<ContractSet>();
+}
+
+#[test]
+fn valid_data_passes_2020_12() {
+    let s = set(None);
+    let e = ev(
+        "order.created",
+        Some(json!({"id": "o1", "total": 5, "lines": [{"sku": "a"}]})),
+    );
+    assert_eq!(s.check(&e), ContractOutcome::Pass);
+}
+
+#[test]
+fn all_errors_reported_with_exact_pointers() {
+    let s = set(None);
+    let e = ev(
+        "order.created",
+        Some(json!({"id": 7, "total": -1, "lines": [{"sku": "a"}, {"sku": 3}, {}]})),
+    );
+    let (mode, reason, errs) = errors(s.check(&e));
+    assert_eq!(mode, ContractMode::Quarantine);
+    assert_eq!(reason, ViolationReason::ContractViolation);
+    let mut p: Vec<&str> = errs.iter().map(|(p, _)| p.as_str()).collect();
+    p.sort_unstable();
+    assert_eq!(
+        p,
+        [
+            "/data/id",
+            "/data/lines/1/sku",
+            "/data/lines/2",
+            "/data/total"
+        ]
+    );
+    assert!(
+        errs.iter()
+            .any(|(p, m)| p == "/data/lines/2" && m.contains("\"sku\" is a required property")),
+        "{errs:?}"
+    );
+}
+
+#[test]
+fn missing_required_at_root() {
+    let s = set(None);
+    let (_, _, errs) = errors(s.check(&ev("order.created", Some(json!({})))));
+    assert_eq!(errs.len(), 2);
+    assert!(errs.iter().all(|(p, _)| p == "/data"));
+}
+
+#[test]
+fn draft7_schema_detected() {
+    let s = set(None);
+    assert_eq!(
+        s.check(&ev(
+            "user.signup",
+            Some(json!({"user": "u", "tags": ["a", 1]}))
+        )),
+        ContractOutcome::Pass
+    );
+    // Tuple-form `items` is draft 7 only: the second element must be an integer.
+    let p = pointers(s.check(&ev(
+        "user.signup",
+        Some(json!({"user": 1, "tags": ["a", "b"]})),
+    )));
+    assert_eq!(p, ["/data/tags/1", "/data/user"]);
+}
+
+#[test]
+fn formats_are_asserted() {
+    let s = ContractSet::from_files(
+        &[(
+            "t/v1.json",
+            r#"{"properties": {"at": {"type": "string", "format": "date-time"}}}"#,
+        )],
+        None,
+    )
+    .unwrap();
+    assert_eq!(
+        pointers(s.check(&ev("t", Some(json!({"at": "noon"}))))),
+        ["/data/at"]
+    );
+    assert_eq!(
+        s.check(&ev("t", Some(json!({"at": "2024-01-01T00:00:00Z"})))),
+        ContractOutcome::Pass
+    );
+}
+
+#[test]
+fn dataversion_selects_schema() {
+    let s = set(None);
+    // v2 makes `lines` a plain array and adds `note`.
+    let data = json!({"id": "o", "total": 1, "lines": [{}], "note": "n"});
+    assert!(matches!(
+        s.check(&ev("order.created", Some(data.clone()))),
+        ContractOutcome::Violation { .. }
+    ));
+    assert_eq!(
+        s.check(&versioned("order.created", 2, data)),
+        ContractOutcome::Pass
+    );
+}
+
+#[test]
+fn unknown_version() {
+    let s = set(None);
+    let (mode, reason, errs) = errors(s.check(&versioned("order.created", 3, json!({}))));
+    assert_eq!(mode, ContractMode::Quarantine);
+    assert_eq!(reason, ViolationReason::UnknownVersion);
+    assert_eq!(reason.as_str(), "unknown_version");
+    assert_eq!(errs.len(), 1);
+    assert_eq!(errs[0].0, "/dataversion");
+    assert!(errs[0].1.contains("known versions: 1, 2"), "{}", errs[0].1);
+}
+
+#[test]
+fn type_without_contract_passes() {
+    let s = set(None);
+    assert_eq!(s.check(&ev("other", Some(json!(1)))), ContractOutcome::Pass);
+    assert_eq!(
+        ContractSet::empty().check(&ev("order.created", None)),
+        ContractOutcome::Pass
+    );
+}
+
+#[test]
+fn non_json_data_is_a_violation() {
+    let s = set(None);
+    let mut e = ev("order.created", None);
+    e.datacontenttype = Some("application/xml".into());
+    e.data_base64 = Some("PGEvPg==".into());
+    let (_, reason, errs) = errors(s.check(&e));
+    assert_eq!(reason, ViolationReason::ContractViolation);
+    assert_eq!(reason.as_str(), "contract_violation");
+    assert_eq!(
+        errs,
+        [(
+            "/data".to_owned(),
+            "contract requires JSON data, got application/xml".to_owned()
+        )]
+    );
+    // Non-JSON data for a type without contract is not checked.
+    e.ty = "other".into();
+    assert_eq!(s.check(&e), ContractOutcome::Pass);
+}
+
+#[test]
+fn json_data_base64_is_decoded_and_validated() {
+    let s = set(None);
+    let mut e = ev("order.created", None);
+    e.datacontenttype = Some("application/json".into());
+    e.data_base64 = Some("eyJpZCI6ICJvIiwgInRvdGFsIjogMX0=".into()); // {"id": "o", "total": 1}
+    assert_eq!(s.check(&e), ContractOutcome::Pass);
+    e.data_base64 = Some("bm90IGpzb24=".into()); // not json
+    assert_eq!(pointers(s.check(&e)), ["/data_base64"]);
+}
+
+#[test]
+fn missing_data_validates_as_null() {
+    let s = set(None);
+    let (_, _, errs) = errors(s.check(&ev("order.created", None)));
+    assert_eq!(errs.len(), 1);
+    assert_eq!(errs[0].0, "/data");
+    let open =
+        ContractSet::from_files(&[("t/v1.json", r#"{"type": ["object", "null"]}"#)], None).unwrap();
+    assert_eq!(open.check(&ev("t", None)), ContractOutcome::Pass);
+}
+
+#[test]
+fn modes() {
+    let toml = "\"order.created\" = \"enforce\"\n\"user.signup\" = \"off\"\n";
+    let s = set(Some(toml));
+    assert_eq!(s.mode("order.created"), ContractMode::Enforce);
+    assert_eq!(s.mode("user.signup"), ContractMode::Off);
+    assert_eq!(s.mode("anything"), ContractMode::Quarantine);
+    let (mode, _, _) = errors(s.check(&ev("order.created", Some(json!({})))));
+    assert_eq!(mode, ContractMode::Enforce);
+    assert_eq!(
+        s.check(&ev("user.signup", Some(json!(42)))),
+        ContractOutcome::Pass
+    );
+    let q = set(Some("\"order.created\" = \"quarantine\""));
+    let (mode, _, _) = errors(q.check(&ev("order.created", Some(json!({})))));
+    assert_eq!(mode, ContractMode::Quarantine);
+}
+
+#[test]
+fn contract_mode_serde_and_default() {
+    assert_eq!(ContractMode::default(), ContractMode::Quarantine);
+    assert_eq!(
+        serde_json::to_value(ContractMode::Enforce).unwrap(),
+        json!("enforce")
+    );
+    let m: ContractMode = serde_json::from_value(json!("off")).unwrap();
+    assert_eq!(m, ContractMode::Off);
+}
+
+#[test]
+fn invalid_modes_toml_reports_line() {
+    let d = err_at(
+        &[("t/v1.json", "{}")],
+        Some("\"a\" = \"enforce\"\n\"b\" = \"strict\"\n\"c\" = 3\n"),
+    );
+    assert_eq!(d.len(), 2, "{d:?}");
+    assert_eq!(
+        (d[0].file.as_str(), d[0].line, d[0].col),
+        ("modes.toml", 2, 7)
+    );
+    assert!(d[0].message.contains("unknown mode 'strict'"));
+    assert_eq!((d[1].line, d[1].col), (3, 7));
+    let d = err_at(&[], Some("a = \n"));
+    assert_eq!(d[0].line, 1);
+    assert!(d[0].message.starts_with("invalid TOML"), "{}", d[0]);
+    let d = err_at(&[], Some("order.created = \"enforce\"\n"));
+    assert!(d[0].message.contains("quote type names"), "{}", d[0]);
+}
+
+#[test]
+fn bad_file_names() {
+    let d = err_at(
+        &[
+            ("t/v0.json", "{}"),
+            ("t/v01.json", "{}"),
+            ("t/version1.json", "{}"),
+            ("t/v1.json.bak", "ignored"),
+            ("loose.json", "{}"),
+            ("a/b/v1.json", "{}"),
+            ("t/v2.json", "{}"),
+        ],
+        None,
+    );
+    let files: Vec<&str> = d.iter().map(|d| d.file.as_str()).collect();
+    assert_eq!(
+        files,
+        [
+            "a/b/v1.json",
+            "loose.json",
+            "t/v0.json",
+            "t/v01.json",
+            "t/version1.json"
+        ]
+    );
+    assert!(d.iter().all(|d| (d.line, d.col) == (1, 1)));
+}
+
+#[test]
+fn invalid_json_uses_serde_position() {
+    let d = err_at(
+        &[("t/v1.json", "{\n  \"type\": \"object\",\n  oops\n}")],
+        None,
+    );
+    assert_eq!(d.len(), 1);
+    assert_eq!((d[0].line, d[0].col), (3, 3));
+    assert!(
+        d[0].to_string().starts_with("t/v1.json:3:3: invalid JSON"),
+        "{}",
+        d[0]
+    );
+}
+
+#[test]
+fn schema_that_does_not_compile_names_the_pointer() {
+    let text = "{\n  \"properties\": {\n    \"a\": {\"type\": 12}\n  }\n}";
+    let d = err_at(&[("t/v1.json", text)], None);
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert!(d[0].message.contains("/properties/a/type"), "{}", d[0]);
+    assert_eq!((d[0].line, d[0].col), (3, 11));
+}
+
+#[test]
+fn bad_pattern_and_unresolvable_ref_do_not_compile() {
+    let d = err_at(
+        &[
+            ("a/v1.json", r#"{"pattern": "("}"#),
+            ("b/v1.json", r##"{"$ref": "#/$defs/missing"}"##),
+            ("c/v1.json", r#"{"$ref": "other.json"}"#),
+        ],
+        None,
+    );
+    let files: Vec<&str> = d.iter().map(|d| d.file.as_str()).collect();
+    assert_eq!(files, ["a/v1.json", "b/v1.json", "c/v1.json"], "{d:?}");
+}
+
+#[test]
+fn unsupported_schema_dialect() {
+    let d = err_at(
+        &[(
+            "t/v1.json",
+            "{\n  \"$schema\": \"http://json-schema.org/draft-04/schema#\"\n}",
+        )],
+        None,
+    );
+    assert_eq!((d[0].line, d[0].col), (2, 3));
+    assert!(d[0].message.contains("unsupported $schema"));
+    let d = err_at(&[("t/v1.json", "[1]")], None);
+    assert!(d[0].message.contains("must be a JSON Schema"));
+}
+
+#[test]
+fn all_problems_reported_not_just_first() {
+    let d = err_at(
+        &[
+            ("a/v1.json", "{"),
+            ("b/vX.json", "{}"),
+            ("c/v1.json", r#"{"minimum": "x"}"#),
+        ],
+        Some("\"a\" = \"nope\""),
+    );
+    assert_eq!(d.len(), 4, "{d:?}");
+}
+
+#[test]
+fn duplicate_files() {
+    let d = err_at(&[("t/v1.json", "{}"), ("t/v1.json", "{}")], None);
+    assert_eq!(d.len(), 1);
+    assert!(d[0].message.contains("duplicate"));
+}
+
+#[test]
+fn contracts_listing_and_version_hash() {
+    let s = set(None);
+    let list = s.contracts();
+    let ids: Vec<(&str, u32, &str)> = list
+        .iter()
+        .map(|c| (c.ty.as_str(), c.version, c.file.as_str()))
+        .collect();
+    assert_eq!(
+        ids,
+        [
+            ("order.created", 1, "order.created/v1.json"),
+            ("order.created", 2, "order.created/v2.json"),
+            ("user.signup", 1, "user.signup/v1.json"),
+        ]
+    );
+    assert_eq!(list[2].schema["required"], json!(["user"]));
+    let v = s.version();
+    assert_eq!(v.len(), 12);
+    assert!(v.bytes().all(|b| b.is_ascii_hexdigit()));
+    // Same content, different order: same version. Different content or modes: different.
+    let reordered = ContractSet::from_files(
+        &[
+            ("user.signup/v1.json", DRAFT7),
+            ("order.created/v2.json", ORDER_V2),
+            ("order.created/v1.json", ORDER_V1),
+        ],
+        None,
+    )
+    .unwrap();
+    assert_eq!(reordered.version(), v);
+    assert_ne!(set(Some("\"x\" = \"off\"")).version(), v);
+    assert_ne!(ContractSet::empty().version(), v);
+}
+
+#[test]
+fn compatibility_report_flags_consecutive_pairs() {
+    let s = set(None);
+    let report = s.compatibility_report();
+    // v1 -> v2 changed `lines` items (removed `items` constraint: allowed) - nothing else.
+    assert!(report.is_empty(), "{report:?}");
+
+    let v2 = "{\n  \"type\": \"object\",\n  \"properties\": {\n    \"id\": {\"type\": \"integer\"}\n  }\n}";
+    let v3 = "{\n  \"type\": \"object\",\n  \"required\": [\"id\"],\n  \"properties\": {\n    \"id\": {\"type\": \"integer\"}\n  }\n}";
+    let s = ContractSet::from_files(
+        &[
+            (
+                "t/v1.json",
+                r#"{"type": "object", "properties": {"id": {"type": "string"}, "x": {}}}"#,
+            ),
+            ("t/v2.json", v2),
+            ("t/v3.json", v3),
+        ],
+        None,
+    )
+    .unwrap();
+    let report: Vec<String> = s
+        .compatibility_report()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        report,
+        [
+            "t/v2.json:4:12: incompatible with v1: property `id`: type changed from \"string\" to \"integer\"",
+            "t/v2.json:3:3: incompatible with v1: property `x` was removed",
+            "t/v3.json:3:3: incompatible with v2: property `id` became required",
+        ]
+    );
+}
+
+#[test]
+fn load_dir_reads_tree_and_reports_paths() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    fs::create_dir_all(root.join("order.created")).unwrap();
+    fs::create_dir_all(root.join(".git")).unwrap();
+    fs::write(root.join("order.created/v1.json"), ORDER_V1).unwrap();
+    fs::write(root.join("order.created/v2.json"), ORDER_V2).unwrap();
+    fs::write(root.join("order.created/notes.txt"), "ignored").unwrap();
+    fs::write(root.join("README.md"), "ignored").unwrap();
+    fs::write(root.join(".git/v1.json"), "not json").unwrap();
+    fs::write(root.join("modes.toml"), "\"order.created\" = \"enforce\"\n").unwrap();
+    let s = ContractSet::load_dir(root).unwrap();
+    assert_eq!(s.contracts().len(), 2);
+    assert_eq!(s.mode("order.created"), ContractMode::Enforce);
+    let from_mem = ContractSet::from_files(
+        &[
+            ("order.created/v1.json", ORDER_V1),
+            ("order.created/v2.json", ORDER_V2),
+        ],
+        Some("\"order.created\" = \"enforce\"\n"),
+    )
+    .unwrap();
+    assert_eq!(s.version(), from_mem.version());
+
+    fs::write(root.join("order.created/v3.json"), "{\n  \"type\": 5\n}").unwrap();
+    fs::write(
+        root.join("modes.toml"),
+        "\"order.created\" = \"enforced\"\n",
+    )
+    .unwrap();
+    let d = ContractSet::load_dir(root).unwrap_err();
+    assert_eq!(d.len(), 2, "{d:?}");
+    let rendered: Vec<String> = d.iter().map(ToString::to_string).collect();
+    assert!(
+        rendered[0].starts_with(&format!(
+            "{}:1:19: unknown mode",
+            root.join("modes.toml").display()
+        )),
+        "{rendered:?}"
+    );
+    assert!(
+        rendered[1].starts_with(&format!(
+            "{}:2:3: schema does not compile",
+            root.join("order.created/v3.json").display()
+        )),
+        "{rendered:?}"
+    );
+}
+
+#[test]
+fn load_dir_missing_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = ContractSet::load_dir(&dir.path().join("nope")).unwrap_err();
+    assert_eq!(d.len(), 1);
+    assert!(d[0].message.contains("cannot read directory"));
+}

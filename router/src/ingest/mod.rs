@@ -1,0 +1,239 @@
+//! Producer-facing HTTP API: `POST /v1/events` in the three CloudEvents modes.
+//!
+//! envelope check (400) → contract (422 enforce / quarantine) → rule match → durable accept
+//! with fan-out (202 only after the group commit that holds it is on disk).
+
+pub mod parse;
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use serde_json::json;
+
+use crate::app::App;
+use crate::contract::{ContractMode, ContractOutcome, ViolationReason};
+use crate::event::{CloudEvent, FieldError};
+use crate::store::{AcceptOutcome, DlqReason, NewEntry, NewEvent, Quarantine};
+
+/// One event's answer in a 202.
+#[derive(Debug, Serialize)]
+pub struct EventResult {
+    /// The event's `id`.
+    pub id: String,
+    /// The event's `source`.
+    pub source: String,
+    /// `accepted`, `duplicate` or `quarantined`.
+    pub status: &'static str,
+    /// Why it was quarantined.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<&'static str>,
+    /// Validation errors of a quarantined event.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub errors: Vec<FieldError>,
+}
+
+/// A JSON error answer: `{"error": summary, "errors": [{pointer, message}]}`.
+pub fn error_response(status: StatusCode, summary: &str, errors: Vec<FieldError>) -> Response {
+    (
+        status,
+        axum::Json(json!({ "error": summary, "errors": errors })),
+    )
+        .into_response()
+}
+
+/// `POST /v1/events`.
+pub async fn post_events(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    let resp = handle(&app, &headers, body).await;
+    app.metrics
+        .ingest_requests
+        .get_or_create(&vec![("code", resp.status().as_u16().to_string())])
+        .inc();
+    resp
+}
+
+async fn handle(app: &App, headers: &HeaderMap, body: Body) -> Response {
+    let limits = parse::Limits {
+        max_body_bytes: app.cfg.ingest.max_body_bytes,
+        max_json_depth: app.cfg.ingest.max_json_depth,
+        max_batch: app.cfg.ingest.max_batch,
+    };
+    let too_large = || {
+        error_response(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request body too large",
+            vec![FieldError::new(
+                "",
+                format!("body exceeds the limit of {} bytes", limits.max_body_bytes),
+            )],
+        )
+    };
+    let declared = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limits.max_body_bytes) {
+        return too_large();
+    }
+    let bytes = match axum::body::to_bytes(body, limits.max_body_bytes).await {
+        Ok(b) => b,
+        Err(_) => return too_large(),
+    };
+    let (mode, events) = match parse::parse_request(headers, &bytes, &limits) {
+        Ok(x) => x,
+        Err(e) => {
+            app.metrics
+                .ingest_events
+                .get_or_create(&vec![("status", "rejected".to_string())])
+                .inc();
+            let summary = match e.status.as_u16() {
+                413 => "request too large",
+                415 => "unsupported content type",
+                _ => "invalid CloudEvent",
+            };
+            return error_response(e.status, summary, e.errors);
+        }
+    };
+    let batch = matches!(mode, parse::Mode::Batch);
+    let contracts = app.contracts.load();
+    let rules = app.rules.load();
+    let now = app.clock.now_ms();
+    let dedup_window_ms =
+        i64::try_from(app.cfg.ingest.dedup_window.as_millis()).unwrap_or(i64::MAX);
+
+    let mut enforce_errors = Vec::new();
+    let mut new_events = Vec::with_capacity(events.len());
+    let mut quarantined: Vec<Option<(&'static str, Vec<FieldError>)>> =
+        Vec::with_capacity(events.len());
+    for (i, ev) in events.iter().enumerate() {
+        match contracts.check(ev) {
+            ContractOutcome::Violation {
+                mode: ContractMode::Enforce,
+                errors,
+                ..
+            } => {
+                let prefix = if batch {
+                    format!("/{i}")
+                } else {
+                    String::new()
+                };
+                enforce_errors.extend(
+                    errors
+                        .into_iter()
+                        .map(|e| FieldError::new(format!("{prefix}{}", e.pointer), e.message)),
+                );
+            }
+            ContractOutcome::Violation { reason, errors, .. } => {
+                let reason = match reason {
+                    ViolationReason::ContractViolation => DlqReason::ContractViolation,
+                    ViolationReason::UnknownVersion => DlqReason::UnknownVersion,
+                };
+                quarantined.push(Some((reason.as_str(), errors.clone())));
+                new_events.push(NewEvent {
+                    event: ev.clone(),
+                    accepted_at: now,
+                    ruleset_version: rules.version.clone(),
+                    matched_rules: Vec::new(),
+                    targets: Vec::new(),
+                    quarantine: Some(Quarantine { reason, errors }),
+                    dedup_window_ms,
+                });
+            }
+            ContractOutcome::Pass => {
+                quarantined.push(None);
+                new_events.push(route(&rules, ev, now, dedup_window_ms));
+            }
+        }
+    }
+    if !enforce_errors.is_empty() {
+        app.metrics
+            .ingest_events
+            .get_or_create(&vec![("status", "rejected".to_string())])
+            .inc_by(events.len() as u64);
+        return error_response(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "data violates its contract",
+            enforce_errors,
+        );
+    }
+
+    let outcomes = match app.store.accept(new_events).await {
+        Ok(o) => o,
+        Err(e) => {
+            tracing::error!(error = %e, events = events.len(), "accept failed: store unavailable");
+            let mut r = error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "storage unavailable; nothing was stored, retry later",
+                Vec::new(),
+            );
+            r.headers_mut()
+                .insert("retry-after", axum::http::HeaderValue::from_static("1"));
+            return r;
+        }
+    };
+    let mut results = Vec::with_capacity(events.len());
+    for ((ev, outcome), q) in events.iter().zip(outcomes).zip(quarantined) {
+        let (status, reason, errors) = match (outcome, q) {
+            (AcceptOutcome::Duplicate { .. }, _) => ("duplicate", None, Vec::new()),
+            (AcceptOutcome::Accepted { .. }, Some((reason, errors))) => {
+                ("quarantined", Some(reason), errors)
+            }
+            (AcceptOutcome::Accepted { .. }, None) => ("accepted", None, Vec::new()),
+        };
+        app.metrics
+            .ingest_events
+            .get_or_create(&vec![("status", status.to_string())])
+            .inc();
+        tracing::debug!(event_id = %ev.id, source = %ev.source, status, "ingested");
+        results.push(EventResult {
+            id: ev.id.clone(),
+            source: ev.source.clone(),
+            status,
+            reason,
+            errors,
+        });
+    }
+    (
+        StatusCode::ACCEPTED,
+        axum::Json(json!({ "results": results })),
+    )
+        .into_response()
+}
+
+fn route(
+    rules: &crate::rules::RuleSet,
+    ev: &CloudEvent,
+    now: i64,
+    dedup_window_ms: i64,
+) -> NewEvent {
+    let json = ev.to_json();
+    let mut matched_rules = Vec::new();
+    let mut targets = Vec::new();
+    for m in rules.matches(&json) {
+        for tid in &m.target_ids {
+            let ordering_key = rules
+                .targets
+                .get(tid)
+                .and_then(|spec| spec.policy.ordering.as_ref())
+                .and_then(|o| o.extract(&json));
+            targets.push(NewEntry {
+                target_id: tid.clone(),
+                rule: m.rule.clone(),
+                ordering_key,
+            });
+        }
+        matched_rules.push(m.rule);
+    }
+    NewEvent {
+        event: ev.clone(),
+        accepted_at: now,
+        ruleset_version: rules.version.clone(),
+        matched_rules,
+        targets,
+        quarantine: None,
+        dedup_window_ms,
+    }
+}

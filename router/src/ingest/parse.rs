@@ -1,0 +1,1395 @@
+//! Pipeline stage 1 (HTTP ingest → envelope check): turns a `POST /v1/events` request into
+//! validated [`CloudEvent`]s, per the CloudEvents 1.0 HTTP binding (structured, batch and binary
+//! modes). Contract checks on `data` come next, in `contract`.
+
+use std::fmt;
+
+use base64::Engine as _;
+use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
+use http::header::CONTENT_TYPE;
+use http::{HeaderMap, StatusCode};
+use serde_json::{Map, Value};
+
+use crate::event::{CloudEvent, FieldError, content_type_is_json};
+
+/// Structured-mode media type.
+pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json";
+/// Batch-mode media type.
+pub const BATCH_CONTENT_TYPE: &str = "application/cloudevents-batch+json";
+
+/// Attributes the router sets itself; producers may not send them.
+const RESERVED_ATTRIBUTES: &[&str] = &["hops", "replay"];
+
+/// Longest extension attribute name allowed (CloudEvents naming rule).
+const MAX_ATTRIBUTE_NAME_LEN: usize = 20;
+
+/// Base64 (standard alphabet) that accepts input with or without `=` padding.
+const BASE64_LENIENT: GeneralPurpose = GeneralPurpose::new(
+    &base64::alphabet::STANDARD,
+    GeneralPurposeConfig::new().with_decode_padding_mode(DecodePaddingMode::Indifferent),
+);
+
+/// Size limits applied to every ingest request before and while parsing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest accepted request body, in bytes (default 1 MiB). Larger → 413.
+    pub max_body_bytes: usize,
+    /// Deepest accepted nesting of JSON arrays/objects (default 64). Deeper → 400.
+    pub max_json_depth: usize,
+    /// Most events accepted in one batch (default 1000). More → 413.
+    pub max_batch: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 1 << 20,
+            max_json_depth: 64,
+            max_batch: 1000,
+        }
+    }
+}
+
+/// Which CloudEvents HTTP binding mode a request used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// One event as a JSON object (`application/cloudevents+json`, or lenient `application/json`).
+    Structured,
+    /// A JSON array of events (`application/cloudevents-batch+json`, or lenient `application/json`).
+    Batch,
+    /// Attributes in `ce-*` headers, body = `data`.
+    Binary,
+}
+
+/// A rejected request: the HTTP status to answer with and every problem found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParseError {
+    /// 400, 413 or 415.
+    pub status: StatusCode,
+    /// The problems, each located by a JSON pointer (or a `/ce-<name>` header pointer).
+    pub errors: Vec<FieldError>,
+}
+
+impl ParseError {
+    fn one(status: StatusCode, pointer: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            errors: vec![FieldError::new(pointer, message)],
+        }
+    }
+
+    fn bad_request(errors: Vec<FieldError>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            errors,
+        }
+    }
+}
+
+impl fmt::Display for ParseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.status)?;
+        for (i, e) in self.errors.iter().enumerate() {
+            let sep = if i == 0 { ": " } else { "; " };
+            if e.pointer.is_empty() {
+                write!(f, "{sep}{}", e.message)?;
+            } else {
+                write!(f, "{sep}{}: {}", e.pointer, e.message)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ParseError {}
+
+/// Parses one ingest request in any of the three CloudEvents HTTP modes.
+///
+/// Mode selection: `application/cloudevents+json` → structured; `application/cloudevents-batch+json`
+/// → batch; otherwise any `ce-*` header → binary; otherwise `application/json` (or no
+/// content type) → structured for an object body, batch for an array body; anything else → 415.
+///
+/// # Errors
+/// 413 when the body or the batch is too large, 415 for an unsupported content type, 400 for
+/// malformed or too deep JSON and for envelope violations (all of them, for every event).
+pub fn parse_request(
+    headers: &HeaderMap,
+    body: &[u8],
+    limits: &Limits,
+) -> Result<(Mode, Vec<CloudEvent>), ParseError> {
+    if body.len() > limits.max_body_bytes {
+        return Err(ParseError::one(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "",
+            format!(
+                "request body is {} bytes, larger than the limit of {} bytes",
+                body.len(),
+                limits.max_body_bytes
+            ),
+        ));
+    }
+
+    let content_type = match headers.get(CONTENT_TYPE) {
+        None => None,
+        Some(v) => match v.to_str() {
+            Ok(s) => Some(s.to_owned()),
+            Err(_) => {
+                return Err(ParseError::one(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "",
+                    format!("Content-Type is not valid ASCII; {}", accepted_types()),
+                ));
+            }
+        },
+    };
+    let essence = content_type.as_deref().map(media_essence);
+    let has_ce_headers = headers.keys().any(|k| k.as_str().starts_with("ce-"));
+
+    match essence.as_deref() {
+        Some(STRUCTURED_CONTENT_TYPE) => {
+            let v = parse_json_body(body, limits)?;
+            if !v.is_object() {
+                return Err(ParseError::one(
+                    StatusCode::BAD_REQUEST,
+                    "",
+                    format!(
+                        "{STRUCTURED_CONTENT_TYPE} expects one JSON object; send an array as {BATCH_CONTENT_TYPE}"
+                    ),
+                ));
+            }
+            structured(v)
+        }
+        Some(BATCH_CONTENT_TYPE) => {
+            let v = parse_json_body(body, limits)?;
+            let Value::Array(items) = v else {
+                return Err(ParseError::one(
+                    StatusCode::BAD_REQUEST,
+                    "",
+                    format!("{BATCH_CONTENT_TYPE} expects a JSON array of events"),
+                ));
+            };
+            batch(items, limits)
+        }
+        _ if has_ce_headers => binary(headers, content_type.as_deref(), body, limits),
+        None | Some("application/json") => match parse_json_body(body, limits)? {
+            v @ Value::Object(_) => structured(v),
+            Value::Array(items) => batch(items, limits),
+            _ => Err(ParseError::one(
+                StatusCode::BAD_REQUEST,
+                "",
+                "expected a JSON object (one event) or a JSON array (a batch of events)",
+            )),
+        },
+        Some(other) => Err(ParseError::one(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "",
+            format!("unsupported Content-Type '{other}'; {}", accepted_types()),
+        )),
+    }
+}
+
+fn accepted_types() -> String {
+    format!(
+        "accepted: {STRUCTURED_CONTENT_TYPE}, {BATCH_CONTENT_TYPE}, application/json, \
+         or binary mode (ce-specversion and other ce-* headers, any Content-Type)"
+    )
+}
+
+/// Lower-cased media type without parameters.
+fn media_essence(ct: &str) -> String {
+    ct.split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase()
+}
+
+fn structured(v: Value) -> Result<(Mode, Vec<CloudEvent>), ParseError> {
+    let ev = event_from_json(v, "").map_err(ParseError::bad_request)?;
+    Ok((Mode::Structured, vec![ev]))
+}
+
+fn batch(items: Vec<Value>, limits: &Limits) -> Result<(Mode, Vec<CloudEvent>), ParseError> {
+    if items.is_empty() {
+        return Err(ParseError::one(
+            StatusCode::BAD_REQUEST,
+            "",
+            "batch is empty: send at least one event",
+        ));
+    }
+    if items.len() > limits.max_batch {
+        return Err(ParseError::one(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "",
+            format!(
+                "batch has {} events, more than the limit of {} (max_batch)",
+                items.len(),
+                limits.max_batch
+            ),
+        ));
+    }
+    let mut events = Vec::with_capacity(items.len());
+    let mut errors = Vec::new();
+    for (i, item) in items.into_iter().enumerate() {
+        match event_from_json(item, &format!("/{i}")) {
+            Ok(ev) => events.push(ev),
+            Err(mut errs) => errors.append(&mut errs),
+        }
+    }
+    if errors.is_empty() {
+        Ok((Mode::Batch, events))
+    } else {
+        Err(ParseError::bad_request(errors))
+    }
+}
+
+/// Depth check, then serde parsing; both failures are 400 at pointer "".
+fn parse_json_body(body: &[u8], limits: &Limits) -> Result<Value, ParseError> {
+    if json_depth_exceeds(body, limits.max_json_depth) {
+        return Err(depth_error(limits.max_json_depth));
+    }
+    serde_json::from_slice(body)
+        .map_err(|e| ParseError::one(StatusCode::BAD_REQUEST, "", format!("malformed JSON: {e}")))
+}
+
+fn depth_error(max: usize) -> ParseError {
+    ParseError::one(
+        StatusCode::BAD_REQUEST,
+        "",
+        format!("JSON nesting is deeper than the limit of {max} levels (max_json_depth)"),
+    )
+}
+
+/// True when the JSON text nests arrays/objects more than `max` levels deep.
+///
+/// Depth counts containers: a scalar is depth 0, `[]` and `{}` are depth 1, `{"a":[1]}` is 2.
+/// This is a byte scan (brackets inside strings, including escaped quotes, are ignored) that
+/// allocates nothing, so it can run before serde on hostile input. Malformed input is scanned
+/// as far as it goes; serde reports the syntax error afterwards.
+pub fn json_depth_exceeds(body: &[u8], max: usize) -> bool {
+    let mut depth = 0usize;
+    let mut in_string = false;
+    let mut escaped = false;
+    for &b in body {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > max {
+                    return true;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
+}
+
+/// Escapes one RFC 6901 reference token.
+fn escape_token(s: &str) -> String {
+    s.replace('~', "~0").replace('/', "~1")
+}
+
+/// How attribute errors are located: structured/batch use `<prefix>/<name>`, binary mode
+/// names the header (`/ce-<name>`).
+#[derive(Clone, Copy)]
+enum Locator<'a> {
+    Json(&'a str),
+    Headers,
+}
+
+impl Locator<'_> {
+    fn attr(self, name: &str) -> String {
+        match self {
+            Locator::Json(prefix) => format!("{prefix}/{}", escape_token(name)),
+            Locator::Headers => match name {
+                "data" | "data_base64" => "/data".to_owned(),
+                "datacontenttype" => "/content-type".to_owned(),
+                _ => format!("/ce-{}", escape_token(name)),
+            },
+        }
+    }
+
+    fn describe(self, name: &str) -> String {
+        match self {
+            Locator::Json(_) => format!("attribute '{name}'"),
+            Locator::Headers if name == "datacontenttype" => "Content-Type".to_owned(),
+            Locator::Headers => format!("header ce-{name}"),
+        }
+    }
+}
+
+/// Builds a [`CloudEvent`] from one structured-mode JSON object, checking the whole envelope.
+///
+/// `pointer_prefix` is prepended to every error pointer (`""` for a single event, `"/3"` for
+/// element 3 of a batch). All problems of the event are returned, not only the first.
+///
+/// # Errors
+/// Every envelope rule the object breaks, each as a [`FieldError`].
+pub fn event_from_json(v: Value, pointer_prefix: &str) -> Result<CloudEvent, Vec<FieldError>> {
+    match v {
+        Value::Object(m) => event_from_map(m, Locator::Json(pointer_prefix)),
+        other => Err(vec![FieldError::new(
+            pointer_prefix,
+            format!(
+                "an event must be a JSON object, got {}",
+                json_type_name(&other)
+            ),
+        )]),
+    }
+}
+
+fn json_type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// CloudEvents attribute naming rule: 1–20 characters of `[a-z0-9]`.
+fn valid_attribute_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_ATTRIBUTE_NAME_LEN
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+}
+
+fn event_from_map(m: Map<String, Value>, loc: Locator<'_>) -> Result<CloudEvent, Vec<FieldError>> {
+    let mut errors = Vec::new();
+    let mut err =
+        |name: &str, message: String| errors.push(FieldError::new(loc.attr(name), message));
+
+    let mut specversion_seen = false;
+    let mut id = None;
+    let mut source = None;
+    let mut ty = None;
+    let mut subject = None;
+    let mut time = None;
+    let mut datacontenttype = None;
+    let mut dataschema = None;
+    let mut data = None;
+    let mut data_base64 = None;
+    let mut extensions = Map::new();
+
+    for (name, value) in m {
+        match name.as_str() {
+            "specversion" => {
+                specversion_seen = true;
+                match &value {
+                    Value::String(s) if s == "1.0" => {}
+                    other => err(
+                        &name,
+                        format!("specversion must be \"1.0\", got {}", short(other)),
+                    ),
+                }
+            }
+            "id" | "source" | "type" => match value {
+                Value::String(s) if !s.is_empty() => {
+                    let slot = match name.as_str() {
+                        "id" => &mut id,
+                        "source" => &mut source,
+                        _ => &mut ty,
+                    };
+                    *slot = Some(s);
+                }
+                Value::String(_) => {
+                    err(&name, format!("{} must not be empty", loc.describe(&name)))
+                }
+                other => err(
+                    &name,
+                    format!(
+                        "{} must be a non-empty string, got {}",
+                        loc.describe(&name),
+                        json_type_name(&other)
+                    ),
+                ),
+            },
+            "subject" | "datacontenttype" | "dataschema" | "time" => match value {
+                Value::Null => {}
+                Value::String(s) => {
+                    if name == "time" && chrono::DateTime::parse_from_rfc3339(&s).is_err() {
+                        err(
+                            &name,
+                            format!(
+                                "time must be an RFC 3339 timestamp (e.g. 2024-05-01T12:00:00Z), got {}",
+                                short(&Value::String(s))
+                            ),
+                        );
+                        continue;
+                    }
+                    let slot = match name.as_str() {
+                        "subject" => &mut subject,
+                        "datacontenttype" => &mut datacontenttype,
+                        "dataschema" => &mut dataschema,
+                        _ => &mut time,
+                    };
+                    *slot = Some(s);
+                }
+                other => err(
+                    &name,
+                    format!(
+                        "{} must be a string, got {}",
+                        loc.describe(&name),
+                        json_type_name(&other)
+                    ),
+                ),
+            },
+            "data" => match value {
+                Value::Null => {}
+                v => data = Some(v),
+            },
+            "data_base64" => match value {
+                Value::Null => {}
+                Value::String(s) => {
+                    if let Err(e) = BASE64_LENIENT.decode(s.as_bytes()) {
+                        err(&name, format!("data_base64 is not valid base64: {e}"));
+                    } else {
+                        data_base64 = Some(s);
+                    }
+                }
+                other => err(
+                    &name,
+                    format!(
+                        "data_base64 must be a base64 string, got {}",
+                        json_type_name(&other)
+                    ),
+                ),
+            },
+            _ => {
+                if value.is_null() {
+                    // The JSON format: a null attribute is the same as an absent one.
+                    continue;
+                }
+                if !valid_attribute_name(&name) {
+                    err(
+                        &name,
+                        format!(
+                            "invalid extension attribute name '{name}': names are 1-{MAX_ATTRIBUTE_NAME_LEN} characters of lower-case letters a-z and digits 0-9"
+                        ),
+                    );
+                    continue;
+                }
+                if RESERVED_ATTRIBUTES.contains(&name.as_str()) {
+                    err(
+                        &name,
+                        format!(
+                            "'{name}' is reserved: the router sets it, producers must not send it"
+                        ),
+                    );
+                    continue;
+                }
+                if name == "dataversion" {
+                    match dataversion_value(&value, loc) {
+                        Ok(n) => {
+                            extensions.insert(name, Value::from(n));
+                        }
+                        Err(msg) => err(&name, msg),
+                    }
+                    continue;
+                }
+                match value {
+                    Value::String(_) | Value::Number(_) | Value::Bool(_) => {
+                        extensions.insert(name, value);
+                    }
+                    other => err(
+                        &name,
+                        format!(
+                            "extension attribute '{name}' must be a string, number or boolean, got {}",
+                            json_type_name(&other)
+                        ),
+                    ),
+                }
+            }
+        }
+    }
+
+    if !specversion_seen {
+        err(
+            "specversion",
+            format!("{} is required", loc.describe("specversion")),
+        );
+    }
+    for (name, slot) in [("id", &id), ("source", &source), ("type", &ty)] {
+        // Only report "missing" when the attribute was absent (not when it was present but bad).
+        let pointer = loc.attr(name);
+        if slot.is_none() && !errors.iter().any(|e| e.pointer == pointer) {
+            errors.push(FieldError::new(
+                pointer,
+                format!("{} is required", loc.describe(name)),
+            ));
+        }
+    }
+    if data.is_some() && data_base64.is_some() {
+        errors.push(FieldError::new(
+            loc.attr("data_base64"),
+            "data and data_base64 are mutually exclusive: send only one",
+        ));
+    }
+
+    match (id, source, ty) {
+        (Some(id), Some(source), Some(ty)) if errors.is_empty() => Ok(CloudEvent {
+            id,
+            source,
+            ty,
+            subject,
+            time,
+            datacontenttype,
+            dataschema,
+            data,
+            data_base64,
+            extensions,
+        }),
+        _ => Err(errors),
+    }
+}
+
+/// `dataversion`: a positive integer that fits in u32; binary headers deliver it as digits.
+fn dataversion_value(v: &Value, loc: Locator<'_>) -> Result<u32, String> {
+    let parsed = match (v, loc) {
+        (Value::Number(n), _) => n.as_u64(),
+        (Value::String(s), Locator::Headers)
+            if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) =>
+        {
+            // All digits: the only failure left is overflow.
+            Some(s.parse::<u64>().unwrap_or(u64::MAX))
+        }
+        _ => None,
+    };
+    match parsed.and_then(|n| u32::try_from(n).ok()) {
+        Some(n) if n >= 1 => Ok(n),
+        _ => Err(format!(
+            "dataversion must be a positive integer (1 to {}), got {}",
+            u32::MAX,
+            short(v)
+        )),
+    }
+}
+
+/// A value rendered for an error message, truncated so a huge value cannot bloat the answer.
+fn short(v: &Value) -> String {
+    let s = v.to_string();
+    if s.len() <= 64 {
+        return s;
+    }
+    let mut end = 61;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &s[..end])
+}
+
+/// Percent-decodes a binary-mode header value (HTTP binding §3.1.3.2). A `%` that does not
+/// start a valid escape is kept literally.
+fn percent_decode(raw: &[u8]) -> Vec<u8> {
+    fn hex(b: u8) -> Option<u8> {
+        match b {
+            b'0'..=b'9' => Some(b - b'0'),
+            b'a'..=b'f' => Some(b - b'a' + 10),
+            b'A'..=b'F' => Some(b - b'A' + 10),
+            _ => None,
+        }
+    }
+    let mut out = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while i < raw.len() {
+        if raw[i] == b'%'
+            && let (Some(&h), Some(&l)) = (raw.get(i + 1), raw.get(i + 2))
+            && let (Some(h), Some(l)) = (hex(h), hex(l))
+        {
+            out.push(h << 4 | l);
+            i += 3;
+            continue;
+        }
+        out.push(raw[i]);
+        i += 1;
+    }
+    out
+}
+
+fn binary(
+    headers: &HeaderMap,
+    content_type: Option<&str>,
+    body: &[u8],
+    limits: &Limits,
+) -> Result<(Mode, Vec<CloudEvent>), ParseError> {
+    let mut errors = Vec::new();
+    let mut attrs = Map::new();
+
+    for name in headers.keys() {
+        let Some(attr) = name.as_str().strip_prefix("ce-") else {
+            continue;
+        };
+        let pointer = format!("/ce-{}", escape_token(attr));
+        if matches!(attr, "data" | "data_base64" | "datacontenttype") {
+            errors.push(FieldError::new(
+                pointer,
+                format!(
+                    "ce-{attr} is not allowed in binary mode: data is the request body and its type is Content-Type"
+                ),
+            ));
+            continue;
+        }
+        let mut values = headers.get_all(name).iter();
+        let (Some(value), None) = (values.next(), values.next()) else {
+            errors.push(FieldError::new(
+                pointer,
+                format!("header ce-{attr} must appear once"),
+            ));
+            continue;
+        };
+        match String::from_utf8(percent_decode(value.as_bytes())) {
+            Ok(s) => {
+                attrs.insert(attr.to_owned(), Value::String(s));
+            }
+            Err(_) => errors.push(FieldError::new(
+                pointer,
+                format!("header ce-{attr} is not valid UTF-8 after percent-decoding"),
+            )),
+        }
+    }
+    if let Some(ct) = content_type {
+        attrs.insert("datacontenttype".into(), Value::String(ct.to_owned()));
+    }
+
+    // The body is `data`. No Content-Type means the CloudEvents default, JSON.
+    if !body.is_empty() {
+        let is_json = content_type.is_none_or(content_type_is_json);
+        if is_json {
+            if json_depth_exceeds(body, limits.max_json_depth) {
+                return Err(depth_error(limits.max_json_depth));
+            }
+            match serde_json::from_slice::<Value>(body) {
+                Ok(v) => {
+                    attrs.insert("data".into(), v);
+                }
+                Err(e) => errors.push(FieldError::new(
+                    "/data",
+                    format!("malformed JSON data: {e}"),
+                )),
+            }
+        } else {
+            let text = content_type.is_some_and(|ct| media_essence(ct).starts_with("text/"));
+            match std::str::from_utf8(body) {
+                Ok(s) if text => {
+                    attrs.insert("data".into(), Value::String(s.to_owned()));
+                }
+                _ => {
+                    let encoded = base64::engine::general_purpose::STANDARD.encode(body);
+                    attrs.insert("data_base64".into(), Value::String(encoded));
+                }
+            }
+        }
+    }
+
+    match event_from_map(attrs, Locator::Headers) {
+        Ok(ev) if errors.is_empty() => Ok((Mode::Binary, vec![ev])),
+        Ok(_) => Err(ParseError::bad_request(errors)),
+        Err(mut more) => {
+            errors.append(&mut more);
+            Err(ParseError::bad_request(errors))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+    use http::header::HeaderName;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
+        }
+        h
+    }
+
+    fn ct(ct: &str) -> HeaderMap {
+        headers(&[("content-type", ct)])
+    }
+
+    fn minimal() -> Value {
+        json!({"specversion": "1.0", "id": "1", "source": "/s", "type": "order.created"})
+    }
+
+    fn with(extra: Value) -> Value {
+        let mut v = minimal();
+        if let (Value::Object(m), Value::Object(x)) = (&mut v, extra) {
+            for (k, val) in x {
+                m.insert(k, val);
+            }
+        }
+        v
+    }
+
+    fn parse(h: &HeaderMap, body: &[u8]) -> Result<(Mode, Vec<CloudEvent>), ParseError> {
+        parse_request(h, body, &Limits::default())
+    }
+
+    fn structured_err(v: Value) -> ParseError {
+        parse(&ct(STRUCTURED_CONTENT_TYPE), v.to_string().as_bytes()).unwrap_err()
+    }
+
+    fn pointers(e: &ParseError) -> Vec<&str> {
+        e.errors.iter().map(|e| e.pointer.as_str()).collect()
+    }
+
+    fn binary_headers() -> Vec<(&'static str, &'static str)> {
+        vec![
+            ("ce-specversion", "1.0"),
+            ("ce-id", "42"),
+            ("ce-source", "/orders"),
+            ("ce-type", "order.created"),
+        ]
+    }
+
+    // ---- mode selection ----
+
+    #[test]
+    fn structured_mode() {
+        let body = with(json!({"data": {"total": 3}})).to_string();
+        let (mode, evs) = parse(&ct(STRUCTURED_CONTENT_TYPE), body.as_bytes()).unwrap();
+        assert_eq!(mode, Mode::Structured);
+        assert_eq!(evs.len(), 1);
+        assert_eq!(evs[0].ty, "order.created");
+        assert_eq!(evs[0].data, Some(json!({"total": 3})));
+    }
+
+    #[test]
+    fn content_type_params_and_case_are_ignored() {
+        let body = minimal().to_string();
+        let h = ct("Application/CloudEvents+JSON; charset=UTF-8");
+        assert_eq!(parse(&h, body.as_bytes()).unwrap().0, Mode::Structured);
+        let batch = json!([minimal()]).to_string();
+        let h = ct("APPLICATION/CLOUDEVENTS-BATCH+JSON ;charset=utf-8");
+        assert_eq!(parse(&h, batch.as_bytes()).unwrap().0, Mode::Batch);
+    }
+
+    #[test]
+    fn batch_mode() {
+        let mut second = minimal();
+        second["id"] = json!("2");
+        let body = json!([minimal(), second]).to_string();
+        let (mode, evs) = parse(&ct(BATCH_CONTENT_TYPE), body.as_bytes()).unwrap();
+        assert_eq!(mode, Mode::Batch);
+        assert_eq!(
+            evs.iter().map(|e| e.id.as_str()).collect::<Vec<_>>(),
+            ["1", "2"]
+        );
+    }
+
+    #[test]
+    fn structured_content_type_with_array_is_400() {
+        let e = parse(&ct(STRUCTURED_CONTENT_TYPE), b"[]").unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(pointers(&e), [""]);
+    }
+
+    #[test]
+    fn batch_content_type_with_object_is_400() {
+        let body = minimal().to_string();
+        let e = parse(&ct(BATCH_CONTENT_TYPE), body.as_bytes()).unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(pointers(&e), [""]);
+    }
+
+    #[test]
+    fn empty_batch_is_400() {
+        let e = parse(&ct(BATCH_CONTENT_TYPE), b"[]").unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert!(e.errors[0].message.contains("empty"));
+    }
+
+    #[test]
+    fn oversized_batch_is_413_naming_the_limit() {
+        let limits = Limits {
+            max_batch: 2,
+            ..Limits::default()
+        };
+        let body = json!([minimal(), minimal(), minimal()]).to_string();
+        let e = parse_request(&ct(BATCH_CONTENT_TYPE), body.as_bytes(), &limits).unwrap_err();
+        assert_eq!(e.status, StatusCode::PAYLOAD_TOO_LARGE);
+        assert!(e.errors[0].message.contains("limit of 2"), "{e}");
+    }
+
+    #[test]
+    fn lenient_application_json_object_and_array() {
+        let body = minimal().to_string();
+        assert_eq!(
+            parse(&ct("application/json"), body.as_bytes()).unwrap().0,
+            Mode::Structured
+        );
+        assert_eq!(
+            parse(&HeaderMap::new(), body.as_bytes()).unwrap().0,
+            Mode::Structured
+        );
+        let batch = json!([minimal()]).to_string();
+        assert_eq!(
+            parse(&ct("application/json; charset=utf-8"), batch.as_bytes())
+                .unwrap()
+                .0,
+            Mode::Batch
+        );
+        assert_eq!(
+            parse(&HeaderMap::new(), batch.as_bytes()).unwrap().0,
+            Mode::Batch
+        );
+    }
+
+    #[test]
+    fn lenient_json_scalar_is_400() {
+        let e = parse(&ct("application/json"), b"42").unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(pointers(&e), [""]);
+    }
+
+    #[test]
+    fn lenient_empty_array_is_400() {
+        let e = parse(&HeaderMap::new(), b"[]").unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+    }
+
+    #[test]
+    fn other_content_type_without_ce_headers_is_415() {
+        let e = parse(&ct("text/plain"), b"hello").unwrap_err();
+        assert_eq!(e.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+        let msg = &e.errors[0].message;
+        assert!(
+            msg.contains(STRUCTURED_CONTENT_TYPE) && msg.contains(BATCH_CONTENT_TYPE),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("application/json") && msg.contains("ce-"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn non_ascii_content_type_is_415() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_bytes(b"application/\xffjson").unwrap(),
+        );
+        let e = parse(&h, b"{}").unwrap_err();
+        assert_eq!(e.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    }
+
+    // ---- request-level limits ----
+
+    #[test]
+    fn body_over_limit_is_413() {
+        let limits = Limits {
+            max_body_bytes: 10,
+            ..Limits::default()
+        };
+        let body = minimal().to_string();
+        let e = parse_request(&ct(STRUCTURED_CONTENT_TYPE), body.as_bytes(), &limits).unwrap_err();
+        assert_eq!(e.status, StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(pointers(&e), [""]);
+    }
+
+    #[test]
+    fn body_at_limit_is_accepted() {
+        let body = minimal().to_string();
+        let limits = Limits {
+            max_body_bytes: body.len(),
+            ..Limits::default()
+        };
+        assert!(parse_request(&ct(STRUCTURED_CONTENT_TYPE), body.as_bytes(), &limits).is_ok());
+    }
+
+    #[test]
+    fn too_deep_is_400_at_root_naming_the_limit() {
+        let limits = Limits {
+            max_json_depth: 3,
+            ..Limits::default()
+        };
+        let body = with(json!({"data": {"a": {"b": 1}}})).to_string(); // depth 3: ok
+        assert!(parse_request(&ct(STRUCTURED_CONTENT_TYPE), body.as_bytes(), &limits).is_ok());
+        let body = with(json!({"data": {"a": {"b": [1]}}})).to_string(); // depth 4
+        let e = parse_request(&ct(STRUCTURED_CONTENT_TYPE), body.as_bytes(), &limits).unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(pointers(&e), [""]);
+        assert!(e.errors[0].message.contains("limit of 3"), "{e}");
+    }
+
+    #[test]
+    fn deep_nesting_bomb_is_rejected_by_default() {
+        let body = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+        let e = parse(&ct(BATCH_CONTENT_TYPE), body.as_bytes()).unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert!(e.errors[0].message.contains("64"));
+    }
+
+    #[test]
+    fn malformed_json_is_400_with_line_and_column() {
+        let e = parse(&ct(STRUCTURED_CONTENT_TYPE), b"{\n  \"id\": ,\n}").unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(pointers(&e), [""]);
+        assert!(e.errors[0].message.contains("line 2 column"), "{e}");
+    }
+
+    #[test]
+    fn depth_scan_ignores_brackets_in_strings_and_escapes() {
+        assert!(!json_depth_exceeds(br#"{"a":"[[[[[[\"[[[["}"#, 1));
+        assert!(json_depth_exceeds(br#"{"a":"\\",  "b":[1]}"#, 1));
+        assert!(!json_depth_exceeds(b"12", 0));
+        assert!(json_depth_exceeds(b"[]", 0));
+        assert!(!json_depth_exceeds(b"[][][]", 1));
+    }
+
+    // ---- envelope rules (structured) ----
+
+    #[test]
+    fn specversion_must_be_1_0() {
+        let e = structured_err(with(json!({"specversion": "0.3"})));
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(pointers(&e), ["/specversion"]);
+        let e = structured_err(with(json!({"specversion": 1.0})));
+        assert_eq!(pointers(&e), ["/specversion"]);
+    }
+
+    #[test]
+    fn missing_required_attributes_all_reported() {
+        let e = structured_err(json!({"data": 1}));
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        let mut p = pointers(&e);
+        p.sort_unstable();
+        assert_eq!(p, ["/id", "/source", "/specversion", "/type"]);
+    }
+
+    #[test]
+    fn required_attributes_must_be_non_empty_strings() {
+        let e = structured_err(with(json!({"id": "", "source": 5, "type": null})));
+        let mut p = pointers(&e);
+        p.sort_unstable();
+        assert_eq!(p, ["/id", "/source", "/type"]);
+    }
+
+    #[test]
+    fn optional_string_attributes() {
+        let e = structured_err(with(
+            json!({"subject": 1, "datacontenttype": [], "dataschema": {}}),
+        ));
+        let mut p = pointers(&e);
+        p.sort_unstable();
+        assert_eq!(p, ["/datacontenttype", "/dataschema", "/subject"]);
+        let ok = with(
+            json!({"subject": "s", "datacontenttype": "application/json", "dataschema": "http://x", "time": null}),
+        );
+        let ev = event_from_json(ok, "").unwrap();
+        assert_eq!(ev.subject.as_deref(), Some("s"));
+        assert_eq!(ev.time, None);
+    }
+
+    #[test]
+    fn time_must_be_rfc3339() {
+        let e = structured_err(with(json!({"time": "yesterday"})));
+        assert_eq!(pointers(&e), ["/time"]);
+        let e = structured_err(with(json!({"time": "2024-05-01 12:00:00"})));
+        assert_eq!(pointers(&e), ["/time"]);
+        let e = structured_err(with(json!({"time": 1714560000})));
+        assert_eq!(pointers(&e), ["/time"]);
+        let ev =
+            event_from_json(with(json!({"time": "2024-05-01T12:00:00.123+02:00"})), "").unwrap();
+        assert_eq!(ev.time.as_deref(), Some("2024-05-01T12:00:00.123+02:00"));
+    }
+
+    #[test]
+    fn data_and_data_base64_are_exclusive() {
+        let e = structured_err(with(json!({"data": 1, "data_base64": "AA=="})));
+        assert_eq!(pointers(&e), ["/data_base64"]);
+    }
+
+    #[test]
+    fn data_base64_must_be_valid() {
+        let e = structured_err(with(json!({"data_base64": "not base64!"})));
+        assert_eq!(pointers(&e), ["/data_base64"]);
+        let e = structured_err(with(json!({"data_base64": 7})));
+        assert_eq!(pointers(&e), ["/data_base64"]);
+        let ev = event_from_json(with(json!({"data_base64": "aGk="})), "").unwrap();
+        assert_eq!(ev.data_base64.as_deref(), Some("aGk="));
+        assert!(event_from_json(with(json!({"data_base64": "aGk"})), "").is_ok());
+    }
+
+    #[test]
+    fn null_data_is_absent() {
+        let ev = event_from_json(with(json!({"data": null, "data_base64": "AA=="})), "").unwrap();
+        assert_eq!(ev.data, None);
+    }
+
+    #[test]
+    fn extension_names_follow_the_naming_rule() {
+        for bad in [
+            "Upper",
+            "with-dash",
+            "under_score",
+            "abcdefghijklmnopqrstu",
+            "",
+        ] {
+            let mut v = minimal();
+            v[bad] = json!("x");
+            let e = structured_err(v);
+            assert_eq!(pointers(&e), [format!("/{bad}").as_str()], "{bad}");
+        }
+        let ev =
+            event_from_json(with(json!({"abcdefghijklmnopqrst": "x", "x1": "y"})), "").unwrap();
+        assert_eq!(ev.extensions.len(), 2);
+    }
+
+    #[test]
+    fn extension_name_pointer_is_escaped() {
+        let mut v = minimal();
+        v["a/b~c"] = json!(1);
+        let e = structured_err(v);
+        assert_eq!(pointers(&e), ["/a~1b~0c"]);
+    }
+
+    #[test]
+    fn extension_values_must_be_scalars_null_is_absent() {
+        let e = structured_err(with(json!({"obj": {"a": 1}, "arr": [1]})));
+        let mut p = pointers(&e);
+        p.sort_unstable();
+        assert_eq!(p, ["/arr", "/obj"]);
+        let ev = event_from_json(
+            with(json!({"s": "x", "n": 1.5, "b": true, "gone": null, "partitionkey": "k"})),
+            "",
+        )
+        .unwrap();
+        assert_eq!(ev.extensions.get("n"), Some(&json!(1.5)));
+        assert_eq!(ev.extensions.get("b"), Some(&json!(true)));
+        assert!(!ev.extensions.contains_key("gone"));
+        assert_eq!(ev.partitionkey().as_deref(), Some("k"));
+    }
+
+    #[test]
+    fn dataversion_must_be_positive_integer() {
+        for bad in [
+            json!(0),
+            json!(-1),
+            json!(1.5),
+            json!("2"),
+            json!(true),
+            json!(4_294_967_296u64),
+        ] {
+            let e = structured_err(with(json!({"dataversion": bad})));
+            assert_eq!(pointers(&e), ["/dataversion"], "{bad}");
+        }
+        let ev = event_from_json(with(json!({"dataversion": 3})), "").unwrap();
+        assert_eq!(ev.dataversion(), 3);
+        assert_eq!(ev.extensions["dataversion"], json!(3));
+    }
+
+    #[test]
+    fn hops_and_replay_are_reserved() {
+        let e = structured_err(with(json!({"hops": 1, "replay": "job"})));
+        let mut p = pointers(&e);
+        p.sort_unstable();
+        assert_eq!(p, ["/hops", "/replay"]);
+        assert!(e.errors.iter().all(|e| e.message.contains("reserved")));
+    }
+
+    #[test]
+    fn non_object_event() {
+        let e = event_from_json(json!("x"), "/2").unwrap_err();
+        assert_eq!(
+            e,
+            [FieldError::new(
+                "/2",
+                "an event must be a JSON object, got a string"
+            )]
+        );
+    }
+
+    #[test]
+    fn batch_errors_name_every_element_index() {
+        let mut bad1 = minimal();
+        bad1["id"] = json!("");
+        let mut bad3 = minimal();
+        bad3["time"] = json!("nope");
+        bad3["hops"] = json!(2);
+        let body = json!([minimal(), bad1, minimal(), bad3, 5]).to_string();
+        let e = parse(&ct(BATCH_CONTENT_TYPE), body.as_bytes()).unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        let mut p = pointers(&e);
+        p.sort_unstable();
+        assert_eq!(p, ["/1/id", "/3/hops", "/3/time", "/4"]);
+    }
+
+    #[test]
+    fn unknown_extensions_are_kept() {
+        let ev =
+            event_from_json(with(json!({"traceparent": "00-ab-cd-01", "custom": 7})), "").unwrap();
+        assert_eq!(ev.traceparent(), Some("00-ab-cd-01"));
+        assert_eq!(ev.extensions["custom"], json!(7));
+    }
+
+    // ---- binary mode ----
+
+    #[test]
+    fn binary_json_body() {
+        let mut pairs = binary_headers();
+        pairs.push(("content-type", "application/json"));
+        pairs.push(("ce-dataversion", "2"));
+        pairs.push(("ce-subject", "caf%C3%A9%20au%20lait"));
+        pairs.push(("ce-time", "2024-05-01T12:00:00Z"));
+        pairs.push(("ce-Partitionkey", "k1"));
+        let (mode, evs) = parse(&headers(&pairs), br#"{"total": 5}"#).unwrap();
+        assert_eq!(mode, Mode::Binary);
+        let ev = &evs[0];
+        assert_eq!(ev.id, "42");
+        assert_eq!(ev.data, Some(json!({"total": 5})));
+        assert_eq!(ev.datacontenttype.as_deref(), Some("application/json"));
+        assert_eq!(ev.subject.as_deref(), Some("café au lait"));
+        assert_eq!(ev.extensions["dataversion"], json!(2));
+        assert_eq!(ev.partitionkey().as_deref(), Some("k1"));
+        assert_eq!(ev.data_base64, None);
+    }
+
+    #[test]
+    fn binary_wins_for_any_content_type() {
+        let mut pairs = binary_headers();
+        pairs.push(("content-type", "application/xml"));
+        let (mode, evs) = parse(&headers(&pairs), b"<a/>").unwrap();
+        assert_eq!(mode, Mode::Binary);
+        assert_eq!(evs[0].data_base64.as_deref(), Some("PGEvPg=="));
+        assert_eq!(evs[0].data, None);
+        assert!(!evs[0].data_is_json());
+    }
+
+    #[test]
+    fn binary_text_body_is_a_string_and_invalid_utf8_is_base64() {
+        let mut pairs = binary_headers();
+        pairs.push(("content-type", "text/plain; charset=utf-8"));
+        let h = headers(&pairs);
+        let (_, evs) = parse(&h, "héllo".as_bytes()).unwrap();
+        assert_eq!(evs[0].data, Some(json!("héllo")));
+        let (_, evs) = parse(&h, b"\xff\xfe").unwrap();
+        assert_eq!(evs[0].data, None);
+        assert_eq!(evs[0].data_base64.as_deref(), Some("//4="));
+    }
+
+    #[test]
+    fn binary_empty_body_has_no_data() {
+        let mut pairs = binary_headers();
+        pairs.push(("content-type", "application/json"));
+        let (_, evs) = parse(&headers(&pairs), b"").unwrap();
+        assert_eq!(evs[0].data, None);
+        assert_eq!(evs[0].data_base64, None);
+    }
+
+    #[test]
+    fn binary_without_content_type_is_json() {
+        let (_, evs) = parse(&headers(&binary_headers()), b"[1,2]").unwrap();
+        assert_eq!(evs[0].data, Some(json!([1, 2])));
+        assert_eq!(evs[0].datacontenttype, None);
+        assert!(evs[0].data_is_json());
+    }
+
+    #[test]
+    fn binary_malformed_json_is_400_at_data() {
+        let mut pairs = binary_headers();
+        pairs.push(("content-type", "application/vnd.acme+json"));
+        let e = parse(&headers(&pairs), b"{oops").unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(pointers(&e), ["/data"]);
+        assert!(e.errors[0].message.contains("line 1 column"));
+    }
+
+    #[test]
+    fn binary_too_deep_json_is_400() {
+        let mut pairs = binary_headers();
+        pairs.push(("content-type", "application/json"));
+        let limits = Limits {
+            max_json_depth: 2,
+            ..Limits::default()
+        };
+        let e = parse_request(&headers(&pairs), b"[[[1]]]", &limits).unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(pointers(&e), [""]);
+    }
+
+    #[test]
+    fn binary_missing_required_headers() {
+        let h = headers(&[("ce-id", "1"), ("content-type", "application/json")]);
+        let e = parse(&h, b"{}").unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        let mut p = pointers(&e);
+        p.sort_unstable();
+        assert_eq!(p, ["/ce-source", "/ce-specversion", "/ce-type"]);
+        assert!(
+            e.errors
+                .iter()
+                .any(|e| e.message == "header ce-source is required")
+        );
+    }
+
+    #[test]
+    fn binary_header_errors_name_the_header() {
+        let h = headers(&[
+            ("ce-specversion", "1.0"),
+            ("ce-id", ""),
+            ("ce-source", "/s"),
+            ("ce-type", "t"),
+            ("ce-time", "noon"),
+            ("ce-dataversion", "v2"),
+            ("ce-hops", "1"),
+            ("ce-bad_name", "x"),
+        ]);
+        let e = parse(&h, b"").unwrap_err();
+        let mut p = pointers(&e);
+        p.sort_unstable();
+        assert_eq!(
+            p,
+            [
+                "/ce-bad_name",
+                "/ce-dataversion",
+                "/ce-hops",
+                "/ce-id",
+                "/ce-time"
+            ]
+        );
+    }
+
+    #[test]
+    fn binary_specversion_must_be_1_0() {
+        let mut pairs = binary_headers();
+        pairs[0] = ("ce-specversion", "0.3");
+        let e = parse(&headers(&pairs), b"").unwrap_err();
+        assert_eq!(pointers(&e), ["/ce-specversion"]);
+    }
+
+    #[test]
+    fn binary_dataversion_zero_or_overflow_rejected() {
+        for bad in ["0", "99999999999"] {
+            let mut pairs = binary_headers();
+            pairs.push(("ce-dataversion", bad));
+            let e = parse(&headers(&pairs), b"").unwrap_err();
+            assert_eq!(pointers(&e), ["/ce-dataversion"], "{bad}");
+        }
+    }
+
+    #[test]
+    fn binary_rejects_data_headers_and_duplicates() {
+        let mut pairs = binary_headers();
+        pairs.push(("ce-datacontenttype", "application/json"));
+        pairs.push(("ce-subject", "a"));
+        pairs.push(("ce-subject", "b"));
+        let e = parse(&headers(&pairs), b"").unwrap_err();
+        let mut p = pointers(&e);
+        p.sort_unstable();
+        assert_eq!(p, ["/ce-datacontenttype", "/ce-subject"]);
+    }
+
+    #[test]
+    fn binary_percent_decoding_and_invalid_utf8() {
+        assert_eq!(percent_decode(b"100%"), b"100%");
+        assert_eq!(percent_decode(b"%zz%41"), b"%zzA");
+        let mut pairs = binary_headers();
+        pairs.push(("ce-subject", "%FF"));
+        let e = parse(&headers(&pairs), b"").unwrap_err();
+        assert_eq!(pointers(&e), ["/ce-subject"]);
+    }
+
+    #[test]
+    fn structured_content_type_ignores_ce_headers() {
+        let mut pairs = binary_headers();
+        pairs.push(("content-type", STRUCTURED_CONTENT_TYPE));
+        let mut body = minimal();
+        body["id"] = json!("from-body");
+        let (mode, evs) = parse(&headers(&pairs), body.to_string().as_bytes()).unwrap();
+        assert_eq!(mode, Mode::Structured);
+        assert_eq!(evs[0].id, "from-body");
+    }
+
+    #[test]
+    fn parse_error_display() {
+        let e = structured_err(with(json!({"id": ""})));
+        assert_eq!(
+            e.to_string(),
+            "400 Bad Request: /id: attribute 'id' must not be empty"
+        );
+    }
+
+    // ---- properties ----
+
+    fn depth(v: &Value) -> usize {
+        match v {
+            Value::Array(a) => 1 + a.iter().map(depth).max().unwrap_or(0),
+            Value::Object(m) => 1 + m.values().map(depth).max().unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    fn arb_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            "[\\[\\]{}\"\\\\a-z ]{0,8}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(12, 64, 4, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                prop::collection::vec(("[\\[\\]{}\"\\\\a-z]{0,6}", inner), 0..4)
+                    .prop_map(|kv| Value::Object(kv.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn depth_scan_matches_value_depth(v in arb_json(), max in 0usize..14) {
+            let text = serde_json::to_vec(&v).unwrap();
+            prop_assert_eq!(json_depth_exceeds(&text, max), depth(&v) > max);
+            let pretty = serde_json::to_vec_pretty(&v).unwrap();
+            prop_assert_eq!(json_depth_exceeds(&pretty, max), depth(&v) > max);
+        }
+
+        #[test]
+        fn random_bodies_never_panic(
+            body in prop::collection::vec(any::<u8>(), 0..512),
+            which in 0usize..5,
+        ) {
+            let h = match which {
+                0 => ct(STRUCTURED_CONTENT_TYPE),
+                1 => ct(BATCH_CONTENT_TYPE),
+                2 => HeaderMap::new(),
+                3 => headers(&binary_headers()),
+                _ => ct("text/plain"),
+            };
+            let limits = Limits { max_json_depth: 8, max_batch: 4, ..Limits::default() };
+            let _ = parse_request(&h, &body, &limits);
+        }
+
+        #[test]
+        fn random_json_bodies_never_panic(v in arb_json()) {
+            let body = serde_json::to_vec(&v).unwrap();
+            let _ = parse(&ct("application/json"), &body);
+            let _ = parse(&ct(BATCH_CONTENT_TYPE), &body);
+        }
+    }
+}

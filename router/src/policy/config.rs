@@ -1,0 +1,633 @@
+//! Delivery-policy configuration (the `policies:` section of rule files), read by the rules
+//! loader and handed, resolved per target, to the dispatcher that delivers queue entries.
+//!
+//! Every field has a default, so `{}` is a complete policy; unknown keys are rejected.
+//! Durations are written as humantime strings (`200ms`, `30s`, `24h`) and serialized back in
+//! the same compact form.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Worst-case attempts per event above which the loader warns ("more than 15 is a smell").
+pub const WORST_CASE_ATTEMPTS_SMELL: u32 = 15;
+
+/// Serde adapter for `Duration` fields: parses humantime strings, writes compact ones
+/// (`200ms`, `24h`, `1h 30m`) that humantime parses back to the same value.
+mod duration_str {
+    use std::time::Duration;
+
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&super::format_duration(*d))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        humantime_serde::deserialize(d)
+    }
+}
+
+/// Formats a duration compactly with the units h, m, s, ms, us, ns (`0s` for zero), e.g.
+/// `24h`, `200ms`, `1h 30m`. `humantime::parse_duration` reads every output back exactly.
+pub fn format_duration(d: Duration) -> String {
+    const UNITS: [(u128, &str); 6] = [
+        (3_600_000_000_000, "h"),
+        (60_000_000_000, "m"),
+        (1_000_000_000, "s"),
+        (1_000_000, "ms"),
+        (1_000, "us"),
+        (1, "ns"),
+    ];
+    if d.is_zero() {
+        return "0s".to_string();
+    }
+    let mut rest = d.as_nanos();
+    let mut parts = Vec::new();
+    for (size, unit) in UNITS {
+        let q = rest / size;
+        if q > 0 {
+            parts.push(format!("{q}{unit}"));
+            rest -= q * size;
+        }
+    }
+    parts.join(" ")
+}
+
+/// One named delivery policy: everything that governs how a target's queue entries are
+/// delivered. `PolicyConfig::default()` is the policy of targets that name none.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PolicyConfig {
+    /// Time limit for one delivery attempt (default 10s).
+    #[serde(with = "duration_str")]
+    pub timeout: Duration,
+    /// Retry schedule for transient failures.
+    pub retry: RetryPolicy,
+    /// Circuit breaker; `None` (the default) means no breaker.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub breaker: Option<BreakerPolicy>,
+    /// Rate limit and concurrency cap; `None` (the default) means unthrottled.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub throttle: Option<ThrottlePolicy>,
+    /// Retries may be at most this fraction (0..=1) of recent attempts; `None` (the default)
+    /// leaves the dispatcher's default budget in force.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_budget: Option<f64>,
+    /// Ordering key: entries with the same key are delivered one at a time, in order.
+    /// `None` (the default) means unordered.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ordering: Option<OrderingKey>,
+    /// What an ordered key does when one of its entries goes to the DLQ.
+    pub on_dead_letter: OnDeadLetter,
+    /// Queue-depth cap of the target; beyond it new entries go to the DLQ as
+    /// `target_overflow` (default 100000).
+    pub max_queue_depth: u64,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_secs(10),
+            retry: RetryPolicy::default(),
+            breaker: None,
+            throttle: None,
+            retry_budget: None,
+            ordering: None,
+            on_dead_letter: OnDeadLetter::default(),
+            max_queue_depth: 100_000,
+        }
+    }
+}
+
+/// Exponential backoff: the wait before retry `n` (0-based) is drawn per `jitter` from
+/// `min(max_delay, base_delay * 2^n)`, bounded by `max_attempts` and `max_age`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetryPolicy {
+    /// Total attempts including the first one (default 5). 1 means no retries.
+    pub max_attempts: u32,
+    /// Backoff base (default 200ms).
+    #[serde(with = "duration_str")]
+    pub base_delay: Duration,
+    /// Backoff ceiling (default 30s).
+    #[serde(with = "duration_str")]
+    pub max_delay: Duration,
+    /// How the wait is randomized (default `full`).
+    pub jitter: Jitter,
+    /// Give up (DLQ) once this much time has passed since the router accepted the event
+    /// (default 24h).
+    #[serde(with = "duration_str")]
+    pub max_age: Duration,
+    /// Longest `Retry-After` (from 429/503) honoured (default 1h).
+    #[serde(with = "duration_str")]
+    pub retry_after_max: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_attempts: 5,
+            base_delay: Duration::from_millis(200),
+            max_delay: Duration::from_secs(30),
+            jitter: Jitter::Full,
+            max_age: Duration::from_secs(24 * 3600),
+            retry_after_max: Duration::from_secs(3600),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The longest wait before retry `n` (0-based: `n = 0` is the wait after the first
+    /// attempt): `min(max_delay, base_delay * 2^n)`, without jitter.
+    pub fn max_backoff(&self, n: u32) -> Duration {
+        let factor = 1u32.checked_shl(n).unwrap_or(u32::MAX);
+        self.base_delay.saturating_mul(factor).min(self.max_delay)
+    }
+}
+
+/// Randomization of the backoff wait `cap = min(max_delay, base * 2^n)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Jitter {
+    /// `random(0, cap)` (AWS "full jitter"; the default).
+    #[default]
+    Full,
+    /// `cap/2 + random(0, cap/2)`.
+    Equal,
+    /// Exactly `cap`.
+    None,
+}
+
+/// Circuit breaker per target: closed → open when the failure rate over `window` reaches
+/// `failure_rate` (with at least `min_requests`), or after `consecutive_failures` in a row;
+/// half-open after `open_for` with `half_open_probes` probes; closed again on success.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BreakerPolicy {
+    /// Failure fraction in (0, 1] that opens the breaker (default 0.5).
+    pub failure_rate: f64,
+    /// Minimum attempts in the window before the rate is considered (default 20).
+    pub min_requests: u32,
+    /// Sliding window over which the rate is computed (default 30s).
+    #[serde(with = "duration_str")]
+    pub window: Duration,
+    /// How long the breaker stays open before probing (default 30s).
+    #[serde(with = "duration_str")]
+    pub open_for: Duration,
+    /// Probes allowed while half-open (default 1).
+    pub half_open_probes: u32,
+    /// Also open after this many consecutive failures; `None` (default) disables the rule.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub consecutive_failures: Option<u32>,
+}
+
+impl Default for BreakerPolicy {
+    fn default() -> Self {
+        Self {
+            failure_rate: 0.5,
+            min_requests: 20,
+            window: Duration::from_secs(30),
+            open_for: Duration::from_secs(30),
+            half_open_probes: 1,
+            consecutive_failures: None,
+        }
+    }
+}
+
+/// Throttle per target: a token bucket (`rate_per_sec`, `burst`) and a concurrency cap.
+/// Each part is optional; at least one must be set.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ThrottlePolicy {
+    /// Sustained attempts per second; `None` means no rate limit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rate_per_sec: Option<f64>,
+    /// Bucket size; `None` means `max(1, ceil(rate_per_sec))`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u32>,
+    /// Attempts in flight at once; `None` means unlimited.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_concurrency: Option<u32>,
+}
+
+impl ThrottlePolicy {
+    /// The bucket size in force: `burst`, or `max(1, ceil(rate_per_sec))` when unset.
+    pub fn effective_burst(&self) -> Option<u32> {
+        match (self.burst, self.rate_per_sec) {
+            (Some(b), _) => Some(b),
+            // Saturating float-to-int cast is the intent here (rates are validated finite).
+            (None, Some(r)) => Some((r.ceil() as u32).max(1)),
+            (None, None) => None,
+        }
+    }
+}
+
+/// What an ordered key does when its head entry is dead-lettered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnDeadLetter {
+    /// The key moves on to its next entry (default).
+    #[default]
+    Proceed,
+    /// The key stays blocked until an operator redrives or purges the dead letter.
+    Hold,
+}
+
+/// Where the ordering key of an event comes from. Written as `partitionkey` (the
+/// CloudEvents Partitioning extension) or as a dotted JSON path into the structured event,
+/// such as `$.data.order_id`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum OrderingKey {
+    /// The `partitionkey` extension attribute.
+    PartitionKey,
+    /// A path of object keys from the event root (`$.data.order_id` → `["data", "order_id"]`).
+    Path(Vec<String>),
+}
+
+impl OrderingKey {
+    /// The key of `event` (structured CloudEvent JSON): strings as they are, other scalars
+    /// as JSON text; `None` when the path is missing or null (the event is then unordered).
+    pub fn extract(&self, event: &Value) -> Option<String> {
+        let v = match self {
+            OrderingKey::PartitionKey => event.get("partitionkey")?,
+            OrderingKey::Path(path) => {
+                let mut cur = event;
+                for seg in path {
+                    cur = cur.get(seg.as_str())?;
+                }
+                cur
+            }
+        };
+        match v {
+            Value::Null => None,
+            Value::String(s) => Some(s.clone()),
+            other => Some(other.to_string()),
+        }
+    }
+}
+
+impl TryFrom<String> for OrderingKey {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        if s == "partitionkey" {
+            return Ok(OrderingKey::PartitionKey);
+        }
+        let Some(rest) = s.strip_prefix("$.") else {
+            return Err(format!(
+                "ordering must be `partitionkey` or a JSON path like `$.data.order_id`, not `{s}`"
+            ));
+        };
+        let segs: Vec<String> = rest.split('.').map(str::to_string).collect();
+        if segs
+            .iter()
+            .any(|p| p.is_empty() || p.contains(['[', ']', '*']))
+        {
+            return Err(format!(
+                "ordering path `{s}` must be dotted field names like `$.data.order_id`"
+            ));
+        }
+        Ok(OrderingKey::Path(segs))
+    }
+}
+
+impl From<OrderingKey> for String {
+    fn from(k: OrderingKey) -> Self {
+        k.to_string()
+    }
+}
+
+impl fmt::Display for OrderingKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            OrderingKey::PartitionKey => f.write_str("partitionkey"),
+            OrderingKey::Path(p) => write!(f, "$.{}", p.join(".")),
+        }
+    }
+}
+
+impl PolicyConfig {
+    /// Sanity problems of this policy, one message per problem (empty when sane). The rules
+    /// loader reports each one as an error.
+    pub fn validate(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        if self.timeout.is_zero() {
+            p.push("timeout must be greater than 0".to_string());
+        }
+        let r = &self.retry;
+        if r.max_attempts == 0 {
+            p.push("retry.max_attempts must be at least 1".to_string());
+        }
+        if r.base_delay.is_zero() {
+            p.push("retry.base_delay must be greater than 0".to_string());
+        }
+        if r.base_delay > r.max_delay {
+            p.push(format!(
+                "retry.base_delay ({}) is greater than retry.max_delay ({})",
+                format_duration(r.base_delay),
+                format_duration(r.max_delay)
+            ));
+        }
+        if r.max_age.is_zero() {
+            p.push("retry.max_age must be greater than 0".to_string());
+        }
+        if let Some(b) = &self.breaker {
+            if !(b.failure_rate > 0.0 && b.failure_rate <= 1.0) {
+                p.push(format!(
+                    "breaker.failure_rate must be in (0, 1], not {}",
+                    b.failure_rate
+                ));
+            }
+            if b.min_requests == 0 {
+                p.push("breaker.min_requests must be at least 1".to_string());
+            }
+            if b.window.is_zero() {
+                p.push("breaker.window must be greater than 0".to_string());
+            }
+            if b.open_for.is_zero() {
+                p.push("breaker.open_for must be greater than 0".to_string());
+            }
+            if b.half_open_probes == 0 {
+                p.push("breaker.half_open_probes must be at least 1".to_string());
+            }
+            if b.consecutive_failures == Some(0) {
+                p.push("breaker.consecutive_failures must be at least 1 (or null)".to_string());
+            }
+        }
+        if let Some(t) = &self.throttle {
+            if let Some(rate) = t.rate_per_sec
+                && !(rate.is_finite() && rate > 0.0)
+            {
+                p.push(format!(
+                    "throttle.rate_per_sec must be greater than 0, not {rate}"
+                ));
+            }
+            if t.burst == Some(0) {
+                p.push("throttle.burst must be at least 1".to_string());
+            }
+            if t.burst.is_some() && t.rate_per_sec.is_none() {
+                p.push("throttle.burst needs throttle.rate_per_sec".to_string());
+            }
+            if t.max_concurrency == Some(0) {
+                p.push("throttle.max_concurrency must be at least 1".to_string());
+            }
+            if t.rate_per_sec.is_none() && t.max_concurrency.is_none() {
+                p.push("throttle sets neither rate_per_sec nor max_concurrency".to_string());
+            }
+        }
+        if let Some(b) = self.retry_budget
+            && !(0.0..=1.0).contains(&b)
+        {
+            p.push(format!("retry_budget must be in [0, 1], not {b}"));
+        }
+        if self.max_queue_depth == 0 {
+            p.push("max_queue_depth must be at least 1".to_string());
+        }
+        p
+    }
+
+    /// Worst case for one event at one target: the number of attempts (`max_attempts`) and
+    /// the longest time before it reaches the DLQ — every attempt running into `timeout`,
+    /// plus the longest backoff `min(max_delay, base_delay * 2^n)` between attempts `n` and
+    /// `n + 1` — capped by `max_age`. (`Retry-After` can stretch a single wait up to
+    /// `retry_after_max`, but never past `max_age`.)
+    pub fn worst_case(&self) -> (u32, Duration) {
+        let attempts = self.retry.max_attempts;
+        let mut total = Duration::ZERO;
+        for n in 0..attempts {
+            total = total.saturating_add(self.timeout);
+            if n + 1 < attempts {
+                total = total.saturating_add(self.retry.max_backoff(n));
+            }
+            if total >= self.retry.max_age {
+                return (attempts, self.retry.max_age);
+            }
+        }
+        (attempts, total.min(self.retry.max_age))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn ms(v: u64) -> Duration {
+        Duration::from_millis(v)
+    }
+
+    #[test]
+    fn defaults_match_the_spec() {
+        let p = PolicyConfig::default();
+        assert_eq!(p.timeout, Duration::from_secs(10));
+        assert_eq!(p.retry.max_attempts, 5);
+        assert_eq!(p.retry.base_delay, ms(200));
+        assert_eq!(p.retry.max_delay, Duration::from_secs(30));
+        assert_eq!(p.retry.jitter, Jitter::Full);
+        assert_eq!(p.retry.max_age, Duration::from_secs(86_400));
+        assert_eq!(p.retry.retry_after_max, Duration::from_secs(3600));
+        assert_eq!(p.breaker, None);
+        assert_eq!(p.throttle, None);
+        assert_eq!(p.retry_budget, None);
+        assert_eq!(p.ordering, None);
+        assert_eq!(p.on_dead_letter, OnDeadLetter::Proceed);
+        assert_eq!(p.max_queue_depth, 100_000);
+        assert!(p.validate().is_empty());
+        let empty: PolicyConfig = serde_json::from_value(json!({})).expect("empty policy");
+        assert_eq!(empty, p);
+    }
+
+    #[test]
+    fn full_example_parses_and_round_trips() {
+        let v = json!({
+            "timeout": "2s",
+            "retry": { "max_attempts": 6, "base_delay": "200ms", "max_delay": "30s",
+                       "jitter": "full", "max_age": "24h", "retry_after_max": "1h" },
+            "breaker": { "failure_rate": 0.5, "min_requests": 20, "window": "30s",
+                         "open_for": "30s", "half_open_probes": 1, "consecutive_failures": null },
+            "throttle": { "rate_per_sec": 50, "burst": 100, "max_concurrency": 8 },
+            "retry_budget": 0.1,
+            "ordering": "$.data.order_id",
+            "on_dead_letter": "hold",
+            "max_queue_depth": 1000
+        });
+        let p: PolicyConfig = serde_json::from_value(v).expect("parses");
+        assert_eq!(p.timeout, Duration::from_secs(2));
+        assert_eq!(p.retry.max_attempts, 6);
+        assert_eq!(
+            p.ordering,
+            Some(OrderingKey::Path(vec!["data".into(), "order_id".into()]))
+        );
+        assert_eq!(p.throttle.as_ref().and_then(|t| t.rate_per_sec), Some(50.0));
+        assert_eq!(p.on_dead_letter, OnDeadLetter::Hold);
+        assert!(p.validate().is_empty());
+        let back = serde_json::to_value(&p).expect("serializes");
+        assert_eq!(back["timeout"], "2s");
+        assert_eq!(back["retry"]["max_age"], "24h");
+        assert_eq!(back["retry"]["base_delay"], "200ms");
+        assert_eq!(back["ordering"], "$.data.order_id");
+        let again: PolicyConfig = serde_json::from_value(back).expect("round trip");
+        assert_eq!(again, p);
+    }
+
+    #[test]
+    fn unknown_fields_and_bad_values_are_rejected() {
+        assert!(serde_json::from_value::<PolicyConfig>(json!({"timeot": "1s"})).is_err());
+        assert!(
+            serde_json::from_value::<PolicyConfig>(json!({"retry": {"max_attempt": 1}})).is_err()
+        );
+        assert!(serde_json::from_value::<PolicyConfig>(json!({"timeout": "soon"})).is_err());
+        assert!(serde_json::from_value::<PolicyConfig>(json!({"ordering": "data.x"})).is_err());
+        assert!(serde_json::from_value::<PolicyConfig>(json!({"ordering": "$..x"})).is_err());
+        assert!(serde_json::from_value::<PolicyConfig>(json!({"jitter": "full"})).is_err());
+    }
+
+    #[test]
+    fn durations_format_compactly_and_parse_back() {
+        for (d, s) in [
+            (Duration::ZERO, "0s"),
+            (ms(200), "200ms"),
+            (Duration::from_secs(86_400), "24h"),
+            (Duration::from_secs(5400), "1h 30m"),
+            (ms(1500), "1s 500ms"),
+            (Duration::from_nanos(1_001), "1us 1ns"),
+        ] {
+            assert_eq!(format_duration(d), s);
+            assert_eq!(humantime::parse_duration(s).expect("parses"), d);
+        }
+    }
+
+    #[test]
+    fn validation_reports_each_problem() {
+        let mut p = PolicyConfig::default();
+        p.retry.max_attempts = 0;
+        p.retry.base_delay = Duration::from_secs(60);
+        p.breaker = Some(BreakerPolicy {
+            failure_rate: 0.0,
+            ..BreakerPolicy::default()
+        });
+        p.throttle = Some(ThrottlePolicy {
+            rate_per_sec: Some(0.0),
+            burst: Some(0),
+            max_concurrency: Some(0),
+        });
+        p.retry_budget = Some(1.5);
+        p.max_queue_depth = 0;
+        let problems = p.validate();
+        let has = |s: &str| problems.iter().any(|m| m.contains(s));
+        assert!(has("retry.max_attempts"), "{problems:?}");
+        assert!(has("greater than retry.max_delay"), "{problems:?}");
+        assert!(has("breaker.failure_rate"), "{problems:?}");
+        assert!(has("throttle.rate_per_sec"), "{problems:?}");
+        assert!(has("throttle.burst must be"), "{problems:?}");
+        assert!(has("throttle.max_concurrency"), "{problems:?}");
+        assert!(has("retry_budget"), "{problems:?}");
+        assert!(has("max_queue_depth"), "{problems:?}");
+        assert_eq!(problems.len(), 8, "{problems:?}");
+    }
+
+    #[test]
+    fn validation_edges() {
+        let mut p = PolicyConfig {
+            breaker: Some(BreakerPolicy {
+                failure_rate: 1.0,
+                ..BreakerPolicy::default()
+            }),
+            retry_budget: Some(0.0),
+            throttle: Some(ThrottlePolicy {
+                rate_per_sec: Some(0.5),
+                burst: None,
+                max_concurrency: None,
+            }),
+            ..PolicyConfig::default()
+        };
+        assert!(p.validate().is_empty(), "{:?}", p.validate());
+        assert_eq!(
+            p.throttle.as_ref().and_then(|t| t.effective_burst()),
+            Some(1)
+        );
+        p.throttle = Some(ThrottlePolicy::default());
+        assert_eq!(p.validate().len(), 1);
+        p.throttle = None;
+        p.retry_budget = Some(-0.1);
+        assert_eq!(p.validate().len(), 1);
+        p.retry_budget = Some(f64::NAN);
+        assert_eq!(p.validate().len(), 1);
+        p.retry_budget = None;
+        p.breaker = Some(BreakerPolicy {
+            failure_rate: 1.01,
+            consecutive_failures: Some(0),
+            ..BreakerPolicy::default()
+        });
+        assert_eq!(p.validate().len(), 2);
+        p.breaker = None;
+        p.timeout = Duration::ZERO;
+        assert_eq!(
+            p.validate(),
+            vec!["timeout must be greater than 0".to_string()]
+        );
+    }
+
+    #[test]
+    fn worst_case_default_policy() {
+        // 5 attempts of 10s + waits 200ms, 400ms, 800ms, 1.6s.
+        let (n, t) = PolicyConfig::default().worst_case();
+        assert_eq!(n, 5);
+        assert_eq!(t, Duration::from_secs(50) + ms(3000));
+    }
+
+    #[test]
+    fn worst_case_caps_backoff_at_max_delay() {
+        let p = PolicyConfig {
+            timeout: Duration::from_secs(1),
+            retry: RetryPolicy {
+                max_attempts: 10,
+                base_delay: Duration::from_secs(1),
+                max_delay: Duration::from_secs(10),
+                ..RetryPolicy::default()
+            },
+            ..PolicyConfig::default()
+        };
+        // waits: 1,2,4,8,10,10,10,10,10 = 65s; attempts 10s.
+        assert_eq!(p.worst_case(), (10, Duration::from_secs(75)));
+    }
+
+    #[test]
+    fn worst_case_is_capped_by_max_age() {
+        let mut p = PolicyConfig::default();
+        p.retry.max_attempts = 1000;
+        p.retry.max_age = Duration::from_secs(600);
+        assert_eq!(p.worst_case(), (1000, Duration::from_secs(600)));
+        p.retry.max_attempts = 1;
+        assert_eq!(p.worst_case(), (1, Duration::from_secs(10)));
+        p.retry.max_attempts = 0;
+        assert_eq!(p.worst_case(), (0, Duration::ZERO));
+    }
+
+    #[test]
+    fn max_backoff_saturates() {
+        let r = RetryPolicy::default();
+        assert_eq!(r.max_backoff(0), ms(200));
+        assert_eq!(r.max_backoff(3), ms(1600));
+        assert_eq!(r.max_backoff(40), Duration::from_secs(30));
+        assert_eq!(r.max_backoff(u32::MAX), Duration::from_secs(30));
+    }
+
+    #[test]
+    fn ordering_key_extracts() {
+        let ev = json!({"partitionkey": "p1", "data": {"order_id": 42, "n": null}});
+        assert_eq!(OrderingKey::PartitionKey.extract(&ev), Some("p1".into()));
+        let k = OrderingKey::try_from("$.data.order_id".to_string()).expect("path");
+        assert_eq!(k.extract(&ev), Some("42".into()));
+        assert_eq!(k.to_string(), "$.data.order_id");
+        let n = OrderingKey::try_from("$.data.n".to_string()).expect("path");
+        assert_eq!(n.extract(&ev), None);
+        let m = OrderingKey::try_from("$.data.missing".to_string()).expect("path");
+        assert_eq!(m.extract(&ev), None);
+        assert_eq!(OrderingKey::PartitionKey.extract(&json!({})), None);
+    }
+}

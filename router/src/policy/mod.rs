@@ -1,0 +1,14 @@
+//! Delivery policies: how the dispatcher (after rule match and durable fan-out) delivers one
+//! queue entry to one target — timeout, retry, breaker, throttle, budget, ordering.
+//!
+//! `config` holds the configuration types that rule files name and share (`policies:` in a
+//! rule file); `backoff` computes retry waits. The enforcement of breaker, throttle, budget
+//! and ordering lands with the delivery-policies issue.
+
+pub mod backoff;
+pub mod config;
+
+pub use config::{
+    BreakerPolicy, Jitter, OnDeadLetter, OrderingKey, PolicyConfig, RetryPolicy, ThrottlePolicy,
+    WORST_CASE_ATTEMPTS_SMELL,
+};

@@ -1,0 +1,948 @@
+//! Loading and checking rule files: turns a directory (or in-memory files) into a
+//! [`RuleSet`] for the rule-match stage, or into the full list of `file:line:col` problems.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use super::pattern::Pattern;
+use super::source::{self, Node, NodeKind, SourceError};
+use super::{Diagnostic, Rule, RuleSet, Severity, TargetKind, TargetSpec, version_of};
+use crate::policy::{PolicyConfig, WORST_CASE_ATTEMPTS_SMELL};
+
+const FILE_KEYS: &[&str] = &["policies", "rules"];
+const RULE_KEYS: &[&str] = &["name", "description", "enabled", "pattern", "targets"];
+const TARGET_KEYS: &[&str] = &[
+    "webhook",
+    "handler",
+    "nats",
+    "id",
+    "policy",
+    "headers",
+    "secret_env",
+];
+const TARGET_KINDS: &[&str] = &["webhook", "handler", "nats"];
+/// Policy sections whose fields are checked one by one to locate serde errors.
+const POLICY_SECTIONS: &[&str] = &["retry", "breaker", "throttle"];
+/// Header names (lower case) that carry credentials and so do not belong in git.
+const SECRET_HEADERS: &[&str] = &["authorization", "proxy-authorization", "cookie"];
+const SECRET_WORDS: &[&str] = &[
+    "token",
+    "secret",
+    "password",
+    "api-key",
+    "apikey",
+    "signature",
+];
+
+/// One rule file to load.
+pub(crate) struct SourceFile {
+    /// Path as shown in diagnostics.
+    pub display: String,
+    /// Path relative to the rules directory (hashed into the version, kept in the set).
+    pub rel: String,
+    /// File content.
+    pub text: String,
+}
+
+/// See [`RuleSet::load_dir`].
+pub(crate) fn load_dir(dir: &Path) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Diagnostic>> {
+    let dir_display = dir.display().to_string();
+    let mut found = Vec::new();
+    if let Err(e) = walk(dir, "", &mut found) {
+        return Err(vec![Diagnostic {
+            file: dir_display,
+            line: 0,
+            col: 0,
+            message: format!("cannot read rules directory: {e}"),
+            severity: Severity::Error,
+        }]);
+    }
+    found.sort();
+    let mut diags = Vec::new();
+    if found.is_empty() {
+        diags.push(Diagnostic {
+            file: dir_display,
+            line: 0,
+            col: 0,
+            message: "no rule files (.yaml, .yml, .json) found".to_string(),
+            severity: Severity::Warning,
+        });
+    }
+    let mut inputs = Vec::new();
+    for (rel, path) in found {
+        let display = path.display().to_string();
+        match fs::read(&path).map(String::from_utf8) {
+            Ok(Ok(text)) => inputs.push(SourceFile { display, rel, text }),
+            Ok(Err(e)) => diags.push(Diagnostic {
+                file: display,
+                line: 1,
+                col: 1,
+                message: format!("file is not valid UTF-8: {e}"),
+                severity: Severity::Error,
+            }),
+            Err(e) => diags.push(Diagnostic {
+                file: display,
+                line: 0,
+                col: 0,
+                message: format!("cannot read file: {e}"),
+                severity: Severity::Error,
+            }),
+        }
+    }
+    load(&inputs, diags)
+}
+
+fn is_rule_file(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    lower.ends_with(".yaml") || lower.ends_with(".yml") || lower.ends_with(".json")
+}
+
+fn walk(dir: &Path, prefix: &str, out: &mut Vec<(String, PathBuf)>) -> io::Result<()> {
+    for entry in fs::read_dir(dir)? {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') {
+            continue;
+        }
+        let rel = if prefix.is_empty() {
+            name.clone()
+        } else {
+            format!("{prefix}/{name}")
+        };
+        let path = entry.path();
+        let ft = entry.file_type()?;
+        if ft.is_dir() {
+            walk(&path, &rel, out)?;
+        } else if is_rule_file(&name)
+            && (ft.is_file() || fs::metadata(&path).is_ok_and(|m| m.is_file()))
+        {
+            out.push((rel, path));
+        }
+    }
+    Ok(())
+}
+
+/// Loads already-read files; `diags` holds problems found before parsing.
+pub(crate) fn load(
+    files: &[SourceFile],
+    diags: Vec<Diagnostic>,
+) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Diagnostic>> {
+    let mut cx = Cx {
+        diags,
+        policies: BTreeMap::new(),
+        policy_locs: HashMap::new(),
+        used_policies: HashSet::new(),
+        rules: Vec::new(),
+        rule_locs: HashMap::new(),
+        targets: BTreeMap::new(),
+        target_locs: HashMap::new(),
+    };
+    let mut parsed = Vec::new();
+    for f in files {
+        let is_json = f.rel.to_ascii_lowercase().ends_with(".json");
+        match source::parse(&f.text, is_json) {
+            Ok(Some(node)) => parsed.push((f, node)),
+            Ok(None) => {}
+            Err(errs) => {
+                for SourceError { line, col, message } in errs {
+                    cx.push(&f.display, line, col, message, Severity::Error);
+                }
+            }
+        }
+    }
+    let mut roots = Vec::new();
+    for (f, node) in &parsed {
+        match node.kind {
+            NodeKind::Map(_) => {
+                cx.check_keys(&f.display, node, FILE_KEYS, "rule file");
+                roots.push((*f, node));
+            }
+            NodeKind::Null => {}
+            _ => cx.err(
+                &f.display,
+                node,
+                format!(
+                    "a rule file must be a mapping with `policies` and/or `rules`, not {}",
+                    node.type_name()
+                ),
+            ),
+        }
+    }
+    // Policies first: names are global, and rules in any file may use them.
+    for (f, root) in &roots {
+        if let Some(pols) = root.get("policies") {
+            match &pols.kind {
+                NodeKind::Map(entries) => {
+                    for (k, v) in entries {
+                        cx.policy(&f.display, k, v);
+                    }
+                }
+                NodeKind::Null => {}
+                _ => cx.err(
+                    &f.display,
+                    pols,
+                    format!(
+                        "`policies` must be a mapping of policy name to policy, not {}",
+                        pols.type_name()
+                    ),
+                ),
+            }
+        }
+    }
+    for (f, root) in &roots {
+        if let Some(rules) = root.get("rules") {
+            match &rules.kind {
+                NodeKind::Seq(items) => {
+                    for item in items {
+                        cx.rule(f, item);
+                    }
+                }
+                NodeKind::Null => {}
+                _ => cx.err(
+                    &f.display,
+                    rules,
+                    format!("`rules` must be a list of rules, not {}", rules.type_name()),
+                ),
+            }
+        }
+    }
+    let mut unused: Vec<(String, String, usize, usize)> = cx
+        .policy_locs
+        .iter()
+        .filter(|(name, _)| !cx.used_policies.contains(*name))
+        .map(|(name, (file, line, col))| (name.clone(), file.clone(), *line, *col))
+        .collect();
+    unused.sort();
+    for (name, file, line, col) in unused {
+        cx.push(
+            &file,
+            line,
+            col,
+            format!("policy `{name}` is not used by any target"),
+            Severity::Warning,
+        );
+    }
+
+    let order: HashMap<&str, usize> = files
+        .iter()
+        .enumerate()
+        .map(|(i, f)| (f.display.as_str(), i + 1))
+        .collect();
+    let mut diags = cx.diags;
+    diags.sort_by_key(|d| {
+        (
+            order.get(d.file.as_str()).copied().unwrap_or(0),
+            d.line,
+            d.col,
+        )
+    });
+    if diags.iter().any(Diagnostic::is_error) {
+        return Err(diags);
+    }
+    let hashed: Vec<(&str, &[u8])> = files
+        .iter()
+        .map(|f| (f.rel.as_str(), f.text.as_bytes()))
+        .collect();
+    let set = RuleSet {
+        version: version_of(&hashed),
+        files: files.iter().map(|f| f.rel.clone()).collect(),
+        policies: cx.policies,
+        rules: cx.rules,
+        targets: cx.targets,
+    };
+    Ok((set, diags))
+}
+
+/// A location: display file, line, col.
+type Loc = (String, usize, usize);
+
+fn loc_str((file, line, col): &Loc) -> String {
+    format!("{file}:{line}:{col}")
+}
+
+/// Loader state across all files.
+struct Cx {
+    diags: Vec<Diagnostic>,
+    policies: BTreeMap<String, PolicyConfig>,
+    policy_locs: HashMap<String, Loc>,
+    used_policies: HashSet<String>,
+    rules: Vec<Rule>,
+    rule_locs: HashMap<String, Loc>,
+    targets: BTreeMap<String, TargetSpec>,
+    target_locs: HashMap<String, Loc>,
+}
+
+impl Cx {
+    fn push(&mut self, file: &str, line: usize, col: usize, message: String, sev: Severity) {
+        self.diags.push(Diagnostic {
+            file: file.to_string(),
+            line,
+            col,
+            message,
+            severity: sev,
+        });
+    }
+
+    fn err(&mut self, file: &str, at: &Node, message: impl Into<String>) {
+        self.push(file, at.line, at.col, message.into(), Severity::Error);
+    }
+
+    fn warn(&mut self, file: &str, at: &Node, message: impl Into<String>) {
+        self.push(file, at.line, at.col, message.into(), Severity::Warning);
+    }
+
+    fn check_keys(&mut self, file: &str, node: &Node, allowed: &[&str], what: &str) {
+        for (k, _) in node.as_map().unwrap_or_default() {
+            let key = k.as_str().unwrap_or_default();
+            if !allowed.contains(&key) {
+                self.err(
+                    file,
+                    k,
+                    format!(
+                        "unknown key `{key}` in {what} (expected one of: {})",
+                        allowed.join(", ")
+                    ),
+                );
+            }
+        }
+    }
+
+    /// A string field, reporting a wrong type.
+    fn string<'a>(&mut self, file: &str, node: &'a Node, what: &str) -> Option<&'a str> {
+        match node.as_str() {
+            Some(s) => Some(s),
+            None => {
+                self.err(
+                    file,
+                    node,
+                    format!("`{what}` must be a string, not {}", node.type_name()),
+                );
+                None
+            }
+        }
+    }
+
+    fn json(&mut self, file: &str, node: &Node) -> Option<Value> {
+        let mut errs = Vec::new();
+        let v = node.to_json(&mut errs);
+        let ok = errs.is_empty();
+        for SourceError { line, col, message } in errs {
+            self.push(file, line, col, message, Severity::Error);
+        }
+        ok.then_some(v)
+    }
+
+    // ---------------------------------------------------------------- policies
+
+    fn policy(&mut self, file: &str, key: &Node, node: &Node) {
+        let name = key.as_str().unwrap_or_default().to_string();
+        if !valid_name(&name) {
+            self.err(file, key, format!("invalid policy name `{name}`"));
+        }
+        if let Some(first) = self.policy_locs.get(&name) {
+            let first = loc_str(first);
+            self.err(
+                file,
+                key,
+                format!("duplicate policy `{name}` (first defined at {first})"),
+            );
+            return;
+        }
+        self.policy_locs
+            .insert(name.clone(), (file.to_string(), key.line, key.col));
+        let Some(policy) = self.decode_policy(file, node) else {
+            // Keep the name known so targets using it do not add "unknown policy" noise.
+            self.policies.insert(name, PolicyConfig::default());
+            return;
+        };
+        for problem in policy.validate() {
+            let at = problem_node(node, key, &problem);
+            self.err(file, at, format!("policy `{name}`: {problem}"));
+        }
+        let (attempts, _) = policy.worst_case();
+        if attempts > WORST_CASE_ATTEMPTS_SMELL {
+            let at = node
+                .get("retry")
+                .and_then(|r| r.get("max_attempts"))
+                .unwrap_or(key);
+            self.warn(
+                file,
+                at,
+                format!(
+                    "worst case {attempts} attempts per event; more than {WORST_CASE_ATTEMPTS_SMELL} is a smell"
+                ),
+            );
+        }
+        self.policies.insert(name, policy);
+    }
+
+    fn decode_policy(&mut self, file: &str, node: &Node) -> Option<PolicyConfig> {
+        match node.kind {
+            NodeKind::Null => return Some(PolicyConfig::default()),
+            NodeKind::Map(_) => {}
+            _ => {
+                self.err(
+                    file,
+                    node,
+                    format!("a policy must be a mapping, not {}", node.type_name()),
+                );
+                return None;
+            }
+        }
+        let json = self.json(file, node)?;
+        let whole = match serde_json::from_value::<PolicyConfig>(json) {
+            Ok(p) => return Some(p),
+            Err(e) => e,
+        };
+        // Locate the problem(s): decode each field (and each field of the nested sections)
+        // on its own; every field has a default, so only the bad ones fail.
+        let before = self.diags.len();
+        for (k, v) in node.as_map().unwrap_or_default() {
+            let key = k.as_str().unwrap_or_default();
+            let Some(vj) = self.json(file, v) else {
+                continue;
+            };
+            let single = serde_json::json!({ key: vj });
+            let Err(e) = serde_json::from_value::<PolicyConfig>(single) else {
+                continue;
+            };
+            let inner_before = self.diags.len();
+            if POLICY_SECTIONS.contains(&key) {
+                for (k2, v2) in v.as_map().unwrap_or_default() {
+                    let key2 = k2.as_str().unwrap_or_default();
+                    let Some(v2j) = self.json(file, v2) else {
+                        continue;
+                    };
+                    let nested = serde_json::json!({ key: { key2: v2j } });
+                    if let Err(e2) = serde_json::from_value::<PolicyConfig>(nested) {
+                        self.serde_err(file, k2, v2, &format!("{key}.{key2}"), &e2);
+                    }
+                }
+            }
+            if self.diags.len() == inner_before {
+                self.serde_err(file, k, v, key, &e);
+            }
+        }
+        if self.diags.len() == before {
+            self.err(file, node, format!("invalid policy: {whole}"));
+        }
+        None
+    }
+
+    fn serde_err(
+        &mut self,
+        file: &str,
+        key: &Node,
+        value: &Node,
+        path: &str,
+        e: &serde_json::Error,
+    ) {
+        let msg = e.to_string();
+        if msg.starts_with("unknown field") {
+            self.err(file, key, format!("policy: {msg}"));
+        } else {
+            self.err(file, value, format!("policy `{path}`: {msg}"));
+        }
+    }
+
+    // ---------------------------------------------------------------- rules
+
+    fn rule(&mut self, f: &SourceFile, node: &Node) {
+        let file = f.display.as_str();
+        if node.as_map().is_none() {
+            self.err(
+                file,
+                node,
+                format!("a rule must be a mapping, not {}", node.type_name()),
+            );
+            return;
+        }
+        self.check_keys(file, node, RULE_KEYS, "rule");
+        let mut ok = true;
+        let name = match node.get("name") {
+            None => {
+                self.err(file, node, "rule is missing `name`");
+                None
+            }
+            Some(n) => match self.string(file, n, "name") {
+                Some(s) if valid_name(s) => {
+                    if let Some(first) = self.rule_locs.get(s) {
+                        let first = loc_str(first);
+                        self.err(
+                            file,
+                            n,
+                            format!("duplicate rule name `{s}` (first defined at {first})"),
+                        );
+                        ok = false;
+                    } else {
+                        self.rule_locs
+                            .insert(s.to_string(), (file.to_string(), n.line, n.col));
+                    }
+                    Some(s.to_string())
+                }
+                Some(s) => {
+                    self.err(
+                        file,
+                        n,
+                        format!(
+                            "invalid rule name `{s}`: use a non-empty name without spaces or `/`"
+                        ),
+                    );
+                    None
+                }
+                None => None,
+            },
+        };
+        let description = match node.get("description") {
+            None => None,
+            Some(Node {
+                kind: NodeKind::Null,
+                ..
+            }) => None,
+            Some(d) => self.string(file, d, "description").map(str::to_string),
+        };
+        let enabled = match node.get("enabled") {
+            None => true,
+            Some(Node {
+                kind: NodeKind::Bool(b),
+                ..
+            }) => *b,
+            Some(other) => {
+                self.err(
+                    file,
+                    other,
+                    format!("`enabled` must be true or false, not {}", other.type_name()),
+                );
+                true
+            }
+        };
+        let compiled = match node.get("pattern") {
+            None => {
+                self.err(file, node, "rule is missing `pattern`");
+                None
+            }
+            Some(p) => self.pattern(file, p),
+        };
+        let rule_name = name.clone().unwrap_or_else(|| "<unnamed>".to_string());
+        let mut target_ids = Vec::new();
+        match node.get("targets") {
+            None => self.err(file, node, "rule is missing `targets`"),
+            Some(t) => match &t.kind {
+                NodeKind::Seq(items) if items.is_empty() => {
+                    self.err(file, t, "rule has no targets (`targets` is empty)")
+                }
+                NodeKind::Seq(items) => {
+                    for (i, item) in items.iter().enumerate() {
+                        if let Some(id) = self.target(file, &rule_name, i, item) {
+                            target_ids.push(id);
+                        }
+                    }
+                }
+                _ => self.err(
+                    file,
+                    t,
+                    format!("`targets` must be a list, not {}", t.type_name()),
+                ),
+            },
+        }
+        if let (true, Some(name), Some((pattern, pattern_json))) = (ok, name, compiled) {
+            self.rules.push(Rule {
+                name,
+                description,
+                enabled,
+                file: f.rel.clone(),
+                line: node.line,
+                pattern,
+                pattern_json,
+                target_ids,
+            });
+        }
+    }
+
+    fn pattern(&mut self, file: &str, p: &Node) -> Option<(Pattern, Value)> {
+        let json = self.json(file, p)?;
+        match Pattern::compile(&json) {
+            Ok(pattern) => Some((pattern, json)),
+            Err(errs) => {
+                for e in errs {
+                    let at = p.at_pointer(&e.pointer);
+                    let msg = if e.pointer.is_empty() {
+                        format!("pattern: {}", e.message)
+                    } else {
+                        format!("pattern {}: {}", e.pointer, e.message)
+                    };
+                    self.err(file, at, msg);
+                }
+                None
+            }
+        }
+    }
+
+    fn target(&mut self, file: &str, rule: &str, index: usize, node: &Node) -> Option<String> {
+        if node.as_map().is_none() {
+            self.err(
+                file,
+                node,
+                format!("a target must be a mapping, not {}", node.type_name()),
+            );
+            return None;
+        }
+        self.check_keys(file, node, TARGET_KEYS, "target");
+        let kinds: Vec<(&Node, &Node)> = node
+            .as_map()
+            .unwrap_or_default()
+            .iter()
+            .filter(|(k, _)| TARGET_KINDS.contains(&k.as_str().unwrap_or_default()))
+            .map(|(k, v)| (k, v))
+            .collect();
+        let mut ok = true;
+        let kind = match kinds.as_slice() {
+            [] => {
+                self.err(
+                    file,
+                    node,
+                    "a target needs exactly one of `webhook`, `handler` or `nats`",
+                );
+                None
+            }
+            [(k, v)] => self.target_kind(file, node, k.as_str().unwrap_or_default(), v),
+            [(k1, _), (k2, _), ..] => {
+                self.err(
+                    file,
+                    k2,
+                    format!(
+                        "a target has exactly one kind; this one has both `{}` and `{}`",
+                        k1.as_str().unwrap_or_default(),
+                        k2.as_str().unwrap_or_default()
+                    ),
+                );
+                None
+            }
+        };
+        let is_webhook = matches!(kind, Some(TargetKind::Webhook { .. }))
+            || kinds.iter().any(|(k, _)| k.as_str() == Some("webhook"));
+        for only_webhook in ["headers", "secret_env"] {
+            if !is_webhook && let Some(k) = node.key_node(only_webhook) {
+                self.err(
+                    file,
+                    k,
+                    format!("`{only_webhook}` applies to webhook targets only"),
+                );
+                ok = false;
+            }
+        }
+        let (id, id_node) = match node.get("id") {
+            None => (format!("{rule}-{index}"), node),
+            Some(n) => match self.string(file, n, "id") {
+                Some(s) if valid_name(s) => (s.to_string(), n),
+                Some(s) => {
+                    self.err(
+                        file,
+                        n,
+                        format!(
+                            "invalid target id `{s}`: use a non-empty id without spaces or `/`"
+                        ),
+                    );
+                    return None;
+                }
+                None => return None,
+            },
+        };
+        if let Some(first) = self.target_locs.get(&id) {
+            let first = loc_str(first);
+            self.err(
+                file,
+                id_node,
+                format!("duplicate target id `{id}` (first used at {first})"),
+            );
+            ok = false;
+        } else {
+            self.target_locs
+                .insert(id.clone(), (file.to_string(), id_node.line, id_node.col));
+        }
+        let (policy_name, policy) = match node.get("policy") {
+            None => (None, PolicyConfig::default()),
+            Some(n) => match self.string(file, n, "policy") {
+                Some(p) => match self.policies.get(p) {
+                    Some(policy) => {
+                        self.used_policies.insert(p.to_string());
+                        (Some(p.to_string()), policy.clone())
+                    }
+                    None => {
+                        let known: Vec<&str> = self.policies.keys().map(String::as_str).collect();
+                        let hint = if known.is_empty() {
+                            "no policies are defined".to_string()
+                        } else {
+                            format!("defined: {}", known.join(", "))
+                        };
+                        self.err(file, n, format!("unknown policy `{p}` ({hint})"));
+                        return None;
+                    }
+                },
+                None => return None,
+            },
+        };
+        let kind = kind?;
+        if !ok {
+            return None;
+        }
+        self.targets.insert(
+            id.clone(),
+            TargetSpec {
+                id: id.clone(),
+                rule: rule.to_string(),
+                kind,
+                policy_name,
+                policy,
+            },
+        );
+        Some(id)
+    }
+
+    fn target_kind(
+        &mut self,
+        file: &str,
+        target: &Node,
+        kind: &str,
+        v: &Node,
+    ) -> Option<TargetKind> {
+        let value = self.string(file, v, kind)?;
+        match kind {
+            "webhook" => {
+                let mut ok = true;
+                if let Err(msg) = check_url(value) {
+                    self.err(file, v, msg);
+                    ok = false;
+                }
+                let mut headers = BTreeMap::new();
+                if let Some(h) = target.get("headers") {
+                    match h.as_map() {
+                        Some(entries) => {
+                            for (k, hv) in entries {
+                                let name = k.as_str().unwrap_or_default();
+                                if !valid_header_name(name) {
+                                    self.err(file, k, format!("invalid header name `{name}`"));
+                                    ok = false;
+                                    continue;
+                                }
+                                let val = match &hv.kind {
+                                    NodeKind::Str(s) => s.clone(),
+                                    NodeKind::Int(i) => i.to_string(),
+                                    NodeKind::Float(x) => x.to_string(),
+                                    NodeKind::Bool(b) => b.to_string(),
+                                    _ => {
+                                        self.err(
+                                            file,
+                                            hv,
+                                            format!(
+                                                "header `{name}` must have a string value, not {}",
+                                                hv.type_name()
+                                            ),
+                                        );
+                                        ok = false;
+                                        continue;
+                                    }
+                                };
+                                if val.contains(['\r', '\n']) {
+                                    self.err(
+                                        file,
+                                        hv,
+                                        format!("header `{name}` value contains a line break"),
+                                    );
+                                    ok = false;
+                                    continue;
+                                }
+                                if looks_secret(name) {
+                                    self.warn(
+                                        file,
+                                        k,
+                                        format!(
+                                            "header `{name}` looks like a credential; secrets must come from the environment or the secrets file, not rule files"
+                                        ),
+                                    );
+                                }
+                                headers.insert(name.to_string(), val);
+                            }
+                        }
+                        None => {
+                            self.err(
+                                file,
+                                h,
+                                format!(
+                                    "`headers` must be a mapping of name to value, not {}",
+                                    h.type_name()
+                                ),
+                            );
+                            ok = false;
+                        }
+                    }
+                }
+                let secret_env = match target.get("secret_env") {
+                    None => None,
+                    Some(n) => match self.string(file, n, "secret_env") {
+                        Some(s) if valid_env_name(s) => Some(s.to_string()),
+                        Some(s) => {
+                            self.err(
+                                file,
+                                n,
+                                format!(
+                                    "`secret_env` must name an environment variable (letters, digits, `_`), not `{s}`"
+                                ),
+                            );
+                            ok = false;
+                            None
+                        }
+                        None => {
+                            ok = false;
+                            None
+                        }
+                    },
+                };
+                ok.then(|| TargetKind::Webhook {
+                    url: value.to_string(),
+                    headers,
+                    secret_env,
+                })
+            }
+            "handler" => {
+                if valid_name(value) {
+                    Some(TargetKind::Handler {
+                        name: value.to_string(),
+                    })
+                } else {
+                    self.err(file, v, format!("invalid handler name `{value}`"));
+                    None
+                }
+            }
+            _ => match check_subject(value) {
+                Ok(()) => Some(TargetKind::Nats {
+                    subject: value.to_string(),
+                }),
+                Err(msg) => {
+                    self.err(file, v, msg);
+                    None
+                }
+            },
+        }
+    }
+}
+
+/// The node a policy problem is about: the dotted path its message starts with
+/// (`retry.base_delay ...`), as deep as it exists in the file, else the policy's name.
+fn problem_node<'a>(policy: &'a Node, key: &'a Node, problem: &str) -> &'a Node {
+    let path = problem.split_whitespace().next().unwrap_or_default();
+    let mut found = key;
+    let mut cur = policy;
+    for seg in path.split('.') {
+        match cur.get(seg) {
+            Some(n) => {
+                found = n;
+                cur = n;
+            }
+            None => break,
+        }
+    }
+    found
+}
+
+/// Names of rules, targets, policies and handlers: non-empty, at most 200 bytes, no
+/// whitespace, control characters or `/` (they appear in URLs, metrics and logs).
+fn valid_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 200
+        && !s
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control() || c == '/')
+}
+
+fn valid_env_name(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+fn valid_header_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c))
+}
+
+fn looks_secret(header: &str) -> bool {
+    let h = header.to_ascii_lowercase();
+    SECRET_HEADERS.contains(&h.as_str()) || SECRET_WORDS.iter().any(|w| h.contains(w))
+}
+
+/// Minimal absolute-URL check: `http`/`https` scheme, a host, an optional numeric port, no
+/// credentials and no whitespace.
+fn check_url(url: &str) -> Result<(), String> {
+    if url.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(format!("webhook URL `{url}` contains whitespace"));
+    }
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Err(format!(
+            "webhook URL `{url}` must be an absolute http:// or https:// URL"
+        ));
+    };
+    if !scheme.eq_ignore_ascii_case("http") && !scheme.eq_ignore_ascii_case("https") {
+        return Err(format!(
+            "webhook URL `{url}` must use http or https, not `{scheme}`"
+        ));
+    }
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    if authority.contains('@') {
+        return Err(format!(
+            "webhook URL `{url}` must not contain credentials; use `secret_env` or the secrets file"
+        ));
+    }
+    let bad_host = || format!("webhook URL `{url}` has an invalid host");
+    let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
+        match v6.split_once(']') {
+            Some((h, "")) if h.parse::<std::net::Ipv6Addr>().is_ok() => (h, None),
+            Some((h, rest)) if h.parse::<std::net::Ipv6Addr>().is_ok() => {
+                (h, Some(rest.strip_prefix(':').ok_or_else(bad_host)?))
+            }
+            _ => return Err(bad_host()),
+        }
+    } else {
+        match authority.split_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (authority, None),
+        }
+    };
+    if host.is_empty() {
+        return Err(format!("webhook URL `{url}` has no host"));
+    }
+    if let Some(p) = port
+        && (p.is_empty() || !p.chars().all(|c| c.is_ascii_digit()) || p.parse::<u16>().is_err())
+    {
+        return Err(format!("webhook URL `{url}` has an invalid port"));
+    }
+    Ok(())
+}
+
+/// A NATS subject to publish to: dot-separated non-empty tokens, no whitespace, no wildcards.
+fn check_subject(s: &str) -> Result<(), String> {
+    if s.is_empty() || s.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(format!("invalid NATS subject `{s}`"));
+    }
+    for token in s.split('.') {
+        if token.is_empty() {
+            return Err(format!("NATS subject `{s}` has an empty token"));
+        }
+        if token == "*" || token == ">" {
+            return Err(format!(
+                "NATS subject `{s}` contains the wildcard `{token}`; targets publish to a concrete subject"
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,829 @@
+//! Loader tests: good sets, every error kind with its `file:line:col`, warnings, versions.
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::policy::{OnDeadLetter, PolicyConfig};
+use crate::rules::{Diagnostic, RuleMatch, RuleSet, Severity, TargetKind};
+
+fn ok(files: &[(&str, &str)]) -> (RuleSet, Vec<Diagnostic>) {
+    match RuleSet::from_sources(files) {
+        Ok(r) => r,
+        Err(d) => panic!("unexpected errors:\n{}", lines(&d)),
+    }
+}
+
+fn lines(d: &[Diagnostic]) -> String {
+    d.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// All diagnostics (as displayed) of a set that must fail.
+fn errs(files: &[(&str, &str)]) -> Vec<String> {
+    match RuleSet::from_sources(files) {
+        Ok((_, w)) => panic!("expected errors, loaded fine; warnings:\n{}", lines(&w)),
+        Err(d) => d.iter().map(ToString::to_string).collect(),
+    }
+}
+
+/// Asserts that exactly one error was reported, starting with `prefix` and containing `text`.
+fn one_err(files: &[(&str, &str)], prefix: &str, text: &str) {
+    let e = errs(files);
+    assert_eq!(e.len(), 1, "{e:#?}");
+    assert!(
+        e[0].starts_with(prefix) && e[0].contains(text),
+        "got {:?}, want prefix {prefix:?} and {text:?}",
+        e[0]
+    );
+}
+
+const POLICIES: &str = "\
+policies:
+  payments:
+    timeout: 2s
+    retry: { max_attempts: 6, base_delay: 200ms, max_delay: 30s, jitter: full, max_age: 24h, retry_after_max: 1h }
+    breaker: { failure_rate: 0.5, min_requests: 20, window: 30s, open_for: 30s, half_open_probes: 1, consecutive_failures: null }
+    throttle: { rate_per_sec: 50, burst: 100, max_concurrency: 8 }
+    retry_budget: 0.1
+    ordering: partitionkey
+    on_dead_letter: hold
+    max_queue_depth: 1000
+";
+
+const ORDERS: &str = "\
+rules:
+  - name: paid-orders-to-invoicing
+    description: paid orders go to the ERP and the invoicing handler
+    pattern:
+      type: [order.paid]
+      data: { total: [{ numeric: ['>', 0] }], country: [{ anything-but: [XX] }] }
+    targets:
+      - webhook: http://127.0.0.1:9000/erp
+        id: erp
+        policy: payments
+        headers: { X-Team: erp }
+        secret_env: ERP_WEBHOOK_SECRET
+      - handler: invoicing
+      - nats: orders.paid
+  - name: all-orders-audit
+    pattern: { detail-type: [{ prefix: order. }] }
+    targets:
+      - nats: audit.orders
+  - name: disabled-rule
+    enabled: false
+    pattern: { type: [order.paid] }
+    targets:
+      - handler: never
+";
+
+const SHIPPING_JSON: &str = r#"{
+  "rules": [
+    {
+      "name": "shipping",
+      "pattern": { "type": ["order.paid"], "data": { "country": ["DE", "FR"] } },
+      "targets": [ { "handler": "shipping", "policy": "payments" } ]
+    }
+  ]
+}
+"#;
+
+fn good() -> (RuleSet, Vec<Diagnostic>) {
+    ok(&[
+        ("a/policies.yaml", POLICIES),
+        ("b/orders.yaml", ORDERS),
+        ("c/shipping.json", SHIPPING_JSON),
+    ])
+}
+
+#[test]
+fn good_multi_file_set_loads() {
+    let (set, warnings) = good();
+    assert!(warnings.is_empty(), "{}", lines(&warnings));
+    assert_eq!(
+        set.files,
+        vec!["a/policies.yaml", "b/orders.yaml", "c/shipping.json"]
+    );
+    assert_eq!(set.version.len(), 12);
+    assert!(set.version.chars().all(|c| c.is_ascii_hexdigit()));
+    let names: Vec<&str> = set.rules.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(
+        names,
+        vec![
+            "paid-orders-to-invoicing",
+            "all-orders-audit",
+            "disabled-rule",
+            "shipping"
+        ]
+    );
+    let r0 = &set.rules[0];
+    assert_eq!((r0.file.as_str(), r0.line), ("b/orders.yaml", 2));
+    assert_eq!(
+        r0.description.as_deref(),
+        Some("paid orders go to the ERP and the invoicing handler")
+    );
+    assert_eq!(
+        r0.target_ids,
+        vec![
+            "erp",
+            "paid-orders-to-invoicing-1",
+            "paid-orders-to-invoicing-2"
+        ]
+    );
+    assert_eq!(r0.pattern_json["type"], json!(["order.paid"]));
+    assert!(!set.rules[2].enabled);
+    assert_eq!(set.targets.len(), 6);
+
+    let erp = &set.targets["erp"];
+    assert_eq!(erp.rule, "paid-orders-to-invoicing");
+    assert_eq!(erp.policy_name.as_deref(), Some("payments"));
+    assert_eq!(erp.policy.timeout, Duration::from_secs(2));
+    assert_eq!(erp.policy.on_dead_letter, OnDeadLetter::Hold);
+    match &erp.kind {
+        TargetKind::Webhook {
+            url,
+            headers,
+            secret_env,
+        } => {
+            assert_eq!(url, "http://127.0.0.1:9000/erp");
+            assert_eq!(headers.get("X-Team").map(String::as_str), Some("erp"));
+            assert_eq!(secret_env.as_deref(), Some("ERP_WEBHOOK_SECRET"));
+        }
+        other => panic!("{other:?}"),
+    }
+    let inv = &set.targets["paid-orders-to-invoicing-1"];
+    assert_eq!(inv.policy_name, None);
+    assert_eq!(inv.policy, PolicyConfig::default());
+    assert_eq!(
+        set.targets["paid-orders-to-invoicing-2"].kind,
+        TargetKind::Nats {
+            subject: "orders.paid".into()
+        }
+    );
+    // A policy defined in one file is used from a JSON file loaded later.
+    assert_eq!(set.targets["shipping-0"].policy, set.policies["payments"]);
+}
+
+#[test]
+fn matches_enabled_rules_in_file_order() {
+    let (set, _) = good();
+    let ev = json!({"specversion": "1.0", "id": "1", "source": "/shop", "type": "order.paid",
+                    "data": {"total": 10, "country": "DE"}});
+    let m = set.matches(&ev);
+    assert_eq!(
+        m,
+        vec![
+            RuleMatch {
+                rule: "paid-orders-to-invoicing".into(),
+                target_ids: vec![
+                    "erp".into(),
+                    "paid-orders-to-invoicing-1".into(),
+                    "paid-orders-to-invoicing-2".into()
+                ],
+            },
+            RuleMatch {
+                rule: "all-orders-audit".into(),
+                target_ids: vec!["all-orders-audit-0".into()],
+            },
+            RuleMatch {
+                rule: "shipping".into(),
+                target_ids: vec!["shipping-0".into()],
+            },
+        ]
+    );
+    let cancelled = json!({"type": "order.cancelled", "data": {"total": 0}});
+    let m: Vec<String> = set
+        .matches(&cancelled)
+        .into_iter()
+        .map(|m| m.rule)
+        .collect();
+    assert_eq!(m, vec!["all-orders-audit"]);
+    assert!(RuleSet::empty().matches(&ev).is_empty());
+}
+
+#[test]
+fn empty_set_and_empty_files() {
+    let e = RuleSet::empty();
+    assert!(e.rules.is_empty() && e.targets.is_empty() && e.files.is_empty());
+    assert_eq!(e.version.len(), 12);
+    let (set, w) = ok(&[("empty.yaml", ""), ("comment.yml", "# nothing yet\n")]);
+    assert!(set.rules.is_empty() && w.is_empty());
+    assert_eq!(set.files.len(), 2);
+}
+
+#[test]
+fn version_changes_with_content_and_path() {
+    let v = |files: &[(&str, &str)]| ok(files).0.version;
+    let base = v(&[("a.yaml", ORDERS), ("p.yaml", POLICIES)]);
+    assert_eq!(base, v(&[("a.yaml", ORDERS), ("p.yaml", POLICIES)]));
+    let edited = ORDERS.replace("all-orders-audit", "all-orders-log");
+    assert_ne!(base, v(&[("a.yaml", &edited), ("p.yaml", POLICIES)]));
+    assert_ne!(base, v(&[("b.yaml", ORDERS), ("p.yaml", POLICIES)]));
+    // Moving bytes between the path and the content changes the hash too.
+    assert_ne!(v(&[("ab.yaml", "")]), v(&[("a.yaml", ""), ("b.yaml", "")]));
+}
+
+#[test]
+fn yaml_syntax_error_has_parser_position() {
+    let e = errs(&[("r.yaml", "rules:\n  - name: a\n    pattern: { type: [x }\n")]);
+    assert_eq!(e.len(), 1, "{e:?}");
+    assert!(e[0].starts_with("r.yaml:3:"), "{e:?}");
+    assert!(e[0].contains("YAML syntax error"), "{e:?}");
+}
+
+#[test]
+fn json_syntax_error_has_position() {
+    one_err(
+        &[(
+            "r.json",
+            "{\n  \"rules\": [\n    {\"name\": \"a\",}\n  ]\n}\n",
+        )],
+        "r.json:3:18: ",
+        "JSON syntax error",
+    );
+}
+
+#[test]
+fn duplicate_yaml_keys_are_errors() {
+    one_err(
+        &[("r.yaml", "rules:\n  - name: a\n    name: b\n")],
+        "r.yaml:3:5: ",
+        "duplicated key",
+    );
+}
+
+#[test]
+fn unknown_keys_everywhere() {
+    let src = "\
+rulez: []
+policies:
+  p:
+    timeot: 1s
+    retry: { max_attempt: 3 }
+rules:
+  - name: a
+    patern: { type: [x] }
+    pattern: { type: [x] }
+    targets:
+      - handler: h
+        polcy: p
+";
+    let e: Vec<String> = errs(&[("r.yaml", src)])
+        .into_iter()
+        .filter(|l| !l.contains("warning: "))
+        .collect();
+    assert_eq!(e.len(), 5, "{e:#?}");
+    assert!(
+        e[0].starts_with("r.yaml:1:1: unknown key `rulez` in rule file"),
+        "{e:#?}"
+    );
+    assert!(
+        e[1].starts_with("r.yaml:4:5: policy: unknown field `timeot`"),
+        "{e:#?}"
+    );
+    assert!(
+        e[2].starts_with("r.yaml:5:14: policy: unknown field `max_attempt`"),
+        "{e:#?}"
+    );
+    assert!(
+        e[3].starts_with("r.yaml:8:5: unknown key `patern` in rule"),
+        "{e:#?}"
+    );
+    assert!(
+        e[4].starts_with("r.yaml:12:9: unknown key `polcy` in target"),
+        "{e:#?}"
+    );
+}
+
+#[test]
+fn missing_name_pattern_targets() {
+    let src = "rules:\n  - description: nothing else\n";
+    let e = errs(&[("r.yaml", src)]);
+    assert_eq!(
+        e,
+        vec![
+            "r.yaml:2:5: rule is missing `name`",
+            "r.yaml:2:5: rule is missing `pattern`",
+            "r.yaml:2:5: rule is missing `targets`",
+        ]
+    );
+    one_err(
+        &[(
+            "r.yaml",
+            "rules:\n  - name: a\n    pattern: {type: [x]}\n    targets: []\n",
+        )],
+        "r.yaml:4:14: ",
+        "no targets",
+    );
+    one_err(
+        &[(
+            "r.yaml",
+            "rules:\n  - name: 5\n    pattern: {type: [x]}\n    targets: [{handler: h}]\n",
+        )],
+        "r.yaml:2:11: ",
+        "`name` must be a string",
+    );
+}
+
+#[test]
+fn duplicate_rule_names_across_files() {
+    let a =
+        "rules:\n  - name: dup\n    pattern: {type: [x]}\n    targets: [{handler: h, id: t1}]\n";
+    let b = "\n\nrules:\n  - name: dup\n    pattern: {type: [y]}\n    targets: [{handler: h, id: t2}]\n";
+    one_err(
+        &[("a.yaml", a), ("b.yaml", b)],
+        "b.yaml:4:11: ",
+        "duplicate rule name `dup` (first defined at a.yaml:2:11)",
+    );
+}
+
+#[test]
+fn duplicate_target_ids() {
+    let src = "\
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - handler: h
+        id: same
+      - nats: s.t
+        id: same
+  - name: b
+    pattern: {type: [x]}
+    targets:
+      - handler: h
+  - name: b-0x
+    pattern: {type: [x]}
+    targets:
+      - handler: h
+        id: b-0
+";
+    let e = errs(&[("r.yaml", src)]);
+    assert_eq!(e.len(), 2, "{e:#?}");
+    assert_eq!(
+        e[0],
+        "r.yaml:8:13: duplicate target id `same` (first used at r.yaml:6:13)"
+    );
+    // A derived id clashing with an explicit one points at the derived target's position.
+    assert_eq!(
+        e[1],
+        "r.yaml:17:13: duplicate target id `b-0` (first used at r.yaml:12:9)"
+    );
+}
+
+#[test]
+fn target_kinds_zero_or_two() {
+    let src = "\
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - id: nothing
+      - handler: h
+        nats: also.this
+";
+    let e = errs(&[("r.yaml", src)]);
+    assert_eq!(e.len(), 2, "{e:#?}");
+    assert!(
+        e[0].starts_with("r.yaml:5:9: a target needs exactly one of"),
+        "{e:#?}"
+    );
+    assert!(
+        e[1].starts_with(
+            "r.yaml:7:9: a target has exactly one kind; this one has both `handler` and `nats`"
+        ),
+        "{e:#?}"
+    );
+}
+
+#[test]
+fn webhook_urls() {
+    let t = |url: &str| {
+        format!(
+            "rules:\n  - name: a\n    pattern: {{type: [x]}}\n    targets:\n      - webhook: \"{url}\"\n"
+        )
+    };
+    for good in [
+        "http://127.0.0.1:9000/erp",
+        "https://example.com",
+        "HTTPS://example.com/a?b=c#d",
+        "http://[::1]:8080/x",
+        "http://host:1/",
+    ] {
+        ok(&[("r.yaml", &t(good))]);
+    }
+    for (bad, why) in [
+        ("ftp://example.com/", "must use http or https"),
+        ("example.com/hook", "absolute http"),
+        ("http:///path", "no host"),
+        ("http://host:99999/", "invalid port"),
+        ("http://host:x/", "invalid port"),
+        ("http://user:pw@host/", "credentials"),
+        ("http://[zz]/", "invalid host"),
+        ("http://ho st/", "whitespace"),
+    ] {
+        one_err(&[("r.yaml", &t(bad))], "r.yaml:5:18: ", why);
+    }
+}
+
+#[test]
+fn webhook_only_fields_and_secrets() {
+    let src = "\
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - handler: h
+        headers: {X-A: b}
+        secret_env: S
+      - webhook: http://h/
+        secret_env: 1BAD
+";
+    let e = errs(&[("r.yaml", src)]);
+    assert_eq!(e.len(), 3, "{e:#?}");
+    assert!(e[0].starts_with("r.yaml:6:9: `headers` applies to webhook targets only"));
+    assert!(e[1].starts_with("r.yaml:7:9: `secret_env` applies to webhook targets only"));
+    assert!(e[2].starts_with("r.yaml:9:21: `secret_env` must name an environment variable"));
+
+    let warn = "\
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - webhook: http://h/
+        headers: { Authorization: Bearer abc, X-Version: 2 }
+";
+    let (set, w) = ok(&[("r.yaml", warn)]);
+    assert_eq!(w.len(), 1, "{}", lines(&w));
+    assert_eq!(w[0].severity, Severity::Warning);
+    assert!(
+        w[0].to_string()
+            .starts_with("r.yaml:6:20: warning: header `Authorization` looks like a credential"),
+        "{}",
+        w[0]
+    );
+    match &set.targets["a-0"].kind {
+        TargetKind::Webhook { headers, .. } => assert_eq!(headers["X-Version"], "2"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn nats_and_handler_names() {
+    let t = |kind: &str, v: &str| {
+        format!(
+            "rules:\n  - name: a\n    pattern: {{type: [x]}}\n    targets:\n      - {kind}: \"{v}\"\n"
+        )
+    };
+    one_err(
+        &[("r.yaml", &t("nats", "orders.*"))],
+        "r.yaml:5:15: ",
+        "wildcard",
+    );
+    one_err(
+        &[("r.yaml", &t("nats", "orders..x"))],
+        "r.yaml:5:15: ",
+        "empty token",
+    );
+    one_err(
+        &[("r.yaml", &t("handler", "has space"))],
+        "r.yaml:5:18: ",
+        "invalid handler name",
+    );
+    one_err(
+        &[("r.yaml", &t("handler", ""))],
+        "r.yaml:5:18: ",
+        "invalid handler name",
+    );
+}
+
+#[test]
+fn unknown_policy_name() {
+    let src = "\
+policies:
+  slow: {timeout: 30s}
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - handler: h
+        policy: fast
+      - handler: h2
+        policy: slow
+";
+    one_err(
+        &[("r.yaml", src)],
+        "r.yaml:8:17: ",
+        "unknown policy `fast` (defined: slow)",
+    );
+}
+
+#[test]
+fn duplicate_policy_across_files() {
+    let a = "policies:\n  p: {}\n";
+    let b = "policies:\n  p: {timeout: 1s}\n";
+    let e = errs(&[("a.yaml", a), ("b.yaml", b)]);
+    assert!(
+        e.iter()
+            .any(|l| l == "b.yaml:2:3: duplicate policy `p` (first defined at a.yaml:2:3)"),
+        "{e:#?}"
+    );
+}
+
+#[test]
+fn policy_type_errors_are_located() {
+    let src = "\
+policies:
+  p:
+    timeout: soon
+    retry:
+      max_attempts: many
+      jitter: sometimes
+    retry_budget: lots
+    ordering: data.x
+";
+    let e = errs(&[("r.yaml", src)]);
+    let e: Vec<&str> = e
+        .iter()
+        .map(String::as_str)
+        .filter(|l| !l.contains("not used"))
+        .collect();
+    assert_eq!(e.len(), 5, "{e:#?}");
+    assert!(
+        e[0].starts_with("r.yaml:3:14: policy `timeout`: "),
+        "{e:#?}"
+    );
+    assert!(
+        e[1].starts_with("r.yaml:5:21: policy `retry.max_attempts`: invalid type"),
+        "{e:#?}"
+    );
+    assert!(
+        e[2].starts_with("r.yaml:6:15: policy `retry.jitter`: unknown variant"),
+        "{e:#?}"
+    );
+    assert!(
+        e[3].starts_with("r.yaml:7:19: policy `retry_budget`: invalid type"),
+        "{e:#?}"
+    );
+    assert!(
+        e[4].starts_with("r.yaml:8:15: policy `ordering`: ordering must be"),
+        "{e:#?}"
+    );
+}
+
+#[test]
+fn policy_validation_problems_are_errors_at_the_field() {
+    let src = "\
+policies:
+  p:
+    retry:
+      max_attempts: 0
+      base_delay: 1m
+      max_delay: 10s
+    breaker: { failure_rate: 1.5 }
+    throttle: { rate_per_sec: 0 }
+    retry_budget: 2
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets: [{handler: h, policy: p}]
+";
+    let e = errs(&[("r.yaml", src)]);
+    assert_eq!(
+        e,
+        vec![
+            "r.yaml:4:21: policy `p`: retry.max_attempts must be at least 1",
+            "r.yaml:5:19: policy `p`: retry.base_delay (1m) is greater than retry.max_delay (10s)",
+            "r.yaml:7:30: policy `p`: breaker.failure_rate must be in (0, 1], not 1.5",
+            "r.yaml:8:31: policy `p`: throttle.rate_per_sec must be greater than 0, not 0",
+            "r.yaml:9:19: policy `p`: retry_budget must be in [0, 1], not 2",
+        ]
+    );
+}
+
+#[test]
+fn worst_case_and_unused_policy_warnings() {
+    let src = "\
+policies:
+  stubborn:
+    retry: { max_attempts: 20 }
+  spare: {}
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets: [{handler: h, policy: stubborn}]
+";
+    let (set, w) = ok(&[("r.yaml", src)]);
+    let w: Vec<String> = w.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        w,
+        vec![
+            "r.yaml:3:28: warning: worst case 20 attempts per event; more than 15 is a smell",
+            "r.yaml:4:3: warning: policy `spare` is not used by any target",
+        ]
+    );
+    assert_eq!(set.policies["stubborn"].retry.max_attempts, 20);
+}
+
+#[test]
+fn pattern_errors_map_to_yaml_positions() {
+    let src = "\
+rules:
+  - name: a
+    pattern:
+      type: order.paid
+      data:
+        total: [{ numerc: ['>', 0] }]
+        ip: [{ cidr: 10.0.0.0/33 }]
+        tags: []
+    targets: [{handler: h}]
+";
+    let e = errs(&[("r.yaml", src)]);
+    assert_eq!(e.len(), 4, "{e:#?}");
+    assert!(
+        e[0].starts_with("r.yaml:4:13: pattern /type: field `type` must be"),
+        "{e:#?}"
+    );
+    assert!(
+        e[1].starts_with("r.yaml:6:27: pattern /data/total/0/numerc: unknown operator `numerc`"),
+        "{e:#?}"
+    );
+    assert!(
+        e[2].starts_with("r.yaml:7:22: pattern /data/ip/0/cidr: cidr `10.0.0.0/33`"),
+        "{e:#?}"
+    );
+    assert!(
+        e[3].starts_with("r.yaml:8:15: pattern /data/tags: an empty matcher array"),
+        "{e:#?}"
+    );
+}
+
+#[test]
+fn pattern_errors_map_to_json_positions() {
+    let src = r#"{"rules": [
+  {"name": "a",
+   "pattern": {"detail": {"n": [{"numeric": [">", "zero"]}]}},
+   "targets": [{"handler": "h"}]}
+]}
+"#;
+    one_err(
+        &[("r.json", src)],
+        "r.json:3:51: ",
+        "pattern /detail/n/0/numeric/1: `numeric`: the value after `>` must be a number",
+    );
+    // Pattern must be an object.
+    one_err(
+        &[(
+            "r.yaml",
+            "rules:\n  - name: a\n    pattern: [x]\n    targets: [{handler: h}]\n",
+        )],
+        "r.yaml:3:14: ",
+        "pattern: a pattern must be a JSON object",
+    );
+}
+
+#[test]
+fn all_errors_across_files_are_reported_in_order() {
+    let a = "rules:\n  - name: a\n    pattern: {type: x}\n    targets: [{handler: h}]\n";
+    let b = "rules: 5\n";
+    let c = "- just a list\n";
+    let e = errs(&[("a.yaml", a), ("b.yaml", b), ("c.yaml", c)]);
+    assert_eq!(e.len(), 3, "{e:#?}");
+    assert!(e[0].starts_with("a.yaml:3:21: "));
+    assert!(e[1].starts_with("b.yaml:1:8: `rules` must be a list"));
+    assert!(e[2].starts_with("c.yaml:1:1: a rule file must be a mapping"));
+}
+
+#[test]
+fn errors_come_with_warnings() {
+    let src = "\
+policies:
+  stubborn: { retry: { max_attempts: 16 } }
+rules:
+  - name: a
+    pattern: {type: x}
+    targets: [{handler: h, policy: stubborn}]
+";
+    let d = RuleSet::from_sources(&[("r.yaml", src)]).expect_err("has an error");
+    assert_eq!(d.len(), 2);
+    assert_eq!(d[0].severity, Severity::Warning);
+    assert_eq!(d[1].severity, Severity::Error);
+}
+
+#[test]
+fn enabled_and_description_types() {
+    let src = "rules:\n  - name: a\n    enabled: 'yes'\n    description: [x]\n    pattern: {type: [x]}\n    targets: [{handler: h}]\n";
+    let e = errs(&[("r.yaml", src)]);
+    assert_eq!(
+        e,
+        vec![
+            "r.yaml:3:14: `enabled` must be true or false, not a string",
+            "r.yaml:4:18: `description` must be a string, not a list",
+        ]
+    );
+}
+
+#[test]
+fn target_spec_serde_shape() {
+    let (set, _) = good();
+    let v = serde_json::to_value(&set.targets["erp"]).expect("serializes");
+    assert_eq!(v["kind"]["kind"], "webhook");
+    assert_eq!(v["kind"]["url"], "http://127.0.0.1:9000/erp");
+    assert_eq!(v["policy"]["timeout"], "2s");
+    let back: crate::rules::TargetSpec = serde_json::from_value(v).expect("round trip");
+    assert_eq!(back, set.targets["erp"]);
+    let h = serde_json::to_value(&set.targets["paid-orders-to-invoicing-1"].kind).expect("ok");
+    assert_eq!(h, json!({"kind": "handler", "name": "invoicing"}));
+}
+
+#[test]
+fn diagnostic_display() {
+    let d = Diagnostic {
+        file: "f.yaml".into(),
+        line: 3,
+        col: 7,
+        message: "boom".into(),
+        severity: Severity::Error,
+    };
+    assert_eq!(d.to_string(), "f.yaml:3:7: boom");
+    let w = Diagnostic {
+        severity: Severity::Warning,
+        ..d.clone()
+    };
+    assert_eq!(w.to_string(), "f.yaml:3:7: warning: boom");
+    let nopos = Diagnostic {
+        line: 0,
+        col: 0,
+        ..d
+    };
+    assert_eq!(nopos.to_string(), "f.yaml: boom");
+}
+
+#[test]
+fn load_dir_walks_sorted_and_skips_hidden_and_other_files() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path();
+    let write = |rel: &str, text: &str| {
+        let p = root.join(rel);
+        if let Some(parent) = p.parent() {
+            std::fs::create_dir_all(parent).expect("mkdir");
+        }
+        std::fs::write(p, text).expect("write");
+    };
+    write("z/orders.yaml", ORDERS);
+    write("policies.yml", POLICIES);
+    write("m/shipping.json", SHIPPING_JSON);
+    write(".hidden.yaml", "this: is: not: yaml: [");
+    write(".git/config.yaml", "broken: [");
+    write("README.md", "# not a rule file");
+    write("notes.txt", "rules: 5");
+    let (set, warnings) = match RuleSet::load_dir(root) {
+        Ok(r) => r,
+        Err(d) => panic!("{}", lines(&d)),
+    };
+    assert!(warnings.is_empty(), "{}", lines(&warnings));
+    assert_eq!(
+        set.files,
+        vec!["m/shipping.json", "policies.yml", "z/orders.yaml"]
+    );
+    assert_eq!(set.rules[0].name, "shipping");
+    assert_eq!(set.rules[0].file, "m/shipping.json");
+    let v1 = set.version.clone();
+    // Same content, same version; any change gives a new one.
+    assert_eq!(RuleSet::load_dir(root).map(|r| r.0.version), Ok(v1.clone()));
+    write(
+        "z/orders.yaml",
+        &ORDERS.replace("orders.paid", "orders.settled"),
+    );
+    let v2 = RuleSet::load_dir(root).map(|r| r.0.version);
+    assert!(matches!(&v2, Ok(v) if *v != v1), "{v2:?}");
+
+    // Errors name the file as found under the directory.
+    write("z/bad.yaml", "rules:\n  - name: x\n");
+    let d = RuleSet::load_dir(root).expect_err("bad file");
+    let shown = root.join("z/bad.yaml").display().to_string();
+    assert!(d.iter().all(|x| x.file == shown), "{}", lines(&d));
+    assert_eq!(d.len(), 2);
+    assert_eq!((d[0].line, d[0].col), (2, 5));
+}
+
+#[test]
+fn load_dir_missing_or_empty() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (set, w) = match RuleSet::load_dir(dir.path()) {
+        Ok(r) => r,
+        Err(d) => panic!("{}", lines(&d)),
+    };
+    assert!(set.rules.is_empty());
+    assert_eq!(w.len(), 1);
+    assert_eq!(w[0].severity, Severity::Warning);
+    let gone = dir.path().join("nope");
+    let d = RuleSet::load_dir(&gone).expect_err("missing dir");
+    assert_eq!(d.len(), 1);
+    assert!(d[0].message.starts_with("cannot read rules directory"));
+    std::fs::write(dir.path().join("bin.yaml"), [0xff, 0xfe, 0x00]).expect("write");
+    let d = RuleSet::load_dir(dir.path()).expect_err("not utf-8");
+    assert!(d[0].message.contains("UTF-8"), "{}", lines(&d));
+}

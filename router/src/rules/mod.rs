@@ -1,0 +1,249 @@
+//! Rules and targets: the rule-match stage between contract checks and durable fan-out.
+//!
+//! A [`RuleSet`] is loaded from a directory of rule files kept in git (YAML or JSON; see
+//! `SPEC.md`, "Rules and targets"), checked as a whole with `file:line:col` diagnostics, and
+//! then asked which rules (and so which targets) an event matches. A set is immutable; a
+//! reload builds a new one and swaps it in.
+
+mod loader;
+pub mod pattern;
+mod source;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::event::CloudEvent;
+use crate::policy::PolicyConfig;
+pub use pattern::{Pattern, PatternError, simple_match};
+
+/// How serious a [`Diagnostic`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    /// The rule set is refused.
+    Error,
+    /// The rule set is accepted, but something looks wrong.
+    Warning,
+}
+
+/// One problem found while loading rule files, at a 1-based `line:col` of `file`. Problems
+/// that concern no position in a file (an unreadable directory) have line and col 0.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Diagnostic {
+    /// The file as shown to the user (for [`RuleSet::load_dir`], the directory joined with the
+    /// file's relative path).
+    pub file: String,
+    /// 1-based line (0 when not about a position).
+    pub line: usize,
+    /// 1-based column, in characters (0 when not about a position).
+    pub col: usize,
+    /// What is wrong.
+    pub message: String,
+    /// Error or warning.
+    pub severity: Severity,
+}
+
+impl Diagnostic {
+    /// Whether this is an error (rather than a warning).
+    pub fn is_error(&self) -> bool {
+        self.severity == Severity::Error
+    }
+}
+
+impl fmt::Display for Diagnostic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.line == 0 {
+            write!(f, "{}: ", self.file)?;
+        } else {
+            write!(f, "{}:{}:{}: ", self.file, self.line, self.col)?;
+        }
+        if self.severity == Severity::Warning {
+            f.write_str("warning: ")?;
+        }
+        f.write_str(&self.message)
+    }
+}
+
+/// Where a target delivers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum TargetKind {
+    /// HTTP POST of the structured CloudEvent.
+    Webhook {
+        /// `http://` or `https://` URL.
+        url: String,
+        /// Extra request headers (never secrets; those come from the environment).
+        #[serde(default)]
+        headers: BTreeMap<String, String>,
+        /// Name of the environment variable holding the Standard Webhooks signing secret.
+        #[serde(default)]
+        secret_env: Option<String>,
+    },
+    /// An uploaded WASM handler.
+    Handler {
+        /// Handler name.
+        name: String,
+    },
+    /// Publish to a NATS subject.
+    Nats {
+        /// Subject to publish to.
+        subject: String,
+    },
+}
+
+/// One delivery target of a rule, with its policy resolved.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TargetSpec {
+    /// Stable id used by queues, metrics and the DLQ: explicit, or `<rule name>-<index>`
+    /// (0-based position in the rule's `targets`).
+    pub id: String,
+    /// Name of the rule that owns the target.
+    pub rule: String,
+    /// Where it delivers.
+    pub kind: TargetKind,
+    /// The policy name given in the file (`None` means the default policy).
+    pub policy_name: Option<String>,
+    /// The resolved policy.
+    pub policy: PolicyConfig,
+}
+
+/// One rule: a pattern and the targets that matching events fan out to.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Rule {
+    /// Unique name across the set.
+    pub name: String,
+    /// Free text.
+    pub description: Option<String>,
+    /// Disabled rules are loaded and checked but never match.
+    pub enabled: bool,
+    /// File the rule comes from (relative to the rules directory).
+    pub file: String,
+    /// 1-based line of the rule in `file`.
+    pub line: usize,
+    /// The compiled pattern.
+    #[serde(skip)]
+    pub pattern: Pattern,
+    /// The pattern as written (JSON form), for display.
+    pub pattern_json: Value,
+    /// Ids of the rule's targets, in file order (keys of [`RuleSet::targets`]).
+    pub target_ids: Vec<String>,
+}
+
+impl Rule {
+    /// Whether this rule is enabled and its pattern matches `event`.
+    pub fn matches(&self, event: &Value) -> bool {
+        self.enabled && self.pattern.matches(event)
+    }
+}
+
+/// A rule that matched an event, with the targets to fan out to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RuleMatch {
+    /// Rule name.
+    pub rule: String,
+    /// Target ids, in file order.
+    pub target_ids: Vec<String>,
+}
+
+/// A complete, checked set of rules, policies and targets.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RuleSet {
+    /// First 12 hex digits of SHA-256 over every file's relative path and bytes, in order.
+    pub version: String,
+    /// Relative paths of the files, sorted.
+    pub files: Vec<String>,
+    /// Named policies from all files.
+    pub policies: BTreeMap<String, PolicyConfig>,
+    /// Rules in file order (files sorted by path, rules in document order).
+    pub rules: Vec<Rule>,
+    /// Every target by id.
+    pub targets: BTreeMap<String, TargetSpec>,
+}
+
+impl RuleSet {
+    /// A set with no files, rules or targets (what runs before any rules are loaded).
+    pub fn empty() -> Self {
+        RuleSet {
+            version: version_of(&[]),
+            files: Vec::new(),
+            policies: BTreeMap::new(),
+            rules: Vec::new(),
+            targets: BTreeMap::new(),
+        }
+    }
+
+    /// Loads every `.yaml`, `.yml` and `.json` file under `dir` (recursively, sorted by
+    /// relative path; hidden files and directories and other files are ignored; symlinks to
+    /// files are followed, symlinks to directories are not).
+    ///
+    /// On success returns the set and its warnings. On failure returns every diagnostic
+    /// found — all errors, not just the first — with the warnings among them.
+    pub fn load_dir(dir: &Path) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Diagnostic>> {
+        loader::load_dir(dir)
+    }
+
+    /// Loads a set from in-memory files: `(path, text)` pairs, where `path` is both what
+    /// diagnostics show and what the version hashes. Files are taken in the order given
+    /// (pass them sorted); the extension decides JSON (`.json`) or YAML (anything else).
+    pub fn from_sources(
+        files: &[(&str, &str)],
+    ) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Diagnostic>> {
+        let inputs: Vec<loader::SourceFile> = files
+            .iter()
+            .map(|(path, text)| loader::SourceFile {
+                display: (*path).to_string(),
+                rel: (*path).to_string(),
+                text: (*text).to_string(),
+            })
+            .collect();
+        loader::load(&inputs, Vec::new())
+    }
+
+    /// The enabled rules whose pattern matches `event` (structured CloudEvent JSON), in
+    /// file order, each with its target ids.
+    pub fn matches(&self, event: &Value) -> Vec<RuleMatch> {
+        self.rules
+            .iter()
+            .filter(|r| r.matches(event))
+            .map(|r| RuleMatch {
+                rule: r.name.clone(),
+                target_ids: r.target_ids.clone(),
+            })
+            .collect()
+    }
+
+    /// [`RuleSet::matches`] for a parsed CloudEvent.
+    pub fn matches_event(&self, event: &CloudEvent) -> Vec<RuleMatch> {
+        self.matches(&event.to_json())
+    }
+
+    /// The rule called `name`.
+    pub fn rule(&self, name: &str) -> Option<&Rule> {
+        self.rules.iter().find(|r| r.name == name)
+    }
+
+    /// The target with id `id`.
+    pub fn target(&self, id: &str) -> Option<&TargetSpec> {
+        self.targets.get(id)
+    }
+}
+
+/// `version` of a set of `(relative path, bytes)` files: the first 12 hex digits of SHA-256
+/// over each file's length-prefixed path and length-prefixed content, in order.
+pub fn version_of(files: &[(&str, &[u8])]) -> String {
+    let mut h = Sha256::new();
+    for (path, bytes) in files {
+        h.update((path.len() as u64).to_le_bytes());
+        h.update(path.as_bytes());
+        h.update((bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
+    }
+    let mut hex = hex::encode(h.finalize());
+    hex.truncate(12);
+    hex
+}

@@ -1,0 +1,1373 @@
+//! Event patterns: the rule-match stage (after ingest and contract checks, before durable
+//! fan-out) decides which rules an event satisfies with these.
+//!
+//! This is a direct interpreter of the complete Amazon EventBridge event-pattern language and
+//! the reference semantics for any faster matcher (an automaton built from many patterns must
+//! give exactly the answers of [`Pattern::matches`]).
+//!
+//! # Semantics
+//!
+//! * A pattern is a non-empty JSON object. Each key names a field of the event; its value is
+//!   either a nested pattern object (for an object-valued field) or a non-empty array of
+//!   matchers. All keys must match (AND); within an array any matcher may match (OR). A bare
+//!   scalar, an empty array and an empty object are errors. Field names are plain names: a
+//!   dot in a name is just a character.
+//! * `"$or": [p1, p2, ...]` (at least two non-empty objects) may appear at any object level:
+//!   the object matches when its other keys match and at least one alternative matches at the
+//!   same level. Inside `$or` alternatives, matcher names (`prefix`, `numeric`, ...) cannot be
+//!   used as field names (as in EventBridge, this catches misplaced matchers).
+//! * At the top level of a pattern (including inside top-level `$or` alternatives),
+//!   `detail-type` is read as `type` and `detail` as `data`, so EventBridge patterns work on
+//!   CloudEvents.
+//! * Leaf values: the values of a field are its scalar values; an array contributes all its
+//!   scalar elements (nested arrays are flattened), an object contributes none. A matcher
+//!   list matches when some matcher matches some value. `exists: true` matches when the field
+//!   has at least one value (`null` counts); `exists: false` when it has none (missing field,
+//!   object, empty array) — existence works on leaves only, as in EventBridge.
+//! * Arrays of objects are matched per element (array consistency, as EventBridge's
+//!   `rulesForJSONEvent`): a nested pattern matches an array when it matches at least one
+//!   element, so two fields can only be matched from the same element. A non-object element
+//!   (or an empty array) is an object without fields, so `exists: false` inside a nested
+//!   pattern holds for it.
+//! * Exact values: strings match equal strings, numbers match numerically equal numbers
+//!   (`300`, `3e2` and `300.0` are equal; integers are compared exactly), `true`/`false`
+//!   and `null` match themselves. A string never matches a number and vice versa.
+//! * `prefix`, `suffix`, `equals-ignore-case`, `wildcard` and `cidr` match string values only;
+//!   `numeric` matches number values only (compared as `f64`). Case-insensitive comparisons
+//!   map every character to its Unicode lowercase (`char::to_lowercase`) on both sides.
+//! * `anything-but` matches a value that none of its operands matches: string operands
+//!   (values, `prefix`, `suffix`, `wildcard`, `equals-ignore-case`) only ever exclude strings
+//!   and number operands only exclude (numerically equal) numbers, so e.g.
+//!   `{"anything-but": "x"}` matches `5`, `true` and `null` (as in EventBridge). A missing
+//!   field has no value, so `anything-but` never matches it.
+//! * `wildcard`: `*` matches any run of characters (including none), `\*` is a literal star,
+//!   `\\` a literal backslash; any other escape, a trailing backslash, two consecutive
+//!   unescaped `*` and more than [`MAX_WILDCARD_STARS`] stars are errors.
+//! * `numeric`: `[op, n]` with `op` one of `=`, `<`, `<=`, `>`, `>=`, or a lower bound then
+//!   an upper bound (`[">", 0, "<=", 5]`); an empty range is an error.
+//! * `cidr`: `addr/len`, IPv4 or IPv6 (via `std::net`); host bits are ignored. Event values
+//!   are parsed as IP addresses of the same family.
+
+use std::fmt;
+use std::net::IpAddr;
+
+use serde_json::{Map, Number, Value};
+
+/// Most unescaped `*` allowed in one wildcard. Each star multiplies the work of an automaton
+/// matcher (EventBridge also limits wildcard complexity), and real patterns need few.
+pub const MAX_WILDCARD_STARS: usize = 5;
+
+/// Matcher names; they cannot be field names inside `$or` alternatives.
+const OPERATORS: &[&str] = &[
+    "prefix",
+    "suffix",
+    "equals-ignore-case",
+    "wildcard",
+    "anything-but",
+    "numeric",
+    "exists",
+    "cidr",
+];
+
+/// A problem in a pattern, located by a JSON pointer (RFC 6901) into the pattern as written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PatternError {
+    /// JSON pointer to the offending value inside the pattern (empty for the pattern itself).
+    pub pointer: String,
+    /// Human-readable explanation, naming the operator involved.
+    pub message: String,
+}
+
+impl fmt::Display for PatternError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.pointer.is_empty() {
+            write!(f, "{}", self.message)
+        } else {
+            write!(f, "at {}: {}", self.pointer, self.message)
+        }
+    }
+}
+
+impl std::error::Error for PatternError {}
+
+/// A compiled event pattern (see the module docs for the semantics).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pattern {
+    /// The top-level object pattern, with `detail-type`/`detail` already mapped.
+    pub root: ObjectPattern,
+}
+
+/// The pattern for one JSON object level.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ObjectPattern {
+    /// Field tests, all of which must hold (in pattern order).
+    pub fields: Vec<FieldPattern>,
+    /// The `$or` alternatives at this level (empty when there is no `$or`); when present, at
+    /// least one must match the same object.
+    pub any_of: Vec<ObjectPattern>,
+}
+
+/// The test on one named field of an object.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FieldPattern {
+    /// Field name in the event (after alias mapping at the top level).
+    pub name: String,
+    /// What the field must satisfy.
+    pub test: FieldTest,
+}
+
+/// How a field is tested.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FieldTest {
+    /// A list of matchers, any of which may match one of the field's leaf values.
+    Matchers(Vec<Matcher>),
+    /// A nested pattern for an object-valued field (or array of objects).
+    Object(ObjectPattern),
+}
+
+/// One matcher in a field's matcher list.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Matcher {
+    /// An exact string, number (compared numerically), boolean or `null`.
+    Exact(Value),
+    /// `{"prefix": "x"}` or `{"prefix": {"equals-ignore-case": "x"}}`.
+    Prefix {
+        /// The prefix.
+        value: String,
+        /// Whether the comparison ignores case.
+        ignore_case: bool,
+    },
+    /// `{"suffix": "x"}` or `{"suffix": {"equals-ignore-case": "x"}}`.
+    Suffix {
+        /// The suffix.
+        value: String,
+        /// Whether the comparison ignores case.
+        ignore_case: bool,
+    },
+    /// `{"equals-ignore-case": "x"}`.
+    EqualsIgnoreCase(String),
+    /// `{"wildcard": "a*b"}`.
+    Wildcard(Wildcard),
+    /// `{"anything-but": ...}`.
+    AnythingBut(AnythingBut),
+    /// `{"numeric": [...]}`.
+    Numeric(NumericRange),
+    /// `{"exists": true|false}`.
+    Exists(bool),
+    /// `{"cidr": "10.0.0.0/24"}`.
+    Cidr(Cidr),
+}
+
+/// The operand of `anything-but`: what a value must NOT match.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AnythingBut {
+    /// One string or a list of strings (excludes equal strings).
+    Strings(Vec<String>),
+    /// One number or a list of numbers (excludes numerically equal numbers).
+    Numbers(Vec<Number>),
+    /// `{"prefix": "x"}` (excludes strings starting with `x`).
+    Prefix(String),
+    /// `{"suffix": "x"}` (excludes strings ending with `x`).
+    Suffix(String),
+    /// `{"equals-ignore-case": "x" | [...]}`.
+    EqualsIgnoreCase(Vec<String>),
+    /// `{"wildcard": "a*" | [...]}`.
+    Wildcard(Vec<Wildcard>),
+}
+
+/// A parsed wildcard: literal parts between unescaped stars.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Wildcard {
+    /// The wildcard as written.
+    pub source: String,
+    /// Unescaped literal parts; `parts.len()` is the number of stars plus one.
+    pub parts: Vec<String>,
+}
+
+/// One end of a numeric range.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bound {
+    /// The limit.
+    pub value: f64,
+    /// Whether the limit itself is in the range.
+    pub inclusive: bool,
+}
+
+/// A numeric range; `=` is a range whose bounds are both inclusive and equal.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NumericRange {
+    /// Lower bound, if any.
+    pub lower: Option<Bound>,
+    /// Upper bound, if any.
+    pub upper: Option<Bound>,
+}
+
+/// An IP network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cidr {
+    /// Network address (host bits cleared).
+    pub network: IpAddr,
+    /// Prefix length (0..=32 for IPv4, 0..=128 for IPv6).
+    pub prefix_len: u8,
+}
+
+/// Compiles `pattern` and matches it against `event` in one go.
+pub fn simple_match(pattern: &Value, event: &Value) -> Result<bool, Vec<PatternError>> {
+    Ok(Pattern::compile(pattern)?.matches(event))
+}
+
+impl Pattern {
+    /// Compiles a pattern, reporting every problem found (not just the first).
+    pub fn compile(pattern: &Value) -> Result<Pattern, Vec<PatternError>> {
+        let mut c = Compiler { errors: Vec::new() };
+        let root = match pattern {
+            Value::Object(map) => c.object(map, "", true, false),
+            other => {
+                c.err(
+                    "",
+                    format!("a pattern must be a JSON object, not {}", kind(other)),
+                );
+                ObjectPattern {
+                    fields: Vec::new(),
+                    any_of: Vec::new(),
+                }
+            }
+        };
+        if c.errors.is_empty() {
+            Ok(Pattern { root })
+        } else {
+            Err(c.errors)
+        }
+    }
+
+    /// Whether `event` (a structured CloudEvent, or any JSON value) matches.
+    pub fn matches(&self, event: &Value) -> bool {
+        match_object(&self.root, Some(event))
+    }
+}
+
+impl ObjectPattern {
+    /// Whether this object pattern matches `node` (an absent field is `None`).
+    pub fn matches(&self, node: Option<&Value>) -> bool {
+        match_object(self, node)
+    }
+}
+
+impl Matcher {
+    /// Whether this matcher accepts the scalar `value`. For `exists`, which tests the field
+    /// rather than one value, this is `true` for `exists: true` and `false` otherwise.
+    pub fn matches_value(&self, value: &Value) -> bool {
+        match self {
+            Matcher::Exact(want) => exact_eq(want, value),
+            Matcher::Prefix {
+                value: p,
+                ignore_case,
+            } => value.as_str().is_some_and(|s| {
+                if *ignore_case {
+                    fold(s).starts_with(&fold(p))
+                } else {
+                    s.starts_with(p.as_str())
+                }
+            }),
+            Matcher::Suffix {
+                value: p,
+                ignore_case,
+            } => value.as_str().is_some_and(|s| {
+                if *ignore_case {
+                    fold(s).ends_with(&fold(p))
+                } else {
+                    s.ends_with(p.as_str())
+                }
+            }),
+            Matcher::EqualsIgnoreCase(p) => value.as_str().is_some_and(|s| fold(s) == fold(p)),
+            Matcher::Wildcard(w) => value.as_str().is_some_and(|s| w.matches(s)),
+            Matcher::AnythingBut(ab) => ab.matches_value(value),
+            Matcher::Numeric(r) => value.as_f64().is_some_and(|n| r.contains(n)),
+            Matcher::Exists(e) => *e,
+            Matcher::Cidr(c) => value
+                .as_str()
+                .and_then(|s| s.parse::<IpAddr>().ok())
+                .is_some_and(|ip| c.contains(ip)),
+        }
+    }
+}
+
+impl AnythingBut {
+    /// Whether the scalar `value` is NOT excluded.
+    pub fn matches_value(&self, value: &Value) -> bool {
+        match (self, value) {
+            (AnythingBut::Numbers(ns), Value::Number(v)) => !ns.iter().any(|n| num_eq(n, v)),
+            (AnythingBut::Numbers(_), _) => true,
+            (_, Value::String(s)) => match self {
+                AnythingBut::Strings(list) => !list.iter().any(|x| x == s),
+                AnythingBut::Prefix(p) => !s.starts_with(p.as_str()),
+                AnythingBut::Suffix(p) => !s.ends_with(p.as_str()),
+                AnythingBut::EqualsIgnoreCase(list) => {
+                    let f = fold(s);
+                    !list.iter().any(|x| fold(x) == f)
+                }
+                AnythingBut::Wildcard(list) => !list.iter().any(|w| w.matches(s)),
+                AnythingBut::Numbers(_) => true,
+            },
+            // String operands never exclude numbers, booleans or null.
+            _ => true,
+        }
+    }
+}
+
+impl Wildcard {
+    /// Parses a wildcard (`*` any run, `\*` literal star, `\\` literal backslash).
+    pub fn parse(source: &str) -> Result<Wildcard, String> {
+        let mut parts = vec![String::new()];
+        let mut chars = source.chars();
+        let mut last_was_star = false;
+        while let Some(c) = chars.next() {
+            match c {
+                '\\' => {
+                    match chars.next() {
+                        Some(e @ ('*' | '\\')) => {
+                            if let Some(p) = parts.last_mut() {
+                                p.push(e);
+                            }
+                        }
+                        Some(other) => {
+                            return Err(format!(
+                                "wildcard `{source}`: invalid escape `\\{other}` (only `\\*` and `\\\\` are allowed)"
+                            ));
+                        }
+                        None => {
+                            return Err(format!(
+                                "wildcard `{source}`: a trailing backslash must be escaped as `\\\\`"
+                            ));
+                        }
+                    }
+                    last_was_star = false;
+                }
+                '*' => {
+                    if last_was_star {
+                        return Err(format!(
+                            "wildcard `{source}`: consecutive `*` are not allowed"
+                        ));
+                    }
+                    parts.push(String::new());
+                    last_was_star = true;
+                }
+                other => {
+                    if let Some(p) = parts.last_mut() {
+                        p.push(other);
+                    }
+                    last_was_star = false;
+                }
+            }
+        }
+        if parts.len() - 1 > MAX_WILDCARD_STARS {
+            return Err(format!(
+                "wildcard `{source}`: at most {MAX_WILDCARD_STARS} `*` are allowed"
+            ));
+        }
+        Ok(Wildcard {
+            source: source.to_string(),
+            parts,
+        })
+    }
+
+    /// Whether `s` matches this wildcard.
+    pub fn matches(&self, s: &str) -> bool {
+        let Some((first, rest)) = self.parts.split_first() else {
+            return false;
+        };
+        let Some((last, middle)) = rest.split_last() else {
+            return s == first;
+        };
+        if s.len() < first.len() + last.len() || !s.starts_with(first.as_str()) {
+            return false;
+        }
+        if !s.ends_with(last.as_str()) {
+            return false;
+        }
+        // Both ends fit without overlapping; the middle parts are found greedily, leftmost
+        // first, which is optimal for literals separated by stars.
+        let mut window = &s[first.len()..s.len() - last.len()];
+        for part in middle {
+            match window.find(part.as_str()) {
+                Some(i) => window = &window[i + part.len()..],
+                None => return false,
+            }
+        }
+        true
+    }
+}
+
+impl NumericRange {
+    /// Whether `n` lies in the range.
+    pub fn contains(&self, n: f64) -> bool {
+        let lower_ok = self.lower.is_none_or(|b| {
+            if b.inclusive {
+                n >= b.value
+            } else {
+                n > b.value
+            }
+        });
+        let upper_ok = self.upper.is_none_or(|b| {
+            if b.inclusive {
+                n <= b.value
+            } else {
+                n < b.value
+            }
+        });
+        lower_ok && upper_ok
+    }
+}
+
+impl Cidr {
+    /// Parses `addr/len` (IPv4 or IPv6); host bits are cleared.
+    pub fn parse(s: &str) -> Result<Cidr, String> {
+        let Some((addr, len)) = s.split_once('/') else {
+            return Err(format!(
+                "cidr `{s}` must be `address/prefix-length`, e.g. 10.0.0.0/24"
+            ));
+        };
+        let ip: IpAddr = addr
+            .parse()
+            .map_err(|_| format!("cidr `{s}`: `{addr}` is not an IP address"))?;
+        let max = if ip.is_ipv4() { 32 } else { 128 };
+        let prefix_len: u8 = match len.parse::<u8>() {
+            Ok(l) if l <= max && !len.starts_with('+') => l,
+            _ => {
+                return Err(format!(
+                    "cidr `{s}`: prefix length must be a number from 0 to {max}"
+                ));
+            }
+        };
+        let network = match ip {
+            IpAddr::V4(a) => IpAddr::V4((u32::from(a) & mask32(prefix_len)).into()),
+            IpAddr::V6(a) => IpAddr::V6((u128::from(a) & mask128(prefix_len)).into()),
+        };
+        Ok(Cidr {
+            network,
+            prefix_len,
+        })
+    }
+
+    /// Whether `ip` is inside the network (families must agree).
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        match (self.network, ip) {
+            (IpAddr::V4(n), IpAddr::V4(a)) => {
+                u32::from(a) & mask32(self.prefix_len) == u32::from(n)
+            }
+            (IpAddr::V6(n), IpAddr::V6(a)) => {
+                u128::from(a) & mask128(self.prefix_len) == u128::from(n)
+            }
+            _ => false,
+        }
+    }
+}
+
+fn mask32(len: u8) -> u32 {
+    u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0)
+}
+
+fn mask128(len: u8) -> u128 {
+    u128::MAX.checked_shl(128 - u32::from(len)).unwrap_or(0)
+}
+
+/// Case folding used by every case-insensitive matcher.
+fn fold(s: &str) -> String {
+    s.chars().flat_map(char::to_lowercase).collect()
+}
+
+fn num_eq(a: &Number, b: &Number) -> bool {
+    if let (Some(x), Some(y)) = (a.as_i64(), b.as_i64()) {
+        return x == y;
+    }
+    if let (Some(x), Some(y)) = (a.as_u64(), b.as_u64()) {
+        return x == y;
+    }
+    match (a.as_f64(), b.as_f64()) {
+        (Some(x), Some(y)) => x == y,
+        _ => false,
+    }
+}
+
+fn exact_eq(want: &Value, got: &Value) -> bool {
+    match (want, got) {
+        (Value::Number(a), Value::Number(b)) => num_eq(a, b),
+        (Value::String(a), Value::String(b)) => a == b,
+        (Value::Bool(a), Value::Bool(b)) => a == b,
+        (Value::Null, Value::Null) => true,
+        _ => false,
+    }
+}
+
+fn match_object(p: &ObjectPattern, node: Option<&Value>) -> bool {
+    match node {
+        Some(Value::Array(items)) => {
+            let mut elements = Vec::new();
+            flatten(items, &mut elements);
+            if elements.is_empty() {
+                return match_fields(p, None);
+            }
+            elements.into_iter().any(|e| match e {
+                Value::Object(m) => match_fields(p, Some(m)),
+                _ => match_fields(p, None),
+            })
+        }
+        Some(Value::Object(m)) => match_fields(p, Some(m)),
+        _ => match_fields(p, None),
+    }
+}
+
+fn flatten<'a>(items: &'a [Value], out: &mut Vec<&'a Value>) {
+    for item in items {
+        match item {
+            Value::Array(inner) => flatten(inner, out),
+            other => out.push(other),
+        }
+    }
+}
+
+fn match_fields(p: &ObjectPattern, obj: Option<&Map<String, Value>>) -> bool {
+    let fields_ok = p.fields.iter().all(|f| {
+        let v = obj.and_then(|m| m.get(&f.name));
+        match &f.test {
+            FieldTest::Object(inner) => match_object(inner, v),
+            FieldTest::Matchers(ms) => match_leaf(ms, v),
+        }
+    });
+    fields_ok && (p.any_of.is_empty() || p.any_of.iter().any(|alt| match_fields(alt, obj)))
+}
+
+fn collect_leaves<'a>(v: &'a Value, out: &mut Vec<&'a Value>) {
+    match v {
+        Value::Array(items) => items.iter().for_each(|i| collect_leaves(i, out)),
+        Value::Object(_) => {}
+        scalar => out.push(scalar),
+    }
+}
+
+fn match_leaf(ms: &[Matcher], v: Option<&Value>) -> bool {
+    let mut leaves = Vec::new();
+    if let Some(v) = v {
+        collect_leaves(v, &mut leaves);
+    }
+    ms.iter().any(|m| match m {
+        Matcher::Exists(want) => *want != leaves.is_empty(),
+        other => leaves.iter().any(|l| other.matches_value(l)),
+    })
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Appends one reference token to a JSON pointer.
+pub(crate) fn pointer_push(base: &str, token: &str) -> String {
+    format!("{base}/{}", token.replace('~', "~0").replace('/', "~1"))
+}
+
+struct Compiler {
+    errors: Vec<PatternError>,
+}
+
+impl Compiler {
+    fn err(&mut self, pointer: &str, message: impl Into<String>) {
+        self.errors.push(PatternError {
+            pointer: pointer.to_string(),
+            message: message.into(),
+        });
+    }
+
+    fn object(
+        &mut self,
+        map: &Map<String, Value>,
+        ptr: &str,
+        top: bool,
+        in_or: bool,
+    ) -> ObjectPattern {
+        let mut out = ObjectPattern {
+            fields: Vec::new(),
+            any_of: Vec::new(),
+        };
+        if map.is_empty() {
+            self.err(ptr, "an empty object is not allowed in a pattern");
+        }
+        for (key, value) in map {
+            let p = pointer_push(ptr, key);
+            if key == "$or" {
+                out.any_of = self.or(value, &p, top);
+                continue;
+            }
+            if in_or && OPERATORS.contains(&key.as_str()) {
+                self.err(
+                    &p,
+                    format!(
+                        "`{key}` is a matcher and cannot be a field name inside `$or`; put it in a field's matcher list"
+                    ),
+                );
+                continue;
+            }
+            let name = match (top, key.as_str()) {
+                (true, "detail-type") => "type".to_string(),
+                (true, "detail") => "data".to_string(),
+                _ => key.clone(),
+            };
+            let test = match value {
+                Value::Object(inner) => FieldTest::Object(self.object(inner, &p, false, in_or)),
+                Value::Array(items) => FieldTest::Matchers(self.matchers(items, &p)),
+                other => {
+                    self.err(
+                        &p,
+                        format!(
+                            "field `{key}` must be a nested pattern object or an array of matchers, not {} (write [{}])",
+                            kind(other),
+                            other
+                        ),
+                    );
+                    continue;
+                }
+            };
+            out.fields.push(FieldPattern { name, test });
+        }
+        out
+    }
+
+    fn or(&mut self, value: &Value, ptr: &str, top: bool) -> Vec<ObjectPattern> {
+        let Value::Array(alts) = value else {
+            self.err(
+                ptr,
+                format!(
+                    "`$or` needs an array of at least 2 pattern objects, not {}",
+                    kind(value)
+                ),
+            );
+            return Vec::new();
+        };
+        if alts.len() < 2 {
+            self.err(ptr, "`$or` needs at least 2 pattern objects");
+        }
+        let mut out = Vec::new();
+        for (i, alt) in alts.iter().enumerate() {
+            let p = pointer_push(ptr, &i.to_string());
+            match alt {
+                Value::Object(m) => out.push(self.object(m, &p, top, true)),
+                other => self.err(
+                    &p,
+                    format!(
+                        "`$or` alternatives must be pattern objects, not {}",
+                        kind(other)
+                    ),
+                ),
+            }
+        }
+        out
+    }
+
+    fn matchers(&mut self, items: &[Value], ptr: &str) -> Vec<Matcher> {
+        if items.is_empty() {
+            self.err(ptr, "an empty matcher array is not allowed");
+        }
+        let mut out = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            let p = pointer_push(ptr, &i.to_string());
+            match item {
+                Value::Array(_) => self.err(&p, "a matcher cannot be an array"),
+                Value::Object(m) => {
+                    if let Some(matcher) = self.matcher_object(m, &p) {
+                        out.push(matcher);
+                    }
+                }
+                scalar => out.push(Matcher::Exact(scalar.clone())),
+            }
+        }
+        out
+    }
+
+    fn matcher_object(&mut self, m: &Map<String, Value>, ptr: &str) -> Option<Matcher> {
+        let mut entries = m.iter();
+        let (Some((op, arg)), None) = (entries.next(), entries.next()) else {
+            let keys: Vec<&str> = m.keys().map(String::as_str).collect();
+            self.err(
+                ptr,
+                format!(
+                    "a matcher object must have exactly one key (an operator), found {} ({})",
+                    m.len(),
+                    keys.join(", ")
+                ),
+            );
+            return None;
+        };
+        let p = pointer_push(ptr, op);
+        let res = match op.as_str() {
+            "prefix" | "suffix" => self.affix(op, arg, &p),
+            "equals-ignore-case" => match arg {
+                Value::String(s) => Ok(Matcher::EqualsIgnoreCase(s.clone())),
+                other => Err(format!(
+                    "`equals-ignore-case` needs a string, not {}",
+                    kind(other)
+                )),
+            },
+            "wildcard" => match arg {
+                Value::String(s) => Wildcard::parse(s).map(Matcher::Wildcard),
+                other => Err(format!("`wildcard` needs a string, not {}", kind(other))),
+            },
+            "anything-but" => self.anything_but(arg, &p).map(Matcher::AnythingBut),
+            "numeric" => self.numeric(arg, &p).map(Matcher::Numeric),
+            "exists" => match arg {
+                Value::Bool(b) => Ok(Matcher::Exists(*b)),
+                other => Err(format!("`exists` needs true or false, not {}", kind(other))),
+            },
+            "cidr" => match arg {
+                Value::String(s) => Cidr::parse(s).map(Matcher::Cidr),
+                other => Err(format!("`cidr` needs a string, not {}", kind(other))),
+            },
+            other => Err(format!(
+                "unknown operator `{other}` (expected one of: {})",
+                OPERATORS.join(", ")
+            )),
+        };
+        match res {
+            Ok(m) => Some(m),
+            Err(msg) => {
+                // Errors inside the operand were already reported with a finer pointer.
+                if !msg.is_empty() {
+                    self.err(&p, msg);
+                }
+                None
+            }
+        }
+    }
+
+    /// `prefix` / `suffix`: a string or `{"equals-ignore-case": string}`.
+    fn affix(&mut self, op: &str, arg: &Value, ptr: &str) -> Result<Matcher, String> {
+        let (value, ignore_case) = match arg {
+            Value::String(s) => (s.clone(), false),
+            Value::Object(m) if m.len() == 1 => match m.get("equals-ignore-case") {
+                Some(Value::String(s)) => (s.clone(), true),
+                Some(other) => {
+                    self.err(
+                        &pointer_push(ptr, "equals-ignore-case"),
+                        format!(
+                            "`{op}` / `equals-ignore-case` needs a string, not {}",
+                            kind(other)
+                        ),
+                    );
+                    return Err(String::new());
+                }
+                None => {
+                    let key = m.keys().next().map(String::as_str).unwrap_or_default();
+                    return Err(format!(
+                        "`{op}` supports only `equals-ignore-case` inside an object, not `{key}`"
+                    ));
+                }
+            },
+            other => {
+                return Err(format!(
+                    "`{op}` needs a string or {{\"equals-ignore-case\": string}}, not {}",
+                    kind(other)
+                ));
+            }
+        };
+        Ok(if op == "prefix" {
+            Matcher::Prefix { value, ignore_case }
+        } else {
+            Matcher::Suffix { value, ignore_case }
+        })
+    }
+
+    fn anything_but(&mut self, arg: &Value, ptr: &str) -> Result<AnythingBut, String> {
+        match arg {
+            Value::String(s) => Ok(AnythingBut::Strings(vec![s.clone()])),
+            Value::Number(n) => Ok(AnythingBut::Numbers(vec![n.clone()])),
+            Value::Array(items) => {
+                if items.is_empty() {
+                    return Err("`anything-but` needs a non-empty list".to_string());
+                }
+                let mut strings = Vec::new();
+                let mut numbers = Vec::new();
+                let mut bad = false;
+                for (i, item) in items.iter().enumerate() {
+                    match item {
+                        Value::String(s) => strings.push(s.clone()),
+                        Value::Number(n) => numbers.push(n.clone()),
+                        other => {
+                            self.err(
+                                &pointer_push(ptr, &i.to_string()),
+                                format!(
+                                    "`anything-but` lists may hold only strings or only numbers, not {}",
+                                    kind(other)
+                                ),
+                            );
+                            bad = true;
+                        }
+                    }
+                }
+                if bad {
+                    return Err(String::new());
+                }
+                match (strings.is_empty(), numbers.is_empty()) {
+                    (false, true) => Ok(AnythingBut::Strings(strings)),
+                    (true, false) => Ok(AnythingBut::Numbers(numbers)),
+                    _ => Err(
+                        "`anything-but` list mixes strings and numbers; use one type".to_string(),
+                    ),
+                }
+            }
+            Value::Object(m) => {
+                let mut entries = m.iter();
+                let (Some((op, inner)), None) = (entries.next(), entries.next()) else {
+                    return Err(format!(
+                        "`anything-but` object must have exactly one key (prefix, suffix, wildcard or equals-ignore-case), found {}",
+                        m.len()
+                    ));
+                };
+                let p = pointer_push(ptr, op);
+                let res = match (op.as_str(), inner) {
+                    ("prefix", Value::String(s)) if !s.is_empty() => {
+                        Ok(AnythingBut::Prefix(s.clone()))
+                    }
+                    ("suffix", Value::String(s)) if !s.is_empty() => {
+                        Ok(AnythingBut::Suffix(s.clone()))
+                    }
+                    ("prefix" | "suffix", Value::String(_)) => {
+                        Err(format!("`anything-but` / `{op}` must not be empty"))
+                    }
+                    ("prefix" | "suffix", other) => Err(format!(
+                        "`anything-but` / `{op}` needs a string, not {}",
+                        kind(other)
+                    )),
+                    ("equals-ignore-case", _) => self
+                        .string_list("anything-but` / `equals-ignore-case", inner, &p)
+                        .map(AnythingBut::EqualsIgnoreCase),
+                    ("wildcard", _) => self
+                        .string_list("anything-but` / `wildcard", inner, &p)
+                        .and_then(|list| {
+                            let mut out = Vec::new();
+                            for s in &list {
+                                out.push(Wildcard::parse(s)?);
+                            }
+                            Ok(AnythingBut::Wildcard(out))
+                        }),
+                    (other, _) => Err(format!(
+                        "unknown `anything-but` operator `{other}` (expected prefix, suffix, wildcard or equals-ignore-case)"
+                    )),
+                };
+                res.map_err(|msg| {
+                    if !msg.is_empty() {
+                        self.err(&p, msg);
+                    }
+                    String::new()
+                })
+            }
+            other => Err(format!(
+                "`anything-but` needs a string, a number, a list of strings or numbers, or an object with prefix, suffix, wildcard or equals-ignore-case; not {}",
+                kind(other)
+            )),
+        }
+    }
+
+    /// A string or a non-empty list of strings.
+    fn string_list(&mut self, what: &str, v: &Value, ptr: &str) -> Result<Vec<String>, String> {
+        match v {
+            Value::String(s) => Ok(vec![s.clone()]),
+            Value::Array(items) if !items.is_empty() => {
+                let mut out = Vec::new();
+                let mut bad = false;
+                for (i, item) in items.iter().enumerate() {
+                    match item {
+                        Value::String(s) => out.push(s.clone()),
+                        other => {
+                            self.err(
+                                &pointer_push(ptr, &i.to_string()),
+                                format!("`{what}` list may hold only strings, not {}", kind(other)),
+                            );
+                            bad = true;
+                        }
+                    }
+                }
+                if bad { Err(String::new()) } else { Ok(out) }
+            }
+            Value::Array(_) => Err(format!("`{what}` needs a non-empty list")),
+            other => Err(format!(
+                "`{what}` needs a string or a list of strings, not {}",
+                kind(other)
+            )),
+        }
+    }
+
+    fn numeric(&mut self, arg: &Value, ptr: &str) -> Result<NumericRange, String> {
+        const USAGE: &str = "`numeric` needs [op, number] or [\">\"|\">=\", number, \"<\"|\"<=\", number], with op one of =, <, <=, >, >=";
+        let Value::Array(items) = arg else {
+            return Err(format!("{USAGE}; got {}", kind(arg)));
+        };
+        if items.len() != 2 && items.len() != 4 {
+            return Err(format!("{USAGE}; got {} elements", items.len()));
+        }
+        let mut bad = false;
+        let mut comparisons = Vec::new();
+        for (i, pair) in items.chunks(2).enumerate() {
+            let op_ptr = pointer_push(ptr, &(2 * i).to_string());
+            let val_ptr = pointer_push(ptr, &(2 * i + 1).to_string());
+            let op = match &pair[0] {
+                Value::String(s) if matches!(s.as_str(), "=" | "<" | "<=" | ">" | ">=") => {
+                    Some(s.as_str())
+                }
+                Value::String(s) => {
+                    self.err(
+                        &op_ptr,
+                        format!("`numeric`: unknown comparison `{s}` (expected =, <, <=, >, >=)"),
+                    );
+                    None
+                }
+                other => {
+                    self.err(
+                        &op_ptr,
+                        format!(
+                            "`numeric`: expected a comparison operator string, not {}",
+                            kind(other)
+                        ),
+                    );
+                    None
+                }
+            };
+            let value = match pair.get(1).and_then(Value::as_f64) {
+                Some(v) => Some(v),
+                None => {
+                    let got = pair.get(1).map_or("nothing", kind);
+                    self.err(
+                        &val_ptr,
+                        format!(
+                            "`numeric`: the value after `{}` must be a number, not {got}",
+                            op.unwrap_or("the operator")
+                        ),
+                    );
+                    None
+                }
+            };
+            match (op, value) {
+                (Some(op), Some(v)) => comparisons.push((op, v, op_ptr)),
+                _ => bad = true,
+            }
+        }
+        if bad {
+            return Err(String::new());
+        }
+        let bound = |v: f64, inclusive: bool| {
+            Some(Bound {
+                value: v,
+                inclusive,
+            })
+        };
+        let mut range = NumericRange {
+            lower: None,
+            upper: None,
+        };
+        match comparisons.as_slice() {
+            [("=", v, _)] => {
+                range.lower = bound(*v, true);
+                range.upper = bound(*v, true);
+            }
+            [(op @ ("<" | "<="), v, _)] => range.upper = bound(*v, *op == "<="),
+            [(op @ (">" | ">="), v, _)] => range.lower = bound(*v, *op == ">="),
+            [(lo @ (">" | ">="), a, _), (hi @ ("<" | "<="), b, _)] => {
+                range.lower = bound(*a, *lo == ">=");
+                range.upper = bound(*b, *hi == "<=");
+                let empty = a > b || (a == b && (*lo == ">" || *hi == "<"));
+                if empty {
+                    return Err(format!("`numeric` range [{lo} {a}, {hi} {b}] is empty"));
+                }
+            }
+            [(first, _, p), _] if !matches!(*first, ">" | ">=") => {
+                self.err(
+                    p,
+                    format!(
+                        "`numeric`: a two-sided range starts with the lower bound (`>` or `>=`), not `{first}`"
+                    ),
+                );
+                return Err(String::new());
+            }
+            [_, (second, _, p)] => {
+                self.err(
+                    p,
+                    format!(
+                        "`numeric`: the second comparison must be an upper bound (`<` or `<=`), not `{second}`"
+                    ),
+                );
+                return Err(String::new());
+            }
+            _ => return Err(USAGE.to_string()),
+        }
+        Ok(range)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    fn parse(s: &str) -> Value {
+        match serde_json::from_str(s) {
+            Ok(v) => v,
+            Err(e) => panic!("bad JSON in test table: {s}: {e}"),
+        }
+    }
+
+    /// (pattern, event, expected)
+    #[rustfmt::skip]
+    const CASES: &[(&str, &str, bool)] = &[
+        // --- exact strings, multiple values, missing fields
+        (r#"{"type":["a"]}"#, r#"{"type":"a"}"#, true),
+        (r#"{"type":["a"]}"#, r#"{"type":"b"}"#, false),
+        (r#"{"type":["a","b"]}"#, r#"{"type":"b"}"#, true),
+        (r#"{"type":["a"]}"#, r#"{}"#, false),
+        (r#"{"type":["a"],"source":["s"]}"#, r#"{"type":"a","source":"s"}"#, true),
+        (r#"{"type":["a"],"source":["s"]}"#, r#"{"type":"a","source":"t"}"#, false),
+        (r#"{"type":["a"]}"#, r#"{"type":"A"}"#, false),
+        (r#"{"type":[""]}"#, r#"{"type":""}"#, true),
+        (r#"{"type":[""]}"#, r#"{"type":null}"#, false),
+        (r#"{"type":[""]}"#, r#"{}"#, false),
+        // --- numbers, booleans, null, type strictness
+        (r#"{"data":{"n":[300]}}"#, r#"{"data":{"n":300}}"#, true),
+        (r#"{"data":{"n":[300]}}"#, r#"{"data":{"n":3e2}}"#, true),
+        (r#"{"data":{"n":[300]}}"#, r#"{"data":{"n":300.0}}"#, true),
+        (r#"{"data":{"n":[3e2]}}"#, r#"{"data":{"n":300}}"#, true),
+        (r#"{"data":{"n":[300]}}"#, r#"{"data":{"n":"300"}}"#, false),
+        (r#"{"data":{"n":["300"]}}"#, r#"{"data":{"n":300}}"#, false),
+        (r#"{"data":{"n":[-1.5]}}"#, r#"{"data":{"n":-1.50}}"#, true),
+        (r#"{"data":{"n":[9007199254740993]}}"#, r#"{"data":{"n":9007199254740992}}"#, false),
+        (r#"{"data":{"b":[true]}}"#, r#"{"data":{"b":true}}"#, true),
+        (r#"{"data":{"b":[true]}}"#, r#"{"data":{"b":"true"}}"#, false),
+        (r#"{"data":{"b":[false]}}"#, r#"{"data":{"b":true}}"#, false),
+        (r#"{"data":{"x":[null]}}"#, r#"{"data":{"x":null}}"#, true),
+        (r#"{"data":{"x":[null]}}"#, r#"{"data":{}}"#, false),
+        (r#"{"data":{"x":[null]}}"#, r#"{"data":{"x":"null"}}"#, false),
+        // --- arrays in events
+        (r#"{"data":{"tags":["b"]}}"#, r#"{"data":{"tags":["a","b"]}}"#, true),
+        (r#"{"data":{"tags":["c"]}}"#, r#"{"data":{"tags":["a","b"]}}"#, false),
+        (r#"{"data":{"tags":["b"]}}"#, r#"{"data":{"tags":[["a"],["b"]]}}"#, true),
+        (r#"{"data":{"tags":["a"]}}"#, r#"{"data":{"tags":[]}}"#, false),
+        (r#"{"data":{"n":[{"numeric":[">",5]}]}}"#, r#"{"data":{"n":[1,7]}}"#, true),
+        // --- nested objects and arrays of objects (array consistency)
+        (r#"{"data":{"a":{"b":["x"]}}}"#, r#"{"data":{"a":{"b":"x"}}}"#, true),
+        (r#"{"data":{"a":{"b":["x"]}}}"#, r#"{"data":{"a":"x"}}"#, false),
+        (r#"{"data":{"a":["x"]}}"#, r#"{"data":{"a":{"b":"x"}}}"#, false),
+        (r#"{"data":{"items":{"sku":["b"]}}}"#, r#"{"data":{"items":[{"sku":"a"},{"sku":"b"}]}}"#, true),
+        (r#"{"data":{"items":{"sku":["b"],"qty":[1]}}}"#, r#"{"data":{"items":[{"sku":"a","qty":1},{"sku":"b","qty":2}]}}"#, false),
+        (r#"{"data":{"items":{"sku":["b"],"qty":[2]}}}"#, r#"{"data":{"items":[{"sku":"a","qty":1},{"sku":"b","qty":2}]}}"#, true),
+        (r#"{"data":{"items":{"sku":["b"]}}}"#, r#"{"data":{"items":[[{"sku":"a"}],[{"sku":"b"}]]}}"#, true),
+        (r#"{"data":{"e":{"x":{"y":[1]}}}}"#, r#"{"data":{"e":[{"x":[{"y":0},{"y":1}]}]}}"#, true),
+        // --- field names with dots are plain names
+        (r#"{"data":{"a.b":["x"]}}"#, r#"{"data":{"a.b":"x"}}"#, true),
+        (r#"{"data":{"a.b":["x"]}}"#, r#"{"data":{"a":{"b":"x"}}}"#, false),
+        // --- prefix / suffix (and ignore-case forms)
+        (r#"{"type":[{"prefix":"order."}]}"#, r#"{"type":"order.paid"}"#, true),
+        (r#"{"type":[{"prefix":"order."}]}"#, r#"{"type":"Order.paid"}"#, false),
+        (r#"{"type":[{"prefix":""}]}"#, r#"{"type":"anything"}"#, true),
+        (r#"{"data":{"n":[{"prefix":"1"}]}}"#, r#"{"data":{"n":12}}"#, false),
+        (r#"{"type":[{"prefix":{"equals-ignore-case":"ORDER."}}]}"#, r#"{"type":"order.paid"}"#, true),
+        (r#"{"type":[{"suffix":".png"}]}"#, r#"{"type":"img.png"}"#, true),
+        (r#"{"type":[{"suffix":".png"}]}"#, r#"{"type":"img.PNG"}"#, false),
+        (r#"{"type":[{"suffix":{"equals-ignore-case":".png"}}]}"#, r#"{"type":"img.PNG"}"#, true),
+        (r#"{"type":[{"suffix":{"equals-ignore-case":".png"}}]}"#, r#"{"type":"img.jpg"}"#, false),
+        // --- equals-ignore-case
+        (r#"{"source":[{"equals-ignore-case":"EC2"}]}"#, r#"{"source":"ec2"}"#, true),
+        (r#"{"source":[{"equals-ignore-case":"EC2"}]}"#, r#"{"source":"ec22"}"#, false),
+        (r#"{"source":[{"equals-ignore-case":"ÄÖ"}]}"#, r#"{"source":"äö"}"#, true),
+        (r#"{"source":[{"equals-ignore-case":"1"}]}"#, r#"{"source":1}"#, false),
+        // --- wildcard
+        (r#"{"source":[{"wildcard":"Simple*Service"}]}"#, r#"{"source":"SimpleQueueService"}"#, true),
+        (r#"{"source":[{"wildcard":"Simple*Service"}]}"#, r#"{"source":"SimpleService"}"#, true),
+        (r#"{"source":[{"wildcard":"Simple*Service"}]}"#, r#"{"source":"SimpleServiceX"}"#, false),
+        (r#"{"source":[{"wildcard":"*"}]}"#, r#"{"source":""}"#, true),
+        (r#"{"source":[{"wildcard":"*"}]}"#, r#"{"source":5}"#, false),
+        (r#"{"source":[{"wildcard":"a*b*c"}]}"#, r#"{"source":"abc"}"#, true),
+        (r#"{"source":[{"wildcard":"a*b*c"}]}"#, r#"{"source":"axxbyyc"}"#, true),
+        (r#"{"source":[{"wildcard":"a*b*c"}]}"#, r#"{"source":"acb"}"#, false),
+        (r#"{"source":[{"wildcard":"ab*ba"}]}"#, r#"{"source":"aba"}"#, false),
+        (r#"{"source":[{"wildcard":"ab*ba"}]}"#, r#"{"source":"abba"}"#, true),
+        (r#"{"source":[{"wildcard":"a\\*b"}]}"#, r#"{"source":"a*b"}"#, true),
+        (r#"{"source":[{"wildcard":"a\\*b"}]}"#, r#"{"source":"axb"}"#, false),
+        (r#"{"source":[{"wildcard":"a\\\\*"}]}"#, r#"{"source":"a\\bc"}"#, true),
+        (r#"{"source":[{"wildcard":"a\\\\*"}]}"#, r#"{"source":"abc"}"#, false),
+        (r#"{"source":[{"wildcard":"*.json"}]}"#, r#"{"source":"x.json"}"#, true),
+        // --- anything-but
+        (r#"{"data":{"s":[{"anything-but":"init"}]}}"#, r#"{"data":{"s":"running"}}"#, true),
+        (r#"{"data":{"s":[{"anything-but":"init"}]}}"#, r#"{"data":{"s":"init"}}"#, false),
+        (r#"{"data":{"s":[{"anything-but":"init"}]}}"#, r#"{"data":{}}"#, false),
+        (r#"{"data":{"s":[{"anything-but":"init"}]}}"#, r#"{"data":{"s":5}}"#, true),
+        (r#"{"data":{"s":[{"anything-but":"init"}]}}"#, r#"{"data":{"s":null}}"#, true),
+        (r#"{"data":{"s":[{"anything-but":["a","b"]}]}}"#, r#"{"data":{"s":"b"}}"#, false),
+        (r#"{"data":{"s":[{"anything-but":["a","b"]}]}}"#, r#"{"data":{"s":"c"}}"#, true),
+        (r#"{"data":{"s":[{"anything-but":["a","b"]}]}}"#, r#"{"data":{"s":["a","c"]}}"#, true),
+        (r#"{"data":{"s":[{"anything-but":["a","b"]}]}}"#, r#"{"data":{"s":["a","b"]}}"#, false),
+        (r#"{"data":{"n":[{"anything-but":[100,200]}]}}"#, r#"{"data":{"n":1e2}}"#, false),
+        (r#"{"data":{"n":[{"anything-but":[100,200]}]}}"#, r#"{"data":{"n":150}}"#, true),
+        (r#"{"data":{"n":[{"anything-but":[100,200]}]}}"#, r#"{"data":{"n":"100"}}"#, true),
+        (r#"{"data":{"n":[{"anything-but":123}]}}"#, r#"{"data":{"n":123.0}}"#, false),
+        (r#"{"data":{"s":[{"anything-but":{"prefix":"init"}}]}}"#, r#"{"data":{"s":"initializing"}}"#, false),
+        (r#"{"data":{"s":[{"anything-but":{"prefix":"init"}}]}}"#, r#"{"data":{"s":"running"}}"#, true),
+        (r#"{"data":{"s":[{"anything-but":{"suffix":".tmp"}}]}}"#, r#"{"data":{"s":"a.tmp"}}"#, false),
+        (r#"{"data":{"s":[{"anything-but":{"suffix":".tmp"}}]}}"#, r#"{"data":{"s":"a.txt"}}"#, true),
+        (r#"{"data":{"s":[{"anything-but":{"wildcard":"*/lib/*"}}]}}"#, r#"{"data":{"s":"/usr/lib/x"}}"#, false),
+        (r#"{"data":{"s":[{"anything-but":{"wildcard":["a*","b*"]}}]}}"#, r#"{"data":{"s":"bob"}}"#, false),
+        (r#"{"data":{"s":[{"anything-but":{"wildcard":["a*","b*"]}}]}}"#, r#"{"data":{"s":"carl"}}"#, true),
+        (r#"{"data":{"s":[{"anything-but":{"equals-ignore-case":"X"}}]}}"#, r#"{"data":{"s":"x"}}"#, false),
+        (r#"{"data":{"s":[{"anything-but":{"equals-ignore-case":["X","y"]}}]}}"#, r#"{"data":{"s":"Y"}}"#, false),
+        (r#"{"data":{"s":[{"anything-but":{"equals-ignore-case":["X","y"]}}]}}"#, r#"{"data":{"s":"z"}}"#, true),
+        // --- numeric
+        (r#"{"data":{"n":[{"numeric":[">",0]}]}}"#, r#"{"data":{"n":0.0001}}"#, true),
+        (r#"{"data":{"n":[{"numeric":[">",0]}]}}"#, r#"{"data":{"n":0}}"#, false),
+        (r#"{"data":{"n":[{"numeric":[">=",0]}]}}"#, r#"{"data":{"n":0}}"#, true),
+        (r#"{"data":{"n":[{"numeric":["<",10]}]}}"#, r#"{"data":{"n":-1e9}}"#, true),
+        (r#"{"data":{"n":[{"numeric":["<=",10]}]}}"#, r#"{"data":{"n":10.0}}"#, true),
+        (r#"{"data":{"n":[{"numeric":[">",0,"<=",5]}]}}"#, r#"{"data":{"n":5}}"#, true),
+        (r#"{"data":{"n":[{"numeric":[">",0,"<=",5]}]}}"#, r#"{"data":{"n":5.5}}"#, false),
+        (r#"{"data":{"n":[{"numeric":[">=",0,"<",5]}]}}"#, r#"{"data":{"n":5}}"#, false),
+        (r#"{"data":{"n":[{"numeric":["=",3.018e2]}]}}"#, r#"{"data":{"n":301.8}}"#, true),
+        (r#"{"data":{"n":[{"numeric":["=",301.8]}]}}"#, r#"{"data":{"n":301.9}}"#, false),
+        (r#"{"data":{"n":[{"numeric":[">",0]}]}}"#, r#"{"data":{"n":"5"}}"#, false),
+        (r#"{"data":{"n":[{"numeric":[">",0]}]}}"#, r#"{"data":{}}"#, false),
+        // --- exists
+        (r#"{"data":{"c":[{"exists":true}]}}"#, r#"{"data":{"c":1}}"#, true),
+        (r#"{"data":{"c":[{"exists":true}]}}"#, r#"{"data":{"c":null}}"#, true),
+        (r#"{"data":{"c":[{"exists":true}]}}"#, r#"{"data":{}}"#, false),
+        (r#"{"data":{"c":[{"exists":true}]}}"#, r#"{"data":{"c":{"d":1}}}"#, false),
+        (r#"{"data":{"c":[{"exists":true}]}}"#, r#"{"data":{"c":[]}}"#, false),
+        (r#"{"data":{"c":[{"exists":false}]}}"#, r#"{"data":{}}"#, true),
+        (r#"{"data":{"c":[{"exists":false}]}}"#, r#"{}"#, true),
+        (r#"{"data":{"c":[{"exists":false}]}}"#, r#"{"data":{"c":null}}"#, false),
+        (r#"{"data":{"c":[{"exists":false}]}}"#, r#"{"data":{"c":{"d":1}}}"#, true),
+        (r#"{"data":{"c":[{"exists":false}]}}"#, r#"{"data":"text"}"#, true),
+        (r#"{"data":{"c":[{"exists":false}]}}"#, r#"{"data":{"c":[]}}"#, true),
+        (r#"{"data":{"c":[{"exists":true}]}}"#, r#"{"data":{"c":[null]}}"#, true),
+        (r#"{"data":{"c":[{"exists":false}]}}"#, r#"{"data":[{"c":1},{"d":2}]}"#, true),
+        (r#"{"data":{"c":[{"exists":false}]}}"#, r#"{"data":[{"c":1}]}"#, false),
+        (r#"{"$or":[{"data":{"c":[{"exists":false}]}},{"type":["t"]}]}"#, r#"{"type":"u","data":{}}"#, true),
+        (r#"{"data":{"c":[{"exists":false}, "x"]}}"#, r#"{"data":{"c":"x"}}"#, true),
+        (r#"{"data":{"items":{"d":[{"exists":false}],"sku":["b"]}}}"#, r#"{"data":{"items":[{"sku":"a"},{"sku":"b","d":1}]}}"#, false),
+        (r#"{"data":{"items":{"d":[{"exists":false}],"sku":["a"]}}}"#, r#"{"data":{"items":[{"sku":"a"},{"sku":"b","d":1}]}}"#, true),
+        // --- cidr
+        (r#"{"data":{"ip":[{"cidr":"10.0.0.0/24"}]}}"#, r#"{"data":{"ip":"10.0.0.255"}}"#, true),
+        (r#"{"data":{"ip":[{"cidr":"10.0.0.0/24"}]}}"#, r#"{"data":{"ip":"10.0.1.0"}}"#, false),
+        (r#"{"data":{"ip":[{"cidr":"10.0.0.7/24"}]}}"#, r#"{"data":{"ip":"10.0.0.1"}}"#, true),
+        (r#"{"data":{"ip":[{"cidr":"0.0.0.0/0"}]}}"#, r#"{"data":{"ip":"8.8.8.8"}}"#, true),
+        (r#"{"data":{"ip":[{"cidr":"10.0.0.0/24"}]}}"#, r#"{"data":{"ip":"not-an-ip"}}"#, false),
+        (r#"{"data":{"ip":[{"cidr":"2001:db8::/32"}]}}"#, r#"{"data":{"ip":"2001:db8:ffff::1"}}"#, true),
+        (r#"{"data":{"ip":[{"cidr":"2001:db8::/32"}]}}"#, r#"{"data":{"ip":"2001:db9::1"}}"#, false),
+        (r#"{"data":{"ip":[{"cidr":"2001:db8::/32"}]}}"#, r#"{"data":{"ip":"10.0.0.1"}}"#, false),
+        (r#"{"data":{"ip":[{"cidr":"::1/128"}]}}"#, r#"{"data":{"ip":"0:0:0:0:0:0:0:1"}}"#, true),
+        // --- $or
+        (r#"{"$or":[{"type":["a"]},{"source":["s"]}]}"#, r#"{"type":"x","source":"s"}"#, true),
+        (r#"{"$or":[{"type":["a"]},{"source":["s"]}]}"#, r#"{"type":"x","source":"t"}"#, false),
+        (r#"{"source":["s"],"$or":[{"type":["a"]},{"type":["b"]}]}"#, r#"{"type":"b","source":"x"}"#, false),
+        (r#"{"data":{"$or":[{"c":[{"numeric":[">",0]}]},{"d":[{"numeric":["<",10]}]}]}}"#, r#"{"data":{"c":0,"d":5}}"#, true),
+        (r#"{"$or":[{"type":["a"]},{"type":["b"],"$or":[{"source":["x"]},{"source":["y"]}]}]}"#, r#"{"type":"b","source":"y"}"#, true),
+        (r#"{"$or":[{"type":["a"]},{"type":["b"],"$or":[{"source":["x"]},{"source":["y"]}]}]}"#, r#"{"type":"b","source":"z"}"#, false),
+        (r#"{"data":{"items":{"$or":[{"a":[1]},{"b":[2]}],"c":[3]}}}"#, r#"{"data":{"items":[{"a":1,"c":0},{"b":2,"c":3}]}}"#, true),
+        // --- EventBridge aliases at the top level only
+        (r#"{"detail-type":["order.paid"]}"#, r#"{"type":"order.paid"}"#, true),
+        (r#"{"detail":{"total":[{"numeric":[">",0]}]}}"#, r#"{"data":{"total":5}}"#, true),
+        (r#"{"detail":{"total":[5]}}"#, r#"{"detail":{"total":5}}"#, false),
+        (r#"{"$or":[{"detail-type":["a"]},{"detail":{"x":[1]}}]}"#, r#"{"type":"z","data":{"x":1}}"#, true),
+        (r#"{"data":{"detail":["x"]}}"#, r#"{"data":{"detail":"x"}}"#, true),
+        (r#"{"data":{"detail-type":["x"]}}"#, r#"{"data":{"type":"x"}}"#, false),
+        // --- a CloudEvent-shaped composite
+        (r#"{"type":["order.paid"],"source":[{"prefix":"/shop"}],"data":{"total":[{"numeric":[">",0]}],"country":[{"anything-but":["XX"]}]}}"#, r#"{"specversion":"1.0","id":"1","source":"/shop/eu","type":"order.paid","data":{"total":12.5,"country":"DE"}}"#, true),
+        (r#"{"type":["order.paid"],"source":[{"prefix":"/shop"}],"data":{"total":[{"numeric":[">",0]}],"country":[{"anything-but":["XX"]}]}}"#, r#"{"specversion":"1.0","id":"1","source":"/shop/eu","type":"order.paid","data":{"total":12.5,"country":"XX"}}"#, false),
+    ];
+
+    #[test]
+    fn table() {
+        assert!(CASES.len() >= 80, "{} cases", CASES.len());
+        let mut failures = Vec::new();
+        for (i, (p, e, want)) in CASES.iter().enumerate() {
+            let pattern = match Pattern::compile(&parse(p)) {
+                Ok(pattern) => pattern,
+                Err(errs) => {
+                    failures.push(format!("#{i} {p}: does not compile: {errs:?}"));
+                    continue;
+                }
+            };
+            let got = pattern.matches(&parse(e));
+            if got != *want {
+                failures.push(format!("#{i} {p} vs {e}: got {got}, want {want}"));
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    /// (pattern, pointer of the first error, fragment of its message)
+    #[rustfmt::skip]
+    const ERRORS: &[(&str, &str, &str)] = &[
+        (r#"[]"#, "", "must be a JSON object"),
+        (r#"{}"#, "", "empty object"),
+        (r#"{"type":"a"}"#, "/type", "must be a nested pattern object or an array"),
+        (r#"{"type":5}"#, "/type", "not a number"),
+        (r#"{"type":[]}"#, "/type", "empty matcher array"),
+        (r#"{"data":{}}"#, "/data", "empty object"),
+        (r#"{"type":[["a"]]}"#, "/type/0", "cannot be an array"),
+        (r#"{"type":[{}]}"#, "/type/0", "exactly one key"),
+        (r#"{"type":[{"prefix":"a","suffix":"b"}]}"#, "/type/0", "exactly one key"),
+        (r#"{"type":[{"prefx":"a"}]}"#, "/type/0/prefx", "unknown operator `prefx`"),
+        (r#"{"type":[{"exactly":"a"}]}"#, "/type/0/exactly", "unknown operator"),
+        (r#"{"type":[{"prefix":5}]}"#, "/type/0/prefix", "`prefix` needs a string"),
+        (r#"{"type":[{"prefix":{"equals-ignore-case":1}}]}"#, "/type/0/prefix/equals-ignore-case", "needs a string"),
+        (r#"{"type":[{"suffix":{"wildcard":"x"}}]}"#, "/type/0/suffix", "only `equals-ignore-case`"),
+        (r#"{"type":[{"equals-ignore-case":["a"]}]}"#, "/type/0/equals-ignore-case", "needs a string"),
+        (r#"{"type":[{"wildcard":"a**b"}]}"#, "/type/0/wildcard", "consecutive"),
+        (r#"{"type":[{"wildcard":"a\\b"}]}"#, "/type/0/wildcard", "invalid escape"),
+        (r#"{"type":[{"wildcard":"ab\\"}]}"#, "/type/0/wildcard", "trailing backslash"),
+        (r#"{"type":[{"wildcard":"*a*b*c*d*e*"}]}"#, "/type/0/wildcard", "at most 5"),
+        (r#"{"type":[{"wildcard":7}]}"#, "/type/0/wildcard", "needs a string"),
+        (r#"{"type":[{"anything-but":true}]}"#, "/type/0/anything-but", "not a boolean"),
+        (r#"{"type":[{"anything-but":null}]}"#, "/type/0/anything-but", "not null"),
+        (r#"{"type":[{"anything-but":[]}]}"#, "/type/0/anything-but", "non-empty"),
+        (r#"{"type":[{"anything-but":["a",1]}]}"#, "/type/0/anything-but", "mixes strings and numbers"),
+        (r#"{"type":[{"anything-but":["a",null]}]}"#, "/type/0/anything-but/1", "only strings or only numbers"),
+        (r#"{"type":[{"anything-but":{"prefix":""}}]}"#, "/type/0/anything-but/prefix", "must not be empty"),
+        (r#"{"type":[{"anything-but":{"prefix":["a"]}}]}"#, "/type/0/anything-but/prefix", "needs a string"),
+        (r#"{"type":[{"anything-but":{"numeric":[">",1]}}]}"#, "/type/0/anything-but/numeric", "unknown `anything-but` operator"),
+        (r#"{"type":[{"anything-but":{"wildcard":["a**"]}}]}"#, "/type/0/anything-but/wildcard", "consecutive"),
+        (r#"{"type":[{"anything-but":{"equals-ignore-case":[1]}}]}"#, "/type/0/anything-but/equals-ignore-case/0", "only strings"),
+        (r#"{"type":[{"anything-but":{"prefix":"a","suffix":"b"}}]}"#, "/type/0/anything-but", "exactly one key"),
+        (r#"{"n":[{"numeric":">"}]}"#, "/n/0/numeric", "`numeric` needs"),
+        (r#"{"n":[{"numeric":[">"]}]}"#, "/n/0/numeric", "1 elements"),
+        (r#"{"n":[{"numeric":[">",1,"<"]}]}"#, "/n/0/numeric", "3 elements"),
+        (r#"{"n":[{"numeric":["=>",1]}]}"#, "/n/0/numeric/0", "unknown comparison `=>`"),
+        (r#"{"n":[{"numeric":[">","1"]}]}"#, "/n/0/numeric/1", "must be a number"),
+        (r#"{"n":[{"numeric":[1,">"]}]}"#, "/n/0/numeric/0", "operator string"),
+        (r#"{"n":[{"numeric":["<",5,">",0]}]}"#, "/n/0/numeric/0", "lower bound"),
+        (r#"{"n":[{"numeric":[">",0,">",5]}]}"#, "/n/0/numeric/2", "upper bound"),
+        (r#"{"n":[{"numeric":["=",0,"<",5]}]}"#, "/n/0/numeric/0", "lower bound"),
+        (r#"{"n":[{"numeric":[">",5,"<",1]}]}"#, "/n/0/numeric", "is empty"),
+        (r#"{"n":[{"numeric":[">",5,"<=",5]}]}"#, "/n/0/numeric", "is empty"),
+        (r#"{"n":[{"exists":"yes"}]}"#, "/n/0/exists", "true or false"),
+        (r#"{"ip":[{"cidr":"10.0.0.0"}]}"#, "/ip/0/cidr", "address/prefix-length"),
+        (r#"{"ip":[{"cidr":"10.0.0.0/33"}]}"#, "/ip/0/cidr", "0 to 32"),
+        (r#"{"ip":[{"cidr":"::/129"}]}"#, "/ip/0/cidr", "0 to 128"),
+        (r#"{"ip":[{"cidr":"10.0.0/8"}]}"#, "/ip/0/cidr", "not an IP address"),
+        (r#"{"ip":[{"cidr":1}]}"#, "/ip/0/cidr", "needs a string"),
+        (r#"{"$or":[{"type":["a"]}]}"#, "/$or", "at least 2"),
+        (r#"{"$or":{"type":["a"]}}"#, "/$or", "needs an array"),
+        (r#"{"$or":[{"type":["a"]},"b"]}"#, "/$or/1", "must be pattern objects"),
+        (r#"{"$or":[{"type":["a"]},{}]}"#, "/$or/1", "empty object"),
+        (r#"{"$or":[{"prefix":["a"]},{"type":["b"]}]}"#, "/$or/0/prefix", "cannot be a field name inside `$or`"),
+        (r#"{"a/b~c":"x"}"#, "/a~1b~0c", "must be a nested pattern"),
+    ];
+
+    #[test]
+    fn compile_errors_have_pointers_and_operator_names() {
+        let mut failures = Vec::new();
+        for (p, ptr, msg) in ERRORS {
+            match Pattern::compile(&parse(p)) {
+                Ok(_) => failures.push(format!("{p}: compiled, expected error")),
+                Err(errs) => {
+                    let first = &errs[0];
+                    if first.pointer != *ptr || !first.message.contains(msg) {
+                        failures.push(format!("{p}: got {errs:?}, want {ptr} / {msg}"));
+                    }
+                }
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    #[test]
+    fn all_errors_are_reported() {
+        let p = json!({
+            "type": "bare",
+            "data": { "a": [], "b": [{ "numerc": [">", 1] }], "c": [{ "wildcard": "**" }] }
+        });
+        let errs = Pattern::compile(&p).expect_err("invalid");
+        let ptrs: Vec<&str> = errs.iter().map(|e| e.pointer.as_str()).collect();
+        assert_eq!(
+            ptrs,
+            vec!["/type", "/data/a", "/data/b/0/numerc", "/data/c/0/wildcard"]
+        );
+    }
+
+    #[test]
+    fn simple_match_and_display() {
+        assert_eq!(
+            simple_match(&json!({"type": ["a"]}), &json!({"type": "a"})),
+            Ok(true)
+        );
+        let errs = simple_match(&json!({"type": "a"}), &json!({})).expect_err("bad pattern");
+        assert!(errs[0].to_string().starts_with("at /type: "));
+    }
+
+    #[test]
+    fn wildcard_parts() {
+        let w = Wildcard::parse(r"a\*b*c\\").expect("valid");
+        assert_eq!(w.parts, vec!["a*b".to_string(), "c\\".to_string()]);
+        assert!(w.matches("a*bXYc\\"));
+        assert!(!w.matches("axbXYc\\"));
+        let star = Wildcard::parse("*").expect("valid");
+        assert!(star.matches("") && star.matches("anything"));
+    }
+
+    proptest! {
+        #[test]
+        fn prefix_agrees_with_starts_with(p in "[ab]{0,3}", s in "[ab]{0,6}") {
+            let pat = Pattern::compile(&json!({"k": [{"prefix": p.clone()}]})).expect("valid");
+            prop_assert_eq!(pat.matches(&json!({"k": s.clone()})), s.starts_with(&p));
+        }
+
+        #[test]
+        fn suffix_agrees_with_ends_with(p in "[ab]{0,3}", s in "[ab]{0,6}") {
+            let pat = Pattern::compile(&json!({"k": [{"suffix": p.clone()}]})).expect("valid");
+            prop_assert_eq!(pat.matches(&json!({"k": s.clone()})), s.ends_with(&p));
+        }
+
+        #[test]
+        fn numeric_agrees_with_f64(lo in -1e6f64..1e6, width in 0f64..1e6, x in -2e6f64..2e6,
+                                   lo_inc in any::<bool>(), hi_inc in any::<bool>()) {
+            let hi = lo + width + 1.0;
+            let ops = (if lo_inc { ">=" } else { ">" }, if hi_inc { "<=" } else { "<" });
+            let pat = Pattern::compile(&json!({"k": [{"numeric": [ops.0, lo, ops.1, hi]}]}))
+                .expect("valid");
+            let want = (if lo_inc { x >= lo } else { x > lo }) && (if hi_inc { x <= hi } else { x < hi });
+            prop_assert_eq!(pat.matches(&json!({"k": x})), want);
+        }
+
+        #[test]
+        fn wildcard_without_stars_is_equality(w in "[a-c]{0,4}", s in "[a-c]{0,4}") {
+            let pat = Pattern::compile(&json!({"k": [{"wildcard": w.clone()}]})).expect("valid");
+            prop_assert_eq!(pat.matches(&json!({"k": s.clone()})), w == s);
+        }
+
+        #[test]
+        fn wildcard_agrees_with_naive_matcher(w in "[ab*]{0,6}", s in "[ab]{0,6}") {
+            prop_assume!(!w.contains("**"));
+            prop_assume!(w.matches('*').count() <= MAX_WILDCARD_STARS);
+            let pat = Pattern::compile(&json!({"k": [{"wildcard": w.clone()}]})).expect("valid");
+            prop_assert_eq!(pat.matches(&json!({"k": s.clone()})), naive_glob(w.as_bytes(), s.as_bytes()));
+        }
+
+        #[test]
+        fn anything_but_is_negation_of_exact(list in proptest::collection::vec("[ab]{0,2}", 1..4), s in "[ab]{0,2}") {
+            let pat = Pattern::compile(&json!({"k": [{"anything-but": list.clone()}]})).expect("valid");
+            prop_assert_eq!(pat.matches(&json!({"k": s.clone()})), !list.contains(&s));
+        }
+    }
+
+    fn naive_glob(p: &[u8], s: &[u8]) -> bool {
+        match (p.split_first(), s.split_first()) {
+            (None, None) => true,
+            (None, Some(_)) => false,
+            (Some((b'*', rest)), _) => {
+                naive_glob(rest, s) || (!s.is_empty() && naive_glob(p, &s[1..]))
+            }
+            (Some((c, rest)), Some((d, srest))) => c == d && naive_glob(rest, srest),
+            (Some(_), None) => false,
+        }
+    }
+}

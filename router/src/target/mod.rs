@@ -1,0 +1,83 @@
+//! Targets: where a queue entry is delivered. Each kind implements `Target`; the delivery
+//! worker only sees `AttemptOutcome`, which says whether a failure is permanent, retryable, and
+//! whether it counts for the circuit breaker.
+
+pub mod webhook;
+
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+
+/// What one attempt needs to know besides the target's own configuration.
+#[derive(Debug, Clone)]
+pub struct DeliveryRequest {
+    /// The structured-mode CloudEvent, serialised.
+    pub body: bytes::Bytes,
+    /// Stable across retries of this (event, target).
+    pub idempotency_key: String,
+    /// The event's id (for logs and signatures).
+    pub event_id: String,
+    /// 1-based attempt number.
+    pub attempt: u32,
+    /// W3C trace context to propagate.
+    pub traceparent: Option<String>,
+    /// Deadline for this attempt.
+    pub timeout: Duration,
+}
+
+/// How an attempt ended, as the target saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AttemptOutcome {
+    /// The target took the event.
+    Delivered {
+        /// HTTP status, for webhooks.
+        status: Option<u16>,
+    },
+    /// A transient failure (5xx, 408, 429, timeout, connection error): retry later.
+    Retryable {
+        /// What went wrong.
+        error: String,
+        /// HTTP status, if a response arrived.
+        status: Option<u16>,
+        /// The target asked for this wait (Retry-After).
+        retry_after: Option<Duration>,
+    },
+    /// A permanent failure (4xx other than 408/429, 3xx): retrying cannot help.
+    Permanent {
+        /// What went wrong.
+        error: String,
+        /// HTTP status, if a response arrived.
+        status: Option<u16>,
+    },
+}
+
+impl AttemptOutcome {
+    /// Whether the failure says something about the target's health. Permanent failures are
+    /// about the event, not the target, and never count against the circuit breaker.
+    pub fn counts_for_breaker(&self) -> bool {
+        matches!(self, Self::Retryable { .. })
+    }
+
+    /// HTTP status, if any.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            Self::Delivered { status }
+            | Self::Retryable { status, .. }
+            | Self::Permanent { status, .. } => *status,
+        }
+    }
+
+    /// Error text, if the attempt failed.
+    pub fn error(&self) -> Option<&str> {
+        match self {
+            Self::Delivered { .. } => None,
+            Self::Retryable { error, .. } | Self::Permanent { error, .. } => Some(error),
+        }
+    }
+}
+
+/// A delivery destination.
+pub trait Target: Send + Sync + 'static {
+    /// Makes one attempt. Never panics on target behaviour; every failure is an outcome.
+    fn deliver<'a>(&'a self, req: &'a DeliveryRequest) -> BoxFuture<'a, AttemptOutcome>;
+}

@@ -1,0 +1,257 @@
+//! Webhook target: HTTP POST of the structured CloudEvent.
+//!
+//! Sends `Idempotency-Key` (stable across retries) and `traceparent`; does not follow
+//! redirects (a 3xx is permanent: the URL in the rule file is wrong); reads at most
+//! `max_response_bytes` of the answer, for the attempt's error text.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime};
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+
+use super::{AttemptOutcome, DeliveryRequest, Target};
+
+/// Error building a webhook target from its configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum WebhookError {
+    /// A header name or value from the rule file is not valid HTTP.
+    #[error("invalid header {0:?}")]
+    Header(String),
+    /// The HTTP client could not be built.
+    #[error("http client: {0}")]
+    Client(#[from] reqwest::Error),
+}
+
+/// One webhook destination.
+pub struct Webhook {
+    url: String,
+    headers: HeaderMap,
+    client: reqwest::Client,
+    max_response_bytes: usize,
+}
+
+/// Builds the HTTP client shared by all webhooks (one connection pool).
+pub fn shared_client() -> Result<reqwest::Client, WebhookError> {
+    Ok(reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .pool_max_idle_per_host(64)
+        .tcp_nodelay(true)
+        .user_agent(concat!("router/", env!("CARGO_PKG_VERSION")))
+        .build()?)
+}
+
+impl Webhook {
+    /// A webhook posting to `url` with extra `headers`.
+    pub fn new(
+        client: reqwest::Client,
+        url: String,
+        headers: &BTreeMap<String, String>,
+        max_response_bytes: usize,
+    ) -> Result<Self, WebhookError> {
+        let mut h = HeaderMap::new();
+        for (k, v) in headers {
+            let name = HeaderName::from_bytes(k.as_bytes())
+                .map_err(|_| WebhookError::Header(k.clone()))?;
+            let value = HeaderValue::from_str(v).map_err(|_| WebhookError::Header(k.clone()))?;
+            h.insert(name, value);
+        }
+        Ok(Self {
+            url,
+            headers: h,
+            client,
+            max_response_bytes,
+        })
+    }
+
+    async fn attempt(&self, req: &DeliveryRequest) -> AttemptOutcome {
+        let mut rb = self
+            .client
+            .post(&self.url)
+            .headers(self.headers.clone())
+            .header("content-type", "application/cloudevents+json")
+            .header("idempotency-key", &req.idempotency_key)
+            .timeout(req.timeout)
+            .body(req.body.clone());
+        if let Some(tp) = &req.traceparent {
+            rb = rb.header("traceparent", tp);
+        }
+        let mut resp = match rb.send().await {
+            Ok(r) => r,
+            Err(e) => {
+                let kind = if e.is_timeout() {
+                    "timeout"
+                } else if e.is_connect() {
+                    "connection failed"
+                } else {
+                    "request failed"
+                };
+                return AttemptOutcome::Retryable {
+                    error: format!("{kind}: {}", error_chain(&e)),
+                    status: None,
+                    retry_after: None,
+                };
+            }
+        };
+        let status = resp.status().as_u16();
+        let retry_after = resp
+            .headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| parse_retry_after(v, SystemTime::now()));
+        // Read a bounded prefix of the body; the rest is dropped with the connection.
+        let mut body = Vec::new();
+        let mut truncated = false;
+        loop {
+            match resp.chunk().await {
+                Ok(Some(chunk)) => {
+                    let room = self.max_response_bytes.saturating_sub(body.len());
+                    body.extend_from_slice(&chunk[..chunk.len().min(room)]);
+                    if chunk.len() > room {
+                        truncated = true;
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) if (200..300).contains(&status) => {
+                    // The status was already sent: the receiver took the event.
+                    tracing::debug!(error = %e, "webhook body read failed after a 2xx");
+                    break;
+                }
+                Err(e) => {
+                    return AttemptOutcome::Retryable {
+                        error: format!("HTTP {status}, then reading the body failed: {e}"),
+                        status: Some(status),
+                        retry_after,
+                    };
+                }
+            }
+        }
+        classify(status, &body, truncated, retry_after)
+    }
+}
+
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// Classifies a webhook response.
+pub fn classify(
+    status: u16,
+    body: &[u8],
+    truncated: bool,
+    retry_after: Option<Duration>,
+) -> AttemptOutcome {
+    let text = || {
+        let mut t = String::from_utf8_lossy(body)
+            .trim()
+            .chars()
+            .take(512)
+            .collect::<String>();
+        if truncated {
+            t.push('…');
+        }
+        if t.is_empty() {
+            format!("HTTP {status}")
+        } else {
+            format!("HTTP {status}: {t}")
+        }
+    };
+    match status {
+        200..=299 => AttemptOutcome::Delivered {
+            status: Some(status),
+        },
+        300..=399 => AttemptOutcome::Permanent {
+            error: format!("HTTP {status}: redirects are not followed; fix the target URL"),
+            status: Some(status),
+        },
+        408 | 429 => AttemptOutcome::Retryable {
+            error: text(),
+            status: Some(status),
+            retry_after,
+        },
+        400..=499 => AttemptOutcome::Permanent {
+            error: text(),
+            status: Some(status),
+        },
+        _ => AttemptOutcome::Retryable {
+            error: text(),
+            status: Some(status),
+            retry_after: if status == 503 { retry_after } else { None },
+        },
+    }
+}
+
+/// Parses `Retry-After`: delay-seconds or an HTTP-date (relative to `now`).
+pub fn parse_retry_after(v: &str, now: SystemTime) -> Option<Duration> {
+    let v = v.trim();
+    if let Ok(secs) = v.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let at = httpdate::parse_http_date(v).ok()?;
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+impl Target for Webhook {
+    fn deliver<'a>(&'a self, req: &'a DeliveryRequest) -> BoxFuture<'a, AttemptOutcome> {
+        self.attempt(req).boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classification_follows_the_spec() {
+        assert!(matches!(
+            classify(204, b"", false, None),
+            AttemptOutcome::Delivered { .. }
+        ));
+        assert!(matches!(
+            classify(302, b"", false, None),
+            AttemptOutcome::Permanent { .. }
+        ));
+        assert!(matches!(
+            classify(400, b"bad", false, None),
+            AttemptOutcome::Permanent { .. }
+        ));
+        assert!(matches!(
+            classify(404, b"", false, None),
+            AttemptOutcome::Permanent { .. }
+        ));
+        for s in [408, 429, 500, 502, 503] {
+            let o = classify(s, b"", false, None);
+            assert!(matches!(o, AttemptOutcome::Retryable { .. }), "{s}");
+            assert!(o.counts_for_breaker());
+        }
+        assert!(!classify(400, b"", false, None).counts_for_breaker());
+        let o = classify(500, b"boom", true, None);
+        assert_eq!(o.error(), Some("HTTP 500: boom…"));
+    }
+
+    #[test]
+    fn retry_after_in_both_forms() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        assert_eq!(
+            parse_retry_after("120", now),
+            Some(Duration::from_secs(120))
+        );
+        let later = httpdate::fmt_http_date(now + Duration::from_secs(30));
+        assert_eq!(
+            parse_retry_after(&later, now),
+            Some(Duration::from_secs(30))
+        );
+        assert_eq!(parse_retry_after("soon", now), None);
+        let past = httpdate::fmt_http_date(now - Duration::from_secs(30));
+        assert_eq!(parse_retry_after(&past, now), Some(Duration::ZERO));
+    }
+}

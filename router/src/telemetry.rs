@@ -1,0 +1,191 @@
+//! Metrics (Prometheus text format at `/metrics`) and the tracing subscriber.
+//!
+//! Counters are updated where things happen; queue gauges are read from the store when
+//! `/metrics` is scraped, so they are never stale.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::store::Store;
+
+type Labels = Vec<(&'static str, String)>;
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.000_1, 2.0, 18))
+}
+
+/// Every metric the router exports.
+pub struct Metrics {
+    registry: Registry,
+    /// Events by ingest result: accepted, duplicate, quarantined, rejected.
+    pub ingest_events: Family<Labels, Counter>,
+    /// Ingest HTTP requests by status code.
+    pub ingest_requests: Family<Labels, Counter>,
+    /// Delivery attempts by target and result (delivered, retried, dead_lettered, fenced).
+    pub deliveries: Family<Labels, Counter>,
+    /// Attempt latency by target.
+    pub attempt_seconds: Family<Labels, Histogram, fn() -> Histogram>,
+    /// New DLQ entries by target and reason.
+    pub dlq_entries: Family<Labels, Counter>,
+    /// Store group-commit latency (includes the fsync).
+    pub commit_seconds: Histogram,
+    /// Ops per group commit.
+    pub commit_ops: Histogram,
+    /// Waiting entries per target.
+    pub queue_depth: Family<Labels, Gauge>,
+    /// Leased entries per target.
+    pub queue_in_flight: Family<Labels, Gauge>,
+    /// Age of the oldest live entry per target.
+    pub queue_oldest_age_seconds: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    /// DLQ entries per target.
+    pub dlq_depth: Family<Labels, Gauge>,
+    /// Rule/contract reloads by result.
+    pub reloads: Family<Labels, Counter>,
+    /// Store file size.
+    pub store_bytes: Gauge,
+}
+
+impl Metrics {
+    /// Builds and registers every metric.
+    pub fn new() -> Arc<Self> {
+        let mut registry = Registry::default();
+        let m = Self {
+            ingest_events: Family::default(),
+            ingest_requests: Family::default(),
+            deliveries: Family::default(),
+            attempt_seconds: Family::new_with_constructor(latency_histogram),
+            dlq_entries: Family::default(),
+            commit_seconds: latency_histogram(),
+            commit_ops: Histogram::new(exponential_buckets(1.0, 2.0, 13)),
+            queue_depth: Family::default(),
+            queue_in_flight: Family::default(),
+            queue_oldest_age_seconds: Family::default(),
+            dlq_depth: Family::default(),
+            reloads: Family::default(),
+            store_bytes: Gauge::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "router_ingest_events",
+            "Events received, by result",
+            m.ingest_events.clone(),
+        );
+        registry.register(
+            "router_ingest_requests",
+            "Ingest requests, by HTTP status",
+            m.ingest_requests.clone(),
+        );
+        registry.register(
+            "router_deliveries",
+            "Delivery attempt outcomes, by target and result",
+            m.deliveries.clone(),
+        );
+        registry.register(
+            "router_attempt_seconds",
+            "Delivery attempt latency, by target",
+            m.attempt_seconds.clone(),
+        );
+        registry.register(
+            "router_dlq_entries",
+            "New DLQ entries, by target and reason",
+            m.dlq_entries.clone(),
+        );
+        registry.register(
+            "router_store_commit_seconds",
+            "Group commit latency including fsync",
+            m.commit_seconds.clone(),
+        );
+        registry.register(
+            "router_store_commit_ops",
+            "Operations per group commit",
+            m.commit_ops.clone(),
+        );
+        registry.register(
+            "router_queue_depth",
+            "Entries waiting, by target",
+            m.queue_depth.clone(),
+        );
+        registry.register(
+            "router_queue_in_flight",
+            "Entries leased by a worker, by target",
+            m.queue_in_flight.clone(),
+        );
+        registry.register(
+            "router_queue_oldest_age_seconds",
+            "Age of the oldest live entry, by target",
+            m.queue_oldest_age_seconds.clone(),
+        );
+        registry.register(
+            "router_dlq_depth",
+            "DLQ entries, by target",
+            m.dlq_depth.clone(),
+        );
+        registry.register(
+            "router_reloads",
+            "Rule and contract reloads, by kind and result",
+            m.reloads.clone(),
+        );
+        registry.register(
+            "router_store_bytes",
+            "Size of the store file",
+            m.store_bytes.clone(),
+        );
+        Arc::new(Self { registry, ..m })
+    }
+
+    /// Records one group commit.
+    pub fn observe_commit(&self, took: Duration, ops: usize) {
+        self.commit_seconds.observe(took.as_secs_f64());
+        self.commit_ops.observe(ops as f64);
+    }
+
+    /// Refreshes gauges from the store and renders the text exposition.
+    pub fn render(&self, store: &dyn Store, now_ms: i64) -> String {
+        for (target, s) in store.queue_stats() {
+            let l = vec![("target", target)];
+            self.queue_depth
+                .get_or_create(&l)
+                .set(i64::try_from(s.queued).unwrap_or(i64::MAX));
+            self.queue_in_flight
+                .get_or_create(&l)
+                .set(i64::try_from(s.in_flight).unwrap_or(i64::MAX));
+            let age = s
+                .oldest_accepted_at
+                .map_or(0.0, |a| (now_ms - a).max(0) as f64 / 1000.0);
+            self.queue_oldest_age_seconds.get_or_create(&l).set(age);
+            self.dlq_depth
+                .get_or_create(&l)
+                .set(i64::try_from(s.dlq).unwrap_or(i64::MAX));
+        }
+        self.store_bytes
+            .set(i64::try_from(store.disk_bytes()).unwrap_or(i64::MAX));
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// Installs the global tracing subscriber (`RUST_LOG` filters, default `info`).
+pub fn init_tracing(json: bool) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none();
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr);
+    let _ = if json {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
+}

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone: set-up, unit tests, end-to-end tests against the
+# real binary. CI (.ci/run) calls exactly this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR=never
+# Formatting and lints are part of the suite.
+cargo fmt --all -- --check
+cargo clippy --locked --workspace --all-targets -- -D warnings
+# Example configuration in the repo must always pass its own checks.
+cargo run --locked -q -p router -- rules check examples/rules
+cargo run --locked -q -p router -- contracts check schemas/contracts
+cargo test --locked --workspace

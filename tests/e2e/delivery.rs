@@ -1,0 +1,347 @@
+//! Fan-out, retries, permanent failures, isolation between targets, DLQ and fate.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::harness::*;
+
+const FAST_RETRY: &str = "  fast:\n    timeout: 2s\n    retry: { max_attempts: 5, base_delay: 200ms, max_delay: 2s, jitter: none }";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_event_reaches_three_webhooks_once_each() {
+    let (a, b, c) = (
+        Receiver::ok().await,
+        Receiver::ok().await,
+        Receiver::ok().await,
+    );
+    let rules = rules_yaml(
+        "",
+        &[(
+            "orders",
+            "order.created",
+            &[
+                format!("webhook: {}", a.url()),
+                format!("webhook: {}", b.url()),
+                format!("webhook: {}", c.url()),
+            ],
+        )],
+    );
+    let r = RouterProc::start(&[("orders.yaml", &rules)], &[]);
+    let mut ev = event("o-1", "order.created", json!({"total": 10}));
+    ev["traceparent"] = json!("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+    let (status, body) = post_event(&r, &ev).await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(body["results"][0]["status"], "accepted");
+    for rcv in [&a, &b, &c] {
+        assert!(
+            rcv.wait_for(Duration::from_secs(10), |s| !s.is_empty())
+                .await,
+            "a target got nothing"
+        );
+    }
+    // Give any stray duplicate a moment to show up, then check exactly-once in the happy path.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut keys = std::collections::HashSet::new();
+    for rcv in [&a, &b, &c] {
+        let got = rcv.received();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].body["id"], "o-1");
+        assert_eq!(got[0].body["data"]["total"], 10);
+        assert_eq!(
+            got[0].header("content-type").as_deref(),
+            Some("application/cloudevents+json")
+        );
+        assert_eq!(
+            got[0].header("traceparent").as_deref(),
+            Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+        );
+        keys.insert(got[0].header("idempotency-key").expect("idempotency key"));
+    }
+    assert_eq!(keys.len(), 3, "each target has its own idempotency key");
+    let f = eventually(Duration::from_secs(5), || async {
+        let f = fate(&r, "o-1").await;
+        let all = f["targets"]
+            .as_array()?
+            .iter()
+            .all(|t| t["state"] == "delivered");
+        all.then_some(f)
+    })
+    .await
+    .expect("fate shows delivered everywhere");
+    assert_eq!(f["matched_rules"], json!(["orders"]));
+    assert_eq!(f["targets"].as_array().map(Vec::len), Some(3));
+    assert_eq!(f["targets"][0]["attempts"][0]["status"], 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transient_failures_are_retried_with_growing_waits() {
+    // 500 for the first two attempts, then 200. jitter: none makes the waits exact caps.
+    let flaky = Receiver::scripted(Arc::new(|_, n| {
+        (if n < 2 { 500 } else { 200 }, Duration::ZERO, vec![])
+    }))
+    .await;
+    let rules = rules_yaml(
+        FAST_RETRY,
+        &[(
+            "r",
+            "t",
+            &[format!("webhook: {}\n        policy: fast", flaky.url())],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(post_event(&r, &event("e1", "t", json!({}))).await.0, 202);
+    assert!(
+        flaky
+            .wait_for(Duration::from_secs(15), |s| s.len() >= 3)
+            .await,
+        "third attempt never came"
+    );
+    let got = flaky.received();
+    let w1 = got[1].at - got[0].at;
+    let w2 = got[2].at - got[1].at;
+    // Waits are base·2^(n-1): 200 ms then 400 ms (lower bounds exact; upper bounds generous
+    // for a loaded CI machine).
+    assert!(
+        w1 >= Duration::from_millis(190) && w1 < Duration::from_secs(3),
+        "first wait {w1:?}"
+    );
+    assert!(
+        w2 >= Duration::from_millis(390) && w2 < Duration::from_secs(4),
+        "second wait {w2:?}"
+    );
+    assert!(w2 > w1, "waits grow: {w1:?} then {w2:?}");
+    let keys: std::collections::HashSet<_> =
+        got.iter().map(|g| g.header("idempotency-key")).collect();
+    assert_eq!(keys.len(), 1, "Idempotency-Key is stable across retries");
+    let f = eventually(Duration::from_secs(5), || async {
+        let f = fate(&r, "e1").await;
+        (f["targets"][0]["state"] == "delivered").then_some(f)
+    })
+    .await
+    .expect("delivered");
+    let attempts = f["targets"][0]["attempts"]
+        .as_array()
+        .expect("attempts")
+        .clone();
+    assert_eq!(attempts.len(), 3);
+    assert_eq!(attempts[0]["status"], 500);
+    assert_eq!(attempts[0]["result"], "retryable");
+    assert_eq!(attempts[2]["result"], "delivered");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_400_goes_to_the_dlq_at_once_and_others_are_unaffected() {
+    let bad = Receiver::status(400).await;
+    let good = Receiver::ok().await;
+    let rules = rules_yaml(
+        FAST_RETRY,
+        &[(
+            "r",
+            "t",
+            &[
+                format!(
+                    "webhook: {}\n        id: strict-target\n        policy: fast",
+                    bad.url()
+                ),
+                format!("webhook: {}\n        id: happy-target", good.url()),
+            ],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(
+        post_event(&r, &event("e1", "t", json!({"x": 1}))).await.0,
+        202
+    );
+    assert!(
+        good.wait_for(Duration::from_secs(10), |s| s.len() == 1)
+            .await
+    );
+    let list = eventually(Duration::from_secs(10), || async {
+        let (_, l) = get_json(&r, "/v1/dlq?target=strict-target").await;
+        (l["entries"].as_array().map(Vec::len) == Some(1)).then_some(l)
+    })
+    .await
+    .expect("one DLQ entry");
+    let entry = &list["entries"][0];
+    assert_eq!(entry["reason"], "permanent_error");
+    assert_eq!(entry["target"], "strict-target");
+    assert_eq!(entry["rule"], "r");
+    assert_eq!(entry["attempt_count"], 1);
+    assert_eq!(entry["attempts"][0]["status"], 400);
+    assert_eq!(bad.count(), 1, "a permanent failure is not retried");
+    // Show one entry: the full event is there. Reading twice changes nothing.
+    let id = entry["id"].as_str().expect("id").to_string();
+    let (s1, one) = get_json(&r, &format!("/v1/dlq/{id}")).await;
+    let (_, again) = get_json(&r, &format!("/v1/dlq/{id}")).await;
+    assert_eq!(s1, 200);
+    assert_eq!(one, again);
+    assert_eq!(one["event"]["data"]["x"], 1);
+    // Filters.
+    let (_, none) = get_json(&r, "/v1/dlq?reason=retries_exhausted").await;
+    assert_eq!(none["entries"].as_array().map(Vec::len), Some(0));
+    let (s, _) = get_json(&r, "/v1/dlq?reason=nonsense").await;
+    assert_eq!(s, 400);
+    let f = fate(&r, "e1").await;
+    let states: Vec<_> = f["targets"]
+        .as_array()
+        .expect("targets")
+        .iter()
+        .map(|t| (t["target"].clone(), t["state"].clone()))
+        .collect();
+    assert!(
+        states.contains(&(json!("strict-target"), json!("dlq"))),
+        "{states:?}"
+    );
+    assert!(
+        states.contains(&(json!("happy-target"), json!("delivered"))),
+        "{states:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_exhausted_end_in_the_dlq_with_every_attempt() {
+    let down = Receiver::status(503).await;
+    let policy = "  short:\n    timeout: 1s\n    retry: { max_attempts: 3, base_delay: 50ms, max_delay: 100ms }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!("webhook: {}\n        policy: short", down.url())],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(post_event(&r, &event("e1", "t", json!({}))).await.0, 202);
+    let list = eventually(Duration::from_secs(10), || async {
+        let (_, l) = get_json(&r, "/v1/dlq").await;
+        (l["entries"].as_array().map(Vec::len) == Some(1)).then_some(l)
+    })
+    .await
+    .expect("dead-lettered");
+    assert_eq!(list["entries"][0]["reason"], "retries_exhausted");
+    assert_eq!(list["entries"][0]["attempt_count"], 3);
+    assert_eq!(down.count(), 3);
+    let errors: Vec<_> = list["entries"][0]["attempts"]
+        .as_array()
+        .expect("attempts")
+        .iter()
+        .map(|a| a["status"].clone())
+        .collect();
+    assert_eq!(errors, vec![json!(503), json!(503), json!(503)]);
+}
+
+/// A target that is down (connection refused) or hangs must not delay a healthy one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_or_slow_target_does_not_delay_others() {
+    let healthy = Receiver::ok().await;
+    let slow = Receiver::scripted(Arc::new(|_, _| (200, Duration::from_secs(20), vec![]))).await;
+    // A port with nothing listening.
+    let dead_port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr").port()
+    };
+    let policy =
+        "  p:\n    timeout: 30s\n    retry: { max_attempts: 10, base_delay: 100ms, max_delay: 1s }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[
+                format!("webhook: {}\n        id: healthy", healthy.url()),
+                format!(
+                    "webhook: {}\n        id: slow\n        policy: p",
+                    slow.url()
+                ),
+                format!(
+                    "webhook: http://127.0.0.1:{dead_port}/hook\n        id: dead\n        policy: p"
+                ),
+            ],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let n = 200;
+    let started = Instant::now();
+    for chunk in (0..n).collect::<Vec<_>>().chunks(50) {
+        let batch: Vec<_> = chunk
+            .iter()
+            .map(|i| event(&format!("e{i}"), "t", json!({"i": i})))
+            .collect();
+        let (s, _) = post_raw(
+            &r,
+            "application/cloudevents-batch+json",
+            serde_json::to_vec(&batch).expect("json"),
+        )
+        .await;
+        assert_eq!(s, 202);
+    }
+    assert!(
+        healthy
+            .wait_for(Duration::from_secs(20), |s| s.len() >= n)
+            .await,
+        "healthy target got {} of {n}",
+        healthy.count()
+    );
+    let took = started.elapsed();
+    eprintln!("healthy target received {n} events in {took:?} while the others were slow/dead");
+    // The slow target holds at most its concurrency in flight; the healthy one finished long
+    // before a single slow attempt (20 s) could complete.
+    assert!(
+        took < Duration::from_secs(15),
+        "healthy delivery took {took:?}"
+    );
+    let (_, t) = get_json(&r, "/v1/targets").await;
+    let targets = t["targets"].as_array().expect("targets");
+    let slow_t = targets
+        .iter()
+        .find(|x| x["id"] == "slow")
+        .expect("slow listed");
+    assert!(slow_t["in_flight"].as_u64().unwrap_or(0) > 0, "{slow_t}");
+    assert!(slow_t["oldest_age_seconds"].as_f64().is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_health_and_status_answer() {
+    let ok = Receiver::ok().await;
+    let rules = rules_yaml(
+        "",
+        &[("r", "t", &[format!("webhook: {}\n        id: m", ok.url())])],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(post_event(&r, &event("e1", "t", json!({}))).await.0, 202);
+    assert!(ok.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
+    assert_eq!(get_json(&r, "/healthz").await.0, 200);
+    assert_eq!(get_json(&r, "/readyz").await.0, 200);
+    let (s, st) = get_json(&r, "/v1/status").await;
+    assert_eq!(s, 200);
+    assert_eq!(st["ready"], true);
+    assert_eq!(st["rules"]["rules"], 1);
+    let (_, rules) = get_json(&r, "/v1/rules").await;
+    assert_eq!(rules["rules"][0]["name"], "r");
+    assert_eq!(rules["rules"][0]["line"], 2);
+    let text = eventually(Duration::from_secs(5), || async {
+        let t = client()
+            .get(r.url("/metrics"))
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        t.contains("router_deliveries_total{target=\"m\",result=\"delivered\"} 1")
+            .then_some(t)
+    })
+    .await
+    .expect("delivery counted");
+    for m in [
+        "router_ingest_events_total{status=\"accepted\"} 1",
+        "router_queue_depth{target=\"m\"} 0",
+        "router_store_commit_seconds_bucket",
+        "router_queue_oldest_age_seconds",
+        "router_dlq_depth{target=\"m\"} 0",
+    ] {
+        assert!(text.contains(m), "missing {m} in\n{text}");
+    }
+}

@@ -1,0 +1,396 @@
+//! Test harness: spawns the real `router` binary on a free port with a temp data dir, and
+//! scripted webhook receivers, so each test reads as a scenario.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::http::{HeaderMap, StatusCode};
+use serde_json::{Value, json};
+
+/// A running router process and its directories.
+pub struct RouterProc {
+    pub dir: tempfile::TempDir,
+    pub addr: SocketAddr,
+    child: Option<Child>,
+    log: Arc<Mutex<Vec<String>>>,
+    extra_env: Vec<(String, String)>,
+}
+
+impl RouterProc {
+    /// Writes `rules` (file name → text) and `contracts` (relative path → text) into a fresh
+    /// temp dir and starts the router on it.
+    pub fn start(rules: &[(&str, &str)], contracts: &[(&str, &str)]) -> Self {
+        Self::start_with_env(rules, contracts, &[])
+    }
+
+    pub fn start_with_env(
+        rules: &[(&str, &str)],
+        contracts: &[(&str, &str)],
+        env: &[(&str, &str)],
+    ) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for (name, text) in rules {
+            write(&dir.path().join("rules").join(name), text);
+        }
+        std::fs::create_dir_all(dir.path().join("rules")).expect("rules dir");
+        for (name, text) in contracts {
+            write(&dir.path().join("contracts").join(name), text);
+        }
+        let mut p = Self {
+            dir,
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            child: None,
+            log: Arc::new(Mutex::new(Vec::new())),
+            extra_env: env
+                .iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect(),
+        };
+        p.spawn();
+        p
+    }
+
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    fn spawn(&mut self) {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_router"));
+        cmd.arg("serve")
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .arg("--data-dir")
+            .arg(self.data_dir())
+            .arg("--rules")
+            .arg(self.dir.path().join("rules"))
+            .arg("--contracts")
+            .arg(self.dir.path().join("contracts"))
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        for (k, v) in &self.extra_env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn router");
+        let stderr = child.stderr.take().expect("stderr");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let log = self.log.clone();
+        std::thread::spawn(move || {
+            let mut tx = Some(tx);
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if let Some(addr) = line
+                    .find("router listening")
+                    .and_then(|i| line[i..].split("listen=").nth(1))
+                {
+                    let addr = addr.split_whitespace().next().unwrap_or("").to_string();
+                    if let Some(tx) = tx.take() {
+                        let _ = tx.send(addr);
+                    }
+                }
+                log.lock().expect("log").push(line);
+            }
+        });
+        let addr = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(a) => a,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("router did not start; log:\n{}", self.log_text());
+            }
+        };
+        self.addr = addr.parse().expect("listen address in log");
+        self.child = Some(child);
+    }
+
+    pub fn log_text(&self) -> String {
+        self.log.lock().expect("log").join("\n")
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// kill -9: no chance to flush or clean up.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait for the exit status.
+    pub fn sigterm(&mut self) -> std::process::ExitStatus {
+        let mut c = self.child.take().expect("running");
+        let pid = c.id().to_string();
+        let _ = Command::new("kill").args(["-TERM", &pid]).status();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(s) = c.try_wait().expect("wait") {
+                return s;
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                panic!("router did not exit within 30s of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Starts again on the same directories (a new port).
+    pub fn restart(&mut self) {
+        self.kill9();
+        self.spawn();
+    }
+}
+
+impl Drop for RouterProc {
+    fn drop(&mut self) {
+        self.kill9();
+        if std::thread::panicking() {
+            eprintln!(
+                "---- router log ----\n{}\n--------------------",
+                self.log_text()
+            );
+        }
+    }
+}
+
+fn write(path: &Path, text: &str) {
+    if let Some(p) = path.parent() {
+        std::fs::create_dir_all(p).expect("mkdir");
+    }
+    std::fs::write(path, text).expect("write");
+}
+
+/// One request a receiver saw.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub at: Instant,
+    pub headers: HeaderMap,
+    pub body: Value,
+}
+
+impl Received {
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    }
+    pub fn event_id(&self) -> String {
+        self.body["id"].as_str().unwrap_or_default().to_string()
+    }
+}
+
+/// What a receiver answers: status, delay, extra headers.
+pub type Script =
+    Arc<dyn Fn(&Value, usize) -> (u16, Duration, Vec<(&'static str, String)>) + Send + Sync>;
+
+/// A webhook receiver: a small HTTP server whose answers the test scripts. The script gets the
+/// event and how many times this event id was seen before (0 on the first delivery).
+#[derive(Clone)]
+pub struct Receiver {
+    pub addr: SocketAddr,
+    pub seen: Arc<Mutex<Vec<Received>>>,
+    counts: Arc<Mutex<HashMap<String, usize>>>,
+    shutdown: tokio_util::sync::CancellationToken,
+}
+
+impl Receiver {
+    /// A receiver that always answers 200.
+    pub async fn ok() -> Self {
+        Self::scripted(Arc::new(|_, _| (200, Duration::ZERO, vec![]))).await
+    }
+
+    /// A receiver that always answers `status`.
+    pub async fn status(status: u16) -> Self {
+        Self::scripted(Arc::new(move |_, _| (status, Duration::ZERO, vec![]))).await
+    }
+
+    pub async fn scripted(script: Script) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        Self::on_listener(listener, script)
+    }
+
+    pub fn on_listener(listener: tokio::net::TcpListener, script: Script) -> Self {
+        let addr = listener.local_addr().expect("addr");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let counts = Arc::new(Mutex::new(HashMap::new()));
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let (s2, c2, sd) = (seen.clone(), counts.clone(), shutdown.clone());
+        let app = axum::Router::new().fallback(move |headers: HeaderMap, body: Bytes| {
+            let (seen, counts, script) = (s2.clone(), c2.clone(), script.clone());
+            async move {
+                let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                let id = v["id"].as_str().unwrap_or_default().to_string();
+                let n = {
+                    let mut c = counts.lock().expect("counts");
+                    let e = c.entry(id).or_insert(0);
+                    *e += 1;
+                    *e - 1
+                };
+                seen.lock().expect("seen").push(Received {
+                    at: Instant::now(),
+                    headers,
+                    body: v.clone(),
+                });
+                let (status, delay, extra) = script(&v, n);
+                if !delay.is_zero() {
+                    tokio::time::sleep(delay).await;
+                }
+                let mut resp = axum::http::Response::builder()
+                    .status(StatusCode::from_u16(status).expect("status"));
+                for (k, val) in extra {
+                    resp = resp.header(k, val);
+                }
+                resp.body(axum::body::Body::from("{}")).expect("response")
+            }
+        });
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(async move { sd.cancelled().await })
+                .await;
+        });
+        Self {
+            addr,
+            seen,
+            counts,
+            shutdown,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}/hook", self.addr)
+    }
+
+    pub fn stop(&self) {
+        self.shutdown.cancel();
+    }
+
+    pub fn received(&self) -> Vec<Received> {
+        self.seen.lock().expect("seen").clone()
+    }
+
+    pub fn count(&self) -> usize {
+        self.seen.lock().expect("seen").len()
+    }
+
+    /// Distinct event ids received.
+    pub fn distinct_ids(&self) -> std::collections::HashSet<String> {
+        self.received().iter().map(Received::event_id).collect()
+    }
+
+    /// Waits until `pred` holds, up to `timeout`.
+    pub async fn wait_for(&self, timeout: Duration, pred: impl Fn(&[Received]) -> bool) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if pred(&self.received()) {
+                return true;
+            }
+            if Instant::now() > deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// A structured CloudEvent.
+pub fn event(id: &str, ty: &str, data: Value) -> Value {
+    json!({"specversion": "1.0", "id": id, "source": "/test", "type": ty, "data": data})
+}
+
+/// An HTTP client with sane timeouts.
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .expect("client")
+}
+
+/// POSTs one structured event; returns (status, body).
+pub async fn post_event(r: &RouterProc, ev: &Value) -> (u16, Value) {
+    post_raw(
+        r,
+        "application/cloudevents+json",
+        ev.to_string().into_bytes(),
+    )
+    .await
+}
+
+/// POSTs raw bytes with a content type.
+pub async fn post_raw(r: &RouterProc, content_type: &str, body: Vec<u8>) -> (u16, Value) {
+    let resp = client()
+        .post(r.url("/v1/events"))
+        .header("content-type", content_type)
+        .body(body)
+        .send()
+        .await
+        .expect("post");
+    let status = resp.status().as_u16();
+    let v = resp.json::<Value>().await.unwrap_or(Value::Null);
+    (status, v)
+}
+
+/// GET returning JSON.
+pub async fn get_json(r: &RouterProc, path: &str) -> (u16, Value) {
+    let resp = client().get(r.url(path)).send().await.expect("get");
+    let status = resp.status().as_u16();
+    (status, resp.json::<Value>().await.unwrap_or(Value::Null))
+}
+
+/// The fate of an event.
+pub async fn fate(r: &RouterProc, id: &str) -> Value {
+    get_json(r, &format!("/v1/events/{id}?source=/test"))
+        .await
+        .1
+}
+
+/// Polls `f` until it returns Some, up to `timeout`.
+pub async fn eventually<T, F, Fut>(timeout: Duration, mut f: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f().await {
+            return Some(v);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A rule file with one rule per (name, type, webhook url, policy yaml).
+pub fn rules_yaml(policies: &str, rules: &[(&str, &str, &[String])]) -> String {
+    let mut s = String::new();
+    if !policies.is_empty() {
+        s.push_str("policies:\n");
+        s.push_str(policies);
+        s.push('\n');
+    }
+    s.push_str("rules:\n");
+    for (name, ty, targets) in rules {
+        s.push_str(&format!(
+            "  - name: {name}\n    pattern:\n      type: [{ty}]\n    targets:\n"
+        ));
+        for t in targets.iter() {
+            s.push_str(&format!("      - {t}\n"));
+        }
+    }
+    s
+}

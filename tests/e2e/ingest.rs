@@ -1,0 +1,323 @@
+//! Ingest: the three modes, dedup, contracts, and bad input that must change nothing.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::harness::*;
+
+const ORDER_V1: &str = r#"{
+  "$schema": "https://json-schema.org/draft/2020-12/schema",
+  "type": "object",
+  "required": ["order_id", "total"],
+  "properties": {
+    "order_id": { "type": "string" },
+    "total": { "type": "number", "minimum": 0 }
+  }
+}"#;
+
+async fn router_with_receiver(modes: Option<&str>) -> (RouterProc, Receiver) {
+    let rcv = Receiver::ok().await;
+    let rules = rules_yaml(
+        "",
+        &[
+            (
+                "all-orders",
+                "order.created",
+                &[format!("webhook: {}", rcv.url())],
+            ),
+            ("others", "other", &[format!("webhook: {}", rcv.url())]),
+        ],
+    );
+    let mut contracts = vec![("order.created/v1.json", ORDER_V1)];
+    if let Some(m) = modes {
+        contracts.push(("modes.toml", m));
+    }
+    (RouterProc::start(&[("r.yaml", &rules)], &contracts), rcv)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_batch_and_binary_modes_are_accepted() {
+    let (r, rcv) = router_with_receiver(None).await;
+    let good = json!({"order_id": "A", "total": 3});
+    let (s, b) = post_event(&r, &event("s1", "order.created", good.clone())).await;
+    assert_eq!(
+        (s, b["results"][0]["status"].clone()),
+        (202, json!("accepted")),
+        "{b}"
+    );
+    let batch = json!([
+        event("b1", "order.created", good.clone()),
+        event("b2", "order.created", good.clone())
+    ]);
+    let (s, b) = post_raw(
+        &r,
+        "application/cloudevents-batch+json",
+        batch.to_string().into_bytes(),
+    )
+    .await;
+    assert_eq!(s, 202, "{b}");
+    assert_eq!(b["results"].as_array().map(Vec::len), Some(2));
+    let resp = client()
+        .post(r.url("/v1/events"))
+        .header("content-type", "application/json")
+        .header("ce-specversion", "1.0")
+        .header("ce-id", "bin1")
+        .header("ce-source", "/test")
+        .header("ce-type", "order.created")
+        .header("ce-partitionkey", "A")
+        .body(good.to_string())
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(resp.status().as_u16(), 202);
+    assert!(
+        rcv.wait_for(Duration::from_secs(10), |s| s.len() == 4)
+            .await,
+        "got {}",
+        rcv.count()
+    );
+    let bin = rcv
+        .received()
+        .into_iter()
+        .find(|x| x.event_id() == "bin1")
+        .expect("binary event delivered");
+    assert_eq!(bin.body["data"]["order_id"], "A");
+    assert_eq!(bin.body["partitionkey"], "A");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_source_and_id_is_routed_once() {
+    let (r, rcv) = router_with_receiver(None).await;
+    let ev = event("dup", "other", json!({}));
+    assert_eq!(
+        post_event(&r, &ev).await.1["results"][0]["status"],
+        "accepted"
+    );
+    assert_eq!(
+        post_event(&r, &ev).await.1["results"][0]["status"],
+        "duplicate"
+    );
+    // Same id, other source: a different event.
+    let mut other = ev.clone();
+    other["source"] = json!("/elsewhere");
+    assert_eq!(
+        post_event(&r, &other).await.1["results"][0]["status"],
+        "accepted"
+    );
+    // Inside one batch too.
+    let batch = json!([
+        event("d2", "other", json!({})),
+        event("d2", "other", json!({}))
+    ]);
+    let (_, b) = post_raw(
+        &r,
+        "application/cloudevents-batch+json",
+        batch.to_string().into_bytes(),
+    )
+    .await;
+    assert_eq!(b["results"][0]["status"], "accepted");
+    assert_eq!(b["results"][1]["status"], "duplicate");
+    assert!(
+        rcv.wait_for(Duration::from_secs(10), |s| s.len() >= 3)
+            .await
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(rcv.count(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_with_one_key_accept_exactly_once() {
+    let (r, rcv) = router_with_receiver(None).await;
+    let ev = event("race", "other", json!({}));
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let (url, body) = (r.url("/v1/events"), ev.to_string());
+        tasks.push(tokio::spawn(async move {
+            let resp = client()
+                .post(url)
+                .header("content-type", "application/cloudevents+json")
+                .body(body)
+                .send()
+                .await
+                .expect("post");
+            resp.json::<Value>().await.expect("json")["results"][0]["status"]
+                .as_str()
+                .unwrap_or("")
+                .to_string()
+        }));
+    }
+    let mut accepted = 0;
+    for t in tasks {
+        if t.await.expect("join") == "accepted" {
+            accepted += 1;
+        }
+    }
+    assert_eq!(accepted, 1);
+    assert!(
+        rcv.wait_for(Duration::from_secs(10), |s| s.len() == 1)
+            .await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quarantine_stores_poison_in_the_dlq_with_pointers_and_never_routes_it() {
+    let (r, rcv) = router_with_receiver(None).await;
+    let (s, b) = post_event(
+        &r,
+        &event("bad1", "order.created", json!({"order_id": 7, "total": -1})),
+    )
+    .await;
+    assert_eq!(s, 202);
+    let res = &b["results"][0];
+    assert_eq!(res["status"], "quarantined");
+    assert_eq!(res["reason"], "contract_violation");
+    let pointers: Vec<_> = res["errors"]
+        .as_array()
+        .expect("errors")
+        .iter()
+        .map(|e| e["pointer"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert!(
+        pointers.contains(&"/data/order_id".to_string()),
+        "{pointers:?}"
+    );
+    assert!(
+        pointers.contains(&"/data/total".to_string()),
+        "{pointers:?}"
+    );
+    // Unknown version.
+    let mut v9 = event(
+        "bad2",
+        "order.created",
+        json!({"order_id": "A", "total": 1}),
+    );
+    v9["dataversion"] = json!(9);
+    let (_, b) = post_event(&r, &v9).await;
+    assert_eq!(b["results"][0]["status"], "quarantined");
+    assert_eq!(b["results"][0]["reason"], "unknown_version");
+    // Both are in the DLQ, never delivered.
+    let (_, l) = get_json(&r, "/v1/dlq?reason=contract_violation").await;
+    assert_eq!(l["entries"].as_array().map(Vec::len), Some(1));
+    assert_eq!(l["entries"][0]["errors"].as_array().map(Vec::len), Some(2));
+    let (_, l) = get_json(&r, "/v1/dlq?reason=unknown_version").await;
+    assert_eq!(l["entries"].as_array().map(Vec::len), Some(1));
+    let f = fate(&r, "bad1").await;
+    assert_eq!(f["quarantined"], true);
+    assert_eq!(f["targets"].as_array().map(Vec::len), Some(0));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(rcv.count(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enforce_mode_answers_422_and_stores_nothing() {
+    let (r, rcv) = router_with_receiver(Some("\"order.created\" = \"enforce\"\n")).await;
+    let (s, b) = post_event(&r, &event("bad", "order.created", json!({"total": "x"}))).await;
+    assert_eq!(s, 422, "{b}");
+    let pointers: Vec<_> = b["errors"]
+        .as_array()
+        .expect("errors")
+        .iter()
+        .map(|e| e["pointer"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert!(
+        pointers.contains(&"/data/total".to_string()),
+        "{pointers:?}"
+    );
+    assert!(
+        pointers
+            .iter()
+            .any(|p| p == "/data" || p.starts_with("/data")),
+        "{pointers:?}"
+    );
+    assert_eq!(get_json(&r, "/v1/events/bad?source=/test").await.0, 404);
+    // In a batch the pointer names the element.
+    let batch = json!([
+        event("ok", "order.created", json!({"order_id": "A", "total": 1})),
+        event("bad", "order.created", json!({}))
+    ]);
+    let (s, b) = post_raw(
+        &r,
+        "application/cloudevents-batch+json",
+        batch.to_string().into_bytes(),
+    )
+    .await;
+    assert_eq!(s, 422);
+    assert!(
+        b["errors"][0]["pointer"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("/1/data"),
+        "{b}"
+    );
+    assert_eq!(
+        get_json(&r, "/v1/events/ok?source=/test").await.0,
+        404,
+        "nothing of the batch is stored"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(rcv.count(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_a_specific_4xx_and_stores_nothing() {
+    let (r, rcv) = router_with_receiver(None).await;
+    let ce = "application/cloudevents+json";
+    let deep = format!("{}{}", "[".repeat(100), "]".repeat(100));
+    let deep_event = {
+        let mut d = String::from("1");
+        for _ in 0..70 {
+            d = format!("{{\"a\":{d}}}");
+        }
+        format!(r#"{{"specversion":"1.0","id":"deep","source":"/test","type":"other","data":{d}}}"#)
+    };
+    let too_big = json!({"specversion": "1.0", "id": "big", "source": "/test", "type": "other", "data": "x".repeat(2 << 20)}).to_string();
+    let many: Vec<_> = (0..1001)
+        .map(|i| event(&format!("m{i}"), "other", json!({})))
+        .collect();
+    let cases: Vec<(&str, String, Vec<u8>, u16, &str)> = vec![
+        ("malformed JSON", ce.into(), b"{\"id\": ".to_vec(), 400, ""),
+        ("wrong content type", "text/plain".into(), b"hello".to_vec(), 415, ""),
+        ("oversized body", ce.into(), too_big.into_bytes(), 413, ""),
+        ("too deep", ce.into(), deep_event.into_bytes(), 400, ""),
+        ("too deep batch", "application/cloudevents-batch+json".into(), deep.into_bytes(), 400, ""),
+        ("batch too large", "application/cloudevents-batch+json".into(), serde_json::to_vec(&many).expect("json"), 413, ""),
+        ("missing id", ce.into(), json!({"specversion": "1.0", "source": "/test", "type": "other"}).to_string().into_bytes(), 400, "/id"),
+        ("wrong specversion", ce.into(), json!({"specversion": "0.3", "id": "x", "source": "/test", "type": "other"}).to_string().into_bytes(), 400, "/specversion"),
+        ("bad time", ce.into(), json!({"specversion": "1.0", "id": "x", "source": "/test", "type": "other", "time": "yesterday"}).to_string().into_bytes(), 400, "/time"),
+        (
+            "one invalid element in a batch",
+            "application/cloudevents-batch+json".into(),
+            json!([event("fine", "other", json!({})), {"specversion": "1.0", "id": "", "source": "/test", "type": "other"}]).to_string().into_bytes(),
+            400,
+            "/1/id",
+        ),
+    ];
+    for (name, ct, body, want, pointer) in cases {
+        let (s, b) = post_raw(&r, &ct, body).await;
+        assert_eq!(s, want, "{name}: {b}");
+        assert!(
+            b["errors"].is_array() && !b["errors"].as_array().map(Vec::is_empty).unwrap_or(true),
+            "{name}: error list: {b}"
+        );
+        if !pointer.is_empty() {
+            assert!(
+                b["errors"]
+                    .as_array()
+                    .expect("errors")
+                    .iter()
+                    .any(|e| e["pointer"] == pointer),
+                "{name}: want pointer {pointer}: {b}"
+            );
+        }
+    }
+    assert_eq!(
+        get_json(&r, "/v1/events/fine?source=/test").await.0,
+        404,
+        "the valid element of a rejected batch is not stored"
+    );
+    let (_, st) = get_json(&r, "/v1/dlq").await;
+    assert_eq!(st["entries"].as_array().map(Vec::len), Some(0));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(rcv.count(), 0);
+}
