@@ -10,4 +10,8 @@ cargo clippy --locked --workspace --all-targets -- -D warnings
 # Example configuration in the repo must always pass its own checks.
 cargo run --locked -q -p router -- rules check examples/rules
 cargo run --locked -q -p router -- contracts check schemas/contracts
-cargo test --locked --workspace
+log=$(mktemp)
+cargo test --locked --workspace 2>&1 | tee "$log"
+# One closing line for the whole run (cargo prints one "test result" line per test binary).
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i) ~ /^passed;?$/) p += $(i-1); if ($(i) ~ /^failed;?$/) f += $(i-1) } }
+     END { printf "tests: %d passed, %d failed\n", p, f }' "$log"

@@ -126,6 +126,7 @@ pub async fn run(
         StoreOptions {
             on_commit: Some(Arc::new(move |took, ops| m.observe_commit(took, ops))),
             cache_bytes: Some(cfg.store.cache_bytes),
+            compact_min_bytes: Some(cfg.store.compact_min_bytes),
         },
     )?;
     run_with_store(cfg, listener, store, metrics, shutdown).await

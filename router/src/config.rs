@@ -103,6 +103,9 @@ pub struct DeliveryConfig {
 pub struct StoreConfig {
     /// redb page cache, bytes. Default 256 MiB.
     pub cache_bytes: usize,
+    /// The store file is compacted after a sweep when it is larger than this and more than
+    /// half of it is free pages (e.g. after a backlog drained). Default 64 MiB.
+    pub compact_min_bytes: u64,
 }
 
 impl Default for Config {
@@ -148,6 +151,7 @@ impl Default for StoreConfig {
     fn default() -> Self {
         Self {
             cache_bytes: 256 << 20,
+            compact_min_bytes: 64 << 20,
         }
     }
 }

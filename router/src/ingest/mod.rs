@@ -109,6 +109,7 @@ async fn handle(app: &App, headers: &HeaderMap, body: Body) -> Response {
     let mut quarantined: Vec<Option<(&'static str, Vec<FieldError>)>> =
         Vec::with_capacity(events.len());
     for (i, ev) in events.iter().enumerate() {
+        let _span = tracing::debug_span!("ingest_event", event_id = %ev.id, source = %ev.source, ty = %ev.ty).entered();
         match contracts.check(ev) {
             ContractOutcome::Violation {
                 mode: ContractMode::Enforce,

@@ -70,10 +70,12 @@ pub enum FinishError {
 /// Totals of one sweep run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SweepStats {
-    /// Dedup keys that expired.
+    /// Dedup keys removed (with their events).
     pub dedup_expired: u64,
     /// Events (with their finished entries) removed.
     pub events_removed: u64,
+    /// Events past retention kept because a queue or DLQ entry still refers to them.
+    pub pending: u64,
 }
 
 /// The router's durable operations.

@@ -12,7 +12,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
@@ -32,9 +32,12 @@ const LIVE: TableDefinition<(u64, u32), ()> = TableDefinition::new("live");
 const DLQ: TableDefinition<u64, &[u8]> = TableDefinition::new("dlq");
 const DLQ_BY_EVENT: TableDefinition<(u64, u64), ()> = TableDefinition::new("dlq_by_event");
 const TARGETS: TableDefinition<&str, &[u8]> = TableDefinition::new("targets");
+const PENDING_GC: TableDefinition<u64, ()> = TableDefinition::new("pending_gc");
 
 /// Most ops applied in one transaction; more wait for the next commit.
 const MAX_GROUP: usize = 4096;
+/// Files smaller than this are never compacted.
+const COMPACT_MIN_BYTES: u64 = 64 << 20;
 /// Events examined per sweep call, so a sweep never holds the committer for long.
 const SWEEP_BATCH: usize = 2000;
 
@@ -48,6 +51,8 @@ pub struct StoreOptions {
     pub on_commit: Option<CommitObserver>,
     /// redb page cache size in bytes (default: redb's).
     pub cache_bytes: Option<usize>,
+    /// Files smaller than this are never compacted (default 64 MiB).
+    pub compact_min_bytes: Option<u64>,
 }
 
 fn enc<T: serde::Serialize>(v: &T) -> Vec<u8> {
@@ -204,7 +209,9 @@ fn done<T: Send + 'static>(reply: Reply<Result<T, StoreError>>, r: Result<T, Sto
 
 /// The redb-backed store.
 pub struct RedbStore {
-    db: Arc<Database>,
+    /// Readers and the committer take the read side; compaction (which needs no transaction
+    /// open anywhere) takes the write side, briefly stopping the world.
+    db: Arc<RwLock<Database>>,
     tx: mpsc::Sender<Op>,
     index: Arc<Mutex<Index>>,
     boot: u64,
@@ -246,12 +253,15 @@ impl RedbStore {
         opts: StoreOptions,
         path: Option<std::path::PathBuf>,
     ) -> Result<Arc<Self>, StoreError> {
-        let db = Arc::new(db);
         let (boot, counters, index) = recover(&db)?;
+        let db = Arc::new(RwLock::new(db));
         let index = Arc::new(Mutex::new(index));
         let (tx, rx) = mpsc::channel(65_536);
         let committer = Committer {
             db: db.clone(),
+            path: path.clone(),
+            compact_due: false,
+            compact_min_bytes: opts.compact_min_bytes.unwrap_or(COMPACT_MIN_BYTES),
             index: index.clone(),
             next_seq: counters.0,
             next_dlq: counters.1,
@@ -269,6 +279,10 @@ impl RedbStore {
             token_counter: AtomicU64::new(1),
             path,
         }))
+    }
+
+    fn read_db(&self) -> std::sync::RwLockReadGuard<'_, Database> {
+        self.db.read().unwrap_or_else(|p| p.into_inner())
     }
 
     fn index(&self) -> MutexGuard<'_, Index> {
@@ -448,7 +462,8 @@ impl Store for RedbStore {
     }
 
     fn saved_targets(&self) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
-        let r = self.db.begin_read()?;
+        let db = self.read_db();
+        let r = db.begin_read()?;
         let t = r.open_table(TARGETS)?;
         let mut out = Vec::new();
         for row in t.iter()? {
@@ -468,7 +483,8 @@ impl Store for RedbStore {
     }
 
     fn fate(&self, source: &str, id: &str) -> Result<Option<Fate>, StoreError> {
-        let r = self.db.begin_read()?;
+        let db = self.read_db();
+        let r = db.begin_read()?;
         let dedup = r.open_table(DEDUP)?;
         let Some(seq) = dedup
             .get(crate::event::dedup_key(source, id).as_str())?
@@ -508,7 +524,8 @@ impl Store for RedbStore {
         after: Option<u64>,
         limit: usize,
     ) -> Result<Vec<DlqEntry>, StoreError> {
-        let r = self.db.begin_read()?;
+        let db = self.read_db();
+        let r = db.begin_read()?;
         let t = r.open_table(DLQ)?;
         let start = after.map_or(0, |a| a.saturating_add(1));
         let mut out = Vec::new();
@@ -525,7 +542,8 @@ impl Store for RedbStore {
     }
 
     fn dlq_get(&self, id: u64) -> Result<Option<(DlqEntry, StoredEvent)>, StoreError> {
-        let r = self.db.begin_read()?;
+        let db = self.read_db();
+        let r = db.begin_read()?;
         let t = r.open_table(DLQ)?;
         let Some(v) = t.get(id)? else { return Ok(None) };
         let e: DlqEntry = dec("dlq", v.value())?;
@@ -678,6 +696,7 @@ fn recover(db: &Database) -> Result<(u64, (u64, u64), Index), StoreError> {
             }
         }
         txn.open_table(DLQ_BY_EVENT)?;
+        txn.open_table(PENDING_GC)?;
     }
     txn.commit()?;
     Ok((boot, counters, index))
@@ -687,7 +706,10 @@ fn recover(db: &Database) -> Result<(u64, (u64, u64), Index), StoreError> {
 // The committer
 
 struct Committer {
-    db: Arc<Database>,
+    db: Arc<RwLock<Database>>,
+    path: Option<std::path::PathBuf>,
+    compact_due: bool,
+    compact_min_bytes: u64,
     index: Arc<Mutex<Index>>,
     next_seq: u64,
     next_dlq: u64,
@@ -705,6 +727,62 @@ impl Committer {
                 }
             }
             self.commit_group(ops);
+            if self.compact_due {
+                self.compact_due = false;
+                self.compact();
+            }
+        }
+    }
+
+    /// Whether the file is worth compacting: large, and mostly free pages (e.g. after a
+    /// backlog drained). redb reuses free pages, so steady churn stays flat without this; it
+    /// only gives space back to the file system after a peak.
+    fn worth_compacting(&self, txn: &WriteTransaction) -> bool {
+        let Some(file_len) = self
+            .path
+            .as_ref()
+            .and_then(|p| std::fs::metadata(p).ok())
+            .map(|m| m.len())
+        else {
+            return false;
+        };
+        let Ok(stats) = txn.stats() else { return false };
+        let used = stats.allocated_pages() * stats.page_size() as u64;
+        file_len > self.compact_min_bytes && file_len > 2 * used
+    }
+
+    fn compact(&mut self) {
+        let before = self
+            .path
+            .as_ref()
+            .and_then(|p| std::fs::metadata(p).ok())
+            .map_or(0, |m| m.len());
+        let started = Instant::now();
+        let mut db = self.db.write().unwrap_or_else(|p| p.into_inner());
+        // Compaction moves pages towards the start; a few passes give back the tail.
+        let mut result = Ok(true);
+        for _ in 0..8 {
+            result = db.compact();
+            if !matches!(result, Ok(true)) {
+                break;
+            }
+        }
+        drop(db);
+        let after = self
+            .path
+            .as_ref()
+            .and_then(|p| std::fs::metadata(p).ok())
+            .map_or(0, |m| m.len());
+        match result {
+            Ok(_) => tracing::info!(
+                before_bytes = before,
+                after_bytes = after,
+                took_ms = started.elapsed().as_millis() as u64,
+                "store compacted"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "store compaction failed; will try again after the next sweep")
+            }
         }
     }
 
@@ -715,7 +793,9 @@ impl Committer {
         let mut dones: Vec<Done> = Vec::with_capacity(n);
         let mut effects = Vec::new();
         let result = (|| -> Result<(), StoreError> {
-            let mut txn = self.db.begin_write()?;
+            let db_lock = self.db.clone();
+            let db = db_lock.read().unwrap_or_else(|p| p.into_inner());
+            let mut txn = db.begin_write()?;
             txn.set_durability(Durability::Immediate)?;
             let mut failed = None;
             for op in ops {
@@ -823,6 +903,9 @@ impl Committer {
                 reply,
             } => {
                 let r = sweep(txn, now, dedup_window_ms, retention_ms);
+                if r.is_ok() && self.worth_compacting(txn) {
+                    self.compact_due = true;
+                }
                 let err = r.as_ref().err().cloned();
                 dones.push(done(reply, r));
                 err.map_or(Ok(()), Err)
@@ -1118,6 +1201,49 @@ pub fn idempotency_key(source: &str, id: &str, target: &str) -> String {
     hex::encode(&h.finalize()[..16])
 }
 
+/// Removes one event with its entries and (if it still points at it) its dedup key.
+fn remove_event(
+    txn: &WriteTransaction,
+    seq: u64,
+    stats: &mut SweepStats,
+) -> Result<(), StoreError> {
+    let mut ev_t = txn.open_table(EVENTS)?;
+    let Some(raw) = ev_t.remove(seq)? else {
+        return Ok(());
+    };
+    let ev: StoredEvent = dec("events", raw.value())?;
+    drop(raw);
+    let mut dedup = txn.open_table(DEDUP)?;
+    let key = ev.event.dedup_key();
+    if dedup.get(key.as_str())?.is_some_and(|v| v.value().0 == seq) {
+        dedup.remove(key.as_str())?;
+        stats.dedup_expired += 1;
+    }
+    txn.open_table(ENTRIES)?
+        .retain_in((seq, 0)..=(seq, u32::MAX), |_, _| false)?;
+    stats.events_removed += 1;
+    Ok(())
+}
+
+fn referenced(txn: &WriteTransaction, seq: u64) -> Result<bool, StoreError> {
+    Ok(txn
+        .open_table(LIVE)?
+        .range((seq, 0)..=(seq, u32::MAX))?
+        .next()
+        .is_some()
+        || txn
+            .open_table(DLQ_BY_EVENT)?
+            .range((seq, 0)..=(seq, u64::MAX))?
+            .next()
+            .is_some())
+}
+
+/// Bounded garbage collection. Events past the retention (at least the dedup window) are
+/// removed with their finished entries and dedup key unless something still refers to them (a
+/// live queue entry or a DLQ entry); those wait in `pending_gc`, which is revisited a batch at
+/// a time. Dedup keys inside the window are never removed; keys of kept events stay (so their
+/// fate remains visible) but no longer count as duplicates once older than the window, because
+/// accept compares the key's time.
 fn sweep(
     txn: &WriteTransaction,
     now: Millis,
@@ -1125,41 +1251,54 @@ fn sweep(
     retention_ms: i64,
 ) -> Result<SweepStats, StoreError> {
     let mut stats = SweepStats::default();
-    let mut ev_t = txn.open_table(EVENTS)?;
-    let mut dedup = txn.open_table(DEDUP)?;
-    let mut entries_t = txn.open_table(ENTRIES)?;
-    let live_t = txn.open_table(LIVE)?;
-    let by_ev = txn.open_table(DLQ_BY_EVENT)?;
-    let dedup_cut = now - dedup_window_ms;
-    let retention_cut = now - retention_ms.max(dedup_window_ms);
+    let cut = now - retention_ms.max(dedup_window_ms);
+    let mut meta = txn.open_table(META)?;
+    let cursor = read_u64(&meta, "sweep_cursor")?.unwrap_or(0);
     let mut candidates = Vec::new();
-    for row in ev_t.iter()?.take(SWEEP_BATCH) {
-        let (k, v) = row?;
-        let ev: StoredEvent = dec("events", v.value())?;
-        if ev.accepted_at >= dedup_cut {
-            break;
+    {
+        let ev_t = txn.open_table(EVENTS)?;
+        for row in ev_t.range(cursor..)?.take(SWEEP_BATCH) {
+            let (k, v) = row?;
+            let ev: StoredEvent = dec("events", v.value())?;
+            if ev.accepted_at >= cut {
+                break;
+            }
+            candidates.push(k.value());
         }
-        candidates.push((k.value(), ev));
     }
-    for (seq, ev) in candidates {
-        let key = ev.event.dedup_key();
-        let ours = dedup.get(key.as_str())?.is_some_and(|v| v.value().0 == seq);
-        if ours {
-            dedup.remove(key.as_str())?;
-            stats.dedup_expired += 1;
+    let mut next_cursor = cursor;
+    for seq in candidates {
+        if referenced(txn, seq)? {
+            txn.open_table(PENDING_GC)?.insert(seq, ())?;
+            stats.pending += 1;
+        } else {
+            remove_event(txn, seq, &mut stats)?;
         }
-        if ev.accepted_at >= retention_cut {
-            continue;
-        }
-        let referenced = live_t.range((seq, 0)..=(seq, u32::MAX))?.next().is_some()
-            || by_ev.range((seq, 0)..=(seq, u64::MAX))?.next().is_some();
-        if referenced {
-            continue;
-        }
-        ev_t.remove(seq)?;
-        entries_t.retain_in((seq, 0)..=(seq, u32::MAX), |_, _| false)?;
-        stats.events_removed += 1;
+        next_cursor = seq + 1;
     }
+    meta.insert("sweep_cursor", next_cursor.to_le_bytes().as_slice())?;
+
+    // Revisit events kept earlier, a batch at a time, wrapping around.
+    let gc_cursor = read_u64(&meta, "gc_cursor")?.unwrap_or(0);
+    let pending: Vec<u64> = txn
+        .open_table(PENDING_GC)?
+        .range(gc_cursor..)?
+        .take(SWEEP_BATCH)
+        .map(|r| r.map(|(k, _)| k.value()))
+        .collect::<Result<_, _>>()?;
+    let wrapped = pending.len() < SWEEP_BATCH;
+    let mut next_gc = gc_cursor;
+    for seq in pending {
+        if !referenced(txn, seq)? {
+            remove_event(txn, seq, &mut stats)?;
+            txn.open_table(PENDING_GC)?.remove(seq)?;
+        }
+        next_gc = seq + 1;
+    }
+    meta.insert(
+        "gc_cursor",
+        (if wrapped { 0 } else { next_gc }).to_le_bytes().as_slice(),
+    )?;
     Ok(stats)
 }
 

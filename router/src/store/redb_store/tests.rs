@@ -325,7 +325,7 @@ async fn a_failing_disk_fails_the_accept_and_recovers() {
 }
 
 #[tokio::test]
-async fn sweep_expires_dedup_keys_and_unreferenced_events() {
+async fn sweep_removes_unreferenced_events_and_revisits_kept_ones() {
     let s = RedbStore::in_memory().expect("store");
     s.accept(vec![
         new_event("/s", "1", &["a"], 1000),
@@ -334,7 +334,99 @@ async fn sweep_expires_dedup_keys_and_unreferenced_events() {
     .await
     .expect("accept");
     let stats = s.sweep(1000 + 10_000, 5_000, 5_000).await.expect("sweep");
-    assert_eq!(stats.dedup_expired, 2);
-    // Event 1 still has a live entry; event 2 had none.
+    // Event 2 had no targets: gone with its dedup key. Event 1 still has a live entry.
+    assert_eq!(
+        (stats.events_removed, stats.dedup_expired, stats.pending),
+        (1, 1, 1)
+    );
+    assert!(s.fate("/s", "2").expect("fate").is_none());
+    assert!(
+        s.fate("/s", "1").expect("fate").is_some(),
+        "a referenced event stays visible"
+    );
+    // Its key is past the window: the same (source, id) is accepted as new.
+    let mut again = new_event("/s", "1", &[], 11_000);
+    again.dedup_window_ms = 5_000;
+    assert_eq!(
+        s.accept(vec![again]).await.expect("accept")[0],
+        AcceptOutcome::Accepted { seq: 3 }
+    );
+    // Once delivered, the next sweep removes event 1 (but not the new key pointing at seq 3).
+    let l = s
+        .lease("a", 11_000, 1, 1000)
+        .await
+        .expect("lease")
+        .remove(0);
+    s.finish(
+        l.entry.id,
+        l.lease,
+        delivered(11_001),
+        Disposition::Delivered,
+        11_001,
+    )
+    .await
+    .expect("finish");
+    let stats = s.sweep(12_000, 5_000, 5_000).await.expect("sweep");
     assert_eq!(stats.events_removed, 1);
+    assert_eq!(
+        stats.dedup_expired, 0,
+        "the key now belongs to the newer event"
+    );
+    assert!(
+        s.fate("/s", "1")
+            .expect("fate")
+            .is_some_and(|f| f.event.seq == 3)
+    );
+}
+
+#[tokio::test]
+async fn a_drained_backlog_gives_its_disk_space_back() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let opts = StoreOptions {
+        compact_min_bytes: Some(1 << 20),
+        ..Default::default()
+    };
+    let s = RedbStore::open_dir(dir.path(), opts).expect("open");
+    let pad = "x".repeat(2000);
+    for chunk in 0..20 {
+        let batch = (0..200)
+            .map(|i| {
+                let mut e = new_event("/s", &format!("{chunk}-{i}"), &["a"], 1000);
+                e.event.data = Some(json!({ "pad": pad }));
+                e
+            })
+            .collect();
+        s.accept(batch).await.expect("accept");
+    }
+    let peak = s.disk_bytes();
+    loop {
+        let batch = s.lease("a", 2000, 500, 60_000).await.expect("lease");
+        if batch.is_empty() {
+            break;
+        }
+        let finishes = batch.iter().map(|l| {
+            s.finish(
+                l.entry.id,
+                l.lease,
+                delivered(2001),
+                Disposition::Delivered,
+                2001,
+            )
+        });
+        for r in futures::future::join_all(finishes).await {
+            r.expect("finish");
+        }
+    }
+    // Past retention: everything is removed (in batches), then the committer compacts.
+    for _ in 0..4 {
+        s.sweep(1_000_000, 1000, 1000).await.expect("sweep");
+    }
+    // Compaction runs right after the commit that found it worthwhile; the next op waits for it.
+    s.sweep(1_000_000, 1000, 1000).await.expect("sweep");
+    let after = s.disk_bytes();
+    assert!(peak > 4 << 20, "peak {peak}");
+    assert!(
+        after * 2 < peak,
+        "file stayed large after the backlog drained: peak {peak}, after {after}"
+    );
 }
