@@ -150,6 +150,7 @@ pub async fn run_with_store(
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let tracker = TaskTracker::new();
     let workers_cancel = CancellationToken::new();
+    let (sys_tx, sys_rx) = tokio::sync::mpsc::channel(1024);
     let dispatcher = Dispatcher::new(DeliveryContext {
         store: store.clone(),
         metrics: metrics.clone(),
@@ -158,6 +159,7 @@ pub async fn run_with_store(
         http: crate::target::webhook::shared_client()?,
         cancel: workers_cancel.clone(),
         tracker: tracker.clone(),
+        system_events: Some(sys_tx),
     });
 
     // Remember every target's configuration, then start workers for the current targets and
@@ -209,6 +211,7 @@ pub async fn run_with_store(
         warnings: Mutex::new(warnings),
     });
     spawn_sweeper(&app, &tracker, workers_cancel.clone());
+    spawn_system_event_router(&app, &tracker, workers_cancel.clone(), sys_rx);
 
     let router = Router::new()
         .route("/v1/events", post(crate::ingest::post_events))
@@ -216,6 +219,13 @@ pub async fn run_with_store(
         .route("/v1/dlq", get(crate::admin::dlq_list))
         .route("/v1/dlq/{id}", get(crate::admin::dlq_show))
         .route("/v1/targets", get(crate::admin::targets))
+        .route("/v1/targets/{id}", get(crate::admin::target))
+        .route("/v1/targets/{id}/pause", post(crate::admin::pause_target))
+        .route("/v1/targets/{id}/resume", post(crate::admin::resume_target))
+        .route(
+            "/v1/targets/{id}/keys/{key}/release",
+            post(crate::admin::release_key),
+        )
         .route("/v1/rules", get(crate::admin::rules))
         .route("/v1/status", get(crate::admin::status))
         .route("/metrics", get(crate::admin::metrics))
@@ -243,6 +253,44 @@ pub async fn run_with_store(
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Routes system events (`router.*`) through the live rules, rate-limited so that an alert
+/// path that fails cannot become a storm. An event about a target is never delivered to that
+/// same target.
+fn spawn_system_event_router(
+    app: &Arc<App>,
+    tracker: &TaskTracker,
+    cancel: CancellationToken,
+    mut rx: tokio::sync::mpsc::Receiver<crate::event::CloudEvent>,
+) {
+    use governor::{Quota, RateLimiter};
+    let app = app.clone();
+    tracker.spawn(async move {
+        let limiter = RateLimiter::direct(
+            Quota::per_second(std::num::NonZeroU32::MIN.saturating_add(19))
+                .allow_burst(std::num::NonZeroU32::MIN.saturating_add(99)),
+        );
+        loop {
+            let ev = tokio::select! {
+                _ = cancel.cancelled() => break,
+                ev = rx.recv() => match ev { Some(ev) => ev, None => break },
+            };
+            if limiter.check().is_err() {
+                app.metrics.system_events_dropped.inc();
+                tracing::warn!(ty = %ev.ty, "system event dropped by the rate limit");
+                continue;
+            }
+            let rules = app.rules.load();
+            let window = i64::try_from(app.cfg.ingest.dedup_window.as_millis()).unwrap_or(i64::MAX);
+            let about = ev.subject.clone();
+            let mut ne = crate::ingest::route(&rules, &ev, app.clock.now_ms(), window);
+            ne.targets.retain(|t| Some(&t.target_id) != about.as_ref());
+            if let Err(e) = app.store.accept(vec![ne]).await {
+                tracing::error!(error = %e, ty = %ev.ty, "could not store a system event");
+            }
+        }
+    });
 }
 
 fn spawn_sweeper(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToken) {

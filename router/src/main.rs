@@ -54,6 +54,11 @@ enum Cmd {
         #[command(subcommand)]
         cmd: ContractsCmd,
     },
+    /// Configuration tools.
+    Config {
+        #[command(subcommand)]
+        cmd: ConfigCmd,
+    },
     /// Load tools.
     Bench {
         #[command(subcommand)]
@@ -73,6 +78,19 @@ enum RulesCmd {
 enum ContractsCmd {
     /// Validate every contract in DIR and check each version against the previous one.
     Check { dir: PathBuf },
+}
+
+#[derive(Subcommand)]
+enum ConfigCmd {
+    /// Per target: the worst-case number of attempts an event can receive and the longest time
+    /// before it reaches the DLQ, from its policy.
+    Explain {
+        /// Rules directory (default: the configured rules_dir).
+        dir: Option<PathBuf>,
+        /// TOML config file.
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -246,6 +264,49 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 Ok(ExitCode::from(1))
             }
         },
+        Cmd::Config {
+            cmd: ConfigCmd::Explain { dir, config },
+        } => {
+            let cfg = Config::load(config.as_deref(), std::env::vars())?;
+            let dir = dir.unwrap_or(cfg.rules_dir);
+            let (set, _) = RuleSet::load_dir(&dir).map_err(|errors| {
+                anyhow::anyhow!(
+                    "rules are invalid:\n{}",
+                    errors
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                )
+            })?;
+            println!(
+                "{:<32} {:<28} {:<12} {:>8} {:>14}  notes",
+                "TARGET", "RULE", "POLICY", "ATTEMPTS", "WORST CASE"
+            );
+            for t in set.targets.values() {
+                let (attempts, time) = t.policy.worst_case();
+                let mut notes = Vec::new();
+                if attempts > router::policy::WORST_CASE_ATTEMPTS_SMELL {
+                    notes.push(format!(
+                        "more than {} attempts is a smell",
+                        router::policy::WORST_CASE_ATTEMPTS_SMELL
+                    ));
+                }
+                if time >= t.policy.retry.max_age {
+                    notes.push("bounded by max_age".to_string());
+                }
+                println!(
+                    "{:<32} {:<28} {:<12} {:>8} {:>14}  {}",
+                    t.id,
+                    t.rule,
+                    t.policy_name.as_deref().unwrap_or("(default)"),
+                    attempts,
+                    humantime::format_duration(time).to_string(),
+                    notes.join("; ")
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Bench {
             cmd:
                 BenchCmd::Ingest {

@@ -50,6 +50,16 @@ pub struct Metrics {
     pub reloads: Family<Labels, Counter>,
     /// Store file size.
     pub store_bytes: Gauge,
+    /// Breaker transitions by target and new state.
+    pub breaker_transitions: Family<Labels, Counter>,
+    /// Breaker state per target: 0 closed, 1 open, 2 half-open.
+    pub breaker_state: Family<Labels, Gauge>,
+    /// Due retries deferred by the retry budget.
+    pub budget_deferred: Family<Labels, Counter>,
+    /// System events dropped because the routing channel was full.
+    pub system_events_dropped: Counter,
+    /// Paused targets (1 = paused).
+    pub target_paused: Family<Labels, Gauge>,
 }
 
 impl Metrics {
@@ -70,6 +80,11 @@ impl Metrics {
             dlq_depth: Family::default(),
             reloads: Family::default(),
             store_bytes: Gauge::default(),
+            breaker_transitions: Family::default(),
+            breaker_state: Family::default(),
+            budget_deferred: Family::default(),
+            system_events_dropped: Counter::default(),
+            target_paused: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -136,6 +151,31 @@ impl Metrics {
             "router_store_bytes",
             "Size of the store file",
             m.store_bytes.clone(),
+        );
+        registry.register(
+            "router_breaker_transitions",
+            "Circuit breaker transitions, by target and new state",
+            m.breaker_transitions.clone(),
+        );
+        registry.register(
+            "router_breaker_state",
+            "Breaker state: 0 closed, 1 open, 2 half-open",
+            m.breaker_state.clone(),
+        );
+        registry.register(
+            "router_retry_budget_deferred",
+            "Due retries deferred by the retry budget",
+            m.budget_deferred.clone(),
+        );
+        registry.register(
+            "router_system_events_dropped",
+            "System events dropped because the routing channel was full",
+            m.system_events_dropped.clone(),
+        );
+        registry.register(
+            "router_target_paused",
+            "1 while an operator has paused the target",
+            m.target_paused.clone(),
         );
         Arc::new(Self { registry, ..m })
     }

@@ -4,3 +4,4 @@ mod delivery;
 mod durability;
 mod harness;
 mod ingest;
+mod policies;

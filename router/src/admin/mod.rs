@@ -1,7 +1,6 @@
 //! Operator API: event fate, DLQ inspection, targets, rules, status, health and metrics.
 //! Every read here is side-effect free.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -239,42 +238,112 @@ pub async fn dlq_show(State(app): State<Arc<App>>, Path(id): Path<String>) -> Re
     }
 }
 
-/// `GET /v1/targets`: every target with its queue numbers.
+fn target_json(app: &App, id: &str, stats: Option<&crate::store::QueueStats>, now: i64) -> Value {
+    let rules = app.rules.load();
+    let mut v = json!({ "id": id, "in_rule_set": rules.targets.contains_key(id) });
+    if let Some(rt) = app.dispatcher.runtime(id) {
+        let spec = &rt.spec;
+        v["rule"] = json!(spec.rule);
+        v["kind"] = json!(spec.kind);
+        v["policy"] = json!(spec.policy_name);
+        let (attempts, max_time) = spec.policy.worst_case();
+        v["worst_case"] = json!({ "attempts": attempts, "seconds": max_time.as_secs_f64() });
+        if let Value::Object(m) = rt.snapshot(now) {
+            for (k, x) in m {
+                v[k] = x;
+            }
+        }
+    } else {
+        v["worker"] = json!("not running: the target is unknown or its kind is not supported yet");
+    }
+    let s = stats.cloned().unwrap_or_default();
+    v["queued"] = json!(s.queued);
+    v["in_flight"] = json!(s.in_flight);
+    v["oldest_age_seconds"] = json!(
+        s.oldest_accepted_at
+            .map(|a| (now - a).max(0) as f64 / 1000.0)
+    );
+    v["dlq"] = json!(s.dlq);
+    v["held_keys"] = json!(app.store.held_keys(id));
+    v
+}
+
+/// `GET /v1/targets`: every target with its queue numbers, breaker, throttle and budget.
 pub async fn targets(State(app): State<Arc<App>>) -> Response {
     let now = app.clock.now_ms();
     let stats = app.store.queue_stats();
-    let rules = app.rules.load();
-    let mut out: BTreeMap<String, Value> = BTreeMap::new();
-    for spec in app.dispatcher.running() {
-        out.insert(
-            spec.id.clone(),
-            json!({
-                "id": spec.id,
-                "rule": spec.rule,
-                "kind": spec.kind,
-                "policy": spec.policy_name,
-                "in_rule_set": rules.targets.contains_key(&spec.id),
-            }),
+    let mut ids: std::collections::BTreeSet<String> = stats.keys().cloned().collect();
+    ids.extend(app.dispatcher.running().into_iter().map(|s| s.id));
+    let list: Vec<Value> = ids
+        .iter()
+        .map(|id| target_json(&app, id, stats.get(id), now))
+        .collect();
+    axum::Json(json!({ "targets": list })).into_response()
+}
+
+/// `GET /v1/targets/{id}`.
+pub async fn target(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    let now = app.clock.now_ms();
+    let stats = app.store.queue_stats();
+    if app.dispatcher.runtime(&id).is_none() && !stats.contains_key(&id) {
+        return error_response(
+            StatusCode::NOT_FOUND,
+            "unknown target",
+            vec![FieldError::new("/id", format!("no target {id:?}"))],
         );
     }
-    for (id, s) in stats {
-        let v = out.entry(id.clone()).or_insert_with(|| json!({ "id": id }));
-        v["queued"] = json!(s.queued);
-        v["in_flight"] = json!(s.in_flight);
-        v["oldest_age_seconds"] = json!(
-            s.oldest_accepted_at
-                .map(|a| (now - a).max(0) as f64 / 1000.0)
-        );
-        v["dlq"] = json!(s.dlq);
-    }
-    for v in out.values_mut() {
-        for k in ["queued", "in_flight", "dlq"] {
-            if v.get(k).is_none() {
-                v[k] = json!(0);
-            }
+    axum::Json(target_json(&app, &id, stats.get(&id), now)).into_response()
+}
+
+async fn set_paused(app: &App, id: &str, paused: bool) -> Response {
+    match app.dispatcher.set_paused(id, paused).await {
+        Ok(true) => {
+            app.metrics
+                .target_paused
+                .get_or_create(&vec![("target", id.to_string())])
+                .set(i64::from(paused));
+            let now = app.clock.now_ms();
+            axum::Json(target_json(app, id, app.store.queue_stats().get(id), now)).into_response()
         }
+        Ok(false) => error_response(
+            StatusCode::NOT_FOUND,
+            "unknown target",
+            vec![FieldError::new("/id", format!("no running target {id:?}"))],
+        ),
+        Err(e) => store_error(&e),
     }
-    axum::Json(json!({ "targets": out.into_values().collect::<Vec<_>>() })).into_response()
+}
+
+/// `POST /v1/targets/{id}/pause`: no more attempts; the queue fills. Persisted.
+pub async fn pause_target(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    set_paused(&app, &id, true).await
+}
+
+/// `POST /v1/targets/{id}/resume`.
+pub async fn resume_target(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    set_paused(&app, &id, false).await
+}
+
+/// `POST /v1/targets/{id}/keys/{key}/release`: lets an ordering key held after a dead letter
+/// (`on_dead_letter: hold`) proceed.
+pub async fn release_key(
+    State(app): State<Arc<App>>,
+    Path((id, key)): Path<(String, String)>,
+) -> Response {
+    match app.store.release_key(&id, &key).await {
+        Ok(true) => {
+            axum::Json(json!({ "target": id, "key": key, "released": true })).into_response()
+        }
+        Ok(false) => error_response(
+            StatusCode::NOT_FOUND,
+            "key not held",
+            vec![FieldError::new(
+                "/key",
+                format!("{key:?} is not held on {id:?}"),
+            )],
+        ),
+        Err(e) => store_error(&e),
+    }
 }
 
 /// `GET /v1/rules`: the live rule set.

@@ -4,6 +4,7 @@
 //! Isolation: every target has its own worker, concurrency limit and queue, so a slow or dead
 //! target only ever holds its own leases.
 
+mod runtime;
 mod worker;
 
 use std::collections::HashMap;
@@ -21,7 +22,8 @@ use crate::target::Target;
 use crate::target::webhook::{Webhook, WebhookError};
 use crate::telemetry::Metrics;
 
-pub use worker::decide;
+pub use runtime::{PersistedState, TargetRuntime};
+pub use worker::{decide, system_event};
 
 /// What every worker shares.
 pub struct DeliveryContext {
@@ -39,10 +41,12 @@ pub struct DeliveryContext {
     pub cancel: CancellationToken,
     /// Tracks workers and in-flight attempts, so shutdown can wait for them.
     pub tracker: TaskTracker,
+    /// Where workers send system events (breaker transitions) to be routed.
+    pub system_events: Option<tokio::sync::mpsc::Sender<crate::event::CloudEvent>>,
 }
 
 struct Running {
-    spec: TargetSpec,
+    runtime: Arc<TargetRuntime>,
     stop: CancellationToken,
 }
 
@@ -115,29 +119,76 @@ impl Dispatcher {
     /// Runs a worker for `spec`, replacing one with an older configuration.
     pub fn ensure(&self, spec: TargetSpec) -> Result<(), StartError> {
         let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-        if running.get(&spec.id).is_some_and(|r| r.spec == spec) {
+        if running
+            .get(&spec.id)
+            .is_some_and(|r| r.runtime.spec == spec)
+        {
             return Ok(());
         }
         let target = self.build_target(&spec)?;
-        if let Some(old) = running.remove(&spec.id) {
-            old.stop.cancel();
-        }
+        let persisted = match running.remove(&spec.id) {
+            Some(old) => {
+                old.stop.cancel();
+                Some(old.runtime.persisted())
+            }
+            None => self.persisted(&spec.id),
+        };
+        let runtime = Arc::new(TargetRuntime::new(spec, persisted, self.ctx.clock.now_ms()));
         let stop = self.ctx.cancel.child_token();
-        let ctx = self.ctx.clone();
-        let s = spec.clone();
-        let st = stop.clone();
+        let (ctx, rt, st) = (self.ctx.clone(), runtime.clone(), stop.clone());
         self.ctx
             .tracker
-            .spawn(async move { worker::run(ctx, s, target, st).await });
-        tracing::info!(target_id = %spec.id, "delivery worker started");
-        running.insert(spec.id.clone(), Running { spec, stop });
+            .spawn(async move { worker::run(ctx, rt, target, st).await });
+        tracing::info!(target_id = %runtime.spec.id, "delivery worker started");
+        running.insert(runtime.spec.id.clone(), Running { runtime, stop });
         Ok(())
+    }
+
+    fn persisted(&self, id: &str) -> Option<PersistedState> {
+        match self.ctx.store.target_states() {
+            Ok(states) => states
+                .into_iter()
+                .find(|(k, _)| k == id)
+                .and_then(|(_, v)| serde_json::from_value(v).ok()),
+            Err(e) => {
+                tracing::error!(target_id = %id, error = %e, "cannot read persisted target state");
+                None
+            }
+        }
+    }
+
+    /// Runtimes of running workers.
+    pub fn runtimes(&self) -> Vec<Arc<TargetRuntime>> {
+        let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        running.values().map(|r| r.runtime.clone()).collect()
     }
 
     /// Ids and configurations of running workers.
     pub fn running(&self) -> Vec<TargetSpec> {
+        self.runtimes().iter().map(|r| r.spec.clone()).collect()
+    }
+
+    /// The runtime of one target.
+    pub fn runtime(&self, id: &str) -> Option<Arc<TargetRuntime>> {
         let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-        running.values().map(|r| r.spec.clone()).collect()
+        running.get(id).map(|r| r.runtime.clone())
+    }
+
+    /// Pauses or resumes a target (persisted). Returns false for an unknown target.
+    pub async fn set_paused(
+        &self,
+        id: &str,
+        paused: bool,
+    ) -> Result<bool, crate::store::StoreError> {
+        let Some(rt) = self.runtime(id) else {
+            return Ok(false);
+        };
+        rt.paused.store(paused, std::sync::atomic::Ordering::SeqCst);
+        let state = serde_json::to_value(rt.persisted()).unwrap_or_default();
+        self.ctx.store.put_target_state(id, state).await?;
+        self.ctx.store.notifier(id).notify_one();
+        tracing::warn!(target_id = %id, paused, "target pause state changed by an operator");
+        Ok(true)
     }
 
     /// Starts the lease reaper: expired in-memory leases go back to their queues.

@@ -1,6 +1,13 @@
 //! One target's delivery worker and the attempt state machine.
+//!
+//! Each turn of the loop applies the policy checks in the SPEC's order — breaker → budget →
+//! throttle → concurrency — before any attempt is spent: an open breaker leases nothing (due
+//! messages wait, attempt counts do not grow), half-open lets a few probes through, an
+//! over-budget retry is put back unattempted, and the rate limiter decides how many entries are
+//! leased at all.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -8,9 +15,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::DeliveryContext;
+use super::runtime::TargetRuntime;
+use crate::event::CloudEvent;
 use crate::policy::backoff;
-use crate::policy::config::RetryPolicy;
-use crate::rules::TargetSpec;
+use crate::policy::breaker::{Admission, BreakerState, Transition};
+use crate::policy::config::{OnDeadLetter, RetryPolicy};
 use crate::store::{
     AttemptEnd, AttemptResult, Disposition, DlqReason, FinishError, Leased, Millis,
 };
@@ -20,14 +29,35 @@ fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// The worker loop: lease as many due entries as there are free slots, attempt each in its own
-/// task, sleep until the next due time or a wake-up when idle.
+/// How long a retry deferred by the budget waits before it is considered again.
+const BUDGET_DEFER_MS: i64 = 250;
+/// Longest idle sleep; the worker also wakes on new entries.
+const IDLE_MS: i64 = 1000;
+
+async fn sleep_or_stop(
+    stop: &CancellationToken,
+    wait: Duration,
+    notify: Option<&tokio::sync::Notify>,
+) -> bool {
+    tokio::select! {
+        _ = stop.cancelled() => false,
+        _ = async { match notify { Some(n) => n.notified().await, None => std::future::pending().await } } => true,
+        _ = tokio::time::sleep(wait) => true,
+    }
+}
+
+fn wait_ms(ms_: i64) -> Duration {
+    Duration::from_millis(u64::try_from(ms_.clamp(1, IDLE_MS)).unwrap_or(1))
+}
+
+/// The worker loop.
 pub(super) async fn run(
     ctx: Arc<DeliveryContext>,
-    spec: TargetSpec,
+    rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
     stop: CancellationToken,
 ) {
+    let spec = &rt.spec;
     let concurrency = spec
         .policy
         .throttle
@@ -38,56 +68,176 @@ pub(super) async fn run(
     let slots = Arc::new(Semaphore::new(concurrency));
     let notify = ctx.store.notifier(&spec.id);
     let lease_ms = ms(spec.policy.timeout + ctx.cfg.lease_margin);
-    let spec = Arc::new(spec);
     loop {
+        if rt.paused.load(Ordering::SeqCst) {
+            if !sleep_or_stop(&stop, wait_ms(IDLE_MS), Some(&notify)).await {
+                break;
+            }
+            continue;
+        }
         let first = tokio::select! {
             _ = stop.cancelled() => break,
             p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
         };
-        let mut permits = vec![first];
-        while let Ok(p) = slots.clone().try_acquire_owned() {
-            permits.push(p);
-        }
         let now = ctx.clock.now_ms();
+
+        // 1. Breaker.
+        let (admission, transition) = match rt.breaker() {
+            Some(mut b) => b.admit(now),
+            None => (Admission::Open, None),
+        };
+        if let Some(t) = transition {
+            on_transition(&ctx, &rt, t, now).await;
+        }
+        let max = match admission {
+            Admission::Open => usize::MAX,
+            Admission::Probes(0) => {
+                drop(first);
+                if !sleep_or_stop(&stop, wait_ms(100), None).await {
+                    break;
+                }
+                continue;
+            }
+            Admission::Probes(n) => n as usize,
+            Admission::WaitUntil(until) => {
+                drop(first);
+                if !sleep_or_stop(&stop, wait_ms(until - now), None).await {
+                    break;
+                }
+                continue;
+            }
+        };
+        let probing = matches!(admission, Admission::Probes(_));
+        let mut permits = vec![first];
+        while permits.len() < max {
+            match slots.clone().try_acquire_owned() {
+                Ok(p) => permits.push(p),
+                Err(_) => break,
+            }
+        }
+        let due = ctx.store.due_count(&spec.id, now, permits.len());
+        if due == 0 {
+            drop(permits);
+            let wait = ctx.store.next_due(&spec.id).map_or(IDLE_MS, |d| d - now);
+            if !sleep_or_stop(&stop, wait_ms(wait), Some(&notify)).await {
+                break;
+            }
+            continue;
+        }
+
+        // 3. Throttle: take as many tokens as there is due work (the budget check comes per
+        // entry below; a retry it defers gives its token back to nobody, which only slows a
+        // backlog that the budget is slowing anyway).
+        let mut allowed = due;
+        if let Some(limiter) = &rt.limiter {
+            allowed = 0;
+            let mut retry_in = None;
+            while allowed < due {
+                match limiter.check() {
+                    Ok(()) => allowed += 1,
+                    Err(not_until) => {
+                        use governor::clock::Clock as _;
+                        retry_in = Some(
+                            not_until
+                                .wait_time_from(governor::clock::DefaultClock::default().now()),
+                        );
+                        break;
+                    }
+                }
+            }
+            if allowed == 0 {
+                drop(permits);
+                rt.counters.throttled.fetch_add(1, Ordering::Relaxed);
+                let wait = retry_in
+                    .unwrap_or(Duration::from_millis(10))
+                    .max(Duration::from_millis(1));
+                if !sleep_or_stop(&stop, wait, None).await {
+                    break;
+                }
+                continue;
+            }
+        }
+        permits.truncate(allowed);
+
         match ctx
             .store
             .lease(&spec.id, now, permits.len(), lease_ms)
             .await
         {
-            Ok(batch) if !batch.is_empty() => {
+            Ok(batch) => {
                 for leased in batch {
                     let Some(permit) = permits.pop() else { break };
-                    let ctx2 = ctx.clone();
-                    let spec2 = spec.clone();
-                    let target2 = target.clone();
+                    // 2. Budget: retries beyond it wait, unattempted. Probes bypass it.
+                    let is_retry = leased.entry.attempts.len() > 1;
+                    let over_budget = rt.budget().is_some_and(|mut budget| {
+                        if !is_retry {
+                            budget.first_attempt(now);
+                            false
+                        } else {
+                            !probing && !budget.try_retry(now)
+                        }
+                    });
+                    if over_budget {
+                        rt.counters.budget_deferred.fetch_add(1, Ordering::Relaxed);
+                        ctx.metrics
+                            .budget_deferred
+                            .get_or_create(&vec![("target", spec.id.clone())])
+                            .inc();
+                        defer(&ctx, &leased, now).await;
+                        continue;
+                    }
+                    if probing && let Some(mut b) = rt.breaker() {
+                        b.probes_started(1);
+                    }
                     let span = tracing::info_span!("attempt", event_id = %leased.event.event.id, source = %leased.event.event.source, target = %spec.id, attempt = leased.entry.attempts.len());
-                    ctx.tracker
-                        .spawn(attempt(ctx2, spec2, target2, leased, permit).instrument(span));
-                }
-            }
-            Ok(_) => {
-                drop(permits);
-                let wait = ctx
-                    .store
-                    .next_due(&spec.id)
-                    .map_or(1000, |due| (due - now).clamp(1, 1000));
-                tokio::select! {
-                    _ = stop.cancelled() => break,
-                    _ = notify.notified() => {}
-                    _ = tokio::time::sleep(Duration::from_millis(u64::try_from(wait).unwrap_or(1000))) => {}
+                    ctx.tracker.spawn(
+                        attempt(
+                            ctx.clone(),
+                            rt.clone(),
+                            target.clone(),
+                            leased,
+                            permit,
+                            probing,
+                        )
+                        .instrument(span),
+                    );
                 }
             }
             Err(e) => {
                 drop(permits);
                 tracing::error!(target_id = %spec.id, error = %e, "lease failed; retrying in 1s");
-                tokio::select! {
-                    _ = stop.cancelled() => break,
-                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                if !sleep_or_stop(&stop, Duration::from_secs(1), None).await {
+                    break;
                 }
             }
         }
     }
     tracing::info!(target_id = %spec.id, "delivery worker stopped");
+}
+
+/// Puts a leased entry back without counting an attempt.
+async fn defer(ctx: &DeliveryContext, leased: &Leased, now: i64) {
+    let end = AttemptEnd {
+        finished_at: now,
+        result: AttemptResult::Interrupted,
+        status: None,
+        error: None,
+    };
+    let r = ctx
+        .store
+        .finish(
+            leased.entry.id,
+            leased.lease,
+            end,
+            Disposition::Release {
+                due_at: now + BUDGET_DEFER_MS,
+            },
+            now,
+        )
+        .await;
+    if let Err(e) = r {
+        tracing::warn!(error = %e, "could not defer an entry; it returns when its lease expires");
+    }
 }
 
 /// What to do after an attempt, from the outcome, the entry's history and the retry policy.
@@ -99,17 +249,15 @@ pub fn decide(
     now: Millis,
     retry: &RetryPolicy,
     jitter: f64,
+    hold: bool,
 ) -> Disposition {
+    let dead = |reason| Disposition::DeadLetter { reason, hold };
     match outcome {
         AttemptOutcome::Delivered { .. } => Disposition::Delivered,
-        AttemptOutcome::Permanent { .. } => Disposition::DeadLetter {
-            reason: DlqReason::PermanentError,
-        },
+        AttemptOutcome::Permanent { .. } => dead(DlqReason::PermanentError),
         AttemptOutcome::Retryable { retry_after, .. } => {
             if attempts >= retry.max_attempts {
-                return Disposition::DeadLetter {
-                    reason: DlqReason::RetriesExhausted,
-                };
+                return dead(DlqReason::RetriesExhausted);
             }
             let wait = match retry_after {
                 Some(ra) => (*ra).min(retry.retry_after_max),
@@ -117,9 +265,7 @@ pub fn decide(
             };
             let due_at = now.saturating_add(ms(wait));
             if due_at > accepted_at.saturating_add(ms(retry.max_age)) {
-                return Disposition::DeadLetter {
-                    reason: DlqReason::MaxAgeExceeded,
-                };
+                return dead(DlqReason::MaxAgeExceeded);
             }
             Disposition::Retry { due_at }
         }
@@ -128,12 +274,15 @@ pub fn decide(
 
 async fn attempt(
     ctx: Arc<DeliveryContext>,
-    spec: Arc<TargetSpec>,
+    rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
     leased: Leased,
     _permit: OwnedSemaphorePermit,
+    probe: bool,
 ) {
+    let spec = &rt.spec;
     let retry = &spec.policy.retry;
+    let hold = spec.policy.on_dead_letter == OnDeadLetter::Hold;
     let n = u32::try_from(leased.entry.attempts.len()).unwrap_or(u32::MAX);
     let now = ctx.clock.now_ms();
     let labels = |result: &str| vec![("target", spec.id.clone()), ("result", result.to_string())];
@@ -160,6 +309,12 @@ async fn attempt(
         None
     };
     let (end, disposition, outcome_label) = if let Some((reason, error)) = pre {
+        if probe {
+            // The probe was not sent: give the slot back.
+            if let Some(mut b) = rt.breaker() {
+                b.record(None, true, now);
+            }
+        }
         (
             AttemptEnd {
                 finished_at: now,
@@ -167,7 +322,7 @@ async fn attempt(
                 status: None,
                 error: Some(error),
             },
-            Disposition::DeadLetter { reason },
+            Disposition::DeadLetter { reason, hold },
             "dead_lettered",
         )
     } else {
@@ -193,6 +348,17 @@ async fn attempt(
             .get_or_create(&vec![("target", spec.id.clone())])
             .observe(started.elapsed().as_secs_f64());
         let finished = ctx.clock.now_ms();
+        let success = match &outcome {
+            AttemptOutcome::Delivered { .. } => Some(true),
+            o if o.counts_for_breaker() => Some(false),
+            _ => None,
+        };
+        let transition = rt
+            .breaker()
+            .and_then(|mut b| b.record(success, probe, finished));
+        if let Some(t) = transition {
+            on_transition(&ctx, &rt, t, finished).await;
+        }
         let disposition = decide(
             &outcome,
             n,
@@ -200,6 +366,7 @@ async fn attempt(
             finished,
             retry,
             rand::random::<f64>(),
+            hold,
         );
         let result = match &outcome {
             AttemptOutcome::Delivered { .. } => AttemptResult::Delivered,
@@ -220,7 +387,7 @@ async fn attempt(
                     "attempt failed; retry scheduled"
                 )
             }
-            Disposition::DeadLetter { reason } => {
+            Disposition::DeadLetter { reason, .. } => {
                 tracing::warn!(
                     error = outcome.error().unwrap_or(""),
                     reason = reason.as_str(),
@@ -241,7 +408,7 @@ async fn attempt(
         )
     };
     let dlq_reason = match &disposition {
-        Disposition::DeadLetter { reason } => Some(*reason),
+        Disposition::DeadLetter { reason, .. } => Some(*reason),
         _ => None,
     };
     let finished_at = end.finished_at;
@@ -255,6 +422,12 @@ async fn attempt(
                 .deliveries
                 .get_or_create(&labels(outcome_label))
                 .inc();
+            let c = &rt.counters;
+            match outcome_label {
+                "delivered" => c.delivered.fetch_add(1, Ordering::Relaxed),
+                "retried" => c.retried.fetch_add(1, Ordering::Relaxed),
+                _ => c.dead_lettered.fetch_add(1, Ordering::Relaxed),
+            };
             if let Some(r) = dlq_reason {
                 ctx.metrics
                     .dlq_entries
@@ -281,6 +454,74 @@ async fn attempt(
     }
 }
 
+/// A breaker transition: persisted (so an open breaker stays open across a restart), logged,
+/// counted, and raised as a system event that rules can route.
+async fn on_transition(ctx: &DeliveryContext, rt: &TargetRuntime, t: Transition, now: i64) {
+    let id = &rt.spec.id;
+    let to = t.to.name();
+    match t.to {
+        BreakerState::Open { until } => {
+            tracing::warn!(target_id = %id, failure_rate = t.failure_rate, requests = t.requests, open_until = %crate::clock::rfc3339(until), "circuit breaker opened")
+        }
+        _ => {
+            tracing::info!(target_id = %id, from = t.from.name(), to, "circuit breaker state changed")
+        }
+    }
+    ctx.metrics
+        .breaker_transitions
+        .get_or_create(&vec![("target", id.clone()), ("to", to.to_string())])
+        .inc();
+    let gauge = match t.to {
+        BreakerState::Closed => 0,
+        BreakerState::Open { .. } => 1,
+        BreakerState::HalfOpen => 2,
+    };
+    ctx.metrics
+        .breaker_state
+        .get_or_create(&vec![("target", id.clone())])
+        .set(gauge);
+    let state = serde_json::to_value(rt.persisted()).unwrap_or_default();
+    if let Err(e) = ctx.store.put_target_state(id, state).await {
+        tracing::error!(target_id = %id, error = %e, "could not persist the breaker state");
+    }
+    let ty = match t.to {
+        BreakerState::Open { .. } => "router.breaker.opened",
+        BreakerState::HalfOpen => "router.breaker.half_opened",
+        BreakerState::Closed => "router.breaker.closed",
+    };
+    let mut ev = system_event(ty, id, now);
+    ev.data = Some(serde_json::json!({
+        "target": id,
+        "from": t.from.name(),
+        "to": to,
+        "failure_rate": t.failure_rate,
+        "window_requests": t.requests,
+        "open_until": match t.to { BreakerState::Open { until } => Some(crate::clock::rfc3339(until)), _ => None },
+    }));
+    if let Some(tx) = &ctx.system_events {
+        // Bounded and best-effort: a full channel means an alert storm is already under way.
+        if tx.try_send(ev).is_err() {
+            ctx.metrics.system_events_dropped.inc();
+        }
+    }
+}
+
+/// A router-generated CloudEvent about `target`.
+pub fn system_event(ty: &str, target: &str, now: i64) -> CloudEvent {
+    CloudEvent {
+        id: format!("{ty}:{target}:{now}:{:08x}", rand::random::<u32>()),
+        source: format!("router://targets/{target}"),
+        ty: ty.to_string(),
+        subject: Some(target.to_string()),
+        time: Some(crate::clock::rfc3339(now)),
+        datacontenttype: Some("application/json".into()),
+        dataschema: None,
+        data: None,
+        data_base64: None,
+        extensions: serde_json::Map::new(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -303,6 +544,58 @@ mod tests {
         }
     }
 
+    fn dead(reason: DlqReason) -> Disposition {
+        Disposition::DeadLetter {
+            reason,
+            hold: false,
+        }
+    }
+
+    /// Runs the state machine against a target that always times out, on a virtual clock, with
+    /// the largest jitter draw: the time to the DLQ and the attempt count must equal what
+    /// `router config explain` prints (`PolicyConfig::worst_case`).
+    fn simulate(p: &crate::policy::PolicyConfig) -> (u32, i64) {
+        let mut now = 0i64;
+        let mut n = 1;
+        loop {
+            now += ms(p.timeout);
+            let timeout = AttemptOutcome::Retryable {
+                error: "timeout".into(),
+                status: None,
+                retry_after: None,
+            };
+            match decide(&timeout, n, 0, now, &p.retry, 1.0, false) {
+                Disposition::Retry { due_at } => {
+                    now = due_at;
+                    n += 1;
+                }
+                Disposition::DeadLetter { .. } => return (n, now),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn config_explain_matches_a_simulated_run() {
+        use crate::policy::PolicyConfig;
+        let mut p = PolicyConfig {
+            timeout: Duration::from_secs(2),
+            ..PolicyConfig::default()
+        };
+        p.retry.max_attempts = 6;
+        p.retry.base_delay = Duration::from_millis(200);
+        p.retry.max_delay = Duration::from_secs(30);
+        p.retry.max_age = Duration::from_secs(24 * 3600);
+        let (attempts, time) = p.worst_case();
+        assert_eq!(simulate(&p), (attempts, ms(time)));
+        // With max_age binding, the simulated run ends no later than the bound.
+        p.retry.max_attempts = 50;
+        p.retry.max_age = Duration::from_secs(120);
+        let (_, bound) = p.worst_case();
+        let (_, t) = simulate(&p);
+        assert!(t <= ms(bound), "{t} > {bound:?}");
+    }
+
     #[test]
     fn delivered_and_permanent_are_final() {
         let p = policy();
@@ -313,7 +606,8 @@ mod tests {
                 0,
                 0,
                 &p,
-                0.5
+                0.5,
+                false
             ),
             Disposition::Delivered
         );
@@ -322,9 +616,14 @@ mod tests {
             status: Some(400),
         };
         assert_eq!(
-            decide(&perm, 1, 0, 0, &p, 0.5),
+            decide(&perm, 1, 0, 0, &p, 0.5, false),
+            dead(DlqReason::PermanentError)
+        );
+        assert_eq!(
+            decide(&perm, 1, 0, 0, &p, 0.5, true),
             Disposition::DeadLetter {
-                reason: DlqReason::PermanentError
+                reason: DlqReason::PermanentError,
+                hold: true
             }
         );
     }
@@ -333,18 +632,16 @@ mod tests {
     fn transient_failures_retry_until_max_attempts() {
         let p = policy();
         assert!(matches!(
-            decide(&transient(None), 1, 0, 0, &p, 0.5),
+            decide(&transient(None), 1, 0, 0, &p, 0.5, false),
             Disposition::Retry { .. }
         ));
         assert!(matches!(
-            decide(&transient(None), 2, 0, 0, &p, 0.5),
+            decide(&transient(None), 2, 0, 0, &p, 0.5, false),
             Disposition::Retry { .. }
         ));
         assert_eq!(
-            decide(&transient(None), 3, 0, 0, &p, 0.5),
-            Disposition::DeadLetter {
-                reason: DlqReason::RetriesExhausted
-            }
+            decide(&transient(None), 3, 0, 0, &p, 0.5, false),
+            dead(DlqReason::RetriesExhausted)
         );
     }
 
@@ -353,11 +650,27 @@ mod tests {
         let mut p = policy();
         p.retry_after_max = Duration::from_secs(10);
         assert_eq!(
-            decide(&transient(Some(Duration::from_secs(5))), 1, 0, 0, &p, 0.5),
+            decide(
+                &transient(Some(Duration::from_secs(5))),
+                1,
+                0,
+                0,
+                &p,
+                0.5,
+                false
+            ),
             Disposition::Retry { due_at: 5000 }
         );
         assert_eq!(
-            decide(&transient(Some(Duration::from_secs(50))), 1, 0, 0, &p, 0.5),
+            decide(
+                &transient(Some(Duration::from_secs(50))),
+                1,
+                0,
+                0,
+                &p,
+                0.5,
+                false
+            ),
             Disposition::Retry { due_at: 10_000 }
         );
         // accepted at 0, max_age 60s: a retry due after 60s is a max_age_exceeded.
@@ -368,11 +681,10 @@ mod tests {
                 0,
                 58_000,
                 &p,
-                0.5
+                0.5,
+                false
             ),
-            Disposition::DeadLetter {
-                reason: DlqReason::MaxAgeExceeded
-            }
+            dead(DlqReason::MaxAgeExceeded)
         );
     }
 }

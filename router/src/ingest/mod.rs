@@ -204,7 +204,8 @@ async fn handle(app: &App, headers: &HeaderMap, body: Body) -> Response {
         .into_response()
 }
 
-fn route(
+/// Matches `ev` against `rules` and builds what the store accepts.
+pub fn route(
     rules: &crate::rules::RuleSet,
     ev: &CloudEvent,
     now: i64,

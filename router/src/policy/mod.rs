@@ -6,6 +6,8 @@
 //! and ordering lands with the delivery-policies issue.
 
 pub mod backoff;
+pub mod breaker;
+pub mod budget;
 pub mod config;
 
 pub use config::{

@@ -108,6 +108,26 @@ pub trait Store: Send + Sync + 'static {
         now: Millis,
     ) -> BoxFuture<'_, Result<(), FinishError>>;
 
+    /// How many of `target`'s entries could be leased at `now` (ordering respected), up to
+    /// `max`.
+    fn due_count(&self, target: &str, now: Millis, max: usize) -> usize;
+
+    /// Persists a target's runtime state (breaker, pause) as opaque JSON.
+    fn put_target_state(
+        &self,
+        id: &str,
+        state: serde_json::Value,
+    ) -> BoxFuture<'_, Result<(), StoreError>>;
+
+    /// Every persisted target state.
+    fn target_states(&self) -> Result<Vec<(String, serde_json::Value)>, StoreError>;
+
+    /// Releases an ordering key held after a dead letter; `false` if it was not held.
+    fn release_key(&self, target: &str, key: &str) -> BoxFuture<'_, Result<bool, StoreError>>;
+
+    /// Ordering keys of `target` held after a dead letter.
+    fn held_keys(&self, target: &str) -> Vec<String>;
+
     /// Earliest due time among `target`'s waiting entries.
     fn next_due(&self, target: &str) -> Option<Millis>;
 

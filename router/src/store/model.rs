@@ -325,6 +325,9 @@ pub enum Disposition {
     DeadLetter {
         /// Why.
         reason: DlqReason,
+        /// Hold the entry's ordering key until an operator releases it
+        /// (`on_dead_letter: hold`); ignored for unkeyed entries.
+        hold: bool,
     },
     /// Put back without counting the attempt (e.g. breaker open when checked); the attempt
     /// record is removed.

@@ -33,6 +33,8 @@ const DLQ: TableDefinition<u64, &[u8]> = TableDefinition::new("dlq");
 const DLQ_BY_EVENT: TableDefinition<(u64, u64), ()> = TableDefinition::new("dlq_by_event");
 const TARGETS: TableDefinition<&str, &[u8]> = TableDefinition::new("targets");
 const PENDING_GC: TableDefinition<u64, ()> = TableDefinition::new("pending_gc");
+const TARGET_STATE: TableDefinition<&str, &[u8]> = TableDefinition::new("target_state");
+const HELD: TableDefinition<(&str, &str), ()> = TableDefinition::new("held_keys");
 
 /// Most ops applied in one transaction; more wait for the next commit.
 const MAX_GROUP: usize = 4096;
@@ -54,6 +56,10 @@ pub struct StoreOptions {
     /// Files smaller than this are never compacted (default 64 MiB).
     pub compact_min_bytes: Option<u64>,
 }
+
+/// Most ready entries examined per lease (entries blocked behind their ordering key are
+/// skipped; this bounds the cost of a long blocked key).
+const SCAN_LIMIT: usize = 10_000;
 
 fn enc<T: serde::Serialize>(v: &T) -> Vec<u8> {
     // Serialising our own plain structs to JSON cannot fail (no non-string map keys).
@@ -80,6 +86,59 @@ struct TargetIndex {
     live: BTreeMap<EntryId, Millis>,
     /// DLQ entries for this target.
     dlq: u64,
+    /// Live entries per ordering key, in acceptance order: only the first may be leased.
+    keys: HashMap<String, BTreeSet<EntryId>>,
+    /// Ordering key of each live keyed entry.
+    entry_keys: HashMap<EntryId, String>,
+    /// Keys held after a dead letter (`on_dead_letter: hold`) until an operator releases them.
+    held: BTreeSet<String>,
+}
+
+impl TargetIndex {
+    fn insert_live(&mut self, id: EntryId, accepted_at: Millis, key: Option<String>) {
+        self.live.insert(id, accepted_at);
+        if let Some(k) = key {
+            self.keys.entry(k.clone()).or_default().insert(id);
+            self.entry_keys.insert(id, k);
+        }
+    }
+
+    fn remove_live(&mut self, id: EntryId) {
+        self.live.remove(&id);
+        if let Some(k) = self.entry_keys.remove(&id)
+            && let Some(set) = self.keys.get_mut(&k)
+        {
+            set.remove(&id);
+            if set.is_empty() {
+                self.keys.remove(&k);
+            }
+        }
+    }
+
+    /// Whether `id` may be leased now as far as ordering goes: unkeyed, or the first live
+    /// entry of a key that is not held.
+    fn ordering_allows(&self, id: EntryId) -> bool {
+        match self.entry_keys.get(&id) {
+            None => true,
+            Some(k) => {
+                !self.held.contains(k) && self.keys.get(k).and_then(|s| s.first()) == Some(&id)
+            }
+        }
+    }
+
+    /// Up to `max` due entries that ordering allows, scanning at most `SCAN_LIMIT` entries.
+    fn due(&self, now: Millis, max: usize) -> Vec<(Millis, EntryId)> {
+        let mut out = Vec::new();
+        for &(due, id) in self.ready.iter().take(SCAN_LIMIT) {
+            if due > now || out.len() >= max {
+                break;
+            }
+            if self.ordering_allows(id) {
+                out.push((due, id));
+            }
+        }
+        out
+    }
 }
 
 #[derive(Default)]
@@ -107,10 +166,11 @@ impl Index {
                 id,
                 due,
                 accepted_at,
+                key,
             } => {
                 let t = self.target(&target);
                 t.ready.insert((due, id));
-                t.live.insert(id, accepted_at);
+                t.insert_live(id, accepted_at, key);
                 self.notify(&target);
             }
             Effect::Requeue { target, id, due } => {
@@ -119,10 +179,19 @@ impl Index {
                 t.ready.insert((due, id));
                 self.notify(&target);
             }
-            Effect::Remove { target, id } => {
+            Effect::Remove { target, id, hold } => {
                 let t = self.target(&target);
                 t.in_flight.remove(&id);
-                t.live.remove(&id);
+                if hold && let Some(k) = t.entry_keys.get(&id).cloned() {
+                    t.held.insert(k);
+                }
+                t.remove_live(id);
+                // The key's next entry may be leasable now.
+                self.notify(&target);
+            }
+            Effect::Release { target, key } => {
+                self.target(&target).held.remove(&key);
+                self.notify(&target);
             }
             Effect::DlqAdded { target } => {
                 if let Some(target) = target {
@@ -140,6 +209,7 @@ enum Effect {
         id: EntryId,
         due: Millis,
         accepted_at: Millis,
+        key: Option<String>,
     },
     Requeue {
         target: String,
@@ -149,6 +219,12 @@ enum Effect {
     Remove {
         target: String,
         id: EntryId,
+        /// Hold the entry's ordering key (dead letter under `on_dead_letter: hold`).
+        hold: bool,
+    },
+    Release {
+        target: String,
+        key: String,
     },
     DlqAdded {
         target: Option<String>,
@@ -183,6 +259,16 @@ enum Op {
     SaveTargets {
         configs: Vec<(String, serde_json::Value)>,
         reply: Reply<Result<(), StoreError>>,
+    },
+    PutTargetState {
+        id: String,
+        state: serde_json::Value,
+        reply: Reply<Result<(), StoreError>>,
+    },
+    ReleaseKey {
+        target: String,
+        key: String,
+        reply: Reply<Result<bool, StoreError>>,
     },
     Sweep {
         now: Millis,
@@ -317,15 +403,10 @@ impl RedbStore {
             let mut idx = self.index();
             let t = idx.target(target);
             let mut ids = Vec::new();
-            while ids.len() < max {
-                match t.ready.first() {
-                    Some(&(due, id)) if due <= now => {
-                        t.ready.pop_first();
-                        t.in_flight.insert(id, lease);
-                        ids.push(id);
-                    }
-                    _ => break,
-                }
+            for (due, id) in t.due(now, max) {
+                t.ready.remove(&(due, id));
+                t.in_flight.insert(id, lease);
+                ids.push(id);
             }
             ids
         };
@@ -352,7 +433,7 @@ impl RedbStore {
                     let t = idx.target(target);
                     for id in ids.iter().filter(|id| !got.contains(id)) {
                         t.in_flight.remove(id);
-                        t.live.remove(id);
+                        t.remove_live(*id);
                     }
                 }
                 Ok(leased)
@@ -410,6 +491,48 @@ impl Store for RedbStore {
             .map_err(FinishError::Store)?
         }
         .boxed()
+    }
+
+    fn due_count(&self, target: &str, now: Millis, max: usize) -> usize {
+        self.index().target(target).due(now, max).len()
+    }
+
+    fn put_target_state(
+        &self,
+        id: &str,
+        state: serde_json::Value,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        let id = id.to_string();
+        async move {
+            self.call(|reply| Op::PutTargetState { id, state, reply })
+                .await?
+        }
+        .boxed()
+    }
+
+    fn target_states(&self) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(TARGET_STATE)?;
+        let mut out = Vec::new();
+        for row in t.iter()? {
+            let (k, v) = row?;
+            out.push((k.value().to_string(), dec("target_state", v.value())?));
+        }
+        Ok(out)
+    }
+
+    fn release_key(&self, target: &str, key: &str) -> BoxFuture<'_, Result<bool, StoreError>> {
+        let (target, key) = (target.to_string(), key.to_string());
+        async move {
+            self.call(|reply| Op::ReleaseKey { target, key, reply })
+                .await?
+        }
+        .boxed()
+    }
+
+    fn held_keys(&self, target: &str) -> Vec<String> {
+        self.index().target(target).held.iter().cloned().collect()
     }
 
     fn next_due(&self, target: &str) -> Option<Millis> {
@@ -686,7 +809,7 @@ fn recover(db: &Database) -> Result<(u64, (u64, u64), Index), StoreError> {
             }
             let t = index.target(&e.target_id);
             t.ready.insert((e.due_at, id));
-            t.live.insert(id, e.accepted_at);
+            t.insert_live(id, e.accepted_at, e.ordering_key.clone());
         }
         let dlq = txn.open_table(DLQ)?;
         for row in dlq.iter()? {
@@ -697,6 +820,12 @@ fn recover(db: &Database) -> Result<(u64, (u64, u64), Index), StoreError> {
         }
         txn.open_table(DLQ_BY_EVENT)?;
         txn.open_table(PENDING_GC)?;
+        txn.open_table(TARGET_STATE)?;
+        for row in txn.open_table(HELD)?.iter()? {
+            let (k, _) = row?;
+            let (t, key) = k.value();
+            index.target(t).held.insert(key.to_string());
+        }
     }
     txn.commit()?;
     Ok((boot, counters, index))
@@ -896,6 +1025,31 @@ impl Committer {
                 dones.push(done(reply, r));
                 err.map_or(Ok(()), Err)
             }
+            Op::PutTargetState { id, state, reply } => {
+                let r = (|| -> Result<(), StoreError> {
+                    txn.open_table(TARGET_STATE)?
+                        .insert(id.as_str(), enc(&state).as_slice())?;
+                    Ok(())
+                })();
+                let err = r.as_ref().err().cloned();
+                dones.push(done(reply, r));
+                err.map_or(Ok(()), Err)
+            }
+            Op::ReleaseKey { target, key, reply } => {
+                let r = (|| -> Result<bool, StoreError> {
+                    let was = txn
+                        .open_table(HELD)?
+                        .remove((target.as_str(), key.as_str()))?
+                        .is_some();
+                    if was {
+                        effects.push(Effect::Release { target, key });
+                    }
+                    Ok(was)
+                })();
+                let err = r.as_ref().err().cloned();
+                dones.push(done(reply, r));
+                err.map_or(Ok(()), Err)
+            }
             Op::Sweep {
                 now,
                 dedup_window_ms,
@@ -997,6 +1151,7 @@ impl Committer {
                         id,
                         due: entry.due_at,
                         accepted_at: entry.accepted_at,
+                        key: entry.ordering_key,
                     });
                 }
             }
@@ -1117,7 +1272,11 @@ impl Committer {
                     .map_err(StoreError::from)?
                     .remove((id.event, id.idx))
                     .map_err(StoreError::from)?;
-                effects.push(Effect::Remove { target, id });
+                effects.push(Effect::Remove {
+                    target,
+                    id,
+                    hold: false,
+                });
             }
             Disposition::Retry { due_at } => {
                 e.due_at = due_at;
@@ -1136,7 +1295,7 @@ impl Committer {
                     due: due_at,
                 });
             }
-            Disposition::DeadLetter { reason } => {
+            Disposition::DeadLetter { reason, hold } => {
                 e.state = EntryState::Dead;
                 e.finished_at = Some(now);
                 txn.open_table(LIVE)
@@ -1179,7 +1338,14 @@ impl Committer {
                     redrive_count: e.redrive_count,
                 };
                 self.add_dlq(txn, d, effects)?;
-                effects.push(Effect::Remove { target, id });
+                let hold = hold && e.ordering_key.is_some();
+                if hold && let Some(k) = &e.ordering_key {
+                    txn.open_table(HELD)
+                        .map_err(StoreError::from)?
+                        .insert((target.as_str(), k.as_str()), ())
+                        .map_err(StoreError::from)?;
+                }
+                effects.push(Effect::Remove { target, id, hold });
             }
         }
         entries_t

@@ -183,6 +183,7 @@ async fn retries_wait_in_the_queue_and_dead_letters_keep_every_attempt() {
         fail(5010),
         Disposition::DeadLetter {
             reason: DlqReason::RetriesExhausted,
+            hold: false,
         },
         5010,
     )
@@ -428,5 +429,130 @@ async fn a_drained_backlog_gives_its_disk_space_back() {
     assert!(
         after * 2 < peak,
         "file stayed large after the backlog drained: peak {peak}, after {after}"
+    );
+}
+
+fn keyed(id: &str, key: &str, at: Millis) -> NewEvent {
+    let mut e = new_event("/s", id, &["a"], at);
+    e.targets[0].ordering_key = Some(key.into());
+    e
+}
+
+#[tokio::test]
+async fn one_entry_per_key_in_flight_and_in_order() {
+    let s = RedbStore::in_memory().expect("store");
+    s.accept(vec![
+        keyed("1", "k1", 1000),
+        keyed("2", "k1", 1000),
+        keyed("3", "k2", 1000),
+        new_event("/s", "4", &["a"], 1000),
+    ])
+    .await
+    .expect("accept");
+    assert_eq!(
+        s.due_count("a", 1000, 10),
+        3,
+        "k1's second entry waits behind its first"
+    );
+    let first = s.lease("a", 1000, 10, 60_000).await.expect("lease");
+    let ids: Vec<String> = first.iter().map(|l| l.event.event.id.clone()).collect();
+    assert_eq!(ids, vec!["1", "3", "4"]);
+    // A retrying head blocks its key only.
+    let head = first
+        .iter()
+        .find(|l| l.event.event.id == "1")
+        .expect("head");
+    let fail = AttemptEnd {
+        finished_at: 1001,
+        result: AttemptResult::Retryable,
+        status: Some(500),
+        error: None,
+    };
+    s.finish(
+        head.entry.id,
+        head.lease,
+        fail,
+        Disposition::Retry { due_at: 5000 },
+        1001,
+    )
+    .await
+    .expect("retry");
+    assert!(
+        s.lease("a", 2000, 10, 60_000)
+            .await
+            .expect("lease")
+            .is_empty(),
+        "event 2 waits for event 1"
+    );
+    let again = s.lease("a", 5000, 10, 60_000).await.expect("lease");
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].event.event.id, "1");
+    // Dead-lettered with hold: the key stays blocked until released.
+    s.finish(
+        again[0].entry.id,
+        again[0].lease,
+        delivered(5001),
+        Disposition::DeadLetter {
+            reason: DlqReason::PermanentError,
+            hold: true,
+        },
+        5001,
+    )
+    .await
+    .expect("dead-letter");
+    assert_eq!(s.held_keys("a"), vec!["k1".to_string()]);
+    assert!(
+        s.lease("a", 6000, 10, 60_000)
+            .await
+            .expect("lease")
+            .is_empty(),
+        "k1 is held"
+    );
+    assert!(s.release_key("a", "k1").await.expect("release"));
+    let next = s.lease("a", 6000, 10, 60_000).await.expect("lease");
+    assert_eq!(next.len(), 1);
+    assert_eq!(next[0].event.event.id, "2");
+}
+
+#[tokio::test]
+async fn held_keys_and_target_state_survive_restart() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+        s.accept(vec![keyed("1", "k", 1000), keyed("2", "k", 1000)])
+            .await
+            .expect("accept");
+        let l = s
+            .lease("a", 1000, 1, 60_000)
+            .await
+            .expect("lease")
+            .remove(0);
+        s.finish(
+            l.entry.id,
+            l.lease,
+            delivered(1001),
+            Disposition::DeadLetter {
+                reason: DlqReason::PermanentError,
+                hold: true,
+            },
+            1001,
+        )
+        .await
+        .expect("dlq");
+        s.put_target_state("a", json!({"paused": true}))
+            .await
+            .expect("state");
+    }
+    let s = loop {
+        match RedbStore::open_dir(dir.path(), StoreOptions::default()) {
+            Ok(s) => break s,
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+        }
+    };
+    assert_eq!(s.held_keys("a"), vec!["k".to_string()]);
+    assert_eq!(s.due_count("a", 2000, 10), 0);
+    assert_eq!(
+        s.target_states().expect("states"),
+        vec![("a".to_string(), json!({"paused": true}))]
     );
 }

@@ -1,0 +1,328 @@
+//! Circuit breaker, one per target: closed → open when the failure rate over a sliding window
+//! passes the threshold (with a minimum of requests) or after N consecutive failures →
+//! half-open after `open_for`, letting a few probes through → closed on a probe's success,
+//! open again on its failure.
+//!
+//! Pure state machine: time comes in as `now` (ms), so tests drive it without sleeping. Only
+//! outcomes that say something about the target count (`AttemptOutcome::counts_for_breaker`
+//! for failures, deliveries for successes); permanent failures are about the event and are not
+//! recorded at all. The open state (and its end) is persisted by the caller on transitions.
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+
+use super::config::BreakerPolicy;
+
+/// Where the breaker stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum BreakerState {
+    /// Attempts flow.
+    Closed,
+    /// No attempts until `until` (ms).
+    Open {
+        /// When probing may start.
+        until: i64,
+    },
+    /// Up to the policy's probes may be in flight.
+    HalfOpen,
+}
+
+impl BreakerState {
+    /// The state's name: `closed`, `open`, `half_open`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Closed => "closed",
+            Self::Open { .. } => "open",
+            Self::HalfOpen => "half_open",
+        }
+    }
+}
+
+/// What the breaker allows right now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// Normal operation: as many attempts as other limits allow.
+    Open,
+    /// Half-open: at most this many more probes.
+    Probes(u32),
+    /// Nothing until this time (ms).
+    WaitUntil(i64),
+}
+
+/// A state change, for metrics, logs and system events.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Transition {
+    /// Previous state.
+    pub from: BreakerState,
+    /// New state.
+    pub to: BreakerState,
+    /// Failure rate in the window when it happened.
+    pub failure_rate: f64,
+    /// Attempts in the window when it happened.
+    pub requests: u32,
+}
+
+/// The breaker.
+#[derive(Debug, Clone)]
+pub struct Breaker {
+    policy: BreakerPolicy,
+    state: BreakerState,
+    since: i64,
+    /// (second, successes, failures), oldest first, covering the window.
+    buckets: VecDeque<(i64, u32, u32)>,
+    consecutive_failures: u32,
+    probes_in_flight: u32,
+}
+
+impl Breaker {
+    /// A closed breaker (or the persisted state, via `restore`).
+    pub fn new(policy: BreakerPolicy, now: i64) -> Self {
+        Self {
+            policy,
+            state: BreakerState::Closed,
+            since: now,
+            buckets: VecDeque::new(),
+            consecutive_failures: 0,
+            probes_in_flight: 0,
+        }
+    }
+
+    /// Restores a persisted state (the window's counts are not persisted: a restarted router
+    /// starts counting afresh, but an open breaker stays open until its time).
+    pub fn restore(&mut self, state: BreakerState, since: i64) {
+        self.state = state;
+        self.since = since;
+    }
+
+    /// Current state (after applying the clock: an expired open state reads as half-open).
+    pub fn state(&self) -> BreakerState {
+        self.state
+    }
+
+    /// When the current state began.
+    pub fn since(&self) -> i64 {
+        self.since
+    }
+
+    fn window_ms(&self) -> i64 {
+        i64::try_from(self.policy.window.as_millis()).unwrap_or(i64::MAX)
+    }
+
+    fn prune(&mut self, now: i64) {
+        let oldest = (now - self.window_ms()) / 1000;
+        while self.buckets.front().is_some_and(|b| b.0 <= oldest) {
+            self.buckets.pop_front();
+        }
+    }
+
+    /// (requests, failure rate) over the window.
+    pub fn window_stats(&mut self, now: i64) -> (u32, f64) {
+        self.prune(now);
+        let (s, f) = self
+            .buckets
+            .iter()
+            .fold((0u32, 0u32), |(s, f), b| (s + b.1, f + b.2));
+        let n = s + f;
+        (
+            n,
+            if n == 0 {
+                0.0
+            } else {
+                f64::from(f) / f64::from(n)
+            },
+        )
+    }
+
+    fn transition(&mut self, to: BreakerState, now: i64) -> Transition {
+        let (requests, failure_rate) = self.window_stats(now);
+        let t = Transition {
+            from: self.state,
+            to,
+            failure_rate,
+            requests,
+        };
+        self.state = to;
+        self.since = now;
+        self.probes_in_flight = 0;
+        if to == BreakerState::Closed {
+            self.buckets.clear();
+            self.consecutive_failures = 0;
+        }
+        t
+    }
+
+    /// What may be attempted now; moves open → half-open when `open_for` has passed.
+    pub fn admit(&mut self, now: i64) -> (Admission, Option<Transition>) {
+        match self.state {
+            BreakerState::Closed => (Admission::Open, None),
+            BreakerState::Open { until } if now < until => (Admission::WaitUntil(until), None),
+            BreakerState::Open { .. } => {
+                let t = self.transition(BreakerState::HalfOpen, now);
+                (
+                    Admission::Probes(self.policy.half_open_probes.max(1)),
+                    Some(t),
+                )
+            }
+            BreakerState::HalfOpen => (
+                Admission::Probes(
+                    self.policy
+                        .half_open_probes
+                        .max(1)
+                        .saturating_sub(self.probes_in_flight),
+                ),
+                None,
+            ),
+        }
+    }
+
+    /// Marks `n` probes as started (half-open only).
+    pub fn probes_started(&mut self, n: u32) {
+        if self.state == BreakerState::HalfOpen {
+            self.probes_in_flight += n;
+        }
+    }
+
+    /// Records a finished attempt: `Some(true)` success, `Some(false)` a failure that counts,
+    /// `None` an outcome that does not count (permanent failure). Returns a transition if any.
+    pub fn record(
+        &mut self,
+        success: Option<bool>,
+        was_probe: bool,
+        now: i64,
+    ) -> Option<Transition> {
+        let success = success?;
+        if was_probe && self.state == BreakerState::HalfOpen {
+            self.probes_in_flight = self.probes_in_flight.saturating_sub(1);
+        }
+        let sec = now / 1000;
+        match self.buckets.back_mut() {
+            Some(b) if b.0 == sec => {
+                if success {
+                    b.1 += 1
+                } else {
+                    b.2 += 1
+                }
+            }
+            _ => self
+                .buckets
+                .push_back((sec, u32::from(success), u32::from(!success))),
+        }
+        self.consecutive_failures = if success {
+            0
+        } else {
+            self.consecutive_failures + 1
+        };
+        let open_until = now + i64::try_from(self.policy.open_for.as_millis()).unwrap_or(i64::MAX);
+        match self.state {
+            BreakerState::HalfOpen if success => Some(self.transition(BreakerState::Closed, now)),
+            BreakerState::HalfOpen => {
+                Some(self.transition(BreakerState::Open { until: open_until }, now))
+            }
+            BreakerState::Closed if !success => {
+                let (n, rate) = self.window_stats(now);
+                let by_rate = n >= self.policy.min_requests && rate >= self.policy.failure_rate;
+                let by_streak = self
+                    .policy
+                    .consecutive_failures
+                    .is_some_and(|c| self.consecutive_failures >= c);
+                (by_rate || by_streak)
+                    .then(|| self.transition(BreakerState::Open { until: open_until }, now))
+            }
+            // Late results of attempts that started before the breaker opened change nothing.
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn policy() -> BreakerPolicy {
+        BreakerPolicy {
+            failure_rate: 0.5,
+            min_requests: 4,
+            window: Duration::from_secs(10),
+            open_for: Duration::from_secs(5),
+            half_open_probes: 1,
+            consecutive_failures: None,
+        }
+    }
+
+    #[test]
+    fn opens_on_failure_rate_with_a_minimum_of_requests() {
+        let mut b = Breaker::new(policy(), 0);
+        assert_eq!(b.record(Some(false), false, 0), None);
+        assert_eq!(b.record(Some(false), false, 10), None, "below min_requests");
+        assert_eq!(b.record(Some(true), false, 20), None);
+        let t = b
+            .record(Some(false), false, 30)
+            .expect("opens: 3 of 4 failed");
+        assert_eq!(t.to, BreakerState::Open { until: 5030 });
+        assert_eq!(b.admit(1000).0, Admission::WaitUntil(5030));
+    }
+
+    #[test]
+    fn permanent_failures_do_not_count() {
+        let mut b = Breaker::new(policy(), 0);
+        for i in 0..100 {
+            assert_eq!(b.record(None, false, i), None);
+        }
+        assert_eq!(b.state(), BreakerState::Closed);
+    }
+
+    #[test]
+    fn half_open_after_open_for_then_closed_on_probe_success() {
+        let mut b = Breaker::new(policy(), 0);
+        for i in 0..4 {
+            b.record(Some(false), false, i);
+        }
+        assert!(matches!(b.state(), BreakerState::Open { .. }));
+        let (adm, t) = b.admit(5003);
+        assert_eq!(adm, Admission::Probes(1));
+        assert_eq!(t.map(|t| t.to), Some(BreakerState::HalfOpen));
+        b.probes_started(1);
+        assert_eq!(b.admit(5004).0, Admission::Probes(0), "one probe at a time");
+        let t = b.record(Some(true), true, 5100).expect("closes");
+        assert_eq!(t.to, BreakerState::Closed);
+        assert_eq!(b.admit(5101).0, Admission::Open);
+    }
+
+    #[test]
+    fn a_failed_probe_opens_again() {
+        let mut b = Breaker::new(policy(), 0);
+        for i in 0..4 {
+            b.record(Some(false), false, i);
+        }
+        b.admit(6000);
+        b.probes_started(1);
+        let t = b.record(Some(false), true, 6100).expect("reopens");
+        assert_eq!(t.to, BreakerState::Open { until: 11_100 });
+    }
+
+    #[test]
+    fn old_failures_leave_the_window() {
+        let mut b = Breaker::new(policy(), 0);
+        for i in 0..3 {
+            b.record(Some(false), false, i);
+        }
+        // 20 s later the window (10 s) holds only the new failure: 1 < min_requests.
+        assert_eq!(b.record(Some(false), false, 20_000), None);
+        assert_eq!(b.window_stats(20_000).0, 1);
+    }
+
+    #[test]
+    fn consecutive_failures_open_without_a_rate() {
+        let mut p = policy();
+        p.min_requests = 1000;
+        p.consecutive_failures = Some(3);
+        let mut b = Breaker::new(p, 0);
+        b.record(Some(false), false, 0);
+        b.record(Some(false), false, 1);
+        assert!(b.record(Some(false), false, 2).is_some());
+    }
+}

@@ -1,0 +1,524 @@
+//! Delivery policies against the real binary: breaker, throttle, concurrency, retry budget,
+//! ordering, Retry-After, max_age, and their state across kill -9.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::harness::*;
+
+async fn target_state(r: &RouterProc, id: &str) -> Value {
+    get_json(r, &format!("/v1/targets/{id}")).await.1
+}
+
+async fn send_batch(r: &RouterProc, events: Vec<Value>) {
+    let (s, b) = post_raw(
+        r,
+        "application/cloudevents-batch+json",
+        serde_json::to_vec(&events).expect("json"),
+    )
+    .await;
+    assert_eq!(s, 202, "{b}");
+}
+
+/// The SPEC's outage scenario: a target down under steady load. The breaker opens, nothing
+/// burns attempts while it is open, nothing reaches the DLQ, the breaker's transitions are
+/// routed as system events, and after recovery the backlog drains at no more than the
+/// throttle rate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_opens_the_breaker_and_recovery_drains_at_the_throttle_rate() {
+    let down = Arc::new(AtomicBool::new(true));
+    let d2 = down.clone();
+    let target = Receiver::scripted(Arc::new(move |_, _| {
+        (
+            if d2.load(Ordering::SeqCst) { 503 } else { 200 },
+            Duration::ZERO,
+            vec![],
+        )
+    }))
+    .await;
+    let alerts = Receiver::ok().await;
+    let policy = "  guarded:\n    timeout: 2s\n    retry: { max_attempts: 8, base_delay: 100ms, max_delay: 1s, max_age: 10m }\n    breaker: { failure_rate: 0.5, min_requests: 5, window: 10s, open_for: 1s, half_open_probes: 1 }\n    throttle: { rate_per_sec: 40, burst: 5, max_concurrency: 4 }";
+    let rules = format!(
+        "{}  - name: alerts\n    pattern:\n      type: [{{ prefix: router.breaker. }}]\n    targets:\n      - webhook: {}\n        id: pager\n",
+        rules_yaml(
+            policy,
+            &[(
+                "r",
+                "t",
+                &[format!(
+                    "webhook: {}\n        id: api\n        policy: guarded",
+                    target.url()
+                )]
+            )]
+        ),
+        alerts.url()
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    // Steady load: 20 events/s for 8 s while the target is down.
+    let started = Instant::now();
+    for i in 0..160 {
+        assert_eq!(
+            post_event(&r, &event(&format!("e{i}"), "t", json!({"i": i})))
+                .await
+                .0,
+            202
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let outage = started.elapsed();
+    let failures_during_outage = target.count();
+    // Without a breaker, 160 events × several attempts each would have hit the target.
+    eprintln!("requests during a {outage:?} outage: {failures_during_outage}");
+    assert!(
+        failures_during_outage < 60,
+        "the breaker did not stop the attempts: {failures_during_outage}"
+    );
+    let opened = eventually(Duration::from_secs(5), || async {
+        alerts
+            .received()
+            .iter()
+            .any(|a| a.body["type"] == "router.breaker.opened")
+            .then_some(())
+    })
+    .await;
+    assert!(
+        opened.is_some(),
+        "no router.breaker.opened event was routed"
+    );
+    let st = target_state(&r, "api").await;
+    assert!(st["queued"].as_u64().unwrap_or(0) > 100, "{st}");
+    // Recovery.
+    down.store(false, Ordering::SeqCst);
+    let recovered_at = Instant::now();
+    let before = target.count();
+    assert!(
+        target
+            .wait_for(Duration::from_secs(30), |s| {
+                let ok: std::collections::HashSet<_> =
+                    s.iter().skip(before).map(Received::event_id).collect();
+                ok.len() >= 160
+            })
+            .await,
+        "backlog did not drain"
+    );
+    let drain = recovered_at.elapsed().as_secs_f64();
+    let delivered = (target.count() - before) as f64;
+    // At most 40/s plus the burst (and the probe), with slack for timing.
+    let rate = delivered / drain;
+    eprintln!("drained {delivered} deliveries in {drain:.1}s = {rate:.0}/s (throttle 40/s)");
+    assert!(
+        delivered <= 40.0 * drain + 5.0 + 5.0,
+        "drained faster than the throttle: {rate:.0}/s"
+    );
+    // Nothing reached the DLQ; attempts per event stayed bounded.
+    let (_, dlq) = get_json(&r, "/v1/dlq").await;
+    assert_eq!(dlq["entries"].as_array().map(Vec::len), Some(0), "{dlq}");
+    let mut worst = 0;
+    for i in (0..160).step_by(16) {
+        let f = fate(&r, &format!("e{i}")).await;
+        worst = worst.max(f["targets"][0]["attempt_count"].as_u64().unwrap_or(0));
+    }
+    assert!(worst <= 8, "an event used {worst} attempts");
+    assert!(
+        alerts
+            .wait_for(Duration::from_secs(5), |s| s
+                .iter()
+                .any(|a| a.body["type"] == "router.breaker.closed"))
+            .await
+    );
+    // System events about `api` never go to `api` itself (here they go to pager only).
+    assert!(
+        target
+            .received()
+            .iter()
+            .all(|x| !x.body["type"].as_str().unwrap_or("").starts_with("router."))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permanent_failures_never_open_the_breaker_but_timeouts_do() {
+    let bad = Receiver::status(400).await;
+    let slow = Receiver::scripted(Arc::new(|_, _| (200, Duration::from_secs(3), vec![]))).await;
+    let policy = "  b:\n    timeout: 300ms\n    retry: { max_attempts: 3, base_delay: 100ms, max_delay: 200ms }\n    breaker: { failure_rate: 0.5, min_requests: 5, window: 30s, open_for: 60s }";
+    let rules = rules_yaml(
+        policy,
+        &[
+            (
+                "bad",
+                "bad",
+                &[format!(
+                    "webhook: {}\n        id: four-hundred\n        policy: b",
+                    bad.url()
+                )],
+            ),
+            (
+                "slow",
+                "slow",
+                &[format!(
+                    "webhook: {}\n        id: timeouts\n        policy: b",
+                    slow.url()
+                )],
+            ),
+        ],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    send_batch(
+        &r,
+        (0..20)
+            .map(|i| event(&format!("b{i}"), "bad", json!({})))
+            .collect(),
+    )
+    .await;
+    send_batch(
+        &r,
+        (0..20)
+            .map(|i| event(&format!("s{i}"), "slow", json!({})))
+            .collect(),
+    )
+    .await;
+    assert!(
+        bad.wait_for(Duration::from_secs(10), |s| s.len() >= 20)
+            .await
+    );
+    let opened = eventually(Duration::from_secs(15), || async {
+        (target_state(&r, "timeouts").await["breaker"]["state"] == "open").then_some(())
+    })
+    .await;
+    assert!(
+        opened.is_some(),
+        "timeouts did not open the breaker: {}",
+        target_state(&r, "timeouts").await
+    );
+    let st = target_state(&r, "four-hundred").await;
+    assert_eq!(st["breaker"]["state"], "closed", "{st}");
+    assert_eq!(st["dlq"], 20);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_concurrency_limit_is_never_exceeded() {
+    let current = Arc::new(AtomicUsize::new(0));
+    let peak = Arc::new(AtomicUsize::new(0));
+    let (c2, p2) = (current.clone(), peak.clone());
+    // The receiver counts requests in progress (sleeping inside the handler).
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let app = axum::Router::new().fallback(move || {
+        let (c, p) = (c2.clone(), p2.clone());
+        async move {
+            let now = c.fetch_add(1, Ordering::SeqCst) + 1;
+            p.fetch_max(now, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            c.fetch_sub(1, Ordering::SeqCst);
+            "ok"
+        }
+    });
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let policy = "  narrow:\n    throttle: { max_concurrency: 3 }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: http://{addr}/\n        id: narrow\n        policy: narrow"
+            )],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    send_batch(
+        &r,
+        (0..60)
+            .map(|i| event(&format!("c{i}"), "t", json!({})))
+            .collect(),
+    )
+    .await;
+    let done = eventually(Duration::from_secs(20), || async {
+        (target_state(&r, "narrow").await["delivered"] == 60).then_some(())
+    })
+    .await;
+    assert!(done.is_some());
+    let p = peak.load(Ordering::SeqCst);
+    assert!(p <= 3, "{p} requests in flight at once");
+    assert!(p >= 2, "the limit was not used at all ({p})");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_made_only_of_retries_drains_without_fresh_traffic() {
+    // Every event fails its first attempt; after that the target is healthy. With a 10%
+    // budget and no fresh traffic, the retries must still drain (the per-second minimum).
+    let rcv = Receiver::scripted(Arc::new(|_, n| {
+        (if n == 0 { 500 } else { 200 }, Duration::ZERO, vec![])
+    }))
+    .await;
+    let policy = "  budgeted:\n    retry: { max_attempts: 5, base_delay: 10ms, max_delay: 20ms }\n    retry_budget: 0.1";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: budgeted\n        policy: budgeted",
+                rcv.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    send_batch(
+        &r,
+        (0..60)
+            .map(|i| event(&format!("r{i}"), "t", json!({})))
+            .collect(),
+    )
+    .await;
+    let done = eventually(Duration::from_secs(30), || async {
+        (target_state(&r, "budgeted").await["delivered"] == 60).then_some(())
+    })
+    .await;
+    let st = target_state(&r, "budgeted").await;
+    assert!(done.is_some(), "retries did not drain: {st}");
+    assert!(
+        st["budget_deferred"].as_u64().unwrap_or(0) > 0,
+        "the budget never deferred a retry: {st}"
+    );
+    let (_, dlq) = get_json(&r, "/v1/dlq").await;
+    assert_eq!(dlq["entries"].as_array().map(Vec::len), Some(0));
+    // No event used more than 2 attempts: deferrals do not count as attempts.
+    for i in (0..60).step_by(10) {
+        assert_eq!(
+            fate(&r, &format!("r{i}")).await["targets"][0]["attempt_count"],
+            2
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_is_honoured_in_both_forms() {
+    let rcv = Receiver::scripted(Arc::new(|ev, n| {
+        if n > 0 {
+            return (200, Duration::ZERO, vec![]);
+        }
+        let when = if ev["id"] == "secs" {
+            "2".to_string()
+        } else {
+            httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(3))
+        };
+        (
+            if ev["id"] == "secs" { 429 } else { 503 },
+            Duration::ZERO,
+            vec![("retry-after", when)],
+        )
+    }))
+    .await;
+    let policy = "  p:\n    retry: { max_attempts: 3, base_delay: 10ms, max_delay: 10ms }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!("webhook: {}\n        policy: p", rcv.url())],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    send_batch(
+        &r,
+        vec![event("secs", "t", json!({})), event("date", "t", json!({}))],
+    )
+    .await;
+    assert!(
+        rcv.wait_for(Duration::from_secs(15), |s| s.len() >= 4)
+            .await
+    );
+    let got = rcv.received();
+    let gap = |id: &str| {
+        let t: Vec<_> = got
+            .iter()
+            .filter(|g| g.event_id() == id)
+            .map(|g| g.at)
+            .collect();
+        t[1] - t[0]
+    };
+    assert!(
+        gap("secs") >= Duration::from_millis(1900),
+        "429 Retry-After: 2 waited {:?}",
+        gap("secs")
+    );
+    // An HTTP date has one-second resolution: at least ~2 s of the 3 s remain.
+    assert!(
+        gap("date") >= Duration::from_millis(1900),
+        "503 Retry-After date waited {:?}",
+        gap("date")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_age_ends_in_the_dlq_with_its_reason() {
+    let rcv = Receiver::status(500).await;
+    let policy = "  short-lived:\n    retry: { max_attempts: 100, base_delay: 300ms, max_delay: 300ms, jitter: none, max_age: 1s }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        policy: short-lived",
+                rcv.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(post_event(&r, &event("old", "t", json!({}))).await.0, 202);
+    let l = eventually(Duration::from_secs(10), || async {
+        let (_, l) = get_json(&r, "/v1/dlq").await;
+        (l["entries"].as_array().map(Vec::len) == Some(1)).then_some(l)
+    })
+    .await
+    .expect("dead-lettered");
+    assert_eq!(l["entries"][0]["reason"], "max_age_exceeded");
+    let n = l["entries"][0]["attempt_count"].as_u64().unwrap_or(0);
+    assert!(
+        (2..=5).contains(&n),
+        "{n} attempts within a 1 s max_age at 300 ms intervals"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_breaker_and_a_paused_target_survive_kill_9() {
+    let rcv = Receiver::status(503).await;
+    let policy = "  b:\n    timeout: 1s\n    retry: { max_attempts: 10, base_delay: 50ms, max_delay: 100ms }\n    breaker: { consecutive_failures: 3, min_requests: 1000, open_for: 1h }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[
+                format!(
+                    "webhook: {}\n        id: flaky\n        policy: b",
+                    rcv.url()
+                ),
+                format!("webhook: {}\n        id: other", rcv.url()),
+            ],
+        )],
+    );
+    let mut r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let resp = client()
+        .post(r.url("/v1/targets/other/pause"))
+        .send()
+        .await
+        .expect("pause");
+    assert_eq!(resp.status().as_u16(), 200);
+    send_batch(
+        &r,
+        (0..5)
+            .map(|i| event(&format!("k{i}"), "t", json!({})))
+            .collect(),
+    )
+    .await;
+    let opened = eventually(Duration::from_secs(10), || async {
+        (target_state(&r, "flaky").await["breaker"]["state"] == "open").then_some(())
+    })
+    .await;
+    assert!(opened.is_some());
+    let hits = rcv.count();
+    r.kill9();
+    r.restart();
+    let st = target_state(&r, "flaky").await;
+    assert_eq!(st["breaker"]["state"], "open", "{st}");
+    assert_eq!(target_state(&r, "other").await["paused"], true);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        rcv.count(),
+        hits,
+        "attempts were made while open/paused after restart"
+    );
+    let st = target_state(&r, "flaky").await;
+    assert!(
+        st["queued"].as_u64().unwrap_or(0) >= 5,
+        "pending retries kept: {st}"
+    );
+    assert_eq!(target_state(&r, "other").await["queued"], 5);
+}
+
+/// Thousands of events over dozens of keys; one key fails for a while. Per key, the receiver
+/// sees events in order (first successful delivery of each), and other keys keep flowing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_key_order_holds_while_one_key_fails() {
+    let fail_until = Instant::now() + Duration::from_secs(3);
+    let rcv = Receiver::scripted(Arc::new(move |ev, _| {
+        let failing = ev["partitionkey"] == "k7" && Instant::now() < fail_until;
+        (if failing { 503 } else { 200 }, Duration::ZERO, vec![])
+    }))
+    .await;
+    let policy = "  ordered:\n    ordering: partitionkey\n    retry: { max_attempts: 50, base_delay: 50ms, max_delay: 200ms }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: ordered\n        policy: ordered",
+                rcv.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let keys = 24;
+    let per_key = 100;
+    for chunk in 0..(keys * per_key / 400) {
+        let batch: Vec<_> = (0..400)
+            .map(|j| {
+                let n = chunk * 400 + j;
+                let mut e = event(&format!("o{n}"), "t", json!({"seq": n / keys}));
+                e["partitionkey"] = json!(format!("k{}", n % keys));
+                e
+            })
+            .collect();
+        send_batch(&r, batch).await;
+    }
+    let others_during_failure = Arc::new(Mutex::new(0usize));
+    let total = keys * per_key;
+    assert!(
+        rcv.wait_for(Duration::from_secs(60), |s| {
+            let ok: std::collections::HashSet<_> = s
+                .iter()
+                .filter(|x| x.body["partitionkey"] != "k7" || Instant::now() >= fail_until)
+                .map(Received::event_id)
+                .collect();
+            ok.len() >= total
+        })
+        .await
+            || rcv.distinct_ids().len() >= total,
+        "not all delivered: {}",
+        rcv.distinct_ids().len()
+    );
+    // Order check over the successful deliveries (a failed attempt is followed by its own
+    // retry, which is the same event again, so only first successes count).
+    let mut last: HashMap<String, i64> = HashMap::new();
+    let mut seen = std::collections::HashSet::new();
+    for g in rcv.received() {
+        let key = g.body["partitionkey"].as_str().unwrap_or("").to_string();
+        let failing = key == "k7" && g.at < fail_until;
+        if failing || !seen.insert(g.event_id()) {
+            continue;
+        }
+        if key != "k7" && g.at < fail_until {
+            *others_during_failure.lock().expect("lock") += 1;
+        }
+        let seq = g.body["data"]["seq"].as_i64().unwrap_or(-1);
+        let prev = last.insert(key.clone(), seq);
+        assert!(
+            prev.is_none_or(|p| p < seq),
+            "key {key}: seq {seq} after {prev:?}"
+        );
+    }
+    let others = *others_during_failure.lock().expect("lock");
+    assert!(
+        others > 500,
+        "other keys were held up by k7: only {others} delivered during its failure"
+    );
+}
