@@ -42,6 +42,215 @@ pub struct App {
     pub ready: AtomicBool,
     /// Problems worth an operator's attention that did not stop the router.
     pub warnings: Mutex<Vec<String>>,
+    /// What the last reload did.
+    pub reload_status: Mutex<ReloadStatus>,
+    /// One reload at a time.
+    reload_lock: tokio::sync::Mutex<()>,
+}
+
+/// The state of rules and contracts as loaded, for `/v1/status`.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct ReloadStatus {
+    /// Content hash of the live rule files.
+    pub rules_version: String,
+    /// Git commit of the rules directory, when it is a checkout.
+    pub rules_git_commit: Option<String>,
+    /// Content hash of the live contracts.
+    pub contracts_version: String,
+    /// When the live set was loaded (RFC 3339).
+    pub loaded_at: String,
+    /// When the last reload was attempted, and why.
+    pub last_attempt_at: String,
+    /// What triggered the last attempt.
+    pub last_trigger: String,
+    /// Error of the last attempt, if it was refused (the previous set stays live).
+    pub last_error: Option<String>,
+    /// Successful reloads since start.
+    pub reloads: u64,
+    /// Refused reloads since start.
+    pub failed_reloads: u64,
+}
+
+/// Why a reload was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    /// The new rules or contracts do not load.
+    #[error("{0}")]
+    Invalid(String),
+    /// Saving target configurations failed.
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+}
+
+/// What a successful reload changed.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ReloadReport {
+    /// New rules version.
+    pub rules_version: String,
+    /// New contracts version.
+    pub contracts_version: String,
+    /// Targets added or whose configuration changed.
+    pub targets_started: Vec<String>,
+    /// Targets no longer in the rules (draining or dead-lettered).
+    pub targets_removed: Vec<String>,
+    /// Warnings of the new rule set.
+    pub warnings: Vec<String>,
+}
+
+/// Loads the rules and contracts directories again and swaps them in atomically. An invalid
+/// set is refused and the old one stays live. Compilation happens off the request path.
+pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, ReloadError> {
+    let _one = app.reload_lock.lock().await;
+    let now = app.clock.now_ms();
+    let cfg = app.cfg.clone();
+    let loaded = tokio::task::spawn_blocking(move || {
+        let rules = load_rules(&cfg);
+        let contracts = load_contracts(&cfg);
+        let git = crate::rules::watch::git_commit(&cfg.rules_dir);
+        (rules, contracts, git)
+    })
+    .await
+    .map_err(|e| ReloadError::Invalid(format!("reload task failed: {e}")))?;
+    let result: Result<_, ReloadError> = match loaded {
+        (Ok(r), Ok(c), git) => Ok((r, c, git)),
+        (Err(e), _, _) | (_, Err(e), _) => Err(ReloadError::Invalid(e.to_string())),
+    };
+    let ((rules, warnings), contracts, git) = match result {
+        Ok(x) => x,
+        Err(e) => {
+            let mut st = app.reload_status.lock().unwrap_or_else(|p| p.into_inner());
+            st.last_attempt_at = crate::clock::rfc3339(now);
+            st.last_trigger = trigger.to_string();
+            st.last_error = Some(e.to_string());
+            st.failed_reloads += 1;
+            app.metrics
+                .reloads
+                .get_or_create(&vec![("result", "error".to_string())])
+                .inc();
+            tracing::error!(trigger, error = %e, "reload refused; the previous rules and contracts stay live");
+            return Err(e);
+        }
+    };
+    let old = app.rules.load_full();
+    app.store
+        .save_targets(
+            rules
+                .targets
+                .values()
+                .map(|t| (t.id.clone(), serde_json::to_value(t).unwrap_or_default()))
+                .collect(),
+        )
+        .await?;
+    let running: std::collections::HashMap<String, TargetSpec> = app
+        .dispatcher
+        .running()
+        .into_iter()
+        .map(|s| (s.id.clone(), s))
+        .collect();
+    let mut started = Vec::new();
+    for spec in rules.targets.values() {
+        if running.get(&spec.id) != Some(spec) {
+            started.push(spec.id.clone());
+            if let Err(e) = app.dispatcher.ensure(spec.clone()) {
+                tracing::warn!("{e}");
+            }
+        }
+    }
+    let removed: Vec<String> = old
+        .targets
+        .keys()
+        .filter(|id| !rules.targets.contains_key(*id))
+        .cloned()
+        .collect();
+    let (rules_version, contracts_version) = (rules.version.clone(), contracts.version());
+    app.rules.store(Arc::new(rules));
+    app.contracts.store(Arc::new(contracts));
+    for id in &removed {
+        match app.cfg.delivery.on_target_removed {
+            crate::config::OnTargetRemoved::Drain => {
+                tracing::warn!(target_id = %id, "target removed from the rules; its queued entries drain under its last configuration");
+            }
+            crate::config::OnTargetRemoved::DeadLetter => {
+                let n = app
+                    .store
+                    .dead_letter_queued(
+                        id,
+                        crate::store::DlqReason::TargetRemoved,
+                        "the target was removed from the rules",
+                        now,
+                    )
+                    .await?;
+                tracing::warn!(target_id = %id, entries = n, "target removed from the rules; its queued entries moved to the DLQ");
+            }
+        }
+    }
+    {
+        let mut st = app.reload_status.lock().unwrap_or_else(|p| p.into_inner());
+        st.rules_version = rules_version.clone();
+        st.rules_git_commit = git;
+        st.contracts_version = contracts_version.clone();
+        st.loaded_at = crate::clock::rfc3339(now);
+        st.last_attempt_at = crate::clock::rfc3339(now);
+        st.last_trigger = trigger.to_string();
+        st.last_error = None;
+        st.reloads += 1;
+    }
+    app.metrics
+        .reloads
+        .get_or_create(&vec![("result", "ok".to_string())])
+        .inc();
+    tracing::info!(trigger, version = %rules_version, contracts = %contracts_version, started = started.len(), removed = removed.len(), "rules and contracts reloaded");
+    Ok(ReloadReport {
+        rules_version,
+        contracts_version,
+        targets_started: started,
+        targets_removed: removed,
+        warnings,
+    })
+}
+
+fn spawn_reload_triggers(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToken) {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<()>(4);
+    let watcher = match crate::rules::watch::watch(
+        &[app.cfg.rules_dir.clone(), app.cfg.contracts_dir.clone()],
+        tx,
+    ) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot watch the rules/contracts directories; reload with SIGHUP or POST /v1/admin/reload");
+            None
+        }
+    };
+    let app2 = app.clone();
+    let c2 = cancel.clone();
+    tracker.spawn(async move {
+        let _keep = watcher;
+        loop {
+            tokio::select! {
+                _ = c2.cancelled() => break,
+                r = rx.recv() => match r {
+                    Some(()) => { let _ = reload(&app2, "file change").await; }
+                    None => break,
+                }
+            }
+        }
+    });
+    #[cfg(unix)]
+    {
+        let app = app.clone();
+        tracker.spawn(async move {
+            use tokio::signal::unix::{SignalKind, signal};
+            let Ok(mut hup) = signal(SignalKind::hangup()) else {
+                return;
+            };
+            loop {
+                tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    _ = hup.recv() => { let _ = reload(&app, "SIGHUP").await; }
+                }
+            }
+        });
+    }
 }
 
 /// Why the router could not start or stopped with an error.
@@ -198,6 +407,15 @@ pub async fn run_with_store(
     }
     dispatcher.start_reaper();
 
+    let initial_status = ReloadStatus {
+        rules_version: rules.version.clone(),
+        rules_git_commit: crate::rules::watch::git_commit(&cfg.rules_dir),
+        contracts_version: contracts.version(),
+        loaded_at: crate::clock::rfc3339(clock.now_ms()),
+        last_attempt_at: crate::clock::rfc3339(clock.now_ms()),
+        last_trigger: "start".into(),
+        ..Default::default()
+    };
     let app = Arc::new(App {
         started_at: clock.now_ms(),
         cfg,
@@ -209,7 +427,10 @@ pub async fn run_with_store(
         dispatcher,
         ready: AtomicBool::new(false),
         warnings: Mutex::new(warnings),
+        reload_status: Mutex::new(initial_status),
+        reload_lock: tokio::sync::Mutex::new(()),
     });
+    spawn_reload_triggers(&app, &tracker, workers_cancel.clone());
     spawn_sweeper(&app, &tracker, workers_cancel.clone());
     spawn_system_event_router(&app, &tracker, workers_cancel.clone(), sys_rx);
 
@@ -227,6 +448,8 @@ pub async fn run_with_store(
             post(crate::admin::release_key),
         )
         .route("/v1/rules", get(crate::admin::rules))
+        .route("/v1/rules/test", post(crate::admin::rules_test))
+        .route("/v1/admin/reload", post(crate::admin::reload))
         .route("/v1/status", get(crate::admin::status))
         .route("/metrics", get(crate::admin::metrics))
         .route("/healthz", get(crate::admin::healthz))

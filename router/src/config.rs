@@ -95,6 +95,20 @@ pub struct DeliveryConfig {
     /// How long finished deliveries stay visible in an event's fate (at least the dedup window).
     #[serde(with = "humantime_serde")]
     pub retention: Duration,
+    /// What happens to the queued entries of a target that a reload removes: `drain` them
+    /// under its last configuration (default), or `dead_letter` them as `target_removed`.
+    pub on_target_removed: OnTargetRemoved,
+}
+
+/// See `DeliveryConfig::on_target_removed`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OnTargetRemoved {
+    /// Keep delivering under the last configuration.
+    #[default]
+    Drain,
+    /// Move the waiting entries to the DLQ.
+    DeadLetter,
 }
 
 /// `[store]`
@@ -143,6 +157,7 @@ impl Default for DeliveryConfig {
             max_response_bytes: 64 * 1024,
             sweep_interval: Duration::from_secs(60),
             retention: Duration::from_secs(24 * 3600),
+            on_target_removed: OnTargetRemoved::Drain,
         }
     }
 }

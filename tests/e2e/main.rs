@@ -5,3 +5,4 @@ mod durability;
 mod harness;
 mod ingest;
 mod policies;
+mod reload;

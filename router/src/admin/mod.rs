@@ -364,6 +364,49 @@ pub async fn rules(State(app): State<Arc<App>>) -> Response {
     .into_response()
 }
 
+/// `POST /v1/rules/test`: which live rules and targets an event (structured CloudEvent JSON)
+/// matches. Changes nothing.
+pub async fn rules_test(State(app): State<Arc<App>>, body: axum::body::Bytes) -> Response {
+    let ev: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid JSON",
+                vec![FieldError::new("", e.to_string())],
+            );
+        }
+    };
+    let rules = app.rules.load();
+    let matches: Vec<Value> = rules
+        .matches(&ev)
+        .into_iter()
+        .map(|m| {
+            let targets: Vec<Value> = m
+                .target_ids
+                .iter()
+                .filter_map(|t| rules.targets.get(t))
+                .map(|t| json!({ "id": t.id, "kind": t.kind, "policy": t.policy_name }))
+                .collect();
+            json!({ "rule": m.rule, "targets": targets })
+        })
+        .collect();
+    axum::Json(json!({ "rules_version": rules.version, "matches": matches })).into_response()
+}
+
+/// `POST /v1/admin/reload`: reload rules and contracts now.
+pub async fn reload(State(app): State<Arc<App>>) -> Response {
+    match crate::app::reload(&app, "api").await {
+        Ok(report) => axum::Json(json!(report)).into_response(),
+        Err(crate::app::ReloadError::Invalid(msg)) => error_response(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "reload refused; the previous rules and contracts stay live",
+            msg.lines().map(|l| FieldError::new("", l)).collect(),
+        ),
+        Err(crate::app::ReloadError::Store(e)) => store_error(&e),
+    }
+}
+
 /// `GET /v1/status`.
 pub async fn status(State(app): State<Arc<App>>) -> Response {
     let rules = app.rules.load();
@@ -375,6 +418,7 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
         "uptime_seconds": (now - app.started_at) / 1000,
         "ready": app.ready.load(Ordering::SeqCst),
         "rules": { "version": rules.version, "files": rules.files, "rules": rules.rules.len(), "dir": app.cfg.rules_dir },
+        "reload": *app.reload_status.lock().unwrap_or_else(|p| p.into_inner()),
         "contracts": { "version": contracts.version(), "count": contracts.contracts().len(), "dir": app.cfg.contracts_dir },
         "store": { "backend": "redb", "bytes": app.store.disk_bytes(), "dir": app.cfg.data_dir },
         "warnings": *app.warnings.lock().unwrap_or_else(|p| p.into_inner()),

@@ -8,6 +8,7 @@
 mod loader;
 pub mod pattern;
 mod source;
+pub mod watch;
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -125,6 +125,16 @@ pub trait Store: Send + Sync + 'static {
     /// Releases an ordering key held after a dead letter; `false` if it was not held.
     fn release_key(&self, target: &str, key: &str) -> BoxFuture<'_, Result<bool, StoreError>>;
 
+    /// Moves every waiting (not leased) entry of `target` to the DLQ with `reason`, without
+    /// an attempt. Returns how many.
+    fn dead_letter_queued(
+        &self,
+        target: &str,
+        reason: DlqReason,
+        message: &str,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<usize, StoreError>>;
+
     /// Ordering keys of `target` held after a dead letter.
     fn held_keys(&self, target: &str) -> Vec<String>;
 

@@ -270,6 +270,13 @@ enum Op {
         key: String,
         reply: Reply<Result<bool, StoreError>>,
     },
+    DeadLetterQueued {
+        ids: Vec<EntryId>,
+        reason: DlqReason,
+        message: String,
+        now: Millis,
+        reply: Reply<Result<usize, StoreError>>,
+    },
     Sweep {
         now: Millis,
         dedup_window_ms: i64,
@@ -527,6 +534,54 @@ impl Store for RedbStore {
         async move {
             self.call(|reply| Op::ReleaseKey { target, key, reply })
                 .await?
+        }
+        .boxed()
+    }
+
+    fn dead_letter_queued(
+        &self,
+        target: &str,
+        reason: DlqReason,
+        message: &str,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<usize, StoreError>> {
+        // Take the waiting entries out of the ready set (as if leased by a pseudo-lease with
+        // token 0) so no worker leases them meanwhile; whatever the op does not move goes back.
+        const PSEUDO: Lease = Lease {
+            token: 0,
+            until: i64::MAX,
+        };
+        let ids: Vec<EntryId> = {
+            let mut idx = self.index();
+            let t = idx.target(target);
+            let taken: Vec<(Millis, EntryId)> = std::mem::take(&mut t.ready).into_iter().collect();
+            for (_, id) in &taken {
+                t.in_flight.insert(*id, PSEUDO);
+            }
+            taken.into_iter().map(|(_, id)| id).collect()
+        };
+        let message = message.to_string();
+        let target = target.to_string();
+        async move {
+            let r = self
+                .call(|reply| Op::DeadLetterQueued {
+                    ids: ids.clone(),
+                    reason,
+                    message,
+                    now,
+                    reply,
+                })
+                .await
+                .and_then(|r| r);
+            let mut idx = self.index();
+            let t = idx.target(&target);
+            for id in ids {
+                if t.in_flight.get(&id) == Some(&PSEUDO) {
+                    t.in_flight.remove(&id);
+                    t.ready.insert((now, id));
+                }
+            }
+            r
         }
         .boxed()
     }
@@ -1050,6 +1105,18 @@ impl Committer {
                 dones.push(done(reply, r));
                 err.map_or(Ok(()), Err)
             }
+            Op::DeadLetterQueued {
+                ids,
+                reason,
+                message,
+                now,
+                reply,
+            } => {
+                let r = self.dead_letter_queued(txn, &ids, reason, &message, now, effects);
+                let err = r.as_ref().err().cloned();
+                dones.push(done(reply, r));
+                err.map_or(Ok(()), Err)
+            }
             Op::Sweep {
                 now,
                 dedup_window_ms,
@@ -1158,6 +1225,70 @@ impl Committer {
             out.push(AcceptOutcome::Accepted { seq });
         }
         Ok(out)
+    }
+
+    /// Moves waiting (not leased) entries to the DLQ without an attempt.
+    fn dead_letter_queued(
+        &mut self,
+        txn: &WriteTransaction,
+        ids: &[EntryId],
+        reason: DlqReason,
+        message: &str,
+        now: Millis,
+        effects: &mut Vec<Effect>,
+    ) -> Result<usize, StoreError> {
+        let mut n = 0;
+        for &id in ids {
+            let Some(raw) = txn
+                .open_table(ENTRIES)?
+                .get((id.event, id.idx))?
+                .map(|v| v.value().to_vec())
+            else {
+                continue;
+            };
+            let mut e: QueueEntry = dec("entries", &raw)?;
+            if e.state != EntryState::Queued || e.lease.is_some_and(|l| l.until >= now) {
+                continue;
+            }
+            e.lease = None;
+            e.state = EntryState::Dead;
+            e.finished_at = Some(now);
+            let (eid, esrc, ety) = match txn.open_table(EVENTS)?.get(id.event)? {
+                Some(raw) => {
+                    let ev: StoredEvent = dec("events", raw.value())?;
+                    (ev.event.id, ev.event.source, ev.event.ty)
+                }
+                None => Default::default(),
+            };
+            let d = DlqEntry {
+                id: 0,
+                event_seq: id.event,
+                event_id: eid,
+                event_source: esrc,
+                event_type: ety,
+                entry: Some(id),
+                target_id: Some(e.target_id.clone()),
+                rule: Some(e.rule.clone()),
+                reason,
+                errors: vec![crate::event::FieldError::new("", message)],
+                attempts: e.attempts.clone(),
+                attempt_count: u32::try_from(e.attempts.len()).unwrap_or(u32::MAX),
+                first_failure_at: now,
+                last_failure_at: now,
+                redrive_count: e.redrive_count,
+            };
+            self.add_dlq(txn, d, effects)?;
+            txn.open_table(LIVE)?.remove((id.event, id.idx))?;
+            txn.open_table(ENTRIES)?
+                .insert((id.event, id.idx), enc(&e).as_slice())?;
+            effects.push(Effect::Remove {
+                target: e.target_id,
+                id,
+                hold: false,
+            });
+            n += 1;
+        }
+        Ok(n)
     }
 
     fn add_dlq(

@@ -1,0 +1,428 @@
+//! Hot reload of rules and contracts against the running binary.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::harness::*;
+
+fn write_rules(r: &RouterProc, name: &str, text: &str) {
+    // Write to a temp file and rename, as editors and `git checkout` do, so the watcher never
+    // sees a half-written file.
+    let dir = r.dir.path().join("rules");
+    let tmp = dir.join(format!(".{name}.tmp"));
+    std::fs::write(&tmp, text).expect("write");
+    std::fs::rename(&tmp, dir.join(name)).expect("rename");
+}
+
+async fn status(r: &RouterProc) -> Value {
+    get_json(r, "/v1/status").await.1
+}
+
+async fn wait_version_change(r: &RouterProc, old: &str) -> String {
+    eventually(Duration::from_secs(10), || async {
+        let v = status(r).await["rules"]["version"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        (v != old).then_some(v)
+    })
+    .await
+    .expect("the watcher reloaded the rules")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rules_reload_on_change_and_a_broken_file_is_refused() {
+    let a = Receiver::ok().await;
+    let b = Receiver::ok().await;
+    let r = RouterProc::start(
+        &[(
+            "r.yaml",
+            &rules_yaml(
+                "",
+                &[(
+                    "to-a",
+                    "t",
+                    &[format!("webhook: {}\n        id: a", a.url())],
+                )],
+            ),
+        )],
+        &[],
+    );
+    let v1 = status(&r).await["rules"]["version"]
+        .as_str()
+        .expect("version")
+        .to_string();
+    assert_eq!(
+        post_event(&r, &event("before", "t", json!({}))).await.0,
+        202
+    );
+    assert!(a.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
+
+    // Change: route `t` to b instead.
+    write_rules(
+        &r,
+        "r.yaml",
+        &rules_yaml(
+            "",
+            &[(
+                "to-b",
+                "t",
+                &[format!("webhook: {}\n        id: b", b.url())],
+            )],
+        ),
+    );
+    let v2 = wait_version_change(&r, &v1).await;
+    assert_eq!(post_event(&r, &event("after", "t", json!({}))).await.0, 202);
+    assert!(b.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
+    assert_eq!(a.count(), 1, "the old rule no longer matches");
+    assert_eq!(fate(&r, "before").await["ruleset_version"], v1.as_str());
+    assert_eq!(fate(&r, "after").await["ruleset_version"], v2.as_str());
+
+    // Break it: the old set stays live, the error is visible.
+    write_rules(
+        &r,
+        "r.yaml",
+        "rules:\n  - name: broken\n    pattern: { type: [{ numeric: [\"<<\", 1] }] }\n    targets: []\n",
+    );
+    let err = eventually(Duration::from_secs(10), || async {
+        let s = status(&r).await;
+        s["reload"]["last_error"].as_str().map(str::to_string)
+    })
+    .await
+    .expect("the refused reload is visible in /v1/status");
+    assert!(err.contains("r.yaml:"), "error names the file: {err}");
+    assert_eq!(status(&r).await["rules"]["version"], v2.as_str());
+    assert_eq!(
+        post_event(&r, &event("during-broken", "t", json!({})))
+            .await
+            .0,
+        202
+    );
+    assert!(
+        b.wait_for(Duration::from_secs(10), |s| s.len() == 2).await,
+        "the old set still routes"
+    );
+    let metrics = client()
+        .get(r.url("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    assert!(
+        metrics.contains("router_reloads_total{result=\"error\"}"),
+        "{metrics}"
+    );
+
+    // The admin endpoint answers 422 with the errors while the file is broken.
+    let resp = client()
+        .post(r.url("/v1/admin/reload"))
+        .send()
+        .await
+        .expect("reload");
+    assert_eq!(resp.status().as_u16(), 422);
+    // Fix it again: a new file is added too.
+    write_rules(
+        &r,
+        "r.yaml",
+        &rules_yaml(
+            "",
+            &[(
+                "to-b",
+                "t",
+                &[format!("webhook: {}\n        id: b", b.url())],
+            )],
+        ),
+    );
+    write_rules(
+        &r,
+        "extra.yaml",
+        &rules_yaml(
+            "",
+            &[(
+                "extra",
+                "u",
+                &[format!("webhook: {}\n        id: a", a.url())],
+            )],
+        ),
+    );
+    let resp = client()
+        .post(r.url("/v1/admin/reload"))
+        .send()
+        .await
+        .expect("reload");
+    assert_eq!(resp.status().as_u16(), 200);
+    let (_, rules) = get_json(&r, "/v1/rules").await;
+    let names: Vec<_> = rules["rules"]
+        .as_array()
+        .expect("rules")
+        .iter()
+        .map(|x| x["name"].clone())
+        .collect();
+    assert!(
+        names.contains(&json!("extra")) && names.contains(&json!("to-b")),
+        "{names:?}"
+    );
+    // The live set answers /v1/rules/test.
+    let resp = client()
+        .post(r.url("/v1/rules/test"))
+        .json(&event("x", "u", json!({})))
+        .send()
+        .await
+        .expect("test");
+    let v: Value = resp.json().await.expect("json");
+    assert_eq!(v["matches"][0]["rule"], "extra");
+    assert_eq!(status(&r).await["reload"]["last_error"], Value::Null);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_target_drains_under_its_last_configuration() {
+    let slow = Receiver::scripted(std::sync::Arc::new(|_, _| {
+        (200, Duration::from_millis(20), vec![])
+    }))
+    .await;
+    let policy = "  one-at-a-time:\n    throttle: { max_concurrency: 1 }";
+    let r = RouterProc::start(
+        &[(
+            "r.yaml",
+            &rules_yaml(
+                policy,
+                &[(
+                    "r",
+                    "t",
+                    &[format!(
+                        "webhook: {}\n        id: old\n        policy: one-at-a-time",
+                        slow.url()
+                    )],
+                )],
+            ),
+        )],
+        &[],
+    );
+    let batch: Vec<_> = (0..100)
+        .map(|i| event(&format!("d{i}"), "t", json!({})))
+        .collect();
+    let (s, _) = post_raw(
+        &r,
+        "application/cloudevents-batch+json",
+        serde_json::to_vec(&batch).expect("json"),
+    )
+    .await;
+    assert_eq!(s, 202);
+    // Remove the rule while most entries are still queued.
+    write_rules(&r, "r.yaml", "rules: []\n");
+    let v = status(&r).await["rules"]["version"]
+        .as_str()
+        .unwrap_or("")
+        .to_string();
+    let _ = wait_version_change(&r, &v).await;
+    assert!(
+        slow.wait_for(Duration::from_secs(30), |s| s.len() >= 100)
+            .await,
+        "the removed target's queue was stranded"
+    );
+    let (_, t) = get_json(&r, "/v1/targets/old").await;
+    assert_eq!(t["in_rule_set"], false);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_target_can_dead_letter_its_queue_instead() {
+    let never = Receiver::status(503).await;
+    let policy = "  p:\n    retry: { max_attempts: 50, base_delay: 1s, max_delay: 1s }";
+    let mut r = RouterProc::start_with_env(
+        &[(
+            "r.yaml",
+            &rules_yaml(
+                policy,
+                &[(
+                    "r",
+                    "t",
+                    &[format!(
+                        "webhook: {}\n        id: gone\n        policy: p",
+                        never.url()
+                    )],
+                )],
+            ),
+        )],
+        &[],
+        &[("ROUTER_DELIVERY__ON_TARGET_REMOVED", "dead_letter")],
+    );
+    let (s, _) = post_raw(
+        &r,
+        "application/cloudevents-batch+json",
+        serde_json::to_vec(
+            &(0..10)
+                .map(|i| event(&format!("g{i}"), "t", json!({})))
+                .collect::<Vec<_>>(),
+        )
+        .expect("json"),
+    )
+    .await;
+    assert_eq!(s, 202);
+    assert!(
+        never
+            .wait_for(Duration::from_secs(10), |s| s.len() >= 10)
+            .await
+    );
+    write_rules(&r, "r.yaml", "rules: []\n");
+    let l = eventually(Duration::from_secs(15), || async {
+        let (_, l) = get_json(&r, "/v1/dlq?reason=target_removed").await;
+        (l["entries"].as_array().map(Vec::len) == Some(10)).then_some(l)
+    })
+    .await;
+    assert!(
+        l.is_some(),
+        "entries of the removed target did not reach the DLQ as target_removed"
+    );
+    r.kill9();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contracts_reload_and_an_invalid_schema_is_refused() {
+    let rcv = Receiver::ok().await;
+    let r = RouterProc::start(
+        &[(
+            "r.yaml",
+            &rules_yaml("", &[("r", "t", &[format!("webhook: {}", rcv.url())])]),
+        )],
+        &[],
+    );
+    assert_eq!(
+        post_event(&r, &event("free", "t", json!({"x": 1}))).await.1["results"][0]["status"],
+        "accepted"
+    );
+    let dir = r.dir.path().join("contracts/t");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    std::fs::write(
+        dir.join("v1.json"),
+        r#"{"type": "object", "required": ["y"]}"#,
+    )
+    .expect("write");
+    let ok = eventually(Duration::from_secs(10), || async {
+        let (_, b) = post_event(
+            &r,
+            &event(&format!("c{}", rand_suffix()), "t", json!({"x": 1})),
+        )
+        .await;
+        (b["results"][0]["status"] == "quarantined").then_some(())
+    })
+    .await;
+    assert!(ok.is_some(), "the new contract never applied");
+    std::fs::write(
+        dir.join("v2.json"),
+        r#"{"type": "object", "properties": {"y": {"type": "nope"}}}"#,
+    )
+    .expect("write");
+    let err = eventually(Duration::from_secs(10), || async {
+        status(&r).await["reload"]["last_error"]
+            .as_str()
+            .map(str::to_string)
+    })
+    .await;
+    assert!(
+        err.is_some_and(|e| e.contains("v2.json")),
+        "invalid schema not reported"
+    );
+    // v1 still enforced.
+    let (_, b) = post_event(&r, &event("still", "t", json!({"x": 1}))).await;
+    assert_eq!(b["results"][0]["status"], "quarantined");
+}
+
+fn rand_suffix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+/// 100 reloads while events flow: every event's fate names the rule-set version it matched,
+/// and that version is one that actually routed it to the target it reached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_reloads_under_load() {
+    let a = Receiver::ok().await;
+    let b = Receiver::ok().await;
+    let rules_for = |n: usize| {
+        let (id, url) = if n % 2 == 0 {
+            ("a", a.url())
+        } else {
+            ("b", b.url())
+        };
+        rules_yaml(
+            "",
+            &[(
+                &format!("gen-{n}"),
+                "t",
+                &[format!("webhook: {url}\n        id: {id}")],
+            )],
+        )
+    };
+    let r = RouterProc::start(&[("r.yaml", &rules_for(0))], &[]);
+    let url = r.url("/v1/events");
+    let loader = tokio::spawn(async move {
+        let c = client();
+        let mut n = 0;
+        for i in 0..600 {
+            let body = event(&format!("l{i}"), "t", json!({})).to_string();
+            if let Ok(resp) = c
+                .post(&url)
+                .header("content-type", "application/cloudevents+json")
+                .body(body)
+                .send()
+                .await
+                && resp.status().as_u16() == 202
+            {
+                n += 1;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        n
+    });
+    let mut versions = std::collections::HashMap::new();
+    for n in 1..=100 {
+        write_rules(&r, "r.yaml", &rules_for(n));
+        let resp = client()
+            .post(r.url("/v1/admin/reload"))
+            .send()
+            .await
+            .expect("reload");
+        let rep: Value = resp.json().await.expect("json");
+        versions.insert(rep["rules_version"].as_str().unwrap_or("").to_string(), n);
+    }
+    let sent = loader.await.expect("loader");
+    assert_eq!(sent, 600);
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            (a.distinct_ids().len() + b.distinct_ids().len() >= 600).then_some(())
+        })
+        .await
+        .is_some(),
+        "not every event was delivered"
+    );
+    let (got_a, got_b) = (a.distinct_ids(), b.distinct_ids());
+    for i in (0..600).step_by(7) {
+        let id = format!("l{i}");
+        let f = fate(&r, &id).await;
+        let v = f["ruleset_version"].as_str().unwrap_or("").to_string();
+        let rule = f["matched_rules"][0].as_str().unwrap_or("").to_string();
+        let n: usize = rule.trim_start_matches("gen-").parse().expect("rule name");
+        // The version names a set whose only rule is the one that matched.
+        if let Some(vn) = versions.get(&v) {
+            assert_eq!(
+                *vn, n,
+                "{id}: version {v} is generation {vn} but matched gen-{n}"
+            );
+        }
+        let went_to_a = got_a.contains(&id);
+        assert_eq!(
+            went_to_a,
+            n % 2 == 0,
+            "{id} matched gen-{n} but reached the other target"
+        );
+        assert!(
+            got_a.contains(&id) != got_b.contains(&id),
+            "{id} reached both or neither"
+        );
+    }
+}
