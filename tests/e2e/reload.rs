@@ -344,7 +344,7 @@ async fn a_hundred_reloads_under_load() {
     let a = Receiver::ok().await;
     let b = Receiver::ok().await;
     let rules_for = |n: usize| {
-        let (id, url) = if n % 2 == 0 {
+        let (id, url) = if n.is_multiple_of(2) {
             ("a", a.url())
         } else {
             ("b", b.url())
@@ -417,7 +417,7 @@ async fn a_hundred_reloads_under_load() {
         let went_to_a = got_a.contains(&id);
         assert_eq!(
             went_to_a,
-            n % 2 == 0,
+            n.is_multiple_of(2),
             "{id} matched gen-{n} but reached the other target"
         );
         assert!(
