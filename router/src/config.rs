@@ -152,7 +152,7 @@ impl Default for IngestConfig {
 impl Default for DeliveryConfig {
     fn default() -> Self {
         Self {
-            concurrency: 16,
+            concurrency: 32,
             lease_margin: Duration::from_secs(30),
             max_response_bytes: 64 * 1024,
             sweep_interval: Duration::from_secs(60),

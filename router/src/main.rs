@@ -13,6 +13,11 @@ use router::contract::ContractSet;
 use router::rules::RuleSet;
 use tokio_util::sync::CancellationToken;
 
+// The pipeline allocates many small, short-lived buffers per event (JSON values, records);
+// mimalloc handles that pattern markedly better than glibc's allocator under two threads.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "router",

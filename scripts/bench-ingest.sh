@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Ingest benchmark: the router (durable, with delivery to a local webhook running at the same
+# time) against a baseline endpoint that only parses and discards, in the same run, so the
+# figures are a ratio to the HTTP ceiling of this machine. Usage: scripts/bench-ingest.sh [N]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+N=${1:-200000}
+cargo build --release --locked -q -p router
+BIN=target/release/router
+WORK=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$WORK"' EXIT
+mkdir -p "$WORK/rules"
+cat > "$WORK/rules/bench.yaml" <<YAML
+rules:
+  - name: bench
+    pattern: { type: [bench.event] }
+    targets:
+      - webhook: http://127.0.0.1:19998/hook
+        id: sink
+YAML
+$BIN bench sink --listen 127.0.0.1:19999 2>/dev/null &   # baseline endpoint
+$BIN bench sink --listen 127.0.0.1:19998 2>/dev/null &   # webhook receiver for delivery
+RUST_LOG=warn $BIN serve --listen 127.0.0.1:18080 --data-dir "$WORK/data" --rules "$WORK/rules" --contracts "$WORK/none" 2>"$WORK/router.log" &
+sleep 1
+run() { echo "== $1"; shift; $BIN bench ingest "$@"; echo; }
+run "baseline, single events"   --url http://127.0.0.1:19999/ --events "$N" --concurrency 64 --size 1024
+run "router, single events"     --url http://127.0.0.1:18080/v1/events --events "$N" --concurrency 64 --size 1024
+run "baseline, batches of 100"  --url http://127.0.0.1:19999/ --events $((N * 5)) --concurrency 64 --batch 100 --size 1024
+run "router, batches of 100"    --url http://127.0.0.1:18080/v1/events --events $((N * 5)) --concurrency 64 --batch 100 --size 1024
+if [ -n "${RATE:-}" ]; then
+  run "router, single events at ${RATE}/s" --url http://127.0.0.1:18080/v1/events --events $((N / 2)) --concurrency 64 --size 1024 --rate "$RATE"
+fi
+echo "== router queue after the run"
+curl -s http://127.0.0.1:18080/v1/targets
+echo
+du -sh "$WORK/data"
