@@ -46,6 +46,42 @@ pub struct App {
     pub reload_status: Mutex<ReloadStatus>,
     /// One reload at a time.
     reload_lock: tokio::sync::Mutex<()>,
+    /// Running redrive and replay jobs.
+    pub jobs: crate::dlq::Jobs,
+    /// Rules disabled by an operator (persisted; override the files until enabled).
+    pub disabled: ArcSwap<std::collections::HashSet<String>>,
+}
+
+/// Store key prefix of persisted rule overrides (kept beside target states).
+pub const RULE_STATE_PREFIX: &str = "rule:";
+
+impl App {
+    /// Rules currently disabled by an operator.
+    pub fn disabled_rules(&self) -> Arc<std::collections::HashSet<String>> {
+        self.disabled.load_full()
+    }
+
+    /// Disables or enables a rule (persisted). Returns false for a rule not in the live set.
+    pub async fn set_rule_enabled(&self, name: &str, enabled: bool) -> Result<bool, StoreError> {
+        if !self.rules.load().rules.iter().any(|r| r.name == name) {
+            return Ok(false);
+        }
+        self.store
+            .put_target_state(
+                &format!("{RULE_STATE_PREFIX}{name}"),
+                serde_json::json!({ "disabled": !enabled }),
+            )
+            .await?;
+        let mut set = (*self.disabled.load_full()).clone();
+        if enabled {
+            set.remove(name);
+        } else {
+            set.insert(name.to_string());
+        }
+        self.disabled.store(Arc::new(set));
+        tracing::warn!(rule = %name, enabled, "rule state changed by an operator");
+        Ok(true)
+    }
 }
 
 /// The state of rules and contracts as loaded, for `/v1/status`.
@@ -407,6 +443,17 @@ pub async fn run_with_store(
     }
     dispatcher.start_reaper();
 
+    let disabled: std::collections::HashSet<String> = store
+        .target_states()?
+        .into_iter()
+        .filter_map(|(k, v)| {
+            let name = k.strip_prefix(RULE_STATE_PREFIX)?;
+            v["disabled"]
+                .as_bool()
+                .filter(|d| *d)
+                .map(|_| name.to_string())
+        })
+        .collect();
     let initial_status = ReloadStatus {
         rules_version: rules.version.clone(),
         rules_git_commit: crate::rules::watch::git_commit(&cfg.rules_dir),
@@ -429,7 +476,10 @@ pub async fn run_with_store(
         warnings: Mutex::new(warnings),
         reload_status: Mutex::new(initial_status),
         reload_lock: tokio::sync::Mutex::new(()),
+        jobs: crate::dlq::Jobs::default(),
+        disabled: ArcSwap::from_pointee(disabled),
     });
+    crate::dlq::resume_all(&app)?;
     spawn_reload_triggers(&app, &tracker, workers_cancel.clone());
     spawn_sweeper(&app, &tracker, workers_cancel.clone());
     spawn_system_event_router(&app, &tracker, workers_cancel.clone(), sys_rx);
@@ -438,6 +488,27 @@ pub async fn run_with_store(
         .route("/v1/events", post(crate::ingest::post_events))
         .route("/v1/events/{id}", get(crate::admin::event_fate))
         .route("/v1/dlq", get(crate::admin::dlq_list))
+        .route("/v1/dlq/summary", get(crate::admin::dlq_summary))
+        .route("/v1/dlq/purge", post(crate::admin::dlq_purge))
+        .route(
+            "/v1/dlq/redrive",
+            post(crate::admin::redrive_create).get(crate::admin::jobs_list),
+        )
+        .route("/v1/dlq/redrive/{job}", get(crate::admin::job_show))
+        .route(
+            "/v1/dlq/redrive/{job}/{action}",
+            post(crate::admin::job_control),
+        )
+        .route(
+            "/v1/replay",
+            post(crate::admin::replay_create).get(crate::admin::jobs_list),
+        )
+        .route("/v1/replay/{job}", get(crate::admin::job_show))
+        .route("/v1/replay/{job}/{action}", post(crate::admin::job_control))
+        .route(
+            "/v1/rules/{name}/{action}",
+            post(crate::admin::rule_control),
+        )
         .route("/v1/dlq/{id}", get(crate::admin::dlq_show))
         .route("/v1/targets", get(crate::admin::targets))
         .route("/v1/targets/{id}", get(crate::admin::target))
@@ -507,7 +578,13 @@ fn spawn_system_event_router(
             let rules = app.rules.load();
             let window = i64::try_from(app.cfg.ingest.dedup_window.as_millis()).unwrap_or(i64::MAX);
             let about = ev.subject.clone();
-            let mut ne = crate::ingest::route(&rules, &ev, app.clock.now_ms(), window);
+            let mut ne = crate::ingest::route(
+                &rules,
+                &app.disabled_rules(),
+                &ev,
+                app.clock.now_ms(),
+                window,
+            );
             ne.targets.retain(|t| Some(&t.target_id) != about.as_ref());
             if let Err(e) = app.store.accept(vec![ne]).await {
                 tracing::error!(error = %e, ty = %ev.ty, "could not store a system event");
@@ -521,7 +598,16 @@ fn spawn_sweeper(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToke
     tracker.spawn(async move {
         let every = app.cfg.delivery.sweep_interval;
         let window = i64::try_from(app.cfg.ingest.dedup_window.as_millis()).unwrap_or(i64::MAX);
-        let retention = i64::try_from(app.cfg.delivery.retention.as_millis()).unwrap_or(i64::MAX);
+        // Events are the archive: they are kept for the longest of the fate retention and the
+        // archive retention (replay reads them), and at least the dedup window.
+        let retention = i64::try_from(
+            app.cfg
+                .delivery
+                .retention
+                .max(app.cfg.archive.retention)
+                .as_millis(),
+        )
+        .unwrap_or(i64::MAX);
         loop {
             tokio::select! {
                 _ = cancel.cancelled() => break,

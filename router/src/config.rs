@@ -50,6 +50,25 @@ pub struct Config {
     pub delivery: DeliveryConfig,
     /// Storage.
     pub store: StoreConfig,
+    /// Archive (for replay).
+    pub archive: ArchiveConfig,
+}
+
+/// `[archive]`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ArchiveConfig {
+    /// How long accepted events are kept for replay. Default 7 days.
+    #[serde(with = "humantime_serde")]
+    pub retention: Duration,
+}
+
+impl Default for ArchiveConfig {
+    fn default() -> Self {
+        Self {
+            retention: Duration::from_secs(7 * 24 * 3600),
+        }
+    }
 }
 
 /// Log output format.
@@ -134,6 +153,7 @@ impl Default for Config {
             ingest: IngestConfig::default(),
             delivery: DeliveryConfig::default(),
             store: StoreConfig::default(),
+            archive: ArchiveConfig::default(),
         }
     }
 }
@@ -228,6 +248,9 @@ impl Config {
         Ok(())
     }
 }
+
+/// `ROUTER_*` variables that are not configuration keys.
+pub const RESERVED_ENV: &[&str] = &["ROUTER_API", "ROUTER_TOKEN"];
 
 fn parse_env_value(raw: &str) -> toml::Value {
     // Numbers and booleans keep their type; anything else (paths, durations, addresses) is a

@@ -8,10 +8,12 @@
 pub mod admin;
 pub mod app;
 pub mod bench;
+pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod contract;
 pub mod deliver;
+pub mod dlq;
 pub mod event;
 pub mod ingest;
 pub mod policy;

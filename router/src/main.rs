@@ -59,6 +59,40 @@ enum Cmd {
         #[command(subcommand)]
         cmd: ContractsCmd,
     },
+    /// Dead letters (client of the API).
+    Dlq {
+        #[command(flatten)]
+        api: Api,
+        #[command(subcommand)]
+        cmd: DlqCmd,
+    },
+    /// Re-route archived events of a time range through the current rules (client of the API).
+    Replay {
+        #[command(flatten)]
+        api: Api,
+        /// RFC 3339 start of the acceptance-time range.
+        #[arg(long)]
+        from: String,
+        /// RFC 3339 end (exclusive).
+        #[arg(long)]
+        to: String,
+        /// An event pattern (JSON) the replayed events must match.
+        #[arg(long)]
+        filter: Option<String>,
+        /// Events per second.
+        #[arg(long, default_value_t = 10.0)]
+        rate: f64,
+        /// Follow the job's progress until it ends.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Targets: list, pause, resume (client of the API).
+    Targets {
+        #[command(flatten)]
+        api: Api,
+        #[command(subcommand)]
+        cmd: TargetsCmd,
+    },
     /// Configuration tools.
     Config {
         #[command(subcommand)]
@@ -71,12 +105,150 @@ enum Cmd {
     },
 }
 
+#[derive(clap::Args, Clone)]
+struct Api {
+    /// Router API base URL.
+    #[arg(
+        long,
+        global = true,
+        default_value = "http://127.0.0.1:8080",
+        env = "ROUTER_API"
+    )]
+    api: String,
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+}
+
+#[derive(clap::Args, Clone, Default)]
+struct DlqFilterArgs {
+    #[arg(long)]
+    target: Option<String>,
+    #[arg(long)]
+    reason: Option<String>,
+    #[arg(long)]
+    rule: Option<String>,
+    #[arg(long = "type")]
+    ty: Option<String>,
+    #[arg(long)]
+    source: Option<String>,
+    /// RFC 3339.
+    #[arg(long)]
+    since: Option<String>,
+    /// RFC 3339.
+    #[arg(long)]
+    until: Option<String>,
+}
+
+impl DlqFilterArgs {
+    fn json(&self) -> serde_json::Value {
+        let mut m = serde_json::Map::new();
+        for (k, v) in [
+            ("target", &self.target),
+            ("reason", &self.reason),
+            ("rule", &self.rule),
+            ("type", &self.ty),
+            ("source", &self.source),
+            ("since", &self.since),
+            ("until", &self.until),
+        ] {
+            if let Some(v) = v {
+                m.insert(k.into(), v.clone().into());
+            }
+        }
+        m.into()
+    }
+
+    fn query(&self, extra: &[(&str, &Option<String>)]) -> String {
+        let mut pairs: Vec<(&str, &Option<String>)> = vec![
+            ("target", &self.target),
+            ("reason", &self.reason),
+            ("rule", &self.rule),
+            ("type", &self.ty),
+            ("source", &self.source),
+            ("since", &self.since),
+            ("until", &self.until),
+        ];
+        pairs.extend_from_slice(extra);
+        router::cli::query(&pairs)
+    }
+}
+
+#[derive(Subcommand)]
+enum DlqCmd {
+    /// List entries (never changes anything).
+    Ls {
+        #[command(flatten)]
+        filter: DlqFilterArgs,
+        #[arg(long)]
+        limit: Option<String>,
+        #[arg(long)]
+        after: Option<String>,
+    },
+    /// Counts by target × reason with a histogram over time.
+    Summary {
+        #[command(flatten)]
+        filter: DlqFilterArgs,
+        /// Bucket size, e.g. 5m, 1h, 1d.
+        #[arg(long)]
+        bucket: Option<String>,
+    },
+    /// One entry with its event and every attempt.
+    Show { id: String },
+    /// Move matching entries back to their queues at a set rate (a job).
+    Redrive {
+        #[command(flatten)]
+        filter: DlqFilterArgs,
+        #[arg(long, default_value_t = 10.0)]
+        rate: f64,
+        /// Follow the job's progress until it ends.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Delete matching entries.
+    Purge {
+        #[command(flatten)]
+        filter: DlqFilterArgs,
+        /// Only count.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Redrive jobs: list, or show/pause/resume/cancel one.
+    Jobs {
+        id: Option<String>,
+        /// pause, resume or cancel.
+        action: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+enum TargetsCmd {
+    /// Every target with queue, breaker and counters.
+    Ls,
+    /// Stop attempts to a target (its queue fills).
+    Pause { id: String },
+    /// Resume a paused target.
+    Resume { id: String },
+}
+
 #[derive(Subcommand)]
 enum RulesCmd {
     /// Validate every rule file in DIR; prints file:line:col: message per problem, exit 1 on any error.
     Check { dir: PathBuf },
     /// Print, as JSON, the rules and targets in DIR that EVENT (a structured CloudEvent JSON file) matches.
     Test { dir: PathBuf, event: PathBuf },
+    /// Disable a live rule (persisted; overrides the files until enabled). Client of the API.
+    Disable {
+        name: String,
+        #[command(flatten)]
+        api: Api,
+    },
+    /// Enable a rule disabled with `disable`. Client of the API.
+    Enable {
+        name: String,
+        #[command(flatten)]
+        api: Api,
+    },
 }
 
 #[derive(Subcommand)]
@@ -269,6 +441,38 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 Ok(ExitCode::from(1))
             }
         },
+        Cmd::Rules {
+            cmd: RulesCmd::Disable { name, api },
+        } => rt.block_on(rule_toggle(&api, &name, "disable")),
+        Cmd::Rules {
+            cmd: RulesCmd::Enable { name, api },
+        } => rt.block_on(rule_toggle(&api, &name, "enable")),
+        Cmd::Dlq { api, cmd } => rt.block_on(dlq(api, cmd)),
+        Cmd::Targets { api, cmd } => rt.block_on(targets(api, cmd)),
+        Cmd::Replay {
+            api,
+            from,
+            to,
+            filter,
+            rate,
+            wait,
+        } => rt.block_on(async move {
+            let c = router::cli::Client::new(&api.api);
+            let filter: Option<serde_json::Value> = match filter {
+                Some(f) => Some(serde_json::from_str(&f).context("--filter is not JSON")?),
+                None => None,
+            };
+            let job = c
+                .call(reqwest::Method::POST, "/v1/replay", Some(serde_json::json!({ "from": from, "to": to, "filter": filter, "rate_per_sec": rate })))
+                .await?;
+            let job = if wait {
+                router::cli::follow(&c, &format!("/v1/replay/{}", job["id"].as_str().unwrap_or(""))).await?
+            } else {
+                job
+            };
+            print_value(&api, &job, router::cli::job_line);
+            Ok(ExitCode::SUCCESS)
+        }),
         Cmd::Config {
             cmd: ConfigCmd::Explain { dir, config },
         } => {
@@ -349,6 +553,163 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+fn print_value(api: &Api, v: &serde_json::Value, render: impl Fn(&serde_json::Value) -> String) {
+    if api.json {
+        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+    } else {
+        println!("{}", render(v));
+    }
+}
+
+async fn rule_toggle(api: &Api, name: &str, action: &str) -> anyhow::Result<ExitCode> {
+    let c = router::cli::Client::new(&api.api);
+    let v = c
+        .call(
+            reqwest::Method::POST,
+            &format!("/v1/rules/{name}/{action}"),
+            None,
+        )
+        .await?;
+    print_value(api, &v, |v| {
+        format!(
+            "rule {} {}",
+            v["rule"].as_str().unwrap_or(name),
+            if v["enabled"] == true {
+                "enabled"
+            } else {
+                "disabled"
+            }
+        )
+    });
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn targets(api: Api, cmd: TargetsCmd) -> anyhow::Result<ExitCode> {
+    let c = router::cli::Client::new(&api.api);
+    let v = match &cmd {
+        TargetsCmd::Ls => c.call(reqwest::Method::GET, "/v1/targets", None).await?,
+        TargetsCmd::Pause { id } => {
+            c.call(
+                reqwest::Method::POST,
+                &format!("/v1/targets/{id}/pause"),
+                None,
+            )
+            .await?
+        }
+        TargetsCmd::Resume { id } => {
+            c.call(
+                reqwest::Method::POST,
+                &format!("/v1/targets/{id}/resume"),
+                None,
+            )
+            .await?
+        }
+    };
+    match cmd {
+        TargetsCmd::Ls => print_value(&api, &v, router::cli::targets_table),
+        _ => print_value(&api, &v, |t| {
+            router::cli::targets_table(&serde_json::json!({ "targets": [t] }))
+        }),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn dlq(api: Api, cmd: DlqCmd) -> anyhow::Result<ExitCode> {
+    use reqwest::Method;
+    let c = router::cli::Client::new(&api.api);
+    match cmd {
+        DlqCmd::Ls {
+            filter,
+            limit,
+            after,
+        } => {
+            let v = c
+                .call(
+                    Method::GET,
+                    &format!(
+                        "/v1/dlq{}",
+                        filter.query(&[("limit", &limit), ("after", &after)])
+                    ),
+                    None,
+                )
+                .await?;
+            print_value(&api, &v, router::cli::dlq_table);
+        }
+        DlqCmd::Summary { filter, bucket } => {
+            let v = c
+                .call(
+                    Method::GET,
+                    &format!("/v1/dlq/summary{}", filter.query(&[("bucket", &bucket)])),
+                    None,
+                )
+                .await?;
+            print_value(&api, &v, router::cli::summary_table);
+        }
+        DlqCmd::Show { id } => {
+            let v = c.call(Method::GET, &format!("/v1/dlq/{id}"), None).await?;
+            // An entry is best read whole.
+            println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        }
+        DlqCmd::Redrive { filter, rate, wait } => {
+            let job = c
+                .call(
+                    Method::POST,
+                    "/v1/dlq/redrive",
+                    Some(serde_json::json!({ "filter": filter.json(), "rate_per_sec": rate })),
+                )
+                .await?;
+            let job = if wait {
+                router::cli::follow(
+                    &c,
+                    &format!("/v1/dlq/redrive/{}", job["id"].as_str().unwrap_or("")),
+                )
+                .await?
+            } else {
+                job
+            };
+            print_value(&api, &job, router::cli::job_line);
+        }
+        DlqCmd::Purge { filter, dry_run } => {
+            let v = c
+                .call(
+                    Method::POST,
+                    "/v1/dlq/purge",
+                    Some(serde_json::json!({ "filter": filter.json(), "dry_run": dry_run })),
+                )
+                .await?;
+            print_value(&api, &v, |v| {
+                if v["dry_run"] == true {
+                    format!("{} entries match (dry run: nothing purged)", v["matched"])
+                } else {
+                    format!("{} entries purged", v["purged"])
+                }
+            });
+        }
+        DlqCmd::Jobs { id, action } => {
+            let v = match (id, action) {
+                (None, _) => c.call(Method::GET, "/v1/dlq/redrive", None).await?,
+                (Some(id), None) => {
+                    c.call(Method::GET, &format!("/v1/dlq/redrive/{id}"), None)
+                        .await?
+                }
+                (Some(id), Some(a)) => {
+                    c.call(Method::POST, &format!("/v1/dlq/redrive/{id}/{a}"), None)
+                        .await?
+                }
+            };
+            print_value(&api, &v, |v| match v["jobs"].as_array() {
+                Some(jobs) => jobs
+                    .iter()
+                    .map(router::cli::job_line)
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+                None => router::cli::job_line(v),
+            });
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 async fn wait_for_signal() {

@@ -1,6 +1,7 @@
 //! End-to-end tests: the real `router` binary, real HTTP receivers, temp data dirs.
 
 mod delivery;
+mod dlq_ops;
 mod durability;
 mod harness;
 mod ingest;

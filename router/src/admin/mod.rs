@@ -145,6 +145,7 @@ pub struct DlqQuery {
     rule: Option<String>,
     #[serde(rename = "type")]
     ty: Option<String>,
+    source: Option<String>,
     since: Option<String>,
     until: Option<String>,
     after: Option<String>,
@@ -199,6 +200,7 @@ pub async fn dlq_list(State(app): State<Arc<App>>, Query(q): Query<DlqQuery>) ->
         reason,
         rule: q.rule,
         event_type: q.ty,
+        source: q.source,
         since,
         until,
     };
@@ -454,5 +456,259 @@ pub async fn readyz(State(app): State<Arc<App>>) -> Response {
             axum::Json(json!({ "status": "not ready" })),
         )
             .into_response()
+    }
+}
+
+fn job_error(e: crate::dlq::JobError) -> Response {
+    use crate::dlq::JobError;
+    match e {
+        JobError::Invalid(errors) => {
+            error_response(StatusCode::BAD_REQUEST, "invalid request", errors)
+        }
+        JobError::NotFound => error_response(StatusCode::NOT_FOUND, "unknown job", Vec::new()),
+        JobError::Conflict(state) => error_response(
+            StatusCode::CONFLICT,
+            "the job cannot change to that state",
+            vec![FieldError::new(
+                "/state",
+                format!(
+                    "the job is {}",
+                    serde_json::to_value(state).unwrap_or_default()
+                ),
+            )],
+        ),
+        JobError::Store(e) => store_error(&e),
+    }
+}
+
+fn job_json(j: &crate::store::Job) -> Value {
+    json!({
+        "id": j.id,
+        "kind": j.kind,
+        "state": j.state,
+        "spec": j.spec,
+        "total": j.total,
+        "moved": j.moved,
+        "failed": j.failed,
+        "skipped": j.skipped,
+        "cursor": j.cursor,
+        "created_at": rfc3339(j.created_at),
+        "updated_at": rfc3339(j.updated_at),
+        "last_error": j.last_error,
+    })
+}
+
+fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Box<Response>> {
+    serde_json::from_slice(body).map_err(|e| {
+        Box::new(error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid request body",
+            vec![FieldError::new("", e.to_string())],
+        ))
+    })
+}
+
+/// `GET /v1/dlq/summary`: counts by target × reason with first/last time and a histogram.
+pub async fn dlq_summary(
+    State(app): State<Arc<App>>,
+    Query(q): Query<std::collections::HashMap<String, String>>,
+) -> Response {
+    let mut q = q;
+    let bucket = q.remove("bucket");
+    let spec: crate::dlq::FilterSpec = match serde_json::from_value(json!(q)) {
+        Ok(s) => s,
+        Err(e) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid query",
+                vec![FieldError::new("", e.to_string())],
+            );
+        }
+    };
+    let bucket_ms = match bucket.as_deref().map(humantime::parse_duration) {
+        None => 3_600_000,
+        Some(Ok(d)) if d.as_secs() >= 1 => i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
+        Some(_) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid query",
+                vec![FieldError::new(
+                    "/bucket",
+                    "a duration of at least 1s, e.g. 5m or 1h",
+                )],
+            );
+        }
+    };
+    let filter = match spec.to_filter("") {
+        Ok(f) => f,
+        Err(errors) => return error_response(StatusCode::BAD_REQUEST, "invalid query", errors),
+    };
+    match app.store.dlq_summary(&filter, bucket_ms) {
+        Ok(rows) => {
+            let groups: Vec<Value> = rows
+                .iter()
+                .map(|r| {
+                    json!({
+                        "target": r.target,
+                        "reason": r.reason,
+                        "count": r.count,
+                        "first_failure_at": rfc3339(r.first_failure_at),
+                        "last_failure_at": rfc3339(r.last_failure_at),
+                        "histogram": r.histogram.iter().map(|(t, n)| json!({ "bucket": rfc3339(*t), "count": n })).collect::<Vec<_>>(),
+                    })
+                })
+                .collect();
+            let total: u64 = rows.iter().map(|r| r.count).sum();
+            axum::Json(
+                json!({ "total": total, "bucket_seconds": bucket_ms / 1000, "groups": groups }),
+            )
+            .into_response()
+        }
+        Err(e) => store_error(&e),
+    }
+}
+
+/// Body of `POST /v1/dlq/purge`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PurgeRequest {
+    #[serde(default)]
+    filter: crate::dlq::FilterSpec,
+    /// Only count what would be purged.
+    #[serde(default)]
+    dry_run: bool,
+}
+
+/// `POST /v1/dlq/purge`: deletes matching entries (or counts them with `dry_run`).
+pub async fn dlq_purge(State(app): State<Arc<App>>, body: axum::body::Bytes) -> Response {
+    let req: PurgeRequest = match parse_body(&body) {
+        Ok(r) => r,
+        Err(resp) => return *resp,
+    };
+    let filter = match req.filter.to_filter("/filter") {
+        Ok(f) => f,
+        Err(errors) => return error_response(StatusCode::BAD_REQUEST, "invalid request", errors),
+    };
+    let mut matched = 0u64;
+    let mut purged = 0u64;
+    let mut after = None;
+    loop {
+        let page = match app.store.dlq_list(&filter, after, 1000) {
+            Ok(p) => p,
+            Err(e) => return store_error(&e),
+        };
+        matched += page.len() as u64;
+        let last = page.last().map(|d| d.id);
+        if !req.dry_run && !page.is_empty() {
+            match app
+                .store
+                .purge_dlq(page.iter().map(|d| d.id).collect())
+                .await
+            {
+                Ok(n) => purged += n,
+                Err(e) => return store_error(&e),
+            }
+        }
+        match last {
+            Some(l) if page.len() == 1000 => after = Some(l),
+            _ => break,
+        }
+    }
+    if !req.dry_run {
+        tracing::warn!(purged, filter = ?req.filter, "DLQ entries purged by an operator");
+    }
+    axum::Json(json!({ "dry_run": req.dry_run, "matched": matched, "purged": purged }))
+        .into_response()
+}
+
+/// `POST /v1/dlq/redrive`: creates a redrive job.
+pub async fn redrive_create(State(app): State<Arc<App>>, body: axum::body::Bytes) -> Response {
+    let req = match parse_body(&body) {
+        Ok(r) => r,
+        Err(resp) => return *resp,
+    };
+    match crate::dlq::create_redrive(&app, req).await {
+        Ok(job) => (StatusCode::CREATED, axum::Json(job_json(&job))).into_response(),
+        Err(e) => job_error(e),
+    }
+}
+
+/// `POST /v1/replay`: creates a replay job.
+pub async fn replay_create(State(app): State<Arc<App>>, body: axum::body::Bytes) -> Response {
+    let req = match parse_body(&body) {
+        Ok(r) => r,
+        Err(resp) => return *resp,
+    };
+    match crate::dlq::create_replay(&app, req).await {
+        Ok(job) => (StatusCode::CREATED, axum::Json(job_json(&job))).into_response(),
+        Err(e) => job_error(e),
+    }
+}
+
+/// `GET /v1/dlq/redrive`, `GET /v1/replay`: every job.
+pub async fn jobs_list(State(app): State<Arc<App>>) -> Response {
+    match app.store.jobs() {
+        Ok(jobs) => axum::Json(json!({ "jobs": jobs.iter().map(job_json).collect::<Vec<_>>() }))
+            .into_response(),
+        Err(e) => store_error(&e),
+    }
+}
+
+/// `GET /v1/dlq/redrive/{job}`, `GET /v1/replay/{job}`: progress.
+pub async fn job_show(State(app): State<Arc<App>>, Path(job): Path<String>) -> Response {
+    match crate::dlq::get(&app, &job) {
+        Ok(j) => axum::Json(job_json(&j)).into_response(),
+        Err(e) => job_error(e),
+    }
+}
+
+/// `POST .../{job}/pause|resume|cancel`.
+pub async fn job_control(
+    State(app): State<Arc<App>>,
+    Path((job, action)): Path<(String, String)>,
+) -> Response {
+    use crate::store::JobState;
+    let to = match action.as_str() {
+        "pause" => JobState::Paused,
+        "resume" => JobState::Running,
+        "cancel" => JobState::Cancelled,
+        _ => {
+            return error_response(
+                StatusCode::NOT_FOUND,
+                "unknown action",
+                vec![FieldError::new("/action", "pause, resume or cancel")],
+            );
+        }
+    };
+    match crate::dlq::control(&app, &job, to).await {
+        Ok(j) => axum::Json(job_json(&j)).into_response(),
+        Err(e) => job_error(e),
+    }
+}
+
+/// `POST /v1/rules/{name}/disable|enable`: persisted, overrides the files until enabled.
+pub async fn rule_control(
+    State(app): State<Arc<App>>,
+    Path((name, action)): Path<(String, String)>,
+) -> Response {
+    let enabled = match action.as_str() {
+        "enable" => true,
+        "disable" => false,
+        _ => {
+            return error_response(
+                StatusCode::NOT_FOUND,
+                "unknown action",
+                vec![FieldError::new("/action", "enable or disable")],
+            );
+        }
+    };
+    match app.set_rule_enabled(&name, enabled).await {
+        Ok(true) => axum::Json(json!({ "rule": name, "enabled": enabled })).into_response(),
+        Ok(false) => error_response(
+            StatusCode::NOT_FOUND,
+            "unknown rule",
+            vec![FieldError::new("/name", format!("no live rule {name:?}"))],
+        ),
+        Err(e) => store_error(&e),
     }
 }

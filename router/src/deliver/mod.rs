@@ -23,7 +23,7 @@ use crate::target::webhook::{Webhook, WebhookError};
 use crate::telemetry::Metrics;
 
 pub use runtime::{PersistedState, TargetRuntime};
-pub use worker::{decide, system_event};
+pub use worker::{decide, dlq_added, system_event};
 
 /// What every worker shares.
 pub struct DeliveryContext {

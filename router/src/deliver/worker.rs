@@ -326,7 +326,12 @@ async fn attempt(
             "dead_lettered",
         )
     } else {
-        let body = match serde_json::to_vec(&leased.event.event.to_json()) {
+        let mut json = leased.event.event.to_json();
+        if let Some(job) = &leased.entry.replay {
+            // Replayed deliveries say so, so receivers can tell them from live traffic.
+            json["replay"] = serde_json::Value::from(job.clone());
+        }
+        let body = match serde_json::to_vec(&json) {
             Ok(b) => bytes::Bytes::from(b),
             Err(e) => {
                 tracing::error!(error = %e, "cannot serialise event");
@@ -412,6 +417,7 @@ async fn attempt(
         _ => None,
     };
     let finished_at = end.finished_at;
+    let end_error = end.error.clone();
     match ctx
         .store
         .finish(leased.entry.id, leased.lease, end, disposition, finished_at)
@@ -436,6 +442,14 @@ async fn attempt(
                         ("reason", r.as_str().to_string()),
                     ])
                     .inc();
+                dlq_added(
+                    &ctx,
+                    Some(&spec.id),
+                    &leased.event.event,
+                    r,
+                    end_error.as_deref(),
+                    finished_at,
+                );
             }
         }
         Err(FinishError::Fenced) => {
@@ -503,6 +517,37 @@ async fn on_transition(ctx: &DeliveryContext, rt: &TargetRuntime, t: Transition,
         if tx.try_send(ev).is_err() {
             ctx.metrics.system_events_dropped.inc();
         }
+    }
+}
+
+/// Raises `router.dlq.added` for a new DLQ entry (rate-limited where it is routed). Events
+/// that are themselves system events raise none, so an alert path that fails cannot feed
+/// itself.
+pub fn dlq_added(
+    ctx: &DeliveryContext,
+    target: Option<&str>,
+    ev: &CloudEvent,
+    reason: DlqReason,
+    error: Option<&str>,
+    now: i64,
+) {
+    if ev.ty.starts_with("router.") {
+        return;
+    }
+    let Some(tx) = &ctx.system_events else { return };
+    let mut sys = system_event("router.dlq.added", target.unwrap_or("none"), now);
+    if target.is_none() {
+        sys.subject = None;
+        sys.source = "router://ingest".into();
+    }
+    sys.data = Some(serde_json::json!({
+        "target": target,
+        "reason": reason.as_str(),
+        "event": { "id": ev.id, "source": ev.source, "type": ev.ty },
+        "error": error,
+    }));
+    if tx.try_send(sys).is_err() {
+        ctx.metrics.system_events_dropped.inc();
     }
 }
 

@@ -145,7 +145,13 @@ async fn handle(app: &App, headers: &HeaderMap, body: Body) -> Response {
             }
             ContractOutcome::Pass => {
                 quarantined.push(None);
-                new_events.push(route(&rules, ev, now, dedup_window_ms));
+                new_events.push(route(
+                    &rules,
+                    &app.disabled_rules(),
+                    ev,
+                    now,
+                    dedup_window_ms,
+                ));
             }
         }
     }
@@ -188,6 +194,16 @@ async fn handle(app: &App, headers: &HeaderMap, body: Body) -> Response {
             .ingest_events
             .get_or_create(&vec![("status", status.to_string())])
             .inc();
+        if let Some(reason) = reason.and_then(|r| r.parse::<DlqReason>().ok()) {
+            app.metrics
+                .dlq_entries
+                .get_or_create(&vec![
+                    ("target", "none".to_string()),
+                    ("reason", reason.as_str().to_string()),
+                ])
+                .inc();
+            crate::deliver::dlq_added(app.dispatcher.context(), None, ev, reason, None, now);
+        }
         tracing::debug!(event_id = %ev.id, source = %ev.source, status, "ingested");
         results.push(EventResult {
             id: ev.id.clone(),
@@ -207,6 +223,7 @@ async fn handle(app: &App, headers: &HeaderMap, body: Body) -> Response {
 /// Matches `ev` against `rules` and builds what the store accepts.
 pub fn route(
     rules: &crate::rules::RuleSet,
+    disabled: &std::collections::HashSet<String>,
     ev: &CloudEvent,
     now: i64,
     dedup_window_ms: i64,
@@ -214,7 +231,11 @@ pub fn route(
     let json = ev.to_json();
     let mut matched_rules = Vec::new();
     let mut targets = Vec::new();
-    for m in rules.matches(&json) {
+    for m in rules
+        .matches(&json)
+        .into_iter()
+        .filter(|m| !disabled.contains(&m.rule))
+    {
         for tid in &m.target_ids {
             let ordering_key = rules
                 .targets

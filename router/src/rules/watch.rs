@@ -21,15 +21,26 @@ pub struct DirWatcher {
 /// its parent once it is created. Sends `()` on `tx` after each debounced burst of changes.
 pub fn watch(dirs: &[PathBuf], tx: mpsc::Sender<()>) -> notify::Result<DirWatcher> {
     let (raw_tx, mut raw_rx) = mpsc::unbounded_channel::<()>();
+    // Only changes inside the watched directories count: a missing directory is watched
+    // through its parent, whose other entries (e.g. the data directory) change all the time.
+    let roots: Vec<PathBuf> = dirs
+        .iter()
+        .map(|d| std::path::absolute(d).unwrap_or_else(|_| d.clone()))
+        .collect();
+    let dirs: Vec<PathBuf> = roots.clone();
     let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
         if let Ok(ev) = res
             && !ev.kind.is_access()
+            && ev
+                .paths
+                .iter()
+                .any(|p| roots.iter().any(|r| p.starts_with(r)))
         {
             let _ = raw_tx.send(());
         }
     })?;
     let add_watches = |w: &mut notify::RecommendedWatcher| {
-        for d in dirs {
+        for d in &dirs {
             if d.exists() {
                 let _ = w.watch(d, RecursiveMode::Recursive);
             } else if let Some(parent) = d.parent().filter(|p| p.exists()) {
@@ -40,7 +51,6 @@ pub fn watch(dirs: &[PathBuf], tx: mpsc::Sender<()>) -> notify::Result<DirWatche
     add_watches(&mut watcher);
     let watcher = std::sync::Arc::new(std::sync::Mutex::new(watcher));
     let w2 = watcher.clone();
-    let dirs: Vec<PathBuf> = dirs.to_vec();
     tokio::spawn(async move {
         while raw_rx.recv().await.is_some() {
             // Debounce: wait until no event arrived for DEBOUNCE.

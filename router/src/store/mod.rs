@@ -135,6 +135,48 @@ pub trait Store: Send + Sync + 'static {
         now: Millis,
     ) -> BoxFuture<'_, Result<usize, StoreError>>;
 
+    /// Creates or updates a background job.
+    fn put_job(&self, job: Job) -> BoxFuture<'_, Result<(), StoreError>>;
+
+    /// Every job.
+    fn jobs(&self) -> Result<Vec<Job>, StoreError>;
+
+    /// Applies redrive actions and the job's new progress atomically.
+    fn redrive_step(
+        &self,
+        job: Job,
+        actions: Vec<RedriveAction>,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<(), StoreError>>;
+
+    /// Adds replayed deliveries and the job's new progress atomically.
+    fn replay_step(
+        &self,
+        job: Job,
+        items: Vec<ReplayItem>,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<(), StoreError>>;
+
+    /// Deletes DLQ entries. Returns how many existed.
+    fn purge_dlq(&self, ids: Vec<u64>) -> BoxFuture<'_, Result<u64, StoreError>>;
+
+    /// DLQ entries grouped by target × reason, with a histogram over `bucket_ms` buckets.
+    fn dlq_summary(
+        &self,
+        filter: &DlqFilter,
+        bucket_ms: i64,
+    ) -> Result<Vec<SummaryRow>, StoreError>;
+
+    /// Archived (not quarantined) events accepted in [`from`, `to`), sequence after
+    /// `after_seq`, at most `limit`.
+    fn events_between(
+        &self,
+        from: Millis,
+        to: Millis,
+        after_seq: u64,
+        limit: usize,
+    ) -> Result<Vec<StoredEvent>, StoreError>;
+
     /// Ordering keys of `target` held after a dead letter.
     fn held_keys(&self, target: &str) -> Vec<String>;
 

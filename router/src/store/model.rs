@@ -157,6 +157,9 @@ pub struct QueueEntry {
     /// When the entry reached a final state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<Millis>,
+    /// Attempts made before the last redrive (a DLQ entry shows them with the new ones).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub history: Vec<AttemptRecord>,
 }
 
 /// Why an event (or one target's copy of it) is in the DLQ.
@@ -385,6 +388,8 @@ pub struct DlqFilter {
     pub rule: Option<String>,
     /// Only this event type.
     pub event_type: Option<String>,
+    /// Only this event source.
+    pub source: Option<String>,
     /// Only entries whose last failure is at or after this time.
     pub since: Option<Millis>,
     /// Only entries whose last failure is before this time.
@@ -406,6 +411,115 @@ impl DlqFilter {
             && self.since.is_none_or(|s| e.last_failure_at >= s)
             && self.until.is_none_or(|u| e.last_failure_at < u)
     }
+}
+
+/// Kind of a background job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobKind {
+    /// Moves DLQ entries back to their queues.
+    Redrive,
+    /// Re-routes archived events through the current rules.
+    Replay,
+}
+
+/// State of a background job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    /// Making progress.
+    Running,
+    /// Stopped by an operator; resumable.
+    Paused,
+    /// Stopped for good by an operator.
+    Cancelled,
+    /// Finished.
+    Done,
+}
+
+/// A redrive or replay job: its spec, progress and cursor, persisted with every step so it
+/// resumes where it was after a restart and never processes an item twice.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Job {
+    /// Job id (`redrive-N`, `replay-N`).
+    pub id: String,
+    /// Kind.
+    pub kind: JobKind,
+    /// State.
+    pub state: JobState,
+    /// The request that created it (filter, rate, time range...), as given.
+    pub spec: serde_json::Value,
+    /// Items at creation time (an estimate for replays).
+    pub total: u64,
+    /// Items moved / replayed.
+    pub moved: u64,
+    /// Items that could not be moved (e.g. still invalid against the current contract).
+    pub failed: u64,
+    /// Items skipped (did not match the filter).
+    #[serde(default)]
+    pub skipped: u64,
+    /// Last DLQ id or event sequence processed.
+    pub cursor: u64,
+    /// Creation time.
+    pub created_at: Millis,
+    /// Last change.
+    pub updated_at: Millis,
+    /// Last error, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
+/// What a redrive step does with one DLQ entry.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RedriveAction {
+    /// A delivery failure: back to its target queue, attempts reset, history kept.
+    Requeue {
+        /// DLQ entry id.
+        dlq_id: u64,
+    },
+    /// A quarantined event that now passes its contract: routed with these entries.
+    Route {
+        /// DLQ entry id.
+        dlq_id: u64,
+        /// Rules that matched now.
+        matched_rules: Vec<String>,
+        /// Its fan-out under the current rules.
+        targets: Vec<NewEntry>,
+    },
+    /// Still failing: stays in the DLQ with refreshed errors.
+    Keep {
+        /// DLQ entry id.
+        dlq_id: u64,
+        /// Why.
+        errors: Vec<FieldError>,
+    },
+}
+
+/// One replayed event: its new fan-out, carrying the replay job's marker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplayItem {
+    /// The archived event.
+    pub seq: u64,
+    /// Targets under the current rules.
+    pub targets: Vec<NewEntry>,
+}
+
+/// One row of the DLQ summary: a (target, reason) group with a histogram over time.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SummaryRow {
+    /// Target (`null` for quarantined events).
+    pub target: Option<String>,
+    /// Reason.
+    pub reason: DlqReason,
+    /// Entries.
+    pub count: u64,
+    /// First failure.
+    pub first_failure_at: Millis,
+    /// Last failure.
+    pub last_failure_at: Millis,
+    /// (bucket start, entries whose last failure falls in it), oldest first, empty buckets
+    /// omitted.
+    pub histogram: Vec<(Millis, u64)>,
 }
 
 /// Everything known about one event: for `GET /v1/events/{id}`.

@@ -35,6 +35,7 @@ const TARGETS: TableDefinition<&str, &[u8]> = TableDefinition::new("targets");
 const PENDING_GC: TableDefinition<u64, ()> = TableDefinition::new("pending_gc");
 const TARGET_STATE: TableDefinition<&str, &[u8]> = TableDefinition::new("target_state");
 const HELD: TableDefinition<(&str, &str), ()> = TableDefinition::new("held_keys");
+const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
 
 /// Most ops applied in one transaction; more wait for the next commit.
 const MAX_GROUP: usize = 4096;
@@ -42,6 +43,9 @@ const MAX_GROUP: usize = 4096;
 const COMPACT_MIN_BYTES: u64 = 64 << 20;
 /// Events examined per sweep call, so a sweep never holds the committer for long.
 const SWEEP_BATCH: usize = 2000;
+
+/// A summary row under construction and its histogram buckets.
+type SummaryGroup = (SummaryRow, BTreeMap<i64, u64>);
 
 /// Called after every commit with its duration and the number of ops it carried.
 pub type CommitObserver = Arc<dyn Fn(Duration, usize) + Send + Sync>;
@@ -198,6 +202,12 @@ impl Index {
                     self.target(&target).dlq += 1;
                 }
             }
+            Effect::DlqRemoved { target } => {
+                if let Some(target) = target {
+                    let t = self.target(&target);
+                    t.dlq = t.dlq.saturating_sub(1);
+                }
+            }
         }
     }
 }
@@ -227,6 +237,9 @@ enum Effect {
         key: String,
     },
     DlqAdded {
+        target: Option<String>,
+    },
+    DlqRemoved {
         target: Option<String>,
     },
 }
@@ -269,6 +282,26 @@ enum Op {
         target: String,
         key: String,
         reply: Reply<Result<bool, StoreError>>,
+    },
+    PutJob {
+        job: Job,
+        reply: Reply<Result<(), StoreError>>,
+    },
+    RedriveStep {
+        job: Job,
+        actions: Vec<RedriveAction>,
+        now: Millis,
+        reply: Reply<Result<(), StoreError>>,
+    },
+    ReplayStep {
+        job: Job,
+        items: Vec<ReplayItem>,
+        now: Millis,
+        reply: Reply<Result<(), StoreError>>,
+    },
+    PurgeDlq {
+        ids: Vec<u64>,
+        reply: Reply<Result<u64, StoreError>>,
     },
     DeadLetterQueued {
         ids: Vec<EntryId>,
@@ -586,6 +619,134 @@ impl Store for RedbStore {
         .boxed()
     }
 
+    fn put_job(&self, job: Job) -> BoxFuture<'_, Result<(), StoreError>> {
+        async move { self.call(|reply| Op::PutJob { job, reply }).await? }.boxed()
+    }
+
+    fn jobs(&self) -> Result<Vec<Job>, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(JOBS)?;
+        let mut out = Vec::new();
+        for row in t.iter()? {
+            out.push(dec("jobs", row?.1.value())?);
+        }
+        Ok(out)
+    }
+
+    fn redrive_step(
+        &self,
+        job: Job,
+        actions: Vec<RedriveAction>,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        async move {
+            self.call(|reply| Op::RedriveStep {
+                job,
+                actions,
+                now,
+                reply,
+            })
+            .await?
+        }
+        .boxed()
+    }
+
+    fn replay_step(
+        &self,
+        job: Job,
+        items: Vec<ReplayItem>,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        async move {
+            self.call(|reply| Op::ReplayStep {
+                job,
+                items,
+                now,
+                reply,
+            })
+            .await?
+        }
+        .boxed()
+    }
+
+    fn purge_dlq(&self, ids: Vec<u64>) -> BoxFuture<'_, Result<u64, StoreError>> {
+        async move { self.call(|reply| Op::PurgeDlq { ids, reply }).await? }.boxed()
+    }
+
+    fn dlq_summary(
+        &self,
+        filter: &DlqFilter,
+        bucket_ms: i64,
+    ) -> Result<Vec<SummaryRow>, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(DLQ)?;
+        let bucket_ms = bucket_ms.max(1000);
+        let mut groups: BTreeMap<(Option<String>, DlqReason), SummaryGroup> = BTreeMap::new();
+        for row in t.iter()? {
+            let e: DlqEntry = dec("dlq", row?.1.value())?;
+            if !filter.matches(&e) {
+                continue;
+            }
+            let g = groups
+                .entry((e.target_id.clone(), e.reason))
+                .or_insert_with(|| {
+                    (
+                        SummaryRow {
+                            target: e.target_id.clone(),
+                            reason: e.reason,
+                            count: 0,
+                            first_failure_at: e.first_failure_at,
+                            last_failure_at: e.last_failure_at,
+                            histogram: Vec::new(),
+                        },
+                        BTreeMap::new(),
+                    )
+                });
+            g.0.count += 1;
+            g.0.first_failure_at = g.0.first_failure_at.min(e.first_failure_at);
+            g.0.last_failure_at = g.0.last_failure_at.max(e.last_failure_at);
+            *g.1.entry(e.last_failure_at - e.last_failure_at.rem_euclid(bucket_ms))
+                .or_default() += 1;
+        }
+        Ok(groups
+            .into_values()
+            .map(|(mut row, hist)| {
+                row.histogram = hist.into_iter().collect();
+                row
+            })
+            .collect())
+    }
+
+    fn events_between(
+        &self,
+        from: Millis,
+        to: Millis,
+        after_seq: u64,
+        limit: usize,
+    ) -> Result<Vec<StoredEvent>, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(EVENTS)?;
+        let mut out = Vec::new();
+        for row in t.range(after_seq.saturating_add(1)..)? {
+            let ev: StoredEvent = dec("events", row?.1.value())?;
+            // Sequence numbers follow acceptance order, so the range ends at the first event
+            // accepted at or after `to` (clock steps back are tolerated by the slack).
+            if ev.accepted_at >= to.saturating_add(60_000) {
+                break;
+            }
+            if ev.accepted_at >= from && ev.accepted_at < to && !ev.quarantined {
+                out.push(ev);
+                if out.len() >= limit {
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
     fn held_keys(&self, target: &str) -> Vec<String> {
         self.index().target(target).held.iter().cloned().collect()
     }
@@ -876,6 +1037,7 @@ fn recover(db: &Database) -> Result<(u64, (u64, u64), Index), StoreError> {
         txn.open_table(DLQ_BY_EVENT)?;
         txn.open_table(PENDING_GC)?;
         txn.open_table(TARGET_STATE)?;
+        txn.open_table(JOBS)?;
         for row in txn.open_table(HELD)?.iter()? {
             let (k, _) = row?;
             let (t, key) = k.value();
@@ -1105,6 +1267,51 @@ impl Committer {
                 dones.push(done(reply, r));
                 err.map_or(Ok(()), Err)
             }
+            Op::PutJob { job, reply } => {
+                let r = put_job(txn, &job);
+                let err = r.as_ref().err().cloned();
+                dones.push(done(reply, r));
+                err.map_or(Ok(()), Err)
+            }
+            Op::RedriveStep {
+                job,
+                actions,
+                now,
+                reply,
+            } => {
+                let r = self.redrive_step(txn, &job, actions, now, effects);
+                let err = r.as_ref().err().cloned();
+                dones.push(done(reply, r));
+                err.map_or(Ok(()), Err)
+            }
+            Op::ReplayStep {
+                job,
+                items,
+                now,
+                reply,
+            } => {
+                let r = self.replay_step(txn, &job, items, now, effects);
+                let err = r.as_ref().err().cloned();
+                dones.push(done(reply, r));
+                err.map_or(Ok(()), Err)
+            }
+            Op::PurgeDlq { ids, reply } => {
+                let r = (|| -> Result<u64, StoreError> {
+                    let mut n = 0;
+                    for id in ids {
+                        if let Some(d) = take_dlq(txn, id)? {
+                            effects.push(Effect::DlqRemoved {
+                                target: d.target_id,
+                            });
+                            n += 1;
+                        }
+                    }
+                    Ok(n)
+                })();
+                let err = r.as_ref().err().cloned();
+                dones.push(done(reply, r));
+                err.map_or(Ok(()), Err)
+            }
             Op::DeadLetterQueued {
                 ids,
                 reason,
@@ -1210,6 +1417,7 @@ impl Committer {
                         hops: stored.event.hops(),
                         replay: None,
                         finished_at: None,
+                        history: Vec::new(),
                     };
                     entries_t.insert((id.event, id.idx), enc(&entry).as_slice())?;
                     live_t.insert((id.event, id.idx), ())?;
@@ -1225,6 +1433,178 @@ impl Committer {
             out.push(AcceptOutcome::Accepted { seq });
         }
         Ok(out)
+    }
+
+    /// Inserts a new queue entry (accept, redrive of a quarantined event, replay).
+    fn insert_entry(
+        &mut self,
+        txn: &WriteTransaction,
+        entry: &QueueEntry,
+        effects: &mut Vec<Effect>,
+    ) -> Result<(), StoreError> {
+        let id = entry.id;
+        txn.open_table(ENTRIES)?
+            .insert((id.event, id.idx), enc(entry).as_slice())?;
+        txn.open_table(LIVE)?.insert((id.event, id.idx), ())?;
+        effects.push(Effect::Enqueue {
+            target: entry.target_id.clone(),
+            id,
+            due: entry.due_at,
+            accepted_at: entry.accepted_at,
+            key: entry.ordering_key.clone(),
+        });
+        Ok(())
+    }
+
+    /// The next free fan-out index of an event (entries are never renumbered).
+    fn next_idx(txn: &WriteTransaction, seq: u64) -> Result<u32, StoreError> {
+        let t = txn.open_table(ENTRIES)?;
+        let last = t
+            .range((seq, 0)..=(seq, u32::MAX))?
+            .next_back()
+            .transpose()?;
+        Ok(last.map_or(0, |(k, _)| k.value().1.saturating_add(1)))
+    }
+
+    fn redrive_step(
+        &mut self,
+        txn: &WriteTransaction,
+        job: &Job,
+        actions: Vec<RedriveAction>,
+        now: Millis,
+        effects: &mut Vec<Effect>,
+    ) -> Result<(), StoreError> {
+        for action in actions {
+            match action {
+                RedriveAction::Requeue { dlq_id } => {
+                    let Some(d) = take_dlq(txn, dlq_id)? else {
+                        continue;
+                    };
+                    effects.push(Effect::DlqRemoved {
+                        target: d.target_id.clone(),
+                    });
+                    let Some(id) = d.entry else { continue };
+                    let raw = txn
+                        .open_table(ENTRIES)?
+                        .get((id.event, id.idx))?
+                        .map(|v| v.value().to_vec());
+                    let Some(raw) = raw else { continue };
+                    let mut e: QueueEntry = dec("entries", &raw)?;
+                    e.history.append(&mut e.attempts);
+                    e.state = EntryState::Queued;
+                    e.lease = None;
+                    e.finished_at = None;
+                    e.due_at = now;
+                    e.redrive_count += 1;
+                    self.insert_entry(txn, &e, effects)?;
+                }
+                RedriveAction::Route {
+                    dlq_id,
+                    matched_rules,
+                    targets,
+                } => {
+                    let Some(d) = take_dlq(txn, dlq_id)? else {
+                        continue;
+                    };
+                    effects.push(Effect::DlqRemoved {
+                        target: d.target_id.clone(),
+                    });
+                    let mut ev_t = txn.open_table(EVENTS)?;
+                    let raw = ev_t.get(d.event_seq)?.map(|v| v.value().to_vec());
+                    let Some(raw) = raw else { continue };
+                    let mut ev: StoredEvent = dec("events", &raw)?;
+                    ev.quarantined = false;
+                    ev.matched_rules = matched_rules;
+                    ev_t.insert(d.event_seq, enc(&ev).as_slice())?;
+                    drop(ev_t);
+                    let first = Self::next_idx(txn, d.event_seq)?;
+                    for (idx, t) in (first..).zip(targets) {
+                        let entry = QueueEntry {
+                            id: EntryId {
+                                event: d.event_seq,
+                                idx,
+                            },
+                            idempotency_key: idempotency_key(
+                                &ev.event.source,
+                                &ev.event.id,
+                                &t.target_id,
+                            ),
+                            target_id: t.target_id,
+                            rule: t.rule,
+                            state: EntryState::Queued,
+                            accepted_at: ev.accepted_at,
+                            due_at: now,
+                            attempts: Vec::new(),
+                            ordering_key: t.ordering_key,
+                            lease: None,
+                            redrive_count: d.redrive_count + 1,
+                            hops: ev.event.hops(),
+                            replay: None,
+                            finished_at: None,
+                            history: Vec::new(),
+                        };
+                        self.insert_entry(txn, &entry, effects)?;
+                    }
+                }
+                RedriveAction::Keep { dlq_id, errors } => {
+                    let mut t = txn.open_table(DLQ)?;
+                    let raw = t.get(dlq_id)?.map(|v| v.value().to_vec());
+                    if let Some(raw) = raw {
+                        let mut d: DlqEntry = dec("dlq", &raw)?;
+                        d.errors = errors;
+                        d.last_failure_at = now;
+                        d.redrive_count += 1;
+                        t.insert(dlq_id, enc(&d).as_slice())?;
+                    }
+                }
+            }
+        }
+        put_job(txn, job)
+    }
+
+    fn replay_step(
+        &mut self,
+        txn: &WriteTransaction,
+        job: &Job,
+        items: Vec<ReplayItem>,
+        now: Millis,
+        effects: &mut Vec<Effect>,
+    ) -> Result<(), StoreError> {
+        for item in items {
+            let raw = txn
+                .open_table(EVENTS)?
+                .get(item.seq)?
+                .map(|v| v.value().to_vec());
+            let Some(raw) = raw else { continue };
+            let ev: StoredEvent = dec("events", &raw)?;
+            let first = Self::next_idx(txn, item.seq)?;
+            for (idx, t) in (first..).zip(item.targets) {
+                let original = idempotency_key(&ev.event.source, &ev.event.id, &t.target_id);
+                let entry = QueueEntry {
+                    id: EntryId {
+                        event: item.seq,
+                        idx,
+                    },
+                    // Derived from the original key and the job: receivers process it again.
+                    idempotency_key: idempotency_key(&original, &job.id, "replay"),
+                    target_id: t.target_id,
+                    rule: t.rule,
+                    state: EntryState::Queued,
+                    accepted_at: now,
+                    due_at: now,
+                    attempts: Vec::new(),
+                    ordering_key: t.ordering_key,
+                    lease: None,
+                    redrive_count: 0,
+                    hops: ev.event.hops(),
+                    replay: Some(job.id.clone()),
+                    finished_at: None,
+                    history: Vec::new(),
+                };
+                self.insert_entry(txn, &entry, effects)?;
+            }
+        }
+        put_job(txn, job)
     }
 
     /// Moves waiting (not leased) entries to the DLQ without an attempt.
@@ -1271,7 +1651,7 @@ impl Committer {
                 rule: Some(e.rule.clone()),
                 reason,
                 errors: vec![crate::event::FieldError::new("", message)],
-                attempts: e.attempts.clone(),
+                attempts: e.history.iter().chain(&e.attempts).cloned().collect(),
                 attempt_count: u32::try_from(e.attempts.len()).unwrap_or(u32::MAX),
                 first_failure_at: now,
                 last_failure_at: now,
@@ -1462,7 +1842,7 @@ impl Committer {
                         .iter()
                         .map(|m| crate::event::FieldError::new("", m.clone()))
                         .collect(),
-                    attempts: e.attempts.clone(),
+                    attempts: e.history.iter().chain(&e.attempts).cloned().collect(),
                     attempt_count: u32::try_from(e.attempts.len()).unwrap_or(u32::MAX),
                     first_failure_at: first,
                     last_failure_at: end.finished_at,
@@ -1496,6 +1876,21 @@ pub fn idempotency_key(source: &str, id: &str, target: &str) -> String {
         h.update(part.as_bytes());
     }
     hex::encode(&h.finalize()[..16])
+}
+
+fn put_job(txn: &WriteTransaction, job: &Job) -> Result<(), StoreError> {
+    txn.open_table(JOBS)?
+        .insert(job.id.as_str(), enc(job).as_slice())?;
+    Ok(())
+}
+
+/// Removes a DLQ entry (and its by-event index row); returns it.
+fn take_dlq(txn: &WriteTransaction, id: u64) -> Result<Option<DlqEntry>, StoreError> {
+    let raw = txn.open_table(DLQ)?.remove(id)?.map(|v| v.value().to_vec());
+    let Some(raw) = raw else { return Ok(None) };
+    let d: DlqEntry = dec("dlq", &raw)?;
+    txn.open_table(DLQ_BY_EVENT)?.remove((d.event_seq, id))?;
+    Ok(Some(d))
 }
 
 /// Removes one event with its entries and (if it still points at it) its dedup key.

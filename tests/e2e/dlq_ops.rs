@@ -1,0 +1,444 @@
+//! DLQ operations: contain (pause, disable), inspect (summary), redrive (rate, restart-safe),
+//! purge, alerts, and replay of a time range.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::harness::*;
+
+async fn post_json(r: &RouterProc, path: &str, body: Value) -> (u16, Value) {
+    let resp = client()
+        .post(r.url(path))
+        .json(&body)
+        .send()
+        .await
+        .expect("post");
+    let s = resp.status().as_u16();
+    (s, resp.json().await.unwrap_or(Value::Null))
+}
+
+async fn job_done(r: &RouterProc, path: &str, timeout: Duration) -> Value {
+    eventually(timeout, || async {
+        let (_, j) = get_json(r, path).await;
+        (j["state"] == "done").then_some(j)
+    })
+    .await
+    .unwrap_or_else(|| panic!("job {path} did not finish"))
+}
+
+fn broken_receiver(broken: Arc<AtomicBool>) -> Script {
+    Arc::new(move |_, _| {
+        (
+            if broken.load(Ordering::SeqCst) {
+                500
+            } else {
+                200
+            },
+            Duration::ZERO,
+            vec![],
+        )
+    })
+}
+
+const ONE_SHOT: &str =
+    "  one-shot:\n    retry: { max_attempts: 2, base_delay: 10ms, max_delay: 10ms }";
+
+/// A consumer broken for a period: its events land in the DLQ; the summary shows one burst with
+/// one reason; after the fix a redrive at a set rate delivers all of them, the DLQ is empty and
+/// the delivered counts match.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_consumer_is_redriven_after_the_fix_at_the_set_rate() {
+    let broken = Arc::new(AtomicBool::new(true));
+    let rcv = Receiver::scripted(broken_receiver(broken.clone())).await;
+    let alerts = Receiver::ok().await;
+    let rules = format!(
+        "{}  - name: page-on-dlq\n    pattern:\n      type: [router.dlq.added]\n    targets:\n      - webhook: {}\n        id: pager\n",
+        rules_yaml(
+            ONE_SHOT,
+            &[(
+                "orders",
+                "t",
+                &[format!(
+                    "webhook: {}\n        id: consumer\n        policy: one-shot",
+                    rcv.url()
+                )]
+            )]
+        ),
+        alerts.url()
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let batch: Vec<_> = (0..40)
+        .map(|i| event(&format!("x{i}"), "t", json!({"i": i})))
+        .collect();
+    let (s, _) = post_raw(
+        &r,
+        "application/cloudevents-batch+json",
+        serde_json::to_vec(&batch).expect("json"),
+    )
+    .await;
+    assert_eq!(s, 202);
+    let dlq_full = eventually(Duration::from_secs(15), || async {
+        let (_, l) = get_json(&r, "/v1/dlq?target=consumer&limit=1000").await;
+        (l["entries"].as_array().map(Vec::len) == Some(40)).then_some(())
+    })
+    .await;
+    assert!(dlq_full.is_some(), "events did not reach the DLQ");
+    // Alerts: dlq.added events reached the pager (rate-limited, so at least some).
+    assert!(
+        alerts
+            .wait_for(Duration::from_secs(10), |s| !s.is_empty())
+            .await,
+        "no router.dlq.added alert"
+    );
+    assert_eq!(alerts.received()[0].body["data"]["target"], "consumer");
+    // Summary: one group, one reason, one bucket.
+    let (_, sum) = get_json(&r, "/v1/dlq/summary?bucket=1h").await;
+    let groups = sum["groups"].as_array().expect("groups");
+    let consumer: Vec<_> = groups
+        .iter()
+        .filter(|g| g["target"] == "consumer")
+        .collect();
+    assert_eq!(consumer.len(), 1, "{sum}");
+    assert_eq!(consumer[0]["reason"], "retries_exhausted");
+    assert_eq!(consumer[0]["count"], 40);
+    assert_eq!(consumer[0]["histogram"].as_array().map(Vec::len), Some(1));
+    // Purge dry run counts and changes nothing.
+    let (_, p) = post_json(
+        &r,
+        "/v1/dlq/purge",
+        json!({"filter": {"target": "consumer"}, "dry_run": true}),
+    )
+    .await;
+    assert_eq!(p["matched"], 40);
+    // Fix, then redrive at 20/s.
+    broken.store(false, Ordering::SeqCst);
+    let before = rcv.count();
+    let started = Instant::now();
+    let (s, job) = post_json(
+        &r,
+        "/v1/dlq/redrive",
+        json!({"filter": {"target": "consumer"}, "rate_per_sec": 20}),
+    )
+    .await;
+    assert_eq!(s, 201, "{job}");
+    assert_eq!(job["total"], 40);
+    let id = job["id"].as_str().expect("job id").to_string();
+    let done = job_done(
+        &r,
+        &format!("/v1/dlq/redrive/{id}"),
+        Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(done["moved"], 40);
+    assert!(
+        rcv.wait_for(Duration::from_secs(15), |s| s.len() >= before + 40)
+            .await
+    );
+    let took = started.elapsed().as_secs_f64();
+    // 40 entries at 20/s take about 2 s; allow the first second's burst.
+    assert!(
+        took >= 1.4,
+        "redrive faster than its rate: 40 in {took:.2}s"
+    );
+    let (_, l) = get_json(&r, "/v1/dlq?target=consumer").await;
+    assert_eq!(
+        l["entries"].as_array().map(Vec::len),
+        Some(0),
+        "DLQ not empty after redrive"
+    );
+    let redelivered: HashSet<_> = rcv
+        .received()
+        .iter()
+        .skip(before)
+        .map(Received::event_id)
+        .collect();
+    assert_eq!(redelivered.len(), 40);
+    let f = fate(&r, "x7").await;
+    assert_eq!(f["targets"][0]["state"], "delivered");
+    assert_eq!(f["targets"][0]["redrive_count"], 1);
+}
+
+/// A redrive job killed repeatedly resumes each time and moves every entry exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_job_survives_repeated_kill_9() {
+    let broken = Arc::new(AtomicBool::new(true));
+    let rcv = Receiver::scripted(broken_receiver(broken.clone())).await;
+    let rules = rules_yaml(
+        ONE_SHOT,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: c\n        policy: one-shot",
+                rcv.url()
+            )],
+        )],
+    );
+    let mut r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let batch: Vec<_> = (0..60)
+        .map(|i| event(&format!("k{i}"), "t", json!({})))
+        .collect();
+    post_raw(
+        &r,
+        "application/cloudevents-batch+json",
+        serde_json::to_vec(&batch).expect("json"),
+    )
+    .await;
+    assert!(
+        eventually(Duration::from_secs(15), || async {
+            let (_, l) = get_json(&r, "/v1/dlq?limit=1000").await;
+            (l["entries"].as_array().map(Vec::len) == Some(60)).then_some(())
+        })
+        .await
+        .is_some()
+    );
+    broken.store(false, Ordering::SeqCst);
+    let (_, job) = post_json(&r, "/v1/dlq/redrive", json!({"rate_per_sec": 25})).await;
+    let id = job["id"].as_str().expect("id").to_string();
+    let mut kills = 0;
+    loop {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let (_, j) = get_json(&r, &format!("/v1/dlq/redrive/{id}")).await;
+        if j["state"] == "done" {
+            break;
+        }
+        r.kill9();
+        r.restart();
+        kills += 1;
+        assert!(kills < 30, "the job never finished: {j}");
+    }
+    eprintln!("redrive finished after {kills} kill -9s");
+    assert!(kills >= 2, "the test did not kill the job mid-way");
+    let (_, j) = get_json(&r, &format!("/v1/dlq/redrive/{id}")).await;
+    assert_eq!(j["moved"], 60, "{j}");
+    // Exactly once: every entry was moved once (redrive_count 1) and nothing is left behind.
+    for i in 0..60 {
+        let f = fate(&r, &format!("k{i}")).await;
+        assert_eq!(f["targets"][0]["redrive_count"], 1, "k{i}: {f}");
+    }
+    assert!(
+        rcv.wait_for(Duration::from_secs(20), |s| s
+            .iter()
+            .filter(|x| x.at.elapsed() < Duration::from_secs(600))
+            .map(Received::event_id)
+            .collect::<HashSet<_>>()
+            .len()
+            == 60)
+            .await
+    );
+    let (_, l) = get_json(&r, "/v1/dlq").await;
+    assert_eq!(l["entries"].as_array().map(Vec::len), Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_of_a_time_range_delivers_exactly_the_matching_archived_events() {
+    let rcv = Receiver::ok().await;
+    let rules = rules_yaml(
+        "",
+        &[(
+            "r",
+            "t",
+            &[format!("webhook: {}\n        id: c", rcv.url())],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let send = |prefix: &'static str| {
+        let r = &r;
+        async move {
+            let batch: Vec<_> = (0..10)
+                .map(|i| {
+                    event(
+                        &format!("{prefix}{i}"),
+                        "t",
+                        json!({"color": if i % 2 == 0 { "red" } else { "blue" }}),
+                    )
+                })
+                .collect();
+            post_raw(
+                r,
+                "application/cloudevents-batch+json",
+                serde_json::to_vec(&batch).expect("json"),
+            )
+            .await;
+        }
+    };
+    send("before").await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let from = chrono::Utc::now();
+    send("inside").await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let to = chrono::Utc::now();
+    send("after").await;
+    assert!(
+        rcv.wait_for(Duration::from_secs(10), |s| s.len() >= 30)
+            .await
+    );
+    let first_keys: HashMap<String, String> = rcv
+        .received()
+        .iter()
+        .map(|g| {
+            (
+                g.event_id(),
+                g.header("idempotency-key").unwrap_or_default(),
+            )
+        })
+        .collect();
+    let before = rcv.count();
+    let (s, job) = post_json(
+        &r,
+        "/v1/replay",
+        json!({"from": from.to_rfc3339(), "to": to.to_rfc3339(), "filter": {"data": {"color": ["red"]}}, "rate_per_sec": 100}),
+    )
+    .await;
+    assert_eq!(s, 201, "{job}");
+    let id = job["id"].as_str().expect("id").to_string();
+    let done = job_done(&r, &format!("/v1/replay/{id}"), Duration::from_secs(20)).await;
+    assert_eq!(done["moved"], 5, "{done}");
+    assert!(
+        rcv.wait_for(Duration::from_secs(10), |s| s.len() >= before + 5)
+            .await
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let replayed: Vec<Received> = rcv.received().into_iter().skip(before).collect();
+    let ids: HashSet<_> = replayed.iter().map(Received::event_id).collect();
+    let want: HashSet<_> = (0..10).step_by(2).map(|i| format!("inside{i}")).collect();
+    assert_eq!(ids, want);
+    assert_eq!(replayed.len(), 5);
+    for g in &replayed {
+        assert_eq!(
+            g.body["replay"],
+            id.as_str(),
+            "replayed deliveries carry the replay marker"
+        );
+        assert_ne!(
+            g.header("idempotency-key"),
+            first_keys.get(&g.event_id()).cloned(),
+            "replay gets its own idempotency key"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_and_disable_contain_without_losing_anything() {
+    let rcv = Receiver::ok().await;
+    let other = Receiver::ok().await;
+    let rules = rules_yaml(
+        "",
+        &[
+            (
+                "main",
+                "t",
+                &[format!("webhook: {}\n        id: main", rcv.url())],
+            ),
+            (
+                "side",
+                "t",
+                &[format!("webhook: {}\n        id: side", other.url())],
+            ),
+        ],
+    );
+    let mut r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(
+        post_json(&r, "/v1/targets/main/pause", json!({})).await.0,
+        200
+    );
+    assert_eq!(
+        post_json(&r, "/v1/rules/side/disable", json!({})).await.0,
+        200
+    );
+    assert_eq!(
+        post_json(&r, "/v1/rules/nope/disable", json!({})).await.0,
+        404
+    );
+    for i in 0..5 {
+        post_event(&r, &event(&format!("p{i}"), "t", json!({}))).await;
+    }
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(rcv.count(), 0, "a paused target got attempts");
+    assert_eq!(other.count(), 0, "a disabled rule matched");
+    let (_, t) = get_json(&r, "/v1/targets/main").await;
+    assert_eq!(t["paused"], true);
+    assert_eq!(t["queued"], 5);
+    // Both survive a restart.
+    r.kill9();
+    r.restart();
+    post_event(&r, &event("p-after", "t", json!({}))).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(rcv.count(), 0);
+    assert_eq!(other.count(), 0);
+    assert_eq!(
+        post_json(&r, "/v1/targets/main/resume", json!({})).await.0,
+        200
+    );
+    assert!(
+        rcv.wait_for(Duration::from_secs(10), |s| s.len() == 6)
+            .await,
+        "the queue did not drain after resume"
+    );
+    assert_eq!(
+        post_json(&r, "/v1/rules/side/enable", json!({})).await.0,
+        200
+    );
+    post_event(&r, &event("p-enabled", "t", json!({}))).await;
+    assert!(
+        other
+            .wait_for(Duration::from_secs(10), |s| s.len() == 1)
+            .await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quarantined_events_are_revalidated_when_redriven() {
+    let rcv = Receiver::ok().await;
+    let rules = rules_yaml("", &[("r", "order", &[format!("webhook: {}", rcv.url())])]);
+    let strict = r#"{"type": "object", "required": ["id"]}"#;
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[("order/v1.json", strict)]);
+    let (_, b) = post_event(&r, &event("q1", "order", json!({"name": "no id"}))).await;
+    assert_eq!(b["results"][0]["status"], "quarantined");
+    // Redrive before the fix: still invalid, stays in the DLQ (failed 1).
+    let (_, job) = post_json(
+        &r,
+        "/v1/dlq/redrive",
+        json!({"filter": {"reason": "contract_violation"}, "rate_per_sec": 50}),
+    )
+    .await;
+    let done = job_done(
+        &r,
+        &format!("/v1/dlq/redrive/{}", job["id"].as_str().unwrap_or("")),
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(
+        (done["moved"].clone(), done["failed"].clone()),
+        (json!(0), json!(1))
+    );
+    // The contract is relaxed; the redrive now routes it through the current rules.
+    std::fs::write(
+        r.dir.path().join("contracts/order/v1.json"),
+        r#"{"type": "object"}"#,
+    )
+    .expect("write");
+    let _ = client().post(r.url("/v1/admin/reload")).send().await;
+    let (_, job) = post_json(
+        &r,
+        "/v1/dlq/redrive",
+        json!({"filter": {"reason": "contract_violation"}, "rate_per_sec": 50}),
+    )
+    .await;
+    let done = job_done(
+        &r,
+        &format!("/v1/dlq/redrive/{}", job["id"].as_str().unwrap_or("")),
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(done["moved"], 1, "{done}");
+    assert!(
+        rcv.wait_for(Duration::from_secs(10), |s| s.len() == 1)
+            .await
+    );
+    assert_eq!(fate(&r, "q1").await["quarantined"], false);
+}
