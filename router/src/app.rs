@@ -50,6 +50,12 @@ pub struct App {
     pub jobs: crate::dlq::Jobs,
     /// Rules disabled by an operator (persisted; override the files until enabled).
     pub disabled: ArcSwap<std::collections::HashSet<String>>,
+    /// Configured bearer tokens.
+    pub tokens: crate::auth::Tokens,
+    /// Per-token ingest rate limiters.
+    pub ingest_limiters: std::collections::HashMap<String, crate::deliver::Limiter>,
+    /// Set while the store is past its disk high-water mark (ingest answers 503).
+    pub disk_full: AtomicBool,
 }
 
 /// Store key prefix of persisted rule overrides (kept beside target states).
@@ -317,6 +323,33 @@ pub enum RunError {
     /// The webhook HTTP client could not be built.
     #[error("http client: {0}")]
     Client(#[from] crate::target::webhook::WebhookError),
+    /// Invalid `[auth]` configuration.
+    #[error("{0}")]
+    Auth(#[from] crate::auth::TokenConfigError),
+    /// The secrets file is unreadable or not a TOML table of strings.
+    #[error("secrets file {0}")]
+    Secrets(String),
+    /// Refusing to serve without tokens on a non-loopback address.
+    #[error(
+        "refusing to listen on {0} without auth tokens: configure [[auth.tokens]] or set auth.insecure = true"
+    )]
+    Insecure(std::net::SocketAddr),
+}
+
+/// Secrets come from the environment first, then the optional secrets file (a TOML table of
+/// name = "value"); never from the rule files.
+fn secret_resolver(cfg: &Config) -> Result<crate::deliver::SecretResolver, RunError> {
+    let file: std::collections::HashMap<String, String> = match &cfg.secrets_file {
+        None => Default::default(),
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| RunError::Secrets(format!("{}: {e}", p.display())))?;
+            toml::from_str(&text).map_err(|e| RunError::Secrets(format!("{}: {e}", p.display())))?
+        }
+    };
+    Ok(Arc::new(move |name: &str| {
+        std::env::var(name).ok().or_else(|| file.get(name).cloned())
+    }))
 }
 
 /// Loads the rule set from `cfg.rules_dir` (a missing directory means no rules).
@@ -385,6 +418,23 @@ pub async fn run_with_store(
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) -> Result<(), RunError> {
+    let tokens = crate::auth::Tokens::new(&cfg.auth.tokens)?;
+    let local = listener.local_addr()?;
+    if !tokens.enabled() && !local.ip().is_loopback() && !cfg.auth.insecure {
+        return Err(RunError::Insecure(local));
+    }
+    let ingest_limiters = cfg
+        .auth
+        .tokens
+        .iter()
+        .filter_map(|t| {
+            let rate = t.rate_per_sec?;
+            let period = std::time::Duration::from_secs_f64(1.0 / rate.max(1e-6));
+            let burst = std::num::NonZeroU32::new((rate.ceil() as u32).max(1))?;
+            let q = governor::Quota::with_period(period)?.allow_burst(burst);
+            Some((t.name.clone(), governor::RateLimiter::direct(q)))
+        })
+        .collect();
     let (rules, mut warnings) = load_rules(&cfg)?;
     let contracts = load_contracts(&cfg)?;
     for w in &warnings {
@@ -405,6 +455,7 @@ pub async fn run_with_store(
         cancel: workers_cancel.clone(),
         tracker: tracker.clone(),
         system_events: Some(sys_tx),
+        secrets: secret_resolver(&cfg)?,
     });
 
     // Remember every target's configuration, then start workers for the current targets and
@@ -478,10 +529,14 @@ pub async fn run_with_store(
         reload_lock: tokio::sync::Mutex::new(()),
         jobs: crate::dlq::Jobs::default(),
         disabled: ArcSwap::from_pointee(disabled),
+        tokens,
+        ingest_limiters,
+        disk_full: AtomicBool::new(false),
     });
     crate::dlq::resume_all(&app)?;
     spawn_reload_triggers(&app, &tracker, workers_cancel.clone());
     spawn_sweeper(&app, &tracker, workers_cancel.clone());
+    spawn_disk_monitor(&app, &tracker, workers_cancel.clone());
     spawn_system_event_router(&app, &tracker, workers_cancel.clone(), sys_rx);
 
     let router = Router::new()
@@ -525,14 +580,15 @@ pub async fn run_with_store(
         .route("/metrics", get(crate::admin::metrics))
         .route("/healthz", get(crate::admin::healthz))
         .route("/readyz", get(crate::admin::readyz))
+        .route_layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            crate::auth::layer,
+        ))
         .with_state(app.clone());
 
     app.ready.store(true, Ordering::SeqCst);
     tracing::info!(listen = %listener.local_addr()?, "router listening");
-    let http_shutdown = shutdown.clone();
-    axum::serve(listener, router)
-        .with_graceful_shutdown(async move { http_shutdown.cancelled().await })
-        .await?;
+    serve(listener, router, &app.cfg.server, shutdown.clone()).await;
 
     // Ingest has stopped. Let in-flight attempts finish within the grace period, then stop.
     app.ready.store(false, Ordering::SeqCst);
@@ -588,6 +644,77 @@ fn spawn_system_event_router(
             ne.targets.retain(|t| Some(&t.target_id) != about.as_ref());
             if let Err(e) = app.store.accept(vec![ne]).await {
                 tracing::error!(error = %e, ty = %ev.ty, "could not store a system event");
+            }
+        }
+    });
+}
+
+/// The HTTP accept loop: HTTP/1.1 with a header read timeout (slow-loris) and a bounded
+/// request head; on shutdown, stops accepting and lets open requests finish.
+async fn serve(
+    listener: TcpListener,
+    router: Router,
+    cfg: &crate::config::ServerConfig,
+    shutdown: CancellationToken,
+) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        let (stream, _) = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let svc = hyper_util::service::TowerToHyperService::new(router.clone());
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(cfg.header_read_timeout)
+            .max_buf_size(cfg.max_header_bytes.max(8192))
+            .serve_connection(TokioIo::new(stream), svc);
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+    }
+    if tokio::time::timeout(Duration::from_secs(10), graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("open HTTP connections did not finish within 10s");
+    }
+}
+
+/// Watches the store's size against its high-water mark: past it, ingest answers 503 (delivery
+/// goes on and drains); below the low-water mark, ingest resumes.
+fn spawn_disk_monitor(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToken) {
+    let app = app.clone();
+    tracker.spawn(async move {
+        let high = app.cfg.store.max_disk_bytes;
+        if high == 0 {
+            return;
+        }
+        let low = (high as f64 * app.cfg.store.low_water_fraction) as u64;
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+            let used = app.store.disk_bytes();
+            let full = app.disk_full.load(Ordering::Relaxed);
+            if !full && used > high {
+                app.disk_full.store(true, Ordering::Relaxed);
+                tracing::error!(used, high, "store past its disk high-water mark: ingest answers 503 until it is below the low-water mark");
+            } else if full && used < low {
+                app.disk_full.store(false, Ordering::Relaxed);
+                tracing::warn!(used, low, "store below its low-water mark: ingest resumes");
             }
         }
     });

@@ -52,6 +52,47 @@ pub struct Config {
     pub store: StoreConfig,
     /// Archive (for replay).
     pub archive: ArchiveConfig,
+    /// Authentication.
+    pub auth: AuthConfig,
+    /// HTTP server limits.
+    pub server: ServerConfig,
+    /// Optional TOML file of secrets (`NAME = "value"`) that `secret_env` names resolve in,
+    /// after the environment. Never the rule files.
+    pub secrets_file: Option<PathBuf>,
+}
+
+/// `[auth]`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// Bearer tokens (`[[auth.tokens]]` with name, sha256, scopes, rate_per_sec).
+    pub tokens: Vec<crate::auth::TokenConfig>,
+    /// Allow serving on a non-loopback address without tokens. Off by default.
+    pub insecure: bool,
+}
+
+/// `[server]`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// A connection must send its request headers within this time (slow-loris).
+    #[serde(with = "humantime_serde")]
+    pub header_read_timeout: Duration,
+    /// A whole request (body included) must arrive within this time.
+    #[serde(with = "humantime_serde")]
+    pub request_timeout: Duration,
+    /// Largest request head (request line + headers) accepted.
+    pub max_header_bytes: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(30),
+            max_header_bytes: 64 * 1024,
+        }
+    }
 }
 
 /// `[archive]`
@@ -139,6 +180,11 @@ pub struct StoreConfig {
     /// The store file is compacted after a sweep when it is larger than this and more than
     /// half of it is free pages (e.g. after a backlog drained). Default 64 MiB.
     pub compact_min_bytes: u64,
+    /// High-water mark of the store file: past it ingest answers 503 with Retry-After (until
+    /// it is below `low_water_fraction` of this) while delivery goes on. 0 = no limit.
+    pub max_disk_bytes: u64,
+    /// Ingest resumes below this fraction of `max_disk_bytes`.
+    pub low_water_fraction: f64,
 }
 
 impl Default for Config {
@@ -154,6 +200,9 @@ impl Default for Config {
             delivery: DeliveryConfig::default(),
             store: StoreConfig::default(),
             archive: ArchiveConfig::default(),
+            auth: AuthConfig::default(),
+            server: ServerConfig::default(),
+            secrets_file: None,
         }
     }
 }
@@ -187,6 +236,8 @@ impl Default for StoreConfig {
         Self {
             cache_bytes: 256 << 20,
             compact_min_bytes: 64 << 20,
+            max_disk_bytes: 50 << 30,
+            low_water_fraction: 0.9,
         }
     }
 }

@@ -93,6 +93,11 @@ enum Cmd {
         #[command(subcommand)]
         cmd: TargetsCmd,
     },
+    /// Bearer tokens.
+    Token {
+        #[command(subcommand)]
+        cmd: TokenCmd,
+    },
     /// Configuration tools.
     Config {
         #[command(subcommand)]
@@ -255,6 +260,18 @@ enum RulesCmd {
 enum ContractsCmd {
     /// Validate every contract in DIR and check each version against the previous one.
     Check { dir: PathBuf },
+}
+
+#[derive(Subcommand)]
+enum TokenCmd {
+    /// Prints a new random token once, and the config lines (with its SHA-256) to add.
+    New {
+        /// Who holds it (team or producer).
+        name: String,
+        /// Scopes: ingest:<type-glob>, handlers:<name-glob>, dlq:<target-glob>, read, admin.
+        #[arg(long = "scope", required = true)]
+        scopes: Vec<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -473,6 +490,24 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             print_value(&api, &job, router::cli::job_line);
             Ok(ExitCode::SUCCESS)
         }),
+        Cmd::Token {
+            cmd: TokenCmd::New { name, scopes },
+        } => {
+            let (token, hash) = router::auth::new_token();
+            let cfg = router::auth::TokenConfig {
+                name: name.clone(),
+                sha256: hash,
+                scopes,
+                rate_per_sec: None,
+            };
+            router::auth::Tokens::new(std::slice::from_ref(&cfg))?;
+            eprintln!("token for {name} (shown once; the router stores only its hash):");
+            println!("{token}");
+            eprintln!("\nadd to the config file:\n");
+            let scopes = cfg.scopes.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(", ");
+            eprintln!("[[auth.tokens]]\nname = {:?}\nsha256 = {:?}\nscopes = [{scopes}]", cfg.name, cfg.sha256);
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Config {
             cmd: ConfigCmd::Explain { dir, config },
         } => {

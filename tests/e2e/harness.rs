@@ -36,6 +36,16 @@ impl RouterProc {
         contracts: &[(&str, &str)],
         env: &[(&str, &str)],
     ) -> Self {
+        Self::start_full(rules, contracts, env, None)
+    }
+
+    /// Starts with a config file (TOML text) as well.
+    pub fn start_full(
+        rules: &[(&str, &str)],
+        contracts: &[(&str, &str)],
+        env: &[(&str, &str)],
+        config: Option<&str>,
+    ) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         for (name, text) in rules {
             write(&dir.path().join("rules").join(name), text);
@@ -43,6 +53,9 @@ impl RouterProc {
         std::fs::create_dir_all(dir.path().join("rules")).expect("rules dir");
         for (name, text) in contracts {
             write(&dir.path().join("contracts").join(name), text);
+        }
+        if let Some(c) = config {
+            write(&dir.path().join("router.toml"), c);
         }
         let mut p = Self {
             dir,
@@ -72,8 +85,12 @@ impl RouterProc {
             .arg("--rules")
             .arg(self.dir.path().join("rules"))
             .arg("--contracts")
-            .arg(self.dir.path().join("contracts"))
-            .env("RUST_LOG", "info")
+            .arg(self.dir.path().join("contracts"));
+        let config = self.dir.path().join("router.toml");
+        if config.exists() {
+            cmd.arg("--config").arg(config);
+        }
+        cmd.env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
             .stderr(Stdio::piped());

@@ -7,3 +7,4 @@ mod harness;
 mod ingest;
 mod policies;
 mod reload;
+mod security;

@@ -162,7 +162,14 @@ fn parse_time(name: &str, v: Option<&String>) -> Result<Option<i64>, FieldError>
 }
 
 /// `GET /v1/dlq`: filtered, cursor-paged listing.
-pub async fn dlq_list(State(app): State<Arc<App>>, Query(q): Query<DlqQuery>) -> Response {
+pub async fn dlq_list(
+    State(app): State<Arc<App>>,
+    axum::Extension(who): axum::Extension<crate::auth::Principal>,
+    Query(q): Query<DlqQuery>,
+) -> Response {
+    if let Err(r) = dlq_read_scope(&who, q.target.as_deref()) {
+        return *r;
+    }
     let mut errors = Vec::new();
     let reason = match q.reason.as_deref().map(str::parse) {
         Some(Ok(r)) => Some(r),
@@ -220,7 +227,11 @@ pub async fn dlq_list(State(app): State<Arc<App>>, Query(q): Query<DlqQuery>) ->
 }
 
 /// `GET /v1/dlq/{id}`: one entry with its full event.
-pub async fn dlq_show(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+pub async fn dlq_show(
+    State(app): State<Arc<App>>,
+    axum::Extension(who): axum::Extension<crate::auth::Principal>,
+    Path(id): Path<String>,
+) -> Response {
     let Ok(n) = id.parse::<u64>() else {
         return error_response(
             StatusCode::BAD_REQUEST,
@@ -230,6 +241,9 @@ pub async fn dlq_show(State(app): State<Arc<App>>, Path(id): Path<String>) -> Re
     };
     match app.store.dlq_get(n) {
         Ok(Some((d, ev))) => {
+            if let Err(r) = dlq_read_scope(&who, Some(d.target_id.as_deref().unwrap_or(""))) {
+                return *r;
+            }
             let mut v = dlq_json(&d);
             v["event"] = ev.event.to_json();
             v["accepted_at"] = json!(rfc3339(ev.accepted_at));
@@ -459,6 +473,39 @@ pub async fn readyz(State(app): State<Arc<App>>) -> Response {
     }
 }
 
+/// Reading the DLQ: `read`, or `dlq:<target>` for entries of that target (the request must
+/// name the target).
+fn dlq_read_scope(who: &crate::auth::Principal, target: Option<&str>) -> Result<(), Box<Response>> {
+    if who.allows(&crate::auth::Scope::Read) {
+        return Ok(());
+    }
+    match target {
+        Some(t) => crate::auth::require(who, &crate::auth::Scope::Dlq(t.to_string())),
+        None => Err(Box::new(crate::auth::forbidden(
+            who,
+            "read (or dlq:<target> with a target filter)",
+        ))),
+    }
+}
+
+/// Changing the DLQ (redrive, purge): `admin`, or `dlq:<target>` with that target in the
+/// filter — a team can never redrive another team's dead letters.
+fn dlq_write_scope(
+    who: &crate::auth::Principal,
+    target: Option<&str>,
+) -> Result<(), Box<Response>> {
+    if who.allows(&crate::auth::Scope::Admin) {
+        return Ok(());
+    }
+    match target {
+        Some(t) => crate::auth::require(who, &crate::auth::Scope::Dlq(t.to_string())),
+        None => Err(Box::new(crate::auth::forbidden(
+            who,
+            "admin (or dlq:<target> with a target filter)",
+        ))),
+    }
+}
+
 fn job_error(e: crate::dlq::JobError) -> Response {
     use crate::dlq::JobError;
     match e {
@@ -511,8 +558,12 @@ fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Box<Resp
 /// `GET /v1/dlq/summary`: counts by target × reason with first/last time and a histogram.
 pub async fn dlq_summary(
     State(app): State<Arc<App>>,
+    axum::Extension(who): axum::Extension<crate::auth::Principal>,
     Query(q): Query<std::collections::HashMap<String, String>>,
 ) -> Response {
+    if let Err(r) = dlq_read_scope(&who, q.get("target").map(String::as_str)) {
+        return *r;
+    }
     let mut q = q;
     let bucket = q.remove("bucket");
     let spec: crate::dlq::FilterSpec = match serde_json::from_value(json!(q)) {
@@ -580,11 +631,18 @@ pub struct PurgeRequest {
 }
 
 /// `POST /v1/dlq/purge`: deletes matching entries (or counts them with `dry_run`).
-pub async fn dlq_purge(State(app): State<Arc<App>>, body: axum::body::Bytes) -> Response {
+pub async fn dlq_purge(
+    State(app): State<Arc<App>>,
+    axum::Extension(who): axum::Extension<crate::auth::Principal>,
+    body: axum::body::Bytes,
+) -> Response {
     let req: PurgeRequest = match parse_body(&body) {
         Ok(r) => r,
         Err(resp) => return *resp,
     };
+    if let Err(r) = dlq_write_scope(&who, req.filter.target.as_deref()) {
+        return *r;
+    }
     let filter = match req.filter.to_filter("/filter") {
         Ok(f) => f,
         Err(errors) => return error_response(StatusCode::BAD_REQUEST, "invalid request", errors),
@@ -622,11 +680,18 @@ pub async fn dlq_purge(State(app): State<Arc<App>>, body: axum::body::Bytes) -> 
 }
 
 /// `POST /v1/dlq/redrive`: creates a redrive job.
-pub async fn redrive_create(State(app): State<Arc<App>>, body: axum::body::Bytes) -> Response {
-    let req = match parse_body(&body) {
+pub async fn redrive_create(
+    State(app): State<Arc<App>>,
+    axum::Extension(who): axum::Extension<crate::auth::Principal>,
+    body: axum::body::Bytes,
+) -> Response {
+    let req: crate::dlq::RedriveRequest = match parse_body(&body) {
         Ok(r) => r,
         Err(resp) => return *resp,
     };
+    if let Err(r) = dlq_write_scope(&who, req.filter.target.as_deref()) {
+        return *r;
+    }
     match crate::dlq::create_redrive(&app, req).await {
         Ok(job) => (StatusCode::CREATED, axum::Json(job_json(&job))).into_response(),
         Err(e) => job_error(e),
@@ -665,8 +730,23 @@ pub async fn job_show(State(app): State<Arc<App>>, Path(job): Path<String>) -> R
 /// `POST .../{job}/pause|resume|cancel`.
 pub async fn job_control(
     State(app): State<Arc<App>>,
+    axum::Extension(who): axum::Extension<crate::auth::Principal>,
     Path((job, action)): Path<(String, String)>,
 ) -> Response {
+    // Replays are admin-only (the router checked); a redrive is its filter's target's.
+    if let Ok(j) = crate::dlq::get(&app, &job) {
+        let target = j.spec["filter"]["target"].as_str().map(str::to_string);
+        let scope = if j.kind == crate::store::JobKind::Replay {
+            Err(Box::new(crate::auth::forbidden(&who, "admin")))
+        } else {
+            dlq_write_scope(&who, target.as_deref())
+        };
+        if !who.allows(&crate::auth::Scope::Admin)
+            && let Err(r) = scope
+        {
+            return *r;
+        }
+    }
     use crate::store::JobState;
     let to = match action.as_str() {
         "pause" => JobState::Paused,

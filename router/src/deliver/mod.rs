@@ -22,8 +22,11 @@ use crate::target::Target;
 use crate::target::webhook::{Webhook, WebhookError};
 use crate::telemetry::Metrics;
 
-pub use runtime::{PersistedState, TargetRuntime};
+pub use runtime::{Limiter, PersistedState, TargetRuntime};
 pub use worker::{decide, dlq_added, system_event};
+
+/// Resolves a secret by name (environment, then the secrets file).
+pub type SecretResolver = Arc<dyn Fn(&str) -> Option<String> + Send + Sync>;
 
 /// What every worker shares.
 pub struct DeliveryContext {
@@ -43,6 +46,8 @@ pub struct DeliveryContext {
     pub tracker: TaskTracker,
     /// Where workers send system events (breaker transitions) to be routed.
     pub system_events: Option<tokio::sync::mpsc::Sender<crate::event::CloudEvent>>,
+    /// Resolves a secret name (`secret_env`): the environment, then the secrets file.
+    pub secrets: SecretResolver,
 }
 
 struct Running {
@@ -66,6 +71,17 @@ pub enum StartError {
         id: String,
         /// Why.
         source: WebhookError,
+    },
+    /// The webhook's signing secret is missing or malformed: nothing is sent unsigned; the
+    /// queue waits.
+    #[error("target {id}: signing secret {name}: {why}; its entries stay queued")]
+    Secret {
+        /// Target id.
+        id: String,
+        /// The `secret_env` name.
+        name: String,
+        /// What is wrong.
+        why: String,
     },
     /// The target kind is not available in this build yet.
     #[error("target {id}: {kind} targets are not supported yet; its entries stay queued")]
@@ -93,18 +109,41 @@ impl Dispatcher {
 
     fn build_target(&self, spec: &TargetSpec) -> Result<Arc<dyn Target>, StartError> {
         match &spec.kind {
-            TargetKind::Webhook { url, headers, .. } => Ok(Arc::new(
-                Webhook::new(
+            TargetKind::Webhook {
+                url,
+                headers,
+                secret_env,
+            } => {
+                let keys = match secret_env {
+                    None => Vec::new(),
+                    Some(name) => {
+                        let value = (self.ctx.secrets)(name).ok_or_else(|| StartError::Secret {
+                            id: spec.id.clone(),
+                            name: name.clone(),
+                            why: "not set in the environment or the secrets file".into(),
+                        })?;
+                        crate::target::webhook::parse_secrets(&value).map_err(|why| {
+                            StartError::Secret {
+                                id: spec.id.clone(),
+                                name: name.clone(),
+                                why,
+                            }
+                        })?
+                    }
+                };
+                let hook = Webhook::new(
                     self.ctx.http.clone(),
                     url.clone(),
                     headers,
                     self.ctx.cfg.max_response_bytes,
+                    keys,
                 )
                 .map_err(|source| StartError::Webhook {
                     id: spec.id.clone(),
                     source,
-                })?,
-            )),
+                })?;
+                Ok(Arc::new(hook))
+            }
             TargetKind::Handler { .. } => Err(StartError::Unsupported {
                 id: spec.id.clone(),
                 kind: "handler",

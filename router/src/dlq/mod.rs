@@ -421,6 +421,24 @@ async fn redrive_step(
                     }
                 }
             }
+            DlqReason::TargetOverflow => {
+                // It never got a queue entry: give it one now, for the same target.
+                let (Some(target), Some(rule)) = (d.target_id.clone(), d.rule.clone()) else {
+                    job.skipped += 1;
+                    continue;
+                };
+                actions.push(RedriveAction::Route {
+                    dlq_id: d.id,
+                    matched_rules: vec![rule.clone()],
+                    targets: vec![crate::store::NewEntry {
+                        target_id: target,
+                        rule,
+                        ordering_key: None,
+                        max_depth: None,
+                    }],
+                });
+                job.moved += 1;
+            }
             _ if d.entry.is_some() => {
                 actions.push(RedriveAction::Requeue { dlq_id: d.id });
                 job.moved += 1;

@@ -46,8 +46,13 @@ pub fn error_response(status: StatusCode, summary: &str, errors: Vec<FieldError>
 }
 
 /// `POST /v1/events`.
-pub async fn post_events(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
-    let resp = handle(&app, &headers, body).await;
+pub async fn post_events(
+    State(app): State<Arc<App>>,
+    axum::Extension(principal): axum::Extension<crate::auth::Principal>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let resp = handle(&app, &principal, &headers, body).await;
     app.metrics
         .ingest_requests
         .get_or_create(&vec![("code", resp.status().as_u16().to_string())])
@@ -55,7 +60,29 @@ pub async fn post_events(State(app): State<Arc<App>>, headers: HeaderMap, body: 
     resp
 }
 
-async fn handle(app: &App, headers: &HeaderMap, body: Body) -> Response {
+fn with_retry_after(mut r: Response, secs: u64) -> Response {
+    if let Ok(v) = axum::http::HeaderValue::from_str(&secs.max(1).to_string()) {
+        r.headers_mut().insert("retry-after", v);
+    }
+    r
+}
+
+async fn handle(
+    app: &App,
+    principal: &crate::auth::Principal,
+    headers: &HeaderMap,
+    body: Body,
+) -> Response {
+    if app.disk_full.load(std::sync::atomic::Ordering::Relaxed) {
+        return with_retry_after(
+            error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the store is past its disk high-water mark; delivery continues, retry later",
+                Vec::new(),
+            ),
+            30,
+        );
+    }
     let limits = parse::Limits {
         max_body_bytes: app.cfg.ingest.max_body_bytes,
         max_json_depth: app.cfg.ingest.max_json_depth,
@@ -78,9 +105,27 @@ async fn handle(app: &App, headers: &HeaderMap, body: Body) -> Response {
     if declared.is_some_and(|n| n > limits.max_body_bytes) {
         return too_large();
     }
-    let bytes = match axum::body::to_bytes(body, limits.max_body_bytes).await {
-        Ok(b) => b,
-        Err(_) => return too_large(),
+    let bytes = match tokio::time::timeout(
+        app.cfg.server.request_timeout,
+        axum::body::to_bytes(body, limits.max_body_bytes),
+    )
+    .await
+    {
+        Ok(Ok(b)) => b,
+        Ok(Err(_)) => return too_large(),
+        Err(_) => {
+            return error_response(
+                StatusCode::REQUEST_TIMEOUT,
+                "the request body did not arrive in time",
+                vec![FieldError::new(
+                    "",
+                    format!(
+                        "body not complete within {:?}",
+                        app.cfg.server.request_timeout
+                    ),
+                )],
+            );
+        }
     };
     let (mode, events) = match parse::parse_request(headers, &bytes, &limits) {
         Ok(x) => x,
@@ -97,6 +142,48 @@ async fn handle(app: &App, headers: &HeaderMap, body: Body) -> Response {
             return error_response(e.status, summary, e.errors);
         }
     };
+    // Scope: every event's type must be within the token's ingest scope (nothing is stored
+    // otherwise).
+    for ev in &events {
+        if let Err(resp) =
+            crate::auth::require(principal, &crate::auth::Scope::Ingest(ev.ty.clone()))
+        {
+            return *resp;
+        }
+    }
+    if let Some(limiter) = app.ingest_limiters.get(&principal.name) {
+        let n = std::num::NonZeroU32::new(u32::try_from(events.len()).unwrap_or(u32::MAX))
+            .unwrap_or(std::num::NonZeroU32::MIN);
+        let refused = match limiter.check_n(n) {
+            Ok(Ok(())) => None,
+            Ok(Err(not_until)) => {
+                use governor::clock::Clock as _;
+                Some(not_until.wait_time_from(governor::clock::DefaultClock::default().now()))
+            }
+            // More events in one request than the token's burst: it can never pass at once.
+            Err(_) => Some(std::time::Duration::from_secs(1)),
+        };
+        if let Some(wait) = refused {
+            app.metrics
+                .ingest_events
+                .get_or_create(&vec![("status", "throttled".to_string())])
+                .inc_by(events.len() as u64);
+            return with_retry_after(
+                error_response(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "ingest rate limit of this token reached",
+                    vec![FieldError::new(
+                        "",
+                        format!(
+                            "token {:?} is over its rate; retry after the indicated time",
+                            principal.name
+                        ),
+                    )],
+                ),
+                wait.as_secs_f64().ceil() as u64,
+            );
+        }
+    }
     let batch = matches!(mode, parse::Mode::Batch);
     let contracts = app.contracts.load();
     let rules = app.rules.load();
@@ -246,6 +333,7 @@ pub fn route(
                 target_id: tid.clone(),
                 rule: m.rule.clone(),
                 ordering_key,
+                max_depth: rules.targets.get(tid).map(|s| s.policy.max_queue_depth),
             });
         }
         matched_rules.push(m.rule);

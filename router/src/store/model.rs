@@ -269,6 +269,9 @@ pub struct NewEntry {
     pub rule: String,
     /// Ordering key, if the target's policy orders.
     pub ordering_key: Option<String>,
+    /// Queue-depth cap of the target: at or past it, this entry goes to the DLQ as
+    /// `target_overflow` instead (one dead target never makes ingest refuse others' events).
+    pub max_depth: Option<u64>,
 }
 
 /// Contract quarantine of an event about to be accepted.

@@ -384,6 +384,7 @@ impl RedbStore {
         let index = Arc::new(Mutex::new(index));
         let (tx, rx) = mpsc::channel(65_536);
         let committer = Committer {
+            group_depth: HashMap::new(),
             db: db.clone(),
             path: path.clone(),
             compact_due: false,
@@ -1052,6 +1053,8 @@ fn recover(db: &Database) -> Result<(u64, (u64, u64), Index), StoreError> {
 // The committer
 
 struct Committer {
+    /// Entries enqueued per target by the group being built (not yet in the index).
+    group_depth: HashMap<String, u64>,
     db: Arc<RwLock<Database>>,
     path: Option<std::path::PathBuf>,
     compact_due: bool,
@@ -1136,6 +1139,7 @@ impl Committer {
         let started = Instant::now();
         let n = ops.len();
         let saved = (self.next_seq, self.next_dlq);
+        self.group_depth.clear();
         let mut dones: Vec<Done> = Vec::with_capacity(n);
         let mut effects = Vec::new();
         let result = (|| -> Result<(), StoreError> {
@@ -1398,6 +1402,38 @@ impl Committer {
                         event: seq,
                         idx: u32::try_from(i).unwrap_or(u32::MAX),
                     };
+                    if let Some(cap) = t.max_depth {
+                        let live = {
+                            let mut idx = self.index.lock().unwrap_or_else(|p| p.into_inner());
+                            idx.target(&t.target_id).live.len() as u64
+                        };
+                        let pending = self.group_depth.get(&t.target_id).copied().unwrap_or(0);
+                        if live + pending >= cap {
+                            let d = DlqEntry {
+                                id: 0,
+                                event_seq: seq,
+                                event_id: stored.event.id.clone(),
+                                event_source: stored.event.source.clone(),
+                                event_type: stored.event.ty.clone(),
+                                entry: None,
+                                target_id: Some(t.target_id.clone()),
+                                rule: Some(t.rule.clone()),
+                                reason: DlqReason::TargetOverflow,
+                                errors: vec![crate::event::FieldError::new(
+                                    "",
+                                    format!("queue of {} is at its depth cap ({cap})", t.target_id),
+                                )],
+                                attempts: Vec::new(),
+                                attempt_count: 0,
+                                first_failure_at: ne.accepted_at,
+                                last_failure_at: ne.accepted_at,
+                                redrive_count: 0,
+                            };
+                            self.add_dlq(txn, d, effects)?;
+                            continue;
+                        }
+                    }
+                    *self.group_depth.entry(t.target_id.clone()).or_default() += 1;
                     let entry = QueueEntry {
                         id,
                         idempotency_key: idempotency_key(
@@ -1513,8 +1549,10 @@ impl Committer {
                     let raw = ev_t.get(d.event_seq)?.map(|v| v.value().to_vec());
                     let Some(raw) = raw else { continue };
                     let mut ev: StoredEvent = dec("events", &raw)?;
-                    ev.quarantined = false;
-                    ev.matched_rules = matched_rules;
+                    if ev.quarantined {
+                        ev.quarantined = false;
+                        ev.matched_rules = matched_rules;
+                    }
                     ev_t.insert(d.event_seq, enc(&ev).as_slice())?;
                     drop(ev_t);
                     let first = Self::next_idx(txn, d.event_seq)?;

@@ -23,6 +23,7 @@ fn new_event(source: &str, id: &str, targets: &[&str], at: Millis) -> NewEvent {
                 target_id: (*t).into(),
                 rule: "r".into(),
                 ordering_key: None,
+                max_depth: None,
             })
             .collect(),
         quarantine: None,

@@ -1,0 +1,363 @@
+//! Authentication and scopes: bearer tokens from config, stored as SHA-256 hashes (never the
+//! token), compared in constant time. Each token has a name and scopes:
+//! `ingest:<type-glob>`, `handlers:<name-glob>`, `dlq:<target-glob>`, `read`, `admin`.
+//! Missing or wrong token → 401; valid but out of scope → 403 naming the scope needed.
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+/// One configured token (`[[auth.tokens]]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenConfig {
+    /// Who holds it (team or producer); shown in logs and 403s, never the token.
+    pub name: String,
+    /// Hex SHA-256 of the token.
+    pub sha256: String,
+    /// Scopes granted.
+    pub scopes: Vec<String>,
+    /// Ingest rate limit for this token (events per second); none = unlimited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_per_sec: Option<f64>,
+}
+
+/// The caller, once authenticated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Principal {
+    /// Token name.
+    pub name: String,
+    /// Scopes.
+    pub scopes: Vec<String>,
+}
+
+/// What a route needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
+    /// `ingest:<type>` for each event type.
+    Ingest(String),
+    /// `handlers:<name>`.
+    Handlers(String),
+    /// `dlq:<target>`.
+    Dlq(String),
+    /// `read`.
+    Read,
+    /// `admin`.
+    Admin,
+}
+
+impl std::fmt::Display for Scope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Ingest(t) => write!(f, "ingest:{t}"),
+            Self::Handlers(n) => write!(f, "handlers:{n}"),
+            Self::Dlq(t) => write!(f, "dlq:{t}"),
+            Self::Read => f.write_str("read"),
+            Self::Admin => f.write_str("admin"),
+        }
+    }
+}
+
+/// Glob match with `*` (any run, including empty). Case-sensitive.
+pub fn glob(pattern: &str, s: &str) -> bool {
+    let (p, t): (Vec<char>, Vec<char>) = (pattern.chars().collect(), s.chars().collect());
+    let (mut pi, mut ti, mut star, mut mark) = (0usize, 0usize, None, 0usize);
+    while ti < t.len() {
+        if pi < p.len() && p[pi] == '*' {
+            star = Some(pi);
+            mark = ti;
+            pi += 1;
+        } else if pi < p.len() && p[pi] == t[ti] {
+            pi += 1;
+            ti += 1;
+        } else if let Some(sp) = star {
+            pi = sp + 1;
+            mark += 1;
+            ti = mark;
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|c| *c == '*')
+}
+
+impl Principal {
+    /// Whether this caller holds `needed`. `admin` holds everything; `read` is implied by
+    /// any `dlq:` or `handlers:` scope only for their own objects (checked by the caller).
+    pub fn allows(&self, needed: &Scope) -> bool {
+        self.scopes.iter().any(|s| {
+            if s == "admin" {
+                return true;
+            }
+            match needed {
+                Scope::Read => s == "read",
+                Scope::Admin => false,
+                Scope::Ingest(t) => s.strip_prefix("ingest:").is_some_and(|g| glob(g, t)),
+                Scope::Handlers(n) => s.strip_prefix("handlers:").is_some_and(|g| glob(g, n)),
+                Scope::Dlq(t) => s.strip_prefix("dlq:").is_some_and(|g| glob(g, t)),
+            }
+        })
+    }
+}
+
+/// The configured tokens.
+#[derive(Debug, Clone, Default)]
+pub struct Tokens {
+    tokens: Vec<([u8; 32], TokenConfig)>,
+}
+
+/// A problem in the `[auth]` configuration.
+#[derive(Debug, thiserror::Error)]
+#[error("auth.tokens[{index}] ({name}): {message}")]
+pub struct TokenConfigError {
+    index: usize,
+    name: String,
+    message: String,
+}
+
+impl Tokens {
+    /// Validates the configured tokens.
+    pub fn new(cfg: &[TokenConfig]) -> Result<Self, TokenConfigError> {
+        let mut tokens = Vec::new();
+        for (index, t) in cfg.iter().enumerate() {
+            let err = |message: String| TokenConfigError {
+                index,
+                name: t.name.clone(),
+                message,
+            };
+            let bytes =
+                hex::decode(&t.sha256).map_err(|e| err(format!("sha256 is not hex: {e}")))?;
+            let hash: [u8; 32] = bytes
+                .try_into()
+                .map_err(|_| err("sha256 must be 32 bytes (64 hex digits)".into()))?;
+            for s in &t.scopes {
+                let ok = s == "read"
+                    || s == "admin"
+                    || ["ingest:", "handlers:", "dlq:"]
+                        .iter()
+                        .any(|p| s.strip_prefix(p).is_some_and(|g| !g.is_empty()));
+                if !ok {
+                    return Err(err(format!(
+                        "unknown scope {s:?}; use ingest:<type-glob>, handlers:<name-glob>, dlq:<target-glob>, read or admin"
+                    )));
+                }
+            }
+            tokens.push((hash, t.clone()));
+        }
+        Ok(Self { tokens })
+    }
+
+    /// Whether any token is configured (auth is on).
+    pub fn enabled(&self) -> bool {
+        !self.tokens.is_empty()
+    }
+
+    /// Finds the token whose hash matches `presented`, comparing every configured hash in
+    /// constant time (no early exit on the first match).
+    pub fn authenticate(&self, presented: &str) -> Option<Principal> {
+        let h: [u8; 32] = Sha256::digest(presented.as_bytes()).into();
+        let mut found = None;
+        for (hash, cfg) in &self.tokens {
+            if bool::from(hash.ct_eq(&h)) {
+                found = Some(cfg);
+            }
+        }
+        found.map(|c| Principal {
+            name: c.name.clone(),
+            scopes: c.scopes.clone(),
+        })
+    }
+
+    /// The configuration of the token named `name`.
+    pub fn config(&self, name: &str) -> Option<&TokenConfig> {
+        self.tokens.iter().map(|(_, c)| c).find(|c| c.name == name)
+    }
+}
+
+/// A new random token (printed once by `router token new`) and its hash.
+pub fn new_token() -> (String, String) {
+    let bytes: [u8; 32] = rand::random();
+    let token = format!("rtr_{}", hex::encode(bytes));
+    let hash = hex::encode(Sha256::digest(token.as_bytes()));
+    (token, hash)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs() {
+        assert!(glob("order.*", "order.paid"));
+        assert!(glob("*", "anything"));
+        assert!(glob("a*c*e", "abcde"));
+        assert!(!glob("order.*", "orders"));
+        assert!(glob("exact", "exact"));
+        assert!(!glob("exact", "exactly"));
+    }
+
+    #[test]
+    fn tokens_authenticate_by_hash_and_scopes_apply() {
+        let (token, hash) = new_token();
+        let t = Tokens::new(&[TokenConfig {
+            name: "shop".into(),
+            sha256: hash,
+            scopes: vec!["ingest:order.*".into(), "dlq:erp".into()],
+            rate_per_sec: None,
+        }])
+        .expect("valid");
+        let p = t.authenticate(&token).expect("known token");
+        assert_eq!(p.name, "shop");
+        assert!(t.authenticate("rtr_wrong").is_none());
+        assert!(p.allows(&Scope::Ingest("order.paid".into())));
+        assert!(!p.allows(&Scope::Ingest("user.created".into())));
+        assert!(p.allows(&Scope::Dlq("erp".into())));
+        assert!(!p.allows(&Scope::Dlq("crm".into())));
+        assert!(!p.allows(&Scope::Admin));
+        assert!(!p.allows(&Scope::Read));
+        let admin = Principal {
+            name: "ops".into(),
+            scopes: vec!["admin".into()],
+        };
+        assert!(admin.allows(&Scope::Handlers("x".into())));
+    }
+
+    #[test]
+    fn bad_token_config_is_refused() {
+        let bad = |sha: &str, scope: &str| {
+            Tokens::new(&[TokenConfig {
+                name: "x".into(),
+                sha256: sha.into(),
+                scopes: vec![scope.into()],
+                rate_per_sec: None,
+            }])
+            .is_err()
+        };
+        assert!(bad("zz", "read"));
+        assert!(bad("abcd", "read"));
+        assert!(bad(&"a".repeat(64), "write"));
+        assert!(bad(&"a".repeat(64), "ingest:"));
+        assert!(!bad(&"a".repeat(64), "ingest:*"));
+    }
+}
+
+/// What a route requires before its handler runs (finer checks that need the body happen in
+/// the handler, using the `Principal` put in the request's extensions).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Need {
+    /// Nothing (health probes).
+    Nothing,
+    /// A valid token; the handler checks the scope (ingest types, DLQ targets).
+    Token,
+    /// `read` (or `admin`).
+    Read,
+    /// `admin`.
+    Admin,
+}
+
+/// The requirement of each route, by method and route pattern. Every route of the API is
+/// listed; an unlisted one requires `admin`, so a new route is closed until classified.
+pub fn route_need(method: &http::Method, route: &str) -> Need {
+    use http::Method as M;
+    match (method, route) {
+        (_, "/healthz" | "/readyz") => Need::Nothing,
+        (&M::POST, "/v1/events") => Need::Token,
+        (&M::GET, "/v1/dlq" | "/v1/dlq/summary" | "/v1/dlq/{id}") => Need::Token,
+        (&M::POST, "/v1/dlq/redrive" | "/v1/dlq/purge" | "/v1/dlq/redrive/{job}/{action}") => {
+            Need::Token
+        }
+        (
+            &M::GET,
+            "/v1/events/{id}" | "/v1/targets" | "/v1/targets/{id}" | "/v1/rules" | "/v1/status"
+            | "/metrics",
+        )
+        | (
+            &M::GET,
+            "/v1/dlq/redrive" | "/v1/dlq/redrive/{job}" | "/v1/replay" | "/v1/replay/{job}",
+        )
+        | (&M::POST, "/v1/rules/test") => Need::Read,
+        _ => Need::Admin,
+    }
+}
+
+/// The 401 answer.
+pub fn unauthorized(msg: &str) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let mut r = crate::ingest::error_response(
+        http::StatusCode::UNAUTHORIZED,
+        "authentication required",
+        vec![crate::event::FieldError::new("/authorization", msg)],
+    );
+    r.headers_mut()
+        .insert("www-authenticate", http::HeaderValue::from_static("Bearer"));
+    r.into_response()
+}
+
+/// The 403 answer, naming the scope that was needed.
+pub fn forbidden(p: &Principal, needed: &str) -> axum::response::Response {
+    crate::ingest::error_response(
+        http::StatusCode::FORBIDDEN,
+        "out of scope",
+        vec![crate::event::FieldError::new(
+            "/authorization",
+            format!("token {:?} lacks scope {needed}", p.name),
+        )],
+    )
+}
+
+/// Checks the scope in a handler: `Ok(())` or the 403 to return.
+pub fn require(p: &Principal, needed: &Scope) -> Result<(), Box<axum::response::Response>> {
+    if p.allows(needed) {
+        Ok(())
+    } else {
+        Err(Box::new(forbidden(p, &needed.to_string())))
+    }
+}
+
+/// The middleware: authenticates the bearer token and applies the route's requirement.
+pub async fn layer(
+    axum::extract::State(app): axum::extract::State<std::sync::Arc<crate::app::App>>,
+    matched: Option<axum::extract::MatchedPath>,
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let route = matched.as_ref().map_or("", |m| m.as_str());
+    let need = route_need(req.method(), route);
+    if need == Need::Nothing {
+        return next.run(req).await;
+    }
+    let principal = if app.tokens.enabled() {
+        let header = req
+            .headers()
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
+        let Some(token) = header.and_then(|h| h.strip_prefix("Bearer ")) else {
+            return unauthorized("send `Authorization: Bearer <token>`");
+        };
+        match app.tokens.authenticate(token.trim()) {
+            Some(p) => p,
+            None => {
+                tracing::warn!(route, "request with an unknown token");
+                return unauthorized("unknown token");
+            }
+        }
+    } else {
+        // No tokens configured: the router only listens on loopback (or was started with
+        // `auth.insecure`), and every local caller is an administrator.
+        Principal {
+            name: "local".into(),
+            scopes: vec!["admin".into()],
+        }
+    };
+    let ok = match need {
+        Need::Read => principal.allows(&Scope::Read),
+        Need::Admin => principal.allows(&Scope::Admin),
+        _ => true,
+    };
+    if !ok {
+        let needed = if need == Need::Read { "read" } else { "admin" };
+        return forbidden(&principal, needed);
+    }
+    req.extensions_mut().insert(principal);
+    next.run(req).await
+}

@@ -1,0 +1,425 @@
+//! Security and limits: tokens and scopes, per-token rate limits, queue-depth overflow, the
+//! disk high-water mark, webhook signatures, and safe defaults.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::harness::*;
+
+fn sha(token: &str) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(token.as_bytes()))
+}
+
+fn auth_config() -> String {
+    format!(
+        r#"
+[[auth.tokens]]
+name = "ops"
+sha256 = "{}"
+scopes = ["admin"]
+
+[[auth.tokens]]
+name = "shop"
+sha256 = "{}"
+scopes = ["ingest:order.*", "dlq:erp"]
+rate_per_sec = 5
+
+[[auth.tokens]]
+name = "viewer"
+sha256 = "{}"
+scopes = ["read"]
+"#,
+        sha("ops-token"),
+        sha("shop-token"),
+        sha("viewer-token")
+    )
+}
+
+async fn call(
+    r: &RouterProc,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<Value>,
+) -> (u16, Value) {
+    let mut rb = client().request(method.parse().expect("method"), r.url(path));
+    if let Some(t) = token {
+        rb = rb.bearer_auth(t);
+    }
+    if let Some(b) = body {
+        rb = rb
+            .header("content-type", "application/cloudevents+json")
+            .body(b.to_string());
+    }
+    let resp = rb.send().await.expect("send");
+    let s = resp.status().as_u16();
+    (s, resp.json().await.unwrap_or(Value::Null))
+}
+
+/// Every route × no token / wrong token / out of scope / in scope.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_auth_matrix() {
+    let rcv = Receiver::ok().await;
+    let rules = rules_yaml(
+        "",
+        &[(
+            "orders",
+            "order.paid",
+            &[format!("webhook: {}\n        id: erp", rcv.url())],
+        )],
+    );
+    let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&auth_config()));
+    let ev = event("a1", "order.paid", json!({}));
+    // (method, path, body, token in scope, token out of scope)
+    let cases: Vec<(&str, &str, Option<Value>, &str, &str)> = vec![
+        (
+            "POST",
+            "/v1/events",
+            Some(ev.clone()),
+            "shop-token",
+            "viewer-token",
+        ),
+        (
+            "GET",
+            "/v1/events/a1?source=/test",
+            None,
+            "viewer-token",
+            "shop-token",
+        ),
+        ("GET", "/v1/targets", None, "viewer-token", "shop-token"),
+        ("GET", "/v1/targets/erp", None, "viewer-token", "shop-token"),
+        ("GET", "/v1/rules", None, "viewer-token", "shop-token"),
+        ("GET", "/v1/status", None, "viewer-token", "shop-token"),
+        ("GET", "/metrics", None, "viewer-token", "shop-token"),
+        ("GET", "/v1/dlq", None, "viewer-token", "shop-token"),
+        (
+            "GET",
+            "/v1/dlq?target=erp",
+            None,
+            "shop-token",
+            "viewer-token-wrong-scope-placeholder",
+        ),
+        ("GET", "/v1/dlq/summary", None, "viewer-token", "shop-token"),
+        (
+            "POST",
+            "/v1/targets/erp/pause",
+            None,
+            "ops-token",
+            "viewer-token",
+        ),
+        (
+            "POST",
+            "/v1/targets/erp/resume",
+            None,
+            "ops-token",
+            "shop-token",
+        ),
+        (
+            "POST",
+            "/v1/admin/reload",
+            None,
+            "ops-token",
+            "viewer-token",
+        ),
+        (
+            "POST",
+            "/v1/rules/orders/disable",
+            None,
+            "ops-token",
+            "shop-token",
+        ),
+        (
+            "POST",
+            "/v1/rules/orders/enable",
+            None,
+            "ops-token",
+            "viewer-token",
+        ),
+    ];
+    for (m, path, body, good, bad) in cases {
+        let (s, _) = call(&r, m, path, None, body.clone()).await;
+        assert_eq!(s, 401, "{m} {path} without a token");
+        let (s, _) = call(&r, m, path, Some("nope"), body.clone()).await;
+        assert_eq!(s, 401, "{m} {path} with a wrong token");
+        if !bad.ends_with("placeholder") {
+            let (s, b) = call(&r, m, path, Some(bad), body.clone()).await;
+            assert_eq!(s, 403, "{m} {path} out of scope: {b}");
+            assert!(
+                b["errors"][0]["message"]
+                    .as_str()
+                    .unwrap_or("")
+                    .contains("lacks scope"),
+                "{b}"
+            );
+        }
+        let (s, b) = call(&r, m, path, Some(good), body.clone()).await;
+        assert!((200..300).contains(&s), "{m} {path} in scope: {s} {b}");
+    }
+    // Health probes need no token.
+    assert_eq!(call(&r, "GET", "/healthz", None, None).await.0, 200);
+    // Ingest scope is per event type; nothing is stored on a 403.
+    let (s, b) = call(
+        &r,
+        "POST",
+        "/v1/events",
+        Some("shop-token"),
+        Some(event("u1", "user.created", json!({}))),
+    )
+    .await;
+    assert_eq!(s, 403, "{b}");
+    assert!(
+        b["errors"][0]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("ingest:user.created")
+    );
+    assert_eq!(
+        call(
+            &r,
+            "GET",
+            "/v1/events/u1?source=/test",
+            Some("ops-token"),
+            None
+        )
+        .await
+        .0,
+        404
+    );
+    // DLQ scope: a team can never redrive another team's dead letters.
+    let redrive = |target: &str| json!({"filter": {"target": target}, "rate_per_sec": 5});
+    let (s, _) = call(
+        &r,
+        "POST",
+        "/v1/dlq/redrive",
+        Some("shop-token"),
+        Some(redrive("crm")),
+    )
+    .await;
+    assert_eq!(s, 403);
+    let (s, _) = call(
+        &r,
+        "POST",
+        "/v1/dlq/redrive",
+        Some("shop-token"),
+        Some(json!({"rate_per_sec": 5})),
+    )
+    .await;
+    assert_eq!(s, 403, "a redrive without a target filter is admin-only");
+    let (s, b) = call(
+        &r,
+        "POST",
+        "/v1/dlq/redrive",
+        Some("shop-token"),
+        Some(redrive("erp")),
+    )
+    .await;
+    assert_eq!(s, 201, "{b}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_over_its_rate_gets_429_with_retry_after() {
+    let rcv = Receiver::ok().await;
+    let rules = rules_yaml(
+        "",
+        &[("orders", "order.paid", &[format!("webhook: {}", rcv.url())])],
+    );
+    let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&auth_config()));
+    let mut statuses = Vec::new();
+    let mut retry_after = None;
+    for i in 0..20 {
+        let resp = client()
+            .post(r.url("/v1/events"))
+            .bearer_auth("shop-token")
+            .header("content-type", "application/cloudevents+json")
+            .body(event(&format!("r{i}"), "order.paid", json!({})).to_string())
+            .send()
+            .await
+            .expect("send");
+        if resp.status().as_u16() == 429 {
+            retry_after = resp
+                .headers()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+        }
+        statuses.push(resp.status().as_u16());
+    }
+    let ok = statuses.iter().filter(|s| **s == 202).count();
+    assert!(
+        (5..20).contains(&ok),
+        "rate 5/s with burst 5 let {ok} of 20 through: {statuses:?}"
+    );
+    assert!(
+        retry_after.is_some_and(|v| v.parse::<u64>().is_ok_and(|n| n >= 1)),
+        "429 without Retry-After"
+    );
+    // The admin token has no limit.
+    let (s, _) = call(
+        &r,
+        "POST",
+        "/v1/events",
+        Some("ops-token"),
+        Some(event("adm", "order.paid", json!({}))),
+    )
+    .await;
+    assert_eq!(s, 202);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_target_overflows_to_the_dlq_and_never_blocks_others() {
+    let dead = Receiver::status(503).await;
+    let healthy = Receiver::ok().await;
+    let policy = "  capped:\n    max_queue_depth: 5\n    retry: { max_attempts: 100, base_delay: 5s, max_delay: 5s }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[
+                format!(
+                    "webhook: {}\n        id: dead\n        policy: capped",
+                    dead.url()
+                ),
+                format!("webhook: {}\n        id: healthy", healthy.url()),
+            ],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    for i in 0..20 {
+        let (s, _) = post_event(&r, &event(&format!("o{i}"), "t", json!({}))).await;
+        assert_eq!(s, 202, "ingest refused while one target is dead");
+    }
+    assert!(
+        healthy
+            .wait_for(Duration::from_secs(10), |s| s.len() == 20)
+            .await
+    );
+    let (_, l) = get_json(&r, "/v1/dlq?reason=target_overflow&limit=100").await;
+    assert_eq!(l["entries"].as_array().map(Vec::len), Some(15), "{l}");
+    let (_, t) = get_json(&r, "/v1/targets/dead").await;
+    assert_eq!(
+        t["queued"].as_u64().unwrap_or(0) + t["in_flight"].as_u64().unwrap_or(0),
+        5
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_disk_high_water_mark_ingest_answers_503_and_delivery_goes_on() {
+    let rcv = Receiver::ok().await;
+    let rules = rules_yaml("", &[("r", "t", &[format!("webhook: {}", rcv.url())])]);
+    // Any store is larger than 1 KiB: the mark is passed at the first check.
+    let r = RouterProc::start_with_env(
+        &[("r.yaml", &rules)],
+        &[],
+        &[("ROUTER_STORE__MAX_DISK_BYTES", "1024")],
+    );
+    let refused = eventually(Duration::from_secs(5), || async {
+        let resp = client()
+            .post(r.url("/v1/events"))
+            .header("content-type", "application/cloudevents+json")
+            .body(event("late", "t", json!({})).to_string())
+            .send()
+            .await
+            .ok()?;
+        (resp.status().as_u16() == 503).then(|| resp.headers().get("retry-after").cloned())
+    })
+    .await;
+    assert!(
+        refused.is_some_and(|h| h.is_some()),
+        "no 503 with Retry-After past the high-water mark"
+    );
+    assert_eq!(get_json(&r, "/healthz").await.0, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhooks_are_signed_per_standard_webhooks_with_rotation() {
+    let rcv = Receiver::ok().await;
+    let rules = rules_yaml(
+        "",
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        secret_env: TEST_HOOK_SECRET",
+                rcv.url()
+            )],
+        )],
+    );
+    let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    let r = RouterProc::start_with_env(
+        &[("r.yaml", &rules)],
+        &[],
+        &[("TEST_HOOK_SECRET", &format!("{secret} whsec_c2Vjb25k"))],
+    );
+    assert_eq!(
+        post_event(&r, &event("s1", "t", json!({"a": 1}))).await.0,
+        202
+    );
+    assert!(
+        rcv.wait_for(Duration::from_secs(10), |s| s.len() == 1)
+            .await
+    );
+    let got = &rcv.received()[0];
+    let id = got.header("webhook-id").expect("webhook-id");
+    let ts: u64 = got
+        .header("webhook-timestamp")
+        .expect("timestamp")
+        .parse()
+        .expect("number");
+    let sigs = got.header("webhook-signature").expect("signature");
+    assert_eq!(id, got.header("idempotency-key").expect("key"));
+    assert_eq!(
+        sigs.split(' ').count(),
+        2,
+        "two active secrets, two signatures: {sigs}"
+    );
+    // Verify the first signature independently of the router's code.
+    use base64::Engine as _;
+    use hmac::Mac;
+    let key = base64::engine::general_purpose::STANDARD
+        .decode(&secret[6..])
+        .expect("b64");
+    let body = serde_json::to_vec(&got.body).expect("json");
+    // The receiver re-serialised the body; sign what the router sent: same JSON, same order.
+    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(&key).expect("key");
+    mac.update(format!("{id}.{ts}.").as_bytes());
+    mac.update(&body);
+    let want = format!(
+        "v1,{}",
+        base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes())
+    );
+    assert_eq!(sigs.split(' ').next(), Some(want.as_str()));
+}
+
+#[test]
+fn no_tokens_on_a_public_address_is_refused() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_router"))
+        .args(["serve", "--listen", "0.0.0.0:0", "--data-dir"])
+        .arg(dir.path().join("data"))
+        .arg("--rules")
+        .arg(dir.path().join("rules"))
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("without auth tokens"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_loris_connection_is_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let r = RouterProc::start_with_env(&[], &[], &[("ROUTER_SERVER__HEADER_READ_TIMEOUT", "1s")]);
+    let mut s = tokio::net::TcpStream::connect(r.addr)
+        .await
+        .expect("connect");
+    s.write_all(b"POST /v1/events HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .expect("write");
+    // Never finish the headers: the server must give up on us.
+    let mut buf = [0u8; 256];
+    let read = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf)).await;
+    assert!(read.is_ok(), "the connection was kept open");
+}
