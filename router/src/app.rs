@@ -740,16 +740,27 @@ fn spawn_sweeper(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToke
                 _ = cancel.cancelled() => break,
                 _ = tokio::time::sleep(every) => {}
             }
-            match app.store.sweep(app.clock.now_ms(), window, retention).await {
-                Ok(s) if s.dedup_expired + s.events_removed > 0 => {
-                    tracing::debug!(
-                        dedup_expired = s.dedup_expired,
-                        events_removed = s.events_removed,
-                        "swept"
-                    );
+            // Sweep in bounded batches until caught up, yielding between them.
+            loop {
+                match app.store.sweep(app.clock.now_ms(), window, retention).await {
+                    Ok(s) => {
+                        if s.dedup_expired + s.events_removed > 0 {
+                            tracing::debug!(
+                                dedup_expired = s.dedup_expired,
+                                events_removed = s.events_removed,
+                                "swept"
+                            );
+                        }
+                        if !s.more || cancel.is_cancelled() {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "sweep failed");
+                        break;
+                    }
                 }
-                Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, "sweep failed"),
+                tokio::task::yield_now().await;
             }
             tokio::time::sleep(Duration::ZERO).await;
         }

@@ -76,6 +76,8 @@ pub struct SweepStats {
     pub events_removed: u64,
     /// Events past retention kept because a queue or DLQ entry still refers to them.
     pub pending: u64,
+    /// True when the sweep stopped at its batch bound with more left to do.
+    pub more: bool,
 }
 
 /// The router's durable operations.

@@ -1997,6 +1997,7 @@ fn sweep(
         }
     }
     let mut next_cursor = cursor;
+    stats.more = candidates.len() >= SWEEP_BATCH;
     for seq in candidates {
         if referenced(txn, seq)? {
             txn.open_table(PENDING_GC)?.insert(seq, ())?;
