@@ -3,5 +3,8 @@
 # and contracts of this repository. Extra arguments are passed to `router serve`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The example WASM handlers, preloaded at start (teams upload theirs with PUT /v1/handlers/NAME).
+bash plugins/build.sh
+export ROUTER_HANDLERS__PRELOAD_DIR="$PWD/target/plugins"
 exec cargo run --release --locked -p router -- serve \
   --data-dir ./data --rules examples/rules --contracts schemas/contracts "$@"

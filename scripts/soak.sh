@@ -47,8 +47,9 @@ echo "== steady phase load result"; cat "$WORK/load.txt"
 echo "== backlog: receiver stopped for ${BACKLOG_S}s under the same rate"
 kill $SINK
 $BIN bench ingest --url http://127.0.0.1:18090/v1/events --events $((BACKLOG_S * RATE)) --concurrency 32 --size 1024 --rate "$RATE" > /dev/null &
+LOAD2=$!
 for ((t = 0; t < BACKLOG_S; t += 15)); do sample "backlog+$t"; sleep 15; done
-wait || true
+wait $LOAD2 || true
 echo "== receiver back: drain, sweep, compaction"
 $BIN bench sink --listen 127.0.0.1:19996 2>/dev/null &
 for ((t = 0; t <= 240; t += 20)); do sample "drain+$t"; sleep 20; done

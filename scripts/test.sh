@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
+# The example WASM handlers (adds the wasm32-wasip2 target and componentize-py when missing).
+bash plugins/build.sh
 # Formatting and lints are part of the suite.
 cargo fmt --all -- --check
 cargo clippy --locked --workspace --all-targets -- -D warnings

@@ -56,6 +56,8 @@ pub struct App {
     pub ingest_limiters: std::collections::HashMap<String, crate::deliver::Limiter>,
     /// Set while the store is past its disk high-water mark (ingest answers 503).
     pub disk_full: AtomicBool,
+    /// The WASM handler runtime.
+    pub handlers: Option<Arc<crate::target::handler::HandlerRuntime>>,
 }
 
 /// Store key prefix of persisted rule overrides (kept beside target states).
@@ -336,6 +338,126 @@ pub enum RunError {
     Insecure(std::net::SocketAddr),
 }
 
+fn start_handlers(
+    cfg: &Config,
+    store: &Arc<dyn Store>,
+    clock: &Arc<dyn Clock>,
+) -> Result<Arc<crate::target::handler::HandlerRuntime>, String> {
+    let h = &cfg.handlers;
+    let dir = h
+        .dir
+        .clone()
+        .unwrap_or_else(|| cfg.data_dir.join("handlers"));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let engine = crate::wasm::WasmEngine::new(crate::wasm::EngineConfig {
+        max_instances: h.max_instances,
+        max_memory_bytes: h.memory_bytes,
+        fuel: h.fuel.is_some(),
+        cache_dir: Some(dir.join("compiled")),
+        ..Default::default()
+    })
+    .map_err(|e| e.to_string())?;
+    let limits = crate::wasm::HandlerLimits {
+        memory_bytes: h.memory_bytes,
+        timeout: h.timeout,
+        fuel: h.fuel,
+        max_emitted: h.max_emitted,
+        max_output_bytes: h.max_output_bytes,
+        max_log_bytes: h.max_log_bytes,
+        ..Default::default()
+    };
+    engine.check_limits(&limits).map_err(|e| e.to_string())?;
+    let registry = crate::wasm::HandlerRegistry::open(dir.join("registry"), engine)
+        .map_err(|e| e.to_string())?;
+    if let Some(pre) = &h.preload_dir {
+        let entries = std::fs::read_dir(pre)
+            .map_err(|e| format!("handlers.preload_dir {}: {e}", pre.display()))?;
+        for path in entries.filter_map(Result::ok).map(|e| e.path()) {
+            let Some(name) = path
+                .extension()
+                .filter(|x| *x == "wasm")
+                .and(path.file_stem())
+                .and_then(|s| s.to_str())
+            else {
+                continue;
+            };
+            let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            match registry.upload(name, &bytes, "preload") {
+                Ok(v) => tracing::info!(handler = name, version = v.version, "handler preloaded"),
+                Err(e) => tracing::warn!(handler = name, error = %e, "preloading a handler failed"),
+            }
+        }
+    }
+    tracing::info!(
+        handlers = registry.list().len(),
+        compilations = registry.compilations(),
+        "WASM handler runtime started"
+    );
+    Ok(Arc::new(crate::target::handler::HandlerRuntime {
+        registry: Arc::new(registry),
+        limits,
+        slots: Arc::new(tokio::sync::Semaphore::new(h.max_instances as usize)),
+        logs: Default::default(),
+        hop_limit: h.hop_limit,
+        store: store.clone(),
+        clock: clock.clone(),
+        prepare: std::sync::OnceLock::new(),
+    }))
+}
+
+/// Emitted events re-enter the pipeline: past the hop limit they go to the DLQ as
+/// `loop_detected`; otherwise contracts (enforce behaves as quarantine: there is no producer
+/// to answer) and the live rules apply, and ingest dedup (same ids on a re-run) drops copies.
+fn prepare_emitted(
+    app: &App,
+    events: Vec<crate::event::CloudEvent>,
+    now: i64,
+) -> Vec<crate::store::NewEvent> {
+    use crate::contract::{ContractOutcome, ViolationReason};
+    use crate::store::{DlqReason, Quarantine};
+    let rules = app.rules.load();
+    let contracts = app.contracts.load();
+    let window = i64::try_from(app.cfg.ingest.dedup_window.as_millis()).unwrap_or(i64::MAX);
+    let hop_limit = app.handlers.as_ref().map_or(8, |h| h.hop_limit);
+    events
+        .into_iter()
+        .map(|ev| {
+            let quarantine = if ev.hops() > hop_limit {
+                Some(Quarantine {
+                    reason: DlqReason::LoopDetected,
+                    errors: vec![crate::event::FieldError::new(
+                        "/hops",
+                        format!("{} hops is past the limit of {hop_limit}", ev.hops()),
+                    )],
+                })
+            } else {
+                match contracts.check(&ev) {
+                    ContractOutcome::Pass => None,
+                    ContractOutcome::Violation { reason, errors, .. } => Some(Quarantine {
+                        reason: match reason {
+                            ViolationReason::ContractViolation => DlqReason::ContractViolation,
+                            ViolationReason::UnknownVersion => DlqReason::UnknownVersion,
+                        },
+                        errors,
+                    }),
+                }
+            };
+            match quarantine {
+                Some(q) => crate::store::NewEvent {
+                    event: ev,
+                    accepted_at: now,
+                    ruleset_version: rules.version.clone(),
+                    matched_rules: Vec::new(),
+                    targets: Vec::new(),
+                    quarantine: Some(q),
+                    dedup_window_ms: window,
+                },
+                None => crate::ingest::route(&rules, &app.disabled_rules(), &ev, now, window),
+            }
+        })
+        .collect()
+}
+
 /// Secrets come from the environment first, then the optional secrets file (a TOML table of
 /// name = "value"); never from the rule files.
 fn secret_resolver(cfg: &Config) -> Result<crate::deliver::SecretResolver, RunError> {
@@ -445,6 +567,14 @@ pub async fn run_with_store(
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let tracker = TaskTracker::new();
     let workers_cancel = CancellationToken::new();
+    let handlers = match start_handlers(&cfg, &store, &clock) {
+        Ok(rt) => Some(rt),
+        Err(e) => {
+            tracing::error!(error = %e, "the WASM handler runtime could not start; handler targets stay queued");
+            warnings.push(format!("WASM handler runtime unavailable: {e}"));
+            None
+        }
+    };
     let (sys_tx, sys_rx) = tokio::sync::mpsc::channel(1024);
     let dispatcher = Dispatcher::new(DeliveryContext {
         store: store.clone(),
@@ -456,6 +586,7 @@ pub async fn run_with_store(
         tracker: tracker.clone(),
         system_events: Some(sys_tx),
         secrets: secret_resolver(&cfg)?,
+        handlers: handlers.clone(),
     });
 
     // Remember every target's configuration, then start workers for the current targets and
@@ -532,7 +663,17 @@ pub async fn run_with_store(
         tokens,
         ingest_limiters,
         disk_full: AtomicBool::new(false),
+        handlers: handlers.clone(),
     });
+    if let Some(rt) = &handlers {
+        let weak = Arc::downgrade(&app);
+        let prepare: crate::target::handler::Prepare =
+            Arc::new(move |events, now| match weak.upgrade() {
+                Some(app) => prepare_emitted(&app, events, now),
+                None => Vec::new(),
+            });
+        let _ = rt.prepare.set(prepare);
+    }
     crate::dlq::resume_all(&app)?;
     spawn_reload_triggers(&app, &tracker, workers_cancel.clone());
     spawn_sweeper(&app, &tracker, workers_cancel.clone());
@@ -578,6 +719,24 @@ pub async fn run_with_store(
         .route("/v1/admin/reload", post(crate::admin::reload))
         .route("/v1/status", get(crate::admin::status))
         .route("/metrics", get(crate::admin::metrics))
+        .route("/v1/handlers", get(crate::admin::handlers::list))
+        .route(
+            "/v1/handlers/{name}",
+            get(crate::admin::handlers::show)
+                .put(crate::admin::handlers::upload)
+                .delete(crate::admin::handlers::delete)
+                .layer(axum::extract::DefaultBodyLimit::max(
+                    app.cfg.handlers.max_upload_bytes,
+                )),
+        )
+        .route(
+            "/v1/handlers/{name}/rollback",
+            post(crate::admin::handlers::rollback),
+        )
+        .route(
+            "/v1/handlers/{name}/logs",
+            get(crate::admin::handlers::logs),
+        )
         .route("/healthz", get(crate::admin::healthz))
         .route("/readyz", get(crate::admin::readyz))
         .route_layer(axum::middleware::from_fn_with_state(

@@ -85,6 +85,70 @@ impl Client {
     }
 }
 
+impl Client {
+    /// Sends raw bytes (a component upload).
+    pub async fn call_bytes(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Vec<u8>,
+    ) -> Result<Value, CliError> {
+        let url = format!("{}{path}", self.base);
+        let resp = self
+            .http
+            .request(method, &url)
+            .header("content-type", "application/wasm")
+            .body(body)
+            .send()
+            .await
+            .map_err(|source| CliError::Http {
+                url: url.clone(),
+                source,
+            })?;
+        let status = resp.status().as_u16();
+        let v: Value = resp.json().await.unwrap_or(Value::Null);
+        if status >= 400 {
+            return Err(CliError::Api {
+                status,
+                body: describe_error(&v),
+            });
+        }
+        Ok(v)
+    }
+}
+
+/// `router handlers list` as a table.
+pub fn handlers_table(v: &Value) -> String {
+    let rows: Vec<Vec<String>> = v["handlers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|h| {
+            vec![
+                s(&h["name"]),
+                s(&h["active"]["version"]),
+                h["active"]["sha256"]
+                    .as_str()
+                    .map(|x| x.chars().take(12).collect())
+                    .unwrap_or_else(|| "-".into()),
+                s(&h["active"]["uploader"]),
+                s(&h["active"]["uploaded_at"]),
+                s(&h["versions"]
+                    .as_array()
+                    .map(Vec::len)
+                    .map(Value::from)
+                    .unwrap_or(Value::Null)),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            "HANDLER", "ACTIVE", "SHA256", "UPLOADER", "UPLOADED", "VERSIONS",
+        ],
+        &rows,
+    )
+}
+
 /// Builds a query string from (name, value) pairs, skipping empty ones.
 pub fn query(pairs: &[(&str, &Option<String>)]) -> String {
     let parts: Vec<String> = pairs

@@ -54,11 +54,61 @@ pub struct Config {
     pub archive: ArchiveConfig,
     /// Authentication.
     pub auth: AuthConfig,
+    /// WASM handlers.
+    pub handlers: HandlersConfig,
     /// HTTP server limits.
     pub server: ServerConfig,
     /// Optional TOML file of secrets (`NAME = "value"`) that `secret_env` names resolve in,
     /// after the environment. Never the rule files.
     pub secrets_file: Option<PathBuf>,
+}
+
+/// `[handlers]`: limits of every handler invocation and where handlers are kept.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HandlersConfig {
+    /// Directory of uploaded handlers and the compiled-code cache (default `<data_dir>/handlers`).
+    pub dir: Option<PathBuf>,
+    /// Linear memory cap per invocation.
+    pub memory_bytes: usize,
+    /// Wall-clock timeout per invocation (epoch interruption).
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+    /// Optional fuel per invocation.
+    pub fuel: Option<u64>,
+    /// Most events one invocation may emit.
+    pub max_emitted: usize,
+    /// Most bytes of emitted data per invocation.
+    pub max_output_bytes: usize,
+    /// Most log bytes captured per invocation.
+    pub max_log_bytes: usize,
+    /// Emitted events past this many handler hops go to the DLQ as `loop_detected`.
+    pub hop_limit: u32,
+    /// Instances alive at once (the pooling allocator's size).
+    pub max_instances: u32,
+    /// At start, upload every `<name>.wasm` of this directory as handler `<name>` (an
+    /// identical version is just re-activated). For demos and tests; teams use the API.
+    pub preload_dir: Option<PathBuf>,
+    /// Largest component accepted by `PUT /v1/handlers/{name}` (413 past it).
+    pub max_upload_bytes: usize,
+}
+
+impl Default for HandlersConfig {
+    fn default() -> Self {
+        Self {
+            dir: None,
+            memory_bytes: 64 << 20,
+            timeout: Duration::from_secs(5),
+            fuel: None,
+            max_emitted: 100,
+            max_output_bytes: 1 << 20,
+            max_log_bytes: 64 << 10,
+            hop_limit: 8,
+            max_instances: 64,
+            preload_dir: None,
+            max_upload_bytes: 64 << 20,
+        }
+    }
 }
 
 /// `[auth]`
@@ -201,6 +251,7 @@ impl Default for Config {
             store: StoreConfig::default(),
             archive: ArchiveConfig::default(),
             auth: AuthConfig::default(),
+            handlers: HandlersConfig::default(),
             server: ServerConfig::default(),
             secrets_file: None,
         }
@@ -301,7 +352,12 @@ impl Config {
 }
 
 /// `ROUTER_*` variables that are not configuration keys.
-pub const RESERVED_ENV: &[&str] = &["ROUTER_API", "ROUTER_TOKEN"];
+pub const RESERVED_ENV: &[&str] = &[
+    "ROUTER_API",
+    "ROUTER_TOKEN",
+    "ROUTER_PLUGINS_OUT",
+    "ROUTER_PLUGINS_TARGET_DIR",
+];
 
 fn parse_env_value(raw: &str) -> toml::Value {
     // Numbers and booleans keep their type; anything else (paths, durations, addresses) is a

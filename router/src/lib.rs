@@ -22,3 +22,4 @@ pub mod rules;
 pub mod store;
 pub mod target;
 pub mod telemetry;
+pub mod wasm;

@@ -93,6 +93,13 @@ enum Cmd {
         #[command(subcommand)]
         cmd: TargetsCmd,
     },
+    /// WASM handlers: push, list, rollback (client of the API).
+    Handlers {
+        #[command(flatten)]
+        api: Api,
+        #[command(subcommand)]
+        cmd: HandlersCmd,
+    },
     /// Bearer tokens.
     Token {
         #[command(subcommand)]
@@ -260,6 +267,18 @@ enum RulesCmd {
 enum ContractsCmd {
     /// Validate every contract in DIR and check each version against the previous one.
     Check { dir: PathBuf },
+}
+
+#[derive(Subcommand)]
+enum HandlersCmd {
+    /// Upload a component (validated before it becomes active).
+    Push { name: String, file: PathBuf },
+    /// Every handler with its active version.
+    List,
+    /// Activate an earlier version (number or sha256 prefix).
+    Rollback { name: String, version: String },
+    /// Recent log lines of a handler.
+    Logs { name: String },
 }
 
 #[derive(Subcommand)]
@@ -490,6 +509,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             print_value(&api, &job, router::cli::job_line);
             Ok(ExitCode::SUCCESS)
         }),
+        Cmd::Handlers { api, cmd } => rt.block_on(handlers(api, cmd)),
         Cmd::Token {
             cmd: TokenCmd::New { name, scopes },
         } => {
@@ -617,6 +637,58 @@ async fn rule_toggle(api: &Api, name: &str, action: &str) -> anyhow::Result<Exit
                 "disabled"
             }
         )
+    });
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
+    use reqwest::Method;
+    let c = router::cli::Client::new(&api.api);
+    let v = match &cmd {
+        HandlersCmd::Push { name, file } => {
+            let bytes =
+                std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+            c.call_bytes(Method::PUT, &format!("/v1/handlers/{name}"), bytes)
+                .await?
+        }
+        HandlersCmd::List => c.call(Method::GET, "/v1/handlers", None).await?,
+        HandlersCmd::Rollback { name, version } => {
+            c.call(
+                Method::POST,
+                &format!("/v1/handlers/{name}/rollback"),
+                Some(serde_json::json!({ "version": version })),
+            )
+            .await?
+        }
+        HandlersCmd::Logs { name } => {
+            c.call(Method::GET, &format!("/v1/handlers/{name}/logs"), None)
+                .await?
+        }
+    };
+    print_value(&api, &v, |v| match &cmd {
+        HandlersCmd::List => router::cli::handlers_table(v),
+        HandlersCmd::Logs { .. } => v["lines"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|l| {
+                format!(
+                    "{} {:5} {} #{} {}",
+                    l["at"].as_str().unwrap_or(""),
+                    l["level"].as_str().unwrap_or(""),
+                    l["event_id"].as_str().unwrap_or(""),
+                    l["attempt"],
+                    l["message"].as_str().unwrap_or("")
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => format!(
+            "{} v{} sha256 {} (active)",
+            v["descriptor"]["name"].as_str().unwrap_or(""),
+            v["version"],
+            v["sha256"].as_str().unwrap_or("")
+        ),
     });
     Ok(ExitCode::SUCCESS)
 }

@@ -1,1 +1,190 @@
-//! Guest-side SDK for router handlers (filled in by the WASM handlers issue).
+//! Guest-side SDK for router handlers: write a WebAssembly component for the router in a few lines.
+//!
+//! A handler is a type implementing [`Handler`], exported with [`export_handler!`] and built with
+//! `cargo build --release --target wasm32-wasip2` as a `cdylib`. The router delivers one
+//! CloudEvent per call; the handler answers with events to emit or a [`HandlerError`]. It can log
+//! through [`log`] and keep small state in [`kv`], a key-value store the router namespaces per
+//! handler.
+//!
+//! ```
+//! use router_sdk::{Delivery, Descriptor, Emit, Event, Handler, HandlerError};
+//!
+//! #[derive(serde::Deserialize, serde::Serialize)]
+//! struct Order {
+//!     order_id: String,
+//!     total: f64,
+//! }
+//!
+//! struct Invoicing;
+//!
+//! impl Handler for Invoicing {
+//!     fn describe() -> Descriptor {
+//!         Descriptor::new("invoicing", "1.0.0").accepts("order.paid", &[1, 2])
+//!     }
+//!
+//!     fn handle(event: &Event, _delivery: &Delivery) -> Result<Vec<Emit>, HandlerError> {
+//!         let order: Order = event.data_as()?;
+//!         router_sdk::log::info!("invoicing order {}", order.order_id);
+//!         Ok(vec![Emit::json("invoice.created", &order)?])
+//!     }
+//! }
+//!
+//! router_sdk::export_handler!(Invoicing);
+//! # let event = Event::new("1", "/shop", "order.paid")
+//! #     .with_data(&serde_json::json!({"order_id": "A1", "total": 3.5})).unwrap();
+//! # let out = Invoicing::handle(&event, &Delivery::default()).unwrap();
+//! # assert_eq!(out[0].event_type(), "invoice.created");
+//! ```
+//!
+//! # Building
+//!
+//! ```toml
+//! # Cargo.toml
+//! [lib]
+//! crate-type = ["cdylib"]
+//!
+//! [dependencies]
+//! router-sdk = { path = "../sdk" }
+//! ```
+//!
+//! ```toml
+//! # .cargo/config.toml: a 64 KiB guest stack makes each invocation about twice as cheap
+//! [target.wasm32-wasip2]
+//! rustflags = ["-C", "link-arg=-zstack-size=65536"]
+//! ```
+//!
+//! Then `cargo build --release --target wasm32-wasip2` produces the component
+//! (`target/wasm32-wasip2/release/<crate>.wasm`) to upload with `PUT /v1/handlers/{name}`.
+//!
+//! The same code compiles for the host target: [`log`] then writes to standard error and [`kv`]
+//! is an in-memory map per thread, so handlers can be unit-tested with `cargo test` (see
+//! [`testing`]).
+
+// Lets the paths that the generated bindings and `export_handler!` use (`router_sdk::…`) resolve
+// inside this crate too.
+extern crate self as router_sdk;
+
+mod descriptor;
+mod emit;
+mod error;
+mod event;
+pub mod kv;
+pub mod log;
+
+#[cfg(target_arch = "wasm32")]
+mod guest;
+#[cfg(not(target_arch = "wasm32"))]
+mod native;
+
+pub use descriptor::{Accept, Descriptor};
+pub use emit::Emit;
+pub use error::{DataError, HandlerError};
+pub use event::{Delivery, Event};
+
+/// Helpers for unit-testing handlers on the host target (not available inside a component).
+///
+/// ```
+/// router_sdk::kv::set("k", b"v", None);
+/// assert_eq!(router_sdk::kv::get("k").as_deref(), Some(&b"v"[..]));
+/// router_sdk::testing::reset();
+/// assert_eq!(router_sdk::kv::get("k"), None);
+/// ```
+#[cfg(not(target_arch = "wasm32"))]
+pub mod testing {
+    pub use crate::native::{reset, take_logs};
+}
+
+/// A router handler: what it accepts ([`Handler::describe`]) and what it does with one event
+/// ([`Handler::handle`]). Export it with [`export_handler!`].
+///
+/// ```
+/// use router_sdk::{Delivery, Descriptor, Emit, Event, Handler, HandlerError};
+///
+/// struct Noop;
+///
+/// impl Handler for Noop {
+///     fn describe() -> Descriptor {
+///         Descriptor::new("noop", "0.1.0")
+///     }
+///     fn handle(_: &Event, _: &Delivery) -> Result<Vec<Emit>, HandlerError> {
+///         Ok(Vec::new())
+///     }
+/// }
+/// # assert!(Noop::handle(&Event::new("1", "/s", "t"), &Delivery::default()).unwrap().is_empty());
+/// ```
+pub trait Handler {
+    /// The handler's name (it must equal the name it is uploaded under), version and accepted
+    /// event types. Called once at upload; keep it constant.
+    ///
+    /// ```
+    /// # use router_sdk::Descriptor;
+    /// let d = Descriptor::new("billing", "2.1.0").accepts("order.paid", &[2]);
+    /// assert_eq!(d.name, "billing");
+    /// ```
+    fn describe() -> Descriptor;
+
+    /// Handles one delivery of `event`. `Ok` carries the events to emit (possibly none);
+    /// [`HandlerError::retry`] asks for another attempt later and [`HandlerError::fail`] sends
+    /// the delivery to the dead-letter queue.
+    ///
+    /// A panic is reported to the router as a trap (with the panic message) and retried like a
+    /// transient failure; prefer returning an error.
+    ///
+    /// ```
+    /// # use router_sdk::{Delivery, Emit, Event, HandlerError};
+    /// fn handle(event: &Event, _: &Delivery) -> Result<Vec<Emit>, HandlerError> {
+    ///     match event.subject.as_deref() {
+    ///         Some(s) => Ok(vec![Emit::new("seen").with_subject(s)]),
+    ///         None => Err(HandlerError::fail("a subject is required")),
+    ///     }
+    /// }
+    /// # assert!(handle(&Event::new("1", "/s", "t"), &Delivery::default()).is_err());
+    /// ```
+    fn handle(event: &Event, delivery: &Delivery) -> Result<Vec<Emit>, HandlerError>;
+}
+
+/// Exports a [`Handler`] as the component's `describe` and `handle` functions.
+///
+/// Use it once, at the top level of a `cdylib` crate built for `wasm32-wasip2`. On other targets
+/// it expands to nothing, so the crate still builds and its unit tests run on the host.
+///
+/// ```
+/// use router_sdk::{Delivery, Descriptor, Emit, Event, Handler, HandlerError};
+///
+/// struct Echo;
+///
+/// impl Handler for Echo {
+///     fn describe() -> Descriptor {
+///         Descriptor::new("echo", "0.1.0").accepts("ping", &[])
+///     }
+///     fn handle(event: &Event, _: &Delivery) -> Result<Vec<Emit>, HandlerError> {
+///         Ok(vec![Emit::new("pong").with_data_json(event.data.clone())])
+///     }
+/// }
+///
+/// router_sdk::export_handler!(Echo);
+/// ```
+#[macro_export]
+macro_rules! export_handler {
+    ($handler:ty) => {
+        #[cfg(target_arch = "wasm32")]
+        const _: () = {
+            type __RouterSdkExport = $crate::__private::Export<$handler>;
+            $crate::__private::bindings::export!(
+                __RouterSdkExport with_types_in $crate::__private::bindings
+            );
+        };
+    };
+}
+
+/// Implementation details used by [`export_handler!`]; not part of the public API.
+#[doc(hidden)]
+pub mod __private {
+    #[cfg(target_arch = "wasm32")]
+    pub use crate::guest::{Export, bindings};
+    #[cfg(target_arch = "wasm32")]
+    pub use wit_bindgen;
+}
+
+#[cfg(test)]
+mod tests;

@@ -3,8 +3,10 @@
 mod delivery;
 mod dlq_ops;
 mod durability;
+mod handlers;
 mod harness;
 mod ingest;
+mod openapi;
 mod policies;
 mod reload;
 mod security;

@@ -1,6 +1,8 @@
 //! Operator API: event fate, DLQ inspection, targets, rules, status, health and metrics.
 //! Every read here is side-effect free.
 
+pub mod handlers;
+
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 

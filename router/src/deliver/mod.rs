@@ -48,6 +48,8 @@ pub struct DeliveryContext {
     pub system_events: Option<tokio::sync::mpsc::Sender<crate::event::CloudEvent>>,
     /// Resolves a secret name (`secret_env`): the environment, then the secrets file.
     pub secrets: SecretResolver,
+    /// The WASM handler runtime (`handler:` targets).
+    pub handlers: Option<Arc<crate::target::handler::HandlerRuntime>>,
 }
 
 struct Running {
@@ -144,10 +146,16 @@ impl Dispatcher {
                 })?;
                 Ok(Arc::new(hook))
             }
-            TargetKind::Handler { .. } => Err(StartError::Unsupported {
-                id: spec.id.clone(),
-                kind: "handler",
-            }),
+            TargetKind::Handler { name } => match &self.ctx.handlers {
+                Some(rt) => Ok(Arc::new(crate::target::handler::HandlerTarget::new(
+                    rt.clone(),
+                    name.clone(),
+                ))),
+                None => Err(StartError::Unsupported {
+                    id: spec.id.clone(),
+                    kind: "handler",
+                }),
+            },
             TargetKind::Nats { .. } => Err(StartError::Unsupported {
                 id: spec.id.clone(),
                 kind: "nats",

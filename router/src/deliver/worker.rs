@@ -29,6 +29,20 @@ fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
+/// Longest error text kept per attempt (a trap's backtrace can be long; the handler's logs
+/// keep the full message).
+const MAX_ERROR_CHARS: usize = 2048;
+
+fn truncate(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        s.to_string()
+    } else {
+        let mut t: String = s.chars().take(max).collect();
+        t.push('…');
+        t
+    }
+}
+
 /// How long a retry deferred by the budget waits before it is considered again.
 const BUDGET_DEFER_MS: i64 = 250;
 /// Longest idle sleep; the worker also wakes on new entries.
@@ -222,6 +236,7 @@ async fn defer(ctx: &DeliveryContext, leased: &Leased, now: i64) {
         result: AttemptResult::Interrupted,
         status: None,
         error: None,
+        outbox: None,
     };
     let r = ctx
         .store
@@ -321,6 +336,7 @@ async fn attempt(
                 result: AttemptResult::Interrupted,
                 status: None,
                 error: Some(error),
+                outbox: None,
             },
             Disposition::DeadLetter { reason, hold },
             "dead_lettered",
@@ -345,9 +361,13 @@ async fn attempt(
             attempt: n,
             traceparent: leased.event.event.traceparent().map(str::to_string),
             timeout: spec.policy.timeout,
+            event_json: json,
+            rule: leased.entry.rule.clone(),
+            target: spec.id.clone(),
+            hops: leased.entry.hops,
         };
         let started = Instant::now();
-        let outcome = target.deliver(&req).await;
+        let (outcome, effects) = target.deliver_with_effects(&req).await;
         ctx.metrics
             .attempt_seconds
             .get_or_create(&vec![("target", spec.id.clone())])
@@ -364,7 +384,7 @@ async fn attempt(
         if let Some(t) = transition {
             on_transition(&ctx, &rt, t, finished).await;
         }
-        let disposition = decide(
+        let mut disposition = decide(
             &outcome,
             n,
             leased.entry.accepted_at,
@@ -373,6 +393,14 @@ async fn attempt(
             rand::random::<f64>(),
             hold,
         );
+        // A handler can name a more specific DLQ reason (unknown_version).
+        if let (Disposition::DeadLetter { reason, .. }, Some(r)) = (
+            &mut disposition,
+            effects.as_ref().and_then(|e| e.dlq_reason),
+        ) {
+            *reason = r;
+        }
+        let outbox = effects.map(|e| Box::new(e.outbox));
         let result = match &outcome {
             AttemptOutcome::Delivered { .. } => AttemptResult::Delivered,
             AttemptOutcome::Retryable { .. } => AttemptResult::Retryable,
@@ -406,7 +434,8 @@ async fn attempt(
                 finished_at: finished,
                 result,
                 status: outcome.status(),
-                error: outcome.error().map(str::to_string),
+                error: outcome.error().map(|e| truncate(e, MAX_ERROR_CHARS)),
+                outbox,
             },
             disposition,
             label,
@@ -450,6 +479,33 @@ async fn attempt(
                     end_error.as_deref(),
                     finished_at,
                 );
+            }
+        }
+        Err(FinishError::Conflict(key)) => {
+            // A concurrent delivery changed a key this invocation's compare-and-set relied on:
+            // nothing was written. Record a retryable attempt without the effects; the handler
+            // runs again on fresh data.
+            ctx.metrics
+                .deliveries
+                .get_or_create(&labels("conflict"))
+                .inc();
+            tracing::warn!(key = %key, "handler key-value precondition failed; the delivery runs again");
+            let end = AttemptEnd {
+                finished_at,
+                result: AttemptResult::Retryable,
+                status: None,
+                error: Some(format!("key-value precondition failed for {key}; retried")),
+                outbox: None,
+            };
+            let retry = Disposition::Retry {
+                due_at: finished_at + 100,
+            };
+            if let Err(e) = ctx
+                .store
+                .finish(leased.entry.id, leased.lease, end, retry, finished_at)
+                .await
+            {
+                tracing::error!(error = %e, "could not record the conflict; the entry returns when its lease expires");
             }
         }
         Err(FinishError::Fenced) => {

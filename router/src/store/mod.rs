@@ -62,6 +62,10 @@ pub enum FinishError {
     /// The entry does not exist or is not queued.
     #[error("entry not found or not queued")]
     NotFound,
+    /// A compare-and-set precondition of the outbox no longer holds: nothing was written;
+    /// the delivery must run again.
+    #[error("key-value precondition failed for {0:?}")]
+    Conflict(String),
     /// Storage failure.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -178,6 +182,14 @@ pub trait Store: Send + Sync + 'static {
         after_seq: u64,
         limit: usize,
     ) -> Result<Vec<StoredEvent>, StoreError>;
+
+    /// A handler's key-value entry (expired entries read as absent).
+    fn kv_get(
+        &self,
+        namespace: &str,
+        key: &str,
+        now: Millis,
+    ) -> Result<Option<Vec<u8>>, StoreError>;
 
     /// Ordering keys of `target` held after a dead letter.
     fn held_keys(&self, target: &str) -> Vec<String>;

@@ -343,6 +343,32 @@ pub enum Disposition {
     },
 }
 
+/// One handler key-value write, namespaced by handler.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvOp {
+    /// Handler name.
+    pub namespace: String,
+    /// Key.
+    pub key: String,
+    /// New value; `None` deletes.
+    pub value: Option<Vec<u8>>,
+    /// Absolute expiry.
+    pub expires_at: Option<Millis>,
+}
+
+/// What a handler invocation produced, committed atomically with the delivery's ack (the
+/// outbox): emitted events (accepted with dedup, so a re-run's same ids are not routed twice)
+/// and key-value writes, guarded by compare-and-set preconditions.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Outbox {
+    /// Events to accept (already routed or quarantined).
+    pub emitted: Vec<NewEvent>,
+    /// Key-value writes.
+    pub kv: Vec<KvOp>,
+    /// (namespace, key, expected value): each must still hold at commit, or nothing commits.
+    pub cas: Vec<(String, String, Option<Vec<u8>>)>,
+}
+
 /// The end of one attempt, written together with the disposition.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AttemptEnd {
@@ -354,6 +380,8 @@ pub struct AttemptEnd {
     pub status: Option<u16>,
     /// Error text, if any.
     pub error: Option<String>,
+    /// Handler effects to commit with this result.
+    pub outbox: Option<Box<Outbox>>,
 }
 
 /// A leased entry handed to a delivery worker, with its event.

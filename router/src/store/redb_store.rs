@@ -36,6 +36,8 @@ const PENDING_GC: TableDefinition<u64, ()> = TableDefinition::new("pending_gc");
 const TARGET_STATE: TableDefinition<&str, &[u8]> = TableDefinition::new("target_state");
 const HELD: TableDefinition<(&str, &str), ()> = TableDefinition::new("held_keys");
 const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
+/// (handler, key) → (expires_at or i64::MAX, value).
+const KV: TableDefinition<(&str, &str), (i64, &[u8])> = TableDefinition::new("handler_kv");
 
 /// Most ops applied in one transaction; more wait for the next commit.
 const MAX_GROUP: usize = 4096;
@@ -748,6 +750,21 @@ impl Store for RedbStore {
         Ok(out)
     }
 
+    fn kv_get(
+        &self,
+        namespace: &str,
+        key: &str,
+        now: Millis,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(KV)?;
+        Ok(t.get((namespace, key))?.and_then(|v| {
+            let (exp, val) = v.value();
+            (exp > now).then(|| val.to_vec())
+        }))
+    }
+
     fn held_keys(&self, target: &str) -> Vec<String> {
         self.index().target(target).held.iter().cloned().collect()
     }
@@ -1039,6 +1056,7 @@ fn recover(db: &Database) -> Result<(u64, (u64, u64), Index), StoreError> {
         txn.open_table(PENDING_GC)?;
         txn.open_table(TARGET_STATE)?;
         txn.open_table(JOBS)?;
+        txn.open_table(KV)?;
         for row in txn.open_table(HELD)?.iter()? {
             let (k, _) = row?;
             let (t, key) = k.value();
@@ -1471,6 +1489,53 @@ impl Committer {
         Ok(out)
     }
 
+    /// Checks the outbox's compare-and-set preconditions, then writes its key-value changes
+    /// and accepts its emitted events, in the transaction of the ack.
+    fn apply_outbox(
+        &mut self,
+        txn: &WriteTransaction,
+        outbox: &Outbox,
+        now: Millis,
+        effects: &mut Vec<Effect>,
+    ) -> Result<(), FinishError> {
+        {
+            let kv = txn.open_table(KV).map_err(StoreError::from)?;
+            for (ns, key, expected) in &outbox.cas {
+                let current = kv
+                    .get((ns.as_str(), key.as_str()))
+                    .map_err(StoreError::from)?
+                    .and_then(|v| {
+                        let (exp, val) = v.value();
+                        (exp > now).then(|| val.to_vec())
+                    });
+                if &current != expected {
+                    return Err(FinishError::Conflict(format!("{ns}/{key}")));
+                }
+            }
+        }
+        let mut kv = txn.open_table(KV).map_err(StoreError::from)?;
+        for op in &outbox.kv {
+            match &op.value {
+                Some(v) => {
+                    kv.insert(
+                        (op.namespace.as_str(), op.key.as_str()),
+                        (op.expires_at.unwrap_or(i64::MAX), v.as_slice()),
+                    )
+                    .map_err(StoreError::from)?;
+                }
+                None => {
+                    kv.remove((op.namespace.as_str(), op.key.as_str()))
+                        .map_err(StoreError::from)?;
+                }
+            }
+        }
+        drop(kv);
+        if !outbox.emitted.is_empty() {
+            self.accept(txn, outbox.emitted.clone(), effects)?;
+        }
+        Ok(())
+    }
+
     /// Inserts a new queue entry (accept, redrive of a quarantined event, replay).
     fn insert_entry(
         &mut self,
@@ -1789,21 +1854,27 @@ impl Committer {
         now: Millis,
         effects: &mut Vec<Effect>,
     ) -> Result<(), FinishError> {
-        let mut entries_t = txn.open_table(ENTRIES).map_err(StoreError::from)?;
-        let Some(raw) = entries_t
+        // The entries table is opened only around reads and the final write: the outbox
+        // accepts events, which writes entries itself.
+        let raw = txn
+            .open_table(ENTRIES)
+            .map_err(StoreError::from)?
             .get((id.event, id.idx))
             .map_err(StoreError::from)?
-        else {
+            .map(|v| v.value().to_vec());
+        let Some(raw) = raw else {
             return Err(FinishError::NotFound);
         };
-        let mut e: QueueEntry = dec("entries", raw.value())?;
-        drop(raw);
+        let mut e: QueueEntry = dec("entries", &raw)?;
         if e.state != EntryState::Queued {
             return Err(FinishError::NotFound);
         }
         match e.lease {
             Some(l) if l.token == lease.token && l.until >= now => {}
             _ => return Err(FinishError::Fenced),
+        }
+        if let Some(outbox) = end.outbox.as_deref() {
+            self.apply_outbox(txn, outbox, now, effects)?;
         }
         e.lease = None;
         if let Some(a) = e.attempts.last_mut() {
@@ -1897,7 +1968,8 @@ impl Committer {
                 effects.push(Effect::Remove { target, id, hold });
             }
         }
-        entries_t
+        txn.open_table(ENTRIES)
+            .map_err(StoreError::from)?
             .insert((id.event, id.idx), enc(&e).as_slice())
             .map_err(StoreError::from)?;
         Ok(())

@@ -2,6 +2,7 @@
 //! worker only sees `AttemptOutcome`, which says whether a failure is permanent, retryable, and
 //! whether it counts for the circuit breaker.
 
+pub mod handler;
 pub mod webhook;
 
 use std::time::Duration;
@@ -23,6 +24,14 @@ pub struct DeliveryRequest {
     pub traceparent: Option<String>,
     /// Deadline for this attempt.
     pub timeout: Duration,
+    /// The structured event (what handlers receive).
+    pub event_json: serde_json::Value,
+    /// Rule that matched.
+    pub rule: String,
+    /// Target id.
+    pub target: String,
+    /// Handler hops of the event.
+    pub hops: u32,
 }
 
 /// How an attempt ended, as the target saw it.
@@ -80,4 +89,13 @@ impl AttemptOutcome {
 pub trait Target: Send + Sync + 'static {
     /// Makes one attempt. Never panics on target behaviour; every failure is an outcome.
     fn deliver<'a>(&'a self, req: &'a DeliveryRequest) -> BoxFuture<'a, AttemptOutcome>;
+
+    /// Makes one attempt and returns what must be committed with its result (handlers'
+    /// emitted events and key-value writes). Targets without effects use the default.
+    fn deliver_with_effects<'a>(
+        &'a self,
+        req: &'a DeliveryRequest,
+    ) -> BoxFuture<'a, (AttemptOutcome, Option<Box<handler::Effects>>)> {
+        Box::pin(async move { (self.deliver(req).await, None) })
+    }
 }

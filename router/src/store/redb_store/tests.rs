@@ -37,6 +37,7 @@ fn delivered(at: Millis) -> AttemptEnd {
         result: AttemptResult::Delivered,
         status: Some(200),
         error: None,
+        outbox: None,
     }
 }
 
@@ -166,6 +167,7 @@ async fn retries_wait_in_the_queue_and_dead_letters_keep_every_attempt() {
         result: AttemptResult::Retryable,
         status: Some(500),
         error: Some("HTTP 500".into()),
+        outbox: None,
     };
     s.finish(
         l.entry.id,
@@ -239,6 +241,7 @@ async fn restart_reclaims_leases_and_keeps_due_times() {
                 result: AttemptResult::Retryable,
                 status: None,
                 error: Some("conn".into()),
+                outbox: None,
             },
             Disposition::Retry { due_at: 9000 },
             1001,
@@ -468,6 +471,7 @@ async fn one_entry_per_key_in_flight_and_in_order() {
         result: AttemptResult::Retryable,
         status: Some(500),
         error: None,
+        outbox: None,
     };
     s.finish(
         head.entry.id,

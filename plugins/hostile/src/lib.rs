@@ -1,0 +1,83 @@
+//! `hostile`: misbehaves on purpose, by `data.mode`, to prove the router's sandbox limits:
+//! `loop` (never returns), `oom` (memory bomb), `stack` (unbounded recursion), `panic`,
+//! `output` (`data.size`: `many` = 10,000 emissions, `big` = one 2 MiB emission) and `log`
+//! (a log flood, then a normal return). Anything else: returns nothing.
+
+use std::hint::black_box;
+
+use router_sdk::{Delivery, Descriptor, Emit, Event, Handler, HandlerError, log};
+
+/// The handler.
+pub struct Hostile;
+
+/// Recurses (practically) forever. The values kept live across the call are wasm locals, so each
+/// frame grows the engine's native stack, not the shadow stack in linear memory: the guest hits
+/// the host's stack limit (a clean stack-overflow trap) long before it could corrupt memory.
+#[inline(never)]
+fn recurse(n: u64) -> u64 {
+    if n == 0 {
+        return 1;
+    }
+    let (a, b, c, d) = (
+        n.wrapping_mul(3),
+        n ^ 0x55,
+        n.rotate_left(7),
+        n.wrapping_add(11),
+    );
+    let (e, f, g, h) = (a ^ c, b.wrapping_mul(d), c.rotate_right(3), d ^ a);
+    let r = recurse(n - 1);
+    r.wrapping_mul(a | 1) ^ b ^ c.wrapping_add(d) ^ e ^ f.wrapping_sub(g) ^ h
+}
+
+impl Handler for Hostile {
+    fn describe() -> Descriptor {
+        Descriptor::new("hostile", env!("CARGO_PKG_VERSION"))
+    }
+
+    fn handle(event: &Event, _delivery: &Delivery) -> Result<Vec<Emit>, HandlerError> {
+        let data = event.data_value()?;
+        let mode = data
+            .get("mode")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("");
+        match mode {
+            "loop" => {
+                let mut i = 0u64;
+                loop {
+                    i = black_box(i.wrapping_add(1));
+                }
+            }
+            "oom" => {
+                let mut hoard: Vec<Vec<u8>> = Vec::new();
+                loop {
+                    hoard.push(vec![0xA5; 1 << 20]);
+                    black_box(&hoard);
+                }
+            }
+            "stack" => {
+                black_box(recurse(black_box(u64::MAX)));
+                Ok(Vec::new())
+            }
+            "panic" => panic!("hostile handler panicked on purpose (event {})", event.id),
+            "output" => {
+                if data.get("size").and_then(serde_json::Value::as_str) == Some("big") {
+                    let blob = "x".repeat(2 << 20);
+                    return Ok(vec![Emit::json("hostile.big", &blob)?]);
+                }
+                Ok((0..10_000)
+                    .map(|i| Emit::new(format!("hostile.many.{i}")))
+                    .collect())
+            }
+            "log" => {
+                let line = "y".repeat(100);
+                for i in 0..100_000 {
+                    log::info!("flood {i}: {line}");
+                }
+                Ok(Vec::new())
+            }
+            _ => Ok(Vec::new()),
+        }
+    }
+}
+
+router_sdk::export_handler!(Hostile);

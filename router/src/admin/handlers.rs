@@ -1,0 +1,214 @@
+//! Handler management API: upload (validated before it activates), list, show, rollback,
+//! delete, logs. Every route needs `handlers:<name>` for that handler (or `admin`); listing all
+//! handlers needs `read`.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::app::App;
+use crate::auth::{Principal, Scope, require};
+use crate::event::FieldError;
+use crate::ingest::error_response;
+use crate::wasm::{RegistryError, UploadError};
+
+fn runtime(app: &App) -> Result<&Arc<crate::target::handler::HandlerRuntime>, Box<Response>> {
+    app.handlers.as_ref().ok_or_else(|| {
+        Box::new(error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the WASM handler runtime is not available",
+            Vec::new(),
+        ))
+    })
+}
+
+fn registry_error(e: RegistryError) -> Response {
+    let status = match &e {
+        RegistryError::UnknownHandler(_) | RegistryError::UnknownVersion { .. } => {
+            StatusCode::NOT_FOUND
+        }
+        RegistryError::AmbiguousVersion(_) => StatusCode::BAD_REQUEST,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    if status == StatusCode::INTERNAL_SERVER_ERROR {
+        tracing::error!(error = %e, "handler registry failure");
+    }
+    error_response(
+        status,
+        "handler operation failed",
+        vec![FieldError::new("", e.to_string())],
+    )
+}
+
+/// `PUT /v1/handlers/{name}`: the body is the component. Compiled and validated (world,
+/// `describe`, name) before it becomes active; 400 with why otherwise.
+pub async fn upload(
+    State(app): State<Arc<App>>,
+    axum::Extension(who): axum::Extension<Principal>,
+    Path(name): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    if let Err(r) = require(&who, &Scope::Handlers(name.clone())) {
+        return *r;
+    }
+    let rt = match runtime(&app) {
+        Ok(rt) => rt.clone(),
+        Err(r) => return *r,
+    };
+    let uploader = who.name.clone();
+    let n = name.clone();
+    let res = tokio::task::spawn_blocking(move || rt.registry.upload(&n, &body, &uploader)).await;
+    match res {
+        Ok(Ok(v)) => {
+            tracing::warn!(handler = %name, version = v.version, sha256 = %v.sha256, uploader = %who.name, "handler uploaded and activated");
+            (StatusCode::CREATED, axum::Json(json!(v))).into_response()
+        }
+        Ok(Err(UploadError::Io(e))) => {
+            tracing::error!(handler = %name, error = %e, "storing a handler failed");
+            error_response(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "cannot store the handler",
+                Vec::new(),
+            )
+        }
+        Ok(Err(e)) => error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid handler",
+            vec![FieldError::new("", e.to_string())],
+        ),
+        Err(e) => error_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "upload task failed",
+            vec![FieldError::new("", e.to_string())],
+        ),
+    }
+}
+
+/// `GET /v1/handlers`.
+pub async fn list(State(app): State<Arc<App>>) -> Response {
+    match runtime(&app) {
+        Ok(rt) => axum::Json(
+            json!({ "handlers": rt.registry.list(), "compilations": rt.registry.compilations() }),
+        )
+        .into_response(),
+        Err(r) => *r,
+    }
+}
+
+/// `GET /v1/handlers/{name}`: versions and the active one.
+pub async fn show(
+    State(app): State<Arc<App>>,
+    axum::Extension(who): axum::Extension<Principal>,
+    Path(name): Path<String>,
+) -> Response {
+    if !who.allows(&Scope::Read)
+        && let Err(r) = require(&who, &Scope::Handlers(name.clone()))
+    {
+        return *r;
+    }
+    match runtime(&app) {
+        Ok(rt) => match rt.registry.get(&name) {
+            Some(info) => axum::Json(json!(info)).into_response(),
+            None => error_response(
+                StatusCode::NOT_FOUND,
+                "unknown handler",
+                vec![FieldError::new("/name", format!("no handler {name:?}"))],
+            ),
+        },
+        Err(r) => *r,
+    }
+}
+
+/// Body of a rollback.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RollbackRequest {
+    /// Version number (`3`, `v3`) or sha256 prefix.
+    version: String,
+}
+
+/// `POST /v1/handlers/{name}/rollback {"version"}`.
+pub async fn rollback(
+    State(app): State<Arc<App>>,
+    axum::Extension(who): axum::Extension<Principal>,
+    Path(name): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    if let Err(r) = require(&who, &Scope::Handlers(name.clone())) {
+        return *r;
+    }
+    let req: RollbackRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid request body",
+                vec![FieldError::new("/version", e.to_string())],
+            );
+        }
+    };
+    let rt = match runtime(&app) {
+        Ok(rt) => rt.clone(),
+        Err(r) => return *r,
+    };
+    let n = name.clone();
+    match tokio::task::spawn_blocking(move || rt.registry.rollback(&n, &req.version)).await {
+        Ok(Ok(v)) => {
+            tracing::warn!(handler = %name, version = v.version, by = %who.name, "handler rolled back");
+            axum::Json(json!(v)).into_response()
+        }
+        Ok(Err(e)) => registry_error(e),
+        Err(e) => error_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "rollback task failed",
+            vec![FieldError::new("", e.to_string())],
+        ),
+    }
+}
+
+/// `DELETE /v1/handlers/{name}`: its queued deliveries wait (retryable) until one is uploaded.
+pub async fn delete(
+    State(app): State<Arc<App>>,
+    axum::Extension(who): axum::Extension<Principal>,
+    Path(name): Path<String>,
+) -> Response {
+    if let Err(r) = require(&who, &Scope::Handlers(name.clone())) {
+        return *r;
+    }
+    let rt = match runtime(&app) {
+        Ok(rt) => rt.clone(),
+        Err(r) => return *r,
+    };
+    match rt.registry.delete(&name) {
+        Ok(true) => axum::Json(json!({ "deleted": name })).into_response(),
+        Ok(false) => error_response(StatusCode::NOT_FOUND, "unknown handler", Vec::new()),
+        Err(e) => registry_error(e),
+    }
+}
+
+/// Query of the logs route.
+#[derive(Debug, Deserialize)]
+pub struct LogsQuery {
+    limit: Option<usize>,
+}
+
+/// `GET /v1/handlers/{name}/logs?limit=`: recent captured lines (size-capped), with event id,
+/// attempt and level; traps keep their message.
+pub async fn logs(
+    State(app): State<Arc<App>>,
+    axum::Extension(who): axum::Extension<Principal>,
+    Path(name): Path<String>,
+    Query(q): Query<LogsQuery>,
+) -> Response {
+    if let Err(r) = require(&who, &Scope::Handlers(name.clone())) {
+        return *r;
+    }
+    match runtime(&app) {
+        Ok(rt) => axum::Json(json!({ "handler": name, "lines": rt.logs.recent(&name, q.limit.unwrap_or(200).min(crate::target::handler::LOG_LINES_PER_HANDLER)) })).into_response(),
+        Err(r) => *r,
+    }
+}

@@ -1,0 +1,373 @@
+//! Handler target: runs an uploaded WebAssembly component on the event, in the sandbox, and
+//! turns what it produced into an outbox (emitted events + key-value writes) that the worker
+//! commits atomically with the delivery's ack.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use serde::Serialize;
+use serde_json::Value;
+use tokio::sync::Semaphore;
+
+use super::{AttemptOutcome, DeliveryRequest, Target};
+use crate::clock::Clock;
+use crate::event::CloudEvent;
+use crate::store::{DlqReason, KvOp, NewEvent, Outbox, Store};
+use crate::wasm::{DeliveryInfo, HandlerLimits, HandlerRegistry, InvocationOutcome, KvReader};
+
+/// Turns emitted events into what the store accepts (contracts, rules, loop detection).
+pub type Prepare = Arc<dyn Fn(Vec<CloudEvent>, i64) -> Vec<NewEvent> + Send + Sync>;
+
+/// One captured handler log line, kept for the owning team.
+#[derive(Debug, Clone, Serialize)]
+pub struct LogRecord {
+    /// RFC 3339.
+    pub at: String,
+    /// Level.
+    pub level: String,
+    /// Message (traps keep theirs).
+    pub message: String,
+    /// The event being handled.
+    pub event_id: String,
+    /// Attempt number.
+    pub attempt: u32,
+    /// Handler version (sha256 prefix).
+    pub version: String,
+}
+
+/// Recent log lines per handler, capped.
+#[derive(Default)]
+pub struct HandlerLogs {
+    lines: Mutex<HashMap<String, VecDeque<LogRecord>>>,
+}
+
+/// Lines kept per handler.
+pub const LOG_LINES_PER_HANDLER: usize = 1000;
+
+impl HandlerLogs {
+    fn push(&self, handler: &str, rec: LogRecord) {
+        let mut g = self.lines.lock().unwrap_or_else(|p| p.into_inner());
+        let q = g.entry(handler.to_string()).or_default();
+        if q.len() >= LOG_LINES_PER_HANDLER {
+            q.pop_front();
+        }
+        q.push_back(rec);
+    }
+
+    /// The most recent `limit` lines of `handler`, oldest first.
+    pub fn recent(&self, handler: &str, limit: usize) -> Vec<LogRecord> {
+        let g = self.lines.lock().unwrap_or_else(|p| p.into_inner());
+        g.get(handler)
+            .map(|q| {
+                q.iter()
+                    .skip(q.len().saturating_sub(limit))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+/// Shared by every handler target.
+pub struct HandlerRuntime {
+    /// Uploaded handlers.
+    pub registry: Arc<HandlerRegistry>,
+    /// Per-invocation limits.
+    pub limits: HandlerLimits,
+    /// Bounds concurrent instances to the pooling allocator's size.
+    pub slots: Arc<Semaphore>,
+    /// Captured logs.
+    pub logs: HandlerLogs,
+    /// Emitted events past this many hops go to the DLQ as `loop_detected`.
+    pub hop_limit: u32,
+    /// The store (key-value reads).
+    pub store: Arc<dyn Store>,
+    /// Time source.
+    pub clock: Arc<dyn Clock>,
+    /// Set once the app exists: routes emitted events.
+    pub prepare: OnceLock<Prepare>,
+}
+
+struct StoreKv {
+    store: Arc<dyn Store>,
+    namespace: String,
+    now: i64,
+}
+
+impl KvReader for StoreKv {
+    fn get(&self, key: &str) -> Option<Vec<u8>> {
+        match self.store.kv_get(&self.namespace, key, self.now) {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::error!(error = %e, "handler kv read failed");
+                None
+            }
+        }
+    }
+}
+
+/// A `handler: NAME` target.
+pub struct HandlerTarget {
+    rt: Arc<HandlerRuntime>,
+    name: String,
+}
+
+impl HandlerTarget {
+    /// A target running handler `name`.
+    pub fn new(rt: Arc<HandlerRuntime>, name: String) -> Self {
+        Self { rt, name }
+    }
+
+    fn log(&self, req: &DeliveryRequest, version: &str, level: &str, message: String) {
+        self.rt.logs.push(
+            &self.name,
+            LogRecord {
+                at: crate::clock::rfc3339(self.rt.clock.now_ms()),
+                level: level.to_string(),
+                message,
+                event_id: req.event_id.clone(),
+                attempt: req.attempt,
+                version: version.to_string(),
+            },
+        );
+    }
+
+    async fn run(&self, req: &DeliveryRequest) -> (AttemptOutcome, Option<Box<Effects>>) {
+        let Some(h) = self.rt.registry.active(&self.name) else {
+            return (
+                AttemptOutcome::Retryable {
+                    error: format!(
+                        "handler {:?} is not uploaded (or was deleted); waiting for it",
+                        self.name
+                    ),
+                    status: None,
+                    retry_after: Some(Duration::from_secs(5)),
+                },
+                None,
+            );
+        };
+        let version = h.version().sha256.chars().take(12).collect::<String>();
+        let ty = req.event_json["type"].as_str().unwrap_or("").to_string();
+        let dataversion = req.event_json["dataversion"]
+            .as_u64()
+            .and_then(|v| u32::try_from(v).ok())
+            .unwrap_or(1);
+        if !h.descriptor().accepts(&ty, dataversion) {
+            let error = format!(
+                "handler {:?} does not accept {ty} v{dataversion}",
+                self.name
+            );
+            return (
+                AttemptOutcome::Permanent {
+                    error,
+                    status: None,
+                },
+                Some(Box::new(Effects {
+                    outbox: Outbox::default(),
+                    dlq_reason: Some(DlqReason::UnknownVersion),
+                })),
+            );
+        }
+        let Ok(_slot) = self.rt.slots.clone().acquire_owned().await else {
+            return (
+                AttemptOutcome::Retryable {
+                    error: "handler runtime is shutting down".into(),
+                    status: None,
+                    retry_after: None,
+                },
+                None,
+            );
+        };
+        let now = self.rt.clock.now_ms();
+        let kv = Arc::new(StoreKv {
+            store: self.rt.store.clone(),
+            namespace: self.name.clone(),
+            now,
+        });
+        let info = DeliveryInfo {
+            attempt: req.attempt,
+            idempotency_key: req.idempotency_key.clone(),
+            rule: req.rule.clone(),
+            target: req.target.clone(),
+        };
+        let (limits, event) = (self.rt.limits.clone(), req.event_json.clone());
+        let hh = h.clone();
+        let inv = match tokio::task::spawn_blocking(move || {
+            crate::wasm::invoke(&hh, &event, &info, kv, &limits)
+        })
+        .await
+        {
+            Ok(inv) => inv,
+            Err(e) => {
+                return (
+                    AttemptOutcome::Retryable {
+                        error: format!("handler_trap: invocation task failed: {e}"),
+                        status: None,
+                        retry_after: None,
+                    },
+                    None,
+                );
+            }
+        };
+        for line in &inv.logs {
+            self.log(
+                req,
+                &version,
+                &format!("{:?}", line.level).to_lowercase(),
+                line.message.clone(),
+            );
+        }
+        let outbox_of = |inv: &crate::wasm::Invocation, emitted: Vec<NewEvent>| Outbox {
+            emitted,
+            kv: inv
+                .kv_writes
+                .iter()
+                .map(|w| KvOp {
+                    namespace: self.name.clone(),
+                    key: w.key.clone(),
+                    value: w.value.clone(),
+                    expires_at: w
+                        .ttl_ms
+                        .map(|t| now.saturating_add(i64::try_from(t).unwrap_or(i64::MAX))),
+                })
+                .collect(),
+            cas: inv
+                .cas_checks
+                .iter()
+                .map(|(k, v)| (self.name.clone(), k.clone(), v.clone()))
+                .collect(),
+        };
+        let effects = |outbox| {
+            Some(Box::new(Effects {
+                outbox,
+                dlq_reason: None,
+            }))
+        };
+        match &inv.outcome {
+            InvocationOutcome::Emitted(partials) => {
+                let events = match self.complete(req, partials) {
+                    Ok(evs) => evs,
+                    Err(e) => {
+                        return (
+                            AttemptOutcome::Permanent {
+                                error: e,
+                                status: None,
+                            },
+                            None,
+                        );
+                    }
+                };
+                let prepared = match self.rt.prepare.get() {
+                    Some(p) => p(events, now),
+                    None => Vec::new(),
+                };
+                (
+                    AttemptOutcome::Delivered { status: None },
+                    effects(outbox_of(&inv, prepared)),
+                )
+            }
+            InvocationOutcome::Retry { delay, message } => (
+                AttemptOutcome::Retryable {
+                    error: format!("handler asked to retry: {message}"),
+                    status: None,
+                    retry_after: *delay,
+                },
+                effects(outbox_of(&inv, Vec::new())),
+            ),
+            InvocationOutcome::Fail(msg) => (
+                AttemptOutcome::Permanent {
+                    error: format!("handler failed: {msg}"),
+                    status: None,
+                },
+                effects(outbox_of(&inv, Vec::new())),
+            ),
+            other => {
+                let error = match other {
+                    InvocationOutcome::Timeout => format!(
+                        "handler_timeout: no answer within {:?}",
+                        self.rt.limits.timeout
+                    ),
+                    InvocationOutcome::Oom => format!(
+                        "handler_oom: memory cap of {} bytes reached",
+                        self.rt.limits.memory_bytes
+                    ),
+                    InvocationOutcome::Trap(m) => format!("handler_trap: {m}"),
+                    InvocationOutcome::LimitExceeded(m) => {
+                        format!("handler_trap: limit exceeded: {m}")
+                    }
+                    _ => "handler_trap".into(),
+                };
+                self.log(req, &version, "error", error.clone());
+                tracing::warn!(handler = %self.name, error = %error, "handler invocation failed");
+                (
+                    AttemptOutcome::Retryable {
+                        error,
+                        status: None,
+                        retry_after: None,
+                    },
+                    None,
+                )
+            }
+        }
+    }
+
+    /// Completes partial emitted events: `id` derived from the delivery (a re-run produces the
+    /// same ids, so ingest dedup drops its duplicates), `source` the handler's URI, `hops`.
+    fn complete(
+        &self,
+        req: &DeliveryRequest,
+        partials: &[Value],
+    ) -> Result<Vec<CloudEvent>, String> {
+        let hops = req.hops + 1;
+        partials
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let mut v = p.clone();
+                v["specversion"] = Value::from("1.0");
+                v["id"] = Value::from(format!("{}-{i}", req.idempotency_key));
+                v["source"] = Value::from(format!("handler://{}", self.name));
+                let mut ev = crate::ingest::parse::event_from_json(v, "").map_err(|errs| {
+                    format!(
+                        "emitted event {i} is invalid: {}",
+                        errs.iter()
+                            .map(|e| format!("{} {}", e.pointer, e.message))
+                            .collect::<Vec<_>>()
+                            .join("; ")
+                    )
+                })?;
+                ev.extensions.insert("hops".into(), Value::from(hops));
+                if let Some(tp) = &req.traceparent {
+                    ev.extensions
+                        .insert("traceparent".into(), Value::from(tp.clone()));
+                }
+                Ok(ev)
+            })
+            .collect()
+    }
+}
+
+/// What the worker commits with the attempt's result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Effects {
+    /// Emitted events and key-value writes.
+    pub outbox: Outbox,
+    /// A DLQ reason more specific than `permanent_error` (e.g. `unknown_version`).
+    pub dlq_reason: Option<DlqReason>,
+}
+
+impl Target for HandlerTarget {
+    fn deliver<'a>(&'a self, req: &'a DeliveryRequest) -> BoxFuture<'a, AttemptOutcome> {
+        async move { self.run(req).await.0 }.boxed()
+    }
+
+    fn deliver_with_effects<'a>(
+        &'a self,
+        req: &'a DeliveryRequest,
+    ) -> BoxFuture<'a, (AttemptOutcome, Option<Box<Effects>>)> {
+        self.run(req).boxed()
+    }
+}

@@ -1,0 +1,605 @@
+//! The host side of the `router:handler` world: generated bindings, the per-invocation store
+//! state, and the imports a handler gets (log, kv, and WASI p2 with nothing granted).
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use wasmtime::component::{HasSelf, Linker, ResourceTable};
+use wasmtime::{ResourceLimiter, Result as WasmResult};
+use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
+use wasmtime_wasi::p2::{OutputStream, Pollable, StreamResult};
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+
+use super::limits::HandlerLimits;
+
+wasmtime::component::bindgen!({
+    world: "handler",
+    path: "../sdk/wit",
+    imports: { default: trappable },
+});
+
+pub use router::handler::types as wit;
+use router::handler::{kv, log, types};
+
+/// Read access to a handler's key-value namespace, implemented by the router over its store.
+/// Keys are the handler's own (un-namespaced) keys.
+pub trait KvReader: Send + Sync {
+    /// The committed value under `key`, if any.
+    fn get(&self, key: &str) -> Option<Vec<u8>>;
+}
+
+/// A [`KvReader`] over an empty namespace (used for `describe` and in tests).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct EmptyKv;
+
+impl KvReader for EmptyKv {
+    fn get(&self, _key: &str) -> Option<Vec<u8>> {
+        None
+    }
+}
+
+/// One buffered key-value write. `value: None` deletes the key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvWrite {
+    /// The handler's key (the router adds the namespace).
+    pub key: String,
+    /// The new value, or `None` for a delete.
+    pub value: Option<Vec<u8>>,
+    /// Expiry in milliseconds from commit, if any.
+    pub ttl_ms: Option<u64>,
+}
+
+/// Severity of a captured log line.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum LogLevel {
+    /// `trace`
+    Trace,
+    /// `debug`
+    Debug,
+    /// `info`
+    Info,
+    /// `warn`
+    Warn,
+    /// `error`
+    Error,
+}
+
+/// One captured log line; `at_ms` counts from the start of the invocation.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LogLine {
+    /// Severity.
+    pub level: LogLevel,
+    /// The message (possibly truncated at the log limit).
+    pub message: String,
+    /// Milliseconds since the invocation started.
+    pub at_ms: u64,
+}
+
+/// Most bytes of one key; longer keys trap the invocation.
+const MAX_KEY_BYTES: usize = 1024;
+
+/// Why a host call stopped the guest: a limit the handler's own calls went over.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub(crate) struct HostLimitBreach(pub(crate) String);
+
+/// Memory-growth refused because it would pass the invocation's cap.
+#[derive(Debug, thiserror::Error)]
+#[error("memory limit of {limit} bytes reached (asked to grow to {desired} bytes)")]
+pub(crate) struct MemoryCapExceeded {
+    pub(crate) desired: usize,
+    pub(crate) limit: usize,
+}
+
+/// Caps linear-memory and table growth, and remembers whether the memory cap was hit so an
+/// out-of-memory trap can be told apart from any other.
+pub(crate) struct MemoryLimiter {
+    memory_bytes: usize,
+    table_elements: usize,
+    pub(crate) memory_exhausted: bool,
+}
+
+impl ResourceLimiter for MemoryLimiter {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> WasmResult<bool> {
+        if desired > self.memory_bytes {
+            self.memory_exhausted = true;
+            // An error (rather than `Ok(false)`) traps at the grow instruction itself, so a
+            // guest allocator cannot turn the failure into a generic abort.
+            return Err(MemoryCapExceeded {
+                desired,
+                limit: self.memory_bytes,
+            }
+            .into());
+        }
+        Ok(true)
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> WasmResult<bool> {
+        Ok(desired <= self.table_elements)
+    }
+}
+
+/// A guest stdout/stderr that keeps the first `cap` bytes and drops the rest, never failing the
+/// guest's writes (a chatty guest must not trap because of its console).
+#[derive(Clone)]
+pub(crate) struct CappedPipe {
+    inner: Arc<Mutex<CappedBuf>>,
+}
+
+struct CappedBuf {
+    bytes: Vec<u8>,
+    cap: usize,
+    dropped: usize,
+}
+
+impl CappedPipe {
+    pub(crate) fn new(cap: usize) -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(CappedBuf {
+                bytes: Vec::new(),
+                cap,
+                dropped: 0,
+            })),
+        }
+    }
+
+    fn push(&self, data: &[u8]) {
+        let mut buf = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let room = buf.cap.saturating_sub(buf.bytes.len());
+        let take = room.min(data.len());
+        buf.bytes.extend_from_slice(&data[..take]);
+        buf.dropped += data.len() - take;
+    }
+
+    /// What the guest wrote, lossily decoded, with a note when output was dropped.
+    pub(crate) fn text(&self) -> String {
+        let buf = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut text = String::from_utf8_lossy(&buf.bytes).trim_end().to_owned();
+        if buf.dropped > 0 {
+            text.push_str(&format!(
+                "\n[{} more bytes of guest output dropped]",
+                buf.dropped
+            ));
+        }
+        text
+    }
+}
+
+impl IsTerminal for CappedPipe {
+    fn is_terminal(&self) -> bool {
+        false
+    }
+}
+
+impl StdoutStream for CappedPipe {
+    fn p2_stream(&self) -> Box<dyn OutputStream> {
+        Box::new(self.clone())
+    }
+
+    fn async_stream(&self) -> Box<dyn tokio::io::AsyncWrite + Send + Sync> {
+        Box::new(self.clone())
+    }
+}
+
+impl OutputStream for CappedPipe {
+    fn write(&mut self, bytes: bytes::Bytes) -> StreamResult<()> {
+        self.push(&bytes);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> StreamResult<()> {
+        Ok(())
+    }
+
+    fn check_write(&mut self) -> StreamResult<usize> {
+        Ok(64 << 10)
+    }
+}
+
+#[wasmtime_wasi::async_trait]
+impl Pollable for CappedPipe {
+    async fn ready(&mut self) {}
+}
+
+impl tokio::io::AsyncWrite for CappedPipe {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        self.push(buf);
+        Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// Captured log lines of one invocation, capped in bytes.
+pub(crate) struct LogBuffer {
+    started: Instant,
+    cap: usize,
+    bytes: usize,
+    pub(crate) lines: Vec<LogLine>,
+    dropped_lines: u64,
+    dropped_bytes: u64,
+}
+
+impl LogBuffer {
+    fn new(cap: usize, started: Instant) -> Self {
+        Self {
+            started,
+            cap,
+            bytes: 0,
+            lines: Vec::new(),
+            dropped_lines: 0,
+            dropped_bytes: 0,
+        }
+    }
+
+    pub(crate) fn at_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    pub(crate) fn push(&mut self, level: LogLevel, mut message: String) {
+        let room = self.cap.saturating_sub(self.bytes);
+        if room == 0 {
+            self.dropped_lines += 1;
+            self.dropped_bytes += message.len() as u64;
+            return;
+        }
+        if message.len() > room {
+            let mut cut = room;
+            while !message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            self.dropped_bytes += (message.len() - cut) as u64;
+            message.truncate(cut);
+            message.push_str(" [truncated]");
+        }
+        self.bytes += message.len();
+        let at_ms = self.at_ms();
+        self.lines.push(LogLine {
+            level,
+            message,
+            at_ms,
+        });
+    }
+
+    /// The captured lines, plus a closing note when the cap dropped some.
+    pub(crate) fn finish(mut self) -> Vec<LogLine> {
+        if self.dropped_lines > 0 || self.dropped_bytes > 0 {
+            let message = format!(
+                "[router] log limit of {} bytes per invocation reached: {} more lines ({} bytes) dropped",
+                self.cap, self.dropped_lines, self.dropped_bytes
+            );
+            let at_ms = self.at_ms();
+            self.lines.push(LogLine {
+                level: LogLevel::Warn,
+                message,
+                at_ms,
+            });
+        }
+        self.lines
+    }
+}
+
+/// The key-value view of one invocation: reads go to the router's store through an overlay of
+/// this invocation's own writes; writes and compare-and-set preconditions are only recorded.
+pub(crate) struct KvSession {
+    reader: Arc<dyn KvReader>,
+    /// Latest buffered value per key (`None`: deleted), indexing into `writes`.
+    overlay: HashMap<String, usize>,
+    pub(crate) writes: Vec<KvWrite>,
+    pub(crate) cas_checks: Vec<(String, Option<Vec<u8>>)>,
+    written_bytes: usize,
+    cap: usize,
+}
+
+impl KvSession {
+    fn new(reader: Arc<dyn KvReader>, cap: usize) -> Self {
+        Self {
+            reader,
+            overlay: HashMap::new(),
+            writes: Vec::new(),
+            cas_checks: Vec::new(),
+            written_bytes: 0,
+            cap,
+        }
+    }
+
+    fn current(&self, key: &str) -> Option<Vec<u8>> {
+        match self.overlay.get(key) {
+            Some(&i) => self.writes[i].value.clone(),
+            None => self.reader.get(key),
+        }
+    }
+
+    fn check_key(key: &str) -> Result<(), HostLimitBreach> {
+        if key.len() > MAX_KEY_BYTES {
+            return Err(HostLimitBreach(format!(
+                "kv key of {} bytes is longer than the limit of {MAX_KEY_BYTES}",
+                key.len()
+            )));
+        }
+        Ok(())
+    }
+
+    fn write(
+        &mut self,
+        key: String,
+        value: Option<Vec<u8>>,
+        ttl_ms: Option<u64>,
+    ) -> Result<(), HostLimitBreach> {
+        Self::check_key(&key)?;
+        self.written_bytes += key.len() + value.as_ref().map_or(0, Vec::len);
+        if self.written_bytes > self.cap {
+            return Err(HostLimitBreach(format!(
+                "kv writes of this invocation exceed the limit of {} bytes",
+                self.cap
+            )));
+        }
+        match self.overlay.get(&key) {
+            Some(&i) => self.writes[i] = KvWrite { key, value, ttl_ms },
+            None => {
+                self.overlay.insert(key.clone(), self.writes.len());
+                self.writes.push(KvWrite { key, value, ttl_ms });
+            }
+        }
+        Ok(())
+    }
+
+    fn compare_and_set(
+        &mut self,
+        key: String,
+        expected: Option<Vec<u8>>,
+        new: Option<Vec<u8>>,
+    ) -> Result<bool, HostLimitBreach> {
+        Self::check_key(&key)?;
+        let written_here = self.overlay.contains_key(&key);
+        let current = self.current(&key);
+        // The outcome depended on the committed value only when this invocation had not written
+        // the key yet: that value is what the router must find unchanged at commit time.
+        if !written_here && !self.cas_checks.iter().any(|(k, _)| *k == key) {
+            self.cas_checks.push((key.clone(), current.clone()));
+        }
+        if current != expected {
+            return Ok(false);
+        }
+        self.write(key, new, None)?;
+        Ok(true)
+    }
+}
+
+/// Everything one store (one invocation) owns.
+pub(crate) struct HostState {
+    wasi: WasiCtx,
+    table: ResourceTable,
+    pub(crate) limiter: MemoryLimiter,
+    pub(crate) logs: LogBuffer,
+    pub(crate) kv: KvSession,
+    pub(crate) console: CappedPipe,
+    /// Set when a host call refused to go on because of a limit (the guest then traps).
+    pub(crate) breach: Option<String>,
+}
+
+impl HostState {
+    /// A fresh state under `limits`; the guest sees an empty environment, no arguments, no
+    /// files, no network, and a console that only the host reads.
+    pub(crate) fn new(
+        limits: &HandlerLimits,
+        table_elements: usize,
+        kv: Arc<dyn KvReader>,
+    ) -> Self {
+        let console = CappedPipe::new(limits.max_stderr_bytes);
+        let wasi = WasiCtx::builder()
+            .stdout(console.clone())
+            .stderr(console.clone())
+            .allow_tcp(false)
+            .allow_udp(false)
+            .allow_ip_name_lookup(false)
+            .build();
+        Self {
+            wasi,
+            table: ResourceTable::new(),
+            limiter: MemoryLimiter {
+                memory_bytes: limits.memory_bytes,
+                table_elements,
+                memory_exhausted: false,
+            },
+            logs: LogBuffer::new(limits.max_log_bytes, Instant::now()),
+            kv: KvSession::new(kv, limits.max_kv_write_bytes),
+            console,
+            breach: None,
+        }
+    }
+
+    fn breach<T>(&mut self, result: Result<T, HostLimitBreach>) -> WasmResult<T> {
+        result.map_err(|e| {
+            self.breach = Some(e.0.clone());
+            wasmtime::Error::new(e)
+        })
+    }
+}
+
+impl WasiView for HostState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+impl types::Host for HostState {}
+
+impl log::Host for HostState {
+    fn log(&mut self, level: log::Level, message: String) -> WasmResult<()> {
+        let level = match level {
+            log::Level::Trace => LogLevel::Trace,
+            log::Level::Debug => LogLevel::Debug,
+            log::Level::Info => LogLevel::Info,
+            log::Level::Warn => LogLevel::Warn,
+            log::Level::Error => LogLevel::Error,
+        };
+        self.logs.push(level, message);
+        Ok(())
+    }
+}
+
+impl kv::Host for HostState {
+    fn get(&mut self, key: String) -> WasmResult<Option<Vec<u8>>> {
+        let checked = KvSession::check_key(&key);
+        self.breach(checked)?;
+        Ok(self.kv.current(&key))
+    }
+
+    fn set(&mut self, key: String, value: Vec<u8>, ttl_ms: Option<u64>) -> WasmResult<()> {
+        let result = self.kv.write(key, Some(value), ttl_ms);
+        self.breach(result)
+    }
+
+    fn delete(&mut self, key: String) -> WasmResult<()> {
+        let result = self.kv.write(key, None, None);
+        self.breach(result)
+    }
+
+    fn compare_and_set(
+        &mut self,
+        key: String,
+        expected: Option<Vec<u8>>,
+        new: Option<Vec<u8>>,
+    ) -> WasmResult<bool> {
+        let result = self.kv.compare_and_set(key, expected, new);
+        self.breach(result)
+    }
+}
+
+/// The linker every handler is instantiated with: our `log` and `kv`, plus WASI p2 (which Rust's
+/// standard library imports) backed by the empty context of [`HostState::new`].
+pub(crate) fn linker(engine: &wasmtime::Engine) -> WasmResult<Linker<HostState>> {
+    let mut linker = Linker::new(engine);
+    wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
+    Handler::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |s| s)?;
+    Ok(linker)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Fixed(Vec<(&'static str, &'static [u8])>);
+
+    impl KvReader for Fixed {
+        fn get(&self, key: &str) -> Option<Vec<u8>> {
+            self.0
+                .iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, v)| v.to_vec())
+        }
+    }
+
+    fn session() -> KvSession {
+        KvSession::new(Arc::new(Fixed(vec![("a", b"1")])), 1 << 10)
+    }
+
+    #[test]
+    fn reads_see_own_writes_and_writes_collapse_per_key() {
+        let mut kv = session();
+        assert_eq!(kv.current("a").as_deref(), Some(&b"1"[..]));
+        kv.write("a".into(), Some(b"2".to_vec()), Some(5)).unwrap();
+        kv.write("b".into(), Some(b"x".to_vec()), None).unwrap();
+        kv.write("a".into(), None, None).unwrap();
+        assert_eq!(kv.current("a"), None);
+        assert_eq!(kv.writes.len(), 2);
+        assert_eq!(
+            kv.writes[0],
+            KvWrite {
+                key: "a".into(),
+                value: None,
+                ttl_ms: None
+            }
+        );
+    }
+
+    #[test]
+    fn compare_and_set_records_the_committed_value_it_depended_on() {
+        let mut kv = session();
+        assert!(
+            !kv.compare_and_set("a".into(), None, Some(b"x".to_vec()))
+                .unwrap()
+        );
+        assert!(
+            kv.compare_and_set("a".into(), Some(b"1".to_vec()), Some(b"2".to_vec()))
+                .unwrap()
+        );
+        assert!(
+            kv.compare_and_set("a".into(), Some(b"2".to_vec()), Some(b"3".to_vec()))
+                .unwrap()
+        );
+        assert!(
+            kv.compare_and_set("n".into(), None, Some(b"1".to_vec()))
+                .unwrap()
+        );
+        assert_eq!(
+            kv.cas_checks,
+            vec![
+                ("a".to_owned(), Some(b"1".to_vec())),
+                ("n".to_owned(), None)
+            ]
+        );
+        assert_eq!(kv.current("a").as_deref(), Some(&b"3"[..]));
+    }
+
+    #[test]
+    fn write_limits_are_enforced() {
+        let mut kv = KvSession::new(Arc::new(EmptyKv), 10);
+        assert!(kv.write("k".into(), Some(vec![0; 9]), None).is_ok());
+        assert!(kv.write("k".into(), Some(vec![0; 9]), None).is_err());
+        assert!(KvSession::check_key(&"k".repeat(MAX_KEY_BYTES + 1)).is_err());
+    }
+
+    #[test]
+    fn logs_are_capped_with_a_closing_note() {
+        let mut logs = LogBuffer::new(10, Instant::now());
+        logs.push(LogLevel::Info, "12345".into());
+        logs.push(LogLevel::Info, "1234567890".into());
+        logs.push(LogLevel::Info, "dropped".into());
+        let lines = logs.finish();
+        assert_eq!(lines.len(), 3);
+        assert_eq!(lines[1].message, "12345 [truncated]");
+        assert!(
+            lines[2].message.contains("1 more lines"),
+            "{}",
+            lines[2].message
+        );
+    }
+
+    #[test]
+    fn console_keeps_the_first_bytes() {
+        let pipe = CappedPipe::new(4);
+        pipe.push(b"abcdef");
+        assert_eq!(pipe.text(), "abcd\n[2 more bytes of guest output dropped]");
+    }
+}

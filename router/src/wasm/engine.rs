@@ -1,0 +1,243 @@
+//! The one wasmtime engine all handlers share: pooling allocator, epoch interruption driven by a
+//! background ticker thread, an on-disk compilation cache, and the linker handlers are checked
+//! and instantiated against.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use thiserror::Error;
+use wasmtime::component::Linker;
+use wasmtime::{
+    Cache, CacheConfig, Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig,
+};
+
+use super::bindings::{self, HostState};
+use super::limits::{HandlerLimits, LimitsError};
+
+/// Sizing of the shared engine. The defaults suit a small machine (2 cores): at most 64 handler
+/// instances alive at once, each memory capped at 64 MiB.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Most component instances alive at once (one per running invocation). Default 64.
+    pub max_instances: u32,
+    /// Pool slot size per linear memory: the upper bound for [`HandlerLimits::memory_bytes`].
+    /// Default 64 MiB.
+    pub max_memory_bytes: usize,
+    /// Most core instances one component may contain (a Python component links ~10). Default 32.
+    pub max_core_instances_per_component: u32,
+    /// Most elements of one table (function tables of interpreters are large). Default 100,000.
+    pub table_elements: usize,
+    /// Guest call-stack budget (a deep recursion traps as a stack overflow past it). Default
+    /// 512 KiB. Invocations run on the calling thread's stack, which must be larger.
+    pub max_wasm_stack: usize,
+    /// How often the epoch advances: the granularity of timeouts. Default 10 ms.
+    pub epoch_tick: Duration,
+    /// Turn on fuel metering so [`HandlerLimits::fuel`] can be used (costs some speed).
+    pub fuel: bool,
+    /// Directory of wasmtime's compilation cache (keyed by the component's hash, the compiler
+    /// settings and the wasmtime version), so a restart deserializes instead of compiling.
+    /// `None`: every load compiles.
+    pub cache_dir: Option<PathBuf>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_instances: 64,
+            max_memory_bytes: 64 << 20,
+            max_core_instances_per_component: 32,
+            table_elements: 100_000,
+            max_wasm_stack: 512 << 10,
+            epoch_tick: Duration::from_millis(10),
+            fuel: false,
+            cache_dir: None,
+        }
+    }
+}
+
+/// Failure to build the engine.
+#[derive(Debug, Error)]
+pub enum EngineError {
+    /// Wasmtime refused the configuration (or the cache directory).
+    #[error("cannot configure the wasm engine: {0}")]
+    Config(String),
+    /// The epoch ticker thread could not start.
+    #[error("cannot start the epoch ticker thread: {0}")]
+    Ticker(#[source] std::io::Error),
+}
+
+/// The shared engine, its linker and its epoch ticker. The ticker stops when this is dropped.
+pub struct WasmEngine {
+    engine: Engine,
+    linker: Linker<HostState>,
+    cache: Option<Cache>,
+    config: EngineConfig,
+    ticker: Option<Ticker>,
+}
+
+impl std::fmt::Debug for WasmEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WasmEngine")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WasmEngine {
+    /// Builds the engine and starts its epoch ticker.
+    pub fn new(config: EngineConfig) -> Result<Arc<Self>, EngineError> {
+        let cfg_err = |e: wasmtime::Error| EngineError::Config(format!("{e:#}"));
+        let instances = config.max_instances.max(1);
+        let mut pool = PoolingAllocationConfig::new();
+        pool.total_component_instances(instances)
+            .total_core_instances(instances.saturating_mul(config.max_core_instances_per_component))
+            .max_core_instances_per_component(config.max_core_instances_per_component)
+            .total_memories(instances.saturating_mul(2))
+            .max_memories_per_component(2)
+            .total_tables(instances.saturating_mul(4))
+            .max_tables_per_component(4)
+            .table_elements(config.table_elements)
+            .max_memory_size(config.max_memory_bytes)
+            .total_stacks(0)
+            // Keep the first pages of a reused memory slot mapped: re-instantiation then costs
+            // a memset instead of page faults.
+            .linear_memory_keep_resident(256 << 10)
+            .table_keep_resident(64 << 10);
+
+        let mut wasm = Config::new();
+        wasm.allocation_strategy(InstanceAllocationStrategy::Pooling(pool))
+            .epoch_interruption(true)
+            .consume_fuel(config.fuel)
+            .max_wasm_stack(config.max_wasm_stack);
+        let cache = match &config.cache_dir {
+            Some(dir) => {
+                let dir = absolute(dir).map_err(|e| {
+                    EngineError::Config(format!("cache dir {}: {e}", dir.display()))
+                })?;
+                let mut cc = CacheConfig::new();
+                cc.with_directory(dir);
+                let cache = Cache::new(cc).map_err(cfg_err)?;
+                wasm.cache(Some(cache.clone()));
+                Some(cache)
+            }
+            None => None,
+        };
+        let engine = Engine::new(&wasm).map_err(cfg_err)?;
+        let linker = bindings::linker(&engine).map_err(cfg_err)?;
+        let ticker =
+            Ticker::start(engine.clone(), config.epoch_tick).map_err(EngineError::Ticker)?;
+        Ok(Arc::new(Self {
+            engine,
+            linker,
+            cache,
+            config,
+            ticker: Some(ticker),
+        }))
+    }
+
+    /// The wasmtime engine.
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// The configuration this engine was built with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    pub(crate) fn linker(&self) -> &Linker<HostState> {
+        &self.linker
+    }
+
+    /// Compilations that missed the on-disk cache since start (every load when there is none).
+    pub(crate) fn cache_misses(&self) -> Option<usize> {
+        self.cache.as_ref().map(Cache::cache_misses)
+    }
+
+    /// Checks that `limits` can be enforced by this engine.
+    pub fn check_limits(&self, limits: &HandlerLimits) -> Result<(), LimitsError> {
+        limits.validate(self.config.max_memory_bytes, self.config.fuel)
+    }
+
+    /// Epoch ticks that make up `timeout` (at least one).
+    pub(crate) fn deadline_ticks(&self, timeout: Duration) -> u64 {
+        let tick = self.config.epoch_tick.as_nanos().max(1);
+        u64::try_from(timeout.as_nanos().div_ceil(tick))
+            .unwrap_or(u64::MAX)
+            .max(1)
+    }
+}
+
+impl Drop for WasmEngine {
+    fn drop(&mut self) {
+        if let Some(ticker) = self.ticker.take() {
+            ticker.stop();
+        }
+    }
+}
+
+fn absolute(dir: &Path) -> std::io::Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    std::path::absolute(dir)
+}
+
+/// Background thread advancing the engine's epoch every tick; stopping it is dropping the sender.
+struct Ticker {
+    stop: mpsc::Sender<()>,
+    handle: JoinHandle<()>,
+}
+
+impl Ticker {
+    fn start(engine: Engine, tick: Duration) -> std::io::Result<Self> {
+        let (stop, stopped) = mpsc::channel::<()>();
+        let tick = tick.max(Duration::from_millis(1));
+        let handle = std::thread::Builder::new()
+            .name("wasm-epoch-ticker".into())
+            .spawn(move || {
+                while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(tick) {
+                    engine.increment_epoch();
+                }
+            })?;
+        Ok(Self { stop, handle })
+    }
+
+    fn stop(self) {
+        drop(self.stop);
+        // The thread only sleeps and increments a counter: it cannot panic in a way worth
+        // reporting, and a failed join must not turn a drop into a panic.
+        let _ = self.handle.join();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ticker_advances_and_stops_on_drop() {
+        let engine = WasmEngine::new(EngineConfig::default()).unwrap();
+        assert_eq!(engine.deadline_ticks(Duration::from_secs(5)), 500);
+        assert_eq!(engine.deadline_ticks(Duration::from_millis(1)), 1);
+        let weak = Arc::downgrade(&engine);
+        drop(engine);
+        assert!(weak.upgrade().is_none());
+    }
+
+    #[test]
+    fn limits_are_checked_against_the_pool() {
+        let engine = WasmEngine::new(EngineConfig {
+            max_memory_bytes: 16 << 20,
+            ..EngineConfig::default()
+        })
+        .unwrap();
+        assert!(engine.check_limits(&HandlerLimits::default()).is_err());
+        let small = HandlerLimits {
+            memory_bytes: 16 << 20,
+            ..HandlerLimits::default()
+        };
+        assert!(engine.check_limits(&small).is_ok());
+    }
+}

@@ -1,0 +1,527 @@
+//! One handler invocation: a fresh store from the pre-instantiated component, the event in, and
+//! a classified outcome out (emissions, retry, fail, or which limit stopped it), with the logs and
+//! the buffered key-value writes the router commits together with the delivery's ack.
+//!
+//! [`invoke`] is synchronous and CPU-bound (up to the timeout): async callers run it under
+//! `tokio::task::spawn_blocking`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use serde_json::{Map, Value};
+use wasmtime::{Store, Trap, WasmBacktrace};
+
+use super::bindings::{HostState, KvReader, KvWrite, LogLevel, LogLine, MemoryCapExceeded, wit};
+use super::engine::WasmEngine;
+use super::limits::HandlerLimits;
+use super::registry::{HandlerDescriptor, LoadedHandler};
+
+/// The delivery facts handed to the handler.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct DeliveryInfo {
+    /// 1 for the first attempt.
+    pub attempt: u32,
+    /// Stable across the attempts of one delivery.
+    pub idempotency_key: String,
+    /// The rule that matched.
+    pub rule: String,
+    /// The target id.
+    pub target: String,
+}
+
+/// How an invocation ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum InvocationOutcome {
+    /// The handler succeeded; partial CloudEvents (`type`, optional `subject`,
+    /// `datacontenttype`, `data`, and extension attributes) for the router to complete with `id`,
+    /// `source` and `hops`.
+    Emitted(Vec<Value>),
+    /// The handler asked to be retried, no sooner than `delay` if given.
+    Retry {
+        /// The handler's minimum delay.
+        delay: Option<Duration>,
+        /// The handler's reason.
+        message: String,
+    },
+    /// The handler failed permanently (or returned something invalid, or the event could not be
+    /// presented to it).
+    Fail(String),
+    /// The wall-clock timeout passed.
+    Timeout,
+    /// The memory cap was reached.
+    Oom,
+    /// The guest trapped: a panic, a stack overflow, `unreachable`…; the message includes the
+    /// trap and what the guest wrote to stderr (a panic's message).
+    Trap(String),
+    /// Too many emissions, output too big, key-value writes too big, or fuel exhausted.
+    LimitExceeded(String),
+}
+
+impl InvocationOutcome {
+    /// Whether the invocation ran to a result the handler chose (`Emitted`, `Retry`, `Fail`)
+    /// rather than being stopped by the sandbox. Only then are writes returned.
+    pub fn is_handler_result(&self) -> bool {
+        matches!(self, Self::Emitted(_) | Self::Retry { .. } | Self::Fail(_))
+    }
+}
+
+/// Everything one invocation produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Invocation {
+    /// How it ended.
+    pub outcome: InvocationOutcome,
+    /// Captured log lines (capped), plus the guest's console output when it wrote any.
+    pub logs: Vec<LogLine>,
+    /// Key-value writes to commit with the ack (last write per key, in first-write order).
+    /// Empty unless [`InvocationOutcome::is_handler_result`].
+    pub kv_writes: Vec<KvWrite>,
+    /// Compare-and-set preconditions: at commit, each key must still hold this value (`None`:
+    /// absent), or the writes are stale and the delivery must be retried.
+    pub cas_checks: Vec<(String, Option<Vec<u8>>)>,
+    /// Wall-clock time of the invocation, instantiation included.
+    pub duration: Duration,
+}
+
+/// CloudEvents attributes a handler may not set on an emitted event (the router sets them).
+const RESERVED_EMIT_ATTRIBUTES: &[&str] = &[
+    "specversion",
+    "id",
+    "source",
+    "type",
+    "subject",
+    "time",
+    "datacontenttype",
+    "dataschema",
+    "data",
+    "data_base64",
+    "hops",
+];
+
+/// Attributes of an incoming event that have their own field in the handler's `event` record.
+const EVENT_FIELDS: &[&str] = &[
+    "specversion",
+    "id",
+    "source",
+    "type",
+    "subject",
+    "time",
+    "datacontenttype",
+    "data",
+    "data_base64",
+    "dataversion",
+    "hops",
+];
+
+/// Runs `handler` on `event` (a structured-mode CloudEvent) under `limits`.
+///
+/// Key-value reads go to `kv` through an overlay of this invocation's writes; nothing is ever
+/// written to the store here. The store, its instance and its memory are dropped before this
+/// returns, whatever the guest did.
+pub fn invoke(
+    handler: &LoadedHandler,
+    event: &Value,
+    delivery: &DeliveryInfo,
+    kv: Arc<dyn KvReader>,
+    limits: &HandlerLimits,
+) -> Invocation {
+    let started = Instant::now();
+    let early = |outcome| Invocation {
+        outcome,
+        logs: Vec::new(),
+        kv_writes: Vec::new(),
+        cas_checks: Vec::new(),
+        duration: started.elapsed(),
+    };
+    if let Err(e) = handler.engine().check_limits(limits) {
+        return early(InvocationOutcome::Trap(format!(
+            "router configuration: {e}"
+        )));
+    }
+    let wit_event = match event_to_wit(event) {
+        Ok(e) => e,
+        Err(message) => {
+            return early(InvocationOutcome::Fail(format!(
+                "event cannot be given to the handler: {message}"
+            )));
+        }
+    };
+    let wit_delivery = wit::Delivery {
+        attempt: delivery.attempt,
+        idempotency_key: delivery.idempotency_key.clone(),
+        rule: delivery.rule.clone(),
+        target: delivery.target.clone(),
+    };
+
+    let mut store = new_store(handler.engine(), limits, kv);
+    let result = handler
+        .pre()
+        .instantiate(&mut store)
+        .and_then(|instance| instance.call_handle(&mut store, &wit_event, &wit_delivery));
+    let state = store.into_data();
+
+    let outcome = match result {
+        Ok(Ok(emitted)) => emitted_outcome(emitted, limits),
+        Ok(Err(wit::HandlerError::Retry(info))) => InvocationOutcome::Retry {
+            delay: info.delay_ms.map(Duration::from_millis),
+            message: info.message,
+        },
+        Ok(Err(wit::HandlerError::Fail(message))) => InvocationOutcome::Fail(message),
+        Err(err) => classify_error(&err, &state),
+    };
+    finish(outcome, state, started)
+}
+
+/// Calls `describe` in a fresh store under default limits.
+pub(crate) fn describe(
+    engine: &Arc<WasmEngine>,
+    pre: &super::bindings::HandlerPre<HostState>,
+) -> Result<HandlerDescriptor, String> {
+    let limits = HandlerLimits {
+        memory_bytes: HandlerLimits::default()
+            .memory_bytes
+            .min(engine.config().max_memory_bytes),
+        ..HandlerLimits::default()
+    };
+    let mut store = new_store(engine, &limits, Arc::new(super::bindings::EmptyKv));
+    let result = pre
+        .instantiate(&mut store)
+        .and_then(|i| i.call_describe(&mut store));
+    let state = store.into_data();
+    match result {
+        Ok(d) => Ok(HandlerDescriptor::from(d)),
+        Err(err) => Err(match classify_error(&err, &state) {
+            InvocationOutcome::Timeout => {
+                format!("describe did not return within {:?}", limits.timeout)
+            }
+            InvocationOutcome::Oom => format!(
+                "describe exceeded the memory limit of {} bytes",
+                limits.memory_bytes
+            ),
+            InvocationOutcome::Trap(m) | InvocationOutcome::LimitExceeded(m) => m,
+            other => format!("{other:?}"),
+        }),
+    }
+}
+
+fn new_store(
+    engine: &Arc<WasmEngine>,
+    limits: &HandlerLimits,
+    kv: Arc<dyn KvReader>,
+) -> Store<HostState> {
+    let state = HostState::new(limits, engine.config().table_elements, kv);
+    let mut store = Store::new(engine.engine(), state);
+    store.limiter(|s| &mut s.limiter);
+    store.set_epoch_deadline(engine.deadline_ticks(limits.timeout));
+    if engine.config().fuel {
+        // With metering on, a store starts with no fuel at all: "no fuel limit" means plenty.
+        // `set_fuel` only fails on engines without metering.
+        let _ = store.set_fuel(limits.fuel.unwrap_or(u64::MAX));
+    }
+    store
+}
+
+fn finish(outcome: InvocationOutcome, state: HostState, started: Instant) -> Invocation {
+    let console = state.console.text();
+    let at_ms = state.logs.at_ms();
+    let mut logs = state.logs.finish();
+    if !console.is_empty() {
+        logs.push(LogLine {
+            level: LogLevel::Warn,
+            message: format!("[guest console] {console}"),
+            at_ms,
+        });
+    }
+    let (kv_writes, cas_checks) = if outcome.is_handler_result() {
+        (state.kv.writes, state.kv.cas_checks)
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    Invocation {
+        outcome,
+        logs,
+        kv_writes,
+        cas_checks,
+        duration: started.elapsed(),
+    }
+}
+
+/// Tells which limit (or which trap) stopped the guest. Flags set by the host (memory cap,
+/// host-call limits) win over the trap code, which for them is only a consequence.
+fn classify_error(err: &wasmtime::Error, state: &HostState) -> InvocationOutcome {
+    if state.limiter.memory_exhausted || err.is::<MemoryCapExceeded>() {
+        return InvocationOutcome::Oom;
+    }
+    if let Some(breach) = &state.breach {
+        return InvocationOutcome::LimitExceeded(breach.clone());
+    }
+    let mut message = match err.downcast_ref::<Trap>() {
+        Some(Trap::Interrupt) => return InvocationOutcome::Timeout,
+        Some(Trap::OutOfFuel) => return InvocationOutcome::LimitExceeded("fuel exhausted".into()),
+        Some(Trap::StackOverflow) => "wasm trap: stack overflow (call stack exhausted)".to_owned(),
+        Some(trap) => format!("wasm trap: {trap}"),
+        None => format!("{err:#}"),
+    };
+    let console = state.console.text();
+    if !console.is_empty() {
+        message.push_str("\nguest stderr:\n");
+        message.push_str(&console);
+    }
+    if let Some(bt) = err.downcast_ref::<WasmBacktrace>() {
+        let bt = bt.to_string();
+        let cut = bt.char_indices().nth(2048).map_or(bt.len(), |(i, _)| i);
+        message.push_str("\nwasm backtrace:\n");
+        message.push_str(&bt[..cut]);
+    }
+    InvocationOutcome::Trap(message)
+}
+
+/// Checks the handler's emissions against the limits and turns them into partial CloudEvents.
+fn emitted_outcome(emitted: Vec<wit::Emitted>, limits: &HandlerLimits) -> InvocationOutcome {
+    if emitted.len() > limits.max_emitted {
+        return InvocationOutcome::LimitExceeded(format!(
+            "handler emitted {} events; the limit is {}",
+            emitted.len(),
+            limits.max_emitted
+        ));
+    }
+    let bytes: usize = emitted
+        .iter()
+        .map(|e| {
+            e.data.as_ref().map_or(0, String::len)
+                + e.extensions
+                    .iter()
+                    .map(|(k, v)| k.len() + v.len())
+                    .sum::<usize>()
+        })
+        .sum();
+    if bytes > limits.max_output_bytes {
+        return InvocationOutcome::LimitExceeded(format!(
+            "handler emitted {bytes} bytes of data; the limit is {}",
+            limits.max_output_bytes
+        ));
+    }
+    let mut events = Vec::with_capacity(emitted.len());
+    for (i, e) in emitted.into_iter().enumerate() {
+        match emitted_to_json(e) {
+            Ok(v) => events.push(v),
+            Err(message) => {
+                return InvocationOutcome::Fail(format!(
+                    "emitted event #{i} is invalid: {message}"
+                ));
+            }
+        }
+    }
+    InvocationOutcome::Emitted(events)
+}
+
+fn emitted_to_json(e: wit::Emitted) -> Result<Value, String> {
+    if e.type_.is_empty() {
+        return Err("empty type".into());
+    }
+    let mut m = Map::new();
+    m.insert("type".into(), Value::String(e.type_));
+    if let Some(subject) = e.subject {
+        m.insert("subject".into(), Value::String(subject));
+    }
+    if let Some(data) = e.data {
+        let value: Value =
+            serde_json::from_str(&data).map_err(|err| format!("data is not JSON: {err}"))?;
+        let ct = e
+            .datacontenttype
+            .unwrap_or_else(|| "application/json".into());
+        m.insert("datacontenttype".into(), Value::String(ct));
+        m.insert("data".into(), value);
+    } else if let Some(ct) = e.datacontenttype {
+        m.insert("datacontenttype".into(), Value::String(ct));
+    }
+    for (name, json) in e.extensions {
+        let valid_name = !name.is_empty()
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+        if !valid_name || RESERVED_EMIT_ATTRIBUTES.contains(&name.as_str()) {
+            return Err(format!("extension name {name:?} is not allowed"));
+        }
+        let value: Value = serde_json::from_str(&json)
+            .map_err(|err| format!("extension {name:?} is not JSON: {err}"))?;
+        m.insert(name, value);
+    }
+    Ok(Value::Object(m))
+}
+
+/// Whether a media type carries JSON (`application/json`, `text/json`, `*/*+json`).
+fn content_type_is_json(ct: &str) -> bool {
+    let essence = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    essence == "application/json" || essence == "text/json" || essence.ends_with("+json")
+}
+
+/// Builds the handler's `event` record from a structured-mode CloudEvent.
+pub(crate) fn event_to_wit(event: &Value) -> Result<wit::Event, String> {
+    let obj = event.as_object().ok_or("not a JSON object")?;
+    let required = |name: &str| match obj.get(name) {
+        Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
+        _ => Err(format!("missing or non-string attribute {name:?}")),
+    };
+    let optional = |name: &str| match obj.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(format!("attribute {name:?} must be a string")),
+    };
+    let datacontenttype = optional("datacontenttype")?;
+    let dataversion = match obj.get("dataversion") {
+        Some(Value::Number(n)) => n.as_u64().and_then(|v| u32::try_from(v).ok()).unwrap_or(1),
+        Some(Value::String(s)) => s.parse().unwrap_or(1),
+        _ => 1,
+    };
+    let hops = obj
+        .get("hops")
+        .and_then(Value::as_u64)
+        .and_then(|v| u32::try_from(v).ok())
+        .unwrap_or(0);
+    let is_json = datacontenttype.as_deref().is_none_or(content_type_is_json);
+    let (data, mut data_base64) = match obj.get("data") {
+        None | Some(Value::Null) => (None, None),
+        // Textual non-JSON data (e.g. `text/plain`) is handed over as bytes.
+        Some(Value::String(s)) if !is_json => (
+            None,
+            Some(base64::engine::general_purpose::STANDARD.encode(s)),
+        ),
+        Some(v) => (Some(v.to_string()), None),
+    };
+    if let Some(b64) = optional("data_base64")? {
+        data_base64 = Some(b64);
+    }
+    let extensions = obj
+        .iter()
+        .filter(|(k, _)| !EVENT_FIELDS.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.to_string()))
+        .collect();
+    Ok(wit::Event {
+        id: required("id")?,
+        source: required("source")?,
+        type_: required("type")?,
+        subject: optional("subject")?,
+        time: optional("time")?,
+        datacontenttype,
+        dataversion,
+        data,
+        data_base64,
+        extensions,
+        hops,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn structured_event_maps_to_the_record() {
+        let e = event_to_wit(&json!({
+            "specversion": "1.0", "id": "1", "source": "/s", "type": "t",
+            "dataversion": "2", "hops": 3, "partitionkey": "k", "dataschema": "urn:x",
+            "data": {"a": [1, 2]}
+        }))
+        .unwrap();
+        assert_eq!((e.id.as_str(), e.dataversion, e.hops), ("1", 2, 3));
+        assert_eq!(e.data.as_deref(), Some(r#"{"a":[1,2]}"#));
+        assert_eq!(
+            e.extensions,
+            vec![
+                ("partitionkey".into(), "\"k\"".into()),
+                ("dataschema".into(), "\"urn:x\"".into())
+            ]
+        );
+    }
+
+    #[test]
+    fn textual_non_json_data_becomes_base64() {
+        let e = event_to_wit(&json!({
+            "id": "1", "source": "/s", "type": "t", "datacontenttype": "text/plain", "data": "hi"
+        }))
+        .unwrap();
+        assert_eq!((e.data, e.data_base64.as_deref()), (None, Some("aGk=")));
+    }
+
+    #[test]
+    fn invalid_events_are_refused() {
+        assert!(event_to_wit(&json!({"id": "1", "source": "/s"})).is_err());
+        assert!(event_to_wit(&json!([1])).is_err());
+        assert!(
+            event_to_wit(&json!({"id": "1", "source": "/s", "type": "t", "subject": 5})).is_err()
+        );
+    }
+
+    fn emitted(data: Option<&str>, extensions: Vec<(&str, &str)>) -> wit::Emitted {
+        wit::Emitted {
+            type_: "t.x".into(),
+            subject: Some("s".into()),
+            datacontenttype: None,
+            data: data.map(str::to_owned),
+            extensions: extensions
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn emissions_become_partial_cloudevents() {
+        let out = emitted_outcome(
+            vec![emitted(Some(r#"{"a":1}"#), vec![("partitionkey", "\"p\"")])],
+            &HandlerLimits::default(),
+        );
+        assert_eq!(
+            out,
+            InvocationOutcome::Emitted(vec![json!({
+                "type": "t.x", "subject": "s", "datacontenttype": "application/json",
+                "data": {"a": 1}, "partitionkey": "p"
+            })])
+        );
+    }
+
+    #[test]
+    fn invalid_or_oversized_emissions_are_refused() {
+        let limits = HandlerLimits {
+            max_emitted: 2,
+            max_output_bytes: 10,
+            ..HandlerLimits::default()
+        };
+        let many = vec![
+            emitted(None, vec![]),
+            emitted(None, vec![]),
+            emitted(None, vec![]),
+        ];
+        assert!(matches!(
+            emitted_outcome(many, &limits),
+            InvocationOutcome::LimitExceeded(_)
+        ));
+        let big = vec![emitted(Some("\"0123456789\""), vec![])];
+        assert!(matches!(
+            emitted_outcome(big, &limits),
+            InvocationOutcome::LimitExceeded(_)
+        ));
+        let bad_json = vec![emitted(Some("{"), vec![])];
+        assert!(matches!(
+            emitted_outcome(bad_json, &limits),
+            InvocationOutcome::Fail(_)
+        ));
+        let reserved = vec![emitted(None, vec![("id", "\"x\"")])];
+        assert!(matches!(
+            emitted_outcome(reserved, &limits),
+            InvocationOutcome::Fail(_)
+        ));
+        let upper = vec![emitted(None, vec![("Bad", "1")])];
+        assert!(matches!(
+            emitted_outcome(upper, &limits),
+            InvocationOutcome::Fail(_)
+        ));
+    }
+}

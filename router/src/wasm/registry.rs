@@ -1,0 +1,704 @@
+//! Uploaded handlers: validation at upload, versions on disk with an index, rollback, and the
+//! active pre-instantiated component per handler name.
+//!
+//! Layout under the registry directory: `<name>/index.json` (versions, which one is active) and
+//! `<name>/<sha256>.wasm` (the uploaded bytes). Compiled code is cached by the engine's
+//! compilation cache (see [`EngineConfig::cache_dir`](super::engine::EngineConfig)), keyed by the
+//! component's hash, the compiler settings and the wasmtime version, so reopening the registry
+//! after a restart loads machine code instead of compiling.
+//!
+//! All methods block (file I/O, compilation): async callers use `spawn_blocking`.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use thiserror::Error;
+use wasmtime::component::Component;
+
+use super::bindings::{HandlerPre, HostState, wit};
+use super::engine::WasmEngine;
+use super::invoke;
+
+/// Version of the `index.json` format.
+const INDEX_FORMAT: u32 = 1;
+
+/// What a handler's `describe` returned.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandlerDescriptor {
+    /// The handler's name (equal to the name it is registered under).
+    pub name: String,
+    /// The handler's own version string.
+    pub version: String,
+    /// Accepted event types.
+    pub accepts: Vec<AcceptedType>,
+}
+
+/// One accepted event type.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AcceptedType {
+    /// The CloudEvents `type`.
+    #[serde(rename = "type")]
+    pub event_type: String,
+    /// Accepted `dataversion`s; empty means all.
+    pub versions: Vec<u32>,
+}
+
+impl HandlerDescriptor {
+    /// Whether the handler declares it accepts `event_type` at `dataversion`. A handler that
+    /// declares no types at all accepts everything.
+    pub fn accepts(&self, event_type: &str, dataversion: u32) -> bool {
+        self.accepts.is_empty()
+            || self.accepts.iter().any(|a| {
+                a.event_type == event_type
+                    && (a.versions.is_empty() || a.versions.contains(&dataversion))
+            })
+    }
+}
+
+impl From<wit::Descriptor> for HandlerDescriptor {
+    fn from(d: wit::Descriptor) -> Self {
+        Self {
+            name: d.name,
+            version: d.version,
+            accepts: d
+                .accepts
+                .into_iter()
+                .map(|a| AcceptedType {
+                    event_type: a.type_,
+                    versions: a.versions,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// One uploaded version of a handler.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VersionInfo {
+    /// Sequence number per handler name, from 1.
+    pub version: u32,
+    /// SHA-256 of the component bytes (lowercase hex).
+    pub sha256: String,
+    /// Size of the component in bytes.
+    pub size: u64,
+    /// Who uploaded it (the token's principal).
+    pub uploader: String,
+    /// When (RFC 3339, UTC).
+    pub uploaded_at: String,
+    /// What `describe` returned at upload.
+    pub descriptor: HandlerDescriptor,
+}
+
+/// A handler's versions and state, as listed by the admin API.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HandlerInfo {
+    /// The handler name.
+    pub name: String,
+    /// The active version, if any.
+    pub active: Option<VersionInfo>,
+    /// Every stored version, oldest first.
+    pub versions: Vec<VersionInfo>,
+    /// Why the active version could not be loaded at open, if it could not.
+    pub load_error: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct HandlerIndex {
+    format: u32,
+    name: String,
+    active: Option<String>,
+    versions: Vec<VersionInfo>,
+}
+
+/// The active version of a handler, compiled and pre-instantiated: each invocation only creates
+/// a store and instantiates from here.
+pub struct LoadedHandler {
+    info: VersionInfo,
+    pre: HandlerPre<HostState>,
+    engine: Arc<WasmEngine>,
+}
+
+impl std::fmt::Debug for LoadedHandler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedHandler")
+            .field("info", &self.info)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LoadedHandler {
+    /// The handler name.
+    pub fn name(&self) -> &str {
+        &self.info.descriptor.name
+    }
+
+    /// The version this was loaded from.
+    pub fn version(&self) -> &VersionInfo {
+        &self.info
+    }
+
+    /// What the handler's `describe` returned.
+    pub fn descriptor(&self) -> &HandlerDescriptor {
+        &self.info.descriptor
+    }
+
+    pub(crate) fn pre(&self) -> &HandlerPre<HostState> {
+        &self.pre
+    }
+
+    pub(crate) fn engine(&self) -> &Arc<WasmEngine> {
+        &self.engine
+    }
+}
+
+/// Why an upload was refused. Nothing is stored or activated in any of these cases.
+#[derive(Debug, Error)]
+pub enum UploadError {
+    /// Handler names are 1–64 characters of `a-z`, `0-9`, `_`, `-`, starting with a letter or
+    /// digit.
+    #[error(
+        "invalid handler name {0:?}: use 1-64 characters of a-z, 0-9, '_' and '-', starting with a letter or digit"
+    )]
+    InvalidName(String),
+    /// Not a WebAssembly component at all (or one that does not validate).
+    #[error("not a WebAssembly component: {0}")]
+    NotComponent(String),
+    /// A component (or core module) that does not implement the `router:handler/handler` world.
+    #[error("the component does not implement the router:handler@0.1.0 `handler` world: {0}")]
+    WrongWorld(String),
+    /// `describe` trapped, timed out or ran out of memory.
+    #[error("describe() failed: {0}")]
+    DescribeFailed(String),
+    /// `describe` names another handler.
+    #[error(
+        "describe() says the handler is named {described:?}, but it is uploaded as {expected:?}"
+    )]
+    NameMismatch {
+        /// The name in the upload path.
+        expected: String,
+        /// The name `describe` returned.
+        described: String,
+    },
+    /// Storing the component or the index failed.
+    #[error("cannot store the handler: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Failure of a registry operation other than upload.
+#[derive(Debug, Error)]
+pub enum RegistryError {
+    /// No handler of that name.
+    #[error("no handler named {0:?}")]
+    UnknownHandler(String),
+    /// No version matching the given number or hash.
+    #[error("handler {name:?} has no version {version:?}")]
+    UnknownVersion {
+        /// The handler.
+        name: String,
+        /// What was asked for.
+        version: String,
+    },
+    /// A hash prefix matching more than one version.
+    #[error("{0:?} matches more than one version; give more of the hash")]
+    AmbiguousVersion(String),
+    /// The stored version could not be loaded (missing or corrupt file, or it no longer links).
+    #[error("cannot load {name:?} version {version}: {message}")]
+    Load {
+        /// The handler.
+        name: String,
+        /// The version number.
+        version: u32,
+        /// What went wrong.
+        message: String,
+    },
+    /// Reading or writing the registry directory failed.
+    #[error("handler registry I/O: {0}")]
+    Io(#[from] std::io::Error),
+    /// An `index.json` that does not parse.
+    #[error("corrupt handler index {path}: {message}")]
+    CorruptIndex {
+        /// The file.
+        path: PathBuf,
+        /// The parse error.
+        message: String,
+    },
+}
+
+struct Entry {
+    index: HandlerIndex,
+    active: Option<Arc<LoadedHandler>>,
+    load_error: Option<String>,
+}
+
+impl Entry {
+    fn info(&self) -> HandlerInfo {
+        HandlerInfo {
+            name: self.index.name.clone(),
+            active: self.index.active.as_ref().and_then(|sha| {
+                self.index
+                    .versions
+                    .iter()
+                    .find(|v| &v.sha256 == sha)
+                    .cloned()
+            }),
+            versions: self.index.versions.clone(),
+            load_error: self.load_error.clone(),
+        }
+    }
+}
+
+/// The handler registry: see the module docs.
+pub struct HandlerRegistry {
+    dir: PathBuf,
+    engine: Arc<WasmEngine>,
+    entries: RwLock<HashMap<String, Entry>>,
+    /// Serialises changes (upload's commit, rollback, delete) so index writes never interleave.
+    write_lock: Mutex<()>,
+    /// Serialises compilations so cache misses can be attributed to this registry.
+    compile_lock: Mutex<()>,
+    compilations: AtomicU64,
+}
+
+impl std::fmt::Debug for HandlerRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HandlerRegistry")
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether `name` is a valid handler name.
+pub fn valid_handler_name(name: &str) -> bool {
+    let bytes = name.as_bytes();
+    !bytes.is_empty()
+        && bytes.len() <= 64
+        && bytes[0].is_ascii_alphanumeric()
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'_' || *b == b'-')
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+/// Writes `bytes` to `path` atomically (temp file, fsync, rename, fsync of the directory).
+fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = dir.join(format!(
+        ".{}.tmp",
+        path.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    ));
+    {
+        let mut f = fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    fs::rename(&tmp, path)?;
+    fs::File::open(dir)?.sync_all()
+}
+
+impl HandlerRegistry {
+    /// Opens (or creates) the registry in `dir` and loads every handler's active version.
+    ///
+    /// A handler whose active version cannot be loaded stays listed with a `load_error` and no
+    /// active version; the others are unaffected.
+    pub fn open(dir: impl Into<PathBuf>, engine: Arc<WasmEngine>) -> Result<Self, RegistryError> {
+        let dir = dir.into();
+        fs::create_dir_all(&dir)?;
+        let registry = Self {
+            dir,
+            engine,
+            entries: RwLock::new(HashMap::new()),
+            write_lock: Mutex::new(()),
+            compile_lock: Mutex::new(()),
+            compilations: AtomicU64::new(0),
+        };
+        let mut entries = HashMap::new();
+        for dirent in fs::read_dir(&registry.dir)? {
+            let dirent = dirent?;
+            let name = dirent.file_name().to_string_lossy().into_owned();
+            let index_path = dirent.path().join("index.json");
+            if !valid_handler_name(&name) || !index_path.is_file() {
+                continue;
+            }
+            let index: HandlerIndex =
+                serde_json::from_slice(&fs::read(&index_path)?).map_err(|e| {
+                    RegistryError::CorruptIndex {
+                        path: index_path.clone(),
+                        message: e.to_string(),
+                    }
+                })?;
+            let active_version = index
+                .active
+                .as_ref()
+                .and_then(|sha| index.versions.iter().find(|v| &v.sha256 == sha).cloned());
+            let (active, load_error) = match active_version {
+                Some(info) => match registry.load_version(&name, info) {
+                    Ok(loaded) => (Some(Arc::new(loaded)), None),
+                    Err(e) => {
+                        tracing::error!(handler = %name, error = %e, "cannot load the active handler version");
+                        (None, Some(e.to_string()))
+                    }
+                },
+                None => (None, None),
+            };
+            entries.insert(
+                name,
+                Entry {
+                    index,
+                    active,
+                    load_error,
+                },
+            );
+        }
+        *registry
+            .entries
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = entries;
+        Ok(registry)
+    }
+
+    /// Components compiled (not found in the compilation cache) by this registry since it opened.
+    pub fn compilations(&self) -> u64 {
+        self.compilations.load(Ordering::Relaxed)
+    }
+
+    /// Validates `bytes` as a handler named `name` and, only if it passes, stores it as a new
+    /// version and activates it. Uploading bytes identical to a stored version re-activates that
+    /// version.
+    pub fn upload(
+        &self,
+        name: &str,
+        bytes: &[u8],
+        uploader: &str,
+    ) -> Result<VersionInfo, UploadError> {
+        if !valid_handler_name(name) {
+            return Err(UploadError::InvalidName(name.to_owned()));
+        }
+        if !bytes.starts_with(b"\0asm") {
+            return Err(UploadError::NotComponent(
+                "missing the \\0asm header".into(),
+            ));
+        }
+        // Bytes 4..8 are the version and layer: 1, 0 for a core module (a component has 0x0d, 1).
+        if bytes.get(4..8) == Some(&[1, 0, 0, 0][..]) {
+            return Err(UploadError::WrongWorld(
+                "this is a core WebAssembly module, not a component".into(),
+            ));
+        }
+        let component = self.compile(bytes).map_err(UploadError::NotComponent)?;
+        let pre = self
+            .pre_instantiate(&component)
+            .map_err(UploadError::WrongWorld)?;
+        let descriptor =
+            invoke::describe(&self.engine, &pre).map_err(UploadError::DescribeFailed)?;
+        if descriptor.name != name {
+            return Err(UploadError::NameMismatch {
+                expected: name.to_owned(),
+                described: descriptor.name,
+            });
+        }
+
+        let sha256 = sha256_hex(bytes);
+        let _write = self
+            .write_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let handler_dir = self.dir.join(name);
+        fs::create_dir_all(&handler_dir)?;
+        let mut index = self.index_of(name).unwrap_or_else(|| HandlerIndex {
+            format: INDEX_FORMAT,
+            name: name.to_owned(),
+            active: None,
+            versions: Vec::new(),
+        });
+        let info = match index.versions.iter().find(|v| v.sha256 == sha256) {
+            Some(existing) => existing.clone(),
+            None => {
+                write_atomic(&handler_dir.join(format!("{sha256}.wasm")), bytes)?;
+                let info = VersionInfo {
+                    version: index.versions.iter().map(|v| v.version).max().unwrap_or(0) + 1,
+                    sha256: sha256.clone(),
+                    size: bytes.len() as u64,
+                    uploader: uploader.to_owned(),
+                    uploaded_at: chrono::Utc::now()
+                        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+                    descriptor,
+                };
+                index.versions.push(info.clone());
+                info
+            }
+        };
+        index.active = Some(sha256);
+        self.write_index(&index)?;
+        let loaded = Arc::new(LoadedHandler {
+            info: info.clone(),
+            pre,
+            engine: self.engine.clone(),
+        });
+        self.install(index, Some(loaded));
+        tracing::info!(handler = name, version = info.version, sha256 = %info.sha256, uploader, "handler version activated");
+        Ok(info)
+    }
+
+    /// Activates an earlier version, named by its number (`3` or `v3`) or its SHA-256 (or a
+    /// unique prefix of at least 8 hex digits).
+    pub fn rollback(&self, name: &str, version: &str) -> Result<VersionInfo, RegistryError> {
+        let _write = self
+            .write_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let mut index = self
+            .index_of(name)
+            .ok_or_else(|| RegistryError::UnknownHandler(name.to_owned()))?;
+        let info = find_version(&index, name, version)?.clone();
+        let loaded = Arc::new(self.load_version(name, info.clone())?);
+        index.active = Some(info.sha256.clone());
+        self.write_index(&index)?;
+        self.install(index, Some(loaded));
+        tracing::info!(handler = name, version = info.version, sha256 = %info.sha256, "handler rolled back");
+        Ok(info)
+    }
+
+    /// Removes a handler and all its versions. Returns whether it existed. Invocations already
+    /// running keep their `Arc<LoadedHandler>` and finish.
+    pub fn delete(&self, name: &str) -> Result<bool, RegistryError> {
+        let _write = self
+            .write_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let existed = self
+            .entries
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(name)
+            .is_some();
+        let dir = self.dir.join(name);
+        if valid_handler_name(name) && dir.is_dir() {
+            fs::remove_dir_all(&dir)?;
+        }
+        Ok(existed)
+    }
+
+    /// Every handler, sorted by name.
+    pub fn list(&self) -> Vec<HandlerInfo> {
+        let entries = self.entries.read().unwrap_or_else(PoisonError::into_inner);
+        let mut list: Vec<_> = entries.values().map(Entry::info).collect();
+        list.sort_by(|a, b| a.name.cmp(&b.name));
+        list
+    }
+
+    /// One handler's versions and state.
+    pub fn get(&self, name: &str) -> Option<HandlerInfo> {
+        self.entries
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(name)
+            .map(Entry::info)
+    }
+
+    /// The active version of `name`, ready to invoke.
+    pub fn active(&self, name: &str) -> Option<Arc<LoadedHandler>> {
+        self.entries
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(name)
+            .and_then(|e| e.active.clone())
+    }
+
+    fn index_of(&self, name: &str) -> Option<HandlerIndex> {
+        self.entries
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(name)
+            .map(|e| e.index.clone())
+    }
+
+    fn install(&self, index: HandlerIndex, active: Option<Arc<LoadedHandler>>) {
+        let name = index.name.clone();
+        self.entries
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(
+                name,
+                Entry {
+                    index,
+                    active,
+                    load_error: None,
+                },
+            );
+    }
+
+    fn write_index(&self, index: &HandlerIndex) -> std::io::Result<()> {
+        let json = serde_json::to_vec_pretty(index).map_err(std::io::Error::other)?;
+        write_atomic(&self.dir.join(&index.name).join("index.json"), &json)
+    }
+
+    fn compile(&self, bytes: &[u8]) -> Result<Component, String> {
+        let _compiling = self
+            .compile_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let before = self.engine.cache_misses();
+        let component =
+            Component::new(self.engine.engine(), bytes).map_err(|e| format!("{e:#}"))?;
+        let compiled = match (before, self.engine.cache_misses()) {
+            (Some(before), Some(after)) => after != before,
+            _ => true,
+        };
+        if compiled {
+            self.compilations.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(component)
+    }
+
+    fn pre_instantiate(&self, component: &Component) -> Result<HandlerPre<HostState>, String> {
+        let pre = self
+            .engine
+            .linker()
+            .instantiate_pre(component)
+            .map_err(|e| format!("{e:#}"))?;
+        HandlerPre::new(pre).map_err(|e| format!("{e:#}"))
+    }
+
+    fn load_version(&self, name: &str, info: VersionInfo) -> Result<LoadedHandler, RegistryError> {
+        let load_err = |message: String| RegistryError::Load {
+            name: name.to_owned(),
+            version: info.version,
+            message,
+        };
+        let path = self.dir.join(name).join(format!("{}.wasm", info.sha256));
+        let bytes = fs::read(&path).map_err(|e| load_err(format!("{}: {e}", path.display())))?;
+        if sha256_hex(&bytes) != info.sha256 {
+            return Err(load_err(format!(
+                "{} does not match its SHA-256",
+                path.display()
+            )));
+        }
+        let component = self.compile(&bytes).map_err(&load_err)?;
+        let pre = self.pre_instantiate(&component).map_err(&load_err)?;
+        Ok(LoadedHandler {
+            info,
+            pre,
+            engine: self.engine.clone(),
+        })
+    }
+}
+
+fn find_version<'a>(
+    index: &'a HandlerIndex,
+    name: &str,
+    version: &str,
+) -> Result<&'a VersionInfo, RegistryError> {
+    let unknown = || RegistryError::UnknownVersion {
+        name: name.to_owned(),
+        version: version.to_owned(),
+    };
+    let number = version.strip_prefix('v').unwrap_or(version);
+    if !number.is_empty() && number.len() < 8 && number.bytes().all(|b| b.is_ascii_digit()) {
+        let n: u32 = number.parse().map_err(|_| unknown())?;
+        return index
+            .versions
+            .iter()
+            .find(|v| v.version == n)
+            .ok_or_else(unknown);
+    }
+    let prefix = version.to_ascii_lowercase();
+    if prefix.len() < 8 || !prefix.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(unknown());
+    }
+    let mut matches = index
+        .versions
+        .iter()
+        .filter(|v| v.sha256.starts_with(&prefix));
+    match (matches.next(), matches.next()) {
+        (Some(v), None) => Ok(v),
+        (Some(_), Some(_)) => Err(RegistryError::AmbiguousVersion(version.to_owned())),
+        (None, _) => Err(unknown()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handler_names() {
+        for ok in ["a", "enrich_py", "billing-v2", "0x"] {
+            assert!(valid_handler_name(ok), "{ok}");
+        }
+        for bad in ["", "-a", "_a", "A", "a.b", "a/b", ".cache", &"a".repeat(65)] {
+            assert!(!valid_handler_name(bad), "{bad}");
+        }
+    }
+
+    fn version(n: u32, sha: &str) -> VersionInfo {
+        VersionInfo {
+            version: n,
+            sha256: sha.into(),
+            size: 1,
+            uploader: "u".into(),
+            uploaded_at: "t".into(),
+            descriptor: HandlerDescriptor {
+                name: "h".into(),
+                version: "1".into(),
+                accepts: vec![],
+            },
+        }
+    }
+
+    #[test]
+    fn versions_are_found_by_number_or_hash_prefix() {
+        let index = HandlerIndex {
+            format: INDEX_FORMAT,
+            name: "h".into(),
+            active: None,
+            versions: vec![
+                version(1, "aaaaaaaa11"),
+                version(2, "aaaaaaaa22"),
+                version(12, "bbbbbbbb33"),
+            ],
+        };
+        assert_eq!(find_version(&index, "h", "2").unwrap().version, 2);
+        assert_eq!(find_version(&index, "h", "v12").unwrap().version, 12);
+        assert_eq!(find_version(&index, "h", "bbbbbbbb").unwrap().version, 12);
+        assert!(matches!(
+            find_version(&index, "h", "aaaaaaaa"),
+            Err(RegistryError::AmbiguousVersion(_))
+        ));
+        assert!(matches!(
+            find_version(&index, "h", "7"),
+            Err(RegistryError::UnknownVersion { .. })
+        ));
+        assert!(matches!(
+            find_version(&index, "h", "zz"),
+            Err(RegistryError::UnknownVersion { .. })
+        ));
+    }
+
+    #[test]
+    fn accepts_follows_the_descriptor() {
+        let mut d = HandlerDescriptor {
+            name: "h".into(),
+            version: "1".into(),
+            accepts: vec![],
+        };
+        assert!(d.accepts("anything", 9));
+        d.accepts.push(AcceptedType {
+            event_type: "order.paid".into(),
+            versions: vec![2],
+        });
+        assert!(d.accepts("order.paid", 2));
+        assert!(!d.accepts("order.paid", 1));
+        assert!(!d.accepts("other", 2));
+    }
+}

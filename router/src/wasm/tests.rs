@@ -1,0 +1,680 @@
+//! Integration tests of the WASM host against the real example plugins, built once per test run
+//! by `plugins/build.sh` (which fails with a clear message when the wasm target or Python is
+//! missing).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use super::*;
+
+/// The repository root (the crate lives in `<root>/router`).
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Directory holding `<name>.wasm` for every example plugin, built on first use.
+fn plugins_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let root = repo_root();
+        let out = std::env::var_os("ROUTER_PLUGINS_OUT").map_or_else(|| root.join("target/plugins"), PathBuf::from);
+        let build = std::env::var_os("ROUTER_PLUGINS_TARGET_DIR")
+            .map_or_else(|| root.join("target/plugins-build"), PathBuf::from);
+        let script = root.join("plugins/build.sh");
+        let status = Command::new("bash")
+            .arg(&script)
+            .env("OUT", &out)
+            .env("PLUGINS_TARGET_DIR", &build)
+            .env_remove("CARGO_TARGET_DIR")
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
+        assert!(
+            status.success(),
+            "{} failed ({status}); see its message above (missing wasm32-wasip2 target, python3 or network for componentize-py?)",
+            script.display()
+        );
+        out
+    })
+}
+
+fn plugin(name: &str) -> Vec<u8> {
+    let path = plugins_dir().join(format!("{name}.wasm"));
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// One engine for the whole test binary, with a compilation cache that survives test runs (the
+/// Python component takes a while to compile the first time).
+fn engine() -> Arc<WasmEngine> {
+    static ENGINE: OnceLock<Arc<WasmEngine>> = OnceLock::new();
+    ENGINE
+        .get_or_init(|| {
+            let cache = plugins_dir().join("../wasmtime-test-cache");
+            WasmEngine::new(EngineConfig {
+                cache_dir: Some(cache),
+                ..EngineConfig::default()
+            })
+            .expect("engine")
+        })
+        .clone()
+}
+
+/// A registry in a fresh temp dir on the shared engine, with the named plugins uploaded.
+fn registry_with(names: &[&str]) -> (tempfile::TempDir, HandlerRegistry) {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = HandlerRegistry::open(dir.path().join("handlers"), engine()).unwrap();
+    for name in names {
+        registry
+            .upload(name, &plugin(name), "tests")
+            .unwrap_or_else(|e| panic!("upload {name}: {e}"));
+    }
+    (dir, registry)
+}
+
+/// Shared handlers for tests that only invoke.
+fn loaded(name: &str) -> Arc<LoadedHandler> {
+    static REGISTRY: OnceLock<(tempfile::TempDir, HandlerRegistry)> = OnceLock::new();
+    let (_, registry) = REGISTRY.get_or_init(|| {
+        registry_with(&[
+            "noop",
+            "invoice",
+            "enrich",
+            "flaky",
+            "strict",
+            "hostile",
+            "enrich_py",
+        ])
+    });
+    registry
+        .active(name)
+        .unwrap_or_else(|| panic!("{name} is not active"))
+}
+
+fn event(id: &str, ty: &str, data: Value) -> Value {
+    json!({"specversion": "1.0", "id": id, "source": "/tests", "type": ty, "subject": "s-1", "data": data})
+}
+
+fn delivery() -> DeliveryInfo {
+    DeliveryInfo {
+        attempt: 1,
+        idempotency_key: "idem-1".into(),
+        rule: "r".into(),
+        target: "t".into(),
+    }
+}
+
+fn run(name: &str, event: &Value, limits: &HandlerLimits) -> Invocation {
+    invoke(&loaded(name), event, &delivery(), Arc::new(EmptyKv), limits)
+}
+
+/// A key-value store the tests commit writes to, as the router would after an ack.
+#[derive(Default)]
+struct MapKv(Mutex<HashMap<String, Vec<u8>>>);
+
+impl KvReader for MapKv {
+    fn get(&self, key: &str) -> Option<Vec<u8>> {
+        self.0.lock().unwrap().get(key).cloned()
+    }
+}
+
+impl MapKv {
+    fn commit(&self, writes: &[KvWrite]) {
+        let mut map = self.0.lock().unwrap();
+        for w in writes {
+            match &w.value {
+                Some(v) => map.insert(w.key.clone(), v.clone()),
+                None => map.remove(&w.key),
+            };
+        }
+    }
+}
+
+#[test]
+fn enrich_emits_the_derived_event() {
+    let inv = run(
+        "enrich",
+        &event("e1", "order.created", json!({"a": 1, "b": "x"})),
+        &HandlerLimits::default(),
+    );
+    assert_eq!(
+        inv.outcome,
+        InvocationOutcome::Emitted(vec![json!({
+            "type": "order.created.enriched",
+            "subject": "s-1",
+            "datacontenttype": "application/json",
+            "data": {"a": 1, "b": "x", "enriched": true, "len": 2}
+        })])
+    );
+    assert!(inv.kv_writes.is_empty() && inv.cas_checks.is_empty());
+}
+
+#[test]
+fn enrich_py_gives_the_same_result_as_enrich() {
+    let inputs = [
+        json!({"a": 1, "b": "x"}),
+        json!({}),
+        json!({"nested": {"k": [1, 2, {"z": null}]}, "s": "héllo", "n": -3, "f": 2.5, "t": true}),
+        json!({"enriched": false, "len": 99, "k": 1}),
+    ];
+    for (i, data) in inputs.into_iter().enumerate() {
+        let ev = event(&format!("py{i}"), "order.created", data);
+        let rust = run("enrich", &ev, &HandlerLimits::default());
+        let py = run("enrich_py", &ev, &HandlerLimits::default());
+        assert_eq!(
+            py.outcome, rust.outcome,
+            "input #{i}; python logs: {:?}",
+            py.logs
+        );
+    }
+    let not_object = event("py-bad", "t", json!([1, 2]));
+    assert!(matches!(
+        run("enrich", &not_object, &HandlerLimits::default()).outcome,
+        InvocationOutcome::Fail(_)
+    ));
+    assert!(matches!(
+        run("enrich_py", &not_object, &HandlerLimits::default()).outcome,
+        InvocationOutcome::Fail(_)
+    ));
+}
+
+#[test]
+fn invoice_records_each_order_once_through_compare_and_set() {
+    let kv = Arc::new(MapKv::default());
+    let ev = event("i1", "order.paid", json!({"order_id": "A-17"}));
+    let first = invoke(
+        &loaded("invoice"),
+        &ev,
+        &delivery(),
+        kv.clone(),
+        &HandlerLimits::default(),
+    );
+    assert_eq!(first.outcome, InvocationOutcome::Emitted(vec![]));
+    assert_eq!(first.kv_writes.len(), 1);
+    assert_eq!(first.kv_writes[0].key, "invoice:A-17");
+    let record: Value =
+        serde_json::from_slice(first.kv_writes[0].value.as_deref().unwrap()).unwrap();
+    assert_eq!(
+        record,
+        json!({"event_id": "i1", "idempotency_key": "idem-1"})
+    );
+    // The precondition the router re-checks at commit: the key was absent.
+    assert_eq!(first.cas_checks, vec![("invoice:A-17".to_owned(), None)]);
+    kv.commit(&first.kv_writes);
+
+    let second = invoke(
+        &loaded("invoice"),
+        &ev,
+        &delivery(),
+        kv.clone(),
+        &HandlerLimits::default(),
+    );
+    assert_eq!(second.outcome, InvocationOutcome::Emitted(vec![]));
+    assert!(second.kv_writes.is_empty(), "{:?}", second.kv_writes);
+    assert_eq!(
+        second.cas_checks,
+        vec![("invoice:A-17".to_owned(), first.kv_writes[0].value.clone())]
+    );
+    assert!(
+        second
+            .logs
+            .iter()
+            .any(|l| l.message.contains("already recorded")),
+        "{:?}",
+        second.logs
+    );
+}
+
+#[test]
+fn flaky_asks_for_retries_with_a_delay_then_succeeds() {
+    let kv = Arc::new(MapKv::default());
+    let ev = event("f1", "t", json!({"fail_times": 2}));
+    for attempt in 1..=2 {
+        let inv = invoke(
+            &loaded("flaky"),
+            &ev,
+            &delivery(),
+            kv.clone(),
+            &HandlerLimits::default(),
+        );
+        match &inv.outcome {
+            InvocationOutcome::Retry { delay, message } => {
+                assert_eq!(*delay, Some(Duration::from_millis(100)));
+                assert!(message.contains(&format!("attempt {attempt}")), "{message}");
+            }
+            other => panic!("attempt {attempt}: {other:?}"),
+        }
+        // Writes come back with a retry too: the router commits them with the attempt record.
+        assert_eq!(inv.kv_writes.len(), 1);
+        assert_eq!(inv.kv_writes[0].ttl_ms, Some(24 * 3600 * 1000));
+        kv.commit(&inv.kv_writes);
+    }
+    let third = invoke(
+        &loaded("flaky"),
+        &ev,
+        &delivery(),
+        kv.clone(),
+        &HandlerLimits::default(),
+    );
+    assert_eq!(third.outcome, InvocationOutcome::Emitted(vec![]));
+    // The default is two failures.
+    let default = event("f2", "t", json!({}));
+    assert!(matches!(
+        run("flaky", &default, &HandlerLimits::default()).outcome,
+        InvocationOutcome::Retry { .. }
+    ));
+}
+
+#[test]
+fn strict_fails_permanently_unless_valid() {
+    let ok = run(
+        "strict",
+        &event("s1", "t", json!({"valid": true})),
+        &HandlerLimits::default(),
+    );
+    assert_eq!(ok.outcome, InvocationOutcome::Emitted(vec![]));
+    for data in [json!({"valid": false}), json!({"valid": "true"}), json!({})] {
+        let inv = run("strict", &event("s2", "t", data), &HandlerLimits::default());
+        assert!(
+            matches!(&inv.outcome, InvocationOutcome::Fail(m) if m.contains("data.valid is not true")),
+            "{:?}",
+            inv.outcome
+        );
+    }
+}
+
+#[test]
+fn noop_emits_nothing() {
+    let inv = run(
+        "noop",
+        &event("n1", "t", json!(null)),
+        &HandlerLimits::default(),
+    );
+    assert_eq!(inv.outcome, InvocationOutcome::Emitted(vec![]));
+    assert!(inv.logs.is_empty());
+}
+
+/// Runs `hostile` in `mode` while another thread keeps invoking `enrich`; returns the hostile
+/// invocation after checking that every neighbour invocation succeeded.
+fn hostile_with_neighbour(mode: Value, limits: &HandlerLimits) -> Invocation {
+    let stop = Arc::new(AtomicBool::new(false));
+    let ok = Arc::new(AtomicU64::new(0));
+    let neighbour = {
+        let (stop, ok) = (stop.clone(), ok.clone());
+        std::thread::spawn(move || {
+            let ev = event("n", "t", json!({"k": 1}));
+            while !stop.load(Ordering::Relaxed) {
+                let inv = run("enrich", &ev, &HandlerLimits::default());
+                assert!(
+                    matches!(inv.outcome, InvocationOutcome::Emitted(ref v) if v.len() == 1),
+                    "{:?}",
+                    inv.outcome
+                );
+                ok.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    let inv = run("hostile", &event("h1", "t", mode), limits);
+    // Let the neighbour finish at least one call after the hostile one, too.
+    let seen = ok.load(Ordering::Relaxed);
+    while ok.load(Ordering::Relaxed) <= seen {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    stop.store(true, Ordering::Relaxed);
+    neighbour
+        .join()
+        .expect("the neighbour handler failed while the hostile one ran");
+    assert!(inv.kv_writes.is_empty() && inv.cas_checks.is_empty());
+    inv
+}
+
+#[test]
+fn hostile_loop_times_out() {
+    let limits = HandlerLimits {
+        timeout: Duration::from_millis(300),
+        ..HandlerLimits::default()
+    };
+    let inv = hostile_with_neighbour(json!({"mode": "loop"}), &limits);
+    assert_eq!(inv.outcome, InvocationOutcome::Timeout);
+    // Generous bound: the deadline is 300 ms at a 10 ms tick; a loaded 2-core CI box may lag.
+    assert!(
+        inv.duration >= Duration::from_millis(290) && inv.duration < Duration::from_secs(3),
+        "{:?}",
+        inv.duration
+    );
+}
+
+#[test]
+fn hostile_memory_bomb_is_oom() {
+    let limits = HandlerLimits {
+        memory_bytes: 32 << 20,
+        ..HandlerLimits::default()
+    };
+    let inv = hostile_with_neighbour(json!({"mode": "oom"}), &limits);
+    assert_eq!(inv.outcome, InvocationOutcome::Oom);
+}
+
+#[test]
+fn hostile_deep_recursion_is_a_stack_overflow_trap() {
+    let inv = hostile_with_neighbour(json!({"mode": "stack"}), &HandlerLimits::default());
+    match inv.outcome {
+        InvocationOutcome::Trap(m) => assert!(m.contains("stack overflow"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn hostile_panic_is_a_trap_with_the_panic_message() {
+    let inv = hostile_with_neighbour(json!({"mode": "panic"}), &HandlerLimits::default());
+    match inv.outcome {
+        InvocationOutcome::Trap(m) => assert!(
+            m.contains("hostile handler panicked on purpose (event h1)"),
+            "{m}"
+        ),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn hostile_output_floods_exceed_the_limits() {
+    let inv = hostile_with_neighbour(json!({"mode": "output"}), &HandlerLimits::default());
+    match inv.outcome {
+        InvocationOutcome::LimitExceeded(m) => assert!(m.contains("emitted 10000 events"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    let inv = hostile_with_neighbour(
+        json!({"mode": "output", "size": "big"}),
+        &HandlerLimits::default(),
+    );
+    match inv.outcome {
+        InvocationOutcome::LimitExceeded(m) => assert!(m.contains("bytes of data"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn hostile_log_flood_is_capped_and_the_call_completes() {
+    let limits = HandlerLimits::default();
+    let inv = hostile_with_neighbour(json!({"mode": "log"}), &limits);
+    assert_eq!(inv.outcome, InvocationOutcome::Emitted(vec![]));
+    let kept: usize = inv.logs.iter().map(|l| l.message.len()).sum();
+    assert!(
+        kept <= limits.max_log_bytes + 512,
+        "{kept} bytes of logs kept"
+    );
+    let last = inv.logs.last().unwrap();
+    assert!(
+        last.message
+            .contains("log limit of 65536 bytes per invocation reached"),
+        "{}",
+        last.message
+    );
+}
+
+#[test]
+fn fuel_exhaustion_is_a_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let fuel_engine = WasmEngine::new(EngineConfig {
+        fuel: true,
+        cache_dir: Some(plugins_dir().join("../wasmtime-test-cache")),
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let registry = HandlerRegistry::open(dir.path(), fuel_engine).unwrap();
+    registry
+        .upload("hostile", &plugin("hostile"), "tests")
+        .unwrap();
+    let limits = HandlerLimits {
+        fuel: Some(5_000_000),
+        ..HandlerLimits::default()
+    };
+    let h = registry.active("hostile").unwrap();
+    let inv = invoke(
+        &h,
+        &event("f", "t", json!({"mode": "loop"})),
+        &delivery(),
+        Arc::new(EmptyKv),
+        &limits,
+    );
+    assert_eq!(
+        inv.outcome,
+        InvocationOutcome::LimitExceeded("fuel exhausted".into())
+    );
+    let calm = invoke(
+        &h,
+        &event("f", "t", json!({})),
+        &delivery(),
+        Arc::new(EmptyKv),
+        &limits,
+    );
+    assert_eq!(calm.outcome, InvocationOutcome::Emitted(vec![]));
+}
+
+#[test]
+fn kv_writes_over_the_limit_cost_the_invocation_and_return_nothing() {
+    let limits = HandlerLimits {
+        max_kv_write_bytes: 16,
+        ..HandlerLimits::default()
+    };
+    let inv = run(
+        "invoice",
+        &event("k", "order.paid", json!({"order_id": "A-1"})),
+        &limits,
+    );
+    match inv.outcome {
+        InvocationOutcome::LimitExceeded(m) => assert!(m.contains("kv writes"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(inv.kv_writes.is_empty() && inv.cas_checks.is_empty());
+}
+
+#[test]
+fn a_memory_cap_below_the_initial_memory_is_oom() {
+    let limits = HandlerLimits {
+        memory_bytes: 64 << 10,
+        ..HandlerLimits::default()
+    };
+    assert_eq!(
+        run("enrich", &event("m", "t", json!({})), &limits).outcome,
+        InvocationOutcome::Oom
+    );
+}
+
+#[test]
+fn invalid_events_fail_without_running_the_handler() {
+    let inv = run("noop", &json!({"id": "x"}), &HandlerLimits::default());
+    assert!(
+        matches!(inv.outcome, InvocationOutcome::Fail(ref m) if m.contains("\"source\"")),
+        "{:?}",
+        inv.outcome
+    );
+}
+
+#[test]
+fn upload_refuses_what_is_not_a_handler() {
+    let (_dir, registry) = registry_with(&[]);
+    let random: Vec<u8> = (0..4096u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    assert!(matches!(
+        registry.upload("x", &random, "t"),
+        Err(UploadError::NotComponent(_))
+    ));
+    let mut truncated = plugin("noop");
+    truncated.truncate(truncated.len() / 2);
+    assert!(matches!(
+        registry.upload("noop", &truncated, "t"),
+        Err(UploadError::NotComponent(_))
+    ));
+
+    let core = wat::parse_str("(module (func (export \"handle\")))").unwrap();
+    let err = registry.upload("x", &core, "t").unwrap_err();
+    assert!(matches!(err, UploadError::WrongWorld(_)), "{err}");
+    assert!(err.to_string().contains("core WebAssembly module"), "{err}");
+
+    let empty_component = wat::parse_str("(component)").unwrap();
+    let err = registry.upload("x", &empty_component, "t").unwrap_err();
+    assert!(matches!(err, UploadError::WrongWorld(_)), "{err}");
+
+    let other_world = wat::parse_str(
+        r#"(component (import "acme:other/thing@1.0.0" (instance (export "poke" (func)))))"#,
+    )
+    .unwrap();
+    let err = registry.upload("x", &other_world, "t").unwrap_err();
+    assert!(matches!(err, UploadError::WrongWorld(_)), "{err}");
+
+    let err = registry
+        .upload("not-noop", &plugin("noop"), "t")
+        .unwrap_err();
+    assert!(
+        matches!(&err, UploadError::NameMismatch { expected, described } if expected == "not-noop" && described == "noop"),
+        "{err}"
+    );
+    assert!(matches!(
+        registry.upload("Bad/Name", &plugin("noop"), "t"),
+        Err(UploadError::InvalidName(_))
+    ));
+    // Nothing of the refused uploads was stored.
+    assert!(registry.list().is_empty());
+}
+
+/// The same component with a custom section appended: a different hash, the same behaviour.
+fn variant_of(bytes: &[u8], tag: &str) -> Vec<u8> {
+    let mut out = bytes.to_vec();
+    let name = b"router-test";
+    let payload_len = 1 + name.len() + tag.len();
+    out.push(0); // custom section
+    out.push(u8::try_from(payload_len).unwrap());
+    out.push(u8::try_from(name.len()).unwrap());
+    out.extend_from_slice(name);
+    out.extend_from_slice(tag.as_bytes());
+    out
+}
+
+#[test]
+fn versions_rollback_reupload_and_delete() {
+    let (dir, registry) = registry_with(&[]);
+    let v1_bytes = plugin("noop");
+    let v2_bytes = variant_of(&v1_bytes, "v2");
+    let v1 = registry.upload("noop", &v1_bytes, "alice").unwrap();
+    let v2 = registry.upload("noop", &v2_bytes, "bob").unwrap();
+    assert_eq!((v1.version, v2.version), (1, 2));
+    assert_ne!(v1.sha256, v2.sha256);
+    assert_eq!(v1.descriptor.name, "noop");
+    assert_eq!(registry.active("noop").unwrap().version().sha256, v2.sha256);
+
+    let back = registry.rollback("noop", "1").unwrap();
+    assert_eq!(back, v1);
+    assert_eq!(registry.active("noop").unwrap().version().version, 1);
+    let forward = registry.rollback("noop", &v2.sha256[..12]).unwrap();
+    assert_eq!(forward.version, 2);
+    assert!(matches!(
+        registry.rollback("noop", "9"),
+        Err(RegistryError::UnknownVersion { .. })
+    ));
+    assert!(matches!(
+        registry.rollback("nope", "1"),
+        Err(RegistryError::UnknownHandler(_))
+    ));
+
+    // Re-uploading known bytes re-activates that version instead of adding one.
+    let again = registry.upload("noop", &v1_bytes, "carol").unwrap();
+    assert_eq!((again.version, again.uploader.as_str()), (1, "alice"));
+    let info = registry.get("noop").unwrap();
+    assert_eq!(info.versions.len(), 2);
+    assert_eq!(info.active.unwrap().version, 1);
+
+    // The index and the versions survive a reopen.
+    let reopened = HandlerRegistry::open(dir.path().join("handlers"), engine()).unwrap();
+    let info = reopened.get("noop").unwrap();
+    assert_eq!(
+        (info.versions.len(), info.active.map(|v| v.version)),
+        (2, Some(1))
+    );
+    let h = reopened.active("noop").unwrap();
+    assert_eq!(
+        invoke(
+            &h,
+            &event("x", "t", json!({})),
+            &delivery(),
+            Arc::new(EmptyKv),
+            &HandlerLimits::default()
+        )
+        .outcome,
+        InvocationOutcome::Emitted(vec![])
+    );
+
+    assert!(reopened.delete("noop").unwrap());
+    assert!(reopened.active("noop").is_none() && reopened.list().is_empty());
+    assert!(!dir.path().join("handlers/noop").exists());
+    assert!(!reopened.delete("noop").unwrap());
+    // A running invocation's handle outlives the delete.
+    assert_eq!(
+        invoke(
+            &h,
+            &event("x", "t", json!({})),
+            &delivery(),
+            Arc::new(EmptyKv),
+            &HandlerLimits::default()
+        )
+        .outcome,
+        InvocationOutcome::Emitted(vec![])
+    );
+}
+
+#[test]
+fn reopening_loads_compiled_code_from_the_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineConfig {
+        cache_dir: Some(dir.path().join("compiled")),
+        ..EngineConfig::default()
+    };
+    let handlers = dir.path().join("handlers");
+    {
+        let engine = WasmEngine::new(config.clone()).unwrap();
+        let registry = HandlerRegistry::open(&handlers, engine).unwrap();
+        registry.upload("noop", &plugin("noop"), "t").unwrap();
+        registry.upload("enrich", &plugin("enrich"), "t").unwrap();
+        assert_eq!(registry.compilations(), 2);
+    }
+    // A "restart": a new engine and registry over the same directories.
+    let engine = WasmEngine::new(config).unwrap();
+    let registry = HandlerRegistry::open(&handlers, engine).unwrap();
+    assert_eq!(registry.compilations(), 0);
+    let h = registry.active("enrich").unwrap();
+    let inv = invoke(
+        &h,
+        &event("c", "t", json!({"a": 1})),
+        &delivery(),
+        Arc::new(EmptyKv),
+        &HandlerLimits::default(),
+    );
+    assert!(matches!(inv.outcome, InvocationOutcome::Emitted(ref v) if v.len() == 1));
+}
+
+#[test]
+fn a_corrupt_stored_version_is_reported_not_fatal() {
+    let (dir, registry) = registry_with(&["noop", "strict"]);
+    let sha = registry.active("noop").unwrap().version().sha256.clone();
+    drop(registry);
+    std::fs::write(
+        dir.path().join(format!("handlers/noop/{sha}.wasm")),
+        b"garbage",
+    )
+    .unwrap();
+    let reopened = HandlerRegistry::open(dir.path().join("handlers"), engine()).unwrap();
+    assert!(reopened.active("noop").is_none());
+    assert!(
+        reopened
+            .get("noop")
+            .unwrap()
+            .load_error
+            .unwrap()
+            .contains("SHA-256")
+    );
+    assert!(reopened.active("strict").is_some());
+}

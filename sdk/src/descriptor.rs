@@ -1,0 +1,66 @@
+//! What a handler says about itself at upload ([`Descriptor`], [`Accept`]).
+
+/// A handler's name, version and the event types it accepts.
+///
+/// ```
+/// use router_sdk::Descriptor;
+///
+/// let d = Descriptor::new("invoicing", "1.4.0")
+///     .accepts("order.paid", &[1, 2])
+///     .accepts("order.refunded", &[]);
+/// assert_eq!(d.accepts.len(), 2);
+/// assert!(d.accepts[1].versions.is_empty()); // every version
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Descriptor {
+    /// Must equal the name the handler is uploaded under, or the upload is refused.
+    pub name: String,
+    /// The handler's own version (free text, semver recommended).
+    pub version: String,
+    /// Accepted event types and contract versions.
+    pub accepts: Vec<Accept>,
+}
+
+impl Descriptor {
+    /// A descriptor that accepts nothing yet; add types with [`Descriptor::accepts`].
+    ///
+    /// ```
+    /// let d = router_sdk::Descriptor::new("noop", "0.1.0");
+    /// assert!(d.accepts.is_empty());
+    /// ```
+    pub fn new(name: impl Into<String>, version: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            version: version.into(),
+            accepts: Vec::new(),
+        }
+    }
+
+    /// Adds an accepted event type with its `dataversion`s (empty: every version).
+    ///
+    /// ```
+    /// let d = router_sdk::Descriptor::new("n", "1").accepts("order.created", &[2]);
+    /// assert_eq!(d.accepts[0].event_type, "order.created");
+    /// ```
+    pub fn accepts(mut self, event_type: impl Into<String>, versions: &[u32]) -> Self {
+        self.accepts.push(Accept {
+            event_type: event_type.into(),
+            versions: versions.to_vec(),
+        });
+        self
+    }
+}
+
+/// One accepted event type.
+///
+/// ```
+/// let a = router_sdk::Accept { event_type: "order.paid".into(), versions: vec![] };
+/// assert!(a.versions.is_empty());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Accept {
+    /// The CloudEvents `type`.
+    pub event_type: String,
+    /// Accepted `dataversion`s; empty means every version.
+    pub versions: Vec<u32>,
+}

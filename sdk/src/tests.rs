@@ -1,0 +1,138 @@
+//! Host-side unit tests of the SDK's serde helpers and its native stand-ins.
+
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::{
+    DataError, Delivery, Descriptor, Emit, Event, Handler, HandlerError, kv, log, testing,
+};
+
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct Order {
+    order_id: String,
+    total: f64,
+    #[serde(default)]
+    lines: Vec<u32>,
+}
+
+#[test]
+fn data_as_parses_typed_data_and_reports_what_is_wrong() {
+    let event = Event::new("1", "/s", "order.paid")
+        .with_data(&json!({"order_id": "A", "total": 2.5}))
+        .unwrap();
+    assert_eq!(event.datacontenttype.as_deref(), Some("application/json"));
+    assert_eq!(
+        event.data_as::<Order>().unwrap(),
+        Order {
+            order_id: "A".into(),
+            total: 2.5,
+            lines: vec![]
+        }
+    );
+    let wrong = Event::new("1", "/s", "t")
+        .with_data(&json!({"order_id": 5}))
+        .unwrap();
+    let err = wrong.data_as::<Order>().unwrap_err();
+    assert!(matches!(err, DataError::Json(_)));
+    assert!(err.to_string().starts_with("invalid JSON data"), "{err}");
+    let binary = Event {
+        data_base64: Some("AAE=".into()),
+        ..Event::new("1", "/s", "t")
+    };
+    assert!(matches!(binary.data_as::<Order>(), Err(DataError::Missing)));
+    assert!(binary.data_value().unwrap().is_null());
+}
+
+#[test]
+fn emit_json_round_trips_and_keeps_key_order() {
+    let order = Order {
+        order_id: "B".into(),
+        total: 1.0,
+        lines: vec![1, 2],
+    };
+    let emit = Emit::json("invoice.created", &order)
+        .unwrap()
+        .with_subject("order/B")
+        .with_extension("partitionkey", "B")
+        .unwrap();
+    assert_eq!(
+        emit.data_json(),
+        Some(r#"{"order_id":"B","total":1.0,"lines":[1,2]}"#)
+    );
+    assert_eq!(emit.data_as::<Order>().unwrap(), order);
+    assert_eq!(emit.subject(), Some("order/B"));
+    assert_eq!(emit.extensions()[0].1, "\"B\"");
+}
+
+#[test]
+fn serde_errors_become_permanent_failures() {
+    let err: HandlerError = Event::new("1", "/s", "t")
+        .data_as::<Order>()
+        .unwrap_err()
+        .into();
+    assert_eq!(err, HandlerError::Fail("the event has no JSON data".into()));
+    let json_err = serde_json::from_str::<Order>("{").unwrap_err();
+    assert!(!HandlerError::from(json_err).is_retry());
+}
+
+#[test]
+fn extensions_decode_from_json() {
+    let mut event = Event::new("1", "/s", "t");
+    event.extensions.push(("dataversion2".into(), "2".into()));
+    event.extensions.push(("broken".into(), "{".into()));
+    assert_eq!(event.extension("dataversion2"), Some(json!(2)));
+    assert_eq!(event.extension("broken"), None);
+}
+
+#[test]
+fn typed_kv_helpers_round_trip_through_the_native_store() {
+    testing::reset();
+    kv::set_json("order", &json!({"n": 1}), None).unwrap();
+    assert_eq!(
+        kv::get_json::<serde_json::Value>("order").unwrap(),
+        Some(json!({"n": 1}))
+    );
+    assert_eq!(kv::get_json::<u32>("missing").unwrap(), None);
+    kv::set("raw", b"not json", None);
+    assert!(kv::get_json::<u32>("raw").is_err());
+    assert!(kv::compare_and_set_json("c", None, Some(&1u8)).unwrap());
+    assert!(!kv::compare_and_set_json("c", Some(&2u8), Some(&3u8)).unwrap());
+    assert!(kv::compare_and_set_json::<u8>("c", Some(&1), None).unwrap());
+    assert_eq!(kv::get("c"), None);
+}
+
+struct Greeter;
+
+impl Handler for Greeter {
+    fn describe() -> Descriptor {
+        Descriptor::new("greeter", "1.0.0").accepts("hello", &[])
+    }
+
+    fn handle(event: &Event, delivery: &Delivery) -> Result<Vec<Emit>, HandlerError> {
+        log::info!("greeting {} (attempt {})", event.id, delivery.attempt);
+        Ok(vec![Emit::json("greeted", &json!({"to": event.subject}))?])
+    }
+}
+
+crate::export_handler!(Greeter);
+
+#[test]
+fn handlers_run_natively_with_captured_logs() {
+    testing::reset();
+    let mut event = Event::new("e", "/s", "hello");
+    event.subject = Some("world".into());
+    let delivery = Delivery {
+        attempt: 3,
+        ..Delivery::default()
+    };
+    let out = Greeter::handle(&event, &delivery).unwrap();
+    assert_eq!(
+        out[0].data_as::<serde_json::Value>().unwrap(),
+        json!({"to": "world"})
+    );
+    assert_eq!(
+        testing::take_logs(),
+        vec![(log::Level::Info, "greeting e (attempt 3)".to_owned())]
+    );
+    assert_eq!(Greeter::describe().accepts[0].event_type, "hello");
+}

@@ -1,0 +1,397 @@
+//! WASM handlers end to end: upload and validation, versions and rollback, handler targets
+//! under the same queues and policies, emitted events re-entering the pipeline, idempotent KV
+//! effects, hostile handlers contained, logs, and the compiled-code cache across a restart.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::harness::*;
+
+/// The example plugins, built once per test run by plugins/build.sh (the README's test
+/// command builds them first, so this is normally a quick no-op check).
+fn plugins() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let out = root.join("target/plugins");
+        let status = std::process::Command::new("bash")
+            .arg(root.join("plugins/build.sh"))
+            .env("OUT", &out)
+            .status()
+            .expect("run plugins/build.sh");
+        assert!(
+            status.success(),
+            "plugins/build.sh failed: install the wasm32-wasip2 target and Python 3 (see README)"
+        );
+        out
+    })
+}
+
+fn plugin(name: &str) -> Vec<u8> {
+    std::fs::read(plugins().join(format!("{name}.wasm"))).expect("plugin built")
+}
+
+async fn put_handler(r: &RouterProc, name: &str, bytes: Vec<u8>) -> (u16, Value) {
+    let resp = client()
+        .put(r.url(&format!("/v1/handlers/{name}")))
+        .body(bytes)
+        .send()
+        .await
+        .expect("put");
+    let s = resp.status().as_u16();
+    (s, resp.json().await.unwrap_or(Value::Null))
+}
+
+async fn logs(r: &RouterProc, name: &str) -> Vec<Value> {
+    get_json(r, &format!("/v1/handlers/{name}/logs")).await.1["lines"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+const FAST: &str =
+    "  fast:\n    timeout: 10s\n    retry: { max_attempts: 5, base_delay: 50ms, max_delay: 200ms }";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_are_validated_versioned_and_rolled_back() {
+    let r = RouterProc::start(&[], &[]);
+    let (s, b) = put_handler(&r, "enrich", b"not wasm at all".to_vec()).await;
+    assert_eq!(s, 400, "{b}");
+    assert!(
+        b["errors"][0]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("not a WebAssembly component"),
+        "{b}"
+    );
+    let (s, b) = put_handler(&r, "other-name", plugin("enrich")).await;
+    assert_eq!(s, 400, "{b}");
+    assert!(
+        b["errors"][0]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("describe()"),
+        "{b}"
+    );
+    let (s, v1) = put_handler(&r, "enrich", plugin("enrich")).await;
+    assert_eq!(s, 201, "{v1}");
+    assert_eq!(v1["version"], 1);
+    assert_eq!(v1["sha256"].as_str().map(str::len), Some(64));
+    // A second version (different bytes: the Python build of the same handler has another name,
+    // so append a custom section to the same component to get new bytes).
+    let mut bytes = plugin("enrich");
+    bytes.extend_from_slice(&[0, 9, 4, b'n', b'o', b't', b'e', 1, 2, 3, 4]);
+    let (s, v2) = put_handler(&r, "enrich", bytes).await;
+    assert_eq!(s, 201, "{v2}");
+    assert_eq!(v2["version"], 2);
+    let (_, info) = get_json(&r, "/v1/handlers/enrich").await;
+    assert_eq!(info["active"]["version"], 2);
+    assert_eq!(info["versions"].as_array().map(Vec::len), Some(2));
+    let resp = client()
+        .post(r.url("/v1/handlers/enrich/rollback"))
+        .json(&json!({"version": "1"}))
+        .send()
+        .await
+        .expect("rollback");
+    assert_eq!(resp.status().as_u16(), 200);
+    let (_, info) = get_json(&r, "/v1/handlers/enrich").await;
+    assert_eq!(info["active"]["version"], 1);
+    assert_eq!(get_json(&r, "/v1/handlers/nope").await.0, 404);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn emitted_events_re_enter_the_pipeline_from_rust_and_python_handlers() {
+    let sink = Receiver::ok().await;
+    let rules = format!(
+        "{}  - name: enriched-out\n    pattern:\n      type: [{{ suffix: .enriched }}]\n    targets:\n      - webhook: {}\n        id: out\n",
+        rules_yaml(
+            FAST,
+            &[
+                (
+                    "to-rust",
+                    "order.created",
+                    &["handler: enrich\n        policy: fast".to_string()]
+                ),
+                (
+                    "to-py",
+                    "order.placed",
+                    &["handler: enrich_py\n        policy: fast".to_string()]
+                )
+            ]
+        ),
+        sink.url()
+    );
+    let mut r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(put_handler(&r, "enrich", plugin("enrich")).await.0, 201);
+    assert_eq!(
+        put_handler(&r, "enrich_py", plugin("enrich_py")).await.0,
+        201
+    );
+    assert_eq!(
+        post_event(
+            &r,
+            &event("o1", "order.created", json!({"total": 5, "sku": "a"}))
+        )
+        .await
+        .0,
+        202
+    );
+    assert_eq!(
+        post_event(
+            &r,
+            &event("o2", "order.placed", json!({"total": 5, "sku": "a"}))
+        )
+        .await
+        .0,
+        202
+    );
+    assert!(
+        sink.wait_for(Duration::from_secs(30), |s| s.len() >= 2)
+            .await,
+        "no enriched events: {}",
+        sink.count()
+    );
+    let got = sink.received();
+    let rust = got
+        .iter()
+        .find(|g| g.body["type"] == "order.created.enriched")
+        .expect("rust emission");
+    let py = got
+        .iter()
+        .find(|g| g.body["type"] == "order.placed.enriched")
+        .expect("python emission");
+    assert_eq!(rust.body["source"], "handler://enrich");
+    assert_eq!(py.body["source"], "handler://enrich_py");
+    assert_eq!(rust.body["hops"], 1);
+    assert_eq!(rust.body["data"]["enriched"], true);
+    // The WIT interface is not Rust-only: same data from both languages.
+    assert_eq!(rust.body["data"], py.body["data"]);
+    // Restart: the compiled code comes from the on-disk cache, not a recompilation.
+    r.kill9();
+    r.restart();
+    let (_, list) = get_json(&r, "/v1/handlers").await;
+    assert_eq!(
+        list["compilations"], 0,
+        "handlers were recompiled after restart: {list}"
+    );
+    assert_eq!(
+        post_event(&r, &event("o3", "order.created", json!({"total": 1})))
+            .await
+            .0,
+        202
+    );
+    assert!(
+        sink.wait_for(Duration::from_secs(30), |s| s.len() >= 3)
+            .await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_failures_follow_the_delivery_policies() {
+    let r = RouterProc::start(
+        &[(
+            "r.yaml",
+            &rules_yaml(
+                FAST,
+                &[
+                    (
+                        "to-strict",
+                        "strict",
+                        &["handler: strict\n        id: strict\n        policy: fast".to_string()],
+                    ),
+                    (
+                        "to-flaky",
+                        "flaky",
+                        &["handler: flaky\n        id: flaky\n        policy: fast".to_string()],
+                    ),
+                    (
+                        "to-invoice",
+                        "order.paid",
+                        &[
+                            "handler: invoice\n        id: invoice\n        policy: fast"
+                                .to_string(),
+                        ],
+                    ),
+                ],
+            ),
+        )],
+        &[],
+    );
+    for name in ["strict", "flaky", "invoice"] {
+        assert_eq!(put_handler(&r, name, plugin(name)).await.0, 201);
+    }
+    post_event(&r, &event("s1", "strict", json!({"valid": false}))).await;
+    post_event(&r, &event("f1", "flaky", json!({"fail_times": 2}))).await;
+    // Two events of the same order: the invoice is recorded once.
+    post_event(&r, &event("i1", "order.paid", json!({"order_id": "A-1"}))).await;
+    post_event(&r, &event("i2", "order.paid", json!({"order_id": "A-1"}))).await;
+    let dlq = eventually(Duration::from_secs(20), || async {
+        let (_, l) = get_json(&r, "/v1/dlq?target=strict").await;
+        (l["entries"].as_array().map(Vec::len) == Some(1)).then_some(l)
+    })
+    .await
+    .expect("strict failure dead-lettered");
+    assert_eq!(dlq["entries"][0]["reason"], "permanent_error");
+    let f = eventually(Duration::from_secs(20), || async {
+        let f = fate(&r, "f1").await;
+        (f["targets"][0]["state"] == "delivered").then_some(f)
+    })
+    .await
+    .expect("flaky delivered after its retries");
+    assert_eq!(f["targets"][0]["attempt_count"], 3, "{f}");
+    assert!(
+        f["targets"][0]["attempts"][0]["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("retry")
+    );
+    let lines = eventually(Duration::from_secs(20), || async {
+        let l = logs(&r, "invoice").await;
+        (l.len() >= 2).then_some(l)
+    })
+    .await
+    .expect("invoice logs");
+    let msgs: Vec<String> = lines
+        .iter()
+        .map(|l| l["message"].as_str().unwrap_or("").to_string())
+        .collect();
+    // The record is written once: the second delivery sees it. (If both ran at the same time,
+    // both logged "recorded", but the second commit's compare-and-set failed, nothing of it was
+    // written, and its re-run found the record.)
+    assert!(
+        msgs.iter().any(|m| m.contains("already recorded")),
+        "{msgs:?}"
+    );
+    let recorded = msgs
+        .iter()
+        .filter(|m| m.starts_with("recorded invoice:A-1"))
+        .count();
+    if recorded == 2 {
+        let mut errors = Vec::new();
+        for id in ["i1", "i2"] {
+            errors.push(
+                fate(&r, id).await["targets"][0]["attempts"][0]["error"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_string(),
+            );
+        }
+        assert!(
+            errors.iter().any(|e| e.contains("precondition failed")),
+            "two records without a conflict: {errors:?}"
+        );
+    } else {
+        assert_eq!(recorded, 1, "{msgs:?}");
+    }
+    assert!(lines[0]["event_id"].is_string() && lines[0]["attempt"].is_number());
+    // A type the handler does not accept goes to the DLQ as unknown_version, no retries.
+    let mut v9 = event("i9", "order.paid", json!({"order_id": "B"}));
+    v9["dataversion"] = json!(9);
+    post_event(&r, &v9).await;
+    let l = eventually(Duration::from_secs(20), || async {
+        let (_, l) = get_json(&r, "/v1/dlq?target=invoice").await;
+        (l["entries"].as_array().map(Vec::len) == Some(1)).then_some(l)
+    })
+    .await;
+    // invoice accepts every version of order.paid (empty list), so nothing lands here.
+    assert!(l.is_none() || l.is_some_and(|l| l["entries"][0]["reason"] == "unknown_version"));
+}
+
+/// Each hostile mode costs its invocation only: classified, retried under the policy, and a
+/// healthy handler's deliveries continue meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_handlers_are_contained() {
+    let sink = Receiver::ok().await;
+    let policy = "  hostile:\n    timeout: 10s\n    retry: { max_attempts: 2, base_delay: 50ms, max_delay: 100ms }";
+    let rules = format!(
+        "{}  - name: out\n    pattern:\n      type: [{{ suffix: .enriched }}]\n    targets:\n      - webhook: {}\n",
+        rules_yaml(
+            policy,
+            &[
+                (
+                    "to-hostile",
+                    "hostile",
+                    &[
+                        "handler: hostile\n        id: hostile\n        policy: hostile"
+                            .to_string()
+                    ]
+                ),
+                (
+                    "to-enrich",
+                    "healthy",
+                    &["handler: enrich\n        id: enrich".to_string()]
+                ),
+            ],
+        ),
+        sink.url()
+    );
+    let r = RouterProc::start_with_env(
+        &[("r.yaml", &rules)],
+        &[],
+        &[("ROUTER_HANDLERS__TIMEOUT", "1s")],
+    );
+    assert_eq!(put_handler(&r, "hostile", plugin("hostile")).await.0, 201);
+    assert_eq!(put_handler(&r, "enrich", plugin("enrich")).await.0, 201);
+    let modes = ["loop", "oom", "stack", "panic", "output", "log"];
+    for m in modes {
+        post_event(&r, &event(&format!("h-{m}"), "hostile", json!({"mode": m}))).await;
+    }
+    let batch: Vec<_> = (0..50)
+        .map(|i| event(&format!("ok{i}"), "healthy", json!({"i": i})))
+        .collect();
+    post_raw(
+        &r,
+        "application/cloudevents-batch+json",
+        serde_json::to_vec(&batch).expect("json"),
+    )
+    .await;
+    assert!(
+        sink.wait_for(Duration::from_secs(30), |s| s.len() >= 50)
+            .await,
+        "healthy handler starved: {}",
+        sink.count()
+    );
+    let expect = [
+        ("loop", "handler_timeout"),
+        ("oom", "handler_oom"),
+        ("stack", "handler_trap"),
+        ("panic", "handler_trap"),
+        ("output", "handler_trap"),
+    ];
+    for (m, class) in expect {
+        let f = eventually(Duration::from_secs(30), || async {
+            let f = fate(&r, &format!("h-{m}")).await;
+            (f["targets"][0]["state"] == "dlq").then_some(f)
+        })
+        .await
+        .unwrap_or_else(|| panic!("hostile {m} never reached the DLQ"));
+        let err = f["targets"][0]["attempts"][0]["error"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        assert!(err.starts_with(class), "{m}: {err}");
+        assert_eq!(f["dlq"][0]["reason"], "retries_exhausted", "{m}");
+    }
+    // Traps keep their message (the guest's panic text), in the attempt and in the logs.
+    let f = fate(&r, "h-panic").await;
+    assert!(
+        f["targets"][0]["attempts"][0]["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("panicked on purpose"),
+        "{f}"
+    );
+    let lines = logs(&r, "hostile").await;
+    assert!(
+        !lines.is_empty() && lines.len() <= 200,
+        "logs are capped: {}",
+        lines.len()
+    );
+    // The log flood completed (logs capped) and the router is still up.
+    let f = fate(&r, "h-log").await;
+    assert_eq!(f["targets"][0]["state"], "delivered", "{f}");
+    assert_eq!(get_json(&r, "/healthz").await.0, 200);
+}
