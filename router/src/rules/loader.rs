@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
+use super::automaton;
 use super::pattern::Pattern;
 use super::source::{self, Node, NodeKind, SourceError};
 use super::{Diagnostic, Rule, RuleSet, Severity, TargetKind, TargetSpec, version_of};
@@ -227,6 +228,34 @@ pub(crate) fn load(
         );
     }
 
+    let hashed: Vec<(&str, &[u8])> = files
+        .iter()
+        .map(|f| (f.rel.as_str(), f.text.as_bytes()))
+        .collect();
+    let (set, rejected) = RuleSet::assemble(
+        version_of(&hashed),
+        files.iter().map(|f| f.rel.clone()).collect(),
+        cx.policies,
+        cx.rules,
+        cx.targets,
+    );
+    // Per-rule caps were checked with each pattern; what is left is the set-wide state cap.
+    for (i, message) in rejected {
+        if let Some(rule) = set.rules.get(i) {
+            let display = files
+                .iter()
+                .find(|f| f.rel == rule.file)
+                .map_or(rule.file.as_str(), |f| f.display.as_str());
+            cx.diags.push(Diagnostic {
+                file: display.to_string(),
+                line: rule.line,
+                col: 1,
+                message: format!("rule `{}`: {message}", rule.name),
+                severity: Severity::Error,
+            });
+        }
+    }
+
     let order: HashMap<&str, usize> = files
         .iter()
         .enumerate()
@@ -243,17 +272,6 @@ pub(crate) fn load(
     if diags.iter().any(Diagnostic::is_error) {
         return Err(diags);
     }
-    let hashed: Vec<(&str, &[u8])> = files
-        .iter()
-        .map(|f| (f.rel.as_str(), f.text.as_bytes()))
-        .collect();
-    let set = RuleSet {
-        version: version_of(&hashed),
-        files: files.iter().map(|f| f.rel.clone()).collect(),
-        policies: cx.policies,
-        rules: cx.rules,
-        targets: cx.targets,
-    };
     Ok((set, diags))
 }
 
@@ -566,7 +584,13 @@ impl Cx {
     fn pattern(&mut self, file: &str, p: &Node) -> Option<(Pattern, Value)> {
         let json = self.json(file, p)?;
         match Pattern::compile(&json) {
-            Ok(pattern) => Some((pattern, json)),
+            Ok(pattern) => match automaton::check_pattern(&pattern) {
+                Ok(()) => Some((pattern, json)),
+                Err(msg) => {
+                    self.err(file, p, format!("pattern: {msg}"));
+                    None
+                }
+            },
             Err(errs) => {
                 for e in errs {
                     let at = p.at_pointer(&e.pointer);

@@ -5,6 +5,9 @@
 //! then asked which rules (and so which targets) an event matches. A set is immutable; a
 //! reload builds a new one and swaps it in.
 
+pub mod automaton;
+#[cfg(test)]
+mod cases;
 mod loader;
 pub mod pattern;
 mod source;
@@ -13,6 +16,7 @@ pub mod watch;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -20,6 +24,7 @@ use sha2::{Digest, Sha256};
 
 use crate::event::CloudEvent;
 use crate::policy::PolicyConfig;
+pub use automaton::{CompiledMatcher, MatchError, MatcherStats};
 pub use pattern::{Pattern, PatternError, simple_match};
 
 /// How serious a [`Diagnostic`] is.
@@ -152,7 +157,11 @@ pub struct RuleMatch {
 }
 
 /// A complete, checked set of rules, policies and targets.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+///
+/// The enabled rules' patterns are compiled into one [`CompiledMatcher`] when the set is
+/// loaded; [`RuleSet::matches`] goes through it. The set is immutable by design: changing
+/// `rules` after loading does not recompile the matcher (load a new set instead).
+#[derive(Debug, Clone, Serialize)]
 pub struct RuleSet {
     /// First 12 hex digits of SHA-256 over every file's relative path and bytes, in order.
     pub version: String,
@@ -164,18 +173,64 @@ pub struct RuleSet {
     pub rules: Vec<Rule>,
     /// Every target by id.
     pub targets: BTreeMap<String, TargetSpec>,
+    /// The enabled rules' patterns as one automaton (rule indices into `rules`).
+    #[serde(skip)]
+    matcher: Arc<CompiledMatcher>,
+}
+
+impl PartialEq for RuleSet {
+    /// Sets are equal when their contents are; the matcher is derived from `rules`.
+    fn eq(&self, other: &Self) -> bool {
+        self.version == other.version
+            && self.files == other.files
+            && self.policies == other.policies
+            && self.rules == other.rules
+            && self.targets == other.targets
+    }
 }
 
 impl RuleSet {
     /// A set with no files, rules or targets (what runs before any rules are loaded).
     pub fn empty() -> Self {
-        RuleSet {
-            version: version_of(&[]),
-            files: Vec::new(),
-            policies: BTreeMap::new(),
-            rules: Vec::new(),
-            targets: BTreeMap::new(),
-        }
+        let (set, errors) = RuleSet::assemble(
+            version_of(&[]),
+            Vec::new(),
+            BTreeMap::new(),
+            Vec::new(),
+            BTreeMap::new(),
+        );
+        debug_assert!(errors.is_empty());
+        set
+    }
+
+    /// Builds a set and its matcher from checked parts. Rules the matcher rejects (over a
+    /// complexity cap) come back as `(rule index, reason)`; the set then matches nothing.
+    pub(crate) fn assemble(
+        version: String,
+        files: Vec<String>,
+        policies: BTreeMap<String, PolicyConfig>,
+        rules: Vec<Rule>,
+        targets: BTreeMap<String, TargetSpec>,
+    ) -> (RuleSet, Vec<(usize, String)>) {
+        let enabled: Vec<(usize, &Pattern)> = rules
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.enabled)
+            .map(|(i, r)| (i, &r.pattern))
+            .collect();
+        let (matcher, errors) = match CompiledMatcher::build(&enabled) {
+            Ok(m) => (m, Vec::new()),
+            Err(errors) => (CompiledMatcher::empty(), errors),
+        };
+        let set = RuleSet {
+            version,
+            files,
+            policies,
+            rules,
+            targets,
+            matcher: Arc::new(matcher),
+        };
+        (set, errors)
     }
 
     /// Loads every `.yaml`, `.yml` and `.json` file under `dir` (recursively, sorted by
@@ -206,11 +261,40 @@ impl RuleSet {
     }
 
     /// The enabled rules whose pattern matches `event` (structured CloudEvent JSON), in
-    /// file order, each with its target ids.
+    /// file order, each with its target ids. Goes through the compiled matcher, so the cost
+    /// does not grow with the number of rules.
     pub fn matches(&self, event: &Value) -> Vec<RuleMatch> {
+        self.rule_matches(self.matcher.matches(event))
+    }
+
+    /// [`RuleSet::matches`] on raw JSON bytes, reading only the fields some pattern mentions
+    /// (see [`CompiledMatcher::matches_bytes`]).
+    pub fn matches_bytes(&self, json: &[u8]) -> Result<Vec<RuleMatch>, MatchError> {
+        Ok(self.rule_matches(self.matcher.matches_bytes(json)?))
+    }
+
+    /// [`RuleSet::matches`] computed by the pattern interpreter, rule by rule: the reference
+    /// the compiled matcher must agree with (for tests and `rules test` cross-checks).
+    pub fn matches_interpreted(&self, event: &Value) -> Vec<RuleMatch> {
         self.rules
             .iter()
             .filter(|r| r.matches(event))
+            .map(|r| RuleMatch {
+                rule: r.name.clone(),
+                target_ids: r.target_ids.clone(),
+            })
+            .collect()
+    }
+
+    /// Size of the compiled matcher.
+    pub fn matcher_stats(&self) -> MatcherStats {
+        self.matcher.stats()
+    }
+
+    fn rule_matches(&self, indices: Vec<usize>) -> Vec<RuleMatch> {
+        indices
+            .into_iter()
+            .filter_map(|i| self.rules.get(i))
             .map(|r| RuleMatch {
                 rule: r.name.clone(),
                 target_ids: r.target_ids.clone(),

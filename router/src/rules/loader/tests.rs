@@ -827,3 +827,53 @@ fn load_dir_missing_or_empty() {
     let d = RuleSet::load_dir(dir.path()).expect_err("not utf-8");
     assert!(d[0].message.contains("UTF-8"), "{}", lines(&d));
 }
+
+#[test]
+fn compiled_matcher_agrees_with_interpreter_on_the_good_set() {
+    let (set, _) = good();
+    // Two enabled rule files' worth of rules; the disabled rule is not compiled in.
+    assert_eq!(set.matcher_stats().rules, 3);
+    let events = [
+        json!({"type": "order.paid", "data": {"total": 10, "country": "DE"}}),
+        json!({"type": "order.paid", "data": {"total": 10, "country": "XX"}}),
+        json!({"type": "order.paid", "data": {"total": 0, "country": "FR"}}),
+        json!({"type": "order.cancelled", "data": {"total": 3}}),
+        json!({"type": "other", "data": [{"total": 1}]}),
+        json!({}),
+    ];
+    for ev in &events {
+        let want = set.matches_interpreted(ev);
+        assert_eq!(set.matches(ev), want, "{ev}");
+        let bytes = serde_json::to_vec(ev).expect("serialize");
+        assert_eq!(set.matches_bytes(&bytes), Ok(want), "{ev}");
+    }
+    assert!(set.matches_bytes(b"{not json").is_err());
+    // The disabled rule matches through neither path.
+    let paid = json!({"type": "order.paid"});
+    assert!(set.matches(&paid).iter().all(|m| m.rule != "disabled-rule"));
+    assert!(
+        set.matches_interpreted(&paid)
+            .iter()
+            .all(|m| m.rule != "disabled-rule")
+    );
+}
+
+#[test]
+fn over_cap_patterns_are_errors_at_the_pattern() {
+    // 3^6 = 729 `$or` combinations: over the 256 cap.
+    let mut src = String::from("rules:\n  - name: big\n    pattern:\n");
+    for k in ["k1", "k2", "k3", "k4", "k5", "k6"] {
+        src.push_str(&format!(
+            "      {k}: {{ $or: [{{a: [1]}}, {{b: [1]}}, {{c: [1]}}] }}\n"
+        ));
+    }
+    src.push_str("    targets: [{handler: h}]\n");
+    one_err(
+        &[("r.yaml", &src)],
+        "r.yaml:4:7: pattern: pattern too complex",
+        "more than 256 combinations",
+    );
+    // A disabled rule is checked too.
+    let disabled = src.replace("  - name: big\n", "  - name: big\n    enabled: false\n");
+    one_err(&[("r.yaml", &disabled)], "r.yaml:5:7: ", "more than 256");
+}
