@@ -5,14 +5,16 @@
 # rules and contracts, an admin token, and a few seeded events so that the DLQ, fates and jobs
 # have something in them. Exits non-zero when schemathesis finds a failure or the router panics.
 #
-# Usage: scripts/api-fuzz.sh [MAX_EXAMPLES=25]
+# Usage: scripts/api-fuzz.sh [MAX_EXAMPLES=100]   (about a minute)
 #   SEED=n                reproduce a run (schemathesis prints the seed it used)
+#   CHECKS=list           schemathesis checks (default: not_a_server_error,response_schema_conformance;
+#                         `all` adds status, content-type and header conformance, auth and more)
 #   SCHEMATHESIS=version  schemathesis from PyPI (default below), installed once into
 #                         target/api-fuzz/venv
 # Reports (JUnit, and the router's log) land in target/api-fuzz/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MAX_EXAMPLES=${1:-25}
+MAX_EXAMPLES=${1:-100}
 SCHEMATHESIS=${SCHEMATHESIS:-4.32.5}
 OUT=$PWD/target/api-fuzz
 VENV=$OUT/venv
@@ -31,6 +33,7 @@ WORK=$(mktemp -d)
 ROUTER_PID=
 cleanup() {
   if [ -n "$ROUTER_PID" ]; then kill "$ROUTER_PID" 2>/dev/null || true; wait "$ROUTER_PID" 2>/dev/null || true; fi
+  ROUTER_PID=
   [ -f "$WORK/router.log" ] && cp "$WORK/router.log" "$OUT/router.log"
   rm -rf "$WORK"
 }
@@ -45,13 +48,14 @@ sha256 = "$(printf %s "$TOKEN" | sha256sum | cut -d' ' -f1)"
 scopes = ["admin"]
 TOML
 
+: > "$WORK/router.log"
 RUST_LOG=info NO_COLOR=1 "$BIN" serve --config "$WORK/router.toml" --listen 127.0.0.1:0 \
   --data-dir "$WORK/data" --rules examples/rules --contracts schemas/contracts \
   2>"$WORK/router.log" &
 ROUTER_PID=$!
 ADDR=
 for _ in $(seq 1 300); do
-  ADDR=$(sed -n 's/.*router listening.*listen=\([0-9.:]*\).*/\1/p' "$WORK/router.log" | head -n1)
+  ADDR=$(sed -n 's/.*router listening.*listen=\([0-9.:]*\).*/\1/p' "$WORK/router.log" | head -n1 || true)
   [ -n "$ADDR" ] && break
   kill -0 "$ROUTER_PID" 2>/dev/null || { cat "$WORK/router.log"; echo "router exited" >&2; exit 1; }
   sleep 0.1
@@ -70,11 +74,13 @@ echo
 sleep 5
 
 set +e
-"$VENV/bin/schemathesis" run schemas/openapi.yaml \
+# Run from target/api-fuzz: schemathesis keeps a .schemathesis/ cache in its working directory.
+SPEC=$PWD/schemas/openapi.yaml
+(cd "$OUT" && "$VENV/bin/schemathesis" run "$SPEC" \
   --url "$URL" \
   --header "Authorization: Bearer $TOKEN" \
-  --checks not_a_server_error,response_schema_conformance \
-  --phases examples,coverage,fuzzing \
+  --checks "${CHECKS:-not_a_server_error,response_schema_conformance}" \
+  --phases examples,coverage,fuzzing,stateful \
   --max-examples "$MAX_EXAMPLES" \
   ${SEED:+--seed "$SEED"} \
   --workers 2 \
@@ -82,7 +88,7 @@ set +e
   --generation-database none \
   --suppress-health-check all \
   --report junit --report-junit-path "$OUT/junit.xml" \
-  --no-color
+  --no-color)
 RC=$?
 set -e
 

@@ -743,6 +743,7 @@ pub async fn run_with_store(
             app.clone(),
             crate::auth::layer,
         ))
+        .layer(axum::middleware::map_response(json_rejections))
         .with_state(app.clone());
 
     app.ready.store(true, Ordering::SeqCst);
@@ -806,6 +807,31 @@ fn spawn_system_event_router(
             }
         }
     });
+}
+
+/// Extractor rejections (a query string that does not parse, a missing body) come from axum as
+/// plain text; every error of the API is the JSON error shape, so they are converted.
+async fn json_rejections(resp: axum::response::Response) -> axum::response::Response {
+    let plain = resp
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|c| c.starts_with("text/plain"));
+    if !(resp.status().is_client_error() && plain) {
+        return resp;
+    }
+    let status = resp.status();
+    let body = axum::body::to_bytes(resp.into_body(), 64 * 1024)
+        .await
+        .unwrap_or_default();
+    crate::ingest::error_response(
+        status,
+        "invalid request",
+        vec![crate::event::FieldError::new(
+            "",
+            String::from_utf8_lossy(&body).into_owned(),
+        )],
+    )
 }
 
 /// The HTTP accept loop: HTTP/1.1 with a header read timeout (slow-loris) and a bounded

@@ -266,6 +266,11 @@ pub fn route_need(method: &http::Method, route: &str) -> Need {
         (&M::POST, "/v1/dlq/redrive" | "/v1/dlq/purge" | "/v1/dlq/redrive/{job}/{action}") => {
             Need::Token
         }
+        // A team's handlers: `handlers:<name>` (checked in the handler).
+        (&M::GET | &M::PUT | &M::DELETE, "/v1/handlers/{name}")
+        | (&M::POST, "/v1/handlers/{name}/rollback")
+        | (&M::GET, "/v1/handlers/{name}/logs") => Need::Token,
+        (&M::GET, "/v1/handlers") => Need::Read,
         (
             &M::GET,
             "/v1/events/{id}" | "/v1/targets" | "/v1/targets/{id}" | "/v1/rules" | "/v1/status"

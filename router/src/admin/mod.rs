@@ -367,6 +367,7 @@ pub async fn release_key(
 /// `GET /v1/rules`: the live rule set.
 pub async fn rules(State(app): State<Arc<App>>) -> Response {
     let r = app.rules.load();
+    let disabled = app.disabled_rules();
     axum::Json(json!({
         "version": r.version,
         "files": r.files,
@@ -374,7 +375,8 @@ pub async fn rules(State(app): State<Arc<App>>) -> Response {
             "name": rule.name,
             "file": rule.file,
             "line": rule.line,
-            "enabled": rule.enabled,
+            "enabled": rule.enabled && !disabled.contains(&rule.name),
+            "disabled_by_operator": disabled.contains(&rule.name),
             "pattern": rule.pattern_json,
             "targets": rule.target_ids,
         })).collect::<Vec<_>>(),
@@ -396,9 +398,11 @@ pub async fn rules_test(State(app): State<Arc<App>>, body: axum::body::Bytes) ->
         }
     };
     let rules = app.rules.load();
+    let disabled = app.disabled_rules();
     let matches: Vec<Value> = rules
         .matches(&ev)
         .into_iter()
+        .filter(|m| !disabled.contains(&m.rule))
         .map(|m| {
             let targets: Vec<Value> = m
                 .target_ids

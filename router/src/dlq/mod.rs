@@ -179,12 +179,15 @@ pub async fn create_redrive(app: &Arc<App>, req: RedriveRequest) -> Result<Job, 
         )]));
     }
     let total = count_matching(app, &filter)?;
+    // Entries that fail again come back with new ids: the job stops at the highest id that
+    // existed when it was created, so it never chases its own failures.
+    let max_id = app.store.dlq_max_id()?;
     let now = app.clock.now_ms();
     let job = Job {
         id: next_job_id(app, JobKind::Redrive)?,
         kind: JobKind::Redrive,
         state: JobState::Running,
-        spec: serde_json::json!({ "filter": req.filter, "rate_per_sec": req.rate_per_sec }),
+        spec: serde_json::json!({ "filter": req.filter, "rate_per_sec": req.rate_per_sec, "max_id": max_id }),
         total,
         moved: 0,
         failed: 0,
@@ -376,7 +379,9 @@ async fn redrive_step(
     take: usize,
     now: i64,
 ) -> Result<usize, StoreError> {
-    let page = app.store.dlq_list(filter, Some(job.cursor), take)?;
+    let max_id = job.spec["max_id"].as_u64().unwrap_or(u64::MAX);
+    let mut page = app.store.dlq_list(filter, Some(job.cursor), take)?;
+    page.retain(|d| d.id <= max_id);
     if page.is_empty() {
         job.state = JobState::Done;
         job.updated_at = now;

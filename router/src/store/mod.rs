@@ -228,6 +228,9 @@ pub trait Store: Send + Sync + 'static {
         limit: usize,
     ) -> Result<Vec<DlqEntry>, StoreError>;
 
+    /// The highest DLQ entry id (0 when empty).
+    fn dlq_max_id(&self) -> Result<u64, StoreError>;
+
     /// One DLQ entry with its event.
     fn dlq_get(&self, id: u64) -> Result<Option<(DlqEntry, StoredEvent)>, StoreError>;
 

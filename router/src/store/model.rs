@@ -439,6 +439,7 @@ impl DlqFilter {
                 .as_ref()
                 .is_none_or(|r| e.rule.as_deref() == Some(r.as_str()))
             && self.event_type.as_ref().is_none_or(|t| &e.event_type == t)
+            && self.source.as_ref().is_none_or(|s| &e.event_source == s)
             && self.since.is_none_or(|s| e.last_failure_at >= s)
             && self.until.is_none_or(|u| e.last_failure_at < u)
     }

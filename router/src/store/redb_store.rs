@@ -898,6 +898,13 @@ impl Store for RedbStore {
         Ok(out)
     }
 
+    fn dlq_max_id(&self) -> Result<u64, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(DLQ)?;
+        Ok(t.last()?.map_or(0, |(k, _)| k.value()))
+    }
+
     fn dlq_get(&self, id: u64) -> Result<Option<(DlqEntry, StoredEvent)>, StoreError> {
         let db = self.read_db();
         let r = db.begin_read()?;
