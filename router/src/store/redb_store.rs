@@ -1121,7 +1121,9 @@ impl Committer {
             return false;
         };
         let Ok(stats) = txn.stats() else { return false };
-        let used = stats.allocated_pages() * stats.page_size() as u64;
+        // Live data, not allocated pages: pages freed by this very transaction are still
+        // counted as allocated until it commits, which hid a drained backlog from this check.
+        let used = stats.stored_bytes() + stats.metadata_bytes();
         file_len > self.compact_min_bytes && file_len > 2 * used
     }
 
