@@ -410,6 +410,23 @@ impl RedbStore {
         }))
     }
 
+    /// Every row of a name → JSON table.
+    fn read_named_json(
+        &self,
+        def: TableDefinition<'static, &'static str, &'static [u8]>,
+        name: &'static str,
+    ) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(def)?;
+        let mut out = Vec::new();
+        for row in t.iter()? {
+            let (k, v) = row?;
+            out.push((k.value().to_string(), dec(name, v.value())?));
+        }
+        Ok(out)
+    }
+
     fn read_db(&self) -> std::sync::RwLockReadGuard<'_, Database> {
         self.db.read().unwrap_or_else(|p| p.into_inner())
     }
@@ -554,15 +571,7 @@ impl Store for RedbStore {
     }
 
     fn target_states(&self) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
-        let db = self.read_db();
-        let r = db.begin_read()?;
-        let t = r.open_table(TARGET_STATE)?;
-        let mut out = Vec::new();
-        for row in t.iter()? {
-            let (k, v) = row?;
-            out.push((k.value().to_string(), dec("target_state", v.value())?));
-        }
-        Ok(out)
+        self.read_named_json(TARGET_STATE, "target_state")
     }
 
     fn release_key(&self, target: &str, key: &str) -> BoxFuture<'_, Result<bool, StoreError>> {
@@ -819,15 +828,7 @@ impl Store for RedbStore {
     }
 
     fn saved_targets(&self) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
-        let db = self.read_db();
-        let r = db.begin_read()?;
-        let t = r.open_table(TARGETS)?;
-        let mut out = Vec::new();
-        for row in t.iter()? {
-            let (k, v) = row?;
-            out.push((k.value().to_string(), dec("targets", v.value())?));
-        }
-        Ok(out)
+        self.read_named_json(TARGETS, "targets")
     }
 
     fn targets_with_entries(&self) -> Vec<String> {
