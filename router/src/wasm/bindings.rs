@@ -21,8 +21,8 @@ wasmtime::component::bindgen!({
     imports: { default: trappable },
 });
 
-pub use router::handler::types as wit;
-use router::handler::{kv, log, types};
+pub use self::router::handler::types as wit;
+use self::router::handler::{kv, log, types};
 
 /// Read access to a handler's key-value namespace, implemented by the router over its store.
 /// Keys are the handler's own (un-namespaced) keys.
