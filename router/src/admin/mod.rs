@@ -154,15 +154,6 @@ pub struct DlqQuery {
     limit: Option<usize>,
 }
 
-fn parse_time(name: &str, v: Option<&String>) -> Result<Option<i64>, FieldError> {
-    v.map(|s| {
-        chrono::DateTime::parse_from_rfc3339(s)
-            .map(|t| t.timestamp_millis())
-            .map_err(|e| FieldError::new(format!("/{name}"), format!("not an RFC 3339 time: {e}")))
-    })
-    .transpose()
-}
-
 /// `GET /v1/dlq`: filtered, cursor-paged listing.
 pub async fn dlq_list(
     State(app): State<Arc<App>>,
@@ -181,11 +172,11 @@ pub async fn dlq_list(
         }
         None => None,
     };
-    let since = parse_time("since", q.since.as_ref()).unwrap_or_else(|e| {
+    let since = crate::dlq::parse_time("since", q.since.as_ref()).unwrap_or_else(|e| {
         errors.push(e);
         None
     });
-    let until = parse_time("until", q.until.as_ref()).unwrap_or_else(|e| {
+    let until = crate::dlq::parse_time("until", q.until.as_ref()).unwrap_or_else(|e| {
         errors.push(e);
         None
     });

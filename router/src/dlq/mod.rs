@@ -39,7 +39,8 @@ pub struct FilterSpec {
     pub until: Option<String>,
 }
 
-fn parse_time(name: &str, v: Option<&String>) -> Result<Option<i64>, FieldError> {
+/// Parses an optional RFC 3339 query/body field into ms; the error points at `/name`.
+pub(crate) fn parse_time(name: &str, v: Option<&String>) -> Result<Option<i64>, FieldError> {
     v.map(|s| {
         chrono::DateTime::parse_from_rfc3339(s)
             .map(|t| t.timestamp_millis())

@@ -350,17 +350,6 @@ fn emitted_to_json(e: wit::Emitted) -> Result<Value, String> {
     Ok(Value::Object(m))
 }
 
-/// Whether a media type carries JSON (`application/json`, `text/json`, `*/*+json`).
-fn content_type_is_json(ct: &str) -> bool {
-    let essence = ct
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase();
-    essence == "application/json" || essence == "text/json" || essence.ends_with("+json")
-}
-
 /// Builds the handler's `event` record from a structured-mode CloudEvent.
 pub(crate) fn event_to_wit(event: &Value) -> Result<wit::Event, String> {
     let obj = event.as_object().ok_or("not a JSON object")?;
@@ -384,7 +373,9 @@ pub(crate) fn event_to_wit(event: &Value) -> Result<wit::Event, String> {
         .and_then(Value::as_u64)
         .and_then(|v| u32::try_from(v).ok())
         .unwrap_or(0);
-    let is_json = datacontenttype.as_deref().is_none_or(content_type_is_json);
+    let is_json = datacontenttype
+        .as_deref()
+        .is_none_or(crate::event::content_type_is_json);
     let (data, mut data_base64) = match obj.get("data") {
         None | Some(Value::Null) => (None, None),
         // Textual non-JSON data (e.g. `text/plain`) is handed over as bytes.
