@@ -11,6 +11,8 @@
 #                         `all` adds status, content-type and header conformance, auth and more)
 #   SCHEMATHESIS=version  schemathesis from PyPI (default below), installed once into
 #                         target/api-fuzz/venv
+#   API_FUZZ_BIN=path     fuzz this router binary instead of building the release one (the test
+#                         suite passes its debug build, already compiled by `cargo test`)
 # Reports (JUnit, and the router's log) land in target/api-fuzz/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,9 +27,13 @@ if [ "$("$VENV/bin/schemathesis" --version 2>/dev/null | awk '{print $NF}')" != 
   "$VENV/bin/pip" install -q --disable-pip-version-check "schemathesis==$SCHEMATHESIS"
 fi
 
-echo "== building the release router"
-cargo build --release --locked -q -p router
-BIN=$PWD/target/release/router
+if [ -n "${API_FUZZ_BIN:-}" ]; then
+  BIN=$(realpath "$API_FUZZ_BIN")
+else
+  echo "== building the release router"
+  cargo build --release --locked -q -p router
+  BIN=$PWD/target/release/router
+fi
 
 WORK=$(mktemp -d)
 ROUTER_PID=

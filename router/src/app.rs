@@ -342,6 +342,7 @@ fn start_handlers(
     cfg: &Config,
     store: &Arc<dyn Store>,
     clock: &Arc<dyn Clock>,
+    metrics: &crate::telemetry::Metrics,
 ) -> Result<Arc<crate::target::handler::HandlerRuntime>, String> {
     let h = &cfg.handlers;
     let dir = h
@@ -382,7 +383,7 @@ fn start_handlers(
                 continue;
             };
             let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-            match registry.upload(name, &bytes, "preload") {
+            match registry.upload(name, &bytes, crate::auth::PRELOAD_OWNER) {
                 Ok(v) => tracing::info!(handler = name, version = v.version, "handler preloaded"),
                 Err(e) => tracing::warn!(handler = name, error = %e, "preloading a handler failed"),
             }
@@ -399,17 +400,51 @@ fn start_handlers(
         slots: Arc::new(tokio::sync::Semaphore::new(h.max_instances as usize)),
         logs: Default::default(),
         hop_limit: h.hop_limit,
+        completed_ttl_ms: i64::try_from(h.completed_ttl.as_millis()).unwrap_or(i64::MAX),
+        completed_hits: metrics.completed_hits.clone(),
         store: store.clone(),
         clock: clock.clone(),
         prepare: std::sync::OnceLock::new(),
     }))
 }
 
+/// Why an emitted event is outside its handler owner's ingest scope, if it is. With auth off
+/// (no tokens) there are no scopes to enforce, and handlers preloaded from the operator's
+/// `handlers.preload_dir` are the operator's own (the token name `preload` is reserved).
+fn emit_scope_error(
+    tokens: &crate::auth::Tokens,
+    emitter: &crate::target::handler::EmitterOf,
+    ty: &str,
+) -> Option<String> {
+    if !tokens.enabled() || emitter.owner == crate::auth::PRELOAD_OWNER {
+        return None;
+    }
+    let need = crate::auth::Scope::Ingest(ty.to_string());
+    let Some(owner) = tokens.config(&emitter.owner) else {
+        return Some(format!(
+            "handler {:?} was uploaded by {:?}, which is no longer a configured token: it has no ingest scope",
+            emitter.handler, emitter.owner
+        ));
+    };
+    let principal = crate::auth::Principal {
+        name: owner.name.clone(),
+        scopes: owner.scopes.clone(),
+    };
+    (!principal.allows(&need)).then(|| {
+        format!(
+            "handler {:?} (owner {:?}) may not emit type {ty:?}: its owner's token lacks {need}",
+            emitter.handler, emitter.owner
+        )
+    })
+}
+
 /// Emitted events re-enter the pipeline: past the hop limit they go to the DLQ as
-/// `loop_detected`; otherwise contracts (enforce behaves as quarantine: there is no producer
-/// to answer) and the live rules apply, and ingest dedup (same ids on a re-run) drops copies.
+/// `loop_detected`, outside the owner's scope as `scope_violation`; otherwise contracts (enforce
+/// behaves as quarantine: there is no producer to answer) and the live rules apply, and ingest
+/// dedup (same ids on a re-run) drops copies.
 fn prepare_emitted(
     app: &App,
+    emitter: &crate::target::handler::EmitterOf,
     events: Vec<crate::event::CloudEvent>,
     now: i64,
 ) -> Vec<crate::store::NewEvent> {
@@ -429,6 +464,11 @@ fn prepare_emitted(
                         "/hops",
                         format!("{} hops is past the limit of {hop_limit}", ev.hops()),
                     )],
+                })
+            } else if let Some(why) = emit_scope_error(&app.tokens, emitter, &ev.ty) {
+                Some(Quarantine {
+                    reason: DlqReason::ScopeViolation,
+                    errors: vec![crate::event::FieldError::new("/type", why)],
                 })
             } else {
                 match contracts.check(&ev) {
@@ -567,7 +607,7 @@ pub async fn run_with_store(
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let tracker = TaskTracker::new();
     let workers_cancel = CancellationToken::new();
-    let handlers = match start_handlers(&cfg, &store, &clock) {
+    let handlers = match start_handlers(&cfg, &store, &clock, &metrics) {
         Ok(rt) => Some(rt),
         Err(e) => {
             tracing::error!(error = %e, "the WASM handler runtime could not start; handler targets stay queued");
@@ -581,7 +621,7 @@ pub async fn run_with_store(
         metrics: metrics.clone(),
         clock: clock.clone(),
         cfg: cfg.delivery.clone(),
-        http: crate::target::webhook::shared_client()?,
+        http: crate::target::webhook::shared_client(cfg.delivery.tls_ca_file.as_deref())?,
         cancel: workers_cancel.clone(),
         tracker: tracker.clone(),
         system_events: Some(sys_tx),
@@ -668,8 +708,8 @@ pub async fn run_with_store(
     if let Some(rt) = &handlers {
         let weak = Arc::downgrade(&app);
         let prepare: crate::target::handler::Prepare =
-            Arc::new(move |events, now| match weak.upgrade() {
-                Some(app) => prepare_emitted(&app, events, now),
+            Arc::new(move |emitter, events, now| match weak.upgrade() {
+                Some(app) => prepare_emitted(&app, emitter, events, now),
                 None => Vec::new(),
             });
         let _ = rt.prepare.set(prepare);
@@ -929,7 +969,19 @@ fn spawn_sweeper(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToke
             loop {
                 match app.store.sweep(app.clock.now_ms(), window, retention).await {
                     Ok(s) => {
-                        if s.dedup_expired + s.events_removed > 0 {
+                        for (kind, n) in [
+                            ("dedup_key", s.dedup_expired),
+                            ("event", s.events_removed),
+                            ("completed", s.completed_expired),
+                        ] {
+                            if n > 0 {
+                                app.metrics
+                                    .swept
+                                    .get_or_create(&vec![("kind", kind.to_string())])
+                                    .inc_by(n);
+                            }
+                        }
+                        if s.dedup_expired + s.events_removed + s.completed_expired > 0 {
                             tracing::debug!(
                                 dedup_expired = s.dedup_expired,
                                 events_removed = s.events_removed,

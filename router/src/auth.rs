@@ -100,6 +100,10 @@ impl Principal {
     }
 }
 
+/// Uploader name of handlers preloaded from the operator's `handlers.preload_dir`: they are the
+/// operator's own, so no token may take this name.
+pub const PRELOAD_OWNER: &str = "preload";
+
 /// The configured tokens.
 #[derive(Debug, Clone, Default)]
 pub struct Tokens {
@@ -125,6 +129,11 @@ impl Tokens {
                 name: t.name.clone(),
                 message,
             };
+            if t.name == PRELOAD_OWNER {
+                return Err(err(format!(
+                    "the token name {PRELOAD_OWNER:?} is reserved for preloaded handlers"
+                )));
+            }
             let bytes =
                 hex::decode(&t.sha256).map_err(|e| err(format!("sha256 is not hex: {e}")))?;
             let hash: [u8; 32] = bytes

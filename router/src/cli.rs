@@ -48,6 +48,7 @@ fn describe_error(v: &Value) -> String {
 impl Client {
     /// A client of the API at `base` (e.g. `http://127.0.0.1:8080`).
     pub fn new(base: &str) -> Self {
+        crate::target::webhook::install_crypto_provider();
         Self {
             base: base.trim_end_matches('/').to_string(),
             http: reqwest::Client::builder()

@@ -91,6 +91,11 @@ pub struct HandlersConfig {
     pub preload_dir: Option<PathBuf>,
     /// Largest component accepted by `PUT /v1/handlers/{name}` (413 past it).
     pub max_upload_bytes: usize,
+    /// How long a handler's COMPLETED record (delivery key → stored result) is kept: a
+    /// delivery with the same idempotency key inside it gets the stored result and the handler
+    /// is not run again. The age bound of the idempotency records.
+    #[serde(with = "humantime_serde")]
+    pub completed_ttl: Duration,
 }
 
 impl Default for HandlersConfig {
@@ -107,6 +112,7 @@ impl Default for HandlersConfig {
             max_instances: 64,
             preload_dir: None,
             max_upload_bytes: 64 << 20,
+            completed_ttl: Duration::from_secs(7 * 24 * 3600),
         }
     }
 }
@@ -199,6 +205,9 @@ pub struct DeliveryConfig {
     pub lease_margin: Duration,
     /// Bytes of a webhook response body read (for the attempt's error text); rest discarded.
     pub max_response_bytes: usize,
+    /// Extra root certificates (a PEM file) trusted for HTTPS webhooks, in addition to the
+    /// system's roots: for receivers behind a private CA. Unset = system roots only.
+    pub tls_ca_file: Option<std::path::PathBuf>,
     /// How often expired dedup keys and finished events are swept.
     #[serde(with = "humantime_serde")]
     pub sweep_interval: Duration,
@@ -275,6 +284,7 @@ impl Default for DeliveryConfig {
             concurrency: 32,
             lease_margin: Duration::from_secs(30),
             max_response_bytes: 64 * 1024,
+            tls_ca_file: None,
             sweep_interval: Duration::from_secs(60),
             retention: Duration::from_secs(24 * 3600),
             on_target_removed: OnTargetRemoved::Drain,

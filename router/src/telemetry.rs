@@ -15,7 +15,8 @@ use prometheus_client::registry::Registry;
 
 use crate::store::Store;
 
-type Labels = Vec<(&'static str, String)>;
+/// Label pairs of a metric family.
+pub type Labels = Vec<(&'static str, String)>;
 
 fn latency_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.000_1, 2.0, 18))
@@ -60,6 +61,11 @@ pub struct Metrics {
     pub system_events_dropped: Counter,
     /// Paused targets (1 = paused).
     pub target_paused: Family<Labels, Gauge>,
+    /// Records removed by the sweeper at their age bound, by kind (`dedup_key`, `event`,
+    /// `completed`, `kv`): the bounds of dedup keys, archive, idempotency records and KV.
+    pub swept: Family<Labels, Counter>,
+    /// Handler deliveries answered from the COMPLETED table (the handler was not run again).
+    pub completed_hits: Family<Labels, Counter>,
 }
 
 impl Metrics {
@@ -85,6 +91,8 @@ impl Metrics {
             budget_deferred: Family::default(),
             system_events_dropped: Counter::default(),
             target_paused: Family::default(),
+            swept: Family::default(),
+            completed_hits: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -166,6 +174,16 @@ impl Metrics {
             "router_retry_budget_deferred",
             "Due retries deferred by the retry budget",
             m.budget_deferred.clone(),
+        );
+        registry.register(
+            "router_swept_records",
+            "Records removed at their age bound by the sweeper, by kind (dedup_key, event, completed, kv)",
+            m.swept.clone(),
+        );
+        registry.register(
+            "router_handler_completed_hits",
+            "Handler deliveries answered from a stored COMPLETED result without running the handler",
+            m.completed_hits.clone(),
         );
         registry.register(
             "router_system_events_dropped",

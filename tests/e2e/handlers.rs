@@ -395,3 +395,133 @@ async fn hostile_handlers_are_contained() {
     assert_eq!(f["targets"][0]["state"], "delivered", "{f}");
     assert_eq!(get_json(&r, "/healthz").await.0, 200);
 }
+
+/// Emitted events must fall within the ingest scope of the handler's owner (the token that
+/// uploaded it); others go to the DLQ as `scope_violation`, never routed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn emissions_outside_the_owner_scope_are_dead_lettered() {
+    use sha2::Digest;
+    let sha = |t: &str| hex::encode(sha2::Sha256::digest(t.as_bytes()));
+    let rcv = Receiver::ok().await;
+    let rules = format!(
+        "rules:\n  - name: orders\n    pattern: {{ type: [order.created] }}\n    targets:\n      - handler: enrich\n  - name: enriched\n    pattern: {{ type: [order.created.enriched] }}\n    targets:\n      - webhook: {}\n",
+        rcv.url()
+    );
+    let authed = |token: &'static str| move |rb: reqwest::RequestBuilder| rb.bearer_auth(token);
+    for (team_scope, allowed) in [("ingest:payment.*", false), ("ingest:order.*", true)] {
+        let config = format!(
+            "[[auth.tokens]]\nname = \"ops\"\nsha256 = \"{}\"\nscopes = [\"admin\"]\n\n[[auth.tokens]]\nname = \"team\"\nsha256 = \"{}\"\nscopes = [\"handlers:enrich\", \"{team_scope}\"]\n",
+            sha("ops-token"),
+            sha("team-token")
+        );
+        let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&config));
+        let put = authed("team-token")(client().put(r.url("/v1/handlers/enrich")))
+            .body(plugin("enrich"))
+            .send()
+            .await
+            .expect("put");
+        assert_eq!(put.status().as_u16(), 201, "the team uploads its handler");
+        let id = format!("scope-{allowed}");
+        let post = authed("ops-token")(client().post(r.url("/v1/events")))
+            .header("content-type", "application/cloudevents+json")
+            .json(&event(&id, "order.created", json!({"order_id": "o1"})))
+            .send()
+            .await
+            .expect("post");
+        assert_eq!(post.status().as_u16(), 202);
+        if allowed {
+            assert!(
+                rcv.wait_for(Duration::from_secs(20), |s| s
+                    .iter()
+                    .any(|x| x.body["type"] == "order.created.enriched"))
+                    .await,
+                "within scope: the emitted event is routed"
+            );
+        } else {
+            let entry = eventually(Duration::from_secs(20), || async {
+                let resp =
+                    authed("ops-token")(client().get(r.url("/v1/dlq?reason=scope_violation")))
+                        .send()
+                        .await
+                        .ok()?;
+                let v: Value = resp.json().await.ok()?;
+                v["entries"].as_array()?.first().cloned()
+            })
+            .await
+            .expect("a scope_violation DLQ entry");
+            assert_eq!(entry["event"]["type"], "order.created.enriched", "{entry}");
+            let msg = entry["errors"][0]["message"].as_str().unwrap_or_default();
+            assert!(msg.contains("ingest:order.created.enriched"), "{msg}");
+            assert_eq!(rcv.count(), 0, "out of scope: never routed");
+        }
+    }
+}
+
+/// COMPLETED: a delivery whose idempotency key was handled before gets the stored result; the
+/// handler is not run again. Here the same event is accepted again once its (short) dedup
+/// window has passed: the same key, so the handler's enriched event is not emitted twice —
+/// without the record it would be, since the re-emitted id is past the dedup window too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completed_delivery_returns_its_stored_result_without_running_again() {
+    let rcv = Receiver::ok().await;
+    let rules = format!(
+        "rules:\n  - name: orders\n    pattern: {{ type: [order.created] }}\n    targets:\n      - handler: enrich\n  - name: enriched\n    pattern: {{ type: [order.created.enriched] }}\n    targets:\n      - webhook: {}\n",
+        rcv.url()
+    );
+    let config = "[ingest]\ndedup_window = \"1s\"\n";
+    let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(config));
+    assert_eq!(put_handler(&r, "enrich", plugin("enrich")).await.0, 201);
+    let ev = event("c-1", "order.created", json!({"order_id": "o1"}));
+    let (s, b) = post_event(&r, &ev).await;
+    assert_eq!(
+        (s, b["results"][0]["status"].as_str()),
+        (202, Some("accepted"))
+    );
+    assert!(
+        rcv.wait_for(Duration::from_secs(20), |s| s.len() == 1)
+            .await,
+        "the first delivery runs the handler"
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (s, b) = post_event(&r, &ev).await;
+    assert_eq!(
+        (s, b["results"][0]["status"].as_str()),
+        (202, Some("accepted")),
+        "past the dedup window the event is accepted again"
+    );
+    let hit = eventually(Duration::from_secs(20), || async {
+        logs(&r, "enrich").await.into_iter().find(|l| {
+            l["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("completed earlier"))
+        })
+    })
+    .await
+    .expect("the second delivery is answered from COMPLETED");
+    assert!(
+        hit["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("emitted"),
+        "{hit}"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(rcv.count(), 1, "the handler did not run (and emit) again");
+    let metrics = client()
+        .get(r.url("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .unwrap_or_default();
+    assert!(
+        metrics.contains("router_handler_completed_hits_total{handler=\"enrich\"} 1"),
+        "{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("completed"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}

@@ -242,10 +242,90 @@ impl Receiver {
 
     pub fn on_listener(listener: tokio::net::TcpListener, script: Script) -> Self {
         let addr = listener.local_addr().expect("addr");
+        let (app, seen, counts) = Self::app(script);
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let sd = shutdown.clone();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(async move { sd.cancelled().await })
+                .await;
+        });
+        Self {
+            addr,
+            seen,
+            counts,
+            shutdown,
+        }
+    }
+
+    /// A receiver answering 200 over HTTPS with a fresh self-signed certificate for
+    /// `localhost` and 127.0.0.1; returns it with the certificate's PEM (the CA to trust).
+    pub async fn tls() -> (Self, String) {
+        let _ = tokio_rustls::rustls::crypto::ring::default_provider().install_default();
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".into(), "127.0.0.1".into()])
+            .expect("self-signed certificate");
+        let pem = cert.cert.pem();
+        let key = tokio_rustls::rustls::pki_types::PrivateKeyDer::Pkcs8(
+            cert.signing_key.serialize_der().into(),
+        );
+        let config = tokio_rustls::rustls::ServerConfig::builder()
+            .with_no_client_auth()
+            .with_single_cert(vec![cert.cert.der().clone()], key)
+            .expect("server config");
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (app, seen, counts) = Self::app(Arc::new(|_, _| (200, Duration::ZERO, vec![])));
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let sd = shutdown.clone();
+        tokio::spawn(async move {
+            loop {
+                let (tcp, _) = tokio::select! {
+                    _ = sd.cancelled() => return,
+                    r = listener.accept() => match r { Ok(x) => x, Err(_) => continue },
+                };
+                let (acceptor, app) = (acceptor.clone(), app.clone());
+                tokio::spawn(async move {
+                    // A client that refuses the certificate ends the handshake: nothing to serve.
+                    let Ok(tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let service = hyper_util::service::TowerToHyperService::new(app);
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                        .await;
+                });
+            }
+        });
+        (
+            Self {
+                addr,
+                seen,
+                counts,
+                shutdown,
+            },
+            pem,
+        )
+    }
+
+    /// An HTTPS URL of a `tls()` receiver (by name, so the certificate's name is checked).
+    pub fn https_url(&self) -> String {
+        format!("https://localhost:{}/hook", self.addr.port())
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn app(
+        script: Script,
+    ) -> (
+        axum::Router,
+        Arc<Mutex<Vec<Received>>>,
+        Arc<Mutex<HashMap<String, usize>>>,
+    ) {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let counts = Arc::new(Mutex::new(HashMap::new()));
-        let shutdown = tokio_util::sync::CancellationToken::new();
-        let (s2, c2, sd) = (seen.clone(), counts.clone(), shutdown.clone());
+        let (s2, c2) = (seen.clone(), counts.clone());
         let app = axum::Router::new().fallback(move |headers: HeaderMap, body: Bytes| {
             let (seen, counts, script) = (s2.clone(), c2.clone(), script.clone());
             async move {
@@ -274,17 +354,7 @@ impl Receiver {
                 resp.body(axum::body::Body::from("{}")).expect("response")
             }
         });
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(async move { sd.cancelled().await })
-                .await;
-        });
-        Self {
-            addr,
-            seen,
-            counts,
-            shutdown,
-        }
+        (app, seen, counts)
     }
 
     pub fn url(&self) -> String {
@@ -330,6 +400,7 @@ pub fn event(id: &str, ty: &str, data: Value) -> Value {
 
 /// An HTTP client with sane timeouts.
 pub fn client() -> reqwest::Client {
+    router::target::webhook::install_crypto_provider();
     reqwest::Client::builder()
         .timeout(Duration::from_secs(30))
         .build()

@@ -425,3 +425,61 @@ async fn a_slow_loris_connection_is_closed() {
     let read = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf)).await;
     assert!(read.is_ok(), "the connection was kept open");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_webhooks_verify_the_receiver_certificate() {
+    let (rcv, ca_pem) = Receiver::tls().await;
+    let rules = rules_yaml(
+        "",
+        &[("r", "t", &[format!("webhook: {}", rcv.https_url())])],
+    );
+    // Trusted through `delivery.tls_ca_file` (a private CA): delivered over TLS.
+    let dir = tempfile::tempdir().expect("tmp");
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, &ca_pem).expect("write ca");
+    let config = format!("[delivery]\ntls_ca_file = {:?}\n", ca.display().to_string());
+    let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&config));
+    assert_eq!(
+        post_event(&r, &event("tls-1", "t", json!({"a": 1})))
+            .await
+            .0,
+        202
+    );
+    assert!(
+        rcv.wait_for(Duration::from_secs(15), |s| s.len() == 1)
+            .await,
+        "the HTTPS receiver got the event"
+    );
+    assert_eq!(rcv.received()[0].event_id(), "tls-1");
+    drop(r);
+
+    // System roots only: the self-signed certificate is refused, the attempt fails with a
+    // certificate error in the event's fate, and the event waits for a retry (not lost).
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(
+        post_event(&r, &event("tls-2", "t", json!({"a": 2})))
+            .await
+            .0,
+        202
+    );
+    let f = eventually(Duration::from_secs(15), || async {
+        let f = fate(&r, "tls-2").await;
+        (f["targets"][0]["attempts"]
+            .as_array()
+            .is_some_and(|a| !a.is_empty())
+            && f["targets"][0]["attempts"][0]["error"].is_string())
+        .then_some(f)
+    })
+    .await
+    .expect("a failed attempt");
+    let err = f["targets"][0]["attempts"][0]["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_lowercase();
+    assert!(
+        err.contains("certificate") || err.contains("tls") || err.contains("connect"),
+        "{err}"
+    );
+    assert_eq!(f["targets"][0]["state"], "retrying", "{f}");
+    assert_eq!(rcv.count(), 1, "nothing reached the receiver without trust");
+}

@@ -80,6 +80,8 @@ pub struct SweepStats {
     pub events_removed: u64,
     /// Events past retention kept because a queue or DLQ entry still refers to them.
     pub pending: u64,
+    /// Handler COMPLETED records removed at their expiry.
+    pub completed_expired: u64,
     /// True when the sweep stopped at its batch bound with more left to do.
     pub more: bool,
 }
@@ -182,6 +184,14 @@ pub trait Store: Send + Sync + 'static {
         after_seq: u64,
         limit: usize,
     ) -> Result<Vec<StoredEvent>, StoreError>;
+
+    /// The stored result of a handler's completed delivery `key`, unless expired.
+    fn completed_get(
+        &self,
+        handler: &str,
+        key: &str,
+        now: Millis,
+    ) -> Result<Option<Vec<u8>>, StoreError>;
 
     /// A handler's key-value entry (expired entries read as absent).
     fn kv_get(

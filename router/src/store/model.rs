@@ -48,7 +48,9 @@ impl FromStr for EntryId {
 /// An accepted event as stored: the envelope plus what the router decided at acceptance.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StoredEvent {
-    /// Store sequence number (monotonic with acceptance order).
+    /// Store sequence number (monotonic with acceptance order). It is the record's key, so it
+    /// is not repeated in the record (records are encoded before the committer assigns it).
+    #[serde(skip)]
     pub seq: u64,
     /// The CloudEvent as accepted.
     pub event: CloudEvent,
@@ -61,6 +63,36 @@ pub struct StoredEvent {
     /// True when the event went straight to the DLQ (contract violation).
     #[serde(default)]
     pub quarantined: bool,
+}
+
+/// The stored form of an event without its sequence number, borrowed from what ingest already
+/// holds: encoded by the caller, off the single committer thread. Field names and order match
+/// `StoredEvent`, which decodes it.
+#[derive(Serialize)]
+pub struct StoredEventRef<'a> {
+    /// See `StoredEvent::event`.
+    pub event: &'a CloudEvent,
+    /// See `StoredEvent::accepted_at`.
+    pub accepted_at: Millis,
+    /// See `StoredEvent::ruleset_version`.
+    pub ruleset_version: &'a str,
+    /// See `StoredEvent::matched_rules`.
+    pub matched_rules: &'a [String],
+    /// See `StoredEvent::quarantined`.
+    pub quarantined: bool,
+}
+
+impl<'a> StoredEventRef<'a> {
+    /// The stored form of `ne` once accepted.
+    pub fn of(ne: &'a NewEvent) -> Self {
+        Self {
+            event: &ne.event,
+            accepted_at: ne.accepted_at,
+            ruleset_version: &ne.ruleset_version,
+            matched_rules: &ne.matched_rules,
+            quarantined: ne.quarantine.is_some(),
+        }
+    }
 }
 
 /// Where a queue entry stands.
@@ -182,6 +214,8 @@ pub enum DlqReason {
     TargetRemoved,
     /// The target's queue was at its depth cap.
     TargetOverflow,
+    /// A handler emitted an event outside its owner's ingest scope.
+    ScopeViolation,
 }
 
 impl DlqReason {
@@ -196,11 +230,12 @@ impl DlqReason {
             Self::LoopDetected => "loop_detected",
             Self::TargetRemoved => "target_removed",
             Self::TargetOverflow => "target_overflow",
+            Self::ScopeViolation => "scope_violation",
         }
     }
 
     /// Every reason, for metrics and parsing.
-    pub const ALL: [DlqReason; 8] = [
+    pub const ALL: [DlqReason; 9] = [
         Self::ContractViolation,
         Self::UnknownVersion,
         Self::PermanentError,
@@ -209,6 +244,7 @@ impl DlqReason {
         Self::LoopDetected,
         Self::TargetRemoved,
         Self::TargetOverflow,
+        Self::ScopeViolation,
     ];
 }
 
@@ -367,6 +403,23 @@ pub struct Outbox {
     pub kv: Vec<KvOp>,
     /// (namespace, key, expected value): each must still hold at commit, or nothing commits.
     pub cas: Vec<(String, String, Option<Vec<u8>>)>,
+    /// The handler's COMPLETED record, written with the ack of a successful invocation.
+    pub completed: Option<CompletedRecord>,
+}
+
+/// A handler's COMPLETED mark: its delivery (idempotency key) was handled, with this result.
+/// Kept until `expires_at`; a delivery with the same key gets the stored result instead of a
+/// second run (the IN_PROGRESS mark is the queue lease itself).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CompletedRecord {
+    /// Handler name.
+    pub handler: String,
+    /// The delivery's idempotency key.
+    pub key: String,
+    /// The stored result (JSON: version, emitted event ids).
+    pub result: Vec<u8>,
+    /// When the record may be swept.
+    pub expires_at: Millis,
 }
 
 /// The end of one attempt, written together with the disposition.

@@ -38,9 +38,22 @@ const HELD: TableDefinition<(&str, &str), ()> = TableDefinition::new("held_keys"
 const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
 /// (handler, key) → (expires_at or i64::MAX, value).
 const KV: TableDefinition<(&str, &str), (i64, &[u8])> = TableDefinition::new("handler_kv");
+/// (handler, delivery idempotency key) → (expires_at, stored result): the COMPLETED table.
+const COMPLETED: TableDefinition<(&str, &str), (i64, &[u8])> =
+    TableDefinition::new("handler_completed");
+/// (expires_at, handler, key): COMPLETED in expiry order, for the sweeper.
+const COMPLETED_EXP: TableDefinition<(i64, &str, &str), ()> =
+    TableDefinition::new("handler_completed_exp");
 
 /// Most ops applied in one transaction; more wait for the next commit.
 const MAX_GROUP: usize = 4096;
+/// Most accepted events in one transaction. Past it, accepts wait for the next commit while
+/// the other ops (leases, acks) still join this one: a flood of large ingest batches must not
+/// stretch every commit and starve delivery, whose every attempt needs two commits.
+const MAX_GROUP_EVENTS: usize = 1024;
+/// Most events held back by `MAX_GROUP_EVENTS` before the committer stops draining its channel
+/// (then everyone waits in the channel, which is bounded, and ingest feels the back-pressure).
+const MAX_DEFERRED_EVENTS: usize = 8 * MAX_GROUP_EVENTS;
 /// Files smaller than this are never compacted.
 const COMPACT_MIN_BYTES: u64 = 64 << 20;
 /// Events examined per sweep call, so a sweep never holds the committer for long.
@@ -77,6 +90,27 @@ fn dec<T: serde::de::DeserializeOwned>(table: &'static str, b: &[u8]) -> Result<
         table,
         message: e.to_string(),
     })
+}
+
+/// Decodes an `events` record; its sequence number is the record's key.
+fn dec_event(seq: u64, b: &[u8]) -> Result<StoredEvent, StoreError> {
+    let mut ev: StoredEvent = dec("events", b)?;
+    ev.seq = seq;
+    Ok(ev)
+}
+
+/// An event to accept with its `events` record already encoded by the caller, so the single
+/// committer thread spends its time on the B-tree and the flush, not on serialising JSON.
+struct Prepared {
+    ne: NewEvent,
+    record: Vec<u8>,
+}
+
+impl Prepared {
+    fn new(ne: NewEvent) -> Self {
+        let record = enc(&StoredEventRef::of(&ne));
+        Self { ne, record }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -253,7 +287,7 @@ type Reply<T> = oneshot::Sender<T>;
 
 enum Op {
     Accept {
-        events: Vec<NewEvent>,
+        events: Vec<Prepared>,
         reply: Reply<Result<Vec<AcceptOutcome>, StoreError>>,
     },
     Lease {
@@ -261,7 +295,7 @@ enum Op {
         ids: Vec<EntryId>,
         lease: Lease,
         now: Millis,
-        reply: Reply<Result<Vec<Leased>, StoreError>>,
+        reply: Reply<Result<Vec<QueueEntry>, StoreError>>,
     },
     Finish {
         id: EntryId,
@@ -318,6 +352,16 @@ enum Op {
         retention_ms: i64,
         reply: Reply<Result<SweepStats, StoreError>>,
     },
+}
+
+impl Op {
+    /// Events this op accepts (what `MAX_GROUP_EVENTS` counts).
+    fn accepted_events(&self) -> usize {
+        match self {
+            Op::Accept { events, .. } => events.len(),
+            _ => 0,
+        }
+    }
 }
 
 /// A reply to send once the fate of the transaction is known.
@@ -448,6 +492,45 @@ impl RedbStore {
         (self.boot << 40) | (self.token_counter.fetch_add(1, Ordering::Relaxed) & ((1 << 40) - 1))
     }
 
+    /// Reads the events of freshly leased entries, here on the caller's thread rather than on
+    /// the committer (decoding them is most of a lease's CPU). An entry whose event is missing
+    /// would be a corrupt store: said so, not skipped, since its lease is already recorded.
+    fn with_events(
+        &self,
+        entries: Vec<QueueEntry>,
+        lease: Lease,
+    ) -> Result<Vec<Leased>, StoreError> {
+        if entries.is_empty() {
+            return Ok(Vec::new());
+        }
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(EVENTS)?;
+        let mut cache: HashMap<u64, Arc<StoredEvent>> = HashMap::new();
+        let mut out = Vec::with_capacity(entries.len());
+        for entry in entries {
+            let seq = entry.id.event;
+            let event = match cache.get(&seq) {
+                Some(ev) => ev.clone(),
+                None => {
+                    let raw = t.get(seq)?.ok_or_else(|| StoreError::Corrupt {
+                        table: "entries",
+                        message: format!("entry {} refers to missing event {seq}", entry.id),
+                    })?;
+                    let ev = Arc::new(dec_event(seq, raw.value())?);
+                    cache.insert(seq, ev.clone());
+                    ev
+                }
+            };
+            out.push(Leased {
+                entry,
+                event,
+                lease,
+            });
+        }
+        Ok(out)
+    }
+
     async fn lease_impl(
         &self,
         target: &str,
@@ -484,7 +567,7 @@ impl RedbStore {
             })
             .await
             .and_then(|r| r);
-        match res {
+        match res.and_then(|entries| self.with_events(entries, lease)) {
             Ok(leased) => {
                 // Entries the committer skipped (no longer queued) leave the index.
                 if leased.len() != ids.len() {
@@ -516,7 +599,11 @@ impl Store for RedbStore {
         &self,
         events: Vec<NewEvent>,
     ) -> BoxFuture<'_, Result<Vec<AcceptOutcome>, StoreError>> {
-        async move { self.call(|reply| Op::Accept { events, reply }).await? }.boxed()
+        async move {
+            let events = events.into_iter().map(Prepared::new).collect();
+            self.call(|reply| Op::Accept { events, reply }).await?
+        }
+        .boxed()
     }
 
     fn lease(
@@ -743,7 +830,8 @@ impl Store for RedbStore {
         let t = r.open_table(EVENTS)?;
         let mut out = Vec::new();
         for row in t.range(after_seq.saturating_add(1)..)? {
-            let ev: StoredEvent = dec("events", row?.1.value())?;
+            let (k, v) = row?;
+            let ev = dec_event(k.value(), v.value())?;
             // Sequence numbers follow acceptance order, so the range ends at the first event
             // accepted at or after `to` (clock steps back are tolerated by the slack).
             if ev.accepted_at >= to.saturating_add(60_000) {
@@ -757,6 +845,21 @@ impl Store for RedbStore {
             }
         }
         Ok(out)
+    }
+
+    fn completed_get(
+        &self,
+        handler: &str,
+        key: &str,
+        now: Millis,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(COMPLETED)?;
+        Ok(t.get((handler, key))?.and_then(|v| {
+            let (exp, val) = v.value();
+            (exp > now).then(|| val.to_vec())
+        }))
     }
 
     fn kv_get(
@@ -854,7 +957,7 @@ impl Store for RedbStore {
         let Some(ev) = events.get(seq)? else {
             return Ok(None);
         };
-        let event: StoredEvent = dec("events", ev.value())?;
+        let event = dec_event(seq, ev.value())?;
         let entries_t = r.open_table(ENTRIES)?;
         let mut entries = Vec::new();
         for row in entries_t.range((seq, 0)..=(seq, u32::MAX))? {
@@ -919,7 +1022,7 @@ impl Store for RedbStore {
                 message: format!("entry {id} refers to missing event {}", e.event_seq),
             });
         };
-        let ev: StoredEvent = dec("events", ev.value())?;
+        let ev = dec_event(e.event_seq, ev.value())?;
         Ok(Some((e, ev)))
     }
 
@@ -1065,6 +1168,8 @@ fn recover(db: &Database) -> Result<(u64, (u64, u64), Index), StoreError> {
         txn.open_table(TARGET_STATE)?;
         txn.open_table(JOBS)?;
         txn.open_table(KV)?;
+        txn.open_table(COMPLETED)?;
+        txn.open_table(COMPLETED_EXP)?;
         for row in txn.open_table(HELD)?.iter()? {
             let (k, _) = row?;
             let (t, key) = k.value();
@@ -1093,12 +1198,40 @@ struct Committer {
 
 impl Committer {
     fn run(mut self, mut rx: mpsc::Receiver<Op>) {
-        while let Some(first) = rx.blocking_recv() {
+        let mut deferred: std::collections::VecDeque<Op> = std::collections::VecDeque::new();
+        let mut deferred_events = 0usize;
+        loop {
+            let first = match deferred.pop_front() {
+                Some(op) => {
+                    deferred_events -= op.accepted_events();
+                    op
+                }
+                None => match rx.blocking_recv() {
+                    Some(op) => op,
+                    None => break,
+                },
+            };
+            let mut events = first.accepted_events();
             let mut ops = vec![first];
-            while ops.len() < MAX_GROUP {
-                match rx.try_recv() {
-                    Ok(op) => ops.push(op),
-                    Err(_) => break,
+            // Accepts held back last time go first, in arrival order.
+            while ops.len() < MAX_GROUP
+                && let Some(op) = deferred.front()
+                && events + op.accepted_events() <= MAX_GROUP_EVENTS
+            {
+                let n = op.accepted_events();
+                events += n;
+                deferred_events -= n;
+                ops.extend(deferred.pop_front());
+            }
+            while ops.len() < MAX_GROUP && deferred_events < MAX_DEFERRED_EVENTS {
+                let Ok(op) = rx.try_recv() else { break };
+                let n = op.accepted_events();
+                if n > 0 && events + n > MAX_GROUP_EVENTS {
+                    deferred_events += n;
+                    deferred.push_back(op);
+                } else {
+                    events += n;
+                    ops.push(op);
                 }
             }
             self.commit_group(ops);
@@ -1376,7 +1509,7 @@ impl Committer {
     fn accept(
         &mut self,
         txn: &WriteTransaction,
-        events: Vec<NewEvent>,
+        events: Vec<Prepared>,
         effects: &mut Vec<Effect>,
     ) -> Result<Vec<AcceptOutcome>, StoreError> {
         let mut dedup = txn.open_table(DEDUP)?;
@@ -1384,7 +1517,7 @@ impl Committer {
         let mut entries_t = txn.open_table(ENTRIES)?;
         let mut live_t = txn.open_table(LIVE)?;
         let mut out = Vec::with_capacity(events.len());
-        for ne in events {
+        for Prepared { ne, record } in events {
             let key = ne.event.dedup_key();
             if let Some(v) = dedup.get(key.as_str())? {
                 let (seq, at) = v.value();
@@ -1396,22 +1529,16 @@ impl Committer {
             let seq = self.next_seq;
             self.next_seq += 1;
             dedup.insert(key.as_str(), (seq, ne.accepted_at))?;
-            let stored = StoredEvent {
-                seq,
-                event: ne.event,
-                accepted_at: ne.accepted_at,
-                ruleset_version: ne.ruleset_version,
-                matched_rules: ne.matched_rules,
-                quarantined: ne.quarantine.is_some(),
-            };
-            ev_t.insert(seq, enc(&stored).as_slice())?;
+            ev_t.insert(seq, record.as_slice())?;
+            let stored = &ne.event;
+            let hops = stored.hops();
             if let Some(q) = ne.quarantine {
                 let d = DlqEntry {
                     id: 0,
                     event_seq: seq,
-                    event_id: stored.event.id.clone(),
-                    event_source: stored.event.source.clone(),
-                    event_type: stored.event.ty.clone(),
+                    event_id: stored.id.clone(),
+                    event_source: stored.source.clone(),
+                    event_type: stored.ty.clone(),
                     entry: None,
                     target_id: None,
                     rule: None,
@@ -1440,9 +1567,9 @@ impl Committer {
                             let d = DlqEntry {
                                 id: 0,
                                 event_seq: seq,
-                                event_id: stored.event.id.clone(),
-                                event_source: stored.event.source.clone(),
-                                event_type: stored.event.ty.clone(),
+                                event_id: stored.id.clone(),
+                                event_source: stored.source.clone(),
+                                event_type: stored.ty.clone(),
                                 entry: None,
                                 target_id: Some(t.target_id.clone()),
                                 rule: Some(t.rule.clone()),
@@ -1464,11 +1591,7 @@ impl Committer {
                     *self.group_depth.entry(t.target_id.clone()).or_default() += 1;
                     let entry = QueueEntry {
                         id,
-                        idempotency_key: idempotency_key(
-                            &stored.event.source,
-                            &stored.event.id,
-                            &t.target_id,
-                        ),
+                        idempotency_key: idempotency_key(&stored.source, &stored.id, &t.target_id),
                         target_id: t.target_id,
                         rule: t.rule,
                         state: EntryState::Queued,
@@ -1478,7 +1601,7 @@ impl Committer {
                         ordering_key: t.ordering_key,
                         lease: None,
                         redrive_count: 0,
-                        hops: stored.event.hops(),
+                        hops,
                         replay: None,
                         finished_at: None,
                         history: Vec::new(),
@@ -1540,8 +1663,26 @@ impl Committer {
             }
         }
         drop(kv);
+        if let Some(c) = &outbox.completed {
+            let mut t = txn.open_table(COMPLETED).map_err(StoreError::from)?;
+            let mut exp = txn.open_table(COMPLETED_EXP).map_err(StoreError::from)?;
+            let old = t
+                .insert(
+                    (c.handler.as_str(), c.key.as_str()),
+                    (c.expires_at, c.result.as_slice()),
+                )
+                .map_err(StoreError::from)?
+                .map(|v| v.value().0);
+            if let Some(old) = old {
+                exp.remove((old, c.handler.as_str(), c.key.as_str()))
+                    .map_err(StoreError::from)?;
+            }
+            exp.insert((c.expires_at, c.handler.as_str(), c.key.as_str()), ())
+                .map_err(StoreError::from)?;
+        }
         if !outbox.emitted.is_empty() {
-            self.accept(txn, outbox.emitted.clone(), effects)?;
+            let emitted = outbox.emitted.iter().cloned().map(Prepared::new).collect();
+            self.accept(txn, emitted, effects)?;
         }
         Ok(())
     }
@@ -1623,7 +1764,7 @@ impl Committer {
                     let mut ev_t = txn.open_table(EVENTS)?;
                     let raw = ev_t.get(d.event_seq)?.map(|v| v.value().to_vec());
                     let Some(raw) = raw else { continue };
-                    let mut ev: StoredEvent = dec("events", &raw)?;
+                    let mut ev = dec_event(d.event_seq, &raw)?;
                     if ev.quarantined {
                         ev.quarantined = false;
                         ev.matched_rules = matched_rules;
@@ -1689,7 +1830,7 @@ impl Committer {
                 .get(item.seq)?
                 .map(|v| v.value().to_vec());
             let Some(raw) = raw else { continue };
-            let ev: StoredEvent = dec("events", &raw)?;
+            let ev = dec_event(item.seq, &raw)?;
             let first = Self::next_idx(txn, item.seq)?;
             for (idx, t) in (first..).zip(item.targets) {
                 let original = idempotency_key(&ev.event.source, &ev.event.id, &t.target_id);
@@ -1748,7 +1889,7 @@ impl Committer {
             e.finished_at = Some(now);
             let (eid, esrc, ety) = match txn.open_table(EVENTS)?.get(id.event)? {
                 Some(raw) => {
-                    let ev: StoredEvent = dec("events", raw.value())?;
+                    let ev = dec_event(id.event, raw.value())?;
                     (ev.event.id, ev.event.source, ev.event.ty)
                 }
                 None => Default::default(),
@@ -1809,11 +1950,9 @@ impl Committer {
         ids: &[EntryId],
         lease: Lease,
         now: Millis,
-    ) -> Result<Vec<Leased>, StoreError> {
+    ) -> Result<Vec<QueueEntry>, StoreError> {
         let mut entries_t = txn.open_table(ENTRIES)?;
-        let ev_t = txn.open_table(EVENTS)?;
         let mut out = Vec::with_capacity(ids.len());
-        let mut cache: HashMap<u64, Arc<StoredEvent>> = HashMap::new();
         for &id in ids {
             let Some(raw) = entries_t.get((id.event, id.idx))? else {
                 continue;
@@ -1823,17 +1962,6 @@ impl Committer {
             if e.state != EntryState::Queued || e.target_id != target {
                 continue;
             }
-            let event = match cache.get(&id.event) {
-                Some(ev) => ev.clone(),
-                None => {
-                    let Some(raw) = ev_t.get(id.event)? else {
-                        continue;
-                    };
-                    let ev = Arc::new(dec::<StoredEvent>("events", raw.value())?);
-                    cache.insert(id.event, ev.clone());
-                    ev
-                }
-            };
             e.attempts.push(AttemptRecord {
                 n: u32::try_from(e.attempts.len() + 1).unwrap_or(u32::MAX),
                 started_at: now,
@@ -1844,11 +1972,7 @@ impl Committer {
             });
             e.lease = Some(lease);
             entries_t.insert((id.event, id.idx), enc(&e).as_slice())?;
-            out.push(Leased {
-                entry: e,
-                event,
-                lease,
-            });
+            out.push(e);
         }
         Ok(out)
     }
@@ -1935,7 +2059,7 @@ impl Committer {
                 let ev_t = txn.open_table(EVENTS).map_err(StoreError::from)?;
                 let (eid, esrc, ety) = match ev_t.get(id.event).map_err(StoreError::from)? {
                     Some(raw) => {
-                        let ev: StoredEvent = dec("events", raw.value())?;
+                        let ev = dec_event(id.event, raw.value())?;
                         (ev.event.id, ev.event.source, ev.event.ty)
                     }
                     None => Default::default(),
@@ -2023,7 +2147,7 @@ fn remove_event(
     let Some(raw) = ev_t.remove(seq)? else {
         return Ok(());
     };
-    let ev: StoredEvent = dec("events", raw.value())?;
+    let ev = dec_event(seq, raw.value())?;
     drop(raw);
     let mut dedup = txn.open_table(DEDUP)?;
     let key = ev.event.dedup_key();
@@ -2071,7 +2195,7 @@ fn sweep(
         let ev_t = txn.open_table(EVENTS)?;
         for row in ev_t.range(cursor..)?.take(SWEEP_BATCH) {
             let (k, v) = row?;
-            let ev: StoredEvent = dec("events", v.value())?;
+            let ev = dec_event(k.value(), v.value())?;
             if ev.accepted_at >= cut {
                 break;
             }
@@ -2112,6 +2236,27 @@ fn sweep(
         "gc_cursor",
         (if wrapped { 0 } else { next_gc }).to_le_bytes().as_slice(),
     )?;
+
+    // COMPLETED records past their expiry, oldest first, a batch at a time.
+    let expired: Vec<(i64, String, String)> = txn
+        .open_table(COMPLETED_EXP)?
+        .range(..(now, "", ""))?
+        .take(SWEEP_BATCH)
+        .map(|r| {
+            r.map(|(k, _)| {
+                let (at, h, key) = k.value();
+                (at, h.to_string(), key.to_string())
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    stats.more |= expired.len() >= SWEEP_BATCH;
+    let mut completed = txn.open_table(COMPLETED)?;
+    let mut exp = txn.open_table(COMPLETED_EXP)?;
+    for (at, h, key) in expired {
+        exp.remove((at, h.as_str(), key.as_str()))?;
+        completed.remove((h.as_str(), key.as_str()))?;
+        stats.completed_expired += 1;
+    }
     Ok(stats)
 }
 

@@ -15,11 +15,21 @@ use tokio::sync::Semaphore;
 use super::{AttemptOutcome, DeliveryRequest, Target};
 use crate::clock::Clock;
 use crate::event::CloudEvent;
-use crate::store::{DlqReason, KvOp, NewEvent, Outbox, Store};
+use crate::store::{CompletedRecord, DlqReason, KvOp, NewEvent, Outbox, Store};
 use crate::wasm::{DeliveryInfo, HandlerLimits, HandlerRegistry, InvocationOutcome, KvReader};
 
 /// Turns emitted events into what the store accepts (contracts, rules, loop detection).
-pub type Prepare = Arc<dyn Fn(Vec<CloudEvent>, i64) -> Vec<NewEvent> + Send + Sync>;
+pub type Prepare = Arc<dyn Fn(&EmitterOf, Vec<CloudEvent>, i64) -> Vec<NewEvent> + Send + Sync>;
+
+/// Who emitted a batch of events: the handler and the owner of its active version (the
+/// principal that uploaded it), whose ingest scope the emissions must fall within.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EmitterOf {
+    /// Handler name.
+    pub handler: String,
+    /// Token name of the uploader of the running version.
+    pub owner: String,
+}
 
 /// One captured handler log line, kept for the owning team.
 #[derive(Debug, Clone, Serialize)]
@@ -83,7 +93,14 @@ pub struct HandlerRuntime {
     pub logs: HandlerLogs,
     /// Emitted events past this many hops go to the DLQ as `loop_detected`.
     pub hop_limit: u32,
-    /// The store (key-value reads).
+    /// How long COMPLETED records are kept, ms.
+    pub completed_ttl_ms: i64,
+    /// Deliveries answered from COMPLETED, per handler.
+    pub completed_hits: prometheus_client::metrics::family::Family<
+        crate::telemetry::Labels,
+        prometheus_client::metrics::counter::Counter,
+    >,
+    /// The store (key-value and COMPLETED reads).
     pub store: Arc<dyn Store>,
     /// Time source.
     pub clock: Arc<dyn Clock>,
@@ -171,6 +188,35 @@ impl HandlerTarget {
                 })),
             );
         }
+        // COMPLETED: this delivery was handled before (e.g. the same event accepted again after
+        // its dedup window): the stored result stands and the handler is not run again.
+        match self
+            .rt
+            .store
+            .completed_get(&self.name, &req.idempotency_key, self.rt.clock.now_ms())
+        {
+            Ok(Some(result)) => {
+                self.log(
+                    req,
+                    &version,
+                    "info",
+                    format!(
+                        "delivery completed earlier ({}): stored result returned, handler not run",
+                        String::from_utf8_lossy(&result)
+                    ),
+                );
+                self.rt
+                    .completed_hits
+                    .get_or_create(&vec![("handler", self.name.clone())])
+                    .inc();
+                return (AttemptOutcome::Delivered { status: None }, None);
+            }
+            Ok(None) => {}
+            // Not knowing costs at most a second run, which emitted-id dedup absorbs.
+            Err(e) => {
+                tracing::warn!(error = %e, handler = %self.name, "COMPLETED lookup failed; running the handler")
+            }
+        }
         let Ok(_slot) = self.rt.slots.clone().acquire_owned().await else {
             return (
                 AttemptOutcome::Retryable {
@@ -239,6 +285,7 @@ impl HandlerTarget {
                 .iter()
                 .map(|(k, v)| (self.name.clone(), k.clone(), v.clone()))
                 .collect(),
+            completed: None,
         };
         let effects = |outbox| {
             Some(Box::new(Effects {
@@ -260,14 +307,25 @@ impl HandlerTarget {
                         );
                     }
                 };
+                let emitter = EmitterOf {
+                    handler: self.name.clone(),
+                    owner: h.version().uploader.clone(),
+                };
+                let ids: Vec<&str> = events.iter().map(|e| e.id.as_str()).collect();
+                let result = serde_json::json!({ "version": version, "emitted": ids });
+                let completed = CompletedRecord {
+                    handler: self.name.clone(),
+                    key: req.idempotency_key.clone(),
+                    result: serde_json::to_vec(&result).unwrap_or_default(),
+                    expires_at: now.saturating_add(self.rt.completed_ttl_ms),
+                };
                 let prepared = match self.rt.prepare.get() {
-                    Some(p) => p(events, now),
+                    Some(p) => p(&emitter, events, now),
                     None => Vec::new(),
                 };
-                (
-                    AttemptOutcome::Delivered { status: None },
-                    effects(outbox_of(&inv, prepared)),
-                )
+                let mut outbox = outbox_of(&inv, prepared);
+                outbox.completed = Some(completed);
+                (AttemptOutcome::Delivered { status: None }, effects(outbox))
             }
             InvocationOutcome::Retry { delay, message } => (
                 AttemptOutcome::Retryable {

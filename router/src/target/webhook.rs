@@ -22,6 +22,14 @@ pub enum WebhookError {
     /// The HTTP client could not be built.
     #[error("http client: {0}")]
     Client(#[from] reqwest::Error),
+    /// `delivery.tls_ca_file` could not be read or holds no certificate.
+    #[error("delivery.tls_ca_file {path}: {message}")]
+    CaFile {
+        /// The configured path.
+        path: String,
+        /// What is wrong with it.
+        message: String,
+    },
 }
 
 /// One webhook destination.
@@ -71,14 +79,38 @@ pub fn sign(keys: &[Vec<u8>], id: &str, timestamp: u64, body: &[u8]) -> String {
         .join(" ")
 }
 
-/// Builds the HTTP client shared by all webhooks (one connection pool).
-pub fn shared_client() -> Result<reqwest::Client, WebhookError> {
-    Ok(reqwest::Client::builder()
+/// Installs ring as the process's rustls crypto provider. reqwest is built without one (its
+/// default would need a cmake-built C library), so every process that builds a reqwest client
+/// calls this first; calling it again is harmless.
+pub fn install_crypto_provider() {
+    // An error means a provider is installed already, which is fine.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// Builds the HTTP client shared by all webhooks (one connection pool). HTTPS uses rustls
+/// (ring) with the system's roots, plus the certificates of `ca_file` when set.
+pub fn shared_client(ca_file: Option<&std::path::Path>) -> Result<reqwest::Client, WebhookError> {
+    install_crypto_provider();
+    let mut builder = reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
         .pool_max_idle_per_host(64)
         .tcp_nodelay(true)
-        .user_agent(concat!("router/", env!("CARGO_PKG_VERSION")))
-        .build()?)
+        .https_only(false)
+        .user_agent(concat!("router/", env!("CARGO_PKG_VERSION")));
+    if let Some(path) = ca_file {
+        let ca_err = |message: String| WebhookError::CaFile {
+            path: path.display().to_string(),
+            message,
+        };
+        let pem = std::fs::read(path).map_err(|e| ca_err(e.to_string()))?;
+        let certs =
+            reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| ca_err(e.to_string()))?;
+        if certs.is_empty() {
+            return Err(ca_err("no PEM certificate in the file".into()));
+        }
+        builder = builder.tls_certs_merge(certs);
+    }
+    Ok(builder.build()?)
 }
 
 impl Webhook {

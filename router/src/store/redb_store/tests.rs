@@ -561,3 +561,66 @@ async fn held_keys_and_target_state_survive_restart() {
         vec![("a".to_string(), json!({"paused": true}))]
     );
 }
+
+#[tokio::test]
+async fn completed_records_commit_with_the_ack_and_expire() {
+    let s = RedbStore::in_memory().expect("store");
+    s.accept(vec![new_event("/s", "1", &["h"], 1000)])
+        .await
+        .expect("accept");
+    let l = s.lease("h", 1000, 10, 5000).await.expect("lease").remove(0);
+    let key = l.entry.idempotency_key.clone();
+    assert_eq!(s.completed_get("h", &key, 1000).expect("read"), None);
+    let mut end = delivered(1001);
+    end.outbox = Some(Box::new(Outbox {
+        completed: Some(CompletedRecord {
+            handler: "h".into(),
+            key: key.clone(),
+            result: b"{\"emitted\":[]}".to_vec(),
+            expires_at: 5000,
+        }),
+        ..Outbox::default()
+    }));
+    s.finish(l.entry.id, l.lease, end, Disposition::Delivered, 1001)
+        .await
+        .expect("finish");
+    assert_eq!(
+        s.completed_get("h", &key, 1002).expect("read").as_deref(),
+        Some(&b"{\"emitted\":[]}"[..])
+    );
+    assert_eq!(s.completed_get("other", &key, 1002).expect("read"), None);
+    // Past its expiry it reads as absent at once, and the sweep removes it.
+    assert_eq!(s.completed_get("h", &key, 5000).expect("read"), None);
+    let stats = s.sweep(6000, 86_400_000, 86_400_000).await.expect("sweep");
+    assert_eq!(stats.completed_expired, 1);
+    assert_eq!(s.completed_get("h", &key, 0).expect("read"), None);
+    let stats = s.sweep(7000, 86_400_000, 86_400_000).await.expect("sweep");
+    assert_eq!(stats.completed_expired, 0);
+}
+
+#[tokio::test]
+async fn an_ack_refused_by_its_fence_writes_no_completed_record() {
+    let s = RedbStore::in_memory().expect("store");
+    s.accept(vec![new_event("/s", "1", &["h"], 1000)])
+        .await
+        .expect("accept");
+    let l = s.lease("h", 1000, 10, 100).await.expect("lease").remove(0);
+    let key = l.entry.idempotency_key.clone();
+    let mut end = delivered(2000);
+    end.outbox = Some(Box::new(Outbox {
+        completed: Some(CompletedRecord {
+            handler: "h".into(),
+            key: key.clone(),
+            result: b"{}".to_vec(),
+            expires_at: 10_000,
+        }),
+        ..Outbox::default()
+    }));
+    // The lease ran out at 1100: a slow handler's late ack is fenced, and nothing of its
+    // outbox (here the COMPLETED mark) is written.
+    let r = s
+        .finish(l.entry.id, l.lease, end, Disposition::Delivered, 2000)
+        .await;
+    assert!(matches!(r, Err(FinishError::Fenced)), "{r:?}");
+    assert_eq!(s.completed_get("h", &key, 2000).expect("read"), None);
+}
