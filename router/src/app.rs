@@ -225,6 +225,49 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                     )
                     .await?;
                 tracing::warn!(target_id = %id, entries = n, "target removed from the rules; its queued entries moved to the DLQ");
+                // Entries in flight at this moment come back to the queue when their attempt
+                // ends (or their lease expires): keep moving them until the queue is empty, for
+                // at most one lease (attempt timeout + margin) and a little more.
+                let ctx = app.dispatcher.context().clone();
+                let grace = old
+                    .targets
+                    .get(id)
+                    .map_or(Duration::from_secs(60), |s| s.policy.timeout)
+                    + app.cfg.delivery.lease_margin
+                    + Duration::from_secs(5);
+                let id = id.clone();
+                ctx.tracker.clone().spawn(async move {
+                    let deadline = tokio::time::Instant::now() + grace;
+                    loop {
+                        let left = ctx
+                            .store
+                            .queue_stats()
+                            .get(&id)
+                            .map_or(0, |s| s.queued + s.in_flight);
+                        if left == 0 || tokio::time::Instant::now() >= deadline {
+                            if left > 0 {
+                                tracing::warn!(target_id = %id, left, "removed target still has entries after its grace period; they drain under its last configuration");
+                            }
+                            break;
+                        }
+                        tokio::select! {
+                            _ = ctx.cancel.cancelled() => break,
+                            _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+                        }
+                        if let Err(e) = ctx
+                            .store
+                            .dead_letter_queued(
+                                &id,
+                                crate::store::DlqReason::TargetRemoved,
+                                "the target was removed from the rules",
+                                ctx.clock.now_ms(),
+                            )
+                            .await
+                        {
+                            tracing::warn!(target_id = %id, error = %e, "moving a removed target's entries to the DLQ failed");
+                        }
+                    }
+                });
             }
         }
     }

@@ -828,7 +828,9 @@ fn example(op_id: &str, dlq_id: &str, redrive_job: &str, replay_job: &str) -> Op
         "createRedrive" => with(
             "/v1/dlq/redrive",
             "application/json",
-            json!({"filter": {"target": "broken"}, "rate_per_sec": 5}),
+            // Names the target (what scopes check) but matches no entry, so the entry the
+            // getDlqEntry example reads stays where it is.
+            json!({"filter": {"target": "broken", "reason": "loop_detected"}, "rate_per_sec": 5}),
             Some((TEAM, READER)),
         ),
         "controlRedriveJob" => Example {
@@ -928,7 +930,10 @@ async fn x_scope_agrees_with_the_server() {
             201,
             "POST",
             "/v1/dlq/redrive",
-            Req::token(ADMIN).json(&json!({"filter": {"target": "broken"}, "rate_per_sec": 0.001})),
+            // Over entries that do not exist (no webhook dead-letters as loop_detected): the
+            // job exists for the control examples, and the `broken` entry the other examples
+            // read is not moved away by it mid-test.
+            Req::token(ADMIN).json(&json!({"filter": {"target": "broken", "reason": "loop_detected"}, "rate_per_sec": 0.001})),
         )
         .await;
     let redrive_job = job["id"].as_str().expect("job id").to_string();

@@ -242,7 +242,13 @@ pub async fn dlq_show(
             v["accepted_at"] = json!(rfc3339(ev.accepted_at));
             axum::Json(v).into_response()
         }
-        Ok(None) => error_response(StatusCode::NOT_FOUND, "unknown DLQ entry", Vec::new()),
+        // Only a caller who may read every entry learns that an id does not exist: for a
+        // team token a missing id answers like another team's entry (403), so ids cannot be
+        // probed.
+        Ok(None) => match dlq_read_scope(&who, None) {
+            Ok(()) => error_response(StatusCode::NOT_FOUND, "unknown DLQ entry", Vec::new()),
+            Err(r) => *r,
+        },
         Err(e) => store_error(&e),
     }
 }

@@ -65,6 +65,32 @@ type SummaryGroup = (SummaryRow, BTreeMap<i64, u64>);
 /// Called after every commit with its duration and the number of ops it carried.
 pub type CommitObserver = Arc<dyn Fn(Duration, usize) + Send + Sync>;
 
+/// Opens the database again (same file or backend): after a write error redb refuses every
+/// later write until the database is reopened.
+type Reopen = Arc<dyn Fn() -> Result<Database, redb::DatabaseError> + Send + Sync>;
+
+/// The database handle, shared by readers and the committer. `None` only while the committer
+/// reopens it after a write error (and stays so while reopening fails).
+type DbSlot = Arc<RwLock<Option<Database>>>;
+
+/// A read handle on the database slot.
+struct DbRead<'a>(std::sync::RwLockReadGuard<'a, Option<Database>>);
+
+impl DbRead<'_> {
+    fn begin_read(&self) -> Result<redb::ReadTransaction, StoreError> {
+        match self.0.as_ref() {
+            Some(db) => Ok(db.begin_read()?),
+            None => Err(unavailable()),
+        }
+    }
+}
+
+fn unavailable() -> StoreError {
+    StoreError::Backend(
+        "the store is being reopened after a write error (full or failing disk)".into(),
+    )
+}
+
 /// Options for opening a store.
 #[derive(Clone, Default)]
 pub struct StoreOptions {
@@ -382,8 +408,8 @@ fn done<T: Send + 'static>(reply: Reply<Result<T, StoreError>>, r: Result<T, Sto
 /// The redb-backed store.
 pub struct RedbStore {
     /// Readers and the committer take the read side; compaction (which needs no transaction
-    /// open anywhere) takes the write side, briefly stopping the world.
-    db: Arc<RwLock<Database>>,
+    /// open anywhere) and reopening after a write error take the write side.
+    db: DbSlot,
     tx: mpsc::Sender<Op>,
     index: Arc<Mutex<Index>>,
     boot: u64,
@@ -402,13 +428,21 @@ impl RedbStore {
             b.set_cache_size(c);
         }
         let db = b.create(&path)?;
-        Self::start(db, opts, Some(path))
+        let (p2, cache) = (path.clone(), opts.cache_bytes);
+        let reopen: Reopen = Arc::new(move || {
+            let mut b = Database::builder();
+            if let Some(c) = cache {
+                b.set_cache_size(c);
+            }
+            b.create(&p2)
+        });
+        Self::start(db, opts, Some(path), Some(reopen))
     }
 
     /// An in-memory store (nothing survives the process): for unit tests.
     pub fn in_memory() -> Result<Arc<Self>, StoreError> {
         let db = Database::builder().create_with_backend(redb::backends::InMemoryBackend::new())?;
-        Self::start(db, StoreOptions::default(), None)
+        Self::start(db, StoreOptions::default(), None, None)
     }
 
     /// A store on any redb backend (e.g. `fault::FaultBackend`).
@@ -417,16 +451,28 @@ impl RedbStore {
         opts: StoreOptions,
     ) -> Result<Arc<Self>, StoreError> {
         let db = Database::builder().create_with_backend(backend)?;
-        Self::start(db, opts, None)
+        Self::start(db, opts, None, None)
+    }
+
+    /// A store on backends made by `make` (e.g. handles on one `fault::SimulatedDisk`), which
+    /// the committer calls again to reopen the database after a write error.
+    pub fn with_backend_factory<B: redb::StorageBackend>(
+        make: impl Fn() -> B + Send + Sync + 'static,
+        opts: StoreOptions,
+    ) -> Result<Arc<Self>, StoreError> {
+        let db = Database::builder().create_with_backend(make())?;
+        let reopen: Reopen = Arc::new(move || Database::builder().create_with_backend(make()));
+        Self::start(db, opts, None, Some(reopen))
     }
 
     fn start(
         db: Database,
         opts: StoreOptions,
         path: Option<std::path::PathBuf>,
+        reopen: Option<Reopen>,
     ) -> Result<Arc<Self>, StoreError> {
         let (boot, counters, index) = recover(&db)?;
-        let db = Arc::new(RwLock::new(db));
+        let db: DbSlot = Arc::new(RwLock::new(Some(db)));
         let index = Arc::new(Mutex::new(index));
         let (tx, rx) = mpsc::channel(65_536);
         let committer = Committer {
@@ -439,6 +485,8 @@ impl RedbStore {
             next_seq: counters.0,
             next_dlq: counters.1,
             on_commit: opts.on_commit,
+            reopen,
+            poisoned: false,
         };
         std::thread::Builder::new()
             .name("store-committer".into())
@@ -471,8 +519,8 @@ impl RedbStore {
         Ok(out)
     }
 
-    fn read_db(&self) -> std::sync::RwLockReadGuard<'_, Database> {
-        self.db.read().unwrap_or_else(|p| p.into_inner())
+    fn read_db(&self) -> DbRead<'_> {
+        DbRead(self.db.read().unwrap_or_else(|p| p.into_inner()))
     }
 
     fn index(&self) -> MutexGuard<'_, Index> {
@@ -1186,7 +1234,7 @@ fn recover(db: &Database) -> Result<(u64, (u64, u64), Index), StoreError> {
 struct Committer {
     /// Entries enqueued per target by the group being built (not yet in the index).
     group_depth: HashMap<String, u64>,
-    db: Arc<RwLock<Database>>,
+    db: DbSlot,
     path: Option<std::path::PathBuf>,
     compact_due: bool,
     compact_min_bytes: u64,
@@ -1194,9 +1242,49 @@ struct Committer {
     next_seq: u64,
     next_dlq: u64,
     on_commit: Option<CommitObserver>,
+    /// How to reopen the database after a failed commit (`None`: in-memory, cannot).
+    reopen: Option<Reopen>,
+    /// A commit failed: reopen before the next one.
+    poisoned: bool,
 }
 
 impl Committer {
+    /// Reopens the database after a failed commit: redb refuses every write after an I/O
+    /// error until then. What is durable is the truth, so the in-memory index and counters
+    /// are rebuilt from it (a commit that failed late may have landed after all); leases held
+    /// by this process's workers are reclaimed like a restart's, so their late acks are
+    /// fenced and the entries delivered again (at least once, never lost).
+    fn try_reopen(&mut self) {
+        let Some(reopen) = self.reopen.clone() else {
+            return;
+        };
+        let mut slot = self.db.write().unwrap_or_else(|p| p.into_inner());
+        // The failed handle holds the file lock: drop it before opening again.
+        *slot = None;
+        let reopened = reopen()
+            .map_err(StoreError::from)
+            .and_then(|db| recover(&db).map(|r| (db, r)));
+        match reopened {
+            Ok((db, (_boot, (next_seq, next_dlq), index))) => {
+                *slot = Some(db);
+                self.poisoned = false;
+                (self.next_seq, self.next_dlq) = (next_seq, next_dlq);
+                let mut idx = self.index.lock().unwrap_or_else(|p| p.into_inner());
+                // Workers keep their wake-up handles.
+                let notifiers = std::mem::take(&mut idx.notifiers);
+                *idx = index;
+                idx.notifiers = notifiers;
+                for t in idx.targets.keys().cloned().collect::<Vec<_>>() {
+                    idx.notify(&t);
+                }
+                tracing::warn!("store reopened after a write error; writes resume");
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "reopening the store after a write error failed; writes are refused (503) until it succeeds");
+            }
+        }
+    }
+
     fn run(mut self, mut rx: mpsc::Receiver<Op>) {
         let mut deferred: std::collections::VecDeque<Op> = std::collections::VecDeque::new();
         let mut deferred_events = 0usize;
@@ -1268,7 +1356,8 @@ impl Committer {
             .and_then(|p| std::fs::metadata(p).ok())
             .map_or(0, |m| m.len());
         let started = Instant::now();
-        let mut db = self.db.write().unwrap_or_else(|p| p.into_inner());
+        let mut slot = self.db.write().unwrap_or_else(|p| p.into_inner());
+        let Some(db) = slot.as_mut() else { return };
         // Compaction moves pages towards the start; a few passes give back the tail.
         let mut result = Ok(true);
         for _ in 0..8 {
@@ -1277,7 +1366,7 @@ impl Committer {
                 break;
             }
         }
-        drop(db);
+        drop(slot);
         let after = self
             .path
             .as_ref()
@@ -1299,13 +1388,17 @@ impl Committer {
     fn commit_group(&mut self, ops: Vec<Op>) {
         let started = Instant::now();
         let n = ops.len();
+        if self.poisoned {
+            self.try_reopen();
+        }
         let saved = (self.next_seq, self.next_dlq);
         self.group_depth.clear();
         let mut dones: Vec<Done> = Vec::with_capacity(n);
         let mut effects = Vec::new();
         let result = (|| -> Result<(), StoreError> {
             let db_lock = self.db.clone();
-            let db = db_lock.read().unwrap_or_else(|p| p.into_inner());
+            let slot = db_lock.read().unwrap_or_else(|p| p.into_inner());
+            let db = slot.as_ref().ok_or_else(unavailable)?;
             let mut txn = db.begin_write()?;
             txn.set_durability(Durability::Immediate)?;
             let mut failed = None;
@@ -1336,6 +1429,7 @@ impl Committer {
             Err(e) => {
                 tracing::error!(error = %e, ops = n, "store commit failed; every request in the group gets the error");
                 (self.next_seq, self.next_dlq) = saved;
+                self.poisoned = self.reopen.is_some();
             }
         }
         if let Some(obs) = &self.on_commit {

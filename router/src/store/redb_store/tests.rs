@@ -313,20 +313,36 @@ async fn accepted_events_survive_a_power_cut() {
 #[tokio::test]
 async fn a_failing_disk_fails_the_accept_and_recovers() {
     let disk = SimulatedDisk::new();
+    let d2 = disk.clone();
     let s: Arc<RedbStore> =
-        RedbStore::with_backend(disk.backend(), StoreOptions::default()).expect("open");
+        RedbStore::with_backend_factory(move || d2.backend(), StoreOptions::default())
+            .expect("open");
+    s.accept(vec![new_event("/s", "0", &["a"], 1000)])
+        .await
+        .expect("accept before the failure");
     disk.set_failing(true);
     assert!(
         s.accept(vec![new_event("/s", "1", &["a"], 1000)])
             .await
             .is_err()
     );
+    // Still failing: the reopen fails too, and so does the next write.
+    assert!(
+        s.accept(vec![new_event("/s", "1", &["a"], 1000)])
+            .await
+            .is_err()
+    );
     disk.set_failing(false);
-    let r = s.accept(vec![new_event("/s", "1", &["a"], 1000)]).await;
-    // redb may need the failed state cleared by a reopen; either it accepts, or reports an error.
-    if let Ok(r) = r {
-        assert_eq!(r, vec![AcceptOutcome::Accepted { seq: 1 }]);
-    }
+    // Healed: the committer reopens the database and the write goes through, as the first
+    // copy (nothing of the failed attempts was stored), with the next sequence number.
+    let r = s
+        .accept(vec![new_event("/s", "1", &["a"], 1000)])
+        .await
+        .expect("accept after the disk healed");
+    assert_eq!(r, vec![AcceptOutcome::Accepted { seq: 2 }]);
+    // The index was rebuilt from what is durable: both events are queued for `a`.
+    assert_eq!(s.queue_stats()["a"].queued, 2);
+    assert!(s.fate("/s", "0").expect("fate").is_some());
 }
 
 #[tokio::test]
