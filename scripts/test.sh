@@ -16,7 +16,7 @@ log=$(mktemp)
 cargo test --locked --workspace 2>&1 | tee "$log"
 # Property-based API fuzz against the OpenAPI document (schemathesis from PyPI, installed into
 # target/ on first use): no 5xx, every answer conforms. The debug binary `cargo test` built.
-API_FUZZ_BIN=target/debug/router bash scripts/api-fuzz.sh "${API_FUZZ_EXAMPLES:-25}"
+API_FUZZ_BIN="${CARGO_TARGET_DIR:-target}/debug/router" bash scripts/api-fuzz.sh "${API_FUZZ_EXAMPLES:-25}"
 # One closing line for the whole run (cargo prints one "test result" line per test binary).
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i) ~ /^passed;?$/) p += $(i-1); if ($(i) ~ /^failed;?$/) f += $(i-1) } }
      END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
