@@ -166,7 +166,7 @@ pub(crate) fn parse(text: &str, is_json: bool) -> Result<Option<Node>, Vec<Sourc
             Err(errors)
         };
     }
-    let node = convert(&first, &mut errors);
+    let node = convert(&first, (1, 1), &mut errors);
     if errors.is_empty() {
         Ok(Some(node))
     } else {
@@ -174,15 +174,23 @@ pub(crate) fn parse(text: &str, is_json: bool) -> Result<Option<Node>, Vec<Sourc
     }
 }
 
-fn convert(y: &MarkedYamlOwned, errors: &mut Vec<SourceError>) -> Node {
-    let line = y.span.start.line();
-    let col = y.span.start.col() + 1;
+/// `at` is where to point when the parser gives the node no position (an empty value such as
+/// `id:` is an implicit null at line 0): its key, or its parent.
+fn convert(y: &MarkedYamlOwned, at: (usize, usize), errors: &mut Vec<SourceError>) -> Node {
+    let (line, col) = if y.span.start.line() == 0 {
+        at
+    } else {
+        (y.span.start.line(), y.span.start.col() + 1)
+    };
     let kind = match &y.data {
         YamlDataOwned::Value(s) => scalar(s),
         YamlDataOwned::Representation(s, _, _) => NodeKind::Str(s.clone()),
-        YamlDataOwned::Sequence(items) => {
-            NodeKind::Seq(items.iter().map(|i| convert(i, errors)).collect())
-        }
+        YamlDataOwned::Sequence(items) => NodeKind::Seq(
+            items
+                .iter()
+                .map(|i| convert(i, (line, col), errors))
+                .collect(),
+        ),
         YamlDataOwned::Mapping(m) => {
             let mut entries = Vec::with_capacity(m.len());
             for (k, v) in m {
@@ -204,15 +212,24 @@ fn convert(y: &MarkedYamlOwned, errors: &mut Vec<SourceError>) -> Node {
                     }
                 };
                 let key = Node {
-                    line: k.span.start.line(),
-                    col: k.span.start.col() + 1,
+                    line: if k.span.start.line() == 0 {
+                        line
+                    } else {
+                        k.span.start.line()
+                    },
+                    col: if k.span.start.line() == 0 {
+                        col
+                    } else {
+                        k.span.start.col() + 1
+                    },
                     kind: key_kind,
                 };
-                entries.push((key, convert(v, errors)));
+                let key_at = (key.line, key.col);
+                entries.push((key, convert(v, key_at, errors)));
             }
             NodeKind::Map(entries)
         }
-        YamlDataOwned::Tagged(_, inner) => return convert(inner, errors),
+        YamlDataOwned::Tagged(_, inner) => return convert(inner, (line, col), errors),
         YamlDataOwned::Alias(_) | YamlDataOwned::BadValue => {
             errors.push(SourceError {
                 line,

@@ -877,3 +877,31 @@ fn over_cap_patterns_are_errors_at_the_pattern() {
     let disabled = src.replace("  - name: big\n", "  - name: big\n    enabled: false\n");
     one_err(&[("r.yaml", &disabled)], "r.yaml:5:7: ", "more than 256");
 }
+
+/// Found by the `rules_load` fuzz target (input kept in fuzz/regressions/rules_load/): an
+/// implicit null the YAML parser gives no position to was reported at line 0 (with column 1).
+/// It now points at its key or parent.
+#[test]
+fn every_diagnostic_has_a_position() {
+    let raw = include_bytes!(
+        "../../../../fuzz/regressions/rules_load/crash-5b1b89161121ad7626ecbe6e7ae98cea0837db88"
+    );
+    let text = String::from_utf8_lossy(raw);
+    let diags = crate::rules::RuleSet::from_sources(&[("fuzz.yaml", &text)])
+        .expect_err("the input is refused");
+    for d in &diags {
+        assert!(
+            d.line > 0 && d.col > 0,
+            "a diagnostic without a position: {d}"
+        );
+    }
+    let text = "rules:\n  - name: r\n    pattern: { type: [t] }\n    targets:\n      - webhook: http://127.0.0.1:9/x\n        id:\n";
+    let diags =
+        crate::rules::RuleSet::from_sources(&[("r.yaml", text)]).expect_err("a null id is refused");
+    assert!(
+        diags
+            .iter()
+            .any(|d| d.line == 6 && d.to_string().contains("`id` must be a string")),
+        "{diags:?}"
+    );
+}
