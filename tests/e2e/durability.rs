@@ -241,17 +241,19 @@ async fn sigterm_stops_cleanly_and_the_next_start_resumes() {
     assert_eq!(f["targets"][0]["state"], "delivered");
 }
 
-/// The page cache survives kill -9, so kill -9 cannot prove that 202 waits for the fsync.
-/// Here the router runs in-process on a simulated disk that keeps only what was synced; after
-/// a "power cut" every 202'd event must be in what remains. This test fails if the flush
-/// before 202 is weakened (e.g. `Durability::None`).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_202_survives_a_power_cut() {
-    use router::store::fault::SimulatedDisk;
-    use router::store::{RedbStore, Store, StoreOptions};
-
+/// Runs the router in-process on `store` (tests that need a simulated disk under it), with one
+/// rule sending type `t` to `rcv`. Returns its temp dir (keep it alive), the ingest URL, the
+/// shutdown token and the server task.
+async fn serve_in_process(
+    store: Arc<router::store::RedbStore>,
+    rcv: &Receiver,
+) -> (
+    tempfile::TempDir,
+    String,
+    tokio_util::sync::CancellationToken,
+    tokio::task::JoinHandle<Result<(), router::app::RunError>>,
+) {
     let dir = tempfile::tempdir().expect("tmp");
-    let rcv = Receiver::ok().await;
     std::fs::create_dir_all(dir.path().join("rules")).expect("mkdir");
     std::fs::write(
         dir.path().join("rules/r.yaml"),
@@ -264,8 +266,6 @@ async fn every_202_survives_a_power_cut() {
         data_dir: dir.path().join("unused"),
         ..Default::default()
     };
-    let disk = SimulatedDisk::new();
-    let store = RedbStore::with_backend(disk.backend(), StoreOptions::default()).expect("store");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -278,8 +278,22 @@ async fn every_202_survives_a_power_cut() {
         router::telemetry::Metrics::new(),
         cancel.clone(),
     ));
+    (dir, format!("http://{addr}/v1/events"), cancel, server)
+}
 
-    let url = format!("http://{addr}/v1/events");
+/// The page cache survives kill -9, so kill -9 cannot prove that 202 waits for the fsync.
+/// Here the router runs in-process on a simulated disk that keeps only what was synced; after
+/// a "power cut" every 202'd event must be in what remains. This test fails if the flush
+/// before 202 is weakened (e.g. `Durability::None`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_202_survives_a_power_cut() {
+    use router::store::fault::SimulatedDisk;
+    use router::store::{RedbStore, Store, StoreOptions};
+
+    let rcv = Receiver::ok().await;
+    let disk = SimulatedDisk::new();
+    let store = RedbStore::with_backend(disk.backend(), StoreOptions::default()).expect("store");
+    let (_dir, url, cancel, server) = serve_in_process(store, &rcv).await;
     let acked = Arc::new(Mutex::new(Vec::new()));
     let cut = Arc::new(Mutex::new(None::<(Vec<u8>, HashSet<String>)>));
     // Cut power in the middle of the load, while requests are in flight.
@@ -329,37 +343,12 @@ async fn a_failing_disk_answers_503_stores_nothing_and_recovers() {
     use router::store::fault::SimulatedDisk;
     use router::store::{RedbStore, Store, StoreOptions};
 
-    let dir = tempfile::tempdir().expect("tmp");
     let rcv = Receiver::ok().await;
-    std::fs::create_dir_all(dir.path().join("rules")).expect("mkdir");
-    std::fs::write(
-        dir.path().join("rules/r.yaml"),
-        rules_yaml("", &[("r", "t", &[format!("webhook: {}", rcv.url())])]),
-    )
-    .expect("write");
-    let cfg = router::config::Config {
-        rules_dir: dir.path().join("rules"),
-        contracts_dir: dir.path().join("contracts"),
-        data_dir: dir.path().join("unused"),
-        ..Default::default()
-    };
     let disk = SimulatedDisk::new();
     let d2 = disk.clone();
     let store = RedbStore::with_backend_factory(move || d2.backend(), StoreOptions::default())
         .expect("store");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let cancel = tokio_util::sync::CancellationToken::new();
-    let server = tokio::spawn(router::app::run_with_store(
-        cfg,
-        listener,
-        store.clone(),
-        router::telemetry::Metrics::new(),
-        cancel.clone(),
-    ));
-    let url = format!("http://{addr}/v1/events");
+    let (_dir, url, cancel, server) = serve_in_process(store.clone(), &rcv).await;
     let post = |id: &'static str| {
         let url = url.clone();
         async move {

@@ -396,6 +396,14 @@ async fn hostile_handlers_are_contained() {
     assert_eq!(get_json(&r, "/healthz").await.0, 200);
 }
 
+/// `order.created` → handler `enrich`; its `order.created.enriched` emissions → `rcv`.
+fn enrich_then_webhook(rcv: &Receiver) -> String {
+    format!(
+        "rules:\n  - name: orders\n    pattern: {{ type: [order.created] }}\n    targets:\n      - handler: enrich\n  - name: enriched\n    pattern: {{ type: [order.created.enriched] }}\n    targets:\n      - webhook: {}\n",
+        rcv.url()
+    )
+}
+
 /// Emitted events must fall within the ingest scope of the handler's owner (the token that
 /// uploaded it); others go to the DLQ as `scope_violation`, never routed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -403,10 +411,7 @@ async fn emissions_outside_the_owner_scope_are_dead_lettered() {
     use sha2::Digest;
     let sha = |t: &str| hex::encode(sha2::Sha256::digest(t.as_bytes()));
     let rcv = Receiver::ok().await;
-    let rules = format!(
-        "rules:\n  - name: orders\n    pattern: {{ type: [order.created] }}\n    targets:\n      - handler: enrich\n  - name: enriched\n    pattern: {{ type: [order.created.enriched] }}\n    targets:\n      - webhook: {}\n",
-        rcv.url()
-    );
+    let rules = enrich_then_webhook(&rcv);
     let authed = |token: &'static str| move |rb: reqwest::RequestBuilder| rb.bearer_auth(token);
     for (team_scope, allowed) in [("ingest:payment.*", false), ("ingest:order.*", true)] {
         let config = format!(
@@ -464,10 +469,7 @@ async fn emissions_outside_the_owner_scope_are_dead_lettered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completed_delivery_returns_its_stored_result_without_running_again() {
     let rcv = Receiver::ok().await;
-    let rules = format!(
-        "rules:\n  - name: orders\n    pattern: {{ type: [order.created] }}\n    targets:\n      - handler: enrich\n  - name: enriched\n    pattern: {{ type: [order.created.enriched] }}\n    targets:\n      - webhook: {}\n",
-        rcv.url()
-    );
+    let rules = enrich_then_webhook(&rcv);
     let config = "[ingest]\ndedup_window = \"1s\"\n";
     let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(config));
     assert_eq!(put_handler(&r, "enrich", plugin("enrich")).await.0, 201);
@@ -533,10 +535,7 @@ async fn a_completed_delivery_returns_its_stored_result_without_running_again() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_under_handler_load_emits_each_event_exactly_once() {
     let rcv = Receiver::ok().await;
-    let rules = format!(
-        "rules:\n  - name: orders\n    pattern: {{ type: [order.created] }}\n    targets:\n      - handler: enrich\n  - name: enriched\n    pattern: {{ type: [order.created.enriched] }}\n    targets:\n      - webhook: {}\n",
-        rcv.url()
-    );
+    let rules = enrich_then_webhook(&rcv);
     let mut r = RouterProc::start(&[("r.yaml", &rules)], &[]);
     assert_eq!(put_handler(&r, "enrich", plugin("enrich")).await.0, 201);
     const N: usize = 3000;
