@@ -441,9 +441,11 @@ fn start_handlers(
         registry: Arc::new(registry),
         limits,
         slots: Arc::new(tokio::sync::Semaphore::new(h.max_instances as usize)),
-        logs: Default::default(),
+        logs: crate::wasm::HandlerLogs::open(&dir.join("logs"), h.log_retain_bytes)
+            .map_err(|e| format!("{}: {e}", dir.join("logs").display()))?,
         hop_limit: h.hop_limit,
         completed_ttl_ms: i64::try_from(h.completed_ttl.as_millis()).unwrap_or(i64::MAX),
+        kv_max_bytes: Some(h.kv_max_bytes),
         completed_hits: metrics.completed_hits.clone(),
         store: store.clone(),
         clock: clock.clone(),
@@ -603,6 +605,9 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), RunError> {
     let metrics = Metrics::new();
+    metrics
+        .handler_kv_max_bytes
+        .set(i64::try_from(cfg.handlers.kv_max_bytes).unwrap_or(i64::MAX));
     let m = metrics.clone();
     let store = RedbStore::open_dir(
         &cfg.data_dir,
@@ -750,11 +755,10 @@ pub async fn run_with_store(
     });
     if let Some(rt) = &handlers {
         let weak = Arc::downgrade(&app);
-        let prepare: crate::target::handler::Prepare =
-            Arc::new(move |emitter, events, now| match weak.upgrade() {
-                Some(app) => prepare_emitted(&app, emitter, events, now),
-                None => Vec::new(),
-            });
+        let prepare: crate::target::handler::Prepare = Arc::new(move |emitter, events, now| {
+            weak.upgrade()
+                .map(|app| prepare_emitted(&app, emitter, events, now))
+        });
         let _ = rt.prepare.set(prepare);
     }
     crate::dlq::resume_all(&app)?;
@@ -1016,6 +1020,7 @@ fn spawn_sweeper(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToke
                             ("dedup_key", s.dedup_expired),
                             ("event", s.events_removed),
                             ("completed", s.completed_expired),
+                            ("kv", s.kv_expired),
                         ] {
                             if n > 0 {
                                 app.metrics
@@ -1024,10 +1029,14 @@ fn spawn_sweeper(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToke
                                     .inc_by(n);
                             }
                         }
-                        if s.dedup_expired + s.events_removed + s.completed_expired > 0 {
+                        if s.dedup_expired + s.events_removed + s.completed_expired + s.kv_expired
+                            > 0
+                        {
                             tracing::debug!(
                                 dedup_expired = s.dedup_expired,
                                 events_removed = s.events_removed,
+                                completed_expired = s.completed_expired,
+                                kv_expired = s.kv_expired,
                                 "swept"
                             );
                         }

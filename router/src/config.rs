@@ -96,6 +96,13 @@ pub struct HandlersConfig {
     /// is not run again. The age bound of the idempotency records.
     #[serde(with = "humantime_serde")]
     pub completed_ttl: Duration,
+    /// Bound on each handler's key-value namespace, in bytes of keys plus values (default
+    /// 64 MiB). A write that would pass it fails the invocation (retried; deleting keys or
+    /// letting TTLs expire makes room). Usage: `router_handler_kv_bytes`, `/v1/status`.
+    pub kv_max_bytes: u64,
+    /// Bytes of captured log lines kept on disk per handler (`GET /v1/handlers/{name}/logs`);
+    /// the oldest half is dropped when it fills. Default 2 MiB.
+    pub log_retain_bytes: u64,
 }
 
 impl Default for HandlersConfig {
@@ -113,6 +120,8 @@ impl Default for HandlersConfig {
             preload_dir: None,
             max_upload_bytes: 64 << 20,
             completed_ttl: Duration::from_secs(7 * 24 * 3600),
+            kv_max_bytes: 64 << 20,
+            log_retain_bytes: 2 << 20,
         }
     }
 }
@@ -408,6 +417,31 @@ mod tests {
             .iter()
             .map(|(a, b)| (a.to_string(), b.to_string()))
             .collect()
+    }
+
+    #[test]
+    fn the_documented_configuration_parses_and_names_every_section() {
+        // docs/configuration.md shows every key; its example must stay loadable, so a renamed
+        // or removed key fails here rather than in an operator's deployment.
+        let doc = include_str!("../../docs/configuration.md");
+        let block = doc
+            .split("```toml\n")
+            .nth(1)
+            .and_then(|rest| rest.split("```").next())
+            .expect("a toml block in docs/configuration.md");
+        let table: toml::Table = toml::from_str(block).expect("the documented TOML parses");
+        let cfg: Config = toml::Value::Table(table.clone())
+            .try_into()
+            .expect("every documented key is a configuration key");
+        for section in [
+            "ingest", "delivery", "archive", "store", "handlers", "server", "auth",
+        ] {
+            assert!(
+                table.contains_key(section),
+                "docs/configuration.md lacks [{section}]"
+            );
+        }
+        assert_eq!(cfg.handlers, HandlersConfig::default());
     }
 
     #[test]

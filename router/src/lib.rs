@@ -16,6 +16,7 @@ pub mod contract;
 pub mod deliver;
 pub mod dlq;
 pub mod event;
+pub mod failpoint;
 pub mod ingest;
 pub mod policy;
 pub mod rules;

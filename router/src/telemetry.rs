@@ -66,6 +66,12 @@ pub struct Metrics {
     pub swept: Family<Labels, Counter>,
     /// Handler deliveries answered from the COMPLETED table (the handler was not run again).
     pub completed_hits: Family<Labels, Counter>,
+    /// Bytes (keys plus values) in each handler's key-value namespace.
+    pub handler_kv_bytes: Family<Labels, Gauge>,
+    /// Keys in each handler's key-value namespace.
+    pub handler_kv_keys: Family<Labels, Gauge>,
+    /// The bound on each namespace (`handlers.kv_max_bytes`).
+    pub handler_kv_max_bytes: Gauge,
 }
 
 impl Metrics {
@@ -93,6 +99,9 @@ impl Metrics {
             target_paused: Family::default(),
             swept: Family::default(),
             completed_hits: Family::default(),
+            handler_kv_bytes: Family::default(),
+            handler_kv_keys: Family::default(),
+            handler_kv_max_bytes: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -186,6 +195,21 @@ impl Metrics {
             m.completed_hits.clone(),
         );
         registry.register(
+            "router_handler_kv_bytes",
+            "Bytes of keys plus values in a handler's key-value namespace",
+            m.handler_kv_bytes.clone(),
+        );
+        registry.register(
+            "router_handler_kv_keys",
+            "Keys in a handler's key-value namespace",
+            m.handler_kv_keys.clone(),
+        );
+        registry.register(
+            "router_handler_kv_max_bytes",
+            "Bound on each handler's key-value namespace (handlers.kv_max_bytes)",
+            m.handler_kv_max_bytes.clone(),
+        );
+        registry.register(
             "router_system_events_dropped",
             "System events dropped because the routing channel was full",
             m.system_events_dropped.clone(),
@@ -224,6 +248,26 @@ impl Metrics {
         }
         self.store_bytes
             .set(i64::try_from(store.disk_bytes()).unwrap_or(i64::MAX));
+        match store.kv_usage() {
+            Ok(usage) => {
+                // A namespace emptied since the last scrape disappears instead of keeping its
+                // last size.
+                self.handler_kv_bytes.clear();
+                self.handler_kv_keys.clear();
+                for (handler, u) in usage {
+                    let l = vec![("handler", handler)];
+                    self.handler_kv_bytes
+                        .get_or_create(&l)
+                        .set(i64::try_from(u.bytes).unwrap_or(i64::MAX));
+                    self.handler_kv_keys
+                        .get_or_create(&l)
+                        .set(i64::try_from(u.keys).unwrap_or(i64::MAX));
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not read handler key-value sizes for /metrics")
+            }
+        }
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);

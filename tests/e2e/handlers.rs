@@ -509,22 +509,11 @@ async fn a_completed_delivery_returns_its_stored_result_without_running_again() 
     );
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(rcv.count(), 1, "the handler did not run (and emit) again");
-    let metrics = client()
-        .get(r.url("/metrics"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .unwrap_or_default();
+    let metrics = metrics_text(&r).await;
     assert!(
         metrics.contains("router_handler_completed_hits_total{handler=\"enrich\"} 1"),
         "{}",
-        metrics
-            .lines()
-            .filter(|l| l.contains("completed"))
-            .collect::<Vec<_>>()
-            .join("\n")
+        metric_lines(&metrics, "completed")
     );
 }
 
@@ -598,5 +587,178 @@ async fn kill_9_under_handler_load_emits_each_event_exactly_once() {
     eprintln!(
         "{before} distinct emissions before kill -9; {} deliveries at the receiver for {N} events",
         rcv.count()
+    );
+}
+
+/// A crash injected in the window a kill from outside cannot hit on purpose: the handler has
+/// run and its outbox is built, the ack is not committed yet. After the restart the delivery
+/// runs again and commits once: exactly one key-value effect (`invoice`) and exactly one
+/// emitted event (`enrich`), and the handlers' logs — kept on disk — show both runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_handling_and_commit_leaves_exactly_one_effect() {
+    const CRASH: &str = "EVENT_ROUTER_CRASH_AT";
+    let rcv = Receiver::ok().await;
+    let rules = format!(
+        "rules:\n  - name: paid\n    pattern: {{ type: [order.paid] }}\n    targets:\n      - handler: invoice\n        id: invoice\n  - name: created\n    pattern: {{ type: [order.created] }}\n    targets:\n      - handler: enrich\n        id: enrich\n  - name: enriched\n    pattern: {{ type: [order.created.enriched] }}\n    targets:\n      - webhook: {}\n",
+        rcv.url()
+    );
+    let mut r =
+        RouterProc::start_with_env(&[("r.yaml", &rules)], &[], &[(CRASH, "before_ack:invoice")]);
+    assert_eq!(put_handler(&r, "invoice", plugin("invoice")).await.0, 201);
+    assert_eq!(put_handler(&r, "enrich", plugin("enrich")).await.0, 201);
+
+    // 1. invoice runs (buffering its KV write) and the process dies before the ack.
+    let paid = event("paid-1", "order.paid", json!({"order_id": 7}));
+    assert_eq!(post_event(&r, &paid).await.0, 202);
+    let exit = r.wait_exit(Duration::from_secs(30));
+    assert!(
+        exit.is_some_and(|s| !s.success()),
+        "the router did not stop at the crash point: {exit:?}"
+    );
+    // 2. Restarted (armed for enrich now): invoice runs again and commits.
+    r.set_env(CRASH, Some("before_ack:enrich"));
+    r.restart();
+    let delivered = |f: &Value| f["targets"][0]["state"] == "delivered";
+    let f = eventually(Duration::from_secs(30), || async {
+        let f = fate(&r, "paid-1").await;
+        delivered(&f).then_some(f)
+    })
+    .await
+    .expect("the interrupted invoice delivery completes after the restart");
+    let attempts = f["targets"][0]["attempts"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(attempts.len(), 2, "{f}");
+    // enrich runs, its emitted event is built, and the process dies before the ack.
+    let created = event("created-1", "order.created", json!({"order_id": 8}));
+    assert_eq!(post_event(&r, &created).await.0, 202);
+    let exit = r.wait_exit(Duration::from_secs(30));
+    assert!(
+        exit.is_some_and(|s| !s.success()),
+        "the router did not stop at the second crash point: {exit:?}"
+    );
+    assert_eq!(rcv.count(), 0, "nothing was emitted before the ack");
+    // 3. Restarted unarmed: enrich runs again; its emission is committed with the ack.
+    r.set_env(CRASH, None);
+    r.restart();
+    if !rcv
+        .wait_for(Duration::from_secs(30), |s| !s.is_empty())
+        .await
+    {
+        panic!(
+            "the re-run's emission did not arrive; fate: {}",
+            fate(&r, "created-1").await
+        );
+    }
+    // The same order paid again: invoice finds its one record.
+    let again = event("paid-2", "order.paid", json!({"order_id": 7}));
+    assert_eq!(post_event(&r, &again).await.0, 202);
+    let lines = eventually(Duration::from_secs(30), || async {
+        let lines = logs(&r, "invoice").await;
+        lines
+            .iter()
+            .any(|l| l["event_id"] == "paid-2")
+            .then_some(lines)
+    })
+    .await
+    .expect("invoice handled the second payment");
+    let of = |id: &str| -> Vec<(u64, String)> {
+        lines
+            .iter()
+            .filter(|l| l["event_id"] == id)
+            .map(|l| {
+                (
+                    l["attempt"].as_u64().unwrap_or(0),
+                    l["message"].as_str().unwrap_or_default().to_string(),
+                )
+            })
+            .collect()
+    };
+    // Both runs of the first delivery logged "recorded" (the first one's write never
+    // committed); the second payment finds the record the re-run committed.
+    assert_eq!(
+        of("paid-1"),
+        vec![
+            (1, "recorded invoice:7".to_string()),
+            (2, "recorded invoice:7".to_string())
+        ],
+        "{lines:?}"
+    );
+    assert_eq!(
+        of("paid-2"),
+        vec![(1, "invoice:7 already recorded; nothing to do".to_string())]
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        rcv.count(),
+        1,
+        "exactly one emitted event: {:?}",
+        rcv.received()
+    );
+    let metrics = metrics_text(&r).await;
+    assert!(
+        metrics.contains("router_handler_kv_keys{handler=\"invoice\"} 1"),
+        "exactly one key-value effect:\n{}",
+        metric_lines(&metrics, "handler_kv")
+    );
+}
+
+/// A handler's key-value namespace is bounded: the write that would pass the bound fails its
+/// invocation (retried under the policy, then dead-lettered with the reason in its attempts),
+/// nothing of it is stored, and the namespace's size shows in `/v1/status` and `/metrics`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_kv_namespace_fails_the_growing_write_and_shows_its_size() {
+    let rules = rules_yaml(
+        FAST,
+        &[(
+            "paid",
+            "order.paid",
+            &["handler: invoice\n        id: invoice\n        policy: fast".to_string()],
+        )],
+    );
+    // One invoice record is ~90 bytes (key plus a JSON value with two ids): one fits, two do not.
+    let config = "[handlers]\nkv_max_bytes = 150\n";
+    let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(config));
+    assert_eq!(put_handler(&r, "invoice", plugin("invoice")).await.0, 201);
+    assert_eq!(
+        post_event(&r, &event("kv-1", "order.paid", json!({"order_id": 1})))
+            .await
+            .0,
+        202
+    );
+    eventually(Duration::from_secs(30), || async {
+        (fate(&r, "kv-1").await["targets"][0]["state"] == "delivered").then_some(())
+    })
+    .await
+    .expect("the first record fits");
+    assert_eq!(
+        post_event(&r, &event("kv-2", "order.paid", json!({"order_id": 2})))
+            .await
+            .0,
+        202
+    );
+    let f = eventually(Duration::from_secs(30), || async {
+        let f = fate(&r, "kv-2").await;
+        (f["targets"][0]["state"] == "dlq").then_some(f)
+    })
+    .await
+    .expect("the second record does not fit: retried, then dead-lettered");
+    let err = f["targets"][0]["attempts"][0]["error"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(err.contains("kv namespace is full"), "{f}");
+    let (_, status) = get_json(&r, "/v1/status").await;
+    let ns = &status["handler_kv"]["namespaces"]["invoice"];
+    assert_eq!(ns["keys"], 1, "{status}");
+    let bytes = ns["bytes"].as_u64().unwrap_or(0);
+    assert!((50..=150).contains(&bytes), "{status}");
+    assert_eq!(status["handler_kv"]["max_bytes"], 150);
+    let metrics = metrics_text(&r).await;
+    assert!(
+        metrics.contains(&format!(
+            "router_handler_kv_bytes{{handler=\"invoice\"}} {bytes}"
+        )),
+        "{metrics}"
     );
 }

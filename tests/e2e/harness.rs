@@ -162,6 +162,31 @@ impl RouterProc {
         }
     }
 
+    /// Sets (or with `None` removes) an environment variable for the next (re)start.
+    pub fn set_env(&mut self, key: &str, value: Option<&str>) {
+        self.extra_env.retain(|(k, _)| k != key);
+        if let Some(v) = value {
+            self.extra_env.push((key.to_string(), v.to_string()));
+        }
+    }
+
+    /// Waits for the process to exit on its own (a crash point); `None` if it is still
+    /// running after `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let c = self.child.as_mut()?;
+            if let Some(s) = c.try_wait().expect("wait") {
+                self.child = None;
+                return Some(s);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Starts again on the same directories (a new port).
     pub fn restart(&mut self) {
         self.kill9();
@@ -379,6 +404,22 @@ impl Receiver {
     }
 
     /// Waits until `pred` holds, up to `timeout`.
+    /// The count once no request has arrived for `quiet` (at most `max`): requests a killed
+    /// router had already sent may still be in this process's socket buffers, and a loaded
+    /// machine can take a while to read them.
+    pub async fn settled_count(&self, quiet: Duration, max: Duration) -> usize {
+        let deadline = Instant::now() + max;
+        let mut last = self.count();
+        loop {
+            tokio::time::sleep(quiet).await;
+            let now = self.count();
+            if now == last || Instant::now() > deadline {
+                return now;
+            }
+            last = now;
+        }
+    }
+
     pub async fn wait_for(&self, timeout: Duration, pred: impl Fn(&[Received]) -> bool) -> bool {
         let deadline = Instant::now() + timeout;
         loop {
@@ -439,6 +480,23 @@ pub async fn get_json(r: &RouterProc, path: &str) -> (u16, Value) {
 }
 
 /// The fate of an event.
+/// The `/metrics` text ("" when it cannot be read).
+pub async fn metrics_text(r: &RouterProc) -> String {
+    match client().get(r.url("/metrics")).send().await {
+        Ok(resp) => resp.text().await.unwrap_or_default(),
+        Err(_) => String::new(),
+    }
+}
+
+/// The lines of `metrics` that mention `needle` (for assertion messages).
+pub fn metric_lines(metrics: &str, needle: &str) -> String {
+    metrics
+        .lines()
+        .filter(|l| l.contains(needle))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 pub async fn fate(r: &RouterProc, id: &str) -> Value {
     get_json(r, &format!("/v1/events/{id}?source=/test"))
         .await

@@ -426,9 +426,10 @@ async fn an_open_breaker_and_a_paused_target_survive_kill_9() {
     assert!(opened.is_some());
     r.kill9();
     // Attempts that were already on the wire when the breaker opened may still land at the
-    // receiver; count after the process is gone.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let hits = rcv.count();
+    // receiver; count once they have.
+    let hits = rcv
+        .settled_count(Duration::from_millis(500), Duration::from_secs(10))
+        .await;
     r.restart();
     let st = target_state(&r, "flaky").await;
     assert_eq!(st["breaker"]["state"], "open", "{st}");

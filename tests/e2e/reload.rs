@@ -103,14 +103,7 @@ async fn rules_reload_on_change_and_a_broken_file_is_refused() {
         b.wait_for(Duration::from_secs(10), |s| s.len() == 2).await,
         "the old set still routes"
     );
-    let metrics = client()
-        .get(r.url("/metrics"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("text");
+    let metrics = metrics_text(&r).await;
     assert!(
         metrics.contains("router_reloads_total{result=\"error\"}"),
         "{metrics}"

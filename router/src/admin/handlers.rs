@@ -194,6 +194,22 @@ pub async fn delete(
 #[derive(Debug, Deserialize)]
 pub struct LogsQuery {
     limit: Option<usize>,
+    event_id: Option<String>,
+    level: Option<LogLevelParam>,
+}
+
+/// Most lines one logs request returns.
+const MAX_LOG_LINES: usize = 5000;
+
+/// `level=`: the lowest level returned.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum LogLevelParam {
+    Trace,
+    Debug,
+    Info,
+    Warn,
+    Error,
 }
 
 /// `GET /v1/handlers/{name}/logs?limit=`: recent captured lines (size-capped), with event id,
@@ -207,8 +223,29 @@ pub async fn logs(
     if let Err(r) = require(&who, &Scope::Handlers(name.clone())) {
         return *r;
     }
-    match runtime(&app) {
-        Ok(rt) => axum::Json(json!({ "handler": name, "lines": rt.logs.recent(&name, q.limit.unwrap_or(200).min(crate::target::handler::LOG_LINES_PER_HANDLER)) })).into_response(),
-        Err(r) => *r,
+    let rt = match runtime(&app) {
+        Ok(rt) => rt,
+        Err(r) => return *r,
+    };
+    let query = crate::wasm::LogQuery {
+        limit: q.limit.unwrap_or(200).min(MAX_LOG_LINES),
+        event_id: q.event_id,
+        min_level: q.level.map(|l| format!("{l:?}").to_ascii_lowercase()),
+    };
+    let (rt, read_name) = (rt.clone(), name.clone());
+    let read = tokio::task::spawn_blocking(move || rt.logs.recent(&read_name, &query))
+        .await
+        .map_err(std::io::Error::other)
+        .and_then(|r| r);
+    match read {
+        Ok(lines) => axum::Json(json!({ "handler": name, "lines": lines })).into_response(),
+        Err(e) => {
+            tracing::error!(handler = %name, error = %e, "reading handler logs failed");
+            error_response(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "could not read the handler's logs",
+                Vec::new(),
+            )
+        }
     }
 }

@@ -440,9 +440,25 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
         "reload": *app.reload_status.lock().unwrap_or_else(|p| p.into_inner()),
         "contracts": { "version": contracts.version(), "count": contracts.contracts().len(), "dir": app.cfg.contracts_dir },
         "store": { "backend": "redb", "bytes": app.store.disk_bytes(), "dir": app.cfg.data_dir },
+        "handler_kv": handler_kv_status(&app),
         "warnings": *app.warnings.lock().unwrap_or_else(|p| p.into_inner()),
     }))
     .into_response()
+}
+
+/// Each handler's key-value namespace against its bound (`handlers.kv_max_bytes`).
+fn handler_kv_status(app: &App) -> serde_json::Value {
+    let max = app.cfg.handlers.kv_max_bytes;
+    match app.store.kv_usage() {
+        Ok(usage) => json!({
+            "max_bytes": max,
+            "namespaces": usage
+                .into_iter()
+                .map(|(h, u)| (h, json!({ "bytes": u.bytes, "keys": u.keys, "used_fraction": u.bytes as f64 / max.max(1) as f64 })))
+                .collect::<serde_json::Map<_, _>>(),
+        }),
+        Err(e) => json!({ "max_bytes": max, "error": e.to_string() }),
+    }
 }
 
 /// `GET /metrics`.

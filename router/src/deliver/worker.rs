@@ -447,6 +447,7 @@ async fn attempt(
     };
     let finished_at = end.finished_at;
     let end_error = end.error.clone();
+    crate::failpoint::crash_point("before_ack", &spec.id);
     match ctx
         .store
         .finish(leased.entry.id, leased.lease, end, disposition, finished_at)
@@ -483,30 +484,25 @@ async fn attempt(
         }
         Err(FinishError::Conflict(key)) => {
             // A concurrent delivery changed a key this invocation's compare-and-set relied on:
-            // nothing was written. Record a retryable attempt without the effects; the handler
-            // runs again on fresh data.
+            // nothing was written. The handler runs again on fresh data.
             ctx.metrics
                 .deliveries
                 .get_or_create(&labels("conflict"))
                 .inc();
             tracing::warn!(key = %key, "handler key-value precondition failed; the delivery runs again");
-            let end = AttemptEnd {
-                finished_at,
-                result: AttemptResult::Retryable,
-                status: None,
-                error: Some(format!("key-value precondition failed for {key}; retried")),
-                outbox: None,
-            };
-            let retry = Disposition::Retry {
-                due_at: finished_at + 100,
-            };
-            if let Err(e) = ctx
-                .store
-                .finish(leased.entry.id, leased.lease, end, retry, finished_at)
-                .await
-            {
-                tracing::error!(error = %e, "could not record the conflict; the entry returns when its lease expires");
-            }
+            let error = format!("key-value precondition failed for {key}; retried");
+            retry_without_effects(&ctx, &leased, finished_at, error, 100).await;
+        }
+        Err(e @ FinishError::KvQuota { .. }) => {
+            // Concurrent deliveries of the handler grew its namespace after this invocation
+            // checked the bound: nothing was written. The next run sees the full namespace and
+            // fails through the normal retry policy (or fits, if keys expired meanwhile).
+            ctx.metrics
+                .deliveries
+                .get_or_create(&labels("kv_quota"))
+                .inc();
+            tracing::warn!(error = %e, "handler key-value namespace full at commit; the delivery runs again");
+            retry_without_effects(&ctx, &leased, finished_at, format!("{e}; retried"), 1000).await;
         }
         Err(FinishError::Fenced) => {
             ctx.metrics
@@ -521,6 +517,34 @@ async fn attempt(
             // The lease stays recorded; it expires and the entry is attempted again.
             tracing::error!(error = %e, "could not record the attempt; the entry will be retried when its lease expires");
         }
+    }
+}
+
+/// Records an attempt whose effects the store refused (a compare-and-set conflict, a full
+/// key-value namespace) as retryable without its outbox, due again after `delay_ms`.
+async fn retry_without_effects(
+    ctx: &DeliveryContext,
+    leased: &Leased,
+    finished_at: i64,
+    error: String,
+    delay_ms: i64,
+) {
+    let end = AttemptEnd {
+        finished_at,
+        result: AttemptResult::Retryable,
+        status: None,
+        error: Some(error),
+        outbox: None,
+    };
+    let retry = Disposition::Retry {
+        due_at: finished_at + delay_ms,
+    };
+    if let Err(e) = ctx
+        .store
+        .finish(leased.entry.id, leased.lease, end, retry, finished_at)
+        .await
+    {
+        tracing::error!(error = %e, "could not record the refused commit; the entry returns when its lease expires");
     }
 }
 

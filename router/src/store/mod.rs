@@ -66,6 +66,19 @@ pub enum FinishError {
     /// the delivery must run again.
     #[error("key-value precondition failed for {0:?}")]
     Conflict(String),
+    /// The outbox would grow a handler's key-value namespace past its bound: nothing was
+    /// written.
+    #[error(
+        "key-value namespace {namespace:?} would hold {would_hold} bytes, over its limit of {max} bytes"
+    )]
+    KvQuota {
+        /// The handler.
+        namespace: String,
+        /// Bytes (keys plus values) the namespace would hold after the writes.
+        would_hold: u64,
+        /// The bound.
+        max: u64,
+    },
     /// Storage failure.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -82,6 +95,8 @@ pub struct SweepStats {
     pub pending: u64,
     /// Handler COMPLETED records removed at their expiry.
     pub completed_expired: u64,
+    /// Handler key-value entries removed at their expiry (TTL).
+    pub kv_expired: u64,
     /// True when the sweep stopped at its batch bound with more left to do.
     pub more: bool,
 }
@@ -200,6 +215,12 @@ pub trait Store: Send + Sync + 'static {
         key: &str,
         now: Millis,
     ) -> Result<Option<Vec<u8>>, StoreError>;
+
+    /// What each handler's key-value namespace holds (namespaces never written are absent).
+    fn kv_usage(&self) -> Result<BTreeMap<String, KvUsage>, StoreError>;
+
+    /// What one handler's key-value namespace holds.
+    fn kv_usage_of(&self, namespace: &str) -> Result<KvUsage, StoreError>;
 
     /// Ordering keys of `target` held after a dead letter.
     fn held_keys(&self, target: &str) -> Vec<String>;

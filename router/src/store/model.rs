@@ -405,6 +405,19 @@ pub struct Outbox {
     pub cas: Vec<(String, String, Option<Vec<u8>>)>,
     /// The handler's COMPLETED record, written with the ack of a successful invocation.
     pub completed: Option<CompletedRecord>,
+    /// Bound on the bytes (keys plus values) of each namespace these writes touch: a commit
+    /// that would grow a namespace past it is refused (`FinishError::KvQuota`) and writes
+    /// nothing. Shrinking writes always pass.
+    pub kv_max_bytes: Option<u64>,
+}
+
+/// What one handler's key-value namespace holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct KvUsage {
+    /// Bytes of keys plus values.
+    pub bytes: u64,
+    /// Number of keys.
+    pub keys: u64,
 }
 
 /// A handler's COMPLETED mark: its delivery (idempotency key) was handled, with this result.

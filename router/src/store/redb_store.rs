@@ -38,6 +38,11 @@ const HELD: TableDefinition<(&str, &str), ()> = TableDefinition::new("held_keys"
 const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
 /// (handler, key) → (expires_at or i64::MAX, value).
 const KV: TableDefinition<(&str, &str), (i64, &[u8])> = TableDefinition::new("handler_kv");
+/// (expires_at, handler, key): KV entries with a TTL in expiry order, for the sweeper.
+const KV_EXP: TableDefinition<(i64, &str, &str), ()> = TableDefinition::new("handler_kv_exp");
+/// handler → (bytes of keys plus values, keys): each namespace's size, kept with every write,
+/// which its bound (`handlers.kv_max_bytes`) is checked against.
+const KV_USAGE: TableDefinition<&str, (u64, u64)> = TableDefinition::new("handler_kv_usage");
 /// (handler, delivery idempotency key) → (expires_at, stored result): the COMPLETED table.
 const COMPLETED: TableDefinition<(&str, &str), (i64, &[u8])> =
     TableDefinition::new("handler_completed");
@@ -54,6 +59,8 @@ const MAX_GROUP_EVENTS: usize = 1024;
 /// Most events held back by `MAX_GROUP_EVENTS` before the committer stops draining its channel
 /// (then everyone waits in the channel, which is bounded, and ingest feels the back-pressure).
 const MAX_DEFERRED_EVENTS: usize = 8 * MAX_GROUP_EVENTS;
+/// How often a database closed by a write error is reopened while nothing else is written.
+const REOPEN_RETRY: Duration = Duration::from_millis(200);
 /// Files smaller than this are never compacted.
 const COMPACT_MIN_BYTES: u64 = 64 << 20;
 /// Events examined per sweep call, so a sweep never holds the committer for long.
@@ -925,6 +932,29 @@ impl Store for RedbStore {
         }))
     }
 
+    fn kv_usage(&self) -> Result<BTreeMap<String, KvUsage>, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(KV_USAGE)?;
+        t.iter()?
+            .map(|row| {
+                let (k, v) = row?;
+                let (bytes, keys) = v.value();
+                Ok((k.value().to_string(), KvUsage { bytes, keys }))
+            })
+            .collect()
+    }
+
+    fn kv_usage_of(&self, namespace: &str) -> Result<KvUsage, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(KV_USAGE)?;
+        Ok(t.get(namespace)?.map_or_else(KvUsage::default, |v| {
+            let (bytes, keys) = v.value();
+            KvUsage { bytes, keys }
+        }))
+    }
+
     fn held_keys(&self, target: &str) -> Vec<String> {
         self.index().target(target).held.iter().cloned().collect()
     }
@@ -1216,13 +1246,22 @@ fn recover(db: &Database) -> Result<(u64, (u64, u64), Index), StoreError> {
         txn.open_table(TARGET_STATE)?;
         txn.open_table(JOBS)?;
         txn.open_table(KV)?;
+        txn.open_table(KV_EXP)?;
+        txn.open_table(KV_USAGE)?;
         txn.open_table(COMPLETED)?;
         txn.open_table(COMPLETED_EXP)?;
+
         for row in txn.open_table(HELD)?.iter()? {
             let (k, _) = row?;
             let (t, key) = k.value();
             index.target(t).held.insert(key.to_string());
         }
+    }
+    // Stores written before the KV sizes and expiry index were kept get them built once.
+    if read_u64(&txn.open_table(META)?, "kv_accounting")?.is_none() {
+        rebuild_kv_accounting(&txn)?;
+        txn.open_table(META)?
+            .insert("kv_accounting", 1u64.to_le_bytes().as_slice())?;
     }
     txn.commit()?;
     Ok((boot, counters, index))
@@ -1285,6 +1324,25 @@ impl Committer {
         }
     }
 
+    /// Waits for the next op. While the database is closed after a write error, it keeps
+    /// trying to reopen it even with nothing to write: readers (fates, the DLQ, /metrics)
+    /// need it back as soon as the disk heals, not at the next write.
+    fn next_op(&mut self, rx: &mut mpsc::Receiver<Op>) -> Option<Op> {
+        loop {
+            if !self.poisoned {
+                return rx.blocking_recv();
+            }
+            match rx.try_recv() {
+                Ok(op) => return Some(op),
+                Err(mpsc::error::TryRecvError::Disconnected) => return None,
+                Err(mpsc::error::TryRecvError::Empty) => {
+                    std::thread::sleep(REOPEN_RETRY);
+                    self.try_reopen();
+                }
+            }
+        }
+    }
+
     fn run(mut self, mut rx: mpsc::Receiver<Op>) {
         let mut deferred: std::collections::VecDeque<Op> = std::collections::VecDeque::new();
         let mut deferred_events = 0usize;
@@ -1294,7 +1352,7 @@ impl Committer {
                     deferred_events -= op.accepted_events();
                     op
                 }
-                None => match rx.blocking_recv() {
+                None => match self.next_op(&mut rx) {
                     Some(op) => op,
                     None => break,
                 },
@@ -1716,8 +1774,9 @@ impl Committer {
         Ok(out)
     }
 
-    /// Checks the outbox's compare-and-set preconditions, then writes its key-value changes
-    /// and accepts its emitted events, in the transaction of the ack.
+    /// Checks the outbox's compare-and-set preconditions and its namespaces' size bound, then
+    /// writes its key-value changes and accepts its emitted events, in the transaction of the
+    /// ack. Refusals come before any write, so a refused outbox leaves nothing behind.
     fn apply_outbox(
         &mut self,
         txn: &WriteTransaction,
@@ -1739,24 +1798,42 @@ impl Committer {
                     return Err(FinishError::Conflict(format!("{ns}/{key}")));
                 }
             }
-        }
-        let mut kv = txn.open_table(KV).map_err(StoreError::from)?;
-        for op in &outbox.kv {
-            match &op.value {
-                Some(v) => {
-                    kv.insert(
-                        (op.namespace.as_str(), op.key.as_str()),
-                        (op.expires_at.unwrap_or(i64::MAX), v.as_slice()),
-                    )
-                    .map_err(StoreError::from)?;
+            if let Some(max) = outbox.kv_max_bytes {
+                let mut growth: BTreeMap<&str, i64> = BTreeMap::new();
+                let mut seen = BTreeSet::new();
+                // Ops are applied in order, so only the last op on a key decides its size.
+                for op in outbox.kv.iter().rev() {
+                    if !seen.insert((op.namespace.as_str(), op.key.as_str())) {
+                        continue;
+                    }
+                    let old = kv
+                        .get((op.namespace.as_str(), op.key.as_str()))
+                        .map_err(StoreError::from)?
+                        .map_or(0, |v| kv_size(&op.key, v.value().1));
+                    let new = op.value.as_deref().map_or(0, |v| kv_size(&op.key, v));
+                    *growth.entry(op.namespace.as_str()).or_default() += new - old;
                 }
-                None => {
-                    kv.remove((op.namespace.as_str(), op.key.as_str()))
-                        .map_err(StoreError::from)?;
+                let usage = txn.open_table(KV_USAGE).map_err(StoreError::from)?;
+                for (ns, grow) in growth.into_iter().filter(|(_, g)| *g > 0) {
+                    let held = usage
+                        .get(ns)
+                        .map_err(StoreError::from)?
+                        .map_or(0, |v| v.value().0);
+                    let would_hold = held.saturating_add(grow.unsigned_abs());
+                    if would_hold > max {
+                        return Err(FinishError::KvQuota {
+                            namespace: ns.to_string(),
+                            would_hold,
+                            max,
+                        });
+                    }
                 }
             }
         }
-        drop(kv);
+        for op in &outbox.kv {
+            let expires_at = op.expires_at.unwrap_or(i64::MAX);
+            kv_put(txn, &op.namespace, &op.key, op.value.as_deref(), expires_at)?;
+        }
         if let Some(c) = &outbox.completed {
             let mut t = txn.open_table(COMPLETED).map_err(StoreError::from)?;
             let mut exp = txn.open_table(COMPLETED_EXP).map_err(StoreError::from)?;
@@ -2332,8 +2409,47 @@ fn sweep(
     )?;
 
     // COMPLETED records past their expiry, oldest first, a batch at a time.
-    let expired: Vec<(i64, String, String)> = txn
-        .open_table(COMPLETED_EXP)?
+    let expired = expired_batch(txn, COMPLETED_EXP, now)?;
+    stats.more |= expired.len() >= SWEEP_BATCH;
+    let mut completed = txn.open_table(COMPLETED)?;
+    let mut exp = txn.open_table(COMPLETED_EXP)?;
+    for (at, h, key) in expired {
+        exp.remove((at, h.as_str(), key.as_str()))?;
+        completed.remove((h.as_str(), key.as_str()))?;
+        stats.completed_expired += 1;
+    }
+    drop((completed, exp));
+
+    // Handler KV entries past their TTL (reads already treat them as absent; this gives their
+    // space back and keeps the namespace's size honest).
+    let expired = expired_batch(txn, KV_EXP, now)?;
+    stats.more |= expired.len() >= SWEEP_BATCH;
+    for (at, ns, key) in expired {
+        let current = txn
+            .open_table(KV)?
+            .get((ns.as_str(), key.as_str()))?
+            .map(|v| v.value().0);
+        if current == Some(at) {
+            kv_put(txn, &ns, &key, None, i64::MAX)?;
+            stats.kv_expired += 1;
+        } else {
+            // Rewritten since (kv_put keeps the index in step; this is only a stale row).
+            txn.open_table(KV_EXP)?
+                .remove((at, ns.as_str(), key.as_str()))?;
+        }
+    }
+    Ok(stats)
+}
+
+/// The oldest rows of an expiry index `(expires_at, handler, key)` due before `now`, at most a
+/// sweep batch.
+fn expired_batch(
+    txn: &WriteTransaction,
+    index: TableDefinition<(i64, &str, &str), ()>,
+    now: Millis,
+) -> Result<Vec<(i64, String, String)>, StoreError> {
+    let rows = txn
+        .open_table(index)?
         .range(..(now, "", ""))?
         .take(SWEEP_BATCH)
         .map(|r| {
@@ -2343,15 +2459,81 @@ fn sweep(
             })
         })
         .collect::<Result<_, _>>()?;
-    stats.more |= expired.len() >= SWEEP_BATCH;
-    let mut completed = txn.open_table(COMPLETED)?;
-    let mut exp = txn.open_table(COMPLETED_EXP)?;
-    for (at, h, key) in expired {
-        exp.remove((at, h.as_str(), key.as_str()))?;
-        completed.remove((h.as_str(), key.as_str()))?;
-        stats.completed_expired += 1;
+    Ok(rows)
+}
+
+/// What one key-value entry counts against its namespace's bound.
+fn kv_size(key: &str, value: &[u8]) -> i64 {
+    i64::try_from(key.len() + value.len()).unwrap_or(i64::MAX)
+}
+
+/// Writes (or, with `value: None`, deletes) one handler key-value entry, keeping the expiry
+/// index and the namespace's size in step.
+fn kv_put(
+    txn: &WriteTransaction,
+    ns: &str,
+    key: &str,
+    value: Option<&[u8]>,
+    expires_at: i64,
+) -> Result<(), StoreError> {
+    let mut kv = txn.open_table(KV)?;
+    let old = match value {
+        Some(v) => kv.insert((ns, key), (expires_at, v))?,
+        None => kv.remove((ns, key))?,
     }
-    Ok(stats)
+    .map(|g| {
+        let (exp, val) = g.value();
+        (exp, kv_size(key, val))
+    });
+    drop(kv);
+    let mut exp = txn.open_table(KV_EXP)?;
+    if let Some((old_exp, _)) = old.filter(|(e, _)| *e != i64::MAX) {
+        exp.remove((old_exp, ns, key))?;
+    }
+    if value.is_some() && expires_at != i64::MAX {
+        exp.insert((expires_at, ns, key), ())?;
+    }
+    drop(exp);
+    let (old_bytes, old_keys) = old.map_or((0, 0), |(_, b)| (b, 1));
+    let (new_bytes, new_keys) = value.map_or((0, 0), |v| (kv_size(key, v), 1));
+    if (old_bytes, old_keys) == (new_bytes, new_keys) {
+        return Ok(());
+    }
+    let mut usage = txn.open_table(KV_USAGE)?;
+    let (bytes, keys) = usage.get(ns)?.map_or((0, 0), |v| v.value());
+    let bytes =
+        u64::try_from((i64::try_from(bytes).unwrap_or(i64::MAX) + new_bytes - old_bytes).max(0))
+            .unwrap_or(0);
+    let keys = (keys + new_keys).saturating_sub(old_keys);
+    if keys == 0 {
+        usage.remove(ns)?;
+    } else {
+        usage.insert(ns, (bytes, keys))?;
+    }
+    Ok(())
+}
+
+/// Builds the expiry index and the per-namespace sizes from the KV table (stores written
+/// before they existed).
+fn rebuild_kv_accounting(txn: &WriteTransaction) -> Result<(), StoreError> {
+    let mut usage: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    let mut exp = txn.open_table(KV_EXP)?;
+    for row in txn.open_table(KV)?.iter()? {
+        let (k, v) = row?;
+        let (ns, key) = k.value();
+        let (at, val) = v.value();
+        let u = usage.entry(ns.to_string()).or_default();
+        u.0 += u64::try_from(kv_size(key, val)).unwrap_or(0);
+        u.1 += 1;
+        if at != i64::MAX {
+            exp.insert((at, ns, key), ())?;
+        }
+    }
+    let mut t = txn.open_table(KV_USAGE)?;
+    for (ns, u) in usage {
+        t.insert(ns.as_str(), u)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

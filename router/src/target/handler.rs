@@ -2,13 +2,11 @@
 //! turns what it produced into an outbox (emitted events + key-value writes) that the worker
 //! commits atomically with the delivery's ack.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::Semaphore;
 
@@ -16,10 +14,19 @@ use super::{AttemptOutcome, DeliveryRequest, Target};
 use crate::clock::Clock;
 use crate::event::CloudEvent;
 use crate::store::{CompletedRecord, DlqReason, KvOp, NewEvent, Outbox, Store};
-use crate::wasm::{DeliveryInfo, HandlerLimits, HandlerRegistry, InvocationOutcome, KvReader};
+use crate::wasm::{
+    DeliveryInfo, HandlerLimits, HandlerLogs, HandlerRegistry, InvocationOutcome, KvReader,
+    LogRecord,
+};
 
-/// Turns emitted events into what the store accepts (contracts, rules, loop detection).
-pub type Prepare = Arc<dyn Fn(&EmitterOf, Vec<CloudEvent>, i64) -> Vec<NewEvent> + Send + Sync>;
+/// Turns emitted events into what the store accepts (contracts, rules, loop detection);
+/// `None` once the router is gone (shutting down): the emissions cannot be routed.
+pub type Prepare =
+    Arc<dyn Fn(&EmitterOf, Vec<CloudEvent>, i64) -> Option<Vec<NewEvent>> + Send + Sync>;
+
+/// How long a delivery waits at start for the router to wire up emission routing (workers
+/// start, and resume reclaimed deliveries, before the router is fully assembled).
+const WIRING_WAIT: Duration = Duration::from_secs(10);
 
 /// Who emitted a batch of events: the handler and the owner of its active version (the
 /// principal that uploaded it), whose ingest scope the emissions must fall within.
@@ -31,56 +38,6 @@ pub struct EmitterOf {
     pub owner: String,
 }
 
-/// One captured handler log line, kept for the owning team.
-#[derive(Debug, Clone, Serialize)]
-pub struct LogRecord {
-    /// RFC 3339.
-    pub at: String,
-    /// Level.
-    pub level: String,
-    /// Message (traps keep theirs).
-    pub message: String,
-    /// The event being handled.
-    pub event_id: String,
-    /// Attempt number.
-    pub attempt: u32,
-    /// Handler version (sha256 prefix).
-    pub version: String,
-}
-
-/// Recent log lines per handler, capped.
-#[derive(Default)]
-pub struct HandlerLogs {
-    lines: Mutex<HashMap<String, VecDeque<LogRecord>>>,
-}
-
-/// Lines kept per handler.
-pub const LOG_LINES_PER_HANDLER: usize = 1000;
-
-impl HandlerLogs {
-    fn push(&self, handler: &str, rec: LogRecord) {
-        let mut g = self.lines.lock().unwrap_or_else(|p| p.into_inner());
-        let q = g.entry(handler.to_string()).or_default();
-        if q.len() >= LOG_LINES_PER_HANDLER {
-            q.pop_front();
-        }
-        q.push_back(rec);
-    }
-
-    /// The most recent `limit` lines of `handler`, oldest first.
-    pub fn recent(&self, handler: &str, limit: usize) -> Vec<LogRecord> {
-        let g = self.lines.lock().unwrap_or_else(|p| p.into_inner());
-        g.get(handler)
-            .map(|q| {
-                q.iter()
-                    .skip(q.len().saturating_sub(limit))
-                    .cloned()
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-}
-
 /// Shared by every handler target.
 pub struct HandlerRuntime {
     /// Uploaded handlers.
@@ -89,12 +46,14 @@ pub struct HandlerRuntime {
     pub limits: HandlerLimits,
     /// Bounds concurrent instances to the pooling allocator's size.
     pub slots: Arc<Semaphore>,
-    /// Captured logs.
+    /// Captured logs, kept on disk per handler.
     pub logs: HandlerLogs,
     /// Emitted events past this many hops go to the DLQ as `loop_detected`.
     pub hop_limit: u32,
     /// How long COMPLETED records are kept, ms.
     pub completed_ttl_ms: i64,
+    /// Bound on each handler's key-value namespace (keys plus values), bytes.
+    pub kv_max_bytes: Option<u64>,
     /// Deliveries answered from COMPLETED, per handler.
     pub completed_hits: prometheus_client::metrics::family::Family<
         crate::telemetry::Labels,
@@ -112,17 +71,25 @@ struct StoreKv {
     store: Arc<dyn Store>,
     namespace: String,
     now: i64,
+    max_bytes: Option<u64>,
 }
 
 impl KvReader for StoreKv {
-    fn get(&self, key: &str) -> Option<Vec<u8>> {
-        match self.store.kv_get(&self.namespace, key, self.now) {
-            Ok(v) => v,
-            Err(e) => {
-                tracing::error!(error = %e, "handler kv read failed");
-                None
-            }
-        }
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>, String> {
+        self.store
+            .kv_get(&self.namespace, key, self.now)
+            .map_err(|e| e.to_string())
+    }
+
+    fn room(&self) -> Result<Option<u64>, String> {
+        let Some(max) = self.max_bytes else {
+            return Ok(None);
+        };
+        let used = self
+            .store
+            .kv_usage_of(&self.namespace)
+            .map_err(|e| e.to_string())?;
+        Ok(Some(max.saturating_sub(used.bytes)))
     }
 }
 
@@ -141,7 +108,7 @@ impl HandlerTarget {
     fn log(&self, req: &DeliveryRequest, version: &str, level: &str, message: String) {
         self.rt.logs.push(
             &self.name,
-            LogRecord {
+            &LogRecord {
                 at: crate::clock::rfc3339(self.rt.clock.now_ms()),
                 level: level.to_string(),
                 message,
@@ -153,6 +120,9 @@ impl HandlerTarget {
     }
 
     async fn run(&self, req: &DeliveryRequest) -> (AttemptOutcome, Option<Box<Effects>>) {
+        if !self.wait_for_wiring().await {
+            return (not_wired(), None);
+        }
         let Some(h) = self.rt.registry.active(&self.name) else {
             return (
                 AttemptOutcome::Retryable {
@@ -232,6 +202,7 @@ impl HandlerTarget {
             store: self.rt.store.clone(),
             namespace: self.name.clone(),
             now,
+            max_bytes: self.rt.kv_max_bytes,
         });
         let info = DeliveryInfo {
             attempt: req.attempt,
@@ -286,6 +257,7 @@ impl HandlerTarget {
                 .map(|(k, v)| (self.name.clone(), k.clone(), v.clone()))
                 .collect(),
             completed: None,
+            kv_max_bytes: self.rt.kv_max_bytes,
         };
         let effects = |outbox| {
             Some(Box::new(Effects {
@@ -319,9 +291,11 @@ impl HandlerTarget {
                     result: serde_json::to_vec(&result).unwrap_or_default(),
                     expires_at: now.saturating_add(self.rt.completed_ttl_ms),
                 };
-                let prepared = match self.rt.prepare.get() {
-                    Some(p) => p(&emitter, events, now),
-                    None => Vec::new(),
+                let Some(prepared) = self.rt.prepare.get().and_then(|p| p(&emitter, events, now))
+                else {
+                    // Never ack a delivery whose emissions were not routed: that would lose
+                    // them. Nothing is committed; the delivery runs again.
+                    return (not_wired(), None);
                 };
                 let mut outbox = outbox_of(&inv, prepared);
                 outbox.completed = Some(completed);
@@ -372,6 +346,18 @@ impl HandlerTarget {
         }
     }
 
+    /// Waits (bounded) until emission routing is wired up; false if it never was.
+    async fn wait_for_wiring(&self) -> bool {
+        let deadline = tokio::time::Instant::now() + WIRING_WAIT;
+        while self.rt.prepare.get().is_none() {
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        true
+    }
+
     /// Completes partial emitted events: `id` derived from the delivery (a re-run produces the
     /// same ids, so ingest dedup drops its duplicates), `source` the handler's URI, `hops`.
     fn complete(
@@ -405,6 +391,16 @@ impl HandlerTarget {
                 Ok(ev)
             })
             .collect()
+    }
+}
+
+/// The router is starting or stopping and cannot route emitted events: retried, nothing kept.
+fn not_wired() -> AttemptOutcome {
+    AttemptOutcome::Retryable {
+        error: "the router is starting or stopping and cannot route emitted events yet; retried"
+            .into(),
+        status: None,
+        retry_after: Some(Duration::from_secs(1)),
     }
 }
 

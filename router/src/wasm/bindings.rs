@@ -27,8 +27,14 @@ use self::router::handler::{kv, log, types};
 /// Read access to a handler's key-value namespace, implemented by the router over its store.
 /// Keys are the handler's own (un-namespaced) keys.
 pub trait KvReader: Send + Sync {
-    /// The committed value under `key`, if any.
-    fn get(&self, key: &str) -> Option<Vec<u8>>;
+    /// The committed value under `key`, if any. An error (the store cannot be read) fails the
+    /// invocation, to be retried: acting on a wrong "absent" would break idempotent handlers.
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>, String>;
+
+    /// How many more bytes (keys plus values) the namespace may grow by, when it is bounded.
+    fn room(&self) -> Result<Option<u64>, String> {
+        Ok(None)
+    }
 }
 
 /// A [`KvReader`] over an empty namespace (used for `describe` and in tests).
@@ -36,8 +42,8 @@ pub trait KvReader: Send + Sync {
 pub struct EmptyKv;
 
 impl KvReader for EmptyKv {
-    fn get(&self, _key: &str) -> Option<Vec<u8>> {
-        None
+    fn get(&self, _key: &str) -> Result<Option<Vec<u8>>, String> {
+        Ok(None)
     }
 }
 
@@ -315,6 +321,12 @@ pub(crate) struct KvSession {
     pub(crate) cas_checks: Vec<(String, Option<Vec<u8>>)>,
     written_bytes: usize,
     cap: usize,
+    /// Committed size (key plus value, 0 when absent) of each key this invocation wrote.
+    committed_sizes: HashMap<String, u64>,
+    /// How much the buffered writes grow the namespace (negative: they shrink it).
+    growth: i64,
+    /// The namespace's room, read at the first growing write (`Some(None)`: unbounded).
+    room: Option<Option<u64>>,
 }
 
 impl KvSession {
@@ -326,14 +338,69 @@ impl KvSession {
             cas_checks: Vec::new(),
             written_bytes: 0,
             cap,
+            committed_sizes: HashMap::new(),
+            growth: 0,
+            room: None,
         }
     }
 
-    fn current(&self, key: &str) -> Option<Vec<u8>> {
+    fn current(&self, key: &str) -> Result<Option<Vec<u8>>, HostLimitBreach> {
         match self.overlay.get(key) {
-            Some(&i) => self.writes[i].value.clone(),
-            None => self.reader.get(key),
+            Some(&i) => Ok(self.writes[i].value.clone()),
+            None => self
+                .reader
+                .get(key)
+                .map_err(|e| HostLimitBreach(format!("kv read failed: {e}"))),
         }
+    }
+
+    /// Accounts a write of `key` (to `value`) against the namespace's bound: a write that
+    /// grows the namespace past it is refused.
+    fn account(&mut self, key: &str, value: Option<&[u8]>) -> Result<(), HostLimitBreach> {
+        let size = |v: Option<&[u8]>| v.map_or(0, |v| (key.len() + v.len()) as u64);
+        let committed = match self.committed_sizes.get(key) {
+            Some(&c) => c,
+            None => {
+                let c = size(
+                    self.reader
+                        .get(key)
+                        .map_err(|e| HostLimitBreach(format!("kv read failed: {e}")))?
+                        .as_deref(),
+                );
+                self.committed_sizes.insert(key.to_string(), c);
+                c
+            }
+        };
+        let before = match self.overlay.get(key) {
+            Some(&i) => size(self.writes[i].value.as_deref()),
+            None => committed,
+        };
+        let after = size(value);
+        let growth = self.growth + after as i64 - before as i64;
+        if after > before {
+            let room = match self.room {
+                Some(r) => r,
+                None => {
+                    let r = self
+                        .reader
+                        .room()
+                        .map_err(|e| HostLimitBreach(format!("kv read failed: {e}")))?;
+                    self.room = Some(r);
+                    r
+                }
+            };
+            if let Some(room) = room
+                && growth > 0
+                && growth as u64 > room
+            {
+                return Err(HostLimitBreach(format!(
+                    "kv namespace is full: this write needs {} more bytes than its limit allows (handlers.kv_max_bytes)",
+                    growth as u64 - room
+                )));
+            }
+        }
+        self.growth = growth;
+        Ok(())
     }
 
     fn check_key(key: &str) -> Result<(), HostLimitBreach> {
@@ -353,6 +420,7 @@ impl KvSession {
         ttl_ms: Option<u64>,
     ) -> Result<(), HostLimitBreach> {
         Self::check_key(&key)?;
+        self.account(&key, value.as_deref())?;
         self.written_bytes += key.len() + value.as_ref().map_or(0, Vec::len);
         if self.written_bytes > self.cap {
             return Err(HostLimitBreach(format!(
@@ -378,7 +446,7 @@ impl KvSession {
     ) -> Result<bool, HostLimitBreach> {
         Self::check_key(&key)?;
         let written_here = self.overlay.contains_key(&key);
-        let current = self.current(&key);
+        let current = self.current(&key)?;
         // The outcome depended on the committed value only when this invocation had not written
         // the key yet: that value is what the router must find unchanged at commit time.
         if !written_here && !self.cas_checks.iter().any(|(k, _)| *k == key) {
@@ -472,7 +540,8 @@ impl kv::Host for HostState {
     fn get(&mut self, key: String) -> WasmResult<Option<Vec<u8>>> {
         let checked = KvSession::check_key(&key);
         self.breach(checked)?;
-        Ok(self.kv.current(&key))
+        let current = self.kv.current(&key);
+        self.breach(current)
     }
 
     fn set(&mut self, key: String, value: Vec<u8>, ttl_ms: Option<u64>) -> WasmResult<()> {
@@ -509,29 +578,73 @@ pub(crate) fn linker(engine: &wasmtime::Engine) -> WasmResult<Linker<HostState>>
 mod tests {
     use super::*;
 
-    struct Fixed(Vec<(&'static str, &'static [u8])>);
+    struct Fixed(Vec<(&'static str, &'static [u8])>, Option<u64>);
 
     impl KvReader for Fixed {
-        fn get(&self, key: &str) -> Option<Vec<u8>> {
-            self.0
+        fn get(&self, key: &str) -> Result<Option<Vec<u8>>, String> {
+            Ok(self
+                .0
                 .iter()
                 .find(|(k, _)| *k == key)
-                .map(|(_, v)| v.to_vec())
+                .map(|(_, v)| v.to_vec()))
+        }
+
+        fn room(&self) -> Result<Option<u64>, String> {
+            Ok(self.1)
+        }
+    }
+
+    struct Broken;
+
+    impl KvReader for Broken {
+        fn get(&self, _key: &str) -> Result<Option<Vec<u8>>, String> {
+            Err("disk on fire".into())
         }
     }
 
     fn session() -> KvSession {
-        KvSession::new(Arc::new(Fixed(vec![("a", b"1")])), 1 << 10)
+        KvSession::new(Arc::new(Fixed(vec![("a", b"1")], None)), 1 << 10)
+    }
+
+    fn current(kv: &KvSession, key: &str) -> Option<Vec<u8>> {
+        kv.current(key).unwrap()
+    }
+
+    #[test]
+    fn a_bounded_namespace_refuses_growth_past_its_room_but_never_shrinking() {
+        // "a" (key 1 + value 1 = 2 bytes) is committed; 10 more bytes fit.
+        let mut kv = KvSession::new(Arc::new(Fixed(vec![("a", b"1")], Some(10))), 1 << 10);
+        kv.write("b".into(), Some(vec![0; 8]), None).unwrap(); // +9
+        let err = kv.write("c".into(), Some(vec![0; 1]), None).unwrap_err(); // +2 > 1 left
+        assert!(err.0.contains("needs 1 more bytes"), "{}", err.0);
+        // Replacing a value counts only the difference; deleting gives room back.
+        kv.write("a".into(), Some(vec![0; 2]), None).unwrap(); // +1: exactly full
+        kv.write("a".into(), None, None).unwrap(); // -3
+        kv.write("c".into(), Some(vec![0; 1]), None).unwrap(); // +2
+        assert_eq!(kv.growth, 9);
+        // A full namespace refuses growth but accepts deletes, whose room then serves.
+        let mut full = KvSession::new(Arc::new(Fixed(vec![("a", b"123")], Some(0))), 1 << 10);
+        assert!(full.write("b".into(), Some(vec![1]), None).is_err());
+        full.write("a".into(), None, None).unwrap();
+        full.write("b".into(), Some(vec![1]), None).unwrap();
+    }
+
+    #[test]
+    fn a_failed_kv_read_fails_the_call_instead_of_reading_as_absent() {
+        let mut kv = KvSession::new(Arc::new(Broken), 1 << 10);
+        assert!(kv.current("a").unwrap_err().0.contains("disk on fire"));
+        assert!(kv.compare_and_set("a".into(), None, Some(vec![1])).is_err());
+        assert!(kv.write("a".into(), Some(vec![1]), None).is_err());
     }
 
     #[test]
     fn reads_see_own_writes_and_writes_collapse_per_key() {
         let mut kv = session();
-        assert_eq!(kv.current("a").as_deref(), Some(&b"1"[..]));
+        assert_eq!(current(&kv, "a").as_deref(), Some(&b"1"[..]));
         kv.write("a".into(), Some(b"2".to_vec()), Some(5)).unwrap();
         kv.write("b".into(), Some(b"x".to_vec()), None).unwrap();
         kv.write("a".into(), None, None).unwrap();
-        assert_eq!(kv.current("a"), None);
+        assert_eq!(current(&kv, "a"), None);
         assert_eq!(kv.writes.len(), 2);
         assert_eq!(
             kv.writes[0],
@@ -569,7 +682,7 @@ mod tests {
                 ("n".to_owned(), None)
             ]
         );
-        assert_eq!(kv.current("a").as_deref(), Some(&b"3"[..]));
+        assert_eq!(current(&kv, "a").as_deref(), Some(&b"3"[..]));
     }
 
     #[test]

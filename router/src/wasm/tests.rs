@@ -117,8 +117,8 @@ fn run(name: &str, event: &Value, limits: &HandlerLimits) -> Invocation {
 struct MapKv(Mutex<HashMap<String, Vec<u8>>>);
 
 impl KvReader for MapKv {
-    fn get(&self, key: &str) -> Option<Vec<u8>> {
-        self.0.lock().unwrap().get(key).cloned()
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>, String> {
+        Ok(self.0.lock().unwrap().get(key).cloned())
     }
 }
 

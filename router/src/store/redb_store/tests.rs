@@ -332,8 +332,20 @@ async fn a_failing_disk_fails_the_accept_and_recovers() {
             .await
             .is_err()
     );
+    // Readers fail while the database is closed...
+    assert!(s.fate("/s", "0").is_err());
     disk.set_failing(false);
-    // Healed: the committer reopens the database and the write goes through, as the first
+    // ...and come back once the disk heals, without waiting for a write to trigger the reopen.
+    let mut back = false;
+    for _ in 0..100 {
+        if s.fate("/s", "0").is_ok_and(|f| f.is_some()) {
+            back = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(back, "readers still fail after the disk healed");
+    // Healed: the committer reopened the database and the write goes through, as the first
     // copy (nothing of the failed attempts was stored), with the next sequence number.
     let r = s
         .accept(vec![new_event("/s", "1", &["a"], 1000)])
@@ -639,4 +651,165 @@ async fn an_ack_refused_by_its_fence_writes_no_completed_record() {
         .await;
     assert!(matches!(r, Err(FinishError::Fenced)), "{r:?}");
     assert_eq!(s.completed_get("h", &key, 2000).expect("read"), None);
+}
+
+/// Leases the one entry of `target` and acks it with `kv` writes under a `max` bound.
+async fn ack_with_kv(
+    s: &RedbStore,
+    id: &str,
+    kv: Vec<KvOp>,
+    max: Option<u64>,
+    at: Millis,
+) -> Result<(), FinishError> {
+    s.accept(vec![new_event("/kv", id, &["h"], at)])
+        .await
+        .expect("accept");
+    let l = s.lease("h", at, 10, 5000).await.expect("lease").remove(0);
+    let mut end = delivered(at + 1);
+    end.outbox = Some(Box::new(Outbox {
+        kv,
+        kv_max_bytes: max,
+        ..Outbox::default()
+    }));
+    s.finish(l.entry.id, l.lease, end, Disposition::Delivered, at + 1)
+        .await
+}
+
+fn put(key: &str, len: usize, expires_at: Option<Millis>) -> KvOp {
+    KvOp {
+        namespace: "h".into(),
+        key: key.into(),
+        value: Some(vec![b'v'; len]),
+        expires_at,
+    }
+}
+
+#[tokio::test]
+async fn kv_namespaces_are_sized_bounded_at_commit_and_swept_at_expiry() {
+    let s = RedbStore::in_memory().expect("store");
+    let usage = |s: &RedbStore| s.kv_usage_of("h").expect("usage");
+    // Two keys: 1 + 9 and 1 + 19 bytes; "b" expires at 3000.
+    ack_with_kv(
+        &s,
+        "1",
+        vec![put("a", 9, None), put("b", 19, Some(3000))],
+        Some(40),
+        1000,
+    )
+    .await
+    .expect("fits");
+    assert_eq!(usage(&s), KvUsage { bytes: 30, keys: 2 });
+    // Growing past the bound is refused as a whole: nothing of the outbox is written, and
+    // the entry's lease still holds (the worker records a retry).
+    let r = ack_with_kv(
+        &s,
+        "2",
+        vec![put("c", 4, None), put("d", 9, None)],
+        Some(40),
+        1100,
+    )
+    .await;
+    assert!(
+        matches!(&r, Err(FinishError::KvQuota { namespace, would_hold: 45, max: 40 }) if namespace == "h"),
+        "{r:?}"
+    );
+    assert_eq!(s.kv_get("h", "c", 1100).expect("read"), None);
+    assert_eq!(usage(&s), KvUsage { bytes: 30, keys: 2 });
+    // Replacing and deleting count only the difference, and shrinking always passes even
+    // when the bound was lowered below what the namespace holds.
+    let del = KvOp {
+        value: None,
+        ..put("a", 0, None)
+    };
+    ack_with_kv(&s, "3", vec![put("b", 9, Some(3000)), del], Some(5), 1200)
+        .await
+        .expect("shrinks");
+    assert_eq!(usage(&s), KvUsage { bytes: 10, keys: 1 });
+    // The sweep removes "b" once expired (reads already skip it) and gives its bytes back.
+    assert_eq!(
+        s.sweep(2999, 86_400_000, 86_400_000)
+            .await
+            .expect("sweep")
+            .kv_expired,
+        0
+    );
+    assert_eq!(s.kv_get("h", "b", 3000).expect("read"), None);
+    assert_eq!(
+        s.sweep(3001, 86_400_000, 86_400_000)
+            .await
+            .expect("sweep")
+            .kv_expired,
+        1
+    );
+    assert_eq!(usage(&s), KvUsage::default());
+    assert!(s.kv_usage().expect("usage").is_empty());
+    // Rewriting a key without a TTL drops its expiry: the sweep must not remove it.
+    ack_with_kv(&s, "4", vec![put("e", 1, Some(4000))], None, 3100)
+        .await
+        .expect("ttl");
+    ack_with_kv(&s, "5", vec![put("e", 2, None)], None, 3200)
+        .await
+        .expect("no ttl");
+    assert_eq!(
+        s.sweep(5000, 86_400_000, 86_400_000)
+            .await
+            .expect("sweep")
+            .kv_expired,
+        0
+    );
+    assert_eq!(
+        s.kv_get("h", "e", 5000).expect("read").map(|v| v.len()),
+        Some(2)
+    );
+    assert_eq!(usage(&s), KvUsage { bytes: 3, keys: 1 });
+}
+
+#[tokio::test]
+async fn kv_sizes_are_rebuilt_for_a_store_written_before_they_were_kept() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+        ack_with_kv(
+            &s,
+            "1",
+            vec![put("a", 9, None), put("b", 4, Some(9000))],
+            None,
+            1000,
+        )
+        .await
+        .expect("ack");
+    }
+    // Make the file look like one from before the accounting: no sizes, no expiry index.
+    let path = dir.path().join("router.redb");
+    let db = loop {
+        match redb::Database::create(&path) {
+            Ok(db) => break db,
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+        }
+    };
+    let txn = db.begin_write().expect("txn");
+    txn.delete_table(KV_USAGE).expect("drop sizes");
+    txn.delete_table(KV_EXP).expect("drop expiry");
+    txn.open_table(META)
+        .expect("meta")
+        .remove("kv_accounting")
+        .expect("remove");
+    txn.commit().expect("commit");
+    drop(db);
+    let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("reopen");
+    assert_eq!(
+        s.kv_usage_of("h").expect("usage"),
+        KvUsage { bytes: 15, keys: 2 }
+    );
+    assert_eq!(
+        s.sweep(9001, 86_400_000, 86_400_000)
+            .await
+            .expect("sweep")
+            .kv_expired,
+        1
+    );
+    assert_eq!(
+        s.kv_usage_of("h").expect("usage"),
+        KvUsage { bytes: 10, keys: 1 }
+    );
 }

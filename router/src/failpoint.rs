@@ -1,0 +1,32 @@
+//! Crash points for end-to-end tests of the durability promises: with
+//! `EVENT_ROUTER_CRASH_AT=<point>:<detail>` in its environment, the process aborts — like a
+//! kill -9: no cleanup, no flush, no unwinding — the first time it reaches that point for that
+//! detail. A kill from outside cannot hit a window of microseconds (a handler has run, its
+//! ack is not committed yet) on purpose; this can.
+//!
+//! Points: `before_ack:<target id>` — a delivery attempt has finished (for a handler: it ran
+//! and its outbox is built) and its result is about to be committed.
+//!
+//! Not a `ROUTER_*` variable (those are configuration keys), and not behind a cargo feature:
+//! the tests drive the same binary operators run, and the check is one comparison against a
+//! value read once at start.
+
+use std::sync::OnceLock;
+
+/// The variable naming the crash point.
+pub const ENV: &str = "EVENT_ROUTER_CRASH_AT";
+
+fn armed() -> Option<&'static str> {
+    static AT: OnceLock<Option<String>> = OnceLock::new();
+    AT.get_or_init(|| std::env::var(ENV).ok().filter(|v| !v.is_empty()))
+        .as_deref()
+}
+
+/// Aborts the process if it was started with `EVENT_ROUTER_CRASH_AT=<point>:<detail>`.
+pub fn crash_point(point: &str, detail: &str) {
+    let Some(at) = armed() else { return };
+    if at.split_once(':') == Some((point, detail)) {
+        eprintln!("{ENV}={at}: aborting at this crash point");
+        std::process::abort();
+    }
+}
