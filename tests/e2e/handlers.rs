@@ -38,6 +38,9 @@ async fn put_handler(r: &RouterProc, name: &str, bytes: Vec<u8>) -> (u16, Value)
     let resp = client()
         .put(r.url(&format!("/v1/handlers/{name}")))
         .body(bytes)
+        // Validating means compiling: the 18 MB Python component takes tens of seconds on a
+        // loaded 2-core machine with the debug build.
+        .timeout(Duration::from_secs(180))
         .send()
         .await
         .expect("put");
@@ -517,23 +520,38 @@ async fn a_completed_delivery_returns_its_stored_result_without_running_again() 
     );
 }
 
-/// kill -9 while a handler works through its queue: after the restart every accepted event's
-/// emission arrives, and each source event yields exactly one emitted event id (a re-run of an
+/// kill -9 while handlers work through their queues: after the restart every accepted event's
+/// emission arrives, each source event yields exactly one emitted event id (a re-run of an
 /// interrupted delivery emits the same id, which ingest dedup absorbs; an ack that committed
-/// is never re-run).
+/// is never re-run), and `invoice` holds exactly one record per paid order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_under_handler_load_emits_each_event_exactly_once() {
     let rcv = Receiver::ok().await;
-    let rules = enrich_then_webhook(&rcv);
+    let rules = format!(
+        "{}  - name: paid
+    pattern: {{ type: [order.paid] }}
+    targets:
+      - handler: invoice
+        id: invoice
+",
+        enrich_then_webhook(&rcv)
+    );
     let mut r = RouterProc::start(&[("r.yaml", &rules)], &[]);
     assert_eq!(put_handler(&r, "enrich", plugin("enrich")).await.0, 201);
+    assert_eq!(put_handler(&r, "invoice", plugin("invoice")).await.0, 201);
     const N: usize = 3000;
+    // Every third event of a batch is a payment (for invoice): PAID payments in all.
+    const PAID: usize = N / 50 * 17;
     for b in 0..N / 50 {
         let batch: Vec<Value> = (0..50)
             .map(|i| {
                 let n = b * 50 + i;
                 event(&format!("k-{n}"), "order.created", json!({"order_id": n}))
             })
+            .chain((0..50).step_by(3).map(|i| {
+                let n = b * 50 + i;
+                event(&format!("p-{n}"), "order.paid", json!({"order_id": n}))
+            }))
             .collect();
         let (s, _) = post_raw(
             &r,
@@ -584,6 +602,19 @@ async fn kill_9_under_handler_load_emits_each_event_exactly_once() {
         twice.is_empty(),
         "a source event emitted two different ids: {twice:?}"
     );
+    // One invoice record per paid order (keys are per order: a lost effect would show as a
+    // missing key), and no payment dead-lettered.
+    let want = format!("router_handler_kv_keys{{handler=\"invoice\"}} {PAID}");
+    let kv = eventually(Duration::from_secs(60), || async {
+        metrics_text(&r).await.contains(&want).then_some(())
+    })
+    .await;
+    if kv.is_none() {
+        let m = metrics_text(&r).await;
+        panic!("want {want}:\n{}", metric_lines(&m, "invoice"));
+    }
+    let (_, dlq) = get_json(&r, "/v1/dlq").await;
+    assert_eq!(dlq["entries"].as_array().map(Vec::len), Some(0), "{dlq}");
     eprintln!(
         "{before} distinct emissions before kill -9; {} deliveries at the receiver for {N} events",
         rcv.count()
@@ -761,4 +792,77 @@ async fn a_full_kv_namespace_fails_the_growing_write_and_shows_its_size() {
         )),
         "{metrics}"
     );
+}
+
+/// A lease that runs out under a slow handler: the entry goes back to the queue and a second
+/// attempt runs (and commits) while the first is still busy; when the first finishes, its ack
+/// is refused by the lease's fencing token and nothing of its outbox is written. Exactly one
+/// emission and one key-value write (the second attempt's) remain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_lost_under_a_slow_handler_refuses_the_late_ack() {
+    let rcv = Receiver::ok().await;
+    let policy = "  slow:\n    timeout: 100ms\n    retry: { max_attempts: 5, base_delay: 50ms, max_delay: 100ms }";
+    let rules = format!(
+        "{}  - name: done\n    pattern: {{ type: [hostile.slow.done] }}\n    targets:\n      - webhook: {}\n",
+        rules_yaml(
+            policy,
+            &[(
+                "slow",
+                "hostile",
+                &["handler: hostile\n        id: hostile\n        policy: slow".to_string()],
+            )],
+        ),
+        rcv.url()
+    );
+    // The lease is the policy timeout plus the margin (300 ms); the handler may run for 10 s.
+    let config = "[delivery]\nlease_margin = \"200ms\"\n\n[handlers]\ntimeout = \"10s\"\n";
+    let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(config));
+    assert_eq!(put_handler(&r, "hostile", plugin("hostile")).await.0, 201);
+    let ev = event("slow-1", "hostile", json!({"mode": "slow", "ms": 3000}));
+    assert_eq!(post_event(&r, &ev).await.0, 202);
+    // The second attempt is fast and commits while the first one still spins.
+    assert!(
+        rcv.wait_for(Duration::from_secs(20), |s| !s.is_empty())
+            .await,
+        "the second attempt's emission arrives"
+    );
+    // The first attempt finishes about 3 s in; its ack is fenced.
+    let fenced = "router_deliveries_total{target=\"hostile\",result=\"fenced\"} 1";
+    let metrics = eventually(Duration::from_secs(20), || async {
+        let m = metrics_text(&r).await;
+        m.contains(fenced).then_some(m)
+    })
+    .await;
+    let Some(metrics) = metrics else {
+        let m = metrics_text(&r).await;
+        panic!(
+            "the late ack was not fenced:\n{}",
+            metric_lines(&m, "deliveries")
+        );
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(rcv.count(), 1, "exactly one emission: {:?}", rcv.received());
+    // One key, holding the second attempt's value ("xx"): key "slow:slow-1" (11) + 2 bytes.
+    assert!(
+        metrics.contains("router_handler_kv_keys{handler=\"hostile\"} 1")
+            && metrics.contains("router_handler_kv_bytes{handler=\"hostile\"} 13"),
+        "{}",
+        metric_lines(&metrics, "handler_kv")
+    );
+    // Both attempts ran (the logs say so); only the second one's effects are kept.
+    let lines = logs(&r, "hostile").await;
+    let done: Vec<u64> = lines
+        .iter()
+        .filter(|l| {
+            l["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("slow: attempt"))
+        })
+        .filter_map(|l| l["attempt"].as_u64())
+        .collect();
+    let mut sorted = done.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, vec![1, 2], "{lines:?}");
+    let f = fate(&r, "slow-1").await;
+    assert_eq!(f["targets"][0]["state"], "delivered", "{f}");
 }

@@ -1,11 +1,14 @@
 //! `hostile`: misbehaves on purpose, by `data.mode`, to prove the router's sandbox limits:
 //! `loop` (never returns), `oom` (memory bomb), `stack` (unbounded recursion), `panic`,
 //! `output` (`data.size`: `many` = 10,000 emissions, `big` = one 2 MiB emission) and `log`
-//! (a log flood, then a normal return). Anything else: returns nothing.
+//! (a log flood, then a normal return), `slow` (on its first attempt only, busy for `data.ms`
+//! milliseconds — long enough to outlive its lease — then, on every attempt, records
+//! `slow:<event id>` = one `x` per attempt in kv and emits `hostile.slow.done`). Anything else:
+//! returns nothing.
 
 use std::hint::black_box;
 
-use router_sdk::{Delivery, Descriptor, Emit, Event, Handler, HandlerError, log};
+use router_sdk::{Delivery, Descriptor, Emit, Event, Handler, HandlerError, kv, log};
 
 /// The handler.
 pub struct Hostile;
@@ -34,7 +37,7 @@ impl Handler for Hostile {
         Descriptor::new("hostile", env!("CARGO_PKG_VERSION"))
     }
 
-    fn handle(event: &Event, _delivery: &Delivery) -> Result<Vec<Emit>, HandlerError> {
+    fn handle(event: &Event, delivery: &Delivery) -> Result<Vec<Emit>, HandlerError> {
         let data = event.data_value()?;
         let mode = data
             .get("mode")
@@ -74,6 +77,20 @@ impl Handler for Hostile {
                     log::info!("flood {i}: {line}");
                 }
                 Ok(Vec::new())
+            }
+            "slow" => {
+                if delivery.attempt == 1 {
+                    let ms = data.get("ms").and_then(serde_json::Value::as_u64).unwrap_or(0);
+                    let until = std::time::Instant::now() + std::time::Duration::from_millis(ms);
+                    while std::time::Instant::now() < until {
+                        black_box(0u64);
+                    }
+                }
+                log::info!("slow: attempt {} done", delivery.attempt);
+                // One byte per attempt: the stored length tells which attempt's write won.
+                let mark = "x".repeat(delivery.attempt as usize);
+                kv::set(&format!("slow:{}", event.id), mark.as_bytes(), None);
+                Ok(vec![Emit::new("hostile.slow.done")])
             }
             _ => Ok(Vec::new()),
         }

@@ -2171,11 +2171,11 @@ impl Committer {
             return Err(FinishError::NotFound);
         };
         let mut e: QueueEntry = dec("entries", &raw)?;
-        if e.state != EntryState::Queued {
-            return Err(FinishError::NotFound);
-        }
+        // A late worker whose entry was meanwhile re-leased — and perhaps delivered or
+        // dead-lettered by the new holder — is fenced either way: its lease is gone.
         match e.lease {
-            Some(l) if l.token == lease.token && l.until >= now => {}
+            Some(l)
+                if l.token == lease.token && l.until >= now && e.state == EntryState::Queued => {}
             _ => return Err(FinishError::Fenced),
         }
         if let Some(outbox) = end.outbox.as_deref() {

@@ -153,6 +153,17 @@ async fn an_expired_lease_cannot_ack_and_the_entry_is_released() {
     )
     .await
     .expect("current lease acks");
+    // Slower still: the late worker comes back after the new holder delivered the entry.
+    let later = s
+        .finish(
+            slow.entry.id,
+            slow.lease,
+            delivered(1300),
+            Disposition::Delivered,
+            1300,
+        )
+        .await;
+    assert!(matches!(later, Err(FinishError::Fenced)), "{later:?}");
 }
 
 #[tokio::test]
