@@ -72,6 +72,8 @@ pub struct Metrics {
     pub handler_kv_keys: Family<Labels, Gauge>,
     /// The bound on each namespace (`handlers.kv_max_bytes`).
     pub handler_kv_max_bytes: Gauge,
+    /// Records held per bounded kind (events, dedup keys, COMPLETED records, handler KV keys).
+    pub store_records: Family<Labels, Gauge>,
 }
 
 impl Metrics {
@@ -102,6 +104,7 @@ impl Metrics {
             handler_kv_bytes: Family::default(),
             handler_kv_keys: Family::default(),
             handler_kv_max_bytes: Gauge::default(),
+            store_records: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -210,6 +213,11 @@ impl Metrics {
             m.handler_kv_max_bytes.clone(),
         );
         registry.register(
+            "router_store_records",
+            "Records held, by kind (event, dedup_key, completed, kv): what the age and size bounds act on",
+            m.store_records.clone(),
+        );
+        registry.register(
             "router_system_events_dropped",
             "System events dropped because the routing channel was full",
             m.system_events_dropped.clone(),
@@ -248,6 +256,21 @@ impl Metrics {
         }
         self.store_bytes
             .set(i64::try_from(store.disk_bytes()).unwrap_or(i64::MAX));
+        match store.record_counts() {
+            Ok(c) => {
+                for (kind, n) in [
+                    ("event", c.events),
+                    ("dedup_key", c.dedup_keys),
+                    ("completed", c.completed),
+                    ("kv", c.kv_keys),
+                ] {
+                    self.store_records
+                        .get_or_create(&vec![("kind", kind.to_string())])
+                        .set(i64::try_from(n).unwrap_or(i64::MAX));
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "could not read record counts for /metrics"),
+        }
         match store.kv_usage() {
             Ok(usage) => {
                 // A namespace emptied since the last scrape disappears instead of keeping its

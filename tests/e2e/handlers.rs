@@ -785,6 +785,12 @@ async fn a_full_kv_namespace_fails_the_growing_write_and_shows_its_size() {
     let bytes = ns["bytes"].as_u64().unwrap_or(0);
     assert!((50..=150).contains(&bytes), "{status}");
     assert_eq!(status["handler_kv"]["max_bytes"], 150);
+    // The other bounded records show beside it: the first payment left a COMPLETED record.
+    assert_eq!(status["records"]["completed"]["count"], 1, "{status}");
+    // The two payments (and, once routed, the router.dlq.added system event of the second).
+    let events = status["records"]["events"]["count"].as_u64().unwrap_or(0);
+    assert!((2..=3).contains(&events), "{status}");
+    assert_eq!(status["store"]["ingest_refused"], false, "{status}");
     let metrics = metrics_text(&r).await;
     assert!(
         metrics.contains(&format!(

@@ -439,11 +439,32 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
         "rules": { "version": rules.version, "files": rules.files, "rules": rules.rules.len(), "dir": app.cfg.rules_dir },
         "reload": *app.reload_status.lock().unwrap_or_else(|p| p.into_inner()),
         "contracts": { "version": contracts.version(), "count": contracts.contracts().len(), "dir": app.cfg.contracts_dir },
-        "store": { "backend": "redb", "bytes": app.store.disk_bytes(), "dir": app.cfg.data_dir },
+        "store": {
+            "backend": "redb",
+            "bytes": app.store.disk_bytes(),
+            "dir": app.cfg.data_dir,
+            "max_bytes": app.cfg.store.max_disk_bytes,
+            "ingest_refused": app.disk_full.load(Ordering::Relaxed),
+        },
+        "records": records_status(&app),
         "handler_kv": handler_kv_status(&app),
         "warnings": *app.warnings.lock().unwrap_or_else(|p| p.into_inner()),
     }))
     .into_response()
+}
+
+/// What each age-bounded kind of record holds, with its bound.
+fn records_status(app: &App) -> serde_json::Value {
+    let secs = |d: std::time::Duration| d.as_secs();
+    let c = &app.cfg;
+    match app.store.record_counts() {
+        Ok(n) => json!({
+            "events": { "count": n.events, "retention_seconds": secs(c.delivery.retention.max(c.archive.retention).max(c.ingest.dedup_window)) },
+            "dedup_keys": { "count": n.dedup_keys, "window_seconds": secs(c.ingest.dedup_window) },
+            "completed": { "count": n.completed, "ttl_seconds": secs(c.handlers.completed_ttl) },
+        }),
+        Err(e) => json!({ "error": e.to_string() }),
+    }
 }
 
 /// Each handler's key-value namespace against its bound (`handlers.kv_max_bytes`).

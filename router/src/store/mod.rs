@@ -84,6 +84,19 @@ pub enum FinishError {
     Store(#[from] StoreError),
 }
 
+/// Records held per bounded kind: what the age and size bounds act on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecordCounts {
+    /// Stored events (kept for the fate retention / archive / dedup window).
+    pub events: u64,
+    /// Ingest dedup keys (kept for the dedup window).
+    pub dedup_keys: u64,
+    /// Handler COMPLETED records (kept for `handlers.completed_ttl`).
+    pub completed: u64,
+    /// Handler key-value entries, all namespaces (bounded by `handlers.kv_max_bytes` each).
+    pub kv_keys: u64,
+}
+
 /// Totals of one sweep run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SweepStats {
@@ -279,4 +292,7 @@ pub trait Store: Send + Sync + 'static {
 
     /// Size of the store on disk, in bytes (0 for in-memory stores).
     fn disk_bytes(&self) -> u64;
+
+    /// How many records each bounded kind holds (cheap: kept counts, not scans).
+    fn record_counts(&self) -> Result<RecordCounts, StoreError>;
 }

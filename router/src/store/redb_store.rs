@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use redb::{
-    Database, Durability, ReadableDatabase, ReadableTable, TableDefinition, WriteTransaction,
+    Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
+    WriteTransaction,
 };
 use tokio::sync::{Notify, mpsc, oneshot};
 
@@ -930,6 +931,17 @@ impl Store for RedbStore {
             let (exp, val) = v.value();
             (exp > now).then(|| val.to_vec())
         }))
+    }
+
+    fn record_counts(&self) -> Result<RecordCounts, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        Ok(RecordCounts {
+            events: r.open_table(EVENTS)?.len()?,
+            dedup_keys: r.open_table(DEDUP)?.len()?,
+            completed: r.open_table(COMPLETED)?.len()?,
+            kv_keys: r.open_table(KV)?.len()?,
+        })
     }
 
     fn kv_usage(&self) -> Result<BTreeMap<String, KvUsage>, StoreError> {
