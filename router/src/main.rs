@@ -277,8 +277,19 @@ enum HandlersCmd {
     List,
     /// Activate an earlier version (number or sha256 prefix).
     Rollback { name: String, version: String },
-    /// Recent log lines of a handler.
-    Logs { name: String },
+    /// Recent log lines of a handler (kept on disk by the router, size-capped).
+    Logs {
+        name: String,
+        /// Only lines written while handling this event id.
+        #[arg(long = "event")]
+        event_id: Option<String>,
+        /// Only lines at this level or above (trace, debug, info, warn, error).
+        #[arg(long)]
+        level: Option<String>,
+        /// At most this many of the most recent matching lines (server default 200).
+        #[arg(long)]
+        limit: Option<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -660,8 +671,15 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
             )
             .await?
         }
-        HandlersCmd::Logs { name } => {
-            c.call(Method::GET, &format!("/v1/handlers/{name}/logs"), None)
+        HandlersCmd::Logs {
+            name,
+            event_id,
+            level,
+            limit,
+        } => {
+            let q =
+                router::cli::query(&[("event_id", event_id), ("level", level), ("limit", limit)]);
+            c.call(Method::GET, &format!("/v1/handlers/{name}/logs{q}"), None)
                 .await?
         }
     };
