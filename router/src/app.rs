@@ -441,6 +441,11 @@ fn start_handlers(
         registry: Arc::new(registry),
         limits,
         slots: Arc::new(tokio::sync::Semaphore::new(h.max_instances as usize)),
+        running_per_handler: match h.running_per_handler {
+            0 => std::thread::available_parallelism().map_or(2, std::num::NonZero::get),
+            n => n,
+        },
+        gates: Default::default(),
         logs: crate::wasm::HandlerLogs::open(&dir.join("logs"), h.log_retain_bytes)
             .map_err(|e| format!("{}: {e}", dir.join("logs").display()))?,
         hop_limit: h.hop_limit,

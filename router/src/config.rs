@@ -103,6 +103,11 @@ pub struct HandlersConfig {
     /// Bytes of captured log lines kept on disk per handler (`GET /v1/handlers/{name}/logs`);
     /// the oldest half is dropped when it fills. Default 2 MiB.
     pub log_retain_bytes: u64,
+    /// Invocations of one handler running at once; 0 (default) means the number of CPUs.
+    /// Deliveries to the handler still overlap their store work (the target's concurrency);
+    /// only the CPU-bound invocation waits here, so a handler that loops until its timeout
+    /// cannot take every core from the others.
+    pub running_per_handler: usize,
 }
 
 impl Default for HandlersConfig {
@@ -122,6 +127,7 @@ impl Default for HandlersConfig {
             completed_ttl: Duration::from_secs(7 * 24 * 3600),
             kv_max_bytes: 64 << 20,
             log_retain_bytes: 2 << 20,
+            running_per_handler: 0,
         }
     }
 }

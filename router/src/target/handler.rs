@@ -46,6 +46,11 @@ pub struct HandlerRuntime {
     pub limits: HandlerLimits,
     /// Bounds concurrent instances to the pooling allocator's size.
     pub slots: Arc<Semaphore>,
+    /// Invocations of one handler running at once (CPU-bound work: more than the machine's
+    /// cores only lets one busy or hostile handler crowd the others out of the CPU).
+    pub running_per_handler: usize,
+    /// One gate per handler, `running_per_handler` wide.
+    pub gates: std::sync::Mutex<std::collections::HashMap<String, Arc<Semaphore>>>,
     /// Captured logs, kept on disk per handler.
     pub logs: HandlerLogs,
     /// Emitted events past this many hops go to the DLQ as `loop_detected`.
@@ -187,6 +192,32 @@ impl HandlerTarget {
                 tracing::warn!(error = %e, handler = %self.name, "COMPLETED lookup failed; running the handler")
             }
         }
+        // The delivery (lease, store commits) may be in flight many times over; the CPU-bound
+        // invocation passes this per-handler gate. The wait is bounded by the policy timeout so
+        // the lease (timeout + margin) still covers the invocation that follows.
+        let gate = {
+            let mut gates = self.rt.gates.lock().unwrap_or_else(|p| p.into_inner());
+            gates
+                .entry(self.name.clone())
+                .or_insert_with(|| Arc::new(Semaphore::new(self.rt.running_per_handler.max(1))))
+                .clone()
+        };
+        let _running = match tokio::time::timeout(req.timeout, gate.acquire_owned()).await {
+            Ok(Ok(permit)) => permit,
+            _ => {
+                return (
+                    AttemptOutcome::Retryable {
+                        error: format!(
+                            "handler_busy: {} invocations of {:?} already running (handlers.running_per_handler) for longer than the policy timeout",
+                            self.rt.running_per_handler, self.name
+                        ),
+                        status: None,
+                        retry_after: Some(Duration::from_secs(1)),
+                    },
+                    None,
+                );
+            }
+        };
         let Ok(_slot) = self.rt.slots.clone().acquire_owned().await else {
             return (
                 AttemptOutcome::Retryable {
