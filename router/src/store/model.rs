@@ -194,6 +194,37 @@ pub struct QueueEntry {
     pub history: Vec<AttemptRecord>,
 }
 
+impl QueueEntry {
+    /// A new, never attempted entry of `target` for the event stored as `id.event`: accepted
+    /// at `accepted_at`, due at `due_at`, keyed for receivers by `idempotency_key`.
+    pub fn queued(
+        id: EntryId,
+        target: NewEntry,
+        idempotency_key: String,
+        accepted_at: Millis,
+        due_at: Millis,
+        hops: u32,
+    ) -> Self {
+        Self {
+            id,
+            target_id: target.target_id,
+            rule: target.rule,
+            state: EntryState::Queued,
+            accepted_at,
+            due_at,
+            attempts: Vec::new(),
+            ordering_key: target.ordering_key,
+            lease: None,
+            redrive_count: 0,
+            hops,
+            replay: None,
+            idempotency_key,
+            finished_at: None,
+            history: Vec::new(),
+        }
+    }
+}
+
 /// Why an event (or one target's copy of it) is in the DLQ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -1753,23 +1753,9 @@ impl Committer {
                         }
                     }
                     *self.group_depth.entry(t.target_id.clone()).or_default() += 1;
-                    let entry = QueueEntry {
-                        id,
-                        idempotency_key: idempotency_key(&stored.source, &stored.id, &t.target_id),
-                        target_id: t.target_id,
-                        rule: t.rule,
-                        state: EntryState::Queued,
-                        accepted_at: ne.accepted_at,
-                        due_at: ne.accepted_at,
-                        attempts: Vec::new(),
-                        ordering_key: t.ordering_key,
-                        lease: None,
-                        redrive_count: 0,
-                        hops,
-                        replay: None,
-                        finished_at: None,
-                        history: Vec::new(),
-                    };
+                    let key = idempotency_key(&stored.source, &stored.id, &t.target_id);
+                    let entry =
+                        QueueEntry::queued(id, t, key, ne.accepted_at, ne.accepted_at, hops);
                     entries_t.insert((id.event, id.idx), enc(&entry).as_slice())?;
                     live_t.insert((id.event, id.idx), ())?;
                     effects.push(Effect::Enqueue {
@@ -1956,29 +1942,14 @@ impl Committer {
                     drop(ev_t);
                     let first = Self::next_idx(txn, d.event_seq)?;
                     for (idx, t) in (first..).zip(targets) {
+                        let key = idempotency_key(&ev.event.source, &ev.event.id, &t.target_id);
+                        let id = EntryId {
+                            event: d.event_seq,
+                            idx,
+                        };
                         let entry = QueueEntry {
-                            id: EntryId {
-                                event: d.event_seq,
-                                idx,
-                            },
-                            idempotency_key: idempotency_key(
-                                &ev.event.source,
-                                &ev.event.id,
-                                &t.target_id,
-                            ),
-                            target_id: t.target_id,
-                            rule: t.rule,
-                            state: EntryState::Queued,
-                            accepted_at: ev.accepted_at,
-                            due_at: now,
-                            attempts: Vec::new(),
-                            ordering_key: t.ordering_key,
-                            lease: None,
                             redrive_count: d.redrive_count + 1,
-                            hops: ev.event.hops(),
-                            replay: None,
-                            finished_at: None,
-                            history: Vec::new(),
+                            ..QueueEntry::queued(id, t, key, ev.accepted_at, now, ev.event.hops())
                         };
                         self.insert_entry(txn, &entry, effects)?;
                     }
@@ -2017,26 +1988,15 @@ impl Committer {
             let first = Self::next_idx(txn, item.seq)?;
             for (idx, t) in (first..).zip(item.targets) {
                 let original = idempotency_key(&ev.event.source, &ev.event.id, &t.target_id);
+                let id = EntryId {
+                    event: item.seq,
+                    idx,
+                };
+                // Derived from the original key and the job: receivers process it again.
+                let key = idempotency_key(&original, &job.id, "replay");
                 let entry = QueueEntry {
-                    id: EntryId {
-                        event: item.seq,
-                        idx,
-                    },
-                    // Derived from the original key and the job: receivers process it again.
-                    idempotency_key: idempotency_key(&original, &job.id, "replay"),
-                    target_id: t.target_id,
-                    rule: t.rule,
-                    state: EntryState::Queued,
-                    accepted_at: now,
-                    due_at: now,
-                    attempts: Vec::new(),
-                    ordering_key: t.ordering_key,
-                    lease: None,
-                    redrive_count: 0,
-                    hops: ev.event.hops(),
                     replay: Some(job.id.clone()),
-                    finished_at: None,
-                    history: Vec::new(),
+                    ..QueueEntry::queued(id, t, key, now, now, ev.event.hops())
                 };
                 self.insert_entry(txn, &entry, effects)?;
             }
