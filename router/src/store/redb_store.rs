@@ -401,6 +401,18 @@ impl Op {
 /// A reply to send once the fate of the transaction is known.
 type Done = Box<dyn FnOnce(Option<&StoreError>) + Send>;
 
+/// Queues `r` as the op's answer (sent once the group commits) and hands a storage error back
+/// to abort the group.
+fn answer<T: Send + 'static>(
+    dones: &mut Vec<Done>,
+    reply: Reply<Result<T, StoreError>>,
+    r: Result<T, StoreError>,
+) -> Result<(), StoreError> {
+    let err = r.as_ref().err().cloned();
+    dones.push(done(reply, r));
+    err.map_or(Ok(()), Err)
+}
+
 fn done<T: Send + 'static>(reply: Reply<Result<T, StoreError>>, r: Result<T, StoreError>) -> Done {
     Box::new(move |commit_err| {
         let _ = reply.send(match commit_err {
@@ -1522,9 +1534,7 @@ impl Committer {
         match op {
             Op::Accept { events, reply } => {
                 let r = self.accept(txn, events, effects);
-                let err = r.as_ref().err().cloned();
-                dones.push(done(reply, r));
-                err.map_or(Ok(()), Err)
+                answer(dones, reply, r)
             }
             Op::Lease {
                 target,
@@ -1534,9 +1544,7 @@ impl Committer {
                 reply,
             } => {
                 let r = self.lease(txn, &target, &ids, lease, now);
-                let err = r.as_ref().err().cloned();
-                dones.push(done(reply, r));
-                err.map_or(Ok(()), Err)
+                answer(dones, reply, r)
             }
             Op::Finish {
                 id,
@@ -1567,9 +1575,7 @@ impl Committer {
                     }
                     Ok(())
                 })();
-                let err = r.as_ref().err().cloned();
-                dones.push(done(reply, r));
-                err.map_or(Ok(()), Err)
+                answer(dones, reply, r)
             }
             Op::PutTargetState { id, state, reply } => {
                 let r = (|| -> Result<(), StoreError> {
@@ -1577,9 +1583,7 @@ impl Committer {
                         .insert(id.as_str(), enc(&state).as_slice())?;
                     Ok(())
                 })();
-                let err = r.as_ref().err().cloned();
-                dones.push(done(reply, r));
-                err.map_or(Ok(()), Err)
+                answer(dones, reply, r)
             }
             Op::ReleaseKey { target, key, reply } => {
                 let r = (|| -> Result<bool, StoreError> {
@@ -1592,15 +1596,11 @@ impl Committer {
                     }
                     Ok(was)
                 })();
-                let err = r.as_ref().err().cloned();
-                dones.push(done(reply, r));
-                err.map_or(Ok(()), Err)
+                answer(dones, reply, r)
             }
             Op::PutJob { job, reply } => {
                 let r = put_job(txn, &job);
-                let err = r.as_ref().err().cloned();
-                dones.push(done(reply, r));
-                err.map_or(Ok(()), Err)
+                answer(dones, reply, r)
             }
             Op::RedriveStep {
                 job,
@@ -1609,9 +1609,7 @@ impl Committer {
                 reply,
             } => {
                 let r = self.redrive_step(txn, &job, actions, now, effects);
-                let err = r.as_ref().err().cloned();
-                dones.push(done(reply, r));
-                err.map_or(Ok(()), Err)
+                answer(dones, reply, r)
             }
             Op::ReplayStep {
                 job,
@@ -1620,9 +1618,7 @@ impl Committer {
                 reply,
             } => {
                 let r = self.replay_step(txn, &job, items, now, effects);
-                let err = r.as_ref().err().cloned();
-                dones.push(done(reply, r));
-                err.map_or(Ok(()), Err)
+                answer(dones, reply, r)
             }
             Op::PurgeDlq { ids, reply } => {
                 let r = (|| -> Result<u64, StoreError> {
@@ -1637,9 +1633,7 @@ impl Committer {
                     }
                     Ok(n)
                 })();
-                let err = r.as_ref().err().cloned();
-                dones.push(done(reply, r));
-                err.map_or(Ok(()), Err)
+                answer(dones, reply, r)
             }
             Op::DeadLetterQueued {
                 ids,
@@ -1649,9 +1643,7 @@ impl Committer {
                 reply,
             } => {
                 let r = self.dead_letter_queued(txn, &ids, reason, &message, now, effects);
-                let err = r.as_ref().err().cloned();
-                dones.push(done(reply, r));
-                err.map_or(Ok(()), Err)
+                answer(dones, reply, r)
             }
             Op::Sweep {
                 now,
@@ -1663,9 +1655,7 @@ impl Committer {
                 if r.is_ok() && self.worth_compacting(txn) {
                     self.compact_due = true;
                 }
-                let err = r.as_ref().err().cloned();
-                dones.push(done(reply, r));
-                err.map_or(Ok(()), Err)
+                answer(dones, reply, r)
             }
         }
     }
