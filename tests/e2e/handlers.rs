@@ -393,6 +393,26 @@ async fn hostile_handlers_are_contained() {
         "logs are capped: {}",
         lines.len()
     );
+    // Filters: one event's lines, and only errors (the classified failures are logged as such).
+    let (_, panic_lines) =
+        get_json(&r, "/v1/handlers/hostile/logs?event_id=h-panic&limit=5000").await;
+    let panic_lines = panic_lines["lines"].as_array().cloned().unwrap_or_default();
+    assert!(!panic_lines.is_empty(), "the panic's lines are kept");
+    assert!(
+        panic_lines.iter().all(|l| l["event_id"] == "h-panic"),
+        "{panic_lines:?}"
+    );
+    let (_, errors) = get_json(&r, "/v1/handlers/hostile/logs?level=error&limit=5000").await;
+    let errors = errors["lines"].as_array().cloned().unwrap_or_default();
+    assert!(
+        errors.iter().any(|l| l["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("handler_timeout"))),
+        "{errors:?}"
+    );
+    assert!(errors.iter().all(|l| l["level"] == "error"), "{errors:?}");
+    let (status, _) = get_json(&r, "/v1/handlers/hostile/logs?level=loud").await;
+    assert_eq!(status, 400, "an unknown level is refused");
     // The log flood completed (logs capped) and the router is still up.
     let f = fate(&r, "h-log").await;
     assert_eq!(f["targets"][0]["state"], "delivered", "{f}");
