@@ -106,7 +106,8 @@ pub struct HandlersConfig {
     /// Invocations of one handler running at once; 0 (default) means the number of CPUs.
     /// Deliveries to the handler still overlap their store work (the target's concurrency);
     /// only the CPU-bound invocation waits here, so a handler that loops until its timeout
-    /// cannot take every core from the others.
+    /// cannot take every core from the others. A delivery that waits longer than its policy
+    /// timeout is put back for a second (`handler_busy`) without spending an attempt.
     pub running_per_handler: usize,
 }
 

@@ -270,6 +270,9 @@ pub fn decide(
     match outcome {
         AttemptOutcome::Delivered { .. } => Disposition::Delivered,
         AttemptOutcome::Permanent { .. } => dead(DlqReason::PermanentError),
+        AttemptOutcome::Deferred { retry_after, .. } => Disposition::Release {
+            due_at: now.saturating_add(ms(*retry_after)),
+        },
         AttemptOutcome::Retryable { retry_after, .. } => {
             if attempts >= retry.max_attempts {
                 return dead(DlqReason::RetriesExhausted);
@@ -405,6 +408,7 @@ async fn attempt(
             AttemptOutcome::Delivered { .. } => AttemptResult::Delivered,
             AttemptOutcome::Retryable { .. } => AttemptResult::Retryable,
             AttemptOutcome::Permanent { .. } => AttemptResult::Permanent,
+            AttemptOutcome::Deferred { .. } => AttemptResult::Interrupted,
         };
         let label = match &disposition {
             Disposition::Delivered => "delivered",
@@ -750,6 +754,21 @@ mod tests {
                 reason: DlqReason::PermanentError,
                 hold: true
             }
+        );
+    }
+
+    #[test]
+    fn a_deferred_attempt_waits_without_spending_one_even_at_the_last() {
+        let p = policy();
+        let busy = AttemptOutcome::Deferred {
+            reason: "handler_busy".into(),
+            retry_after: Duration::from_secs(1),
+        };
+        assert!(!busy.counts_for_breaker());
+        // Past max_attempts a failure would dead-letter; a deferral only waits.
+        assert_eq!(
+            decide(&busy, p.max_attempts + 5, 0, 1000, &p, 0.5, false),
+            Disposition::Release { due_at: 2000 }
         );
     }
 

@@ -205,14 +205,14 @@ impl HandlerTarget {
         let _running = match tokio::time::timeout(req.timeout, gate.acquire_owned()).await {
             Ok(Ok(permit)) => permit,
             _ => {
+                // Busy is not a failure of this delivery: it waits, spending no attempt.
                 return (
-                    AttemptOutcome::Retryable {
-                        error: format!(
+                    AttemptOutcome::Deferred {
+                        reason: format!(
                             "handler_busy: {} invocations of {:?} already running (handlers.running_per_handler) for longer than the policy timeout",
                             self.rt.running_per_handler, self.name
                         ),
-                        status: None,
-                        retry_after: Some(Duration::from_secs(1)),
+                        retry_after: Duration::from_secs(1),
                     },
                     None,
                 );

@@ -58,6 +58,15 @@ pub enum AttemptOutcome {
         /// HTTP status, if a response arrived.
         status: Option<u16>,
     },
+    /// The target could not start the attempt now (e.g. a handler already running as many
+    /// invocations as it may): the entry waits `retry_after` without spending an attempt, and
+    /// nothing counts for the circuit breaker — like a message waiting out an open breaker.
+    Deferred {
+        /// Why.
+        reason: String,
+        /// When to try again.
+        retry_after: Duration,
+    },
 }
 
 impl AttemptOutcome {
@@ -73,6 +82,7 @@ impl AttemptOutcome {
             Self::Delivered { status }
             | Self::Retryable { status, .. }
             | Self::Permanent { status, .. } => *status,
+            Self::Deferred { .. } => None,
         }
     }
 
@@ -81,6 +91,7 @@ impl AttemptOutcome {
         match self {
             Self::Delivered { .. } => None,
             Self::Retryable { error, .. } | Self::Permanent { error, .. } => Some(error),
+            Self::Deferred { reason, .. } => Some(reason),
         }
     }
 }
