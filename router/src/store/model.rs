@@ -451,6 +451,14 @@ pub struct KvUsage {
     pub keys: u64,
 }
 
+impl KvUsage {
+    /// What one entry counts against its namespace's bound: its key plus its value. The host
+    /// (checking a write) and the store (keeping the sizes) must agree on it.
+    pub fn entry_bytes(key: &str, value: &[u8]) -> u64 {
+        (key.len() + value.len()) as u64
+    }
+}
+
 /// A handler's COMPLETED mark: its delivery (idempotency key) was handled, with this result.
 /// Kept until `expires_at`; a delivery with the same key gets the stored result instead of a
 /// second run (the IN_PROGRESS mark is the queue lease itself).

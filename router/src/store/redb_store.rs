@@ -2426,7 +2426,7 @@ fn expired_batch(
 
 /// What one key-value entry counts against its namespace's bound.
 fn kv_size(key: &str, value: &[u8]) -> i64 {
-    i64::try_from(key.len() + value.len()).unwrap_or(i64::MAX)
+    i64::try_from(KvUsage::entry_bytes(key, value)).unwrap_or(i64::MAX)
 }
 
 /// Writes (or, with `value: None`, deletes) one handler key-value entry, keeping the expiry

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
+use crate::store::KvUsage;
 use wasmtime::component::{HasSelf, Linker, ResourceTable};
 use wasmtime::{ResourceLimiter, Result as WasmResult};
 use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
@@ -344,29 +345,29 @@ impl KvSession {
         }
     }
 
+    /// The value as this invocation sees it: its own buffered write, else the committed one.
     fn current(&self, key: &str) -> Result<Option<Vec<u8>>, HostLimitBreach> {
         match self.overlay.get(key) {
             Some(&i) => Ok(self.writes[i].value.clone()),
-            None => self
-                .reader
-                .get(key)
-                .map_err(|e| HostLimitBreach(format!("kv read failed: {e}"))),
+            None => self.committed(key),
         }
+    }
+
+    /// The committed value, from the store.
+    fn committed(&self, key: &str) -> Result<Option<Vec<u8>>, HostLimitBreach> {
+        self.reader
+            .get(key)
+            .map_err(|e| HostLimitBreach(format!("kv read failed: {e}")))
     }
 
     /// Accounts a write of `key` (to `value`) against the namespace's bound: a write that
     /// grows the namespace past it is refused.
     fn account(&mut self, key: &str, value: Option<&[u8]>) -> Result<(), HostLimitBreach> {
-        let size = |v: Option<&[u8]>| v.map_or(0, |v| (key.len() + v.len()) as u64);
+        let size = |v: Option<&[u8]>| v.map_or(0, |v| KvUsage::entry_bytes(key, v));
         let committed = match self.committed_sizes.get(key) {
             Some(&c) => c,
             None => {
-                let c = size(
-                    self.reader
-                        .get(key)
-                        .map_err(|e| HostLimitBreach(format!("kv read failed: {e}")))?
-                        .as_deref(),
-                );
+                let c = size(self.committed(key)?.as_deref());
                 self.committed_sizes.insert(key.to_string(), c);
                 c
             }
