@@ -1002,16 +1002,7 @@ fn spawn_sweeper(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToke
     tracker.spawn(async move {
         let every = app.cfg.delivery.sweep_interval;
         let window = i64::try_from(app.cfg.ingest.dedup_window.as_millis()).unwrap_or(i64::MAX);
-        // Events are the archive: they are kept for the longest of the fate retention and the
-        // archive retention (replay reads them), and at least the dedup window.
-        let retention = i64::try_from(
-            app.cfg
-                .delivery
-                .retention
-                .max(app.cfg.archive.retention)
-                .as_millis(),
-        )
-        .unwrap_or(i64::MAX);
+        let retention = i64::try_from(app.cfg.event_retention().as_millis()).unwrap_or(i64::MAX);
         loop {
             tokio::select! {
                 _ = cancel.cancelled() => break,

@@ -355,6 +355,15 @@ impl Config {
         Ok(cfg)
     }
 
+    /// How long a stored event is kept. Events are the archive: the longest of the fate
+    /// retention and the archive retention (replay reads them), and at least the dedup window.
+    pub fn event_retention(&self) -> Duration {
+        self.delivery
+            .retention
+            .max(self.archive.retention)
+            .max(self.ingest.dedup_window)
+    }
+
     /// Checks values that the types alone do not rule out.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: &str| Err(ConfigError::Invalid(m.to_string()));

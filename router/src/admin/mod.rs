@@ -459,7 +459,7 @@ fn records_status(app: &App) -> serde_json::Value {
     let c = &app.cfg;
     match app.store.record_counts() {
         Ok(n) => json!({
-            "events": { "count": n.events, "retention_seconds": secs(c.delivery.retention.max(c.archive.retention).max(c.ingest.dedup_window)) },
+            "events": { "count": n.events, "retention_seconds": secs(c.event_retention()) },
             "dedup_keys": { "count": n.dedup_keys, "window_seconds": secs(c.ingest.dedup_window) },
             "completed": { "count": n.completed, "ttl_seconds": secs(c.handlers.completed_ttl) },
         }),
