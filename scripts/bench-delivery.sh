@@ -3,12 +3,14 @@
 # configured (breaker, throttle at a rate it never reaches, retry budget, concurrency limit,
 # per-key ordering over many keys), in the same run. N events are queued on a paused target,
 # then it is resumed and the time to deliver them all is measured.
-# Usage: scripts/bench-delivery.sh [N=20000]
+# Usage: [BIN=path/to/router] scripts/bench-delivery.sh [N=20000]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-20000}
-cargo build --release --locked -q -p router
-BIN=$PWD/target/release/router
+if [ -z "${BIN:-}" ]; then
+  cargo build --release --locked -q -p router
+  BIN=$PWD/target/release/router
+fi
 WORK=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$WORK"' EXIT
 $BIN bench sink --listen 127.0.0.1:19995 2>/dev/null &

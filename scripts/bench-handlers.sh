@@ -6,14 +6,16 @@
 # target throttled by its policy (max_concurrency) as an operator would.
 # N no-op events are queued on a paused target, then it is resumed and the time to deliver
 # them all is measured.
-# Usage: scripts/bench-handlers.sh [N=20000] [HOSTILE_EVENTS=64]
+# Usage: [BIN=path/to/router] [ALONE=1] scripts/bench-handlers.sh [N=20000] [HOSTILE_EVENTS=64]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-20000}
 H=${2:-64}
 bash plugins/build.sh >/dev/null
-cargo build --release --locked -q -p router
-BIN=$PWD/target/release/router
+if [ -z "${BIN:-}" ]; then
+  cargo build --release --locked -q -p router
+  BIN=$PWD/target/release/router
+fi
 WORK=$(mktemp -d)
 PORT=18096
 API=http://127.0.0.1:$PORT
@@ -76,5 +78,7 @@ YAML
   kill $pid; wait $pid 2>/dev/null || true
 }
 run "noop alone" no ""
+# ALONE=1: only the first run (comparing two builds of the store path).
+[ -n "${ALONE:-}" ] && exit 0
 run "noop + $H hostile loops" yes ""
 run "noop + $H hostile loops, max_concurrency 2" yes "throttle: { max_concurrency: 2 }"

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Ingest benchmark: the router (durable, with delivery to a local webhook running at the same
 # time) against a baseline endpoint that only parses and discards, in the same run, so the
-# figures are a ratio to the HTTP ceiling of this machine. Usage: scripts/bench-ingest.sh [N]
+# figures are a ratio to the HTTP ceiling of this machine.
+# Usage: [BIN=path/to/router] [RATE=events/s for a fixed-rate latency run] scripts/bench-ingest.sh [N]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-200000}
-cargo build --release --locked -q -p router
-BIN=target/release/router
+if [ -z "${BIN:-}" ]; then
+  cargo build --release --locked -q -p router
+  BIN=target/release/router
+fi
 WORK=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/rules"

@@ -104,7 +104,7 @@ pub struct HandlersConfig {
     /// the oldest half is dropped when it fills. Default 2 MiB.
     pub log_retain_bytes: u64,
     /// Invocations of one handler running at once; 0 (default) means the number of CPUs.
-    /// Deliveries to the handler still overlap their store work (the target's concurrency);
+    /// Deliveries to the handler still overlap their store work (`delivery.handler_concurrency`);
     /// only the CPU-bound invocation waits here, so a handler that loops until its timeout
     /// cannot take every core from the others. A delivery that waits longer than its policy
     /// timeout is put back for a second (`handler_busy`) without spending an attempt.
@@ -214,8 +214,15 @@ pub struct IngestConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DeliveryConfig {
-    /// Attempts in flight per target unless its policy sets `throttle.max_concurrency`.
+    /// Attempts in flight per webhook or NATS target unless its policy sets
+    /// `throttle.max_concurrency`: how hard the router may press on a receiver.
     pub concurrency: usize,
+    /// Deliveries in flight per handler target unless its policy sets
+    /// `throttle.max_concurrency`. Higher than `concurrency` because the handler's CPU is
+    /// bounded separately (`handlers.running_per_handler`): a delivery in flight is mostly
+    /// waiting for its lease and ack to commit, and a target's throughput is about this many
+    /// deliveries per commit cycle.
+    pub handler_concurrency: usize,
     /// Added to a target's timeout to make its lease: a worker silent for longer loses it.
     #[serde(with = "humantime_serde")]
     pub lease_margin: Duration,
@@ -298,6 +305,7 @@ impl Default for DeliveryConfig {
     fn default() -> Self {
         Self {
             concurrency: 32,
+            handler_concurrency: 256,
             lease_margin: Duration::from_secs(30),
             max_response_bytes: 64 * 1024,
             tls_ca_file: None,
@@ -378,6 +386,9 @@ impl Config {
         }
         if self.delivery.concurrency == 0 {
             return bad("delivery.concurrency must be > 0");
+        }
+        if self.delivery.handler_concurrency == 0 {
+            return bad("delivery.handler_concurrency must be > 0");
         }
         if self.delivery.sweep_interval.is_zero() {
             return bad("delivery.sweep_interval must be > 0");
