@@ -57,6 +57,8 @@ pub struct Metrics {
     pub breaker_state: Family<Labels, Gauge>,
     /// Due retries deferred by the retry budget.
     pub budget_deferred: Family<Labels, Counter>,
+    /// Leases that failed (the store refused the write) by target; the worker pauses a second.
+    pub lease_failures: Family<Labels, Counter>,
     /// System events dropped because the routing channel was full.
     pub system_events_dropped: Counter,
     /// Paused targets (1 = paused).
@@ -97,6 +99,7 @@ impl Metrics {
             breaker_transitions: Family::default(),
             breaker_state: Family::default(),
             budget_deferred: Family::default(),
+            lease_failures: Family::default(),
             system_events_dropped: Counter::default(),
             target_paused: Family::default(),
             swept: Family::default(),
@@ -186,6 +189,11 @@ impl Metrics {
             "router_retry_budget_deferred",
             "Due retries deferred by the retry budget",
             m.budget_deferred.clone(),
+        );
+        registry.register(
+            "router_lease_failures",
+            "Leases the store failed to record, by target (the worker pauses 1 s after each)",
+            m.lease_failures.clone(),
         );
         registry.register(
             "router_swept_records",

@@ -7,7 +7,7 @@
 //! leased at all.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -46,6 +46,8 @@ fn truncate(s: &str, max: usize) -> String {
 
 /// How long a retry deferred by the budget waits before it is considered again.
 const BUDGET_DEFER_MS: i64 = 250;
+/// How long a target's worker waits after a failed lease (the store is failing).
+const LEASE_RETRY_MS: i64 = 1000;
 /// Longest idle sleep; the worker also wakes on new entries.
 const IDLE_MS: i64 = 1000;
 
@@ -93,9 +95,20 @@ pub(super) async fn run(
     let slots = Arc::new(Semaphore::new(concurrency));
     let notify = ctx.store.notifier(&spec.id);
     let lease_ms = ms(spec.policy.timeout + ctx.cfg.lease_margin);
+    // Set by a failed lease: no lease is tried before this time (clock ms). Leases run as their
+    // own tasks, so without it a store outage would be a failed lease — and an error line —
+    // per free slot.
+    let lease_pause = Arc::new(AtomicI64::new(0));
     loop {
         if rt.paused.load(Ordering::SeqCst) {
             if !sleep_or_stop(&stop, wait_ms(IDLE_MS), Some(&notify)).await {
+                break;
+            }
+            continue;
+        }
+        let paused_for = lease_pause.load(Ordering::SeqCst) - ctx.clock.now_ms();
+        if paused_for > 0 {
+            if !sleep_or_stop(&stop, wait_ms(paused_for), None).await {
                 break;
             }
             continue;
@@ -192,7 +205,7 @@ pub(super) async fn run(
             now,
             lease_ms,
             probing,
-            stop.clone(),
+            lease_pause.clone(),
         );
         if probing {
             // Half-open: the probe count is settled before the breaker is asked again.
@@ -223,7 +236,7 @@ async fn lease_and_start(
     now: Millis,
     lease_ms: i64,
     probing: bool,
-    stop: CancellationToken,
+    lease_pause: Arc<AtomicI64>,
 ) {
     let spec = &rt.spec;
     match ctx
@@ -271,10 +284,17 @@ async fn lease_and_start(
             }
         }
         Err(e) => {
-            tracing::error!(target_id = %spec.id, error = %e, "lease failed; retrying in 1s");
-            // The slots are held through the pause, so the loop backs off too.
-            sleep_or_stop(&stop, Duration::from_secs(1), None).await;
             drop(permits);
+            let failed_at = ctx.clock.now_ms();
+            let before = lease_pause.fetch_max(failed_at + LEASE_RETRY_MS, Ordering::SeqCst);
+            // Leases in flight together fail together: one line per pause.
+            ctx.metrics
+                .lease_failures
+                .get_or_create(&vec![("target", spec.id.clone())])
+                .inc();
+            if before <= failed_at {
+                tracing::error!(target_id = %spec.id, error = %e, "lease failed; retrying in 1s");
+            }
         }
     }
 }
