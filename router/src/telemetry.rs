@@ -72,6 +72,9 @@ pub struct Metrics {
     pub handler_kv_bytes: Family<Labels, Gauge>,
     /// Keys in each handler's key-value namespace.
     pub handler_kv_keys: Family<Labels, Gauge>,
+    /// Handlers whose KV gauges the last scrape set (so an emptied namespace can be removed
+    /// without clearing the families under a concurrent scrape).
+    kv_handlers_shown: std::sync::Mutex<std::collections::BTreeSet<String>>,
     /// The bound on each namespace (`handlers.kv_max_bytes`).
     pub handler_kv_max_bytes: Gauge,
     /// Records held per bounded kind (events, dedup keys, COMPLETED records, handler KV keys).
@@ -106,6 +109,7 @@ impl Metrics {
             completed_hits: Family::default(),
             handler_kv_bytes: Family::default(),
             handler_kv_keys: Family::default(),
+            kv_handlers_shown: Default::default(),
             handler_kv_max_bytes: Gauge::default(),
             store_records: Family::default(),
             registry: Registry::default(),
@@ -282,10 +286,20 @@ impl Metrics {
         match store.kv_usage() {
             Ok(usage) => {
                 // A namespace emptied since the last scrape disappears instead of keeping its
-                // last size.
-                self.handler_kv_bytes.clear();
-                self.handler_kv_keys.clear();
+                // last size. Only those are removed (clearing the families first would show a
+                // concurrent scrape an empty family).
+                let mut shown = self
+                    .kv_handlers_shown
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                for gone in shown.iter().filter(|h| !usage.contains_key(*h)) {
+                    let l = vec![("handler", gone.clone())];
+                    self.handler_kv_bytes.remove(&l);
+                    self.handler_kv_keys.remove(&l);
+                }
+                shown.clear();
                 for (handler, u) in usage {
+                    shown.insert(handler.clone());
                     let l = vec![("handler", handler)];
                     self.handler_kv_bytes
                         .get_or_create(&l)
