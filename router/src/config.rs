@@ -221,7 +221,9 @@ pub struct DeliveryConfig {
     /// `throttle.max_concurrency`. Higher than `concurrency` because the handler's CPU is
     /// bounded separately (`handlers.running_per_handler`): a delivery in flight is mostly
     /// waiting for its lease and ack to commit, and a target's throughput is about this many
-    /// deliveries per commit cycle.
+    /// deliveries per commit cycle. Each holds its leased event in memory (twice: stored
+    /// form and the JSON handed to the handler), so the worst case per handler target is
+    /// about this many times twice the largest event. Default 128.
     pub handler_concurrency: usize,
     /// Added to a target's timeout to make its lease: a worker silent for longer loses it.
     #[serde(with = "humantime_serde")]
@@ -305,7 +307,7 @@ impl Default for DeliveryConfig {
     fn default() -> Self {
         Self {
             concurrency: 32,
-            handler_concurrency: 256,
+            handler_concurrency: 128,
             lease_margin: Duration::from_secs(30),
             max_response_bytes: 64 * 1024,
             tls_ca_file: None,
