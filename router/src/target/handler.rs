@@ -260,13 +260,21 @@ impl HandlerTarget {
                 );
             }
         };
-        for line in &inv.logs {
-            self.log(
-                req,
-                &version,
-                &format!("{:?}", line.level).to_lowercase(),
-                line.message.clone(),
-            );
+        if !inv.logs.is_empty() {
+            let at = crate::clock::rfc3339(self.rt.clock.now_ms());
+            let lines: Vec<LogRecord> = inv
+                .logs
+                .iter()
+                .map(|line| LogRecord {
+                    at: at.clone(),
+                    level: format!("{:?}", line.level).to_lowercase(),
+                    message: line.message.clone(),
+                    event_id: req.event_id.clone(),
+                    attempt: req.attempt,
+                    version: version.clone(),
+                })
+                .collect();
+            self.rt.logs.push_all(&self.name, &lines);
         }
         let outbox_of = |inv: &crate::wasm::Invocation, emitted: Vec<NewEvent>| Outbox {
             emitted,
