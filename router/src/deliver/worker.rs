@@ -290,11 +290,11 @@ async fn lease_and_start(
             drop(permits);
             let failed_at = ctx.clock.now_ms();
             let before = lease_pause.fetch_max(failed_at + LEASE_RETRY_MS, Ordering::SeqCst);
-            // Leases in flight together fail together: one line per pause.
             ctx.metrics
                 .lease_failures
                 .get_or_create(&vec![("target", spec.id.clone())])
                 .inc();
+            // Leases in flight together fail together: one line per pause.
             if before <= failed_at {
                 tracing::error!(target_id = %spec.id, error = %e, "lease failed; retrying in 1s");
             }

@@ -1481,7 +1481,6 @@ impl Committer {
         let saved = (self.next_seq, self.next_dlq);
         self.group_depth.clear();
         let mut dones: Vec<Done> = Vec::with_capacity(n);
-        effects.clear();
         // Ops not reached (the transaction could not start) are dropped below with the rest,
         // which answers their callers `Closed`, as dropping the group's vector did.
         let mut batch = std::mem::take(ops);
@@ -1522,6 +1521,8 @@ impl Committer {
                 self.poisoned = self.reopen.is_some();
             }
         }
+        // Both buffers go back empty (a failed group leaves ops it did not reach, and effects
+        // it did not apply).
         batch.clear();
         *ops = batch;
         effects.clear();

@@ -110,18 +110,32 @@ impl HandlerTarget {
         Self { rt, name }
     }
 
-    fn log(&self, req: &DeliveryRequest, version: &str, level: &str, message: String) {
-        self.rt.logs.push(
-            &self.name,
-            &LogRecord {
-                at: crate::clock::rfc3339(self.rt.clock.now_ms()),
-                level: level.to_string(),
+    /// Writes the lines `(level, message)` of one delivery to the handler's log, stamped now.
+    fn log_all(
+        &self,
+        req: &DeliveryRequest,
+        version: &str,
+        lines: impl IntoIterator<Item = (String, String)>,
+    ) {
+        let at = crate::clock::rfc3339(self.rt.clock.now_ms());
+        let records: Vec<LogRecord> = lines
+            .into_iter()
+            .map(|(level, message)| LogRecord {
+                at: at.clone(),
+                level,
                 message,
                 event_id: req.event_id.clone(),
                 attempt: req.attempt,
                 version: version.to_string(),
-            },
-        );
+            })
+            .collect();
+        if !records.is_empty() {
+            self.rt.logs.push_all(&self.name, &records);
+        }
+    }
+
+    fn log(&self, req: &DeliveryRequest, version: &str, level: &str, message: String) {
+        self.log_all(req, version, [(level.to_string(), message)]);
     }
 
     async fn run(&self, req: &DeliveryRequest) -> (AttemptOutcome, Option<Box<Effects>>) {
@@ -260,22 +274,16 @@ impl HandlerTarget {
                 );
             }
         };
-        if !inv.logs.is_empty() {
-            let at = crate::clock::rfc3339(self.rt.clock.now_ms());
-            let lines: Vec<LogRecord> = inv
-                .logs
-                .iter()
-                .map(|line| LogRecord {
-                    at: at.clone(),
-                    level: format!("{:?}", line.level).to_lowercase(),
-                    message: line.message.clone(),
-                    event_id: req.event_id.clone(),
-                    attempt: req.attempt,
-                    version: version.clone(),
-                })
-                .collect();
-            self.rt.logs.push_all(&self.name, &lines);
-        }
+        self.log_all(
+            req,
+            &version,
+            inv.logs.iter().map(|line| {
+                (
+                    format!("{:?}", line.level).to_lowercase(),
+                    line.message.clone(),
+                )
+            }),
+        );
         let outbox_of = |inv: &crate::wasm::Invocation, emitted: Vec<NewEvent>| Outbox {
             emitted,
             kv: inv

@@ -223,6 +223,14 @@ mod tests {
         }
     }
 
+    /// Bytes of all files in `dir`.
+    fn disk_use(dir: &Path) -> u64 {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().len())
+            .sum()
+    }
+
     fn all(n: usize) -> LogQuery {
         LogQuery {
             limit: n,
@@ -270,10 +278,7 @@ mod tests {
             let batch: Vec<LogRecord> = (b * 37..(b + 1) * 37).map(|i| rec(i, "info")).collect();
             logs.push_all("h", &batch);
         }
-        let used: u64 = std::fs::read_dir(dir.path())
-            .unwrap()
-            .map(|e| e.unwrap().metadata().unwrap().len())
-            .sum();
+        let used = disk_use(dir.path());
         assert!(used <= budget, "{used} bytes on disk");
         let got = logs.recent("h", &all(10_000)).unwrap();
         assert_eq!(got.last().unwrap().message, format!("line {}", 20 * 37 - 1));
@@ -292,10 +297,7 @@ mod tests {
         for i in 0..1000 {
             logs.push("h", &rec(i, "info"));
         }
-        let used: u64 = std::fs::read_dir(dir.path())
-            .unwrap()
-            .map(|e| e.unwrap().metadata().unwrap().len())
-            .sum();
+        let used = disk_use(dir.path());
         assert!(used <= budget, "{used} bytes on disk");
         let got = logs.recent("h", &all(10_000)).unwrap();
         assert!(got.len() > 10, "{} lines kept", got.len());
