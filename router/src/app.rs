@@ -620,6 +620,8 @@ pub async fn run(
             on_commit: Some(Arc::new(move |took, ops| m.observe_commit(took, ops))),
             cache_bytes: Some(cfg.store.cache_bytes),
             compact_min_bytes: Some(cfg.store.compact_min_bytes),
+            group_log: cfg.store.group_log,
+            checkpoint_every: None,
         },
     )?;
     run_with_store(cfg, listener, store, metrics, shutdown).await

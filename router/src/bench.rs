@@ -204,6 +204,128 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
     })
 }
 
+/// Parameters of `router bench store`.
+#[derive(Debug, Clone)]
+pub struct StoreBench {
+    /// Data directory of the store (created; should be empty).
+    pub dir: std::path::PathBuf,
+    /// Events to accept in total.
+    pub events: u64,
+    /// Concurrent writers.
+    pub concurrency: usize,
+    /// Events per accept call.
+    pub batch: usize,
+    /// Approximate size of each event in bytes.
+    pub size: usize,
+    /// Targets each event fans out to (a queue entry each).
+    pub targets: usize,
+    /// Durable groups through the group log (`store.group_log`), or a synced commit each.
+    pub group_log: bool,
+}
+
+/// The store alone, without HTTP: `concurrency` writers accept events (each with `targets`
+/// queue entries) as fast as the committer makes them durable, which is what an ingest
+/// request waits for. Isolates the store's group commit from the HTTP and delivery work.
+pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
+    use crate::store::{NewEntry, NewEvent, RedbStore, Store, StoreOptions};
+    let store = RedbStore::open_dir(
+        &b.dir,
+        StoreOptions {
+            group_log: b.group_log,
+            ..StoreOptions::default()
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let run = format!("{:x}", rand::random::<u64>());
+    let next = Arc::new(AtomicU64::new(0));
+    let ok = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let hist = Arc::new(std::sync::Mutex::new(
+        hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)
+            .map_err(|e| e.to_string())?,
+    ));
+    let batch = b.batch.max(1) as u64;
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..b.concurrency {
+        let (store, run, next, ok, failed, hist) = (
+            store.clone(),
+            run.clone(),
+            next.clone(),
+            ok.clone(),
+            failed.clone(),
+            hist.clone(),
+        );
+        let (total, size, targets) = (b.events, b.size, b.targets);
+        tasks.push(tokio::spawn(async move {
+            let mut local = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).ok();
+            loop {
+                let start = next.fetch_add(batch, Ordering::Relaxed);
+                if start >= total {
+                    break;
+                }
+                let end = (start + batch).min(total);
+                let now = chrono::Utc::now().timestamp_millis();
+                let events = (start..end)
+                    .filter_map(|n| {
+                        let event =
+                            serde_json::from_value(make_event(&run, n, size, "bench.event"))
+                                .ok()?;
+                        Some(NewEvent {
+                            event,
+                            accepted_at: now,
+                            ruleset_version: "bench".into(),
+                            matched_rules: vec!["bench".into()],
+                            targets: (0..targets)
+                                .map(|t| NewEntry {
+                                    target_id: format!("bench-{t}"),
+                                    rule: "bench".into(),
+                                    ordering_key: None,
+                                    max_depth: None,
+                                })
+                                .collect(),
+                            quarantine: None,
+                            dedup_window_ms: 86_400_000,
+                        })
+                    })
+                    .collect::<Vec<_>>();
+                let n = events.len() as u64;
+                let t0 = Instant::now();
+                let res = store.accept(events).await;
+                let us = u64::try_from(t0.elapsed().as_micros())
+                    .unwrap_or(u64::MAX)
+                    .max(1);
+                if let Some(h) = local.as_mut() {
+                    let _ = h.record(us);
+                }
+                match res {
+                    Ok(_) => ok.fetch_add(n, Ordering::Relaxed),
+                    Err(_) => failed.fetch_add(1, Ordering::Relaxed),
+                };
+            }
+            if let (Some(l), Ok(mut h)) = (local, hist.lock()) {
+                let _ = h.add(l);
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let elapsed = started.elapsed();
+    let h = hist.lock().map_err(|_| "histogram poisoned".to_string())?;
+    Ok(BenchReport {
+        ok_events: ok.load(Ordering::Relaxed),
+        failed_requests: failed.load(Ordering::Relaxed),
+        elapsed,
+        latency_us: [
+            h.value_at_quantile(0.5),
+            h.value_at_quantile(0.99),
+            h.value_at_quantile(0.999),
+            h.max(),
+        ],
+    })
+}
+
 /// Runs a sink on `addr`: every request's body is read and parsed as JSON, then answered
 /// with `status`. Counts events received (array elements count one each) in `counter`.
 pub async fn run_sink(

@@ -338,6 +338,26 @@ enum BenchCmd {
         #[arg(long = "type", default_value = "bench.event")]
         event_type: String,
     },
+    /// Accept events straight into a store in DIR (no HTTP): the store's group commit alone.
+    Store {
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long, default_value_t = 100_000)]
+        events: u64,
+        #[arg(long, default_value_t = 64)]
+        concurrency: usize,
+        #[arg(long, default_value_t = 1)]
+        batch: usize,
+        /// Approximate bytes per event.
+        #[arg(long, default_value_t = 1024)]
+        size: usize,
+        /// Queue entries per event.
+        #[arg(long, default_value_t = 2)]
+        targets: usize,
+        /// Use the group log (`store.group_log`).
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+        group_log: bool,
+    },
     /// A receiver that parses and discards (baseline endpoint and fast webhook).
     Sink {
         #[arg(long, default_value = "127.0.0.1:9999")]
@@ -603,6 +623,32 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     size,
                     rate,
                     event_type,
+                }))
+                .map_err(anyhow::Error::msg)?;
+            println!("{report}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Bench {
+            cmd:
+                BenchCmd::Store {
+                    dir,
+                    events,
+                    concurrency,
+                    batch,
+                    size,
+                    targets,
+                    group_log,
+                },
+        } => {
+            let report = rt
+                .block_on(router::bench::run_store(router::bench::StoreBench {
+                    dir,
+                    events,
+                    concurrency,
+                    batch,
+                    size,
+                    targets,
+                    group_log,
                 }))
                 .map_err(anyhow::Error::msg)?;
             println!("{report}");

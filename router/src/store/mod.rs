@@ -7,6 +7,7 @@
 //! store that unit tests use, and with `fault::FaultBackend` it simulates power loss.
 
 pub mod fault;
+mod group_log;
 pub mod model;
 mod redb_store;
 

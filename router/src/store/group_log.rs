@@ -1,0 +1,490 @@
+//! The group log: an append-only file in front of redb that makes a commit group durable with
+//! one sequential write and one `fdatasync`.
+//!
+//! Without it, every group is a redb commit with `Durability::Immediate`: pages scattered over
+//! the file written and synced while the committer waits. With it, the committer commits each
+//! group to redb without a sync (`Durability::None`: readers see it at once, a crash forgets
+//! it), records the group's physical writes (table, key, value or removal) here, and answers
+//! the group's callers only once this log has synced them. The log writer is its own thread,
+//! so the sync of one group overlaps the building of the next. Every so often the committer
+//! makes a group durable in redb itself (a checkpoint): everything logged before it is then in
+//! redb, and the log starts again at offset 0, overwriting the old records.
+//!
+//! At open, redb holds the state as of its last durable commit, which stores the sequence number
+//! of the last group it contains; the records after it are read from offset 0 and their writes
+//! applied again (a record is the group's writes in order, so applying it again is idempotent).
+//! A record is valid when its checksum matches and its sequence number follows the previous
+//! one's: a torn write at the tail, or the older records of an earlier lap behind the newest
+//! one, end the log.
+
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc as std_mpsc;
+
+use redb::StorageBackend;
+
+use super::StoreError;
+
+/// `GLG1`: marks the start of a record.
+const MAGIC: u32 = 0x4747_4c31;
+/// magic, checksum (u32 each), payload length, sequence number (u64 each).
+const HEADER: usize = 24;
+/// The log file grows by this much at a time (fewer size changes for the sync to record).
+const GROW: u64 = 4 << 20;
+
+/// What kind of write a mutation is.
+const PUT: u8 = 1;
+const DEL: u8 = 2;
+
+/// The writes of one group, encoded as they happen.
+#[derive(Default)]
+pub(super) struct Mutations {
+    buf: Vec<u8>,
+    count: u32,
+}
+
+impl Mutations {
+    /// Records `table[key] = value`.
+    pub(super) fn put(&mut self, table: u8, key: &[u8], value: &[u8]) {
+        self.push(table, PUT, key);
+        self.buf
+            .extend_from_slice(&u32::try_from(value.len()).unwrap_or(u32::MAX).to_le_bytes());
+        self.buf.extend_from_slice(value);
+    }
+
+    /// Records the removal of `table[key]`.
+    pub(super) fn del(&mut self, table: u8, key: &[u8]) {
+        self.push(table, DEL, key);
+    }
+
+    fn push(&mut self, table: u8, kind: u8, key: &[u8]) {
+        self.buf.push(table);
+        self.buf.push(kind);
+        self.buf
+            .extend_from_slice(&u32::try_from(key.len()).unwrap_or(u32::MAX).to_le_bytes());
+        self.buf.extend_from_slice(key);
+        self.count += 1;
+    }
+
+    pub(super) fn clear(&mut self) {
+        self.buf.clear();
+        self.count = 0;
+    }
+
+    /// The group's record: header, then the mutations.
+    pub(super) fn record(&self, seq: u64) -> Vec<u8> {
+        let payload_len = 4 + self.buf.len();
+        let mut out = Vec::with_capacity(HEADER + payload_len);
+        out.extend_from_slice(&MAGIC.to_le_bytes());
+        out.extend_from_slice(&[0; 4]);
+        out.extend_from_slice(&(payload_len as u64).to_le_bytes());
+        out.extend_from_slice(&seq.to_le_bytes());
+        out.extend_from_slice(&self.count.to_le_bytes());
+        out.extend_from_slice(&self.buf);
+        let crc = checksum(seq, &out[HEADER..]);
+        out[4..8].copy_from_slice(&crc.to_le_bytes());
+        out
+    }
+}
+
+fn checksum(seq: u64, payload: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&seq.to_le_bytes());
+    h.update(payload);
+    h.finalize()
+}
+
+/// One write read back from the log.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Mutation<'a> {
+    Put {
+        table: u8,
+        key: &'a [u8],
+        value: &'a [u8],
+    },
+    Del {
+        table: u8,
+        key: &'a [u8],
+    },
+}
+
+/// A valid record read back from the log.
+pub(super) struct Record<'a> {
+    pub seq: u64,
+    payload: &'a [u8],
+}
+
+impl<'a> Record<'a> {
+    /// The record's writes, in the order they were made.
+    pub(super) fn mutations(&self) -> Result<Vec<Mutation<'a>>, StoreError> {
+        let corrupt = || StoreError::Corrupt {
+            table: "group log",
+            message: format!("record {} is malformed", self.seq),
+        };
+        let mut r = Reader(self.payload);
+        let count = r.u32().ok_or_else(corrupt)?;
+        let mut out = Vec::with_capacity(count.min(1 << 16) as usize);
+        for _ in 0..count {
+            let table = r.u8().ok_or_else(corrupt)?;
+            let kind = r.u8().ok_or_else(corrupt)?;
+            let key = r.bytes().ok_or_else(corrupt)?;
+            out.push(match kind {
+                PUT => Mutation::Put {
+                    table,
+                    key,
+                    value: r.bytes().ok_or_else(corrupt)?,
+                },
+                DEL => Mutation::Del { table, key },
+                _ => return Err(corrupt()),
+            });
+        }
+        if !r.0.is_empty() {
+            return Err(corrupt());
+        }
+        Ok(out)
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Some(a)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        self.take(1).map(|b| b[0])
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn bytes(&mut self) -> Option<&'a [u8]> {
+        let n = self.u32()? as usize;
+        self.take(n)
+    }
+}
+
+/// The valid records of a log image, from offset 0: each with a matching checksum and the
+/// sequence number following the previous one's. What follows the first invalid one is a
+/// torn tail or an earlier lap's leftovers.
+pub(super) fn records(image: &[u8]) -> Vec<Record<'_>> {
+    let mut out: Vec<Record<'_>> = Vec::new();
+    let mut at = 0usize;
+    while image.len() >= at + HEADER {
+        let h = &image[at..at + HEADER];
+        let word = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
+        let long = |i: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&h[i..i + 8]);
+            u64::from_le_bytes(b)
+        };
+        if word(0) != MAGIC {
+            break;
+        }
+        let crc = word(4);
+        let Some(end) = usize::try_from(long(8))
+            .ok()
+            .and_then(|len| (at + HEADER).checked_add(len))
+        else {
+            break;
+        };
+        let seq = long(16);
+        let Some(payload) = image.get(at + HEADER..end) else {
+            break;
+        };
+        if checksum(seq, payload) != crc {
+            break;
+        }
+        if let Some(prev) = out.last()
+            && prev.seq.checked_add(1) != Some(seq)
+        {
+            break;
+        }
+        out.push(Record { seq, payload });
+        at = end;
+    }
+    out
+}
+
+/// The log on a file of the data directory. (The directory is already locked by redb's
+/// file, so this one takes no lock of its own.)
+#[derive(Debug)]
+pub(super) struct FileLog(std::fs::File);
+
+impl FileLog {
+    pub(super) fn open(path: &std::path::Path) -> io::Result<Self> {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map(Self)
+    }
+}
+
+impl StorageBackend for FileLog {
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.0.metadata()?.len())
+    }
+    fn read(&self, offset: u64, out: &mut [u8]) -> io::Result<()> {
+        std::os::unix::fs::FileExt::read_exact_at(&self.0, out, offset)
+    }
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.0.set_len(len)
+    }
+    fn sync_data(&self) -> io::Result<()> {
+        self.0.sync_data()
+    }
+    fn write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        std::os::unix::fs::FileExt::write_all_at(&self.0, data, offset)
+    }
+}
+
+/// Reads a whole log file.
+pub(super) fn read_image(file: &dyn StorageBackend) -> io::Result<Vec<u8>> {
+    let len = usize::try_from(file.len()?)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "log file too large"))?;
+    let mut buf = vec![0; len];
+    if len > 0 {
+        file.read(0, &mut buf)?;
+    }
+    Ok(buf)
+}
+
+/// A reply (or several) to run once the fate of a record is known.
+pub(super) type Done = Box<dyn FnOnce(Option<&StoreError>) + Send>;
+
+/// What the committer sends the log writer, in commit order.
+pub(super) enum LogMsg {
+    /// A group committed to redb without a sync: write and sync its record, then answer.
+    Group { record: Vec<u8>, dones: Vec<Done> },
+    /// A group committed durably to redb: every earlier group is in redb too, so their
+    /// records need not be written; the next record goes to offset 0. Also clears a failure
+    /// once the committer has reopened the store.
+    Checkpoint,
+    /// Read the whole file (after a failure, to reopen): the answer comes once every earlier
+    /// message is handled, so nothing writes the file meanwhile.
+    Read(std_mpsc::SyncSender<io::Result<Vec<u8>>>),
+}
+
+/// The log writer's handle, kept by the committer.
+pub(super) struct LogWriter {
+    tx: std_mpsc::SyncSender<LogMsg>,
+    failed: Arc<AtomicBool>,
+}
+
+impl LogWriter {
+    /// Starts the writer thread on `file`, which must already have been replayed (its records
+    /// are all in redb): the first record goes to offset 0.
+    pub(super) fn start(file: Box<dyn StorageBackend>) -> Result<Self, StoreError> {
+        // A bounded queue: a committer running ahead of the disk waits here instead of piling
+        // up unsynced groups in memory.
+        let (tx, rx) = std_mpsc::sync_channel(64);
+        let failed = Arc::new(AtomicBool::new(false));
+        let w = Writer {
+            file,
+            offset: 0,
+            len: None,
+            failed: failed.clone(),
+        };
+        std::thread::Builder::new()
+            .name("store-log".into())
+            .spawn(move || w.run(rx))
+            .map_err(|e| StoreError::Backend(format!("spawn log writer: {e}")))?;
+        Ok(Self { tx, failed })
+    }
+
+    /// Hands a message to the writer. If the writer is gone, a group's callers are told so.
+    pub(super) fn send(&self, msg: LogMsg) {
+        if let Err(std_mpsc::SendError(msg)) = self.tx.send(msg) {
+            let e = StoreError::Backend("the group log writer stopped".into());
+            if let LogMsg::Group { dones, .. } = msg {
+                for d in dones {
+                    d(Some(&e));
+                }
+            }
+            self.failed.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether a write or sync failed since the last checkpoint: the committer must reopen
+    /// the store (the groups committed to redb after the failure were not made durable).
+    pub(super) fn failed(&self) -> bool {
+        self.failed.load(Ordering::SeqCst)
+    }
+
+    /// The file's contents, once every message sent before has been handled.
+    pub(super) fn read(&self) -> Result<Vec<u8>, StoreError> {
+        let (tx, rx) = std_mpsc::sync_channel(1);
+        self.send(LogMsg::Read(tx));
+        rx.recv()
+            .map_err(|_| StoreError::Backend("the group log writer stopped".into()))?
+            .map_err(|e| StoreError::Backend(format!("read the group log: {e}")))
+    }
+}
+
+struct Writer {
+    file: Box<dyn StorageBackend>,
+    offset: u64,
+    /// The file's length as last seen (`None`: ask the file).
+    len: Option<u64>,
+    failed: Arc<AtomicBool>,
+}
+
+impl Writer {
+    fn run(mut self, rx: std_mpsc::Receiver<LogMsg>) {
+        let mut buf: Vec<u8> = Vec::new();
+        let mut dones: Vec<Done> = Vec::new();
+        while let Ok(first) = rx.recv() {
+            // Everything queued meanwhile shares this write and sync.
+            let mut next = Some(first);
+            while let Some(msg) = next.take().or_else(|| rx.try_recv().ok()) {
+                match msg {
+                    LogMsg::Group { record, dones: ds } => {
+                        buf.extend_from_slice(&record);
+                        dones.extend(ds);
+                    }
+                    LogMsg::Checkpoint => {
+                        // Those groups are durable in redb already.
+                        buf.clear();
+                        for d in dones.drain(..) {
+                            d(None);
+                        }
+                        self.offset = 0;
+                        self.failed.store(false, Ordering::SeqCst);
+                    }
+                    LogMsg::Read(reply) => {
+                        self.flush(&mut buf, &mut dones);
+                        let _ = reply.send(read_image(&*self.file));
+                    }
+                }
+            }
+            self.flush(&mut buf, &mut dones);
+        }
+        self.flush(&mut buf, &mut dones);
+    }
+
+    /// Writes and syncs `buf`, then answers `dones`; after a failure every group fails until
+    /// the committer has reopened the store and checkpointed.
+    fn flush(&mut self, buf: &mut Vec<u8>, dones: &mut Vec<Done>) {
+        if buf.is_empty() && dones.is_empty() {
+            return;
+        }
+        let result = if self.failed.load(Ordering::SeqCst) {
+            Err(StoreError::Backend(
+                "an earlier group log write failed; the store is being reopened".into(),
+            ))
+        } else {
+            self.write(buf).map_err(|e| {
+                tracing::error!(error = %e, "group log write failed; the groups waiting on it get the error and the store is reopened");
+                self.failed.store(true, Ordering::SeqCst);
+                StoreError::Backend(format!("group log write: {e}"))
+            })
+        };
+        buf.clear();
+        for d in dones.drain(..) {
+            d(result.as_ref().err());
+        }
+    }
+
+    fn write(&mut self, buf: &[u8]) -> io::Result<()> {
+        let end = self.offset + buf.len() as u64;
+        let len = match self.len {
+            Some(l) => l,
+            None => self.file.len()?,
+        };
+        self.len = Some(len);
+        if end > len {
+            let grown = end.div_ceil(GROW) * GROW;
+            self.file.set_len(grown)?;
+            self.len = Some(grown);
+        }
+        self.file.write(self.offset, buf)?;
+        self.file.sync_data()?;
+        self.offset = end;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn group(seq: u64, puts: &[(&[u8], &[u8])]) -> Vec<u8> {
+        let mut m = Mutations::default();
+        for (k, v) in puts {
+            m.put(3, k, v);
+        }
+        m.del(4, b"gone");
+        m.record(seq)
+    }
+
+    #[test]
+    fn records_round_trip_in_order() {
+        let mut image = group(7, &[(b"a", b"1"), (b"b", b"")]);
+        image.extend(group(8, &[(b"c", b"33")]));
+        let rs = records(&image);
+        assert_eq!(rs.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![7, 8]);
+        assert_eq!(
+            rs[0].mutations().expect("decode"),
+            vec![
+                Mutation::Put {
+                    table: 3,
+                    key: b"a",
+                    value: b"1"
+                },
+                Mutation::Put {
+                    table: 3,
+                    key: b"b",
+                    value: b""
+                },
+                Mutation::Del {
+                    table: 4,
+                    key: b"gone"
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn a_torn_tail_ends_the_log() {
+        let mut image = group(1, &[(b"a", b"1")]);
+        let second = group(2, &[(b"b", b"2222")]);
+        image.extend_from_slice(&second[..second.len() - 2]);
+        assert_eq!(records(&image).len(), 1);
+        // A flipped byte inside a record fails its checksum.
+        let mut image = group(1, &[(b"a", b"1")]);
+        image.extend(group(2, &[(b"b", b"2222")]));
+        let last = image.len() - 1;
+        image[last] ^= 0xff;
+        assert_eq!(records(&image).len(), 1);
+    }
+
+    #[test]
+    fn an_earlier_laps_records_behind_the_newest_are_not_read() {
+        // Lap 1 wrote 1, 2, 3; after a checkpoint lap 2 wrote 4 over the start of 1.
+        let mut old = group(1, &[(b"a", b"1")]);
+        old.extend(group(2, &[(b"b", b"2")]));
+        old.extend(group(3, &[(b"c", b"3")]));
+        let new = group(4, &[(b"a", b"1")]);
+        assert_eq!(new.len(), group(1, &[(b"a", b"1")]).len());
+        let mut image = old.clone();
+        image[..new.len()].copy_from_slice(&new);
+        let rs = records(&image);
+        assert_eq!(rs.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![4]);
+    }
+
+    #[test]
+    fn zeros_and_garbage_are_no_records() {
+        assert!(records(&[0; 100]).is_empty());
+        assert!(records(b"not a log at all, just bytes").is_empty());
+        assert!(records(&[]).is_empty());
+    }
+}
