@@ -15,22 +15,29 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::json;
 
-/// Parameters of `router bench ingest`.
-#[derive(Debug, Clone)]
+/// Parameters of `router bench ingest` (its command-line arguments).
+#[derive(Debug, Clone, clap::Args)]
 pub struct IngestBench {
     /// Full URL of the ingest endpoint.
+    #[arg(long, default_value = "http://127.0.0.1:8080/v1/events")]
     pub url: String,
     /// Events to send in total.
+    #[arg(long, default_value_t = 100_000)]
     pub events: u64,
     /// Concurrent connections.
+    #[arg(long, default_value_t = 64)]
     pub concurrency: usize,
     /// Events per request (1 = structured mode, more = batch mode).
+    #[arg(long, default_value_t = 1)]
     pub batch: usize,
-    /// Approximate size of each event in bytes.
+    /// Approximate bytes per event.
+    #[arg(long, default_value_t = 1024)]
     pub size: usize,
-    /// Target rate in events/s (open loop); `None` = as fast as possible.
+    /// Fixed rate in events/s (open loop); default: as fast as possible.
+    #[arg(long)]
     pub rate: Option<f64>,
     /// Event type to send.
+    #[arg(long = "type", default_value = "bench.event")]
     pub event_type: String,
 }
 
@@ -87,6 +94,71 @@ fn make_event(run: &str, n: u64, size: usize, ty: &str) -> serde_json::Value {
     ev
 }
 
+fn latency_histogram() -> Result<hdrhistogram::Histogram<u64>, String> {
+    hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).map_err(|e| e.to_string())
+}
+
+/// What a run's tasks count: events acknowledged, requests failed, and each request's latency
+/// (in a histogram per task, merged into this one when the task ends).
+struct Tally {
+    ok: AtomicU64,
+    failed: AtomicU64,
+    hist: std::sync::Mutex<hdrhistogram::Histogram<u64>>,
+}
+
+impl Tally {
+    fn new() -> Result<Arc<Self>, String> {
+        Ok(Arc::new(Self {
+            ok: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+            hist: std::sync::Mutex::new(latency_histogram()?),
+        }))
+    }
+
+    /// One request sent at `t0`: `ok_events` acknowledged, or `None` when it failed.
+    fn record(
+        &self,
+        local: &mut Option<hdrhistogram::Histogram<u64>>,
+        t0: Instant,
+        ok_events: Option<u64>,
+    ) {
+        let us = u64::try_from(t0.elapsed().as_micros())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        if let Some(h) = local.as_mut() {
+            let _ = h.record(us);
+        }
+        match ok_events {
+            Some(n) => self.ok.fetch_add(n, Ordering::Relaxed),
+            None => self.failed.fetch_add(1, Ordering::Relaxed),
+        };
+    }
+
+    fn merge(&self, local: Option<hdrhistogram::Histogram<u64>>) {
+        if let (Some(l), Ok(mut h)) = (local, self.hist.lock()) {
+            let _ = h.add(l);
+        }
+    }
+
+    fn report(&self, elapsed: Duration) -> Result<BenchReport, String> {
+        let h = self
+            .hist
+            .lock()
+            .map_err(|_| "histogram poisoned".to_string())?;
+        Ok(BenchReport {
+            ok_events: self.ok.load(Ordering::Relaxed),
+            failed_requests: self.failed.load(Ordering::Relaxed),
+            elapsed,
+            latency_us: [
+                h.value_at_quantile(0.5),
+                h.value_at_quantile(0.99),
+                h.value_at_quantile(0.999),
+                h.max(),
+            ],
+        })
+    }
+}
+
 /// Runs the ingest load and returns the report.
 pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
     let uri: hyper::Uri = b.url.parse().map_err(|e| format!("bad url: {e}"))?;
@@ -97,12 +169,7 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
         .build(connector);
     let run = format!("{:x}", rand::random::<u64>());
     let next = Arc::new(AtomicU64::new(0));
-    let ok = Arc::new(AtomicU64::new(0));
-    let failed = Arc::new(AtomicU64::new(0));
-    let hist = Arc::new(std::sync::Mutex::new(
-        hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)
-            .map_err(|e| e.to_string())?,
-    ));
+    let tally = Tally::new()?;
     let started = Instant::now();
     let mut tasks = Vec::new();
     let batch = b.batch.max(1) as u64;
@@ -111,19 +178,17 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
         .rate
         .map(|r| Duration::from_secs_f64(batch as f64 * b.concurrency as f64 / r));
     for _ in 0..b.concurrency {
-        let (client, uri, run, next, ok, failed, hist, ty) = (
+        let (client, uri, run, next, tally, ty) = (
             client.clone(),
             uri.clone(),
             run.clone(),
             next.clone(),
-            ok.clone(),
-            failed.clone(),
-            hist.clone(),
+            tally.clone(),
             b.event_type.clone(),
         );
         let (total, size) = (b.events, b.size);
         tasks.push(tokio::spawn(async move {
-            let mut local = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).ok();
+            let mut local = latency_histogram().ok();
             let mut tick = per_conn_interval.map(|i| {
                 let mut t = tokio::time::interval(i);
                 t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -169,57 +234,40 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
                     }
                     Err(_) => false,
                 };
-                let us = u64::try_from(t0.elapsed().as_micros())
-                    .unwrap_or(u64::MAX)
-                    .max(1);
-                if let Some(h) = local.as_mut() {
-                    let _ = h.record(us);
-                }
-                if good {
-                    ok.fetch_add(end - start, Ordering::Relaxed);
-                } else {
-                    failed.fetch_add(1, Ordering::Relaxed);
-                }
+                tally.record(&mut local, t0, good.then_some(end - start));
             }
-            if let (Some(l), Ok(mut h)) = (local, hist.lock()) {
-                let _ = h.add(l);
-            }
+            tally.merge(local);
         }));
     }
     for t in tasks {
         let _ = t.await;
     }
-    let elapsed = started.elapsed();
-    let h = hist.lock().map_err(|_| "histogram poisoned".to_string())?;
-    Ok(BenchReport {
-        ok_events: ok.load(Ordering::Relaxed),
-        failed_requests: failed.load(Ordering::Relaxed),
-        elapsed,
-        latency_us: [
-            h.value_at_quantile(0.5),
-            h.value_at_quantile(0.99),
-            h.value_at_quantile(0.999),
-            h.max(),
-        ],
-    })
+    tally.report(started.elapsed())
 }
 
-/// Parameters of `router bench store`.
-#[derive(Debug, Clone)]
+/// Parameters of `router bench store` (its command-line arguments).
+#[derive(Debug, Clone, clap::Args)]
 pub struct StoreBench {
     /// Data directory of the store (created; should be empty).
+    #[arg(long)]
     pub dir: std::path::PathBuf,
     /// Events to accept in total.
+    #[arg(long, default_value_t = 100_000)]
     pub events: u64,
     /// Concurrent writers.
+    #[arg(long, default_value_t = 64)]
     pub concurrency: usize,
     /// Events per accept call.
+    #[arg(long, default_value_t = 1)]
     pub batch: usize,
-    /// Approximate size of each event in bytes.
+    /// Approximate bytes per event.
+    #[arg(long, default_value_t = 1024)]
     pub size: usize,
-    /// Targets each event fans out to (a queue entry each).
+    /// Queue entries per event (targets it fans out to).
+    #[arg(long, default_value_t = 2)]
     pub targets: usize,
     /// Durable groups through the group log (`store.group_log`), or a synced commit each.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub group_log: bool,
 }
 
@@ -238,27 +286,15 @@ pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
     .map_err(|e| e.to_string())?;
     let run = format!("{:x}", rand::random::<u64>());
     let next = Arc::new(AtomicU64::new(0));
-    let ok = Arc::new(AtomicU64::new(0));
-    let failed = Arc::new(AtomicU64::new(0));
-    let hist = Arc::new(std::sync::Mutex::new(
-        hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)
-            .map_err(|e| e.to_string())?,
-    ));
+    let tally = Tally::new()?;
     let batch = b.batch.max(1) as u64;
     let started = Instant::now();
     let mut tasks = Vec::new();
     for _ in 0..b.concurrency {
-        let (store, run, next, ok, failed, hist) = (
-            store.clone(),
-            run.clone(),
-            next.clone(),
-            ok.clone(),
-            failed.clone(),
-            hist.clone(),
-        );
+        let (store, run, next, tally) = (store.clone(), run.clone(), next.clone(), tally.clone());
         let (total, size, targets) = (b.events, b.size, b.targets);
         tasks.push(tokio::spawn(async move {
-            let mut local = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).ok();
+            let mut local = latency_histogram().ok();
             loop {
                 let start = next.fetch_add(batch, Ordering::Relaxed);
                 if start >= total {
@@ -292,38 +328,15 @@ pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
                 let n = events.len() as u64;
                 let t0 = Instant::now();
                 let res = store.accept(events).await;
-                let us = u64::try_from(t0.elapsed().as_micros())
-                    .unwrap_or(u64::MAX)
-                    .max(1);
-                if let Some(h) = local.as_mut() {
-                    let _ = h.record(us);
-                }
-                match res {
-                    Ok(_) => ok.fetch_add(n, Ordering::Relaxed),
-                    Err(_) => failed.fetch_add(1, Ordering::Relaxed),
-                };
+                tally.record(&mut local, t0, res.is_ok().then_some(n));
             }
-            if let (Some(l), Ok(mut h)) = (local, hist.lock()) {
-                let _ = h.add(l);
-            }
+            tally.merge(local);
         }));
     }
     for t in tasks {
         let _ = t.await;
     }
-    let elapsed = started.elapsed();
-    let h = hist.lock().map_err(|_| "histogram poisoned".to_string())?;
-    Ok(BenchReport {
-        ok_events: ok.load(Ordering::Relaxed),
-        failed_requests: failed.load(Ordering::Relaxed),
-        elapsed,
-        latency_us: [
-            h.value_at_quantile(0.5),
-            h.value_at_quantile(0.99),
-            h.value_at_quantile(0.999),
-            h.max(),
-        ],
-    })
+    tally.report(started.elapsed())
 }
 
 /// Runs a sink on `addr`: every request's body is read and parsed as JSON, then answered

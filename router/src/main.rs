@@ -320,44 +320,9 @@ enum ConfigCmd {
 #[derive(Subcommand)]
 enum BenchCmd {
     /// Send events to POST /v1/events and report events/s and latency percentiles.
-    Ingest {
-        #[arg(long, default_value = "http://127.0.0.1:8080/v1/events")]
-        url: String,
-        #[arg(long, default_value_t = 100_000)]
-        events: u64,
-        #[arg(long, default_value_t = 64)]
-        concurrency: usize,
-        #[arg(long, default_value_t = 1)]
-        batch: usize,
-        /// Approximate bytes per event.
-        #[arg(long, default_value_t = 1024)]
-        size: usize,
-        /// Fixed rate in events/s (open loop); default: as fast as possible.
-        #[arg(long)]
-        rate: Option<f64>,
-        #[arg(long = "type", default_value = "bench.event")]
-        event_type: String,
-    },
+    Ingest(router::bench::IngestBench),
     /// Accept events straight into a store in DIR (no HTTP): the store's group commit alone.
-    Store {
-        #[arg(long)]
-        dir: PathBuf,
-        #[arg(long, default_value_t = 100_000)]
-        events: u64,
-        #[arg(long, default_value_t = 64)]
-        concurrency: usize,
-        #[arg(long, default_value_t = 1)]
-        batch: usize,
-        /// Approximate bytes per event.
-        #[arg(long, default_value_t = 1024)]
-        size: usize,
-        /// Queue entries per event.
-        #[arg(long, default_value_t = 2)]
-        targets: usize,
-        /// Use the group log (`store.group_log`).
-        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-        group_log: bool,
-    },
+    Store(router::bench::StoreBench),
     /// A receiver that parses and discards (baseline endpoint and fast webhook).
     Sink {
         #[arg(long, default_value = "127.0.0.1:9999")]
@@ -603,53 +568,19 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench {
-            cmd:
-                BenchCmd::Ingest {
-                    url,
-                    events,
-                    concurrency,
-                    batch,
-                    size,
-                    rate,
-                    event_type,
-                },
+            cmd: BenchCmd::Ingest(b),
         } => {
             let report = rt
-                .block_on(router::bench::run_ingest(router::bench::IngestBench {
-                    url,
-                    events,
-                    concurrency,
-                    batch,
-                    size,
-                    rate,
-                    event_type,
-                }))
+                .block_on(router::bench::run_ingest(b))
                 .map_err(anyhow::Error::msg)?;
             println!("{report}");
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench {
-            cmd:
-                BenchCmd::Store {
-                    dir,
-                    events,
-                    concurrency,
-                    batch,
-                    size,
-                    targets,
-                    group_log,
-                },
+            cmd: BenchCmd::Store(b),
         } => {
             let report = rt
-                .block_on(router::bench::run_store(router::bench::StoreBench {
-                    dir,
-                    events,
-                    concurrency,
-                    batch,
-                    size,
-                    targets,
-                    group_log,
-                }))
+                .block_on(router::bench::run_store(b))
                 .map_err(anyhow::Error::msg)?;
             println!("{report}");
             Ok(ExitCode::SUCCESS)

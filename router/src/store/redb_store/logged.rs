@@ -16,7 +16,7 @@ use super::*;
 use crate::store::group_log::{Mutation, Mutations, Record};
 
 /// Every table's number in the group log. Append only: numbers are on disk.
-const TABLE_IDS: [&str; 16] = [
+const TABLE_IDS: [&str; 17] = [
     "meta",
     "events",
     "dedup",
@@ -33,14 +33,10 @@ const TABLE_IDS: [&str; 16] = [
     "handler_kv_exp",
     "handler_kv_usage",
     "handler_completed",
+    "handler_completed_exp",
 ];
-/// Numbered after the 16 above (kept apart so the array above stays a plain list).
-const COMPLETED_EXP_ID: u8 = 16;
 
 fn table_id(name: &str) -> u8 {
-    if name == COMPLETED_EXP.name() {
-        return COMPLETED_EXP_ID;
-    }
     TABLE_IDS
         .iter()
         .position(|t| *t == name)
@@ -233,7 +229,7 @@ impl<'a> AllTables<'a> {
             13 => put(&mut self.kv_exp, m)?,
             14 => put(&mut self.kv_usage, m)?,
             15 => put(&mut self.completed, m)?,
-            COMPLETED_EXP_ID => put(&mut self.completed_exp, m)?,
+            16 => put(&mut self.completed_exp, m)?,
             other => {
                 return Err(StoreError::Corrupt {
                     table: "group log",

@@ -312,12 +312,7 @@ async fn accepted_events_survive_a_power_cut() {
         StoreOptions::default(),
     )
     .expect("reopen after power cut");
-    for i in &acked {
-        assert!(
-            s2.fate("/s", &i.to_string()).expect("fate").is_some(),
-            "event {i} lost"
-        );
-    }
+    assert_present(&s2, acked.iter().map(ToString::to_string));
     assert_eq!(s2.queue_stats()["a"].queued, acked.len() as u64);
 }
 
@@ -842,6 +837,22 @@ fn on_disks(db: &SimulatedDisk, log: &SimulatedDisk, opts: StoreOptions) -> Arc<
     RedbStore::with_backends(move || d.backend(), log.backend(), opts).expect("open")
 }
 
+/// A store reopened on what a power cut of both disks left.
+fn on_images(db_image: Vec<u8>, log_image: Vec<u8>, opts: StoreOptions) -> Arc<RedbStore> {
+    on_disks(
+        &SimulatedDisk::from_image(db_image),
+        &SimulatedDisk::from_image(log_image),
+        opts,
+    )
+}
+
+/// Every event `/s`/`id` of `ids` is in the store.
+fn assert_present(s: &RedbStore, ids: impl IntoIterator<Item = String>) {
+    for i in ids {
+        assert!(s.fate("/s", &i).expect("fate").is_some(), "event {i} lost");
+    }
+}
+
 async fn accept_concurrently(s: &Arc<RedbStore>, ids: std::ops::Range<u32>) -> Vec<u32> {
     let mut tasks = Vec::new();
     for i in ids {
@@ -910,15 +921,12 @@ async fn groups_acknowledged_through_the_log_survive_a_power_cut() {
     );
     drop(alone);
 
-    let db2 = SimulatedDisk::from_image(db_image);
-    let log2 = SimulatedDisk::from_image(log_image);
-    let s2 = on_disks(&db2, &log2, logged(std::time::Duration::from_secs(3600)));
-    for i in &acked {
-        assert!(
-            s2.fate("/s", &i.to_string()).expect("fate").is_some(),
-            "event {i} lost"
-        );
-    }
+    let s2 = on_images(
+        db_image,
+        log_image,
+        logged(std::time::Duration::from_secs(3600)),
+    );
+    assert_present(&s2, acked.iter().map(ToString::to_string));
     let q = s2.queue_stats();
     assert_eq!(q["a"].queued, 199, "one of a's entries was delivered");
     assert_eq!(q["b"].queued, 200);
@@ -951,15 +959,12 @@ async fn the_log_wraps_at_checkpoints_without_losing_groups() {
     assert_eq!(acked.len(), 400);
     let (db_image, log_image) = (db.power_cut(), log.power_cut());
     drop(s);
-    let db2 = SimulatedDisk::from_image(db_image);
-    let log2 = SimulatedDisk::from_image(log_image);
-    let s2 = on_disks(&db2, &log2, logged(std::time::Duration::from_millis(5)));
-    for i in &acked {
-        assert!(
-            s2.fate("/s", &i.to_string()).expect("fate").is_some(),
-            "event {i} lost"
-        );
-    }
+    let s2 = on_images(
+        db_image,
+        log_image,
+        logged(std::time::Duration::from_millis(5)),
+    );
+    assert_present(&s2, acked.iter().map(ToString::to_string));
     assert_eq!(s2.queue_stats()["b"].queued, 400);
 }
 
@@ -993,14 +998,15 @@ async fn a_failing_log_fails_the_accept_and_recovers() {
     let x = u64::from(s.fate("/s", "x").expect("fate").is_some());
     let (db_image, log_image) = (db.power_cut(), log.power_cut());
     drop(s);
-    let s2 = on_disks(
-        &SimulatedDisk::from_image(db_image),
-        &SimulatedDisk::from_image(log_image),
+    let s2 = on_images(
+        db_image,
+        log_image,
         logged(std::time::Duration::from_secs(3600)),
     );
-    for i in before.iter().map(ToString::to_string).chain(["y".into()]) {
-        assert!(s2.fate("/s", &i).expect("fate").is_some(), "event {i} lost");
-    }
+    assert_present(
+        &s2,
+        before.iter().map(ToString::to_string).chain(["y".into()]),
+    );
     assert_eq!(s2.queue_stats()["a"].queued, 11 + x);
 }
 
