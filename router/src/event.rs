@@ -82,6 +82,16 @@ pub struct CloudEvent {
     pub extensions: Map<String, Value>,
 }
 
+/// One member of an event's structured form, borrowed: a string attribute, or a JSON value
+/// (`data`, an extension).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Member<'a> {
+    /// A string attribute (`id`, `source`, `type`, `time`, …).
+    Str(&'a str),
+    /// `data` or an extension.
+    Json(&'a Value),
+}
+
 impl CloudEvent {
     /// The structured-mode JSON object (`application/cloudevents+json`).
     pub fn to_json(&self) -> Value {
@@ -109,6 +119,38 @@ impl CloudEvent {
             m.insert("data_base64".into(), Value::from(d.clone()));
         }
         Value::Object(m)
+    }
+
+    /// The member `name` of the structured form (`to_json()[name]`), borrowed from the fields
+    /// instead of built: what rule matching and ordering keys read.
+    pub fn member(&self, name: &str) -> Option<Member<'_>> {
+        fn s(v: &Option<String>) -> Option<Member<'_>> {
+            v.as_deref().map(Member::Str)
+        }
+        match name {
+            "specversion" => Some(Member::Str("1.0")),
+            "id" => Some(Member::Str(&self.id)),
+            "source" => Some(Member::Str(&self.source)),
+            "type" => Some(Member::Str(&self.ty)),
+            "subject" => s(&self.subject),
+            "time" => s(&self.time),
+            "datacontenttype" => s(&self.datacontenttype),
+            "dataschema" => s(&self.dataschema),
+            "data_base64" => s(&self.data_base64),
+            "data" => self.data.as_ref().map(Member::Json),
+            // The parser keeps core attribute names out of the extensions.
+            _ => self.extensions.get(name).map(Member::Json),
+        }
+    }
+
+    /// The structured-mode JSON bytes, as `serde_json::to_vec(&self.to_json())` would give
+    /// them (same members, same order), written straight from the fields: a delivery does
+    /// not clone the event into a `Value` tree to send it. `replay`, when set, is the
+    /// `replay` member (a replay job's marker), replacing an extension of that name in place
+    /// or else coming last, as `json["replay"] = …` does on `to_json()`.
+    pub fn structured_bytes(&self, replay: Option<&str>) -> Vec<u8> {
+        // Serialising strings and `Value`s into a Vec cannot fail.
+        serde_json::to_vec(&Structured { ev: self, replay }).unwrap_or_default()
     }
 
     /// Contract version of `data`: the `dataversion` extension (integer, or a string of
@@ -154,6 +196,54 @@ impl CloudEvent {
     /// The ingest dedup key (`source`, `id`) encoded as one string.
     pub fn dedup_key(&self) -> String {
         dedup_key(&self.source, &self.id)
+    }
+}
+
+/// [`CloudEvent::structured_bytes`]'s serialiser: the structured form without a `Value` tree.
+struct Structured<'a> {
+    ev: &'a CloudEvent,
+    replay: Option<&'a str>,
+}
+
+impl Serialize for Structured<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let ev = self.ev;
+        let mut m = s.serialize_map(None)?;
+        m.serialize_entry("specversion", "1.0")?;
+        m.serialize_entry("id", &ev.id)?;
+        m.serialize_entry("source", &ev.source)?;
+        m.serialize_entry("type", &ev.ty)?;
+        for (k, v) in [
+            ("subject", &ev.subject),
+            ("time", &ev.time),
+            ("datacontenttype", &ev.datacontenttype),
+            ("dataschema", &ev.dataschema),
+        ] {
+            if let Some(v) = v {
+                m.serialize_entry(k, v)?;
+            }
+        }
+        let mut replay = self.replay;
+        for (k, v) in &ev.extensions {
+            match replay {
+                Some(r) if k == "replay" => {
+                    m.serialize_entry(k, r)?;
+                    replay = None;
+                }
+                _ => m.serialize_entry(k, v)?,
+            }
+        }
+        if let Some(d) = &ev.data {
+            m.serialize_entry("data", d)?;
+        }
+        if let Some(d) = &ev.data_base64 {
+            m.serialize_entry("data_base64", d)?;
+        }
+        if let Some(r) = replay {
+            m.serialize_entry("replay", r)?;
+        }
+        m.end()
     }
 }
 
@@ -204,6 +294,69 @@ mod tests {
         assert_eq!(j["specversion"], "1.0");
         assert_eq!(j["custom"], "x");
         assert_eq!(e.dataversion(), 2);
+    }
+
+    #[test]
+    fn structured_bytes_are_the_bytes_of_to_json() {
+        let with_replay = |e: &CloudEvent, r: &str| {
+            let mut j = e.to_json();
+            j["replay"] = json!(r);
+            serde_json::to_vec(&j).expect("json")
+        };
+        let mut e = ev();
+        assert_eq!(
+            e.structured_bytes(None),
+            serde_json::to_vec(&e.to_json()).expect("json")
+        );
+        assert_eq!(e.structured_bytes(Some("job-1")), with_replay(&e, "job-1"));
+        e.subject = Some("sub \"quoted\"".into());
+        e.time = Some("2026-01-01T00:00:00Z".into());
+        e.datacontenttype = Some("application/json".into());
+        e.dataschema = Some("https://x/s".into());
+        e.extensions.insert("partitionkey".into(), json!("k"));
+        e.extensions.insert("replay".into(), json!("old"));
+        e.extensions.insert("hops".into(), json!(2));
+        assert_eq!(
+            e.structured_bytes(None),
+            serde_json::to_vec(&e.to_json()).expect("json")
+        );
+        // An existing `replay` member is replaced where it stands.
+        assert_eq!(e.structured_bytes(Some("job-2")), with_replay(&e, "job-2"));
+        e.data = None;
+        e.data_base64 = Some("AAEC".into());
+        assert_eq!(
+            e.structured_bytes(None),
+            serde_json::to_vec(&e.to_json()).expect("json")
+        );
+    }
+
+    #[test]
+    fn members_are_the_structured_forms_members() {
+        let mut e = ev();
+        e.time = Some("2026-01-01T00:00:00Z".into());
+        e.extensions.insert("partitionkey".into(), json!("k"));
+        let j = e.to_json();
+        for name in [
+            "specversion",
+            "id",
+            "source",
+            "type",
+            "subject",
+            "time",
+            "datacontenttype",
+            "dataschema",
+            "data",
+            "data_base64",
+            "partitionkey",
+            "missing",
+        ] {
+            let m = match e.member(name) {
+                None => None,
+                Some(Member::Str(s)) => Some(json!(s)),
+                Some(Member::Json(v)) => Some(v.clone()),
+            };
+            assert_eq!(m.as_ref(), j.get(name), "{name}");
+        }
     }
 
     #[test]

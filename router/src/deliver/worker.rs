@@ -418,18 +418,9 @@ async fn attempt(
             "dead_lettered",
         )
     } else {
-        let mut json = leased.event.event.to_json();
-        if let Some(job) = &leased.entry.replay {
-            // Replayed deliveries say so, so receivers can tell them from live traffic.
-            json["replay"] = serde_json::Value::from(job.clone());
-        }
-        let body = match serde_json::to_vec(&json) {
-            Ok(b) => bytes::Bytes::from(b),
-            Err(e) => {
-                tracing::error!(error = %e, "cannot serialise event");
-                return;
-            }
-        };
+        // Replayed deliveries say so, so receivers can tell them from live traffic.
+        let replay = leased.entry.replay.clone();
+        let body = bytes::Bytes::from(leased.event.event.structured_bytes(replay.as_deref()));
         let req = DeliveryRequest {
             body,
             idempotency_key: leased.entry.idempotency_key.clone(),
@@ -437,7 +428,8 @@ async fn attempt(
             attempt: n,
             traceparent: leased.event.event.traceparent().map(str::to_string),
             timeout: spec.policy.timeout,
-            event_json: json,
+            event: leased.event.clone(),
+            replay,
             rule: leased.entry.rule.clone(),
             target: spec.id.clone(),
             hops: leased.entry.hops,

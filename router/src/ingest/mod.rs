@@ -344,11 +344,10 @@ pub fn route(
     now: i64,
     dedup_window_ms: i64,
 ) -> NewEvent {
-    let json = ev.to_json();
     let mut matched_rules = Vec::new();
     let mut targets = Vec::new();
     for m in rules
-        .matches(&json)
+        .matches_event(ev)
         .into_iter()
         .filter(|m| !disabled.contains(&m.rule))
     {
@@ -357,7 +356,7 @@ pub fn route(
                 .targets
                 .get(tid)
                 .and_then(|spec| spec.policy.ordering.as_ref())
-                .and_then(|o| o.extract(&json));
+                .and_then(|o| o.extract_event(ev));
             targets.push(NewEntry {
                 target_id: tid.clone(),
                 rule: m.rule.clone(),

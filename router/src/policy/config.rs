@@ -270,6 +270,34 @@ impl OrderingKey {
     }
 }
 
+impl OrderingKey {
+    /// [`OrderingKey::extract`] on `event.to_json()`, read from the fields without building it.
+    pub fn extract_event(&self, event: &crate::event::CloudEvent) -> Option<String> {
+        use crate::event::Member;
+        let (first, rest) = match self {
+            OrderingKey::PartitionKey => ("partitionkey", &[][..]),
+            OrderingKey::Path(path) => match path.split_first() {
+                Some((first, rest)) => (first.as_str(), rest),
+                // An empty path names the whole event, which is an object.
+                None => return self.extract(&event.to_json()),
+            },
+        };
+        let mut cur = match event.member(first)? {
+            Member::Str(s) if rest.is_empty() => return Some(s.to_string()),
+            Member::Str(_) => return None,
+            Member::Json(v) => v,
+        };
+        for seg in rest {
+            cur = cur.get(seg.as_str())?;
+        }
+        match cur {
+            Value::Null => None,
+            Value::String(s) => Some(s.clone()),
+            other => Some(other.to_string()),
+        }
+    }
+}
+
 impl TryFrom<String> for OrderingKey {
     type Error = String;
 
@@ -418,6 +446,35 @@ mod tests {
 
     fn ms(v: u64) -> Duration {
         Duration::from_millis(v)
+    }
+
+    #[test]
+    fn ordering_keys_read_from_fields_agree_with_the_structured_form() {
+        let ev: crate::event::CloudEvent = serde_json::from_value(serde_json::json!({
+            "id": "1", "source": "/s", "type": "t", "subject": "sub",
+            "extensions": { "partitionkey": "pk", "tenant": { "id": 7 }, "none": null },
+            "data": { "order_id": 42, "customer": { "name": "ann" }, "tag": "x" }
+        }))
+        .expect("event");
+        let json = ev.to_json();
+        for key in [
+            "partitionkey",
+            "$.data.order_id",
+            "$.data.customer.name",
+            "$.data.customer",
+            "$.data.missing",
+            "$.subject",
+            "$.subject.deeper",
+            "$.id",
+            "$.type",
+            "$.specversion",
+            "$.tenant.id",
+            "$.none",
+            "$.time",
+        ] {
+            let k = OrderingKey::try_from(key.to_string()).expect(key);
+            assert_eq!(k.extract_event(&ev), k.extract(&json), "{key}");
+        }
     }
 
     #[test]

@@ -304,7 +304,7 @@ impl RuleSet {
 
     /// [`RuleSet::matches`] for a parsed CloudEvent.
     pub fn matches_event(&self, event: &CloudEvent) -> Vec<RuleMatch> {
-        self.matches(&event.to_json())
+        self.rule_matches(self.matcher.matches_event(event))
     }
 
     /// The rule called `name`.

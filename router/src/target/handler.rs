@@ -156,11 +156,8 @@ impl HandlerTarget {
             );
         };
         let version = h.version().sha256.chars().take(12).collect::<String>();
-        let ty = req.event_json["type"].as_str().unwrap_or("").to_string();
-        let dataversion = req.event_json["dataversion"]
-            .as_u64()
-            .and_then(|v| u32::try_from(v).ok())
-            .unwrap_or(1);
+        let ty = req.event.event.ty.clone();
+        let dataversion = req.event.event.dataversion();
         if !h.descriptor().accepts(&ty, dataversion) {
             let error = format!(
                 "handler {:?} does not accept {ty} v{dataversion}",
@@ -255,7 +252,7 @@ impl HandlerTarget {
             rule: req.rule.clone(),
             target: req.target.clone(),
         };
-        let (limits, event) = (self.rt.limits.clone(), req.event_json.clone());
+        let (limits, event) = (self.rt.limits.clone(), req.event_json());
         let hh = h.clone();
         let inv = match tokio::task::spawn_blocking(move || {
             crate::wasm::invoke(&hh, &event, &info, kv, &limits)

@@ -24,14 +24,28 @@ pub struct DeliveryRequest {
     pub traceparent: Option<String>,
     /// Deadline for this attempt.
     pub timeout: Duration,
-    /// The structured event (what handlers receive).
-    pub event_json: serde_json::Value,
+    /// The event as stored (handlers receive its structured form, [`DeliveryRequest::event_json`]).
+    pub event: std::sync::Arc<crate::store::StoredEvent>,
+    /// The replay job, for a replayed delivery (the `replay` member of the structured event).
+    pub replay: Option<String>,
     /// Rule that matched.
     pub rule: String,
     /// Target id.
     pub target: String,
     /// Handler hops of the event.
     pub hops: u32,
+}
+
+impl DeliveryRequest {
+    /// The structured event as JSON (with the `replay` marker of a replayed delivery): built
+    /// on demand, since only handlers need it as a tree; webhooks send `body`.
+    pub fn event_json(&self) -> serde_json::Value {
+        let mut json = self.event.event.to_json();
+        if let Some(job) = &self.replay {
+            json["replay"] = serde_json::Value::from(job.clone());
+        }
+        json
+    }
 }
 
 /// How an attempt ended, as the target saw it.

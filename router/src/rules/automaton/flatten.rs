@@ -17,8 +17,9 @@ use serde_json::{Map, Value};
 use smallvec::SmallVec;
 
 use super::MatchError;
-use super::paths::{PathTrie, ROOT, Slot};
+use super::paths::{MissingCheck, PathTrie, ROOT, Slot};
 use super::value_matchers::{Num, Scalar};
+use crate::event::{CloudEvent, Member};
 
 /// Element index standing for "a context without an object" inside an array (an empty array
 /// or a scalar element). No other entry can share it, which is exactly right: nothing but
@@ -152,38 +153,86 @@ fn visit_object<'a>(trie: &PathTrie, node: u32, m: &'a Map<String, Value>, flat:
         return;
     }
     let trail = flat.context_trail();
-    let visit = |slot: &Slot, val: &'a Value, flat: &mut Flat<'a>| {
-        if let Some(leaf) = slot.leaf {
-            let n = collect_value(leaf, val, trail, flat);
-            if n == 0 && trie.leaves[leaf as usize].absence {
-                flat.push(leaf, trail, Scalar::Absent);
-            }
-        }
-        for &child in &slot.nodes {
-            visit_node(trie, child, val, flat);
-        }
-    };
     if pn.keys.len() < m.len() {
         for (key, slot) in pn.keys.iter().zip(&pn.slots) {
             if let Some(v) = m.get(&**key) {
-                visit(slot, v, flat);
+                visit_slot(trie, slot, v, trail, flat);
             }
         }
     } else {
         for (k, v) in m {
             if let Some(slot) = pn.get(k.as_bytes()) {
-                visit(slot, v, flat);
+                visit_slot(trie, slot, v, trail, flat);
             }
         }
     }
     for mc in pn.missing.iter() {
         if !m.contains_key(&*mc.key) {
-            if let Some(leaf) = mc.absent_leaf {
-                flat.push(leaf, trail, Scalar::Absent);
+            missing_member(trie, mc, trail, flat);
+        }
+    }
+}
+
+/// The member under `slot` has value `val`.
+fn visit_slot<'a>(
+    trie: &PathTrie,
+    slot: &Slot,
+    val: &'a Value,
+    trail: (u32, u32),
+    flat: &mut Flat<'a>,
+) {
+    if let Some(leaf) = slot.leaf {
+        let n = collect_value(leaf, val, trail, flat);
+        if n == 0 && trie.leaves[leaf as usize].absence {
+            flat.push(leaf, trail, Scalar::Absent);
+        }
+    }
+    for &child in &slot.nodes {
+        visit_node(trie, child, val, flat);
+    }
+}
+
+/// The member `mc` names is missing from the object.
+fn missing_member(trie: &PathTrie, mc: &MissingCheck, trail: (u32, u32), flat: &mut Flat<'_>) {
+    if let Some(leaf) = mc.absent_leaf {
+        flat.push(leaf, trail, Scalar::Absent);
+    }
+    for &child in &mc.nodes {
+        flat.absent_below(trie, child, trail);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// From a parsed CloudEvent.
+
+/// Flattens `event.to_json()` without building it: the root object's members are read from
+/// the event's fields ([`CloudEvent::member`]); below them it is [`flatten_value`].
+pub(crate) fn flatten_event<'a>(trie: &PathTrie, event: &'a CloudEvent, flat: &mut Flat<'a>) {
+    let pn = &trie.nodes[ROOT as usize];
+    if pn.is_leafless() {
+        return;
+    }
+    let trail = flat.context_trail();
+    for (key, slot) in pn.keys.iter().zip(&pn.slots) {
+        match event.member(key) {
+            None => {}
+            Some(Member::Json(v)) => visit_slot(trie, slot, v, trail, flat),
+            Some(Member::Str(s)) => {
+                if let Some(leaf) = slot.leaf {
+                    flat.push(leaf, trail, Scalar::Str(Cow::Borrowed(s)));
+                }
+                // A string has no members: what `visit_node` does for any scalar.
+                for &child in &slot.nodes {
+                    if !trie.nodes[child as usize].absent_closure.is_empty() {
+                        flat.absent_below(trie, child, trail);
+                    }
+                }
             }
-            for &child in &mc.nodes {
-                flat.absent_below(trie, child, trail);
-            }
+        }
+    }
+    for mc in pn.missing.iter() {
+        if event.member(&mc.key).is_none() {
+            missing_member(trie, mc, trail, flat);
         }
     }
 }

@@ -62,7 +62,7 @@ use serde::Serialize;
 use serde_json::Value;
 use smallvec::SmallVec;
 
-use self::flatten::{BytesError, Flat, flatten_bytes, flatten_value};
+use self::flatten::{BytesError, Flat, flatten_bytes, flatten_event, flatten_value};
 use self::paths::{Conjunction, PathTrie};
 use self::value_matchers::FieldIndex;
 use crate::rules::pattern::{Matcher, Pattern};
@@ -270,6 +270,13 @@ impl CompiledMatcher {
         let mut flat = Flat::default();
         flatten_value(&self.trie, event, &mut flat);
         self.run(&mut flat, steps)
+    }
+
+    /// [`CompiledMatcher::matches`] on `event.to_json()`, reading the event's fields in place.
+    pub fn matches_event(&self, event: &crate::event::CloudEvent) -> Vec<usize> {
+        let mut flat = Flat::default();
+        flatten_event(&self.trie, event, &mut flat);
+        self.run(&mut flat, &mut 0)
     }
 
     /// Like [`CompiledMatcher::matches`] on `serde_json::from_slice(json)`, reading the bytes

@@ -94,6 +94,60 @@ fn whole_table_as_one_rule_set() {
     assert!(stats.states > stats.sub_patterns / 2 && stats.fields > 10);
 }
 
+/// The case table's events as CloudEvents (core attributes must be strings where present;
+/// `id`, `source` and `type` get a value when missing).
+fn as_cloud_event(v: &Value) -> Option<crate::event::CloudEvent> {
+    let Value::Object(m) = v else { return None };
+    let text = |k: &str| -> Result<Option<String>, ()> {
+        match m.get(k) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(_) => Err(()),
+        }
+    };
+    if m.get("specversion").is_some_and(|s| s != "1.0") {
+        return None;
+    }
+    let extensions = m
+        .iter()
+        .filter(|(k, _)| !crate::event::CORE_ATTRIBUTES.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    Some(crate::event::CloudEvent {
+        id: text("id").ok()?.unwrap_or_else(|| "id-1".into()),
+        source: text("source").ok()?.unwrap_or_else(|| "/src".into()),
+        ty: text("type").ok()?.unwrap_or_else(|| "t".into()),
+        subject: text("subject").ok()?,
+        time: text("time").ok()?,
+        datacontenttype: text("datacontenttype").ok()?,
+        dataschema: text("dataschema").ok()?,
+        data: m.get("data").cloned(),
+        data_base64: text("data_base64").ok()?,
+        extensions,
+    })
+}
+
+#[test]
+fn matching_a_cloud_event_in_place_agrees_with_its_structured_json() {
+    let patterns: Vec<Pattern> = CASES.iter().map(|(p, _, _)| compile(&parse(p))).collect();
+    let m = build(&patterns);
+    let mut checked = 0;
+    let mut failures = Vec::new();
+    for (i, (_, e, _)) in CASES.iter().enumerate() {
+        let Some(ev) = as_cloud_event(&parse(e)) else {
+            continue;
+        };
+        checked += 1;
+        let want = m.matches(&ev.to_json());
+        let got = m.matches_event(&ev);
+        if got != want {
+            failures.push(format!("event #{i} {e}: want {want:?}, got {got:?}"));
+        }
+    }
+    assert!(checked > 100, "only {checked} case events are CloudEvents");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 #[test]
 fn empty_matcher_matches_nothing() {
     let e = CompiledMatcher::empty();
