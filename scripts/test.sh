@@ -14,6 +14,9 @@ cargo run --locked -q -p router -- rules check examples/rules
 cargo run --locked -q -p router -- contracts check schemas/contracts
 log=$(mktemp)
 cargo test --locked --workspace 2>&1 | tee "$log"
+# The durability scenarios (kill -9 under load, retries and leases across a restart) once more
+# with the opt-in group log (`store.group_log`), the store's other durable write path.
+ROUTER_STORE__GROUP_LOG=true cargo test --locked -p router --test e2e -- durability:: 2>&1 | tee -a "$log"
 # Property-based API fuzz against the OpenAPI document (schemathesis from PyPI, installed into
 # target/ on first use): no 5xx, every answer conforms. The debug binary `cargo test` built.
 API_FUZZ_BIN="${CARGO_TARGET_DIR:-target}/debug/router" bash scripts/api-fuzz.sh "${API_FUZZ_EXAMPLES:-25}"

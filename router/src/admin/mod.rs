@@ -445,6 +445,9 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             "dir": app.cfg.data_dir,
             "max_bytes": app.cfg.store.max_disk_bytes,
             "ingest_refused": app.disk_full.load(Ordering::Relaxed),
+            // Which durable write path commits take: synced redb commits, or the group log
+            // (`router.log`) with periodic checkpoints.
+            "group_log": app.cfg.store.group_log,
         },
         "records": records_status(&app),
         "handler_kv": handler_kv_status(&app),
