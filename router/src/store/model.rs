@@ -12,15 +12,26 @@ use serde::{Deserialize, Serialize};
 use crate::event::{CloudEvent, FieldError};
 
 /// Version of the on-disk record layout. Bumped on any incompatible change; a store written
-/// with another version is refused at open with a clear message instead of being misread.
-pub const FORMAT_VERSION: u32 = 1;
+/// with a version this build cannot read is refused at open with a clear message instead of
+/// being misread.
+///
+/// - 1: first layout.
+/// - 2: queue entry records no longer repeat their id, which is the record's key (a build
+///   that expects it could not read them). Version 1 stores are read as they are (an id in
+///   the record agrees with its key) and marked 2 at open.
+pub const FORMAT_VERSION: u32 = 2;
+
+/// The oldest on-disk layout this build reads (and upgrades in place at open).
+pub const OLDEST_READABLE_FORMAT: u32 = 1;
 
 /// Milliseconds since the Unix epoch (UTC). All store times use it.
 pub type Millis = i64;
 
 /// Identity of one queue entry: the event's sequence number and the index of the target in the
 /// event's fan-out. Shown to users as `"<event>.<idx>"`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
 pub struct EntryId {
     /// Sequence number of the stored event.
     pub event: u64,
@@ -154,7 +165,9 @@ pub struct Lease {
 /// One target's copy of an event: the unit of delivery.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct QueueEntry {
-    /// Identity.
+    /// Identity. It is the record's key in a store, so it is not repeated inside the record:
+    /// whoever decodes a record sets it from the key (records of format 1 still carry it).
+    #[serde(default, skip_serializing)]
     pub id: EntryId,
     /// Stable target id (from the rule file).
     pub target_id: String,

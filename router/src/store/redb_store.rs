@@ -145,6 +145,16 @@ fn dec<T: serde::de::DeserializeOwned>(table: &'static str, b: &[u8]) -> Result<
     })
 }
 
+/// Decodes an `entries` record; its id is the record's key.
+fn dec_entry(key: (u64, u32), b: &[u8]) -> Result<QueueEntry, StoreError> {
+    let mut e: QueueEntry = dec("entries", b)?;
+    e.id = EntryId {
+        event: key.0,
+        idx: key.1,
+    };
+    Ok(e)
+}
+
 /// Decodes an `events` record; its sequence number is the record's key.
 fn dec_event(seq: u64, b: &[u8]) -> Result<StoredEvent, StoreError> {
     let mut ev: StoredEvent = dec("events", b)?;
@@ -153,19 +163,20 @@ fn dec_event(seq: u64, b: &[u8]) -> Result<StoredEvent, StoreError> {
 }
 
 /// An event to accept, reduced by the caller to what the committer writes: the `events` record
-/// already encoded, the dedup key, the fan-out with each entry's idempotency key. The parsed
-/// event itself stays (and is freed) on the caller's thread, so the single committer thread
-/// spends its time on the B-tree and the flush, not on JSON, hashing, or freeing another
-/// thread's allocations (all three measured on its profile with batched ingest).
+/// and each target's queue entry record already encoded (an entry record does not contain its
+/// id, which the committer assigns), and the dedup key. The parsed event itself stays (and is
+/// freed) on the caller's thread, so the single committer thread spends its time on the B-tree
+/// and the flush, not on JSON, hashing, or freeing another thread's allocations (all three
+/// measured on its profile with batched ingest).
 struct Prepared {
     record: Vec<u8>,
     dedup_key: String,
     accepted_at: Millis,
     dedup_window_ms: i64,
-    hops: u32,
     /// `id`, `source`, `type`: what a DLQ entry names.
     names: (String, String, String),
-    targets: Vec<(NewEntry, String)>,
+    /// Each target with its queue entry record.
+    targets: Vec<(NewEntry, Vec<u8>)>,
     quarantine: Option<Quarantine>,
 }
 
@@ -173,12 +184,21 @@ impl Prepared {
     fn new(ne: NewEvent) -> Self {
         let record = enc(&StoredEventRef::of(&ne));
         let ev = ne.event;
+        let hops = ev.hops();
         let targets = ne
             .targets
             .into_iter()
             .map(|t| {
                 let key = idempotency_key(&ev.source, &ev.id, &t.target_id);
-                (t, key)
+                let entry = QueueEntry::queued(
+                    EntryId::default(),
+                    t.clone(),
+                    key,
+                    ne.accepted_at,
+                    ne.accepted_at,
+                    hops,
+                );
+                (t, enc(&entry))
             })
             .collect();
         Self {
@@ -186,7 +206,6 @@ impl Prepared {
             dedup_key: ev.dedup_key(),
             accepted_at: ne.accepted_at,
             dedup_window_ms: ne.dedup_window_ms,
-            hops: ev.hops(),
             names: (ev.id, ev.source, ev.ty),
             targets,
             quarantine: ne.quarantine,
@@ -1157,7 +1176,8 @@ impl Store for RedbStore {
         let entries_t = r.open_table(ENTRIES)?;
         let mut entries = Vec::new();
         for row in entries_t.range((seq, 0)..=(seq, u32::MAX))? {
-            entries.push(dec("entries", row?.1.value())?);
+            let (k, v) = row?;
+            entries.push(dec_entry(k.value(), v.value())?);
         }
         let by_ev = r.open_table(DLQ_BY_EVENT)?;
         let dlq_t = r.open_table(DLQ)?;
@@ -1324,6 +1344,17 @@ fn recover(db: &Database) -> Result<(u64, (u64, u64), Index), StoreError> {
                 )?;
             }
             Some(v) if v == u64::from(FORMAT_VERSION) => {}
+            // Older layouts this build reads as they are: mark the store as the current one
+            // (records written from now on have its layout).
+            Some(v)
+                if (u64::from(OLDEST_READABLE_FORMAT)..u64::from(FORMAT_VERSION)).contains(&v) =>
+            {
+                tracing::info!(from = v, to = FORMAT_VERSION, "store format upgraded");
+                meta.insert(
+                    "format_version",
+                    u64::from(FORMAT_VERSION).to_le_bytes().as_slice(),
+                )?;
+            }
             Some(v) => {
                 return Err(StoreError::FormatVersion {
                     found: u32::try_from(v).unwrap_or(u32::MAX),
@@ -1357,7 +1388,7 @@ fn recover(db: &Database) -> Result<(u64, (u64, u64), Index), StoreError> {
             let Some(raw) = entries.get((id.event, id.idx))? else {
                 continue;
             };
-            let mut e: QueueEntry = dec("entries", raw.value())?;
+            let mut e = dec_entry((id.event, id.idx), raw.value())?;
             drop(raw);
             if e.lease.take().is_some() {
                 if let Some(a) = e.attempts.last_mut().filter(|a| a.result.is_none()) {
@@ -1918,7 +1949,7 @@ impl Committer {
                 };
                 self.add_dlq(txn, d, effects)?;
             } else {
-                for (i, (t, key)) in p.targets.into_iter().enumerate() {
+                for (i, (t, record)) in p.targets.into_iter().enumerate() {
                     let id = EntryId {
                         event: seq,
                         idx: u32::try_from(i).unwrap_or(u32::MAX),
@@ -1954,17 +1985,20 @@ impl Committer {
                             continue;
                         }
                     }
-                    *self.group_depth.entry(t.target_id.clone()).or_default() += 1;
-                    let entry =
-                        QueueEntry::queued(id, t, key, p.accepted_at, p.accepted_at, p.hops);
-                    entries_t.insert((id.event, id.idx), enc(&entry).as_slice())?;
+                    match self.group_depth.get_mut(&t.target_id) {
+                        Some(n) => *n += 1,
+                        None => {
+                            self.group_depth.insert(t.target_id.clone(), 1);
+                        }
+                    }
+                    entries_t.insert((id.event, id.idx), record.as_slice())?;
                     live_t.insert((id.event, id.idx), ())?;
                     effects.push(Effect::Enqueue {
-                        target: entry.target_id,
+                        target: t.target_id,
                         id,
-                        due: entry.due_at,
-                        accepted_at: entry.accepted_at,
-                        key: entry.ordering_key,
+                        due: p.accepted_at,
+                        accepted_at: p.accepted_at,
+                        key: t.ordering_key,
                     });
                 }
             }
@@ -2111,7 +2145,7 @@ impl Committer {
                         .get((id.event, id.idx))?
                         .map(|v| v.value().to_vec());
                     let Some(raw) = raw else { continue };
-                    let mut e: QueueEntry = dec("entries", &raw)?;
+                    let mut e = dec_entry((id.event, id.idx), &raw)?;
                     e.history.append(&mut e.attempts);
                     e.state = EntryState::Queued;
                     e.lease = None;
@@ -2224,7 +2258,7 @@ impl Committer {
             else {
                 continue;
             };
-            let mut e: QueueEntry = dec("entries", &raw)?;
+            let mut e = dec_entry((id.event, id.idx), &raw)?;
             if e.state != EntryState::Queued || e.lease.is_some_and(|l| l.until >= now) {
                 continue;
             }
@@ -2301,7 +2335,7 @@ impl Committer {
             let Some(raw) = entries_t.get((id.event, id.idx))? else {
                 continue;
             };
-            let mut e: QueueEntry = dec("entries", raw.value())?;
+            let mut e = dec_entry((id.event, id.idx), raw.value())?;
             drop(raw);
             if e.state != EntryState::Queued || e.target_id != target {
                 continue;
@@ -2343,7 +2377,7 @@ impl Committer {
         let Some(raw) = raw else {
             return Err(FinishError::NotFound);
         };
-        let mut e: QueueEntry = dec("entries", &raw)?;
+        let mut e = dec_entry((id.event, id.idx), &raw)?;
         // A late worker whose entry was meanwhile re-leased — and perhaps delivered or
         // dead-lettered by the new holder — is fenced either way: its lease is gone.
         match e.lease {

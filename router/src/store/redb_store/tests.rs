@@ -820,6 +820,113 @@ async fn kv_sizes_are_rebuilt_for_a_store_written_before_they_were_kept() {
     );
 }
 
+#[tokio::test]
+async fn a_format_1_store_is_read_and_upgraded_in_place() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+        s.accept(vec![
+            new_event("/s", "1", &["a"], 1000),
+            new_event("/s", "2", &["a", "b"], 1000),
+        ])
+        .await
+        .expect("accept");
+    }
+    // Make the file look like format 1: entry records repeat their id, and the version says 1.
+    let path = dir.path().join("router.redb");
+    let db = loop {
+        match redb::Database::create(&path) {
+            Ok(db) => break db,
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+        }
+    };
+    let txn = db.begin_write().expect("txn");
+    {
+        let mut t = txn.open_table(ENTRIES).expect("entries");
+        let rows: Vec<((u64, u32), Vec<u8>)> = t
+            .iter()
+            .expect("iter")
+            .map(|r| {
+                let (k, v) = r.expect("row");
+                (k.value(), v.value().to_vec())
+            })
+            .collect();
+        assert_eq!(rows.len(), 3);
+        for ((event, idx), v) in rows {
+            let mut j: serde_json::Value = serde_json::from_slice(&v).expect("json");
+            assert!(
+                j.get("id").is_none(),
+                "format 2 records do not repeat their id"
+            );
+            j["id"] = json!({ "event": event, "idx": idx });
+            t.insert(
+                (event, idx),
+                serde_json::to_vec(&j).expect("json").as_slice(),
+            )
+            .expect("insert");
+        }
+        txn.open_table(META)
+            .expect("meta")
+            .insert("format_version", 1u64.to_le_bytes().as_slice())
+            .expect("version");
+    }
+    txn.commit().expect("commit");
+    drop(db);
+    let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("reopen");
+    let fate = s.fate("/s", "2").expect("fate").expect("known");
+    let ids: Vec<String> = fate.entries.iter().map(|e| e.id.to_string()).collect();
+    assert_eq!(ids, ["2.0", "2.1"]);
+    let leased = s.lease("b", 1000, 10, 5000).await.expect("lease");
+    assert_eq!(leased.len(), 1);
+    assert_eq!(leased[0].entry.id.to_string(), "2.1");
+    s.finish(
+        leased[0].entry.id,
+        leased[0].lease,
+        delivered(1001),
+        Disposition::Delivered,
+        1001,
+    )
+    .await
+    .expect("finish");
+    drop(s);
+    let db = loop {
+        match redb::Database::create(&path) {
+            Ok(db) => break db,
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+        }
+    };
+    let r = db.begin_read().expect("read");
+    let meta = r.open_table(META).expect("meta");
+    assert_eq!(
+        read_u64(&meta, "format_version").expect("read"),
+        Some(u64::from(FORMAT_VERSION))
+    );
+}
+
+#[test]
+fn a_store_of_an_unknown_format_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    drop(RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open"));
+    let path = dir.path().join("router.redb");
+    let db = loop {
+        match redb::Database::create(&path) {
+            Ok(db) => break db,
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(20)),
+        }
+    };
+    let txn = db.begin_write().expect("txn");
+    txn.open_table(META)
+        .expect("meta")
+        .insert("format_version", 99u64.to_le_bytes().as_slice())
+        .expect("version");
+    txn.commit().expect("commit");
+    drop(db);
+    match RedbStore::open_dir(dir.path(), StoreOptions::default()) {
+        Err(StoreError::FormatVersion { found: 99, .. }) => {}
+        other => panic!("expected a format version error, got {:?}", other.err()),
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The group log
 
