@@ -620,6 +620,8 @@ impl RedbStore {
             last_checkpoint: Instant::now(),
             checkpoint_every: opts.checkpoint_every.unwrap_or(CHECKPOINT_EVERY),
             mutations: Mutations::default(),
+            accepts: Vec::new(),
+            others: Vec::new(),
         };
         std::thread::Builder::new()
             .name("store-committer".into())
@@ -1465,7 +1467,14 @@ struct Committer {
     checkpoint_every: Duration,
     /// The group's writes as they are made (one buffer for every group).
     mutations: Mutations,
+    /// Scratch buffers of `commit_group` (kept to reuse their capacity): the group's accept
+    /// callers with their event counts, and its other ops.
+    accepts: Vec<(AcceptReply, usize)>,
+    others: Vec<Op>,
 }
+
+/// Where an accept's outcomes go.
+type AcceptReply = Reply<Result<Vec<AcceptOutcome>, StoreError>>;
 
 impl Committer {
     /// Reopens the database after a failed commit: redb refuses every write after an I/O
@@ -1683,11 +1692,49 @@ impl Committer {
                 log: logged.then_some(&mutations),
             };
             let mut failed = None;
+            // The group's accepts go first, in one call: the four tables they write are then
+            // opened once per group instead of once per request (measured: table opens were
+            // ≈ 8 % of the committer's time with single-event requests). Any order of a
+            // group's ops is a valid one: none of them has been answered yet, so they are
+            // concurrent, and a caller that depends on an earlier write waits for its answer.
+            let mut others = std::mem::take(&mut self.others);
+            let mut accepts = std::mem::take(&mut self.accepts);
+            let mut events = Vec::new();
             for op in batch.drain(..) {
+                match op {
+                    Op::Accept {
+                        events: mut e,
+                        reply,
+                    } => {
+                        accepts.push((reply, e.len()));
+                        events.append(&mut e);
+                    }
+                    op => others.push(op),
+                }
+            }
+            if !accepts.is_empty() {
+                match self.accept(&tx, events, effects) {
+                    Ok(outcomes) => {
+                        let mut outcomes = outcomes.into_iter();
+                        for (reply, n) in accepts.drain(..) {
+                            dones.push(done(reply, Ok(outcomes.by_ref().take(n).collect())));
+                        }
+                    }
+                    Err(e) => {
+                        for (reply, _) in accepts.drain(..) {
+                            dones.push(done(reply, Err(e.clone())));
+                        }
+                        failed.get_or_insert(e);
+                    }
+                }
+            }
+            self.accepts = accepts;
+            for op in others.drain(..) {
                 if let Err(e) = self.apply(&tx, op, &mut dones, effects) {
                     failed.get_or_insert(e);
                 }
             }
+            self.others = others;
             {
                 let mut meta = tx.open_table(META)?;
                 meta.insert("next_seq", self.next_seq.to_le_bytes().as_slice())?;

@@ -124,6 +124,50 @@ async fn concurrent_same_key_accepts_exactly_once() {
     assert_eq!(s.queue_stats()["a"].queued, 1);
 }
 
+/// Concurrent requests of different sizes share groups (their accepts are applied together):
+/// each still gets one outcome per event, in its own order, naming where its event is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accepts_sharing_a_group_each_get_their_own_outcomes() {
+    let s = RedbStore::in_memory().expect("store");
+    let mut tasks = Vec::new();
+    for r in 0..40u32 {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            let ids: Vec<String> = (0..=r % 4).map(|i| format!("r{r}-{i}")).collect();
+            let mut batch: Vec<NewEvent> = ids
+                .iter()
+                .map(|id| new_event("/s", id, &["a"], 1000))
+                .collect();
+            // Every fifth request repeats its first event: the repeat is its duplicate.
+            if r % 5 == 0 {
+                batch.push(new_event("/s", &ids[0], &["a"], 1000));
+            }
+            let out = s.accept(batch).await.expect("accept");
+            (ids, r % 5 == 0, out)
+        }));
+    }
+    let mut seqs = std::collections::HashSet::new();
+    for t in tasks {
+        let (ids, repeated, out) = t.await.expect("join");
+        assert_eq!(out.len(), ids.len() + usize::from(repeated));
+        for (id, o) in ids.iter().zip(&out) {
+            let AcceptOutcome::Accepted { seq } = *o else {
+                panic!("{id}: {o:?}");
+            };
+            assert!(seqs.insert(seq), "seq {seq} answered twice");
+            let fate = s.fate("/s", id).expect("fate").expect("stored");
+            assert_eq!(fate.event.seq, seq, "{id}");
+        }
+        if repeated {
+            let AcceptOutcome::Accepted { seq } = out[0] else {
+                unreachable!()
+            };
+            assert_eq!(out[ids.len()], AcceptOutcome::Duplicate { seq });
+        }
+    }
+    assert_eq!(s.queue_stats()["a"].queued, seqs.len() as u64);
+}
+
 #[tokio::test]
 async fn an_expired_lease_cannot_ack_and_the_entry_is_released() {
     let s = RedbStore::in_memory().expect("store");
