@@ -13,13 +13,19 @@ fi
 WORK=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/rules"
+# The sink's queue may hold the whole run (the default depth cap, 100,000, would send most of a
+# batched run to the DLQ as target_overflow, a cheaper path than a real fan-out).
 cat > "$WORK/rules/bench.yaml" <<YAML
+policies:
+  bench:
+    max_queue_depth: 10000000
 rules:
   - name: bench
     pattern: { type: [bench.event] }
     targets:
       - webhook: http://127.0.0.1:19998/hook
         id: sink
+        policy: bench
 YAML
 $BIN bench sink --listen 127.0.0.1:19999 2>/dev/null &   # baseline endpoint
 $BIN bench sink --listen 127.0.0.1:19998 2>/dev/null &   # webhook receiver for delivery
