@@ -95,30 +95,14 @@ pub enum Member<'a> {
 impl CloudEvent {
     /// The structured-mode JSON object (`application/cloudevents+json`).
     pub fn to_json(&self) -> Value {
-        let mut m = Map::new();
-        m.insert("specversion".into(), Value::from("1.0"));
-        m.insert("id".into(), Value::from(self.id.clone()));
-        m.insert("source".into(), Value::from(self.source.clone()));
-        m.insert("type".into(), Value::from(self.ty.clone()));
-        let opt = |m: &mut Map<String, Value>, k: &str, v: &Option<String>| {
-            if let Some(v) = v {
-                m.insert(k.into(), Value::from(v.clone()));
-            }
-        };
-        opt(&mut m, "subject", &self.subject);
-        opt(&mut m, "time", &self.time);
-        opt(&mut m, "datacontenttype", &self.datacontenttype);
-        opt(&mut m, "dataschema", &self.dataschema);
-        for (k, v) in &self.extensions {
-            m.insert(k.clone(), v.clone());
-        }
-        if let Some(d) = &self.data {
-            m.insert("data".into(), d.clone());
-        }
-        if let Some(d) = &self.data_base64 {
-            m.insert("data_base64".into(), Value::from(d.clone()));
-        }
-        Value::Object(m)
+        self.structured_json(None)
+    }
+
+    /// [`CloudEvent::to_json`] with the `replay` member of a replayed delivery, as
+    /// [`CloudEvent::structured_bytes`] writes it.
+    pub fn structured_json(&self, replay: Option<&str>) -> Value {
+        // A map with string keys of strings and `Value`s always converts.
+        serde_json::to_value(Structured { ev: self, replay }).unwrap_or_default()
     }
 
     /// The member `name` of the structured form (`to_json()[name]`), borrowed from the fields
@@ -145,9 +129,9 @@ impl CloudEvent {
 
     /// The structured-mode JSON bytes, as `serde_json::to_vec(&self.to_json())` would give
     /// them (same members, same order), written straight from the fields: a delivery does
-    /// not clone the event into a `Value` tree to send it. `replay`, when set, is the
-    /// `replay` member (a replay job's marker), replacing an extension of that name in place
-    /// or else coming last, as `json["replay"] = …` does on `to_json()`.
+    /// not build a `Value` tree to send it. `replay`, when set, is the `replay` member (a
+    /// replay job's marker), replacing an extension of that name in place or else coming
+    /// last, as `json["replay"] = …` does on `to_json()`.
     pub fn structured_bytes(&self, replay: Option<&str>) -> Vec<u8> {
         // Serialising strings and `Value`s into a Vec cannot fail.
         serde_json::to_vec(&Structured { ev: self, replay }).unwrap_or_default()
@@ -199,7 +183,8 @@ impl CloudEvent {
     }
 }
 
-/// [`CloudEvent::structured_bytes`]'s serialiser: the structured form without a `Value` tree.
+/// The structured form, member by member: what [`CloudEvent::to_json`] builds and
+/// [`CloudEvent::structured_bytes`] writes without a `Value` tree.
 struct Structured<'a> {
     ev: &'a CloudEvent,
     replay: Option<&'a str>,
@@ -322,6 +307,10 @@ mod tests {
         );
         // An existing `replay` member is replaced where it stands.
         assert_eq!(e.structured_bytes(Some("job-2")), with_replay(&e, "job-2"));
+        assert_eq!(
+            String::from_utf8(e.structured_bytes(Some("job-2"))).expect("utf-8"),
+            r#"{"specversion":"1.0","id":"1","source":"/s","type":"t","subject":"sub \"quoted\"","time":"2026-01-01T00:00:00Z","datacontenttype":"application/json","dataschema":"https://x/s","partitionkey":"k","replay":"job-2","hops":2,"data":{"a":1}}"#
+        );
         e.data = None;
         e.data_base64 = Some("AAEC".into());
         assert_eq!(
@@ -336,20 +325,7 @@ mod tests {
         e.time = Some("2026-01-01T00:00:00Z".into());
         e.extensions.insert("partitionkey".into(), json!("k"));
         let j = e.to_json();
-        for name in [
-            "specversion",
-            "id",
-            "source",
-            "type",
-            "subject",
-            "time",
-            "datacontenttype",
-            "dataschema",
-            "data",
-            "data_base64",
-            "partitionkey",
-            "missing",
-        ] {
+        for &name in CORE_ATTRIBUTES.iter().chain(&["partitionkey", "missing"]) {
             let m = match e.member(name) {
                 None => None,
                 Some(Member::Str(s)) => Some(json!(s)),

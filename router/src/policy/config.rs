@@ -262,15 +262,9 @@ impl OrderingKey {
                 cur
             }
         };
-        match v {
-            Value::Null => None,
-            Value::String(s) => Some(s.clone()),
-            other => Some(other.to_string()),
-        }
+        key_text(v)
     }
-}
 
-impl OrderingKey {
     /// [`OrderingKey::extract`] on `event.to_json()`, read from the fields without building it.
     pub fn extract_event(&self, event: &crate::event::CloudEvent) -> Option<String> {
         use crate::event::Member;
@@ -290,11 +284,16 @@ impl OrderingKey {
         for seg in rest {
             cur = cur.get(seg.as_str())?;
         }
-        match cur {
-            Value::Null => None,
-            Value::String(s) => Some(s.clone()),
-            other => Some(other.to_string()),
-        }
+        key_text(cur)
+    }
+}
+
+/// An ordering key's text: strings as they are, other scalars as JSON text; none for null.
+fn key_text(v: &Value) -> Option<String> {
+    match v {
+        Value::Null => None,
+        Value::String(s) => Some(s.clone()),
+        other => Some(other.to_string()),
     }
 }
 

@@ -211,6 +211,35 @@ impl Prepared {
             quarantine: ne.quarantine,
         }
     }
+
+    /// A DLQ entry for this event, stored as `seq`, dead-lettered at acceptance (quarantined,
+    /// or one target's copy refused by its queue's depth cap).
+    fn dead_letter(
+        &self,
+        seq: u64,
+        target: Option<&NewEntry>,
+        reason: DlqReason,
+        errors: Vec<crate::event::FieldError>,
+    ) -> DlqEntry {
+        let (event_id, event_source, event_type) = self.names.clone();
+        DlqEntry {
+            id: 0,
+            event_seq: seq,
+            event_id,
+            event_source,
+            event_type,
+            entry: None,
+            target_id: target.map(|t| t.target_id.clone()),
+            rule: target.map(|t| t.rule.clone()),
+            reason,
+            errors,
+            attempts: Vec::new(),
+            attempt_count: 0,
+            first_failure_at: self.accepted_at,
+            last_failure_at: self.accepted_at,
+            redrive_count: 0,
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -620,8 +649,6 @@ impl RedbStore {
             last_checkpoint: Instant::now(),
             checkpoint_every: opts.checkpoint_every.unwrap_or(CHECKPOINT_EVERY),
             mutations: Mutations::default(),
-            accepts: Vec::new(),
-            others: Vec::new(),
         };
         std::thread::Builder::new()
             .name("store-committer".into())
@@ -1467,14 +1494,7 @@ struct Committer {
     checkpoint_every: Duration,
     /// The group's writes as they are made (one buffer for every group).
     mutations: Mutations,
-    /// Scratch buffers of `commit_group` (kept to reuse their capacity): the group's accept
-    /// callers with their event counts, and its other ops.
-    accepts: Vec<(AcceptReply, usize)>,
-    others: Vec<Op>,
 }
-
-/// Where an accept's outcomes go.
-type AcceptReply = Reply<Result<Vec<AcceptOutcome>, StoreError>>;
 
 impl Committer {
     /// Reopens the database after a failed commit: redb refuses every write after an I/O
@@ -1697,9 +1717,9 @@ impl Committer {
             // ≈ 8 % of the committer's time with single-event requests). Any order of a
             // group's ops is a valid one: none of them has been answered yet, so they are
             // concurrent, and a caller that depends on an earlier write waits for its answer.
-            let mut others = std::mem::take(&mut self.others);
-            let mut accepts = std::mem::take(&mut self.accepts);
+            let mut accepts = Vec::new();
             let mut events = Vec::new();
+            let mut others = Vec::with_capacity(batch.len());
             for op in batch.drain(..) {
                 match op {
                     Op::Accept {
@@ -1716,25 +1736,23 @@ impl Committer {
                 match self.accept(&tx, events, effects) {
                     Ok(outcomes) => {
                         let mut outcomes = outcomes.into_iter();
-                        for (reply, n) in accepts.drain(..) {
+                        for (reply, n) in accepts {
                             dones.push(done(reply, Ok(outcomes.by_ref().take(n).collect())));
                         }
                     }
                     Err(e) => {
-                        for (reply, _) in accepts.drain(..) {
+                        for (reply, _) in accepts {
                             dones.push(done(reply, Err(e.clone())));
                         }
                         failed.get_or_insert(e);
                     }
                 }
             }
-            self.accepts = accepts;
-            for op in others.drain(..) {
+            for op in others {
                 if let Err(e) = self.apply(&tx, op, &mut dones, effects) {
                     failed.get_or_insert(e);
                 }
             }
-            self.others = others;
             {
                 let mut meta = tx.open_table(META)?;
                 meta.insert("next_seq", self.next_seq.to_le_bytes().as_slice())?;
@@ -1962,7 +1980,7 @@ impl Committer {
         let mut entries_t = txn.open_table(ENTRIES)?;
         let mut live_t = txn.open_table(LIVE)?;
         let mut out = Vec::with_capacity(events.len());
-        for p in events {
+        for mut p in events {
             let key = p.dedup_key.as_str();
             if let Some(v) = dedup.get(key)? {
                 let (seq, at) = v.value();
@@ -1975,28 +1993,11 @@ impl Committer {
             self.next_seq += 1;
             dedup.insert(key, (seq, p.accepted_at))?;
             ev_t.insert(seq, p.record.as_slice())?;
-            let (event_id, event_source, event_type) = &p.names;
-            if let Some(q) = p.quarantine {
-                let d = DlqEntry {
-                    id: 0,
-                    event_seq: seq,
-                    event_id: event_id.clone(),
-                    event_source: event_source.clone(),
-                    event_type: event_type.clone(),
-                    entry: None,
-                    target_id: None,
-                    rule: None,
-                    reason: q.reason,
-                    errors: q.errors,
-                    attempts: Vec::new(),
-                    attempt_count: 0,
-                    first_failure_at: p.accepted_at,
-                    last_failure_at: p.accepted_at,
-                    redrive_count: 0,
-                };
+            if let Some(q) = p.quarantine.take() {
+                let d = p.dead_letter(seq, None, q.reason, q.errors);
                 self.add_dlq(txn, d, effects)?;
             } else {
-                for (i, (t, record)) in p.targets.into_iter().enumerate() {
+                for (i, (t, record)) in std::mem::take(&mut p.targets).into_iter().enumerate() {
                     let id = EntryId {
                         event: seq,
                         idx: u32::try_from(i).unwrap_or(u32::MAX),
@@ -2008,26 +2009,16 @@ impl Committer {
                         };
                         let pending = self.group_depth.get(&t.target_id).copied().unwrap_or(0);
                         if live + pending >= cap {
-                            let d = DlqEntry {
-                                id: 0,
-                                event_seq: seq,
-                                event_id: event_id.clone(),
-                                event_source: event_source.clone(),
-                                event_type: event_type.clone(),
-                                entry: None,
-                                target_id: Some(t.target_id.clone()),
-                                rule: Some(t.rule.clone()),
-                                reason: DlqReason::TargetOverflow,
-                                errors: vec![crate::event::FieldError::new(
-                                    "",
-                                    format!("queue of {} is at its depth cap ({cap})", t.target_id),
-                                )],
-                                attempts: Vec::new(),
-                                attempt_count: 0,
-                                first_failure_at: p.accepted_at,
-                                last_failure_at: p.accepted_at,
-                                redrive_count: 0,
-                            };
+                            let error = crate::event::FieldError::new(
+                                "",
+                                format!("queue of {} is at its depth cap ({cap})", t.target_id),
+                            );
+                            let d = p.dead_letter(
+                                seq,
+                                Some(&t),
+                                DlqReason::TargetOverflow,
+                                vec![error],
+                            );
                             self.add_dlq(txn, d, effects)?;
                             continue;
                         }

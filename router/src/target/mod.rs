@@ -40,11 +40,7 @@ impl DeliveryRequest {
     /// The structured event as JSON (with the `replay` marker of a replayed delivery): built
     /// on demand, since only handlers need it as a tree; webhooks send `body`.
     pub fn event_json(&self) -> serde_json::Value {
-        let mut json = self.event.event.to_json();
-        if let Some(job) = &self.replay {
-            json["replay"] = serde_json::Value::from(job.clone());
-        }
-        json
+        self.event.event.structured_json(self.replay.as_deref())
     }
 }
 

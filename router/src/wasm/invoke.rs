@@ -83,21 +83,6 @@ pub struct Invocation {
     pub duration: Duration,
 }
 
-/// CloudEvents attributes a handler may not set on an emitted event (the router sets them).
-const RESERVED_EMIT_ATTRIBUTES: &[&str] = &[
-    "specversion",
-    "id",
-    "source",
-    "type",
-    "subject",
-    "time",
-    "datacontenttype",
-    "dataschema",
-    "data",
-    "data_base64",
-    "hops",
-];
-
 /// Attributes of an incoming event that have their own field in the handler's `event` record.
 const EVENT_FIELDS: &[&str] = &[
     "specversion",
@@ -340,7 +325,9 @@ fn emitted_to_json(e: wit::Emitted) -> Result<Value, String> {
             && name
                 .bytes()
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
-        if !valid_name || RESERVED_EMIT_ATTRIBUTES.contains(&name.as_str()) {
+        // Core attributes and `hops` are the router's to set on an emitted event.
+        let reserved = crate::event::CORE_ATTRIBUTES.contains(&name.as_str()) || name == "hops";
+        if !valid_name || reserved {
             return Err(format!("extension name {name:?} is not allowed"));
         }
         let value: Value = serde_json::from_str(&json)

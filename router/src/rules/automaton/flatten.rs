@@ -111,12 +111,15 @@ fn visit_node<'a>(trie: &PathTrie, node: u32, v: &'a Value, flat: &mut Flat<'a>)
                 flat.no_object_element(trie, node, array);
             }
         }
-        _ => {
-            if !trie.nodes[node as usize].absent_closure.is_empty() {
-                let trail = flat.context_trail();
-                flat.absent_below(trie, node, trail);
-            }
-        }
+        _ => scalar_at(trie, node, flat),
+    }
+}
+
+/// `node`'s place holds a scalar: every `exists: false` field below it is absent.
+fn scalar_at(trie: &PathTrie, node: u32, flat: &mut Flat<'_>) {
+    if !trie.nodes[node as usize].absent_closure.is_empty() {
+        let trail = flat.context_trail();
+        flat.absent_below(trie, node, trail);
     }
 }
 
@@ -221,11 +224,8 @@ pub(crate) fn flatten_event<'a>(trie: &PathTrie, event: &'a CloudEvent, flat: &m
                 if let Some(leaf) = slot.leaf {
                     flat.push(leaf, trail, Scalar::Str(Cow::Borrowed(s)));
                 }
-                // A string has no members: what `visit_node` does for any scalar.
                 for &child in &slot.nodes {
-                    if !trie.nodes[child as usize].absent_closure.is_empty() {
-                        flat.absent_below(trie, child, trail);
-                    }
+                    scalar_at(trie, child, flat);
                 }
             }
         }

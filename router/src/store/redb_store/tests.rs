@@ -41,6 +41,21 @@ fn delivered(at: Millis) -> AttemptEnd {
     }
 }
 
+/// Opens the file of a store dropped a moment ago with `open`, once its committer thread has
+/// let go of it (it does shortly after the store is dropped); fails after 10 s.
+async fn when_free<T, E: std::fmt::Debug>(mut open: impl FnMut() -> Result<T, E>) -> T {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match open() {
+            Ok(x) => return x,
+            Err(e) if std::time::Instant::now() > deadline => {
+                panic!("still held after 10 s: {e:?}")
+            }
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+        }
+    }
+}
+
 #[tokio::test]
 async fn accept_fans_out_and_lease_records_the_attempt() {
     let s = RedbStore::in_memory().expect("store");
@@ -307,12 +322,7 @@ async fn restart_reclaims_leases_and_keeps_due_times() {
         // dropped without finishing: the lease is held by a "dead" process
     };
     // The committer thread of the old store may still hold the file briefly.
-    let s = loop {
-        match RedbStore::open_dir(dir.path(), StoreOptions::default()) {
-            Ok(s) => break s,
-            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
-        }
-    };
+    let s = when_free(|| RedbStore::open_dir(dir.path(), StoreOptions::default())).await;
     assert_eq!(s.next_due("a"), Some(1000));
     let l = s.lease("a", 1000, 10, 1000).await.expect("lease");
     assert_eq!(
@@ -626,12 +636,7 @@ async fn held_keys_and_target_state_survive_restart() {
             .await
             .expect("state");
     }
-    let s = loop {
-        match RedbStore::open_dir(dir.path(), StoreOptions::default()) {
-            Ok(s) => break s,
-            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
-        }
-    };
+    let s = when_free(|| RedbStore::open_dir(dir.path(), StoreOptions::default())).await;
     assert_eq!(s.held_keys("a"), vec!["k".to_string()]);
     assert_eq!(s.due_count("a", 2000, 10), 0);
     assert_eq!(
@@ -831,12 +836,7 @@ async fn kv_sizes_are_rebuilt_for_a_store_written_before_they_were_kept() {
     }
     // Make the file look like one from before the accounting: no sizes, no expiry index.
     let path = dir.path().join("router.redb");
-    let db = loop {
-        match redb::Database::create(&path) {
-            Ok(db) => break db,
-            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
-        }
-    };
+    let db = when_free(|| redb::Database::create(&path)).await;
     let txn = db.begin_write().expect("txn");
     txn.delete_table(KV_USAGE).expect("drop sizes");
     txn.delete_table(KV_EXP).expect("drop expiry");
@@ -878,12 +878,7 @@ async fn a_format_1_store_is_read_and_upgraded_in_place() {
     }
     // Make the file look like format 1: entry records repeat their id, and the version says 1.
     let path = dir.path().join("router.redb");
-    let db = loop {
-        match redb::Database::create(&path) {
-            Ok(db) => break db,
-            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
-        }
-    };
+    let db = when_free(|| redb::Database::create(&path)).await;
     let txn = db.begin_write().expect("txn");
     {
         let mut t = txn.open_table(ENTRIES).expect("entries");
@@ -933,12 +928,7 @@ async fn a_format_1_store_is_read_and_upgraded_in_place() {
     .await
     .expect("finish");
     drop(s);
-    let db = loop {
-        match redb::Database::create(&path) {
-            Ok(db) => break db,
-            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
-        }
-    };
+    let db = when_free(|| redb::Database::create(&path)).await;
     let r = db.begin_read().expect("read");
     let meta = r.open_table(META).expect("meta");
     assert_eq!(
@@ -947,17 +937,12 @@ async fn a_format_1_store_is_read_and_upgraded_in_place() {
     );
 }
 
-#[test]
-fn a_store_of_an_unknown_format_is_refused() {
+#[tokio::test]
+async fn a_store_of_an_unknown_format_is_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
     drop(RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open"));
     let path = dir.path().join("router.redb");
-    let db = loop {
-        match redb::Database::create(&path) {
-            Ok(db) => break db,
-            Err(_) => std::thread::sleep(std::time::Duration::from_millis(20)),
-        }
-    };
+    let db = when_free(|| redb::Database::create(&path)).await;
     let txn = db.begin_write().expect("txn");
     txn.open_table(META)
         .expect("meta")
@@ -1171,12 +1156,7 @@ async fn a_log_left_behind_is_applied_when_the_log_is_turned_off() {
         accept_concurrently(&s, 0..5).await;
     }
     assert!(dir.path().join("router.log").exists());
-    let s = loop {
-        match RedbStore::open_dir(dir.path(), StoreOptions::default()) {
-            Ok(s) => break s,
-            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
-        }
-    };
+    let s = when_free(|| RedbStore::open_dir(dir.path(), StoreOptions::default())).await;
     for i in 0..5 {
         assert!(s.fate("/s", &i.to_string()).expect("fate").is_some());
     }
