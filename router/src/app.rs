@@ -542,7 +542,7 @@ fn prepare_emitted(
                     quarantine: Some(q),
                     dedup_window_ms: window,
                 },
-                None => crate::ingest::route(&rules, &app.disabled_rules(), &ev, now, window),
+                None => crate::ingest::route(&rules, &app.disabled_rules(), ev, now, window),
             }
         })
         .collect()
@@ -888,16 +888,17 @@ fn spawn_system_event_router(
             let rules = app.rules.load();
             let window = i64::try_from(app.cfg.ingest.dedup_window.as_millis()).unwrap_or(i64::MAX);
             let about = ev.subject.clone();
+            let ty = ev.ty.clone();
             let mut ne = crate::ingest::route(
                 &rules,
                 &app.disabled_rules(),
-                &ev,
+                ev,
                 app.clock.now_ms(),
                 window,
             );
             ne.targets.retain(|t| Some(&t.target_id) != about.as_ref());
             if let Err(e) = app.store.accept(vec![ne]).await {
-                tracing::error!(error = %e, ty = %ev.ty, "could not store a system event");
+                tracing::error!(error = %e, %ty, "could not store a system event");
             }
         }
     });

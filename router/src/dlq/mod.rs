@@ -391,7 +391,6 @@ async fn redrive_step(
     }
     let contracts = app.contracts.load();
     let rules = app.rules.load();
-    let window = i64::try_from(app.cfg.ingest.dedup_window.as_millis()).unwrap_or(i64::MAX);
     let mut actions = Vec::with_capacity(page.len());
     for d in &page {
         job.cursor = d.id;
@@ -403,17 +402,12 @@ async fn redrive_step(
                 };
                 match contracts.check(&ev.event) {
                     ContractOutcome::Pass => {
-                        let ne = crate::ingest::route(
-                            &rules,
-                            &app.disabled_rules(),
-                            &ev.event,
-                            now,
-                            window,
-                        );
+                        let (matched_rules, targets) =
+                            crate::ingest::match_targets(&rules, &app.disabled_rules(), &ev.event);
                         actions.push(RedriveAction::Route {
                             dlq_id: d.id,
-                            matched_rules: ne.matched_rules,
-                            targets: ne.targets,
+                            matched_rules,
+                            targets,
                         });
                         job.moved += 1;
                     }
@@ -475,7 +469,6 @@ async fn replay_step(
         return Ok(0);
     }
     let rules = app.rules.load();
-    let window = i64::try_from(app.cfg.ingest.dedup_window.as_millis()).unwrap_or(i64::MAX);
     let mut items = Vec::new();
     for ev in &events {
         job.cursor = ev.seq;
@@ -484,14 +477,14 @@ async fn replay_step(
             job.skipped += 1;
             continue;
         }
-        let ne = crate::ingest::route(&rules, &app.disabled_rules(), &ev.event, now, window);
-        if ne.targets.is_empty() {
+        let (_, targets) = crate::ingest::match_targets(&rules, &app.disabled_rules(), &ev.event);
+        if targets.is_empty() {
             job.skipped += 1;
             continue;
         }
         items.push(ReplayItem {
             seq: ev.seq,
-            targets: ne.targets,
+            targets,
         });
         job.moved += 1;
     }
