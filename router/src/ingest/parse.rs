@@ -533,9 +533,12 @@ fn event_from_map(m: Map<String, Value>, loc: Locator<'_>) -> Result<CloudEvent,
         );
     }
     for (name, slot) in [("id", &id), ("source", &source), ("type", &ty)] {
+        if slot.is_some() {
+            continue;
+        }
         // Only report "missing" when the attribute was absent (not when it was present but bad).
         let pointer = loc.attr(name);
-        if slot.is_none() && !errors.iter().any(|e| e.pointer == pointer) {
+        if !errors.iter().any(|e| e.pointer == pointer) {
             errors.push(FieldError::new(
                 pointer,
                 format!("{} is required", loc.describe(name)),

@@ -649,6 +649,7 @@ impl RedbStore {
             last_checkpoint: Instant::now(),
             checkpoint_every: opts.checkpoint_every.unwrap_or(CHECKPOINT_EVERY),
             mutations: Mutations::default(),
+            split: GroupSplit::default(),
         };
         std::thread::Builder::new()
             .name("store-committer".into())
@@ -1494,6 +1495,22 @@ struct Committer {
     checkpoint_every: Duration,
     /// The group's writes as they are made (one buffer for every group).
     mutations: Mutations,
+    /// The group split into its accepts and other ops (buffers kept for every group).
+    split: GroupSplit,
+}
+
+/// A group's ops, split for `commit_group`: its accepts, applied in one call, and the rest.
+/// The buffers are kept from one group to the next: allocated per group, they were freed and
+/// returned to the OS between commits and faulted in (and zeroed) again by the next one —
+/// measured at ≈ 4 % of the router's CPU, on the committer thread that bounds throughput.
+#[derive(Default)]
+struct GroupSplit {
+    /// Each accept's reply and how many events it brought.
+    accepts: Vec<(Reply<Result<Vec<AcceptOutcome>, StoreError>>, usize)>,
+    /// The accepts' events, in order.
+    events: Vec<Prepared>,
+    /// Every other op, in order.
+    others: Vec<Op>,
 }
 
 impl Committer {
@@ -1717,42 +1734,39 @@ impl Committer {
             // ≈ 8 % of the committer's time with single-event requests). Any order of a
             // group's ops is a valid one: none of them has been answered yet, so they are
             // concurrent, and a caller that depends on an earlier write waits for its answer.
-            let mut accepts = Vec::new();
-            let mut events = Vec::new();
-            let mut others = Vec::with_capacity(batch.len());
+            let mut split = std::mem::take(&mut self.split);
             for op in batch.drain(..) {
                 match op {
-                    Op::Accept {
-                        events: mut e,
-                        reply,
-                    } => {
-                        accepts.push((reply, e.len()));
-                        events.append(&mut e);
+                    Op::Accept { events, reply } => {
+                        split.accepts.push((reply, events.len()));
+                        split.events.extend(events);
                     }
-                    op => others.push(op),
+                    op => split.others.push(op),
                 }
             }
-            if !accepts.is_empty() {
-                match self.accept(&tx, events, effects) {
+            if !split.accepts.is_empty() {
+                match self.accept(&tx, split.events.drain(..), effects) {
                     Ok(outcomes) => {
                         let mut outcomes = outcomes.into_iter();
-                        for (reply, n) in accepts {
+                        for (reply, n) in split.accepts.drain(..) {
                             dones.push(done(reply, Ok(outcomes.by_ref().take(n).collect())));
                         }
                     }
                     Err(e) => {
-                        for (reply, _) in accepts {
+                        for (reply, _) in split.accepts.drain(..) {
                             dones.push(done(reply, Err(e.clone())));
                         }
                         failed.get_or_insert(e);
                     }
                 }
             }
-            for op in others {
+            for op in split.others.drain(..) {
                 if let Err(e) = self.apply(&tx, op, &mut dones, effects) {
                     failed.get_or_insert(e);
                 }
             }
+            // Emptied above, even on an error (`drain` drops what it did not yield).
+            self.split = split;
             {
                 let mut meta = tx.open_table(META)?;
                 meta.insert("next_seq", self.next_seq.to_le_bytes().as_slice())?;
@@ -1842,7 +1856,7 @@ impl Committer {
     ) -> Result<(), StoreError> {
         match op {
             Op::Accept { events, reply } => {
-                let r = self.accept(txn, events, effects);
+                let r = self.accept(txn, events.into_iter(), effects);
                 answer(dones, reply, r)
             }
             Op::Lease {
@@ -1972,7 +1986,7 @@ impl Committer {
     fn accept(
         &mut self,
         txn: &Tx<'_>,
-        events: Vec<Prepared>,
+        events: impl ExactSizeIterator<Item = Prepared>,
         effects: &mut Vec<Effect>,
     ) -> Result<Vec<AcceptOutcome>, StoreError> {
         let mut dedup = txn.open_table(DEDUP)?;
@@ -2123,7 +2137,7 @@ impl Committer {
                 .map_err(StoreError::from)?;
         }
         if !outbox.emitted.is_empty() {
-            let emitted = outbox.emitted.iter().cloned().map(Prepared::new).collect();
+            let emitted = outbox.emitted.iter().cloned().map(Prepared::new);
             self.accept(txn, emitted, effects)?;
         }
         Ok(())
