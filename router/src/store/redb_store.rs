@@ -417,7 +417,7 @@ type Reply<T> = oneshot::Sender<T>;
 enum Op {
     Accept {
         events: Vec<Prepared>,
-        reply: Reply<Result<Vec<AcceptOutcome>, StoreError>>,
+        reply: AcceptReply,
     },
     Lease {
         target: String,
@@ -1499,6 +1499,9 @@ struct Committer {
     split: GroupSplit,
 }
 
+/// Where an accept's outcomes go.
+type AcceptReply = Reply<Result<Vec<AcceptOutcome>, StoreError>>;
+
 /// A group's ops, split for `commit_group`: its accepts, applied in one call, and the rest.
 /// The buffers are kept from one group to the next: allocated per group, they were freed and
 /// returned to the OS between commits and faulted in (and zeroed) again by the next one —
@@ -1506,7 +1509,7 @@ struct Committer {
 #[derive(Default)]
 struct GroupSplit {
     /// Each accept's reply and how many events it brought.
-    accepts: Vec<(Reply<Result<Vec<AcceptOutcome>, StoreError>>, usize)>,
+    accepts: Vec<(AcceptReply, usize)>,
     /// The accepts' events, in order.
     events: Vec<Prepared>,
     /// Every other op, in order.
