@@ -52,6 +52,22 @@ pub struct BenchReport {
     pub elapsed: Duration,
     /// Request latency percentiles in microseconds: p50, p99, p99.9, max.
     pub latency_us: [u64; 4],
+    /// The slowest request: when it was sent and what it carried, so an outlier can be found
+    /// in the router's log and metrics.
+    pub slowest: Option<Slowest>,
+}
+
+/// The slowest request of a run.
+#[derive(Debug, Clone, Copy)]
+pub struct Slowest {
+    /// Its latency in microseconds.
+    pub latency_us: u64,
+    /// When it was sent, from the start of the run.
+    pub sent_at: Duration,
+    /// The number of its first event (the event id is `<run>-<number>`).
+    pub first_event: u64,
+    /// Whether it failed.
+    pub failed: bool,
 }
 
 impl std::fmt::Display for BenchReport {
@@ -73,7 +89,18 @@ impl std::fmt::Display for BenchReport {
             ms(self.latency_us[1]),
             ms(self.latency_us[2]),
             ms(self.latency_us[3])
-        )
+        )?;
+        if let Some(w) = &self.slowest {
+            write!(
+                f,
+                "\nslowest req:    {:.2} ms, sent at +{:.3} s, first event #{}{}",
+                ms(w.latency_us),
+                w.sent_at.as_secs_f64(),
+                w.first_event,
+                if w.failed { " (failed)" } else { "" }
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -104,6 +131,9 @@ struct Tally {
     ok: AtomicU64,
     failed: AtomicU64,
     hist: std::sync::Mutex<hdrhistogram::Histogram<u64>>,
+    started: Instant,
+    max_us: AtomicU64,
+    slowest: std::sync::Mutex<Option<Slowest>>,
 }
 
 impl Tally {
@@ -112,14 +142,19 @@ impl Tally {
             ok: AtomicU64::new(0),
             failed: AtomicU64::new(0),
             hist: std::sync::Mutex::new(latency_histogram()?),
+            started: Instant::now(),
+            max_us: AtomicU64::new(0),
+            slowest: std::sync::Mutex::new(None),
         }))
     }
 
-    /// One request sent at `t0`: `ok_events` acknowledged, or `None` when it failed.
+    /// One request sent at `t0` carrying events from `first_event` on: `ok_events`
+    /// acknowledged, or `None` when it failed.
     fn record(
         &self,
         local: &mut Option<hdrhistogram::Histogram<u64>>,
         t0: Instant,
+        first_event: u64,
         ok_events: Option<u64>,
     ) {
         let us = u64::try_from(t0.elapsed().as_micros())
@@ -127,6 +162,18 @@ impl Tally {
             .max(1);
         if let Some(h) = local.as_mut() {
             let _ = h.record(us);
+        }
+        // The lock is taken only by a new maximum: rare after the first requests.
+        if us > self.max_us.fetch_max(us, Ordering::Relaxed)
+            && let Ok(mut w) = self.slowest.lock()
+            && w.is_none_or(|w| us > w.latency_us)
+        {
+            *w = Some(Slowest {
+                latency_us: us,
+                sent_at: t0.saturating_duration_since(self.started),
+                first_event,
+                failed: ok_events.is_none(),
+            });
         }
         match ok_events {
             Some(n) => self.ok.fetch_add(n, Ordering::Relaxed),
@@ -155,6 +202,7 @@ impl Tally {
                 h.value_at_quantile(0.999),
                 h.max(),
             ],
+            slowest: self.slowest.lock().ok().and_then(|w| *w),
         })
     }
 }
@@ -234,7 +282,7 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
                     }
                     Err(_) => false,
                 };
-                tally.record(&mut local, t0, good.then_some(end - start));
+                tally.record(&mut local, t0, start, good.then_some(end - start));
             }
             tally.merge(local);
         }));
@@ -328,7 +376,7 @@ pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
                 let n = events.len() as u64;
                 let t0 = Instant::now();
                 let res = store.accept(events).await;
-                tally.record(&mut local, t0, res.is_ok().then_some(n));
+                tally.record(&mut local, t0, start, res.is_ok().then_some(n));
             }
             tally.merge(local);
         }));

@@ -53,6 +53,8 @@ const COMPLETED_EXP: TableDefinition<(i64, &str, &str), ()> =
 
 /// Most ops applied in one transaction; more wait for the next commit.
 const MAX_GROUP: usize = 4096;
+/// A commit at least this slow is logged (every request in its group waited for it).
+const SLOW_COMMIT: Duration = Duration::from_secs(1);
 /// Most accepted events in one transaction. Past it, accepts wait for the next commit while
 /// the other ops (leases, acks) still join this one: a flood of large ingest batches must not
 /// stretch every commit and starve delivery, whose every attempt needs two commits.
@@ -1817,8 +1819,17 @@ impl Committer {
         batch.clear();
         *ops = batch;
         effects.clear();
+        let took = started.elapsed();
+        if took >= SLOW_COMMIT {
+            // Every request of the group waited this long: worth a line of its own.
+            tracing::warn!(
+                took_ms = took.as_millis() as u64,
+                ops = n,
+                "slow store commit"
+            );
+        }
         if let Some(obs) = &self.on_commit {
-            obs(started.elapsed(), n);
+            obs(took, n);
         }
         let mutations = mutations.into_inner();
         match (&self.log, &result) {
