@@ -294,9 +294,14 @@ async fn lease_and_start(
                 .lease_failures
                 .get_or_create(&vec![("target", spec.id.clone())])
                 .inc();
-            // Leases in flight together fail together: one line per pause.
+            // Leases in flight together fail together: one line per pause. A compaction is
+            // planned maintenance, not a failure.
             if before <= failed_at {
-                tracing::error!(target_id = %spec.id, error = %e, "lease failed; retrying in 1s");
+                if matches!(e, crate::store::StoreError::Compacting) {
+                    tracing::info!(target_id = %spec.id, "store compacting; leases resume in 1s");
+                } else {
+                    tracing::error!(target_id = %spec.id, error = %e, "lease failed; retrying in 1s");
+                }
             }
         }
     }

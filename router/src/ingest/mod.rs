@@ -291,6 +291,21 @@ async fn handle(
 
     let outcomes = match app.store.accept(new_events).await {
         Ok(o) => o,
+        Err(crate::store::StoreError::Compacting) => {
+            // Planned and short-lived: back-pressure, not an error.
+            tracing::info!(
+                events = answered.len(),
+                "accept refused: the store is compacting"
+            );
+            return with_retry_after(
+                error_response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the store is compacting its file; nothing was stored, retry later",
+                    Vec::new(),
+                ),
+                COMPACTING_RETRY_AFTER_S,
+            );
+        }
         Err(e) => {
             tracing::error!(error = %e, events = answered.len(), "accept failed: store unavailable");
             let mut r = error_response(
@@ -343,6 +358,10 @@ async fn handle(
     )
         .into_response()
 }
+
+/// `Retry-After` (seconds) while the store compacts its file: compaction takes seconds on a
+/// file of a few GB.
+const COMPACTING_RETRY_AFTER_S: u64 = 5;
 
 /// What the answer to a producer needs of one event once the event itself has gone to the
 /// store.

@@ -37,6 +37,11 @@ pub enum StoreError {
     /// The store is shutting down.
     #[error("store is closed")]
     Closed,
+    /// The store is compacting its file (after a large backlog drained): new writes and reads
+    /// are refused for its duration rather than left waiting. Ingest answers 503 with a
+    /// `Retry-After`; delivery pauses and resumes.
+    #[error("the store is compacting its file; retry in a few seconds")]
+    Compacting,
     /// A record could not be decoded.
     #[error("corrupt record in {table}: {message}")]
     Corrupt {

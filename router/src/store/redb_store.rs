@@ -11,7 +11,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
@@ -83,16 +83,32 @@ type Reopen = Arc<dyn Fn() -> Result<Database, redb::DatabaseError> + Send + Syn
 /// reopens it after a write error (and stays so while reopening fails).
 type DbSlot = Arc<RwLock<Option<Database>>>;
 
-/// A read handle on the database slot.
-struct DbRead<'a>(std::sync::RwLockReadGuard<'a, Option<Database>>);
+/// A read handle on the database slot (`None`: the file is being compacted).
+struct DbRead<'a>(Option<std::sync::RwLockReadGuard<'a, Option<Database>>>);
 
 impl DbRead<'_> {
     fn begin_read(&self) -> Result<redb::ReadTransaction, StoreError> {
-        match self.0.as_ref() {
-            Some(db) => Ok(db.begin_read()?),
-            None => Err(unavailable()),
+        match self.0.as_deref() {
+            Some(Some(db)) => Ok(db.begin_read()?),
+            Some(None) => Err(unavailable()),
+            None => Err(StoreError::Compacting),
         }
     }
+}
+
+/// Bytes of live data (keys, values and tree metadata) in every table, from a read
+/// transaction: what a compaction would keep.
+fn live_bytes(db: &DbSlot) -> Result<u64, StoreError> {
+    let txn = {
+        let slot = db.read().unwrap_or_else(|p| p.into_inner());
+        slot.as_ref().ok_or_else(unavailable)?.begin_read()?
+    };
+    let mut used = 0;
+    for handle in txn.list_tables()? {
+        let stats = txn.open_untyped_table(handle)?.stats()?;
+        used += stats.stored_bytes() + stats.metadata_bytes();
+    }
+    Ok(used)
 }
 
 fn unavailable() -> StoreError {
@@ -531,6 +547,10 @@ pub struct RedbStore {
     boot: u64,
     token_counter: AtomicU64,
     path: Option<std::path::PathBuf>,
+    /// Set while the committer compacts the file (which holds the database exclusively): new
+    /// accepts, leases and reads are refused at once with `StoreError::Compacting` instead of
+    /// waiting — reads would block the tokio threads they run on.
+    compacting: Arc<AtomicBool>,
 }
 
 impl RedbStore {
@@ -633,9 +653,14 @@ impl RedbStore {
         let db: DbSlot = Arc::new(RwLock::new(Some(db)));
         let index = Arc::new(Mutex::new(index));
         let (tx, rx) = mpsc::channel(65_536);
+        let compacting = Arc::new(AtomicBool::new(false));
         let committer = Committer {
             group_depth: HashMap::new(),
             db: db.clone(),
+            compacting: compacting.clone(),
+            check_compaction: false,
+            compact_checking: Arc::new(AtomicBool::new(false)),
+            compact_wanted: Arc::new(AtomicBool::new(false)),
             path: path.clone(),
             compact_due: false,
             compact_min_bytes: opts.compact_min_bytes.unwrap_or(COMPACT_MIN_BYTES),
@@ -664,6 +689,7 @@ impl RedbStore {
             boot,
             token_counter: AtomicU64::new(1),
             path,
+            compacting,
         }))
     }
 
@@ -684,8 +710,37 @@ impl RedbStore {
         Ok(out)
     }
 
+    /// A read handle, or one that refuses to begin transactions while the file is being
+    /// compacted (the slot's write side is held for the whole compaction, seconds on a large
+    /// file, and waiting for it would block a tokio worker thread).
     fn read_db(&self) -> DbRead<'_> {
-        DbRead(self.db.read().unwrap_or_else(|p| p.into_inner()))
+        // Never a blocking `read()` first: a reader that checked the flag just before a
+        // compaction took the slot would wait out the whole compaction on a tokio thread (two
+        // such readers froze the runtime for 20 s in a benchmark).
+        for _ in 0..1000 {
+            match self.db.try_read() {
+                Ok(g) => return DbRead(Some(g)),
+                Err(std::sync::TryLockError::Poisoned(p)) => return DbRead(Some(p.into_inner())),
+                // The flag is set before the compaction asks for the slot.
+                Err(std::sync::TryLockError::WouldBlock)
+                    if self.compacting.load(Ordering::Acquire) =>
+                {
+                    return DbRead(None);
+                }
+                // A reopen after a write error holds the slot briefly.
+                Err(std::sync::TryLockError::WouldBlock) => std::thread::yield_now(),
+            }
+        }
+        DbRead(Some(self.db.read().unwrap_or_else(|p| p.into_inner())))
+    }
+
+    /// Refuses new work while the file is being compacted.
+    fn not_compacting(&self) -> Result<(), StoreError> {
+        if self.compacting.load(Ordering::Acquire) {
+            Err(StoreError::Compacting)
+        } else {
+            Ok(())
+        }
     }
 
     fn index(&self) -> MutexGuard<'_, Index> {
@@ -751,6 +806,7 @@ impl RedbStore {
         max: usize,
         lease_ms: i64,
     ) -> Result<Vec<Leased>, StoreError> {
+        self.not_compacting()?;
         let lease = Lease {
             token: self.new_token(),
             until: now + lease_ms,
@@ -813,6 +869,7 @@ impl Store for RedbStore {
         events: Vec<NewEvent>,
     ) -> BoxFuture<'_, Result<Vec<AcceptOutcome>, StoreError>> {
         async move {
+            self.not_compacting()?;
             let events = events.into_iter().map(Prepared::new).collect();
             self.call(|reply| Op::Accept { events, reply }).await?
         }
@@ -1476,6 +1533,14 @@ struct Committer {
     /// Entries enqueued per target by the group being built (not yet in the index).
     group_depth: HashMap<String, u64>,
     db: DbSlot,
+    /// Shared with `RedbStore`: set for the duration of a compaction.
+    compacting: Arc<AtomicBool>,
+    /// The last group swept: check whether the file is worth compacting.
+    check_compaction: bool,
+    /// A compaction check is running.
+    compact_checking: Arc<AtomicBool>,
+    /// A compaction check found the file worth compacting.
+    compact_wanted: Arc<AtomicBool>,
     path: Option<std::path::PathBuf>,
     compact_due: bool,
     compact_min_bytes: u64,
@@ -1638,7 +1703,14 @@ impl Committer {
                     ops.push(op);
                 }
             }
+            // A compaction found worthwhile runs after this group, which is then a checkpoint.
+            if self.compact_wanted.swap(false, Ordering::AcqRel) {
+                self.compact_due = true;
+            }
             self.commit_group(&mut ops, &mut effects);
+            if std::mem::take(&mut self.check_compaction) {
+                self.start_compaction_check();
+            }
             if self.compact_due {
                 self.compact_due = false;
                 self.compact();
@@ -1646,23 +1718,44 @@ impl Committer {
         }
     }
 
-    /// Whether the file is worth compacting: large, and mostly free pages (e.g. after a
-    /// backlog drained). redb reuses free pages, so steady churn stays flat without this; it
-    /// only gives space back to the file system after a peak.
-    fn worth_compacting(&self, txn: &Tx<'_>) -> bool {
+    /// Starts, on a thread of its own, the check whether the file is worth compacting:
+    /// large, and mostly free pages (e.g. after a backlog drained). redb reuses free pages, so
+    /// steady churn stays flat without compaction; it only gives space back to the file system
+    /// after a peak. Counting live data walks every tree (2 s on a 4 GB file), which on the
+    /// committer stalled every request for as long; a read transaction does not. The result
+    /// is picked up by the committer before its next group.
+    fn start_compaction_check(&self) {
         let Some(file_len) = self
             .path
             .as_ref()
             .and_then(|p| std::fs::metadata(p).ok())
             .map(|m| m.len())
         else {
-            return false;
+            return;
         };
-        let Ok(stats) = txn.stats() else { return false };
-        // Live data, not allocated pages: pages freed by this very transaction are still
-        // counted as allocated until it commits, which hid a drained backlog from this check.
-        let used = stats.stored_bytes() + stats.metadata_bytes();
-        file_len > self.compact_min_bytes && file_len > 2 * used
+        if file_len <= self.compact_min_bytes || self.compact_checking.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        let (db, wanted, checking) = (
+            self.db.clone(),
+            self.compact_wanted.clone(),
+            self.compact_checking.clone(),
+        );
+        let spawned = std::thread::Builder::new()
+            .name("store-compact-check".into())
+            .spawn(move || {
+                match live_bytes(&db) {
+                    // The read transaction is over: a compaction may start.
+                    Ok(used) if file_len > 2 * used => wanted.store(true, Ordering::Release),
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %e, "could not size the store's live data"),
+                }
+                checking.store(false, Ordering::Release);
+            });
+        if spawned.is_err() {
+            self.compact_checking.store(false, Ordering::Release);
+        }
     }
 
     fn compact(&mut self) {
@@ -1672,6 +1765,7 @@ impl Committer {
             .and_then(|p| std::fs::metadata(p).ok())
             .map_or(0, |m| m.len());
         let started = Instant::now();
+        self.compacting.store(true, Ordering::Release);
         let mut slot = self.db.write().unwrap_or_else(|p| p.into_inner());
         let Some(db) = slot.as_mut() else { return };
         // Compaction moves pages towards the start; a few passes give back the tail.
@@ -1683,6 +1777,7 @@ impl Committer {
             }
         }
         drop(slot);
+        self.compacting.store(false, Ordering::Release);
         let after = self
             .path
             .as_ref()
@@ -1989,8 +2084,8 @@ impl Committer {
                 reply,
             } => {
                 let r = sweep(txn, now, dedup_window_ms, retention_ms);
-                if r.is_ok() && self.worth_compacting(txn) {
-                    self.compact_due = true;
+                if r.is_ok() {
+                    self.check_compaction = true;
                 }
                 answer(dones, reply, r)
             }

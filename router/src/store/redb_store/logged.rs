@@ -68,10 +68,6 @@ impl<'a> Tx<'a> {
             log: self.log,
         })
     }
-
-    pub(super) fn stats(&self) -> Result<redb::DatabaseStats, StorageError> {
-        self.txn.stats()
-    }
 }
 
 /// A table of a `Tx`: reads go to redb's table, writes are also logged.
