@@ -459,6 +459,7 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             // Which durable write path commits take: synced redb commits, or the group log
             // (`router.log`) with periodic checkpoints.
             "group_log": app.cfg.store.group_log,
+            "compacting": app.store.compacting(),
         },
         "records": records_status(&app),
         "handler_kv": handler_kv_status(&app),

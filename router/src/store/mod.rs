@@ -299,6 +299,9 @@ pub trait Store: Send + Sync + 'static {
     /// Size of the store on disk, in bytes (0 for in-memory stores).
     fn disk_bytes(&self) -> u64;
 
+    /// Whether the store is compacting its file (new writes and reads are refused meanwhile).
+    fn compacting(&self) -> bool;
+
     /// How many records each bounded kind holds (cheap: kept counts, not scans).
     fn record_counts(&self) -> Result<RecordCounts, StoreError>;
 }

@@ -1367,6 +1367,10 @@ impl Store for RedbStore {
         .boxed()
     }
 
+    fn compacting(&self) -> bool {
+        self.compacting.load(Ordering::Acquire)
+    }
+
     fn disk_bytes(&self) -> u64 {
         let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
         self.path.as_ref().map_or(0, |p| {
