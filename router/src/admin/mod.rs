@@ -21,14 +21,7 @@ use crate::store::{AttemptRecord, DlqEntry, DlqFilter, EntryState, QueueEntry};
 fn store_error(e: &crate::store::StoreError) -> Response {
     if matches!(e, crate::store::StoreError::Compacting) {
         // Planned, and over in seconds: say so, and when to come back.
-        let mut r = error_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the store is compacting its file; retry later",
-            Vec::new(),
-        );
-        r.headers_mut()
-            .insert("retry-after", axum::http::HeaderValue::from_static("5"));
-        return r;
+        return crate::ingest::compacting_response("the store is compacting its file; retry later");
     }
     tracing::error!(error = %e, "store read failed");
     error_response(

@@ -297,25 +297,20 @@ async fn handle(
                 events = answered.len(),
                 "accept refused: the store is compacting"
             );
-            return with_retry_after(
-                error_response(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "the store is compacting its file; nothing was stored, retry later",
-                    Vec::new(),
-                ),
-                COMPACTING_RETRY_AFTER_S,
+            return compacting_response(
+                "the store is compacting its file; nothing was stored, retry later",
             );
         }
         Err(e) => {
             tracing::error!(error = %e, events = answered.len(), "accept failed: store unavailable");
-            let mut r = error_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "storage unavailable; nothing was stored, retry later",
-                Vec::new(),
+            return with_retry_after(
+                error_response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "storage unavailable; nothing was stored, retry later",
+                    Vec::new(),
+                ),
+                1,
             );
-            r.headers_mut()
-                .insert("retry-after", axum::http::HeaderValue::from_static("1"));
-            return r;
         }
     };
     let mut results = Vec::with_capacity(answered.len());
@@ -362,6 +357,15 @@ async fn handle(
 /// `Retry-After` (seconds) while the store compacts its file: compaction takes seconds on a
 /// file of a few GB.
 const COMPACTING_RETRY_AFTER_S: u64 = 5;
+
+/// The answer to any request the store refused because it is compacting its file (ingest
+/// and API reads alike): 503 with `Retry-After`.
+pub(crate) fn compacting_response(summary: &str) -> Response {
+    with_retry_after(
+        error_response(StatusCode::SERVICE_UNAVAILABLE, summary, Vec::new()),
+        COMPACTING_RETRY_AFTER_S,
+    )
+}
 
 /// What the answer to a producer needs of one event once the event itself has gone to the
 /// store.
