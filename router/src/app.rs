@@ -614,10 +614,12 @@ pub async fn run(
         .handler_kv_max_bytes
         .set(i64::try_from(cfg.handlers.kv_max_bytes).unwrap_or(i64::MAX));
     let m = metrics.clone();
+    let mc = metrics.clone();
     let store = RedbStore::open_dir(
         &cfg.data_dir,
         StoreOptions {
             on_commit: Some(Arc::new(move |took, ops| m.observe_commit(took, ops))),
+            on_compact: Some(Arc::new(move |report| mc.observe_compaction(report))),
             cache_bytes: Some(cfg.store.cache_bytes),
             compact_min_bytes: Some(cfg.store.compact_min_bytes),
             group_log: cfg.store.group_log,

@@ -1,11 +1,12 @@
-//! Crash points for end-to-end tests of the durability promises: with
+//! Crash and delay points for end-to-end tests of the durability promises: with
 //! `EVENT_ROUTER_CRASH_AT=<point>:<detail>` in its environment, the process aborts — like a
 //! kill -9: no cleanup, no flush, no unwinding — the first time it reaches that point for that
 //! detail. A kill from outside cannot hit a window of microseconds (a handler has run, its
 //! ack is not committed yet) on purpose; this can.
 //!
 //! Points: `before_ack:<target id>` — a delivery attempt has finished (for a handler: it ran
-//! and its outbox is built) and its result is about to be committed.
+//! and its outbox is built) and its result is about to be committed. Delay points
+//! (`EVENT_ROUTER_DELAY_AT`, see `delay_point`) stretch a window that is too short to watch.
 //!
 //! Not a `ROUTER_*` variable (those are configuration keys), and not behind a cargo feature:
 //! the tests drive the same binary operators run, and the check is one comparison against a
@@ -20,6 +21,25 @@ fn armed() -> Option<&'static str> {
     static AT: OnceLock<Option<String>> = OnceLock::new();
     AT.get_or_init(|| std::env::var(ENV).ok().filter(|v| !v.is_empty()))
         .as_deref()
+}
+
+/// The variable naming a delay point: `EVENT_ROUTER_DELAY_AT=<point>:<milliseconds>`.
+pub const DELAY_ENV: &str = "EVENT_ROUTER_DELAY_AT";
+
+/// How long to stall at `point`, if the process was started with
+/// `EVENT_ROUTER_DELAY_AT=<point>:<ms>`. Points: `compaction` — the store holds the database
+/// this much longer while compacting, so a test can watch what traffic sees meanwhile (a
+/// compaction of a test-sized file takes milliseconds; one of gigabytes, tens of seconds).
+pub fn delay_point(point: &str) -> Option<std::time::Duration> {
+    static AT: OnceLock<Option<(String, u64)>> = OnceLock::new();
+    let (p, ms) = AT
+        .get_or_init(|| {
+            let v = std::env::var(DELAY_ENV).ok()?;
+            let (p, ms) = v.split_once(':')?;
+            Some((p.to_string(), ms.parse().ok()?))
+        })
+        .as_ref()?;
+    (p == point).then(|| std::time::Duration::from_millis(*ms))
 }
 
 /// Aborts the process if it was started with `EVENT_ROUTER_CRASH_AT=<point>:<detail>`.

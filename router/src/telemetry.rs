@@ -39,6 +39,12 @@ pub struct Metrics {
     pub commit_seconds: Histogram,
     /// Ops per group commit.
     pub commit_ops: Histogram,
+    /// Compactions of the store file by result (`ok`, `failed`).
+    pub compactions: Family<Labels, Counter>,
+    /// How long each compaction refused new work.
+    pub compaction_seconds: Histogram,
+    /// 1 while the store compacts its file (ingest answers 503 meanwhile).
+    pub compacting: Gauge,
     /// Waiting entries per target.
     pub queue_depth: Family<Labels, Gauge>,
     /// Leased entries per target.
@@ -93,6 +99,10 @@ impl Metrics {
             dlq_entries: Family::default(),
             commit_seconds: latency_histogram(),
             commit_ops: Histogram::new(exponential_buckets(1.0, 2.0, 13)),
+            compactions: Family::default(),
+            // 10 ms to ~80 s: small files compact in milliseconds, gigabytes in tens of seconds.
+            compaction_seconds: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
+            compacting: Gauge::default(),
             queue_depth: Family::default(),
             queue_in_flight: Family::default(),
             queue_oldest_age_seconds: Family::default(),
@@ -143,6 +153,21 @@ impl Metrics {
             "router_store_commit_seconds",
             "Group commit latency including fsync",
             m.commit_seconds.clone(),
+        );
+        registry.register(
+            "router_store_compactions",
+            "Compactions of the store file, by result",
+            m.compactions.clone(),
+        );
+        registry.register(
+            "router_store_compaction_seconds",
+            "Duration of each store compaction (new work is refused meanwhile)",
+            m.compaction_seconds.clone(),
+        );
+        registry.register(
+            "router_store_compacting",
+            "1 while the store compacts its file",
+            m.compacting.clone(),
         );
         registry.register(
             "router_store_commit_ops",
@@ -248,6 +273,20 @@ impl Metrics {
         self.commit_ops.observe(ops as f64);
     }
 
+    /// Records one compaction of the store file.
+    pub fn observe_compaction(&self, report: &crate::store::CompactionReport) {
+        let result = if report.error.is_none() {
+            "ok"
+        } else {
+            "failed"
+        };
+        self.compactions
+            .get_or_create(&vec![("result", result.to_string())])
+            .inc();
+        self.compaction_seconds
+            .observe(report.took_ms as f64 / 1000.0);
+    }
+
     /// Refreshes gauges from the store and renders the text exposition.
     pub fn render(&self, store: &dyn Store, now_ms: i64) -> String {
         for (target, s) in store.queue_stats() {
@@ -268,6 +307,7 @@ impl Metrics {
         }
         self.store_bytes
             .set(i64::try_from(store.disk_bytes()).unwrap_or(i64::MAX));
+        self.compacting.set(i64::from(store.compacting()));
         match store.record_counts() {
             Ok(c) => {
                 for (kind, n) in [
@@ -281,6 +321,8 @@ impl Metrics {
                         .set(i64::try_from(n).unwrap_or(i64::MAX));
                 }
             }
+            // During a compaction the gauges keep their last values: planned, not a failure.
+            Err(crate::store::StoreError::Compacting) => {}
             Err(e) => tracing::warn!(error = %e, "could not read record counts for /metrics"),
         }
         match store.kv_usage() {
@@ -309,6 +351,7 @@ impl Metrics {
                         .set(i64::try_from(u.keys).unwrap_or(i64::MAX));
                 }
             }
+            Err(crate::store::StoreError::Compacting) => {}
             Err(e) => {
                 tracing::warn!(error = %e, "could not read handler key-value sizes for /metrics")
             }

@@ -391,6 +391,85 @@ async fn pause_and_disable_contain_without_losing_anything() {
     );
 }
 
+/// The worker leases entries ahead of its free slots (so a freed slot need not wait for a
+/// commit). Pausing must give those back unattempted: after the attempts in flight end, no
+/// entry is leased and every undelivered event still has zero attempts; after resuming, each
+/// is delivered once, on its first attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pausing_gives_entries_leased_ahead_back_without_spending_attempts() {
+    let rcv = Receiver::scripted(Arc::new(|_, _| (200, Duration::from_millis(300), vec![]))).await;
+    let policy = "  two-at-a-time:\n    throttle: { max_concurrency: 2 }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "main",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: main\n        policy: two-at-a-time",
+                rcv.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let ids: Vec<String> = (0..20).map(|i| format!("la{i}")).collect();
+    for id in &ids {
+        assert_eq!(post_event(&r, &event(id, "t", json!({}))).await.0, 202);
+    }
+    assert!(
+        rcv.wait_for(Duration::from_secs(10), |s| !s.is_empty())
+            .await,
+        "nothing delivered"
+    );
+    assert_eq!(
+        post_json(&r, "/v1/targets/main/pause", json!({})).await.0,
+        200
+    );
+    // The two attempts in flight end (300 ms each); what was leased ahead goes back.
+    let settled = eventually(Duration::from_secs(10), || async {
+        let (_, t) = get_json(&r, "/v1/targets/main").await;
+        (t["in_flight"] == 0).then_some(t)
+    })
+    .await;
+    assert!(settled.is_some(), "entries stayed leased while paused");
+    let delivered: HashSet<String> = rcv.received().iter().map(Received::event_id).collect();
+    assert!(
+        delivered.len() < ids.len(),
+        "all delivered before the pause"
+    );
+    for id in &ids {
+        let f = fate(&r, id).await;
+        let t = &f["targets"][0];
+        if delivered.contains(id) {
+            assert_eq!(t["state"], "delivered", "{f}");
+        } else {
+            assert_eq!(t["state"], "queued", "{f}");
+            assert_eq!(
+                t["attempt_count"], 0,
+                "an attempt was spent while paused: {f}"
+            );
+        }
+    }
+    assert_eq!(
+        post_json(&r, "/v1/targets/main/resume", json!({})).await.0,
+        200
+    );
+    assert!(
+        rcv.wait_for(Duration::from_secs(30), |s| s.len() >= ids.len())
+            .await,
+        "the queue did not drain after resume"
+    );
+    for id in &ids {
+        let f = eventually(Duration::from_secs(5), || async {
+            let f = fate(&r, id).await;
+            (f["targets"][0]["state"] == "delivered").then_some(f)
+        })
+        .await
+        .expect("delivered");
+        assert_eq!(f["targets"][0]["attempt_count"], 1, "{f}");
+    }
+    assert_eq!(rcv.count(), ids.len(), "an event was delivered twice");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quarantined_events_are_revalidated_when_redriven() {
     let rcv = Receiver::ok().await;

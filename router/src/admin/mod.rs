@@ -453,6 +453,13 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             // (`router.log`) with periodic checkpoints.
             "group_log": app.cfg.store.group_log,
             "compacting": app.store.compacting(),
+            "last_compaction": app.store.last_compaction().map(|c| json!({
+                "finished_at": rfc3339(c.finished_at),
+                "took_ms": c.took_ms,
+                "before_bytes": c.before_bytes,
+                "after_bytes": c.after_bytes,
+                "error": c.error,
+            })),
         },
         "records": records_status(&app),
         "handler_kv": handler_kv_status(&app),

@@ -52,6 +52,21 @@ pub enum StoreError {
     },
 }
 
+/// One compaction of the store file: what `/v1/status` shows and the metrics count.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct CompactionReport {
+    /// When it ended (ms since the Unix epoch).
+    pub finished_at: Millis,
+    /// How long new work was refused for it.
+    pub took_ms: u64,
+    /// File size before.
+    pub before_bytes: u64,
+    /// File size after.
+    pub after_bytes: u64,
+    /// Why it failed (`None`: it succeeded).
+    pub error: Option<String>,
+}
+
 impl<E: Into<redb::Error>> From<E> for StoreError {
     fn from(e: E) -> Self {
         StoreError::Backend(e.into().to_string())
@@ -301,6 +316,12 @@ pub trait Store: Send + Sync + 'static {
 
     /// Whether the store is compacting its file (new writes and reads are refused meanwhile).
     fn compacting(&self) -> bool;
+
+    /// The last compaction of the store file since start (`None`: none yet, or a store
+    /// without a file).
+    fn last_compaction(&self) -> Option<CompactionReport> {
+        None
+    }
 
     /// How many records each bounded kind holds (cheap: kept counts, not scans).
     fn record_counts(&self) -> Result<RecordCounts, StoreError>;

@@ -75,6 +75,9 @@ type SummaryGroup = (SummaryRow, BTreeMap<i64, u64>);
 /// Called after every commit with its duration and the number of ops it carried.
 pub type CommitObserver = Arc<dyn Fn(Duration, usize) + Send + Sync>;
 
+/// Called after every compaction of the store file.
+pub type CompactObserver = Arc<dyn Fn(&CompactionReport) + Send + Sync>;
+
 /// Opens the database again (same file or backend): after a write error redb refuses every
 /// later write until the database is reopened.
 type Reopen = Arc<dyn Fn() -> Result<Database, redb::DatabaseError> + Send + Sync>;
@@ -126,6 +129,8 @@ pub struct StoreOptions {
     pub cache_bytes: Option<usize>,
     /// Files smaller than this are never compacted (default 64 MiB).
     pub compact_min_bytes: Option<u64>,
+    /// Observer for compactions (metrics).
+    pub on_compact: Option<CompactObserver>,
     /// Make groups durable through the group log (`router.log`, see `store::group_log`)
     /// instead of a synced redb commit each. Only `open_dir` and `with_backends` have a log.
     pub group_log: bool,
@@ -551,6 +556,8 @@ pub struct RedbStore {
     /// accepts, leases and reads are refused at once with `StoreError::Compacting` instead of
     /// waiting — reads would block the tokio threads they run on.
     compacting: Arc<AtomicBool>,
+    /// The last compaction since start, written by the committer.
+    last_compaction: Arc<Mutex<Option<CompactionReport>>>,
 }
 
 impl RedbStore {
@@ -654,7 +661,10 @@ impl RedbStore {
         let index = Arc::new(Mutex::new(index));
         let (tx, rx) = mpsc::channel(65_536);
         let compacting = Arc::new(AtomicBool::new(false));
+        let last_compaction = Arc::new(Mutex::new(None));
         let committer = Committer {
+            last_compaction: last_compaction.clone(),
+            on_compact: opts.on_compact,
             group_depth: HashMap::new(),
             db: db.clone(),
             compacting: compacting.clone(),
@@ -664,6 +674,7 @@ impl RedbStore {
             path: path.clone(),
             compact_due: false,
             compact_min_bytes: opts.compact_min_bytes.unwrap_or(COMPACT_MIN_BYTES),
+            compact_floor: 0,
             index: index.clone(),
             next_seq: counters.0,
             next_dlq: counters.1,
@@ -690,6 +701,7 @@ impl RedbStore {
             token_counter: AtomicU64::new(1),
             path,
             compacting,
+            last_compaction,
         }))
     }
 
@@ -1371,6 +1383,13 @@ impl Store for RedbStore {
         self.compacting.load(Ordering::Acquire)
     }
 
+    fn last_compaction(&self) -> Option<CompactionReport> {
+        self.last_compaction
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     fn disk_bytes(&self) -> u64 {
         let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
         self.path.as_ref().map_or(0, |p| {
@@ -1548,6 +1567,11 @@ struct Committer {
     path: Option<std::path::PathBuf>,
     compact_due: bool,
     compact_min_bytes: u64,
+    /// No compaction check below this file size (set after a compaction that gave little back).
+    compact_floor: u64,
+    /// Shared with `RedbStore`: the last compaction's report.
+    last_compaction: Arc<Mutex<Option<CompactionReport>>>,
+    on_compact: Option<CompactObserver>,
     index: Arc<Mutex<Index>>,
     next_seq: u64,
     next_dlq: u64,
@@ -1717,7 +1741,9 @@ impl Committer {
             }
             if self.compact_due {
                 self.compact_due = false;
-                self.compact();
+                self.compact(&mut rx, &mut deferred);
+                // The accepts it held back were refused.
+                deferred_events = deferred.iter().map(Op::accepted_events).sum();
             }
         }
     }
@@ -1737,7 +1763,8 @@ impl Committer {
         else {
             return;
         };
-        if file_len <= self.compact_min_bytes || self.compact_checking.swap(true, Ordering::AcqRel)
+        if file_len <= self.compact_min_bytes.max(self.compact_floor)
+            || self.compact_checking.swap(true, Ordering::AcqRel)
         {
             return;
         }
@@ -1762,42 +1789,121 @@ impl Committer {
         }
     }
 
-    fn compact(&mut self) {
-        let before = self
-            .path
-            .as_ref()
-            .and_then(|p| std::fs::metadata(p).ok())
-            .map_or(0, |m| m.len());
+    /// Compacts the file on a thread of its own (it holds the database exclusively: seconds on
+    /// a large file) while this thread keeps answering: accepts and leases — those already
+    /// queued, and any that raced past the callers' `not_compacting` check — are refused at
+    /// once with `StoreError::Compacting`; every other op (acks, sweeps, jobs) waits in
+    /// `deferred` and runs right after.
+    fn compact(
+        &mut self,
+        rx: &mut mpsc::Receiver<Op>,
+        deferred: &mut std::collections::VecDeque<Op>,
+    ) {
+        let size = |path: &Option<std::path::PathBuf>| {
+            path.as_ref()
+                .and_then(|p| std::fs::metadata(p).ok())
+                .map_or(0, |m| m.len())
+        };
+        let before = size(&self.path);
         let started = Instant::now();
         self.compacting.store(true, Ordering::Release);
-        let mut slot = self.db.write().unwrap_or_else(|p| p.into_inner());
-        let Some(db) = slot.as_mut() else { return };
-        // Compaction moves pages towards the start; a few passes give back the tail.
-        let mut result = Ok(true);
-        for _ in 0..8 {
-            result = db.compact();
-            if !matches!(result, Ok(true)) {
-                break;
-            }
-        }
-        drop(slot);
-        self.compacting.store(false, Ordering::Release);
-        let after = self
-            .path
-            .as_ref()
-            .and_then(|p| std::fs::metadata(p).ok())
-            .map_or(0, |m| m.len());
-        match result {
-            Ok(_) => tracing::info!(
-                before_bytes = before,
-                after_bytes = after,
-                took_ms = started.elapsed().as_millis() as u64,
-                "store compacted"
-            ),
+        let db = self.db.clone();
+        let worker = std::thread::Builder::new()
+            .name("store-compact".into())
+            .spawn(move || {
+                let mut slot = db.write().unwrap_or_else(|p| p.into_inner());
+                // `None`: being reopened after a write error, nothing to compact.
+                let Some(db) = slot.as_mut() else {
+                    return Ok::<bool, String>(false);
+                };
+                if let Some(d) = crate::failpoint::delay_point("compaction") {
+                    std::thread::sleep(d);
+                }
+                // Compaction moves pages towards the start; a few passes give back the tail.
+                // `Ok(true)`: the passes ran out with more to do.
+                for _ in 0..8 {
+                    if !db.compact().map_err(|e| e.to_string())? {
+                        return Ok(false);
+                    }
+                }
+                Ok(true)
+            });
+        let worker = match worker {
+            Ok(w) => w,
             Err(e) => {
-                tracing::warn!(error = %e, "store compaction failed; will try again after the next sweep")
+                self.compacting.store(false, Ordering::Release);
+                tracing::warn!(error = %e, "could not start the store compaction");
+                return;
+            }
+        };
+        // Held ops keep their order; accepts already held back by the group limit are refused
+        // like new ones.
+        let mut held = std::collections::VecDeque::new();
+        let refuse = |op: Op, held: &mut std::collections::VecDeque<Op>| match op {
+            Op::Accept { reply, .. } => {
+                let _ = reply.send(Err(StoreError::Compacting));
+            }
+            Op::Lease { reply, .. } => {
+                let _ = reply.send(Err(StoreError::Compacting));
+            }
+            other => held.push_back(other),
+        };
+        for op in deferred.drain(..) {
+            refuse(op, &mut held);
+        }
+        while !worker.is_finished() {
+            match rx.try_recv() {
+                Ok(op) => refuse(op, &mut held),
+                // Polled: this thread must not sleep in `recv` past the compaction's end.
+                Err(_) => std::thread::sleep(Duration::from_millis(2)),
             }
         }
+        let result = worker
+            .join()
+            .unwrap_or_else(|_| Err("the compaction thread panicked".to_string()));
+        self.compacting.store(false, Ordering::Release);
+        *deferred = held;
+        let took_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let after = size(&self.path);
+        // The next write after a compaction grows the file again (redb allocates a region of
+        // about the file's size), so right after a compaction the file is "half free" by the
+        // check's measure while nothing can be gained: measured in the end-to-end test, every
+        // sweep compacted again, refusing leases each time, so the backlog that would have
+        // freed the space never drained. No new check until the file is three times what the
+        // compaction left, unless its passes ran out with more to give back.
+        self.compact_floor = match &result {
+            Ok(true) => 0,
+            _ => after.saturating_mul(3),
+        };
+        let error = match result {
+            Ok(_) => {
+                tracing::info!(
+                    before_bytes = before,
+                    after_bytes = after,
+                    took_ms,
+                    "store compacted"
+                );
+                None
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, took_ms, "store compaction failed; will try again after the next sweep");
+                Some(e.to_string())
+            }
+        };
+        let report = CompactionReport {
+            finished_at: crate::clock::Clock::now_ms(&crate::clock::SystemClock),
+            took_ms,
+            before_bytes: before,
+            after_bytes: after,
+            error,
+        };
+        if let Some(obs) = &self.on_compact {
+            obs(&report);
+        }
+        *self
+            .last_compaction
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(report);
     }
 
     /// Applies and commits `ops` (drained) in one transaction; `effects` is scratch space.
