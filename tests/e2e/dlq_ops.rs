@@ -391,12 +391,12 @@ async fn pause_and_disable_contain_without_losing_anything() {
     );
 }
 
-/// The worker leases entries ahead of its free slots (so a freed slot need not wait for a
-/// commit). Pausing must give those back unattempted: after the attempts in flight end, no
-/// entry is leased and every undelivered event still has zero attempts; after resuming, each
-/// is delivered once, on its first attempt.
+/// Pausing a target mid-backlog: once the attempts in flight end, no entry stays leased and
+/// every undelivered event still has zero attempts; after resuming, each is delivered once,
+/// on its first attempt. (Also the guard for any leasing ahead of free slots, which must give
+/// such entries back unattempted.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pausing_gives_entries_leased_ahead_back_without_spending_attempts() {
+async fn pausing_mid_backlog_spends_no_attempts_and_loses_nothing() {
     let rcv = Receiver::scripted(Arc::new(|_, _| (200, Duration::from_millis(300), vec![]))).await;
     let policy = "  two-at-a-time:\n    throttle: { max_concurrency: 2 }";
     let rules = rules_yaml(

@@ -5,16 +5,9 @@
 //! messages wait, attempt counts do not grow), half-open lets a few probes through, an
 //! over-budget retry is put back unattempted, and the rate limiter decides how many entries are
 //! leased at all.
-//!
-//! Leasing waits for a group commit (the attempt is recorded durably before it is sent), so
-//! the worker leases ahead: up to `concurrency` entries wait leased in a small buffer, and a
-//! freed slot starts one of them at once instead of waiting a commit for its lease. The buffer
-//! is given back (unattempted) whenever the breaker is not closed, the target is paused or the
-//! worker stops, so pre-leasing never spends an attempt the policies would not have allowed.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -90,40 +83,6 @@ fn slot_count(spec: &crate::rules::TargetSpec, cfg: &crate::config::DeliveryConf
         .max(1)
 }
 
-/// Entries leased ahead of a free slot (see the module doc).
-#[derive(Default)]
-struct LeasedAhead {
-    entries: Mutex<VecDeque<Leased>>,
-    /// A lease for the buffer is in flight.
-    leasing: AtomicBool,
-}
-
-impl LeasedAhead {
-    fn entries(&self) -> std::sync::MutexGuard<'_, VecDeque<Leased>> {
-        self.entries.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn len(&self) -> usize {
-        self.entries().len()
-    }
-
-    fn take(&self, n: usize) -> Vec<Leased> {
-        let mut e = self.entries();
-        let n = n.min(e.len());
-        e.drain(..n).collect()
-    }
-
-    /// Gives every buffered entry back to its queue, due now, without counting an attempt.
-    async fn give_back(&self, ctx: &DeliveryContext) {
-        let all = self.take(usize::MAX);
-        if all.is_empty() {
-            return;
-        }
-        let now = ctx.clock.now_ms();
-        futures::future::join_all(all.iter().map(|l| release(ctx, l, now, now))).await;
-    }
-}
-
 /// The worker loop.
 pub(super) async fn run(
     ctx: Arc<DeliveryContext>,
@@ -136,17 +95,12 @@ pub(super) async fn run(
     let slots = Arc::new(Semaphore::new(concurrency));
     let notify = ctx.store.notifier(&spec.id);
     let lease_ms = ms(spec.policy.timeout + ctx.cfg.lease_margin);
-    // An entry leased ahead may wait up to one attempt's duration for a slot, so its lease
-    // covers that too.
-    let ahead_lease_ms = lease_ms.saturating_add(ms(spec.policy.timeout));
     // Set by a failed lease: no lease is tried before this time (clock ms). Leases run as their
     // own tasks, so without it a store outage would be a failed lease — and an error line —
     // per free slot.
     let lease_pause = Arc::new(AtomicI64::new(0));
-    let ahead = Arc::new(LeasedAhead::default());
     loop {
         if rt.paused.load(Ordering::SeqCst) {
-            ahead.give_back(&ctx).await;
             if !sleep_or_stop(&stop, wait_ms(IDLE_MS), Some(&notify)).await {
                 break;
             }
@@ -172,10 +126,6 @@ pub(super) async fn run(
         };
         if let Some(t) = transition {
             on_transition(&ctx, &rt, t, now).await;
-        }
-        if !matches!(admission, Admission::Open) {
-            // Open or half-open: what was leased ahead waits unattempted like everything else.
-            ahead.give_back(&ctx).await;
         }
         let max = match admission {
             Admission::Open => usize::MAX,
@@ -203,8 +153,7 @@ pub(super) async fn run(
                 Err(_) => break,
             }
         }
-        let buffered = ahead.len().min(permits.len());
-        let due = buffered + ctx.store.due_count(&spec.id, now, permits.len() - buffered);
+        let due = ctx.store.due_count(&spec.id, now, permits.len());
         if due == 0 {
             drop(permits);
             let wait = ctx.store.next_due(&spec.id).map_or(IDLE_MS, |d| d - now);
@@ -248,30 +197,11 @@ pub(super) async fn run(
         }
         permits.truncate(allowed);
 
-        // Entries leased ahead start at once; the other slots lease (and wait for a commit).
-        let ready = ahead.take(permits.len());
-        let rest = permits.split_off(ready.len());
-        start_leased(&ctx, &rt, &target, ready, permits, now, false).await;
-        if !probing {
-            lease_ahead(
-                &ctx,
-                &rt,
-                &ahead,
-                concurrency,
-                now,
-                ahead_lease_ms,
-                &lease_pause,
-                &stop,
-            );
-        }
-        if rest.is_empty() {
-            continue;
-        }
         let step = lease_and_start(
             ctx.clone(),
             rt.clone(),
             target.clone(),
-            rest,
+            permits,
             now,
             lease_ms,
             probing,
@@ -294,89 +224,18 @@ pub(super) async fn run(
             ctx.tracker.spawn(step.instrument(tracing::Span::current()));
         }
     }
-    ahead.give_back(&ctx).await;
     tracing::info!(target_id = %spec.id, "delivery worker stopped");
 }
 
-#[allow(clippy::too_many_arguments)]
-/// Tops up the entries leased ahead to `concurrency`, with a lease of its own (one at a time),
-/// if more are due than the buffer holds.
-fn lease_ahead(
-    ctx: &Arc<DeliveryContext>,
-    rt: &Arc<TargetRuntime>,
-    ahead: &Arc<LeasedAhead>,
-    concurrency: usize,
-    now: Millis,
-    lease_ms: i64,
-    lease_pause: &Arc<AtomicI64>,
-    stop: &CancellationToken,
-) {
-    let want = concurrency.saturating_sub(ahead.len());
-    if want == 0
-        || ctx.store.due_count(&rt.spec.id, now, want) == 0
-        || ahead.leasing.swap(true, Ordering::AcqRel)
-    {
-        return;
-    }
-    let tracker = ctx.tracker.clone();
-    let (ctx, rt, ahead, lease_pause, stop) = (
-        ctx.clone(),
-        rt.clone(),
-        ahead.clone(),
-        lease_pause.clone(),
-        stop.clone(),
-    );
-    let task = async move {
-        match ctx.store.lease(&rt.spec.id, now, want, lease_ms).await {
-            Ok(batch) => {
-                // Paused or stopped meanwhile: give them straight back. (Pushed before the
-                // check, so a worker that stops after it finds them in its final give-back.)
-                ahead.entries().extend(batch);
-                if rt.paused.load(Ordering::SeqCst) || stop.is_cancelled() {
-                    ahead.give_back(&ctx).await;
-                }
-                // The loop may be asleep waiting for due work: this is due work.
-                ctx.store.notifier(&rt.spec.id).notify_one();
-            }
-            Err(e) => lease_failed(&ctx, &rt.spec.id, &lease_pause, &e),
-        }
-        ahead.leasing.store(false, Ordering::Release);
-    };
-    tracker.spawn(task.instrument(tracing::Span::current()));
-}
-
-/// Pauses leasing for `LEASE_RETRY_MS` after a failed lease, with one log line per pause.
-fn lease_failed(
-    ctx: &DeliveryContext,
-    target_id: &str,
-    lease_pause: &AtomicI64,
-    e: &crate::store::StoreError,
-) {
-    let failed_at = ctx.clock.now_ms();
-    let before = lease_pause.fetch_max(failed_at + LEASE_RETRY_MS, Ordering::SeqCst);
-    ctx.metrics
-        .lease_failures
-        .get_or_create(&vec![("target", target_id.to_string())])
-        .inc();
-    // Leases in flight together fail together: one line per pause. A compaction is planned
-    // maintenance, not a failure.
-    if before <= failed_at {
-        if matches!(e, crate::store::StoreError::Compacting) {
-            tracing::info!(target_id = %target_id, "store compacting; leases resume in 1s");
-        } else {
-            tracing::error!(target_id = %target_id, error = %e, "lease failed; retrying in 1s");
-        }
-    }
-}
-
 /// Leases up to `permits.len()` due entries of the target and starts an attempt for each
-/// (each taking one slot, see `start_leased`); slots left over are given back.
+/// (each taking one slot); slots left over are given back. Budget checks happen here, per
+/// entry, since only the lease says which entries are retries.
 #[allow(clippy::too_many_arguments)]
 async fn lease_and_start(
     ctx: Arc<DeliveryContext>,
     rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
-    permits: Vec<OwnedSemaphorePermit>,
+    mut permits: Vec<OwnedSemaphorePermit>,
     now: Millis,
     lease_ms: i64,
     probing: bool,
@@ -388,86 +247,68 @@ async fn lease_and_start(
         .lease(&spec.id, now, permits.len(), lease_ms)
         .await
     {
-        Ok(batch) => start_leased(&ctx, &rt, &target, batch, permits, now, probing).await,
+        Ok(batch) => {
+            for leased in batch {
+                let Some(permit) = permits.pop() else { break };
+                // 2. Budget: retries beyond it wait, unattempted. Probes bypass it.
+                let is_retry = leased.entry.attempts.len() > 1;
+                let over_budget = rt.budget().is_some_and(|mut budget| {
+                    if !is_retry {
+                        budget.first_attempt(now);
+                        false
+                    } else {
+                        !probing && !budget.try_retry(now)
+                    }
+                });
+                if over_budget {
+                    rt.counters.budget_deferred.fetch_add(1, Ordering::Relaxed);
+                    ctx.metrics
+                        .budget_deferred
+                        .get_or_create(&vec![("target", spec.id.clone())])
+                        .inc();
+                    defer(&ctx, &leased, now).await;
+                    continue;
+                }
+                if probing && let Some(mut b) = rt.breaker() {
+                    b.probes_started(1);
+                }
+                let span = tracing::info_span!("attempt", event_id = %leased.event.event.id, source = %leased.event.event.source, target = %spec.id, attempt = leased.entry.attempts.len());
+                ctx.tracker.spawn(
+                    attempt(
+                        ctx.clone(),
+                        rt.clone(),
+                        target.clone(),
+                        leased,
+                        permit,
+                        probing,
+                    )
+                    .instrument(span),
+                );
+            }
+        }
         Err(e) => {
             drop(permits);
-            lease_failed(&ctx, &spec.id, &lease_pause, &e);
-        }
-    }
-}
-
-/// Starts an attempt for each leased entry, each taking one of `permits` (slots left over are
-/// given back). Budget checks happen here, per entry, since only the lease says which entries
-/// are retries; an entry whose lease would run out before its attempt could end (it waited
-/// leased ahead for too long) is given back instead.
-async fn start_leased(
-    ctx: &Arc<DeliveryContext>,
-    rt: &Arc<TargetRuntime>,
-    target: &Arc<dyn Target>,
-    batch: Vec<Leased>,
-    mut permits: Vec<OwnedSemaphorePermit>,
-    now: Millis,
-    probing: bool,
-) {
-    let spec = &rt.spec;
-    // Entries given back, each due again at its time: released by a task of their own, so the
-    // worker loop does not wait for their commit.
-    let mut give_back: Vec<(Leased, Millis)> = Vec::new();
-    for leased in batch {
-        let Some(permit) = permits.pop() else {
-            give_back.push((leased, now));
-            continue;
-        };
-        if leased.lease.until <= now.saturating_add(ms(spec.policy.timeout)) {
-            give_back.push((leased, now));
-            continue;
-        }
-        // 2. Budget: retries beyond it wait, unattempted. Probes bypass it.
-        let is_retry = leased.entry.attempts.len() > 1;
-        let over_budget = rt.budget().is_some_and(|mut budget| {
-            if !is_retry {
-                budget.first_attempt(now);
-                false
-            } else {
-                !probing && !budget.try_retry(now)
-            }
-        });
-        if over_budget {
-            rt.counters.budget_deferred.fetch_add(1, Ordering::Relaxed);
+            let failed_at = ctx.clock.now_ms();
+            let before = lease_pause.fetch_max(failed_at + LEASE_RETRY_MS, Ordering::SeqCst);
             ctx.metrics
-                .budget_deferred
+                .lease_failures
                 .get_or_create(&vec![("target", spec.id.clone())])
                 .inc();
-            give_back.push((leased, now + BUDGET_DEFER_MS));
-            continue;
+            // Leases in flight together fail together: one line per pause. A compaction is
+            // planned maintenance, not a failure.
+            if before <= failed_at {
+                if matches!(e, crate::store::StoreError::Compacting) {
+                    tracing::info!(target_id = %spec.id, "store compacting; leases resume in 1s");
+                } else {
+                    tracing::error!(target_id = %spec.id, error = %e, "lease failed; retrying in 1s");
+                }
+            }
         }
-        if probing && let Some(mut b) = rt.breaker() {
-            b.probes_started(1);
-        }
-        let span = tracing::info_span!("attempt", event_id = %leased.event.event.id, source = %leased.event.event.source, target = %spec.id, attempt = leased.entry.attempts.len());
-        ctx.tracker.spawn(
-            attempt(
-                ctx.clone(),
-                rt.clone(),
-                target.clone(),
-                leased,
-                permit,
-                probing,
-            )
-            .instrument(span),
-        );
-    }
-    if !give_back.is_empty() {
-        let ctx = ctx.clone();
-        ctx.tracker.clone().spawn(async move {
-            let releases = give_back.iter().map(|(l, due)| release(&ctx, l, now, *due));
-            futures::future::join_all(releases).await;
-        });
     }
 }
 
-/// Puts a leased entry back without counting an attempt, due at `due_at`.
-async fn release(ctx: &DeliveryContext, leased: &Leased, now: i64, due_at: i64) {
+/// Puts a leased entry back without counting an attempt.
+async fn defer(ctx: &DeliveryContext, leased: &Leased, now: i64) {
     let end = AttemptEnd {
         finished_at: now,
         result: AttemptResult::Interrupted,
@@ -481,12 +322,14 @@ async fn release(ctx: &DeliveryContext, leased: &Leased, now: i64, due_at: i64) 
             leased.entry.id,
             leased.lease,
             end,
-            Disposition::Release { due_at },
+            Disposition::Release {
+                due_at: now + BUDGET_DEFER_MS,
+            },
             now,
         )
         .await;
     if let Err(e) = r {
-        tracing::warn!(error = %e, "could not give an entry back; it returns when its lease expires");
+        tracing::warn!(error = %e, "could not defer an entry; it returns when its lease expires");
     }
 }
 
