@@ -376,11 +376,7 @@ async fn a_failing_disk_answers_503_stores_nothing_and_recovers() {
             .await
             .expect("the server answers");
             let status = resp.status().as_u16();
-            let retry_after = resp
-                .headers()
-                .get("retry-after")
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_string);
+            let retry_after = retry_after_header(&resp);
             let body: Value = resp.json().await.unwrap_or(Value::Null);
             (status, retry_after, body)
         }
@@ -565,11 +561,7 @@ async fn a_compaction_under_ingest_answers_503_at_once_and_traffic_resumes() {
             .expect("post");
         slowest = slowest.max(sent.elapsed());
         let status = resp.status().as_u16();
-        let retry_after = resp
-            .headers()
-            .get("retry-after")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
+        let retry_after = retry_after_header(&resp);
         let text = resp.text().await.unwrap_or_default();
         if status == 503 {
             refused.push((retry_after, text.clone()));

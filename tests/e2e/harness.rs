@@ -458,6 +458,14 @@ pub async fn post_event(r: &RouterProc, ev: &Value) -> (u16, Value) {
     .await
 }
 
+/// A response's `Retry-After` header, as text.
+pub fn retry_after_header(resp: &reqwest::Response) -> Option<String> {
+    resp.headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+}
+
 /// POSTs raw bytes with a content type.
 pub async fn post_raw(r: &RouterProc, content_type: &str, body: Vec<u8>) -> (u16, Value) {
     let resp = client()

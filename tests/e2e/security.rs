@@ -240,11 +240,7 @@ async fn a_token_over_its_rate_gets_429_with_retry_after() {
     for resp in futures::future::join_all(sends).await {
         let resp = resp.expect("send");
         if resp.status().as_u16() == 429 {
-            retry_after = resp
-                .headers()
-                .get("retry-after")
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_string);
+            retry_after = retry_after_header(&resp);
         }
         statuses.push(resp.status().as_u16());
     }
