@@ -671,6 +671,7 @@ impl RedbStore {
             check_compaction: false,
             compact_checking: Arc::new(AtomicBool::new(false)),
             compact_wanted: Arc::new(AtomicBool::new(false)),
+            compact_peak_live: Arc::new(AtomicU64::new(0)),
             path: path.clone(),
             compact_due: false,
             compact_min_bytes: opts.compact_min_bytes.unwrap_or(COMPACT_MIN_BYTES),
@@ -1564,6 +1565,8 @@ struct Committer {
     compact_checking: Arc<AtomicBool>,
     /// A compaction check found the file worth compacting.
     compact_wanted: Arc<AtomicBool>,
+    /// The most live data any check has seen since the last compaction.
+    compact_peak_live: Arc<AtomicU64>,
     path: Option<std::path::PathBuf>,
     compact_due: bool,
     compact_min_bytes: u64,
@@ -1768,18 +1771,31 @@ impl Committer {
         {
             return;
         }
-        let (db, wanted, checking) = (
+        let (db, wanted, checking, peak) = (
             self.db.clone(),
             self.compact_wanted.clone(),
             self.compact_checking.clone(),
+            self.compact_peak_live.clone(),
         );
         let spawned = std::thread::Builder::new()
             .name("store-compact-check".into())
             .spawn(move || {
                 match live_bytes(&db) {
+                    // Worthwhile once live data has at least halved from the most any check saw
+                    // since the last compaction (a backlog drained), or the file is eight times
+                    // the live data (a backlog that came and went between two checks). Not
+                    // "the file is twice the live data" alone: while a queue grows, redb
+                    // allocates ahead and the file is often 2-4x its live data, which is not
+                    // space to give back; measured, that compacted again at every growth step.
                     // The read transaction is over: a compaction may start.
-                    Ok(used) if file_len > 2 * used => wanted.store(true, Ordering::Release),
-                    Ok(_) => {}
+                    Ok(used) => {
+                        let peak = peak.fetch_max(used, Ordering::AcqRel).max(used);
+                        let drained = used.saturating_mul(2) <= peak;
+                        let very_free = file_len > used.saturating_mul(8);
+                        if file_len > used.saturating_mul(2) && (drained || very_free) {
+                            wanted.store(true, Ordering::Release);
+                        }
+                    }
                     Err(e) => tracing::warn!(error = %e, "could not size the store's live data"),
                 }
                 checking.store(false, Ordering::Release);
@@ -1875,6 +1891,8 @@ impl Committer {
             Ok(true) => 0,
             _ => after.saturating_mul(3),
         };
+        // The next peak is measured from what is live now.
+        self.compact_peak_live.store(0, Ordering::Release);
         let error = match result {
             Ok(_) => {
                 tracing::info!(

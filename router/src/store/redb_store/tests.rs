@@ -530,6 +530,96 @@ async fn a_drained_backlog_gives_its_disk_space_back() {
     );
 }
 
+/// Right after a compaction redb's next write grows the file by about its size, which by the
+/// check's measure (file larger than twice its live data) looks worth compacting again: with
+/// live data held (nothing to give back) a second compaction must not follow at the next
+/// sweeps. Before the floor, one ran after every sweep.
+#[tokio::test]
+async fn a_compaction_is_not_repeated_when_the_file_only_regrew() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let compactions = Arc::new(AtomicU64::new(0));
+    let counter = compactions.clone();
+    let opts = StoreOptions {
+        compact_min_bytes: Some(1 << 20),
+        on_compact: Some(Arc::new(move |_| {
+            counter.fetch_add(1, Ordering::SeqCst);
+        })),
+        ..Default::default()
+    };
+    let s = RedbStore::open_dir(dir.path(), opts).expect("open");
+    let pad = "x".repeat(2000);
+    let accept = |chunk: usize| {
+        let batch: Vec<NewEvent> = (0..200)
+            .map(|i| {
+                let mut e = new_event("/s", &format!("{chunk}-{i}"), &["a"], 1000);
+                e.event.data = Some(json!({ "pad": pad }));
+                e
+            })
+            .collect();
+        s.accept(batch)
+    };
+    // A backlog, delivered and swept: the file is mostly free, the first compaction runs.
+    for chunk in 0..20 {
+        accept(chunk).await.expect("accept");
+    }
+    loop {
+        let batch = s.lease("a", 2000, 500, 60_000).await.expect("lease");
+        if batch.is_empty() {
+            break;
+        }
+        for l in &batch {
+            s.finish(
+                l.entry.id,
+                l.lease,
+                delivered(2001),
+                Disposition::Delivered,
+                2001,
+            )
+            .await
+            .expect("finish");
+        }
+    }
+    // Sweeps (each followed by a group, after which a compaction found worthwhile runs) until
+    // the first compaction has run and, with its passes done, no other follows for 1 s.
+    let st = &s;
+    let tick = |n: usize| async move {
+        st.sweep(1_000_000, 1000, 1000).await.expect("sweep");
+        let r = st
+            .accept(vec![new_event("/s", &format!("tick{n}"), &[], 1_000_000)])
+            .await;
+        assert!(matches!(r, Ok(_) | Err(StoreError::Compacting)), "{r:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let (mut seen, mut quiet) = (0, 0);
+    for n in 0.. {
+        tick(n).await;
+        let now = compactions.load(Ordering::SeqCst);
+        quiet = if now == seen { quiet + 1 } else { 0 };
+        seen = now;
+        if (seen > 0 && quiet >= 20) || std::time::Instant::now() > deadline {
+            break;
+        }
+    }
+    assert!(seen > 0, "no first compaction");
+    // New live data (queued, kept): the file regrows; 2 s of sweeps find nothing to remove.
+    for chunk in 100..110 {
+        while let Err(e) = accept(chunk).await {
+            assert!(matches!(e, StoreError::Compacting), "{e}");
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+    for n in 1000..1040 {
+        tick(n).await;
+    }
+    assert_eq!(
+        compactions.load(Ordering::SeqCst),
+        seen,
+        "compacted again though the file only regrew (file {} bytes)",
+        s.disk_bytes()
+    );
+}
+
 #[tokio::test]
 async fn while_compacting_new_work_is_refused_at_once_and_resumes_after() {
     let s = RedbStore::in_memory().expect("store");
