@@ -10,17 +10,6 @@ use serde_json::{Value, json};
 
 use crate::harness::*;
 
-async fn post_json(r: &RouterProc, path: &str, body: Value) -> (u16, Value) {
-    let resp = client()
-        .post(r.url(path))
-        .json(&body)
-        .send()
-        .await
-        .expect("post");
-    let s = resp.status().as_u16();
-    (s, resp.json().await.unwrap_or(Value::Null))
-}
-
 async fn job_done(r: &RouterProc, path: &str, timeout: Duration) -> Value {
     eventually(timeout, || async {
         let (_, j) = get_json(r, path).await;

@@ -552,13 +552,7 @@ async fn a_compaction_under_ingest_answers_503_at_once_and_traffic_resumes() {
     let mut slowest = Duration::ZERO;
     let mut post = async |content_type: &str, body: String| -> (u16, String) {
         let sent = std::time::Instant::now();
-        let resp = c
-            .post(r.url("/v1/events"))
-            .header("content-type", content_type)
-            .body(body)
-            .send()
-            .await
-            .expect("post");
+        let resp = send_raw(&r, content_type, body).await;
         slowest = slowest.max(sent.elapsed());
         let status = resp.status().as_u16();
         let retry_after = retry_after_header(&resp);
@@ -572,12 +566,10 @@ async fn a_compaction_under_ingest_answers_503_at_once_and_traffic_resumes() {
     // A backlog of about 7 MB (3,000 events with 2 KB of data) held by a paused target, then
     // delivered and swept away after its 1 s retention: the file is then mostly free pages,
     // worth compacting (once: afterwards it is below the 4 MiB minimum).
-    let pause = c
-        .post(r.url("/v1/targets/r-0/pause"))
-        .send()
-        .await
-        .expect("pause");
-    assert_eq!(pause.status().as_u16(), 200);
+    assert_eq!(
+        post_json(&r, "/v1/targets/r-0/pause", json!({})).await.0,
+        200
+    );
     for b in 0..30 {
         let batch: Vec<Value> = (0..100)
             .map(|i| event(&format!("b{b}-{i}"), "t", json!({"pad": "x".repeat(2000)})))
@@ -593,12 +585,10 @@ async fn a_compaction_under_ingest_answers_503_at_once_and_traffic_resumes() {
         }
         accepted.extend((0..100).map(|i| format!("b{b}-{i}")));
     }
-    let resume = c
-        .post(r.url("/v1/targets/r-0/resume"))
-        .send()
-        .await
-        .expect("resume");
-    assert_eq!(resume.status().as_u16(), 200);
+    assert_eq!(
+        post_json(&r, "/v1/targets/r-0/resume", json!({})).await.0,
+        200
+    );
     // Then single events until the compaction has come and gone.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     for i in 0.. {

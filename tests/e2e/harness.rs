@@ -466,18 +466,39 @@ pub fn retry_after_header(resp: &reqwest::Response) -> Option<String> {
         .map(str::to_string)
 }
 
-/// POSTs raw bytes with a content type.
-pub async fn post_raw(r: &RouterProc, content_type: &str, body: Vec<u8>) -> (u16, Value) {
-    let resp = client()
+/// POSTs raw bytes with a content type to the ingest endpoint; the whole response.
+pub async fn send_raw(
+    r: &RouterProc,
+    content_type: &str,
+    body: impl Into<reqwest::Body>,
+) -> reqwest::Response {
+    client()
         .post(r.url("/v1/events"))
         .header("content-type", content_type)
         .body(body)
         .send()
         .await
-        .expect("post");
+        .expect("post")
+}
+
+/// POSTs raw bytes with a content type.
+pub async fn post_raw(r: &RouterProc, content_type: &str, body: Vec<u8>) -> (u16, Value) {
+    let resp = send_raw(r, content_type, body).await;
     let status = resp.status().as_u16();
     let v = resp.json::<Value>().await.unwrap_or(Value::Null);
     (status, v)
+}
+
+/// POSTs a JSON body to an API path; returns (status, body).
+pub async fn post_json(r: &RouterProc, path: &str, body: Value) -> (u16, Value) {
+    let resp = client()
+        .post(r.url(path))
+        .json(&body)
+        .send()
+        .await
+        .expect("post");
+    let s = resp.status().as_u16();
+    (s, resp.json().await.unwrap_or(Value::Null))
 }
 
 /// GET returning JSON.

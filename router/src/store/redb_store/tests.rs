@@ -31,6 +31,41 @@ fn new_event(source: &str, id: &str, targets: &[&str], at: Millis) -> NewEvent {
     }
 }
 
+/// Accepts 200 events for target `a`, each with 2 KB of data, ids `{chunk}-{i}`.
+async fn accept_padded(s: &RedbStore, chunk: usize) -> Result<Vec<AcceptOutcome>, StoreError> {
+    let pad = "x".repeat(2000);
+    let batch = (0..200)
+        .map(|i| {
+            let mut e = new_event("/s", &format!("{chunk}-{i}"), &["a"], 1000);
+            e.event.data = Some(json!({ "pad": pad }));
+            e
+        })
+        .collect();
+    s.accept(batch).await
+}
+
+/// Leases everything due for target `a` and acks it as delivered.
+async fn deliver_all(s: &RedbStore) {
+    loop {
+        let batch = s.lease("a", 2000, 500, 60_000).await.expect("lease");
+        if batch.is_empty() {
+            break;
+        }
+        let finishes = batch.iter().map(|l| {
+            s.finish(
+                l.entry.id,
+                l.lease,
+                delivered(2001),
+                Disposition::Delivered,
+                2001,
+            )
+        });
+        for r in futures::future::join_all(finishes).await {
+            r.expect("finish");
+        }
+    }
+}
+
 fn delivered(at: Millis) -> AttemptEnd {
     AttemptEnd {
         finished_at: at,
@@ -480,36 +515,11 @@ async fn a_drained_backlog_gives_its_disk_space_back() {
         ..Default::default()
     };
     let s = RedbStore::open_dir(dir.path(), opts).expect("open");
-    let pad = "x".repeat(2000);
     for chunk in 0..20 {
-        let batch = (0..200)
-            .map(|i| {
-                let mut e = new_event("/s", &format!("{chunk}-{i}"), &["a"], 1000);
-                e.event.data = Some(json!({ "pad": pad }));
-                e
-            })
-            .collect();
-        s.accept(batch).await.expect("accept");
+        accept_padded(&s, chunk).await.expect("accept");
     }
     let peak = s.disk_bytes();
-    loop {
-        let batch = s.lease("a", 2000, 500, 60_000).await.expect("lease");
-        if batch.is_empty() {
-            break;
-        }
-        let finishes = batch.iter().map(|l| {
-            s.finish(
-                l.entry.id,
-                l.lease,
-                delivered(2001),
-                Disposition::Delivered,
-                2001,
-            )
-        });
-        for r in futures::future::join_all(finishes).await {
-            r.expect("finish");
-        }
-    }
+    deliver_all(&s).await;
     // Past retention: everything is removed (in batches), then the committer compacts.
     for _ in 0..4 {
         s.sweep(1_000_000, 1000, 1000).await.expect("sweep");
@@ -547,38 +557,11 @@ async fn a_compaction_is_not_repeated_when_the_file_only_regrew() {
         ..Default::default()
     };
     let s = RedbStore::open_dir(dir.path(), opts).expect("open");
-    let pad = "x".repeat(2000);
-    let accept = |chunk: usize| {
-        let batch: Vec<NewEvent> = (0..200)
-            .map(|i| {
-                let mut e = new_event("/s", &format!("{chunk}-{i}"), &["a"], 1000);
-                e.event.data = Some(json!({ "pad": pad }));
-                e
-            })
-            .collect();
-        s.accept(batch)
-    };
     // A backlog, delivered and swept: the file is mostly free, the first compaction runs.
     for chunk in 0..20 {
-        accept(chunk).await.expect("accept");
+        accept_padded(&s, chunk).await.expect("accept");
     }
-    loop {
-        let batch = s.lease("a", 2000, 500, 60_000).await.expect("lease");
-        if batch.is_empty() {
-            break;
-        }
-        for l in &batch {
-            s.finish(
-                l.entry.id,
-                l.lease,
-                delivered(2001),
-                Disposition::Delivered,
-                2001,
-            )
-            .await
-            .expect("finish");
-        }
-    }
+    deliver_all(&s).await;
     // Sweeps (each followed by a group, after which a compaction found worthwhile runs) until
     // the first compaction has run and, with its passes done, no other follows for 1 s.
     let st = &s;
@@ -604,7 +587,7 @@ async fn a_compaction_is_not_repeated_when_the_file_only_regrew() {
     assert!(seen > 0, "no first compaction");
     // New live data (queued, kept): the file regrows; 2 s of sweeps find nothing to remove.
     for chunk in 100..110 {
-        while let Err(e) = accept(chunk).await {
+        while let Err(e) = accept_padded(&s, chunk).await {
             assert!(matches!(e, StoreError::Compacting), "{e}");
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
