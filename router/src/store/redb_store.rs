@@ -1570,7 +1570,8 @@ struct Committer {
     path: Option<std::path::PathBuf>,
     compact_due: bool,
     compact_min_bytes: u64,
-    /// No compaction check below this file size (set after a compaction that gave little back).
+    /// No compaction check below this file size: three times what the last compaction left
+    /// (0 when its passes ran out with more to give back).
     compact_floor: u64,
     /// Shared with `RedbStore`: the last compaction's report.
     last_compaction: Arc<Mutex<Option<CompactionReport>>>,
@@ -1751,6 +1752,14 @@ impl Committer {
         }
     }
 
+    /// The store file's size (`None`: in memory, or unreadable).
+    fn file_len(&self) -> Option<u64> {
+        self.path
+            .as_ref()
+            .and_then(|p| std::fs::metadata(p).ok())
+            .map(|m| m.len())
+    }
+
     /// Starts, on a thread of its own, the check whether the file is worth compacting:
     /// large, and mostly free pages (e.g. after a backlog drained). redb reuses free pages, so
     /// steady churn stays flat without compaction; it only gives space back to the file system
@@ -1758,12 +1767,7 @@ impl Committer {
     /// committer stalled every request for as long; a read transaction does not. The result
     /// is picked up by the committer before its next group.
     fn start_compaction_check(&self) {
-        let Some(file_len) = self
-            .path
-            .as_ref()
-            .and_then(|p| std::fs::metadata(p).ok())
-            .map(|m| m.len())
-        else {
+        let Some(file_len) = self.file_len() else {
             return;
         };
         if file_len <= self.compact_min_bytes.max(self.compact_floor)
@@ -1815,12 +1819,7 @@ impl Committer {
         rx: &mut mpsc::Receiver<Op>,
         deferred: &mut std::collections::VecDeque<Op>,
     ) {
-        let size = |path: &Option<std::path::PathBuf>| {
-            path.as_ref()
-                .and_then(|p| std::fs::metadata(p).ok())
-                .map_or(0, |m| m.len())
-        };
-        let before = size(&self.path);
+        let before = self.file_len().unwrap_or(0);
         let started = Instant::now();
         self.compacting.store(true, Ordering::Release);
         let db = self.db.clone();
@@ -1880,7 +1879,7 @@ impl Committer {
         self.compacting.store(false, Ordering::Release);
         *deferred = held;
         let took_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        let after = size(&self.path);
+        let after = self.file_len().unwrap_or(0);
         // The next write after a compaction grows the file again (redb allocates a region of
         // about the file's size), so right after a compaction the file is "half free" by the
         // check's measure while nothing can be gained: measured in the end-to-end test, every
