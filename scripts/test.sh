@@ -9,17 +9,21 @@ bash plugins/build.sh
 # Formatting and lints are part of the suite.
 cargo fmt --all -- --check
 cargo clippy --locked --workspace --all-targets -- -D warnings
-# Example configuration in the repo must always pass its own checks.
-cargo run --locked -q -p router -- rules check examples/rules
-cargo run --locked -q -p router -- contracts check schemas/contracts
 log=$(mktemp)
 cargo test --locked --workspace 2>&1 | tee "$log"
+# The router binary `cargo test` built for the end-to-end tests. Not `cargo run -p router`:
+# without the dev-dependencies, cargo resolves other features for wasmtime, cranelift, reqwest
+# and serde and builds them all a second time (4 minutes here, more on a cold CI machine).
+BIN="${CARGO_TARGET_DIR:-target}/debug/router"
+# Example configuration in the repo must always pass its own checks.
+"$BIN" rules check examples/rules
+"$BIN" contracts check schemas/contracts
 # The durability scenarios (kill -9 under load, retries and leases across a restart) once more
 # with the opt-in group log (`store.group_log`), the store's other durable write path.
 ROUTER_STORE__GROUP_LOG=true cargo test --locked -p router --test e2e -- durability:: 2>&1 | tee -a "$log"
 # Property-based API fuzz against the OpenAPI document (schemathesis from PyPI, installed into
 # target/ on first use): no 5xx, every answer conforms. The debug binary `cargo test` built.
-API_FUZZ_BIN="${CARGO_TARGET_DIR:-target}/debug/router" bash scripts/api-fuzz.sh "${API_FUZZ_EXAMPLES:-25}"
+API_FUZZ_BIN="$BIN" bash scripts/api-fuzz.sh "${API_FUZZ_EXAMPLES:-25}"
 # One closing line for the whole run (cargo prints one "test result" line per test binary).
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i) ~ /^passed;?$/) p += $(i-1); if ($(i) ~ /^failed;?$/) f += $(i-1) } }
      END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
