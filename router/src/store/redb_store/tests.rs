@@ -374,6 +374,93 @@ async fn restart_reclaims_leases_and_keeps_due_times() {
     assert_eq!(s.lease("a", 9000, 10, 1000).await.expect("lease").len(), 1);
 }
 
+/// Groups that change neither counter (leases and acks only) leave `meta` alone: after a
+/// restart, event sequence numbers and DLQ ids still continue where they were.
+#[tokio::test]
+async fn counters_continue_after_a_restart_that_followed_lease_and_ack_groups() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+        s.accept(vec![
+            new_event("/s", "1", &["a"], 1000),
+            new_event("/s", "2", &["a"], 1000),
+        ])
+        .await
+        .expect("accept");
+        let l = s
+            .lease("a", 1000, 1, 60_000)
+            .await
+            .expect("lease")
+            .remove(0);
+        s.finish(
+            l.entry.id,
+            l.lease,
+            AttemptEnd {
+                finished_at: 1001,
+                result: AttemptResult::Permanent,
+                status: Some(400),
+                error: Some("HTTP 400".into()),
+                outbox: None,
+            },
+            Disposition::DeadLetter {
+                reason: DlqReason::PermanentError,
+                hold: false,
+            },
+            1001,
+        )
+        .await
+        .expect("dead-letter");
+        // The last groups before the restart are a lease and an ack, nothing else.
+        deliver_all(&s).await;
+    }
+    let s = when_free(|| RedbStore::open_dir(dir.path(), StoreOptions::default())).await;
+    let r = s
+        .accept(vec![new_event("/s", "3", &["a"], 3000)])
+        .await
+        .expect("accept");
+    assert_eq!(r, vec![AcceptOutcome::Accepted { seq: 3 }]);
+    let l = s
+        .lease("a", 3000, 1, 60_000)
+        .await
+        .expect("lease")
+        .remove(0);
+    s.finish(
+        l.entry.id,
+        l.lease,
+        AttemptEnd {
+            finished_at: 3001,
+            result: AttemptResult::Permanent,
+            status: Some(400),
+            error: Some("HTTP 400".into()),
+            outbox: None,
+        },
+        Disposition::DeadLetter {
+            reason: DlqReason::PermanentError,
+            hold: false,
+        },
+        3001,
+    )
+    .await
+    .expect("dead-letter");
+    let mut ids: Vec<u64> = s
+        .dlq_list(&DlqFilter::default(), None, 10)
+        .expect("list")
+        .iter()
+        .map(|d| d.id)
+        .collect();
+    ids.sort_unstable();
+    assert_eq!(
+        ids,
+        vec![1, 2],
+        "the second DLQ entry did not overwrite the first"
+    );
+    // Both earlier events keep their fates: nothing was overwritten by the new accept.
+    for (id, state) in [("1", EntryState::Dead), ("2", EntryState::Delivered)] {
+        let fate = s.fate("/s", id).expect("fate").expect("known");
+        assert_eq!(fate.entries[0].state, state, "event {id}");
+    }
+}
+
 /// Power loss: only what was flushed survives. Every accept that resolved must be there.
 #[tokio::test]
 async fn accepted_events_survive_a_power_cut() {
