@@ -4,6 +4,8 @@
 //! with fan-out (202 only after the group commit that holds it is on disk).
 
 pub mod parse;
+#[cfg(test)]
+mod schema_tests;
 
 use std::sync::Arc;
 
