@@ -9,7 +9,10 @@ use serde_json::{Value, json};
 use super::parse::event_from_json;
 
 fn schema() -> Value {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../schemas/cloudevent.schema.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../schemas/cloudevent.schema.json"
+    );
     let text = std::fs::read_to_string(path).expect("schemas/cloudevent.schema.json is readable");
     serde_json::from_str(&text).expect("the envelope schema is JSON")
 }
@@ -78,33 +81,77 @@ fn schema_and_parser_agree_on_every_case() {
             true,
         ),
         ("data_base64", with(json!({"data_base64": "AAEC"})), true),
-        ("data_base64 unpadded", with(json!({"data_base64": "AAE"})), true),
+        (
+            "data_base64 unpadded",
+            with(json!({"data_base64": "AAE"})),
+            true,
+        ),
         (
             "data null beside data_base64",
             with(json!({"data": null, "data_base64": "AAEC"})),
             true,
         ),
-        ("data of any JSON type", with(json!({"data": [1, "x", null]})), true),
-        ("twenty-character extension name", with(json!({"abcdefghij0123456789": "x"})), true),
+        (
+            "data of any JSON type",
+            with(json!({"data": [1, "x", null]})),
+            true,
+        ),
+        (
+            "twenty-character extension name",
+            with(json!({"abcdefghij0123456789": "x"})),
+            true,
+        ),
         ("not an object", json!(["specversion", "1.0"]), false),
         ("missing specversion", without("specversion"), false),
         ("missing id", without("id"), false),
         ("missing source", without("source"), false),
         ("missing type", without("type"), false),
-        ("specversion 0.3", with(json!({"specversion": "0.3"})), false),
+        (
+            "specversion 0.3",
+            with(json!({"specversion": "0.3"})),
+            false,
+        ),
         ("empty id", with(json!({"id": ""})), false),
         ("numeric id", with(json!({"id": 7})), false),
-        ("time not RFC 3339", with(json!({"time": "yesterday"})), false),
+        (
+            "time not RFC 3339",
+            with(json!({"time": "yesterday"})),
+            false,
+        ),
         ("subject a number", with(json!({"subject": 1})), false),
-        ("upper-case extension name", with(json!({"Region": "eu"})), false),
-        ("extension name with a dash", with(json!({"my-ext": "x"})), false),
-        ("21-character extension name", with(json!({"abcdefghij0123456789x": "x"})), false),
-        ("object extension value", with(json!({"ext": {"a": 1}})), false),
+        (
+            "upper-case extension name",
+            with(json!({"Region": "eu"})),
+            false,
+        ),
+        (
+            "extension name with a dash",
+            with(json!({"my-ext": "x"})),
+            false,
+        ),
+        (
+            "21-character extension name",
+            with(json!({"abcdefghij0123456789x": "x"})),
+            false,
+        ),
+        (
+            "object extension value",
+            with(json!({"ext": {"a": 1}})),
+            false,
+        ),
         ("array extension value", with(json!({"ext": [1]})), false),
         ("dataversion 0", with(json!({"dataversion": 0})), false),
-        ("dataversion as a string", with(json!({"dataversion": "2"})), false),
+        (
+            "dataversion as a string",
+            with(json!({"dataversion": "2"})),
+            false,
+        ),
         ("dataversion 1.5", with(json!({"dataversion": 1.5})), false),
-        ("dataversion past u32", with(json!({"dataversion": 4_294_967_296_u64})), false),
+        (
+            "dataversion past u32",
+            with(json!({"dataversion": 4_294_967_296_u64})),
+            false,
+        ),
         ("reserved hops", with(json!({"hops": 1})), false),
         ("reserved replay", with(json!({"replay": "job-1"})), false),
         (
@@ -112,9 +159,21 @@ fn schema_and_parser_agree_on_every_case() {
             with(json!({"data": {"a": 1}, "data_base64": "AAEC"})),
             false,
         ),
-        ("data_base64 outside the alphabet", with(json!({"data_base64": "!!!!"})), false),
-        ("data_base64 of impossible length", with(json!({"data_base64": "AAECA"})), false),
-        ("data_base64 a number", with(json!({"data_base64": 5})), false),
+        (
+            "data_base64 outside the alphabet",
+            with(json!({"data_base64": "!!!!"})),
+            false,
+        ),
+        (
+            "data_base64 of impossible length",
+            with(json!({"data_base64": "AAECA"})),
+            false,
+        ),
+        (
+            "data_base64 a number",
+            with(json!({"data_base64": 5})),
+            false,
+        ),
     ];
     let mut disagreements = Vec::new();
     for (name, event, valid) in cases {
@@ -132,9 +191,13 @@ fn schema_and_parser_agree_on_every_case() {
 #[test]
 fn a_batch_is_an_array_of_events_up_to_the_default_limit() {
     let s = schema();
-    let batch = json!({"$ref": "https://event-router.dev/schemas/cloudevent.schema.json#/$defs/batch"});
+    let batch =
+        json!({"$ref": "https://event-router.dev/schemas/cloudevent.schema.json#/$defs/batch"});
     let registry = jsonschema::Registry::new()
-        .add("https://event-router.dev/schemas/cloudevent.schema.json", &s)
+        .add(
+            "https://event-router.dev/schemas/cloudevent.schema.json",
+            &s,
+        )
         .expect("the schema's URI parses")
         .prepare()
         .expect("the registry builds");
