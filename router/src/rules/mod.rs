@@ -332,3 +332,6 @@ pub fn version_of(files: &[(&str, &[u8])]) -> String {
     hex.truncate(12);
     hex
 }
+
+#[cfg(test)]
+mod schema_tests;
