@@ -14,7 +14,9 @@ use super::source::{self, Node, NodeKind, SourceError};
 use super::{Diagnostic, Rule, RuleSet, Severity, TargetKind, TargetSpec, version_of};
 use crate::policy::{PolicyConfig, WORST_CASE_ATTEMPTS_SMELL};
 
-const FILE_KEYS: &[&str] = &["policies", "rules"];
+/// `$schema` lets a JSON rule file name its schema (`schemas/rules.schema.json`) for editors;
+/// YAML files can use a `# yaml-language-server: $schema=…` comment instead. It is not read.
+const FILE_KEYS: &[&str] = &["$schema", "policies", "rules"];
 const RULE_KEYS: &[&str] = &["name", "description", "enabled", "pattern", "targets"];
 const TARGET_KEYS: &[&str] = &[
     "webhook",
@@ -160,6 +162,9 @@ pub(crate) fn load(
         match node.kind {
             NodeKind::Map(_) => {
                 cx.check_keys(&f.display, node, FILE_KEYS, "rule file");
+                if let Some(schema) = node.get("$schema") {
+                    cx.string(&f.display, schema, "$schema");
+                }
                 roots.push((*f, node));
             }
             NodeKind::Null => {}
