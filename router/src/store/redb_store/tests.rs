@@ -374,6 +374,25 @@ async fn restart_reclaims_leases_and_keeps_due_times() {
     assert_eq!(s.lease("a", 9000, 10, 1000).await.expect("lease").len(), 1);
 }
 
+/// Leases the next entry of target `a` due at `now` and dead-letters it as a permanent error.
+async fn dead_letter_next(s: &RedbStore, now: Millis) {
+    let l = s.lease("a", now, 1, 60_000).await.expect("lease").remove(0);
+    let end = AttemptEnd {
+        finished_at: now + 1,
+        result: AttemptResult::Permanent,
+        status: Some(400),
+        error: Some("HTTP 400".into()),
+        outbox: None,
+    };
+    let dead = Disposition::DeadLetter {
+        reason: DlqReason::PermanentError,
+        hold: false,
+    };
+    s.finish(l.entry.id, l.lease, end, dead, now + 1)
+        .await
+        .expect("dead-letter");
+}
+
 /// Groups that change neither counter (leases and acks only) leave `meta` alone: after a
 /// restart, event sequence numbers and DLQ ids still continue where they were.
 #[tokio::test]
@@ -387,29 +406,7 @@ async fn counters_continue_after_a_restart_that_followed_lease_and_ack_groups() 
         ])
         .await
         .expect("accept");
-        let l = s
-            .lease("a", 1000, 1, 60_000)
-            .await
-            .expect("lease")
-            .remove(0);
-        s.finish(
-            l.entry.id,
-            l.lease,
-            AttemptEnd {
-                finished_at: 1001,
-                result: AttemptResult::Permanent,
-                status: Some(400),
-                error: Some("HTTP 400".into()),
-                outbox: None,
-            },
-            Disposition::DeadLetter {
-                reason: DlqReason::PermanentError,
-                hold: false,
-            },
-            1001,
-        )
-        .await
-        .expect("dead-letter");
+        dead_letter_next(&s, 1000).await;
         // The last groups before the restart are a lease and an ack, nothing else.
         deliver_all(&s).await;
     }
@@ -419,29 +416,7 @@ async fn counters_continue_after_a_restart_that_followed_lease_and_ack_groups() 
         .await
         .expect("accept");
     assert_eq!(r, vec![AcceptOutcome::Accepted { seq: 3 }]);
-    let l = s
-        .lease("a", 3000, 1, 60_000)
-        .await
-        .expect("lease")
-        .remove(0);
-    s.finish(
-        l.entry.id,
-        l.lease,
-        AttemptEnd {
-            finished_at: 3001,
-            result: AttemptResult::Permanent,
-            status: Some(400),
-            error: Some("HTTP 400".into()),
-            outbox: None,
-        },
-        Disposition::DeadLetter {
-            reason: DlqReason::PermanentError,
-            hold: false,
-        },
-        3001,
-    )
-    .await
-    .expect("dead-letter");
+    dead_letter_next(&s, 3000).await;
     let mut ids: Vec<u64> = s
         .dlq_list(&DlqFilter::default(), None, 10)
         .expect("list")
