@@ -386,6 +386,7 @@ impl Cx {
             let at = problem_node(node, key, &problem);
             self.err(file, at, format!("policy `{name}`: {problem}"));
         }
+        self.warn_month_durations(file, node);
         let (attempts, _) = policy.worst_case();
         if attempts > WORST_CASE_ATTEMPTS_SMELL {
             let at = node
@@ -401,6 +402,31 @@ impl Cx {
             );
         }
         self.policies.insert(name, policy);
+    }
+
+    /// Durations are humantime strings, where `M` is a month and `m` a minute: `max_age: 5M`
+    /// waits five months, almost certainly not what was meant, and valid all the same.
+    fn warn_month_durations(&mut self, file: &str, policy: &Node) {
+        let mut values: Vec<(&Node, &Node)> = Vec::new();
+        for (k, v) in policy.as_map().unwrap_or_default() {
+            match v.as_map() {
+                Some(section) => values.extend(section.iter().map(|(k2, v2)| (k2, v2))),
+                None => values.push((k, v)),
+            }
+        }
+        for (key, value) in values {
+            let Some(text) = value.as_str() else {
+                continue;
+            };
+            if uses_month_unit(text) {
+                let key = key.as_str().unwrap_or_default();
+                self.warn(
+                    file,
+                    value,
+                    format!("`{key}: {text}` counts in months (`M`); minutes are `m` or `min`"),
+                );
+            }
+        }
     }
 
     fn decode_policy(&mut self, file: &str, node: &Node) -> Option<PolicyConfig> {
@@ -880,6 +906,13 @@ fn problem_node<'a>(policy: &'a Node, key: &'a Node, problem: &str) -> &'a Node 
 
 /// Names of rules, targets, policies and handlers: non-empty, at most 200 bytes, no
 /// whitespace, control characters or `/` (they appear in URLs, metrics and logs).
+/// Whether a humantime duration has a term in months (`5M`, `1 M 2d`): the unit `M` alone.
+fn uses_month_unit(duration: &str) -> bool {
+    duration
+        .split(|c: char| c.is_ascii_digit() || c == '.' || c.is_whitespace())
+        .any(|unit| unit == "M")
+}
+
 fn valid_name(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 200

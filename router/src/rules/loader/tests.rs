@@ -628,6 +628,40 @@ rules:
 }
 
 #[test]
+fn a_duration_in_months_is_valid_but_warned_about() {
+    let src = "\
+policies:
+  slow:
+    timeout: 5m
+    retry: { max_age: 2M, max_delay: 1min }
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets: [{handler: h, policy: slow}]
+";
+    let (set, w) = ok(&[("r.yaml", src)]);
+    let w: Vec<String> = w.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        w,
+        vec![
+            "r.yaml:4:23: warning: `max_age: 2M` counts in months (`M`); minutes are `m` or `min`"
+        ]
+    );
+    assert!(set.policies["slow"].retry.max_age > std::time::Duration::from_secs(50 * 86_400));
+    for (text, months) in [
+        ("5M", true),
+        ("1 M 2d", true),
+        ("1.5M", true),
+        ("5m", false),
+        ("3 min", false),
+        ("2Ms", false),
+        ("", false),
+    ] {
+        assert_eq!(super::uses_month_unit(text), months, "{text:?}");
+    }
+}
+
+#[test]
 fn pattern_errors_map_to_yaml_positions() {
     let src = "\
 rules:
