@@ -246,7 +246,13 @@ enum TargetsCmd {
 #[derive(Subcommand)]
 enum RulesCmd {
     /// Validate every rule file in DIR; prints file:line:col: message per problem, exit 1 on any error.
-    Check { dir: PathBuf },
+    Check {
+        dir: PathBuf,
+        /// Also require every handler target's handler to be one of the `*.wasm` components in
+        /// this directory (named by file stem, as `handlers.preload_dir` loads them).
+        #[arg(long, value_name = "DIR")]
+        handlers: Option<PathBuf>,
+    },
     /// Print, as JSON, the rules and targets in DIR that EVENT (a structured CloudEvent JSON file) matches.
     Test { dir: PathBuf, event: PathBuf },
     /// Disable a live rule (persisted; overrides the files until enabled). Client of the API.
@@ -343,6 +349,18 @@ fn main() -> ExitCode {
     }
 }
 
+/// File stems of the `*.wasm` files in `dir`: handler names, as `handlers.preload_dir` loads them.
+fn wasm_stems(dir: &std::path::Path) -> anyhow::Result<std::collections::BTreeSet<String>> {
+    let entries = std::fs::read_dir(dir)
+        .with_context(|| format!("cannot read the handlers directory {}", dir.display()))?;
+    Ok(entries
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "wasm"))
+        .filter_map(|p| p.file_stem().and_then(|s| s.to_str()).map(str::to_string))
+        .collect())
+}
+
 fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -386,11 +404,22 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Rules {
-            cmd: RulesCmd::Check { dir },
+            cmd: RulesCmd::Check { dir, handlers },
         } => match RuleSet::load_dir(&dir) {
             Ok((set, warnings)) => {
                 for w in &warnings {
                     println!("{w}");
+                }
+                if let Some(hdir) = handlers {
+                    let known = wasm_stems(&hdir)?;
+                    let errors = set.unknown_handlers(&dir, &known);
+                    if !errors.is_empty() {
+                        for e in &errors {
+                            println!("{e}");
+                        }
+                        eprintln!("{} problem(s)", errors.len());
+                        return Ok(ExitCode::from(1));
+                    }
                 }
                 println!(
                     "ok: {} rules, {} targets, {} policies in {} files (version {})",

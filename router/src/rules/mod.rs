@@ -243,6 +243,47 @@ impl RuleSet {
         loader::load_dir(dir)
     }
 
+    /// Handler targets whose handler is not among `known` (the handlers the deployment will
+    /// have, e.g. the `*.wasm` files of `handlers.preload_dir`): one error per target, at its
+    /// rule in `dir`. Rule files alone cannot say which handlers exist, since teams upload
+    /// them over the API; `router rules check --handlers DIR` asks this, and the live router
+    /// instead keeps such a target's queue waiting until the handler is uploaded.
+    pub fn unknown_handlers(
+        &self,
+        dir: &Path,
+        known: &std::collections::BTreeSet<String>,
+    ) -> Vec<Diagnostic> {
+        let mut out = Vec::new();
+        for rule in &self.rules {
+            for id in &rule.target_ids {
+                let Some(TargetKind::Handler { name }) = self.targets.get(id).map(|t| &t.kind)
+                else {
+                    continue;
+                };
+                if known.contains(name) {
+                    continue;
+                }
+                let list: Vec<&str> = known.iter().map(String::as_str).collect();
+                out.push(Diagnostic {
+                    file: dir.join(&rule.file).display().to_string(),
+                    line: rule.line,
+                    col: 1,
+                    message: format!(
+                        "rule `{}`, target `{id}`: no handler named `{name}` (known: {})",
+                        rule.name,
+                        if list.is_empty() {
+                            "none".to_string()
+                        } else {
+                            list.join(", ")
+                        }
+                    ),
+                    severity: Severity::Error,
+                });
+            }
+        }
+        out
+    }
+
     /// Loads a set from in-memory files: `(path, text)` pairs, where `path` is both what
     /// diagnostics show and what the version hashes. Files are taken in the order given
     /// (pass them sorted); the extension decides JSON (`.json`) or YAML (anything else).

@@ -628,6 +628,39 @@ rules:
 }
 
 #[test]
+fn handler_targets_are_checked_against_the_known_handlers() {
+    let src = "\
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets: [{handler: enrich}, {webhook: \"http://127.0.0.1:9/h\"}]
+  - name: b
+    pattern: {type: [y]}
+    targets: [{handler: invocing, id: inv}]
+";
+    let (set, _) = ok(&[("r.yaml", src)]);
+    let known: std::collections::BTreeSet<String> = ["enrich", "invoice"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let errors: Vec<String> = set
+        .unknown_handlers(std::path::Path::new("rules"), &known)
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        errors,
+        vec![format!(
+            "{}:5:1: rule `b`, target `inv`: no handler named `invocing` (known: enrich, invoice)",
+            std::path::Path::new("rules").join("r.yaml").display()
+        )]
+    );
+    let none = set.unknown_handlers(std::path::Path::new("rules"), &Default::default());
+    assert_eq!(none.len(), 2, "{none:?}");
+    assert!(none[0].message.ends_with("(known: none)"), "{none:?}");
+}
+
+#[test]
 fn a_duration_in_months_is_valid_but_warned_about() {
     let src = "\
 policies:
