@@ -787,8 +787,21 @@ impl Cx {
                                 let val = match &hv.kind {
                                     NodeKind::Str(s) => s.clone(),
                                     NodeKind::Int(i) => i.to_string(),
-                                    NodeKind::Float(x) => x.to_string(),
                                     NodeKind::Bool(b) => b.to_string(),
+                                    // Sent as text, a float would not be what the file says:
+                                    // `1.0` renders as `1`, `2.50` as `2.5`.
+                                    NodeKind::Float(x) => {
+                                        self.err(
+                                            file,
+                                            hv,
+                                            format!(
+                                                "header `{name}`: quote the value (\"…\"): as a number it would be sent as `{}`",
+                                                x
+                                            ),
+                                        );
+                                        ok = false;
+                                        continue;
+                                    }
                                     _ => {
                                         self.err(
                                             file,
