@@ -414,17 +414,10 @@ fn start_handlers(
     let registry = crate::wasm::HandlerRegistry::open(dir.join("registry"), engine)
         .map_err(|e| e.to_string())?;
     if let Some(pre) = &h.preload_dir {
-        let entries = std::fs::read_dir(pre)
+        let components = crate::wasm::component_files(pre)
             .map_err(|e| format!("handlers.preload_dir {}: {e}", pre.display()))?;
-        for path in entries.filter_map(Result::ok).map(|e| e.path()) {
-            let Some(name) = path
-                .extension()
-                .filter(|x| *x == "wasm")
-                .and(path.file_stem())
-                .and_then(|s| s.to_str())
-            else {
-                continue;
-            };
+        for (name, path) in components {
+            let name = name.as_str();
             let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
             match registry.upload(name, &bytes, crate::auth::PRELOAD_OWNER) {
                 Ok(v) => tracing::info!(handler = name, version = v.version, "handler preloaded"),

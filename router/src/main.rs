@@ -349,18 +349,6 @@ fn main() -> ExitCode {
     }
 }
 
-/// File stems of the `*.wasm` files in `dir`: handler names, as `handlers.preload_dir` loads them.
-fn wasm_stems(dir: &std::path::Path) -> anyhow::Result<std::collections::BTreeSet<String>> {
-    let entries = std::fs::read_dir(dir)
-        .with_context(|| format!("cannot read the handlers directory {}", dir.display()))?;
-    Ok(entries
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "wasm"))
-        .filter_map(|p| p.file_stem().and_then(|s| s.to_str()).map(str::to_string))
-        .collect())
-}
-
 fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -405,40 +393,55 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Cmd::Rules {
             cmd: RulesCmd::Check { dir, handlers },
-        } => match RuleSet::load_dir(&dir) {
-            Ok((set, warnings)) => {
-                for w in &warnings {
-                    println!("{w}");
+        } => {
+            let known: Option<std::collections::BTreeSet<String>> = match handlers {
+                Some(h) => Some(
+                    router::wasm::component_files(&h)
+                        .with_context(|| {
+                            format!("cannot read the handlers directory {}", h.display())
+                        })?
+                        .into_iter()
+                        .map(|(name, _)| name)
+                        .collect(),
+                ),
+                None => None,
+            };
+            // Unknown handlers fail the check like the loader's own errors, after its warnings.
+            let checked = RuleSet::load_dir(&dir).and_then(|(set, warnings)| {
+                let unknown = known
+                    .as_ref()
+                    .map(|k| set.unknown_handlers(&dir, k))
+                    .unwrap_or_default();
+                if unknown.is_empty() {
+                    Ok((set, warnings))
+                } else {
+                    Err(warnings.into_iter().chain(unknown).collect())
                 }
-                if let Some(hdir) = handlers {
-                    let known = wasm_stems(&hdir)?;
-                    let errors = set.unknown_handlers(&dir, &known);
-                    if !errors.is_empty() {
-                        for e in &errors {
-                            println!("{e}");
-                        }
-                        eprintln!("{} problem(s)", errors.len());
-                        return Ok(ExitCode::from(1));
+            });
+            match checked {
+                Ok((set, warnings)) => {
+                    for w in &warnings {
+                        println!("{w}");
                     }
+                    println!(
+                        "ok: {} rules, {} targets, {} policies in {} files (version {})",
+                        set.rules.len(),
+                        set.targets.len(),
+                        set.policies.len(),
+                        set.files.len(),
+                        set.version
+                    );
+                    Ok(ExitCode::SUCCESS)
                 }
-                println!(
-                    "ok: {} rules, {} targets, {} policies in {} files (version {})",
-                    set.rules.len(),
-                    set.targets.len(),
-                    set.policies.len(),
-                    set.files.len(),
-                    set.version
-                );
-                Ok(ExitCode::SUCCESS)
-            }
-            Err(errors) => {
-                for e in &errors {
-                    println!("{e}");
+                Err(errors) => {
+                    for e in &errors {
+                        println!("{e}");
+                    }
+                    eprintln!("{} problem(s)", errors.len());
+                    Ok(ExitCode::from(1))
                 }
-                eprintln!("{} problem(s)", errors.len());
-                Ok(ExitCode::from(1))
             }
-        },
+        }
         Cmd::Rules {
             cmd: RulesCmd::Test { dir, event },
         } => {

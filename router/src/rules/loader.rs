@@ -407,25 +407,27 @@ impl Cx {
     /// Durations are humantime strings, where `M` is a month and `m` a minute: `max_age: 5M`
     /// waits five months, almost certainly not what was meant, and valid all the same.
     fn warn_month_durations(&mut self, file: &str, policy: &Node) {
-        let mut values: Vec<(&Node, &Node)> = Vec::new();
+        // Durations sit at the policy's top level (`timeout`) or one section down.
         for (k, v) in policy.as_map().unwrap_or_default() {
             match v.as_map() {
-                Some(section) => values.extend(section.iter().map(|(k2, v2)| (k2, v2))),
-                None => values.push((k, v)),
+                Some(section) => {
+                    for (k2, v2) in section {
+                        self.warn_month_duration(file, k2, v2);
+                    }
+                }
+                None => self.warn_month_duration(file, k, v),
             }
         }
-        for (key, value) in values {
-            let Some(text) = value.as_str() else {
-                continue;
-            };
-            if uses_month_unit(text) {
-                let key = key.as_str().unwrap_or_default();
-                self.warn(
-                    file,
-                    value,
-                    format!("`{key}: {text}` counts in months (`M`); minutes are `m` or `min`"),
-                );
-            }
+    }
+
+    fn warn_month_duration(&mut self, file: &str, key: &Node, value: &Node) {
+        if let Some(text) = value.as_str().filter(|t| uses_month_unit(t)) {
+            let key = key.as_str().unwrap_or_default();
+            self.warn(
+                file,
+                value,
+                format!("`{key}: {text}` counts in months (`M`); minutes are `m` or `min`"),
+            );
         }
     }
 
@@ -917,8 +919,6 @@ fn problem_node<'a>(policy: &'a Node, key: &'a Node, problem: &str) -> &'a Node 
     found
 }
 
-/// Names of rules, targets, policies and handlers: non-empty, at most 200 bytes, no
-/// whitespace, control characters or `/` (they appear in URLs, metrics and logs).
 /// Whether a humantime duration has a term in months (`5M`, `1 M 2d`): the unit `M` alone.
 fn uses_month_unit(duration: &str) -> bool {
     duration
@@ -926,6 +926,8 @@ fn uses_month_unit(duration: &str) -> bool {
         .any(|unit| unit == "M")
 }
 
+/// Names of rules, targets, policies and handlers: non-empty, at most 200 bytes, no
+/// whitespace, control characters or `/` (they appear in URLs, metrics and logs).
 fn valid_name(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 200

@@ -253,6 +253,15 @@ impl RuleSet {
         dir: &Path,
         known: &std::collections::BTreeSet<String>,
     ) -> Vec<Diagnostic> {
+        let known_list = if known.is_empty() {
+            "none".to_string()
+        } else {
+            known
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         let mut out = Vec::new();
         for rule in &self.rules {
             for id in &rule.target_ids {
@@ -263,19 +272,13 @@ impl RuleSet {
                 if known.contains(name) {
                     continue;
                 }
-                let list: Vec<&str> = known.iter().map(String::as_str).collect();
                 out.push(Diagnostic {
                     file: dir.join(&rule.file).display().to_string(),
                     line: rule.line,
                     col: 1,
                     message: format!(
-                        "rule `{}`, target `{id}`: no handler named `{name}` (known: {})",
-                        rule.name,
-                        if list.is_empty() {
-                            "none".to_string()
-                        } else {
-                            list.join(", ")
-                        }
+                        "rule `{}`, target `{id}`: no handler named `{name}` (known: {known_list})",
+                        rule.name
                     ),
                     severity: Severity::Error,
                 });

@@ -22,3 +22,24 @@ pub use registry::{
     AcceptedType, HandlerDescriptor, HandlerInfo, HandlerRegistry, LoadedHandler, RegistryError,
     UploadError, VersionInfo, valid_handler_name,
 };
+
+/// The components in a directory of handlers (`handlers.preload_dir`, or what `router rules
+/// check --handlers` is given): every `*.wasm` file, named by its file stem, which is the
+/// handler name it is preloaded as. Unreadable entries are skipped.
+pub fn component_files(
+    dir: &std::path::Path,
+) -> std::io::Result<Vec<(String, std::path::PathBuf)>> {
+    Ok(std::fs::read_dir(dir)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter_map(|path| {
+            let name = path
+                .extension()
+                .filter(|x| *x == "wasm")
+                .and(path.file_stem())
+                .and_then(|s| s.to_str())?
+                .to_string();
+            Some((name, path))
+        })
+        .collect())
+}
