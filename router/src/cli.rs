@@ -31,6 +31,8 @@ pub enum CliError {
 pub struct Client {
     base: String,
     http: reqwest::Client,
+    /// Sent as `Authorization: Bearer …` when set.
+    token: Option<String>,
 }
 
 fn describe_error(v: &Value) -> String {
@@ -46,8 +48,9 @@ fn describe_error(v: &Value) -> String {
 }
 
 impl Client {
-    /// A client of the API at `base` (e.g. `http://127.0.0.1:8080`).
-    pub fn new(base: &str) -> Self {
+    /// A client of the API at `base` (e.g. `http://127.0.0.1:8080`), authenticating with
+    /// `token` when given.
+    pub fn new(base: &str, token: Option<&str>) -> Self {
         crate::target::webhook::install_crypto_provider();
         Self {
             base: base.trim_end_matches('/').to_string(),
@@ -55,6 +58,27 @@ impl Client {
                 .timeout(Duration::from_secs(60))
                 .build()
                 .unwrap_or_default(),
+            token: token.filter(|t| !t.is_empty()).map(str::to_string),
+        }
+    }
+
+    fn api_error(&self, status: u16, v: &Value) -> CliError {
+        let mut body = describe_error(v);
+        if status == 401 {
+            body.push_str(if self.token.is_some() {
+                "\n  (the token in ROUTER_TOKEN / --token was not accepted)"
+            } else {
+                "\n  (this router wants a bearer token: set ROUTER_TOKEN or pass --token)"
+            });
+        }
+        CliError::Api { status, body }
+    }
+
+    fn request(&self, method: reqwest::Method, url: &str) -> reqwest::RequestBuilder {
+        let rb = self.http.request(method, url);
+        match &self.token {
+            Some(t) => rb.bearer_auth(t),
+            None => rb,
         }
     }
 
@@ -66,7 +90,7 @@ impl Client {
         body: Option<Value>,
     ) -> Result<Value, CliError> {
         let url = format!("{}{path}", self.base);
-        let mut rb = self.http.request(method, &url);
+        let mut rb = self.request(method, &url);
         if let Some(b) = body {
             rb = rb.json(&b);
         }
@@ -77,10 +101,7 @@ impl Client {
         let status = resp.status().as_u16();
         let v: Value = resp.json().await.unwrap_or(Value::Null);
         if status >= 400 {
-            return Err(CliError::Api {
-                status,
-                body: describe_error(&v),
-            });
+            return Err(self.api_error(status, &v));
         }
         Ok(v)
     }
@@ -96,7 +117,6 @@ impl Client {
     ) -> Result<Value, CliError> {
         let url = format!("{}{path}", self.base);
         let resp = self
-            .http
             .request(method, &url)
             .header("content-type", "application/wasm")
             .body(body)
@@ -109,10 +129,7 @@ impl Client {
         let status = resp.status().as_u16();
         let v: Value = resp.json().await.unwrap_or(Value::Null);
         if status >= 400 {
-            return Err(CliError::Api {
-                status,
-                body: describe_error(&v),
-            });
+            return Err(self.api_error(status, &v));
         }
         Ok(v)
     }

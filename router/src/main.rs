@@ -127,9 +127,19 @@ struct Api {
         env = "ROUTER_API"
     )]
     api: String,
+    /// Bearer token for a router with `[[auth.tokens]]` (better passed in the environment than
+    /// on the command line, where `ps` shows it).
+    #[arg(long, global = true, env = "ROUTER_TOKEN", hide_env_values = true)]
+    token: Option<String>,
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
     json: bool,
+}
+
+impl Api {
+    fn client(&self) -> router::cli::Client {
+        router::cli::Client::new(&self.api, self.token.as_deref())
+    }
 }
 
 #[derive(clap::Args, Clone, Default)]
@@ -521,7 +531,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             rate,
             wait,
         } => rt.block_on(async move {
-            let c = router::cli::Client::new(&api.api);
+            let c = api.client();
             let filter: Option<serde_json::Value> = match filter {
                 Some(f) => Some(serde_json::from_str(&f).context("--filter is not JSON")?),
                 None => None,
@@ -639,7 +649,7 @@ fn print_value(api: &Api, v: &serde_json::Value, render: impl Fn(&serde_json::Va
 }
 
 async fn rule_toggle(api: &Api, name: &str, action: &str) -> anyhow::Result<ExitCode> {
-    let c = router::cli::Client::new(&api.api);
+    let c = api.client();
     let v = c
         .call(
             reqwest::Method::POST,
@@ -663,7 +673,7 @@ async fn rule_toggle(api: &Api, name: &str, action: &str) -> anyhow::Result<Exit
 
 async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
     use reqwest::Method;
-    let c = router::cli::Client::new(&api.api);
+    let c = api.client();
     let v = match &cmd {
         HandlersCmd::Push { name, file } => {
             let bytes =
@@ -721,7 +731,7 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
 }
 
 async fn targets(api: Api, cmd: TargetsCmd) -> anyhow::Result<ExitCode> {
-    let c = router::cli::Client::new(&api.api);
+    let c = api.client();
     let v = match &cmd {
         TargetsCmd::Ls => c.call(reqwest::Method::GET, "/v1/targets", None).await?,
         TargetsCmd::Pause { id } => {
@@ -752,7 +762,7 @@ async fn targets(api: Api, cmd: TargetsCmd) -> anyhow::Result<ExitCode> {
 
 async fn dlq(api: Api, cmd: DlqCmd) -> anyhow::Result<ExitCode> {
     use reqwest::Method;
-    let c = router::cli::Client::new(&api.api);
+    let c = api.client();
     match cmd {
         DlqCmd::Ls {
             filter,

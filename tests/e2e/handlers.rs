@@ -12,7 +12,7 @@ use crate::harness::*;
 
 /// The example plugins, built once per test run by plugins/build.sh (the README's test
 /// command builds them first, so this is normally a quick no-op check).
-fn plugins() -> &'static Path {
+pub(crate) fn plugins() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");

@@ -1,5 +1,6 @@
 //! End-to-end tests: the real `router` binary, real HTTP receivers, temp data dirs.
 
+mod cli;
 mod delivery;
 mod dlq_ops;
 mod durability;

@@ -1,0 +1,148 @@
+//! The operator CLI against a running router that wants bearer tokens: `router dlq`,
+//! `router targets`, `router handlers` and `router rules disable|enable` as a person at 3 a.m.
+//! runs them, with the token in `ROUTER_TOKEN`.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::harness::*;
+
+fn sha(token: &str) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(token.as_bytes()))
+}
+
+/// Runs `router ARGS… --api <router>` with `ROUTER_TOKEN` set to `token` (or unset);
+/// returns (success, stdout, stderr).
+async fn cli(r: &RouterProc, token: Option<&str>, args: &[&str]) -> (bool, String, String) {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_router"));
+    cmd.args(args)
+        .arg("--api")
+        .arg(r.url(""))
+        .env_remove("ROUTER_TOKEN")
+        .env_remove("ROUTER_API");
+    if let Some(t) = token {
+        cmd.env("ROUTER_TOKEN", t);
+    }
+    let out = tokio::time::timeout(Duration::from_secs(60), cmd.output())
+        .await
+        .expect("the CLI finished")
+        .expect("run the CLI");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+async fn cli_json(r: &RouterProc, args: &[&str]) -> Value {
+    let mut with_json = args.to_vec();
+    with_json.push("--json");
+    let (ok, out, err) = cli(r, Some("ops-token"), &with_json).await;
+    assert!(ok, "router {args:?} failed: {err}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("router {args:?}: {e}: {out}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_cli_authenticates_with_router_token() {
+    let erp = Receiver::status(400).await;
+    let rules = rules_yaml(
+        "",
+        &[(
+            "orders",
+            "order.paid",
+            &[format!("webhook: {}\n        id: erp", erp.url())],
+        )],
+    );
+    let config = format!(
+        "[[auth.tokens]]\nname = \"ops\"\nsha256 = \"{}\"\nscopes = [\"admin\"]\n",
+        sha("ops-token")
+    );
+    let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&config));
+
+    // A dead letter to look at: the receiver refuses the event (400 = permanent).
+    let resp = client()
+        .post(r.url("/v1/events"))
+        .bearer_auth("ops-token")
+        .header("content-type", "application/cloudevents+json")
+        .body(event("o-1", "order.paid", json!({ "total": 5 })).to_string())
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(resp.status(), 202);
+    let listed = eventually(Duration::from_secs(20), || async {
+        let l = cli_json(&r, &["dlq", "ls"]).await;
+        (l["entries"].as_array().map(Vec::len) == Some(1)).then_some(l)
+    })
+    .await
+    .expect("the CLI lists the dead letter");
+    let entry = &listed["entries"][0];
+    assert_eq!(entry["target"], "erp");
+    assert_eq!(entry["reason"], "permanent_error");
+
+    // Without a token: refused, and the message says how to pass one.
+    let (ok, _, err) = cli(&r, None, &["dlq", "ls"]).await;
+    assert!(!ok);
+    assert!(err.contains("401"), "{err}");
+    assert!(err.contains("ROUTER_TOKEN"), "{err}");
+    // A wrong token is named as such.
+    let (ok, _, err) = cli(&r, Some("not-the-token"), &["dlq", "ls"]).await;
+    assert!(!ok);
+    assert!(err.contains("was not accepted"), "{err}");
+
+    // The readable forms.
+    let (ok, table, err) = cli(&r, Some("ops-token"), &["dlq", "ls"]).await;
+    assert!(ok, "{err}");
+    assert!(
+        table.contains("erp") && table.contains("permanent_error"),
+        "{table}"
+    );
+    let id = entry["id"].as_str().expect("entry id");
+    let shown = cli_json(&r, &["dlq", "show", id]).await;
+    assert_eq!(shown["id"], id, "{shown}");
+    assert_eq!(shown["event"]["id"], "o-1", "{shown}");
+    let summary = cli_json(&r, &["dlq", "summary"]).await;
+    assert!(summary.to_string().contains("permanent_error"), "{summary}");
+
+    // Containment: pause and resume the target.
+    let paused = cli_json(&r, &["targets", "pause", "erp"]).await;
+    assert_eq!(paused["paused"], true, "{paused}");
+    let targets = cli_json(&r, &["targets", "ls"]).await;
+    assert_eq!(targets["targets"][0]["paused"], true, "{targets}");
+    let resumed = cli_json(&r, &["targets", "resume", "erp"]).await;
+    assert_eq!(resumed["paused"], false, "{resumed}");
+
+    // A rule switched off and on.
+    let off = cli_json(&r, &["rules", "disable", "orders"]).await;
+    assert_eq!(off["enabled"], false, "{off}");
+    let on = cli_json(&r, &["rules", "enable", "orders"]).await;
+    assert_eq!(on["enabled"], true, "{on}");
+
+    // A handler pushed from a file, then listed.
+    let noop = crate::handlers::plugins().join("noop.wasm");
+    let pushed = cli_json(
+        &r,
+        &[
+            "handlers",
+            "push",
+            "noop",
+            noop.to_str().expect("utf-8 path"),
+        ],
+    )
+    .await;
+    assert_eq!(pushed["version"], 1, "{pushed}");
+    let (ok, list, err) = cli(&r, Some("ops-token"), &["handlers", "list"]).await;
+    assert!(ok, "{err}");
+    assert!(list.contains("noop"), "{list}");
+
+    // Purge leaves the DLQ empty.
+    let (ok, _, err) = cli(&r, Some("ops-token"), &["dlq", "purge", "--target", "erp"]).await;
+    assert!(ok, "{err}");
+    let after = cli_json(&r, &["dlq", "ls"]).await;
+    assert_eq!(
+        after["entries"].as_array().map(Vec::len),
+        Some(0),
+        "{after}"
+    );
+}
