@@ -143,6 +143,10 @@ pub(crate) fn load(
         rule_locs: HashMap::new(),
         targets: BTreeMap::new(),
         target_locs: HashMap::new(),
+        texts: files
+            .iter()
+            .map(|f| (f.display.clone(), f.text.clone()))
+            .collect(),
     };
     let mut parsed = Vec::new();
     for f in files {
@@ -297,6 +301,8 @@ struct Cx {
     rule_locs: HashMap<String, Loc>,
     targets: BTreeMap<String, TargetSpec>,
     target_locs: HashMap<String, Loc>,
+    /// Each file's text by its display name, for checks that need a scalar as written.
+    texts: HashMap<String, String>,
 }
 
 impl Cx {
@@ -723,6 +729,23 @@ impl Cx {
         }
         let (policy_name, policy) = match node.get("policy") {
             None => (None, PolicyConfig::default()),
+            // `policy:` with nothing after it: say what to write rather than "not null".
+            Some(n) if matches!(n.kind, NodeKind::Null) => {
+                let known: Vec<&str> = self.policies.keys().map(String::as_str).collect();
+                let names = if known.is_empty() {
+                    "no policies are defined".to_string()
+                } else {
+                    format!("defined: {}", known.join(", "))
+                };
+                self.err(
+                    file,
+                    n,
+                    format!(
+                        "`policy` is empty: name a policy ({names}), or remove the key for the default policy"
+                    ),
+                );
+                return None;
+            }
             Some(n) => match self.string(file, n, "policy") {
                 Some(p) => match self.policies.get(p) {
                     Some(policy) => {
@@ -788,7 +811,29 @@ impl Cx {
                                 }
                                 let val = match &hv.kind {
                                     NodeKind::Str(s) => s.clone(),
-                                    NodeKind::Int(i) => i.to_string(),
+                                    // YAML reads `0x10`, `0o20` or `+16` as 16, which is
+                                    // what would be sent: not what the file says.
+                                    NodeKind::Int(i) => {
+                                        let decimal = i.to_string();
+                                        let written = self
+                                            .texts
+                                            .get(file)
+                                            .map(|t| scalar_as_written(t, hv.line, hv.col));
+                                        match written {
+                                            Some(w) if w != decimal => {
+                                                self.err(
+                                                    file,
+                                                    hv,
+                                                    format!(
+                                                        "header `{name}`: quote the value (\"…\"): `{w}` is the number {decimal}, and would be sent as `{decimal}`"
+                                                    ),
+                                                );
+                                                ok = false;
+                                                continue;
+                                            }
+                                            _ => decimal,
+                                        }
+                                    }
                                     NodeKind::Bool(b) => b.to_string(),
                                     // Sent as text, a float would not be what the file says:
                                     // `1.0` renders as `1`, `2.50` as `2.5`.
@@ -942,6 +987,23 @@ fn valid_env_name(s: &str) -> bool {
         .next()
         .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// The plain scalar that starts at 1-based `line`:`col` of `text`, as written (up to the
+/// first character that ends a plain scalar in flow or block context).
+fn scalar_as_written(text: &str, line: usize, col: usize) -> &str {
+    let Some(l) = text.lines().nth(line.saturating_sub(1)) else {
+        return "";
+    };
+    let start = l
+        .char_indices()
+        .nth(col.saturating_sub(1))
+        .map_or(l.len(), |(i, _)| i);
+    let rest = &l[start..];
+    let end = rest
+        .find(|c: char| c.is_whitespace() || matches!(c, ',' | '}' | ']' | '#'))
+        .unwrap_or(rest.len());
+    &rest[..end]
 }
 
 fn valid_header_name(s: &str) -> bool {

@@ -471,6 +471,69 @@ rules:
 }
 
 #[test]
+fn an_empty_policy_reference_says_what_to_write() {
+    let src = "\
+policies:
+  fast: { timeout: 1s }
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - webhook: http://h/
+        policy:
+      - webhook: http://h/
+        policy: fast
+";
+    one_err(
+        &[("r.yaml", src)],
+        "r.yaml:8:",
+        "`policy` is empty: name a policy (defined: fast), or remove the key for the default policy",
+    );
+}
+
+#[test]
+fn integer_header_values_not_written_in_decimal_must_be_quoted() {
+    // YAML reads these as numbers; sent as text they would not be what the file says.
+    let src = "\
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - webhook: http://h/
+        headers: { X-A: 0x10, X-B: 016, X-C: +5, X-D: -3, X-E: 16 }
+      - webhook: http://h/
+        headers:
+          X-F: 0o20   # octal
+          X-G: \"0x10\"
+";
+    let e = errs(&[("r.yaml", src)]);
+    assert_eq!(e.len(), 4, "{e:#?}");
+    assert!(
+        e[0].starts_with(
+            "r.yaml:6:25: header `X-A`: quote the value (\"…\"): `0x10` is the number 16"
+        ),
+        "{}",
+        e[0]
+    );
+    assert!(e[1].starts_with("r.yaml:6:36: header `X-B`"), "{}", e[1]);
+    assert!(e[2].contains("`+5` is the number 5"), "{}", e[2]);
+    assert!(e[3].starts_with("r.yaml:9:16: header `X-F`"), "{}", e[3]);
+
+    let fine = src
+        .replace("0x10, X-B: 016, X-C: +5,", "\"0x10\",")
+        .replace("0o20   # octal", "\"0o20\"");
+    let (set, _) = ok(&[("r.yaml", &fine)]);
+    match &set.targets["a-0"].kind {
+        TargetKind::Webhook { headers, .. } => {
+            assert_eq!(headers["X-A"], "0x10");
+            assert_eq!(headers["X-D"], "-3");
+            assert_eq!(headers["X-E"], "16");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
 fn nats_and_handler_names() {
     let t = |kind: &str, v: &str| {
         format!(
