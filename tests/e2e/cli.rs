@@ -2,6 +2,8 @@
 //! `router targets`, `router handlers` and `router rules disable|enable` as a person at 3 a.m.
 //! runs them, with the token in `ROUTER_TOKEN`.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -44,9 +46,23 @@ async fn cli_json(r: &RouterProc, args: &[&str]) -> Value {
     serde_json::from_str(&out).unwrap_or_else(|e| panic!("router {args:?}: {e}: {out}"))
 }
 
+/// The DLQ runbook of `docs/operations.md`, by CLI: see the dead letter, contain the target,
+/// fix the receiver, redrive, resume; plus the rule switch and a handler upload.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_operator_cli_authenticates_with_router_token() {
-    let erp = Receiver::status(400).await;
+    let fixed = Arc::new(AtomicBool::new(false));
+    let erp = {
+        let fixed = fixed.clone();
+        Receiver::scripted(Arc::new(move |_, _| {
+            let status = if fixed.load(Ordering::SeqCst) {
+                200
+            } else {
+                400
+            };
+            (status, Duration::ZERO, vec![])
+        }))
+        .await
+    };
     let rules = rules_yaml(
         "",
         &[(
@@ -91,7 +107,7 @@ async fn the_operator_cli_authenticates_with_router_token() {
     assert!(!ok);
     assert!(err.contains("was not accepted"), "{err}");
 
-    // The readable forms.
+    // Inspect: the readable list, one entry whole, the summary.
     let (ok, table, err) = cli(&r, Some("ops-token"), &["dlq", "ls"]).await;
     assert!(ok, "{err}");
     assert!(
@@ -105,13 +121,64 @@ async fn the_operator_cli_authenticates_with_router_token() {
     let summary = cli_json(&r, &["dlq", "summary"]).await;
     assert!(summary.to_string().contains("permanent_error"), "{summary}");
 
-    // Containment: pause and resume the target.
+    // Contain: pause the target.
     let paused = cli_json(&r, &["targets", "pause", "erp"]).await;
     assert_eq!(paused["paused"], true, "{paused}");
     let targets = cli_json(&r, &["targets", "ls"]).await;
     assert_eq!(targets["targets"][0]["paused"], true, "{targets}");
+
+    // Fix, then redrive (following the job) while paused: the entry waits in its queue.
+    fixed.store(true, Ordering::SeqCst);
+    let dry = cli_json(&r, &["dlq", "purge", "--target", "erp", "--dry-run"]).await;
+    assert_eq!(
+        (dry["matched"].as_u64(), dry["purged"].as_u64()),
+        (Some(1), Some(0)),
+        "{dry}"
+    );
+    let job = cli_json(
+        &r,
+        &[
+            "dlq", "redrive", "--target", "erp", "--rate", "50", "--wait",
+        ],
+    )
+    .await;
+    assert_eq!(
+        (job["state"].as_str(), job["moved"].as_u64()),
+        (Some("done"), Some(1)),
+        "{job}"
+    );
+    let after = cli_json(&r, &["dlq", "ls"]).await;
+    assert_eq!(
+        after["entries"].as_array().map(Vec::len),
+        Some(0),
+        "{after}"
+    );
+    let queued = cli_json(&r, &["targets", "ls"]).await;
+    assert_eq!(queued["targets"][0]["queued"], 1, "{queued}");
+    assert_eq!(erp.count(), 1, "a paused target got an attempt");
+
+    // Resume: the redriven event is delivered.
     let resumed = cli_json(&r, &["targets", "resume", "erp"]).await;
     assert_eq!(resumed["paused"], false, "{resumed}");
+    assert!(
+        erp.wait_for(Duration::from_secs(20), |got| got.len() == 2)
+            .await,
+        "the redriven event was not delivered after resume"
+    );
+    let f = eventually(Duration::from_secs(20), || async {
+        let f: Value = client()
+            .get(r.url("/v1/events/o-1?source=/test"))
+            .bearer_auth("ops-token")
+            .send()
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
+        (f["targets"][0]["state"] == "delivered").then_some(f)
+    })
+    .await;
+    assert!(f.is_some(), "the event's fate never became delivered");
 
     // A rule switched off and on.
     let off = cli_json(&r, &["rules", "disable", "orders"]).await;
@@ -135,14 +202,4 @@ async fn the_operator_cli_authenticates_with_router_token() {
     let (ok, list, err) = cli(&r, Some("ops-token"), &["handlers", "list"]).await;
     assert!(ok, "{err}");
     assert!(list.contains("noop"), "{list}");
-
-    // Purge leaves the DLQ empty.
-    let (ok, _, err) = cli(&r, Some("ops-token"), &["dlq", "purge", "--target", "erp"]).await;
-    assert!(ok, "{err}");
-    let after = cli_json(&r, &["dlq", "ls"]).await;
-    assert_eq!(
-        after["entries"].as_array().map(Vec::len),
-        Some(0),
-        "{after}"
-    );
 }
