@@ -1,6 +1,6 @@
 //! The operator CLI against a running router that wants bearer tokens: `router dlq`,
-//! `router targets`, `router handlers` and `router rules disable|enable` as a person at 3 a.m.
-//! runs them, with the token in `ROUTER_TOKEN`.
+//! `router targets`, `router replay`, `router handlers` and `router rules disable|enable` as a
+//! person at 3 a.m. runs them, with the token in `ROUTER_TOKEN`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -179,6 +179,43 @@ async fn the_operator_cli_authenticates_with_router_token() {
     })
     .await;
     assert!(f.is_some(), "the event's fate never became delivered");
+
+    // Replay the last hour through the current rules: delivered again, marked as a replay.
+    let from = chrono::Utc::now() - chrono::Duration::hours(1);
+    let to = chrono::Utc::now() + chrono::Duration::minutes(1);
+    let replay = cli_json(
+        &r,
+        &[
+            "replay",
+            "--from",
+            &from.to_rfc3339(),
+            "--to",
+            &to.to_rfc3339(),
+            "--rate",
+            "50",
+            "--wait",
+        ],
+    )
+    .await;
+    assert_eq!(replay["state"], "done", "{replay}");
+    assert!(
+        erp.wait_for(Duration::from_secs(20), |got| got.len() == 3)
+            .await,
+        "the replayed event was not delivered"
+    );
+    let got = erp.received();
+    assert_eq!(got[2].event_id(), "o-1");
+    assert_eq!(got[2].body["replay"], replay["id"], "the replay marker");
+    assert_eq!(
+        got[1].header("idempotency-key"),
+        got[0].header("idempotency-key"),
+        "a redrive keeps the idempotency key"
+    );
+    assert_ne!(
+        got[2].header("idempotency-key"),
+        got[1].header("idempotency-key"),
+        "a replay gets its own"
+    );
 
     // A rule switched off and on.
     let off = cli_json(&r, &["rules", "disable", "orders"]).await;
