@@ -40,6 +40,9 @@ pub struct IngestBench {
     /// Event type to send.
     #[arg(long = "type", default_value = "bench.event")]
     pub event_type: String,
+    /// Bearer token, for a router with `[[auth.tokens]]`.
+    #[arg(long, env = "ROUTER_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
 }
 
 /// Result of a run.
@@ -211,6 +214,13 @@ impl Tally {
 /// Runs the ingest load and returns the report.
 pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
     let uri: hyper::Uri = b.url.parse().map_err(|e| format!("bad url: {e}"))?;
+    let authorization = match b.token.as_deref().filter(|t| !t.is_empty()) {
+        Some(t) => Some(
+            hyper::header::HeaderValue::from_str(&format!("Bearer {t}"))
+                .map_err(|_| "the token is not a valid header value".to_string())?,
+        ),
+        None => None,
+    };
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new())
@@ -227,13 +237,14 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
         .rate
         .map(|r| Duration::from_secs_f64(batch as f64 * b.concurrency as f64 / r));
     for conn in 0..b.concurrency {
-        let (client, uri, run, next, tally, ty) = (
+        let (client, uri, run, next, tally, ty, authorization) = (
             client.clone(),
             uri.clone(),
             run.clone(),
             next.clone(),
             tally.clone(),
             b.event_type.clone(),
+            authorization.clone(),
         );
         let (total, size, concurrency) = (b.events, b.size, b.concurrency);
         tasks.push(tokio::spawn(async move {
@@ -277,10 +288,11 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
                         "application/cloudevents-batch+json",
                     )
                 };
-                let req = match Request::post(uri.clone())
-                    .header("content-type", ct)
-                    .body(Full::new(Bytes::from(body)))
-                {
+                let mut rb = Request::post(uri.clone()).header("content-type", ct);
+                if let Some(a) = &authorization {
+                    rb = rb.header(hyper::header::AUTHORIZATION, a.clone());
+                }
+                let req = match rb.body(Full::new(Bytes::from(body))) {
                     Ok(r) => r,
                     Err(_) => break,
                 };

@@ -240,3 +240,49 @@ async fn the_operator_cli_authenticates_with_router_token() {
     assert!(ok, "{err}");
     assert!(list.contains("noop"), "{list}");
 }
+
+/// `router bench ingest` against an authenticated router: every event accepted, and the
+/// report says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_load_tool_sends_its_token_and_reports_what_was_accepted() {
+    let config = format!(
+        "[[auth.tokens]]\nname = \"load\"\nsha256 = \"{}\"\nscopes = [\"ingest:bench.*\", \"read\"]\n",
+        sha("load-token")
+    );
+    let r = RouterProc::start_full(&[], &[], &[], Some(&config));
+    let run = |token: Option<&'static str>| {
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_router"));
+        cmd.args(["bench", "ingest", "--url"])
+            .arg(r.url("/v1/events"))
+            .args(["--events", "300", "--concurrency", "4", "--batch", "3"])
+            .args(["--size", "256"])
+            .env_remove("ROUTER_TOKEN");
+        if let Some(t) = token {
+            cmd.env("ROUTER_TOKEN", t);
+        }
+        cmd.output()
+    };
+    let out = run(Some("load-token")).await.expect("run bench");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("events ok:      300"), "{text}");
+    assert!(text.contains("failed reqs:    0"), "{text}");
+    assert!(text.contains("events/s"), "{text}");
+    let metrics: String = client()
+        .get(r.url("/metrics"))
+        .bearer_auth("load-token")
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    let accepted = metric_lines(&metrics, "router_ingest_events_total{status=\"accepted\"}");
+    assert!(accepted.ends_with(" 300"), "{accepted}");
+
+    // Without the token every request is refused, and the report counts them as failed.
+    let out = run(None).await.expect("run bench");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("events ok:      0"), "{text}");
+    assert!(text.contains("failed reqs:    100"), "{text}");
+}
