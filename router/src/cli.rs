@@ -135,6 +135,18 @@ impl Client {
     }
 }
 
+/// The handlers of a `GET /v1/handlers` answer that have an active version (what a handler
+/// target can be delivered to).
+pub fn active_handlers(v: &Value) -> std::collections::BTreeSet<String> {
+    v["handlers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|h| !h["active"].is_null())
+        .filter_map(|h| h["name"].as_str().map(str::to_string))
+        .collect()
+}
+
 /// `router handlers list` as a table.
 pub fn handlers_table(v: &Value) -> String {
     let rows: Vec<Vec<String>> = v["handlers"]

@@ -262,6 +262,14 @@ enum RulesCmd {
         /// this directory (named by file stem, as `handlers.preload_dir` loads them).
         #[arg(long, value_name = "DIR")]
         handlers: Option<PathBuf>,
+        /// Also require every handler target's handler to have an active version on the router
+        /// whose API is at URL (`GET /v1/handlers`, with the token in `ROUTER_TOKEN`): the
+        /// check before deploying rule files to it.
+        #[arg(long, value_name = "URL", conflicts_with = "handlers")]
+        handlers_on: Option<String>,
+        /// Bearer token for `--handlers-on`.
+        #[arg(long, env = "ROUTER_TOKEN", hide_env_values = true)]
+        token: Option<String>,
     },
     /// Print, as JSON, the rules and targets in DIR that EVENT (a structured CloudEvent JSON file) matches.
     Test { dir: PathBuf, event: PathBuf },
@@ -402,10 +410,17 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Rules {
-            cmd: RulesCmd::Check { dir, handlers },
+            cmd:
+                RulesCmd::Check {
+                    dir,
+                    handlers,
+                    handlers_on,
+                    token,
+                },
         } => {
-            let known: Option<std::collections::BTreeSet<String>> = match handlers {
-                Some(h) => Some(
+            let known: Option<std::collections::BTreeSet<String>> = match (handlers, handlers_on)
+            {
+                (Some(h), _) => Some(
                     router::wasm::component_files(&h)
                         .with_context(|| {
                             format!("cannot read the handlers directory {}", h.display())
@@ -414,7 +429,14 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                         .map(|(name, _)| name)
                         .collect(),
                 ),
-                None => None,
+                (None, Some(url)) => {
+                    let c = router::cli::Client::new(&url, token.as_deref());
+                    let v = rt
+                        .block_on(c.call(reqwest::Method::GET, "/v1/handlers", None))
+                        .with_context(|| format!("cannot list the handlers of {url}"))?;
+                    Some(router::cli::active_handlers(&v))
+                }
+                (None, None) => None,
             };
             // Unknown handlers fail the check like the loader's own errors, after its warnings.
             let checked = RuleSet::load_dir(&dir).and_then(|(set, warnings)| {

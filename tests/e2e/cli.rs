@@ -239,6 +239,50 @@ async fn the_operator_cli_authenticates_with_router_token() {
     let (ok, list, err) = cli(&r, Some("ops-token"), &["handlers", "list"]).await;
     assert!(ok, "{err}");
     assert!(list.contains("noop"), "{list}");
+
+    // Rule files checked against the handlers this router has, before deploying them.
+    let repo = tempfile::tempdir().expect("tmp");
+    let rules = |handler: &str| {
+        format!(
+            "rules:\n  - name: enrich\n    pattern: {{ type: [order.paid] }}\n    targets:\n      - handler: noop\n      - handler: {handler}\n"
+        )
+    };
+    let check = |token: Option<&'static str>| {
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_router"));
+        cmd.args(["rules", "check"])
+            .arg(repo.path())
+            .arg("--handlers-on")
+            .arg(r.url(""))
+            .env_remove("ROUTER_TOKEN");
+        if let Some(t) = token {
+            cmd.env("ROUTER_TOKEN", t);
+        }
+        cmd.output()
+    };
+    std::fs::write(repo.path().join("r.yaml"), rules("invoicing")).expect("write");
+    let out = check(Some("ops-token")).await.expect("run");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("r.yaml:2:1: rule `enrich`, target `enrich-1`: no handler named `invoicing` (known: noop)"),
+        "{text}"
+    );
+    assert!(!text.contains("`noop` (known"), "{text}");
+    std::fs::write(repo.path().join("r.yaml"), rules("noop")).expect("write");
+    let out = check(Some("ops-token")).await.expect("run");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    // Without the token the check cannot ask, and says so instead of passing.
+    let out = check(None).await.expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("cannot list the handlers") && err.contains("401"),
+        "{err}"
+    );
 }
 
 /// `router bench ingest` against an authenticated router: every event accepted, and the
