@@ -10,11 +10,6 @@ use serde_json::{Value, json};
 
 use crate::harness::*;
 
-fn sha(token: &str) -> String {
-    use sha2::Digest;
-    hex::encode(sha2::Sha256::digest(token.as_bytes()))
-}
-
 /// Runs `router ARGS… --api <router>` with `ROUTER_TOKEN` set to `token` (or unset);
 /// returns (success, stdout, stderr).
 async fn cli(r: &RouterProc, token: Option<&str>, args: &[&str]) -> (bool, String, String) {
@@ -73,7 +68,7 @@ async fn the_operator_cli_authenticates_with_router_token() {
     );
     let config = format!(
         "[[auth.tokens]]\nname = \"ops\"\nsha256 = \"{}\"\nscopes = [\"admin\"]\n",
-        sha("ops-token")
+        token_sha256("ops-token")
     );
     let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&config));
 
@@ -291,7 +286,7 @@ async fn the_operator_cli_authenticates_with_router_token() {
 async fn the_load_tool_sends_its_token_and_reports_what_was_accepted() {
     let config = format!(
         "[[auth.tokens]]\nname = \"load\"\nsha256 = \"{}\"\nscopes = [\"ingest:bench.*\", \"read\"]\n",
-        sha("load-token")
+        token_sha256("load-token")
     );
     let r = RouterProc::start_full(&[], &[], &[], Some(&config));
     let run = |token: Option<&'static str>| {

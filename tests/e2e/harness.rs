@@ -434,6 +434,12 @@ impl Receiver {
     }
 }
 
+/// The SHA-256 (hex) of a bearer token, as `[[auth.tokens]]` stores it.
+pub fn token_sha256(token: &str) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(token.as_bytes()))
+}
+
 /// A structured CloudEvent.
 pub fn event(id: &str, ty: &str, data: Value) -> Value {
     json!({"specversion": "1.0", "id": id, "source": "/test", "type": ty, "data": data})

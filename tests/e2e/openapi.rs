@@ -628,11 +628,6 @@ const TEAM: &str = "erp-team-token";
 const HANDLER_TEAM: &str = "handler-team-token";
 const WRONG: &str = "not-a-token";
 
-fn sha(token: &str) -> String {
-    use sha2::Digest;
-    hex::encode(sha2::Sha256::digest(token.as_bytes()))
-}
-
 /// admin, read-only, ingest-only, and a DLQ team token (`dlq:broken`) that holds no `read`.
 fn config() -> String {
     let mut c = String::from("[ingest]\nmax_batch = 5\n\n");
@@ -645,7 +640,7 @@ fn config() -> String {
     ] {
         c.push_str(&format!(
             "[[auth.tokens]]\nname = \"{name}\"\nsha256 = \"{}\"\nscopes = {scopes}\n\n",
-            sha(token)
+            token_sha256(token)
         ));
     }
     c

@@ -7,11 +7,6 @@ use serde_json::{Value, json};
 
 use crate::harness::*;
 
-fn sha(token: &str) -> String {
-    use sha2::Digest;
-    hex::encode(sha2::Sha256::digest(token.as_bytes()))
-}
-
 fn auth_config() -> String {
     format!(
         r#"
@@ -31,9 +26,9 @@ name = "viewer"
 sha256 = "{}"
 scopes = ["read"]
 "#,
-        sha("ops-token"),
-        sha("shop-token"),
-        sha("viewer-token")
+        token_sha256("ops-token"),
+        token_sha256("shop-token"),
+        token_sha256("viewer-token")
     )
 }
 
