@@ -21,9 +21,29 @@ SCHEMATHESIS=${SCHEMATHESIS:-4.32.5}
 OUT=$PWD/target/api-fuzz
 VENV=$OUT/venv
 
-if [ "$("$VENV/bin/schemathesis" --version 2>/dev/null | awk '{print $NF}')" != "$SCHEMATHESIS" ]; then
-  echo "== installing schemathesis $SCHEMATHESIS into $VENV"
-  python3 -m venv "$VENV"
+# Python: under CPython 3.11.7 `ast.parse`, which hypothesis calls to describe schemathesis's
+# filter lambdas, now and then failed with "SystemError: AST constructor recursion depth
+# mismatch" (a CPython bug in its recursion-depth bookkeeping, fixed in later releases): the run
+# then ends in a schemathesis "Runtime Error" that says nothing about the router (once in three
+# fresh-clone runs here). So the newest Python 3.13+ on the machine is preferred (four runs
+# under 3.13.0, no error); API_FUZZ_PYTHON overrides.
+pick_python() {
+  local p pyenv_root
+  pyenv_root=$(pyenv root 2>/dev/null || true)
+  # A pyenv shim runs only the versions pyenv has selected, so pyenv's own copies are tried too.
+  for p in ${API_FUZZ_PYTHON:-} python3.14 python3.13 \
+    ${pyenv_root:+$(ls -d "$pyenv_root"/versions/3.1[34]*/bin/python3 2>/dev/null | sort -rV)}; do
+    if command -v "$p" >/dev/null 2>&1 && "$p" -c 'import sys' >/dev/null 2>&1; then echo "$p"; return; fi
+  done
+  echo python3
+}
+PYTHON=$(pick_python)
+PY_VERSION=$("$PYTHON" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])')
+if [ "$("$VENV/bin/schemathesis" --version 2>/dev/null | awk '{print $NF}')" != "$SCHEMATHESIS" ] ||
+   [ "$("$VENV/bin/python" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null)" != "$PY_VERSION" ]; then
+  echo "== installing schemathesis $SCHEMATHESIS into $VENV (Python $PY_VERSION)"
+  rm -rf "$VENV"
+  "$PYTHON" -m venv "$VENV"
   "$VENV/bin/pip" install -q --disable-pip-version-check "schemathesis==$SCHEMATHESIS"
 fi
 
