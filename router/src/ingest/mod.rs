@@ -66,6 +66,12 @@ pub struct EventResult {
     pub errors: Vec<FieldError>,
 }
 
+/// The 202 body: `{"results": [...]}`.
+#[derive(Debug, Serialize)]
+struct Answer {
+    results: Vec<EventResult>,
+}
+
 /// A JSON error answer: `{"error": summary, "errors": [{pointer, message}]}`.
 pub fn error_response(status: StatusCode, summary: &str, errors: Vec<FieldError>) -> Response {
     (
@@ -351,7 +357,9 @@ async fn handle(
     }
     (
         StatusCode::ACCEPTED,
-        axum::Json(json!({ "results": results })),
+        // Serialised straight from the structs, without an intermediate `Value` tree (pinned,
+        // alternating: no measurable difference in CPU per event; it is the typed form).
+        axum::Json(Answer { results }),
     )
         .into_response()
 }
