@@ -94,20 +94,9 @@ impl Client {
         if let Some(b) = body {
             rb = rb.json(&b);
         }
-        let resp = rb.send().await.map_err(|source| CliError::Http {
-            url: url.clone(),
-            source,
-        })?;
-        let status = resp.status().as_u16();
-        let v: Value = resp.json().await.unwrap_or(Value::Null);
-        if status >= 400 {
-            return Err(self.api_error(status, &v));
-        }
-        Ok(v)
+        self.send(rb, url).await
     }
-}
 
-impl Client {
     /// Sends raw bytes (a component upload).
     pub async fn call_bytes(
         &self,
@@ -116,16 +105,19 @@ impl Client {
         body: Vec<u8>,
     ) -> Result<Value, CliError> {
         let url = format!("{}{path}", self.base);
-        let resp = self
+        let rb = self
             .request(method, &url)
             .header("content-type", "application/wasm")
-            .body(body)
+            .body(body);
+        self.send(rb, url).await
+    }
+
+    /// Sends `rb` (a request to `url`) and returns the JSON answer, or the API's error.
+    async fn send(&self, rb: reqwest::RequestBuilder, url: String) -> Result<Value, CliError> {
+        let resp = rb
             .send()
             .await
-            .map_err(|source| CliError::Http {
-                url: url.clone(),
-                source,
-            })?;
+            .map_err(|source| CliError::Http { url, source })?;
         let status = resp.status().as_u16();
         let v: Value = resp.json().await.unwrap_or(Value::Null);
         if status >= 400 {

@@ -10,13 +10,11 @@ use serde_json::{Value, json};
 
 use crate::harness::*;
 
-/// Runs `router ARGS… --api <router>` with `ROUTER_TOKEN` set to `token` (or unset);
-/// returns (success, stdout, stderr).
-async fn cli(r: &RouterProc, token: Option<&str>, args: &[&str]) -> (bool, String, String) {
+/// Runs `router ARGS…` with `ROUTER_TOKEN` set to `token` (or unset); returns (success,
+/// stdout, stderr).
+async fn run_router(token: Option<&str>, args: &[&str]) -> (bool, String, String) {
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_router"));
     cmd.args(args)
-        .arg("--api")
-        .arg(r.url(""))
         .env_remove("ROUTER_TOKEN")
         .env_remove("ROUTER_API");
     if let Some(t) = token {
@@ -24,13 +22,19 @@ async fn cli(r: &RouterProc, token: Option<&str>, args: &[&str]) -> (bool, Strin
     }
     let out = tokio::time::timeout(Duration::from_secs(60), cmd.output())
         .await
-        .expect("the CLI finished")
-        .expect("run the CLI");
+        .expect("the command finished")
+        .expect("run the command");
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// Runs the API client `router ARGS… --api <router>`, as [`run_router`].
+async fn cli(r: &RouterProc, token: Option<&str>, args: &[&str]) -> (bool, String, String) {
+    let api = r.url("");
+    run_router(token, &[args, &["--api", &api]].concat()).await
 }
 
 async fn cli_json(r: &RouterProc, args: &[&str]) -> Value {
@@ -242,38 +246,23 @@ async fn the_operator_cli_authenticates_with_router_token() {
             "rules:\n  - name: enrich\n    pattern: {{ type: [order.paid] }}\n    targets:\n      - handler: noop\n      - handler: {handler}\n"
         )
     };
-    let check = |token: Option<&'static str>| {
-        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_router"));
-        cmd.args(["rules", "check"])
-            .arg(repo.path())
-            .arg("--handlers-on")
-            .arg(r.url(""))
-            .env_remove("ROUTER_TOKEN");
-        if let Some(t) = token {
-            cmd.env("ROUTER_TOKEN", t);
-        }
-        cmd.output()
-    };
+    let (repo_dir, api) = (repo.path().to_str().expect("utf-8 path"), r.url(""));
+    let check_args = ["rules", "check", repo_dir, "--handlers-on", &api];
+    let check = |token| run_router(token, &check_args);
     std::fs::write(repo.path().join("r.yaml"), rules("invoicing")).expect("write");
-    let out = check(Some("ops-token")).await.expect("run");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(!out.status.success(), "{text}");
+    let (ok, text, _) = check(Some("ops-token")).await;
+    assert!(!ok, "{text}");
     assert!(
         text.contains("r.yaml:2:1: rule `enrich`, target `enrich-1`: no handler named `invoicing` (known: noop)"),
         "{text}"
     );
     assert!(!text.contains("`noop` (known"), "{text}");
     std::fs::write(repo.path().join("r.yaml"), rules("noop")).expect("write");
-    let out = check(Some("ops-token")).await.expect("run");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    let (ok, text, _) = check(Some("ops-token")).await;
+    assert!(ok, "{text}");
     // Without the token the check cannot ask, and says so instead of passing.
-    let out = check(None).await.expect("run");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let (ok, _, err) = check(None).await;
+    assert!(!ok);
     assert!(
         err.contains("cannot list the handlers") && err.contains("401"),
         "{err}"
@@ -289,21 +278,24 @@ async fn the_load_tool_sends_its_token_and_reports_what_was_accepted() {
         token_sha256("load-token")
     );
     let r = RouterProc::start_full(&[], &[], &[], Some(&config));
-    let run = |token: Option<&'static str>| {
-        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_router"));
-        cmd.args(["bench", "ingest", "--url"])
-            .arg(r.url("/v1/events"))
-            .args(["--events", "300", "--concurrency", "4", "--batch", "3"])
-            .args(["--size", "256"])
-            .env_remove("ROUTER_TOKEN");
-        if let Some(t) = token {
-            cmd.env("ROUTER_TOKEN", t);
-        }
-        cmd.output()
-    };
-    let out = run(Some("load-token")).await.expect("run bench");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}");
+    let url = r.url("/v1/events");
+    let bench_args = [
+        "bench",
+        "ingest",
+        "--url",
+        &url,
+        "--events",
+        "300",
+        "--concurrency",
+        "4",
+        "--batch",
+        "3",
+        "--size",
+        "256",
+    ];
+    let run = |token| run_router(token, &bench_args);
+    let (ok, text, _) = run(Some("load-token")).await;
+    assert!(ok, "{text}");
     assert!(text.contains("events ok:      300"), "{text}");
     assert!(text.contains("failed reqs:    0"), "{text}");
     assert!(text.contains("events/s"), "{text}");
@@ -320,8 +312,7 @@ async fn the_load_tool_sends_its_token_and_reports_what_was_accepted() {
     assert!(accepted.ends_with(" 300"), "{accepted}");
 
     // Without the token every request is refused, and the report counts them as failed.
-    let out = run(None).await.expect("run bench");
-    let text = String::from_utf8_lossy(&out.stdout);
+    let (_, text, _) = run(None).await;
     assert!(text.contains("events ok:      0"), "{text}");
     assert!(text.contains("failed reqs:    100"), "{text}");
 }

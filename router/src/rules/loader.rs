@@ -320,6 +320,16 @@ impl Cx {
         self.push(file, at.line, at.col, message.into(), Severity::Error);
     }
 
+    /// The policies a target may name, for its error messages.
+    fn defined_policies(&self) -> String {
+        if self.policies.is_empty() {
+            "no policies are defined".to_string()
+        } else {
+            let names: Vec<&str> = self.policies.keys().map(String::as_str).collect();
+            format!("defined: {}", names.join(", "))
+        }
+    }
+
     fn warn(&mut self, file: &str, at: &Node, message: impl Into<String>) {
         self.push(file, at.line, at.col, message.into(), Severity::Warning);
     }
@@ -731,12 +741,7 @@ impl Cx {
             None => (None, PolicyConfig::default()),
             // `policy:` with nothing after it: say what to write rather than "not null".
             Some(n) if matches!(n.kind, NodeKind::Null) => {
-                let known: Vec<&str> = self.policies.keys().map(String::as_str).collect();
-                let names = if known.is_empty() {
-                    "no policies are defined".to_string()
-                } else {
-                    format!("defined: {}", known.join(", "))
-                };
+                let names = self.defined_policies();
                 self.err(
                     file,
                     n,
@@ -753,12 +758,7 @@ impl Cx {
                         (Some(p.to_string()), policy.clone())
                     }
                     None => {
-                        let known: Vec<&str> = self.policies.keys().map(String::as_str).collect();
-                        let hint = if known.is_empty() {
-                            "no policies are defined".to_string()
-                        } else {
-                            format!("defined: {}", known.join(", "))
-                        };
+                        let hint = self.defined_policies();
                         self.err(file, n, format!("unknown policy `{p}` ({hint})"));
                         return None;
                     }
