@@ -13,19 +13,9 @@ BIN=${BIN:-target/release/router}
 N=${N:-60000}; BATCH=${BATCH:-1}; MODE=${MODE:-deliver}
 WORK=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$WORK"' EXIT
-mkdir -p "$WORK/rules"
-cat > "$WORK/rules/bench.yaml" <<YAML
-policies:
-  bench:
-    max_queue_depth: 10000000
-rules:
-  - name: bench
-    pattern: { type: [bench.event] }
-    targets:
-      - webhook: http://127.0.0.1:19998/hook
-        id: sink
-        policy: bench
-YAML
+# shellcheck source=scripts/bench-rules.sh
+source scripts/bench-rules.sh
+bench_rules "$WORK/rules"
 taskset -c 0 "$BIN" bench sink --listen 127.0.0.1:19998 2>/dev/null &
 # shellcheck disable=SC2086 # ENVS is a list of assignments
 env ${ENVS:-} RUST_LOG=warn taskset -c 0 "$BIN" serve --listen 127.0.0.1:18080 --data-dir "$WORK/data" \

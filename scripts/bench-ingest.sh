@@ -12,21 +12,9 @@ if [ -z "${BIN:-}" ]; then
 fi
 WORK=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$WORK"' EXIT
-mkdir -p "$WORK/rules"
-# The sink's queue may hold the whole run (the default depth cap, 100,000, would send most of a
-# batched run to the DLQ as target_overflow, a cheaper path than a real fan-out).
-cat > "$WORK/rules/bench.yaml" <<YAML
-policies:
-  bench:
-    max_queue_depth: 10000000
-rules:
-  - name: bench
-    pattern: { type: [bench.event] }
-    targets:
-      - webhook: http://127.0.0.1:19998/hook
-        id: sink
-        policy: bench
-YAML
+# shellcheck source=scripts/bench-rules.sh
+source scripts/bench-rules.sh
+bench_rules "$WORK/rules"
 $BIN bench sink --listen 127.0.0.1:19999 2>/dev/null &   # baseline endpoint
 $BIN bench sink --listen 127.0.0.1:19998 2>/dev/null &   # webhook receiver for delivery
 serve() { RUST_LOG=warn $BIN serve --listen 127.0.0.1:18080 --data-dir "$WORK/$1" --rules "$WORK/rules" --contracts "$WORK/none" 2>>"$WORK/router.log" & ROUTER=$!; sleep 1; }
