@@ -145,7 +145,7 @@ pub(crate) fn load(
         target_locs: HashMap::new(),
         texts: files
             .iter()
-            .map(|f| (f.display.clone(), f.text.clone()))
+            .map(|f| (f.display.as_str(), f.text.as_str()))
             .collect(),
     };
     let mut parsed = Vec::new();
@@ -292,7 +292,7 @@ fn loc_str((file, line, col): &Loc) -> String {
 }
 
 /// Loader state across all files.
-struct Cx {
+struct Cx<'a> {
     diags: Vec<Diagnostic>,
     policies: BTreeMap<String, PolicyConfig>,
     policy_locs: HashMap<String, Loc>,
@@ -302,10 +302,10 @@ struct Cx {
     targets: BTreeMap<String, TargetSpec>,
     target_locs: HashMap<String, Loc>,
     /// Each file's text by its display name, for checks that need a scalar as written.
-    texts: HashMap<String, String>,
+    texts: HashMap<&'a str, &'a str>,
 }
 
-impl Cx {
+impl Cx<'_> {
     fn push(&mut self, file: &str, line: usize, col: usize, message: String, sev: Severity) {
         self.diags.push(Diagnostic {
             file: file.to_string(),
