@@ -15,7 +15,7 @@ use tokio_util::task::TaskTracker;
 use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
 use crate::contract::ContractSet;
-use crate::deliver::{DeliveryContext, Dispatcher};
+use crate::deliver::{DeliveryContext, DeliveryThreads, Dispatcher};
 use crate::rules::{RuleSet, TargetSpec};
 use crate::store::{RedbStore, Store, StoreError, StoreOptions};
 use crate::telemetry::Metrics;
@@ -58,6 +58,8 @@ pub struct App {
     pub disk_full: AtomicBool,
     /// The WASM handler runtime.
     pub handlers: Option<Arc<crate::target::handler::HandlerRuntime>>,
+    /// The delivery runtime's threads and priority, as started.
+    pub delivery_threads: crate::deliver::DeliveryThreadsStatus,
 }
 
 /// Store key prefix of persisted rule overrides (kept beside target states).
@@ -666,6 +668,18 @@ pub async fn run_with_store(
         }
     };
     let (sys_tx, sys_rx) = tokio::sync::mpsc::channel(1024);
+    // Dropped when `run` returns, after the grace period for in-flight attempts.
+    let delivery_threads = DeliveryThreads::start(cfg.delivery.threads, cfg.delivery.nice)?;
+    let delivery_status = delivery_threads.status().await;
+    match &delivery_status.error {
+        None => {
+            tracing::info!(threads = delivery_status.threads, nice = ?delivery_status.nice, "delivery runtime started")
+        }
+        Some(e) => {
+            tracing::warn!(threads = delivery_status.threads, error = %e, "delivery runtime started at ingest's priority");
+            warnings.push(format!("delivery threads run at ingest's priority: {e}"));
+        }
+    }
     let dispatcher = Dispatcher::new(DeliveryContext {
         store: store.clone(),
         metrics: metrics.clone(),
@@ -674,6 +688,7 @@ pub async fn run_with_store(
         http: crate::target::webhook::shared_client(cfg.delivery.tls_ca_file.as_deref())?,
         cancel: workers_cancel.clone(),
         tracker: tracker.clone(),
+        spawner: delivery_threads.handle(),
         system_events: Some(sys_tx),
         secrets: secret_resolver(&cfg)?,
         handlers: handlers.clone(),
@@ -754,6 +769,7 @@ pub async fn run_with_store(
         ingest_limiters,
         disk_full: AtomicBool::new(false),
         handlers: handlers.clone(),
+        delivery_threads: delivery_status,
     });
     if let Some(rt) = &handlers {
         let weak = Arc::downgrade(&app);

@@ -242,6 +242,18 @@ pub struct DeliveryConfig {
     /// What happens to the queued entries of a target that a reload removes: `drain` them
     /// under its last configuration (default), or `dead_letter` them as `target_removed`.
     pub on_target_removed: OnTargetRemoved,
+    /// Threads of the delivery runtime, which runs every target's worker, its attempts and the
+    /// handler invocations apart from ingest's threads. 0 (default) = one per CPU.
+    pub threads: usize,
+    /// Nice value (0–19) of the delivery threads, above ingest's (Linux; elsewhere ignored
+    /// with a warning). Only matters when the CPUs are saturated: then the kernel gives
+    /// ingest and the store committer the larger share, so producers keep getting quick
+    /// 202s and delivery drains the queues behind them, as fast as what is left allows; a
+    /// CPU that is not saturated still runs delivery at full speed. 0 = the same priority as
+    /// ingest (a saturated router then answers producers more slowly while delivering
+    /// faster). Default 10: at saturation each delivery thread gets about a tenth of the
+    /// share of an ingest thread, so deliveries slow down but never stop.
+    pub nice: u8,
 }
 
 /// See `DeliveryConfig::on_target_removed`.
@@ -321,6 +333,8 @@ impl Default for DeliveryConfig {
             sweep_interval: Duration::from_secs(60),
             retention: Duration::from_secs(24 * 3600),
             on_target_removed: OnTargetRemoved::Drain,
+            threads: 0,
+            nice: 10,
         }
     }
 }
@@ -402,6 +416,9 @@ impl Config {
         }
         if self.delivery.sweep_interval.is_zero() {
             return bad("delivery.sweep_interval must be > 0");
+        }
+        if self.delivery.nice > 19 {
+            return bad("delivery.nice must be in 0..=19");
         }
         Ok(())
     }

@@ -368,7 +368,10 @@ fn main() -> ExitCode {
 }
 
 fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
+    // Ingest, the admin API and the background tasks; delivery has a runtime of its own
+    // (`deliver::DeliveryThreads`) at a lower priority.
     let rt = tokio::runtime::Builder::new_multi_thread()
+        .thread_name("router-ingest")
         .enable_all()
         .build()?;
     match cli.cmd {

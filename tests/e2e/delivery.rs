@@ -345,3 +345,74 @@ async fn metrics_health_and_status_answer() {
         assert!(text.contains(m), "missing {m} in\n{text}");
     }
 }
+
+/// Each thread of the router process by name, with its nice value (from `/proc`).
+#[cfg(target_os = "linux")]
+fn thread_nices(pid: u32) -> Vec<(String, i64)> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).expect("/proc task dir") {
+        let dir = task.expect("task entry").path();
+        let (Ok(comm), Ok(stat)) = (
+            std::fs::read_to_string(dir.join("comm")),
+            std::fs::read_to_string(dir.join("stat")),
+        ) else {
+            continue; // the thread ended while we looked
+        };
+        // Fields after the parenthesised name: state is field 3, nice field 19.
+        let rest = &stat[stat.rfind(')').expect("stat has a name") + 2..];
+        let nice: i64 = rest
+            .split(' ')
+            .nth(16)
+            .expect("nice field")
+            .parse()
+            .expect("nice");
+        out.push((comm.trim().to_string(), nice));
+    }
+    out
+}
+
+/// Delivery runs on threads of its own at `delivery.nice` above ingest's priority, so a
+/// saturated machine answers producers first; events are still delivered from them.
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delivery_runs_on_its_own_threads_below_ingests_priority() {
+    let ok = Receiver::ok().await;
+    let rules = rules_yaml(
+        "",
+        &[("r", "t", &[format!("webhook: {}\n        id: w", ok.url())])],
+    );
+    let r = RouterProc::start_with_env(
+        &[("r.yaml", &rules)],
+        &[],
+        &[
+            ("ROUTER_DELIVERY__NICE", "7"),
+            ("ROUTER_DELIVERY__THREADS", "3"),
+        ],
+    );
+    assert_eq!(post_event(&r, &event("e1", "t", json!({}))).await.0, 202);
+    assert!(ok.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
+    let (_, st) = get_json(&r, "/v1/status").await;
+    // The test process runs at some nice value n; the router inherits it, delivery is n + 7.
+    let threads = thread_nices(r.pid());
+    let ingest: Vec<i64> = threads
+        .iter()
+        .filter(|(name, _)| name == "router-ingest")
+        .map(|(_, n)| *n)
+        .collect();
+    let delivery: Vec<i64> = threads
+        .iter()
+        .filter(|(name, _)| name == "router-delivery")
+        .map(|(_, n)| *n)
+        .collect();
+    assert!(!ingest.is_empty(), "no ingest threads in {threads:?}");
+    let base = ingest[0];
+    assert!(ingest.iter().all(|n| *n == base), "{threads:?}");
+    let want = (base + 7).min(19);
+    assert!(delivery.len() >= 3, "three delivery workers in {threads:?}");
+    assert!(delivery.iter().all(|n| *n == want), "{threads:?}");
+    assert_eq!(
+        st["delivery"],
+        json!({"threads": 3, "nice": want, "error": null}),
+        "{st}"
+    );
+}

@@ -71,6 +71,11 @@ impl RouterProc {
         p
     }
 
+    /// The running router's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("router is running").id()
+    }
+
     pub fn data_dir(&self) -> PathBuf {
         self.dir.path().join("data")
     }

@@ -461,6 +461,7 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
                 "error": c.error,
             })),
         },
+        "delivery": app.delivery_threads,
         "records": records_status(&app),
         "handler_kv": handler_kv_status(&app),
         "warnings": *app.warnings.lock().unwrap_or_else(|p| p.into_inner()),

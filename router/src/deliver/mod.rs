@@ -5,6 +5,7 @@
 //! target only ever holds its own leases.
 
 mod runtime;
+mod threads;
 mod worker;
 
 use std::collections::HashMap;
@@ -23,6 +24,7 @@ use crate::target::webhook::{Webhook, WebhookError};
 use crate::telemetry::Metrics;
 
 pub use runtime::{Limiter, PersistedState, TargetRuntime};
+pub use threads::{DeliveryThreads, DeliveryThreadsStatus};
 pub use worker::{decide, dlq_added, system_event};
 
 /// Resolves a secret by name (environment, then the secrets file).
@@ -44,6 +46,9 @@ pub struct DeliveryContext {
     pub cancel: CancellationToken,
     /// Tracks workers and in-flight attempts, so shutdown can wait for them.
     pub tracker: TaskTracker,
+    /// Where workers run: the delivery runtime (`DeliveryThreads`), apart from ingest's.
+    /// Everything a worker spawns (attempts, connections, handler invocations) runs there too.
+    pub spawner: tokio::runtime::Handle,
     /// Where workers send system events (breaker transitions) to be routed.
     pub system_events: Option<tokio::sync::mpsc::Sender<crate::event::CloudEvent>>,
     /// Resolves a secret name (`secret_env`): the environment, then the secrets file.
@@ -183,9 +188,10 @@ impl Dispatcher {
         let runtime = Arc::new(TargetRuntime::new(spec, persisted, self.ctx.clock.now_ms()));
         let stop = self.ctx.cancel.child_token();
         let (ctx, rt, st) = (self.ctx.clone(), runtime.clone(), stop.clone());
-        self.ctx
-            .tracker
-            .spawn(async move { worker::run(ctx, rt, target, st).await });
+        self.ctx.tracker.spawn_on(
+            async move { worker::run(ctx, rt, target, st).await },
+            &self.ctx.spawner,
+        );
         tracing::info!(target_id = %runtime.spec.id, "delivery worker started");
         running.insert(runtime.spec.id.clone(), Running { runtime, stop });
         Ok(())
