@@ -420,6 +420,9 @@ impl Config {
         if self.delivery.nice > 19 {
             return bad("delivery.nice must be in 0..=19");
         }
+        if self.delivery.threads > 1024 {
+            return bad("delivery.threads must be in 0..=1024 (0 = one per CPU)");
+        }
         Ok(())
     }
 }
@@ -542,5 +545,15 @@ mod tests {
     fn invalid_values_are_refused() {
         let e = Config::load(None, env(&[("ROUTER_INGEST__MAX_BATCH", "0")])).expect_err("zero");
         assert!(e.to_string().contains("max_batch"));
+        let e = Config::load(None, env(&[("ROUTER_DELIVERY__NICE", "20")])).expect_err("nice");
+        assert!(
+            e.to_string().contains("delivery.nice must be in 0..=19"),
+            "{e}"
+        );
+        let e =
+            Config::load(None, env(&[("ROUTER_DELIVERY__THREADS", "5000")])).expect_err("threads");
+        assert!(e.to_string().contains("delivery.threads"), "{e}");
+        let ok = Config::load(None, env(&[("ROUTER_DELIVERY__NICE", "19")])).expect("19 is valid");
+        assert_eq!((ok.delivery.nice, ok.delivery.threads), (19, 0));
     }
 }
