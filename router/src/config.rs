@@ -245,14 +245,14 @@ pub struct DeliveryConfig {
     /// Threads of the delivery runtime, which runs every target's worker, its attempts and the
     /// handler invocations apart from ingest's threads. 0 (default) = one per CPU.
     pub threads: usize,
-    /// Nice value (0–19) of the delivery threads, above ingest's (Linux; elsewhere ignored
-    /// with a warning). Only matters when the CPUs are saturated: then the kernel gives
-    /// ingest and the store committer the larger share, so producers keep getting quick
-    /// 202s and delivery drains the queues behind them, as fast as what is left allows; a
-    /// CPU that is not saturated still runs delivery at full speed. 0 = the same priority as
-    /// ingest (a saturated router then answers producers more slowly while delivering
-    /// faster). Default 10: at saturation each delivery thread gets about a tenth of the
-    /// share of an ingest thread, so deliveries slow down but never stop.
+    /// Nice value (0–19) added to the delivery threads' priority, above ingest's (Linux;
+    /// elsewhere ignored with a warning). Only matters when the CPUs are saturated: then the
+    /// kernel gives ingest and the store committer the larger share, so producers keep getting
+    /// quick 202s and delivery drains the queues behind them. Default 0 (off): nice values
+    /// rank the router's delivery below every other process of its CPU scheduling group too,
+    /// so on a host shared with busy processes delivery falls behind them; set 10 where the
+    /// router has its CPUs to itself (its own container or systemd cgroup). See
+    /// docs/operations.md.
     pub nice: u8,
 }
 
@@ -334,7 +334,7 @@ impl Default for DeliveryConfig {
             retention: Duration::from_secs(24 * 3600),
             on_target_removed: OnTargetRemoved::Drain,
             threads: 0,
-            nice: 10,
+            nice: 0,
         }
     }
 }

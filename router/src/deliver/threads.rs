@@ -1,5 +1,5 @@
 //! The threads delivery runs on: a tokio runtime of its own, apart from ingest's, whose threads
-//! run at a higher nice value than ingest's.
+//! can run at a higher nice value than ingest's (`delivery.nice`, off by default).
 //!
 //! Why: on a saturated machine ingest and delivery compete for the same CPUs, and with one
 //! priority every delivered event (a lease, an outbound POST, an ack) takes CPU that the next
