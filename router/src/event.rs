@@ -4,8 +4,175 @@
 //! An event is kept in its structured JSON form (`to_json`), which is what webhooks receive and
 //! what rules match against. Parsing from the three HTTP modes lives in `ingest::parse`.
 
+use std::sync::OnceLock;
+
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
+
+/// An event's `data`: the JSON text as the producer sent it (or as the router wrote it), and
+/// the parsed value, built on first use.
+///
+/// Most events are stored and delivered without anyone reading their data: a rule that
+/// matches on `type` alone and a type without a contract never look inside. Keeping the text
+/// means such an event's data is checked for syntax once at ingest, copied into the stored
+/// record and into each delivery as is, and never built into a `Value` tree or written back
+/// out of one. Whoever does read it (contracts, patterns on `data`, ordering keys) parses it
+/// once, on first use.
+///
+/// A JSON object may repeat a key. Whoever reads the data sees the last occurrence (serde_json's
+/// rule); the text, once read, is then written out as that value, so what a contract checked
+/// or a pattern matched is what targets receive, not a first occurrence some receivers' parsers
+/// would pick. Data nobody read is passed on as sent.
+pub struct Data {
+    raw: Box<RawValue>,
+    /// The value, and whether the text repeated a key somewhere.
+    parsed: OnceLock<(Value, bool)>,
+}
+
+impl Data {
+    /// Data from JSON text already checked to be one valid JSON value.
+    pub fn from_raw(raw: Box<RawValue>) -> Self {
+        Self {
+            raw,
+            parsed: OnceLock::new(),
+        }
+    }
+
+    /// The parsed value.
+    pub fn value(&self) -> &Value {
+        &self.parsed().0
+    }
+
+    fn parsed(&self) -> &(Value, bool) {
+        self.parsed.get_or_init(|| {
+            let repeated = std::cell::Cell::new(false);
+            let mut de = serde_json::Deserializer::from_str(self.raw.get());
+            // The text is valid JSON (checked when it was made), within the depth limit.
+            let v = serde::de::DeserializeSeed::deserialize(Tracking(&repeated), &mut de)
+                .unwrap_or(Value::Null);
+            (v, repeated.get())
+        })
+    }
+
+    /// The JSON text.
+    pub fn text(&self) -> &str {
+        self.raw.get()
+    }
+}
+
+impl From<Value> for Data {
+    fn from(v: Value) -> Self {
+        // Writing a `Value` to text cannot fail: its map keys are strings.
+        let raw = serde_json::value::to_raw_value(&v).expect("a Value always serialises");
+        let parsed = OnceLock::new();
+        let _ = parsed.set((v, false));
+        Self { raw, parsed }
+    }
+}
+
+impl Clone for Data {
+    fn clone(&self) -> Self {
+        Self {
+            raw: self.raw.clone(),
+            parsed: self.parsed.clone(),
+        }
+    }
+}
+
+impl PartialEq for Data {
+    fn eq(&self, other: &Self) -> bool {
+        self.raw.get() == other.raw.get() || self.value() == other.value()
+    }
+}
+
+impl std::fmt::Debug for Data {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.raw.get())
+    }
+}
+
+impl Serialize for Data {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self.parsed.get() {
+            Some((v, true)) => v.serialize(s),
+            _ => self.raw.serialize(s),
+        }
+    }
+}
+
+/// Builds a `Value` as serde_json does (last occurrence of a repeated key wins), noting in
+/// the cell whether any object repeated a key.
+struct Tracking<'a>(&'a std::cell::Cell<bool>);
+
+impl<'de> serde::de::DeserializeSeed<'de> for Tracking<'_> {
+    type Value = Value;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Tracking<'_> {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(v) = seq.next_element_seed(Tracking(self.0))? {
+            out.push(v);
+        }
+        Ok(Value::Array(out))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut out = Map::new();
+        while let Some(k) = map.next_key::<String>()? {
+            let v = map.next_value_seed(Tracking(self.0))?;
+            if out.insert(k, v).is_some() {
+                self.0.set(true);
+            }
+        }
+        Ok(Value::Object(out))
+    }
+}
+
+impl<'de> Deserialize<'de> for Data {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Box::<RawValue>::deserialize(d).map(Data::from_raw)
+    }
+}
 
 /// One validation problem, located by a JSON pointer into the request (or into `data`).
 ///
@@ -72,7 +239,7 @@ pub struct CloudEvent {
     pub dataschema: Option<String>,
     /// `data`, when it is JSON (or a string for textual non-JSON payloads).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub data: Option<Value>,
+    pub data: Option<Data>,
     /// `data_base64`, for binary payloads.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_base64: Option<String>,
@@ -121,7 +288,7 @@ impl CloudEvent {
             "datacontenttype" => s(&self.datacontenttype),
             "dataschema" => s(&self.dataschema),
             "data_base64" => s(&self.data_base64),
-            "data" => self.data.as_ref().map(Member::Json),
+            "data" => self.data.as_ref().map(|d| Member::Json(d.value())),
             // The parser keeps core attribute names out of the extensions.
             _ => self.extensions.get(name).map(Member::Json),
         }
@@ -264,7 +431,7 @@ mod tests {
             time: None,
             datacontenttype: None,
             dataschema: None,
-            data: Some(json!({"a": 1})),
+            data: Some(Data::from(json!({"a": 1}))),
             data_base64: None,
             extensions: Map::new(),
         }
@@ -353,5 +520,66 @@ mod tests {
     #[test]
     fn dedup_key_is_injective_on_separator() {
         assert_ne!(dedup_key("a\u{0}b", "c"), dedup_key("a", "b\u{0}c"));
+    }
+
+    fn raw(text: &str) -> Data {
+        Data::from_raw(RawValue::from_string(text.to_owned()).expect("valid JSON"))
+    }
+
+    #[test]
+    fn data_nobody_reads_is_stored_and_delivered_as_sent() {
+        let text = r#"{"total": 1.50, "big": 12345678901234567890, "z": 1, "a": [ 1e2 ]}"#;
+        let mut e = ev();
+        e.data = Some(raw(text));
+        let bytes = e.structured_bytes(None);
+        let body = std::str::from_utf8(&bytes).expect("utf-8");
+        assert!(body.ends_with(&format!(r#""data":{text}}}"#)), "{body}");
+        // The stored record decodes back to the same text, without parsing it.
+        let back: CloudEvent = serde_json::from_slice(&bytes).expect("decodes");
+        assert_eq!(back.data.as_ref().map(Data::text), Some(text));
+        assert!(back.data.as_ref().is_some_and(|d| d.parsed.get().is_none()));
+        // Read, it is the value serde_json gives.
+        assert_eq!(
+            back.data.as_ref().map(Data::value),
+            Some(&serde_json::from_str::<Value>(text).expect("json"))
+        );
+        assert_eq!(back, e);
+    }
+
+    #[test]
+    fn data_that_repeats_a_key_is_written_as_read_once_read() {
+        let text = r#"{"total": "x", "n": {"k": 1, "k": 2}, "total": 5}"#;
+        let d = raw(text);
+        assert_eq!(
+            serde_json::to_string(&d).expect("ser"),
+            text,
+            "unread: as sent"
+        );
+        assert_eq!(d.value(), &json!({"total": 5, "n": {"k": 2}}));
+        assert_eq!(
+            serde_json::to_string(&d).expect("ser"),
+            r#"{"total":5,"n":{"k":2}}"#,
+            "read: what the reader saw"
+        );
+        // Without a repeated key the text stays as sent even once read.
+        let plain = raw(r#"{"a": 1.50}"#);
+        assert_eq!(plain.value(), &json!({"a": 1.5}));
+        assert_eq!(
+            serde_json::to_string(&plain).expect("ser"),
+            r#"{"a": 1.50}"#
+        );
+    }
+
+    #[test]
+    fn data_from_a_value_reads_and_writes_that_value() {
+        let d = Data::from(json!({"b": [1, "x"], "a": null}));
+        assert_eq!(d.text(), r#"{"b":[1,"x"],"a":null}"#);
+        assert_eq!(d.value(), &json!({"b": [1, "x"], "a": null}));
+        assert_eq!(d, raw(r#"{ "b": [1, "x"], "a": null }"#));
+        assert_ne!(d, raw(r#"{"b": [1, "y"], "a": null}"#));
+        // Into a `Value` (what `to_json` builds) it is parsed, not nested as text.
+        let mut e = ev();
+        e.data = Some(raw(r#"{"n": 2}"#));
+        assert_eq!(e.to_json()["data"], json!({"n": 2}));
     }
 }

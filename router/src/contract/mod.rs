@@ -390,7 +390,7 @@ impl ContractSet {
         }
         let decoded;
         let data = match (&ev.data, &ev.data_base64) {
-            (Some(d), _) => d,
+            (Some(d), _) => d.value(),
             (None, Some(b64)) => match decode_json_base64(b64) {
                 Ok(v) => {
                     decoded = v;

@@ -44,7 +44,7 @@ fn ev(ty: &str, data: Option<Value>) -> CloudEvent {
         time: None,
         datacontenttype: None,
         dataschema: None,
-        data,
+        data: data.map(crate::event::Data::from),
         data_base64: None,
         extensions: Map::new(),
     }

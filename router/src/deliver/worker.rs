@@ -664,14 +664,14 @@ async fn on_transition(ctx: &DeliveryContext, rt: &TargetRuntime, t: Transition,
         BreakerState::Closed => "router.breaker.closed",
     };
     let mut ev = system_event(ty, id, now);
-    ev.data = Some(serde_json::json!({
+    ev.data = Some(crate::event::Data::from(serde_json::json!({
         "target": id,
         "from": t.from.name(),
         "to": to,
         "failure_rate": t.failure_rate,
         "window_requests": t.requests,
         "open_until": match t.to { BreakerState::Open { until } => Some(crate::clock::rfc3339(until)), _ => None },
-    }));
+    })));
     if let Some(tx) = &ctx.system_events {
         // Bounded and best-effort: a full channel means an alert storm is already under way.
         if tx.try_send(ev).is_err() {
@@ -700,12 +700,12 @@ pub fn dlq_added(
         sys.subject = None;
         sys.source = "router://ingest".into();
     }
-    sys.data = Some(serde_json::json!({
+    sys.data = Some(crate::event::Data::from(serde_json::json!({
         "target": target,
         "reason": reason.as_str(),
         "event": { "id": ev.id, "source": ev.source, "type": ev.ty },
         "error": error,
-    }));
+    })));
     if tx.try_send(sys).is_err() {
         ctx.metrics.system_events_dropped.inc();
     }

@@ -8,9 +8,10 @@ use base64::Engine as _;
 use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
 use http::header::CONTENT_TYPE;
 use http::{HeaderMap, StatusCode};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
-use crate::event::{CloudEvent, FieldError, content_type_is_json};
+use crate::event::{CloudEvent, Data, FieldError, content_type_is_json};
 
 /// Structured-mode media type.
 pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json";
@@ -146,6 +147,10 @@ pub fn parse_request(
     let has_ce_headers = headers.keys().any(|k| k.as_str().starts_with("ce-"));
 
     match essence.as_deref() {
+        Some(STRUCTURED_CONTENT_TYPE) if starts_with(body, b'{') => {
+            check_depth(body, limits)?;
+            structured_object(from_json(body)?)
+        }
         Some(STRUCTURED_CONTENT_TYPE) => {
             let v = parse_json_body(body, limits)?;
             if !v.is_object() {
@@ -159,6 +164,10 @@ pub fn parse_request(
             }
             structured(v)
         }
+        Some(BATCH_CONTENT_TYPE) if starts_with(body, b'[') => {
+            check_depth(body, limits)?;
+            batch_elements(from_json(body)?, limits)
+        }
         Some(BATCH_CONTENT_TYPE) => {
             let v = parse_json_body(body, limits)?;
             let Value::Array(items) = v else {
@@ -171,6 +180,14 @@ pub fn parse_request(
             batch(items, limits)
         }
         _ if has_ce_headers => binary(headers, content_type.as_deref(), body, limits),
+        None | Some("application/json") if starts_with(body, b'{') => {
+            check_depth(body, limits)?;
+            structured_object(from_json(body)?)
+        }
+        None | Some("application/json") if starts_with(body, b'[') => {
+            check_depth(body, limits)?;
+            batch_elements(from_json(body)?, limits)
+        }
         None | Some("application/json") => match parse_json_body(body, limits)? {
             v @ Value::Object(_) => structured(v),
             Value::Array(items) => batch(items, limits),
@@ -204,12 +221,131 @@ fn media_essence(ct: &str) -> String {
         .to_ascii_lowercase()
 }
 
+/// Whether the body's first byte after JSON whitespace is `b`.
+fn starts_with(body: &[u8], b: u8) -> bool {
+    body.iter()
+        .find(|c| !matches!(c, b' ' | b'\t' | b'\n' | b'\r'))
+        .is_some_and(|c| *c == b)
+}
+
+/// One element of a structured or batch body: an object, parsed member by member except
+/// `data`, which is kept as the text sent (checked for syntax, not built into a `Value`: most
+/// events are stored and delivered without anyone reading it, see [`Data`]); or anything
+/// else, which is not an event and is reported as such.
+enum EventObject<'a> {
+    Object {
+        members: Map<String, Value>,
+        data: Option<&'a RawValue>,
+    },
+    Other(Value),
+}
+
+impl<'de> serde::Deserialize<'de> for EventObject<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(EventObjectVisitor)
+    }
+}
+
+struct EventObjectVisitor;
+
+impl<'de> serde::de::Visitor<'de> for EventObjectVisitor {
+    type Value = EventObject<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut members = Map::new();
+        let mut data = None;
+        while let Some(key) = map.next_key::<String>()? {
+            // A repeated member: the last one counts, as when the object is read as a `Value`.
+            if key == "data" {
+                data = Some(map.next_value::<&'de RawValue>()?);
+            } else {
+                let value = map.next_value::<Value>()?;
+                members.insert(key, value);
+            }
+        }
+        Ok(EventObject::Object { members, data })
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+        serde::Deserialize::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))
+            .map(EventObject::Other)
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(EventObject::Other(Value::Bool(v)))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(EventObject::Other(Value::from(v)))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(EventObject::Other(Value::from(v)))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Self::Value, E> {
+        Ok(EventObject::Other(Value::from(v)))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(EventObject::Other(Value::String(v.to_owned())))
+    }
+
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(EventObject::Other(Value::Null))
+    }
+}
+
+impl EventObject<'_> {
+    /// The event, or every envelope rule it breaks (pointers under `pointer_prefix`).
+    fn into_event(self, pointer_prefix: &str) -> Result<CloudEvent, Vec<FieldError>> {
+        match self {
+            EventObject::Object { members, data } => {
+                event_from_map(members, data, Locator::Json(pointer_prefix))
+            }
+            EventObject::Other(v) => event_from_json(v, pointer_prefix),
+        }
+    }
+}
+
+/// serde parsing of a body whose depth was checked; a failure is 400 at pointer "".
+fn from_json<'a, T: serde::Deserialize<'a>>(body: &'a [u8]) -> Result<T, ParseError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ParseError::one(StatusCode::BAD_REQUEST, "", format!("malformed JSON: {e}")))
+}
+
+fn structured_object(ev: EventObject<'_>) -> Result<(Mode, Vec<CloudEvent>), ParseError> {
+    let ev = ev.into_event("").map_err(ParseError::bad_request)?;
+    Ok((Mode::Structured, vec![ev]))
+}
+
 fn structured(v: Value) -> Result<(Mode, Vec<CloudEvent>), ParseError> {
     let ev = event_from_json(v, "").map_err(ParseError::bad_request)?;
     Ok((Mode::Structured, vec![ev]))
 }
 
 fn batch(items: Vec<Value>, limits: &Limits) -> Result<(Mode, Vec<CloudEvent>), ParseError> {
+    batch_of(items, limits, event_from_json)
+}
+
+fn batch_elements(
+    items: Vec<EventObject<'_>>,
+    limits: &Limits,
+) -> Result<(Mode, Vec<CloudEvent>), ParseError> {
+    batch_of(items, limits, EventObject::into_event)
+}
+
+/// A batch's envelope checks: not empty, within `max_batch`, every element an event (all
+/// elements' problems reported, under `/<index>`).
+fn batch_of<T>(
+    items: Vec<T>,
+    limits: &Limits,
+    event: impl Fn(T, &str) -> Result<CloudEvent, Vec<FieldError>>,
+) -> Result<(Mode, Vec<CloudEvent>), ParseError> {
     if items.is_empty() {
         return Err(ParseError::one(
             StatusCode::BAD_REQUEST,
@@ -231,7 +367,7 @@ fn batch(items: Vec<Value>, limits: &Limits) -> Result<(Mode, Vec<CloudEvent>), 
     let mut events = Vec::with_capacity(items.len());
     let mut errors = Vec::new();
     for (i, item) in items.into_iter().enumerate() {
-        match event_from_json(item, &format!("/{i}")) {
+        match event(item, &format!("/{i}")) {
             Ok(ev) => events.push(ev),
             Err(mut errs) => errors.append(&mut errs),
         }
@@ -245,11 +381,15 @@ fn batch(items: Vec<Value>, limits: &Limits) -> Result<(Mode, Vec<CloudEvent>), 
 
 /// Depth check, then serde parsing; both failures are 400 at pointer "".
 fn parse_json_body(body: &[u8], limits: &Limits) -> Result<Value, ParseError> {
+    check_depth(body, limits)?;
+    from_json(body)
+}
+
+fn check_depth(body: &[u8], limits: &Limits) -> Result<(), ParseError> {
     if json_depth_exceeds(body, limits.max_json_depth) {
         return Err(depth_error(limits.max_json_depth));
     }
-    serde_json::from_slice(body)
-        .map_err(|e| ParseError::one(StatusCode::BAD_REQUEST, "", format!("malformed JSON: {e}")))
+    Ok(())
 }
 
 fn depth_error(max: usize) -> ParseError {
@@ -346,7 +486,7 @@ impl Locator<'_> {
 /// Every envelope rule the object breaks, each as a [`FieldError`].
 pub fn event_from_json(v: Value, pointer_prefix: &str) -> Result<CloudEvent, Vec<FieldError>> {
     match v {
-        Value::Object(m) => event_from_map(m, Locator::Json(pointer_prefix)),
+        Value::Object(m) => event_from_map(m, None, Locator::Json(pointer_prefix)),
         other => Err(vec![FieldError::new(
             pointer_prefix,
             format!(
@@ -377,7 +517,13 @@ fn valid_attribute_name(name: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
 }
 
-fn event_from_map(m: Map<String, Value>, loc: Locator<'_>) -> Result<CloudEvent, Vec<FieldError>> {
+/// `raw_data`: the `data` member as sent, when the caller kept it out of `m` (the structured and
+/// batch parsers do; see [`EventObject`]).
+fn event_from_map(
+    m: Map<String, Value>,
+    raw_data: Option<&RawValue>,
+    loc: Locator<'_>,
+) -> Result<CloudEvent, Vec<FieldError>> {
     let mut errors = Vec::new();
     let mut err =
         |name: &str, message: String| errors.push(FieldError::new(loc.attr(name), message));
@@ -459,7 +605,7 @@ fn event_from_map(m: Map<String, Value>, loc: Locator<'_>) -> Result<CloudEvent,
             },
             "data" => match value {
                 Value::Null => {}
-                v => data = Some(v),
+                v => data = Some(Data::from(v)),
             },
             "data_base64" => match value {
                 Value::Null => {}
@@ -544,6 +690,11 @@ fn event_from_map(m: Map<String, Value>, loc: Locator<'_>) -> Result<CloudEvent,
                 format!("{} is required", loc.describe(name)),
             ));
         }
+    }
+    if let Some(raw) = raw_data
+        && raw.get() != "null"
+    {
+        data = Some(Data::from_raw(raw.to_owned()));
     }
     if data.is_some() && data_base64.is_some() {
         errors.push(FieldError::new(
@@ -707,7 +858,7 @@ fn binary(
         }
     }
 
-    match event_from_map(attrs, Locator::Headers) {
+    match event_from_map(attrs, None, Locator::Headers) {
         Ok(ev) if errors.is_empty() => Ok((Mode::Binary, vec![ev])),
         Ok(_) => Err(ParseError::bad_request(errors)),
         Err(mut more) => {
@@ -784,7 +935,52 @@ mod tests {
         assert_eq!(mode, Mode::Structured);
         assert_eq!(evs.len(), 1);
         assert_eq!(evs[0].ty, "order.created");
-        assert_eq!(evs[0].data, Some(json!({"total": 3})));
+        assert_eq!(evs[0].data, Some(Data::from(json!({"total": 3}))));
+    }
+
+    #[test]
+    fn data_is_kept_as_sent_in_every_json_mode_and_null_data_is_none() {
+        let one = r#"{"specversion":"1.0","id":"1","source":"/s","type":"t","data": {"a": 1.50, "a": 2}}"#;
+        let (_, evs) = parse(&ct(STRUCTURED_CONTENT_TYPE), one.as_bytes()).unwrap();
+        assert_eq!(
+            evs[0].data.as_ref().map(Data::text),
+            Some(r#"{"a": 1.50, "a": 2}"#)
+        );
+        assert_eq!(
+            evs[0].data.as_ref().map(Data::value),
+            Some(&json!({"a": 2}))
+        );
+        let batch = format!(
+            r#" [ {one}, {{"specversion":"1.0","id":"2","source":"/s","type":"t","data":null}} ]"#
+        );
+        for h in [ct(BATCH_CONTENT_TYPE), ct("application/json")] {
+            let (mode, evs) = parse(&h, batch.as_bytes()).unwrap();
+            assert_eq!(mode, Mode::Batch);
+            assert_eq!(
+                evs[0].data.as_ref().map(Data::text),
+                Some(r#"{"a": 1.50, "a": 2}"#)
+            );
+            assert_eq!(evs[1].data, None);
+        }
+        // A batch element that is not an object is named, as before.
+        let bad = format!("[{one}, 7, [1]]");
+        let e = parse(&ct(BATCH_CONTENT_TYPE), bad.as_bytes()).unwrap_err();
+        let pointers: Vec<&str> = e.errors.iter().map(|e| e.pointer.as_str()).collect();
+        assert_eq!(pointers, ["/1", "/2"], "{:?}", e.errors);
+        assert!(
+            e.errors[0].message.contains("got a number"),
+            "{:?}",
+            e.errors
+        );
+        // Malformed JSON inside data is malformed JSON.
+        let broken = r#"{"specversion":"1.0","id":"1","source":"/s","type":"t","data":{"a":}}"#;
+        let e = parse(&ct(STRUCTURED_CONTENT_TYPE), broken.as_bytes()).unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert!(
+            e.errors[0].message.starts_with("malformed JSON"),
+            "{:?}",
+            e.errors
+        );
     }
 
     #[test]
@@ -1171,7 +1367,7 @@ mod tests {
         assert_eq!(mode, Mode::Binary);
         let ev = &evs[0];
         assert_eq!(ev.id, "42");
-        assert_eq!(ev.data, Some(json!({"total": 5})));
+        assert_eq!(ev.data, Some(Data::from(json!({"total": 5}))));
         assert_eq!(ev.datacontenttype.as_deref(), Some("application/json"));
         assert_eq!(ev.subject.as_deref(), Some("café au lait"));
         assert_eq!(ev.extensions["dataversion"], json!(2));
@@ -1196,7 +1392,7 @@ mod tests {
         pairs.push(("content-type", "text/plain; charset=utf-8"));
         let h = headers(&pairs);
         let (_, evs) = parse(&h, "héllo".as_bytes()).unwrap();
-        assert_eq!(evs[0].data, Some(json!("héllo")));
+        assert_eq!(evs[0].data, Some(Data::from(json!("héllo"))));
         let (_, evs) = parse(&h, b"\xff\xfe").unwrap();
         assert_eq!(evs[0].data, None);
         assert_eq!(evs[0].data_base64.as_deref(), Some("//4="));
@@ -1214,7 +1410,7 @@ mod tests {
     #[test]
     fn binary_without_content_type_is_json() {
         let (_, evs) = parse(&headers(&binary_headers()), b"[1,2]").unwrap();
-        assert_eq!(evs[0].data, Some(json!([1, 2])));
+        assert_eq!(evs[0].data, Some(Data::from(json!([1, 2]))));
         assert_eq!(evs[0].datacontenttype, None);
         assert!(evs[0].data_is_json());
     }

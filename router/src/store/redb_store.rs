@@ -341,14 +341,23 @@ struct Index {
 
 impl Index {
     fn target(&mut self, t: &str) -> &mut TargetIndex {
-        self.targets.entry(t.to_string()).or_default()
+        // Looked up first: `entry` would allocate the key on every call, and the committer
+        // calls this once per queue entry of every group while holding the index lock.
+        if !self.targets.contains_key(t) {
+            self.targets.insert(t.to_string(), TargetIndex::default());
+        }
+        self.targets.get_mut(t).expect("inserted above")
     }
 
     fn notify(&mut self, t: &str) {
-        self.notifiers
-            .entry(t.to_string())
-            .or_insert_with(|| Arc::new(Notify::new()))
-            .notify_one();
+        match self.notifiers.get(t) {
+            Some(n) => n.notify_one(),
+            None => {
+                let n = Arc::new(Notify::new());
+                n.notify_one();
+                self.notifiers.insert(t.to_string(), n);
+            }
+        }
     }
 
     fn apply(&mut self, effect: Effect) {

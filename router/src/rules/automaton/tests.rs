@@ -121,7 +121,7 @@ fn as_cloud_event(v: &Value) -> Option<crate::event::CloudEvent> {
         time: text("time").ok()?,
         datacontenttype: text("datacontenttype").ok()?,
         dataschema: text("dataschema").ok()?,
-        data: m.get("data").cloned(),
+        data: m.get("data").cloned().map(crate::event::Data::from),
         data_base64: text("data_base64").ok()?,
         extensions,
     })

@@ -37,7 +37,7 @@ async fn accept_padded(s: &RedbStore, chunk: usize) -> Result<Vec<AcceptOutcome>
     let batch = (0..200)
         .map(|i| {
             let mut e = new_event("/s", &format!("{chunk}-{i}"), &["a"], 1000);
-            e.event.data = Some(json!({ "pad": pad }));
+            e.event.data = Some(crate::event::Data::from(json!({ "pad": pad })));
             e
         })
         .collect();
