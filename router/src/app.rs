@@ -1022,9 +1022,16 @@ fn spawn_sweeper(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToke
                 _ = cancel.cancelled() => break,
                 _ = tokio::time::sleep(every) => {}
             }
-            // Sweep in bounded batches until caught up, yielding between them.
+            // Sweep in bounded batches until caught up, resting between them as long as the
+            // batch took: the committer that ingest waits on is then never more than half
+            // busy with deleting (back to back, the batches after a busy interval held up
+            // every ingest commit for seconds; docs/BENCHMARKS.md, eleventh session). Half of
+            // the committer still deletes several times faster than events arrive.
             loop {
-                match app.store.sweep(app.clock.now_ms(), window, retention).await {
+                let started = std::time::Instant::now();
+                let swept = app.store.sweep(app.clock.now_ms(), window, retention).await;
+                let took = started.elapsed();
+                match swept {
                     Ok(s) => {
                         for (kind, n) in [
                             ("dedup_key", s.dedup_expired),
@@ -1059,7 +1066,10 @@ fn spawn_sweeper(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToke
                         break;
                     }
                 }
-                tokio::task::yield_now().await;
+                tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    _ = tokio::time::sleep(took) => {}
+                }
             }
             tokio::time::sleep(Duration::ZERO).await;
         }

@@ -66,8 +66,11 @@ const MAX_DEFERRED_EVENTS: usize = 8 * MAX_GROUP_EVENTS;
 const REOPEN_RETRY: Duration = Duration::from_millis(200);
 /// Files smaller than this are never compacted.
 const COMPACT_MIN_BYTES: u64 = 64 << 20;
-/// Events examined per sweep call, so a sweep never holds the committer for long.
-const SWEEP_BATCH: usize = 2000;
+/// Events examined per sweep call, so a sweep never holds the committer for long: a batch is
+/// one commit that every ingest request of its group waits for. 2,000 made that commit take
+/// hundreds of milliseconds (random dedup-key pages); 256 takes 10-17 ms here
+/// (docs/BENCHMARKS.md, eleventh session).
+const SWEEP_BATCH: usize = 256;
 
 /// A summary row under construction and its histogram buckets.
 type SummaryGroup = (SummaryRow, BTreeMap<i64, u64>);
