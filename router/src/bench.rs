@@ -43,6 +43,10 @@ pub struct IngestBench {
     /// Bearer token, for a router with `[[auth.tokens]]`.
     #[arg(long, env = "ROUTER_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// Also print, every this many seconds, the requests finished in that interval with their
+    /// latency percentiles (to stderr), to see when a stall happened.
+    #[arg(long)]
+    pub report_every: Option<u64>,
 }
 
 /// Result of a run.
@@ -138,6 +142,8 @@ struct Tally {
     started: Instant,
     max_us: AtomicU64,
     slowest: std::sync::Mutex<Option<Slowest>>,
+    /// Latencies of the current reporting interval (`--report-every`).
+    window: Option<std::sync::Mutex<hdrhistogram::Histogram<u64>>>,
 }
 
 impl Tally {
@@ -149,7 +155,38 @@ impl Tally {
             started: Instant::now(),
             max_us: AtomicU64::new(0),
             slowest: std::sync::Mutex::new(None),
+            window: None,
         }))
+    }
+
+    /// A tally that also keeps each interval's latencies, printed every `every` by a task
+    /// this spawns (it ends with the tally's last other owner).
+    fn with_intervals(every: Duration) -> Result<Arc<Self>, String> {
+        let mut t = Arc::try_unwrap(Self::new()?).map_err(|_| "tally shared".to_string())?;
+        t.window = Some(std::sync::Mutex::new(latency_histogram()?));
+        let t = Arc::new(t);
+        let weak = Arc::downgrade(&t);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let Some(t) = weak.upgrade() else { break };
+                let Some(Ok(mut w)) = t.window.as_ref().map(|w| w.lock()) else {
+                    break;
+                };
+                eprintln!(
+                    "+{:>5.0}s  {:>7} req  p50 {:>8.2} ms  p99 {:>8.2} ms  max {:>8.2} ms",
+                    t.started.elapsed().as_secs_f64(),
+                    w.len(),
+                    w.value_at_quantile(0.5) as f64 / 1e3,
+                    w.value_at_quantile(0.99) as f64 / 1e3,
+                    w.max() as f64 / 1e3
+                );
+                w.reset();
+            }
+        });
+        Ok(t)
     }
 
     /// One request sent at `t0` carrying events from `first_event` on: `ok_events`
@@ -166,6 +203,9 @@ impl Tally {
             .max(1);
         if let Some(h) = local.as_mut() {
             let _ = h.record(us);
+        }
+        if let Some(Ok(mut w)) = self.window.as_ref().map(|w| w.lock()) {
+            let _ = w.record(us);
         }
         // The lock is taken only by a new maximum: rare after the first requests.
         if us > self.max_us.fetch_max(us, Ordering::Relaxed)
@@ -228,7 +268,10 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
         .build(connector);
     let run = format!("{:x}", rand::random::<u64>());
     let next = Arc::new(AtomicU64::new(0));
-    let tally = Tally::new()?;
+    let tally = match b.report_every {
+        Some(secs) => Tally::with_intervals(Duration::from_secs(secs.max(1)))?,
+        None => Tally::new()?,
+    };
     let started = Instant::now();
     let mut tasks = Vec::new();
     let batch = b.batch.max(1) as u64;
@@ -409,6 +452,163 @@ pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
         let _ = t.await;
     }
     tally.report(started.elapsed())
+}
+
+/// Parameters of `router bench sweep` (its command-line arguments).
+#[derive(Debug, Clone, clap::Args)]
+pub struct SweepBench {
+    /// Data directory of the store (created; should be empty).
+    #[arg(long)]
+    pub dir: std::path::PathBuf,
+    /// Events to accept, deliver and then sweep.
+    #[arg(long, default_value_t = 50_000)]
+    pub events: u64,
+    /// Approximate bytes per event.
+    #[arg(long, default_value_t = 1024)]
+    pub size: usize,
+    /// Queue entries per event (each leased and delivered before the sweep).
+    #[arg(long, default_value_t = 1)]
+    pub targets: usize,
+}
+
+/// What `router bench sweep` measured.
+#[derive(Debug)]
+pub struct SweepReport {
+    /// Events removed.
+    pub removed: u64,
+    /// Sweep calls made.
+    pub calls: u64,
+    /// Wall time of all sweep calls.
+    pub elapsed: Duration,
+    /// Per-call latency percentiles in microseconds: p50, p99, max.
+    pub call_us: (u64, u64, u64),
+}
+
+impl std::fmt::Display for SweepReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let secs = self.elapsed.as_secs_f64().max(1e-9);
+        writeln!(
+            f,
+            "swept {} events in {} calls, {:.2} s: {:.0} events/s, {:.1} us/event",
+            self.removed,
+            self.calls,
+            secs,
+            self.removed as f64 / secs,
+            secs * 1e6 / (self.removed.max(1) as f64)
+        )?;
+        write!(
+            f,
+            "per call (one commit each): p50 {:.2} ms  p99 {:.2} ms  max {:.2} ms",
+            self.call_us.0 as f64 / 1e3,
+            self.call_us.1 as f64 / 1e3,
+            self.call_us.2 as f64 / 1e3
+        )
+    }
+}
+
+/// The sweeper's cost alone: `events` events are accepted two hours in the past (dedup window
+/// and retention one minute), each queue entry is leased and delivered, then the store is
+/// swept until nothing is left, timing every sweep call. A sweep call is one commit, which
+/// every ingest request that joins its group waits for.
+pub async fn run_sweep(b: SweepBench) -> Result<SweepReport, String> {
+    use crate::store::{
+        AttemptEnd, AttemptResult, Disposition, NewEntry, NewEvent, RedbStore, Store, StoreOptions,
+    };
+    let store = RedbStore::open_dir(&b.dir, StoreOptions::default()).map_err(|e| e.to_string())?;
+    let run = format!("{:x}", rand::random::<u64>());
+    let now = chrono::Utc::now().timestamp_millis();
+    let past = now - 2 * 3_600_000;
+    let mut n = 0;
+    while n < b.events {
+        let end = (n + 100).min(b.events);
+        let events = (n..end)
+            .map(|i| {
+                let event = serde_json::from_value(make_event(&run, i, b.size, "bench.event"))
+                    .map_err(|e| e.to_string())?;
+                Ok(NewEvent {
+                    event,
+                    accepted_at: past,
+                    ruleset_version: "bench".into(),
+                    matched_rules: vec!["bench".into()],
+                    targets: (0..b.targets)
+                        .map(|t| NewEntry {
+                            target_id: format!("bench-{t}"),
+                            rule: "bench".into(),
+                            ordering_key: None,
+                            max_depth: None,
+                        })
+                        .collect(),
+                    quarantine: None,
+                    dedup_window_ms: 60_000,
+                })
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        store.accept(events).await.map_err(|e| e.to_string())?;
+        n = end;
+    }
+    for t in 0..b.targets {
+        let target = format!("bench-{t}");
+        loop {
+            let leased = store
+                .lease(&target, now, 512, 600_000)
+                .await
+                .map_err(|e| e.to_string())?;
+            if leased.is_empty() {
+                break;
+            }
+            let finishes = leased.into_iter().map(|l| {
+                store.finish(
+                    l.entry.id,
+                    l.lease,
+                    AttemptEnd {
+                        finished_at: now,
+                        result: AttemptResult::Delivered,
+                        status: Some(200),
+                        error: None,
+                        outbox: None,
+                    },
+                    Disposition::Delivered,
+                    now,
+                )
+            });
+            for r in futures::future::join_all(finishes).await {
+                r.map_err(|e| format!("{e:?}"))?;
+            }
+        }
+    }
+    let mut hist = latency_histogram()?;
+    let (mut removed, mut calls) = (0, 0);
+    let started = Instant::now();
+    loop {
+        let t0 = Instant::now();
+        let s = store
+            .sweep(now, 60_000, 60_000)
+            .await
+            .map_err(|e| e.to_string())?;
+        let _ = hist.record(t0.elapsed().as_micros().max(1) as u64);
+        if std::env::var_os("SWEEP_TRACE").is_some() {
+            eprintln!(
+                "call {calls}: {:?} removed {}",
+                t0.elapsed(),
+                s.events_removed
+            );
+        }
+        calls += 1;
+        removed += s.events_removed;
+        if !s.more {
+            break;
+        }
+    }
+    Ok(SweepReport {
+        removed,
+        calls,
+        elapsed: started.elapsed(),
+        call_us: (
+            hist.value_at_quantile(0.5),
+            hist.value_at_quantile(0.99),
+            hist.max(),
+        ),
+    })
 }
 
 /// Runs a sink on `addr`: every request's body is read and parsed as JSON, then answered

@@ -347,6 +347,9 @@ enum BenchCmd {
     Ingest(router::bench::IngestBench),
     /// Accept events straight into a store in DIR (no HTTP): the store's group commit alone.
     Store(router::bench::StoreBench),
+    /// Accept, deliver and then sweep events in a store in DIR: the sweeper's cost per event
+    /// and per commit.
+    Sweep(router::bench::SweepBench),
     /// A receiver that parses and discards (baseline endpoint and fast webhook).
     Sink {
         #[arg(long, default_value = "127.0.0.1:9999")]
@@ -648,6 +651,15 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
         } => {
             let report = rt
                 .block_on(router::bench::run_store(b))
+                .map_err(anyhow::Error::msg)?;
+            println!("{report}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Bench {
+            cmd: BenchCmd::Sweep(b),
+        } => {
+            let report = rt
+                .block_on(router::bench::run_sweep(b))
                 .map_err(anyhow::Error::msg)?;
             println!("{report}");
             Ok(ExitCode::SUCCESS)

@@ -66,6 +66,8 @@ const MAX_DEFERRED_EVENTS: usize = 8 * MAX_GROUP_EVENTS;
 const REOPEN_RETRY: Duration = Duration::from_millis(200);
 /// Files smaller than this are never compacted.
 const COMPACT_MIN_BYTES: u64 = 64 << 20;
+/// Shortest time between two compaction checks (see `Committer::compact_next_check`).
+const COMPACT_CHECK_GAP: Duration = Duration::from_secs(1);
 /// Events examined per sweep call, so a sweep never holds the committer for long: a batch is
 /// one commit that every ingest request of its group waits for. 2,000 made that commit take
 /// hundreds of milliseconds (random dedup-key pages); 256 takes 10-17 ms here
@@ -682,6 +684,7 @@ impl RedbStore {
             compacting: compacting.clone(),
             check_compaction: false,
             compact_checking: Arc::new(AtomicBool::new(false)),
+            compact_next_check: Arc::new(Mutex::new(Instant::now())),
             compact_wanted: Arc::new(AtomicBool::new(false)),
             compact_peak_live: Arc::new(AtomicU64::new(0)),
             path: path.clone(),
@@ -1576,6 +1579,11 @@ struct Committer {
     check_compaction: bool,
     /// A compaction check is running.
     compact_checking: Arc<AtomicBool>,
+    /// No compaction check starts before this: each one reads every page of the file, so
+    /// checks are spaced by twenty times the last one's duration (at least
+    /// `COMPACT_CHECK_GAP`). Checked after every sweep call, a 400 MB file was walked back to
+    /// back while a steady load was swept, taking a core from ingest.
+    compact_next_check: Arc<Mutex<Instant>>,
     /// A compaction check found the file worth compacting.
     compact_wanted: Arc<AtomicBool>,
     /// The most live data any check has seen since the last compaction.
@@ -1788,21 +1796,34 @@ impl Committer {
         let Some(file_len) = self.file_len() else {
             return;
         };
+        let not_yet = || {
+            Instant::now()
+                < *self
+                    .compact_next_check
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+        };
         if file_len <= self.compact_min_bytes.max(self.compact_floor)
+            || not_yet()
             || self.compact_checking.swap(true, Ordering::AcqRel)
         {
             return;
         }
-        let (db, wanted, checking, peak) = (
+        let (db, wanted, checking, peak, next_check) = (
             self.db.clone(),
             self.compact_wanted.clone(),
             self.compact_checking.clone(),
             self.compact_peak_live.clone(),
+            self.compact_next_check.clone(),
         );
         let spawned = std::thread::Builder::new()
             .name("store-compact-check".into())
             .spawn(move || {
-                match live_bytes(&db) {
+                let started = Instant::now();
+                let live = live_bytes(&db);
+                let gap = (started.elapsed() * 20).max(COMPACT_CHECK_GAP);
+                *next_check.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now() + gap;
+                match live {
                     // Worthwhile once live data has at least halved from the most any check saw
                     // since the last compaction (a backlog drained), or the file is eight times
                     // the live data (a backlog that came and went between two checks). Not
@@ -2823,43 +2844,119 @@ fn take_dlq(txn: &Tx<'_>, id: u64) -> Result<Option<DlqEntry>, StoreError> {
     Ok(Some(d))
 }
 
-/// Removes one event with its entries and (if it still points at it) its dedup key.
-fn remove_event(txn: &Tx<'_>, seq: u64, stats: &mut SweepStats) -> Result<(), StoreError> {
-    let mut ev_t = txn.open_table(EVENTS)?;
-    let Some(raw) = ev_t.remove(seq)? else {
-        return Ok(());
-    };
-    let ev = dec_event(seq, raw.value())?;
-    drop(raw);
-    let mut dedup = txn.open_table(DEDUP)?;
-    let key = ev.event.dedup_key();
-    if dedup.get(key.as_str())?.is_some_and(|v| v.value().0 == seq) {
-        dedup.remove(key.as_str())?;
-        stats.dedup_expired += 1;
-    }
-    let mut entries = txn.open_table(ENTRIES)?;
-    let keys = entries
-        .range((seq, 0)..=(seq, u32::MAX))?
-        .map(|r| r.map(|(k, _)| k.value()))
-        .collect::<Result<Vec<_>, _>>()?;
-    for k in keys {
-        entries.remove(k)?;
-    }
-    stats.events_removed += 1;
-    Ok(())
+/// What the sweep reads of an `events` record: its dedup key and when it was accepted. The
+/// rest of the record (the data above all) is skipped, not decoded.
+#[derive(serde::Deserialize)]
+struct SweepView<'a> {
+    #[serde(borrow)]
+    event: SweepKeys<'a>,
+    accepted_at: Millis,
 }
 
-fn referenced(txn: &Tx<'_>, seq: u64) -> Result<bool, StoreError> {
-    Ok(txn
-        .open_table(LIVE)?
-        .range((seq, 0)..=(seq, u32::MAX))?
-        .next()
-        .is_some()
-        || txn
-            .open_table(DLQ_BY_EVENT)?
-            .range((seq, 0)..=(seq, u64::MAX))?
+#[derive(serde::Deserialize)]
+struct SweepKeys<'a> {
+    #[serde(borrow)]
+    id: std::borrow::Cow<'a, str>,
+    #[serde(borrow)]
+    source: std::borrow::Cow<'a, str>,
+}
+
+fn sweep_view(seq: u64, b: &[u8]) -> Result<(Millis, String), StoreError> {
+    let v: SweepView<'_> = serde_json::from_slice(b).map_err(|e| StoreError::Corrupt {
+        table: "events",
+        message: format!("event {seq}: {e}"),
+    })?;
+    Ok((
+        v.accepted_at,
+        crate::event::dedup_key(&v.event.source, &v.event.id),
+    ))
+}
+
+/// The tables a sweep writes, opened once per sweep call: opening a table and closing it
+/// again writes its root back into the table of tables, which per removed event cost more
+/// than the removal itself.
+struct SweepTables<'a> {
+    events: LTable<'a, u64, &'static [u8]>,
+    dedup: LTable<'a, &'static str, (u64, i64)>,
+    entries: LTable<'a, (u64, u32), &'static [u8]>,
+    live: LTable<'a, (u64, u32), ()>,
+    dlq_by_event: LTable<'a, (u64, u64), ()>,
+    pending_gc: LTable<'a, u64, ()>,
+}
+
+impl<'a> SweepTables<'a> {
+    fn open(txn: &Tx<'a>) -> Result<Self, StoreError> {
+        Ok(Self {
+            events: txn.open_table(EVENTS)?,
+            dedup: txn.open_table(DEDUP)?,
+            entries: txn.open_table(ENTRIES)?,
+            live: txn.open_table(LIVE)?,
+            dlq_by_event: txn.open_table(DLQ_BY_EVENT)?,
+            pending_gc: txn.open_table(PENDING_GC)?,
+        })
+    }
+
+    /// Whether a live queue entry or a DLQ entry still refers to event `seq`.
+    fn referenced(&self, seq: u64) -> Result<bool, StoreError> {
+        Ok(self
+            .live
+            .range((seq, 0)..=(seq, u32::MAX))?
             .next()
-            .is_some())
+            .is_some()
+            || self
+                .dlq_by_event
+                .range((seq, 0)..=(seq, u64::MAX))?
+                .next()
+                .is_some())
+    }
+
+    /// Of the events `lo..=hi`, those a live queue entry or a DLQ entry refers to: one range
+    /// read per index for the whole batch instead of two lookups per event.
+    fn referenced_in(&self, lo: u64, hi: u64) -> Result<BTreeSet<u64>, StoreError> {
+        let mut seqs = BTreeSet::new();
+        for row in self.live.range((lo, 0)..=(hi, u32::MAX))? {
+            seqs.insert(row?.0.value().0);
+        }
+        for row in self.dlq_by_event.range((lo, 0)..=(hi, u64::MAX))? {
+            seqs.insert(row?.0.value().0);
+        }
+        Ok(seqs)
+    }
+
+    /// Removes the events `gone` (sequence number and dedup key) with their finished queue entries, and each one's dedup key if it still
+    /// points at that event (a key accepted again after the window points at the newer one).
+    fn remove(
+        &mut self,
+        gone: &mut [(u64, String)],
+        stats: &mut SweepStats,
+    ) -> Result<(), StoreError> {
+        for (seq, _) in gone.iter() {
+            self.events.remove(*seq)?;
+        }
+        // Each event's entry rows (keys start with its sequence number), with the table
+        // already open: one short range read each.
+        let mut rows = Vec::new();
+        for (seq, _) in gone.iter() {
+            for row in self.entries.range((*seq, 0)..=(*seq, u32::MAX))? {
+                rows.push(row?.0.value());
+            }
+        }
+        for key in rows {
+            self.entries.remove(key)?;
+        }
+        // Dedup keys in key order: neighbouring removals then share their path down the
+        // tree while it is hot (they are scattered over the table in event order).
+        gone.sort_unstable_by(|a, b| a.1.cmp(&b.1));
+        for (seq, key) in gone.iter() {
+            let current = self.dedup.get(key.as_str())?.map(|v| v.value().0);
+            if current == Some(*seq) {
+                self.dedup.remove(key.as_str())?;
+                stats.dedup_expired += 1;
+            }
+        }
+        stats.events_removed += gone.len() as u64;
+        Ok(())
+    }
 }
 
 /// Bounded garbage collection. Events past the retention (at least the dedup window) are
@@ -2878,52 +2975,61 @@ fn sweep(
     let cut = now - retention_ms.max(dedup_window_ms);
     let mut meta = txn.open_table(META)?;
     let cursor = read_u64(&*meta, "sweep_cursor")?.unwrap_or(0);
+    let gc_cursor = read_u64(&*meta, "gc_cursor")?.unwrap_or(0);
+    let mut t = SweepTables::open(txn)?;
+
+    // The oldest events past the cut, in acceptance order.
     let mut candidates = Vec::new();
-    {
-        let ev_t = txn.open_table(EVENTS)?;
-        for row in ev_t.range(cursor..)?.take(SWEEP_BATCH) {
-            let (k, v) = row?;
-            let ev = dec_event(k.value(), v.value())?;
-            if ev.accepted_at >= cut {
-                break;
-            }
-            candidates.push(k.value());
+    for row in t.events.range(cursor..)?.take(SWEEP_BATCH) {
+        let (k, v) = row?;
+        let (accepted_at, key) = sweep_view(k.value(), v.value())?;
+        if accepted_at >= cut {
+            break;
         }
+        candidates.push((k.value(), key));
     }
-    let mut next_cursor = cursor;
     stats.more = candidates.len() >= SWEEP_BATCH;
-    for seq in candidates {
-        if referenced(txn, seq)? {
-            txn.open_table(PENDING_GC)?.insert(seq, ())?;
-            stats.pending += 1;
-        } else {
-            remove_event(txn, seq, &mut stats)?;
+    let next_cursor = candidates.last().map_or(cursor, |(seq, _)| seq + 1);
+    if let (Some(&(lo, _)), Some(&(hi, _))) = (candidates.first(), candidates.last()) {
+        let kept = t.referenced_in(lo, hi)?;
+        for seq in &kept {
+            t.pending_gc.insert(*seq, ())?;
         }
-        next_cursor = seq + 1;
+        stats.pending += kept.len() as u64;
+        candidates.retain(|(seq, _)| !kept.contains(seq));
+        t.remove(&mut candidates, &mut stats)?;
     }
     meta.insert("sweep_cursor", next_cursor.to_le_bytes().as_slice())?;
 
     // Revisit events kept earlier, a batch at a time, wrapping around.
-    let gc_cursor = read_u64(&*meta, "gc_cursor")?.unwrap_or(0);
-    let pending: Vec<u64> = txn
-        .open_table(PENDING_GC)?
+    let pending: Vec<u64> = t
+        .pending_gc
         .range(gc_cursor..)?
         .take(SWEEP_BATCH)
         .map(|r| r.map(|(k, _)| k.value()))
         .collect::<Result<_, _>>()?;
     let wrapped = pending.len() < SWEEP_BATCH;
-    let mut next_gc = gc_cursor;
+    let next_gc = pending.last().map_or(gc_cursor, |seq| seq + 1);
+    let mut gone = Vec::new();
     for seq in pending {
-        if !referenced(txn, seq)? {
-            remove_event(txn, seq, &mut stats)?;
-            txn.open_table(PENDING_GC)?.remove(seq)?;
+        if t.referenced(seq)? {
+            continue;
         }
-        next_gc = seq + 1;
+        t.pending_gc.remove(seq)?;
+        // Only the sweep removes events, and it drops them from `pending_gc` in the same
+        // transaction; a missing record would still be nothing to remove.
+        let key = match t.events.get(seq)? {
+            Some(v) => sweep_view(seq, v.value())?.1,
+            None => continue,
+        };
+        gone.push((seq, key));
     }
+    t.remove(&mut gone, &mut stats)?;
     meta.insert(
         "gc_cursor",
         (if wrapped { 0 } else { next_gc }).to_le_bytes().as_slice(),
     )?;
+    drop(t);
 
     // COMPLETED records past their expiry, oldest first, a batch at a time.
     let expired = expired_batch(txn, COMPLETED_EXP, now)?;
@@ -3054,7 +3160,7 @@ fn rebuild_kv_accounting(txn: &Tx<'_>) -> Result<(), StoreError> {
 }
 
 mod logged;
-use logged::Tx;
+use logged::{LTable, Tx};
 
 #[cfg(test)]
 mod tests;

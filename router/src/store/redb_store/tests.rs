@@ -1335,3 +1335,85 @@ async fn a_log_left_behind_is_applied_when_the_log_is_turned_off() {
     }
     assert!(!dir.path().join("router.log").exists());
 }
+
+/// Rows of `entries` per event sequence number, read straight from the file.
+fn entry_rows(s: &RedbStore) -> BTreeMap<u64, usize> {
+    let db = s.read_db();
+    let r = db.begin_read().expect("read");
+    let mut rows = BTreeMap::new();
+    for row in r
+        .open_table(ENTRIES)
+        .expect("entries")
+        .iter()
+        .expect("iter")
+    {
+        *rows.entry(row.expect("row").0.value().0).or_default() += 1;
+    }
+    rows
+}
+
+/// One sweep batch holding, interleaved, events still queued somewhere, delivered ones and
+/// one kept for the DLQ: only the finished ones go, each with all of its entry rows and its
+/// dedup key; the kept ones keep every row, and go once released, on a later sweep.
+#[tokio::test]
+async fn a_sweep_batch_removes_finished_events_among_kept_ones_with_all_their_rows() {
+    let s = RedbStore::in_memory().expect("store");
+    // Events 0..12 fan out to `a` and `b`; `b` is only delivered for even ones.
+    let batch = (0..12)
+        .map(|i| new_event("/s", &i.to_string(), &["a", "b"], 1000))
+        .collect();
+    s.accept(batch).await.expect("accept");
+    deliver_all(&s).await;
+    for l in s.lease("b", 2000, 100, 60_000).await.expect("lease") {
+        let odd = l.event.event.id.parse::<u32>().expect("numeric id") % 2 == 1;
+        let disposition = if l.event.event.id == "11" {
+            Disposition::DeadLetter {
+                reason: DlqReason::PermanentError,
+                hold: false,
+            }
+        } else if odd {
+            Disposition::Retry { due_at: 3000 }
+        } else {
+            Disposition::Delivered
+        };
+        s.finish(l.entry.id, l.lease, delivered(2001), disposition, 2001)
+            .await
+            .expect("finish");
+    }
+    let stats = s.sweep(100_000, 5_000, 5_000).await.expect("sweep");
+    // 6 even events go; 5 odd ones wait for their retry, and 11 is in the DLQ.
+    assert_eq!(
+        (stats.events_removed, stats.dedup_expired, stats.pending),
+        (6, 6, 6)
+    );
+    let rows = entry_rows(&s);
+    let kept: Vec<u64> = rows.keys().copied().collect();
+    assert_eq!(kept.len(), 6, "rows left: {rows:?}");
+    assert!(
+        rows.values().all(|n| *n == 2),
+        "a kept event keeps both rows: {rows:?}"
+    );
+    for i in 0..12 {
+        let fate = s.fate("/s", &i.to_string()).expect("fate");
+        assert_eq!(fate.is_some(), i % 2 == 1, "event {i}");
+    }
+    assert_eq!(s.record_counts().expect("counts").dedup_keys, 6);
+    // The retries are delivered: the revisit removes those five; the DLQ one stays.
+    tokio::task::yield_now().await;
+    for l in s.lease("b", 4000, 100, 60_000).await.expect("lease") {
+        s.finish(
+            l.entry.id,
+            l.lease,
+            delivered(4001),
+            Disposition::Delivered,
+            4001,
+        )
+        .await
+        .expect("finish");
+    }
+    let stats = s.sweep(100_000, 5_000, 5_000).await.expect("sweep");
+    assert_eq!((stats.events_removed, stats.dedup_expired), (5, 5));
+    assert_eq!(entry_rows(&s).len(), 1);
+    assert!(s.fate("/s", "11").expect("fate").is_some());
+    assert_eq!(s.record_counts().expect("counts").events, 1);
+}

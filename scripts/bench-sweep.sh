@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Ingest latency while the sweeper runs: the soak configuration (dedup window, retention and
+# archive 1 min, sweep every 10 s), a fixed rate with delivery to a local sink keeping up, long
+# enough that events age past the retention and every sweep has a minute's worth to remove.
+# Prints the load tool's result and the sweep/commit lines of the router's log.
+# Usage: scripts/bench-sweep.sh [RATE=3000] [SECS=150]   (BIN= to use another router binary;
+# RETENTION=1h for the same run without sweeps)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RATE=${1:-3000}
+RETENTION=${RETENTION:-1m}
+SECS=${2:-150}
+if [ -z "${BIN:-}" ]; then
+  cargo build --release --locked -q -p router
+  BIN=$PWD/target/release/router
+fi
+WORK=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$WORK"' EXIT
+mkdir -p "$WORK/rules"
+cat > "$WORK/rules/sweep.yaml" <<YAML
+rules:
+  - name: sweep
+    pattern: { type: [bench.event] }
+    targets:
+      - webhook: http://127.0.0.1:19995/hook
+        id: sink
+YAML
+cat > "$WORK/router.toml" <<TOML
+[ingest]
+dedup_window = "$RETENTION"
+[delivery]
+retention = "$RETENTION"
+sweep_interval = "10s"
+[archive]
+retention = "$RETENTION"
+TOML
+$BIN bench sink --listen 127.0.0.1:19995 2>/dev/null &
+RUST_LOG=warn,router::store=info $BIN serve --config "$WORK/router.toml" --listen 127.0.0.1:18091 \
+  --data-dir "$WORK/data" --rules "$WORK/rules" --contracts "$WORK/none" 2>"$WORK/router.log" &
+sleep 1
+$BIN bench ingest --url http://127.0.0.1:18091/v1/events --events $((SECS * RATE)) \
+  --concurrency 32 --size 1024 --rate "$RATE" --report-every 10
+echo "== queued at the end: $(curl -s 127.0.0.1:18091/v1/targets/sink | sed -E 's/.*"queued":([0-9]+).*/\1/')"
+echo "== swept: $(curl -s 127.0.0.1:18091/metrics | grep -E '^router_swept' | tr '\n' ' ')"
+echo "== slow commits logged: $(grep -c 'slow store commit' "$WORK/router.log" || true)"
+grep 'slow store commit' "$WORK/router.log" | tail -5 || true
