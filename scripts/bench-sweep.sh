@@ -39,7 +39,7 @@ RUST_LOG=warn,router::store=info $BIN serve --config "$WORK/router.toml" --liste
   --data-dir "$WORK/data" --rules "$WORK/rules" --contracts "$WORK/none" 2>"$WORK/router.log" &
 sleep 1
 $BIN bench ingest --url http://127.0.0.1:18091/v1/events --events $((SECS * RATE)) \
-  --concurrency 32 --size 1024 --rate "$RATE" --report-every 10
+  --concurrency 32 --size 1024 --rate "$RATE" ${REPORT_EVERY:+--report-every $REPORT_EVERY}
 echo "== queued at the end: $(curl -s 127.0.0.1:18091/v1/targets/sink | sed -E 's/.*"queued":([0-9]+).*/\1/')"
 echo "== swept: $(curl -s 127.0.0.1:18091/metrics | grep -E '^router_swept' | tr '\n' ' ')"
 echo "== slow commits logged: $(grep -c 'slow store commit' "$WORK/router.log" || true)"
