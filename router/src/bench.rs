@@ -148,7 +148,11 @@ struct Tally {
 
 impl Tally {
     fn new() -> Result<Arc<Self>, String> {
-        Ok(Arc::new(Self {
+        Ok(Arc::new(Self::build()?))
+    }
+
+    fn build() -> Result<Self, String> {
+        Ok(Self {
             ok: AtomicU64::new(0),
             failed: AtomicU64::new(0),
             hist: std::sync::Mutex::new(latency_histogram()?),
@@ -156,13 +160,13 @@ impl Tally {
             max_us: AtomicU64::new(0),
             slowest: std::sync::Mutex::new(None),
             window: None,
-        }))
+        })
     }
 
     /// A tally that also keeps each interval's latencies, printed every `every` by a task
     /// this spawns (it ends with the tally's last other owner).
     fn with_intervals(every: Duration) -> Result<Arc<Self>, String> {
-        let mut t = Arc::try_unwrap(Self::new()?).map_err(|_| "tally shared".to_string())?;
+        let mut t = Self::build()?;
         t.window = Some(std::sync::Mutex::new(latency_histogram()?));
         let t = Arc::new(t);
         let weak = Arc::downgrade(&t);
@@ -386,11 +390,42 @@ pub struct StoreBench {
     pub group_log: bool,
 }
 
+/// Bench event `n` of `run` as the store accepts it: `targets` queue entries (`bench-0`, …),
+/// accepted at `accepted_at`.
+fn store_event(
+    run: &str,
+    n: u64,
+    size: usize,
+    targets: usize,
+    accepted_at: i64,
+    dedup_window_ms: i64,
+) -> Result<crate::store::NewEvent, String> {
+    use crate::store::{NewEntry, NewEvent};
+    let event = serde_json::from_value(make_event(run, n, size, "bench.event"))
+        .map_err(|e| e.to_string())?;
+    Ok(NewEvent {
+        event,
+        accepted_at,
+        ruleset_version: "bench".into(),
+        matched_rules: vec!["bench".into()],
+        targets: (0..targets)
+            .map(|t| NewEntry {
+                target_id: format!("bench-{t}"),
+                rule: "bench".into(),
+                ordering_key: None,
+                max_depth: None,
+            })
+            .collect(),
+        quarantine: None,
+        dedup_window_ms,
+    })
+}
+
 /// The store alone, without HTTP: `concurrency` writers accept events (each with `targets`
 /// queue entries) as fast as the committer makes them durable, which is what an ingest
 /// request waits for. Isolates the store's group commit from the HTTP and delivery work.
 pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
-    use crate::store::{NewEntry, NewEvent, RedbStore, Store, StoreOptions};
+    use crate::store::{RedbStore, Store, StoreOptions};
     let store = RedbStore::open_dir(
         &b.dir,
         StoreOptions {
@@ -418,27 +453,7 @@ pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
                 let end = (start + batch).min(total);
                 let now = chrono::Utc::now().timestamp_millis();
                 let events = (start..end)
-                    .filter_map(|n| {
-                        let event =
-                            serde_json::from_value(make_event(&run, n, size, "bench.event"))
-                                .ok()?;
-                        Some(NewEvent {
-                            event,
-                            accepted_at: now,
-                            ruleset_version: "bench".into(),
-                            matched_rules: vec!["bench".into()],
-                            targets: (0..targets)
-                                .map(|t| NewEntry {
-                                    target_id: format!("bench-{t}"),
-                                    rule: "bench".into(),
-                                    ordering_key: None,
-                                    max_depth: None,
-                                })
-                                .collect(),
-                            quarantine: None,
-                            dedup_window_ms: 86_400_000,
-                        })
-                    })
+                    .filter_map(|n| store_event(&run, n, size, targets, now, 86_400_000).ok())
                     .collect::<Vec<_>>();
                 let n = events.len() as u64;
                 let t0 = Instant::now();
@@ -511,9 +526,7 @@ impl std::fmt::Display for SweepReport {
 /// swept until nothing is left, timing every sweep call. A sweep call is one commit, which
 /// every ingest request that joins its group waits for.
 pub async fn run_sweep(b: SweepBench) -> Result<SweepReport, String> {
-    use crate::store::{
-        AttemptEnd, AttemptResult, Disposition, NewEntry, NewEvent, RedbStore, Store, StoreOptions,
-    };
+    use crate::store::{AttemptEnd, AttemptResult, Disposition, RedbStore, Store, StoreOptions};
     let store = RedbStore::open_dir(&b.dir, StoreOptions::default()).map_err(|e| e.to_string())?;
     let run = format!("{:x}", rand::random::<u64>());
     let now = chrono::Utc::now().timestamp_millis();
@@ -522,26 +535,7 @@ pub async fn run_sweep(b: SweepBench) -> Result<SweepReport, String> {
     while n < b.events {
         let end = (n + 100).min(b.events);
         let events = (n..end)
-            .map(|i| {
-                let event = serde_json::from_value(make_event(&run, i, b.size, "bench.event"))
-                    .map_err(|e| e.to_string())?;
-                Ok(NewEvent {
-                    event,
-                    accepted_at: past,
-                    ruleset_version: "bench".into(),
-                    matched_rules: vec!["bench".into()],
-                    targets: (0..b.targets)
-                        .map(|t| NewEntry {
-                            target_id: format!("bench-{t}"),
-                            rule: "bench".into(),
-                            ordering_key: None,
-                            max_depth: None,
-                        })
-                        .collect(),
-                    quarantine: None,
-                    dedup_window_ms: 60_000,
-                })
-            })
+            .map(|i| store_event(&run, i, b.size, b.targets, past, 60_000))
             .collect::<Result<Vec<_>, String>>()?;
         store.accept(events).await.map_err(|e| e.to_string())?;
         n = end;

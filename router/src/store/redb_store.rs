@@ -2898,16 +2898,7 @@ impl<'a> SweepTables<'a> {
 
     /// Whether a live queue entry or a DLQ entry still refers to event `seq`.
     fn referenced(&self, seq: u64) -> Result<bool, StoreError> {
-        Ok(self
-            .live
-            .range((seq, 0)..=(seq, u32::MAX))?
-            .next()
-            .is_some()
-            || self
-                .dlq_by_event
-                .range((seq, 0)..=(seq, u64::MAX))?
-                .next()
-                .is_some())
+        Ok(!self.referenced_in(seq, seq)?.is_empty())
     }
 
     /// Of the events `lo..=hi`, those a live queue entry or a DLQ entry refers to: one range
@@ -2923,8 +2914,9 @@ impl<'a> SweepTables<'a> {
         Ok(seqs)
     }
 
-    /// Removes the events `gone` (sequence number and dedup key) with their finished queue entries, and each one's dedup key if it still
-    /// points at that event (a key accepted again after the window points at the newer one).
+    /// Removes the events `gone` (sequence number and dedup key) with their finished queue
+    /// entries, and each one's dedup key if it still points at that event (a key accepted
+    /// again after the window points at the newer one).
     fn remove(
         &mut self,
         gone: &mut [(u64, String)],
