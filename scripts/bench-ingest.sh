@@ -6,14 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-200000}
-if [ -z "${BIN:-}" ]; then
-  cargo build --release --locked -q -p router
-  BIN=target/release/router
-fi
-WORK=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$WORK"' EXIT
 # shellcheck source=scripts/bench-rules.sh
 source scripts/bench-rules.sh
+bench_setup
 bench_rules "$WORK/rules"
 $BIN bench sink --listen 127.0.0.1:19999 2>/dev/null &   # baseline endpoint
 $BIN bench sink --listen 127.0.0.1:19998 2>/dev/null &   # webhook receiver for delivery

@@ -17,3 +17,14 @@ rules:
         policy: bench
 YAML
 }
+
+# bench_setup sets BIN (the release router, built first unless BIN is already set) and WORK (a
+# temporary directory, removed on exit together with every background job of the script).
+bench_setup() {
+  if [ -z "${BIN:-}" ]; then
+    cargo build --release --locked -q -p router
+    BIN=target/release/router
+  fi
+  WORK=$(mktemp -d)
+  trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$WORK"' EXIT
+}

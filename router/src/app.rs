@@ -619,6 +619,8 @@ pub async fn run(
             compact_min_bytes: Some(cfg.store.compact_min_bytes),
             group_log: cfg.store.group_log,
             checkpoint_every: None,
+            sweep_batch: None,
+            commit_delay: cfg.store.commit_delay,
         },
     )?;
     run_with_store(cfg, listener, store, metrics, shutdown).await

@@ -484,6 +484,9 @@ pub struct SweepBench {
     /// Queue entries per event (each leased and delivered before the sweep).
     #[arg(long, default_value_t = 1)]
     pub targets: usize,
+    /// Events examined per sweep call (default: the store's).
+    #[arg(long)]
+    pub batch: Option<usize>,
 }
 
 /// What `router bench sweep` measured.
@@ -527,7 +530,11 @@ impl std::fmt::Display for SweepReport {
 /// every ingest request that joins its group waits for.
 pub async fn run_sweep(b: SweepBench) -> Result<SweepReport, String> {
     use crate::store::{AttemptEnd, AttemptResult, Disposition, RedbStore, Store, StoreOptions};
-    let store = RedbStore::open_dir(&b.dir, StoreOptions::default()).map_err(|e| e.to_string())?;
+    let opts = StoreOptions {
+        sweep_batch: b.batch,
+        ..StoreOptions::default()
+    };
+    let store = RedbStore::open_dir(&b.dir, opts).map_err(|e| e.to_string())?;
     let run = format!("{:x}", rand::random::<u64>());
     let now = chrono::Utc::now().timestamp_millis();
     let past = now - 2 * 3_600_000;

@@ -452,6 +452,8 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             // Which durable write path commits take: synced redb commits, or the group log
             // (`router.log`) with periodic checkpoints.
             "group_log": app.cfg.store.group_log,
+            // Added to a 202's wait under a steady load (docs/operations.md).
+            "commit_delay_ms": app.cfg.store.commit_delay.as_secs_f64() * 1000.0,
             "compacting": app.store.compacting(),
             "last_compaction": app.store.last_compaction().map(|c| json!({
                 "finished_at": rfc3339(c.finished_at),

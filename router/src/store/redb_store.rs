@@ -142,6 +142,11 @@ pub struct StoreOptions {
     /// Longest time between checkpoints with a group log (default 50 ms; tests set it long to
     /// keep groups in the log only).
     pub checkpoint_every: Option<Duration>,
+    /// Events examined per sweep call (default `SWEEP_BATCH`; `router bench sweep --batch`
+    /// compares sizes).
+    pub sweep_batch: Option<usize>,
+    /// Shortest time between the starts of two commits (`store.commit_delay`; zero: none).
+    pub commit_delay: Duration,
 }
 
 /// A group log file, as the committer writes it.
@@ -690,6 +695,8 @@ impl RedbStore {
             path: path.clone(),
             compact_due: false,
             compact_min_bytes: opts.compact_min_bytes.unwrap_or(COMPACT_MIN_BYTES),
+            sweep_batch: opts.sweep_batch.unwrap_or(SWEEP_BATCH).max(1),
+            commit_delay: opts.commit_delay,
             compact_floor: 0,
             index: index.clone(),
             next_seq: counters.0,
@@ -1591,6 +1598,10 @@ struct Committer {
     path: Option<std::path::PathBuf>,
     compact_due: bool,
     compact_min_bytes: u64,
+    /// Events examined per sweep call.
+    sweep_batch: usize,
+    /// Shortest time between the starts of two commits.
+    commit_delay: Duration,
     /// No compaction check below this file size: three times what the last compaction left
     /// (0 when its passes ran out with more to give back).
     compact_floor: u64,
@@ -1727,6 +1738,7 @@ impl Committer {
         // freshly faulted memory each time (measured ~7 % of the committer's CPU).
         let mut ops: Vec<Op> = Vec::with_capacity(MAX_GROUP);
         let mut effects: Vec<Effect> = Vec::new();
+        let mut last_start: Option<Instant> = None;
         loop {
             let first = match deferred.pop_front() {
                 Some(op) => {
@@ -1738,6 +1750,15 @@ impl Committer {
                     None => break,
                 },
             };
+            // The commit delay: whatever arrives while it runs joins this group. A first op
+            // after a quiet spell (the last commit started longer ago) goes at once.
+            if let Some(wait) = last_start
+                .map(|t| self.commit_delay.saturating_sub(t.elapsed()))
+                .filter(|w| !w.is_zero())
+            {
+                std::thread::sleep(wait);
+            }
+            last_start = Some(Instant::now());
             let mut events = first.accepted_events();
             ops.push(first);
             // Accepts held back last time go first, in arrival order.
@@ -2251,7 +2272,7 @@ impl Committer {
                 retention_ms,
                 reply,
             } => {
-                let r = sweep(txn, now, dedup_window_ms, retention_ms);
+                let r = sweep(txn, now, dedup_window_ms, retention_ms, self.sweep_batch);
                 if r.is_ok() {
                     self.check_compaction = true;
                 }
@@ -2962,6 +2983,7 @@ fn sweep(
     now: Millis,
     dedup_window_ms: i64,
     retention_ms: i64,
+    batch: usize,
 ) -> Result<SweepStats, StoreError> {
     let mut stats = SweepStats::default();
     let cut = now - retention_ms.max(dedup_window_ms);
@@ -2972,7 +2994,7 @@ fn sweep(
 
     // The oldest events past the cut, in acceptance order.
     let mut candidates = Vec::new();
-    for row in t.events.range(cursor..)?.take(SWEEP_BATCH) {
+    for row in t.events.range(cursor..)?.take(batch) {
         let (k, v) = row?;
         let (accepted_at, key) = sweep_view(k.value(), v.value())?;
         if accepted_at >= cut {
@@ -2980,7 +3002,7 @@ fn sweep(
         }
         candidates.push((k.value(), key));
     }
-    stats.more = candidates.len() >= SWEEP_BATCH;
+    stats.more = candidates.len() >= batch;
     let next_cursor = candidates.last().map_or(cursor, |(seq, _)| seq + 1);
     if let (Some(&(lo, _)), Some(&(hi, _))) = (candidates.first(), candidates.last()) {
         let kept = t.referenced_in(lo, hi)?;
@@ -2997,10 +3019,10 @@ fn sweep(
     let pending: Vec<u64> = t
         .pending_gc
         .range(gc_cursor..)?
-        .take(SWEEP_BATCH)
+        .take(batch)
         .map(|r| r.map(|(k, _)| k.value()))
         .collect::<Result<_, _>>()?;
-    let wrapped = pending.len() < SWEEP_BATCH;
+    let wrapped = pending.len() < batch;
     let next_gc = pending.last().map_or(gc_cursor, |seq| seq + 1);
     let mut gone = Vec::new();
     for seq in pending {
@@ -3024,8 +3046,8 @@ fn sweep(
     drop(t);
 
     // COMPLETED records past their expiry, oldest first, a batch at a time.
-    let expired = expired_batch(txn, COMPLETED_EXP, now)?;
-    stats.more |= expired.len() >= SWEEP_BATCH;
+    let expired = expired_batch(txn, COMPLETED_EXP, now, batch)?;
+    stats.more |= expired.len() >= batch;
     let mut completed = txn.open_table(COMPLETED)?;
     let mut exp = txn.open_table(COMPLETED_EXP)?;
     for (at, h, key) in expired {
@@ -3037,8 +3059,8 @@ fn sweep(
 
     // Handler KV entries past their TTL (reads already treat them as absent; this gives their
     // space back and keeps the namespace's size honest).
-    let expired = expired_batch(txn, KV_EXP, now)?;
-    stats.more |= expired.len() >= SWEEP_BATCH;
+    let expired = expired_batch(txn, KV_EXP, now, batch)?;
+    stats.more |= expired.len() >= batch;
     for (at, ns, key) in expired {
         let current = txn
             .open_table(KV)?
@@ -3062,11 +3084,12 @@ fn expired_batch(
     txn: &Tx<'_>,
     index: TableDefinition<'static, (i64, &'static str, &'static str), ()>,
     now: Millis,
+    batch: usize,
 ) -> Result<Vec<(i64, String, String)>, StoreError> {
     let rows = txn
         .open_table(index)?
         .range(..(now, "", ""))?
-        .take(SWEEP_BATCH)
+        .take(batch)
         .map(|r| {
             r.map(|(k, _)| {
                 let (at, h, key) = k.value();

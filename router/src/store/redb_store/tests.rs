@@ -219,6 +219,55 @@ async fn accepts_sharing_a_group_each_get_their_own_outcomes() {
 }
 
 #[tokio::test]
+async fn the_commit_delay_gathers_ops_into_one_commit_but_not_after_a_quiet_spell() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::{Duration, Instant};
+    let commits = Arc::new(AtomicUsize::new(0));
+    let counted = commits.clone();
+    let opts = StoreOptions {
+        commit_delay: Duration::from_millis(400),
+        on_commit: Some(Arc::new(move |_, _| {
+            counted.fetch_add(1, Ordering::SeqCst);
+        })),
+        ..StoreOptions::default()
+    };
+    let s = RedbStore::with_backend(redb::backends::InMemoryBackend::new(), opts).expect("open");
+    s.accept(vec![new_event("/s", "first", &["a"], 1000)])
+        .await
+        .expect("accept");
+    // Twenty accepts, 5 ms apart, all within the delay after that commit started: one commit
+    // (two if the machine stalled the test for a few hundred ms; without the delay, twenty).
+    let before = commits.load(Ordering::SeqCst);
+    let mut tasks = Vec::new();
+    for i in 0..20 {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            s.accept(vec![new_event("/s", &format!("e{i}"), &["a"], 1000)])
+                .await
+        }));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for t in tasks {
+        t.await.expect("join").expect("accept");
+    }
+    let gathered = commits.load(Ordering::SeqCst) - before;
+    assert!((1..=2).contains(&gathered), "{gathered} commits");
+    // After a quiet spell longer than the delay, the next op is committed at once (the bound
+    // is generous; waiting for the delay would take 400 ms).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let t = Instant::now();
+    s.accept(vec![new_event("/s", "after", &["a"], 1000)])
+        .await
+        .expect("accept");
+    assert!(
+        t.elapsed() < Duration::from_millis(300),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(s.queue_stats()["a"].queued, 22);
+}
+
+#[tokio::test]
 async fn an_expired_lease_cannot_ack_and_the_entry_is_released() {
     let s = RedbStore::in_memory().expect("store");
     s.accept(vec![new_event("/s", "1", &["a"], 1000)])
