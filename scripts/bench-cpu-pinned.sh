@@ -23,12 +23,11 @@ env ${ENVS:-} RUST_LOG=warn taskset -c 0 "$BIN" serve --listen 127.0.0.1:18080 -
 R=$!
 sleep 1
 TYPE=bench.event; [ "$MODE" = alone ] && TYPE=other
-ticks() { awk '{print $14+$15}' "$1"; }
 COMMITTER=$(dirname "$(grep -l store-committer /proc/$R/task/*/comm | head -1)")
-r0=$(ticks /proc/$R/stat); c0=$(ticks "$COMMITTER/stat")
+r0=$(cpu_ticks /proc/$R/stat); c0=$(cpu_ticks "$COMMITTER/stat")
 taskset -c 1 "$BIN" bench ingest --url http://127.0.0.1:18080/v1/events --events "$N" --concurrency 64 \
   --batch "$BATCH" --size 1024 --type "$TYPE" | grep -E "throughput|latency"
-r1=$(ticks /proc/$R/stat); c1=$(ticks "$COMMITTER/stat")
+r1=$(cpu_ticks /proc/$R/stat); c1=$(cpu_ticks "$COMMITTER/stat")
 hz=$(getconf CLK_TCK)
 echo "router cpu: $(( (r1 - r0) * 1000000 / hz / N )) us/event, of which store committer $(( (c1 - c0) * 1000000 / hz / N )) us/event"
 curl -s http://127.0.0.1:18080/v1/targets | python3 -c "import json, sys

@@ -7,12 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-20000}
-if [ -z "${BIN:-}" ]; then
-  cargo build --release --locked -q -p router
-  BIN=$PWD/target/release/router
-fi
-WORK=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$WORK"' EXIT
+# shellcheck source=scripts/bench-rules.sh
+source scripts/bench-rules.sh
+bench_setup
 $BIN bench sink --listen 127.0.0.1:19995 2>/dev/null &
 run() {
   local name=$1 policy=$2

@@ -12,14 +12,11 @@ cd "$(dirname "$0")/.."
 N=${1:-20000}
 H=${2:-64}
 bash plugins/build.sh >/dev/null
-if [ -z "${BIN:-}" ]; then
-  cargo build --release --locked -q -p router
-  BIN=$PWD/target/release/router
-fi
-WORK=$(mktemp -d)
+# shellcheck source=scripts/bench-rules.sh
+source scripts/bench-rules.sh
+bench_setup
 PORT=18096
 API=http://127.0.0.1:$PORT
-trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/preload"
 cp target/plugins/noop.wasm target/plugins/hostile.wasm "$WORK/preload/"
 

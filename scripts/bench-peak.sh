@@ -16,11 +16,10 @@ RUST_LOG=warn $BIN serve --listen 127.0.0.1:18080 --data-dir "$WORK/data" --rule
   --contracts "$WORK/none" 2>"$WORK/router.log" &
 R=$!
 sleep 1
-ticks() { awk '{print $14+$15}' "/proc/$R/stat"; }
-t0=$(ticks)
+t0=$(cpu_ticks "/proc/$R/stat")
 $BIN bench ingest --url http://127.0.0.1:18080/v1/events --events "$N" --concurrency 64 --size 1024 \
   --batch "${BATCH:-1}" | grep -E "throughput|latency"
-t1=$(ticks)
+t1=$(cpu_ticks "/proc/$R/stat")
 curl -s http://127.0.0.1:18080/v1/targets | python3 -c "import json, sys
 for t in json.load(sys.stdin)['targets']:
     print('%s: delivered %d, queued %d' % (t['id'], t['delivered'], t['queued']))"

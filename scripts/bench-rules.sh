@@ -23,8 +23,12 @@ YAML
 bench_setup() {
   if [ -z "${BIN:-}" ]; then
     cargo build --release --locked -q -p router
-    BIN=target/release/router
+    BIN=$PWD/target/release/router
   fi
   WORK=$(mktemp -d)
   trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$WORK"' EXIT
 }
+
+# cpu_ticks STAT prints the user + system CPU ticks of a process or thread from its /proc stat
+# file (/proc/PID/stat, /proc/PID/task/TID/stat); getconf CLK_TCK ticks make a second.
+cpu_ticks() { awk '{print $14+$15}' "$1"; }

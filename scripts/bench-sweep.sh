@@ -2,7 +2,8 @@
 # Ingest latency while the sweeper runs: the soak configuration (dedup window, retention and
 # archive 1 min, sweep every 10 s), a fixed rate with delivery to a local sink keeping up, long
 # enough that events age past the retention and every sweep has a minute's worth to remove.
-# Prints the load tool's result and the sweep/commit lines of the router's log.
+# Prints the load tool's result, the router's CPU per event, what was swept, the store commits'
+# latency histogram and the slow-commit lines of the router's log.
 # Usage: scripts/bench-sweep.sh [RATE=3000] [SECS=150]   (BIN= to use another router binary;
 # RETENTION=1h for the same run without sweeps; other ROUTER_* settings pass through)
 set -euo pipefail
@@ -10,12 +11,9 @@ cd "$(dirname "$0")/.."
 RATE=${1:-3000}
 RETENTION=${RETENTION:-1m}
 SECS=${2:-150}
-if [ -z "${BIN:-}" ]; then
-  cargo build --release --locked -q -p router
-  BIN=$PWD/target/release/router
-fi
-WORK=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$WORK"' EXIT
+# shellcheck source=scripts/bench-rules.sh
+source scripts/bench-rules.sh
+bench_setup
 mkdir -p "$WORK/rules"
 cat > "$WORK/rules/sweep.yaml" <<YAML
 rules:
@@ -39,11 +37,10 @@ RUST_LOG=warn,router::store=info $BIN serve --config "$WORK/router.toml" --liste
   --data-dir "$WORK/data" --rules "$WORK/rules" --contracts "$WORK/none" 2>"$WORK/router.log" &
 R=$!
 sleep 1
-ticks() { awk '{print $14+$15}' "/proc/$R/stat"; }
-t0=$(ticks)
+t0=$(cpu_ticks "/proc/$R/stat")
 $BIN bench ingest --url http://127.0.0.1:18091/v1/events --events $((SECS * RATE)) \
   --concurrency 32 --size 1024 --rate "$RATE" ${REPORT_EVERY:+--report-every $REPORT_EVERY}
-t1=$(ticks)
+t1=$(cpu_ticks "/proc/$R/stat")
 echo "== router cpu: $(( (t1 - t0) * 1000000 / $(getconf CLK_TCK) / (SECS * RATE) )) us/event (the load's events; includes their delivery and sweeping)"
 echo "== queued at the end: $(curl -s 127.0.0.1:18091/v1/targets/sink | sed -E 's/.*"queued":([0-9]+).*/\1/')"
 echo "== swept: $(curl -s 127.0.0.1:18091/metrics | grep -E '^router_swept' | tr '\n' ' ')"
