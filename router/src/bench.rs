@@ -414,6 +414,7 @@ fn store_event(
                 rule: "bench".into(),
                 ordering_key: None,
                 max_depth: None,
+                lease_ms: None,
             })
             .collect(),
         quarantine: None,

@@ -65,6 +65,8 @@ pub struct Metrics {
     pub budget_deferred: Family<Labels, Counter>,
     /// Leases that failed (the store refused the write) by target; the worker pauses a second.
     pub lease_failures: Family<Labels, Counter>,
+    /// Entries leased at acceptance and sent at once (`delivery.handoff`), by target.
+    pub handoffs: Family<Labels, Counter>,
     /// System events dropped because the routing channel was full.
     pub system_events_dropped: Counter,
     /// Paused targets (1 = paused).
@@ -113,6 +115,7 @@ impl Metrics {
             breaker_state: Family::default(),
             budget_deferred: Family::default(),
             lease_failures: Family::default(),
+            handoffs: Family::default(),
             system_events_dropped: Counter::default(),
             target_paused: Family::default(),
             swept: Family::default(),
@@ -223,6 +226,11 @@ impl Metrics {
             "router_lease_failures",
             "Leases the store failed to record, by target (the worker pauses 1 s after each)",
             m.lease_failures.clone(),
+        );
+        registry.register(
+            "router_delivery_handoffs",
+            "Entries leased in their accept's commit and sent at once, without a lease of their own (delivery.handoff), by target",
+            m.handoffs.clone(),
         );
         registry.register(
             "router_swept_records",

@@ -660,7 +660,8 @@ async fn a_crash_between_handling_and_commit_leaves_exactly_one_effect() {
 
     // 1. invoice runs (buffering its KV write) and the process dies before the ack.
     let paid = event("paid-1", "order.paid", json!({"order_id": 7}));
-    assert_eq!(post_event(&r, &paid).await.0, 202);
+    let status = post_event_before_a_crash(&r, &paid).await;
+    assert!(matches!(status, Some(202) | None), "{status:?}");
     let exit = r.wait_exit(Duration::from_secs(30));
     assert!(
         exit.is_some_and(|s| !s.success()),
@@ -683,7 +684,8 @@ async fn a_crash_between_handling_and_commit_leaves_exactly_one_effect() {
     assert_eq!(attempts.len(), 2, "{f}");
     // enrich runs, its emitted event is built, and the process dies before the ack.
     let created = event("created-1", "order.created", json!({"order_id": 8}));
-    assert_eq!(post_event(&r, &created).await.0, 202);
+    let status = post_event_before_a_crash(&r, &created).await;
+    assert!(matches!(status, Some(202) | None), "{status:?}");
     let exit = r.wait_exit(Duration::from_secs(30));
     assert!(
         exit.is_some_and(|s| !s.success()),

@@ -469,6 +469,21 @@ pub async fn post_event(r: &RouterProc, ev: &Value) -> (u16, Value) {
     .await
 }
 
+/// POSTs a structured event to a router armed to crash right after it accepts it: the status,
+/// or `None` when the process died before the answer left (delivery starts the moment the
+/// accept is durable, so the crash can win that race; the event is on disk either way, which
+/// the caller checks after the restart).
+pub async fn post_event_before_a_crash(r: &RouterProc, ev: &Value) -> Option<u16> {
+    client()
+        .post(r.url("/v1/events"))
+        .header("content-type", "application/cloudevents+json")
+        .body(ev.to_string())
+        .send()
+        .await
+        .ok()
+        .map(|resp| resp.status().as_u16())
+}
+
 /// A response's `Retry-After` header, as text.
 pub fn retry_after_header(resp: &reqwest::Response) -> Option<String> {
     resp.headers()

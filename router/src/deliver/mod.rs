@@ -4,6 +4,7 @@
 //! Isolation: every target has its own worker, concurrency limit and queue, so a slow or dead
 //! target only ever holds its own leases.
 
+mod handoff;
 mod runtime;
 mod threads;
 mod worker;
@@ -23,6 +24,7 @@ use crate::target::Target;
 use crate::target::webhook::{Webhook, WebhookError};
 use crate::telemetry::Metrics;
 
+pub use handoff::Reservation;
 pub use runtime::{Limiter, PersistedState, TargetRuntime};
 pub use threads::{DeliveryThreads, DeliveryThreadsStatus};
 pub use worker::{decide, dlq_added, system_event};
@@ -60,6 +62,9 @@ pub struct DeliveryContext {
 struct Running {
     runtime: Arc<TargetRuntime>,
     stop: CancellationToken,
+    target: Arc<dyn Target>,
+    /// The worker's attempt slots, shared with handoffs at acceptance.
+    slots: Arc<tokio::sync::Semaphore>,
 }
 
 /// Starts, updates and stops target workers.
@@ -185,15 +190,33 @@ impl Dispatcher {
             }
             None => self.persisted(&spec.id),
         };
+        let slots = Arc::new(tokio::sync::Semaphore::new(worker::slot_count(
+            &spec,
+            &self.ctx.cfg,
+        )));
         let runtime = Arc::new(TargetRuntime::new(spec, persisted, self.ctx.clock.now_ms()));
         let stop = self.ctx.cancel.child_token();
-        let (ctx, rt, st) = (self.ctx.clone(), runtime.clone(), stop.clone());
+        let (ctx, rt, st, t, sl) = (
+            self.ctx.clone(),
+            runtime.clone(),
+            stop.clone(),
+            target.clone(),
+            slots.clone(),
+        );
         self.ctx.tracker.spawn_on(
-            async move { worker::run(ctx, rt, target, st).await },
+            async move { worker::run(ctx, rt, t, sl, st).await },
             &self.ctx.spawner,
         );
         tracing::info!(target_id = %runtime.spec.id, "delivery worker started");
-        running.insert(runtime.spec.id.clone(), Running { runtime, stop });
+        running.insert(
+            runtime.spec.id.clone(),
+            Running {
+                runtime,
+                stop,
+                target,
+                slots,
+            },
+        );
         Ok(())
     }
 
@@ -208,6 +231,24 @@ impl Dispatcher {
                 None
             }
         }
+    }
+
+    /// A free attempt slot of target `id` for an entry being accepted at `now`, when the
+    /// target could send it at once (see `delivery.handoff`); `None` leaves the entry to its
+    /// queue. The slot is held until the reservation is started or dropped.
+    pub fn reserve(&self, id: &str, now: crate::store::Millis) -> Option<Reservation> {
+        if !self.ctx.cfg.handoff {
+            return None;
+        }
+        let (rt, target, slots) = {
+            let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+            let r = running.get(id)?;
+            if r.stop.is_cancelled() {
+                return None;
+            }
+            (r.runtime.clone(), r.target.clone(), r.slots.clone())
+        };
+        handoff::reserve(&self.ctx, rt, target, &slots, now)
     }
 
     /// Runtimes of running workers.

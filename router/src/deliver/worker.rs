@@ -69,7 +69,10 @@ fn wait_ms(ms_: i64) -> Duration {
 
 /// Attempts a target may have in flight: its policy's `throttle.max_concurrency`, else the
 /// default of its kind (handlers get more: their CPU is bounded by the invocation gate).
-fn slot_count(spec: &crate::rules::TargetSpec, cfg: &crate::config::DeliveryConfig) -> usize {
+pub(super) fn slot_count(
+    spec: &crate::rules::TargetSpec,
+    cfg: &crate::config::DeliveryConfig,
+) -> usize {
     let default = if matches!(spec.kind, TargetKind::Handler { .. }) {
         cfg.handler_concurrency
     } else {
@@ -88,11 +91,10 @@ pub(super) async fn run(
     ctx: Arc<DeliveryContext>,
     rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
+    slots: Arc<Semaphore>,
     stop: CancellationToken,
 ) {
     let spec = &rt.spec;
-    let concurrency = slot_count(spec, &ctx.cfg);
-    let slots = Arc::new(Semaphore::new(concurrency));
     let notify = ctx.store.notifier(&spec.id);
     let lease_ms = ms(spec.policy.timeout + ctx.cfg.lease_margin);
     // Set by a failed lease: no lease is tried before this time (clock ms). Leases run as their
@@ -272,18 +274,7 @@ async fn lease_and_start(
                 if probing && let Some(mut b) = rt.breaker() {
                     b.probes_started(1);
                 }
-                let span = tracing::info_span!("attempt", event_id = %leased.event.event.id, source = %leased.event.event.source, target = %spec.id, attempt = leased.entry.attempts.len());
-                ctx.tracker.spawn(
-                    attempt(
-                        ctx.clone(),
-                        rt.clone(),
-                        target.clone(),
-                        leased,
-                        permit,
-                        probing,
-                    )
-                    .instrument(span),
-                );
+                spawn_attempt(&ctx, &rt, &target, leased, permit, probing);
             }
         }
         Err(e) => {
@@ -305,6 +296,30 @@ async fn lease_and_start(
             }
         }
     }
+}
+
+/// Starts an attempt on a leased entry, on the delivery runtime, holding its slot.
+pub(super) fn spawn_attempt(
+    ctx: &Arc<DeliveryContext>,
+    rt: &Arc<TargetRuntime>,
+    target: &Arc<dyn Target>,
+    leased: Leased,
+    permit: OwnedSemaphorePermit,
+    probing: bool,
+) {
+    let span = tracing::info_span!("attempt", event_id = %leased.event.event.id, source = %leased.event.event.source, target = %rt.spec.id, attempt = leased.entry.attempts.len());
+    ctx.tracker.spawn_on(
+        attempt(
+            ctx.clone(),
+            rt.clone(),
+            target.clone(),
+            leased,
+            permit,
+            probing,
+        )
+        .instrument(span),
+        &ctx.spawner,
+    );
 }
 
 /// Puts a leased entry back without counting an attempt.

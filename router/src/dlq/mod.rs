@@ -435,6 +435,7 @@ async fn redrive_step(
                         rule,
                         ordering_key: None,
                         max_depth: None,
+                        lease_ms: None,
                     }],
                 });
                 job.moved += 1;

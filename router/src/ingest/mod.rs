@@ -297,8 +297,35 @@ async fn handle(
         );
     }
 
-    let outcomes = match app.store.accept(new_events).await {
-        Ok(o) => o,
+    // Targets that could send an entry at once get it leased in this commit (handoff).
+    let mut reservations = Vec::new();
+    for (i, ne) in new_events.iter_mut().enumerate() {
+        for (j, t) in ne.targets.iter_mut().enumerate() {
+            if let Some(r) = app.dispatcher.reserve(&t.target_id, now) {
+                t.lease_ms = Some(r.lease_ms());
+                reservations.push(((i, j), Some(r)));
+            }
+        }
+    }
+    let accepted = if reservations.is_empty() {
+        app.store.accept(new_events).await.map(|o| (o, Vec::new()))
+    } else {
+        app.store.accept_leased(new_events).await
+    };
+    let outcomes = match accepted {
+        Ok((o, leased)) => {
+            for l in leased {
+                let key = (l.event, l.leased.entry.id.idx as usize);
+                if let Some(r) = reservations
+                    .iter_mut()
+                    .find(|(k, _)| *k == key)
+                    .and_then(|(_, r)| r.take())
+                {
+                    r.start(l.leased);
+                }
+            }
+            o
+        }
         Err(crate::store::StoreError::Compacting) => {
             // Planned and short-lived: back-pressure, not an error.
             tracing::info!(
@@ -440,6 +467,7 @@ pub fn match_targets(
                 rule: m.rule.clone(),
                 ordering_key,
                 max_depth: rules.targets.get(tid).map(|s| s.policy.max_queue_depth),
+                lease_ms: None,
             });
         }
         matched_rules.push(m.rule);

@@ -135,6 +135,10 @@ pub struct SweepStats {
     pub more: bool,
 }
 
+/// What `Store::accept_leased` answers: each event's outcome, and the entries leased at
+/// acceptance.
+pub type AcceptedLeased = (Vec<AcceptOutcome>, Vec<LeasedAtAccept>);
+
 /// The router's durable operations.
 pub trait Store: Send + Sync + 'static {
     /// Stores events, each with its dedup key and its queue entries (or its DLQ entry when
@@ -143,6 +147,16 @@ pub trait Store: Send + Sync + 'static {
         &self,
         events: Vec<NewEvent>,
     ) -> BoxFuture<'_, Result<Vec<AcceptOutcome>, StoreError>>;
+
+    /// `accept`, and the entries whose `NewEntry::lease_ms` is set are written leased to the
+    /// caller with their first attempt started, in the same commit, and returned with their
+    /// events (taken from `events`, not read back). An entry is not returned when its event
+    /// was a duplicate or its queue was at its depth cap (then it is in the DLQ as
+    /// `target_overflow`, as with `accept`).
+    fn accept_leased(
+        &self,
+        events: Vec<NewEvent>,
+    ) -> BoxFuture<'_, Result<AcceptedLeased, StoreError>>;
 
     /// Leases up to `max` entries of `target` due at `now`, records the start of an attempt
     /// on each durably, and returns them with their events.

@@ -352,6 +352,11 @@ pub struct NewEntry {
     /// Queue-depth cap of the target: at or past it, this entry goes to the DLQ as
     /// `target_overflow` instead (one dead target never makes ingest refuse others' events).
     pub max_depth: Option<u64>,
+    /// Lease the entry to the caller at acceptance, for this many ms (`Store::accept_leased`):
+    /// its first attempt is recorded as started in the accept's own commit, and the caller,
+    /// which holds a free delivery slot of the target, sends it at once — no lease commit, no
+    /// read of the event back from the store. `None`: the entry waits in its queue.
+    pub lease_ms: Option<i64>,
 }
 
 /// Contract quarantine of an event about to be accepted.
@@ -380,6 +385,17 @@ pub struct NewEvent {
     pub quarantine: Option<Quarantine>,
     /// Dedup window; a key older than this is treated as absent.
     pub dedup_window_ms: i64,
+}
+
+/// An entry leased to the caller at acceptance (`NewEntry::lease_ms`), with the index of
+/// its event among those accepted together.
+#[derive(Debug, Clone)]
+pub struct LeasedAtAccept {
+    /// Index of the event in the `accept_leased` call.
+    pub event: usize,
+    /// The lease, as `Store::lease` would have returned it (its `entry.id.idx` is the
+    /// target's index in `NewEvent::targets`).
+    pub leased: Leased,
 }
 
 /// Answer to accepting one event.

@@ -208,41 +208,105 @@ struct Prepared {
     dedup_window_ms: i64,
     /// `id`, `source`, `type`: what a DLQ entry names.
     names: (String, String, String),
-    /// Each target with its queue entry record.
-    targets: Vec<(NewEntry, Vec<u8>)>,
+    /// Each target with its queue entry record, and its lease when it is leased at
+    /// acceptance.
+    targets: Vec<(NewEntry, Vec<u8>, Option<Lease>)>,
     quarantine: Option<Quarantine>,
 }
 
+/// What `accept_leased` hands back for one event with entries leased at acceptance: the event
+/// (kept from what the caller gave, so the lease needs no read back) and those entries.
+struct Handoff {
+    /// `seq` is set once the committer has assigned it.
+    event: StoredEvent,
+    /// The leased entries as written (`id.event` set with `seq`).
+    entries: Vec<QueueEntry>,
+}
+
 impl Prepared {
+    /// The records of `ne`, its entries all queued (`lease_ms` is not looked at).
     fn new(ne: NewEvent) -> Self {
+        Self::leasing(ne, None).0
+    }
+
+    /// The records of `ne`; with `tokens`, the entries whose `lease_ms` is set are leased at
+    /// acceptance, each under a fresh token from `tokens`, and returned with the event.
+    fn leasing(ne: NewEvent, tokens: Option<&dyn Fn() -> u64>) -> (Self, Option<Handoff>) {
         let record = enc(&StoredEventRef::of(&ne));
         let ev = ne.event;
         let hops = ev.hops();
+        let at = ne.accepted_at;
+        let mut handed = Vec::new();
         let targets = ne
             .targets
             .into_iter()
-            .map(|t| {
+            .enumerate()
+            .map(|(i, t)| {
                 let key = idempotency_key(&ev.source, &ev.id, &t.target_id);
-                let entry = QueueEntry::queued(
-                    EntryId::default(),
-                    t.clone(),
-                    key,
-                    ne.accepted_at,
-                    ne.accepted_at,
-                    hops,
-                );
-                (t, enc(&entry))
+                let id = EntryId {
+                    event: 0,
+                    idx: u32::try_from(i).unwrap_or(u32::MAX),
+                };
+                let mut entry = QueueEntry::queued(id, t.clone(), key, at, at, hops);
+                let lease = match (tokens, t.lease_ms) {
+                    (Some(token), Some(ms)) => {
+                        let lease = Lease {
+                            token: token(),
+                            until: at.saturating_add(ms),
+                        };
+                        entry.attempts.push(AttemptRecord {
+                            n: 1,
+                            started_at: at,
+                            finished_at: None,
+                            result: None,
+                            status: None,
+                            error: None,
+                        });
+                        entry.lease = Some(lease);
+                        Some(lease)
+                    }
+                    _ => None,
+                };
+                let record = enc(&entry);
+                if lease.is_some() {
+                    handed.push(entry);
+                }
+                (t, record, lease)
             })
             .collect();
-        Self {
-            record,
-            dedup_key: ev.dedup_key(),
-            accepted_at: ne.accepted_at,
-            dedup_window_ms: ne.dedup_window_ms,
-            names: (ev.id, ev.source, ev.ty),
-            targets,
-            quarantine: ne.quarantine,
-        }
+        let dedup_key = ev.dedup_key();
+        let (names, handoff) = if handed.is_empty() {
+            ((ev.id, ev.source, ev.ty), None)
+        } else {
+            let names = (ev.id.clone(), ev.source.clone(), ev.ty.clone());
+            let event = StoredEvent {
+                seq: 0,
+                event: ev,
+                accepted_at: at,
+                ruleset_version: ne.ruleset_version,
+                matched_rules: ne.matched_rules,
+                quarantined: false,
+            };
+            (
+                names,
+                Some(Handoff {
+                    event,
+                    entries: handed,
+                }),
+            )
+        };
+        (
+            Self {
+                record,
+                dedup_key,
+                accepted_at: at,
+                dedup_window_ms: ne.dedup_window_ms,
+                names,
+                targets,
+                quarantine: ne.quarantine,
+            },
+            handoff,
+        )
     }
 
     /// A DLQ entry for this event, stored as `seq`, dead-lettered at acceptance (quarantined,
@@ -378,11 +442,19 @@ impl Index {
                 due,
                 accepted_at,
                 key,
+                lease,
             } => {
                 let t = self.target(&target);
-                t.ready.insert((due, id));
                 t.insert_live(id, accepted_at, key);
-                self.notify(&target);
+                match lease {
+                    Some(lease) => {
+                        t.in_flight.insert(id, lease);
+                    }
+                    None => {
+                        t.ready.insert((due, id));
+                        self.notify(&target);
+                    }
+                }
             }
             Effect::Requeue { target, id, due } => {
                 let t = self.target(&target);
@@ -427,6 +499,8 @@ enum Effect {
         due: Millis,
         accepted_at: Millis,
         key: Option<String>,
+        /// Leased at acceptance: in flight at once, and no worker is woken for it.
+        lease: Option<Lease>,
     },
     Requeue {
         target: String,
@@ -907,7 +981,59 @@ impl Store for RedbStore {
         async move {
             self.not_compacting()?;
             let events = events.into_iter().map(Prepared::new).collect();
-            self.call(|reply| Op::Accept { events, reply }).await?
+            let out = self.call(|reply| Op::Accept { events, reply }).await??;
+            Ok(out.into_iter().map(|(outcome, _)| outcome).collect())
+        }
+        .boxed()
+    }
+
+    fn accept_leased(
+        &self,
+        events: Vec<NewEvent>,
+    ) -> BoxFuture<'_, Result<AcceptedLeased, StoreError>> {
+        async move {
+            self.not_compacting()?;
+            let token = || self.new_token();
+            let mut handoffs = Vec::with_capacity(events.len());
+            let events = events
+                .into_iter()
+                .map(|ne| {
+                    let (p, h) = Prepared::leasing(ne, Some(&token));
+                    handoffs.push(h);
+                    p
+                })
+                .collect();
+            let out = self.call(|reply| Op::Accept { events, reply }).await??;
+            let mut outcomes = Vec::with_capacity(out.len());
+            let mut leased = Vec::new();
+            for (i, ((outcome, written), handoff)) in out.into_iter().zip(handoffs).enumerate() {
+                outcomes.push(outcome);
+                let (AcceptOutcome::Accepted { seq }, Some(h)) = (outcome, handoff) else {
+                    continue;
+                };
+                if written.is_empty() {
+                    continue;
+                }
+                let mut event = h.event;
+                event.seq = seq;
+                let event = Arc::new(event);
+                for mut entry in h.entries {
+                    let Some(lease) = entry.lease else { continue };
+                    if !written.contains(&entry.id.idx) {
+                        continue;
+                    }
+                    entry.id.event = seq;
+                    leased.push(LeasedAtAccept {
+                        event: i,
+                        leased: Leased {
+                            entry,
+                            event: event.clone(),
+                            lease,
+                        },
+                    });
+                }
+            }
+            Ok((outcomes, leased))
         }
         .boxed()
     }
@@ -1635,7 +1761,11 @@ struct Committer {
 }
 
 /// Where an accept's outcomes go.
-type AcceptReply = Reply<Result<Vec<AcceptOutcome>, StoreError>>;
+type AcceptReply = Reply<Result<Vec<AcceptedOne>, StoreError>>;
+
+/// One event's outcome, and the indices of its entries that were written leased (those asked
+/// for, less any refused by a queue's depth cap).
+type AcceptedOne = (AcceptOutcome, Vec<u32>);
 
 /// A group's ops, split for `commit_group`: its accepts, applied in one call, and the rest.
 /// The buffers are kept from one group to the next: allocated per group, they were freed and
@@ -2286,7 +2416,7 @@ impl Committer {
         txn: &Tx<'_>,
         events: impl ExactSizeIterator<Item = Prepared>,
         effects: &mut Vec<Effect>,
-    ) -> Result<Vec<AcceptOutcome>, StoreError> {
+    ) -> Result<Vec<AcceptedOne>, StoreError> {
         let mut dedup = txn.open_table(DEDUP)?;
         let mut ev_t = txn.open_table(EVENTS)?;
         let mut entries_t = txn.open_table(ENTRIES)?;
@@ -2297,7 +2427,7 @@ impl Committer {
             if let Some(v) = dedup.get(key)? {
                 let (seq, at) = v.value();
                 if at >= p.accepted_at - p.dedup_window_ms {
-                    out.push(AcceptOutcome::Duplicate { seq });
+                    out.push((AcceptOutcome::Duplicate { seq }, Vec::new()));
                     continue;
                 }
             }
@@ -2305,11 +2435,14 @@ impl Committer {
             self.next_seq += 1;
             dedup.insert(key, (seq, p.accepted_at))?;
             ev_t.insert(seq, p.record.as_slice())?;
+            let mut leased = Vec::new();
             if let Some(q) = p.quarantine.take() {
                 let d = p.dead_letter(seq, None, q.reason, q.errors);
                 self.add_dlq(txn, d, effects)?;
             } else {
-                for (i, (t, record)) in std::mem::take(&mut p.targets).into_iter().enumerate() {
+                for (i, (t, record, lease)) in
+                    std::mem::take(&mut p.targets).into_iter().enumerate()
+                {
                     let id = EntryId {
                         event: seq,
                         idx: u32::try_from(i).unwrap_or(u32::MAX),
@@ -2343,16 +2476,20 @@ impl Committer {
                     }
                     entries_t.insert((id.event, id.idx), record.as_slice())?;
                     live_t.insert((id.event, id.idx), ())?;
+                    if lease.is_some() {
+                        leased.push(id.idx);
+                    }
                     effects.push(Effect::Enqueue {
                         target: t.target_id,
                         id,
                         due: p.accepted_at,
                         accepted_at: p.accepted_at,
                         key: t.ordering_key,
+                        lease,
                     });
                 }
             }
-            out.push(AcceptOutcome::Accepted { seq });
+            out.push((AcceptOutcome::Accepted { seq }, leased));
         }
         Ok(out)
     }
@@ -2458,6 +2595,7 @@ impl Committer {
             due: entry.due_at,
             accepted_at: entry.accepted_at,
             key: entry.ordering_key.clone(),
+            lease: None,
         });
         Ok(())
     }

@@ -24,6 +24,7 @@ fn new_event(source: &str, id: &str, targets: &[&str], at: Millis) -> NewEvent {
                 rule: "r".into(),
                 ordering_key: None,
                 max_depth: None,
+                lease_ms: None,
             })
             .collect(),
         quarantine: None,
@@ -364,6 +365,134 @@ async fn retries_wait_in_the_queue_and_dead_letters_keep_every_attempt() {
         )
         .expect("list");
     assert!(filtered.is_empty());
+}
+
+/// `new_event` with the entries of `leased` targets asked to be leased at acceptance.
+fn leasing(mut ne: NewEvent, leased: &[&str], lease_ms: i64) -> NewEvent {
+    for t in &mut ne.targets {
+        if leased.contains(&t.target_id.as_str()) {
+            t.lease_ms = Some(lease_ms);
+        }
+    }
+    ne
+}
+
+#[tokio::test]
+async fn an_entry_leased_at_accept_is_in_flight_with_its_attempt_and_acks_under_that_lease() {
+    let s = RedbStore::in_memory().expect("store");
+    let ne = leasing(new_event("/s", "1", &["a", "b"], 1000), &["a"], 60_000);
+    let (out, leased) = s.accept_leased(vec![ne]).await.expect("accept");
+    assert_eq!(out, vec![AcceptOutcome::Accepted { seq: 1 }]);
+    assert_eq!(leased.len(), 1, "only a asked for a lease");
+    let l = &leased[0];
+    assert_eq!(l.event, 0);
+    assert_eq!(l.leased.entry.id, EntryId { event: 1, idx: 0 });
+    assert_eq!(l.leased.entry.target_id, "a");
+    assert_eq!(l.leased.lease.until, 61_000);
+    assert_eq!(l.leased.entry.lease, Some(l.leased.lease));
+    assert_eq!(l.leased.entry.attempts.len(), 1);
+    assert_eq!(l.leased.entry.attempts[0].started_at, 1000);
+    // The event handed over is the one a worker's lease would have read back.
+    let read = s
+        .with_events(vec![l.leased.entry.clone()], l.leased.lease)
+        .expect("read back");
+    assert_eq!(*read[0].event, *l.leased.event);
+    // What is durable says the same: leased, attempt started.
+    let fate = s.fate("/s", "1").expect("fate").expect("known");
+    assert_eq!(fate.entries[0], l.leased.entry);
+    assert!(fate.entries[1].lease.is_none() && fate.entries[1].attempts.is_empty());
+    // a's copy is in flight, not due; b's waits for its worker.
+    assert_eq!(s.due_count("a", 2000, 10), 0);
+    assert_eq!(s.due_count("b", 2000, 10), 1);
+    assert_eq!(
+        (s.queue_stats()["a"].in_flight, s.queue_stats()["a"].queued),
+        (1, 0)
+    );
+    assert!(
+        s.lease("a", 2000, 10, 5000)
+            .await
+            .expect("lease")
+            .is_empty()
+    );
+    // A forged token is fenced; the handed lease acks.
+    let forged = Lease {
+        token: l.leased.lease.token + 1,
+        ..l.leased.lease
+    };
+    assert!(matches!(
+        s.finish(
+            l.leased.entry.id,
+            forged,
+            delivered(1001),
+            Disposition::Delivered,
+            1001
+        )
+        .await,
+        Err(FinishError::Fenced)
+    ));
+    s.finish(
+        l.leased.entry.id,
+        l.leased.lease,
+        delivered(1001),
+        Disposition::Delivered,
+        1001,
+    )
+    .await
+    .expect("finish");
+    let fate = s.fate("/s", "1").expect("fate").expect("known");
+    assert_eq!(fate.entries[0].state, EntryState::Delivered);
+    assert_eq!(fate.entries[0].attempts.len(), 1);
+    assert_eq!(s.queue_stats()["a"].in_flight, 0);
+}
+
+#[tokio::test]
+async fn no_lease_is_handed_for_a_duplicate_or_an_entry_over_its_queue_cap() {
+    let s = RedbStore::in_memory().expect("store");
+    s.accept(vec![new_event("/s", "1", &["a"], 1000)])
+        .await
+        .expect("accept");
+    let dup = leasing(new_event("/s", "1", &["a"], 1001), &["a"], 60_000);
+    let mut capped = leasing(new_event("/s", "2", &["a", "b"], 1001), &["a", "b"], 60_000);
+    capped.targets[0].max_depth = Some(1);
+    let (out, leased) = s.accept_leased(vec![dup, capped]).await.expect("accept");
+    assert_eq!(
+        out,
+        vec![
+            AcceptOutcome::Duplicate { seq: 1 },
+            AcceptOutcome::Accepted { seq: 2 }
+        ]
+    );
+    // a's queue holds one entry already (its cap): that copy went to the DLQ; b's is leased.
+    assert_eq!(leased.len(), 1);
+    assert_eq!(
+        (leased[0].event, leased[0].leased.entry.target_id.as_str()),
+        (1, "b")
+    );
+    assert_eq!(s.queue_stats()["a"].dlq, 1);
+    assert_eq!(s.queue_stats()["a"].in_flight, 0);
+    assert_eq!(s.queue_stats()["b"].in_flight, 1);
+}
+
+#[tokio::test]
+async fn a_lease_taken_at_accept_is_reclaimed_at_restart_with_its_attempt_counted() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let id = {
+        let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+        let ne = leasing(new_event("/s", "1", &["a"], 1000), &["a"], 60_000);
+        let (_, leased) = s.accept_leased(vec![ne]).await.expect("accept");
+        leased[0].leased.entry.id
+        // dropped without an ack: the process holding the lease "died"
+    };
+    let s = when_free(|| RedbStore::open_dir(dir.path(), StoreOptions::default())).await;
+    assert_eq!(s.next_due("a"), Some(1000));
+    let l = s.lease("a", 1000, 10, 1000).await.expect("lease");
+    assert_eq!(l.len(), 1);
+    assert_eq!(l[0].entry.id, id);
+    assert_eq!(l[0].entry.attempts.len(), 2);
+    assert_eq!(
+        l[0].entry.attempts[0].result,
+        Some(AttemptResult::Interrupted)
+    );
 }
 
 #[tokio::test]
