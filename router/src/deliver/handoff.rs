@@ -31,9 +31,11 @@ pub struct Reservation {
     permit: OwnedSemaphorePermit,
 }
 
-/// The checks of the worker's loop, in its order (breaker → budget → throttle →
-/// concurrency), for an entry that would be due at once; any doubt leaves the entry to the
-/// queue, where the worker applies them in full.
+/// The checks of the worker's loop for an entry that would be due at once (breaker, then a
+/// slot, then the rate limit; the budget is told of the first attempt when it starts); any
+/// doubt leaves the entry to the queue, where the worker applies them in full. Cheap checks
+/// first: ingest asks once per target of every event, and in a batch most of them find the
+/// slots taken. (Stopping is checked by the caller, on the worker's own token.)
 pub(super) fn reserve(
     ctx: &Arc<DeliveryContext>,
     rt: Arc<TargetRuntime>,
@@ -41,7 +43,7 @@ pub(super) fn reserve(
     slots: &Arc<Semaphore>,
     now: Millis,
 ) -> Option<Reservation> {
-    if ctx.cancel.is_cancelled() || rt.paused.load(Ordering::SeqCst) {
+    if rt.paused.load(Ordering::SeqCst) {
         return None;
     }
     // Ordered targets: the entry may have an earlier one of its key in the queue.
@@ -55,11 +57,12 @@ pub(super) fn reserve(
     {
         return None;
     }
+    // Dropped (freed) below if another check refuses.
+    let permit = slots.clone().try_acquire_owned().ok()?;
     // A new entry does not overtake the target's due backlog (or its due retries).
     if ctx.store.due_count(&rt.spec.id, now, 1) > 0 {
         return None;
     }
-    let permit = slots.clone().try_acquire_owned().ok()?;
     if let Some(limiter) = &rt.limiter
         && limiter.check().is_err()
     {
@@ -74,11 +77,9 @@ pub(super) fn reserve(
 }
 
 impl Reservation {
-    /// How long the entry is leased for: the target's timeout plus the lease margin, as a
-    /// worker's lease.
+    /// How long the entry is leased for: as long as a worker's lease.
     pub fn lease_ms(&self) -> i64 {
-        let d = self.rt.spec.policy.timeout + self.ctx.cfg.lease_margin;
-        i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+        worker::lease_ms(&self.rt.spec, &self.ctx.cfg)
     }
 
     /// Starts the attempt on `leased`, the entry accepted under this reservation.

@@ -86,6 +86,15 @@ pub(super) fn slot_count(
         .max(1)
 }
 
+/// How long a lease on an entry of `spec` lasts: its timeout plus the lease margin, so a
+/// worker silent for longer than an attempt may take loses it.
+pub(super) fn lease_ms(
+    spec: &crate::rules::TargetSpec,
+    cfg: &crate::config::DeliveryConfig,
+) -> i64 {
+    ms(spec.policy.timeout + cfg.lease_margin)
+}
+
 /// The worker loop.
 pub(super) async fn run(
     ctx: Arc<DeliveryContext>,
@@ -96,7 +105,7 @@ pub(super) async fn run(
 ) {
     let spec = &rt.spec;
     let notify = ctx.store.notifier(&spec.id);
-    let lease_ms = ms(spec.policy.timeout + ctx.cfg.lease_margin);
+    let lease_ms = lease_ms(spec, &ctx.cfg);
     // Set by a failed lease: no lease is tried before this time (clock ms). Leases run as their
     // own tasks, so without it a store outage would be a failed lease — and an error line —
     // per free slot.

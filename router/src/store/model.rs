@@ -236,6 +236,20 @@ impl QueueEntry {
             history: Vec::new(),
         }
     }
+
+    /// Starts an attempt at `now` under `lease`: what a lease records durably before the
+    /// attempt is sent.
+    pub fn start_attempt(&mut self, lease: Lease, now: Millis) {
+        self.attempts.push(AttemptRecord {
+            n: u32::try_from(self.attempts.len() + 1).unwrap_or(u32::MAX),
+            started_at: now,
+            finished_at: None,
+            result: None,
+            status: None,
+            error: None,
+        });
+        self.lease = Some(lease);
+    }
 }
 
 /// Why an event (or one target's copy of it) is in the DLQ.

@@ -254,15 +254,7 @@ impl Prepared {
                             token: token(),
                             until: at.saturating_add(ms),
                         };
-                        entry.attempts.push(AttemptRecord {
-                            n: 1,
-                            started_at: at,
-                            finished_at: None,
-                            result: None,
-                            status: None,
-                            error: None,
-                        });
-                        entry.lease = Some(lease);
+                        entry.start_attempt(lease, at);
                         Some(lease)
                     }
                     _ => None,
@@ -2828,15 +2820,7 @@ impl Committer {
             if e.state != EntryState::Queued || e.target_id != target {
                 continue;
             }
-            e.attempts.push(AttemptRecord {
-                n: u32::try_from(e.attempts.len() + 1).unwrap_or(u32::MAX),
-                started_at: now,
-                finished_at: None,
-                result: None,
-                status: None,
-                error: None,
-            });
-            e.lease = Some(lease);
+            e.start_attempt(lease, now);
             entries_t.insert((id.event, id.idx), enc(&e).as_slice())?;
             out.push(e);
         }
