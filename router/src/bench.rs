@@ -40,6 +40,11 @@ pub struct IngestBench {
     /// Event type to send.
     #[arg(long = "type", default_value = "bench.event")]
     pub event_type: String,
+    /// Event ids that start with 32 pseudo-random hex digits (`<hex>-<run>-<number>`), as
+    /// producers using UUIDv4 ids send, instead of `<run>-<number>`: sequential ids land next
+    /// to each other in the store's dedup index, random ones anywhere in it.
+    #[arg(long)]
+    pub random_ids: bool,
     /// Bearer token, for a router with `[[auth.tokens]]`.
     #[arg(long, env = "ROUTER_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
@@ -72,7 +77,7 @@ pub struct Slowest {
     pub latency_us: u64,
     /// When it was sent, from the start of the run.
     pub sent_at: Duration,
-    /// The number of its first event (the event id is `<run>-<number>`).
+    /// The number of its first event (the event id is `<run>-<number>`, or ends with it).
     pub first_event: u64,
     /// Whether it failed.
     pub failed: bool,
@@ -112,10 +117,28 @@ impl std::fmt::Display for BenchReport {
     }
 }
 
-fn make_event(run: &str, n: u64, size: usize, ty: &str) -> serde_json::Value {
+/// SplitMix64's finaliser: a bijective mix of `x`, for ids that look random but are
+/// reproducible from their number.
+fn mix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// The id of event `n` of `run`: `<run>-<n>`, or with `random` a UUID-like random prefix.
+fn event_id(run: &str, n: u64, random: bool) -> String {
+    if random {
+        format!("{:016x}{:016x}-{run}-{n}", mix64(n), mix64(!n))
+    } else {
+        format!("{run}-{n}")
+    }
+}
+
+fn make_event(run: &str, n: u64, size: usize, ty: &str, random_id: bool) -> serde_json::Value {
     let base = json!({
         "specversion": "1.0",
-        "id": format!("{run}-{n}"),
+        "id": event_id(run, n, random_id),
         "source": "/bench/ingest",
         "type": ty,
         "datacontenttype": "application/json",
@@ -293,7 +316,8 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
             b.event_type.clone(),
             authorization.clone(),
         );
-        let (total, size, concurrency) = (b.events, b.size, b.concurrency);
+        let (total, size, concurrency, random_ids) =
+            (b.events, b.size, b.concurrency, b.random_ids);
         tasks.push(tokio::spawn(async move {
             let mut local = latency_histogram().ok();
             // Connections start a share of the interval apart, so requests arrive evenly
@@ -323,12 +347,12 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
                 };
                 let (body, ct) = if batch == 1 {
                     (
-                        make_event(&run, start, size, &ty).to_string(),
+                        make_event(&run, start, size, &ty, random_ids).to_string(),
                         "application/cloudevents+json",
                     )
                 } else {
                     let evs: Vec<_> = (start..end)
-                        .map(|n| make_event(&run, n, size, &ty))
+                        .map(|n| make_event(&run, n, size, &ty, random_ids))
                         .collect();
                     (
                         serde_json::Value::from(evs).to_string(),
@@ -388,6 +412,13 @@ pub struct StoreBench {
     /// Durable groups through the group log (`store.group_log`), or a synced commit each.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub group_log: bool,
+    /// UUID-like random event ids (see `bench ingest --random-ids`).
+    #[arg(long)]
+    pub random_ids: bool,
+    /// Also print, every this many events, the throughput of the last stretch (to stderr), to
+    /// see how it changes as the store grows.
+    #[arg(long)]
+    pub report_every: Option<u64>,
 }
 
 /// Bench event `n` of `run` as the store accepts it: `targets` queue entries (`bench-0`, …),
@@ -399,9 +430,10 @@ fn store_event(
     targets: usize,
     accepted_at: i64,
     dedup_window_ms: i64,
+    random_id: bool,
 ) -> Result<crate::store::NewEvent, String> {
     use crate::store::{NewEntry, NewEvent};
-    let event = serde_json::from_value(make_event(run, n, size, "bench.event"))
+    let event = serde_json::from_value(make_event(run, n, size, "bench.event", random_id))
         .map_err(|e| e.to_string())?;
     Ok(NewEvent {
         event,
@@ -441,9 +473,12 @@ pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
     let batch = b.batch.max(1) as u64;
     let started = Instant::now();
     let mut tasks = Vec::new();
+    let stretch = b.report_every.filter(|&n| n > 0);
+    let stretch_start = Arc::new(std::sync::Mutex::new(Instant::now()));
     for _ in 0..b.concurrency {
         let (store, run, next, tally) = (store.clone(), run.clone(), next.clone(), tally.clone());
-        let (total, size, targets) = (b.events, b.size, b.targets);
+        let (total, size, targets, random_ids) = (b.events, b.size, b.targets, b.random_ids);
+        let stretch_start = stretch_start.clone();
         tasks.push(tokio::spawn(async move {
             let mut local = latency_histogram().ok();
             loop {
@@ -454,12 +489,24 @@ pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
                 let end = (start + batch).min(total);
                 let now = chrono::Utc::now().timestamp_millis();
                 let events = (start..end)
-                    .filter_map(|n| store_event(&run, n, size, targets, now, 86_400_000).ok())
+                    .filter_map(|n| {
+                        store_event(&run, n, size, targets, now, 86_400_000, random_ids).ok()
+                    })
                     .collect::<Vec<_>>();
                 let n = events.len() as u64;
                 let t0 = Instant::now();
                 let res = store.accept(events).await;
                 tally.record(&mut local, t0, start, res.is_ok().then_some(n));
+                if let Some(every) = stretch
+                    && start / every != end / every
+                {
+                    let mut since = stretch_start.lock().unwrap_or_else(|p| p.into_inner());
+                    eprintln!(
+                        "{end} events: {:.0} events/s over the last {every}",
+                        every as f64 / since.elapsed().as_secs_f64()
+                    );
+                    *since = Instant::now();
+                }
             }
             tally.merge(local);
         }));
@@ -543,7 +590,7 @@ pub async fn run_sweep(b: SweepBench) -> Result<SweepReport, String> {
     while n < b.events {
         let end = (n + 100).min(b.events);
         let events = (n..end)
-            .map(|i| store_event(&run, i, b.size, b.targets, past, 60_000))
+            .map(|i| store_event(&run, i, b.size, b.targets, past, 60_000, false))
             .collect::<Result<Vec<_>, String>>()?;
         store.accept(events).await.map_err(|e| e.to_string())?;
         n = end;
@@ -653,5 +700,49 @@ pub async fn run_sink(
                 .serve_connection(TokioIo::new(stream), svc)
                 .await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sequential_ids_name_the_run_and_the_number() {
+        assert_eq!(event_id("ab12", 7, false), "ab12-7");
+    }
+
+    #[test]
+    fn random_ids_are_unique_uuid_like_and_scattered() {
+        let ids: Vec<String> = (0..10_000).map(|n| event_id("ab12", n, true)).collect();
+        for (n, id) in ids.iter().enumerate() {
+            let (hex, rest) = id.split_at(32);
+            assert!(hex.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
+            assert_eq!(rest, format!("-ab12-{n}"), "{id}");
+        }
+        let unique: std::collections::HashSet<&String> = ids.iter().collect();
+        assert_eq!(unique.len(), ids.len());
+        // What the option is for: consecutive events are not neighbours in key order. Sorted,
+        // sequential numbers would be in order; random ones keep about half their successors
+        // in order.
+        let mut sorted = ids.clone();
+        sorted.sort();
+        let in_order = sorted
+            .windows(2)
+            .filter(|w| {
+                let num = |s: &str| s.rsplit('-').next().and_then(|n| n.parse::<u64>().ok());
+                num(&w[0]) < num(&w[1])
+            })
+            .count();
+        assert!((4_000..6_000).contains(&in_order), "{in_order}");
+    }
+
+    #[test]
+    fn bench_events_carry_the_id_kind_asked_for() {
+        let seq = make_event("r", 3, 512, "bench.event", false);
+        assert_eq!(seq["id"], "r-3");
+        let random = make_event("r", 3, 512, "bench.event", true);
+        assert_eq!(random["id"], event_id("r", 3, true));
+        assert!(random.to_string().len() >= 512);
     }
 }
