@@ -4,7 +4,7 @@
 # this noisy 2-core VM (repeated runs of one build agree within a few per cent): the figure to
 # compare two builds with, alternating them. Prints events/s, router CPU µs/event, and the
 # store committer thread's share.
-# Usage: [BIN=target/release/router] [N=60000] [BATCH=1] [MODE=deliver|alone] [ENVS="K=V …"]
+# Usage: [BIN=target/release/router] [N=60000] [BATCH=1] [MODE=deliver|alone] [ENVS="K=V …"] [RANDOM_IDS=1]
 #        scripts/bench-cpu-pinned.sh
 # MODE=alone sends events no rule matches (ingest and the durable accept only).
 set -euo pipefail
@@ -26,7 +26,7 @@ TYPE=bench.event; [ "$MODE" = alone ] && TYPE=other
 COMMITTER=$(dirname "$(grep -l store-committer /proc/$R/task/*/comm | head -1)")
 r0=$(cpu_ticks /proc/$R/stat); c0=$(cpu_ticks "$COMMITTER/stat")
 taskset -c 1 "$BIN" bench ingest --url http://127.0.0.1:18080/v1/events --events "$N" --concurrency 64 \
-  --batch "$BATCH" --size 1024 --type "$TYPE" | grep -E "throughput|latency"
+  --batch "$BATCH" --size 1024 --type "$TYPE" ${RANDOM_IDS:+--random-ids} | grep -E "throughput|latency"
 r1=$(cpu_ticks /proc/$R/stat); c1=$(cpu_ticks "$COMMITTER/stat")
 hz=$(getconf CLK_TCK)
 echo "router cpu: $(( (r1 - r0) * 1000000 / hz / N )) us/event, of which store committer $(( (c1 - c0) * 1000000 / hz / N )) us/event"

@@ -2,7 +2,7 @@
 # Closed-loop peak with delivery on: a fresh router (bench rules, delivery to a local sink), N
 # single events (or batches of BATCH) over 64 connections; prints events/s, latency, what was
 # delivered meanwhile, and the router's CPU per event during the load (from /proc).
-# Usage: [BIN=target/release/router] [BATCH=1] scripts/bench-peak.sh [N=100000]
+# Usage: [BIN=target/release/router] [BATCH=1] [RANDOM_IDS=1] scripts/bench-peak.sh [N=100000]
 # ROUTER_* settings in the environment reach the router (e.g. ROUTER_STORE__COMMIT_DELAY=2ms).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,7 @@ R=$!
 sleep 1
 t0=$(cpu_ticks "/proc/$R/stat")
 $BIN bench ingest --url http://127.0.0.1:18080/v1/events --events "$N" --concurrency 64 --size 1024 \
-  --batch "${BATCH:-1}" | grep -E "throughput|latency"
+  --batch "${BATCH:-1}" ${RANDOM_IDS:+--random-ids} | grep -E "throughput|latency"
 t1=$(cpu_ticks "/proc/$R/stat")
 curl -s http://127.0.0.1:18080/v1/targets | python3 -c "import json, sys
 for t in json.load(sys.stdin)['targets']:
