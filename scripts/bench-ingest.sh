@@ -2,7 +2,10 @@
 # Ingest benchmark: the router (durable, with delivery to a local webhook running at the same
 # time) against a baseline endpoint that only parses and discards, in the same run, so the
 # figures are a ratio to the HTTP ceiling of this machine.
-# Usage: [BIN=path/to/router] [RATE=events/s for a fixed-rate latency run] scripts/bench-ingest.sh [N]
+# Usage: [BIN=path/to/router] [RATE=events/s for a fixed-rate latency run] [RANDOM_IDS=1]
+#        scripts/bench-ingest.sh [N]
+# RANDOM_IDS=1 sends the router UUID-like event ids (as most producers do) instead of sequential
+# ones, which cost its dedup index more (docs/BENCHMARKS.md, fifteenth session).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-200000}
@@ -19,8 +22,8 @@ run() { echo "== $1"; shift; $BIN bench ingest "$@"; echo; }
 # a delivery backlog for a while, which took CPU from a baseline run made then.
 run "baseline, single events"   --url http://127.0.0.1:19999/ --events "$N" --concurrency 64 --size 1024
 run "baseline, batches of 100"  --url http://127.0.0.1:19999/ --events $((N * 5)) --concurrency 64 --batch 100 --size 1024
-run "router, single events"     --url http://127.0.0.1:18080/v1/events --events "$N" --concurrency 64 --size 1024
-run "router, batches of 100"    --url http://127.0.0.1:18080/v1/events --events $((N * 5)) --concurrency 64 --batch 100 --size 1024
+run "router, single events"     --url http://127.0.0.1:18080/v1/events --events "$N" --concurrency 64 --size 1024 ${RANDOM_IDS:+--random-ids}
+run "router, batches of 100"    --url http://127.0.0.1:18080/v1/events --events $((N * 5)) --concurrency 64 --batch 100 --size 1024 ${RANDOM_IDS:+--random-ids}
 echo "== router queue after the run"
 curl -s http://127.0.0.1:18080/v1/targets
 echo
@@ -31,7 +34,7 @@ if [ -n "${RATE:-}" ]; then
   # (hundreds of thousands of deliveries at full speed, which is another measurement).
   kill "$ROUTER"; wait "$ROUTER" 2>/dev/null || true
   serve data-fixed
-  run "router, single events at ${RATE}/s, delivery keeping up" --url http://127.0.0.1:18080/v1/events --events $((N / 2)) --concurrency 64 --size 1024 --rate "$RATE"
+  run "router, single events at ${RATE}/s, delivery keeping up" --url http://127.0.0.1:18080/v1/events --events $((N / 2)) --concurrency 64 --size 1024 --rate "$RATE" ${RANDOM_IDS:+--random-ids}
   echo "== router queue right after the fixed-rate run (delivery kept up if little is queued)"
   curl -s http://127.0.0.1:18080/v1/targets | python3 -c "import json, sys
 for t in json.load(sys.stdin)['targets']:
