@@ -687,7 +687,7 @@ pub async fn run_with_store(
         metrics: metrics.clone(),
         clock: clock.clone(),
         cfg: cfg.delivery.clone(),
-        http: crate::target::webhook::shared_client(cfg.delivery.tls_ca_file.as_deref())?,
+        http: crate::target::webhook::shared_clients(cfg.delivery.tls_ca_file.as_deref())?,
         cancel: workers_cancel.clone(),
         tracker: tracker.clone(),
         spawner: delivery_threads.handle(),

@@ -42,8 +42,8 @@ pub struct DeliveryContext {
     pub clock: Arc<dyn Clock>,
     /// `[delivery]` settings.
     pub cfg: DeliveryConfig,
-    /// Shared HTTP client for webhooks.
-    pub http: reqwest::Client,
+    /// The HTTP clients webhooks share.
+    pub http: crate::target::webhook::WebhookClients,
     /// Cancelled at shutdown: workers stop leasing.
     pub cancel: CancellationToken,
     /// Tracks workers and in-flight attempts, so shutdown can wait for them.
@@ -144,7 +144,7 @@ impl Dispatcher {
                     }
                 };
                 let hook = Webhook::new(
-                    self.ctx.http.clone(),
+                    &self.ctx.http,
                     url.clone(),
                     headers,
                     self.ctx.cfg.max_response_bytes,
