@@ -382,34 +382,7 @@ impl Webhook {
                 return Exchange::Failed(transport_error(kind, &e));
             }
         };
-        let status = resp.status().as_u16();
-        let retry_after = retry_after_of(resp.headers());
-        let mut body = CappedBody::new(self.max_response_bytes);
-        // Read a bounded prefix of the body; the rest is dropped with the connection.
-        let mut incoming = resp.into_body();
-        loop {
-            match incoming.frame().await {
-                Some(Ok(frame)) => {
-                    if let Ok(data) = frame.into_data()
-                        && !body.push(&data)
-                    {
-                        break;
-                    }
-                }
-                None => break,
-                Some(Err(e)) => {
-                    if let Some(outcome) = body_error(status, retry_after, &e) {
-                        return Exchange::Failed(outcome);
-                    }
-                    break;
-                }
-            }
-        }
-        Exchange::Answered {
-            status,
-            retry_after,
-            body,
-        }
+        read_answer(resp, self.max_response_bytes).await
     }
 
     async fn send_reqwest(
@@ -426,7 +399,7 @@ impl Webhook {
             .body(req.body.clone())
             .send()
             .await;
-        let mut resp = match sent {
+        let resp = match sent {
             Ok(r) => r,
             Err(e) => {
                 let kind = if e.is_timeout() {
@@ -439,31 +412,44 @@ impl Webhook {
                 return Exchange::Failed(transport_error(kind, &e));
             }
         };
-        let status = resp.status().as_u16();
-        let retry_after = retry_after_of(resp.headers());
-        let mut body = CappedBody::new(self.max_response_bytes);
-        // Read a bounded prefix of the body; the rest is dropped with the connection.
-        loop {
-            match resp.chunk().await {
-                Ok(Some(chunk)) => {
-                    if !body.push(&chunk) {
-                        break;
-                    }
-                }
-                Ok(None) => break,
-                Err(e) => {
-                    if let Some(outcome) = body_error(status, retry_after, &e) {
-                        return Exchange::Failed(outcome);
-                    }
+        // The conversion keeps reqwest's body, and with it the request's timeout.
+        read_answer(http::Response::from(resp), self.max_response_bytes).await
+    }
+}
+
+/// Reads the status, `Retry-After` and a bounded prefix of the body of `resp` (the rest is
+/// dropped with the connection), from either transport.
+async fn read_answer<B>(resp: http::Response<B>, max: usize) -> Exchange
+where
+    B: hyper::body::Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Display,
+{
+    let status = resp.status().as_u16();
+    let retry_after = retry_after_of(resp.headers());
+    let mut body = CappedBody::new(max);
+    let mut incoming = resp.into_body();
+    loop {
+        match incoming.frame().await {
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data()
+                    && !body.push(&data)
+                {
                     break;
                 }
             }
+            None => break,
+            Some(Err(e)) => {
+                if let Some(outcome) = body_error(status, retry_after, &e) {
+                    return Exchange::Failed(outcome);
+                }
+                break;
+            }
         }
-        Exchange::Answered {
-            status,
-            retry_after,
-            body,
-        }
+    }
+    Exchange::Answered {
+        status,
+        retry_after,
+        body,
     }
 }
 
