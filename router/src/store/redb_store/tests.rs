@@ -52,15 +52,7 @@ async fn deliver_all(s: &RedbStore) {
         if batch.is_empty() {
             break;
         }
-        let finishes = batch.iter().map(|l| {
-            s.finish(
-                l.entry.id,
-                l.lease,
-                delivered(2001),
-                Disposition::Delivered,
-                2001,
-            )
-        });
+        let finishes = batch.iter().map(|l| ack(s, l, 2001));
         for r in futures::future::join_all(finishes).await {
             r.expect("finish");
         }
@@ -75,6 +67,17 @@ fn delivered(at: Millis) -> AttemptEnd {
         error: None,
         outbox: None,
     }
+}
+
+/// Acks `l` under its own lease: delivered, the attempt ending at `at`.
+fn ack<'a>(s: &'a RedbStore, l: &Leased, at: Millis) -> BoxFuture<'a, Result<(), FinishError>> {
+    s.finish(
+        l.entry.id,
+        l.lease,
+        delivered(at),
+        Disposition::Delivered,
+        at,
+    )
 }
 
 /// Opens the file of a store dropped a moment ago with `open`, once its committer thread has
@@ -114,15 +117,7 @@ async fn accept_fans_out_and_lease_records_the_attempt() {
     );
     assert_eq!(s.queue_stats()["b"].queued, 1);
     let l = &leased[0];
-    s.finish(
-        l.entry.id,
-        l.lease,
-        delivered(1001),
-        Disposition::Delivered,
-        1001,
-    )
-    .await
-    .expect("finish");
+    ack(&s, l, 1001).await.expect("finish");
     let fate = s.fate("/s", "1").expect("fate").expect("known");
     assert_eq!(fate.entries.len(), 2);
     assert_eq!(fate.entries[0].state, EntryState::Delivered);
@@ -278,35 +273,11 @@ async fn an_expired_lease_cannot_ack_and_the_entry_is_released() {
     assert_eq!(s.reclaim_expired(1200), 1);
     let fast = s.lease("a", 1200, 1, 100).await.expect("lease").remove(0);
     assert_eq!(fast.entry.attempts.len(), 2);
-    let late = s
-        .finish(
-            slow.entry.id,
-            slow.lease,
-            delivered(1250),
-            Disposition::Delivered,
-            1250,
-        )
-        .await;
+    let late = ack(&s, &slow, 1250).await;
     assert!(matches!(late, Err(FinishError::Fenced)), "{late:?}");
-    s.finish(
-        fast.entry.id,
-        fast.lease,
-        delivered(1250),
-        Disposition::Delivered,
-        1250,
-    )
-    .await
-    .expect("current lease acks");
+    ack(&s, &fast, 1250).await.expect("current lease acks");
     // Slower still: the late worker comes back after the new holder delivered the entry.
-    let later = s
-        .finish(
-            slow.entry.id,
-            slow.lease,
-            delivered(1300),
-            Disposition::Delivered,
-            1300,
-        )
-        .await;
+    let later = ack(&s, &slow, 1300).await;
     assert!(matches!(later, Err(FinishError::Fenced)), "{later:?}");
 }
 
@@ -430,15 +401,7 @@ async fn an_entry_leased_at_accept_is_in_flight_with_its_attempt_and_acks_under_
         .await,
         Err(FinishError::Fenced)
     ));
-    s.finish(
-        l.leased.entry.id,
-        l.leased.lease,
-        delivered(1001),
-        Disposition::Delivered,
-        1001,
-    )
-    .await
-    .expect("finish");
+    ack(&s, &l.leased, 1001).await.expect("finish");
     let fate = s.fate("/s", "1").expect("fate").expect("known");
     assert_eq!(fate.entries[0].state, EntryState::Delivered);
     assert_eq!(fate.entries[0].attempts.len(), 1);
@@ -725,15 +688,7 @@ async fn sweep_removes_unreferenced_events_and_revisits_kept_ones() {
         .await
         .expect("lease")
         .remove(0);
-    s.finish(
-        l.entry.id,
-        l.lease,
-        delivered(11_001),
-        Disposition::Delivered,
-        11_001,
-    )
-    .await
-    .expect("finish");
+    ack(&s, &l, 11_001).await.expect("finish");
     let stats = s.sweep(12_000, 5_000, 5_000).await.expect("sweep");
     assert_eq!(stats.events_removed, 1);
     assert_eq!(
@@ -1269,15 +1224,7 @@ async fn a_format_1_store_is_read_and_upgraded_in_place() {
     let leased = s.lease("b", 1000, 10, 5000).await.expect("lease");
     assert_eq!(leased.len(), 1);
     assert_eq!(leased[0].entry.id.to_string(), "2.1");
-    s.finish(
-        leased[0].entry.id,
-        leased[0].lease,
-        delivered(1001),
-        Disposition::Delivered,
-        1001,
-    )
-    .await
-    .expect("finish");
+    ack(&s, &leased[0], 1001).await.expect("finish");
     drop(s);
     let db = when_free(|| redb::Database::create(&path)).await;
     let r = db.begin_read().expect("read");
@@ -1370,15 +1317,7 @@ async fn groups_acknowledged_through_the_log_survive_a_power_cut() {
     assert_eq!(acked.len(), 200);
     // A delivery finished and a retry scheduled: updates and removals are logged too.
     let l = s.lease("a", 1000, 2, 60_000).await.expect("lease");
-    s.finish(
-        l[0].entry.id,
-        l[0].lease,
-        delivered(1001),
-        Disposition::Delivered,
-        1001,
-    )
-    .await
-    .expect("ack");
+    ack(&s, &l[0], 1001).await.expect("ack");
     s.finish(
         l[1].entry.id,
         l[1].lease,
@@ -1579,15 +1518,7 @@ async fn a_sweep_batch_removes_finished_events_among_kept_ones_with_all_their_ro
     // The retries are delivered: the revisit removes those five; the DLQ one stays.
     tokio::task::yield_now().await;
     for l in s.lease("b", 4000, 100, 60_000).await.expect("lease") {
-        s.finish(
-            l.entry.id,
-            l.lease,
-            delivered(4001),
-            Disposition::Delivered,
-            4001,
-        )
-        .await
-        .expect("finish");
+        ack(&s, &l, 4001).await.expect("finish");
     }
     let stats = s.sweep(100_000, 5_000, 5_000).await.expect("sweep");
     assert_eq!((stats.events_removed, stats.dedup_expired), (5, 5));
