@@ -621,6 +621,7 @@ pub async fn run(
             checkpoint_every: None,
             sweep_batch: None,
             commit_delay: cfg.store.commit_delay,
+            dedup_memtable_keys: Some(cfg.store.dedup_memtable_keys),
         },
     )?;
     run_with_store(cfg, listener, store, metrics, shutdown).await

@@ -302,6 +302,11 @@ pub struct StoreConfig {
     /// commit after a quiet spell starts at once. Default 0 (commit as soon as anything waits).
     #[serde(with = "humantime_serde")]
     pub commit_delay: Duration,
+    /// Keys in the dedup index's memtable past which it is written to disk as a sorted run
+    /// before its hour is over (docs/dedup-index.md). Bounds its memory: about 60 bytes a key,
+    /// ~60 MiB at the default 1,048,576. Smaller makes more runs, each a Bloom-filter probe
+    /// per accept.
+    pub dedup_memtable_keys: usize,
 }
 
 impl Default for Config {
@@ -363,6 +368,7 @@ impl Default for StoreConfig {
             low_water_fraction: 0.9,
             group_log: false,
             commit_delay: Duration::ZERO,
+            dedup_memtable_keys: 1 << 20,
         }
     }
 }
@@ -438,6 +444,9 @@ impl Config {
         }
         if self.delivery.threads > 1024 {
             return bad("delivery.threads must be in 0..=1024 (0 = one per CPU)");
+        }
+        if self.store.dedup_memtable_keys < 1_000 {
+            return bad("store.dedup_memtable_keys must be at least 1000");
         }
         // Every 202 may wait this long: more than a few milliseconds is a mistake, not tuning.
         if self.store.commit_delay > Duration::from_millis(100) {

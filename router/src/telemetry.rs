@@ -259,7 +259,7 @@ impl Metrics {
         );
         registry.register(
             "router_store_records",
-            "Records held, by kind (event, dedup_key, completed, kv): what the age and size bounds act on",
+            "Records held, by kind (event, dedup_key, dedup_run, completed, kv): what the age and size bounds act on",
             m.store_records.clone(),
         );
         registry.register(
@@ -321,6 +321,7 @@ impl Metrics {
                 for (kind, n) in [
                     ("event", c.events),
                     ("dedup_key", c.dedup_keys),
+                    ("dedup_run", c.dedup_runs),
                     ("completed", c.completed),
                     ("kv", c.kv_keys),
                 ] {

@@ -478,7 +478,12 @@ fn records_status(app: &App) -> serde_json::Value {
     match app.store.record_counts() {
         Ok(n) => json!({
             "events": { "count": n.events, "retention_seconds": secs(c.event_retention()) },
-            "dedup_keys": { "count": n.dedup_keys, "window_seconds": secs(c.ingest.dedup_window) },
+            "dedup_keys": {
+                "count": n.dedup_keys,
+                "window_seconds": secs(c.ingest.dedup_window),
+                "runs": n.dedup_runs,
+                "filter_bytes": n.dedup_filter_bytes,
+            },
             "completed": { "count": n.completed, "ttl_seconds": secs(c.handlers.completed_ttl) },
         }),
         Err(e) => json!({ "error": e.to_string() }),

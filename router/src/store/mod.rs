@@ -110,8 +110,13 @@ pub enum FinishError {
 pub struct RecordCounts {
     /// Stored events (kept for the fate retention / archive / dedup window).
     pub events: u64,
-    /// Ingest dedup keys (kept for the dedup window).
+    /// Ingest dedup keys (kept for the dedup window, and as long as their events are).
     pub dedup_keys: u64,
+    /// Sorted runs of dedup keys on disk (one an hour, or per `store.dedup_memtable_keys`);
+    /// each is a Bloom-filter probe per accept while it is inside the window.
+    pub dedup_runs: u64,
+    /// Memory the runs' Bloom filters hold.
+    pub dedup_filter_bytes: u64,
     /// Handler COMPLETED records (kept for `handlers.completed_ttl`).
     pub completed: u64,
     /// Handler key-value entries, all namespaces (bounded by `handlers.kv_max_bytes` each).
@@ -121,7 +126,7 @@ pub struct RecordCounts {
 /// Totals of one sweep run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SweepStats {
-    /// Dedup keys removed (with their events).
+    /// Dedup keys removed: those of runs whose every event the sweep has removed.
     pub dedup_expired: u64,
     /// Events (with their finished entries) removed.
     pub events_removed: u64,

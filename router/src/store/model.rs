@@ -19,7 +19,10 @@ use crate::event::{CloudEvent, FieldError};
 /// - 2: queue entry records no longer repeat their id, which is the record's key (a build
 ///   that expects it could not read them). Version 1 stores are read as they are (an id in
 ///   the record agrees with its key) and marked 2 at open.
-pub const FORMAT_VERSION: u32 = 2;
+/// - 3: the dedup index is run-based (`dedup_log`, `dedup_run_keys`, `dedup_runs`) instead of
+///   one `dedup` table; older stores have that table moved into `dedup_log` at open. A build
+///   of format 2 refuses a store of format 3 instead of deduplicating against an empty table.
+pub const FORMAT_VERSION: u32 = 3;
 
 /// The oldest on-disk layout this build reads (and upgrades in place at open).
 pub const OLDEST_READABLE_FORMAT: u32 = 1;

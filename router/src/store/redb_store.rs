@@ -19,7 +19,7 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use redb::{
     Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
-    WriteTransaction,
+    TableHandle, WriteTransaction,
 };
 use tokio::sync::{Notify, mpsc, oneshot};
 
@@ -27,7 +27,16 @@ use super::*;
 
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("events");
-const DEDUP: TableDefinition<&str, (u64, i64)> = TableDefinition::new("dedup");
+/// The dedup index of format 2 and older (dedup key → (seq, accepted_at)): migrated into
+/// `dedup_log` at open (see `dedup`).
+const OLD_DEDUP: TableDefinition<&str, (u64, i64)> = TableDefinition::new("dedup");
+/// seq → (fingerprint, accepted_at): the dedup keys not yet in a registered run (`dedup`).
+const DEDUP_LOG: TableDefinition<u64, (u128, i64)> = TableDefinition::new("dedup_log");
+/// (run, fingerprint, seq) → accepted_at: the dedup runs' keys.
+const DEDUP_RUN_KEYS: TableDefinition<(u64, u128, u64), i64> =
+    TableDefinition::new("dedup_run_keys");
+/// run → `dedup::Run` record (range, key count, Bloom filter): the registered runs.
+const DEDUP_RUNS: TableDefinition<u64, &[u8]> = TableDefinition::new("dedup_runs");
 const ENTRIES: TableDefinition<(u64, u32), &[u8]> = TableDefinition::new("entries");
 const LIVE: TableDefinition<(u64, u32), ()> = TableDefinition::new("live");
 const DLQ: TableDefinition<u64, &[u8]> = TableDefinition::new("dlq");
@@ -147,6 +156,9 @@ pub struct StoreOptions {
     pub sweep_batch: Option<usize>,
     /// Shortest time between the starts of two commits (`store.commit_delay`; zero: none).
     pub commit_delay: Duration,
+    /// Keys in the dedup memtable past which it is written as a run (default
+    /// `dedup::MEMTABLE_KEYS`; tests set it small to make runs).
+    pub dedup_memtable_keys: Option<usize>,
 }
 
 /// A group log file, as the committer writes it.
@@ -203,7 +215,8 @@ fn dec_event(seq: u64, b: &[u8]) -> Result<StoredEvent, StoreError> {
 /// measured on its profile with batched ingest).
 struct Prepared {
     record: Vec<u8>,
-    dedup_key: String,
+    /// The dedup key's fingerprint (hashed here, off the committer thread).
+    fp: dedup::Fp,
     accepted_at: Millis,
     dedup_window_ms: i64,
     /// `id`, `source`, `type`: what a DLQ entry names.
@@ -266,7 +279,7 @@ impl Prepared {
                 (t, record, lease)
             })
             .collect();
-        let dedup_key = ev.dedup_key();
+        let fp = dedup::fingerprint(&ev.dedup_key());
         let (names, handoff) = if handed.is_empty() {
             ((ev.id, ev.source, ev.ty), None)
         } else {
@@ -290,7 +303,7 @@ impl Prepared {
         (
             Self {
                 record,
-                dedup_key,
+                fp,
                 accepted_at: at,
                 dedup_window_ms: ne.dedup_window_ms,
                 names,
@@ -634,6 +647,9 @@ pub struct RedbStore {
     db: DbSlot,
     tx: mpsc::Sender<Op>,
     index: Arc<Mutex<Index>>,
+    /// The dedup index's in-memory side (memtable, runs and their filters). Lock order: the
+    /// database slot first, then this.
+    dedup: Arc<RwLock<dedup::DedupState>>,
     boot: u64,
     token_counter: AtomicU64,
     path: Option<std::path::PathBuf>,
@@ -740,7 +756,8 @@ impl RedbStore {
             }
             None => 0,
         };
-        let (boot, counters, index) = recover(&db)?;
+        let (boot, counters, index, dedup) = recover(&db)?;
+        let dedup = Arc::new(RwLock::new(dedup));
         let log = log.map(LogWriter::start).transpose()?;
         let db: DbSlot = Arc::new(RwLock::new(Some(db)));
         let index = Arc::new(Mutex::new(index));
@@ -765,6 +782,16 @@ impl RedbStore {
             commit_delay: opts.commit_delay,
             compact_floor: 0,
             index: index.clone(),
+            dedup: dedup.clone(),
+            dedup_group: HashMap::default(),
+            dedup_rows: Vec::new(),
+            dedup_fx: DedupFx::default(),
+            frozen_written: 0,
+            memtable_keys: opts
+                .dedup_memtable_keys
+                .unwrap_or(dedup::MEMTABLE_KEYS)
+                .max(1),
+            last_group_failed: false,
             next_seq: counters.0,
             next_dlq: counters.1,
             meta_counters: counters,
@@ -787,6 +814,7 @@ impl RedbStore {
             db,
             tx,
             index,
+            dedup,
             boot,
             token_counter: AtomicU64::new(1),
             path,
@@ -847,6 +875,10 @@ impl RedbStore {
 
     fn index(&self) -> MutexGuard<'_, Index> {
         self.index.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn dedup_state(&self) -> std::sync::RwLockReadGuard<'_, dedup::DedupState> {
+        self.dedup.read().unwrap_or_else(|p| p.into_inner())
     }
 
     async fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Op) -> Result<T, StoreError> {
@@ -1306,7 +1338,9 @@ impl Store for RedbStore {
         let r = db.begin_read()?;
         Ok(RecordCounts {
             events: r.open_table(EVENTS)?.len()?,
-            dedup_keys: r.open_table(DEDUP)?.len()?,
+            dedup_keys: self.dedup_state().keys(),
+            dedup_runs: self.dedup_state().runs.len() as u64,
+            dedup_filter_bytes: self.dedup_state().filter_bytes() as u64,
             completed: r.open_table(COMPLETED)?.len()?,
             kv_keys: r.open_table(KV)?.len()?,
         })
@@ -1402,20 +1436,42 @@ impl Store for RedbStore {
     }
 
     fn fate(&self, source: &str, id: &str) -> Result<Option<Fate>, StoreError> {
+        let fp = dedup::fingerprint(&crate::event::dedup_key(source, id));
         let db = self.read_db();
-        let r = db.begin_read()?;
-        let dedup = r.open_table(DEDUP)?;
-        let Some(seq) = dedup
-            .get(crate::event::dedup_key(source, id).as_str())?
-            .map(|v| v.value().0)
-        else {
-            return Ok(None);
+        // The transaction begins under the index's lock: a run the committer registers (and
+        // whose frozen memtable it drops) after this point is not in it, and one registered
+        // before is in the snapshot.
+        let (r, (mut seqs, runs)) = {
+            let st = self.dedup_state();
+            (db.begin_read()?, st.candidates(fp))
         };
+        if !runs.is_empty() {
+            let keys = r.open_table(DEDUP_RUN_KEYS)?;
+            for run in runs {
+                let mut found: Vec<u64> = Vec::new();
+                for row in keys.range((run, fp, 0)..=(run, fp, u64::MAX))? {
+                    found.push(row?.0.value().2);
+                }
+                seqs.extend(found.into_iter().rev());
+            }
+        }
+        // Newest first; each candidate is confirmed against the event (a fingerprint is
+        // not the key), and one whose event the sweep removed is skipped.
         let events = r.open_table(EVENTS)?;
-        let Some(ev) = events.get(seq)? else {
+        let mut event = None;
+        for seq in seqs {
+            if let Some(ev) = events.get(seq)? {
+                let ev = dec_event(seq, ev.value())?;
+                if ev.event.source == source && ev.event.id == id {
+                    event = Some(ev);
+                    break;
+                }
+            }
+        }
+        let Some(event) = event else {
             return Ok(None);
         };
-        let event = dec_event(seq, ev.value())?;
+        let seq = event.seq;
         let entries_t = r.open_table(ENTRIES)?;
         let mut entries = Vec::new();
         for row in entries_t.range((seq, 0)..=(seq, u32::MAX))? {
@@ -1580,9 +1636,12 @@ fn replay_log(db: &Database, image: &[u8]) -> Result<u64, StoreError> {
     Ok(last)
 }
 
+/// What `recover` rebuilds: (boot, (next_seq, next_dlq), index, dedup index).
+type Recovered = (u64, (u64, u64), Index, dedup::DedupState);
+
 /// Checks the format version, bumps the boot epoch, reclaims leases of the dead process and
-/// rebuilds the in-memory index. Returns (boot, (next_seq, next_dlq), index).
-fn recover(db: &Database) -> Result<(u64, (u64, u64), Index), StoreError> {
+/// rebuilds the in-memory indexes.
+fn recover(db: &Database) -> Result<Recovered, StoreError> {
     let mut txn = db.begin_write()?;
     txn.set_durability(Durability::Immediate)?;
     let boot;
@@ -1624,7 +1683,6 @@ fn recover(db: &Database) -> Result<(u64, (u64, u64), Index), StoreError> {
         );
         // Create every table so readers never see "table does not exist".
         txn.open_table(EVENTS)?;
-        txn.open_table(DEDUP)?;
         txn.open_table(TARGETS)?;
         let live = txn.open_table(LIVE)?;
         let mut entries = txn.open_table(ENTRIES)?;
@@ -1687,8 +1745,77 @@ fn recover(db: &Database) -> Result<(u64, (u64, u64), Index), StoreError> {
         txn.open_table(META)?
             .insert("kv_accounting", 1u64.to_le_bytes().as_slice())?;
     }
+    let dedup = recover_dedup(&txn)?;
     txn.commit()?;
-    Ok((boot, counters, index))
+    Ok((boot, counters, index, dedup))
+}
+
+/// Rebuilds the dedup index's memory from its tables: the registered runs with their
+/// filters, the run tables' rows that no registered run owns (to be removed), and the
+/// `dedup_log` rows above the newest run. A store of format 2 or older has its `dedup` table
+/// moved into `dedup_log` first (its keys become the memtable, written as a run later).
+fn recover_dedup(txn: &WriteTransaction) -> Result<dedup::DedupState, StoreError> {
+    let mut log = txn.open_table(DEDUP_LOG)?;
+    let has_old = txn.list_tables()?.any(|t| t.name() == OLD_DEDUP.name());
+    if has_old {
+        let started = Instant::now();
+        let mut rows: Vec<(u64, dedup::Fp, i64)> = Vec::new();
+        for row in txn.open_table(OLD_DEDUP)?.iter()? {
+            let (k, v) = row?;
+            let (seq, at) = v.value();
+            rows.push((seq, dedup::fingerprint(k.value()), at));
+        }
+        rows.sort_unstable();
+        for (seq, fp, at) in &rows {
+            log.insert(*seq, (*fp, *at))?;
+        }
+        txn.delete_table(OLD_DEDUP)?;
+        tracing::info!(
+            keys = rows.len(),
+            took_ms = started.elapsed().as_millis() as u64,
+            "dedup keys moved to the run-based index (store format 3)"
+        );
+    }
+    let mut runs = Vec::new();
+    for row in txn.open_table(DEDUP_RUNS)?.iter()? {
+        let (k, v) = row?;
+        let run =
+            dedup::Run::decode(k.value(), v.value()).map_err(|message| StoreError::Corrupt {
+                table: "dedup_runs",
+                message,
+            })?;
+        runs.push(run);
+    }
+    // The run ids that have rows: one seek per run, not a scan.
+    let keys = txn.open_table(DEDUP_RUN_KEYS)?;
+    let mut with_rows = Vec::new();
+    let mut from = 0u64;
+    while let Some(row) = keys.range((from, 0u128, 0u64)..)?.next() {
+        let id = row?.0.value().0;
+        with_rows.push(id);
+        match id.checked_add(1) {
+            Some(next) => from = next,
+            None => break,
+        }
+    }
+    let next_run = with_rows
+        .iter()
+        .chain(runs.iter().map(|r| &r.id))
+        .max()
+        .map_or(0, |id| id + 1);
+    let orphans: Vec<u64> = with_rows
+        .into_iter()
+        .filter(|id| !runs.iter().any(|r| r.id == *id))
+        .collect();
+    let floor = runs.iter().map(|r| r.seq_hi).max().unwrap_or(0);
+    let mut rows = Vec::new();
+    for row in log.range(floor.saturating_add(1)..)? {
+        let (k, v) = row?;
+        let (fp, at) = v.value();
+        rows.push((fp, k.value(), at));
+    }
+    drop(log);
+    Ok(dedup::DedupState::rebuilt(runs, orphans, rows, next_run))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1727,6 +1854,22 @@ struct Committer {
     last_compaction: Arc<Mutex<Option<CompactionReport>>>,
     on_compact: Option<CompactObserver>,
     index: Arc<Mutex<Index>>,
+    /// Shared with `RedbStore`: the dedup index's memory, changed only after a commit.
+    dedup: Arc<RwLock<dedup::DedupState>>,
+    /// The newest key of each fingerprint the group being built accepted (not in `dedup`
+    /// until the group commits).
+    dedup_group: rustc_hash::FxHashMap<dedup::Fp, (u64, i64)>,
+    /// The same keys as rows, in acceptance order.
+    dedup_rows: Vec<dedup::Row>,
+    /// What the group did to the dedup tables, applied to `dedup` once it commits.
+    dedup_fx: DedupFx,
+    /// Rows of the frozen memtable written to its run by committed groups.
+    frozen_written: usize,
+    /// The memtable's bound in keys.
+    memtable_keys: usize,
+    /// The last group failed: no group of background work alone until one succeeds (a
+    /// store that cannot reopen would otherwise retry it in a loop).
+    last_group_failed: bool,
     next_seq: u64,
     next_dlq: u64,
     /// (`next_seq`, `next_dlq`) as `meta` holds them: a group that changes neither (leases and
@@ -1750,6 +1893,24 @@ struct Committer {
     mutations: Mutations,
     /// The group split into its accepts and other ops (buffers kept for every group).
     split: GroupSplit,
+}
+
+/// What a group did to the dedup index's tables (`Committer::dedup_maintenance`, the sweep),
+/// applied to its memory once the group commits.
+#[derive(Default)]
+struct DedupFx {
+    /// Rows of the frozen memtable written so far (this group wrote some).
+    written: Option<usize>,
+    /// This group wrote the frozen memtable's last rows and registered its run.
+    registered: bool,
+    /// This group removed the last rows of this orphan run.
+    orphan_done: Option<u64>,
+    /// This group removed the last `dedup_log` rows up to this sequence number.
+    log_cleaned: Option<u64>,
+    /// Runs this group's sweep unregistered.
+    dropped: Vec<u64>,
+    /// Latest acceptance time among the group's keys (when the memtable's hour is over).
+    latest_at: Option<i64>,
 }
 
 /// Where an accept's outcomes go.
@@ -1806,8 +1967,10 @@ impl Committer {
             recover(&db).map(|r| (db, log_seq, r))
         });
         match reopened {
-            Ok((db, log_seq, (_boot, (next_seq, next_dlq), index))) => {
+            Ok((db, log_seq, (_boot, (next_seq, next_dlq), index, dedup))) => {
                 *slot = Some(db);
+                *self.dedup.write().unwrap_or_else(|p| p.into_inner()) = dedup;
+                self.frozen_written = 0;
                 self.poisoned = false;
                 (self.next_seq, self.next_dlq) = (next_seq, next_dlq);
                 self.meta_counters = (next_seq, next_dlq);
@@ -1867,9 +2030,19 @@ impl Committer {
                     deferred_events -= op.accepted_events();
                     op
                 }
-                None => match self.next_op(&mut rx) {
-                    Some(op) => op,
-                    None => break,
+                None => match rx.try_recv() {
+                    Ok(op) => op,
+                    // Quiet: the dedup index's pending work gets a group of its own.
+                    Err(mpsc::error::TryRecvError::Empty)
+                        if !self.poisoned && !self.last_group_failed && self.dedup_has_work() =>
+                    {
+                        self.commit_group(&mut ops, &mut effects);
+                        continue;
+                    }
+                    Err(_) => match self.next_op(&mut rx) {
+                        Some(op) => op,
+                        None => break,
+                    },
                 },
             };
             // The commit delay: whatever arrives while it runs joins this group. A first op
@@ -2176,6 +2349,11 @@ impl Committer {
             }
             // Emptied above, even on an error (`drain` drops what it did not yield).
             self.split = split;
+            if failed.is_none()
+                && let Err(e) = self.dedup_maintenance(&tx)
+            {
+                failed = Some(e);
+            }
             let counters = (self.next_seq, self.next_dlq);
             if counters != self.meta_counters || logged {
                 let mut meta = tx.open_table(META)?;
@@ -2210,6 +2388,8 @@ impl Committer {
                     idx.apply(e);
                 }
                 drop(idx);
+                self.dedup_committed();
+                self.last_group_failed = false;
                 if logged {
                     self.log_seq = seq;
                 }
@@ -2217,6 +2397,10 @@ impl Committer {
             Err(e) => {
                 tracing::error!(error = %e, ops = n, "store commit failed; every request in the group gets the error");
                 (self.next_seq, self.next_dlq) = saved;
+                self.dedup_group.clear();
+                self.dedup_rows.clear();
+                self.dedup_fx = DedupFx::default();
+                self.last_group_failed = true;
                 self.poisoned = self.reopen.is_some();
             }
         }
@@ -2263,6 +2447,135 @@ impl Committer {
             }
         }
         self.mutations = mutations;
+    }
+
+    /// The dedup index's background work, a bounded amount per group (`dedup::CHUNK` rows
+    /// each): write the next rows of the frozen memtable's run (and register it with the last
+    /// ones), remove `dedup_log` rows that registered runs cover, and remove the rows of one
+    /// orphan run. Recorded in `dedup_fx`; the memory follows once the group commits.
+    fn dedup_maintenance(&mut self, txn: &Tx<'_>) -> Result<(), StoreError> {
+        let state = self.dedup.clone();
+        let state = state.read().unwrap_or_else(|p| p.into_inner());
+        if let Some(frozen) = &state.frozen {
+            let from = self.frozen_written.min(frozen.rows.len());
+            let to = (from + dedup::CHUNK).min(frozen.rows.len());
+            let id = frozen.run.id;
+            let mut keys = txn.open_table(DEDUP_RUN_KEYS)?;
+            for &(fp, seq, at) in &frozen.rows[from..to] {
+                keys.insert((id, fp, seq), at)?;
+            }
+            self.dedup_fx.written = Some(to);
+            if to == frozen.rows.len() {
+                txn.open_table(DEDUP_RUNS)?
+                    .insert(id, frozen.run.encode().as_slice())?;
+                self.dedup_fx.registered = true;
+            }
+        }
+        if state.log_cleaned < state.log_floor {
+            let mut log = txn.open_table(DEDUP_LOG)?;
+            let covered: Vec<u64> = log
+                .range(..=state.log_floor)?
+                .take(dedup::CHUNK)
+                .map(|r| r.map(|(k, _)| k.value()))
+                .collect::<Result<_, _>>()?;
+            if covered.len() < dedup::CHUNK {
+                self.dedup_fx.log_cleaned = Some(state.log_floor);
+            }
+            for seq in covered {
+                log.remove(seq)?;
+            }
+        }
+        if let Some(&id) = state.orphans.first() {
+            let mut keys = txn.open_table(DEDUP_RUN_KEYS)?;
+            let rows: Vec<(u64, dedup::Fp, u64)> = keys
+                .range((id, 0u128, 0u64)..=(id, u128::MAX, u64::MAX))?
+                .take(dedup::CHUNK)
+                .map(|r| r.map(|(k, _)| k.value()))
+                .collect::<Result<_, _>>()?;
+            if rows.len() < dedup::CHUNK {
+                self.dedup_fx.orphan_done = Some(id);
+            }
+            for key in rows {
+                keys.remove(key)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the dedup index has work for `dedup_maintenance` (a group with no ops is then
+    /// worth committing while the channel is quiet).
+    fn dedup_has_work(&self) -> bool {
+        !self
+            .dedup
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .settled()
+    }
+
+    /// The group committed: its keys join the memtable, its maintenance is recorded, and the
+    /// memtable is frozen as the next run when its hour is over or it is full.
+    fn dedup_committed(&mut self) {
+        let fx = std::mem::take(&mut self.dedup_fx);
+        let mut state = self.dedup.write().unwrap_or_else(|p| p.into_inner());
+        for (fp, seq, at) in self.dedup_rows.drain(..) {
+            state.insert(fp, seq, at);
+        }
+        self.dedup_group.clear();
+        if let Some(n) = fx.written {
+            self.frozen_written = n;
+        }
+        if fx.registered {
+            state.registered();
+            self.frozen_written = 0;
+        }
+        if let Some(id) = fx.orphan_done {
+            state.orphans.retain(|o| *o != id);
+        }
+        if let Some(to) = fx.log_cleaned {
+            state.log_cleaned = state.log_cleaned.max(to);
+        }
+        if !fx.dropped.is_empty() {
+            state.dropped(&fx.dropped);
+        }
+        if let Some(now) = fx.latest_at
+            && state.should_freeze(now, self.memtable_keys)
+        {
+            let started = Instant::now();
+            state.freeze();
+            if let Some(f) = &state.frozen {
+                tracing::debug!(
+                    run = f.run.id,
+                    keys = f.run.keys,
+                    took_ms = started.elapsed().as_millis() as u64,
+                    "dedup memtable frozen; writing it as a run"
+                );
+            }
+        }
+    }
+
+    /// After a sweep in this group: unregisters the runs all of whose events the sweep has
+    /// removed (every sequence number below its cursor and none kept in `pending_gc`). Their
+    /// rows are removed by later groups.
+    fn drop_swept_runs(&mut self, txn: &Tx<'_>, stats: &mut SweepStats) -> Result<(), StoreError> {
+        let cursor = read_u64(&*txn.open_table(META)?, "sweep_cursor")?.unwrap_or(0);
+        let state = self.dedup.clone();
+        let state = state.read().unwrap_or_else(|p| p.into_inner());
+        let pending = txn.open_table(PENDING_GC)?;
+        let mut runs = txn.open_table(DEDUP_RUNS)?;
+        for run in &state.runs {
+            if run.seq_hi >= cursor {
+                break;
+            }
+            if self.dedup_fx.dropped.contains(&run.id)
+                || pending.range(run.seq_lo..=run.seq_hi)?.next().is_some()
+            {
+                continue;
+            }
+            runs.remove(run.id)?;
+            self.dedup_fx.dropped.push(run.id);
+            stats.dedup_expired += run.keys;
+        }
+        Ok(())
     }
 
     /// Applies one op inside `txn`. A storage error aborts the whole group (returned);
@@ -2394,7 +2707,15 @@ impl Committer {
                 retention_ms,
                 reply,
             } => {
-                let r = sweep(txn, now, dedup_window_ms, retention_ms, self.sweep_batch);
+                let r = sweep(txn, now, dedup_window_ms, retention_ms, self.sweep_batch).and_then(
+                    |mut stats| {
+                        self.drop_swept_runs(txn, &mut stats)?;
+                        Ok(stats)
+                    },
+                );
+                // An idle router's memtable is frozen once its hour is over, too.
+                let latest = &mut self.dedup_fx.latest_at;
+                *latest = Some(latest.map_or(now, |l| l.max(now)));
                 if r.is_ok() {
                     self.check_compaction = true;
                 }
@@ -2409,23 +2730,44 @@ impl Committer {
         events: impl ExactSizeIterator<Item = Prepared>,
         effects: &mut Vec<Effect>,
     ) -> Result<Vec<AcceptedOne>, StoreError> {
-        let mut dedup = txn.open_table(DEDUP)?;
+        let mut dedup_log = txn.open_table(DEDUP_LOG)?;
+        let mut run_keys = None;
         let mut ev_t = txn.open_table(EVENTS)?;
         let mut entries_t = txn.open_table(ENTRIES)?;
         let mut live_t = txn.open_table(LIVE)?;
         let mut out = Vec::with_capacity(events.len());
+        let state = self.dedup.clone();
+        let state = state.read().unwrap_or_else(|p| p.into_inner());
         for mut p in events {
-            let key = p.dedup_key.as_str();
-            if let Some(v) = dedup.get(key)? {
-                let (seq, at) = v.value();
-                if at >= p.accepted_at - p.dedup_window_ms {
-                    out.push((AcceptOutcome::Duplicate { seq }, Vec::new()));
-                    continue;
-                }
+            let min_at = p.accepted_at - p.dedup_window_ms;
+            let seen = match self.dedup_group.get(&p.fp) {
+                Some(&hit) => Some(hit).filter(|(_, at)| *at >= min_at),
+                None => state.newest(p.fp, min_at, |run, fp| {
+                    let t = match &mut run_keys {
+                        Some(t) => t,
+                        None => run_keys.insert(txn.open_table(DEDUP_RUN_KEYS)?),
+                    };
+                    let newest = t.range((run, fp, 0)..=(run, fp, u64::MAX))?.next_back();
+                    Ok::<_, StoreError>(match newest {
+                        Some(row) => {
+                            let (k, v) = row?;
+                            Some((k.value().2, v.value()))
+                        }
+                        None => None,
+                    })
+                })?,
+            };
+            if let Some((seq, _)) = seen {
+                out.push((AcceptOutcome::Duplicate { seq }, Vec::new()));
+                continue;
             }
             let seq = self.next_seq;
             self.next_seq += 1;
-            dedup.insert(key, (seq, p.accepted_at))?;
+            dedup_log.insert(seq, (p.fp, p.accepted_at))?;
+            self.dedup_group.insert(p.fp, (seq, p.accepted_at));
+            self.dedup_rows.push((p.fp, seq, p.accepted_at));
+            let latest = &mut self.dedup_fx.latest_at;
+            *latest = Some(latest.map_or(p.accepted_at, |l| l.max(p.accepted_at)));
             ev_t.insert(seq, p.record.as_slice())?;
             let mut leased = Vec::new();
             if let Some(q) = p.quarantine.take() {
@@ -2987,32 +3329,19 @@ fn take_dlq(txn: &Tx<'_>, id: u64) -> Result<Option<DlqEntry>, StoreError> {
     Ok(Some(d))
 }
 
-/// What the sweep reads of an `events` record: its dedup key and when it was accepted. The
-/// rest of the record (the data above all) is skipped, not decoded.
+/// What the sweep reads of an `events` record: when it was accepted. The rest of the record
+/// (the data above all) is skipped, not decoded.
 #[derive(serde::Deserialize)]
-struct SweepView<'a> {
-    #[serde(borrow)]
-    event: SweepKeys<'a>,
+struct SweepView {
     accepted_at: Millis,
 }
 
-#[derive(serde::Deserialize)]
-struct SweepKeys<'a> {
-    #[serde(borrow)]
-    id: std::borrow::Cow<'a, str>,
-    #[serde(borrow)]
-    source: std::borrow::Cow<'a, str>,
-}
-
-fn sweep_view(seq: u64, b: &[u8]) -> Result<(Millis, String), StoreError> {
-    let v: SweepView<'_> = serde_json::from_slice(b).map_err(|e| StoreError::Corrupt {
+fn sweep_view(seq: u64, b: &[u8]) -> Result<Millis, StoreError> {
+    let v: SweepView = serde_json::from_slice(b).map_err(|e| StoreError::Corrupt {
         table: "events",
         message: format!("event {seq}: {e}"),
     })?;
-    Ok((
-        v.accepted_at,
-        crate::event::dedup_key(&v.event.source, &v.event.id),
-    ))
+    Ok(v.accepted_at)
 }
 
 /// The tables a sweep writes, opened once per sweep call: opening a table and closing it
@@ -3020,7 +3349,6 @@ fn sweep_view(seq: u64, b: &[u8]) -> Result<(Millis, String), StoreError> {
 /// than the removal itself.
 struct SweepTables<'a> {
     events: LTable<'a, u64, &'static [u8]>,
-    dedup: LTable<'a, &'static str, (u64, i64)>,
     entries: LTable<'a, (u64, u32), &'static [u8]>,
     live: LTable<'a, (u64, u32), ()>,
     dlq_by_event: LTable<'a, (u64, u64), ()>,
@@ -3031,7 +3359,6 @@ impl<'a> SweepTables<'a> {
     fn open(txn: &Tx<'a>) -> Result<Self, StoreError> {
         Ok(Self {
             events: txn.open_table(EVENTS)?,
-            dedup: txn.open_table(DEDUP)?,
             entries: txn.open_table(ENTRIES)?,
             live: txn.open_table(LIVE)?,
             dlq_by_event: txn.open_table(DLQ_BY_EVENT)?,
@@ -3057,37 +3384,22 @@ impl<'a> SweepTables<'a> {
         Ok(seqs)
     }
 
-    /// Removes the events `gone` (sequence number and dedup key) with their finished queue
-    /// entries, and each one's dedup key if it still points at that event (a key accepted
-    /// again after the window points at the newer one).
-    fn remove(
-        &mut self,
-        gone: &mut [(u64, String)],
-        stats: &mut SweepStats,
-    ) -> Result<(), StoreError> {
-        for (seq, _) in gone.iter() {
+    /// Removes the events `gone` with their finished queue entries. Their dedup keys go with
+    /// their run, once the sweep has passed all of it (`Committer::drop_swept_runs`).
+    fn remove(&mut self, gone: &[u64], stats: &mut SweepStats) -> Result<(), StoreError> {
+        for seq in gone {
             self.events.remove(*seq)?;
         }
         // Each event's entry rows (keys start with its sequence number), with the table
         // already open: one short range read each.
         let mut rows = Vec::new();
-        for (seq, _) in gone.iter() {
+        for seq in gone {
             for row in self.entries.range((*seq, 0)..=(*seq, u32::MAX))? {
                 rows.push(row?.0.value());
             }
         }
         for key in rows {
             self.entries.remove(key)?;
-        }
-        // Dedup keys in key order: neighbouring removals then share their path down the
-        // tree while it is hot (they are scattered over the table in event order).
-        gone.sort_unstable_by(|a, b| a.1.cmp(&b.1));
-        for (seq, key) in gone.iter() {
-            let current = self.dedup.get(key.as_str())?.map(|v| v.value().0);
-            if current == Some(*seq) {
-                self.dedup.remove(key.as_str())?;
-                stats.dedup_expired += 1;
-            }
         }
         stats.events_removed += gone.len() as u64;
         Ok(())
@@ -3118,22 +3430,21 @@ fn sweep(
     let mut candidates = Vec::new();
     for row in t.events.range(cursor..)?.take(batch) {
         let (k, v) = row?;
-        let (accepted_at, key) = sweep_view(k.value(), v.value())?;
-        if accepted_at >= cut {
+        if sweep_view(k.value(), v.value())? >= cut {
             break;
         }
-        candidates.push((k.value(), key));
+        candidates.push(k.value());
     }
     stats.more = candidates.len() >= batch;
-    let next_cursor = candidates.last().map_or(cursor, |(seq, _)| seq + 1);
-    if let (Some(&(lo, _)), Some(&(hi, _))) = (candidates.first(), candidates.last()) {
+    let next_cursor = candidates.last().map_or(cursor, |seq| seq + 1);
+    if let (Some(&lo), Some(&hi)) = (candidates.first(), candidates.last()) {
         let kept = t.referenced_in(lo, hi)?;
         for seq in &kept {
             t.pending_gc.insert(*seq, ())?;
         }
         stats.pending += kept.len() as u64;
-        candidates.retain(|(seq, _)| !kept.contains(seq));
-        t.remove(&mut candidates, &mut stats)?;
+        candidates.retain(|seq| !kept.contains(seq));
+        t.remove(&candidates, &mut stats)?;
     }
     meta.insert("sweep_cursor", next_cursor.to_le_bytes().as_slice())?;
 
@@ -3154,13 +3465,11 @@ fn sweep(
         t.pending_gc.remove(seq)?;
         // Only the sweep removes events, and it drops them from `pending_gc` in the same
         // transaction; a missing record would still be nothing to remove.
-        let key = match t.events.get(seq)? {
-            Some(v) => sweep_view(seq, v.value())?.1,
-            None => continue,
-        };
-        gone.push((seq, key));
+        if t.events.get(seq)?.is_some() {
+            gone.push(seq);
+        }
     }
-    t.remove(&mut gone, &mut stats)?;
+    t.remove(&gone, &mut stats)?;
     meta.insert(
         "gc_cursor",
         (if wrapped { 0 } else { next_gc }).to_le_bytes().as_slice(),
@@ -3296,6 +3605,7 @@ fn rebuild_kv_accounting(txn: &Tx<'_>) -> Result<(), StoreError> {
     Ok(())
 }
 
+mod dedup;
 mod logged;
 use logged::{LTable, Tx};
 

@@ -16,7 +16,7 @@ use super::*;
 use crate::store::group_log::{Mutation, Mutations, Record};
 
 /// Every table's number in the group log. Append only: numbers are on disk.
-const TABLE_IDS: [&str; 17] = [
+const TABLE_IDS: [&str; 20] = [
     "meta",
     "events",
     "dedup",
@@ -34,6 +34,9 @@ const TABLE_IDS: [&str; 17] = [
     "handler_kv_usage",
     "handler_completed",
     "handler_completed_exp",
+    "dedup_log",
+    "dedup_run_keys",
+    "dedup_runs",
 ];
 
 fn table_id(name: &str) -> u8 {
@@ -147,9 +150,12 @@ pub(super) fn replay(
 
 /// Every table, open for replay (opening a table per mutation would cost more than the write).
 struct AllTables<'a> {
+    txn: &'a WriteTransaction,
     meta: Table<'a, &'static str, &'static [u8]>,
     events: Table<'a, u64, &'static [u8]>,
-    dedup: Table<'a, &'static str, (u64, i64)>,
+    /// Format 2's dedup table, opened only for a log written by such a build (opening it
+    /// would create it, and recovery would then migrate an empty table at every start).
+    old_dedup: Option<Table<'a, &'static str, (u64, i64)>>,
     entries: Table<'a, (u64, u32), &'static [u8]>,
     live: Table<'a, (u64, u32), ()>,
     dlq: Table<'a, u64, &'static [u8]>,
@@ -164,6 +170,9 @@ struct AllTables<'a> {
     kv_usage: Table<'a, &'static str, (u64, u64)>,
     completed: Table<'a, (&'static str, &'static str), (i64, &'static [u8])>,
     completed_exp: Table<'a, (i64, &'static str, &'static str), ()>,
+    dedup_log: Table<'a, u64, (u128, i64)>,
+    dedup_run_keys: Table<'a, (u64, u128, u64), i64>,
+    dedup_runs: Table<'a, u64, &'static [u8]>,
 }
 
 fn put<K: Key + 'static, V: Value + 'static>(
@@ -184,9 +193,10 @@ fn put<K: Key + 'static, V: Value + 'static>(
 impl<'a> AllTables<'a> {
     fn open(txn: &'a WriteTransaction) -> Result<Self, StoreError> {
         Ok(Self {
+            txn,
             meta: txn.open_table(META)?,
             events: txn.open_table(EVENTS)?,
-            dedup: txn.open_table(DEDUP)?,
+            old_dedup: None,
             entries: txn.open_table(ENTRIES)?,
             live: txn.open_table(LIVE)?,
             dlq: txn.open_table(DLQ)?,
@@ -201,6 +211,9 @@ impl<'a> AllTables<'a> {
             kv_usage: txn.open_table(KV_USAGE)?,
             completed: txn.open_table(COMPLETED)?,
             completed_exp: txn.open_table(COMPLETED_EXP)?,
+            dedup_log: txn.open_table(DEDUP_LOG)?,
+            dedup_run_keys: txn.open_table(DEDUP_RUN_KEYS)?,
+            dedup_runs: txn.open_table(DEDUP_RUNS)?,
         })
     }
 
@@ -211,7 +224,13 @@ impl<'a> AllTables<'a> {
         match table {
             0 => put(&mut self.meta, m)?,
             1 => put(&mut self.events, m)?,
-            2 => put(&mut self.dedup, m)?,
+            2 => {
+                let t = match &mut self.old_dedup {
+                    Some(t) => t,
+                    None => self.old_dedup.insert(self.txn.open_table(OLD_DEDUP)?),
+                };
+                put(t, m)?;
+            }
             3 => put(&mut self.entries, m)?,
             4 => put(&mut self.live, m)?,
             5 => put(&mut self.dlq, m)?,
@@ -226,6 +245,9 @@ impl<'a> AllTables<'a> {
             14 => put(&mut self.kv_usage, m)?,
             15 => put(&mut self.completed, m)?,
             16 => put(&mut self.completed_exp, m)?,
+            17 => put(&mut self.dedup_log, m)?,
+            18 => put(&mut self.dedup_run_keys, m)?,
+            19 => put(&mut self.dedup_runs, m)?,
             other => {
                 return Err(StoreError::Corrupt {
                     table: "group log",
@@ -246,7 +268,7 @@ mod tests {
         let names = [
             META.name(),
             EVENTS.name(),
-            DEDUP.name(),
+            OLD_DEDUP.name(),
             ENTRIES.name(),
             LIVE.name(),
             DLQ.name(),
@@ -261,6 +283,9 @@ mod tests {
             KV_USAGE.name(),
             COMPLETED.name(),
             COMPLETED_EXP.name(),
+            DEDUP_LOG.name(),
+            DEDUP_RUN_KEYS.name(),
+            DEDUP_RUNS.name(),
         ];
         // The order of `AllTables::apply`'s arms.
         for (i, n) in names.iter().enumerate() {

@@ -665,10 +665,11 @@ async fn sweep_removes_unreferenced_events_and_revisits_kept_ones() {
     .await
     .expect("accept");
     let stats = s.sweep(1000 + 10_000, 5_000, 5_000).await.expect("sweep");
-    // Event 2 had no targets: gone with its dedup key. Event 1 still has a live entry.
+    // Event 2 had no targets: gone (its dedup key goes later, with its run). Event 1 still
+    // has a live entry.
     assert_eq!(
         (stats.events_removed, stats.dedup_expired, stats.pending),
-        (1, 1, 1)
+        (1, 0, 1)
     );
     assert!(s.fate("/s", "2").expect("fate").is_none());
     assert!(
@@ -1498,10 +1499,11 @@ async fn a_sweep_batch_removes_finished_events_among_kept_ones_with_all_their_ro
             .expect("finish");
     }
     let stats = s.sweep(100_000, 5_000, 5_000).await.expect("sweep");
-    // 6 even events go; 5 odd ones wait for their retry, and 11 is in the DLQ.
+    // 6 even events go; 5 odd ones wait for their retry, and 11 is in the DLQ. Dedup keys
+    // leave with their run, not one by one.
     assert_eq!(
         (stats.events_removed, stats.dedup_expired, stats.pending),
-        (6, 6, 6)
+        (6, 0, 6)
     );
     let rows = entry_rows(&s);
     let kept: Vec<u64> = rows.keys().copied().collect();
@@ -1514,15 +1516,273 @@ async fn a_sweep_batch_removes_finished_events_among_kept_ones_with_all_their_ro
         let fate = s.fate("/s", &i.to_string()).expect("fate");
         assert_eq!(fate.is_some(), i % 2 == 1, "event {i}");
     }
-    assert_eq!(s.record_counts().expect("counts").dedup_keys, 6);
+    assert_eq!(s.record_counts().expect("counts").dedup_keys, 12);
     // The retries are delivered: the revisit removes those five; the DLQ one stays.
     tokio::task::yield_now().await;
     for l in s.lease("b", 4000, 100, 60_000).await.expect("lease") {
         ack(&s, &l, 4001).await.expect("finish");
     }
     let stats = s.sweep(100_000, 5_000, 5_000).await.expect("sweep");
-    assert_eq!((stats.events_removed, stats.dedup_expired), (5, 5));
+    assert_eq!((stats.events_removed, stats.dedup_expired), (5, 0));
     assert_eq!(entry_rows(&s).len(), 1);
     assert!(s.fate("/s", "11").expect("fate").is_some());
     assert_eq!(s.record_counts().expect("counts").events, 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The dedup index (memtable, runs)
+
+/// Store options whose dedup memtable is written as a run every `keys` keys.
+fn small_runs(keys: usize) -> StoreOptions {
+    StoreOptions {
+        dedup_memtable_keys: Some(keys),
+        ..StoreOptions::default()
+    }
+}
+
+/// Waits (at most 10 s) until the committer has written every frozen memtable and removed
+/// every orphan run's rows; returns the registered runs' (seq_lo, seq_hi, keys).
+async fn runs_settled(s: &RedbStore) -> Vec<(u64, u64, u64)> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        {
+            let st = s.dedup_state();
+            if st.settled() {
+                return st
+                    .runs
+                    .iter()
+                    .map(|r| (r.seq_lo, r.seq_hi, r.keys))
+                    .collect();
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "runs still being written after 10 s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
+/// Rows of a table of the store (read in a transaction of its own).
+fn rows_of<K: redb::Key + 'static, V: redb::Value + 'static>(
+    s: &RedbStore,
+    t: TableDefinition<'static, K, V>,
+) -> u64 {
+    let db = s.read_db();
+    let r = db.begin_read().expect("read");
+    r.open_table(t).expect("table").len().expect("len")
+}
+
+async fn accept_ids(s: &RedbStore, ids: std::ops::Range<u32>, at: Millis) -> Vec<AcceptOutcome> {
+    let batch = ids
+        .map(|i| new_event("/s", &i.to_string(), &[], at))
+        .collect();
+    s.accept(batch).await.expect("accept")
+}
+
+#[tokio::test]
+async fn duplicates_are_found_in_the_memtable_in_runs_and_after_a_restart() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = RedbStore::open_dir(dir.path(), small_runs(10)).expect("open");
+    for k in 0..7 {
+        let r = accept_ids(&s, k * 5..k * 5 + 5, 1000).await;
+        assert!(
+            r.iter()
+                .all(|o| matches!(o, AcceptOutcome::Accepted { .. }))
+        );
+    }
+    // 35 keys with runs cut at 10 keys: three runs, five keys in the memtable.
+    let runs = runs_settled(&s).await;
+    assert_eq!(runs, vec![(1, 10, 10), (11, 20, 10), (21, 30, 10)]);
+    assert_eq!(rows_of(&s, DEDUP_RUN_KEYS), 30);
+    // The log keeps only what no run holds.
+    assert_eq!(rows_of(&s, DEDUP_LOG), 5);
+    assert_eq!(s.record_counts().expect("counts").dedup_keys, 35);
+    let again = accept_ids(&s, 0..35, 2000).await;
+    for (i, o) in again.iter().enumerate() {
+        assert_eq!(
+            *o,
+            AcceptOutcome::Duplicate { seq: i as u64 + 1 },
+            "event {i}"
+        );
+    }
+    for i in [0u64, 14, 34] {
+        let fate = s.fate("/s", &i.to_string()).expect("fate").expect("known");
+        assert_eq!(fate.event.seq, i + 1);
+    }
+    assert!(s.fate("/s", "35").expect("fate").is_none());
+    drop(s);
+    let s = when_free(|| RedbStore::open_dir(dir.path(), small_runs(10))).await;
+    assert_eq!(runs_settled(&s).await.len(), 3);
+    let again = accept_ids(&s, 0..36, 3000).await;
+    assert_eq!(again[34], AcceptOutcome::Duplicate { seq: 35 });
+    assert_eq!(again[3], AcceptOutcome::Duplicate { seq: 4 });
+    assert_eq!(again[35], AcceptOutcome::Accepted { seq: 36 });
+    assert!(
+        again[..35]
+            .iter()
+            .all(|o| matches!(o, AcceptOutcome::Duplicate { .. }))
+    );
+}
+
+#[tokio::test]
+async fn a_key_accepted_again_after_the_window_points_its_fate_at_the_newer_event() {
+    let s = RedbStore::with_backend(redb::backends::InMemoryBackend::new(), small_runs(2))
+        .expect("store");
+    let mut old = new_event("/s", "k", &[], 1000);
+    old.dedup_window_ms = 5_000;
+    accept_ids(&s, 0..1, 1000).await;
+    s.accept(vec![old]).await.expect("accept");
+    // The old key is in a run now.
+    assert_eq!(runs_settled(&s).await.len(), 1);
+    let mut new = new_event("/s", "k", &[], 20_000);
+    new.dedup_window_ms = 5_000;
+    let r = s.accept(vec![new.clone()]).await.expect("accept");
+    assert_eq!(r, vec![AcceptOutcome::Accepted { seq: 3 }]);
+    assert_eq!(
+        s.fate("/s", "k").expect("fate").expect("known").event.seq,
+        3
+    );
+    // Inside the window of the new one: a duplicate of it.
+    new.accepted_at = 21_000;
+    let r = s.accept(vec![new]).await.expect("accept");
+    assert_eq!(r, vec![AcceptOutcome::Duplicate { seq: 3 }]);
+}
+
+#[tokio::test]
+async fn a_run_is_dropped_once_the_sweep_removed_all_its_events() {
+    let s = RedbStore::with_backend(redb::backends::InMemoryBackend::new(), small_runs(4))
+        .expect("store");
+    // Event 0 has a queue entry; 1..3 have none.
+    s.accept(vec![new_event("/s", "0", &["a"], 1000)])
+        .await
+        .expect("accept");
+    accept_ids(&s, 1..4, 1000).await;
+    assert_eq!(runs_settled(&s).await, vec![(1, 4, 4)]);
+    let stats = s.sweep(100_000, 5_000, 5_000).await.expect("sweep");
+    assert_eq!((stats.events_removed, stats.pending), (3, 1));
+    // Event 0 is kept (its entry is live), so its run stays and its fate is visible.
+    assert_eq!(stats.dedup_expired, 0);
+    assert_eq!(runs_settled(&s).await.len(), 1);
+    assert!(s.fate("/s", "0").expect("fate").is_some());
+    assert!(s.fate("/s", "1").expect("fate").is_none());
+    deliver_all(&s).await;
+    let stats = s.sweep(100_000, 5_000, 5_000).await.expect("sweep");
+    assert_eq!((stats.events_removed, stats.dedup_expired), (1, 4));
+    assert!(runs_settled(&s).await.is_empty());
+    assert_eq!(rows_of(&s, DEDUP_RUN_KEYS), 0);
+    assert_eq!(rows_of(&s, DEDUP_RUNS), 0);
+    assert_eq!(s.record_counts().expect("counts").dedup_keys, 0);
+}
+
+#[tokio::test]
+async fn a_run_left_half_written_is_removed_at_start_and_its_keys_still_count() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // A large memtable: nothing is written as a run by the store itself.
+    let s = RedbStore::open_dir(dir.path(), small_runs(1000)).expect("open");
+    accept_ids(&s, 0..20, 1000).await;
+    drop(s);
+    // What a crash between two chunks of run 0 leaves: some of its rows, no registration.
+    let path = dir.path().join("router.redb");
+    let db = when_free(|| redb::Database::create(&path)).await;
+    let txn = db.begin_write().expect("txn");
+    {
+        let mut keys = txn.open_table(DEDUP_RUN_KEYS).expect("keys");
+        for i in 0..7u64 {
+            let fp = dedup::fingerprint(&crate::event::dedup_key("/s", &i.to_string()));
+            keys.insert((0, fp, i + 1), 1000).expect("insert");
+        }
+    }
+    txn.commit().expect("commit");
+    drop(db);
+    let s = when_free(|| RedbStore::open_dir(dir.path(), small_runs(1000))).await;
+    assert!(runs_settled(&s).await.is_empty());
+    assert_eq!(
+        rows_of(&s, DEDUP_RUN_KEYS),
+        0,
+        "the orphan rows are removed"
+    );
+    assert_eq!(s.dedup_state().next_run, 1, "run 0 is not reused");
+    let again = accept_ids(&s, 0..20, 2000).await;
+    assert!(
+        again
+            .iter()
+            .all(|o| matches!(o, AcceptOutcome::Duplicate { .. }))
+    );
+}
+
+#[tokio::test]
+async fn a_format_2_store_has_its_dedup_table_moved_into_the_log() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+    accept_ids(&s, 0..10, 1000).await;
+    drop(s);
+    // Make it a format 2 store: the keys in the one `dedup` table, none in the new ones.
+    let path = dir.path().join("router.redb");
+    let db = when_free(|| redb::Database::create(&path)).await;
+    let txn = db.begin_write().expect("txn");
+    {
+        let mut old = txn.open_table(OLD_DEDUP).expect("dedup");
+        for i in 0..10u64 {
+            let key = crate::event::dedup_key("/s", &i.to_string());
+            old.insert(key.as_str(), (i + 1, 1000)).expect("insert");
+        }
+        txn.delete_table(DEDUP_LOG).expect("delete");
+        txn.open_table(META)
+            .expect("meta")
+            .insert("format_version", 2u64.to_le_bytes().as_slice())
+            .expect("version");
+    }
+    txn.commit().expect("commit");
+    drop(db);
+    let s = when_free(|| RedbStore::open_dir(dir.path(), StoreOptions::default())).await;
+    let again = accept_ids(&s, 0..11, 2000).await;
+    for (i, o) in again.iter().take(10).enumerate() {
+        assert_eq!(*o, AcceptOutcome::Duplicate { seq: i as u64 + 1 });
+    }
+    assert_eq!(again[10], AcceptOutcome::Accepted { seq: 11 });
+    assert_eq!(
+        s.fate("/s", "7").expect("fate").expect("known").event.seq,
+        8
+    );
+    drop(s);
+    let db = when_free(|| redb::Database::create(&path)).await;
+    let r = db.begin_read().expect("read");
+    assert!(
+        r.list_tables()
+            .expect("tables")
+            .all(|t| t.name() != OLD_DEDUP.name()),
+        "the old table is gone"
+    );
+    assert_eq!(
+        read_u64(&r.open_table(META).expect("meta"), "format_version").expect("read"),
+        Some(3)
+    );
+}
+
+#[tokio::test]
+async fn dedup_runs_survive_a_power_cut_with_the_group_log() {
+    let db = SimulatedDisk::new();
+    let log = SimulatedDisk::new();
+    let opts = StoreOptions {
+        dedup_memtable_keys: Some(50),
+        ..logged(std::time::Duration::from_secs(3600))
+    };
+    let s = on_disks(&db, &log, opts.clone());
+    let acked = accept_concurrently(&s, 0..300).await;
+    runs_settled(&s).await;
+    let (db_image, log_image) = (db.power_cut(), log.power_cut());
+    drop(s);
+    let s = on_images(db_image, log_image, opts);
+    assert_present(&s, acked.iter().map(ToString::to_string));
+    for i in acked {
+        let r = s
+            .accept(vec![new_event("/s", &i.to_string(), &["a"], 1000)])
+            .await
+            .expect("accept");
+        assert!(
+            matches!(r[0], AcceptOutcome::Duplicate { .. }),
+            "event {i} accepted twice"
+        );
+    }
 }

@@ -1,0 +1,509 @@
+//! The ingest dedup index: which (`source`, `id`) pairs the store holds, for the dedup check at
+//! accept and the fate lookup. A small log-structured index inside redb (docs/dedup-index.md):
+//!
+//! - keys are 128-bit fingerprints of the dedup key (SHA-256, truncated): random, so a B-tree
+//!   keyed by them would copy one leaf per insert (measured: random event ids cut batched
+//!   ingest to 0.38 of sequential ones). Two different keys share a fingerprint with
+//!   probability about n²/2¹²⁹ — 10¹² keys give 10⁻¹⁵ — which is taken as never;
+//! - the keys accepted since the last run was written live in memory (the memtable), made
+//!   durable by `dedup_log` (`seq → (fingerprint, accepted_at)`), whose keys grow with each
+//!   event, so a group's appends share a leaf;
+//! - at each hour, or when the memtable reaches its bound, it is frozen and written, sorted,
+//!   as a run into `dedup_run_keys` (`(run, fingerprint, seq) → accepted_at`), whose run
+//!   number grows, so the run fills leaves one after another. It is written a chunk per
+//!   commit (a run is up to a million keys; one commit for all of it would stall ingest) and
+//!   registered in `dedup_runs` with its Bloom filter by the commit of its last chunk;
+//! - a run is dropped whole once the sweep has removed every event in its range: no random
+//!   deletes either.
+//!
+//! This module holds the in-memory side (memtable, frozen memtable, runs with their filters)
+//! and its encodings; the committer (`redb_store.rs`) does the table work.
+
+use std::sync::Arc;
+
+use rustc_hash::FxHashMap;
+use sha2::{Digest, Sha256};
+use smallvec::SmallVec;
+
+/// A dedup key's fingerprint.
+pub(super) type Fp = u128;
+
+/// Rows written to, or removed from, the run table per commit. A chunk of sorted appends is
+/// about 60 leaves: a millisecond or two added to the group that carries it.
+pub(super) const CHUNK: usize = 4096;
+
+/// Default bound of the memtable, in keys: a run is cut early when it is reached. At about
+/// 60 bytes a key (the map entry and its share of the frozen copy) that is ~60 MB.
+pub(super) const MEMTABLE_KEYS: usize = 1 << 20;
+
+/// A run is cut at least this often, so the runs inside the dedup window, which every
+/// accept consults, stay few (24 at the default window) whatever the rate.
+pub(super) const RUN_SPAN_MS: i64 = 3_600_000;
+
+/// Bits of Bloom filter per key: about 1 % false positives with `BLOOM_HASHES`.
+const BLOOM_BITS_PER_KEY: usize = 10;
+const BLOOM_HASHES: u32 = 7;
+
+/// The fingerprint of a dedup key (`crate::event::dedup_key`).
+pub(super) fn fingerprint(dedup_key: &str) -> Fp {
+    let digest = Sha256::digest(dedup_key.as_bytes());
+    let mut b = [0u8; 16];
+    b.copy_from_slice(&digest[..16]);
+    u128::from_le_bytes(b)
+}
+
+/// A Bloom filter over fingerprints. Written here rather than taken from a crate: its input
+/// is already a uniform hash (no hashing to choose), and its bytes are part of the store's
+/// on-disk format, which must not change with a dependency's version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Bloom {
+    words: Vec<u64>,
+}
+
+impl Bloom {
+    /// An empty filter sized for `keys` keys.
+    pub(super) fn for_keys(keys: usize) -> Self {
+        let bits = (keys.max(1) * BLOOM_BITS_PER_KEY).div_ceil(64) * 64;
+        Self {
+            words: vec![0; bits / 64],
+        }
+    }
+
+    /// The bit positions of `fp` (double hashing over its two halves).
+    fn positions(&self, fp: Fp) -> impl Iterator<Item = usize> + use<> {
+        let m = (self.words.len() * 64) as u64;
+        let h1 = fp as u64;
+        let h2 = ((fp >> 64) as u64) | 1;
+        (0..u64::from(BLOOM_HASHES))
+            .map(move |i| (h1.wrapping_add(i.wrapping_mul(h2)) % m) as usize)
+    }
+
+    pub(super) fn insert(&mut self, fp: Fp) {
+        for p in self.positions(fp) {
+            self.words[p / 64] |= 1 << (p % 64);
+        }
+    }
+
+    /// False: `fp` was never inserted. True: it may have been.
+    pub(super) fn may_contain(&self, fp: Fp) -> bool {
+        self.positions(fp)
+            .all(|p| self.words[p / 64] & (1 << (p % 64)) != 0)
+    }
+
+    /// Heap bytes.
+    pub(super) fn bytes(&self) -> usize {
+        self.words.len() * 8
+    }
+}
+
+/// A run written to `dedup_run_keys` and registered in `dedup_runs`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Run {
+    pub(super) id: u64,
+    /// The sequence numbers of the events it covers (every event accepted in between).
+    pub(super) seq_lo: u64,
+    pub(super) seq_hi: u64,
+    pub(super) keys: u64,
+    /// The latest acceptance time among its keys: a run older than the dedup window is not
+    /// consulted by accept.
+    pub(super) max_at: i64,
+    pub(super) bloom: Bloom,
+}
+
+/// Layout version of a `dedup_runs` record.
+const RUN_RECORD_V1: u8 = 1;
+const RUN_HEADER: usize = 1 + 8 * 4;
+
+impl Run {
+    /// The `dedup_runs` record (its key is the run id): version, seq range, key count, latest
+    /// acceptance time, then the filter's words, all little-endian.
+    pub(super) fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(RUN_HEADER + self.bloom.bytes());
+        b.push(RUN_RECORD_V1);
+        b.extend_from_slice(&self.seq_lo.to_le_bytes());
+        b.extend_from_slice(&self.seq_hi.to_le_bytes());
+        b.extend_from_slice(&self.keys.to_le_bytes());
+        b.extend_from_slice(&self.max_at.to_le_bytes());
+        for w in &self.bloom.words {
+            b.extend_from_slice(&w.to_le_bytes());
+        }
+        b
+    }
+
+    pub(super) fn decode(id: u64, b: &[u8]) -> Result<Self, String> {
+        if b.len() < RUN_HEADER
+            || b[0] != RUN_RECORD_V1
+            || !(b.len() - RUN_HEADER).is_multiple_of(8)
+        {
+            return Err(format!(
+                "dedup run {id}: malformed record ({} bytes)",
+                b.len()
+            ));
+        }
+        let word = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[i..i + 8]);
+            w
+        };
+        let words: Vec<u64> = b[RUN_HEADER..]
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+            .collect();
+        if words.is_empty() {
+            return Err(format!("dedup run {id}: empty filter"));
+        }
+        Ok(Self {
+            id,
+            seq_lo: u64::from_le_bytes(word(1)),
+            seq_hi: u64::from_le_bytes(word(9)),
+            keys: u64::from_le_bytes(word(17)),
+            max_at: i64::from_le_bytes(word(25)),
+            bloom: Bloom { words },
+        })
+    }
+}
+
+/// One key of the index: (fingerprint, seq, accepted_at).
+pub(super) type Row = (Fp, u64, i64);
+
+/// A memtable frozen for writing as run `id`: its rows sorted by (fingerprint, seq).
+#[derive(Debug)]
+pub(super) struct Frozen {
+    pub(super) run: Run,
+    pub(super) rows: Vec<Row>,
+}
+
+impl Frozen {
+    /// The newest row of `fp`.
+    fn newest(&self, fp: Fp) -> Option<(u64, i64)> {
+        let end = self.rows.partition_point(|r| r.0 <= fp);
+        (end > 0 && self.rows[end - 1].0 == fp)
+            .then(|| (self.rows[end - 1].1, self.rows[end - 1].2))
+    }
+
+    /// Every row of `fp`, newest first.
+    fn all(&self, fp: Fp) -> impl Iterator<Item = u64> + '_ {
+        let start = self.rows.partition_point(|r| r.0 < fp);
+        self.rows[start..]
+            .iter()
+            .take_while(move |r| r.0 == fp)
+            .map(|r| r.1)
+            .collect::<SmallVec<[u64; 2]>>()
+            .into_iter()
+            .rev()
+    }
+}
+
+/// The in-memory side of the index, shared by the committer (which changes it after each
+/// commit) and readers (fate lookups).
+#[derive(Debug, Default)]
+pub(super) struct DedupState {
+    /// Keys accepted since the frozen memtable (or the newest run) was cut.
+    mem: FxHashMap<Fp, SmallVec<[(u64, i64); 1]>>,
+    mem_keys: usize,
+    /// The earliest acceptance time in `mem`.
+    mem_lo: Option<i64>,
+    /// Being written as a run (not registered yet).
+    pub(super) frozen: Option<Arc<Frozen>>,
+    /// Registered runs, oldest first.
+    pub(super) runs: Vec<Run>,
+    /// The next run's id.
+    pub(super) next_run: u64,
+    /// Run ids whose rows are still in `dedup_run_keys` but which are not registered (dropped
+    /// by the sweep, or left half-written by a crash): removed a chunk per commit.
+    pub(super) orphans: Vec<u64>,
+    /// `dedup_log` rows up to this sequence number are covered by registered runs and are
+    /// removed a chunk per commit (recovery ignores them meanwhile).
+    pub(super) log_floor: u64,
+    /// `dedup_log` holds no row up to this sequence number.
+    pub(super) log_cleaned: u64,
+}
+
+impl DedupState {
+    /// A state from what recovery read: the registered runs, the orphan run ids, the
+    /// `dedup_log` rows above the newest run (in sequence order), and the first free run id.
+    pub(super) fn rebuilt(
+        mut runs: Vec<Run>,
+        orphans: Vec<u64>,
+        log: impl IntoIterator<Item = Row>,
+        next_run: u64,
+    ) -> Self {
+        runs.sort_by_key(|r| r.id);
+        let log_floor = runs.iter().map(|r| r.seq_hi).max().unwrap_or(0);
+        let mut s = Self {
+            runs,
+            orphans,
+            next_run,
+            log_floor,
+            ..Self::default()
+        };
+        for (fp, seq, at) in log {
+            s.insert(fp, seq, at);
+        }
+        s
+    }
+
+    /// Adds an accepted key (after its commit).
+    pub(super) fn insert(&mut self, fp: Fp, seq: u64, at: i64) {
+        self.mem.entry(fp).or_default().push((seq, at));
+        self.mem_keys += 1;
+        self.mem_lo = Some(self.mem_lo.map_or(at, |lo| lo.min(at)));
+    }
+
+    /// Nothing left for the committer's background work: no run to write, no rows to remove.
+    pub(super) fn settled(&self) -> bool {
+        self.frozen.is_none() && self.orphans.is_empty() && self.log_cleaned >= self.log_floor
+    }
+
+    /// Keys in memory and in runs (`router_store_records{kind="dedup_key"}`).
+    pub(super) fn keys(&self) -> u64 {
+        let frozen = self.frozen.as_ref().map_or(0, |f| f.run.keys);
+        self.mem_keys as u64 + frozen + self.runs.iter().map(|r| r.keys).sum::<u64>()
+    }
+
+    /// Heap bytes of the filters (what every retained run keeps in memory).
+    pub(super) fn filter_bytes(&self) -> usize {
+        self.runs.iter().map(|r| r.bloom.bytes()).sum()
+    }
+
+    /// Whether the memtable should be frozen now: it reached `max_keys`, or its oldest key is
+    /// from an earlier hour than `now`. Never while the previous one is still being written.
+    pub(super) fn should_freeze(&self, now: i64, max_keys: usize) -> bool {
+        self.frozen.is_none()
+            && self.mem_lo.is_some_and(|at| {
+                self.mem_keys >= max_keys
+                    || at.div_euclid(RUN_SPAN_MS) != now.div_euclid(RUN_SPAN_MS)
+            })
+    }
+
+    /// Freezes the memtable as the next run (sorting it and building its filter); the memtable
+    /// starts empty.
+    pub(super) fn freeze(&mut self) {
+        if self.mem_lo.take().is_none() {
+            return;
+        }
+        let mut rows: Vec<Row> = Vec::with_capacity(self.mem_keys);
+        for (fp, seqs) in self.mem.drain() {
+            rows.extend(seqs.into_iter().map(|(seq, at)| (fp, seq, at)));
+        }
+        rows.sort_unstable();
+        let mut bloom = Bloom::for_keys(rows.len());
+        let (mut seq_lo, mut seq_hi, mut max_at) = (u64::MAX, 0, i64::MIN);
+        for r in &rows {
+            bloom.insert(r.0);
+            seq_lo = seq_lo.min(r.1);
+            seq_hi = seq_hi.max(r.1);
+            max_at = max_at.max(r.2);
+        }
+        let run = Run {
+            id: self.next_run,
+            seq_lo,
+            seq_hi,
+            keys: rows.len() as u64,
+            max_at,
+            bloom,
+        };
+        self.next_run += 1;
+        self.mem_keys = 0;
+        self.mem = FxHashMap::default();
+        self.frozen = Some(Arc::new(Frozen { run, rows }));
+    }
+
+    /// The frozen memtable's run is registered: it is now a run like the others.
+    pub(super) fn registered(&mut self) {
+        if let Some(f) = self.frozen.take() {
+            self.log_floor = self.log_floor.max(f.run.seq_hi);
+            self.runs.push(f.run.clone());
+        }
+    }
+
+    /// Runs the sweep dropped: their rows are to be removed.
+    pub(super) fn dropped(&mut self, ids: &[u64]) {
+        self.runs.retain(|r| !ids.contains(&r.id));
+        self.orphans.extend_from_slice(ids);
+    }
+
+    /// The newest key `fp` accepted at or after `min_at`. `probe(run, fp)` reads a run's
+    /// newest row of `fp` from `dedup_run_keys`; only runs that can hold such a key (young
+    /// enough, and admitted by their filter) are probed.
+    pub(super) fn newest<E>(
+        &self,
+        fp: Fp,
+        min_at: i64,
+        mut probe: impl FnMut(u64, Fp) -> Result<Option<(u64, i64)>, E>,
+    ) -> Result<Option<(u64, i64)>, E> {
+        let young = |hit: Option<(u64, i64)>| hit.filter(|(_, at)| *at >= min_at);
+        if let Some(seqs) = self.mem.get(&fp) {
+            return Ok(young(seqs.iter().copied().max()));
+        }
+        if let Some(f) = &self.frozen
+            && let Some(hit) = f.newest(fp)
+        {
+            return Ok(young(Some(hit)));
+        }
+        for run in self.runs.iter().rev() {
+            if run.max_at < min_at {
+                // Every key of this run is older than the window. (Not `break`: acceptance
+                // times are only roughly in sequence order, by the milliseconds that ingest
+                // threads race to the committer.)
+                continue;
+            }
+            if run.bloom.may_contain(fp)
+                && let Some(hit) = probe(run.id, fp)?
+            {
+                return Ok(young(Some(hit)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Every event `fp` was accepted as that memory knows of (memtable, frozen memtable),
+    /// newest first, and the runs whose filter admits `fp`, newest first: the fate lookup
+    /// reads those and confirms each candidate against the event.
+    pub(super) fn candidates(&self, fp: Fp) -> (Vec<u64>, Vec<u64>) {
+        let mut seqs: Vec<u64> = self
+            .mem
+            .get(&fp)
+            .map(|s| s.iter().map(|r| r.0).collect())
+            .unwrap_or_default();
+        seqs.sort_unstable_by(|a, b| b.cmp(a));
+        if let Some(f) = &self.frozen {
+            seqs.extend(f.all(fp));
+        }
+        let runs = self
+            .runs
+            .iter()
+            .rev()
+            .filter(|r| r.bloom.may_contain(fp))
+            .map(|r| r.id)
+            .collect();
+        (seqs, runs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fp(i: u64) -> Fp {
+        fingerprint(&crate::event::dedup_key("s", &i.to_string()))
+    }
+
+    #[test]
+    fn fingerprints_differ_and_are_stable() {
+        assert_ne!(fp(1), fp(2));
+        assert_eq!(fp(7), fp(7));
+        // The value is part of the on-disk format: it must never change.
+        assert_eq!(
+            fingerprint("1:s\u{0}1"),
+            u128::from_le_bytes(Sha256::digest(b"1:s\x001")[..16].try_into().unwrap())
+        );
+    }
+
+    #[test]
+    fn the_filter_has_no_false_negatives_and_about_one_percent_false_positives() {
+        let mut b = Bloom::for_keys(10_000);
+        for i in 0..10_000 {
+            b.insert(fp(i));
+        }
+        assert!((0..10_000).all(|i| b.may_contain(fp(i))));
+        let false_positives = (10_000..110_000).filter(|i| b.may_contain(fp(*i))).count();
+        // 10 bits and 7 hashes per key: 0.8 % expected.
+        assert!(false_positives < 2_000, "{false_positives} of 100,000");
+    }
+
+    #[test]
+    fn a_run_record_round_trips() {
+        let mut bloom = Bloom::for_keys(100);
+        bloom.insert(fp(3));
+        let run = Run {
+            id: 9,
+            seq_lo: 10,
+            seq_hi: 250,
+            keys: 200,
+            max_at: -5,
+            bloom,
+        };
+        assert_eq!(Run::decode(9, &run.encode()).unwrap(), run);
+        assert!(Run::decode(9, &run.encode()[..20]).is_err());
+        assert!(Run::decode(9, &[2; 41]).is_err());
+    }
+
+    #[test]
+    fn lookups_go_newest_first_through_memtable_frozen_and_runs() {
+        let mut s = DedupState::default();
+        s.insert(fp(1), 1, 100);
+        s.insert(fp(2), 2, 100);
+        s.freeze();
+        let frozen = s.frozen.clone().unwrap();
+        assert_eq!(
+            (frozen.run.seq_lo, frozen.run.seq_hi, frozen.run.keys),
+            (1, 2, 2)
+        );
+        s.insert(fp(1), 3, 200);
+        let no_runs = |_, _| Ok::<_, ()>(None);
+        // The memtable's newer key wins over the frozen one.
+        assert_eq!(s.newest(fp(1), 0, no_runs), Ok(Some((3, 200))));
+        assert_eq!(s.newest(fp(2), 0, no_runs), Ok(Some((2, 100))));
+        // Older than the window: not a duplicate.
+        assert_eq!(s.newest(fp(2), 101, no_runs), Ok(None));
+        s.registered();
+        assert_eq!(s.log_floor, 2);
+        assert_eq!(s.runs.len(), 1);
+        // Now in a run: found through the probe, which the filter lets through.
+        let mut probed = Vec::new();
+        let r = s.newest(fp(2), 0, |run, f| {
+            probed.push(run);
+            Ok::<_, ()>((f == fp(2)).then_some((2, 100)))
+        });
+        assert_eq!(r, Ok(Some((2, 100))));
+        assert_eq!(probed, vec![0]);
+        // A run whose keys are all older than the window is not probed.
+        let r = s.newest(fp(2), 150, |_, _| -> Result<_, ()> { panic!("probed") });
+        assert_eq!(r, Ok(None));
+        assert_eq!(s.candidates(fp(1)), (vec![3], vec![0]));
+        assert_eq!(s.keys(), 3);
+        s.dropped(&[0]);
+        assert!(s.runs.is_empty());
+        assert_eq!(s.orphans, vec![0]);
+    }
+
+    #[test]
+    fn a_memtable_freezes_at_its_bound_or_at_the_hour() {
+        let mut s = DedupState::default();
+        assert!(!s.should_freeze(0, 2));
+        s.insert(fp(1), 1, 10);
+        assert!(!s.should_freeze(20, 2));
+        assert!(s.should_freeze(RUN_SPAN_MS + 1, 2));
+        s.insert(fp(2), 2, 20);
+        assert!(s.should_freeze(30, 2));
+        s.freeze();
+        s.insert(fp(3), 3, 30);
+        s.insert(fp(4), 4, 30);
+        // Not while the previous run is being written.
+        assert!(!s.should_freeze(40, 2));
+    }
+
+    #[test]
+    fn recovery_rebuilds_the_memtable_above_the_newest_run() {
+        let mut bloom = Bloom::for_keys(1);
+        bloom.insert(fp(1));
+        let run = Run {
+            id: 4,
+            seq_lo: 1,
+            seq_hi: 1,
+            keys: 1,
+            max_at: 10,
+            bloom,
+        };
+        let s = DedupState::rebuilt(vec![run], vec![5], [(fp(2), 2, 20)], 6);
+        assert_eq!(s.log_floor, 1);
+        assert_eq!(s.next_run, 6);
+        assert_eq!(s.orphans, vec![5]);
+        assert_eq!(
+            s.newest(fp(2), 0, |_, _| Ok::<_, ()>(None)),
+            Ok(Some((2, 20)))
+        );
+        assert_eq!(s.keys(), 2);
+    }
+}
