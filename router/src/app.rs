@@ -683,17 +683,23 @@ pub async fn run_with_store(
             warnings.push(format!("delivery threads run at ingest's priority: {e}"));
         }
     }
+    let secrets = secret_resolver(&cfg)?;
     let dispatcher = Dispatcher::new(DeliveryContext {
         store: store.clone(),
         metrics: metrics.clone(),
         clock: clock.clone(),
         cfg: cfg.delivery.clone(),
         http: crate::target::webhook::shared_clients(cfg.delivery.tls_ca_file.as_deref())?,
+        nats: crate::target::nats::NatsConnection::new(
+            cfg.nats.clone(),
+            secrets.clone(),
+            delivery_threads.handle(),
+        ),
         cancel: workers_cancel.clone(),
         tracker: tracker.clone(),
         spawner: delivery_threads.handle(),
         system_events: Some(sys_tx),
-        secrets: secret_resolver(&cfg)?,
+        secrets,
         handlers: handlers.clone(),
     });
 

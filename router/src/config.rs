@@ -58,6 +58,8 @@ pub struct Config {
     pub handlers: HandlersConfig,
     /// HTTP server limits.
     pub server: ServerConfig,
+    /// The NATS connection of `nats:` targets.
+    pub nats: NatsConfig,
     /// Optional TOML file of secrets (`NAME = "value"`) that `secret_env` names resolve in,
     /// after the environment. Never the rule files.
     pub secrets_file: Option<PathBuf>,
@@ -131,6 +133,81 @@ impl Default for HandlersConfig {
             running_per_handler: 0,
         }
     }
+}
+
+/// `[nats]`: the one connection every `nats:` target publishes through. The router opens it
+/// only when the rules have a `nats:` target, and keeps retrying it in the background while
+/// the server is down (those targets' attempts then fail as retryable and their entries wait
+/// in their queues).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NatsConfig {
+    /// Server URL (`nats://host:port`, or `tls://` for TLS); several, comma-separated, for a
+    /// cluster. Default `nats://127.0.0.1:4222`.
+    pub url: String,
+    /// What a delivered attempt means: `auto` (default), `jetstream` or `core`; see [`NatsAck`].
+    pub ack: NatsAck,
+    /// How long one connection attempt (TCP, TLS and the NATS handshake) may take, and how
+    /// long a delivery attempt waits for a connection being (re)made before it fails as
+    /// retryable. Default 2s.
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// A NATS `.creds` file (user JWT and NKey seed) to authenticate with. Unset = none.
+    pub credentials_file: Option<PathBuf>,
+    /// Name of the environment variable (or `secrets_file` entry) holding a token to
+    /// authenticate with; the token itself is never in a config or rule file. Unset = none.
+    pub token_env: Option<String>,
+}
+
+impl Default for NatsConfig {
+    fn default() -> Self {
+        Self {
+            url: "nats://127.0.0.1:4222".into(),
+            ack: NatsAck::Auto,
+            connect_timeout: Duration::from_secs(2),
+            credentials_file: None,
+            token_env: None,
+        }
+    }
+}
+
+impl NatsConfig {
+    /// The server addresses of `url`.
+    pub fn server_addrs(&self) -> Result<Vec<async_nats::ServerAddr>, String> {
+        self.url
+            .split(',')
+            .map(str::trim)
+            .map(|u| {
+                let addr: async_nats::ServerAddr =
+                    u.parse().map_err(|e| format!("nats.url `{u}`: {e}"))?;
+                // The client is built without websocket support.
+                if !matches!(addr.scheme(), "nats" | "tls") {
+                    return Err(format!(
+                        "nats.url `{u}`: only nats:// and tls:// servers are supported"
+                    ));
+                }
+                Ok(addr)
+            })
+            .collect()
+    }
+}
+
+/// `nats.ack`: when a `nats:` attempt counts as delivered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum NatsAck {
+    /// Publish through JetStream and wait for the stream's acknowledgement; where no stream
+    /// captures the subject, publish as core NATS instead (delivered once the server has it,
+    /// whether or not anyone subscribes).
+    #[default]
+    #[serde(rename = "auto")]
+    Auto,
+    /// Publish through JetStream only: where no stream captures the subject the attempt fails
+    /// (retryable), so entries wait until an operator creates the stream.
+    #[serde(rename = "jetstream")]
+    JetStream,
+    /// Core NATS only: delivered once the server has the message (publish and flush).
+    #[serde(rename = "core")]
+    Core,
 }
 
 /// `[auth]`
@@ -325,6 +402,7 @@ impl Default for Config {
             auth: AuthConfig::default(),
             handlers: HandlersConfig::default(),
             server: ServerConfig::default(),
+            nats: NatsConfig::default(),
             secrets_file: None,
         }
     }
@@ -445,6 +523,18 @@ impl Config {
         if self.delivery.threads > 1024 {
             return bad("delivery.threads must be in 0..=1024 (0 = one per CPU)");
         }
+        if let Err(e) = self.nats.server_addrs() {
+            return Err(ConfigError::Invalid(e));
+        }
+        if self.nats.connect_timeout.is_zero() {
+            return bad("nats.connect_timeout must be > 0");
+        }
+        if self.nats.credentials_file.is_some() && self.nats.token_env.is_some() {
+            return bad("nats.credentials_file and nats.token_env are exclusive: set one");
+        }
+        if self.nats.token_env.as_deref().is_some_and(str::is_empty) {
+            return bad("nats.token_env must name a variable");
+        }
         if self.store.dedup_memtable_keys < 1_000 {
             return bad("store.dedup_memtable_keys must be at least 1000");
         }
@@ -520,7 +610,7 @@ mod tests {
             .try_into()
             .expect("every documented key is a configuration key");
         for section in [
-            "ingest", "delivery", "archive", "store", "handlers", "server", "auth",
+            "ingest", "delivery", "archive", "store", "handlers", "server", "auth", "nats",
         ] {
             assert!(
                 table.contains_key(section),
@@ -528,6 +618,7 @@ mod tests {
             );
         }
         assert_eq!(cfg.handlers, HandlersConfig::default());
+        assert_eq!(cfg.nats, NatsConfig::default());
     }
 
     #[test]
@@ -589,5 +680,67 @@ mod tests {
         assert!(e.to_string().contains("store.commit_delay"), "{e}");
         let ok = Config::load(None, env(&[("ROUTER_STORE__COMMIT_DELAY", "2ms")])).expect("2ms");
         assert_eq!(ok.store.commit_delay, Duration::from_millis(2));
+    }
+
+    #[test]
+    fn nats_section_defaults_file_and_env_overrides() {
+        let c = Config::load(None, env(&[])).expect("defaults");
+        assert_eq!(c.nats.url, "nats://127.0.0.1:4222");
+        assert_eq!(c.nats.ack, NatsAck::Auto);
+        assert_eq!(c.nats.connect_timeout, Duration::from_secs(2));
+        let dir = tempfile::tempdir().expect("tmp");
+        let f = dir.path().join("router.toml");
+        std::fs::write(
+            &f,
+            "[nats]\nurl = \"nats://10.0.0.1:4222, tls://10.0.0.2:4222\"\nack = \"core\"\ncredentials_file = \"/etc/router/nats.creds\"\n",
+        )
+        .expect("write");
+        let c = Config::load(Some(&f), env(&[])).expect("file");
+        assert_eq!(c.nats.ack, NatsAck::Core);
+        assert_eq!(c.nats.server_addrs().map(|a| a.len()), Ok(2));
+        assert_eq!(
+            c.nats.credentials_file.as_deref(),
+            Some(Path::new("/etc/router/nats.creds"))
+        );
+        let c = Config::load(
+            None,
+            env(&[
+                ("ROUTER_NATS__ACK", "jetstream"),
+                ("ROUTER_NATS__URL", "nats://127.0.0.1:14222"),
+                ("ROUTER_NATS__CONNECT_TIMEOUT", "500ms"),
+                ("ROUTER_NATS__TOKEN_ENV", "NATS_TOKEN"),
+            ]),
+        )
+        .expect("env");
+        assert_eq!(c.nats.ack, NatsAck::JetStream);
+        assert_eq!(c.nats.url, "nats://127.0.0.1:14222");
+        assert_eq!(c.nats.connect_timeout, Duration::from_millis(500));
+        assert_eq!(c.nats.token_env.as_deref(), Some("NATS_TOKEN"));
+    }
+
+    #[test]
+    fn invalid_nats_settings_are_refused() {
+        let e = Config::load(None, env(&[("ROUTER_NATS__ACK", "sometimes")])).expect_err("ack");
+        assert!(e.to_string().contains("sometimes"), "{e}");
+        let e = Config::load(None, env(&[("ROUTER_NATS__URL", "http://127.0.0.1:4222")]))
+            .expect_err("scheme");
+        assert!(e.to_string().contains("nats.url"), "{e}");
+        let e = Config::load(None, env(&[("ROUTER_NATS__URL", "ws://127.0.0.1:4222")]))
+            .expect_err("websocket");
+        assert!(e.to_string().contains("only nats:// and tls://"), "{e}");
+        let e = Config::load(None, env(&[("ROUTER_NATS__CONNECT_TIMEOUT", "0s")]))
+            .expect_err("timeout");
+        assert!(e.to_string().contains("nats.connect_timeout"), "{e}");
+        let e = Config::load(
+            None,
+            env(&[
+                ("ROUTER_NATS__TOKEN_ENV", "T"),
+                ("ROUTER_NATS__CREDENTIALS_FILE", "/x.creds"),
+            ]),
+        )
+        .expect_err("both");
+        assert!(e.to_string().contains("exclusive"), "{e}");
+        let e = Config::load(None, env(&[("ROUTER_NATS__USER", "x")])).expect_err("unknown");
+        assert!(e.to_string().contains("user"), "{e}");
     }
 }

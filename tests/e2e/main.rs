@@ -7,6 +7,7 @@ mod durability;
 mod handlers;
 mod harness;
 mod ingest;
+mod nats;
 mod openapi;
 mod policies;
 mod reload;

@@ -44,6 +44,8 @@ pub struct DeliveryContext {
     pub cfg: DeliveryConfig,
     /// The HTTP clients webhooks share.
     pub http: crate::target::webhook::WebhookClients,
+    /// The NATS connection `nats:` targets share (opened when the first one starts).
+    pub nats: Arc<crate::target::nats::NatsConnection>,
     /// Cancelled at shutdown: workers stop leasing.
     pub cancel: CancellationToken,
     /// Tracks workers and in-flight attempts, so shutdown can wait for them.
@@ -95,7 +97,8 @@ pub enum StartError {
         /// What is wrong.
         why: String,
     },
-    /// The target kind is not available in this build yet.
+    /// The target kind is not available in this process (handler targets while the WASM
+    /// runtime could not start).
     #[error("target {id}: {kind} targets are not supported yet; its entries stay queued")]
     Unsupported {
         /// Target id.
@@ -166,10 +169,15 @@ impl Dispatcher {
                     kind: "handler",
                 }),
             },
-            TargetKind::Nats { .. } => Err(StartError::Unsupported {
-                id: spec.id.clone(),
-                kind: "nats",
-            }),
+            TargetKind::Nats { subject } => {
+                // The first nats target opens the shared connection; without one the router
+                // never connects to NATS.
+                self.ctx.nats.warm(&self.ctx.tracker);
+                Ok(Arc::new(crate::target::nats::NatsTarget::new(
+                    self.ctx.nats.clone(),
+                    subject,
+                )))
+            }
         }
     }
 

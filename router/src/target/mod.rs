@@ -3,6 +3,7 @@
 //! whether it counts for the circuit breaker.
 
 pub mod handler;
+pub mod nats;
 pub mod webhook;
 
 use std::time::Duration;

@@ -1,0 +1,781 @@
+//! NATS target: the last stage of delivery for `nats:` rule targets, which publishes the
+//! structured CloudEvent to a subject over the router's one shared NATS connection.
+//!
+//! The message is what a webhook receives: payload = the structured event (`req.body`), with
+//! `Content-Type: application/cloudevents+json`, `Nats-Msg-Id` and `Idempotency-Key` (both the
+//! entry's idempotency key, stable across retries, so a JetStream stream drops a retry that
+//! reaches it inside its duplicate window) and `traceparent` when the event has one.
+//!
+//! When an attempt counts as delivered is `nats.ack`:
+//! - `auto`: where a stream captures the subject (JetStream's API says which, asked at most
+//!   every few seconds per target), a JetStream publish: a request answered by the stream's
+//!   PubAck, delivered once stored. Where none does (or the server has no JetStream), the
+//!   message is published as core NATS and flushed instead: delivered then means the server
+//!   has it, with no promise that anyone received it.
+//! - `jetstream`: the same, but no stream is a retryable failure, so entries wait in their
+//!   queue until an operator creates the stream.
+//! - `core`: core publish and flush only.
+//!
+//! Failures are classified by the client's error kinds: not connected, timeouts, a failed
+//! flush and every JetStream error answer (stream full, storage limits, ...) are retryable and
+//! count for the breaker; a message larger than the server's `max_payload` is permanent.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream;
+use async_nats::jetstream::context::PublishErrorKind as JetStreamErrorKind;
+use async_nats::jetstream::message::PublishMessage as JetStreamMessage;
+use async_nats::{HeaderMap, HeaderValue, Subject};
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use tokio_util::task::TaskTracker;
+
+use super::{AttemptOutcome, DeliveryRequest, Target};
+use crate::config::{NatsAck, NatsConfig};
+use crate::deliver::SecretResolver;
+
+/// How long the JetStream context waits for a PubAck on its own. Longer than any attempt:
+/// the attempt's deadline (`req.timeout`, the policy's timeout) is what ends the wait, and
+/// the context's timeout is one per connection, not per target.
+const JETSTREAM_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// Why the shared connection could not be set up (each is retried at the next attempt).
+#[derive(Debug, thiserror::Error)]
+pub enum NatsError {
+    /// `nats.url` does not parse (the config's validation normally catches it first).
+    #[error("{0}")]
+    Address(String),
+    /// `nats.credentials_file` could not be read or parsed.
+    #[error("nats.credentials_file {path}: {source}")]
+    Credentials {
+        /// The configured path.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// `nats.token_env` names a variable that is not set.
+    #[error("nats.token_env {0}: not set in the environment or the secrets file")]
+    Token(String),
+    /// The client refused its options.
+    #[error("connect: {0}")]
+    Connect(#[from] async_nats::ConnectError),
+    /// The delivery runtime went away while the client was being built (shutdown).
+    #[error("the delivery runtime stopped: {0}")]
+    Runtime(#[from] tokio::task::JoinError),
+}
+
+/// The client and its JetStream context, created together on the delivery runtime.
+#[derive(Clone)]
+struct Connected {
+    client: async_nats::Client,
+    jetstream: jetstream::Context,
+}
+
+/// The router's one NATS connection, shared by every `nats:` target. Nothing connects until
+/// the first `nats:` target starts (`warm`) or attempts (`connected`), so a router without
+/// such targets never talks to NATS. The client retries its initial connect and reconnects in
+/// the background for as long as the router runs.
+pub struct NatsConnection {
+    cfg: NatsConfig,
+    secrets: SecretResolver,
+    /// The delivery runtime: the client's connection task and the JetStream acker are spawned
+    /// where the client is built, so it is built there.
+    spawner: tokio::runtime::Handle,
+    client: tokio::sync::OnceCell<Connected>,
+    /// The client's last connection event (e.g. why the last connect failed), for error texts.
+    last_event: Arc<Mutex<Option<String>>>,
+    warmed: AtomicBool,
+}
+
+impl NatsConnection {
+    /// A connection to `cfg.url`, opened lazily on `spawner`.
+    pub fn new(
+        cfg: NatsConfig,
+        secrets: SecretResolver,
+        spawner: tokio::runtime::Handle,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            cfg,
+            secrets,
+            spawner,
+            client: tokio::sync::OnceCell::new(),
+            last_event: Arc::default(),
+            warmed: AtomicBool::new(false),
+        })
+    }
+
+    /// The configured `nats.ack`.
+    pub fn ack(&self) -> NatsAck {
+        self.cfg.ack
+    }
+
+    /// Starts connecting in the background (once), so the first event does not wait for the
+    /// handshake. Called when a `nats:` target starts.
+    pub fn warm(self: &Arc<Self>, tracker: &TaskTracker) {
+        if self.warmed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let this = self.clone();
+        // Short-lived: with retry on initial connect the client is built without waiting for
+        // the server; the connecting goes on in the client's own task.
+        tracker.spawn_on(
+            async move {
+                match this.connected().await {
+                    Ok(_) => tracing::info!(url = %this.cfg.url, ack = ?this.cfg.ack, "NATS client started"),
+                    Err(e) => tracing::warn!(url = %this.cfg.url, error = %e, "NATS client could not start; nats targets retry it at each attempt"),
+                }
+            },
+            &self.spawner,
+        );
+    }
+
+    fn options(&self) -> Result<async_nats::ConnectOptions, NatsError> {
+        let last = self.last_event.clone();
+        let url = self.cfg.url.clone();
+        let mut opts = async_nats::ConnectOptions::new()
+            .name(concat!("router/", env!("CARGO_PKG_VERSION")))
+            .connection_timeout(self.cfg.connect_timeout)
+            // The router must start and ingest while NATS is down: the client is returned at
+            // once and keeps connecting (reconnecting, later) without a limit.
+            .retry_on_initial_connect()
+            .max_reconnects(None)
+            .event_callback(move |event| {
+                let (last, url) = (last.clone(), url.clone());
+                async move {
+                    let text = event.to_string();
+                    let previous = last
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .replace(text.clone());
+                    match event {
+                        async_nats::Event::Connected => {
+                            tracing::info!(url = %url, "NATS connected")
+                        }
+                        // While the server is down the client fails a connect every few
+                        // seconds: one warning when that starts, not one per try (the client
+                        // logs each try itself, at info).
+                        async_nats::Event::Disconnected | async_nats::Event::ClientError(_)
+                            if previous.as_deref() != Some(text.as_str()) =>
+                        {
+                            tracing::warn!(url = %url, event = %text, "NATS connection")
+                        }
+                        _ => tracing::debug!(url = %url, event = %text, "NATS connection"),
+                    }
+                }
+            });
+        if let Some(path) = &self.cfg.credentials_file {
+            let creds_err = |source| NatsError::Credentials {
+                path: path.display().to_string(),
+                source,
+            };
+            let text = std::fs::read_to_string(path).map_err(creds_err)?;
+            opts = opts.credentials(&text).map_err(creds_err)?;
+        }
+        if let Some(name) = &self.cfg.token_env {
+            let token = (self.secrets)(name).ok_or_else(|| NatsError::Token(name.clone()))?;
+            opts = opts.token(token);
+        }
+        Ok(opts)
+    }
+
+    /// The shared client, built on the first call.
+    async fn connected(&self) -> Result<&Connected, NatsError> {
+        self.client
+            .get_or_try_init(|| async {
+                let addrs = self.cfg.server_addrs().map_err(NatsError::Address)?;
+                let opts = self.options()?;
+                let built = self
+                    .spawner
+                    .spawn(async move {
+                        let client = opts.connect(addrs).await?;
+                        let jetstream = jetstream::ContextBuilder::new()
+                            .timeout(JETSTREAM_TIMEOUT)
+                            .build(client.clone());
+                        Ok::<_, async_nats::ConnectError>(Connected { client, jetstream })
+                    })
+                    .await??;
+                Ok(built)
+            })
+            .await
+    }
+
+    /// The error text of an attempt made while the client is not connected.
+    fn not_connected(&self, state: &async_nats::connection::State) -> String {
+        let last = self
+            .last_event
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        match last {
+            Some(event) => format!(
+                "connection failed: not connected to NATS at {} ({state}; last: {event})",
+                self.cfg.url
+            ),
+            None => format!(
+                "connection failed: not connected to NATS at {} ({state})",
+                self.cfg.url
+            ),
+        }
+    }
+}
+
+/// The client's connection state once it is connected, or after `within`.
+async fn wait_connected(
+    client: &async_nats::Client,
+    within: Duration,
+) -> async_nats::connection::State {
+    use async_nats::connection::State;
+    // The client offers its state, not a way to wait for it; polling only runs while it is
+    // not connected, a few dozen times per attempt at most.
+    const POLL: Duration = Duration::from_millis(25);
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let state = client.connection_state();
+        if state == State::Connected || tokio::time::Instant::now() >= deadline {
+            return state;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// How long a target trusts its last answer to "does a stream capture my subject". Bounds how
+/// soon `auto` starts publishing through a stream an operator has just created; a stream that
+/// goes away shows at once (the publish fails, and a failed attempt forgets the answer).
+const CAPTURE_TTL: Duration = Duration::from_secs(5);
+
+/// Whether a JetStream stream captures a target's subject, as the server last said.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Capture {
+    /// This stream does.
+    Stream(String),
+    /// No stream does.
+    NoStream,
+    /// The server (or the account) has no JetStream at all.
+    NoJetStream,
+}
+
+/// One `nats:` target: a subject on the shared connection.
+pub struct NatsTarget {
+    conn: Arc<NatsConnection>,
+    subject: Subject,
+    ack: NatsAck,
+    /// The last stream lookup and when it was made (`auto` and `jetstream`).
+    capture: Mutex<Option<(tokio::time::Instant, Capture)>>,
+}
+
+fn retryable(error: String) -> AttemptOutcome {
+    AttemptOutcome::Retryable {
+        error,
+        status: None,
+        retry_after: None,
+    }
+}
+
+fn permanent(error: String) -> AttemptOutcome {
+    AttemptOutcome::Permanent {
+        error,
+        status: None,
+    }
+}
+
+/// The headers of one message. A `traceparent` that is not a valid header value (a CR or LF
+/// in it) is left out: tracing context is not worth failing a delivery that can never change.
+fn message_headers(req: &DeliveryRequest) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    h.insert("Content-Type", "application/cloudevents+json");
+    // The key is hex, always a valid value; checked all the same rather than panicking.
+    if let Ok(key) = req.idempotency_key.parse::<HeaderValue>() {
+        h.insert(async_nats::header::NATS_MESSAGE_ID, key.clone());
+        h.insert("Idempotency-Key", key);
+    }
+    if let Some(tp) = &req.traceparent {
+        match tp.parse::<HeaderValue>() {
+            Ok(v) => h.insert("traceparent", v),
+            Err(_) => tracing::debug!("traceparent is not a valid NATS header value; left out"),
+        }
+    }
+    h
+}
+
+/// The outcome of a core publish that failed before its flush.
+pub fn classify_core_publish(
+    kind: async_nats::client::PublishErrorKind,
+    error: &str,
+) -> AttemptOutcome {
+    use async_nats::client::PublishErrorKind as K;
+    match kind {
+        // The server's limit, learned from its INFO: this event can never fit.
+        K::MaxPayloadExceeded => permanent(format!("message too large for NATS: {error}")),
+        // The rule loader refuses such subjects; the client is stricter still: no retry helps.
+        K::InvalidSubject => permanent(format!("invalid NATS subject: {error}")),
+        K::Send => retryable(format!("connection failed: {error}")),
+    }
+}
+
+/// The outcome of a failed flush (the connection could not write the message out).
+pub fn classify_flush(error: &str) -> AttemptOutcome {
+    retryable(format!("connection failed: flush: {error}"))
+}
+
+/// The outcome of a JetStream publish that failed, for any error but "no stream" (which
+/// depends on `nats.ack`).
+pub fn classify_jetstream(kind: JetStreamErrorKind, error: &str) -> AttemptOutcome {
+    match kind {
+        JetStreamErrorKind::MaxPayloadExceeded => {
+            permanent(format!("message too large for NATS: {error}"))
+        }
+        JetStreamErrorKind::TimedOut => retryable(format!("timeout: JetStream: {error}")),
+        JetStreamErrorKind::BrokenPipe => {
+            retryable(format!("connection failed: JetStream: {error}"))
+        }
+        // Error answers of the stream (stream full, storage or account limits, a cluster
+        // without quorum, a message over the stream's own max_msg_size...) are the operator's
+        // to fix, and entries wait for that; MaxAckPending is this client's own backpressure.
+        JetStreamErrorKind::StreamNotFound
+        | JetStreamErrorKind::MaxAckPending
+        | JetStreamErrorKind::WrongLastMessageId
+        | JetStreamErrorKind::WrongLastSequence
+        | JetStreamErrorKind::Other => retryable(format!("JetStream: {error}")),
+    }
+}
+
+/// The error of `nats.ack = "jetstream"` when no stream takes the subject.
+fn no_stream(subject: &str, capture: &Capture) -> AttemptOutcome {
+    let why = match capture {
+        Capture::NoJetStream => ": JetStream is not enabled on the NATS server or account",
+        _ => "",
+    };
+    retryable(format!(
+        "no JetStream stream captures subject {subject}{why} (nats.ack = \"jetstream\"); entries wait until one does"
+    ))
+}
+
+/// Whether a failed stream lookup means the server has no JetStream: its API did not answer
+/// ("no responders"), the request error that the lookup carries as its source.
+fn no_jetstream(e: &jetstream::context::GetStreamByNameError) -> bool {
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<jetstream::context::RequestError>())
+        .is_some_and(|r| r.kind() == jetstream::context::RequestErrorKind::NoResponders)
+}
+
+impl NatsTarget {
+    /// A target publishing to `subject` under the connection's `nats.ack`.
+    pub fn new(conn: Arc<NatsConnection>, subject: &str) -> Self {
+        Self {
+            ack: conn.ack(),
+            conn,
+            subject: Subject::from(subject),
+            capture: Mutex::new(None),
+        }
+    }
+
+    fn remembered(&self) -> Option<Capture> {
+        let cached = self.capture.lock().unwrap_or_else(|p| p.into_inner());
+        let (at, capture) = cached.as_ref()?;
+        // Under `jetstream` a missing stream fails the attempt anyway, so it is asked again
+        // each time: the first retry after an operator creates the stream delivers.
+        let trusted = matches!(capture, Capture::Stream(_)) || self.ack == NatsAck::Auto;
+        (trusted && at.elapsed() < CAPTURE_TTL).then(|| capture.clone())
+    }
+
+    fn remember(&self, capture: Option<Capture>) {
+        *self.capture.lock().unwrap_or_else(|p| p.into_inner()) =
+            capture.map(|c| (tokio::time::Instant::now(), c));
+    }
+
+    /// Which stream captures the subject. A JetStream publish to a subject no stream captures
+    /// is answered "no responders" only while no core subscriber listens to it: otherwise the
+    /// subscriber gets the request, nobody acknowledges, and every retry would hand it another
+    /// copy. So the target asks JetStream's API first, and publishes as core NATS where no
+    /// stream is.
+    async fn capture(&self, js: &jetstream::Context) -> Result<Capture, AttemptOutcome> {
+        use jetstream::context::GetStreamByNameErrorKind as K;
+        if let Some(c) = self.remembered() {
+            return Ok(c);
+        }
+        let found = match js.stream_by_subject(self.subject.to_string()).await {
+            Ok(name) => Capture::Stream(name),
+            Err(e) => match e.kind() {
+                K::NotFound => Capture::NoStream,
+                K::Request if no_jetstream(&e) => Capture::NoJetStream,
+                K::InvalidSubject => {
+                    return Err(permanent(format!(
+                        "invalid NATS subject {}: {e}",
+                        self.subject
+                    )));
+                }
+                K::Request | K::JetStream(_) => {
+                    return Err(retryable(format!(
+                        "JetStream: looking up the stream of subject {}: {e}",
+                        self.subject
+                    )));
+                }
+            },
+        };
+        self.remember(Some(found.clone()));
+        Ok(found)
+    }
+
+    async fn attempt(&self, req: &DeliveryRequest) -> AttemptOutcome {
+        let outcome = match tokio::time::timeout(req.timeout, self.publish(req)).await {
+            Ok(outcome) => outcome,
+            Err(_) => retryable(format!(
+                "timeout: no answer from NATS within {}",
+                humantime::format_duration(req.timeout)
+            )),
+        };
+        if let Some(error) = outcome.error() {
+            // Whatever failed (a stream deleted, JetStream restarted), the next attempt asks
+            // which stream captures the subject again.
+            self.remember(None);
+            tracing::info!(event_id = %req.event_id, subject = %self.subject, error, "NATS publish failed");
+        }
+        outcome
+    }
+
+    async fn publish(&self, req: &DeliveryRequest) -> AttemptOutcome {
+        let conn = match self.conn.connected().await {
+            Ok(c) => c,
+            Err(e) => return retryable(format!("connection failed: {e}")),
+        };
+        // Nothing is handed to a client that is not connected: it would queue the message
+        // and send it whenever it reconnects, long after this attempt was reported failed.
+        // A connection being made (the router just started, the server restarted) gets up to
+        // `connect_timeout` to come up, as a webhook's connect would.
+        let state = wait_connected(&conn.client, self.conn.cfg.connect_timeout).await;
+        if state != async_nats::connection::State::Connected {
+            return retryable(self.conn.not_connected(&state));
+        }
+        let headers = message_headers(req);
+        if self.ack == NatsAck::Core {
+            return self.publish_core(&conn.client, headers, req).await;
+        }
+        let capture = match self.capture(&conn.jetstream).await {
+            Ok(c) => c,
+            Err(outcome) => return outcome,
+        };
+        match (&capture, self.ack) {
+            (Capture::Stream(_), _) => {}
+            (_, NatsAck::JetStream) => return no_stream(&self.subject, &capture),
+            _ => return self.publish_core(&conn.client, headers, req).await,
+        }
+        let message = JetStreamMessage::build()
+            .payload(req.body.clone())
+            .headers(headers.clone());
+        let acked = async {
+            conn.jetstream
+                .send_publish(self.subject.clone(), message)
+                .await?
+                .await
+        };
+        match acked.await {
+            // A duplicate PubAck: the stream has this message id already (an earlier
+            // attempt's message got there): delivered all the same.
+            Ok(ack) => {
+                if ack.duplicate {
+                    tracing::debug!(event_id = %req.event_id, stream = %ack.stream, "JetStream: duplicate of a stored message");
+                }
+                AttemptOutcome::Delivered { status: None }
+            }
+            // The stream went away since the lookup (and no core subscriber took the request).
+            Err(e) if e.kind() == JetStreamErrorKind::StreamNotFound => match self.ack {
+                NatsAck::JetStream => no_stream(&self.subject, &Capture::NoStream),
+                _ => {
+                    self.remember(Some(Capture::NoStream));
+                    self.publish_core(&conn.client, headers, req).await
+                }
+            },
+            Err(e) => classify_jetstream(e.kind(), &e.to_string()),
+        }
+    }
+
+    /// Core NATS: publish, then flush, so the message has left for the server before the
+    /// attempt counts as delivered.
+    async fn publish_core(
+        &self,
+        client: &async_nats::Client,
+        headers: HeaderMap,
+        req: &DeliveryRequest,
+    ) -> AttemptOutcome {
+        if let Err(e) = client
+            .publish_with_headers(self.subject.clone(), headers, req.body.clone())
+            .await
+        {
+            return classify_core_publish(e.kind(), &e.to_string());
+        }
+        match client.flush().await {
+            Ok(()) => AttemptOutcome::Delivered { status: None },
+            Err(e) => classify_flush(&e.to_string()),
+        }
+    }
+}
+
+impl Target for NatsTarget {
+    fn deliver<'a>(&'a self, req: &'a DeliveryRequest) -> BoxFuture<'a, AttemptOutcome> {
+        self.attempt(req).boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use async_nats::client::PublishErrorKind as CoreKind;
+
+    fn request(timeout: Duration, traceparent: Option<&str>) -> DeliveryRequest {
+        let event: crate::event::CloudEvent = serde_json::from_value(serde_json::json!({
+            "specversion": "1.0", "id": "e-1", "source": "/t", "type": "t"
+        }))
+        .expect("event");
+        DeliveryRequest {
+            body: bytes::Bytes::from_static(b"{\"id\":\"e-1\"}"),
+            idempotency_key: "0123456789abcdef0123456789abcdef".into(),
+            event_id: "e-1".into(),
+            attempt: 1,
+            traceparent: traceparent.map(str::to_string),
+            timeout,
+            event: Arc::new(crate::store::StoredEvent {
+                seq: 1,
+                event,
+                accepted_at: 0,
+                ruleset_version: String::new(),
+                matched_rules: Vec::new(),
+                quarantined: false,
+            }),
+            replay: None,
+            rule: "r".into(),
+            target: "t".into(),
+            hops: 0,
+        }
+    }
+
+    fn no_secrets() -> SecretResolver {
+        Arc::new(|_| None)
+    }
+
+    #[test]
+    fn headers_carry_the_idempotency_key_twice_and_the_trace() {
+        let tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        let h = message_headers(&request(Duration::from_secs(1), Some(tp)));
+        let get = |n: &str| h.get(n).map(|v| v.as_str().to_string());
+        assert_eq!(
+            get("Content-Type").as_deref(),
+            Some("application/cloudevents+json")
+        );
+        assert_eq!(
+            get("Nats-Msg-Id").as_deref(),
+            Some("0123456789abcdef0123456789abcdef")
+        );
+        assert_eq!(get("Idempotency-Key"), get("Nats-Msg-Id"));
+        assert_eq!(get("traceparent").as_deref(), Some(tp));
+        // A traceparent that cannot be a header is left out, not a failed delivery.
+        let h = message_headers(&request(Duration::from_secs(1), Some("00-a\r\nX: y")));
+        assert!(h.get("traceparent").is_none());
+        assert!(h.get("Nats-Msg-Id").is_some());
+        let h = message_headers(&request(Duration::from_secs(1), None));
+        assert!(h.get("traceparent").is_none());
+    }
+
+    #[test]
+    fn only_an_oversized_message_or_a_bad_subject_is_permanent() {
+        for (kind, permanent) in [
+            (CoreKind::MaxPayloadExceeded, true),
+            (CoreKind::InvalidSubject, true),
+            (CoreKind::Send, false),
+        ] {
+            let o = classify_core_publish(kind, "x");
+            assert_eq!(
+                matches!(o, AttemptOutcome::Permanent { .. }),
+                permanent,
+                "{kind:?}: {o:?}"
+            );
+            assert_eq!(o.counts_for_breaker(), !permanent, "{kind:?}");
+        }
+        for (kind, permanent) in [
+            (JetStreamErrorKind::MaxPayloadExceeded, true),
+            (JetStreamErrorKind::TimedOut, false),
+            (JetStreamErrorKind::BrokenPipe, false),
+            (JetStreamErrorKind::MaxAckPending, false),
+            (JetStreamErrorKind::Other, false),
+            (JetStreamErrorKind::StreamNotFound, false),
+        ] {
+            let o = classify_jetstream(kind, "x");
+            assert_eq!(
+                matches!(o, AttemptOutcome::Permanent { .. }),
+                permanent,
+                "{kind:?}: {o:?}"
+            );
+            assert_eq!(o.counts_for_breaker(), !permanent, "{kind:?}");
+            assert_eq!(o.status(), None);
+        }
+        let o = classify_flush("flush failed");
+        assert!(o.counts_for_breaker());
+        assert!(
+            o.error()
+                .is_some_and(|e| e.starts_with("connection failed"))
+        );
+        let o = no_stream("orders.paid", &Capture::NoStream);
+        assert!(o.counts_for_breaker());
+        assert!(
+            o.error()
+                .is_some_and(|e| e.contains("no JetStream stream captures subject orders.paid")),
+            "{o:?}"
+        );
+    }
+
+    #[test]
+    fn a_lookup_without_responders_means_no_jetstream() {
+        use jetstream::context::{
+            GetStreamByNameError, GetStreamByNameErrorKind, RequestError, RequestErrorKind,
+        };
+        let lookup = |kind| {
+            GetStreamByNameError::with_source(
+                GetStreamByNameErrorKind::Request,
+                RequestError::new(kind),
+            )
+        };
+        assert!(no_jetstream(&lookup(RequestErrorKind::NoResponders)));
+        assert!(!no_jetstream(&lookup(RequestErrorKind::TimedOut)));
+        assert!(!no_jetstream(&GetStreamByNameError::new(
+            GetStreamByNameErrorKind::NotFound
+        )));
+        let o = no_stream("a.b", &Capture::NoJetStream);
+        assert!(
+            o.error().is_some_and(|e| e
+                .starts_with("no JetStream stream captures subject a.b: JetStream is not enabled")),
+            "{o:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_remembered_missing_stream_is_trusted_only_under_auto() {
+        let conn = NatsConnection::new(
+            NatsConfig::default(),
+            no_secrets(),
+            tokio::runtime::Handle::current(),
+        );
+        let mut target = NatsTarget::new(conn, "a.b");
+        target.remember(Some(Capture::NoStream));
+        assert_eq!(target.remembered(), Some(Capture::NoStream));
+        target.ack = NatsAck::JetStream;
+        assert_eq!(target.remembered(), None, "asked again at each attempt");
+        target.remember(Some(Capture::Stream("S".into())));
+        assert_eq!(target.remembered(), Some(Capture::Stream("S".into())));
+        target.remember(None);
+        assert_eq!(target.remembered(), None);
+    }
+
+    #[tokio::test]
+    async fn a_remembered_stream_expires() {
+        let conn = NatsConnection::new(
+            NatsConfig::default(),
+            no_secrets(),
+            tokio::runtime::Handle::current(),
+        );
+        let target = NatsTarget::new(conn, "a.b");
+        let at = |age: Duration| {
+            *target.capture.lock().expect("capture") = tokio::time::Instant::now()
+                .checked_sub(age)
+                .map(|t| (t, Capture::Stream("S".into())));
+        };
+        at(CAPTURE_TTL - Duration::from_millis(100));
+        assert!(target.remembered().is_some());
+        at(CAPTURE_TTL + Duration::from_millis(1));
+        assert_eq!(target.remembered(), None);
+    }
+
+    #[test]
+    fn a_stream_error_answer_is_retryable_with_its_text() {
+        // What the server answers when a stream with `discard: new` is full.
+        let answer: jetstream::response::Response<jetstream::publish::PublishAck> =
+            serde_json::from_str(
+                r#"{"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"}}"#,
+            )
+            .expect("error answer");
+        let jetstream::response::Response::Err { error } = answer else {
+            panic!("an error answer");
+        };
+        let e = async_nats::jetstream::context::PublishError::with_source(
+            JetStreamErrorKind::Other,
+            error,
+        );
+        let o = classify_jetstream(e.kind(), &e.to_string());
+        assert!(matches!(o, AttemptOutcome::Retryable { .. }), "{o:?}");
+        assert!(
+            o.error()
+                .is_some_and(|t| t.contains("maximum messages exceeded") && t.contains("10077")),
+            "{o:?}"
+        );
+    }
+
+    /// Nothing listens on the port: the router's client is built all the same (retry on
+    /// initial connect) and each attempt fails at once as a retryable connection failure,
+    /// without queueing the message in the client.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unreachable_server_is_a_retryable_connection_failure() {
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            l.local_addr().expect("addr").port()
+        };
+        let cfg = NatsConfig {
+            url: format!("nats://127.0.0.1:{port}"),
+            connect_timeout: Duration::from_millis(200),
+            ..NatsConfig::default()
+        };
+        let conn = NatsConnection::new(cfg, no_secrets(), tokio::runtime::Handle::current());
+        let tracker = TaskTracker::new();
+        conn.warm(&tracker);
+        conn.warm(&tracker);
+        for ack in [NatsAck::Auto, NatsAck::JetStream, NatsAck::Core] {
+            let target = NatsTarget {
+                ack,
+                ..NatsTarget::new(conn.clone(), "orders.paid")
+            };
+            let started = std::time::Instant::now();
+            let o = target.attempt(&request(Duration::from_secs(5), None)).await;
+            assert!(o.counts_for_breaker(), "{ack:?}: {o:?}");
+            assert!(
+                o.error().is_some_and(|e| e.starts_with(&format!(
+                    "connection failed: not connected to NATS at nats://127.0.0.1:{port}"
+                ))),
+                "{ack:?}: {o:?}"
+            );
+            assert!(started.elapsed() < Duration::from_secs(2), "fails fast");
+        }
+        tracker.close();
+        tracker.wait().await;
+    }
+
+    #[tokio::test]
+    async fn a_missing_token_or_credentials_file_fails_the_attempt_and_is_tried_again() {
+        let cfg = NatsConfig {
+            token_env: Some("ROUTER_TEST_NO_SUCH_TOKEN".into()),
+            ..NatsConfig::default()
+        };
+        let conn = NatsConnection::new(cfg, no_secrets(), tokio::runtime::Handle::current());
+        let target = NatsTarget::new(conn.clone(), "a.b");
+        for _ in 0..2 {
+            let o = target.attempt(&request(Duration::from_secs(1), None)).await;
+            assert!(
+                o.error()
+                    .is_some_and(|e| e.contains("nats.token_env ROUTER_TEST_NO_SUCH_TOKEN")),
+                "{o:?}"
+            );
+            assert!(o.counts_for_breaker());
+        }
+        let cfg = NatsConfig {
+            credentials_file: Some("/nonexistent/router.creds".into()),
+            ..NatsConfig::default()
+        };
+        let conn = NatsConnection::new(cfg, no_secrets(), tokio::runtime::Handle::current());
+        let o = NatsTarget::new(conn, "a.b")
+            .attempt(&request(Duration::from_secs(1), None))
+            .await;
+        assert!(
+            o.error()
+                .is_some_and(|e| e.contains("nats.credentials_file /nonexistent/router.creds")),
+            "{o:?}"
+        );
+    }
+}
