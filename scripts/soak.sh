@@ -32,12 +32,20 @@ sweep_interval = "10s"
 retention = "1m"
 [store]
 compact_min_bytes = 16777216
+# The dedup index cuts a run of keys at each hour or at this many keys, and drops a run once
+# the sweep has removed all of its events. Retention here is a minute instead of days, so the
+# run is cut at about a minute's worth of keys too; with the default (a million keys or an
+# hour) the index would reach its plateau only after an hour.
+dedup_memtable_keys = ${DEDUP_KEYS:-$((RATE * 60))}
 TOML
 $BIN bench sink --listen 127.0.0.1:19996 2>/dev/null & SINK=$!
 RUST_LOG=warn,router::store=info $BIN serve --config "$WORK/router.toml" --listen 127.0.0.1:18090 --data-dir "$WORK/data" --rules "$WORK/rules" --contracts "$WORK/none" 2>"$WORK/router.log" &
 sleep 1
-sample() { printf '%s %6ss  file=%s bytes  queued=%s\n' "$(date +%T)" "$1" "$(stat -c %s "$WORK/data/router.redb")" \
-  "$(curl -s 127.0.0.1:18090/v1/targets/sink | sed -E 's/.*"queued":([0-9]+).*/\1/')"; }
+sample() { printf '%s %6ss  file=%s bytes  queued=%s  dedup=%s\n' "$(date +%T)" "$1" "$(stat -c %s "$WORK/data/router.redb")" \
+  "$(curl -s 127.0.0.1:18090/v1/targets/sink | sed -E 's/.*"queued":([0-9]+).*/\1/')" \
+  "$(curl -s 127.0.0.1:18090/v1/status | python3 -c 'import json, sys
+d = json.load(sys.stdin)["records"]["dedup_keys"]
+print("%d keys in %d runs" % (d["count"], d["runs"]))' 2>/dev/null)"; }
 SECS=$((MINUTES * 60))
 $BIN bench ingest --url http://127.0.0.1:18090/v1/events --events $((SECS * RATE)) --concurrency 32 --size 1024 --rate "$RATE" > "$WORK/load.txt" &
 LOAD=$!

@@ -622,6 +622,7 @@ pub async fn run(
             sweep_batch: None,
             commit_delay: cfg.store.commit_delay,
             dedup_memtable_keys: Some(cfg.store.dedup_memtable_keys),
+            dedup_freeze_inline_keys: None,
         },
     )?;
     run_with_store(cfg, listener, store, metrics, shutdown).await

@@ -475,8 +475,11 @@ pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
     let mut tasks = Vec::new();
     let stretch = b.report_every.filter(|&n| n > 0);
     let stretch_start = Arc::new(std::sync::Mutex::new(Instant::now()));
+    // The slowest accept of the current stretch, in microseconds: a stall shows where it was.
+    let stretch_max = Arc::new(AtomicU64::new(0));
     for _ in 0..b.concurrency {
         let (store, run, next, tally) = (store.clone(), run.clone(), next.clone(), tally.clone());
+        let stretch_max = stretch_max.clone();
         let (total, size, targets, random_ids) = (b.events, b.size, b.targets, b.random_ids);
         let stretch_start = stretch_start.clone();
         tasks.push(tokio::spawn(async move {
@@ -496,14 +499,17 @@ pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
                 let n = events.len() as u64;
                 let t0 = Instant::now();
                 let res = store.accept(events).await;
+                let took = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
+                stretch_max.fetch_max(took, Ordering::Relaxed);
                 tally.record(&mut local, t0, start, res.is_ok().then_some(n));
                 if let Some(every) = stretch
                     && start / every != end / every
                 {
                     let mut since = stretch_start.lock().unwrap_or_else(|p| p.into_inner());
                     eprintln!(
-                        "{end} events: {:.0} events/s over the last {every}",
-                        every as f64 / since.elapsed().as_secs_f64()
+                        "{end} events: {:.0} events/s over the last {every}, slowest accept {:.1} ms",
+                        every as f64 / since.elapsed().as_secs_f64(),
+                        stretch_max.swap(0, Ordering::Relaxed) as f64 / 1000.0
                     );
                     *since = Instant::now();
                 }

@@ -649,6 +649,9 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Bench {
             cmd: BenchCmd::Store(b),
         } => {
+            // The store's own log lines (compactions; with `RUST_LOG=router::store=debug` each
+            // dedup run it writes, with the time its memtable took to sort) go to stderr.
+            router::telemetry::init_tracing(false);
             let report = rt
                 .block_on(router::bench::run_store(b))
                 .map_err(anyhow::Error::msg)?;

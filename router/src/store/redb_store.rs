@@ -159,6 +159,9 @@ pub struct StoreOptions {
     /// Keys in the dedup memtable past which it is written as a run (default
     /// `dedup::MEMTABLE_KEYS`; tests set it small to make runs).
     pub dedup_memtable_keys: Option<usize>,
+    /// Memtables of fewer keys are sorted on the committer itself, larger ones on a thread of
+    /// their own (default `dedup::FREEZE_INLINE_KEYS`; tests set 0 to use the thread).
+    pub dedup_freeze_inline_keys: Option<usize>,
 }
 
 /// A group log file, as the committer writes it.
@@ -787,6 +790,10 @@ impl RedbStore {
             dedup_rows: Vec::new(),
             dedup_fx: DedupFx::default(),
             frozen_written: 0,
+            freezing: None,
+            freeze_inline_keys: opts
+                .dedup_freeze_inline_keys
+                .unwrap_or(dedup::FREEZE_INLINE_KEYS),
             memtable_keys: opts
                 .dedup_memtable_keys
                 .unwrap_or(dedup::MEMTABLE_KEYS)
@@ -1865,6 +1872,10 @@ struct Committer {
     dedup_fx: DedupFx,
     /// Rows of the frozen memtable written to its run by committed groups.
     frozen_written: usize,
+    /// The sealed memtable and the thread sorting it into the frozen one.
+    freezing: Option<(Arc<dedup::Sealed>, std::thread::JoinHandle<dedup::Frozen>)>,
+    /// Memtables below this many keys are sorted inline (a thread is not worth it).
+    freeze_inline_keys: usize,
     /// The memtable's bound in keys.
     memtable_keys: usize,
     /// The last group failed: no group of background work alone until one succeeds (a
@@ -1971,6 +1982,8 @@ impl Committer {
                 *slot = Some(db);
                 *self.dedup.write().unwrap_or_else(|p| p.into_inner()) = dedup;
                 self.frozen_written = 0;
+                // A memtable being sorted belongs to the state just replaced.
+                self.freezing = None;
                 self.poisoned = false;
                 (self.next_seq, self.next_dlq) = (next_seq, next_dlq);
                 self.meta_counters = (next_seq, next_dlq);
@@ -2037,6 +2050,18 @@ impl Committer {
                         if !self.poisoned && !self.last_group_failed && self.dedup_has_work() =>
                     {
                         self.commit_group(&mut ops, &mut effects);
+                        continue;
+                    }
+                    // A memtable is being sorted: polled (like the compaction below), so that
+                    // its run is written as soon as it is ready even if nothing else arrives.
+                    Err(mpsc::error::TryRecvError::Empty)
+                        if !self.poisoned && self.freezing.is_some() =>
+                    {
+                        let dedup = self.dedup.clone();
+                        self.install_frozen(&mut dedup.write().unwrap_or_else(|p| p.into_inner()));
+                        if self.freezing.is_some() {
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
                         continue;
                     }
                     Err(_) => match self.next_op(&mut rx) {
@@ -2512,11 +2537,26 @@ impl Committer {
             .settled()
     }
 
+    /// Puts the sealed memtable's frozen form in its place once its thread has finished.
+    fn install_frozen(&mut self, state: &mut dedup::DedupState) {
+        if !self.freezing.as_ref().is_some_and(|(_, t)| t.is_finished()) {
+            return;
+        }
+        let Some((sealed, thread)) = self.freezing.take() else {
+            return;
+        };
+        // A panic while sorting (not expected) leaves the work to this thread.
+        let frozen = thread.join().unwrap_or_else(|_| sealed.freeze());
+        state.install(&sealed, frozen);
+    }
+
     /// The group committed: its keys join the memtable, its maintenance is recorded, and the
     /// memtable is frozen as the next run when its hour is over or it is full.
     fn dedup_committed(&mut self) {
         let fx = std::mem::take(&mut self.dedup_fx);
-        let mut state = self.dedup.write().unwrap_or_else(|p| p.into_inner());
+        let dedup = self.dedup.clone();
+        let mut state = dedup.write().unwrap_or_else(|p| p.into_inner());
+        self.install_frozen(&mut state);
         for (fp, seq, at) in self.dedup_rows.drain(..) {
             state.insert(fp, seq, at);
         }
@@ -2539,16 +2579,36 @@ impl Committer {
         }
         if let Some(now) = fx.latest_at
             && state.should_freeze(now, self.memtable_keys)
+            && let Some(sealed) = state.seal()
         {
-            let started = Instant::now();
-            state.freeze();
-            if let Some(f) = &state.frozen {
-                tracing::debug!(
-                    run = f.run.id,
-                    keys = f.run.keys,
-                    took_ms = started.elapsed().as_millis() as u64,
-                    "dedup memtable frozen; writing it as a run"
-                );
+            if sealed.keys() < self.freeze_inline_keys {
+                let frozen = sealed.freeze();
+                state.install(&sealed, frozen);
+                return;
+            }
+            // Sorted on a thread of its own: the commits behind this one do not wait for it
+            // (a million keys take about 0.2 s).
+            let job = sealed.clone();
+            let spawned = std::thread::Builder::new()
+                .name("dedup-freeze".into())
+                .spawn(move || {
+                    let started = Instant::now();
+                    let frozen = job.freeze();
+                    tracing::debug!(
+                        run = frozen.run.id,
+                        keys = frozen.run.keys,
+                        took_ms = started.elapsed().as_millis() as u64,
+                        "dedup memtable frozen; writing it as a run"
+                    );
+                    frozen
+                });
+            match spawned {
+                Ok(thread) => self.freezing = Some((sealed, thread)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no thread to sort the dedup memtable; sorting it in the committer");
+                    let frozen = sealed.freeze();
+                    state.install(&sealed, frozen);
+                }
             }
         }
     }

@@ -1547,7 +1547,7 @@ async fn runs_settled(s: &RedbStore) -> Vec<(u64, u64, u64)> {
     loop {
         {
             let st = s.dedup_state();
-            if st.settled() {
+            if st.settled() && st.sealed.is_none() {
                 return st
                     .runs
                     .iter()
@@ -1561,6 +1561,59 @@ async fn runs_settled(s: &RedbStore) -> Vec<(u64, u64, u64)> {
         );
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
+}
+
+#[tokio::test]
+async fn large_memtables_are_sorted_on_a_thread_while_lookups_still_see_their_keys() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let opts = || StoreOptions {
+        dedup_memtable_keys: Some(1_000),
+        dedup_freeze_inline_keys: Some(0),
+        ..StoreOptions::default()
+    };
+    let s = RedbStore::open_dir(dir.path(), opts()).expect("open");
+    // Each batch re-sends the previous one's keys: whichever state they are in (memtable,
+    // sealed and being sorted, frozen, written as a run), they are found.
+    let mut prev: Option<std::ops::Range<u32>> = None;
+    for k in 0..10u32 {
+        let fresh = k * 300..k * 300 + 300;
+        let r = accept_ids(&s, fresh.clone(), 1000).await;
+        assert!(
+            r.iter()
+                .all(|o| matches!(o, AcceptOutcome::Accepted { .. }))
+        );
+        if let Some(p) = prev.replace(fresh) {
+            let again = accept_ids(&s, p.clone(), 1000).await;
+            for (i, o) in again.iter().enumerate() {
+                assert_eq!(
+                    *o,
+                    AcceptOutcome::Duplicate {
+                        seq: u64::from(p.start) + i as u64 + 1
+                    },
+                    "batch {k}, event {i}"
+                );
+            }
+        }
+    }
+    // 3,000 keys, cut at 1,000 or more (the next seal waits for the previous run).
+    let runs = runs_settled(&s).await;
+    assert!(!runs.is_empty(), "{runs:?}");
+    assert!(runs.iter().all(|r| r.2 >= 1_000), "{runs:?}");
+    assert_eq!(s.record_counts().expect("counts").dedup_keys, 3_000);
+    for i in [0u64, 999, 1_500, 2_999] {
+        let fate = s.fate("/s", &i.to_string()).expect("fate").expect("known");
+        assert_eq!(fate.event.seq, i + 1);
+    }
+    drop(s);
+    let s = when_free(|| RedbStore::open_dir(dir.path(), opts())).await;
+    assert_eq!(runs_settled(&s).await, runs);
+    let again = accept_ids(&s, 0..3_001, 2000).await;
+    assert!(
+        again[..3_000]
+            .iter()
+            .all(|o| matches!(o, AcceptOutcome::Duplicate { .. }))
+    );
+    assert_eq!(again[3_000], AcceptOutcome::Accepted { seq: 3_001 });
 }
 
 /// Rows of a table of the store (read in a transaction of its own).
