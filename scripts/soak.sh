@@ -9,18 +9,32 @@ cd "$(dirname "$0")/.."
 MINUTES=${1:-10}
 RATE=${2:-1000}
 BACKLOG_S=${BACKLOG_S:-60}
-cargo build --release --locked -q -p router
-BIN=$PWD/target/release/router
+# BIN=path/to/router runs another build (e.g. to compare two); KEEP=1 keeps the work directory
+# (data, router.log) for a look afterwards.
+if [ -z "${BIN:-}" ]; then
+  cargo build --release --locked -q -p router
+  BIN=$PWD/target/release/router
+fi
 WORK=$(mktemp -d)
-trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$WORK"' EXIT
+if [ -n "${KEEP:-}" ]; then
+  trap 'kill $(jobs -p) 2>/dev/null; echo "work directory kept: $WORK"' EXIT
+else
+  trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$WORK"' EXIT
+fi
 mkdir -p "$WORK/rules"
+# Retries outlast the backlog phase (the default policy gives up after about 53 s, and a
+# backlog in the DLQ keeps its events, so nothing would drain or shrink).
 cat > "$WORK/rules/soak.yaml" <<YAML
+policies:
+  patient:
+    retry: { max_attempts: 100, base_delay: 200ms, max_delay: 5s, max_age: 1h }
 rules:
   - name: soak
     pattern: { type: [bench.event] }
     targets:
       - webhook: http://127.0.0.1:19996/hook
         id: sink
+        policy: patient
 YAML
 cat > "$WORK/router.toml" <<TOML
 [ingest]

@@ -655,6 +655,46 @@ async fn a_failing_disk_fails_the_accept_and_recovers() {
     assert!(s.fate("/s", "0").expect("fate").is_some());
 }
 
+/// Sweep calls as the router's sweeper makes them (again while `more`); the total removed.
+async fn sweep_until_done(s: &RedbStore, now: Millis) -> (u64, u64) {
+    let (mut removed, mut calls) = (0, 0);
+    loop {
+        let stats = s.sweep(now, 5_000, 5_000).await.expect("sweep");
+        removed += stats.events_removed;
+        calls += 1;
+        assert!(calls < 100, "the sweep does not finish");
+        if !stats.more {
+            return (removed, calls);
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_drained_backlog_past_retention_is_swept_in_one_pass_not_a_batch_per_interval() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let opts = StoreOptions {
+        sweep_batch: Some(4),
+        ..StoreOptions::default()
+    };
+    let s = RedbStore::open_dir(dir.path(), opts).expect("open");
+    let events = (0..20)
+        .map(|i| new_event("/s", &i.to_string(), &["a"], 1000))
+        .collect();
+    s.accept(events).await.expect("accept");
+    // Past retention while still queued (a target down for longer than the retention): kept.
+    assert_eq!(sweep_until_done(&s, 11_000).await.0, 0);
+    // Still referenced: the revisit stops after a pass that frees nothing (no busy loop).
+    let (removed, calls) = sweep_until_done(&s, 11_500).await;
+    assert_eq!((removed, calls), (0, 1));
+    // The target comes back and the backlog drains.
+    for l in s.lease("a", 12_000, 20, 1000).await.expect("lease") {
+        ack(&s, &l, 12_001).await.expect("ack");
+    }
+    // The next sweep interval removes all of it, not one batch of 4 per interval.
+    assert_eq!(sweep_until_done(&s, 13_000).await.0, 20);
+    assert_eq!(s.record_counts().expect("counts").events, 0);
+}
+
 #[tokio::test]
 async fn sweep_removes_unreferenced_events_and_revisits_kept_ones() {
     let s = RedbStore::in_memory().expect("store");
