@@ -516,6 +516,52 @@ mod tests {
         }
     }
 
+    /// What a lookup's filter probes cost when there are many runs (their filters far larger
+    /// than the CPU's caches), blocked against classic. A measurement, not a check:
+    /// `cargo test --release -p router --lib bloom_probe_cost -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "a measurement, not a check"]
+    fn bloom_probe_cost() {
+        const RUNS: u64 = 48;
+        const KEYS: u64 = 1 << 20;
+        // Uniform fingerprints without SHA-256's cost (splitmix64 on both halves).
+        let mix = |mut z: u64| {
+            z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        let fp = |i: u64| (u128::from(mix(i)) << 64) | u128::from(mix(!i));
+        for blocked in [true, false] {
+            let filters: Vec<Bloom> = (0..RUNS)
+                .map(|r| {
+                    let mut b = Bloom::for_keys(KEYS as usize);
+                    b.blocked = blocked;
+                    for i in 0..KEYS {
+                        b.insert(fp(r * KEYS + i));
+                    }
+                    b
+                })
+                .collect();
+            let probes = 200_000u64;
+            let started = std::time::Instant::now();
+            let mut hits = 0u64;
+            for i in 0..probes {
+                let absent = fp(RUNS * KEYS + i);
+                hits += filters.iter().filter(|b| b.may_contain(absent)).count() as u64;
+            }
+            let ns = started.elapsed().as_nanos() as f64 / (probes * RUNS) as f64;
+            println!(
+                "{} filters of {KEYS} keys ({} MB in all), {}: {ns:.1} ns per filter probed, \
+                 {:.2} % false positives",
+                RUNS,
+                filters.iter().map(Bloom::bytes).sum::<usize>() >> 20,
+                if blocked { "blocked" } else { "classic" },
+                hits as f64 * 100.0 / (probes * RUNS) as f64
+            );
+        }
+    }
+
     #[test]
     fn a_run_record_of_layout_1_still_reads_with_its_classic_filter() {
         let mut bloom = Bloom {
