@@ -2057,10 +2057,14 @@ impl Committer {
                     Err(mpsc::error::TryRecvError::Empty)
                         if !self.poisoned && self.freezing.is_some() =>
                     {
-                        let dedup = self.dedup.clone();
-                        self.install_frozen(&mut dedup.write().unwrap_or_else(|p| p.into_inner()));
-                        if self.freezing.is_some() {
-                            std::thread::sleep(Duration::from_millis(1));
+                        match self.finished_freeze() {
+                            Some((sealed, frozen)) => {
+                                self.dedup
+                                    .write()
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    .install(&sealed, frozen);
+                            }
+                            None => std::thread::sleep(Duration::from_millis(1)),
                         }
                         continue;
                     }
@@ -2537,26 +2541,27 @@ impl Committer {
             .settled()
     }
 
-    /// Puts the sealed memtable's frozen form in its place once its thread has finished.
-    fn install_frozen(&mut self, state: &mut dedup::DedupState) {
-        if !self.freezing.as_ref().is_some_and(|(_, t)| t.is_finished()) {
-            return;
+    /// The sealed memtable and its frozen form, once the thread sorting it has finished (for
+    /// `DedupState::install`).
+    fn finished_freeze(&mut self) -> Option<(Arc<dedup::Sealed>, dedup::Frozen)> {
+        if !self.freezing.as_ref()?.1.is_finished() {
+            return None;
         }
-        let Some((sealed, thread)) = self.freezing.take() else {
-            return;
-        };
+        let (sealed, thread) = self.freezing.take()?;
         // A panic while sorting (not expected) leaves the work to this thread.
         let frozen = thread.join().unwrap_or_else(|_| sealed.freeze());
-        state.install(&sealed, frozen);
+        Some((sealed, frozen))
     }
 
     /// The group committed: its keys join the memtable, its maintenance is recorded, and the
     /// memtable is frozen as the next run when its hour is over or it is full.
     fn dedup_committed(&mut self) {
         let fx = std::mem::take(&mut self.dedup_fx);
-        let dedup = self.dedup.clone();
-        let mut state = dedup.write().unwrap_or_else(|p| p.into_inner());
-        self.install_frozen(&mut state);
+        let finished = self.finished_freeze();
+        let mut state = self.dedup.write().unwrap_or_else(|p| p.into_inner());
+        if let Some((sealed, frozen)) = finished {
+            state.install(&sealed, frozen);
+        }
         for (fp, seq, at) in self.dedup_rows.drain(..) {
             state.insert(fp, seq, at);
         }
@@ -2581,33 +2586,35 @@ impl Committer {
             && state.should_freeze(now, self.memtable_keys)
             && let Some(sealed) = state.seal()
         {
-            if sealed.keys() < self.freeze_inline_keys {
-                let frozen = sealed.freeze();
-                state.install(&sealed, frozen);
-                return;
-            }
-            // Sorted on a thread of its own: the commits behind this one do not wait for it
-            // (a million keys take about 0.2 s).
-            let job = sealed.clone();
-            let spawned = std::thread::Builder::new()
-                .name("dedup-freeze".into())
-                .spawn(move || {
-                    let started = Instant::now();
-                    let frozen = job.freeze();
-                    tracing::debug!(
-                        run = frozen.run.id,
-                        keys = frozen.run.keys,
-                        took_ms = started.elapsed().as_millis() as u64,
-                        "dedup memtable frozen; writing it as a run"
-                    );
-                    frozen
-                });
-            match spawned {
-                Ok(thread) => self.freezing = Some((sealed, thread)),
-                Err(e) => {
-                    tracing::warn!(error = %e, "no thread to sort the dedup memtable; sorting it in the committer");
-                    let frozen = sealed.freeze();
-                    state.install(&sealed, frozen);
+            // A large memtable is sorted on a thread of its own: the commits behind this one
+            // do not wait for it (a million keys take about 0.2 s). A small one, or one no
+            // thread could be started for, is sorted here.
+            let thread = (sealed.keys() >= self.freeze_inline_keys)
+                .then(|| {
+                    let job = sealed.clone();
+                    std::thread::Builder::new()
+                        .name("dedup-freeze".into())
+                        .spawn(move || {
+                            let started = Instant::now();
+                            let frozen = job.freeze();
+                            tracing::debug!(
+                                run = frozen.run.id,
+                                keys = frozen.run.keys,
+                                took_ms = started.elapsed().as_millis() as u64,
+                                "dedup memtable frozen; writing it as a run"
+                            );
+                            frozen
+                        })
+                        .inspect_err(|e| {
+                            tracing::warn!(error = %e, "no thread to sort the dedup memtable; sorting it in the committer");
+                        })
+                        .ok()
+                })
+                .flatten();
+            match thread {
+                Some(thread) => self.freezing = Some((sealed, thread)),
+                None => {
+                    state.install(&sealed, sealed.freeze());
                 }
             }
         }
