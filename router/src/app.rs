@@ -623,6 +623,7 @@ pub async fn run(
             commit_delay: cfg.store.commit_delay,
             dedup_memtable_keys: Some(cfg.store.dedup_memtable_keys),
             dedup_freeze_inline_keys: None,
+            dedup_window: Some(cfg.ingest.dedup_window),
         },
     )?;
     run_with_store(cfg, listener, store, metrics, shutdown).await

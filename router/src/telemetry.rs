@@ -45,6 +45,8 @@ pub struct Metrics {
     pub compaction_seconds: Histogram,
     /// 1 while the store compacts its file (ingest answers 503 meanwhile).
     pub compacting: Gauge,
+    /// Memory held by the dedup index's Bloom filters (runs inside the dedup window).
+    pub dedup_filter_bytes: Gauge,
     /// Waiting entries per target.
     pub queue_depth: Family<Labels, Gauge>,
     /// Leased entries per target.
@@ -105,6 +107,7 @@ impl Metrics {
             // 10 ms to ~80 s: small files compact in milliseconds, gigabytes in tens of seconds.
             compaction_seconds: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
             compacting: Gauge::default(),
+            dedup_filter_bytes: Gauge::default(),
             queue_depth: Family::default(),
             queue_in_flight: Family::default(),
             queue_oldest_age_seconds: Family::default(),
@@ -171,6 +174,11 @@ impl Metrics {
             "router_store_compacting",
             "1 while the store compacts its file",
             m.compacting.clone(),
+        );
+        registry.register(
+            "router_store_dedup_filter_bytes",
+            "Memory held by the Bloom filters of the dedup index's runs inside the dedup window (older runs keep none)",
+            m.dedup_filter_bytes.clone(),
         );
         registry.register(
             "router_store_commit_ops",
@@ -318,10 +326,13 @@ impl Metrics {
         self.compacting.set(i64::from(store.compacting()));
         match store.record_counts() {
             Ok(c) => {
+                self.dedup_filter_bytes
+                    .set(i64::try_from(c.dedup_filter_bytes).unwrap_or(i64::MAX));
                 for (kind, n) in [
                     ("event", c.events),
                     ("dedup_key", c.dedup_keys),
                     ("dedup_run", c.dedup_runs),
+                    ("dedup_run_cold", c.dedup_cold_runs),
                     ("completed", c.completed),
                     ("kv", c.kv_keys),
                 ] {

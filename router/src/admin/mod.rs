@@ -483,6 +483,7 @@ fn records_status(app: &App) -> serde_json::Value {
                 "window_seconds": secs(c.ingest.dedup_window),
                 "runs": n.dedup_runs,
                 "filter_bytes": n.dedup_filter_bytes,
+                "cold_runs": n.dedup_cold_runs,
             },
             "completed": { "count": n.completed, "ttl_seconds": secs(c.handlers.completed_ttl) },
         }),

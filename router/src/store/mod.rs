@@ -117,6 +117,9 @@ pub struct RecordCounts {
     pub dedup_runs: u64,
     /// Memory the runs' Bloom filters hold.
     pub dedup_filter_bytes: u64,
+    /// Runs older than the dedup window, whose filters are no longer kept (accept does not
+    /// consult them; a fate lookup reads each of them directly).
+    pub dedup_cold_runs: u64,
     /// Handler COMPLETED records (kept for `handlers.completed_ttl`).
     pub completed: u64,
     /// Handler key-value entries, all namespaces (bounded by `handlers.kv_max_bytes` each).

@@ -162,6 +162,11 @@ pub struct StoreOptions {
     /// Memtables of fewer keys are sorted on the committer itself, larger ones on a thread of
     /// their own (default `dedup::FREEZE_INLINE_KEYS`; tests set 0 to use the thread).
     pub dedup_freeze_inline_keys: Option<usize>,
+    /// The ingest dedup window (`ingest.dedup_window`). Runs of the dedup index older than it
+    /// are opened without their Bloom filter, which accept no longer needs (each sweep drops
+    /// the filters of runs that have aged out since). `None`: every filter is loaded at open,
+    /// and only sweeps drop them.
+    pub dedup_window: Option<Duration>,
 }
 
 /// A group log file, as the committer writes it.
@@ -759,7 +764,8 @@ impl RedbStore {
             }
             None => 0,
         };
-        let (boot, counters, index, dedup) = recover(&db)?;
+        let cold_before = cold_before(opts.dedup_window);
+        let (boot, counters, index, dedup) = recover(&db, cold_before)?;
         let dedup = Arc::new(RwLock::new(dedup));
         let log = log.map(LogWriter::start).transpose()?;
         let db: DbSlot = Arc::new(RwLock::new(Some(db)));
@@ -791,6 +797,7 @@ impl RedbStore {
             dedup_fx: DedupFx::default(),
             frozen_written: 0,
             freezing: None,
+            dedup_window: opts.dedup_window,
             freeze_inline_keys: opts
                 .dedup_freeze_inline_keys
                 .unwrap_or(dedup::FREEZE_INLINE_KEYS),
@@ -1348,6 +1355,7 @@ impl Store for RedbStore {
             dedup_keys: self.dedup_state().keys(),
             dedup_runs: self.dedup_state().runs.len() as u64,
             dedup_filter_bytes: self.dedup_state().filter_bytes() as u64,
+            dedup_cold_runs: self.dedup_state().cold_runs() as u64,
             completed: r.open_table(COMPLETED)?.len()?,
             kv_keys: r.open_table(KV)?.len()?,
         })
@@ -1648,7 +1656,14 @@ type Recovered = (u64, (u64, u64), Index, dedup::DedupState);
 
 /// Checks the format version, bumps the boot epoch, reclaims leases of the dead process and
 /// rebuilds the in-memory indexes.
-fn recover(db: &Database) -> Result<Recovered, StoreError> {
+/// The acceptance time before which a dedup run is opened cold (without its filter): the
+/// start of the dedup window now.
+fn cold_before(window: Option<Duration>) -> Option<i64> {
+    let window = i64::try_from(window?.as_millis()).unwrap_or(i64::MAX);
+    Some(crate::clock::Clock::now_ms(&crate::clock::SystemClock).saturating_sub(window))
+}
+
+fn recover(db: &Database, cold_before: Option<i64>) -> Result<Recovered, StoreError> {
     let mut txn = db.begin_write()?;
     txn.set_durability(Durability::Immediate)?;
     let boot;
@@ -1752,7 +1767,7 @@ fn recover(db: &Database) -> Result<Recovered, StoreError> {
         txn.open_table(META)?
             .insert("kv_accounting", 1u64.to_le_bytes().as_slice())?;
     }
-    let dedup = recover_dedup(&txn)?;
+    let dedup = recover_dedup(&txn, cold_before)?;
     txn.commit()?;
     Ok((boot, counters, index, dedup))
 }
@@ -1761,7 +1776,10 @@ fn recover(db: &Database) -> Result<Recovered, StoreError> {
 /// filters, the run tables' rows that no registered run owns (to be removed), and the
 /// `dedup_log` rows above the newest run. A store of format 2 or older has its `dedup` table
 /// moved into `dedup_log` first (its keys become the memtable, written as a run later).
-fn recover_dedup(txn: &WriteTransaction) -> Result<dedup::DedupState, StoreError> {
+fn recover_dedup(
+    txn: &WriteTransaction,
+    cold_before: Option<i64>,
+) -> Result<dedup::DedupState, StoreError> {
     let mut log = txn.open_table(DEDUP_LOG)?;
     let has_old = txn.list_tables()?.any(|t| t.name() == OLD_DEDUP.name());
     if has_old {
@@ -1786,11 +1804,17 @@ fn recover_dedup(txn: &WriteTransaction) -> Result<dedup::DedupState, StoreError
     let mut runs = Vec::new();
     for row in txn.open_table(DEDUP_RUNS)?.iter()? {
         let (k, v) = row?;
-        let run =
-            dedup::Run::decode(k.value(), v.value()).map_err(|message| StoreError::Corrupt {
+        let mut run = dedup::Run::decode(k.value(), v.value(), true).map_err(|message| {
+            StoreError::Corrupt {
                 table: "dedup_runs",
                 message,
-            })?;
+            }
+        })?;
+        // A run wholly before the window: accept never consults it, and its filter (about
+        // 1.25 bytes a key) is not kept for the fate lookup's sake.
+        if cold_before.is_some_and(|at| run.max_at < at) {
+            run.bloom = None;
+        }
         runs.push(run);
     }
     // The run ids that have rows: one seek per run, not a scan.
@@ -1876,6 +1900,8 @@ struct Committer {
     freezing: Option<(Arc<dedup::Sealed>, std::thread::JoinHandle<dedup::Frozen>)>,
     /// Memtables below this many keys are sorted inline (a thread is not worth it).
     freeze_inline_keys: usize,
+    /// `StoreOptions::dedup_window`, for the recovery after a reopen.
+    dedup_window: Option<Duration>,
     /// The memtable's bound in keys.
     memtable_keys: usize,
     /// The last group failed: no group of background work alone until one succeeds (a
@@ -1920,6 +1946,9 @@ struct DedupFx {
     log_cleaned: Option<u64>,
     /// Runs this group's sweep unregistered.
     dropped: Vec<u64>,
+    /// This group swept: runs wholly accepted before this time (the dedup window's start)
+    /// lose their filter.
+    cool_before: Option<i64>,
     /// Latest acceptance time among the group's keys (when the memtable's hour is over).
     latest_at: Option<i64>,
 }
@@ -1975,7 +2004,7 @@ impl Committer {
                 Some(image) => replay_log(&db, image)?,
                 None => 0,
             };
-            recover(&db).map(|r| (db, log_seq, r))
+            recover(&db, cold_before(self.dedup_window)).map(|r| (db, log_seq, r))
         });
         match reopened {
             Ok((db, log_seq, (_boot, (next_seq, next_dlq), index, dedup))) => {
@@ -2582,6 +2611,16 @@ impl Committer {
         if !fx.dropped.is_empty() {
             state.dropped(&fx.dropped);
         }
+        if let Some(at) = fx.cool_before {
+            let freed = state.cool(at);
+            if freed > 0 {
+                tracing::debug!(
+                    freed_bytes = freed,
+                    cold_runs = state.cold_runs(),
+                    "dedup runs older than the window dropped their filters"
+                );
+            }
+        }
         if let Some(now) = fx.latest_at
             && state.should_freeze(now, self.memtable_keys)
             && let Some(sealed) = state.seal()
@@ -2780,6 +2819,7 @@ impl Committer {
                         Ok(stats)
                     },
                 );
+                self.dedup_fx.cool_before = Some(now.saturating_sub(dedup_window_ms));
                 // An idle router's memtable is frozen once its hour is over, too.
                 let latest = &mut self.dedup_fx.latest_at;
                 *latest = Some(latest.map_or(now, |l| l.max(now)));

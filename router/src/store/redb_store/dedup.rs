@@ -133,7 +133,11 @@ pub(super) struct Run {
     /// The latest acceptance time among its keys: a run older than the dedup window is not
     /// consulted by accept.
     pub(super) max_at: i64,
-    pub(super) bloom: Bloom,
+    /// Its filter, while the run is inside the dedup window. `None` once it is older (a cold
+    /// run, `DedupState::cool`): accept no longer consults it, and the rare fate lookup reads
+    /// its rows directly instead. Filters are about 1.25 bytes a key; kept for every run of
+    /// the event retention (7 days by default) they would grow with it.
+    pub(super) bloom: Option<Bloom>,
 }
 
 /// Layout versions of a `dedup_runs` record: 1 with a classic filter, 2 with a blocked one.
@@ -143,10 +147,12 @@ const RUN_HEADER: usize = 1 + 8 * 4;
 
 impl Run {
     /// The `dedup_runs` record (its key is the run id): version, seq range, key count, latest
-    /// acceptance time, then the filter's words, all little-endian.
+    /// acceptance time, then the filter's words, all little-endian. Only a run with its filter
+    /// is ever written (a frozen memtable's).
     pub(super) fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(RUN_HEADER + self.bloom.bytes());
-        b.push(if self.bloom.blocked {
+        let words = self.bloom.as_ref().map_or(&[][..], |f| &f.words);
+        let mut b = Vec::with_capacity(RUN_HEADER + words.len() * 8);
+        b.push(if self.bloom.as_ref().is_none_or(|f| f.blocked) {
             RUN_RECORD_V2
         } else {
             RUN_RECORD_V1
@@ -155,13 +161,15 @@ impl Run {
         b.extend_from_slice(&self.seq_hi.to_le_bytes());
         b.extend_from_slice(&self.keys.to_le_bytes());
         b.extend_from_slice(&self.max_at.to_le_bytes());
-        for w in &self.bloom.words {
+        for w in words {
             b.extend_from_slice(&w.to_le_bytes());
         }
         b
     }
 
-    pub(super) fn decode(id: u64, b: &[u8]) -> Result<Self, String> {
+    /// Decodes a `dedup_runs` record; `with_filter` false leaves the filter out (a cold run:
+    /// its words are checked but not kept).
+    pub(super) fn decode(id: u64, b: &[u8], with_filter: bool) -> Result<Self, String> {
         if b.len() < RUN_HEADER
             || !matches!(b[0], RUN_RECORD_V1 | RUN_RECORD_V2)
             || !(b.len() - RUN_HEADER).is_multiple_of(8)
@@ -176,23 +184,23 @@ impl Run {
             w.copy_from_slice(&b[i..i + 8]);
             w
         };
-        let words: Vec<u64> = b[RUN_HEADER..]
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-            .collect();
-        if words.is_empty() {
+        if b.len() == RUN_HEADER {
             return Err(format!("dedup run {id}: empty filter"));
         }
+        let bloom = with_filter.then(|| Bloom {
+            words: b[RUN_HEADER..]
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .collect(),
+            blocked: b[0] == RUN_RECORD_V2,
+        });
         Ok(Self {
             id,
             seq_lo: u64::from_le_bytes(word(1)),
             seq_hi: u64::from_le_bytes(word(9)),
             keys: u64::from_le_bytes(word(17)),
             max_at: i64::from_le_bytes(word(25)),
-            bloom: Bloom {
-                words,
-                blocked: b[0] == RUN_RECORD_V2,
-            },
+            bloom,
         })
     }
 }
@@ -268,7 +276,7 @@ impl Sealed {
             seq_hi,
             keys: rows.len() as u64,
             max_at,
-            bloom,
+            bloom: Some(bloom),
         };
         Frozen { run, rows }
     }
@@ -344,9 +352,28 @@ impl DedupState {
         self.mem_keys as u64 + sealed + frozen + self.runs.iter().map(|r| r.keys).sum::<u64>()
     }
 
-    /// Heap bytes of the filters (what every retained run keeps in memory).
+    /// Heap bytes of the filters (what every run inside the dedup window keeps in memory).
     pub(super) fn filter_bytes(&self) -> usize {
-        self.runs.iter().map(|r| r.bloom.bytes()).sum()
+        self.runs
+            .iter()
+            .filter_map(|r| r.bloom.as_ref())
+            .map(Bloom::bytes)
+            .sum()
+    }
+
+    /// Runs without their filter (older than the dedup window).
+    pub(super) fn cold_runs(&self) -> usize {
+        self.runs.iter().filter(|r| r.bloom.is_none()).count()
+    }
+
+    /// Drops the filters of runs whose every key was accepted before `before_at` (the start of
+    /// the dedup window): accept does not consult them any more. Returns the bytes freed.
+    pub(super) fn cool(&mut self, before_at: i64) -> usize {
+        let mut freed = 0;
+        for run in self.runs.iter_mut().filter(|r| r.max_at < before_at) {
+            freed += run.bloom.take().map_or(0, |f| f.bytes());
+        }
+        freed
     }
 
     /// Whether the memtable should be frozen now: it reached `max_keys`, or its oldest key is
@@ -442,7 +469,9 @@ impl DedupState {
                 // threads race to the committer.)
                 continue;
             }
-            if run.bloom.may_contain(fp)
+            // A cold run inside the window (the clock went back since it was cooled) is read
+            // directly: slower, never wrong.
+            if run.bloom.as_ref().is_none_or(|f| f.may_contain(fp))
                 && let Some(hit) = probe(run.id, fp)?
             {
                 return Ok(young(Some(hit)));
@@ -452,8 +481,8 @@ impl DedupState {
     }
 
     /// Every event `fp` was accepted as that memory knows of (memtable, frozen memtable),
-    /// newest first, and the runs whose filter admits `fp`, newest first: the fate lookup
-    /// reads those and confirms each candidate against the event.
+    /// newest first, and the runs whose filter admits `fp` or that have none (cold), newest
+    /// first: the fate lookup reads those and confirms each candidate against the event.
     pub(super) fn candidates(&self, fp: Fp) -> (Vec<u64>, Vec<u64>) {
         let mut seqs: Vec<u64> = self
             .mem
@@ -473,7 +502,7 @@ impl DedupState {
             .runs
             .iter()
             .rev()
-            .filter(|r| r.bloom.may_contain(fp))
+            .filter(|r| r.bloom.as_ref().is_none_or(|f| f.may_contain(fp)))
             .map(|r| r.id)
             .collect();
         (seqs, runs)
@@ -577,14 +606,15 @@ mod tests {
             seq_hi: 100,
             keys: 100,
             max_at: 5,
-            bloom,
+            bloom: Some(bloom),
         };
         let b = run.encode();
         assert_eq!(b[0], RUN_RECORD_V1);
-        let back = Run::decode(4, &b).unwrap();
+        let back = Run::decode(4, &b, true).unwrap();
         assert_eq!(back, run);
-        assert!((0..100).all(|i| back.bloom.may_contain(fp(i))));
-        assert!(Run::decode(4, &[[3u8].as_slice(), &b[1..]].concat()).is_err());
+        let filter = back.bloom.unwrap();
+        assert!((0..100).all(|i| filter.may_contain(fp(i))));
+        assert!(Run::decode(4, &[[3u8].as_slice(), &b[1..]].concat(), true).is_err());
     }
 
     #[test]
@@ -597,11 +627,21 @@ mod tests {
             seq_hi: 250,
             keys: 200,
             max_at: -5,
-            bloom,
+            bloom: Some(bloom),
         };
-        assert_eq!(Run::decode(9, &run.encode()).unwrap(), run);
-        assert!(Run::decode(9, &run.encode()[..20]).is_err());
-        assert!(Run::decode(9, &[9; 41]).is_err());
+        assert_eq!(Run::decode(9, &run.encode(), true).unwrap(), run);
+        // Cold: the same record without its filter.
+        let cold = Run::decode(9, &run.encode(), false).unwrap();
+        assert_eq!(
+            cold,
+            Run {
+                bloom: None,
+                ..run.clone()
+            }
+        );
+        assert!(Run::decode(9, &run.encode()[..20], true).is_err());
+        assert!(Run::decode(9, &run.encode()[..RUN_HEADER], false).is_err());
+        assert!(Run::decode(9, &[9; 41], false).is_err());
     }
 
     #[test]
@@ -641,6 +681,42 @@ mod tests {
         s.dropped(&[0]);
         assert!(s.runs.is_empty());
         assert_eq!(s.orphans, vec![0]);
+    }
+
+    #[test]
+    fn runs_older_than_the_window_lose_their_filter_and_are_read_directly() {
+        let mut s = DedupState::default();
+        s.insert(fp(1), 1, 100);
+        s.freeze();
+        s.registered();
+        s.insert(fp(2), 2, 5_000);
+        s.freeze();
+        s.registered();
+        let hot = s.filter_bytes();
+        assert!(hot > 0);
+        // The window starts at 1,000: the first run (keys at 100) goes cold.
+        let freed = s.cool(1_000);
+        assert!(freed > 0);
+        assert_eq!(s.filter_bytes(), hot - freed);
+        assert_eq!(s.cold_runs(), 1);
+        assert_eq!(s.cool(1_000), 0, "cooling twice frees nothing");
+        // Accept, inside the window, never reads the cold run.
+        let r = s.newest(fp(1), 1_000, |run, _| -> Result<_, ()> {
+            panic!("run {run} probed")
+        });
+        assert_eq!(r, Ok(None));
+        // A lookup reaching back past the window (the clock went back) reads it directly,
+        // whatever the key: there is no filter to say no.
+        let mut probed = Vec::new();
+        let r = s.newest(fp(1), 0, |run, f| {
+            probed.push(run);
+            Ok::<_, ()>((run == 0 && f == fp(1)).then_some((1, 100)))
+        });
+        assert_eq!(r, Ok(Some((1, 100))));
+        assert_eq!(probed, vec![0], "the hot run's filter said no");
+        // The fate lookup reads every cold run, and the hot ones whose filter admits the key.
+        assert_eq!(s.candidates(fp(1)).1, vec![0]);
+        assert_eq!(s.candidates(fp(2)).1, vec![1, 0]);
     }
 
     #[test]
@@ -695,7 +771,7 @@ mod tests {
             seq_hi: 1,
             keys: 1,
             max_at: 10,
-            bloom,
+            bloom: Some(bloom),
         };
         let s = DedupState::rebuilt(vec![run], vec![5], [(fp(2), 2, 20)], 6);
         assert_eq!(s.log_floor, 1);

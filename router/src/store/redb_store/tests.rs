@@ -1719,6 +1719,53 @@ async fn duplicates_are_found_in_the_memtable_in_runs_and_after_a_restart() {
 }
 
 #[tokio::test]
+async fn runs_older_than_the_dedup_window_keep_no_filter_yet_fates_and_duplicates_are_found() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = RedbStore::open_dir(dir.path(), small_runs(10)).expect("open");
+    // 30 keys accepted at t = 1 s (long before the window of a store opened today): three runs.
+    for k in 0..3 {
+        accept_ids(&s, k * 10..k * 10 + 10, 1000).await;
+    }
+    assert_eq!(runs_settled(&s).await.len(), 3);
+    let counts = s.record_counts().expect("counts");
+    assert!(counts.dedup_filter_bytes > 0);
+    assert_eq!(counts.dedup_cold_runs, 0);
+    // A sweep with a one-second window at t = 10 s (retention long: nothing removed) cools them.
+    let stats = s.sweep(10_000, 1_000, i64::MAX / 4).await.expect("sweep");
+    assert_eq!(stats.events_removed, 0);
+    let counts = s.record_counts().expect("counts");
+    assert_eq!((counts.dedup_filter_bytes, counts.dedup_cold_runs), (0, 3));
+    assert_eq!(counts.dedup_keys, 30);
+    for i in [0u64, 15, 29] {
+        let fate = s.fate("/s", &i.to_string()).expect("fate").expect("known");
+        assert_eq!(fate.event.seq, i + 1);
+    }
+    assert!(s.fate("/s", "30").expect("fate").is_none());
+    drop(s);
+    // Opened with a 24 h window today: the runs are opened cold, no filter loaded.
+    let opts = || StoreOptions {
+        dedup_window: Some(std::time::Duration::from_secs(86_400)),
+        ..small_runs(10)
+    };
+    let s = when_free(|| RedbStore::open_dir(dir.path(), opts())).await;
+    let counts = s.record_counts().expect("counts");
+    assert_eq!((counts.dedup_filter_bytes, counts.dedup_cold_runs), (0, 3));
+    let fate = s.fate("/s", "7").expect("fate").expect("known");
+    assert_eq!(fate.event.seq, 8);
+    // An accept whose window reaches back to them (as after the clock went back) reads the
+    // cold runs directly: still a duplicate.
+    let again = accept_ids(&s, 5..6, 2000).await;
+    assert_eq!(again, vec![AcceptOutcome::Duplicate { seq: 6 }]);
+    // Runs written from now on are inside the window, with their filter.
+    let now = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
+    accept_ids(&s, 100..110, now).await;
+    assert_eq!(runs_settled(&s).await.len(), 4);
+    let counts = s.record_counts().expect("counts");
+    assert!(counts.dedup_filter_bytes > 0);
+    assert_eq!(counts.dedup_cold_runs, 3);
+}
+
+#[tokio::test]
 async fn a_key_accepted_again_after_the_window_points_its_fate_at_the_newer_event() {
     let s = RedbStore::with_backend(redb::backends::InMemoryBackend::new(), small_runs(2))
         .expect("store");
