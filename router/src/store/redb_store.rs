@@ -366,9 +366,12 @@ struct TargetIndex {
     /// DLQ entries for this target.
     dlq: u64,
     /// Live entries per ordering key, in acceptance order: only the first may be leased.
-    keys: HashMap<String, BTreeSet<EntryId>>,
+    /// B-trees, like the maps above, not hash maps: these grow with a backlog, on the
+    /// committer under the index lock, and a hash map doubles its table in one go (the dedup
+    /// memtable's one took 75–280 ms at 917,504 keys).
+    keys: BTreeMap<String, BTreeSet<EntryId>>,
     /// Ordering key of each live keyed entry.
-    entry_keys: HashMap<EntryId, String>,
+    entry_keys: BTreeMap<EntryId, String>,
     /// Keys held after a dead letter (`on_dead_letter: hold`) until an operator releases them.
     held: BTreeSet<String>,
 }
