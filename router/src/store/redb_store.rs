@@ -1353,12 +1353,22 @@ impl Store for RedbStore {
     fn record_counts(&self) -> Result<RecordCounts, StoreError> {
         let db = self.read_db();
         let r = db.begin_read()?;
+        // One look at the index, not held while the tables are read.
+        let (dedup_keys, dedup_runs, dedup_filter_bytes, dedup_cold_runs) = {
+            let d = self.dedup_state();
+            (
+                d.keys(),
+                d.runs.len() as u64,
+                d.filter_bytes() as u64,
+                d.cold_runs() as u64,
+            )
+        };
         Ok(RecordCounts {
             events: r.open_table(EVENTS)?.len()?,
-            dedup_keys: self.dedup_state().keys(),
-            dedup_runs: self.dedup_state().runs.len() as u64,
-            dedup_filter_bytes: self.dedup_state().filter_bytes() as u64,
-            dedup_cold_runs: self.dedup_state().cold_runs() as u64,
+            dedup_keys,
+            dedup_runs,
+            dedup_filter_bytes,
+            dedup_cold_runs,
             completed: r.open_table(COMPLETED)?.len()?,
             kv_keys: r.open_table(KV)?.len()?,
         })
@@ -1807,17 +1817,14 @@ fn recover_dedup(
     let mut runs = Vec::new();
     for row in txn.open_table(DEDUP_RUNS)?.iter()? {
         let (k, v) = row?;
-        let mut run = dedup::Run::decode(k.value(), v.value(), true).map_err(|message| {
+        // A run wholly before the window is opened cold: accept never consults it, and its
+        // filter (about 1.25 bytes a key) is not kept for the fate lookup's sake.
+        let run = dedup::Run::decode(k.value(), v.value(), cold_before).map_err(|message| {
             StoreError::Corrupt {
                 table: "dedup_runs",
                 message,
             }
         })?;
-        // A run wholly before the window: accept never consults it, and its filter (about
-        // 1.25 bytes a key) is not kept for the fate lookup's sake.
-        if cold_before.is_some_and(|at| run.max_at < at) {
-            run.bloom = None;
-        }
         runs.push(run);
     }
     // The run ids that have rows: one seek per run, not a scan.

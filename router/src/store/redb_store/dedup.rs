@@ -167,9 +167,9 @@ impl Run {
         b
     }
 
-    /// Decodes a `dedup_runs` record; `with_filter` false leaves the filter out (a cold run:
-    /// its words are checked but not kept).
-    pub(super) fn decode(id: u64, b: &[u8], with_filter: bool) -> Result<Self, String> {
+    /// Decodes a `dedup_runs` record. A run whose every key was accepted before `cold_before`
+    /// (the start of the dedup window) is cold: its filter's words are checked but not read.
+    pub(super) fn decode(id: u64, b: &[u8], cold_before: Option<i64>) -> Result<Self, String> {
         if b.len() < RUN_HEADER
             || !matches!(b[0], RUN_RECORD_V1 | RUN_RECORD_V2)
             || !(b.len() - RUN_HEADER).is_multiple_of(8)
@@ -187,7 +187,8 @@ impl Run {
         if b.len() == RUN_HEADER {
             return Err(format!("dedup run {id}: empty filter"));
         }
-        let bloom = with_filter.then(|| Bloom {
+        let max_at = i64::from_le_bytes(word(25));
+        let bloom = cold_before.is_none_or(|at| max_at >= at).then(|| Bloom {
             words: b[RUN_HEADER..]
                 .chunks_exact(8)
                 .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
@@ -199,7 +200,7 @@ impl Run {
             seq_lo: u64::from_le_bytes(word(1)),
             seq_hi: u64::from_le_bytes(word(9)),
             keys: u64::from_le_bytes(word(17)),
-            max_at: i64::from_le_bytes(word(25)),
+            max_at,
             bloom,
         })
     }
@@ -703,11 +704,11 @@ mod tests {
         };
         let b = run.encode();
         assert_eq!(b[0], RUN_RECORD_V1);
-        let back = Run::decode(4, &b, true).unwrap();
+        let back = Run::decode(4, &b, None).unwrap();
         assert_eq!(back, run);
         let filter = back.bloom.unwrap();
         assert!((0..100).all(|i| filter.may_contain(fp(i))));
-        assert!(Run::decode(4, &[[3u8].as_slice(), &b[1..]].concat(), true).is_err());
+        assert!(Run::decode(4, &[[3u8].as_slice(), &b[1..]].concat(), None).is_err());
     }
 
     #[test]
@@ -722,9 +723,10 @@ mod tests {
             max_at: -5,
             bloom: Some(bloom),
         };
-        assert_eq!(Run::decode(9, &run.encode(), true).unwrap(), run);
-        // Cold: the same record without its filter.
-        let cold = Run::decode(9, &run.encode(), false).unwrap();
+        assert_eq!(Run::decode(9, &run.encode(), None).unwrap(), run);
+        // Cold (every key older than the window's start): the same record without its filter.
+        assert_eq!(Run::decode(9, &run.encode(), Some(-5)).unwrap(), run);
+        let cold = Run::decode(9, &run.encode(), Some(-4)).unwrap();
         assert_eq!(
             cold,
             Run {
@@ -732,9 +734,9 @@ mod tests {
                 ..run.clone()
             }
         );
-        assert!(Run::decode(9, &run.encode()[..20], true).is_err());
-        assert!(Run::decode(9, &run.encode()[..RUN_HEADER], false).is_err());
-        assert!(Run::decode(9, &[9; 41], false).is_err());
+        assert!(Run::decode(9, &run.encode()[..20], None).is_err());
+        assert!(Run::decode(9, &run.encode()[..RUN_HEADER], Some(i64::MAX)).is_err());
+        assert!(Run::decode(9, &[9; 41], Some(i64::MAX)).is_err());
     }
 
     #[test]
