@@ -24,7 +24,7 @@ rate() { $BIN bench ingest --url "http://127.0.0.1:$1/" --concurrency 64 --size 
 single=$(rate 19991 --events "$N")
 batched=$(rate 19991 --events $((N * 10)) --batch 100)
 echo "alone: single events ${single}/s, batches of 100 ${batched}/s"
-# Both at once, each long enough to cover the other's run.
+# Both at once, the two runs about as long as each other.
 rate 19991 --events "$N" > "$WORK/a" & A=$!
 rate 19992 --events "$N" > "$WORK/b"
 wait $A
