@@ -274,6 +274,9 @@ pub(super) enum LogMsg {
     Read(std_mpsc::SyncSender<io::Result<Vec<u8>>>),
 }
 
+/// Called by the writer thread after a failed write (see `LogWriter::start`).
+pub(super) type Wake = Box<dyn Fn() + Send>;
+
 /// The log writer's handle, kept by the committer.
 pub(super) struct LogWriter {
     tx: std_mpsc::SyncSender<LogMsg>,
@@ -282,8 +285,9 @@ pub(super) struct LogWriter {
 
 impl LogWriter {
     /// Starts the writer thread on `file`, which must already have been replayed (its records
-    /// are all in redb): the first record goes to offset 0.
-    pub(super) fn start(file: Box<dyn StorageBackend>) -> Result<Self, StoreError> {
+    /// are all in redb): the first record goes to offset 0. `wake` is called after a write
+    /// fails (the failure flag already set), to have the committer reopen the store.
+    pub(super) fn start(file: Box<dyn StorageBackend>, wake: Wake) -> Result<Self, StoreError> {
         // A bounded queue: a committer running ahead of the disk waits here instead of piling
         // up unsynced groups in memory.
         let (tx, rx) = std_mpsc::sync_channel(64);
@@ -293,6 +297,7 @@ impl LogWriter {
             offset: 0,
             len: None,
             failed: failed.clone(),
+            wake,
         };
         std::thread::Builder::new()
             .name("store-log".into())
@@ -320,6 +325,12 @@ impl LogWriter {
         self.failed.load(Ordering::SeqCst)
     }
 
+    /// The flag `failed` reads, for readers that must not see groups that were not made
+    /// durable.
+    pub(super) fn failed_flag(&self) -> Arc<AtomicBool> {
+        self.failed.clone()
+    }
+
     /// The file's contents, once every message sent before has been handled.
     pub(super) fn read(&self) -> Result<Vec<u8>, StoreError> {
         let (tx, rx) = std_mpsc::sync_channel(1);
@@ -336,6 +347,7 @@ struct Writer {
     /// The file's length as last seen (`None`: ask the file).
     len: Option<u64>,
     failed: Arc<AtomicBool>,
+    wake: Wake,
 }
 
 impl Writer {
@@ -385,6 +397,7 @@ impl Writer {
             self.write(buf).map_err(|e| {
                 tracing::error!(error = %e, "group log write failed; the groups waiting on it get the error and the store is reopened");
                 self.failed.store(true, Ordering::SeqCst);
+                (self.wake)();
                 StoreError::Backend(format!("group log write: {e}"))
             })
         };

@@ -100,15 +100,28 @@ type Reopen = Arc<dyn Fn() -> Result<Database, redb::DatabaseError> + Send + Syn
 /// reopens it after a write error (and stays so while reopening fails).
 type DbSlot = Arc<RwLock<Option<Database>>>;
 
-/// A read handle on the database slot (`None`: the file is being compacted).
-struct DbRead<'a>(Option<std::sync::RwLockReadGuard<'a, Option<Database>>>);
+/// A read handle on the database slot, or why there is none.
+enum DbRead<'a> {
+    Open(std::sync::RwLockReadGuard<'a, Option<Database>>),
+    /// The file is being compacted.
+    Compacting,
+    /// A group log write failed and the store has not reopened since: the database holds
+    /// groups that were never made durable (and were answered with an error), which a reader
+    /// must not see as if they were stored.
+    LogFailed,
+}
 
 impl DbRead<'_> {
     fn begin_read(&self) -> Result<redb::ReadTransaction, StoreError> {
-        match self.0.as_deref() {
-            Some(Some(db)) => Ok(db.begin_read()?),
-            Some(None) => Err(unavailable()),
-            None => Err(StoreError::Compacting),
+        match self {
+            DbRead::Open(g) => match g.as_ref() {
+                Some(db) => Ok(db.begin_read()?),
+                None => Err(unavailable()),
+            },
+            DbRead::Compacting => Err(StoreError::Compacting),
+            DbRead::LogFailed => Err(StoreError::Backend(
+                "a group log write failed; the store is being reopened".into(),
+            )),
         }
     }
 }
@@ -613,6 +626,9 @@ enum Op {
         retention_ms: i64,
         reply: Reply<Result<SweepStats, StoreError>>,
     },
+    /// Nothing to write: sent by the group log writer after a failed write, so that the
+    /// committer, idle or not, starts a group and reopens the store.
+    Wake,
 }
 
 impl Op {
@@ -670,6 +686,9 @@ pub struct RedbStore {
     compacting: Arc<AtomicBool>,
     /// The last compaction since start, written by the committer.
     last_compaction: Arc<Mutex<Option<CompactionReport>>>,
+    /// The group log's failure flag (with a log): set from a failed log write until the
+    /// committer has reopened the store; reads are refused meanwhile.
+    log_failed: Option<Arc<AtomicBool>>,
 }
 
 impl RedbStore {
@@ -770,10 +789,20 @@ impl RedbStore {
         let cold_before = cold_before(opts.dedup_window);
         let (boot, counters, index, dedup) = recover(&db, cold_before)?;
         let dedup = Arc::new(RwLock::new(dedup));
-        let log = log.map(LogWriter::start).transpose()?;
+        let (tx, rx) = mpsc::channel(65_536);
+        // A failed log write wakes the committer, which reopens the store at once instead of
+        // at the next write (an idle router's readers would wait for one). Weak: the
+        // committer stops when the store's own sender is dropped.
+        let waker = tx.downgrade();
+        let wake = Box::new(move || {
+            if let Some(tx) = waker.upgrade() {
+                let _ = tx.try_send(Op::Wake);
+            }
+        });
+        let log = log.map(|f| LogWriter::start(f, wake)).transpose()?;
+        let log_failed = log.as_ref().map(LogWriter::failed_flag);
         let db: DbSlot = Arc::new(RwLock::new(Some(db)));
         let index = Arc::new(Mutex::new(index));
-        let (tx, rx) = mpsc::channel(65_536);
         let compacting = Arc::new(AtomicBool::new(false));
         let last_compaction = Arc::new(Mutex::new(None));
         let committer = Committer {
@@ -837,6 +866,7 @@ impl RedbStore {
             path,
             compacting,
             last_compaction,
+            log_failed,
         }))
     }
 
@@ -861,24 +891,31 @@ impl RedbStore {
     /// compacted (the slot's write side is held for the whole compaction, seconds on a large
     /// file, and waiting for it would block a tokio worker thread).
     fn read_db(&self) -> DbRead<'_> {
+        if self
+            .log_failed
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::SeqCst))
+        {
+            return DbRead::LogFailed;
+        }
         // Never a blocking `read()` first: a reader that checked the flag just before a
         // compaction took the slot would wait out the whole compaction on a tokio thread (two
         // such readers froze the runtime for 20 s in a benchmark).
         for _ in 0..1000 {
             match self.db.try_read() {
-                Ok(g) => return DbRead(Some(g)),
-                Err(std::sync::TryLockError::Poisoned(p)) => return DbRead(Some(p.into_inner())),
+                Ok(g) => return DbRead::Open(g),
+                Err(std::sync::TryLockError::Poisoned(p)) => return DbRead::Open(p.into_inner()),
                 // The flag is set before the compaction asks for the slot.
                 Err(std::sync::TryLockError::WouldBlock)
                     if self.compacting.load(Ordering::Acquire) =>
                 {
-                    return DbRead(None);
+                    return DbRead::Compacting;
                 }
                 // A reopen after a write error holds the slot briefly.
                 Err(std::sync::TryLockError::WouldBlock) => std::thread::yield_now(),
             }
         }
-        DbRead(Some(self.db.read().unwrap_or_else(|p| p.into_inner())))
+        DbRead::Open(self.db.read().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// Refuses new work while the file is being compacted.
@@ -2351,8 +2388,11 @@ impl Committer {
         let started = Instant::now();
         let n = ops.len();
         if self.log.as_ref().is_some_and(LogWriter::failed) {
-            // Groups committed to redb after the failed write are not durable: start again
-            // from what is.
+            // Groups committed to redb after the failed write were not made durable by the
+            // log: start again from what is. (Closing the failed handle, redb makes its
+            // pending unsynced commits durable if the store file can still be written; those
+            // groups are then kept, which their error answer allows: it says "not known to
+            // be stored", and a retry is answered as a duplicate.)
             self.poisoned = true;
         }
         if self.poisoned {
@@ -2704,6 +2744,7 @@ impl Committer {
         effects: &mut Vec<Effect>,
     ) -> Result<(), StoreError> {
         match op {
+            Op::Wake => Ok(()),
             Op::Accept { events, reply } => {
                 let r = self.accept(txn, events.into_iter(), effects);
                 answer(dones, reply, r)
@@ -3734,5 +3775,7 @@ mod dedup;
 mod logged;
 use logged::{LTable, Tx};
 
+#[cfg(test)]
+mod crash_model;
 #[cfg(test)]
 mod tests;

@@ -1412,6 +1412,75 @@ async fn groups_acknowledged_through_the_log_survive_a_power_cut() {
     assert_eq!(r, vec![AcceptOutcome::Accepted { seq: 201 }]);
 }
 
+/// A full disk under the group log: the group whose log write failed was committed to redb
+/// without a sync and answered with an error. Until the store has reopened, readers must not
+/// see it (it may never become durable); once the disk heals the store reopens by itself,
+/// without waiting for a write, and whatever it then shows is consistent: the failed event
+/// complete with its queue entry, or not there at all (and then not a duplicate either).
+#[tokio::test]
+async fn after_a_failed_log_write_readers_wait_for_the_reopen() {
+    let (db, log) = (SimulatedDisk::new(), SimulatedDisk::new());
+    let s = on_disks(&db, &log, logged(std::time::Duration::from_secs(3600)));
+    s.accept(vec![new_event("/s", "kept", &["a"], 1000)])
+        .await
+        .expect("accept before the failure");
+    db.set_failing(true);
+    log.set_failing(true);
+    let r = s
+        .accept(vec![new_event("/s", "failed", &["a"], 1000)])
+        .await;
+    assert!(r.is_err(), "the group's log write failed: {r:?}");
+    for _ in 0..20 {
+        if let Ok(f) = s.fate("/s", "failed") {
+            assert!(
+                f.is_none(),
+                "a group answered with an error reads as stored"
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    db.set_failing(false);
+    log.set_failing(false);
+    // No write: the log writer woke the committer, which keeps reopening until the disk heals.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let kept = loop {
+        match s.fate("/s", "kept") {
+            Ok(f) => break f,
+            Err(e) => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "reads still fail 10 s after the disk healed: {e}"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        }
+    };
+    assert!(kept.is_some(), "the durable event is there");
+    let failed = s.fate("/s", "failed").expect("fate");
+    if let Some(f) = &failed {
+        assert_eq!(
+            f.entries.len(),
+            1,
+            "the failed event is there whole or not at all"
+        );
+    }
+    let stored = 1 + u64::from(failed.is_some());
+    assert_eq!(
+        s.queue_stats()["a"].queued,
+        stored,
+        "the queues agree with the events"
+    );
+    let r = s
+        .accept(vec![new_event("/s", "failed", &["a"], 2000)])
+        .await
+        .expect("accept after the disk healed");
+    assert_eq!(
+        matches!(r[0], AcceptOutcome::Duplicate { .. }),
+        failed.is_some(),
+        "sent again: a duplicate exactly when it was kept ({r:?})"
+    );
+}
+
 /// Many checkpoints: the log starts again at offset 0 each time, over the previous lap's
 /// records, and a power cut at any point still loses nothing acknowledged.
 #[tokio::test]
