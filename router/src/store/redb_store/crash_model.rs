@@ -54,11 +54,13 @@ const JOB: &str = "redrive-1";
 // ---------------------------------------------------------------------------------------------
 // The steps a case is made of
 
-/// One `accept` call: `n` new events fanned out to the targets in `mask`, plus (when `dup`
-/// picks one) an event acknowledged earlier, sent again.
+/// One `accept` call: `n` new events fanned out to the targets in `mask` (or, `poison`,
+/// quarantined by their contract: stored straight into the DLQ), plus (when `dup` picks one)
+/// an event acknowledged earlier, sent again.
 #[derive(Debug, Clone)]
 struct AcceptSpec {
     n: usize,
+    poison: bool,
     mask: u8,
     key: Option<u8>,
     handoff: bool,
@@ -130,13 +132,15 @@ fn how() -> impl Strategy<Value = How> {
 fn round() -> impl Strategy<Value = Round> {
     let accept = (
         1usize..3,
+        prop::bool::weighted(0.15),
         1u8..8,
         prop::option::of(0u8..3),
         any::<bool>(),
         prop::option::weighted(0.2, any::<Index>()),
     )
-        .prop_map(|(n, mask, key, handoff, dup)| AcceptSpec {
+        .prop_map(|(n, poison, mask, key, handoff, dup)| AcceptSpec {
             n,
+            poison,
             mask,
             key,
             handoff,
@@ -216,6 +220,8 @@ struct MEvent {
     id: String,
     accepted_at: Millis,
     entries: Vec<MEntry>,
+    /// Quarantined at acceptance: no entries, one DLQ entry of its own.
+    quarantined: bool,
 }
 
 impl MEvent {
@@ -224,12 +230,15 @@ impl MEvent {
             id,
             accepted_at: ne.accepted_at,
             entries: model_entries(ne),
+            quarantined: ne.quarantine.is_some(),
         }
     }
 
     /// What the sweep may remove at `now`: past retention, no live entry, no DLQ entry.
     fn sweepable(&self, now: Millis) -> bool {
-        self.accepted_at < now - RETENTION_MS && !self.entries.iter().any(|e| e.live() || e.in_dlq)
+        self.accepted_at < now - RETENTION_MS
+            && !self.quarantined
+            && !self.entries.iter().any(|e| e.live() || e.in_dlq)
     }
 }
 
@@ -400,6 +409,20 @@ fn new_event(id: &str, mask: u8, key: Option<u8>, handoff: bool, at: Millis) -> 
     }
 }
 
+/// An event whose data failed its contract (quarantine mode): stored with its DLQ entry,
+/// never routed.
+fn poison_event(id: &str, at: Millis) -> NewEvent {
+    NewEvent {
+        targets: Vec::new(),
+        matched_rules: Vec::new(),
+        quarantine: Some(Quarantine {
+            reason: DlqReason::ContractViolation,
+            errors: vec![crate::event::FieldError::new("/n", "must be a string")],
+        }),
+        ..new_event(id, 1, None, false, at)
+    }
+}
+
 /// The model's entries of a new event.
 fn model_entries(ne: &NewEvent) -> Vec<MEntry> {
     ne.targets
@@ -478,7 +501,11 @@ fn plan(model: &mut Model, store: &RedbStore, round: &Round, now: Millis) -> Vec
         let mut events: Vec<NewEvent> = (0..a.n)
             .map(|_| {
                 let id = model.fresh_id();
-                new_event(&id, a.mask, a.key, a.handoff, now)
+                if a.poison {
+                    poison_event(&id, now)
+                } else {
+                    new_event(&id, a.mask, a.key, a.handoff, now)
+                }
             })
             .collect();
         let dup = match (a.dup, model.events.is_empty()) {
@@ -991,8 +1018,13 @@ fn check(model: &Model, store: &RedbStore) {
             .unwrap_or_else(|| panic!("acknowledged event {} (seq {seq}) lost", ev.id));
         assert_eq!(fate.event.seq, seq, "event {}", ev.id);
         assert_eq!(fate.entries.len(), ev.entries.len(), "entries of {}", ev.id);
-        let dead = ev.entries.iter().filter(|e| e.in_dlq).count();
+        let dead = ev.entries.iter().filter(|e| e.in_dlq).count() + usize::from(ev.quarantined);
         assert_eq!(fate.dlq.len(), dead, "DLQ entries of {}", ev.id);
+        assert_eq!(
+            fate.event.quarantined, ev.quarantined,
+            "{} quarantined",
+            ev.id
+        );
         for (i, (m, s)) in ev.entries.iter().zip(&fate.entries).enumerate() {
             let at = format!("entry {seq}.{i} of {}", ev.id);
             assert_eq!(s.target_id, m.target, "{at}");
@@ -1229,7 +1261,7 @@ async fn run_with_disk_failure(
     std::thread::sleep(Duration::from_micros(wait_us));
     disks.db.set_failing(true);
     disks.log.set_failing(true);
-    let mut unknown = Vec::new();
+    let (mut answered, mut unknown) = (Vec::new(), Vec::new());
     for (op, task) in ops.into_iter().zip(tasks) {
         let answer = task.await.expect("operation task");
         let failed = match &answer {
@@ -1244,7 +1276,7 @@ async fn run_with_disk_failure(
         if failed {
             unknown.push(op);
         } else {
-            apply(model, store, &op, answer);
+            answered.push((op, answer));
         }
     }
     disks.db.set_failing(false);
@@ -1258,6 +1290,11 @@ async fn run_with_disk_failure(
             "the store does not write again 20 s after the disk healed"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Applied only now: applying a finish reads its emitted events, and reads are refused
+    // while the failure is pending.
+    for (op, answer) in answered {
+        apply(model, store, &op, answer);
     }
     for op in &unknown {
         resolve(model, store, op).await;
