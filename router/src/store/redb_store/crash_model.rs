@@ -14,7 +14,9 @@
 //! - leases follow due times and ordering keys exactly as the model predicts;
 //! - a handler's outbox (emitted events, key-value writes, its COMPLETED record) is there
 //!   exactly when its ack is;
-//! - a redrive step's moves and its job's progress are there together; a purge is all there;
+//! - a redrive step's moves and its job's progress are there together, and so are a replay
+//!   step's new deliveries and its job's; a purge, and a removed target's move of its waiting
+//!   entries to the DLQ, are all there or not at all;
 //! - the sweep removes exactly the events past retention that nothing refers to, and nothing
 //!   that a queue or the DLQ still needs.
 //!
@@ -50,6 +52,10 @@ const HANDLER: &str = "h";
 const RETENTION_MS: i64 = 600;
 /// The redrive job every redrive step reports its progress to.
 const JOB: &str = "redrive-1";
+/// The replay job every replay step reports its progress to.
+const REPLAY_JOB: &str = "replay-1";
+/// The (unordered) target replays deliver to.
+const REPLAY_TARGET: &str = "a";
 
 // ---------------------------------------------------------------------------------------------
 // The steps a case is made of
@@ -93,6 +99,8 @@ struct Round {
     redrive: Vec<Index>,
     /// A DLQ entry purged.
     purge: Option<Index>,
+    /// Events replayed to `REPLAY_TARGET` in one replay step.
+    replay: Vec<Index>,
 }
 
 #[derive(Debug, Clone)]
@@ -109,6 +117,10 @@ enum Step {
     /// A round issued, both disks failing every write `wait_us` µs later until the round is
     /// answered, then healed.
     DiskFail(Round, u64),
+    /// A target removed from the rules with `on_removed: dlq`: its waiting entries go to the
+    /// DLQ as `target_removed`. Alone (which entries wait depends on every other write); with
+    /// `Some(wait_us)`, cut that long after it started.
+    Remove(usize, Option<u64>),
 }
 
 /// How the store makes groups durable.
@@ -154,9 +166,10 @@ fn round() -> impl Strategy<Value = Round> {
         prop::option::weighted(0.2, any::<Index>()),
         prop::collection::vec(any::<Index>(), 0..3),
         prop::option::weighted(0.2, any::<Index>()),
+        prop::collection::vec(any::<Index>(), 0..2),
     )
         .prop_map(
-            |(advance, accepts, finishes, leases, release, redrive, purge)| Round {
+            |(advance, accepts, finishes, leases, release, redrive, purge, replay)| Round {
                 advance,
                 accepts,
                 finishes,
@@ -164,6 +177,7 @@ fn round() -> impl Strategy<Value = Round> {
                 release,
                 redrive,
                 purge,
+                replay,
             },
         )
 }
@@ -175,6 +189,8 @@ fn step() -> impl Strategy<Value = Step> {
         2 => (round(), 0u64..400).prop_map(|(r, us)| Step::CutDuring(r, us)),
         2 => (10i64..2_000, prop::option::of(0u64..400)).prop_map(|(a, w)| Step::Sweep(a, w)),
         1 => (round(), 0u64..400).prop_map(|(r, us)| Step::DiskFail(r, us)),
+        1 => (0usize..TARGETS.len(), prop::option::of(0u64..400))
+            .prop_map(|(t, w)| Step::Remove(t, w)),
     ]
 }
 
@@ -207,6 +223,8 @@ struct MEntry {
     /// Dead and its DLQ entry not purged (nor redriven).
     in_dlq: bool,
     redrives: u32,
+    /// A delivery added by a replay job.
+    replay: bool,
 }
 
 impl MEntry {
@@ -253,6 +271,8 @@ struct Model {
     outboxes: BTreeSet<EntryId>,
     /// The redrive job's `moved` (`None`: no step yet).
     job_moved: Option<u64>,
+    /// The replay job's `moved` (`None`: no step yet).
+    replayed: Option<u64>,
     /// Events the sweep removed: gone for good.
     swept: Vec<String>,
 }
@@ -439,6 +459,7 @@ fn model_entries(ne: &NewEvent) -> Vec<MEntry> {
             due: ne.accepted_at,
             in_dlq: false,
             redrives: 0,
+            replay: false,
         })
         .collect()
 }
@@ -479,6 +500,18 @@ enum Op {
     Sweep {
         now: Millis,
     },
+    /// One replay step: a new delivery to `REPLAY_TARGET` for each of these events.
+    Replay {
+        seqs: Vec<u64>,
+        job: Job,
+        now: Millis,
+    },
+    /// The waiting entries of `target` to the DLQ; `expect` of them.
+    Remove {
+        target: &'static str,
+        now: Millis,
+        expect: usize,
+    },
 }
 
 #[derive(Debug)]
@@ -490,6 +523,8 @@ enum Answer {
     Redriven(Result<(), StoreError>),
     Purged(Result<u64, StoreError>),
     Swept(Result<(), StoreError>),
+    Replayed(Result<(), StoreError>),
+    Removed(Result<usize, StoreError>),
 }
 
 /// The operations of `round` at `now`, chosen so that none depends on another's commit order:
@@ -563,18 +598,8 @@ fn plan(model: &mut Model, store: &RedbStore, round: &Round, now: Millis) -> Vec
         if !moves.is_empty() {
             let done = model.job_moved.unwrap_or(0) + moves.len() as u64;
             let job = Job {
-                id: JOB.into(),
-                kind: JobKind::Redrive,
-                state: JobState::Running,
-                spec: json!({}),
-                total: done,
-                moved: done,
-                failed: 0,
-                skipped: 0,
                 cursor: moves.iter().map(|m| m.0).max().unwrap_or(0),
-                created_at: now,
-                updated_at: now,
-                last_error: None,
+                ..job(JOB, done, now)
             };
             ops.push(Op::Redrive { moves, job, now });
         }
@@ -585,6 +610,30 @@ fn plan(model: &mut Model, store: &RedbStore, round: &Round, now: Millis) -> Vec
                 ops.push(Op::Purge { dlq_id, entry });
             }
         }
+    }
+    let replayable: Vec<u64> = model
+        .events
+        .iter()
+        .filter(|(_, ev)| !ev.quarantined)
+        .map(|(&seq, _)| seq)
+        .collect();
+    if !replayable.is_empty() && !round.replay.is_empty() {
+        let seqs: BTreeSet<u64> = round
+            .replay
+            .iter()
+            .map(|pick| replayable[pick.index(replayable.len())])
+            .collect();
+        let done = model.replayed.unwrap_or(0) + seqs.len() as u64;
+        let job = Job {
+            kind: JobKind::Replay,
+            cursor: seqs.last().copied().unwrap_or(0),
+            ..job(REPLAY_JOB, done, now)
+        };
+        ops.push(Op::Replay {
+            seqs: seqs.into_iter().collect(),
+            job,
+            now,
+        });
     }
     for &(t, max) in &round.leases {
         if !busy.insert(TARGETS[t]) {
@@ -676,6 +725,27 @@ async fn run(store: Arc<RedbStore>, op: Op) -> Answer {
             }
             .await,
         ),
+        Op::Replay { seqs, job, now } => {
+            let items = seqs
+                .iter()
+                .map(|&seq| ReplayItem {
+                    seq,
+                    targets: vec![NewEntry {
+                        target_id: REPLAY_TARGET.into(),
+                        rule: "r".into(),
+                        ordering_key: None,
+                        max_depth: None,
+                        lease_ms: None,
+                    }],
+                })
+                .collect();
+            Answer::Replayed(store.replay_step(job, items, now).await)
+        }
+        Op::Remove { target, now, .. } => Answer::Removed(
+            store
+                .dead_letter_queued(target, DlqReason::TargetRemoved, "target removed", now)
+                .await,
+        ),
     }
 }
 
@@ -761,6 +831,18 @@ fn apply(model: &mut Model, store: &RedbStore, op: &Op, answer: Answer) {
             r.expect("sweep");
             sweep_model(model, *now);
         }
+        (Op::Replay { seqs, job, now }, Answer::Replayed(r)) => {
+            r.expect("replay step");
+            replay_model(model, seqs, job, *now);
+        }
+        (Op::Remove { target, expect, .. }, Answer::Removed(r)) => {
+            assert_eq!(
+                r.expect("remove"),
+                *expect,
+                "waiting entries of {target} moved"
+            );
+            remove_model(model, target);
+        }
         (op, answer) => panic!("answer {answer:?} to {op:?}"),
     }
 }
@@ -775,6 +857,44 @@ fn redrive_model(model: &mut Model, moves: &[(u64, EntryId)], job: &Job, now: Mi
         e.redrives += 1;
     }
     model.job_moved = Some(job.moved);
+}
+
+fn replay_model(model: &mut Model, seqs: &[u64], job: &Job, now: Millis) {
+    for seq in seqs {
+        let ev = model.events.get_mut(seq).expect("replayed event");
+        ev.entries.push(MEntry {
+            target: REPLAY_TARGET,
+            key: None,
+            state: MState::Queued,
+            attempts: 0,
+            due: now,
+            in_dlq: false,
+            redrives: 0,
+            replay: true,
+        });
+    }
+    model.replayed = Some(job.moved);
+}
+
+/// The waiting (queued, not leased) entries of `target`.
+fn waiting(model: &Model, target: &str) -> Vec<EntryId> {
+    let mut out = Vec::new();
+    for (&seq, ev) in &model.events {
+        for (i, e) in ev.entries.iter().enumerate() {
+            if e.target == target && e.state == MState::Queued {
+                out.push(entry_id(seq, i));
+            }
+        }
+    }
+    out
+}
+
+fn remove_model(model: &mut Model, target: &str) {
+    for id in waiting(model, target) {
+        let e = model.entry(id);
+        e.state = MState::Dead;
+        e.in_dlq = true;
+    }
 }
 
 fn sweep_model(model: &mut Model, now: Millis) {
@@ -937,7 +1057,7 @@ async fn resolve(model: &mut Model, store: &Arc<RedbStore>, op: &Op) {
                 .iter()
                 .map(|&(_, id)| observe(model, store, id).state == EntryState::Queued)
                 .collect();
-            let progress = job_progress(store);
+            let progress = job_progress(store, JOB);
             if back.iter().all(|&b| b) {
                 assert_eq!(
                     progress,
@@ -960,6 +1080,45 @@ async fn resolve(model: &mut Model, store: &Arc<RedbStore>, op: &Op) {
                 model.entry(*entry).in_dlq = false;
             }
         }
+        Op::Replay { seqs, job, now } => {
+            let added: Vec<bool> = seqs
+                .iter()
+                .map(|seq| {
+                    let ev = &model.events[seq];
+                    let fate = store.fate(SOURCE, &ev.id).expect("fate").expect("known");
+                    fate.entries.len() > ev.entries.len()
+                })
+                .collect();
+            let progress = job_progress(store, REPLAY_JOB);
+            if added.iter().all(|&a| a) {
+                assert_eq!(progress, Some(job.moved), "replayed, job progress not");
+                replay_model(model, seqs, job, *now);
+            } else {
+                assert!(
+                    added.iter().all(|&a| !a),
+                    "a replay step cut in flight added some of its deliveries: {added:?}"
+                );
+                assert_eq!(
+                    progress, model.replayed,
+                    "job progress without its deliveries"
+                );
+            }
+        }
+        Op::Remove { target, .. } => {
+            let ids = waiting(model, target);
+            let dead: Vec<bool> = ids
+                .iter()
+                .map(|&id| observe(model, store, id).state == EntryState::Dead)
+                .collect();
+            if dead.iter().all(|&d| d) {
+                remove_model(model, target);
+            } else {
+                assert!(
+                    dead.iter().all(|&d| !d),
+                    "a target removal cut in flight moved some of its entries: {dead:?}"
+                );
+            }
+        }
         Op::Sweep { now } => {
             let gone: Vec<u64> = model
                 .events
@@ -977,10 +1136,28 @@ async fn resolve(model: &mut Model, store: &Arc<RedbStore>, op: &Op) {
     }
 }
 
-/// The redrive job's `moved` as stored (`None`: no job).
-fn job_progress(store: &RedbStore) -> Option<u64> {
+/// A running redrive job `id` that has moved `moved` items.
+fn job(id: &str, moved: u64, now: Millis) -> Job {
+    Job {
+        id: id.into(),
+        kind: JobKind::Redrive,
+        state: JobState::Running,
+        spec: json!({}),
+        total: moved,
+        moved,
+        failed: 0,
+        skipped: 0,
+        cursor: 0,
+        created_at: now,
+        updated_at: now,
+        last_error: None,
+    }
+}
+
+/// Job `id`'s `moved` as stored (`None`: no such job).
+fn job_progress(store: &RedbStore, id: &str) -> Option<u64> {
     let jobs = store.jobs().expect("jobs");
-    jobs.into_iter().find(|j| j.id == JOB).map(|j| j.moved)
+    jobs.into_iter().find(|j| j.id == id).map(|j| j.moved)
 }
 
 /// The id of entry `id`'s DLQ entry.
@@ -1031,6 +1208,7 @@ fn check(model: &Model, store: &RedbStore) {
             assert_eq!(s.ordering_key, m.key, "{at}");
             assert_eq!(s.attempts.len(), m.attempts, "attempts of {at}");
             assert_eq!(s.redrive_count, m.redrives, "redrives of {at}");
+            assert_eq!(s.replay.is_some(), m.replay, "replay marker of {at}");
             let st = stats.entry(m.target).or_default();
             st.dlq += u64::from(m.in_dlq);
             match m.state {
@@ -1076,9 +1254,14 @@ fn check(model: &Model, store: &RedbStore) {
     let counts = store.record_counts().expect("counts");
     assert_eq!(counts.events, model.events.len() as u64, "events stored");
     assert_eq!(
-        job_progress(store),
+        job_progress(store, JOB),
         model.job_moved,
         "the redrive job's progress"
+    );
+    assert_eq!(
+        job_progress(store, REPLAY_JOB),
+        model.replayed,
+        "the replay job's progress"
     );
     // Every outbox is there with its ack, and none without one.
     for (&seq, ev) in &model.events {
@@ -1272,6 +1455,8 @@ async fn run_with_disk_failure(
             Answer::Redriven(r) => r.is_err(),
             Answer::Purged(r) => r.is_err(),
             Answer::Swept(r) => r.is_err(),
+            Answer::Replayed(r) => r.is_err(),
+            Answer::Removed(r) => r.is_err(),
         };
         if failed {
             unknown.push(op);
@@ -1346,6 +1531,19 @@ async fn run_case(mode: Mode, steps: Vec<Step>) {
             Step::Sweep(advance, wait_us) => {
                 now += advance;
                 (vec![Op::Sweep { now }], wait_us)
+            }
+            Step::Remove(t, wait_us) => {
+                now += 10;
+                let target = TARGETS[t];
+                let expect = waiting(&model, target).len();
+                (
+                    vec![Op::Remove {
+                        target,
+                        now,
+                        expect,
+                    }],
+                    wait_us,
+                )
             }
             Step::DiskFail(r, wait_us) => {
                 now += r.advance;
