@@ -1412,6 +1412,35 @@ async fn groups_acknowledged_through_the_log_survive_a_power_cut() {
     assert_eq!(r, vec![AcceptOutcome::Accepted { seq: 201 }]);
 }
 
+/// A failed synced commit: its group was answered with an error. Readers must not see it as
+/// stored, neither before the store has reopened nor after.
+#[tokio::test]
+async fn after_a_failed_commit_readers_never_see_the_failed_group() {
+    let disk = SimulatedDisk::new();
+    let d2 = disk.clone();
+    let s = RedbStore::with_backend_factory(move || d2.backend(), StoreOptions::default())
+        .expect("open");
+    s.accept(vec![new_event("/s", "kept", &["a"], 1000)])
+        .await
+        .expect("accept before the failure");
+    disk.set_failing(true);
+    let r = s.accept(vec![new_event("/s", "failed", &["a"], 1000)]).await;
+    assert!(r.is_err(), "the commit failed: {r:?}");
+    for _ in 0..100 {
+        if let Ok(f) = s.fate("/s", "failed") {
+            assert!(f.is_none(), "a group answered with an error reads as stored");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    disk.set_failing(false);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while s.fate("/s", "kept").is_err() {
+        assert!(std::time::Instant::now() < deadline, "reads do not come back");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(s.fate("/s", "failed").expect("fate").is_none());
+}
+
 /// A full disk under the group log: the group whose log write failed was committed to redb
 /// without a sync and answered with an error. Until the store has reopened, readers must not
 /// see it (it may never become durable); once the disk heals the store reopens by itself,
