@@ -11,7 +11,8 @@
 //!   after, never between;
 //! - leases of the dead process are reclaimed with their attempt counted, and its workers can no
 //!   longer finish their entries (fencing across a restart);
-//! - leases follow due times and ordering keys exactly as the model predicts;
+//! - leases follow due times and ordering keys exactly as the model predicts, and a queue at
+//!   its depth cap sends new entries to the DLQ (`target_overflow`) exactly as it predicts;
 //! - a handler's outbox (emitted events, key-value writes, its COMPLETED record) is there
 //!   exactly when its ack is;
 //! - a redrive step's moves and its job's progress are there together, and so are a replay
@@ -43,6 +44,9 @@ use crate::store::*;
 /// not (their entries may be leased at acceptance, as delivery's handoff does).
 const TARGETS: [&str; 3] = ["a", "b", "c"];
 const ORDERED: &str = "c";
+/// Target `b` has a queue-depth cap this small, so accepts overflow it now and then.
+const CAPPED: &str = "b";
+const CAP: u64 = 4;
 const SOURCE: &str = "/model";
 /// Leases outlive every case (a case spans seconds of model time), so none expires in it.
 const LEASE_MS: i64 = 3_600_000;
@@ -215,6 +219,9 @@ enum MState {
 
 #[derive(Debug, Clone)]
 struct MEntry {
+    /// Position in the event's fan-out (`EntryId::idx`); an entry refused by its queue's cap
+    /// leaves a gap.
+    idx: u32,
     target: &'static str,
     key: Option<String>,
     state: MState,
@@ -238,6 +245,8 @@ struct MEvent {
     id: String,
     accepted_at: Millis,
     entries: Vec<MEntry>,
+    /// Entries refused by their queue's depth cap: each a DLQ entry (`target_overflow`).
+    overflowed: usize,
     /// Quarantined at acceptance: no entries, one DLQ entry of its own.
     quarantined: bool,
 }
@@ -248,6 +257,7 @@ impl MEvent {
             id,
             accepted_at: ne.accepted_at,
             entries: model_entries(ne),
+            overflowed: 0,
             quarantined: ne.quarantine.is_some(),
         }
     }
@@ -256,6 +266,7 @@ impl MEvent {
     fn sweepable(&self, now: Millis) -> bool {
         self.accepted_at < now - RETENTION_MS
             && !self.quarantined
+            && self.overflowed == 0
             && !self.entries.iter().any(|e| e.live() || e.in_dlq)
     }
 }
@@ -285,15 +296,24 @@ impl Model {
 
     fn entry(&mut self, id: EntryId) -> &mut MEntry {
         let ev = self.events.get_mut(&id.event).expect("event in model");
-        &mut ev.entries[id.idx as usize]
+        ev.entries
+            .iter_mut()
+            .find(|e| e.idx == id.idx)
+            .expect("entry in model")
+    }
+
+    /// Live (queued or leased) entries of `target`: what its depth cap counts.
+    fn live(&self, target: &str) -> u64 {
+        let live = self.events.values().flat_map(|ev| &ev.entries);
+        live.filter(|e| e.target == target && e.live()).count() as u64
     }
 
     fn leased(&self) -> Vec<(EntryId, Lease)> {
         let mut out = Vec::new();
         for (&seq, ev) in &self.events {
-            for (i, e) in ev.entries.iter().enumerate() {
+            for e in &ev.entries {
                 if let MState::Leased(l) = e.state {
-                    out.push((entry_id(seq, i), l));
+                    out.push((entry_id(seq, e.idx), l));
                 }
             }
         }
@@ -304,9 +324,9 @@ impl Model {
     fn in_dlq(&self) -> Vec<EntryId> {
         let mut out = Vec::new();
         for (&seq, ev) in &self.events {
-            for (i, e) in ev.entries.iter().enumerate() {
+            for e in &ev.entries {
                 if e.in_dlq {
-                    out.push(entry_id(seq, i));
+                    out.push(entry_id(seq, e.idx));
                 }
             }
         }
@@ -319,11 +339,11 @@ impl Model {
         let mut first_of_key: BTreeMap<&str, EntryId> = BTreeMap::new();
         let mut due = Vec::new();
         for (&seq, ev) in &self.events {
-            for (i, e) in ev.entries.iter().enumerate() {
+            for e in &ev.entries {
                 if e.target != target || !e.live() {
                     continue;
                 }
-                let id = entry_id(seq, i);
+                let id = entry_id(seq, e.idx);
                 if let Some(k) = &e.key {
                     first_of_key.entry(k.as_str()).or_insert(id);
                 }
@@ -355,11 +375,8 @@ impl Model {
     }
 }
 
-fn entry_id(seq: u64, idx: usize) -> EntryId {
-    EntryId {
-        event: seq,
-        idx: u32::try_from(idx).expect("small fan-out"),
-    }
+fn entry_id(seq: u64, idx: u32) -> EntryId {
+    EntryId { event: seq, idx }
 }
 
 /// Ids of the events an ack of `id` emits, and its key in the handler's namespace (and its
@@ -420,7 +437,7 @@ fn new_event(id: &str, mask: u8, key: Option<u8>, handoff: bool, at: Millis) -> 
                 ordering_key: (t == ORDERED)
                     .then(|| key.map(|k| format!("k{k}")))
                     .flatten(),
-                max_depth: None,
+                max_depth: (t == CAPPED).then_some(CAP),
                 lease_ms: (handoff && t != ORDERED).then_some(LEASE_MS),
             })
             .collect(),
@@ -447,7 +464,9 @@ fn poison_event(id: &str, at: Millis) -> NewEvent {
 fn model_entries(ne: &NewEvent) -> Vec<MEntry> {
     ne.targets
         .iter()
-        .map(|t| MEntry {
+        .zip(0u32..)
+        .map(|(t, idx)| MEntry {
+            idx,
             target: TARGETS
                 .iter()
                 .find(|&&x| x == t.target_id)
@@ -527,6 +546,19 @@ enum Answer {
     Removed(Result<usize, StoreError>),
 }
 
+/// New entries `ops` ask of the capped queue.
+fn capped_requests(ops: &[Op]) -> u64 {
+    let mut n = 0;
+    for op in ops {
+        if let Op::Accept { events, dup } = op {
+            let fresh = events.len() - usize::from(dup.is_some());
+            let entries = events[..fresh].iter().flat_map(|e| &e.targets);
+            n += entries.filter(|t| t.target_id == CAPPED).count() as u64;
+        }
+    }
+    n
+}
+
 /// The operations of `round` at `now`, chosen so that none depends on another's commit order:
 /// leases look at `now - 1`, before this round's accepts and every retry it schedules, and a
 /// target whose entries this round finishes (or whose key it releases) is not leased in it.
@@ -557,13 +589,18 @@ fn plan(model: &mut Model, store: &RedbStore, round: &Round, now: Millis) -> Vec
         };
         ops.push(Op::Accept { events, dup });
     }
+    // A round that adds entries to the capped queue does not take any out or put any back
+    // (finishes, redrives): how many its accepts may add is then known from the start.
+    let capped_accepts = capped_requests(&ops) > 0;
+    let frozen =
+        |model: &mut Model, id: EntryId| capped_accepts && model.entry(id).target == CAPPED;
     let leased = model.leased();
     let mut finished = BTreeSet::new();
     let mut busy: BTreeSet<&str> = BTreeSet::new();
     if !leased.is_empty() {
         for &(pick, how) in &round.finishes {
             let (id, lease) = leased[pick.index(leased.len())];
-            if finished.insert(id) {
+            if !frozen(model, id) && finished.insert(id) {
                 busy.insert(model.entry(id).target);
                 ops.push(Op::Finish {
                     id,
@@ -590,7 +627,7 @@ fn plan(model: &mut Model, store: &RedbStore, round: &Round, now: Millis) -> Vec
         let mut moves = Vec::new();
         for pick in &round.redrive {
             let id = dead[pick.index(dead.len())];
-            if moved.insert(id) {
+            if !frozen(model, id) && moved.insert(id) {
                 busy.insert(model.entry(id).target);
                 moves.push((dlq_id(model, store, id), id));
             }
@@ -765,10 +802,11 @@ fn apply(model: &mut Model, store: &RedbStore, op: &Op, answer: Answer) {
                 let AcceptOutcome::Accepted { seq } = *outcome else {
                     panic!("a new event was answered {outcome:?}");
                 };
-                let mut entries = model_entries(ne);
-                for (idx, (e, t)) in entries.iter_mut().zip(&ne.targets).enumerate() {
-                    let idx = u32::try_from(idx).expect("small");
-                    match (t.lease_ms, handed.remove(&(i, idx))) {
+                let mut ev = MEvent::new(ne.event.id.clone(), ne);
+                overflow_model(&mut ev, store);
+                for e in &mut ev.entries {
+                    let asked = ne.targets[e.idx as usize].lease_ms;
+                    match (asked, handed.remove(&(i, e.idx))) {
                         (Some(_), Some(l)) => {
                             e.state = MState::Leased(l);
                             e.attempts = 1;
@@ -777,10 +815,6 @@ fn apply(model: &mut Model, store: &RedbStore, op: &Op, answer: Answer) {
                         (asked, got) => panic!("lease at acceptance: asked {asked:?}, got {got:?}"),
                     }
                 }
-                let ev = MEvent {
-                    entries,
-                    ..MEvent::new(ne.event.id.clone(), ne)
-                };
                 let fresh_seq = model.events.insert(seq, ev);
                 assert!(fresh_seq.is_none(), "sequence number {seq} given twice");
             }
@@ -859,10 +893,37 @@ fn redrive_model(model: &mut Model, moves: &[(u64, EntryId)], job: &Job, now: Mi
     model.job_moved = Some(job.moved);
 }
 
+/// Which of a new event's entries its queue's cap refused: the store says (which of several
+/// accepts in one round got the last places depends on their commit order). Each refused one
+/// is a DLQ entry `target_overflow` instead, in the same commit.
+fn overflow_model(ev: &mut MEvent, store: &RedbStore) {
+    if !ev.entries.iter().any(|e| e.target == CAPPED) {
+        return;
+    }
+    let fate = store.fate(SOURCE, &ev.id).expect("fate").expect("accepted");
+    let refused =
+        |e: &MEntry| e.target == CAPPED && !fate.entries.iter().any(|s| s.id.idx == e.idx);
+    let n = ev.entries.iter().filter(|e| refused(e)).count();
+    ev.entries.retain(|e| !refused(e));
+    let overflow = fate
+        .dlq
+        .iter()
+        .filter(|d| d.reason == DlqReason::TargetOverflow);
+    assert_eq!(
+        overflow.count(),
+        n,
+        "entries refused by the cap of {CAPPED} and their DLQ entries"
+    );
+    ev.overflowed = n;
+}
+
 fn replay_model(model: &mut Model, seqs: &[u64], job: &Job, now: Millis) {
     for seq in seqs {
         let ev = model.events.get_mut(seq).expect("replayed event");
+        // After the highest entry there is (as the store numbers them).
+        let idx = ev.entries.iter().map(|e| e.idx + 1).max().unwrap_or(0);
         ev.entries.push(MEntry {
+            idx,
             target: REPLAY_TARGET,
             key: None,
             state: MState::Queued,
@@ -880,9 +941,9 @@ fn replay_model(model: &mut Model, seqs: &[u64], job: &Job, now: Millis) {
 fn waiting(model: &Model, target: &str) -> Vec<EntryId> {
     let mut out = Vec::new();
     for (&seq, ev) in &model.events {
-        for (i, e) in ev.entries.iter().enumerate() {
+        for e in &ev.entries {
             if e.target == target && e.state == MState::Queued {
-                out.push(entry_id(seq, i));
+                out.push(entry_id(seq, e.idx));
             }
         }
     }
@@ -969,15 +1030,12 @@ async fn resolve(model: &mut Model, store: &Arc<RedbStore>, op: &Op) {
             if fates.iter().all(Option::is_some) {
                 for (ne, fate) in fresh.iter().zip(fates) {
                     let fate = fate.expect("checked");
-                    let mut entries = model_entries(ne);
-                    for (e, t) in entries.iter_mut().zip(&ne.targets) {
+                    let mut ev = MEvent::new(ne.event.id.clone(), ne);
+                    overflow_model(&mut ev, store);
+                    for e in &mut ev.entries {
                         // A lease taken at acceptance was reclaimed, its attempt counted.
-                        e.attempts = usize::from(t.lease_ms.is_some());
+                        e.attempts = usize::from(ne.targets[e.idx as usize].lease_ms.is_some());
                     }
-                    let ev = MEvent {
-                        entries,
-                        ..MEvent::new(ne.event.id.clone(), ne)
-                    };
                     model.events.insert(fate.event.seq, ev);
                 }
             } else {
@@ -1195,15 +1253,33 @@ fn check(model: &Model, store: &RedbStore) {
             .unwrap_or_else(|| panic!("acknowledged event {} (seq {seq}) lost", ev.id));
         assert_eq!(fate.event.seq, seq, "event {}", ev.id);
         assert_eq!(fate.entries.len(), ev.entries.len(), "entries of {}", ev.id);
-        let dead = ev.entries.iter().filter(|e| e.in_dlq).count() + usize::from(ev.quarantined);
+        let dead = ev.entries.iter().filter(|e| e.in_dlq).count()
+            + usize::from(ev.quarantined)
+            + ev.overflowed;
         assert_eq!(fate.dlq.len(), dead, "DLQ entries of {}", ev.id);
         assert_eq!(
             fate.event.quarantined, ev.quarantined,
             "{} quarantined",
             ev.id
         );
-        for (i, (m, s)) in ev.entries.iter().zip(&fate.entries).enumerate() {
-            let at = format!("entry {seq}.{i} of {}", ev.id);
+        let overflow = fate
+            .dlq
+            .iter()
+            .filter(|d| d.reason == DlqReason::TargetOverflow);
+        assert_eq!(
+            overflow.count(),
+            ev.overflowed,
+            "overflow DLQ entries of {}",
+            ev.id
+        );
+        stats.entry(CAPPED).or_default().dlq += ev.overflowed as u64;
+        for m in &ev.entries {
+            let at = format!("entry {seq}.{} of {}", m.idx, ev.id);
+            let s = fate
+                .entries
+                .iter()
+                .find(|s| s.id.idx == m.idx)
+                .unwrap_or_else(|| panic!("{at} lost"));
             assert_eq!(s.target_id, m.target, "{at}");
             assert_eq!(s.ordering_key, m.key, "{at}");
             assert_eq!(s.attempts.len(), m.attempts, "attempts of {at}");
@@ -1265,8 +1341,8 @@ fn check(model: &Model, store: &RedbStore) {
     );
     // Every outbox is there with its ack, and none without one.
     for (&seq, ev) in &model.events {
-        for i in 0..ev.entries.len() {
-            let id = entry_id(seq, i);
+        for e in &ev.entries {
+            let id = entry_id(seq, e.idx);
             let key = outbox_key(id);
             let written = model.outboxes.contains(&id);
             let kv = store.kv_get(HANDLER, &key, 0).expect("kv");
@@ -1564,11 +1640,21 @@ async fn run_case(mode: Mode, steps: Vec<Step>) {
         };
         match wait_us {
             None => {
+                let (live, asked) = (model.live(CAPPED), capped_requests(&ops));
                 let answers =
                     futures::future::join_all(ops.iter().map(|op| run(store.clone(), op.clone())))
                         .await;
                 for (op, answer) in ops.iter().zip(answers) {
                     apply(&mut model, &store, op, answer);
+                }
+                if asked > 0 {
+                    let admitted = model.live(CAPPED) - live;
+                    let room = CAP.saturating_sub(live);
+                    assert_eq!(
+                        admitted,
+                        asked.min(room),
+                        "entries the cap of {CAPPED} let in"
+                    );
                 }
                 check(&model, &store);
             }

@@ -1424,18 +1424,26 @@ async fn after_a_failed_commit_readers_never_see_the_failed_group() {
         .await
         .expect("accept before the failure");
     disk.set_failing(true);
-    let r = s.accept(vec![new_event("/s", "failed", &["a"], 1000)]).await;
+    let r = s
+        .accept(vec![new_event("/s", "failed", &["a"], 1000)])
+        .await;
     assert!(r.is_err(), "the commit failed: {r:?}");
     for _ in 0..100 {
         if let Ok(f) = s.fate("/s", "failed") {
-            assert!(f.is_none(), "a group answered with an error reads as stored");
+            assert!(
+                f.is_none(),
+                "a group answered with an error reads as stored"
+            );
         }
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
     disk.set_failing(false);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while s.fate("/s", "kept").is_err() {
-        assert!(std::time::Instant::now() < deadline, "reads do not come back");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "reads do not come back"
+        );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     assert!(s.fate("/s", "failed").expect("fate").is_none());
