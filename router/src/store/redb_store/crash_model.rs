@@ -19,7 +19,9 @@
 //!   step's new deliveries and its job's; a purge, and a removed target's move of its waiting
 //!   entries to the DLQ, are all there or not at all;
 //! - the sweep removes exactly the events past retention that nothing refers to, and nothing
-//!   that a queue or the DLQ still needs.
+//!   that a queue or the DLQ still needs;
+//! - each target's runtime state (breaker, pause) and the saved target configurations are the
+//!   last ones acknowledged.
 //!
 //! The same holds when the disk fails under a round (a full or broken disk) and heals: an
 //! operation answered with an error may or may not have been applied (the answer says only
@@ -105,6 +107,10 @@ struct Round {
     purge: Option<Index>,
     /// Events replayed to `REPLAY_TARGET` in one replay step.
     replay: Vec<Index>,
+    /// Runtime states put (target, value); one per target is kept.
+    states: Vec<(usize, u8)>,
+    /// The targets' configurations saved, all three with this value.
+    save: Option<u8>,
 }
 
 #[derive(Debug, Clone)]
@@ -171,9 +177,13 @@ fn round() -> impl Strategy<Value = Round> {
         prop::collection::vec(any::<Index>(), 0..3),
         prop::option::weighted(0.2, any::<Index>()),
         prop::collection::vec(any::<Index>(), 0..2),
+        (
+            prop::collection::vec((0usize..TARGETS.len(), any::<u8>()), 0..2),
+            prop::option::weighted(0.2, any::<u8>()),
+        ),
     )
         .prop_map(
-            |(advance, accepts, finishes, leases, release, redrive, purge, replay)| Round {
+            |(
                 advance,
                 accepts,
                 finishes,
@@ -182,6 +192,18 @@ fn round() -> impl Strategy<Value = Round> {
                 redrive,
                 purge,
                 replay,
+                (states, save),
+            )| Round {
+                advance,
+                accepts,
+                finishes,
+                leases,
+                release,
+                redrive,
+                purge,
+                replay,
+                states,
+                save,
             },
         )
 }
@@ -286,6 +308,10 @@ struct Model {
     replayed: Option<u64>,
     /// Events the sweep removed: gone for good.
     swept: Vec<String>,
+    /// Each target's runtime state as last acknowledged.
+    states: BTreeMap<&'static str, serde_json::Value>,
+    /// The saved target configurations as last acknowledged.
+    saved: BTreeMap<&'static str, serde_json::Value>,
 }
 
 impl Model {
@@ -525,6 +551,13 @@ enum Op {
         job: Job,
         now: Millis,
     },
+    PutState {
+        target: &'static str,
+        state: serde_json::Value,
+    },
+    Save {
+        configs: Vec<(&'static str, serde_json::Value)>,
+    },
     /// The waiting entries of `target` to the DLQ; `expect` of them.
     Remove {
         target: &'static str,
@@ -544,6 +577,7 @@ enum Answer {
     Swept(Result<(), StoreError>),
     Replayed(Result<(), StoreError>),
     Removed(Result<usize, StoreError>),
+    Put(Result<(), StoreError>),
 }
 
 /// New entries `ops` ask of the capped queue.
@@ -672,6 +706,28 @@ fn plan(model: &mut Model, store: &RedbStore, round: &Round, now: Millis) -> Vec
             now,
         });
     }
+    let mut put = BTreeSet::new();
+    for &(t, v) in &round.states {
+        if put.insert(t) {
+            let state = json!({ "breaker": "open", "v": v, "at": now });
+            ops.push(Op::PutState {
+                target: TARGETS[t],
+                state,
+            });
+        }
+    }
+    if let Some(v) = round.save {
+        let configs = TARGETS
+            .iter()
+            .map(|&t| {
+                (
+                    t,
+                    json!({ "webhook": format!("http://127.0.0.1:9/{t}"), "v": v }),
+                )
+            })
+            .collect();
+        ops.push(Op::Save { configs });
+    }
     for &(t, max) in &round.leases {
         if !busy.insert(TARGETS[t]) {
             continue;
@@ -778,6 +834,17 @@ async fn run(store: Arc<RedbStore>, op: Op) -> Answer {
                 .collect();
             Answer::Replayed(store.replay_step(job, items, now).await)
         }
+        Op::PutState { target, state } => Answer::Put(store.put_target_state(target, state).await),
+        Op::Save { configs } => Answer::Put(
+            store
+                .save_targets(
+                    configs
+                        .into_iter()
+                        .map(|(t, c)| (t.to_string(), c))
+                        .collect(),
+                )
+                .await,
+        ),
         Op::Remove { target, now, .. } => Answer::Removed(
             store
                 .dead_letter_queued(target, DlqReason::TargetRemoved, "target removed", now)
@@ -868,6 +935,14 @@ fn apply(model: &mut Model, store: &RedbStore, op: &Op, answer: Answer) {
         (Op::Replay { seqs, job, now }, Answer::Replayed(r)) => {
             r.expect("replay step");
             replay_model(model, seqs, job, *now);
+        }
+        (Op::PutState { target, state }, Answer::Put(r)) => {
+            r.expect("put target state");
+            model.states.insert(target, state.clone());
+        }
+        (Op::Save { configs }, Answer::Put(r)) => {
+            r.expect("save targets");
+            model.saved.extend(configs.iter().cloned());
         }
         (Op::Remove { target, expect, .. }, Answer::Removed(r)) => {
             assert_eq!(
@@ -1162,6 +1237,30 @@ async fn resolve(model: &mut Model, store: &Arc<RedbStore>, op: &Op) {
                 );
             }
         }
+        Op::PutState { target, state } => {
+            let seen = stored_map(store.target_states())[*target].clone();
+            if seen == *state {
+                model.states.insert(target, state.clone());
+            } else {
+                let old = model.states.get(target).cloned().unwrap_or_default();
+                assert_eq!(
+                    seen, old,
+                    "state of {target}: neither the old one nor the new one"
+                );
+            }
+        }
+        Op::Save { configs } => {
+            let seen = stored_map(store.saved_targets());
+            let new: Vec<bool> = configs.iter().map(|(t, c)| seen[*t] == *c).collect();
+            if new.iter().all(|&n| n) {
+                model.saved.extend(configs.iter().cloned());
+            } else {
+                assert!(
+                    new.iter().all(|&n| !n),
+                    "a save cut in flight is half there: {new:?}"
+                );
+            }
+        }
         Op::Remove { target, .. } => {
             let ids = waiting(model, target);
             let dead: Vec<bool> = ids
@@ -1192,6 +1291,18 @@ async fn resolve(model: &mut Model, store: &Arc<RedbStore>, op: &Op) {
             }
         }
     }
+}
+
+/// The targets' rows of a name → JSON table as read (a target never written reads as null;
+/// other rows, such as the disk-failure step's probe, are left out).
+fn stored_map(
+    rows: Result<Vec<(String, serde_json::Value)>, StoreError>,
+) -> BTreeMap<&'static str, serde_json::Value> {
+    let rows: BTreeMap<String, serde_json::Value> = rows.expect("read").into_iter().collect();
+    TARGETS
+        .iter()
+        .map(|&t| (t, rows.get(t).cloned().unwrap_or(serde_json::Value::Null)))
+        .collect()
 }
 
 /// A running redrive job `id` that has moved `moved` items.
@@ -1333,6 +1444,22 @@ fn check(model: &Model, store: &RedbStore) {
         job_progress(store, JOB),
         model.job_moved,
         "the redrive job's progress"
+    );
+    let want = |m: &BTreeMap<&'static str, serde_json::Value>| -> BTreeMap<&'static str, serde_json::Value> {
+        TARGETS
+            .iter()
+            .map(|&t| (t, m.get(t).cloned().unwrap_or(serde_json::Value::Null)))
+            .collect()
+    };
+    assert_eq!(
+        stored_map(store.target_states()),
+        want(&model.states),
+        "target states"
+    );
+    assert_eq!(
+        stored_map(store.saved_targets()),
+        want(&model.saved),
+        "saved targets"
     );
     assert_eq!(
         job_progress(store, REPLAY_JOB),
@@ -1533,6 +1660,7 @@ async fn run_with_disk_failure(
             Answer::Swept(r) => r.is_err(),
             Answer::Replayed(r) => r.is_err(),
             Answer::Removed(r) => r.is_err(),
+            Answer::Put(r) => r.is_err(),
         };
         if failed {
             unknown.push(op);
