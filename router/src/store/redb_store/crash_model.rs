@@ -14,7 +14,7 @@
 //! - leases follow due times and ordering keys exactly as the model predicts, and a queue at
 //!   its depth cap sends new entries to the DLQ (`target_overflow`) exactly as it predicts;
 //! - a handler's outbox (emitted events, key-value writes, its COMPLETED record) is there
-//!   exactly when its ack is;
+//!   exactly when its ack is, reads as absent once past its expiry, and is swept then;
 //! - a redrive step's moves and its job's progress are there together, and so are a replay
 //!   step's new deliveries and its job's; a purge, and a removed target's move of its waiting
 //!   entries to the DLQ, are all there or not at all;
@@ -300,8 +300,13 @@ struct Model {
     events: BTreeMap<u64, MEvent>,
     held: BTreeSet<String>,
     next_id: u64,
-    /// Entries whose ack carried an outbox: its key-value write and COMPLETED record exist.
-    outboxes: BTreeSet<EntryId>,
+    /// Entries whose ack carried an outbox: when its key-value write and COMPLETED record
+    /// expire.
+    outboxes: BTreeMap<EntryId, (Option<Millis>, Millis)>,
+    /// Outbox key-value writes still stored (not yet swept after their expiry).
+    kv_stored: BTreeSet<EntryId>,
+    /// Model time of the latest step.
+    now: Millis,
     /// The redrive job's `moved` (`None`: no step yet).
     job_moved: Option<u64>,
     /// The replay job's `moved` (`None`: no step yet).
@@ -416,9 +421,19 @@ fn outbox_key(id: EntryId) -> String {
     format!("done-{id}")
 }
 
+/// When the key-value write and the COMPLETED record of an outbox of `n` events, committed at
+/// `now`, expire (the write only for odd `n`).
+fn outbox_expiry(n: u8, now: Millis) -> (Option<Millis>, Millis) {
+    (
+        (n % 2 == 1).then_some(now + 500),
+        now + 800 + 200 * i64::from(n),
+    )
+}
+
 /// What a handler's invocation for entry `id` buffered: `n` events for target `a`, one
 /// key-value write guarded by "the key is still absent", and the COMPLETED record.
 fn outbox(id: EntryId, n: u8, now: Millis) -> Outbox {
+    let (kv_expires, completed_expires) = outbox_expiry(n, now);
     Outbox {
         emitted: (0..n)
             .map(|k| new_event(&emitted_id(id, k), 1, None, false, now))
@@ -427,14 +442,14 @@ fn outbox(id: EntryId, n: u8, now: Millis) -> Outbox {
             namespace: HANDLER.into(),
             key: outbox_key(id),
             value: Some(id.to_string().into_bytes()),
-            expires_at: None,
+            expires_at: kv_expires,
         }],
         cas: vec![(HANDLER.into(), outbox_key(id), None)],
         completed: Some(CompletedRecord {
             handler: HANDLER.into(),
             key: outbox_key(id),
             result: b"{}".to_vec(),
-            expires_at: now + LEASE_MS,
+            expires_at: completed_expires,
         }),
         kv_max_bytes: None,
     }
@@ -1033,7 +1048,16 @@ fn remove_model(model: &mut Model, target: &str) {
     }
 }
 
+/// Outbox key-value writes a sweep at `now` removes: those expired before it.
+fn kv_expired(model: &Model, now: Millis) -> Vec<EntryId> {
+    let expired = |id: &&EntryId| model.outboxes[*id].0.is_some_and(|e| e < now);
+    model.kv_stored.iter().filter(expired).copied().collect()
+}
+
 fn sweep_model(model: &mut Model, now: Millis) {
+    for id in kv_expired(model, now) {
+        model.kv_stored.remove(&id);
+    }
     let gone: Vec<u64> = model
         .events
         .iter()
@@ -1048,7 +1072,8 @@ fn sweep_model(model: &mut Model, now: Millis) {
 
 fn finish_model(model: &mut Model, store: &RedbStore, id: EntryId, how: How, now: Millis) {
     if let How::Delivered(Some(n)) = how {
-        model.outboxes.insert(id);
+        model.outboxes.insert(id, outbox_expiry(n, now));
+        model.kv_stored.insert(id);
         // The emitted events were accepted in the ack's commit; their sequence numbers are
         // the store's to give.
         for k in 0..n {
@@ -1289,6 +1314,20 @@ async fn resolve(model: &mut Model, store: &Arc<RedbStore>, op: &Op) {
                 let ev = model.events.remove(&seq).expect("listed");
                 model.swept.push(ev.id);
             }
+            // Expired key-value writes go in one of the sweep's commits: all or none.
+            let expired = kv_expired(model, *now);
+            let keys = store.kv_usage_of(HANDLER).expect("usage").keys;
+            let before = model.kv_stored.len() as u64;
+            if keys + expired.len() as u64 == before {
+                for id in expired {
+                    model.kv_stored.remove(&id);
+                }
+            } else {
+                assert_eq!(
+                    keys, before,
+                    "a sweep cut in flight removed some expired keys"
+                );
+            }
         }
     }
 }
@@ -1471,20 +1510,22 @@ fn check(model: &Model, store: &RedbStore) {
         for e in &ev.entries {
             let id = entry_id(seq, e.idx);
             let key = outbox_key(id);
-            let written = model.outboxes.contains(&id);
-            let kv = store.kv_get(HANDLER, &key, 0).expect("kv");
-            let want = written.then(|| id.to_string().into_bytes());
+            let (now, written) = (model.now, model.outboxes.get(&id));
+            let kv = store.kv_get(HANDLER, &key, now).expect("kv");
+            let visible = written.is_some_and(|(kv, _)| kv.is_none_or(|e| e > now));
+            let want = visible.then(|| id.to_string().into_bytes());
             assert_eq!(kv, want, "key-value write of the ack of {id}");
-            let done = store.completed_get(HANDLER, &key, 0).expect("completed");
+            let done = store.completed_get(HANDLER, &key, now).expect("completed");
+            let visible = written.is_some_and(|&(_, c)| c > now);
             assert_eq!(
                 done.is_some(),
-                written,
+                visible,
                 "COMPLETED record of the ack of {id}"
             );
         }
     }
     let kv_keys = store.kv_usage_of(HANDLER).expect("usage").keys;
-    assert_eq!(kv_keys, model.outboxes.len() as u64, "key-value keys");
+    assert_eq!(kv_keys, model.kv_stored.len() as u64, "key-value keys");
 }
 
 /// Every acknowledged event, sent again, is a duplicate of its first copy.
@@ -1726,18 +1767,22 @@ async fn run_case(mode: Mode, steps: Vec<Step>) {
             }
             Step::Round(r) => {
                 now += r.advance;
+                model.now = now;
                 (plan(&mut model, &store, &r, now), None)
             }
             Step::CutDuring(r, wait_us) => {
                 now += r.advance;
+                model.now = now;
                 (plan(&mut model, &store, &r, now), Some(wait_us))
             }
             Step::Sweep(advance, wait_us) => {
                 now += advance;
+                model.now = now;
                 (vec![Op::Sweep { now }], wait_us)
             }
             Step::Remove(t, wait_us) => {
                 now += 10;
+                model.now = now;
                 let target = TARGETS[t];
                 let expect = waiting(&model, target).len();
                 (
@@ -1751,6 +1796,7 @@ async fn run_case(mode: Mode, steps: Vec<Step>) {
             }
             Step::DiskFail(r, wait_us) => {
                 now += r.advance;
+                model.now = now;
                 // No leases in this round: one answered after the store reopened would hold
                 // entries that a reopen before it reclaimed (the model plans from before).
                 let mut ops = plan(&mut model, &store, &r, now);
