@@ -38,6 +38,7 @@ use proptest::prelude::*;
 use proptest::sample::Index;
 use serde_json::json;
 
+use super::tests::delivered;
 use super::{RedbStore, StoreOptions};
 use crate::store::fault::SimulatedDisk;
 use crate::store::*;
@@ -1127,7 +1128,8 @@ async fn resolve(model: &mut Model, store: &Arc<RedbStore>, op: &Op) {
                 .iter()
                 .map(|ne| store.fate(SOURCE, &ne.event.id).expect("fate"))
                 .collect();
-            if fates.iter().all(Option::is_some) {
+            let stored: Vec<bool> = fates.iter().map(Option::is_some).collect();
+            if all_or_none(&stored, "an accept") {
                 for (ne, fate) in fresh.iter().zip(fates) {
                     let fate = fate.expect("checked");
                     let mut ev = MEvent::new(ne.event.id.clone(), ne);
@@ -1139,11 +1141,6 @@ async fn resolve(model: &mut Model, store: &Arc<RedbStore>, op: &Op) {
                     model.events.insert(fate.event.seq, ev);
                 }
             } else {
-                assert!(
-                    fates.iter().all(Option::is_none),
-                    "an accept cut in flight is half there: {:?}",
-                    fates.iter().map(Option::is_some).collect::<Vec<_>>()
-                );
                 // Not stored, and neither are its dedup keys: sent again, it is accepted.
                 let again: Vec<NewEvent> = fresh
                     .iter()
@@ -1216,7 +1213,7 @@ async fn resolve(model: &mut Model, store: &Arc<RedbStore>, op: &Op) {
                 .map(|&(_, id)| observe(model, store, id).state == EntryState::Queued)
                 .collect();
             let progress = job_progress(store, JOB);
-            if back.iter().all(|&b| b) {
+            if all_or_none(&back, "a redrive step") {
                 assert_eq!(
                     progress,
                     Some(job.moved),
@@ -1224,10 +1221,6 @@ async fn resolve(model: &mut Model, store: &Arc<RedbStore>, op: &Op) {
                 );
                 redrive_model(model, moves, job, *now);
             } else {
-                assert!(
-                    back.iter().all(|&b| !b),
-                    "a redrive step cut in flight moved some of its entries: {back:?}"
-                );
                 assert_eq!(progress, model.job_moved, "job progress without its moves");
             }
         }
@@ -1248,14 +1241,10 @@ async fn resolve(model: &mut Model, store: &Arc<RedbStore>, op: &Op) {
                 })
                 .collect();
             let progress = job_progress(store, REPLAY_JOB);
-            if added.iter().all(|&a| a) {
+            if all_or_none(&added, "a replay step") {
                 assert_eq!(progress, Some(job.moved), "replayed, job progress not");
                 replay_model(model, seqs, job, *now);
             } else {
-                assert!(
-                    added.iter().all(|&a| !a),
-                    "a replay step cut in flight added some of its deliveries: {added:?}"
-                );
                 assert_eq!(
                     progress, model.replayed,
                     "job progress without its deliveries"
@@ -1277,13 +1266,8 @@ async fn resolve(model: &mut Model, store: &Arc<RedbStore>, op: &Op) {
         Op::Save { configs } => {
             let seen = stored_map(store.saved_targets());
             let new: Vec<bool> = configs.iter().map(|(t, c)| seen[*t] == *c).collect();
-            if new.iter().all(|&n| n) {
+            if all_or_none(&new, "a save") {
                 model.saved.extend(configs.iter().cloned());
-            } else {
-                assert!(
-                    new.iter().all(|&n| !n),
-                    "a save cut in flight is half there: {new:?}"
-                );
             }
         }
         Op::Remove { target, .. } => {
@@ -1292,13 +1276,8 @@ async fn resolve(model: &mut Model, store: &Arc<RedbStore>, op: &Op) {
                 .iter()
                 .map(|&id| observe(model, store, id).state == EntryState::Dead)
                 .collect();
-            if dead.iter().all(|&d| d) {
+            if all_or_none(&dead, "a target removal") {
                 remove_model(model, target);
-            } else {
-                assert!(
-                    dead.iter().all(|&d| !d),
-                    "a target removal cut in flight moved some of its entries: {dead:?}"
-                );
             }
         }
         Op::Sweep { now } => {
@@ -1332,16 +1311,23 @@ async fn resolve(model: &mut Model, store: &Arc<RedbStore>, op: &Op) {
     }
 }
 
-/// The targets' rows of a name → JSON table as read (a target never written reads as null;
-/// other rows, such as the disk-failure step's probe, are left out).
+/// Each target's value by `get`, null where it has none.
+fn by_target(
+    get: impl Fn(&str) -> Option<serde_json::Value>,
+) -> BTreeMap<&'static str, serde_json::Value> {
+    TARGETS
+        .iter()
+        .map(|&t| (t, get(t).unwrap_or(serde_json::Value::Null)))
+        .collect()
+}
+
+/// The targets' rows of a name → JSON table as read (other rows, such as the disk-failure
+/// step's probe, are left out).
 fn stored_map(
     rows: Result<Vec<(String, serde_json::Value)>, StoreError>,
 ) -> BTreeMap<&'static str, serde_json::Value> {
     let rows: BTreeMap<String, serde_json::Value> = rows.expect("read").into_iter().collect();
-    TARGETS
-        .iter()
-        .map(|&t| (t, rows.get(t).cloned().unwrap_or(serde_json::Value::Null)))
-        .collect()
+    by_target(|t| rows.get(t).cloned())
 }
 
 /// A running redrive job `id` that has moved `moved` items.
@@ -1366,6 +1352,17 @@ fn job(id: &str, moved: u64, now: Millis) -> Job {
 fn job_progress(store: &RedbStore, id: &str) -> Option<u64> {
     let jobs = store.jobs().expect("jobs");
     jobs.into_iter().find(|j| j.id == id).map(|j| j.moved)
+}
+
+/// Whether an operation whose answer is unknown was applied, from one flag per part of it
+/// (each part seen applied or not): all of them, or none; never some (`what` names it).
+fn all_or_none(parts: &[bool], what: &str) -> bool {
+    let all = parts.iter().all(|&p| p);
+    assert!(
+        all || parts.iter().all(|&p| !p),
+        "{what} cut in flight is half there: {parts:?}"
+    );
+    all
 }
 
 /// The id of entry `id`'s DLQ entry.
@@ -1484,20 +1481,14 @@ fn check(model: &Model, store: &RedbStore) {
         model.job_moved,
         "the redrive job's progress"
     );
-    let want = |m: &BTreeMap<&'static str, serde_json::Value>| -> BTreeMap<&'static str, serde_json::Value> {
-        TARGETS
-            .iter()
-            .map(|&t| (t, m.get(t).cloned().unwrap_or(serde_json::Value::Null)))
-            .collect()
-    };
     assert_eq!(
         stored_map(store.target_states()),
-        want(&model.states),
+        by_target(|t| model.states.get(t).cloned()),
         "target states"
     );
     assert_eq!(
         stored_map(store.saved_targets()),
-        want(&model.saved),
+        by_target(|t| model.saved.get(t).cloned()),
         "saved targets"
     );
     assert_eq!(
@@ -1613,19 +1604,7 @@ async fn restart(
 async fn fence_stale(model: &Model, store: &RedbStore, stale: Vec<(EntryId, Lease)>, now: Millis) {
     for (id, lease) in stale {
         let r = store
-            .finish(
-                id,
-                lease,
-                AttemptEnd {
-                    finished_at: now,
-                    result: AttemptResult::Delivered,
-                    status: Some(200),
-                    error: None,
-                    outbox: None,
-                },
-                Disposition::Delivered,
-                now,
-            )
+            .finish(id, lease, delivered(now), Disposition::Delivered, now)
             .await;
         assert!(
             matches!(r, Err(FinishError::Fenced)),

@@ -59,7 +59,7 @@ async fn deliver_all(s: &RedbStore) {
     }
 }
 
-fn delivered(at: Millis) -> AttemptEnd {
+pub(super) fn delivered(at: Millis) -> AttemptEnd {
     AttemptEnd {
         finished_at: at,
         result: AttemptResult::Delivered,
@@ -1412,6 +1412,37 @@ async fn groups_acknowledged_through_the_log_survive_a_power_cut() {
     assert_eq!(r, vec![AcceptOutcome::Accepted { seq: 201 }]);
 }
 
+/// Polls the fate of `/s`/`id` `polls` times, 5 ms apart: a read may fail, but never shows the
+/// event as stored.
+async fn never_read_as_stored(s: &RedbStore, id: &str, polls: usize) {
+    for _ in 0..polls {
+        if let Ok(f) = s.fate("/s", id) {
+            assert!(
+                f.is_none(),
+                "a group answered with an error reads as stored"
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
+
+/// The fate of `/s`/`id` once reads work again; fails after 10 s.
+async fn fate_once_readable(s: &RedbStore, id: &str) -> Option<Fate> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match s.fate("/s", id) {
+            Ok(f) => return f,
+            Err(e) => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "reads still fail 10 s after the disk healed: {e}"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        }
+    }
+}
+
 /// A failed synced commit: its group was answered with an error. Readers must not see it as
 /// stored, neither before the store has reopened nor after.
 #[tokio::test]
@@ -1428,24 +1459,9 @@ async fn after_a_failed_commit_readers_never_see_the_failed_group() {
         .accept(vec![new_event("/s", "failed", &["a"], 1000)])
         .await;
     assert!(r.is_err(), "the commit failed: {r:?}");
-    for _ in 0..100 {
-        if let Ok(f) = s.fate("/s", "failed") {
-            assert!(
-                f.is_none(),
-                "a group answered with an error reads as stored"
-            );
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
+    never_read_as_stored(&s, "failed", 100).await;
     disk.set_failing(false);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while s.fate("/s", "kept").is_err() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "reads do not come back"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    fate_once_readable(&s, "kept").await;
     assert!(s.fate("/s", "failed").expect("fate").is_none());
 }
 
@@ -1467,31 +1483,11 @@ async fn after_a_failed_log_write_readers_wait_for_the_reopen() {
         .accept(vec![new_event("/s", "failed", &["a"], 1000)])
         .await;
     assert!(r.is_err(), "the group's log write failed: {r:?}");
-    for _ in 0..20 {
-        if let Ok(f) = s.fate("/s", "failed") {
-            assert!(
-                f.is_none(),
-                "a group answered with an error reads as stored"
-            );
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
+    never_read_as_stored(&s, "failed", 20).await;
     db.set_failing(false);
     log.set_failing(false);
     // No write: the log writer woke the committer, which keeps reopening until the disk heals.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let kept = loop {
-        match s.fate("/s", "kept") {
-            Ok(f) => break f,
-            Err(e) => {
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "reads still fail 10 s after the disk healed: {e}"
-                );
-                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-            }
-        }
-    };
+    let kept = fate_once_readable(&s, "kept").await;
     assert!(kept.is_some(), "the durable event is there");
     let failed = s.fate("/s", "failed").expect("fate");
     if let Some(f) = &failed {
