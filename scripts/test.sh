@@ -6,6 +6,10 @@ cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
 # The example WASM handlers (adds the wasm32-wasip2 target and componentize-py when missing).
 bash plugins/build.sh
+# A nats-server 2.12+ for the JetStream store backend's tests (the machine's 2.9 is too old);
+# the tests start private servers from it (scripts/nats-server.sh, unpacked into target/).
+ROUTER_TEST_NATS_SERVER=$(bash scripts/nats-server.sh)
+export ROUTER_TEST_NATS_SERVER
 # Formatting and lints are part of the suite.
 cargo fmt --all -- --check
 cargo clippy --locked --workspace --all-targets -- -D warnings

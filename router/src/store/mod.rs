@@ -8,8 +8,11 @@
 
 pub mod fault;
 mod group_log;
+pub mod jetstream;
 pub mod model;
 mod redb_store;
+#[cfg(test)]
+pub(crate) mod test_events;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -357,6 +357,47 @@ pub struct DlqEntry {
     pub redrive_count: u32,
 }
 
+impl DlqEntry {
+    /// The DLQ entry of queue entry `e`, given up with `reason` after the attempt that ended
+    /// as `end` (`now`: when, for an entry never attempted). `names` are the event's `id`,
+    /// `source` and `type`. Its `id` is left 0 for the store to assign.
+    pub fn of_given_up(
+        e: &QueueEntry,
+        names: (String, String, String),
+        reason: DlqReason,
+        end: &AttemptEnd,
+        now: Millis,
+    ) -> Self {
+        let (event_id, event_source, event_type) = names;
+        let first = e
+            .attempts
+            .iter()
+            .find(|a| a.result != Some(AttemptResult::Delivered))
+            .map_or(now, |a| a.finished_at.unwrap_or(a.started_at));
+        Self {
+            id: 0,
+            event_seq: e.id.event,
+            event_id,
+            event_source,
+            event_type,
+            entry: Some(e.id),
+            target_id: Some(e.target_id.clone()),
+            rule: Some(e.rule.clone()),
+            reason,
+            errors: end
+                .error
+                .iter()
+                .map(|m| FieldError::new("", m.clone()))
+                .collect(),
+            attempts: e.history.iter().chain(&e.attempts).cloned().collect(),
+            attempt_count: u32::try_from(e.attempts.len()).unwrap_or(u32::MAX),
+            first_failure_at: first,
+            last_failure_at: end.finished_at,
+            redrive_count: e.redrive_count,
+        }
+    }
+}
+
 /// One target of an event about to be accepted.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewEntry {

@@ -3415,32 +3415,7 @@ impl Committer {
                     None => Default::default(),
                 };
                 drop(ev_t);
-                let first = e
-                    .attempts
-                    .iter()
-                    .find(|a| a.result != Some(AttemptResult::Delivered))
-                    .map_or(now, |a| a.finished_at.unwrap_or(a.started_at));
-                let d = DlqEntry {
-                    id: 0,
-                    event_seq: id.event,
-                    event_id: eid,
-                    event_source: esrc,
-                    event_type: ety,
-                    entry: Some(id),
-                    target_id: Some(target.clone()),
-                    rule: Some(e.rule.clone()),
-                    reason,
-                    errors: end
-                        .error
-                        .iter()
-                        .map(|m| crate::event::FieldError::new("", m.clone()))
-                        .collect(),
-                    attempts: e.history.iter().chain(&e.attempts).cloned().collect(),
-                    attempt_count: u32::try_from(e.attempts.len()).unwrap_or(u32::MAX),
-                    first_failure_at: first,
-                    last_failure_at: end.finished_at,
-                    redrive_count: e.redrive_count,
-                };
+                let d = DlqEntry::of_given_up(&e, (eid, esrc, ety), reason, &end, now);
                 self.add_dlq(txn, d, effects)?;
                 let hold = hold && e.ordering_key.is_some();
                 if hold && let Some(k) = &e.ordering_key {

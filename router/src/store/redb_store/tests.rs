@@ -3,34 +3,8 @@ use std::sync::Arc;
 use serde_json::json;
 
 use super::*;
-use crate::event::CloudEvent;
 use crate::store::fault::SimulatedDisk;
-
-fn ev(source: &str, id: &str) -> CloudEvent {
-    serde_json::from_value(json!({"id": id, "source": source, "type": "t", "data": {"n": 1}}))
-        .expect("valid event")
-}
-
-fn new_event(source: &str, id: &str, targets: &[&str], at: Millis) -> NewEvent {
-    NewEvent {
-        event: ev(source, id),
-        accepted_at: at,
-        ruleset_version: "v1".into(),
-        matched_rules: vec!["r".into()],
-        targets: targets
-            .iter()
-            .map(|t| NewEntry {
-                target_id: (*t).into(),
-                rule: "r".into(),
-                ordering_key: None,
-                max_depth: None,
-                lease_ms: None,
-            })
-            .collect(),
-        quarantine: None,
-        dedup_window_ms: 86_400_000,
-    }
-}
+use crate::store::test_events::new_event;
 
 /// Accepts 200 events for target `a`, each with 2 KB of data, ids `{chunk}-{i}`.
 async fn accept_padded(s: &RedbStore, chunk: usize) -> Result<Vec<AcceptOutcome>, StoreError> {

@@ -1,0 +1,775 @@
+//! The NATS JetStream store backend, in progress: the router's records on a JetStream stream,
+//! so several router nodes can share one store (SPEC "Storage and scale").
+//!
+//! Built so far: the transactional record layer (`records`), durable acceptance with
+//! cluster-wide dedup (`JetStreamStore::accept`), and reads of an event's fate and of DLQ
+//! entries. Not yet: leasing and finishing deliveries, redrive and replay, handler outboxes,
+//! target state, and the `Store` trait itself (whose read methods are synchronous today, which
+//! a networked store cannot serve without blocking). `docs/jetstream-backend.md` has the plan;
+//! until it is done the backend cannot be selected in the config.
+//!
+//! Record keys (subjects under the records prefix), each holding one JSON record:
+//! - `ctr.<name>`: a sequence counter; nodes reserve blocks of numbers from it.
+//! - `ev.<seq>`: an accepted event (`EventRecord`), written once.
+//! - `dd.<fingerprint>`: the dedup key of (source, id) (`DedupRecord`).
+//! - `en.<seq>.<idx>`: one target's queue entry of event `seq` (`EntryRecord`).
+//! - `dl.<id>`: a DLQ entry.
+//!
+//! An event, its dedup key, its entries and its DLQ entry are one atomic batch whose dedup
+//! write expects the revision the node read: two nodes accepting the same (source, id) at
+//! once cannot both store it.
+
+pub mod records;
+mod view;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::Notify;
+
+use futures::future::try_join_all;
+use serde::{Deserialize, Serialize};
+
+use self::records::{Expect, Records, RecordsConfig, RecordsError, Versioned, Write};
+use super::redb_store::idempotency_key;
+use super::{
+    AcceptOutcome, AttemptEnd, AttemptResult, Disposition, DlqEntry, EntryId, EntryState, Fate,
+    FinishError, Lease, Leased, Millis, NewEvent, QueueEntry, StoreError, StoredEvent,
+};
+
+/// How many sequence numbers a node reserves from a counter at a time. Numbers of a block a
+/// node does not use (it stops) are never used: sequences have gaps, never repeats.
+const SEQ_BLOCK: u64 = 256;
+
+/// How often an accept re-reads and retries after losing a race to another node before it
+/// gives up with an error (each retry means another node changed one of its records).
+const MAX_RETRIES: usize = 16;
+
+impl From<RecordsError> for StoreError {
+    fn from(e: RecordsError) -> Self {
+        StoreError::Backend(e.to_string())
+    }
+}
+
+/// An accepted event as stored: the event, and what its fate needs to find the rest.
+#[derive(Debug, Serialize, Deserialize)]
+struct EventRecord {
+    stored: StoredEvent,
+    /// Number of queue entries (`en.<seq>.0` ..).
+    entries: u32,
+    /// The DLQ entry of a quarantined event.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    quarantine_dlq: Option<u64>,
+}
+
+/// The dedup key of (source, id): which event holds it, since when.
+#[derive(Debug, Serialize, Deserialize)]
+struct DedupRecord {
+    seq: u64,
+    accepted_at: Millis,
+    /// Kept so a fingerprint is confirmed without reading the event.
+    source: String,
+    id: String,
+}
+
+/// A queue entry as stored, with the DLQ entry it became (if it did).
+#[derive(Debug, Serialize, Deserialize)]
+struct EntryRecord {
+    entry: QueueEntry,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    dlq: Option<u64>,
+}
+
+/// A sequence counter's record.
+#[derive(Debug, Serialize, Deserialize)]
+struct CounterRecord {
+    /// The first number not yet handed out.
+    next: u64,
+}
+
+/// Where the store lives.
+#[derive(Debug, Clone)]
+pub struct JetStreamOptions {
+    /// The records' stream and server.
+    pub records: RecordsConfig,
+}
+
+/// The router's store on NATS JetStream (see the module docs for what it covers so far).
+pub struct JetStreamStore {
+    records: Records,
+    /// Reserved, unused numbers per counter: (next, end).
+    blocks: Mutex<HashMap<&'static str, (u64, u64)>>,
+    /// Held by the one task that reserves a new block.
+    refill: tokio::sync::Mutex<()>,
+    /// This node's view of the live queue entries.
+    view: Arc<view::View>,
+    /// The task that keeps `view` up to date; stopped with the store.
+    follower: tokio::task::JoinHandle<()>,
+    /// The newest entry record revision this node wrote.
+    written: std::sync::atomic::AtomicU64,
+}
+
+impl std::fmt::Debug for JetStreamStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JetStreamStore")
+            .field("records", &self.records)
+            .finish()
+    }
+}
+
+impl Drop for JetStreamStore {
+    fn drop(&mut self) {
+        self.follower.abort();
+    }
+}
+
+fn enc<T: Serialize>(v: &T) -> Vec<u8> {
+    // The records are plain data (strings, numbers, maps with string keys): encoding cannot
+    // fail, and a failure would be a bug in a record type, not bad input.
+    serde_json::to_vec(v).unwrap_or_default()
+}
+
+fn dec<T: for<'de> Deserialize<'de>>(table: &'static str, bytes: &[u8]) -> Result<T, StoreError> {
+    serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt {
+        table,
+        message: e.to_string(),
+    })
+}
+
+/// The record key of (source, id)'s dedup entry: a fingerprint, since subjects cannot hold
+/// arbitrary text.
+fn dedup_record_key(source: &str, id: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let h = Sha256::digest(crate::event::dedup_key(source, id).as_bytes());
+    format!("dd.{}", hex::encode(&h[..16]))
+}
+
+fn event_key(seq: u64) -> String {
+    format!("ev.{seq}")
+}
+
+fn entry_key(id: EntryId) -> String {
+    format!("en.{}.{}", id.event, id.idx)
+}
+
+fn dlq_key(id: u64) -> String {
+    format!("dl.{id}")
+}
+
+/// One event's writes, prepared for a commit.
+struct Prepared {
+    /// Index in the caller's list.
+    index: usize,
+    seq: u64,
+    writes: Vec<Write>,
+}
+
+impl JetStreamStore {
+    /// Connects, prepares the records stream, and loads the view of the live queue entries
+    /// (waiting for it at most the configured request timeout).
+    pub async fn open(options: JetStreamOptions) -> Result<Self, StoreError> {
+        let records = Records::open(options.records).await?;
+        let view = view::View::new();
+        let follower = tokio::spawn(view::follow(
+            view.clone(),
+            records.stream(),
+            records.prefix().to_string(),
+        ));
+        let store = Self {
+            blocks: Mutex::new(HashMap::new()),
+            refill: tokio::sync::Mutex::new(()),
+            view,
+            follower,
+            written: std::sync::atomic::AtomicU64::new(0),
+            records,
+        };
+        if !store.view.wait_loaded(store.records.timeout()).await {
+            return Err(StoreError::Backend(format!(
+                "the queue entries could not be read within {:?}",
+                store.records.timeout()
+            )));
+        }
+        Ok(store)
+    }
+
+    /// Takes a number from this node's block of counter `name`, if one is left.
+    fn take_number(&self, name: &'static str) -> Option<u64> {
+        let mut blocks = self.blocks.lock().unwrap_or_else(|p| p.into_inner());
+        let (next, end) = blocks.get_mut(name)?;
+        (*next < *end).then(|| {
+            *next += 1;
+            *next - 1
+        })
+    }
+
+    /// The next number of counter `name`, reserving a new block when this node's is used up.
+    /// One task of the node reserves while the others wait for its block, so a node never
+    /// races with itself; a race with another node costs a re-read.
+    async fn next_number(&self, name: &'static str) -> Result<u64, StoreError> {
+        if let Some(n) = self.take_number(name) {
+            return Ok(n);
+        }
+        let _refill = self.refill.lock().await;
+        if let Some(n) = self.take_number(name) {
+            return Ok(n);
+        }
+        let key = format!("ctr.{name}");
+        for attempt in 0..MAX_RETRIES {
+            let read = self.records.get(&key).await?;
+            let start = match read.as_ref().and_then(|v| v.value.as_ref()) {
+                Some(bytes) => dec::<CounterRecord>("counters", bytes)?.next,
+                None => 1,
+            };
+            let end = start + SEQ_BLOCK;
+            let write = Write::put(
+                key.clone(),
+                enc(&CounterRecord { next: end }),
+                Expect::unchanged(read.as_ref()),
+            );
+            match self.commit(vec![write]).await {
+                Ok(_) => {
+                    self.blocks
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(name, (start + 1, end));
+                    return Ok(start);
+                }
+                Err(RecordsError::Conflict) => {
+                    // Another node reserved at the same moment: let it finish.
+                    let ms = rand::random_range(1..=(2u64 << attempt.min(5)));
+                    tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(StoreError::Backend(format!(
+            "could not reserve numbers from counter {name}: other nodes kept changing it"
+        )))
+    }
+
+    /// Stores events, each with its dedup key and its queue entries (or its DLQ entry when
+    /// quarantined), each event atomically, and resolves once the server has them on disk.
+    /// A (source, id) already held inside its dedup window, by this node or any other, is a
+    /// `Duplicate` of the stored copy.
+    pub async fn accept(&self, events: Vec<NewEvent>) -> Result<Vec<AcceptOutcome>, StoreError> {
+        for ne in &events {
+            if let Some(t) = ne
+                .targets
+                .iter()
+                .find(|t| t.lease_ms.is_some() || t.max_depth.is_some() || t.ordering_key.is_some())
+            {
+                return Err(StoreError::Backend(format!(
+                    "target {}: leases at acceptance, queue-depth caps and ordering keys are not \
+                     supported by the JetStream store yet",
+                    t.target_id
+                )));
+            }
+        }
+        let mut outcomes: Vec<Option<AcceptOutcome>> = vec![None; events.len()];
+        for _ in 0..MAX_RETRIES {
+            let pending: Vec<usize> = (0..events.len())
+                .filter(|&i| outcomes[i].is_none())
+                .collect();
+            if pending.is_empty() {
+                break;
+            }
+            let reads = try_join_all(pending.iter().map(|&i| {
+                let ev = &events[i].event;
+                self.records.get_owned(dedup_record_key(&ev.source, &ev.id))
+            }))
+            .await?;
+            // Events of this call that repeat an earlier one of it are duplicates of that one
+            // once it is stored.
+            let mut first_of: HashMap<String, usize> = HashMap::new();
+            let mut prepared = Vec::new();
+            for (&i, read) in pending.iter().zip(reads) {
+                let ne = &events[i];
+                let key = dedup_record_key(&ne.event.source, &ne.event.id);
+                if let Some(dup) = self.live_duplicate(ne, read.as_ref())? {
+                    outcomes[i] = Some(AcceptOutcome::Duplicate { seq: dup });
+                    continue;
+                }
+                if first_of.contains_key(&key) {
+                    continue;
+                }
+                first_of.insert(key.clone(), i);
+                prepared.push(self.prepare(i, ne, key, read.as_ref()).await?);
+            }
+            for chunk in chunks(prepared) {
+                let indexes: Vec<(usize, u64)> = chunk.iter().map(|p| (p.index, p.seq)).collect();
+                let writes = chunk.into_iter().flat_map(|p| p.writes).collect();
+                match self.commit(writes).await {
+                    Ok(_) => {
+                        for (i, seq) in indexes {
+                            outcomes[i] = Some(AcceptOutcome::Accepted { seq });
+                        }
+                    }
+                    // Another node changed one of the dedup keys: read again.
+                    Err(RecordsError::Conflict) => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            // Repeats inside this call: duplicates of the copy just stored.
+            for (i, ne) in events.iter().enumerate() {
+                if outcomes[i].is_none() {
+                    let key = dedup_record_key(&ne.event.source, &ne.event.id);
+                    if let Some(&first) = first_of.get(&key)
+                        && first != i
+                        && let Some(AcceptOutcome::Accepted { seq }) = outcomes[first]
+                    {
+                        outcomes[i] = Some(AcceptOutcome::Duplicate { seq });
+                    }
+                }
+            }
+        }
+        outcomes
+            .into_iter()
+            .map(|o| {
+                o.ok_or_else(|| {
+                    StoreError::Backend(
+                        "accept kept losing races with other nodes; nothing of the rest stored"
+                            .into(),
+                    )
+                })
+            })
+            .collect()
+    }
+
+    /// The stored copy's sequence when `read` is a live dedup key of `ne`'s (source, id).
+    fn live_duplicate(
+        &self,
+        ne: &NewEvent,
+        read: Option<&Versioned>,
+    ) -> Result<Option<u64>, StoreError> {
+        let Some(bytes) = read.and_then(|v| v.value.as_ref()) else {
+            return Ok(None);
+        };
+        let d: DedupRecord = dec("dedup", bytes)?;
+        if d.source != ne.event.source || d.id != ne.event.id {
+            return Err(StoreError::Backend(format!(
+                "dedup fingerprint collision between ({}, {}) and ({}, {})",
+                d.source, d.id, ne.event.source, ne.event.id
+            )));
+        }
+        Ok((ne.accepted_at < d.accepted_at.saturating_add(ne.dedup_window_ms)).then_some(d.seq))
+    }
+
+    /// `ne`'s writes: the event, its dedup key (expecting it where `read` found it), and its
+    /// entries or its DLQ entry.
+    async fn prepare(
+        &self,
+        index: usize,
+        ne: &NewEvent,
+        dedup_key: String,
+        read: Option<&Versioned>,
+    ) -> Result<Prepared, StoreError> {
+        let seq = self.next_number("events").await?;
+        let ev = &ne.event;
+        let at = ne.accepted_at;
+        let mut writes = Vec::with_capacity(ne.targets.len() + 3);
+        let quarantine_dlq = match &ne.quarantine {
+            Some(q) => {
+                let id = self.next_number("dlq").await?;
+                let d = DlqEntry {
+                    id,
+                    event_seq: seq,
+                    event_id: ev.id.clone(),
+                    event_source: ev.source.clone(),
+                    event_type: ev.ty.clone(),
+                    entry: None,
+                    target_id: None,
+                    rule: None,
+                    reason: q.reason,
+                    errors: q.errors.clone(),
+                    attempts: Vec::new(),
+                    attempt_count: 0,
+                    first_failure_at: at,
+                    last_failure_at: at,
+                    redrive_count: 0,
+                };
+                writes.push(Write::put(dlq_key(id), enc(&d), Expect::Revision(0)));
+                Some(id)
+            }
+            None => None,
+        };
+        let targets = if ne.quarantine.is_some() {
+            &[][..]
+        } else {
+            &ne.targets[..]
+        };
+        for (i, t) in targets.iter().enumerate() {
+            let id = EntryId {
+                event: seq,
+                idx: u32::try_from(i).unwrap_or(u32::MAX),
+            };
+            let entry = QueueEntry::queued(
+                id,
+                t.clone(),
+                idempotency_key(&ev.source, &ev.id, &t.target_id),
+                at,
+                at,
+                ev.hops(),
+            );
+            let record = EntryRecord { entry, dlq: None };
+            writes.push(Write::put(entry_key(id), enc(&record), Expect::Revision(0)));
+        }
+        let record = EventRecord {
+            stored: StoredEvent {
+                seq,
+                event: ev.clone(),
+                accepted_at: at,
+                ruleset_version: ne.ruleset_version.clone(),
+                matched_rules: ne.matched_rules.clone(),
+                quarantined: ne.quarantine.is_some(),
+            },
+            entries: u32::try_from(targets.len()).unwrap_or(u32::MAX),
+            quarantine_dlq,
+        };
+        writes.push(Write::put(
+            event_key(seq),
+            enc(&record),
+            Expect::Revision(0),
+        ));
+        let dedup = DedupRecord {
+            seq,
+            accepted_at: at,
+            source: ev.source.clone(),
+            id: ev.id.clone(),
+        };
+        writes.push(Write::put(dedup_key, enc(&dedup), Expect::unchanged(read)));
+        Ok(Prepared { index, seq, writes })
+    }
+
+    /// Leases up to `max` entries of `target` that may be leased at `now`, recording the start
+    /// of an attempt on each before returning it. An entry whose lease expired (its worker or
+    /// its node is gone) is taken over, its attempt recorded as interrupted. The lease's token
+    /// is the entry record's new revision: only a finish that still finds that revision
+    /// applies (fencing). Entries another node leases first are skipped.
+    pub async fn lease(
+        &self,
+        target: &str,
+        now: Millis,
+        max: usize,
+        lease_ms: i64,
+    ) -> Result<Vec<Leased>, StoreError> {
+        let written = self.written.load(std::sync::atomic::Ordering::Relaxed);
+        if !self
+            .view
+            .wait_applied(written, self.records.timeout())
+            .await
+        {
+            return Err(StoreError::Backend(format!(
+                "the queue view did not catch up with this node's writes within {:?}",
+                self.records.timeout()
+            )));
+        }
+        let candidates = self.view.candidates(target, now, max);
+        let attempts = futures::future::join_all(
+            candidates
+                .into_iter()
+                .map(|live| self.lease_one(live.revision, live.entry, now, lease_ms)),
+        )
+        .await;
+        let mut out = Vec::new();
+        let mut events: HashMap<u64, Arc<StoredEvent>> = HashMap::new();
+        for a in attempts {
+            let Some((entry, lease)) = a? else { continue };
+            let event = match events.get(&entry.id.event) {
+                Some(e) => e.clone(),
+                None => {
+                    let e = self.event_record(entry.id.event).await?.ok_or_else(|| {
+                        StoreError::Corrupt {
+                            table: "entries",
+                            message: format!("entry {} refers to a missing event", entry.id),
+                        }
+                    })?;
+                    let e = Arc::new(e.stored);
+                    events.insert(entry.id.event, e.clone());
+                    e
+                }
+            };
+            out.push(Leased {
+                entry,
+                event,
+                lease,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Leases one entry seen at `revision`; `None` when another worker changed it first.
+    async fn lease_one(
+        &self,
+        revision: u64,
+        mut entry: QueueEntry,
+        now: Millis,
+        lease_ms: i64,
+    ) -> Result<Option<(QueueEntry, Lease)>, StoreError> {
+        if let Some(old) = entry.lease.take()
+            && let Some(a) = entry.attempts.last_mut().filter(|a| a.result.is_none())
+        {
+            a.finished_at = Some(old.until.min(now));
+            a.result = Some(AttemptResult::Interrupted);
+            a.error = Some("the lease expired during this attempt; taken over".into());
+        }
+        let until = now.saturating_add(lease_ms);
+        // The record carries the expiry; the token is its revision, known once written.
+        entry.start_attempt(Lease { token: 0, until }, now);
+        let record = EntryRecord { entry, dlq: None };
+        let write = Write::put(
+            entry_key(record.entry.id),
+            enc(&record),
+            Expect::Revision(revision),
+        );
+        match self.commit(vec![write]).await {
+            Ok(revs) => {
+                let lease = Lease {
+                    token: revs[0],
+                    until,
+                };
+                let mut entry = record.entry;
+                entry.lease = Some(lease);
+                Ok(Some((entry, lease)))
+            }
+            Err(RecordsError::Conflict) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Records the end of an attempt and moves the entry on (delivered, retry, DLQ), in one
+    /// transaction, if the lease is still held: the entry record must still be at the
+    /// lease's revision and the lease not expired, or the result is refused as `Fenced`.
+    pub async fn finish(
+        &self,
+        id: EntryId,
+        lease: Lease,
+        end: AttemptEnd,
+        disposition: Disposition,
+        now: Millis,
+    ) -> Result<(), FinishError> {
+        if end.outbox.is_some() {
+            return Err(StoreError::Backend(
+                "handler outboxes are not supported by the JetStream store yet".into(),
+            )
+            .into());
+        }
+        let Some(Versioned {
+            value: Some(bytes),
+            revision,
+        }) = self
+            .records
+            .get(&entry_key(id))
+            .await
+            .map_err(StoreError::from)?
+        else {
+            return Err(FinishError::NotFound);
+        };
+        if revision != lease.token {
+            return Err(FinishError::Fenced);
+        }
+        let mut record: EntryRecord = dec("entries", &bytes)?;
+        record.entry.id = id;
+        let e = &mut record.entry;
+        match e.lease {
+            Some(l) if l.until >= now && e.state == EntryState::Queued => {}
+            _ => return Err(FinishError::Fenced),
+        }
+        e.lease = None;
+        if let Some(a) = e.attempts.last_mut() {
+            a.finished_at = Some(end.finished_at);
+            a.result = Some(end.result);
+            a.status = end.status;
+            a.error = end.error.clone();
+        }
+        let mut writes = Vec::with_capacity(2);
+        match disposition {
+            Disposition::Delivered => {
+                e.state = EntryState::Delivered;
+                e.finished_at = Some(now);
+            }
+            Disposition::Retry { due_at } => e.due_at = due_at,
+            Disposition::Release { due_at } => {
+                e.attempts.pop();
+                e.due_at = due_at;
+            }
+            Disposition::DeadLetter { reason, .. } => {
+                e.state = EntryState::Dead;
+                e.finished_at = Some(now);
+                let ev = self.event_record(id.event).await?.map(|r| r.stored.event);
+                let names = ev.map(|ev| (ev.id, ev.source, ev.ty)).unwrap_or_default();
+                let dlq_id = self.next_number("dlq").await?;
+                let d = DlqEntry {
+                    id: dlq_id,
+                    ..DlqEntry::of_given_up(e, names, reason, &end, now)
+                };
+                writes.push(Write::put(dlq_key(dlq_id), enc(&d), Expect::Revision(0)));
+                record.dlq = Some(dlq_id);
+            }
+        }
+        writes.insert(
+            0,
+            Write::put(entry_key(id), enc(&record), Expect::Revision(revision)),
+        );
+        match self.commit(writes).await {
+            Ok(_) => Ok(()),
+            // Taken over between the read and the write.
+            Err(RecordsError::Conflict) => Err(FinishError::Fenced),
+            Err(e) => Err(StoreError::from(e).into()),
+        }
+    }
+
+    /// How many of `target`'s entries could be leased at `now`, up to `max` (as this node's
+    /// view has them).
+    pub fn due_count(&self, target: &str, now: Millis, max: usize) -> usize {
+        self.view.due_count(target, now, max)
+    }
+
+    /// When `target`'s next entry may be leased (as this node's view has it).
+    pub fn next_due(&self, target: &str) -> Option<Millis> {
+        self.view.next_due(target)
+    }
+
+    /// Woken whenever `target` gets new or re-queued entries, from any node.
+    pub fn notifier(&self, target: &str) -> Arc<Notify> {
+        self.view.notifier(target)
+    }
+
+    /// Targets with live entries.
+    pub fn targets_with_entries(&self) -> Vec<String> {
+        self.view.targets()
+    }
+
+    /// Commits `writes`, noting the newest entry record written, so this node's leases wait
+    /// until its view has it (a node sees its own writes).
+    async fn commit(&self, writes: Vec<Write>) -> Result<Vec<u64>, RecordsError> {
+        let entries: Vec<bool> = writes.iter().map(|w| w.key.starts_with("en.")).collect();
+        let revs = self.records.commit(writes).await?;
+        if let Some(newest) = revs
+            .iter()
+            .zip(entries)
+            .filter(|(_, e)| *e)
+            .map(|(r, _)| *r)
+            .max()
+        {
+            self.written
+                .fetch_max(newest, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(revs)
+    }
+
+    /// The stored event `seq` with the number of its entries and its quarantine DLQ entry.
+    async fn event_record(&self, seq: u64) -> Result<Option<EventRecord>, StoreError> {
+        match self.records.get(&event_key(seq)).await? {
+            Some(Versioned {
+                value: Some(bytes), ..
+            }) => {
+                let mut r: EventRecord = dec("events", &bytes)?;
+                r.stored.seq = seq;
+                Ok(Some(r))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Everything known about (`source`, `id`).
+    pub async fn fate(&self, source: &str, id: &str) -> Result<Option<Fate>, StoreError> {
+        let Some(Versioned {
+            value: Some(bytes), ..
+        }) = self.records.get(&dedup_record_key(source, id)).await?
+        else {
+            return Ok(None);
+        };
+        let d: DedupRecord = dec("dedup", &bytes)?;
+        if d.source != source || d.id != id {
+            return Ok(None);
+        }
+        let Some(ev) = self.event_record(d.seq).await? else {
+            return Ok(None);
+        };
+        let reads = try_join_all((0..ev.entries).map(|idx| {
+            self.records
+                .get_owned(entry_key(EntryId { event: d.seq, idx }))
+        }))
+        .await?;
+        let mut entries = Vec::new();
+        let mut dlq_ids: Vec<u64> = ev.quarantine_dlq.into_iter().collect();
+        for (idx, read) in (0..ev.entries).zip(reads) {
+            if let Some(bytes) = read.and_then(|v| v.value) {
+                let mut r: EntryRecord = dec("entries", &bytes)?;
+                r.entry.id = EntryId { event: d.seq, idx };
+                dlq_ids.extend(r.dlq);
+                entries.push(r.entry);
+            }
+        }
+        let mut dlq = Vec::new();
+        for id in dlq_ids {
+            if let Some(e) = self.dlq_entry(id).await? {
+                dlq.push(e);
+            }
+        }
+        Ok(Some(Fate {
+            event: ev.stored,
+            entries,
+            dlq,
+        }))
+    }
+
+    async fn dlq_entry(&self, id: u64) -> Result<Option<DlqEntry>, StoreError> {
+        match self.records.get(&dlq_key(id)).await? {
+            Some(Versioned {
+                value: Some(bytes), ..
+            }) => Ok(Some(dec("dlq", &bytes)?)),
+            _ => Ok(None),
+        }
+    }
+
+    /// One DLQ entry with its event.
+    pub async fn dlq_get(&self, id: u64) -> Result<Option<(DlqEntry, StoredEvent)>, StoreError> {
+        let Some(entry) = self.dlq_entry(id).await? else {
+            return Ok(None);
+        };
+        let event =
+            self.event_record(entry.event_seq)
+                .await?
+                .ok_or_else(|| StoreError::Corrupt {
+                    table: "dlq",
+                    message: format!("DLQ entry {id} refers to missing event {}", entry.event_seq),
+                })?;
+        Ok(Some((entry, event.stored)))
+    }
+
+    /// Whether a DLQ entry with this reason exists for the event (for tests and checks).
+    #[cfg(test)]
+    async fn dlq_reasons(&self, source: &str, id: &str) -> Vec<super::DlqReason> {
+        self.fate(source, id)
+            .await
+            .ok()
+            .flatten()
+            .map(|f| f.dlq.iter().map(|d| d.reason).collect())
+            .unwrap_or_default()
+    }
+}
+
+/// Groups prepared events into commits of at most `MAX_BATCH` writes, never splitting one
+/// event's writes (each event stays all or nothing).
+fn chunks(prepared: Vec<Prepared>) -> Vec<Vec<Prepared>> {
+    let mut out: Vec<Vec<Prepared>> = Vec::new();
+    let mut size = 0;
+    for p in prepared {
+        if out.is_empty() || size + p.writes.len() > records::MAX_BATCH {
+            out.push(Vec::new());
+            size = 0;
+        }
+        size += p.writes.len();
+        if let Some(last) = out.last_mut() {
+            last.push(p);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+pub(crate) mod test_server;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,440 @@
+//! Versioned records on one JetStream stream, changed in atomic multi-record transactions.
+//!
+//! This is the JetStream backend's equivalent of a redb write transaction. Every record is the
+//! last message on its own subject (`<prefix>.<key>`) of a stream that keeps one message per
+//! subject; the message's stream sequence is the record's *revision*. A transaction is an
+//! atomic batch publish (nats-server 2.12+, ADR-50): either every message of it is stored or
+//! none is, and each message may carry `Nats-Expected-Last-Subject-Sequence`, so a write can
+//! require that its record is still at the revision the writer read (or absent). Two router
+//! nodes that race for the same records cannot both win: the loser's whole batch is refused
+//! with a conflict, and it reads again. With the server's `sync_interval: always` (or a
+//! replicated stream) the commit's acknowledgement means the batch is on disk, which is what
+//! lets the backend keep "202 means on disk".
+//!
+//! Deleting a record writes a tombstone (an empty message with a header) with a per-message
+//! TTL, so the server drops it later by itself; until then its revision is what a re-create
+//! must expect.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, stream};
+use async_nats::{HeaderMap, Request};
+use bytes::Bytes;
+
+/// The oldest server this layer runs on: atomic batch publish came in 2.12.
+pub const MIN_SERVER: (u64, u64) = (2, 12);
+
+/// The most messages one atomic batch may hold (the server's own limit).
+pub const MAX_BATCH: usize = 1000;
+
+/// Atomic batches one node keeps open at once. The server allows 50 per stream (and refuses
+/// more); this leaves room for a few nodes' worth of concurrent commits.
+const MAX_OPEN_BATCHES: usize = 16;
+
+/// Header that marks a tombstone (a deleted record).
+pub(super) const TOMBSTONE: &str = "Router-Tombstone";
+
+/// How long a tombstone stays before the server removes it. Long enough that every node's
+/// cached revision of the deleted record is stale by then (a stale expectation only costs a
+/// conflict and a re-read, never a wrong write).
+const TOMBSTONE_TTL: &str = "1h";
+
+/// Where the records live and how to reach them.
+#[derive(Debug, Clone)]
+pub struct RecordsConfig {
+    /// Server URL (`nats://host:port`).
+    pub url: String,
+    /// Stream name; one stream holds every record of one router deployment.
+    pub stream: String,
+    /// Subject prefix of the records (`<prefix>.<key>`).
+    pub prefix: String,
+    /// Stream replicas (1 needs a server with `sync_interval: always` to be durable; 3 is
+    /// durable through a quorum).
+    pub replicas: usize,
+    /// Bound on every request to the server.
+    pub timeout: Duration,
+}
+
+/// Why a records operation failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum RecordsError {
+    /// An expectation of the transaction did not hold (another writer got there first):
+    /// nothing was written. Read again and retry.
+    #[error("a record changed since it was read (nothing written)")]
+    Conflict,
+    /// The server cannot hold these records as this layer needs them.
+    #[error("unsupported NATS server: {0}")]
+    Unsupported(String),
+    /// The transaction has more messages than one atomic batch may.
+    #[error("transaction of {0} writes is over the atomic batch limit of {MAX_BATCH}")]
+    TooLarge(usize),
+    /// The two writes of one transaction touch the same record.
+    #[error("record {0:?} is written twice in one transaction")]
+    SameRecordTwice(String),
+    /// The server refused, timed out or could not be reached.
+    #[error("NATS JetStream: {0}")]
+    Server(String),
+}
+
+/// A record as read: its value (`None` for a tombstone) and its revision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Versioned {
+    /// The value; `None` when the record was deleted (a tombstone is still there).
+    pub value: Option<Bytes>,
+    /// The stream sequence of the record's message.
+    pub revision: u64,
+}
+
+/// What a write requires of its record at commit time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expect {
+    /// Nothing: the write wins whatever is there.
+    Any,
+    /// The record's last message is at this revision; 0 means it has no message at all.
+    Revision(u64),
+}
+
+impl Expect {
+    /// The expectation that the record is where `read` found it (absent when `read` is
+    /// `None`, or at the read revision, tombstone included).
+    pub fn unchanged(read: Option<&Versioned>) -> Self {
+        Self::Revision(read.map_or(0, |v| v.revision))
+    }
+}
+
+/// One write of a transaction.
+#[derive(Debug, Clone)]
+pub struct Write {
+    /// Record key (the subject under the prefix; dot-separated tokens).
+    pub key: String,
+    /// New value; `None` deletes (writes a tombstone).
+    pub value: Option<Bytes>,
+    /// What must hold at commit.
+    pub expect: Expect,
+}
+
+impl Write {
+    /// Writes `value` at `key` if `expect` holds.
+    pub fn put(key: impl Into<String>, value: impl Into<Bytes>, expect: Expect) -> Self {
+        Self {
+            key: key.into(),
+            value: Some(value.into()),
+            expect,
+        }
+    }
+
+    /// Deletes `key` if `expect` holds.
+    pub fn delete(key: impl Into<String>, expect: Expect) -> Self {
+        Self {
+            key: key.into(),
+            value: None,
+            expect,
+        }
+    }
+}
+
+/// The records of one deployment: a connection, the stream, and the batch id source.
+pub struct Records {
+    client: async_nats::Client,
+    stream: stream::Stream,
+    config: RecordsConfig,
+    /// Unique per process; batch ids are `<node>-<counter>`.
+    node: String,
+    batches: AtomicU64,
+    /// Bounds this node's open batches (`MAX_OPEN_BATCHES`).
+    open: tokio::sync::Semaphore,
+}
+
+impl std::fmt::Debug for Records {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Records")
+            .field("stream", &self.config.stream)
+            .field("node", &self.node)
+            .finish()
+    }
+}
+
+impl Records {
+    /// Connects, checks the server, and creates the stream (or checks an existing one has
+    /// the settings this layer relies on).
+    pub async fn open(config: RecordsConfig) -> Result<Self, RecordsError> {
+        let client = async_nats::ConnectOptions::new()
+            .connection_timeout(config.timeout)
+            .request_timeout(Some(config.timeout))
+            .name("router-store")
+            .connect(config.url.as_str())
+            .await
+            .map_err(|e| RecordsError::Server(format!("connect to {}: {e}", config.url)))?;
+        check_server_version(&client.server_info().version)?;
+        let js = jetstream::new(client.clone());
+        let wanted = stream_config(&config);
+        let stream = match js.get_stream(&config.stream).await {
+            Ok(mut s) => {
+                let info = s
+                    .info()
+                    .await
+                    .map_err(|e| RecordsError::Server(e.to_string()))?;
+                check_stream(&info.config, &wanted)?;
+                s
+            }
+            Err(e)
+                if matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(ref j)
+                    if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
+            {
+                js.create_stream(wanted)
+                    .await
+                    .map_err(|e| RecordsError::Server(format!("create stream: {e}")))?
+            }
+            Err(e) => return Err(RecordsError::Server(format!("stream lookup: {e}"))),
+        };
+        Ok(Self {
+            client,
+            stream,
+            config,
+            node: format!("{:016x}", rand::random::<u64>()),
+            batches: AtomicU64::new(0),
+            open: tokio::sync::Semaphore::new(MAX_OPEN_BATCHES),
+        })
+    }
+
+    /// The records' stream (for followers of it).
+    pub fn stream(&self) -> stream::Stream {
+        self.stream.clone()
+    }
+
+    /// The records' subject prefix.
+    pub fn prefix(&self) -> &str {
+        &self.config.prefix
+    }
+
+    /// The bound on each request to the server.
+    pub fn timeout(&self) -> Duration {
+        self.config.timeout
+    }
+
+    /// The subject of record `key`.
+    fn subject(&self, key: &str) -> String {
+        format!("{}.{key}", self.config.prefix)
+    }
+
+    /// The record at `key` (`None`: no message at all, or its tombstone expired).
+    pub async fn get(&self, key: &str) -> Result<Option<Versioned>, RecordsError> {
+        match self
+            .stream
+            .direct_get_last_for_subject(self.subject(key))
+            .await
+        {
+            Ok(m) => Ok(Some(Versioned {
+                value: if m.headers.get(TOMBSTONE).is_some() {
+                    None
+                } else {
+                    Some(m.payload)
+                },
+                revision: m.sequence,
+            })),
+            Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => Ok(None),
+            Err(e) => Err(RecordsError::Server(format!("read {key}: {e}"))),
+        }
+    }
+
+    /// `get` for an owned key (for futures that outlive the caller's borrow of it).
+    pub async fn get_owned(&self, key: String) -> Result<Option<Versioned>, RecordsError> {
+        self.get(&key).await
+    }
+
+    /// Commits `writes` atomically: all of them or, when an expectation fails, none (a
+    /// `Conflict`). Returns each write's new revision, in order.
+    pub async fn commit(&self, writes: Vec<Write>) -> Result<Vec<u64>, RecordsError> {
+        if writes.is_empty() {
+            return Ok(Vec::new());
+        }
+        if writes.len() > MAX_BATCH {
+            return Err(RecordsError::TooLarge(writes.len()));
+        }
+        let mut keys = std::collections::HashSet::with_capacity(writes.len());
+        for w in &writes {
+            if !keys.insert(w.key.as_str()) {
+                return Err(RecordsError::SameRecordTwice(w.key.clone()));
+            }
+        }
+        let _open = self
+            .open
+            .acquire()
+            .await
+            .map_err(|_| RecordsError::Server("the record store is closed".into()))?;
+        let batch = format!(
+            "{}-{}",
+            self.node,
+            self.batches.fetch_add(1, Ordering::Relaxed)
+        );
+        let n = writes.len();
+        let mut reply = None;
+        for (i, w) in writes.into_iter().enumerate() {
+            let mut headers = HeaderMap::new();
+            headers.insert("Nats-Batch-Id", batch.as_str());
+            headers.insert("Nats-Batch-Sequence", (i + 1).to_string().as_str());
+            if let Expect::Revision(r) = w.expect {
+                headers.insert(
+                    "Nats-Expected-Last-Subject-Sequence",
+                    r.to_string().as_str(),
+                );
+            }
+            let payload = match w.value {
+                Some(v) => v,
+                None => {
+                    headers.insert(TOMBSTONE, "1");
+                    headers.insert("Nats-TTL", TOMBSTONE_TTL);
+                    Bytes::new()
+                }
+            };
+            let subject = self.subject(&w.key);
+            if i + 1 < n {
+                // The server answers only the commit; a message lost on the way makes the
+                // commit fail as incomplete, never half-applied.
+                self.client
+                    .publish_with_headers(subject, headers, payload)
+                    .await
+                    .map_err(|e| RecordsError::Server(format!("publish: {e}")))?;
+            } else {
+                headers.insert("Nats-Batch-Commit", "1");
+                let request = Request::new()
+                    .headers(headers)
+                    .payload(payload)
+                    .timeout(Some(self.config.timeout));
+                reply = Some(
+                    self.client
+                        .send_request(subject, request)
+                        .await
+                        .map_err(|e| RecordsError::Server(format!("commit: {e}")))?,
+                );
+            }
+        }
+        let reply = reply.ok_or_else(|| RecordsError::Server("no commit reply".into()))?;
+        let ack: BatchAck = serde_json::from_slice(&reply.payload)
+            .map_err(|e| RecordsError::Server(format!("commit reply: {e}")))?;
+        if let Some(err) = ack.error {
+            return Err(match err.err_code {
+                // JSStreamWrongLastSequenceErr, and its batch form (two expectations on
+                // one subject cannot both hold).
+                10071 | 10164 => RecordsError::Conflict,
+                _ => RecordsError::Server(format!(
+                    "commit refused ({}): {}",
+                    err.err_code, err.description
+                )),
+            });
+        }
+        if ack.count != n as u64 || ack.seq < n as u64 {
+            return Err(RecordsError::Server(format!(
+                "commit acknowledged {} of {n} writes",
+                ack.count
+            )));
+        }
+        // A batch's messages get consecutive sequences, ending at the acknowledged one.
+        let first = ack.seq + 1 - n as u64;
+        Ok((first..=ack.seq).collect())
+    }
+}
+
+/// The server's answer to a batch commit.
+#[derive(serde::Deserialize)]
+struct BatchAck {
+    #[serde(default)]
+    seq: u64,
+    #[serde(default)]
+    count: u64,
+    #[serde(default)]
+    error: Option<ApiError>,
+}
+
+#[derive(serde::Deserialize)]
+struct ApiError {
+    #[serde(default)]
+    err_code: u64,
+    #[serde(default)]
+    description: String,
+}
+
+/// The stream this layer needs: one message per subject (the record), atomic batches, direct
+/// reads, per-message TTLs (tombstones), on disk.
+fn stream_config(config: &RecordsConfig) -> stream::Config {
+    stream::Config {
+        name: config.stream.clone(),
+        subjects: vec![format!("{}.>", config.prefix)],
+        storage: stream::StorageType::File,
+        num_replicas: config.replicas,
+        max_messages_per_subject: 1,
+        allow_direct: true,
+        allow_atomic_publish: true,
+        allow_message_ttl: true,
+        description: Some("router store records (one message per record)".into()),
+        ..Default::default()
+    }
+}
+
+/// Refuses an existing stream that would break the layer's guarantees.
+fn check_stream(have: &stream::Config, want: &stream::Config) -> Result<(), RecordsError> {
+    let mut wrong = Vec::new();
+    if have.max_messages_per_subject != 1 {
+        wrong.push("max_msgs_per_subject must be 1");
+    }
+    if !have.allow_atomic_publish {
+        wrong.push("allow_atomic must be true");
+    }
+    if !have.allow_direct {
+        wrong.push("allow_direct must be true");
+    }
+    if !have.allow_message_ttl {
+        wrong.push("allow_msg_ttl must be true");
+    }
+    if have.storage != stream::StorageType::File {
+        wrong.push("storage must be file");
+    }
+    if have.max_age != Duration::ZERO || have.max_messages > 0 || have.max_bytes > 0 {
+        wrong.push("no age, count or size limit may drop records");
+    }
+    if have.subjects != want.subjects {
+        wrong.push("subjects differ from the configured prefix");
+    }
+    if wrong.is_empty() {
+        Ok(())
+    } else {
+        Err(RecordsError::Unsupported(format!(
+            "stream {:?} exists with other settings: {}",
+            have.name,
+            wrong.join("; ")
+        )))
+    }
+}
+
+/// Refuses servers older than `MIN_SERVER`.
+fn check_server_version(version: &str) -> Result<(), RecordsError> {
+    let mut parts = version
+        .trim_start_matches('v')
+        .split(['.', '-'])
+        .map(|p| p.parse::<u64>().ok());
+    let major = parts.next().flatten();
+    let minor = parts.next().flatten();
+    match (major, minor) {
+        (Some(a), Some(b)) if (a, b) >= MIN_SERVER => Ok(()),
+        _ => Err(RecordsError::Unsupported(format!(
+            "nats-server {version}: the JetStream store needs {}.{} or newer (atomic batch publish)",
+            MIN_SERVER.0, MIN_SERVER.1
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_versions_below_2_12_are_refused() {
+        assert!(check_server_version("2.9.10").is_err());
+        assert!(check_server_version("2.11.9").is_err());
+        assert!(check_server_version("garbage").is_err());
+        assert!(check_server_version("2.12.0").is_ok());
+        assert!(check_server_version("2.15.1").is_ok());
+        assert!(check_server_version("3.0.0-beta.1").is_ok());
+    }
+}

@@ -1,0 +1,138 @@
+//! A private nats-server for the JetStream store's tests: its own port, its own store
+//! directory, `sync_interval: always`, and kill -9 plus restart on the same directory.
+//!
+//! The binary is the one `scripts/nats-server.sh` installs into the target dir (the suite's
+//! `scripts/test.sh` runs it first); `ROUTER_TEST_NATS_SERVER` names another. The machine's own
+//! server (Debian's 2.9.10) is too old for the backend and is never used by these tests.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::records::RecordsConfig;
+
+/// A running (or killed) private server.
+pub struct TestServer {
+    child: Option<Child>,
+    port: u16,
+    dir: tempfile::TempDir,
+    bin: PathBuf,
+}
+
+/// The server binary, or a panic that says how to get it.
+fn binary() -> PathBuf {
+    if let Ok(p) = std::env::var("ROUTER_TEST_NATS_SERVER") {
+        return PathBuf::from(p);
+    }
+    let target = std::env::var("CARGO_TARGET_DIR").map_or_else(
+        |_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"),
+        PathBuf::from,
+    );
+    let root = target.join("nats-server");
+    let found = std::fs::read_dir(&root).ok().and_then(|d| {
+        d.filter_map(Result::ok)
+            .map(|e| e.path().join("nats-server"))
+            .filter(|p| p.is_file())
+            .max()
+    });
+    found.unwrap_or_else(|| {
+        panic!(
+            "no nats-server under {}: run `bash scripts/nats-server.sh` (scripts/test.sh does), \
+             or set ROUTER_TEST_NATS_SERVER to a nats-server 2.12+ binary",
+            root.display()
+        )
+    })
+}
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    l.local_addr().expect("local addr").port()
+}
+
+impl TestServer {
+    /// Starts a server and waits until it accepts connections.
+    pub fn start() -> Self {
+        let mut s = Self {
+            child: None,
+            port: free_port(),
+            dir: tempfile::tempdir().expect("temp dir"),
+            bin: binary(),
+        };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let conf = self.dir.path().join("server.conf");
+        let store = self.dir.path().join("js");
+        std::fs::write(
+            &conf,
+            format!(
+                "listen: 127.0.0.1:{}\nmax_payload: 8MB\njetstream {{\n  store_dir: {:?}\n  sync_interval: always\n}}\n",
+                self.port,
+                store.display().to_string()
+            ),
+        )
+        .expect("write server config");
+        let log = std::fs::File::create(self.dir.path().join("server.log")).expect("log file");
+        let child = Command::new(&self.bin)
+            .arg("-c")
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", self.bin.display()));
+        self.child = Some(child);
+        // Ready when it accepts TCP connections; a cold start with JetStream takes tens of
+        // milliseconds here, so 20 s is only there for a machine under heavy load.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "nats-server did not listen within 20 s; its log: {}",
+                std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The server's URL.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// A records configuration for stream `stream` on this server.
+    pub fn records(&self, stream: &str) -> RecordsConfig {
+        Self::records_on(&self.url(), stream)
+    }
+
+    /// A records configuration for stream `stream` on the server at `url`.
+    pub fn records_on(url: &str, stream: &str) -> RecordsConfig {
+        RecordsConfig {
+            url: url.to_string(),
+            stream: stream.to_string(),
+            prefix: format!("rt{}", stream.to_lowercase()),
+            replicas: 1,
+            timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// Kills the server with SIGKILL (no shutdown of its own) and starts it again on the same
+    /// store directory and port.
+    pub fn kill_and_restart(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().expect("kill nats-server");
+            c.wait().expect("reap nats-server");
+        }
+        self.spawn();
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

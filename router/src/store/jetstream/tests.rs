@@ -1,0 +1,701 @@
+//! The JetStream store against a real nats-server (2.12+, `sync_interval: always`) started
+//! per test by `test_server`.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use super::records::{Expect, Records, RecordsError, Write};
+use super::test_server::TestServer;
+use super::*;
+use crate::event::FieldError;
+use crate::store::test_events::new_event;
+use crate::store::{DlqReason, EntryState, Quarantine};
+
+async fn store(server: &TestServer) -> JetStreamStore {
+    JetStreamStore::open(JetStreamOptions {
+        records: server.records("ROUTER"),
+    })
+    .await
+    .expect("open the JetStream store")
+}
+
+fn seq_of(o: &AcceptOutcome) -> u64 {
+    match o {
+        AcceptOutcome::Accepted { seq } | AcceptOutcome::Duplicate { seq } => *seq,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The record layer
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_is_all_or_nothing_when_one_expectation_fails() {
+    let server = TestServer::start();
+    let r = Records::open(server.records("TXN")).await.expect("open");
+    let revs = r
+        .commit(vec![
+            Write::put("a", "1", Expect::Revision(0)),
+            Write::put("b", "1", Expect::Revision(0)),
+        ])
+        .await
+        .expect("first commit");
+    assert_eq!(revs.len(), 2);
+    assert_eq!(revs[1], revs[0] + 1, "a batch's writes are consecutive");
+    let a = r.get("a").await.expect("read").expect("a exists");
+    assert_eq!(a.value.as_deref(), Some(&b"1"[..]));
+    assert_eq!(a.revision, revs[0]);
+
+    // `c` would be new, but `a` is no longer absent: neither is written.
+    let e = r
+        .commit(vec![
+            Write::put("c", "1", Expect::Revision(0)),
+            Write::put("a", "2", Expect::Revision(0)),
+        ])
+        .await
+        .expect_err("stale expectation");
+    assert!(matches!(e, RecordsError::Conflict), "{e:?}");
+    assert_eq!(r.get("c").await.expect("read"), None, "c was not written");
+    assert_eq!(r.get("a").await.expect("read"), Some(a.clone()));
+
+    // With the right revisions both change; a write without expectation always lands.
+    r.commit(vec![
+        Write::put("a", "3", Expect::unchanged(Some(&a))),
+        Write::put("b", "3", Expect::Revision(revs[1])),
+        Write::put("d", "x", Expect::Any),
+    ])
+    .await
+    .expect("up-to-date expectations");
+    assert_eq!(
+        r.get("b").await.expect("read").and_then(|v| v.value),
+        Some(Bytes::from_static(b"3"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_record_reads_as_a_tombstone_whose_revision_guards_a_re_create() {
+    let server = TestServer::start();
+    let r = Records::open(server.records("TOMB")).await.expect("open");
+    let rev = r
+        .commit(vec![Write::put("k", "v", Expect::Revision(0))])
+        .await
+        .expect("create")[0];
+    let del = r
+        .commit(vec![Write::delete("k", Expect::Revision(rev))])
+        .await
+        .expect("delete")[0];
+    let read = r.get("k").await.expect("read").expect("tombstone");
+    assert_eq!(read.value, None);
+    assert_eq!(read.revision, del);
+    // "Absent" is not enough while the tombstone is there: the writer must have seen it.
+    assert!(matches!(
+        r.commit(vec![Write::put("k", "w", Expect::Revision(0))])
+            .await,
+        Err(RecordsError::Conflict)
+    ));
+    r.commit(vec![Write::put("k", "w", Expect::unchanged(Some(&read)))])
+        .await
+        .expect("re-create after the tombstone");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactions_the_server_cannot_apply_atomically_are_refused_before_sending() {
+    let server = TestServer::start();
+    let r = Records::open(server.records("LIM")).await.expect("open");
+    let twice = r
+        .commit(vec![
+            Write::put("k", "1", Expect::Any),
+            Write::put("k", "2", Expect::Any),
+        ])
+        .await;
+    assert!(
+        matches!(twice, Err(RecordsError::SameRecordTwice(ref k)) if k == "k"),
+        "{twice:?}"
+    );
+    let big: Vec<Write> = (0..=records::MAX_BATCH)
+        .map(|i| Write::put(format!("big.{i}"), "x", Expect::Any))
+        .collect();
+    assert!(matches!(
+        r.commit(big).await,
+        Err(RecordsError::TooLarge(1001))
+    ));
+    assert_eq!(r.get("k").await.expect("read"), None);
+    assert_eq!(r.get("big.0").await.expect("read"), None);
+    // The largest batch the server takes goes through as one.
+    let full: Vec<Write> = (0..records::MAX_BATCH)
+        .map(|i| Write::put(format!("full.{i}"), "x", Expect::Revision(0)))
+        .collect();
+    assert_eq!(r.commit(full).await.expect("1000 writes").len(), 1000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_existing_stream_with_other_settings_is_refused_not_changed() {
+    let server = TestServer::start();
+    let client = async_nats::connect(server.url()).await.expect("connect");
+    let js = async_nats::jetstream::new(client);
+    let cfg = server.records("LOOSE");
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: cfg.stream.clone(),
+        subjects: vec![format!("{}.>", cfg.prefix)],
+        max_messages_per_subject: -1,
+        ..Default::default()
+    })
+    .await
+    .expect("create a loose stream");
+    let e = Records::open(cfg).await.expect_err("refused");
+    let text = e.to_string();
+    assert!(
+        text.contains("max_msgs_per_subject must be 1") && text.contains("allow_atomic"),
+        "{text}"
+    );
+}
+
+/// The machine's own NATS server (Debian's 2.9.10 at 127.0.0.1:4222) has no atomic batches:
+/// opening the store against it must fail with the reason, not run without the guarantee.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_without_atomic_batches_is_refused() {
+    let Ok(client) = async_nats::connect("nats://127.0.0.1:4222").await else {
+        panic!("the machine's NATS server at 127.0.0.1:4222 is not running");
+    };
+    let version = client.server_info().version;
+    drop(client);
+    let mut cfg = TestServer::records_on("nats://127.0.0.1:4222", "ROUTER_VERSION_CHECK");
+    cfg.timeout = std::time::Duration::from_secs(5);
+    let opened = Records::open(cfg).await;
+    let old = version
+        .split('.')
+        .take(2)
+        .map(|p| p.parse::<u64>().unwrap_or(0))
+        .collect::<Vec<_>>()
+        < vec![2, 12];
+    assert!(
+        old,
+        "this test expects the machine's server to be older than 2.12, not {version}"
+    );
+    let e = opened.expect_err("an old server is refused");
+    assert!(
+        e.to_string().contains(&format!("nats-server {version}"))
+            && e.to_string().contains("2.12 or newer"),
+        "{e}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Accept and fate
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_accepted_event_is_stored_with_one_queued_entry_per_target() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let out = s
+        .accept(vec![new_event("/s", "e1", &["a", "b"], 1_000)])
+        .await
+        .expect("accept");
+    let AcceptOutcome::Accepted { seq } = out[0] else {
+        panic!("{out:?}");
+    };
+    let fate = s.fate("/s", "e1").await.expect("fate").expect("known");
+    assert_eq!(fate.event.seq, seq);
+    assert_eq!(fate.event.event.id, "e1");
+    assert_eq!(fate.event.accepted_at, 1_000);
+    assert_eq!(fate.event.matched_rules, vec!["r".to_string()]);
+    assert!(!fate.event.quarantined);
+    assert_eq!(fate.entries.len(), 2);
+    for (idx, (e, target)) in fate.entries.iter().zip(["a", "b"]).enumerate() {
+        assert_eq!(
+            e.id,
+            EntryId {
+                event: seq,
+                idx: idx as u32
+            }
+        );
+        assert_eq!(e.target_id, target);
+        assert_eq!(e.state, EntryState::Queued);
+        assert_eq!(e.due_at, 1_000);
+        assert!(e.attempts.is_empty());
+        // The same key the embedded store gives: receivers dedupe across backends.
+        assert_eq!(e.idempotency_key, idempotency_key("/s", "e1", target));
+    }
+    assert!(fate.dlq.is_empty());
+    assert_eq!(s.fate("/s", "unknown").await.expect("fate"), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeat_inside_the_window_is_a_duplicate_and_after_it_a_new_event() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    // Twice in one call, then once more in another.
+    let out = s
+        .accept(vec![
+            new_event("/s", "e1", &["a"], 1_000),
+            new_event("/s", "e2", &["a"], 1_000),
+            new_event("/s", "e1", &["a"], 1_000),
+        ])
+        .await
+        .expect("accept");
+    let first = seq_of(&out[0]);
+    assert!(matches!(out[0], AcceptOutcome::Accepted { .. }), "{out:?}");
+    assert!(matches!(out[1], AcceptOutcome::Accepted { .. }), "{out:?}");
+    assert_eq!(out[2], AcceptOutcome::Duplicate { seq: first });
+    let again = s
+        .accept(vec![new_event("/s", "e1", &["a"], 2_000)])
+        .await
+        .expect("accept");
+    assert_eq!(again, vec![AcceptOutcome::Duplicate { seq: first }]);
+    // Past the window (1 s here) the key no longer counts: a new event, and the fate
+    // follows it.
+    let mut late = new_event("/s", "e1", &["a"], 5_000);
+    late.dedup_window_ms = 1_000;
+    let out = s.accept(vec![late]).await.expect("accept");
+    let AcceptOutcome::Accepted { seq } = out[0] else {
+        panic!("{out:?}");
+    };
+    assert_ne!(seq, first);
+    assert_eq!(
+        s.fate("/s", "e1").await.expect("fate").map(|f| f.event.seq),
+        Some(seq)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quarantined_event_goes_to_the_dlq_with_its_errors_and_no_entries() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let mut ne = new_event("/s", "bad", &["a"], 7_000);
+    ne.quarantine = Some(Quarantine {
+        reason: DlqReason::ContractViolation,
+        errors: vec![FieldError {
+            pointer: "/data/n".into(),
+            message: "must be a string".into(),
+        }],
+    });
+    let out = s.accept(vec![ne]).await.expect("accept");
+    let seq = seq_of(&out[0]);
+    let fate = s.fate("/s", "bad").await.expect("fate").expect("known");
+    assert!(fate.event.quarantined);
+    assert!(fate.entries.is_empty(), "never routed");
+    assert_eq!(fate.dlq.len(), 1);
+    let d = &fate.dlq[0];
+    assert_eq!(d.reason, DlqReason::ContractViolation);
+    assert_eq!(d.event_seq, seq);
+    assert_eq!(d.errors[0].pointer, "/data/n");
+    assert_eq!((d.first_failure_at, d.last_failure_at), (7_000, 7_000));
+    let (entry, event) = s.dlq_get(d.id).await.expect("dlq get").expect("exists");
+    assert_eq!(&entry, d);
+    assert_eq!(event.seq, seq);
+    assert_eq!(
+        s.dlq_reasons("/s", "bad").await,
+        vec![DlqReason::ContractViolation]
+    );
+    assert_eq!(s.dlq_get(d.id + 1_000).await.expect("dlq get"), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_this_backend_cannot_do_yet_is_refused_and_stores_nothing() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let mut ne = new_event("/s", "capped", &["a"], 1_000);
+    ne.targets[0].max_depth = Some(10);
+    let e = s.accept(vec![ne]).await.expect_err("refused");
+    assert!(
+        e.to_string()
+            .contains("not supported by the JetStream store yet"),
+        "{e}"
+    );
+    let mut ne = new_event("/s", "leased", &["a"], 1_000);
+    ne.targets[0].lease_ms = Some(5_000);
+    assert!(s.accept(vec![ne]).await.is_err());
+    assert_eq!(s.fate("/s", "capped").await.expect("fate"), None);
+    assert_eq!(s.fate("/s", "leased").await.expect("fate"), None);
+}
+
+/// Two router nodes (two stores on one server) take the same (source, id) from 64 concurrent
+/// producers: exactly one copy is stored, and every other answer names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_racing_on_one_key_store_it_exactly_once() {
+    let server = TestServer::start();
+    let nodes = [
+        Arc::new(store(&server).await),
+        Arc::new(store(&server).await),
+    ];
+    let tasks: Vec<_> = (0..64)
+        .map(|i| {
+            let node = nodes[i % 2].clone();
+            tokio::spawn(async move {
+                node.accept(vec![new_event("/race", "same", &["a"], 1_000)])
+                    .await
+                    .expect("accept")[0]
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for t in tasks {
+        outcomes.push(t.await.expect("task"));
+    }
+    let accepted: Vec<_> = outcomes
+        .iter()
+        .filter(|o| matches!(o, AcceptOutcome::Accepted { .. }))
+        .collect();
+    assert_eq!(accepted.len(), 1, "{outcomes:?}");
+    let seq = seq_of(accepted[0]);
+    assert!(outcomes.iter().all(|o| seq_of(o) == seq), "{outcomes:?}");
+    for n in &nodes {
+        let fate = n.fate("/race", "same").await.expect("fate").expect("known");
+        assert_eq!(fate.event.seq, seq);
+        assert_eq!(fate.entries.len(), 1);
+    }
+}
+
+/// Sequence numbers come from blocks each node reserves: never the same number twice, on one
+/// node or across nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_never_hand_out_the_same_sequence() {
+    let server = TestServer::start();
+    let nodes = [
+        Arc::new(store(&server).await),
+        Arc::new(store(&server).await),
+    ];
+    let tasks: Vec<_> = (0..600)
+        .map(|i| {
+            let node = nodes[i % 2].clone();
+            tokio::spawn(async move {
+                seq_of(
+                    &node
+                        .accept(vec![new_event("/seq", &format!("e{i}"), &["a"], 1_000)])
+                        .await
+                        .expect("accept")[0],
+                )
+            })
+        })
+        .collect();
+    let mut seqs = std::collections::BTreeSet::new();
+    for t in tasks {
+        assert!(seqs.insert(t.await.expect("task")), "a sequence was reused");
+    }
+    assert_eq!(seqs.len(), 600);
+}
+
+/// What the server acknowledged survives the server's kill -9: every accepted event, with its
+/// dedup key and entries, is there after the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accepted_events_survive_a_killed_server() {
+    let mut server = TestServer::start();
+    let mut seqs = Vec::new();
+    {
+        let s = store(&server).await;
+        for chunk in 0..4 {
+            let batch: Vec<NewEvent> = (0..50)
+                .map(|i| new_event("/k", &format!("{chunk}-{i}"), &["a", "b"], 1_000))
+                .collect();
+            let out = s.accept(batch).await.expect("accept");
+            seqs.extend(out.iter().map(seq_of));
+        }
+    }
+    server.kill_and_restart();
+    let s = store(&server).await;
+    for chunk in 0..4 {
+        for i in 0..50 {
+            let id = format!("{chunk}-{i}");
+            let fate = s
+                .fate("/k", &id)
+                .await
+                .expect("fate")
+                .unwrap_or_else(|| panic!("{id} lost"));
+            assert_eq!(fate.event.seq, seqs[chunk * 50 + i]);
+            assert_eq!(fate.entries.len(), 2, "{id}");
+        }
+    }
+    let again = s
+        .accept(vec![new_event("/k", "0-0", &["a"], 2_000)])
+        .await
+        .expect("accept");
+    assert_eq!(again, vec![AcceptOutcome::Duplicate { seq: seqs[0] }]);
+    // A node started after the restart continues above every number handed out before.
+    let fresh = s
+        .accept(vec![new_event("/k", "new", &["a"], 2_000)])
+        .await
+        .expect("accept");
+    assert!(seq_of(&fresh[0]) > *seqs.iter().max().expect("some"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lease and finish
+
+use crate::store::{AttemptEnd, AttemptResult, Disposition, FinishError, Leased};
+
+/// Finishes `l`'s attempt at `at` with `result` (and `error`) as `disposition`.
+async fn finish(
+    store: &JetStreamStore,
+    l: &Leased,
+    result: AttemptResult,
+    error: Option<&str>,
+    disposition: Disposition,
+    at: Millis,
+) -> Result<(), FinishError> {
+    let end = AttemptEnd {
+        finished_at: at,
+        result,
+        status: None,
+        error: error.map(str::to_string),
+        outbox: None,
+    };
+    store
+        .finish(l.entry.id, l.lease, end, disposition, at)
+        .await
+}
+
+/// `store.lease(..)`, which must not fail.
+async fn lease_ok(
+    store: &JetStreamStore,
+    target: &str,
+    now: Millis,
+    max: usize,
+    lease_ms: i64,
+) -> Vec<Leased> {
+    store
+        .lease(target, now, max, lease_ms)
+        .await
+        .expect("lease")
+}
+
+/// Finishes `l`'s attempt at `at` as delivered.
+async fn deliver(store: &JetStreamStore, l: &Leased, at: Millis) -> Result<(), FinishError> {
+    finish(
+        store,
+        l,
+        AttemptResult::Delivered,
+        None,
+        Disposition::Delivered,
+        at,
+    )
+    .await
+}
+
+/// Polls until `store`'s view has `n` entries of `target` that may be leased at `now` (another
+/// node's writes reach it through the stream; 10 s is far above the milliseconds that takes).
+async fn await_due(store: &JetStreamStore, target: &str, now: Millis, n: usize) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while store.due_count(target, now, n) < n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{n} entries of {target} never became due in the view ({} are)",
+            store.due_count(target, now, n)
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_records_the_attempt_and_only_due_entries_are_leased() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![
+        new_event("/s", "now", &["a", "b"], 1_000),
+        new_event("/s", "later", &["a"], 9_000),
+    ])
+    .await
+    .expect("accept");
+    let leased = lease_ok(&s, "a", 1_000, 10, 30_000).await;
+    assert_eq!(leased.len(), 1, "only the entry due at 1000");
+    let l = &leased[0];
+    assert_eq!(l.event.event.id, "now");
+    assert_eq!(l.entry.target_id, "a");
+    assert_eq!(l.lease.until, 31_000);
+    assert_eq!(l.entry.attempts.len(), 1);
+    assert_eq!(l.entry.attempts[0].started_at, 1_000);
+    assert_eq!(l.entry.attempts[0].result, None);
+    // The attempt is on the server before the caller sends anything.
+    let fate = s.fate("/s", "now").await.expect("fate").expect("known");
+    assert_eq!(fate.entries[0].attempts.len(), 1);
+    assert!(fate.entries[0].lease.is_some());
+    // Leased entries are not leased again while the lease holds; the other target's is its own.
+    assert!(lease_ok(&s, "a", 2_000, 10, 30_000).await.is_empty());
+    assert_eq!(lease_ok(&s, "b", 1_000, 10, 30_000).await.len(), 1);
+    assert_eq!(s.next_due("a"), Some(9_000));
+    assert_eq!(lease_ok(&s, "a", 9_000, 10, 30_000).await.len(), 1);
+}
+
+/// Two nodes leasing the same queue at once: every entry goes to exactly one of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_never_lease_the_same_entry() {
+    let server = TestServer::start();
+    let nodes = [
+        Arc::new(store(&server).await),
+        Arc::new(store(&server).await),
+    ];
+    let batch: Vec<NewEvent> = (0..100)
+        .map(|i| new_event("/l", &format!("e{i}"), &["a"], 1_000))
+        .collect();
+    nodes[0].accept(batch).await.expect("accept");
+    await_due(&nodes[1], "a", 1_000, 100).await;
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let node = nodes[i % 2].clone();
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                for _ in 0..10 {
+                    let l = lease_ok(&node, "a", 1_000, 7, 60_000).await;
+                    got.extend(l.into_iter().map(|l| l.entry.id));
+                }
+                got
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.expect("task"));
+    }
+    let unique: std::collections::BTreeSet<_> = all.iter().copied().collect();
+    assert_eq!(unique.len(), all.len(), "an entry was leased twice");
+    assert_eq!(unique.len(), 100, "every entry leased once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivered_entry_is_final_and_a_second_finish_is_fenced() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![new_event("/s", "e1", &["a"], 1_000)])
+        .await
+        .expect("accept");
+    let l = lease_ok(&s, "a", 1_000, 1, 30_000).await.remove(0);
+    deliver(&s, &l, 1_200).await.expect("finish");
+    let fate = s.fate("/s", "e1").await.expect("fate").expect("known");
+    let e = &fate.entries[0];
+    assert_eq!(e.state, EntryState::Delivered);
+    assert_eq!(e.finished_at, Some(1_200));
+    assert_eq!(e.attempts[0].result, Some(AttemptResult::Delivered));
+    assert_eq!(e.lease, None);
+    let again = deliver(&s, &l, 1_300).await;
+    assert!(matches!(again, Err(FinishError::Fenced)), "{again:?}");
+    assert!(lease_ok(&s, "a", 99_000, 10, 30_000).await.is_empty());
+    let mut gone = l.clone();
+    gone.entry.id = EntryId {
+        event: 999_999,
+        idx: 0,
+    };
+    let missing = deliver(&s, &gone, 1_300).await;
+    assert!(matches!(missing, Err(FinishError::NotFound)), "{missing:?}");
+}
+
+/// A worker (or node) that dies holding a lease: once the lease expires, another node takes the
+/// entry over, the dead attempt is recorded as interrupted, and the late worker's result is
+/// refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_lease_is_taken_over_and_the_late_worker_is_fenced() {
+    let server = TestServer::start();
+    let a = store(&server).await;
+    let b = store(&server).await;
+    a.accept(vec![new_event("/s", "e1", &["t"], 1_000)])
+        .await
+        .expect("accept");
+    let late = lease_ok(&a, "t", 1_000, 1, 5_000).await.remove(0);
+    // Not before the lease ends (6000)...
+    await_due(&b, "t", 6_001, 1).await;
+    assert!(lease_ok(&b, "t", 5_000, 1, 5_000).await.is_empty());
+    // ...and after it, by the other node.
+    let taken = lease_ok(&b, "t", 6_001, 1, 5_000).await.remove(0);
+    assert_eq!(taken.entry.attempts.len(), 2);
+    assert_eq!(
+        taken.entry.attempts[0].result,
+        Some(AttemptResult::Interrupted)
+    );
+    assert_eq!(taken.entry.attempts[0].finished_at, Some(6_000));
+    let r = deliver(&a, &late, 5_500).await;
+    assert!(matches!(r, Err(FinishError::Fenced)), "{r:?}");
+    deliver(&b, &taken, 6_100)
+        .await
+        .expect("the new holder finishes");
+    // A lease past its expiry cannot finish even when nobody took it over.
+    a.accept(vec![new_event("/s", "e2", &["t"], 7_000)])
+        .await
+        .expect("accept");
+    let l = lease_ok(&a, "t", 7_000, 1, 1_000).await.remove(0);
+    let r = deliver(&a, &l, 8_001).await;
+    assert!(matches!(r, Err(FinishError::Fenced)), "{r:?}");
+}
+
+/// A retry waits on the server, not in memory: after the server's kill -9 and a new node, the
+/// entry is due at the time set, with its attempt counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_keeps_its_due_time_and_attempt_across_a_killed_server() {
+    let mut server = TestServer::start();
+    {
+        let s = store(&server).await;
+        s.accept(vec![new_event("/s", "e1", &["a"], 1_000)])
+            .await
+            .expect("accept");
+        let l = lease_ok(&s, "a", 1_000, 1, 30_000).await.remove(0);
+        finish(
+            &s,
+            &l,
+            AttemptResult::Retryable,
+            Some("HTTP 503"),
+            Disposition::Retry { due_at: 50_000 },
+            1_100,
+        )
+        .await
+        .expect("finish");
+    }
+    server.kill_and_restart();
+    let s = store(&server).await;
+    assert_eq!(s.next_due("a"), Some(50_000));
+    assert!(lease_ok(&s, "a", 49_999, 1, 30_000).await.is_empty());
+    let l = lease_ok(&s, "a", 50_000, 1, 30_000).await.remove(0);
+    assert_eq!(l.entry.attempts.len(), 2);
+    assert_eq!(l.entry.attempts[0].result, Some(AttemptResult::Retryable));
+    assert_eq!(l.entry.attempts[0].error.as_deref(), Some("HTTP 503"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_is_a_dlq_entry_with_every_attempt_and_a_release_costs_none() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![new_event("/s", "e1", &["a"], 1_000)])
+        .await
+        .expect("accept");
+    // Released (e.g. the breaker opened meanwhile): the attempt does not count.
+    let l = lease_ok(&s, "a", 1_000, 1, 30_000).await.remove(0);
+    finish(
+        &s,
+        &l,
+        AttemptResult::Retryable,
+        None,
+        Disposition::Release { due_at: 2_000 },
+        1_000,
+    )
+    .await
+    .expect("release");
+    let l = lease_ok(&s, "a", 2_000, 1, 30_000).await.remove(0);
+    assert_eq!(l.entry.attempts.len(), 1, "the released attempt is gone");
+    finish(
+        &s,
+        &l,
+        AttemptResult::Permanent,
+        Some("HTTP 400: bad request"),
+        Disposition::DeadLetter {
+            reason: DlqReason::PermanentError,
+            hold: false,
+        },
+        2_100,
+    )
+    .await
+    .expect("dead letter");
+    let fate = s.fate("/s", "e1").await.expect("fate").expect("known");
+    assert_eq!(fate.entries[0].state, EntryState::Dead);
+    assert_eq!(fate.dlq.len(), 1);
+    let d = &fate.dlq[0];
+    assert_eq!(d.reason, DlqReason::PermanentError);
+    assert_eq!(d.entry, Some(l.entry.id));
+    assert_eq!(d.target_id.as_deref(), Some("a"));
+    assert_eq!(d.event_id, "e1");
+    assert_eq!(d.attempt_count, 1);
+    assert_eq!(
+        d.attempts[0].error.as_deref(),
+        Some("HTTP 400: bad request")
+    );
+    assert_eq!(d.errors[0].message, "HTTP 400: bad request");
+    assert_eq!(d.last_failure_at, 2_100);
+    // (A lease waits for the node's view to have its own writes.)
+    assert!(lease_ok(&s, "a", 99_000, 1, 30_000).await.is_empty());
+    assert!(s.targets_with_entries().is_empty());
+}
