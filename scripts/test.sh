@@ -8,8 +8,9 @@ export CARGO_TERM_COLOR=never
 bash plugins/build.sh
 # A nats-server 2.12+ for the JetStream store backend's tests (the machine's 2.9 is too old);
 # the tests start private servers from it (scripts/nats-server.sh, unpacked into target/).
-ROUTER_TEST_NATS_SERVER=$(bash scripts/nats-server.sh)
-export ROUTER_TEST_NATS_SERVER
+# Not a ROUTER_* variable: the router reads every one of those as a config key.
+JETSTREAM_TEST_SERVER=$(bash scripts/nats-server.sh)
+export JETSTREAM_TEST_SERVER
 # Formatting and lints are part of the suite.
 cargo fmt --all -- --check
 cargo clippy --locked --workspace --all-targets -- -D warnings

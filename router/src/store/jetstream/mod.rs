@@ -33,8 +33,9 @@ use serde::{Deserialize, Serialize};
 use self::records::{Expect, Records, RecordsConfig, RecordsError, Versioned, Write};
 use super::redb_store::idempotency_key;
 use super::{
-    AcceptOutcome, AttemptEnd, AttemptResult, Disposition, DlqEntry, EntryId, EntryState, Fate,
-    FinishError, Lease, Leased, Millis, NewEvent, QueueEntry, StoreError, StoredEvent,
+    AcceptOutcome, AttemptEnd, AttemptResult, Disposition, DlqEntry, DlqReason, EntryId,
+    EntryState, Fate, FinishError, Lease, Leased, LeasedAtAccept, Millis, NewEntry, NewEvent,
+    QueueEntry, StoreError, StoredEvent,
 };
 
 /// How many sequence numbers a node reserves from a counter at a time. Numbers of a block a
@@ -55,11 +56,12 @@ impl From<RecordsError> for StoreError {
 #[derive(Debug, Serialize, Deserialize)]
 struct EventRecord {
     stored: StoredEvent,
-    /// Number of queue entries (`en.<seq>.0` ..).
+    /// Fan-out indexes used so far (`en.<seq>.0` ..; an index whose target was at its depth
+    /// cap has no entry).
     entries: u32,
-    /// The DLQ entry of a quarantined event.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    quarantine_dlq: Option<u64>,
+    /// DLQ entries made at acceptance (quarantine, depth caps).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    dlq: Vec<u64>,
 }
 
 /// The dedup key of (source, id): which event holds it, since when.
@@ -78,6 +80,22 @@ struct EntryRecord {
     entry: QueueEntry,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     dlq: Option<u64>,
+}
+
+/// An ordering key held after a dead letter (`hk.<fingerprint>`), until an operator
+/// releases it.
+#[derive(Debug, Serialize, Deserialize)]
+struct HeldRecord {
+    target: String,
+    key: String,
+}
+
+/// Which entry of an ordering key is being delivered (`kl.<fingerprint>`): leases of the
+/// key's entries compare-and-set it, so two nodes cannot deliver two entries of one key at
+/// once even while their views lag.
+#[derive(Debug, Serialize, Deserialize)]
+struct KeyLock {
+    entry: EntryId,
 }
 
 /// A sequence counter's record.
@@ -105,7 +123,7 @@ pub struct JetStreamStore {
     view: Arc<view::View>,
     /// The task that keeps `view` up to date; stopped with the store.
     follower: tokio::task::JoinHandle<()>,
-    /// The newest entry record revision this node wrote.
+    /// The newest revision this node wrote of a record its view follows.
     written: std::sync::atomic::AtomicU64,
 }
 
@@ -156,12 +174,35 @@ fn dlq_key(id: u64) -> String {
     format!("dl.{id}")
 }
 
+/// The fingerprint of (target, ordering key), for record keys.
+fn key_fp(target: &str, key: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for part in [target, key] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    hex::encode(&h.finalize()[..16])
+}
+
+fn held_key(target: &str, key: &str) -> String {
+    format!("hk.{}", key_fp(target, key))
+}
+
+fn lock_key(target: &str, key: &str) -> String {
+    format!("kl.{}", key_fp(target, key))
+}
+
 /// One event's writes, prepared for a commit.
 struct Prepared {
     /// Index in the caller's list.
     index: usize,
     seq: u64,
     writes: Vec<Write>,
+    /// Entries leased at acceptance: (position of their write, the entry as written).
+    leased: Vec<(usize, QueueEntry)>,
+    /// The stored event, when some entry is leased at acceptance.
+    event: Option<Arc<StoredEvent>>,
 }
 
 impl JetStreamStore {
@@ -250,22 +291,42 @@ impl JetStreamStore {
     /// Stores events, each with its dedup key and its queue entries (or its DLQ entry when
     /// quarantined), each event atomically, and resolves once the server has them on disk.
     /// A (source, id) already held inside its dedup window, by this node or any other, is a
-    /// `Duplicate` of the stored copy.
+    /// `Duplicate` of the stored copy. A target at its depth cap (live entries, as this node's
+    /// view counts them) gets a `target_overflow` DLQ entry instead of a queue entry.
     pub async fn accept(&self, events: Vec<NewEvent>) -> Result<Vec<AcceptOutcome>, StoreError> {
+        Ok(self.accept_impl(events, false).await?.0)
+    }
+
+    /// `accept`, and the entries whose `lease_ms` is set are written leased to the caller
+    /// with their first attempt started, in the same batch, and returned with their events.
+    pub async fn accept_leased(
+        &self,
+        events: Vec<NewEvent>,
+    ) -> Result<(Vec<AcceptOutcome>, Vec<LeasedAtAccept>), StoreError> {
+        self.accept_impl(events, true).await
+    }
+
+    async fn accept_impl(
+        &self,
+        events: Vec<NewEvent>,
+        leasing: bool,
+    ) -> Result<(Vec<AcceptOutcome>, Vec<LeasedAtAccept>), StoreError> {
         for ne in &events {
             if let Some(t) = ne
                 .targets
                 .iter()
-                .find(|t| t.lease_ms.is_some() || t.max_depth.is_some() || t.ordering_key.is_some())
+                .find(|t| t.lease_ms.is_some() && t.ordering_key.is_some())
             {
+                // Delivery never hands off ordered targets' entries (it cannot know the key
+                // is free); a lease here would skip the key's order.
                 return Err(StoreError::Backend(format!(
-                    "target {}: leases at acceptance, queue-depth caps and ordering keys are not \
-                     supported by the JetStream store yet",
+                    "target {}: an entry with an ordering key cannot be leased at acceptance",
                     t.target_id
                 )));
             }
         }
         let mut outcomes: Vec<Option<AcceptOutcome>> = vec![None; events.len()];
+        let mut handed = Vec::new();
         for _ in 0..MAX_RETRIES {
             let pending: Vec<usize> = (0..events.len())
                 .filter(|&i| outcomes[i].is_none())
@@ -282,6 +343,7 @@ impl JetStreamStore {
             // once it is stored.
             let mut first_of: HashMap<String, usize> = HashMap::new();
             let mut prepared = Vec::new();
+            let mut depth: HashMap<String, u64> = HashMap::new();
             for (&i, read) in pending.iter().zip(reads) {
                 let ne = &events[i];
                 let key = dedup_record_key(&ne.event.source, &ne.event.id);
@@ -293,15 +355,34 @@ impl JetStreamStore {
                     continue;
                 }
                 first_of.insert(key.clone(), i);
-                prepared.push(self.prepare(i, ne, key, read.as_ref()).await?);
+                let p = self
+                    .prepare(i, ne, key, read.as_ref(), leasing, &mut depth)
+                    .await?;
+                prepared.push(p);
             }
             for chunk in chunks(prepared) {
-                let indexes: Vec<(usize, u64)> = chunk.iter().map(|p| (p.index, p.seq)).collect();
-                let writes = chunk.into_iter().flat_map(|p| p.writes).collect();
+                let writes: Vec<Write> = chunk.iter().flat_map(|p| p.writes.clone()).collect();
                 match self.commit(writes).await {
-                    Ok(_) => {
-                        for (i, seq) in indexes {
-                            outcomes[i] = Some(AcceptOutcome::Accepted { seq });
+                    Ok(revs) => {
+                        let mut offset = 0;
+                        for p in chunk {
+                            outcomes[p.index] = Some(AcceptOutcome::Accepted { seq: p.seq });
+                            for (pos, mut entry) in p.leased {
+                                let token = revs[offset + pos];
+                                let lease = entry.lease.map(|l| Lease { token, ..l });
+                                entry.lease = lease;
+                                if let (Some(lease), Some(event)) = (lease, p.event.clone()) {
+                                    handed.push(LeasedAtAccept {
+                                        event: p.index,
+                                        leased: Leased {
+                                            entry,
+                                            event,
+                                            lease,
+                                        },
+                                    });
+                                }
+                            }
+                            offset += p.writes.len();
                         }
                     }
                     // Another node changed one of the dedup keys: read again.
@@ -322,7 +403,7 @@ impl JetStreamStore {
                 }
             }
         }
-        outcomes
+        let outcomes = outcomes
             .into_iter()
             .map(|o| {
                 o.ok_or_else(|| {
@@ -332,7 +413,8 @@ impl JetStreamStore {
                     )
                 })
             })
-            .collect()
+            .collect::<Result<_, _>>()?;
+        Ok((outcomes, handed))
     }
 
     /// The stored copy's sequence when `read` is a live dedup key of `ne`'s (source, id).
@@ -355,75 +437,107 @@ impl JetStreamStore {
     }
 
     /// `ne`'s writes: the event, its dedup key (expecting it where `read` found it), and its
-    /// entries or its DLQ entry.
+    /// entries or its DLQ entries (quarantined; targets at their depth cap). With `leasing`,
+    /// entries with `lease_ms` are written leased. `depth` counts the entries this call adds
+    /// per capped target.
     async fn prepare(
         &self,
         index: usize,
         ne: &NewEvent,
         dedup_key: String,
         read: Option<&Versioned>,
+        leasing: bool,
+        depth: &mut HashMap<String, u64>,
     ) -> Result<Prepared, StoreError> {
         let seq = self.next_number("events").await?;
         let ev = &ne.event;
         let at = ne.accepted_at;
         let mut writes = Vec::with_capacity(ne.targets.len() + 3);
-        let quarantine_dlq = match &ne.quarantine {
-            Some(q) => {
-                let id = self.next_number("dlq").await?;
-                let d = DlqEntry {
-                    id,
-                    event_seq: seq,
-                    event_id: ev.id.clone(),
-                    event_source: ev.source.clone(),
-                    event_type: ev.ty.clone(),
-                    entry: None,
-                    target_id: None,
-                    rule: None,
-                    reason: q.reason,
-                    errors: q.errors.clone(),
-                    attempts: Vec::new(),
-                    attempt_count: 0,
-                    first_failure_at: at,
-                    last_failure_at: at,
-                    redrive_count: 0,
-                };
-                writes.push(Write::put(dlq_key(id), enc(&d), Expect::Revision(0)));
-                Some(id)
+        let mut dlq = Vec::new();
+        let mut leased = Vec::new();
+        let names = || (ev.id.clone(), ev.source.clone(), ev.ty.clone());
+        let blank = |reason, errors, target: Option<&NewEntry>| {
+            let (event_id, event_source, event_type) = names();
+            DlqEntry {
+                id: 0,
+                event_seq: seq,
+                event_id,
+                event_source,
+                event_type,
+                entry: None,
+                target_id: target.map(|t| t.target_id.clone()),
+                rule: target.map(|t| t.rule.clone()),
+                reason,
+                errors,
+                attempts: Vec::new(),
+                attempt_count: 0,
+                first_failure_at: at,
+                last_failure_at: at,
+                redrive_count: 0,
             }
-            None => None,
         };
-        let targets = if ne.quarantine.is_some() {
-            &[][..]
-        } else {
-            &ne.targets[..]
-        };
-        for (i, t) in targets.iter().enumerate() {
-            let id = EntryId {
-                event: seq,
-                idx: u32::try_from(i).unwrap_or(u32::MAX),
-            };
-            let entry = QueueEntry::queued(
+        let mut entries = 0;
+        if let Some(q) = &ne.quarantine {
+            let id = self.next_number("dlq").await?;
+            let d = DlqEntry {
                 id,
-                t.clone(),
-                idempotency_key(&ev.source, &ev.id, &t.target_id),
-                at,
-                at,
-                ev.hops(),
-            );
-            let record = EntryRecord { entry, dlq: None };
-            writes.push(Write::put(entry_key(id), enc(&record), Expect::Revision(0)));
+                ..blank(q.reason, q.errors.clone(), None)
+            };
+            writes.push(Write::put(dlq_key(id), enc(&d), Expect::Revision(0)));
+            dlq.push(id);
+        } else {
+            entries = u32::try_from(ne.targets.len()).unwrap_or(u32::MAX);
+            for (i, t) in ne.targets.iter().enumerate() {
+                if let Some(cap) = t.max_depth {
+                    let added = depth.entry(t.target_id.clone()).or_default();
+                    if self.view.depth(&t.target_id) + *added >= cap {
+                        let id = self.next_number("dlq").await?;
+                        let d = DlqEntry {
+                            id,
+                            ..blank(DlqReason::TargetOverflow, Vec::new(), Some(t))
+                        };
+                        writes.push(Write::put(dlq_key(id), enc(&d), Expect::Revision(0)));
+                        dlq.push(id);
+                        continue;
+                    }
+                    *added += 1;
+                }
+                let id = EntryId {
+                    event: seq,
+                    idx: u32::try_from(i).unwrap_or(u32::MAX),
+                };
+                let mut entry = QueueEntry::queued(
+                    id,
+                    t.clone(),
+                    idempotency_key(&ev.source, &ev.id, &t.target_id),
+                    at,
+                    at,
+                    ev.hops(),
+                );
+                let lease = t.lease_ms.filter(|_| leasing).map(|ms| Lease {
+                    token: 0,
+                    until: at.saturating_add(ms),
+                });
+                if let Some(lease) = lease {
+                    entry.start_attempt(lease, at);
+                    leased.push((writes.len(), entry.clone()));
+                }
+                let record = EntryRecord { entry, dlq: None };
+                writes.push(Write::put(entry_key(id), enc(&record), Expect::Revision(0)));
+            }
         }
+        let stored = StoredEvent {
+            seq,
+            event: ev.clone(),
+            accepted_at: at,
+            ruleset_version: ne.ruleset_version.clone(),
+            matched_rules: ne.matched_rules.clone(),
+            quarantined: ne.quarantine.is_some(),
+        };
         let record = EventRecord {
-            stored: StoredEvent {
-                seq,
-                event: ev.clone(),
-                accepted_at: at,
-                ruleset_version: ne.ruleset_version.clone(),
-                matched_rules: ne.matched_rules.clone(),
-                quarantined: ne.quarantine.is_some(),
-            },
-            entries: u32::try_from(targets.len()).unwrap_or(u32::MAX),
-            quarantine_dlq,
+            stored,
+            entries,
+            dlq,
         };
         writes.push(Write::put(
             event_key(seq),
@@ -437,7 +551,14 @@ impl JetStreamStore {
             id: ev.id.clone(),
         };
         writes.push(Write::put(dedup_key, enc(&dedup), Expect::unchanged(read)));
-        Ok(Prepared { index, seq, writes })
+        let event = (!leased.is_empty()).then(|| Arc::new(record.stored));
+        Ok(Prepared {
+            index,
+            seq,
+            writes,
+            leased,
+            event,
+        })
     }
 
     /// Leases up to `max` entries of `target` that may be leased at `now`, recording the start
@@ -515,13 +636,23 @@ impl JetStreamStore {
         let until = now.saturating_add(lease_ms);
         // The record carries the expiry; the token is its revision, known once written.
         entry.start_attempt(Lease { token: 0, until }, now);
+        let mut writes = Vec::with_capacity(2);
+        if let Some(key) = &entry.ordering_key {
+            let Some(lock) = self.key_lock_for(&entry.target_id, key, entry.id).await? else {
+                return Ok(None);
+            };
+            writes.push(lock);
+        }
         let record = EntryRecord { entry, dlq: None };
-        let write = Write::put(
-            entry_key(record.entry.id),
-            enc(&record),
-            Expect::Revision(revision),
+        writes.insert(
+            0,
+            Write::put(
+                entry_key(record.entry.id),
+                enc(&record),
+                Expect::Revision(revision),
+            ),
         );
-        match self.commit(vec![write]).await {
+        match self.commit(writes).await {
             Ok(revs) => {
                 let lease = Lease {
                     token: revs[0],
@@ -534,6 +665,164 @@ impl JetStreamStore {
             Err(RecordsError::Conflict) => Ok(None),
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// The write that gives ordering key `key` of `target` to entry `id`, or `None` when
+    /// another live entry of the key has it (its delivery, or its retry, is not over).
+    async fn key_lock_for(
+        &self,
+        target: &str,
+        key: &str,
+        id: EntryId,
+    ) -> Result<Option<Write>, StoreError> {
+        let lock = lock_key(target, key);
+        let read = self.records.get(&lock).await?;
+        if let Some(bytes) = read.as_ref().and_then(|v| v.value.as_ref()) {
+            let holder: KeyLock = dec("key locks", bytes)?;
+            if holder.entry != id {
+                let live = match self.records.get(&entry_key(holder.entry)).await? {
+                    Some(Versioned { value: Some(b), .. }) => {
+                        dec::<EntryRecord>("entries", &b)?.entry.state == EntryState::Queued
+                    }
+                    _ => false,
+                };
+                if live {
+                    return Ok(None);
+                }
+            }
+        }
+        Ok(Some(Write::put(
+            lock,
+            enc(&KeyLock { entry: id }),
+            Expect::unchanged(read.as_ref()),
+        )))
+    }
+
+    /// The writes that end entry `e`'s hold on its ordering key (delivered or dead-lettered):
+    /// the lock goes, and with `hold` the key is held until an operator releases it.
+    async fn key_release(&self, e: &QueueEntry, hold: bool) -> Result<Vec<Write>, StoreError> {
+        let Some(key) = &e.ordering_key else {
+            return Ok(Vec::new());
+        };
+        let mut writes = Vec::new();
+        let lock = lock_key(&e.target_id, key);
+        if let Some(read) = self.records.get(&lock).await?
+            && let Some(bytes) = &read.value
+            && dec::<KeyLock>("key locks", bytes)?.entry == e.id
+        {
+            writes.push(Write::delete(lock, Expect::Revision(read.revision)));
+        }
+        if hold {
+            let record = HeldRecord {
+                target: e.target_id.clone(),
+                key: key.clone(),
+            };
+            writes.push(Write::put(
+                held_key(&e.target_id, key),
+                enc(&record),
+                Expect::Any,
+            ));
+        }
+        Ok(writes)
+    }
+
+    /// Releases an ordering key held after a dead letter; `false` if it was not held.
+    pub async fn release_key(&self, target: &str, key: &str) -> Result<bool, StoreError> {
+        let k = held_key(target, key);
+        for _ in 0..MAX_RETRIES {
+            let Some(read) = self.records.get(&k).await? else {
+                return Ok(false);
+            };
+            if read.value.is_none() {
+                return Ok(false);
+            }
+            match self
+                .commit(vec![Write::delete(
+                    k.clone(),
+                    Expect::Revision(read.revision),
+                )])
+                .await
+            {
+                Ok(_) => return Ok(true),
+                Err(RecordsError::Conflict) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(StoreError::Backend(format!(
+            "could not release key {key:?} of {target}: it kept changing"
+        )))
+    }
+
+    /// Ordering keys of `target` held after a dead letter (as this node's view has them).
+    pub fn held_keys(&self, target: &str) -> Vec<String> {
+        self.view.held_keys(target)
+    }
+
+    /// Per-target queue numbers (as this node's view has them).
+    pub fn queue_stats(
+        &self,
+        now: Millis,
+    ) -> std::collections::BTreeMap<String, super::QueueStats> {
+        self.view.stats(now)
+    }
+
+    /// Moves every waiting (not leased) entry of `target` to the DLQ with `reason`, without
+    /// an attempt. Returns how many. An entry leased meanwhile (by any node) stays.
+    pub async fn dead_letter_queued(
+        &self,
+        target: &str,
+        reason: DlqReason,
+        message: &str,
+        now: Millis,
+    ) -> Result<usize, StoreError> {
+        let mut n = 0;
+        let mut names: HashMap<u64, (String, String, String)> = HashMap::new();
+        for live in self.view.waiting(target, now) {
+            let mut e = live.entry;
+            let names = match names.get(&e.id.event) {
+                Some(n) => n.clone(),
+                None => {
+                    let ev = self.event_record(e.id.event).await?.map(|r| r.stored.event);
+                    let v = ev.map(|ev| (ev.id, ev.source, ev.ty)).unwrap_or_default();
+                    names.insert(e.id.event, v.clone());
+                    v
+                }
+            };
+            let end = AttemptEnd {
+                finished_at: now,
+                result: AttemptResult::Permanent,
+                status: None,
+                error: Some(message.to_string()),
+                outbox: None,
+            };
+            let dlq_id = self.next_number("dlq").await?;
+            let d = DlqEntry {
+                id: dlq_id,
+                first_failure_at: now,
+                ..DlqEntry::of_given_up(&e, names, reason, &end, now)
+            };
+            let mut writes = self.key_release(&e, false).await?;
+            e.lease = None;
+            e.state = EntryState::Dead;
+            e.finished_at = Some(now);
+            let record = EntryRecord {
+                entry: e,
+                dlq: Some(dlq_id),
+            };
+            writes.push(Write::put(
+                entry_key(record.entry.id),
+                enc(&record),
+                Expect::Revision(live.revision),
+            ));
+            writes.push(Write::put(dlq_key(dlq_id), enc(&d), Expect::Revision(0)));
+            match self.commit(writes).await {
+                Ok(_) => n += 1,
+                // Leased or finished by someone meanwhile: it is theirs.
+                Err(RecordsError::Conflict) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(n)
     }
 
     /// Records the end of an attempt and moves the entry on (delivered, retry, DLQ), in one
@@ -586,15 +875,17 @@ impl JetStreamStore {
             Disposition::Delivered => {
                 e.state = EntryState::Delivered;
                 e.finished_at = Some(now);
+                writes.extend(self.key_release(e, false).await?);
             }
             Disposition::Retry { due_at } => e.due_at = due_at,
             Disposition::Release { due_at } => {
                 e.attempts.pop();
                 e.due_at = due_at;
             }
-            Disposition::DeadLetter { reason, .. } => {
+            Disposition::DeadLetter { reason, hold } => {
                 e.state = EntryState::Dead;
                 e.finished_at = Some(now);
+                writes.extend(self.key_release(e, hold).await?);
                 let ev = self.event_record(id.event).await?.map(|r| r.stored.event);
                 let names = ev.map(|ev| (ev.id, ev.source, ev.ty)).unwrap_or_default();
                 let dlq_id = self.next_number("dlq").await?;
@@ -639,10 +930,10 @@ impl JetStreamStore {
         self.view.targets()
     }
 
-    /// Commits `writes`, noting the newest entry record written, so this node's leases wait
-    /// until its view has it (a node sees its own writes).
+    /// Commits `writes`, noting the newest record written that the view follows, so this
+    /// node's leases wait until its view has it (a node sees its own writes).
     async fn commit(&self, writes: Vec<Write>) -> Result<Vec<u64>, RecordsError> {
-        let entries: Vec<bool> = writes.iter().map(|w| w.key.starts_with("en.")).collect();
+        let entries: Vec<bool> = writes.iter().map(|w| view::follows(&w.key)).collect();
         let revs = self.records.commit(writes).await?;
         if let Some(newest) = revs
             .iter()
@@ -692,7 +983,7 @@ impl JetStreamStore {
         }))
         .await?;
         let mut entries = Vec::new();
-        let mut dlq_ids: Vec<u64> = ev.quarantine_dlq.into_iter().collect();
+        let mut dlq_ids: Vec<u64> = ev.dlq.clone();
         for (idx, read) in (0..ev.entries).zip(reads) {
             if let Some(bytes) = read.and_then(|v| v.value) {
                 let mut r: EntryRecord = dec("entries", &bytes)?;
@@ -738,9 +1029,21 @@ impl JetStreamStore {
         Ok(Some((entry, event.stored)))
     }
 
+    /// Waits until this node's view has every write of this node (what `lease` does first).
+    #[cfg(test)]
+    async fn settled(&self) {
+        let written = self.written.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(
+            self.view
+                .wait_applied(written, std::time::Duration::from_secs(10))
+                .await,
+            "the view never caught up"
+        );
+    }
+
     /// Whether a DLQ entry with this reason exists for the event (for tests and checks).
     #[cfg(test)]
-    async fn dlq_reasons(&self, source: &str, id: &str) -> Vec<super::DlqReason> {
+    async fn dlq_reasons(&self, source: &str, id: &str) -> Vec<DlqReason> {
         self.fate(source, id)
             .await
             .ok()

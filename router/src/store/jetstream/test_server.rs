@@ -2,7 +2,7 @@
 //! directory, `sync_interval: always`, and kill -9 plus restart on the same directory.
 //!
 //! The binary is the one `scripts/nats-server.sh` installs into the target dir (the suite's
-//! `scripts/test.sh` runs it first); `ROUTER_TEST_NATS_SERVER` names another. The machine's own
+//! `scripts/test.sh` runs it first); `JETSTREAM_TEST_SERVER` names another. The machine's own
 //! server (Debian's 2.9.10) is too old for the backend and is never used by these tests.
 
 use std::path::{Path, PathBuf};
@@ -21,7 +21,7 @@ pub struct TestServer {
 
 /// The server binary, or a panic that says how to get it.
 fn binary() -> PathBuf {
-    if let Ok(p) = std::env::var("ROUTER_TEST_NATS_SERVER") {
+    if let Ok(p) = std::env::var("JETSTREAM_TEST_SERVER") {
         return PathBuf::from(p);
     }
     let target = std::env::var("CARGO_TARGET_DIR").map_or_else(
@@ -38,7 +38,7 @@ fn binary() -> PathBuf {
     found.unwrap_or_else(|| {
         panic!(
             "no nats-server under {}: run `bash scripts/nats-server.sh` (scripts/test.sh does), \
-             or set ROUTER_TEST_NATS_SERVER to a nats-server 2.12+ binary",
+             or set JETSTREAM_TEST_SERVER to a nats-server 2.12+ binary",
             root.display()
         )
     })

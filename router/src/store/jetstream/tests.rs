@@ -1,7 +1,7 @@
 //! The JetStream store against a real nats-server (2.12+, `sync_interval: always`) started
 //! per test by `test_server`.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 
@@ -290,23 +290,78 @@ async fn a_quarantined_event_goes_to_the_dlq_with_its_errors_and_no_entries() {
     assert_eq!(s.dlq_get(d.id + 1_000).await.expect("dlq get"), None);
 }
 
+/// A target at its depth cap gets a `target_overflow` DLQ entry in the accept's batch; the
+/// event's other targets are routed as usual.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn what_this_backend_cannot_do_yet_is_refused_and_stores_nothing() {
+async fn a_target_at_its_depth_cap_overflows_to_the_dlq_without_blocking_others() {
     let server = TestServer::start();
     let s = store(&server).await;
-    let mut ne = new_event("/s", "capped", &["a"], 1_000);
-    ne.targets[0].max_depth = Some(10);
-    let e = s.accept(vec![ne]).await.expect_err("refused");
-    assert!(
-        e.to_string()
-            .contains("not supported by the JetStream store yet"),
-        "{e}"
-    );
-    let mut ne = new_event("/s", "leased", &["a"], 1_000);
-    ne.targets[0].lease_ms = Some(5_000);
-    assert!(s.accept(vec![ne]).await.is_err());
-    assert_eq!(s.fate("/s", "capped").await.expect("fate"), None);
-    assert_eq!(s.fate("/s", "leased").await.expect("fate"), None);
+    let capped = |id: &str| {
+        let mut ne = new_event("/s", id, &["full", "free"], 1_000);
+        ne.targets[0].max_depth = Some(3);
+        ne
+    };
+    // Five in one call: three fit, two overflow.
+    s.accept((0..5).map(|i| capped(&format!("e{i}"))).collect())
+        .await
+        .expect("accept");
+    let fate = s.fate("/s", "e4").await.expect("fate").expect("known");
+    assert_eq!(fate.entries.len(), 1, "only the free target's entry");
+    assert_eq!(fate.entries[0].target_id, "free");
+    assert_eq!(fate.entries[0].id.idx, 1, "fan-out indexes keep their gaps");
+    assert_eq!(fate.dlq.len(), 1);
+    assert_eq!(fate.dlq[0].reason, DlqReason::TargetOverflow);
+    assert_eq!(fate.dlq[0].target_id.as_deref(), Some("full"));
+    // Later calls count what the queue holds (the view); draining one frees one place.
+    assert_eq!(lease_ok(&s, "full", 1_000, 10, 60_000).await.len(), 3);
+    s.accept(vec![capped("e5")]).await.expect("accept");
+    s.settled().await;
+    let stats = s.queue_stats(1_000);
+    assert_eq!(stats["full"].in_flight, 3);
+    assert_eq!(stats["full"].dlq, 3);
+    assert_eq!(stats["free"].queued, 6);
+    let l = lease_ok(&s, "full", 1_000, 1, 60_000).await;
+    assert!(l.is_empty());
+}
+
+/// Entries leased at acceptance come back with their event and a lease whose token is the
+/// record's revision: the caller finishes them like any lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_leased_at_acceptance_are_finished_like_any_lease() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let mut ne = new_event("/s", "e1", &["a", "b"], 1_000);
+    ne.targets[0].lease_ms = Some(30_000);
+    let mut dup = new_event("/s", "e1", &["a"], 1_000);
+    dup.targets[0].lease_ms = Some(30_000);
+    let (out, handed) = s.accept_leased(vec![ne, dup]).await.expect("accept");
+    assert!(matches!(out[0], AcceptOutcome::Accepted { .. }), "{out:?}");
+    assert!(matches!(out[1], AcceptOutcome::Duplicate { .. }), "{out:?}");
+    assert_eq!(handed.len(), 1, "the duplicate's entry is not handed out");
+    let l = &handed[0].leased;
+    assert_eq!(handed[0].event, 0);
+    assert_eq!(l.entry.target_id, "a");
+    assert_eq!(l.event.event.id, "e1");
+    assert_eq!(l.lease.until, 31_000);
+    assert_eq!(l.entry.attempts.len(), 1);
+    // Not leased again; the other target's entry waits in its queue.
+    assert!(lease_ok(&s, "a", 2_000, 10, 30_000).await.is_empty());
+    assert_eq!(lease_ok(&s, "b", 2_000, 10, 30_000).await.len(), 1);
+    deliver(&s, l, 2_000)
+        .await
+        .expect("finish the handed-off entry");
+    let fate = s.fate("/s", "e1").await.expect("fate").expect("known");
+    assert_eq!(fate.entries[0].state, EntryState::Delivered);
+    // Plain `accept` does not lease, and an ordered entry cannot be leased at acceptance.
+    let mut plain = new_event("/s", "e2", &["a"], 3_000);
+    plain.targets[0].lease_ms = Some(30_000);
+    s.accept(vec![plain]).await.expect("accept");
+    assert_eq!(lease_ok(&s, "a", 3_000, 10, 30_000).await.len(), 1);
+    let mut ordered = new_event("/s", "e3", &["a"], 3_000);
+    ordered.targets[0].lease_ms = Some(30_000);
+    ordered.targets[0].ordering_key = Some("k".into());
+    assert!(s.accept_leased(vec![ordered]).await.is_err());
+    assert_eq!(s.fate("/s", "e3").await.expect("fate"), None);
 }
 
 /// Two router nodes (two stores on one server) take the same (source, id) from 64 concurrent
@@ -698,4 +753,277 @@ async fn a_dead_letter_is_a_dlq_entry_with_every_attempt_and_a_release_costs_non
     // (A lease waits for the node's view to have its own writes.)
     assert!(lease_ok(&s, "a", 99_000, 1, 30_000).await.is_empty());
     assert!(s.targets_with_entries().is_empty());
+}
+
+fn keyed(id: &str, key: &str, at: Millis) -> NewEvent {
+    let mut ne = new_event("/o", id, &["t"], at);
+    ne.targets[0].ordering_key = Some(key.into());
+    ne
+}
+
+/// One entry of a key at a time, in acceptance order, through retries; other keys and
+/// unkeyed entries go on meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ordering_key_delivers_one_entry_at_a_time_in_order() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![
+        keyed("k1", "A", 1_000),
+        keyed("k2", "A", 1_001),
+        keyed("k3", "B", 1_002),
+    ])
+    .await
+    .expect("accept");
+    let first = lease_ok(&s, "t", 2_000, 10, 30_000).await;
+    let ids: Vec<&str> = first.iter().map(|l| l.event.event.id.as_str()).collect();
+    assert_eq!(ids.len(), 2, "{ids:?}");
+    assert!(ids.contains(&"k1") && ids.contains(&"k3"), "{ids:?}");
+    let k1 = first.iter().find(|l| l.event.event.id == "k1").expect("k1");
+    // A retry keeps the key: k2 waits behind k1's next attempt.
+    finish(
+        &s,
+        k1,
+        AttemptResult::Retryable,
+        Some("HTTP 500"),
+        Disposition::Retry { due_at: 5_000 },
+        2_100,
+    )
+    .await
+    .expect("retry");
+    assert!(lease_ok(&s, "t", 4_000, 10, 30_000).await.is_empty());
+    let again = lease_ok(&s, "t", 5_000, 10, 30_000).await;
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].event.event.id, "k1");
+    deliver(&s, &again[0], 5_100).await.expect("deliver k1");
+    let next = lease_ok(&s, "t", 5_100, 10, 30_000).await;
+    assert_eq!(next.len(), 1);
+    assert_eq!(next[0].event.event.id, "k2");
+}
+
+/// A dead letter with `hold` stops its key until an operator releases it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_key_waits_for_its_release() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![keyed("h1", "A", 1_000), keyed("h2", "A", 1_001)])
+        .await
+        .expect("accept");
+    let l = lease_ok(&s, "t", 2_000, 10, 30_000).await.remove(0);
+    finish(
+        &s,
+        &l,
+        AttemptResult::Permanent,
+        Some("HTTP 422"),
+        Disposition::DeadLetter {
+            reason: DlqReason::PermanentError,
+            hold: true,
+        },
+        2_100,
+    )
+    .await
+    .expect("dead letter");
+    assert!(lease_ok(&s, "t", 3_000, 10, 30_000).await.is_empty());
+    assert_eq!(s.held_keys("t"), vec!["A".to_string()]);
+    assert!(s.release_key("t", "A").await.expect("release"));
+    assert!(
+        !s.release_key("t", "A").await.expect("release"),
+        "no longer held"
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !s.held_keys("t").is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the release never reached the view"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let next = lease_ok(&s, "t", 3_000, 10, 30_000).await;
+    assert_eq!(next.len(), 1);
+    assert_eq!(next[0].event.event.id, "h2");
+}
+
+/// Workers of two nodes drain one ordered queue: never two entries of a key in flight at once;
+/// returns the delivery order.
+async fn drain_ordered(nodes: &[Arc<JetStreamStore>; 2], total: usize) -> Vec<String> {
+    let delivered = Arc::new(Mutex::new(Vec::<String>::new()));
+    let in_flight = Arc::new(Mutex::new(std::collections::HashSet::<String>::new()));
+    let tasks: Vec<_> = (0..4)
+        .map(|i| {
+            let node = nodes[i % 2].clone();
+            let delivered = delivered.clone();
+            let in_flight = in_flight.clone();
+            tokio::spawn(async move {
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+                while delivered.lock().expect("lock").len() < total {
+                    assert!(std::time::Instant::now() < deadline, "stalled");
+                    for l in lease_ok(&node, "t", 2_000, 2, 60_000).await {
+                        let key = l.entry.ordering_key.clone().expect("keyed");
+                        assert!(
+                            in_flight.lock().expect("lock").insert(key.clone()),
+                            "two entries of {key} in flight"
+                        );
+                        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+                        in_flight.lock().expect("lock").remove(&key);
+                        delivered
+                            .lock()
+                            .expect("lock")
+                            .push(l.event.event.id.clone());
+                        deliver(&node, &l, 2_000).await.expect("deliver");
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("task");
+    }
+    delivered.lock().expect("lock").clone()
+}
+
+/// Two nodes leasing one ordered queue at once deliver each key's entries one at a time, in
+/// acceptance order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_keep_a_key_in_order() {
+    let server = TestServer::start();
+    let nodes = [
+        Arc::new(store(&server).await),
+        Arc::new(store(&server).await),
+    ];
+    let batch: Vec<NewEvent> = (0..40)
+        .map(|i| keyed(&format!("o{i:02}"), &format!("K{}", i % 4), 1_000 + i))
+        .collect();
+    nodes[0].accept(batch).await.expect("accept");
+    await_due(&nodes[1], "t", 2_000, 4).await;
+    let delivered = drain_ordered(&nodes, 40).await;
+    assert_eq!(delivered.len(), 40);
+    for k in 0..4 {
+        let of_key: Vec<&String> = delivered
+            .iter()
+            .filter(|id| id[1..].parse::<usize>().expect("number") % 4 == k)
+            .collect();
+        let mut sorted = of_key.clone();
+        sorted.sort();
+        assert_eq!(of_key, sorted, "key K{k} out of order");
+    }
+}
+
+/// Entries of the same keys accepted on two nodes while both deliver: their views may see a
+/// new entry before the other node's older one, and the key lock still keeps one entry of a
+/// key in flight at a time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_accepted_on_two_nodes_stay_one_at_a_time() {
+    let server = TestServer::start();
+    let nodes = [
+        Arc::new(store(&server).await),
+        Arc::new(store(&server).await),
+    ];
+    let accepting: Vec<_> = (0..60)
+        .map(|i| {
+            let node = nodes[i % 2].clone();
+            tokio::spawn(async move {
+                node.accept(vec![keyed(
+                    &format!("x{i:02}"),
+                    &format!("K{}", i % 3),
+                    1_000,
+                )])
+                .await
+                .expect("accept")
+            })
+        })
+        .collect();
+    let drained = {
+        let nodes = nodes.clone();
+        tokio::spawn(async move { drain_ordered(&nodes, 60).await })
+    };
+    for a in accepting {
+        a.await.expect("accept task");
+    }
+    assert_eq!(drained.await.expect("drain task").len(), 60);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_entries_of_a_removed_target_go_to_the_dlq_and_leased_ones_stay() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(
+        (0..5)
+            .map(|i| new_event("/s", &format!("r{i}"), &["gone"], 1_000))
+            .collect(),
+    )
+    .await
+    .expect("accept");
+    let held = lease_ok(&s, "gone", 1_000, 2, 60_000).await;
+    let n = s
+        .dead_letter_queued(
+            "gone",
+            DlqReason::TargetRemoved,
+            "target removed by reload",
+            2_000,
+        )
+        .await
+        .expect("dead letter queued");
+    assert_eq!(n, 3);
+    let mut dead = 0;
+    for i in 0..5 {
+        let fate = s
+            .fate("/s", &format!("r{i}"))
+            .await
+            .expect("fate")
+            .expect("known");
+        if fate.entries[0].state == EntryState::Dead {
+            dead += 1;
+            assert_eq!(fate.dlq[0].reason, DlqReason::TargetRemoved);
+            assert_eq!(fate.dlq[0].errors[0].message, "target removed by reload");
+        }
+    }
+    assert_eq!(dead, 3);
+    for l in &held {
+        deliver(&s, l, 2_100).await.expect("the leased ones finish");
+    }
+}
+
+/// The key lock, not the view, is what stops a node whose view lags: with the key's first
+/// entry leased elsewhere, a lease of its second entry (as a view that has not yet seen the
+/// first would propose) is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lagging_view_cannot_lease_a_second_entry_of_a_key() {
+    let server = TestServer::start();
+    let a = store(&server).await;
+    let b = store(&server).await;
+    a.accept(vec![keyed("l1", "A", 1_000), keyed("l2", "A", 1_001)])
+        .await
+        .expect("accept");
+    let first = lease_ok(&a, "t", 2_000, 10, 60_000).await;
+    assert_eq!(first.len(), 1);
+    // What a lagging view would propose: the second entry, at its current revision (once b
+    // has it at all; 10 s is far above the milliseconds that takes).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let second = loop {
+        if let Some(l) = b
+            .view
+            .candidates_unordered("t")
+            .into_iter()
+            .find(|l| l.entry.id != first[0].entry.id)
+        {
+            break l;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "b never saw the second entry"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    };
+    let got = b
+        .lease_one(second.revision, second.entry.clone(), 2_000, 60_000)
+        .await
+        .expect("lease");
+    assert!(got.is_none(), "a second entry of key A was leased: {got:?}");
+    // Once the first is delivered, the lock passes on.
+    deliver(&a, &first[0], 2_100).await.expect("deliver");
+    let got = b
+        .lease_one(second.revision, second.entry, 2_200, 60_000)
+        .await
+        .expect("lease");
+    assert!(got.is_some());
 }

@@ -16,8 +16,8 @@ use async_nats::jetstream::stream;
 use futures::StreamExt;
 use tokio::sync::{Notify, watch};
 
-use super::EntryRecord;
-use crate::store::{EntryId, EntryState, Millis, QueueEntry};
+use super::{EntryRecord, HeldRecord};
+use crate::store::{DlqEntry, EntryId, EntryState, Millis, QueueEntry, QueueStats};
 
 /// A live (queued) entry as the view last saw it.
 #[derive(Debug, Clone)]
@@ -33,24 +33,48 @@ pub(super) struct Live {
 #[derive(Default)]
 struct State {
     live: HashMap<EntryId, Live>,
-    /// Per target: (available at, entry).
+    /// Per target: (available at, entry), leased entries included.
     ready: HashMap<String, BTreeSet<(Millis, EntryId)>>,
+    /// Live entries per (target, ordering key), in acceptance order: only the first may be
+    /// leased.
+    keys: HashMap<(String, String), BTreeSet<(Millis, EntryId)>>,
+    /// Keys held after a dead letter, per target; and which record holds each.
+    held: HashMap<String, BTreeSet<String>>,
+    held_records: HashMap<String, (String, String)>,
+    /// DLQ entries: their target (`None` for quarantined events).
+    dlq: HashMap<u64, Option<String>>,
     notifiers: HashMap<String, Arc<Notify>>,
 }
 
 impl State {
-    fn apply(&mut self, id: EntryId, revision: u64, entry: Option<QueueEntry>) {
-        if let Some(old) = self.live.get(&id) {
-            if old.revision >= revision {
-                return;
-            }
-            let target = old.entry.target_id.clone();
-            let key = (old.available_at, id);
-            if let Some(set) = self.ready.get_mut(&target) {
-                set.remove(&key);
-            }
-            self.live.remove(&id);
+    fn remove_live(&mut self, id: EntryId) {
+        let Some(old) = self.live.remove(&id) else {
+            return;
+        };
+        let target = old.entry.target_id;
+        if let Some(set) = self.ready.get_mut(&target) {
+            set.remove(&(old.available_at, id));
         }
+        if let Some(k) = old.entry.ordering_key {
+            let slot = (target, k);
+            if let Some(set) = self.keys.get_mut(&slot) {
+                set.remove(&(old.entry.accepted_at, id));
+                if set.is_empty() {
+                    self.keys.remove(&slot);
+                }
+            }
+        }
+    }
+
+    fn apply(&mut self, id: EntryId, revision: u64, entry: Option<QueueEntry>) {
+        if self
+            .live
+            .get(&id)
+            .is_some_and(|old| old.revision >= revision)
+        {
+            return;
+        }
+        self.remove_live(id);
         let Some(entry) = entry.filter(|e| e.state == EntryState::Queued) else {
             return;
         };
@@ -62,6 +86,12 @@ impl State {
             .entry(target.clone())
             .or_default()
             .insert((available_at, id));
+        if let Some(k) = &entry.ordering_key {
+            self.keys
+                .entry((target.clone(), k.clone()))
+                .or_default()
+                .insert((entry.accepted_at, id));
+        }
         self.live.insert(
             id,
             Live {
@@ -70,8 +100,45 @@ impl State {
                 available_at,
             },
         );
-        if let Some(n) = self.notifiers.get(&target) {
+        self.notify(&target);
+    }
+
+    fn notify(&self, target: &str) {
+        if let Some(n) = self.notifiers.get(target) {
             n.notify_one();
+        }
+    }
+
+    /// Whether ordering lets `live` be leased: unkeyed, or the first live entry of a key that
+    /// is not held.
+    fn ordering_allows(&self, live: &Live) -> bool {
+        let e = &live.entry;
+        let Some(k) = &e.ordering_key else {
+            return true;
+        };
+        if self.held.get(&e.target_id).is_some_and(|h| h.contains(k)) {
+            return false;
+        }
+        self.keys
+            .get(&(e.target_id.clone(), k.clone()))
+            .and_then(|s| s.first())
+            .is_some_and(|(_, first)| *first == e.id)
+    }
+
+    fn apply_held(&mut self, subject: &str, held: Option<(String, String)>) {
+        if let Some((target, key)) = self.held_records.remove(subject)
+            && let Some(set) = self.held.get_mut(&target)
+        {
+            set.remove(&key);
+            // The key's next entry may go now.
+            self.notify(&target);
+        }
+        if let Some((target, key)) = held {
+            self.held
+                .entry(target.clone())
+                .or_default()
+                .insert(key.clone());
+            self.held_records.insert(subject.to_string(), (target, key));
         }
     }
 }
@@ -79,7 +146,7 @@ impl State {
 /// The view, shared by the store and its follower task.
 pub(super) struct View {
     state: Mutex<State>,
-    /// The highest entry revision applied.
+    /// The highest revision applied (of the records the view follows).
     applied: watch::Sender<u64>,
     /// Whether the follower has read everything there was when it started.
     loaded: watch::Sender<bool>,
@@ -106,18 +173,83 @@ impl View {
         };
         set.iter()
             .take_while(|(at, _)| *at <= now)
+            .filter_map(|(_, id)| st.live.get(id))
+            .filter(|l| st.ordering_allows(l))
             .take(max)
-            .filter_map(|(_, id)| st.live.get(id).cloned())
+            .cloned()
+            .collect()
+    }
+
+    /// Every live entry of `target`, leased or not, ignoring ordering (tests stand in for a
+    /// lagging view with it).
+    #[cfg(test)]
+    pub fn candidates_unordered(&self, target: &str) -> Vec<Live> {
+        let st = self.state();
+        st.live
+            .values()
+            .filter(|l| l.entry.target_id == target)
+            .cloned()
             .collect()
     }
 
     /// How many entries of `target` may be leased at `now`, up to `max`.
     pub fn due_count(&self, target: &str, now: Millis, max: usize) -> usize {
-        self.state().ready.get(target).map_or(0, |set| {
+        let st = self.state();
+        st.ready.get(target).map_or(0, |set| {
             set.iter()
                 .take_while(|(at, _)| *at <= now)
+                .filter_map(|(_, id)| st.live.get(id))
+                .filter(|l| st.ordering_allows(l))
                 .take(max)
                 .count()
+        })
+    }
+
+    /// Live entries of `target` (waiting or leased): what its depth cap counts.
+    pub fn depth(&self, target: &str) -> u64 {
+        self.state().ready.get(target).map_or(0, |s| s.len() as u64)
+    }
+
+    /// Ordering keys of `target` held after a dead letter.
+    pub fn held_keys(&self, target: &str) -> Vec<String> {
+        self.state()
+            .held
+            .get(target)
+            .map(|h| h.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Per-target numbers: waiting, leased at `now`, oldest acceptance, DLQ entries.
+    pub fn stats(&self, now: Millis) -> std::collections::BTreeMap<String, QueueStats> {
+        let st = self.state();
+        let mut out: std::collections::BTreeMap<String, QueueStats> = Default::default();
+        for l in st.live.values() {
+            let s = out.entry(l.entry.target_id.clone()).or_default();
+            if l.entry.lease.is_some_and(|lease| lease.until >= now) {
+                s.in_flight += 1;
+            } else {
+                s.queued += 1;
+            }
+            s.oldest_accepted_at = Some(
+                s.oldest_accepted_at
+                    .map_or(l.entry.accepted_at, |o| o.min(l.entry.accepted_at)),
+            );
+        }
+        for t in st.dlq.values().flatten() {
+            out.entry(t.clone()).or_default().dlq += 1;
+        }
+        out
+    }
+
+    /// Waiting (not leased at `now`) entries of `target`.
+    pub fn waiting(&self, target: &str, now: Millis) -> Vec<Live> {
+        let st = self.state();
+        st.ready.get(target).map_or_else(Vec::new, |set| {
+            set.iter()
+                .filter_map(|(_, id)| st.live.get(id))
+                .filter(|l| l.entry.lease.is_none_or(|lease| lease.until < now))
+                .cloned()
+                .collect()
         })
     }
 
@@ -140,8 +272,8 @@ impl View {
 
     /// Targets with live entries.
     pub fn targets(&self) -> Vec<String> {
-        let st = self.state();
-        st.ready
+        self.state()
+            .ready
             .iter()
             .filter(|(_, s)| !s.is_empty())
             .map(|(t, _)| t.clone())
@@ -173,24 +305,46 @@ impl View {
         payload: &[u8],
         tomb: bool,
     ) {
-        let Some(id) = entry_id(prefix, subject) else {
+        let Some(rest) = subject
+            .strip_prefix(prefix)
+            .and_then(|r| r.strip_prefix('.'))
+        else {
             return;
         };
-        let entry = if tomb {
-            None
-        } else {
-            match serde_json::from_slice::<EntryRecord>(payload) {
-                Ok(mut r) => {
-                    r.entry.id = id;
-                    Some(r.entry)
+        let mut st = self.state();
+        if let Some(id) = entry_id(rest) {
+            let entry = if tomb {
+                None
+            } else {
+                match serde_json::from_slice::<EntryRecord>(payload) {
+                    Ok(mut r) => {
+                        r.entry.id = id;
+                        Some(r.entry)
+                    }
+                    Err(e) => {
+                        tracing::error!(%subject, error = %e, "undecodable queue entry record; left out of the view");
+                        None
+                    }
                 }
-                Err(e) => {
-                    tracing::error!(%subject, error = %e, "undecodable queue entry record; left out of the view");
-                    None
-                }
+            };
+            st.apply(id, revision, entry);
+        } else if rest.starts_with("hk.") {
+            let held = if tomb {
+                None
+            } else {
+                serde_json::from_slice::<HeldRecord>(payload)
+                    .ok()
+                    .map(|h| (h.target, h.key))
+            };
+            st.apply_held(subject, held);
+        } else if let Some(id) = rest.strip_prefix("dl.").and_then(|i| i.parse::<u64>().ok()) {
+            if tomb {
+                st.dlq.remove(&id);
+            } else if let Ok(d) = serde_json::from_slice::<DlqEntry>(payload) {
+                st.dlq.insert(id, d.target_id);
             }
-        };
-        self.state().apply(id, revision, entry);
+        }
+        drop(st);
         self.applied.send_if_modified(|a| {
             let newer = revision > *a;
             if newer {
@@ -201,9 +355,18 @@ impl View {
     }
 }
 
-/// The entry id of subject `<prefix>.en.<seq>.<idx>`.
-fn entry_id(prefix: &str, subject: &str) -> Option<EntryId> {
-    let rest = subject.strip_prefix(prefix)?.strip_prefix(".en.")?;
+/// The kinds of records the view follows: queue entries, held keys, DLQ entries.
+const FOLLOWED: [&str; 3] = ["en", "hk", "dl"];
+
+/// Whether the view follows record `key`.
+pub(super) fn follows(key: &str) -> bool {
+    key.split_once('.')
+        .is_some_and(|(kind, _)| FOLLOWED.contains(&kind))
+}
+
+/// The entry id of record key `en.<seq>.<idx>`.
+fn entry_id(key: &str) -> Option<EntryId> {
+    let rest = key.strip_prefix("en.")?;
     let (event, idx) = rest.split_once('.')?;
     Some(EntryId {
         event: event.parse().ok()?,
@@ -215,24 +378,29 @@ fn entry_id(prefix: &str, subject: &str) -> Option<EntryId> {
 /// recreates itself over gaps; when the stream itself fails the follower starts over after a
 /// pause, re-reading every record (the view ignores what it has already applied).
 pub(super) async fn follow(view: Arc<View>, stream: stream::Stream, prefix: String) {
-    let filter = format!("{prefix}.en.>");
+    let filters: Vec<String> = FOLLOWED.iter().map(|k| format!("{prefix}.{k}.>")).collect();
     loop {
-        // Nothing to load when no entry record exists yet.
-        match stream
-            .direct_get_builder()
-            .sequence(1)
-            .next_by_subject(filter.clone())
-            .send()
-            .await
-        {
-            Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => {
-                view.loaded.send_replace(true);
+        // Nothing to load when none of the followed records exists yet (the consumer would
+        // then deliver nothing to say it has caught up).
+        let mut any = false;
+        for f in &filters {
+            match stream
+                .direct_get_builder()
+                .sequence(1)
+                .next_by_subject(f.clone())
+                .send()
+                .await
+            {
+                Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => {}
+                _ => any = true,
             }
-            _ => {}
+        }
+        if !any {
+            view.loaded.send_replace(true);
         }
         let consumer = stream
             .create_consumer(OrderedConfig {
-                filter_subject: filter.clone(),
+                filter_subjects: filters.clone(),
                 deliver_policy: DeliverPolicy::All,
                 ..Default::default()
             })
@@ -321,12 +489,8 @@ mod tests {
 
     #[test]
     fn entry_subjects_parse_only_under_the_prefix() {
-        assert_eq!(
-            entry_id("rt", "rt.en.42.3"),
-            Some(EntryId { event: 42, idx: 3 })
-        );
-        assert_eq!(entry_id("rt", "rt.ev.42"), None);
-        assert_eq!(entry_id("rt", "other.en.42.3"), None);
-        assert_eq!(entry_id("rt", "rt.en.x.3"), None);
+        assert_eq!(entry_id("en.42.3"), Some(EntryId { event: 42, idx: 3 }));
+        assert_eq!(entry_id("ev.42"), None);
+        assert_eq!(entry_id("en.x.3"), None);
     }
 }
