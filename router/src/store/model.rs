@@ -746,6 +746,62 @@ pub struct SummaryRow {
     pub histogram: Vec<(Millis, u64)>,
 }
 
+/// A summary row under construction and its histogram buckets.
+type SummaryGroup = (SummaryRow, std::collections::BTreeMap<Millis, u64>);
+
+/// Groups DLQ entries into `SummaryRow`s: the DLQ summary, the same on every backend.
+#[derive(Debug)]
+pub struct DlqSummary {
+    bucket_ms: i64,
+    groups: std::collections::BTreeMap<(Option<String>, DlqReason), SummaryGroup>,
+}
+
+impl DlqSummary {
+    /// An empty summary with histogram buckets of `bucket_ms` (at least a second).
+    pub fn new(bucket_ms: i64) -> Self {
+        Self {
+            bucket_ms: bucket_ms.max(1000),
+            groups: Default::default(),
+        }
+    }
+
+    /// Counts `e` into its (target, reason) group.
+    pub fn add(&mut self, e: &DlqEntry) {
+        let g = self
+            .groups
+            .entry((e.target_id.clone(), e.reason))
+            .or_insert_with(|| {
+                (
+                    SummaryRow {
+                        target: e.target_id.clone(),
+                        reason: e.reason,
+                        count: 0,
+                        first_failure_at: e.first_failure_at,
+                        last_failure_at: e.last_failure_at,
+                        histogram: Vec::new(),
+                    },
+                    Default::default(),
+                )
+            });
+        g.0.count += 1;
+        g.0.first_failure_at = g.0.first_failure_at.min(e.first_failure_at);
+        g.0.last_failure_at = g.0.last_failure_at.max(e.last_failure_at);
+        *g.1.entry(e.last_failure_at - e.last_failure_at.rem_euclid(self.bucket_ms))
+            .or_default() += 1;
+    }
+
+    /// The rows, by target and reason.
+    pub fn rows(self) -> Vec<SummaryRow> {
+        self.groups
+            .into_values()
+            .map(|(mut row, hist)| {
+                row.histogram = hist.into_iter().collect();
+                row
+            })
+            .collect()
+    }
+}
+
 /// Everything known about one event: for `GET /v1/events/{id}`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Fate {

@@ -83,9 +83,6 @@ const COMPACT_CHECK_GAP: Duration = Duration::from_secs(1);
 /// (docs/BENCHMARKS.md, eleventh session).
 const SWEEP_BATCH: usize = 256;
 
-/// A summary row under construction and its histogram buckets.
-type SummaryGroup = (SummaryRow, BTreeMap<i64, u64>);
-
 /// Called after every commit with its duration and the number of ops it carried.
 pub type CommitObserver = Arc<dyn Fn(Duration, usize) + Send + Sync>;
 
@@ -1291,41 +1288,14 @@ impl Store for RedbStore {
         let db = self.read_db();
         let r = db.begin_read()?;
         let t = r.open_table(DLQ)?;
-        let bucket_ms = bucket_ms.max(1000);
-        let mut groups: BTreeMap<(Option<String>, DlqReason), SummaryGroup> = BTreeMap::new();
+        let mut summary = DlqSummary::new(bucket_ms);
         for row in t.iter()? {
             let e: DlqEntry = dec("dlq", row?.1.value())?;
-            if !filter.matches(&e) {
-                continue;
+            if filter.matches(&e) {
+                summary.add(&e);
             }
-            let g = groups
-                .entry((e.target_id.clone(), e.reason))
-                .or_insert_with(|| {
-                    (
-                        SummaryRow {
-                            target: e.target_id.clone(),
-                            reason: e.reason,
-                            count: 0,
-                            first_failure_at: e.first_failure_at,
-                            last_failure_at: e.last_failure_at,
-                            histogram: Vec::new(),
-                        },
-                        BTreeMap::new(),
-                    )
-                });
-            g.0.count += 1;
-            g.0.first_failure_at = g.0.first_failure_at.min(e.first_failure_at);
-            g.0.last_failure_at = g.0.last_failure_at.max(e.last_failure_at);
-            *g.1.entry(e.last_failure_at - e.last_failure_at.rem_euclid(bucket_ms))
-                .or_default() += 1;
         }
-        Ok(groups
-            .into_values()
-            .map(|(mut row, hist)| {
-                row.histogram = hist.into_iter().collect();
-                row
-            })
-            .collect())
+        Ok(summary.rows())
     }
 
     fn events_between(

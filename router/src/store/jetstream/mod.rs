@@ -19,6 +19,7 @@
 //! write expects the revision the node read: two nodes accepting the same (source, id) at
 //! once cannot both store it.
 
+mod ops;
 pub mod records;
 mod view;
 
@@ -34,9 +35,12 @@ use self::records::{Expect, Records, RecordsConfig, RecordsError, Versioned, Wri
 use super::redb_store::idempotency_key;
 use super::{
     AcceptOutcome, AttemptEnd, AttemptResult, Disposition, DlqEntry, DlqReason, EntryId,
-    EntryState, Fate, FinishError, Lease, Leased, LeasedAtAccept, Millis, NewEntry, NewEvent,
-    QueueEntry, StoreError, StoredEvent,
+    EntryState, Fate, FinishError, KvOp, KvUsage, Lease, Leased, LeasedAtAccept, Millis, NewEntry,
+    NewEvent, Outbox, QueueEntry, StoreError, StoredEvent,
 };
+
+/// The internal answer of one finish attempt whose outbox records changed under it.
+const RETRY_FINISH: &str = "outbox records changed; retrying the finish";
 
 /// How many sequence numbers a node reserves from a counter at a time. Numbers of a block a
 /// node does not use (it stops) are never used: sequences have gaps, never repeats.
@@ -174,23 +178,12 @@ fn dlq_key(id: u64) -> String {
     format!("dl.{id}")
 }
 
-/// The fingerprint of (target, ordering key), for record keys.
-fn key_fp(target: &str, key: &str) -> String {
-    use sha2::{Digest, Sha256};
-    let mut h = Sha256::new();
-    for part in [target, key] {
-        h.update((part.len() as u64).to_le_bytes());
-        h.update(part.as_bytes());
-    }
-    hex::encode(&h.finalize()[..16])
-}
-
 fn held_key(target: &str, key: &str) -> String {
-    format!("hk.{}", key_fp(target, key))
+    format!("hk.{}", ops::fp(&[target, key]))
 }
 
 fn lock_key(target: &str, key: &str) -> String {
-    format!("kl.{}", key_fp(target, key))
+    format!("kl.{}", ops::fp(&[target, key]))
 }
 
 /// One event's writes, prepared for a commit.
@@ -836,12 +829,25 @@ impl JetStreamStore {
         disposition: Disposition,
         now: Millis,
     ) -> Result<(), FinishError> {
-        if end.outbox.is_some() {
-            return Err(StoreError::Backend(
-                "handler outboxes are not supported by the JetStream store yet".into(),
-            )
-            .into());
+        // A conflict is either the lease taken over (fenced) or a key-value record of the
+        // outbox changed by another delivery: the second is read again and retried.
+        for _ in 0..MAX_RETRIES {
+            match self.finish_once(id, lease, &end, &disposition, now).await {
+                Err(FinishError::Store(StoreError::Backend(m))) if m == RETRY_FINISH => continue,
+                other => return other,
+            }
         }
+        Err(StoreError::Backend("the handler's key-value records kept changing".into()).into())
+    }
+
+    async fn finish_once(
+        &self,
+        id: EntryId,
+        lease: Lease,
+        end: &AttemptEnd,
+        disposition: &Disposition,
+        now: Millis,
+    ) -> Result<(), FinishError> {
         let Some(Versioned {
             value: Some(bytes),
             revision,
@@ -870,8 +876,11 @@ impl JetStreamStore {
             a.status = end.status;
             a.error = end.error.clone();
         }
-        let mut writes = Vec::with_capacity(2);
-        match disposition {
+        let mut writes = match end.outbox.as_deref() {
+            Some(outbox) => self.outbox_writes(outbox, now).await?,
+            None => Vec::new(),
+        };
+        match *disposition {
             Disposition::Delivered => {
                 e.state = EntryState::Delivered;
                 e.finished_at = Some(now);
@@ -891,7 +900,7 @@ impl JetStreamStore {
                 let dlq_id = self.next_number("dlq").await?;
                 let d = DlqEntry {
                     id: dlq_id,
-                    ..DlqEntry::of_given_up(e, names, reason, &end, now)
+                    ..DlqEntry::of_given_up(e, names, reason, end, now)
                 };
                 writes.push(Write::put(dlq_key(dlq_id), enc(&d), Expect::Revision(0)));
                 record.dlq = Some(dlq_id);
@@ -901,12 +910,198 @@ impl JetStreamStore {
             0,
             Write::put(entry_key(id), enc(&record), Expect::Revision(revision)),
         );
+        if writes.len() > records::MAX_BATCH {
+            return Err(StoreError::Backend(format!(
+                "the outbox needs {} writes, over the {} of one atomic batch",
+                writes.len(),
+                records::MAX_BATCH
+            ))
+            .into());
+        }
         match self.commit(writes).await {
             Ok(_) => Ok(()),
-            // Taken over between the read and the write.
-            Err(RecordsError::Conflict) => Err(FinishError::Fenced),
+            Err(RecordsError::Conflict) => {
+                // Taken over between the read and the write, or an outbox record changed.
+                match self
+                    .records
+                    .get(&entry_key(id))
+                    .await
+                    .map_err(StoreError::from)?
+                {
+                    Some(v) if v.revision == revision => {
+                        Err(StoreError::Backend(RETRY_FINISH.into()).into())
+                    }
+                    _ => Err(FinishError::Fenced),
+                }
+            }
             Err(e) => Err(StoreError::from(e).into()),
         }
+    }
+
+    /// The writes of a handler's outbox: emitted events (accepted with dedup: a re-run's
+    /// events with the same ids are not stored twice), key-value writes expecting what was
+    /// read (and the compare-and-set preconditions checked now and again at commit), the
+    /// namespaces' usage, and the COMPLETED record.
+    async fn outbox_writes(&self, outbox: &Outbox, now: Millis) -> Result<Vec<Write>, FinishError> {
+        let mut writes = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        let mut depth = HashMap::new();
+        for (i, ne) in outbox.emitted.iter().enumerate() {
+            let key = dedup_record_key(&ne.event.source, &ne.event.id);
+            if !seen.insert(key.clone()) {
+                continue;
+            }
+            let read = self.records.get(&key).await.map_err(StoreError::from)?;
+            if self.live_duplicate(ne, read.as_ref())?.is_some() {
+                continue;
+            }
+            let p = self
+                .prepare(i, ne, key, read.as_ref(), false, &mut depth)
+                .await?;
+            writes.extend(p.writes);
+        }
+        // Every key the outbox reads or writes, as it is now.
+        let mut touched: Vec<(String, String)> = outbox
+            .cas
+            .iter()
+            .map(|(ns, k, _)| (ns.clone(), k.clone()))
+            .chain(
+                outbox
+                    .kv
+                    .iter()
+                    .map(|op| (op.namespace.clone(), op.key.clone())),
+            )
+            .collect();
+        touched.sort();
+        touched.dedup();
+        let mut current: HashMap<(String, String), Option<Versioned>> = HashMap::new();
+        for (ns, k) in touched {
+            let read = self
+                .records
+                .get(&ops::kv_key(&ns, &k))
+                .await
+                .map_err(StoreError::from)?;
+            current.insert((ns, k), read);
+        }
+        let live_value = |read: &Option<Versioned>| -> Result<Option<Vec<u8>>, StoreError> {
+            match read.as_ref().and_then(|v| v.value.as_ref()) {
+                Some(bytes) => {
+                    let r: ops::KvRecord = dec("kv", bytes)?;
+                    if r.expires_at.is_some_and(|e| e <= now) {
+                        return Ok(None);
+                    }
+                    use base64::Engine;
+                    base64::engine::general_purpose::STANDARD
+                        .decode(&r.value)
+                        .map(Some)
+                        .map_err(|e| StoreError::Corrupt {
+                            table: "kv",
+                            message: e.to_string(),
+                        })
+                }
+                None => Ok(None),
+            }
+        };
+        let written: std::collections::HashSet<(String, String)> = outbox
+            .kv
+            .iter()
+            .map(|op| (op.namespace.clone(), op.key.clone()))
+            .collect();
+        for (ns, k, expected) in &outbox.cas {
+            let slot = (ns.clone(), k.clone());
+            let read = current.get(&slot).cloned().flatten();
+            if live_value(&read)? != *expected {
+                return Err(FinishError::Conflict(k.clone()));
+            }
+            if !written.contains(&slot) {
+                // Re-asserted at commit: the record must still be at the revision read.
+                let key = ops::kv_key(ns, k);
+                writes.push(match read.as_ref().and_then(|v| v.value.clone()) {
+                    Some(bytes) => Write::put(key, bytes, Expect::unchanged(read.as_ref())),
+                    None => Write::delete(key, Expect::unchanged(read.as_ref())),
+                });
+            }
+        }
+        // Usage per namespace: stored entries (expired ones count until swept).
+        let mut usage: HashMap<String, (i64, i64)> = HashMap::new();
+        let mut last_op: HashMap<(String, String), &KvOp> = HashMap::new();
+        for op in &outbox.kv {
+            last_op.insert((op.namespace.clone(), op.key.clone()), op);
+        }
+        for ((ns, k), op) in &last_op {
+            let read = current.get(&(ns.clone(), k.clone())).cloned().flatten();
+            let old = match read.as_ref().and_then(|v| v.value.as_ref()) {
+                Some(bytes) => {
+                    let r: ops::KvRecord = dec("kv", bytes)?;
+                    let len = base64::Engine::decode(
+                        &base64::engine::general_purpose::STANDARD,
+                        &r.value,
+                    )
+                    .map(|v| v.len())
+                    .unwrap_or_default();
+                    Some(KvUsage::entry_bytes(k, &vec![0; len]) as i64)
+                }
+                None => None,
+            };
+            let new = op.value.as_ref().map(|v| KvUsage::entry_bytes(k, v) as i64);
+            let u = usage.entry(ns.clone()).or_default();
+            u.0 += new.unwrap_or(0) - old.unwrap_or(0);
+            u.1 += i64::from(new.is_some()) - i64::from(old.is_some());
+            let key = ops::kv_key(ns, k);
+            writes.push(match &op.value {
+                Some(v) => Write::put(
+                    key,
+                    enc(&ops::KvRecord {
+                        namespace: ns.clone(),
+                        key: k.clone(),
+                        value: ops::b64(v),
+                        expires_at: op.expires_at,
+                    }),
+                    Expect::unchanged(read.as_ref()),
+                ),
+                None => Write::delete(key, Expect::unchanged(read.as_ref())),
+            });
+        }
+        for (ns, (bytes, keys)) in usage {
+            let ukey = ops::usage_key(&ns);
+            let read = self.records.get(&ukey).await.map_err(StoreError::from)?;
+            let old: ops::UsageRecord = match read.as_ref().and_then(|v| v.value.as_ref()) {
+                Some(b) => dec("kv usage", b)?,
+                None => ops::UsageRecord::default(),
+            };
+            let new_bytes = (old.bytes as i64 + bytes).max(0) as u64;
+            if let Some(max) = outbox.kv_max_bytes
+                && bytes > 0
+                && new_bytes > max
+            {
+                return Err(FinishError::KvQuota {
+                    namespace: ns,
+                    would_hold: new_bytes,
+                    max,
+                });
+            }
+            let record = ops::UsageRecord {
+                namespace: ns,
+                bytes: new_bytes,
+                keys: (old.keys as i64 + keys).max(0) as u64,
+            };
+            writes.push(Write::put(
+                ukey,
+                enc(&record),
+                Expect::unchanged(read.as_ref()),
+            ));
+        }
+        if let Some(c) = &outbox.completed {
+            writes.push(Write::put(
+                ops::completed_key(&c.handler, &c.key),
+                enc(&ops::CompletedRecord {
+                    result: ops::b64(&c.result),
+                    expires_at: c.expires_at,
+                }),
+                Expect::Any,
+            ));
+        }
+        Ok(writes)
     }
 
     /// How many of `target`'s entries could be leased at `now`, up to `max` (as this node's

@@ -238,6 +238,77 @@ impl Records {
         }
     }
 
+    /// Every live record under `kind.` (tombstones left out), as (key, revision, value),
+    /// read from an ordered consumer until it has caught up. Costs a pass over those
+    /// records: for listings that are rare or small (target states, jobs, the DLQ).
+    pub async fn scan(&self, kind: &str) -> Result<Vec<(String, u64, Bytes)>, RecordsError> {
+        use futures::StreamExt;
+        let filter = self.subject(&format!("{kind}.>"));
+        match self
+            .stream
+            .direct_get_builder()
+            .sequence(1)
+            .next_by_subject(filter.clone())
+            .send()
+            .await
+        {
+            Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(RecordsError::Server(format!("scan {kind}: {e}"))),
+            Ok(_) => {}
+        }
+        let consumer = self
+            .stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                filter_subject: filter,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| RecordsError::Server(format!("scan {kind}: {e}")))?;
+        let mut messages = consumer
+            .messages()
+            .await
+            .map_err(|e| RecordsError::Server(format!("scan {kind}: {e}")))?;
+        let strip = self.config.prefix.len() + 1;
+        let mut out = Vec::new();
+        loop {
+            let next = tokio::time::timeout(self.config.timeout, messages.next())
+                .await
+                .map_err(|_| RecordsError::Server(format!("scan {kind}: timed out")))?;
+            let Some(m) = next else { break };
+            let m = m.map_err(|e| RecordsError::Server(format!("scan {kind}: {e}")))?;
+            let info = m
+                .info()
+                .map_err(|e| RecordsError::Server(format!("scan {kind}: {e}")))?;
+            let (revision, pending) = (info.stream_sequence, info.pending);
+            let tomb = m
+                .headers
+                .as_ref()
+                .is_some_and(|h| h.get(TOMBSTONE).is_some());
+            if !tomb {
+                let key = m
+                    .subject
+                    .as_str()
+                    .get(strip..)
+                    .unwrap_or_default()
+                    .to_string();
+                out.push((key, revision, m.payload.clone()));
+            }
+            if pending == 0 {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Bytes the records' stream holds on the server.
+    pub async fn stream_bytes(&self) -> Result<u64, RecordsError> {
+        self.stream
+            .get_info()
+            .await
+            .map(|i| i.state.bytes)
+            .map_err(|e| RecordsError::Server(format!("stream info: {e}")))
+    }
+
     /// `get` for an owned key (for futures that outlive the caller's borrow of it).
     pub async fn get_owned(&self, key: String) -> Result<Option<Versioned>, RecordsError> {
         self.get(&key).await

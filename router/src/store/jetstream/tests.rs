@@ -4,6 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use serde_json::json;
 
 use super::records::{Expect, Records, RecordsError, Write};
 use super::test_server::TestServer;
@@ -1026,4 +1027,288 @@ async fn a_lagging_view_cannot_lease_a_second_entry_of_a_key() {
         .await
         .expect("lease");
     assert!(got.is_some());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Operations outside the delivery path, and handler outboxes
+
+use crate::store::{CompletedRecord, DlqFilter, Job, JobKind, JobState, KvOp, KvUsage, Outbox};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn target_states_saved_targets_and_jobs_keep_the_last_write() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    assert!(s.target_states().await.expect("states").is_empty());
+    s.put_target_state("a", json!({"paused": true}))
+        .await
+        .expect("put");
+    s.put_target_state("b.c d", json!({"breaker": "open"}))
+        .await
+        .expect("put");
+    s.put_target_state("a", json!({"paused": false}))
+        .await
+        .expect("put");
+    assert_eq!(
+        s.target_states().await.expect("states"),
+        vec![
+            ("a".to_string(), json!({"paused": false})),
+            ("b.c d".to_string(), json!({"breaker": "open"}))
+        ]
+    );
+    s.save_targets(vec![("a".into(), json!({"webhook": "http://x"}))])
+        .await
+        .expect("save");
+    assert_eq!(
+        s.saved_targets().await.expect("saved"),
+        vec![("a".to_string(), json!({"webhook": "http://x"}))]
+    );
+    let job = Job {
+        id: "redrive-1".into(),
+        kind: JobKind::Redrive,
+        state: JobState::Running,
+        spec: json!({"target": "a"}),
+        total: 10,
+        moved: 0,
+        failed: 0,
+        skipped: 0,
+        cursor: 0,
+        created_at: 1_000,
+        updated_at: 1_000,
+        last_error: None,
+    };
+    s.put_job(job.clone()).await.expect("put job");
+    let moved = Job {
+        moved: 4,
+        cursor: 17,
+        ..job
+    };
+    s.put_job(moved.clone()).await.expect("put job");
+    assert_eq!(s.jobs().await.expect("jobs"), vec![moved]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dlq_lists_pages_summarises_and_purges() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(
+        (0..4)
+            .map(|i| new_event("/d", &format!("d{i}"), &["a", "b"], 1_000))
+            .collect(),
+    )
+    .await
+    .expect("accept");
+    for target in ["a", "b"] {
+        for l in lease_ok(&s, target, 1_000, 10, 60_000).await {
+            finish(
+                &s,
+                &l,
+                AttemptResult::Permanent,
+                Some("HTTP 400"),
+                Disposition::DeadLetter {
+                    reason: DlqReason::PermanentError,
+                    hold: false,
+                },
+                2_000,
+            )
+            .await
+            .expect("dead letter");
+        }
+    }
+    let all = s
+        .dlq_list(&DlqFilter::default(), None, 100)
+        .await
+        .expect("list");
+    assert_eq!(all.len(), 8);
+    assert!(all.windows(2).all(|w| w[0].id < w[1].id), "by id");
+    let only_a = DlqFilter {
+        target: Some("a".into()),
+        ..DlqFilter::default()
+    };
+    let page = s.dlq_list(&only_a, None, 3).await.expect("list");
+    assert_eq!(page.len(), 3);
+    let rest = s
+        .dlq_list(&only_a, Some(page[2].id), 3)
+        .await
+        .expect("list");
+    assert_eq!(rest.len(), 1);
+    let rows = s
+        .dlq_summary(&DlqFilter::default(), 60_000)
+        .await
+        .expect("summary");
+    assert_eq!(rows.len(), 2);
+    assert!(
+        rows.iter()
+            .all(|r| r.count == 4 && r.reason == DlqReason::PermanentError)
+    );
+    assert_eq!(s.dlq_max_id().await.expect("max"), all[7].id);
+    let n = s
+        .purge_dlq(vec![all[0].id, all[1].id, 999_999])
+        .await
+        .expect("purge");
+    assert_eq!(n, 2);
+    assert_eq!(
+        s.dlq_list(&DlqFilter::default(), None, 100)
+            .await
+            .expect("list")
+            .len(),
+        6
+    );
+    assert_eq!(s.dlq_get(all[0].id).await.expect("get"), None);
+    s.settled().await;
+    let stats = s.queue_stats(2_000);
+    assert_eq!(stats["a"].dlq + stats["b"].dlq, 6);
+}
+
+fn put_kv(key: &str, value: &[u8], expires_at: Option<Millis>) -> KvOp {
+    KvOp {
+        namespace: "h".into(),
+        key: key.into(),
+        value: Some(value.to_vec()),
+        expires_at,
+    }
+}
+
+/// A handler's outbox commits with the ack, all or nothing: emitted events routed once even
+/// when the handler runs again, key-value writes guarded by compare-and-set, the namespace's
+/// bound, and the COMPLETED record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_commits_with_the_ack_all_or_nothing() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![
+        new_event("/h", "in1", &["handler"], 1_000),
+        new_event("/h", "in2", &["handler"], 1_000),
+    ])
+    .await
+    .expect("accept");
+    let leased = lease_ok(&s, "handler", 1_000, 10, 60_000).await;
+    let outbox = |emit: &str, kv: Vec<KvOp>, cas: Vec<(String, String, Option<Vec<u8>>)>| Outbox {
+        emitted: vec![new_event("/handler", emit, &["next"], 1_500)],
+        kv,
+        cas,
+        completed: Some(CompletedRecord {
+            handler: "h".into(),
+            key: format!("done-{emit}"),
+            result: b"{\"ok\":true}".to_vec(),
+            expires_at: 9_000,
+        }),
+        kv_max_bytes: Some(20),
+    };
+    let end_with = |o: Outbox| AttemptEnd {
+        finished_at: 1_500,
+        result: AttemptResult::Delivered,
+        status: None,
+        error: None,
+        outbox: Some(Box::new(o)),
+    };
+    // First delivery: emits "out1", writes counter=1 if absent.
+    s.finish(
+        leased[0].entry.id,
+        leased[0].lease,
+        end_with(outbox(
+            "out1",
+            vec![put_kv("counter", b"1", None)],
+            vec![("h".into(), "counter".into(), None)],
+        )),
+        Disposition::Delivered,
+        1_500,
+    )
+    .await
+    .expect("finish with outbox");
+    assert_eq!(
+        s.kv_get("h", "counter", 1_600).await.expect("kv"),
+        Some(b"1".to_vec())
+    );
+    assert_eq!(
+        s.kv_usage_of("h").await.expect("usage"),
+        KvUsage { bytes: 8, keys: 1 }
+    );
+    assert_eq!(
+        s.completed_get("h", "done-out1", 1_600)
+            .await
+            .expect("completed"),
+        Some(b"{\"ok\":true}".to_vec())
+    );
+    assert_eq!(
+        s.completed_get("h", "done-out1", 9_000)
+            .await
+            .expect("completed"),
+        None
+    );
+    let emitted = s
+        .fate("/handler", "out1")
+        .await
+        .expect("fate")
+        .expect("emitted");
+    assert_eq!(emitted.entries[0].target_id, "next");
+    // Second delivery expects the counter absent: a conflict, and nothing of it is written.
+    let r = s
+        .finish(
+            leased[1].entry.id,
+            leased[1].lease,
+            end_with(outbox(
+                "out2",
+                vec![put_kv("counter", b"2", None)],
+                vec![("h".into(), "counter".into(), None)],
+            )),
+            Disposition::Delivered,
+            1_500,
+        )
+        .await;
+    assert!(
+        matches!(r, Err(FinishError::Conflict(ref k)) if k == "counter"),
+        "{r:?}"
+    );
+    assert_eq!(s.fate("/handler", "out2").await.expect("fate"), None);
+    // Past the namespace's bound (20 bytes): refused, nothing written.
+    let r = s
+        .finish(
+            leased[1].entry.id,
+            leased[1].lease,
+            end_with(outbox("out2", vec![put_kv("big", &[7; 30], None)], vec![])),
+            Disposition::Delivered,
+            1_500,
+        )
+        .await;
+    assert!(
+        matches!(r, Err(FinishError::KvQuota { max: 20, .. })),
+        "{r:?}"
+    );
+    assert_eq!(s.kv_get("h", "big", 1_600).await.expect("kv"), None);
+    // With the right expectation it goes through; the emitted event of a re-run (same id)
+    // is a duplicate, not a second event.
+    s.finish(
+        leased[1].entry.id,
+        leased[1].lease,
+        end_with(Outbox {
+            emitted: vec![new_event("/handler", "out1", &["next"], 1_500)],
+            ..outbox(
+                "out2",
+                vec![put_kv("counter", b"2", Some(5_000))],
+                vec![("h".into(), "counter".into(), Some(b"1".to_vec()))],
+            )
+        }),
+        Disposition::Delivered,
+        1_500,
+    )
+    .await
+    .expect("finish with outbox");
+    assert_eq!(
+        s.kv_get("h", "counter", 1_600).await.expect("kv"),
+        Some(b"2".to_vec())
+    );
+    assert_eq!(
+        s.kv_get("h", "counter", 5_000).await.expect("kv"),
+        None,
+        "expired"
+    );
+    let usage = s.kv_usage().await.expect("usage");
+    assert_eq!(usage["h"], KvUsage { bytes: 8, keys: 1 });
+    assert_eq!(
+        s.fate("/handler", "out1")
+            .await
+            .expect("fate")
+            .map(|f| f.event.seq),
+        Some(emitted.event.seq)
+    );
 }

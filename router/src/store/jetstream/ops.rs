@@ -1,0 +1,333 @@
+//! The JetStream store's operations outside the delivery path: targets' runtime state and
+//! saved configurations, background jobs, DLQ listing and purging, handler key-value reads.
+//!
+//! Listings scan their kind of record (`Records::scan`): a pass over target states, jobs or
+//! the DLQ per call, which the admin API and the job runner make rarely.
+
+use std::collections::BTreeMap;
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as B64;
+use serde::{Deserialize, Serialize};
+
+use super::records::{Expect, Versioned, Write};
+use super::{JetStreamStore, dec, dlq_key, enc};
+use crate::store::{DlqEntry, DlqFilter, DlqSummary, Job, KvUsage, Millis, StoreError, SummaryRow};
+
+/// A record named by an id (target, job): the id itself, since keys hold fingerprints.
+#[derive(Debug, Serialize, Deserialize)]
+struct Named {
+    id: String,
+    value: serde_json::Value,
+}
+
+/// A handler's key-value entry (`kv.<fingerprint>`).
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) struct KvRecord {
+    pub namespace: String,
+    pub key: String,
+    /// Base64 of the value.
+    pub value: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<Millis>,
+}
+
+/// What a handler's namespace holds (`ku.<fingerprint>`), changed in the same batch as its
+/// key-value writes.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub(super) struct UsageRecord {
+    pub namespace: String,
+    pub bytes: u64,
+    pub keys: u64,
+}
+
+/// A handler's COMPLETED mark (`cd.<fingerprint>`).
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) struct CompletedRecord {
+    /// Base64 of the stored result.
+    pub result: String,
+    pub expires_at: Millis,
+}
+
+/// A fingerprint of `parts` for record keys (subjects cannot hold arbitrary text).
+pub(super) fn fp(parts: &[&str]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for part in parts {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    hex::encode(&h.finalize()[..16])
+}
+
+pub(super) fn kv_key(namespace: &str, key: &str) -> String {
+    format!("kv.{}", fp(&[namespace, key]))
+}
+
+pub(super) fn usage_key(namespace: &str) -> String {
+    format!("ku.{}", fp(&[namespace]))
+}
+
+pub(super) fn completed_key(handler: &str, key: &str) -> String {
+    format!("cd.{}", fp(&[handler, key]))
+}
+
+pub(super) fn b64(bytes: &[u8]) -> String {
+    B64.encode(bytes)
+}
+
+fn unb64(table: &'static str, text: &str) -> Result<Vec<u8>, StoreError> {
+    B64.decode(text).map_err(|e| StoreError::Corrupt {
+        table,
+        message: e.to_string(),
+    })
+}
+
+impl JetStreamStore {
+    /// The value at `key`, decoded, or `None` when absent or deleted.
+    pub(super) async fn read<T: for<'de> Deserialize<'de>>(
+        &self,
+        table: &'static str,
+        key: &str,
+    ) -> Result<Option<(T, u64)>, StoreError> {
+        match self.records.get(key).await? {
+            Some(Versioned {
+                value: Some(bytes),
+                revision,
+            }) => Ok(Some((dec(table, &bytes)?, revision))),
+            _ => Ok(None),
+        }
+    }
+
+    /// Every `(id, value)` of a kind of named records.
+    async fn named(
+        &self,
+        kind: &'static str,
+    ) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+        let mut out: Vec<(String, serde_json::Value)> = self
+            .records
+            .scan(kind)
+            .await?
+            .into_iter()
+            .map(|(_, _, bytes)| dec::<Named>(kind, &bytes).map(|n| (n.id, n.value)))
+            .collect::<Result<_, _>>()?;
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
+    }
+
+    async fn put_named(
+        &self,
+        kind: &'static str,
+        items: Vec<(String, serde_json::Value)>,
+    ) -> Result<(), StoreError> {
+        let writes: Vec<Write> = items
+            .into_iter()
+            .map(|(id, value)| {
+                Write::put(
+                    format!("{kind}.{}", fp(&[&id])),
+                    enc(&Named { id, value }),
+                    Expect::Any,
+                )
+            })
+            .collect();
+        for chunk in writes.chunks(super::records::MAX_BATCH) {
+            self.commit(chunk.to_vec()).await?;
+        }
+        Ok(())
+    }
+
+    /// Persists a target's runtime state (breaker, pause) as opaque JSON.
+    pub async fn put_target_state(
+        &self,
+        id: &str,
+        state: serde_json::Value,
+    ) -> Result<(), StoreError> {
+        self.put_named("ts", vec![(id.to_string(), state)]).await
+    }
+
+    /// Every persisted target state.
+    pub async fn target_states(&self) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+        self.named("ts").await
+    }
+
+    /// Saves the last configuration of targets (opaque JSON).
+    pub async fn save_targets(
+        &self,
+        configs: Vec<(String, serde_json::Value)>,
+    ) -> Result<(), StoreError> {
+        self.put_named("tc", configs).await
+    }
+
+    /// Every saved target configuration.
+    pub async fn saved_targets(&self) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+        self.named("tc").await
+    }
+
+    /// The write that stores `job`.
+    pub(super) fn job_write(job: &Job) -> Result<Write, StoreError> {
+        let value = serde_json::to_value(job).map_err(|e| StoreError::Backend(e.to_string()))?;
+        Ok(Write::put(
+            format!("job.{}", fp(&[&job.id])),
+            enc(&Named {
+                id: job.id.clone(),
+                value,
+            }),
+            Expect::Any,
+        ))
+    }
+
+    /// Creates or updates a background job.
+    pub async fn put_job(&self, job: Job) -> Result<(), StoreError> {
+        self.commit(vec![Self::job_write(&job)?]).await?;
+        Ok(())
+    }
+
+    /// Every job.
+    pub async fn jobs(&self) -> Result<Vec<Job>, StoreError> {
+        self.named("job")
+            .await?
+            .into_iter()
+            .map(|(_, v)| {
+                serde_json::from_value(v).map_err(|e| StoreError::Corrupt {
+                    table: "jobs",
+                    message: e.to_string(),
+                })
+            })
+            .collect()
+    }
+
+    /// Every DLQ entry, by id.
+    async fn dlq_all(&self) -> Result<Vec<DlqEntry>, StoreError> {
+        let mut all: Vec<DlqEntry> = self
+            .records
+            .scan("dl")
+            .await?
+            .into_iter()
+            .map(|(_, _, bytes)| dec("dlq", &bytes))
+            .collect::<Result<_, _>>()?;
+        all.sort_by_key(|d| d.id);
+        Ok(all)
+    }
+
+    /// DLQ entries matching `filter`, ids greater than `after`, at most `limit`.
+    pub async fn dlq_list(
+        &self,
+        filter: &DlqFilter,
+        after: Option<u64>,
+        limit: usize,
+    ) -> Result<Vec<DlqEntry>, StoreError> {
+        Ok(self
+            .dlq_all()
+            .await?
+            .into_iter()
+            .filter(|d| after.is_none_or(|a| d.id > a) && filter.matches(d))
+            .take(limit)
+            .collect())
+    }
+
+    /// DLQ entries grouped by target × reason, with a histogram over `bucket_ms` buckets.
+    pub async fn dlq_summary(
+        &self,
+        filter: &DlqFilter,
+        bucket_ms: i64,
+    ) -> Result<Vec<SummaryRow>, StoreError> {
+        let mut summary = DlqSummary::new(bucket_ms);
+        for d in self.dlq_all().await? {
+            if filter.matches(&d) {
+                summary.add(&d);
+            }
+        }
+        Ok(summary.rows())
+    }
+
+    /// The highest DLQ entry id (0 when empty).
+    pub async fn dlq_max_id(&self) -> Result<u64, StoreError> {
+        Ok(self.dlq_all().await?.last().map_or(0, |d| d.id))
+    }
+
+    /// Deletes DLQ entries. Returns how many existed.
+    pub async fn purge_dlq(&self, ids: Vec<u64>) -> Result<u64, StoreError> {
+        let mut n = 0;
+        for id in ids {
+            let key = dlq_key(id);
+            if let Some(Versioned {
+                value: Some(_),
+                revision,
+            }) = self.records.get(&key).await?
+            {
+                match self
+                    .commit(vec![Write::delete(key, Expect::Revision(revision))])
+                    .await
+                {
+                    Ok(_) => n += 1,
+                    // Changed meanwhile (redriven, purged by another node): not ours to count.
+                    Err(super::RecordsError::Conflict) => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        Ok(n)
+    }
+
+    /// A handler's key-value entry (expired entries read as absent).
+    pub async fn kv_get(
+        &self,
+        namespace: &str,
+        key: &str,
+        now: Millis,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        match self.read::<KvRecord>("kv", &kv_key(namespace, key)).await? {
+            Some((r, _)) if r.expires_at.is_none_or(|e| e > now) => {
+                Ok(Some(unb64("kv", &r.value)?))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// What one handler's key-value namespace holds.
+    pub async fn kv_usage_of(&self, namespace: &str) -> Result<KvUsage, StoreError> {
+        Ok(self
+            .read::<UsageRecord>("kv usage", &usage_key(namespace))
+            .await?
+            .map_or_else(KvUsage::default, |(u, _)| KvUsage {
+                bytes: u.bytes,
+                keys: u.keys,
+            }))
+    }
+
+    /// What each handler's key-value namespace holds (namespaces never written are absent).
+    pub async fn kv_usage(&self) -> Result<BTreeMap<String, KvUsage>, StoreError> {
+        self.records
+            .scan("ku")
+            .await?
+            .into_iter()
+            .map(|(_, _, bytes)| {
+                dec::<UsageRecord>("kv usage", &bytes).map(|u| {
+                    (
+                        u.namespace,
+                        KvUsage {
+                            bytes: u.bytes,
+                            keys: u.keys,
+                        },
+                    )
+                })
+            })
+            .collect()
+    }
+
+    /// The stored result of a handler's completed delivery `key`, unless expired.
+    pub async fn completed_get(
+        &self,
+        handler: &str,
+        key: &str,
+        now: Millis,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        match self
+            .read::<CompletedRecord>("completed", &completed_key(handler, key))
+            .await?
+        {
+            Some((r, _)) if r.expires_at > now => Ok(Some(unb64("completed", &r.result)?)),
+            _ => Ok(None),
+        }
+    }
+}
