@@ -27,6 +27,12 @@ BIN="${CARGO_TARGET_DIR:-target}/debug/router"
 # The durability scenarios (kill -9 under load, retries and leases across a restart) once more
 # with the opt-in group log (`store.group_log`), the store's other durable write path.
 ROUTER_STORE__GROUP_LOG=true cargo test --locked -p router --test e2e -- durability:: 2>&1 | tee -a "$log"
+# The whole end-to-end suite once more with every router on the NATS JetStream store backend
+# (SPEC: same tests, both backends), against a private nats-server 2.15. Skipped there: the
+# embedded store's file compaction, and a NATS-target test that asserts the router never opens
+# a NATS connection (the store is one).
+bash scripts/jetstream-e2e.sh -- --skip a_compaction_under_ingest_answers_503 \
+  --skip a_router_without_nats_targets_never_connects 2>&1 | tee -a "$log"
 # Property-based API fuzz against the OpenAPI document (schemathesis from PyPI, installed into
 # target/ on first use): no 5xx, every answer conforms. The debug binary `cargo test` built.
 API_FUZZ_BIN="$BIN" bash scripts/api-fuzz.sh "${API_FUZZ_EXAMPLES:-25}"

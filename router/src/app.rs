@@ -598,7 +598,8 @@ pub fn load_contracts(cfg: &Config) -> Result<ContractSet, RunError> {
     })
 }
 
-/// Runs the router on the embedded store in `cfg.data_dir` until `shutdown` is cancelled.
+/// Runs the router on its configured store (the embedded one in `cfg.data_dir` by default)
+/// until `shutdown` is cancelled.
 pub async fn run(
     cfg: Config,
     listener: TcpListener,
@@ -608,6 +609,24 @@ pub async fn run(
     metrics
         .handler_kv_max_bytes
         .set(i64::try_from(cfg.handlers.kv_max_bytes).unwrap_or(i64::MAX));
+    if cfg.store.backend == crate::config::StoreBackend::Jetstream {
+        let js = &cfg.store.jetstream;
+        let store = crate::store::jetstream::JetStreamStore::open(
+            crate::store::jetstream::JetStreamOptions {
+                records: crate::store::jetstream::records::RecordsConfig {
+                    url: js.url.clone(),
+                    stream: js.stream.clone(),
+                    prefix: js.prefix.clone(),
+                    replicas: js.replicas,
+                    timeout: js.timeout,
+                },
+                node: node_id(&cfg.data_dir)?,
+            },
+        )
+        .await?;
+        tracing::info!(url = %js.url, stream = %js.stream, "store: NATS JetStream");
+        return run_with_store(cfg, listener, Arc::new(store), metrics, shutdown).await;
+    }
     let m = metrics.clone();
     let mc = metrics.clone();
     let store = RedbStore::open_dir(
@@ -627,6 +646,25 @@ pub async fn run(
         },
     )?;
     run_with_store(cfg, listener, store, metrics, shutdown).await
+}
+
+/// This node's identity for a shared store: kept in `<data_dir>/node-id`, made at first start.
+/// A restarted node reclaims the leases it held by it.
+fn node_id(data_dir: &std::path::Path) -> Result<String, RunError> {
+    let path = data_dir.join("node-id");
+    match std::fs::read_to_string(&path) {
+        Ok(id) if !id.trim().is_empty() => return Ok(id.trim().to_string()),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e.into()),
+    }
+    std::fs::create_dir_all(data_dir)?;
+    let id = format!("{:016x}", rand::random::<u64>());
+    let tmp = data_dir.join("node-id.tmp");
+    std::fs::write(&tmp, &id)?;
+    std::fs::File::open(&tmp)?.sync_all()?;
+    std::fs::rename(&tmp, &path)?;
+    Ok(id)
 }
 
 /// Runs the router on a given store (tests hand in fault-injecting ones).

@@ -351,10 +351,56 @@ pub enum OnTargetRemoved {
     DeadLetter,
 }
 
+/// Which backend holds the router's durable state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StoreBackend {
+    /// The embedded redb file in `data_dir` (default).
+    Redb,
+    /// NATS JetStream (`[store.jetstream]`): several router nodes can share it. Needs
+    /// nats-server 2.12+ with `sync_interval: always` or replicated streams
+    /// (docs/jetstream-backend.md).
+    Jetstream,
+}
+
+/// `[store.jetstream]`: where the JetStream backend keeps its records.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct JetStreamStoreConfig {
+    /// Server URL. Default `nats://127.0.0.1:4222`.
+    pub url: String,
+    /// Stream that holds the records (created when missing). Default `ROUTER_STORE`.
+    pub stream: String,
+    /// Subject prefix of the records. Default `router.store`.
+    pub prefix: String,
+    /// Stream replicas: 1 needs a server with `sync_interval: always` for "202 means on
+    /// disk"; 3 keeps it through a quorum. Default 1.
+    pub replicas: usize,
+    /// Bound on each request to the server. Default 5s.
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+}
+
+impl Default for JetStreamStoreConfig {
+    fn default() -> Self {
+        Self {
+            url: "nats://127.0.0.1:4222".into(),
+            stream: "ROUTER_STORE".into(),
+            prefix: "router.store".into(),
+            replicas: 1,
+            timeout: Duration::from_secs(5),
+        }
+    }
+}
+
 /// `[store]`
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StoreConfig {
+    /// `redb` (default) or `jetstream`.
+    pub backend: StoreBackend,
+    /// The JetStream backend's server and stream (used when `backend = "jetstream"`).
+    pub jetstream: JetStreamStoreConfig,
     /// redb page cache, bytes. Default 256 MiB.
     pub cache_bytes: usize,
     /// The store file is compacted after a sweep when it is larger than this and more than
@@ -440,6 +486,8 @@ impl Default for DeliveryConfig {
 impl Default for StoreConfig {
     fn default() -> Self {
         Self {
+            backend: StoreBackend::Redb,
+            jetstream: JetStreamStoreConfig::default(),
             cache_bytes: 256 << 20,
             compact_min_bytes: 64 << 20,
             max_disk_bytes: 50 << 30,
@@ -534,6 +582,29 @@ impl Config {
         }
         if self.nats.token_env.as_deref().is_some_and(str::is_empty) {
             return bad("nats.token_env must name a variable");
+        }
+        let js = &self.store.jetstream;
+        let token_ok = |t: &str| {
+            !t.is_empty()
+                && !t
+                    .chars()
+                    .any(|c| c.is_whitespace() || matches!(c, '.' | '*' | '>'))
+        };
+        if !token_ok(&js.stream) {
+            return bad(
+                "store.jetstream.stream must be a stream name (no spaces, '.', '*' or '>')",
+            );
+        }
+        if !js.prefix.split('.').all(token_ok) {
+            return bad(
+                "store.jetstream.prefix must be subject tokens separated by '.' (no wildcards)",
+            );
+        }
+        if js.replicas == 0 || js.replicas > 5 {
+            return bad("store.jetstream.replicas must be 1 to 5");
+        }
+        if js.timeout.is_zero() {
+            return bad("store.jetstream.timeout must be > 0");
         }
         if self.store.dedup_memtable_keys < 1_000 {
             return bad("store.dedup_memtable_keys must be at least 1000");

@@ -71,6 +71,12 @@ impl RouterProc {
         p
     }
 
+    /// Whether this run puts the routers on the JetStream store (scripts/test.sh's second
+    /// pass); tests of the embedded store's own mechanics (its file, its compaction) skip then.
+    pub fn on_jetstream() -> bool {
+        std::env::var_os("E2E_JETSTREAM_URL").is_some()
+    }
+
     /// The running router's process id.
     pub fn pid(&self) -> u32 {
         self.child.as_ref().expect("router is running").id()
@@ -99,6 +105,24 @@ impl RouterProc {
             .env("NO_COLOR", "1")
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
+        // The suite's second run puts every router on the JetStream store (scripts/test.sh
+        // starts the server): each router process gets a stream of its own, the same across
+        // its restarts.
+        if let Ok(url) = std::env::var("E2E_JETSTREAM_URL") {
+            let id: String = self
+                .dir
+                .path()
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default()
+                .chars()
+                .filter(char::is_ascii_alphanumeric)
+                .collect();
+            cmd.env("ROUTER_STORE__BACKEND", "jetstream")
+                .env("ROUTER_STORE__JETSTREAM__URL", url)
+                .env("ROUTER_STORE__JETSTREAM__STREAM", format!("E2E_{id}"))
+                .env("ROUTER_STORE__JETSTREAM__PREFIX", format!("e2e.{id}"));
+        }
         for (k, v) in &self.extra_env {
             cmd.env(k, v);
         }

@@ -444,7 +444,8 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
         "reload": *app.reload_status.lock().unwrap_or_else(|p| p.into_inner()),
         "contracts": { "version": contracts.version(), "count": contracts.contracts().len(), "dir": app.cfg.contracts_dir },
         "store": {
-            "backend": "redb",
+            "backend": app.cfg.store.backend,
+            // On JetStream: what the server holds for this store's stream.
             "bytes": app.store.disk_bytes(),
             "dir": app.cfg.data_dir,
             "max_bytes": app.cfg.store.max_disk_bytes,

@@ -240,6 +240,17 @@ impl QueueEntry {
         }
     }
 
+    /// Moves a dead-lettered entry back to its queue for an operator's redrive at `now`: its
+    /// attempts become history (a fresh budget of attempts), and it is due at once.
+    pub fn requeue_for_redrive(&mut self, now: Millis) {
+        self.history.append(&mut self.attempts);
+        self.state = EntryState::Queued;
+        self.lease = None;
+        self.finished_at = None;
+        self.due_at = now;
+        self.redrive_count += 1;
+    }
+
     /// Starts an attempt at `now` under `lease`: what a lease records durably before the
     /// attempt is sent.
     pub fn start_attempt(&mut self, lease: Lease, now: Millis) {

@@ -3096,12 +3096,7 @@ impl Committer {
                         .map(|v| v.value().to_vec());
                     let Some(raw) = raw else { continue };
                     let mut e = dec_entry((id.event, id.idx), &raw)?;
-                    e.history.append(&mut e.attempts);
-                    e.state = EntryState::Queued;
-                    e.lease = None;
-                    e.finished_at = None;
-                    e.due_at = now;
-                    e.redrive_count += 1;
+                    e.requeue_for_redrive(now);
                     self.insert_entry(txn, &e, effects)?;
                 }
                 RedriveAction::Route {

@@ -64,8 +64,20 @@ pub(super) fn kv_key(namespace: &str, key: &str) -> String {
     format!("kv.{}", fp(&[namespace, key]))
 }
 
-pub(super) fn usage_key(namespace: &str) -> String {
-    format!("ku.{}", fp(&[namespace]))
+/// Shards of a namespace's usage record: writes of keys in different shards never conflict
+/// (one record per namespace made every handler's commits race for it).
+pub(super) const USAGE_SHARDS: u8 = 16;
+
+/// The usage shard of `key` in `namespace`.
+pub(super) fn usage_shard(namespace: &str, key: &str) -> u8 {
+    use sha2::{Digest, Sha256};
+    let h = Sha256::digest(format!("{}:{namespace}{key}", namespace.len()).as_bytes());
+    h[0] % USAGE_SHARDS
+}
+
+/// The record of one usage shard of `namespace`.
+pub(super) fn usage_key(namespace: &str, shard: u8) -> String {
+    format!("ku.{}.{shard}", fp(&[namespace]))
 }
 
 pub(super) fn completed_key(handler: &str, key: &str) -> String {
@@ -76,7 +88,7 @@ pub(super) fn b64(bytes: &[u8]) -> String {
     B64.encode(bytes)
 }
 
-fn unb64(table: &'static str, text: &str) -> Result<Vec<u8>, StoreError> {
+pub(super) fn unb64(table: &'static str, text: &str) -> Result<Vec<u8>, StoreError> {
     B64.decode(text).map_err(|e| StoreError::Corrupt {
         table,
         message: e.to_string(),
@@ -284,35 +296,34 @@ impl JetStreamStore {
         }
     }
 
-    /// What one handler's key-value namespace holds.
+    /// What one handler's key-value namespace holds (the sum of its usage shards).
     pub async fn kv_usage_of(&self, namespace: &str) -> Result<KvUsage, StoreError> {
-        Ok(self
-            .read::<UsageRecord>("kv usage", &usage_key(namespace))
-            .await?
-            .map_or_else(KvUsage::default, |(u, _)| KvUsage {
-                bytes: u.bytes,
-                keys: u.keys,
+        let shards = futures::future::try_join_all((0..USAGE_SHARDS).map(|i| {
+            let key = usage_key(namespace, i);
+            async move { self.read::<UsageRecord>("kv usage", &key).await }
+        }))
+        .await?;
+        Ok(shards
+            .into_iter()
+            .flatten()
+            .fold(KvUsage::default(), |a, (u, _)| KvUsage {
+                bytes: a.bytes + u.bytes,
+                keys: a.keys + u.keys,
             }))
     }
 
     /// What each handler's key-value namespace holds (namespaces never written are absent).
     pub async fn kv_usage(&self) -> Result<BTreeMap<String, KvUsage>, StoreError> {
-        self.records
-            .scan("ku")
-            .await?
-            .into_iter()
-            .map(|(_, _, bytes)| {
-                dec::<UsageRecord>("kv usage", &bytes).map(|u| {
-                    (
-                        u.namespace,
-                        KvUsage {
-                            bytes: u.bytes,
-                            keys: u.keys,
-                        },
-                    )
-                })
-            })
-            .collect()
+        self.records.scan("ku").await?.into_iter().try_fold(
+            BTreeMap::<String, KvUsage>::new(),
+            |mut all, (_, _, bytes)| {
+                let u = dec::<UsageRecord>("kv usage", &bytes)?;
+                let slot = all.entry(u.namespace).or_default();
+                slot.bytes += u.bytes;
+                slot.keys += u.keys;
+                Ok(all)
+            },
+        )
     }
 
     /// The stored result of a handler's completed delivery `key`, unless expired.

@@ -86,6 +86,19 @@ pub struct Versioned {
     pub revision: u64,
 }
 
+/// A record met by a scan.
+#[derive(Debug, Clone)]
+pub struct Scanned {
+    /// Record key.
+    pub key: String,
+    /// Its revision.
+    pub revision: u64,
+    /// Its value; `None` for a tombstone.
+    pub value: Option<Bytes>,
+    /// When the server stored it (wall clock, ms).
+    pub published_ms: i64,
+}
+
 /// What a write requires of its record at commit time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Expect {
@@ -242,62 +255,82 @@ impl Records {
     /// read from an ordered consumer until it has caught up. Costs a pass over those
     /// records: for listings that are rare or small (target states, jobs, the DLQ).
     pub async fn scan(&self, kind: &str) -> Result<Vec<(String, u64, Bytes)>, RecordsError> {
+        let mut out = Vec::new();
+        self.scan_with(kind, None, |r| {
+            if let Some(v) = r.value {
+                out.push((r.key, r.revision, v));
+            }
+            true
+        })
+        .await?;
+        Ok(out)
+    }
+
+    /// Visits the records under `kind.` in stream order (tombstones included), from the
+    /// first written at or after `since` (wall-clock ms) or from the start, until `visit`
+    /// answers false or the consumer has caught up.
+    pub async fn scan_with(
+        &self,
+        kind: &str,
+        since: Option<i64>,
+        mut visit: impl FnMut(Scanned) -> bool,
+    ) -> Result<(), RecordsError> {
         use futures::StreamExt;
-        let filter = self.subject(&format!("{kind}.>"));
-        match self
-            .stream
-            .direct_get_builder()
-            .sequence(1)
-            .next_by_subject(filter.clone())
-            .send()
-            .await
-        {
-            Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(RecordsError::Server(format!("scan {kind}: {e}"))),
-            Ok(_) => {}
-        }
-        let consumer = self
+        let err = |e: &dyn std::fmt::Display| RecordsError::Server(format!("scan {kind}: {e}"));
+        let deliver_policy = match since {
+            None => jetstream::consumer::DeliverPolicy::All,
+            Some(ms) => jetstream::consumer::DeliverPolicy::ByStartTime {
+                start_time: time::OffsetDateTime::from_unix_timestamp_nanos(
+                    i128::from(ms.max(0)) * 1_000_000,
+                )
+                .map_err(|e| err(&e))?,
+            },
+        };
+        let mut consumer = self
             .stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
-                filter_subject: filter,
+                filter_subject: self.subject(&format!("{kind}.>")),
+                deliver_policy,
                 ..Default::default()
             })
             .await
-            .map_err(|e| RecordsError::Server(format!("scan {kind}: {e}")))?;
-        let mut messages = consumer
-            .messages()
-            .await
-            .map_err(|e| RecordsError::Server(format!("scan {kind}: {e}")))?;
+            .map_err(|e| err(&e))?;
+        // Nothing to read: the consumer would wait for new messages instead of ending.
+        if consumer.info().await.map_err(|e| err(&e))?.num_pending == 0 {
+            return Ok(());
+        }
+        let mut messages = consumer.messages().await.map_err(|e| err(&e))?;
         let strip = self.config.prefix.len() + 1;
-        let mut out = Vec::new();
         loop {
             let next = tokio::time::timeout(self.config.timeout, messages.next())
                 .await
-                .map_err(|_| RecordsError::Server(format!("scan {kind}: timed out")))?;
+                .map_err(|_| err(&"timed out"))?;
             let Some(m) = next else { break };
-            let m = m.map_err(|e| RecordsError::Server(format!("scan {kind}: {e}")))?;
-            let info = m
-                .info()
-                .map_err(|e| RecordsError::Server(format!("scan {kind}: {e}")))?;
+            let m = m.map_err(|e| err(&e))?;
+            let info = m.info().map_err(|e| err(&e))?;
             let (revision, pending) = (info.stream_sequence, info.pending);
+            let published_ms =
+                i64::try_from(info.published.unix_timestamp_nanos() / 1_000_000).unwrap_or(0);
             let tomb = m
                 .headers
                 .as_ref()
                 .is_some_and(|h| h.get(TOMBSTONE).is_some());
-            if !tomb {
-                let key = m
+            let record = Scanned {
+                key: m
                     .subject
                     .as_str()
                     .get(strip..)
                     .unwrap_or_default()
-                    .to_string();
-                out.push((key, revision, m.payload.clone()));
-            }
-            if pending == 0 {
+                    .to_string(),
+                revision,
+                value: (!tomb).then(|| m.payload.clone()),
+                published_ms,
+            };
+            if !visit(record) || pending == 0 {
                 break;
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Bytes the records' stream holds on the server.
@@ -343,8 +376,12 @@ impl Records {
         let mut reply = None;
         for (i, w) in writes.into_iter().enumerate() {
             let mut headers = HeaderMap::new();
-            headers.insert("Nats-Batch-Id", batch.as_str());
-            headers.insert("Nats-Batch-Sequence", (i + 1).to_string().as_str());
+            // One write needs no batch: a plain publish with its expectation is as atomic,
+            // and the server answers it without a batch's staging (5 ms against 0.3 here).
+            if n > 1 {
+                headers.insert("Nats-Batch-Id", batch.as_str());
+                headers.insert("Nats-Batch-Sequence", (i + 1).to_string().as_str());
+            }
             if let Expect::Revision(r) = w.expect {
                 headers.insert(
                     "Nats-Expected-Last-Subject-Sequence",
@@ -368,7 +405,9 @@ impl Records {
                     .await
                     .map_err(|e| RecordsError::Server(format!("publish: {e}")))?;
             } else {
-                headers.insert("Nats-Batch-Commit", "1");
+                if n > 1 {
+                    headers.insert("Nats-Batch-Commit", "1");
+                }
                 let request = Request::new()
                     .headers(headers)
                     .payload(payload)
@@ -395,10 +434,11 @@ impl Records {
                 )),
             });
         }
-        if ack.count != n as u64 || ack.seq < n as u64 {
+        // A plain publish's ack has no count.
+        let count = if n == 1 { ack.count.max(1) } else { ack.count };
+        if count != n as u64 || ack.seq < n as u64 {
             return Err(RecordsError::Server(format!(
-                "commit acknowledged {} of {n} writes",
-                ack.count
+                "commit acknowledged {count} of {n} writes"
             )));
         }
         // A batch's messages get consecutive sequences, ending at the acknowledged one.

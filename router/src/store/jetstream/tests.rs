@@ -16,6 +16,7 @@ use crate::store::{DlqReason, EntryState, Quarantine};
 async fn store(server: &TestServer) -> JetStreamStore {
     JetStreamStore::open(JetStreamOptions {
         records: server.records("ROUTER"),
+        node: format!("{:016x}", rand::random::<u64>()),
     })
     .await
     .expect("open the JetStream store")
@@ -1311,4 +1312,252 @@ async fn an_outbox_commits_with_the_ack_all_or_nothing() {
             .map(|f| f.event.seq),
         Some(emitted.event.seq)
     );
+}
+
+/// A node that dies holding leases gets them back at its next start, at once, with the
+/// attempt counted as interrupted (another node would wait for them to expire).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_node_reclaims_the_leases_it_died_with() {
+    let server = TestServer::start();
+    let open_as = |node: &str| {
+        JetStreamStore::open(JetStreamOptions {
+            records: server.records("ROUTER"),
+            node: node.to_string(),
+        })
+    };
+    let other = open_as("other").await.expect("open");
+    let now = chrono::Utc::now().timestamp_millis();
+    {
+        let s = open_as("n1").await.expect("open");
+        s.accept(vec![new_event("/s", "e1", &["a"], now)])
+            .await
+            .expect("accept");
+        let l = lease_ok(&s, "a", now, 1, 3_600_000).await;
+        assert_eq!(l.len(), 1);
+        // Dropped without finishing: the process died.
+    }
+    let later = chrono::Utc::now().timestamp_millis();
+    assert!(
+        lease_ok(&other, "a", later, 1, 60_000).await.is_empty(),
+        "another node waits for the lease to expire"
+    );
+    let s = open_as("n1").await.expect("reopen");
+    let l = lease_ok(&s, "a", later, 1, 60_000).await;
+    assert_eq!(l.len(), 1, "reclaimed at start");
+    assert_eq!(l[0].entry.attempts.len(), 2);
+    assert_eq!(
+        l[0].entry.attempts[0].result,
+        Some(AttemptResult::Interrupted)
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Redrive, replay, archive reads, sweeps
+
+use crate::store::{RedriveAction, ReplayItem};
+
+fn job(id: &str, kind: JobKind) -> Job {
+    Job {
+        id: id.into(),
+        kind,
+        state: JobState::Running,
+        spec: json!({}),
+        total: 0,
+        moved: 0,
+        failed: 0,
+        skipped: 0,
+        cursor: 0,
+        created_at: 0,
+        updated_at: 0,
+        last_error: None,
+    }
+}
+
+/// Redrive: a dead letter goes back to its queue with its attempts as history; a quarantined
+/// event that passes now is routed (new fan-out indexes); one still failing stays with fresh
+/// errors. The job's progress commits with them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_step_requeues_routes_and_keeps() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let mut bad = new_event("/r", "q1", &[], 1_000);
+    bad.quarantine = Some(Quarantine {
+        reason: DlqReason::ContractViolation,
+        errors: vec![],
+    });
+    let mut still_bad = new_event("/r", "q2", &[], 1_000);
+    still_bad.quarantine = bad.quarantine.clone();
+    s.accept(vec![new_event("/r", "d1", &["a"], 1_000), bad, still_bad])
+        .await
+        .expect("accept");
+    let l = lease_ok(&s, "a", 1_000, 1, 60_000).await.remove(0);
+    finish(
+        &s,
+        &l,
+        AttemptResult::Permanent,
+        Some("HTTP 400"),
+        Disposition::DeadLetter {
+            reason: DlqReason::PermanentError,
+            hold: false,
+        },
+        1_100,
+    )
+    .await
+    .expect("dead letter");
+    let dlq_of = |id: &'static str| {
+        let s = &s;
+        async move { s.fate("/r", id).await.expect("fate").expect("known").dlq[0].id }
+    };
+    let (d1, q1, q2) = (dlq_of("d1").await, dlq_of("q1").await, dlq_of("q2").await);
+    let mut j = job("redrive-1", JobKind::Redrive);
+    j.moved = 2;
+    s.redrive_step(
+        j.clone(),
+        vec![
+            RedriveAction::Requeue { dlq_id: d1 },
+            RedriveAction::Route {
+                dlq_id: q1,
+                matched_rules: vec!["r2".into()],
+                targets: new_event("/r", "x", &["b"], 0).targets,
+            },
+            RedriveAction::Keep {
+                dlq_id: q2,
+                errors: vec![FieldError {
+                    pointer: "/data".into(),
+                    message: "still bad".into(),
+                }],
+            },
+        ],
+        2_000,
+    )
+    .await
+    .expect("redrive step");
+    assert_eq!(s.jobs().await.expect("jobs"), vec![j]);
+    let back = lease_ok(&s, "a", 2_000, 1, 60_000).await;
+    assert_eq!(back.len(), 1);
+    assert_eq!(back[0].entry.redrive_count, 1);
+    assert_eq!(back[0].entry.history.len(), 1, "the old attempt is history");
+    assert_eq!(back[0].entry.attempts.len(), 1, "a fresh attempt budget");
+    let routed = s.fate("/r", "q1").await.expect("fate").expect("known");
+    assert!(!routed.event.quarantined);
+    assert_eq!(routed.event.matched_rules, vec!["r2".to_string()]);
+    assert_eq!(routed.entries[0].target_id, "b");
+    assert!(routed.dlq.is_empty(), "its DLQ entry is gone");
+    let kept = s.dlq_get(q2).await.expect("get").expect("kept").0;
+    assert_eq!(kept.errors[0].message, "still bad");
+    assert_eq!((kept.redrive_count, kept.last_failure_at), (1, 2_000));
+}
+
+/// Replay re-routes archived events with their own idempotency keys and the job's marker;
+/// the archive is read by acceptance time and paged by sequence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_step_adds_marked_deliveries_of_archived_events() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let now = chrono::Utc::now().timestamp_millis();
+    let out = s
+        .accept(
+            (0..5)
+                .map(|i| new_event("/p", &format!("p{i}"), &["a"], now + i))
+                .collect(),
+        )
+        .await
+        .expect("accept");
+    let seqs: Vec<u64> = out.iter().map(seq_of).collect();
+    let page = s
+        .events_between(now + 1, now + 4, 0, 2)
+        .await
+        .expect("archive");
+    assert_eq!(
+        page.iter().map(|e| e.event.id.as_str()).collect::<Vec<_>>(),
+        vec!["p1", "p2"]
+    );
+    let rest = s
+        .events_between(now + 1, now + 4, page[1].seq, 10)
+        .await
+        .expect("archive");
+    assert_eq!(rest.len(), 1);
+    assert_eq!(rest[0].event.id, "p3");
+    s.replay_step(
+        job("replay-1", JobKind::Replay),
+        vec![ReplayItem {
+            seq: seqs[0],
+            targets: new_event("/p", "x", &["a"], 0).targets,
+        }],
+        now + 10,
+    )
+    .await
+    .expect("replay step");
+    let fate = s.fate("/p", "p0").await.expect("fate").expect("known");
+    assert_eq!(fate.entries.len(), 2);
+    let replayed = &fate.entries[1];
+    assert_eq!(replayed.id.idx, 1);
+    assert_eq!(replayed.replay.as_deref(), Some("replay-1"));
+    assert_ne!(replayed.idempotency_key, fate.entries[0].idempotency_key);
+}
+
+/// The sweep removes events past retention that nothing refers to (with their entries and
+/// dedup keys), keeps those a queue or the DLQ still holds, and removes expired COMPLETED
+/// and key-value records with their usage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_removes_what_nothing_refers_to() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let now = chrono::Utc::now().timestamp_millis();
+    s.accept(vec![
+        new_event("/w", "done", &["a"], now - 10_000),
+        new_event("/w", "waiting", &["b"], now - 10_000),
+        new_event("/w", "young", &["a"], now),
+    ])
+    .await
+    .expect("accept");
+    for l in lease_ok(&s, "a", now, 10, 60_000).await {
+        let end = AttemptEnd {
+            finished_at: now,
+            result: AttemptResult::Delivered,
+            status: None,
+            error: None,
+            outbox: Some(Box::new(Outbox {
+                kv: vec![put_kv(
+                    &format!("k-{}", l.event.event.id),
+                    b"v",
+                    Some(now - 1),
+                )],
+                completed: Some(CompletedRecord {
+                    handler: "h".into(),
+                    key: l.event.event.id.clone(),
+                    result: b"{}".to_vec(),
+                    expires_at: now - 1,
+                }),
+                ..Outbox::default()
+            })),
+        };
+        s.finish(l.entry.id, l.lease, end, Disposition::Delivered, now)
+            .await
+            .expect("deliver");
+    }
+    assert_eq!(s.kv_usage_of("h").await.expect("usage").keys, 2);
+    let stats = s.sweep(now, 1_000, 5_000).await.expect("sweep");
+    assert_eq!(stats.events_removed, 1, "{stats:?}");
+    assert_eq!(stats.pending, 1, "the queued one stays: {stats:?}");
+    assert_eq!(
+        (stats.completed_expired, stats.kv_expired),
+        (2, 2),
+        "{stats:?}"
+    );
+    assert_eq!(s.fate("/w", "done").await.expect("fate"), None);
+    assert!(s.fate("/w", "waiting").await.expect("fate").is_some());
+    assert!(s.fate("/w", "young").await.expect("fate").is_some());
+    assert_eq!(s.kv_usage_of("h").await.expect("usage"), KvUsage::default());
+    // With its dedup key gone, the same (source, id) is a new event.
+    let again = s
+        .accept(vec![new_event("/w", "done", &["a"], now)])
+        .await
+        .expect("accept");
+    assert!(
+        matches!(again[0], AcceptOutcome::Accepted { .. }),
+        "{again:?}"
+    );
+    let counts = s.count_records().await.expect("counts");
+    assert_eq!((counts.events, counts.dedup_keys), (3, 3));
 }

@@ -24,6 +24,8 @@ use crate::store::{DlqEntry, EntryId, EntryState, Millis, QueueEntry, QueueStats
 pub(super) struct Live {
     /// The record's revision (what a lease must expect).
     pub revision: u64,
+    /// The node holding its lease, if any.
+    pub node: Option<String>,
     /// The entry.
     pub entry: QueueEntry,
     /// When it may be leased: its due time, or just after its lease's end.
@@ -44,6 +46,11 @@ struct State {
     /// DLQ entries: their target (`None` for quarantined events).
     dlq: HashMap<u64, Option<String>>,
     notifiers: HashMap<String, Arc<Notify>>,
+    /// Leases that expired before this were reported by `wake_expired` already.
+    reaped_until: Millis,
+    /// Entries this node is leasing right now, at the revision it saw: not proposed again
+    /// until the view moves past that revision (or the lease gives up).
+    claimed: HashMap<EntryId, u64>,
 }
 
 impl State {
@@ -66,7 +73,11 @@ impl State {
         }
     }
 
-    fn apply(&mut self, id: EntryId, revision: u64, entry: Option<QueueEntry>) {
+    fn apply(&mut self, id: EntryId, revision: u64, record: Option<(QueueEntry, Option<String>)>) {
+        let (entry, node) = match record {
+            Some((e, n)) => (Some(e), n),
+            None => (None, None),
+        };
         if self
             .live
             .get(&id)
@@ -96,6 +107,7 @@ impl State {
             id,
             Live {
                 revision,
+                node,
                 entry,
                 available_at,
             },
@@ -109,10 +121,13 @@ impl State {
         }
     }
 
-    /// Whether ordering lets `live` be leased: unkeyed, or the first live entry of a key that
-    /// is not held.
+    /// Whether ordering lets `live` be leased (unkeyed, or the first live entry of a key that
+    /// is not held) and this node is not leasing it already.
     fn ordering_allows(&self, live: &Live) -> bool {
         let e = &live.entry;
+        if self.claimed.get(&e.id) == Some(&live.revision) {
+            return false;
+        }
         let Some(k) = &e.ordering_key else {
             return true;
         };
@@ -166,18 +181,36 @@ impl View {
     }
 
     /// Up to `max` entries of `target` that may be leased at `now`, soonest first.
+    ///
+    /// They are claimed for this node until the view moves past the revision seen or
+    /// `unclaim` is called, so concurrent leases of this node never race for one entry.
     pub fn candidates(&self, target: &str, now: Millis, max: usize) -> Vec<Live> {
-        let st = self.state();
+        let mut st = self.state();
         let Some(set) = st.ready.get(target) else {
             return Vec::new();
         };
-        set.iter()
+        let out: Vec<Live> = set
+            .iter()
             .take_while(|(at, _)| *at <= now)
             .filter_map(|(_, id)| st.live.get(id))
             .filter(|l| st.ordering_allows(l))
             .take(max)
             .cloned()
-            .collect()
+            .collect();
+        for l in &out {
+            st.claimed.insert(l.entry.id, l.revision);
+        }
+        out
+    }
+
+    /// Gives up this node's claim on `id` (its lease lost a race or failed).
+    pub fn unclaim(&self, id: EntryId) {
+        let mut st = self.state();
+        if st.claimed.remove(&id).is_some()
+            && let Some(t) = st.live.get(&id).map(|l| l.entry.target_id.clone())
+        {
+            st.notify(&t);
+        }
     }
 
     /// Every live entry of `target`, leased or not, ignoring ordering (tests stand in for a
@@ -222,7 +255,13 @@ impl View {
     /// Per-target numbers: waiting, leased at `now`, oldest acceptance, DLQ entries.
     pub fn stats(&self, now: Millis) -> std::collections::BTreeMap<String, QueueStats> {
         let st = self.state();
-        let mut out: std::collections::BTreeMap<String, QueueStats> = Default::default();
+        // Every target that ever had an entry here, emptied ones at zero (as the embedded
+        // store's index keeps them).
+        let mut out: std::collections::BTreeMap<String, QueueStats> = st
+            .ready
+            .keys()
+            .map(|t| (t.clone(), QueueStats::default()))
+            .collect();
         for l in st.live.values() {
             let s = out.entry(l.entry.target_id.clone()).or_default();
             if l.entry.lease.is_some_and(|lease| lease.until >= now) {
@@ -268,6 +307,38 @@ impl View {
             .entry(target.to_string())
             .or_insert_with(|| Arc::new(Notify::new()))
             .clone()
+    }
+
+    /// Live entries leased by `node` (whatever their expiry).
+    pub fn leased_by(&self, node: &str) -> Vec<Live> {
+        self.state()
+            .live
+            .values()
+            .filter(|l| l.entry.lease.is_some() && l.node.as_deref() == Some(node))
+            .cloned()
+            .collect()
+    }
+
+    /// Wakes the workers of targets with a lease that expired since the last call, before
+    /// `now` (those entries are leasable again); returns how many.
+    pub fn wake_expired(&self, now: Millis) -> usize {
+        let mut st = self.state();
+        let since = std::mem::replace(&mut st.reaped_until, now);
+        let mut n = 0;
+        let mut targets = std::collections::BTreeSet::new();
+        for l in st.live.values() {
+            if l.entry
+                .lease
+                .is_some_and(|lease| lease.until < now && lease.until >= since)
+            {
+                n += 1;
+                targets.insert(l.entry.target_id.as_str());
+            }
+        }
+        for t in targets {
+            st.notify(t);
+        }
+        n
     }
 
     /// Targets with live entries.
@@ -319,7 +390,7 @@ impl View {
                 match serde_json::from_slice::<EntryRecord>(payload) {
                     Ok(mut r) => {
                         r.entry.id = id;
-                        Some(r.entry)
+                        Some((r.entry, r.node))
                     }
                     Err(e) => {
                         tracing::error!(%subject, error = %e, "undecodable queue entry record; left out of the view");
@@ -465,11 +536,11 @@ mod tests {
     fn the_view_keeps_the_newest_revision_and_drops_finished_entries() {
         let view = View::new();
         let a = EntryId { event: 1, idx: 0 };
-        view.state().apply(a, 10, Some(entry("t", 100)));
+        view.state().apply(a, 10, Some((entry("t", 100), None)));
         assert_eq!(view.due_count("t", 99, 10), 0);
         assert_eq!(view.due_count("t", 100, 10), 1);
         // An older revision arriving late changes nothing.
-        view.state().apply(a, 5, Some(entry("t", 0)));
+        view.state().apply(a, 5, Some((entry("t", 0), None)));
         assert_eq!(view.next_due("t"), Some(100));
         // Leased until 500: available again just after the lease ends.
         let mut leased = entry("t", 100);
@@ -477,12 +548,12 @@ mod tests {
             token: 11,
             until: 500,
         });
-        view.state().apply(a, 11, Some(leased));
+        view.state().apply(a, 11, Some((leased, None)));
         assert_eq!(view.next_due("t"), Some(501));
         assert_eq!(view.candidates("t", 501, 10)[0].revision, 11);
         let mut done = entry("t", 100);
         done.state = EntryState::Delivered;
-        view.state().apply(a, 12, Some(done));
+        view.state().apply(a, 12, Some((done, None)));
         assert_eq!(view.next_due("t"), None);
         assert!(view.targets().is_empty());
     }

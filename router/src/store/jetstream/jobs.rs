@@ -1,0 +1,426 @@
+//! The JetStream store's redrive and replay steps, archive reads, sweeps and record counts.
+
+use std::collections::HashMap;
+
+use super::records::{Expect, RecordsError, Write};
+use super::{
+    EntryRecord, EventRecord, JetStreamStore, MAX_RETRIES, dec, dedup_record_key, dlq_key, enc,
+    entry_key, event_key, ops,
+};
+use crate::store::redb_store::idempotency_key;
+use crate::store::{
+    DlqEntry, EntryId, EntryState, Job, Millis, QueueEntry, RecordCounts, RedriveAction,
+    ReplayItem, StoreError, StoredEvent, SweepStats,
+};
+
+/// Events removed (or examined and kept) per sweep call, so one call stays short.
+const SWEEP_BATCH: usize = 256;
+
+impl JetStreamStore {
+    /// Applies redrive actions and the job's new progress in one transaction (read again and
+    /// retried when another node changed one of its records meanwhile).
+    pub async fn redrive_step(
+        &self,
+        job: Job,
+        actions: Vec<RedriveAction>,
+        now: Millis,
+    ) -> Result<(), StoreError> {
+        for _ in 0..MAX_RETRIES {
+            let mut writes = vec![Self::job_write(&job)?];
+            // Events changed by several actions of this step: their latest record.
+            let mut events: HashMap<u64, (EventRecord, u64)> = HashMap::new();
+            for action in &actions {
+                let dlq_id = match action {
+                    RedriveAction::Requeue { dlq_id }
+                    | RedriveAction::Route { dlq_id, .. }
+                    | RedriveAction::Keep { dlq_id, .. } => *dlq_id,
+                };
+                let Some((mut d, drev)) = self.read::<DlqEntry>("dlq", &dlq_key(dlq_id)).await?
+                else {
+                    continue;
+                };
+                match action {
+                    RedriveAction::Requeue { .. } => {
+                        writes.push(Write::delete(dlq_key(dlq_id), Expect::Revision(drev)));
+                        let Some(id) = d.entry else { continue };
+                        let Some((mut r, rev)) =
+                            self.read::<EntryRecord>("entries", &entry_key(id)).await?
+                        else {
+                            continue;
+                        };
+                        r.entry.id = id;
+                        r.entry.requeue_for_redrive(now);
+                        r.dlq = None;
+                        writes.push(Write::put(entry_key(id), enc(&r), Expect::Revision(rev)));
+                    }
+                    RedriveAction::Route {
+                        matched_rules,
+                        targets,
+                        ..
+                    } => {
+                        writes.push(Write::delete(dlq_key(dlq_id), Expect::Revision(drev)));
+                        let seq = d.event_seq;
+                        let Some((ev, _)) = self.event_for(&mut events, seq).await? else {
+                            continue;
+                        };
+                        if ev.stored.quarantined {
+                            ev.stored.quarantined = false;
+                            ev.stored.matched_rules = matched_rules.clone();
+                        }
+                        let stored = &ev.stored.event;
+                        for t in targets {
+                            let id = EntryId {
+                                event: seq,
+                                idx: ev.entries,
+                            };
+                            ev.entries += 1;
+                            let key = idempotency_key(&stored.source, &stored.id, &t.target_id);
+                            let entry = QueueEntry {
+                                redrive_count: d.redrive_count + 1,
+                                ..QueueEntry::queued(
+                                    id,
+                                    t.clone(),
+                                    key,
+                                    ev.stored.accepted_at,
+                                    now,
+                                    stored.hops(),
+                                )
+                            };
+                            let r = EntryRecord {
+                                entry,
+                                dlq: None,
+                                node: None,
+                            };
+                            writes.push(Write::put(entry_key(id), enc(&r), Expect::Revision(0)));
+                        }
+                    }
+                    RedriveAction::Keep { errors, .. } => {
+                        d.errors = errors.clone();
+                        d.last_failure_at = now;
+                        d.redrive_count += 1;
+                        writes.push(Write::put(dlq_key(dlq_id), enc(&d), Expect::Revision(drev)));
+                    }
+                }
+            }
+            if self.commit_step(writes, events).await? {
+                return Ok(());
+            }
+        }
+        Err(StoreError::Backend(
+            "redrive step: its records kept changing under it".into(),
+        ))
+    }
+
+    /// Commits a job step's `writes` with the event records it changed; `false` when another
+    /// node changed one of its records first (read again and retry).
+    async fn commit_step(
+        &self,
+        mut writes: Vec<Write>,
+        events: HashMap<u64, (EventRecord, u64)>,
+    ) -> Result<bool, StoreError> {
+        for (seq, (ev, rev)) in events {
+            writes.push(Write::put(event_key(seq), enc(&ev), Expect::Revision(rev)));
+        }
+        match self.commit(writes).await {
+            Ok(_) => Ok(true),
+            Err(RecordsError::Conflict) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The event record `seq` as this step has changed it so far (read on first use).
+    async fn event_for<'a>(
+        &self,
+        events: &'a mut HashMap<u64, (EventRecord, u64)>,
+        seq: u64,
+    ) -> Result<Option<&'a mut (EventRecord, u64)>, StoreError> {
+        if let std::collections::hash_map::Entry::Vacant(slot) = events.entry(seq) {
+            let Some((mut ev, rev)) = self.read::<EventRecord>("events", &event_key(seq)).await?
+            else {
+                return Ok(None);
+            };
+            ev.stored.seq = seq;
+            slot.insert((ev, rev));
+        }
+        Ok(events.get_mut(&seq))
+    }
+
+    /// Adds replayed deliveries (their own idempotency keys, the job's marker) and the job's
+    /// new progress in one transaction.
+    pub async fn replay_step(
+        &self,
+        job: Job,
+        items: Vec<ReplayItem>,
+        now: Millis,
+    ) -> Result<(), StoreError> {
+        for _ in 0..MAX_RETRIES {
+            let mut writes = vec![Self::job_write(&job)?];
+            let mut events: HashMap<u64, (EventRecord, u64)> = HashMap::new();
+            for item in &items {
+                let Some((ev, _)) = self.event_for(&mut events, item.seq).await? else {
+                    continue;
+                };
+                let stored = &ev.stored.event;
+                for t in &item.targets {
+                    let id = EntryId {
+                        event: item.seq,
+                        idx: ev.entries,
+                    };
+                    ev.entries += 1;
+                    let original = idempotency_key(&stored.source, &stored.id, &t.target_id);
+                    // Derived from the original key and the job: receivers process it again.
+                    let key = idempotency_key(&original, &job.id, "replay");
+                    let entry = QueueEntry {
+                        replay: Some(job.id.clone()),
+                        ..QueueEntry::queued(id, t.clone(), key, now, now, stored.hops())
+                    };
+                    let r = EntryRecord {
+                        entry,
+                        dlq: None,
+                        node: None,
+                    };
+                    writes.push(Write::put(entry_key(id), enc(&r), Expect::Revision(0)));
+                }
+            }
+            if self.commit_step(writes, events).await? {
+                return Ok(());
+            }
+        }
+        Err(StoreError::Backend(
+            "replay step: its records kept changing under it".into(),
+        ))
+    }
+
+    /// Archived (not quarantined) events accepted in [`from`, `to`), sequence after
+    /// `after_seq`, at most `limit`, by sequence. Reads the event records the server stored
+    /// since `from` (an event's record is written at its acceptance or later), so a replay of
+    /// a recent range does not pass over the whole archive.
+    pub async fn events_between(
+        &self,
+        from: Millis,
+        to: Millis,
+        after_seq: u64,
+        limit: usize,
+    ) -> Result<Vec<StoredEvent>, StoreError> {
+        let mut found = Vec::new();
+        let mut bad = None;
+        // Clocks of nodes and server differ a little; a minute of slack costs a few records.
+        self.records
+            .scan_with("ev", Some(from.saturating_sub(60_000)), |r| {
+                let Some(bytes) = r.value else { return true };
+                let Some(seq) = r
+                    .key
+                    .strip_prefix("ev.")
+                    .and_then(|s| s.parse::<u64>().ok())
+                else {
+                    return true;
+                };
+                match dec::<EventRecord>("events", &bytes) {
+                    Ok(mut ev) => {
+                        ev.stored.seq = seq;
+                        let at = ev.stored.accepted_at;
+                        if !ev.stored.quarantined && at >= from && at < to && seq > after_seq {
+                            found.push(ev.stored);
+                        }
+                        true
+                    }
+                    Err(e) => {
+                        bad = Some(e);
+                        false
+                    }
+                }
+            })
+            .await?;
+        if let Some(e) = bad {
+            return Err(e);
+        }
+        found.sort_by_key(|e| e.seq);
+        found.truncate(limit);
+        Ok(found)
+    }
+
+    /// Removes events older than `retention_ms` that no live entry or DLQ entry refers to
+    /// (with their finished entries and their dedup key), COMPLETED records and key-value
+    /// entries past their expiry. Bounded work per call (`more` when there is more to do).
+    /// Dedup keys go with their events, as in the embedded store: a key outlives its window
+    /// until its event is swept, and a key past its window no longer counts at accept.
+    pub async fn sweep(
+        &self,
+        now: Millis,
+        _dedup_window_ms: i64,
+        retention_ms: i64,
+    ) -> Result<SweepStats, StoreError> {
+        let mut stats = SweepStats::default();
+        let cutoff = now.saturating_sub(retention_ms);
+        // Oldest first; records stored after the cutoff (plus slack for clocks) hold only
+        // younger events.
+        let wall_cutoff = chrono::Utc::now().timestamp_millis() - retention_ms + 60_000;
+        let mut old: Vec<(u64, u64, EventRecord)> = Vec::new();
+        let mut more = false;
+        let mut bad = None;
+        self.records
+            .scan_with("ev", None, |r| {
+                if r.published_ms > wall_cutoff.max(cutoff) {
+                    return false;
+                }
+                let (Some(bytes), Some(seq)) = (
+                    r.value,
+                    r.key
+                        .strip_prefix("ev.")
+                        .and_then(|s| s.parse::<u64>().ok()),
+                ) else {
+                    return true;
+                };
+                match dec::<EventRecord>("events", &bytes) {
+                    Ok(ev) if ev.stored.accepted_at <= cutoff => {
+                        old.push((seq, r.revision, ev));
+                        if old.len() >= SWEEP_BATCH {
+                            more = true;
+                            return false;
+                        }
+                        true
+                    }
+                    Ok(_) => true,
+                    Err(e) => {
+                        bad = Some(e);
+                        false
+                    }
+                }
+            })
+            .await?;
+        if let Some(e) = bad {
+            return Err(e);
+        }
+        for (seq, rev, ev) in old {
+            match self.remove_event(seq, rev, &ev).await? {
+                true => stats.events_removed += 1,
+                false => stats.pending += 1,
+            }
+        }
+        stats.more = more;
+        stats.completed_expired = self.expire_completed(now).await?;
+        stats.kv_expired = self.expire_kv(now).await?;
+        stats.dedup_expired = stats.events_removed;
+        Ok(stats)
+    }
+
+    /// Removes event `seq` with its entries and dedup key, unless a live entry or a DLQ entry
+    /// still refers to it. `true` when removed.
+    async fn remove_event(&self, seq: u64, rev: u64, ev: &EventRecord) -> Result<bool, StoreError> {
+        let mut writes = vec![Write::delete(event_key(seq), Expect::Revision(rev))];
+        let mut dlq_ids = ev.dlq.clone();
+        for idx in 0..ev.entries {
+            let id = EntryId { event: seq, idx };
+            if let Some((r, erev)) = self.read::<EntryRecord>("entries", &entry_key(id)).await? {
+                if r.entry.state == EntryState::Queued {
+                    return Ok(false);
+                }
+                dlq_ids.extend(r.dlq);
+                writes.push(Write::delete(entry_key(id), Expect::Revision(erev)));
+            }
+        }
+        for id in dlq_ids {
+            if self.read::<DlqEntry>("dlq", &dlq_key(id)).await?.is_some() {
+                return Ok(false);
+            }
+        }
+        let dd = dedup_record_key(&ev.stored.event.source, &ev.stored.event.id);
+        if let Some((d, drev)) = self.read::<super::DedupRecord>("dedup", &dd).await?
+            && d.seq == seq
+        {
+            writes.push(Write::delete(dd, Expect::Revision(drev)));
+        }
+        match self.commit(writes).await {
+            Ok(_) => Ok(true),
+            // Redriven, replayed or re-accepted meanwhile: kept for the next sweep.
+            Err(RecordsError::Conflict) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn expire_completed(&self, now: Millis) -> Result<u64, StoreError> {
+        let mut expired = Vec::new();
+        for (key, rev, bytes) in self.records.scan("cd").await? {
+            let r: ops::CompletedRecord = dec("completed", &bytes)?;
+            if r.expires_at <= now {
+                expired.push(Write::delete(key, Expect::Revision(rev)));
+                if expired.len() >= SWEEP_BATCH {
+                    break;
+                }
+            }
+        }
+        let n = expired.len() as u64;
+        if n > 0 {
+            match self.commit(expired).await {
+                Ok(_) => {}
+                Err(RecordsError::Conflict) => return Ok(0),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(n)
+    }
+
+    /// Removes expired key-value entries, each usage shard's with its record in one batch.
+    async fn expire_kv(&self, now: Millis) -> Result<u64, StoreError> {
+        type Expired = Vec<(String, u64, ops::KvRecord)>;
+        let mut by_shard: HashMap<(String, u8), Expired> = HashMap::new();
+        let mut n = 0;
+        for (key, rev, bytes) in self.records.scan("kv").await? {
+            let r: ops::KvRecord = dec("kv", &bytes)?;
+            if r.expires_at.is_some_and(|e| e <= now) && n < SWEEP_BATCH {
+                n += 1;
+                let shard = ops::usage_shard(&r.namespace, &r.key);
+                by_shard
+                    .entry((r.namespace.clone(), shard))
+                    .or_default()
+                    .push((key, rev, r));
+            }
+        }
+        let mut removed = 0;
+        for ((ns, shard), items) in by_shard {
+            let ukey = ops::usage_key(&ns, shard);
+            let Some((mut usage, urev)) = self.read::<ops::UsageRecord>("kv usage", &ukey).await?
+            else {
+                continue;
+            };
+            let mut writes = Vec::new();
+            for (key, rev, r) in &items {
+                let len = ops::unb64("kv", &r.value)?.len();
+                usage.bytes = usage
+                    .bytes
+                    .saturating_sub(crate::store::KvUsage::entry_bytes(&r.key, &vec![0; len]));
+                usage.keys = usage.keys.saturating_sub(1);
+                writes.push(Write::delete(key.clone(), Expect::Revision(*rev)));
+            }
+            writes.push(Write::put(ukey, enc(&usage), Expect::Revision(urev)));
+            match self.commit(writes).await {
+                Ok(_) => removed += items.len() as u64,
+                Err(RecordsError::Conflict) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Counts the records of each bounded kind (a pass over them, headers and all: the
+    /// caller caches it).
+    pub async fn count_records(&self) -> Result<RecordCounts, StoreError> {
+        let mut counts = RecordCounts::default();
+        for (kind, slot) in [
+            ("ev", &mut counts.events),
+            ("dd", &mut counts.dedup_keys),
+            ("cd", &mut counts.completed),
+            ("kv", &mut counts.kv_keys),
+        ] {
+            let mut n = 0;
+            self.records
+                .scan_with(kind, None, |r| {
+                    n += u64::from(r.value.is_some());
+                    true
+                })
+                .await?;
+            *slot = n;
+        }
+        Ok(counts)
+    }
+}
