@@ -1,6 +1,7 @@
 //! End-to-end tests: the real `router` binary, real HTTP receivers, temp data dirs.
 
 mod cli;
+mod cluster;
 mod delivery;
 mod dlq_ops;
 mod durability;
