@@ -206,7 +206,7 @@ impl JetStreamStore {
         let mut bad = None;
         // Clocks of nodes and server differ a little; a minute of slack costs a few records.
         self.records
-            .scan_with("ev", Some(from.saturating_sub(60_000)), |r| {
+            .scan_with("ev", Some(from.saturating_sub(60_000)), false, |r| {
                 let Some(bytes) = r.value else { return true };
                 let Some(seq) = r
                     .key
@@ -259,7 +259,7 @@ impl JetStreamStore {
         let mut more = false;
         let mut bad = None;
         self.records
-            .scan_with("ev", None, |r| {
+            .scan_with("ev", None, false, |r| {
                 if r.published_ms > wall_cutoff.max(cutoff) {
                     return false;
                 }
@@ -402,8 +402,8 @@ impl JetStreamStore {
         Ok(removed)
     }
 
-    /// Counts the records of each bounded kind (a pass over them, headers and all: the
-    /// caller caches it).
+    /// Counts the records of each bounded kind (a pass over their headers: the caller
+    /// caches it).
     pub async fn count_records(&self) -> Result<RecordCounts, StoreError> {
         let mut counts = RecordCounts::default();
         for (kind, slot) in [
@@ -414,7 +414,7 @@ impl JetStreamStore {
         ] {
             let mut n = 0;
             self.records
-                .scan_with(kind, None, |r| {
+                .scan_with(kind, None, true, |r| {
                     n += u64::from(r.value.is_some());
                     true
                 })

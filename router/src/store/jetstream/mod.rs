@@ -127,7 +127,7 @@ pub struct JetStreamOptions {
 
 /// The router's store on NATS JetStream (see the module docs for what it covers so far).
 pub struct JetStreamStore {
-    records: Records,
+    records: Arc<Records>,
     /// Reserved, unused numbers per counter: (next, end).
     blocks: Mutex<HashMap<&'static str, (u64, u64)>>,
     /// Held by the one task that reserves a new block.
