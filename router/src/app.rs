@@ -619,6 +619,9 @@ pub async fn run(
                     prefix: js.prefix.clone(),
                     replicas: js.replicas,
                     timeout: js.timeout,
+                    // The body limit plus room for the envelope and the stored record's
+                    // fields.
+                    max_record_bytes: cfg.ingest.max_body_bytes.saturating_add(64 << 10),
                 },
                 node: node_id(&cfg.data_dir)?,
             },

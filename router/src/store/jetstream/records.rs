@@ -56,6 +56,9 @@ pub struct RecordsConfig {
     pub replicas: usize,
     /// Bound on every request to the server.
     pub timeout: Duration,
+    /// The largest record this store will write (an event as accepted, with its envelope):
+    /// a server whose `max_payload` is smaller is refused at open, not at the first big event.
+    pub max_record_bytes: usize,
 }
 
 /// Why a records operation failed.
@@ -257,7 +260,16 @@ impl Records {
             .connect(config.url.as_str())
             .await
             .map_err(|e| RecordsError::Server(format!("connect to {}: {e}", config.url)))?;
-        check_server_version(&client.server_info().version)?;
+        let info = client.server_info();
+        check_server_version(&info.version)?;
+        if info.max_payload < config.max_record_bytes {
+            return Err(RecordsError::Unsupported(format!(
+                "nats-server max_payload is {} bytes, under the {} a stored event may need \
+                 (ingest.max_body_bytes plus its envelope): set max_payload in the server's \
+                 config (e.g. 8MB)",
+                info.max_payload, config.max_record_bytes
+            )));
+        }
         let js = jetstream::new(client.clone());
         let wanted = stream_config(&config);
         let stream = match js.get_stream(&config.stream).await {

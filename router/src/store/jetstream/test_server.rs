@@ -114,6 +114,7 @@ impl TestServer {
             prefix: format!("rt{}", stream.to_lowercase()),
             replicas: 1,
             timeout: Duration::from_secs(10),
+            max_record_bytes: (1 << 20) + (64 << 10),
         }
     }
 

@@ -152,6 +152,21 @@ async fn an_existing_stream_with_other_settings_is_refused_not_changed() {
     );
 }
 
+/// A server whose `max_payload` cannot hold the largest event is refused at open, with the
+/// setting to change (the tests' server allows 8 MB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_cannot_hold_the_largest_event_is_refused() {
+    let server = TestServer::start();
+    let mut cfg = server.records("BIG");
+    cfg.max_record_bytes = 16 << 20;
+    let e = Records::open(cfg).await.expect_err("refused");
+    assert!(
+        e.to_string().contains("max_payload is 8388608 bytes"),
+        "{e}"
+    );
+    assert!(Records::open(server.records("BIG")).await.is_ok());
+}
+
 /// The machine's own NATS server (Debian's 2.9.10 at 127.0.0.1:4222) has no atomic batches:
 /// opening the store against it must fail with the reason, not run without the guarantee.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
