@@ -369,6 +369,38 @@ pub struct DlqEntry {
 }
 
 impl DlqEntry {
+    /// The DLQ entry of an event stored as `seq` and dead-lettered at its acceptance `at`,
+    /// before any attempt: quarantined (no `target`), or one target's copy refused by its
+    /// queue's depth cap. `names` are the event's `id`, `source` and `type`. Its `id` is left 0
+    /// for the store to assign.
+    pub fn at_acceptance(
+        seq: u64,
+        names: (String, String, String),
+        target: Option<&NewEntry>,
+        reason: DlqReason,
+        errors: Vec<FieldError>,
+        at: Millis,
+    ) -> Self {
+        let (event_id, event_source, event_type) = names;
+        Self {
+            id: 0,
+            event_seq: seq,
+            event_id,
+            event_source,
+            event_type,
+            entry: None,
+            target_id: target.map(|t| t.target_id.clone()),
+            rule: target.map(|t| t.rule.clone()),
+            reason,
+            errors,
+            attempts: Vec::new(),
+            attempt_count: 0,
+            first_failure_at: at,
+            last_failure_at: at,
+            redrive_count: 0,
+        }
+    }
+
     /// The DLQ entry of queue entry `e`, given up with `reason` after the attempt that ended
     /// as `end` (`now`: when, for an entry never attempted). `names` are the event's `id`,
     /// `source` and `type`. Its `id` is left 0 for the store to assign.

@@ -341,24 +341,14 @@ impl Prepared {
         reason: DlqReason,
         errors: Vec<crate::event::FieldError>,
     ) -> DlqEntry {
-        let (event_id, event_source, event_type) = self.names.clone();
-        DlqEntry {
-            id: 0,
-            event_seq: seq,
-            event_id,
-            event_source,
-            event_type,
-            entry: None,
-            target_id: target.map(|t| t.target_id.clone()),
-            rule: target.map(|t| t.rule.clone()),
+        DlqEntry::at_acceptance(
+            seq,
+            self.names.clone(),
+            target,
             reason,
             errors,
-            attempts: Vec::new(),
-            attempt_count: 0,
-            first_failure_at: self.accepted_at,
-            last_failure_at: self.accepted_at,
-            redrive_count: 0,
-        }
+            self.accepted_at,
+        )
     }
 }
 

@@ -385,10 +385,7 @@ impl JetStreamStore {
             };
             let mut writes = Vec::new();
             for (key, rev, r) in &items {
-                let len = ops::unb64("kv", &r.value)?.len();
-                usage.bytes = usage
-                    .bytes
-                    .saturating_sub(crate::store::KvUsage::entry_bytes(&r.key, &vec![0; len]));
+                usage.bytes = usage.bytes.saturating_sub(r.usage_bytes()?);
                 usage.keys = usage.keys.saturating_sub(1);
                 writes.push(Write::delete(key.clone(), Expect::Revision(*rev)));
             }

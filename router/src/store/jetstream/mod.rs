@@ -476,24 +476,7 @@ impl JetStreamStore {
         let mut leased = Vec::new();
         let names = || (ev.id.clone(), ev.source.clone(), ev.ty.clone());
         let blank = |reason, errors, target: Option<&NewEntry>| {
-            let (event_id, event_source, event_type) = names();
-            DlqEntry {
-                id: 0,
-                event_seq: seq,
-                event_id,
-                event_source,
-                event_type,
-                entry: None,
-                target_id: target.map(|t| t.target_id.clone()),
-                rule: target.map(|t| t.rule.clone()),
-                reason,
-                errors,
-                attempts: Vec::new(),
-                attempt_count: 0,
-                first_failure_at: at,
-                last_failure_at: at,
-                redrive_count: 0,
-            }
+            DlqEntry::at_acceptance(seq, names(), target, reason, errors, at)
         };
         let mut entries = 0;
         if let Some(q) = &ne.quarantine {
@@ -1057,14 +1040,7 @@ impl JetStreamStore {
                     if r.expires_at.is_some_and(|e| e <= now) {
                         return Ok(None);
                     }
-                    use base64::Engine;
-                    base64::engine::general_purpose::STANDARD
-                        .decode(&r.value)
-                        .map(Some)
-                        .map_err(|e| StoreError::Corrupt {
-                            table: "kv",
-                            message: e.to_string(),
-                        })
+                    r.decoded().map(Some)
                 }
                 None => Ok(None),
             }
@@ -1101,13 +1077,7 @@ impl JetStreamStore {
             let old = match read.as_ref().and_then(|v| v.value.as_ref()) {
                 Some(bytes) => {
                     let r: ops::KvRecord = dec("kv", bytes)?;
-                    let len = base64::Engine::decode(
-                        &base64::engine::general_purpose::STANDARD,
-                        &r.value,
-                    )
-                    .map(|v| v.len())
-                    .unwrap_or_default();
-                    Some(KvUsage::entry_bytes(k, &vec![0; len]) as i64)
+                    Some(r.usage_bytes()? as i64)
                 }
                 None => None,
             };

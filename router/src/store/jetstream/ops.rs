@@ -32,6 +32,18 @@ pub(super) struct KvRecord {
     pub expires_at: Option<Millis>,
 }
 
+impl KvRecord {
+    /// The value as the handler wrote it.
+    pub fn decoded(&self) -> Result<Vec<u8>, StoreError> {
+        unb64("kv", &self.value)
+    }
+
+    /// What the entry counts against its namespace's bound.
+    pub fn usage_bytes(&self) -> Result<u64, StoreError> {
+        Ok(KvUsage::entry_bytes(&self.key, &self.decoded()?))
+    }
+}
+
 /// What a handler's namespace holds (`ku.<fingerprint>`), changed in the same batch as its
 /// key-value writes.
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -88,7 +100,7 @@ pub(super) fn b64(bytes: &[u8]) -> String {
     B64.encode(bytes)
 }
 
-pub(super) fn unb64(table: &'static str, text: &str) -> Result<Vec<u8>, StoreError> {
+fn unb64(table: &'static str, text: &str) -> Result<Vec<u8>, StoreError> {
     B64.decode(text).map_err(|e| StoreError::Corrupt {
         table,
         message: e.to_string(),
@@ -289,9 +301,7 @@ impl JetStreamStore {
         now: Millis,
     ) -> Result<Option<Vec<u8>>, StoreError> {
         match self.read::<KvRecord>("kv", &kv_key(namespace, key)).await? {
-            Some((r, _)) if r.expires_at.is_none_or(|e| e > now) => {
-                Ok(Some(unb64("kv", &r.value)?))
-            }
+            Some((r, _)) if r.expires_at.is_none_or(|e| e > now) => Ok(Some(r.decoded()?)),
             _ => Ok(None),
         }
     }

@@ -475,11 +475,17 @@ impl Records {
 
     /// Commits `writes` (checked by `commit`) as one publish or atomic batch, now.
     async fn commit_now(&self, writes: Vec<Write>) -> Result<Vec<u64>, RecordsError> {
-        let _open = self
-            .open
-            .acquire()
-            .await
-            .map_err(|_| RecordsError::Server("the record store is closed".into()))?;
+        // Only batches count against the server's cap on open batches; a single write is a
+        // plain publish.
+        let _open = match writes.len() {
+            1 => None,
+            _ => Some(
+                self.open
+                    .acquire()
+                    .await
+                    .map_err(|_| RecordsError::Server("the record store is closed".into()))?,
+            ),
+        };
         let batch = format!(
             "{}-{}",
             self.node,
