@@ -101,10 +101,13 @@ impl RouterProc {
         if config.exists() {
             cmd.arg("--config").arg(config);
         }
-        cmd.env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
+        cmd.env(
+            "RUST_LOG",
+            std::env::var("E2E_RUST_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
         // The suite's second run puts every router on the JetStream store (scripts/test.sh
         // starts the server): each router process gets a stream of its own, the same across
         // its restarts.

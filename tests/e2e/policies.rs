@@ -459,9 +459,18 @@ async fn an_open_breaker_and_a_paused_target_survive_kill_9() {
 /// sees events in order (first successful delivery of each), and other keys keep flowing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_key_order_holds_while_one_key_fails() {
-    let fail_until = Instant::now() + Duration::from_secs(3);
+    // k7 fails from the start until 3 s after the last event is accepted. The window is
+    // counted from then, not from the test's start, so that how long the router takes to
+    // start and to accept the events (which varies with the machine's load and the store
+    // backend) does not eat into the time the other keys have to show they keep flowing.
+    let fail_cell: Arc<Mutex<Option<Instant>>> = Arc::new(Mutex::new(None));
+    let until = fail_cell.clone();
     let rcv = Receiver::scripted(Arc::new(move |ev, _| {
-        let failing = ev["partitionkey"] == "k7" && Instant::now() < fail_until;
+        let failing = ev["partitionkey"] == "k7"
+            && until
+                .lock()
+                .expect("lock")
+                .is_none_or(|t| Instant::now() < t);
         (if failing { 503 } else { 200 }, Duration::ZERO, vec![])
     }))
     .await;
@@ -491,6 +500,8 @@ async fn per_key_order_holds_while_one_key_fails() {
             .collect();
         send_batch(&r, batch).await;
     }
+    let fail_until = Instant::now() + Duration::from_secs(3);
+    *fail_cell.lock().expect("lock") = Some(fail_until);
     let others_during_failure = Arc::new(Mutex::new(0usize));
     let total = keys * per_key;
     assert!(

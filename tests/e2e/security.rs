@@ -471,6 +471,11 @@ async fn https_webhooks_verify_the_receiver_certificate() {
         err.contains("certificate") || err.contains("tls") || err.contains("connect"),
         "{err}"
     );
-    assert_eq!(f["targets"][0]["state"], "retrying", "{f}");
+    // Between attempts the target is `retrying`; with full jitter the next attempt can be
+    // due at once, so it may already be `in_flight` again. Either way it is neither delivered
+    // nor dead-lettered.
+    let state = f["targets"][0]["state"].as_str().unwrap_or_default();
+    assert!(matches!(state, "retrying" | "in_flight"), "{f}");
+    assert_eq!(f["dlq"], json!([]), "{f}");
     assert_eq!(rcv.count(), 1, "nothing reached the receiver without trust");
 }

@@ -183,6 +183,19 @@ impl Dispatcher {
 
     /// Runs a worker for `spec`, replacing one with an older configuration.
     pub fn ensure(&self, spec: TargetSpec) -> Result<(), StartError> {
+        // A new worker's saved state is read before the lock is taken: on the JetStream store
+        // the read is a round trip, and ingest takes this lock on every accept (`reserve`). A
+        // runtime thread blocked on the lock behind that read can starve the very task that
+        // would answer it (seen as a reload hanging until the client gave up).
+        let stored = {
+            let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+            match running.get(&spec.id) {
+                Some(r) if r.runtime.spec == spec => return Ok(()),
+                Some(_) => None,
+                None => Some(()),
+            }
+        }
+        .map(|()| self.persisted(&spec.id));
         let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
         if running
             .get(&spec.id)
@@ -196,7 +209,8 @@ impl Dispatcher {
                 old.stop.cancel();
                 Some(old.runtime.persisted())
             }
-            None => self.persisted(&spec.id),
+            // Stopped between the two looks (rare): read it now, under the lock.
+            None => stored.unwrap_or_else(|| self.persisted(&spec.id)),
         };
         let slots = Arc::new(tokio::sync::Semaphore::new(worker::slot_count(
             &spec,
