@@ -187,15 +187,14 @@ impl Dispatcher {
         // the read is a round trip, and ingest takes this lock on every accept (`reserve`). A
         // runtime thread blocked on the lock behind that read can starve the very task that
         // would answer it (seen as a reload hanging until the client gave up).
-        let stored = {
+        let was_running = {
             let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
             match running.get(&spec.id) {
                 Some(r) if r.runtime.spec == spec => return Ok(()),
-                Some(_) => None,
-                None => Some(()),
+                r => r.is_some(),
             }
-        }
-        .map(|()| self.persisted(&spec.id));
+        };
+        let stored = (!was_running).then(|| self.persisted(&spec.id));
         let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
         if running
             .get(&spec.id)
