@@ -197,7 +197,7 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
     for spec in rules.targets.values() {
         if running.get(&spec.id) != Some(spec) {
             started.push(spec.id.clone());
-            if let Err(e) = app.dispatcher.ensure(spec.clone()) {
+            if let Err(e) = app.dispatcher.ensure(spec.clone()).await {
                 tracing::warn!("{e}");
             }
         }
@@ -756,7 +756,8 @@ pub async fn run_with_store(
         .collect();
     store.save_targets(current).await?;
     let saved: std::collections::HashMap<String, TargetSpec> = store
-        .saved_targets()?
+        .saved_targets()
+        .await?
         .into_iter()
         .filter_map(|(id, v)| serde_json::from_value(v).ok().map(|s| (id, s)))
         .collect();
@@ -775,7 +776,7 @@ pub async fn run_with_store(
         }
     }
     for spec in to_start {
-        if let Err(e) = dispatcher.ensure(spec) {
+        if let Err(e) = dispatcher.ensure(spec).await {
             tracing::warn!("{e}");
             warnings.push(e.to_string());
         }
@@ -783,7 +784,8 @@ pub async fn run_with_store(
     dispatcher.start_reaper();
 
     let disabled: std::collections::HashSet<String> = store
-        .target_states()?
+        .target_states()
+        .await?
         .into_iter()
         .filter_map(|(k, v)| {
             let name = k.strip_prefix(RULE_STATE_PREFIX)?;
@@ -831,7 +833,7 @@ pub async fn run_with_store(
         });
         let _ = rt.prepare.set(prepare);
     }
-    crate::dlq::resume_all(&app)?;
+    crate::dlq::resume_all(&app).await?;
     spawn_reload_triggers(&app, &tracker, workers_cancel.clone());
     spawn_sweeper(&app, &tracker, workers_cancel.clone());
     spawn_disk_monitor(&app, &tracker, workers_cancel.clone());
@@ -1050,7 +1052,7 @@ fn spawn_disk_monitor(app: &Arc<App>, tracker: &TaskTracker, cancel: Cancellatio
                 _ = cancel.cancelled() => break,
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
             }
-            let used = app.store.disk_bytes();
+            let used = app.store.disk_bytes().await;
             let full = app.disk_full.load(Ordering::Relaxed);
             if !full && used > high {
                 app.disk_full.store(true, Ordering::Relaxed);

@@ -304,7 +304,7 @@ impl Metrics {
     }
 
     /// Refreshes gauges from the store and renders the text exposition.
-    pub fn render(&self, store: &dyn Store, now_ms: i64) -> String {
+    pub async fn render(&self, store: &dyn Store, now_ms: i64) -> String {
         for (target, s) in store.queue_stats() {
             let l = vec![("target", target)];
             self.queue_depth
@@ -322,9 +322,9 @@ impl Metrics {
                 .set(i64::try_from(s.dlq).unwrap_or(i64::MAX));
         }
         self.store_bytes
-            .set(i64::try_from(store.disk_bytes()).unwrap_or(i64::MAX));
+            .set(i64::try_from(store.disk_bytes().await).unwrap_or(i64::MAX));
         self.compacting.set(i64::from(store.compacting()));
-        match store.record_counts() {
+        match store.record_counts().await {
             Ok(c) => {
                 self.dedup_filter_bytes
                     .set(i64::try_from(c.dedup_filter_bytes).unwrap_or(i64::MAX));
@@ -345,7 +345,7 @@ impl Metrics {
             Err(crate::store::StoreError::Compacting) => {}
             Err(e) => tracing::warn!(error = %e, "could not read record counts for /metrics"),
         }
-        match store.kv_usage() {
+        match store.kv_usage().await {
             Ok(usage) => {
                 // A namespace emptied since the last scrape disappears instead of keeping its
                 // last size. Only those are removed (clearing the families first would show a

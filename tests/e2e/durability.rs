@@ -300,7 +300,7 @@ async fn serve_in_process_with(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_202_survives_a_power_cut() {
     use router::store::fault::SimulatedDisk;
-    use router::store::{RedbStore, Store, StoreOptions};
+    use router::store::{RedbStore, StoreOptions};
 
     let rcv = Receiver::ok().await;
     let disk = SimulatedDisk::new();
@@ -353,7 +353,7 @@ async fn every_202_survives_a_power_cut() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_disk_answers_503_stores_nothing_and_recovers() {
     use router::store::fault::SimulatedDisk;
-    use router::store::{RedbStore, Store, StoreOptions};
+    use router::store::{RedbStore, StoreOptions};
 
     let rcv = Receiver::ok().await;
     let disk = SimulatedDisk::new();

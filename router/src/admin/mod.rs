@@ -91,7 +91,7 @@ pub async fn event_fate(
             )],
         );
     };
-    let fate = match app.store.fate(&source, &id) {
+    let fate = match app.store.fate(&source, &id).await {
         Ok(Some(f)) => f,
         Ok(None) => {
             return error_response(
@@ -208,7 +208,7 @@ pub async fn dlq_list(
         since,
         until,
     };
-    match app.store.dlq_list(&filter, after, limit) {
+    match app.store.dlq_list(&filter, after, limit).await {
         Ok(list) => {
             let next = (list.len() == limit)
                 .then(|| list.last().map(|d| d.id.to_string()))
@@ -236,7 +236,7 @@ pub async fn dlq_show(
             vec![FieldError::new("/id", "DLQ entry ids are integers")],
         );
     };
-    match app.store.dlq_get(n) {
+    match app.store.dlq_get(n).await {
         Ok(Some((d, ev))) => {
             if let Err(r) = dlq_read_scope(&who, Some(d.target_id.as_deref().unwrap_or(""))) {
                 return *r;
@@ -435,6 +435,10 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
     let rules = app.rules.load();
     let contracts = app.contracts.load();
     let now = app.clock.now_ms();
+    // Store reads first: none of them may wait while the status locks below are held.
+    let store_bytes = app.store.disk_bytes().await;
+    let records = records_status(&app).await;
+    let handler_kv = handler_kv_status(&app).await;
     axum::Json(json!({
         "version": env!("CARGO_PKG_VERSION"),
         "started_at": rfc3339(app.started_at),
@@ -446,7 +450,7 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
         "store": {
             "backend": app.cfg.store.backend,
             // On JetStream: what the server holds for this store's stream.
-            "bytes": app.store.disk_bytes(),
+            "bytes": store_bytes,
             "dir": app.cfg.data_dir,
             "max_bytes": app.cfg.store.max_disk_bytes,
             "ingest_refused": app.disk_full.load(Ordering::Relaxed),
@@ -465,18 +469,18 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             })),
         },
         "delivery": app.delivery_threads,
-        "records": records_status(&app),
-        "handler_kv": handler_kv_status(&app),
+        "records": records,
+        "handler_kv": handler_kv,
         "warnings": *app.warnings.lock().unwrap_or_else(|p| p.into_inner()),
     }))
     .into_response()
 }
 
 /// What each age-bounded kind of record holds, with its bound.
-fn records_status(app: &App) -> serde_json::Value {
+async fn records_status(app: &App) -> serde_json::Value {
     let secs = |d: std::time::Duration| d.as_secs();
     let c = &app.cfg;
-    match app.store.record_counts() {
+    match app.store.record_counts().await {
         Ok(n) => json!({
             "events": { "count": n.events, "retention_seconds": secs(c.event_retention()) },
             "dedup_keys": {
@@ -493,9 +497,9 @@ fn records_status(app: &App) -> serde_json::Value {
 }
 
 /// Each handler's key-value namespace against its bound (`handlers.kv_max_bytes`).
-fn handler_kv_status(app: &App) -> serde_json::Value {
+async fn handler_kv_status(app: &App) -> serde_json::Value {
     let max = app.cfg.handlers.kv_max_bytes;
-    match app.store.kv_usage() {
+    match app.store.kv_usage().await {
         Ok(usage) => json!({
             "max_bytes": max,
             "namespaces": usage
@@ -509,7 +513,10 @@ fn handler_kv_status(app: &App) -> serde_json::Value {
 
 /// `GET /metrics`.
 pub async fn metrics(State(app): State<Arc<App>>) -> Response {
-    let body = app.metrics.render(app.store.as_ref(), app.clock.now_ms());
+    let body = app
+        .metrics
+        .render(app.store.as_ref(), app.clock.now_ms())
+        .await;
     (
         [(
             "content-type",
@@ -659,7 +666,7 @@ pub async fn dlq_summary(
         Ok(f) => f,
         Err(errors) => return error_response(StatusCode::BAD_REQUEST, "invalid query", errors),
     };
-    match app.store.dlq_summary(&filter, bucket_ms) {
+    match app.store.dlq_summary(&filter, bucket_ms).await {
         Ok(rows) => {
             let groups: Vec<Value> = rows
                 .iter()
@@ -716,7 +723,7 @@ pub async fn dlq_purge(
     let mut purged = 0u64;
     let mut after = None;
     loop {
-        let page = match app.store.dlq_list(&filter, after, 1000) {
+        let page = match app.store.dlq_list(&filter, after, 1000).await {
             Ok(p) => p,
             Err(e) => return store_error(&e),
         };
@@ -777,7 +784,7 @@ pub async fn replay_create(State(app): State<Arc<App>>, body: axum::body::Bytes)
 
 /// `GET /v1/dlq/redrive`, `GET /v1/replay`: every job.
 pub async fn jobs_list(State(app): State<Arc<App>>) -> Response {
-    match app.store.jobs() {
+    match app.store.jobs().await {
         Ok(jobs) => axum::Json(json!({ "jobs": jobs.iter().map(job_json).collect::<Vec<_>>() }))
             .into_response(),
         Err(e) => store_error(&e),
@@ -786,7 +793,7 @@ pub async fn jobs_list(State(app): State<Arc<App>>) -> Response {
 
 /// `GET /v1/dlq/redrive/{job}`, `GET /v1/replay/{job}`: progress.
 pub async fn job_show(State(app): State<Arc<App>>, Path(job): Path<String>) -> Response {
-    match crate::dlq::get(&app, &job) {
+    match crate::dlq::get(&app, &job).await {
         Ok(j) => axum::Json(job_json(&j)).into_response(),
         Err(e) => job_error(e),
     }
@@ -799,7 +806,7 @@ pub async fn job_control(
     Path((job, action)): Path<(String, String)>,
 ) -> Response {
     // Replays are admin-only (the router checked); a redrive is its filter's target's.
-    if let Ok(j) = crate::dlq::get(&app, &job) {
+    if let Ok(j) = crate::dlq::get(&app, &job).await {
         let target = j.spec["filter"]["target"].as_str().map(str::to_string);
         let scope = if j.kind == crate::store::JobKind::Replay {
             Err(Box::new(crate::auth::forbidden(&who, "admin")))

@@ -182,34 +182,41 @@ impl Dispatcher {
     }
 
     /// Runs a worker for `spec`, replacing one with an older configuration.
-    pub fn ensure(&self, spec: TargetSpec) -> Result<(), StartError> {
+    pub async fn ensure(&self, spec: TargetSpec) -> Result<(), StartError> {
         // A new worker's saved state is read before the lock is taken: on the JetStream store
         // the read is a round trip, and ingest takes this lock on every accept (`reserve`). A
         // runtime thread blocked on the lock behind that read can starve the very task that
         // would answer it (seen as a reload hanging until the client gave up).
-        let was_running = {
+        let (mut running, stored) = loop {
+            let was_running = {
+                let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+                match running.get(&spec.id) {
+                    Some(r) if r.runtime.spec == spec => return Ok(()),
+                    r => r.is_some(),
+                }
+            };
+            let stored = if was_running {
+                None
+            } else {
+                Some(self.persisted(&spec.id).await)
+            };
             let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-            match running.get(&spec.id) {
-                Some(r) if r.runtime.spec == spec => return Ok(()),
-                r => r.is_some(),
+            match (running.get(&spec.id), stored) {
+                (Some(r), _) if r.runtime.spec == spec => return Ok(()),
+                (Some(_), _) => break (running, None),
+                (None, Some(stored)) => break (running, Some(stored)),
+                // Stopped between the two looks (rare): look again, reading its saved state
+                // outside the lock.
+                (None, None) => {}
             }
         };
-        let stored = (!was_running).then(|| self.persisted(&spec.id));
-        let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-        if running
-            .get(&spec.id)
-            .is_some_and(|r| r.runtime.spec == spec)
-        {
-            return Ok(());
-        }
         let target = self.build_target(&spec)?;
         let persisted = match running.remove(&spec.id) {
             Some(old) => {
                 old.stop.cancel();
                 Some(old.runtime.persisted())
             }
-            // Stopped between the two looks (rare): read it now, under the lock.
-            None => stored.unwrap_or_else(|| self.persisted(&spec.id)),
+            None => stored.flatten(),
         };
         let slots = Arc::new(tokio::sync::Semaphore::new(worker::slot_count(
             &spec,
@@ -241,8 +248,8 @@ impl Dispatcher {
         Ok(())
     }
 
-    fn persisted(&self, id: &str) -> Option<PersistedState> {
-        match self.ctx.store.target_states() {
+    async fn persisted(&self, id: &str) -> Option<PersistedState> {
+        match self.ctx.store.target_states().await {
             Ok(states) => states
                 .into_iter()
                 .find(|(k, _)| k == id)

@@ -161,12 +161,19 @@ pub enum JobError {
     Store(#[from] StoreError),
 }
 
-fn next_job_id(app: &App, kind: JobKind) -> Result<String, StoreError> {
+async fn next_job_id(app: &App, kind: JobKind) -> Result<String, StoreError> {
     let prefix = match kind {
         JobKind::Redrive => "redrive",
         JobKind::Replay => "replay",
     };
-    let n = app.store.jobs()?.iter().filter(|j| j.kind == kind).count() + 1;
+    let n = app
+        .store
+        .jobs()
+        .await?
+        .iter()
+        .filter(|j| j.kind == kind)
+        .count()
+        + 1;
     Ok(format!("{prefix}-{n}"))
 }
 
@@ -179,13 +186,13 @@ pub async fn create_redrive(app: &Arc<App>, req: RedriveRequest) -> Result<Job, 
             "must be in (0, 100000]",
         )]));
     }
-    let total = count_matching(app, &filter)?;
+    let total = count_matching(app, &filter).await?;
     // Entries that fail again come back with new ids: the job stops at the highest id that
     // existed when it was created, so it never chases its own failures.
-    let max_id = app.store.dlq_max_id()?;
+    let max_id = app.store.dlq_max_id().await?;
     let now = app.clock.now_ms();
     let job = Job {
-        id: next_job_id(app, JobKind::Redrive)?,
+        id: next_job_id(app, JobKind::Redrive).await?,
         kind: JobKind::Redrive,
         state: JobState::Running,
         spec: serde_json::json!({ "filter": req.filter, "rate_per_sec": req.rate_per_sec, "max_id": max_id }),
@@ -236,7 +243,7 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
     }
     let now = app.clock.now_ms();
     let job = Job {
-        id: next_job_id(app, JobKind::Replay)?,
+        id: next_job_id(app, JobKind::Replay).await?,
         kind: JobKind::Replay,
         state: JobState::Running,
         spec: serde_json::json!({ "from": req.from, "to": req.to, "filter": req.filter, "rate_per_sec": req.rate_per_sec, "from_ms": from, "to_ms": to }),
@@ -255,11 +262,11 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
     Ok(job)
 }
 
-fn count_matching(app: &App, filter: &DlqFilter) -> Result<u64, StoreError> {
+async fn count_matching(app: &App, filter: &DlqFilter) -> Result<u64, StoreError> {
     let mut n = 0;
     let mut after = None;
     loop {
-        let page = app.store.dlq_list(filter, after, 1000)?;
+        let page = app.store.dlq_list(filter, after, 1000).await?;
         n += page.len() as u64;
         match page.last() {
             Some(d) if page.len() == 1000 => after = Some(d.id),
@@ -269,8 +276,8 @@ fn count_matching(app: &App, filter: &DlqFilter) -> Result<u64, StoreError> {
 }
 
 /// Resumes every job that was running when the router stopped.
-pub fn resume_all(app: &Arc<App>) -> Result<(), StoreError> {
-    for job in app.store.jobs()? {
+pub async fn resume_all(app: &Arc<App>) -> Result<(), StoreError> {
+    for job in app.store.jobs().await? {
         if job.state == JobState::Running {
             tracing::info!(job = %job.id, moved = job.moved, "resuming job after restart");
             spawn(app, job);
@@ -280,9 +287,10 @@ pub fn resume_all(app: &Arc<App>) -> Result<(), StoreError> {
 }
 
 /// One job by id.
-pub fn get(app: &App, id: &str) -> Result<Job, JobError> {
+pub async fn get(app: &App, id: &str) -> Result<Job, JobError> {
     app.store
-        .jobs()?
+        .jobs()
+        .await?
         .into_iter()
         .find(|j| j.id == id)
         .ok_or(JobError::NotFound)
@@ -290,7 +298,7 @@ pub fn get(app: &App, id: &str) -> Result<Job, JobError> {
 
 /// Pause, resume or cancel.
 pub async fn control(app: &Arc<App>, id: &str, to: JobState) -> Result<Job, JobError> {
-    let mut job = get(app, id)?;
+    let mut job = get(app, id).await?;
     let allowed = matches!(
         (job.state, to),
         (JobState::Running, JobState::Paused)
@@ -305,7 +313,7 @@ pub async fn control(app: &Arc<App>, id: &str, to: JobState) -> Result<Job, JobE
         *h.lock().unwrap_or_else(|p| p.into_inner()) = to;
         // Let the runner finish its current step before we write the state.
         tokio::time::sleep(Duration::from_millis(150)).await;
-        job = get(app, id)?;
+        job = get(app, id).await?;
     }
     job.state = to;
     job.updated_at = app.clock.now_ms();
@@ -381,7 +389,7 @@ async fn redrive_step(
     now: i64,
 ) -> Result<usize, StoreError> {
     let max_id = job.spec["max_id"].as_u64().unwrap_or(u64::MAX);
-    let mut page = app.store.dlq_list(filter, Some(job.cursor), take)?;
+    let mut page = app.store.dlq_list(filter, Some(job.cursor), take).await?;
     page.retain(|d| d.id <= max_id);
     if page.is_empty() {
         job.state = JobState::Done;
@@ -397,7 +405,7 @@ async fn redrive_step(
         match d.reason {
             DlqReason::ContractViolation | DlqReason::UnknownVersion => {
                 // Re-validated against the current contracts; routed by the current rules.
-                let Some((_, ev)) = app.store.dlq_get(d.id)? else {
+                let Some((_, ev)) = app.store.dlq_get(d.id).await? else {
                     continue;
                 };
                 match contracts.check(&ev.event) {
@@ -462,7 +470,7 @@ async fn replay_step(
 ) -> Result<usize, StoreError> {
     let from = job.spec["from_ms"].as_i64().unwrap_or(0);
     let to = job.spec["to_ms"].as_i64().unwrap_or(0);
-    let events = app.store.events_between(from, to, job.cursor, take)?;
+    let events = app.store.events_between(from, to, job.cursor, take).await?;
     if events.is_empty() {
         job.state = JobState::Done;
         job.updated_at = now;

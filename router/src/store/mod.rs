@@ -151,6 +151,11 @@ pub struct SweepStats {
 pub type AcceptedLeased = (Vec<AcceptOutcome>, Vec<LeasedAtAccept>);
 
 /// The router's durable operations.
+///
+/// Everything that may leave the process (a JetStream round trip) is async, so no caller can
+/// hold a lock across it without `clippy::await_holding_lock` saying so. The synchronous
+/// methods answer from memory (the queue index), except `kv_get` and `kv_usage_of`: the WASM
+/// host calls them from inside a handler invocation, which runs on a blocking thread.
 pub trait Store: Send + Sync + 'static {
     /// Stores events, each with its dedup key and its queue entries (or its DLQ entry when
     /// quarantined), atomically, and resolves only once that is durable on disk.
@@ -202,7 +207,7 @@ pub trait Store: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<(), StoreError>>;
 
     /// Every persisted target state.
-    fn target_states(&self) -> Result<Vec<(String, serde_json::Value)>, StoreError>;
+    fn target_states(&self) -> BoxFuture<'_, Result<Vec<(String, serde_json::Value)>, StoreError>>;
 
     /// Releases an ordering key held after a dead letter; `false` if it was not held.
     fn release_key(&self, target: &str, key: &str) -> BoxFuture<'_, Result<bool, StoreError>>;
@@ -221,7 +226,7 @@ pub trait Store: Send + Sync + 'static {
     fn put_job(&self, job: Job) -> BoxFuture<'_, Result<(), StoreError>>;
 
     /// Every job.
-    fn jobs(&self) -> Result<Vec<Job>, StoreError>;
+    fn jobs(&self) -> BoxFuture<'_, Result<Vec<Job>, StoreError>>;
 
     /// Applies redrive actions and the job's new progress atomically.
     fn redrive_step(
@@ -243,11 +248,11 @@ pub trait Store: Send + Sync + 'static {
     fn purge_dlq(&self, ids: Vec<u64>) -> BoxFuture<'_, Result<u64, StoreError>>;
 
     /// DLQ entries grouped by target × reason, with a histogram over `bucket_ms` buckets.
-    fn dlq_summary(
-        &self,
-        filter: &DlqFilter,
+    fn dlq_summary<'a>(
+        &'a self,
+        filter: &'a DlqFilter,
         bucket_ms: i64,
-    ) -> Result<Vec<SummaryRow>, StoreError>;
+    ) -> BoxFuture<'a, Result<Vec<SummaryRow>, StoreError>>;
 
     /// Archived (not quarantined) events accepted in [`from`, `to`), sequence after
     /// `after_seq`, at most `limit`.
@@ -257,15 +262,15 @@ pub trait Store: Send + Sync + 'static {
         to: Millis,
         after_seq: u64,
         limit: usize,
-    ) -> Result<Vec<StoredEvent>, StoreError>;
+    ) -> BoxFuture<'_, Result<Vec<StoredEvent>, StoreError>>;
 
     /// The stored result of a handler's completed delivery `key`, unless expired.
-    fn completed_get(
-        &self,
-        handler: &str,
-        key: &str,
+    fn completed_get<'a>(
+        &'a self,
+        handler: &'a str,
+        key: &'a str,
         now: Millis,
-    ) -> Result<Option<Vec<u8>>, StoreError>;
+    ) -> BoxFuture<'a, Result<Option<Vec<u8>>, StoreError>>;
 
     /// A handler's key-value entry (expired entries read as absent).
     fn kv_get(
@@ -276,7 +281,7 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<Option<Vec<u8>>, StoreError>;
 
     /// What each handler's key-value namespace holds (namespaces never written are absent).
-    fn kv_usage(&self) -> Result<BTreeMap<String, KvUsage>, StoreError>;
+    fn kv_usage(&self) -> BoxFuture<'_, Result<BTreeMap<String, KvUsage>, StoreError>>;
 
     /// What one handler's key-value namespace holds.
     fn kv_usage_of(&self, namespace: &str) -> Result<KvUsage, StoreError>;
@@ -302,27 +307,34 @@ pub trait Store: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<(), StoreError>>;
 
     /// Every saved target configuration.
-    fn saved_targets(&self) -> Result<Vec<(String, serde_json::Value)>, StoreError>;
+    fn saved_targets(&self) -> BoxFuture<'_, Result<Vec<(String, serde_json::Value)>, StoreError>>;
 
     /// Targets that have live (queued or in-flight) entries.
     fn targets_with_entries(&self) -> Vec<String>;
 
     /// Everything known about (`source`, `id`).
-    fn fate(&self, source: &str, id: &str) -> Result<Option<Fate>, StoreError>;
+    fn fate<'a>(
+        &'a self,
+        source: &'a str,
+        id: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Fate>, StoreError>>;
 
     /// DLQ entries matching `filter`, ids greater than `after`, at most `limit`.
-    fn dlq_list(
-        &self,
-        filter: &DlqFilter,
+    fn dlq_list<'a>(
+        &'a self,
+        filter: &'a DlqFilter,
         after: Option<u64>,
         limit: usize,
-    ) -> Result<Vec<DlqEntry>, StoreError>;
+    ) -> BoxFuture<'a, Result<Vec<DlqEntry>, StoreError>>;
 
     /// The highest DLQ entry id (0 when empty).
-    fn dlq_max_id(&self) -> Result<u64, StoreError>;
+    fn dlq_max_id(&self) -> BoxFuture<'_, Result<u64, StoreError>>;
 
     /// One DLQ entry with its event.
-    fn dlq_get(&self, id: u64) -> Result<Option<(DlqEntry, StoredEvent)>, StoreError>;
+    fn dlq_get(
+        &self,
+        id: u64,
+    ) -> BoxFuture<'_, Result<Option<(DlqEntry, StoredEvent)>, StoreError>>;
 
     /// Per-target queue numbers.
     fn queue_stats(&self) -> BTreeMap<String, QueueStats>;
@@ -337,7 +349,7 @@ pub trait Store: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<SweepStats, StoreError>>;
 
     /// Size of the store on disk, in bytes (0 for in-memory stores).
-    fn disk_bytes(&self) -> u64;
+    fn disk_bytes(&self) -> BoxFuture<'_, u64>;
 
     /// Whether the store is compacting its file (new writes and reads are refused meanwhile).
     fn compacting(&self) -> bool;
@@ -349,5 +361,5 @@ pub trait Store: Send + Sync + 'static {
     }
 
     /// How many records each bounded kind holds (cheap: kept counts, not scans).
-    fn record_counts(&self) -> Result<RecordCounts, StoreError>;
+    fn record_counts(&self) -> BoxFuture<'_, Result<RecordCounts, StoreError>>;
 }

@@ -1038,6 +1038,254 @@ impl RedbStore {
     }
 }
 
+/// The `Store` trait's reads, synchronous: a read transaction on the local file. Tests and
+/// tools call them directly; the trait wraps them in futures.
+impl RedbStore {
+    /// See [`Store::target_states`] (answered here synchronously, from the file).
+    pub fn target_states(&self) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+        self.read_named_json(TARGET_STATE, "target_state")
+    }
+
+    /// See [`Store::jobs`] (answered here synchronously, from the file).
+    pub fn jobs(&self) -> Result<Vec<Job>, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(JOBS)?;
+        let mut out = Vec::new();
+        for row in t.iter()? {
+            out.push(dec("jobs", row?.1.value())?);
+        }
+        Ok(out)
+    }
+
+    /// See [`Store::dlq_summary`] (answered here synchronously, from the file).
+    pub fn dlq_summary(
+        &self,
+        filter: &DlqFilter,
+        bucket_ms: i64,
+    ) -> Result<Vec<SummaryRow>, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(DLQ)?;
+        let mut summary = DlqSummary::new(bucket_ms);
+        for row in t.iter()? {
+            let e: DlqEntry = dec("dlq", row?.1.value())?;
+            if filter.matches(&e) {
+                summary.add(&e);
+            }
+        }
+        Ok(summary.rows())
+    }
+
+    /// See [`Store::events_between`] (answered here synchronously, from the file).
+    pub fn events_between(
+        &self,
+        from: Millis,
+        to: Millis,
+        after_seq: u64,
+        limit: usize,
+    ) -> Result<Vec<StoredEvent>, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(EVENTS)?;
+        let mut out = Vec::new();
+        for row in t.range(after_seq.saturating_add(1)..)? {
+            let (k, v) = row?;
+            let ev = dec_event(k.value(), v.value())?;
+            // Sequence numbers follow acceptance order, so the range ends at the first event
+            // accepted at or after `to` (clock steps back are tolerated by the slack).
+            if ev.accepted_at >= to.saturating_add(60_000) {
+                break;
+            }
+            if ev.accepted_at >= from && ev.accepted_at < to && !ev.quarantined {
+                out.push(ev);
+                if out.len() >= limit {
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// See [`Store::completed_get`] (answered here synchronously, from the file).
+    pub fn completed_get(
+        &self,
+        handler: &str,
+        key: &str,
+        now: Millis,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(COMPLETED)?;
+        Ok(t.get((handler, key))?.and_then(|v| {
+            let (exp, val) = v.value();
+            (exp > now).then(|| val.to_vec())
+        }))
+    }
+
+    /// See [`Store::kv_usage`] (answered here synchronously, from the file).
+    pub fn kv_usage(&self) -> Result<BTreeMap<String, KvUsage>, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(KV_USAGE)?;
+        t.iter()?
+            .map(|row| {
+                let (k, v) = row?;
+                let (bytes, keys) = v.value();
+                Ok((k.value().to_string(), KvUsage { bytes, keys }))
+            })
+            .collect()
+    }
+
+    /// See [`Store::saved_targets`] (answered here synchronously, from the file).
+    pub fn saved_targets(&self) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+        self.read_named_json(TARGETS, "targets")
+    }
+
+    /// See [`Store::fate`] (answered here synchronously, from the file).
+    pub fn fate(&self, source: &str, id: &str) -> Result<Option<Fate>, StoreError> {
+        let fp = dedup::fingerprint(&crate::event::dedup_key(source, id));
+        let db = self.read_db();
+        // The transaction begins under the index's lock: a run the committer registers (and
+        // whose frozen memtable it drops) after this point is not in it, and one registered
+        // before is in the snapshot.
+        let (r, (mut seqs, runs)) = {
+            let st = self.dedup_state();
+            (db.begin_read()?, st.candidates(fp))
+        };
+        if !runs.is_empty() {
+            let keys = r.open_table(DEDUP_RUN_KEYS)?;
+            for run in runs {
+                let mut found: Vec<u64> = Vec::new();
+                for row in keys.range((run, fp, 0)..=(run, fp, u64::MAX))? {
+                    found.push(row?.0.value().2);
+                }
+                seqs.extend(found.into_iter().rev());
+            }
+        }
+        // Newest first; each candidate is confirmed against the event (a fingerprint is
+        // not the key), and one whose event the sweep removed is skipped.
+        let events = r.open_table(EVENTS)?;
+        let mut event = None;
+        for seq in seqs {
+            if let Some(ev) = events.get(seq)? {
+                let ev = dec_event(seq, ev.value())?;
+                if ev.event.source == source && ev.event.id == id {
+                    event = Some(ev);
+                    break;
+                }
+            }
+        }
+        let Some(event) = event else {
+            return Ok(None);
+        };
+        let seq = event.seq;
+        let entries_t = r.open_table(ENTRIES)?;
+        let mut entries = Vec::new();
+        for row in entries_t.range((seq, 0)..=(seq, u32::MAX))? {
+            let (k, v) = row?;
+            entries.push(dec_entry(k.value(), v.value())?);
+        }
+        let by_ev = r.open_table(DLQ_BY_EVENT)?;
+        let dlq_t = r.open_table(DLQ)?;
+        let mut dlq = Vec::new();
+        for row in by_ev.range((seq, 0)..=(seq, u64::MAX))? {
+            let (k, _) = row?;
+            if let Some(d) = dlq_t.get(k.value().1)? {
+                dlq.push(dec("dlq", d.value())?);
+            }
+        }
+        Ok(Some(Fate {
+            event,
+            entries,
+            dlq,
+        }))
+    }
+
+    /// See [`Store::dlq_list`] (answered here synchronously, from the file).
+    pub fn dlq_list(
+        &self,
+        filter: &DlqFilter,
+        after: Option<u64>,
+        limit: usize,
+    ) -> Result<Vec<DlqEntry>, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(DLQ)?;
+        let start = after.map_or(0, |a| a.saturating_add(1));
+        let mut out = Vec::new();
+        for row in t.range(start..)? {
+            let e: DlqEntry = dec("dlq", row?.1.value())?;
+            if filter.matches(&e) {
+                out.push(e);
+                if out.len() >= limit {
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// See [`Store::dlq_max_id`] (answered here synchronously, from the file).
+    pub fn dlq_max_id(&self) -> Result<u64, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(DLQ)?;
+        Ok(t.last()?.map_or(0, |(k, _)| k.value()))
+    }
+
+    /// See [`Store::dlq_get`] (answered here synchronously, from the file).
+    pub fn dlq_get(&self, id: u64) -> Result<Option<(DlqEntry, StoredEvent)>, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(DLQ)?;
+        let Some(v) = t.get(id)? else { return Ok(None) };
+        let e: DlqEntry = dec("dlq", v.value())?;
+        let events = r.open_table(EVENTS)?;
+        let Some(ev) = events.get(e.event_seq)? else {
+            return Err(StoreError::Corrupt {
+                table: "dlq",
+                message: format!("entry {id} refers to missing event {}", e.event_seq),
+            });
+        };
+        let ev = dec_event(e.event_seq, ev.value())?;
+        Ok(Some((e, ev)))
+    }
+
+    /// See [`Store::disk_bytes`] (answered here synchronously, from the file).
+    pub fn disk_bytes(&self) -> u64 {
+        let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
+        self.path.as_ref().map_or(0, |p| {
+            size(p) + p.parent().map_or(0, |d| size(&d.join("router.log")))
+        })
+    }
+
+    /// See [`Store::record_counts`] (answered here synchronously, from the file).
+    pub fn record_counts(&self) -> Result<RecordCounts, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        // One look at the index, not held while the tables are read.
+        let (dedup_keys, dedup_runs, dedup_filter_bytes, dedup_cold_runs) = {
+            let d = self.dedup_state();
+            (
+                d.keys(),
+                d.runs.len() as u64,
+                d.filter_bytes() as u64,
+                d.cold_runs() as u64,
+            )
+        };
+        Ok(RecordCounts {
+            events: r.open_table(EVENTS)?.len()?,
+            dedup_keys,
+            dedup_runs,
+            dedup_filter_bytes,
+            dedup_cold_runs,
+            completed: r.open_table(COMPLETED)?.len()?,
+            kv_keys: r.open_table(KV)?.len()?,
+        })
+    }
+}
+
 impl Store for RedbStore {
     fn accept(
         &self,
@@ -1154,8 +1402,8 @@ impl Store for RedbStore {
         .boxed()
     }
 
-    fn target_states(&self) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
-        self.read_named_json(TARGET_STATE, "target_state")
+    fn target_states(&self) -> BoxFuture<'_, Result<Vec<(String, serde_json::Value)>, StoreError>> {
+        async move { RedbStore::target_states(self) }.boxed()
     }
 
     fn release_key(&self, target: &str, key: &str) -> BoxFuture<'_, Result<bool, StoreError>> {
@@ -1219,15 +1467,8 @@ impl Store for RedbStore {
         async move { self.call(|reply| Op::PutJob { job, reply }).await? }.boxed()
     }
 
-    fn jobs(&self) -> Result<Vec<Job>, StoreError> {
-        let db = self.read_db();
-        let r = db.begin_read()?;
-        let t = r.open_table(JOBS)?;
-        let mut out = Vec::new();
-        for row in t.iter()? {
-            out.push(dec("jobs", row?.1.value())?);
-        }
-        Ok(out)
+    fn jobs(&self) -> BoxFuture<'_, Result<Vec<Job>, StoreError>> {
+        async move { RedbStore::jobs(self) }.boxed()
     }
 
     fn redrive_step(
@@ -1270,22 +1511,12 @@ impl Store for RedbStore {
         async move { self.call(|reply| Op::PurgeDlq { ids, reply }).await? }.boxed()
     }
 
-    fn dlq_summary(
-        &self,
-        filter: &DlqFilter,
+    fn dlq_summary<'a>(
+        &'a self,
+        filter: &'a DlqFilter,
         bucket_ms: i64,
-    ) -> Result<Vec<SummaryRow>, StoreError> {
-        let db = self.read_db();
-        let r = db.begin_read()?;
-        let t = r.open_table(DLQ)?;
-        let mut summary = DlqSummary::new(bucket_ms);
-        for row in t.iter()? {
-            let e: DlqEntry = dec("dlq", row?.1.value())?;
-            if filter.matches(&e) {
-                summary.add(&e);
-            }
-        }
-        Ok(summary.rows())
+    ) -> BoxFuture<'a, Result<Vec<SummaryRow>, StoreError>> {
+        async move { RedbStore::dlq_summary(self, filter, bucket_ms) }.boxed()
     }
 
     fn events_between(
@@ -1294,42 +1525,17 @@ impl Store for RedbStore {
         to: Millis,
         after_seq: u64,
         limit: usize,
-    ) -> Result<Vec<StoredEvent>, StoreError> {
-        let db = self.read_db();
-        let r = db.begin_read()?;
-        let t = r.open_table(EVENTS)?;
-        let mut out = Vec::new();
-        for row in t.range(after_seq.saturating_add(1)..)? {
-            let (k, v) = row?;
-            let ev = dec_event(k.value(), v.value())?;
-            // Sequence numbers follow acceptance order, so the range ends at the first event
-            // accepted at or after `to` (clock steps back are tolerated by the slack).
-            if ev.accepted_at >= to.saturating_add(60_000) {
-                break;
-            }
-            if ev.accepted_at >= from && ev.accepted_at < to && !ev.quarantined {
-                out.push(ev);
-                if out.len() >= limit {
-                    break;
-                }
-            }
-        }
-        Ok(out)
+    ) -> BoxFuture<'_, Result<Vec<StoredEvent>, StoreError>> {
+        async move { RedbStore::events_between(self, from, to, after_seq, limit) }.boxed()
     }
 
-    fn completed_get(
-        &self,
-        handler: &str,
-        key: &str,
+    fn completed_get<'a>(
+        &'a self,
+        handler: &'a str,
+        key: &'a str,
         now: Millis,
-    ) -> Result<Option<Vec<u8>>, StoreError> {
-        let db = self.read_db();
-        let r = db.begin_read()?;
-        let t = r.open_table(COMPLETED)?;
-        Ok(t.get((handler, key))?.and_then(|v| {
-            let (exp, val) = v.value();
-            (exp > now).then(|| val.to_vec())
-        }))
+    ) -> BoxFuture<'a, Result<Option<Vec<u8>>, StoreError>> {
+        async move { RedbStore::completed_get(self, handler, key, now) }.boxed()
     }
 
     fn kv_get(
@@ -1347,41 +1553,12 @@ impl Store for RedbStore {
         }))
     }
 
-    fn record_counts(&self) -> Result<RecordCounts, StoreError> {
-        let db = self.read_db();
-        let r = db.begin_read()?;
-        // One look at the index, not held while the tables are read.
-        let (dedup_keys, dedup_runs, dedup_filter_bytes, dedup_cold_runs) = {
-            let d = self.dedup_state();
-            (
-                d.keys(),
-                d.runs.len() as u64,
-                d.filter_bytes() as u64,
-                d.cold_runs() as u64,
-            )
-        };
-        Ok(RecordCounts {
-            events: r.open_table(EVENTS)?.len()?,
-            dedup_keys,
-            dedup_runs,
-            dedup_filter_bytes,
-            dedup_cold_runs,
-            completed: r.open_table(COMPLETED)?.len()?,
-            kv_keys: r.open_table(KV)?.len()?,
-        })
+    fn record_counts(&self) -> BoxFuture<'_, Result<RecordCounts, StoreError>> {
+        async move { RedbStore::record_counts(self) }.boxed()
     }
 
-    fn kv_usage(&self) -> Result<BTreeMap<String, KvUsage>, StoreError> {
-        let db = self.read_db();
-        let r = db.begin_read()?;
-        let t = r.open_table(KV_USAGE)?;
-        t.iter()?
-            .map(|row| {
-                let (k, v) = row?;
-                let (bytes, keys) = v.value();
-                Ok((k.value().to_string(), KvUsage { bytes, keys }))
-            })
-            .collect()
+    fn kv_usage(&self) -> BoxFuture<'_, Result<BTreeMap<String, KvUsage>, StoreError>> {
+        async move { RedbStore::kv_usage(self) }.boxed()
     }
 
     fn kv_usage_of(&self, namespace: &str) -> Result<KvUsage, StoreError> {
@@ -1447,8 +1624,8 @@ impl Store for RedbStore {
         .boxed()
     }
 
-    fn saved_targets(&self) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
-        self.read_named_json(TARGETS, "targets")
+    fn saved_targets(&self) -> BoxFuture<'_, Result<Vec<(String, serde_json::Value)>, StoreError>> {
+        async move { RedbStore::saved_targets(self) }.boxed()
     }
 
     fn targets_with_entries(&self) -> Vec<String> {
@@ -1460,110 +1637,32 @@ impl Store for RedbStore {
             .collect()
     }
 
-    fn fate(&self, source: &str, id: &str) -> Result<Option<Fate>, StoreError> {
-        let fp = dedup::fingerprint(&crate::event::dedup_key(source, id));
-        let db = self.read_db();
-        // The transaction begins under the index's lock: a run the committer registers (and
-        // whose frozen memtable it drops) after this point is not in it, and one registered
-        // before is in the snapshot.
-        let (r, (mut seqs, runs)) = {
-            let st = self.dedup_state();
-            (db.begin_read()?, st.candidates(fp))
-        };
-        if !runs.is_empty() {
-            let keys = r.open_table(DEDUP_RUN_KEYS)?;
-            for run in runs {
-                let mut found: Vec<u64> = Vec::new();
-                for row in keys.range((run, fp, 0)..=(run, fp, u64::MAX))? {
-                    found.push(row?.0.value().2);
-                }
-                seqs.extend(found.into_iter().rev());
-            }
-        }
-        // Newest first; each candidate is confirmed against the event (a fingerprint is
-        // not the key), and one whose event the sweep removed is skipped.
-        let events = r.open_table(EVENTS)?;
-        let mut event = None;
-        for seq in seqs {
-            if let Some(ev) = events.get(seq)? {
-                let ev = dec_event(seq, ev.value())?;
-                if ev.event.source == source && ev.event.id == id {
-                    event = Some(ev);
-                    break;
-                }
-            }
-        }
-        let Some(event) = event else {
-            return Ok(None);
-        };
-        let seq = event.seq;
-        let entries_t = r.open_table(ENTRIES)?;
-        let mut entries = Vec::new();
-        for row in entries_t.range((seq, 0)..=(seq, u32::MAX))? {
-            let (k, v) = row?;
-            entries.push(dec_entry(k.value(), v.value())?);
-        }
-        let by_ev = r.open_table(DLQ_BY_EVENT)?;
-        let dlq_t = r.open_table(DLQ)?;
-        let mut dlq = Vec::new();
-        for row in by_ev.range((seq, 0)..=(seq, u64::MAX))? {
-            let (k, _) = row?;
-            if let Some(d) = dlq_t.get(k.value().1)? {
-                dlq.push(dec("dlq", d.value())?);
-            }
-        }
-        Ok(Some(Fate {
-            event,
-            entries,
-            dlq,
-        }))
+    fn fate<'a>(
+        &'a self,
+        source: &'a str,
+        id: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Fate>, StoreError>> {
+        async move { RedbStore::fate(self, source, id) }.boxed()
     }
 
-    fn dlq_list(
-        &self,
-        filter: &DlqFilter,
+    fn dlq_list<'a>(
+        &'a self,
+        filter: &'a DlqFilter,
         after: Option<u64>,
         limit: usize,
-    ) -> Result<Vec<DlqEntry>, StoreError> {
-        let db = self.read_db();
-        let r = db.begin_read()?;
-        let t = r.open_table(DLQ)?;
-        let start = after.map_or(0, |a| a.saturating_add(1));
-        let mut out = Vec::new();
-        for row in t.range(start..)? {
-            let e: DlqEntry = dec("dlq", row?.1.value())?;
-            if filter.matches(&e) {
-                out.push(e);
-                if out.len() >= limit {
-                    break;
-                }
-            }
-        }
-        Ok(out)
+    ) -> BoxFuture<'a, Result<Vec<DlqEntry>, StoreError>> {
+        async move { RedbStore::dlq_list(self, filter, after, limit) }.boxed()
     }
 
-    fn dlq_max_id(&self) -> Result<u64, StoreError> {
-        let db = self.read_db();
-        let r = db.begin_read()?;
-        let t = r.open_table(DLQ)?;
-        Ok(t.last()?.map_or(0, |(k, _)| k.value()))
+    fn dlq_max_id(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        async move { RedbStore::dlq_max_id(self) }.boxed()
     }
 
-    fn dlq_get(&self, id: u64) -> Result<Option<(DlqEntry, StoredEvent)>, StoreError> {
-        let db = self.read_db();
-        let r = db.begin_read()?;
-        let t = r.open_table(DLQ)?;
-        let Some(v) = t.get(id)? else { return Ok(None) };
-        let e: DlqEntry = dec("dlq", v.value())?;
-        let events = r.open_table(EVENTS)?;
-        let Some(ev) = events.get(e.event_seq)? else {
-            return Err(StoreError::Corrupt {
-                table: "dlq",
-                message: format!("entry {id} refers to missing event {}", e.event_seq),
-            });
-        };
-        let ev = dec_event(e.event_seq, ev.value())?;
-        Ok(Some((e, ev)))
+    fn dlq_get(
+        &self,
+        id: u64,
+    ) -> BoxFuture<'_, Result<Option<(DlqEntry, StoredEvent)>, StoreError>> {
+        async move { RedbStore::dlq_get(self, id) }.boxed()
     }
 
     fn queue_stats(&self) -> BTreeMap<String, QueueStats> {
@@ -1613,11 +1712,8 @@ impl Store for RedbStore {
             .clone()
     }
 
-    fn disk_bytes(&self) -> u64 {
-        let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
-        self.path.as_ref().map_or(0, |p| {
-            size(p) + p.parent().map_or(0, |d| size(&d.join("router.log")))
-        })
+    fn disk_bytes(&self) -> BoxFuture<'_, u64> {
+        async move { RedbStore::disk_bytes(self) }.boxed()
     }
 }
 

@@ -180,6 +180,7 @@ impl HandlerTarget {
             .rt
             .store
             .completed_get(&self.name, &req.idempotency_key, self.rt.clock.now_ms())
+            .await
         {
             Ok(Some(result)) => {
                 self.log(

@@ -602,6 +602,24 @@ impl JetStreamStore {
         Ok(n)
     }
 
+    /// Waits until this node's view has every write this node made: what reads answered from
+    /// the view (leases, DLQ listings) wait for, so a node always sees its own writes.
+    async fn caught_up(&self) -> Result<(), StoreError> {
+        let written = self.written.load(std::sync::atomic::Ordering::Relaxed);
+        if self
+            .view
+            .wait_applied(written, self.records.timeout())
+            .await
+        {
+            Ok(())
+        } else {
+            Err(StoreError::Backend(format!(
+                "the queue view did not catch up with this node's writes within {:?}",
+                self.records.timeout()
+            )))
+        }
+    }
+
     /// Leases up to `max` entries of `target` that may be leased at `now`, recording the start
     /// of an attempt on each before returning it. An entry whose lease expired (its worker or
     /// its node is gone) is taken over, its attempt recorded as interrupted. The lease's token
@@ -614,17 +632,7 @@ impl JetStreamStore {
         max: usize,
         lease_ms: i64,
     ) -> Result<Vec<Leased>, StoreError> {
-        let written = self.written.load(std::sync::atomic::Ordering::Relaxed);
-        if !self
-            .view
-            .wait_applied(written, self.records.timeout())
-            .await
-        {
-            return Err(StoreError::Backend(format!(
-                "the queue view did not catch up with this node's writes within {:?}",
-                self.records.timeout()
-            )));
-        }
+        self.caught_up().await?;
         let candidates = self.view.candidates(target, now, max);
         let attempts = futures::future::join_all(candidates.into_iter().map(|live| async move {
             let id = live.entry.id;

@@ -1,8 +1,10 @@
 //! The JetStream store's operations outside the delivery path: targets' runtime state and
 //! saved configurations, background jobs, DLQ listing and purging, handler key-value reads.
 //!
-//! Listings scan their kind of record (`Records::scan`): a pass over target states, jobs or
-//! the DLQ per call, which the admin API and the job runner make rarely.
+//! Listings of target states and jobs scan their kind of record (`Records::scan`), which the
+//! admin API and the job runner do rarely and which stay few. The DLQ, which an outage can
+//! fill with millions of entries, is listed from the view's index instead: ids chosen in
+//! memory, then only the entries of the page read.
 
 use std::collections::BTreeMap;
 
@@ -12,7 +14,12 @@ use serde::{Deserialize, Serialize};
 
 use super::records::{Expect, Versioned, Write};
 use super::{JetStreamStore, dec, dlq_key, enc};
-use crate::store::{DlqEntry, DlqFilter, DlqSummary, Job, KvUsage, Millis, StoreError, SummaryRow};
+use futures::{StreamExt, TryStreamExt};
+
+use crate::store::{DlqEntry, DlqFilter, Job, KvUsage, Millis, StoreError, SummaryRow};
+
+/// DLQ entries a listing reads at once.
+const DLQ_READS_IN_FLIGHT: usize = 32;
 
 /// A record named by an id (target, job): the id itself, since keys hold fingerprints.
 #[derive(Debug, Serialize, Deserialize)]
@@ -220,53 +227,47 @@ impl JetStreamStore {
             .collect()
     }
 
-    /// Every DLQ entry, by id.
-    async fn dlq_all(&self) -> Result<Vec<DlqEntry>, StoreError> {
-        let mut all: Vec<DlqEntry> = self
-            .records
-            .scan("dl")
-            .await?
-            .into_iter()
-            .map(|(_, _, bytes)| dec("dlq", &bytes))
-            .collect::<Result<_, _>>()?;
-        all.sort_by_key(|d| d.id);
-        Ok(all)
-    }
-
-    /// DLQ entries matching `filter`, ids greater than `after`, at most `limit`.
+    /// DLQ entries matching `filter`, ids greater than `after`, at most `limit`: ids from
+    /// the view's index, each entry read by id (an entry purged or redriven in between is
+    /// skipped, and the next ids make up for it, so a short page still means the end).
     pub async fn dlq_list(
         &self,
         filter: &DlqFilter,
         after: Option<u64>,
         limit: usize,
     ) -> Result<Vec<DlqEntry>, StoreError> {
-        Ok(self
-            .dlq_all()
-            .await?
-            .into_iter()
-            .filter(|d| after.is_none_or(|a| d.id > a) && filter.matches(d))
-            .take(limit)
-            .collect())
+        self.caught_up().await?;
+        let mut out = Vec::new();
+        let mut cursor = after;
+        while out.len() < limit {
+            let ids = self.view.dlq_ids(filter, cursor, limit - out.len());
+            let Some(&last) = ids.last() else { break };
+            cursor = Some(last);
+            let entries: Vec<Option<DlqEntry>> = futures::stream::iter(ids)
+                .map(|id| self.dlq_entry(id))
+                .buffered(DLQ_READS_IN_FLIGHT)
+                .try_collect()
+                .await?;
+            out.extend(entries.into_iter().flatten().filter(|d| filter.matches(d)));
+        }
+        Ok(out)
     }
 
-    /// DLQ entries grouped by target × reason, with a histogram over `bucket_ms` buckets.
+    /// DLQ entries grouped by target × reason, with a histogram over `bucket_ms` buckets
+    /// (from the view's index: no reads).
     pub async fn dlq_summary(
         &self,
         filter: &DlqFilter,
         bucket_ms: i64,
     ) -> Result<Vec<SummaryRow>, StoreError> {
-        let mut summary = DlqSummary::new(bucket_ms);
-        for d in self.dlq_all().await? {
-            if filter.matches(&d) {
-                summary.add(&d);
-            }
-        }
-        Ok(summary.rows())
+        self.caught_up().await?;
+        Ok(self.view.dlq_summary(filter, bucket_ms))
     }
 
     /// The highest DLQ entry id (0 when empty).
     pub async fn dlq_max_id(&self) -> Result<u64, StoreError> {
-        Ok(self.dlq_all().await?.last().map_or(0, |d| d.id))
+        self.caught_up().await?;
+        Ok(self.view.dlq_max_id())
     }
 
     /// Deletes DLQ entries. Returns how many existed.

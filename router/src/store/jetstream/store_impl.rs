@@ -1,10 +1,9 @@
 //! The `Store` trait on the JetStream store.
 //!
-//! The trait's reads that redb answers from a local file are synchronous; here they are a
-//! round trip to the server, run to completion on the calling thread (`blocking`): inside the
-//! runtime through `block_in_place`, so the worker's other tasks move elsewhere meanwhile, and
-//! on plain threads (the WASM host's) on the store's runtime. Each is bounded by the request
-//! timeout. Making those reads async in the trait is the cleaner end state.
+//! The trait's reads are async here as everywhere, except the two the WASM host makes from
+//! inside an invocation (`kv_get`, `kv_usage_of`), on a blocking thread: those are a round trip
+//! to the server run to completion on the calling thread (`blocking`), bounded by the request
+//! timeout.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -90,8 +89,8 @@ impl Store for JetStreamStore {
         async move { JetStreamStore::put_target_state(self, &id, state).await }.boxed()
     }
 
-    fn target_states(&self) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
-        self.blocking(JetStreamStore::target_states(self))
+    fn target_states(&self) -> BoxFuture<'_, Result<Vec<(String, serde_json::Value)>, StoreError>> {
+        JetStreamStore::target_states(self).boxed()
     }
 
     fn release_key(&self, target: &str, key: &str) -> BoxFuture<'_, Result<bool, StoreError>> {
@@ -117,8 +116,8 @@ impl Store for JetStreamStore {
         JetStreamStore::put_job(self, job).boxed()
     }
 
-    fn jobs(&self) -> Result<Vec<Job>, StoreError> {
-        self.blocking(JetStreamStore::jobs(self))
+    fn jobs(&self) -> BoxFuture<'_, Result<Vec<Job>, StoreError>> {
+        JetStreamStore::jobs(self).boxed()
     }
 
     fn redrive_step(
@@ -143,12 +142,12 @@ impl Store for JetStreamStore {
         JetStreamStore::purge_dlq(self, ids).boxed()
     }
 
-    fn dlq_summary(
-        &self,
-        filter: &DlqFilter,
+    fn dlq_summary<'a>(
+        &'a self,
+        filter: &'a DlqFilter,
         bucket_ms: i64,
-    ) -> Result<Vec<SummaryRow>, StoreError> {
-        self.blocking(JetStreamStore::dlq_summary(self, filter, bucket_ms))
+    ) -> BoxFuture<'a, Result<Vec<SummaryRow>, StoreError>> {
+        JetStreamStore::dlq_summary(self, filter, bucket_ms).boxed()
     }
 
     fn events_between(
@@ -157,19 +156,17 @@ impl Store for JetStreamStore {
         to: Millis,
         after_seq: u64,
         limit: usize,
-    ) -> Result<Vec<StoredEvent>, StoreError> {
-        self.blocking(JetStreamStore::events_between(
-            self, from, to, after_seq, limit,
-        ))
+    ) -> BoxFuture<'_, Result<Vec<StoredEvent>, StoreError>> {
+        JetStreamStore::events_between(self, from, to, after_seq, limit).boxed()
     }
 
-    fn completed_get(
-        &self,
-        handler: &str,
-        key: &str,
+    fn completed_get<'a>(
+        &'a self,
+        handler: &'a str,
+        key: &'a str,
         now: Millis,
-    ) -> Result<Option<Vec<u8>>, StoreError> {
-        self.blocking(JetStreamStore::completed_get(self, handler, key, now))
+    ) -> BoxFuture<'a, Result<Option<Vec<u8>>, StoreError>> {
+        JetStreamStore::completed_get(self, handler, key, now).boxed()
     }
 
     fn kv_get(
@@ -181,8 +178,8 @@ impl Store for JetStreamStore {
         self.blocking(JetStreamStore::kv_get(self, namespace, key, now))
     }
 
-    fn kv_usage(&self) -> Result<BTreeMap<String, KvUsage>, StoreError> {
-        self.blocking(JetStreamStore::kv_usage(self))
+    fn kv_usage(&self) -> BoxFuture<'_, Result<BTreeMap<String, KvUsage>, StoreError>> {
+        JetStreamStore::kv_usage(self).boxed()
     }
 
     fn kv_usage_of(&self, namespace: &str) -> Result<KvUsage, StoreError> {
@@ -213,33 +210,40 @@ impl Store for JetStreamStore {
         JetStreamStore::save_targets(self, configs).boxed()
     }
 
-    fn saved_targets(&self) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
-        self.blocking(JetStreamStore::saved_targets(self))
+    fn saved_targets(&self) -> BoxFuture<'_, Result<Vec<(String, serde_json::Value)>, StoreError>> {
+        JetStreamStore::saved_targets(self).boxed()
     }
 
     fn targets_with_entries(&self) -> Vec<String> {
         JetStreamStore::targets_with_entries(self)
     }
 
-    fn fate(&self, source: &str, id: &str) -> Result<Option<Fate>, StoreError> {
-        self.blocking(JetStreamStore::fate(self, source, id))
+    fn fate<'a>(
+        &'a self,
+        source: &'a str,
+        id: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Fate>, StoreError>> {
+        JetStreamStore::fate(self, source, id).boxed()
     }
 
-    fn dlq_list(
-        &self,
-        filter: &DlqFilter,
+    fn dlq_list<'a>(
+        &'a self,
+        filter: &'a DlqFilter,
         after: Option<u64>,
         limit: usize,
-    ) -> Result<Vec<DlqEntry>, StoreError> {
-        self.blocking(JetStreamStore::dlq_list(self, filter, after, limit))
+    ) -> BoxFuture<'a, Result<Vec<DlqEntry>, StoreError>> {
+        JetStreamStore::dlq_list(self, filter, after, limit).boxed()
     }
 
-    fn dlq_max_id(&self) -> Result<u64, StoreError> {
-        self.blocking(JetStreamStore::dlq_max_id(self))
+    fn dlq_max_id(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        JetStreamStore::dlq_max_id(self).boxed()
     }
 
-    fn dlq_get(&self, id: u64) -> Result<Option<(DlqEntry, StoredEvent)>, StoreError> {
-        self.blocking(JetStreamStore::dlq_get(self, id))
+    fn dlq_get(
+        &self,
+        id: u64,
+    ) -> BoxFuture<'_, Result<Option<(DlqEntry, StoredEvent)>, StoreError>> {
+        JetStreamStore::dlq_get(self, id).boxed()
     }
 
     fn queue_stats(&self) -> BTreeMap<String, QueueStats> {
@@ -255,24 +259,29 @@ impl Store for JetStreamStore {
         JetStreamStore::sweep(self, now, dedup_window_ms, retention_ms).boxed()
     }
 
-    fn disk_bytes(&self) -> u64 {
+    fn disk_bytes(&self) -> BoxFuture<'_, u64> {
         // What the server holds for this store (its own disk, not this node's).
-        self.blocking(self.records.stream_bytes()).unwrap_or(0)
+        async move { self.records.stream_bytes().await.unwrap_or(0) }.boxed()
     }
 
     fn compacting(&self) -> bool {
         false
     }
 
-    fn record_counts(&self) -> Result<RecordCounts, StoreError> {
-        let mut cached = self.counts.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((at, c)) = *cached
-            && at.elapsed() < COUNTS_TTL
-        {
-            return Ok(c);
+    fn record_counts(&self) -> BoxFuture<'_, Result<RecordCounts, StoreError>> {
+        async move {
+            let cached = *self.counts.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((at, c)) = cached
+                && at.elapsed() < COUNTS_TTL
+            {
+                return Ok(c);
+            }
+            // Not under the lock: two scrapes at once may both count, which costs a pass and
+            // nothing else.
+            let c = self.count_records().await?;
+            *self.counts.lock().unwrap_or_else(|p| p.into_inner()) = Some((Instant::now(), c));
+            Ok(c)
         }
-        let c = self.blocking(self.count_records())?;
-        *cached = Some((Instant::now(), c));
-        Ok(c)
+        .boxed()
     }
 }

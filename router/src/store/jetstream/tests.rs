@@ -661,6 +661,15 @@ async fn an_expired_lease_is_taken_over_and_the_late_worker_is_fenced() {
         .await
         .expect("accept");
     let late = lease_ok(&a, "t", 1_000, 1, 5_000).await.remove(0);
+    // b must have seen a's lease: an entry it still saw as queued would be "due" as well, and
+    // leasing it would only meet a conflict (seen once in a loaded run).
+    let leased_at = a.written.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        b.view
+            .wait_applied(leased_at, std::time::Duration::from_secs(10))
+            .await,
+        "b's view never saw a's lease"
+    );
     // Not before the lease ends (6000)...
     await_due(&b, "t", 6_001, 1).await;
     assert!(lease_ok(&b, "t", 5_000, 1, 5_000).await.is_empty());
@@ -1136,6 +1145,8 @@ async fn the_dlq_lists_pages_summarises_and_purges() {
         .expect("list");
     assert_eq!(all.len(), 8);
     assert!(all.windows(2).all(|w| w[0].id < w[1].id), "by id");
+    // Listed entries are read whole, not the view's index copies (which drop attempts).
+    assert!(all.iter().all(|d| d.attempts.len() == 1), "{all:?}");
     let only_a = DlqFilter {
         target: Some("a".into()),
         ..DlqFilter::default()
@@ -1173,6 +1184,57 @@ async fn the_dlq_lists_pages_summarises_and_purges() {
     s.settled().await;
     let stats = s.queue_stats(2_000);
     assert_eq!(stats["a"].dlq + stats["b"].dlq, 6);
+
+    // A second node lists the same DLQ from its own index, loaded when it opened.
+    let other = store(&server).await;
+    let seen = other
+        .dlq_list(&DlqFilter::default(), None, 100)
+        .await
+        .expect("list on the other node");
+    assert_eq!(
+        seen.iter().map(|d| d.id).collect::<Vec<_>>(),
+        all[2..].iter().map(|d| d.id).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        other
+            .dlq_summary(&DlqFilter::default(), 60_000)
+            .await
+            .expect("summary")
+            .iter()
+            .map(|r| r.count)
+            .sum::<u64>(),
+        6
+    );
+
+    // An entry removed behind the index's back (another node's purge, not yet seen here):
+    // the page is still filled from the entries after it, so a short page still means the end.
+    let gone = all[2].id;
+    let read = s
+        .records
+        .get(&dlq_key(gone))
+        .await
+        .expect("read")
+        .expect("held");
+    s.records
+        .commit(vec![Write::delete(
+            dlq_key(gone),
+            Expect::Revision(read.revision),
+        )])
+        .await
+        .expect("delete");
+    let page = s
+        .dlq_list(&DlqFilter::default(), None, 3)
+        .await
+        .expect("list");
+    assert_eq!(
+        page.iter().map(|d| d.id).collect::<Vec<_>>(),
+        all[3..6].iter().map(|d| d.id).collect::<Vec<_>>()
+    );
+    let rest = s
+        .dlq_list(&DlqFilter::default(), Some(page[2].id), 3)
+        .await
+        .expect("list");
+    assert_eq!(rest.len(), 2, "the last page is short: {rest:?}");
 }
 
 fn put_kv(key: &str, value: &[u8], expires_at: Option<Millis>) -> KvOp {

@@ -6,7 +6,7 @@
 //! one is held. It only proposes candidates: the lease's compare-and-set on the record decides,
 //! so a view that lags behind another node's writes costs a conflict, never a double delivery.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -17,7 +17,10 @@ use futures::StreamExt;
 use tokio::sync::{Notify, watch};
 
 use super::{EntryRecord, HeldRecord};
-use crate::store::{DlqEntry, EntryId, EntryState, Millis, QueueEntry, QueueStats};
+use crate::store::{
+    DlqEntry, DlqFilter, DlqSummary, EntryId, EntryState, Millis, QueueEntry, QueueStats,
+    SummaryRow,
+};
 
 /// A live (queued) entry as the view last saw it.
 #[derive(Debug, Clone)]
@@ -43,8 +46,9 @@ struct State {
     /// Keys held after a dead letter, per target; and which record holds each.
     held: HashMap<String, BTreeSet<String>>,
     held_records: HashMap<String, (String, String)>,
-    /// DLQ entries: their target (`None` for quarantined events).
-    dlq: HashMap<u64, Option<String>>,
+    /// DLQ entries by id, without their attempts and errors: what listings filter on and
+    /// summaries count (the DLQ's index; a listing reads the full entries by id).
+    dlq: BTreeMap<u64, DlqEntry>,
     notifiers: HashMap<String, Arc<Notify>>,
     /// Leases that expired before this were reported by `wake_expired` already.
     reaped_until: Millis,
@@ -274,7 +278,7 @@ impl View {
                     .map_or(l.entry.accepted_at, |o| o.min(l.entry.accepted_at)),
             );
         }
-        for t in st.dlq.values().flatten() {
+        for t in st.dlq.values().filter_map(|d| d.target_id.as_ref()) {
             out.entry(t.clone()).or_default().dlq += 1;
         }
         out
@@ -351,6 +355,33 @@ impl View {
             .collect()
     }
 
+    /// Ids of the DLQ entries matching `filter` with ids above `after`, ascending, at most
+    /// `limit`.
+    pub fn dlq_ids(&self, filter: &DlqFilter, after: Option<u64>, limit: usize) -> Vec<u64> {
+        let start = after.map_or(0, |a| a.saturating_add(1));
+        self.state()
+            .dlq
+            .range(start..)
+            .filter(|(_, d)| filter.matches(d))
+            .take(limit)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// DLQ entries matching `filter` grouped by target × reason (see `Store::dlq_summary`).
+    pub fn dlq_summary(&self, filter: &DlqFilter, bucket_ms: i64) -> Vec<SummaryRow> {
+        let mut summary = DlqSummary::new(bucket_ms);
+        for d in self.state().dlq.values().filter(|d| filter.matches(d)) {
+            summary.add(d);
+        }
+        summary.rows()
+    }
+
+    /// The highest DLQ entry id in the view (0 when none).
+    pub fn dlq_max_id(&self) -> u64 {
+        self.state().dlq.keys().next_back().copied().unwrap_or(0)
+    }
+
     /// Waits until the view has applied revision `revision` (a write of this node), or
     /// `timeout` passes.
     pub async fn wait_applied(&self, revision: u64, timeout: Duration) -> bool {
@@ -411,8 +442,10 @@ impl View {
         } else if let Some(id) = rest.strip_prefix("dl.").and_then(|i| i.parse::<u64>().ok()) {
             if tomb {
                 st.dlq.remove(&id);
-            } else if let Ok(d) = serde_json::from_slice::<DlqEntry>(payload) {
-                st.dlq.insert(id, d.target_id);
+            } else if let Ok(mut d) = serde_json::from_slice::<DlqEntry>(payload) {
+                d.attempts = Vec::new();
+                d.errors = Vec::new();
+                st.dlq.insert(id, d);
             }
         }
         drop(st);
