@@ -19,7 +19,7 @@ use futures::{StreamExt, TryStreamExt};
 use crate::store::{DlqEntry, DlqFilter, Job, KvUsage, Millis, StoreError, SummaryRow};
 
 /// DLQ entries a listing reads at once.
-const DLQ_READS_IN_FLIGHT: usize = 32;
+const DLQ_READS_IN_FLIGHT: usize = 128;
 
 /// A record named by an id (target, job): the id itself, since keys hold fingerprints.
 #[derive(Debug, Serialize, Deserialize)]

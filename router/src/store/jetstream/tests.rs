@@ -1638,3 +1638,68 @@ async fn the_sweep_removes_what_nothing_refers_to() {
     let counts = s.count_records().await.expect("counts");
     assert_eq!((counts.events, counts.dedup_keys), (3, 3));
 }
+
+/// What walking a large DLQ page by page costs: the index (ids in memory, a page's entries read
+/// by id) against one scan of every DLQ record, which is what each page cost before the index.
+/// A measurement, not a check: `DLQ_ENTRIES=10000 cargo test -p router --lib --release
+/// dlq_walk_cost -- --ignored --nocapture` (docs/BENCHMARKS.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement; run by hand"]
+async fn dlq_walk_cost() {
+    let n: usize = std::env::var("DLQ_ENTRIES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
+    let server = TestServer::start();
+    let s = store(&server).await;
+    for chunk in (0..n).collect::<Vec<_>>().chunks(500) {
+        s.accept(
+            chunk
+                .iter()
+                .map(|i| new_event("/w", &format!("w{i}"), &["t"], 1_000))
+                .collect(),
+        )
+        .await
+        .expect("accept");
+    }
+    s.settled().await;
+    let moved = s
+        .dead_letter_queued("t", DlqReason::TargetRemoved, "gone", 2_000)
+        .await
+        .expect("dead letter");
+    assert_eq!(moved, n);
+    let started = std::time::Instant::now();
+    let (mut after, mut listed, mut pages) = (None, 0, 0);
+    loop {
+        let page = s
+            .dlq_list(&DlqFilter::default(), after, 1000)
+            .await
+            .expect("list");
+        listed += page.len();
+        pages += 1;
+        match page.last() {
+            Some(d) if page.len() == 1000 => after = Some(d.id),
+            _ => break,
+        }
+    }
+    let walk = started.elapsed();
+    assert_eq!(listed, n);
+    let started = std::time::Instant::now();
+    let scanned = s.records.scan("dl").await.expect("scan").len();
+    let scan = started.elapsed();
+    assert_eq!(scanned, n);
+    let started = std::time::Instant::now();
+    let rows = s
+        .dlq_summary(&DlqFilter::default(), 60_000)
+        .await
+        .expect("summary");
+    let summary = started.elapsed();
+    assert_eq!(rows.iter().map(|r| r.count).sum::<u64>(), n as u64);
+    println!(
+        "{n} DLQ entries: walk of {pages} pages of 1000 via the index {walk:?} \
+         ({:?} a page); one scan of every DLQ record {scan:?} (a page's cost before: \
+         the walk then ≈ {:?}); summary via the index {summary:?}",
+        walk / pages,
+        scan * pages
+    );
+}

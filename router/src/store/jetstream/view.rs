@@ -46,9 +46,6 @@ struct State {
     /// Keys held after a dead letter, per target; and which record holds each.
     held: HashMap<String, BTreeSet<String>>,
     held_records: HashMap<String, (String, String)>,
-    /// DLQ entries by id, without their attempts and errors: what listings filter on and
-    /// summaries count (the DLQ's index; a listing reads the full entries by id).
-    dlq: BTreeMap<u64, DlqEntry>,
     notifiers: HashMap<String, Arc<Notify>>,
     /// Leases that expired before this were reported by `wake_expired` already.
     reaped_until: Millis,
@@ -162,9 +159,39 @@ impl State {
     }
 }
 
+/// The DLQ's index: entries by id without their attempts and errors (what listings filter on
+/// and summaries count; a listing reads the full entries by id), and how many per target.
+#[derive(Default)]
+struct DlqIndex {
+    entries: BTreeMap<u64, DlqEntry>,
+    per_target: HashMap<String, u64>,
+}
+
+impl DlqIndex {
+    fn remove(&mut self, id: u64) {
+        if let Some(t) = self.entries.remove(&id).and_then(|d| d.target_id)
+            && let Some(n) = self.per_target.get_mut(&t)
+        {
+            *n = n.saturating_sub(1);
+        }
+    }
+
+    fn insert(&mut self, id: u64, mut d: DlqEntry) {
+        self.remove(id);
+        d.attempts = Vec::new();
+        d.errors = Vec::new();
+        if let Some(t) = &d.target_id {
+            *self.per_target.entry(t.clone()).or_default() += 1;
+        }
+        self.entries.insert(id, d);
+    }
+}
+
 /// The view, shared by the store and its follower task.
 pub(super) struct View {
     state: Mutex<State>,
+    /// Its own lock: a summary over a large DLQ does not hold up leases.
+    dlq: Mutex<DlqIndex>,
     /// The highest revision applied (of the records the view follows).
     applied: watch::Sender<u64>,
     /// Whether the follower has read everything there was when it started.
@@ -175,6 +202,7 @@ impl View {
     pub fn new() -> Arc<Self> {
         Arc::new(Self {
             state: Mutex::new(State::default()),
+            dlq: Mutex::new(DlqIndex::default()),
             applied: watch::channel(0).0,
             loaded: watch::channel(false).0,
         })
@@ -182,6 +210,10 @@ impl View {
 
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn dlq(&self) -> MutexGuard<'_, DlqIndex> {
+        self.dlq.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Up to `max` entries of `target` that may be leased at `now`, soonest first.
@@ -278,8 +310,9 @@ impl View {
                     .map_or(l.entry.accepted_at, |o| o.min(l.entry.accepted_at)),
             );
         }
-        for t in st.dlq.values().filter_map(|d| d.target_id.as_ref()) {
-            out.entry(t.clone()).or_default().dlq += 1;
+        drop(st);
+        for (t, n) in self.dlq().per_target.iter().filter(|(_, n)| **n > 0) {
+            out.entry(t.clone()).or_default().dlq += n;
         }
         out
     }
@@ -359,8 +392,8 @@ impl View {
     /// `limit`.
     pub fn dlq_ids(&self, filter: &DlqFilter, after: Option<u64>, limit: usize) -> Vec<u64> {
         let start = after.map_or(0, |a| a.saturating_add(1));
-        self.state()
-            .dlq
+        self.dlq()
+            .entries
             .range(start..)
             .filter(|(_, d)| filter.matches(d))
             .take(limit)
@@ -371,7 +404,7 @@ impl View {
     /// DLQ entries matching `filter` grouped by target × reason (see `Store::dlq_summary`).
     pub fn dlq_summary(&self, filter: &DlqFilter, bucket_ms: i64) -> Vec<SummaryRow> {
         let mut summary = DlqSummary::new(bucket_ms);
-        for d in self.state().dlq.values().filter(|d| filter.matches(d)) {
+        for d in self.dlq().entries.values().filter(|d| filter.matches(d)) {
             summary.add(d);
         }
         summary.rows()
@@ -379,7 +412,7 @@ impl View {
 
     /// The highest DLQ entry id in the view (0 when none).
     pub fn dlq_max_id(&self) -> u64 {
-        self.state().dlq.keys().next_back().copied().unwrap_or(0)
+        self.dlq().entries.keys().next_back().copied().unwrap_or(0)
     }
 
     /// Waits until the view has applied revision `revision` (a write of this node), or
@@ -413,6 +446,20 @@ impl View {
         else {
             return;
         };
+        if let Some(id) = rest.strip_prefix("dl.").and_then(|i| i.parse::<u64>().ok()) {
+            if tomb {
+                self.dlq().remove(id);
+            } else {
+                match serde_json::from_slice::<DlqEntry>(payload) {
+                    Ok(d) => self.dlq().insert(id, d),
+                    Err(e) => {
+                        tracing::error!(%subject, error = %e, "undecodable DLQ record; left out of the DLQ index");
+                    }
+                }
+            }
+            self.note_applied(revision);
+            return;
+        }
         let mut st = self.state();
         if let Some(id) = entry_id(rest) {
             let entry = if tomb {
@@ -439,16 +486,13 @@ impl View {
                     .map(|h| (h.target, h.key))
             };
             st.apply_held(subject, held);
-        } else if let Some(id) = rest.strip_prefix("dl.").and_then(|i| i.parse::<u64>().ok()) {
-            if tomb {
-                st.dlq.remove(&id);
-            } else if let Ok(mut d) = serde_json::from_slice::<DlqEntry>(payload) {
-                d.attempts = Vec::new();
-                d.errors = Vec::new();
-                st.dlq.insert(id, d);
-            }
         }
         drop(st);
+        self.note_applied(revision);
+    }
+
+    /// Records that the view has applied `revision`.
+    fn note_applied(&self, revision: u64) {
         self.applied.send_if_modified(|a| {
             let newer = revision > *a;
             if newer {
@@ -589,6 +633,74 @@ mod tests {
         view.state().apply(a, 12, Some((done, None)));
         assert_eq!(view.next_due("t"), None);
         assert!(view.targets().is_empty());
+    }
+
+    fn dead(id: u64, target: &str, reason: crate::store::DlqReason, at: Millis) -> Vec<u8> {
+        let new = NewEntry {
+            target_id: target.into(),
+            rule: "r".into(),
+            ordering_key: None,
+            max_depth: None,
+            lease_ms: None,
+        };
+        let mut d = DlqEntry::at_acceptance(
+            1,
+            ("e".into(), "/s".into(), "t".into()),
+            Some(&new),
+            reason,
+            vec![crate::event::FieldError::new("", "boom")],
+            at,
+        );
+        d.id = id;
+        serde_json::to_vec(&d).expect("encode")
+    }
+
+    #[test]
+    fn the_dlq_index_lists_counts_and_forgets_removed_entries() {
+        use crate::store::DlqReason::{PermanentError, RetriesExhausted};
+        let view = View::new();
+        for (id, target, reason, at) in [
+            (3, "a", PermanentError, 1_000),
+            (1, "b", RetriesExhausted, 2_000),
+            (7, "a", RetriesExhausted, 3_000),
+            (5, "a", PermanentError, 4_000),
+        ] {
+            let payload = dead(id, target, reason, at);
+            view.apply_message("P", &format!("P.dl.{id}"), id, &payload, false);
+        }
+        // A record written again (a new revision of one entry) is counted once.
+        view.apply_message(
+            "P",
+            "P.dl.5",
+            8,
+            &dead(5, "a", PermanentError, 4_000),
+            false,
+        );
+        let only_a = DlqFilter {
+            target: Some("a".into()),
+            ..DlqFilter::default()
+        };
+        assert_eq!(view.dlq_ids(&only_a, None, 10), vec![3, 5, 7]);
+        assert_eq!(view.dlq_ids(&only_a, Some(3), 1), vec![5]);
+        assert_eq!(
+            view.dlq_ids(&DlqFilter::default(), None, 10),
+            vec![1, 3, 5, 7]
+        );
+        assert_eq!(view.dlq_max_id(), 7);
+        assert_eq!(view.stats(0)["a"].dlq, 3);
+        assert_eq!(view.stats(0)["b"].dlq, 1);
+        let rows = view.dlq_summary(&only_a, 60_000);
+        assert_eq!(
+            rows.iter().map(|r| (r.reason, r.count)).collect::<Vec<_>>(),
+            vec![(PermanentError, 2), (RetriesExhausted, 1)]
+        );
+        // The index keeps no attempts or errors (listings read the entries themselves).
+        assert!(view.dlq().entries.values().all(|d| d.errors.is_empty()));
+        view.apply_message("P", "P.dl.7", 9, b"", true);
+        view.apply_message("P", "P.dl.1", 10, b"", true);
+        assert_eq!(view.dlq_max_id(), 5);
+        assert_eq!(view.stats(0)["a"].dlq, 2);
+        assert_eq!(view.stats(0).get("b").map_or(0, |s| s.dlq), 0);
     }
 
     #[test]
