@@ -1038,6 +1038,19 @@ impl RedbStore {
     }
 }
 
+/// Runs a read that may scan many records (a DLQ summary, a listing page behind a selective
+/// filter, a replay's range) with the runtime's other tasks moved off this worker thread
+/// meanwhile, so ingest is not held up behind an operator's query. Inline where that cannot be
+/// done (a current-thread runtime, as in unit tests, or no runtime).
+fn off_reactor<T>(read: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(read)
+        }
+        _ => read(),
+    }
+}
+
 /// The `Store` trait's reads, synchronous: a read transaction on the local file. Tests and
 /// tools call them directly; the trait wraps them in futures.
 impl RedbStore {
@@ -1516,7 +1529,7 @@ impl Store for RedbStore {
         filter: &'a DlqFilter,
         bucket_ms: i64,
     ) -> BoxFuture<'a, Result<Vec<SummaryRow>, StoreError>> {
-        async move { RedbStore::dlq_summary(self, filter, bucket_ms) }.boxed()
+        async move { off_reactor(|| RedbStore::dlq_summary(self, filter, bucket_ms)) }.boxed()
     }
 
     fn events_between(
@@ -1526,7 +1539,8 @@ impl Store for RedbStore {
         after_seq: u64,
         limit: usize,
     ) -> BoxFuture<'_, Result<Vec<StoredEvent>, StoreError>> {
-        async move { RedbStore::events_between(self, from, to, after_seq, limit) }.boxed()
+        async move { off_reactor(|| RedbStore::events_between(self, from, to, after_seq, limit)) }
+            .boxed()
     }
 
     fn completed_get<'a>(
@@ -1651,7 +1665,7 @@ impl Store for RedbStore {
         after: Option<u64>,
         limit: usize,
     ) -> BoxFuture<'a, Result<Vec<DlqEntry>, StoreError>> {
-        async move { RedbStore::dlq_list(self, filter, after, limit) }.boxed()
+        async move { off_reactor(|| RedbStore::dlq_list(self, filter, after, limit)) }.boxed()
     }
 
     fn dlq_max_id(&self) -> BoxFuture<'_, Result<u64, StoreError>> {

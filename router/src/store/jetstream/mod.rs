@@ -1,12 +1,13 @@
-//! The NATS JetStream store backend, in progress: the router's records on a JetStream stream,
-//! so several router nodes can share one store (SPEC "Storage and scale").
+//! The NATS JetStream store backend: the router's records on a JetStream stream, so several
+//! router nodes can share one store (SPEC "Storage and scale"; `store.backend = "jetstream"`).
 //!
-//! Built so far: the transactional record layer (`records`), durable acceptance with
-//! cluster-wide dedup (`JetStreamStore::accept`), and reads of an event's fate and of DLQ
-//! entries. Not yet: leasing and finishing deliveries, redrive and replay, handler outboxes,
-//! target state, and the `Store` trait itself (whose read methods are synchronous today, which
-//! a networked store cannot serve without blocking). `docs/jetstream-backend.md` has the plan;
-//! until it is done the backend cannot be selected in the config.
+//! It implements the whole `Store` trait: durable acceptance with cluster-wide dedup
+//! (`accept`), leasing and finishing deliveries with fencing (this module), redrive, replay and
+//! sweeps (`jobs`), target state, saved targets, DLQ listing and handler key-value reads
+//! (`ops`). Each node follows the queue entries, held keys and DLQ records into an in-memory
+//! view (`view`) that proposes lease candidates and indexes the DLQ; compare-and-set on the
+//! records decides. `docs/jetstream-backend.md` has the design, its differences from the
+//! embedded store and the measurements.
 //!
 //! Record keys (subjects under the records prefix), each holding one JSON record:
 //! - `ctr.<name>`: a sequence counter; nodes reserve blocks of numbers from it.
@@ -14,6 +15,12 @@
 //! - `dd.<fingerprint>`: the dedup key of (source, id) (`DedupRecord`).
 //! - `en.<seq>.<idx>`: one target's queue entry of event `seq` (`EntryRecord`).
 //! - `dl.<id>`: a DLQ entry.
+//! - `hk.<fingerprint>`: an ordering key held after a dead letter (`HeldRecord`);
+//!   `kl.<fingerprint>`: which entry of an ordering key is in flight (`KeyLock`).
+//! - `ts.`, `tc.`, `job.<fingerprint>`: a target's runtime state, a target's saved
+//!   configuration, a redrive or replay job.
+//! - `kv.<fingerprint>`, `ku.<fingerprint>.<shard>`, `cd.<fingerprint>`: a handler's key-value
+//!   entry, its namespace's usage shards, a handler's COMPLETED record.
 //!
 //! An event, its dedup key, its entries and its DLQ entry are one atomic batch whose dedup
 //! write expects the revision the node read: two nodes accepting the same (source, id) at
@@ -125,7 +132,7 @@ pub struct JetStreamOptions {
     pub node: String,
 }
 
-/// The router's store on NATS JetStream (see the module docs for what it covers so far).
+/// The router's store on NATS JetStream (see the module docs).
 pub struct JetStreamStore {
     records: Arc<Records>,
     /// Reserved, unused numbers per counter: (next, end).
