@@ -174,22 +174,27 @@ impl Default for NatsConfig {
 impl NatsConfig {
     /// The server addresses of `url`.
     pub fn server_addrs(&self) -> Result<Vec<async_nats::ServerAddr>, String> {
-        self.url
-            .split(',')
-            .map(str::trim)
-            .map(|u| {
-                let addr: async_nats::ServerAddr =
-                    u.parse().map_err(|e| format!("nats.url `{u}`: {e}"))?;
-                // The client is built without websocket support.
-                if !matches!(addr.scheme(), "nats" | "tls") {
-                    return Err(format!(
-                        "nats.url `{u}`: only nats:// and tls:// servers are supported"
-                    ));
-                }
-                Ok(addr)
-            })
-            .collect()
+        server_addrs("nats.url", &self.url)
     }
+}
+
+/// The server addresses of a comma-separated list of NATS URLs (config key `key`, named in
+/// errors).
+pub fn server_addrs(key: &str, urls: &str) -> Result<Vec<async_nats::ServerAddr>, String> {
+    urls.split(',')
+        .map(str::trim)
+        .map(|u| {
+            let addr: async_nats::ServerAddr =
+                u.parse().map_err(|e| format!("{key} `{u}`: {e}"))?;
+            // The client is built without websocket support.
+            if !matches!(addr.scheme(), "nats" | "tls") {
+                return Err(format!(
+                    "{key} `{u}`: only nats:// and tls:// servers are supported"
+                ));
+            }
+            Ok(addr)
+        })
+        .collect()
 }
 
 /// `nats.ack`: when a `nats:` attempt counts as delivered.
@@ -367,7 +372,9 @@ pub enum StoreBackend {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct JetStreamStoreConfig {
-    /// Server URL. Default `nats://127.0.0.1:4222`.
+    /// Server URL; several, comma-separated, for a cluster (the client also learns the
+    /// cluster's other servers from the one it reaches, and reconnects to them). Default
+    /// `nats://127.0.0.1:4222`.
     pub url: String,
     /// Stream that holds the records (created when missing). Default `ROUTER_STORE`.
     pub stream: String,
@@ -600,6 +607,9 @@ impl Config {
                 "store.jetstream.prefix must be subject tokens separated by '.' (no wildcards)",
             );
         }
+        if let Err(e) = server_addrs("store.jetstream.url", &js.url) {
+            return bad(&e);
+        }
         if js.replicas == 0 || js.replicas > 5 {
             return bad("store.jetstream.replicas must be 1 to 5");
         }
@@ -787,6 +797,34 @@ mod tests {
         assert_eq!(c.nats.url, "nats://127.0.0.1:14222");
         assert_eq!(c.nats.connect_timeout, Duration::from_millis(500));
         assert_eq!(c.nats.token_env.as_deref(), Some("NATS_TOKEN"));
+    }
+
+    #[test]
+    fn the_jetstream_store_takes_a_list_of_servers_and_refuses_a_bad_one() {
+        let c = Config::load(
+            None,
+            env(&[(
+                "ROUTER_STORE__JETSTREAM__URL",
+                "nats://10.0.0.1:4222, nats://10.0.0.2:4222,tls://10.0.0.3:4222",
+            )]),
+        )
+        .expect("a list");
+        assert_eq!(
+            server_addrs("store.jetstream.url", &c.store.jetstream.url).map(|a| a.len()),
+            Ok(3)
+        );
+        let e = Config::load(
+            None,
+            env(&[(
+                "ROUTER_STORE__JETSTREAM__URL",
+                "nats://10.0.0.1:4222, ws://x:80",
+            )]),
+        )
+        .expect_err("websocket");
+        assert!(
+            e.to_string().contains("store.jetstream.url `ws://x:80`"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -253,11 +253,13 @@ impl Records {
     /// Connects, checks the server, and creates the stream (or checks an existing one has
     /// the settings this layer relies on).
     pub async fn open(config: RecordsConfig) -> Result<Arc<Self>, RecordsError> {
+        let servers = crate::config::server_addrs("store.jetstream.url", &config.url)
+            .map_err(RecordsError::Server)?;
         let client = async_nats::ConnectOptions::new()
             .connection_timeout(config.timeout)
             .request_timeout(Some(config.timeout))
             .name("router-store")
-            .connect(config.url.as_str())
+            .connect(servers.as_slice())
             .await
             .map_err(|e| RecordsError::Server(format!("connect to {}: {e}", config.url)))?;
         let info = client.server_info();

@@ -1,5 +1,6 @@
 //! A private nats-server for the JetStream store's tests: its own port, its own store
-//! directory, `sync_interval: always`, and kill -9 plus restart on the same directory.
+//! directory, `sync_interval: always`, and kill -9 plus restart on the same directory; or a
+//! cluster of them, for replicated streams.
 //!
 //! The binary is the one `scripts/nats-server.sh` installs into the target dir (the suite's
 //! `scripts/test.sh` runs it first); `JETSTREAM_TEST_SERVER` names another. The machine's own
@@ -17,6 +18,8 @@ pub struct TestServer {
     port: u16,
     dir: tempfile::TempDir,
     bin: PathBuf,
+    /// In a cluster: this server's name, its route port and every member's route port.
+    cluster: Option<(String, u16, Vec<u16>)>,
 }
 
 /// The server binary, or a panic that says how to get it.
@@ -57,23 +60,68 @@ impl TestServer {
             port: free_port(),
             dir: tempfile::tempdir().expect("temp dir"),
             bin: binary(),
+            cluster: None,
         };
         s.spawn();
         s
     }
 
+    /// Starts `n` servers forming one cluster (for replicated streams; their JetStream syncs
+    /// on its own schedule, as a replicated deployment does). A stream can be created once the
+    /// cluster has elected its JetStream meta leader, a few seconds after this returns.
+    pub fn cluster(n: usize) -> Vec<Self> {
+        let routes: Vec<u16> = (0..n).map(|_| free_port()).collect();
+        let mut servers: Vec<Self> = (0..n)
+            .map(|i| Self {
+                child: None,
+                port: free_port(),
+                dir: tempfile::tempdir().expect("temp dir"),
+                bin: binary(),
+                cluster: Some((format!("n{i}"), routes[i], routes.clone())),
+            })
+            .collect();
+        for s in &mut servers {
+            s.spawn();
+        }
+        servers
+    }
+
+    /// This server's name in its cluster (`None` for a single server).
+    pub fn name(&self) -> Option<&str> {
+        self.cluster.as_ref().map(|(name, _, _)| name.as_str())
+    }
+
+    /// Kills the server with SIGKILL and leaves it down.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().expect("kill nats-server");
+            c.wait().expect("reap nats-server");
+        }
+    }
+
     fn spawn(&mut self) {
         let conf = self.dir.path().join("server.conf");
         let store = self.dir.path().join("js");
-        std::fs::write(
-            &conf,
-            format!(
+        let config = match &self.cluster {
+            None => format!(
                 "listen: 127.0.0.1:{}\nmax_payload: 8MB\njetstream {{\n  store_dir: {:?}\n  sync_interval: always\n}}\n",
                 self.port,
                 store.display().to_string()
             ),
-        )
-        .expect("write server config");
+            Some((name, own, all)) => {
+                let routes = all
+                    .iter()
+                    .map(|p| format!("nats-route://127.0.0.1:{p}"))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                format!(
+                    "server_name: {name}\nlisten: 127.0.0.1:{}\nmax_payload: 8MB\njetstream {{\n  store_dir: {:?}\n}}\ncluster {{\n  name: test\n  listen: 127.0.0.1:{own}\n  routes: [ {routes} ]\n}}\n",
+                    self.port,
+                    store.display().to_string()
+                )
+            }
+        };
+        std::fs::write(&conf, config).expect("write server config");
         let log = std::fs::File::create(self.dir.path().join("server.log")).expect("log file");
         let child = Command::new(&self.bin)
             .arg("-c")
@@ -121,10 +169,7 @@ impl TestServer {
     /// Kills the server with SIGKILL (no shutdown of its own) and starts it again on the same
     /// store directory and port.
     pub fn kill_and_restart(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            c.kill().expect("kill nats-server");
-            c.wait().expect("reap nats-server");
-        }
+        self.kill();
         self.spawn();
     }
 }

@@ -1703,3 +1703,123 @@ async fn dlq_walk_cost() {
         scan * pages
     );
 }
+
+/// Retries `op` while the cluster is electing a leader (its requests then fail or time out),
+/// for at most 60 s: elections take a few seconds, more on a loaded machine.
+async fn through_election<T, E: std::fmt::Debug, F: std::future::Future<Output = Result<T, E>>>(
+    what: &str,
+    mut op: impl FnMut() -> F,
+) -> T {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        match op().await {
+            Ok(v) => return v,
+            Err(e) if std::time::Instant::now() < deadline => {
+                eprintln!("{what}: {e:?}; retrying");
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            }
+            Err(e) => panic!("{what}: still failing after 60 s: {e:?}"),
+        }
+    }
+}
+
+/// The deployment the backend is for: a stream replicated three ways. Every event accepted
+/// before the stream's leader is killed -9 is still there afterwards, new accepts go through
+/// once a new leader is elected, and every entry is leased and delivered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replicated_store_keeps_every_accept_through_the_loss_of_its_leader() {
+    let t0 = std::time::Instant::now();
+    let mut cluster = TestServer::cluster(3);
+    let urls = cluster
+        .iter()
+        .map(TestServer::url)
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut records = TestServer::records_on(&urls, "R3");
+    records.replicas = 3;
+    let s = through_election("open on the cluster", || {
+        JetStreamStore::open(JetStreamOptions {
+            records: records.clone(),
+            node: "r3-node".into(),
+        })
+    })
+    .await;
+    let before: Vec<NewEvent> = (0..40)
+        .map(|i| new_event("/r3", &format!("b{i}"), &["t"], 1_000))
+        .collect();
+    let outcomes = s.accept(before).await.expect("accept before the loss");
+    assert!(
+        outcomes
+            .iter()
+            .all(|o| matches!(o, AcceptOutcome::Accepted { .. }))
+    );
+
+    let client = async_nats::connect(cluster[0].url())
+        .await
+        .expect("connect");
+    let js = async_nats::jetstream::new(client);
+    let mut stream = js.get_stream("R3").await.expect("the stream");
+    let info = stream.info().await.expect("stream info");
+    assert_eq!(info.config.num_replicas, 3);
+    let leader = info
+        .cluster
+        .as_ref()
+        .and_then(|c| c.leader.clone())
+        .expect("the stream has a leader");
+    let victim = cluster
+        .iter_mut()
+        .find(|srv| srv.name() == Some(leader.as_str()))
+        .expect("the leader is one of ours");
+    victim.kill();
+    eprintln!("{:?}: leader {leader} killed", t0.elapsed());
+
+    for i in 0..40 {
+        let ev = new_event("/r3", &format!("a{i}"), &["t"], 2_000);
+        let outcome =
+            through_election("accept after the loss", || s.accept(vec![ev.clone()])).await;
+        assert!(
+            matches!(
+                outcome[0],
+                AcceptOutcome::Accepted { .. } | AcceptOutcome::Duplicate { .. }
+            ),
+            "{outcome:?}"
+        );
+    }
+    eprintln!("{:?}: accepts after the loss done", t0.elapsed());
+    for i in 0..40 {
+        for (name, at) in [(format!("b{i}"), 1_000), (format!("a{i}"), 2_000)] {
+            let fate = through_election("fate", || s.fate("/r3", &name))
+                .await
+                .unwrap_or_else(|| panic!("{name} is lost"));
+            assert_eq!(fate.event.accepted_at, at);
+            assert_eq!(fate.entries.len(), 1, "{name}");
+        }
+    }
+    eprintln!("{:?}: fates read", t0.elapsed());
+    let mut delivered = std::collections::HashSet::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while delivered.len() < 80 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "only {} of 80 delivered",
+            delivered.len()
+        );
+        let leased = match s.lease("t", 3_000, 80, 60_000).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("{:?}: lease: {e}", t0.elapsed());
+                Vec::new()
+            }
+        };
+        for l in leased {
+            if deliver(&s, &l, 3_100).await.is_ok() {
+                assert!(
+                    delivered.insert(l.entry.id),
+                    "{:?} delivered twice",
+                    l.entry.id
+                );
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
