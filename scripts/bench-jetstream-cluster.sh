@@ -38,7 +38,10 @@ delivered() { # the sum over the given router ports of events delivered
   local n=0 port
   for port in "$@"; do
     n=$((n + $(curl -s "http://127.0.0.1:$port/v1/targets" | python3 -c "import json, sys
-print(sum(t['delivered'] for t in json.load(sys.stdin)['targets']))")))
+try:
+    print(sum(t['delivered'] for t in json.load(sys.stdin)['targets']))
+except ValueError:
+    print(0)  # not answering (yet)")))
   done
   echo "$n"
 }
@@ -55,6 +58,7 @@ node() { # node PORT NATS_PORT NAME: a router node on the shared stream
   RUST_LOG=warn ROUTER_STORE__BACKEND=jetstream \
     ROUTER_STORE__JETSTREAM__URL="nats://127.0.0.1:$2" \
     ROUTER_STORE__JETSTREAM__STREAM="BENCH_$STREAM" \
+    ROUTER_STORE__JETSTREAM__PREFIX="bench.$STREAM" \
     ROUTER_STORE__JETSTREAM__REPLICAS=3 \
     $BIN serve --listen "127.0.0.1:$1" --data-dir "$WORK/data-$3" \
     --rules "$WORK/rules" --contracts "$WORK/none" 2>>"$WORK/router-$3.log" &

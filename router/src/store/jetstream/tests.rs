@@ -1823,3 +1823,52 @@ async fn a_replicated_store_keeps_every_accept_through_the_loss_of_its_leader() 
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 }
+
+/// Where a delivery's store time goes on this backend: the wait for the view, the lease
+/// writes, the finish. A measurement, not a check: `cargo test -p router --lib
+/// delivery_cycle_cost -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement; run by hand"]
+async fn delivery_cycle_cost() {
+    let n = 4_000;
+    let server = TestServer::start();
+    let s = Arc::new(store(&server).await);
+    for chunk in (0..n).collect::<Vec<_>>().chunks(500) {
+        s.accept(
+            chunk
+                .iter()
+                .map(|i| new_event("/c", &format!("c{i}"), &["t"], 1_000))
+                .collect(),
+        )
+        .await
+        .expect("accept");
+    }
+    s.settled().await;
+    let (mut wait, mut lease, mut fin, mut leases, mut done) = (
+        std::time::Duration::ZERO,
+        std::time::Duration::ZERO,
+        std::time::Duration::ZERO,
+        0,
+        0,
+    );
+    let started = std::time::Instant::now();
+    while done < n {
+        let t = std::time::Instant::now();
+        s.caught_up().await.expect("caught up");
+        wait += t.elapsed();
+        let t = std::time::Instant::now();
+        let batch = s.lease("t", 2_000, 32, 60_000).await.expect("lease");
+        lease += t.elapsed();
+        leases += 1;
+        let t = std::time::Instant::now();
+        let results = futures::future::join_all(batch.iter().map(|l| deliver(&s, l, 2_100))).await;
+        fin += t.elapsed();
+        done += results.iter().filter(|r| r.is_ok()).count();
+    }
+    let all = started.elapsed();
+    println!(
+        "{n} deliveries in {all:?} ({:.0}/s), {leases} leases of up to 32: view wait {wait:?}, \
+         lease {lease:?}, finish {fin:?}",
+        n as f64 / all.as_secs_f64()
+    );
+}
