@@ -653,31 +653,40 @@ impl JetStreamStore {
             r
         }))
         .await;
-        let mut out = Vec::new();
-        let mut events: HashMap<u64, Arc<StoredEvent>> = HashMap::new();
-        for a in attempts {
-            let Some((entry, lease)) = a? else { continue };
-            let event = match events.get(&entry.id.event) {
-                Some(e) => e.clone(),
-                None => {
-                    let e = self.event_record(entry.id.event).await?.ok_or_else(|| {
-                        StoreError::Corrupt {
-                            table: "entries",
-                            message: format!("entry {} refers to a missing event", entry.id),
-                        }
+        let won: Vec<(QueueEntry, Lease)> = attempts
+            .into_iter()
+            .filter_map(Result::transpose)
+            .collect::<Result<_, _>>()?;
+        // The events, each read once and all at once (one after another they were a third of
+        // a lease's time: a round trip each).
+        let mut seqs: Vec<u64> = won.iter().map(|(e, _)| e.id.event).collect();
+        seqs.sort_unstable();
+        seqs.dedup();
+        let events: HashMap<u64, Arc<StoredEvent>> =
+            try_join_all(seqs.into_iter().map(|seq| async move {
+                let e = self
+                    .event_record(seq)
+                    .await?
+                    .ok_or_else(|| StoreError::Corrupt {
+                        table: "entries",
+                        message: format!("an entry of event {seq} refers to a missing event"),
                     })?;
-                    let e = Arc::new(e.stored);
-                    events.insert(entry.id.event, e.clone());
-                    e
-                }
-            };
-            out.push(Leased {
-                entry,
-                event,
-                lease,
-            });
-        }
-        Ok(out)
+                Ok::<_, StoreError>((seq, Arc::new(e.stored)))
+            }))
+            .await?
+            .into_iter()
+            .collect();
+        Ok(won
+            .into_iter()
+            .filter_map(|(entry, lease)| {
+                let event = events.get(&entry.id.event)?.clone();
+                Some(Leased {
+                    entry,
+                    event,
+                    lease,
+                })
+            })
+            .collect())
     }
 
     /// Leases one entry seen at `revision`; `None` when another worker changed it first.
