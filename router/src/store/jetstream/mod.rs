@@ -51,6 +51,10 @@ use super::{
 /// The internal answer of one finish attempt whose outbox records changed under it.
 const RETRY_FINISH: &str = "outbox records changed; retrying the finish";
 
+/// How long a read from the view waits for the view to have this node's writes before it
+/// asks the view to follow again with a new consumer (`JetStreamStore::caught_up`).
+const VIEW_PATIENCE: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// How many sequence numbers a node reserves from a counter at a time. Numbers of a block a
 /// node does not use (it stops) are never used: sequences have gaps, never repeats.
 const SEQ_BLOCK: u64 = 256;
@@ -613,6 +617,13 @@ impl JetStreamStore {
     /// the view (leases, DLQ listings) wait for, so a node always sees its own writes.
     async fn caught_up(&self) -> Result<(), StoreError> {
         let written = self.written.load(std::sync::atomic::Ordering::Relaxed);
+        // A view still behind after a few seconds is more likely following a consumer that
+        // went silent (its server died) than slow: it follows again with a new one.
+        let first = self.records.timeout().min(VIEW_PATIENCE);
+        if self.view.wait_applied(written, first).await {
+            return Ok(());
+        }
+        self.view.resubscribe();
         if self
             .view
             .wait_applied(written, self.records.timeout())

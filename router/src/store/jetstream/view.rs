@@ -196,6 +196,9 @@ pub(super) struct View {
     applied: watch::Sender<u64>,
     /// Whether the follower has read everything there was when it started.
     loaded: watch::Sender<bool>,
+    /// Asks the follower to drop its consumer and follow again from the last revision applied
+    /// (`resubscribe`).
+    resubscribe: Notify,
 }
 
 impl View {
@@ -205,6 +208,7 @@ impl View {
             dlq: Mutex::new(DlqIndex::default()),
             applied: watch::channel(0).0,
             loaded: watch::channel(false).0,
+            resubscribe: Notify::new(),
         })
     }
 
@@ -417,6 +421,15 @@ impl View {
 
     /// Waits until the view has applied revision `revision` (a write of this node), or
     /// `timeout` passes.
+    /// Asks the follower to follow again from the last revision applied, with a new consumer:
+    /// what a node does when its view has not caught up with its own writes in time. The
+    /// client recreates a consumer that went silent only after two missed heartbeats and then
+    /// with a backoff of up to 10 s between tries, and a loaded machine was seen to need more
+    /// than a minute after a failover that way (`a_replicated_store_…` test).
+    pub fn resubscribe(&self) {
+        self.resubscribe.notify_one();
+    }
+
     pub async fn wait_applied(&self, revision: u64, timeout: Duration) -> bool {
         let mut rx = self.applied.subscribe();
         tokio::time::timeout(timeout, rx.wait_for(|&a| a >= revision))
@@ -554,10 +567,20 @@ pub(super) async fn follow(view: Arc<View>, stream: stream::Stream, prefix: Stri
         if !any {
             view.loaded.send_replace(true);
         }
+        // From the start the first time; after that from where the view is (everything up to
+        // the last revision applied has been seen: the consumer delivers in stream order).
+        let applied = *view.applied.borrow();
+        let deliver_policy = if applied == 0 {
+            DeliverPolicy::All
+        } else {
+            DeliverPolicy::ByStartSequence {
+                start_sequence: applied + 1,
+            }
+        };
         let consumer = stream
             .create_consumer(OrderedConfig {
                 filter_subjects: filters.clone(),
-                deliver_policy: DeliverPolicy::All,
+                deliver_policy,
                 max_expires: FOLLOW_PULL_EXPIRES,
                 ..Default::default()
             })
@@ -567,27 +590,33 @@ pub(super) async fn follow(view: Arc<View>, stream: stream::Stream, prefix: Stri
             Err(e) => Err(e.to_string()),
         };
         match messages {
-            Ok(mut messages) => {
-                while let Some(m) = messages.next().await {
-                    let m = match m {
-                        Ok(m) => m,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "queue view: the record stream failed; following it again");
-                            break;
-                        }
-                    };
-                    let Ok(info) = m.info() else { continue };
-                    let (revision, pending) = (info.stream_sequence, info.pending);
-                    let tomb = m
-                        .headers
-                        .as_ref()
-                        .is_some_and(|h| h.get(super::records::TOMBSTONE).is_some());
-                    view.apply_message(&prefix, m.subject.as_str(), revision, &m.payload, tomb);
-                    if pending == 0 {
-                        view.loaded.send_replace(true);
+            Ok(mut messages) => loop {
+                let next = tokio::select! {
+                    m = messages.next() => m,
+                    () = view.resubscribe.notified() => {
+                        tracing::warn!(applied = *view.applied.borrow(), "queue view: behind this node's writes; following again with a new consumer");
+                        break;
                     }
+                };
+                let Some(m) = next else { break };
+                let m = match m {
+                    Ok(m) => m,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "queue view: the record stream failed; following it again");
+                        break;
+                    }
+                };
+                let Ok(info) = m.info() else { continue };
+                let (revision, pending) = (info.stream_sequence, info.pending);
+                let tomb = m
+                    .headers
+                    .as_ref()
+                    .is_some_and(|h| h.get(super::records::TOMBSTONE).is_some());
+                view.apply_message(&prefix, m.subject.as_str(), revision, &m.payload, tomb);
+                if pending == 0 {
+                    view.loaded.send_replace(true);
                 }
-            }
+            },
             Err(e) => {
                 tracing::warn!(error = %e, "queue view: cannot follow the records; retrying");
             }
