@@ -34,26 +34,6 @@ for _ in $(seq 120); do
   sleep 0.5
 done
 $BIN bench sink --listen 127.0.0.1:19998 2>/dev/null &   # webhook receiver for delivery
-delivered() { # the sum over the given router ports of events delivered
-  local n=0 port
-  for port in "$@"; do
-    n=$((n + $(curl -s "http://127.0.0.1:$port/v1/targets" | python3 -c "import json, sys
-try:
-    print(sum(t['delivered'] for t in json.load(sys.stdin)['targets']))
-except ValueError:
-    print(0)  # not answering (yet)")))
-  done
-  echo "$n"
-}
-drain() { # waits until $1 events are delivered by the routers on ports $2...
-  local want=$1 start=$SECONDS
-  shift
-  while [ "$(delivered "$@")" -lt "$want" ]; do
-    if [ $((SECONDS - start)) -gt 600 ]; then echo "not drained after 600 s"; return; fi
-    sleep 0.5
-  done
-  echo "drained $want deliveries $((SECONDS - start)) s after the load ended"
-}
 node() { # node PORT NATS_PORT NAME: a router node on the shared stream
   RUST_LOG=warn ROUTER_STORE__BACKEND=jetstream \
     ROUTER_STORE__JETSTREAM__URL="nats://127.0.0.1:$2" \

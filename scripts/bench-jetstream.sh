@@ -26,13 +26,6 @@ EOF
 "$NATS" -c "$WORK/nats.conf" >"$WORK/nats.log" 2>&1 &
 $BIN bench sink --listen 127.0.0.1:19998 2>/dev/null &   # webhook receiver for delivery
 sleep 1
-delivered() { curl -s http://127.0.0.1:18080/v1/targets | python3 -c "import json, sys
-print(sum(t['delivered'] for t in json.load(sys.stdin)['targets']))"; }
-drain() { # waits until $1 events are delivered; prints the seconds it took after the load
-  local start=$SECONDS
-  while [ "$(delivered)" -lt "$1" ]; do sleep 0.5; done
-  echo "drained $1 deliveries $((SECONDS - start)) s after the load ended"
-}
 for backend in redb jetstream; do
   mkdir -p "$WORK/none"
   RUST_LOG=warn ROUTER_STORE__BACKEND=$backend \
@@ -44,10 +37,10 @@ for backend in redb jetstream; do
   sleep 2
   echo "== $backend, single events"
   $BIN bench ingest --url http://127.0.0.1:18080/v1/events --events "$N" --concurrency 64 --size 1024
-  drain "$N"
+  drain "$N" 18080
   echo "== $backend, batches of 100"
   $BIN bench ingest --url http://127.0.0.1:18080/v1/events --events "$N" --concurrency 64 --batch 100 --size 1024
-  drain $((2 * N))
+  drain $((2 * N)) 18080
   kill "$ROUTER"; wait "$ROUTER" 2>/dev/null || true
   echo
 done

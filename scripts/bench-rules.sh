@@ -32,3 +32,27 @@ bench_setup() {
 # cpu_ticks STAT prints the user + system CPU ticks of a process or thread from its /proc stat
 # file (/proc/PID/stat, /proc/PID/task/TID/stat); getconf CLK_TCK ticks make a second.
 cpu_ticks() { awk '{print $14+$15}' "$1"; }
+
+# delivered PORT... prints how many events the routers on those ports have delivered in all
+# (0 for one not answering yet); drain N PORT... waits until that reaches N (at most 600 s) and
+# prints how long after the load it took.
+delivered() { # the sum over the given router ports of events delivered
+  local n=0 port
+  for port in "$@"; do
+    n=$((n + $(curl -s "http://127.0.0.1:$port/v1/targets" | python3 -c "import json, sys
+try:
+    print(sum(t['delivered'] for t in json.load(sys.stdin)['targets']))
+except ValueError:
+    print(0)  # not answering (yet)")))
+  done
+  echo "$n"
+}
+drain() { # waits until $1 events are delivered by the routers on ports $2...
+  local want=$1 start=$SECONDS
+  shift
+  while [ "$(delivered "$@")" -lt "$want" ]; do
+    if [ $((SECONDS - start)) -gt 600 ]; then echo "not drained after 600 s"; return; fi
+    sleep 0.5
+  done
+  echo "drained $want deliveries $((SECONDS - start)) s after the load ended"
+}

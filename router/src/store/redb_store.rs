@@ -1120,6 +1120,23 @@ impl RedbStore {
         Ok(out)
     }
 
+    /// The value under `key` in a table of (expiry, value) records, unless expired at `now`
+    /// (COMPLETED records, handler key-value entries).
+    fn unexpired(
+        &self,
+        table: TableDefinition<(&str, &str), (i64, &[u8])>,
+        key: (&str, &str),
+        now: Millis,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(table)?;
+        Ok(t.get(key)?.and_then(|v| {
+            let (exp, val) = v.value();
+            (exp > now).then(|| val.to_vec())
+        }))
+    }
+
     /// See [`Store::completed_get`] (answered here synchronously, from the file).
     pub fn completed_get(
         &self,
@@ -1127,13 +1144,7 @@ impl RedbStore {
         key: &str,
         now: Millis,
     ) -> Result<Option<Vec<u8>>, StoreError> {
-        let db = self.read_db();
-        let r = db.begin_read()?;
-        let t = r.open_table(COMPLETED)?;
-        Ok(t.get((handler, key))?.and_then(|v| {
-            let (exp, val) = v.value();
-            (exp > now).then(|| val.to_vec())
-        }))
+        self.unexpired(COMPLETED, (handler, key), now)
     }
 
     /// See [`Store::kv_usage`] (answered here synchronously, from the file).
@@ -1558,13 +1569,7 @@ impl Store for RedbStore {
         key: &str,
         now: Millis,
     ) -> Result<Option<Vec<u8>>, StoreError> {
-        let db = self.read_db();
-        let r = db.begin_read()?;
-        let t = r.open_table(KV)?;
-        Ok(t.get((namespace, key))?.and_then(|v| {
-            let (exp, val) = v.value();
-            (exp > now).then(|| val.to_vec())
-        }))
+        self.unexpired(KV, (namespace, key), now)
     }
 
     fn record_counts(&self) -> BoxFuture<'_, Result<RecordCounts, StoreError>> {

@@ -1315,7 +1315,13 @@ impl JetStreamStore {
     /// Waits until this node's view has every write of this node (what `lease` does first).
     #[cfg(test)]
     async fn settled(&self) {
-        let written = self.written.load(std::sync::atomic::Ordering::Relaxed);
+        self.has_seen(self).await;
+    }
+
+    /// Waits until this node's view has every write node `other` made so far.
+    #[cfg(test)]
+    async fn has_seen(&self, other: &JetStreamStore) {
+        let written = other.written.load(std::sync::atomic::Ordering::Relaxed);
         assert!(
             self.view
                 .wait_applied(written, std::time::Duration::from_secs(10))

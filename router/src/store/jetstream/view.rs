@@ -419,8 +419,6 @@ impl View {
         self.dlq().entries.keys().next_back().copied().unwrap_or(0)
     }
 
-    /// Waits until the view has applied revision `revision` (a write of this node), or
-    /// `timeout` passes.
     /// Asks the follower to follow again from the last revision applied, with a new consumer:
     /// what a node does when its view has not caught up with its own writes in time. The
     /// client recreates a consumer that went silent only after two missed heartbeats and then
@@ -430,6 +428,8 @@ impl View {
         self.resubscribe.notify_one();
     }
 
+    /// Waits until the view has applied revision `revision` (a write of this node), or
+    /// `timeout` passes.
     pub async fn wait_applied(&self, revision: u64, timeout: Duration) -> bool {
         let mut rx = self.applied.subscribe();
         tokio::time::timeout(timeout, rx.wait_for(|&a| a >= revision))
@@ -519,8 +519,9 @@ impl View {
 /// How long each pull of the view's consumer may wait. The client's idle heartbeat follows it
 /// down (half of it), and two missed heartbeats make the client recreate the consumer where it
 /// left off: with the default (30 s, heartbeat 15 s) a node whose consumer was on a server
-/// that died saw no queue changes, so leased nothing, for 30 to 60 s after a failover (the R3
-/// test below showed it); with 2 s it is a few seconds. The cost is one pull request every
+/// that died saw no queue changes, so leased nothing, for 30 to 60 s after a failover
+/// (`a_replicated_store_keeps_every_accept_through_the_loss_of_its_leader` showed it); with
+/// 2 s it is a few seconds. The cost is one pull request every
 /// 2 s while nothing happens.
 const FOLLOW_PULL_EXPIRES: Duration = Duration::from_secs(2);
 
