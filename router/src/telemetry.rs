@@ -69,6 +69,10 @@ pub struct Metrics {
     pub lease_failures: Family<Labels, Counter>,
     /// Entries leased at acceptance and sent at once (`delivery.handoff`), by target.
     pub handoffs: Family<Labels, Counter>,
+    /// Requests made to a batching webhook, by target.
+    pub delivery_batches: Family<Labels, Counter>,
+    /// Events those requests carried, by target (over `delivery_batches`: the mean batch).
+    pub delivery_batch_events: Family<Labels, Counter>,
     /// System events dropped because the routing channel was full.
     pub system_events_dropped: Counter,
     /// Paused targets (1 = paused).
@@ -119,6 +123,8 @@ impl Metrics {
             budget_deferred: Family::default(),
             lease_failures: Family::default(),
             handoffs: Family::default(),
+            delivery_batches: Family::default(),
+            delivery_batch_events: Family::default(),
             system_events_dropped: Counter::default(),
             target_paused: Family::default(),
             swept: Family::default(),
@@ -239,6 +245,16 @@ impl Metrics {
             "router_delivery_handoffs",
             "Entries leased in their accept's commit and sent at once, without a lease of their own (delivery.handoff), by target",
             m.handoffs.clone(),
+        );
+        registry.register(
+            "router_delivery_batches",
+            "Requests made to a batching webhook (each carrying a CloudEvents batch), by target",
+            m.delivery_batches.clone(),
+        );
+        registry.register(
+            "router_delivery_batch_events",
+            "Events carried by the requests of router_delivery_batches, by target",
+            m.delivery_batch_events.clone(),
         );
         registry.register(
             "router_swept_records",

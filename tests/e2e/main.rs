@@ -1,5 +1,6 @@
 //! End-to-end tests: the real `router` binary, real HTTP receivers, temp data dirs.
 
+mod batch;
 mod cli;
 mod cluster;
 mod delivery;

@@ -684,9 +684,17 @@ rules:
     targets:
       - handler: noop
         id: h
+  - name: bulk
+    pattern:
+      type: [bulk.thing]
+    targets:
+      - webhook: {}
+        id: bulk
+        batch: {{ max_events: 10 }}
 "#,
         ok.url(),
-        broken.url()
+        broken.url(),
+        ok.url()
     )
 }
 

@@ -46,8 +46,10 @@ pub(super) fn reserve(
     if rt.paused.load(Ordering::SeqCst) {
         return None;
     }
-    // Ordered targets: the entry may have an earlier one of its key in the queue.
-    if rt.spec.policy.ordering.is_some() {
+    // Ordered targets: the entry may have an earlier one of its key in the queue. Batching
+    // webhooks: the worker's lease gathers what a commit made due into one request, where a
+    // handoff would send each event alone.
+    if rt.spec.policy.ordering.is_some() || rt.spec.kind.batch().is_some() {
         return None;
     }
     // Half-open probes are counted by the worker; open means wait.

@@ -128,6 +128,7 @@ impl Dispatcher {
                 url,
                 headers,
                 secret_env,
+                ..
             } => {
                 let keys = match secret_env {
                     None => Vec::new(),

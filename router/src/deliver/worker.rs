@@ -20,7 +20,7 @@ use crate::event::CloudEvent;
 use crate::policy::backoff;
 use crate::policy::breaker::{Admission, BreakerState, Transition};
 use crate::policy::config::{OnDeadLetter, RetryPolicy};
-use crate::rules::TargetKind;
+use crate::rules::{TargetKind, WebhookBatch};
 use crate::store::{
     AttemptEnd, AttemptResult, Disposition, DlqReason, FinishError, Leased, Millis,
 };
@@ -164,7 +164,14 @@ pub(super) async fn run(
                 Err(_) => break,
             }
         }
-        let due = ctx.store.due_count(&spec.id, now, permits.len());
+        // A batching webhook takes up to a batch per slot (probes go one event at a time).
+        let per_slot = match spec.kind.batch() {
+            Some(b) if !probing => usize::try_from(b.max_events).unwrap_or(1).max(1),
+            _ => 1,
+        };
+        let due = ctx
+            .store
+            .due_count(&spec.id, now, permits.len().saturating_mul(per_slot));
         if due == 0 {
             drop(permits);
             let wait = ctx.store.next_due(&spec.id).map_or(IDLE_MS, |d| d - now);
@@ -174,14 +181,15 @@ pub(super) async fn run(
             continue;
         }
 
-        // 3. Throttle: take as many tokens as there is due work (the budget check comes per
-        // entry below; a retry it defers gives its token back to nobody, which only slows a
-        // backlog that the budget is slowing anyway).
-        let mut allowed = due;
+        // 3. Throttle: take as many tokens as there are requests of due work (the budget
+        // check comes per entry below; a retry it defers gives its token back to nobody, which
+        // only slows a backlog that the budget is slowing anyway). A batch is one request.
+        let requests = due.div_ceil(per_slot);
+        let mut allowed = requests;
         if let Some(limiter) = &rt.limiter {
             allowed = 0;
             let mut retry_in = None;
-            while allowed < due {
+            while allowed < requests {
                 match limiter.check() {
                     Ok(()) => allowed += 1,
                     Err(not_until) => {
@@ -212,7 +220,7 @@ pub(super) async fn run(
             ctx.clone(),
             rt.clone(),
             target.clone(),
-            permits,
+            (permits, per_slot, slots.clone()),
             now,
             lease_ms,
             probing,
@@ -238,15 +246,16 @@ pub(super) async fn run(
     tracing::info!(target_id = %spec.id, "delivery worker stopped");
 }
 
-/// Leases up to `permits.len()` due entries of the target and starts an attempt for each
-/// (each taking one slot); slots left over are given back. Budget checks happen here, per
-/// entry, since only the lease says which entries are retries.
+/// Leases up to `permits.len() × per_slot` due entries of the target and starts an attempt
+/// for each (each taking one slot), or for a batching webhook one request per batch of them
+/// (each batch taking one slot); slots left over are given back. Budget checks happen here,
+/// per entry, since only the lease says which entries are retries.
 #[allow(clippy::too_many_arguments)]
 async fn lease_and_start(
     ctx: Arc<DeliveryContext>,
     rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
-    mut permits: Vec<OwnedSemaphorePermit>,
+    (mut permits, per_slot, slots): (Vec<OwnedSemaphorePermit>, usize, Arc<Semaphore>),
     now: Millis,
     lease_ms: i64,
     probing: bool,
@@ -255,12 +264,21 @@ async fn lease_and_start(
     let spec = &rt.spec;
     match ctx
         .store
-        .lease(&spec.id, now, permits.len(), lease_ms)
+        .lease(
+            &spec.id,
+            now,
+            permits.len().saturating_mul(per_slot),
+            lease_ms,
+        )
         .await
     {
         Ok(batch) => {
+            let batching = spec.kind.batch().filter(|_| per_slot > 1);
+            let mut to_batch = Vec::new();
             for leased in batch {
-                let Some(permit) = permits.pop() else { break };
+                if batching.is_none() && permits.is_empty() {
+                    break;
+                }
                 // 2. Budget: retries beyond it wait, unattempted. Probes bypass it.
                 let is_retry = leased.entry.attempts.len() > 1;
                 let over_budget = rt.budget().is_some_and(|mut budget| {
@@ -280,10 +298,29 @@ async fn lease_and_start(
                     defer(&ctx, &leased, now).await;
                     continue;
                 }
+                if batching.is_some() {
+                    to_batch.push(leased);
+                    continue;
+                }
+                let Some(permit) = permits.pop() else { break };
                 if probing && let Some(mut b) = rt.breaker() {
                     b.probes_started(1);
                 }
                 spawn_attempt(&ctx, &rt, &target, leased, permit, probing);
+            }
+            if let Some(b) = batching {
+                for items in split_batches(to_batch, b) {
+                    // A batch split by `max_bytes` beyond the slots taken waits for one.
+                    let permit = match permits.pop() {
+                        Some(p) => p,
+                        None => match slots.clone().acquire_owned().await {
+                            Ok(p) => p,
+                            // Closed: the worker stopped; the leases expire and return them.
+                            Err(_) => break,
+                        },
+                    };
+                    spawn_batch(&ctx, &rt, &target, items, permit, false);
+                }
             }
         }
         Err(e) => {
@@ -307,7 +344,8 @@ async fn lease_and_start(
     }
 }
 
-/// Starts an attempt on a leased entry, on the delivery runtime, holding its slot.
+/// Starts an attempt on a leased entry, on the delivery runtime, holding its slot (for a
+/// batching webhook, a request carrying only this entry).
 pub(super) fn spawn_attempt(
     ctx: &Arc<DeliveryContext>,
     rt: &Arc<TargetRuntime>,
@@ -316,6 +354,12 @@ pub(super) fn spawn_attempt(
     permit: OwnedSemaphorePermit,
     probing: bool,
 ) {
+    if let Some(b) = rt.spec.kind.batch() {
+        if let Some(items) = split_batches(vec![leased], b).into_iter().next() {
+            spawn_batch(ctx, rt, target, items, permit, probing);
+        }
+        return;
+    }
     let span = tracing::info_span!("attempt", event_id = %leased.event.event.id, source = %leased.event.event.source, target = %rt.spec.id, attempt = leased.entry.attempts.len());
     ctx.tracker.spawn_on(
         attempt(
@@ -323,6 +367,31 @@ pub(super) fn spawn_attempt(
             rt.clone(),
             target.clone(),
             leased,
+            permit,
+            probing,
+        )
+        .instrument(span),
+        &ctx.spawner,
+    );
+}
+
+/// Starts one batch request on the delivery runtime, holding its slot.
+fn spawn_batch(
+    ctx: &Arc<DeliveryContext>,
+    rt: &Arc<TargetRuntime>,
+    target: &Arc<dyn Target>,
+    items: Vec<BatchItem>,
+    permit: OwnedSemaphorePermit,
+    probing: bool,
+) {
+    let first = items.first().map(|i| i.leased.event.event.id.clone());
+    let span = tracing::info_span!("batch_attempt", target = %rt.spec.id, events = items.len(), first_event_id = first.as_deref().unwrap_or(""));
+    ctx.tracker.spawn_on(
+        attempt_batch(
+            ctx.clone(),
+            rt.clone(),
+            target.clone(),
+            items,
             permit,
             probing,
         )
@@ -392,6 +461,171 @@ pub fn decide(
     }
 }
 
+/// How an attempt on one entry ended and what follows from it, ready to be recorded.
+struct Settled {
+    end: AttemptEnd,
+    disposition: Disposition,
+    /// The `result` label of `router_deliveries_total`.
+    label: &'static str,
+}
+
+/// An entry that must not be sent at all (its attempts or its age are used up: a crash loop or
+/// a long outage must not retry forever), settled as a dead letter.
+fn not_sendable(rt: &TargetRuntime, leased: &Leased, now: Millis) -> Option<Settled> {
+    let retry = &rt.spec.policy.retry;
+    let n = u32::try_from(leased.entry.attempts.len()).unwrap_or(u32::MAX);
+    let (reason, error) = if n > retry.max_attempts {
+        (
+            DlqReason::RetriesExhausted,
+            format!(
+                "not sent: {} attempts already made (max {})",
+                n - 1,
+                retry.max_attempts
+            ),
+        )
+    } else if now > leased.entry.accepted_at.saturating_add(ms(retry.max_age)) {
+        (
+            DlqReason::MaxAgeExceeded,
+            format!(
+                "not sent: event older than max_age {}",
+                humantime::format_duration(retry.max_age)
+            ),
+        )
+    } else {
+        return None;
+    };
+    Some(Settled {
+        end: AttemptEnd {
+            finished_at: now,
+            result: AttemptResult::Interrupted,
+            status: None,
+            error: Some(error),
+            outbox: None,
+        },
+        disposition: Disposition::DeadLetter {
+            reason,
+            hold: rt.spec.policy.on_dead_letter == OnDeadLetter::Hold,
+        },
+        label: "dead_lettered",
+    })
+}
+
+/// Tells the breaker how a request ended, and acts on the transition it makes.
+async fn breaker_record(
+    ctx: &DeliveryContext,
+    rt: &TargetRuntime,
+    outcome: &AttemptOutcome,
+    probe: bool,
+    finished: Millis,
+) {
+    let success = match outcome {
+        AttemptOutcome::Delivered { .. } => Some(true),
+        o if o.counts_for_breaker() => Some(false),
+        _ => None,
+    };
+    let transition = rt
+        .breaker()
+        .and_then(|mut b| b.record(success, probe, finished));
+    if let Some(t) = transition {
+        on_transition(ctx, rt, t, finished).await;
+    }
+}
+
+/// What follows for `leased` from the outcome of the request that carried it.
+fn conclude(
+    rt: &TargetRuntime,
+    leased: &Leased,
+    outcome: &AttemptOutcome,
+    effects: Option<Box<crate::target::handler::Effects>>,
+    finished: Millis,
+) -> Settled {
+    let retry = &rt.spec.policy.retry;
+    let hold = rt.spec.policy.on_dead_letter == OnDeadLetter::Hold;
+    let n = u32::try_from(leased.entry.attempts.len()).unwrap_or(u32::MAX);
+    let mut disposition = decide(
+        outcome,
+        n,
+        leased.entry.accepted_at,
+        finished,
+        retry,
+        rand::random::<f64>(),
+        hold,
+    );
+    // A handler can name a more specific DLQ reason (unknown_version).
+    if let (Disposition::DeadLetter { reason, .. }, Some(r)) = (
+        &mut disposition,
+        effects.as_ref().and_then(|e| e.dlq_reason),
+    ) {
+        *reason = r;
+    }
+    let outbox = effects.map(|e| Box::new(e.outbox));
+    let result = match outcome {
+        AttemptOutcome::Delivered { .. } => AttemptResult::Delivered,
+        AttemptOutcome::Retryable { .. } => AttemptResult::Retryable,
+        AttemptOutcome::Permanent { .. } => AttemptResult::Permanent,
+        AttemptOutcome::Deferred { .. } => AttemptResult::Interrupted,
+    };
+    let label = match &disposition {
+        Disposition::Delivered => "delivered",
+        Disposition::Retry { .. } | Disposition::Release { .. } => "retried",
+        Disposition::DeadLetter { .. } => "dead_lettered",
+    };
+    Settled {
+        end: AttemptEnd {
+            finished_at: finished,
+            result,
+            status: outcome.status(),
+            error: outcome.error().map(|e| truncate(e, MAX_ERROR_CHARS)),
+            outbox,
+        },
+        disposition,
+        label,
+    }
+}
+
+/// The log line of one entry's settled attempt.
+fn log_settled(outcome: &AttemptOutcome, s: &Settled) {
+    match &s.disposition {
+        Disposition::Delivered => tracing::debug!(status = ?outcome.status(), "delivered"),
+        Disposition::Retry { due_at } => {
+            tracing::info!(
+                error = outcome.error().unwrap_or(""),
+                retry_in_ms = due_at - s.end.finished_at,
+                "attempt failed; retry scheduled"
+            )
+        }
+        Disposition::DeadLetter { reason, .. } => {
+            tracing::warn!(
+                error = outcome.error().unwrap_or(""),
+                reason = reason.as_str(),
+                "attempt failed; moved to the DLQ"
+            )
+        }
+        Disposition::Release { .. } => {}
+    }
+}
+
+/// The request of one attempt on one entry.
+fn request_for(rt: &TargetRuntime, leased: &Leased) -> DeliveryRequest {
+    // Replayed deliveries say so, so receivers can tell them from live traffic.
+    let replay = leased.entry.replay.clone();
+    let body = bytes::Bytes::from(leased.event.event.structured_bytes(replay.as_deref()));
+    DeliveryRequest {
+        body,
+        idempotency_key: leased.entry.idempotency_key.clone(),
+        event_id: leased.event.event.id.clone(),
+        attempt: u32::try_from(leased.entry.attempts.len()).unwrap_or(u32::MAX),
+        traceparent: leased.event.event.traceparent().map(str::to_string),
+        timeout: rt.spec.policy.timeout,
+        event: leased.event.clone(),
+        replay,
+        rule: leased.entry.rule.clone(),
+        target: rt.spec.id.clone(),
+        hops: leased.entry.hops,
+        batch: None,
+    }
+}
+
 async fn attempt(
     ctx: Arc<DeliveryContext>,
     rt: Arc<TargetRuntime>,
@@ -400,158 +634,221 @@ async fn attempt(
     permit: OwnedSemaphorePermit,
     probe: bool,
 ) {
-    let spec = &rt.spec;
-    let retry = &spec.policy.retry;
-    let hold = spec.policy.on_dead_letter == OnDeadLetter::Hold;
-    let n = u32::try_from(leased.entry.attempts.len()).unwrap_or(u32::MAX);
     let now = ctx.clock.now_ms();
-    let labels = |result: &str| vec![("target", spec.id.clone()), ("result", result.to_string())];
-
-    // Checks before spending the attempt: a crash loop or a long outage must not retry forever.
-    let pre = if n > retry.max_attempts {
-        Some((
-            DlqReason::RetriesExhausted,
-            format!(
-                "not sent: {} attempts already made (max {})",
-                n - 1,
-                retry.max_attempts
-            ),
-        ))
-    } else if now > leased.entry.accepted_at.saturating_add(ms(retry.max_age)) {
-        Some((
-            DlqReason::MaxAgeExceeded,
-            format!(
-                "not sent: event older than max_age {}",
-                humantime::format_duration(retry.max_age)
-            ),
-        ))
-    } else {
-        None
-    };
-    let (end, disposition, outcome_label) = if let Some((reason, error)) = pre {
-        if probe {
-            // The probe was not sent: give the slot back.
-            if let Some(mut b) = rt.breaker() {
-                b.record(None, true, now);
+    let settled = match not_sendable(&rt, &leased, now) {
+        Some(s) => {
+            if probe {
+                // The probe was not sent: give the slot back.
+                if let Some(mut b) = rt.breaker() {
+                    b.record(None, true, now);
+                }
             }
+            s
         }
-        (
-            AttemptEnd {
-                finished_at: now,
-                result: AttemptResult::Interrupted,
-                status: None,
-                error: Some(error),
-                outbox: None,
-            },
-            Disposition::DeadLetter { reason, hold },
-            "dead_lettered",
-        )
-    } else {
-        // Replayed deliveries say so, so receivers can tell them from live traffic.
-        let replay = leased.entry.replay.clone();
-        let body = bytes::Bytes::from(leased.event.event.structured_bytes(replay.as_deref()));
-        let req = DeliveryRequest {
-            body,
-            idempotency_key: leased.entry.idempotency_key.clone(),
-            event_id: leased.event.event.id.clone(),
-            attempt: n,
-            traceparent: leased.event.event.traceparent().map(str::to_string),
-            timeout: spec.policy.timeout,
-            event: leased.event.clone(),
-            replay,
-            rule: leased.entry.rule.clone(),
-            target: spec.id.clone(),
-            hops: leased.entry.hops,
-        };
-        let started = Instant::now();
-        let (outcome, effects) = target.deliver_with_effects(&req).await;
-        ctx.metrics
-            .attempt_seconds
-            .get_or_create(&vec![("target", spec.id.clone())])
-            .observe(started.elapsed().as_secs_f64());
-        let finished = ctx.clock.now_ms();
-        let success = match &outcome {
-            AttemptOutcome::Delivered { .. } => Some(true),
-            o if o.counts_for_breaker() => Some(false),
-            _ => None,
-        };
-        let transition = rt
-            .breaker()
-            .and_then(|mut b| b.record(success, probe, finished));
-        if let Some(t) = transition {
-            on_transition(&ctx, &rt, t, finished).await;
+        None => {
+            let req = request_for(&rt, &leased);
+            let started = Instant::now();
+            let (outcome, effects) = target.deliver_with_effects(&req).await;
+            ctx.metrics
+                .attempt_seconds
+                .get_or_create(&vec![("target", rt.spec.id.clone())])
+                .observe(started.elapsed().as_secs_f64());
+            let finished = ctx.clock.now_ms();
+            breaker_record(&ctx, &rt, &outcome, probe, finished).await;
+            let s = conclude(&rt, &leased, &outcome, effects, finished);
+            log_settled(&outcome, &s);
+            s
         }
-        let mut disposition = decide(
-            &outcome,
-            n,
-            leased.entry.accepted_at,
-            finished,
-            retry,
-            rand::random::<f64>(),
-            hold,
-        );
-        // A handler can name a more specific DLQ reason (unknown_version).
-        if let (Disposition::DeadLetter { reason, .. }, Some(r)) = (
-            &mut disposition,
-            effects.as_ref().and_then(|e| e.dlq_reason),
-        ) {
-            *reason = r;
-        }
-        let outbox = effects.map(|e| Box::new(e.outbox));
-        let result = match &outcome {
-            AttemptOutcome::Delivered { .. } => AttemptResult::Delivered,
-            AttemptOutcome::Retryable { .. } => AttemptResult::Retryable,
-            AttemptOutcome::Permanent { .. } => AttemptResult::Permanent,
-            AttemptOutcome::Deferred { .. } => AttemptResult::Interrupted,
-        };
-        let label = match &disposition {
-            Disposition::Delivered => "delivered",
-            Disposition::Retry { .. } | Disposition::Release { .. } => "retried",
-            Disposition::DeadLetter { .. } => "dead_lettered",
-        };
-        match &disposition {
-            Disposition::Delivered => tracing::debug!(status = ?outcome.status(), "delivered"),
-            Disposition::Retry { due_at } => {
-                tracing::info!(
-                    error = outcome.error().unwrap_or(""),
-                    retry_in_ms = due_at - finished,
-                    "attempt failed; retry scheduled"
-                )
-            }
-            Disposition::DeadLetter { reason, .. } => {
-                tracing::warn!(
-                    error = outcome.error().unwrap_or(""),
-                    reason = reason.as_str(),
-                    "attempt failed; moved to the DLQ"
-                )
-            }
-            Disposition::Release { .. } => {}
-        }
-        (
-            AttemptEnd {
-                finished_at: finished,
-                result,
-                status: outcome.status(),
-                error: outcome.error().map(|e| truncate(e, MAX_ERROR_CHARS)),
-                outbox,
-            },
-            disposition,
-            label,
-        )
     };
-    let dlq_reason = match &disposition {
-        Disposition::DeadLetter { reason, .. } => Some(*reason),
-        _ => None,
-    };
-    let finished_at = end.finished_at;
-    let end_error = end.error.clone();
     // The concurrency slot bounds attempts in flight at the target, which this one no longer
     // is: recording it waits for a commit (one or two group-commit cycles), and holding the slot
     // through that wait capped a target's throughput at `concurrency` per commit cycle. The
     // entry stays leased in the index until the commit lands, so it cannot be leased twice, and
     // its ordering key stays held.
     drop(permit);
-    crate::failpoint::crash_point("before_ack", &spec.id);
+    crate::failpoint::crash_point("before_ack", &rt.spec.id);
+    record(&ctx, &rt, &leased, settled).await;
+}
+
+/// One entry of a batch request, with its structured event as sent.
+pub(super) struct BatchItem {
+    leased: Leased,
+    json: Vec<u8>,
+}
+
+/// Splits leased entries of a batching webhook into requests of at most `max_events` events
+/// and `max_bytes` bytes of body (an event larger than that goes alone), in lease order.
+pub(super) fn split_batches(leased: Vec<Leased>, batch: &WebhookBatch) -> Vec<Vec<BatchItem>> {
+    let max_events = usize::try_from(batch.max_events)
+        .unwrap_or(usize::MAX)
+        .max(1);
+    // The array's brackets.
+    let max_bytes = usize::try_from(batch.max_bytes)
+        .unwrap_or(usize::MAX)
+        .saturating_sub(2);
+    let mut out: Vec<Vec<BatchItem>> = Vec::new();
+    let mut bytes = 0usize;
+    for leased in leased {
+        // Replayed deliveries say so, so receivers can tell them from live traffic.
+        let json = leased
+            .event
+            .event
+            .structured_bytes(leased.entry.replay.as_deref());
+        // The separating comma.
+        let size = json.len() + 1;
+        let item = BatchItem { leased, json };
+        match out.last_mut() {
+            Some(cur) if cur.len() < max_events && bytes.saturating_add(size) <= max_bytes => {
+                bytes += size;
+                cur.push(item);
+            }
+            _ => {
+                bytes = size;
+                out.push(vec![item]);
+            }
+        }
+    }
+    out
+}
+
+/// The `Idempotency-Key` (and Standard Webhooks `webhook-id`) of a batch request: a digest of
+/// its entries' keys, so the same batch sent again carries the same key. Retries of its
+/// entries may be batched differently; receivers deduplicate per event by `source` and `id`.
+fn batch_key(entries: &[BatchItem]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for item in entries {
+        h.update(item.leased.entry.idempotency_key.as_bytes());
+        h.update([0]);
+    }
+    let d = h.finalize();
+    let mut key = String::with_capacity(6 + 32);
+    key.push_str("batch-");
+    for b in &d[..16] {
+        use std::fmt::Write as _;
+        let _ = write!(key, "{b:02x}");
+    }
+    key
+}
+
+/// One request to a batching webhook carrying every entry of `batch` (one slot, one breaker
+/// sample, one rate-limit token). Entries whose attempts or age are used up are not sent but
+/// dead-lettered, as in a single attempt; the rest all share the request's outcome, each with
+/// its own attempt count, backoff and DLQ fate.
+async fn attempt_batch(
+    ctx: Arc<DeliveryContext>,
+    rt: Arc<TargetRuntime>,
+    target: Arc<dyn Target>,
+    batch: Vec<BatchItem>,
+    permit: OwnedSemaphorePermit,
+    probe: bool,
+) {
+    let now = ctx.clock.now_ms();
+    let mut settled = Vec::with_capacity(batch.len());
+    let mut send = Vec::with_capacity(batch.len());
+    for item in batch {
+        match not_sendable(&rt, &item.leased, now) {
+            Some(s) => settled.push((item.leased, s)),
+            None => send.push(item),
+        }
+    }
+    let sent = !send.is_empty();
+    if let Some(first) = send.first() {
+        let mut body = Vec::with_capacity(send.iter().map(|i| i.json.len() + 1).sum::<usize>() + 2);
+        body.push(b'[');
+        for (i, item) in send.iter().enumerate() {
+            if i > 0 {
+                body.push(b',');
+            }
+            body.extend_from_slice(&item.json);
+        }
+        body.push(b']');
+        let n = u32::try_from(send.len()).unwrap_or(u32::MAX);
+        let req = DeliveryRequest {
+            body: bytes::Bytes::from(body),
+            idempotency_key: batch_key(&send),
+            batch: Some(n),
+            // Each event of the body carries its own `traceparent`.
+            traceparent: None,
+            ..request_for(&rt, &first.leased)
+        };
+        let started = Instant::now();
+        let (outcome, _) = target.deliver_with_effects(&req).await;
+        let spec_id = &rt.spec.id;
+        ctx.metrics
+            .attempt_seconds
+            .get_or_create(&vec![("target", spec_id.clone())])
+            .observe(started.elapsed().as_secs_f64());
+        ctx.metrics
+            .delivery_batches
+            .get_or_create(&vec![("target", spec_id.clone())])
+            .inc();
+        ctx.metrics
+            .delivery_batch_events
+            .get_or_create(&vec![("target", spec_id.clone())])
+            .inc_by(u64::from(n));
+        let finished = ctx.clock.now_ms();
+        breaker_record(&ctx, &rt, &outcome, probe, finished).await;
+        let mut retried = 0usize;
+        for BatchItem { leased, .. } in send {
+            let s = conclude(&rt, &leased, &outcome, None, finished);
+            match s.disposition {
+                Disposition::Retry { .. } => retried += 1,
+                Disposition::DeadLetter { .. } => {
+                    let _g = tracing::info_span!("attempt", event_id = %leased.event.event.id, source = %leased.event.event.source).entered();
+                    log_settled(&outcome, &s);
+                }
+                _ => {}
+            }
+            settled.push((leased, s));
+        }
+        match &outcome {
+            AttemptOutcome::Delivered { status } => {
+                tracing::debug!(events = n, status = ?status, "batch delivered")
+            }
+            o if retried > 0 => tracing::info!(
+                events = n,
+                retried,
+                error = o.error().unwrap_or(""),
+                "batch attempt failed; retries scheduled"
+            ),
+            _ => {}
+        }
+    }
+    if probe && !sent {
+        // The probe was not sent: give the slot back.
+        if let Some(mut b) = rt.breaker() {
+            b.record(None, true, now);
+        }
+    }
+    drop(permit);
+    crate::failpoint::crash_point("before_ack", &rt.spec.id);
+    // Recorded together, so the finishes share a commit.
+    futures::future::join_all(settled.into_iter().map(|(leased, s)| {
+        let span = tracing::info_span!("record", event_id = %leased.event.event.id, source = %leased.event.event.source);
+        let (ctx, rt) = (&ctx, &rt);
+        async move { record(ctx, rt, &leased, s).await }.instrument(span)
+    }))
+    .await;
+}
+
+/// Records a settled attempt: the store's finish, then its metrics and, for a new dead
+/// letter, `router.dlq.added`. A refused finish ends in a retry or the lease's expiry, never
+/// only in a log line.
+async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased, s: Settled) {
+    let spec = &rt.spec;
+    let labels = |result: &str| vec![("target", spec.id.clone()), ("result", result.to_string())];
+    let Settled {
+        end,
+        disposition,
+        label: outcome_label,
+    } = s;
+    let dlq_reason = match &disposition {
+        Disposition::DeadLetter { reason, .. } => Some(*reason),
+        _ => None,
+    };
+    let finished_at = end.finished_at;
+    let end_error = end.error.clone();
     match ctx
         .store
         .finish(leased.entry.id, leased.lease, end, disposition, finished_at)
@@ -577,7 +874,7 @@ async fn attempt(
                     ])
                     .inc();
                 dlq_added(
-                    &ctx,
+                    ctx,
                     Some(&spec.id),
                     &leased.event.event,
                     r,
@@ -595,7 +892,7 @@ async fn attempt(
                 .inc();
             tracing::warn!(key = %key, "handler key-value precondition failed; the delivery runs again");
             let error = format!("key-value precondition failed for {key}; retried");
-            retry_without_effects(&ctx, &leased, finished_at, error, 100).await;
+            retry_without_effects(ctx, leased, finished_at, error, 100).await;
         }
         Err(e @ FinishError::KvQuota { .. }) => {
             // Concurrent deliveries of the handler grew its namespace after this invocation
@@ -606,7 +903,7 @@ async fn attempt(
                 .get_or_create(&labels("kv_quota"))
                 .inc();
             tracing::warn!(error = %e, "handler key-value namespace full at commit; the delivery runs again");
-            retry_without_effects(&ctx, &leased, finished_at, format!("{e}; retried"), 1000).await;
+            retry_without_effects(ctx, leased, finished_at, format!("{e}; retried"), 1000).await;
         }
         Err(FinishError::Fenced) => {
             ctx.metrics
@@ -826,6 +1123,7 @@ mod tests {
             url: "http://127.0.0.1:1/".into(),
             headers: Default::default(),
             secret_env: None,
+            batch: None,
         };
         let handler = || TargetKind::Handler { name: "h".into() };
         assert_eq!(slot_count(&spec(webhook(), None), &cfg), cfg.concurrency);
@@ -964,5 +1262,88 @@ mod tests {
             ),
             dead(DlqReason::MaxAgeExceeded)
         );
+    }
+
+    /// A leased entry of event `n` whose data is `pad` bytes of text.
+    fn leased(n: u64, pad: usize) -> Leased {
+        let event: CloudEvent = serde_json::from_value(serde_json::json!({
+            "specversion": "1.0", "id": format!("e-{n}"), "source": "/t", "type": "t",
+            "data": {"pad": "x".repeat(pad)}
+        }))
+        .expect("event");
+        let target = crate::store::NewEntry {
+            target_id: "bulk".into(),
+            rule: "r".into(),
+            ordering_key: None,
+            max_depth: None,
+            lease_ms: None,
+        };
+        let id = crate::store::EntryId { event: n, idx: 0 };
+        Leased {
+            entry: crate::store::QueueEntry::queued(id, target, format!("key-{n}"), 0, 0, 0),
+            event: Arc::new(crate::store::StoredEvent {
+                seq: n,
+                event,
+                accepted_at: 0,
+                ruleset_version: String::new(),
+                matched_rules: Vec::new(),
+                quarantined: false,
+            }),
+            lease: crate::store::Lease { token: n, until: 0 },
+        }
+    }
+
+    fn ids(batches: &[Vec<BatchItem>]) -> Vec<Vec<u64>> {
+        batches
+            .iter()
+            .map(|b| b.iter().map(|i| i.leased.entry.id.event).collect())
+            .collect()
+    }
+
+    #[test]
+    fn batches_split_by_count_and_by_bytes_in_lease_order() {
+        let by_count = WebhookBatch {
+            max_events: 3,
+            max_bytes: WebhookBatch::DEFAULT_MAX_BYTES,
+        };
+        let b = split_batches((0..7).map(|n| leased(n, 10)).collect(), &by_count);
+        assert_eq!(ids(&b), vec![vec![0, 1, 2], vec![3, 4, 5], vec![6]]);
+
+        // Each event is ~1.1 KB: two fit in 3 KiB with the brackets and commas, three do not;
+        // an event larger than the limit goes alone, and does not share the next request.
+        let by_bytes = WebhookBatch {
+            max_events: 100,
+            max_bytes: 3072,
+        };
+        let mut entries: Vec<Leased> = (0..5).map(|n| leased(n, 1000)).collect();
+        entries.insert(2, leased(99, 5000));
+        let b = split_batches(entries, &by_bytes);
+        assert_eq!(ids(&b), vec![vec![0, 1], vec![99], vec![2, 3], vec![4]]);
+        for batch in &b {
+            let body: usize = batch.iter().map(|i| i.json.len() + 1).sum::<usize>() + 1;
+            assert!(batch.len() == 1 || body <= 3072, "{body} bytes");
+        }
+        // What is sent is each event's structured JSON.
+        let first = &b[0][0];
+        assert_eq!(first.json, first.leased.event.event.structured_bytes(None),);
+    }
+
+    #[test]
+    fn a_batch_key_follows_its_entries_and_their_order() {
+        let batch = |ns: &[u64]| -> Vec<BatchItem> {
+            split_batches(
+                ns.iter().map(|&n| leased(n, 1)).collect(),
+                &WebhookBatch {
+                    max_events: 100,
+                    max_bytes: WebhookBatch::DEFAULT_MAX_BYTES,
+                },
+            )
+            .remove(0)
+        };
+        let k = batch_key(&batch(&[1, 2, 3]));
+        assert!(k.starts_with("batch-") && k.len() == 6 + 32, "{k}");
+        assert_eq!(k, batch_key(&batch(&[1, 2, 3])), "stable when sent again");
+        assert_ne!(k, batch_key(&batch(&[1, 2])));
+        assert_ne!(k, batch_key(&batch(&[3, 2, 1])));
     }
 }

@@ -11,7 +11,9 @@ use serde_json::Value;
 use super::automaton;
 use super::pattern::Pattern;
 use super::source::{self, Node, NodeKind, SourceError};
-use super::{Diagnostic, Rule, RuleSet, Severity, TargetKind, TargetSpec, version_of};
+use super::{
+    Diagnostic, Rule, RuleSet, Severity, TargetKind, TargetSpec, WebhookBatch, version_of,
+};
 use crate::policy::{PolicyConfig, WORST_CASE_ATTEMPTS_SMELL};
 
 /// `$schema` lets a JSON rule file name its schema (`schemas/rules.schema.json`) for editors;
@@ -26,6 +28,7 @@ const TARGET_KEYS: &[&str] = &[
     "policy",
     "headers",
     "secret_env",
+    "batch",
 ];
 const TARGET_KINDS: &[&str] = &["webhook", "handler", "nats"];
 /// Policy sections whose fields are checked one by one to locate serde errors.
@@ -698,7 +701,7 @@ impl Cx<'_> {
         };
         let is_webhook = matches!(kind, Some(TargetKind::Webhook { .. }))
             || kinds.iter().any(|(k, _)| k.as_str() == Some("webhook"));
-        for only_webhook in ["headers", "secret_env"] {
+        for only_webhook in ["headers", "secret_env", "batch"] {
             if !is_webhook && let Some(k) = node.key_node(only_webhook) {
                 self.err(
                     file,
@@ -781,6 +784,62 @@ impl Cx<'_> {
             },
         );
         Some(id)
+    }
+
+    /// A webhook's `batch: { max_events, max_bytes }`, each optional, checked against its
+    /// bounds; `None` after reporting what is wrong.
+    fn webhook_batch(&mut self, file: &str, node: &Node) -> Option<WebhookBatch> {
+        let Some(entries) = node.as_map() else {
+            self.err(
+                file,
+                node,
+                format!(
+                    "`batch` must be a mapping such as `{{ max_events: 100 }}`, not {}",
+                    node.type_name()
+                ),
+            );
+            return None;
+        };
+        let mut batch = WebhookBatch {
+            max_events: WebhookBatch::DEFAULT_MAX_EVENTS,
+            max_bytes: WebhookBatch::DEFAULT_MAX_BYTES,
+        };
+        let mut ok = true;
+        for (k, v) in entries {
+            let key = k.as_str().unwrap_or_default();
+            let (lo, hi) = match key {
+                "max_events" => (1, u64::from(WebhookBatch::MAX_EVENTS)),
+                "max_bytes" => (WebhookBatch::MIN_BYTES, WebhookBatch::MAX_BYTES),
+                _ => {
+                    self.err(
+                        file,
+                        k,
+                        format!("unknown key `batch.{key}` (expected `max_events` or `max_bytes`)"),
+                    );
+                    ok = false;
+                    continue;
+                }
+            };
+            match v.kind {
+                NodeKind::Int(n) if u64::try_from(n).is_ok_and(|n| (lo..=hi).contains(&n)) => {
+                    let n = n.unsigned_abs();
+                    if key == "max_events" {
+                        batch.max_events = u32::try_from(n).unwrap_or(WebhookBatch::MAX_EVENTS);
+                    } else {
+                        batch.max_bytes = n;
+                    }
+                }
+                _ => {
+                    self.err(
+                        file,
+                        v,
+                        format!("`batch.{key}` must be an integer from {lo} to {hi}"),
+                    );
+                    ok = false;
+                }
+            }
+        }
+        ok.then_some(batch)
     }
 
     fn target_kind(
@@ -917,10 +976,19 @@ impl Cx<'_> {
                         }
                     },
                 };
+                let batch = match target.get("batch") {
+                    None => None,
+                    Some(b) => {
+                        let parsed = self.webhook_batch(file, b);
+                        ok &= parsed.is_some();
+                        parsed
+                    }
+                };
                 ok.then(|| TargetKind::Webhook {
                     url: value.to_string(),
                     headers,
                     secret_env,
+                    batch,
                 })
             }
             "handler" => {

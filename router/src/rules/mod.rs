@@ -89,6 +89,9 @@ pub enum TargetKind {
         /// Name of the environment variable holding the Standard Webhooks signing secret.
         #[serde(default)]
         secret_env: Option<String>,
+        /// Deliver several events per request, as a CloudEvents batch (opt-in).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        batch: Option<WebhookBatch>,
     },
     /// An uploaded WASM handler.
     Handler {
@@ -100,6 +103,43 @@ pub enum TargetKind {
         /// Subject to publish to.
         subject: String,
     },
+}
+
+/// Batched delivery for a webhook: each request carries up to `max_events` due entries as one
+/// `application/cloudevents-batch+json` array (as Azure Event Grid's batched delivery does),
+/// so a busy target costs one request per batch instead of one per event. The batch succeeds
+/// or fails as a whole; each entry keeps its own attempts, backoff and DLQ fate. Entries are
+/// batched from what is due when the worker leases; nothing waits to fill a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebhookBatch {
+    /// Most events in one request (1–1000).
+    pub max_events: u32,
+    /// Most bytes of one request's body; an event larger than this goes alone.
+    pub max_bytes: u64,
+}
+
+impl WebhookBatch {
+    /// `max_events` when not given.
+    pub const DEFAULT_MAX_EVENTS: u32 = 100;
+    /// `max_bytes` when not given: 1 MiB.
+    pub const DEFAULT_MAX_BYTES: u64 = 1 << 20;
+    /// The largest `max_events` (as ingest's default batch limit).
+    pub const MAX_EVENTS: u32 = 1000;
+    /// The smallest `max_bytes`.
+    pub const MIN_BYTES: u64 = 1024;
+    /// The largest `max_bytes`: 64 MiB.
+    pub const MAX_BYTES: u64 = 64 << 20;
+}
+
+impl TargetKind {
+    /// The batching of a webhook that batches.
+    pub fn batch(&self) -> Option<&WebhookBatch> {
+        match self {
+            Self::Webhook { batch, .. } => batch.as_ref(),
+            _ => None,
+        }
+    }
 }
 
 /// One delivery target of a rule, with its policy resolved.

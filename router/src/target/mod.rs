@@ -35,6 +35,10 @@ pub struct DeliveryRequest {
     pub target: String,
     /// Handler hops of the event.
     pub hops: u32,
+    /// For a batching webhook: `body` is a CloudEvents batch (a JSON array) of this many
+    /// events, and the fields above about one event (`event`, `event_id`, `traceparent`,
+    /// `replay`) describe its first.
+    pub batch: Option<u32>,
 }
 
 impl DeliveryRequest {

@@ -547,6 +547,7 @@ mod tests {
             rule: "r".into(),
             target: "t".into(),
             hops: 0,
+            batch: None,
         }
     }
 

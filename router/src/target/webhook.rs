@@ -292,7 +292,11 @@ impl Webhook {
         let mut h = self.headers.clone();
         h.insert(
             reqwest::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/cloudevents+json"),
+            HeaderValue::from_static(if req.batch.is_some() {
+                "application/cloudevents-batch+json"
+            } else {
+                "application/cloudevents+json"
+            }),
         );
         h.insert(
             "idempotency-key",
@@ -627,6 +631,7 @@ mod tests {
             rule: "r".into(),
             target: "t".into(),
             hops: 0,
+            batch: None,
         }
     }
 

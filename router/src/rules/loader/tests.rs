@@ -5,7 +5,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::policy::{OnDeadLetter, PolicyConfig};
-use crate::rules::{Diagnostic, RuleMatch, RuleSet, Severity, TargetKind};
+use crate::rules::{Diagnostic, RuleMatch, RuleSet, Severity, TargetKind, WebhookBatch};
 
 fn ok(files: &[(&str, &str)]) -> (RuleSet, Vec<Diagnostic>) {
     match RuleSet::from_sources(files) {
@@ -146,7 +146,9 @@ fn good_multi_file_set_loads() {
             url,
             headers,
             secret_env,
+            batch,
         } => {
+            assert_eq!(batch, &None);
             assert_eq!(url, "http://127.0.0.1:9000/erp");
             assert_eq!(headers.get("X-Team").map(String::as_str), Some("erp"));
             assert_eq!(secret_env.as_deref(), Some("ERP_WEBHOOK_SECRET"));
@@ -1033,5 +1035,73 @@ fn every_diagnostic_has_a_position() {
             .iter()
             .any(|d| d.line == 6 && d.to_string().contains("`id` must be a string")),
         "{diags:?}"
+    );
+}
+
+#[test]
+fn webhook_batches_take_their_bounds_and_default_the_rest() {
+    let src = "\
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - webhook: http://h/a
+        batch: { max_events: 50 }
+      - webhook: http://h/b
+        batch: { max_bytes: 4096 }
+      - webhook: http://h/c
+";
+    let (set, w) = ok(&[("r.yaml", src)]);
+    assert!(w.is_empty(), "{w:#?}");
+    let batch = |id: &str| set.targets[id].kind.batch().copied();
+    assert_eq!(
+        batch("a-0"),
+        Some(WebhookBatch {
+            max_events: 50,
+            max_bytes: WebhookBatch::DEFAULT_MAX_BYTES
+        })
+    );
+    assert_eq!(
+        batch("a-1"),
+        Some(WebhookBatch {
+            max_events: WebhookBatch::DEFAULT_MAX_EVENTS,
+            max_bytes: 4096
+        })
+    );
+    assert_eq!(batch("a-2"), None);
+
+    let bad = "\
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - handler: h
+        batch: { max_events: 10 }
+      - webhook: http://h/
+        batch: { max_events: 0, max_bytes: 10, linger: 5ms }
+      - webhook: http://h/
+        batch: 100
+";
+    let e = errs(&[("r.yaml", bad)]);
+    assert_eq!(e.len(), 5, "{e:#?}");
+    assert!(
+        e[0].starts_with("r.yaml:6:9: `batch` applies to webhook targets only"),
+        "{e:#?}"
+    );
+    assert!(
+        e[1].starts_with("r.yaml:8:30: `batch.max_events` must be an integer from 1 to 1000"),
+        "{e:#?}"
+    );
+    assert!(
+        e[2].starts_with("r.yaml:8:44: `batch.max_bytes` must be an integer from 1024"),
+        "{e:#?}"
+    );
+    assert!(
+        e[3].starts_with("r.yaml:8:48: unknown key `batch.linger`"),
+        "{e:#?}"
+    );
+    assert!(
+        e[4].starts_with("r.yaml:10:16: `batch` must be a mapping"),
+        "{e:#?}"
     );
 }

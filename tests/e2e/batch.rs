@@ -1,0 +1,205 @@
+//! Batched webhook delivery (`batch:` on a webhook target): one request per batch of due
+//! events, all or nothing, each event keeping its own attempts and DLQ fate.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::harness::*;
+
+const BATCH: &str = "application/cloudevents-batch+json";
+
+/// Accepts `n` events with ids `{prefix}{i}` in batches of 100.
+async fn accept(r: &RouterProc, prefix: &str, n: usize, data: Value) {
+    let events: Vec<Value> = (0..n)
+        .map(|i| event(&format!("{prefix}{i}"), "t", data.clone()))
+        .collect();
+    for chunk in events.chunks(100) {
+        let (status, body) = post_raw(r, BATCH, serde_json::to_vec(chunk).expect("json")).await;
+        assert_eq!(status, 202, "{body}");
+    }
+}
+
+/// Event ids per request a receiver saw, in arrival order.
+fn requests(rcv: &Receiver) -> Vec<(Vec<String>, Received)> {
+    rcv.received()
+        .into_iter()
+        .map(|r| {
+            let ids = r.body.as_array().map_or_else(Vec::new, |a| {
+                a.iter()
+                    .map(|e| e["id"].as_str().unwrap_or_default().to_string())
+                    .collect()
+            });
+            (ids, r)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batching_webhook_gets_events_in_batches_and_a_failed_batch_is_retried_whole() {
+    // The first request fails with a 503; every later one succeeds.
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let bulk = Receiver::scripted(Arc::new(move |_, _| {
+        let status = if c.fetch_add(1, Ordering::SeqCst) == 0 {
+            503
+        } else {
+            200
+        };
+        (status, Duration::ZERO, vec![])
+    }))
+    .await;
+    // Events of about 2 KB against 4 KiB requests: at most one per request.
+    let small = Receiver::ok().await;
+    let rules = format!(
+        "policies:
+  fast:
+    timeout: 5s
+    retry: {{ max_attempts: 5, base_delay: 200ms, max_delay: 1s }}
+rules:
+  - name: r
+    pattern: {{ type: [t] }}
+    targets:
+      - webhook: {}
+        id: bulk
+        policy: fast
+        batch: {{ max_events: 40 }}
+      - webhook: {}
+        id: small
+        batch: {{ max_events: 10, max_bytes: 4096 }}
+",
+        bulk.url(),
+        small.url()
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    // Paused while 250 events arrive, so that they are all due when it resumes.
+    for t in ["bulk", "small"] {
+        let (s, b) = post_json(&r, &format!("/v1/targets/{t}/pause"), json!({})).await;
+        assert_eq!(s, 200, "{b}");
+    }
+    accept(&r, "b-", 250, json!({"pad": "x".repeat(2000)})).await;
+    for t in ["bulk", "small"] {
+        let (s, b) = post_json(&r, &format!("/v1/targets/{t}/resume"), json!({})).await;
+        assert_eq!(s, 200, "{b}");
+    }
+
+    for rcv in [&bulk, &small] {
+        let all = rcv
+            .wait_for(Duration::from_secs(60), |seen| {
+                let ids: HashSet<&str> = seen
+                    .iter()
+                    .skip(usize::from(std::ptr::eq(rcv, &bulk)))
+                    .flat_map(|r| r.body.as_array().into_iter().flatten())
+                    .filter_map(|e| e["id"].as_str())
+                    .collect();
+                ids.len() == 250
+            })
+            .await;
+        assert!(all, "not every event arrived");
+    }
+
+    let bulk_reqs = requests(&bulk);
+    for (ids, req) in &bulk_reqs {
+        assert_eq!(req.header("content-type").as_deref(), Some(BATCH));
+        assert!(
+            !ids.is_empty() && ids.len() <= 40,
+            "a request of {}",
+            ids.len()
+        );
+        assert!(
+            req.header("idempotency-key")
+                .is_some_and(|k| k.starts_with("batch-")),
+            "{:?}",
+            req.headers
+        );
+    }
+    assert!(
+        bulk_reqs.len() < 250 / 2,
+        "{} requests for 250 events: not batched",
+        bulk_reqs.len()
+    );
+    // Exactly once each after the first (failed) request; that one's events came again.
+    let failed: Vec<String> = bulk_reqs[0].0.clone();
+    let mut count: HashMap<&str, usize> = HashMap::new();
+    for (ids, _) in &bulk_reqs[1..] {
+        for id in ids {
+            *count.entry(id).or_default() += 1;
+        }
+    }
+    assert_eq!(count.len(), 250);
+    assert!(count.values().all(|&n| n == 1), "duplicates: {count:?}");
+
+    for (ids, req) in requests(&small) {
+        assert_eq!(ids.len(), 1, "2 KB events in 4 KiB requests go alone");
+        let len: usize = req
+            .header("content-length")
+            .and_then(|v| v.parse().ok())
+            .expect("content-length");
+        assert!(len <= 4096 || ids.len() == 1, "{len} bytes");
+    }
+
+    // The failed batch's events each show both attempts; the others one.
+    let f = eventually(Duration::from_secs(10), || async {
+        let f = fate(&r, &failed[0]).await;
+        let t = f["targets"]
+            .as_array()?
+            .iter()
+            .find(|t| t["target"] == "bulk")?
+            .clone();
+        (t["state"] == "delivered").then_some(t)
+    })
+    .await
+    .expect("the failed batch's first event delivered");
+    let attempts = f["attempts"].as_array().expect("attempts");
+    assert_eq!(attempts.len(), 2, "{f}");
+    assert_eq!(attempts[0]["status"], 503);
+    assert_eq!(attempts[1]["status"], 200);
+
+    let m = metrics_text(&r).await;
+    let line = metric_lines(&m, "router_delivery_batch_events_total{target=\"bulk\"}");
+    let carried: f64 = line
+        .split_whitespace()
+        .last()
+        .and_then(|v| v.parse().ok())
+        .expect("batch events metric");
+    assert_eq!(carried as usize, 250 + failed.len(), "{line}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_batch_sends_each_of_its_events_to_the_dlq() {
+    let rejecting = Receiver::status(400).await;
+    let rules = format!(
+        "rules:
+  - name: r
+    pattern: {{ type: [t] }}
+    targets:
+      - webhook: {}
+        id: bulk
+        batch: {{ max_events: 100 }}
+",
+        rejecting.url()
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let (s, b) = post_json(&r, "/v1/targets/bulk/pause", json!({})).await;
+    assert_eq!(s, 200, "{b}");
+    accept(&r, "p-", 30, json!({"n": 1})).await;
+    let (s, b) = post_json(&r, "/v1/targets/bulk/resume", json!({})).await;
+    assert_eq!(s, 200, "{b}");
+    let dlq = eventually(Duration::from_secs(20), || async {
+        let (_, d) = get_json(&r, "/v1/dlq?target=bulk&limit=100").await;
+        let entries = d["entries"].as_array()?.clone();
+        (entries.len() == 30).then_some(entries)
+    })
+    .await
+    .expect("every event of the batch in the DLQ");
+    assert!(
+        dlq.iter().all(|e| e["reason"] == "permanent_error"),
+        "{dlq:?}"
+    );
+    let sent: usize = requests(&rejecting).iter().map(|(ids, _)| ids.len()).sum();
+    assert_eq!(sent, 30, "each event sent once, never retried");
+    assert!(requests(&rejecting).len() < 30, "not batched");
+}
