@@ -2,7 +2,8 @@
 # Delivery throughput to a fast local webhook, with no policy versus with every policy
 # configured (breaker, throttle at a rate it never reaches, retry budget, concurrency limit,
 # per-key ordering over many keys), in the same run. N events are queued on a paused target,
-# then it is resumed and the time to deliver them all is measured.
+# then it is resumed and the time to deliver them all is measured. Last, the webhook as a
+# batching one (`batch: { max_events: 100 }`).
 # Usage: [BIN=path/to/router] scripts/bench-delivery.sh [N=20000]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,3 +43,5 @@ ALL='policies:
     ordering: $.data.order_id'
 run "no policy" "" ""
 run "all policies" "policy: all" "$ALL"
+# The same webhook taking CloudEvents batches (one request per up to 100 due events).
+run "batches of 100" "batch: { max_events: 100 }" ""

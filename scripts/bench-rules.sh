@@ -1,9 +1,15 @@
 # Sourced by the benchmark scripts. bench_rules DIR writes DIR/bench.yaml: `bench.event`
 # events go to the webhook sink at 127.0.0.1:19998 (target `sink`), whose queue may hold a
 # whole run (the default depth cap, 100,000, would send most of a batched run to the DLQ as
-# target_overflow, a cheaper path than a real fan-out).
+# target_overflow, a cheaper path than a real fan-out). With DELIVERY_BATCH=N the sink is a
+# batching webhook (`batch: { max_events: N }`: one request per N due events).
 bench_rules() {
   mkdir -p "$1"
+  local batch=""
+  if [ -n "${DELIVERY_BATCH:-}" ]; then
+    batch="
+        batch: { max_events: $DELIVERY_BATCH }"
+  fi
   cat > "$1/bench.yaml" <<YAML
 policies:
   bench:
@@ -14,7 +20,7 @@ rules:
     targets:
       - webhook: http://127.0.0.1:19998/hook
         id: sink
-        policy: bench
+        policy: bench$batch
 YAML
 }
 
