@@ -31,14 +31,8 @@ ROUTER_STORE__GROUP_LOG=true cargo test --locked -p router --test e2e -- durabil
 # (SPEC: same tests, both backends), against a private nats-server 2.15. Skipped there: the
 # embedded store's file compaction, and a NATS-target test that asserts the router never opens
 # a NATS connection (the store is one).
-# Skipped there: the embedded store's compaction; a test that the router opens no NATS
-# connection (the store is one); and, for now, kill -9 under handler load, which on this
-# backend sends some payments to the DLQ as retries_exhausted (128 concurrent finishes race for
-# the handler's key-value usage records, finishes run out of compare-and-set retries and leases
-# expire, each costing an attempt; it fails at 1a6efa5 too; docs/jetstream-backend.md).
 bash scripts/jetstream-e2e.sh -- --skip a_compaction_under_ingest_answers_503 \
   --skip a_router_without_nats_targets_never_connects \
-  --skip kill_9_under_handler_load_emits_each_event_exactly_once \
   2>&1 | tee -a "$log"
 # Property-based API fuzz against the OpenAPI document (schemathesis from PyPI, installed into
 # target/ on first use): no 5xx, every answer conforms. The debug binary `cargo test` built.

@@ -905,6 +905,20 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
             tracing::warn!(error = %e, "handler key-value namespace full at commit; the delivery runs again");
             retry_without_effects(ctx, leased, finished_at, format!("{e}; retried"), 1000).await;
         }
+        Err(FinishError::Contended) => {
+            // Other deliveries' finishes kept winning the race for shared records (a
+            // namespace's usage): the handler did nothing wrong, so the attempt does not
+            // count. It runs again shortly, spread out so the racers do not meet again.
+            ctx.metrics
+                .deliveries
+                .get_or_create(&labels("contended"))
+                .inc();
+            tracing::warn!(
+                "the attempt's records kept changing under concurrent finishes; it runs again without counting"
+            );
+            let delay = 50 + rand::random::<u64>() % 200;
+            release_without_effects(ctx, leased, finished_at, delay as i64).await;
+        }
         Err(FinishError::Fenced) => {
             ctx.metrics
                 .deliveries
@@ -946,6 +960,33 @@ async fn retry_without_effects(
         .await
     {
         tracing::error!(error = %e, "could not record the refused commit; the entry returns when its lease expires");
+    }
+}
+
+/// Puts an entry whose finish lost a race for shared records back without counting the
+/// attempt (its record is removed) and without its outbox, due again after `delay_ms`.
+async fn release_without_effects(
+    ctx: &DeliveryContext,
+    leased: &Leased,
+    finished_at: i64,
+    delay_ms: i64,
+) {
+    let end = AttemptEnd {
+        finished_at,
+        result: AttemptResult::Interrupted,
+        status: None,
+        error: None,
+        outbox: None,
+    };
+    let release = Disposition::Release {
+        due_at: finished_at + delay_ms,
+    };
+    if let Err(e) = ctx
+        .store
+        .finish(leased.entry.id, leased.lease, end, release, finished_at)
+        .await
+    {
+        tracing::error!(error = %e, "could not put back the contended attempt; the entry returns when its lease expires");
     }
 }
 

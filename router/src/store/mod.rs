@@ -103,6 +103,12 @@ pub enum FinishError {
         /// The bound.
         max: u64,
     },
+    /// The records the outbox writes (a key-value namespace's usage, say) kept changing under
+    /// concurrent finishes until the store gave up: nothing was written and the lease is
+    /// still held. The router's contention, not the handler's: the attempt is put back
+    /// without counting.
+    #[error("the records this finish writes kept changing under concurrent finishes")]
+    Contended,
     /// Storage failure.
     #[error(transparent)]
     Store(#[from] StoreError),

@@ -922,7 +922,7 @@ impl JetStreamStore {
                 other => return other,
             }
         }
-        Err(StoreError::Backend("the handler's key-value records kept changing".into()).into())
+        Err(FinishError::Contended)
     }
 
     async fn finish_once(

@@ -15,9 +15,9 @@
 //! TTL, so the server drops it later by itself; until then its revision is what a re-create
 //! must expect.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
@@ -41,6 +41,14 @@ pub(super) const TOMBSTONE: &str = "Router-Tombstone";
 /// cached revision of the deleted record is stale by then (a stale expectation only costs a
 /// conflict and a re-read, never a wrong write).
 const TOMBSTONE_TTL: &str = "1h";
+
+/// How many record revisions a node remembers of its own commits (`Records::written`) before
+/// it forgets them all and starts again: the memory only saves doomed commits, so losing it
+/// costs time, never correctness.
+const WRITTEN_MEMORY: usize = 65_536;
+
+/// Transactions the group committer holds out of its channel at once.
+const GROUP_QUEUE: usize = 4096;
 
 /// Where the records live and how to reach them.
 #[derive(Debug, Clone)]
@@ -164,6 +172,11 @@ pub struct Records {
     open: tokio::sync::Semaphore,
     /// Transactions of several writes, for the group committer (`group_commits`).
     group: tokio::sync::mpsc::Sender<Grouped>,
+    /// The revision of each record as this node last committed it (bounded by
+    /// `WRITTEN_MEMORY`). A transaction that expects an older revision of one of them cannot
+    /// commit; the group committer answers it at once instead of letting it fail a whole
+    /// group (`Records::known_stale`).
+    written: Mutex<HashMap<String, u64>>,
 }
 
 /// A transaction waiting for the group committer, and where its answer goes.
@@ -178,61 +191,90 @@ struct Grouped {
 /// nats-server 2.15.1 takes about 5 ms per atomic batch and applies a stream's batches one at
 /// a time, so a batch per transaction capped a stream at ~170 transactions a second (single
 /// events' accepts; docs/BENCHMARKS.md). Batched together they share those 5 ms. The price: a
-/// conflict in one fails the whole batch, which is then retried one transaction at a time, so
-/// each gets its own answer. Transactions that touch a record already in the batch wait for
-/// the next one (a batch may expect a record's revision only once).
+/// conflict in one fails the whole batch (then halved until each part commits or is the
+/// stale transaction alone, `commit_group`). Two defences keep that rare: a transaction that
+/// expects an older revision of a record this node has itself committed since is answered
+/// `Conflict` without a round trip (`Records::known_stale`), and transactions that touch a
+/// record already in the batch wait for the next one (a batch may expect a record's revision
+/// only once) while later ones on other records go ahead.
 async fn group_commits(records: Weak<Records>, mut rx: tokio::sync::mpsc::Receiver<Grouped>) {
-    let mut carry: Option<Grouped> = None;
+    // Transactions left out of the last group because they touch a record already in it:
+    // first in line for the next one. Taken from the channel only up to its own capacity,
+    // so the channel's bound still pushes back on committers.
+    let mut waiting: VecDeque<Grouped> = VecDeque::new();
     loop {
-        let first = match carry.take() {
-            Some(g) => g,
-            None => match rx.recv().await {
-                Some(g) => g,
+        if waiting.is_empty() {
+            match rx.recv().await {
+                Some(g) => waiting.push_back(g),
                 None => return,
-            },
-        };
-        let mut keys: HashSet<String> = first.writes.iter().map(|w| w.key.clone()).collect();
-        let mut total = first.writes.len();
-        let mut group = vec![first];
-        while let Ok(g) = rx.try_recv() {
-            if total + g.writes.len() > MAX_BATCH || g.writes.iter().any(|w| keys.contains(&w.key))
-            {
-                carry = Some(g);
-                break;
             }
-            keys.extend(g.writes.iter().map(|w| w.key.clone()));
-            total += g.writes.len();
-            group.push(g);
+        }
+        while waiting.len() < GROUP_QUEUE {
+            match rx.try_recv() {
+                Ok(g) => waiting.push_back(g),
+                Err(_) => break,
+            }
         }
         let Some(records) = records.upgrade() else {
             return;
         };
-        if group.len() == 1 {
-            for g in group {
+        let mut keys: HashSet<String> = HashSet::new();
+        let mut total = 0;
+        let mut group = Vec::new();
+        for g in std::mem::take(&mut waiting) {
+            if records.known_stale(&g.writes) {
+                let _ = g.reply.send(Err(RecordsError::Conflict));
+            } else if total + g.writes.len() > MAX_BATCH
+                || g.writes.iter().any(|w| keys.contains(&w.key))
+            {
+                waiting.push_back(g);
+            } else {
+                keys.extend(g.writes.iter().map(|w| w.key.clone()));
+                total += g.writes.len();
+                group.push(g);
+            }
+        }
+        commit_group(&records, group).await;
+    }
+}
+
+/// Commits a group of transactions (on distinct records) as one atomic batch. When the
+/// server refuses it for a conflict, the group is halved and each half committed the same
+/// way, so one stale transaction costs about two batches per halving instead of a batch per
+/// transaction of the group.
+async fn commit_group(records: &Records, group: Vec<Grouped>) {
+    let mut parts = vec![group];
+    while let Some(part) = parts.pop() {
+        // A commit of an earlier part may have made one of these stale.
+        let (stale, mut part): (Vec<Grouped>, Vec<Grouped>) = part
+            .into_iter()
+            .partition(|g| records.known_stale(&g.writes));
+        for g in stale {
+            let _ = g.reply.send(Err(RecordsError::Conflict));
+        }
+        if part.len() <= 1 {
+            if let Some(g) = part.pop() {
                 let _ = g.reply.send(records.commit_now(g.writes).await);
             }
             continue;
         }
-        let all: Vec<Write> = group
-            .iter()
-            .flat_map(|g| g.writes.iter().cloned())
-            .collect();
+        let all: Vec<Write> = part.iter().flat_map(|g| g.writes.iter().cloned()).collect();
         match records.commit_now(all).await {
             Ok(revs) => {
                 let mut at = 0;
-                for g in group {
+                for g in part {
                     let n = g.writes.len();
                     let _ = g.reply.send(Ok(revs[at..at + n].to_vec()));
                     at += n;
                 }
             }
             Err(RecordsError::Conflict) => {
-                for g in group {
-                    let _ = g.reply.send(records.commit_now(g.writes).await);
-                }
+                let second = part.split_off(part.len() / 2);
+                parts.push(second);
+                parts.push(part);
             }
             Err(e) => {
-                for g in group {
+                for g in part {
                     let _ = g.reply.send(Err(e.clone()));
                 }
             }
@@ -302,6 +344,7 @@ impl Records {
             batches: AtomicU64::new(0),
             open: tokio::sync::Semaphore::new(MAX_OPEN_BATCHES),
             group: tx,
+            written: Mutex::new(HashMap::new()),
         });
         tokio::spawn(group_commits(Arc::downgrade(&records), rx));
         Ok(records)
@@ -475,8 +518,46 @@ impl Records {
             .map_err(|_| RecordsError::Server("the group committer stopped".into()))?
     }
 
+    /// Whether `writes` expects an older revision of a record than one this node has
+    /// committed since: then it cannot commit, whatever other nodes did. Only expectations of
+    /// an existing record count: a record this node deleted may be gone altogether once its
+    /// tombstone expires, and then "absent" is right again.
+    fn known_stale(&self, writes: &[Write]) -> bool {
+        let written = self.written.lock().unwrap_or_else(|p| p.into_inner());
+        writes.iter().any(|w| match w.expect {
+            Expect::Revision(r) if r > 0 => written.get(&w.key).is_some_and(|&k| k > r),
+            _ => false,
+        })
+    }
+
+    /// How many commits this node has sent to the server (for tests).
+    #[cfg(test)]
+    pub fn commits_sent(&self) -> u64 {
+        self.batches.load(Ordering::Relaxed)
+    }
+
+    /// Remembers the revisions this node's commit gave `keys` (`written`).
+    fn remember(&self, keys: Vec<String>, revisions: &[u64]) {
+        let mut written = self.written.lock().unwrap_or_else(|p| p.into_inner());
+        if written.len() + keys.len() > WRITTEN_MEMORY {
+            written.clear();
+        }
+        for (k, &r) in keys.into_iter().zip(revisions) {
+            let at = written.entry(k).or_insert(0);
+            *at = (*at).max(r);
+        }
+    }
+
     /// Commits `writes` (checked by `commit`) as one publish or atomic batch, now.
     async fn commit_now(&self, writes: Vec<Write>) -> Result<Vec<u64>, RecordsError> {
+        let keys: Vec<String> = writes.iter().map(|w| w.key.clone()).collect();
+        let revisions = self.send_commit(writes).await?;
+        self.remember(keys, &revisions);
+        Ok(revisions)
+    }
+
+    /// Sends `writes` as one publish or atomic batch and reads the server's answer.
+    async fn send_commit(&self, writes: Vec<Write>) -> Result<Vec<u64>, RecordsError> {
         // Only batches count against the server's cap on open batches; a single write is a
         // plain publish.
         let _open = match writes.len() {

@@ -74,6 +74,123 @@ async fn a_transaction_is_all_or_nothing_when_one_expectation_fails() {
     );
 }
 
+/// A transaction that expects an older revision of a record this node has itself committed
+/// since is answered `Conflict` at once: nothing goes to the server, so it cannot fail the
+/// group of transactions it would have been sent with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_stale_against_this_nodes_own_commit_is_refused_without_a_round_trip() {
+    let server = TestServer::start();
+    let r = Records::open(server.records("STALE")).await.expect("open");
+    let first = r
+        .commit(vec![Write::put("u", "1", Expect::Revision(0))])
+        .await
+        .expect("create")[0];
+    r.commit(vec![Write::put("u", "2", Expect::Revision(first))])
+        .await
+        .expect("update");
+    let sent = r.commits_sent();
+    let e = r
+        .commit(vec![
+            Write::put("u", "3", Expect::Revision(first)),
+            Write::put("other", "1", Expect::Revision(0)),
+        ])
+        .await
+        .expect_err("stale");
+    assert!(matches!(e, RecordsError::Conflict), "{e:?}");
+    assert_eq!(r.commits_sent(), sent, "the stale transaction was sent");
+    assert_eq!(r.get("other").await.expect("read"), None);
+
+    // Another node's write is not known here: the server decides, and refuses it too.
+    let other = Records::open(server.records("STALE")).await.expect("open");
+    let now = r.get("u").await.expect("read").expect("u").revision;
+    other
+        .commit(vec![Write::put("u", "4", Expect::Revision(now))])
+        .await
+        .expect("other node's update");
+    let e = r
+        .commit(vec![
+            Write::put("u", "5", Expect::Revision(now)),
+            Write::put("other", "1", Expect::Revision(0)),
+        ])
+        .await
+        .expect_err("stale on the server");
+    assert!(matches!(e, RecordsError::Conflict), "{e:?}");
+    assert_eq!(r.commits_sent(), sent + 1);
+
+    // A deleted record may be gone altogether once its tombstone expires, so expecting it
+    // absent is never refused from memory.
+    let u = r.get("u").await.expect("read").expect("u");
+    let del = r
+        .commit(vec![Write::delete("u", Expect::unchanged(Some(&u)))])
+        .await
+        .expect("delete")[0];
+    let e = r
+        .commit(vec![
+            Write::put("u", "6", Expect::Revision(0)),
+            Write::put("x", "1", Expect::Revision(0)),
+        ])
+        .await
+        .expect_err("the tombstone is still there");
+    assert!(matches!(e, RecordsError::Conflict), "{e:?}");
+    assert_eq!(
+        r.commits_sent(),
+        sent + 3,
+        "absent was checked by the server"
+    );
+    r.commit(vec![
+        Write::put("u", "6", Expect::Revision(del)),
+        Write::put("x", "1", Expect::Revision(0)),
+    ])
+    .await
+    .expect("re-create over the tombstone");
+}
+
+/// Many transactions on distinct records committed at once, one of them stale in a way only
+/// the server can tell (another node changed its record): every other one commits, and the
+/// stale one alone gets `Conflict`, whichever group the committer put it in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_stale_transaction_in_a_group_fails_alone() {
+    let server = TestServer::start();
+    let r = Records::open(server.records("GROUP")).await.expect("open");
+    let other = Records::open(server.records("GROUP")).await.expect("open");
+    let base = r
+        .commit(vec![Write::put("shared", "0", Expect::Revision(0))])
+        .await
+        .expect("create")[0];
+    other
+        .commit(vec![Write::put("shared", "1", Expect::Revision(base))])
+        .await
+        .expect("other node's write");
+    for round in 0..5 {
+        let mut tasks = Vec::new();
+        for i in 0..40 {
+            let r = r.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut writes = vec![
+                    Write::put(format!("k{round}_{i}"), "v", Expect::Revision(0)),
+                    Write::put(format!("m{round}_{i}"), "v", Expect::Revision(0)),
+                ];
+                if i == 17 {
+                    writes.push(Write::put("shared", "x", Expect::Revision(base)));
+                }
+                r.commit(writes).await
+            }));
+        }
+        for (i, t) in tasks.into_iter().enumerate() {
+            let got = t.await.expect("task");
+            if i == 17 {
+                assert!(matches!(got, Err(RecordsError::Conflict)), "{got:?}");
+            } else {
+                assert!(got.is_ok(), "transaction {i} of round {round}: {got:?}");
+            }
+        }
+    }
+    assert_eq!(
+        r.get("shared").await.expect("read").and_then(|v| v.value),
+        Some(Bytes::from_static(b"1"))
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_record_reads_as_a_tombstone_whose_revision_guards_a_re_create() {
     let server = TestServer::start();
