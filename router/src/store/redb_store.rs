@@ -2092,8 +2092,115 @@ struct GroupSplit {
     accepts: Vec<(AcceptReply, usize)>,
     /// The accepts' events, in order.
     events: Vec<Prepared>,
+    /// Finishes without an outbox that do not dead-letter (`PlainFinish`).
+    finishes: Vec<PlainFinish>,
     /// Every other op, in order.
     others: Vec<Op>,
+}
+
+/// A finish that writes only its entry and the live index: no outbox, no dead letter. A
+/// group's plain finishes are applied together with those two tables opened once
+/// (`Committer::finish_plain`): a batching webhook finishes a hundred entries per request,
+/// and each table open costs about what the entry's own write does.
+struct PlainFinish {
+    id: EntryId,
+    lease: Lease,
+    end: AttemptEnd,
+    settle: Settle,
+    now: Millis,
+    reply: Reply<Result<(), FinishError>>,
+}
+
+/// What a finish that neither dead-letters nor has an outbox does to its entry.
+#[derive(Debug, Clone, Copy)]
+enum Settle {
+    /// Delivered: final.
+    Delivered,
+    /// Back to the queue, due at `due_at`; `uncount` drops the attempt's record (a release).
+    Requeue { due_at: Millis, uncount: bool },
+}
+
+impl Settle {
+    fn of(d: &Disposition) -> Option<Self> {
+        match *d {
+            Disposition::Delivered => Some(Self::Delivered),
+            Disposition::Retry { due_at } => Some(Self::Requeue {
+                due_at,
+                uncount: false,
+            }),
+            Disposition::Release { due_at } => Some(Self::Requeue {
+                due_at,
+                uncount: true,
+            }),
+            Disposition::DeadLetter { .. } => None,
+        }
+    }
+
+    /// Applies this to `e` (whose attempt is closed) and the live index; returns the effect on
+    /// the in-memory queue index.
+    fn apply(
+        self,
+        e: &mut QueueEntry,
+        id: EntryId,
+        now: Millis,
+        live: &mut LTable<'_, (u64, u32), ()>,
+    ) -> Result<Effect, StoreError> {
+        let target = e.target_id.clone();
+        Ok(match self {
+            Self::Delivered => {
+                e.state = EntryState::Delivered;
+                e.finished_at = Some(now);
+                live.remove((id.event, id.idx))?;
+                Effect::Remove {
+                    target,
+                    id,
+                    hold: false,
+                }
+            }
+            Self::Requeue { due_at, uncount } => {
+                if uncount {
+                    e.attempts.pop();
+                }
+                e.due_at = due_at;
+                Effect::Requeue {
+                    target,
+                    id,
+                    due: due_at,
+                }
+            }
+        })
+    }
+}
+
+/// The entry `lease` holds at `now`, refused as fenced when the lease is gone: expired,
+/// taken over (and perhaps finished by the new holder), or the entry no longer queued.
+fn leased_entry(
+    raw: Option<&[u8]>,
+    id: EntryId,
+    lease: Lease,
+    now: Millis,
+) -> Result<QueueEntry, FinishError> {
+    let Some(raw) = raw else {
+        return Err(FinishError::NotFound);
+    };
+    let e = dec_entry((id.event, id.idx), raw)?;
+    match e.lease {
+        Some(l) if l.token == lease.token && l.until >= now && e.state == EntryState::Queued => {
+            Ok(e)
+        }
+        _ => Err(FinishError::Fenced),
+    }
+}
+
+/// Closes the entry's current attempt with its end.
+fn close_attempt(e: &mut QueueEntry, end: &AttemptEnd) {
+    e.lease = None;
+    if let Some(a) = e.attempts.last_mut() {
+        a.finished_at = Some(end.finished_at);
+        a.result = Some(end.result);
+        a.status = end.status;
+        a.error = end.error.clone();
+    }
 }
 
 impl Committer {
@@ -2506,6 +2613,25 @@ impl Committer {
                         split.accepts.push((reply, events.len()));
                         split.events.extend(events);
                     }
+                    Op::Finish {
+                        id,
+                        lease,
+                        end,
+                        disposition,
+                        now,
+                        reply,
+                    } if end.outbox.is_none() && Settle::of(&disposition).is_some() => {
+                        if let Some(settle) = Settle::of(&disposition) {
+                            split.finishes.push(PlainFinish {
+                                id,
+                                lease,
+                                end,
+                                settle,
+                                now,
+                                reply,
+                            });
+                        }
+                    }
                     op => split.others.push(op),
                 }
             }
@@ -2524,6 +2650,11 @@ impl Committer {
                         failed.get_or_insert(e);
                     }
                 }
+            }
+            if !split.finishes.is_empty()
+                && let Err(e) = finish_plain(&tx, split.finishes.drain(..), &mut dones, effects)
+            {
+                failed.get_or_insert(e);
             }
             for op in split.others.drain(..) {
                 if let Err(e) = self.apply(&tx, op, &mut dones, effects) {
@@ -3416,86 +3547,41 @@ impl Committer {
             .get((id.event, id.idx))
             .map_err(StoreError::from)?
             .map(|v| v.value().to_vec());
-        let Some(raw) = raw else {
-            return Err(FinishError::NotFound);
-        };
-        let mut e = dec_entry((id.event, id.idx), &raw)?;
-        // A late worker whose entry was meanwhile re-leased — and perhaps delivered or
-        // dead-lettered by the new holder — is fenced either way: its lease is gone.
-        match e.lease {
-            Some(l)
-                if l.token == lease.token && l.until >= now && e.state == EntryState::Queued => {}
-            _ => return Err(FinishError::Fenced),
-        }
+        let mut e = leased_entry(raw.as_deref(), id, lease, now)?;
         if let Some(outbox) = end.outbox.as_deref() {
             self.apply_outbox(txn, outbox, now, effects)?;
         }
-        e.lease = None;
-        if let Some(a) = e.attempts.last_mut() {
-            a.finished_at = Some(end.finished_at);
-            a.result = Some(end.result);
-            a.status = end.status;
-            a.error = end.error.clone();
-        }
-        let target = e.target_id.clone();
-        match disposition {
-            Disposition::Delivered => {
-                e.state = EntryState::Delivered;
-                e.finished_at = Some(now);
-                txn.open_table(LIVE)
-                    .map_err(StoreError::from)?
-                    .remove((id.event, id.idx))
-                    .map_err(StoreError::from)?;
-                effects.push(Effect::Remove {
-                    target,
-                    id,
-                    hold: false,
-                });
-            }
-            Disposition::Retry { due_at } => {
-                e.due_at = due_at;
-                effects.push(Effect::Requeue {
-                    target,
-                    id,
-                    due: due_at,
-                });
-            }
-            Disposition::Release { due_at } => {
-                e.attempts.pop();
-                e.due_at = due_at;
-                effects.push(Effect::Requeue {
-                    target,
-                    id,
-                    due: due_at,
-                });
-            }
-            Disposition::DeadLetter { reason, hold } => {
-                e.state = EntryState::Dead;
-                e.finished_at = Some(now);
-                txn.open_table(LIVE)
-                    .map_err(StoreError::from)?
-                    .remove((id.event, id.idx))
-                    .map_err(StoreError::from)?;
-                let ev_t = txn.open_table(EVENTS).map_err(StoreError::from)?;
-                let (eid, esrc, ety) = match ev_t.get(id.event).map_err(StoreError::from)? {
-                    Some(raw) => {
-                        let ev = dec_event(id.event, raw.value())?;
-                        (ev.event.id, ev.event.source, ev.event.ty)
-                    }
-                    None => Default::default(),
-                };
-                drop(ev_t);
-                let d = DlqEntry::of_given_up(&e, (eid, esrc, ety), reason, &end, now);
-                self.add_dlq(txn, d, effects)?;
-                let hold = hold && e.ordering_key.is_some();
-                if hold && let Some(k) = &e.ordering_key {
-                    txn.open_table(HELD)
-                        .map_err(StoreError::from)?
-                        .insert((target.as_str(), k.as_str()), ())
-                        .map_err(StoreError::from)?;
+        close_attempt(&mut e, &end);
+        if let Some(settle) = Settle::of(&disposition) {
+            let mut live = txn.open_table(LIVE).map_err(StoreError::from)?;
+            effects.push(settle.apply(&mut e, id, now, &mut live)?);
+        } else if let Disposition::DeadLetter { reason, hold } = disposition {
+            let target = e.target_id.clone();
+            e.state = EntryState::Dead;
+            e.finished_at = Some(now);
+            txn.open_table(LIVE)
+                .map_err(StoreError::from)?
+                .remove((id.event, id.idx))
+                .map_err(StoreError::from)?;
+            let ev_t = txn.open_table(EVENTS).map_err(StoreError::from)?;
+            let (eid, esrc, ety) = match ev_t.get(id.event).map_err(StoreError::from)? {
+                Some(raw) => {
+                    let ev = dec_event(id.event, raw.value())?;
+                    (ev.event.id, ev.event.source, ev.event.ty)
                 }
-                effects.push(Effect::Remove { target, id, hold });
+                None => Default::default(),
+            };
+            drop(ev_t);
+            let d = DlqEntry::of_given_up(&e, (eid, esrc, ety), reason, &end, now);
+            self.add_dlq(txn, d, effects)?;
+            let hold = hold && e.ordering_key.is_some();
+            if hold && let Some(k) = &e.ordering_key {
+                txn.open_table(HELD)
+                    .map_err(StoreError::from)?
+                    .insert((target.as_str(), k.as_str()), ())
+                    .map_err(StoreError::from)?;
             }
+            effects.push(Effect::Remove { target, id, hold });
         }
         txn.open_table(ENTRIES)
             .map_err(StoreError::from)?
@@ -3503,6 +3589,46 @@ impl Committer {
             .map_err(StoreError::from)?;
         Ok(())
     }
+}
+
+/// Applies a group's plain finishes (`PlainFinish`) with the entries table and the live index
+/// opened once. Each finish's own refusal (fenced, not found) is its answer; a storage error
+/// is also returned, to abort the group.
+fn finish_plain(
+    txn: &Tx<'_>,
+    finishes: impl Iterator<Item = PlainFinish>,
+    dones: &mut Vec<Done>,
+    effects: &mut Vec<Effect>,
+) -> Result<(), StoreError> {
+    let mut entries = txn.open_table(ENTRIES)?;
+    let mut live = txn.open_table(LIVE)?;
+    let mut failed = None;
+    for f in finishes {
+        let key = (f.id.event, f.id.idx);
+        let r = (|| -> Result<(), FinishError> {
+            let mut e = {
+                let raw = entries.get(key).map_err(StoreError::from)?;
+                leased_entry(raw.as_ref().map(|v| v.value()), f.id, f.lease, f.now)?
+            };
+            close_attempt(&mut e, &f.end);
+            effects.push(f.settle.apply(&mut e, f.id, f.now, &mut live)?);
+            entries
+                .insert(key, enc(&e).as_slice())
+                .map_err(StoreError::from)?;
+            Ok(())
+        })();
+        if let Err(FinishError::Store(e)) = &r {
+            failed.get_or_insert(e.clone());
+        }
+        let reply = f.reply;
+        dones.push(Box::new(move |commit_err| {
+            let _ = reply.send(match commit_err {
+                Some(e) => Err(FinishError::Store(e.clone())),
+                None => r,
+            });
+        }));
+    }
+    failed.map_or(Ok(()), Err)
 }
 
 /// The `Idempotency-Key` of one (event, target): stable across retries, restarts and

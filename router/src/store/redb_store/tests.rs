@@ -237,6 +237,119 @@ async fn the_commit_delay_gathers_ops_into_one_commit_but_not_after_a_quiet_spel
     assert_eq!(s.queue_stats()["a"].queued, 22);
 }
 
+/// Finishes that share a commit each get their own answer and effect, whichever path they
+/// take: plain ones (delivered, retry, release) are applied together, dead letters one by
+/// one; a stale lease and a second finish of an entry finished in the same group are fenced.
+#[tokio::test]
+async fn finishes_sharing_a_group_each_get_their_own_answer() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let commits = Arc::new(AtomicUsize::new(0));
+    let counted = commits.clone();
+    let opts = StoreOptions {
+        commit_delay: std::time::Duration::from_millis(300),
+        on_commit: Some(Arc::new(move |_, _| {
+            counted.fetch_add(1, Ordering::SeqCst);
+        })),
+        ..StoreOptions::default()
+    };
+    let s = RedbStore::with_backend(redb::backends::InMemoryBackend::new(), opts).expect("open");
+    let events = (0..40)
+        .map(|i| new_event("/s", &format!("e{i}"), &["a"], 1000))
+        .collect();
+    s.accept(events).await.expect("accept");
+    let mut leased = s.lease("a", 1000, 40, 60_000).await.expect("lease");
+    leased.sort_by_key(|l| l.entry.id);
+    assert_eq!(leased.len(), 40);
+    let failed = |at| AttemptEnd {
+        finished_at: at,
+        result: AttemptResult::Retryable,
+        status: Some(503),
+        error: Some("HTTP 503".into()),
+        outbox: None,
+    };
+    let before = commits.load(Ordering::SeqCst);
+    let mut calls = Vec::new();
+    for (i, l) in leased.iter().enumerate() {
+        let (end, disposition) = match i % 4 {
+            0 => (delivered(1010), Disposition::Delivered),
+            1 => (failed(1010), Disposition::Retry { due_at: 9000 }),
+            2 => (failed(1010), Disposition::Release { due_at: 8000 }),
+            _ => (
+                failed(1010),
+                Disposition::DeadLetter {
+                    reason: DlqReason::PermanentError,
+                    hold: false,
+                },
+            ),
+        };
+        calls.push(s.finish(l.entry.id, l.lease, end, disposition, 1010));
+    }
+    // Entry 0 acked a second time in the same group, and entry 4 under a lease it never had.
+    calls.push(ack(&s, &leased[0], 1010));
+    let mut forged = leased[4].lease;
+    forged.token += 1_000_000;
+    calls.push(s.finish(
+        leased[4].entry.id,
+        forged,
+        delivered(1010),
+        Disposition::Delivered,
+        1010,
+    ));
+    let answers = futures::future::join_all(calls).await;
+    let shared = commits.load(Ordering::SeqCst) - before;
+    assert!(
+        (1..=2).contains(&shared),
+        "{shared} commits for 42 finishes"
+    );
+    let fenced = |r: &Result<(), FinishError>| matches!(r, Err(FinishError::Fenced));
+    assert_eq!(
+        answers.iter().filter(|r| fenced(r)).count(),
+        2,
+        "{answers:?}"
+    );
+    assert!(fenced(&answers[40]) != fenced(&answers[0]), "{answers:?}");
+    assert!(fenced(&answers[41]) && answers[4].is_ok(), "{answers:?}");
+    assert!(answers[1..40].iter().all(Result::is_ok), "{answers:?}");
+    for (i, l) in leased.iter().enumerate() {
+        let fate = s
+            .fate("/s", &l.event.event.id)
+            .expect("fate")
+            .expect("stored");
+        let e = &fate.entries[0];
+        assert!(e.lease.is_none(), "entry {i}: {e:?}");
+        match i % 4 {
+            0 => assert_eq!(
+                (e.state, e.attempts.len()),
+                (EntryState::Delivered, 1),
+                "{i}"
+            ),
+            1 => {
+                assert_eq!(
+                    (e.state, e.due_at, e.attempts.len()),
+                    (EntryState::Queued, 9000, 1)
+                );
+                assert_eq!(e.attempts[0].status, Some(503));
+            }
+            2 => assert_eq!(
+                (e.state, e.due_at, e.attempts.len()),
+                (EntryState::Queued, 8000, 0)
+            ),
+            _ => assert_eq!((e.state, fate.dlq.len()), (EntryState::Dead, 1), "{i}"),
+        }
+    }
+    let stats = &s.queue_stats()["a"];
+    assert_eq!((stats.queued, stats.dlq), (20, 10), "{stats:?}");
+    // The retried and released entries are due again when their due times say.
+    assert!(
+        s.lease("a", 7999, 40, 1000)
+            .await
+            .expect("lease")
+            .is_empty()
+    );
+    assert_eq!(s.lease("a", 8000, 40, 1000).await.expect("lease").len(), 10);
+    assert_eq!(s.lease("a", 9000, 40, 1000).await.expect("lease").len(), 10);
+}
+
 #[tokio::test]
 async fn an_expired_lease_cannot_ack_and_the_entry_is_released() {
     let s = RedbStore::in_memory().expect("store");
