@@ -22,7 +22,11 @@ use crate::event::{CloudEvent, FieldError};
 /// - 3: the dedup index is run-based (`dedup_log`, `dedup_run_keys`, `dedup_runs`) instead of
 ///   one `dedup` table; older stores have that table moved into `dedup_log` at open. A build
 ///   of format 2 refuses a store of format 3 instead of deduplicating against an empty table.
-pub const FORMAT_VERSION: u32 = 3;
+/// - 4: queue entry records are binary (a tag byte and postcard, `redb_store::entry_codec`)
+///   instead of JSON. Older records are read as they are and rewritten in the new layout when
+///   their entry next changes; a build of format 3 refuses a store of format 4 instead of
+///   failing on its first binary record.
+pub const FORMAT_VERSION: u32 = 4;
 
 /// The oldest on-disk layout this build reads (and upgrades in place at open).
 pub const OLDEST_READABLE_FORMAT: u32 = 1;

@@ -208,14 +208,14 @@ fn dec<T: serde::de::DeserializeOwned>(table: &'static str, b: &[u8]) -> Result<
     })
 }
 
-/// Decodes an `entries` record; its id is the record's key.
+/// Decodes an `entries` record (either layout, `entry_codec`); its id is the record's key.
 fn dec_entry(key: (u64, u32), b: &[u8]) -> Result<QueueEntry, StoreError> {
-    let mut e: QueueEntry = dec("entries", b)?;
-    e.id = EntryId {
-        event: key.0,
-        idx: key.1,
-    };
-    Ok(e)
+    entry_codec::decode(key, b)
+}
+
+/// Encodes an `entries` record in the current layout (`entry_codec`).
+fn enc_entry(e: &QueueEntry) -> Vec<u8> {
+    entry_codec::encode(e)
 }
 
 /// Decodes an `events` record; its sequence number is the record's key.
@@ -290,7 +290,7 @@ impl Prepared {
                     }
                     _ => None,
                 };
-                let record = enc(&entry);
+                let record = enc_entry(&entry);
                 if lease.is_some() {
                     handed.push(entry);
                 }
@@ -1857,7 +1857,7 @@ fn recover(db: &Database, cold_before: Option<i64>) -> Result<Recovered, StoreEr
                         "the router stopped during this attempt; lease reclaimed at start".into(),
                     );
                 }
-                entries.insert((id.event, id.idx), enc(&e).as_slice())?;
+                entries.insert((id.event, id.idx), enc_entry(&e).as_slice())?;
             }
             let t = index.target(&e.target_id);
             t.ready.insert((e.due_at, id));
@@ -3285,7 +3285,7 @@ impl Committer {
     ) -> Result<(), StoreError> {
         let id = entry.id;
         txn.open_table(ENTRIES)?
-            .insert((id.event, id.idx), enc(entry).as_slice())?;
+            .insert((id.event, id.idx), enc_entry(entry).as_slice())?;
         txn.open_table(LIVE)?.insert((id.event, id.idx), ())?;
         effects.push(Effect::Enqueue {
             target: entry.target_id.clone(),
@@ -3473,7 +3473,7 @@ impl Committer {
             self.add_dlq(txn, d, effects)?;
             txn.open_table(LIVE)?.remove((id.event, id.idx))?;
             txn.open_table(ENTRIES)?
-                .insert((id.event, id.idx), enc(&e).as_slice())?;
+                .insert((id.event, id.idx), enc_entry(&e).as_slice())?;
             effects.push(Effect::Remove {
                 target: e.target_id,
                 id,
@@ -3522,7 +3522,7 @@ impl Committer {
                 continue;
             }
             e.start_attempt(lease, now);
-            entries_t.insert((id.event, id.idx), enc(&e).as_slice())?;
+            entries_t.insert((id.event, id.idx), enc_entry(&e).as_slice())?;
             out.push(e);
         }
         Ok(out)
@@ -3585,7 +3585,7 @@ impl Committer {
         }
         txn.open_table(ENTRIES)
             .map_err(StoreError::from)?
-            .insert((id.event, id.idx), enc(&e).as_slice())
+            .insert((id.event, id.idx), enc_entry(&e).as_slice())
             .map_err(StoreError::from)?;
         Ok(())
     }
@@ -3613,7 +3613,7 @@ fn finish_plain(
             close_attempt(&mut e, &f.end);
             effects.push(f.settle.apply(&mut e, f.id, f.now, &mut live)?);
             entries
-                .insert(key, enc(&e).as_slice())
+                .insert(key, enc_entry(&e).as_slice())
                 .map_err(StoreError::from)?;
             Ok(())
         })();
@@ -3945,6 +3945,7 @@ fn rebuild_kv_accounting(txn: &Tx<'_>) -> Result<(), StoreError> {
 mod dedup;
 mod logged;
 use logged::{LTable, Tx};
+mod entry_codec;
 
 #[cfg(test)]
 mod crash_model;

@@ -1326,11 +1326,10 @@ async fn a_format_1_store_is_read_and_upgraded_in_place() {
             .collect();
         assert_eq!(rows.len(), 3);
         for ((event, idx), v) in rows {
-            let mut j: serde_json::Value = serde_json::from_slice(&v).expect("json");
-            assert!(
-                j.get("id").is_none(),
-                "format 2 records do not repeat their id"
-            );
+            // Format 1 records are JSON (as through format 3) and repeat their id.
+            let e = dec_entry((event, idx), &v).expect("entry");
+            let mut j = serde_json::to_value(&e).expect("json");
+            assert!(j.get("id").is_none(), "the model skips the id");
             j["id"] = json!({ "event": event, "idx": idx });
             t.insert(
                 (event, idx),
@@ -1361,6 +1360,12 @@ async fn a_format_1_store_is_read_and_upgraded_in_place() {
         read_u64(&meta, "format_version").expect("read"),
         Some(u64::from(FORMAT_VERSION))
     );
+    // The finished entry was rewritten in the binary layout of format 4; the untouched ones
+    // stay JSON until they change.
+    let t = r.open_table(ENTRIES).expect("entries");
+    let first = |k: (u64, u32)| t.get(k).expect("get").expect("row").value()[0];
+    assert_eq!(first((2, 1)), 0xB4);
+    assert_eq!((first((1, 0)), first((2, 0))), (b'{', b'{'));
 }
 
 #[tokio::test]
@@ -2085,7 +2090,7 @@ async fn a_format_2_store_has_its_dedup_table_moved_into_the_log() {
     );
     assert_eq!(
         read_u64(&r.open_table(META).expect("meta"), "format_version").expect("read"),
-        Some(3)
+        Some(u64::from(FORMAT_VERSION))
     );
 }
 
