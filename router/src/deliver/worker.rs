@@ -892,7 +892,7 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
                 .inc();
             tracing::warn!(key = %key, "handler key-value precondition failed; the delivery runs again");
             let error = format!("key-value precondition failed for {key}; retried");
-            retry_without_effects(ctx, leased, finished_at, error, 100).await;
+            finish_without_effects(ctx, leased, finished_at, Some(error), 100).await;
         }
         Err(e @ FinishError::KvQuota { .. }) => {
             // Concurrent deliveries of the handler grew its namespace after this invocation
@@ -903,7 +903,14 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
                 .get_or_create(&labels("kv_quota"))
                 .inc();
             tracing::warn!(error = %e, "handler key-value namespace full at commit; the delivery runs again");
-            retry_without_effects(ctx, leased, finished_at, format!("{e}; retried"), 1000).await;
+            finish_without_effects(
+                ctx,
+                leased,
+                finished_at,
+                Some(format!("{e}; retried")),
+                1000,
+            )
+            .await;
         }
         Err(FinishError::Contended) => {
             // Other deliveries' finishes kept winning the race for shared records (a
@@ -917,7 +924,7 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
                 "the attempt's records kept changing under concurrent finishes; it runs again without counting"
             );
             let delay = 50 + rand::random::<u64>() % 200;
-            release_without_effects(ctx, leased, finished_at, delay as i64).await;
+            finish_without_effects(ctx, leased, finished_at, None, delay as i64).await;
         }
         Err(FinishError::Fenced) => {
             ctx.metrics
@@ -935,58 +942,35 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
     }
 }
 
-/// Records an attempt whose effects the store refused (a compare-and-set conflict, a full
-/// key-value namespace) as retryable without its outbox, due again after `delay_ms`.
-async fn retry_without_effects(
+/// Records an attempt whose effects the store refused, without its outbox, due again after
+/// `delay_ms`: as a retryable attempt with `error` (a compare-and-set conflict, a full
+/// key-value namespace), or, with no error, put back without counting it (a finish that lost
+/// a race for shared records: the attempt's record is removed).
+async fn finish_without_effects(
     ctx: &DeliveryContext,
     leased: &Leased,
     finished_at: i64,
-    error: String,
+    error: Option<String>,
     delay_ms: i64,
 ) {
+    let due_at = finished_at + delay_ms;
+    let (result, disposition) = match error {
+        Some(_) => (AttemptResult::Retryable, Disposition::Retry { due_at }),
+        None => (AttemptResult::Interrupted, Disposition::Release { due_at }),
+    };
     let end = AttemptEnd {
         finished_at,
-        result: AttemptResult::Retryable,
+        result,
         status: None,
-        error: Some(error),
+        error,
         outbox: None,
-    };
-    let retry = Disposition::Retry {
-        due_at: finished_at + delay_ms,
     };
     if let Err(e) = ctx
         .store
-        .finish(leased.entry.id, leased.lease, end, retry, finished_at)
+        .finish(leased.entry.id, leased.lease, end, disposition, finished_at)
         .await
     {
         tracing::error!(error = %e, "could not record the refused commit; the entry returns when its lease expires");
-    }
-}
-
-/// Puts an entry whose finish lost a race for shared records back without counting the
-/// attempt (its record is removed) and without its outbox, due again after `delay_ms`.
-async fn release_without_effects(
-    ctx: &DeliveryContext,
-    leased: &Leased,
-    finished_at: i64,
-    delay_ms: i64,
-) {
-    let end = AttemptEnd {
-        finished_at,
-        result: AttemptResult::Interrupted,
-        status: None,
-        error: None,
-        outbox: None,
-    };
-    let release = Disposition::Release {
-        due_at: finished_at + delay_ms,
-    };
-    if let Err(e) = ctx
-        .store
-        .finish(leased.entry.id, leased.lease, end, release, finished_at)
-        .await
-    {
-        tracing::error!(error = %e, "could not put back the contended attempt; the entry returns when its lease expires");
     }
 }
 

@@ -255,6 +255,18 @@ impl QueueEntry {
         self.redrive_count += 1;
     }
 
+    /// Ends the lease and closes the current attempt with `end` (what a finish records,
+    /// whatever comes next for the entry).
+    pub fn close_attempt(&mut self, end: &AttemptEnd) {
+        self.lease = None;
+        if let Some(a) = self.attempts.last_mut() {
+            a.finished_at = Some(end.finished_at);
+            a.result = Some(end.result);
+            a.status = end.status;
+            a.error = end.error.clone();
+        }
+    }
+
     /// Starts an attempt at `now` under `lease`: what a lease records durably before the
     /// attempt is sent.
     pub fn start_attempt(&mut self, lease: Lease, now: Millis) {

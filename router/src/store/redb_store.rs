@@ -2192,17 +2192,6 @@ fn leased_entry(
     }
 }
 
-/// Closes the entry's current attempt with its end.
-fn close_attempt(e: &mut QueueEntry, end: &AttemptEnd) {
-    e.lease = None;
-    if let Some(a) = e.attempts.last_mut() {
-        a.finished_at = Some(end.finished_at);
-        a.result = Some(end.result);
-        a.status = end.status;
-        a.error = end.error.clone();
-    }
-}
-
 impl Committer {
     /// Reopens the database after a failed commit: redb refuses every write after an I/O
     /// error until then. What is durable is the truth, so the in-memory index and counters
@@ -2978,12 +2967,7 @@ impl Committer {
                     Err(FinishError::Store(e)) => Some(e.clone()),
                     _ => None,
                 };
-                dones.push(Box::new(move |commit_err| {
-                    let _ = reply.send(match commit_err {
-                        Some(e) => Err(FinishError::Store(e.clone())),
-                        None => r,
-                    });
-                }));
+                dones.push(finish_done(reply, r));
                 err.map_or(Ok(()), Err)
             }
             Op::SaveTargets { configs, reply } => {
@@ -3551,7 +3535,7 @@ impl Committer {
         if let Some(outbox) = end.outbox.as_deref() {
             self.apply_outbox(txn, outbox, now, effects)?;
         }
-        close_attempt(&mut e, &end);
+        e.close_attempt(&end);
         if let Some(settle) = Settle::of(&disposition) {
             let mut live = txn.open_table(LIVE).map_err(StoreError::from)?;
             effects.push(settle.apply(&mut e, id, now, &mut live)?);
@@ -3610,7 +3594,7 @@ fn finish_plain(
                 let raw = entries.get(key).map_err(StoreError::from)?;
                 leased_entry(raw.as_ref().map(|v| v.value()), f.id, f.lease, f.now)?
             };
-            close_attempt(&mut e, &f.end);
+            e.close_attempt(&f.end);
             effects.push(f.settle.apply(&mut e, f.id, f.now, &mut live)?);
             entries
                 .insert(key, enc_entry(&e).as_slice())
@@ -3620,15 +3604,20 @@ fn finish_plain(
         if let Err(FinishError::Store(e)) = &r {
             failed.get_or_insert(e.clone());
         }
-        let reply = f.reply;
-        dones.push(Box::new(move |commit_err| {
-            let _ = reply.send(match commit_err {
-                Some(e) => Err(FinishError::Store(e.clone())),
-                None => r,
-            });
-        }));
+        dones.push(finish_done(f.reply, r));
     }
     failed.map_or(Ok(()), Err)
+}
+
+/// A finish's answer, sent once its group's commit is known: its own result, or the
+/// commit's error.
+fn finish_done(reply: Reply<Result<(), FinishError>>, r: Result<(), FinishError>) -> Done {
+    Box::new(move |commit_err| {
+        let _ = reply.send(match commit_err {
+            Some(e) => Err(FinishError::Store(e.clone())),
+            None => r,
+        });
+    })
 }
 
 /// The `Idempotency-Key` of one (event, target): stable across retries, restarts and

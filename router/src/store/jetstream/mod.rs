@@ -955,13 +955,7 @@ impl JetStreamStore {
             Some(l) if l.until >= now && e.state == EntryState::Queued => {}
             _ => return Err(FinishError::Fenced),
         }
-        e.lease = None;
-        if let Some(a) = e.attempts.last_mut() {
-            a.finished_at = Some(end.finished_at);
-            a.result = Some(end.result);
-            a.status = end.status;
-            a.error = end.error.clone();
-        }
+        e.close_attempt(end);
         let mut writes = match end.outbox.as_deref() {
             Some(outbox) => self.outbox_writes(outbox, now).await?,
             None => Vec::new(),
