@@ -42,6 +42,27 @@ pub fn delay_point(point: &str) -> Option<std::time::Duration> {
     (p == point).then(|| std::time::Duration::from_millis(*ms))
 }
 
+/// The variable naming a failure point: `EVENT_ROUTER_FAIL_AT=<point>:<detail>`.
+pub const FAIL_ENV: &str = "EVENT_ROUTER_FAIL_AT";
+
+/// Whether to fail at `point` for `detail` now: true the first time the process reaches it
+/// when started with `EVENT_ROUTER_FAIL_AT=<point>:<detail>`, false ever after. Points:
+/// `finish_contended:<target id>` — the first finish of that target is answered as the
+/// store's `Contended` (its records kept changing under concurrent finishes), which on one
+/// node of a test takes a load no test should need.
+pub fn fail_once(point: &str, detail: &str) -> bool {
+    static AT: OnceLock<Option<String>> = OnceLock::new();
+    static FIRED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let Some(at) = AT
+        .get_or_init(|| std::env::var(FAIL_ENV).ok().filter(|v| !v.is_empty()))
+        .as_deref()
+    else {
+        return false;
+    };
+    at.split_once(':') == Some((point, detail))
+        && !FIRED.swap(true, std::sync::atomic::Ordering::SeqCst)
+}
+
 /// Aborts the process if it was started with `EVENT_ROUTER_CRASH_AT=<point>:<detail>`.
 pub fn crash_point(point: &str, detail: &str) {
     let Some(at) = armed() else { return };

@@ -416,3 +416,41 @@ async fn delivery_runs_on_its_own_threads_below_ingests_priority() {
         "{st}"
     );
 }
+
+/// A finish the store refuses as contended (its records kept changing under concurrent
+/// finishes; forced here with a failure point, as one test cannot make a store lose that race
+/// sixteen times in a row) puts the entry back without counting the attempt: the event is
+/// sent again and delivered, its fate shows one attempt, and the metric counts the contention.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_contended_finish_is_retried_without_counting_the_attempt() {
+    let rcv = Receiver::ok().await;
+    let rules = format!(
+        "policies:\n{FAST_RETRY}\nrules:\n  - name: r\n    pattern: {{ type: [order.created] }}\n    targets:\n      - webhook: {}\n        id: hook\n        policy: fast\n",
+        rcv.url()
+    );
+    let r = RouterProc::start_with_env(
+        &[("r.yaml", &rules)],
+        &[],
+        &[("EVENT_ROUTER_FAIL_AT", "finish_contended:hook")],
+    );
+    let (status, body) = post_event(&r, &event("c-1", "order.created", json!({}))).await;
+    assert_eq!(status, 202, "{body}");
+    let f = eventually(Duration::from_secs(20), || async {
+        let f = fate(&r, "c-1").await;
+        (f["targets"][0]["state"] == "delivered").then_some(f)
+    })
+    .await
+    .expect("delivered after the contended finish");
+    assert_eq!(f["targets"][0]["attempt_count"], 1, "{f}");
+    assert_eq!(
+        rcv.count(),
+        2,
+        "sent once for the refused finish, once more"
+    );
+    let m = metrics_text(&r).await;
+    assert!(
+        m.contains("router_deliveries_total{target=\"hook\",result=\"contended\"} 1"),
+        "{}",
+        metric_lines(&m, "router_deliveries_total")
+    );
+}

@@ -849,11 +849,14 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
     };
     let finished_at = end.finished_at;
     let end_error = end.error.clone();
-    match ctx
-        .store
-        .finish(leased.entry.id, leased.lease, end, disposition, finished_at)
-        .await
-    {
+    let finished = if crate::failpoint::fail_once("finish_contended", &spec.id) {
+        Err(FinishError::Contended)
+    } else {
+        ctx.store
+            .finish(leased.entry.id, leased.lease, end, disposition, finished_at)
+            .await
+    };
+    match finished {
         Ok(()) => {
             ctx.metrics
                 .deliveries
