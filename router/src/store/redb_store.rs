@@ -2609,18 +2609,25 @@ impl Committer {
                         disposition,
                         now,
                         reply,
-                    } if end.outbox.is_none() && Settle::of(&disposition).is_some() => {
-                        if let Some(settle) = Settle::of(&disposition) {
-                            split.finishes.push(PlainFinish {
-                                id,
-                                lease,
-                                end,
-                                settle,
-                                now,
-                                reply,
-                            });
-                        }
-                    }
+                    } if end.outbox.is_none() => match Settle::of(&disposition) {
+                        Some(settle) => split.finishes.push(PlainFinish {
+                            id,
+                            lease,
+                            end,
+                            settle,
+                            now,
+                            reply,
+                        }),
+                        // A dead letter: the general path.
+                        None => split.others.push(Op::Finish {
+                            id,
+                            lease,
+                            end,
+                            disposition,
+                            now,
+                            reply,
+                        }),
+                    },
                     op => split.others.push(op),
                 }
             }

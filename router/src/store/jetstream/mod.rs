@@ -48,9 +48,6 @@ use super::{
     NewEvent, Outbox, QueueEntry, StoreError, StoredEvent,
 };
 
-/// The internal answer of one finish attempt whose outbox records changed under it.
-const RETRY_FINISH: &str = "outbox records changed; retrying the finish";
-
 /// How long a read from the view waits for the view to have this node's writes before it
 /// asks the view to follow again with a new consumer (`JetStreamStore::caught_up`).
 const VIEW_PATIENCE: std::time::Duration = std::time::Duration::from_secs(3);
@@ -918,7 +915,7 @@ impl JetStreamStore {
         // outbox changed by another delivery: the second is read again and retried.
         for _ in 0..MAX_RETRIES {
             match self.finish_once(id, lease, &end, &disposition, now).await {
-                Err(FinishError::Store(StoreError::Backend(m))) if m == RETRY_FINISH => continue,
+                Err(FinishError::Contended) => continue,
                 other => return other,
             }
         }
@@ -1007,9 +1004,8 @@ impl JetStreamStore {
                     .await
                     .map_err(StoreError::from)?
                 {
-                    Some(v) if v.revision == revision => {
-                        Err(StoreError::Backend(RETRY_FINISH.into()).into())
-                    }
+                    // Still ours: an outbox record changed; `finish` tries again.
+                    Some(v) if v.revision == revision => Err(FinishError::Contended),
                     _ => Err(FinishError::Fenced),
                 }
             }

@@ -243,15 +243,22 @@ async fn group_commits(records: Weak<Records>, mut rx: tokio::sync::mpsc::Receiv
 /// way, so one stale transaction costs about two batches per halving instead of a batch per
 /// transaction of the group.
 async fn commit_group(records: &Records, group: Vec<Grouped>) {
+    // The group as built was checked for staleness (`group_commits`); halves after a
+    // conflict are checked again, since a commit of an earlier half may have made one of
+    // them stale.
     let mut parts = vec![group];
-    while let Some(part) = parts.pop() {
-        // A commit of an earlier part may have made one of these stale.
-        let (stale, mut part): (Vec<Grouped>, Vec<Grouped>) = part
-            .into_iter()
-            .partition(|g| records.known_stale(&g.writes));
-        for g in stale {
-            let _ = g.reply.send(Err(RecordsError::Conflict));
+    let mut checked = true;
+    while let Some(mut part) = parts.pop() {
+        if !checked {
+            let stale;
+            (stale, part) = part
+                .into_iter()
+                .partition(|g| records.known_stale(&g.writes));
+            for g in stale {
+                let _ = g.reply.send(Err(RecordsError::Conflict));
+            }
         }
+        checked = false;
         if part.len() <= 1 {
             if let Some(g) = part.pop() {
                 let _ = g.reply.send(records.commit_now(g.writes).await);
