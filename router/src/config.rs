@@ -340,8 +340,9 @@ pub struct DeliveryConfig {
     /// nothing due in its queue, a closed breaker, a token in its rate limit and no ordering,
     /// a new entry is written leased (its first attempt recorded as started) in the accept's
     /// own commit and sent at once, instead of waiting for its worker to lease it in a commit
-    /// of its own. Saves one commit round trip and one read of the event per delivery. Off:
-    /// every entry goes through its queue.
+    /// of its own. Saves one commit round trip and one read of the event per delivery. A
+    /// batching webhook takes a request's entries this way only when they fill at least half
+    /// a batch, as one batch. Off: every entry goes through its queue.
     pub handoff: bool,
 }
 

@@ -225,3 +225,108 @@ async fn a_rejected_batch_sends_each_of_its_events_to_the_dlq() {
     assert_eq!(sent, 30, "each event sent once, never retried");
     assert!(requests(&rejecting).len() < 30, "not batched");
 }
+
+/// The value of the one metric line that contains `needle` (0 when there is none).
+fn metric_value(metrics: &str, needle: &str) -> f64 {
+    metric_lines(metrics, needle)
+        .split_whitespace()
+        .last()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_batch_that_fills_half_a_batch_is_handed_off_as_one_request() {
+    let rcv = Receiver::ok().await;
+    let rules = format!(
+        "rules:
+  - name: r
+    pattern: {{ type: [t] }}
+    targets:
+      - webhook: {}
+        id: bulk
+        batch: {{ max_events: 40 }}
+",
+        rcv.url()
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let handoffs = || async {
+        metric_value(
+            &metrics_text(&r).await,
+            "router_delivery_handoffs_total{target=\"bulk\"}",
+        )
+    };
+
+    // 30 events in one request, the target idle: leased in the accept's commit and sent at
+    // once as one request, in the producer's order.
+    let events: Vec<Value> = (0..30)
+        .map(|i| event(&format!("h-{i}"), "t", json!({"n": i})))
+        .collect();
+    let (status, body) = post_raw(&r, BATCH, serde_json::to_vec(&events).expect("json")).await;
+    assert_eq!(status, 202, "{body}");
+    assert!(
+        rcv.wait_for(Duration::from_secs(20), |seen| !seen.is_empty())
+            .await,
+        "nothing arrived"
+    );
+    let want: Vec<String> = (0..30).map(|i| format!("h-{i}")).collect();
+    let got = requests(&rcv);
+    assert_eq!(
+        got.len(),
+        1,
+        "{:?}",
+        got.iter().map(|(ids, _)| ids).collect::<Vec<_>>()
+    );
+    assert_eq!(got[0].0, want);
+    assert_eq!(handoffs().await, 30.0);
+    let f = eventually(Duration::from_secs(10), || async {
+        let f = fate(&r, "h-7").await;
+        (f["targets"][0]["state"] == "delivered").then_some(f)
+    })
+    .await
+    .expect("h-7 delivered");
+    assert_eq!(
+        f["targets"][0]["attempts"].as_array().map(Vec::len),
+        Some(1),
+        "{f}"
+    );
+
+    // 50 in one request: more than a batch holds, so two requests (40 and 10), the second
+    // on a slot of its own. They are concurrent: either may arrive first.
+    let events: Vec<Value> = (0..50)
+        .map(|i| event(&format!("s-{i}"), "t", json!({"n": i})))
+        .collect();
+    let (status, body) = post_raw(&r, BATCH, serde_json::to_vec(&events).expect("json")).await;
+    assert_eq!(status, 202, "{body}");
+    assert!(
+        rcv.wait_for(Duration::from_secs(20), |seen| seen.len() >= 3)
+            .await,
+        "the 50 events did not arrive"
+    );
+    let got = requests(&rcv);
+    let mut sizes: Vec<usize> = got[1..].iter().map(|(ids, _)| ids.len()).collect();
+    sizes.sort_unstable();
+    assert_eq!(sizes, vec![10, 40], "{sizes:?}");
+    let ids: HashSet<&String> = got[1..].iter().flat_map(|(ids, _)| ids).collect();
+    assert_eq!(ids.len(), 50);
+    assert_eq!(handoffs().await, 80.0);
+
+    // Single events are left to the queue, whose lease batches what is due: no handoff.
+    for i in 0..5 {
+        let (status, body) =
+            post_json(&r, "/v1/events", event(&format!("one-{i}"), "t", json!({}))).await;
+        assert_eq!(status, 202, "{body}");
+    }
+    assert!(
+        rcv.wait_for(Duration::from_secs(20), |seen| {
+            seen.iter()
+                .flat_map(|r| r.body.as_array().into_iter().flatten())
+                .filter(|e| e["id"].as_str().is_some_and(|id| id.starts_with("one-")))
+                .count()
+                == 5
+        })
+        .await,
+        "the single events did not arrive"
+    );
+    assert_eq!(handoffs().await, 80.0);
+}

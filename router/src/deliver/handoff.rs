@@ -8,6 +8,11 @@
 //! started) in the accept's own commit, and the attempt starts from the event ingest still
 //! holds. Everything after the lease is the worker's path: same attempt, same ack, same
 //! fencing; a crash before the ack is a lease the next start reclaims.
+//!
+//! A batching webhook takes a request's entries together, as one batch request, when they fill
+//! at least half a batch (`min_batch_handoff`): a producer's batch then costs its delivery no
+//! lease commit and no event decode. A request with fewer (single events) leaves them to the
+//! queue, whose lease gathers what several commits made due into one request.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -29,28 +34,46 @@ pub struct Reservation {
     rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
     permit: OwnedSemaphorePermit,
+    /// The target's slots: a batch that `max_bytes` splits in several requests takes one more
+    /// per request.
+    slots: Arc<Semaphore>,
+}
+
+/// The fewest entries of one request that a batching webhook with `max_events` takes as a
+/// handoff: half a batch, and at least two.
+pub fn min_batch_handoff(max_events: u32) -> usize {
+    usize::try_from((max_events / 2).max(2)).unwrap_or(usize::MAX)
 }
 
 /// The checks of the worker's loop for an entry that would be due at once (breaker, then a
 /// slot, then the rate limit; the budget is told of the first attempt when it starts); any
 /// doubt leaves the entry to the queue, where the worker applies them in full. Cheap checks
 /// first: ingest asks once per target of every event, and in a batch most of them find the
-/// slots taken. (Stopping is checked by the caller, on the worker's own token.)
+/// slots taken. (Stopping is checked by the caller, on the worker's own token.) `entries` is
+/// how many entries of the request the reservation is for: one, except for a batching webhook.
 pub(super) fn reserve(
     ctx: &Arc<DeliveryContext>,
     rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
     slots: &Arc<Semaphore>,
     now: Millis,
+    entries: usize,
 ) -> Option<Reservation> {
     if rt.paused.load(Ordering::SeqCst) {
         return None;
     }
-    // Ordered targets: the entry may have an earlier one of its key in the queue. Batching
-    // webhooks: the worker's lease gathers what a commit made due into one request, where a
-    // handoff would send each event alone.
-    if rt.spec.policy.ordering.is_some() || rt.spec.kind.batch().is_some() {
+    // Ordered targets: the entry may have an earlier one of its key in the queue.
+    if rt.spec.policy.ordering.is_some() {
         return None;
+    }
+    match rt.spec.kind.batch() {
+        // Fewer than half a batch (a single event): the worker's lease gathers what several
+        // commits made due into one request, where a handoff would send them alone.
+        Some(b) if entries < min_batch_handoff(b.max_events) => return None,
+        Some(_) => {}
+        // One slot is one entry's attempt.
+        None if entries != 1 => return None,
+        None => {}
     }
     // Half-open probes are counted by the worker; open means wait.
     if rt
@@ -75,6 +98,7 @@ pub(super) fn reserve(
         rt,
         target,
         permit,
+        slots: slots.clone(),
     })
 }
 
@@ -84,25 +108,73 @@ impl Reservation {
         worker::lease_ms(&self.rt.spec, &self.ctx.cfg)
     }
 
-    /// Starts the attempt on `leased`, the entry accepted under this reservation.
-    pub fn start(self, leased: Leased) {
+    /// Starts the attempt on `leased`, the entries accepted under this reservation (one, or a
+    /// batching webhook's several, sent as one request, or as several when `max_bytes` splits
+    /// them; each further request waits for a slot of its own).
+    pub fn start(self, leased: Vec<Leased>) {
         let now = self.ctx.clock.now_ms();
-        // A first attempt: it counts toward the retry budget's base, as a worker's does.
+        // First attempts: they count toward the retry budget's base, as a worker's do.
         if let Some(mut budget) = self.rt.budget() {
-            budget.first_attempt(now);
+            for _ in &leased {
+                budget.first_attempt(now);
+            }
         }
         self.ctx
             .metrics
             .handoffs
             .get_or_create(&vec![("target", self.rt.spec.id.clone())])
-            .inc();
-        worker::spawn_attempt(
-            &self.ctx,
-            &self.rt,
-            &self.target,
-            leased,
-            self.permit,
-            false,
+            .inc_by(leased.len() as u64);
+        let Some(b) = self.rt.spec.kind.batch() else {
+            // `reserve` gives a target that does not batch one entry per reservation.
+            if let Some(leased) = leased.into_iter().next() {
+                worker::spawn_attempt(
+                    &self.ctx,
+                    &self.rt,
+                    &self.target,
+                    leased,
+                    self.permit,
+                    false,
+                );
+            }
+            return;
+        };
+        // Encoding the batch's events is the delivery runtime's work, not the producer's
+        // request's (it was measured on the ingest threads, and in the producers' p99).
+        let batch = *b;
+        let (ctx, rt, target, slots) = (self.ctx.clone(), self.rt, self.target, self.slots);
+        let mut permit = Some(self.permit);
+        self.ctx.tracker.spawn_on(
+            async move {
+                for items in worker::split_batches(leased, &batch) {
+                    let permit = match permit.take() {
+                        Some(p) => p,
+                        None => match slots.clone().acquire_owned().await {
+                            Ok(p) => p,
+                            // Closed: the worker stopped; the leases expire and return the
+                            // entries.
+                            Err(_) => return,
+                        },
+                    };
+                    worker::spawn_batch(&ctx, &rt, &target, items, permit, false);
+                }
+            },
+            &self.ctx.spawner,
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::min_batch_handoff;
+
+    #[test]
+    fn a_batch_handoff_needs_half_a_batch_and_at_least_two_entries() {
+        assert_eq!(min_batch_handoff(100), 50);
+        assert_eq!(min_batch_handoff(41), 20);
+        assert_eq!(min_batch_handoff(3), 2);
+        // A batch of one is never worth a handoff of one entry: single events batch in the
+        // queue.
+        assert_eq!(min_batch_handoff(1), 2);
+        assert_eq!(min_batch_handoff(1000), 500);
     }
 }

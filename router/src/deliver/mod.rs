@@ -24,7 +24,7 @@ use crate::target::Target;
 use crate::target::webhook::{Webhook, WebhookError};
 use crate::telemetry::Metrics;
 
-pub use handoff::Reservation;
+pub use handoff::{Reservation, min_batch_handoff};
 pub use runtime::{Limiter, PersistedState, TargetRuntime};
 pub use threads::{DeliveryThreads, DeliveryThreadsStatus};
 pub use worker::{decide, dlq_added, system_event};
@@ -262,10 +262,16 @@ impl Dispatcher {
         }
     }
 
-    /// A free attempt slot of target `id` for an entry being accepted at `now`, when the
-    /// target could send it at once (see `delivery.handoff`); `None` leaves the entry to its
-    /// queue. The slot is held until the reservation is started or dropped.
-    pub fn reserve(&self, id: &str, now: crate::store::Millis) -> Option<Reservation> {
+    /// A free attempt slot of target `id` for `entries` entries of one request being accepted
+    /// at `now` (one, or a batching webhook's several), when the target could send them at
+    /// once (see `delivery.handoff`); `None` leaves them to its queue. The slot is held until
+    /// the reservation is started or dropped.
+    pub fn reserve(
+        &self,
+        id: &str,
+        now: crate::store::Millis,
+        entries: usize,
+    ) -> Option<Reservation> {
         if !self.ctx.cfg.handoff {
             return None;
         }
@@ -277,7 +283,7 @@ impl Dispatcher {
             }
             (r.runtime.clone(), r.target.clone(), r.slots.clone())
         };
-        handoff::reserve(&self.ctx, rt, target, &slots, now)
+        handoff::reserve(&self.ctx, rt, target, &slots, now, entries)
     }
 
     /// Runtimes of running workers.

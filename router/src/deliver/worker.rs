@@ -376,7 +376,7 @@ pub(super) fn spawn_attempt(
 }
 
 /// Starts one batch request on the delivery runtime, holding its slot.
-fn spawn_batch(
+pub(super) fn spawn_batch(
     ctx: &Arc<DeliveryContext>,
     rt: &Arc<TargetRuntime>,
     target: &Arc<dyn Target>,

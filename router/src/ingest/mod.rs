@@ -297,14 +297,36 @@ async fn handle(
         );
     }
 
-    // Targets that could send an entry at once get it leased in this commit (handoff).
-    let mut reservations = Vec::new();
+    // Targets that could send an entry at once get it leased in this commit (handoff). A
+    // batching webhook gets the request's entries for it together, as one batch, when they
+    // fill at least half of one (`deliver::min_batch_handoff`): single events stay with its
+    // queue, whose lease gathers what several commits made due into one request.
+    let mut reservations: Vec<(Vec<(usize, usize)>, crate::deliver::Reservation)> = Vec::new();
+    let mut batching: Vec<(String, Vec<(usize, usize)>)> = Vec::new();
     for (i, ne) in new_events.iter_mut().enumerate() {
         for (j, t) in ne.targets.iter_mut().enumerate() {
-            if let Some(r) = app.dispatcher.reserve(&t.target_id, now) {
+            let batches = rules
+                .targets
+                .get(&t.target_id)
+                .is_some_and(|spec| spec.kind.batch().is_some());
+            if batches {
+                match batching.iter_mut().find(|(id, _)| *id == t.target_id) {
+                    Some((_, keys)) => keys.push((i, j)),
+                    None => batching.push((t.target_id.clone(), vec![(i, j)])),
+                }
+            } else if let Some(r) = app.dispatcher.reserve(&t.target_id, now, 1) {
                 t.lease_ms = Some(r.lease_ms());
-                reservations.push(((i, j), Some(r)));
+                reservations.push((vec![(i, j)], r));
             }
+        }
+    }
+    for (id, keys) in batching {
+        if let Some(r) = app.dispatcher.reserve(&id, now, keys.len()) {
+            let lease_ms = r.lease_ms();
+            for &(i, j) in &keys {
+                new_events[i].targets[j].lease_ms = Some(lease_ms);
+            }
+            reservations.push((keys, r));
         }
     }
     let accepted = if reservations.is_empty() {
@@ -314,14 +336,23 @@ async fn handle(
     };
     let outcomes = match accepted {
         Ok((o, leased)) => {
+            // Each leased entry goes to the reservation it was leased under; a reservation
+            // none of whose entries were written (duplicates, a queue at its cap) frees its
+            // slot when dropped.
+            let mut started: Vec<Vec<crate::store::Leased>> =
+                reservations.iter().map(|_| Vec::new()).collect();
             for l in leased {
                 let key = (l.event, l.leased.entry.id.idx as usize);
-                if let Some(r) = reservations
-                    .iter_mut()
-                    .find(|(k, _)| *k == key)
-                    .and_then(|(_, r)| r.take())
+                if let Some(k) = reservations
+                    .iter()
+                    .position(|(keys, _)| keys.contains(&key))
                 {
-                    r.start(l.leased);
+                    started[k].push(l.leased);
+                }
+            }
+            for ((_, r), leased) in reservations.into_iter().zip(started) {
+                if !leased.is_empty() {
+                    r.start(leased);
                 }
             }
             o
