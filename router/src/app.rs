@@ -640,7 +640,7 @@ pub async fn run(
             cache_bytes: Some(cfg.store.cache_bytes),
             compact_min_bytes: Some(cfg.store.compact_min_bytes),
             group_log: cfg.store.group_log,
-            checkpoint_every: None,
+            checkpoint_every: Some(cfg.store.checkpoint_interval),
             sweep_batch: None,
             commit_delay: cfg.store.commit_delay,
             dedup_memtable_keys: Some(cfg.store.dedup_memtable_keys),

@@ -457,6 +457,8 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             // Which durable write path commits take: synced redb commits, or the group log
             // (`router.log`) with periodic checkpoints.
             "group_log": app.cfg.store.group_log,
+            // With the group log: the longest time between two checkpoints.
+            "checkpoint_interval_ms": app.cfg.store.checkpoint_interval.as_secs_f64() * 1000.0,
             // Added to a 202's wait under a steady load (docs/operations.md).
             "commit_delay_ms": app.cfg.store.commit_delay.as_secs_f64() * 1000.0,
             "compacting": app.store.compacting(),

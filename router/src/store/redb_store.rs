@@ -158,8 +158,8 @@ pub struct StoreOptions {
     /// Make groups durable through the group log (`router.log`, see `store::group_log`)
     /// instead of a synced redb commit each. Only `open_dir` and `with_backends` have a log.
     pub group_log: bool,
-    /// Longest time between checkpoints with a group log (default 50 ms; tests set it long to
-    /// keep groups in the log only).
+    /// Longest time between checkpoints with a group log (`store.checkpoint_interval`; default
+    /// `CHECKPOINT_EVERY`; tests set it long to keep groups in the log only).
     pub checkpoint_every: Option<Duration>,
     /// Events examined per sweep call (default `SWEEP_BATCH`; `router bench sweep --batch`
     /// compares sizes).
@@ -184,13 +184,14 @@ type LogFile = Box<dyn redb::StorageBackend>;
 /// Log bytes written since the last checkpoint past which the next group is a checkpoint:
 /// bounds the log file and the replay at start.
 const CHECKPOINT_BYTES: u64 = 16 << 20;
-/// Time since the last checkpoint past which the next group is one. redb keeps the pages of
-/// unsynced commits in its write buffer and writes them all at the checkpoint, which holds
-/// the committer meanwhile: the pause grows with the interval (measured with `router bench
-/// store`: ~65 ms at 500 ms, ~14 ms at 100 ms, ~7 ms at 50 ms; throughput the same or better
-/// with the shorter ones). Syncing the store file from another thread between checkpoints
-/// did not shorten it (the pages are not in the file yet).
-const CHECKPOINT_EVERY: Duration = Duration::from_millis(50);
+/// Time since the last checkpoint past which the next group is one (the default of
+/// `store.checkpoint_interval`). redb keeps the pages of unsynced commits in its write buffer
+/// and writes them all at the checkpoint, which holds the committer meanwhile: the pause
+/// grows with the interval (measured with `router bench store`: ~65 ms at 500 ms, ~14 ms at
+/// 100 ms, ~7 ms at 50 ms). End to end, 50 ms doubled the p99 at half of the peak, and 10 ms
+/// did not (docs/BENCHMARKS.md, twenty-sixth session). Syncing the store file from another
+/// thread between checkpoints did not shorten it (the pages are not in the file yet).
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(10);
 
 /// Most ready entries examined per lease (entries blocked behind their ordering key are
 /// skipped; this bounds the cost of a long blocked key).
