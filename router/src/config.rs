@@ -628,12 +628,12 @@ impl Config {
         if self.store.dedup_memtable_keys < 1_000 {
             return bad("store.dedup_memtable_keys must be at least 1000");
         }
-        // Every 202 may wait this long: more than a few milliseconds is a mistake, not tuning.
         if !(Duration::from_millis(1)..=Duration::from_secs(1))
             .contains(&self.store.checkpoint_interval)
         {
             return bad("store.checkpoint_interval must be from 1ms to 1s");
         }
+        // Every 202 may wait this long: more than a few milliseconds is a mistake, not tuning.
         if self.store.commit_delay > Duration::from_millis(100) {
             return bad("store.commit_delay must be at most 100ms");
         }

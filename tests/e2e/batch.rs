@@ -23,6 +23,20 @@ async fn accept(r: &RouterProc, prefix: &str, n: usize, data: Value) {
     }
 }
 
+/// Rules sending every `t` event to one batching webhook, `bulk`, at `url`.
+fn one_batching_target(url: &str, max_events: u32) -> String {
+    format!(
+        "rules:
+  - name: r
+    pattern: {{ type: [t] }}
+    targets:
+      - webhook: {url}
+        id: bulk
+        batch: {{ max_events: {max_events} }}
+"
+    )
+}
+
 /// Event ids per request a receiver saw, in arrival order.
 fn requests(rcv: &Receiver) -> Vec<(Vec<String>, Received)> {
     rcv.received()
@@ -181,29 +195,19 @@ rules:
     assert_eq!(attempts[1]["status"], 200);
 
     let m = metrics_text(&r).await;
-    let line = metric_lines(&m, "router_delivery_batch_events_total{target=\"bulk\"}");
-    let carried: f64 = line
-        .split_whitespace()
-        .last()
-        .and_then(|v| v.parse().ok())
-        .expect("batch events metric");
-    assert_eq!(carried as usize, 250 + failed.len(), "{line}");
+    let series = "router_delivery_batch_events_total{target=\"bulk\"}";
+    assert_eq!(
+        counter(&m, series) as usize,
+        250 + failed.len(),
+        "{}",
+        metric_lines(&m, series)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rejected_batch_sends_each_of_its_events_to_the_dlq() {
     let rejecting = Receiver::status(400).await;
-    let rules = format!(
-        "rules:
-  - name: r
-    pattern: {{ type: [t] }}
-    targets:
-      - webhook: {}
-        id: bulk
-        batch: {{ max_events: 100 }}
-",
-        rejecting.url()
-    );
+    let rules = one_batching_target(&rejecting.url(), 100);
     let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
     let (s, b) = post_json(&r, "/v1/targets/bulk/pause", json!({})).await;
     assert_eq!(s, 200, "{b}");
@@ -226,32 +230,13 @@ async fn a_rejected_batch_sends_each_of_its_events_to_the_dlq() {
     assert!(requests(&rejecting).len() < 30, "not batched");
 }
 
-/// The value of the one metric line that contains `needle` (0 when there is none).
-fn metric_value(metrics: &str, needle: &str) -> f64 {
-    metric_lines(metrics, needle)
-        .split_whitespace()
-        .last()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_producer_batch_that_fills_half_a_batch_is_handed_off_as_one_request() {
     let rcv = Receiver::ok().await;
-    let rules = format!(
-        "rules:
-  - name: r
-    pattern: {{ type: [t] }}
-    targets:
-      - webhook: {}
-        id: bulk
-        batch: {{ max_events: 40 }}
-",
-        rcv.url()
-    );
+    let rules = one_batching_target(&rcv.url(), 40);
     let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
     let handoffs = || async {
-        metric_value(
+        counter(
             &metrics_text(&r).await,
             "router_delivery_handoffs_total{target=\"bulk\"}",
         )
@@ -278,7 +263,7 @@ async fn a_producer_batch_that_fills_half_a_batch_is_handed_off_as_one_request()
         got.iter().map(|(ids, _)| ids).collect::<Vec<_>>()
     );
     assert_eq!(got[0].0, want);
-    assert_eq!(handoffs().await, 30.0);
+    assert_eq!(handoffs().await, 30);
     let f = eventually(Duration::from_secs(10), || async {
         let f = fate(&r, "h-7").await;
         (f["targets"][0]["state"] == "delivered").then_some(f)
@@ -309,7 +294,7 @@ async fn a_producer_batch_that_fills_half_a_batch_is_handed_off_as_one_request()
     assert_eq!(sizes, vec![10, 40], "{sizes:?}");
     let ids: HashSet<&String> = got[1..].iter().flat_map(|(ids, _)| ids).collect();
     assert_eq!(ids.len(), 50);
-    assert_eq!(handoffs().await, 80.0);
+    assert_eq!(handoffs().await, 80);
 
     // Single events are left to the queue, whose lease batches what is due: no handoff.
     for i in 0..5 {
@@ -328,5 +313,5 @@ async fn a_producer_batch_that_fills_half_a_batch_is_handed_off_as_one_request()
         .await,
         "the single events did not arrive"
     );
-    assert_eq!(handoffs().await, 80.0);
+    assert_eq!(handoffs().await, 80);
 }

@@ -55,14 +55,6 @@ async fn logs(r: &RouterProc, name: &str) -> Vec<Value> {
         .unwrap_or_default()
 }
 
-/// The value of the counter line `series` (name and labels) in a `/metrics` text, 0 if absent.
-fn counter(metrics: &str, series: &str) -> u64 {
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0)
-}
-
 /// The attempt numbers of the `hostile` handler's "slow: attempt N done" log lines, sorted.
 fn slow_attempts(lines: &[Value]) -> Vec<u64> {
     let mut done: Vec<u64> = lines

@@ -570,6 +570,14 @@ pub async fn metrics_text(r: &RouterProc) -> String {
     }
 }
 
+/// The value of the counter line `series` (name and labels) in a `/metrics` text, 0 if absent.
+pub fn counter(metrics: &str, series: &str) -> u64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// The lines of `metrics` that mention `needle` (for assertion messages).
 pub fn metric_lines(metrics: &str, needle: &str) -> String {
     metrics

@@ -41,7 +41,7 @@ pub struct Reservation {
 
 /// The fewest entries of one request that a batching webhook with `max_events` takes as a
 /// handoff: half a batch, and at least two.
-pub fn min_batch_handoff(max_events: u32) -> usize {
+fn min_batch_handoff(max_events: u32) -> usize {
     usize::try_from((max_events / 2).max(2)).unwrap_or(usize::MAX)
 }
 
@@ -141,24 +141,20 @@ impl Reservation {
         // Encoding the batch's events is the delivery runtime's work, not the producer's
         // request's (it was measured on the ingest threads, and in the producers' p99).
         let batch = *b;
-        let (ctx, rt, target, slots) = (self.ctx.clone(), self.rt, self.target, self.slots);
-        let mut permit = Some(self.permit);
-        self.ctx.tracker.spawn_on(
+        let Self {
+            ctx,
+            rt,
+            target,
+            permit,
+            slots,
+        } = self;
+        let (tracker, spawner) = (ctx.tracker.clone(), ctx.spawner.clone());
+        tracker.spawn_on(
             async move {
-                for items in worker::split_batches(leased, &batch) {
-                    let permit = match permit.take() {
-                        Some(p) => p,
-                        None => match slots.clone().acquire_owned().await {
-                            Ok(p) => p,
-                            // Closed: the worker stopped; the leases expire and return the
-                            // entries.
-                            Err(_) => return,
-                        },
-                    };
-                    worker::spawn_batch(&ctx, &rt, &target, items, permit, false);
-                }
+                worker::send_batches(&ctx, &rt, &target, leased, &batch, vec![permit], &slots)
+                    .await;
             },
-            &self.ctx.spawner,
+            &spawner,
         );
     }
 }

@@ -24,7 +24,7 @@ use crate::target::Target;
 use crate::target::webhook::{Webhook, WebhookError};
 use crate::telemetry::Metrics;
 
-pub use handoff::{Reservation, min_batch_handoff};
+pub use handoff::Reservation;
 pub use runtime::{Limiter, PersistedState, TargetRuntime};
 pub use threads::{DeliveryThreads, DeliveryThreadsStatus};
 pub use worker::{decide, dlq_added, system_event};

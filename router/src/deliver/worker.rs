@@ -309,18 +309,7 @@ async fn lease_and_start(
                 spawn_attempt(&ctx, &rt, &target, leased, permit, probing);
             }
             if let Some(b) = batching {
-                for items in split_batches(to_batch, b) {
-                    // A batch split by `max_bytes` beyond the slots taken waits for one.
-                    let permit = match permits.pop() {
-                        Some(p) => p,
-                        None => match slots.clone().acquire_owned().await {
-                            Ok(p) => p,
-                            // Closed: the worker stopped; the leases expire and return them.
-                            Err(_) => break,
-                        },
-                    };
-                    spawn_batch(&ctx, &rt, &target, items, permit, false);
-                }
+                send_batches(&ctx, &rt, &target, to_batch, b, permits, &slots).await;
             }
         }
         Err(e) => {
@@ -375,8 +364,32 @@ pub(super) fn spawn_attempt(
     );
 }
 
+/// Sends leased entries of a batching webhook as batch requests (split by `max_events` and
+/// `max_bytes`), each holding a slot: one of `permits`, and past them a slot waited for.
+pub(super) async fn send_batches(
+    ctx: &Arc<DeliveryContext>,
+    rt: &Arc<TargetRuntime>,
+    target: &Arc<dyn Target>,
+    leased: Vec<Leased>,
+    batch: &WebhookBatch,
+    mut permits: Vec<OwnedSemaphorePermit>,
+    slots: &Arc<Semaphore>,
+) {
+    for items in split_batches(leased, batch) {
+        let permit = match permits.pop() {
+            Some(p) => p,
+            None => match slots.clone().acquire_owned().await {
+                Ok(p) => p,
+                // Closed: the worker stopped; the leases expire and return the entries.
+                Err(_) => return,
+            },
+        };
+        spawn_batch(ctx, rt, target, items, permit, false);
+    }
+}
+
 /// Starts one batch request on the delivery runtime, holding its slot.
-pub(super) fn spawn_batch(
+fn spawn_batch(
     ctx: &Arc<DeliveryContext>,
     rt: &Arc<TargetRuntime>,
     target: &Arc<dyn Target>,

@@ -299,7 +299,7 @@ async fn handle(
 
     // Targets that could send an entry at once get it leased in this commit (handoff). A
     // batching webhook gets the request's entries for it together, as one batch, when they
-    // fill at least half of one (`deliver::min_batch_handoff`): single events stay with its
+    // fill at least half of one (`delivery.handoff`): single events stay with its
     // queue, whose lease gathers what several commits made due into one request.
     let mut reservations: Vec<(Vec<(usize, usize)>, crate::deliver::Reservation)> = Vec::new();
     let mut batching: Vec<(String, Vec<(usize, usize)>)> = Vec::new();
@@ -339,14 +339,18 @@ async fn handle(
             // Each leased entry goes to the reservation it was leased under; a reservation
             // none of whose entries were written (duplicates, a queue at its cap) frees its
             // slot when dropped.
+            // (A map, not a search per entry: a batch of up to `ingest.max_batch` events may
+            // all be one batching webhook's.)
+            let owner: std::collections::HashMap<(usize, usize), usize> = reservations
+                .iter()
+                .enumerate()
+                .flat_map(|(k, (keys, _))| keys.iter().map(move |&key| (key, k)))
+                .collect();
             let mut started: Vec<Vec<crate::store::Leased>> =
                 reservations.iter().map(|_| Vec::new()).collect();
             for l in leased {
                 let key = (l.event, l.leased.entry.id.idx as usize);
-                if let Some(k) = reservations
-                    .iter()
-                    .position(|(keys, _)| keys.contains(&key))
-                {
+                if let Some(&k) = owner.get(&key) {
                     started[k].push(l.leased);
                 }
             }
