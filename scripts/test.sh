@@ -24,9 +24,11 @@ BIN="${CARGO_TARGET_DIR:-target}/debug/router"
 # The example rules name only handlers of plugins/ (built into target/plugins above).
 "$BIN" rules check examples/rules --handlers target/plugins
 "$BIN" contracts check schemas/contracts
-# The durability scenarios (kill -9 under load, retries and leases across a restart) once more
-# with the opt-in group log (`store.group_log`), the store's other durable write path.
-ROUTER_STORE__GROUP_LOG=true cargo test --locked -p router --test e2e -- durability:: 2>&1 | tee -a "$log"
+# The durability scenarios (kill -9 under load, retries and leases across a restart, repeated
+# kills under mixed load) once more with the opt-in group log (`store.group_log`), the store's
+# other durable write path.
+ROUTER_STORE__GROUP_LOG=true cargo test --locked -p router --test e2e -- durability:: chaos:: \
+  2>&1 | tee -a "$log"
 # The whole end-to-end suite once more with every router on the NATS JetStream store backend
 # (SPEC: same tests, both backends), against a private nats-server 2.15. Skipped there: the
 # embedded store's file compaction, and a NATS-target test that asserts the router never opens

@@ -30,11 +30,11 @@ pub(crate) fn plugins() -> &'static Path {
     })
 }
 
-fn plugin(name: &str) -> Vec<u8> {
+pub(crate) fn plugin(name: &str) -> Vec<u8> {
     std::fs::read(plugins().join(format!("{name}.wasm"))).expect("plugin built")
 }
 
-async fn put_handler(r: &RouterProc, name: &str, bytes: Vec<u8>) -> (u16, Value) {
+pub(crate) async fn put_handler(r: &RouterProc, name: &str, bytes: Vec<u8>) -> (u16, Value) {
     let resp = client()
         .put(r.url(&format!("/v1/handlers/{name}")))
         .body(bytes)
