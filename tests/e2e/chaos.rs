@@ -8,7 +8,7 @@
 //!
 //! `CHAOS_CYCLES` (default 4) sets the number of kills and `CHAOS_SEED` the seed of the
 //! kill times (printed on every run, so a failure can be replayed); `scripts/chaos.sh` runs
-//! many cycles on the release build.
+//! many cycles.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
