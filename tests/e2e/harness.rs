@@ -593,6 +593,20 @@ pub async fn fate(r: &RouterProc, id: &str) -> Value {
         .1
 }
 
+/// Waits until no target has an entry queued or in flight, up to `timeout`; whether it did.
+pub async fn queues_drained(r: &RouterProc, timeout: Duration) -> bool {
+    eventually(timeout, || async {
+        let (_, t) = get_json(r, "/v1/targets").await;
+        let busy = t["targets"]
+            .as_array()?
+            .iter()
+            .any(|x| x["queued"] != 0 || x["in_flight"] != 0);
+        (!busy).then_some(())
+    })
+    .await
+    .is_some()
+}
+
 /// Polls `f` until it returns Some, up to `timeout`.
 pub async fn eventually<T, F, Fut>(timeout: Duration, mut f: F) -> Option<T>
 where
