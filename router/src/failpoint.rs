@@ -5,7 +5,8 @@
 //! ack is not committed yet) on purpose; this can.
 //!
 //! Points: `before_ack:<target id>` — a delivery attempt has finished (for a handler: it ran
-//! and its outbox is built) and its result is about to be committed. Delay points
+//! and its outbox is built) and its result is about to be committed; `compaction:pass_<n>` —
+//! the embedded store's compaction has committed its n-th pass and may have more. Delay points
 //! (`EVENT_ROUTER_DELAY_AT`, see `delay_point`) stretch a window that is too short to watch.
 //!
 //! Not a `ROUTER_*` variable (those are configuration keys), and not behind a cargo feature:
