@@ -220,6 +220,73 @@ async fn a_removed_target_drains_under_its_last_configuration() {
     assert_eq!(t["in_rule_set"], false);
 }
 
+/// A removed target's queue still drains after a kill -9: its last configuration comes back
+/// from the store, since the rules directory no longer has it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_target_drains_after_a_kill_9() {
+    let slow = Receiver::scripted(std::sync::Arc::new(|_, _| {
+        (200, Duration::from_millis(20), vec![])
+    }))
+    .await;
+    let policy = "  one-at-a-time:\n    throttle: { max_concurrency: 1 }";
+    let mut r = RouterProc::start(
+        &[(
+            "r.yaml",
+            &rules_yaml(
+                policy,
+                &[(
+                    "r",
+                    "t",
+                    &[format!(
+                        "webhook: {}\n        id: old\n        policy: one-at-a-time",
+                        slow.url()
+                    )],
+                )],
+            ),
+        )],
+        &[],
+    );
+    let batch: Vec<_> = (0..200)
+        .map(|i| event(&format!("k{i}"), "t", json!({})))
+        .collect();
+    let (s, _) = post_raw(
+        &r,
+        "application/cloudevents-batch+json",
+        serde_json::to_vec(&batch).expect("json"),
+    )
+    .await;
+    assert_eq!(s, 202);
+    let v = status(&r).await["rules"]["version"]
+        .as_str()
+        .unwrap_or("")
+        .to_string();
+    write_rules(&r, "r.yaml", "rules: []\n");
+    let _ = wait_version_change(&r, &v).await;
+    // Killed while most of the queue still waits (200 events one at a time, 20 ms each).
+    let (_, t) = get_json(&r, "/v1/targets/old").await;
+    assert_eq!(t["in_rule_set"], false, "{t}");
+    r.kill9();
+    let before = slow.distinct_ids().len();
+    assert!(before < 200, "the queue drained before the kill: {before}");
+    r.restart();
+    assert!(
+        slow.wait_for(Duration::from_secs(60), |s| {
+            s.iter()
+                .map(Received::event_id)
+                .collect::<std::collections::HashSet<_>>()
+                .len()
+                >= 200
+        })
+        .await,
+        "the removed target's queue was stranded by the restart: {} of 200 delivered ({before} \
+         before the kill)",
+        slow.distinct_ids().len()
+    );
+    let (_, t) = get_json(&r, "/v1/targets/old").await;
+    assert_eq!(t["in_rule_set"], false, "{t}");
+    assert_eq!(t["queued"], 0, "{t}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_removed_target_can_dead_letter_its_queue_instead() {
     let never = Receiver::status(503).await;
