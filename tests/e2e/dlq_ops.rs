@@ -311,6 +311,89 @@ async fn replay_of_a_time_range_delivers_exactly_the_matching_archived_events() 
     }
 }
 
+/// A replay job resumes from its durable cursor after each kill -9: every archived event of
+/// the range is replayed, none twice under different keys, and the job ends `done` having
+/// moved each once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_job_survives_repeated_kill_9() {
+    let rcv = Receiver::ok().await;
+    let rules = rules_yaml(
+        "",
+        &[(
+            "r",
+            "t",
+            &[format!("webhook: {}\n        id: c", rcv.url())],
+        )],
+    );
+    let mut r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let from = chrono::Utc::now() - chrono::Duration::seconds(1);
+    let batch: Vec<_> = (0..60)
+        .map(|i| event(&format!("a{i}"), "t", json!({})))
+        .collect();
+    let (s, _) = post_raw(
+        &r,
+        "application/cloudevents-batch+json",
+        serde_json::to_vec(&batch).expect("json"),
+    )
+    .await;
+    assert_eq!(s, 202);
+    assert!(
+        rcv.wait_for(Duration::from_secs(15), |s| s.len() >= 60)
+            .await
+    );
+    // Acknowledged too: a first delivery redelivered after a kill would look like a replay.
+    assert!(queues_drained(&r, Duration::from_secs(20)).await);
+    let to = chrono::Utc::now() + chrono::Duration::seconds(1);
+    let first = rcv.count();
+    let (s, job) = post_json(
+        &r,
+        "/v1/replay",
+        json!({"from": from.to_rfc3339(), "to": to.to_rfc3339(), "rate_per_sec": 25}),
+    )
+    .await;
+    assert_eq!(s, 201, "{job}");
+    let id = job["id"].as_str().expect("id").to_string();
+    let mut kills = 0;
+    loop {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let (_, j) = get_json(&r, &format!("/v1/replay/{id}")).await;
+        if j["state"] == "done" {
+            break;
+        }
+        r.kill9();
+        r.restart();
+        kills += 1;
+        assert!(kills < 30, "the job never finished: {j}");
+    }
+    eprintln!("replay finished after {kills} kill -9s");
+    assert!(kills >= 2, "the test did not kill the job mid-way");
+    let (_, j) = get_json(&r, &format!("/v1/replay/{id}")).await;
+    assert_eq!(j["moved"], 60, "{j}");
+    assert!(
+        rcv.wait_for(Duration::from_secs(20), |s| s[first..]
+            .iter()
+            .map(Received::event_id)
+            .collect::<HashSet<_>>()
+            .len()
+            == 60)
+            .await,
+        "not every archived event was replayed"
+    );
+    assert!(queues_drained(&r, Duration::from_secs(20)).await);
+    // A replay redelivered after a kill keeps its replay key: one key per event in the replay.
+    let mut keys: HashMap<String, HashSet<String>> = HashMap::new();
+    for g in &rcv.received()[first..] {
+        assert_eq!(g.body["replay"], id.as_str(), "{}", g.body);
+        keys.entry(g.event_id())
+            .or_default()
+            .insert(g.header("idempotency-key").unwrap_or_default());
+    }
+    assert!(
+        keys.values().all(|k| k.len() == 1),
+        "a replayed event arrived under two keys: {keys:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_and_disable_contain_without_losing_anything() {
     let rcv = Receiver::ok().await;
