@@ -18,8 +18,7 @@ async fn accept(r: &RouterProc, prefix: &str, n: usize, data: Value) {
         .map(|i| event(&format!("{prefix}{i}"), "t", data.clone()))
         .collect();
     for chunk in events.chunks(100) {
-        let (status, body) = post_raw(r, BATCH, serde_json::to_vec(chunk).expect("json")).await;
-        assert_eq!(status, 202, "{body}");
+        post_batch(r, chunk).await;
     }
 }
 
@@ -247,8 +246,7 @@ async fn a_producer_batch_that_fills_half_a_batch_is_handed_off_as_one_request()
     let events: Vec<Value> = (0..30)
         .map(|i| event(&format!("h-{i}"), "t", json!({"n": i})))
         .collect();
-    let (status, body) = post_raw(&r, BATCH, serde_json::to_vec(&events).expect("json")).await;
-    assert_eq!(status, 202, "{body}");
+    post_batch(&r, &events).await;
     assert!(
         rcv.wait_for(Duration::from_secs(20), |seen| !seen.is_empty())
             .await,
@@ -281,8 +279,7 @@ async fn a_producer_batch_that_fills_half_a_batch_is_handed_off_as_one_request()
     let events: Vec<Value> = (0..50)
         .map(|i| event(&format!("s-{i}"), "t", json!({"n": i})))
         .collect();
-    let (status, body) = post_raw(&r, BATCH, serde_json::to_vec(&events).expect("json")).await;
-    assert_eq!(status, 202, "{body}");
+    post_batch(&r, &events).await;
     assert!(
         rcv.wait_for(Duration::from_secs(20), |seen| seen.len() >= 3)
             .await,

@@ -289,16 +289,7 @@ async fn repeated_kill_9_under_mixed_load_loses_and_reorders_nothing() {
 /// event that a queue entry still needs. (Fates are not sampled: the sweep removes them.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn repeated_kill_9_while_sweeping_loses_and_reorders_nothing() {
-    chaos(
-        &[
-            ("ROUTER_DELIVERY__SWEEP_INTERVAL", "200ms"),
-            ("ROUTER_DELIVERY__RETENTION", "1s"),
-            ("ROUTER_INGEST__DEDUP_WINDOW", "1s"),
-            ("ROUTER_ARCHIVE__RETENTION", "1s"),
-        ],
-        true,
-    )
-    .await;
+    chaos(&SWEEP_SOON, true).await;
 }
 
 /// One chaos run: the routers get `env`. With `sweeping` (the env makes the sweeper remove

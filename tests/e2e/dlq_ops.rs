@@ -19,6 +19,26 @@ async fn job_done(r: &RouterProc, path: &str, timeout: Duration) -> Value {
     .unwrap_or_else(|| panic!("job {path} did not finish"))
 }
 
+/// Kills and restarts the router every 600 ms until the job at `path` is `done` (at most 30
+/// times); asserts it was killed at least twice mid-way and returns the finished job.
+async fn kill_until_done(r: &mut RouterProc, path: &str) -> Value {
+    let mut kills = 0;
+    loop {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let (_, j) = get_json(r, path).await;
+        if j["state"] == "done" {
+            break;
+        }
+        r.kill9();
+        r.restart();
+        kills += 1;
+        assert!(kills < 30, "the job never finished: {j}");
+    }
+    eprintln!("{path} finished after {kills} kill -9s");
+    assert!(kills >= 2, "the test did not kill the job mid-way");
+    get_json(r, path).await.1
+}
+
 fn broken_receiver(broken: Arc<AtomicBool>) -> Script {
     Arc::new(move |_, _| {
         (
@@ -63,13 +83,7 @@ async fn a_broken_consumer_is_redriven_after_the_fix_at_the_set_rate() {
     let batch: Vec<_> = (0..40)
         .map(|i| event(&format!("x{i}"), "t", json!({"i": i})))
         .collect();
-    let (s, _) = post_raw(
-        &r,
-        "application/cloudevents-batch+json",
-        serde_json::to_vec(&batch).expect("json"),
-    )
-    .await;
-    assert_eq!(s, 202);
+    post_batch(&r, &batch).await;
     let dlq_full = eventually(Duration::from_secs(15), || async {
         let (_, l) = get_json(&r, "/v1/dlq?target=consumer&limit=1000").await;
         (l["entries"].as_array().map(Vec::len) == Some(40)).then_some(())
@@ -188,21 +202,7 @@ async fn a_redrive_job_survives_repeated_kill_9() {
     broken.store(false, Ordering::SeqCst);
     let (_, job) = post_json(&r, "/v1/dlq/redrive", json!({"rate_per_sec": 25})).await;
     let id = job["id"].as_str().expect("id").to_string();
-    let mut kills = 0;
-    loop {
-        tokio::time::sleep(Duration::from_millis(600)).await;
-        let (_, j) = get_json(&r, &format!("/v1/dlq/redrive/{id}")).await;
-        if j["state"] == "done" {
-            break;
-        }
-        r.kill9();
-        r.restart();
-        kills += 1;
-        assert!(kills < 30, "the job never finished: {j}");
-    }
-    eprintln!("redrive finished after {kills} kill -9s");
-    assert!(kills >= 2, "the test did not kill the job mid-way");
-    let (_, j) = get_json(&r, &format!("/v1/dlq/redrive/{id}")).await;
+    let j = kill_until_done(&mut r, &format!("/v1/dlq/redrive/{id}")).await;
     assert_eq!(j["moved"], 60, "{j}");
     // Exactly once: every entry was moved once (redrive_count 1) and nothing is left behind.
     for i in 0..60 {
@@ -330,13 +330,7 @@ async fn a_replay_job_survives_repeated_kill_9() {
     let batch: Vec<_> = (0..60)
         .map(|i| event(&format!("a{i}"), "t", json!({})))
         .collect();
-    let (s, _) = post_raw(
-        &r,
-        "application/cloudevents-batch+json",
-        serde_json::to_vec(&batch).expect("json"),
-    )
-    .await;
-    assert_eq!(s, 202);
+    post_batch(&r, &batch).await;
     assert!(
         rcv.wait_for(Duration::from_secs(15), |s| s.len() >= 60)
             .await
@@ -353,21 +347,7 @@ async fn a_replay_job_survives_repeated_kill_9() {
     .await;
     assert_eq!(s, 201, "{job}");
     let id = job["id"].as_str().expect("id").to_string();
-    let mut kills = 0;
-    loop {
-        tokio::time::sleep(Duration::from_millis(600)).await;
-        let (_, j) = get_json(&r, &format!("/v1/replay/{id}")).await;
-        if j["state"] == "done" {
-            break;
-        }
-        r.kill9();
-        r.restart();
-        kills += 1;
-        assert!(kills < 30, "the job never finished: {j}");
-    }
-    eprintln!("replay finished after {kills} kill -9s");
-    assert!(kills >= 2, "the test did not kill the job mid-way");
-    let (_, j) = get_json(&r, &format!("/v1/replay/{id}")).await;
+    let j = kill_until_done(&mut r, &format!("/v1/replay/{id}")).await;
     assert_eq!(j["moved"], 60, "{j}");
     assert!(
         rcv.wait_for(Duration::from_secs(20), |s| s[first..]

@@ -497,6 +497,16 @@ async fn failing_leases_pause_the_worker_and_delivery_resumes_when_the_disk_heal
     let _ = server.await;
 }
 
+/// With `SWEEP_SOON`: a file past 4 MiB that is mostly free pages is compacted.
+const COMPACT_MIN: (&str, &str) = ("ROUTER_STORE__COMPACT_MIN_BYTES", "4194304");
+
+/// Batch `b` of a compaction test's backlog: 100 `t` events `b{b}-{i}` with 2 KB of data.
+fn backlog_batch(b: usize) -> Vec<Value> {
+    (0..100)
+        .map(|i| event(&format!("b{b}-{i}"), "t", json!({"pad": "x".repeat(2000)})))
+        .collect()
+}
+
 /// A compaction holds the store file exclusively — seconds on a file of gigabytes, stretched
 /// here to 3 s by a delay point since a test-sized file compacts in milliseconds. Meanwhile
 /// ingest must answer at once (503 with `Retry-After`, never a request left hanging for the
@@ -510,13 +520,11 @@ async fn a_compaction_under_ingest_answers_503_at_once_and_traffic_resumes() {
         &[("r.yaml", &rules)],
         &[],
         &[
-            ("ROUTER_STORE__COMPACT_MIN_BYTES", "4194304"),
-            ("ROUTER_DELIVERY__SWEEP_INTERVAL", "200ms"),
-            ("ROUTER_DELIVERY__RETENTION", "1s"),
-            ("ROUTER_INGEST__DEDUP_WINDOW", "1s"),
-            ("ROUTER_ARCHIVE__RETENTION", "1s"),
-            ("EVENT_ROUTER_DELAY_AT", "compaction:3000"),
-        ],
+            &[COMPACT_MIN],
+            SWEEP_SOON.as_slice(),
+            &[("EVENT_ROUTER_DELAY_AT", "compaction:3000")],
+        ]
+        .concat(),
     );
     let c = client();
     // Watch /v1/status for the compaction throughout.
@@ -565,9 +573,7 @@ async fn a_compaction_under_ingest_answers_503_at_once_and_traffic_resumes() {
         200
     );
     for b in 0..30 {
-        let batch: Vec<Value> = (0..100)
-            .map(|i| event(&format!("b{b}-{i}"), "t", json!({"pad": "x".repeat(2000)})))
-            .collect();
+        let batch = backlog_batch(b);
         let body = serde_json::to_string(&batch).expect("json");
         loop {
             match post("application/cloudevents-batch+json", body.clone()).await {
@@ -700,13 +706,11 @@ async fn a_crash_in_the_middle_of_a_compaction_loses_nothing() {
         &[("r.yaml", &rules)],
         &[],
         &[
-            ("ROUTER_STORE__COMPACT_MIN_BYTES", "4194304"),
-            ("ROUTER_DELIVERY__SWEEP_INTERVAL", "200ms"),
-            ("ROUTER_DELIVERY__RETENTION", "1s"),
-            ("ROUTER_INGEST__DEDUP_WINDOW", "1s"),
-            ("ROUTER_ARCHIVE__RETENTION", "1s"),
-            ("EVENT_ROUTER_CRASH_AT", "compaction:pass_1"),
-        ],
+            &[COMPACT_MIN],
+            SWEEP_SOON.as_slice(),
+            &[("EVENT_ROUTER_CRASH_AT", "compaction:pass_1")],
+        ]
+        .concat(),
     );
     for target in ["r-0", "h-0"] {
         let path = format!("/v1/targets/{target}/pause");
@@ -718,27 +722,13 @@ async fn a_crash_in_the_middle_of_a_compaction_loses_nothing() {
         let batch: Vec<Value> = (0..100)
             .map(|i| event(&format!("h{}", b * 100 + i), "h", json!({"i": i})))
             .collect();
-        let (status, body) = post_raw(
-            &r,
-            "application/cloudevents-batch+json",
-            serde_json::to_vec(&batch).expect("json"),
-        )
-        .await;
-        assert_eq!(status, 202, "{body}");
+        post_batch(&r, &batch).await;
     }
     // A backlog of about 7 MB for `r-0`, delivered and swept a second later: the file is then
     // mostly free pages, and the compaction starts (as in the test above).
     for b in 0..30 {
-        let batch: Vec<Value> = (0..100)
-            .map(|i| event(&format!("b{b}-{i}"), "t", json!({"pad": "x".repeat(2000)})))
-            .collect();
-        let (status, body) = post_raw(
-            &r,
-            "application/cloudevents-batch+json",
-            serde_json::to_vec(&batch).expect("json"),
-        )
-        .await;
-        assert_eq!(status, 202, "{body}");
+        let batch = backlog_batch(b);
+        post_batch(&r, &batch).await;
     }
     assert_eq!(
         post_json(&r, "/v1/targets/r-0/resume", json!({})).await.0,

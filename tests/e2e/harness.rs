@@ -542,6 +542,26 @@ pub async fn post_raw(r: &RouterProc, content_type: &str, body: Vec<u8>) -> (u16
     (status, v)
 }
 
+/// Config under which the sweeper removes events a second after they were accepted (once
+/// delivered), checking every 200 ms.
+pub const SWEEP_SOON: [(&str, &str); 4] = [
+    ("ROUTER_DELIVERY__SWEEP_INTERVAL", "200ms"),
+    ("ROUTER_DELIVERY__RETENTION", "1s"),
+    ("ROUTER_INGEST__DEDUP_WINDOW", "1s"),
+    ("ROUTER_ARCHIVE__RETENTION", "1s"),
+];
+
+/// POSTs `events` as one CloudEvents batch and asserts the 202.
+pub async fn post_batch(r: &RouterProc, events: &[Value]) {
+    let (status, body) = post_raw(
+        r,
+        "application/cloudevents-batch+json",
+        serde_json::to_vec(events).expect("json"),
+    )
+    .await;
+    assert_eq!(status, 202, "{body}");
+}
+
 /// POSTs a JSON body to an API path; returns (status, body).
 pub async fn post_json(r: &RouterProc, path: &str, body: Value) -> (u16, Value) {
     let resp = client()

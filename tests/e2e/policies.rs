@@ -14,16 +14,6 @@ async fn target_state(r: &RouterProc, id: &str) -> Value {
     get_json(r, &format!("/v1/targets/{id}")).await.1
 }
 
-async fn send_batch(r: &RouterProc, events: Vec<Value>) {
-    let (s, b) = post_raw(
-        r,
-        "application/cloudevents-batch+json",
-        serde_json::to_vec(&events).expect("json"),
-    )
-    .await;
-    assert_eq!(s, 202, "{b}");
-}
-
 /// The SPEC's outage scenario: a target down under steady load. The breaker opens, nothing
 /// burns attempts while it is open, nothing reaches the DLQ, the breaker's transitions are
 /// routed as system events, and after recovery the backlog drains at no more than the
@@ -166,18 +156,18 @@ async fn permanent_failures_never_open_the_breaker_but_timeouts_do() {
         ],
     );
     let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
-    send_batch(
+    post_batch(
         &r,
-        (0..20)
+        &(0..20)
             .map(|i| event(&format!("b{i}"), "bad", json!({})))
-            .collect(),
+            .collect::<Vec<_>>(),
     )
     .await;
-    send_batch(
+    post_batch(
         &r,
-        (0..20)
+        &(0..20)
             .map(|i| event(&format!("s{i}"), "slow", json!({})))
-            .collect(),
+            .collect::<Vec<_>>(),
     )
     .await;
     assert!(
@@ -231,11 +221,11 @@ async fn the_concurrency_limit_is_never_exceeded() {
         )],
     );
     let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
-    send_batch(
+    post_batch(
         &r,
-        (0..60)
+        &(0..60)
             .map(|i| event(&format!("c{i}"), "t", json!({})))
-            .collect(),
+            .collect::<Vec<_>>(),
     )
     .await;
     let done = eventually(Duration::from_secs(20), || async {
@@ -269,11 +259,11 @@ async fn a_backlog_made_only_of_retries_drains_without_fresh_traffic() {
         )],
     );
     let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
-    send_batch(
+    post_batch(
         &r,
-        (0..60)
+        &(0..60)
             .map(|i| event(&format!("r{i}"), "t", json!({})))
-            .collect(),
+            .collect::<Vec<_>>(),
     )
     .await;
     let done = eventually(Duration::from_secs(30), || async {
@@ -325,9 +315,9 @@ async fn retry_after_is_honoured_in_both_forms() {
         )],
     );
     let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
-    send_batch(
+    post_batch(
         &r,
-        vec![event("secs", "t", json!({})), event("date", "t", json!({}))],
+        &[event("secs", "t", json!({})), event("date", "t", json!({}))],
     )
     .await;
     assert!(
@@ -412,11 +402,11 @@ async fn an_open_breaker_and_a_paused_target_survive_kill_9() {
         .await
         .expect("pause");
     assert_eq!(resp.status().as_u16(), 200);
-    send_batch(
+    post_batch(
         &r,
-        (0..5)
+        &(0..5)
             .map(|i| event(&format!("k{i}"), "t", json!({})))
-            .collect(),
+            .collect::<Vec<_>>(),
     )
     .await;
     // The API shows a transition at once; it becomes durable with a commit of its own a little
@@ -498,7 +488,7 @@ async fn per_key_order_holds_while_one_key_fails() {
                 e
             })
             .collect();
-        send_batch(&r, batch).await;
+        post_batch(&r, &batch).await;
     }
     let fail_until = Instant::now() + Duration::from_secs(3);
     *fail_cell.lock().expect("lock") = Some(fail_until);

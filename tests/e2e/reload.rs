@@ -170,8 +170,10 @@ async fn rules_reload_on_change_and_a_broken_file_is_refused() {
     assert_eq!(status(&r).await["reload"]["last_error"], Value::Null);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_removed_target_drains_under_its_last_configuration() {
+/// A router whose only target, `old`, takes one event at a time (20 ms each) from a
+/// receiver it returns; `n` events `{prefix}{i}` are accepted for it, then its rule is removed
+/// from the rules directory and the reload is waited for, most of the queue still waiting.
+async fn removed_while_queued(n: usize, prefix: &str) -> (RouterProc, Receiver) {
     let slow = Receiver::scripted(std::sync::Arc::new(|_, _| {
         (200, Duration::from_millis(20), vec![])
     }))
@@ -194,23 +196,23 @@ async fn a_removed_target_drains_under_its_last_configuration() {
         )],
         &[],
     );
-    let batch: Vec<_> = (0..100)
-        .map(|i| event(&format!("d{i}"), "t", json!({})))
+    let batch: Vec<_> = (0..n)
+        .map(|i| event(&format!("{prefix}{i}"), "t", json!({})))
         .collect();
-    let (s, _) = post_raw(
-        &r,
-        "application/cloudevents-batch+json",
-        serde_json::to_vec(&batch).expect("json"),
-    )
-    .await;
-    assert_eq!(s, 202);
-    // Remove the rule while most entries are still queued.
-    write_rules(&r, "r.yaml", "rules: []\n");
+    post_batch(&r, &batch).await;
+    // The version before the write, so a reload that comes quickly is not missed.
     let v = status(&r).await["rules"]["version"]
         .as_str()
         .unwrap_or("")
         .to_string();
+    write_rules(&r, "r.yaml", "rules: []\n");
     let _ = wait_version_change(&r, &v).await;
+    (r, slow)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_target_drains_under_its_last_configuration() {
+    let (r, slow) = removed_while_queued(100, "d").await;
     assert!(
         slow.wait_for(Duration::from_secs(30), |s| s.len() >= 100)
             .await,
@@ -224,44 +226,7 @@ async fn a_removed_target_drains_under_its_last_configuration() {
 /// from the store, since the rules directory no longer has it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_removed_target_drains_after_a_kill_9() {
-    let slow = Receiver::scripted(std::sync::Arc::new(|_, _| {
-        (200, Duration::from_millis(20), vec![])
-    }))
-    .await;
-    let policy = "  one-at-a-time:\n    throttle: { max_concurrency: 1 }";
-    let mut r = RouterProc::start(
-        &[(
-            "r.yaml",
-            &rules_yaml(
-                policy,
-                &[(
-                    "r",
-                    "t",
-                    &[format!(
-                        "webhook: {}\n        id: old\n        policy: one-at-a-time",
-                        slow.url()
-                    )],
-                )],
-            ),
-        )],
-        &[],
-    );
-    let batch: Vec<_> = (0..200)
-        .map(|i| event(&format!("k{i}"), "t", json!({})))
-        .collect();
-    let (s, _) = post_raw(
-        &r,
-        "application/cloudevents-batch+json",
-        serde_json::to_vec(&batch).expect("json"),
-    )
-    .await;
-    assert_eq!(s, 202);
-    let v = status(&r).await["rules"]["version"]
-        .as_str()
-        .unwrap_or("")
-        .to_string();
-    write_rules(&r, "r.yaml", "rules: []\n");
-    let _ = wait_version_change(&r, &v).await;
+    let (mut r, slow) = removed_while_queued(200, "k").await;
     // Killed while most of the queue still waits (200 events one at a time, 20 ms each).
     let (_, t) = get_json(&r, "/v1/targets/old").await;
     assert_eq!(t["in_rule_set"], false, "{t}");
