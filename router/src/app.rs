@@ -641,6 +641,7 @@ pub async fn run(
             compact_min_bytes: Some(cfg.store.compact_min_bytes),
             group_log: cfg.store.group_log,
             checkpoint_every: Some(cfg.store.checkpoint_interval),
+            floor_every: None,
             sweep_batch: None,
             commit_delay: cfg.store.commit_delay,
             dedup_memtable_keys: Some(cfg.store.dedup_memtable_keys),

@@ -26,7 +26,12 @@ use crate::event::{CloudEvent, FieldError};
 ///   instead of JSON. Older records are read as they are and rewritten in the new layout when
 ///   their entry next changes; a build of format 3 refuses a store of format 4 instead of
 ///   failing on its first binary record.
-pub const FORMAT_VERSION: u32 = 4;
+/// - 5: an `events` record carries the event's fan-out (`redb_store::event_record`): an entry
+///   queued at acceptance has no row in `entries` or `live` until it changes or the entry
+///   floor (`meta`'s `entry_floor`) passes its event. A store of format 4 or older gets its
+///   floor past its last event at open (all its entries have rows); a build of format 4
+///   refuses a store of format 5 instead of missing its queued entries.
+pub const FORMAT_VERSION: u32 = 5;
 
 /// The oldest on-disk layout this build reads (and upgrades in place at open).
 pub const OLDEST_READABLE_FORMAT: u32 = 1;

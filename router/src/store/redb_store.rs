@@ -161,6 +161,9 @@ pub struct StoreOptions {
     /// Longest time between checkpoints with a group log (`store.checkpoint_interval`; default
     /// `CHECKPOINT_EVERY`; tests set it long to keep groups in the log only).
     pub checkpoint_every: Option<Duration>,
+    /// How often the entry floor moves (default `FLOOR_EVERY`; tests set zero, which moves it
+    /// at every group over the previous group's events).
+    pub floor_every: Option<Duration>,
     /// Events examined per sweep call (default `SWEEP_BATCH`; `router bench sweep --batch`
     /// compares sizes).
     pub sweep_batch: Option<usize>,
@@ -193,6 +196,16 @@ const CHECKPOINT_BYTES: u64 = 16 << 20;
 /// thread between checkpoints did not shorten it (the pages are not in the file yet).
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(10);
 
+/// How often the committer moves the entry floor (`Committer::floor`) up to where the last
+/// move left the newest event. Entries live that long, or longer, are written to `entries`
+/// and `live`; the rest never are. The recovery at start reads the records of the events
+/// above the floor: at most about two intervals' worth.
+const FLOOR_EVERY: Duration = Duration::from_secs(1);
+
+/// Most entries one group writes while moving the floor (`Committer::advance_floor`): a
+/// backlog that crosses it is written a batch per group.
+const FLOOR_BATCH: usize = 2048;
+
 /// Most ready entries examined per lease (entries blocked behind their ordering key are
 /// skipped; this bounds the cost of a long blocked key).
 const SCAN_LIMIT: usize = 10_000;
@@ -214,6 +227,21 @@ fn dec_entry(key: (u64, u32), b: &[u8]) -> Result<QueueEntry, StoreError> {
     entry_codec::decode(key, b)
 }
 
+/// Entry `id` as its event's fan-out has it: an entry queued at acceptance and not changed
+/// since has no row of its own (`event_record`). `None`: not in the fan-out.
+fn fanout_entry(
+    events: &impl ReadableTable<u64, &'static [u8]>,
+    id: EntryId,
+) -> Result<Option<QueueEntry>, StoreError> {
+    let Some(raw) = events.get(id.event)? else {
+        return Ok(None);
+    };
+    let rec = EventRecord::split(id.event, raw.value())?;
+    rec.entry(id.idx)
+        .map(|r| dec_entry((id.event, id.idx), r))
+        .transpose()
+}
+
 /// Encodes an `entries` record in the current layout (`entry_codec`).
 fn enc_entry(e: &QueueEntry) -> Vec<u8> {
     entry_codec::encode(e)
@@ -221,7 +249,7 @@ fn enc_entry(e: &QueueEntry) -> Vec<u8> {
 
 /// Decodes an `events` record; its sequence number is the record's key.
 fn dec_event(seq: u64, b: &[u8]) -> Result<StoredEvent, StoreError> {
-    let mut ev: StoredEvent = dec("events", b)?;
+    let mut ev: StoredEvent = dec("events", EventRecord::split(seq, b)?.json)?;
     ev.seq = seq;
     Ok(ev)
 }
@@ -233,6 +261,8 @@ fn dec_event(seq: u64, b: &[u8]) -> Result<StoredEvent, StoreError> {
 /// and the flush, not on JSON, hashing, or freeing another thread's allocations (all three
 /// measured on its profile with batched ingest).
 struct Prepared {
+    /// The `events` record: the event's JSON, with the fan-out of its entries that are not
+    /// leased at acceptance (`event_record`).
     record: Vec<u8>,
     /// The dedup key's fingerprint (hashed here, off the committer thread).
     fp: dedup::Fp,
@@ -240,8 +270,9 @@ struct Prepared {
     dedup_window_ms: i64,
     /// `id`, `source`, `type`: what a DLQ entry names.
     names: (String, String, String),
-    /// Each target with its queue entry record, and its lease when it is leased at
-    /// acceptance.
+    /// Each target with its queue entry record (written as a row of its own only when
+    /// leased at acceptance; otherwise the event's record holds it), and its lease when it is
+    /// leased at acceptance.
     targets: Vec<(NewEntry, Vec<u8>, Option<Lease>)>,
     quarantine: Option<Quarantine>,
 }
@@ -264,7 +295,7 @@ impl Prepared {
     /// The records of `ne`; with `tokens`, the entries whose `lease_ms` is set are leased at
     /// acceptance, each under a fresh token from `tokens`, and returned with the event.
     fn leasing(ne: NewEvent, tokens: Option<&dyn Fn() -> u64>) -> (Self, Option<Handoff>) {
-        let record = enc(&StoredEventRef::of(&ne));
+        let json = enc(&StoredEventRef::of(&ne));
         let ev = ne.event;
         let hops = ev.hops();
         let at = ne.accepted_at;
@@ -297,7 +328,20 @@ impl Prepared {
                 }
                 (t, record, lease)
             })
-            .collect();
+            .collect::<Vec<_>>();
+        // A quarantined event is never queued: no fan-out.
+        let fanout: Vec<(u32, &[u8])> = if ne.quarantine.is_some() {
+            Vec::new()
+        } else {
+            targets
+                .iter()
+                .enumerate()
+                .filter(|(_, (_, _, lease))| lease.is_none())
+                .map(|(i, (_, r, _))| (u32::try_from(i).unwrap_or(u32::MAX), r.as_slice()))
+                .collect()
+        };
+        let record = event_record::encode(&fanout, &json);
+        drop(fanout);
         let fp = dedup::fingerprint(&ev.dedup_key());
         let (names, handoff) = if handed.is_empty() {
             ((ev.id, ev.source, ev.ty), None)
@@ -775,7 +819,13 @@ impl RedbStore {
             None => 0,
         };
         let cold_before = cold_before(opts.dedup_window);
-        let (boot, counters, index, dedup) = recover(&db, cold_before)?;
+        let Recovered {
+            boot,
+            counters,
+            index,
+            dedup,
+            floor,
+        } = recover(&db, cold_before)?;
         let dedup = Arc::new(RwLock::new(dedup));
         let (tx, rx) = mpsc::channel(65_536);
         // A failed log write wakes the committer, which reopens the store at once instead of
@@ -828,6 +878,11 @@ impl RedbStore {
             last_group_failed: false,
             next_seq: counters.0,
             next_dlq: counters.1,
+            floor,
+            floor_next: counters.0,
+            floor_goal: floor,
+            floor_moved: Instant::now(),
+            floor_every: opts.floor_every.unwrap_or(FLOOR_EVERY),
             meta_counters: counters,
             on_commit: opts.on_commit,
             reopen,
@@ -1210,6 +1265,17 @@ impl RedbStore {
         for row in entries_t.range((seq, 0)..=(seq, u32::MAX))? {
             let (k, v) = row?;
             entries.push(dec_entry(k.value(), v.value())?);
+        }
+        // Entries queued at acceptance and unchanged since are the event's fan-out (below the
+        // floor every entry has a row, which takes precedence).
+        if let Some(raw) = events.get(seq)? {
+            let rec = EventRecord::split(seq, raw.value())?;
+            for (idx, record) in rec.entries() {
+                if !entries.iter().any(|e| e.id.idx == idx) {
+                    entries.push(dec_entry((seq, idx), record)?);
+                }
+            }
+            entries.sort_by_key(|e| e.id.idx);
         }
         let by_ev = r.open_table(DLQ_BY_EVENT)?;
         let dlq_t = r.open_table(DLQ)?;
@@ -1777,8 +1843,17 @@ fn replay_log(db: &Database, image: &[u8]) -> Result<u64, StoreError> {
     Ok(last)
 }
 
-/// What `recover` rebuilds: (boot, (next_seq, next_dlq), index, dedup index).
-type Recovered = (u64, (u64, u64), Index, dedup::DedupState);
+/// What the recovery at open rebuilds from the file.
+struct Recovered {
+    /// This process's boot epoch (leases carry it).
+    boot: u64,
+    /// `next_seq`, `next_dlq`.
+    counters: (u64, u64),
+    index: Index,
+    dedup: dedup::DedupState,
+    /// The entry floor (`Committer::floor`).
+    floor: u64,
+}
 
 /// Checks the format version, bumps the boot epoch, reclaims leases of the dead process and
 /// rebuilds the in-memory indexes.
@@ -1794,6 +1869,7 @@ fn recover(db: &Database, cold_before: Option<i64>) -> Result<Recovered, StoreEr
     txn.set_durability(Durability::Immediate)?;
     let boot;
     let counters;
+    let floor;
     let mut index = Index::default();
     {
         let mut meta = txn.open_table(META)?;
@@ -1829,12 +1905,23 @@ fn recover(db: &Database, cold_before: Option<i64>) -> Result<Recovered, StoreEr
             read_u64(&meta, "next_seq")?.unwrap_or(1),
             read_u64(&meta, "next_dlq")?.unwrap_or(1),
         );
+        // A store of format 4 or older has every entry in `entries` and every live one in
+        // `live`: its floor is past its last event.
+        floor = match read_u64(&meta, "entry_floor")? {
+            Some(f) => f,
+            None => {
+                meta.insert("entry_floor", counters.0.to_le_bytes().as_slice())?;
+                counters.0
+            }
+        };
         // Create every table so readers never see "table does not exist".
-        txn.open_table(EVENTS)?;
+        let events = txn.open_table(EVENTS)?;
         txn.open_table(TARGETS)?;
         let live = txn.open_table(LIVE)?;
         let mut entries = txn.open_table(ENTRIES)?;
-        let ids: Vec<EntryId> = live
+        // Live entries: below the floor, those `live` lists; above it, every row of
+        // `entries` still queued and every fan-out entry without a row.
+        let mut ids: Vec<EntryId> = live
             .iter()?
             .map(|r| {
                 r.map(|(k, _)| {
@@ -1843,13 +1930,46 @@ fn recover(db: &Database, cold_before: Option<i64>) -> Result<Recovered, StoreEr
                 })
             })
             .collect::<Result<_, _>>()?;
+        let mut recent: BTreeMap<EntryId, Option<QueueEntry>> = BTreeMap::new();
+        for row in entries.range((floor, 0)..)? {
+            let (k, _) = row?;
+            let (event, idx) = k.value();
+            recent.insert(EntryId { event, idx }, None);
+        }
+        for row in events.range(floor..)? {
+            let (k, v) = row?;
+            let seq = k.value();
+            let rec = EventRecord::split(seq, v.value())?;
+            for (idx, record) in rec.entries() {
+                let id = EntryId { event: seq, idx };
+                if let std::collections::btree_map::Entry::Vacant(slot) = recent.entry(id) {
+                    slot.insert(Some(dec_entry((seq, idx), record)?));
+                }
+            }
+        }
+        drop(events);
         let now = chrono::Utc::now().timestamp_millis();
-        for id in ids {
-            let Some(raw) = entries.get((id.event, id.idx))? else {
-                continue;
+        ids.extend(
+            recent
+                .iter()
+                .filter(|(_, e)| e.is_none())
+                .map(|(id, _)| *id),
+        );
+        let from_rows = ids.into_iter().map(|id| (id, None));
+        let from_fanout = recent.into_iter().filter(|(_, e)| e.is_some());
+        for (id, fanout) in from_rows.chain(from_fanout) {
+            let mut e = match fanout {
+                Some(e) => e,
+                None => {
+                    let Some(raw) = entries.get((id.event, id.idx))? else {
+                        continue;
+                    };
+                    dec_entry((id.event, id.idx), raw.value())?
+                }
             };
-            let mut e = dec_entry((id.event, id.idx), raw.value())?;
-            drop(raw);
+            if e.state != EntryState::Queued {
+                continue;
+            }
             if e.lease.take().is_some() {
                 if let Some(a) = e.attempts.last_mut().filter(|a| a.result.is_none()) {
                     a.finished_at = Some(now);
@@ -1895,7 +2015,13 @@ fn recover(db: &Database, cold_before: Option<i64>) -> Result<Recovered, StoreEr
     }
     let dedup = recover_dedup(&txn, cold_before)?;
     txn.commit()?;
-    Ok((boot, counters, index, dedup))
+    Ok(Recovered {
+        boot,
+        counters,
+        index,
+        dedup,
+        floor,
+    })
 }
 
 /// Rebuilds the dedup index's memory from its tables: the registered runs with their
@@ -2032,6 +2158,19 @@ struct Committer {
     last_group_failed: bool,
     next_seq: u64,
     next_dlq: u64,
+    /// The entry floor (`meta`'s `entry_floor`): every entry of an event below it has a row in
+    /// `entries`, and every live one a row in `live`. Above it, an entry queued at acceptance
+    /// and unchanged since is only in its event's record (`event_record`), and `live` has
+    /// none of them: the recovery reads the events above the floor instead.
+    floor: u64,
+    /// Where the next periodic move takes the floor: `next_seq` at the last one.
+    floor_next: u64,
+    /// Where the floor is on its way to (`advance_floor` moves it a batch per group).
+    floor_goal: u64,
+    /// When the floor last moved periodically.
+    floor_moved: Instant,
+    /// `StoreOptions::floor_every`.
+    floor_every: Duration,
     /// (`next_seq`, `next_dlq`) as `meta` holds them: a group that changes neither (leases and
     /// acks only, most groups while delivery runs) leaves the table alone, one page fewer to
     /// write and sync.
@@ -2137,21 +2276,24 @@ impl Settle {
         }
     }
 
-    /// Applies this to `e` (whose attempt is closed) and the live index; returns the effect on
-    /// the in-memory queue index.
+    /// Applies this to `e` (whose attempt is closed) and the live index (which holds entries
+    /// of events below `floor` only); returns the effect on the in-memory queue index.
     fn apply(
         self,
         e: &mut QueueEntry,
         id: EntryId,
         now: Millis,
         live: &mut LTable<'_, (u64, u32), ()>,
+        floor: u64,
     ) -> Result<Effect, StoreError> {
         let target = e.target_id.clone();
         Ok(match self {
             Self::Delivered => {
                 e.state = EntryState::Delivered;
                 e.finished_at = Some(now);
-                live.remove((id.event, id.idx))?;
+                if id.event < floor {
+                    live.remove((id.event, id.idx))?;
+                }
                 Effect::Remove {
                     target,
                     id,
@@ -2226,7 +2368,17 @@ impl Committer {
             recover(&db, cold_before(self.dedup_window)).map(|r| (db, log_seq, r))
         });
         match reopened {
-            Ok((db, log_seq, (_boot, (next_seq, next_dlq), index, dedup))) => {
+            Ok((
+                db,
+                log_seq,
+                Recovered {
+                    counters: (next_seq, next_dlq),
+                    index,
+                    dedup,
+                    floor,
+                    ..
+                },
+            )) => {
                 *slot = Some(db);
                 *self.dedup.write().unwrap_or_else(|p| p.into_inner()) = dedup;
                 self.frozen_written = 0;
@@ -2235,6 +2387,9 @@ impl Committer {
                 self.poisoned = false;
                 (self.next_seq, self.next_dlq) = (next_seq, next_dlq);
                 self.meta_counters = (next_seq, next_dlq);
+                self.floor = floor;
+                self.floor_next = next_seq;
+                self.floor_goal = floor;
                 if let Some(log) = &self.log {
                     // Everything is durable in redb now: the log starts again.
                     self.log_seq = log_seq;
@@ -2573,7 +2728,7 @@ impl Committer {
         if self.poisoned {
             self.try_reopen();
         }
-        let saved = (self.next_seq, self.next_dlq);
+        let saved = (self.next_seq, self.next_dlq, self.floor);
         self.group_depth.clear();
         let mut dones: Vec<Done> = Vec::with_capacity(n);
         // Ops not reached (the transaction could not start) are dropped below with the rest,
@@ -2593,6 +2748,26 @@ impl Committer {
                 txn: &txn,
                 log: logged.then_some(&mutations),
             };
+            // The floor moves before any op: the in-memory index then holds exactly the live
+            // entries of what is committed (plus leases being taken, which are live too).
+            if self.floor_moved.elapsed() >= self.floor_every {
+                self.floor_goal = self.floor_goal.max(self.floor_next);
+                self.floor_next = self.next_seq;
+                self.floor_moved = Instant::now();
+            }
+            for op in &batch {
+                if let Op::Sweep {
+                    now,
+                    dedup_window_ms,
+                    retention_ms,
+                    ..
+                } = op
+                {
+                    let cut = sweep_cut(*now, *dedup_window_ms, *retention_ms);
+                    self.floor_goal = self.floor_goal.max(self.sweep_floor(&tx, cut)?);
+                }
+            }
+            self.advance_floor(&tx)?;
             let mut failed = None;
             // The group's accepts go first, in one call: the four tables they write are then
             // opened once per group instead of once per request (measured: table opens were
@@ -2652,7 +2827,13 @@ impl Committer {
                 }
             }
             if !split.finishes.is_empty()
-                && let Err(e) = finish_plain(&tx, split.finishes.drain(..), &mut dones, effects)
+                && let Err(e) = finish_plain(
+                    &tx,
+                    self.floor,
+                    split.finishes.drain(..),
+                    &mut dones,
+                    effects,
+                )
             {
                 failed.get_or_insert(e);
             }
@@ -2710,7 +2891,7 @@ impl Committer {
             }
             Err(e) => {
                 tracing::error!(error = %e, ops = n, "store commit failed; every request in the group gets the error");
-                (self.next_seq, self.next_dlq) = saved;
+                (self.next_seq, self.next_dlq, self.floor) = saved;
                 self.dedup_group.clear();
                 self.dedup_rows.clear();
                 self.dedup_fx = DedupFx::default();
@@ -3065,12 +3246,18 @@ impl Committer {
                 retention_ms,
                 reply,
             } => {
-                let r = sweep(txn, now, dedup_window_ms, retention_ms, self.sweep_batch).and_then(
-                    |mut stats| {
-                        self.drop_swept_runs(txn, &mut stats)?;
-                        Ok(stats)
-                    },
-                );
+                let r = sweep(
+                    txn,
+                    now,
+                    dedup_window_ms,
+                    retention_ms,
+                    self.sweep_batch,
+                    self.floor,
+                )
+                .and_then(|mut stats| {
+                    self.drop_swept_runs(txn, &mut stats)?;
+                    Ok(stats)
+                });
                 self.dedup_fx.cool_before = Some(now.saturating_sub(dedup_window_ms));
                 // An idle router's memtable is frozen once its hour is over, too.
                 let latest = &mut self.dedup_fx.latest_at;
@@ -3093,7 +3280,6 @@ impl Committer {
         let mut run_keys = None;
         let mut ev_t = txn.open_table(EVENTS)?;
         let mut entries_t = txn.open_table(ENTRIES)?;
-        let mut live_t = txn.open_table(LIVE)?;
         let mut out = Vec::with_capacity(events.len());
         let state = self.dedup.clone();
         let state = state.read().unwrap_or_else(|p| p.into_inner());
@@ -3127,8 +3313,9 @@ impl Committer {
             self.dedup_rows.push((p.fp, seq, p.accepted_at));
             let latest = &mut self.dedup_fx.latest_at;
             *latest = Some(latest.map_or(p.accepted_at, |l| l.max(p.accepted_at)));
-            ev_t.insert(seq, p.record.as_slice())?;
             let mut leased = Vec::new();
+            // Targets whose copy the depth cap refused: out of the record's fan-out.
+            let mut refused = Vec::new();
             if let Some(q) = p.quarantine.take() {
                 let d = p.dead_letter(seq, None, q.reason, q.errors);
                 self.add_dlq(txn, d, effects)?;
@@ -3158,6 +3345,7 @@ impl Committer {
                                 vec![error],
                             );
                             self.add_dlq(txn, d, effects)?;
+                            refused.push(id.idx);
                             continue;
                         }
                     }
@@ -3167,9 +3355,10 @@ impl Committer {
                             self.group_depth.insert(t.target_id.clone(), 1);
                         }
                     }
-                    entries_t.insert((id.event, id.idx), record.as_slice())?;
-                    live_t.insert((id.event, id.idx), ())?;
+                    // A queued entry is the event's fan-out until it changes; one leased here
+                    // has changed already. Neither is in `live` while above the floor.
                     if lease.is_some() {
+                        entries_t.insert((id.event, id.idx), record.as_slice())?;
                         leased.push(id.idx);
                     }
                     effects.push(Effect::Enqueue {
@@ -3181,6 +3370,12 @@ impl Committer {
                         lease,
                     });
                 }
+            }
+            if refused.is_empty() {
+                ev_t.insert(seq, p.record.as_slice())?;
+            } else {
+                let rec = EventRecord::split(seq, &p.record)?;
+                ev_t.insert(seq, rec.without(&refused, rec.json).as_slice())?;
             }
             out.push((AcceptOutcome::Accepted { seq }, leased));
         }
@@ -3281,7 +3476,9 @@ impl Committer {
         let id = entry.id;
         txn.open_table(ENTRIES)?
             .insert((id.event, id.idx), enc_entry(entry).as_slice())?;
-        txn.open_table(LIVE)?.insert((id.event, id.idx), ())?;
+        if id.event < self.floor {
+            txn.open_table(LIVE)?.insert((id.event, id.idx), ())?;
+        }
         effects.push(Effect::Enqueue {
             target: entry.target_id.clone(),
             id,
@@ -3293,14 +3490,157 @@ impl Committer {
         Ok(())
     }
 
+    /// Moves the entry floor towards `self.floor_goal`: each live entry of the events passed
+    /// gets its row in `live`, and one still only in its event's fan-out its row in
+    /// `entries`. Which entries are live comes from the in-memory index, checked against
+    /// their rows. At most `FLOOR_BATCH` entries per group (a backlog crossing the floor is
+    /// written over several groups, not in one long commit that every request of its group
+    /// would wait for); the floor stops at an event boundary.
+    fn advance_floor(&mut self, txn: &Tx<'_>) -> Result<(), StoreError> {
+        let goal = self.floor_goal;
+        if goal <= self.floor {
+            return Ok(());
+        }
+        let lo = EntryId {
+            event: self.floor,
+            idx: 0,
+        };
+        let hi = EntryId {
+            event: goal,
+            idx: 0,
+        };
+        // The first `FLOOR_BATCH` + 1 of each target hold the first ones overall.
+        let mut ids: Vec<EntryId> = {
+            let idx = self.index.lock().unwrap_or_else(|p| p.into_inner());
+            idx.targets
+                .values()
+                .flat_map(|t| {
+                    t.live
+                        .range(lo..hi)
+                        .take(FLOOR_BATCH + 1)
+                        .map(|(id, _)| *id)
+                })
+                .collect()
+        };
+        ids.sort_unstable();
+        let mut to = goal;
+        if ids.len() > FLOOR_BATCH {
+            let first = ids[0].event;
+            let cut = ids[FLOOR_BATCH].event;
+            if cut > first {
+                // Up to the event of the first entry left out.
+                to = cut;
+                ids.retain(|id| id.event < to);
+            } else {
+                // One event with more live entries than a batch: all of them, so that the
+                // floor moves.
+                to = first + 1;
+                let (lo, hi) = (
+                    EntryId {
+                        event: first,
+                        idx: 0,
+                    },
+                    EntryId { event: to, idx: 0 },
+                );
+                let idx = self.index.lock().unwrap_or_else(|p| p.into_inner());
+                ids = idx
+                    .targets
+                    .values()
+                    .flat_map(|t| t.live.range(lo..hi).map(|(id, _)| *id))
+                    .collect();
+            }
+        }
+        let mut entries = txn.open_table(ENTRIES)?;
+        let mut live = txn.open_table(LIVE)?;
+        let events = txn.open_table(EVENTS)?;
+        for id in ids {
+            let key = (id.event, id.idx);
+            let row = entries
+                .get(key)?
+                .map(|v| dec_entry(key, v.value()))
+                .transpose()?;
+            match row {
+                Some(e) if e.state != EntryState::Queued => continue,
+                Some(_) => {}
+                None => match fanout_entry(&*events, id)? {
+                    Some(e) => {
+                        entries.insert(key, enc_entry(&e).as_slice())?;
+                    }
+                    None => continue,
+                },
+            }
+            live.insert(key, ())?;
+        }
+        txn.open_table(META)?
+            .insert("entry_floor", to.to_le_bytes().as_slice())?;
+        self.floor = to;
+        Ok(())
+    }
+
+    /// Where the floor must be for a sweep with this cut to see the events it may remove:
+    /// past the events above the floor accepted before `cut` (sequence numbers follow
+    /// acceptance; the first one accepted at or after the cut ends them), at most a sweep
+    /// batch of them (all one sweep call looks at).
+    fn sweep_floor(&self, txn: &Tx<'_>, cut: Millis) -> Result<u64, StoreError> {
+        let events = txn.open_table(EVENTS)?;
+        let mut last = None;
+        for row in events.range(self.floor..)?.take(self.sweep_batch) {
+            let (k, v) = row?;
+            if sweep_view(k.value(), v.value())? >= cut {
+                return Ok(k.value());
+            }
+            last = Some(k.value());
+        }
+        Ok(match last {
+            Some(seq) if seq + 1 < self.next_seq => seq + 1,
+            _ => self.next_seq,
+        })
+    }
+
     /// The next free fan-out index of an event (entries are never renumbered).
-    fn next_idx(txn: &Tx<'_>, seq: u64) -> Result<u32, StoreError> {
+    fn next_idx(&self, txn: &Tx<'_>, seq: u64) -> Result<u32, StoreError> {
         let t = txn.open_table(ENTRIES)?;
         let last = t
             .range((seq, 0)..=(seq, u32::MAX))?
             .next_back()
             .transpose()?;
-        Ok(last.map_or(0, |(k, _)| k.value().1.saturating_add(1)))
+        let rows = last.map_or(0, |(k, _)| k.value().1.saturating_add(1));
+        drop(t);
+        if seq < self.floor {
+            return Ok(rows);
+        }
+        // Above the floor, queued entries may have no row yet.
+        let raw = txn
+            .open_table(EVENTS)?
+            .get(seq)?
+            .map(|v| v.value().to_vec());
+        let fanout = match raw {
+            Some(raw) => EventRecord::split(seq, &raw)?.next_idx(),
+            None => 0,
+        };
+        Ok(rows.max(fanout))
+    }
+
+    /// Entry `id` as it stands in this transaction: its row, or, for an event at or above
+    /// the floor whose entry has not changed since acceptance, the event's fan-out. The flag
+    /// says whether it has a row.
+    fn load_entry(
+        &self,
+        txn: &Tx<'_>,
+        id: EntryId,
+    ) -> Result<Option<(QueueEntry, bool)>, StoreError> {
+        let row = txn
+            .open_table(ENTRIES)?
+            .get((id.event, id.idx))?
+            .map(|v| dec_entry((id.event, id.idx), v.value()))
+            .transpose()?;
+        if let Some(e) = row {
+            return Ok(Some((e, true)));
+        }
+        if id.event < self.floor {
+            return Ok(None);
+        }
+        fanout_entry(&*txn.open_table(EVENTS)?, id).map(|e| e.map(|e| (e, false)))
     }
 
     fn redrive_step(
@@ -3321,12 +3661,9 @@ impl Committer {
                         target: d.target_id.clone(),
                     });
                     let Some(id) = d.entry else { continue };
-                    let raw = txn
-                        .open_table(ENTRIES)?
-                        .get((id.event, id.idx))?
-                        .map(|v| v.value().to_vec());
-                    let Some(raw) = raw else { continue };
-                    let mut e = dec_entry((id.event, id.idx), &raw)?;
+                    let Some((mut e, _)) = self.load_entry(txn, id)? else {
+                        continue;
+                    };
                     e.requeue_for_redrive(now);
                     self.insert_entry(txn, &e, effects)?;
                 }
@@ -3349,9 +3686,12 @@ impl Committer {
                         ev.quarantined = false;
                         ev.matched_rules = matched_rules;
                     }
-                    ev_t.insert(d.event_seq, enc(&ev).as_slice())?;
+                    // The record keeps its fan-out (entries queued at acceptance for targets
+                    // whose copy was not refused).
+                    let record = EventRecord::split(d.event_seq, &raw)?.with_json(&enc(&ev));
+                    ev_t.insert(d.event_seq, record.as_slice())?;
                     drop(ev_t);
-                    let first = Self::next_idx(txn, d.event_seq)?;
+                    let first = self.next_idx(txn, d.event_seq)?;
                     for (idx, t) in (first..).zip(targets) {
                         let key = idempotency_key(&ev.event.source, &ev.event.id, &t.target_id);
                         let id = EntryId {
@@ -3396,7 +3736,7 @@ impl Committer {
                 .map(|v| v.value().to_vec());
             let Some(raw) = raw else { continue };
             let ev = dec_event(item.seq, &raw)?;
-            let first = Self::next_idx(txn, item.seq)?;
+            let first = self.next_idx(txn, item.seq)?;
             for (idx, t) in (first..).zip(item.targets) {
                 let original = idempotency_key(&ev.event.source, &ev.event.id, &t.target_id);
                 let id = EntryId {
@@ -3427,14 +3767,9 @@ impl Committer {
     ) -> Result<usize, StoreError> {
         let mut n = 0;
         for &id in ids {
-            let Some(raw) = txn
-                .open_table(ENTRIES)?
-                .get((id.event, id.idx))?
-                .map(|v| v.value().to_vec())
-            else {
+            let Some((mut e, _)) = self.load_entry(txn, id)? else {
                 continue;
             };
-            let mut e = dec_entry((id.event, id.idx), &raw)?;
             if e.state != EntryState::Queued || e.lease.is_some_and(|l| l.until >= now) {
                 continue;
             }
@@ -3466,7 +3801,9 @@ impl Committer {
                 redrive_count: e.redrive_count,
             };
             self.add_dlq(txn, d, effects)?;
-            txn.open_table(LIVE)?.remove((id.event, id.idx))?;
+            if id.event < self.floor {
+                txn.open_table(LIVE)?.remove((id.event, id.idx))?;
+            }
             txn.open_table(ENTRIES)?
                 .insert((id.event, id.idx), enc_entry(&e).as_slice())?;
             effects.push(Effect::Remove {
@@ -3506,13 +3843,19 @@ impl Committer {
         now: Millis,
     ) -> Result<Vec<QueueEntry>, StoreError> {
         let mut entries_t = txn.open_table(ENTRIES)?;
+        let ev_t = txn.open_table(EVENTS)?;
         let mut out = Vec::with_capacity(ids.len());
         for &id in ids {
-            let Some(raw) = entries_t.get((id.event, id.idx))? else {
-                continue;
+            let row = entries_t
+                .get((id.event, id.idx))?
+                .map(|v| dec_entry((id.event, id.idx), v.value()))
+                .transpose()?;
+            let e = match row {
+                Some(e) => Some(e),
+                None if id.event >= self.floor => fanout_entry(&*ev_t, id)?,
+                None => None,
             };
-            let mut e = dec_entry((id.event, id.idx), raw.value())?;
-            drop(raw);
+            let Some(mut e) = e else { continue };
             if e.state != EntryState::Queued || e.target_id != target {
                 continue;
             }
@@ -3549,15 +3892,17 @@ impl Committer {
         e.close_attempt(&end);
         if let Some(settle) = Settle::of(&disposition) {
             let mut live = txn.open_table(LIVE).map_err(StoreError::from)?;
-            effects.push(settle.apply(&mut e, id, now, &mut live)?);
+            effects.push(settle.apply(&mut e, id, now, &mut live, self.floor)?);
         } else if let Disposition::DeadLetter { reason, hold } = disposition {
             let target = e.target_id.clone();
             e.state = EntryState::Dead;
             e.finished_at = Some(now);
-            txn.open_table(LIVE)
-                .map_err(StoreError::from)?
-                .remove((id.event, id.idx))
-                .map_err(StoreError::from)?;
+            if id.event < self.floor {
+                txn.open_table(LIVE)
+                    .map_err(StoreError::from)?
+                    .remove((id.event, id.idx))
+                    .map_err(StoreError::from)?;
+            }
             let ev_t = txn.open_table(EVENTS).map_err(StoreError::from)?;
             let (eid, esrc, ety) = match ev_t.get(id.event).map_err(StoreError::from)? {
                 Some(raw) => {
@@ -3591,6 +3936,7 @@ impl Committer {
 /// is also returned, to abort the group.
 fn finish_plain(
     txn: &Tx<'_>,
+    floor: u64,
     finishes: impl Iterator<Item = PlainFinish>,
     dones: &mut Vec<Done>,
     effects: &mut Vec<Effect>,
@@ -3606,7 +3952,7 @@ fn finish_plain(
                 leased_entry(raw.as_ref().map(|v| v.value()), f.id, f.lease, f.now)?
             };
             e.close_attempt(&f.end);
-            effects.push(f.settle.apply(&mut e, f.id, f.now, &mut live)?);
+            effects.push(f.settle.apply(&mut e, f.id, f.now, &mut live, floor)?);
             entries
                 .insert(key, enc_entry(&e).as_slice())
                 .map_err(StoreError::from)?;
@@ -3666,9 +4012,11 @@ struct SweepView {
 }
 
 fn sweep_view(seq: u64, b: &[u8]) -> Result<Millis, StoreError> {
-    let v: SweepView = serde_json::from_slice(b).map_err(|e| StoreError::Corrupt {
-        table: "events",
-        message: format!("event {seq}: {e}"),
+    let v: SweepView = serde_json::from_slice(EventRecord::split(seq, b)?.json).map_err(|e| {
+        StoreError::Corrupt {
+            table: "events",
+            message: format!("event {seq}: {e}"),
+        }
     })?;
     Ok(v.accepted_at)
 }
@@ -3735,21 +4083,30 @@ impl<'a> SweepTables<'a> {
     }
 }
 
+/// The acceptance time before which a sweep removes events.
+fn sweep_cut(now: Millis, dedup_window_ms: i64, retention_ms: i64) -> Millis {
+    now - retention_ms.max(dedup_window_ms)
+}
+
 /// Bounded garbage collection. Events past the retention (at least the dedup window) are
 /// removed with their finished entries and dedup key unless something still refers to them (a
 /// live queue entry or a DLQ entry); those wait in `pending_gc`, which is revisited a batch at
 /// a time. Dedup keys inside the window are never removed; keys of kept events stay (so their
 /// fate remains visible) but no longer count as duplicates once older than the window, because
 /// accept compares the key's time.
+///
+/// Only events below `floor` are looked at: above it, `live` does not hold every live entry
+/// (the committer moves the floor past the sweep's cut first, `Committer::sweep_floor`).
 fn sweep(
     txn: &Tx<'_>,
     now: Millis,
     dedup_window_ms: i64,
     retention_ms: i64,
     batch: usize,
+    floor: u64,
 ) -> Result<SweepStats, StoreError> {
     let mut stats = SweepStats::default();
-    let cut = now - retention_ms.max(dedup_window_ms);
+    let cut = sweep_cut(now, dedup_window_ms, retention_ms);
     let mut meta = txn.open_table(META)?;
     let cursor = read_u64(&*meta, "sweep_cursor")?.unwrap_or(0);
     let gc_cursor = read_u64(&*meta, "gc_cursor")?.unwrap_or(0);
@@ -3757,7 +4114,7 @@ fn sweep(
 
     // The oldest events past the cut, in acceptance order.
     let mut candidates = Vec::new();
-    for row in t.events.range(cursor..)?.take(batch) {
+    for row in t.events.range(cursor..floor.max(cursor))?.take(batch) {
         let (k, v) = row?;
         if sweep_view(k.value(), v.value())? >= cut {
             break;
@@ -3946,6 +4303,8 @@ mod dedup;
 mod logged;
 use logged::{LTable, Tx};
 mod entry_codec;
+mod event_record;
+use event_record::EventRecord;
 
 #[cfg(test)]
 mod crash_model;

@@ -141,6 +141,9 @@ enum Mode {
     Synced,
     /// The group log, checkpointed every this many ms.
     Logged(u64),
+    /// Synced commits, and the entry floor moved at every group (over the previous group's
+    /// events), so that entries cross it between any two operations.
+    SyncedFloorEveryGroup,
 }
 
 fn how() -> impl Strategy<Value = How> {
@@ -224,6 +227,7 @@ fn step() -> impl Strategy<Value = Step> {
 fn mode() -> impl Strategy<Value = Mode> {
     prop_oneof![
         Just(Mode::Synced),
+        Just(Mode::SyncedFloorEveryGroup),
         Just(Mode::Logged(2)),
         Just(Mode::Logged(3_600_000)),
     ]
@@ -1551,8 +1555,9 @@ fn options(mode: Mode) -> StoreOptions {
         group_log: matches!(mode, Mode::Logged(_)),
         checkpoint_every: match mode {
             Mode::Logged(ms) => Some(Duration::from_millis(ms)),
-            Mode::Synced => None,
+            Mode::Synced | Mode::SyncedFloorEveryGroup => None,
         },
+        floor_every: matches!(mode, Mode::SyncedFloorEveryGroup).then_some(Duration::ZERO),
         // Runs of dedup keys are written every few accepts, so cuts fall between them too.
         dedup_memtable_keys: Some(5),
         ..StoreOptions::default()
@@ -1562,7 +1567,9 @@ fn options(mode: Mode) -> StoreOptions {
 fn open(disks: &Disks, mode: Mode) -> Arc<RedbStore> {
     let db = disks.db.clone();
     match mode {
-        Mode::Synced => RedbStore::with_backend_factory(move || db.backend(), options(mode)),
+        Mode::Synced | Mode::SyncedFloorEveryGroup => {
+            RedbStore::with_backend_factory(move || db.backend(), options(mode))
+        }
         Mode::Logged(_) => {
             RedbStore::with_backends(move || db.backend(), disks.log.backend(), options(mode))
         }

@@ -602,6 +602,156 @@ async fn restart_reclaims_leases_and_keeps_due_times() {
     assert_eq!(s.lease("a", 9000, 10, 1000).await.expect("lease").len(), 1);
 }
 
+/// Rows of `live`, read straight from the file.
+fn live_rows(s: &RedbStore) -> Vec<(u64, u32)> {
+    let db = s.read_db();
+    let r = db.begin_read().expect("read");
+    r.open_table(LIVE)
+        .expect("live")
+        .iter()
+        .expect("iter")
+        .map(|row| row.expect("row").0.value())
+        .collect()
+}
+
+/// An entry queued at acceptance is its event's fan-out and nothing more: no row in
+/// `entries` or `live` until it changes. A restart finds it in the event's record, and a
+/// leased one (which has its row) is reclaimed as before.
+#[tokio::test]
+async fn queued_entries_are_their_events_fan_out_and_survive_a_restart() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let leased = {
+        let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+        s.accept(
+            (1..=3)
+                .map(|i| new_event("/s", &i.to_string(), &["a", "b"], 1000))
+                .collect(),
+        )
+        .await
+        .expect("accept");
+        assert!(entry_rows(&s).is_empty(), "no entry rows at acceptance");
+        assert!(live_rows(&s).is_empty());
+        let fate = s.fate("/s", "2").expect("fate").expect("known");
+        let states: Vec<(String, EntryState)> = fate
+            .entries
+            .iter()
+            .map(|e| (e.target_id.clone(), e.state))
+            .collect();
+        assert_eq!(
+            states,
+            [
+                ("a".to_string(), EntryState::Queued),
+                ("b".to_string(), EntryState::Queued)
+            ]
+        );
+        // One of `a` delivered, one leased by a process that then dies.
+        let l = s.lease("a", 1000, 2, 60_000).await.expect("lease");
+        assert_eq!(l.len(), 2);
+        ack(&s, &l[0], 1001).await.expect("ack");
+        assert_eq!(entry_rows(&s).values().sum::<usize>(), 2);
+        assert!(live_rows(&s).is_empty(), "above the floor: no live rows");
+        l[1].entry.id
+    };
+    let s = when_free(|| RedbStore::open_dir(dir.path(), StoreOptions::default())).await;
+    let a = s.lease("a", 1000, 10, 60_000).await.expect("lease");
+    let ids: Vec<EntryId> = a.iter().map(|l| l.entry.id).collect();
+    assert_eq!(
+        ids.len(),
+        2,
+        "the reclaimed one and the never leased one: {ids:?}"
+    );
+    assert!(ids.contains(&leased));
+    let reclaimed = a.iter().find(|l| l.entry.id == leased).expect("reclaimed");
+    assert_eq!(
+        reclaimed.entry.attempts[0].result,
+        Some(AttemptResult::Interrupted)
+    );
+    let b = s.lease("b", 1000, 10, 60_000).await.expect("lease");
+    assert_eq!(b.len(), 3, "every entry of `b` came back from the fan-out");
+    assert!(b.iter().all(|l| l.entry.attempts.len() == 1));
+}
+
+/// A sweep moves the entry floor past the events it may remove: their live entries get rows
+/// in `entries` and `live` (so the sweep keeps those events, and a restart finds them there),
+/// finished ones none; once delivered, everything goes.
+#[tokio::test]
+async fn a_sweep_moves_the_floor_and_live_entries_below_it_are_in_live() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+        s.accept(
+            (1..=4)
+                .map(|i| new_event("/s", &i.to_string(), &["a", "b"], 1000))
+                .collect(),
+        )
+        .await
+        .expect("accept");
+        deliver_all(&s).await;
+        let stats = s.sweep(100_000, 5_000, 5_000).await.expect("sweep");
+        assert_eq!((stats.events_removed, stats.pending), (0, 4));
+        let mut live = live_rows(&s);
+        live.sort_unstable();
+        assert_eq!(live, [(1, 1), (2, 1), (3, 1), (4, 1)]);
+        assert_eq!(entry_rows(&s).values().sum::<usize>(), 8);
+        // New events above the floor are fan-out again.
+        s.accept(vec![new_event("/s", "5", &["b"], 99_000)])
+            .await
+            .expect("accept");
+        assert_eq!(entry_rows(&s).get(&5), None);
+    }
+    let s = when_free(|| RedbStore::open_dir(dir.path(), StoreOptions::default())).await;
+    let b = s.lease("b", 100_000, 10, 60_000).await.expect("lease");
+    assert_eq!(b.len(), 5);
+    for l in &b {
+        ack(&s, l, 100_001).await.expect("ack");
+    }
+    assert!(live_rows(&s).is_empty());
+    let stats = s.sweep(100_000, 5_000, 5_000).await.expect("sweep");
+    assert_eq!(stats.events_removed, 4, "event 5 is inside the retention");
+    assert_eq!(s.record_counts().expect("counts").events, 1);
+}
+
+/// A backlog that crosses the floor at once is written a batch per group, at event
+/// boundaries, and is all there after a restart.
+#[tokio::test]
+async fn a_backlog_crosses_the_floor_a_batch_per_group() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let every = std::time::Duration::from_millis(300);
+    let opts = || StoreOptions {
+        floor_every: Some(every),
+        ..StoreOptions::default()
+    };
+    {
+        let s = RedbStore::open_dir(dir.path(), opts()).expect("open");
+        s.accept(
+            (0..5000)
+                .map(|i| new_event("/s", &i.to_string(), &["a"], 1000))
+                .collect(),
+        )
+        .await
+        .expect("accept");
+        // The first move after the interval sets the goal past the backlog; the next ones
+        // write it.
+        let mut seen = Vec::new();
+        for _ in 0..2 {
+            tokio::time::sleep(every + every / 4).await;
+            s.put_target_state("t", json!({})).await.expect("op");
+            seen.push(live_rows(&s).len());
+        }
+        for _ in 0..2 {
+            s.put_target_state("t", json!({})).await.expect("op");
+            seen.push(live_rows(&s).len());
+        }
+        assert_eq!(seen, [0, FLOOR_BATCH, 2 * FLOOR_BATCH, 5000]);
+        assert_eq!(entry_rows(&s).len(), 5000);
+    }
+    let s = when_free(|| RedbStore::open_dir(dir.path(), opts())).await;
+    assert_eq!(
+        s.lease("a", 2000, 6000, 60_000).await.expect("lease").len(),
+        5000
+    );
+}
+
 /// Leases the next entry of target `a` due at `now` and dead-letters it as a permanent error.
 async fn dead_letter_next(s: &RedbStore, now: Millis) {
     let l = s.lease("a", now, 1, 60_000).await.expect("lease").remove(0);
@@ -1310,13 +1460,15 @@ async fn a_format_1_store_is_read_and_upgraded_in_place() {
         .await
         .expect("accept");
     }
-    // Make the file look like format 1: entry records repeat their id, and the version says 1.
+    // Make the file look like format 1: event records are JSON alone, every entry has its
+    // row (and every live one its row in `live`), entry records repeat their id, there is no
+    // entry floor, and the version says 1.
     let path = dir.path().join("router.redb");
     let db = when_free(|| redb::Database::create(&path)).await;
     let txn = db.begin_write().expect("txn");
     {
-        let mut t = txn.open_table(ENTRIES).expect("entries");
-        let rows: Vec<((u64, u32), Vec<u8>)> = t
+        let mut events = txn.open_table(EVENTS).expect("events");
+        let records: Vec<(u64, Vec<u8>)> = events
             .iter()
             .expect("iter")
             .map(|r| {
@@ -1324,8 +1476,17 @@ async fn a_format_1_store_is_read_and_upgraded_in_place() {
                 (k.value(), v.value().to_vec())
             })
             .collect();
+        let mut rows: Vec<((u64, u32), Vec<u8>)> = Vec::new();
+        for (seq, raw) in records {
+            let rec = EventRecord::split(seq, &raw).expect("record");
+            rows.extend(rec.entries().map(|(idx, r)| ((seq, idx), r.to_vec())));
+            events.insert(seq, rec.json).expect("insert");
+        }
         assert_eq!(rows.len(), 3);
+        let mut t = txn.open_table(ENTRIES).expect("entries");
+        let mut live = txn.open_table(LIVE).expect("live");
         for ((event, idx), v) in rows {
+            live.insert((event, idx), ()).expect("live");
             // Format 1 records are JSON (as through format 3) and repeat their id.
             let e = dec_entry((event, idx), &v).expect("entry");
             let mut j = serde_json::to_value(&e).expect("json");
@@ -1337,10 +1498,10 @@ async fn a_format_1_store_is_read_and_upgraded_in_place() {
             )
             .expect("insert");
         }
-        txn.open_table(META)
-            .expect("meta")
-            .insert("format_version", 1u64.to_le_bytes().as_slice())
+        let mut meta = txn.open_table(META).expect("meta");
+        meta.insert("format_version", 1u64.to_le_bytes().as_slice())
             .expect("version");
+        meta.remove("entry_floor").expect("floor");
     }
     txn.commit().expect("commit");
     drop(db);
