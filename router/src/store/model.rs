@@ -105,19 +105,6 @@ pub struct StoredEventRef<'a> {
     pub quarantined: bool,
 }
 
-impl<'a> StoredEventRef<'a> {
-    /// The stored form of `ne` once accepted.
-    pub fn of(ne: &'a NewEvent) -> Self {
-        Self {
-            event: &ne.event,
-            accepted_at: ne.accepted_at,
-            ruleset_version: &ne.ruleset_version,
-            matched_rules: &ne.matched_rules,
-            quarantined: ne.quarantine.is_some(),
-        }
-    }
-}
-
 /// Where a queue entry stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -295,17 +295,16 @@ impl Prepared {
     /// The records of `ne`; with `tokens`, the entries whose `lease_ms` is set are leased at
     /// acceptance, each under a fresh token from `tokens`, and returned with the event.
     fn leasing(ne: NewEvent, tokens: Option<&dyn Fn() -> u64>) -> (Self, Option<Handoff>) {
-        let json = enc(&StoredEventRef::of(&ne));
-        let ev = ne.event;
-        let hops = ev.hops();
+        let hops = ne.event.hops();
         let at = ne.accepted_at;
         let mut handed = Vec::new();
+        let (source, id) = (&ne.event.source, &ne.event.id);
         let targets = ne
             .targets
             .into_iter()
             .enumerate()
             .map(|(i, t)| {
-                let key = idempotency_key(&ev.source, &ev.id, &t.target_id);
+                let key = idempotency_key(source, id, &t.target_id);
                 let id = EntryId {
                     event: 0,
                     idx: u32::try_from(i).unwrap_or(u32::MAX),
@@ -340,8 +339,22 @@ impl Prepared {
                 .map(|(i, (_, r, _))| (u32::try_from(i).unwrap_or(u32::MAX), r.as_slice()))
                 .collect()
         };
-        let record = event_record::encode(&fanout, &json);
+        let stored = StoredEventRef {
+            event: &ne.event,
+            accepted_at: at,
+            ruleset_version: &ne.ruleset_version,
+            matched_rules: &ne.matched_rules,
+            quarantined: ne.quarantine.is_some(),
+        };
+        let hint = 512
+            + ne.event.data.as_ref().map_or(0, |d| d.text().len())
+            + ne.event.data_base64.as_ref().map_or(0, String::len);
+        // Serialising our own plain structs to JSON cannot fail (no non-string map keys).
+        let record = event_record::encode_with(&fanout, hint, |out| {
+            let _ = serde_json::to_writer(out, &stored);
+        });
         drop(fanout);
+        let ev = ne.event;
         let fp = dedup::fingerprint(&ev.dedup_key());
         let (names, handoff) = if handed.is_empty() {
             ((ev.id, ev.source, ev.ty), None)

@@ -31,8 +31,18 @@ pub(super) struct EventRecord<'a> {
 
 /// Encodes a record: `fanout` is each queued entry's index and `entry_codec` record.
 pub(super) fn encode(fanout: &[(u32, &[u8])], json: &[u8]) -> Vec<u8> {
+    encode_with(fanout, json.len(), |out| out.extend_from_slice(json))
+}
+
+/// Encodes a record whose JSON `write_json` appends (so the event is serialised straight into
+/// the record, not copied into it); `json_hint` is its expected length.
+pub(super) fn encode_with(
+    fanout: &[(u32, &[u8])],
+    json_hint: usize,
+    write_json: impl FnOnce(&mut Vec<u8>),
+) -> Vec<u8> {
     let items: usize = fanout.iter().map(|(_, r)| 8 + r.len()).sum();
-    let mut out = Vec::with_capacity(5 + items + json.len());
+    let mut out = Vec::with_capacity(5 + items + json_hint);
     out.push(TAG);
     out.extend_from_slice(
         &u32::try_from(fanout.len())
@@ -48,7 +58,7 @@ pub(super) fn encode(fanout: &[(u32, &[u8])], json: &[u8]) -> Vec<u8> {
         );
         out.extend_from_slice(record);
     }
-    out.extend_from_slice(json);
+    write_json(&mut out);
     out
 }
 
