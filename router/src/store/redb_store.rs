@@ -21,6 +21,7 @@ use redb::{
     Database, Durability, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition,
     TableHandle, WriteTransaction,
 };
+use rustc_hash::FxHashMap;
 use tokio::sync::{Notify, mpsc, oneshot};
 
 use super::*;
@@ -418,7 +419,7 @@ struct TargetIndex {
     /// Waiting entries by due time.
     ready: BTreeSet<(Millis, EntryId)>,
     /// Leased entries.
-    in_flight: HashMap<EntryId, Lease>,
+    in_flight: FxHashMap<EntryId, Lease>,
     /// Acceptance time of every live entry (ready or in flight), for oldest-age.
     live: BTreeMap<EntryId, Millis>,
     /// DLQ entries for this target.
@@ -481,10 +482,13 @@ impl TargetIndex {
     }
 }
 
+/// Maps keyed by target ids and entry ids use FxHash: the committer looks them up once per
+/// queue entry of every group, the keys are the router's own (rule files, sequence numbers),
+/// not an attacker's, and SipHash showed on its profile.
 #[derive(Default)]
 struct Index {
-    targets: HashMap<String, TargetIndex>,
-    notifiers: HashMap<String, Arc<Notify>>,
+    targets: FxHashMap<String, TargetIndex>,
+    notifiers: FxHashMap<String, Arc<Notify>>,
 }
 
 impl Index {
@@ -859,7 +863,7 @@ impl RedbStore {
         let committer = Committer {
             last_compaction: last_compaction.clone(),
             on_compact: opts.on_compact,
-            group_depth: HashMap::new(),
+            group_depth: FxHashMap::default(),
             db: db.clone(),
             compacting: compacting.clone(),
             check_compaction: false,
@@ -1018,7 +1022,7 @@ impl RedbStore {
         let db = self.read_db();
         let r = db.begin_read()?;
         let t = r.open_table(EVENTS)?;
-        let mut cache: HashMap<u64, Arc<StoredEvent>> = HashMap::new();
+        let mut cache: FxHashMap<u64, Arc<StoredEvent>> = FxHashMap::default();
         let mut out = Vec::with_capacity(entries.len());
         for entry in entries {
             let seq = entry.id.event;
@@ -2116,7 +2120,7 @@ fn recover_dedup(
 
 struct Committer {
     /// Entries enqueued per target by the group being built (not yet in the index).
-    group_depth: HashMap<String, u64>,
+    group_depth: FxHashMap<String, u64>,
     db: DbSlot,
     /// Shared with `RedbStore`: set for the duration of a compaction.
     compacting: Arc<AtomicBool>,
