@@ -752,6 +752,70 @@ async fn a_backlog_crosses_the_floor_a_batch_per_group() {
     );
 }
 
+/// An event whose copy for one target its queue's cap refused keeps the entries of its other
+/// targets in its record's fan-out: not written for the refused one, and kept when a redrive
+/// routes the event again (which rewrites the record), the new entry taking the next index.
+#[tokio::test]
+async fn a_refused_copy_is_left_out_of_the_fan_out_and_a_routed_redrive_keeps_the_rest() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+    let mut ne = new_event("/s", "1", &["capped", "b"], 1000);
+    ne.targets[0].max_depth = Some(0);
+    s.accept(vec![ne]).await.expect("accept");
+    let fate = s.fate("/s", "1").expect("fate").expect("known");
+    let ids: Vec<String> = fate.entries.iter().map(|e| e.id.to_string()).collect();
+    assert_eq!(ids, ["1.1"], "only b's entry; capped's copy is in the DLQ");
+    assert_eq!(fate.dlq.len(), 1);
+    let job = Job {
+        id: "redrive-1".into(),
+        kind: JobKind::Redrive,
+        state: JobState::Running,
+        spec: json!({}),
+        total: 1,
+        moved: 1,
+        failed: 0,
+        skipped: 0,
+        cursor: 0,
+        created_at: 0,
+        updated_at: 0,
+        last_error: None,
+    };
+    s.redrive_step(
+        job,
+        vec![RedriveAction::Route {
+            dlq_id: fate.dlq[0].id,
+            matched_rules: vec!["r".into()],
+            targets: new_event("/s", "1", &["c"], 0).targets,
+        }],
+        2000,
+    )
+    .await
+    .expect("redrive");
+    let fate = s.fate("/s", "1").expect("fate").expect("known");
+    let got: Vec<(String, String)> = fate
+        .entries
+        .iter()
+        .map(|e| (e.id.to_string(), e.target_id.clone()))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("1.1".to_string(), "b".to_string()),
+            ("1.2".to_string(), "c".to_string())
+        ]
+    );
+    drop(s);
+    let s = when_free(|| RedbStore::open_dir(dir.path(), StoreOptions::default())).await;
+    assert_eq!(
+        s.lease("b", 2000, 10, 60_000).await.expect("lease").len(),
+        1
+    );
+    assert_eq!(
+        s.lease("c", 2000, 10, 60_000).await.expect("lease").len(),
+        1
+    );
+}
+
 /// Leases the next entry of target `a` due at `now` and dead-letters it as a permanent error.
 async fn dead_letter_next(s: &RedbStore, now: Millis) {
     let l = s.lease("a", now, 1, 60_000).await.expect("lease").remove(0);
