@@ -346,6 +346,7 @@ impl Metrics {
                     .set(i64::try_from(c.dedup_filter_bytes).unwrap_or(i64::MAX));
                 for (kind, n) in [
                     ("event", c.events),
+                    ("event_above_floor", c.events_above_floor),
                     ("dedup_key", c.dedup_keys),
                     ("dedup_run", c.dedup_runs),
                     ("dedup_run_cold", c.dedup_cold_runs),

@@ -484,7 +484,11 @@ async fn records_status(app: &App) -> serde_json::Value {
     let c = &app.cfg;
     match app.store.record_counts().await {
         Ok(n) => json!({
-            "events": { "count": n.events, "retention_seconds": secs(c.event_retention()) },
+            "events": {
+                "count": n.events,
+                "retention_seconds": secs(c.event_retention()),
+                "above_floor": n.events_above_floor,
+            },
             "dedup_keys": {
                 "count": n.dedup_keys,
                 "window_seconds": secs(c.ingest.dedup_window),

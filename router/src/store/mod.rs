@@ -119,6 +119,10 @@ pub enum FinishError {
 pub struct RecordCounts {
     /// Stored events (kept for the fate retention / archive / dedup window).
     pub events: u64,
+    /// Events above the embedded store's entry floor: the recovery at start reads these
+    /// events' records for their queued entries (about two seconds' worth; more only while a
+    /// backlog crosses the floor). Zero on other backends.
+    pub events_above_floor: u64,
     /// Ingest dedup keys (kept for the dedup window, and as long as their events are).
     pub dedup_keys: u64,
     /// Sorted runs of dedup keys on disk (one an hour, or per `store.dedup_memtable_keys`);

@@ -1382,8 +1382,18 @@ impl RedbStore {
                 d.cold_runs() as u64,
             )
         };
+        // Sequence numbers above the floor are all taken by events the sweep cannot reach yet.
+        let meta = r.open_table(META)?;
+        let above = match (
+            read_u64(&meta, "next_seq")?,
+            read_u64(&meta, "entry_floor")?,
+        ) {
+            (Some(next), Some(floor)) => next.saturating_sub(floor),
+            _ => 0,
+        };
         Ok(RecordCounts {
             events: r.open_table(EVENTS)?.len()?,
+            events_above_floor: above,
             dedup_keys,
             dedup_runs,
             dedup_filter_bytes,

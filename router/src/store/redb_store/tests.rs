@@ -730,6 +730,8 @@ async fn a_backlog_crosses_the_floor_a_batch_per_group() {
         )
         .await
         .expect("accept");
+        let above = |s: &RedbStore| s.record_counts().expect("counts").events_above_floor;
+        assert_eq!(above(&s), 5000);
         // The first move after the interval sets the goal past the backlog; the next ones
         // write it.
         let mut seen = Vec::new();
@@ -744,6 +746,7 @@ async fn a_backlog_crosses_the_floor_a_batch_per_group() {
         }
         assert_eq!(seen, [0, FLOOR_BATCH, 2 * FLOOR_BATCH, 5000]);
         assert_eq!(entry_rows(&s).len(), 5000);
+        assert_eq!(above(&s), 0);
     }
     let s = when_free(|| RedbStore::open_dir(dir.path(), opts())).await;
     assert_eq!(
