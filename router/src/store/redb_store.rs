@@ -3649,25 +3649,17 @@ impl Committer {
     }
 
     /// Entry `id` as it stands in this transaction: its row, or, for an event at or above
-    /// the floor whose entry has not changed since acceptance, the event's fan-out. The flag
-    /// says whether it has a row.
-    fn load_entry(
-        &self,
-        txn: &Tx<'_>,
-        id: EntryId,
-    ) -> Result<Option<(QueueEntry, bool)>, StoreError> {
+    /// the floor whose entry has not changed since acceptance, the event's fan-out.
+    fn load_entry(&self, txn: &Tx<'_>, id: EntryId) -> Result<Option<QueueEntry>, StoreError> {
         let row = txn
             .open_table(ENTRIES)?
             .get((id.event, id.idx))?
             .map(|v| dec_entry((id.event, id.idx), v.value()))
             .transpose()?;
-        if let Some(e) = row {
-            return Ok(Some((e, true)));
+        if row.is_some() || id.event < self.floor {
+            return Ok(row);
         }
-        if id.event < self.floor {
-            return Ok(None);
-        }
-        fanout_entry(&*txn.open_table(EVENTS)?, id).map(|e| e.map(|e| (e, false)))
+        fanout_entry(&*txn.open_table(EVENTS)?, id)
     }
 
     fn redrive_step(
@@ -3688,7 +3680,7 @@ impl Committer {
                         target: d.target_id.clone(),
                     });
                     let Some(id) = d.entry else { continue };
-                    let Some((mut e, _)) = self.load_entry(txn, id)? else {
+                    let Some(mut e) = self.load_entry(txn, id)? else {
                         continue;
                     };
                     e.requeue_for_redrive(now);
@@ -3794,7 +3786,7 @@ impl Committer {
     ) -> Result<usize, StoreError> {
         let mut n = 0;
         for &id in ids {
-            let Some((mut e, _)) = self.load_entry(txn, id)? else {
+            let Some(mut e) = self.load_entry(txn, id)? else {
                 continue;
             };
             if e.state != EntryState::Queued || e.lease.is_some_and(|l| l.until >= now) {
