@@ -2,7 +2,7 @@
 
 use serde_json::json;
 
-use super::{Millis, NewEntry, NewEvent};
+use super::{Job, JobKind, JobState, Millis, NewEntry, NewEvent};
 use crate::event::CloudEvent;
 
 /// A minimal valid event.
@@ -31,5 +31,23 @@ pub fn new_event(source: &str, id: &str, targets: &[&str], at: Millis) -> NewEve
             .collect(),
         quarantine: None,
         dedup_window_ms: 86_400_000,
+    }
+}
+
+/// A running job `id` of `kind` with no progress yet.
+pub fn job(id: &str, kind: JobKind) -> Job {
+    Job {
+        id: id.into(),
+        kind,
+        state: JobState::Running,
+        spec: json!({}),
+        total: 0,
+        moved: 0,
+        failed: 0,
+        skipped: 0,
+        cursor: 0,
+        created_at: 0,
+        updated_at: 0,
+        last_error: None,
     }
 }

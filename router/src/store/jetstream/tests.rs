@@ -10,7 +10,7 @@ use super::records::{Expect, Records, RecordsError, Write};
 use super::test_server::TestServer;
 use super::*;
 use crate::event::FieldError;
-use crate::store::test_events::new_event;
+use crate::store::test_events::{job, new_event};
 use crate::store::{DlqReason, EntryState, Quarantine};
 
 async fn store(server: &TestServer) -> JetStreamStore {
@@ -1601,23 +1601,6 @@ async fn a_restarted_node_reclaims_the_leases_it_died_with() {
 // Redrive, replay, archive reads, sweeps
 
 use crate::store::{RedriveAction, ReplayItem};
-
-fn job(id: &str, kind: JobKind) -> Job {
-    Job {
-        id: id.into(),
-        kind,
-        state: JobState::Running,
-        spec: json!({}),
-        total: 0,
-        moved: 0,
-        failed: 0,
-        skipped: 0,
-        cursor: 0,
-        created_at: 0,
-        updated_at: 0,
-        last_error: None,
-    }
-}
 
 /// Redrive: a dead letter goes back to its queue with its attempts as history; a quarantined
 /// event that passes now is routed (new fan-out indexes); one still failing stays with fresh

@@ -4,7 +4,7 @@ use serde_json::json;
 
 use super::*;
 use crate::store::fault::SimulatedDisk;
-use crate::store::test_events::new_event;
+use crate::store::test_events::{job, new_event};
 
 /// Accepts 200 events for target `a`, each with 2 KB of data, ids `{chunk}-{i}`.
 async fn accept_padded(s: &RedbStore, chunk: usize) -> Result<Vec<AcceptOutcome>, StoreError> {
@@ -614,6 +614,17 @@ fn live_rows(s: &RedbStore) -> Vec<(u64, u32)> {
         .collect()
 }
 
+/// Accepts events `1..=n` from `/s` for targets `a` and `b`, at 1000.
+async fn accept_ab(s: &RedbStore, n: u32) {
+    s.accept(
+        (1..=n)
+            .map(|i| new_event("/s", &i.to_string(), &["a", "b"], 1000))
+            .collect(),
+    )
+    .await
+    .expect("accept");
+}
+
 /// An entry queued at acceptance is its event's fan-out and nothing more: no row in
 /// `entries` or `live` until it changes. A restart finds it in the event's record, and a
 /// leased one (which has its row) is reclaimed as before.
@@ -622,13 +633,7 @@ async fn queued_entries_are_their_events_fan_out_and_survive_a_restart() {
     let dir = tempfile::tempdir().expect("tempdir");
     let leased = {
         let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
-        s.accept(
-            (1..=3)
-                .map(|i| new_event("/s", &i.to_string(), &["a", "b"], 1000))
-                .collect(),
-        )
-        .await
-        .expect("accept");
+        accept_ab(&s, 3).await;
         assert!(entry_rows(&s).is_empty(), "no entry rows at acceptance");
         assert!(live_rows(&s).is_empty());
         let fate = s.fate("/s", "2").expect("fate").expect("known");
@@ -679,13 +684,7 @@ async fn a_sweep_moves_the_floor_and_live_entries_below_it_are_in_live() {
     let dir = tempfile::tempdir().expect("tempdir");
     {
         let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
-        s.accept(
-            (1..=4)
-                .map(|i| new_event("/s", &i.to_string(), &["a", "b"], 1000))
-                .collect(),
-        )
-        .await
-        .expect("accept");
+        accept_ab(&s, 4).await;
         deliver_all(&s).await;
         let stats = s.sweep(100_000, 5_000, 5_000).await.expect("sweep");
         assert_eq!((stats.events_removed, stats.pending), (0, 4));
@@ -769,22 +768,8 @@ async fn a_refused_copy_is_left_out_of_the_fan_out_and_a_routed_redrive_keeps_th
     let ids: Vec<String> = fate.entries.iter().map(|e| e.id.to_string()).collect();
     assert_eq!(ids, ["1.1"], "only b's entry; capped's copy is in the DLQ");
     assert_eq!(fate.dlq.len(), 1);
-    let job = Job {
-        id: "redrive-1".into(),
-        kind: JobKind::Redrive,
-        state: JobState::Running,
-        spec: json!({}),
-        total: 1,
-        moved: 1,
-        failed: 0,
-        skipped: 0,
-        cursor: 0,
-        created_at: 0,
-        updated_at: 0,
-        last_error: None,
-    };
     s.redrive_step(
-        job,
+        job("redrive-1", JobKind::Redrive),
         vec![RedriveAction::Route {
             dlq_id: fate.dlq[0].id,
             matched_rules: vec!["r".into()],
