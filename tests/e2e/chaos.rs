@@ -460,12 +460,7 @@ async fn chaos(env: &[(&str, &str)], sweeping: bool) {
         ("ordered", &ordered),
         ("out", &out),
     ] {
-        let mut keys: HashMap<String, HashSet<String>> = HashMap::new();
-        for g in rcv.received() {
-            keys.entry(g.event_id())
-                .or_default()
-                .insert(g.header("idempotency-key").unwrap_or_default());
-        }
+        let keys = keys_by_event(&rcv.received());
         let changed: Vec<_> = keys
             .iter()
             .filter(|(_, k)| k.len() != 1)

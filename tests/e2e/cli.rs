@@ -62,14 +62,7 @@ async fn the_operator_cli_authenticates_with_router_token() {
         }))
         .await
     };
-    let rules = rules_yaml(
-        "",
-        &[(
-            "orders",
-            "order.paid",
-            &[format!("webhook: {}\n        id: erp", erp.url())],
-        )],
-    );
+    let rules = webhook_rule("orders", "order.paid", &erp.url(), "erp");
     let config = format!(
         "[[auth.tokens]]\nname = \"ops\"\nsha256 = \"{}\"\nscopes = [\"admin\"]\n",
         token_sha256("ops-token")

@@ -19,14 +19,7 @@ async fn two_routers_on_one_jetstream_store_deliver_each_event_once() {
         return;
     }
     let rcv = Receiver::ok().await;
-    let rules = rules_yaml(
-        "",
-        &[(
-            "r",
-            "t",
-            &[format!("webhook: {}\n        id: hook", rcv.url())],
-        )],
-    );
+    let rules = webhook_rule("r", "t", &rcv.url(), "hook");
     let shared = format!("CLUSTER{}", std::process::id());
     let env = [
         ("ROUTER_STORE__JETSTREAM__STREAM", shared.as_str()),

@@ -299,10 +299,7 @@ async fn a_dead_or_slow_target_does_not_delay_others() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_health_and_status_answer() {
     let ok = Receiver::ok().await;
-    let rules = rules_yaml(
-        "",
-        &[("r", "t", &[format!("webhook: {}\n        id: m", ok.url())])],
-    );
+    let rules = webhook_rule("r", "t", &ok.url(), "m");
     let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
     assert_eq!(post_event(&r, &event("e1", "t", json!({}))).await.0, 202);
     assert!(ok.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
@@ -371,10 +368,7 @@ fn thread_nices(pid: u32) -> Vec<(String, i64)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delivery_runs_on_its_own_threads_below_ingests_priority() {
     let ok = Receiver::ok().await;
-    let rules = rules_yaml(
-        "",
-        &[("r", "t", &[format!("webhook: {}\n        id: w", ok.url())])],
-    );
+    let rules = webhook_rule("r", "t", &ok.url(), "w");
     let r = RouterProc::start_with_env(
         &[("r.yaml", &rules)],
         &[],

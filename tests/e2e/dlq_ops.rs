@@ -226,14 +226,7 @@ async fn a_redrive_job_survives_repeated_kill_9() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_of_a_time_range_delivers_exactly_the_matching_archived_events() {
     let rcv = Receiver::ok().await;
-    let rules = rules_yaml(
-        "",
-        &[(
-            "r",
-            "t",
-            &[format!("webhook: {}\n        id: c", rcv.url())],
-        )],
-    );
+    let rules = webhook_rule("r", "t", &rcv.url(), "c");
     let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
     let send = |prefix: &'static str| {
         let r = &r;
@@ -317,14 +310,7 @@ async fn replay_of_a_time_range_delivers_exactly_the_matching_archived_events() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_job_survives_repeated_kill_9() {
     let rcv = Receiver::ok().await;
-    let rules = rules_yaml(
-        "",
-        &[(
-            "r",
-            "t",
-            &[format!("webhook: {}\n        id: c", rcv.url())],
-        )],
-    );
+    let rules = webhook_rule("r", "t", &rcv.url(), "c");
     let mut r = RouterProc::start(&[("r.yaml", &rules)], &[]);
     let from = chrono::Utc::now() - chrono::Duration::seconds(1);
     let batch: Vec<_> = (0..60)
@@ -361,13 +347,11 @@ async fn a_replay_job_survives_repeated_kill_9() {
     );
     assert!(queues_drained(&r, Duration::from_secs(20)).await);
     // A replay redelivered after a kill keeps its replay key: one key per event in the replay.
-    let mut keys: HashMap<String, HashSet<String>> = HashMap::new();
-    for g in &rcv.received()[first..] {
+    let replayed = &rcv.received()[first..];
+    for g in replayed {
         assert_eq!(g.body["replay"], id.as_str(), "{}", g.body);
-        keys.entry(g.event_id())
-            .or_default()
-            .insert(g.header("idempotency-key").unwrap_or_default());
     }
+    let keys = keys_by_event(replayed);
     assert!(
         keys.values().all(|k| k.len() == 1),
         "a replayed event arrived under two keys: {keys:?}"

@@ -1,7 +1,7 @@
 //! Durability: kill -9 under load, retries across restarts, SIGTERM, and a simulated power cut
 //! that kill -9 cannot fake.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -110,12 +110,7 @@ async fn kill_9_under_load_loses_nothing_that_got_202() {
         "an event reached one target but not the other"
     );
     for rcv in [&a, &b] {
-        let mut keys: HashMap<String, HashSet<String>> = HashMap::new();
-        for g in rcv.received() {
-            keys.entry(g.event_id())
-                .or_default()
-                .insert(g.header("idempotency-key").unwrap_or_default());
-        }
+        let keys = keys_by_event(&rcv.received());
         assert!(
             keys.values().all(|k| k.len() == 1),
             "a redelivery changed its Idempotency-Key"

@@ -265,6 +265,21 @@ impl Received {
     }
 }
 
+/// The `Idempotency-Key`s each event id arrived with in `received` (one per event when
+/// redeliveries kept their key).
+pub fn keys_by_event(
+    received: &[Received],
+) -> std::collections::HashMap<String, std::collections::HashSet<String>> {
+    let mut keys: std::collections::HashMap<_, std::collections::HashSet<_>> =
+        std::collections::HashMap::new();
+    for g in received {
+        keys.entry(g.event_id())
+            .or_default()
+            .insert(g.header("idempotency-key").unwrap_or_default());
+    }
+    keys
+}
+
 /// What a receiver answers: status, delay, extra headers.
 pub type Script =
     Arc<dyn Fn(&Value, usize) -> (u16, Duration, Vec<(&'static str, String)>) + Send + Sync>;
@@ -643,6 +658,15 @@ where
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A rule file with one rule, `name`, sending events of type `ty` to one webhook at `url`
+/// whose target id is `id` (no policies).
+pub fn webhook_rule(name: &str, ty: &str, url: &str, id: &str) -> String {
+    rules_yaml(
+        "",
+        &[(name, ty, &[format!("webhook: {url}\n        id: {id}")])],
+    )
 }
 
 /// A rule file with one rule per (name, type, webhook url, policy yaml).

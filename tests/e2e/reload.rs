@@ -36,17 +36,7 @@ async fn rules_reload_on_change_and_a_broken_file_is_refused() {
     let a = Receiver::ok().await;
     let b = Receiver::ok().await;
     let r = RouterProc::start(
-        &[(
-            "r.yaml",
-            &rules_yaml(
-                "",
-                &[(
-                    "to-a",
-                    "t",
-                    &[format!("webhook: {}\n        id: a", a.url())],
-                )],
-            ),
-        )],
+        &[("r.yaml", &webhook_rule("to-a", "t", &a.url(), "a"))],
         &[],
     );
     let v1 = status(&r).await["rules"]["version"]
@@ -60,18 +50,7 @@ async fn rules_reload_on_change_and_a_broken_file_is_refused() {
     assert!(a.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
 
     // Change: route `t` to b instead.
-    write_rules(
-        &r,
-        "r.yaml",
-        &rules_yaml(
-            "",
-            &[(
-                "to-b",
-                "t",
-                &[format!("webhook: {}\n        id: b", b.url())],
-            )],
-        ),
-    );
+    write_rules(&r, "r.yaml", &webhook_rule("to-b", "t", &b.url(), "b"));
     let v2 = wait_version_change(&r, &v1).await;
     assert_eq!(post_event(&r, &event("after", "t", json!({}))).await.0, 202);
     assert!(b.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
@@ -117,30 +96,8 @@ async fn rules_reload_on_change_and_a_broken_file_is_refused() {
         .expect("reload");
     assert_eq!(resp.status().as_u16(), 422);
     // Fix it again: a new file is added too.
-    write_rules(
-        &r,
-        "r.yaml",
-        &rules_yaml(
-            "",
-            &[(
-                "to-b",
-                "t",
-                &[format!("webhook: {}\n        id: b", b.url())],
-            )],
-        ),
-    );
-    write_rules(
-        &r,
-        "extra.yaml",
-        &rules_yaml(
-            "",
-            &[(
-                "extra",
-                "u",
-                &[format!("webhook: {}\n        id: a", a.url())],
-            )],
-        ),
-    );
+    write_rules(&r, "r.yaml", &webhook_rule("to-b", "t", &b.url(), "b"));
+    write_rules(&r, "extra.yaml", &webhook_rule("extra", "u", &a.url(), "a"));
     let resp = client()
         .post(r.url("/v1/admin/reload"))
         .send()

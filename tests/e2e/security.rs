@@ -57,14 +57,7 @@ async fn call(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_auth_matrix() {
     let rcv = Receiver::ok().await;
-    let rules = rules_yaml(
-        "",
-        &[(
-            "orders",
-            "order.paid",
-            &[format!("webhook: {}\n        id: erp", rcv.url())],
-        )],
-    );
+    let rules = webhook_rule("orders", "order.paid", &rcv.url(), "erp");
     let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&auth_config()));
     let ev = event("a1", "order.paid", json!({}));
     // (method, path, body, token in scope, token out of scope)
