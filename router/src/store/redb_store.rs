@@ -228,18 +228,28 @@ fn dec_entry(key: (u64, u32), b: &[u8]) -> Result<QueueEntry, StoreError> {
     entry_codec::decode(key, b)
 }
 
-/// Entry `id` as its event's fan-out has it: an entry queued at acceptance and not changed
-/// since has no row of its own (`event_record`). `None`: not in the fan-out.
-fn fanout_entry(
+/// Entry `id` as it stands: its row in `entries`, or, for an event at or above `floor` whose
+/// entry has not changed since acceptance, its event's fan-out (`event_record`). The flag says
+/// whether it has a row of its own.
+fn stored_entry(
+    entries: &impl ReadableTable<(u64, u32), &'static [u8]>,
     events: &impl ReadableTable<u64, &'static [u8]>,
+    floor: u64,
     id: EntryId,
-) -> Result<Option<QueueEntry>, StoreError> {
+) -> Result<Option<(QueueEntry, bool)>, StoreError> {
+    let key = (id.event, id.idx);
+    if let Some(raw) = entries.get(key)? {
+        return Ok(Some((dec_entry(key, raw.value())?, true)));
+    }
+    if id.event < floor {
+        return Ok(None);
+    }
     let Some(raw) = events.get(id.event)? else {
         return Ok(None);
     };
     let rec = EventRecord::split(id.event, raw.value())?;
     rec.entry(id.idx)
-        .map(|r| dec_entry((id.event, id.idx), r))
+        .map(|r| Ok((dec_entry(key, r)?, false)))
         .transpose()
 }
 
@@ -271,9 +281,8 @@ struct Prepared {
     dedup_window_ms: i64,
     /// `id`, `source`, `type`: what a DLQ entry names.
     names: (String, String, String),
-    /// Each target with its queue entry record (written as a row of its own only when
-    /// leased at acceptance; otherwise the event's record holds it), and its lease when it is
-    /// leased at acceptance.
+    /// Each target with its queue entry record when leased at acceptance (written as a row of
+    /// its own; empty otherwise: the event's record holds the entry), and that lease.
     targets: Vec<(NewEntry, Vec<u8>, Option<Lease>)>,
     quarantine: Option<Quarantine>,
 }
@@ -355,6 +364,12 @@ impl Prepared {
             let _ = serde_json::to_writer(out, &stored);
         });
         drop(fanout);
+        // The record holds the queued entries now: their own copies are freed here, not on
+        // the committer.
+        let targets: Vec<_> = targets
+            .into_iter()
+            .map(|(t, r, lease)| (t, if lease.is_some() { r } else { Vec::new() }, lease))
+            .collect();
         let ev = ne.event;
         let fp = dedup::fingerprint(&ev.dedup_key());
         let (names, handoff) = if handed.is_empty() {
@@ -1263,17 +1278,22 @@ impl RedbStore {
         // Newest first; each candidate is confirmed against the event (a fingerprint is
         // not the key), and one whose event the sweep removed is skipped.
         let events = r.open_table(EVENTS)?;
-        let mut event = None;
+        let mut found = None;
         for seq in seqs {
-            if let Some(ev) = events.get(seq)? {
-                let ev = dec_event(seq, ev.value())?;
+            if let Some(raw) = events.get(seq)? {
+                let ev = dec_event(seq, raw.value())?;
                 if ev.event.source == source && ev.event.id == id {
-                    event = Some(ev);
+                    // Entries queued at acceptance and unchanged since are its fan-out.
+                    let fanout: Vec<QueueEntry> = EventRecord::split(seq, raw.value())?
+                        .entries()
+                        .map(|(idx, record)| dec_entry((seq, idx), record))
+                        .collect::<Result<_, _>>()?;
+                    found = Some((ev, fanout));
                     break;
                 }
             }
         }
-        let Some(event) = event else {
+        let Some((event, fanout)) = found else {
             return Ok(None);
         };
         let seq = event.seq;
@@ -1283,17 +1303,14 @@ impl RedbStore {
             let (k, v) = row?;
             entries.push(dec_entry(k.value(), v.value())?);
         }
-        // Entries queued at acceptance and unchanged since are the event's fan-out (below the
-        // floor every entry has a row, which takes precedence).
-        if let Some(raw) = events.get(seq)? {
-            let rec = EventRecord::split(seq, raw.value())?;
-            for (idx, record) in rec.entries() {
-                if !entries.iter().any(|e| e.id.idx == idx) {
-                    entries.push(dec_entry((seq, idx), record)?);
-                }
+        // A row takes precedence (below the floor every entry has one).
+        let rows = entries.len();
+        for e in fanout {
+            if !entries[..rows].iter().any(|r| r.id == e.id) {
+                entries.push(e);
             }
-            entries.sort_by_key(|e| e.id.idx);
         }
+        entries.sort_by_key(|e| e.id.idx);
         let by_ev = r.open_table(DLQ_BY_EVENT)?;
         let dlq_t = r.open_table(DLQ)?;
         let mut dlq = Vec::new();
@@ -1957,33 +1974,26 @@ fn recover(db: &Database, cold_before: Option<i64>) -> Result<Recovered, StoreEr
                 })
             })
             .collect::<Result<_, _>>()?;
-        let mut recent: BTreeMap<EntryId, Option<QueueEntry>> = BTreeMap::new();
+        let mut rows_above = BTreeSet::new();
         for row in entries.range((floor, 0)..)? {
-            let (k, _) = row?;
-            let (event, idx) = k.value();
-            recent.insert(EntryId { event, idx }, None);
+            let (event, idx) = row?.0.value();
+            rows_above.insert(EntryId { event, idx });
         }
+        let mut fanout = Vec::new();
         for row in events.range(floor..)? {
             let (k, v) = row?;
             let seq = k.value();
-            let rec = EventRecord::split(seq, v.value())?;
-            for (idx, record) in rec.entries() {
-                let id = EntryId { event: seq, idx };
-                if let std::collections::btree_map::Entry::Vacant(slot) = recent.entry(id) {
-                    slot.insert(Some(dec_entry((seq, idx), record)?));
+            for (idx, record) in EventRecord::split(seq, v.value())?.entries() {
+                if !rows_above.contains(&EntryId { event: seq, idx }) {
+                    fanout.push(dec_entry((seq, idx), record)?);
                 }
             }
         }
         drop(events);
+        ids.extend(rows_above);
         let now = chrono::Utc::now().timestamp_millis();
-        ids.extend(
-            recent
-                .iter()
-                .filter(|(_, e)| e.is_none())
-                .map(|(id, _)| *id),
-        );
         let from_rows = ids.into_iter().map(|id| (id, None));
-        let from_fanout = recent.into_iter().filter(|(_, e)| e.is_some());
+        let from_fanout = fanout.into_iter().map(|e| (e.id, Some(e)));
         for (id, fanout) in from_rows.chain(from_fanout) {
             let mut e = match fanout {
                 Some(e) => e,
@@ -3582,19 +3592,13 @@ impl Committer {
         let events = txn.open_table(EVENTS)?;
         for id in ids {
             let key = (id.event, id.idx);
-            let row = entries
-                .get(key)?
-                .map(|v| dec_entry(key, v.value()))
-                .transpose()?;
-            match row {
-                Some(e) if e.state != EntryState::Queued => continue,
-                Some(_) => {}
-                None => match fanout_entry(&*events, id)? {
-                    Some(e) => {
-                        entries.insert(key, enc_entry(&e).as_slice())?;
-                    }
-                    None => continue,
-                },
+            match stored_entry(&*entries, &*events, self.floor, id)? {
+                Some((e, _)) if e.state != EntryState::Queued => continue,
+                Some((_, true)) => {}
+                Some((e, false)) => {
+                    entries.insert(key, enc_entry(&e).as_slice())?;
+                }
+                None => continue,
             }
             live.insert(key, ())?;
         }
@@ -3651,15 +3655,8 @@ impl Committer {
     /// Entry `id` as it stands in this transaction: its row, or, for an event at or above
     /// the floor whose entry has not changed since acceptance, the event's fan-out.
     fn load_entry(&self, txn: &Tx<'_>, id: EntryId) -> Result<Option<QueueEntry>, StoreError> {
-        let row = txn
-            .open_table(ENTRIES)?
-            .get((id.event, id.idx))?
-            .map(|v| dec_entry((id.event, id.idx), v.value()))
-            .transpose()?;
-        if row.is_some() || id.event < self.floor {
-            return Ok(row);
-        }
-        fanout_entry(&*txn.open_table(EVENTS)?, id)
+        let (entries, events) = (txn.open_table(ENTRIES)?, txn.open_table(EVENTS)?);
+        Ok(stored_entry(&*entries, &*events, self.floor, id)?.map(|(e, _)| e))
     }
 
     fn redrive_step(
@@ -3865,16 +3862,9 @@ impl Committer {
         let ev_t = txn.open_table(EVENTS)?;
         let mut out = Vec::with_capacity(ids.len());
         for &id in ids {
-            let row = entries_t
-                .get((id.event, id.idx))?
-                .map(|v| dec_entry((id.event, id.idx), v.value()))
-                .transpose()?;
-            let e = match row {
-                Some(e) => Some(e),
-                None if id.event >= self.floor => fanout_entry(&*ev_t, id)?,
-                None => None,
+            let Some((mut e, _)) = stored_entry(&*entries_t, &*ev_t, self.floor, id)? else {
+                continue;
             };
-            let Some(mut e) = e else { continue };
             if e.state != EntryState::Queued || e.target_id != target {
                 continue;
             }
