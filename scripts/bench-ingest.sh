@@ -4,6 +4,7 @@
 # figures are a ratio to the HTTP ceiling of this machine.
 # Usage: [BIN=path/to/router] [RATE=events/s for a fixed-rate latency run] [RANDOM_IDS=1]
 #        [DELIVERY_BATCH=N: the webhook takes batches of up to N events]
+#        [DELIVERY_WINDOW=D: and a partial batch waits up to D (e.g. 20ms) for more]
 #        scripts/bench-ingest.sh [N]
 # RANDOM_IDS=1 sends the router UUID-like event ids (as most producers do) instead of sequential
 # ones, which cost its dedup index more (docs/BENCHMARKS.md, fifteenth session).

@@ -2,13 +2,14 @@
 # events go to the webhook sink at 127.0.0.1:19998 (target `sink`), whose queue may hold a
 # whole run (the default depth cap, 100,000, would send most of a batched run to the DLQ as
 # target_overflow, a cheaper path than a real fan-out). With DELIVERY_BATCH=N the sink is a
-# batching webhook (`batch: { max_events: N }`: one request per N due events).
+# batching webhook (`batch: { max_events: N }`: one request per N due events); with
+# DELIVERY_WINDOW=D as well (a duration, e.g. 20ms) a partial batch waits up to D for more.
 bench_rules() {
   mkdir -p "$1"
   local batch=""
   if [ -n "${DELIVERY_BATCH:-}" ]; then
     batch="
-        batch: { max_events: $DELIVERY_BATCH }"
+        batch: { max_events: $DELIVERY_BATCH${DELIVERY_WINDOW:+, window: $DELIVERY_WINDOW} }"
   fi
   cat > "$1/bench.yaml" <<YAML
 policies:

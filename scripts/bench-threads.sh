@@ -6,10 +6,11 @@
 # context switches per event, the store committer's schedstat (time on CPU, time runnable but
 # waiting for a CPU, and its voluntary / involuntary switches), and the commit count and time.
 # Usage: [BIN=target/release/router] [N=60000] [BATCH=1] [RATE=events/s] [RANDOM_IDS=1]
-#        [PIN=1] [ENVS="ROUTER_K=V …"] [COMMITTER_NICE=-10] [BATCH_THREADS=regex]
-#        scripts/bench-threads.sh
+#        [PIN=1] [ENVS="ROUTER_K=V …"] [COMMITTER_NICE=-10] [COMMITTER_RT=1] [BATCH_THREADS=regex]
+#        [DELIVERY_BATCH=N [DELIVERY_WINDOW=D]] scripts/bench-threads.sh
 # PIN=1 puts router and sink on core 0 and the load generator on core 1 (as bench-cpu-pinned.sh).
 # COMMITTER_NICE renices the store committer thread (negative values need CAP_SYS_NICE);
+# COMMITTER_RT=P makes it SCHED_FIFO at priority P (needs CAP_SYS_NICE as well);
 # BATCH_THREADS sets SCHED_BATCH on the router threads whose names match (e.g.
 # 'router-ingest|router-delivery'): experiments on how the kernel schedules the committer.
 set -euo pipefail
@@ -29,6 +30,7 @@ R=$!
 sleep 1.5
 COMMITTER=$(dirname "$(grep -l store-committer /proc/$R/task/*/comm | head -1)")
 if [ -n "${COMMITTER_NICE:-}" ]; then renice -n "$COMMITTER_NICE" -p "$(basename "$COMMITTER")" >/dev/null; fi
+if [ -n "${COMMITTER_RT:-}" ]; then chrt -f -p "$COMMITTER_RT" "$(basename "$COMMITTER")"; fi
 if [ -n "${BATCH_THREADS:-}" ]; then
   for t in /proc/$R/task/*; do
     if grep -qE "$BATCH_THREADS" "$t/comm"; then chrt -b -p 0 "$(basename "$t")"; fi

@@ -312,3 +312,72 @@ async fn a_producer_batch_that_fills_half_a_batch_is_handed_off_as_one_request()
     );
     assert_eq!(handoffs().await, 80);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_window_gathers_single_events_and_a_full_batch_goes_at_once() {
+    // `slow` waits up to 3 s for 50 events, `full` up to 60 s for 5: ten single events reach
+    // `slow` as one request once its window has passed, and `full` as two full batches long
+    // before its window would.
+    let slow = Receiver::ok().await;
+    let full = Receiver::ok().await;
+    let rules = format!(
+        "rules:
+  - name: r
+    pattern: {{ type: [t] }}
+    targets:
+      - webhook: {}
+        id: slow
+        batch: {{ max_events: 50, window: 3s }}
+      - webhook: {}
+        id: full
+        batch: {{ max_events: 5, window: 1m }}
+",
+        slow.url(),
+        full.url()
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let started = std::time::Instant::now();
+    let posts = (0..10).map(|i| {
+        let ev = event(&format!("w-{i}"), "t", json!({"n": i}));
+        let r = &r;
+        async move { post_event(r, &ev).await }
+    });
+    for (status, body) in futures::future::join_all(posts).await {
+        assert_eq!(status, 202, "{body}");
+    }
+    let posted = started.elapsed();
+    let sizes =
+        |rcv: &Receiver| -> Vec<usize> { requests(rcv).iter().map(|(ids, _)| ids.len()).collect() };
+
+    // Two full batches of five: neither waits for the minute.
+    assert!(
+        full.wait_for(Duration::from_secs(30), |seen| seen.len() >= 2)
+            .await,
+        "full batches waited: {:?}",
+        sizes(&full)
+    );
+    assert_eq!(sizes(&full), vec![5, 5]);
+
+    // One request with all ten, sent when the oldest had waited 3 s (the bound below is the
+    // window itself, measured from before the first event was accepted; the upper one is
+    // generous for a loaded machine).
+    assert!(
+        slow.wait_for(Duration::from_secs(30), |seen| !seen.is_empty())
+            .await,
+        "nothing arrived"
+    );
+    let got = requests(&slow);
+    let arrived = got[0].1.at.duration_since(started);
+    assert!(
+        arrived >= Duration::from_millis(2_900) && arrived < Duration::from_secs(20),
+        "the batch arrived {arrived:?} after the first post (posting took {posted:?})"
+    );
+    let mut seen = got[0].0.clone();
+    seen.sort();
+    let mut want: Vec<String> = (0..10).map(|i| format!("w-{i}")).collect();
+    want.sort();
+    assert_eq!(seen, want, "{:?}", sizes(&slow));
+    // Nothing more comes after it.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(sizes(&slow), vec![10]);
+}

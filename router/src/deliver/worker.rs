@@ -67,6 +67,38 @@ fn wait_ms(ms_: i64) -> Duration {
     Duration::from_millis(u64::try_from(ms_.clamp(1, IDLE_MS)).unwrap_or(1))
 }
 
+/// What a batching webhook's `window` lets go of its due entries.
+#[derive(Debug, PartialEq, Eq)]
+enum WindowGate {
+    /// Everything due (no window, or the oldest due entry has waited it out).
+    All,
+    /// This many full batches; the rest waits for more.
+    Full(usize),
+    /// Less than a batch is due: wait this long (or until more is queued).
+    Wait(Duration),
+}
+
+/// The `window` gate for `due` entries in batches of `per_slot`, the oldest due since
+/// `oldest_due` (`None`: not known, so nothing to wait for).
+fn window_gate(
+    window: Duration,
+    due: usize,
+    per_slot: usize,
+    oldest_due: Option<Millis>,
+    now: Millis,
+) -> WindowGate {
+    let window_ms = i64::try_from(window.as_millis()).unwrap_or(i64::MAX);
+    let left = match oldest_due {
+        Some(d) if window_ms > 0 => d.saturating_add(window_ms).saturating_sub(now),
+        _ => 0,
+    };
+    match due / per_slot.max(1) {
+        _ if left <= 0 => WindowGate::All,
+        0 => WindowGate::Wait(wait_ms(left)),
+        full => WindowGate::Full(full),
+    }
+}
+
 /// Attempts a target may have in flight: its policy's `throttle.max_concurrency`, else the
 /// default of its kind (handlers get more: their CPU is bounded by the invocation gate).
 pub(super) fn slot_count(
@@ -181,10 +213,34 @@ pub(super) async fn run(
             continue;
         }
 
+        // A batching webhook's window: until the oldest due entry has waited it out, only
+        // full batches go and less than a batch waits for more. Each commit that queues more
+        // for this target wakes the loop to count again.
+        // Full batches under a window are leased before the loop counts again: a lease task
+        // not yet run would leave its entries counted as due, and a second lease would then
+        // send what is left of them as a partial batch.
+        let mut await_lease = probing;
+        if !probing && let Some(b) = spec.kind.batch() {
+            match window_gate(b.window, due, per_slot, ctx.store.next_due(&spec.id), now) {
+                WindowGate::All => {}
+                WindowGate::Full(n) => {
+                    permits.truncate(n);
+                    await_lease = true;
+                }
+                WindowGate::Wait(wait) => {
+                    drop(permits);
+                    if !sleep_or_stop(&stop, wait, Some(&notify)).await {
+                        break;
+                    }
+                    continue;
+                }
+            }
+        }
+
         // 3. Throttle: take as many tokens as there are requests of due work (the budget
         // check comes per entry below; a retry it defers gives its token back to nobody, which
         // only slows a backlog that the budget is slowing anyway). A batch is one request.
-        let requests = due.div_ceil(per_slot);
+        let requests = due.div_ceil(per_slot).min(permits.len());
         let mut allowed = requests;
         if let Some(limiter) = &rt.limiter {
             allowed = 0;
@@ -226,7 +282,7 @@ pub(super) async fn run(
             probing,
             lease_pause.clone(),
         );
-        if probing {
+        if await_lease {
             // Half-open: the probe count is settled before the breaker is asked again.
             step.await;
         } else {
@@ -1342,10 +1398,40 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_window_sends_full_batches_and_holds_the_rest_until_it_passes() {
+        let w = Duration::from_millis(20);
+        let gate = |due, oldest, now| window_gate(w, due, 100, oldest, now);
+        // Less than a batch, the oldest due 5 ms ago: 15 ms more.
+        assert_eq!(
+            gate(3, Some(1_000), 1_005),
+            WindowGate::Wait(Duration::from_millis(15))
+        );
+        // Full batches go at once; the rest waits for more.
+        assert_eq!(gate(100, Some(1_000), 1_005), WindowGate::Full(1));
+        assert_eq!(gate(250, Some(1_000), 1_005), WindowGate::Full(2));
+        // The window has passed (exactly, or long ago: a retry due since yesterday).
+        assert_eq!(gate(3, Some(1_000), 1_020), WindowGate::All);
+        assert_eq!(gate(250, Some(0), 86_400_000), WindowGate::All);
+        // Nothing known to be due (the index changed meanwhile): no reason to wait.
+        assert_eq!(gate(3, None, 1_005), WindowGate::All);
+        // No window: the behaviour before windows existed.
+        assert_eq!(
+            window_gate(Duration::ZERO, 1, 100, Some(1_000), 1_000),
+            WindowGate::All
+        );
+        // A window longer than the loop's idle wait waits at most that long per turn.
+        assert_eq!(
+            window_gate(Duration::from_secs(60), 1, 100, Some(1_000), 1_000),
+            WindowGate::Wait(wait_ms(IDLE_MS))
+        );
+    }
+
+    #[test]
     fn batches_split_by_count_and_by_bytes_in_lease_order() {
         let by_count = WebhookBatch {
             max_events: 3,
             max_bytes: WebhookBatch::DEFAULT_MAX_BYTES,
+            window: Duration::ZERO,
         };
         let b = split_batches((0..7).map(|n| leased(n, 10)).collect(), &by_count);
         assert_eq!(ids(&b), vec![vec![0, 1, 2], vec![3, 4, 5], vec![6]]);
@@ -1355,6 +1441,7 @@ mod tests {
         let by_bytes = WebhookBatch {
             max_events: 100,
             max_bytes: 3072,
+            window: Duration::ZERO,
         };
         let mut entries: Vec<Leased> = (0..5).map(|n| leased(n, 1000)).collect();
         entries.insert(2, leased(99, 5000));
@@ -1377,6 +1464,7 @@ mod tests {
                 &WebhookBatch {
                     max_events: 100,
                     max_bytes: WebhookBatch::DEFAULT_MAX_BYTES,
+                    window: Duration::ZERO,
                 },
             )
             .remove(0)

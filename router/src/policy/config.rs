@@ -16,7 +16,7 @@ pub const WORST_CASE_ATTEMPTS_SMELL: u32 = 15;
 
 /// Serde adapter for `Duration` fields: parses humantime strings, writes compact ones
 /// (`200ms`, `24h`, `1h 30m`) that humantime parses back to the same value.
-mod duration_str {
+pub(crate) mod duration_str {
     use std::time::Duration;
 
     use serde::{Deserializer, Serializer};

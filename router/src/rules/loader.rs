@@ -786,8 +786,8 @@ impl Cx<'_> {
         Some(id)
     }
 
-    /// A webhook's `batch: { max_events, max_bytes }`, each optional, checked against its
-    /// bounds; `None` after reporting what is wrong.
+    /// A webhook's `batch: { max_events, max_bytes, window }`, each optional, checked against
+    /// its bounds; `None` after reporting what is wrong.
     fn webhook_batch(&mut self, file: &str, node: &Node) -> Option<WebhookBatch> {
         let Some(entries) = node.as_map() else {
             self.err(
@@ -803,10 +803,18 @@ impl Cx<'_> {
         let mut batch = WebhookBatch {
             max_events: WebhookBatch::DEFAULT_MAX_EVENTS,
             max_bytes: WebhookBatch::DEFAULT_MAX_BYTES,
+            window: std::time::Duration::ZERO,
         };
         let mut ok = true;
         for (k, v) in entries {
             let key = k.as_str().unwrap_or_default();
+            if key == "window" {
+                match self.batch_window(file, v) {
+                    Some(w) => batch.window = w,
+                    None => ok = false,
+                }
+                continue;
+            }
             let (lo, hi) = match key {
                 "max_events" => (1, u64::from(WebhookBatch::MAX_EVENTS)),
                 "max_bytes" => (WebhookBatch::MIN_BYTES, WebhookBatch::MAX_BYTES),
@@ -814,7 +822,9 @@ impl Cx<'_> {
                     self.err(
                         file,
                         k,
-                        format!("unknown key `batch.{key}` (expected `max_events` or `max_bytes`)"),
+                        format!(
+                            "unknown key `batch.{key}` (expected `max_events`, `max_bytes` or `window`)"
+                        ),
                     );
                     ok = false;
                     continue;
@@ -840,6 +850,43 @@ impl Cx<'_> {
             }
         }
         ok.then_some(batch)
+    }
+
+    /// `batch.window`: a humantime duration up to `WebhookBatch::MAX_WINDOW`.
+    fn batch_window(&mut self, file: &str, v: &Node) -> Option<std::time::Duration> {
+        let max = crate::policy::config::format_duration(WebhookBatch::MAX_WINDOW);
+        let parsed = v.as_str().map(|t| (t, humantime::parse_duration(t)));
+        match parsed {
+            // (A month, `1M`, is past the bound, so no month warning is needed here.)
+            Some((_, Ok(d))) if d <= WebhookBatch::MAX_WINDOW => Some(d),
+            Some((t, Ok(_))) => {
+                self.err(
+                    file,
+                    v,
+                    format!("`batch.window: {t}` is longer than the most a batch may wait, {max}"),
+                );
+                None
+            }
+            Some((t, Err(e))) => {
+                self.err(
+                    file,
+                    v,
+                    format!("`batch.window: {t}` is not a duration such as `20ms` or `1s`: {e}"),
+                );
+                None
+            }
+            None => {
+                self.err(
+                    file,
+                    v,
+                    format!(
+                        "`batch.window` must be a duration such as `20ms`, not {}",
+                        v.type_name()
+                    ),
+                );
+                None
+            }
+        }
     }
 
     fn target_kind(

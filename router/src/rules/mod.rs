@@ -109,7 +109,9 @@ pub enum TargetKind {
 /// `application/cloudevents-batch+json` array (as Azure Event Grid's batched delivery does),
 /// so a busy target costs one request per batch instead of one per event. The batch succeeds
 /// or fails as a whole; each entry keeps its own attempts, backoff and DLQ fate. Entries are
-/// batched from what is due when the worker leases; nothing waits to fill a batch.
+/// batched from what is due when the worker leases; with a `window`, fewer than a full batch
+/// wait up to that long for more (as EventBridge Pipes' batching window and Kafka's
+/// `linger.ms` do), trading that much delivery latency for fuller, cheaper requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WebhookBatch {
@@ -117,6 +119,11 @@ pub struct WebhookBatch {
     pub max_events: u32,
     /// Most bytes of one request's body; an event larger than this goes alone.
     pub max_bytes: u64,
+    /// How long fewer than `max_events` due events wait for more before they are sent,
+    /// counted from when the oldest of them became due (0: sent at once). Target
+    /// configurations saved before this field existed read as 0.
+    #[serde(default, with = "crate::policy::config::duration_str")]
+    pub window: std::time::Duration,
 }
 
 impl WebhookBatch {
@@ -130,6 +137,8 @@ impl WebhookBatch {
     pub const MIN_BYTES: u64 = 1024;
     /// The largest `max_bytes`: 64 MiB.
     pub const MAX_BYTES: u64 = 64 << 20;
+    /// The longest `window`: a batch that waits longer than this is a queue, not a batch.
+    pub const MAX_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
 }
 
 impl TargetKind {

@@ -1048,7 +1048,7 @@ rules:
       - webhook: http://h/a
         batch: { max_events: 50 }
       - webhook: http://h/b
-        batch: { max_bytes: 4096 }
+        batch: { max_bytes: 4096, window: 20ms }
       - webhook: http://h/c
 ";
     let (set, w) = ok(&[("r.yaml", src)]);
@@ -1058,14 +1058,16 @@ rules:
         batch("a-0"),
         Some(WebhookBatch {
             max_events: 50,
-            max_bytes: WebhookBatch::DEFAULT_MAX_BYTES
+            max_bytes: WebhookBatch::DEFAULT_MAX_BYTES,
+            window: Duration::ZERO,
         })
     );
     assert_eq!(
         batch("a-1"),
         Some(WebhookBatch {
             max_events: WebhookBatch::DEFAULT_MAX_EVENTS,
-            max_bytes: 4096
+            max_bytes: 4096,
+            window: Duration::from_millis(20),
         })
     );
     assert_eq!(batch("a-2"), None);
@@ -1081,9 +1083,15 @@ rules:
         batch: { max_events: 0, max_bytes: 10, linger: 5ms }
       - webhook: http://h/
         batch: 100
+      - webhook: http://h/
+        batch: { window: 2m, max_events: 5 }
+      - webhook: http://h/
+        batch: { window: soon }
+      - webhook: http://h/
+        batch: { window: 20 }
 ";
     let e = errs(&[("r.yaml", bad)]);
-    assert_eq!(e.len(), 5, "{e:#?}");
+    assert_eq!(e.len(), 8, "{e:#?}");
     assert!(
         e[0].starts_with("r.yaml:6:9: `batch` applies to webhook targets only"),
         "{e:#?}"
@@ -1102,6 +1110,20 @@ rules:
     );
     assert!(
         e[4].starts_with("r.yaml:10:16: `batch` must be a mapping"),
+        "{e:#?}"
+    );
+    assert!(
+        e[5].starts_with(
+            "r.yaml:12:26: `batch.window: 2m` is longer than the most a batch may wait, 1m"
+        ),
+        "{e:#?}"
+    );
+    assert!(
+        e[6].starts_with("r.yaml:14:26: `batch.window: soon` is not a duration"),
+        "{e:#?}"
+    );
+    assert!(
+        e[7].starts_with("r.yaml:16:26: `batch.window` must be a duration such as `20ms`"),
         "{e:#?}"
     );
 }
