@@ -74,4 +74,4 @@ curl -s http://127.0.0.1:18080/v1/targets | python3 -c "import json, sys
 for t in json.load(sys.stdin)['targets']:
     print('%s: delivered %d, queued %d' % (t['id'], t['delivered'], t['queued']))"
 curl -s http://127.0.0.1:18080/metrics |
-  grep -E "^router_delivery_handoffs_total|^router_store_commit_seconds_(count|sum)" || true
+  grep -E "^router_delivery_(handoffs_total|batches_total|batch_events_total)|^router_store_commit_seconds_(count|sum)" || true
