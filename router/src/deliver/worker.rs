@@ -215,12 +215,10 @@ pub(super) async fn run(
 
         // A batching webhook's window: until the oldest due entry has waited it out, only
         // full batches go and less than a batch waits for more. Each commit that queues more
-        // for this target wakes the loop to count again.
-        // Full batches under a window are leased before the loop counts again: a lease task
-        // not yet run would leave its entries counted as due, and a second lease would then
-        // send what is left of them as a partial batch.
+        // for this target wakes the loop to count again. (Without a window the index is not
+        // asked for the oldest due time.)
         let mut await_lease = probing;
-        if !probing && let Some(b) = spec.kind.batch() {
+        if !probing && let Some(b) = spec.kind.batch().filter(|b| !b.window.is_zero()) {
             match window_gate(b.window, due, per_slot, ctx.store.next_due(&spec.id), now) {
                 WindowGate::All => {}
                 WindowGate::Full(n) => {
@@ -283,7 +281,10 @@ pub(super) async fn run(
             lease_pause.clone(),
         );
         if await_lease {
-            // Half-open: the probe count is settled before the breaker is asked again.
+            // Half-open: the probe count is settled before the breaker is asked again. Full
+            // batches under a window: leased before the loop counts again, or a lease task not
+            // yet run would leave its entries counted as due, and a second lease would send
+            // what is left of them as a partial batch.
             step.await;
         } else {
             // The lease waits for a commit (one or two group-commit cycles). Waiting for it here

@@ -854,39 +854,30 @@ impl Cx<'_> {
 
     /// `batch.window`: a humantime duration up to `WebhookBatch::MAX_WINDOW`.
     fn batch_window(&mut self, file: &str, v: &Node) -> Option<std::time::Duration> {
-        let max = crate::policy::config::format_duration(WebhookBatch::MAX_WINDOW);
-        let parsed = v.as_str().map(|t| (t, humantime::parse_duration(t)));
-        match parsed {
+        let Some(text) = v.as_str() else {
+            self.err(
+                file,
+                v,
+                format!(
+                    "`batch.window` must be a duration such as `20ms`, not {}",
+                    v.type_name()
+                ),
+            );
+            return None;
+        };
+        let message = match humantime::parse_duration(text) {
             // (A month, `1M`, is past the bound, so no month warning is needed here.)
-            Some((_, Ok(d))) if d <= WebhookBatch::MAX_WINDOW => Some(d),
-            Some((t, Ok(_))) => {
-                self.err(
-                    file,
-                    v,
-                    format!("`batch.window: {t}` is longer than the most a batch may wait, {max}"),
-                );
-                None
+            Ok(d) if d <= WebhookBatch::MAX_WINDOW => return Some(d),
+            Ok(_) => format!(
+                "`batch.window: {text}` is longer than the most a batch may wait, {}",
+                crate::policy::config::format_duration(WebhookBatch::MAX_WINDOW)
+            ),
+            Err(e) => {
+                format!("`batch.window: {text}` is not a duration such as `20ms` or `1s`: {e}")
             }
-            Some((t, Err(e))) => {
-                self.err(
-                    file,
-                    v,
-                    format!("`batch.window: {t}` is not a duration such as `20ms` or `1s`: {e}"),
-                );
-                None
-            }
-            None => {
-                self.err(
-                    file,
-                    v,
-                    format!(
-                        "`batch.window` must be a duration such as `20ms`, not {}",
-                        v.type_name()
-                    ),
-                );
-                None
-            }
-        }
+        };
+        self.err(file, v, message);
+        None
     }
 
     fn target_kind(
