@@ -420,16 +420,18 @@ pub struct StoreConfig {
     /// Ingest resumes below this fraction of `max_disk_bytes`.
     pub low_water_fraction: f64,
     /// Make each commit group durable with one sequential write and sync of the group log
-    /// (`router.log` in the data dir), checkpointed into the store file every 50 ms or
-    /// 16 MiB, instead of a synced store-file commit per group. Same guarantee (202 after the
+    /// (`router.log` and `router.log2` in the data dir, used in turn), checkpointed into the
+    /// store file every `checkpoint_interval` or 16 MiB, instead of a synced store-file commit
+    /// per group. Same guarantee (202 after the
     /// sync), less waiting. Default false for now (opt-in until the end-to-end suite has run
     /// with it on). A log left by an earlier run is always applied at
     /// start, whatever this says.
     pub group_log: bool,
-    /// With `group_log`: longest time between two checkpoints (a synced store-file commit,
-    /// after which the log starts again). Each one writes the pages that the unsynced commits
-    /// since the last left dirty, and the groups behind it wait: a long interval is a long
-    /// pause (measured: 50 ms doubled the p99 at half of the peak; 10 ms did not).
+    /// With `group_log`: longest time between two checkpoints (a durable store-file commit,
+    /// after which the log goes on in its other file). Each one writes the pages that the
+    /// unsynced commits since the last left dirty, and the groups behind it wait (its sync
+    /// runs behind them): a long interval is a long pause (measured: 50 ms doubled the p99 at
+    /// half of the peak; 10 ms did not).
     /// 1 ms to 1 s.
     #[serde(with = "humantime_serde")]
     pub checkpoint_interval: Duration,

@@ -8,7 +8,7 @@
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use redb::StorageBackend;
 
@@ -24,6 +24,8 @@ pub struct SimulatedDisk {
     images: Arc<Mutex<Images>>,
     fail_writes: Arc<AtomicBool>,
     syncs: Arc<AtomicU64>,
+    /// While true, syncs wait (a slow disk, to see who waits for them).
+    held: Arc<(Mutex<bool>, Condvar)>,
 }
 
 impl SimulatedDisk {
@@ -56,6 +58,21 @@ impl SimulatedDisk {
     /// Makes every later write and sync fail (a full or broken disk), or heals it.
     pub fn set_failing(&self, failing: bool) {
         self.fail_writes.store(failing, Ordering::SeqCst);
+    }
+
+    /// Makes every later sync wait until released (`false`), as a disk slow to sync would.
+    pub fn hold_syncs(&self, hold: bool) {
+        let (m, c) = &*self.held;
+        *m.lock().unwrap_or_else(|p| p.into_inner()) = hold;
+        c.notify_all();
+    }
+
+    fn wait_unheld(&self) {
+        let (m, c) = &*self.held;
+        let mut held = m.lock().unwrap_or_else(|p| p.into_inner());
+        while *held {
+            held = c.wait(held).unwrap_or_else(|p| p.into_inner());
+        }
     }
 
     /// Number of completed syncs.
@@ -113,6 +130,7 @@ impl StorageBackend for FaultBackend {
     }
 
     fn sync_data(&self) -> io::Result<()> {
+        self.disk.wait_unheld();
         self.disk.check()?;
         let mut g = self.disk.lock();
         let Images { volatile, durable } = &mut *g;
@@ -131,5 +149,38 @@ impl StorageBackend for FaultBackend {
             .ok_or_else(out_of_range)?;
         dst.copy_from_slice(data);
         Ok(())
+    }
+}
+
+/// The group log's two files, each on a simulated disk of its own.
+#[derive(Debug, Clone, Default)]
+pub struct LogDisks(pub [SimulatedDisk; 2]);
+
+impl LogDisks {
+    /// Two empty disks.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Disks whose contents are `images` (what an earlier power cut left).
+    pub fn from_images(images: [Vec<u8>; 2]) -> Self {
+        Self(images.map(SimulatedDisk::from_image))
+    }
+
+    /// A backend on each disk, for `RedbStore::with_backends`.
+    pub fn backends(&self) -> [FaultBackend; 2] {
+        [self.0[0].backend(), self.0[1].backend()]
+    }
+
+    /// What a power cut leaves of each, the first file's first.
+    pub fn power_cut(&self) -> [Vec<u8>; 2] {
+        [self.0[0].power_cut(), self.0[1].power_cut()]
+    }
+
+    /// Makes every later write and sync of both fail, or heals them.
+    pub fn set_failing(&self, failing: bool) {
+        for d in &self.0 {
+            d.set_failing(failing);
+        }
     }
 }

@@ -1,4 +1,4 @@
-//! The group log: an append-only file in front of redb that makes a commit group durable with
+//! The group log: append-only files in front of redb that make a commit group durable with
 //! one sequential write and one `fdatasync`.
 //!
 //! Without it, every group is a redb commit with `Durability::Immediate`: pages scattered over
@@ -7,15 +7,21 @@
 //! it), records the group's physical writes (table, key, value or removal) here, and answers
 //! the group's callers only once this log has synced them. The log writer is its own thread,
 //! so the sync of one group overlaps the building of the next. Every so often the committer
-//! makes a group durable in redb itself (a checkpoint): everything logged before it is then in
-//! redb, and the log starts again at offset 0, overwriting the old records.
+//! makes a group durable in redb itself (a checkpoint), whose sync runs behind it
+//! (`store::sync_behind`): everything logged up to it is then in redb once that sync is done.
+//!
+//! The log is two files used in turn: at a checkpoint the writer goes on at offset 0 of the
+//! other file, over that file's older records, which the checkpoint before covers (its sync
+//! completed before the writer switched, see `LogMsg::Switch`). So a checkpoint never waits
+//! for its own sync: until the next switch, the file it leaves keeps the records it covers.
 //!
 //! At open, redb holds the state as of its last durable commit, which stores the sequence number
-//! of the last group it contains; the records after it are read from offset 0 and their writes
-//! applied again (a record is the group's writes in order, so applying it again is idempotent).
-//! A record is valid when its checksum matches and its sequence number follows the previous
-//! one's: a torn write at the tail, or the older records of an earlier lap behind the newest
-//! one, end the log.
+//! of the last group it contains; the records after it are read from both files and their
+//! writes applied again in order (a record is the group's writes in order, so applying it
+//! again is idempotent). In a file, a record is valid when its checksum matches and its
+//! sequence number follows the previous one's: a torn write at the tail, or the older records
+//! of an earlier lap behind the newest one, end that file's records. Records the store already
+//! holds (those of an earlier lap, the other file's) are skipped by their sequence number.
 
 use std::io;
 use std::sync::Arc;
@@ -263,15 +269,41 @@ pub(super) type Done = Box<dyn FnOnce(Option<&StoreError>) + Send>;
 
 /// What the committer sends the log writer, in commit order.
 pub(super) enum LogMsg {
-    /// A group committed to redb without a sync: write and sync its record, then answer.
+    /// A group committed to redb (without a sync, or as a checkpoint whose sync runs behind):
+    /// write and sync its record, then answer.
     Group { record: Vec<u8>, dones: Vec<Done> },
-    /// A group committed durably to redb: every earlier group is in redb too, so their
-    /// records need not be written; the next record goes to offset 0. Also clears a failure
-    /// once the committer has reopened the store.
-    Checkpoint,
-    /// Read the whole file (after a failure, to reopen): the answer comes once every earlier
-    /// message is handled, so nothing writes the file meanwhile.
-    Read(std_mpsc::SyncSender<io::Result<Vec<u8>>>),
+    /// The last group sent was a checkpoint: the records so far are written and synced in the
+    /// current file, and the next one goes to offset 0 of the other file. The committer sends
+    /// this only once the checkpoint before has completed its sync, so the other file's
+    /// records are all in redb's durable state.
+    Switch,
+    /// Everything sent so far is durable in redb (the store was reopened and its sync
+    /// awaited): the next record goes to offset 0 of the first file, and a failure is cleared.
+    Restart,
+    /// Read both files (after a failure, to reopen): the answer comes once every earlier
+    /// message is handled, so nothing writes the files meanwhile.
+    Read(std_mpsc::SyncSender<io::Result<Images>>),
+}
+
+/// The contents of the two log files.
+pub(super) type Images = [Vec<u8>; 2];
+
+/// The two log files, in the order the writer starts with.
+pub(super) type LogFiles = [Box<dyn StorageBackend>; 2];
+
+/// The log files' names in the data directory.
+pub(super) const FILE_NAMES: [&str; 2] = ["router.log", "router.log2"];
+
+/// Reads both log files.
+pub(super) fn read_images(files: &LogFiles) -> io::Result<Images> {
+    Ok([read_image(&*files[0])?, read_image(&*files[1])?])
+}
+
+/// The valid records of both files, in sequence order (see the module docs).
+pub(super) fn records_of(images: &Images) -> Vec<Record<'_>> {
+    let mut out: Vec<Record<'_>> = images.iter().flat_map(|i| records(i)).collect();
+    out.sort_by_key(|r| r.seq);
+    out
 }
 
 /// Called by the writer thread after a failed write (see `LogWriter::start`).
@@ -284,18 +316,20 @@ pub(super) struct LogWriter {
 }
 
 impl LogWriter {
-    /// Starts the writer thread on `file`, which must already have been replayed (its records
-    /// are all in redb): the first record goes to offset 0. `wake` is called after a write
-    /// fails (the failure flag already set), to have the committer reopen the store.
-    pub(super) fn start(file: Box<dyn StorageBackend>, wake: Wake) -> Result<Self, StoreError> {
+    /// Starts the writer thread on `files`, which must already have been replayed and the
+    /// replay made durable (their records are all in redb): the first record goes to offset 0
+    /// of the first file. `wake` is called after a write fails (the failure flag already
+    /// set), to have the committer reopen the store.
+    pub(super) fn start(files: LogFiles, wake: Wake) -> Result<Self, StoreError> {
         // A bounded queue: a committer running ahead of the disk waits here instead of piling
         // up unsynced groups in memory.
         let (tx, rx) = std_mpsc::sync_channel(64);
         let failed = Arc::new(AtomicBool::new(false));
         let w = Writer {
-            file,
+            files,
+            active: 0,
             offset: 0,
-            len: None,
+            len: [None, None],
             failed: failed.clone(),
             wake,
         };
@@ -319,8 +353,8 @@ impl LogWriter {
         }
     }
 
-    /// Whether a write or sync failed since the last checkpoint: the committer must reopen
-    /// the store (the groups committed to redb after the failure were not made durable).
+    /// Whether a write or sync failed since the last restart: the committer must reopen the
+    /// store (the groups committed to redb after the failure were not made durable).
     pub(super) fn failed(&self) -> bool {
         self.failed.load(Ordering::SeqCst)
     }
@@ -331,8 +365,8 @@ impl LogWriter {
         self.failed.clone()
     }
 
-    /// The file's contents, once every message sent before has been handled.
-    pub(super) fn read(&self) -> Result<Vec<u8>, StoreError> {
+    /// Both files' contents, once every message sent before has been handled.
+    pub(super) fn read(&self) -> Result<Images, StoreError> {
         let (tx, rx) = std_mpsc::sync_channel(1);
         self.send(LogMsg::Read(tx));
         rx.recv()
@@ -342,10 +376,12 @@ impl LogWriter {
 }
 
 struct Writer {
-    file: Box<dyn StorageBackend>,
+    files: LogFiles,
+    /// The file being written.
+    active: usize,
     offset: u64,
-    /// The file's length as last seen (`None`: ask the file).
-    len: Option<u64>,
+    /// Each file's length as last seen (`None`: ask the file).
+    len: [Option<u64>; 2],
     failed: Arc<AtomicBool>,
     wake: Wake,
 }
@@ -363,18 +399,22 @@ impl Writer {
                         buf.extend_from_slice(&record);
                         dones.extend(ds);
                     }
-                    LogMsg::Checkpoint => {
-                        // Those groups are durable in redb already.
-                        buf.clear();
-                        for d in dones.drain(..) {
-                            d(None);
-                        }
+                    LogMsg::Switch => {
+                        // Synced where they are first: a record in the other file must never
+                        // be durable while one before it is not.
+                        self.flush(&mut buf, &mut dones);
+                        self.active ^= 1;
+                        self.offset = 0;
+                    }
+                    LogMsg::Restart => {
+                        self.flush(&mut buf, &mut dones);
+                        self.active = 0;
                         self.offset = 0;
                         self.failed.store(false, Ordering::SeqCst);
                     }
                     LogMsg::Read(reply) => {
                         self.flush(&mut buf, &mut dones);
-                        let _ = reply.send(read_image(&*self.file));
+                        let _ = reply.send(read_images(&self.files));
                     }
                 }
             }
@@ -384,7 +424,7 @@ impl Writer {
     }
 
     /// Writes and syncs `buf`, then answers `dones`; after a failure every group fails until
-    /// the committer has reopened the store and checkpointed.
+    /// the committer has reopened the store and restarted the log.
     fn flush(&mut self, buf: &mut Vec<u8>, dones: &mut Vec<Done>) {
         if buf.is_empty() && dones.is_empty() {
             return;
@@ -408,19 +448,20 @@ impl Writer {
     }
 
     fn write(&mut self, buf: &[u8]) -> io::Result<()> {
+        let file = &self.files[self.active];
         let end = self.offset + buf.len() as u64;
-        let len = match self.len {
+        let len = match self.len[self.active] {
             Some(l) => l,
-            None => self.file.len()?,
+            None => file.len()?,
         };
-        self.len = Some(len);
+        self.len[self.active] = Some(len);
         if end > len {
             let grown = end.div_ceil(GROW) * GROW;
-            self.file.set_len(grown)?;
-            self.len = Some(grown);
+            file.set_len(grown)?;
+            self.len[self.active] = Some(grown);
         }
-        self.file.write(self.offset, buf)?;
-        self.file.sync_data()?;
+        file.write(self.offset, buf)?;
+        file.sync_data()?;
         self.offset = end;
         Ok(())
     }
@@ -492,6 +533,63 @@ mod tests {
         image[..new.len()].copy_from_slice(&new);
         let rs = records(&image);
         assert_eq!(rs.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![4]);
+    }
+
+    /// Sends `msgs` and waits until the writer has answered every group in them.
+    fn send_all(w: &LogWriter, msgs: Vec<LogMsg>) {
+        let (tx, rx) = std_mpsc::channel();
+        let mut waiting = 0;
+        for m in msgs {
+            let m = match m {
+                LogMsg::Group { record, .. } => {
+                    let tx = tx.clone();
+                    waiting += 1;
+                    let done: Done = Box::new(move |e| {
+                        let _ = tx.send(e.is_none());
+                    });
+                    LogMsg::Group {
+                        record,
+                        dones: vec![done],
+                    }
+                }
+                m => m,
+            };
+            w.send(m);
+        }
+        for _ in 0..waiting {
+            assert!(rx.recv().expect("answered"), "the group's write failed");
+        }
+    }
+
+    fn g(seq: u64) -> LogMsg {
+        LogMsg::Group {
+            record: group(seq, &[(b"k", b"v")]),
+            dones: Vec::new(),
+        }
+    }
+
+    fn seqs(images: &Images) -> Vec<u64> {
+        records_of(images).iter().map(|r| r.seq).collect()
+    }
+
+    #[test]
+    fn the_writer_takes_the_files_in_turn_at_each_switch() {
+        let disks = crate::store::fault::LogDisks::new();
+        let files: LogFiles = disks
+            .backends()
+            .map(|b| Box::new(b) as Box<dyn StorageBackend>);
+        let w = LogWriter::start(files, Box::new(|| {})).expect("start");
+        send_all(&w, vec![g(1), g(2), LogMsg::Switch, g(3)]);
+        let images = disks.power_cut();
+        assert_eq!(records(&images[0]).len(), 2, "1 and 2 in the first file");
+        assert_eq!(records(&images[1]).len(), 1, "3 in the second");
+        assert_eq!(seqs(&images), vec![1, 2, 3]);
+        // Back to the first file, over its older records; the second keeps its own.
+        send_all(&w, vec![LogMsg::Switch, g(4)]);
+        assert_eq!(seqs(&disks.power_cut()), vec![3, 4]);
+        // A restart goes to the first file whichever was in use.
+        send_all(&w, vec![LogMsg::Switch, g(5), LogMsg::Restart, g(9)]);
+        assert_eq!(seqs(&w.read().expect("read")), vec![5, 9]);
     }
 
     #[test]

@@ -11,6 +11,7 @@ mod group_log;
 pub mod jetstream;
 pub mod model;
 mod redb_store;
+mod sync_behind;
 #[cfg(test)]
 pub(crate) mod test_events;
 

@@ -183,18 +183,22 @@ pub struct StoreOptions {
     pub dedup_window: Option<Duration>,
 }
 
-/// A group log file, as the committer writes it.
-type LogFile = Box<dyn redb::StorageBackend>;
+/// The group log's files and the store file's syncs (which run behind the committer when a
+/// group log makes groups durable).
+struct Logged {
+    files: LogFiles,
+    sync: SyncHandle,
+}
 /// Log bytes written since the last checkpoint past which the next group is a checkpoint:
 /// bounds the log file and the replay at start.
 const CHECKPOINT_BYTES: u64 = 16 << 20;
 /// Time since the last checkpoint past which the next group is one (the default of
 /// `store.checkpoint_interval`). redb keeps the pages of unsynced commits in its write buffer
-/// and writes them all at the checkpoint, which holds the committer meanwhile: the pause
-/// grows with the interval (measured with `router bench store`: ~65 ms at 500 ms, ~14 ms at
-/// 100 ms, ~7 ms at 50 ms). End to end, 50 ms doubled the p99 at half of the peak, and 10 ms
-/// did not (docs/BENCHMARKS.md, twenty-sixth session). Syncing the store file from another
-/// thread between checkpoints did not shorten it (the pages are not in the file yet).
+/// and writes them all at the checkpoint, which holds the committer meanwhile (the sync that
+/// follows runs behind it, `store::sync_behind`): the pause grows with the interval (measured
+/// with `router bench store`, syncs included: ~65 ms at 500 ms, ~14 ms at 100 ms, ~7 ms at
+/// 50 ms). End to end, 50 ms doubled the p99 at half of the peak, and 10 ms did not
+/// (docs/BENCHMARKS.md, twenty-sixth session).
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(10);
 
 /// How often the committer moves the entry floor (`Committer::floor`) up to where the last
@@ -705,7 +709,8 @@ impl Op {
     }
 }
 
-use super::group_log::{Done, FileLog, LogMsg, LogWriter, Mutations};
+use super::group_log::{Done, FILE_NAMES, FileLog, LogFiles, LogMsg, LogWriter, Mutations};
+use super::sync_behind::{SyncBehind, SyncHandle};
 
 /// Queues `r` as the op's answer (sent once the group commits) and hands a storage error back
 /// to abort the group.
@@ -765,35 +770,56 @@ impl RedbStore {
         if let Some(c) = opts.cache_bytes {
             b.set_cache_size(c);
         }
-        let db = b.create(&path)?;
-        let lp = dir.join("router.log");
-        let open_log = || -> Result<LogFile, StoreError> {
-            Ok(Box::new(FileLog::open(&lp).map_err(|e| {
-                StoreError::Backend(format!("open {}: {e}", lp.display()))
-            })?))
+        let paths = FILE_NAMES.map(|n| dir.join(n));
+        let open_logs = || -> Result<LogFiles, StoreError> {
+            let open = |p: &Path| -> Result<Box<dyn redb::StorageBackend>, StoreError> {
+                Ok(Box::new(FileLog::open(p).map_err(|e| {
+                    StoreError::Backend(format!("open {}: {e}", p.display()))
+                })?))
+            };
+            Ok([open(&paths[0])?, open(&paths[1])?])
         };
-        let log = if opts.group_log {
-            Some(open_log()?)
-        } else {
-            if lp.exists() {
-                // Left by a run with the log on: what it holds is applied before the log is
-                // given up, or the groups only it made durable would be lost.
-                let image = super::group_log::read_image(&*open_log()?)
-                    .map_err(|e| StoreError::Backend(format!("read the group log: {e}")))?;
-                replay_log(&db, &image)?;
-                std::fs::remove_file(&lp)
-                    .map_err(|e| StoreError::Backend(format!("remove {}: {e}", lp.display())))?;
-            }
-            None
-        };
-        let (p2, cache) = (path.clone(), opts.cache_bytes);
-        let reopen: Reopen = Arc::new(move || {
+        let cache = opts.cache_bytes;
+        let builder = move || {
             let mut b = Database::builder();
             if let Some(c) = cache {
                 b.set_cache_size(c);
             }
-            b.create(&p2)
-        });
+            b
+        };
+        let (db, log, reopen): (Database, Option<Logged>, Reopen) = if opts.group_log {
+            let sync = SyncHandle::default();
+            let (p2, s2) = (path.clone(), sync.clone());
+            // The store file with its syncs behind the committer (see `Logged`).
+            let open_db = move || -> Result<Database, redb::DatabaseError> {
+                let file = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(false)
+                    .open(&p2)?;
+                let backend = SyncBehind::new(redb::backends::FileBackend::new(file)?, &s2)?;
+                builder().create_with_backend(backend)
+            };
+            let db = open_db()?;
+            let files = open_logs()?;
+            (db, Some(Logged { files, sync }), Arc::new(open_db))
+        } else {
+            let db = builder().create(&path)?;
+            if paths.iter().any(|p| p.exists()) {
+                // Left by a run with the log on: what it holds is applied before the log is
+                // given up, or the groups only it made durable would be lost.
+                let images = super::group_log::read_images(&open_logs()?)
+                    .map_err(|e| StoreError::Backend(format!("read the group log: {e}")))?;
+                replay_log(&db, &images)?;
+                for p in paths.iter().filter(|p| p.exists()) {
+                    std::fs::remove_file(p)
+                        .map_err(|e| StoreError::Backend(format!("remove {}: {e}", p.display())))?;
+                }
+            }
+            let p2 = path.clone();
+            (db, None, Arc::new(move || builder().create(&p2)))
+        };
         Self::start(db, log, opts, Some(path), Some(reopen))
     }
 
@@ -823,30 +849,48 @@ impl RedbStore {
         Self::start(db, None, opts, None, Some(reopen))
     }
 
-    /// Like `with_backend_factory`, with the group log on `log` (e.g. a second
-    /// `fault::SimulatedDisk`), for power-cut tests of the log.
-    pub fn with_backends<B: redb::StorageBackend>(
+    /// Like `with_backend_factory`, with the group log on `logs` (e.g. two more
+    /// `fault::SimulatedDisk`s), for power-cut tests of the log. The store file's syncs run
+    /// behind the committer, as `open_dir` has them with a log.
+    pub fn with_backends<B: redb::StorageBackend, L: redb::StorageBackend>(
         make: impl Fn() -> B + Send + Sync + 'static,
-        log: impl redb::StorageBackend,
+        logs: [L; 2],
         opts: StoreOptions,
     ) -> Result<Arc<Self>, StoreError> {
-        let db = Database::builder().create_with_backend(make())?;
-        let reopen: Reopen = Arc::new(move || Database::builder().create_with_backend(make()));
-        Self::start(db, Some(Box::new(log)), opts, None, Some(reopen))
+        let sync = SyncHandle::default();
+        let s2 = sync.clone();
+        let open_db = move || -> Result<Database, redb::DatabaseError> {
+            Database::builder().create_with_backend(SyncBehind::new(make(), &s2)?)
+        };
+        let db = open_db()?;
+        let files = logs.map(|l| Box::new(l) as Box<dyn redb::StorageBackend>);
+        Self::start(
+            db,
+            Some(Logged { files, sync }),
+            opts,
+            None,
+            Some(Arc::new(open_db)),
+        )
     }
 
     fn start(
         db: Database,
-        log: Option<LogFile>,
+        log: Option<Logged>,
         opts: StoreOptions,
         path: Option<std::path::PathBuf>,
         reopen: Option<Reopen>,
     ) -> Result<Arc<Self>, StoreError> {
         let log_seq = match &log {
-            Some(f) => {
-                let image = super::group_log::read_image(&**f)
+            Some(l) => {
+                let images = super::group_log::read_images(&l.files)
                     .map_err(|e| StoreError::Backend(format!("read the group log: {e}")))?;
-                replay_log(&db, &image)?
+                let seq = replay_log(&db, &images)?;
+                // The writer starts over the records just replayed: their replay must be
+                // durable first.
+                l.sync
+                    .wait_all()
+                    .map_err(|e| StoreError::Backend(format!("sync the store file: {e}")))?;
+                seq
             }
             None => 0,
         };
@@ -869,7 +913,19 @@ impl RedbStore {
                 let _ = tx.try_send(Op::Wake);
             }
         });
-        let log = log.map(|f| LogWriter::start(f, wake)).transpose()?;
+        let (log, sync) = match log {
+            Some(Logged { files, sync }) => {
+                // A failed sync of the store file wakes it likewise.
+                let waker = tx.downgrade();
+                sync.set_wake(Box::new(move || {
+                    if let Some(tx) = waker.upgrade() {
+                        let _ = tx.try_send(Op::Wake);
+                    }
+                }));
+                (Some(LogWriter::start(files, wake)?), sync)
+            }
+            None => (None, SyncHandle::default()),
+        };
         let log_failed = log.as_ref().map(LogWriter::failed_flag);
         let db: DbSlot = Arc::new(RwLock::new(Some(db)));
         let index = Arc::new(Mutex::new(index));
@@ -922,6 +978,8 @@ impl RedbStore {
             log,
             log_seq,
             log_bytes: 0,
+            sync,
+            checkpoint_ticket: 0,
             last_checkpoint: Instant::now(),
             checkpoint_every: opts.checkpoint_every.unwrap_or(CHECKPOINT_EVERY),
             mutations: Mutations::default(),
@@ -1381,7 +1439,10 @@ impl RedbStore {
     pub fn disk_bytes(&self) -> u64 {
         let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
         self.path.as_ref().map_or(0, |p| {
-            size(p) + p.parent().map_or(0, |d| size(&d.join("router.log")))
+            let logs = p
+                .parent()
+                .map_or(0, |d| FILE_NAMES.iter().map(|n| size(&d.join(n))).sum());
+            size(p) + logs
         })
     }
 
@@ -1868,8 +1929,8 @@ fn read_u64(
 
 /// Applies the group log's records that the durable state does not hold yet, in one durable
 /// commit; returns the sequence number of the last group the store now holds.
-fn replay_log(db: &Database, image: &[u8]) -> Result<u64, StoreError> {
-    let records = super::group_log::records(image);
+fn replay_log(db: &Database, images: &super::group_log::Images) -> Result<u64, StoreError> {
+    let records = super::group_log::records_of(images);
     let mut txn = db.begin_write()?;
     txn.set_durability(Durability::Immediate)?;
     let after = read_u64(&txn.open_table(META)?, "log_seq")?.unwrap_or(0);
@@ -2223,6 +2284,11 @@ struct Committer {
     log_seq: u64,
     /// Log bytes written since the last checkpoint.
     log_bytes: u64,
+    /// The store file's syncs (with a log, they run behind the committer).
+    sync: SyncHandle,
+    /// `sync.asked()` after the last checkpoint's commit: the sync that makes it durable,
+    /// which the log must see completed before it switches files again.
+    checkpoint_ticket: u64,
     last_checkpoint: Instant,
     checkpoint_every: Duration,
     /// The group's writes as they are made (one buffer for every group).
@@ -2384,9 +2450,9 @@ impl Committer {
         };
         // The log's records as written so far (the writer handles everything sent before
         // first): groups it synced are durable and must be applied to what redb reopens on.
-        let image = match &self.log {
+        let images = match &self.log {
             Some(log) => match log.read() {
-                Ok(image) => Some(image),
+                Ok(images) => Some(images),
                 Err(e) => {
                     tracing::error!(error = %e, "reading the group log to reopen the store failed; writes are refused (503) until it succeeds");
                     return;
@@ -2397,9 +2463,16 @@ impl Committer {
         let mut slot = self.db.write().unwrap_or_else(|p| p.into_inner());
         // The failed handle holds the file lock: drop it before opening again.
         *slot = None;
+        let sync = self.sync.clone();
         let reopened = reopen().map_err(StoreError::from).and_then(|db| {
-            let log_seq = match &image {
-                Some(image) => replay_log(&db, image)?,
+            let log_seq = match &images {
+                Some(images) => {
+                    let seq = replay_log(&db, images)?;
+                    // The log starts over its records below: their replay must be durable.
+                    sync.wait_all()
+                        .map_err(|e| StoreError::Backend(format!("sync the store file: {e}")))?;
+                    seq
+                }
                 None => 0,
             };
             recover(&db, cold_before(self.dedup_window)).map(|r| (db, log_seq, r))
@@ -2432,7 +2505,8 @@ impl Committer {
                     self.log_seq = log_seq;
                     self.log_bytes = 0;
                     self.last_checkpoint = Instant::now();
-                    log.send(LogMsg::Checkpoint);
+                    self.checkpoint_ticket = self.sync.asked();
+                    log.send(LogMsg::Restart);
                 }
                 let mut idx = self.index.lock().unwrap_or_else(|p| p.into_inner());
                 // Workers keep their wake-up handles.
@@ -2754,9 +2828,11 @@ impl Committer {
     fn commit_group(&mut self, ops: &mut Vec<Op>, effects: &mut Vec<Effect>) {
         let started = Instant::now();
         let n = ops.len();
-        if self.log.as_ref().is_some_and(LogWriter::failed) {
+        if self.log.as_ref().is_some_and(LogWriter::failed) || self.sync.failed() {
             // Groups committed to redb after the failed write were not made durable by the
-            // log: start again from what is. (Closing the failed handle, redb makes its
+            // log: start again from what is. After a failed sync of the store file, its state
+            // on disk is unknown, and the log still holds every group since the checkpoint
+            // before: the same reopen replays them. (Closing the failed handle, redb makes its
             // pending unsynced commits durable if the store file can still be written; those
             // groups are then kept, which their error answer allows: it says "not known to
             // be stored", and a retry is answered as a duplicate.)
@@ -2955,22 +3031,15 @@ impl Committer {
         }
         let mutations = mutations.into_inner();
         match (&self.log, &result) {
-            (Some(log), Ok(())) if !durable => {
+            (Some(log), Ok(())) => {
                 // Answered once the log has synced the group (and so every earlier one): an
                 // answer that depends on an earlier group (a duplicate) must not come before
-                // that group is durable, so even a group that wrote nothing goes through.
+                // that group is durable, so even a group that wrote nothing goes through. A
+                // checkpoint too: its own sync runs behind (`store::sync_behind`), and until
+                // it is done the log is what holds the group.
                 let record = mutations.record(seq);
                 self.log_bytes += record.len() as u64;
                 log.send(LogMsg::Group { record, dones });
-            }
-            (Some(log), Ok(())) => {
-                // A checkpoint: this group and every earlier one are durable in redb.
-                log.send(LogMsg::Checkpoint);
-                self.log_bytes = 0;
-                self.last_checkpoint = Instant::now();
-                for d in dones {
-                    d(None);
-                }
             }
             _ => {
                 for d in dones {
@@ -2979,6 +3048,26 @@ impl Committer {
             }
         }
         self.mutations = mutations;
+        if durable && result.is_ok() {
+            self.checkpointed();
+        }
+    }
+
+    /// After a checkpoint's commit: the log goes on in its other file, whose records the
+    /// checkpoint before covers, once that one's sync is known to be done. (It is, in practice:
+    /// this commit's writes waited for it. A failed one poisons the store instead, and the
+    /// log keeps both files for the reopen.)
+    fn checkpointed(&mut self) {
+        let Some(log) = &self.log else { return };
+        self.log_bytes = 0;
+        self.last_checkpoint = Instant::now();
+        if let Err(e) = self.sync.wait(self.checkpoint_ticket) {
+            tracing::error!(error = %e, "a checkpoint's sync of the store file failed; the store is reopened");
+            self.poisoned = self.reopen.is_some();
+            return;
+        }
+        log.send(LogMsg::Switch);
+        self.checkpoint_ticket = self.sync.asked();
     }
 
     /// The dedup index's background work, a bounded amount per group (`dedup::CHUNK` rows

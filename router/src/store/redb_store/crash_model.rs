@@ -40,7 +40,7 @@ use serde_json::json;
 
 use super::tests::delivered;
 use super::{RedbStore, StoreOptions};
-use crate::store::fault::SimulatedDisk;
+use crate::store::fault::{LogDisks, SimulatedDisk};
 use crate::store::*;
 
 /// The targets: `c` is ordered (its entries carry the event's ordering key), `a` and `b` are
@@ -1547,7 +1547,7 @@ async fn check_dedup(model: &Model, store: &RedbStore) {
 
 struct Disks {
     db: SimulatedDisk,
-    log: SimulatedDisk,
+    log: LogDisks,
 }
 
 fn options(mode: Mode) -> StoreOptions {
@@ -1571,7 +1571,7 @@ fn open(disks: &Disks, mode: Mode) -> Arc<RedbStore> {
             RedbStore::with_backend_factory(move || db.backend(), options(mode))
         }
         Mode::Logged(_) => {
-            RedbStore::with_backends(move || db.backend(), disks.log.backend(), options(mode))
+            RedbStore::with_backends(move || db.backend(), disks.log.backends(), options(mode))
         }
     }
     .expect("open")
@@ -1581,7 +1581,7 @@ fn open(disks: &Disks, mode: Mode) -> Arc<RedbStore> {
 /// then puts everything the log image holds into the store file's image as well (taken the
 /// other way round, the log might already have been started over).
 fn cut(disks: &Disks) -> Disks {
-    let log = SimulatedDisk::from_image(disks.log.power_cut());
+    let log = LogDisks::from_images(disks.log.power_cut());
     let db = SimulatedDisk::from_image(disks.db.power_cut());
     Disks { db, log }
 }
@@ -1737,7 +1737,7 @@ async fn run_with_disk_failure(
 async fn run_case(mode: Mode, steps: Vec<Step>) {
     let mut disks = Disks {
         db: SimulatedDisk::new(),
-        log: SimulatedDisk::new(),
+        log: LogDisks::new(),
     };
     let mut store = open(&disks, mode);
     let mut model = Model::default();

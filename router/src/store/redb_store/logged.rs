@@ -131,6 +131,12 @@ pub(super) fn replay(
     for r in records.iter().filter(|r| r.seq > after) {
         // `records` are consecutive; a first one past `after + 1` means groups are missing
         // (the store file is older than the log): refuse rather than lose them silently.
+        if r.seq == last && last > after {
+            return Err(StoreError::Corrupt {
+                table: "group log",
+                message: format!("group {last} is in both log files"),
+            });
+        }
         if r.seq != last + 1 {
             return Err(StoreError::Corrupt {
                 table: "group log",

@@ -3,7 +3,7 @@ use std::sync::Arc;
 use serde_json::json;
 
 use super::*;
-use crate::store::fault::SimulatedDisk;
+use crate::store::fault::{LogDisks, SimulatedDisk};
 use crate::store::test_events::{job, new_event};
 
 /// Accepts 200 events for target `a`, each with 2 KB of data, ids `{chunk}-{i}`.
@@ -1611,19 +1611,28 @@ fn logged(every: std::time::Duration) -> StoreOptions {
     }
 }
 
-/// A store on two simulated disks (the store file and the group log).
-fn on_disks(db: &SimulatedDisk, log: &SimulatedDisk, opts: StoreOptions) -> Arc<RedbStore> {
+/// A store on simulated disks (the store file and the group log's two files).
+fn on_disks(db: &SimulatedDisk, log: &LogDisks, opts: StoreOptions) -> Arc<RedbStore> {
     let d = db.clone();
-    RedbStore::with_backends(move || d.backend(), log.backend(), opts).expect("open")
+    RedbStore::with_backends(move || d.backend(), log.backends(), opts).expect("open")
 }
 
 /// A store reopened on what a power cut of both disks left.
-fn on_images(db_image: Vec<u8>, log_image: Vec<u8>, opts: StoreOptions) -> Arc<RedbStore> {
+fn on_images(db_image: Vec<u8>, log_images: [Vec<u8>; 2], opts: StoreOptions) -> Arc<RedbStore> {
     on_disks(
         &SimulatedDisk::from_image(db_image),
-        &SimulatedDisk::from_image(log_image),
+        &LogDisks::from_images(log_images),
         opts,
     )
+}
+
+/// What a power cut of all three disks leaves. The log first: a checkpoint between the images
+/// then puts everything the log images hold into the store file's image as well (taken the
+/// other way round, the log might already have gone on over a file the store's image does
+/// not cover yet).
+fn cut(db: &SimulatedDisk, log: &LogDisks) -> (Vec<u8>, [Vec<u8>; 2]) {
+    let log_images = log.power_cut();
+    (db.power_cut(), log_images)
 }
 
 /// Every event `/s`/`id` of `ids` is in the store.
@@ -1657,7 +1666,7 @@ async fn accept_concurrently(s: &Arc<RedbStore>, ids: std::ops::Range<u32>) -> V
 /// (and would fail if a group were answered before its record was synced).
 #[tokio::test]
 async fn groups_acknowledged_through_the_log_survive_a_power_cut() {
-    let (db, log) = (SimulatedDisk::new(), SimulatedDisk::new());
+    let (db, log) = (SimulatedDisk::new(), LogDisks::new());
     let s = on_disks(&db, &log, logged(std::time::Duration::from_secs(3600)));
     let acked = accept_concurrently(&s, 0..200).await;
     assert_eq!(acked.len(), 200);
@@ -1679,7 +1688,7 @@ async fn groups_acknowledged_through_the_log_survive_a_power_cut() {
     )
     .await
     .expect("retry");
-    let (db_image, log_image) = (db.power_cut(), log.power_cut());
+    let (db_image, log_image) = cut(&db, &log);
     drop(s);
 
     let alone = RedbStore::with_backend(
@@ -1777,7 +1786,7 @@ async fn after_a_failed_commit_readers_never_see_the_failed_group() {
 /// complete with its queue entry, or not there at all (and then not a duplicate either).
 #[tokio::test]
 async fn after_a_failed_log_write_readers_wait_for_the_reopen() {
-    let (db, log) = (SimulatedDisk::new(), SimulatedDisk::new());
+    let (db, log) = (SimulatedDisk::new(), LogDisks::new());
     let s = on_disks(&db, &log, logged(std::time::Duration::from_secs(3600)));
     s.accept(vec![new_event("/s", "kept", &["a"], 1000)])
         .await
@@ -1823,7 +1832,7 @@ async fn after_a_failed_log_write_readers_wait_for_the_reopen() {
 /// records, and a power cut at any point still loses nothing acknowledged.
 #[tokio::test]
 async fn the_log_wraps_at_checkpoints_without_losing_groups() {
-    let (db, log) = (SimulatedDisk::new(), SimulatedDisk::new());
+    let (db, log) = (SimulatedDisk::new(), LogDisks::new());
     let s = on_disks(&db, &log, logged(std::time::Duration::from_millis(5)));
     let mut acked = Vec::new();
     for round in 0..20u32 {
@@ -1831,7 +1840,7 @@ async fn the_log_wraps_at_checkpoints_without_losing_groups() {
         tokio::time::sleep(std::time::Duration::from_millis(u64::from(round % 7))).await;
     }
     assert_eq!(acked.len(), 400);
-    let (db_image, log_image) = (db.power_cut(), log.power_cut());
+    let (db_image, log_image) = cut(&db, &log);
     drop(s);
     let s2 = on_images(
         db_image,
@@ -1842,11 +1851,81 @@ async fn the_log_wraps_at_checkpoints_without_losing_groups() {
     assert_eq!(s2.queue_stats()["b"].queued, 400);
 }
 
+/// A checkpoint does not wait for its sync of the store file: groups after it are answered
+/// while that sync has not happened, through the log's other file, and a power cut before the
+/// sync loses none of them (the log holds the checkpoint's group and those after it).
+#[tokio::test]
+async fn groups_after_a_checkpoint_are_answered_before_its_sync_and_survive_without_it() {
+    let every = std::time::Duration::from_secs(1);
+    let (db, log) = (SimulatedDisk::new(), LogDisks::new());
+    let s = on_disks(&db, &log, logged(every));
+    let accept = |id: &'static str| {
+        let s = s.clone();
+        async move {
+            tokio::time::timeout(
+                std::time::Duration::from_secs(10),
+                s.accept(vec![new_event("/s", id, &["a"], 1000)]),
+            )
+            .await
+            .unwrap_or_else(|_| panic!("{id} was not answered within 10 s"))
+            .unwrap_or_else(|e| panic!("accept {id}: {e}"))
+        }
+    };
+    accept("before").await;
+    // The next group is a checkpoint (the interval has passed); its sync is held.
+    tokio::time::sleep(every + std::time::Duration::from_millis(100)).await;
+    db.hold_syncs(true);
+    let syncs = db.syncs();
+    accept("checkpoint").await;
+    // Within the interval: groups through the log, answered while the sync still waits.
+    accept("after-1").await;
+    accept("after-2").await;
+    assert_eq!(
+        db.syncs(),
+        syncs,
+        "a sync of the store file completed meanwhile"
+    );
+    let (db_image, log_image) = cut(&db, &log);
+    db.hold_syncs(false);
+    // The checkpoint's sync was waiting all along, and now completes.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while db.syncs() == syncs {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no sync was waiting: the checkpoint came elsewhere"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    drop(s);
+
+    assert!(
+        !log_image[1].iter().all(|&b| b == 0),
+        "the groups after the checkpoint went to the log's other file"
+    );
+    let alone = RedbStore::with_backend(
+        SimulatedDisk::from_image(db_image.clone()).backend(),
+        StoreOptions::default(),
+    )
+    .expect("store file alone");
+    assert!(
+        alone.fate("/s", "checkpoint").expect("fate").is_none(),
+        "the checkpoint was durable in the store file: this test would not exercise the log"
+    );
+    drop(alone);
+
+    let s2 = on_images(db_image, log_image, logged(every));
+    assert_present(
+        &s2,
+        ["before", "checkpoint", "after-1", "after-2"].map(String::from),
+    );
+    assert_eq!(s2.queue_stats()["a"].queued, 4);
+}
+
 /// A failing log fails the groups waiting on it (never a false "accepted"), the store reopens
 /// from what is durable once the disk heals, and what was acknowledged before is all there.
 #[tokio::test]
 async fn a_failing_log_fails_the_accept_and_recovers() {
-    let (db, log) = (SimulatedDisk::new(), SimulatedDisk::new());
+    let (db, log) = (SimulatedDisk::new(), LogDisks::new());
     let s = on_disks(&db, &log, logged(std::time::Duration::from_secs(3600)));
     let before = accept_concurrently(&s, 0..10).await;
     assert_eq!(before.len(), 10);
@@ -1870,7 +1949,7 @@ async fn a_failing_log_fails_the_accept_and_recovers() {
     // handle was closed for the reopen (its close persists unsynced commits). Either way its
     // producer retries and gets `duplicate` or `accepted`: at least once, never a false 202.
     let x = u64::from(s.fate("/s", "x").expect("fate").is_some());
-    let (db_image, log_image) = (db.power_cut(), log.power_cut());
+    let (db_image, log_image) = cut(&db, &log);
     drop(s);
     let s2 = on_images(
         db_image,
@@ -2310,7 +2389,7 @@ async fn a_format_2_store_has_its_dedup_table_moved_into_the_log() {
 #[tokio::test]
 async fn dedup_runs_survive_a_power_cut_with_the_group_log() {
     let db = SimulatedDisk::new();
-    let log = SimulatedDisk::new();
+    let log = LogDisks::new();
     let opts = StoreOptions {
         dedup_memtable_keys: Some(50),
         ..logged(std::time::Duration::from_secs(3600))
@@ -2318,7 +2397,7 @@ async fn dedup_runs_survive_a_power_cut_with_the_group_log() {
     let s = on_disks(&db, &log, opts.clone());
     let acked = accept_concurrently(&s, 0..300).await;
     runs_settled(&s).await;
-    let (db_image, log_image) = (db.power_cut(), log.power_cut());
+    let (db_image, log_image) = cut(&db, &log);
     drop(s);
     let s = on_images(db_image, log_image, opts);
     assert_present(&s, acked.iter().map(ToString::to_string));
