@@ -766,10 +766,6 @@ impl RedbStore {
         std::fs::create_dir_all(dir)
             .map_err(|e| StoreError::Backend(format!("create {}: {e}", dir.display())))?;
         let path = dir.join("router.redb");
-        let mut b = Database::builder();
-        if let Some(c) = opts.cache_bytes {
-            b.set_cache_size(c);
-        }
         let paths = FILE_NAMES.map(|n| dir.join(n));
         let open_logs = || -> Result<LogFiles, StoreError> {
             let open = |p: &Path| -> Result<Box<dyn redb::StorageBackend>, StoreError> {
