@@ -306,7 +306,8 @@ pub(super) fn records_of(images: &Images) -> Vec<Record<'_>> {
     out
 }
 
-/// Called by the writer thread after a failed write (see `LogWriter::start`).
+/// Called after a failed write or sync (see `LogWriter::start`, `SyncHandle::set_wake`), to
+/// have the committer reopen the store.
 pub(super) type Wake = Box<dyn Fn() + Send>;
 
 /// The log writer's handle, kept by the committer.

@@ -709,7 +709,7 @@ impl Op {
     }
 }
 
-use super::group_log::{Done, FILE_NAMES, FileLog, LogFiles, LogMsg, LogWriter, Mutations};
+use super::group_log::{Done, FILE_NAMES, FileLog, LogFiles, LogMsg, LogWriter, Mutations, Wake};
 use super::sync_behind::{SyncBehind, SyncHandle};
 
 /// Queues `r` as the op's answer (sent once the group commits) and hands a storage error back
@@ -900,25 +900,22 @@ impl RedbStore {
         } = recover(&db, cold_before)?;
         let dedup = Arc::new(RwLock::new(dedup));
         let (tx, rx) = mpsc::channel(65_536);
-        // A failed log write wakes the committer, which reopens the store at once instead of
-        // at the next write (an idle router's readers would wait for one). Weak: the
-        // committer stops when the store's own sender is dropped.
-        let waker = tx.downgrade();
-        let wake = Box::new(move || {
-            if let Some(tx) = waker.upgrade() {
-                let _ = tx.try_send(Op::Wake);
-            }
-        });
+        // A failed log write, or a failed sync of the store file, wakes the committer, which
+        // reopens the store at once instead of at the next write (an idle router's readers
+        // would wait for one). Weak: the committer stops when the store's own sender is
+        // dropped.
+        let waker = || -> Wake {
+            let waker = tx.downgrade();
+            Box::new(move || {
+                if let Some(tx) = waker.upgrade() {
+                    let _ = tx.try_send(Op::Wake);
+                }
+            })
+        };
         let (log, sync) = match log {
             Some(Logged { files, sync }) => {
-                // A failed sync of the store file wakes it likewise.
-                let waker = tx.downgrade();
-                sync.set_wake(Box::new(move || {
-                    if let Some(tx) = waker.upgrade() {
-                        let _ = tx.try_send(Op::Wake);
-                    }
-                }));
-                (Some(LogWriter::start(files, wake)?), sync)
+                sync.set_wake(waker());
+                (Some(LogWriter::start(files, waker())?), sync)
             }
             None => (None, SyncHandle::default()),
         };

@@ -28,6 +28,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use redb::{BackendError, StorageBackend};
 
+use super::group_log::Wake;
+
 /// A sync that failed: kept, because the file's state since is unknown.
 #[derive(Clone, Debug)]
 struct Failure {
@@ -65,7 +67,6 @@ struct Shared {
 }
 
 /// Called by the sync worker after a failed sync (see `SyncHandle::set_wake`).
-pub(crate) type Wake = Box<dyn Fn() + Send>;
 type WakeSlot = Arc<Mutex<Option<Wake>>>;
 
 impl Shared {
