@@ -709,8 +709,10 @@ pub async fn run_with_store(
     let handlers = match start_handlers(&cfg, &store, &clock, &metrics) {
         Ok(rt) => Some(rt),
         Err(e) => {
-            tracing::error!(error = %e, "the WASM handler runtime could not start; handler targets stay queued");
-            warnings.push(format!("WASM handler runtime unavailable: {e}"));
+            tracing::error!(error = %e, "the WASM handler runtime could not start; handler targets stay queued until it is fixed and the router restarted");
+            warnings.push(format!(
+                "WASM handler runtime unavailable (handler targets stay queued until it is fixed and the router restarted): {e}"
+            ));
             None
         }
     };

@@ -73,6 +73,71 @@ fn slow_attempts(lines: &[Value]) -> Vec<u64> {
 const FAST: &str =
     "  fast:\n    timeout: 10s\n    retry: { max_attempts: 5, base_delay: 50ms, max_delay: 200ms }";
 
+/// A handler runtime that cannot start (here its preload directory is missing) costs only the
+/// handler targets: their entries stay queued, `/v1/status` and the target say why, and a
+/// webhook of the same rule delivers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_runtime_that_cannot_start_keeps_handler_entries_queued_and_says_why() {
+    let hook = Receiver::ok().await;
+    let rules = rules_yaml(
+        "",
+        &[(
+            "both",
+            "t.both",
+            &[
+                "handler: noop\n        id: wasm".to_string(),
+                format!("webhook: {}\n        id: hook", hook.url()),
+            ],
+        )],
+    );
+    let missing = tempfile::tempdir().expect("tempdir");
+    let missing = missing.path().join("no-such-plugins");
+    let r = RouterProc::start_with_env(
+        &[("r.yaml", &rules)],
+        &[],
+        &[(
+            "ROUTER_HANDLERS__PRELOAD_DIR",
+            missing.to_str().expect("utf-8 path"),
+        )],
+    );
+    let (code, body) = post_event(&r, &event("e-1", "t.both", json!({}))).await;
+    assert_eq!(code, 202, "{body}");
+    assert!(
+        hook.wait_for(Duration::from_secs(10), |got| got.len() == 1)
+            .await,
+        "the webhook delivers while handlers cannot run"
+    );
+
+    let (_, status) = get_json(&r, "/v1/status").await;
+    let warnings = status["warnings"].to_string();
+    assert!(
+        warnings.contains("WASM handler runtime unavailable")
+            && warnings.contains("no-such-plugins"),
+        "the runtime's error is in the status: {warnings}"
+    );
+    assert!(
+        warnings.contains("target wasm: handler targets cannot run"),
+        "the target's warning says why, not that handlers are unsupported: {warnings}"
+    );
+    let (_, target) = get_json(&r, "/v1/targets/wasm").await;
+    assert_eq!(target["queued"], 1, "{target}");
+    assert!(
+        target["worker"]
+            .as_str()
+            .is_some_and(|w| w.contains("could not start")),
+        "{target}"
+    );
+    let f = fate(&r, "e-1").await;
+    let state = |id: &str| {
+        f["targets"]
+            .as_array()
+            .and_then(|ts| ts.iter().find(|t| t["target"] == id))
+            .map(|t| t["state"].clone())
+    };
+    assert_eq!(state("hook"), Some(json!("delivered")), "{f}");
+    assert_eq!(state("wasm"), Some(json!("queued")), "{f}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uploads_are_validated_versioned_and_rolled_back() {
     let r = RouterProc::start(&[], &[]);

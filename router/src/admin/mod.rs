@@ -273,7 +273,9 @@ fn target_json(app: &App, id: &str, stats: Option<&crate::store::QueueStats>, no
             }
         }
     } else {
-        v["worker"] = json!("not running: the target is unknown or its kind is not supported yet");
+        v["worker"] = json!(
+            "not running: the target is unknown or could not start (see the warnings in /v1/status)"
+        );
     }
     let s = stats.cloned().unwrap_or_default();
     v["queued"] = json!(s.queued);

@@ -99,7 +99,9 @@ pub enum StartError {
     },
     /// The target kind is not available in this process (handler targets while the WASM
     /// runtime could not start).
-    #[error("target {id}: {kind} targets are not supported yet; its entries stay queued")]
+    #[error(
+        "target {id}: {kind} targets cannot run: the WASM handler runtime did not start (see the warnings in /v1/status; fix it and restart); its entries stay queued"
+    )]
     Unsupported {
         /// Target id.
         id: String,
