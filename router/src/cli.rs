@@ -339,15 +339,27 @@ pub fn job_line(j: &Value) -> String {
     )
 }
 
-/// Polls a job until it is no longer running, printing progress on one line.
+/// Polls a job until it is no longer running, printing its progress: on one line rewritten in
+/// place on a terminal, else (a runbook's log) a line each time the progress changes.
 pub async fn follow(client: &Client, path: &str) -> Result<Value, CliError> {
+    use std::io::IsTerminal as _;
+    let tty = std::io::stderr().is_terminal();
+    let mut last = String::new();
     loop {
         let j = client.call(reqwest::Method::GET, path, None).await?;
-        eprint!("\r{}", job_line(&j));
+        let line = job_line(&j);
+        if tty {
+            eprint!("\r{line}");
+        } else if line != last {
+            eprintln!("{line}");
+        }
         if j["state"] != "running" {
-            eprintln!();
+            if tty {
+                eprintln!();
+            }
             return Ok(j);
         }
+        last = line;
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }

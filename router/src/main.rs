@@ -144,20 +144,27 @@ impl Api {
 
 #[derive(clap::Args, Clone, Default)]
 struct DlqFilterArgs {
+    /// Only entries of this target id.
     #[arg(long)]
     target: Option<String>,
+    /// Only entries with this reason: contract_violation, unknown_version, permanent_error,
+    /// retries_exhausted, max_age_exceeded, loop_detected, target_removed, target_overflow or
+    /// scope_violation.
     #[arg(long)]
     reason: Option<String>,
+    /// Only entries of this rule.
     #[arg(long)]
     rule: Option<String>,
+    /// Only events of this CloudEvents type.
     #[arg(long = "type")]
     ty: Option<String>,
+    /// Only events of this CloudEvents source.
     #[arg(long)]
     source: Option<String>,
-    /// RFC 3339.
+    /// Only entries whose last failure is at or after this time (RFC 3339).
     #[arg(long)]
     since: Option<String>,
-    /// RFC 3339.
+    /// Only entries whose last failure is before this time (RFC 3339).
     #[arg(long)]
     until: Option<String>,
 }
@@ -202,8 +209,10 @@ enum DlqCmd {
     Ls {
         #[command(flatten)]
         filter: DlqFilterArgs,
+        /// Entries per page, 1 to 1000 (default 100).
         #[arg(long)]
         limit: Option<String>,
+        /// Cursor: list entries after this entry id (the `next` of the previous page).
         #[arg(long)]
         after: Option<String>,
     },
@@ -221,6 +230,7 @@ enum DlqCmd {
     Redrive {
         #[command(flatten)]
         filter: DlqFilterArgs,
+        /// Entries moved back per second.
         #[arg(long, default_value_t = 10.0)]
         rate: f64,
         /// Follow the job's progress until it ends.
@@ -237,6 +247,7 @@ enum DlqCmd {
     },
     /// Redrive jobs: list, or show/pause/resume/cancel one.
     Jobs {
+        /// A job's id (without it: every job).
         id: Option<String>,
         /// pause, resume or cancel.
         action: Option<String>,

@@ -127,13 +127,26 @@ async fn the_operator_cli_authenticates_with_router_token() {
         (Some(1), Some(0)),
         "{dry}"
     );
-    let job = cli_json(
+    let (ok, out, progress) = cli(
         &r,
+        Some("ops-token"),
         &[
-            "dlq", "redrive", "--target", "erp", "--rate", "50", "--wait",
+            "dlq", "redrive", "--target", "erp", "--rate", "50", "--wait", "--json",
         ],
     )
     .await;
+    assert!(ok, "redrive failed: {progress}");
+    let job: Value = serde_json::from_str(&out).expect("the job as JSON");
+    // Not a terminal: the progress is logged a line per change, the last one the end state,
+    // with no carriage returns to garble a runbook's log.
+    let lines: Vec<&str> = progress.lines().collect();
+    assert!(
+        !progress.contains('\r')
+            && lines
+                .last()
+                .is_some_and(|l| l.ends_with("1/1 moved, 0 failed, 0 skipped — done")),
+        "{progress:?}"
+    );
     assert_eq!(
         (job["state"].as_str(), job["moved"].as_u64()),
         (Some("done"), Some(1)),
