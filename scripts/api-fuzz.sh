@@ -74,9 +74,12 @@ sha256 = "$(printf %s "$TOKEN" | sha256sum | cut -d' ' -f1)"
 scopes = ["admin"]
 TOML
 
+# A copy of the example contracts: the fuzzer uploads contracts (PUT /v1/contracts/…), which the
+# router writes into its contracts directory.
+cp -r schemas/contracts "$WORK/contracts"
 : > "$WORK/router.log"
 RUST_LOG=info NO_COLOR=1 "$BIN" serve --config "$WORK/router.toml" --listen 127.0.0.1:0 \
-  --data-dir "$WORK/data" --rules examples/rules --contracts schemas/contracts \
+  --data-dir "$WORK/data" --rules examples/rules --contracts "$WORK/contracts" \
   2>"$WORK/router.log" &
 ROUTER_PID=$!
 ADDR=

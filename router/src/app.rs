@@ -877,6 +877,11 @@ pub async fn run_with_store(
             post(crate::admin::release_key),
         )
         .route("/v1/rules", get(crate::admin::rules))
+        .route("/v1/contracts", get(crate::admin::contracts::list))
+        .route(
+            "/v1/contracts/{type}/{version}",
+            get(crate::admin::contracts::show).put(crate::admin::contracts::upload),
+        )
         .route("/v1/rules/test", post(crate::admin::rules_test))
         .route("/v1/admin/reload", post(crate::admin::reload))
         .route("/v1/status", get(crate::admin::status))

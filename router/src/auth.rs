@@ -282,8 +282,14 @@ pub fn route_need(method: &http::Method, route: &str) -> Need {
         (&M::GET, "/v1/handlers") => Need::Read,
         (
             &M::GET,
-            "/v1/events/{id}" | "/v1/targets" | "/v1/targets/{id}" | "/v1/rules" | "/v1/status"
-            | "/metrics",
+            "/v1/events/{id}"
+            | "/v1/targets"
+            | "/v1/targets/{id}"
+            | "/v1/rules"
+            | "/v1/status"
+            | "/metrics"
+            | "/v1/contracts"
+            | "/v1/contracts/{type}/{version}",
         )
         | (
             &M::GET,

@@ -868,6 +868,14 @@ fn example(op_id: &str, dlq_id: &str, redrive_job: &str, replay_job: &str) -> Op
             None,
         ),
         "controlRule" => plain("/v1/rules/orders/enable"),
+        "listContracts" => plain("/v1/contracts"),
+        "getContract" => plain("/v1/contracts/order.created/v1"),
+        "putContract" => with(
+            "/v1/contracts/scope.example/v1",
+            "application/json",
+            json!({"type": "object"}),
+            None,
+        ),
         "reload" => plain("/v1/admin/reload"),
         "getStatus" => plain("/v1/status"),
         "getMetrics" => plain("/metrics"),
@@ -1352,6 +1360,103 @@ async fn responses_validate_against_the_document() {
     api.expect(200, "POST", "/v1/admin/reload", admin()).await;
     api.expect(403, "POST", "/v1/admin/reload", Req::token(READER))
         .await;
+
+    // --- Contracts ---
+    let list = api
+        .expect(200, "GET", "/v1/contracts", Req::token(READER))
+        .await;
+    assert_eq!(list["contracts"][0]["type"], "order.created", "{list}");
+    let one = api
+        .expect(
+            200,
+            "GET",
+            "/v1/contracts/order.created/v1",
+            Req::token(READER),
+        )
+        .await;
+    assert_eq!(one["schema"]["required"], json!(["order_id"]), "{one}");
+    api.expect(
+        404,
+        "GET",
+        "/v1/contracts/order.created/v9",
+        Req::token(READER),
+    )
+    .await;
+    api.expect(
+        400,
+        "GET",
+        "/v1/contracts/order.created/1",
+        Req::token(READER),
+    )
+    .await;
+    // A new version may break the one before it; the answer lists how.
+    let v2 = json!({
+        "type": "object",
+        "required": ["order_id", "total"],
+        "properties": {"order_id": {"type": "integer"}, "total": {"type": "number"}},
+    });
+    let up = api
+        .expect(
+            201,
+            "PUT",
+            "/v1/contracts/order.created/v2",
+            admin().json(&v2),
+        )
+        .await;
+    assert_eq!(up["compared_with"], "v1", "{up}");
+    assert_eq!(up["replaced"], false, "{up}");
+    assert!(
+        up["breaking_changes"]
+            .as_array()
+            .is_some_and(|b| b.len() >= 2),
+        "retyped order_id and the new required total: {up}"
+    );
+    // A live version may only change compatibly.
+    let mut v2_more = v2.clone();
+    v2_more["properties"]["note"] = json!({"type": "string"});
+    let up = api
+        .expect(
+            200,
+            "PUT",
+            "/v1/contracts/order.created/v2",
+            admin().json(&v2_more),
+        )
+        .await;
+    assert_eq!(up["replaced"], true, "{up}");
+    let refused = api
+        .expect(
+            409,
+            "PUT",
+            "/v1/contracts/order.created/v2",
+            admin()
+                .json(&json!({"type": "object", "properties": {"order_id": {"type": "string"}}})),
+        )
+        .await;
+    assert!(
+        refused["error"].as_str().is_some_and(|e| e.contains("v3")),
+        "{refused}"
+    );
+    api.expect(
+        422,
+        "PUT",
+        "/v1/contracts/order.created/v3",
+        admin().json(&json!({"type": 5})),
+    )
+    .await;
+    api.expect(
+        400,
+        "PUT",
+        "/v1/contracts/order.created/v3",
+        admin().raw("application/json", "{"),
+    )
+    .await;
+    api.expect(
+        404,
+        "GET",
+        "/v1/contracts/order.created/v3",
+        Req::token(READER),
+    )
+    .await;
     api.expect(200, "GET", "/v1/status", admin()).await;
     api.expect(200, "GET", "/metrics", Req::token(READER)).await;
     api.expect(401, "GET", "/v1/status", Req::token(WRONG))
@@ -1542,6 +1647,8 @@ async fn responses_validate_against_the_document() {
         ("controlReplayJob", &[404, 409][..]),
         ("createReplay", &[400, 403][..]),
         ("purgeDlq", &[400, 403][..]),
+        ("getContract", &[400, 404][..]),
+        ("putContract", &[400, 409, 422][..]),
     ]);
     for (id, statuses) in wanted {
         for s in statuses {

@@ -312,6 +312,76 @@ async fn contracts_reload_and_an_invalid_schema_is_refused() {
     assert_eq!(b["results"][0]["status"], "quarantined");
 }
 
+async fn put_contract(r: &RouterProc, path: &str, schema: &Value) -> (u16, Value) {
+    let resp = client()
+        .put(r.url(path))
+        .json(schema)
+        .send()
+        .await
+        .expect("PUT");
+    let code = resp.status().as_u16();
+    (code, resp.json().await.unwrap_or(Value::Null))
+}
+
+/// `PUT /v1/contracts/{type}/{version}` writes the file into the watched directory and the
+/// contract applies to the very next event; when the directory will not reload (here a broken
+/// rule file beside it), the upload is refused and leaves the directory as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uploaded_contract_applies_at_once_and_a_refused_one_changes_nothing() {
+    let rcv = Receiver::ok().await;
+    let r = RouterProc::start(
+        &[(
+            "r.yaml",
+            &rules_yaml("", &[("r", "t", &[format!("webhook: {}", rcv.url())])]),
+        )],
+        &[],
+    );
+    let v1 = json!({"type": "object", "required": ["y"]});
+    let (code, body) = put_contract(&r, "/v1/contracts/t/v1", &v1).await;
+    assert_eq!(code, 201, "{body}");
+    assert_eq!(body["compared_with"], Value::Null, "{body}");
+    let (_, b) = post_event(&r, &event("after-upload", "t", json!({"x": 1}))).await;
+    assert_eq!(b["results"][0]["status"], "quarantined", "{b}");
+    let dir = r.dir.path().join("contracts/t");
+    let on_disk: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("v1.json")).expect("the uploaded file"),
+    )
+    .expect("JSON");
+    assert_eq!(on_disk, v1);
+
+    write_rules(&r, "broken.yaml", "rules: [");
+    let err = eventually(Duration::from_secs(10), || async {
+        status(&r).await["reload"]["last_error"]
+            .as_str()
+            .map(str::to_string)
+    })
+    .await;
+    assert!(err.is_some(), "the broken rule file was not noticed");
+    let (code, body) = put_contract(&r, "/v1/contracts/t/v2", &json!({"type": "object"})).await;
+    assert_eq!(code, 409, "{body}");
+    assert!(
+        body["errors"].to_string().contains("broken.yaml"),
+        "the answer names what would not reload: {body}"
+    );
+    let left: Vec<String> = std::fs::read_dir(&dir)
+        .expect("list")
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        left,
+        vec!["v1.json".to_string()],
+        "the directory is as it was"
+    );
+    let (code, _) = get_json(&r, "/v1/contracts/t/v2").await;
+    assert_eq!(code, 404);
+    let (_, b) = post_event(&r, &event("still-v1", "t", json!({"x": 1}))).await;
+    assert_eq!(
+        b["results"][0]["status"], "quarantined",
+        "v1 still applies: {b}"
+    );
+}
+
 fn rand_suffix() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -1,6 +1,7 @@
 //! Operator API: event fate, DLQ inspection, targets, rules, status, health and metrics.
 //! Every read here is side-effect free.
 
+pub mod contracts;
 pub mod handlers;
 
 use std::sync::Arc;

@@ -19,6 +19,7 @@ use serde_json::Value;
 use crate::event::{CloudEvent, FieldError};
 
 pub use compat::check_compatibility;
+pub(crate) use compat::{Issue as CompatIssue, compat_issues};
 use locate::{line_col, locate};
 
 /// Name of the optional per-type mode file at the root of a contracts directory.
@@ -440,6 +441,24 @@ impl ContractSet {
                 })
             })
             .collect()
+    }
+
+    /// The contract of `ty` at `version`, if loaded.
+    pub fn get(&self, ty: &str, version: u32) -> Option<ContractInfo> {
+        let c = self.types.get(ty)?.get(&version)?;
+        Some(ContractInfo {
+            ty: ty.to_owned(),
+            version,
+            file: c.file.clone(),
+            schema: c.schema.clone(),
+        })
+    }
+
+    /// The highest loaded version of `ty` below `version`, with its schema: what a new
+    /// `version` is compared with.
+    pub fn previous(&self, ty: &str, version: u32) -> Option<(u32, Value)> {
+        let (v, c) = self.types.get(ty)?.range(..version).next_back()?;
+        Some((*v, c.schema.clone()))
     }
 
     /// A short content hash of the set (12 hex chars of FNV-1a 64 over the sorted contract

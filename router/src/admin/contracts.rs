@@ -1,0 +1,357 @@
+//! Contract management API: list and show the live contracts, and put a contract version into
+//! the contracts directory over HTTP. An upload is compiled, checked against the version it
+//! replaces (an incompatible change to a version in use is refused: it needs a new version) and
+//! compared with the version before it, then written into the watched directory and reloaded
+//! like a change from git. Reading needs `read`; uploading needs `admin`.
+
+use std::io::Write as _;
+use std::path::{Path as FsPath, PathBuf};
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+
+use crate::app::App;
+use crate::contract::{ContractSet, compat_issues};
+use crate::event::FieldError;
+use crate::ingest::error_response;
+
+/// Uploads run one at a time: each writes, reloads and, if the reload refuses the set, puts
+/// the directory back as it was.
+static UPLOADS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Longest event type accepted as a directory name.
+const MAX_TYPE_LEN: usize = 200;
+
+/// Why a type cannot name a contracts subdirectory, if it cannot.
+fn type_problem(ty: &str) -> Option<&'static str> {
+    if ty.is_empty() || ty.len() > MAX_TYPE_LEN {
+        return Some("the type must be 1 to 200 bytes");
+    }
+    if ty.starts_with('.') {
+        return Some("the type must not start with '.' (hidden names are not loaded)");
+    }
+    if ty.chars().any(|c| c == '/' || c == '\\' || c.is_control()) {
+        return Some("the type must not contain '/', '\\' or control characters");
+    }
+    None
+}
+
+/// `v3` → 3 (no leading zeros, at least 1), as contract file names are.
+fn parse_version(s: &str) -> Option<u32> {
+    let digits = s.strip_prefix('v')?;
+    if digits.is_empty() || digits.starts_with('0') || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok().filter(|v| *v >= 1)
+}
+
+/// The type and version of a contract path, or the 400 saying what is wrong with them.
+fn contract_path(ty: &str, version: &str) -> Result<u32, Box<Response>> {
+    let mut errors = Vec::new();
+    if let Some(why) = type_problem(ty) {
+        errors.push(FieldError::new("/type", why));
+    }
+    let v = parse_version(version);
+    if v.is_none() {
+        errors.push(FieldError::new(
+            "/version",
+            "the version must be v<N> with N >= 1 and no leading zeros (e.g. v2)",
+        ));
+    }
+    match v {
+        Some(v) if errors.is_empty() => Ok(v),
+        _ => Err(Box::new(error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid contract path",
+            errors,
+        ))),
+    }
+}
+
+fn pointer_errors(issues: Vec<crate::contract::CompatIssue>) -> Vec<Value> {
+    issues
+        .into_iter()
+        .map(|i| json!({"pointer": i.pointer, "message": i.message}))
+        .collect()
+}
+
+/// `GET /v1/contracts`: every live contract (without its schema) and its type's mode.
+pub async fn list(State(app): State<Arc<App>>) -> Response {
+    let set = app.contracts.load();
+    let contracts: Vec<Value> = set
+        .contracts()
+        .into_iter()
+        .map(|c| {
+            json!({
+                "type": c.ty,
+                "version": c.version,
+                "file": c.file,
+                "mode": set.mode(&c.ty).as_str(),
+            })
+        })
+        .collect();
+    axum::Json(json!({
+        "version": set.version(),
+        "dir": app.cfg.contracts_dir.display().to_string(),
+        "contracts": contracts,
+    }))
+    .into_response()
+}
+
+/// `GET /v1/contracts/{type}/{version}`: one live contract with its schema.
+pub async fn show(
+    State(app): State<Arc<App>>,
+    Path((ty, version)): Path<(String, String)>,
+) -> Response {
+    let v = match contract_path(&ty, &version) {
+        Ok(v) => v,
+        Err(r) => return *r,
+    };
+    let set = app.contracts.load();
+    match set.get(&ty, v) {
+        Some(c) => axum::Json(json!({
+            "type": c.ty,
+            "version": c.version,
+            "file": c.file,
+            "mode": set.mode(&ty).as_str(),
+            "schema": c.schema,
+        }))
+        .into_response(),
+        None => error_response(
+            StatusCode::NOT_FOUND,
+            "no such contract",
+            vec![FieldError::new(
+                "/version",
+                format!("no contract for type {ty:?} at v{v}"),
+            )],
+        ),
+    }
+}
+
+/// `PUT /v1/contracts/{type}/{version}`: puts a JSON Schema for the `data` of that type and
+/// version. 201 for a new version, 200 for a compatible change to a live one; 400 for a bad
+/// path or body, 422 for a schema that does not compile, 409 for an incompatible change to a
+/// live version or a directory that would not reload with the file (nothing changed then).
+pub async fn upload(
+    State(app): State<Arc<App>>,
+    Path((ty, version)): Path<(String, String)>,
+    body: axum::body::Bytes,
+) -> Response {
+    let v = match contract_path(&ty, &version) {
+        Ok(v) => v,
+        Err(r) => return *r,
+    };
+    let text = match std::str::from_utf8(&body) {
+        Ok(t) => t,
+        Err(e) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "the schema is not UTF-8",
+                vec![FieldError::new("", e.to_string())],
+            );
+        }
+    };
+    let schema: Value = match serde_json::from_str(text) {
+        Ok(s) => s,
+        Err(e) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "the schema is not JSON",
+                vec![FieldError::new("", e.to_string())],
+            );
+        }
+    };
+    let rel = format!("{ty}/v{v}.json");
+    if let Err(diags) = ContractSet::from_files(&[(rel.as_str(), text)], None) {
+        return error_response(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "the schema is not a valid contract",
+            diags
+                .iter()
+                .map(|d| FieldError::new("", format!("line {}:{}: {}", d.line, d.col, d.message)))
+                .collect(),
+        );
+    }
+
+    let _one = UPLOADS.lock().await;
+    let live = app.contracts.load_full();
+    let replaced = live.get(&ty, v);
+    if let Some(old) = &replaced {
+        let issues = compat_issues(&old.schema, &schema);
+        if !issues.is_empty() {
+            let next = live
+                .contracts()
+                .iter()
+                .filter(|c| c.ty == ty)
+                .map(|c| c.version)
+                .max()
+                .unwrap_or(v)
+                .saturating_add(1);
+            return error_response(
+                StatusCode::CONFLICT,
+                &format!("incompatible change to v{v}, which is live: publish it as v{next}"),
+                issues
+                    .into_iter()
+                    .map(|i| FieldError::new(i.pointer, i.message))
+                    .collect(),
+            );
+        }
+    }
+    let (compared_with, breaking) = match live.previous(&ty, v) {
+        Some((pv, prev)) => (
+            Some(format!("v{pv}")),
+            pointer_errors(compat_issues(&prev, &schema)),
+        ),
+        None => (None, Vec::new()),
+    };
+
+    let dir = app.cfg.contracts_dir.clone();
+    let path = dir.join(&ty).join(format!("v{v}.json"));
+    let contents = text.to_owned();
+    let written = {
+        let path = path.clone();
+        tokio::task::spawn_blocking(move || write_contract(&path, &contents)).await
+    };
+    let before = match written {
+        Ok(Ok(before)) => before,
+        Ok(Err(e)) => return write_failed(&path, &e),
+        Err(e) => return write_failed(&path, &std::io::Error::other(e.to_string())),
+    };
+    if let Err(e) = crate::app::reload(&app, "contract upload").await {
+        let restored = {
+            let path = path.clone();
+            tokio::task::spawn_blocking(move || restore(&path, before)).await
+        };
+        if !matches!(restored, Ok(Ok(()))) {
+            tracing::error!(file = %path.display(), "could not put the contracts directory back after a refused upload");
+        }
+        return error_response(
+            StatusCode::CONFLICT,
+            "the contracts directory did not reload with this file; nothing changed",
+            e.to_string()
+                .lines()
+                .map(|l| FieldError::new("", l))
+                .collect(),
+        );
+    }
+    tracing::info!(contract = %rel, replaced = replaced.is_some(), "contract uploaded");
+    let set = app.contracts.load();
+    let status = if replaced.is_some() {
+        StatusCode::OK
+    } else {
+        StatusCode::CREATED
+    };
+    (
+        status,
+        axum::Json(json!({
+            "type": ty,
+            "version": v,
+            "file": rel,
+            "mode": set.mode(&ty).as_str(),
+            "replaced": replaced.is_some(),
+            "contracts_version": set.version(),
+            "compared_with": compared_with,
+            "breaking_changes": breaking,
+        })),
+    )
+        .into_response()
+}
+
+fn write_failed(path: &FsPath, e: &std::io::Error) -> Response {
+    tracing::error!(file = %path.display(), error = %e, "writing an uploaded contract failed");
+    error_response(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the contract could not be written (details are in the router's log)",
+        Vec::new(),
+    )
+}
+
+/// Writes `contents` to `path` by a synced temporary file renamed over it (hidden, so a reload
+/// in between never reads half a file). Returns what was there before, to restore.
+fn write_contract(path: &FsPath, contents: &str) -> std::io::Result<Option<Vec<u8>>> {
+    let dir = path.parent().map(FsPath::to_path_buf).unwrap_or_default();
+    std::fs::create_dir_all(&dir)?;
+    let before = match std::fs::read(path) {
+        Ok(b) => Some(b),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(e),
+    };
+    replace_file(path, contents.as_bytes())?;
+    Ok(before)
+}
+
+/// Puts back what `write_contract` replaced (or removes the new file).
+fn restore(path: &FsPath, before: Option<Vec<u8>>) -> std::io::Result<()> {
+    match before {
+        Some(b) => replace_file(path, &b),
+        None => std::fs::remove_file(path),
+    }
+}
+
+fn replace_file(path: &FsPath, bytes: &[u8]) -> std::io::Result<()> {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp: PathBuf = path.with_file_name(format!(".{name}.upload"));
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn types_are_single_visible_path_segments() {
+        assert_eq!(type_problem("order.created"), None);
+        assert_eq!(type_problem("com.example:order-paid_v2"), None);
+        for bad in ["", ".", "..", ".hidden", "a/b", "a\\b", "a\nb"] {
+            assert!(type_problem(bad).is_some(), "{bad:?}");
+        }
+        assert!(type_problem(&"t".repeat(201)).is_some());
+    }
+
+    #[test]
+    fn versions_are_named_as_the_files() {
+        assert_eq!(parse_version("v1"), Some(1));
+        assert_eq!(parse_version("v12"), Some(12));
+        for bad in ["1", "v0", "v01", "v", "v1.json", "v-1", "v99999999999"] {
+            assert_eq!(parse_version(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_refused_upload_puts_the_directory_back() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let fresh = dir.path().join("t").join("v1.json");
+        assert_eq!(write_contract(&fresh, "{}").expect("write"), None);
+        restore(&fresh, None).expect("restore");
+        assert!(!fresh.exists(), "a new file is removed again");
+
+        std::fs::write(&fresh, "{\"type\": \"object\"}").expect("seed");
+        let before = write_contract(&fresh, "{}").expect("write");
+        assert_eq!(std::fs::read_to_string(&fresh).expect("read"), "{}");
+        restore(&fresh, before).expect("restore");
+        assert_eq!(
+            std::fs::read_to_string(&fresh).expect("read"),
+            "{\"type\": \"object\"}"
+        );
+        let left: Vec<_> = std::fs::read_dir(fresh.parent().expect("dir"))
+            .expect("list")
+            .filter_map(Result::ok)
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(left.len(), 1, "no temporary file is left: {left:?}");
+    }
+}
