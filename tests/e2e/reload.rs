@@ -261,16 +261,21 @@ async fn a_removed_target_can_dead_letter_its_queue_instead() {
     r.kill9();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn contracts_reload_and_an_invalid_schema_is_refused() {
-    let rcv = Receiver::ok().await;
-    let r = RouterProc::start(
+/// A router with no contracts and one rule sending events of type `t` to `rcv`.
+fn routing_t_to(rcv: &Receiver) -> RouterProc {
+    RouterProc::start(
         &[(
             "r.yaml",
             &rules_yaml("", &[("r", "t", &[format!("webhook: {}", rcv.url())])]),
         )],
         &[],
-    );
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contracts_reload_and_an_invalid_schema_is_refused() {
+    let rcv = Receiver::ok().await;
+    let r = routing_t_to(&rcv);
     assert_eq!(
         post_event(&r, &event("free", "t", json!({"x": 1}))).await.1["results"][0]["status"],
         "accepted"
@@ -329,13 +334,7 @@ async fn put_contract(r: &RouterProc, path: &str, schema: &Value) -> (u16, Value
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_uploaded_contract_applies_at_once_and_a_refused_one_changes_nothing() {
     let rcv = Receiver::ok().await;
-    let r = RouterProc::start(
-        &[(
-            "r.yaml",
-            &rules_yaml("", &[("r", "t", &[format!("webhook: {}", rcv.url())])]),
-        )],
-        &[],
-    );
+    let r = routing_t_to(&rcv);
     let v1 = json!({"type": "object", "required": ["y"]});
     let (code, body) = put_contract(&r, "/v1/contracts/t/v1", &v1).await;
     assert_eq!(code, 201, "{body}");
