@@ -54,7 +54,7 @@ enum Cmd {
         #[command(subcommand)]
         cmd: RulesCmd,
     },
-    /// Contracts: check.
+    /// Contracts: check a directory, or push one version to a running router.
     Contracts {
         #[command(subcommand)]
         cmd: ContractsCmd,
@@ -302,6 +302,20 @@ enum RulesCmd {
 enum ContractsCmd {
     /// Validate every contract in DIR and check each version against the previous one.
     Check { dir: PathBuf },
+    /// Put FILE (a JSON Schema) live as the contract of TYPE at VERSION on a running router
+    /// (`PUT /v1/contracts/{type}/v{N}`): a new version prints its breaking changes against
+    /// the one before; an incompatible change to a live version is refused. Client of the API.
+    Push {
+        /// The event type.
+        #[arg(value_name = "TYPE")]
+        ty: String,
+        /// The `dataversion`: `v2` or `2`.
+        version: String,
+        /// The schema file.
+        file: PathBuf,
+        #[command(flatten)]
+        api: Api,
+    },
 }
 
 #[derive(Subcommand)]
@@ -554,6 +568,15 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 Ok(ExitCode::from(1))
             }
         },
+        Cmd::Contracts {
+            cmd:
+                ContractsCmd::Push {
+                    ty,
+                    version,
+                    file,
+                    api,
+                },
+        } => rt.block_on(contract_push(&api, &ty, &version, &file)),
         Cmd::Rules {
             cmd: RulesCmd::Disable { name, api },
         } => rt.block_on(rule_toggle(&api, &name, "disable")),
@@ -697,6 +720,61 @@ fn print_value(api: &Api, v: &serde_json::Value, render: impl Fn(&serde_json::Va
     } else {
         println!("{}", render(v));
     }
+}
+
+async fn contract_push(
+    api: &Api,
+    ty: &str,
+    version: &str,
+    file: &std::path::Path,
+) -> anyhow::Result<ExitCode> {
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let schema: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", file.display()))?;
+    let version = if version.starts_with('v') {
+        version.to_string()
+    } else {
+        format!("v{version}")
+    };
+    let v = api
+        .client()
+        .call(
+            reqwest::Method::PUT,
+            &format!("/v1/contracts/{ty}/{version}"),
+            Some(schema),
+        )
+        .await?;
+    print_value(api, &v, |v| {
+        let mut out = format!(
+            "{} live as {} {} ({}; contracts version {})",
+            file.display(),
+            v["type"].as_str().unwrap_or(ty),
+            version,
+            if v["replaced"] == true {
+                "changed compatibly"
+            } else {
+                "new version"
+            },
+            v["contracts_version"].as_str().unwrap_or("")
+        );
+        let breaking = v["breaking_changes"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        if let (Some(prev), false) = (v["compared_with"].as_str(), breaking.is_empty()) {
+            out.push_str(&format!("\nbreaking changes against {prev}:"));
+            for b in &breaking {
+                out.push_str(&format!(
+                    "\n  {}: {}",
+                    b["pointer"].as_str().unwrap_or(""),
+                    b["message"].as_str().unwrap_or("")
+                ));
+            }
+        }
+        out
+    });
+    Ok(ExitCode::SUCCESS)
 }
 
 async fn rule_toggle(api: &Api, name: &str, action: &str) -> anyhow::Result<ExitCode> {

@@ -245,6 +245,55 @@ async fn the_operator_cli_authenticates_with_router_token() {
     assert!(ok, "{err}");
     assert!(list.contains("noop"), "{list}");
 
+    // A contract pushed from a file: a new version lists what it breaks; an incompatible
+    // change to a live version is refused with the reason and a failing exit.
+    let schemas = tempfile::tempdir().expect("tmp");
+    let file = |name: &str, schema: Value| {
+        let p = schemas.path().join(name);
+        std::fs::write(&p, schema.to_string()).expect("write");
+        p.to_str().expect("utf-8 path").to_string()
+    };
+    let v1 = file(
+        "v1.json",
+        json!({"type": "object", "properties": {"sku": {"type": "string"}}}),
+    );
+    let v2 = file(
+        "v2.json",
+        json!({"type": "object", "required": ["sku"], "properties": {"sku": {"type": "string"}}}),
+    );
+    let (ok, out, err) = cli(
+        &r,
+        Some("ops-token"),
+        &["contracts", "push", "stock.moved", "v1", &v1],
+    )
+    .await;
+    assert!(
+        ok && out.contains("live as stock.moved v1 (new version"),
+        "{out}{err}"
+    );
+    let (ok, out, err) = cli(
+        &r,
+        Some("ops-token"),
+        &["contracts", "push", "stock.moved", "2", &v2],
+    )
+    .await;
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("breaking changes against v1:") && out.contains("`sku`"),
+        "{out}"
+    );
+    let (ok, out, err) = cli(
+        &r,
+        Some("ops-token"),
+        &["contracts", "push", "stock.moved", "v1", &v2],
+    )
+    .await;
+    assert!(!ok, "{out}");
+    assert!(
+        err.contains("409") && err.contains("publish it as v3"),
+        "{err}"
+    );
+
     // Rule files checked against the handlers this router has, before deploying them.
     let repo = tempfile::tempdir().expect("tmp");
     let rules = |handler: &str| {
