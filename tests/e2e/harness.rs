@@ -589,6 +589,18 @@ pub async fn post_json(r: &RouterProc, path: &str, body: Value) -> (u16, Value) 
     (s, resp.json().await.unwrap_or(Value::Null))
 }
 
+/// PUTs a JSON body to an API path; returns (status, body).
+pub async fn put_json(r: &RouterProc, path: &str, body: Value) -> (u16, Value) {
+    let resp = client()
+        .put(r.url(path))
+        .json(&body)
+        .send()
+        .await
+        .expect("put");
+    let s = resp.status().as_u16();
+    (s, resp.json().await.unwrap_or(Value::Null))
+}
+
 /// GET returning JSON.
 pub async fn get_json(r: &RouterProc, path: &str) -> (u16, Value) {
     let resp = client().get(r.url(path)).send().await.expect("get");

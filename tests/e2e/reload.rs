@@ -317,17 +317,6 @@ async fn contracts_reload_and_an_invalid_schema_is_refused() {
     assert_eq!(b["results"][0]["status"], "quarantined");
 }
 
-async fn put_contract(r: &RouterProc, path: &str, schema: &Value) -> (u16, Value) {
-    let resp = client()
-        .put(r.url(path))
-        .json(schema)
-        .send()
-        .await
-        .expect("PUT");
-    let code = resp.status().as_u16();
-    (code, resp.json().await.unwrap_or(Value::Null))
-}
-
 /// `PUT /v1/contracts/{type}/{version}` writes the file into the watched directory and the
 /// contract applies to the very next event; when the directory will not reload (here a broken
 /// rule file beside it), the upload is refused and leaves the directory as it was.
@@ -336,7 +325,7 @@ async fn an_uploaded_contract_applies_at_once_and_a_refused_one_changes_nothing(
     let rcv = Receiver::ok().await;
     let r = routing_t_to(&rcv);
     let v1 = json!({"type": "object", "required": ["y"]});
-    let (code, body) = put_contract(&r, "/v1/contracts/t/v1", &v1).await;
+    let (code, body) = put_json(&r, "/v1/contracts/t/v1", v1.clone()).await;
     assert_eq!(code, 201, "{body}");
     assert_eq!(body["compared_with"], Value::Null, "{body}");
     let (_, b) = post_event(&r, &event("after-upload", "t", json!({"x": 1}))).await;
@@ -356,7 +345,7 @@ async fn an_uploaded_contract_applies_at_once_and_a_refused_one_changes_nothing(
     })
     .await;
     assert!(err.is_some(), "the broken rule file was not noticed");
-    let (code, body) = put_contract(&r, "/v1/contracts/t/v2", &json!({"type": "object"})).await;
+    let (code, body) = put_json(&r, "/v1/contracts/t/v2", json!({"type": "object"})).await;
     assert_eq!(code, 409, "{body}");
     assert!(
         body["errors"].to_string().contains("broken.yaml"),

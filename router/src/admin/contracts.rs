@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
 use crate::app::App;
-use crate::contract::{ContractSet, compat_issues};
+use crate::contract::{CompatIssue, ContractSet, compat_issues, parse_version};
 use crate::event::FieldError;
 use crate::ingest::error_response;
 
@@ -37,15 +37,6 @@ fn type_problem(ty: &str) -> Option<&'static str> {
         return Some("the type must not contain '/', '\\' or control characters");
     }
     None
-}
-
-/// `v3` → 3 (no leading zeros, at least 1), as contract file names are.
-fn parse_version(s: &str) -> Option<u32> {
-    let digits = s.strip_prefix('v')?;
-    if digits.is_empty() || digits.starts_with('0') || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    digits.parse().ok().filter(|v| *v >= 1)
 }
 
 /// The type and version of a contract path, or the 400 saying what is wrong with them.
@@ -71,10 +62,11 @@ fn contract_path(ty: &str, version: &str) -> Result<u32, Box<Response>> {
     }
 }
 
-fn pointer_errors(issues: Vec<crate::contract::CompatIssue>) -> Vec<Value> {
+/// Each incompatibility as an error located by its pointer into the new schema.
+fn field_errors(issues: Vec<CompatIssue>) -> Vec<FieldError> {
     issues
         .into_iter()
-        .map(|i| json!({"pointer": i.pointer, "message": i.message}))
+        .map(|i| FieldError::new(i.pointer, i.message))
         .collect()
 }
 
@@ -182,28 +174,18 @@ pub async fn upload(
     if let Some(old) = &replaced {
         let issues = compat_issues(&old.schema, &schema);
         if !issues.is_empty() {
-            let next = live
-                .contracts()
-                .iter()
-                .filter(|c| c.ty == ty)
-                .map(|c| c.version)
-                .max()
-                .unwrap_or(v)
-                .saturating_add(1);
+            let next = live.latest_version(&ty).unwrap_or(v).saturating_add(1);
             return error_response(
                 StatusCode::CONFLICT,
                 &format!("incompatible change to v{v}, which is live: publish it as v{next}"),
-                issues
-                    .into_iter()
-                    .map(|i| FieldError::new(i.pointer, i.message))
-                    .collect(),
+                field_errors(issues),
             );
         }
     }
     let (compared_with, breaking) = match live.previous(&ty, v) {
         Some((pv, prev)) => (
             Some(format!("v{pv}")),
-            pointer_errors(compat_issues(&prev, &schema)),
+            field_errors(compat_issues(&prev, &schema)),
         ),
         None => (None, Vec::new()),
     };

@@ -454,6 +454,11 @@ impl ContractSet {
         })
     }
 
+    /// The highest loaded version of `ty`.
+    pub fn latest_version(&self, ty: &str) -> Option<u32> {
+        self.types.get(ty)?.keys().next_back().copied()
+    }
+
     /// The highest loaded version of `ty` below `version`, with its schema: what a new
     /// `version` is compared with.
     pub fn previous(&self, ty: &str, version: u32) -> Option<(u32, Value)> {
@@ -498,7 +503,13 @@ fn sorted(mut diags: Vec<ContractDiagnostic>) -> Vec<ContractDiagnostic> {
 
 /// `v<N>.json` with N >= 1 and no leading zeros.
 fn parse_version_name(name: &str) -> Option<u32> {
-    let digits = name.strip_prefix('v')?.strip_suffix(".json")?;
+    parse_version(name.strip_suffix(".json")?)
+}
+
+/// `v3` → 3: a contract version as its file is named (without `.json`) and as the API takes
+/// it; N >= 1, no leading zeros.
+pub fn parse_version(name: &str) -> Option<u32> {
+    let digits = name.strip_prefix('v')?;
     if digits.is_empty() || digits.starts_with('0') || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }

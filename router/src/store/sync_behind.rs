@@ -66,7 +66,8 @@ struct Shared {
     wake: WakeSlot,
 }
 
-/// Called by the sync worker after a failed sync (see `SyncHandle::set_wake`).
+/// The committer's wake-up, called by the sync worker after a failed sync (see
+/// `SyncHandle::set_wake`).
 type WakeSlot = Arc<Mutex<Option<Wake>>>;
 
 impl Shared {
