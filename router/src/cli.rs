@@ -97,17 +97,19 @@ impl Client {
         self.send(rb, url).await
     }
 
-    /// Sends raw bytes (a component upload).
+    /// Sends raw bytes of `content_type` as they are (a component, or a file the server keeps
+    /// as sent).
     pub async fn call_bytes(
         &self,
         method: reqwest::Method,
         path: &str,
+        content_type: &str,
         body: Vec<u8>,
     ) -> Result<Value, CliError> {
         let url = format!("{}{path}", self.base);
         let rb = self
             .request(method, &url)
-            .header("content-type", "application/wasm")
+            .header("content-type", content_type)
             .body(body);
         self.send(rb, url).await
     }

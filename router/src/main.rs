@@ -730,8 +730,10 @@ async fn contract_push(
 ) -> anyhow::Result<ExitCode> {
     let text =
         std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
-    let schema: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", file.display()))?;
+    // Checked here for a clear local error, but sent as written: the router keeps the file's
+    // text, and its errors give lines and columns of it.
+    serde_json::from_str::<serde_json::Value>(&text)
+        .with_context(|| format!("{} is not JSON", file.display()))?;
     let version = if version.starts_with('v') {
         version.to_string()
     } else {
@@ -739,10 +741,11 @@ async fn contract_push(
     };
     let v = api
         .client()
-        .call(
+        .call_bytes(
             reqwest::Method::PUT,
             &format!("/v1/contracts/{ty}/{version}"),
-            Some(schema),
+            "application/json",
+            text.into_bytes(),
         )
         .await?;
     print_value(api, &v, |v| {
@@ -807,8 +810,13 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
         HandlersCmd::Push { name, file } => {
             let bytes =
                 std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
-            c.call_bytes(Method::PUT, &format!("/v1/handlers/{name}"), bytes)
-                .await?
+            c.call_bytes(
+                Method::PUT,
+                &format!("/v1/handlers/{name}"),
+                "application/wasm",
+                bytes,
+            )
+            .await?
         }
         HandlersCmd::List => c.call(Method::GET, "/v1/handlers", None).await?,
         HandlersCmd::Rollback { name, version } => {

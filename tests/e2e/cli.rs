@@ -250,7 +250,7 @@ async fn the_operator_cli_authenticates_with_router_token() {
     let schemas = tempfile::tempdir().expect("tmp");
     let file = |name: &str, schema: Value| {
         let p = schemas.path().join(name);
-        std::fs::write(&p, schema.to_string()).expect("write");
+        std::fs::write(&p, serde_json::to_string_pretty(&schema).expect("JSON")).expect("write");
         p.to_str().expect("utf-8 path").to_string()
     };
     let v1 = file(
@@ -270,6 +270,11 @@ async fn the_operator_cli_authenticates_with_router_token() {
     assert!(
         ok && out.contains("live as stock.moved v1 (new version"),
         "{out}{err}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(r.dir.path().join("contracts/stock.moved/v1.json")).ok(),
+        std::fs::read_to_string(&v1).ok(),
+        "the router keeps the file as written"
     );
     let (ok, out, err) = cli(
         &r,
