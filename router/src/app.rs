@@ -383,7 +383,7 @@ pub enum RunError {
     Insecure(std::net::SocketAddr),
 }
 
-fn start_handlers(
+async fn start_handlers(
     cfg: &Config,
     store: &Arc<dyn Store>,
     clock: &Arc<dyn Clock>,
@@ -413,15 +413,43 @@ fn start_handlers(
         ..Default::default()
     };
     engine.check_limits(&limits).map_err(|e| e.to_string())?;
-    let registry = crate::wasm::HandlerRegistry::open(dir.join("registry"), engine)
-        .map_err(|e| e.to_string())?;
+    let registry = Arc::new(
+        crate::wasm::HandlerRegistry::open(dir.join("registry"), engine)
+            .map_err(|e| e.to_string())?,
+    );
+    let changes = Arc::new(crate::wasm::HandlerChanges::new(
+        registry.clone(),
+        store.handler_catalog(),
+        metrics.handler_catalog.clone(),
+    ));
+    // On a shared store, take in what the other nodes uploaded before any delivery starts
+    // (a failure leaves this node on its own copy, retried in the background and shown in
+    // /v1/status).
+    if let Ok(report) = changes.sync().await
+        && report != crate::wasm::SyncReport::default()
+    {
+        tracing::info!(installed = ?report.applied, removed = ?report.removed, published = ?report.published, "handlers synced from the shared catalog");
+    }
     if let Some(pre) = &h.preload_dir {
         let components = crate::wasm::component_files(pre)
             .map_err(|e| format!("handlers.preload_dir {}: {e}", pre.display()))?;
         for (name, path) in components {
             let name = name.as_str();
             let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-            match registry.upload(name, &bytes, crate::auth::PRELOAD_OWNER) {
+            // Already stored (by an earlier start, or another node): left as it is, so a
+            // restart does not undo a rollback made since.
+            if let Some(v) = registry.stored_version(name, &bytes) {
+                tracing::info!(
+                    handler = name,
+                    version = v.version,
+                    "preloaded handler already stored"
+                );
+                continue;
+            }
+            match changes
+                .upload(name, bytes.into(), crate::auth::PRELOAD_OWNER)
+                .await
+            {
                 Ok(v) => tracing::info!(handler = name, version = v.version, "handler preloaded"),
                 Err(e) => tracing::warn!(handler = name, error = %e, "preloading a handler failed"),
             }
@@ -433,7 +461,8 @@ fn start_handlers(
         "WASM handler runtime started"
     );
     Ok(Arc::new(crate::target::handler::HandlerRuntime {
-        registry: Arc::new(registry),
+        registry,
+        changes,
         limits,
         slots: Arc::new(tokio::sync::Semaphore::new(h.max_instances as usize)),
         running_per_handler: match h.running_per_handler {
@@ -706,8 +735,11 @@ pub async fn run_with_store(
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let tracker = TaskTracker::new();
     let workers_cancel = CancellationToken::new();
-    let handlers = match start_handlers(&cfg, &store, &clock, &metrics) {
-        Ok(rt) => Some(rt),
+    let handlers = match start_handlers(&cfg, &store, &clock, &metrics).await {
+        Ok(rt) => {
+            tracker.spawn(rt.changes.clone().follow(workers_cancel.clone()));
+            Some(rt)
+        }
         Err(e) => {
             tracing::error!(error = %e, "the WASM handler runtime could not start; handler targets stay queued until it is fixed and the router restarted");
             warnings.push(format!(

@@ -88,8 +88,9 @@ pub struct HandlersConfig {
     pub hop_limit: u32,
     /// Instances alive at once (the pooling allocator's size).
     pub max_instances: u32,
-    /// At start, upload every `<name>.wasm` of this directory as handler `<name>` (an
-    /// identical version is just re-activated). For demos and tests; teams use the API.
+    /// At start, upload every `<name>.wasm` of this directory as handler `<name>`, unless
+    /// those bytes are already a stored version (then it is left as it is, so a restart does
+    /// not undo a rollback). For demos and tests; teams use the API.
     pub preload_dir: Option<PathBuf>,
     /// Largest component accepted by `PUT /v1/handlers/{name}` (413 past it).
     pub max_upload_bytes: usize,

@@ -91,6 +91,9 @@ pub struct Metrics {
     kv_handlers_shown: std::sync::Mutex<std::collections::BTreeSet<String>>,
     /// The bound on each namespace (`handlers.kv_max_bytes`).
     pub handler_kv_max_bytes: Gauge,
+    /// Reads of the shared handler catalog (result ok, error) and the handler changes they
+    /// brought (installed, removed, published), on stores several nodes share.
+    pub handler_catalog: Family<Labels, Counter>,
     /// Records held per bounded kind (events, dedup keys, COMPLETED records, handler KV keys).
     pub store_records: Family<Labels, Gauge>,
 }
@@ -133,6 +136,7 @@ impl Metrics {
             handler_kv_keys: Family::default(),
             kv_handlers_shown: Default::default(),
             handler_kv_max_bytes: Gauge::default(),
+            handler_catalog: Family::default(),
             store_records: Family::default(),
             registry: Registry::default(),
         };
@@ -275,6 +279,11 @@ impl Metrics {
             "router_handler_kv_keys",
             "Keys in a handler's key-value namespace",
             m.handler_kv_keys.clone(),
+        );
+        registry.register(
+            "router_handler_catalog_syncs",
+            "Reads of the shared handler catalog by result (ok, error) and the changes they applied here (installed, removed, published)",
+            m.handler_catalog.clone(),
         );
         registry.register(
             "router_handler_kv_max_bytes",

@@ -88,3 +88,90 @@ async fn two_routers_on_one_jetstream_store_deliver_each_event_once() {
     let (_, st) = get_json(&b, "/v1/status").await;
     assert_eq!(st["store"]["backend"], "jetstream");
 }
+
+/// A handler uploaded to one router of a cluster is installed on the others: the other node
+/// runs it alone once the first is gone, a node that was down takes in what changed meanwhile
+/// at start, and a delete on one node removes it from the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_uploaded_to_one_router_runs_on_every_router() {
+    use crate::handlers::{plugin, put_handler};
+    if !RouterProc::on_jetstream() {
+        eprintln!("skipped: needs the JetStream pass (scripts/jetstream-e2e.sh)");
+        return;
+    }
+    let sink = Receiver::ok().await;
+    let rules = format!(
+        "policies:\n  fast:\n    timeout: 10s\n    retry: {{ max_attempts: 20, base_delay: 50ms, max_delay: 1s }}\n\
+         rules:\n  - name: to-enrich\n    pattern:\n      type: [order.created]\n    targets:\n      - handler: enrich\n        policy: fast\n\
+         \x20 - name: enriched-out\n    pattern:\n      type: [order.created.enriched]\n    targets:\n      - webhook: {}\n        id: out\n",
+        sink.url()
+    );
+    let shared = format!("HANDLERS{}", std::process::id());
+    let prefix = format!("handlers.{}", std::process::id());
+    let env = [
+        ("ROUTER_STORE__JETSTREAM__STREAM", shared.as_str()),
+        ("ROUTER_STORE__JETSTREAM__PREFIX", prefix.as_str()),
+    ];
+    let mut a = RouterProc::start_with_env(&[("r.yaml", &rules)], &[], &env);
+    let b = RouterProc::start_with_env(&[("r.yaml", &rules)], &[], &env);
+
+    let (s, v1) = put_handler(&a, "enrich", plugin("enrich")).await;
+    assert_eq!(s, 201, "{v1}");
+    // B installs it from the shared catalog (it follows it every 2 s; the bound allows for
+    // compiling on a loaded machine).
+    let on_b = eventually(Duration::from_secs(60), || async {
+        let (s, h) = get_json(&b, "/v1/handlers/enrich").await;
+        (s == 200 && h["active"]["sha256"] == v1["sha256"]).then_some(h)
+    })
+    .await;
+    assert!(
+        on_b.is_some(),
+        "B never installed the handler uploaded to A"
+    );
+    let (_, st) = get_json(&b, "/v1/status").await;
+    assert_eq!(st["handler_catalog"]["shared"], true, "{st}");
+    assert!(st["handler_catalog"]["last_sync_at"].is_string(), "{st}");
+
+    // With A gone, B runs the handler for every event.
+    a.kill9();
+    for i in 0..10 {
+        let ev = event(&format!("o{i}"), "order.created", json!({"total": i}));
+        assert_eq!(post_event(&b, &ev).await.0, 202);
+    }
+    assert!(
+        sink.wait_for(Duration::from_secs(60), |s| s.len() >= 10)
+            .await,
+        "only {} of 10 enriched events from B",
+        sink.count()
+    );
+
+    // A second version uploaded on B while A is down: A has it as soon as it is back.
+    let mut bytes = plugin("enrich");
+    bytes.extend_from_slice(&[0, 9, 4, b'n', b'o', b't', b'e', 1, 2, 3, 4]);
+    let (s, v2) = put_handler(&b, "enrich", bytes).await;
+    assert_eq!((s, v2["version"].as_u64()), (201, Some(2)), "{v2}");
+    a.restart();
+    let (_, h) = get_json(&a, "/v1/handlers/enrich").await;
+    assert_eq!(h["active"]["version"], 2, "{h}");
+
+    // A rollback on A reaches B; a delete on B reaches A.
+    let (s, back) = post_json(&a, "/v1/handlers/enrich/rollback", json!({"version": "1"})).await;
+    assert_eq!(s, 200, "{back}");
+    let rolled = eventually(Duration::from_secs(30), || async {
+        let (_, h) = get_json(&b, "/v1/handlers/enrich").await;
+        (h["active"]["version"] == 1).then_some(())
+    })
+    .await;
+    assert!(rolled.is_some(), "B did not follow A's rollback");
+    let deleted = client()
+        .delete(b.url("/v1/handlers/enrich"))
+        .send()
+        .await
+        .expect("delete");
+    assert_eq!(deleted.status().as_u16(), 200);
+    let gone = eventually(Duration::from_secs(30), || async {
+        (get_json(&a, "/v1/handlers/enrich").await.0 == 404).then_some(())
+    })
+    .await;
+    assert!(gone.is_some(), "A kept a handler deleted on B");
+}

@@ -138,6 +138,37 @@ async fn a_handler_runtime_that_cannot_start_keeps_handler_entries_queued_and_sa
     assert_eq!(state("wasm"), Some(json!("queued")), "{f}");
 }
 
+/// A preloaded handler is uploaded at the first start only: a restart leaves the versions as
+/// they are, so a newer upload or a rollback made since stays in force.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_does_not_undo_changes_made_since_a_handler_was_preloaded() {
+    let pre = tempfile::tempdir().expect("tempdir");
+    std::fs::write(pre.path().join("noop.wasm"), plugin("noop")).expect("write");
+    let mut r = RouterProc::start_with_env(
+        &[],
+        &[],
+        &[(
+            "ROUTER_HANDLERS__PRELOAD_DIR",
+            pre.path().to_str().expect("utf-8 path"),
+        )],
+    );
+    let (_, h) = get_json(&r, "/v1/handlers/noop").await;
+    assert_eq!(h["active"]["version"], 1, "{h}");
+    assert_eq!(h["active"]["uploader"], "preload", "{h}");
+    let mut bytes = plugin("noop");
+    bytes.extend_from_slice(&[0, 9, 4, b'n', b'o', b't', b'e', 1, 2, 3, 4]);
+    let (s, v2) = put_handler(&r, "noop", bytes).await;
+    assert_eq!((s, v2["version"].as_u64()), (201, Some(2)), "{v2}");
+    r.kill9();
+    r.restart();
+    let (_, h) = get_json(&r, "/v1/handlers/noop").await;
+    assert_eq!(
+        h["active"]["version"], 2,
+        "the restart re-activated the preloaded version: {h}"
+    );
+    assert_eq!(h["versions"].as_array().map(Vec::len), Some(2), "{h}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uploads_are_validated_versioned_and_rolled_back() {
     let r = RouterProc::start(&[], &[]);

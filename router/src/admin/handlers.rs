@@ -26,7 +26,10 @@ fn runtime(app: &App) -> Result<&Arc<crate::target::handler::HandlerRuntime>, Bo
     })
 }
 
-fn registry_error(e: RegistryError) -> Response {
+fn registry_error(name: &str, e: RegistryError) -> Response {
+    if matches!(e, RegistryError::Catalog(_)) {
+        return catalog_unavailable(name, &e);
+    }
     let status = match &e {
         RegistryError::UnknownHandler(_) | RegistryError::UnknownVersion { .. } => {
             StatusCode::NOT_FOUND
@@ -59,15 +62,12 @@ pub async fn upload(
         Ok(rt) => rt.clone(),
         Err(r) => return *r,
     };
-    let uploader = who.name.clone();
-    let n = name.clone();
-    let res = tokio::task::spawn_blocking(move || rt.registry.upload(&n, &body, &uploader)).await;
-    match res {
-        Ok(Ok(v)) => {
+    match rt.changes.upload(&name, body, &who.name).await {
+        Ok(v) => {
             tracing::warn!(handler = %name, version = v.version, sha256 = %v.sha256, uploader = %who.name, "handler uploaded and activated");
             (StatusCode::CREATED, axum::Json(json!(v))).into_response()
         }
-        Ok(Err(UploadError::Io(e))) => {
+        Err(UploadError::Io(e)) => {
             tracing::error!(handler = %name, error = %e, "storing a handler failed");
             error_response(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -75,17 +75,28 @@ pub async fn upload(
                 Vec::new(),
             )
         }
-        Ok(Err(e)) => error_response(
+        Err(e @ UploadError::Catalog(_)) => catalog_unavailable(&name, &e),
+        Err(e) => error_response(
             StatusCode::BAD_REQUEST,
             "invalid handler",
             vec![FieldError::new("", e.to_string())],
         ),
-        Err(e) => error_response(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "upload task failed",
-            vec![FieldError::new("", e.to_string())],
-        ),
     }
+}
+
+/// 503 with a `Retry-After`: the shared catalog is out of reach, nothing changed.
+fn catalog_unavailable(name: &str, e: &dyn std::fmt::Display) -> Response {
+    tracing::error!(handler = %name, error = %e, "handler change refused: the shared catalog is unavailable");
+    let mut r = error_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the shared handler catalog is unavailable; nothing was changed",
+        vec![FieldError::new("", e.to_string())],
+    );
+    r.headers_mut().insert(
+        axum::http::header::RETRY_AFTER,
+        axum::http::HeaderValue::from_static("5"),
+    );
+    r
 }
 
 /// `GET /v1/handlers`.
@@ -155,18 +166,12 @@ pub async fn rollback(
         Ok(rt) => rt.clone(),
         Err(r) => return *r,
     };
-    let n = name.clone();
-    match tokio::task::spawn_blocking(move || rt.registry.rollback(&n, &req.version)).await {
-        Ok(Ok(v)) => {
+    match rt.changes.rollback(&name, &req.version).await {
+        Ok(v) => {
             tracing::warn!(handler = %name, version = v.version, by = %who.name, "handler rolled back");
             axum::Json(json!(v)).into_response()
         }
-        Ok(Err(e)) => registry_error(e),
-        Err(e) => error_response(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "rollback task failed",
-            vec![FieldError::new("", e.to_string())],
-        ),
+        Err(e) => registry_error(&name, e),
     }
 }
 
@@ -183,10 +188,10 @@ pub async fn delete(
         Ok(rt) => rt.clone(),
         Err(r) => return *r,
     };
-    match rt.registry.delete(&name) {
+    match rt.changes.delete(&name).await {
         Ok(true) => axum::Json(json!({ "deleted": name })).into_response(),
         Ok(false) => error_response(StatusCode::NOT_FOUND, "unknown handler", Vec::new()),
-        Err(e) => registry_error(e),
+        Err(e) => registry_error(&name, e),
     }
 }
 

@@ -476,6 +476,8 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
         "delivery": app.delivery_threads,
         "records": records,
         "handler_kv": handler_kv,
+        // On a shared store: how this node follows the handlers the nodes share.
+        "handler_catalog": app.handlers.as_ref().map(|rt| rt.changes.status()),
         "warnings": *app.warnings.lock().unwrap_or_else(|p| p.into_inner()),
     }))
     .into_response()

@@ -373,4 +373,68 @@ pub trait Store: Send + Sync + 'static {
 
     /// How many records each bounded kind holds (cheap: kept counts, not scans).
     fn record_counts(&self) -> BoxFuture<'_, Result<RecordCounts, StoreError>>;
+
+    /// Where the nodes sharing this store keep their uploaded handlers, when several nodes
+    /// can share it (`None`: the store has one node, whose handler directory is the truth).
+    fn handler_catalog(&self) -> Option<Arc<dyn HandlerCatalog>> {
+        None
+    }
+}
+
+/// One handler's record in a [`HandlerCatalog`]: its index (the registry's format, opaque
+/// here) and the revision that a change must expect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CatalogRecord {
+    /// The handler name.
+    pub name: String,
+    /// The record's revision (never 0: 0 stands for "no record" in `put_index`).
+    pub revision: u64,
+    /// The handler's index, as the registry wrote it.
+    pub index: bytes::Bytes,
+}
+
+/// The uploaded handlers of a deployment whose nodes share one store: an index record per
+/// handler (versions, which one is active), changed by compare-and-set so concurrent uploads
+/// on two nodes cannot lose one another, and the components' bytes, keyed by their SHA-256.
+/// Every node follows the indexes and installs what they say (`wasm::catalog`).
+pub trait HandlerCatalog: Send + Sync + 'static {
+    /// Every handler's record.
+    fn indexes(&self) -> BoxFuture<'_, Result<Vec<CatalogRecord>, StoreError>>;
+
+    /// One handler's record, if it has one.
+    fn index(&self, name: &str) -> BoxFuture<'_, Result<Option<CatalogRecord>, StoreError>>;
+
+    /// Writes `name`'s index if its record is still at revision `expect` (0: no record yet).
+    /// `Ok(None)`: it was not (another node changed it first); nothing was written.
+    fn put_index(
+        &self,
+        name: &str,
+        index: bytes::Bytes,
+        expect: u64,
+    ) -> BoxFuture<'_, Result<Option<u64>, StoreError>>;
+
+    /// Stores a component's bytes under (`name`, `sha256`). Storing the same bytes again is
+    /// harmless; readers check the hash.
+    fn put_component(
+        &self,
+        name: &str,
+        sha256: &str,
+        bytes: bytes::Bytes,
+    ) -> BoxFuture<'_, Result<(), StoreError>>;
+
+    /// A component's bytes (`size` as its index records it), `None` if they are not stored
+    /// in full.
+    fn component(
+        &self,
+        name: &str,
+        sha256: &str,
+        size: u64,
+    ) -> BoxFuture<'_, Result<Option<Vec<u8>>, StoreError>>;
+
+    /// Removes components (`(sha256, size)` each) of `name`.
+    fn delete_components(
+        &self,
+        name: &str,
+        components: Vec<(String, u64)>,
+    ) -> BoxFuture<'_, Result<(), StoreError>>;
 }

@@ -42,6 +42,9 @@ pub struct EmitterOf {
 pub struct HandlerRuntime {
     /// Uploaded handlers.
     pub registry: Arc<HandlerRegistry>,
+    /// Where uploads, rollbacks and deletes go (through the store's shared catalog when the
+    /// nodes share a store).
+    pub changes: Arc<crate::wasm::HandlerChanges>,
     /// Per-invocation limits.
     pub limits: HandlerLimits,
     /// Bounds concurrent instances to the pooling allocator's size.

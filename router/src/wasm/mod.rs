@@ -1,9 +1,10 @@
 //! The wasmtime host for WASM handlers: one shared engine ([`engine`]), per-invocation limits
 //! ([`limits`]), the `router:handler` world's host side ([`bindings`]), uploaded handlers and
-//! their versions ([`registry`]), running one delivery through a handler ([`invoke`]), and the
+//! their versions ([`registry`]) and how the nodes sharing a store share them ([`catalog`]), running one delivery through a handler ([`invoke`]), and the
 //! handlers' own logs, kept on disk for their teams ([`logs`]).
 
 pub mod bindings;
+pub mod catalog;
 pub mod engine;
 pub mod invoke;
 pub mod limits;
@@ -14,13 +15,14 @@ pub mod registry;
 mod tests;
 
 pub use bindings::{EmptyKv, KvReader, KvWrite, LogLevel, LogLine};
+pub use catalog::{CatalogStatus, HandlerChanges, SyncReport};
 pub use engine::{EngineConfig, EngineError, WasmEngine};
 pub use invoke::{DeliveryInfo, Invocation, InvocationOutcome, invoke};
 pub use limits::{HandlerLimits, LimitsError};
 pub use logs::{HandlerLogs, LogQuery, LogRecord};
 pub use registry::{
     AcceptedType, HandlerDescriptor, HandlerInfo, HandlerRegistry, LoadedHandler, RegistryError,
-    UploadError, VersionInfo, valid_handler_name,
+    UploadError, Validated, VersionInfo, valid_handler_name,
 };
 
 /// The components in a directory of handlers (`handlers.preload_dir`, or what `router rules

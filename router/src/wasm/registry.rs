@@ -108,12 +108,121 @@ pub struct HandlerInfo {
     pub load_error: Option<String>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct HandlerIndex {
+/// A handler's versions and which one is active: `<name>/index.json` in the registry
+/// directory, and the record a shared catalog keeps per handler (`wasm::catalog`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct HandlerIndex {
     format: u32,
+    pub(crate) name: String,
+    pub(crate) active: Option<String>,
+    pub(crate) versions: Vec<VersionInfo>,
+    /// Only in a shared catalog: the handler was deleted (a record rather than no record, so
+    /// a node that was down meanwhile deletes its copy instead of publishing it again).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) deleted: bool,
+}
+
+impl HandlerIndex {
+    /// A handler with no versions yet.
+    pub(crate) fn empty(name: &str) -> Self {
+        Self {
+            format: INDEX_FORMAT,
+            name: name.to_owned(),
+            active: None,
+            versions: Vec::new(),
+            deleted: false,
+        }
+    }
+
+    /// The index with `v` stored and active: a new version numbered after the highest so far,
+    /// or the stored version with the same bytes, re-activated.
+    pub(crate) fn with_upload(mut self, v: &Validated, uploader: &str) -> (Self, VersionInfo) {
+        if self.deleted {
+            self = Self::empty(&self.name);
+        }
+        let info = match self.versions.iter().find(|x| x.sha256 == v.sha256) {
+            Some(existing) => existing.clone(),
+            None => {
+                let info = VersionInfo {
+                    version: self.versions.iter().map(|x| x.version).max().unwrap_or(0) + 1,
+                    sha256: v.sha256.clone(),
+                    size: v.size,
+                    uploader: uploader.to_owned(),
+                    uploaded_at: chrono::Utc::now()
+                        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+                    descriptor: v.descriptor.clone(),
+                };
+                self.versions.push(info.clone());
+                info
+            }
+        };
+        self.active = Some(v.sha256.clone());
+        (self, info)
+    }
+
+    /// The index with `version` (a number or hash prefix, as `rollback` takes) active.
+    pub(crate) fn with_active(
+        mut self,
+        version: &str,
+    ) -> Result<(Self, VersionInfo), RegistryError> {
+        if self.deleted {
+            return Err(RegistryError::UnknownHandler(self.name));
+        }
+        let info = find_version(&self, &self.name, version)?.clone();
+        self.active = Some(info.sha256.clone());
+        Ok((self, info))
+    }
+
+    /// The record a shared catalog keeps once the handler is deleted.
+    pub(crate) fn tombstone(name: &str) -> Self {
+        Self {
+            deleted: true,
+            ..Self::empty(name)
+        }
+    }
+
+    /// The active version's details.
+    pub(crate) fn active_version(&self) -> Option<&VersionInfo> {
+        let sha = self.active.as_ref()?;
+        self.versions.iter().find(|v| &v.sha256 == sha)
+    }
+
+    /// The index as stored (`index.json`, or a catalog record).
+    pub(crate) fn to_bytes(&self) -> Vec<u8> {
+        // Plain data (strings, numbers): encoding cannot fail.
+        serde_json::to_vec_pretty(self).unwrap_or_default()
+    }
+
+    /// An index as stored.
+    pub(crate) fn from_bytes(bytes: &[u8]) -> Result<Self, serde_json::Error> {
+        serde_json::from_slice(bytes)
+    }
+}
+
+/// A component that passed an upload's checks (it compiles, links against the handler
+/// world, and `describe` answers with the name it is uploaded as), not stored yet.
+pub struct Validated {
     name: String,
-    active: Option<String>,
-    versions: Vec<VersionInfo>,
+    sha256: String,
+    size: u64,
+    descriptor: HandlerDescriptor,
+    pre: HandlerPre<HostState>,
+}
+
+impl std::fmt::Debug for Validated {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Validated")
+            .field("name", &self.name)
+            .field("sha256", &self.sha256)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Validated {
+    /// The component's SHA-256 (lowercase hex).
+    pub fn sha256(&self) -> &str {
+        &self.sha256
+    }
 }
 
 /// The active version of a handler, compiled and pre-instantiated: each invocation only creates
@@ -188,6 +297,10 @@ pub enum UploadError {
     /// Storing the component or the index failed.
     #[error("cannot store the handler: {0}")]
     Io(#[from] std::io::Error),
+    /// The shared catalog (handlers on a store several nodes share) could not be read or
+    /// written; nothing was activated.
+    #[error("the shared handler catalog is unavailable: {0}")]
+    Catalog(String),
 }
 
 /// Failure of a registry operation other than upload.
@@ -220,6 +333,10 @@ pub enum RegistryError {
     /// Reading or writing the registry directory failed.
     #[error("handler registry I/O: {0}")]
     Io(#[from] std::io::Error),
+    /// The shared catalog (handlers on a store several nodes share) could not be read or
+    /// written; nothing was changed.
+    #[error("the shared handler catalog is unavailable: {0}")]
+    Catalog(String),
     /// An `index.json` that does not parse.
     #[error("corrupt handler index {path}: {message}")]
     CorruptIndex {
@@ -372,15 +489,8 @@ impl HandlerRegistry {
         self.compilations.load(Ordering::Relaxed)
     }
 
-    /// Validates `bytes` as a handler named `name` and, only if it passes, stores it as a new
-    /// version and activates it. Uploading bytes identical to a stored version re-activates that
-    /// version.
-    pub fn upload(
-        &self,
-        name: &str,
-        bytes: &[u8],
-        uploader: &str,
-    ) -> Result<VersionInfo, UploadError> {
+    /// Checks `bytes` as a handler named `name` (see [`Validated`]) without storing anything.
+    pub fn validate(&self, name: &str, bytes: &[u8]) -> Result<Validated, UploadError> {
         if !valid_handler_name(name) {
             return Err(UploadError::InvalidName(name.to_owned()));
         }
@@ -407,47 +517,157 @@ impl HandlerRegistry {
                 described: descriptor.name,
             });
         }
+        Ok(Validated {
+            name: name.to_owned(),
+            sha256: sha256_hex(bytes),
+            size: bytes.len() as u64,
+            descriptor,
+            pre,
+        })
+    }
 
-        let sha256 = sha256_hex(bytes);
+    /// Validates `bytes` as a handler named `name` and, only if it passes, stores it as a new
+    /// version and activates it. Uploading bytes identical to a stored version re-activates that
+    /// version.
+    pub fn upload(
+        &self,
+        name: &str,
+        bytes: &[u8],
+        uploader: &str,
+    ) -> Result<VersionInfo, UploadError> {
+        let validated = self.validate(name, bytes)?;
         let _write = self
             .write_lock
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let handler_dir = self.dir.join(name);
-        fs::create_dir_all(&handler_dir)?;
-        let mut index = self.index_of(name).unwrap_or_else(|| HandlerIndex {
-            format: INDEX_FORMAT,
-            name: name.to_owned(),
-            active: None,
-            versions: Vec::new(),
-        });
-        let info = match index.versions.iter().find(|v| v.sha256 == sha256) {
-            Some(existing) => existing.clone(),
-            None => {
-                write_atomic(&handler_dir.join(format!("{sha256}.wasm")), bytes)?;
-                let info = VersionInfo {
-                    version: index.versions.iter().map(|v| v.version).max().unwrap_or(0) + 1,
-                    sha256: sha256.clone(),
-                    size: bytes.len() as u64,
-                    uploader: uploader.to_owned(),
-                    uploaded_at: chrono::Utc::now()
-                        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
-                    descriptor,
-                };
-                index.versions.push(info.clone());
-                info
-            }
-        };
-        index.active = Some(sha256);
+        let index = self
+            .index_of(name)
+            .unwrap_or_else(|| HandlerIndex::empty(name));
+        let (index, info) = index.with_upload(&validated, uploader);
+        self.store_component(name, &info.sha256, bytes)?;
         self.write_index(&index)?;
-        let loaded = Arc::new(LoadedHandler {
-            info: info.clone(),
-            pre,
-            engine: self.engine.clone(),
-        });
-        self.install(index, Some(loaded));
+        self.install(
+            index,
+            Some(Arc::new(LoadedHandler {
+                info: info.clone(),
+                pre: validated.pre,
+                engine: self.engine.clone(),
+            })),
+        );
         tracing::info!(handler = name, version = info.version, sha256 = %info.sha256, uploader, "handler version activated");
         Ok(info)
+    }
+
+    /// Makes `index` (a shared catalog's record, `wasm::catalog`) this registry's state of its
+    /// handler: a deleted one is removed; otherwise the index is written and its active version
+    /// loaded, from `validated` when that is the active version (an upload made here), else
+    /// from its component file, which the caller stores first. A version that cannot be loaded
+    /// leaves the handler listed with its `load_error` and no active version, as at `open`.
+    pub(crate) fn apply(
+        &self,
+        index: HandlerIndex,
+        validated: Option<Validated>,
+    ) -> Result<Option<VersionInfo>, RegistryError> {
+        let _write = self
+            .write_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if index.deleted {
+            self.remove(&index.name)?;
+            return Ok(None);
+        }
+        fs::create_dir_all(self.dir.join(&index.name))?;
+        self.write_index(&index)?;
+        let Some(info) = index.active_version().cloned() else {
+            self.install(index, None);
+            return Ok(None);
+        };
+        let loaded = match validated {
+            Some(v) if v.sha256 == info.sha256 => Ok(LoadedHandler {
+                info: info.clone(),
+                pre: v.pre,
+                engine: self.engine.clone(),
+            }),
+            _ => self.load_version(&index.name, info.clone()),
+        };
+        match loaded {
+            Ok(loaded) => {
+                self.install(index, Some(Arc::new(loaded)));
+                Ok(Some(info))
+            }
+            Err(e) => {
+                let name = index.name.clone();
+                self.install(index, None);
+                if let Some(entry) = self
+                    .entries
+                    .write()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .get_mut(&name)
+                {
+                    entry.load_error = Some(e.to_string());
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether the component `sha256` of `name` is stored here.
+    pub(crate) fn has_component(&self, name: &str, sha256: &str) -> bool {
+        self.component_path(name, sha256).is_file()
+    }
+
+    /// Stores a component's bytes (kept if already there), after checking they match `sha256`.
+    pub(crate) fn store_component(
+        &self,
+        name: &str,
+        sha256: &str,
+        bytes: &[u8],
+    ) -> std::io::Result<()> {
+        if !valid_handler_name(name) || sha256_hex(bytes) != sha256 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("component of {name:?} does not match its SHA-256 {sha256}"),
+            ));
+        }
+        let path = self.component_path(name, sha256);
+        if path.is_file() {
+            return Ok(());
+        }
+        fs::create_dir_all(self.dir.join(name))?;
+        write_atomic(&path, bytes)
+    }
+
+    /// A stored component's bytes.
+    pub(crate) fn component_bytes(&self, name: &str, sha256: &str) -> std::io::Result<Vec<u8>> {
+        fs::read(self.component_path(name, sha256))
+    }
+
+    /// The stored version of `name` whose component is `bytes`, if there is one.
+    pub fn stored_version(&self, name: &str, bytes: &[u8]) -> Option<VersionInfo> {
+        let sha256 = sha256_hex(bytes);
+        self.index_of(name)?
+            .versions
+            .into_iter()
+            .find(|v| v.sha256 == sha256)
+    }
+
+    /// Every handler's index, as stored here.
+    pub(crate) fn indexes(&self) -> Vec<HandlerIndex> {
+        self.entries
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .map(|e| e.index.clone())
+            .collect()
+    }
+
+    /// One handler's index, as stored here.
+    pub(crate) fn index(&self, name: &str) -> Option<HandlerIndex> {
+        self.index_of(name)
+    }
+
+    fn component_path(&self, name: &str, sha256: &str) -> PathBuf {
+        self.dir.join(name).join(format!("{sha256}.wasm"))
     }
 
     /// Activates an earlier version, named by its number (`3` or `v3`) or its SHA-256 (or a
@@ -457,12 +677,11 @@ impl HandlerRegistry {
             .write_lock
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let mut index = self
+        let index = self
             .index_of(name)
             .ok_or_else(|| RegistryError::UnknownHandler(name.to_owned()))?;
-        let info = find_version(&index, name, version)?.clone();
+        let (index, info) = index.with_active(version)?;
         let loaded = Arc::new(self.load_version(name, info.clone())?);
-        index.active = Some(info.sha256.clone());
         self.write_index(&index)?;
         self.install(index, Some(loaded));
         tracing::info!(handler = name, version = info.version, sha256 = %info.sha256, "handler rolled back");
@@ -476,6 +695,11 @@ impl HandlerRegistry {
             .write_lock
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        self.remove(name)
+    }
+
+    /// `delete`, with the write lock held.
+    fn remove(&self, name: &str) -> Result<bool, RegistryError> {
         let existed = self
             .entries
             .write()
@@ -539,8 +763,10 @@ impl HandlerRegistry {
     }
 
     fn write_index(&self, index: &HandlerIndex) -> std::io::Result<()> {
-        let json = serde_json::to_vec_pretty(index).map_err(std::io::Error::other)?;
-        write_atomic(&self.dir.join(&index.name).join("index.json"), &json)
+        write_atomic(
+            &self.dir.join(&index.name).join("index.json"),
+            &index.to_bytes(),
+        )
     }
 
     fn compile(&self, bytes: &[u8]) -> Result<Component, String> {
@@ -576,7 +802,7 @@ impl HandlerRegistry {
             version: info.version,
             message,
         };
-        let path = self.dir.join(name).join(format!("{}.wasm", info.sha256));
+        let path = self.component_path(name, &info.sha256);
         let bytes = fs::read(&path).map_err(|e| load_err(format!("{}: {e}", path.display())))?;
         if sha256_hex(&bytes) != info.sha256 {
             return Err(load_err(format!(
@@ -667,6 +893,7 @@ mod tests {
                 version(2, "aaaaaaaa22"),
                 version(12, "bbbbbbbb33"),
             ],
+            deleted: false,
         };
         assert_eq!(find_version(&index, "h", "2").unwrap().version, 2);
         assert_eq!(find_version(&index, "h", "v12").unwrap().version, 12);

@@ -678,3 +678,368 @@ fn a_corrupt_stored_version_is_reported_not_fatal() {
     );
     assert!(reopened.active("strict").is_some());
 }
+
+/// The in-memory [`crate::store::HandlerCatalog`] the shared-handler tests run on: the same
+/// compare-and-set contract as the JetStream one, and a switch that makes it unreachable.
+#[derive(Default)]
+struct MemCatalog {
+    indexes: Mutex<HashMap<String, (u64, bytes::Bytes)>>,
+    components: Mutex<HashMap<(String, String), Vec<u8>>>,
+    revision: AtomicU64,
+    down: AtomicBool,
+}
+
+impl MemCatalog {
+    fn check(&self) -> Result<(), crate::store::StoreError> {
+        if self.down.load(Ordering::SeqCst) {
+            Err(crate::store::StoreError::Backend(
+                "catalog unreachable".into(),
+            ))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn index_of(&self, name: &str) -> registry::HandlerIndex {
+        let bytes = self.indexes.lock().unwrap()[name].1.clone();
+        registry::HandlerIndex::from_bytes(&bytes).unwrap()
+    }
+}
+
+impl crate::store::HandlerCatalog for MemCatalog {
+    fn indexes(
+        &self,
+    ) -> futures::future::BoxFuture<
+        '_,
+        Result<Vec<crate::store::CatalogRecord>, crate::store::StoreError>,
+    > {
+        Box::pin(async move {
+            self.check()?;
+            Ok(self
+                .indexes
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|(name, (revision, index))| crate::store::CatalogRecord {
+                    name: name.clone(),
+                    revision: *revision,
+                    index: index.clone(),
+                })
+                .collect())
+        })
+    }
+
+    fn index(
+        &self,
+        name: &str,
+    ) -> futures::future::BoxFuture<
+        '_,
+        Result<Option<crate::store::CatalogRecord>, crate::store::StoreError>,
+    > {
+        let name = name.to_string();
+        Box::pin(async move {
+            self.check()?;
+            Ok(self
+                .indexes
+                .lock()
+                .unwrap()
+                .get(&name)
+                .map(|(r, i)| crate::store::CatalogRecord {
+                    name: name.clone(),
+                    revision: *r,
+                    index: i.clone(),
+                }))
+        })
+    }
+
+    fn put_index(
+        &self,
+        name: &str,
+        index: bytes::Bytes,
+        expect: u64,
+    ) -> futures::future::BoxFuture<'_, Result<Option<u64>, crate::store::StoreError>> {
+        let name = name.to_string();
+        Box::pin(async move {
+            self.check()?;
+            // Yield first, so two nodes' changes interleave between their read and write.
+            tokio::task::yield_now().await;
+            let mut indexes = self.indexes.lock().unwrap();
+            let current = indexes.get(&name).map_or(0, |(r, _)| *r);
+            if current != expect {
+                return Ok(None);
+            }
+            let revision = self.revision.fetch_add(1, Ordering::SeqCst) + 1;
+            indexes.insert(name, (revision, index));
+            Ok(Some(revision))
+        })
+    }
+
+    fn put_component(
+        &self,
+        name: &str,
+        sha256: &str,
+        bytes: bytes::Bytes,
+    ) -> futures::future::BoxFuture<'_, Result<(), crate::store::StoreError>> {
+        let key = (name.to_string(), sha256.to_string());
+        Box::pin(async move {
+            self.check()?;
+            self.components.lock().unwrap().insert(key, bytes.to_vec());
+            Ok(())
+        })
+    }
+
+    fn component(
+        &self,
+        name: &str,
+        sha256: &str,
+        _size: u64,
+    ) -> futures::future::BoxFuture<'_, Result<Option<Vec<u8>>, crate::store::StoreError>> {
+        let key = (name.to_string(), sha256.to_string());
+        Box::pin(async move {
+            self.check()?;
+            Ok(self.components.lock().unwrap().get(&key).cloned())
+        })
+    }
+
+    fn delete_components(
+        &self,
+        name: &str,
+        components: Vec<(String, u64)>,
+    ) -> futures::future::BoxFuture<'_, Result<(), crate::store::StoreError>> {
+        let name = name.to_string();
+        Box::pin(async move {
+            self.check()?;
+            let mut stored = self.components.lock().unwrap();
+            for (sha, _) in components {
+                stored.remove(&(name.clone(), sha));
+            }
+            Ok(())
+        })
+    }
+}
+
+/// A router node's handlers on a shared catalog: its own registry directory, the catalog.
+fn node(catalog: &Arc<MemCatalog>) -> (tempfile::TempDir, HandlerChanges) {
+    let (dir, registry) = registry_with(&[]);
+    let shared: Arc<dyn crate::store::HandlerCatalog> = catalog.clone();
+    let changes = HandlerChanges::new(Arc::new(registry), Some(shared), Default::default());
+    (dir, changes)
+}
+
+fn active_sha(changes: &HandlerChanges, name: &str) -> Option<String> {
+    changes
+        .registry()
+        .active(name)
+        .map(|h| h.version().sha256.clone())
+}
+
+#[tokio::test]
+async fn an_upload_rollback_and_delete_on_one_node_reach_the_others() {
+    let catalog = Arc::new(MemCatalog::default());
+    let (_a_dir, a) = node(&catalog);
+    let (b_dir, b) = node(&catalog);
+    let v1_bytes = plugin("noop");
+    let v2_bytes = variant_of(&v1_bytes, "shared-v2");
+
+    let v1 = a
+        .upload("noop", v1_bytes.clone().into(), "alice")
+        .await
+        .unwrap();
+    assert_eq!(
+        active_sha(&a, "noop"),
+        Some(v1.sha256.clone()),
+        "active at once where uploaded"
+    );
+    assert_eq!(active_sha(&b, "noop"), None);
+    let report = b.sync().await.unwrap();
+    assert_eq!(report.applied, vec!["noop".to_string()]);
+    assert_eq!(active_sha(&b, "noop"), Some(v1.sha256.clone()));
+    // B fetched the component into its own directory and runs it.
+    assert!(
+        b_dir
+            .path()
+            .join(format!("handlers/noop/{}.wasm", v1.sha256))
+            .is_file()
+    );
+    let h = b.registry().active("noop").unwrap();
+    assert_eq!(
+        invoke(
+            &h,
+            &event("x", "t", json!({})),
+            &delivery(),
+            Arc::new(EmptyKv),
+            &HandlerLimits::default()
+        )
+        .outcome,
+        InvocationOutcome::Emitted(vec![])
+    );
+    // Nothing changed: a second sync does nothing.
+    assert_eq!(b.sync().await.unwrap(), SyncReport::default());
+
+    // Version numbers continue across nodes: B uploads v2, A rolls back to v1.
+    let v2 = b.upload("noop", v2_bytes.into(), "bob").await.unwrap();
+    assert_eq!(v2.version, 2);
+    a.sync().await.unwrap();
+    assert_eq!(active_sha(&a, "noop"), Some(v2.sha256.clone()));
+    let back = a.rollback("noop", "1").await.unwrap();
+    assert_eq!((back.version, back.uploader.as_str()), (1, "alice"));
+    b.sync().await.unwrap();
+    assert_eq!(active_sha(&b, "noop"), Some(v1.sha256.clone()));
+    assert_eq!(b.registry().get("noop").unwrap().versions.len(), 2);
+    assert!(matches!(
+        b.rollback("noop", "7").await,
+        Err(RegistryError::UnknownVersion { .. })
+    ));
+    assert!(matches!(
+        b.rollback("nope", "1").await,
+        Err(RegistryError::UnknownHandler(_))
+    ));
+
+    // Deleted on B: gone from A at its next sync, the components gone from the catalog.
+    assert!(b.delete("noop").await.unwrap());
+    assert!(b.registry().get("noop").is_none());
+    assert!(catalog.components.lock().unwrap().is_empty());
+    let report = a.sync().await.unwrap();
+    assert_eq!(report.removed, vec!["noop".to_string()]);
+    assert!(a.registry().get("noop").is_none());
+    assert!(!a.delete("noop").await.unwrap());
+    // Uploaded again after the delete: a new history.
+    let again = a.upload("noop", v1_bytes.into(), "carol").await.unwrap();
+    assert_eq!((again.version, again.uploader.as_str()), (1, "carol"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_on_two_nodes_at_once_both_keep_their_version() {
+    let catalog = Arc::new(MemCatalog::default());
+    let (_a_dir, a) = node(&catalog);
+    let (_b_dir, b) = node(&catalog);
+    let base = plugin("noop");
+    let (x, y) = (variant_of(&base, "from-a"), variant_of(&base, "from-b"));
+    let (ra, rb) = tokio::join!(
+        a.upload("noop", x.into(), "alice"),
+        b.upload("noop", y.into(), "bob")
+    );
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
+    let mut numbers = vec![ra.version, rb.version];
+    numbers.sort_unstable();
+    assert_eq!(numbers, vec![1, 2], "one version each, none lost");
+    let index = catalog.index_of("noop");
+    assert_eq!(index.versions.len(), 2);
+    // Both nodes end on the version the catalog holds as active.
+    a.sync().await.unwrap();
+    b.sync().await.unwrap();
+    assert_eq!(active_sha(&a, "noop"), index.active.clone());
+    assert_eq!(active_sha(&b, "noop"), index.active);
+}
+
+#[tokio::test]
+async fn a_node_publishes_handlers_it_had_and_drops_ones_deleted_while_it_was_away() {
+    let catalog = Arc::new(MemCatalog::default());
+    // A node that ran on its own before: two handlers in its directory.
+    let (_dir, registry) = registry_with(&["noop", "strict"]);
+    let shared: Arc<dyn crate::store::HandlerCatalog> = catalog.clone();
+    let old = HandlerChanges::new(Arc::new(registry), Some(shared), Default::default());
+    let mut report = old.sync().await.unwrap();
+    report.published.sort();
+    assert_eq!(
+        report.published,
+        vec!["noop".to_string(), "strict".to_string()]
+    );
+    let (_b_dir, b) = node(&catalog);
+    b.sync().await.unwrap();
+    assert!(b.registry().active("noop").is_some() && b.registry().active("strict").is_some());
+
+    // Deleted on B while the old node is away: the old node drops its copy instead of
+    // publishing it again.
+    assert!(b.delete("strict").await.unwrap());
+    let report = old.sync().await.unwrap();
+    assert_eq!(report.removed, vec!["strict".to_string()]);
+    assert!(report.published.is_empty());
+    assert!(old.registry().get("strict").is_none());
+    assert!(catalog.index_of("strict").deleted);
+}
+
+#[tokio::test]
+async fn an_unreachable_catalog_refuses_changes_and_is_shown_until_it_returns() {
+    let catalog = Arc::new(MemCatalog::default());
+    let (_a_dir, a) = node(&catalog);
+    let (_b_dir, b) = node(&catalog);
+    a.upload("noop", plugin("noop").into(), "alice")
+        .await
+        .unwrap();
+    catalog.down.store(true, Ordering::SeqCst);
+
+    // An upload is refused and nothing is activated anywhere.
+    let err = a
+        .upload("strict", plugin("strict").into(), "alice")
+        .await
+        .unwrap_err();
+    assert!(matches!(err, UploadError::Catalog(_)), "{err}");
+    assert!(a.registry().get("strict").is_none());
+    assert!(matches!(
+        a.rollback("noop", "1").await,
+        Err(RegistryError::Catalog(_))
+    ));
+    assert!(matches!(
+        a.delete("noop").await,
+        Err(RegistryError::Catalog(_))
+    ));
+    assert!(a.registry().active("noop").is_some());
+    // A refused upload still validates first: a bad one says what is wrong with it.
+    assert!(matches!(
+        a.upload("noop", b"\0asm junk".to_vec().into(), "alice")
+            .await,
+        Err(UploadError::NotComponent(_))
+    ));
+
+    // A sync fails, and the status says so until one succeeds.
+    assert!(b.sync().await.is_err());
+    let status = b.status();
+    assert!(status.shared);
+    assert!(
+        status.error.as_deref().unwrap().contains("unreachable"),
+        "{status:?}"
+    );
+    assert!(status.failing_since.is_some() && status.last_sync_at.is_none());
+    catalog.down.store(false, Ordering::SeqCst);
+    b.sync().await.unwrap();
+    let status = b.status();
+    assert!(
+        status.error.is_none() && status.failing_since.is_none() && status.last_sync_at.is_some()
+    );
+    assert!(b.registry().active("noop").is_some());
+}
+
+#[tokio::test]
+async fn a_catalog_version_that_cannot_be_fetched_is_shown_per_handler() {
+    let catalog = Arc::new(MemCatalog::default());
+    let (_a_dir, a) = node(&catalog);
+    let (_b_dir, b) = node(&catalog);
+    let v = a
+        .upload("noop", plugin("noop").into(), "alice")
+        .await
+        .unwrap();
+    catalog.components.lock().unwrap().clear();
+    b.sync().await.unwrap();
+    assert!(b.registry().active("noop").is_none());
+    let status = b.status();
+    assert!(
+        status.handler_errors["noop"].contains(&v.sha256),
+        "{status:?}"
+    );
+}
+
+#[tokio::test]
+async fn without_a_catalog_changes_go_to_the_registry_alone() {
+    let (_dir, registry) = registry_with(&[]);
+    let changes = HandlerChanges::new(Arc::new(registry), None, Default::default());
+    let v = changes
+        .upload("noop", plugin("noop").into(), "alice")
+        .await
+        .unwrap();
+    assert_eq!(v.version, 1);
+    assert_eq!(changes.sync().await.unwrap(), SyncReport::default());
+    assert!(!changes.status().shared);
+    assert_eq!(changes.rollback("noop", "1").await.unwrap().version, 1);
+    assert!(changes.delete("noop").await.unwrap());
+}

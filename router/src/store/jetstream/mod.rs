@@ -26,9 +26,11 @@
 //! write expects the revision the node read: two nodes accepting the same (source, id) at
 //! once cannot both store it.
 
+mod catalog;
 mod jobs;
 mod ops;
 pub mod records;
+pub use catalog::JetStreamCatalog;
 mod store_impl;
 mod view;
 

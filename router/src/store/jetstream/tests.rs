@@ -2020,3 +2020,88 @@ async fn delivery_cycle_cost() {
         n as f64 / all.as_secs_f64()
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// The shared handler catalog
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_handler_catalog_keeps_indexes_by_compare_and_set_and_components_in_chunks() {
+    use crate::store::Store;
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let catalog = s.handler_catalog().expect("a shared store has a catalog");
+    // A second node's view of the same stream.
+    let other = store(&server).await.handler_catalog().expect("catalog");
+
+    assert!(catalog.indexes().await.expect("list").is_empty());
+    assert_eq!(catalog.index("noop").await.expect("read"), None);
+    let r1 = catalog
+        .put_index("noop", Bytes::from_static(b"{\"v\":1}"), 0)
+        .await
+        .expect("put")
+        .expect("created");
+    // A writer that read before that change loses, and changes nothing.
+    assert_eq!(
+        other
+            .put_index("noop", Bytes::from_static(b"{\"v\":\"lost\"}"), 0)
+            .await
+            .expect("put"),
+        None
+    );
+    let seen = other.index("noop").await.expect("read").expect("exists");
+    assert_eq!((seen.revision, &seen.index[..]), (r1, &b"{\"v\":1}"[..]));
+    let r2 = other
+        .put_index("noop", Bytes::from_static(b"{\"v\":2}"), r1)
+        .await
+        .expect("put")
+        .expect("up to date");
+    assert!(r2 > r1);
+    let listed = catalog.indexes().await.expect("list");
+    assert_eq!(listed.len(), 1);
+    assert_eq!((listed[0].name.as_str(), listed[0].revision), ("noop", r2));
+
+    // A component larger than a message: stored in chunks, read back whole by another node.
+    let big: Vec<u8> = (0..1_300_000u32).map(|i| (i % 251) as u8).collect();
+    let sha = "ab12";
+    catalog
+        .put_component("noop", sha, Bytes::from(big.clone()))
+        .await
+        .expect("store");
+    let back = other
+        .component("noop", sha, big.len() as u64)
+        .await
+        .expect("read")
+        .expect("complete");
+    assert!(back == big, "the bytes come back as stored");
+    // A size that does not match what is stored reads as missing, not as other bytes.
+    assert_eq!(
+        other
+            .component("noop", sha, big.len() as u64 + 1)
+            .await
+            .expect("read"),
+        None
+    );
+    assert_eq!(
+        other.component("noop", "cd34", 10).await.expect("read"),
+        None
+    );
+    catalog
+        .delete_components("noop", vec![(sha.to_string(), big.len() as u64)])
+        .await
+        .expect("delete");
+    assert_eq!(
+        other
+            .component("noop", sha, big.len() as u64)
+            .await
+            .expect("read"),
+        None
+    );
+    // Names that are not plain subject tokens never reach a record key.
+    assert!(catalog.index("a.b").await.is_err());
+    assert!(
+        catalog
+            .put_component("noop", "x.>", Bytes::new())
+            .await
+            .is_err()
+    );
+}

@@ -1,0 +1,208 @@
+//! The uploaded handlers of a JetStream deployment ([`HandlerCatalog`]), in the records stream
+//! beside everything else the nodes share: `hx.<name>` holds a handler's index, changed by
+//! compare-and-set; `hc.<name>.<sha256>.<n>` holds the `n`th chunk of a component, since a
+//! component (tens of MB for an interpreted language) is larger than a message may be.
+//!
+//! Chunks are content-addressed and written before the index that names them, so a reader that
+//! finds a version in an index finds its bytes; a reader still checks the length here and the
+//! hash in the registry.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt, TryStreamExt};
+
+use super::records::{Expect, Records, RecordsError, Write};
+use crate::store::{CatalogRecord, HandlerCatalog, StoreError};
+
+/// Bytes per component chunk: well under the smallest `max_payload` the store accepts (the
+/// body limit plus an envelope, 1 MiB by default).
+const CHUNK: usize = 512 << 10;
+
+/// Chunks written or read at once.
+const PARALLEL: usize = 8;
+
+/// The handler catalog on a records stream (see the module docs).
+#[derive(Debug, Clone)]
+pub struct JetStreamCatalog {
+    records: Arc<Records>,
+}
+
+impl JetStreamCatalog {
+    /// The catalog kept in `records`.
+    pub fn new(records: Arc<Records>) -> Self {
+        Self { records }
+    }
+}
+
+impl JetStreamCatalog {
+    /// Commits each write on its own (chunks are independent: content-addressed, and named
+    /// by an index only once all are written), `PARALLEL` at a time.
+    async fn commit_each(&self, writes: Vec<Write>) -> Result<(), StoreError> {
+        futures::stream::iter(writes)
+            .map(|w| self.records.commit(vec![w]))
+            .buffer_unordered(PARALLEL)
+            .try_for_each(|_| async { Ok(()) })
+            .await?;
+        Ok(())
+    }
+}
+
+fn index_key(name: &str) -> String {
+    format!("hx.{name}")
+}
+
+fn chunk_key(name: &str, sha256: &str, n: usize) -> String {
+    format!("hc.{name}.{sha256}.{n}")
+}
+
+fn chunks(size: u64) -> usize {
+    usize::try_from(size).map_or(usize::MAX, |s| s.div_ceil(CHUNK))
+}
+
+/// Names and hashes become subject tokens: anything that is not a plain token is refused
+/// rather than allowed to reach into another record's subject.
+fn check_token(what: &str, token: &str) -> Result<(), StoreError> {
+    let ok = !token.is_empty()
+        && token
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(StoreError::Backend(format!(
+            "{what} {token:?} cannot be a record key"
+        )))
+    }
+}
+
+impl HandlerCatalog for JetStreamCatalog {
+    fn indexes(&self) -> BoxFuture<'_, Result<Vec<CatalogRecord>, StoreError>> {
+        async move {
+            let scanned = self.records.scan("hx").await?;
+            Ok(scanned
+                .into_iter()
+                .filter_map(|(key, revision, index)| {
+                    Some(CatalogRecord {
+                        name: key.strip_prefix("hx.")?.to_string(),
+                        revision,
+                        index,
+                    })
+                })
+                .collect())
+        }
+        .boxed()
+    }
+
+    fn index(&self, name: &str) -> BoxFuture<'_, Result<Option<CatalogRecord>, StoreError>> {
+        let name = name.to_string();
+        async move {
+            check_token("handler name", &name)?;
+            let read = self.records.get(&index_key(&name)).await?;
+            Ok(read.and_then(|v| {
+                Some(CatalogRecord {
+                    revision: v.revision,
+                    index: v.value?,
+                    name,
+                })
+            }))
+        }
+        .boxed()
+    }
+
+    fn put_index(
+        &self,
+        name: &str,
+        index: Bytes,
+        expect: u64,
+    ) -> BoxFuture<'_, Result<Option<u64>, StoreError>> {
+        let key = index_key(name);
+        let name = name.to_string();
+        async move {
+            check_token("handler name", &name)?;
+            let write = Write::put(key, index, Expect::Revision(expect));
+            match self.records.commit(vec![write]).await {
+                Ok(revs) => Ok(revs.first().copied()),
+                Err(RecordsError::Conflict) => Ok(None),
+                Err(e) => Err(e.into()),
+            }
+        }
+        .boxed()
+    }
+
+    fn put_component(
+        &self,
+        name: &str,
+        sha256: &str,
+        bytes: Bytes,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        let (name, sha256) = (name.to_string(), sha256.to_string());
+        async move {
+            check_token("handler name", &name)?;
+            check_token("component hash", &sha256)?;
+            let writes: Vec<Write> = (0..chunks(bytes.len() as u64))
+                .map(|n| {
+                    let end = ((n + 1) * CHUNK).min(bytes.len());
+                    Write::put(
+                        chunk_key(&name, &sha256, n),
+                        bytes.slice(n * CHUNK..end),
+                        Expect::Any,
+                    )
+                })
+                .collect();
+            self.commit_each(writes).await
+        }
+        .boxed()
+    }
+
+    fn component(
+        &self,
+        name: &str,
+        sha256: &str,
+        size: u64,
+    ) -> BoxFuture<'_, Result<Option<Vec<u8>>, StoreError>> {
+        let (name, sha256) = (name.to_string(), sha256.to_string());
+        async move {
+            check_token("handler name", &name)?;
+            check_token("component hash", &sha256)?;
+            let parts: Vec<Option<Bytes>> = futures::stream::iter(0..chunks(size))
+                .map(|n| {
+                    self.records
+                        .get_owned(chunk_key(&name, &sha256, n))
+                        .map(|r| r.map(|v| v.and_then(|v| v.value)))
+                })
+                .buffered(PARALLEL)
+                .try_collect()
+                .await?;
+            let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
+            for part in parts {
+                let Some(part) = part else { return Ok(None) };
+                bytes.extend_from_slice(&part);
+            }
+            Ok((bytes.len() as u64 == size).then_some(bytes))
+        }
+        .boxed()
+    }
+
+    fn delete_components(
+        &self,
+        name: &str,
+        components: Vec<(String, u64)>,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        let name = name.to_string();
+        async move {
+            check_token("handler name", &name)?;
+            let mut writes = Vec::new();
+            for (sha256, size) in components {
+                check_token("component hash", &sha256)?;
+                writes.extend(
+                    (0..chunks(size))
+                        .map(|n| Write::delete(chunk_key(&name, &sha256, n), Expect::Any)),
+                );
+            }
+            self.commit_each(writes).await
+        }
+        .boxed()
+    }
+}

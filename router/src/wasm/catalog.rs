@@ -1,0 +1,545 @@
+//! Where every change to the uploaded handlers goes (upload, rollback, delete), and how the
+//! nodes of a deployment that share one store keep the same handlers.
+//!
+//! On the embedded store a node is alone: its registry directory is the truth and changes go
+//! straight to it. On a shared store ([`Store::handler_catalog`](crate::store::Store)), the
+//! store's catalog is the truth: a change is validated here, written to the catalog by
+//! compare-and-set (the component's bytes first, then the handler's index), and then applied
+//! to this node's registry, so the API answers with the change in force here. Every node
+//! follows the catalog ([`HandlerChanges::follow`]) and applies what changed, fetching the
+//! active version's component when it does not have it; the others see a change within
+//! [`SYNC_INTERVAL`] plus the time to compile it.
+//!
+//! Without this, an upload reached one node only: the others kept leasing that handler's
+//! deliveries and spending their attempts on "not uploaded" until the entries went to the DLQ.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use super::registry::{HandlerIndex, HandlerRegistry, RegistryError, UploadError, VersionInfo};
+use crate::store::{HandlerCatalog, StoreError};
+use crate::telemetry::Labels;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+
+/// How often each node reads the catalog's indexes for changes made on other nodes.
+pub const SYNC_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Compare-and-set rounds a change tries before it gives up (other nodes changing the same
+/// handler each time).
+const MAX_ROUNDS: u32 = 8;
+
+/// What `/v1/status` shows of the catalog: whether this node follows one, and how that goes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct CatalogStatus {
+    /// True when the handlers are shared through the store's catalog.
+    pub shared: bool,
+    /// The last sync that read the whole catalog (RFC 3339).
+    pub last_sync_at: Option<String>,
+    /// Why the last sync failed, while it keeps failing (cleared by the next good one).
+    pub error: Option<String>,
+    /// Since when syncs have been failing (RFC 3339).
+    pub failing_since: Option<String>,
+    /// Handlers whose catalog version could not be installed here, and why.
+    pub handler_errors: std::collections::BTreeMap<String, String>,
+}
+
+/// What one sync did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct SyncReport {
+    /// Handlers installed or changed from the catalog.
+    pub applied: Vec<String>,
+    /// Handlers removed because the catalog says they were deleted.
+    pub removed: Vec<String>,
+    /// Handlers this node had that the catalog did not, published to it.
+    pub published: Vec<String>,
+}
+
+/// See the module docs.
+pub struct HandlerChanges {
+    registry: Arc<HandlerRegistry>,
+    catalog: Option<Arc<dyn HandlerCatalog>>,
+    /// Serialises this node's changes (API calls and syncs), and holds the catalog revision
+    /// each handler's record was last applied at here.
+    applied: tokio::sync::Mutex<HashMap<String, u64>>,
+    status: Mutex<CatalogStatus>,
+    /// `router_handler_catalog_syncs`, by result.
+    syncs: Family<Labels, Counter>,
+}
+
+impl std::fmt::Debug for HandlerChanges {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HandlerChanges")
+            .field("shared", &self.catalog.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+fn now_rfc3339() -> String {
+    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+/// Runs blocking registry work (file I/O, compilation) off the reactor.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(v) => v,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}
+
+fn catalog_upload_error(e: StoreError) -> UploadError {
+    UploadError::Catalog(e.to_string())
+}
+
+fn catalog_registry_error(e: StoreError) -> RegistryError {
+    RegistryError::Catalog(e.to_string())
+}
+
+fn corrupt(name: &str, e: &serde_json::Error) -> StoreError {
+    StoreError::Corrupt {
+        table: "handler catalog",
+        message: format!("index of {name:?}: {e}"),
+    }
+}
+
+/// A short random wait before another compare-and-set round, growing with the round.
+async fn back_off(round: u32) {
+    let ms = rand::random_range(1..=(4u64 << round.min(6)));
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+}
+
+impl HandlerChanges {
+    /// Changes go to `registry` alone (`catalog` `None`), or through `catalog` first.
+    /// `syncs` counts the catalog reads and what they applied (`router_handler_catalog_syncs`).
+    pub fn new(
+        registry: Arc<HandlerRegistry>,
+        catalog: Option<Arc<dyn HandlerCatalog>>,
+        syncs: Family<Labels, Counter>,
+    ) -> Self {
+        let status = CatalogStatus {
+            shared: catalog.is_some(),
+            ..CatalogStatus::default()
+        };
+        Self {
+            registry,
+            catalog,
+            applied: tokio::sync::Mutex::new(HashMap::new()),
+            status: Mutex::new(status),
+            syncs,
+        }
+    }
+
+    /// The registry changes are applied to.
+    pub fn registry(&self) -> &Arc<HandlerRegistry> {
+        &self.registry
+    }
+
+    /// How following the catalog goes.
+    pub fn status(&self) -> CatalogStatus {
+        self.status
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The catalog record of `name` as an index, with its revision (0 and an empty index when
+    /// there is none).
+    async fn read(
+        catalog: &dyn HandlerCatalog,
+        name: &str,
+    ) -> Result<(u64, HandlerIndex), StoreError> {
+        match catalog.index(name).await? {
+            Some(rec) => Ok((
+                rec.revision,
+                HandlerIndex::from_bytes(&rec.index).map_err(|e| corrupt(name, &e))?,
+            )),
+            None => Ok((0, HandlerIndex::empty(name))),
+        }
+    }
+
+    /// Validates `bytes` as handler `name` and, only if it passes, stores it as a new version
+    /// (or re-activates the stored version with the same bytes) and activates it: everywhere
+    /// when the handlers are shared.
+    pub async fn upload(
+        &self,
+        name: &str,
+        bytes: Bytes,
+        uploader: &str,
+    ) -> Result<VersionInfo, UploadError> {
+        let registry = self.registry.clone();
+        let Some(catalog) = self.catalog.clone() else {
+            let (name, uploader) = (name.to_owned(), uploader.to_owned());
+            return blocking(move || registry.upload(&name, &bytes, &uploader)).await;
+        };
+        let (n, b) = (name.to_owned(), bytes.clone());
+        let validated = blocking(move || registry.validate(&n, &b)).await?;
+        catalog
+            .put_component(name, validated.sha256(), bytes.clone())
+            .await
+            .map_err(catalog_upload_error)?;
+        let mut applied = self.applied.lock().await;
+        for round in 0..MAX_ROUNDS {
+            let (revision, index) = Self::read(catalog.as_ref(), name)
+                .await
+                .map_err(catalog_upload_error)?;
+            let (index, info) = index.with_upload(&validated, uploader);
+            let written = catalog
+                .put_index(name, index.to_bytes().into(), revision)
+                .await
+                .map_err(catalog_upload_error)?;
+            let Some(revision) = written else {
+                back_off(round).await;
+                continue;
+            };
+            let registry = self.registry.clone();
+            let n = name.to_owned();
+            let info = blocking(move || {
+                registry.store_component(&n, &info.sha256, &bytes)?;
+                registry
+                    .apply(index, Some(validated))
+                    .map_err(|e| std::io::Error::other(e.to_string()))?;
+                Ok::<_, std::io::Error>(info)
+            })
+            .await?;
+            applied.insert(name.to_owned(), revision);
+            tracing::info!(
+                handler = name,
+                version = info.version,
+                revision,
+                "handler upload written to the shared catalog"
+            );
+            return Ok(info);
+        }
+        Err(UploadError::Catalog(format!(
+            "other nodes kept changing handler {name:?}; try again"
+        )))
+    }
+
+    /// Activates an earlier version of `name` (a number, `v3`, or a hash prefix): everywhere
+    /// when the handlers are shared. The version is loaded here before the change is written,
+    /// so a version that no longer loads is refused rather than spread.
+    pub async fn rollback(&self, name: &str, version: &str) -> Result<VersionInfo, RegistryError> {
+        let registry = self.registry.clone();
+        let Some(catalog) = self.catalog.clone() else {
+            let (name, version) = (name.to_owned(), version.to_owned());
+            return blocking(move || registry.rollback(&name, &version)).await;
+        };
+        if !super::valid_handler_name(name) {
+            return Err(RegistryError::UnknownHandler(name.to_owned()));
+        }
+        let mut applied = self.applied.lock().await;
+        for round in 0..MAX_ROUNDS {
+            let (revision, index) = Self::read(catalog.as_ref(), name)
+                .await
+                .map_err(catalog_registry_error)?;
+            if revision == 0 {
+                return Err(RegistryError::UnknownHandler(name.to_owned()));
+            }
+            let (index, info) = index.with_active(version)?;
+            let bytes = self.component(catalog.as_ref(), name, &info).await?;
+            let (registry, n) = (self.registry.clone(), name.to_owned());
+            let validated = blocking(move || registry.validate(&n, &bytes))
+                .await
+                .map_err(|e| RegistryError::Load {
+                    name: name.to_owned(),
+                    version: info.version,
+                    message: e.to_string(),
+                })?;
+            let written = catalog
+                .put_index(name, index.to_bytes().into(), revision)
+                .await
+                .map_err(catalog_registry_error)?;
+            let Some(revision) = written else {
+                back_off(round).await;
+                continue;
+            };
+            let registry = self.registry.clone();
+            blocking(move || registry.apply(index, Some(validated))).await?;
+            applied.insert(name.to_owned(), revision);
+            tracing::info!(
+                handler = name,
+                version = info.version,
+                revision,
+                "handler rollback written to the shared catalog"
+            );
+            return Ok(info);
+        }
+        Err(RegistryError::Catalog(format!(
+            "other nodes kept changing handler {name:?}; try again"
+        )))
+    }
+
+    /// Removes `name` and all its versions (everywhere when shared). Returns whether it
+    /// existed.
+    pub async fn delete(&self, name: &str) -> Result<bool, RegistryError> {
+        let registry = self.registry.clone();
+        let Some(catalog) = self.catalog.clone() else {
+            let name = name.to_owned();
+            return blocking(move || registry.delete(&name)).await;
+        };
+        if !super::valid_handler_name(name) {
+            return Ok(false);
+        }
+        let mut applied = self.applied.lock().await;
+        for round in 0..MAX_ROUNDS {
+            let (revision, index) = Self::read(catalog.as_ref(), name)
+                .await
+                .map_err(catalog_registry_error)?;
+            if revision == 0 || index.deleted {
+                let (registry, n) = (self.registry.clone(), name.to_owned());
+                return blocking(move || registry.delete(&n)).await;
+            }
+            let tombstone = HandlerIndex::tombstone(name);
+            let written = catalog
+                .put_index(name, tombstone.to_bytes().into(), revision)
+                .await
+                .map_err(catalog_registry_error)?;
+            let Some(revision) = written else {
+                back_off(round).await;
+                continue;
+            };
+            applied.insert(name.to_owned(), revision);
+            let components = index
+                .versions
+                .iter()
+                .map(|v| (v.sha256.clone(), v.size))
+                .collect();
+            if let Err(e) = catalog.delete_components(name, components).await {
+                // The index no longer names them, so nothing will read them; they only
+                // take room until a later delete of the same name.
+                tracing::warn!(handler = name, error = %e, "deleted handler's components could not be removed from the catalog");
+            }
+            let registry = self.registry.clone();
+            blocking(move || registry.apply(tombstone, None)).await?;
+            tracing::info!(
+                handler = name,
+                revision,
+                "handler deletion written to the shared catalog"
+            );
+            return Ok(true);
+        }
+        Err(RegistryError::Catalog(format!(
+            "other nodes kept changing handler {name:?}; try again"
+        )))
+    }
+
+    /// The bytes of `info`'s component: this node's copy, or the catalog's.
+    async fn component(
+        &self,
+        catalog: &dyn HandlerCatalog,
+        name: &str,
+        info: &VersionInfo,
+    ) -> Result<Vec<u8>, RegistryError> {
+        let (registry, n, sha) = (self.registry.clone(), name.to_owned(), info.sha256.clone());
+        if let Ok(bytes) = blocking(move || registry.component_bytes(&n, &sha)).await {
+            return Ok(bytes);
+        }
+        catalog
+            .component(name, &info.sha256, info.size)
+            .await
+            .map_err(catalog_registry_error)?
+            .ok_or_else(|| RegistryError::Load {
+                name: name.to_owned(),
+                version: info.version,
+                message: format!("the shared catalog has no component {}", info.sha256),
+            })
+    }
+
+    /// Reads the catalog once and makes this node match it: handlers changed elsewhere are
+    /// installed (their active component fetched when missing), deleted ones removed, and
+    /// handlers only this node has (kept from before it shared a store) published. Does
+    /// nothing when the handlers are not shared.
+    pub async fn sync(&self) -> Result<SyncReport, StoreError> {
+        let Some(catalog) = self.catalog.clone() else {
+            return Ok(SyncReport::default());
+        };
+        let result = self.sync_with(catalog.as_ref()).await;
+        let count = |result: &'static str, n: usize| {
+            self.syncs
+                .get_or_create(&vec![("result", result.to_string())])
+                .inc_by(n as u64);
+        };
+        match &result {
+            Ok(r) => {
+                count("ok", 1);
+                count("installed", r.applied.len());
+                count("removed", r.removed.len());
+                count("published", r.published.len());
+            }
+            Err(_) => count("error", 1),
+        }
+        let mut status = self.status.lock().unwrap_or_else(PoisonError::into_inner);
+        match &result {
+            Ok(_) => {
+                status.last_sync_at = Some(now_rfc3339());
+                status.error = None;
+                status.failing_since = None;
+            }
+            Err(e) => {
+                if status.error.is_none() {
+                    tracing::warn!(error = %e, "cannot read the shared handler catalog; handlers changed on other nodes are not applied here until it can");
+                    status.failing_since = Some(now_rfc3339());
+                }
+                status.error = Some(e.to_string());
+            }
+        }
+        result
+    }
+
+    async fn sync_with(&self, catalog: &dyn HandlerCatalog) -> Result<SyncReport, StoreError> {
+        let records = catalog.indexes().await?;
+        let mut applied = self.applied.lock().await;
+        let mut report = SyncReport::default();
+        let mut in_catalog = std::collections::HashSet::new();
+        for rec in records {
+            in_catalog.insert(rec.name.clone());
+            if applied.get(&rec.name) == Some(&rec.revision) {
+                continue;
+            }
+            let name = rec.name.clone();
+            match self.install(catalog, &rec.name, &rec.index).await {
+                Ok(Some(change)) => {
+                    tracing::info!(handler = %name, revision = rec.revision, change, "handler change from the shared catalog applied");
+                    if change == "removed" {
+                        report.removed.push(name.clone());
+                    } else {
+                        report.applied.push(name.clone());
+                    }
+                    self.handler_error(&name, None);
+                }
+                Ok(None) => self.handler_error(&name, None),
+                Err(e) => {
+                    tracing::error!(handler = %name, revision = rec.revision, error = %e, "cannot install a handler from the shared catalog");
+                    self.handler_error(&name, Some(e));
+                }
+            }
+            // Marked even when it failed: a failure to load is kept as the handler's
+            // `load_error` and retried on the next change, not recompiled every interval.
+            applied.insert(rec.name, rec.revision);
+        }
+        for local in self.registry.indexes() {
+            if in_catalog.contains(&local.name) {
+                continue;
+            }
+            if self.publish(catalog, local.clone()).await? {
+                tracing::warn!(handler = %local.name, "a handler only this node had was published to the shared catalog");
+                report.published.push(local.name);
+            }
+        }
+        Ok(report)
+    }
+
+    /// Makes this node's copy of `name` match its catalog index. Returns what changed, if
+    /// anything.
+    async fn install(
+        &self,
+        catalog: &dyn HandlerCatalog,
+        name: &str,
+        bytes: &[u8],
+    ) -> Result<Option<&'static str>, String> {
+        let index = HandlerIndex::from_bytes(bytes).map_err(|e| corrupt(name, &e).to_string())?;
+        if index.name != name {
+            return Err(format!("its index names {:?}", index.name));
+        }
+        let local = self.registry.index(name);
+        if index.deleted {
+            if local.is_none() {
+                return Ok(None);
+            }
+            let registry = self.registry.clone();
+            blocking(move || registry.apply(index, None))
+                .await
+                .map_err(|e| e.to_string())?;
+            return Ok(Some("removed"));
+        }
+        if local.as_ref() == Some(&index) {
+            return Ok(None);
+        }
+        if let Some(info) = index.active_version().cloned()
+            && !self.registry.has_component(name, &info.sha256)
+        {
+            let bytes = catalog
+                .component(name, &info.sha256, info.size)
+                .await
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| format!("the shared catalog has no component {}", info.sha256))?;
+            let (registry, n) = (self.registry.clone(), name.to_owned());
+            blocking(move || registry.store_component(&n, &info.sha256, &bytes))
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        let registry = self.registry.clone();
+        blocking(move || registry.apply(index, None))
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(Some(if local.is_some() {
+            "changed"
+        } else {
+            "installed"
+        }))
+    }
+
+    /// Publishes a handler this node has and the catalog has no record of: the components
+    /// it still has, then its index, if no other node created one meanwhile.
+    async fn publish(
+        &self,
+        catalog: &dyn HandlerCatalog,
+        mut index: HandlerIndex,
+    ) -> Result<bool, StoreError> {
+        let mut kept = Vec::new();
+        for v in std::mem::take(&mut index.versions) {
+            let (registry, n, sha) = (self.registry.clone(), index.name.clone(), v.sha256.clone());
+            match blocking(move || registry.component_bytes(&n, &sha)).await {
+                Ok(bytes) => {
+                    catalog
+                        .put_component(&index.name, &v.sha256, bytes.into())
+                        .await?;
+                    kept.push(v);
+                }
+                Err(e) => {
+                    tracing::warn!(handler = %index.name, version = v.version, error = %e, "a version without its component is left out of the shared catalog");
+                }
+            }
+        }
+        index.versions = kept;
+        if index.active_version().is_none() {
+            index.active = None;
+        }
+        Ok(catalog
+            .put_index(&index.name, index.to_bytes().into(), 0)
+            .await?
+            .is_some())
+    }
+
+    fn handler_error(&self, name: &str, error: Option<String>) {
+        let mut status = self.status.lock().unwrap_or_else(PoisonError::into_inner);
+        match error {
+            Some(e) => {
+                status.handler_errors.insert(name.to_owned(), e);
+            }
+            None => {
+                status.handler_errors.remove(name);
+            }
+        }
+    }
+
+    /// Syncs every [`SYNC_INTERVAL`] until `cancel`.
+    pub async fn follow(self: Arc<Self>, cancel: CancellationToken) {
+        if self.catalog.is_none() {
+            return;
+        }
+        loop {
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                () = tokio::time::sleep(SYNC_INTERVAL) => {}
+            }
+            // A failure is logged and shown in the status by `sync`; the next round retries.
+            let _ = self.sync().await;
+        }
+    }
+}
