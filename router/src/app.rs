@@ -58,6 +58,8 @@ pub struct App {
     pub disk_full: AtomicBool,
     /// The WASM handler runtime.
     pub handlers: Option<Arc<crate::target::handler::HandlerRuntime>>,
+    /// Contracts put over the API, shared with the other nodes (on a store they share).
+    pub shared_contracts: Option<Arc<crate::admin::contracts::SharedContracts>>,
     /// The delivery runtime's threads and priority, as started.
     pub delivery_threads: crate::deliver::DeliveryThreadsStatus,
 }
@@ -839,6 +841,7 @@ pub async fn run_with_store(
         last_trigger: "start".into(),
         ..Default::default()
     };
+    let data_dir = cfg.data_dir.clone();
     let app = Arc::new(App {
         started_at: clock.now_ms(),
         cfg,
@@ -858,6 +861,9 @@ pub async fn run_with_store(
         ingest_limiters,
         disk_full: AtomicBool::new(false),
         handlers: handlers.clone(),
+        shared_contracts: store
+            .contract_catalog()
+            .map(|c| Arc::new(crate::admin::contracts::SharedContracts::open(c, &data_dir))),
         delivery_threads: delivery_status,
     });
     if let Some(rt) = &handlers {
@@ -870,6 +876,10 @@ pub async fn run_with_store(
     }
     crate::dlq::resume_all(&app).await?;
     spawn_reload_triggers(&app, &tracker, workers_cancel.clone());
+    tracker.spawn(crate::admin::contracts::follow(
+        app.clone(),
+        workers_cancel.clone(),
+    ));
     spawn_sweeper(&app, &tracker, workers_cancel.clone());
     spawn_disk_monitor(&app, &tracker, workers_cancel.clone());
     spawn_system_event_router(&app, &tracker, workers_cancel.clone(), sys_rx);

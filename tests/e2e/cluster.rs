@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use serde_json::json;
+use serde_json::{Value, json};
 
 use crate::harness::*;
 
@@ -174,4 +174,71 @@ async fn a_handler_uploaded_to_one_router_runs_on_every_router() {
     })
     .await;
     assert!(gone.is_some(), "A kept a handler deleted on B");
+}
+
+/// A contract put over the API on one router of a cluster applies on the others (written into
+/// each one's contracts directory and reloaded), and a router that restarts does not write it
+/// again over a change made to its directory since (as a deploy from git would).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_contract_uploaded_to_one_router_applies_on_every_router() {
+    if !RouterProc::on_jetstream() {
+        eprintln!("skipped: needs the JetStream pass (scripts/jetstream-e2e.sh)");
+        return;
+    }
+    let rcv = Receiver::ok().await;
+    let rules = webhook_rule("r", "t", &rcv.url(), "hook");
+    let shared = format!("CONTRACTS{}", std::process::id());
+    let prefix = format!("contracts.{}", std::process::id());
+    let env = [
+        ("ROUTER_STORE__JETSTREAM__STREAM", shared.as_str()),
+        ("ROUTER_STORE__JETSTREAM__PREFIX", prefix.as_str()),
+    ];
+    let v1 = r#"{"type": "object", "required": ["y"]}"#;
+    let a = RouterProc::start_with_env(&[("r.yaml", &rules)], &[("t/v1.json", v1)], &env);
+    let mut b = RouterProc::start_with_env(&[("r.yaml", &rules)], &[("t/v1.json", v1)], &env);
+
+    let v2 = json!({"type": "object", "required": ["z"]});
+    let (code, body) = put_json(&a, "/v1/contracts/t/v2", v2.clone()).await;
+    assert_eq!(code, 201, "{body}");
+    let on_b = eventually(Duration::from_secs(30), || async {
+        (get_json(&b, "/v1/contracts/t/v2").await.0 == 200).then_some(())
+    })
+    .await;
+    assert!(on_b.is_some(), "B never applied the contract uploaded to A");
+    let file = b.dir.path().join("contracts/t/v2.json");
+    let on_disk: Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).expect("B's copy")).expect("JSON");
+    assert_eq!(on_disk, v2);
+    // B checks v2 events against it: a violation, not an unknown version.
+    let mut ev = event("v2-without-z", "t", json!({"y": 1}));
+    ev["dataversion"] = json!(2);
+    let (_, res) = post_event(&b, &ev).await;
+    assert_eq!(res["results"][0]["status"], "quarantined", "{res}");
+    assert_eq!(res["results"][0]["reason"], "contract_violation", "{res}");
+    let (_, st) = get_json(&b, "/v1/status").await;
+    assert!(st["contract_catalog"]["last_sync_at"].is_string(), "{st}");
+    assert_eq!(st["contract_catalog"]["contract_errors"], json!({}), "{st}");
+
+    // B's directory changes after the upload (a compatible edit deployed from git): a restart
+    // keeps the edit.
+    let edited =
+        r#"{"type": "object", "required": ["z"], "properties": {"w": {"type": "string"}}}"#;
+    std::fs::write(&file, edited).expect("edit");
+    let reloaded = eventually(Duration::from_secs(30), || async {
+        let (_, c) = get_json(&b, "/v1/contracts/t/v2").await;
+        c["schema"]["properties"]["w"].is_object().then_some(())
+    })
+    .await;
+    assert!(reloaded.is_some(), "B did not reload its edited directory");
+    b.kill9();
+    b.restart();
+    // Longer than a sync interval (2 s): the first sync runs at start.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        std::fs::read_to_string(&file).expect("B's copy"),
+        edited,
+        "the restart wrote the old upload over the edit"
+    );
+    let (_, c) = get_json(&b, "/v1/contracts/t/v2").await;
+    assert!(c["schema"]["properties"]["w"].is_object(), "{c}");
 }

@@ -3,10 +3,19 @@
 //! replaces (an incompatible change to a version in use is refused: it needs a new version) and
 //! compared with the version before it, then written into the watched directory and reloaded
 //! like a change from git. Reading needs `read`; uploading needs `admin`.
+//!
+//! On a store several nodes share ([`Store::contract_catalog`](crate::store::Store)), an upload
+//! is also recorded in the store once this node has reloaded with it, and every other node
+//! writes it into its own contracts directory and reloads ([`SharedContracts`]), within
+//! [`SYNC_INTERVAL`]. Each node remembers which upload its directory holds (in
+//! `<data_dir>/contract-catalog.json`), so a restart does not write an upload again over a file
+//! changed in git since; only a newer upload does.
 
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write as _;
 use std::path::{Path as FsPath, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -17,6 +26,7 @@ use crate::app::App;
 use crate::contract::{CompatIssue, ContractSet, compat_issues, parse_version};
 use crate::event::FieldError;
 use crate::ingest::error_response;
+use crate::store::{ContractCatalog, SharedContract, StoreError};
 
 /// Uploads run one at a time: each writes, reloads and, if the reload refuses the set, puts
 /// the directory back as it was.
@@ -219,6 +229,39 @@ pub async fn upload(
                 .collect(),
         );
     }
+    if let Some(shared) = &app.shared_contracts {
+        let contract = SharedContract {
+            ty: ty.clone(),
+            version: v,
+            text: text.to_owned(),
+            revision: 0,
+        };
+        match shared.catalog.put_contract(contract).await {
+            Ok(revision) => shared.mark(&rel, revision),
+            Err(e) => {
+                // The other nodes cannot have it: take it back here too.
+                let restored = {
+                    let path = path.clone();
+                    tokio::task::spawn_blocking(move || restore(&path, before)).await
+                };
+                let reloaded = crate::app::reload(&app, "contract upload undone").await;
+                if !matches!(restored, Ok(Ok(()))) || reloaded.is_err() {
+                    tracing::error!(file = %path.display(), "could not put the contracts directory back after the shared catalog refused an upload");
+                }
+                tracing::error!(contract = %rel, error = %e, "contract upload refused: the shared catalog is unavailable");
+                let mut r = error_response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the shared contract catalog is unavailable; nothing was changed",
+                    vec![FieldError::new("", e.to_string())],
+                );
+                r.headers_mut().insert(
+                    axum::http::header::RETRY_AFTER,
+                    axum::http::HeaderValue::from_static("5"),
+                );
+                return r;
+            }
+        }
+    }
     tracing::info!(contract = %rel, replaced = replaced.is_some(), "contract uploaded");
     let set = app.contracts.load();
     let status = if replaced.is_some() {
@@ -240,6 +283,230 @@ pub async fn upload(
         })),
     )
         .into_response()
+}
+
+/// How often each node reads the shared contracts for uploads made on other nodes.
+pub const SYNC_INTERVAL: Duration = Duration::from_secs(2);
+
+/// How long a shared contract that this node's directory refused waits before it is tried
+/// again (the refusal may come from something else in the directory, fixed meanwhile).
+const RETRY_REFUSED: Duration = Duration::from_secs(60);
+
+/// What `/v1/status` shows of the shared contracts.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct ContractCatalogStatus {
+    /// The last complete read of the shared contracts (RFC 3339).
+    pub last_sync_at: Option<String>,
+    /// Why reading them fails, while it does.
+    pub error: Option<String>,
+    /// Since when reading them has been failing (RFC 3339).
+    pub failing_since: Option<String>,
+    /// Uploads this node's directory could not take (`<type>/v<N>.json`), and why.
+    pub contract_errors: BTreeMap<String, String>,
+}
+
+/// Contracts put over the API on a store several nodes share (see the module docs).
+pub struct SharedContracts {
+    catalog: Arc<dyn ContractCatalog>,
+    /// Per `<type>/v<N>.json`: the revision of the upload this node's directory holds.
+    applied: Mutex<BTreeMap<String, u64>>,
+    /// Where `applied` is kept across restarts.
+    path: PathBuf,
+    /// Refused uploads and when to try them again.
+    retry_at: Mutex<HashMap<String, Instant>>,
+    status: Mutex<ContractCatalogStatus>,
+}
+
+impl std::fmt::Debug for SharedContracts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedContracts")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SharedContracts {
+    /// Follows `catalog`, remembering what was applied in `<data_dir>/contract-catalog.json`
+    /// (a missing or unreadable file means nothing applied yet: every upload is compared with
+    /// the directory again, and written where it differs).
+    pub fn open(catalog: Arc<dyn ContractCatalog>, data_dir: &FsPath) -> Self {
+        let path = data_dir.join("contract-catalog.json");
+        let applied = std::fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
+        Self {
+            catalog,
+            applied: Mutex::new(applied),
+            path,
+            retry_at: Mutex::new(HashMap::new()),
+            status: Mutex::new(ContractCatalogStatus::default()),
+        }
+    }
+
+    /// How following the shared contracts goes.
+    pub fn status(&self) -> ContractCatalogStatus {
+        self.status
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn applied(&self, rel: &str) -> u64 {
+        self.applied
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(rel)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Records that this node's directory holds upload `revision` of `rel`, and keeps that
+    /// on disk (a failure to keep it only means the upload is compared again after a restart).
+    fn mark(&self, rel: &str, revision: u64) {
+        let json = {
+            let mut applied = self.applied.lock().unwrap_or_else(PoisonError::into_inner);
+            applied.insert(rel.to_owned(), revision);
+            serde_json::to_vec_pretty(&*applied).unwrap_or_default()
+        };
+        if let Err(e) = replace_file(&self.path, &json) {
+            tracing::warn!(file = %self.path.display(), error = %e, "cannot keep which shared contracts this node applied");
+        }
+        self.contract_error(rel, None);
+    }
+
+    fn contract_error(&self, rel: &str, error: Option<String>) {
+        let mut status = self.status.lock().unwrap_or_else(PoisonError::into_inner);
+        match error {
+            Some(e) => {
+                status.contract_errors.insert(rel.to_owned(), e);
+            }
+            None => {
+                status.contract_errors.remove(rel);
+            }
+        }
+    }
+
+    /// Reads the shared contracts once and writes the uploads this node does not have yet into
+    /// its contracts directory, then reloads. If the directory does not reload with them, they
+    /// are taken out again (the live set never changed) and tried again after
+    /// [`RETRY_REFUSED`]; `/v1/status` says why meanwhile. Returns the files written.
+    pub async fn sync(&self, app: &Arc<App>) -> Result<Vec<String>, StoreError> {
+        let result = self.sync_with(app).await;
+        let mut status = self.status.lock().unwrap_or_else(PoisonError::into_inner);
+        match &result {
+            Ok(_) => {
+                status.last_sync_at = Some(crate::clock::rfc3339(app.clock.now_ms()));
+                status.error = None;
+                status.failing_since = None;
+            }
+            Err(e) => {
+                if status.error.is_none() {
+                    tracing::warn!(error = %e, "cannot read the shared contracts; uploads made on other nodes are not applied here until it can");
+                    status.failing_since = Some(crate::clock::rfc3339(app.clock.now_ms()));
+                }
+                status.error = Some(e.to_string());
+            }
+        }
+        result
+    }
+
+    async fn sync_with(&self, app: &Arc<App>) -> Result<Vec<String>, StoreError> {
+        let uploads = self.catalog.contracts().await?;
+        let _one = UPLOADS.lock().await;
+        let now = Instant::now();
+        let mut written = Vec::new();
+        for c in uploads {
+            let rel = format!("{}/v{}.json", c.ty, c.version);
+            if self.applied(&rel) >= c.revision
+                || self
+                    .retry_at
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .get(&rel)
+                    .is_some_and(|at| *at > now)
+            {
+                continue;
+            }
+            if let Some(why) = type_problem(&c.ty) {
+                self.contract_error(&rel, Some(why.to_owned()));
+                continue;
+            }
+            let path = app
+                .cfg
+                .contracts_dir
+                .join(&c.ty)
+                .join(format!("v{}.json", c.version));
+            let text = c.text.clone();
+            let p = path.clone();
+            let outcome = tokio::task::spawn_blocking(move || {
+                if std::fs::read(&p).is_ok_and(|b| b == text.as_bytes()) {
+                    return Ok(None);
+                }
+                write_contract(&p, &text).map(Some)
+            })
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+            match outcome {
+                Ok(None) => self.mark(&rel, c.revision),
+                Ok(Some(before)) => written.push((rel, path, before, c.revision)),
+                Err(e) => {
+                    tracing::error!(file = %path.display(), error = %e, "cannot write a shared contract");
+                    self.contract_error(&rel, Some(format!("cannot write it: {e}")));
+                }
+            }
+        }
+        if written.is_empty() {
+            return Ok(Vec::new());
+        }
+        match crate::app::reload(app, "shared contract").await {
+            Ok(_) => {
+                let mut files = Vec::new();
+                for (rel, _, _, revision) in written {
+                    tracing::info!(contract = %rel, revision, "contract uploaded on another node applied");
+                    self.mark(&rel, revision);
+                    files.push(rel);
+                }
+                Ok(files)
+            }
+            Err(e) => {
+                for (rel, path, before, _) in written.into_iter().rev() {
+                    let p = path.clone();
+                    let restored = tokio::task::spawn_blocking(move || restore(&p, before)).await;
+                    if !matches!(restored, Ok(Ok(()))) {
+                        tracing::error!(file = %path.display(), "could not take a refused shared contract out of the directory");
+                    }
+                    tracing::error!(contract = %rel, error = %e, "this node's contracts directory does not reload with a contract uploaded on another node");
+                    self.contract_error(
+                        &rel,
+                        Some(format!(
+                            "this node's directory does not reload with it: {e}"
+                        )),
+                    );
+                    self.retry_at
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .insert(rel, now + RETRY_REFUSED);
+                }
+                Ok(Vec::new())
+            }
+        }
+    }
+}
+
+/// Applies the shared contracts at once and then every [`SYNC_INTERVAL`], until `cancel`.
+pub async fn follow(app: Arc<App>, cancel: tokio_util::sync::CancellationToken) {
+    let Some(shared) = app.shared_contracts.clone() else {
+        return;
+    };
+    loop {
+        // A failure is logged and shown in the status by `sync`; the next round retries.
+        let _ = shared.sync(&app).await;
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep(SYNC_INTERVAL) => {}
+        }
+    }
 }
 
 fn write_failed(path: &FsPath, e: &std::io::Error) -> Response {

@@ -478,6 +478,8 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
         "handler_kv": handler_kv,
         // On a shared store: how this node follows the handlers the nodes share.
         "handler_catalog": app.handlers.as_ref().map(|rt| rt.changes.status()),
+        // On a shared store: how this node follows the contracts put over the API elsewhere.
+        "contract_catalog": app.shared_contracts.as_ref().map(|c| c.status()),
         "warnings": *app.warnings.lock().unwrap_or_else(|p| p.into_inner()),
     }))
     .into_response()

@@ -379,6 +379,39 @@ pub trait Store: Send + Sync + 'static {
     fn handler_catalog(&self) -> Option<Arc<dyn HandlerCatalog>> {
         None
     }
+
+    /// Where the nodes sharing this store keep the contracts put over the API, when several
+    /// nodes can share it (`None`: one node, whose contracts directory is the truth).
+    fn contract_catalog(&self) -> Option<Arc<dyn ContractCatalog>> {
+        None
+    }
+}
+
+/// A contract put over the API, as a [`ContractCatalog`] keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SharedContract {
+    /// The event type.
+    #[serde(rename = "type")]
+    pub ty: String,
+    /// The contract version (`v<N>`).
+    pub version: u32,
+    /// The schema file's text, as uploaded.
+    pub text: String,
+    /// The record's revision (set when read; later uploads have higher ones).
+    #[serde(skip)]
+    pub revision: u64,
+}
+
+/// The contracts put over the API of a deployment whose nodes share one store: the last
+/// upload of each (type, version). Every node writes them into its contracts directory and
+/// reloads (`admin::contracts::SharedContracts`).
+pub trait ContractCatalog: Send + Sync + 'static {
+    /// Every uploaded contract.
+    fn contracts(&self) -> BoxFuture<'_, Result<Vec<SharedContract>, StoreError>>;
+
+    /// Records an upload (replacing an earlier one of the same type and version); returns
+    /// its revision.
+    fn put_contract(&self, contract: SharedContract) -> BoxFuture<'_, Result<u64, StoreError>>;
 }
 
 /// One handler's record in a [`HandlerCatalog`]: its index (the registry's format, opaque

@@ -1,7 +1,9 @@
-//! The uploaded handlers of a JetStream deployment ([`HandlerCatalog`]), in the records stream
-//! beside everything else the nodes share: `hx.<name>` holds a handler's index, changed by
-//! compare-and-set; `hc.<name>.<sha256>.<n>` holds the `n`th chunk of a component, since a
-//! component (tens of MB for an interpreted language) is larger than a message may be.
+//! The uploaded handlers and contracts of a JetStream deployment ([`HandlerCatalog`],
+//! [`ContractCatalog`]), in the records stream beside everything else the nodes share:
+//! `hx.<name>` holds a handler's index, changed by compare-and-set; `hc.<name>.<sha256>.<n>`
+//! holds the `n`th chunk of a component, since a component (tens of MB for an interpreted
+//! language) is larger than a message may be; `ct.<fingerprint of type and version>` holds the
+//! last upload of a contract.
 //!
 //! Chunks are content-addressed and written before the index that names them, so a reader that
 //! finds a version in an index finds its bytes; a reader still checks the length here and the
@@ -14,7 +16,7 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt, TryStreamExt};
 
 use super::records::{Expect, Records, RecordsError, Write};
-use crate::store::{CatalogRecord, HandlerCatalog, StoreError};
+use crate::store::{CatalogRecord, ContractCatalog, HandlerCatalog, SharedContract, StoreError};
 
 /// Bytes per component chunk: well under the smallest `max_payload` the store accepts (the
 /// body limit plus an envelope, 1 MiB by default).
@@ -46,6 +48,52 @@ impl JetStreamCatalog {
             .try_for_each(|_| async { Ok(()) })
             .await?;
         Ok(())
+    }
+}
+
+/// Event types may hold any character but `/`: the key is a fingerprint, and the record keeps
+/// the type itself.
+fn contract_key(ty: &str, version: u32) -> String {
+    use sha2::{Digest, Sha256};
+    let h = Sha256::digest(format!("{ty}\0v{version}").as_bytes());
+    format!("ct.{}", hex::encode(&h[..16]))
+}
+
+impl ContractCatalog for JetStreamCatalog {
+    fn contracts(&self) -> BoxFuture<'_, Result<Vec<SharedContract>, StoreError>> {
+        async move {
+            self.records
+                .scan("ct")
+                .await?
+                .into_iter()
+                .map(|(_, revision, bytes)| {
+                    let mut c: SharedContract =
+                        serde_json::from_slice(&bytes).map_err(|e| StoreError::Corrupt {
+                            table: "contract catalog",
+                            message: e.to_string(),
+                        })?;
+                    c.revision = revision;
+                    Ok(c)
+                })
+                .collect()
+        }
+        .boxed()
+    }
+
+    fn put_contract(&self, contract: SharedContract) -> BoxFuture<'_, Result<u64, StoreError>> {
+        async move {
+            let key = contract_key(&contract.ty, contract.version);
+            let bytes = serde_json::to_vec(&contract).map_err(|e| StoreError::Corrupt {
+                table: "contract catalog",
+                message: e.to_string(),
+            })?;
+            let revs = self
+                .records
+                .commit(vec![Write::put(key, bytes, Expect::Any)])
+                .await?;
+            Ok(revs.first().copied().unwrap_or_default())
+        }
+        .boxed()
     }
 }
 

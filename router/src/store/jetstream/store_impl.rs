@@ -44,6 +44,10 @@ impl Store for JetStreamStore {
         Some(Arc::new(super::JetStreamCatalog::new(self.records.clone())))
     }
 
+    fn contract_catalog(&self) -> Option<Arc<dyn crate::store::ContractCatalog>> {
+        Some(Arc::new(super::JetStreamCatalog::new(self.records.clone())))
+    }
+
     fn accept(
         &self,
         events: Vec<NewEvent>,

@@ -2105,3 +2105,48 @@ async fn the_handler_catalog_keeps_indexes_by_compare_and_set_and_components_in_
             .is_err()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_contract_catalog_keeps_the_last_upload_of_each_type_and_version() {
+    use crate::store::{SharedContract, Store};
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let catalog = s
+        .contract_catalog()
+        .expect("a shared store has a contract catalog");
+    let other = store(&server).await.contract_catalog().expect("catalog");
+    let contract = |ty: &str, version: u32, text: &str| SharedContract {
+        ty: ty.into(),
+        version,
+        text: text.into(),
+        revision: 0,
+    };
+    assert!(catalog.contracts().await.expect("list").is_empty());
+    let r1 = catalog
+        .put_contract(contract("order.paid", 2, "{\"type\": \"object\"}"))
+        .await
+        .expect("put");
+    // Types may hold characters a subject cannot: they are kept in the record, not the key.
+    catalog
+        .put_contract(contract("com.example/x y*", 1, "true"))
+        .await
+        .expect("put");
+    let r2 = other
+        .put_contract(contract("order.paid", 2, "{}"))
+        .await
+        .expect("replace");
+    assert!(r2 > r1);
+    let mut listed = catalog.contracts().await.expect("list");
+    listed.sort_by(|a, b| a.ty.cmp(&b.ty));
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    assert_eq!(listed[0].ty, "com.example/x y*");
+    assert_eq!(
+        (
+            listed[1].ty.as_str(),
+            listed[1].version,
+            listed[1].text.as_str(),
+            listed[1].revision
+        ),
+        ("order.paid", 2, "{}", r2)
+    );
+}
