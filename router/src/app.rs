@@ -84,13 +84,15 @@ impl App {
                 serde_json::json!({ "disabled": !enabled }),
             )
             .await?;
-        let mut set = (*self.disabled.load_full()).clone();
-        if enabled {
-            set.remove(name);
-        } else {
-            set.insert(name.to_string());
-        }
-        self.disabled.store(Arc::new(set));
+        self.dispatcher.operator_change(|| {
+            let mut set = (*self.disabled.load_full()).clone();
+            if enabled {
+                set.remove(name);
+            } else {
+                set.insert(name.to_string());
+            }
+            self.disabled.store(Arc::new(set));
+        });
         tracing::warn!(rule = %name, enabled, "rule state changed by an operator");
         Ok(true)
     }
@@ -298,6 +300,74 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
         targets_removed: removed,
         warnings,
     })
+}
+
+/// How often a node sharing its store with others reads the operators' containment state
+/// (paused targets, disabled rules) set on any node.
+const OPERATOR_STATE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The rules disabled by operators, as the stored rule records say.
+fn disabled_in(states: &[(String, serde_json::Value)]) -> std::collections::HashSet<String> {
+    states
+        .iter()
+        .filter_map(|(k, v)| {
+            let name = k.strip_prefix(RULE_STATE_PREFIX)?;
+            v["disabled"]
+                .as_bool()
+                .filter(|d| *d)
+                .map(|_| name.to_string())
+        })
+        .collect()
+}
+
+/// On a store several nodes share: applies the pauses and rule switches made on other nodes
+/// (each node's API persists them; without this, pausing a target at 3 a.m. through a load
+/// balancer would stop one node's deliveries and leave the others hammering the dependency).
+fn spawn_operator_state_follower(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToken) {
+    if !app.store.shared() {
+        return;
+    }
+    let app = app.clone();
+    tracker.spawn(async move {
+        let mut failing = false;
+        loop {
+            tokio::select! {
+                () = cancel.cancelled() => break,
+                () = tokio::time::sleep(OPERATOR_STATE_INTERVAL) => {}
+            }
+            let since = app.dispatcher.operator_changes();
+            let states = match app.store.target_states().await {
+                Ok(s) => {
+                    failing = false;
+                    s
+                }
+                Err(e) => {
+                    if !failing {
+                        tracing::warn!(error = %e, "cannot read the operators' target and rule states; pauses and rule switches made on other nodes are not applied here until it can");
+                    }
+                    failing = true;
+                    continue;
+                }
+            };
+            let disabled = disabled_in(&states);
+            // Skipped when this node changed something meanwhile: what was read may predate
+            // it, and the next round reads it.
+            app.dispatcher.if_no_operator_change(since, || {
+                for (k, v) in &states {
+                    if let (Some(id), Some(paused)) = (
+                        k.strip_prefix(crate::deliver::PAUSE_STATE_PREFIX),
+                        v["paused"].as_bool(),
+                    ) {
+                        app.dispatcher.follow_pause(id, paused);
+                    }
+                }
+                if *app.disabled.load_full() != disabled {
+                    tracing::warn!(disabled = ?disabled, "rules enabled or disabled by an operator on another node");
+                    app.disabled.store(Arc::new(disabled));
+                }
+            });
+        }
+    });
 }
 
 fn spawn_reload_triggers(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToken) {
@@ -820,18 +890,7 @@ pub async fn run_with_store(
     }
     dispatcher.start_reaper();
 
-    let disabled: std::collections::HashSet<String> = store
-        .target_states()
-        .await?
-        .into_iter()
-        .filter_map(|(k, v)| {
-            let name = k.strip_prefix(RULE_STATE_PREFIX)?;
-            v["disabled"]
-                .as_bool()
-                .filter(|d| *d)
-                .map(|_| name.to_string())
-        })
-        .collect();
+    let disabled = disabled_in(&store.target_states().await?);
     let initial_status = ReloadStatus {
         rules_version: rules.version.clone(),
         rules_git_commit: crate::rules::watch::git_commit(&cfg.rules_dir),
@@ -876,6 +935,7 @@ pub async fn run_with_store(
     }
     crate::dlq::resume_all(&app).await?;
     spawn_reload_triggers(&app, &tracker, workers_cancel.clone());
+    spawn_operator_state_follower(&app, &tracker, workers_cancel.clone());
     tracker.spawn(crate::admin::contracts::follow(
         app.clone(),
         workers_cancel.clone(),

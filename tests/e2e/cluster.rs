@@ -242,3 +242,84 @@ async fn a_contract_uploaded_to_one_router_applies_on_every_router() {
     let (_, c) = get_json(&b, "/v1/contracts/t/v2").await;
     assert!(c["schema"]["properties"]["w"].is_object(), "{c}");
 }
+
+/// Containment made on one router holds on every router: a target paused through one node gets
+/// no attempts from any node until it is resumed (through another), and a rule disabled on one
+/// node routes nothing anywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_or_a_disabled_rule_on_one_router_holds_on_every_router() {
+    if !RouterProc::on_jetstream() {
+        eprintln!("skipped: needs the JetStream pass (scripts/jetstream-e2e.sh)");
+        return;
+    }
+    let rcv = Receiver::ok().await;
+    let side = Receiver::ok().await;
+    let rules = rules_yaml(
+        "",
+        &[
+            (
+                "main",
+                "t",
+                &[format!("webhook: {}\n        id: hook", rcv.url())],
+            ),
+            (
+                "side",
+                "t",
+                &[format!("webhook: {}\n        id: side", side.url())],
+            ),
+        ],
+    );
+    let shared = format!("CONTAIN{}", std::process::id());
+    let prefix = format!("contain.{}", std::process::id());
+    let env = [
+        ("ROUTER_STORE__JETSTREAM__STREAM", shared.as_str()),
+        ("ROUTER_STORE__JETSTREAM__PREFIX", prefix.as_str()),
+    ];
+    let a = RouterProc::start_with_env(&[("r.yaml", &rules)], &[], &env);
+    let b = RouterProc::start_with_env(&[("r.yaml", &rules)], &[], &env);
+
+    assert_eq!(
+        post_json(&a, "/v1/targets/hook/pause", json!({})).await.0,
+        200
+    );
+    assert_eq!(
+        post_json(&a, "/v1/rules/side/disable", json!({})).await.0,
+        200
+    );
+    // B follows within its 2 s interval; then events posted to B wait in the paused queue and
+    // match only the enabled rule.
+    let followed = eventually(Duration::from_secs(20), || async {
+        let (_, t) = get_json(&b, "/v1/targets/hook").await;
+        (t["paused"] == true).then_some(())
+    })
+    .await;
+    assert!(followed.is_some(), "B never showed A's pause");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    for i in 0..10 {
+        let ev = event(&format!("p{i}"), "t", json!({}));
+        assert_eq!(post_event(&b, &ev).await.0, 202);
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(rcv.count(), 0, "a paused target got attempts from B");
+    assert_eq!(side.count(), 0, "a disabled rule routed on B");
+    let f = fate(&b, "p0").await;
+    assert_eq!(f["matched_rules"], json!(["main"]), "{f}");
+
+    // Resumed through B: every node delivers again, A included.
+    assert_eq!(
+        post_json(&b, "/v1/targets/hook/resume", json!({})).await.0,
+        200
+    );
+    assert!(
+        rcv.wait_for(Duration::from_secs(30), |s| s.len() >= 10)
+            .await,
+        "only {} of 10 delivered after the resume",
+        rcv.count()
+    );
+    let resumed_on_a = eventually(Duration::from_secs(20), || async {
+        let (_, t) = get_json(&a, "/v1/targets/hook").await;
+        (t["paused"] == false).then_some(())
+    })
+    .await;
+    assert!(resumed_on_a.is_some(), "A kept the target paused");
+}

@@ -69,10 +69,18 @@ struct Running {
     slots: Arc<tokio::sync::Semaphore>,
 }
 
+/// Store key prefix of an operator's pause of a target (kept beside target states, apart from
+/// the target's own record, which breakers on every node also write).
+pub const PAUSE_STATE_PREFIX: &str = "pause:";
+
 /// Starts, updates and stops target workers.
 pub struct Dispatcher {
     ctx: Arc<DeliveryContext>,
     running: Mutex<HashMap<String, Running>>,
+    /// Counts operators' changes made through this node (pauses, rule switches), each made
+    /// under this lock once persisted: a follower of other nodes' changes applies what it read
+    /// only if none came in meanwhile, so it never puts back a state it read before one.
+    operator_changes: Mutex<u64>,
 }
 
 /// A target that could not be started.
@@ -116,7 +124,40 @@ impl Dispatcher {
         Arc::new(Self {
             ctx: Arc::new(ctx),
             running: Mutex::new(HashMap::new()),
+            operator_changes: Mutex::new(0),
         })
+    }
+
+    /// Makes an operator's change here (already persisted) with `apply`.
+    pub fn operator_change<R>(&self, apply: impl FnOnce() -> R) -> R {
+        let mut n = self
+            .operator_changes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        *n += 1;
+        apply()
+    }
+
+    /// How many operator changes this node has made (see [`Self::if_no_operator_change`]).
+    pub fn operator_changes(&self) -> u64 {
+        *self
+            .operator_changes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `apply` (other nodes' changes, read after [`Self::operator_changes`] answered
+    /// `since`) unless this node made a change since. Returns whether it ran.
+    pub fn if_no_operator_change(&self, since: u64, apply: impl FnOnce()) -> bool {
+        let n = self
+            .operator_changes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if *n != since {
+            return false;
+        }
+        apply();
+        true
     }
 
     /// The shared context.
@@ -253,10 +294,31 @@ impl Dispatcher {
 
     async fn persisted(&self, id: &str) -> Option<PersistedState> {
         match self.ctx.store.target_states().await {
-            Ok(states) => states
-                .into_iter()
-                .find(|(k, _)| k == id)
-                .and_then(|(_, v)| serde_json::from_value(v).ok()),
+            Ok(states) => {
+                let pause_key = format!("{PAUSE_STATE_PREFIX}{id}");
+                let mut state: Option<PersistedState> = None;
+                let mut paused = None;
+                for (k, v) in states {
+                    if k == id {
+                        state = serde_json::from_value(v).ok();
+                    } else if k == pause_key {
+                        paused = v["paused"].as_bool();
+                    }
+                }
+                // The operator's own record wins: on a shared store the target's record is
+                // also written by other nodes' breakers, with their view of the pause.
+                match (state, paused) {
+                    (Some(mut s), Some(p)) => {
+                        s.paused = p;
+                        Some(s)
+                    }
+                    (None, Some(p)) => Some(PersistedState {
+                        breaker: None,
+                        paused: p,
+                    }),
+                    (s, None) => s,
+                }
+            }
             Err(e) => {
                 tracing::error!(target_id = %id, error = %e, "cannot read persisted target state");
                 None
@@ -314,12 +376,35 @@ impl Dispatcher {
         let Some(rt) = self.runtime(id) else {
             return Ok(false);
         };
-        rt.paused.store(paused, std::sync::atomic::Ordering::SeqCst);
-        let state = serde_json::to_value(rt.persisted()).unwrap_or_default();
+        self.ctx
+            .store
+            .put_target_state(
+                &format!("{PAUSE_STATE_PREFIX}{id}"),
+                serde_json::json!({ "paused": paused }),
+            )
+            .await?;
+        let mut state = rt.persisted();
+        state.paused = paused;
+        let state = serde_json::to_value(state).unwrap_or_default();
         self.ctx.store.put_target_state(id, state).await?;
+        self.operator_change(|| rt.paused.store(paused, std::sync::atomic::Ordering::SeqCst));
         self.ctx.store.notifier(id).notify_one();
         tracing::warn!(target_id = %id, paused, "target pause state changed by an operator");
         Ok(true)
+    }
+
+    /// Applies a pause or resume made on another node sharing the store (already persisted
+    /// there). Returns whether this node's worker changed.
+    pub fn follow_pause(&self, id: &str, paused: bool) -> bool {
+        let Some(rt) = self.runtime(id) else {
+            return false;
+        };
+        if rt.paused.swap(paused, std::sync::atomic::Ordering::SeqCst) == paused {
+            return false;
+        }
+        self.ctx.store.notifier(id).notify_one();
+        tracing::warn!(target_id = %id, paused, "target pause state changed by an operator on another node");
+        true
     }
 
     /// Starts the lease reaper: expired in-memory leases go back to their queues.

@@ -374,6 +374,12 @@ pub trait Store: Send + Sync + 'static {
     /// How many records each bounded kind holds (cheap: kept counts, not scans).
     fn record_counts(&self) -> BoxFuture<'_, Result<RecordCounts, StoreError>>;
 
+    /// Whether several router nodes may share this store (then state an operator sets on one
+    /// node, such as a paused target, is followed by the others).
+    fn shared(&self) -> bool {
+        false
+    }
+
     /// Where the nodes sharing this store keep their uploaded handlers, when several nodes
     /// can share it (`None`: the store has one node, whose handler directory is the truth).
     fn handler_catalog(&self) -> Option<Arc<dyn HandlerCatalog>> {

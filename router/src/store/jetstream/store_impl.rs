@@ -40,6 +40,10 @@ impl JetStreamStore {
 }
 
 impl Store for JetStreamStore {
+    fn shared(&self) -> bool {
+        true
+    }
+
     fn handler_catalog(&self) -> Option<Arc<dyn crate::store::HandlerCatalog>> {
         Some(Arc::new(super::JetStreamCatalog::new(self.records.clone())))
     }
