@@ -914,7 +914,11 @@ pub async fn run_with_store(
         warnings: Mutex::new(warnings),
         reload_status: Mutex::new(initial_status),
         reload_lock: tokio::sync::Mutex::new(()),
-        jobs: crate::dlq::Jobs::default(),
+        jobs: if store.shared() {
+            crate::dlq::Jobs::shared(node_id(&data_dir)?)
+        } else {
+            crate::dlq::Jobs::default()
+        },
         disabled: ArcSwap::from_pointee(disabled),
         tokens,
         ingest_limiters,

@@ -323,3 +323,111 @@ async fn a_pause_or_a_disabled_rule_on_one_router_holds_on_every_router() {
     .await;
     assert!(resumed_on_a.is_some(), "A kept the target paused");
 }
+
+/// A redrive job runs on one router of a cluster: an operator pauses it through another router
+/// and it stops everywhere; resumed, it goes on; when the router running it dies, another takes
+/// it over and finishes it, moving each entry once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_job_runs_on_one_router_and_outlives_it() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    if !RouterProc::on_jetstream() {
+        eprintln!("skipped: needs the JetStream pass (scripts/jetstream-e2e.sh)");
+        return;
+    }
+    let broken = Arc::new(AtomicBool::new(true));
+    let b2 = broken.clone();
+    let rcv = Receiver::scripted(Arc::new(move |_, _| {
+        let status = if b2.load(Ordering::SeqCst) { 400 } else { 200 };
+        (status, Duration::ZERO, vec![])
+    }))
+    .await;
+    let rules = webhook_rule("r", "t", &rcv.url(), "consumer");
+    let shared = format!("JOBS{}", std::process::id());
+    let prefix = format!("jobs.{}", std::process::id());
+    let env = [
+        ("ROUTER_STORE__JETSTREAM__STREAM", shared.as_str()),
+        ("ROUTER_STORE__JETSTREAM__PREFIX", prefix.as_str()),
+    ];
+    let mut a = RouterProc::start_with_env(&[("r.yaml", &rules)], &[], &env);
+    let b = RouterProc::start_with_env(&[("r.yaml", &rules)], &[], &env);
+    let n = 60;
+    let batch: Vec<_> = (0..n)
+        .map(|i| event(&format!("j{i}"), "t", json!({})))
+        .collect();
+    post_batch(&a, &batch).await;
+    let in_dlq = eventually(Duration::from_secs(30), || async {
+        let (_, l) = get_json(&b, "/v1/dlq?target=consumer&limit=1000").await;
+        (l["entries"].as_array().map(Vec::len) == Some(n)).then_some(())
+    })
+    .await;
+    assert!(in_dlq.is_some(), "the events did not reach the DLQ");
+    broken.store(false, Ordering::SeqCst);
+    let before = rcv.count();
+
+    let (s, job) = post_json(
+        &a,
+        "/v1/dlq/redrive",
+        json!({"filter": {"target": "consumer"}, "rate_per_sec": 4}),
+    )
+    .await;
+    assert_eq!(s, 201, "{job}");
+    let id = job["id"].as_str().expect("job id").to_string();
+    let path = format!("/v1/dlq/redrive/{id}");
+    let (_, seen) = get_json(&b, &path).await;
+    let runner_a = seen["runner"].as_str().expect("a runner").to_string();
+
+    // Paused through B: the runner on A stops.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (s, p) = post_json(&b, &format!("{path}/pause"), json!({})).await;
+    assert_eq!(s, 200, "{p}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (_, on_a) = get_json(&a, &path).await;
+    assert_eq!(on_a["state"], "paused", "{on_a}");
+    let paused_at = rcv.count();
+    assert!(
+        paused_at < before + n,
+        "the job finished before it could be paused"
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(rcv.count(), paused_at, "deliveries went on after the pause");
+
+    // Resumed on A, then A dies: B takes the job over (30 s without a renewal, checked every
+    // 10 s) and finishes it.
+    let (s, r) = post_json(&a, &format!("{path}/resume"), json!({})).await;
+    assert_eq!(s, 200, "{r}");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    a.kill9();
+    let done = eventually(Duration::from_secs(120), || async {
+        let (_, j) = get_json(&b, &path).await;
+        (j["state"] == "done").then_some(j)
+    })
+    .await
+    .expect("the job was not finished after its router died");
+    assert_ne!(done["runner"].as_str(), Some(runner_a.as_str()), "{done}");
+    let (_, l) = get_json(&b, "/v1/dlq?target=consumer").await;
+    assert_eq!(l["entries"].as_array().map(Vec::len), Some(0), "{l}");
+    // Received after the fix: each event answered 200 at least once (a redelivery of an
+    // attempt in flight when A died carries the same key).
+    let redelivered = || {
+        rcv.received()
+            .iter()
+            .skip(before)
+            .map(Received::event_id)
+            .collect::<std::collections::HashSet<_>>()
+            .len()
+    };
+    assert!(
+        rcv.wait_for(Duration::from_secs(30), |_| redelivered() >= n)
+            .await,
+        "only {} of {n} events delivered after the fix",
+        redelivered()
+    );
+    for i in [0, n / 2, n - 1] {
+        let f = fate(&b, &format!("j{i}")).await;
+        assert_eq!(
+            f["targets"][0]["redrive_count"], 1,
+            "moved more than once: {f}"
+        );
+    }
+}

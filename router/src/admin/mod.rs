@@ -627,6 +627,9 @@ fn job_json(j: &crate::store::Job) -> Value {
         "created_at": rfc3339(j.created_at),
         "updated_at": rfc3339(j.updated_at),
         "last_error": j.last_error,
+        // On a store several nodes share: which node runs it, and when it last said so.
+        "runner": j.runner,
+        "heartbeat_at": (j.runner.is_some() && j.heartbeat_at > 0).then(|| rfc3339(j.heartbeat_at)),
     })
 }
 

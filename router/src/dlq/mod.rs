@@ -132,9 +132,31 @@ fn default_rate() -> f64 {
 #[derive(Default)]
 pub struct Jobs {
     handles: Mutex<HashMap<String, Arc<Mutex<JobState>>>>,
+    /// On a store several nodes share: this node's identity, which it writes into the jobs it
+    /// runs (`Job::runner`), so that each job runs on one node and a dead node's jobs are
+    /// taken over.
+    node: Option<String>,
 }
 
+/// How often a job's runner renews its claim when no step wrote it, ms.
+const HEARTBEAT_MS: i64 = 5_000;
+
+/// A running job whose runner has not written it for this long is taken over by another node
+/// (generous: the nodes' clocks are compared).
+const JOB_STALE_MS: i64 = 30_000;
+
+/// How often each node of a shared store looks for running jobs to take over.
+const TAKEOVER_INTERVAL: Duration = Duration::from_secs(10);
+
 impl Jobs {
+    /// The controls of a node that shares its store with others, as `node`.
+    pub fn shared(node: String) -> Self {
+        Self {
+            handles: Mutex::default(),
+            node: Some(node),
+        }
+    }
+
     fn handle(&self, id: &str) -> Option<Arc<Mutex<JobState>>> {
         self.handles
             .lock()
@@ -174,6 +196,11 @@ async fn next_job_id(app: &App, kind: JobKind) -> Result<String, StoreError> {
         .filter(|j| j.kind == kind)
         .count()
         + 1;
+    if app.jobs.node.is_some() {
+        // Two nodes creating a job at once would count the same jobs: a random part keeps
+        // their ids apart.
+        return Ok(format!("{prefix}-{n}-{:04x}", rand::random::<u16>()));
+    }
     Ok(format!("{prefix}-{n}"))
 }
 
@@ -191,7 +218,7 @@ pub async fn create_redrive(app: &Arc<App>, req: RedriveRequest) -> Result<Job, 
     // existed when it was created, so it never chases its own failures.
     let max_id = app.store.dlq_max_id().await?;
     let now = app.clock.now_ms();
-    let job = Job {
+    let mut job = Job {
         id: next_job_id(app, JobKind::Redrive).await?,
         kind: JobKind::Redrive,
         state: JobState::Running,
@@ -204,7 +231,10 @@ pub async fn create_redrive(app: &Arc<App>, req: RedriveRequest) -> Result<Job, 
         created_at: now,
         updated_at: now,
         last_error: None,
+        runner: None,
+        heartbeat_at: 0,
     };
+    claim(app, &mut job);
     app.store.put_job(job.clone()).await?;
     spawn(app, job.clone());
     tracing::warn!(job = %job.id, total, rate = req.rate_per_sec, "redrive job created");
@@ -242,7 +272,7 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
         return Err(JobError::Invalid(errors));
     }
     let now = app.clock.now_ms();
-    let job = Job {
+    let mut job = Job {
         id: next_job_id(app, JobKind::Replay).await?,
         kind: JobKind::Replay,
         state: JobState::Running,
@@ -255,7 +285,10 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
         created_at: now,
         updated_at: now,
         last_error: None,
+        runner: None,
+        heartbeat_at: 0,
     };
+    claim(app, &mut job);
     app.store.put_job(job.clone()).await?;
     spawn(app, job.clone());
     tracing::warn!(job = %job.id, from = %req.from, to = %req.to, "replay job created");
@@ -275,11 +308,52 @@ async fn count_matching(app: &App, filter: &DlqFilter) -> Result<u64, StoreError
     }
 }
 
-/// Resumes every job that was running when the router stopped.
+/// Resumes every job that was running when the router stopped. On a store several nodes
+/// share: the jobs this node ran and those no node has renewed lately; the others run
+/// elsewhere, and a background task takes them over if their node stops renewing them.
 pub async fn resume_all(app: &Arc<App>) -> Result<(), StoreError> {
+    let now = app.clock.now_ms();
     for job in app.store.jobs().await? {
-        if job.state == JobState::Running {
-            tracing::info!(job = %job.id, moved = job.moved, "resuming job after restart");
+        if job.state == JobState::Running && claimable(app, &job, now) {
+            tracing::info!(job = %job.id, moved = job.moved, runner = ?job.runner, "resuming job after restart");
+            spawn(app, job);
+        }
+    }
+    if app.jobs.node.is_some() {
+        let app = app.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(TAKEOVER_INTERVAL).await;
+                if let Err(e) = take_over_stale(&app).await {
+                    tracing::warn!(error = %e, "cannot look for jobs to take over");
+                }
+            }
+        });
+    }
+    Ok(())
+}
+
+/// Whether this node may run `job` (running, not already here): always on a store of its own;
+/// on a shared one when this node ran it, or its runner has not renewed it for `JOB_STALE_MS`.
+fn claimable(app: &App, job: &Job, now: crate::store::Millis) -> bool {
+    let Some(node) = &app.jobs.node else {
+        return true;
+    };
+    job.runner.as_ref() == Some(node)
+        || job.runner.is_none()
+        || now.saturating_sub(job.heartbeat_at) > JOB_STALE_MS
+}
+
+/// Starts the running jobs whose node stopped renewing them.
+async fn take_over_stale(app: &Arc<App>) -> Result<(), StoreError> {
+    let now = app.clock.now_ms();
+    for job in app.store.jobs().await? {
+        let here = app
+            .jobs
+            .handle(&job.id)
+            .is_some_and(|h| *h.lock().unwrap_or_else(|p| p.into_inner()) == JobState::Running);
+        if job.state == JobState::Running && !here && claimable(app, &job, now) {
+            tracing::warn!(job = %job.id, runner = ?job.runner, moved = job.moved, "taking over a job its node stopped running");
             spawn(app, job);
         }
     }
@@ -308,7 +382,8 @@ pub async fn control(app: &Arc<App>, id: &str, to: JobState) -> Result<Job, JobE
     if !allowed {
         return Err(JobError::Conflict(job.state));
     }
-    if let Some(h) = app.jobs.handle(id) {
+    let local = app.jobs.handle(id);
+    if let Some(h) = &local {
         // The runner persists its own progress; it reads this before each step.
         *h.lock().unwrap_or_else(|p| p.into_inner()) = to;
         // Let the runner finish its current step before we write the state.
@@ -318,6 +393,21 @@ pub async fn control(app: &Arc<App>, id: &str, to: JobState) -> Result<Job, JobE
     job.state = to;
     job.updated_at = app.clock.now_ms();
     app.store.put_job(job.clone()).await?;
+    if app.jobs.node.is_some() && to != JobState::Running {
+        // Run by another node, whose runner reads the state before each step: a step it was
+        // finishing may have written the job back as running. Once it has read this, it
+        // stops; write again if it did that.
+        tokio::time::sleep(TICK * 5).await;
+        let now = get(app, id).await?;
+        if now.state == JobState::Running {
+            job = Job {
+                state: to,
+                updated_at: app.clock.now_ms(),
+                ..now
+            };
+            app.store.put_job(job.clone()).await?;
+        }
+    }
     if to == JobState::Running {
         spawn(app, job.clone());
     }
@@ -325,7 +415,16 @@ pub async fn control(app: &Arc<App>, id: &str, to: JobState) -> Result<Job, JobE
     Ok(job)
 }
 
-fn spawn(app: &Arc<App>, job: Job) {
+/// On a shared store: marks `job` as run by this node, from now.
+fn claim(app: &App, job: &mut Job) {
+    if let Some(node) = &app.jobs.node {
+        job.runner = Some(node.clone());
+        job.heartbeat_at = app.clock.now_ms();
+    }
+}
+
+fn spawn(app: &Arc<App>, mut job: Job) {
+    claim(app, &mut job);
     let handle = Arc::new(Mutex::new(JobState::Running));
     app.jobs
         .handles
@@ -356,6 +455,11 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
         .ok()
         .and_then(|f| f.to_filter("").ok())
         .unwrap_or_default();
+    if app.jobs.node.is_some() {
+        // The claim, before the first step (which may be a while at a low rate).
+        job.heartbeat_at = app.clock.now_ms();
+        app.store.put_job(job.clone()).await?;
+    }
     loop {
         tokio::time::sleep(TICK).await;
         if *handle.lock().unwrap_or_else(|p| p.into_inner()) != JobState::Running {
@@ -365,6 +469,16 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
         tokens = (tokens + rate * now_i.duration_since(last).as_secs_f64()).min(rate.max(1.0));
         last = now_i;
         let take = tokens.floor() as usize;
+        // On a shared store, the stored job is read before each step (its step would write
+        // over a pause or cancel made on another node since) and, while no step writes it,
+        // when the claim is due for renewal.
+        if app.jobs.node.is_some()
+            && (take > 0 || app.clock.now_ms().saturating_sub(job.heartbeat_at) >= HEARTBEAT_MS)
+            && !still_ours(app, &mut job).await?
+        {
+            *handle.lock().unwrap_or_else(|p| p.into_inner()) = JobState::Paused;
+            return Ok(());
+        }
         if take == 0 {
             continue;
         }
@@ -381,6 +495,29 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
     }
 }
 
+/// On a shared store: whether `job` is still this node's to run (an operator on another node
+/// may have paused or cancelled it, or a node that thought this one dead took it over), and its
+/// claim renewed when no step has written it for `HEARTBEAT`. Always true on a store of its
+/// own, where the local controls are the only ones.
+async fn still_ours(app: &App, job: &mut Job) -> Result<bool, StoreError> {
+    let Some(node) = &app.jobs.node else {
+        return Ok(true);
+    };
+    let Some(stored) = app.store.job(&job.id).await? else {
+        return Ok(false);
+    };
+    if stored.state != JobState::Running || stored.runner.as_ref() != Some(node) {
+        tracing::warn!(job = %job.id, state = ?stored.state, runner = ?stored.runner, "job stopped here: changed on another node");
+        return Ok(false);
+    }
+    let now = app.clock.now_ms();
+    if now.saturating_sub(job.heartbeat_at) >= HEARTBEAT_MS {
+        job.heartbeat_at = now;
+        app.store.put_job(job.clone()).await?;
+    }
+    Ok(true)
+}
+
 async fn redrive_step(
     app: &App,
     job: &mut Job,
@@ -394,6 +531,7 @@ async fn redrive_step(
     if page.is_empty() {
         job.state = JobState::Done;
         job.updated_at = now;
+        job.heartbeat_at = now;
         app.store.redrive_step(job.clone(), Vec::new(), now).await?;
         return Ok(0);
     }
@@ -456,6 +594,7 @@ async fn redrive_step(
         }
     }
     job.updated_at = now;
+    job.heartbeat_at = now;
     let n = page.len();
     app.store.redrive_step(job.clone(), actions, now).await?;
     Ok(n)
@@ -474,6 +613,7 @@ async fn replay_step(
     if events.is_empty() {
         job.state = JobState::Done;
         job.updated_at = now;
+        job.heartbeat_at = now;
         app.store.replay_step(job.clone(), Vec::new(), now).await?;
         return Ok(0);
     }
@@ -499,6 +639,7 @@ async fn replay_step(
     }
     job.total = job.moved + job.skipped;
     job.updated_at = now;
+    job.heartbeat_at = now;
     let n = events.len();
     app.store.replay_step(job.clone(), items, now).await?;
     Ok(n)

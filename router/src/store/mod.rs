@@ -239,6 +239,12 @@ pub trait Store: Send + Sync + 'static {
     /// Every job.
     fn jobs(&self) -> BoxFuture<'_, Result<Vec<Job>, StoreError>>;
 
+    /// One job (a read of its record where the backend can; the default filters `jobs`).
+    fn job(&self, id: &str) -> BoxFuture<'_, Result<Option<Job>, StoreError>> {
+        let id = id.to_string();
+        Box::pin(async move { Ok(self.jobs().await?.into_iter().find(|j| j.id == id)) })
+    }
+
     /// Applies redrive actions and the job's new progress atomically.
     fn redrive_step(
         &self,

@@ -742,6 +742,13 @@ pub struct Job {
     /// Last error, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
+    /// On a store several nodes share: the node running it (it renews `heartbeat_at`; another
+    /// node takes a running job over once that is stale).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runner: Option<String>,
+    /// When its runner last wrote it.
+    #[serde(default)]
+    pub heartbeat_at: Millis,
 }
 
 /// What a redrive step does with one DLQ entry.

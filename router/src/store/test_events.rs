@@ -49,5 +49,7 @@ pub fn job(id: &str, kind: JobKind) -> Job {
         created_at: 0,
         updated_at: 0,
         last_error: None,
+        runner: None,
+        heartbeat_at: 0,
     }
 }

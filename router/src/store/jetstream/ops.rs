@@ -214,6 +214,23 @@ impl JetStreamStore {
     }
 
     /// Every job.
+    pub async fn job(&self, id: &str) -> Result<Option<Job>, StoreError> {
+        let Some(v) = self.records.get(&format!("job.{}", fp(&[id]))).await? else {
+            return Ok(None);
+        };
+        let Some(bytes) = v.value else {
+            return Ok(None);
+        };
+        let named = dec::<Named>("job", &bytes)?;
+        serde_json::from_value(named.value)
+            .map(Some)
+            .map_err(|e| StoreError::Corrupt {
+                table: "jobs",
+                message: e.to_string(),
+            })
+    }
+
+    /// Every job.
     pub async fn jobs(&self) -> Result<Vec<Job>, StoreError> {
         self.named("job")
             .await?

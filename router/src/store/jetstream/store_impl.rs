@@ -132,6 +132,11 @@ impl Store for JetStreamStore {
         JetStreamStore::jobs(self).boxed()
     }
 
+    fn job(&self, id: &str) -> BoxFuture<'_, Result<Option<Job>, StoreError>> {
+        let id = id.to_string();
+        async move { JetStreamStore::job(self, &id).await }.boxed()
+    }
+
     fn redrive_step(
         &self,
         job: Job,

@@ -1211,6 +1211,8 @@ async fn target_states_saved_targets_and_jobs_keep_the_last_write() {
         created_at: 1_000,
         updated_at: 1_000,
         last_error: None,
+        runner: None,
+        heartbeat_at: 0,
     };
     s.put_job(job.clone()).await.expect("put job");
     let moved = Job {

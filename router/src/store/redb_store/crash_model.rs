@@ -1349,6 +1349,8 @@ fn job(id: &str, moved: u64, now: Millis) -> Job {
         created_at: now,
         updated_at: now,
         last_error: None,
+        runner: None,
+        heartbeat_at: 0,
     }
 }
 
