@@ -370,6 +370,47 @@ fn spawn_operator_state_follower(app: &Arc<App>, tracker: &TaskTracker, cancel: 
     });
 }
 
+/// How often a node sharing its store announces itself and counts the live nodes.
+const ANNOUNCE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Announces this node to the others sharing the store and counts the live ones, splitting
+/// every target's throttle rate among them (`Dispatcher::set_nodes`).
+async fn count_nodes(store: &dyn Store, dispatcher: &Dispatcher, now: i64) {
+    match store.announce_node(now).await {
+        Ok(n) => {
+            let before = dispatcher.nodes();
+            if n != before {
+                tracing::warn!(
+                    nodes = n,
+                    before,
+                    "live router nodes on the shared store changed; each takes 1/{n} of every target's throttle rate"
+                );
+                dispatcher.set_nodes(n);
+            }
+        }
+        Err(e) => {
+            // Kept as it was: a node that cannot reach the store cannot deliver either.
+            tracing::warn!(error = %e, "cannot announce this node to the shared store");
+        }
+    }
+}
+
+fn spawn_node_announcer(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToken) {
+    if !app.store.shared() {
+        return;
+    }
+    let app = app.clone();
+    tracker.spawn(async move {
+        loop {
+            tokio::select! {
+                () = cancel.cancelled() => break,
+                () = tokio::time::sleep(ANNOUNCE_INTERVAL) => {}
+            }
+            count_nodes(app.store.as_ref(), &app.dispatcher, app.clock.now_ms()).await;
+        }
+    });
+}
+
 fn spawn_reload_triggers(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToken) {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<()>(4);
     let watcher = match crate::rules::watch::watch(
@@ -852,6 +893,10 @@ pub async fn run_with_store(
         secrets,
         handlers: handlers.clone(),
     });
+    // On a shared store: count the live nodes before any worker takes its throttle share.
+    if store.shared() {
+        count_nodes(store.as_ref(), &dispatcher, clock.now_ms()).await;
+    }
 
     // Remember every target's configuration, then start workers for the current targets and
     // for targets a previous rule set had that still hold entries (they drain under their last
@@ -940,6 +985,7 @@ pub async fn run_with_store(
     crate::dlq::resume_all(&app).await?;
     spawn_reload_triggers(&app, &tracker, workers_cancel.clone());
     spawn_operator_state_follower(&app, &tracker, workers_cancel.clone());
+    spawn_node_announcer(&app, &tracker, workers_cancel.clone());
     tracker.spawn(crate::admin::contracts::follow(
         app.clone(),
         workers_cancel.clone(),

@@ -431,3 +431,67 @@ async fn a_redrive_job_runs_on_one_router_and_outlives_it() {
         );
     }
 }
+
+/// A throttle's rate holds for the cluster, not per router: two routers split a target's
+/// 10/s between them, so 40 events take about 4 s to deliver, not 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_routers_keep_to_one_throttle_rate_together() {
+    if !RouterProc::on_jetstream() {
+        eprintln!("skipped: needs the JetStream pass (scripts/jetstream-e2e.sh)");
+        return;
+    }
+    let rcv = Receiver::ok().await;
+    let rules = rules_yaml(
+        "  slow:\n    throttle: { rate_per_sec: 10, burst: 2 }",
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: erp\n        policy: slow",
+                rcv.url()
+            )],
+        )],
+    );
+    let shared = format!("THROTTLE{}", std::process::id());
+    let prefix = format!("throttle.{}", std::process::id());
+    let env = [
+        ("ROUTER_STORE__JETSTREAM__STREAM", shared.as_str()),
+        ("ROUTER_STORE__JETSTREAM__PREFIX", prefix.as_str()),
+    ];
+    let a = RouterProc::start_with_env(&[("r.yaml", &rules)], &[], &env);
+    let b = RouterProc::start_with_env(&[("r.yaml", &rules)], &[], &env);
+    // Each node counts the other within its announcement interval (5 s).
+    for r in [&a, &b] {
+        let shared = eventually(Duration::from_secs(20), || async {
+            let (_, t) = get_json(r, "/v1/targets/erp").await;
+            (t["throttle_share"]["nodes"] == 2).then_some(t)
+        })
+        .await;
+        let t = shared.expect("both nodes counted");
+        assert_eq!(t["throttle_share"]["rate_per_sec"], 5.0, "{t}");
+    }
+    let (_, st) = get_json(&a, "/v1/status").await;
+    assert_eq!(st["nodes"], 2, "{st}");
+
+    let n = 40;
+    let started = std::time::Instant::now();
+    for chunk in 0..(n / 10) {
+        let batch: Vec<_> = (0..10)
+            .map(|i| event(&format!("s{}", chunk * 10 + i), "t", json!({})))
+            .collect();
+        post_batch(if chunk % 2 == 0 { &a } else { &b }, &batch).await;
+    }
+    assert!(
+        rcv.wait_for(Duration::from_secs(60), |s| s.len() >= n)
+            .await,
+        "only {} of {n} delivered",
+        rcv.count()
+    );
+    let took = started.elapsed().as_secs_f64();
+    // 40 at 10/s together is 4 s less the two nodes' bursts (2 × 1 token, each node's burst
+    // of 2 being halved): at least ~3.6 s. Each node at the full rate would take about 2 s.
+    assert!(
+        took >= 3.0,
+        "40 events took {took:.2}s: the nodes did not share the rate"
+    );
+}

@@ -474,6 +474,9 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             })),
         },
         "delivery": app.delivery_threads,
+        // Live router nodes on the store (1 on the embedded one): each target's throttle rate
+        // is split among them.
+        "nodes": app.dispatcher.nodes(),
         "records": records,
         "handler_kv": handler_kv,
         // On a shared store: how this node follows the handlers the nodes share.

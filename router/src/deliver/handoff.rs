@@ -88,7 +88,7 @@ pub(super) fn reserve(
     if ctx.store.due_count(&rt.spec.id, now, 1) > 0 {
         return None;
     }
-    if let Some(limiter) = &rt.limiter
+    if let Some(limiter) = rt.limiter()
         && limiter.check().is_err()
     {
         return None;

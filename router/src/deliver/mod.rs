@@ -81,6 +81,8 @@ pub struct Dispatcher {
     /// under this lock once persisted: a follower of other nodes' changes applies what it read
     /// only if none came in meanwhile, so it never puts back a state it read before one.
     operator_changes: Mutex<u64>,
+    /// Live router nodes sharing the store (each target's throttle rate is split among them).
+    nodes: std::sync::atomic::AtomicUsize,
 }
 
 /// A target that could not be started.
@@ -125,7 +127,24 @@ impl Dispatcher {
             ctx: Arc::new(ctx),
             running: Mutex::new(HashMap::new()),
             operator_changes: Mutex::new(0),
+            nodes: std::sync::atomic::AtomicUsize::new(1),
         })
+    }
+
+    /// Live router nodes sharing the store, as last counted (1 on a store of its own).
+    pub fn nodes(&self) -> usize {
+        self.nodes.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Splits every target's throttle rate among `nodes` live nodes from now on.
+    pub fn set_nodes(&self, nodes: usize) {
+        let nodes = nodes.max(1);
+        if self.nodes.swap(nodes, std::sync::atomic::Ordering::SeqCst) == nodes {
+            return;
+        }
+        for rt in self.runtimes() {
+            rt.share_among(nodes);
+        }
     }
 
     /// Makes an operator's change here (already persisted) with `apply`.
@@ -267,6 +286,7 @@ impl Dispatcher {
             &self.ctx.cfg,
         )));
         let runtime = Arc::new(TargetRuntime::new(spec, persisted, self.ctx.clock.now_ms()));
+        runtime.share_among(self.nodes());
         let stop = self.ctx.cancel.child_token();
         let (ctx, rt, st, t, sl) = (
             self.ctx.clone(),

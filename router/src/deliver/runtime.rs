@@ -3,8 +3,10 @@
 //! reads a snapshot of it.
 
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use arc_swap::ArcSwapOption;
 
 use governor::clock::DefaultClock;
 use governor::state::{InMemoryState, NotKeyed};
@@ -45,14 +47,33 @@ pub struct Counters {
     pub throttled: AtomicU64,
 }
 
+/// The token bucket for `nodes`' share of `spec`'s throttle rate and burst (the burst rounded
+/// up, at least one).
+fn limiter_for(spec: &TargetSpec, nodes: usize) -> Option<Limiter> {
+    let t = spec.policy.throttle.as_ref()?;
+    let rate = t.rate_per_sec? / nodes as f64;
+    let burst = t.effective_burst().unwrap_or(1).max(1);
+    let burst = NonZeroU32::new(
+        burst
+            .div_ceil(u32::try_from(nodes).unwrap_or(u32::MAX))
+            .max(1),
+    )?;
+    // Quota::with_period takes the time per token; rates below 1/s are allowed.
+    let period = std::time::Duration::from_secs_f64(1.0 / rate.max(1e-6));
+    Quota::with_period(period).map(|q| RateLimiter::direct(q.allow_burst(burst)))
+}
+
 /// One target's runtime.
 pub struct TargetRuntime {
     /// Configuration in force.
     pub spec: TargetSpec,
     breaker: Option<Mutex<Breaker>>,
     budget: Option<Mutex<RetryBudget>>,
-    /// Token bucket, when the policy sets a rate.
-    pub limiter: Option<Limiter>,
+    /// Token bucket, when the policy sets a rate: this node's share of it
+    /// ([`Self::share_among`]).
+    limiter: ArcSwapOption<Limiter>,
+    /// Router nodes the throttle rate is shared among (1 on a store of its own).
+    nodes: AtomicUsize,
     /// Operator pause: no attempts while set.
     pub paused: AtomicBool,
     /// Counters.
@@ -73,20 +94,31 @@ impl TargetRuntime {
             .policy
             .retry_budget
             .map(|r| Mutex::new(RetryBudget::new(r)));
-        let limiter = spec.policy.throttle.as_ref().and_then(|t| {
-            let rate = t.rate_per_sec?;
-            let burst = NonZeroU32::new(t.effective_burst().unwrap_or(1).max(1))?;
-            // Quota::with_period takes the time per token; rates below 1/s are allowed.
-            let period = std::time::Duration::from_secs_f64(1.0 / rate.max(1e-6));
-            Quota::with_period(period).map(|q| RateLimiter::direct(q.allow_burst(burst)))
-        });
+        let limiter = ArcSwapOption::from(limiter_for(&spec, 1).map(Arc::new));
         Self {
             paused: AtomicBool::new(persisted.as_ref().is_some_and(|s| s.paused)),
             spec,
             breaker,
             budget,
             limiter,
+            nodes: AtomicUsize::new(1),
             counters: Counters::default(),
+        }
+    }
+
+    /// This node's token bucket, if the policy sets a rate.
+    pub fn limiter(&self) -> Option<Arc<Limiter>> {
+        self.limiter.load_full()
+    }
+
+    /// Shares the policy's rate (and burst) among `nodes` router nodes delivering to this
+    /// target from one shared store, so that together they keep to the rate the policy
+    /// names. A change starts this node's bucket afresh.
+    pub fn share_among(&self, nodes: usize) {
+        let nodes = nodes.max(1);
+        if self.nodes.swap(nodes, Ordering::SeqCst) != nodes {
+            self.limiter
+                .store(limiter_for(&self.spec, nodes).map(Arc::new));
         }
     }
 
@@ -134,11 +166,67 @@ impl TargetRuntime {
             "breaker": breaker,
             "retry_budget": budget,
             "throttle": self.spec.policy.throttle,
+            // On a store several nodes share: how many share the throttle's rate, and this
+            // node's part of it.
+            "throttle_share": self.spec.policy.throttle.as_ref().and_then(|t| t.rate_per_sec).map(|rate| {
+                let nodes = self.nodes.load(Ordering::SeqCst).max(1);
+                json!({ "nodes": nodes, "rate_per_sec": rate / nodes as f64 })
+            }),
             "delivered": c.delivered.load(Ordering::Relaxed),
             "retried": c.retried.load(Ordering::Relaxed),
             "dead_lettered": c.dead_lettered.load(Ordering::Relaxed),
             "budget_deferred": c.budget_deferred.load(Ordering::Relaxed),
             "throttled": c.throttled.load(Ordering::Relaxed),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::config::{PolicyConfig, ThrottlePolicy};
+    use crate::rules::TargetKind;
+
+    fn throttled(rate: f64, burst: u32) -> TargetRuntime {
+        let spec = TargetSpec {
+            id: "t".into(),
+            rule: "r".into(),
+            kind: TargetKind::Handler { name: "h".into() },
+            policy_name: None,
+            policy: PolicyConfig {
+                throttle: Some(ThrottlePolicy {
+                    rate_per_sec: Some(rate),
+                    burst: Some(burst),
+                    max_concurrency: None,
+                }),
+                ..PolicyConfig::default()
+            },
+        };
+        TargetRuntime::new(spec, None, 0)
+    }
+
+    /// Tokens the bucket hands out at once (its burst; at these rates no token is added
+    /// while counting).
+    fn burst_now(rt: &TargetRuntime) -> usize {
+        let limiter = rt.limiter().expect("a rate is set");
+        (0..100).take_while(|_| limiter.check().is_ok()).count()
+    }
+
+    #[test]
+    fn the_throttle_rate_and_burst_are_shared_among_the_live_nodes() {
+        let rt = throttled(0.001, 12);
+        assert_eq!(burst_now(&rt), 12);
+        rt.share_among(2);
+        assert_eq!(burst_now(&rt), 6, "half the burst on each of two nodes");
+        rt.share_among(5);
+        assert_eq!(burst_now(&rt), 3, "a share's burst rounds up");
+        let share = &rt.snapshot(0)["throttle_share"];
+        assert_eq!(share["nodes"], 5);
+        assert!((share["rate_per_sec"].as_f64().expect("rate") - 0.0002).abs() < 1e-9);
+        rt.share_among(50);
+        assert_eq!(burst_now(&rt), 1, "never below one");
+        // The same count again keeps the bucket as it is (drained here).
+        rt.share_among(50);
+        assert_eq!(burst_now(&rt), 0);
     }
 }

@@ -240,7 +240,7 @@ pub(super) async fn run(
         // only slows a backlog that the budget is slowing anyway). A batch is one request.
         let requests = due.div_ceil(per_slot).min(permits.len());
         let mut allowed = requests;
-        if let Some(limiter) = &rt.limiter {
+        if let Some(limiter) = rt.limiter() {
             allowed = 0;
             let mut retry_in = None;
             while allowed < requests {

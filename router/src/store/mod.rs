@@ -386,6 +386,14 @@ pub trait Store: Send + Sync + 'static {
         false
     }
 
+    /// Records that this node is alive at `now` and answers how many nodes are (this one
+    /// included): those that announced themselves within the last `NODE_LIVE_MS`. Always 1 on
+    /// a store of one node.
+    fn announce_node(&self, now: Millis) -> BoxFuture<'_, Result<usize, StoreError>> {
+        let _ = now;
+        Box::pin(async { Ok(1) })
+    }
+
     /// Where the nodes sharing this store keep their uploaded handlers, when several nodes
     /// can share it (`None`: the store has one node, whose handler directory is the truth).
     fn handler_catalog(&self) -> Option<Arc<dyn HandlerCatalog>> {
@@ -425,6 +433,10 @@ pub trait ContractCatalog: Send + Sync + 'static {
     /// its revision.
     fn put_contract(&self, contract: SharedContract) -> BoxFuture<'_, Result<u64, StoreError>>;
 }
+
+/// A node that has not announced itself (`Store::announce_node`) for this long no longer
+/// counts as live.
+pub const NODE_LIVE_MS: Millis = 15_000;
 
 /// One handler's record in a [`HandlerCatalog`]: its index (the registry's format, opaque
 /// here) and the revision that a change must expect.

@@ -214,6 +214,28 @@ impl JetStreamStore {
     }
 
     /// Every job.
+    pub async fn announce_node(&self, now: Millis) -> Result<usize, StoreError> {
+        let key = format!("nd.{}", fp(&[&self.node]));
+        let record = serde_json::json!({ "node": self.node, "at": now });
+        self.records
+            .commit(vec![Write::put(key, enc(&record), Expect::Any)])
+            .await?;
+        let live = self
+            .records
+            .scan("nd")
+            .await?
+            .into_iter()
+            .filter(|(_, _, bytes)| {
+                serde_json::from_slice::<serde_json::Value>(bytes)
+                    .ok()
+                    .and_then(|v| v["at"].as_i64())
+                    .is_some_and(|at| at > now - crate::store::NODE_LIVE_MS)
+            })
+            .count();
+        Ok(live.max(1))
+    }
+
+    /// One job.
     pub async fn job(&self, id: &str) -> Result<Option<Job>, StoreError> {
         let Some(v) = self.records.get(&format!("job.{}", fp(&[id]))).await? else {
             return Ok(None);

@@ -44,6 +44,10 @@ impl Store for JetStreamStore {
         true
     }
 
+    fn announce_node(&self, now: Millis) -> BoxFuture<'_, Result<usize, StoreError>> {
+        JetStreamStore::announce_node(self, now).boxed()
+    }
+
     fn handler_catalog(&self) -> Option<Arc<dyn crate::store::HandlerCatalog>> {
         Some(Arc::new(super::JetStreamCatalog::new(self.records.clone())))
     }

@@ -2152,3 +2152,23 @@ async fn the_contract_catalog_keeps_the_last_upload_of_each_type_and_version() {
         ("order.paid", 2, "{}", r2)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_nodes_are_those_that_announced_themselves_lately() {
+    use crate::store::NODE_LIVE_MS;
+    let server = TestServer::start();
+    let a = store(&server).await;
+    let b = store(&server).await;
+    let now = 1_000_000;
+    assert_eq!(a.announce_node(now).await.expect("announce"), 1);
+    assert_eq!(b.announce_node(now + 1_000).await.expect("announce"), 2);
+    // Announcing again does not count a node twice.
+    assert_eq!(a.announce_node(now + 2_000).await.expect("announce"), 2);
+    // B falls silent: once its last announcement is older than the bound, A is alone.
+    assert_eq!(
+        a.announce_node(now + 1_000 + NODE_LIVE_MS + 1)
+            .await
+            .expect("announce"),
+        1
+    );
+}
