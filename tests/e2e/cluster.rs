@@ -9,6 +9,20 @@ use serde_json::{Value, json};
 
 use crate::harness::*;
 
+/// Two routers on one JetStream stream of their own (named after `tag` and this process),
+/// with the same rules and contracts.
+fn two_routers(tag: &str, rules: &str, contracts: &[(&str, &str)]) -> (RouterProc, RouterProc) {
+    let stream = format!("{tag}{}", std::process::id());
+    let prefix = format!("{}.{}", tag.to_lowercase(), std::process::id());
+    let env = [
+        ("ROUTER_STORE__JETSTREAM__STREAM", stream.as_str()),
+        ("ROUTER_STORE__JETSTREAM__PREFIX", prefix.as_str()),
+    ];
+    let a = RouterProc::start_with_env(&[("r.yaml", rules)], contracts, &env);
+    let b = RouterProc::start_with_env(&[("r.yaml", rules)], contracts, &env);
+    (a, b)
+}
+
 /// Two routers on one stream, producers posting to either: every event reaches the webhook
 /// once, a (source, id) sent to both is stored once, either node shows any event's fate, and
 /// when one node is killed the other delivers the rest.
@@ -20,17 +34,7 @@ async fn two_routers_on_one_jetstream_store_deliver_each_event_once() {
     }
     let rcv = Receiver::ok().await;
     let rules = webhook_rule("r", "t", &rcv.url(), "hook");
-    let shared = format!("CLUSTER{}", std::process::id());
-    let env = [
-        ("ROUTER_STORE__JETSTREAM__STREAM", shared.as_str()),
-        (
-            "ROUTER_STORE__JETSTREAM__PREFIX",
-            &format!("cluster.{}", std::process::id()),
-        ),
-    ];
-    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, *v)).collect();
-    let mut a = RouterProc::start_with_env(&[("r.yaml", &rules)], &[], &env);
-    let b = RouterProc::start_with_env(&[("r.yaml", &rules)], &[], &env);
+    let (mut a, b) = two_routers("CLUSTER", &rules, &[]);
     let n = 400;
     for chunk in 0..(n / 50) {
         let batch: Vec<_> = (0..50)
@@ -106,14 +110,7 @@ async fn a_handler_uploaded_to_one_router_runs_on_every_router() {
          \x20 - name: enriched-out\n    pattern:\n      type: [order.created.enriched]\n    targets:\n      - webhook: {}\n        id: out\n",
         sink.url()
     );
-    let shared = format!("HANDLERS{}", std::process::id());
-    let prefix = format!("handlers.{}", std::process::id());
-    let env = [
-        ("ROUTER_STORE__JETSTREAM__STREAM", shared.as_str()),
-        ("ROUTER_STORE__JETSTREAM__PREFIX", prefix.as_str()),
-    ];
-    let mut a = RouterProc::start_with_env(&[("r.yaml", &rules)], &[], &env);
-    let b = RouterProc::start_with_env(&[("r.yaml", &rules)], &[], &env);
+    let (mut a, b) = two_routers("HANDLERS", &rules, &[]);
 
     let (s, v1) = put_handler(&a, "enrich", plugin("enrich")).await;
     assert_eq!(s, 201, "{v1}");
@@ -187,15 +184,8 @@ async fn a_contract_uploaded_to_one_router_applies_on_every_router() {
     }
     let rcv = Receiver::ok().await;
     let rules = webhook_rule("r", "t", &rcv.url(), "hook");
-    let shared = format!("CONTRACTS{}", std::process::id());
-    let prefix = format!("contracts.{}", std::process::id());
-    let env = [
-        ("ROUTER_STORE__JETSTREAM__STREAM", shared.as_str()),
-        ("ROUTER_STORE__JETSTREAM__PREFIX", prefix.as_str()),
-    ];
     let v1 = r#"{"type": "object", "required": ["y"]}"#;
-    let a = RouterProc::start_with_env(&[("r.yaml", &rules)], &[("t/v1.json", v1)], &env);
-    let mut b = RouterProc::start_with_env(&[("r.yaml", &rules)], &[("t/v1.json", v1)], &env);
+    let (a, mut b) = two_routers("CONTRACTS", &rules, &[("t/v1.json", v1)]);
 
     let v2 = json!({"type": "object", "required": ["z"]});
     let (code, body) = put_json(&a, "/v1/contracts/t/v2", v2.clone()).await;
@@ -269,14 +259,7 @@ async fn a_pause_or_a_disabled_rule_on_one_router_holds_on_every_router() {
             ),
         ],
     );
-    let shared = format!("CONTAIN{}", std::process::id());
-    let prefix = format!("contain.{}", std::process::id());
-    let env = [
-        ("ROUTER_STORE__JETSTREAM__STREAM", shared.as_str()),
-        ("ROUTER_STORE__JETSTREAM__PREFIX", prefix.as_str()),
-    ];
-    let a = RouterProc::start_with_env(&[("r.yaml", &rules)], &[], &env);
-    let b = RouterProc::start_with_env(&[("r.yaml", &rules)], &[], &env);
+    let (a, b) = two_routers("CONTAIN", &rules, &[]);
 
     assert_eq!(
         post_json(&a, "/v1/targets/hook/pause", json!({})).await.0,
@@ -343,14 +326,7 @@ async fn a_redrive_job_runs_on_one_router_and_outlives_it() {
     }))
     .await;
     let rules = webhook_rule("r", "t", &rcv.url(), "consumer");
-    let shared = format!("JOBS{}", std::process::id());
-    let prefix = format!("jobs.{}", std::process::id());
-    let env = [
-        ("ROUTER_STORE__JETSTREAM__STREAM", shared.as_str()),
-        ("ROUTER_STORE__JETSTREAM__PREFIX", prefix.as_str()),
-    ];
-    let mut a = RouterProc::start_with_env(&[("r.yaml", &rules)], &[], &env);
-    let b = RouterProc::start_with_env(&[("r.yaml", &rules)], &[], &env);
+    let (mut a, b) = two_routers("JOBS", &rules, &[]);
     let n = 60;
     let batch: Vec<_> = (0..n)
         .map(|i| event(&format!("j{i}"), "t", json!({})))
@@ -452,14 +428,7 @@ async fn two_routers_keep_to_one_throttle_rate_together() {
             )],
         )],
     );
-    let shared = format!("THROTTLE{}", std::process::id());
-    let prefix = format!("throttle.{}", std::process::id());
-    let env = [
-        ("ROUTER_STORE__JETSTREAM__STREAM", shared.as_str()),
-        ("ROUTER_STORE__JETSTREAM__PREFIX", prefix.as_str()),
-    ];
-    let a = RouterProc::start_with_env(&[("r.yaml", &rules)], &[], &env);
-    let b = RouterProc::start_with_env(&[("r.yaml", &rules)], &[], &env);
+    let (a, b) = two_routers("THROTTLE", &rules, &[]);
     // Each node counts the other within its announcement interval (5 s).
     for r in [&a, &b] {
         let shared = eventually(Duration::from_secs(20), || async {

@@ -249,16 +249,10 @@ pub async fn upload(
                     tracing::error!(file = %path.display(), "could not put the contracts directory back after the shared catalog refused an upload");
                 }
                 tracing::error!(contract = %rel, error = %e, "contract upload refused: the shared catalog is unavailable");
-                let mut r = error_response(
-                    StatusCode::SERVICE_UNAVAILABLE,
+                return crate::ingest::catalog_unavailable_response(
                     "the shared contract catalog is unavailable; nothing was changed",
-                    vec![FieldError::new("", e.to_string())],
+                    e.to_string(),
                 );
-                r.headers_mut().insert(
-                    axum::http::header::RETRY_AFTER,
-                    axum::http::HeaderValue::from_static("5"),
-                );
-                return r;
             }
         }
     }
@@ -295,12 +289,9 @@ const RETRY_REFUSED: Duration = Duration::from_secs(60);
 /// What `/v1/status` shows of the shared contracts.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct ContractCatalogStatus {
-    /// The last complete read of the shared contracts (RFC 3339).
-    pub last_sync_at: Option<String>,
-    /// Why reading them fails, while it does.
-    pub error: Option<String>,
-    /// Since when reading them has been failing (RFC 3339).
-    pub failing_since: Option<String>,
+    /// The last complete read of the shared contracts, and failures since.
+    #[serde(flatten)]
+    pub health: crate::store::SyncHealth,
     /// Uploads this node's directory could not take (`<type>/v<N>.json`), and why.
     pub contract_errors: BTreeMap<String, String>,
 }
@@ -393,20 +384,14 @@ impl SharedContracts {
     /// [`RETRY_REFUSED`]; `/v1/status` says why meanwhile. Returns the files written.
     pub async fn sync(&self, app: &Arc<App>) -> Result<Vec<String>, StoreError> {
         let result = self.sync_with(app).await;
-        let mut status = self.status.lock().unwrap_or_else(PoisonError::into_inner);
-        match &result {
-            Ok(_) => {
-                status.last_sync_at = Some(crate::clock::rfc3339(app.clock.now_ms()));
-                status.error = None;
-                status.failing_since = None;
-            }
-            Err(e) => {
-                if status.error.is_none() {
-                    tracing::warn!(error = %e, "cannot read the shared contracts; uploads made on other nodes are not applied here until it can");
-                    status.failing_since = Some(crate::clock::rfc3339(app.clock.now_ms()));
-                }
-                status.error = Some(e.to_string());
-            }
+        let first_failure = self
+            .status
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .health
+            .record(&result, crate::clock::rfc3339(app.clock.now_ms()));
+        if let (true, Err(e)) = (first_failure, &result) {
+            tracing::warn!(error = %e, "cannot read the shared contracts; uploads made on other nodes are not applied here until it can");
         }
         result
     }

@@ -87,16 +87,10 @@ pub async fn upload(
 /// 503 with a `Retry-After`: the shared catalog is out of reach, nothing changed.
 fn catalog_unavailable(name: &str, e: &dyn std::fmt::Display) -> Response {
     tracing::error!(handler = %name, error = %e, "handler change refused: the shared catalog is unavailable");
-    let mut r = error_response(
-        StatusCode::SERVICE_UNAVAILABLE,
+    crate::ingest::catalog_unavailable_response(
         "the shared handler catalog is unavailable; nothing was changed",
-        vec![FieldError::new("", e.to_string())],
-    );
-    r.headers_mut().insert(
-        axum::http::header::RETRY_AFTER,
-        axum::http::HeaderValue::from_static("5"),
-    );
-    r
+        e.to_string(),
+    )
 }
 
 /// `GET /v1/handlers`.

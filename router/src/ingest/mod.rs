@@ -96,7 +96,7 @@ pub async fn post_events(
     resp
 }
 
-fn with_retry_after(mut r: Response, secs: u64) -> Response {
+pub(crate) fn with_retry_after(mut r: Response, secs: u64) -> Response {
     if let Ok(v) = axum::http::HeaderValue::from_str(&secs.max(1).to_string()) {
         r.headers_mut().insert("retry-after", v);
     }
@@ -429,6 +429,23 @@ async fn handle(
 /// `Retry-After` (seconds) while the store compacts its file: compaction takes seconds on a
 /// file of a few GB.
 const COMPACTING_RETRY_AFTER_S: u64 = 5;
+
+/// How long a client waits before trying a change again that a shared store's catalog could
+/// not take (an unreachable NATS server usually comes back within seconds).
+const CATALOG_RETRY_AFTER_S: u64 = 5;
+
+/// 503 with `Retry-After` for a change (a handler or contract upload) refused because the
+/// catalog the nodes share could not be reached: nothing was changed anywhere.
+pub(crate) fn catalog_unavailable_response(summary: &str, error: String) -> Response {
+    with_retry_after(
+        error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            summary,
+            vec![FieldError::new("", error)],
+        ),
+        CATALOG_RETRY_AFTER_S,
+    )
+}
 
 /// The answer to any request the store refused because it is compacting its file (ingest
 /// and API reads alike): 503 with `Retry-After`.

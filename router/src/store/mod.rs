@@ -434,6 +434,41 @@ pub trait ContractCatalog: Send + Sync + 'static {
     fn put_contract(&self, contract: SharedContract) -> BoxFuture<'_, Result<u64, StoreError>>;
 }
 
+/// How a node's following of a shared catalog goes (handlers, contracts), for `/v1/status`:
+/// the last complete read, and while reads fail, why and since when.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct SyncHealth {
+    /// The last complete read (RFC 3339).
+    pub last_sync_at: Option<String>,
+    /// Why reading fails, while it does.
+    pub error: Option<String>,
+    /// Since when reading has been failing (RFC 3339).
+    pub failing_since: Option<String>,
+}
+
+impl SyncHealth {
+    /// Records a read that ended at `now` (RFC 3339) with `result`. Returns true for the first
+    /// failure after a success (the one worth a log line).
+    pub fn record<T>(&mut self, result: &Result<T, StoreError>, now: String) -> bool {
+        match result {
+            Ok(_) => {
+                self.last_sync_at = Some(now);
+                self.error = None;
+                self.failing_since = None;
+                false
+            }
+            Err(e) => {
+                let first = self.error.is_none();
+                if first {
+                    self.failing_since = Some(now);
+                }
+                self.error = Some(e.to_string());
+                first
+            }
+        }
+    }
+}
+
 /// A node that has not announced itself (`Store::announce_node`) for this long no longer
 /// counts as live.
 pub const NODE_LIVE_MS: Millis = 15_000;

@@ -39,12 +39,9 @@ const MAX_ROUNDS: u32 = 8;
 pub struct CatalogStatus {
     /// True when the handlers are shared through the store's catalog.
     pub shared: bool,
-    /// The last sync that read the whole catalog (RFC 3339).
-    pub last_sync_at: Option<String>,
-    /// Why the last sync failed, while it keeps failing (cleared by the next good one).
-    pub error: Option<String>,
-    /// Since when syncs have been failing (RFC 3339).
-    pub failing_since: Option<String>,
+    /// The last complete read of the catalog, and failures since.
+    #[serde(flatten)]
+    pub health: crate::store::SyncHealth,
     /// Handlers whose catalog version could not be installed here, and why.
     pub handler_errors: std::collections::BTreeMap<String, String>,
 }
@@ -373,20 +370,14 @@ impl HandlerChanges {
             }
             Err(_) => count("error", 1),
         }
-        let mut status = self.status.lock().unwrap_or_else(PoisonError::into_inner);
-        match &result {
-            Ok(_) => {
-                status.last_sync_at = Some(now_rfc3339());
-                status.error = None;
-                status.failing_since = None;
-            }
-            Err(e) => {
-                if status.error.is_none() {
-                    tracing::warn!(error = %e, "cannot read the shared handler catalog; handlers changed on other nodes are not applied here until it can");
-                    status.failing_since = Some(now_rfc3339());
-                }
-                status.error = Some(e.to_string());
-            }
+        let first_failure = self
+            .status
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .health
+            .record(&result, now_rfc3339());
+        if let (true, Err(e)) = (first_failure, &result) {
+            tracing::warn!(error = %e, "cannot read the shared handler catalog; handlers changed on other nodes are not applied here until it can");
         }
         result
     }

@@ -997,15 +997,22 @@ async fn an_unreachable_catalog_refuses_changes_and_is_shown_until_it_returns() 
     let status = b.status();
     assert!(status.shared);
     assert!(
-        status.error.as_deref().unwrap().contains("unreachable"),
+        status
+            .health
+            .error
+            .as_deref()
+            .unwrap()
+            .contains("unreachable"),
         "{status:?}"
     );
-    assert!(status.failing_since.is_some() && status.last_sync_at.is_none());
+    assert!(status.health.failing_since.is_some() && status.health.last_sync_at.is_none());
     catalog.down.store(false, Ordering::SeqCst);
     b.sync().await.unwrap();
     let status = b.status();
     assert!(
-        status.error.is_none() && status.failing_since.is_none() && status.last_sync_at.is_some()
+        status.health.error.is_none()
+            && status.health.failing_since.is_none()
+            && status.health.last_sync_at.is_some()
     );
     assert!(b.registry().active("noop").is_some());
 }
