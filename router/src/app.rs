@@ -349,6 +349,16 @@ fn spawn_operator_state_follower(app: &Arc<App>, tracker: &TaskTracker, cancel: 
                     continue;
                 }
             };
+            // Breakers opened on other nodes (the target's record holds the last writer's).
+            for (id, v) in &states {
+                if let Some((crate::policy::breaker::BreakerState::Open { until }, _)) =
+                    serde_json::from_value::<crate::deliver::PersistedState>(v.clone())
+                        .ok()
+                        .and_then(|s| s.breaker)
+                {
+                    app.dispatcher.follow_breaker_open(id, until);
+                }
+            }
             let disabled = disabled_in(&states);
             // Skipped when this node changed something meanwhile: what was read may predate
             // it, and the next round reads it.

@@ -464,3 +464,61 @@ async fn two_routers_keep_to_one_throttle_rate_together() {
         "40 events took {took:.2}s: the nodes did not share the rate"
     );
 }
+
+/// A breaker opened on one router opens the others' for the same target once they too have
+/// seen it fail: here B's own threshold is out of reach (1,000 requests), so only following
+/// A's breaker can open it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_breaker_opened_on_one_router_opens_on_the_others_that_saw_failures() {
+    if !RouterProc::on_jetstream() {
+        eprintln!("skipped: needs the JetStream pass (scripts/jetstream-e2e.sh)");
+        return;
+    }
+    let rcv = Receiver::status(500).await;
+    let rules_with = |min_requests: u32| {
+        rules_yaml(
+            &format!(
+                "  guarded:\n    retry: {{ max_attempts: 50, base_delay: 50ms, max_delay: 200ms }}\n    breaker: {{ failure_rate: 0.5, min_requests: {min_requests}, window: 60s, open_for: 120s }}"
+            ),
+            &[(
+                "r",
+                "t",
+                &[format!(
+                    "webhook: {}\n        id: erp\n        policy: guarded",
+                    rcv.url()
+                )],
+            )],
+        )
+    };
+    let stream = format!("BREAKER{}", std::process::id());
+    let prefix = format!("breaker.{}", std::process::id());
+    let env = [
+        ("ROUTER_STORE__JETSTREAM__STREAM", stream.as_str()),
+        ("ROUTER_STORE__JETSTREAM__PREFIX", prefix.as_str()),
+    ];
+    let a = RouterProc::start_with_env(&[("r.yaml", &rules_with(3))], &[], &env);
+    let b = RouterProc::start_with_env(&[("r.yaml", &rules_with(1000))], &[], &env);
+    let batch: Vec<_> = (0..20)
+        .map(|i| event(&format!("b{i}"), "t", json!({})))
+        .collect();
+    post_batch(&a, &batch).await;
+    let open_until = |r: &RouterProc| {
+        let r = r.url("/v1/targets/erp");
+        async move {
+            let t: serde_json::Value = client().get(r).send().await.ok()?.json().await.ok()?;
+            (t["breaker"]["state"] == "open").then(|| t["breaker"]["open_until"].clone())
+        }
+    };
+    let on_a = eventually(Duration::from_secs(30), || open_until(&a))
+        .await
+        .expect("A's breaker opened");
+    let on_b = eventually(Duration::from_secs(30), || open_until(&b))
+        .await
+        .expect("B followed A's open breaker");
+    assert_eq!(on_b, on_a, "B is open until A's time");
+    let (_, t) = get_json(&b, "/v1/targets/erp").await;
+    assert!(
+        t["breaker"]["window_requests"].as_u64().unwrap_or(0) < 1000,
+        "B could not have opened on its own: {t}"
+    );
+}

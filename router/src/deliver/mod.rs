@@ -413,6 +413,24 @@ impl Dispatcher {
         Ok(true)
     }
 
+    /// Opens target `id`'s breaker until `until` because another node's breaker for it opened
+    /// (see [`Breaker::follow_open`](crate::policy::breaker::Breaker::follow_open)): counted
+    /// and logged here, not persisted or raised as a system event again (that node did both).
+    /// Returns whether it opened.
+    pub fn follow_breaker_open(&self, id: &str, until: i64) -> bool {
+        let Some(rt) = self.runtime(id) else {
+            return false;
+        };
+        let now = self.ctx.clock.now_ms();
+        let Some(t) = rt.breaker().and_then(|mut b| b.follow_open(until, now)) else {
+            return false;
+        };
+        worker::count_transition(&self.ctx, id, &t);
+        tracing::warn!(target_id = %id, failure_rate = t.failure_rate, requests = t.requests, open_until = %crate::clock::rfc3339(until), "circuit breaker opened: another node's breaker for this target opened, and this node has seen it fail too");
+        self.ctx.store.notifier(id).notify_one();
+        true
+    }
+
     /// Applies a pause or resume made on another node sharing the store (already persisted
     /// there). Returns whether this node's worker changed.
     pub fn follow_pause(&self, id: &str, paused: bool) -> bool {

@@ -1047,6 +1047,26 @@ async fn finish_without_effects(
     }
 }
 
+/// A breaker transition in the metrics: counted by the state it went to, and the state gauge.
+pub(super) fn count_transition(ctx: &DeliveryContext, id: &str, t: &Transition) {
+    ctx.metrics
+        .breaker_transitions
+        .get_or_create(&vec![
+            ("target", id.to_string()),
+            ("to", t.to.name().to_string()),
+        ])
+        .inc();
+    let gauge = match t.to {
+        BreakerState::Closed => 0,
+        BreakerState::Open { .. } => 1,
+        BreakerState::HalfOpen => 2,
+    };
+    ctx.metrics
+        .breaker_state
+        .get_or_create(&vec![("target", id.to_string())])
+        .set(gauge);
+}
+
 /// A breaker transition: persisted (so an open breaker stays open across a restart), logged,
 /// counted, and raised as a system event that rules can route.
 async fn on_transition(ctx: &DeliveryContext, rt: &TargetRuntime, t: Transition, now: i64) {
@@ -1060,19 +1080,7 @@ async fn on_transition(ctx: &DeliveryContext, rt: &TargetRuntime, t: Transition,
             tracing::info!(target_id = %id, from = t.from.name(), to, "circuit breaker state changed")
         }
     }
-    ctx.metrics
-        .breaker_transitions
-        .get_or_create(&vec![("target", id.clone()), ("to", to.to_string())])
-        .inc();
-    let gauge = match t.to {
-        BreakerState::Closed => 0,
-        BreakerState::Open { .. } => 1,
-        BreakerState::HalfOpen => 2,
-    };
-    ctx.metrics
-        .breaker_state
-        .get_or_create(&vec![("target", id.clone())])
-        .set(gauge);
+    count_transition(ctx, id, &t);
     let state = serde_json::to_value(rt.persisted()).unwrap_or_default();
     if let Err(e) = ctx.store.put_target_state(id, state).await {
         tracing::error!(target_id = %id, error = %e, "could not persist the breaker state");

@@ -177,6 +177,21 @@ impl Breaker {
         }
     }
 
+    /// Opens a closed breaker until `until` because another router node's breaker for the same
+    /// target opened (on a store several nodes share), but only when this node has itself seen
+    /// a counted failure of the target in its window: a failure only one node sees (its own
+    /// network path) then stays that node's. Returns the transition, if the breaker opened.
+    pub fn follow_open(&mut self, until: i64, now: i64) -> Option<Transition> {
+        if self.state != BreakerState::Closed || until <= now {
+            return None;
+        }
+        let (requests, failure_rate) = self.window_stats(now);
+        if requests == 0 || failure_rate == 0.0 {
+            return None;
+        }
+        Some(self.transition(BreakerState::Open { until }, now))
+    }
+
     /// Marks `n` probes as started (half-open only).
     pub fn probes_started(&mut self, n: u32) {
         if self.state == BreakerState::HalfOpen {
@@ -264,6 +279,22 @@ mod tests {
             .expect("opens: 3 of 4 failed");
         assert_eq!(t.to, BreakerState::Open { until: 5030 });
         assert_eq!(b.admit(1000).0, Admission::WaitUntil(5030));
+    }
+
+    #[test]
+    fn another_nodes_open_breaker_is_followed_only_after_a_failure_seen_here() {
+        let mut b = Breaker::new(policy(), 0);
+        assert_eq!(b.follow_open(9_000, 100), None, "no failure seen here");
+        b.record(Some(true), false, 200);
+        assert_eq!(b.follow_open(9_000, 300), None, "only successes here");
+        b.record(Some(false), false, 400);
+        assert_eq!(b.follow_open(300, 500), None, "already over");
+        let t = b.follow_open(9_000, 500).expect("follows");
+        assert_eq!(t.to, BreakerState::Open { until: 9_000 });
+        assert_eq!(b.admit(600).0, Admission::WaitUntil(9_000));
+        assert_eq!(b.follow_open(12_000, 700), None, "already open");
+        // After its time, half-open as if it had opened here.
+        assert_eq!(b.admit(9_001).0, Admission::Probes(1));
     }
 
     #[test]
