@@ -992,7 +992,7 @@ pub async fn run_with_store(
         });
         let _ = rt.prepare.set(prepare);
     }
-    crate::dlq::resume_all(&app).await?;
+    crate::dlq::resume_all(&app, &tracker, workers_cancel.clone()).await?;
     spawn_reload_triggers(&app, &tracker, workers_cancel.clone());
     spawn_operator_state_follower(&app, &tracker, workers_cancel.clone());
     spawn_node_announcer(&app, &tracker, workers_cancel.clone());

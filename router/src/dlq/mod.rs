@@ -311,7 +311,11 @@ async fn count_matching(app: &App, filter: &DlqFilter) -> Result<u64, StoreError
 /// Resumes every job that was running when the router stopped. On a store several nodes
 /// share: the jobs this node ran and those no node has renewed lately; the others run
 /// elsewhere, and a background task takes them over if their node stops renewing them.
-pub async fn resume_all(app: &Arc<App>) -> Result<(), StoreError> {
+pub async fn resume_all(
+    app: &Arc<App>,
+    tracker: &tokio_util::task::TaskTracker,
+    cancel: tokio_util::sync::CancellationToken,
+) -> Result<(), StoreError> {
     let now = app.clock.now_ms();
     for job in app.store.jobs().await? {
         if job.state == JobState::Running && claimable(app, &job, now) {
@@ -321,9 +325,12 @@ pub async fn resume_all(app: &Arc<App>) -> Result<(), StoreError> {
     }
     if app.jobs.node.is_some() {
         let app = app.clone();
-        tokio::spawn(async move {
+        tracker.spawn(async move {
             loop {
-                tokio::time::sleep(TAKEOVER_INTERVAL).await;
+                tokio::select! {
+                    () = cancel.cancelled() => return,
+                    () = tokio::time::sleep(TAKEOVER_INTERVAL) => {}
+                }
                 if let Err(e) = take_over_stale(&app).await {
                     tracing::warn!(error = %e, "cannot look for jobs to take over");
                 }
