@@ -399,6 +399,10 @@ pub async fn control(app: &Arc<App>, id: &str, to: JobState) -> Result<Job, JobE
     }
     job.state = to;
     job.updated_at = app.clock.now_ms();
+    if to == JobState::Running {
+        // Resumed here, it runs here: the node that ran it before must not take it back.
+        claim(app, &mut job);
+    }
     app.store.put_job(job.clone()).await?;
     if app.jobs.node.is_some() && to != JobState::Running {
         // Run by another node, whose runner reads the state before each step: a step it was
@@ -441,8 +445,15 @@ fn spawn(app: &Arc<App>, mut job: Job) {
     let app = app.clone();
     tokio::spawn(async move {
         let id = job.id.clone();
-        if let Err(e) = run(&app, job, handle).await {
-            tracing::error!(job = %id, error = %e, "job stopped with an error; it resumes at the next start");
+        if let Err(e) = run(&app, job, handle.clone()).await {
+            // Not running here any more: on a shared store this node's take-over round starts
+            // it again (it is still this node's); on its own store the next start does.
+            *handle.lock().unwrap_or_else(|p| p.into_inner()) = JobState::Paused;
+            if app.jobs.node.is_some() {
+                tracing::error!(job = %id, error = %e, "job stopped with an error; it is started again within a take-over round");
+            } else {
+                tracing::error!(job = %id, error = %e, "job stopped with an error; it resumes at the next start");
+            }
         }
     });
 }
