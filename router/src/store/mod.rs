@@ -530,3 +530,37 @@ pub trait HandlerCatalog: Send + Sync + 'static {
         components: Vec<(String, u64)>,
     ) -> BoxFuture<'_, Result<(), StoreError>>;
 }
+
+#[cfg(test)]
+mod sync_health_tests {
+    use super::{StoreError, SyncHealth};
+
+    #[test]
+    fn failures_are_reported_once_and_cleared_by_a_good_read() {
+        let mut h = SyncHealth::default();
+        let down: Result<(), StoreError> = Err(StoreError::Backend("down".into()));
+        assert!(
+            h.record(&down, "t1".into()),
+            "the first failure is worth a log line"
+        );
+        assert!(!h.record(&down, "t2".into()), "the next ones are not");
+        assert_eq!(
+            (h.failing_since.as_deref(), h.error.as_deref()),
+            (Some("t1"), Some("storage failure: down"))
+        );
+        assert_eq!(h.last_sync_at, None);
+        assert!(!h.record(&Ok::<(), StoreError>(()), "t3".into()));
+        assert_eq!(
+            h,
+            SyncHealth {
+                last_sync_at: Some("t3".into()),
+                error: None,
+                failing_since: None,
+            }
+        );
+        assert!(
+            h.record(&down, "t4".into()),
+            "a new outage is reported again"
+        );
+    }
+}
