@@ -97,6 +97,15 @@ fn catalog_registry_error(e: StoreError) -> RegistryError {
     RegistryError::Catalog(e.to_string())
 }
 
+/// Why a catalog record could not be installed on this node.
+#[derive(Debug)]
+enum InstallError {
+    /// The store or this node's disk failed: worth trying again next round.
+    Unavailable(String),
+    /// The record or its component is not usable: kept until the record changes.
+    Invalid(String),
+}
+
 fn corrupt(name: &str, e: &serde_json::Error) -> StoreError {
     StoreError::Corrupt {
         table: "handler catalog",
@@ -193,17 +202,21 @@ impl HandlerChanges {
                 back_off(round).await;
                 continue;
             };
-            let registry = self.registry.clone();
-            let n = name.to_owned();
-            let info = blocking(move || {
-                registry.store_component(&n, &info.sha256, &bytes)?;
+            let (registry, n, sha) = (self.registry.clone(), name.to_owned(), info.sha256.clone());
+            let local = blocking(move || {
+                registry.store_component(&n, &sha, &bytes)?;
                 registry
                     .apply(index, Some(validated))
-                    .map_err(|e| std::io::Error::other(e.to_string()))?;
-                Ok::<_, std::io::Error>(info)
+                    .map(|_| ())
+                    .map_err(|e| std::io::Error::other(e.to_string()))
             })
-            .await?;
-            applied.insert(name.to_owned(), revision);
+            .await;
+            self.applied_here(
+                &mut applied,
+                name,
+                revision,
+                local.map_err(|e| e.to_string()),
+            );
             tracing::info!(
                 handler = name,
                 version = info.version,
@@ -240,13 +253,16 @@ impl HandlerChanges {
             let (index, info) = index.with_active(version)?;
             let bytes = self.component(catalog.as_ref(), name, &info).await?;
             let (registry, n) = (self.registry.clone(), name.to_owned());
-            let validated = blocking(move || registry.validate(&n, &bytes))
-                .await
-                .map_err(|e| RegistryError::Load {
-                    name: name.to_owned(),
-                    version: info.version,
-                    message: e.to_string(),
-                })?;
+            let (validated, bytes) = blocking(move || {
+                let validated = registry.validate(&n, &bytes);
+                (validated, bytes)
+            })
+            .await;
+            let validated = validated.map_err(|e| RegistryError::Load {
+                name: name.to_owned(),
+                version: info.version,
+                message: e.to_string(),
+            })?;
             let written = catalog
                 .put_index(name, index.to_bytes().into(), revision)
                 .await
@@ -255,9 +271,22 @@ impl HandlerChanges {
                 back_off(round).await;
                 continue;
             };
-            let registry = self.registry.clone();
-            blocking(move || registry.apply(index, Some(validated))).await?;
-            applied.insert(name.to_owned(), revision);
+            // This node may have fetched the version from the catalog just now: it keeps its
+            // own copy, or a restart would find the active version's component missing.
+            let (registry, n, sha) = (self.registry.clone(), name.to_owned(), info.sha256.clone());
+            let local = blocking(move || {
+                if !registry.has_component(&n, &sha) {
+                    registry.store_component(&n, &sha, &bytes)?;
+                }
+                registry.apply(index, Some(validated)).map(|_| ())
+            })
+            .await;
+            self.applied_here(
+                &mut applied,
+                name,
+                revision,
+                local.map_err(|e| e.to_string()),
+            );
             tracing::info!(
                 handler = name,
                 version = info.version,
@@ -300,7 +329,6 @@ impl HandlerChanges {
                 back_off(round).await;
                 continue;
             };
-            applied.insert(name.to_owned(), revision);
             let components = index
                 .versions
                 .iter()
@@ -312,7 +340,13 @@ impl HandlerChanges {
                 tracing::warn!(handler = name, error = %e, "deleted handler's components could not be removed from the catalog");
             }
             let registry = self.registry.clone();
-            blocking(move || registry.apply(tombstone, None)).await?;
+            let local = blocking(move || registry.apply(tombstone, None).map(|_| ())).await;
+            self.applied_here(
+                &mut applied,
+                name,
+                revision,
+                local.map_err(|e| e.to_string()),
+            );
             tracing::info!(
                 handler = name,
                 revision,
@@ -383,8 +417,11 @@ impl HandlerChanges {
     }
 
     async fn sync_with(&self, catalog: &dyn HandlerCatalog) -> Result<SyncReport, StoreError> {
-        let records = catalog.indexes().await?;
+        // The lock is taken before the read: a change this node writes meanwhile (it holds
+        // the lock) would otherwise be undone by the older record read here, until the next
+        // round.
         let mut applied = self.applied.lock().await;
+        let records = catalog.indexes().await?;
         let mut report = SyncReport::default();
         let mut in_catalog = std::collections::HashSet::new();
         for rec in records {
@@ -403,13 +440,23 @@ impl HandlerChanges {
                     }
                     self.handler_error(&name, None);
                 }
-                Ok(None) => self.handler_error(&name, None),
-                Err(e) => {
+                Ok(None) => {
+                    self.handler_error(&name, None);
+                }
+                Err(InstallError::Unavailable(e)) => {
+                    // The store or this node's disk failed: nothing is marked, the next round
+                    // tries again (fetching costs no compilation). Logged when it changes.
+                    if self.handler_error(&name, Some(e.clone())) {
+                        tracing::error!(handler = %name, revision = rec.revision, error = %e, "cannot install a handler from the shared catalog yet; retrying every round");
+                    }
+                    continue;
+                }
+                Err(InstallError::Invalid(e)) => {
                     tracing::error!(handler = %name, revision = rec.revision, error = %e, "cannot install a handler from the shared catalog");
                     self.handler_error(&name, Some(e));
                 }
             }
-            // Marked even when it failed: a failure to load is kept as the handler's
+            // Marked even when it failed to load: the failure is kept as the handler's
             // `load_error` and retried on the next change, not recompiled every interval.
             applied.insert(rec.name, rec.revision);
         }
@@ -432,10 +479,13 @@ impl HandlerChanges {
         catalog: &dyn HandlerCatalog,
         name: &str,
         bytes: &[u8],
-    ) -> Result<Option<&'static str>, String> {
-        let index = HandlerIndex::from_bytes(bytes).map_err(|e| corrupt(name, &e).to_string())?;
+    ) -> Result<Option<&'static str>, InstallError> {
+        let invalid = |e: String| InstallError::Invalid(e);
+        let unavailable = |e: String| InstallError::Unavailable(e);
+        let index =
+            HandlerIndex::from_bytes(bytes).map_err(|e| invalid(corrupt(name, &e).to_string()))?;
         if index.name != name {
-            return Err(format!("its index names {:?}", index.name));
+            return Err(invalid(format!("its index names {:?}", index.name)));
         }
         let local = self.registry.index(name);
         if index.deleted {
@@ -445,7 +495,7 @@ impl HandlerChanges {
             let registry = self.registry.clone();
             blocking(move || registry.apply(index, None))
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| unavailable(e.to_string()))?;
             return Ok(Some("removed"));
         }
         if local.as_ref() == Some(&index) {
@@ -454,20 +504,33 @@ impl HandlerChanges {
         if let Some(info) = index.active_version().cloned()
             && !self.registry.has_component(name, &info.sha256)
         {
+            // A missing component is retried too: its upload may still be writing it.
             let bytes = catalog
                 .component(name, &info.sha256, info.size)
                 .await
-                .map_err(|e| e.to_string())?
-                .ok_or_else(|| format!("the shared catalog has no component {}", info.sha256))?;
+                .map_err(|e| unavailable(e.to_string()))?
+                .ok_or_else(|| {
+                    unavailable(format!(
+                        "the shared catalog has no component {}",
+                        info.sha256
+                    ))
+                })?;
             let (registry, n) = (self.registry.clone(), name.to_owned());
             blocking(move || registry.store_component(&n, &info.sha256, &bytes))
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| match e.kind() {
+                    // Bytes that do not match their hash do not get better by fetching again.
+                    std::io::ErrorKind::InvalidData => invalid(e.to_string()),
+                    _ => unavailable(e.to_string()),
+                })?;
         }
         let registry = self.registry.clone();
         blocking(move || registry.apply(index, None))
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| match e {
+                RegistryError::Io(e) => unavailable(e.to_string()),
+                e => invalid(e.to_string()),
+            })?;
         Ok(Some(if local.is_some() {
             "changed"
         } else {
@@ -507,14 +570,34 @@ impl HandlerChanges {
             .is_some())
     }
 
-    fn handler_error(&self, name: &str, error: Option<String>) {
+    /// Sets or clears `name`'s error in the status; returns whether it changed.
+    fn handler_error(&self, name: &str, error: Option<String>) -> bool {
         let mut status = self.status.lock().unwrap_or_else(PoisonError::into_inner);
         match error {
-            Some(e) => {
-                status.handler_errors.insert(name.to_owned(), e);
+            Some(e) => status.handler_errors.insert(name.to_owned(), e.clone()) != Some(e),
+            None => status.handler_errors.remove(name).is_some(),
+        }
+    }
+
+    /// After this node wrote a change to the catalog: marks it applied when this node's own
+    /// copy took it too. When that failed (its disk), the change is still live everywhere
+    /// else, so the API answers for it; the failure is shown per handler and the next sync
+    /// applies it here.
+    fn applied_here(
+        &self,
+        applied: &mut HashMap<String, u64>,
+        name: &str,
+        revision: u64,
+        local: Result<(), String>,
+    ) {
+        match local {
+            Ok(()) => {
+                applied.insert(name.to_owned(), revision);
+                self.handler_error(name, None);
             }
-            None => {
-                status.handler_errors.remove(name);
+            Err(e) => {
+                tracing::error!(handler = name, revision, error = %e, "a handler change written to the shared catalog could not be applied on this node; the next sync retries it");
+                self.handler_error(name, Some(e));
             }
         }
     }

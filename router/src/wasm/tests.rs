@@ -1026,7 +1026,7 @@ async fn a_catalog_version_that_cannot_be_fetched_is_shown_per_handler() {
         .upload("noop", plugin("noop").into(), "alice")
         .await
         .unwrap();
-    catalog.components.lock().unwrap().clear();
+    let saved = std::mem::take(&mut *catalog.components.lock().unwrap());
     b.sync().await.unwrap();
     assert!(b.registry().active("noop").is_none());
     let status = b.status();
@@ -1034,6 +1034,44 @@ async fn a_catalog_version_that_cannot_be_fetched_is_shown_per_handler() {
         status.handler_errors["noop"].contains(&v.sha256),
         "{status:?}"
     );
+    // A fetch that failed is not marked as applied: once the component is there, the next
+    // round installs it, with no new change to the handler.
+    *catalog.components.lock().unwrap() = saved;
+    assert_eq!(b.sync().await.unwrap().applied, vec!["noop".to_string()]);
+    assert_eq!(active_sha(&b, "noop"), Some(v.sha256));
+    assert!(b.status().handler_errors.is_empty());
+}
+
+#[tokio::test]
+async fn a_rollback_to_a_version_fetched_from_the_catalog_survives_a_restart() {
+    let catalog = Arc::new(MemCatalog::default());
+    let (_a_dir, a) = node(&catalog);
+    let (b_dir, b) = node(&catalog);
+    let v1_bytes = plugin("noop");
+    let v1 = a
+        .upload("noop", v1_bytes.clone().into(), "alice")
+        .await
+        .unwrap();
+    a.upload("noop", variant_of(&v1_bytes, "v2").into(), "alice")
+        .await
+        .unwrap();
+    // B first syncs at v2, so it fetches v2's component only; it rolls back to v1.
+    b.sync().await.unwrap();
+    let component = |sha: &str| b_dir.path().join(format!("handlers/noop/{sha}.wasm"));
+    assert!(!component(&v1.sha256).is_file());
+    assert_eq!(b.rollback("noop", "1").await.unwrap().version, 1);
+    assert!(component(&v1.sha256).is_file(), "B keeps what it runs");
+    drop(b);
+
+    // B restarts on its directory: v1 loads from its own copy, and its first sync (nothing
+    // changed in the catalog) leaves it so.
+    let registry = HandlerRegistry::open(b_dir.path().join("handlers"), engine()).unwrap();
+    let shared: Arc<dyn crate::store::HandlerCatalog> = catalog.clone();
+    let b = HandlerChanges::new(Arc::new(registry), Some(shared), Default::default());
+    assert_eq!(active_sha(&b, "noop"), Some(v1.sha256.clone()));
+    b.sync().await.unwrap();
+    assert_eq!(active_sha(&b, "noop"), Some(v1.sha256));
+    assert!(b.status().handler_errors.is_empty());
 }
 
 #[tokio::test]
