@@ -408,6 +408,71 @@ async fn a_redrive_job_runs_on_one_router_and_outlives_it() {
     }
 }
 
+/// A replay job paused through one router and resumed at once through the router running it,
+/// before that router's runner has read the pause (at 0.5/s it reads the stored job only before
+/// a step, the first due after 2 s), still has one runner: each archived event is replayed
+/// once. (The resume used to start a second runner beside the first, and both replayed every
+/// event.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_paused_elsewhere_and_resumed_on_its_runner_runs_once() {
+    if !RouterProc::on_jetstream() {
+        eprintln!("skipped: needs the JetStream pass (scripts/jetstream-e2e.sh)");
+        return;
+    }
+    let rcv = Receiver::ok().await;
+    let rules = webhook_rule("r", "t", &rcv.url(), "hook");
+    let (a, b) = two_routers("JOBRACE", &rules, &[]);
+    let from = chrono::Utc::now() - chrono::Duration::seconds(1);
+    let n = 4;
+    let batch: Vec<_> = (0..n)
+        .map(|i| event(&format!("p{i}"), "t", json!({})))
+        .collect();
+    post_batch(&a, &batch).await;
+    assert!(
+        rcv.wait_for(Duration::from_secs(30), |s| s.len() >= n)
+            .await,
+        "the events were not delivered"
+    );
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let to = chrono::Utc::now();
+
+    let (s, job) = post_json(
+        &a,
+        "/v1/replay",
+        json!({"from": from.to_rfc3339(), "to": to.to_rfc3339(), "rate_per_sec": 0.5}),
+    )
+    .await;
+    assert_eq!(s, 201, "{job}");
+    let id = job["id"].as_str().expect("job id").to_string();
+    let path = format!("/v1/replay/{id}");
+    let (s, p) = post_json(&b, &format!("{path}/pause"), json!({})).await;
+    assert_eq!(s, 200, "{p}");
+    let (s, r) = post_json(&a, &format!("{path}/resume"), json!({})).await;
+    assert_eq!(s, 200, "{r}");
+    assert_eq!(r["state"], "running", "{r}");
+
+    let done = eventually(Duration::from_secs(60), || async {
+        let (_, j) = get_json(&a, &path).await;
+        (j["state"] == "done").then_some(j)
+    })
+    .await
+    .expect("the replay did not finish");
+    assert_eq!(done["moved"], n, "{done}");
+    // Time for a second runner's late deliveries to arrive, were there one.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut replays: std::collections::HashMap<String, usize> = Default::default();
+    for g in rcv.received() {
+        if g.body["replay"] == id.as_str() {
+            *replays.entry(g.event_id()).or_default() += 1;
+        }
+    }
+    assert_eq!(replays.len(), n, "{replays:?}");
+    assert!(
+        replays.values().all(|&c| c == 1),
+        "an event replayed more than once: {replays:?}"
+    );
+}
+
 /// A throttle's rate holds for the cluster, not per router: two routers split a target's
 /// 10/s between them, so 40 events take about 4 s to deliver, not 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -132,6 +132,10 @@ fn default_rate() -> f64 {
 #[derive(Default)]
 pub struct Jobs {
     handles: Mutex<HashMap<String, Arc<Mutex<JobState>>>>,
+    /// One lock per job, held by its runner task for the task's life: a runner started while
+    /// an earlier one of the same job is still finishing its step here waits for it, so a job
+    /// never has two runners on one node, and "a runner is alive here" is a try-lock.
+    runs: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// On a store several nodes share: this node's identity, which it writes into the jobs it
     /// runs (`Job::runner`), so that each job runs on one node and a dead node's jobs are
     /// taken over.
@@ -153,8 +157,28 @@ impl Jobs {
     pub fn shared(node: String) -> Self {
         Self {
             handles: Mutex::default(),
+            runs: Mutex::default(),
             node: Some(node),
         }
+    }
+
+    fn run_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.runs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(id.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    /// Whether a runner task of `id` is alive on this node (it may be finishing a step after
+    /// being told to stop).
+    fn running_here(&self, id: &str) -> bool {
+        self.runs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .is_some_and(|l| l.try_lock().is_err())
     }
 
     fn handle(&self, id: &str) -> Option<Arc<Mutex<JobState>>> {
@@ -355,10 +379,13 @@ fn claimable(app: &App, job: &Job, now: crate::store::Millis) -> bool {
 async fn take_over_stale(app: &Arc<App>) -> Result<(), StoreError> {
     let now = app.clock.now_ms();
     for job in app.store.jobs().await? {
-        let here = app
-            .jobs
-            .handle(&job.id)
-            .is_some_and(|h| *h.lock().unwrap_or_else(|p| p.into_inner()) == JobState::Running);
+        // Not judged by the handle's state: an operator's pause here sets it before it
+        // writes the stored job, and a round in between would start the job again.
+        let here = app.jobs.running_here(&job.id)
+            || app
+                .jobs
+                .handle(&job.id)
+                .is_some_and(|h| *h.lock().unwrap_or_else(|p| p.into_inner()) != JobState::Running);
         if job.state == JobState::Running && !here && claimable(app, &job, now) {
             tracing::warn!(job = %job.id, runner = ?job.runner, moved = job.moved, "taking over a job its node stopped running");
             spawn(app, job);
@@ -437,14 +464,36 @@ fn claim(app: &App, job: &mut Job) {
 fn spawn(app: &Arc<App>, mut job: Job) {
     claim(app, &mut job);
     let handle = Arc::new(Mutex::new(JobState::Running));
-    app.jobs
+    let replaced = app
+        .jobs
         .handles
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .insert(job.id.clone(), handle.clone());
+    if let Some(old) = replaced {
+        // A runner still going here (paused on another node and resumed on this one before
+        // it read the pause) stops at its next tick; the new one waits for it below.
+        *old.lock().unwrap_or_else(|p| p.into_inner()) = JobState::Paused;
+    }
+    let run_lock = app.jobs.run_lock(&job.id);
     let app = app.clone();
     tokio::spawn(async move {
         let id = job.id.clone();
+        let _only_runner = run_lock.lock_owned().await;
+        if *handle.lock().unwrap_or_else(|p| p.into_inner()) != JobState::Running {
+            return;
+        }
+        // The job as stored now: the runner it waited for may have moved its cursor.
+        let job = match app.store.job(&id).await {
+            Ok(Some(stored)) if stored.cursor >= job.cursor => Job {
+                state: job.state,
+                runner: job.runner,
+                heartbeat_at: job.heartbeat_at,
+                updated_at: job.updated_at,
+                ..stored
+            },
+            _ => job,
+        };
         if let Err(e) = run(&app, job, handle.clone()).await {
             // Not running here any more: on a shared store this node's take-over round starts
             // it again (it is still this node's); on its own store the next start does.
@@ -526,6 +575,18 @@ async fn still_ours(app: &App, job: &mut Job) -> Result<bool, StoreError> {
     };
     if stored.state != JobState::Running || stored.runner.as_ref() != Some(node) {
         tracing::warn!(job = %job.id, state = ?stored.state, runner = ?stored.runner, "job stopped here: changed on another node");
+        if stored.runner.as_ref() == Some(node) && stored.cursor < job.cursor {
+            // Paused or cancelled on another node from a copy read before this node's last
+            // step: that write took the cursor back, and a resume would move those items
+            // again. This runner's progress goes back on top of the operator's state.
+            app.store
+                .put_job(Job {
+                    state: stored.state,
+                    updated_at: stored.updated_at,
+                    ..job.clone()
+                })
+                .await?;
+        }
         return Ok(false);
     }
     let now = app.clock.now_ms();
