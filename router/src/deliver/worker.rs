@@ -1081,6 +1081,12 @@ async fn on_transition(ctx: &DeliveryContext, rt: &TargetRuntime, t: Transition,
         }
     }
     count_transition(ctx, id, &t);
+    if t.followed {
+        // The node whose breaker this one followed persisted and announced its own cycle;
+        // writing this one's half-open or close over its record, or raising the same
+        // transition once per node, would only mislead the other nodes and the alert routes.
+        return;
+    }
     let state = serde_json::to_value(rt.persisted()).unwrap_or_default();
     if let Err(e) = ctx.store.put_target_state(id, state).await {
         tracing::error!(target_id = %id, error = %e, "could not persist the breaker state");

@@ -62,6 +62,10 @@ pub struct Transition {
     pub failure_rate: f64,
     /// Attempts in the window when it happened.
     pub requests: u32,
+    /// Part of a cycle this node's breaker began by following another node's open breaker
+    /// ([`Breaker::follow_open`]): its opening, and the half-open and close after it. That
+    /// node persisted and announced its own cycle; this one only counts and logs.
+    pub followed: bool,
 }
 
 /// The breaker.
@@ -74,6 +78,8 @@ pub struct Breaker {
     buckets: VecDeque<(i64, u32, u32)>,
     consecutive_failures: u32,
     probes_in_flight: u32,
+    /// The current open or half-open cycle began by following another node.
+    followed: bool,
 }
 
 impl Breaker {
@@ -86,6 +92,7 @@ impl Breaker {
             buckets: VecDeque::new(),
             consecutive_failures: 0,
             probes_in_flight: 0,
+            followed: false,
         }
     }
 
@@ -137,11 +144,16 @@ impl Breaker {
 
     fn transition(&mut self, to: BreakerState, now: i64) -> Transition {
         let (requests, failure_rate) = self.window_stats(now);
+        if matches!(to, BreakerState::Open { .. }) {
+            // Opened on this node's own evidence (follow_open marks its own opening after).
+            self.followed = false;
+        }
         let t = Transition {
             from: self.state,
             to,
             failure_rate,
             requests,
+            followed: self.followed,
         };
         self.state = to;
         self.since = now;
@@ -149,6 +161,7 @@ impl Breaker {
         if to == BreakerState::Closed {
             self.buckets.clear();
             self.consecutive_failures = 0;
+            self.followed = false;
         }
         t
     }
@@ -189,7 +202,10 @@ impl Breaker {
         if requests == 0 || failure_rate == 0.0 {
             return None;
         }
-        Some(self.transition(BreakerState::Open { until }, now))
+        let mut t = self.transition(BreakerState::Open { until }, now);
+        self.followed = true;
+        t.followed = true;
+        Some(t)
     }
 
     /// Marks `n` probes as started (half-open only).
@@ -293,8 +309,20 @@ mod tests {
         assert_eq!(t.to, BreakerState::Open { until: 9_000 });
         assert_eq!(b.admit(600).0, Admission::WaitUntil(9_000));
         assert_eq!(b.follow_open(12_000, 700), None, "already open");
-        // After its time, half-open as if it had opened here.
-        assert_eq!(b.admit(9_001).0, Admission::Probes(1));
+        // After its time, half-open as if it had opened here; the cycle is marked as
+        // followed up to its close, and the next opening on its own evidence is not.
+        let (admission, half) = b.admit(9_001);
+        assert_eq!(admission, Admission::Probes(1));
+        assert!(t.followed && half.expect("half-opens").followed);
+        let closed = b.record(Some(true), false, 9_100).expect("closes");
+        assert!(closed.followed && closed.to == BreakerState::Closed);
+        for at in 9_200..9_230 {
+            if let Some(t) = b.record(Some(false), false, at) {
+                assert!(!t.followed, "opened here: {t:?}");
+                return;
+            }
+        }
+        panic!("the breaker did not open on its own failures");
     }
 
     #[test]
