@@ -379,13 +379,10 @@ fn claimable(app: &App, job: &Job, now: crate::store::Millis) -> bool {
 async fn take_over_stale(app: &Arc<App>) -> Result<(), StoreError> {
     let now = app.clock.now_ms();
     for job in app.store.jobs().await? {
-        // Not judged by the handle's state: an operator's pause here sets it before it
-        // writes the stored job, and a round in between would start the job again.
-        let here = app.jobs.running_here(&job.id)
-            || app
-                .jobs
-                .handle(&job.id)
-                .is_some_and(|h| *h.lock().unwrap_or_else(|p| p.into_inner()) != JobState::Running);
+        // Judged by the run lock, not the handle's state: a runner that stopped on an error
+        // or on another node's change leaves its handle paused, and must be startable again;
+        // an operator's pause here holds the lock until the stored job says so.
+        let here = app.jobs.running_here(&job.id);
         if job.state == JobState::Running && !here && claimable(app, &job, now) {
             tracing::warn!(job = %job.id, runner = ?job.runner, moved = job.moved, "taking over a job its node stopped running");
             spawn(app, job);
@@ -417,11 +414,20 @@ pub async fn control(app: &Arc<App>, id: &str, to: JobState) -> Result<Job, JobE
         return Err(JobError::Conflict(job.state));
     }
     let local = app.jobs.handle(id);
+    // Held until the pause or cancel is written: meanwhile this node's take-over round sees a
+    // runner here and does not start the job again from its stored (still running) state.
+    let mut _runner_stopped = None;
     if let Some(h) = &local {
         // The runner persists its own progress; it reads this before each step.
         *h.lock().unwrap_or_else(|p| p.into_inner()) = to;
-        // Let the runner finish its current step before we write the state.
-        tokio::time::sleep(Duration::from_millis(150)).await;
+        if to == JobState::Running {
+            // Let a runner finish its current step before we write the state (spawn below
+            // stops and waits for one still going).
+            tokio::time::sleep(Duration::from_millis(150)).await;
+        } else {
+            // The runner stops at its next tick, after the step it is in.
+            _runner_stopped = Some(app.jobs.run_lock(id).lock_owned().await);
+        }
         job = get(app, id).await?;
     }
     job.state = to;
@@ -470,6 +476,7 @@ fn spawn(app: &Arc<App>, mut job: Job) {
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .insert(job.id.clone(), handle.clone());
+    let after_a_runner = replaced.is_some();
     if let Some(old) = replaced {
         // A runner still going here (paused on another node and resumed on this one before
         // it read the pause) stops at its next tick; the new one waits for it below.
@@ -483,8 +490,14 @@ fn spawn(app: &Arc<App>, mut job: Job) {
         if *handle.lock().unwrap_or_else(|p| p.into_inner()) != JobState::Running {
             return;
         }
-        // The job as stored now: the runner it waited for may have moved its cursor.
-        let job = match app.store.job(&id).await {
+        // After an earlier runner here, the job as stored now: it may have moved the cursor
+        // since `job` was read.
+        let stored = if after_a_runner {
+            app.store.job(&id).await
+        } else {
+            Ok(None)
+        };
+        let job = match stored {
             Ok(Some(stored)) if stored.cursor >= job.cursor => Job {
                 state: job.state,
                 runner: job.runner,
