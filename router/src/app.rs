@@ -1090,6 +1090,18 @@ pub async fn run_with_store(
     {
         tracing::warn!("grace period over; unfinished attempts will be retried after restart");
     }
+    if app.store.shared() {
+        // The others take back this node's share of every throttle rate at once.
+        match tokio::time::timeout(Duration::from_secs(2), app.store.retire_node()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "cannot withdraw this node's announcement; the others stop counting it within 15 s")
+            }
+            Err(_) => tracing::warn!(
+                "withdrawing this node's announcement timed out; the others stop counting it within 15 s"
+            ),
+        }
+    }
     tracing::info!("stopped");
     Ok(())
 }

@@ -140,14 +140,22 @@ pub struct Jobs {
     /// runs (`Job::runner`), so that each job runs on one node and a dead node's jobs are
     /// taken over.
     node: Option<String>,
+    /// On a shared store: each running job of another node as this node's take-over rounds
+    /// last saw it, its revision and when this node first saw that revision. A job whose
+    /// revision has not moved for `JOB_STALE` of this node's own clock is taken over: the
+    /// nodes' wall clocks are never compared (one running ahead would take live jobs over).
+    seen: Mutex<HashMap<String, (u64, tokio::time::Instant)>>,
 }
 
 /// How often a job's runner renews its claim when no step wrote it, ms.
 const HEARTBEAT_MS: i64 = 5_000;
 
-/// A running job whose runner has not written it for this long is taken over by another node
-/// (generous: the nodes' clocks are compared).
-const JOB_STALE_MS: i64 = 30_000;
+/// A running job whose revision has not moved for this long (its runner renews it every
+/// `HEARTBEAT_MS`) is taken over by another node.
+const JOB_STALE: Duration = Duration::from_secs(30);
+
+/// How many times an operator's change is tried against a job that its runner keeps writing.
+const CONTROL_ATTEMPTS: usize = 8;
 
 /// How often each node of a shared store looks for running jobs to take over.
 const TAKEOVER_INTERVAL: Duration = Duration::from_secs(10);
@@ -159,6 +167,7 @@ impl Jobs {
             handles: Mutex::default(),
             runs: Mutex::default(),
             node: Some(node),
+            seen: Mutex::default(),
         }
     }
 
@@ -257,9 +266,10 @@ pub async fn create_redrive(app: &Arc<App>, req: RedriveRequest) -> Result<Job, 
         last_error: None,
         runner: None,
         heartbeat_at: 0,
+        rev: 0,
     };
     claim(app, &mut job);
-    app.store.put_job(job.clone()).await?;
+    job.rev = app.store.put_job(job.clone()).await?;
     spawn(app, job.clone());
     tracing::warn!(job = %job.id, total, rate = req.rate_per_sec, "redrive job created");
     Ok(job)
@@ -311,9 +321,10 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
         last_error: None,
         runner: None,
         heartbeat_at: 0,
+        rev: 0,
     };
     claim(app, &mut job);
-    app.store.put_job(job.clone()).await?;
+    job.rev = app.store.put_job(job.clone()).await?;
     spawn(app, job.clone());
     tracing::warn!(job = %job.id, from = %req.from, to = %req.to, "replay job created");
     Ok(job)
@@ -333,20 +344,14 @@ async fn count_matching(app: &App, filter: &DlqFilter) -> Result<u64, StoreError
 }
 
 /// Resumes every job that was running when the router stopped. On a store several nodes
-/// share: the jobs this node ran and those no node has renewed lately; the others run
-/// elsewhere, and a background task takes them over if their node stops renewing them.
+/// share: the jobs this node ran (or no node claimed); the others run elsewhere, and a
+/// background task takes them over if their node stops renewing them.
 pub async fn resume_all(
     app: &Arc<App>,
     tracker: &tokio_util::task::TaskTracker,
     cancel: tokio_util::sync::CancellationToken,
 ) -> Result<(), StoreError> {
-    let now = app.clock.now_ms();
-    for job in app.store.jobs().await? {
-        if job.state == JobState::Running && claimable(app, &job, now) {
-            tracing::info!(job = %job.id, moved = job.moved, runner = ?job.runner, "resuming job after restart");
-            spawn(app, job);
-        }
-    }
+    start_due(app).await?;
     if app.jobs.node.is_some() {
         let app = app.clone();
         tracker.spawn(async move {
@@ -355,7 +360,7 @@ pub async fn resume_all(
                     () = cancel.cancelled() => return,
                     () = tokio::time::sleep(TAKEOVER_INTERVAL) => {}
                 }
-                if let Err(e) = take_over_stale(&app).await {
+                if let Err(e) = start_due(&app).await {
                     tracing::warn!(error = %e, "cannot look for jobs to take over");
                 }
             }
@@ -364,99 +369,94 @@ pub async fn resume_all(
     Ok(())
 }
 
-/// Whether this node may run `job` (running, not already here): always on a store of its own;
-/// on a shared one when this node ran it, or its runner has not renewed it for `JOB_STALE_MS`.
-fn claimable(app: &App, job: &Job, now: crate::store::Millis) -> bool {
-    let Some(node) = &app.jobs.node else {
-        return true;
+/// Starts every running job that is this node's to run and has no runner here: its own (on
+/// a store of its own, every one), and on a shared store those whose node stopped renewing
+/// them (their revision unchanged for `JOB_STALE` of this node's clock).
+async fn start_due(app: &Arc<App>) -> Result<(), StoreError> {
+    let jobs = app.store.jobs().await?;
+    let now = tokio::time::Instant::now();
+    let due: Vec<Job> = {
+        let mut seen = app.jobs.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.retain(|id, _| {
+            jobs.iter()
+                .any(|j| &j.id == id && j.state == JobState::Running)
+        });
+        jobs.into_iter()
+            .filter(|job| {
+                // Judged by the run lock, not the handle's state: a runner that stopped on
+                // an error or on another node's change leaves its handle paused, and must be
+                // startable again.
+                if job.state != JobState::Running || app.jobs.running_here(&job.id) {
+                    return false;
+                }
+                let ours = match &app.jobs.node {
+                    None => true,
+                    Some(node) => job.runner.as_ref().is_none_or(|r| r == node),
+                };
+                if ours {
+                    return true;
+                }
+                let at = seen.entry(job.id.clone()).or_insert((job.rev, now));
+                if at.0 != job.rev {
+                    *at = (job.rev, now);
+                }
+                now.duration_since(at.1) >= JOB_STALE
+            })
+            .collect()
     };
-    job.runner.as_ref() == Some(node)
-        || job.runner.is_none()
-        || now.saturating_sub(job.heartbeat_at) > JOB_STALE_MS
-}
-
-/// Starts the running jobs whose node stopped renewing them.
-async fn take_over_stale(app: &Arc<App>) -> Result<(), StoreError> {
-    let now = app.clock.now_ms();
-    for job in app.store.jobs().await? {
-        // Judged by the run lock, not the handle's state: a runner that stopped on an error
-        // or on another node's change leaves its handle paused, and must be startable again;
-        // an operator's pause here holds the lock until the stored job says so.
-        let here = app.jobs.running_here(&job.id);
-        if job.state == JobState::Running && !here && claimable(app, &job, now) {
+    for job in due {
+        if job.runner.as_ref() == app.jobs.node.as_ref() || job.runner.is_none() {
+            tracing::info!(job = %job.id, moved = job.moved, "resuming job");
+        } else {
             tracing::warn!(job = %job.id, runner = ?job.runner, moved = job.moved, "taking over a job its node stopped running");
-            spawn(app, job);
         }
+        spawn(app, job);
     }
     Ok(())
 }
 
 /// One job by id.
 pub async fn get(app: &App, id: &str) -> Result<Job, JobError> {
-    app.store
-        .jobs()
-        .await?
-        .into_iter()
-        .find(|j| j.id == id)
-        .ok_or(JobError::NotFound)
+    app.store.job(id).await?.ok_or(JobError::NotFound)
 }
 
-/// Pause, resume or cancel.
+/// Pause, resume or cancel. The change is written against the job's revision: a step its
+/// runner (here or on another node) finishes meanwhile makes the write fail and the job is
+/// read again, so the change carries the step's progress; a step that comes after it is
+/// refused, and its runner stops.
 pub async fn control(app: &Arc<App>, id: &str, to: JobState) -> Result<Job, JobError> {
-    let mut job = get(app, id).await?;
-    let allowed = matches!(
-        (job.state, to),
-        (JobState::Running, JobState::Paused)
-            | (JobState::Paused, JobState::Running)
-            | (JobState::Running | JobState::Paused, JobState::Cancelled)
-    );
-    if !allowed {
-        return Err(JobError::Conflict(job.state));
-    }
-    let local = app.jobs.handle(id);
-    // Held until the pause or cancel is written: meanwhile this node's take-over round sees a
-    // runner here and does not start the job again from its stored (still running) state.
-    let mut _runner_stopped = None;
-    if let Some(h) = &local {
-        // The runner persists its own progress; it reads this before each step.
-        *h.lock().unwrap_or_else(|p| p.into_inner()) = to;
+    for _ in 0..CONTROL_ATTEMPTS {
+        let mut job = get(app, id).await?;
+        let allowed = matches!(
+            (job.state, to),
+            (JobState::Running, JobState::Paused)
+                | (JobState::Paused, JobState::Running)
+                | (JobState::Running | JobState::Paused, JobState::Cancelled)
+        );
+        if !allowed {
+            return Err(JobError::Conflict(job.state));
+        }
+        job.state = to;
+        job.updated_at = app.clock.now_ms();
         if to == JobState::Running {
-            // Let a runner finish its current step before we write the state (spawn below
-            // stops and waits for one still going).
-            tokio::time::sleep(Duration::from_millis(150)).await;
-        } else {
-            // The runner stops at its next tick, after the step it is in.
-            _runner_stopped = Some(app.jobs.run_lock(id).lock_owned().await);
+            // Resumed here, it runs here: the node that ran it before must not take it back.
+            claim(app, &mut job);
         }
-        job = get(app, id).await?;
-    }
-    job.state = to;
-    job.updated_at = app.clock.now_ms();
-    if to == JobState::Running {
-        // Resumed here, it runs here: the node that ran it before must not take it back.
-        claim(app, &mut job);
-    }
-    app.store.put_job(job.clone()).await?;
-    if app.jobs.node.is_some() && to != JobState::Running {
-        // Run by another node, whose runner reads the state before each step: a step it was
-        // finishing may have written the job back as running. Once it has read this, it
-        // stops; write again if it did that.
-        tokio::time::sleep(TICK * 5).await;
-        let now = get(app, id).await?;
-        if now.state == JobState::Running {
-            job = Job {
-                state: to,
-                updated_at: app.clock.now_ms(),
-                ..now
-            };
-            app.store.put_job(job.clone()).await?;
+        match app.store.put_job(job.clone()).await {
+            Ok(rev) => job.rev = rev,
+            Err(StoreError::JobChanged(_)) => continue,
+            Err(e) => return Err(e.into()),
         }
+        if to == JobState::Running {
+            spawn(app, job.clone());
+        } else if let Some(h) = app.jobs.handle(id) {
+            // Its runner here stops at its next tick instead of at its next write.
+            *h.lock().unwrap_or_else(|p| p.into_inner()) = to;
+        }
+        tracing::warn!(job = %id, state = ?to, "job state changed by an operator");
+        return Ok(job);
     }
-    if to == JobState::Running {
-        spawn(app, job.clone());
-    }
-    tracing::warn!(job = %id, state = ?to, "job state changed by an operator");
-    Ok(job)
+    Err(StoreError::JobChanged(id.to_string()).into())
 }
 
 /// On a shared store: marks `job` as run by this node, from now.
@@ -467,6 +467,9 @@ fn claim(app: &App, job: &mut Job) {
     }
 }
 
+/// Starts a runner of `job` (as read at `job.rev`). A runner still going here stops first; a
+/// runner started from a copy that is no longer current finds out at its first write and
+/// stops.
 fn spawn(app: &Arc<App>, mut job: Job) {
     claim(app, &mut job);
     let handle = Arc::new(Mutex::new(JobState::Running));
@@ -476,10 +479,9 @@ fn spawn(app: &Arc<App>, mut job: Job) {
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .insert(job.id.clone(), handle.clone());
-    let after_a_runner = replaced.is_some();
     if let Some(old) = replaced {
-        // A runner still going here (paused on another node and resumed on this one before
-        // it read the pause) stops at its next tick; the new one waits for it below.
+        // A runner still going here (paused and resumed before it read the pause) stops at
+        // its next tick; the new one waits for it below.
         *old.lock().unwrap_or_else(|p| p.into_inner()) = JobState::Paused;
     }
     let run_lock = app.jobs.run_lock(&job.id);
@@ -490,30 +492,21 @@ fn spawn(app: &Arc<App>, mut job: Job) {
         if *handle.lock().unwrap_or_else(|p| p.into_inner()) != JobState::Running {
             return;
         }
-        // After an earlier runner here, the job as stored now: it may have moved the cursor
-        // since `job` was read.
-        let stored = if after_a_runner {
-            app.store.job(&id).await
-        } else {
-            Ok(None)
-        };
-        let job = match stored {
-            Ok(Some(stored)) if stored.cursor >= job.cursor => Job {
-                state: job.state,
-                runner: job.runner,
-                heartbeat_at: job.heartbeat_at,
-                updated_at: job.updated_at,
-                ..stored
-            },
-            _ => job,
-        };
-        if let Err(e) = run(&app, job, handle.clone()).await {
+        let result = run(&app, job, handle.clone()).await;
+        *handle.lock().unwrap_or_else(|p| p.into_inner()) = JobState::Paused;
+        match result {
+            Ok(()) => {}
+            Err(StoreError::JobChanged(_)) => {
+                // Paused, cancelled or resumed by an operator, or taken over by another node,
+                // since this runner last wrote it: whoever wrote it owns what happens next.
+                tracing::info!(job = %id, "job changed since its runner here read it; the runner stops");
+            }
             // Not running here any more: on a shared store this node's take-over round starts
             // it again (it is still this node's); on its own store the next start does.
-            *handle.lock().unwrap_or_else(|p| p.into_inner()) = JobState::Paused;
-            if app.jobs.node.is_some() {
+            Err(e) if app.jobs.node.is_some() => {
                 tracing::error!(job = %id, error = %e, "job stopped with an error; it is started again within a take-over round");
-            } else {
+            }
+            Err(e) => {
                 tracing::error!(job = %id, error = %e, "job stopped with an error; it resumes at the next start");
             }
         }
@@ -538,7 +531,7 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
     if app.jobs.node.is_some() {
         // The claim, before the first step (which may be a while at a low rate).
         job.heartbeat_at = app.clock.now_ms();
-        app.store.put_job(job.clone()).await?;
+        job.rev = app.store.put_job(job.clone()).await?;
     }
     loop {
         tokio::time::sleep(TICK).await;
@@ -549,17 +542,15 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
         tokens = (tokens + rate * now_i.duration_since(last).as_secs_f64()).min(rate.max(1.0));
         last = now_i;
         let take = tokens.floor() as usize;
-        // On a shared store, the stored job is read before each step (its step would write
-        // over a pause or cancel made on another node since) and, while no step writes it,
-        // when the claim is due for renewal.
-        if app.jobs.node.is_some()
-            && (take > 0 || app.clock.now_ms().saturating_sub(job.heartbeat_at) >= HEARTBEAT_MS)
-            && !still_ours(app, &mut job).await?
-        {
-            *handle.lock().unwrap_or_else(|p| p.into_inner()) = JobState::Paused;
-            return Ok(());
-        }
         if take == 0 {
+            // On a shared store the claim is renewed while no step writes the job: other
+            // nodes take over a job whose revision stops moving.
+            if app.jobs.node.is_some()
+                && app.clock.now_ms().saturating_sub(job.heartbeat_at) >= HEARTBEAT_MS
+            {
+                job.heartbeat_at = app.clock.now_ms();
+                job.rev = app.store.put_job(job.clone()).await?;
+            }
             continue;
         }
         let now = app.clock.now_ms();
@@ -573,41 +564,6 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
             return Ok(());
         }
     }
-}
-
-/// On a shared store: whether `job` is still this node's to run (an operator on another node
-/// may have paused or cancelled it, or a node that thought this one dead took it over), and its
-/// claim renewed when no step has written it for `HEARTBEAT`. Always true on a store of its
-/// own, where the local controls are the only ones.
-async fn still_ours(app: &App, job: &mut Job) -> Result<bool, StoreError> {
-    let Some(node) = &app.jobs.node else {
-        return Ok(true);
-    };
-    let Some(stored) = app.store.job(&job.id).await? else {
-        return Ok(false);
-    };
-    if stored.state != JobState::Running || stored.runner.as_ref() != Some(node) {
-        tracing::warn!(job = %job.id, state = ?stored.state, runner = ?stored.runner, "job stopped here: changed on another node");
-        if stored.runner.as_ref() == Some(node) && stored.cursor < job.cursor {
-            // Paused or cancelled on another node from a copy read before this node's last
-            // step: that write took the cursor back, and a resume would move those items
-            // again. This runner's progress goes back on top of the operator's state.
-            app.store
-                .put_job(Job {
-                    state: stored.state,
-                    updated_at: stored.updated_at,
-                    ..job.clone()
-                })
-                .await?;
-        }
-        return Ok(false);
-    }
-    let now = app.clock.now_ms();
-    if now.saturating_sub(job.heartbeat_at) >= HEARTBEAT_MS {
-        job.heartbeat_at = now;
-        app.store.put_job(job.clone()).await?;
-    }
-    Ok(true)
 }
 
 async fn redrive_step(
@@ -624,7 +580,7 @@ async fn redrive_step(
         job.state = JobState::Done;
         job.updated_at = now;
         job.heartbeat_at = now;
-        app.store.redrive_step(job.clone(), Vec::new(), now).await?;
+        job.rev = app.store.redrive_step(job.clone(), Vec::new(), now).await?;
         return Ok(0);
     }
     let contracts = app.contracts.load();
@@ -688,7 +644,7 @@ async fn redrive_step(
     job.updated_at = now;
     job.heartbeat_at = now;
     let n = page.len();
-    app.store.redrive_step(job.clone(), actions, now).await?;
+    job.rev = app.store.redrive_step(job.clone(), actions, now).await?;
     Ok(n)
 }
 
@@ -706,7 +662,7 @@ async fn replay_step(
         job.state = JobState::Done;
         job.updated_at = now;
         job.heartbeat_at = now;
-        app.store.replay_step(job.clone(), Vec::new(), now).await?;
+        job.rev = app.store.replay_step(job.clone(), Vec::new(), now).await?;
         return Ok(0);
     }
     let rules = app.rules.load();
@@ -733,6 +689,6 @@ async fn replay_step(
     job.updated_at = now;
     job.heartbeat_at = now;
     let n = events.len();
-    app.store.replay_step(job.clone(), items, now).await?;
+    job.rev = app.store.replay_step(job.clone(), items, now).await?;
     Ok(n)
 }

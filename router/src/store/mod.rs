@@ -46,6 +46,10 @@ pub enum StoreError {
     /// `Retry-After`; delivery pauses and resumes.
     #[error("the store is compacting its file; retry in a few seconds")]
     Compacting,
+    /// A job was written by someone else since this copy was read (its revision moved on):
+    /// nothing of the write was applied; read the job again.
+    #[error("job {0} was changed since it was read")]
+    JobChanged(String),
     /// A record could not be decoded.
     #[error("corrupt record in {table}: {message}")]
     Corrupt {
@@ -233,8 +237,10 @@ pub trait Store: Send + Sync + 'static {
         now: Millis,
     ) -> BoxFuture<'_, Result<usize, StoreError>>;
 
-    /// Creates or updates a background job.
-    fn put_job(&self, job: Job) -> BoxFuture<'_, Result<(), StoreError>>;
+    /// Creates or updates a background job, if it is still at `job.rev` (no stored job counts
+    /// as revision 0); returns its new revision. [`StoreError::JobChanged`] when it was
+    /// written since.
+    fn put_job(&self, job: Job) -> BoxFuture<'_, Result<u64, StoreError>>;
 
     /// Every job.
     fn jobs(&self) -> BoxFuture<'_, Result<Vec<Job>, StoreError>>;
@@ -245,21 +251,24 @@ pub trait Store: Send + Sync + 'static {
         Box::pin(async move { Ok(self.jobs().await?.into_iter().find(|j| j.id == id)) })
     }
 
-    /// Applies redrive actions and the job's new progress atomically.
+    /// Applies redrive actions and the job's new progress atomically, if the job is still at
+    /// `job.rev` (as [`Store::put_job`]; on [`StoreError::JobChanged`] nothing is applied);
+    /// returns the job's new revision.
     fn redrive_step(
         &self,
         job: Job,
         actions: Vec<RedriveAction>,
         now: Millis,
-    ) -> BoxFuture<'_, Result<(), StoreError>>;
+    ) -> BoxFuture<'_, Result<u64, StoreError>>;
 
-    /// Adds replayed deliveries and the job's new progress atomically.
+    /// Adds replayed deliveries and the job's new progress atomically, if the job is still at
+    /// `job.rev` (as [`Store::redrive_step`]); returns the job's new revision.
     fn replay_step(
         &self,
         job: Job,
         items: Vec<ReplayItem>,
         now: Millis,
-    ) -> BoxFuture<'_, Result<(), StoreError>>;
+    ) -> BoxFuture<'_, Result<u64, StoreError>>;
 
     /// Deletes DLQ entries. Returns how many existed.
     fn purge_dlq(&self, ids: Vec<u64>) -> BoxFuture<'_, Result<u64, StoreError>>;
@@ -387,11 +396,16 @@ pub trait Store: Send + Sync + 'static {
     }
 
     /// Records that this node is alive at `now` and answers how many nodes are (this one
-    /// included): those that announced themselves within the last `NODE_LIVE_MS`. Always 1 on
-    /// a store of one node.
+    /// included): those whose announcement changed within the last `NODE_LIVE_MS` as this
+    /// node's clock counts. Always 1 on a store of one node.
     fn announce_node(&self, now: Millis) -> BoxFuture<'_, Result<usize, StoreError>> {
         let _ = now;
         Box::pin(async { Ok(1) })
+    }
+
+    /// Withdraws this node's announcement (at shutdown), so the others stop counting it.
+    fn retire_node(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async { Ok(()) })
     }
 
     /// Where the nodes sharing this store keep their uploaded handlers, when several nodes

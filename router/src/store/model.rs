@@ -749,6 +749,12 @@ pub struct Job {
     /// When its runner last wrote it.
     #[serde(default)]
     pub heartbeat_at: Millis,
+    /// How many times the job was written. Every write names the revision it was read at and
+    /// is refused ([`StoreError::JobChanged`](super::StoreError::JobChanged)) when the job was
+    /// written since, by an operator or another node's runner: a step never lands over a pause
+    /// or cancel it did not read, and an operator's change never takes back a step's cursor.
+    #[serde(default)]
+    pub rev: u64,
 }
 
 /// What a redrive step does with one DLQ entry.

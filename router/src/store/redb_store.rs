@@ -663,19 +663,19 @@ enum Op {
     },
     PutJob {
         job: Job,
-        reply: Reply<Result<(), StoreError>>,
+        reply: Reply<Result<u64, StoreError>>,
     },
     RedriveStep {
         job: Job,
         actions: Vec<RedriveAction>,
         now: Millis,
-        reply: Reply<Result<(), StoreError>>,
+        reply: Reply<Result<u64, StoreError>>,
     },
     ReplayStep {
         job: Job,
         items: Vec<ReplayItem>,
         now: Millis,
-        reply: Reply<Result<(), StoreError>>,
+        reply: Reply<Result<u64, StoreError>>,
     },
     PurgeDlq {
         ids: Vec<u64>,
@@ -1652,7 +1652,7 @@ impl Store for RedbStore {
         .boxed()
     }
 
-    fn put_job(&self, job: Job) -> BoxFuture<'_, Result<(), StoreError>> {
+    fn put_job(&self, job: Job) -> BoxFuture<'_, Result<u64, StoreError>> {
         async move { self.call(|reply| Op::PutJob { job, reply }).await? }.boxed()
     }
 
@@ -1665,7 +1665,7 @@ impl Store for RedbStore {
         job: Job,
         actions: Vec<RedriveAction>,
         now: Millis,
-    ) -> BoxFuture<'_, Result<(), StoreError>> {
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
         async move {
             self.call(|reply| Op::RedriveStep {
                 job,
@@ -1683,7 +1683,7 @@ impl Store for RedbStore {
         job: Job,
         items: Vec<ReplayItem>,
         now: Millis,
-    ) -> BoxFuture<'_, Result<(), StoreError>> {
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
         async move {
             self.call(|reply| Op::ReplayStep {
                 job,
@@ -3748,7 +3748,9 @@ impl Committer {
         actions: Vec<RedriveAction>,
         now: Millis,
         effects: &mut Vec<Effect>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<u64, StoreError> {
+        // Checked before any action: a refused step changes nothing.
+        check_job_rev(txn, job)?;
         for action in actions {
             match action {
                 RedriveAction::Requeue { dlq_id } => {
@@ -3816,7 +3818,7 @@ impl Committer {
                 }
             }
         }
-        put_job(txn, job)
+        write_job(txn, job)
     }
 
     fn replay_step(
@@ -3826,7 +3828,8 @@ impl Committer {
         items: Vec<ReplayItem>,
         now: Millis,
         effects: &mut Vec<Effect>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<u64, StoreError> {
+        check_job_rev(txn, job)?;
         for item in items {
             let raw = txn
                 .open_table(EVENTS)?
@@ -3850,7 +3853,7 @@ impl Committer {
                 self.insert_entry(txn, &entry, effects)?;
             }
         }
-        put_job(txn, job)
+        write_job(txn, job)
     }
 
     /// Moves waiting (not leased) entries to the DLQ without an attempt.
@@ -4080,10 +4083,32 @@ pub fn idempotency_key(source: &str, id: &str, target: &str) -> String {
     hex::encode(&h.finalize()[..16])
 }
 
-fn put_job(txn: &Tx<'_>, job: &Job) -> Result<(), StoreError> {
+/// [`StoreError::JobChanged`] unless the stored job is at `job.rev` (no job: 0).
+fn check_job_rev(txn: &Tx<'_>, job: &Job) -> Result<(), StoreError> {
+    let stored = match txn.open_table(JOBS)?.get(job.id.as_str())? {
+        Some(v) => dec::<Job>("jobs", v.value())?.rev,
+        None => 0,
+    };
+    if stored == job.rev {
+        Ok(())
+    } else {
+        Err(StoreError::JobChanged(job.id.clone()))
+    }
+}
+
+/// Writes `job` at its next revision if it is still at `job.rev`; returns that revision.
+fn put_job(txn: &Tx<'_>, job: &Job) -> Result<u64, StoreError> {
+    check_job_rev(txn, job)?;
+    write_job(txn, job)
+}
+
+/// Writes `job` at its next revision (checked by the caller); returns that revision.
+fn write_job(txn: &Tx<'_>, job: &Job) -> Result<u64, StoreError> {
+    let rev = job.rev + 1;
+    let job = Job { rev, ..job.clone() };
     txn.open_table(JOBS)?
-        .insert(job.id.as_str(), enc(job).as_slice())?;
-    Ok(())
+        .insert(job.id.as_str(), enc(&job).as_slice())?;
+    Ok(rev)
 }
 
 /// Removes a DLQ entry (and its by-event index row); returns it.

@@ -51,5 +51,6 @@ pub fn job(id: &str, kind: JobKind) -> Job {
         last_error: None,
         runner: None,
         heartbeat_at: 0,
+        rev: 0,
     }
 }

@@ -24,9 +24,10 @@ impl JetStreamStore {
         job: Job,
         actions: Vec<RedriveAction>,
         now: Millis,
-    ) -> Result<(), StoreError> {
+    ) -> Result<u64, StoreError> {
         for _ in 0..MAX_RETRIES {
-            let mut writes = vec![Self::job_write(&job)?];
+            // The job first: a step it no longer owns reads nothing more.
+            let mut writes = vec![self.job_write(&job).await?];
             // Events changed by several actions of this step: their latest record.
             let mut events: HashMap<u64, (EventRecord, u64)> = HashMap::new();
             for action in &actions {
@@ -103,7 +104,7 @@ impl JetStreamStore {
                 }
             }
             if self.commit_step(writes, events).await? {
-                return Ok(());
+                return Ok(job.rev + 1);
             }
         }
         Err(StoreError::Backend(
@@ -152,9 +153,10 @@ impl JetStreamStore {
         job: Job,
         items: Vec<ReplayItem>,
         now: Millis,
-    ) -> Result<(), StoreError> {
+    ) -> Result<u64, StoreError> {
         for _ in 0..MAX_RETRIES {
-            let mut writes = vec![Self::job_write(&job)?];
+            // The job first: a step it no longer owns reads nothing more.
+            let mut writes = vec![self.job_write(&job).await?];
             let mut events: HashMap<u64, (EventRecord, u64)> = HashMap::new();
             for item in &items {
                 let Some((ev, _)) = self.event_for(&mut events, item.seq).await? else {
@@ -183,7 +185,7 @@ impl JetStreamStore {
                 }
             }
             if self.commit_step(writes, events).await? {
-                return Ok(());
+                return Ok(job.rev + 1);
             }
         }
         Err(StoreError::Backend(

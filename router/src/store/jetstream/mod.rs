@@ -154,6 +154,9 @@ pub struct JetStreamStore {
     runtime: tokio::runtime::Handle,
     /// Record counts and when they were taken (`Store::record_counts`).
     counts: Mutex<Option<(std::time::Instant, super::RecordCounts)>>,
+    /// The other nodes' announcements as this node saw them (`announce_node`): each node's
+    /// last `at` and when, by this node's clock, it last changed.
+    announced: Mutex<HashMap<String, (Millis, Millis)>>,
 }
 
 impl std::fmt::Debug for JetStreamStore {
@@ -243,6 +246,7 @@ impl JetStreamStore {
             runtime: tokio::runtime::Handle::current(),
             node: options.node,
             counts: Mutex::new(None),
+            announced: Mutex::default(),
             records,
         };
         if !store.view.wait_loaded(store.records.timeout()).await {

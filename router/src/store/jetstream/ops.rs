@@ -18,6 +18,23 @@ use futures::{StreamExt, TryStreamExt};
 
 use crate::store::{DlqEntry, DlqFilter, Job, KvUsage, Millis, StoreError, SummaryRow};
 
+/// The record key of job `id`.
+fn job_key(id: &str) -> String {
+    format!("job.{}", fp(&[id]))
+}
+
+/// A job record's value.
+fn decode_job(bytes: &[u8]) -> Result<Job, StoreError> {
+    job_from_value(dec::<Named>("job", bytes)?.value)
+}
+
+fn job_from_value(value: serde_json::Value) -> Result<Job, StoreError> {
+    serde_json::from_value(value).map_err(|e| StoreError::Corrupt {
+        table: "jobs",
+        message: e.to_string(),
+    })
+}
+
 /// DLQ entries a listing reads at once.
 const DLQ_READS_IN_FLIGHT: usize = 128;
 
@@ -194,62 +211,105 @@ impl JetStreamStore {
         self.named("tc").await
     }
 
-    /// The write that stores `job`.
-    pub(super) fn job_write(job: &Job) -> Result<Write, StoreError> {
-        let value = serde_json::to_value(job).map_err(|e| StoreError::Backend(e.to_string()))?;
+    /// The write that stores `job` at its next revision: refused now
+    /// ([`StoreError::JobChanged`]) when the stored job is not at `job.rev`, and at commit
+    /// ([`RecordsError::Conflict`](super::RecordsError::Conflict)) when it is written after
+    /// this read.
+    pub(super) async fn job_write(&self, job: &Job) -> Result<Write, StoreError> {
+        let read = self.records.get(&job_key(&job.id)).await?;
+        let stored = match read.as_ref().and_then(|v| v.value.as_ref()) {
+            Some(bytes) => decode_job(bytes)?.rev,
+            None => 0,
+        };
+        if stored != job.rev {
+            return Err(StoreError::JobChanged(job.id.clone()));
+        }
+        let next = Job {
+            rev: job.rev + 1,
+            ..job.clone()
+        };
+        let value = serde_json::to_value(&next).map_err(|e| StoreError::Backend(e.to_string()))?;
         Ok(Write::put(
-            format!("job.{}", fp(&[&job.id])),
+            job_key(&job.id),
             enc(&Named {
                 id: job.id.clone(),
                 value,
             }),
-            Expect::Any,
+            Expect::unchanged(read.as_ref()),
         ))
     }
 
-    /// Creates or updates a background job.
-    pub async fn put_job(&self, job: Job) -> Result<(), StoreError> {
-        self.commit(vec![Self::job_write(&job)?]).await?;
-        Ok(())
+    /// Creates or updates a background job if it is still at `job.rev`; its new revision.
+    pub async fn put_job(&self, job: Job) -> Result<u64, StoreError> {
+        for _ in 0..super::MAX_RETRIES {
+            // A conflict means the record moved since the read: the next read says how.
+            match self.commit(vec![self.job_write(&job).await?]).await {
+                Ok(_) => return Ok(job.rev + 1),
+                Err(super::RecordsError::Conflict) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(StoreError::Backend(
+            "job write: its record kept changing under it".into(),
+        ))
     }
 
-    /// Every job.
+    /// Records that this node is alive at `now` and counts the live nodes: this one, and
+    /// each other whose announcement changed within `NODE_LIVE_MS` of this node's clock.
+    /// Another node's `at` is compared with `now` only when first seen (a node whose clock
+    /// is ahead then counts as just announced); after that, only whether it changes counts,
+    /// so a node whose clock runs ahead is not kept alive by it once it stops.
     pub async fn announce_node(&self, now: Millis) -> Result<usize, StoreError> {
         let key = format!("nd.{}", fp(&[&self.node]));
         let record = serde_json::json!({ "node": self.node, "at": now });
         self.records
-            .commit(vec![Write::put(key, enc(&record), Expect::Any)])
+            .commit(vec![Write::put(key.clone(), enc(&record), Expect::Any)])
             .await?;
-        let live = self
-            .records
-            .scan("nd")
-            .await?
-            .into_iter()
-            .filter(|(_, _, bytes)| {
-                serde_json::from_slice::<serde_json::Value>(bytes)
-                    .ok()
-                    .and_then(|v| v["at"].as_i64())
-                    .is_some_and(|at| at > now - crate::store::NODE_LIVE_MS)
-            })
+        let records = self.records.scan("nd").await?;
+        let mut announced = self.announced.lock().unwrap_or_else(|p| p.into_inner());
+        let before = std::mem::take(&mut *announced);
+        for (k, _, bytes) in records {
+            let Some(at) = serde_json::from_slice::<serde_json::Value>(&bytes)
+                .ok()
+                .and_then(|v| v["at"].as_i64())
+            else {
+                continue;
+            };
+            if k == key {
+                continue;
+            }
+            let changed = match before.get(&k) {
+                Some(&(seen, changed)) if seen == at => changed,
+                Some(_) => now,
+                None => at.min(now),
+            };
+            announced.insert(k, (at, changed));
+        }
+        let others = announced
+            .values()
+            .filter(|(_, changed)| now - changed < crate::store::NODE_LIVE_MS)
             .count();
-        Ok(live.max(1))
+        Ok(others + 1)
+    }
+
+    /// Removes this node's announcement (at shutdown): the others stop counting it at once
+    /// instead of after `NODE_LIVE_MS`.
+    pub async fn retire_node(&self) -> Result<(), StoreError> {
+        let key = format!("nd.{}", fp(&[&self.node]));
+        self.records
+            .commit(vec![Write::delete(key, Expect::Any)])
+            .await?;
+        Ok(())
     }
 
     /// One job.
     pub async fn job(&self, id: &str) -> Result<Option<Job>, StoreError> {
-        let Some(v) = self.records.get(&format!("job.{}", fp(&[id]))).await? else {
-            return Ok(None);
-        };
-        let Some(bytes) = v.value else {
-            return Ok(None);
-        };
-        let named = dec::<Named>("job", &bytes)?;
-        serde_json::from_value(named.value)
-            .map(Some)
-            .map_err(|e| StoreError::Corrupt {
-                table: "jobs",
-                message: e.to_string(),
-            })
+        match self.records.get(&job_key(id)).await? {
+            Some(Versioned {
+                value: Some(bytes), ..
+            }) => decode_job(&bytes).map(Some),
+            _ => Ok(None),
+        }
     }
 
     /// Every job.
@@ -257,12 +317,7 @@ impl JetStreamStore {
         self.named("job")
             .await?
             .into_iter()
-            .map(|(_, v)| {
-                serde_json::from_value(v).map_err(|e| StoreError::Corrupt {
-                    table: "jobs",
-                    message: e.to_string(),
-                })
-            })
+            .map(|(_, v)| job_from_value(v))
             .collect()
     }
 

@@ -48,6 +48,10 @@ impl Store for JetStreamStore {
         JetStreamStore::announce_node(self, now).boxed()
     }
 
+    fn retire_node(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        JetStreamStore::retire_node(self).boxed()
+    }
+
     fn handler_catalog(&self) -> Option<Arc<dyn crate::store::HandlerCatalog>> {
         Some(Arc::new(super::JetStreamCatalog::new(self.records.clone())))
     }
@@ -128,7 +132,7 @@ impl Store for JetStreamStore {
         .boxed()
     }
 
-    fn put_job(&self, job: Job) -> BoxFuture<'_, Result<(), StoreError>> {
+    fn put_job(&self, job: Job) -> BoxFuture<'_, Result<u64, StoreError>> {
         JetStreamStore::put_job(self, job).boxed()
     }
 
@@ -146,7 +150,7 @@ impl Store for JetStreamStore {
         job: Job,
         actions: Vec<RedriveAction>,
         now: Millis,
-    ) -> BoxFuture<'_, Result<(), StoreError>> {
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
         JetStreamStore::redrive_step(self, job, actions, now).boxed()
     }
 
@@ -155,7 +159,7 @@ impl Store for JetStreamStore {
         job: Job,
         items: Vec<ReplayItem>,
         now: Millis,
-    ) -> BoxFuture<'_, Result<(), StoreError>> {
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
         JetStreamStore::replay_step(self, job, items, now).boxed()
     }
 

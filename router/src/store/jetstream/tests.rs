@@ -1213,15 +1213,34 @@ async fn target_states_saved_targets_and_jobs_keep_the_last_write() {
         last_error: None,
         runner: None,
         heartbeat_at: 0,
+        rev: 0,
     };
-    s.put_job(job.clone()).await.expect("put job");
+    let rev = s.put_job(job.clone()).await.expect("put job");
+    assert_eq!(rev, 1);
     let moved = Job {
         moved: 4,
         cursor: 17,
-        ..job
+        rev,
+        ..job.clone()
     };
-    s.put_job(moved.clone()).await.expect("put job");
-    assert_eq!(s.jobs().await.expect("jobs"), vec![moved]);
+    assert_eq!(s.put_job(moved.clone()).await.expect("put job"), 2);
+    assert_eq!(
+        s.jobs().await.expect("jobs"),
+        vec![Job {
+            rev: 2,
+            ..moved.clone()
+        }]
+    );
+    // A copy read before the last write is refused and changes nothing.
+    let stale = Job { moved: 9, ..moved };
+    assert!(matches!(
+        s.put_job(stale).await,
+        Err(StoreError::JobChanged(id)) if id == job.id
+    ));
+    assert_eq!(
+        s.job(&job.id).await.expect("job").map(|j| (j.moved, j.rev)),
+        Some((4, 2))
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1663,7 +1682,7 @@ async fn a_redrive_step_requeues_routes_and_keeps() {
     )
     .await
     .expect("redrive step");
-    assert_eq!(s.jobs().await.expect("jobs"), vec![j]);
+    assert_eq!(s.jobs().await.expect("jobs"), vec![Job { rev: 1, ..j }]);
     let back = lease_ok(&s, "a", 2_000, 1, 60_000).await;
     assert_eq!(back.len(), 1);
     assert_eq!(back[0].entry.redrive_count, 1);
@@ -2165,8 +2184,34 @@ async fn live_nodes_are_those_that_announced_themselves_lately() {
     // Announcing again does not count a node twice.
     assert_eq!(a.announce_node(now + 2_000).await.expect("announce"), 2);
     // B falls silent: once its last announcement is older than the bound, A is alone.
+    let t = now + 1_000 + NODE_LIVE_MS + 1;
+    assert_eq!(a.announce_node(t).await.expect("announce"), 1);
+    // C's clock runs far ahead: it counts while its announcements change, and not once they
+    // stop (compared with A's clock, its last one would look fresh for a long while).
+    let c = store(&server).await;
+    c.announce_node(t + 20 * NODE_LIVE_MS)
+        .await
+        .expect("announce");
+    assert_eq!(a.announce_node(t + 1).await.expect("announce"), 2);
     assert_eq!(
-        a.announce_node(now + 1_000 + NODE_LIVE_MS + 1)
+        a.announce_node(t + NODE_LIVE_MS + 2)
+            .await
+            .expect("announce"),
+        1
+    );
+    // B announces itself again and then stops: gone for A at once, not after the bound.
+    b.announce_node(t + NODE_LIVE_MS + 3)
+        .await
+        .expect("announce");
+    assert_eq!(
+        a.announce_node(t + NODE_LIVE_MS + 4)
+            .await
+            .expect("announce"),
+        2
+    );
+    b.retire_node().await.expect("retire");
+    assert_eq!(
+        a.announce_node(t + NODE_LIVE_MS + 5)
             .await
             .expect("announce"),
         1

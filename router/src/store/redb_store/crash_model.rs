@@ -592,10 +592,10 @@ enum Answer {
     Finished(Result<(), FinishError>),
     Leased(Result<Vec<Leased>, StoreError>),
     Released(Result<bool, StoreError>),
-    Redriven(Result<(), StoreError>),
+    Redriven(Result<u64, StoreError>),
     Purged(Result<u64, StoreError>),
     Swept(Result<(), StoreError>),
-    Replayed(Result<(), StoreError>),
+    Replayed(Result<u64, StoreError>),
     Removed(Result<usize, StoreError>),
     Put(Result<(), StoreError>),
 }
@@ -690,7 +690,7 @@ fn plan(model: &mut Model, store: &RedbStore, round: &Round, now: Millis) -> Vec
             let done = model.job_moved.unwrap_or(0) + moves.len() as u64;
             let job = Job {
                 cursor: moves.iter().map(|m| m.0).max().unwrap_or(0),
-                ..job(JOB, done, now)
+                ..job(store, JOB, done, now)
             };
             ops.push(Op::Redrive { moves, job, now });
         }
@@ -718,7 +718,7 @@ fn plan(model: &mut Model, store: &RedbStore, round: &Round, now: Millis) -> Vec
         let job = Job {
             kind: JobKind::Replay,
             cursor: seqs.last().copied().unwrap_or(0),
-            ..job(REPLAY_JOB, done, now)
+            ..job(store, REPLAY_JOB, done, now)
         };
         ops.push(Op::Replay {
             seqs: seqs.into_iter().collect(),
@@ -1334,8 +1334,14 @@ fn stored_map(
     by_target(|t| rows.get(t).cloned())
 }
 
-/// A running redrive job `id` that has moved `moved` items.
-fn job(id: &str, moved: u64, now: Millis) -> Job {
+/// A running redrive job `id` that has moved `moved` items, at the revision `store` holds it.
+fn job(store: &RedbStore, id: &str, moved: u64, now: Millis) -> Job {
+    let rev = store
+        .jobs()
+        .expect("jobs")
+        .into_iter()
+        .find(|j| j.id == id)
+        .map_or(0, |j| j.rev);
     Job {
         id: id.into(),
         kind: JobKind::Redrive,
@@ -1351,6 +1357,7 @@ fn job(id: &str, moved: u64, now: Millis) -> Job {
         last_error: None,
         runner: None,
         heartbeat_at: 0,
+        rev,
     }
 }
 

@@ -757,6 +757,60 @@ async fn a_backlog_crosses_the_floor_a_batch_per_group() {
 /// An event whose copy for one target its queue's cap refused keeps the entries of its other
 /// targets in its record's fan-out: not written for the refused one, and kept when a redrive
 /// routes the event again (which rewrites the record), the new entry taking the next index.
+/// A job is written against the revision it was read at: a runner's step from a copy read
+/// before an operator's pause is refused whole (nothing of it applied), and so is a second
+/// creation of the same id.
+#[tokio::test]
+async fn a_job_step_from_a_copy_older_than_a_pause_is_refused_whole() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+    let mut ne = new_event("/s", "1", &["capped"], 1000);
+    ne.targets[0].max_depth = Some(0);
+    s.accept(vec![ne]).await.expect("accept");
+    let dlq_id = s.fate("/s", "1").expect("fate").expect("known").dlq[0].id;
+    let j = job("redrive-1", JobKind::Redrive);
+    let rev = s.put_job(j.clone()).await.expect("create");
+    assert_eq!(rev, 1);
+    let paused = Job {
+        state: JobState::Paused,
+        rev,
+        ..j.clone()
+    };
+    assert_eq!(s.put_job(paused).await.expect("pause"), 2);
+    let step = s
+        .redrive_step(
+            Job {
+                moved: 1,
+                cursor: dlq_id,
+                rev,
+                ..j.clone()
+            },
+            vec![RedriveAction::Route {
+                dlq_id,
+                matched_rules: vec!["r".into()],
+                targets: new_event("/s", "1", &["c"], 0).targets,
+            }],
+            2000,
+        )
+        .await;
+    assert!(
+        matches!(&step, Err(StoreError::JobChanged(id)) if id == "redrive-1"),
+        "{step:?}"
+    );
+    let fate = s.fate("/s", "1").expect("fate").expect("known");
+    assert_eq!(fate.dlq.len(), 1, "the refused step moved nothing");
+    assert!(fate.entries.is_empty());
+    let stored = s.jobs().expect("jobs");
+    assert_eq!(
+        stored
+            .iter()
+            .map(|j| (j.state, j.moved, j.rev))
+            .collect::<Vec<_>>(),
+        [(JobState::Paused, 0, 2)]
+    );
+    assert!(matches!(s.put_job(j).await, Err(StoreError::JobChanged(_))));
+}
+
 #[tokio::test]
 async fn a_refused_copy_is_left_out_of_the_fan_out_and_a_routed_redrive_keeps_the_rest() {
     let dir = tempfile::tempdir().expect("tempdir");
