@@ -329,25 +329,17 @@ fn spawn_operator_state_follower(app: &Arc<App>, tracker: &TaskTracker, cancel: 
     }
     let app = app.clone();
     tracker.spawn(async move {
-        let mut failing = false;
         loop {
             tokio::select! {
                 () = cancel.cancelled() => break,
                 () = tokio::time::sleep(OPERATOR_STATE_INTERVAL) => {}
             }
             let since = app.dispatcher.operator_changes();
-            let states = match app.store.target_states().await {
-                Ok(s) => {
-                    failing = false;
-                    s
-                }
-                Err(e) => {
-                    if !failing {
-                        tracing::warn!(error = %e, "cannot read the operators' target and rule states; pauses and rule switches made on other nodes are not applied here until it can");
-                    }
-                    failing = true;
-                    continue;
-                }
+            let states = app.store.target_states().await;
+            app.dispatcher
+                .record_containment_sync(&states, crate::clock::rfc3339(app.clock.now_ms()));
+            let Ok(states) = states else {
+                continue;
             };
             // Breakers opened on other nodes (the target's record holds the last writer's).
             for (id, v) in &states {

@@ -277,6 +277,20 @@ async fn a_pause_or_a_disabled_rule_on_one_router_holds_on_every_router() {
     })
     .await;
     assert!(followed.is_some(), "B never showed A's pause");
+    // The follower's own metric says so too, and its status shows it reads the others' state.
+    let m = metrics_text(&b).await;
+    assert_eq!(
+        counter(&m, "router_target_paused{target=\"hook\"}"),
+        1,
+        "{}",
+        metric_lines(&m, "router_target_paused")
+    );
+    let (_, status) = get_json(&b, "/v1/status").await;
+    let sync = &status["containment_sync"];
+    assert!(
+        sync["last_sync_at"].is_string() && sync["error"].is_null(),
+        "{sync}"
+    );
     tokio::time::sleep(Duration::from_secs(3)).await;
     for i in 0..10 {
         let ev = event(&format!("p{i}"), "t", json!({}));
@@ -305,6 +319,13 @@ async fn a_pause_or_a_disabled_rule_on_one_router_holds_on_every_router() {
     })
     .await;
     assert!(resumed_on_a.is_some(), "A kept the target paused");
+    let m = metrics_text(&a).await;
+    assert_eq!(
+        counter(&m, "router_target_paused{target=\"hook\"}"),
+        0,
+        "A's metric kept the pause it took through its own API: {}",
+        metric_lines(&m, "router_target_paused")
+    );
 }
 
 /// A redrive job runs on one router of a cluster: an operator pauses it through another router

@@ -320,10 +320,6 @@ pub async fn target(State(app): State<Arc<App>>, Path(id): Path<String>) -> Resp
 async fn set_paused(app: &App, id: &str, paused: bool) -> Response {
     match app.dispatcher.set_paused(id, paused).await {
         Ok(true) => {
-            app.metrics
-                .target_paused
-                .get_or_create(&vec![("target", id.to_string())])
-                .set(i64::from(paused));
             let now = app.clock.now_ms();
             axum::Json(target_json(app, id, app.store.queue_stats().get(id), now)).into_response()
         }
@@ -483,6 +479,9 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
         "handler_catalog": app.handlers.as_ref().map(|rt| rt.changes.status()),
         // On a shared store: how this node follows the contracts put over the API elsewhere.
         "contract_catalog": app.shared_contracts.as_ref().map(|c| c.status()),
+        // On a shared store: how this node follows the pauses, rule switches and open
+        // breakers of the other nodes.
+        "containment_sync": app.store.shared().then(|| app.dispatcher.containment_sync()),
         "warnings": *app.warnings.lock().unwrap_or_else(|p| p.into_inner()),
     }))
     .into_response()
@@ -529,6 +528,16 @@ async fn handler_kv_status(app: &App) -> serde_json::Value {
 
 /// `GET /metrics`.
 pub async fn metrics(State(app): State<Arc<App>>) -> Response {
+    // Read from the workers at each scrape: a pause restored at start or followed from another
+    // node shows as well as one made through this node's API.
+    for rt in app.dispatcher.runtimes() {
+        app.metrics
+            .target_paused
+            .get_or_create(&vec![("target", rt.spec.id.clone())])
+            .set(i64::from(
+                rt.paused.load(std::sync::atomic::Ordering::SeqCst),
+            ));
+    }
     let body = app
         .metrics
         .render(app.store.as_ref(), app.clock.now_ms())

@@ -81,6 +81,11 @@ pub struct Dispatcher {
     /// under this lock once persisted: a follower of other nodes' changes applies what it read
     /// only if none came in meanwhile, so it never puts back a state it read before one.
     operator_changes: Mutex<u64>,
+    /// Held by an operator's pause or resume from its write to its in-memory change.
+    pausing: tokio::sync::Mutex<()>,
+    /// On a shared store: how this node's reads of the other nodes' pauses, rule switches
+    /// and open breakers go (`/v1/status` `containment_sync`).
+    containment_sync: Mutex<crate::store::SyncHealth>,
     /// Live router nodes sharing the store (each target's throttle rate is split among them).
     nodes: std::sync::atomic::AtomicUsize,
 }
@@ -127,6 +132,8 @@ impl Dispatcher {
             ctx: Arc::new(ctx),
             running: Mutex::new(HashMap::new()),
             operator_changes: Mutex::new(0),
+            pausing: tokio::sync::Mutex::new(()),
+            containment_sync: Mutex::default(),
             nodes: std::sync::atomic::AtomicUsize::new(1),
         })
     }
@@ -155,6 +162,35 @@ impl Dispatcher {
             .unwrap_or_else(|p| p.into_inner());
         *n += 1;
         apply()
+    }
+
+    /// Records a read of the operators' state that other nodes wrote, ended at `now`
+    /// (RFC 3339), logging its first failure and the recovery after failures.
+    pub fn record_containment_sync<T>(
+        &self,
+        result: &Result<T, crate::store::StoreError>,
+        now: String,
+    ) {
+        let mut health = self
+            .containment_sync
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let since = health.failing_since.clone();
+        if health.record(result, now) {
+            if let Err(e) = result {
+                tracing::warn!(error = %e, "cannot read the operators' target and rule states; pauses, rule switches and breakers of other nodes are not applied here until it can");
+            }
+        } else if let (Ok(_), Some(since)) = (result, since) {
+            tracing::info!(failing_since = %since, "reading the operators' target and rule states again");
+        }
+    }
+
+    /// See [`Self::record_containment_sync`].
+    pub fn containment_sync(&self) -> crate::store::SyncHealth {
+        self.containment_sync
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// How many operator changes this node has made (see [`Self::if_no_operator_change`]).
@@ -393,9 +429,14 @@ impl Dispatcher {
         id: &str,
         paused: bool,
     ) -> Result<bool, crate::store::StoreError> {
-        let Some(rt) = self.runtime(id) else {
+        if self.runtime(id).is_none() {
             return Ok(false);
-        };
+        }
+        // One operator's pause or resume at a time: two at once could store theirs and set
+        // the worker's flag in opposite orders, leaving the worker unlike the store.
+        let _one_at_a_time = self.pausing.lock().await;
+        // Only the operator's own record: the target's record holds the breaker, which
+        // other nodes also write, and the pause record wins over it wherever it is read.
         self.ctx
             .store
             .put_target_state(
@@ -403,14 +444,22 @@ impl Dispatcher {
                 serde_json::json!({ "paused": paused }),
             )
             .await?;
-        let mut state = rt.persisted();
-        state.paused = paused;
-        let state = serde_json::to_value(state).unwrap_or_default();
-        self.ctx.store.put_target_state(id, state).await?;
-        self.operator_change(|| rt.paused.store(paused, std::sync::atomic::Ordering::SeqCst));
+        self.operator_change(|| self.set_pause_flag(id, paused));
         self.ctx.store.notifier(id).notify_one();
         tracing::warn!(target_id = %id, paused, "target pause state changed by an operator");
         Ok(true)
+    }
+
+    /// Sets the pause flag of the worker running `id` now, under the lock a reload replaces
+    /// workers under (a replacement copies the flag of the worker it replaces: set on one
+    /// already replaced, the pause would be lost). Returns the flag before, if `id` runs.
+    fn set_pause_flag(&self, id: &str, paused: bool) -> Option<bool> {
+        let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        running.get(id).map(|r| {
+            r.runtime
+                .paused
+                .swap(paused, std::sync::atomic::Ordering::SeqCst)
+        })
     }
 
     /// Opens target `id`'s breaker until `until` because another node's breaker for it opened
@@ -434,10 +483,7 @@ impl Dispatcher {
     /// Applies a pause or resume made on another node sharing the store (already persisted
     /// there). Returns whether this node's worker changed.
     pub fn follow_pause(&self, id: &str, paused: bool) -> bool {
-        let Some(rt) = self.runtime(id) else {
-            return false;
-        };
-        if rt.paused.swap(paused, std::sync::atomic::Ordering::SeqCst) == paused {
+        if self.set_pause_flag(id, paused) != Some(!paused) {
             return false;
         }
         self.ctx.store.notifier(id).notify_one();

@@ -728,6 +728,25 @@ impl Cx<'_> {
                 None => return None,
             },
         };
+        if let Some(prefix) = RESERVED_TARGET_PREFIXES
+            .iter()
+            .find(|p| id.starts_with(**p))
+        {
+            // Target states and operators' pause and rule records share one key space.
+            let what = if node.get("id").is_some() {
+                "set an id"
+            } else {
+                "rename the rule or set an id"
+            };
+            self.err(
+                file,
+                id_node,
+                format!(
+                    "target id `{id}` starts with `{prefix}`, which is kept for operators' pause and rule records: {what} without it"
+                ),
+            );
+            ok = false;
+        }
         if let Some(first) = self.target_locs.get(&id) {
             let first = loc_str(first);
             self.err(
@@ -1079,6 +1098,14 @@ fn uses_month_unit(duration: &str) -> bool {
 
 /// Names of rules, targets, policies and handlers: non-empty, at most 200 bytes, no
 /// whitespace, control characters or `/` (they appear in URLs, metrics and logs).
+/// Target id prefixes the store's target-state records keep for operators' records
+/// (`deliver::PAUSE_STATE_PREFIX`, `app::RULE_STATE_PREFIX`): a target named so would read
+/// another's pause or write over it.
+const RESERVED_TARGET_PREFIXES: [&str; 2] = [
+    crate::deliver::PAUSE_STATE_PREFIX,
+    crate::app::RULE_STATE_PREFIX,
+];
+
 fn valid_name(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 200

@@ -375,6 +375,34 @@ rules:
     );
 }
 
+/// Operators' pause and rule records share the target-state key space: a target id that
+/// looks like one (explicit, or derived from a rule's name) is refused.
+#[test]
+fn target_ids_with_an_operator_record_prefix() {
+    let src = "\
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - handler: h
+        id: pause:hook
+  - name: rule:b
+    pattern: {type: [x]}
+    targets:
+      - handler: h
+";
+    let e = errs(&[("r.yaml", src)]);
+    assert_eq!(e.len(), 2, "{e:#?}");
+    assert_eq!(
+        e[0],
+        "r.yaml:6:13: target id `pause:hook` starts with `pause:`, which is kept for operators' pause and rule records: set an id without it"
+    );
+    assert_eq!(
+        e[1],
+        "r.yaml:10:9: target id `rule:b-0` starts with `rule:`, which is kept for operators' pause and rule records: rename the rule or set an id without it"
+    );
+}
+
 #[test]
 fn target_kinds_zero_or_two() {
     let src = "\
