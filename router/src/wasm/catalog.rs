@@ -21,7 +21,9 @@ use bytes::Bytes;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use super::registry::{HandlerIndex, HandlerRegistry, RegistryError, UploadError, VersionInfo};
+use super::registry::{
+    HandlerIndex, HandlerRegistry, RegistryError, UploadError, Validated, VersionInfo,
+};
 use crate::store::{HandlerCatalog, StoreError};
 use crate::telemetry::Labels;
 use prometheus_client::metrics::counter::Counter;
@@ -202,21 +204,10 @@ impl HandlerChanges {
                 back_off(round).await;
                 continue;
             };
-            let (registry, n, sha) = (self.registry.clone(), name.to_owned(), info.sha256.clone());
-            let local = blocking(move || {
-                registry.store_component(&n, &sha, &bytes)?;
-                registry
-                    .apply(index, Some(validated))
-                    .map(|_| ())
-                    .map_err(|e| std::io::Error::other(e.to_string()))
-            })
-            .await;
-            self.applied_here(
-                &mut applied,
-                name,
-                revision,
-                local.map_err(|e| e.to_string()),
-            );
+            let local = self
+                .install_here(name, &info.sha256, bytes, index, validated)
+                .await;
+            self.applied_here(&mut applied, name, revision, local);
             tracing::info!(
                 handler = name,
                 version = info.version,
@@ -273,20 +264,10 @@ impl HandlerChanges {
             };
             // This node may have fetched the version from the catalog just now: it keeps its
             // own copy, or a restart would find the active version's component missing.
-            let (registry, n, sha) = (self.registry.clone(), name.to_owned(), info.sha256.clone());
-            let local = blocking(move || {
-                if !registry.has_component(&n, &sha) {
-                    registry.store_component(&n, &sha, &bytes)?;
-                }
-                registry.apply(index, Some(validated)).map(|_| ())
-            })
-            .await;
-            self.applied_here(
-                &mut applied,
-                name,
-                revision,
-                local.map_err(|e| e.to_string()),
-            );
+            let local = self
+                .install_here(name, &info.sha256, bytes, index, validated)
+                .await;
+            self.applied_here(&mut applied, name, revision, local);
             tracing::info!(
                 handler = name,
                 version = info.version,
@@ -360,6 +341,31 @@ impl HandlerChanges {
     }
 
     /// The bytes of `info`'s component: this node's copy, or the catalog's.
+    /// The local half of an upload or rollback written to the catalog: keeps component `sha`
+    /// of `name` on this node's disk (unless it has it) and makes `index` live here.
+    async fn install_here(
+        &self,
+        name: &str,
+        sha: &str,
+        bytes: impl AsRef<[u8]> + Send + 'static,
+        index: HandlerIndex,
+        validated: Validated,
+    ) -> Result<(), String> {
+        let (registry, n, sha) = (self.registry.clone(), name.to_owned(), sha.to_owned());
+        blocking(move || {
+            if !registry.has_component(&n, &sha) {
+                registry
+                    .store_component(&n, &sha, bytes.as_ref())
+                    .map_err(|e| e.to_string())?;
+            }
+            registry
+                .apply(index, Some(validated))
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        })
+        .await
+    }
+
     async fn component(
         &self,
         catalog: &dyn HandlerCatalog,
