@@ -537,12 +537,32 @@ pub trait HandlerCatalog: Send + Sync + 'static {
         size: u64,
     ) -> BoxFuture<'_, Result<Option<Vec<u8>>, StoreError>>;
 
-    /// Removes components (`(sha256, size)` each) of `name`.
-    fn delete_components(
+    /// Every component stored, as its records stand now (for sweeping those no index names).
+    fn stored_components(&self) -> BoxFuture<'_, Result<Vec<StoredComponent>, StoreError>>;
+
+    /// Removes the records of `components` that are still at the revisions listed: a record
+    /// written again since (the same bytes uploaded again) is kept. Returns how many records
+    /// went.
+    fn remove_components(
         &self,
-        name: &str,
-        components: Vec<(String, u64)>,
-    ) -> BoxFuture<'_, Result<(), StoreError>>;
+        components: Vec<StoredComponent>,
+    ) -> BoxFuture<'_, Result<usize, StoreError>>;
+}
+
+/// A component as a [`HandlerCatalog`] stores it: whose it is, its records and when the
+/// newest of them was written. Components are never removed when a handler or version is
+/// deleted (a re-upload of the same bytes racing the delete would lose them); they are swept
+/// once no index has named them for a while (`wasm::catalog`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredComponent {
+    /// The handler name.
+    pub name: String,
+    /// The component's SHA-256 (hex), as the handler's index names it.
+    pub sha256: String,
+    /// Its records, each as (key, revision): the backend's own, handed back to remove them.
+    pub records: Vec<(String, u64)>,
+    /// When its newest record was written (ms since the epoch, the store's clock).
+    pub written_ms: Millis,
 }
 
 #[cfg(test)]

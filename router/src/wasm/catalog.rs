@@ -32,6 +32,14 @@ use prometheus_client::metrics::family::Family;
 /// How often each node reads the catalog's indexes for changes made on other nodes.
 pub const SYNC_INTERVAL: Duration = Duration::from_secs(2);
 
+/// How often each node sweeps the catalog for components no handler's index names.
+pub const SWEEP_INTERVAL: Duration = Duration::from_secs(600);
+
+/// How long a component stays in the catalog after no index names it (a deleted handler's or
+/// version's, or an upload's whose index write never landed): far longer than an upload takes
+/// between writing its component and its index, and than the nodes' clocks differ.
+pub const ORPHAN_GRACE_MS: i64 = 3_600_000;
+
 /// Compare-and-set rounds a change tries before it gives up (other nodes changing the same
 /// handler each time).
 const MAX_ROUNDS: u32 = 8;
@@ -310,16 +318,9 @@ impl HandlerChanges {
                 back_off(round).await;
                 continue;
             };
-            let components = index
-                .versions
-                .iter()
-                .map(|v| (v.sha256.clone(), v.size))
-                .collect();
-            if let Err(e) = catalog.delete_components(name, components).await {
-                // The index no longer names them, so nothing will read them; they only
-                // take room until a later delete of the same name.
-                tracing::warn!(handler = name, error = %e, "deleted handler's components could not be removed from the catalog");
-            }
+            // Its components stay in the catalog until a sweep finds them unnamed for
+            // `ORPHAN_GRACE_MS` (`sweep_components`): removed now, they could take the chunks
+            // of the same bytes uploaded again on another node meanwhile.
             let registry = self.registry.clone();
             let local = blocking(move || registry.apply(tombstone, None).map(|_| ())).await;
             self.applied_here(
@@ -608,11 +609,64 @@ impl HandlerChanges {
         }
     }
 
-    /// Syncs every [`SYNC_INTERVAL`] until `cancel`.
+    /// Removes from the catalog the components that no handler's index names and that were
+    /// written at least [`ORPHAN_GRACE_MS`] before `now_ms`: those of deleted handlers and
+    /// versions, and of uploads whose index write never landed. A component written again
+    /// since it was listed (the same bytes uploaded again) is kept. Returns how many records
+    /// went.
+    pub async fn sweep_components(&self, now_ms: i64) -> Result<usize, StoreError> {
+        let Some(catalog) = &self.catalog else {
+            return Ok(0);
+        };
+        // The indexes before the components: a component whose index is written after this
+        // read was written after it too, well inside the grace.
+        let mut named = std::collections::HashSet::new();
+        let mut unreadable = std::collections::HashSet::new();
+        for rec in catalog.indexes().await? {
+            match HandlerIndex::from_bytes(&rec.index) {
+                Ok(index) => named.extend(
+                    index
+                        .versions
+                        .into_iter()
+                        .map(|v| (rec.name.clone(), v.sha256)),
+                ),
+                // Not judged: what it names is unknown.
+                Err(_) => {
+                    unreadable.insert(rec.name);
+                }
+            }
+        }
+        let orphans: Vec<_> = catalog
+            .stored_components()
+            .await?
+            .into_iter()
+            .filter(|c| {
+                !unreadable.contains(&c.name)
+                    && !named.contains(&(c.name.clone(), c.sha256.clone()))
+                    && now_ms.saturating_sub(c.written_ms) >= ORPHAN_GRACE_MS
+            })
+            .collect();
+        if orphans.is_empty() {
+            return Ok(0);
+        }
+        let which: Vec<String> = orphans
+            .iter()
+            .map(|c| format!("{}@{}", c.name, c.sha256))
+            .collect();
+        let removed = catalog.remove_components(orphans).await?;
+        self.syncs
+            .get_or_create(&vec![("result", "component_records_swept".to_string())])
+            .inc_by(removed as u64);
+        tracing::info!(components = ?which, records = removed, "components no handler names any more removed from the shared catalog");
+        Ok(removed)
+    }
+
+    /// Syncs every [`SYNC_INTERVAL`], and sweeps every [`SWEEP_INTERVAL`], until `cancel`.
     pub async fn follow(self: Arc<Self>, cancel: CancellationToken) {
         if self.catalog.is_none() {
             return;
         }
+        let mut last_sweep = tokio::time::Instant::now();
         loop {
             tokio::select! {
                 () = cancel.cancelled() => return,
@@ -620,6 +674,13 @@ impl HandlerChanges {
             }
             // A failure is logged and shown in the status by `sync`; the next round retries.
             let _ = self.sync().await;
+            if last_sweep.elapsed() >= SWEEP_INTERVAL {
+                last_sweep = tokio::time::Instant::now();
+                let now_ms = chrono::Utc::now().timestamp_millis();
+                if let Err(e) = self.sweep_components(now_ms).await {
+                    tracing::warn!(error = %e, "cannot sweep the shared handler catalog; the next sweep tries again");
+                }
+            }
         }
     }
 }

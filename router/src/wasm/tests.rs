@@ -679,14 +679,20 @@ fn a_corrupt_stored_version_is_reported_not_fatal() {
     assert!(reopened.active("strict").is_some());
 }
 
+/// A component in a [`MemCatalog`]: its bytes, revision and when it was written.
+type MemComponent = (Vec<u8>, u64, i64);
+
 /// The in-memory [`crate::store::HandlerCatalog`] the shared-handler tests run on: the same
 /// compare-and-set contract as the JetStream one, and a switch that makes it unreachable.
 #[derive(Default)]
 struct MemCatalog {
     indexes: Mutex<HashMap<String, (u64, bytes::Bytes)>>,
-    components: Mutex<HashMap<(String, String), Vec<u8>>>,
+    /// Each component's bytes, revision and when it was written (`now`).
+    components: Mutex<HashMap<(String, String), MemComponent>>,
     revision: AtomicU64,
     down: AtomicBool,
+    /// The catalog's clock, ms: what a component written now is stamped with.
+    now: std::sync::atomic::AtomicI64,
 }
 
 impl MemCatalog {
@@ -783,7 +789,12 @@ impl crate::store::HandlerCatalog for MemCatalog {
         let key = (name.to_string(), sha256.to_string());
         Box::pin(async move {
             self.check()?;
-            self.components.lock().unwrap().insert(key, bytes.to_vec());
+            let revision = self.revision.fetch_add(1, Ordering::SeqCst) + 1;
+            let now = self.now.load(Ordering::SeqCst);
+            self.components
+                .lock()
+                .unwrap()
+                .insert(key, (bytes.to_vec(), revision, now));
             Ok(())
         })
     }
@@ -797,23 +808,56 @@ impl crate::store::HandlerCatalog for MemCatalog {
         let key = (name.to_string(), sha256.to_string());
         Box::pin(async move {
             self.check()?;
-            Ok(self.components.lock().unwrap().get(&key).cloned())
+            Ok(self
+                .components
+                .lock()
+                .unwrap()
+                .get(&key)
+                .map(|c| c.0.clone()))
         })
     }
 
-    fn delete_components(
+    fn stored_components(
         &self,
-        name: &str,
-        components: Vec<(String, u64)>,
-    ) -> futures::future::BoxFuture<'_, Result<(), crate::store::StoreError>> {
-        let name = name.to_string();
+    ) -> futures::future::BoxFuture<
+        '_,
+        Result<Vec<crate::store::StoredComponent>, crate::store::StoreError>,
+    > {
+        Box::pin(async move {
+            self.check()?;
+            Ok(self
+                .components
+                .lock()
+                .unwrap()
+                .iter()
+                .map(
+                    |((name, sha256), (_, revision, at))| crate::store::StoredComponent {
+                        name: name.clone(),
+                        sha256: sha256.clone(),
+                        records: vec![(format!("{name}.{sha256}"), *revision)],
+                        written_ms: *at,
+                    },
+                )
+                .collect())
+        })
+    }
+
+    fn remove_components(
+        &self,
+        components: Vec<crate::store::StoredComponent>,
+    ) -> futures::future::BoxFuture<'_, Result<usize, crate::store::StoreError>> {
         Box::pin(async move {
             self.check()?;
             let mut stored = self.components.lock().unwrap();
-            for (sha, _) in components {
-                stored.remove(&(name.clone(), sha));
+            let mut removed = 0;
+            for c in components {
+                let key = (c.name, c.sha256);
+                if stored.get(&key).map(|s| s.1) == c.records.first().map(|r| r.1) {
+                    stored.remove(&key);
+                    removed += 1;
+                }
             }
-            Ok(())
+            Ok(removed)
         })
     }
 }
@@ -895,9 +939,21 @@ async fn an_upload_rollback_and_delete_on_one_node_reach_the_others() {
         Err(RegistryError::UnknownHandler(_))
     ));
 
-    // Deleted on B: gone from A at its next sync, the components gone from the catalog.
+    // Deleted on B: gone from A at its next sync. Its components stay in the catalog until a
+    // sweep finds them unnamed for the grace period.
     assert!(b.delete("noop").await.unwrap());
     assert!(b.registry().get("noop").is_none());
+    assert_eq!(catalog.components.lock().unwrap().len(), 2);
+    assert_eq!(
+        b.sweep_components(catalog::ORPHAN_GRACE_MS - 1)
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        b.sweep_components(catalog::ORPHAN_GRACE_MS).await.unwrap(),
+        2
+    );
     assert!(catalog.components.lock().unwrap().is_empty());
     let report = a.sync().await.unwrap();
     assert_eq!(report.removed, vec!["noop".to_string()]);
@@ -1015,6 +1071,40 @@ async fn an_unreachable_catalog_refuses_changes_and_is_shown_until_it_returns() 
             && status.health.last_sync_at.is_some()
     );
     assert!(b.registry().active("noop").is_some());
+}
+
+/// A sweep removes the components no index names once the grace has passed, and nothing an
+/// index names however old: a handler deleted and uploaded again keeps its bytes.
+#[tokio::test]
+async fn the_sweep_removes_only_components_no_index_names() {
+    use crate::store::HandlerCatalog;
+    let catalog = Arc::new(MemCatalog::default());
+    let (_a_dir, a) = node(&catalog);
+    let v1 = a
+        .upload("noop", plugin("noop").into(), "alice")
+        .await
+        .unwrap();
+    // An upload whose index write never landed leaves its component alone.
+    catalog
+        .put_component("other", "ab12", bytes::Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+    let late = 10 * catalog::ORPHAN_GRACE_MS;
+    assert_eq!(a.sweep_components(late).await.unwrap(), 1);
+    let left: Vec<_> = catalog.components.lock().unwrap().keys().cloned().collect();
+    assert_eq!(left, vec![("noop".to_string(), v1.sha256.clone())]);
+    // Deleted and uploaded again before a sweep: named again, kept, and a node that syncs
+    // now installs it from the catalog.
+    assert!(a.delete("noop").await.unwrap());
+    let again = a
+        .upload("noop", plugin("noop").into(), "bob")
+        .await
+        .unwrap();
+    assert_eq!(again.sha256, v1.sha256);
+    assert_eq!(a.sweep_components(late).await.unwrap(), 0);
+    let (_b_dir, b) = node(&catalog);
+    b.sync().await.unwrap();
+    assert_eq!(active_sha(&b, "noop"), Some(v1.sha256));
 }
 
 #[tokio::test]

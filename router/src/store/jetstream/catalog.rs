@@ -16,7 +16,9 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt, TryStreamExt};
 
 use super::records::{Expect, Records, RecordsError, Write};
-use crate::store::{CatalogRecord, ContractCatalog, HandlerCatalog, SharedContract, StoreError};
+use crate::store::{
+    CatalogRecord, ContractCatalog, HandlerCatalog, SharedContract, StoreError, StoredComponent,
+};
 
 /// Bytes per component chunk: well under the smallest `max_payload` the store accepts (the
 /// body limit plus an envelope, 1 MiB by default).
@@ -233,23 +235,62 @@ impl HandlerCatalog for JetStreamCatalog {
         .boxed()
     }
 
-    fn delete_components(
-        &self,
-        name: &str,
-        components: Vec<(String, u64)>,
-    ) -> BoxFuture<'_, Result<(), StoreError>> {
-        let name = name.to_string();
+    fn stored_components(&self) -> BoxFuture<'_, Result<Vec<StoredComponent>, StoreError>> {
         async move {
-            check_token("handler name", &name)?;
-            let mut writes = Vec::new();
-            for (sha256, size) in components {
-                check_token("component hash", &sha256)?;
-                writes.extend(
-                    (0..chunks(size))
-                        .map(|n| Write::delete(chunk_key(&name, &sha256, n), Expect::Any)),
-                );
-            }
-            self.commit_each(writes).await
+            let mut found: std::collections::BTreeMap<(String, String), StoredComponent> =
+                std::collections::BTreeMap::new();
+            // Headers only: a sweep does not read the components' bytes.
+            self.records
+                .scan_with("hc", None, true, |r| {
+                    let mut parts = r.key.splitn(4, '.');
+                    if let (Some("hc"), Some(name), Some(sha), Some(_), true) = (
+                        parts.next(),
+                        parts.next(),
+                        parts.next(),
+                        parts.next(),
+                        r.value.is_some(),
+                    ) {
+                        let c = found
+                            .entry((name.to_owned(), sha.to_owned()))
+                            .or_insert_with(|| StoredComponent {
+                                name: name.to_owned(),
+                                sha256: sha.to_owned(),
+                                records: Vec::new(),
+                                written_ms: 0,
+                            });
+                        c.records.push((r.key.clone(), r.revision));
+                        c.written_ms = c.written_ms.max(r.published_ms);
+                    }
+                    true
+                })
+                .await?;
+            Ok(found.into_values().collect())
+        }
+        .boxed()
+    }
+
+    fn remove_components(
+        &self,
+        components: Vec<StoredComponent>,
+    ) -> BoxFuture<'_, Result<usize, StoreError>> {
+        async move {
+            let deletes = components
+                .into_iter()
+                .flat_map(|c| c.records)
+                .filter(|(key, _)| key.starts_with("hc."))
+                .map(|(key, revision)| Write::delete(key, Expect::Revision(revision)));
+            // Each on its own: a chunk written again since its listing is kept, the rest go.
+            futures::stream::iter(deletes)
+                .map(|w| async move {
+                    match self.records.commit(vec![w]).await {
+                        Ok(_) => Ok(1),
+                        Err(RecordsError::Conflict) => Ok(0),
+                        Err(e) => Err(StoreError::from(e)),
+                    }
+                })
+                .buffer_unordered(PARALLEL)
+                .try_fold(0usize, |n, removed| async move { Ok(n + removed) })
+                .await
         }
         .boxed()
     }

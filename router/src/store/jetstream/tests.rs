@@ -2106,10 +2106,32 @@ async fn the_handler_catalog_keeps_indexes_by_compare_and_set_and_components_in_
         other.component("noop", "cd34", 10).await.expect("read"),
         None
     );
+    // Listed for a sweep (headers only: its three chunks, when written), then written again
+    // before the removal: every chunk is at a newer revision, and none goes.
+    let listed = catalog.stored_components().await.expect("list");
+    assert_eq!(listed.len(), 1);
+    assert_eq!(
+        (listed[0].name.as_str(), listed[0].sha256.as_str()),
+        ("noop", sha)
+    );
+    assert_eq!(listed[0].records.len(), 3);
+    assert!(listed[0].written_ms > 0);
     catalog
-        .delete_components("noop", vec![(sha.to_string(), big.len() as u64)])
+        .put_component("noop", sha, Bytes::from(big.clone()))
         .await
-        .expect("delete");
+        .expect("store again");
+    assert_eq!(catalog.remove_components(listed).await.expect("remove"), 0);
+    assert!(
+        other
+            .component("noop", sha, big.len() as u64)
+            .await
+            .expect("read")
+            .is_some()
+    );
+    // Listed again and removed: gone, and no longer listed.
+    let listed = catalog.stored_components().await.expect("list");
+    assert_eq!(catalog.remove_components(listed).await.expect("remove"), 3);
+    assert!(catalog.stored_components().await.expect("list").is_empty());
     assert_eq!(
         other
             .component("noop", sha, big.len() as u64)
