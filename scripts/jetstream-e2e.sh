@@ -27,4 +27,6 @@ done
 # Not ROUTER_*: the routers read every such variable as a config key; the harness maps this
 # one onto theirs.
 export E2E_JETSTREAM_URL="nats://127.0.0.1:$PORT"
+# For tests that stop and restart a server of their own (a store outage).
+export E2E_NATS_SERVER="$BIN"
 cargo test --locked -p router --test e2e "$@"

@@ -121,13 +121,13 @@ pub struct ReloadStatus {
     pub failed_reloads: u64,
 }
 
-/// Why a reload was refused.
+/// Why a reload was refused: the previous rules and contracts stay live.
 #[derive(Debug, thiserror::Error)]
 pub enum ReloadError {
     /// The new rules or contracts do not load.
     #[error("{0}")]
     Invalid(String),
-    /// Saving target configurations failed.
+    /// Saving target configurations failed: the store, not the files, is at fault.
     #[error("store: {0}")]
     Store(#[from] StoreError),
 }
@@ -221,7 +221,10 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                 tracing::warn!(target_id = %id, "target removed from the rules; its queued entries drain under its last configuration");
             }
             crate::config::OnTargetRemoved::DeadLetter => {
-                let n = app
+                // The new set is live already: a store failure here is not a refused reload
+                // (callers take a refusal to mean nothing changed). The loop below keeps
+                // moving the entries.
+                match app
                     .store
                     .dead_letter_queued(
                         id,
@@ -229,8 +232,15 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                         "the target was removed from the rules",
                         now,
                     )
-                    .await?;
-                tracing::warn!(target_id = %id, entries = n, "target removed from the rules; its queued entries moved to the DLQ");
+                    .await
+                {
+                    Ok(n) => {
+                        tracing::warn!(target_id = %id, entries = n, "target removed from the rules; its queued entries moved to the DLQ");
+                    }
+                    Err(e) => {
+                        tracing::warn!(target_id = %id, error = %e, "target removed from the rules; moving its queued entries to the DLQ failed, tried again");
+                    }
+                }
                 // Entries in flight at this moment come back to the queue when their attempt
                 // ends (or their lease expires): keep moving them until the queue is empty, for
                 // at most one lease (attempt timeout + margin) and a little more.
@@ -729,10 +739,13 @@ pub fn load_rules(cfg: &Config) -> Result<(RuleSet, Vec<String>), RunError> {
 
 /// Loads contracts from `cfg.contracts_dir` (a missing directory means none).
 pub fn load_contracts(cfg: &Config) -> Result<ContractSet, RunError> {
-    if !cfg.contracts_dir.exists() {
-        return Ok(ContractSet::empty());
-    }
-    ContractSet::load_dir(&cfg.contracts_dir).map_err(|errors| RunError::Contracts {
+    load_contracts_with(cfg, &[])
+}
+
+/// Loads contracts as `cfg.contracts_dir` would be with `files` (`(relative path, text)`)
+/// written into it, writing nothing.
+pub fn load_contracts_with(cfg: &Config, files: &[(&str, &str)]) -> Result<ContractSet, RunError> {
+    ContractSet::load_dir_with(&cfg.contracts_dir, files).map_err(|errors| RunError::Contracts {
         dir: cfg.contracts_dir.display().to_string(),
         errors: errors
             .iter()
@@ -1302,4 +1315,70 @@ fn spawn_sweeper(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToke
             tokio::time::sleep(Duration::ZERO).await;
         }
     });
+}
+
+/// An [`App`] for unit tests of the API's handlers and followers, assembled as
+/// [`run_with_store`] does it but without serving, resuming jobs or starting any target.
+#[cfg(test)]
+pub(crate) fn test_app(
+    cfg: Config,
+    store: Arc<dyn Store>,
+    shared_contracts: Option<Arc<crate::admin::contracts::SharedContracts>>,
+) -> Arc<App> {
+    let (rules, warnings) = load_rules(&cfg).expect("the test's rules load");
+    let contracts = load_contracts(&cfg).expect("the test's contracts load");
+    let metrics = Metrics::new();
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let spawner = tokio::runtime::Handle::current();
+    let secrets: crate::deliver::SecretResolver = Arc::new(|_: &str| None);
+    let dispatcher = Dispatcher::new(DeliveryContext {
+        store: store.clone(),
+        metrics: metrics.clone(),
+        clock: clock.clone(),
+        cfg: cfg.delivery.clone(),
+        http: crate::target::webhook::shared_clients(None).expect("http clients"),
+        nats: crate::target::nats::NatsConnection::new(
+            cfg.nats.clone(),
+            secrets.clone(),
+            spawner.clone(),
+        ),
+        cancel: CancellationToken::new(),
+        tracker: TaskTracker::new(),
+        spawner,
+        system_events: None,
+        secrets,
+        handlers: None,
+    });
+    let now = clock.now_ms();
+    Arc::new(App {
+        started_at: now,
+        reload_status: Mutex::new(ReloadStatus {
+            rules_version: rules.version.clone(),
+            contracts_version: contracts.version(),
+            loaded_at: crate::clock::rfc3339(now),
+            ..Default::default()
+        }),
+        cfg,
+        store,
+        rules: ArcSwap::from_pointee(rules),
+        contracts: ArcSwap::from_pointee(contracts),
+        metrics,
+        clock,
+        dispatcher,
+        ready: AtomicBool::new(true),
+        warnings: Mutex::new(warnings),
+        reload_lock: tokio::sync::Mutex::new(()),
+        jobs: crate::dlq::Jobs::default(),
+        disabled: ArcSwap::from_pointee(std::collections::HashSet::new()),
+        tokens: crate::auth::Tokens::new(&[]).expect("no tokens"),
+        ingest_limiters: std::collections::HashMap::new(),
+        disk_full: AtomicBool::new(false),
+        handlers: None,
+        shared_contracts,
+        delivery_threads: crate::deliver::DeliveryThreadsStatus {
+            threads: 1,
+            nice: None,
+            error: None,
+        },
+    })
 }

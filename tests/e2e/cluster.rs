@@ -233,6 +233,130 @@ async fn a_contract_uploaded_to_one_router_applies_on_every_router() {
     assert!(c["schema"]["properties"]["w"].is_object(), "{c}");
 }
 
+/// A NATS server of one test's own (the JetStream pass's shared one cannot be stopped without
+/// failing every other test): started on a free port with a store directory it keeps across a
+/// kill and restart.
+struct OwnNats {
+    bin: std::path::PathBuf,
+    dir: tempfile::TempDir,
+    port: u16,
+    child: Option<std::process::Child>,
+}
+
+impl OwnNats {
+    /// `None` outside the JetStream pass, whose script names the server binary.
+    fn start() -> Option<Self> {
+        let bin = std::env::var_os("E2E_NATS_SERVER")?.into();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let mut n = Self {
+            bin,
+            dir: tempfile::tempdir().expect("tempdir"),
+            port,
+            child: None,
+        };
+        n.spawn();
+        Some(n)
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    fn spawn(&mut self) {
+        let conf = self.dir.path().join("server.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "listen: 127.0.0.1:{}\nmax_payload: 8MB\njetstream {{ store_dir: \"{}\", sync_interval: always }}\n",
+                self.port,
+                self.dir.path().join("js").display()
+            ),
+        )
+        .expect("server config");
+        let child = std::process::Command::new(&self.bin)
+            .arg("-c")
+            .arg(&conf)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start nats-server");
+        self.child = Some(child);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "nats-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for OwnNats {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// While the store is unreachable, a contract upload is refused with 503 and `Retry-After`
+/// (the store's fault, not the file's) and changes nothing on the node that got it; once the
+/// store is back, the same upload goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_contract_upload_while_the_store_is_down_changes_nothing() {
+    let Some(mut nats) = OwnNats::start().filter(|_| RouterProc::on_jetstream()) else {
+        eprintln!("skipped: needs the JetStream pass (scripts/jetstream-e2e.sh)");
+        return;
+    };
+    let rcv = Receiver::ok().await;
+    let url = nats.url();
+    let a = RouterProc::start_with_env(
+        &[("r.yaml", &webhook_rule("r", "t", &rcv.url(), "hook"))],
+        &[("t/v1.json", r#"{"type": "object"}"#)],
+        &[
+            ("ROUTER_STORE__JETSTREAM__URL", url.as_str()),
+            ("ROUTER_STORE__JETSTREAM__TIMEOUT", "2s"),
+        ],
+    );
+    let v2 = json!({"type": "object", "required": ["z"]});
+    nats.kill();
+    let resp = client()
+        .put(a.url("/v1/contracts/t/v2"))
+        .json(&v2)
+        .send()
+        .await
+        .expect("put");
+    let (status, retry_after) = (resp.status().as_u16(), retry_after_header(&resp));
+    let body: Value = resp.json().await.unwrap_or(Value::Null);
+    assert_eq!(status, 503, "{body}");
+    assert!(retry_after.is_some(), "503 without Retry-After");
+    assert_eq!(get_json(&a, "/v1/contracts/t/v2").await.0, 404);
+    assert!(!a.dir.path().join("contracts/t/v2.json").exists());
+
+    // Back: sent again, it goes through (200 rather than 201 when the write that timed out
+    // reached the store after all, and the sync applied it first).
+    nats.spawn();
+    let through = eventually(Duration::from_secs(60), || async {
+        let (code, body) = put_json(&a, "/v1/contracts/t/v2", v2.clone()).await;
+        (code == 200 || code == 201).then_some(body)
+    })
+    .await;
+    assert!(
+        through.is_some(),
+        "the upload never went through once the store was back"
+    );
+    assert_eq!(get_json(&a, "/v1/contracts/t/v2").await.0, 200);
+}
+
 /// Containment made on one router holds on every router: a target paused through one node gets
 /// no attempts from any node until it is resumed (through another), and a rule disabled on one
 /// node routes nothing anywhere.

@@ -4,12 +4,16 @@
 //! compared with the version before it, then written into the watched directory and reloaded
 //! like a change from git. Reading needs `read`; uploading needs `admin`.
 //!
-//! On a store several nodes share ([`Store::contract_catalog`](crate::store::Store)), an upload
-//! is also recorded in the store once this node has reloaded with it, and every other node
-//! writes it into its own contracts directory and reloads ([`SharedContracts`]), within
-//! [`SYNC_INTERVAL`]. Each node remembers which upload its directory holds (in
-//! `<data_dir>/contract-catalog.json`), so a restart does not write an upload again over a file
-//! changed in git since; only a newer upload does.
+//! On a store several nodes share ([`Store::contract_catalog`](crate::store::Store)), the
+//! store's catalog is the truth: an upload is first checked against this node's directory
+//! without making it live (the directory as it would be with the file must load), then
+//! recorded in the store, and only then written into this node's directory and reloaded. So a
+//! refusal (the store cannot take it) changes nothing anywhere, and once the store took it,
+//! the upload stands: a failure to apply it here is shown per contract and made good by the
+//! next sync. Every other node writes it into its own directory and reloads
+//! ([`SharedContracts`]), within [`SYNC_INTERVAL`]. Each node remembers which upload its
+//! directory holds (in `<data_dir>/contract-catalog.json`), so a restart does not write an
+//! upload again over a file changed in git since; only a newer upload does.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write as _;
@@ -22,14 +26,14 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
-use crate::app::App;
+use crate::app::{App, ReloadError};
 use crate::contract::{CompatIssue, ContractSet, compat_issues, parse_version};
 use crate::event::FieldError;
 use crate::ingest::error_response;
 use crate::store::{ContractCatalog, SharedContract, StoreError};
 
-/// Uploads run one at a time: each writes, reloads and, if the reload refuses the set, puts
-/// the directory back as it was.
+/// Uploads and syncs run one at a time: each changes the directory and reloads, and takes its
+/// files back out when the reload refuses them.
 static UPLOADS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Longest event type accepted as a directory name.
@@ -136,7 +140,8 @@ pub async fn show(
 /// `PUT /v1/contracts/{type}/{version}`: puts a JSON Schema for the `data` of that type and
 /// version. 201 for a new version, 200 for a compatible change to a live one; 400 for a bad
 /// path or body, 422 for a schema that does not compile, 409 for an incompatible change to a
-/// live version or a directory that would not reload with the file (nothing changed then).
+/// live version or a directory that would not reload with the file, 503 when the store fails
+/// (nothing changed after any of these).
 pub async fn upload(
     State(app): State<Arc<App>>,
     Path((ty, version)): Path<(String, String)>,
@@ -200,83 +205,157 @@ pub async fn upload(
         None => (None, Vec::new()),
     };
 
-    let dir = app.cfg.contracts_dir.clone();
-    let path = dir.join(&ty).join(format!("v{v}.json"));
-    let contents = text.to_owned();
-    let written = {
-        let path = path.clone();
-        tokio::task::spawn_blocking(move || write_contract(&path, &contents)).await
-    };
-    let before = match written {
-        Ok(Ok(before)) => before,
-        Ok(Err(e)) => return write_failed(&path, &e),
-        Err(e) => return write_failed(&path, &std::io::Error::other(e.to_string())),
-    };
-    if let Err(e) = crate::app::reload(&app, "contract upload").await {
-        let restored = {
-            let path = path.clone();
-            tokio::task::spawn_blocking(move || restore(&path, before)).await
-        };
-        if !matches!(restored, Ok(Ok(()))) {
-            tracing::error!(file = %path.display(), "could not put the contracts directory back after a refused upload");
+    let path = app.cfg.contracts_dir.join(&ty).join(format!("v{v}.json"));
+    let placed = match &app.shared_contracts {
+        None => place_here(&app, &path, text).await.map(|()| None),
+        Some(shared) => {
+            let contract = SharedContract {
+                ty: ty.clone(),
+                version: v,
+                text: text.to_owned(),
+                revision: 0,
+            };
+            place_shared(&app, shared, &rel, &path, contract).await
         }
-        return error_response(
-            StatusCode::CONFLICT,
-            "the contracts directory did not reload with this file; nothing changed",
-            e.to_string()
-                .lines()
-                .map(|l| FieldError::new("", l))
-                .collect(),
-        );
-    }
-    if let Some(shared) = &app.shared_contracts {
-        let contract = SharedContract {
-            ty: ty.clone(),
-            version: v,
-            text: text.to_owned(),
-            revision: 0,
-        };
-        match shared.catalog.put_contract(contract).await {
-            Ok(revision) => shared.mark(&rel, revision),
-            Err(e) => {
-                // The other nodes cannot have it: take it back here too.
-                let restored = {
-                    let path = path.clone();
-                    tokio::task::spawn_blocking(move || restore(&path, before)).await
-                };
-                let reloaded = crate::app::reload(&app, "contract upload undone").await;
-                if !matches!(restored, Ok(Ok(()))) || reloaded.is_err() {
-                    tracing::error!(file = %path.display(), "could not put the contracts directory back after the shared catalog refused an upload");
-                }
-                tracing::error!(contract = %rel, error = %e, "contract upload refused: the shared catalog is unavailable");
-                return crate::ingest::catalog_unavailable_response(
-                    "the shared contract catalog is unavailable; nothing was changed",
-                    e.to_string(),
-                );
-            }
-        }
-    }
-    tracing::info!(contract = %rel, replaced = replaced.is_some(), "contract uploaded");
+    };
+    let local_error = match placed {
+        Ok(local_error) => local_error,
+        Err(refused) => return *refused,
+    };
+    tracing::info!(contract = %rel, replaced = replaced.is_some(), applied_here = local_error.is_none(), "contract uploaded");
     let set = app.contracts.load();
     let status = if replaced.is_some() {
         StatusCode::OK
     } else {
         StatusCode::CREATED
     };
-    (
-        status,
-        axum::Json(json!({
-            "type": ty,
-            "version": v,
-            "file": rel,
-            "mode": set.mode(&ty).as_str(),
-            "replaced": replaced.is_some(),
-            "contracts_version": set.version(),
-            "compared_with": compared_with,
-            "breaking_changes": breaking,
-        })),
-    )
-        .into_response()
+    let mut answer = json!({
+        "type": ty,
+        "version": v,
+        "file": rel,
+        "mode": set.mode(&ty).as_str(),
+        "replaced": replaced.is_some(),
+        "contracts_version": set.version(),
+        "compared_with": compared_with,
+        "breaking_changes": breaking,
+    });
+    if let Some(e) = local_error {
+        answer["local_error"] = json!(e);
+    }
+    (status, axum::Json(answer)).into_response()
+}
+
+/// The embedded store: this node's directory is the truth. Writes the file and reloads,
+/// putting the directory back when the reload refuses it.
+async fn place_here(app: &Arc<App>, path: &FsPath, text: &str) -> Result<(), Box<Response>> {
+    let before = write_blocking(path, text)
+        .await
+        .map_err(|e| Box::new(write_failed(path, &e)))?;
+    if let Err(e) = crate::app::reload(app, "contract upload").await {
+        if restore_blocking(path, before).await.is_err() {
+            tracing::error!(file = %path.display(), "could not put the contracts directory back after a refused upload");
+        }
+        return Err(Box::new(reload_refused(&e)));
+    }
+    Ok(())
+}
+
+/// A store several nodes share: checks that this node would reload with the upload (its rules
+/// and its contracts directory with the file, loaded without making them live), records it in
+/// the store, then writes and reloads it here.
+/// `Err` is the answer when nothing changed anywhere; `Ok(Some(why))` when the store took the
+/// upload but this node's directory did not (the next sync applies it here).
+async fn place_shared(
+    app: &Arc<App>,
+    shared: &SharedContracts,
+    rel: &str,
+    path: &FsPath,
+    contract: SharedContract,
+) -> Result<Option<String>, Box<Response>> {
+    // A dry run of the reload: the rules too, as a broken rule file would refuse it here.
+    let text = contract.text.clone();
+    let (cfg, r, t) = (app.cfg.clone(), rel.to_owned(), text.clone());
+    let checked = tokio::task::spawn_blocking(move || {
+        crate::app::load_rules(&cfg)?;
+        crate::app::load_contracts_with(&cfg, &[(r.as_str(), t.as_str())]).map(|_| ())
+    })
+    .await;
+    match checked {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            return Err(Box::new(reload_refused(&ReloadError::Invalid(
+                e.to_string(),
+            ))));
+        }
+        Err(e) => {
+            tracing::error!(contract = %rel, error = %e, "checking an uploaded contract failed");
+            return Err(Box::new(error_response(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the contract could not be checked (details are in the router's log)",
+                Vec::new(),
+            )));
+        }
+    }
+    let revision = match shared.catalog.put_contract(contract).await {
+        Ok(revision) => revision,
+        Err(e) => {
+            // Not in force anywhere yet; but a write that timed out may still reach the store
+            // once it is back, and then applies everywhere (the client is told to send it
+            // again, which is harmless either way).
+            tracing::error!(contract = %rel, error = %e, "contract upload refused: the shared catalog is unavailable");
+            return Err(Box::new(crate::ingest::catalog_unavailable_response(
+                "the shared contract catalog is unavailable; the upload is not in force (send it again)",
+                e.to_string(),
+            )));
+        }
+    };
+    // The upload stands from here on: what fails now is this node's copy only, and is not
+    // undone in the store.
+    let local = match write_blocking(path, &text).await {
+        Err(e) => Err(format!("cannot write it: {e}")),
+        Ok(before) => match crate::app::reload(app, "contract upload").await {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                // Taken back out, so the directory keeps matching the live set; the next
+                // sync writes it again and reloads.
+                if restore_blocking(path, before).await.is_err() {
+                    tracing::error!(file = %path.display(), "could not take a contract this node did not reload with out of the directory");
+                }
+                Err(format!("this node's directory did not reload with it: {e}"))
+            }
+        },
+    };
+    match local {
+        Ok(()) => {
+            shared.mark(rel, revision);
+            Ok(None)
+        }
+        Err(why) => {
+            tracing::error!(contract = %rel, revision, error = %why, "a contract upload written to the shared catalog could not be applied on this node; the next sync retries it");
+            shared.contract_error(rel, Some(why.clone()));
+            Ok(Some(why))
+        }
+    }
+}
+
+/// The answer to an upload whose reload was refused (the file was put back, nothing changed):
+/// 409 when the directory does not load with it, 503 with `Retry-After` when the store failed
+/// (the file is not at fault; trying again later may work).
+fn reload_refused(e: &ReloadError) -> Response {
+    match e {
+        ReloadError::Invalid(msg) => error_response(
+            StatusCode::CONFLICT,
+            "the contracts directory did not reload with this file; nothing changed",
+            msg.lines().map(|l| FieldError::new("", l)).collect(),
+        ),
+        ReloadError::Store(e) => {
+            tracing::error!(error = %e, "contract upload refused: the store failed during the reload");
+            crate::ingest::catalog_unavailable_response(
+                "the store could not take the reload; nothing was changed",
+                e.to_string(),
+            )
+        }
+    }
 }
 
 /// How often each node reads the shared contracts for uploads made on other nodes.
@@ -525,6 +604,22 @@ fn restore(path: &FsPath, before: Option<Vec<u8>>) -> std::io::Result<()> {
     }
 }
 
+/// [`write_contract`] off the reactor.
+async fn write_blocking(path: &FsPath, contents: &str) -> std::io::Result<Option<Vec<u8>>> {
+    let (path, contents) = (path.to_path_buf(), contents.to_owned());
+    tokio::task::spawn_blocking(move || write_contract(&path, &contents))
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
+}
+
+/// [`restore`] off the reactor.
+async fn restore_blocking(path: &FsPath, before: Option<Vec<u8>>) -> std::io::Result<()> {
+    let path = path.to_path_buf();
+    tokio::task::spawn_blocking(move || restore(&path, before))
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
+}
+
 fn replace_file(path: &FsPath, bytes: &[u8]) -> std::io::Result<()> {
     let name = path
         .file_name()
@@ -545,6 +640,12 @@ fn replace_file(path: &FsPath, bytes: &[u8]) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    use futures::future::BoxFuture;
+
+    use crate::store::fault::SimulatedDisk;
+    use crate::store::{RedbStore, StoreOptions};
 
     #[test]
     fn types_are_single_visible_path_segments() {
@@ -587,5 +688,256 @@ mod tests {
             .map(|e| e.file_name())
             .collect();
         assert_eq!(left.len(), 1, "no temporary file is left: {left:?}");
+    }
+
+    /// The contracts the nodes share, in memory: a put can fail (the store is down), and can
+    /// take the store under the node down with it (an outage that reaches both).
+    #[derive(Default)]
+    struct FakeCatalog {
+        records: Mutex<Vec<SharedContract>>,
+        revisions: AtomicU64,
+        down: AtomicBool,
+        /// Made failing by a put refused while `down`.
+        disk_of_failed_put: Mutex<Option<SimulatedDisk>>,
+    }
+
+    impl FakeCatalog {
+        /// Records `text` as type `t` version `version`, as an upload on another node would.
+        fn put(&self, version: u32, text: &str) -> u64 {
+            let revision = self.revisions.fetch_add(1, Ordering::SeqCst) + 1;
+            let mut records = self.records.lock().expect("records");
+            records.retain(|c| c.version != version);
+            records.push(SharedContract {
+                ty: "t".into(),
+                version,
+                text: text.into(),
+                revision,
+            });
+            revision
+        }
+    }
+
+    impl ContractCatalog for FakeCatalog {
+        fn contracts(&self) -> BoxFuture<'_, Result<Vec<SharedContract>, StoreError>> {
+            Box::pin(async move {
+                if self.down.load(Ordering::SeqCst) {
+                    return Err(StoreError::Backend("the catalog is down".into()));
+                }
+                Ok(self.records.lock().expect("records").clone())
+            })
+        }
+
+        fn put_contract(&self, c: SharedContract) -> BoxFuture<'_, Result<u64, StoreError>> {
+            Box::pin(async move {
+                if self.down.load(Ordering::SeqCst) {
+                    if let Some(disk) = &*self.disk_of_failed_put.lock().expect("disk") {
+                        disk.set_failing(true);
+                    }
+                    return Err(StoreError::Backend("the catalog is down".into()));
+                }
+                assert_eq!(c.ty, "t", "the tests upload type t only");
+                Ok(self.put(c.version, &c.text))
+            })
+        }
+    }
+
+    const V1: &str = r#"{"type": "object", "required": ["y"]}"#;
+    const V2: &str = r#"{"type": "object", "required": ["z"]}"#;
+
+    /// A node with one rule (so a reload saves a target configuration in the store), contract
+    /// `t/v1.json`, its store on a disk that can be made to fail, and the shared catalog when
+    /// `shared`.
+    struct Node {
+        dir: tempfile::TempDir,
+        app: Arc<App>,
+        disk: SimulatedDisk,
+        catalog: Arc<FakeCatalog>,
+    }
+
+    impl Node {
+        fn start(shared: bool) -> Self {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let rules = dir.path().join("rules");
+            std::fs::create_dir_all(&rules).expect("rules dir");
+            std::fs::write(
+                rules.join("r.yaml"),
+                "rules:\n  - name: r\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/\n        id: hook\n",
+            )
+            .expect("rules");
+            let contracts = dir.path().join("contracts");
+            std::fs::create_dir_all(contracts.join("t")).expect("contracts dir");
+            std::fs::write(contracts.join("t/v1.json"), V1).expect("v1");
+            let cfg = crate::config::Config {
+                rules_dir: rules,
+                contracts_dir: contracts,
+                data_dir: dir.path().join("data"),
+                ..Default::default()
+            };
+            std::fs::create_dir_all(&cfg.data_dir).expect("data dir");
+            let disk = SimulatedDisk::new();
+            let d = disk.clone();
+            let store =
+                RedbStore::with_backend_factory(move || d.backend(), StoreOptions::default())
+                    .expect("store");
+            let catalog = Arc::new(FakeCatalog::default());
+            let shared = shared.then(|| {
+                Arc::new(SharedContracts::open(
+                    catalog.clone() as Arc<dyn ContractCatalog>,
+                    &cfg.data_dir,
+                ))
+            });
+            let app = crate::app::test_app(cfg, store, shared);
+            Self {
+                dir,
+                app,
+                disk,
+                catalog,
+            }
+        }
+
+        fn shared(&self) -> &SharedContracts {
+            self.app.shared_contracts.as_deref().expect("shared")
+        }
+
+        fn file(&self, version: u32) -> PathBuf {
+            self.dir.path().join(format!("contracts/t/v{version}.json"))
+        }
+
+        fn live(&self, version: u32) -> bool {
+            self.app.contracts.load().get("t", version).is_some()
+        }
+
+        /// `PUT /v1/contracts/t/v{version}`: the status, `Retry-After` and body.
+        async fn put(&self, version: u32, text: &str) -> (StatusCode, Option<String>, Value) {
+            let resp = upload(
+                State(self.app.clone()),
+                Path(("t".to_owned(), format!("v{version}"))),
+                axum::body::Bytes::from(text.to_owned()),
+            )
+            .await;
+            let status = resp.status();
+            let retry_after = resp
+                .headers()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned);
+            let body = axum::body::to_bytes(resp.into_body(), usize::MAX)
+                .await
+                .expect("body");
+            (
+                status,
+                retry_after,
+                serde_json::from_slice(&body).unwrap_or(Value::Null),
+            )
+        }
+
+        /// Syncs until a round applies something (the store reopens its file after the failed
+        /// commits of a test's outage, within a few rounds; 10 s is generous).
+        async fn sync_until_applied(&self) -> Vec<String> {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                match self.shared().sync(&self.app).await {
+                    Ok(files) if !files.is_empty() => return files,
+                    other => assert!(Instant::now() < deadline, "never applied: {other:?}"),
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+
+    /// The store goes down as the upload reaches it: the answer is 503 and, as it says,
+    /// nothing changed here either (before, the file was already live here, and taking it
+    /// back failed on the store too: the node kept a contract no other node had).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_upload_the_shared_store_refuses_changes_nothing_here() {
+        let node = Node::start(true);
+        node.catalog.down.store(true, Ordering::SeqCst);
+        *node.catalog.disk_of_failed_put.lock().expect("disk") = Some(node.disk.clone());
+        let (status, retry_after, body) = node.put(2, V2).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert!(retry_after.is_some(), "503 carries Retry-After");
+        assert!(!node.live(2), "a refused upload went live here");
+        assert!(
+            !node.file(2).exists(),
+            "a refused upload stayed in the directory"
+        );
+        assert!(node.catalog.records.lock().expect("records").is_empty());
+    }
+
+    /// A node that would not reload with the upload (another contract or a rule file is
+    /// broken) refuses it before the store hears of it: no other node gets a contract this one
+    /// cannot hold.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_upload_this_node_cannot_reload_with_is_not_shared() {
+        for broken in ["contracts/t/v3.json", "rules/broken.yaml"] {
+            let node = Node::start(true);
+            std::fs::write(node.dir.path().join(broken), r#"{"type": 5"#).expect("from git");
+            let (status, _, body) = node.put(2, V2).await;
+            assert_eq!(status, StatusCode::CONFLICT, "{broken}: {body}");
+            assert!(
+                body["errors"].to_string().contains(broken),
+                "{broken}: {body}"
+            );
+            assert!(node.catalog.records.lock().expect("records").is_empty());
+            assert!(!node.file(2).exists());
+            assert!(!node.live(2));
+        }
+    }
+
+    /// A store that fails during the upload's reload is the store's fault, not the file's: 503
+    /// with `Retry-After`, not 409 (on the embedded store the file is put back; on a shared
+    /// one the catalog refuses first).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_store_failing_during_an_upload_answers_503() {
+        for shared in [false, true] {
+            let node = Node::start(shared);
+            node.disk.set_failing(true);
+            node.catalog.down.store(true, Ordering::SeqCst);
+            let (status, retry_after, body) = node.put(2, V2).await;
+            assert_eq!(
+                status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shared: {shared}: {body}"
+            );
+            assert!(retry_after.is_some(), "shared: {shared}: no Retry-After");
+            assert!(!node.live(2), "shared: {shared}");
+            assert!(!node.file(2).exists(), "shared: {shared}");
+        }
+        // The embedded store as before otherwise: written and live at once.
+        let node = Node::start(false);
+        let (status, _, body) = node.put(2, V2).await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        assert!(node.live(2) && node.file(2).exists());
+        assert!(body.get("local_error").is_none(), "{body}");
+    }
+
+    /// Once the shared store took an upload it stands: when only this node's reload fails,
+    /// the answer is a success that says so, `/v1/status` shows it, and the next sync applies
+    /// it here.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_upload_the_store_took_stands_when_only_this_node_fails() {
+        let node = Node::start(true);
+        node.disk.set_failing(true);
+        let (status, _, body) = node.put(2, V2).await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        assert!(body["local_error"].is_string(), "{body}");
+        assert_eq!(node.catalog.records.lock().expect("records").len(), 1);
+        assert!(!node.live(2));
+        assert!(
+            !node.file(2).exists(),
+            "the directory keeps matching the live set"
+        );
+        assert!(
+            node.shared()
+                .status()
+                .contract_errors
+                .contains_key("t/v2.json"),
+            "{:?}",
+            node.shared().status()
+        );
+        node.disk.set_failing(false);
+        assert_eq!(node.sync_until_applied().await, vec!["t/v2.json"]);
+        assert!(node.live(2) && node.file(2).exists());
+        assert!(node.shared().status().contract_errors.is_empty());
     }
 }

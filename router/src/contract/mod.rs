@@ -215,6 +215,44 @@ impl ContractSet {
         let mut modes = None;
         let mut diags = Vec::new();
         collect_dir(dir, dir, "", 0, &mut sources, &mut modes, &mut diags);
+        Self::build_collected(sources, modes, diags)
+    }
+
+    /// Loads a contracts directory as it would be with `files` (`(relative path, text)`, as
+    /// for [`ContractSet::from_files`]) written into it, without writing them: to learn
+    /// whether a change would load before making it. A missing directory holds only `files`.
+    ///
+    /// # Errors
+    /// Every problem found, as for [`ContractSet::load_dir`].
+    pub fn load_dir_with(
+        dir: &Path,
+        files: &[(&str, &str)],
+    ) -> Result<ContractSet, Vec<ContractDiagnostic>> {
+        let mut sources = Vec::new();
+        let mut modes = None;
+        let mut diags = Vec::new();
+        if dir.exists() {
+            collect_dir(dir, dir, "", 0, &mut sources, &mut modes, &mut diags);
+        }
+        for (path, text) in files {
+            let rel = path.trim_start_matches("./").to_owned();
+            sources.retain(|s| s.rel != rel);
+            sources.push(Source {
+                display: dir.join(&rel).display().to_string(),
+                rel,
+                text: (*text).to_owned(),
+            });
+        }
+        Self::build_collected(sources, modes, diags)
+    }
+
+    /// Builds what a directory walk collected; the walk's own problems (unreadable files) are
+    /// reported with the build's.
+    fn build_collected(
+        sources: Vec<Source>,
+        modes: Option<Source>,
+        mut diags: Vec<ContractDiagnostic>,
+    ) -> Result<ContractSet, Vec<ContractDiagnostic>> {
         match Self::build(sources, modes) {
             Ok(set) if diags.is_empty() => Ok(set),
             Ok(_) => Err(sorted(diags)),

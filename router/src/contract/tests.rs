@@ -542,3 +542,33 @@ fn load_dir_missing_directory() {
     assert_eq!(d.len(), 1);
     assert!(d[0].message.contains("cannot read directory"));
 }
+
+/// The directory as it would be with an upload in it, loaded without writing the upload: a
+/// file of the same path is replaced, the rest of the directory (and its problems) counts.
+#[test]
+fn load_dir_with_loads_the_directory_as_it_would_be() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    fs::create_dir_all(root.join("order.created")).unwrap();
+    fs::write(root.join("order.created/v1.json"), ORDER_V1).unwrap();
+    let s = ContractSet::load_dir_with(root, &[("order.created/v2.json", ORDER_V2)]).unwrap();
+    assert_eq!(s.contracts().len(), 2);
+    assert!(
+        !root.join("order.created/v2.json").exists(),
+        "nothing written"
+    );
+    let replaced =
+        ContractSet::load_dir_with(root, &[("order.created/v1.json", ORDER_V2)]).unwrap();
+    assert_eq!(replaced.contracts().len(), 1);
+    assert_eq!(
+        replaced.get("order.created", 1).unwrap().schema,
+        serde_json::from_str::<Value>(ORDER_V2).unwrap()
+    );
+    // Another file that does not load refuses the whole set, as a reload would.
+    fs::write(root.join("order.created/v3.json"), "{\"type\": 5}").unwrap();
+    let d = ContractSet::load_dir_with(root, &[("order.created/v2.json", ORDER_V2)]).unwrap_err();
+    assert_eq!(d.len(), 1, "{d:?}");
+    // A directory not made yet holds only the files given.
+    let fresh = ContractSet::load_dir_with(&root.join("nope"), &[("t/v1.json", "{}")]).unwrap();
+    assert_eq!(fresh.contracts().len(), 1);
+}
