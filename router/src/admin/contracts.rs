@@ -365,6 +365,14 @@ pub const SYNC_INTERVAL: Duration = Duration::from_secs(2);
 /// again (the refusal may come from something else in the directory, fixed meanwhile).
 const RETRY_REFUSED: Duration = Duration::from_secs(60);
 
+/// An upload this node does not try again until a newer one replaces it (`revision`), or
+/// until `until`.
+#[derive(Debug, Clone, Copy)]
+struct Hold {
+    revision: u64,
+    until: Option<Instant>,
+}
+
 /// What `/v1/status` shows of the shared contracts.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct ContractCatalogStatus {
@@ -382,8 +390,8 @@ pub struct SharedContracts {
     applied: Mutex<BTreeMap<String, u64>>,
     /// Where `applied` is kept across restarts.
     path: PathBuf,
-    /// Refused uploads and when to try them again.
-    retry_at: Mutex<HashMap<String, Instant>>,
+    /// Per `<type>/v<N>.json`: a refused upload, held back until a newer one or a set time.
+    held: Mutex<HashMap<String, Hold>>,
     status: Mutex<ContractCatalogStatus>,
 }
 
@@ -409,7 +417,7 @@ impl SharedContracts {
             catalog,
             applied: Mutex::new(applied),
             path,
-            retry_at: Mutex::new(HashMap::new()),
+            held: Mutex::new(HashMap::new()),
             status: Mutex::new(ContractCatalogStatus::default()),
         }
     }
@@ -457,10 +465,33 @@ impl SharedContracts {
         }
     }
 
+    /// Whether upload `revision` of `rel` is held back at `now`.
+    fn held(&self, rel: &str, revision: u64, now: Instant) -> bool {
+        self.held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(rel)
+            .is_some_and(|h| h.revision == revision && h.until.is_none_or(|at| at > now))
+    }
+
+    /// Holds upload `revision` of `rel` back (see [`Hold`]). Returns false when it already
+    /// was held back for good (so its refusal was logged already).
+    fn hold(&self, rel: &str, revision: u64, until: Option<Instant>) -> bool {
+        let before = self
+            .held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(rel.to_owned(), Hold { revision, until });
+        !before.is_some_and(|h| h.revision == revision && h.until.is_none())
+    }
+
     /// Reads the shared contracts once and writes the uploads this node does not have yet into
-    /// its contracts directory, then reloads. If the directory does not reload with them, they
+    /// its contracts directory, then reloads. If the directory does not load with them, they
     /// are taken out again (the live set never changed) and tried again after
-    /// [`RETRY_REFUSED`]; `/v1/status` says why meanwhile. Returns the files written.
+    /// [`RETRY_REFUSED`], or sooner when a newer upload replaces them; `/v1/status` says why
+    /// meanwhile. If the store fails during the reload, they are taken out too and the error is
+    /// returned: the files are not at fault, and the next round tries again. Returns the files
+    /// applied.
     pub async fn sync(&self, app: &Arc<App>) -> Result<Vec<String>, StoreError> {
         let result = self.sync_with(app).await;
         let first_failure = self
@@ -470,7 +501,7 @@ impl SharedContracts {
             .health
             .record(&result, crate::clock::rfc3339(app.clock.now_ms()));
         if let (true, Err(e)) = (first_failure, &result) {
-            tracing::warn!(error = %e, "cannot read the shared contracts; uploads made on other nodes are not applied here until it can");
+            tracing::warn!(error = %e, "cannot follow the shared contracts (the store failed); uploads made on other nodes are not applied here until it can");
         }
         result
     }
@@ -479,20 +510,18 @@ impl SharedContracts {
         let uploads = self.catalog.contracts().await?;
         let _one = UPLOADS.lock().await;
         let now = Instant::now();
+        let live = app.contracts.load_full();
         let mut written = Vec::new();
         for c in uploads {
             let rel = format!("{}/v{}.json", c.ty, c.version);
-            if self.applied(&rel) >= c.revision
-                || self
-                    .retry_at
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .get(&rel)
-                    .is_some_and(|at| *at > now)
-            {
+            if self.applied(&rel) >= c.revision || self.held(&rel, c.revision, now) {
                 continue;
             }
-            if let Some(why) = type_problem(&c.ty) {
+            if let Some(why) = record_problem(&c) {
+                // No node can load it: held back until a newer upload replaces it.
+                if self.hold(&rel, c.revision, None) {
+                    tracing::error!(contract = %rel, revision = c.revision, problem = why, "a shared contract record is refused");
+                }
                 self.contract_error(&rel, Some(why.to_owned()));
                 continue;
             }
@@ -512,7 +541,10 @@ impl SharedContracts {
             .await
             .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
             match outcome {
-                Ok(None) => self.mark(&rel, c.revision),
+                Ok(None) if live_holds(&live, &c) => self.mark(&rel, c.revision),
+                // In the directory but not live (a reload refused or failed since it was
+                // written): reloaded with the others; taking it back out rewrites it as is.
+                Ok(None) => written.push((rel, path, Some(c.text.into_bytes()), c.revision)),
                 Ok(Some(before)) => written.push((rel, path, before, c.revision)),
                 Err(e) => {
                     tracing::error!(file = %path.display(), error = %e, "cannot write a shared contract");
@@ -523,7 +555,7 @@ impl SharedContracts {
         if written.is_empty() {
             return Ok(Vec::new());
         }
-        match crate::app::reload(app, "shared contract").await {
+        let refused = match crate::app::reload(app, "shared contract").await {
             Ok(_) => {
                 let mut files = Vec::new();
                 for (rel, _, _, revision) in written {
@@ -531,31 +563,50 @@ impl SharedContracts {
                     self.mark(&rel, revision);
                     files.push(rel);
                 }
-                Ok(files)
+                return Ok(files);
             }
-            Err(e) => {
-                for (rel, path, before, _) in written.into_iter().rev() {
-                    let p = path.clone();
-                    let restored = tokio::task::spawn_blocking(move || restore(&p, before)).await;
-                    if !matches!(restored, Ok(Ok(()))) {
-                        tracing::error!(file = %path.display(), "could not take a refused shared contract out of the directory");
-                    }
-                    tracing::error!(contract = %rel, error = %e, "this node's contracts directory does not reload with a contract uploaded on another node");
+            Err(e) => e,
+        };
+        // The live set never changed: the directory is made to match it again.
+        for (_, path, before, _) in written.iter().rev() {
+            if restore_blocking(path, before.clone()).await.is_err() {
+                tracing::error!(file = %path.display(), "could not take a shared contract this node did not reload with out of the directory");
+            }
+        }
+        match refused {
+            // Not the files' fault: no lock-out, and the round's failure is the store's.
+            ReloadError::Store(e) => Err(e),
+            e @ ReloadError::Invalid(_) => {
+                for (rel, _, _, revision) in written {
+                    tracing::error!(contract = %rel, revision, error = %e, "this node's contracts directory does not reload with a contract uploaded on another node");
                     self.contract_error(
                         &rel,
                         Some(format!(
                             "this node's directory does not reload with it: {e}"
                         )),
                     );
-                    self.retry_at
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .insert(rel, now + RETRY_REFUSED);
+                    self.hold(&rel, revision, Some(now + RETRY_REFUSED));
                 }
                 Ok(Vec::new())
             }
         }
     }
+}
+
+/// Why a shared contract record cannot be a file of any node's contracts directory, if it
+/// cannot (a record written by another program or a newer node; an upload is checked).
+fn record_problem(c: &SharedContract) -> Option<&'static str> {
+    if c.version == 0 {
+        return Some("the version must be 1 or more");
+    }
+    type_problem(&c.ty)
+}
+
+/// Whether `set` holds `c` as uploaded (the same schema at its type and version).
+fn live_holds(set: &ContractSet, c: &SharedContract) -> bool {
+    set.get(&c.ty, c.version).is_some_and(|live| {
+        serde_json::from_str::<Value>(&c.text).is_ok_and(|uploaded| uploaded == live.schema)
+    })
 }
 
 /// Applies the shared contracts at once and then every [`SYNC_INTERVAL`], until `cancel`.
@@ -939,5 +990,78 @@ mod tests {
         assert_eq!(node.sync_until_applied().await, vec!["t/v2.json"]);
         assert!(node.live(2) && node.file(2).exists());
         assert!(node.shared().status().contract_errors.is_empty());
+    }
+
+    /// A store failing during a sync's reload fails the round (shown as the catalog's health)
+    /// without blaming the files: they are taken out, not held back, and applied as soon as
+    /// the store works again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_store_failing_during_a_sync_is_not_blamed_on_the_files() {
+        let node = Node::start(true);
+        node.catalog.put(2, V2);
+        node.disk.set_failing(true);
+        let e = node.shared().sync(&node.app).await;
+        assert!(e.is_err(), "{e:?}");
+        let status = node.shared().status();
+        assert!(status.health.error.is_some(), "{status:?}");
+        assert!(status.contract_errors.is_empty(), "{status:?}");
+        assert!(!node.file(2).exists() && !node.live(2));
+        node.disk.set_failing(false);
+        assert_eq!(node.sync_until_applied().await, vec!["t/v2.json"]);
+        assert!(node.live(2));
+        assert!(node.shared().status().health.error.is_none());
+    }
+
+    /// An upload this node's directory refused is held back for a while, but a newer upload
+    /// of the same file (the fix) is not.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_corrected_upload_is_not_held_back_by_the_refused_one() {
+        let node = Node::start(true);
+        node.catalog.put(2, r#"{"type": 5}"#);
+        assert_eq!(
+            node.shared().sync(&node.app).await.expect("sync"),
+            Vec::<String>::new()
+        );
+        assert!(!node.file(2).exists());
+        assert!(
+            node.shared()
+                .status()
+                .contract_errors
+                .contains_key("t/v2.json")
+        );
+        node.catalog.put(2, V2);
+        assert_eq!(
+            node.shared().sync(&node.app).await.expect("sync"),
+            vec!["t/v2.json"]
+        );
+        assert!(node.live(2));
+        assert!(node.shared().status().contract_errors.is_empty());
+    }
+
+    /// A record no node could load (version 0) is refused once, not written and reloaded
+    /// every minute.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_record_of_version_zero_is_refused_without_a_reload() {
+        let node = Node::start(true);
+        assert_eq!(node.catalog.put(0, V2), 1);
+        for _ in 0..2 {
+            assert!(
+                node.shared()
+                    .sync(&node.app)
+                    .await
+                    .expect("sync")
+                    .is_empty()
+            );
+        }
+        assert!(!node.file(0).exists());
+        let reloads = node.app.reload_status.lock().expect("status").clone();
+        assert_eq!((reloads.reloads, reloads.failed_reloads), (0, 0));
+        assert!(
+            node.shared()
+                .status()
+                .contract_errors
+                .contains_key("t/v0.json")
+        );
+        assert!(node.shared().held("t/v0.json", 1, Instant::now()));
     }
 }

@@ -9,7 +9,8 @@
 //! finds a version in an index finds its bytes; a reader still checks the length here and the
 //! hash in the registry.
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -31,12 +32,17 @@ const PARALLEL: usize = 8;
 #[derive(Debug, Clone)]
 pub struct JetStreamCatalog {
     records: Arc<Records>,
+    /// Contract records (key, revision) found undecodable, each warned about once.
+    undecodable: Arc<Mutex<HashSet<(String, u64)>>>,
 }
 
 impl JetStreamCatalog {
     /// The catalog kept in `records`.
     pub fn new(records: Arc<Records>) -> Self {
-        Self { records }
+        Self {
+            records,
+            undecodable: Arc::default(),
+        }
     }
 }
 
@@ -61,23 +67,41 @@ fn contract_key(ty: &str, version: u32) -> String {
     format!("ct.{}", hex::encode(&h[..16]))
 }
 
+/// The contract records that decode, each with its revision. One that does not (written by a
+/// newer or broken node) is left out with a warning, once per revision, instead of failing
+/// every read: the other uploads still reach every node.
+fn decode_contracts(
+    scanned: Vec<(String, u64, Bytes)>,
+    warned: &Mutex<HashSet<(String, u64)>>,
+) -> Vec<SharedContract> {
+    scanned
+        .into_iter()
+        .filter_map(|(key, revision, bytes)| {
+            match serde_json::from_slice::<SharedContract>(&bytes) {
+                Ok(mut c) => {
+                    c.revision = revision;
+                    Some(c)
+                }
+                Err(e) => {
+                    let first = warned
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .insert((key.clone(), revision));
+                    if first {
+                        tracing::warn!(record = %key, revision, error = %e, "a shared contract record does not decode; it is skipped until it is replaced");
+                    }
+                    None
+                }
+            }
+        })
+        .collect()
+}
+
 impl ContractCatalog for JetStreamCatalog {
     fn contracts(&self) -> BoxFuture<'_, Result<Vec<SharedContract>, StoreError>> {
         async move {
-            self.records
-                .scan("ct")
-                .await?
-                .into_iter()
-                .map(|(_, revision, bytes)| {
-                    let mut c: SharedContract =
-                        serde_json::from_slice(&bytes).map_err(|e| StoreError::Corrupt {
-                            table: "contract catalog",
-                            message: e.to_string(),
-                        })?;
-                    c.revision = revision;
-                    Ok(c)
-                })
-                .collect()
+            let scanned = self.records.scan("ct").await?;
+            Ok(decode_contracts(scanned, &self.undecodable))
         }
         .boxed()
     }
@@ -293,5 +317,41 @@ impl HandlerCatalog for JetStreamCatalog {
                 .await
         }
         .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_undecodable_contract_record_is_skipped_not_fatal() {
+        let good = serde_json::to_vec(&SharedContract {
+            ty: "t".into(),
+            version: 2,
+            text: "{}".into(),
+            revision: 0,
+        })
+        .expect("json");
+        let scanned = vec![
+            ("ct.a".to_owned(), 3, Bytes::from_static(b"not a record")),
+            ("ct.b".to_owned(), 7, Bytes::from(good)),
+            (
+                "ct.c".to_owned(),
+                9,
+                Bytes::from_static(b"{\"type\": \"t\"}"),
+            ),
+        ];
+        let warned = Mutex::new(HashSet::new());
+        let got = decode_contracts(scanned.clone(), &warned);
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(
+            (got[0].ty.as_str(), got[0].version, got[0].revision),
+            ("t", 2, 7)
+        );
+        assert_eq!(warned.lock().expect("lock").len(), 2);
+        // The next read skips them again (warned about once).
+        assert_eq!(decode_contracts(scanned, &warned).len(), 1);
+        assert_eq!(warned.lock().expect("lock").len(), 2);
     }
 }
