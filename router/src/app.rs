@@ -989,6 +989,23 @@ pub async fn run_with_store(
             .map(|c| Arc::new(crate::admin::contracts::SharedContracts::open(c, &data_dir))),
         delivery_threads: delivery_status,
     });
+    // On a shared store, take in the contracts uploaded while this node was down before
+    // anything checks events against them: before ingest is served and before handlers'
+    // emitted events are routed (their deliveries wait for `prepare`), else events of a new
+    // version would be quarantined here as `unknown_version`, for good.
+    let (first_sync, synced) = tokio::sync::oneshot::channel();
+    tracker.spawn(crate::admin::contracts::follow(
+        app.clone(),
+        workers_cancel.clone(),
+        first_sync,
+    ));
+    if app.shared_contracts.is_some()
+        && tokio::time::timeout(crate::admin::contracts::FIRST_SYNC_WAIT, synced)
+            .await
+            .is_err()
+    {
+        tracing::warn!(wait = ?crate::admin::contracts::FIRST_SYNC_WAIT, "the shared contracts were not synced in time; serving with this node's directory, and syncing them in the background");
+    }
     if let Some(rt) = &handlers {
         let weak = Arc::downgrade(&app);
         let prepare: crate::target::handler::Prepare = Arc::new(move |emitter, events, now| {
@@ -1001,10 +1018,6 @@ pub async fn run_with_store(
     spawn_reload_triggers(&app, &tracker, workers_cancel.clone());
     spawn_operator_state_follower(&app, &tracker, workers_cancel.clone());
     spawn_node_announcer(&app, &tracker, workers_cancel.clone());
-    tracker.spawn(crate::admin::contracts::follow(
-        app.clone(),
-        workers_cancel.clone(),
-    ));
     spawn_sweeper(&app, &tracker, workers_cancel.clone());
     spawn_disk_monitor(&app, &tracker, workers_cancel.clone());
     spawn_system_event_router(&app, &tracker, workers_cancel.clone(), sys_rx);

@@ -174,7 +174,8 @@ async fn a_handler_uploaded_to_one_router_runs_on_every_router() {
 }
 
 /// A contract put over the API on one router of a cluster applies on the others (written into
-/// each one's contracts directory and reloaded), and a router that restarts does not write it
+/// each one's contracts directory and reloaded), a router that was down takes in what was
+/// uploaded meanwhile before it serves, and a router that restarts does not write an upload
 /// again over a change made to its directory since (as a deploy from git would).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_contract_uploaded_to_one_router_applies_on_every_router() {
@@ -221,7 +222,22 @@ async fn a_contract_uploaded_to_one_router_applies_on_every_router() {
     .await;
     assert!(reloaded.is_some(), "B did not reload its edited directory");
     b.kill9();
+    // v3 is uploaded while B is down: B has it as soon as it serves, so its first v3 event
+    // is checked against it (not quarantined as an unknown version, for good).
+    let (code, body) = put_json(&a, "/v1/contracts/t/v3", json!({"required": ["x"]})).await;
+    assert_eq!(code, 201, "{body}");
     b.restart();
+    let mut ev = event("v3-without-x", "t", json!({}));
+    ev["dataversion"] = json!(3);
+    let (_, res) = post_event(&b, &ev).await;
+    assert_eq!(res["results"][0]["reason"], "contract_violation", "{res}");
+    let log = b.log_text();
+    let applied = log.rfind("contract uploaded on another node applied");
+    let listening = log.rfind("router listening");
+    assert!(
+        applied.is_some() && applied < listening,
+        "B served before it took in v3:\n{log}"
+    );
     // Longer than a sync interval (2 s): the first sync runs at start.
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert_eq!(

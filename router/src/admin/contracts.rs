@@ -365,6 +365,11 @@ pub const SYNC_INTERVAL: Duration = Duration::from_secs(2);
 /// again (the refusal may come from something else in the directory, fixed meanwhile).
 const RETRY_REFUSED: Duration = Duration::from_secs(60);
 
+/// How long a starting node waits for its first sync of the shared contracts before it serves
+/// (the store's requests are bounded by `store.jetstream.timeout`, 5 s by default, so this
+/// only cuts short a store that hangs).
+pub const FIRST_SYNC_WAIT: Duration = Duration::from_secs(10);
+
 /// An upload this node does not try again until a newer one replaces it (`revision`), or
 /// until `until`.
 #[derive(Debug, Clone, Copy)]
@@ -610,13 +615,23 @@ fn live_holds(set: &ContractSet, c: &SharedContract) -> bool {
 }
 
 /// Applies the shared contracts at once and then every [`SYNC_INTERVAL`], until `cancel`.
-pub async fn follow(app: Arc<App>, cancel: tokio_util::sync::CancellationToken) {
+/// `first_sync` is told once the first round has ended (whatever its outcome): a starting
+/// node waits for it before it serves.
+pub async fn follow(
+    app: Arc<App>,
+    cancel: tokio_util::sync::CancellationToken,
+    first_sync: tokio::sync::oneshot::Sender<()>,
+) {
     let Some(shared) = app.shared_contracts.clone() else {
         return;
     };
+    let mut first_sync = Some(first_sync);
     loop {
         // A failure is logged and shown in the status by `sync`; the next round retries.
         let _ = shared.sync(&app).await;
+        if let Some(tx) = first_sync.take() {
+            let _ = tx.send(());
+        }
         tokio::select! {
             () = cancel.cancelled() => return,
             () = tokio::time::sleep(SYNC_INTERVAL) => {}
