@@ -21,9 +21,18 @@ use crate::store::{
     CatalogRecord, ContractCatalog, HandlerCatalog, SharedContract, StoreError, StoredComponent,
 };
 
-/// Bytes per component chunk: well under the smallest `max_payload` the store accepts (the
-/// body limit plus an envelope, 1 MiB by default).
+/// Bytes per component chunk, at most: a server whose `max_payload` is smaller gets smaller
+/// chunks ([`chunk_size`]). Readers learn the size from the first chunk, so nodes on servers
+/// with different limits read each other's components.
 const CHUNK: usize = 512 << 10;
+
+/// What a chunk's message needs beside the chunk (subject, batch and tombstone headers).
+const HEADROOM: usize = 8 << 10;
+
+/// The chunk size for a server that takes messages of `max_payload` bytes.
+fn chunk_size(max_payload: usize) -> usize {
+    CHUNK.min(max_payload.saturating_sub(HEADROOM)).max(1)
+}
 
 /// Chunks written or read at once.
 const PARALLEL: usize = 8;
@@ -131,8 +140,9 @@ fn chunk_key(name: &str, sha256: &str, n: usize) -> String {
     format!("hc.{name}.{sha256}.{n}")
 }
 
-fn chunks(size: u64) -> usize {
-    usize::try_from(size).map_or(usize::MAX, |s| s.div_ceil(CHUNK))
+/// How many chunks of `chunk` bytes hold `size` bytes.
+fn chunks(size: u64, chunk: usize) -> usize {
+    usize::try_from(size).map_or(usize::MAX, |s| s.div_ceil(chunk.max(1)))
 }
 
 /// Names and hashes become subject tokens: anything that is not a plain token is refused
@@ -215,12 +225,13 @@ impl HandlerCatalog for JetStreamCatalog {
         async move {
             check_token("handler name", &name)?;
             check_token("component hash", &sha256)?;
-            let writes: Vec<Write> = (0..chunks(bytes.len() as u64))
+            let chunk = chunk_size(self.records.max_payload());
+            let writes: Vec<Write> = (0..chunks(bytes.len() as u64, chunk))
                 .map(|n| {
-                    let end = ((n + 1) * CHUNK).min(bytes.len());
+                    let end = ((n + 1) * chunk).min(bytes.len());
                     Write::put(
                         chunk_key(&name, &sha256, n),
-                        bytes.slice(n * CHUNK..end),
+                        bytes.slice(n * chunk..end),
                         Expect::Any,
                     )
                 })
@@ -240,7 +251,22 @@ impl HandlerCatalog for JetStreamCatalog {
         async move {
             check_token("handler name", &name)?;
             check_token("component hash", &sha256)?;
-            let parts: Vec<Option<Bytes>> = futures::stream::iter(0..chunks(size))
+            if size == 0 {
+                return Ok(Some(Vec::new()));
+            }
+            // The first chunk gives the writer's chunk size (every chunk but the last has it).
+            let first = self
+                .records
+                .get(&chunk_key(&name, &sha256, 0))
+                .await?
+                .and_then(|v| v.value);
+            let Some(first) = first else {
+                return Ok(None);
+            };
+            if first.is_empty() || first.len() as u64 >= size {
+                return Ok((first.len() as u64 == size).then(|| first.to_vec()));
+            }
+            let parts: Vec<Option<Bytes>> = futures::stream::iter(1..chunks(size, first.len()))
                 .map(|n| {
                     self.records
                         .get_owned(chunk_key(&name, &sha256, n))
@@ -250,6 +276,7 @@ impl HandlerCatalog for JetStreamCatalog {
                 .try_collect()
                 .await?;
             let mut bytes = Vec::with_capacity(usize::try_from(size).unwrap_or(0));
+            bytes.extend_from_slice(&first);
             for part in parts {
                 let Some(part) = part else { return Ok(None) };
                 bytes.extend_from_slice(&part);
@@ -323,6 +350,16 @@ impl HandlerCatalog for JetStreamCatalog {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn chunks_fit_the_servers_messages() {
+        assert_eq!(chunk_size(8 << 20), CHUNK);
+        assert_eq!(chunk_size(CHUNK + HEADROOM), CHUNK);
+        assert_eq!(chunk_size(256 << 10), (256 << 10) - HEADROOM);
+        assert_eq!(chunk_size(0), 1);
+        assert_eq!(chunks(1_300_000, CHUNK), 3);
+        assert_eq!(chunks(0, CHUNK), 0);
+    }
 
     #[test]
     fn an_undecodable_contract_record_is_skipped_not_fatal() {

@@ -397,6 +397,11 @@ impl Records {
         }
     }
 
+    /// The largest message the server takes (headers and payload), as it last said.
+    pub fn max_payload(&self) -> usize {
+        self.client.server_info().max_payload
+    }
+
     /// Every live record under `kind.` (tombstones left out), as (key, revision, value),
     /// read from an ordered consumer until it has caught up. Costs a pass over those
     /// records: for listings that are rare or small (target states, jobs, the DLQ).

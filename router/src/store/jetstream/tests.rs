@@ -2132,6 +2132,34 @@ async fn the_handler_catalog_keeps_indexes_by_compare_and_set_and_components_in_
     let listed = catalog.stored_components().await.expect("list");
     assert_eq!(catalog.remove_components(listed).await.expect("remove"), 3);
     assert!(catalog.stored_components().await.expect("list").is_empty());
+    // Written by a node whose server takes smaller messages (chunks of 100,000 bytes here):
+    // read whole all the same, the chunk size learnt from the first chunk.
+    let writes = big
+        .chunks(100_000)
+        .enumerate()
+        .map(|(n, part)| {
+            Write::put(
+                format!("hc.small.{sha}.{n}"),
+                Bytes::copy_from_slice(part),
+                Expect::Any,
+            )
+        })
+        .collect::<Vec<_>>();
+    assert_eq!(writes.len(), 13);
+    s.records.commit(writes).await.expect("chunks");
+    let back = other
+        .component("small", sha, big.len() as u64)
+        .await
+        .expect("read")
+        .expect("complete");
+    assert!(back == big, "the bytes come back as stored");
+    assert_eq!(
+        other
+            .component("small", sha, big.len() as u64 + 1)
+            .await
+            .expect("read"),
+        None
+    );
     assert_eq!(
         other
             .component("noop", sha, big.len() as u64)
