@@ -328,6 +328,7 @@ async fn place_shared(
     match local {
         Ok(()) => {
             shared.mark(rel, revision);
+            shared.keep_applied().await;
             Ok(None)
         }
         Err(why) => {
@@ -444,18 +445,31 @@ impl SharedContracts {
             .unwrap_or(0)
     }
 
-    /// Records that this node's directory holds upload `revision` of `rel`, and keeps that
-    /// on disk (a failure to keep it only means the upload is compared again after a restart).
+    /// Records that this node's directory holds upload `revision` of `rel` (kept on disk by
+    /// the next [`Self::keep_applied`]).
     fn mark(&self, rel: &str, revision: u64) {
-        let json = {
-            let mut applied = self.applied.lock().unwrap_or_else(PoisonError::into_inner);
-            applied.insert(rel.to_owned(), revision);
-            serde_json::to_vec_pretty(&*applied).unwrap_or_default()
-        };
-        if let Err(e) = replace_file(&self.path, &json) {
+        self.applied
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(rel.to_owned(), revision);
+        self.contract_error(rel, None);
+    }
+
+    /// Writes which uploads this node's directory holds to disk, off the reactor (a failure
+    /// only means the uploads are compared again after a restart). Called under `UPLOADS`, so
+    /// a later snapshot is never overwritten by an earlier one.
+    async fn keep_applied(&self) {
+        let json = serde_json::to_vec_pretty(
+            &*self.applied.lock().unwrap_or_else(PoisonError::into_inner),
+        )
+        .unwrap_or_default();
+        let path = self.path.clone();
+        let kept = tokio::task::spawn_blocking(move || replace_file(&path, &json))
+            .await
+            .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+        if let Err(e) = kept {
             tracing::warn!(file = %self.path.display(), error = %e, "cannot keep which shared contracts this node applied");
         }
-        self.contract_error(rel, None);
     }
 
     fn contract_error(&self, rel: &str, error: Option<String>) {
@@ -517,6 +531,7 @@ impl SharedContracts {
         let now = Instant::now();
         let live = app.contracts.load_full();
         let mut written = Vec::new();
+        let mut marked = false;
         for c in uploads {
             let rel = format!("{}/v{}.json", c.ty, c.version);
             if self.applied(&rel) >= c.revision || self.held(&rel, c.revision, now) {
@@ -546,7 +561,10 @@ impl SharedContracts {
             .await
             .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
             match outcome {
-                Ok(None) if live_holds(&live, &c) => self.mark(&rel, c.revision),
+                Ok(None) if live_holds(&live, &c) => {
+                    self.mark(&rel, c.revision);
+                    marked = true;
+                }
                 // In the directory but not live (a reload refused or failed since it was
                 // written): reloaded with the others; taking it back out rewrites it as is.
                 Ok(None) => written.push((rel, path, Some(c.text.into_bytes()), c.revision)),
@@ -556,6 +574,9 @@ impl SharedContracts {
                     self.contract_error(&rel, Some(format!("cannot write it: {e}")));
                 }
             }
+        }
+        if marked {
+            self.keep_applied().await;
         }
         if written.is_empty() {
             return Ok(Vec::new());
@@ -568,6 +589,7 @@ impl SharedContracts {
                     self.mark(&rel, revision);
                     files.push(rel);
                 }
+                self.keep_applied().await;
                 return Ok(files);
             }
             Err(e) => e,
