@@ -372,7 +372,22 @@ impl Dispatcher {
                         breaker: None,
                         paused: p,
                     }),
-                    (s, None) => s,
+                    (s, None) => {
+                        if s.as_ref().is_some_and(|s| s.paused) {
+                            // Paused before operators' pauses had records of their own: given
+                            // one, so that other nodes on a shared store follow it and their
+                            // breakers' writes of the target's record cannot undo it.
+                            if let Err(e) = self
+                                .ctx
+                                .store
+                                .put_target_state(&pause_key, serde_json::json!({ "paused": true }))
+                                .await
+                            {
+                                tracing::warn!(target_id = %id, error = %e, "cannot give an older pause a record of its own; tried again at the next start");
+                            }
+                        }
+                        s
+                    }
                 }
             }
             Err(e) => {
@@ -508,5 +523,51 @@ impl Dispatcher {
                 }
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::store::{RedbStore, Store, StoreOptions};
+
+    /// A pause stored in the target's own record only (before pauses had records of their
+    /// own) holds when its worker starts, and is given its own record.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_older_pause_holds_and_gets_a_record_of_its_own() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let rules = dir.path().join("rules");
+        std::fs::create_dir_all(&rules).expect("rules dir");
+        std::fs::write(
+            rules.join("r.yaml"),
+            "rules:\n  - name: r\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/\n        id: hook\n",
+        )
+        .expect("rules");
+        let cfg = crate::config::Config {
+            rules_dir: rules,
+            contracts_dir: dir.path().join("contracts"),
+            data_dir: dir.path().join("data"),
+            ..Default::default()
+        };
+        let store =
+            RedbStore::open_dir(&dir.path().join("store"), StoreOptions::default()).expect("store");
+        store
+            .put_target_state(
+                "hook",
+                serde_json::json!({ "paused": true, "breaker": null }),
+            )
+            .await
+            .expect("older pause");
+        let store: std::sync::Arc<dyn Store> = store;
+        let app = crate::app::test_app(cfg, store.clone(), None);
+        let spec = app.rules.load().targets["hook"].clone();
+        app.dispatcher.ensure(spec).await.expect("worker");
+        let rt = app.dispatcher.runtime("hook").expect("running");
+        assert!(rt.paused.load(std::sync::atomic::Ordering::SeqCst));
+        let states = store.target_states().await.expect("states");
+        let own = states
+            .iter()
+            .find(|(k, _)| k == "pause:hook")
+            .map(|(_, v)| v.clone());
+        assert_eq!(own, Some(serde_json::json!({ "paused": true })));
     }
 }
