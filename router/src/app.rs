@@ -1330,6 +1330,29 @@ fn spawn_sweeper(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToke
     });
 }
 
+/// A configuration for unit tests with its directories under `dir`: one rule `r` routing type
+/// `t` to webhook target `hook` (so a reload saves a target configuration in the store), an
+/// empty contracts directory and a data directory.
+#[cfg(test)]
+pub(crate) fn test_config(dir: &std::path::Path) -> Config {
+    let rules = dir.join("rules");
+    std::fs::create_dir_all(&rules).expect("rules dir");
+    std::fs::write(
+        rules.join("r.yaml"),
+        "rules:\n  - name: r\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/\n        id: hook\n",
+    )
+    .expect("rules");
+    let cfg = Config {
+        rules_dir: rules,
+        contracts_dir: dir.join("contracts"),
+        data_dir: dir.join("data"),
+        ..Default::default()
+    };
+    std::fs::create_dir_all(&cfg.contracts_dir).expect("contracts dir");
+    std::fs::create_dir_all(&cfg.data_dir).expect("data dir");
+    cfg
+}
+
 /// An [`App`] for unit tests of the API's handlers and followers, assembled as
 /// [`run_with_store`] does it but without serving, resuming jobs or starting any target.
 #[cfg(test)]

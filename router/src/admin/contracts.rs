@@ -845,23 +845,9 @@ mod tests {
     impl Node {
         fn start(shared: bool) -> Self {
             let dir = tempfile::tempdir().expect("tempdir");
-            let rules = dir.path().join("rules");
-            std::fs::create_dir_all(&rules).expect("rules dir");
-            std::fs::write(
-                rules.join("r.yaml"),
-                "rules:\n  - name: r\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/\n        id: hook\n",
-            )
-            .expect("rules");
-            let contracts = dir.path().join("contracts");
-            std::fs::create_dir_all(contracts.join("t")).expect("contracts dir");
-            std::fs::write(contracts.join("t/v1.json"), V1).expect("v1");
-            let cfg = crate::config::Config {
-                rules_dir: rules,
-                contracts_dir: contracts,
-                data_dir: dir.path().join("data"),
-                ..Default::default()
-            };
-            std::fs::create_dir_all(&cfg.data_dir).expect("data dir");
+            let cfg = crate::app::test_config(dir.path());
+            std::fs::create_dir_all(cfg.contracts_dir.join("t")).expect("contracts dir");
+            std::fs::write(cfg.contracts_dir.join("t/v1.json"), V1).expect("v1");
             let disk = SimulatedDisk::new();
             let d = disk.clone();
             let store =

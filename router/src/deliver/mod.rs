@@ -535,19 +535,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_older_pause_holds_and_gets_a_record_of_its_own() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let rules = dir.path().join("rules");
-        std::fs::create_dir_all(&rules).expect("rules dir");
-        std::fs::write(
-            rules.join("r.yaml"),
-            "rules:\n  - name: r\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/\n        id: hook\n",
-        )
-        .expect("rules");
-        let cfg = crate::config::Config {
-            rules_dir: rules,
-            contracts_dir: dir.path().join("contracts"),
-            data_dir: dir.path().join("data"),
-            ..Default::default()
-        };
+        let cfg = crate::app::test_config(dir.path());
         let store =
             RedbStore::open_dir(&dir.path().join("store"), StoreOptions::default()).expect("store");
         store
