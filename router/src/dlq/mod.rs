@@ -389,11 +389,7 @@ async fn start_due(app: &Arc<App>) -> Result<(), StoreError> {
                 if job.state != JobState::Running || app.jobs.running_here(&job.id) {
                     return false;
                 }
-                let ours = match &app.jobs.node {
-                    None => true,
-                    Some(node) => job.runner.as_ref().is_none_or(|r| r == node),
-                };
-                if ours {
+                if ours(app, job) {
                     return true;
                 }
                 let at = seen.entry(job.id.clone()).or_insert((job.rev, now));
@@ -405,7 +401,7 @@ async fn start_due(app: &Arc<App>) -> Result<(), StoreError> {
             .collect()
     };
     for job in due {
-        if job.runner.as_ref() == app.jobs.node.as_ref() || job.runner.is_none() {
+        if ours(app, &job) {
             tracing::info!(job = %job.id, moved = job.moved, "resuming job");
         } else {
             tracing::warn!(job = %job.id, runner = ?job.runner, moved = job.moved, "taking over a job its node stopped running");
@@ -413,6 +409,15 @@ async fn start_due(app: &Arc<App>) -> Result<(), StoreError> {
         spawn(app, job);
     }
     Ok(())
+}
+
+/// Whether `job` is this node's own to run: every job on a store of its own; on a shared one,
+/// a job this node ran or no node claimed.
+fn ours(app: &App, job: &Job) -> bool {
+    match &app.jobs.node {
+        None => true,
+        Some(node) => job.runner.as_ref().is_none_or(|r| r == node),
+    }
 }
 
 /// One job by id.

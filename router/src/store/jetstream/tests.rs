@@ -2088,20 +2088,27 @@ async fn the_handler_catalog_keeps_indexes_by_compare_and_set_and_components_in_
         .put_component("noop", sha, Bytes::from(big.clone()))
         .await
         .expect("store");
-    let back = other
-        .component("noop", sha, big.len() as u64)
-        .await
-        .expect("read")
-        .expect("complete");
-    assert!(back == big, "the bytes come back as stored");
-    // A size that does not match what is stored reads as missing, not as other bytes.
-    assert_eq!(
-        other
-            .component("noop", sha, big.len() as u64 + 1)
-            .await
-            .expect("read"),
-        None
-    );
+    // Read back whole by another node; a size that does not match what is stored reads as
+    // missing, not as other bytes.
+    let reads_back = |name: &'static str| {
+        let (other, big) = (&other, &big);
+        async move {
+            let back = other
+                .component(name, sha, big.len() as u64)
+                .await
+                .expect("read")
+                .expect("complete");
+            assert!(back == *big, "{name}: the bytes come back as stored");
+            assert_eq!(
+                other
+                    .component(name, sha, big.len() as u64 + 1)
+                    .await
+                    .expect("read"),
+                None
+            );
+        }
+    };
+    reads_back("noop").await;
     assert_eq!(
         other.component("noop", "cd34", 10).await.expect("read"),
         None
@@ -2147,19 +2154,7 @@ async fn the_handler_catalog_keeps_indexes_by_compare_and_set_and_components_in_
         .collect::<Vec<_>>();
     assert_eq!(writes.len(), 13);
     s.records.commit(writes).await.expect("chunks");
-    let back = other
-        .component("small", sha, big.len() as u64)
-        .await
-        .expect("read")
-        .expect("complete");
-    assert!(back == big, "the bytes come back as stored");
-    assert_eq!(
-        other
-            .component("small", sha, big.len() as u64 + 1)
-            .await
-            .expect("read"),
-        None
-    );
+    reads_back("small").await;
     assert_eq!(
         other
             .component("noop", sha, big.len() as u64)
