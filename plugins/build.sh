@@ -41,7 +41,8 @@ fi
 # --- Rust plugins ---------------------------------------------------------------------------------
 (
     cd "$HERE"
-    env -u CARGO_TARGET_DIR -u RUSTFLAGS -u CARGO_ENCODED_RUSTFLAGS CARGO_TARGET_DIR="$BUILD_DIR" \
+    env -u CARGO_TARGET_DIR -u RUSTFLAGS -u CARGO_ENCODED_RUSTFLAGS \
+        -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS CARGO_TARGET_DIR="$BUILD_DIR" \
         cargo build --release --target "$WASM_TARGET" --quiet \
         $(printf -- '-p %s ' "${RUST_PLUGINS[@]}")
 ) || die "building the Rust plugins failed (see above)"
