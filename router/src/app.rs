@@ -161,8 +161,31 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
     })
     .await
     .map_err(|e| ReloadError::Invalid(format!("reload task failed: {e}")))?;
+    let running: std::collections::HashMap<String, TargetSpec> = app
+        .dispatcher
+        .running()
+        .into_iter()
+        .map(|s| (s.id.clone(), s))
+        .collect();
     let result: Result<_, ReloadError> = match loaded {
-        (Ok(r), Ok(c), git) => Ok((r, c, git)),
+        (Ok(r), Ok(c), git) => {
+            // A target added or changed must be able to start (its signing secret set, its
+            // URL valid, the WASM runtime up for a handler) before the set goes live: else
+            // its entries would queue with no worker, or its old worker would go on under the
+            // old configuration while the API showed the new one.
+            let cannot_start: Vec<String> =
+                r.0.targets
+                    .values()
+                    .filter(|spec| running.get(&spec.id) != Some(*spec))
+                    .filter_map(|spec| app.dispatcher.check(spec).err())
+                    .map(|e| e.to_string())
+                    .collect();
+            if cannot_start.is_empty() {
+                Ok((r, c, git))
+            } else {
+                Err(ReloadError::Invalid(cannot_start.join("\n")))
+            }
+        }
         (Err(e), _, _) | (_, Err(e), _) => Err(ReloadError::Invalid(e.to_string())),
     };
     let ((rules, warnings), contracts, git) = match result {
@@ -191,12 +214,6 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                 .collect(),
         )
         .await?;
-    let running: std::collections::HashMap<String, TargetSpec> = app
-        .dispatcher
-        .running()
-        .into_iter()
-        .map(|s| (s.id.clone(), s))
-        .collect();
     let mut started = Vec::new();
     for spec in rules.targets.values() {
         if running.get(&spec.id) != Some(spec) {
@@ -708,8 +725,29 @@ fn secret_resolver(cfg: &Config) -> Result<crate::deliver::SecretResolver, RunEr
             toml::from_str(&text).map_err(|e| RunError::Secrets(format!("{}: {e}", p.display())))?
         }
     };
+    // Read again at each use (a target's start, at a start or a reload): a secret added to
+    // the file for a new signed webhook takes effect with the reload that adds the webhook.
+    // Checked above, so a file that cannot be read at start stops the start; one broken later
+    // keeps the values it last had.
+    let path = cfg.secrets_file.clone();
+    let last = Mutex::new(file);
     Ok(Arc::new(move |name: &str| {
-        std::env::var(name).ok().or_else(|| file.get(name).cloned())
+        if let Ok(v) = std::env::var(name) {
+            return Some(v);
+        }
+        let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = &path {
+            match std::fs::read_to_string(p)
+                .map_err(|e| e.to_string())
+                .and_then(|t| toml::from_str(&t).map_err(|e| e.to_string()))
+            {
+                Ok(now) => *last = now,
+                Err(e) => {
+                    tracing::warn!(file = %p.display(), error = %e, "secrets file unreadable; using the values last read from it");
+                }
+            }
+        }
+        last.get(name).cloned()
     }))
 }
 
@@ -1162,8 +1200,26 @@ fn spawn_system_event_router(
                 window,
             );
             ne.targets.retain(|t| Some(&t.target_id) != about.as_ref());
-            if let Err(e) = app.store.accept(vec![ne]).await {
-                tracing::error!(error = %e, %ty, "could not store a system event");
+            // A store that refuses it is usually brief (a compaction, a reconnect): tried
+            // again for about 7 s, then counted as dropped.
+            let mut retry_in = Duration::from_secs(1);
+            loop {
+                match app.store.accept(vec![ne.clone()]).await {
+                    Ok(_) => break,
+                    Err(e) if retry_in <= Duration::from_secs(4) => {
+                        tracing::warn!(error = %e, %ty, ?retry_in, "could not store a system event; trying again");
+                        tokio::select! {
+                            _ = cancel.cancelled() => {}
+                            _ = tokio::time::sleep(retry_in) => {}
+                        }
+                        retry_in *= 2;
+                    }
+                    Err(e) => {
+                        app.metrics.system_events_dropped.inc();
+                        tracing::error!(error = %e, %ty, "could not store a system event; dropped");
+                        break;
+                    }
+                }
             }
         }
     });
@@ -1366,7 +1422,7 @@ pub(crate) fn test_app(
     let metrics = Metrics::new();
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let spawner = tokio::runtime::Handle::current();
-    let secrets: crate::deliver::SecretResolver = Arc::new(|_: &str| None);
+    let secrets = secret_resolver(&cfg).expect("the test's secrets file reads");
     let dispatcher = Dispatcher::new(DeliveryContext {
         store: store.clone(),
         metrics: metrics.clone(),
@@ -1417,4 +1473,60 @@ pub(crate) fn test_app(
             error: None,
         },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::fault::SimulatedDisk;
+    use crate::store::{RedbStore, StoreOptions};
+
+    const SIGNED_RULE: &str = "rules:\n  - name: signed\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/signed\n        id: signed\n        secret_env: ROUTER_UNIT_TEST_SECRET_NEVER_SET\n";
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reload_whose_new_target_cannot_start_is_refused_until_it_can() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let secrets = dir.path().join("secrets.toml");
+        std::fs::write(&secrets, "").expect("secrets file");
+        let mut cfg = test_config(dir.path());
+        cfg.secrets_file = Some(secrets.clone());
+        let disk = SimulatedDisk::new();
+        let d = disk.clone();
+        let store = RedbStore::with_backend_factory(move || d.backend(), StoreOptions::default())
+            .expect("store");
+        let app = test_app(cfg.clone(), store, None);
+        let before = app.rules.load().version.clone();
+
+        std::fs::write(cfg.rules_dir.join("signed.yaml"), SIGNED_RULE).expect("rule");
+        let refused = reload(&app, "test")
+            .await
+            .expect_err("its secret is not set");
+        let message = refused.to_string();
+        assert!(
+            message.contains("signed") && message.contains("ROUTER_UNIT_TEST_SECRET_NEVER_SET"),
+            "names the target and the secret: {message}"
+        );
+        assert_eq!(app.rules.load().version, before, "the old set stays live");
+        assert!(!app.rules.load().targets.contains_key("signed"));
+        assert!(
+            app.reload_status
+                .lock()
+                .expect("status")
+                .last_error
+                .as_deref()
+                .is_some_and(|e| e.contains("signing secret")),
+            "/v1/status shows why"
+        );
+
+        // The secret added to the secrets file: the next reload takes it.
+        std::fs::write(
+            &secrets,
+            "ROUTER_UNIT_TEST_SECRET_NEVER_SET = \"whsec_c2VjcmV0\"\n",
+        )
+        .expect("secrets file");
+        let report = reload(&app, "test").await.expect("the secret is there now");
+        assert!(report.targets_started.contains(&"signed".to_owned()));
+        assert!(app.rules.load().targets.contains_key("signed"));
+        assert!(app.dispatcher.running().iter().any(|s| s.id == "signed"));
+    }
 }

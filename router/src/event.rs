@@ -327,6 +327,14 @@ impl CloudEvent {
         self.extensions.get("traceparent").and_then(Value::as_str)
     }
 
+    /// The `traceparent` to propagate to targets: only one in the W3C Trace Context format.
+    /// Another value is left out, as the W3C recommendation says of a `traceparent` that does
+    /// not parse; sent on, it could not even be a header (a line break) and would fail every
+    /// attempt of an event a target would take.
+    pub fn trace_context(&self) -> Option<&str> {
+        self.traceparent().filter(|tp| is_w3c_traceparent(tp))
+    }
+
     /// Number of handler hops that produced this event (0 for producer events).
     pub fn hops(&self) -> u32 {
         self.extensions
@@ -417,8 +425,74 @@ pub fn content_type_is_json(ct: &str) -> bool {
     essence == "application/json" || essence == "text/json" || essence.ends_with("+json")
 }
 
+/// Whether `tp` is a W3C Trace Context `traceparent`: `version-traceid-parentid-flags` in
+/// lower-case hex (2, 32, 16 and 2 digits), the ids not all zeros, version `ff` invalid, and
+/// version `00` with nothing after the flags (later versions may append `-` fields).
+fn is_w3c_traceparent(tp: &str) -> bool {
+    fn hex(s: &str) -> bool {
+        s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    }
+    let b = tp.as_bytes();
+    if b.len() < 55 || !tp.is_char_boundary(55) {
+        return false;
+    }
+    let (head, rest) = tp.split_at(55);
+    let mut parts = head.split('-');
+    let (Some(version), Some(trace), Some(parent), Some(flags), None) = (
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+    ) else {
+        return false;
+    };
+    version.len() == 2
+        && trace.len() == 32
+        && parent.len() == 16
+        && flags.len() == 2
+        && [version, trace, parent, flags].iter().all(|p| hex(p))
+        && version != "ff"
+        && trace.bytes().any(|c| c != b'0')
+        && parent.bytes().any(|c| c != b'0')
+        && if version == "00" {
+            rest.is_empty()
+        } else {
+            rest.is_empty() || rest.starts_with('-')
+        }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn only_w3c_traceparents_are_propagated() {
+        use super::is_w3c_traceparent as ok;
+        assert!(ok(
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        ));
+        assert!(ok(
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
+        ));
+        assert!(ok(
+            "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-later"
+        ));
+        for bad in [
+            "",
+            "00-ab-cd-01",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\n",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-x",
+            "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
+            "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
+            "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-0é",
+            "00-0af7651916cd43dd8448eb211c80319c_b7ad6b7169203331-01",
+        ] {
+            assert!(!ok(bad), "{bad:?}");
+        }
+    }
+
     use super::*;
     use serde_json::json;
 

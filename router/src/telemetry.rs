@@ -73,8 +73,11 @@ pub struct Metrics {
     pub delivery_batches: Family<Labels, Counter>,
     /// Events those requests carried, by target (over `delivery_batches`: the mean batch).
     pub delivery_batch_events: Family<Labels, Counter>,
-    /// System events dropped because the routing channel was full.
+    /// System events dropped: the routing channel full, past the rate limit, or refused by
+    /// the store for several seconds.
     pub system_events_dropped: Counter,
+    /// Redrive and replay job steps the store failed (the job waits and tries again), by kind.
+    pub job_step_failures: Family<Labels, Counter>,
     /// Paused targets (1 = paused).
     pub target_paused: Family<Labels, Gauge>,
     /// Records removed by the sweeper at their age bound, by kind (`dedup_key`, `event`,
@@ -129,6 +132,7 @@ impl Metrics {
             delivery_batches: Family::default(),
             delivery_batch_events: Family::default(),
             system_events_dropped: Counter::default(),
+            job_step_failures: Family::default(),
             target_paused: Family::default(),
             swept: Family::default(),
             completed_hits: Family::default(),
@@ -297,8 +301,13 @@ impl Metrics {
         );
         registry.register(
             "router_system_events_dropped",
-            "System events dropped because the routing channel was full",
+            "System events dropped: the routing channel full, past the rate limit, or refused by the store for several seconds",
             m.system_events_dropped.clone(),
+        );
+        registry.register(
+            "router_job_step_failures",
+            "Redrive and replay job steps the store failed, by kind (the job waits, shows the error as last_error and tries again)",
+            m.job_step_failures.clone(),
         );
         registry.register(
             "router_target_paused",

@@ -813,8 +813,13 @@ pub async fn replay_create(State(app): State<Arc<App>>, body: axum::body::Bytes)
 /// `GET /v1/dlq/redrive`, `GET /v1/replay`: every job.
 pub async fn jobs_list(State(app): State<Arc<App>>) -> Response {
     match app.store.jobs().await {
-        Ok(jobs) => axum::Json(json!({ "jobs": jobs.iter().map(job_json).collect::<Vec<_>>() }))
-            .into_response(),
+        Ok(jobs) => {
+            let jobs: Vec<Value> = jobs
+                .into_iter()
+                .map(|j| job_json(&app.jobs.shown(j)))
+                .collect();
+            axum::Json(json!({ "jobs": jobs })).into_response()
+        }
         Err(e) => store_error(&e),
     }
 }

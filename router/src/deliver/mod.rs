@@ -280,6 +280,12 @@ impl Dispatcher {
         }
     }
 
+    /// Whether a worker for `spec` could start (what [`Self::ensure`] would refuse), without
+    /// starting one.
+    pub fn check(&self, spec: &TargetSpec) -> Result<(), StartError> {
+        self.build_target(spec).map(drop)
+    }
+
     /// Runs a worker for `spec`, replacing one with an older configuration.
     pub async fn ensure(&self, spec: TargetSpec) -> Result<(), StartError> {
         // A new worker's saved state is read before the lock is taken: on the JetStream store

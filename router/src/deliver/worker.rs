@@ -685,7 +685,7 @@ fn request_for(rt: &TargetRuntime, leased: &Leased) -> DeliveryRequest {
         idempotency_key: leased.entry.idempotency_key.clone(),
         event_id: leased.event.event.id.clone(),
         attempt: u32::try_from(leased.entry.attempts.len()).unwrap_or(u32::MAX),
-        traceparent: leased.event.event.traceparent().map(str::to_string),
+        traceparent: leased.event.event.trace_context().map(str::to_string),
         timeout: rt.spec.policy.timeout,
         event: leased.event.clone(),
         replay,

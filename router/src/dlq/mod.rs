@@ -3,7 +3,7 @@
 //! cursor in the same commit as the items they move, so a restart resumes them where they were
 //! and never moves an item twice.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -145,6 +145,9 @@ pub struct Jobs {
     /// revision has not moved for `JOB_STALE` of this node's own clock is taken over: the
     /// nodes' wall clocks are never compared (one running ahead would take live jobs over).
     seen: Mutex<HashMap<String, (u64, tokio::time::Instant)>>,
+    /// The error of the last step of each job running here, while its runner waits to try the
+    /// step again. Shown by the job API even when the store could not take it into the job.
+    failing: Mutex<HashMap<String, String>>,
 }
 
 /// How often a job's runner renews its claim when no step wrote it, ms.
@@ -153,6 +156,11 @@ const HEARTBEAT_MS: i64 = 5_000;
 /// A running job whose revision has not moved for this long (its runner renews it every
 /// `HEARTBEAT_MS`) is taken over by another node.
 const JOB_STALE: Duration = Duration::from_secs(30);
+
+/// A step the store failed (a compaction, an unreachable server) is tried again after this
+/// long, doubling up to `STEP_RETRY_MAX`: the job waits, shown as failing, instead of stopping.
+const STEP_RETRY_MIN: Duration = Duration::from_secs(1);
+const STEP_RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// How many times an operator's change is tried against a job that its runner keeps writing.
 const CONTROL_ATTEMPTS: usize = 8;
@@ -168,7 +176,30 @@ impl Jobs {
             runs: Mutex::default(),
             node: Some(node),
             seen: Mutex::default(),
+            failing: Mutex::default(),
         }
+    }
+
+    /// Records (or, with `None`, clears) the error of `id`'s last step here.
+    fn set_failing(&self, id: &str, error: Option<String>) {
+        let mut failing = self.failing.lock().unwrap_or_else(|p| p.into_inner());
+        match error {
+            Some(e) => failing.insert(id.to_owned(), e),
+            None => failing.remove(id),
+        };
+    }
+
+    /// `job` as this node knows it: a step failing here shows as its `last_error`.
+    pub fn shown(&self, mut job: Job) -> Job {
+        if let Some(e) = self
+            .failing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&job.id)
+        {
+            job.last_error = Some(e.clone());
+        }
+        job
     }
 
     fn run_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
@@ -422,7 +453,8 @@ fn ours(app: &App, job: &Job) -> bool {
 
 /// One job by id.
 pub async fn get(app: &App, id: &str) -> Result<Job, JobError> {
-    app.store.job(id).await?.ok_or(JobError::NotFound)
+    let job = app.store.job(id).await?.ok_or(JobError::NotFound)?;
+    Ok(app.jobs.shown(job))
 }
 
 /// Pause, resume or cancel. The change is written against the job's revision: a step its
@@ -533,42 +565,118 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
         .ok()
         .and_then(|f| f.to_filter("").ok())
         .unwrap_or_default();
-    if app.jobs.node.is_some() {
-        // The claim, before the first step (which may be a while at a low rate).
-        job.heartbeat_at = app.clock.now_ms();
-        job.rev = app.store.put_job(job.clone()).await?;
-    }
-    loop {
+    let running = || *handle.lock().unwrap_or_else(|p| p.into_inner()) == JobState::Running;
+    // On a shared store: the claim, before the first step (which may be a while at a low rate).
+    let mut claim_due = app.jobs.node.is_some();
+    let mut retry_in = STEP_RETRY_MIN;
+    let result = loop {
         tokio::time::sleep(TICK).await;
-        if *handle.lock().unwrap_or_else(|p| p.into_inner()) != JobState::Running {
-            return Ok(());
+        if !running() {
+            break Ok(());
         }
         let now_i = std::time::Instant::now();
         tokens = (tokens + rate * now_i.duration_since(last).as_secs_f64()).min(rate.max(1.0));
         last = now_i;
         let take = tokens.floor() as usize;
-        if take == 0 {
-            // On a shared store the claim is renewed while no step writes the job: other
-            // nodes take over a job whose revision stops moving.
-            if app.jobs.node.is_some()
-                && app.clock.now_ms().saturating_sub(job.heartbeat_at) >= HEARTBEAT_MS
-            {
-                job.heartbeat_at = app.clock.now_ms();
-                job.rev = app.store.put_job(job.clone()).await?;
-            }
+        let now = app.clock.now_ms();
+        // On a shared store the claim is renewed while no step writes the job: other nodes
+        // take over a job whose revision stops moving.
+        let heartbeat_due = claim_due
+            || (app.jobs.node.is_some() && now.saturating_sub(job.heartbeat_at) >= HEARTBEAT_MS);
+        if take == 0 && !heartbeat_due {
             continue;
         }
-        let now = app.clock.now_ms();
-        let n = match job.kind {
-            JobKind::Redrive => redrive_step(app, &mut job, &filter, take, now).await?,
-            JobKind::Replay => replay_step(app, &mut job, pattern.as_ref(), take, now).await?,
+        // What the store holds: a step that fails leaves the job as it was before it.
+        let before = job.clone();
+        job.last_error = None;
+        let step = if take == 0 {
+            job.heartbeat_at = now;
+            app.store.put_job(job.clone()).await.map(|rev| {
+                job.rev = rev;
+                0
+            })
+        } else {
+            match job.kind {
+                JobKind::Redrive => redrive_step(app, &mut job, &filter, take, now).await,
+                JobKind::Replay => replay_step(app, &mut job, pattern.as_ref(), take, now).await,
+            }
         };
-        tokens -= n as f64;
-        if job.state == JobState::Done {
-            tracing::info!(job = %job.id, moved = job.moved, failed = job.failed, "job finished");
-            return Ok(());
+        match step {
+            Ok(n) => {
+                claim_due = false;
+                tokens -= n as f64;
+                if retry_in != STEP_RETRY_MIN {
+                    tracing::info!(job = %job.id, "job steps succeed again");
+                    retry_in = STEP_RETRY_MIN;
+                }
+                app.jobs.set_failing(&job.id, None);
+                if job.state == JobState::Done {
+                    tracing::info!(job = %job.id, moved = job.moved, failed = job.failed, "job finished");
+                    break Ok(());
+                }
+            }
+            Err(e @ StoreError::JobChanged(_)) => break Err(e),
+            Err(e) => {
+                job = before;
+                job = step_failed(app, job, &e, retry_in).await?;
+                if !sleep_while(retry_in, &running).await {
+                    break Ok(());
+                }
+                retry_in = (retry_in * 2).min(STEP_RETRY_MAX);
+                tokens = 0.0;
+                last = std::time::Instant::now();
+            }
+        }
+    };
+    app.jobs.set_failing(&job.id, None);
+    result
+}
+
+/// After a step the store refused for a reason of its own (not a change to the job): counts
+/// it, logs it, and writes it into the job as its `last_error` if the store takes that
+/// (shown here meanwhile in any case). Returns the job as stored; `Err` only when an
+/// operator or another node changed the job since, which ends this runner.
+async fn step_failed(
+    app: &App,
+    mut job: Job,
+    error: &StoreError,
+    retry_in: Duration,
+) -> Result<Job, StoreError> {
+    let kind = match job.kind {
+        JobKind::Redrive => "redrive",
+        JobKind::Replay => "replay",
+    };
+    app.metrics
+        .job_step_failures
+        .get_or_create(&vec![("kind", kind.to_owned())])
+        .inc();
+    tracing::warn!(job = %job.id, error = %error, retry_in = ?retry_in, "a job step failed in the store; it is tried again");
+    let message = format!("{error} (tried again in {} s)", retry_in.as_secs());
+    app.jobs.set_failing(&job.id, Some(message.clone()));
+    if job.last_error.as_deref() != Some(message.as_str()) {
+        job.last_error = Some(message);
+        job.updated_at = app.clock.now_ms();
+        match app.store.put_job(job.clone()).await {
+            Ok(rev) => job.rev = rev,
+            Err(e @ StoreError::JobChanged(_)) => return Err(e),
+            // Shown from memory until the store takes writes again.
+            Err(_) => {}
         }
     }
+    Ok(job)
+}
+
+/// Sleeps `total` in ticks; false as soon as `running` says the job was paused or cancelled.
+async fn sleep_while(total: Duration, running: &impl Fn() -> bool) -> bool {
+    let mut slept = Duration::ZERO;
+    while slept < total {
+        tokio::time::sleep(TICK).await;
+        slept += TICK;
+        if !running() {
+            return false;
+        }
+    }
+    true
 }
 
 async fn redrive_step(
@@ -590,6 +698,18 @@ async fn redrive_step(
     }
     let contracts = app.contracts.load();
     let rules = app.rules.load();
+    // An entry goes back to its own target only while that target has a worker: one in the
+    // rules, or one removed from them that still drains here. Into any other queue it would
+    // wait for ever (a removed target's worker starts again only for entries it had).
+    let draining: HashSet<String> = app.dispatcher.running().into_iter().map(|s| s.id).collect();
+    let gone = |target: &str| {
+        (!rules.targets.contains_key(target) && !draining.contains(target)).then(|| {
+            vec![FieldError::new(
+                "",
+                format!("not redriven: target {target} is no longer in the rules"),
+            )]
+        })
+    };
     let mut actions = Vec::with_capacity(page.len());
     for d in &page {
         job.cursor = d.id;
@@ -626,6 +746,14 @@ async fn redrive_step(
                     job.skipped += 1;
                     continue;
                 };
+                if let Some(errors) = gone(&target) {
+                    actions.push(RedriveAction::Keep {
+                        dlq_id: d.id,
+                        errors,
+                    });
+                    job.failed += 1;
+                    continue;
+                }
                 actions.push(RedriveAction::Route {
                     dlq_id: d.id,
                     matched_rules: vec![rule.clone()],
@@ -640,6 +768,14 @@ async fn redrive_step(
                 job.moved += 1;
             }
             _ if d.entry.is_some() => {
+                if let Some(errors) = d.target_id.as_deref().and_then(gone) {
+                    actions.push(RedriveAction::Keep {
+                        dlq_id: d.id,
+                        errors,
+                    });
+                    job.failed += 1;
+                    continue;
+                }
                 actions.push(RedriveAction::Requeue { dlq_id: d.id });
                 job.moved += 1;
             }
@@ -696,4 +832,157 @@ async fn replay_step(
     let n = events.len();
     job.rev = app.store.replay_step(job.clone(), items, now).await?;
     Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+    use crate::store::fault::SimulatedDisk;
+    use crate::store::test_events::new_event;
+    use crate::store::{Quarantine, RedbStore, StoreOptions};
+
+    /// Polls `job` (through the API's read) until `done` holds, at most `within`. A read may
+    /// fail while the store reopens after a failed write (the API answers 503 then).
+    async fn wait_for(app: &App, id: &str, within: Duration, done: impl Fn(&Job) -> bool) -> Job {
+        let deadline = Instant::now() + within;
+        loop {
+            let read = get(app, id).await;
+            match read {
+                Ok(job) if done(&job) || Instant::now() > deadline => return job,
+                Err(e) if Instant::now() > deadline => panic!("the job does not read: {e}"),
+                _ => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn entries_of_a_target_no_longer_in_the_rules_stay_in_the_dlq() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = RedbStore::with_backend_factory(
+            {
+                let disk = SimulatedDisk::new();
+                move || disk.backend()
+            },
+            StoreOptions::default(),
+        )
+        .expect("store");
+        // test_config's rules have one target, `hook`.
+        let app = crate::app::test_app(crate::app::test_config(dir.path()), store, None);
+        // Both refused by a depth cap of 0: one for `hook`, one for `old`, a target no rule
+        // has any more.
+        let overflowing = |id: &str, target: &str| {
+            let mut ne = new_event("/s", id, &[target], 0);
+            ne.targets[0].max_depth = Some(0);
+            ne
+        };
+        app.store
+            .accept(vec![overflowing("a", "hook"), overflowing("b", "old")])
+            .await
+            .expect("accepted");
+        let job = create_redrive(
+            &app,
+            RedriveRequest {
+                filter: FilterSpec::default(),
+                rate_per_sec: 1000.0,
+            },
+        )
+        .await
+        .expect("created");
+        let done = wait_for(&app, &job.id, Duration::from_secs(30), |j| {
+            j.state == JobState::Done
+        })
+        .await;
+        assert_eq!(done.state, JobState::Done, "{done:?}");
+        assert_eq!((done.moved, done.failed), (1, 1), "{done:?}");
+        assert_eq!(
+            app.store.queue_stats().get("hook").map(|s| s.queued),
+            Some(1)
+        );
+        assert_eq!(
+            app.store.queue_stats().get("old").map_or(0, |s| s.queued),
+            0,
+            "nothing queued where no worker would take it"
+        );
+        let left = app
+            .store
+            .dlq_list(&DlqFilter::default(), None, 10)
+            .await
+            .expect("dlq");
+        assert_eq!(left.len(), 1, "{left:?}");
+        assert_eq!(left[0].target_id.as_deref(), Some("old"));
+        assert!(
+            left[0].errors[0].message.contains("no longer in the rules"),
+            "{:?}",
+            left[0].errors
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_step_the_store_fails_waits_shows_its_error_and_goes_on() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let disk = SimulatedDisk::new();
+        let d = disk.clone();
+        let store = RedbStore::with_backend_factory(move || d.backend(), StoreOptions::default())
+            .expect("store");
+        let app = crate::app::test_app(crate::app::test_config(dir.path()), store, None);
+        let quarantined = |id: &str| {
+            let mut ne = new_event("/s", id, &[], 0);
+            ne.quarantine = Some(Quarantine {
+                reason: DlqReason::ContractViolation,
+                errors: Vec::new(),
+            });
+            ne
+        };
+        app.store
+            .accept(vec![quarantined("a"), quarantined("b")])
+            .await
+            .expect("accepted");
+        // One entry a second: the first step comes about a second after the job starts, with
+        // the disk failing by then.
+        let job = create_redrive(
+            &app,
+            RedriveRequest {
+                filter: FilterSpec::default(),
+                rate_per_sec: 1.0,
+            },
+        )
+        .await
+        .expect("created");
+        disk.set_failing(true);
+
+        let failing = wait_for(&app, &job.id, Duration::from_secs(15), |j| {
+            j.last_error.is_some()
+        })
+        .await;
+        assert!(
+            failing.last_error.is_some(),
+            "a failed step shows in the job: {failing:?}"
+        );
+        assert_eq!(failing.state, JobState::Running);
+        assert_eq!(failing.moved, 0, "nothing of the failed step counts");
+        let counted = app
+            .metrics
+            .job_step_failures
+            .get_or_create(&vec![("kind", "redrive".to_owned())])
+            .get();
+        assert!(counted >= 1, "counted: {counted}");
+
+        disk.set_failing(false);
+        // Retries come after 1, 2, 4, 8 s... of failures: generous for a loaded machine.
+        let done = wait_for(&app, &job.id, Duration::from_secs(60), |j| {
+            j.state == JobState::Done
+        })
+        .await;
+        assert_eq!(done.state, JobState::Done, "{done:?}");
+        assert_eq!(done.moved, 2, "each entry moved once: {done:?}");
+        assert_eq!(done.last_error, None, "the error clears once steps succeed");
+        let left = app
+            .store
+            .dlq_list(&DlqFilter::default(), None, 10)
+            .await
+            .expect("dlq");
+        assert!(left.is_empty(), "both entries were redriven: {left:?}");
+    }
 }

@@ -223,10 +223,13 @@ impl Breaker {
         was_probe: bool,
         now: i64,
     ) -> Option<Transition> {
-        let success = success?;
+        // A probe's slot comes back however it ended: one that was not sent, or whose answer
+        // does not count (a permanent failure, a busy handler), would otherwise hold it for
+        // good and leave the breaker half-open with no probe ever allowed again.
         if was_probe && self.state == BreakerState::HalfOpen {
             self.probes_in_flight = self.probes_in_flight.saturating_sub(1);
         }
+        let success = success?;
         let sec = now / 1000;
         match self.buckets.back_mut() {
             Some(b) if b.0 == sec => {
@@ -282,6 +285,35 @@ mod tests {
             half_open_probes: 1,
             consecutive_failures: None,
         }
+    }
+
+    #[test]
+    fn a_probe_that_does_not_count_gives_its_slot_back() {
+        let mut b = Breaker::new(policy(), 0);
+        for t in 0..4 {
+            b.record(Some(false), false, t);
+        }
+        assert_eq!(
+            b.admit(6000).0,
+            Admission::Probes(1),
+            "half-open after open_for"
+        );
+        b.probes_started(1);
+        assert_eq!(
+            b.admit(6000).0,
+            Admission::Probes(0),
+            "the probe is in flight"
+        );
+        // Not sent (attempts or max_age ran out), or a permanent failure or a busy handler:
+        // no verdict on the target, but the next probe may go.
+        assert_eq!(b.record(None, true, 6100), None);
+        assert_eq!(b.state(), BreakerState::HalfOpen);
+        assert_eq!(b.admit(6100).0, Admission::Probes(1));
+        b.probes_started(1);
+        let t = b
+            .record(Some(true), true, 6200)
+            .expect("the probe's success closes it");
+        assert_eq!(t.to, BreakerState::Closed);
     }
 
     #[test]
