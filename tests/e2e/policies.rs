@@ -188,6 +188,78 @@ async fn permanent_failures_never_open_the_breaker_but_timeouts_do() {
     assert_eq!(st["dlq"], 20);
 }
 
+/// A half-open breaker's probe that gets an answer which says nothing about the target's
+/// health (a 400: permanent, not counted) must not use up the probe: the next one goes, and
+/// once the target answers 200 the breaker closes and the queue drains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_answered_400_lets_the_next_probe_go() {
+    // 0: down (503); 1: the next request gets 400, then 200 for every request.
+    let phase = Arc::new(AtomicUsize::new(0));
+    let ok = Arc::new(Mutex::new(std::collections::HashSet::new()));
+    let (p2, ok2) = (phase.clone(), ok.clone());
+    let target = Receiver::scripted(Arc::new(move |ev, _| {
+        let status = match p2.load(Ordering::SeqCst) {
+            0 => 503,
+            1 => {
+                p2.store(2, Ordering::SeqCst);
+                400
+            }
+            _ => {
+                let id = ev["id"].as_str().unwrap_or_default().to_owned();
+                ok2.lock().expect("ids").insert(id);
+                200
+            }
+        };
+        (status, Duration::ZERO, vec![])
+    }))
+    .await;
+    let policy = "  guarded:\n    timeout: 2s\n    retry: { max_attempts: 20, base_delay: 100ms, max_delay: 300ms, max_age: 10m }\n    breaker: { failure_rate: 0.5, min_requests: 3, window: 10s, open_for: 1s, half_open_probes: 1 }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: api\n        policy: guarded",
+                target.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    post_batch(
+        &r,
+        &(0..6)
+            .map(|i| event(&format!("p{i}"), "t", json!({"i": i})))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    let opened = eventually(Duration::from_secs(15), || async {
+        (target_state(&r, "api").await["breaker"]["state"] == "open").then_some(())
+    })
+    .await;
+    assert!(opened.is_some(), "{}", target_state(&r, "api").await);
+    // While it is open only probes go: the next request is one, and gets the 400.
+    phase.store(1, Ordering::SeqCst);
+    // Bound: open_for (1 s) and a few retry delays; generous for a loaded machine.
+    let drained = eventually(Duration::from_secs(30), || async {
+        let st = target_state(&r, "api").await;
+        (st["queued"] == 0 && st["in_flight"] == 0 && st["dlq"] == 1).then_some(st)
+    })
+    .await;
+    let st = target_state(&r, "api").await;
+    assert!(
+        drained.is_some(),
+        "the breaker stayed half-open after a probe answered 400: {st}"
+    );
+    assert_eq!(st["breaker"]["state"], "closed", "{st}");
+    let delivered = ok.lock().expect("ids").clone();
+    assert_eq!(
+        delivered.len(),
+        5,
+        "every event but the one answered 400: {delivered:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_concurrency_limit_is_never_exceeded() {
     let current = Arc::new(AtomicUsize::new(0));
