@@ -147,6 +147,22 @@ pub struct ReloadReport {
     pub warnings: Vec<String>,
 }
 
+/// Counts `n` entries of removed target `id` moved to the DLQ.
+fn count_removed(metrics: &Metrics, id: &str, n: usize) {
+    if n > 0 {
+        metrics
+            .dlq_entries
+            .get_or_create(&vec![
+                ("target", id.to_owned()),
+                (
+                    "reason",
+                    crate::store::DlqReason::TargetRemoved.as_str().to_owned(),
+                ),
+            ])
+            .inc_by(n as u64);
+    }
+}
+
 /// Loads the rules and contracts directories again and swaps them in atomically. An invalid
 /// set is refused and the old one stays live. Compilation happens off the request path.
 pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, ReloadError> {
@@ -252,6 +268,7 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                     .await
                 {
                     Ok(n) => {
+                        count_removed(&app.metrics, id, n);
                         tracing::warn!(target_id = %id, entries = n, "target removed from the rules; its queued entries moved to the DLQ");
                     }
                     Err(e) => {
@@ -287,7 +304,7 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                             _ = ctx.cancel.cancelled() => break,
                             _ = tokio::time::sleep(Duration::from_millis(250)) => {}
                         }
-                        if let Err(e) = ctx
+                        match ctx
                             .store
                             .dead_letter_queued(
                                 &id,
@@ -297,7 +314,10 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                             )
                             .await
                         {
-                            tracing::warn!(target_id = %id, error = %e, "moving a removed target's entries to the DLQ failed");
+                            Ok(n) => count_removed(&ctx.metrics, &id, n),
+                            Err(e) => {
+                                tracing::warn!(target_id = %id, error = %e, "moving a removed target's entries to the DLQ failed");
+                            }
                         }
                     }
                 });

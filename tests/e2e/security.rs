@@ -257,20 +257,28 @@ async fn a_token_over_its_rate_gets_429_with_retry_after() {
 async fn a_dead_target_overflows_to_the_dlq_and_never_blocks_others() {
     let dead = Receiver::status(503).await;
     let healthy = Receiver::ok().await;
+    let alerts = Receiver::ok().await;
     let policy = "  capped:\n    max_queue_depth: 5\n    retry: { max_attempts: 100, base_delay: 5s, max_delay: 5s }";
     let rules = rules_yaml(
         policy,
-        &[(
-            "r",
-            "t",
-            &[
-                format!(
-                    "webhook: {}\n        id: dead\n        policy: capped",
-                    dead.url()
-                ),
-                format!("webhook: {}\n        id: healthy", healthy.url()),
-            ],
-        )],
+        &[
+            (
+                "r",
+                "t",
+                &[
+                    format!(
+                        "webhook: {}\n        id: dead\n        policy: capped",
+                        dead.url()
+                    ),
+                    format!("webhook: {}\n        id: healthy", healthy.url()),
+                ],
+            ),
+            (
+                "alerts",
+                "router.dlq.added",
+                &[format!("webhook: {}\n        id: pager", alerts.url())],
+            ),
+        ],
     );
     let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
     for i in 0..20 {
@@ -288,6 +296,36 @@ async fn a_dead_target_overflows_to_the_dlq_and_never_blocks_others() {
     assert_eq!(
         t["queued"].as_u64().unwrap_or(0) + t["in_flight"].as_u64().unwrap_or(0),
         5
+    );
+    // Each overflowed copy is a dead letter like any other: counted, and announced.
+    let m = metrics_text(&r).await;
+    assert_eq!(
+        counter(
+            &m,
+            "router_dlq_entries_total{target=\"dead\",reason=\"target_overflow\"}"
+        ),
+        15,
+        "{}",
+        metric_lines(&m, "router_dlq_entries")
+    );
+    assert!(
+        alerts
+            .wait_for(Duration::from_secs(10), |s| {
+                s.iter()
+                    .filter(|a| {
+                        a.body["data"]["reason"] == "target_overflow"
+                            && a.body["data"]["target"] == "dead"
+                    })
+                    .count()
+                    == 15
+            })
+            .await,
+        "a router.dlq.added per overflowed copy: {:?}",
+        alerts
+            .received()
+            .iter()
+            .map(|a| a.body["data"].clone())
+            .collect::<Vec<_>>()
     );
 }
 

@@ -1124,7 +1124,26 @@ pub fn dlq_added(
     error: Option<&str>,
     now: i64,
 ) {
-    if ev.ty.starts_with("router.") {
+    dlq_added_for(
+        ctx,
+        target,
+        (&ev.id, &ev.source, &ev.ty),
+        reason,
+        error,
+        now,
+    );
+}
+
+/// [`dlq_added`] for the event named by its (`id`, `source`, `type`).
+pub fn dlq_added_for(
+    ctx: &DeliveryContext,
+    target: Option<&str>,
+    (id, source, ty): (&str, &str, &str),
+    reason: DlqReason,
+    error: Option<&str>,
+    now: i64,
+) {
+    if ty.starts_with("router.") {
         return;
     }
     let Some(tx) = &ctx.system_events else { return };
@@ -1136,7 +1155,7 @@ pub fn dlq_added(
     sys.data = Some(crate::event::Data::from(serde_json::json!({
         "target": target,
         "reason": reason.as_str(),
-        "event": { "id": ev.id, "source": ev.source, "type": ev.ty },
+        "event": { "id": id, "source": source, "type": ty },
         "error": error,
     })));
     if tx.try_send(sys).is_err() {

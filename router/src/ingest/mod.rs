@@ -385,6 +385,27 @@ async fn handle(
     };
     let mut results = Vec::with_capacity(answered.len());
     for ((ev, outcome), q) in answered.into_iter().zip(outcomes).zip(quarantined) {
+        if let AcceptOutcome::Accepted { overflowed, .. } = &outcome {
+            // A target's queue at its depth cap: that copy is a dead letter like any other
+            // (the event itself is accepted for its other targets).
+            for target in overflowed {
+                app.metrics
+                    .dlq_entries
+                    .get_or_create(&vec![
+                        ("target", target.clone()),
+                        ("reason", DlqReason::TargetOverflow.as_str().to_string()),
+                    ])
+                    .inc();
+                crate::deliver::dlq_added_for(
+                    app.dispatcher.context(),
+                    Some(target),
+                    (&ev.id, &ev.source, &ev.ty),
+                    DlqReason::TargetOverflow,
+                    Some("the target's queue is at its depth cap"),
+                    now,
+                );
+            }
+        }
         let (status, reason, errors) = match (outcome, q) {
             (AcceptOutcome::Duplicate { .. }, _) => ("duplicate", None, Vec::new()),
             (AcceptOutcome::Accepted { .. }, Some((reason, errors))) => {
@@ -461,6 +482,7 @@ pub(crate) fn compacting_response(summary: &str) -> Response {
 struct Answered {
     id: String,
     source: String,
+    ty: String,
     /// A copy of a quarantined event, for its `router.dlq.added` system event.
     quarantined: Option<CloudEvent>,
 }
@@ -470,6 +492,7 @@ impl Answered {
         Self {
             id: ev.id.clone(),
             source: ev.source.clone(),
+            ty: ev.ty.clone(),
             quarantined: quarantined.then(|| ev.clone()),
         }
     }

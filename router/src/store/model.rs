@@ -508,18 +508,31 @@ pub struct LeasedAtAccept {
 }
 
 /// Answer to accepting one event.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AcceptOutcome {
     /// Stored (and fanned out, or quarantined) durably.
     Accepted {
         /// The new sequence number.
         seq: u64,
+        /// The targets whose queue was at its depth cap: their copy went to the DLQ as
+        /// `target_overflow` instead of their queue.
+        overflowed: Vec<String>,
     },
     /// (`source`, `id`) was seen inside the dedup window; nothing stored.
     Duplicate {
         /// Sequence number of the first copy.
         seq: u64,
     },
+}
+
+impl AcceptOutcome {
+    /// Accepted as `seq`, every target's copy queued.
+    pub fn accepted(seq: u64) -> Self {
+        Self::Accepted {
+            seq,
+            overflowed: Vec::new(),
+        }
+    }
 }
 
 /// What to do with a leased entry after an attempt.

@@ -1509,8 +1509,12 @@ impl Store for RedbStore {
             let mut outcomes = Vec::with_capacity(out.len());
             let mut leased = Vec::new();
             for (i, ((outcome, written), handoff)) in out.into_iter().zip(handoffs).enumerate() {
+                let seq = match &outcome {
+                    AcceptOutcome::Accepted { seq, .. } => Some(*seq),
+                    AcceptOutcome::Duplicate { .. } => None,
+                };
                 outcomes.push(outcome);
-                let (AcceptOutcome::Accepted { seq }, Some(h)) = (outcome, handoff) else {
+                let (Some(seq), Some(h)) = (seq, handoff) else {
                     continue;
                 };
                 if written.is_empty() {
@@ -3435,6 +3439,7 @@ impl Committer {
             let mut leased = Vec::new();
             // Targets whose copy the depth cap refused: out of the record's fan-out.
             let mut refused = Vec::new();
+            let mut overflowed = Vec::new();
             if let Some(q) = p.quarantine.take() {
                 let d = p.dead_letter(seq, None, q.reason, q.errors);
                 self.add_dlq(txn, d, effects)?;
@@ -3465,6 +3470,7 @@ impl Committer {
                             );
                             self.add_dlq(txn, d, effects)?;
                             refused.push(id.idx);
+                            overflowed.push(t.target_id.clone());
                             continue;
                         }
                     }
@@ -3496,7 +3502,7 @@ impl Committer {
                 let rec = EventRecord::split(seq, &p.record)?;
                 ev_t.insert(seq, rec.without(&refused, rec.json).as_slice())?;
             }
-            out.push((AcceptOutcome::Accepted { seq }, leased));
+            out.push((AcceptOutcome::Accepted { seq, overflowed }, leased));
         }
         Ok(out)
     }

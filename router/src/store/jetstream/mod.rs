@@ -224,6 +224,8 @@ struct Prepared {
     leased: Vec<(usize, QueueEntry)>,
     /// The stored event, when some entry is leased at acceptance.
     event: Option<Arc<StoredEvent>>,
+    /// Targets whose copy the depth cap sent to the DLQ.
+    overflowed: Vec<String>,
 }
 
 impl JetStreamStore {
@@ -399,7 +401,10 @@ impl JetStreamStore {
                     Ok(revs) => {
                         let mut offset = 0;
                         for p in chunk {
-                            outcomes[p.index] = Some(AcceptOutcome::Accepted { seq: p.seq });
+                            outcomes[p.index] = Some(AcceptOutcome::Accepted {
+                                seq: p.seq,
+                                overflowed: p.overflowed.clone(),
+                            });
                             for (pos, mut entry) in p.leased {
                                 let token = revs[offset + pos];
                                 let lease = entry.lease.map(|l| Lease { token, ..l });
@@ -429,7 +434,7 @@ impl JetStreamStore {
                     let key = dedup_record_key(&ne.event.source, &ne.event.id);
                     if let Some(&first) = first_of.get(&key)
                         && first != i
-                        && let Some(AcceptOutcome::Accepted { seq }) = outcomes[first]
+                        && let Some(AcceptOutcome::Accepted { seq, .. }) = outcomes[first]
                     {
                         outcomes[i] = Some(AcceptOutcome::Duplicate { seq });
                     }
@@ -493,6 +498,7 @@ impl JetStreamStore {
             DlqEntry::at_acceptance(seq, names(), target, reason, errors, at)
         };
         let mut entries = 0;
+        let mut overflowed = Vec::new();
         if let Some(q) = &ne.quarantine {
             let id = self.next_number("dlq").await?;
             let d = DlqEntry {
@@ -514,6 +520,7 @@ impl JetStreamStore {
                         };
                         writes.push(Write::put(dlq_key(id), enc(&d), Expect::Revision(0)));
                         dlq.push(id);
+                        overflowed.push(t.target_id.clone());
                         continue;
                     }
                     *added += 1;
@@ -579,6 +586,7 @@ impl JetStreamStore {
             writes,
             leased,
             event,
+            overflowed,
         })
     }
 

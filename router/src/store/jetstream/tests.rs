@@ -24,7 +24,7 @@ async fn store(server: &TestServer) -> JetStreamStore {
 
 fn seq_of(o: &AcceptOutcome) -> u64 {
     match o {
-        AcceptOutcome::Accepted { seq } | AcceptOutcome::Duplicate { seq } => *seq,
+        AcceptOutcome::Accepted { seq, .. } | AcceptOutcome::Duplicate { seq } => *seq,
     }
 }
 
@@ -325,7 +325,7 @@ async fn an_accepted_event_is_stored_with_one_queued_entry_per_target() {
         .accept(vec![new_event("/s", "e1", &["a", "b"], 1_000)])
         .await
         .expect("accept");
-    let AcceptOutcome::Accepted { seq } = out[0] else {
+    let AcceptOutcome::Accepted { seq, .. } = out[0] else {
         panic!("{out:?}");
     };
     let fate = s.fate("/s", "e1").await.expect("fate").expect("known");
@@ -381,7 +381,7 @@ async fn a_repeat_inside_the_window_is_a_duplicate_and_after_it_a_new_event() {
     let mut late = new_event("/s", "e1", &["a"], 5_000);
     late.dedup_window_ms = 1_000;
     let out = s.accept(vec![late]).await.expect("accept");
-    let AcceptOutcome::Accepted { seq } = out[0] else {
+    let AcceptOutcome::Accepted { seq, .. } = out[0] else {
         panic!("{out:?}");
     };
     assert_ne!(seq, first);
@@ -436,9 +436,23 @@ async fn a_target_at_its_depth_cap_overflows_to_the_dlq_without_blocking_others(
         ne
     };
     // Five in one call: three fit, two overflow.
-    s.accept((0..5).map(|i| capped(&format!("e{i}"))).collect())
+    let out = s
+        .accept((0..5).map(|i| capped(&format!("e{i}"))).collect())
         .await
         .expect("accept");
+    let overflowed: Vec<Vec<String>> = out
+        .into_iter()
+        .map(|o| match o {
+            AcceptOutcome::Accepted { overflowed, .. } => overflowed,
+            AcceptOutcome::Duplicate { .. } => panic!("no duplicates here"),
+        })
+        .collect();
+    let full = vec!["full".to_owned()];
+    assert_eq!(
+        overflowed,
+        [vec![], vec![], vec![], full.clone(), full],
+        "each outcome names the targets its copy overflowed"
+    );
     let fate = s.fate("/s", "e4").await.expect("fate").expect("known");
     assert_eq!(fate.entries.len(), 1, "only the free target's entry");
     assert_eq!(fate.entries[0].target_id, "free");
@@ -513,7 +527,8 @@ async fn two_nodes_racing_on_one_key_store_it_exactly_once() {
             tokio::spawn(async move {
                 node.accept(vec![new_event("/race", "same", &["a"], 1_000)])
                     .await
-                    .expect("accept")[0]
+                    .expect("accept")
+                    .remove(0)
             })
         })
         .collect();

@@ -886,7 +886,7 @@ fn apply(model: &mut Model, store: &RedbStore, op: &Op, answer: Answer) {
                 .map(|l| ((l.event, l.leased.entry.id.idx), l.leased.lease))
                 .collect();
             for (i, (ne, outcome)) in events.iter().zip(&outcomes).enumerate().take(fresh) {
-                let AcceptOutcome::Accepted { seq } = *outcome else {
+                let AcceptOutcome::Accepted { seq, .. } = *outcome else {
                     panic!("a new event was answered {outcome:?}");
                 };
                 let mut ev = MEvent::new(ne.event.id.clone(), ne);

@@ -76,7 +76,7 @@ async fn accept_fans_out_and_lease_records_the_attempt() {
         .accept(vec![new_event("/s", "1", &["a", "b"], 1000)])
         .await
         .expect("accept");
-    assert_eq!(r, vec![AcceptOutcome::Accepted { seq: 1 }]);
+    assert_eq!(r, vec![AcceptOutcome::accepted(1)]);
     assert_eq!(s.next_due("a"), Some(1000));
     let leased = s.lease("a", 1000, 10, 5000).await.expect("lease");
     assert_eq!(leased.len(), 1);
@@ -121,7 +121,7 @@ async fn duplicates_inside_the_window_are_not_stored_again() {
     let mut late = new_event("/s", "1", &["a"], 1000 + 86_400_001);
     late.dedup_window_ms = 86_400_000;
     let r = s.accept(vec![late]).await.expect("accept");
-    assert_eq!(r, vec![AcceptOutcome::Accepted { seq: 2 }]);
+    assert_eq!(r, vec![AcceptOutcome::accepted(2)]);
 }
 
 #[tokio::test]
@@ -171,7 +171,7 @@ async fn accepts_sharing_a_group_each_get_their_own_outcomes() {
         let (ids, repeated, out) = t.await.expect("join");
         assert_eq!(out.len(), ids.len() + usize::from(repeated));
         for (id, o) in ids.iter().zip(&out) {
-            let AcceptOutcome::Accepted { seq } = *o else {
+            let AcceptOutcome::Accepted { seq, .. } = *o else {
                 panic!("{id}: {o:?}");
             };
             assert!(seqs.insert(seq), "seq {seq} answered twice");
@@ -179,7 +179,7 @@ async fn accepts_sharing_a_group_each_get_their_own_outcomes() {
             assert_eq!(fate.event.seq, seq, "{id}");
         }
         if repeated {
-            let AcceptOutcome::Accepted { seq } = out[0] else {
+            let AcceptOutcome::Accepted { seq, .. } = out[0] else {
                 unreachable!()
             };
             assert_eq!(out[ids.len()], AcceptOutcome::Duplicate { seq });
@@ -440,7 +440,7 @@ async fn an_entry_leased_at_accept_is_in_flight_with_its_attempt_and_acks_under_
     let s = RedbStore::in_memory().expect("store");
     let ne = leasing(new_event("/s", "1", &["a", "b"], 1000), &["a"], 60_000);
     let (out, leased) = s.accept_leased(vec![ne]).await.expect("accept");
-    assert_eq!(out, vec![AcceptOutcome::Accepted { seq: 1 }]);
+    assert_eq!(out, vec![AcceptOutcome::accepted(1)]);
     assert_eq!(leased.len(), 1, "only a asked for a lease");
     let l = &leased[0];
     assert_eq!(l.event, 0);
@@ -509,7 +509,10 @@ async fn no_lease_is_handed_for_a_duplicate_or_an_entry_over_its_queue_cap() {
         out,
         vec![
             AcceptOutcome::Duplicate { seq: 1 },
-            AcceptOutcome::Accepted { seq: 2 }
+            AcceptOutcome::Accepted {
+                seq: 2,
+                overflowed: vec!["a".to_owned()]
+            }
         ]
     );
     // a's queue holds one entry already (its cap): that copy went to the DLQ; b's is leased.
@@ -899,7 +902,7 @@ async fn counters_continue_after_a_restart_that_followed_lease_and_ack_groups() 
         .accept(vec![new_event("/s", "3", &["a"], 3000)])
         .await
         .expect("accept");
-    assert_eq!(r, vec![AcceptOutcome::Accepted { seq: 3 }]);
+    assert_eq!(r, vec![AcceptOutcome::accepted(3)]);
     dead_letter_next(&s, 3000).await;
     let mut ids: Vec<u64> = s
         .dlq_list(&DlqFilter::default(), None, 10)
@@ -992,7 +995,7 @@ async fn a_failing_disk_fails_the_accept_and_recovers() {
         .accept(vec![new_event("/s", "1", &["a"], 1000)])
         .await
         .expect("accept after the disk healed");
-    assert_eq!(r, vec![AcceptOutcome::Accepted { seq: 2 }]);
+    assert_eq!(r, vec![AcceptOutcome::accepted(2)]);
     // The index was rebuilt from what is durable: both events are queued for `a`.
     assert_eq!(s.queue_stats()["a"].queued, 2);
     assert!(s.fate("/s", "0").expect("fate").is_some());
@@ -1064,7 +1067,7 @@ async fn sweep_removes_unreferenced_events_and_revisits_kept_ones() {
     again.dedup_window_ms = 5_000;
     assert_eq!(
         s.accept(vec![again]).await.expect("accept")[0],
-        AcceptOutcome::Accepted { seq: 3 }
+        AcceptOutcome::accepted(3)
     );
     // Once delivered, the next sweep removes event 1 (but not the new key pointing at seq 3).
     let l = s
@@ -1782,7 +1785,7 @@ async fn groups_acknowledged_through_the_log_survive_a_power_cut() {
         .accept(vec![new_event("/s", "new", &["a"], 2000)])
         .await
         .expect("accept");
-    assert_eq!(r, vec![AcceptOutcome::Accepted { seq: 201 }]);
+    assert_eq!(r, vec![AcceptOutcome::accepted(201)]);
 }
 
 /// Polls the fate of `/s`/`id` `polls` times, 5 ms apart: a read may fail, but never shows the
@@ -2189,7 +2192,7 @@ async fn large_memtables_are_sorted_on_a_thread_while_lookups_still_see_their_ke
             .iter()
             .all(|o| matches!(o, AcceptOutcome::Duplicate { .. }))
     );
-    assert_eq!(again[3_000], AcceptOutcome::Accepted { seq: 3_001 });
+    assert_eq!(again[3_000], AcceptOutcome::accepted(3_001));
 }
 
 /// Rows of a table of the store (read in a transaction of its own).
@@ -2246,7 +2249,7 @@ async fn duplicates_are_found_in_the_memtable_in_runs_and_after_a_restart() {
     let again = accept_ids(&s, 0..36, 3000).await;
     assert_eq!(again[34], AcceptOutcome::Duplicate { seq: 35 });
     assert_eq!(again[3], AcceptOutcome::Duplicate { seq: 4 });
-    assert_eq!(again[35], AcceptOutcome::Accepted { seq: 36 });
+    assert_eq!(again[35], AcceptOutcome::accepted(36));
     assert!(
         again[..35]
             .iter()
@@ -2314,7 +2317,7 @@ async fn a_key_accepted_again_after_the_window_points_its_fate_at_the_newer_even
     let mut new = new_event("/s", "k", &[], 20_000);
     new.dedup_window_ms = 5_000;
     let r = s.accept(vec![new.clone()]).await.expect("accept");
-    assert_eq!(r, vec![AcceptOutcome::Accepted { seq: 3 }]);
+    assert_eq!(r, vec![AcceptOutcome::accepted(3)]);
     assert_eq!(
         s.fate("/s", "k").expect("fate").expect("known").event.seq,
         3
@@ -2416,7 +2419,7 @@ async fn a_format_2_store_has_its_dedup_table_moved_into_the_log() {
     for (i, o) in again.iter().take(10).enumerate() {
         assert_eq!(*o, AcceptOutcome::Duplicate { seq: i as u64 + 1 });
     }
-    assert_eq!(again[10], AcceptOutcome::Accepted { seq: 11 });
+    assert_eq!(again[10], AcceptOutcome::accepted(11));
     assert_eq!(
         s.fate("/s", "7").expect("fate").expect("known").event.seq,
         8
