@@ -592,6 +592,23 @@ async fn emissions_outside_the_owner_scope_are_dead_lettered() {
             let msg = entry["errors"][0]["message"].as_str().unwrap_or_default();
             assert!(msg.contains("ingest:order.created.enriched"), "{msg}");
             assert_eq!(rcv.count(), 0, "out of scope: never routed");
+            // A dead letter like any other: counted.
+            let metrics = authed("ops-token")(client().get(r.url("/metrics")))
+                .send()
+                .await
+                .expect("metrics")
+                .text()
+                .await
+                .expect("metrics text");
+            assert_eq!(
+                counter(
+                    &metrics,
+                    "router_dlq_entries_total{target=\"none\",reason=\"scope_violation\"}"
+                ),
+                1,
+                "{}",
+                metric_lines(&metrics, "router_dlq_entries")
+            );
         }
     }
 }

@@ -919,6 +919,22 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
     };
     let finished_at = end.finished_at;
     let end_error = end.error.clone();
+    // Events the handler emitted that go straight to the DLQ (past the hop limit, out of its
+    // scope, failing their contract): dead letters of their own once the finish commits.
+    let quarantined: Vec<(String, String, String, DlqReason)> = end
+        .outbox
+        .as_ref()
+        .map(|o| {
+            o.emitted
+                .iter()
+                .filter_map(|ne| {
+                    let q = ne.quarantine.as_ref()?;
+                    let ev = &ne.event;
+                    Some((ev.id.clone(), ev.source.clone(), ev.ty.clone(), q.reason))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
     let finished = if crate::failpoint::fail_once("finish_contended", &spec.id) {
         Err(FinishError::Contended)
     } else {
@@ -952,6 +968,24 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
                     &leased.event.event,
                     r,
                     end_error.as_deref(),
+                    finished_at,
+                );
+            }
+            for (id, source, ty, reason) in &quarantined {
+                ctx.metrics
+                    .dlq_entries
+                    .get_or_create(&vec![
+                        ("target", "none".to_string()),
+                        ("reason", reason.as_str().to_string()),
+                    ])
+                    .inc();
+                let why = format!("emitted by handler target {}", spec.id);
+                dlq_added_for(
+                    ctx,
+                    None,
+                    (id, source, ty),
+                    *reason,
+                    Some(&why),
                     finished_at,
                 );
             }
