@@ -857,19 +857,32 @@ mod tests {
         }
     }
 
+    /// An app on `test_config` (one target, `hook`) over a redb store on `disk`.
+    fn app_on(disk: &SimulatedDisk) -> (tempfile::TempDir, Arc<App>) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let d = disk.clone();
+        let store = RedbStore::with_backend_factory(move || d.backend(), StoreOptions::default())
+            .expect("store");
+        let app = crate::app::test_app(crate::app::test_config(dir.path()), store, None);
+        (dir, app)
+    }
+
+    /// A redrive job of every DLQ entry at `rate_per_sec`.
+    async fn redrive_all(app: &Arc<App>, rate_per_sec: f64) -> Job {
+        create_redrive(
+            app,
+            RedriveRequest {
+                filter: FilterSpec::default(),
+                rate_per_sec,
+            },
+        )
+        .await
+        .expect("created")
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn entries_of_a_target_no_longer_in_the_rules_stay_in_the_dlq() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let store = RedbStore::with_backend_factory(
-            {
-                let disk = SimulatedDisk::new();
-                move || disk.backend()
-            },
-            StoreOptions::default(),
-        )
-        .expect("store");
-        // test_config's rules have one target, `hook`.
-        let app = crate::app::test_app(crate::app::test_config(dir.path()), store, None);
+        let (_dir, app) = app_on(&SimulatedDisk::new());
         // Both refused by a depth cap of 0: one for `hook`, one for `old`, a target no rule
         // has any more.
         let overflowing = |id: &str, target: &str| {
@@ -881,15 +894,7 @@ mod tests {
             .accept(vec![overflowing("a", "hook"), overflowing("b", "old")])
             .await
             .expect("accepted");
-        let job = create_redrive(
-            &app,
-            RedriveRequest {
-                filter: FilterSpec::default(),
-                rate_per_sec: 1000.0,
-            },
-        )
-        .await
-        .expect("created");
+        let job = redrive_all(&app, 1000.0).await;
         let done = wait_for(&app, &job.id, Duration::from_secs(30), |j| {
             j.state == JobState::Done
         })
@@ -921,12 +926,8 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_step_the_store_fails_waits_shows_its_error_and_goes_on() {
-        let dir = tempfile::tempdir().expect("tempdir");
         let disk = SimulatedDisk::new();
-        let d = disk.clone();
-        let store = RedbStore::with_backend_factory(move || d.backend(), StoreOptions::default())
-            .expect("store");
-        let app = crate::app::test_app(crate::app::test_config(dir.path()), store, None);
+        let (_dir, app) = app_on(&disk);
         let quarantined = |id: &str| {
             let mut ne = new_event("/s", id, &[], 0);
             ne.quarantine = Some(Quarantine {
@@ -941,15 +942,7 @@ mod tests {
             .expect("accepted");
         // One entry a second: the first step comes about a second after the job starts, with
         // the disk failing by then.
-        let job = create_redrive(
-            &app,
-            RedriveRequest {
-                filter: FilterSpec::default(),
-                rate_per_sec: 1.0,
-            },
-        )
-        .await
-        .expect("created");
+        let job = redrive_all(&app, 1.0).await;
         disk.set_failing(true);
 
         let failing = wait_for(&app, &job.id, Duration::from_secs(15), |j| {
