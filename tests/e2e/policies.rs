@@ -18,6 +18,22 @@ async fn target_state(r: &RouterProc, id: &str) -> Value {
 /// burns attempts while it is open, nothing reaches the DLQ, the breaker's transitions are
 /// routed as system events, and after recovery the backlog drains at no more than the
 /// throttle rate.
+/// Rule `r`: type `t` to webhook target `api` at `target`, under policy `guarded` (defined
+/// by `policy`).
+fn api_rules(policy: &str, target: &Receiver) -> String {
+    rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: api\n        policy: guarded",
+                target.url()
+            )],
+        )],
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outage_opens_the_breaker_and_recovery_drains_at_the_throttle_rate() {
     let down = Arc::new(AtomicBool::new(true));
@@ -34,17 +50,7 @@ async fn an_outage_opens_the_breaker_and_recovery_drains_at_the_throttle_rate() 
     let policy = "  guarded:\n    timeout: 2s\n    retry: { max_attempts: 8, base_delay: 100ms, max_delay: 1s, max_age: 10m }\n    breaker: { failure_rate: 0.5, min_requests: 5, window: 10s, open_for: 1s, half_open_probes: 1 }\n    throttle: { rate_per_sec: 40, burst: 5, max_concurrency: 4 }";
     let rules = format!(
         "{}  - name: alerts\n    pattern:\n      type: [{{ prefix: router.breaker. }}]\n    targets:\n      - webhook: {}\n        id: pager\n",
-        rules_yaml(
-            policy,
-            &[(
-                "r",
-                "t",
-                &[format!(
-                    "webhook: {}\n        id: api\n        policy: guarded",
-                    target.url()
-                )]
-            )]
-        ),
+        api_rules(policy, &target),
         alerts.url()
     );
     let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
@@ -214,18 +220,7 @@ async fn a_probe_answered_400_lets_the_next_probe_go() {
     }))
     .await;
     let policy = "  guarded:\n    timeout: 2s\n    retry: { max_attempts: 20, base_delay: 100ms, max_delay: 300ms, max_age: 10m }\n    breaker: { failure_rate: 0.5, min_requests: 3, window: 10s, open_for: 1s, half_open_probes: 1 }";
-    let rules = rules_yaml(
-        policy,
-        &[(
-            "r",
-            "t",
-            &[format!(
-                "webhook: {}\n        id: api\n        policy: guarded",
-                target.url()
-            )],
-        )],
-    );
-    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let r = RouterProc::start(&[("r.yaml", &api_rules(policy, &target))], &[]);
     post_batch(
         &r,
         &(0..6)
