@@ -237,13 +237,16 @@ enum DlqCmd {
         #[arg(long)]
         wait: bool,
     },
-    /// Delete matching entries.
+    /// Delete matching entries (with no filter, only with --all).
     Purge {
         #[command(flatten)]
         filter: DlqFilterArgs,
         /// Only count.
         #[arg(long)]
         dry_run: bool,
+        /// Purge every entry of the DLQ (required when no filter is given).
+        #[arg(long)]
+        all: bool,
     },
     /// Redrive jobs: list, or show/pause/resume/cancel one.
     Jobs {
@@ -952,12 +955,18 @@ async fn dlq(api: Api, cmd: DlqCmd) -> anyhow::Result<ExitCode> {
             };
             print_value(&api, &job, router::cli::job_line);
         }
-        DlqCmd::Purge { filter, dry_run } => {
+        DlqCmd::Purge {
+            filter,
+            dry_run,
+            all,
+        } => {
             let v = c
                 .call(
                     Method::POST,
                     "/v1/dlq/purge",
-                    Some(serde_json::json!({ "filter": filter.json(), "dry_run": dry_run })),
+                    Some(
+                        serde_json::json!({ "filter": filter.json(), "dry_run": dry_run, "all": all }),
+                    ),
                 )
                 .await?;
             print_value(&api, &v, |v| {

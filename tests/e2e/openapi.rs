@@ -1619,6 +1619,28 @@ async fn responses_validate_against_the_document() {
         Req::token(TEAM).json(&json!({})),
     )
     .await;
+    // An empty filter purges only with "all": true (a dry run may count everything).
+    let refused = api
+        .expect(400, "POST", "/v1/dlq/purge", admin().json(&json!({})))
+        .await;
+    assert_eq!(refused["errors"][0]["pointer"], "/filter", "{refused}");
+    let counted = api
+        .expect(
+            200,
+            "POST",
+            "/v1/dlq/purge",
+            admin().json(&json!({"dry_run": true})),
+        )
+        .await;
+    let all = api
+        .expect(
+            200,
+            "POST",
+            "/v1/dlq/purge",
+            admin().json(&json!({"all": true})),
+        )
+        .await;
+    assert_eq!(all["purged"], counted["matched"], "{all} {counted}");
 
     api.assert_no_failures();
 

@@ -241,6 +241,27 @@ async fn a_token_over_its_rate_gets_429_with_retry_after() {
         retry_after.is_some_and(|v| v.parse::<u64>().is_ok_and(|n| n >= 1)),
         "429 without Retry-After"
     );
+    // A batch larger than the burst could never pass: 413 at once, not a 429 to retry.
+    let batch: Vec<Value> = (0..6)
+        .map(|i| event(&format!("big{i}"), "order.paid", json!({})))
+        .collect();
+    let resp = client()
+        .post(r.url("/v1/events"))
+        .bearer_auth("shop-token")
+        .header("content-type", "application/cloudevents-batch+json")
+        .body(Value::Array(batch).to_string())
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status().as_u16(), 413);
+    let body: Value = resp.json().await.expect("json");
+    let msg = body["errors"][0]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("at most 5 at once"), "{body}");
+    assert_eq!(
+        fate(&r, "big0").await["targets"],
+        Value::Null,
+        "nothing stored"
+    );
     // The admin token has no limit.
     let (s, _) = call(
         &r,

@@ -728,6 +728,9 @@ pub struct PurgeRequest {
     /// Only count what would be purged.
     #[serde(default)]
     dry_run: bool,
+    /// Required to purge with an empty filter: the whole DLQ, on purpose.
+    #[serde(default)]
+    all: bool,
 }
 
 /// `POST /v1/dlq/purge`: deletes matching entries (or counts them with `dry_run`).
@@ -747,6 +750,18 @@ pub async fn dlq_purge(
         Ok(f) => f,
         Err(errors) => return error_response(StatusCode::BAD_REQUEST, "invalid request", errors),
     };
+    if req.filter.is_empty() && !req.dry_run && !req.all {
+        // Purging is the one DLQ operation that cannot be undone: an empty filter (a
+        // forgotten flag) must not delete every target's dead letters.
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "an empty filter would purge the whole DLQ",
+            vec![FieldError::new(
+                "/filter",
+                "name at least one of target, reason, rule, type, source, since, until; or set \"all\": true to purge every entry",
+            )],
+        );
+    }
     let mut matched = 0u64;
     let mut purged = 0u64;
     let mut after = None;

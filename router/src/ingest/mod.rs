@@ -197,8 +197,26 @@ async fn handle(
                 use governor::clock::Clock as _;
                 Some(not_until.wait_time_from(governor::clock::DefaultClock::default().now()))
             }
-            // More events in one request than the token's burst: it can never pass at once.
-            Err(_) => Some(std::time::Duration::from_secs(1)),
+            // More events in one request than the token's burst: it can never pass, however
+            // long the client waits (a 429 would have it retry for ever). Nothing is stored.
+            Err(governor::InsufficientCapacity(burst)) => {
+                app.metrics
+                    .ingest_events
+                    .get_or_create(&vec![("status", "rejected".to_string())])
+                    .inc_by(events.len() as u64);
+                return error_response(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "batch larger than this token's ingest burst",
+                    vec![FieldError::new(
+                        "",
+                        format!(
+                            "{} events in one request; token {:?} admits at most {burst} at once (its rate_per_sec): send smaller batches",
+                            events.len(),
+                            principal.name
+                        ),
+                    )],
+                );
+            }
         };
         if let Some(wait) = refused {
             app.metrics
