@@ -511,6 +511,25 @@ pub async fn post_event(r: &RouterProc, ev: &Value) -> (u16, Value) {
     .await
 }
 
+/// POSTs one structured event as a producer that honours back-pressure would: a 503 with
+/// `Retry-After` (the store compacting its file, which a drained backlog can start at any
+/// time) is sent again after that wait, for at most a minute. Returns the last answer.
+pub async fn post_event_honouring_retry_after(r: &RouterProc, ev: &Value) -> (u16, Value) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let resp = send_raw(r, "application/cloudevents+json", ev.to_string()).await;
+        let status = resp.status().as_u16();
+        let wait = retry_after_header(&resp).and_then(|v| v.parse::<u64>().ok());
+        let body = resp.json::<Value>().await.unwrap_or(Value::Null);
+        match wait {
+            Some(secs) if status == 503 && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_secs(secs.min(5))).await;
+            }
+            _ => return (status, body),
+        }
+    }
+}
+
 /// POSTs a structured event to a router armed to crash right after it accepts it: the status,
 /// or `None` when the process died before the answer left (delivery starts the moment the
 /// accept is durable, so the crash can win that race; the event is on disk either way, which
