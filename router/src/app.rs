@@ -150,16 +150,8 @@ pub struct ReloadReport {
 /// Counts `n` entries of removed target `id` moved to the DLQ.
 fn count_removed(metrics: &Metrics, id: &str, n: usize) {
     if n > 0 {
-        metrics
-            .dlq_entries
-            .get_or_create(&vec![
-                ("target", id.to_owned()),
-                (
-                    "reason",
-                    crate::store::DlqReason::TargetRemoved.as_str().to_owned(),
-                ),
-            ])
-            .inc_by(n as u64);
+        let reason = crate::store::DlqReason::TargetRemoved;
+        crate::deliver::count_dead_letters(metrics, Some(id), reason, n as u64);
     }
 }
 

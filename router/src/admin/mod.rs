@@ -750,7 +750,7 @@ pub async fn dlq_purge(
         Ok(f) => f,
         Err(errors) => return error_response(StatusCode::BAD_REQUEST, "invalid request", errors),
     };
-    if req.filter.is_empty() && !req.dry_run && !req.all {
+    if filter == crate::store::DlqFilter::default() && !req.dry_run && !req.all {
         // Purging is the one DLQ operation that cannot be undone: an empty filter (a
         // forgotten flag) must not delete every target's dead letters.
         return error_response(

@@ -955,32 +955,19 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
                 _ => c.dead_lettered.fetch_add(1, Ordering::Relaxed),
             };
             if let Some(r) = dlq_reason {
-                ctx.metrics
-                    .dlq_entries
-                    .get_or_create(&vec![
-                        ("target", spec.id.clone()),
-                        ("reason", r.as_str().to_string()),
-                    ])
-                    .inc();
-                dlq_added(
+                let ev = &leased.event.event;
+                dead_lettered(
                     ctx,
                     Some(&spec.id),
-                    &leased.event.event,
+                    (&ev.id, &ev.source, &ev.ty),
                     r,
                     end_error.as_deref(),
                     finished_at,
                 );
             }
             for (id, source, ty, reason) in &quarantined {
-                ctx.metrics
-                    .dlq_entries
-                    .get_or_create(&vec![
-                        ("target", "none".to_string()),
-                        ("reason", reason.as_str().to_string()),
-                    ])
-                    .inc();
                 let why = format!("emitted by handler target {}", spec.id);
-                dlq_added_for(
+                dead_lettered(
                     ctx,
                     None,
                     (id, source, ty),
@@ -1147,29 +1134,11 @@ async fn on_transition(ctx: &DeliveryContext, rt: &TargetRuntime, t: Transition,
     }
 }
 
-/// Raises `router.dlq.added` for a new DLQ entry (rate-limited where it is routed). Events
-/// that are themselves system events raise none, so an alert path that fails cannot feed
-/// itself.
-pub fn dlq_added(
-    ctx: &DeliveryContext,
-    target: Option<&str>,
-    ev: &CloudEvent,
-    reason: DlqReason,
-    error: Option<&str>,
-    now: i64,
-) {
-    dlq_added_for(
-        ctx,
-        target,
-        (&ev.id, &ev.source, &ev.ty),
-        reason,
-        error,
-        now,
-    );
-}
-
-/// [`dlq_added`] for the event named by its (`id`, `source`, `type`).
-pub fn dlq_added_for(
+/// A new DLQ entry of the event named by its (`id`, `source`, `type`), for `target` (`None`:
+/// an event quarantined before any target): counted in `router_dlq_entries_total` and raised
+/// as `router.dlq.added` (rate-limited where it is routed). Events that are themselves system
+/// events raise none, so an alert path that fails cannot feed itself.
+pub fn dead_lettered(
     ctx: &DeliveryContext,
     target: Option<&str>,
     (id, source, ty): (&str, &str, &str),
@@ -1177,6 +1146,7 @@ pub fn dlq_added_for(
     error: Option<&str>,
     now: i64,
 ) {
+    count_dead_letters(&ctx.metrics, target, reason, 1);
     if ty.starts_with("router.") {
         return;
     }
@@ -1195,6 +1165,22 @@ pub fn dlq_added_for(
     if tx.try_send(sys).is_err() {
         ctx.metrics.system_events_dropped.inc();
     }
+}
+
+/// Counts `n` new DLQ entries of `target` (`None`: no target) with `reason`.
+pub fn count_dead_letters(
+    metrics: &crate::telemetry::Metrics,
+    target: Option<&str>,
+    reason: DlqReason,
+    n: u64,
+) {
+    metrics
+        .dlq_entries
+        .get_or_create(&vec![
+            ("target", target.unwrap_or("none").to_owned()),
+            ("reason", reason.as_str().to_owned()),
+        ])
+        .inc_by(n);
 }
 
 /// A router-generated CloudEvent about `target`.

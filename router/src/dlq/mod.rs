@@ -50,21 +50,6 @@ pub(crate) fn parse_time(name: &str, v: Option<&String>) -> Result<Option<i64>, 
 }
 
 impl FilterSpec {
-    /// Whether it names nothing (it matches every entry).
-    pub fn is_empty(&self) -> bool {
-        [
-            &self.target,
-            &self.reason,
-            &self.rule,
-            &self.ty,
-            &self.source,
-            &self.since,
-            &self.until,
-        ]
-        .iter()
-        .all(|f| f.is_none())
-    }
-
     /// Validates into a store filter; errors point at the field (`prefix` + `/field`).
     pub fn to_filter(&self, prefix: &str) -> Result<DlqFilter, Vec<FieldError>> {
         let mut errors = Vec::new();

@@ -251,8 +251,7 @@ async fn handle(
     let mut quarantined: Vec<Option<(&'static str, Vec<FieldError>)>> =
         Vec::with_capacity(events.len());
     // The events move into what the store accepts (a 1 KB event copied per request was
-    // measurable); the answer needs only their names, and a quarantined one's `dlq.added`
-    // system event its copy.
+    // measurable); the answer and a quarantined one's `dlq.added` need only their names.
     let mut answered: Vec<Answered> = Vec::with_capacity(events.len());
     for (i, ev) in events.into_iter().enumerate() {
         let _span = tracing::debug_span!("ingest_event", event_id = %ev.id, source = %ev.source, ty = %ev.ty).entered();
@@ -279,7 +278,7 @@ async fn handle(
                     ViolationReason::UnknownVersion => DlqReason::UnknownVersion,
                 };
                 quarantined.push(Some((reason.as_str(), errors.clone())));
-                answered.push(Answered::of(&ev, true));
+                answered.push(Answered::of(&ev));
                 new_events.push(NewEvent {
                     event: ev,
                     accepted_at: now,
@@ -292,7 +291,7 @@ async fn handle(
             }
             ContractOutcome::Pass => {
                 quarantined.push(None);
-                answered.push(Answered::of(&ev, false));
+                answered.push(Answered::of(&ev));
                 new_events.push(route(
                     &rules,
                     &app.disabled_rules(),
@@ -407,14 +406,7 @@ async fn handle(
             // A target's queue at its depth cap: that copy is a dead letter like any other
             // (the event itself is accepted for its other targets).
             for target in overflowed {
-                app.metrics
-                    .dlq_entries
-                    .get_or_create(&vec![
-                        ("target", target.clone()),
-                        ("reason", DlqReason::TargetOverflow.as_str().to_string()),
-                    ])
-                    .inc();
-                crate::deliver::dlq_added_for(
+                crate::deliver::dead_lettered(
                     app.dispatcher.context(),
                     Some(target),
                     (&ev.id, &ev.source, &ev.ty),
@@ -436,16 +428,14 @@ async fn handle(
             .get_or_create(&vec![("status", status.to_string())])
             .inc();
         if let Some(reason) = reason.and_then(|r| r.parse::<DlqReason>().ok()) {
-            app.metrics
-                .dlq_entries
-                .get_or_create(&vec![
-                    ("target", "none".to_string()),
-                    ("reason", reason.as_str().to_string()),
-                ])
-                .inc();
-            if let Some(event) = &ev.quarantined {
-                crate::deliver::dlq_added(app.dispatcher.context(), None, event, reason, None, now);
-            }
+            crate::deliver::dead_lettered(
+                app.dispatcher.context(),
+                None,
+                (&ev.id, &ev.source, &ev.ty),
+                reason,
+                None,
+                now,
+            );
         }
         tracing::debug!(event_id = %ev.id, source = %ev.source, status, "ingested");
         results.push(EventResult {
@@ -501,17 +491,14 @@ struct Answered {
     id: String,
     source: String,
     ty: String,
-    /// A copy of a quarantined event, for its `router.dlq.added` system event.
-    quarantined: Option<CloudEvent>,
 }
 
 impl Answered {
-    fn of(ev: &CloudEvent, quarantined: bool) -> Self {
+    fn of(ev: &CloudEvent) -> Self {
         Self {
             id: ev.id.clone(),
             source: ev.source.clone(),
             ty: ev.ty.clone(),
-            quarantined: quarantined.then(|| ev.clone()),
         }
     }
 }
