@@ -569,7 +569,8 @@ async fn start_handlers(
     engine.check_limits(&limits).map_err(|e| e.to_string())?;
     let registry = Arc::new(
         crate::wasm::HandlerRegistry::open(dir.join("registry"), engine)
-            .map_err(|e| e.to_string())?,
+            .map_err(|e| e.to_string())?
+            .with_keep_versions(h.keep_versions),
     );
     let changes = Arc::new(crate::wasm::HandlerChanges::new(
         registry.clone(),
@@ -647,7 +648,6 @@ fn emit_scope_error(
     if !tokens.enabled() || emitter.owner == crate::auth::PRELOAD_OWNER {
         return None;
     }
-    let need = crate::auth::Scope::Ingest(ty.to_string());
     let Some(owner) = tokens.config(&emitter.owner) else {
         return Some(format!(
             "handler {:?} was uploaded by {:?}, which is no longer a configured token: it has no ingest scope",
@@ -658,7 +658,9 @@ fn emit_scope_error(
         name: owner.name.clone(),
         scopes: owner.scopes.clone(),
     };
-    (!principal.allows(&need)).then(|| {
+    // The router sets an emitted event's source (the handler's URI): only its type is the
+    // owner's to be checked.
+    principal.ingest_denial(ty, None).map(|need| {
         format!(
             "handler {:?} (owner {:?}) may not emit type {ty:?}: its owner's token lacks {need}",
             emitter.handler, emitter.owner

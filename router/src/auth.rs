@@ -1,7 +1,13 @@
 //! Authentication and scopes: bearer tokens from config, stored as SHA-256 hashes (never the
 //! token), compared in constant time. Each token has a name and scopes:
-//! `ingest:<type-glob>`, `handlers:<name-glob>`, `dlq:<target-glob>`, `read`, `admin`.
+//! `ingest:<type-glob>`, `ingest-source:<source-glob>`, `handlers:<name-glob>`,
+//! `dlq:<target-glob>`, `read`, `admin`.
 //! Missing or wrong token → 401; valid but out of scope → 403 naming the scope needed.
+//!
+//! The two ingest scopes each restrict when present: a token with `ingest:` scopes may send
+//! only those types, one with `ingest-source:` scopes only those sources, one with both must
+//! satisfy both. A producer confined to its own sources cannot claim another's (`source`, `id`)
+//! and so cannot make the dedup window swallow that producer's events.
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -36,6 +42,8 @@ pub struct Principal {
 pub enum Scope {
     /// `ingest:<type>` for each event type.
     Ingest(String),
+    /// `ingest-source:<source>` for each event source (when the token restricts sources).
+    IngestSource(String),
     /// `handlers:<name>`.
     Handlers(String),
     /// `dlq:<target>`.
@@ -50,6 +58,7 @@ impl std::fmt::Display for Scope {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Ingest(t) => write!(f, "ingest:{t}"),
+            Self::IngestSource(s) => write!(f, "ingest-source:{s}"),
             Self::Handlers(n) => write!(f, "handlers:{n}"),
             Self::Dlq(t) => write!(f, "dlq:{t}"),
             Self::Read => f.write_str("read"),
@@ -93,10 +102,38 @@ impl Principal {
                 Scope::Read => s == "read",
                 Scope::Admin => false,
                 Scope::Ingest(t) => s.strip_prefix("ingest:").is_some_and(|g| glob(g, t)),
+                Scope::IngestSource(src) => s
+                    .strip_prefix("ingest-source:")
+                    .is_some_and(|g| glob(g, src)),
                 Scope::Handlers(n) => s.strip_prefix("handlers:").is_some_and(|g| glob(g, n)),
                 Scope::Dlq(t) => s.strip_prefix("dlq:").is_some_and(|g| glob(g, t)),
             }
         })
+    }
+}
+
+impl Principal {
+    /// Whether this caller holds `dlq:` scopes (reads its own targets' dead letters and jobs).
+    pub fn has_dlq_scopes(&self) -> bool {
+        self.scopes.iter().any(|s| s.starts_with("dlq:"))
+    }
+
+    /// The scope this caller lacks to send an event of type `ty` from `source`, if any.
+    /// `ingest:` scopes restrict types and `ingest-source:` scopes restrict sources, each only
+    /// when the token has at least one of that kind; a token with neither sends nothing.
+    /// `source` is `None` where the router sets the source itself (a handler's emissions).
+    pub fn ingest_denial(&self, ty: &str, source: Option<&str>) -> Option<Scope> {
+        if self.scopes.iter().any(|s| s == "admin") {
+            return None;
+        }
+        let has = |prefix: &str| self.scopes.iter().any(|s| s.starts_with(prefix));
+        let (types, sources) = (has("ingest:"), has("ingest-source:"));
+        let ty_scope = Scope::Ingest(ty.to_string());
+        if (types || !sources) && !self.allows(&ty_scope) {
+            return Some(ty_scope);
+        }
+        let source_scope = Scope::IngestSource(source?.to_string());
+        (sources && !self.allows(&source_scope)).then_some(source_scope)
     }
 }
 
@@ -142,12 +179,12 @@ impl Tokens {
             for s in &t.scopes {
                 let ok = s == "read"
                     || s == "admin"
-                    || ["ingest:", "handlers:", "dlq:"]
+                    || ["ingest:", "ingest-source:", "handlers:", "dlq:"]
                         .iter()
                         .any(|p| s.strip_prefix(p).is_some_and(|g| !g.is_empty()));
                 if !ok {
                     return Err(err(format!(
-                        "unknown scope {s:?}; use ingest:<type-glob>, handlers:<name-glob>, dlq:<target-glob>, read or admin"
+                        "unknown scope {s:?}; use ingest:<type-glob>, ingest-source:<source-glob>, handlers:<name-glob>, dlq:<target-glob>, read or admin"
                     )));
                 }
             }
@@ -232,6 +269,56 @@ mod tests {
     }
 
     #[test]
+    fn ingest_scopes_restrict_types_and_sources_each_when_present() {
+        let p = |scopes: &[&str]| Principal {
+            name: "t".into(),
+            scopes: scopes.iter().map(|s| s.to_string()).collect(),
+        };
+        let denial = |p: &Principal, ty: &str, src: &str| {
+            p.ingest_denial(ty, Some(src)).map(|s| s.to_string())
+        };
+        let types_only = p(&["ingest:order.*"]);
+        assert_eq!(denial(&types_only, "order.paid", "https://anyone"), None);
+        assert_eq!(
+            denial(&types_only, "user.created", "https://anyone").as_deref(),
+            Some("ingest:user.created")
+        );
+        let sources_only = p(&["ingest-source:https://shop.example/*"]);
+        assert_eq!(
+            denial(&sources_only, "anything", "https://shop.example/eu"),
+            None
+        );
+        assert_eq!(
+            denial(&sources_only, "anything", "https://crm.example").as_deref(),
+            Some("ingest-source:https://crm.example")
+        );
+        let both = p(&["ingest:order.*", "ingest-source:/shop/*"]);
+        assert_eq!(denial(&both, "order.paid", "/shop/1"), None);
+        assert_eq!(
+            denial(&both, "user.created", "/shop/1").as_deref(),
+            Some("ingest:user.created")
+        );
+        assert_eq!(
+            denial(&both, "order.paid", "/crm/1").as_deref(),
+            Some("ingest-source:/crm/1")
+        );
+        // No ingest scope of either kind: nothing may be sent; admin sends anything.
+        assert_eq!(
+            denial(&p(&["read", "dlq:erp"]), "order.paid", "/shop").as_deref(),
+            Some("ingest:order.paid")
+        );
+        assert_eq!(denial(&p(&["admin"]), "x", "/y"), None);
+        // A handler's emissions carry the router's source: only their type is checked.
+        assert_eq!(sources_only.ingest_denial("anything", None), None);
+        assert_eq!(
+            both.ingest_denial("user.created", None)
+                .map(|s| s.to_string())
+                .as_deref(),
+            Some("ingest:user.created")
+        );
+    }
+
+    #[test]
     fn bad_token_config_is_refused() {
         let bad = |sha: &str, scope: &str| {
             Tokens::new(&[TokenConfig {
@@ -246,6 +333,8 @@ mod tests {
         assert!(bad("abcd", "read"));
         assert!(bad(&"a".repeat(64), "write"));
         assert!(bad(&"a".repeat(64), "ingest:"));
+        assert!(bad(&"a".repeat(64), "ingest-source:"));
+        assert!(!bad(&"a".repeat(64), "ingest-source:/shop/*"));
         assert!(!bad(&"a".repeat(64), "ingest:*"));
     }
 }
@@ -271,7 +360,15 @@ pub fn route_need(method: &http::Method, route: &str) -> Need {
     match (method, route) {
         (_, "/healthz" | "/readyz") => Need::Nothing,
         (&M::POST, "/v1/events") => Need::Token,
-        (&M::GET, "/v1/dlq" | "/v1/dlq/summary" | "/v1/dlq/{id}") => Need::Token,
+        // A team reads its own targets' dead letters and redrive jobs (checked in the handler).
+        (
+            &M::GET,
+            "/v1/dlq"
+            | "/v1/dlq/summary"
+            | "/v1/dlq/{id}"
+            | "/v1/dlq/redrive"
+            | "/v1/dlq/redrive/{job}",
+        ) => Need::Token,
         (&M::POST, "/v1/dlq/redrive" | "/v1/dlq/purge" | "/v1/dlq/redrive/{job}/{action}") => {
             Need::Token
         }
@@ -291,10 +388,7 @@ pub fn route_need(method: &http::Method, route: &str) -> Need {
             | "/v1/contracts"
             | "/v1/contracts/{type}/{version}",
         )
-        | (
-            &M::GET,
-            "/v1/dlq/redrive" | "/v1/dlq/redrive/{job}" | "/v1/replay" | "/v1/replay/{job}",
-        )
+        | (&M::GET, "/v1/replay" | "/v1/replay/{job}")
         | (&M::POST, "/v1/rules/test") => Need::Read,
         _ => Need::Admin,
     }

@@ -112,6 +112,10 @@ pub struct HandlersConfig {
     /// cannot take every core from the others. A delivery that waits longer than its policy
     /// timeout is put back for a second (`handler_busy`) without spending an attempt.
     pub running_per_handler: usize,
+    /// Versions kept per handler (default 10, at least 1). An upload past it forgets the oldest
+    /// version and removes its component; the active version is always kept. Rollback reaches
+    /// the versions kept.
+    pub keep_versions: usize,
 }
 
 impl Default for HandlersConfig {
@@ -132,6 +136,7 @@ impl Default for HandlersConfig {
             kv_max_bytes: 64 << 20,
             log_retain_bytes: 2 << 20,
             running_per_handler: 0,
+            keep_versions: crate::wasm::registry::DEFAULT_KEEP_VERSIONS,
         }
     }
 }
@@ -581,6 +586,9 @@ impl Config {
         }
         if self.delivery.handler_concurrency == 0 {
             return bad("delivery.handler_concurrency must be > 0");
+        }
+        if self.handlers.keep_versions == 0 {
+            return bad("handlers.keep_versions must be at least 1");
         }
         if self.delivery.sweep_interval.is_zero() {
             return bad("delivery.sweep_interval must be > 0");

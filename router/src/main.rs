@@ -350,7 +350,8 @@ enum TokenCmd {
     New {
         /// Who holds it (team or producer).
         name: String,
-        /// Scopes: ingest:<type-glob>, handlers:<name-glob>, dlq:<target-glob>, read, admin.
+        /// Scopes: ingest:<type-glob>, ingest-source:<source-glob>, handlers:<name-glob>,
+        /// dlq:<target-glob>, read, admin.
         #[arg(long = "scope", required = true)]
         scopes: Vec<String>,
     },

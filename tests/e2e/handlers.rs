@@ -538,6 +538,65 @@ fn enrich_then_webhook(rcv: &Receiver) -> String {
     )
 }
 
+/// An emitted event whose target's queue is at its depth cap goes to the DLQ as
+/// `target_overflow` inside the ack's commit, and is counted and announced like any other new
+/// dead letter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn emitted_events_past_a_queue_cap_are_counted_dead_letters() {
+    let down = Receiver::status(503).await;
+    let alerts = Receiver::ok().await;
+    let rules = format!(
+        "policies:\n  capped:\n    max_queue_depth: 2\n    retry: {{ max_attempts: 100, base_delay: 10s, max_delay: 10s }}\nrules:\n  - name: orders\n    pattern: {{ type: [order.created] }}\n    targets:\n      - handler: enrich\n  - name: enriched\n    pattern: {{ type: [order.created.enriched] }}\n    targets:\n      - webhook: {}\n        id: capped-out\n        policy: capped\n  - name: alerts\n    pattern: {{ type: [router.dlq.added] }}\n    targets:\n      - webhook: {}\n        id: pager\n",
+        down.url(),
+        alerts.url()
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(put_handler(&r, "enrich", plugin("enrich")).await.0, 201);
+    for i in 0..6 {
+        let ev = event(&format!("cap-{i}"), "order.created", json!({"order_id": i}));
+        assert_eq!(post_event(&r, &ev).await.0, 202);
+    }
+    // Two emitted copies fit the cap; four overflow.
+    let counted = eventually(Duration::from_secs(30), || async {
+        let m = metrics_text(&r).await;
+        let n = counter(
+            &m,
+            "router_dlq_entries_total{target=\"capped-out\",reason=\"target_overflow\"}",
+        );
+        (n >= 4).then_some(n)
+    })
+    .await;
+    assert_eq!(counted, Some(4), "overflowed emissions were not counted");
+    let (_, l) = get_json(&r, "/v1/dlq?reason=target_overflow&target=capped-out").await;
+    assert_eq!(l["entries"].as_array().map(Vec::len), Some(4), "{l}");
+    assert!(
+        alerts
+            .wait_for(Duration::from_secs(20), |got| {
+                got.iter()
+                    .filter(|g| g.body["data"]["reason"] == "target_overflow")
+                    .count()
+                    == 4
+            })
+            .await,
+        "router.dlq.added was not raised for each: {:?}",
+        alerts.received()
+    );
+    let alert = alerts
+        .received()
+        .into_iter()
+        .find(|g| g.body["data"]["reason"] == "target_overflow");
+    let alert = alert.expect("an overflow alert");
+    assert_eq!(
+        alert.body["data"]["target"], "capped-out",
+        "{:?}",
+        alert.body
+    );
+    assert_eq!(
+        alert.body["data"]["event"]["type"],
+        "order.created.enriched"
+    );
+}
+
 /// Emitted events must fall within the ingest scope of the handler's owner (the token that
 /// uploaded it); others go to the DLQ as `scope_violation`, never routed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

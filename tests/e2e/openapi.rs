@@ -840,8 +840,15 @@ fn example(op_id: &str, dlq_id: &str, redrive_job: &str, replay_job: &str) -> Op
             tokens: Some((TEAM, READER)),
             ..plain(&format!("/v1/dlq/redrive/{redrive_job}/cancel"))
         },
-        "listRedriveJobs" => plain("/v1/dlq/redrive"),
-        "getRedriveJob" => plain(&format!("/v1/dlq/redrive/{redrive_job}")),
+        // A team reads its own targets' redrive jobs (and the list of them).
+        "listRedriveJobs" => Example {
+            tokens: Some((TEAM, PRODUCER)),
+            ..plain("/v1/dlq/redrive")
+        },
+        "getRedriveJob" => Example {
+            tokens: Some((TEAM, PRODUCER)),
+            ..plain(&format!("/v1/dlq/redrive/{redrive_job}"))
+        },
         "createReplay" => with(
             "/v1/replay",
             "application/json",

@@ -204,6 +204,150 @@ async fn the_auth_matrix() {
     )
     .await;
     assert_eq!(s, 201, "{b}");
+    // The team follows its own job, and sees only its own jobs; another target's job is not
+    // its to read.
+    let own = b["id"].as_str().expect("job id").to_string();
+    let (s, b) = call(
+        &r,
+        "POST",
+        "/v1/dlq/redrive",
+        Some("ops-token"),
+        Some(redrive("crm")),
+    )
+    .await;
+    assert_eq!(s, 201, "{b}");
+    let other = b["id"].as_str().expect("job id").to_string();
+    let path = format!("/v1/dlq/redrive/{own}");
+    let (s, b) = call(&r, "GET", &path, Some("shop-token"), None).await;
+    assert_eq!((s, b["id"].as_str()), (200, Some(own.as_str())), "{b}");
+    let (s, b) = call(
+        &r,
+        "GET",
+        &format!("/v1/dlq/redrive/{other}"),
+        Some("shop-token"),
+        None,
+    )
+    .await;
+    assert_eq!(s, 403, "{b}");
+    assert!(
+        b["errors"][0]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("dlq:crm"),
+        "{b}"
+    );
+    let (s, b) = call(&r, "GET", "/v1/dlq/redrive", Some("shop-token"), None).await;
+    assert_eq!(s, 200, "{b}");
+    let ids: Vec<&str> = b["jobs"].as_array().map_or(Vec::new(), |j| {
+        j.iter().filter_map(|j| j["id"].as_str()).collect()
+    });
+    assert_eq!(ids, [own.as_str()], "{b}");
+    let (s, b) = call(&r, "GET", "/v1/dlq/redrive", Some("viewer-token"), None).await;
+    assert_eq!(
+        (s, b["jobs"].as_array().map(Vec::len)),
+        (200, Some(2)),
+        "{b}"
+    );
+}
+
+/// Producers confined to their own sources: one cannot claim another's (`source`, `id`), so it
+/// cannot make the dedup window swallow that producer's next event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_confined_to_its_sources_cannot_claim_another_producers_ids() {
+    let rcv = Receiver::ok().await;
+    let rules = webhook_rule("orders", "order.paid", &rcv.url(), "erp");
+    let auth = format!(
+        r#"
+[[auth.tokens]]
+name = "shop"
+sha256 = "{}"
+scopes = ["ingest:order.*", "ingest-source:/shop/*"]
+
+[[auth.tokens]]
+name = "crm"
+sha256 = "{}"
+scopes = ["ingest-source:/crm"]
+"#,
+        token_sha256("shop-token"),
+        token_sha256("crm-token")
+    );
+    let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&auth));
+    let from = |source: &str, id: &str| json!({"specversion": "1.0", "id": id, "source": source, "type": "order.paid", "data": {}});
+    // The shop token tries the CRM's next (source, id): refused, nothing stored.
+    let (s, body) = call(
+        &r,
+        "POST",
+        "/v1/events",
+        Some("shop-token"),
+        Some(from("/crm", "c-1")),
+    )
+    .await;
+    assert_eq!(s, 403, "{body}");
+    let msg = body["errors"][0]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("ingest-source:/crm"), "{body}");
+    // A batch with one foreign source is refused whole.
+    let batch = json!([from("/shop/eu", "s-0"), from("/crm", "c-1")]);
+    let resp = client()
+        .post(r.url("/v1/events"))
+        .bearer_auth("shop-token")
+        .header("content-type", "application/cloudevents-batch+json")
+        .body(batch.to_string())
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status().as_u16(), 403);
+    // The CRM's own event with that id is accepted and delivered, not answered as a duplicate.
+    let (s, body) = call(
+        &r,
+        "POST",
+        "/v1/events",
+        Some("crm-token"),
+        Some(from("/crm", "c-1")),
+    )
+    .await;
+    assert_eq!(s, 202, "{body}");
+    assert_eq!(body["results"][0]["status"], "accepted", "{body}");
+    // Each token's own sources pass; the shop's type scope still applies.
+    let (s, body) = call(
+        &r,
+        "POST",
+        "/v1/events",
+        Some("shop-token"),
+        Some(from("/shop/eu", "s-1")),
+    )
+    .await;
+    assert_eq!(s, 202, "{body}");
+    let mut other_type = from("/shop/eu", "s-2");
+    other_type["type"] = json!("user.created");
+    let (s, body) = call(
+        &r,
+        "POST",
+        "/v1/events",
+        Some("shop-token"),
+        Some(other_type),
+    )
+    .await;
+    assert_eq!(s, 403, "{body}");
+    assert!(
+        rcv.wait_for(Duration::from_secs(20), |got| got.len() >= 2)
+            .await,
+        "the two accepted events were not delivered"
+    );
+    let delivered = rcv
+        .settled_count(Duration::from_secs(1), Duration::from_secs(20))
+        .await;
+    assert_eq!(delivered, 2, "{:?}", rcv.received());
+    let mut sources: Vec<String> = rcv
+        .received()
+        .iter()
+        .map(|g| g.body["source"].as_str().unwrap_or_default().to_string())
+        .collect();
+    sources.sort();
+    assert_eq!(
+        sources,
+        ["/crm", "/shop/eu"],
+        "s-0 of the refused batch was stored"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

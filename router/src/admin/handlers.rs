@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
@@ -15,6 +15,11 @@ use crate::auth::{Principal, Scope, require};
 use crate::event::FieldError;
 use crate::ingest::error_response;
 use crate::wasm::{RegistryError, UploadError};
+
+/// `Retry-After` of an upload refused past the disk high-water mark (as ingest's).
+const DISK_FULL_RETRY_AFTER_S: u64 = crate::ingest::DISK_FULL_RETRY_AFTER_S;
+/// `Retry-After` of an upload whose component or index could not be written.
+const STORE_RETRY_AFTER_S: u64 = crate::ingest::STORE_RETRY_AFTER_S;
 
 fn runtime(app: &App) -> Result<&Arc<crate::target::handler::HandlerRuntime>, Box<Response>> {
     app.handlers.as_ref().ok_or_else(|| {
@@ -62,17 +67,32 @@ pub async fn upload(
         Ok(rt) => rt.clone(),
         Err(r) => return *r,
     };
+    if app.disk_full.load(std::sync::atomic::Ordering::Relaxed) {
+        // The disk the store needs to drain its queues is not spent on new components.
+        return crate::ingest::with_retry_after(
+            error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the store is past its disk high-water mark; handler uploads resume below its low-water mark",
+                Vec::new(),
+            ),
+            DISK_FULL_RETRY_AFTER_S,
+        );
+    }
     match rt.changes.upload(&name, body, &who.name).await {
         Ok(v) => {
             tracing::warn!(handler = %name, version = v.version, sha256 = %v.sha256, uploader = %who.name, "handler uploaded and activated");
             (StatusCode::CREATED, axum::Json(json!(v))).into_response()
         }
         Err(UploadError::Io(e)) => {
+            // Nothing was activated: a full or failing disk, which may pass.
             tracing::error!(handler = %name, error = %e, "storing a handler failed");
-            error_response(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "cannot store the handler",
-                Vec::new(),
+            crate::ingest::with_retry_after(
+                error_response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "cannot store the handler; nothing was changed",
+                    Vec::new(),
+                ),
+                STORE_RETRY_AFTER_S,
             )
         }
         Err(e @ UploadError::Catalog(_)) => catalog_unavailable(&name, &e),
@@ -146,15 +166,9 @@ pub async fn rollback(
     if let Err(r) = require(&who, &Scope::Handlers(name.clone())) {
         return *r;
     }
-    let req: RollbackRequest = match serde_json::from_slice(&body) {
+    let req: RollbackRequest = match crate::admin::request::parse_body(&body) {
         Ok(r) => r,
-        Err(e) => {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "invalid request body",
-                vec![FieldError::new("/version", e.to_string())],
-            );
-        }
+        Err(resp) => return *resp,
     };
     let rt = match runtime(&app) {
         Ok(rt) => rt.clone(),
@@ -217,7 +231,7 @@ pub async fn logs(
     State(app): State<Arc<App>>,
     axum::Extension(who): axum::Extension<Principal>,
     Path(name): Path<String>,
-    Query(q): Query<LogsQuery>,
+    crate::admin::ApiQuery(q): crate::admin::ApiQuery<LogsQuery>,
 ) -> Response {
     if let Err(r) = require(&who, &Scope::Handlers(name.clone())) {
         return *r;

@@ -3,11 +3,15 @@
 
 pub mod contracts;
 pub mod handlers;
+pub(crate) mod request;
+
+pub use request::ApiQuery;
+use request::parse_body;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
@@ -25,10 +29,13 @@ fn store_error(e: &crate::store::StoreError) -> Response {
         return crate::ingest::compacting_response("the store is compacting its file; retry later");
     }
     tracing::error!(error = %e, "store read failed");
-    error_response(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "storage unavailable",
-        Vec::new(),
+    crate::ingest::with_retry_after(
+        error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "storage unavailable",
+            Vec::new(),
+        ),
+        crate::ingest::STORE_RETRY_AFTER_S,
     )
 }
 
@@ -80,7 +87,7 @@ pub struct FateQuery {
 pub async fn event_fate(
     State(app): State<Arc<App>>,
     Path(id): Path<String>,
-    Query(q): Query<FateQuery>,
+    ApiQuery(q): ApiQuery<FateQuery>,
 ) -> Response {
     let Some(source) = q.source.filter(|s| !s.is_empty()) else {
         return error_response(
@@ -163,7 +170,7 @@ pub struct DlqQuery {
 pub async fn dlq_list(
     State(app): State<Arc<App>>,
     axum::Extension(who): axum::Extension<crate::auth::Principal>,
-    Query(q): Query<DlqQuery>,
+    ApiQuery(q): ApiQuery<DlqQuery>,
 ) -> Response {
     if let Err(r) = dlq_read_scope(&who, q.target.as_deref()) {
         return *r;
@@ -645,34 +652,27 @@ fn job_json(j: &crate::store::Job) -> Value {
     })
 }
 
-fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Box<Response>> {
-    serde_json::from_slice(body).map_err(|e| {
-        Box::new(error_response(
-            StatusCode::BAD_REQUEST,
-            "invalid request body",
-            vec![FieldError::new("", e.to_string())],
-        ))
-    })
-}
-
 /// `GET /v1/dlq/summary`: counts by target × reason with first/last time and a histogram.
 pub async fn dlq_summary(
     State(app): State<Arc<App>>,
     axum::Extension(who): axum::Extension<crate::auth::Principal>,
-    Query(q): Query<std::collections::HashMap<String, String>>,
+    ApiQuery(q): ApiQuery<std::collections::HashMap<String, String>>,
 ) -> Response {
     if let Err(r) = dlq_read_scope(&who, q.get("target").map(String::as_str)) {
         return *r;
     }
     let mut q = q;
     let bucket = q.remove("bucket");
-    let spec: crate::dlq::FilterSpec = match serde_json::from_value(json!(q)) {
+    let spec: crate::dlq::FilterSpec = match serde_path_to_error::deserialize(json!(q)) {
         Ok(s) => s,
         Err(e) => {
             return error_response(
                 StatusCode::BAD_REQUEST,
                 "invalid query",
-                vec![FieldError::new("", e.to_string())],
+                vec![FieldError::new(
+                    request::error_pointer(&e),
+                    e.inner().to_string(),
+                )],
             );
         }
     };
@@ -825,12 +825,42 @@ pub async fn replay_create(State(app): State<Arc<App>>, body: axum::body::Bytes)
     }
 }
 
-/// `GET /v1/dlq/redrive`, `GET /v1/replay`: every job.
-pub async fn jobs_list(State(app): State<Arc<App>>) -> Response {
+/// Whether `who` may read job `j`: `read` sees every job; a team's `dlq:<target>` scope sees
+/// the redrive jobs over that target (the ones it may start and control).
+fn job_visible(who: &crate::auth::Principal, j: &crate::store::Job) -> bool {
+    if who.allows(&crate::auth::Scope::Read) {
+        return true;
+    }
+    let target = j.spec["filter"]["target"].as_str();
+    j.kind == crate::store::JobKind::Redrive
+        && target.is_some_and(|t| who.allows(&crate::auth::Scope::Dlq(t.to_string())))
+}
+
+/// The 403 for a job read by a token with neither `read` nor any `dlq:` scope.
+fn job_read_scope(who: &crate::auth::Principal) -> Result<(), Box<Response>> {
+    if who.allows(&crate::auth::Scope::Read) || who.has_dlq_scopes() {
+        Ok(())
+    } else {
+        Err(Box::new(crate::auth::forbidden(
+            who,
+            "read (or dlq:<target> for that target's redrive jobs)",
+        )))
+    }
+}
+
+/// `GET /v1/dlq/redrive`, `GET /v1/replay`: every job the caller may see.
+pub async fn jobs_list(
+    State(app): State<Arc<App>>,
+    axum::Extension(who): axum::Extension<crate::auth::Principal>,
+) -> Response {
+    if let Err(r) = job_read_scope(&who) {
+        return *r;
+    }
     match app.store.jobs().await {
         Ok(jobs) => {
             let jobs: Vec<Value> = jobs
                 .into_iter()
+                .filter(|j| job_visible(&who, j))
                 .map(|j| job_json(&app.jobs.shown(j)))
                 .collect();
             axum::Json(json!({ "jobs": jobs })).into_response()
@@ -840,9 +870,23 @@ pub async fn jobs_list(State(app): State<Arc<App>>) -> Response {
 }
 
 /// `GET /v1/dlq/redrive/{job}`, `GET /v1/replay/{job}`: progress.
-pub async fn job_show(State(app): State<Arc<App>>, Path(job): Path<String>) -> Response {
+pub async fn job_show(
+    State(app): State<Arc<App>>,
+    axum::Extension(who): axum::Extension<crate::auth::Principal>,
+    Path(job): Path<String>,
+) -> Response {
+    if let Err(r) = job_read_scope(&who) {
+        return *r;
+    }
     match crate::dlq::get(&app, &job).await {
-        Ok(j) => axum::Json(job_json(&j)).into_response(),
+        Ok(j) if job_visible(&who, &j) => axum::Json(job_json(&j)).into_response(),
+        Ok(j) => {
+            let needed = match j.spec["filter"]["target"].as_str() {
+                Some(t) if j.kind == crate::store::JobKind::Redrive => format!("read (or dlq:{t})"),
+                _ => "read".to_string(),
+            };
+            crate::auth::forbidden(&who, &needed)
+        }
         Err(e) => job_error(e),
     }
 }

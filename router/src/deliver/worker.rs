@@ -919,18 +919,20 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
     };
     let finished_at = end.finished_at;
     let end_error = end.error.clone();
-    // Events the handler emitted that go straight to the DLQ (past the hop limit, out of its
-    // scope, failing their contract): dead letters of their own once the finish commits.
-    let quarantined: Vec<(String, String, String, DlqReason)> = end
+    // The events the handler emitted, by position in the outbox: those that go straight to
+    // the DLQ (past the hop limit, out of its scope, failing their contract) and the copies
+    // the store sends there (their target's queue at its cap) are dead letters of their own
+    // once the finish commits.
+    let emitted: Vec<(String, String, String, Option<DlqReason>)> = end
         .outbox
         .as_ref()
         .map(|o| {
             o.emitted
                 .iter()
-                .filter_map(|ne| {
-                    let q = ne.quarantine.as_ref()?;
+                .map(|ne| {
                     let ev = &ne.event;
-                    Some((ev.id.clone(), ev.source.clone(), ev.ty.clone(), q.reason))
+                    let q = ne.quarantine.as_ref().map(|q| q.reason);
+                    (ev.id.clone(), ev.source.clone(), ev.ty.clone(), q)
                 })
                 .collect()
         })
@@ -943,7 +945,7 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
             .await
     };
     match finished {
-        Ok(()) => {
+        Ok(finished) => {
             ctx.metrics
                 .deliveries
                 .get_or_create(&labels(outcome_label))
@@ -965,13 +967,29 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
                     finished_at,
                 );
             }
-            for (id, source, ty, reason) in &quarantined {
-                let why = format!("emitted by handler target {}", spec.id);
+            let why = format!("emitted by handler target {}", spec.id);
+            for (id, source, ty, reason) in &emitted {
+                if let Some(reason) = reason {
+                    dead_lettered(
+                        ctx,
+                        None,
+                        (id, source, ty),
+                        *reason,
+                        Some(&why),
+                        finished_at,
+                    );
+                }
+            }
+            for (i, target) in &finished.overflowed {
+                let Some((id, source, ty, _)) = emitted.get(*i) else {
+                    continue;
+                };
+                let why = format!("{why}; the queue of {target} is at its depth cap");
                 dead_lettered(
                     ctx,
-                    None,
+                    Some(target),
                     (id, source, ty),
-                    *reason,
+                    DlqReason::TargetOverflow,
                     Some(&why),
                     finished_at,
                 );

@@ -96,6 +96,12 @@ pub async fn post_events(
     resp
 }
 
+/// `Retry-After` past the disk high-water mark: the queues need time to drain.
+pub(crate) const DISK_FULL_RETRY_AFTER_S: u64 = 30;
+/// `Retry-After` of a request the store failed (not compacting): a failing disk or a lost
+/// connection to a shared store, which may pass.
+pub(crate) const STORE_RETRY_AFTER_S: u64 = 1;
+
 pub(crate) fn with_retry_after(mut r: Response, secs: u64) -> Response {
     if let Ok(v) = axum::http::HeaderValue::from_str(&secs.max(1).to_string()) {
         r.headers_mut().insert("retry-after", v);
@@ -116,7 +122,7 @@ async fn handle(
                 "the store is past its disk high-water mark; delivery continues, retry later",
                 Vec::new(),
             ),
-            30,
+            DISK_FULL_RETRY_AFTER_S,
         );
     }
     let limits = parse::Limits {
@@ -179,13 +185,11 @@ async fn handle(
             return error_response(e.status, summary, e.errors);
         }
     };
-    // Scope: every event's type must be within the token's ingest scope (nothing is stored
-    // otherwise).
+    // Scope: every event's type and source must be within the token's ingest scopes (nothing
+    // is stored otherwise).
     for ev in &events {
-        if let Err(resp) =
-            crate::auth::require(principal, &crate::auth::Scope::Ingest(ev.ty.clone()))
-        {
-            return *resp;
+        if let Some(needed) = principal.ingest_denial(&ev.ty, Some(&ev.source)) {
+            return crate::auth::forbidden(principal, &needed.to_string());
         }
     }
     if let Some(limiter) = app.ingest_limiters.get(&principal.name) {
@@ -396,7 +400,7 @@ async fn handle(
                     "storage unavailable; nothing was stored, retry later",
                     Vec::new(),
                 ),
-                1,
+                STORE_RETRY_AFTER_S,
             );
         }
     };

@@ -208,7 +208,7 @@ pub trait Store: Send + Sync + 'static {
         end: AttemptEnd,
         disposition: Disposition,
         now: Millis,
-    ) -> BoxFuture<'_, Result<(), FinishError>>;
+    ) -> BoxFuture<'_, Result<Finished, FinishError>>;
 
     /// How many of `target`'s entries could be leased at `now` (ordering respected), up to
     /// `max`.

@@ -507,6 +507,15 @@ pub struct LeasedAtAccept {
     pub leased: Leased,
 }
 
+/// What a committed finish wrote besides moving its own entry.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Finished {
+    /// Copies of the outbox's emitted events that went to the DLQ as `target_overflow`
+    /// because their target's queue was at its depth cap: (index in `Outbox::emitted`,
+    /// target id). The caller counts and announces them like any other new dead letter.
+    pub overflowed: Vec<(usize, String)>,
+}
+
 /// Answer to accepting one event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AcceptOutcome {

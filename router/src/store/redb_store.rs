@@ -645,7 +645,7 @@ enum Op {
         end: AttemptEnd,
         disposition: Disposition,
         now: Millis,
-        reply: Reply<Result<(), FinishError>>,
+        reply: Reply<Result<Finished, FinishError>>,
     },
     SaveTargets {
         configs: Vec<(String, serde_json::Value)>,
@@ -1562,7 +1562,7 @@ impl Store for RedbStore {
         end: AttemptEnd,
         disposition: Disposition,
         now: Millis,
-    ) -> BoxFuture<'_, Result<(), FinishError>> {
+    ) -> BoxFuture<'_, Result<Finished, FinishError>> {
         async move {
             self.call(|reply| Op::Finish {
                 id,
@@ -2348,7 +2348,7 @@ struct PlainFinish {
     end: AttemptEnd,
     settle: Settle,
     now: Millis,
-    reply: Reply<Result<(), FinishError>>,
+    reply: Reply<Result<Finished, FinishError>>,
 }
 
 /// What a finish that neither dead-letters nor has an outbox does to its entry.
@@ -3509,14 +3509,15 @@ impl Committer {
 
     /// Checks the outbox's compare-and-set preconditions and its namespaces' size bound, then
     /// writes its key-value changes and accepts its emitted events, in the transaction of the
-    /// ack. Refusals come before any write, so a refused outbox leaves nothing behind.
+    /// ack. Refusals come before any write, so a refused outbox leaves nothing behind. Returns
+    /// the emitted events' copies that overflowed their target's queue (`Finished`).
     fn apply_outbox(
         &mut self,
         txn: &Tx<'_>,
         outbox: &Outbox,
         now: Millis,
         effects: &mut Vec<Effect>,
-    ) -> Result<(), FinishError> {
+    ) -> Result<Vec<(usize, String)>, FinishError> {
         {
             let kv = txn.open_table(KV).map_err(StoreError::from)?;
             for (ns, key, expected) in &outbox.cas {
@@ -3584,11 +3585,16 @@ impl Committer {
             exp.insert((c.expires_at, c.handler.as_str(), c.key.as_str()), ())
                 .map_err(StoreError::from)?;
         }
+        let mut overflowed = Vec::new();
         if !outbox.emitted.is_empty() {
             let emitted = outbox.emitted.iter().cloned().map(Prepared::new);
-            self.accept(txn, emitted, effects)?;
+            for (i, (outcome, _)) in self.accept(txn, emitted, effects)?.into_iter().enumerate() {
+                if let AcceptOutcome::Accepted { overflowed: o, .. } = outcome {
+                    overflowed.extend(o.into_iter().map(|t| (i, t)));
+                }
+            }
         }
-        Ok(())
+        Ok(overflowed)
     }
 
     /// Inserts a new queue entry (accept, redrive of a quarantined event, replay).
@@ -3976,7 +3982,7 @@ impl Committer {
         disposition: Disposition,
         now: Millis,
         effects: &mut Vec<Effect>,
-    ) -> Result<(), FinishError> {
+    ) -> Result<Finished, FinishError> {
         // The entries table is opened only around reads and the final write: the outbox
         // accepts events, which writes entries itself.
         let raw = txn
@@ -3986,8 +3992,9 @@ impl Committer {
             .map_err(StoreError::from)?
             .map(|v| v.value().to_vec());
         let mut e = leased_entry(raw.as_deref(), id, lease, now)?;
+        let mut finished = Finished::default();
         if let Some(outbox) = end.outbox.as_deref() {
-            self.apply_outbox(txn, outbox, now, effects)?;
+            finished.overflowed = self.apply_outbox(txn, outbox, now, effects)?;
         }
         e.close_attempt(&end);
         if let Some(settle) = Settle::of(&disposition) {
@@ -4027,7 +4034,7 @@ impl Committer {
             .map_err(StoreError::from)?
             .insert((id.event, id.idx), enc_entry(&e).as_slice())
             .map_err(StoreError::from)?;
-        Ok(())
+        Ok(finished)
     }
 }
 
@@ -4046,7 +4053,7 @@ fn finish_plain(
     let mut failed = None;
     for f in finishes {
         let key = (f.id.event, f.id.idx);
-        let r = (|| -> Result<(), FinishError> {
+        let r = (|| -> Result<Finished, FinishError> {
             let mut e = {
                 let raw = entries.get(key).map_err(StoreError::from)?;
                 leased_entry(raw.as_ref().map(|v| v.value()), f.id, f.lease, f.now)?
@@ -4056,7 +4063,7 @@ fn finish_plain(
             entries
                 .insert(key, enc_entry(&e).as_slice())
                 .map_err(StoreError::from)?;
-            Ok(())
+            Ok(Finished::default())
         })();
         if let Err(FinishError::Store(e)) = &r {
             failed.get_or_insert(e.clone());
@@ -4068,7 +4075,10 @@ fn finish_plain(
 
 /// A finish's answer, sent once its group's commit is known: its own result, or the
 /// commit's error.
-fn finish_done(reply: Reply<Result<(), FinishError>>, r: Result<(), FinishError>) -> Done {
+fn finish_done(
+    reply: Reply<Result<Finished, FinishError>>,
+    r: Result<Finished, FinishError>,
+) -> Done {
     Box::new(move |commit_err| {
         let _ = reply.send(match commit_err {
             Some(e) => Err(FinishError::Store(e.clone())),

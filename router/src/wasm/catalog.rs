@@ -203,7 +203,8 @@ impl HandlerChanges {
             let (revision, index) = Self::read(catalog.as_ref(), name)
                 .await
                 .map_err(catalog_upload_error)?;
-            let (index, info) = index.with_upload(&validated, uploader);
+            let (index, info) =
+                index.with_upload(&validated, uploader, self.registry.keep_versions());
             let written = catalog
                 .put_index(name, index.to_bytes().into(), revision)
                 .await

@@ -135,8 +135,16 @@ impl HandlerIndex {
     }
 
     /// The index with `v` stored and active: a new version numbered after the highest so far,
-    /// or the stored version with the same bytes, re-activated.
-    pub(crate) fn with_upload(mut self, v: &Validated, uploader: &str) -> (Self, VersionInfo) {
+    /// or the stored version with the same bytes, re-activated. Past `keep` versions the oldest
+    /// are forgotten (never the active one), so repeated uploads cannot fill the disk; their
+    /// components are removed by the registry (`prune_components`) and, on a shared store, by
+    /// the catalog's sweep.
+    pub(crate) fn with_upload(
+        mut self,
+        v: &Validated,
+        uploader: &str,
+        keep: usize,
+    ) -> (Self, VersionInfo) {
         if self.deleted {
             self = Self::empty(&self.name);
         }
@@ -157,7 +165,20 @@ impl HandlerIndex {
             }
         };
         self.active = Some(v.sha256.clone());
+        self.keep_newest(keep);
         (self, info)
+    }
+
+    /// Forgets the oldest versions past the `keep` newest (at least one), except the active one.
+    fn keep_newest(&mut self, keep: usize) {
+        let mut numbers: Vec<u32> = self.versions.iter().map(|v| v.version).collect();
+        numbers.sort_unstable_by(|a, b| b.cmp(a));
+        let Some(&oldest_kept) = numbers.get(keep.max(1) - 1) else {
+            return;
+        };
+        let active = self.active.clone();
+        self.versions
+            .retain(|v| v.version >= oldest_kept || active.as_ref() == Some(&v.sha256));
     }
 
     /// The index with `version` (a number or hash prefix, as `rollback` takes) active.
@@ -380,7 +401,12 @@ pub struct HandlerRegistry {
     /// Serialises compilations so cache misses can be attributed to this registry.
     compile_lock: Mutex<()>,
     compilations: AtomicU64,
+    /// Versions kept per handler (`handlers.keep_versions`).
+    keep_versions: usize,
 }
+
+/// Versions kept per handler unless configured (`handlers.keep_versions`).
+pub const DEFAULT_KEEP_VERSIONS: usize = 10;
 
 impl std::fmt::Debug for HandlerRegistry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -438,6 +464,7 @@ impl HandlerRegistry {
             write_lock: Mutex::new(()),
             compile_lock: Mutex::new(()),
             compilations: AtomicU64::new(0),
+            keep_versions: DEFAULT_KEEP_VERSIONS,
         };
         let mut entries = HashMap::new();
         for dirent in fs::read_dir(&registry.dir)? {
@@ -482,6 +509,19 @@ impl HandlerRegistry {
             .write()
             .unwrap_or_else(PoisonError::into_inner) = entries;
         Ok(registry)
+    }
+
+    /// The registry keeping at most `n` versions per handler (at least 1; the active one is
+    /// always kept).
+    #[must_use]
+    pub fn with_keep_versions(mut self, n: usize) -> Self {
+        self.keep_versions = n.max(1);
+        self
+    }
+
+    /// Versions kept per handler.
+    pub fn keep_versions(&self) -> usize {
+        self.keep_versions
     }
 
     /// Components compiled (not found in the compilation cache) by this registry since it opened.
@@ -543,9 +583,10 @@ impl HandlerRegistry {
         let index = self
             .index_of(name)
             .unwrap_or_else(|| HandlerIndex::empty(name));
-        let (index, info) = index.with_upload(&validated, uploader);
+        let (index, info) = index.with_upload(&validated, uploader, self.keep_versions);
         self.store_component(name, &info.sha256, bytes)?;
         self.write_index(&index)?;
+        self.prune_components(&index);
         self.install(
             index,
             Some(Arc::new(LoadedHandler {
@@ -578,6 +619,7 @@ impl HandlerRegistry {
         }
         fs::create_dir_all(self.dir.join(&index.name))?;
         self.write_index(&index)?;
+        self.prune_components(&index);
         let Some(info) = index.active_version().cloned() else {
             self.install(index, None);
             return Ok(None);
@@ -664,6 +706,38 @@ impl HandlerRegistry {
     /// One handler's index, as stored here.
     pub(crate) fn index(&self, name: &str) -> Option<HandlerIndex> {
         self.index_of(name)
+    }
+
+    /// Removes the component files of `index`'s handler that its index no longer names
+    /// (versions past `keep_versions`). Called with the write lock held, after the index is
+    /// written: a crash in between leaves files no index names, removed by the next change.
+    /// A file that cannot be removed is logged and tried again then.
+    fn prune_components(&self, index: &HandlerIndex) {
+        let dir = self.dir.join(&index.name);
+        let Ok(listing) = fs::read_dir(&dir) else {
+            return;
+        };
+        for dirent in listing.flatten() {
+            let path = dirent.path();
+            let Some(sha) = path
+                .file_name()
+                .and_then(|f| f.to_str())
+                .and_then(|f| f.strip_suffix(".wasm"))
+            else {
+                continue;
+            };
+            if index.versions.iter().any(|v| v.sha256 == sha) {
+                continue;
+            }
+            match fs::remove_file(&path) {
+                Ok(()) => {
+                    tracing::info!(handler = %index.name, sha256 = sha, "component of a version no longer kept removed");
+                }
+                Err(e) => {
+                    tracing::warn!(handler = %index.name, sha256 = sha, error = %e, "cannot remove the component of a version no longer kept; the next change tries again");
+                }
+            }
+        }
     }
 
     fn component_path(&self, name: &str, sha256: &str) -> PathBuf {

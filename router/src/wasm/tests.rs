@@ -627,6 +627,77 @@ fn versions_rollback_reupload_and_delete() {
 }
 
 #[test]
+fn past_keep_versions_the_oldest_version_and_its_component_go_but_never_the_active_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let handlers = dir.path().join("handlers");
+    let registry = HandlerRegistry::open(&handlers, engine())
+        .unwrap()
+        .with_keep_versions(2);
+    let bytes: Vec<Vec<u8>> = (1..=4)
+        .map(|n| variant_of(&plugin("noop"), &format!("v{n}")))
+        .collect();
+    let components = || {
+        let mut files: Vec<String> = std::fs::read_dir(handlers.join("noop"))
+            .unwrap()
+            .filter_map(|d| d.ok()?.file_name().into_string().ok())
+            .filter(|f| f.ends_with(".wasm"))
+            .collect();
+        files.sort();
+        files
+    };
+    let numbers = |r: &HandlerRegistry| -> Vec<u32> {
+        r.get("noop")
+            .unwrap()
+            .versions
+            .iter()
+            .map(|v| v.version)
+            .collect()
+    };
+    let v1 = registry.upload("noop", &bytes[0], "t").unwrap();
+    registry.upload("noop", &bytes[1], "t").unwrap();
+    registry.upload("noop", &bytes[2], "t").unwrap();
+    assert_eq!(numbers(&registry), [2, 3]);
+    assert_eq!(components().len(), 2);
+    assert!(!components().contains(&format!("{}.wasm", v1.sha256)));
+    assert!(matches!(
+        registry.rollback("noop", "1"),
+        Err(RegistryError::UnknownVersion { .. })
+    ));
+    registry.upload("noop", &bytes[3], "t").unwrap();
+    assert_eq!(numbers(&registry), [3, 4]);
+    // The bytes of the forgotten version 1 come back as a new version.
+    let again = registry.upload("noop", &bytes[0], "t").unwrap();
+    assert_eq!(again.version, 5);
+    assert_eq!(numbers(&registry), [4, 5]);
+    assert_eq!(components().len(), 2);
+    drop(registry);
+
+    // The bound lowered while an old version is active (rolled back to): that version stays.
+    let registry = HandlerRegistry::open(&handlers, engine())
+        .unwrap()
+        .with_keep_versions(3);
+    let v6 = variant_of(&plugin("noop"), "v6");
+    registry.upload("noop", &v6, "t").unwrap();
+    registry.rollback("noop", "4").unwrap();
+    drop(registry);
+    let registry = HandlerRegistry::open(&handlers, engine())
+        .unwrap()
+        .with_keep_versions(1);
+    // Version 4's bytes again: re-activated; the newest (6) is kept, and 4 as the active one.
+    registry.upload("noop", &bytes[3], "t").unwrap();
+    assert_eq!(numbers(&registry), [4, 6]);
+    let v7 = registry
+        .upload("noop", &variant_of(&plugin("noop"), "v7"), "t")
+        .unwrap();
+    assert_eq!((v7.version, numbers(&registry)), (7, vec![7]));
+    assert_eq!(components(), [format!("{}.wasm", v7.sha256)]);
+    // What is kept survives a reopen and the active version loads.
+    let reopened = HandlerRegistry::open(&handlers, engine()).unwrap();
+    assert_eq!(numbers(&reopened), [7]);
+    assert_eq!(reopened.active("noop").unwrap().version().version, 7);
+}
+
+#[test]
 fn reopening_loads_compiled_code_from_the_cache() {
     let dir = tempfile::tempdir().unwrap();
     let config = EngineConfig {

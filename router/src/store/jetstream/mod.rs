@@ -46,8 +46,8 @@ use self::records::{Expect, Records, RecordsConfig, RecordsError, Versioned, Wri
 use super::redb_store::idempotency_key;
 use super::{
     AcceptOutcome, AttemptEnd, AttemptResult, Disposition, DlqEntry, DlqReason, EntryId,
-    EntryState, Fate, FinishError, KvOp, KvUsage, Lease, Leased, LeasedAtAccept, Millis, NewEntry,
-    NewEvent, Outbox, QueueEntry, StoreError, StoredEvent,
+    EntryState, Fate, FinishError, Finished, KvOp, KvUsage, Lease, Leased, LeasedAtAccept, Millis,
+    NewEntry, NewEvent, Outbox, QueueEntry, StoreError, StoredEvent,
 };
 
 /// How long a read from the view waits for the view to have this node's writes before it
@@ -924,7 +924,7 @@ impl JetStreamStore {
         end: AttemptEnd,
         disposition: Disposition,
         now: Millis,
-    ) -> Result<(), FinishError> {
+    ) -> Result<Finished, FinishError> {
         // A conflict is either the lease taken over (fenced) or a key-value record of the
         // outbox changed by another delivery: the second is read again and retried.
         for _ in 0..MAX_RETRIES {
@@ -943,7 +943,7 @@ impl JetStreamStore {
         end: &AttemptEnd,
         disposition: &Disposition,
         now: Millis,
-    ) -> Result<(), FinishError> {
+    ) -> Result<Finished, FinishError> {
         let Some(Versioned {
             value: Some(bytes),
             revision,
@@ -967,9 +967,9 @@ impl JetStreamStore {
             _ => return Err(FinishError::Fenced),
         }
         e.close_attempt(end);
-        let mut writes = match end.outbox.as_deref() {
+        let (mut writes, overflowed) = match end.outbox.as_deref() {
             Some(outbox) => self.outbox_writes(outbox, now).await?,
-            None => Vec::new(),
+            None => (Vec::new(), Vec::new()),
         };
         match *disposition {
             Disposition::Delivered => {
@@ -1009,7 +1009,7 @@ impl JetStreamStore {
             .into());
         }
         match self.commit(writes).await {
-            Ok(_) => Ok(()),
+            Ok(_) => Ok(Finished { overflowed }),
             Err(RecordsError::Conflict) => {
                 // Taken over between the read and the write, or an outbox record changed.
                 match self
@@ -1030,9 +1030,15 @@ impl JetStreamStore {
     /// The writes of a handler's outbox: emitted events (accepted with dedup: a re-run's
     /// events with the same ids are not stored twice), key-value writes expecting what was
     /// read (and the compare-and-set preconditions checked now and again at commit), the
-    /// namespaces' usage, and the COMPLETED record.
-    async fn outbox_writes(&self, outbox: &Outbox, now: Millis) -> Result<Vec<Write>, FinishError> {
+    /// namespaces' usage, and the COMPLETED record. Also returns the emitted events' copies
+    /// that overflow their target's queue (`Finished::overflowed`).
+    async fn outbox_writes(
+        &self,
+        outbox: &Outbox,
+        now: Millis,
+    ) -> Result<(Vec<Write>, Vec<(usize, String)>), FinishError> {
         let mut writes = Vec::new();
+        let mut overflowed = Vec::new();
         let mut seen = std::collections::HashSet::new();
         let mut depth = HashMap::new();
         for (i, ne) in outbox.emitted.iter().enumerate() {
@@ -1047,6 +1053,7 @@ impl JetStreamStore {
             let p = self
                 .prepare(i, ne, key, read.as_ref(), false, &mut depth)
                 .await?;
+            overflowed.extend(p.overflowed.into_iter().map(|t| (i, t)));
             writes.extend(p.writes);
         }
         // Every key the outbox reads or writes, as it is now.
@@ -1193,7 +1200,7 @@ impl JetStreamStore {
                 Expect::Any,
             ));
         }
-        Ok(writes)
+        Ok((writes, overflowed))
     }
 
     /// How many of `target`'s entries could be leased at `now`, up to `max` (as this node's

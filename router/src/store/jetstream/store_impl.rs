@@ -17,9 +17,9 @@ use tokio::sync::Notify;
 use super::JetStreamStore;
 use crate::store::{
     AcceptOutcome, AcceptedLeased, AttemptEnd, Disposition, DlqEntry, DlqFilter, DlqReason,
-    EntryId, Fate, FinishError, Job, KvUsage, Lease, Leased, Millis, NewEvent, QueueStats,
-    RecordCounts, RedriveAction, ReplayItem, Store, StoreError, StoredEvent, SummaryRow,
-    SweepStats,
+    EntryId, Fate, FinishError, Finished, Job, KvUsage, Lease, Leased, Millis, NewEvent,
+    QueueStats, RecordCounts, RedriveAction, ReplayItem, Store, StoreError, StoredEvent,
+    SummaryRow, SweepStats,
 };
 
 /// How long record counts (a pass over the records) are reused.
@@ -92,7 +92,7 @@ impl Store for JetStreamStore {
         end: AttemptEnd,
         disposition: Disposition,
         now: Millis,
-    ) -> BoxFuture<'_, Result<(), FinishError>> {
+    ) -> BoxFuture<'_, Result<Finished, FinishError>> {
         JetStreamStore::finish(self, id, lease, end, disposition, now).boxed()
     }
 

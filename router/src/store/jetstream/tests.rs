@@ -646,6 +646,7 @@ async fn finish(
     store
         .finish(l.entry.id, l.lease, end, disposition, at)
         .await
+        .map(|_| ())
 }
 
 /// `store.lease(..)`, which must not fail.

@@ -812,7 +812,12 @@ async fn run(store: Arc<RedbStore>, op: Op) -> Answer {
                     _ => None,
                 },
             };
-            Answer::Finished(store.finish(id, lease, end, disposition, now).await)
+            Answer::Finished(
+                store
+                    .finish(id, lease, end, disposition, now)
+                    .await
+                    .map(|_| ()),
+            )
         }
         Op::Lease {
             target, now, max, ..

@@ -44,7 +44,11 @@ pub(super) fn delivered(at: Millis) -> AttemptEnd {
 }
 
 /// Acks `l` under its own lease: delivered, the attempt ending at `at`.
-fn ack<'a>(s: &'a RedbStore, l: &Leased, at: Millis) -> BoxFuture<'a, Result<(), FinishError>> {
+fn ack<'a>(
+    s: &'a RedbStore,
+    l: &Leased,
+    at: Millis,
+) -> BoxFuture<'a, Result<Finished, FinishError>> {
     s.finish(
         l.entry.id,
         l.lease,
@@ -301,7 +305,7 @@ async fn finishes_sharing_a_group_each_get_their_own_answer() {
         (1..=2).contains(&shared),
         "{shared} commits for 42 finishes"
     );
-    let fenced = |r: &Result<(), FinishError>| matches!(r, Err(FinishError::Fenced));
+    let fenced = |r: &Result<Finished, FinishError>| matches!(r, Err(FinishError::Fenced));
     assert_eq!(
         answers.iter().filter(|r| fenced(r)).count(),
         2,
@@ -1421,6 +1425,7 @@ async fn ack_with_kv(
     }));
     s.finish(l.entry.id, l.lease, end, Disposition::Delivered, at + 1)
         .await
+        .map(|_| ())
 }
 
 fn put(key: &str, len: usize, expires_at: Option<Millis>) -> KvOp {
