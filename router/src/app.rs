@@ -1351,6 +1351,18 @@ fn spawn_sweeper(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToke
             // busy with deleting (back to back, the batches after a busy interval held up
             // every ingest commit for seconds; docs/BENCHMARKS.md, eleventh session). Half of
             // the committer still deletes several times faster than events arrive.
+            match crate::dlq::sweep_jobs(&app, app.clock.now_ms(), app.cfg.delivery.job_retention)
+                .await
+            {
+                Ok(0) => {}
+                Ok(n) => {
+                    app.metrics
+                        .swept
+                        .get_or_create(&vec![("kind", "job".to_string())])
+                        .inc_by(n);
+                }
+                Err(e) => tracing::warn!(error = %e, "sweeping finished jobs failed; the next sweep tries again"),
+            }
             loop {
                 let started = std::time::Instant::now();
                 let swept = app.store.sweep(app.clock.now_ms(), window, retention).await;

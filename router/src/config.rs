@@ -327,6 +327,10 @@ pub struct DeliveryConfig {
     /// How long finished deliveries stay visible in an event's fate (at least the dedup window).
     #[serde(with = "humantime_serde")]
     pub retention: Duration,
+    /// How long a redrive or replay job that ended (done or cancelled) stays listed; the
+    /// newest job of each kind is always kept. Default 30 days.
+    #[serde(with = "humantime_serde")]
+    pub job_retention: Duration,
     /// What happens to the queued entries of a target that a reload removes: `drain` them
     /// under its last configuration (default), or `dead_letter` them as `target_removed`.
     pub on_target_removed: OnTargetRemoved,
@@ -499,6 +503,7 @@ impl Default for DeliveryConfig {
             tls_ca_file: None,
             sweep_interval: Duration::from_secs(60),
             retention: Duration::from_secs(24 * 3600),
+            job_retention: Duration::from_secs(30 * 24 * 3600),
             on_target_removed: OnTargetRemoved::Drain,
             threads: 0,
             nice: 0,

@@ -557,3 +557,57 @@ async fn quarantined_events_are_revalidated_when_redriven() {
     );
     assert_eq!(fate(&r, "q1").await["quarantined"], false);
 }
+
+/// The job list is newest first and paged; bad query values are 400s naming the parameter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_job_list_is_newest_first_paged_and_filtered() {
+    let rcv = Receiver::ok().await;
+    let rules = webhook_rule("r", "t", &rcv.url(), "hook");
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let (s, job) = post_json(
+            &r,
+            "/v1/dlq/redrive",
+            json!({"filter": {"target": "hook"}, "rate_per_sec": 1}),
+        )
+        .await;
+        assert_eq!(s, 201, "{job}");
+        ids.push(job["id"].as_str().expect("id").to_string());
+        // Distinct creation times, so that newest-first is the order they were made in.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let listed = |b: &Value| -> Vec<String> {
+        b["jobs"].as_array().map_or(Vec::new(), |j| {
+            j.iter()
+                .filter_map(|j| j["id"].as_str().map(str::to_string))
+                .collect()
+        })
+    };
+    let (s, page) = get_json(&r, "/v1/dlq/redrive?limit=2").await;
+    assert_eq!(s, 200, "{page}");
+    assert_eq!(listed(&page), [ids[2].clone(), ids[1].clone()], "{page}");
+    let next = page["next"].as_str().expect("a full page has a cursor");
+    let (_, rest) = get_json(&r, &format!("/v1/dlq/redrive?limit=2&after={next}")).await;
+    assert_eq!(listed(&rest), [ids[0].clone()], "{rest}");
+    assert_eq!(rest["next"], Value::Null);
+    let (_, replays) = get_json(&r, "/v1/replay?kind=replay").await;
+    assert_eq!(listed(&replays), Vec::<String>::new());
+    // Nothing to move: each job ends at once.
+    let done = eventually(Duration::from_secs(20), || async {
+        let (_, done) = get_json(&r, "/v1/dlq/redrive?state=done").await;
+        (listed(&done).len() == 3).then_some(())
+    })
+    .await;
+    assert!(done.is_some(), "the three jobs did not end");
+    for (query, pointer) in [
+        ("limit=0", "/limit"),
+        ("limit=lots", "/limit"),
+        ("state=asleep", "/state"),
+        ("after=redrive-99", "/after"),
+    ] {
+        let (s, b) = get_json(&r, &format!("/v1/dlq/redrive?{query}")).await;
+        assert_eq!(s, 400, "{query}: {b}");
+        assert_eq!(b["errors"][0]["pointer"], pointer, "{query}: {b}");
+    }
+}

@@ -848,25 +848,72 @@ fn job_read_scope(who: &crate::auth::Principal) -> Result<(), Box<Response>> {
     }
 }
 
-/// `GET /v1/dlq/redrive`, `GET /v1/replay`: every job the caller may see.
+/// Query of the job lists.
+#[derive(Debug, Deserialize)]
+pub struct JobsQuery {
+    /// Only jobs in this state.
+    state: Option<crate::store::JobState>,
+    /// Only jobs of this kind.
+    kind: Option<crate::store::JobKind>,
+    /// The id of the last job of the previous page.
+    after: Option<String>,
+    /// Page size (default 100, at most 1000).
+    limit: Option<usize>,
+}
+
+/// `GET /v1/dlq/redrive`, `GET /v1/replay`: the jobs the caller may see, newest first, paged.
 pub async fn jobs_list(
     State(app): State<Arc<App>>,
     axum::Extension(who): axum::Extension<crate::auth::Principal>,
+    ApiQuery(q): ApiQuery<JobsQuery>,
 ) -> Response {
     if let Err(r) = job_read_scope(&who) {
         return *r;
     }
-    match app.store.jobs().await {
-        Ok(jobs) => {
-            let jobs: Vec<Value> = jobs
-                .into_iter()
-                .filter(|j| job_visible(&who, j))
-                .map(|j| job_json(&app.jobs.shown(j)))
-                .collect();
-            axum::Json(json!({ "jobs": jobs })).into_response()
-        }
-        Err(e) => store_error(&e),
+    let limit = q.limit.unwrap_or(100);
+    if limit == 0 || limit > 1000 {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid query",
+            vec![FieldError::new("/limit", "limit must be in 1..=1000")],
+        );
     }
+    let mut jobs = match app.store.jobs().await {
+        Ok(jobs) => jobs,
+        Err(e) => return store_error(&e),
+    };
+    jobs.retain(|j| {
+        job_visible(&who, j)
+            && q.state.is_none_or(|s| j.state == s)
+            && q.kind.is_none_or(|k| j.kind == k)
+    });
+    // Newest first; the id breaks ties (two jobs created in the same millisecond).
+    jobs.sort_by(|a, b| (b.created_at, &b.id).cmp(&(a.created_at, &a.id)));
+    let start = match &q.after {
+        None => 0,
+        Some(after) => match jobs.iter().position(|j| &j.id == after) {
+            Some(i) => i + 1,
+            None => {
+                return error_response(
+                    StatusCode::BAD_REQUEST,
+                    "invalid query",
+                    vec![FieldError::new(
+                        "/after",
+                        "no such job in this list (the cursor is the last id of the previous page)",
+                    )],
+                );
+            }
+        },
+    };
+    let page: Vec<crate::store::Job> = jobs.into_iter().skip(start).take(limit).collect();
+    let next = (page.len() == limit)
+        .then(|| page.last().map(|j| j.id.clone()))
+        .flatten();
+    let jobs: Vec<Value> = page
+        .into_iter()
+        .map(|j| job_json(&app.jobs.shown(j)))
+        .collect();
+    axum::Json(json!({ "jobs": jobs, "next": next })).into_response()
 }
 
 /// `GET /v1/dlq/redrive/{job}`, `GET /v1/replay/{job}`: progress.

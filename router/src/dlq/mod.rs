@@ -247,25 +247,58 @@ pub enum JobError {
     Store(#[from] StoreError),
 }
 
+/// The number in a job's id (`redrive-7`, or `redrive-7-1a2b` on a shared store).
+fn job_number(id: &str) -> Option<u64> {
+    id.split('-').nth(1)?.parse().ok()
+}
+
+/// A new job's id: its kind and the next number after the highest of that kind. Numbers are
+/// never reused: the retention sweep keeps the newest job of each kind, and a replay's id is
+/// part of its deliveries' idempotency keys (a reused one would have receivers take a new
+/// replay's deliveries for the old one's).
 async fn next_job_id(app: &App, kind: JobKind) -> Result<String, StoreError> {
-    let prefix = match kind {
-        JobKind::Redrive => "redrive",
-        JobKind::Replay => "replay",
-    };
-    let n = app
-        .store
-        .jobs()
-        .await?
-        .iter()
-        .filter(|j| j.kind == kind)
-        .count()
-        + 1;
+    let prefix = kind.as_str();
+    let jobs = app.store.jobs().await?;
+    let of_kind = jobs.iter().filter(|j| j.kind == kind);
+    let highest = of_kind.clone().filter_map(|j| job_number(&j.id)).max();
+    let n = highest.unwrap_or(0).max(of_kind.count() as u64) + 1;
     if app.jobs.node.is_some() {
         // Two nodes creating a job at once would count the same jobs: a random part keeps
         // their ids apart.
         return Ok(format!("{prefix}-{n}-{:04x}", rand::random::<u16>()));
     }
     Ok(format!("{prefix}-{n}"))
+}
+
+/// Removes the jobs that ended (done or cancelled) more than `retention` before `now`, except
+/// the newest job of each kind (whose number the next job's id follows). Returns how many went.
+pub async fn sweep_jobs(app: &App, now: i64, retention: Duration) -> Result<u64, StoreError> {
+    let retention_ms = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
+    let jobs = app.store.jobs().await?;
+    let newest = |kind: JobKind| {
+        jobs.iter()
+            .filter(|j| j.kind == kind)
+            .max_by_key(|j| (job_number(&j.id), j.created_at))
+            .map(|j| j.id.clone())
+    };
+    let keep = [newest(JobKind::Redrive), newest(JobKind::Replay)];
+    let expired: Vec<Job> = jobs
+        .iter()
+        .filter(|j| {
+            j.state.finished()
+                && now.saturating_sub(j.updated_at) > retention_ms
+                && !keep.contains(&Some(j.id.clone()))
+        })
+        .cloned()
+        .collect();
+    if expired.is_empty() {
+        return Ok(0);
+    }
+    let removed = app.store.delete_jobs(expired).await?;
+    if removed > 0 {
+        tracing::info!(removed, retention = ?retention, "finished jobs past their retention removed");
+    }
+    Ok(removed)
 }
 
 /// Creates and starts a redrive job.
@@ -642,10 +675,7 @@ async fn step_failed(
     error: &StoreError,
     retry_in: Duration,
 ) -> Result<Job, StoreError> {
-    let kind = match job.kind {
-        JobKind::Redrive => "redrive",
-        JobKind::Replay => "replay",
-    };
+    let kind = job.kind.as_str();
     let message = format!("{error} (tried again in {} s)", retry_in.as_secs());
     app.jobs.set_failing(&job.id, Some(message.clone()));
     app.metrics
@@ -878,6 +908,87 @@ mod tests {
         )
         .await
         .expect("created")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ended_jobs_past_their_retention_go_but_the_newest_of_each_kind_and_live_ones_stay() {
+        let (_dir, app) = app_on(&SimulatedDisk::new());
+        let day = 24 * 3600 * 1000;
+        let job = |id: &str, kind: JobKind, state: JobState, updated_at: i64| Job {
+            state,
+            created_at: updated_at,
+            updated_at,
+            ..crate::store::test_events::job(id, kind)
+        };
+        let now = 100 * day;
+        for j in [
+            job(
+                "redrive-1",
+                JobKind::Redrive,
+                JobState::Done,
+                now - 60 * day,
+            ),
+            job(
+                "redrive-2",
+                JobKind::Redrive,
+                JobState::Cancelled,
+                now - 40 * day,
+            ),
+            job(
+                "redrive-3",
+                JobKind::Redrive,
+                JobState::Paused,
+                now - 50 * day,
+            ),
+            job(
+                "redrive-4",
+                JobKind::Redrive,
+                JobState::Done,
+                now - 31 * day,
+            ),
+            job("redrive-5", JobKind::Redrive, JobState::Done, now - day),
+            job("replay-1", JobKind::Replay, JobState::Done, now - 90 * day),
+        ] {
+            app.store.put_job(j).await.expect("put");
+        }
+        let removed = sweep_jobs(&app, now, Duration::from_secs(30 * 24 * 3600))
+            .await
+            .expect("swept");
+        assert_eq!(removed, 3);
+        let mut left: Vec<String> = app
+            .store
+            .jobs()
+            .await
+            .expect("jobs")
+            .into_iter()
+            .map(|j| j.id)
+            .collect();
+        left.sort();
+        // Paused never expires; redrive-5 is recent; replay-1 is the newest replay.
+        assert_eq!(left, ["redrive-3", "redrive-5", "replay-1"]);
+        // Numbers are never reused: the next jobs follow the highest.
+        assert_eq!(
+            next_job_id(&app, JobKind::Redrive).await.expect("id"),
+            "redrive-6"
+        );
+        assert_eq!(
+            next_job_id(&app, JobKind::Replay).await.expect("id"),
+            "replay-2"
+        );
+        // Sweeping again removes nothing more.
+        assert_eq!(
+            sweep_jobs(&app, now, Duration::from_secs(30 * 24 * 3600))
+                .await
+                .expect("swept"),
+            0
+        );
+    }
+
+    #[test]
+    fn job_numbers_are_read_from_ids_with_or_without_a_node_suffix() {
+        assert_eq!(job_number("redrive-7"), Some(7));
+        assert_eq!(job_number("replay-12-1a2b"), Some(12));
+        assert_eq!(job_number("odd"), None);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -245,6 +245,10 @@ pub trait Store: Send + Sync + 'static {
     /// Every job.
     fn jobs(&self) -> BoxFuture<'_, Result<Vec<Job>, StoreError>>;
 
+    /// Removes each of `jobs` that is still at its `rev` (finished jobs past their
+    /// retention); returns how many went. A job written since is kept.
+    fn delete_jobs(&self, jobs: Vec<Job>) -> BoxFuture<'_, Result<u64, StoreError>>;
+
     /// One job (a read of its record where the backend can; the default filters `jobs`).
     fn job(&self, id: &str) -> BoxFuture<'_, Result<Option<Job>, StoreError>> {
         let id = id.to_string();

@@ -720,6 +720,23 @@ pub enum JobKind {
     Replay,
 }
 
+impl JobKind {
+    /// The wire name (`redrive`, `replay`): the prefix of the job's id and its metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Redrive => "redrive",
+            Self::Replay => "replay",
+        }
+    }
+}
+
+impl JobState {
+    /// Whether the job has ended for good (done or cancelled): nothing will change it again.
+    pub fn finished(self) -> bool {
+        matches!(self, Self::Done | Self::Cancelled)
+    }
+}
+
 /// State of a background job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -665,6 +665,10 @@ enum Op {
         job: Job,
         reply: Reply<Result<u64, StoreError>>,
     },
+    DeleteJobs {
+        jobs: Vec<Job>,
+        reply: Reply<Result<u64, StoreError>>,
+    },
     RedriveStep {
         job: Job,
         actions: Vec<RedriveAction>,
@@ -1662,6 +1666,10 @@ impl Store for RedbStore {
 
     fn jobs(&self) -> BoxFuture<'_, Result<Vec<Job>, StoreError>> {
         async move { RedbStore::jobs(self) }.boxed()
+    }
+
+    fn delete_jobs(&self, jobs: Vec<Job>) -> BoxFuture<'_, Result<u64, StoreError>> {
+        async move { self.call(|reply| Op::DeleteJobs { jobs, reply }).await? }.boxed()
     }
 
     fn redrive_step(
@@ -3320,6 +3328,10 @@ impl Committer {
                 let r = put_job(txn, &job);
                 answer(dones, reply, r)
             }
+            Op::DeleteJobs { jobs, reply } => {
+                let r = delete_jobs(txn, &jobs);
+                answer(dones, reply, r)
+            }
             Op::RedriveStep {
                 job,
                 actions,
@@ -4116,6 +4128,22 @@ fn check_job_rev(txn: &Tx<'_>, job: &Job) -> Result<(), StoreError> {
 fn put_job(txn: &Tx<'_>, job: &Job) -> Result<u64, StoreError> {
     check_job_rev(txn, job)?;
     write_job(txn, job)
+}
+
+/// Removes each of `jobs` still at its revision; returns how many went.
+fn delete_jobs(txn: &Tx<'_>, jobs: &[Job]) -> Result<u64, StoreError> {
+    let mut removed = 0;
+    for job in jobs {
+        match check_job_rev(txn, job) {
+            Ok(()) => {}
+            Err(StoreError::JobChanged(_)) => continue,
+            Err(e) => return Err(e),
+        }
+        if txn.open_table(JOBS)?.remove(job.id.as_str())?.is_some() {
+            removed += 1;
+        }
+    }
+    Ok(removed)
 }
 
 /// Writes `job` at its next revision (checked by the caller); returns that revision.

@@ -312,6 +312,32 @@ impl JetStreamStore {
         }
     }
 
+    /// Removes each of `jobs` still at its revision (read again here: the revision a job
+    /// record is expected at is the stream's, not the job's own `rev`); returns how many went.
+    pub async fn delete_jobs(&self, jobs: &[Job]) -> Result<u64, StoreError> {
+        let mut removed = 0;
+        for job in jobs {
+            let Some(Versioned {
+                value: Some(bytes),
+                revision,
+            }) = self.records.get(&job_key(&job.id)).await?
+            else {
+                continue;
+            };
+            if decode_job(&bytes)?.rev != job.rev {
+                continue;
+            }
+            let delete = Write::delete(job_key(&job.id), Expect::Revision(revision));
+            match self.commit(vec![delete]).await {
+                Ok(_) => removed += 1,
+                // Written since it was read: kept, as a job that changed is.
+                Err(super::RecordsError::Conflict) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(removed)
+    }
+
     /// Every job.
     pub async fn jobs(&self) -> Result<Vec<Job>, StoreError> {
         self.named("job")

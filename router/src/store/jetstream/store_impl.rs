@@ -140,6 +140,10 @@ impl Store for JetStreamStore {
         JetStreamStore::jobs(self).boxed()
     }
 
+    fn delete_jobs(&self, jobs: Vec<Job>) -> BoxFuture<'_, Result<u64, StoreError>> {
+        async move { JetStreamStore::delete_jobs(self, &jobs).await }.boxed()
+    }
+
     fn job(&self, id: &str) -> BoxFuture<'_, Result<Option<Job>, StoreError>> {
         let id = id.to_string();
         async move { JetStreamStore::job(self, &id).await }.boxed()

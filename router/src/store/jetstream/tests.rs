@@ -2278,3 +2278,22 @@ async fn live_nodes_are_those_that_announced_themselves_lately() {
         1
     );
 }
+
+/// A job is deleted only at the revision it was read at: one written since stays.
+#[tokio::test]
+async fn jobs_are_deleted_only_at_the_revision_read() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let j = job("redrive-1", JobKind::Redrive);
+    let rev = s.put_job(j.clone()).await.expect("create");
+    let stale = Job {
+        rev: rev - 1,
+        ..j.clone()
+    };
+    assert_eq!(s.delete_jobs(&[stale]).await.expect("delete"), 0);
+    assert_eq!(s.jobs().await.expect("jobs").len(), 1);
+    let current = Job { rev, ..j };
+    let unknown = job("redrive-9", JobKind::Redrive);
+    assert_eq!(s.delete_jobs(&[current, unknown]).await.expect("delete"), 1);
+    assert!(s.jobs().await.expect("jobs").is_empty());
+}

@@ -2470,3 +2470,25 @@ async fn dedup_runs_survive_a_power_cut_with_the_group_log() {
         );
     }
 }
+
+/// A job is deleted only at the revision it was read at: one written since stays.
+#[tokio::test]
+async fn jobs_are_deleted_only_at_the_revision_read() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+    let j = job("redrive-1", JobKind::Redrive);
+    let rev = s.put_job(j.clone()).await.expect("create");
+    let stale = Job {
+        rev: rev - 1,
+        ..j.clone()
+    };
+    assert_eq!(s.delete_jobs(vec![stale]).await.expect("delete"), 0);
+    assert_eq!(s.jobs().expect("jobs").len(), 1);
+    let current = Job { rev, ..j };
+    let unknown = job("redrive-9", JobKind::Redrive);
+    assert_eq!(
+        s.delete_jobs(vec![current, unknown]).await.expect("delete"),
+        1
+    );
+    assert!(s.jobs().expect("jobs").is_empty());
+}
