@@ -648,15 +648,11 @@ fn emit_scope_error(
     if !tokens.enabled() || emitter.owner == crate::auth::PRELOAD_OWNER {
         return None;
     }
-    let Some(owner) = tokens.config(&emitter.owner) else {
+    let Some(principal) = tokens.uploader_principal(&emitter.owner, emitter.team.as_deref()) else {
         return Some(format!(
-            "handler {:?} was uploaded by {:?}, which is no longer a configured token: it has no ingest scope",
+            "handler {:?} was uploaded by {:?}, which is no longer a configured token and has no team mate configured: it has no ingest scope",
             emitter.handler, emitter.owner
         ));
-    };
-    let principal = crate::auth::Principal {
-        name: owner.name.clone(),
-        scopes: owner.scopes.clone(),
     };
     // The router sets an emitted event's source (the handler's URI): only its type is the
     // owner's to be checked.

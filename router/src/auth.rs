@@ -26,6 +26,12 @@ pub struct TokenConfig {
     /// Ingest rate limit for this token (events per second); none = unlimited.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rate_per_sec: Option<f64>,
+    /// The team the token belongs to (default: its name). Handlers belong to the team of
+    /// their first uploader: only that team's tokens (or an administrator) can upload over,
+    /// roll back or delete them, so a team rotates its tokens by giving the new one the same
+    /// team, and overlapping `handlers:` globs never let one team replace another's handler.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub team: Option<String>,
 }
 
 /// The caller, once authenticated.
@@ -33,6 +39,8 @@ pub struct TokenConfig {
 pub struct Principal {
     /// Token name.
     pub name: String,
+    /// Its team (the token's `team`, or its name).
+    pub team: String,
     /// Scopes.
     pub scopes: Vec<String>,
 }
@@ -113,6 +121,24 @@ impl Principal {
 }
 
 impl Principal {
+    /// The principal of a configured token.
+    pub fn of(c: &TokenConfig) -> Self {
+        Self {
+            name: c.name.clone(),
+            team: c.team.clone().unwrap_or_else(|| c.name.clone()),
+            scopes: c.scopes.clone(),
+        }
+    }
+
+    /// This caller as the uploader of a handler version.
+    pub fn uploader(&self) -> crate::wasm::Uploader {
+        crate::wasm::Uploader {
+            token: self.name.clone(),
+            team: self.team.clone(),
+            admin: self.allows(&Scope::Admin),
+        }
+    }
+
     /// Whether this caller holds `dlq:` scopes (reads its own targets' dead letters and jobs).
     pub fn has_dlq_scopes(&self) -> bool {
         self.scopes.iter().any(|s| s.starts_with("dlq:"))
@@ -166,10 +192,15 @@ impl Tokens {
                 name: t.name.clone(),
                 message,
             };
-            if t.name == PRELOAD_OWNER {
+            if t.name == PRELOAD_OWNER || t.team.as_deref() == Some(PRELOAD_OWNER) {
                 return Err(err(format!(
-                    "the token name {PRELOAD_OWNER:?} is reserved for preloaded handlers"
+                    "the name {PRELOAD_OWNER:?} is reserved for preloaded handlers (token name and team)"
                 )));
+            }
+            if t.team.as_deref().is_some_and(str::is_empty) {
+                return Err(err(
+                    "team must not be empty (leave it out to use the token's name)".into(),
+                ));
             }
             let bytes =
                 hex::decode(&t.sha256).map_err(|e| err(format!("sha256 is not hex: {e}")))?;
@@ -208,15 +239,36 @@ impl Tokens {
                 found = Some(cfg);
             }
         }
-        found.map(|c| Principal {
-            name: c.name.clone(),
-            scopes: c.scopes.clone(),
-        })
+        found.map(Principal::of)
     }
 
     /// The configuration of the token named `name`.
     pub fn config(&self, name: &str) -> Option<&TokenConfig> {
         self.tokens.iter().map(|(_, c)| c).find(|c| c.name == name)
+    }
+
+    /// Whose scopes a handler version's emissions are checked against: the token that
+    /// uploaded it or, once that token is gone (rotated), every token of its team together.
+    /// `None` when neither is configured any more.
+    pub fn uploader_principal(&self, token: &str, team: Option<&str>) -> Option<Principal> {
+        if let Some(c) = self.config(token) {
+            return Some(Principal::of(c));
+        }
+        let team = team?;
+        let mates: Vec<&TokenConfig> = self
+            .tokens
+            .iter()
+            .map(|(_, c)| c)
+            .filter(|c| c.team.as_deref().unwrap_or(&c.name) == team)
+            .collect();
+        (!mates.is_empty()).then(|| Principal {
+            name: format!("team {team}"),
+            team: team.to_string(),
+            scopes: mates
+                .iter()
+                .flat_map(|c| c.scopes.iter().cloned())
+                .collect(),
+        })
     }
 }
 
@@ -250,6 +302,7 @@ mod tests {
             sha256: hash,
             scopes: vec!["ingest:order.*".into(), "dlq:erp".into()],
             rate_per_sec: None,
+            team: None,
         }])
         .expect("valid");
         let p = t.authenticate(&token).expect("known token");
@@ -263,6 +316,7 @@ mod tests {
         assert!(!p.allows(&Scope::Read));
         let admin = Principal {
             name: "ops".into(),
+            team: "ops".into(),
             scopes: vec!["admin".into()],
         };
         assert!(admin.allows(&Scope::Handlers("x".into())));
@@ -272,6 +326,7 @@ mod tests {
     fn ingest_scopes_restrict_types_and_sources_each_when_present() {
         let p = |scopes: &[&str]| Principal {
             name: "t".into(),
+            team: "t".into(),
             scopes: scopes.iter().map(|s| s.to_string()).collect(),
         };
         let denial = |p: &Principal, ty: &str, src: &str| {
@@ -319,6 +374,36 @@ mod tests {
     }
 
     #[test]
+    fn a_rotated_uploaders_team_mates_stand_in_for_it() {
+        let token = |name: &str, team: Option<&str>, scopes: &[&str]| TokenConfig {
+            name: name.into(),
+            sha256: "a".repeat(64),
+            scopes: scopes.iter().map(|s| s.to_string()).collect(),
+            rate_per_sec: None,
+            team: team.map(str::to_string),
+        };
+        let tokens = Tokens::new(&[
+            token("billing-2026", Some("billing"), &["ingest:invoice.*"]),
+            token("billing-emails", Some("billing"), &["ingest:email.*"]),
+            token("crm", None, &["ingest:crm.*"]),
+        ])
+        .expect("valid");
+        // The uploader's own token, when it is still configured.
+        let p = tokens.uploader_principal("crm", Some("crm")).expect("crm");
+        assert_eq!((p.name.as_str(), p.team.as_str()), ("crm", "crm"));
+        // Gone: every token of its team together.
+        let p = tokens
+            .uploader_principal("billing-2025", Some("billing"))
+            .expect("team mates");
+        assert!(p.allows(&Scope::Ingest("invoice.paid".into())));
+        assert!(p.allows(&Scope::Ingest("email.sent".into())));
+        assert!(!p.allows(&Scope::Ingest("crm.lead".into())));
+        // Gone with no team recorded (an older version), or a team with no token left.
+        assert!(tokens.uploader_principal("billing-2025", None).is_none());
+        assert!(tokens.uploader_principal("x", Some("gone")).is_none());
+    }
+
+    #[test]
     fn bad_token_config_is_refused() {
         let bad = |sha: &str, scope: &str| {
             Tokens::new(&[TokenConfig {
@@ -326,6 +411,7 @@ mod tests {
                 sha256: sha.into(),
                 scopes: vec![scope.into()],
                 rate_per_sec: None,
+                team: None,
             }])
             .is_err()
         };
@@ -460,6 +546,7 @@ pub async fn layer(
         // `auth.insecure`), and every local caller is an administrator.
         Principal {
             name: "local".into(),
+            team: "local".into(),
             scopes: vec!["admin".into()],
         }
     };

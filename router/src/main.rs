@@ -354,6 +354,10 @@ enum TokenCmd {
         /// dlq:<target-glob>, read, admin.
         #[arg(long = "scope", required = true)]
         scopes: Vec<String>,
+        /// The team it belongs to (default: NAME): handlers belong to their first uploader's
+        /// team, so a replacement token for a team takes the same team.
+        #[arg(long)]
+        team: Option<String>,
     },
 }
 
@@ -615,7 +619,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
         }),
         Cmd::Handlers { api, cmd } => rt.block_on(handlers(api, cmd)),
         Cmd::Token {
-            cmd: TokenCmd::New { name, scopes },
+            cmd: TokenCmd::New { name, scopes, team },
         } => {
             let (token, hash) = router::auth::new_token();
             let cfg = router::auth::TokenConfig {
@@ -623,13 +627,15 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 sha256: hash,
                 scopes,
                 rate_per_sec: None,
+                team,
             };
             router::auth::Tokens::new(std::slice::from_ref(&cfg))?;
             eprintln!("token for {name} (shown once; the router stores only its hash):");
             println!("{token}");
             eprintln!("\nadd to the config file:\n");
             let scopes = cfg.scopes.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(", ");
-            eprintln!("[[auth.tokens]]\nname = {:?}\nsha256 = {:?}\nscopes = [{scopes}]", cfg.name, cfg.sha256);
+            let team = cfg.team.as_ref().map(|t| format!("\nteam = {t:?}")).unwrap_or_default();
+            eprintln!("[[auth.tokens]]\nname = {:?}{team}\nsha256 = {:?}\nscopes = [{scopes}]", cfg.name, cfg.sha256);
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Config {

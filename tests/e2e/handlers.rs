@@ -538,6 +538,106 @@ fn enrich_then_webhook(rcv: &Receiver) -> String {
     )
 }
 
+/// A handler belongs to its first uploader's team: another team's token whose `handlers:` glob
+/// covers the name still cannot upload over it, roll it back or delete it; a rotated token of
+/// the same team and an administrator can.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_team_can_never_change_a_teams_handler() {
+    let tokens = [
+        ("ops", None, "admin"),
+        ("billing-ci", Some("billing"), "handlers:*"),
+        ("billing-ci-2027", Some("billing"), "handlers:*"),
+        ("crm-ci", None, "handlers:*"),
+    ];
+    let auth: String = tokens
+        .iter()
+        .map(|(name, team, scope)| {
+            let team = team.map(|t| format!("team = \"{t}\"\n")).unwrap_or_default();
+            format!(
+                "[[auth.tokens]]\nname = \"{name}\"\n{team}sha256 = \"{}\"\nscopes = [\"{scope}\"]\n\n",
+                token_sha256(name)
+            )
+        })
+        .collect();
+    let r = RouterProc::start_full(&[], &[], &[], Some(&auth));
+    let with_bytes = |tag: u8| {
+        let mut b = plugin("enrich");
+        b.extend_from_slice(&[0, 6, 4, b't', b'e', b'a', b'm', tag]);
+        b
+    };
+    let send = |method: &str, path: &str, token: &str, body: Option<Vec<u8>>| {
+        let mut rb = client()
+            .request(method.parse().expect("method"), r.url(path))
+            .bearer_auth(token);
+        if let Some(b) = body {
+            rb = rb.header("content-type", "application/wasm").body(b);
+        }
+        async move {
+            let resp = rb.send().await.expect("send");
+            let s = resp.status().as_u16();
+            (s, resp.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let (s, b) = send(
+        "PUT",
+        "/v1/handlers/enrich",
+        "billing-ci",
+        Some(with_bytes(1)),
+    )
+    .await;
+    assert_eq!(s, 201, "{b}");
+    // The CRM team's glob covers the name; the handler is still not theirs.
+    let (s, b) = send("PUT", "/v1/handlers/enrich", "crm-ci", Some(with_bytes(2))).await;
+    assert_eq!(s, 403, "{b}");
+    assert!(
+        b["errors"][0]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("billing"),
+        "{b}"
+    );
+    let rollback = serde_json::to_vec(&json!({"version": "1"})).expect("json");
+    let (s, b) = send(
+        "POST",
+        "/v1/handlers/enrich/rollback",
+        "crm-ci",
+        Some(rollback.clone()),
+    )
+    .await;
+    assert_eq!(s, 403, "{b}");
+    let (s, b) = send("DELETE", "/v1/handlers/enrich", "crm-ci", None).await;
+    assert_eq!(s, 403, "{b}");
+    let (s, info) = send("GET", "/v1/handlers/enrich", "crm-ci", None).await;
+    assert_eq!(s, 200, "{info}");
+    assert_eq!(info["owner"], "billing", "{info}");
+    assert_eq!(info["versions"].as_array().map(Vec::len), Some(1), "{info}");
+    // A rotated token of the team, then an administrator.
+    let (s, b) = send(
+        "PUT",
+        "/v1/handlers/enrich",
+        "billing-ci-2027",
+        Some(with_bytes(3)),
+    )
+    .await;
+    assert_eq!((s, b["version"].as_u64()), (201, Some(2)), "{b}");
+    assert_eq!(b["team"], "billing", "{b}");
+    let (s, b) = send(
+        "POST",
+        "/v1/handlers/enrich/rollback",
+        "ops",
+        Some(rollback),
+    )
+    .await;
+    assert_eq!(s, 200, "{b}");
+    let (s, b) = send("DELETE", "/v1/handlers/enrich", "billing-ci-2027", None).await;
+    assert_eq!(s, 200, "{b}");
+    // Deleted: the name is free for whoever uploads next.
+    let (s, b) = send("PUT", "/v1/handlers/enrich", "crm-ci", Some(with_bytes(4))).await;
+    assert_eq!(s, 201, "{b}");
+    let (_, info) = send("GET", "/v1/handlers/enrich", "crm-ci", None).await;
+    assert_eq!(info["owner"], "crm-ci", "{info}");
+}
+
 /// An emitted event whose target's queue is at its depth cap goes to the DLQ as
 /// `target_overflow` inside the ack's commit, and is counted and announced like any other new
 /// dead letter.

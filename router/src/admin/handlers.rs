@@ -78,7 +78,11 @@ pub async fn upload(
             DISK_FULL_RETRY_AFTER_S,
         );
     }
-    match rt.changes.upload(&name, body, &who.name).await {
+    // Before compiling it: the index written checks again.
+    if let Err(r) = owner_check(&rt, &who, &name) {
+        return *r;
+    }
+    match rt.changes.upload(&name, body, who.uploader()).await {
         Ok(v) => {
             tracing::warn!(handler = %name, version = v.version, sha256 = %v.sha256, uploader = %who.name, "handler uploaded and activated");
             (StatusCode::CREATED, axum::Json(json!(v))).into_response()
@@ -96,12 +100,45 @@ pub async fn upload(
             )
         }
         Err(e @ UploadError::Catalog(_)) => catalog_unavailable(&name, &e),
+        Err(e @ UploadError::OwnedByAnotherTeam { .. }) => owned_elsewhere(&who, &e),
         Err(e) => error_response(
             StatusCode::BAD_REQUEST,
             "invalid handler",
             vec![FieldError::new("", e.to_string())],
         ),
     }
+}
+
+/// The 403 for a change to a handler another team owns.
+fn owned_elsewhere(who: &Principal, e: &dyn std::fmt::Display) -> Response {
+    tracing::warn!(token = %who.name, team = %who.team, error = %e, "handler change refused: another team owns it");
+    error_response(
+        StatusCode::FORBIDDEN,
+        "another team owns this handler",
+        vec![FieldError::new("/name", e.to_string())],
+    )
+}
+
+/// Checks that `who` may change handler `name` (its team owns it, or `who` is an
+/// administrator), from this node's copy of its index; the upload path checks again on the
+/// index it writes.
+fn owner_check(
+    rt: &crate::target::handler::HandlerRuntime,
+    who: &Principal,
+    name: &str,
+) -> Result<(), Box<Response>> {
+    let Some(index) = rt.registry.index(name) else {
+        return Ok(());
+    };
+    index.check_owner(&who.uploader()).map_err(|owner| {
+        Box::new(owned_elsewhere(
+            who,
+            &UploadError::OwnedByAnotherTeam {
+                name: name.to_string(),
+                owner,
+            },
+        ))
+    })
 }
 
 /// 503 with a `Retry-After`: the shared catalog is out of reach, nothing changed.
@@ -174,6 +211,9 @@ pub async fn rollback(
         Ok(rt) => rt.clone(),
         Err(r) => return *r,
     };
+    if let Err(r) = owner_check(&rt, &who, &name) {
+        return *r;
+    }
     match rt.changes.rollback(&name, &req.version).await {
         Ok(v) => {
             tracing::warn!(handler = %name, version = v.version, by = %who.name, "handler rolled back");
@@ -196,6 +236,9 @@ pub async fn delete(
         Ok(rt) => rt.clone(),
         Err(r) => return *r,
     };
+    if let Err(r) = owner_check(&rt, &who, &name) {
+        return *r;
+    }
     match rt.changes.delete(&name).await {
         Ok(true) => axum::Json(json!({ "deleted": name })).into_response(),
         Ok(false) => error_response(StatusCode::NOT_FOUND, "unknown handler", Vec::new()),

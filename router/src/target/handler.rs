@@ -36,6 +36,8 @@ pub struct EmitterOf {
     pub handler: String,
     /// Token name of the uploader of the running version.
     pub owner: String,
+    /// That uploader's team, whose tokens stand in for it once it is gone.
+    pub team: Option<String>,
 }
 
 /// Shared by every handler target.
@@ -330,6 +332,7 @@ impl HandlerTarget {
                 let emitter = EmitterOf {
                     handler: self.name.clone(),
                     owner: h.version().uploader.clone(),
+                    team: h.version().team.clone(),
                 };
                 let ids: Vec<&str> = events.iter().map(|e| e.id.as_str()).collect();
                 let result = serde_json::json!({ "version": version, "emitted": ids });

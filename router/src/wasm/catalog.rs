@@ -22,7 +22,7 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use super::registry::{
-    HandlerIndex, HandlerRegistry, RegistryError, UploadError, Validated, VersionInfo,
+    HandlerIndex, HandlerRegistry, RegistryError, UploadError, Uploader, Validated, VersionInfo,
 };
 use crate::store::{HandlerCatalog, StoreError};
 use crate::telemetry::Labels;
@@ -185,12 +185,13 @@ impl HandlerChanges {
         &self,
         name: &str,
         bytes: Bytes,
-        uploader: &str,
+        uploader: impl Into<Uploader>,
     ) -> Result<VersionInfo, UploadError> {
+        let uploader = uploader.into();
         let registry = self.registry.clone();
         let Some(catalog) = self.catalog.clone() else {
-            let (name, uploader) = (name.to_owned(), uploader.to_owned());
-            return blocking(move || registry.upload(&name, &bytes, &uploader)).await;
+            let name = name.to_owned();
+            return blocking(move || registry.upload(&name, &bytes, uploader)).await;
         };
         let (n, b) = (name.to_owned(), bytes.clone());
         let validated = blocking(move || registry.validate(&n, &b)).await?;
@@ -204,7 +205,7 @@ impl HandlerChanges {
                 .await
                 .map_err(catalog_upload_error)?;
             let (index, info) =
-                index.with_upload(&validated, uploader, self.registry.keep_versions());
+                index.with_upload(&validated, &uploader, self.registry.keep_versions())?;
             let written = catalog
                 .put_index(name, index.to_bytes().into(), revision)
                 .await

@@ -22,7 +22,7 @@ pub use limits::{HandlerLimits, LimitsError};
 pub use logs::{HandlerLogs, LogQuery, LogRecord};
 pub use registry::{
     AcceptedType, HandlerDescriptor, HandlerInfo, HandlerRegistry, LoadedHandler, RegistryError,
-    UploadError, Validated, VersionInfo, valid_handler_name,
+    UploadError, Uploader, Validated, VersionInfo, valid_handler_name,
 };
 
 /// The components in a directory of handlers (`handlers.preload_dir`, or what `router rules

@@ -89,6 +89,10 @@ pub struct VersionInfo {
     pub size: u64,
     /// Who uploaded it (the token's principal).
     pub uploader: String,
+    /// The uploader's team (its token's `team`, or its name): whose ingest scopes the
+    /// version's emissions are checked against once that token is gone (rotated).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub team: Option<String>,
     /// When (RFC 3339, UTC).
     pub uploaded_at: String,
     /// What `describe` returned at upload.
@@ -104,8 +108,34 @@ pub struct HandlerInfo {
     pub active: Option<VersionInfo>,
     /// Every stored version, oldest first.
     pub versions: Vec<VersionInfo>,
+    /// The team that owns it (the first uploader's), if known.
+    pub owner: Option<String>,
     /// Why the active version could not be loaded at open, if it could not.
     pub load_error: Option<String>,
+}
+
+/// Who uploads a version: the token's name, its team, and whether it may change a handler
+/// another team owns (an administrator).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Uploader {
+    /// The token's name.
+    pub token: String,
+    /// Its team.
+    pub team: String,
+    /// May change any team's handler.
+    pub admin: bool,
+}
+
+/// An operator uploading directly (the registry's own API, preloads, tests): an administrator
+/// whose team is its name.
+impl From<&str> for Uploader {
+    fn from(name: &str) -> Self {
+        Self {
+            token: name.to_owned(),
+            team: name.to_owned(),
+            admin: true,
+        }
+    }
 }
 
 /// A handler's versions and which one is active: `<name>/index.json` in the registry
@@ -116,6 +146,12 @@ pub(crate) struct HandlerIndex {
     pub(crate) name: String,
     pub(crate) active: Option<String>,
     pub(crate) versions: Vec<VersionInfo>,
+    /// The team that owns the handler: the team of its first uploader. Another team's token
+    /// cannot upload over it, roll it back or delete it, whatever its `handlers:` glob covers
+    /// (an administrator can). `None` for indexes written before ownership was kept: the next
+    /// upload claims it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) owner: Option<String>,
     /// Only in a shared catalog: the handler was deleted (a record rather than no record, so
     /// a node that was down meanwhile deletes its copy instead of publishing it again).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -130,7 +166,17 @@ impl HandlerIndex {
             name: name.to_owned(),
             active: None,
             versions: Vec::new(),
+            owner: None,
             deleted: false,
+        }
+    }
+
+    /// `Err(owner)` when `who` may not change this handler: another team owns it and `who` is
+    /// not an administrator.
+    pub(crate) fn check_owner(&self, who: &Uploader) -> Result<(), String> {
+        match &self.owner {
+            Some(owner) if !self.deleted && !who.admin && owner != &who.team => Err(owner.clone()),
+            _ => Ok(()),
         }
     }
 
@@ -142,11 +188,19 @@ impl HandlerIndex {
     pub(crate) fn with_upload(
         mut self,
         v: &Validated,
-        uploader: &str,
+        uploader: &Uploader,
         keep: usize,
-    ) -> (Self, VersionInfo) {
+    ) -> Result<(Self, VersionInfo), UploadError> {
         if self.deleted {
             self = Self::empty(&self.name);
+        }
+        self.check_owner(uploader)
+            .map_err(|owner| UploadError::OwnedByAnotherTeam {
+                name: self.name.clone(),
+                owner,
+            })?;
+        if self.owner.is_none() {
+            self.owner = Some(uploader.team.clone());
         }
         let info = match self.versions.iter().find(|x| x.sha256 == v.sha256) {
             Some(existing) => existing.clone(),
@@ -155,7 +209,8 @@ impl HandlerIndex {
                     version: self.versions.iter().map(|x| x.version).max().unwrap_or(0) + 1,
                     sha256: v.sha256.clone(),
                     size: v.size,
-                    uploader: uploader.to_owned(),
+                    uploader: uploader.token.clone(),
+                    team: Some(uploader.team.clone()),
                     uploaded_at: chrono::Utc::now()
                         .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
                     descriptor: v.descriptor.clone(),
@@ -166,7 +221,7 @@ impl HandlerIndex {
         };
         self.active = Some(v.sha256.clone());
         self.keep_newest(keep);
-        (self, info)
+        Ok((self, info))
     }
 
     /// Forgets the oldest versions past the `keep` newest (at least one), except the active one.
@@ -322,6 +377,16 @@ pub enum UploadError {
     /// written; nothing was activated.
     #[error("the shared handler catalog is unavailable: {0}")]
     Catalog(String),
+    /// Another team owns a handler of that name.
+    #[error(
+        "handler {name:?} belongs to team {owner:?}; only its team or an administrator can change it"
+    )]
+    OwnedByAnotherTeam {
+        /// The handler.
+        name: String,
+        /// Its owner.
+        owner: String,
+    },
 }
 
 /// Failure of a registry operation other than upload.
@@ -386,6 +451,7 @@ impl Entry {
                     .cloned()
             }),
             versions: self.index.versions.clone(),
+            owner: self.index.owner.clone(),
             load_error: self.load_error.clone(),
         }
     }
@@ -573,8 +639,9 @@ impl HandlerRegistry {
         &self,
         name: &str,
         bytes: &[u8],
-        uploader: &str,
+        uploader: impl Into<Uploader>,
     ) -> Result<VersionInfo, UploadError> {
+        let uploader = uploader.into();
         let validated = self.validate(name, bytes)?;
         let _write = self
             .write_lock
@@ -583,7 +650,7 @@ impl HandlerRegistry {
         let index = self
             .index_of(name)
             .unwrap_or_else(|| HandlerIndex::empty(name));
-        let (index, info) = index.with_upload(&validated, uploader, self.keep_versions);
+        let (index, info) = index.with_upload(&validated, &uploader, self.keep_versions)?;
         self.store_component(name, &info.sha256, bytes)?;
         self.write_index(&index)?;
         self.prune_components(&index);
@@ -595,7 +662,7 @@ impl HandlerRegistry {
                 engine: self.engine.clone(),
             })),
         );
-        tracing::info!(handler = name, version = info.version, sha256 = %info.sha256, uploader, "handler version activated");
+        tracing::info!(handler = name, version = info.version, sha256 = %info.sha256, uploader = %uploader.token, "handler version activated");
         Ok(info)
     }
 
@@ -947,6 +1014,7 @@ mod tests {
             sha256: sha.into(),
             size: 1,
             uploader: "u".into(),
+            team: None,
             uploaded_at: "t".into(),
             descriptor: HandlerDescriptor {
                 name: "h".into(),
@@ -967,6 +1035,7 @@ mod tests {
                 version(2, "aaaaaaaa22"),
                 version(12, "bbbbbbbb33"),
             ],
+            owner: None,
             deleted: false,
         };
         assert_eq!(find_version(&index, "h", "2").unwrap().version, 2);

@@ -698,6 +698,64 @@ fn past_keep_versions_the_oldest_version_and_its_component_go_but_never_the_acti
 }
 
 #[test]
+fn a_handler_belongs_to_its_first_uploaders_team() {
+    let (dir, registry) = registry_with(&[]);
+    let member = |token: &str, team: &str| Uploader {
+        token: token.into(),
+        team: team.into(),
+        admin: false,
+    };
+    let v1 = registry
+        .upload("noop", &plugin("noop"), member("billing-ci", "billing"))
+        .unwrap();
+    assert_eq!(v1.team.as_deref(), Some("billing"));
+    assert_eq!(
+        registry.get("noop").unwrap().owner.as_deref(),
+        Some("billing")
+    );
+    // Another team, whatever its scopes allowed the API to let through: refused, unchanged.
+    let refused = registry.upload(
+        "noop",
+        &variant_of(&plugin("noop"), "x"),
+        member("crm-ci", "crm"),
+    );
+    assert!(
+        matches!(&refused, Err(UploadError::OwnedByAnotherTeam { owner, .. }) if owner == "billing"),
+        "{refused:?}"
+    );
+    assert_eq!(registry.get("noop").unwrap().versions.len(), 1);
+    // The same team with a rotated token, and an administrator, may.
+    let v2 = registry
+        .upload(
+            "noop",
+            &variant_of(&plugin("noop"), "2"),
+            member("billing-ci-2026", "billing"),
+        )
+        .unwrap();
+    assert_eq!((v2.version, v2.uploader.as_str()), (2, "billing-ci-2026"));
+    registry
+        .upload("noop", &variant_of(&plugin("noop"), "3"), "ops")
+        .unwrap();
+    assert_eq!(
+        registry.get("noop").unwrap().owner.as_deref(),
+        Some("billing"),
+        "an administrator's upload does not take the handler over"
+    );
+    // Ownership is kept across a reopen; once deleted, the name is free again.
+    let reopened = HandlerRegistry::open(dir.path().join("handlers"), engine()).unwrap();
+    assert_eq!(
+        reopened.get("noop").unwrap().owner.as_deref(),
+        Some("billing")
+    );
+    assert!(reopened.delete("noop").unwrap());
+    let claimed = reopened
+        .upload("noop", &plugin("noop"), member("crm-ci", "crm"))
+        .unwrap();
+    assert_eq!(claimed.version, 1);
+    assert_eq!(reopened.get("noop").unwrap().owner.as_deref(), Some("crm"));
+}
+
+#[test]
 fn reopening_loads_compiled_code_from_the_cache() {
     let dir = tempfile::tempdir().unwrap();
     let config = EngineConfig {
