@@ -248,12 +248,18 @@ enum DlqCmd {
         #[arg(long)]
         all: bool,
     },
-    /// Redrive jobs: list, or show/pause/resume/cancel one.
+    /// Redrive jobs: list (newest first), or show/pause/resume/cancel one.
     Jobs {
-        /// A job's id (without it: every job).
+        /// A job's id (without it: the list).
         id: Option<String>,
         /// pause, resume or cancel.
         action: Option<String>,
+        /// List only jobs in this state (running, paused, cancelled, done).
+        #[arg(long)]
+        state: Option<String>,
+        /// List at most this many (server default 100, at most 1000).
+        #[arg(long)]
+        limit: Option<String>,
     },
 }
 
@@ -984,9 +990,18 @@ async fn dlq(api: Api, cmd: DlqCmd) -> anyhow::Result<ExitCode> {
                 }
             });
         }
-        DlqCmd::Jobs { id, action } => {
+        DlqCmd::Jobs {
+            id,
+            action,
+            state,
+            limit,
+        } => {
             let v = match (id, action) {
-                (None, _) => c.call(Method::GET, "/v1/dlq/redrive", None).await?,
+                (None, _) => {
+                    let q = router::cli::query(&[("state", &state), ("limit", &limit)]);
+                    c.call(Method::GET, &format!("/v1/dlq/redrive{q}"), None)
+                        .await?
+                }
                 (Some(id), None) => {
                     c.call(Method::GET, &format!("/v1/dlq/redrive/{id}"), None)
                         .await?

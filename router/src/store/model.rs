@@ -31,7 +31,11 @@ use crate::event::{CloudEvent, FieldError};
 ///   floor (`meta`'s `entry_floor`) passes its event. A store of format 4 or older gets its
 ///   floor past its last event at open (all its entries have rows); a build of format 4
 ///   refuses a store of format 5 instead of missing its queued entries.
-pub const FORMAT_VERSION: u32 = 5;
+/// - 6: the DLQ has an index by target (`dlq_by_target`), kept in the same commits as the DLQ;
+///   a store of format 5 or older gets it built at open (as does one whose index does not
+///   count as many rows as its DLQ). A build of format 5 refuses a store of format 6 instead
+///   of adding dead letters that index would miss.
+pub const FORMAT_VERSION: u32 = 6;
 
 /// The oldest on-disk layout this build reads (and upgrades in place at open).
 pub const OLDEST_READABLE_FORMAT: u32 = 1;

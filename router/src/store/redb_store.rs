@@ -42,6 +42,15 @@ const ENTRIES: TableDefinition<(u64, u32), &[u8]> = TableDefinition::new("entrie
 const LIVE: TableDefinition<(u64, u32), ()> = TableDefinition::new("live");
 const DLQ: TableDefinition<u64, &[u8]> = TableDefinition::new("dlq");
 const DLQ_BY_EVENT: TableDefinition<(u64, u64), ()> = TableDefinition::new("dlq_by_event");
+/// (target id, or "" for an event quarantined before routing; DLQ id): the DLQ by target, so
+/// listing or summarising one target's dead letters reads only theirs. Built at open when it
+/// does not match the DLQ (a file from before it, or one written meanwhile by an older build).
+const DLQ_BY_TARGET: TableDefinition<(&str, u64), ()> = TableDefinition::new("dlq_by_target");
+
+/// A DLQ entry's key in `DLQ_BY_TARGET`.
+fn dlq_target_key(target: Option<&str>) -> &str {
+    target.unwrap_or("")
+}
 const TARGETS: TableDefinition<&str, &[u8]> = TableDefinition::new("targets");
 const PENDING_GC: TableDefinition<u64, ()> = TableDefinition::new("pending_gc");
 const TARGET_STATE: TableDefinition<&str, &[u8]> = TableDefinition::new("target_state");
@@ -1222,14 +1231,11 @@ impl RedbStore {
     ) -> Result<Vec<SummaryRow>, StoreError> {
         let db = self.read_db();
         let r = db.begin_read()?;
-        let t = r.open_table(DLQ)?;
         let mut summary = DlqSummary::new(bucket_ms);
-        for row in t.iter()? {
-            let e: DlqEntry = dec("dlq", row?.1.value())?;
-            if filter.matches(&e) {
-                summary.add(&e);
-            }
-        }
+        for_each_dlq(&r, filter, 0, |e| {
+            summary.add(&e);
+            true
+        })?;
         Ok(summary.rows())
     }
 
@@ -1391,18 +1397,12 @@ impl RedbStore {
     ) -> Result<Vec<DlqEntry>, StoreError> {
         let db = self.read_db();
         let r = db.begin_read()?;
-        let t = r.open_table(DLQ)?;
         let start = after.map_or(0, |a| a.saturating_add(1));
         let mut out = Vec::new();
-        for row in t.range(start..)? {
-            let e: DlqEntry = dec("dlq", row?.1.value())?;
-            if filter.matches(&e) {
-                out.push(e);
-                if out.len() >= limit {
-                    break;
-                }
-            }
-        }
+        for_each_dlq(&r, filter, start, |e| {
+            out.push(e);
+            out.len() < limit
+        })?;
         Ok(out)
     }
 
@@ -1981,9 +1981,13 @@ fn recover(db: &Database, cold_before: Option<i64>) -> Result<Recovered, StoreEr
     let counters;
     let floor;
     let mut index = Index::default();
+    // Format 6 added the DLQ's index by target: older stores have it built below.
+    let before_dlq_index;
     {
         let mut meta = txn.open_table(META)?;
-        match read_u64(&meta, "format_version")? {
+        let found = read_u64(&meta, "format_version")?;
+        before_dlq_index = found.is_some_and(|v| v < 6);
+        match found {
             None => {
                 meta.insert(
                     "format_version",
@@ -2088,12 +2092,23 @@ fn recover(db: &Database, cold_before: Option<i64>) -> Result<Recovered, StoreEr
             t.insert_live(id, e.accepted_at, e.ordering_key.clone());
         }
         let dlq = txn.open_table(DLQ)?;
+        let mut by_target = txn.open_table(DLQ_BY_TARGET)?;
+        let rebuild = before_dlq_index || by_target.len()? != dlq.len()?;
+        if rebuild {
+            tracing::info!(entries = dlq.len()?, "building the DLQ's index by target");
+            by_target.retain(|_, ()| false)?;
+        }
         for row in dlq.iter()? {
-            let e: DlqEntry = dec("dlq", row?.1.value())?;
+            let (k, v) = row?;
+            let e: DlqEntry = dec("dlq", v.value())?;
+            if rebuild {
+                by_target.insert((dlq_target_key(e.target_id.as_deref()), k.value()), ())?;
+            }
             if let Some(t) = e.target_id {
                 index.target(&t).dlq += 1;
             }
         }
+        drop(by_target);
         txn.open_table(DLQ_BY_EVENT)?;
         txn.open_table(PENDING_GC)?;
         txn.open_table(TARGET_STATE)?;
@@ -3953,6 +3968,8 @@ impl Committer {
         txn.open_table(DLQ)?.insert(id, enc(&d).as_slice())?;
         txn.open_table(DLQ_BY_EVENT)?
             .insert((d.event_seq, id), ())?;
+        txn.open_table(DLQ_BY_TARGET)?
+            .insert((dlq_target_key(d.target_id.as_deref()), id), ())?;
         effects.push(Effect::DlqAdded {
             target: d.target_id.clone(),
         });
@@ -4155,12 +4172,47 @@ fn write_job(txn: &Tx<'_>, job: &Job) -> Result<u64, StoreError> {
     Ok(rev)
 }
 
-/// Removes a DLQ entry (and its by-event index row); returns it.
+/// Visits the DLQ entries matching `filter` with ids from `start` up, in id order, until
+/// `visit` answers false. A filter naming a target reads only that target's entries (through
+/// `DLQ_BY_TARGET`); any other reads the whole DLQ from `start`.
+fn for_each_dlq(
+    r: &redb::ReadTransaction,
+    filter: &DlqFilter,
+    start: u64,
+    mut visit: impl FnMut(DlqEntry) -> bool,
+) -> Result<(), StoreError> {
+    let t = r.open_table(DLQ)?;
+    let Some(target) = filter.target.as_deref() else {
+        for row in t.range(start..)? {
+            let e: DlqEntry = dec("dlq", row?.1.value())?;
+            if filter.matches(&e) && !visit(e) {
+                break;
+            }
+        }
+        return Ok(());
+    };
+    let by_target = r.open_table(DLQ_BY_TARGET)?;
+    for row in by_target.range((target, start)..=(target, u64::MAX))? {
+        let id = row?.0.value().1;
+        // The index and the DLQ change in the same commits; a missing entry is skipped all the
+        // same rather than failing a read.
+        let Some(raw) = t.get(id)? else { continue };
+        let e: DlqEntry = dec("dlq", raw.value())?;
+        if filter.matches(&e) && !visit(e) {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Removes a DLQ entry (and its index rows); returns it.
 fn take_dlq(txn: &Tx<'_>, id: u64) -> Result<Option<DlqEntry>, StoreError> {
     let raw = txn.open_table(DLQ)?.remove(id)?.map(|v| v.value().to_vec());
     let Some(raw) = raw else { return Ok(None) };
     let d: DlqEntry = dec("dlq", &raw)?;
     txn.open_table(DLQ_BY_EVENT)?.remove((d.event_seq, id))?;
+    txn.open_table(DLQ_BY_TARGET)?
+        .remove((dlq_target_key(d.target_id.as_deref()), id))?;
     Ok(Some(d))
 }
 

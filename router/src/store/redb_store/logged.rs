@@ -16,7 +16,7 @@ use super::*;
 use crate::store::group_log::{Mutation, Mutations, Record};
 
 /// Every table's number in the group log. Append only: numbers are on disk.
-const TABLE_IDS: [&str; 20] = [
+const TABLE_IDS: [&str; 21] = [
     "meta",
     "events",
     "dedup",
@@ -37,6 +37,7 @@ const TABLE_IDS: [&str; 20] = [
     "dedup_log",
     "dedup_run_keys",
     "dedup_runs",
+    "dlq_by_target",
 ];
 
 fn table_id(name: &str) -> u8 {
@@ -179,6 +180,7 @@ struct AllTables<'a> {
     dedup_log: Table<'a, u64, (u128, i64)>,
     dedup_run_keys: Table<'a, (u64, u128, u64), i64>,
     dedup_runs: Table<'a, u64, &'static [u8]>,
+    dlq_by_target: Table<'a, (&'static str, u64), ()>,
 }
 
 fn put<K: Key + 'static, V: Value + 'static>(
@@ -220,6 +222,7 @@ impl<'a> AllTables<'a> {
             dedup_log: txn.open_table(DEDUP_LOG)?,
             dedup_run_keys: txn.open_table(DEDUP_RUN_KEYS)?,
             dedup_runs: txn.open_table(DEDUP_RUNS)?,
+            dlq_by_target: txn.open_table(DLQ_BY_TARGET)?,
         })
     }
 
@@ -254,6 +257,7 @@ impl<'a> AllTables<'a> {
             17 => put(&mut self.dedup_log, m)?,
             18 => put(&mut self.dedup_run_keys, m)?,
             19 => put(&mut self.dedup_runs, m)?,
+            20 => put(&mut self.dlq_by_target, m)?,
             other => {
                 return Err(StoreError::Corrupt {
                     table: "group log",
@@ -292,6 +296,7 @@ mod tests {
             DEDUP_LOG.name(),
             DEDUP_RUN_KEYS.name(),
             DEDUP_RUNS.name(),
+            DLQ_BY_TARGET.name(),
         ];
         // The order of `AllTables::apply`'s arms.
         for (i, n) in names.iter().enumerate() {

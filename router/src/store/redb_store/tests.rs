@@ -2492,3 +2492,63 @@ async fn jobs_are_deleted_only_at_the_revision_read() {
     );
     assert!(s.jobs().expect("jobs").is_empty());
 }
+
+/// Listing and summarising one target's dead letters reads them through `DLQ_BY_TARGET`, which
+/// follows every addition and removal and is built at open for a store from before it.
+#[tokio::test]
+async fn the_dlq_is_indexed_by_target_and_the_index_is_built_for_an_older_store() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+    // Ten events, each overflowing both of its targets' caps: one dead letter per target.
+    let events = (0..10)
+        .map(|i| {
+            let mut ne = new_event("/s", &i.to_string(), &["a", "b"], 1000 + i);
+            for t in &mut ne.targets {
+                t.max_depth = Some(0);
+            }
+            ne
+        })
+        .collect();
+    s.accept(events).await.expect("accept");
+    let of = |t: &str| DlqFilter {
+        target: Some(t.into()),
+        ..DlqFilter::default()
+    };
+    let targets_of = |list: &[DlqEntry]| -> Vec<String> {
+        list.iter()
+            .map(|d| d.target_id.clone().unwrap_or_default())
+            .collect()
+    };
+    let page = s.dlq_list(&of("a"), None, 4).expect("list");
+    assert_eq!(targets_of(&page), ["a"; 4]);
+    assert!(page.windows(2).all(|w| w[0].id < w[1].id), "{page:?}");
+    let rest = s
+        .dlq_list(&of("a"), page.last().map(|d| d.id), 100)
+        .expect("list");
+    assert_eq!(rest.len(), 6);
+    let summary = s.dlq_summary(&of("b"), 3_600_000).expect("summary");
+    assert_eq!((summary.len(), summary[0].count), (1, 10));
+    // A removal leaves the index with it.
+    let purged = s.purge_dlq(vec![page[0].id]).await.expect("purge");
+    assert_eq!(purged, 1);
+    assert_eq!(s.dlq_list(&of("a"), None, 100).expect("list").len(), 9);
+    drop(s);
+
+    // A format 5 store: no index at all.
+    let path = dir.path().join("router.redb");
+    let db = when_free(|| redb::Database::create(&path)).await;
+    let txn = db.begin_write().expect("txn");
+    txn.delete_table(DLQ_BY_TARGET).expect("delete");
+    txn.open_table(META)
+        .expect("meta")
+        .insert("format_version", 5u64.to_le_bytes().as_slice())
+        .expect("format");
+    txn.commit().expect("commit");
+    drop(db);
+    let s = when_free(|| RedbStore::open_dir(dir.path(), StoreOptions::default())).await;
+    assert_eq!(s.dlq_list(&of("a"), None, 100).expect("list").len(), 9);
+    assert_eq!(s.dlq_list(&of("b"), None, 100).expect("list").len(), 10);
+    assert!(s.dlq_list(&of("c"), None, 100).expect("list").is_empty());
+    let all = s.dlq_list(&DlqFilter::default(), None, 100).expect("list");
+    assert_eq!(all.len(), 19);
+}
