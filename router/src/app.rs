@@ -181,22 +181,25 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
             // URL valid, the WASM runtime up for a handler) before the set goes live: else
             // its entries would queue with no worker, or its old worker would go on under the
             // old configuration while the API showed the new one.
-            let cannot_start: Vec<String> =
-                r.0.targets
-                    .values()
-                    .filter(|spec| running.get(&spec.id) != Some(*spec))
-                    .filter_map(|spec| app.dispatcher.check(spec).err())
-                    .map(|e| e.to_string())
-                    .collect();
+            let mut prepared = Vec::new();
+            let mut cannot_start = Vec::new();
+            for spec in r.0.targets.values() {
+                if running.get(&spec.id) != Some(spec) {
+                    match app.dispatcher.prepare(spec.clone()) {
+                        Ok(p) => prepared.push(p),
+                        Err(e) => cannot_start.push(e.to_string()),
+                    }
+                }
+            }
             if cannot_start.is_empty() {
-                Ok((r, c, git))
+                Ok((r, c, git, prepared))
             } else {
                 Err(ReloadError::Invalid(cannot_start.join("\n")))
             }
         }
         (Err(e), _, _) | (_, Err(e), _) => Err(ReloadError::Invalid(e.to_string())),
     };
-    let ((rules, warnings), contracts, git) = match result {
+    let ((rules, warnings), contracts, git, prepared) = match result {
         Ok(x) => x,
         Err(e) => {
             let mut st = app.reload_status.lock().unwrap_or_else(|p| p.into_inner());
@@ -223,13 +226,9 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
         )
         .await?;
     let mut started = Vec::new();
-    for spec in rules.targets.values() {
-        if running.get(&spec.id) != Some(spec) {
-            started.push(spec.id.clone());
-            if let Err(e) = app.dispatcher.ensure(spec.clone()).await {
-                tracing::warn!("{e}");
-            }
-        }
+    for target in prepared {
+        started.push(target.id().to_string());
+        app.dispatcher.start(target).await;
     }
     let removed: Vec<String> = old
         .targets
@@ -726,14 +725,18 @@ fn prepare_emitted(
 
 /// Secrets come from the environment first, then the optional secrets file (a TOML table of
 /// name = "value"); never from the rule files.
+/// The secrets file's `NAME = "value"` pairs.
+fn read_secrets(
+    path: &std::path::Path,
+) -> Result<std::collections::HashMap<String, String>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
 fn secret_resolver(cfg: &Config) -> Result<crate::deliver::SecretResolver, RunError> {
-    let file: std::collections::HashMap<String, String> = match &cfg.secrets_file {
+    let file = match &cfg.secrets_file {
         None => Default::default(),
-        Some(p) => {
-            let text = std::fs::read_to_string(p)
-                .map_err(|e| RunError::Secrets(format!("{}: {e}", p.display())))?;
-            toml::from_str(&text).map_err(|e| RunError::Secrets(format!("{}: {e}", p.display())))?
-        }
+        Some(p) => read_secrets(p).map_err(RunError::Secrets)?,
     };
     // Read again at each use (a target's start, at a start or a reload): a secret added to
     // the file for a new signed webhook takes effect with the reload that adds the webhook.
@@ -747,13 +750,10 @@ fn secret_resolver(cfg: &Config) -> Result<crate::deliver::SecretResolver, RunEr
         }
         let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(p) = &path {
-            match std::fs::read_to_string(p)
-                .map_err(|e| e.to_string())
-                .and_then(|t| toml::from_str(&t).map_err(|e| e.to_string()))
-            {
+            match read_secrets(p) {
                 Ok(now) => *last = now,
                 Err(e) => {
-                    tracing::warn!(file = %p.display(), error = %e, "secrets file unreadable; using the values last read from it");
+                    tracing::warn!(error = %e, "secrets file unreadable; using the values last read from it");
                 }
             }
         }

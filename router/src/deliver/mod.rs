@@ -125,6 +125,19 @@ pub enum StartError {
     },
 }
 
+/// A target built and ready to run ([`Dispatcher::prepare`]).
+pub struct PreparedTarget {
+    spec: TargetSpec,
+    target: Arc<dyn Target>,
+}
+
+impl PreparedTarget {
+    /// Its target id.
+    pub fn id(&self) -> &str {
+        &self.spec.id
+    }
+}
+
 impl Dispatcher {
     /// A dispatcher with no workers yet.
     pub fn new(ctx: DeliveryContext) -> Arc<Self> {
@@ -280,14 +293,25 @@ impl Dispatcher {
         }
     }
 
-    /// Whether a worker for `spec` could start (what [`Self::ensure`] would refuse), without
-    /// starting one.
-    pub fn check(&self, spec: &TargetSpec) -> Result<(), StartError> {
-        self.build_target(spec).map(drop)
+    /// Builds the target of `spec` (what [`Self::ensure`] would refuse: a signing secret not
+    /// set, the WASM runtime down for a handler) without starting a worker:
+    /// [`Self::start`] runs it.
+    pub fn prepare(&self, spec: TargetSpec) -> Result<PreparedTarget, StartError> {
+        let target = self.build_target(&spec)?;
+        Ok(PreparedTarget { spec, target })
     }
 
     /// Runs a worker for `spec`, replacing one with an older configuration.
     pub async fn ensure(&self, spec: TargetSpec) -> Result<(), StartError> {
+        let prepared = self.prepare(spec)?;
+        self.start(prepared).await;
+        Ok(())
+    }
+
+    /// Runs a worker for a prepared target, replacing one with an older configuration (a
+    /// worker with the same configuration stays as it is).
+    pub async fn start(&self, prepared: PreparedTarget) {
+        let PreparedTarget { spec, target } = prepared;
         // A new worker's saved state is read before the lock is taken: on the JetStream store
         // the read is a round trip, and ingest takes this lock on every accept (`reserve`). A
         // runtime thread blocked on the lock behind that read can starve the very task that
@@ -296,7 +320,7 @@ impl Dispatcher {
             let was_running = {
                 let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
                 match running.get(&spec.id) {
-                    Some(r) if r.runtime.spec == spec => return Ok(()),
+                    Some(r) if r.runtime.spec == spec => return,
                     r => r.is_some(),
                 }
             };
@@ -307,7 +331,7 @@ impl Dispatcher {
             };
             let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
             match (running.get(&spec.id), stored) {
-                (Some(r), _) if r.runtime.spec == spec => return Ok(()),
+                (Some(r), _) if r.runtime.spec == spec => return,
                 (Some(_), _) => break (running, None),
                 (None, Some(stored)) => break (running, Some(stored)),
                 // Stopped between the two looks (rare): look again, reading its saved state
@@ -315,7 +339,6 @@ impl Dispatcher {
                 (None, None) => {}
             }
         };
-        let target = self.build_target(&spec)?;
         let persisted = match running.remove(&spec.id) {
             Some(old) => {
                 old.stop.cancel();
@@ -351,7 +374,6 @@ impl Dispatcher {
                 slots,
             },
         );
-        Ok(())
     }
 
     async fn persisted(&self, id: &str) -> Option<PersistedState> {
