@@ -590,8 +590,9 @@ async fn start_handlers(
         for (name, path) in components {
             let name = name.as_str();
             let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-            // Already stored (by an earlier start, or another node): left as it is, so a
-            // restart does not undo a rollback made since.
+            // Already stored, or preloaded before (by an earlier start, or another node): left
+            // as it is, so a restart neither undoes a rollback or an upload made since nor
+            // brings back bytes no longer kept as a version.
             if let Some(v) = registry.stored_version(name, &bytes) {
                 tracing::info!(
                     handler = name,
@@ -600,11 +601,14 @@ async fn start_handlers(
                 );
                 continue;
             }
-            match changes
-                .upload(name, bytes.into(), crate::auth::PRELOAD_OWNER)
-                .await
-            {
+            if registry.was_preloaded(name, &bytes) {
+                tracing::info!(handler = name, "preloaded before; left as it is");
+                continue;
+            }
+            let preload = crate::wasm::Uploader::preload(crate::auth::PRELOAD_OWNER);
+            match changes.upload(name, bytes.into(), preload).await {
                 Ok(v) => tracing::info!(handler = name, version = v.version, "handler preloaded"),
+                // A team owns the name: its handler stays (shown in /v1/status warnings' log).
                 Err(e) => tracing::warn!(handler = name, error = %e, "preloading a handler failed"),
             }
         }
@@ -723,8 +727,6 @@ fn prepare_emitted(
         .collect()
 }
 
-/// Secrets come from the environment first, then the optional secrets file (a TOML table of
-/// name = "value"); never from the rule files.
 /// The secrets file's `NAME = "value"` pairs.
 fn read_secrets(
     path: &std::path::Path,
@@ -733,6 +735,8 @@ fn read_secrets(
     toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
+/// Secrets come from the environment first, then the optional secrets file (a TOML table of
+/// name = "value"); never from the rule files.
 fn secret_resolver(cfg: &Config) -> Result<crate::deliver::SecretResolver, RunError> {
     let file = match &cfg.secrets_file {
         None => Default::default(),
@@ -1342,11 +1346,7 @@ fn spawn_sweeper(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToke
                 _ = cancel.cancelled() => break,
                 _ = tokio::time::sleep(every) => {}
             }
-            // Sweep in bounded batches until caught up, resting between them as long as the
-            // batch took: the committer that ingest waits on is then never more than half
-            // busy with deleting (back to back, the batches after a busy interval held up
-            // every ingest commit for seconds; docs/BENCHMARKS.md, eleventh session). Half of
-            // the committer still deletes several times faster than events arrive.
+            // Finished jobs past their retention: a few records, once per interval.
             match crate::dlq::sweep_jobs(&app, app.clock.now_ms(), app.cfg.delivery.job_retention)
                 .await
             {
@@ -1359,6 +1359,11 @@ fn spawn_sweeper(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToke
                 }
                 Err(e) => tracing::warn!(error = %e, "sweeping finished jobs failed; the next sweep tries again"),
             }
+            // Sweep in bounded batches until caught up, resting between them as long as the
+            // batch took: the committer that ingest waits on is then never more than half
+            // busy with deleting (back to back, the batches after a busy interval held up
+            // every ingest commit for seconds; docs/BENCHMARKS.md, eleventh session). Half of
+            // the committer still deletes several times faster than events arrive.
             loop {
                 let started = std::time::Instant::now();
                 let swept = app.store.sweep(app.clock.now_ms(), window, retention).await;

@@ -136,6 +136,7 @@ impl Principal {
             token: self.name.clone(),
             team: self.team.clone(),
             admin: self.allows(&Scope::Admin),
+            preload: false,
         }
     }
 
@@ -248,11 +249,16 @@ impl Tokens {
     }
 
     /// Whose scopes a handler version's emissions are checked against: the token that
-    /// uploaded it or, once that token is gone (rotated), every token of its team together.
-    /// `None` when neither is configured any more.
+    /// uploaded it (while a token of that name is of the version's team) or, once that token
+    /// is gone (rotated), every token of its team together. `None` when neither is configured
+    /// any more.
     pub fn uploader_principal(&self, token: &str, team: Option<&str>) -> Option<Principal> {
         if let Some(c) = self.config(token) {
-            return Some(Principal::of(c));
+            let p = Principal::of(c);
+            // A name reused by another team's token is not the uploader.
+            if team.is_none_or(|t| t == p.team) {
+                return Some(p);
+            }
         }
         let team = team?;
         let mates: Vec<&TokenConfig> = self
@@ -400,6 +406,12 @@ mod tests {
         assert!(!p.allows(&Scope::Ingest("crm.lead".into())));
         // Gone with no team recorded (an older version), or a team with no token left.
         assert!(tokens.uploader_principal("billing-2025", None).is_none());
+        // A token name reused by another team does not lend that team's scopes.
+        let p = tokens
+            .uploader_principal("crm", Some("billing"))
+            .expect("billing's tokens");
+        assert!(!p.allows(&Scope::Ingest("crm.lead".into())));
+        assert!(p.allows(&Scope::Ingest("invoice.paid".into())));
         assert!(tokens.uploader_principal("x", Some("gone")).is_none());
     }
 

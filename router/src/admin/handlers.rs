@@ -31,9 +31,12 @@ fn runtime(app: &App) -> Result<&Arc<crate::target::handler::HandlerRuntime>, Bo
     })
 }
 
-fn registry_error(name: &str, e: RegistryError) -> Response {
+fn registry_error(who: &Principal, name: &str, e: RegistryError) -> Response {
     if matches!(e, RegistryError::Catalog(_)) {
         return catalog_unavailable(name, &e);
+    }
+    if matches!(e, RegistryError::OwnedByAnotherTeam { .. }) {
+        return owned_elsewhere(who, &e);
     }
     let status = match &e {
         RegistryError::UnknownHandler(_) | RegistryError::UnknownVersion { .. } => {
@@ -109,19 +112,23 @@ pub async fn upload(
     }
 }
 
-/// The 403 for a change to a handler another team owns.
+/// The 403 for a change to a handler another team owns: the API's 403 shape (the token, and
+/// what it would need: to be of the owner's team, or an administrator).
 fn owned_elsewhere(who: &Principal, e: &dyn std::fmt::Display) -> Response {
     tracing::warn!(token = %who.name, team = %who.team, error = %e, "handler change refused: another team owns it");
     error_response(
         StatusCode::FORBIDDEN,
-        "another team owns this handler",
-        vec![FieldError::new("/name", e.to_string())],
+        "out of scope",
+        vec![FieldError::new(
+            "/authorization",
+            format!("token {:?} (team {:?}): {e}", who.name, who.team),
+        )],
     )
 }
 
-/// Checks that `who` may change handler `name` (its team owns it, or `who` is an
-/// administrator), from this node's copy of its index; the upload path checks again on the
-/// index it writes.
+/// Checks before compiling an upload that `who` may change handler `name` (its team owns it,
+/// or `who` is an administrator), from this node's copy of its index; the index write checks
+/// again, on the catalog's record when shared.
 fn owner_check(
     rt: &crate::target::handler::HandlerRuntime,
     who: &Principal,
@@ -211,15 +218,16 @@ pub async fn rollback(
         Ok(rt) => rt.clone(),
         Err(r) => return *r,
     };
-    if let Err(r) = owner_check(&rt, &who, &name) {
-        return *r;
-    }
-    match rt.changes.rollback(&name, &req.version).await {
+    match rt
+        .changes
+        .rollback_as(&name, &req.version, &who.uploader())
+        .await
+    {
         Ok(v) => {
             tracing::warn!(handler = %name, version = v.version, by = %who.name, "handler rolled back");
             axum::Json(json!(v)).into_response()
         }
-        Err(e) => registry_error(&name, e),
+        Err(e) => registry_error(&who, &name, e),
     }
 }
 
@@ -236,13 +244,10 @@ pub async fn delete(
         Ok(rt) => rt.clone(),
         Err(r) => return *r,
     };
-    if let Err(r) = owner_check(&rt, &who, &name) {
-        return *r;
-    }
-    match rt.changes.delete(&name).await {
+    match rt.changes.delete_as(&name, &who.uploader()).await {
         Ok(true) => axum::Json(json!({ "deleted": name })).into_response(),
         Ok(false) => error_response(StatusCode::NOT_FOUND, "unknown handler", Vec::new()),
-        Err(e) => registry_error(&name, e),
+        Err(e) => registry_error(&who, &name, e),
     }
 }
 

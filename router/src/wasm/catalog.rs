@@ -235,10 +235,22 @@ impl HandlerChanges {
     /// when the handlers are shared. The version is loaded here before the change is written,
     /// so a version that no longer loads is refused rather than spread.
     pub async fn rollback(&self, name: &str, version: &str) -> Result<VersionInfo, RegistryError> {
+        self.rollback_as(name, version, &Uploader::from("operator"))
+            .await
+    }
+
+    /// [`Self::rollback`] by `who`: refused when another team owns the handler (checked on the
+    /// catalog's record when shared, in the same round as the write).
+    pub async fn rollback_as(
+        &self,
+        name: &str,
+        version: &str,
+        who: &Uploader,
+    ) -> Result<VersionInfo, RegistryError> {
         let registry = self.registry.clone();
         let Some(catalog) = self.catalog.clone() else {
-            let (name, version) = (name.to_owned(), version.to_owned());
-            return blocking(move || registry.rollback(&name, &version)).await;
+            let (name, version, who) = (name.to_owned(), version.to_owned(), who.clone());
+            return blocking(move || registry.rollback_as(&name, &version, &who)).await;
         };
         if !super::valid_handler_name(name) {
             return Err(RegistryError::UnknownHandler(name.to_owned()));
@@ -251,7 +263,7 @@ impl HandlerChanges {
             if revision == 0 {
                 return Err(RegistryError::UnknownHandler(name.to_owned()));
             }
-            let (index, info) = index.with_active(version)?;
+            let (index, info) = index.with_active(version, who)?;
             let bytes = self.component(catalog.as_ref(), name, &info).await?;
             let (registry, n) = (self.registry.clone(), name.to_owned());
             let (validated, bytes) = blocking(move || {
@@ -294,10 +306,16 @@ impl HandlerChanges {
     /// Removes `name` and all its versions (everywhere when shared). Returns whether it
     /// existed.
     pub async fn delete(&self, name: &str) -> Result<bool, RegistryError> {
+        self.delete_as(name, &Uploader::from("operator")).await
+    }
+
+    /// [`Self::delete`] by `who`: refused when another team owns the handler (checked on the
+    /// catalog's record when shared, in the same round as the write).
+    pub async fn delete_as(&self, name: &str, who: &Uploader) -> Result<bool, RegistryError> {
         let registry = self.registry.clone();
         let Some(catalog) = self.catalog.clone() else {
-            let name = name.to_owned();
-            return blocking(move || registry.delete(&name)).await;
+            let (name, who) = (name.to_owned(), who.clone());
+            return blocking(move || registry.delete_as(&name, &who)).await;
         };
         if !super::valid_handler_name(name) {
             return Ok(false);
@@ -308,9 +326,15 @@ impl HandlerChanges {
                 .await
                 .map_err(catalog_registry_error)?;
             if revision == 0 || index.deleted {
-                let (registry, n) = (self.registry.clone(), name.to_owned());
-                return blocking(move || registry.delete(&n)).await;
+                let (registry, n, who) = (self.registry.clone(), name.to_owned(), who.clone());
+                return blocking(move || registry.delete_as(&n, &who)).await;
             }
+            index
+                .check_owner(who)
+                .map_err(|owner| RegistryError::OwnedByAnotherTeam {
+                    name: name.to_owned(),
+                    owner,
+                })?;
             let tombstone = HandlerIndex::tombstone(name);
             let written = catalog
                 .put_index(name, tombstone.to_bytes().into(), revision)

@@ -124,6 +124,23 @@ pub struct Uploader {
     pub team: String,
     /// May change any team's handler.
     pub admin: bool,
+    /// The operator's `handlers.preload_dir` at a start: the index remembers which bytes it
+    /// preloaded, so a later start does not upload them again once they are no longer a kept
+    /// version.
+    pub preload: bool,
+}
+
+impl Uploader {
+    /// The preload of `handlers.preload_dir`: team `preload`, which no token may have, and
+    /// not an administrator, so it never replaces a handler a team owns.
+    pub fn preload(token: &str) -> Self {
+        Self {
+            token: token.to_owned(),
+            team: token.to_owned(),
+            admin: false,
+            preload: true,
+        }
+    }
 }
 
 /// An operator uploading directly (the registry's own API, preloads, tests): an administrator
@@ -134,6 +151,7 @@ impl From<&str> for Uploader {
             token: name.to_owned(),
             team: name.to_owned(),
             admin: true,
+            preload: false,
         }
     }
 }
@@ -152,6 +170,11 @@ pub(crate) struct HandlerIndex {
     /// upload claims it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) owner: Option<String>,
+    /// The SHA-256 of the bytes last preloaded from `handlers.preload_dir`: a start finding
+    /// the same file there leaves the handler as it is, even once that version is no longer
+    /// kept (else a restart would bring old code back as a new version).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) preloaded: Option<String>,
     /// Only in a shared catalog: the handler was deleted (a record rather than no record, so
     /// a node that was down meanwhile deletes its copy instead of publishing it again).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -167,15 +190,29 @@ impl HandlerIndex {
             active: None,
             versions: Vec::new(),
             owner: None,
+            preloaded: None,
             deleted: false,
         }
+    }
+
+    /// The team that owns the handler: the one recorded or, for an index written before
+    /// ownership was recorded, the uploader of its oldest version (tokens had no `team` then,
+    /// so a token's team was its name).
+    pub(crate) fn effective_owner(&self) -> Option<String> {
+        if self.deleted {
+            return None;
+        }
+        self.owner.clone().or_else(|| {
+            let oldest = self.versions.iter().min_by_key(|v| v.version)?;
+            oldest.team.is_none().then(|| oldest.uploader.clone())
+        })
     }
 
     /// `Err(owner)` when `who` may not change this handler: another team owns it and `who` is
     /// not an administrator.
     pub(crate) fn check_owner(&self, who: &Uploader) -> Result<(), String> {
-        match &self.owner {
-            Some(owner) if !self.deleted && !who.admin && owner != &who.team => Err(owner.clone()),
+        match self.effective_owner() {
+            Some(owner) if !who.admin && owner != who.team => Err(owner),
             _ => Ok(()),
         }
     }
@@ -199,8 +236,12 @@ impl HandlerIndex {
                 name: self.name.clone(),
                 owner,
             })?;
+        // The first team to upload claims it; an administrator's upload (an operator acting
+        // for a team) does not.
         if self.owner.is_none() {
-            self.owner = Some(uploader.team.clone());
+            self.owner = self
+                .effective_owner()
+                .or_else(|| (!uploader.admin).then(|| uploader.team.clone()));
         }
         let info = match self.versions.iter().find(|x| x.sha256 == v.sha256) {
             Some(existing) => existing.clone(),
@@ -220,6 +261,9 @@ impl HandlerIndex {
             }
         };
         self.active = Some(v.sha256.clone());
+        if uploader.preload {
+            self.preloaded = Some(v.sha256.clone());
+        }
         self.keep_newest(keep);
         Ok((self, info))
     }
@@ -236,14 +280,21 @@ impl HandlerIndex {
             .retain(|v| v.version >= oldest_kept || active.as_ref() == Some(&v.sha256));
     }
 
-    /// The index with `version` (a number or hash prefix, as `rollback` takes) active.
+    /// The index with `version` (a number or hash prefix, as `rollback` takes) active, if
+    /// `who` may change it.
     pub(crate) fn with_active(
         mut self,
         version: &str,
+        who: &Uploader,
     ) -> Result<(Self, VersionInfo), RegistryError> {
         if self.deleted {
             return Err(RegistryError::UnknownHandler(self.name));
         }
+        self.check_owner(who)
+            .map_err(|owner| RegistryError::OwnedByAnotherTeam {
+                name: self.name.clone(),
+                owner,
+            })?;
         let info = find_version(&self, &self.name, version)?.clone();
         self.active = Some(info.sha256.clone());
         Ok((self, info))
@@ -431,6 +482,16 @@ pub enum RegistryError {
         /// The parse error.
         message: String,
     },
+    /// Another team owns the handler.
+    #[error(
+        "handler {name:?} belongs to team {owner:?}; only its team or an administrator can change it"
+    )]
+    OwnedByAnotherTeam {
+        /// The handler.
+        name: String,
+        /// Its owner.
+        owner: String,
+    },
 }
 
 struct Entry {
@@ -451,7 +512,7 @@ impl Entry {
                     .cloned()
             }),
             versions: self.index.versions.clone(),
-            owner: self.index.owner.clone(),
+            owner: self.index.effective_owner(),
             load_error: self.load_error.clone(),
         }
     }
@@ -751,6 +812,13 @@ impl HandlerRegistry {
         fs::read(self.component_path(name, sha256))
     }
 
+    /// Whether `bytes` are what was last preloaded as `name` (see `HandlerIndex::preloaded`).
+    pub fn was_preloaded(&self, name: &str, bytes: &[u8]) -> bool {
+        let sha256 = sha256_hex(bytes);
+        self.index_of(name)
+            .is_some_and(|i| i.preloaded.as_deref() == Some(sha256.as_str()))
+    }
+
     /// The stored version of `name` whose component is `bytes`, if there is one.
     pub fn stored_version(&self, name: &str, bytes: &[u8]) -> Option<VersionInfo> {
         let sha256 = sha256_hex(bytes);
@@ -812,8 +880,18 @@ impl HandlerRegistry {
     }
 
     /// Activates an earlier version, named by its number (`3` or `v3`) or its SHA-256 (or a
-    /// unique prefix of at least 8 hex digits).
+    /// unique prefix of at least 8 hex digits), as an operator.
     pub fn rollback(&self, name: &str, version: &str) -> Result<VersionInfo, RegistryError> {
+        self.rollback_as(name, version, &Uploader::from("operator"))
+    }
+
+    /// [`Self::rollback`] by `who`, refused when another team owns the handler.
+    pub fn rollback_as(
+        &self,
+        name: &str,
+        version: &str,
+        who: &Uploader,
+    ) -> Result<VersionInfo, RegistryError> {
         let _write = self
             .write_lock
             .lock()
@@ -821,7 +899,7 @@ impl HandlerRegistry {
         let index = self
             .index_of(name)
             .ok_or_else(|| RegistryError::UnknownHandler(name.to_owned()))?;
-        let (index, info) = index.with_active(version)?;
+        let (index, info) = index.with_active(version, who)?;
         let loaded = Arc::new(self.load_version(name, info.clone())?);
         self.write_index(&index)?;
         self.install(index, Some(loaded));
@@ -832,10 +910,23 @@ impl HandlerRegistry {
     /// Removes a handler and all its versions. Returns whether it existed. Invocations already
     /// running keep their `Arc<LoadedHandler>` and finish.
     pub fn delete(&self, name: &str) -> Result<bool, RegistryError> {
+        self.delete_as(name, &Uploader::from("operator"))
+    }
+
+    /// [`Self::delete`] by `who`, refused when another team owns the handler.
+    pub fn delete_as(&self, name: &str, who: &Uploader) -> Result<bool, RegistryError> {
         let _write = self
             .write_lock
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        if let Some(index) = self.index_of(name) {
+            index
+                .check_owner(who)
+                .map_err(|owner| RegistryError::OwnedByAnotherTeam {
+                    name: name.to_owned(),
+                    owner,
+                })?;
+        }
         self.remove(name)
     }
 
@@ -1036,6 +1127,7 @@ mod tests {
                 version(12, "bbbbbbbb33"),
             ],
             owner: None,
+            preloaded: None,
             deleted: false,
         };
         assert_eq!(find_version(&index, "h", "2").unwrap().version, 2);

@@ -704,6 +704,7 @@ fn a_handler_belongs_to_its_first_uploaders_team() {
         token: token.into(),
         team: team.into(),
         admin: false,
+        preload: false,
     };
     let v1 = registry
         .upload("noop", &plugin("noop"), member("billing-ci", "billing"))
@@ -724,6 +725,17 @@ fn a_handler_belongs_to_its_first_uploaders_team() {
         "{refused:?}"
     );
     assert_eq!(registry.get("noop").unwrap().versions.len(), 1);
+    // Nor roll it back or delete it.
+    let crm = member("crm-ci", "crm");
+    assert!(matches!(
+        registry.rollback_as("noop", "1", &crm),
+        Err(RegistryError::OwnedByAnotherTeam { .. })
+    ));
+    assert!(matches!(
+        registry.delete_as("noop", &crm),
+        Err(RegistryError::OwnedByAnotherTeam { .. })
+    ));
+    assert!(registry.active("noop").is_some());
     // The same team with a rotated token, and an administrator, may.
     let v2 = registry
         .upload(
@@ -753,6 +765,78 @@ fn a_handler_belongs_to_its_first_uploaders_team() {
         .unwrap();
     assert_eq!(claimed.version, 1);
     assert_eq!(reopened.get("noop").unwrap().owner.as_deref(), Some("crm"));
+
+    // An administrator's first upload does not claim the name; the first team's does.
+    reopened.upload("enrich", &plugin("enrich"), "ops").unwrap();
+    assert_eq!(reopened.get("enrich").unwrap().owner, None);
+    reopened
+        .upload(
+            "enrich",
+            &variant_of(&plugin("enrich"), "b"),
+            member("b-ci", "billing"),
+        )
+        .unwrap();
+    assert_eq!(
+        reopened.get("enrich").unwrap().owner.as_deref(),
+        Some("billing")
+    );
+}
+
+#[test]
+fn an_index_from_before_teams_belongs_to_its_first_uploader() {
+    let (dir, registry) = registry_with(&[]);
+    registry.upload("noop", &plugin("noop"), "billing").unwrap();
+    drop(registry);
+    // As written before ownership was kept: no owner, no team on the versions.
+    let path = dir.path().join("handlers/noop/index.json");
+    let mut index: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    index.as_object_mut().unwrap().remove("owner");
+    for v in index["versions"].as_array_mut().unwrap() {
+        v.as_object_mut().unwrap().remove("team");
+    }
+    std::fs::write(&path, serde_json::to_vec(&index).unwrap()).unwrap();
+    let registry = HandlerRegistry::open(dir.path().join("handlers"), engine()).unwrap();
+    assert_eq!(
+        registry.get("noop").unwrap().owner.as_deref(),
+        Some("billing")
+    );
+    let other = Uploader {
+        token: "crm-ci".into(),
+        team: "crm".into(),
+        admin: false,
+        preload: false,
+    };
+    assert!(matches!(
+        registry.upload("noop", &variant_of(&plugin("noop"), "x"), other.clone()),
+        Err(UploadError::OwnedByAnotherTeam { .. })
+    ));
+    assert!(matches!(
+        registry.delete_as("noop", &other),
+        Err(RegistryError::OwnedByAnotherTeam { .. })
+    ));
+}
+
+#[test]
+fn preloaded_bytes_are_remembered_after_their_version_is_no_longer_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = HandlerRegistry::open(dir.path().join("handlers"), engine())
+        .unwrap()
+        .with_keep_versions(1);
+    let preloaded = plugin("noop");
+    registry
+        .upload("noop", &preloaded, Uploader::preload("preload"))
+        .unwrap();
+    assert!(registry.was_preloaded("noop", &preloaded));
+    // An operator's newer version; the preloaded one is no longer kept.
+    registry
+        .upload("noop", &variant_of(&preloaded, "v2"), "ops")
+        .unwrap();
+    assert!(registry.stored_version("noop", &preloaded).is_none());
+    assert!(
+        registry.was_preloaded("noop", &preloaded),
+        "a start finding the same file leaves the handler as it is"
+    );
+    assert!(!registry.was_preloaded("noop", &variant_of(&preloaded, "v3")));
 }
 
 #[test]
