@@ -56,6 +56,9 @@ pub struct App {
     pub ingest_limiters: std::collections::HashMap<String, crate::deliver::Limiter>,
     /// Set while the store is past its disk high-water mark (ingest answers 503).
     pub disk_full: AtomicBool,
+    /// Handler uploads whose body is being read or compiled at once: each may hold
+    /// `handlers.max_upload_bytes` in memory.
+    pub upload_slots: tokio::sync::Semaphore,
     /// The WASM handler runtime.
     pub handlers: Option<Arc<crate::target::handler::HandlerRuntime>>,
     /// Contracts put over the API, shared with the other nodes (on a store they share).
@@ -1035,6 +1038,7 @@ pub async fn run_with_store(
         tokens,
         ingest_limiters,
         disk_full: AtomicBool::new(false),
+        upload_slots: tokio::sync::Semaphore::new(UPLOAD_SLOTS),
         handlers: handlers.clone(),
         shared_contracts: store
             .contract_catalog()
@@ -1138,6 +1142,11 @@ pub async fn run_with_store(
         )
         .route("/healthz", get(crate::admin::healthz))
         .route("/readyz", get(crate::admin::readyz))
+        // Inner layer: runs after auth, so a body is only read for a caller allowed to send it.
+        .route_layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            bounded_body,
+        ))
         .route_layer(axum::middleware::from_fn_with_state(
             app.clone(),
             crate::auth::layer,
@@ -1239,29 +1248,125 @@ fn spawn_system_event_router(
     });
 }
 
+/// Handler uploads read or compiled at once (`App::upload_slots`).
+const UPLOAD_SLOTS: usize = 2;
+
+/// Largest request body of the API's routes other than ingest (which has its own limit) and
+/// handler uploads (`handlers.max_upload_bytes`).
+const API_BODY_LIMIT: usize = 2 << 20;
+
+/// Reads the body of every API request but ingest's before its handler runs, after the auth
+/// layer let it through: at most the route's limit (413), within `server.request_timeout`
+/// (408), so that a slow or huge body holds neither a task nor memory for long. Handler
+/// uploads also wait for one of `UPLOAD_SLOTS`, held until the upload is compiled.
+async fn bounded_body(
+    axum::extract::State(app): axum::extract::State<Arc<App>>,
+    matched: Option<axum::extract::MatchedPath>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let route = matched.as_ref().map_or("", |m| m.as_str());
+    if route == "/v1/events" || req.method() == axum::http::Method::GET {
+        return next.run(req).await;
+    }
+    let upload = req.method() == axum::http::Method::PUT && route == "/v1/handlers/{name}";
+    // The semaphore is never closed: `None` cannot happen.
+    let _slot = if upload {
+        app.upload_slots.acquire().await.ok()
+    } else {
+        None
+    };
+    let limit = if upload {
+        app.cfg.handlers.max_upload_bytes
+    } else {
+        API_BODY_LIMIT
+    };
+    let (parts, body) = req.into_parts();
+    let read = tokio::time::timeout(
+        app.cfg.server.request_timeout,
+        axum::body::to_bytes(body, limit),
+    )
+    .await;
+    let bytes = match read {
+        Ok(Ok(b)) => b,
+        Ok(Err(_)) => {
+            return crate::ingest::error_response(
+                axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+                "request body too large",
+                vec![crate::event::FieldError::new(
+                    "",
+                    format!("body exceeds the limit of {limit} bytes for this route"),
+                )],
+            );
+        }
+        Err(_) => {
+            return crate::ingest::error_response(
+                axum::http::StatusCode::REQUEST_TIMEOUT,
+                "the request body did not arrive in time",
+                vec![crate::event::FieldError::new(
+                    "",
+                    format!(
+                        "body not complete within {:?}",
+                        app.cfg.server.request_timeout
+                    ),
+                )],
+            );
+        }
+    };
+    next.run(axum::extract::Request::from_parts(
+        parts,
+        axum::body::Body::from(bytes),
+    ))
+    .await
+}
+
 /// Extractor rejections (a query string that does not parse, a missing body) come from axum as
 /// plain text; every error of the API is the JSON error shape, so they are converted.
+/// So are axum's own answers without a body: an unknown path (404) and a method the route
+/// does not have (405, whose `Allow` header is kept).
 async fn json_rejections(resp: axum::response::Response) -> axum::response::Response {
-    let plain = resp
+    let content_type = resp
         .headers()
         .get(axum::http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|c| c.starts_with("text/plain"));
-    if !(resp.status().is_client_error() && plain) {
+        .and_then(|v| v.to_str().ok());
+    let plain = content_type.is_some_and(|c| c.starts_with("text/plain"));
+    if !(resp.status().is_client_error() && (plain || content_type.is_none())) {
         return resp;
     }
     let status = resp.status();
+    let allow = resp.headers().get(axum::http::header::ALLOW).cloned();
     let body = axum::body::to_bytes(resp.into_body(), 64 * 1024)
         .await
         .unwrap_or_default();
-    crate::ingest::error_response(
-        status,
-        "invalid request",
-        vec![crate::event::FieldError::new(
-            "",
+    let (summary, message) = match status {
+        axum::http::StatusCode::NOT_FOUND if body.is_empty() => (
+            "no such route",
+            "see schemas/openapi.yaml for the API".to_string(),
+        ),
+        axum::http::StatusCode::METHOD_NOT_ALLOWED if body.is_empty() => (
+            "method not allowed",
+            format!(
+                "this route takes {}",
+                allow
+                    .as_ref()
+                    .and_then(|a| a.to_str().ok())
+                    .unwrap_or("other methods")
+            ),
+        ),
+        _ => (
+            "invalid request",
             String::from_utf8_lossy(&body).into_owned(),
-        )],
-    )
+        ),
+    };
+    let mut r = crate::ingest::error_response(
+        status,
+        summary,
+        vec![crate::event::FieldError::new("", message)],
+    );
+    if let Some(a) = allow {
+        r.headers_mut().insert(axum::http::header::ALLOW, a);
+    }
+    r
 }
 
 /// The HTTP accept loop: HTTP/1.1 with a header read timeout (slow-loris) and a bounded
@@ -1492,6 +1597,7 @@ pub(crate) fn test_app(
         tokens: crate::auth::Tokens::new(&[]).expect("no tokens"),
         ingest_limiters: std::collections::HashMap::new(),
         disk_full: AtomicBool::new(false),
+        upload_slots: tokio::sync::Semaphore::new(UPLOAD_SLOTS),
         handlers: None,
         shared_contracts,
         delivery_threads: crate::deliver::DeliveryThreadsStatus {

@@ -445,6 +445,10 @@ pub enum Need {
     Nothing,
     /// A valid token; the handler checks the scope (ingest types, DLQ targets).
     Token,
+    /// `handlers:<name>` for the handler named in the path (or `admin`; for reading one,
+    /// `read` too), checked before the request's body is read: an upload is up to
+    /// `handlers.max_upload_bytes`, not to be buffered for a token that may not send it.
+    Handler,
     /// `read` (or `admin`).
     Read,
     /// `admin`.
@@ -470,10 +474,10 @@ pub fn route_need(method: &http::Method, route: &str) -> Need {
         (&M::POST, "/v1/dlq/redrive" | "/v1/dlq/purge" | "/v1/dlq/redrive/{job}/{action}") => {
             Need::Token
         }
-        // A team's handlers: `handlers:<name>` (checked in the handler).
+        // A team's handlers: `handlers:<name>`.
         (&M::GET | &M::PUT | &M::DELETE, "/v1/handlers/{name}")
         | (&M::POST, "/v1/handlers/{name}/rollback")
-        | (&M::GET, "/v1/handlers/{name}/logs") => Need::Token,
+        | (&M::GET, "/v1/handlers/{name}/logs") => Need::Handler,
         (&M::GET, "/v1/handlers") => Need::Read,
         (
             &M::GET,
@@ -565,7 +569,18 @@ pub async fn layer(
     let ok = match need {
         Need::Read => principal.allows(&Scope::Read),
         Need::Admin => principal.allows(&Scope::Admin),
-        _ => true,
+        Need::Handler => {
+            // `/v1/handlers/{name}[/...]`: the name is the third segment.
+            let name = req.uri().path().split('/').nth(3).unwrap_or_default();
+            let scope = Scope::Handlers(name.to_string());
+            let read_one =
+                req.method() == http::Method::GET && !req.uri().path().ends_with("/logs");
+            if !(principal.allows(&scope) || (read_one && principal.allows(&Scope::Read))) {
+                return forbidden(&principal, &scope.to_string());
+            }
+            true
+        }
+        Need::Nothing | Need::Token => true,
     };
     if !ok {
         let needed = if need == Need::Read { "read" } else { "admin" };

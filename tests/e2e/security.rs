@@ -675,3 +675,128 @@ async fn https_webhooks_verify_the_receiver_certificate() {
     assert_eq!(f["dlq"], json!([]), "{f}");
     assert_eq!(rcv.count(), 1, "nothing reached the receiver without trust");
 }
+
+/// The API reads a body only for a caller allowed to send it, bounded in size and time, and
+/// answers what it cannot route in its JSON error shape.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_bounds_bodies_and_answers_every_refusal_in_its_error_shape() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let config = format!("[server]\nrequest_timeout = \"2s\"\n\n{}", auth_config());
+    let r = RouterProc::start_full(&[], &[], &[], Some(&config));
+    // A 60 MB upload announced by a token without `handlers:` scope: refused at once, before
+    // a byte of its body is read (it never sends one).
+    let mut s = tokio::net::TcpStream::connect(r.addr)
+        .await
+        .expect("connect");
+    s.write_all(
+        b"PUT /v1/handlers/enrich HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer shop-token\r\nContent-Type: application/wasm\r\nContent-Length: 60000000\r\n\r\n",
+    )
+    .await
+    .expect("write");
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .expect("answered without waiting for the body")
+        .expect("read");
+    let head = String::from_utf8_lossy(&buf[..n]);
+    assert!(head.starts_with("HTTP/1.1 403"), "{head}");
+    assert!(head.contains("handlers:enrich"), "{head}");
+    // An allowed caller whose body does not come: 408 after server.request_timeout.
+    let mut s = tokio::net::TcpStream::connect(r.addr)
+        .await
+        .expect("connect");
+    s.write_all(
+        b"POST /v1/dlq/purge HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ops-token\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{",
+    )
+    .await
+    .expect("write");
+    let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+        .await
+        .expect("the slow body is given up on")
+        .expect("read");
+    let head = String::from_utf8_lossy(&buf[..n]);
+    assert!(head.starts_with("HTTP/1.1 408"), "{head}");
+    // Too large for the route: 413 in the error shape.
+    let resp = client()
+        .post(r.url("/v1/dlq/purge"))
+        .bearer_auth("ops-token")
+        .header("content-type", "application/json")
+        .body(vec![b' '; 3 << 20])
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status().as_u16(), 413);
+    let body: Value = resp.json().await.expect("json");
+    assert_eq!(body["error"], "request body too large", "{body}");
+    // No such route, and a method the route does not take: the error shape too.
+    let (s, b) = call(&r, "GET", "/v1/nope", Some("ops-token"), None).await;
+    assert_eq!(
+        (s, b["error"].as_str()),
+        (404, Some("no such route")),
+        "{b}"
+    );
+    let resp = client()
+        .delete(r.url("/v1/rules"))
+        .bearer_auth("ops-token")
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status().as_u16(), 405);
+    assert!(resp.headers().contains_key("allow"));
+    let body: Value = resp.json().await.expect("json");
+    assert_eq!(body["error"], "method not allowed", "{body}");
+    // Values that parse but make no sense.
+    for (method, path, body, pointer) in [
+        ("GET", "/v1/replay?staet=running", None, "/staet"),
+        (
+            "GET",
+            "/v1/dlq?since=2026-01-02T00:00:00Z&until=2026-01-01T00:00:00Z",
+            None,
+            "/until",
+        ),
+        (
+            "POST",
+            "/v1/dlq/redrive",
+            Some(json!({"filter": {"target": "x"}, "rate_per_sec": 50000})),
+            "/rate_per_sec",
+        ),
+        (
+            "POST",
+            "/v1/replay",
+            Some(
+                json!({"from": "2999-01-01T00:00:00Z", "to": "3000-01-01T00:00:00Z", "rate_per_sec": 1}),
+            ),
+            "/from",
+        ),
+    ] {
+        let mut rb = client()
+            .request(method.parse().expect("method"), r.url(path))
+            .bearer_auth("ops-token");
+        if let Some(b) = body {
+            rb = rb
+                .header("content-type", "application/json")
+                .body(b.to_string());
+        }
+        let resp = rb.send().await.expect("send");
+        let status = resp.status().as_u16();
+        let b: Value = resp.json().await.unwrap_or(Value::Null);
+        assert_eq!(status, 400, "{method} {path}: {b}");
+        assert_eq!(b["errors"][0]["pointer"], pointer, "{method} {path}: {b}");
+    }
+    // A replay whose `to` is in the future ends at its creation.
+    let from = (chrono::Utc::now() - chrono::Duration::hours(1)).to_rfc3339();
+    let (s, job) = call(
+        &r,
+        "POST",
+        "/v1/replay",
+        Some("ops-token"),
+        Some(json!({"from": from, "to": "2999-01-01T00:00:00Z", "rate_per_sec": 1})),
+    )
+    .await;
+    assert_eq!(s, 201, "{job}");
+    let to_ms = job["spec"]["to_ms"].as_i64().expect("to_ms");
+    assert!(
+        to_ms <= chrono::Utc::now().timestamp_millis(),
+        "the replay would follow ingest: {job}"
+    );
+}

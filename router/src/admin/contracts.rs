@@ -172,7 +172,24 @@ pub async fn upload(
         }
     };
     let rel = format!("{ty}/v{v}.json");
-    if let Err(diags) = ContractSet::from_files(&[(rel.as_str(), text)], None) {
+    // Compiling a schema is CPU work (a large one takes a while): off the async workers.
+    let (check_rel, check_text) = (rel.clone(), text.to_owned());
+    let compiled = tokio::task::spawn_blocking(move || {
+        ContractSet::from_files(&[(check_rel.as_str(), check_text.as_str())], None).map(drop)
+    })
+    .await;
+    let compiled = match compiled {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(contract = %rel, error = %e, "compiling an uploaded contract failed");
+            return error_response(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the contract could not be checked (details are in the router's log)",
+                Vec::new(),
+            );
+        }
+    };
+    if let Err(diags) = compiled {
         return error_response(
             StatusCode::UNPROCESSABLE_ENTITY,
             "the schema is not a valid contract",

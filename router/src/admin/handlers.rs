@@ -253,6 +253,7 @@ pub async fn delete(
 
 /// Query of the logs route.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct LogsQuery {
     limit: Option<usize>,
     event_id: Option<String>,

@@ -79,6 +79,7 @@ fn dlq_json(d: &DlqEntry) -> Value {
 
 /// Query of `GET /v1/events/{id}`.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct FateQuery {
     source: Option<String>,
 }
@@ -175,23 +176,19 @@ pub async fn dlq_list(
     if let Err(r) = dlq_read_scope(&who, q.target.as_deref()) {
         return *r;
     }
-    let mut errors = Vec::new();
-    let reason = match q.reason.as_deref().map(str::parse) {
-        Some(Ok(r)) => Some(r),
-        Some(Err(())) => {
-            errors.push(FieldError::new("/reason", "unknown reason"));
-            None
-        }
-        None => None,
+    let spec = crate::dlq::FilterSpec {
+        target: q.target,
+        reason: q.reason,
+        rule: q.rule,
+        ty: q.ty,
+        source: q.source,
+        since: q.since,
+        until: q.until,
     };
-    let since = crate::dlq::parse_time("since", q.since.as_ref()).unwrap_or_else(|e| {
-        errors.push(e);
-        None
-    });
-    let until = crate::dlq::parse_time("until", q.until.as_ref()).unwrap_or_else(|e| {
-        errors.push(e);
-        None
-    });
+    let (filter, mut errors) = match spec.to_filter("") {
+        Ok(f) => (f, Vec::new()),
+        Err(errors) => (DlqFilter::default(), errors),
+    };
     let after = match q.after.as_deref().map(str::parse::<u64>) {
         Some(Ok(a)) => Some(a),
         Some(Err(_)) => {
@@ -207,15 +204,6 @@ pub async fn dlq_list(
     if !errors.is_empty() {
         return error_response(StatusCode::BAD_REQUEST, "invalid query", errors);
     }
-    let filter = DlqFilter {
-        target: q.target,
-        reason,
-        rule: q.rule,
-        event_type: q.ty,
-        source: q.source,
-        since,
-        until,
-    };
     match app.store.dlq_list(&filter, after, limit).await {
         Ok(list) => {
             let next = (list.len() == limit)
@@ -652,6 +640,10 @@ fn job_json(j: &crate::store::Job) -> Value {
     })
 }
 
+/// Most histogram buckets of one summary group: a finer bucket over a long DLQ would answer
+/// with one bucket per entry.
+const MAX_SUMMARY_BUCKETS: usize = 10_000;
+
 /// `GET /v1/dlq/summary`: counts by target × reason with first/last time and a histogram.
 pub async fn dlq_summary(
     State(app): State<Arc<App>>,
@@ -695,6 +687,17 @@ pub async fn dlq_summary(
         Err(errors) => return error_response(StatusCode::BAD_REQUEST, "invalid query", errors),
     };
     match app.store.dlq_summary(&filter, bucket_ms).await {
+        Ok(rows) if rows.iter().any(|r| r.histogram.len() > MAX_SUMMARY_BUCKETS) => error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid query",
+            vec![FieldError::new(
+                "/bucket",
+                format!(
+                    "more than {MAX_SUMMARY_BUCKETS} buckets of {}s: use a larger bucket or a narrower since/until",
+                    bucket_ms / 1000
+                ),
+            )],
+        ),
         Ok(rows) => {
             let groups: Vec<Value> = rows
                 .iter()
@@ -762,36 +765,47 @@ pub async fn dlq_purge(
             )],
         );
     }
-    let mut matched = 0u64;
-    let mut purged = 0u64;
-    let mut after = None;
-    loop {
-        let page = match app.store.dlq_list(&filter, after, 1000).await {
-            Ok(p) => p,
-            Err(e) => return store_error(&e),
-        };
-        matched += page.len() as u64;
-        let last = page.last().map(|d| d.id);
-        if !req.dry_run && !page.is_empty() {
-            match app
-                .store
-                .purge_dlq(page.iter().map(|d| d.id).collect())
-                .await
-            {
-                Ok(n) => purged += n,
-                Err(e) => return store_error(&e),
+    // Its own task: a client that goes away mid-purge (a large DLQ takes a while) does not stop
+    // it half done without a word; every page is logged as it goes.
+    let dry_run = req.dry_run;
+    let by = who.name.clone();
+    let spec = req.filter;
+    let purge = tokio::spawn(async move {
+        let mut matched = 0u64;
+        let mut purged = 0u64;
+        let mut after = None;
+        loop {
+            let page = app.store.dlq_list(&filter, after, 1000).await?;
+            matched += page.len() as u64;
+            let last = page.last().map(|d| d.id);
+            if !dry_run && !page.is_empty() {
+                purged += app
+                    .store
+                    .purge_dlq(page.iter().map(|d| d.id).collect())
+                    .await?;
+                tracing::warn!(purged, by = %by, filter = ?spec, "DLQ entries purged by an operator (so far)");
+            }
+            match last {
+                Some(l) if page.len() == 1000 => after = Some(l),
+                _ => break,
             }
         }
-        match last {
-            Some(l) if page.len() == 1000 => after = Some(l),
-            _ => break,
+        if !dry_run {
+            tracing::warn!(purged, by = %by, filter = ?spec, "DLQ purge done");
+        }
+        Ok::<_, crate::store::StoreError>((matched, purged))
+    });
+    match purge.await {
+        Ok(Ok((matched, purged))) => {
+            axum::Json(json!({ "dry_run": dry_run, "matched": matched, "purged": purged }))
+                .into_response()
+        }
+        Ok(Err(e)) => store_error(&e),
+        Err(e) => {
+            tracing::error!(error = %e, "the purge task failed");
+            store_error(&crate::store::StoreError::Backend(e.to_string()))
         }
     }
-    if !req.dry_run {
-        tracing::warn!(purged, filter = ?req.filter, "DLQ entries purged by an operator");
-    }
-    axum::Json(json!({ "dry_run": req.dry_run, "matched": matched, "purged": purged }))
-        .into_response()
 }
 
 /// `POST /v1/dlq/redrive`: creates a redrive job.
@@ -850,6 +864,7 @@ fn job_read_scope(who: &crate::auth::Principal) -> Result<(), Box<Response>> {
 
 /// Query of the job lists.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct JobsQuery {
     /// Only jobs in this state.
     state: Option<crate::store::JobState>,

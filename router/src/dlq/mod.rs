@@ -81,6 +81,14 @@ impl FilterSpec {
         };
         let since = time("since", self.since.as_ref());
         let until = time("until", self.until.as_ref());
+        if let (Some(s), Some(u)) = (since, until)
+            && s >= u
+        {
+            errors.push(FieldError::new(
+                format!("{prefix}/until"),
+                "must be later than since (the range is since ≤ last failure < until)",
+            ));
+        }
         if !errors.is_empty() {
             return Err(errors);
         }
@@ -304,10 +312,10 @@ pub async fn sweep_jobs(app: &App, now: i64, retention: Duration) -> Result<u64,
 /// Creates and starts a redrive job.
 pub async fn create_redrive(app: &Arc<App>, req: RedriveRequest) -> Result<Job, JobError> {
     let filter = req.filter.to_filter("/filter").map_err(JobError::Invalid)?;
-    if !(req.rate_per_sec > 0.0 && req.rate_per_sec <= 100_000.0) {
+    if !(req.rate_per_sec > 0.0 && req.rate_per_sec <= MAX_RATE) {
         return Err(JobError::Invalid(vec![FieldError::new(
             "/rate_per_sec",
-            "must be in (0, 100000]",
+            "must be in (0, 10000]: a job moves at most 1000 items a step, ten steps a second",
         )]));
     }
     let total = count_matching(app, &filter).await?;
@@ -358,10 +366,19 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
                 .map(|e| FieldError::new(format!("/filter{}", e.pointer), e.message)),
         );
     }
-    if !(req.rate_per_sec > 0.0 && req.rate_per_sec <= 100_000.0) {
-        errors.push(FieldError::new("/rate_per_sec", "must be in (0, 100000]"));
+    if !(req.rate_per_sec > 0.0 && req.rate_per_sec <= MAX_RATE) {
+        errors.push(FieldError::new(
+            "/rate_per_sec",
+            "must be in (0, 10000]: a job moves at most 1000 items a step, ten steps a second",
+        ));
     }
-    if let (Some(f), Some(t)) = (from, to)
+    let now = app.clock.now_ms();
+    // Events accepted after the job is created are not replayed: a `to` in the future would
+    // have the job follow ingest for ever (and deliver each new event twice).
+    let to = to.map(|t| t.min(now));
+    if from.is_some_and(|f| f >= now) {
+        errors.push(FieldError::new("/from", "must be in the past"));
+    } else if let (Some(f), Some(t)) = (from, to)
         && f >= t
     {
         errors.push(FieldError::new("/to", "must be after from"));
@@ -369,7 +386,6 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
     if !errors.is_empty() {
         return Err(JobError::Invalid(errors));
     }
-    let now = app.clock.now_ms();
     let mut job = Job {
         id: next_job_id(app, JobKind::Replay).await?,
         kind: JobKind::Replay,
@@ -585,6 +601,14 @@ fn spawn(app: &Arc<App>, mut job: Job) {
 
 const TICK: Duration = Duration::from_millis(100);
 
+/// Most items one step moves or replays: a step is one store commit, shared with ingest's
+/// writes, and a replay step holds its events in memory. With a step every `TICK`, a job goes
+/// no faster than 10 × this per second whatever its rate.
+const MAX_STEP_ITEMS: usize = 1000;
+
+/// The highest `rate_per_sec` a job takes: what `MAX_STEP_ITEMS` a `TICK` allows.
+const MAX_RATE: f64 = 10_000.0;
+
 async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Result<(), StoreError> {
     let rate = job.spec["rate_per_sec"].as_f64().unwrap_or(10.0).max(0.001);
     let mut tokens = 0.0f64;
@@ -608,7 +632,9 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
             break Ok(());
         }
         let now_i = std::time::Instant::now();
-        tokens = (tokens + rate * now_i.duration_since(last).as_secs_f64()).min(rate.max(1.0));
+        tokens = (tokens + rate * now_i.duration_since(last).as_secs_f64())
+            .min(rate.max(1.0))
+            .min(MAX_STEP_ITEMS as f64);
         last = now_i;
         let take = tokens.floor() as usize;
         let now = app.clock.now_ms();
