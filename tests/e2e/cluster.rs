@@ -748,3 +748,90 @@ async fn a_breaker_opened_on_one_router_opens_on_the_others_that_saw_failures() 
         "B could not have opened on its own: {t}"
     );
 }
+
+/// Handler ownership holds across nodes: a team's handler uploaded through one router cannot
+/// be deleted or rolled back by another team through a router that has not installed it yet
+/// (the check is made on the catalog's record, in the round that would write it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_team_cannot_delete_a_teams_handler_through_another_router() {
+    use crate::handlers::plugin;
+    if !RouterProc::on_jetstream() {
+        eprintln!("skipped: needs the JetStream pass (scripts/jetstream-e2e.sh)");
+        return;
+    }
+    let stream = format!("OWNERS{}", std::process::id());
+    let prefix = format!("owners.{}", std::process::id());
+    let env = [
+        ("ROUTER_STORE__JETSTREAM__STREAM", stream.as_str()),
+        ("ROUTER_STORE__JETSTREAM__PREFIX", prefix.as_str()),
+    ];
+    let auth: String = [("billing-ci", "billing"), ("crm-ci", "crm")]
+        .iter()
+        .map(|(name, team)| {
+            format!(
+                "[[auth.tokens]]\nname = \"{name}\"\nteam = \"{team}\"\nsha256 = \"{}\"\nscopes = [\"handlers:*\"]\n\n",
+                token_sha256(name)
+            )
+        })
+        .collect();
+    let a = RouterProc::start_full(&[], &[], &env, Some(&auth));
+    let b = RouterProc::start_full(&[], &[], &env, Some(&auth));
+    let send = |r: &RouterProc, method: &str, path: &str, token: &str, body: Option<Vec<u8>>| {
+        let mut rb = client()
+            .request(method.parse().expect("method"), r.url(path))
+            .bearer_auth(token);
+        if let Some(b) = body {
+            rb = rb.body(b);
+        }
+        async move {
+            let resp = rb.send().await.expect("send");
+            let s = resp.status().as_u16();
+            (s, resp.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let (s, v1) = send(
+        &a,
+        "PUT",
+        "/v1/handlers/enrich",
+        "billing-ci",
+        Some(plugin("enrich")),
+    )
+    .await;
+    assert_eq!(s, 201, "{v1}");
+    // At once, through B (which follows the catalog every 2 s and may not have it yet).
+    let (s, b1) = send(&b, "DELETE", "/v1/handlers/enrich", "crm-ci", None).await;
+    assert_eq!(s, 403, "{b1}");
+    let rollback = serde_json::to_vec(&json!({"version": "1"})).expect("json");
+    let (s, b2) = send(
+        &b,
+        "POST",
+        "/v1/handlers/enrich/rollback",
+        "crm-ci",
+        Some(rollback),
+    )
+    .await;
+    assert_eq!(s, 403, "{b2}");
+    // The handler is still there, on both.
+    let (s, h) = send(&a, "GET", "/v1/handlers/enrich", "billing-ci", None).await;
+    assert_eq!((s, h["owner"].as_str()), (200, Some("billing")), "{h}");
+    let on_b = eventually(Duration::from_secs(60), || async {
+        let (s, h) = get_json_as(&b, "/v1/handlers/enrich", "billing-ci").await;
+        (s == 200 && h["active"]["sha256"] == v1["sha256"]).then_some(h)
+    })
+    .await;
+    assert!(on_b.is_some(), "B never installed billing's handler");
+    // The owner deletes it through B: gone on A too.
+    let (s, d) = send(&b, "DELETE", "/v1/handlers/enrich", "billing-ci", None).await;
+    assert_eq!(s, 200, "{d}");
+}
+
+async fn get_json_as(r: &RouterProc, path: &str, token: &str) -> (u16, Value) {
+    let resp = client()
+        .get(r.url(path))
+        .bearer_auth(token)
+        .send()
+        .await
+        .expect("get");
+    let status = resp.status().as_u16();
+    (status, resp.json::<Value>().await.unwrap_or(Value::Null))
+}
