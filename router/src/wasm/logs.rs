@@ -178,16 +178,24 @@ impl HandlerLogs {
         if !crate::wasm::valid_handler_name(handler) || q.limit == 0 {
             return Ok(Vec::new());
         }
-        // Hold the writer's lock so a rotation cannot move lines between the two reads.
-        let _open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        // Both files are opened under the writers' lock, so a rotation cannot move lines
+        // between them; they are read after it is released (an open file keeps its lines when
+        // renamed), so a large read does not hold up every handler's log writes.
+        let files = {
+            let _open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+            let mut files = Vec::with_capacity(2);
+            for path in [self.rotated(handler), self.current(handler)] {
+                match File::open(&path) {
+                    Ok(f) => files.push(f),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            files
+        };
         let min = q.min_level.as_deref().map_or(0, level_rank);
         let mut out = std::collections::VecDeque::with_capacity(q.limit.min(4096));
-        for path in [self.rotated(handler), self.current(handler)] {
-            let file = match File::open(&path) {
-                Ok(f) => f,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(e),
-            };
+        for file in files {
             for line in BufReader::new(file).lines() {
                 // A line cut short by a crash mid-write is skipped, not an error.
                 let Ok(rec) = serde_json::from_str::<LogRecord>(&line?) else {
