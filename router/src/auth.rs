@@ -570,8 +570,20 @@ pub async fn layer(
         Need::Read => principal.allows(&Scope::Read),
         Need::Admin => principal.allows(&Scope::Admin),
         Need::Handler => {
-            // `/v1/handlers/{name}[/...]`: the name is the third segment.
+            // `/v1/handlers/{name}[/...]`: the name is the third segment. A handler name is
+            // a-z, 0-9, `_` and `-`, so it is never percent-encoded; an encoded one is refused
+            // rather than decoded differently from the route's own `Path`.
             let name = req.uri().path().split('/').nth(3).unwrap_or_default();
+            if name.contains('%') {
+                return crate::ingest::error_response(
+                    http::StatusCode::BAD_REQUEST,
+                    "invalid handler name",
+                    vec![crate::event::FieldError::new(
+                        "/name",
+                        "handler names are a-z, 0-9, '_' and '-', never percent-encoded",
+                    )],
+                );
+            }
             let scope = Scope::Handlers(name.to_string());
             let read_one =
                 req.method() == http::Method::GET && !req.uri().path().ends_with("/logs");

@@ -728,6 +728,13 @@ async fn the_api_bounds_bodies_and_answers_every_refusal_in_its_error_shape() {
     assert_eq!(resp.status().as_u16(), 413);
     let body: Value = resp.json().await.expect("json");
     assert_eq!(body["error"], "request body too large", "{body}");
+    // A handler name is never percent-encoded: refused, not decoded past the scope check.
+    let (s, b) = call(&r, "GET", "/v1/handlers/%65nrich", Some("ops-token"), None).await;
+    assert_eq!(
+        (s, b["errors"][0]["pointer"].as_str()),
+        (400, Some("/name")),
+        "{b}"
+    );
     // No such route, and a method the route does not take: the error shape too.
     let (s, b) = call(&r, "GET", "/v1/nope", Some("ops-token"), None).await;
     assert_eq!(
