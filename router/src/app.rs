@@ -1282,36 +1282,10 @@ async fn bounded_body(
         API_BODY_LIMIT
     };
     let (parts, body) = req.into_parts();
-    let read = tokio::time::timeout(
-        app.cfg.server.request_timeout,
-        axum::body::to_bytes(body, limit),
-    )
-    .await;
-    let bytes = match read {
-        Ok(Ok(b)) => b,
-        Ok(Err(_)) => {
-            return crate::ingest::error_response(
-                axum::http::StatusCode::PAYLOAD_TOO_LARGE,
-                "request body too large",
-                vec![crate::event::FieldError::new(
-                    "",
-                    format!("body exceeds the limit of {limit} bytes for this route"),
-                )],
-            );
-        }
-        Err(_) => {
-            return crate::ingest::error_response(
-                axum::http::StatusCode::REQUEST_TIMEOUT,
-                "the request body did not arrive in time",
-                vec![crate::event::FieldError::new(
-                    "",
-                    format!(
-                        "body not complete within {:?}",
-                        app.cfg.server.request_timeout
-                    ),
-                )],
-            );
-        }
+    let bytes = match crate::ingest::read_bounded(body, limit, app.cfg.server.request_timeout).await
+    {
+        Ok(b) => b,
+        Err(resp) => return *resp,
     };
     next.run(axum::extract::Request::from_parts(
         parts,

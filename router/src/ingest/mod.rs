@@ -49,6 +49,39 @@ async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, ()> {
     }
 }
 
+/// The 413 for a body past `limit` bytes.
+fn body_too_large(limit: usize) -> Response {
+    error_response(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "request body too large",
+        vec![FieldError::new(
+            "",
+            format!("body exceeds the limit of {limit} bytes"),
+        )],
+    )
+}
+
+/// Reads a request body of at most `limit` bytes within `timeout` (ingest's, and every other
+/// API body through `app::bounded_body`): the bytes, or the 413 or 408 to answer.
+pub(crate) async fn read_bounded(
+    body: Body,
+    limit: usize,
+    timeout: std::time::Duration,
+) -> Result<bytes::Bytes, Box<Response>> {
+    match tokio::time::timeout(timeout, read_body(body, limit)).await {
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(())) => Err(Box::new(body_too_large(limit))),
+        Err(_) => Err(Box::new(error_response(
+            StatusCode::REQUEST_TIMEOUT,
+            "the request body did not arrive in time",
+            vec![FieldError::new(
+                "",
+                format!("body not complete within {timeout:?}"),
+            )],
+        ))),
+    }
+}
+
 /// One event's answer in a 202.
 #[derive(Debug, Serialize)]
 pub struct EventResult {
@@ -130,46 +163,19 @@ async fn handle(
         max_json_depth: app.cfg.ingest.max_json_depth,
         max_batch: app.cfg.ingest.max_batch,
     };
-    let too_large = || {
-        error_response(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "request body too large",
-            vec![FieldError::new(
-                "",
-                format!("body exceeds the limit of {} bytes", limits.max_body_bytes),
-            )],
-        )
-    };
     let declared = headers
         .get(axum::http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<usize>().ok());
     if declared.is_some_and(|n| n > limits.max_body_bytes.saturating_mul(DRAIN_FACTOR)) {
         // Far too large to be worth reading: answer now (the connection is closed after it).
-        return too_large();
+        return body_too_large(limits.max_body_bytes);
     }
-    let bytes = match tokio::time::timeout(
-        app.cfg.server.request_timeout,
-        read_body(body, limits.max_body_bytes),
-    )
-    .await
-    {
-        Ok(Ok(b)) => b,
-        Ok(Err(())) => return too_large(),
-        Err(_) => {
-            return error_response(
-                StatusCode::REQUEST_TIMEOUT,
-                "the request body did not arrive in time",
-                vec![FieldError::new(
-                    "",
-                    format!(
-                        "body not complete within {:?}",
-                        app.cfg.server.request_timeout
-                    ),
-                )],
-            );
-        }
-    };
+    let bytes =
+        match read_bounded(body, limits.max_body_bytes, app.cfg.server.request_timeout).await {
+            Ok(b) => b,
+            Err(resp) => return *resp,
+        };
     let (mode, events) = match parse::parse_request(headers, &bytes, &limits) {
         Ok(x) => x,
         Err(e) => {
