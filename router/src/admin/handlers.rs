@@ -1,6 +1,7 @@
 //! Handler management API: upload (validated before it activates), list, show, rollback,
-//! delete, logs. Every route needs `handlers:<name>` for that handler (or `admin`); listing all
-//! handlers needs `read`.
+//! delete, logs. Every route needs `handlers:<name>` for that handler (or `admin`; reading one
+//! also `read`), checked by the auth layer before the body is read (`auth::Need::Handler`);
+//! listing all handlers needs `read`.
 
 use std::sync::Arc;
 
@@ -11,7 +12,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use crate::app::App;
-use crate::auth::{Principal, Scope, require};
+use crate::auth::Principal;
 use crate::event::FieldError;
 use crate::ingest::error_response;
 use crate::wasm::{RegistryError, UploadError};
@@ -35,8 +36,8 @@ fn registry_error(who: &Principal, name: &str, e: RegistryError) -> Response {
     if matches!(e, RegistryError::Catalog(_)) {
         return catalog_unavailable(name, &e);
     }
-    if matches!(e, RegistryError::OwnedByAnotherTeam { .. }) {
-        return owned_elsewhere(who, &e);
+    if let RegistryError::OwnedByAnotherTeam(e) = &e {
+        return owned_elsewhere(who, e);
     }
     let status = match &e {
         RegistryError::UnknownHandler(_) | RegistryError::UnknownVersion { .. } => {
@@ -63,9 +64,6 @@ pub async fn upload(
     Path(name): Path<String>,
     body: axum::body::Bytes,
 ) -> Response {
-    if let Err(r) = require(&who, &Scope::Handlers(name.clone())) {
-        return *r;
-    }
     let rt = match runtime(&app) {
         Ok(rt) => rt.clone(),
         Err(r) => return *r,
@@ -103,7 +101,7 @@ pub async fn upload(
             )
         }
         Err(e @ UploadError::Catalog(_)) => catalog_unavailable(&name, &e),
-        Err(e @ UploadError::OwnedByAnotherTeam { .. }) => owned_elsewhere(&who, &e),
+        Err(UploadError::OwnedByAnotherTeam(e)) => owned_elsewhere(&who, &e),
         Err(e) => error_response(
             StatusCode::BAD_REQUEST,
             "invalid handler",
@@ -114,7 +112,7 @@ pub async fn upload(
 
 /// The 403 for a change to a handler another team owns: the API's 403 shape (the token, and
 /// what it would need: to be of the owner's team, or an administrator).
-fn owned_elsewhere(who: &Principal, e: &dyn std::fmt::Display) -> Response {
+fn owned_elsewhere(who: &Principal, e: &crate::wasm::OwnedByAnotherTeam) -> Response {
     tracing::warn!(token = %who.name, team = %who.team, error = %e, "handler change refused: another team owns it");
     error_response(
         StatusCode::FORBIDDEN,
@@ -137,15 +135,9 @@ fn owner_check(
     let Some(index) = rt.registry.index(name) else {
         return Ok(());
     };
-    index.check_owner(&who.uploader()).map_err(|owner| {
-        Box::new(owned_elsewhere(
-            who,
-            &UploadError::OwnedByAnotherTeam {
-                name: name.to_string(),
-                owner,
-            },
-        ))
-    })
+    index
+        .check_owner(&who.uploader())
+        .map_err(|e| Box::new(owned_elsewhere(who, &e)))
 }
 
 /// 503 with a `Retry-After`: the shared catalog is out of reach, nothing changed.
@@ -169,16 +161,7 @@ pub async fn list(State(app): State<Arc<App>>) -> Response {
 }
 
 /// `GET /v1/handlers/{name}`: versions and the active one.
-pub async fn show(
-    State(app): State<Arc<App>>,
-    axum::Extension(who): axum::Extension<Principal>,
-    Path(name): Path<String>,
-) -> Response {
-    if !who.allows(&Scope::Read)
-        && let Err(r) = require(&who, &Scope::Handlers(name.clone()))
-    {
-        return *r;
-    }
+pub async fn show(State(app): State<Arc<App>>, Path(name): Path<String>) -> Response {
     match runtime(&app) {
         Ok(rt) => match rt.registry.get(&name) {
             Some(info) => axum::Json(json!(info)).into_response(),
@@ -207,9 +190,6 @@ pub async fn rollback(
     Path(name): Path<String>,
     body: axum::body::Bytes,
 ) -> Response {
-    if let Err(r) = require(&who, &Scope::Handlers(name.clone())) {
-        return *r;
-    }
     let req: RollbackRequest = match crate::admin::request::parse_body(&body) {
         Ok(r) => r,
         Err(resp) => return *resp,
@@ -237,9 +217,6 @@ pub async fn delete(
     axum::Extension(who): axum::Extension<Principal>,
     Path(name): Path<String>,
 ) -> Response {
-    if let Err(r) = require(&who, &Scope::Handlers(name.clone())) {
-        return *r;
-    }
     let rt = match runtime(&app) {
         Ok(rt) => rt.clone(),
         Err(r) => return *r,
@@ -278,13 +255,9 @@ enum LogLevelParam {
 /// attempt and level; traps keep their message.
 pub async fn logs(
     State(app): State<Arc<App>>,
-    axum::Extension(who): axum::Extension<Principal>,
     Path(name): Path<String>,
     crate::admin::ApiQuery(q): crate::admin::ApiQuery<LogsQuery>,
 ) -> Response {
-    if let Err(r) = require(&who, &Scope::Handlers(name.clone())) {
-        return *r;
-    }
     let rt = match runtime(&app) {
         Ok(rt) => rt,
         Err(r) => return *r,

@@ -329,12 +329,7 @@ impl HandlerChanges {
                 let (registry, n, who) = (self.registry.clone(), name.to_owned(), who.clone());
                 return blocking(move || registry.delete_as(&n, &who)).await;
             }
-            index
-                .check_owner(who)
-                .map_err(|owner| RegistryError::OwnedByAnotherTeam {
-                    name: name.to_owned(),
-                    owner,
-                })?;
+            index.check_owner(who)?;
             let tombstone = HandlerIndex::tombstone(name);
             let written = catalog
                 .put_index(name, tombstone.to_bytes().into(), revision)

@@ -208,11 +208,14 @@ impl HandlerIndex {
         })
     }
 
-    /// `Err(owner)` when `who` may not change this handler: another team owns it and `who` is
-    /// not an administrator.
-    pub(crate) fn check_owner(&self, who: &Uploader) -> Result<(), String> {
+    /// Refused when `who` may not change this handler: another team owns it and `who` is not
+    /// an administrator.
+    pub(crate) fn check_owner(&self, who: &Uploader) -> Result<(), OwnedByAnotherTeam> {
         match self.effective_owner() {
-            Some(owner) if !who.admin && owner != who.team => Err(owner),
+            Some(owner) if !who.admin && owner != who.team => Err(OwnedByAnotherTeam {
+                name: self.name.clone(),
+                owner,
+            }),
             _ => Ok(()),
         }
     }
@@ -231,11 +234,7 @@ impl HandlerIndex {
         if self.deleted {
             self = Self::empty(&self.name);
         }
-        self.check_owner(uploader)
-            .map_err(|owner| UploadError::OwnedByAnotherTeam {
-                name: self.name.clone(),
-                owner,
-            })?;
+        self.check_owner(uploader)?;
         // The first team to upload claims it; an administrator's upload (an operator acting
         // for a team) does not.
         if self.owner.is_none() {
@@ -290,11 +289,7 @@ impl HandlerIndex {
         if self.deleted {
             return Err(RegistryError::UnknownHandler(self.name));
         }
-        self.check_owner(who)
-            .map_err(|owner| RegistryError::OwnedByAnotherTeam {
-                name: self.name.clone(),
-                owner,
-            })?;
+        self.check_owner(who)?;
         let info = find_version(&self, &self.name, version)?.clone();
         self.active = Some(info.sha256.clone());
         Ok((self, info))
@@ -429,15 +424,8 @@ pub enum UploadError {
     #[error("the shared handler catalog is unavailable: {0}")]
     Catalog(String),
     /// Another team owns a handler of that name.
-    #[error(
-        "handler {name:?} belongs to team {owner:?}; only its team or an administrator can change it"
-    )]
-    OwnedByAnotherTeam {
-        /// The handler.
-        name: String,
-        /// Its owner.
-        owner: String,
-    },
+    #[error(transparent)]
+    OwnedByAnotherTeam(#[from] OwnedByAnotherTeam),
 }
 
 /// Failure of a registry operation other than upload.
@@ -483,15 +471,21 @@ pub enum RegistryError {
         message: String,
     },
     /// Another team owns the handler.
-    #[error(
-        "handler {name:?} belongs to team {owner:?}; only its team or an administrator can change it"
-    )]
-    OwnedByAnotherTeam {
-        /// The handler.
-        name: String,
-        /// Its owner.
-        owner: String,
-    },
+    #[error(transparent)]
+    OwnedByAnotherTeam(#[from] OwnedByAnotherTeam),
+}
+
+/// A change refused because another team owns the handler (uploads, rollbacks and deletes
+/// alike: `HandlerIndex::check_owner`).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error(
+    "handler {name:?} belongs to team {owner:?}; only its team or an administrator can change it"
+)]
+pub struct OwnedByAnotherTeam {
+    /// The handler.
+    pub name: String,
+    /// Its owning team.
+    pub owner: String,
 }
 
 struct Entry {
@@ -920,12 +914,7 @@ impl HandlerRegistry {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         if let Some(index) = self.index_of(name) {
-            index
-                .check_owner(who)
-                .map_err(|owner| RegistryError::OwnedByAnotherTeam {
-                    name: name.to_owned(),
-                    owner,
-                })?;
+            index.check_owner(who)?;
         }
         self.remove(name)
     }
