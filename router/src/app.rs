@@ -574,11 +574,22 @@ async fn start_handlers(
             .map_err(|e| e.to_string())?
             .with_keep_versions(h.keep_versions),
     );
-    let changes = Arc::new(crate::wasm::HandlerChanges::new(
-        registry.clone(),
-        store.handler_catalog(),
-        metrics.handler_catalog.clone(),
-    ));
+    let logs = Arc::new(
+        crate::wasm::HandlerLogs::open(&dir.join("logs"), h.log_retain_bytes)
+            .map_err(|e| format!("{}: {e}", dir.join("logs").display()))?,
+    );
+    let changes = Arc::new(
+        crate::wasm::HandlerChanges::new(
+            registry.clone(),
+            store.handler_catalog(),
+            metrics.handler_catalog.clone(),
+        )
+        .with_data(crate::wasm::HandlerData {
+            store: store.clone(),
+            logs: logs.clone(),
+            drain: h.timeout + std::time::Duration::from_secs(1),
+        }),
+    );
     // On a shared store, take in what the other nodes uploaded before any delivery starts
     // (a failure leaves this node on its own copy, retried in the background and shown in
     // /v1/status).
@@ -631,8 +642,7 @@ async fn start_handlers(
             n => n,
         },
         gates: Default::default(),
-        logs: crate::wasm::HandlerLogs::open(&dir.join("logs"), h.log_retain_bytes)
-            .map_err(|e| format!("{}: {e}", dir.join("logs").display()))?,
+        logs,
         hop_limit: h.hop_limit,
         completed_ttl_ms: i64::try_from(h.completed_ttl.as_millis()).unwrap_or(i64::MAX),
         kv_max_bytes: Some(h.kv_max_bytes),

@@ -630,12 +630,129 @@ async fn another_team_can_never_change_a_teams_handler() {
     .await;
     assert_eq!(s, 200, "{b}");
     let (s, b) = send("DELETE", "/v1/handlers/enrich", "billing-ci-2027", None).await;
-    assert_eq!(s, 200, "{b}");
-    // Deleted: the name is free for whoever uploads next.
+    assert_eq!((s, &b["name_kept_by"]), (200, &json!("billing")), "{b}");
+    // Deleted, its name still the team's: its queued deliveries go to no other team's code.
+    let (s, _) = send("GET", "/v1/handlers/enrich", "crm-ci", None).await;
+    assert_eq!(s, 404);
+    let (s, b) = send("PUT", "/v1/handlers/enrich", "crm-ci", Some(with_bytes(4))).await;
+    assert_eq!(s, 403, "{b}");
+    let (s, b) = send("DELETE", "/v1/handlers/enrich?release=true", "crm-ci", None).await;
+    assert_eq!(s, 403, "{b}");
+    let (s, b) = send("DELETE", "/v1/handlers/enrich", "billing-ci", None).await;
+    assert_eq!(s, 404, "{b}");
+    assert!(
+        b["errors"][0]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("stays with team \"billing\""),
+        "{b}"
+    );
+    // Its team releases the name: free for whoever uploads next.
+    let (s, b) = send(
+        "DELETE",
+        "/v1/handlers/enrich?release=true",
+        "billing-ci",
+        None,
+    )
+    .await;
+    assert_eq!((s, &b["released"]), (200, &json!("enrich")), "{b}");
     let (s, b) = send("PUT", "/v1/handlers/enrich", "crm-ci", Some(with_bytes(4))).await;
     assert_eq!(s, 201, "{b}");
     let (_, info) = send("GET", "/v1/handlers/enrich", "crm-ci", None).await;
     assert_eq!(info["owner"], "crm-ci", "{info}");
+    assert_eq!(info["versions"].as_array().map(Vec::len), Some(1), "{info}");
+}
+
+/// A released name takes nothing of the last team with it: the handler's key-value entries and
+/// logs stay while the team keeps the name after a delete, and are removed when it releases it,
+/// so the next team to claim the name cannot read them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_handler_name_leaves_no_key_value_entries_or_logs() {
+    let tokens = [
+        ("ops", None, "admin"),
+        ("billing-ci", Some("billing"), "handlers:*"),
+        ("crm-ci", Some("crm"), "handlers:*"),
+    ];
+    let auth: String = tokens
+        .iter()
+        .map(|(name, team, scope)| {
+            let team = team.map(|t| format!("team = \"{t}\"\n")).unwrap_or_default();
+            format!(
+                "[[auth.tokens]]\nname = \"{name}\"\n{team}sha256 = \"{}\"\nscopes = [\"{scope}\"]\n\n",
+                token_sha256(name)
+            )
+        })
+        .collect();
+    let rules = "rules:\n  - name: paid\n    pattern: { type: [order.paid] }\n    targets:\n      - handler: invoice\n";
+    let r = RouterProc::start_full(&[("r.yaml", rules)], &[], &[], Some(&auth));
+    let send = |method: &str, path: &str, token: &str, body: Option<(&str, Vec<u8>)>| {
+        let mut rb = client()
+            .request(method.parse().expect("method"), r.url(path))
+            .bearer_auth(token);
+        if let Some((ct, b)) = body {
+            rb = rb.header("content-type", ct).body(b);
+        }
+        async move {
+            let resp = rb.send().await.expect("send");
+            let s = resp.status().as_u16();
+            (s, resp.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let invoice = || Some(("application/wasm", plugin("invoice")));
+    let (s, b) = send("PUT", "/v1/handlers/invoice", "billing-ci", invoice()).await;
+    assert_eq!(s, 201, "{b}");
+    let ev = event("paid-1", "order.paid", json!({"order_id": "A-1"}));
+    let (s, b) = send(
+        "POST",
+        "/v1/events",
+        "ops",
+        Some(("application/cloudevents+json", ev.to_string().into_bytes())),
+    )
+    .await;
+    assert_eq!(s, 202, "{b}");
+    let kv_keys = |status: Value| status["handler_kv"]["namespaces"]["invoice"]["keys"].as_u64();
+    let recorded = eventually(Duration::from_secs(30), || async {
+        let (_, status) = send("GET", "/v1/status", "ops", None).await;
+        (kv_keys(status) == Some(1)).then_some(())
+    })
+    .await;
+    assert!(
+        recorded.is_some(),
+        "the handler's key-value entry was not written"
+    );
+    let lines = |b: &Value| b["lines"].as_array().map_or(0, Vec::len);
+    let (_, l) = send("GET", "/v1/handlers/invoice/logs", "billing-ci", None).await;
+    assert!(lines(&l) > 0, "{l}");
+
+    // Deleted, the name kept: entries and logs stay for the team's next upload.
+    let (s, b) = send("DELETE", "/v1/handlers/invoice", "billing-ci", None).await;
+    assert_eq!(s, 200, "{b}");
+    let (_, status) = send("GET", "/v1/status", "ops", None).await;
+    assert_eq!(kv_keys(status.clone()), Some(1), "{}", status["handler_kv"]);
+    let (_, l) = send("GET", "/v1/handlers/invoice/logs", "billing-ci", None).await;
+    assert!(lines(&l) > 0, "{l}");
+
+    // Released: both gone before another team can claim the name.
+    let (s, b) = send(
+        "DELETE",
+        "/v1/handlers/invoice?release=true",
+        "billing-ci",
+        None,
+    )
+    .await;
+    assert_eq!((s, &b["released"]), (200, &json!("invoice")), "{b}");
+    let (_, status) = send("GET", "/v1/status", "ops", None).await;
+    // (A shared store may keep the namespace's usage record, at zero.)
+    assert_eq!(
+        kv_keys(status.clone()).unwrap_or(0),
+        0,
+        "{}",
+        status["handler_kv"]
+    );
+    let (s, b) = send("PUT", "/v1/handlers/invoice", "crm-ci", invoice()).await;
+    assert_eq!(s, 201, "{b}");
+    let (s, l) = send("GET", "/v1/handlers/invoice/logs", "crm-ci", None).await;
+    assert_eq!((s, lines(&l)), (200, 0), "{l}");
 }
 
 /// An emitted event whose target's queue is at its depth cap goes to the DLQ as

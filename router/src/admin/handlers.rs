@@ -15,7 +15,7 @@ use crate::app::App;
 use crate::auth::Principal;
 use crate::event::FieldError;
 use crate::ingest::error_response;
-use crate::wasm::{RegistryError, UploadError};
+use crate::wasm::{Deletion, RegistryError, UploadError};
 
 /// `Retry-After` of an upload refused past the disk high-water mark (as ingest's).
 const DISK_FULL_RETRY_AFTER_S: u64 = crate::ingest::DISK_FULL_RETRY_AFTER_S;
@@ -35,6 +35,13 @@ fn runtime(app: &App) -> Result<&Arc<crate::target::handler::HandlerRuntime>, Bo
 fn registry_error(who: &Principal, name: &str, e: RegistryError) -> Response {
     if matches!(e, RegistryError::Catalog(_)) {
         return catalog_unavailable(name, &e);
+    }
+    if matches!(e, RegistryError::Store { .. }) {
+        tracing::error!(handler = %name, error = %e, "freeing a handler name failed; the name stays kept");
+        return crate::ingest::catalog_unavailable_response(
+            "the handler's key-value entries could not be removed, so its name stays kept; try again",
+            e.to_string(),
+        );
     }
     if let RegistryError::OwnedByAnotherTeam(e) = &e {
         return owned_elsewhere(who, e);
@@ -211,19 +218,56 @@ pub async fn rollback(
     }
 }
 
-/// `DELETE /v1/handlers/{name}`: its queued deliveries wait (retryable) until one is uploaded.
+/// Query of the delete route.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeleteQuery {
+    /// Also give up the name, so any team may upload a handler with it (and receive the
+    /// deliveries queued for it). On a handler already deleted, frees its name.
+    #[serde(default)]
+    release: bool,
+}
+
+/// `DELETE /v1/handlers/{name}[?release=true]`: its queued deliveries wait (retryable) until
+/// one is uploaded, which only its team (or an administrator) can do unless the name is
+/// released.
 pub async fn delete(
     State(app): State<Arc<App>>,
     axum::Extension(who): axum::Extension<Principal>,
     Path(name): Path<String>,
+    crate::admin::ApiQuery(q): crate::admin::ApiQuery<DeleteQuery>,
 ) -> Response {
     let rt = match runtime(&app) {
         Ok(rt) => rt.clone(),
         Err(r) => return *r,
     };
-    match rt.changes.delete_as(&name, &who.uploader()).await {
-        Ok(true) => axum::Json(json!({ "deleted": name })).into_response(),
-        Ok(false) => error_response(StatusCode::NOT_FOUND, "unknown handler", Vec::new()),
+    match rt
+        .changes
+        .delete_as(&name, &who.uploader(), q.release)
+        .await
+    {
+        Ok(Deletion::Deleted { kept_by }) => {
+            tracing::warn!(handler = %name, by = %who.name, kept_by = ?kept_by, "handler deleted");
+            axum::Json(json!({ "deleted": name, "name_kept_by": kept_by })).into_response()
+        }
+        Ok(Deletion::Released) => {
+            tracing::warn!(handler = %name, by = %who.name, "handler name released");
+            axum::Json(json!({ "released": name })).into_response()
+        }
+        Ok(Deletion::Unknown) => {
+            let detail = match rt.registry.index(&name) {
+                Some(kept) if kept.deleted => format!(
+                    "handler {name:?} is deleted; its name stays with team {:?} (?release=true frees it)",
+                    kept.owner.unwrap_or_default()
+                ),
+                _ => format!("no handler {name:?}"),
+            };
+            error_response(
+                StatusCode::NOT_FOUND,
+                "unknown handler",
+                vec![FieldError::new("/name", detail)],
+            )
+        }
         Err(e) => registry_error(&who, &name, e),
     }
 }

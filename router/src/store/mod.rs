@@ -316,6 +316,10 @@ pub trait Store: Send + Sync + 'static {
     /// What one handler's key-value namespace holds.
     fn kv_usage_of(&self, namespace: &str) -> Result<KvUsage, StoreError>;
 
+    /// Removes every key-value entry of `namespace` (a handler whose name is freed for
+    /// another team). Returns how many.
+    fn kv_clear<'a>(&'a self, namespace: &'a str) -> BoxFuture<'a, Result<u64, StoreError>>;
+
     /// Ordering keys of `target` held after a dead letter.
     fn held_keys(&self, target: &str) -> Vec<String>;
 

@@ -92,6 +92,8 @@ const COMPACT_CHECK_GAP: Duration = Duration::from_secs(1);
 /// hundreds of milliseconds (random dedup-key pages); 256 takes 10-17 ms here
 /// (docs/BENCHMARKS.md, eleventh session).
 const SWEEP_BATCH: usize = 256;
+/// Key-value entries one commit removes when a handler's namespace is cleared.
+const KV_CLEAR_BATCH: usize = 4096;
 
 /// Called after every commit with its duration and the number of ops it carried.
 pub type CommitObserver = Arc<dyn Fn(Duration, usize) + Send + Sync>;
@@ -692,6 +694,12 @@ enum Op {
     },
     PurgeDlq {
         ids: Vec<u64>,
+        reply: Reply<Result<u64, StoreError>>,
+    },
+    /// Removes at most `max` key-value entries of `namespace`.
+    KvClear {
+        namespace: String,
+        max: usize,
         reply: Reply<Result<u64, StoreError>>,
     },
     DeadLetterQueued {
@@ -1710,6 +1718,29 @@ impl Store for RedbStore {
 
     fn purge_dlq(&self, ids: Vec<u64>) -> BoxFuture<'_, Result<u64, StoreError>> {
         async move { self.call(|reply| Op::PurgeDlq { ids, reply }).await? }.boxed()
+    }
+
+    fn kv_clear<'a>(&'a self, namespace: &'a str) -> BoxFuture<'a, Result<u64, StoreError>> {
+        async move {
+            // In bounded groups, so one large namespace does not make one huge commit.
+            let mut removed = 0;
+            loop {
+                let namespace = namespace.to_owned();
+                let max = KV_CLEAR_BATCH;
+                let n = self
+                    .call(|reply| Op::KvClear {
+                        namespace,
+                        max,
+                        reply,
+                    })
+                    .await??;
+                removed += n;
+                if n < max as u64 {
+                    return Ok(removed);
+                }
+            }
+        }
+        .boxed()
     }
 
     fn dlq_summary<'a>(
@@ -3377,6 +3408,31 @@ impl Committer {
                         }
                     }
                     Ok(n)
+                })();
+                answer(dones, reply, r)
+            }
+            Op::KvClear {
+                namespace,
+                max,
+                reply,
+            } => {
+                let r = (|| -> Result<u64, StoreError> {
+                    let keys = txn
+                        .open_table(KV)?
+                        .range((namespace.as_str(), "")..)?
+                        .map(|r| {
+                            r.map(|(k, _)| {
+                                let (ns, key) = k.value();
+                                (ns.to_owned(), key.to_owned())
+                            })
+                        })
+                        .take_while(|r| r.as_ref().map_or(true, |(ns, _)| *ns == namespace))
+                        .take(max)
+                        .collect::<Result<Vec<_>, _>>()?;
+                    for (_, key) in &keys {
+                        kv_put(txn, &namespace, key, None, i64::MAX)?;
+                    }
+                    Ok(keys.len() as u64)
                 })();
                 answer(dones, reply, r)
             }

@@ -57,7 +57,7 @@ pub struct HandlerRuntime {
     /// One gate per handler, `running_per_handler` wide.
     pub gates: std::sync::Mutex<std::collections::HashMap<String, Arc<Semaphore>>>,
     /// Captured logs, kept on disk per handler.
-    pub logs: HandlerLogs,
+    pub logs: Arc<HandlerLogs>,
     /// Emitted events past this many hops go to the DLQ as `loop_detected`.
     pub hop_limit: u32,
     /// How long COMPLETED records are kept, ms.

@@ -22,7 +22,8 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use super::registry::{
-    HandlerIndex, HandlerRegistry, RegistryError, UploadError, Uploader, Validated, VersionInfo,
+    DeleteStep, Deletion, HandlerIndex, HandlerRegistry, RegistryError, UploadError, Uploader,
+    Validated, VersionInfo, after_free, after_keep,
 };
 use crate::store::{HandlerCatalog, StoreError};
 use crate::telemetry::Labels;
@@ -77,6 +78,21 @@ pub struct HandlerChanges {
     status: Mutex<CatalogStatus>,
     /// `router_handler_catalog_syncs`, by result.
     syncs: Family<Labels, Counter>,
+    /// Where a handler's key-value entries and logs are, removed when its name is freed
+    /// (`None`: the registry alone, in tests).
+    data: Option<HandlerData>,
+}
+
+/// What a handler leaves besides its versions: its key-value namespace on the store and this
+/// node's logs of it.
+pub struct HandlerData {
+    /// The store holding the key-value entries.
+    pub store: Arc<dyn crate::store::Store>,
+    /// This node's handler logs.
+    pub logs: Arc<super::HandlerLogs>,
+    /// The longest an invocation runs (`handlers.timeout`, and a margin): how long freeing a
+    /// name waits for those still running.
+    pub drain: Duration,
 }
 
 impl std::fmt::Debug for HandlerChanges {
@@ -147,7 +163,15 @@ impl HandlerChanges {
             applied: tokio::sync::Mutex::new(HashMap::new()),
             status: Mutex::new(status),
             syncs,
+            data: None,
         }
+    }
+
+    /// Changes that remove a handler's key-value entries and logs when its name is freed.
+    #[must_use]
+    pub fn with_data(mut self, data: HandlerData) -> Self {
+        self.data = Some(data);
+        self
     }
 
     /// The registry changes are applied to.
@@ -303,34 +327,119 @@ impl HandlerChanges {
         )))
     }
 
-    /// Removes `name` and all its versions (everywhere when shared). Returns whether it
-    /// existed.
+    /// Removes `name` and all its versions (everywhere when shared), as an operator. Returns
+    /// whether it existed.
     pub async fn delete(&self, name: &str) -> Result<bool, RegistryError> {
-        self.delete_as(name, &Uploader::from("operator")).await
+        let deletion = self
+            .delete_as(name, &Uploader::from("operator"), false)
+            .await?;
+        Ok(deletion != Deletion::Unknown)
     }
 
-    /// [`Self::delete`] by `who`: refused when another team owns the handler (checked on the
-    /// catalog's record when shared, in the same round as the write).
-    pub async fn delete_as(&self, name: &str, who: &Uploader) -> Result<bool, RegistryError> {
+    /// [`HandlerRegistry::delete_as`] everywhere when shared (ownership checked on the
+    /// catalog's record, in the same round as the write). Before a name is freed, the
+    /// handler's key-value entries and this node's logs of it are removed (other nodes remove
+    /// theirs when they apply the freed record), so the next team to claim the name starts
+    /// with nothing of the last one's.
+    pub async fn delete_as(
+        &self,
+        name: &str,
+        who: &Uploader,
+        release: bool,
+    ) -> Result<Deletion, RegistryError> {
+        if !super::valid_handler_name(name) {
+            return Ok(Deletion::Unknown);
+        }
+        // Invocations already running keep their handle; the entries are removed once they
+        // are done.
+        let running = self.registry.active(name).map(|h| Arc::downgrade(&h));
+        let (before, deleted) = self.delete_step(name, who, DeleteStep::Keep).await?;
+        match after_keep(before.as_ref(), deleted, release) {
+            Ok(done) => Ok(done),
+            Err(owner) => {
+                self.forget_data(name, running).await?;
+                let (_, freed) = self.delete_step(name, who, DeleteStep::Free).await?;
+                Ok(after_free(deleted, freed, owner))
+            }
+        }
+    }
+
+    /// Removes what a handler named `name` left: its key-value entries (on the store, shared
+    /// or not) and this node's logs of it, once the invocations `running` here when it was
+    /// deleted are done (at most `HandlerData::drain`) and their acks, which carry their
+    /// key-value writes, committed.
+    async fn forget_data(
+        &self,
+        name: &str,
+        running: Option<std::sync::Weak<super::LoadedHandler>>,
+    ) -> Result<(), RegistryError> {
+        let Some(data) = &self.data else {
+            return Ok(());
+        };
+        if let Some(running) = running {
+            let deadline = tokio::time::Instant::now() + data.drain;
+            while running.strong_count() > 0 && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            // An invocation's ack is committed just after it lets go of the handle.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let removed = data
+            .store
+            .kv_clear(name)
+            .await
+            .map_err(|e| RegistryError::Store {
+                name: name.to_owned(),
+                message: e.to_string(),
+            })?;
+        data.logs.forget(name)?;
+        tracing::info!(
+            handler = name,
+            kv_entries = removed,
+            "a freed handler name's key-value entries and logs removed"
+        );
+        Ok(())
+    }
+
+    /// One step of a delete: on the catalog's record when shared, else on this node's registry.
+    /// Returns the record before it and whether the step changed it.
+    async fn delete_step(
+        &self,
+        name: &str,
+        who: &Uploader,
+        step: DeleteStep,
+    ) -> Result<(Option<HandlerIndex>, bool), RegistryError> {
         let registry = self.registry.clone();
         let Some(catalog) = self.catalog.clone() else {
             let (name, who) = (name.to_owned(), who.clone());
-            return blocking(move || registry.delete_as(&name, &who)).await;
+            return blocking(move || registry.delete_step(&name, &who, step)).await;
         };
-        if !super::valid_handler_name(name) {
-            return Ok(false);
-        }
         let mut applied = self.applied.lock().await;
         for round in 0..MAX_ROUNDS {
             let (revision, index) = Self::read(catalog.as_ref(), name)
                 .await
                 .map_err(catalog_registry_error)?;
-            if revision == 0 || index.deleted {
-                let (registry, n, who) = (self.registry.clone(), name.to_owned(), who.clone());
-                return blocking(move || registry.delete_as(&n, &who)).await;
+            if revision == 0 {
+                // Not shared yet (the next sync publishes it): this node's copy is the record.
+                let (n, who) = (name.to_owned(), who.clone());
+                return blocking(move || registry.delete_step(&n, &who, step)).await;
             }
-            index.check_owner(who)?;
-            let tombstone = HandlerIndex::tombstone(name);
+            let Some(tombstone) = index.deleted_by(who, step)? else {
+                // Already done on the catalog: this node's copy follows now rather than at
+                // its next sync.
+                if index.deleted && registry.index(name).is_some_and(|l| l != index) {
+                    let local = index.clone();
+                    let applied_local =
+                        blocking(move || registry.apply(local, None).map(|_| ())).await;
+                    self.applied_here(
+                        &mut applied,
+                        name,
+                        revision,
+                        applied_local.map_err(|e| e.to_string()),
+                    );
+                }
+                return Ok((Some(index), false));
+            };
             let written = catalog
                 .put_index(name, tombstone.to_bytes().into(), revision)
                 .await
@@ -342,7 +451,6 @@ impl HandlerChanges {
             // Its components stay in the catalog until a sweep finds them unnamed for
             // `ORPHAN_GRACE_MS` (`sweep_components`): removed now, they could take the chunks
             // of the same bytes uploaded again on another node meanwhile.
-            let registry = self.registry.clone();
             let local = blocking(move || registry.apply(tombstone, None).map(|_| ())).await;
             self.applied_here(
                 &mut applied,
@@ -353,9 +461,10 @@ impl HandlerChanges {
             tracing::info!(
                 handler = name,
                 revision,
+                ?step,
                 "handler deletion written to the shared catalog"
             );
-            return Ok(true);
+            return Ok((Some(index), true));
         }
         Err(RegistryError::Catalog(format!(
             "other nodes kept changing handler {name:?}; try again"
@@ -517,13 +626,23 @@ impl HandlerChanges {
         }
         let local = self.registry.index(name);
         if index.deleted {
-            if local.is_none() {
+            // A node that never had the handler needs no copy of the record: changes are
+            // checked against the catalog's.
+            if local.is_none() || local.as_ref() == Some(&index) {
                 return Ok(None);
             }
+            let freed = index.owner.is_none();
             let registry = self.registry.clone();
             blocking(move || registry.apply(index, None))
                 .await
                 .map_err(|e| unavailable(e.to_string()))?;
+            // The node that freed the name removed the key-value entries; the logs are each
+            // node's own.
+            if let (true, Some(data)) = (freed, &self.data) {
+                data.logs
+                    .forget(name)
+                    .map_err(|e| unavailable(e.to_string()))?;
+            }
             return Ok(Some("removed"));
         }
         if local.as_ref() == Some(&index) {

@@ -173,6 +173,23 @@ impl HandlerLogs {
         Ok(())
     }
 
+    /// Removes `handler`'s lines (its name was freed: the next team to claim it must not read
+    /// them).
+    pub fn forget(&self, handler: &str) -> std::io::Result<()> {
+        if !crate::wasm::valid_handler_name(handler) {
+            return Ok(());
+        }
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        open.remove(handler);
+        for path in [self.current(handler), self.rotated(handler)] {
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
     /// The most recent lines of `handler` matching `q`, oldest first.
     pub fn recent(&self, handler: &str, q: &LogQuery) -> std::io::Result<Vec<LogRecord>> {
         if !crate::wasm::valid_handler_name(handler) || q.limit == 0 {

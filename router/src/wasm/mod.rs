@@ -15,13 +15,13 @@ pub mod registry;
 mod tests;
 
 pub use bindings::{EmptyKv, KvReader, KvWrite, LogLevel, LogLine};
-pub use catalog::{CatalogStatus, HandlerChanges, SyncReport};
+pub use catalog::{CatalogStatus, HandlerChanges, HandlerData, SyncReport};
 pub use engine::{EngineConfig, EngineError, WasmEngine};
 pub use invoke::{DeliveryInfo, Invocation, InvocationOutcome, invoke};
 pub use limits::{HandlerLimits, LimitsError};
 pub use logs::{HandlerLogs, LogQuery, LogRecord};
 pub use registry::{
-    AcceptedType, HandlerDescriptor, HandlerInfo, HandlerRegistry, LoadedHandler,
+    AcceptedType, Deletion, HandlerDescriptor, HandlerInfo, HandlerRegistry, LoadedHandler,
     OwnedByAnotherTeam, RegistryError, UploadError, Uploader, Validated, VersionInfo,
     valid_handler_name,
 };

@@ -175,8 +175,11 @@ pub(crate) struct HandlerIndex {
     /// kept (else a restart would bring old code back as a new version).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) preloaded: Option<String>,
-    /// Only in a shared catalog: the handler was deleted (a record rather than no record, so
-    /// a node that was down meanwhile deletes its copy instead of publishing it again).
+    /// The handler was deleted. Its record stays while a team owns the name (`owner`), so
+    /// the name stays that team's (a delete does not hand the handler's queued deliveries to
+    /// whichever team uploads the name next) until the team or an administrator releases it.
+    /// In a shared catalog the record stays even without an owner, so a node that was down
+    /// meanwhile deletes its copy instead of publishing it again.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub(crate) deleted: bool,
 }
@@ -200,7 +203,7 @@ impl HandlerIndex {
     /// so a token's team was its name).
     pub(crate) fn effective_owner(&self) -> Option<String> {
         if self.deleted {
-            return None;
+            return self.owner.clone();
         }
         self.owner.clone().or_else(|| {
             let oldest = self.versions.iter().min_by_key(|v| v.version)?;
@@ -232,7 +235,11 @@ impl HandlerIndex {
         keep: usize,
     ) -> Result<(Self, VersionInfo), UploadError> {
         if self.deleted {
-            self = Self::empty(&self.name);
+            // A new history; the name stays with the team that kept it.
+            self = Self {
+                owner: self.owner.take(),
+                ..Self::empty(&self.name)
+            };
         }
         self.check_owner(uploader)?;
         // The first team to upload claims it; an administrator's upload (an operator acting
@@ -295,12 +302,38 @@ impl HandlerIndex {
         Ok((self, info))
     }
 
-    /// The record a shared catalog keeps once the handler is deleted.
-    pub(crate) fn tombstone(name: &str) -> Self {
+    /// The record kept once the handler is deleted: the name stays `owner`'s (`None`: free
+    /// for any team).
+    pub(crate) fn tombstone(name: &str, owner: Option<String>) -> Self {
         Self {
             deleted: true,
+            owner,
             ..Self::empty(name)
         }
+    }
+
+    /// The record after `step` by `who`, or `None` when the step changes nothing: `Keep`
+    /// deletes a live handler and keeps its name for its team (for an unowned one, `who`'s
+    /// team holds it until `Free`); `Free` gives up the name of a deleted handler. Refused
+    /// when another team owns the handler or its kept name.
+    pub(crate) fn deleted_by(
+        &self,
+        who: &Uploader,
+        step: DeleteStep,
+    ) -> Result<Option<Self>, OwnedByAnotherTeam> {
+        let owner = self.effective_owner();
+        if self.deleted && owner.is_none() {
+            return Ok(None);
+        }
+        self.check_owner(who)?;
+        Ok(match (step, self.deleted) {
+            (DeleteStep::Keep, false) => Some(Self::tombstone(
+                &self.name,
+                Some(owner.unwrap_or_else(|| who.team.clone())),
+            )),
+            (DeleteStep::Free, true) => Some(Self::tombstone(&self.name, None)),
+            _ => None,
+        })
     }
 
     /// The active version's details.
@@ -462,6 +495,17 @@ pub enum RegistryError {
     /// written; nothing was changed.
     #[error("the shared handler catalog is unavailable: {0}")]
     Catalog(String),
+    /// The key-value entries of a handler whose name was to be freed could not be removed;
+    /// the name stays kept.
+    #[error(
+        "cannot remove handler {name:?}'s key-value entries, so its name stays kept: {message}"
+    )]
+    Store {
+        /// The handler.
+        name: String,
+        /// The store's error.
+        message: String,
+    },
     /// An `index.json` that does not parse.
     #[error("corrupt handler index {path}: {message}")]
     CorruptIndex {
@@ -486,6 +530,67 @@ pub struct OwnedByAnotherTeam {
     pub name: String,
     /// Its owning team.
     pub owner: String,
+}
+
+/// A step of a delete. A name is freed in two steps, with the handler's key-value entries and
+/// logs removed in between (`HandlerChanges::delete_as`), so that a crash half-way leaves the
+/// name kept rather than free with the old team's data readable by the next team to claim it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DeleteStep {
+    /// Delete the handler's versions; the name stays with its team.
+    Keep,
+    /// Give up a deleted handler's name.
+    Free,
+}
+
+/// How a delete goes on after its `Keep` step, given the record before that step and
+/// whether the step changed it: `Ok(done)`, or `Err(owner)` when the name is to be freed
+/// (`release`, or a handler no team owned), with the team it was kept for, if any.
+pub(crate) fn after_keep(
+    before: Option<&HandlerIndex>,
+    changed: bool,
+    release: bool,
+) -> Result<Deletion, Option<String>> {
+    let Some(before) = before else {
+        return Ok(Deletion::Unknown);
+    };
+    let owner = before.effective_owner();
+    if before.deleted && owner.is_none() {
+        return Ok(Deletion::Unknown);
+    }
+    if release || owner.is_none() {
+        return Err(owner);
+    }
+    Ok(if changed {
+        Deletion::Deleted { kept_by: owner }
+    } else {
+        Deletion::Unknown
+    })
+}
+
+/// What a delete did once its `Free` step ran (`freed`: it changed the record), after a
+/// `Keep` step that deleted a live handler (`deleted`) kept for `owner`.
+pub(crate) fn after_free(deleted: bool, freed: bool, owner: Option<String>) -> Deletion {
+    match (deleted, freed) {
+        (true, true) => Deletion::Deleted { kept_by: None },
+        (true, false) => Deletion::Deleted { kept_by: owner },
+        (false, true) => Deletion::Released,
+        (false, false) => Deletion::Unknown,
+    }
+}
+
+/// What a delete did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Deletion {
+    /// The handler and its versions are gone; `kept_by` still owns the name (`None`: free).
+    Deleted {
+        /// The team the name stays with.
+        kept_by: Option<String>,
+    },
+    /// The handler was already deleted; its name is now free for any team.
+    Released,
+    /// No such handler (nor a kept name to release).
+    Unknown,
 }
 
 struct Entry {
@@ -736,7 +841,7 @@ impl HandlerRegistry {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         if index.deleted {
-            self.remove(&index.name)?;
+            self.remove(index)?;
             return Ok(None);
         }
         fs::create_dir_all(self.dir.join(&index.name))?;
@@ -832,7 +937,8 @@ impl HandlerRegistry {
             .collect()
     }
 
-    /// One handler's index, as stored here.
+    /// One handler's index, as stored here (for a deleted handler whose team keeps the name,
+    /// its record).
     pub(crate) fn index(&self, name: &str) -> Option<HandlerIndex> {
         self.index_of(name)
     }
@@ -901,43 +1007,88 @@ impl HandlerRegistry {
         Ok(info)
     }
 
-    /// Removes a handler and all its versions. Returns whether it existed. Invocations already
-    /// running keep their `Arc<LoadedHandler>` and finish.
+    /// Removes a handler and all its versions, as an operator (whose uploads claim no name, so
+    /// the name stays only with a team that uploaded it). Returns whether it existed.
+    /// Invocations already running keep their `Arc<LoadedHandler>` and finish.
     pub fn delete(&self, name: &str) -> Result<bool, RegistryError> {
-        self.delete_as(name, &Uploader::from("operator"))
+        let deletion = self.delete_as(name, &Uploader::from("operator"), false)?;
+        Ok(deletion != Deletion::Unknown)
     }
 
-    /// [`Self::delete`] by `who`, refused when another team owns the handler.
-    pub fn delete_as(&self, name: &str, who: &Uploader) -> Result<bool, RegistryError> {
+    /// [`Self::delete`] by `who`, refused when another team owns the handler. The name stays
+    /// with its team unless `release` (or no team owned it); releasing the name of a handler
+    /// already deleted frees it. The registry alone keeps no key-value entries or logs:
+    /// `HandlerChanges::delete_as` removes those before a name is freed.
+    pub fn delete_as(
+        &self,
+        name: &str,
+        who: &Uploader,
+        release: bool,
+    ) -> Result<Deletion, RegistryError> {
+        let (before, deleted) = self.delete_step(name, who, DeleteStep::Keep)?;
+        match after_keep(before.as_ref(), deleted, release) {
+            Ok(done) => Ok(done),
+            Err(owner) => {
+                let (_, freed) = self.delete_step(name, who, DeleteStep::Free)?;
+                Ok(after_free(deleted, freed, owner))
+            }
+        }
+    }
+
+    /// One step of a delete (`HandlerIndex::deleted_by`) on this registry: the record before
+    /// it, and whether the step changed it.
+    pub(crate) fn delete_step(
+        &self,
+        name: &str,
+        who: &Uploader,
+        step: DeleteStep,
+    ) -> Result<(Option<HandlerIndex>, bool), RegistryError> {
         let _write = self
             .write_lock
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if let Some(index) = self.index_of(name) {
-            index.check_owner(who)?;
-        }
-        self.remove(name)
+        let Some(before) = self.index_of(name) else {
+            return Ok((None, false));
+        };
+        let Some(tombstone) = before.deleted_by(who, step)? else {
+            return Ok((Some(before), false));
+        };
+        self.remove(tombstone)?;
+        tracing::info!(handler = name, ?step, by = %who.token, "handler deleted");
+        Ok((Some(before), true))
     }
 
-    /// `delete`, with the write lock held.
-    fn remove(&self, name: &str) -> Result<bool, RegistryError> {
-        let existed = self
-            .entries
+    /// Makes `tombstone` (a deleted handler's record) this registry's state, with the write
+    /// lock held: its components are removed and, while a team keeps the name, only its index
+    /// stays; an unowned name leaves nothing behind.
+    fn remove(&self, tombstone: HandlerIndex) -> Result<(), RegistryError> {
+        let name = tombstone.name.clone();
+        let dir = self.dir.join(&name);
+        if tombstone.owner.is_some() && valid_handler_name(&name) {
+            fs::create_dir_all(&dir)?;
+            self.write_index(&tombstone)?;
+            self.prune_components(&tombstone);
+            self.install(tombstone, None);
+            return Ok(());
+        }
+        self.entries
             .write()
             .unwrap_or_else(PoisonError::into_inner)
-            .remove(name)
-            .is_some();
-        let dir = self.dir.join(name);
-        if valid_handler_name(name) && dir.is_dir() {
+            .remove(&name);
+        if valid_handler_name(&name) && dir.is_dir() {
             fs::remove_dir_all(&dir)?;
         }
-        Ok(existed)
+        Ok(())
     }
 
     /// Every handler, sorted by name.
     pub fn list(&self) -> Vec<HandlerInfo> {
         let entries = self.entries.read().unwrap_or_else(PoisonError::into_inner);
-        let mut list: Vec<_> = entries.values().map(Entry::info).collect();
+        let mut list: Vec<_> = entries
+            .values()
+            .filter(|e| !e.index.deleted)
+            .map(Entry::info)
+            .collect();
         list.sort_by(|a, b| a.name.cmp(&b.name));
         list
     }
@@ -948,6 +1099,7 @@ impl HandlerRegistry {
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .get(name)
+            .filter(|e| !e.index.deleted)
             .map(Entry::info)
     }
 

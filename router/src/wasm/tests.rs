@@ -732,7 +732,7 @@ fn a_handler_belongs_to_its_first_uploaders_team() {
         Err(RegistryError::OwnedByAnotherTeam(_))
     ));
     assert!(matches!(
-        registry.delete_as("noop", &crm),
+        registry.delete_as("noop", &crm, false),
         Err(RegistryError::OwnedByAnotherTeam(_))
     ));
     assert!(registry.active("noop").is_some());
@@ -753,13 +753,42 @@ fn a_handler_belongs_to_its_first_uploaders_team() {
         Some("billing"),
         "an administrator's upload does not take the handler over"
     );
-    // Ownership is kept across a reopen; once deleted, the name is free again.
+    // Ownership is kept across a reopen, and after a delete (across a reopen too), until the
+    // team releases the name.
     let reopened = HandlerRegistry::open(dir.path().join("handlers"), engine()).unwrap();
     assert_eq!(
         reopened.get("noop").unwrap().owner.as_deref(),
         Some("billing")
     );
     assert!(reopened.delete("noop").unwrap());
+    assert!(reopened.get("noop").is_none() && reopened.list().is_empty());
+    assert!(reopened.active("noop").is_none());
+    let reopened = HandlerRegistry::open(dir.path().join("handlers"), engine()).unwrap();
+    assert!(reopened.get("noop").is_none());
+    assert!(matches!(
+        reopened.upload("noop", &plugin("noop"), member("crm-ci", "crm")),
+        Err(UploadError::OwnedByAnotherTeam(e)) if e.owner == "billing"
+    ));
+    assert!(matches!(
+        reopened.rollback_as("noop", "1", &member("billing-ci", "billing")),
+        Err(RegistryError::UnknownHandler(_))
+    ));
+    assert!(
+        matches!(
+            reopened.delete_as("noop", &member("billing-ci", "billing"), false),
+            Ok(Deletion::Unknown)
+        ),
+        "deleting it again changes nothing"
+    );
+    assert!(matches!(
+        reopened.delete_as("noop", &member("crm-ci", "crm"), true),
+        Err(RegistryError::OwnedByAnotherTeam(_))
+    ));
+    assert!(matches!(
+        reopened.delete_as("noop", &member("billing-ci", "billing"), true),
+        Ok(Deletion::Released)
+    ));
+    assert!(!dir.path().join("handlers/noop").exists());
     let claimed = reopened
         .upload("noop", &plugin("noop"), member("crm-ci", "crm"))
         .unwrap();
@@ -811,7 +840,7 @@ fn an_index_from_before_teams_belongs_to_its_first_uploader() {
         Err(UploadError::OwnedByAnotherTeam(_))
     ));
     assert!(matches!(
-        registry.delete_as("noop", &other),
+        registry.delete_as("noop", &other, false),
         Err(RegistryError::OwnedByAnotherTeam(_))
     ));
 }

@@ -364,12 +364,44 @@ impl JetStreamStore {
 
     /// Removes expired key-value entries, each usage shard's with its record in one batch.
     async fn expire_kv(&self, now: Millis) -> Result<u64, StoreError> {
-        type Expired = Vec<(String, u64, ops::KvRecord)>;
-        let mut by_shard: HashMap<(String, u8), Expired> = HashMap::new();
+        let (removed, _) = self
+            .remove_kv(|r| r.expires_at.is_some_and(|e| e <= now), SWEEP_BATCH)
+            .await?;
+        Ok(removed)
+    }
+
+    /// Removes every key-value entry of `namespace` (see [`crate::store::Store::kv_clear`]).
+    /// A batch that met a concurrent write to its usage shard is tried again.
+    pub async fn kv_clear(&self, namespace: &str) -> Result<u64, StoreError> {
+        let mut removed = 0;
+        for _ in 0..8 {
+            let (n, conflicted) = self
+                .remove_kv(|r| r.namespace == namespace, usize::MAX)
+                .await?;
+            removed += n;
+            if !conflicted {
+                return Ok(removed);
+            }
+        }
+        Err(StoreError::Backend(format!(
+            "the key-value entries of {namespace:?} kept changing while they were removed; try again"
+        )))
+    }
+
+    /// Removes the key-value entries `pick` selects (at most `limit`), each usage shard's
+    /// with its record in one batch. Returns how many, and whether a batch was left because
+    /// its shard changed meanwhile.
+    async fn remove_kv(
+        &self,
+        pick: impl Fn(&ops::KvRecord) -> bool,
+        limit: usize,
+    ) -> Result<(u64, bool), StoreError> {
+        type Picked = Vec<(String, u64, ops::KvRecord)>;
+        let mut by_shard: HashMap<(String, u8), Picked> = HashMap::new();
         let mut n = 0;
         for (key, rev, bytes) in self.records.scan("kv").await? {
             let r: ops::KvRecord = dec("kv", &bytes)?;
-            if r.expires_at.is_some_and(|e| e <= now) && n < SWEEP_BATCH {
+            if n < limit && pick(&r) {
                 n += 1;
                 let shard = ops::usage_shard(&r.namespace, &r.key);
                 by_shard
@@ -378,7 +410,7 @@ impl JetStreamStore {
                     .push((key, rev, r));
             }
         }
-        let mut removed = 0;
+        let (mut removed, mut conflicted) = (0, false);
         for ((ns, shard), items) in by_shard {
             let ukey = ops::usage_key(&ns, shard);
             let Some((mut usage, urev)) = self.read::<ops::UsageRecord>("kv usage", &ukey).await?
@@ -394,11 +426,11 @@ impl JetStreamStore {
             writes.push(Write::put(ukey, enc(&usage), Expect::Revision(urev)));
             match self.commit(writes).await {
                 Ok(_) => removed += items.len() as u64,
-                Err(RecordsError::Conflict) => {}
+                Err(RecordsError::Conflict) => conflicted = true,
                 Err(e) => return Err(e.into()),
             }
         }
-        Ok(removed)
+        Ok((removed, conflicted))
     }
 
     /// Counts the records of each bounded kind (a pass over their headers: the caller

@@ -215,6 +215,10 @@ impl Store for JetStreamStore {
         self.blocking(JetStreamStore::kv_usage_of(self, namespace))
     }
 
+    fn kv_clear<'a>(&'a self, namespace: &'a str) -> BoxFuture<'a, Result<u64, StoreError>> {
+        JetStreamStore::kv_clear(self, namespace).boxed()
+    }
+
     fn held_keys(&self, target: &str) -> Vec<String> {
         JetStreamStore::held_keys(self, target)
     }

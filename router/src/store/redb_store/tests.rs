@@ -1438,6 +1438,37 @@ fn put(key: &str, len: usize, expires_at: Option<Millis>) -> KvOp {
 }
 
 #[tokio::test]
+async fn clearing_a_namespace_removes_its_entries_alone_with_their_expiry_and_size() {
+    let s = RedbStore::in_memory().expect("store");
+    let other = KvOp {
+        namespace: "h2".into(),
+        ..put("a", 3, None)
+    };
+    ack_with_kv(
+        &s,
+        "1",
+        vec![put("a", 9, None), put("b", 19, Some(3000)), other],
+        None,
+        1000,
+    )
+    .await
+    .expect("written");
+    // Namespace "h" sorts before "h2", whose entry shares its prefix.
+    assert_eq!(s.kv_clear("h").await.expect("clear"), 2);
+    assert_eq!(s.kv_usage_of("h").expect("usage"), KvUsage::default());
+    assert_eq!(s.kv_get("h", "a", 1000).expect("read"), None);
+    assert_eq!(
+        s.kv_get("h2", "a", 1000).expect("read"),
+        Some(b"vvv".to_vec())
+    );
+    assert_eq!(s.kv_usage_of("h2").expect("usage").keys, 1);
+    assert_eq!(s.kv_clear("h").await.expect("again"), 0);
+    // Nothing left in the expiry index for the sweep to trip on.
+    let swept = s.sweep(5000, 1, 1).await.expect("sweep");
+    assert_eq!(swept.kv_expired, 0);
+}
+
+#[tokio::test]
 async fn kv_namespaces_are_sized_bounded_at_commit_and_swept_at_expiry() {
     let s = RedbStore::in_memory().expect("store");
     let usage = |s: &RedbStore| s.kv_usage_of("h").expect("usage");
