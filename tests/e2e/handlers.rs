@@ -549,45 +549,31 @@ async fn another_team_can_never_change_a_teams_handler() {
         ("billing-ci-2027", Some("billing"), "handlers:*"),
         ("crm-ci", None, "handlers:*"),
     ];
-    let auth: String = tokens
-        .iter()
-        .map(|(name, team, scope)| {
-            let team = team.map(|t| format!("team = \"{t}\"\n")).unwrap_or_default();
-            format!(
-                "[[auth.tokens]]\nname = \"{name}\"\n{team}sha256 = \"{}\"\nscopes = [\"{scope}\"]\n\n",
-                token_sha256(name)
-            )
-        })
-        .collect();
+    let auth = tokens_config(&tokens);
     let r = RouterProc::start_full(&[], &[], &[], Some(&auth));
     let with_bytes = |tag: u8| {
         let mut b = plugin("enrich");
         b.extend_from_slice(&[0, 6, 4, b't', b'e', b'a', b'm', tag]);
         b
     };
-    let send = |method: &str, path: &str, token: &str, body: Option<Vec<u8>>| {
-        let mut rb = client()
-            .request(method.parse().expect("method"), r.url(path))
-            .bearer_auth(token);
-        if let Some(b) = body {
-            rb = rb.header("content-type", "application/wasm").body(b);
-        }
-        async move {
-            let resp = rb.send().await.expect("send");
-            let s = resp.status().as_u16();
-            (s, resp.json::<Value>().await.unwrap_or(Value::Null))
-        }
-    };
-    let (s, b) = send(
+    let (s, b) = send_as(
+        &r,
         "PUT",
         "/v1/handlers/enrich",
         "billing-ci",
-        Some(with_bytes(1)),
+        Some(("application/wasm", with_bytes(1))),
     )
     .await;
     assert_eq!(s, 201, "{b}");
     // The CRM team's glob covers the name; the handler is still not theirs.
-    let (s, b) = send("PUT", "/v1/handlers/enrich", "crm-ci", Some(with_bytes(2))).await;
+    let (s, b) = send_as(
+        &r,
+        "PUT",
+        "/v1/handlers/enrich",
+        "crm-ci",
+        Some(("application/wasm", with_bytes(2))),
+    )
+    .await;
     assert_eq!(s, 403, "{b}");
     assert!(
         b["errors"][0]["message"]
@@ -597,48 +583,65 @@ async fn another_team_can_never_change_a_teams_handler() {
         "{b}"
     );
     let rollback = serde_json::to_vec(&json!({"version": "1"})).expect("json");
-    let (s, b) = send(
+    let (s, b) = send_as(
+        &r,
         "POST",
         "/v1/handlers/enrich/rollback",
         "crm-ci",
-        Some(rollback.clone()),
+        Some(("application/wasm", rollback.clone())),
     )
     .await;
     assert_eq!(s, 403, "{b}");
-    let (s, b) = send("DELETE", "/v1/handlers/enrich", "crm-ci", None).await;
+    let (s, b) = send_as(&r, "DELETE", "/v1/handlers/enrich", "crm-ci", None).await;
     assert_eq!(s, 403, "{b}");
-    let (s, info) = send("GET", "/v1/handlers/enrich", "crm-ci", None).await;
+    let (s, info) = send_as(&r, "GET", "/v1/handlers/enrich", "crm-ci", None).await;
     assert_eq!(s, 200, "{info}");
     assert_eq!(info["owner"], "billing", "{info}");
     assert_eq!(info["versions"].as_array().map(Vec::len), Some(1), "{info}");
     // A rotated token of the team, then an administrator.
-    let (s, b) = send(
+    let (s, b) = send_as(
+        &r,
         "PUT",
         "/v1/handlers/enrich",
         "billing-ci-2027",
-        Some(with_bytes(3)),
+        Some(("application/wasm", with_bytes(3))),
     )
     .await;
     assert_eq!((s, b["version"].as_u64()), (201, Some(2)), "{b}");
     assert_eq!(b["team"], "billing", "{b}");
-    let (s, b) = send(
+    let (s, b) = send_as(
+        &r,
         "POST",
         "/v1/handlers/enrich/rollback",
         "ops",
-        Some(rollback),
+        Some(("application/wasm", rollback)),
     )
     .await;
     assert_eq!(s, 200, "{b}");
-    let (s, b) = send("DELETE", "/v1/handlers/enrich", "billing-ci-2027", None).await;
+    let (s, b) = send_as(&r, "DELETE", "/v1/handlers/enrich", "billing-ci-2027", None).await;
     assert_eq!((s, &b["name_kept_by"]), (200, &json!("billing")), "{b}");
     // Deleted, its name still the team's: its queued deliveries go to no other team's code.
-    let (s, _) = send("GET", "/v1/handlers/enrich", "crm-ci", None).await;
+    let (s, _) = send_as(&r, "GET", "/v1/handlers/enrich", "crm-ci", None).await;
     assert_eq!(s, 404);
-    let (s, b) = send("PUT", "/v1/handlers/enrich", "crm-ci", Some(with_bytes(4))).await;
+    let (s, b) = send_as(
+        &r,
+        "PUT",
+        "/v1/handlers/enrich",
+        "crm-ci",
+        Some(("application/wasm", with_bytes(4))),
+    )
+    .await;
     assert_eq!(s, 403, "{b}");
-    let (s, b) = send("DELETE", "/v1/handlers/enrich?release=true", "crm-ci", None).await;
+    let (s, b) = send_as(
+        &r,
+        "DELETE",
+        "/v1/handlers/enrich?release=true",
+        "crm-ci",
+        None,
+    )
+    .await;
     assert_eq!(s, 403, "{b}");
-    let (s, b) = send("DELETE", "/v1/handlers/enrich", "billing-ci", None).await;
+    let (s, b) = send_as(&r, "DELETE", "/v1/handlers/enrich", "billing-ci", None).await;
     assert_eq!(s, 404, "{b}");
     assert!(
         b["errors"][0]["message"]
@@ -648,7 +651,8 @@ async fn another_team_can_never_change_a_teams_handler() {
         "{b}"
     );
     // Its team releases the name: free for whoever uploads next.
-    let (s, b) = send(
+    let (s, b) = send_as(
+        &r,
         "DELETE",
         "/v1/handlers/enrich?release=true",
         "billing-ci",
@@ -656,9 +660,16 @@ async fn another_team_can_never_change_a_teams_handler() {
     )
     .await;
     assert_eq!((s, &b["released"]), (200, &json!("enrich")), "{b}");
-    let (s, b) = send("PUT", "/v1/handlers/enrich", "crm-ci", Some(with_bytes(4))).await;
+    let (s, b) = send_as(
+        &r,
+        "PUT",
+        "/v1/handlers/enrich",
+        "crm-ci",
+        Some(("application/wasm", with_bytes(4))),
+    )
+    .await;
     assert_eq!(s, 201, "{b}");
-    let (_, info) = send("GET", "/v1/handlers/enrich", "crm-ci", None).await;
+    let (_, info) = send_as(&r, "GET", "/v1/handlers/enrich", "crm-ci", None).await;
     assert_eq!(info["owner"], "crm-ci", "{info}");
     assert_eq!(info["versions"].as_array().map(Vec::len), Some(1), "{info}");
 }
@@ -673,36 +684,15 @@ async fn a_released_handler_name_leaves_no_key_value_entries_or_logs() {
         ("billing-ci", Some("billing"), "handlers:*"),
         ("crm-ci", Some("crm"), "handlers:*"),
     ];
-    let auth: String = tokens
-        .iter()
-        .map(|(name, team, scope)| {
-            let team = team.map(|t| format!("team = \"{t}\"\n")).unwrap_or_default();
-            format!(
-                "[[auth.tokens]]\nname = \"{name}\"\n{team}sha256 = \"{}\"\nscopes = [\"{scope}\"]\n\n",
-                token_sha256(name)
-            )
-        })
-        .collect();
+    let auth = tokens_config(&tokens);
     let rules = "rules:\n  - name: paid\n    pattern: { type: [order.paid] }\n    targets:\n      - handler: invoice\n";
     let r = RouterProc::start_full(&[("r.yaml", rules)], &[], &[], Some(&auth));
-    let send = |method: &str, path: &str, token: &str, body: Option<(&str, Vec<u8>)>| {
-        let mut rb = client()
-            .request(method.parse().expect("method"), r.url(path))
-            .bearer_auth(token);
-        if let Some((ct, b)) = body {
-            rb = rb.header("content-type", ct).body(b);
-        }
-        async move {
-            let resp = rb.send().await.expect("send");
-            let s = resp.status().as_u16();
-            (s, resp.json::<Value>().await.unwrap_or(Value::Null))
-        }
-    };
     let invoice = || Some(("application/wasm", plugin("invoice")));
-    let (s, b) = send("PUT", "/v1/handlers/invoice", "billing-ci", invoice()).await;
+    let (s, b) = send_as(&r, "PUT", "/v1/handlers/invoice", "billing-ci", invoice()).await;
     assert_eq!(s, 201, "{b}");
     let ev = event("paid-1", "order.paid", json!({"order_id": "A-1"}));
-    let (s, b) = send(
+    let (s, b) = send_as(
+        &r,
         "POST",
         "/v1/events",
         "ops",
@@ -712,7 +702,7 @@ async fn a_released_handler_name_leaves_no_key_value_entries_or_logs() {
     assert_eq!(s, 202, "{b}");
     let kv_keys = |status: Value| status["handler_kv"]["namespaces"]["invoice"]["keys"].as_u64();
     let recorded = eventually(Duration::from_secs(30), || async {
-        let (_, status) = send("GET", "/v1/status", "ops", None).await;
+        let (_, status) = send_as(&r, "GET", "/v1/status", "ops", None).await;
         (kv_keys(status) == Some(1)).then_some(())
     })
     .await;
@@ -721,19 +711,20 @@ async fn a_released_handler_name_leaves_no_key_value_entries_or_logs() {
         "the handler's key-value entry was not written"
     );
     let lines = |b: &Value| b["lines"].as_array().map_or(0, Vec::len);
-    let (_, l) = send("GET", "/v1/handlers/invoice/logs", "billing-ci", None).await;
+    let (_, l) = send_as(&r, "GET", "/v1/handlers/invoice/logs", "billing-ci", None).await;
     assert!(lines(&l) > 0, "{l}");
 
     // Deleted, the name kept: entries and logs stay for the team's next upload.
-    let (s, b) = send("DELETE", "/v1/handlers/invoice", "billing-ci", None).await;
+    let (s, b) = send_as(&r, "DELETE", "/v1/handlers/invoice", "billing-ci", None).await;
     assert_eq!(s, 200, "{b}");
-    let (_, status) = send("GET", "/v1/status", "ops", None).await;
+    let (_, status) = send_as(&r, "GET", "/v1/status", "ops", None).await;
     assert_eq!(kv_keys(status.clone()), Some(1), "{}", status["handler_kv"]);
-    let (_, l) = send("GET", "/v1/handlers/invoice/logs", "billing-ci", None).await;
+    let (_, l) = send_as(&r, "GET", "/v1/handlers/invoice/logs", "billing-ci", None).await;
     assert!(lines(&l) > 0, "{l}");
 
     // Released: both gone before another team can claim the name.
-    let (s, b) = send(
+    let (s, b) = send_as(
+        &r,
         "DELETE",
         "/v1/handlers/invoice?release=true",
         "billing-ci",
@@ -741,7 +732,7 @@ async fn a_released_handler_name_leaves_no_key_value_entries_or_logs() {
     )
     .await;
     assert_eq!((s, &b["released"]), (200, &json!("invoice")), "{b}");
-    let (_, status) = send("GET", "/v1/status", "ops", None).await;
+    let (_, status) = send_as(&r, "GET", "/v1/status", "ops", None).await;
     // (A shared store may keep the namespace's usage record, at zero.)
     assert_eq!(
         kv_keys(status.clone()).unwrap_or(0),
@@ -749,9 +740,9 @@ async fn a_released_handler_name_leaves_no_key_value_entries_or_logs() {
         "{}",
         status["handler_kv"]
     );
-    let (s, b) = send("PUT", "/v1/handlers/invoice", "crm-ci", invoice()).await;
+    let (s, b) = send_as(&r, "PUT", "/v1/handlers/invoice", "crm-ci", invoice()).await;
     assert_eq!(s, 201, "{b}");
-    let (s, l) = send("GET", "/v1/handlers/invoice/logs", "crm-ci", None).await;
+    let (s, l) = send_as(&r, "GET", "/v1/handlers/invoice/logs", "crm-ci", None).await;
     assert_eq!((s, lines(&l)), (200, 0), "{l}");
 }
 

@@ -487,6 +487,41 @@ pub fn token_sha256(token: &str) -> String {
     hex::encode(sha2::Sha256::digest(token.as_bytes()))
 }
 
+/// `[[auth.tokens]]` entries for `(name, team, scope)`: the token is its name, the team the
+/// token's own when `None`.
+pub fn tokens_config(tokens: &[(&str, Option<&str>, &str)]) -> String {
+    tokens
+        .iter()
+        .map(|(name, team, scope)| {
+            let team = team.map(|t| format!("team = \"{t}\"\n")).unwrap_or_default();
+            format!(
+                "[[auth.tokens]]\nname = \"{name}\"\n{team}sha256 = \"{}\"\nscopes = [\"{scope}\"]\n\n",
+                token_sha256(name)
+            )
+        })
+        .collect()
+}
+
+/// Sends `method path` with bearer `token` and an optional `(content type, body)`; returns
+/// (status, JSON body or null).
+pub async fn send_as(
+    r: &RouterProc,
+    method: &str,
+    path: &str,
+    token: &str,
+    body: Option<(&str, Vec<u8>)>,
+) -> (u16, Value) {
+    let mut rb = client()
+        .request(method.parse().expect("method"), r.url(path))
+        .bearer_auth(token);
+    if let Some((ct, b)) = body {
+        rb = rb.header("content-type", ct).body(b);
+    }
+    let resp = rb.send().await.expect("send");
+    let s = resp.status().as_u16();
+    (s, resp.json::<Value>().await.unwrap_or(Value::Null))
+}
+
 /// A structured CloudEvent.
 pub fn event(id: &str, ty: &str, data: Value) -> Value {
     json!({"specversion": "1.0", "id": id, "source": "/test", "type": ty, "data": data})
