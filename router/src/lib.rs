@@ -23,4 +23,5 @@ pub mod rules;
 pub mod store;
 pub mod target;
 pub mod telemetry;
+mod text_pos;
 pub mod wasm;

@@ -781,9 +781,29 @@ async fn contract_push(
             .as_array()
             .cloned()
             .unwrap_or_default();
-        if let (Some(prev), false) = (v["compared_with"].as_str(), breaking.is_empty()) {
-            out.push_str(&format!("\nbreaking changes against {prev}:"));
-            for b in &breaking {
+        let next_breaking = v["next_breaking_changes"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        for (heading, list) in [
+            (
+                v["compared_with"]
+                    .as_str()
+                    .map(|prev| format!("breaking changes against {prev}:")),
+                &breaking,
+            ),
+            (
+                v["next_version"]
+                    .as_str()
+                    .map(|next| format!("{next}, the version after it, breaks it:")),
+                &next_breaking,
+            ),
+        ] {
+            let (Some(heading), false) = (heading, list.is_empty()) else {
+                continue;
+            };
+            out.push_str(&format!("\n{heading}"));
+            for b in list {
                 out.push_str(&format!(
                     "\n  {}: {}",
                     b["pointer"].as_str().unwrap_or(""),

@@ -370,6 +370,38 @@ async fn an_uploaded_contract_applies_at_once_and_a_refused_one_changes_nothing(
     );
 }
 
+/// A version put between two live ones is compared with both neighbours: the answer says what
+/// it breaks from the one before and what the one after it breaks, so a gap filled late cannot
+/// silently make the chain incompatible.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_contract_put_between_two_versions_is_compared_with_the_next_one_too() {
+    let rcv = Receiver::ok().await;
+    let r = routing_t_to(&rcv);
+    let (code, body) = put_json(&r, "/v1/contracts/t/v1", json!({"type": "object"})).await;
+    assert_eq!(code, 201, "{body}");
+    let v3 = json!({"type": "object", "required": ["y"], "properties": {"y": {"type": "integer"}}});
+    let (code, body) = put_json(&r, "/v1/contracts/t/v3", v3).await;
+    assert_eq!(code, 201, "{body}");
+    assert_eq!(body["compared_with"], "v1", "{body}");
+    assert_eq!(body.get("next_version"), None, "v3 is the last: {body}");
+
+    let v2 = json!({"type": "object", "properties": {"z": {"type": "string"}}});
+    let (code, body) = put_json(&r, "/v1/contracts/t/v2", v2).await;
+    assert_eq!(code, 201, "{body}");
+    assert_eq!(body["compared_with"], "v1", "{body}");
+    assert_eq!(
+        body["breaking_changes"],
+        json!([]),
+        "an optional field: {body}"
+    );
+    assert_eq!(body["next_version"], "v3", "{body}");
+    let next = body["next_breaking_changes"].to_string();
+    assert!(
+        next.contains("required") && next.contains('y'),
+        "v3 requires y, which v2 does not: {body}"
+    );
+}
+
 fn rand_suffix() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -221,6 +221,11 @@ pub async fn upload(
         ),
         None => (None, Vec::new()),
     };
+    // An upload between two versions is also the version the next one now follows; the
+    // chain stays compatible only if the next one accepts what this one does.
+    let next = live
+        .next(&ty, v)
+        .map(|(nv, next_schema)| (nv, field_errors(compat_issues(&schema, &next_schema))));
 
     let path = app.cfg.contracts_dir.join(&ty).join(format!("v{v}.json"));
     let placed = match &app.shared_contracts {
@@ -256,6 +261,10 @@ pub async fn upload(
         "compared_with": compared_with,
         "breaking_changes": breaking,
     });
+    if let Some((nv, issues)) = next {
+        answer["next_version"] = json!(format!("v{nv}"));
+        answer["next_breaking_changes"] = json!(issues);
+    }
     if let Some(e) = local_error {
         answer["local_error"] = json!(e);
     }

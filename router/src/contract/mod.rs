@@ -3,7 +3,6 @@
 //! `<type>/v<N>.json` files plus an optional `modes.toml`, and checked per event.
 
 mod compat;
-mod locate;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -18,9 +17,10 @@ use serde_json::Value;
 
 use crate::event::{CloudEvent, FieldError};
 
+use crate::text_pos::{JsonPositions, Lines};
 pub use compat::check_compatibility;
 pub(crate) use compat::{Issue as CompatIssue, compat_issues};
-use locate::{line_col, locate};
+use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
 
 /// Name of the optional per-type mode file at the root of a contracts directory.
 pub const MODES_FILE: &str = "modes.toml";
@@ -504,6 +504,17 @@ impl ContractSet {
         Some((*v, c.schema.clone()))
     }
 
+    /// The lowest loaded version of `ty` above `version`, with its schema: what an upload
+    /// between two versions must also be compatible with for the chain to stay compatible.
+    pub fn next(&self, ty: &str, version: u32) -> Option<(u32, Value)> {
+        let (v, c) = self
+            .types
+            .get(ty)?
+            .range(version.saturating_add(1)..)
+            .next()?;
+        Some((*v, c.schema.clone()))
+    }
+
     /// A short content hash of the set (12 hex chars of FNV-1a 64 over the sorted contract
     /// files and `modes.toml`): equal inputs give equal versions.
     pub fn version(&self) -> String {
@@ -520,8 +531,17 @@ impl ContractSet {
                 let [(old_v, old), (_, new)] = pair else {
                     continue;
                 };
-                for issue in compat::compat_issues(&old.schema, &new.schema) {
-                    let pos = locate(&new.text, &issue.pointer).unwrap_or((1, 1));
+                let issues = compat::compat_issues(&old.schema, &new.schema);
+                if issues.is_empty() {
+                    continue;
+                }
+                // Parsed once per file: a report can name thousands of places in it.
+                let positions = JsonPositions::new(&new.text);
+                for issue in issues {
+                    let pos = positions
+                        .as_ref()
+                        .and_then(|p| p.locate(&issue.pointer))
+                        .unwrap_or((1, 1));
                     out.push(ContractDiagnostic::new(
                         &new.display,
                         pos,
@@ -566,7 +586,11 @@ fn decode_json_base64(b64: &str) -> Result<Value, String> {
 /// Compiles one schema: draft from `$schema` (2020-12 or draft-07; default 2020-12), formats
 /// asserted.
 fn compile(src: &Source, schema: &Value) -> Result<Validator, ContractDiagnostic> {
-    let at = |pointer: &str| locate(&src.text, pointer).unwrap_or((1, 1));
+    let at = |pointer: &str| {
+        JsonPositions::new(&src.text)
+            .and_then(|p| p.locate(pointer))
+            .unwrap_or((1, 1))
+    };
     if !schema.is_object() && !schema.is_boolean() {
         return Err(ContractDiagnostic::new(
             &src.display,
@@ -598,19 +622,71 @@ fn compile(src: &Source, schema: &Value) -> Result<Validator, ContractDiagnostic
             ));
         }
     };
-    jsonschema::options()
-        .with_draft(draft)
-        .should_validate_formats(true)
-        .build(schema)
-        .map_err(|e| {
-            let pointer = e.instance_path().as_str();
-            let message = if pointer.is_empty() {
-                format!("schema does not compile: {e}")
-            } else {
-                format!("schema does not compile at {pointer}: {e}")
-            };
-            ContractDiagnostic::new(&src.display, at(pointer), message)
-        })
+    let build = |schema: &Value| {
+        jsonschema::options()
+            .with_draft(draft)
+            .should_validate_formats(true)
+            .build(schema)
+    };
+    let refused = |e: jsonschema::ValidationError<'_>| {
+        let pointer = e.instance_path().as_str();
+        let message = if pointer.is_empty() {
+            format!("schema does not compile: {e}")
+        } else {
+            format!("schema does not compile at {pointer}: {e}")
+        };
+        ContractDiagnostic::new(&src.display, at(pointer), message)
+    };
+    let validator = build(schema).map_err(refused)?;
+    if let Some(probe) = referring_to_every_definition(schema)
+        && let Err(e) = build(&probe)
+    {
+        // Only a problem inside a definition counts: the probe's own additions are sound,
+        // and the rest of the schema compiled above.
+        let pointer = e.instance_path().as_str();
+        if pointer.starts_with("/$defs/") || pointer.starts_with("/definitions/") {
+            return Err(refused(e));
+        }
+    }
+    Ok(validator)
+}
+
+/// What a definition's name keeps unescaped in a `$ref` fragment (RFC 3986 unreserved).
+const FRAGMENT: &AsciiSet = &NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
+/// jsonschema compiles only the subschemas validation can reach, so a root definition nothing
+/// refers to yet would load with a broken regex or keyword, and fail the day a new version
+/// starts using it. This is a copy of `schema` whose root also refers to every definition
+/// (through an `anyOf` led by `true`, which changes nothing it accepts), for compiling only.
+/// `None` when the schema has no definitions.
+fn referring_to_every_definition(schema: &Value) -> Option<Value> {
+    let root = schema.as_object()?;
+    let mut refs = vec![Value::Bool(true)];
+    for key in ["$defs", "definitions"] {
+        if let Some(Value::Object(defs)) = root.get(key) {
+            for name in defs.keys() {
+                let token = name.replace('~', "~0").replace('/', "~1");
+                let fragment = utf8_percent_encode(&token, FRAGMENT).to_string();
+                refs.push(serde_json::json!({ "$ref": format!("#/{key}/{fragment}") }));
+            }
+        }
+    }
+    if refs.len() == 1 {
+        return None;
+    }
+    let mut probe = root.clone();
+    let mut all_of = match probe.remove("allOf") {
+        Some(Value::Array(items)) => items,
+        Some(other) => vec![other],
+        None => Vec::new(),
+    };
+    all_of.push(serde_json::json!({ "anyOf": refs }));
+    probe.insert("allOf".to_string(), Value::Array(all_of));
+    Some(Value::Object(probe))
 }
 
 fn parse_modes(
@@ -621,7 +697,9 @@ fn parse_modes(
     let table: BTreeMap<String, toml::Spanned<toml::Value>> = match toml::from_str(&src.text) {
         Ok(t) => t,
         Err(e) => {
-            let pos = e.span().map_or((1, 1), |s| line_col(&src.text, s.start));
+            let pos = e
+                .span()
+                .map_or((1, 1), |s| Lines::new(&src.text).at(s.start));
             diags.push(ContractDiagnostic::new(
                 &src.display,
                 pos,
@@ -630,8 +708,9 @@ fn parse_modes(
             return modes;
         }
     };
+    let lines = Lines::new(&src.text);
     for (ty, value) in table {
-        let pos = line_col(&src.text, value.span().start);
+        let pos = lines.at(value.span().start);
         match value.get_ref() {
             toml::Value::String(s) => match s.as_str() {
                 "enforce" => {

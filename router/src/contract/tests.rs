@@ -379,6 +379,33 @@ fn bad_pattern_and_unresolvable_ref_do_not_compile() {
     assert_eq!(files, ["a/v1.json", "b/v1.json", "c/v1.json"], "{d:?}");
 }
 
+/// jsonschema compiles only what validation reaches; a definition nothing refers to yet must
+/// still be a valid schema, or the version that starts using it is the one that fails to load.
+#[test]
+fn unused_definitions_are_compiled_too() {
+    let text = "{\n  \"$defs\": {\n    \"used\": {\"type\": \"string\"},\n    \"unused\": {\"pattern\": \"(\"}\n  },\n  \"properties\": {\"a\": {\"$ref\": \"#/$defs/used\"}}\n}";
+    let d = err_at(&[("t/v1.json", text)], None);
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert!(d[0].message.contains("/$defs/unused/pattern"), "{}", d[0]);
+    assert_eq!(d[0].line, 4, "{}", d[0]);
+    let draft7 = r#"{"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {"x y/~": {"type": 12}}}"#;
+    let d = err_at(&[("t/v1.json", draft7)], None);
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert!(
+        d[0].message.contains("/definitions/x y~1~0/type"),
+        "{}",
+        d[0]
+    );
+    // Valid definitions, referenced or not, with odd names, change nothing.
+    let fine = r##"{"$defs": {"a b%": {"type": "string"}, "c": {"$ref": "#/$defs/c"}}, "allOf": [{"type": "object"}], "properties": {"n": {"type": "integer"}}}"##;
+    let s = ContractSet::from_files(&[("t/v1.json", fine)], None).expect("valid");
+    assert!(matches!(
+        s.check(&versioned("t", 1, json!({"n": 1}))),
+        ContractOutcome::Pass
+    ));
+    assert_eq!(pointers(s.check(&versioned("t", 1, json!(5)))), ["/data"]);
+}
+
 #[test]
 fn unsupported_schema_dialect() {
     let d = err_at(

@@ -368,16 +368,6 @@ impl Cx<'_> {
         }
     }
 
-    fn json(&mut self, file: &str, node: &Node) -> Option<Value> {
-        let mut errs = Vec::new();
-        let v = node.to_json(&mut errs);
-        let ok = errs.is_empty();
-        for SourceError { line, col, message } in errs {
-            self.push(file, line, col, message, Severity::Error);
-        }
-        ok.then_some(v)
-    }
-
     // ---------------------------------------------------------------- policies
 
     fn policy(&mut self, file: &str, key: &Node, node: &Node) {
@@ -463,7 +453,7 @@ impl Cx<'_> {
                 return None;
             }
         }
-        let json = self.json(file, node)?;
+        let json = node.to_json();
         let whole = match serde_json::from_value::<PolicyConfig>(json) {
             Ok(p) => return Some(p),
             Err(e) => e,
@@ -473,9 +463,7 @@ impl Cx<'_> {
         let before = self.diags.len();
         for (k, v) in node.as_map().unwrap_or_default() {
             let key = k.as_str().unwrap_or_default();
-            let Some(vj) = self.json(file, v) else {
-                continue;
-            };
+            let vj = v.to_json();
             let single = serde_json::json!({ key: vj });
             let Err(e) = serde_json::from_value::<PolicyConfig>(single) else {
                 continue;
@@ -484,9 +472,7 @@ impl Cx<'_> {
             if POLICY_SECTIONS.contains(&key) {
                 for (k2, v2) in v.as_map().unwrap_or_default() {
                     let key2 = k2.as_str().unwrap_or_default();
-                    let Some(v2j) = self.json(file, v2) else {
-                        continue;
-                    };
+                    let v2j = v2.to_json();
                     let nested = serde_json::json!({ key: { key2: v2j } });
                     if let Err(e2) = serde_json::from_value::<PolicyConfig>(nested) {
                         self.serde_err(file, k2, v2, &format!("{key}.{key2}"), &e2);
@@ -634,7 +620,7 @@ impl Cx<'_> {
     }
 
     fn pattern(&mut self, file: &str, p: &Node) -> Option<(Pattern, Value)> {
-        let json = self.json(file, p)?;
+        let json = p.to_json();
         match Pattern::compile(&json) {
             Ok(pattern) => match automaton::check_pattern(&pattern) {
                 Ok(()) => Some((pattern, json)),
@@ -849,9 +835,9 @@ impl Cx<'_> {
                     continue;
                 }
             };
-            match v.kind {
-                NodeKind::Int(n) if u64::try_from(n).is_ok_and(|n| (lo..=hi).contains(&n)) => {
-                    let n = n.unsigned_abs();
+            match &v.kind {
+                NodeKind::Number(n) if n.as_u64().is_some_and(|n| (lo..=hi).contains(&n)) => {
+                    let n = n.as_u64().unwrap_or_default();
                     if key == "max_events" {
                         batch.max_events = u32::try_from(n).unwrap_or(WebhookBatch::MAX_EVENTS);
                     } else {
@@ -929,7 +915,7 @@ impl Cx<'_> {
                                     NodeKind::Str(s) => s.clone(),
                                     // YAML reads `0x10`, `0o20` or `+16` as 16, which is
                                     // what would be sent: not what the file says.
-                                    NodeKind::Int(i) => {
+                                    NodeKind::Number(i) if !i.is_f64() => {
                                         let decimal = i.to_string();
                                         let written = self
                                             .texts
@@ -953,7 +939,7 @@ impl Cx<'_> {
                                     NodeKind::Bool(b) => b.to_string(),
                                     // Sent as text, a float would not be what the file says:
                                     // `1.0` renders as `1`, `2.50` as `2.5`.
-                                    NodeKind::Float(x) => {
+                                    NodeKind::Number(x) => {
                                         self.err(
                                             file,
                                             hv,

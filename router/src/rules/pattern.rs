@@ -14,8 +14,9 @@
 //!   dot in a name is just a character.
 //! * `"$or": [p1, p2, ...]` (at least two non-empty objects) may appear at any object level:
 //!   the object matches when its other keys match and at least one alternative matches at the
-//!   same level. Inside `$or` alternatives, matcher names (`prefix`, `numeric`, ...) cannot be
-//!   used as field names (as in EventBridge, this catches misplaced matchers).
+//!   same level. Inside `$or` alternatives, matcher names (`prefix`, `numeric`, ...) and the
+//!   words EventBridge reserves there (`regex`, `exactly`, `>=`, ...) cannot be used as field
+//!   names (as in EventBridge, this catches misplaced matchers).
 //! * At the top level of a pattern (including inside top-level `$or` alternatives),
 //!   `detail-type` is read as `type` and `detail` as `data`, so EventBridge patterns work on
 //!   CloudEvents.
@@ -57,7 +58,8 @@ use serde_json::{Map, Number, Value};
 /// matcher (EventBridge also limits wildcard complexity), and real patterns need few.
 pub const MAX_WILDCARD_STARS: usize = 5;
 
-/// Matcher names; they cannot be field names inside `$or` alternatives.
+/// Matcher names; they (and [`RESERVED_IN_OR`]) cannot be field names inside `$or`
+/// alternatives.
 const OPERATORS: &[&str] = &[
     "prefix",
     "suffix",
@@ -67,6 +69,28 @@ const OPERATORS: &[&str] = &[
     "numeric",
     "exists",
     "cidr",
+];
+
+/// Names that cannot be field names inside `$or` alternatives: the matchers, plus the words
+/// aws/event-ruler reserves there (its numeric comparison signs, and operators it keeps for
+/// later), so a pattern refused by EventBridge is refused here too.
+const RESERVED_IN_OR: &[&str] = &[
+    "exactly",
+    "=",
+    "<",
+    "<=",
+    ">",
+    ">=",
+    "regex",
+    "not-wildcard",
+    "not-equals-ignore-case",
+    "date-after",
+    "date-on-or-after",
+    "date-before",
+    "date-on-or-before",
+    "in-date-range",
+    "ip-address-in-range",
+    "ip-address-not-in-range",
 ];
 
 /// A problem in a pattern, located by a JSON pointer (RFC 6901) into the pattern as written.
@@ -165,10 +189,10 @@ pub enum AnythingBut {
     Strings(Vec<String>),
     /// One number or a list of numbers (excludes numerically equal numbers).
     Numbers(Vec<Number>),
-    /// `{"prefix": "x"}` (excludes strings starting with `x`).
-    Prefix(String),
-    /// `{"suffix": "x"}` (excludes strings ending with `x`).
-    Suffix(String),
+    /// `{"prefix": "x" | [...]}` (excludes strings starting with any of them).
+    Prefix(Vec<String>),
+    /// `{"suffix": "x" | [...]}` (excludes strings ending with any of them).
+    Suffix(Vec<String>),
     /// `{"equals-ignore-case": "x" | [...]}`.
     EqualsIgnoreCase(Vec<String>),
     /// `{"wildcard": "a*" | [...]}`.
@@ -300,8 +324,8 @@ impl AnythingBut {
             (AnythingBut::Numbers(_), _) => true,
             (_, Value::String(s)) => match self {
                 AnythingBut::Strings(list) => !list.iter().any(|x| x == s),
-                AnythingBut::Prefix(p) => !s.starts_with(p.as_str()),
-                AnythingBut::Suffix(p) => !s.ends_with(p.as_str()),
+                AnythingBut::Prefix(list) => !list.iter().any(|p| s.starts_with(p.as_str())),
+                AnythingBut::Suffix(list) => !list.iter().any(|p| s.ends_with(p.as_str())),
                 AnythingBut::EqualsIgnoreCase(list) => {
                     let f = fold(s);
                     !list.iter().any(|x| fold(x) == f)
@@ -604,13 +628,15 @@ impl Compiler {
                 out.any_of = self.or(value, &p, top);
                 continue;
             }
-            if in_or && OPERATORS.contains(&key.as_str()) {
-                self.err(
-                    &p,
-                    format!(
-                        "`{key}` is a matcher and cannot be a field name inside `$or`; put it in a field's matcher list"
-                    ),
-                );
+            let reserved = if OPERATORS.contains(&key.as_str()) {
+                "is a matcher and cannot be a field name inside `$or`; put it in a field's matcher list"
+            } else if RESERVED_IN_OR.contains(&key.as_str()) {
+                "is a reserved word and cannot be a field name inside `$or` (EventBridge refuses it too)"
+            } else {
+                ""
+            };
+            if in_or && !reserved.is_empty() {
+                self.err(&p, format!("`{key}` {reserved}"));
                 continue;
             }
             let name = match (top, key.as_str()) {
@@ -829,19 +855,18 @@ impl Compiler {
                 };
                 let p = pointer_push(ptr, op);
                 let res = match (op.as_str(), inner) {
-                    ("prefix", Value::String(s)) if !s.is_empty() => {
-                        Ok(AnythingBut::Prefix(s.clone()))
-                    }
-                    ("suffix", Value::String(s)) if !s.is_empty() => {
-                        Ok(AnythingBut::Suffix(s.clone()))
-                    }
-                    ("prefix" | "suffix", Value::String(_)) => {
-                        Err(format!("`anything-but` / `{op}` must not be empty"))
-                    }
-                    ("prefix" | "suffix", other) => Err(format!(
-                        "`anything-but` / `{op}` needs a string, not {}",
-                        kind(other)
-                    )),
+                    ("prefix" | "suffix", _) => self
+                        .string_list(&format!("anything-but` / `{op}"), inner, &p)
+                        .and_then(|list| {
+                            if list.iter().any(String::is_empty) {
+                                return Err(format!("`anything-but` / `{op}` must not be empty"));
+                            }
+                            Ok(if op == "prefix" {
+                                AnythingBut::Prefix(list)
+                            } else {
+                                AnythingBut::Suffix(list)
+                            })
+                        }),
                     ("equals-ignore-case", _) => self
                         .string_list("anything-but` / `equals-ignore-case", inner, &p)
                         .map(AnythingBut::EqualsIgnoreCase),
@@ -1070,7 +1095,10 @@ mod tests {
         (r#"{"type":[{"anything-but":["a",1]}]}"#, "/type/0/anything-but", "mixes strings and numbers"),
         (r#"{"type":[{"anything-but":["a",null]}]}"#, "/type/0/anything-but/1", "only strings or only numbers"),
         (r#"{"type":[{"anything-but":{"prefix":""}}]}"#, "/type/0/anything-but/prefix", "must not be empty"),
-        (r#"{"type":[{"anything-but":{"prefix":["a"]}}]}"#, "/type/0/anything-but/prefix", "needs a string"),
+        (r#"{"type":[{"anything-but":{"prefix":[]}}]}"#, "/type/0/anything-but/prefix", "non-empty list"),
+        (r#"{"type":[{"anything-but":{"prefix":["a",""]}}]}"#, "/type/0/anything-but/prefix", "must not be empty"),
+        (r#"{"type":[{"anything-but":{"suffix":["a",1]}}]}"#, "/type/0/anything-but/suffix/1", "only strings"),
+        (r#"{"type":[{"anything-but":{"prefix":1}}]}"#, "/type/0/anything-but/prefix", "needs a string"),
         (r#"{"type":[{"anything-but":{"numeric":[">",1]}}]}"#, "/type/0/anything-but/numeric", "unknown `anything-but` operator"),
         (r#"{"type":[{"anything-but":{"wildcard":["a**"]}}]}"#, "/type/0/anything-but/wildcard", "consecutive"),
         (r#"{"type":[{"anything-but":{"equals-ignore-case":[1]}}]}"#, "/type/0/anything-but/equals-ignore-case/0", "only strings"),
@@ -1097,6 +1125,9 @@ mod tests {
         (r#"{"$or":[{"type":["a"]},"b"]}"#, "/$or/1", "must be pattern objects"),
         (r#"{"$or":[{"type":["a"]},{}]}"#, "/$or/1", "empty object"),
         (r#"{"$or":[{"prefix":["a"]},{"type":["b"]}]}"#, "/$or/0/prefix", "cannot be a field name inside `$or`"),
+        (r#"{"$or":[{"regex":["a"]},{"type":["b"]}]}"#, "/$or/0/regex", "reserved word"),
+        (r#"{"$or":[{"type":["a"]},{"d":{">=":[1]}}]}"#, "/$or/1/d/>=", "reserved word"),
+        (r#"{"data":{"$or":[{"exactly":["a"]},{"b":[1]}]}}"#, "/data/$or/0/exactly", "reserved word"),
         (r#"{"a/b~c":"x"}"#, "/a~1b~0c", "must be a nested pattern"),
     ];
 

@@ -1,8 +1,21 @@
 //! Rule-file parsing for the rules loader (the config side of rule matching): YAML and JSON
 //! text into a position-annotated tree, so every later check can name `file:line:col`.
+//!
+//! JSON files are read by a JSON parser (`jsonc-parser`, with every extension turned off), not
+//! as YAML: YAML refuses JSON's UTF-16 surrogate-pair escapes (`"\ud83d\ude00"`), so a
+//! pattern copied from EventBridge docs must not go through it. Numbers, in both formats,
+//! become `serde_json::Number` from the text as written, so a rule's `18446744073709551615`
+//! compares with an event's exactly as serde_json reads both.
 
+use std::str::FromStr;
+
+use jsonc_parser::CollectOptions;
+use jsonc_parser::ast::{ObjectPropName, Value as JsonAst};
+use jsonc_parser::common::Ranged as _;
 use saphyr::{LoadableYamlNode, MarkedYamlOwned, ScalarOwned, YamlDataOwned};
 use serde_json::{Map, Number, Value};
+
+use crate::text_pos::{Lines, strict_json};
 
 /// A YAML/JSON value with the 1-based position of its first character.
 #[derive(Debug, Clone, PartialEq)]
@@ -17,8 +30,8 @@ pub(crate) struct Node {
 pub(crate) enum NodeKind {
     Null,
     Bool(bool),
-    Int(i64),
-    Float(f64),
+    /// A finite number, as serde_json reads its text (integers up to `u64` exactly).
+    Number(Number),
     Str(String),
     Seq(Vec<Node>),
     Map(Vec<(Node, Node)>),
@@ -38,7 +51,7 @@ impl Node {
         match self.kind {
             NodeKind::Null => "null",
             NodeKind::Bool(_) => "a boolean",
-            NodeKind::Int(_) | NodeKind::Float(_) => "a number",
+            NodeKind::Number(_) => "a number",
             NodeKind::Str(_) => "a string",
             NodeKind::Seq(_) => "a list",
             NodeKind::Map(_) => "a mapping",
@@ -95,30 +108,19 @@ impl Node {
         cur
     }
 
-    /// Converts to JSON; non-finite floats (`.inf`, `.nan`) are reported and become null.
-    pub fn to_json(&self, errors: &mut Vec<SourceError>) -> Value {
+    /// Converts to JSON.
+    pub fn to_json(&self) -> Value {
         match &self.kind {
             NodeKind::Null => Value::Null,
             NodeKind::Bool(b) => Value::Bool(*b),
-            NodeKind::Int(i) => Value::Number((*i).into()),
-            NodeKind::Float(f) => match Number::from_f64(*f) {
-                Some(n) => Value::Number(n),
-                None => {
-                    errors.push(SourceError {
-                        line: self.line,
-                        col: self.col,
-                        message: format!("{f} is not a JSON number"),
-                    });
-                    Value::Null
-                }
-            },
+            NodeKind::Number(n) => Value::Number(n.clone()),
             NodeKind::Str(s) => Value::String(s.clone()),
-            NodeKind::Seq(items) => Value::Array(items.iter().map(|i| i.to_json(errors)).collect()),
+            NodeKind::Seq(items) => Value::Array(items.iter().map(Node::to_json).collect()),
             NodeKind::Map(entries) => {
                 let mut m = Map::new();
                 for (k, v) in entries {
                     let key = k.as_str().unwrap_or_default().to_string();
-                    m.insert(key, v.to_json(errors));
+                    m.insert(key, v.to_json());
                 }
                 Value::Object(m)
             }
@@ -126,18 +128,111 @@ impl Node {
     }
 }
 
-/// Parses one rule file. `Ok(None)` is an empty file (no document). `.json` files are first
-/// checked as strict JSON (so JSON-only mistakes are reported with serde_json's position),
-/// then read with the YAML parser, of which JSON is a subset, to keep positions.
+/// Parses one rule file. `Ok(None)` is an empty YAML file (no document).
 pub(crate) fn parse(text: &str, is_json: bool) -> Result<Option<Node>, Vec<SourceError>> {
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
-    if is_json && let Err(e) = serde_json::from_str::<serde::de::IgnoredAny>(text) {
+    if is_json {
+        parse_json(text).map(Some)
+    } else {
+        parse_yaml(text)
+    }
+}
+
+/// Strict JSON: serde_json checks the syntax first, so mistakes are reported as serde_json
+/// words them, then jsonc-parser (extensions off) builds the tree with byte ranges.
+fn parse_json(text: &str) -> Result<Node, Vec<SourceError>> {
+    if let Err(e) = serde_json::from_str::<serde::de::IgnoredAny>(text) {
         return Err(vec![SourceError {
             line: e.line().max(1),
             col: e.column().max(1),
             message: format!("JSON syntax error: {e}"),
         }]);
     }
+    let lines = Lines::new(text);
+    let parsed = jsonc_parser::parse_to_ast(text, &CollectOptions::default(), &strict_json())
+        .map_err(|e| {
+            let (line, col) = lines.at(e.range().start);
+            vec![SourceError {
+                line,
+                col,
+                message: format!("JSON syntax error: {}", e.kind()),
+            }]
+        })?;
+    let Some(root) = parsed.value else {
+        // serde_json already refused a text without a value.
+        return Err(vec![SourceError {
+            line: 1,
+            col: 1,
+            message: "JSON syntax error: the file holds no value".to_string(),
+        }]);
+    };
+    let mut errors = Vec::new();
+    let node = json_node(&root, &lines, &mut errors);
+    if errors.is_empty() {
+        Ok(node)
+    } else {
+        Err(errors)
+    }
+}
+
+fn json_node(v: &JsonAst<'_>, lines: &Lines<'_>, errors: &mut Vec<SourceError>) -> Node {
+    let (line, col) = lines.at(v.range().start);
+    let kind = match v {
+        JsonAst::NullKeyword(_) => NodeKind::Null,
+        JsonAst::BooleanLit(b) => NodeKind::Bool(b.value),
+        JsonAst::StringLit(s) => NodeKind::Str(s.value.to_string()),
+        JsonAst::NumberLit(n) => match Number::from_str(n.value) {
+            Ok(n) => NodeKind::Number(n),
+            Err(e) => {
+                errors.push(SourceError {
+                    line,
+                    col,
+                    message: format!("{} is not a usable number: {e}", n.value),
+                });
+                NodeKind::Null
+            }
+        },
+        JsonAst::Array(a) => NodeKind::Seq(
+            a.elements
+                .iter()
+                .map(|e| json_node(e, lines, errors))
+                .collect(),
+        ),
+        JsonAst::Object(o) => {
+            let mut entries: Vec<(Node, Node)> = Vec::with_capacity(o.properties.len());
+            for prop in &o.properties {
+                let (name, range) = match &prop.name {
+                    ObjectPropName::String(s) => (s.value.to_string(), s.range),
+                    ObjectPropName::Word(w) => (w.value.to_string(), w.range),
+                };
+                let (kl, kc) = lines.at(range.start);
+                // serde_json keeps the last of duplicated keys and YAML refuses them: refuse,
+                // since either copy may be the one the author meant.
+                if let Some((first, _)) = entries.iter().find(|(k, _)| k.as_str() == Some(&name)) {
+                    errors.push(SourceError {
+                        line: kl,
+                        col: kc,
+                        message: format!(
+                            "duplicated key `{name}` (first at line {}, column {})",
+                            first.line, first.col
+                        ),
+                    });
+                    continue;
+                }
+                let key = Node {
+                    line: kl,
+                    col: kc,
+                    kind: NodeKind::Str(name),
+                };
+                entries.push((key, json_node(&prop.value, lines, errors)));
+            }
+            NodeKind::Map(entries)
+        }
+    };
+    Node { line, col, kind }
+}
+
+fn parse_yaml(text: &str) -> Result<Option<Node>, Vec<SourceError>> {
     let docs = MarkedYamlOwned::load_from_str(text).map_err(|e| {
         vec![SourceError {
             line: e.marker().line().max(1),
@@ -166,7 +261,8 @@ pub(crate) fn parse(text: &str, is_json: bool) -> Result<Option<Node>, Vec<Sourc
             Err(errors)
         };
     }
-    let node = convert(&first, (1, 1), &mut errors);
+    let lines = Lines::new(text);
+    let node = convert(&first, (1, 1), &lines, &mut errors);
     if errors.is_empty() {
         Ok(Some(node))
     } else {
@@ -176,19 +272,45 @@ pub(crate) fn parse(text: &str, is_json: bool) -> Result<Option<Node>, Vec<Sourc
 
 /// `at` is where to point when the parser gives the node no position (an empty value such as
 /// `id:` is an implicit null at line 0): its key, or its parent.
-fn convert(y: &MarkedYamlOwned, at: (usize, usize), errors: &mut Vec<SourceError>) -> Node {
+fn convert(
+    y: &MarkedYamlOwned,
+    at: (usize, usize),
+    lines: &Lines<'_>,
+    errors: &mut Vec<SourceError>,
+) -> Node {
     let (line, col) = if y.span.start.line() == 0 {
         at
     } else {
         (y.span.start.line(), y.span.start.col() + 1)
     };
     let kind = match &y.data {
+        YamlDataOwned::Value(ScalarOwned::FloatingPoint(f)) if !f.0.is_finite() => {
+            errors.push(SourceError {
+                line,
+                col,
+                message: format!("{} is not a JSON number", f.0),
+            });
+            NodeKind::Null
+        }
+        // Numbers are read from their text as serde_json reads them: YAML rounds integers
+        // past i64 to f64. Forms JSON lacks (`0x10`, `+1`, `.5`) keep YAML's value.
+        YamlDataOwned::Value(s @ (ScalarOwned::Integer(_) | ScalarOwned::FloatingPoint(_))) => {
+            let chars = y.span.end.index().saturating_sub(y.span.start.index());
+            let written = lines
+                .rest_of_line(y.span.start.line(), y.span.start.col())
+                .map(|rest| rest.chars().take(chars).collect::<String>())
+                .and_then(|w| Number::from_str(&w).ok());
+            match written {
+                Some(n) => NodeKind::Number(n),
+                None => scalar(s),
+            }
+        }
         YamlDataOwned::Value(s) => scalar(s),
         YamlDataOwned::Representation(s, _, _) => NodeKind::Str(s.clone()),
         YamlDataOwned::Sequence(items) => NodeKind::Seq(
             items
                 .iter()
-                .map(|i| convert(i, (line, col), errors))
+                .map(|i| convert(i, (line, col), lines, errors))
                 .collect(),
         ),
         YamlDataOwned::Mapping(m) => {
@@ -197,8 +319,7 @@ fn convert(y: &MarkedYamlOwned, at: (usize, usize), errors: &mut Vec<SourceError
                 let key_kind = match &k.data {
                     YamlDataOwned::Value(s) => match scalar(s) {
                         NodeKind::Str(s) => NodeKind::Str(s),
-                        NodeKind::Int(i) => NodeKind::Str(i.to_string()),
-                        NodeKind::Float(f) => NodeKind::Str(f.to_string()),
+                        NodeKind::Number(n) => NodeKind::Str(n.to_string()),
                         NodeKind::Bool(b) => NodeKind::Str(b.to_string()),
                         _ => NodeKind::Str("null".to_string()),
                     },
@@ -225,11 +346,11 @@ fn convert(y: &MarkedYamlOwned, at: (usize, usize), errors: &mut Vec<SourceError
                     kind: key_kind,
                 };
                 let key_at = (key.line, key.col);
-                entries.push((key, convert(v, key_at, errors)));
+                entries.push((key, convert(v, key_at, lines, errors)));
             }
             NodeKind::Map(entries)
         }
-        YamlDataOwned::Tagged(_, inner) => return convert(inner, (line, col), errors),
+        YamlDataOwned::Tagged(_, inner) => return convert(inner, (line, col), lines, errors),
         YamlDataOwned::Alias(_) | YamlDataOwned::BadValue => {
             errors.push(SourceError {
                 line,
@@ -247,8 +368,11 @@ fn scalar(s: &ScalarOwned) -> NodeKind {
     match s {
         ScalarOwned::Null => NodeKind::Null,
         ScalarOwned::Boolean(b) => NodeKind::Bool(*b),
-        ScalarOwned::Integer(i) => NodeKind::Int(*i),
-        ScalarOwned::FloatingPoint(f) => NodeKind::Float(f.0),
+        ScalarOwned::Integer(i) => NodeKind::Number((*i).into()),
+        // `convert` reports non-finite floats, which have no JSON form.
+        ScalarOwned::FloatingPoint(f) => {
+            Number::from_f64(f.0).map_or(NodeKind::Null, NodeKind::Number)
+        }
         ScalarOwned::String(s) => NodeKind::Str(s.clone()),
     }
 }
@@ -289,8 +413,7 @@ mod tests {
         let n = must("{\n\t\"a\": [1, {\"b\": null}]\n}\n", true);
         let b = n.at_pointer("/a/1/b");
         assert_eq!((b.line, b.col, &b.kind), (2, 17, &NodeKind::Null));
-        let mut errs = Vec::new();
-        assert_eq!(n.to_json(&mut errs), json!({"a": [1, {"b": null}]}));
+        assert_eq!(n.to_json(), json!({"a": [1, {"b": null}]}));
         // Valid YAML, invalid JSON: trailing comma.
         let e = parse("{\"a\": [1,]}", true).expect_err("invalid JSON");
         assert_eq!((e[0].line, e[0].col), (1, 10));
@@ -314,9 +437,54 @@ mod tests {
     fn empty_files_and_non_finite_numbers() {
         assert_eq!(parse("", false), Ok(None));
         assert_eq!(parse("# only a comment\n", false), Ok(None));
-        let n = must("a: .inf\n", false);
-        let mut errs = Vec::new();
-        let _ = n.to_json(&mut errs);
-        assert_eq!((errs[0].line, errs[0].col), (1, 4));
+        let e = parse("a: .inf\n", false).expect_err("infinite");
+        assert_eq!((e[0].line, e[0].col), (1, 4));
+        assert!(e[0].message.contains("not a JSON number"), "{e:?}");
+        let e = parse("a: [1, 1e400]\n", false).expect_err("overflow");
+        assert_eq!((e[0].line, e[0].col), (1, 8));
+    }
+
+    #[test]
+    fn json_files_take_surrogate_pairs_and_refuse_duplicated_keys() {
+        let n = must(r#"{"s": ["\ud83d\ude00", "caf\u00e9"]}"#, true);
+        assert_eq!(n.to_json(), json!({"s": ["\u{1F600}", "café"]}));
+        let e = parse("{\n  \"a\": 1,\n  \"a\": 2\n}", true).expect_err("dup");
+        assert_eq!((e[0].line, e[0].col), (3, 3));
+        assert!(
+            e[0].message
+                .contains("duplicated key `a` (first at line 2, column 3)"),
+            "{e:?}"
+        );
+        // A lone surrogate is not a character: serde_json refuses it with a position.
+        let e = parse(r#"{"s": "\ud83d"}"#, true).expect_err("lone surrogate");
+        assert!(e[0].message.starts_with("JSON syntax error"), "{e:?}");
+        // Columns count characters, not bytes.
+        let n = must("{\"é\": {\"ü\": true}}", true);
+        let inner = n.at_pointer("/é/ü");
+        assert_eq!((inner.line, inner.col), (1, 13));
+    }
+
+    #[test]
+    fn numbers_keep_the_value_written_in_both_formats() {
+        for (text, json) in [
+            (
+                "a: [18446744073709551615, -9223372036854775808, 9007199254740993, 2.5, 1e2]\n",
+                false,
+            ),
+            (
+                r#"{"a": [18446744073709551615, -9223372036854775808, 9007199254740993, 2.5, 1e2]}"#,
+                true,
+            ),
+        ] {
+            let n = must(text, json);
+            let want: Value = serde_json::from_str(
+                "[18446744073709551615, -9223372036854775808, 9007199254740993, 2.5, 1e2]",
+            )
+            .expect("json");
+            assert_eq!(n.at_pointer("/a").to_json(), want, "{text}");
+        }
+        // YAML-only spellings keep YAML's reading.
+        let n = must("a: [0x10, +3, .5]\n", false);
+        assert_eq!(n.at_pointer("/a").to_json(), json!([16, 3, 0.5]));
     }
 }

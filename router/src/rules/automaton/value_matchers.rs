@@ -787,8 +787,12 @@ impl AnythingButIndex {
             AnythingBut::Numbers(list) => list
                 .iter()
                 .for_each(|n| self.numbers.insert(Num::from_number(n), slot)),
-            AnythingBut::Prefix(s) => self.strings.prefix(s, false, slot),
-            AnythingBut::Suffix(s) => self.strings.suffix(s, false, slot),
+            AnythingBut::Prefix(list) => list
+                .iter()
+                .for_each(|s| self.strings.prefix(s, false, slot)),
+            AnythingBut::Suffix(list) => list
+                .iter()
+                .for_each(|s| self.strings.suffix(s, false, slot)),
             AnythingBut::EqualsIgnoreCase(list) => list
                 .iter()
                 .for_each(|s| self.strings.equals_ignore_case(s, slot)),

@@ -247,6 +247,24 @@ fn json_syntax_error_has_position() {
     );
 }
 
+/// A pattern pasted from EventBridge docs into a JSON rule file reads as serde_json reads it:
+/// UTF-16 escapes of characters past U+FFFF and integers past i64 keep their exact value.
+#[test]
+fn json_rule_files_read_escapes_and_numbers_as_json_does() {
+    let src = r#"{"rules": [{"name": "emoji", "targets": [{"webhook": "http://127.0.0.1:9/x"}],
+        "pattern": {"data": {"mood": ["\ud83d\ude00"], "n": [18446744073709551615]}}}]}"#;
+    let (set, w) = ok(&[("r.json", src)]);
+    assert!(w.is_empty(), "{w:?}");
+    let ev = |n: serde_json::Value| json!({"type": "t", "data": {"mood": "\u{1F600}", "n": n}});
+    assert_eq!(set.matches(&ev(json!(18446744073709551615u64))).len(), 1);
+    assert!(set.matches(&ev(json!(18446744073709551614u64))).is_empty());
+    one_err(
+        &[("r.json", "{\n  \"rules\": [],\n  \"rules\": []\n}")],
+        "r.json:3:3: ",
+        "duplicated key `rules`",
+    );
+}
+
 #[test]
 fn duplicate_yaml_keys_are_errors() {
     one_err(
