@@ -3,6 +3,8 @@
 //! where their value is written.
 
 use jsonc_parser::ast::{ObjectPropName, Value as JsonAst};
+use std::collections::HashMap;
+
 use jsonc_parser::common::Ranged as _;
 use jsonc_parser::{CollectOptions, ParseOptions};
 
@@ -59,10 +61,11 @@ pub(crate) fn strict_json() -> ParseOptions {
     }
 }
 
-/// A JSON text parsed once, to locate many pointers in it (a compatibility report can name
-/// thousands of places in one contract).
+/// Where every value of a JSON text is written, indexed once by JSON pointer, to locate many
+/// pointers in it (a compatibility report can name tens of thousands of places in one file).
 pub(crate) struct JsonPositions<'a> {
-    root: JsonAst<'a>,
+    /// Pointer → byte offset of the member's key (object members) or of the value.
+    offsets: HashMap<String, usize>,
     lines: Lines<'a>,
 }
 
@@ -71,8 +74,12 @@ impl<'a> JsonPositions<'a> {
     pub fn new(text: &'a str) -> Option<JsonPositions<'a>> {
         let parsed =
             jsonc_parser::parse_to_ast(text, &CollectOptions::default(), &strict_json()).ok()?;
+        let root = parsed.value?;
+        let mut offsets = HashMap::new();
+        let mut pointer = String::new();
+        index(&root, root.range().start, &mut pointer, &mut offsets);
         Some(JsonPositions {
-            root: parsed.value?,
+            offsets,
             lines: Lines::new(text),
         })
     }
@@ -81,33 +88,35 @@ impl<'a> JsonPositions<'a> {
     /// the value itself otherwise. `None` when the pointer does not resolve. With duplicated
     /// keys the last one is used, as serde_json keeps the last.
     pub fn locate(&self, pointer: &str) -> Option<(usize, usize)> {
-        let mut cur = &self.root;
-        let mut mark = cur.range().start;
-        if !pointer.is_empty() {
-            for raw in pointer.strip_prefix('/')?.split('/') {
-                let token = raw.replace("~1", "/").replace("~0", "~");
-                match cur {
-                    JsonAst::Object(o) => {
-                        let prop = o.properties.iter().rev().find(|p| match &p.name {
-                            ObjectPropName::String(s) => s.value == token,
-                            ObjectPropName::Word(w) => w.value == token,
-                        })?;
-                        mark = prop.range.start;
-                        cur = &prop.value;
-                    }
-                    JsonAst::Array(a) => {
-                        // RFC 6901: no leading zeros, no sign.
-                        if token.len() > 1 && token.starts_with('0') {
-                            return None;
-                        }
-                        cur = a.elements.get(token.parse::<usize>().ok()?)?;
-                        mark = cur.range().start;
-                    }
-                    _ => return None,
-                }
+        self.offsets.get(pointer).map(|&at| self.lines.at(at))
+    }
+}
+
+fn index(v: &JsonAst<'_>, at: usize, pointer: &mut String, out: &mut HashMap<String, usize>) {
+    out.insert(pointer.clone(), at);
+    let len = pointer.len();
+    match v {
+        JsonAst::Object(o) => {
+            for prop in &o.properties {
+                let name = match &prop.name {
+                    ObjectPropName::String(s) => s.value.as_ref(),
+                    ObjectPropName::Word(w) => w.value,
+                };
+                pointer.push('/');
+                pointer.push_str(&name.replace('~', "~0").replace('/', "~1"));
+                index(&prop.value, prop.range.start, pointer, out);
+                pointer.truncate(len);
             }
         }
-        Some(self.lines.at(mark))
+        JsonAst::Array(a) => {
+            for (i, e) in a.elements.iter().enumerate() {
+                pointer.push('/');
+                pointer.push_str(&i.to_string());
+                index(e, e.range().start, pointer, out);
+                pointer.truncate(len);
+            }
+        }
+        _ => {}
     }
 }
 
