@@ -348,9 +348,19 @@ impl HandlerIndex {
         serde_json::to_vec_pretty(self).unwrap_or_default()
     }
 
-    /// An index as stored.
+    /// An index as stored. An index of a newer format than this router writes is refused,
+    /// not read: in a rolling upgrade an older node would otherwise drop what it does not
+    /// know (an owner, a deletion) when it next writes the record. Such a node keeps serving
+    /// what it has and reports the record until it is upgraded.
     pub(crate) fn from_bytes(bytes: &[u8]) -> Result<Self, serde_json::Error> {
-        serde_json::from_slice(bytes)
+        let index: HandlerIndex = serde_json::from_slice(bytes)?;
+        if index.format > INDEX_FORMAT {
+            return Err(<serde_json::Error as serde::de::Error>::custom(format!(
+                "the index of handler {:?} has format {}, newer than this router reads ({INDEX_FORMAT}): upgrade this node",
+                index.name, index.format
+            )));
+        }
+        Ok(index)
     }
 }
 
@@ -700,13 +710,12 @@ impl HandlerRegistry {
             if !valid_handler_name(&name) || !index_path.is_file() {
                 continue;
             }
-            let index: HandlerIndex =
-                serde_json::from_slice(&fs::read(&index_path)?).map_err(|e| {
-                    RegistryError::CorruptIndex {
-                        path: index_path.clone(),
-                        message: e.to_string(),
-                    }
-                })?;
+            let index = HandlerIndex::from_bytes(&fs::read(&index_path)?).map_err(|e| {
+                RegistryError::CorruptIndex {
+                    path: index_path.clone(),
+                    message: e.to_string(),
+                }
+            })?;
             let active_version = index
                 .active
                 .as_ref()

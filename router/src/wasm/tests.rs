@@ -1420,3 +1420,29 @@ async fn without_a_catalog_changes_go_to_the_registry_alone() {
     assert_eq!(changes.rollback("noop", "1").await.unwrap().version, 1);
     assert!(changes.delete("noop").await.unwrap());
 }
+
+/// An index written by a newer router is refused, not half-read: an older node in a rolling
+/// upgrade (or after a downgrade) would otherwise drop what it does not know when it writes
+/// the index again. Locally the registry does not open; a shared catalog's record is refused
+/// by the same decoder.
+#[test]
+fn an_index_of_a_newer_format_is_refused() {
+    let (dir, registry) = registry_with(&["noop"]);
+    drop(registry);
+    let path = dir.path().join("handlers/noop/index.json");
+    let mut index: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    index["format"] = serde_json::json!(99);
+    let newer = serde_json::to_vec(&index).unwrap();
+    std::fs::write(&path, &newer).unwrap();
+    let Err(err) = HandlerRegistry::open(dir.path().join("handlers"), engine()) else {
+        panic!("an index of a newer format was read");
+    };
+    let err = err.to_string();
+    assert!(
+        err.contains("format 99, newer than this router reads"),
+        "{err}"
+    );
+    assert!(registry::HandlerIndex::from_bytes(&newer).is_err());
+    index["format"] = serde_json::json!(1);
+    assert!(registry::HandlerIndex::from_bytes(&serde_json::to_vec(&index).unwrap()).is_ok());
+}
