@@ -335,6 +335,17 @@ impl CloudEvent {
         self.traceparent().filter(|tp| is_w3c_traceparent(tp))
     }
 
+    /// The W3C `tracestate` that goes with [`CloudEvent::trace_context`]: only beside a valid
+    /// `traceparent`, and only one that can be sent as a header (printable ASCII, at most 512
+    /// characters, as the W3C recommendation bounds it).
+    pub fn trace_state(&self) -> Option<&str> {
+        self.trace_context()?;
+        self.extensions
+            .get("tracestate")
+            .and_then(Value::as_str)
+            .filter(|ts| is_w3c_tracestate(ts))
+    }
+
     /// Number of handler hops that produced this event (0 for producer events).
     pub fn hops(&self) -> u32 {
         self.extensions
@@ -425,10 +436,16 @@ pub fn content_type_is_json(ct: &str) -> bool {
     essence == "application/json" || essence == "text/json" || essence.ends_with("+json")
 }
 
+/// Whether `ts` can be a W3C `tracestate` header: 1 to 512 printable ASCII characters (the
+/// list syntax is the tracing system's to judge; this only keeps the header sendable).
+pub(crate) fn is_w3c_tracestate(ts: &str) -> bool {
+    !ts.is_empty() && ts.len() <= 512 && ts.bytes().all(|b| (b' '..=b'~').contains(&b))
+}
+
 /// Whether `tp` is a W3C Trace Context `traceparent`: `version-traceid-parentid-flags` in
 /// lower-case hex (2, 32, 16 and 2 digits), the ids not all zeros, version `ff` invalid, and
 /// version `00` with nothing after the flags (later versions may append `-` fields).
-fn is_w3c_traceparent(tp: &str) -> bool {
+pub(crate) fn is_w3c_traceparent(tp: &str) -> bool {
     fn hex(s: &str) -> bool {
         s.bytes()
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))

@@ -66,6 +66,9 @@ async fn structured_batch_and_binary_modes_are_accepted() {
         .header("ce-source", "/test")
         .header("ce-type", "order.created")
         .header("ce-partitionkey", "A")
+        // An instrumented client's trace context, in plain HTTP headers.
+        .header("traceparent", TRACEPARENT)
+        .header("tracestate", "rojo=00f067aa0ba902b7")
         .body(good.to_string())
         .send()
         .await
@@ -84,7 +87,18 @@ async fn structured_batch_and_binary_modes_are_accepted() {
         .expect("binary event delivered");
     assert_eq!(bin.body["data"]["order_id"], "A");
     assert_eq!(bin.body["partitionkey"], "A");
+    assert_eq!(bin.header("traceparent").as_deref(), Some(TRACEPARENT));
+    assert_eq!(
+        bin.header("tracestate").as_deref(),
+        Some("rojo=00f067aa0ba902b7")
+    );
+    assert_eq!(bin.body["traceparent"], TRACEPARENT);
+    // An empty batch is valid (HTTP binding §3.3.2) and stores nothing.
+    let (s, b) = post_raw(&r, "application/cloudevents-batch+json", b"[]".to_vec()).await;
+    assert_eq!((s, b), (202, json!({"results": []})));
 }
+
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_source_and_id_is_routed_once() {

@@ -686,6 +686,7 @@ fn request_for(rt: &TargetRuntime, leased: &Leased) -> DeliveryRequest {
         event_id: leased.event.event.id.clone(),
         attempt: u32::try_from(leased.entry.attempts.len()).unwrap_or(u32::MAX),
         traceparent: leased.event.event.trace_context().map(str::to_string),
+        tracestate: leased.event.event.trace_state().map(str::to_string),
         timeout: rt.spec.policy.timeout,
         event: leased.event.clone(),
         replay,
@@ -840,6 +841,7 @@ async fn attempt_batch(
             batch: Some(n),
             // Each event of the body carries its own `traceparent`.
             traceparent: None,
+            tracestate: None,
             ..request_for(&rt, &first.leased)
         };
         let started = Instant::now();

@@ -191,6 +191,16 @@ async fn handle(
             return error_response(e.status, summary, e.errors);
         }
     };
+    if events.is_empty() {
+        // An empty batch (the HTTP binding allows one): nothing to check, limit or store.
+        return (
+            StatusCode::ACCEPTED,
+            axum::Json(Answer {
+                results: Vec::new(),
+            }),
+        )
+            .into_response();
+    }
     // Scope: every event's type and source must be within the token's ingest scopes (nothing
     // is stored otherwise).
     for ev in &events {

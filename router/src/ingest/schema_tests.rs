@@ -72,7 +72,53 @@ fn schema_and_parser_agree_on_every_case() {
         ),
         (
             "extensions of each scalar type",
-            with(json!({"region": "eu", "n1": 1.5, "flag": true})),
+            with(json!({"region": "eu", "n1": -2_147_483_648_i64, "flag": true})),
+            true,
+        ),
+        (
+            "fractional extension number",
+            with(json!({"n1": 1.5})),
+            false,
+        ),
+        (
+            "extension number past the 32-bit Integer",
+            with(json!({"n1": 2_147_483_648_u64})),
+            false,
+        ),
+        (
+            "control character in an extension",
+            with(json!({"region": "e\u{7f}u"})),
+            false,
+        ),
+        ("empty subject", with(json!({"subject": ""})), false),
+        (
+            "control character in source",
+            with(json!({"source": "/s\n"})),
+            false,
+        ),
+        (
+            "time with a space for T",
+            with(json!({"time": "2024-05-01 12:00:00Z"})),
+            false,
+        ),
+        (
+            "relative dataschema",
+            with(json!({"dataschema": "schemas/a.json"})),
+            false,
+        ),
+        (
+            "dataschema with a space",
+            with(json!({"dataschema": "https://example.com/a b"})),
+            false,
+        ),
+        (
+            "datacontenttype that is not a media type",
+            with(json!({"datacontenttype": "json"})),
+            false,
+        ),
+        (
+            "datacontenttype with parameters",
+            with(json!({"datacontenttype": "text/plain; charset=utf-8"})),
             true,
         ),
         (
@@ -130,8 +176,13 @@ fn schema_and_parser_agree_on_every_case() {
             false,
         ),
         (
-            "21-character extension name",
+            "21-character extension name (a SHOULD NOT)",
             with(json!({"abcdefghij0123456789x": "x"})),
+            true,
+        ),
+        (
+            "65-character extension name",
+            with(json!({"a23456789b123456789c123456789d123456789e123456789f123456789g12345": "x"})),
             false,
         ),
         (
@@ -142,14 +193,24 @@ fn schema_and_parser_agree_on_every_case() {
         ("array extension value", with(json!({"ext": [1]})), false),
         ("dataversion 0", with(json!({"dataversion": 0})), false),
         (
-            "dataversion as a string",
+            "dataversion as a canonical string",
             with(json!({"dataversion": "2"})),
+            true,
+        ),
+        (
+            "dataversion string past the 32-bit Integer",
+            with(json!({"dataversion": "2147483648"})),
+            false,
+        ),
+        (
+            "dataversion string not digits",
+            with(json!({"dataversion": "v2"})),
             false,
         ),
         ("dataversion 1.5", with(json!({"dataversion": 1.5})), false),
         (
-            "dataversion past u32",
-            with(json!({"dataversion": 4_294_967_296_u64})),
+            "dataversion past the 32-bit Integer",
+            with(json!({"dataversion": 2_147_483_648_u64})),
             false,
         ),
         ("reserved hops", with(json!({"hops": 1})), false),

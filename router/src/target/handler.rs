@@ -435,9 +435,13 @@ impl HandlerTarget {
                     )
                 })?;
                 ev.extensions.insert("hops".into(), Value::from(hops));
-                if let Some(tp) = &req.traceparent {
-                    ev.extensions
-                        .insert("traceparent".into(), Value::from(tp.clone()));
+                for (name, value) in [
+                    ("traceparent", &req.traceparent),
+                    ("tracestate", &req.tracestate),
+                ] {
+                    if let Some(v) = value {
+                        ev.extensions.insert(name.into(), Value::from(v.clone()));
+                    }
                 }
                 Ok(ev)
             })

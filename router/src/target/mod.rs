@@ -23,6 +23,8 @@ pub struct DeliveryRequest {
     pub attempt: u32,
     /// W3C trace context to propagate.
     pub traceparent: Option<String>,
+    /// The W3C `tracestate` that goes with `traceparent`.
+    pub tracestate: Option<String>,
     /// Deadline for this attempt.
     pub timeout: Duration,
     /// The event as stored (handlers receive its structured form, [`DeliveryRequest::event_json`]).

@@ -290,10 +290,15 @@ fn message_headers(req: &DeliveryRequest) -> HeaderMap {
         h.insert(async_nats::header::NATS_MESSAGE_ID, key.clone());
         h.insert("Idempotency-Key", key);
     }
-    if let Some(tp) = &req.traceparent {
-        match tp.parse::<HeaderValue>() {
-            Ok(v) => h.insert("traceparent", v),
-            Err(_) => tracing::debug!("traceparent is not a valid NATS header value; left out"),
+    for (name, value) in [
+        ("traceparent", &req.traceparent),
+        ("tracestate", &req.tracestate),
+    ] {
+        if let Some(v) = value {
+            match v.parse::<HeaderValue>() {
+                Ok(v) => h.insert(name, v),
+                Err(_) => tracing::debug!("{name} is not a valid NATS header value; left out"),
+            }
         }
     }
     h
@@ -534,6 +539,7 @@ mod tests {
             event_id: "e-1".into(),
             attempt: 1,
             traceparent: traceparent.map(str::to_string),
+            tracestate: traceparent.map(|_| "congo=t61rcWkgMzE".to_string()),
             timeout,
             event: Arc::new(crate::store::StoredEvent {
                 seq: 1,
@@ -570,6 +576,7 @@ mod tests {
         );
         assert_eq!(get("Idempotency-Key"), get("Nats-Msg-Id"));
         assert_eq!(get("traceparent").as_deref(), Some(tp));
+        assert_eq!(get("tracestate").as_deref(), Some("congo=t61rcWkgMzE"));
         // A traceparent that cannot be a header is left out, not a failed delivery.
         let h = message_headers(&request(Duration::from_secs(1), Some("00-a\r\nX: y")));
         assert!(h.get("traceparent").is_none());

@@ -305,6 +305,9 @@ impl Webhook {
         if let Some(tp) = &req.traceparent {
             h.insert("traceparent", value("traceparent", tp)?);
         }
+        if let Some(ts) = &req.tracestate {
+            h.insert("tracestate", value("tracestate", ts)?);
+        }
         if !self.signing_keys.is_empty() {
             let ts = SystemTime::now()
                 .duration_since(SystemTime::UNIX_EPOCH)
@@ -618,6 +621,7 @@ mod tests {
             event_id: "e-1".into(),
             attempt: 1,
             traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
+            tracestate: Some("congo=t61rcWkgMzE".into()),
             timeout,
             event: Arc::new(crate::store::StoredEvent {
                 seq: 1,
@@ -731,6 +735,7 @@ mod tests {
             "content-type",
             "idempotency-key",
             "traceparent",
+            "tracestate",
             "x-team",
             "user-agent",
             "accept",
