@@ -172,12 +172,6 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
     })
     .await
     .map_err(|e| ReloadError::Invalid(format!("reload task failed: {e}")))?;
-    let running: std::collections::HashMap<String, TargetSpec> = app
-        .dispatcher
-        .running()
-        .into_iter()
-        .map(|s| (s.id.clone(), s))
-        .collect();
     let result: Result<_, ReloadError> = match loaded {
         (Ok(r), Ok(c), git) => {
             // A target added or changed must be able to start (its signing secret set, its
@@ -187,7 +181,7 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
             let mut prepared = Vec::new();
             let mut cannot_start = Vec::new();
             for spec in r.0.targets.values() {
-                if running.get(&spec.id) != Some(spec) {
+                if !app.dispatcher.is_current(spec) {
                     match app.dispatcher.prepare(spec.clone()) {
                         Ok(p) => prepared.push(p),
                         Err(e) => cannot_start.push(e.to_string()),
@@ -1645,5 +1639,19 @@ mod tests {
         assert!(report.targets_started.contains(&"signed".to_owned()));
         assert!(app.rules.load().targets.contains_key("signed"));
         assert!(app.dispatcher.running().iter().any(|s| s.id == "signed"));
+
+        // A key rotation in the secrets file, with the rules unchanged: the reload builds the
+        // target again with the new keys; a reload with nothing changed leaves it be.
+        let report = reload(&app, "test").await.expect("nothing changed");
+        assert!(report.targets_started.is_empty(), "{report:?}");
+        std::fs::write(
+            &secrets,
+            "ROUTER_UNIT_TEST_SECRET_NEVER_SET = \"whsec_bmV3 whsec_c2VjcmV0\"\n",
+        )
+        .expect("secrets file");
+        let report = reload(&app, "test").await.expect("rotated");
+        assert_eq!(report.targets_started, ["signed"], "{report:?}");
+        let report = reload(&app, "test").await.expect("nothing changed");
+        assert!(report.targets_started.is_empty(), "{report:?}");
     }
 }

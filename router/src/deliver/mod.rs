@@ -63,6 +63,9 @@ pub struct DeliveryContext {
 
 struct Running {
     runtime: Arc<TargetRuntime>,
+    /// A fingerprint of the signing secret the target was built with (see
+    /// [`Dispatcher::secret_fingerprint`]).
+    secret: Option<u64>,
     stop: CancellationToken,
     target: Arc<dyn Target>,
     /// The worker's attempt slots, shared with handoffs at acceptance.
@@ -129,6 +132,7 @@ pub enum StartError {
 pub struct PreparedTarget {
     spec: TargetSpec,
     target: Arc<dyn Target>,
+    secret: Option<u64>,
 }
 
 impl PreparedTarget {
@@ -297,8 +301,42 @@ impl Dispatcher {
     /// set, the WASM runtime down for a handler) without starting a worker:
     /// [`Self::start`] runs it.
     pub fn prepare(&self, spec: TargetSpec) -> Result<PreparedTarget, StartError> {
+        let secret = self.secret_fingerprint(&spec);
         let target = self.build_target(&spec)?;
-        Ok(PreparedTarget { spec, target })
+        Ok(PreparedTarget {
+            spec,
+            target,
+            secret,
+        })
+    }
+
+    /// A fingerprint (in-process hash) of the signing secret `spec` resolves to now, so that a
+    /// reload notices a secret changed in the environment or the secrets file (a key rotation)
+    /// although the rule files did not change: the target is built again with the new keys.
+    /// `None` for a target without a secret, or one whose secret is not set.
+    fn secret_fingerprint(&self, spec: &TargetSpec) -> Option<u64> {
+        use std::hash::{Hash as _, Hasher as _};
+        let TargetKind::Webhook {
+            secret_env: Some(name),
+            ..
+        } = &spec.kind
+        else {
+            return None;
+        };
+        let value = (self.ctx.secrets)(name)?;
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        value.hash(&mut h);
+        Some(h.finish())
+    }
+
+    /// Whether a worker runs `spec` as it is now: the same configuration and, for a signed
+    /// webhook, the same secret. A reload prepares the targets for which this is false.
+    pub fn is_current(&self, spec: &TargetSpec) -> bool {
+        let secret = self.secret_fingerprint(spec);
+        let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        running
+            .get(&spec.id)
+            .is_some_and(|r| r.runtime.spec == *spec && r.secret == secret)
     }
 
     /// Runs a worker for `spec`, replacing one with an older configuration.
@@ -311,7 +349,11 @@ impl Dispatcher {
     /// Runs a worker for a prepared target, replacing one with an older configuration (a
     /// worker with the same configuration stays as it is).
     pub async fn start(&self, prepared: PreparedTarget) {
-        let PreparedTarget { spec, target } = prepared;
+        let PreparedTarget {
+            spec,
+            target,
+            secret,
+        } = prepared;
         // A new worker's saved state is read before the lock is taken: on the JetStream store
         // the read is a round trip, and ingest takes this lock on every accept (`reserve`). A
         // runtime thread blocked on the lock behind that read can starve the very task that
@@ -320,7 +362,7 @@ impl Dispatcher {
             let was_running = {
                 let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
                 match running.get(&spec.id) {
-                    Some(r) if r.runtime.spec == spec => return,
+                    Some(r) if r.runtime.spec == spec && r.secret == secret => return,
                     r => r.is_some(),
                 }
             };
@@ -331,7 +373,7 @@ impl Dispatcher {
             };
             let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
             match (running.get(&spec.id), stored) {
-                (Some(r), _) if r.runtime.spec == spec => return,
+                (Some(r), _) if r.runtime.spec == spec && r.secret == secret => return,
                 (Some(_), _) => break (running, None),
                 (None, Some(stored)) => break (running, Some(stored)),
                 // Stopped between the two looks (rare): look again, reading its saved state
@@ -369,6 +411,7 @@ impl Dispatcher {
             runtime.spec.id.clone(),
             Running {
                 runtime,
+                secret,
                 stop,
                 target,
                 slots,

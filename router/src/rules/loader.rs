@@ -33,6 +33,30 @@ const TARGET_KEYS: &[&str] = &[
 const TARGET_KINDS: &[&str] = &["webhook", "handler", "nats"];
 /// Policy sections whose fields are checked one by one to locate serde errors.
 const POLICY_SECTIONS: &[&str] = &["retry", "breaker", "throttle"];
+/// Header names (lower case) that the router sets for every attempt, or that decide how the
+/// HTTP message is framed and routed: a rule file's value would truncate or corrupt the body
+/// (`content-length: 5` cuts it to five bytes, and the receiver's 200 would record a delivery
+/// of a broken event) or contradict the router's own (`content-type`, `idempotency-key`, the
+/// signature headers).
+const RESERVED_HEADERS: &[&str] = &[
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+    "host",
+    "content-type",
+    "content-encoding",
+    "idempotency-key",
+    "traceparent",
+    "tracestate",
+    "webhook-id",
+    "webhook-timestamp",
+    "webhook-signature",
+];
 /// Header names (lower case) that carry credentials and so do not belong in git.
 const SECRET_HEADERS: &[&str] = &["authorization", "proxy-authorization", "cookie"];
 const SECRET_WORDS: &[&str] = &[
@@ -908,6 +932,17 @@ impl Cx<'_> {
                                 let name = k.as_str().unwrap_or_default();
                                 if !valid_header_name(name) {
                                     self.err(file, k, format!("invalid header name `{name}`"));
+                                    ok = false;
+                                    continue;
+                                }
+                                if RESERVED_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
+                                    self.err(
+                                        file,
+                                        k,
+                                        format!(
+                                            "header `{name}` is set by the router (or frames the request) and cannot be set in a rule file"
+                                        ),
+                                    );
                                     ok = false;
                                     continue;
                                 }

@@ -495,6 +495,23 @@ rules:
     assert!(e[1].starts_with("r.yaml:7:9: `secret_env` applies to webhook targets only"));
     assert!(e[2].starts_with("r.yaml:9:21: `secret_env` must name an environment variable"));
 
+    let framing = "\
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - webhook: http://h/
+        headers: { Content-Length: '5', transfer-encoding: chunked, X-Ok: y, Idempotency-Key: k }
+";
+    let e = errs(&[("r.yaml", framing)]);
+    assert_eq!(e.len(), 3, "{e:#?}");
+    assert!(
+        e[0].starts_with("r.yaml:6:20: header `Content-Length` is set by the router"),
+        "{e:#?}"
+    );
+    assert!(e[1].contains("`transfer-encoding`"), "{e:#?}");
+    assert!(e[2].contains("`Idempotency-Key`"), "{e:#?}");
+
     let warn = "\
 rules:
   - name: a
