@@ -476,7 +476,9 @@ pub(crate) fn is_w3c_traceparent(tp: &str) -> bool {
         && if version == "00" {
             rest.is_empty()
         } else {
-            rest.is_empty() || rest.starts_with('-')
+            // Later versions may append fields; they must still fit in a header value.
+            rest.is_empty()
+                || (rest.starts_with('-') && rest.bytes().all(|b| (b' '..=b'~').contains(&b)))
         }
 }
 
@@ -505,6 +507,8 @@ mod tests {
             "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
             "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-0é",
             "00-0af7651916cd43dd8448eb211c80319c_b7ad6b7169203331-01",
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-\u{1}",
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-é",
         ] {
             assert!(!ok(bad), "{bad:?}");
         }

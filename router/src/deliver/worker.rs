@@ -518,9 +518,13 @@ pub fn decide(
             if attempts >= retry.max_attempts {
                 return dead(DlqReason::RetriesExhausted);
             }
+            // Retry-After (up to its cap) is a "not before": never sooner than the backoff, so
+            // `Retry-After: 0`, or a date the receiver's slow clock puts in the past, cannot
+            // turn a policy's backoff into back-to-back attempts.
+            let backoff = backoff::delay(retry, attempts, jitter);
             let wait = match retry_after {
-                Some(ra) => (*ra).min(retry.retry_after_max),
-                None => backoff::delay(retry, attempts, jitter),
+                Some(ra) => (*ra).min(retry.retry_after_max).max(backoff),
+                None => backoff,
             };
             let due_at = now.saturating_add(ms(wait));
             if due_at > accepted_at.saturating_add(ms(retry.max_age)) {
@@ -1420,6 +1424,15 @@ mod tests {
             ),
             Disposition::Retry { due_at: 10_000 }
         );
+        // Retry-After: 0 does not undo the backoff.
+        assert_eq!(
+            decide(&transient(Some(Duration::ZERO)), 1, 0, 0, &p, 0.5, false),
+            decide(&transient(None), 1, 0, 0, &p, 0.5, false),
+        );
+        assert!(matches!(
+            decide(&transient(Some(Duration::ZERO)), 1, 0, 0, &p, 0.5, false),
+            Disposition::Retry { due_at } if due_at > 0
+        ));
         // accepted at 0, max_age 60s: a retry due after 60s is a max_age_exceeded.
         assert_eq!(
             decide(

@@ -222,6 +222,9 @@ enum Exchange {
         status: u16,
         retry_after: Option<Duration>,
         body: CappedBody,
+        /// Why the body could not be read to its end (or to the cap), if it could not: the
+        /// status still decides the outcome.
+        read_error: Option<String>,
     },
     /// ... or why there is none.
     Failed(AttemptOutcome),
@@ -283,8 +286,7 @@ impl Webhook {
     }
 
     /// Every header of one attempt: the rule file's, then the CloudEvent's, then the
-    /// signature's. `Err` names a value that is not a valid header (a producer's
-    /// `traceparent`).
+    /// signature's. `Err` names a value that is not a valid header.
     fn request_headers(&self, req: &DeliveryRequest) -> Result<HeaderMap, String> {
         let value = |name: &str, v: &str| {
             HeaderValue::from_str(v).map_err(|_| format!("invalid {name} header value"))
@@ -302,11 +304,20 @@ impl Webhook {
             "idempotency-key",
             value("idempotency-key", &req.idempotency_key)?,
         );
-        if let Some(tp) = &req.traceparent {
-            h.insert("traceparent", value("traceparent", tp)?);
-        }
-        if let Some(ts) = &req.tracestate {
-            h.insert("tracestate", value("tracestate", ts)?);
+        // Trace context that cannot be a header is left out, as on NATS: it is not worth
+        // failing (and retrying, and opening the breaker on) a delivery that cannot change.
+        for (name, v) in [
+            ("traceparent", &req.traceparent),
+            ("tracestate", &req.tracestate),
+        ] {
+            if let Some(v) = v {
+                match HeaderValue::from_str(v) {
+                    Ok(v) => {
+                        h.insert(name, v);
+                    }
+                    Err(_) => tracing::debug!("{name} is not a valid header value; left out"),
+                }
+            }
         }
         if !self.signing_keys.is_empty() {
             let ts = SystemTime::now()
@@ -328,23 +339,20 @@ impl Webhook {
     async fn attempt(&self, req: &DeliveryRequest) -> AttemptOutcome {
         let headers = match self.request_headers(req) {
             Ok(h) => h,
+            // The same event would fail the same way at every attempt.
             Err(e) => {
-                return AttemptOutcome::Retryable {
+                return AttemptOutcome::Permanent {
                     error: format!("request failed: {e}"),
                     status: None,
-                    retry_after: None,
                 };
             }
         };
         let exchange = match &self.transport {
             Transport::Plain { client, uri } => {
-                // reqwest's timeout covers the request and the whole body read; so does this.
-                match tokio::time::timeout(req.timeout, self.send_plain(client, uri, headers, req))
-                    .await
-                {
-                    Ok(x) => x,
-                    Err(elapsed) => Exchange::Failed(transport_error("timeout", &elapsed)),
-                }
+                // reqwest's timeout covers the request and the whole body read; so does this
+                // (the body read stops at the same deadline, keeping the status it has).
+                let deadline = tokio::time::Instant::now() + req.timeout;
+                self.send_plain(client, uri, headers, req, deadline).await
             }
             Transport::Reqwest { client, url } => {
                 self.send_reqwest(client, url, headers, req).await
@@ -355,7 +363,35 @@ impl Webhook {
                 status,
                 retry_after,
                 body,
-            } => classify(status, &body.bytes, body.truncated, retry_after),
+                read_error,
+            } => {
+                let outcome = classify(status, &body.bytes, body.truncated, retry_after);
+                match (outcome, read_error) {
+                    (
+                        AttemptOutcome::Retryable {
+                            error,
+                            status,
+                            retry_after,
+                        },
+                        Some(why),
+                    ) => AttemptOutcome::Retryable {
+                        error: format!("{error} (then reading the body failed: {why})"),
+                        status,
+                        retry_after,
+                    },
+                    (AttemptOutcome::Permanent { error, status }, Some(why)) => {
+                        AttemptOutcome::Permanent {
+                            error: format!("{error} (then reading the body failed: {why})"),
+                            status,
+                        }
+                    }
+                    (outcome, Some(why)) => {
+                        tracing::debug!(error = %why, "webhook body read failed after a 2xx");
+                        outcome
+                    }
+                    (outcome, None) => outcome,
+                }
+            }
             Exchange::Failed(outcome) => outcome,
         }
     }
@@ -366,6 +402,7 @@ impl Webhook {
         uri: &hyper::Uri,
         mut headers: HeaderMap,
         req: &DeliveryRequest,
+        deadline: tokio::time::Instant,
     ) -> Exchange {
         // What reqwest adds unless the request has its own.
         headers
@@ -378,9 +415,10 @@ impl Webhook {
         *request.method_mut() = hyper::Method::POST;
         *request.uri_mut() = uri.clone();
         *request.headers_mut() = headers;
-        let resp = match client.request(request).await {
-            Ok(r) => r,
-            Err(e) => {
+        let resp = match tokio::time::timeout_at(deadline, client.request(request)).await {
+            Ok(Ok(r)) => r,
+            Err(elapsed) => return Exchange::Failed(transport_error("timeout", &elapsed)),
+            Ok(Err(e)) => {
                 let kind = if e.is_connect() {
                     "connection failed"
                 } else {
@@ -389,7 +427,7 @@ impl Webhook {
                 return Exchange::Failed(transport_error(kind, &e));
             }
         };
-        read_answer(resp, self.max_response_bytes).await
+        read_answer(resp, self.max_response_bytes, Some(deadline)).await
     }
 
     async fn send_reqwest(
@@ -420,13 +458,19 @@ impl Webhook {
             }
         };
         // The conversion keeps reqwest's body, and with it the request's timeout.
-        read_answer(http::Response::from(resp), self.max_response_bytes).await
+        read_answer(http::Response::from(resp), self.max_response_bytes, None).await
     }
 }
 
 /// Reads the status, `Retry-After` and a bounded prefix of the body of `resp` (the rest is
-/// dropped with the connection), from either transport.
-async fn read_answer<B>(resp: http::Response<B>, max: usize) -> Exchange
+/// dropped with the connection), from either transport. The body read stops at `deadline`
+/// (reqwest's bodies carry their own), and a read that fails or times out keeps the status:
+/// a 2xx is a delivery however its body ends, a 404 stays a 404.
+async fn read_answer<B>(
+    resp: http::Response<B>,
+    max: usize,
+    deadline: Option<tokio::time::Instant>,
+) -> Exchange
 where
     B: hyper::body::Body<Data = Bytes> + Unpin,
     B::Error: std::fmt::Display,
@@ -435,8 +479,19 @@ where
     let retry_after = retry_after_of(resp.headers());
     let mut body = CappedBody::new(max);
     let mut incoming = resp.into_body();
+    let mut read_error = None;
     loop {
-        match incoming.frame().await {
+        let frame = match deadline {
+            Some(at) => match tokio::time::timeout_at(at, incoming.frame()).await {
+                Ok(f) => f,
+                Err(elapsed) => {
+                    read_error = Some(format!("timeout: {elapsed}"));
+                    break;
+                }
+            },
+            None => incoming.frame().await,
+        };
+        match frame {
             Some(Ok(frame)) => {
                 if let Ok(data) = frame.into_data()
                     && !body.push(&data)
@@ -446,9 +501,7 @@ where
             }
             None => break,
             Some(Err(e)) => {
-                if let Some(outcome) = body_error(status, retry_after, &e) {
-                    return Exchange::Failed(outcome);
-                }
+                read_error = Some(e.to_string());
                 break;
             }
         }
@@ -457,25 +510,8 @@ where
         status,
         retry_after,
         body,
+        read_error,
     }
-}
-
-/// A failed body read after status `status`: nothing to report after a 2xx (the receiver took
-/// the event), a retryable failure otherwise.
-fn body_error(
-    status: u16,
-    retry_after: Option<Duration>,
-    e: &dyn std::fmt::Display,
-) -> Option<AttemptOutcome> {
-    if (200..300).contains(&status) {
-        tracing::debug!(error = %e, "webhook body read failed after a 2xx");
-        return None;
-    }
-    Some(AttemptOutcome::Retryable {
-        error: format!("HTTP {status}, then reading the body failed: {e}"),
-        status: Some(status),
-        retry_after,
-    })
 }
 
 fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
@@ -519,10 +555,17 @@ pub fn classify(
             error: format!("HTTP {status}: redirects are not followed; fix the target URL"),
             status: Some(status),
         },
-        408 | 429 => AttemptOutcome::Retryable {
+        // Retry-After is honoured on 429 and 503, as the spec says (RFC 9110 defines it for
+        // those, not for a 408).
+        429 => AttemptOutcome::Retryable {
             error: text(),
             status: Some(status),
             retry_after,
+        },
+        408 => AttemptOutcome::Retryable {
+            error: text(),
+            status: Some(status),
+            retry_after: None,
         },
         400..=499 => AttemptOutcome::Permanent {
             error: text(),
@@ -580,23 +623,38 @@ mod tests {
                             let path = req.uri().path().to_string();
                             let _ = req.into_body().collect().await;
                             let r = hyper::Response::builder();
+                            // A body that sends one byte and then nothing, for ever.
+                            let stalled = || {
+                                let first =
+                                    futures::stream::iter([Ok::<_, std::convert::Infallible>(
+                                        hyper::body::Frame::data(Bytes::from_static(b"x")),
+                                    )]);
+                                http_body_util::StreamBody::new(futures::StreamExt::chain(
+                                    first,
+                                    futures::stream::pending(),
+                                ))
+                                .boxed()
+                            };
+                            let full = |b: Bytes| Full::new(b).map_err(|e| match e {}).boxed();
                             match path.as_str() {
-                                "/ok" => r.status(204).body(Full::new(Bytes::new())),
+                                "/stall-ok" => r.status(200).body(stalled()),
+                                "/stall-404" => r.status(404).body(stalled()),
+                                "/ok" => r.status(204).body(full(Bytes::new())),
                                 "/moved" => r
                                     .status(302)
                                     .header("location", "/ok")
-                                    .body(Full::new(Bytes::new())),
+                                    .body(full(Bytes::new())),
                                 "/busy" => r
                                     .status(429)
                                     .header("retry-after", "7")
-                                    .body(Full::new(Bytes::from_static(b"slow down"))),
-                                "/bad" => r.status(422).body(Full::new(Bytes::from_static(b"no"))),
-                                "/big" => r
-                                    .status(500)
-                                    .body(Full::new(Bytes::from(vec![b'e'; 100_000]))),
+                                    .body(full(Bytes::from_static(b"slow down"))),
+                                "/bad" => r.status(422).body(full(Bytes::from_static(b"no"))),
+                                "/big" => {
+                                    r.status(500).body(full(Bytes::from(vec![b'e'; 100_000])))
+                                }
                                 _ => {
                                     tokio::time::sleep(Duration::from_secs(5)).await;
-                                    r.status(200).body(Full::new(Bytes::new()))
+                                    r.status(200).body(full(Bytes::new()))
                                 }
                             }
                         }
@@ -653,7 +711,17 @@ mod tests {
         };
         let headers = BTreeMap::from([("x-team".to_string(), "payments".to_string())]);
         // Port 9 on loopback: nothing listens there.
-        let paths = ["/ok", "/moved", "/busy", "/bad", "/big", "/slow", "refused"];
+        let paths = [
+            "/ok",
+            "/moved",
+            "/busy",
+            "/bad",
+            "/big",
+            "/slow",
+            "/stall-ok",
+            "/stall-404",
+            "refused",
+        ];
         for path in paths {
             let url = if path == "refused" {
                 "http://127.0.0.1:9/".to_string()
@@ -703,6 +771,20 @@ mod tests {
                         assert_eq!(ea, eb, "{path}");
                     }
                 }
+                // A body read cut short: the transports word the cause differently.
+                (
+                    AttemptOutcome::Permanent {
+                        status: a,
+                        error: ea,
+                    },
+                    AttemptOutcome::Permanent {
+                        status: b,
+                        error: eb,
+                    },
+                ) => {
+                    let cause = |e: &str| e.split(" (then").next().unwrap_or("").to_string();
+                    assert_eq!((a, cause(ea)), (b, cause(eb)), "{path}");
+                }
                 (a, b) => assert_eq!(a, b, "{path}"),
             }
             match path {
@@ -718,6 +800,17 @@ mod tests {
                 )),
                 "/big" => assert!(plain.error().is_some_and(|e| e.ends_with('…'))),
                 "/slow" => assert!(plain.error().is_some_and(|e| e.starts_with("timeout"))),
+                // A status received counts, however the body ends: a 2xx is a delivery
+                // (the receiver took the event), a 404 stays permanent.
+                "/stall-ok" => assert!(matches!(
+                    plain,
+                    AttemptOutcome::Delivered { status: Some(200) }
+                )),
+                "/stall-404" => assert!(
+                    matches!(plain, AttemptOutcome::Permanent { status: Some(404), error }
+                        if error.contains("then reading the body failed")),
+                    "{plain:?}"
+                ),
                 "refused" => {
                     assert!(
                         plain
@@ -809,6 +902,15 @@ mod tests {
         assert!(!classify(400, b"", false, None).counts_for_breaker());
         let o = classify(500, b"boom", true, None);
         assert_eq!(o.error(), Some("HTTP 500: boom…"));
+        // Retry-After counts on 429 and 503 only.
+        let ra = Some(Duration::from_secs(8));
+        for (s, honoured) in [(429, true), (503, true), (408, false), (500, false)] {
+            assert!(
+                matches!(classify(s, b"", false, ra), AttemptOutcome::Retryable { retry_after, .. }
+                    if retry_after.is_some() == honoured),
+                "{s}"
+            );
+        }
     }
 
     #[test]
