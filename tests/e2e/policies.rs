@@ -516,10 +516,9 @@ async fn an_open_breaker_and_a_paused_target_survive_kill_9() {
 /// sees events in order (first successful delivery of each), and other keys keep flowing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_key_order_holds_while_one_key_fails() {
-    // k7 fails from the start until 3 s after the last event is accepted. The window is
-    // counted from then, not from the test's start, so that how long the router takes to
-    // start and to accept the events (which varies with the machine's load and the store
-    // backend) does not eat into the time the other keys have to show they keep flowing.
+    // k7 fails from the start until the other keys have shown they keep flowing (500 of their
+    // events delivered while it fails), however long that takes on a loaded machine (a fixed
+    // window failed under load: the other keys were slow, not held up), within a minute.
     let fail_cell: Arc<Mutex<Option<Instant>>> = Arc::new(Mutex::new(None));
     let until = fail_cell.clone();
     let rcv = Receiver::scripted(Arc::new(move |ev, _| {
@@ -531,7 +530,8 @@ async fn per_key_order_holds_while_one_key_fails() {
         (if failing { 503 } else { 200 }, Duration::ZERO, vec![])
     }))
     .await;
-    let policy = "  ordered:\n    ordering: partitionkey\n    retry: { max_attempts: 50, base_delay: 50ms, max_delay: 200ms }";
+    // Enough attempts that k7's head outlives any failure the test waits for (200 ms apart).
+    let policy = "  ordered:\n    ordering: partitionkey\n    retry: { max_attempts: 1000, base_delay: 50ms, max_delay: 200ms }";
     let rules = rules_yaml(
         policy,
         &[(
@@ -557,9 +557,26 @@ async fn per_key_order_holds_while_one_key_fails() {
             .collect();
         post_batch(&r, &batch).await;
     }
-    let fail_until = Instant::now() + Duration::from_secs(3);
+    let flowing = rcv
+        .wait_for(Duration::from_secs(60), |s| {
+            s.iter()
+                .filter(|x| x.body["partitionkey"] != "k7")
+                .map(Received::event_id)
+                .collect::<std::collections::HashSet<_>>()
+                .len()
+                > 500
+        })
+        .await;
+    let fail_until = Instant::now();
     *fail_cell.lock().expect("lock") = Some(fail_until);
-    let others_during_failure = Arc::new(Mutex::new(0usize));
+    assert!(
+        flowing,
+        "other keys were held up by k7: only {} delivered during its failure",
+        rcv.received()
+            .iter()
+            .filter(|x| x.body["partitionkey"] != "k7")
+            .count()
+    );
     let total = keys * per_key;
     assert!(
         rcv.wait_for(Duration::from_secs(60), |s| {
@@ -585,9 +602,6 @@ async fn per_key_order_holds_while_one_key_fails() {
         if failing || !seen.insert(g.event_id()) {
             continue;
         }
-        if key != "k7" && g.at < fail_until {
-            *others_during_failure.lock().expect("lock") += 1;
-        }
         let seq = g.body["data"]["seq"].as_i64().unwrap_or(-1);
         let prev = last.insert(key.clone(), seq);
         assert!(
@@ -595,9 +609,4 @@ async fn per_key_order_holds_while_one_key_fails() {
             "key {key}: seq {seq} after {prev:?}"
         );
     }
-    let others = *others_during_failure.lock().expect("lock");
-    assert!(
-        others > 500,
-        "other keys were held up by k7: only {others} delivered during its failure"
-    );
 }
