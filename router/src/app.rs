@@ -150,13 +150,21 @@ pub struct ReloadReport {
     pub warnings: Vec<String>,
 }
 
-/// Counts `n` entries of removed target `id` moved to the DLQ.
-fn count_removed(metrics: &Metrics, id: &str, n: usize) {
-    if n > 0 {
-        let reason = crate::store::DlqReason::TargetRemoved;
-        crate::deliver::count_dead_letters(metrics, Some(id), reason, n as u64);
-    }
+/// Counts and announces (`router.dlq.added`) `n` entries of removed target `id` moved to
+/// the DLQ.
+fn count_removed(ctx: &crate::deliver::DeliveryContext, id: &str, n: usize) {
+    crate::deliver::dead_lettered_in_bulk(
+        ctx,
+        id,
+        crate::store::DlqReason::TargetRemoved,
+        n as u64,
+        TARGET_REMOVED,
+        ctx.clock.now_ms(),
+    );
 }
+
+/// The error of a removed target's entries moved to the DLQ.
+const TARGET_REMOVED: &str = "the target was removed from the rules";
 
 /// Loads the rules and contracts directories again and swaps them in atomically. An invalid
 /// set is refused and the old one stays live. Compilation happens off the request path.
@@ -250,13 +258,13 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                     .dead_letter_queued(
                         id,
                         crate::store::DlqReason::TargetRemoved,
-                        "the target was removed from the rules",
+                        TARGET_REMOVED,
                         now,
                     )
                     .await
                 {
                     Ok(n) => {
-                        count_removed(&app.metrics, id, n);
+                        count_removed(app.dispatcher.context(), id, n);
                         tracing::warn!(target_id = %id, entries = n, "target removed from the rules; its queued entries moved to the DLQ");
                     }
                     Err(e) => {
@@ -297,12 +305,12 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                             .dead_letter_queued(
                                 &id,
                                 crate::store::DlqReason::TargetRemoved,
-                                "the target was removed from the rules",
+                                TARGET_REMOVED,
                                 ctx.clock.now_ms(),
                             )
                             .await
                         {
-                            Ok(n) => count_removed(&ctx.metrics, &id, n),
+                            Ok(n) => count_removed(&ctx, &id, n),
                             Err(e) => {
                                 tracing::warn!(target_id = %id, error = %e, "moving a removed target's entries to the DLQ failed");
                             }

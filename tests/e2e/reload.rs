@@ -248,7 +248,20 @@ async fn a_removed_target_can_dead_letter_its_queue_instead() {
             .wait_for(Duration::from_secs(10), |s| s.len() >= 10)
             .await
     );
-    write_rules(&r, "r.yaml", "rules: []\n");
+    // The new set has only an alert rule: the removed target's entries are announced too.
+    let alerts = Receiver::ok().await;
+    write_rules(
+        &r,
+        "r.yaml",
+        &rules_yaml(
+            "",
+            &[(
+                "alerts",
+                "router.dlq.added",
+                &[format!("webhook: {}", alerts.url())],
+            )],
+        ),
+    );
     let l = eventually(Duration::from_secs(15), || async {
         let (_, l) = get_json(&r, "/v1/dlq?reason=target_removed").await;
         (l["entries"].as_array().map(Vec::len) == Some(10)).then_some(l)
@@ -257,6 +270,23 @@ async fn a_removed_target_can_dead_letter_its_queue_instead() {
     assert!(
         l.is_some(),
         "entries of the removed target did not reach the DLQ as target_removed"
+    );
+    let announced = |s: &[Received]| -> u64 {
+        s.iter()
+            .filter(|a| a.body["data"]["reason"] == "target_removed")
+            .filter_map(|a| a.body["data"]["count"].as_u64())
+            .sum()
+    };
+    assert!(
+        alerts
+            .wait_for(Duration::from_secs(15), |s| announced(s) == 10)
+            .await,
+        "router.dlq.added did not announce the 10 entries: {:?}",
+        alerts
+            .received()
+            .iter()
+            .map(|a| a.body.clone())
+            .collect::<Vec<_>>()
     );
     r.kill9();
 }

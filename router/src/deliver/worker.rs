@@ -1191,6 +1191,34 @@ pub fn dead_lettered(
     }
 }
 
+/// Counts `n` entries of `target` dead-lettered at once with `reason` (a removed target's
+/// queue, moved whole) and raises one `router.dlq.added` for them all, its data saying how
+/// many (`count`) rather than naming one event.
+pub fn dead_lettered_in_bulk(
+    ctx: &DeliveryContext,
+    target: &str,
+    reason: DlqReason,
+    n: u64,
+    error: &str,
+    now: i64,
+) {
+    if n == 0 {
+        return;
+    }
+    count_dead_letters(&ctx.metrics, Some(target), reason, n);
+    let Some(tx) = &ctx.system_events else { return };
+    let mut sys = system_event("router.dlq.added", target, now);
+    sys.data = Some(crate::event::Data::from(serde_json::json!({
+        "target": target,
+        "reason": reason.as_str(),
+        "count": n,
+        "error": error,
+    })));
+    if tx.try_send(sys).is_err() {
+        ctx.metrics.system_events_dropped.inc();
+    }
+}
+
 /// Counts `n` new DLQ entries of `target` (`None`: no target) with `reason`.
 pub fn count_dead_letters(
     metrics: &crate::telemetry::Metrics,

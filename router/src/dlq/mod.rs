@@ -278,6 +278,26 @@ async fn next_job_id(app: &App, kind: JobKind) -> Result<String, StoreError> {
     Ok(format!("{prefix}-{n}"))
 }
 
+/// Stores a new job. Two jobs of a kind created at once take the same next number: the one
+/// that loses (its put is refused, nothing written) takes the number after, a few times over,
+/// rather than answering the operator with a store error.
+async fn put_new_job(app: &App, job: &mut Job) -> Result<(), StoreError> {
+    let mut retries = 8;
+    loop {
+        match app.store.put_job(job.clone()).await {
+            Ok(rev) => {
+                job.rev = rev;
+                return Ok(());
+            }
+            Err(StoreError::JobChanged(_)) if retries > 0 => {
+                retries -= 1;
+                job.id = next_job_id(app, job.kind).await?;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Removes the jobs that ended (done or cancelled) more than `retention` before `now`, except
 /// the newest job of each kind (whose number the next job's id follows). Returns how many went.
 pub async fn sweep_jobs(app: &App, now: i64, retention: Duration) -> Result<u64, StoreError> {
@@ -341,7 +361,7 @@ pub async fn create_redrive(app: &Arc<App>, req: RedriveRequest) -> Result<Job, 
         rev: 0,
     };
     claim(app, &mut job);
-    job.rev = app.store.put_job(job.clone()).await?;
+    put_new_job(app, &mut job).await?;
     spawn(app, job.clone());
     tracing::warn!(job = %job.id, total, rate = req.rate_per_sec, "redrive job created");
     Ok(job)
@@ -404,7 +424,7 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
         rev: 0,
     };
     claim(app, &mut job);
-    job.rev = app.store.put_job(job.clone()).await?;
+    put_new_job(app, &mut job).await?;
     spawn(app, job.clone());
     tracing::warn!(job = %job.id, from = %req.from, to = %req.to, "replay job created");
     Ok(job)
@@ -674,7 +694,11 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
                     break Ok(());
                 }
             }
-            Err(e @ StoreError::JobChanged(_)) => break Err(e),
+            // This job's own revision moved on (an operator, another node). Another job's
+            // refusal is no concern of this one: a store error like any other, below.
+            Err(StoreError::JobChanged(id)) if id == job.id => {
+                break Err(StoreError::JobChanged(id));
+            }
             Err(e) => {
                 job = before;
                 job = step_failed(app, job, &e, retry_in).await?;
@@ -779,6 +803,19 @@ async fn redrive_step(
                     ContractOutcome::Pass => {
                         let (matched_rules, targets) =
                             crate::ingest::match_targets(&rules, &app.disabled_rules(), &ev.event);
+                        if targets.is_empty() {
+                            // Taken out of the DLQ it would go nowhere, and its record with it
+                            // (its rule may be disabled for containment): it stays.
+                            actions.push(RedriveAction::Keep {
+                                dlq_id: d.id,
+                                errors: vec![FieldError::new(
+                                    "",
+                                    "not redriven: its data passes the contract now, but no enabled rule matches it; enable or add a rule and redrive again (or purge it)",
+                                )],
+                            });
+                            job.failed += 1;
+                            continue;
+                        }
                         actions.push(RedriveAction::Route {
                             dlq_id: d.id,
                             matched_rules,
@@ -810,13 +847,25 @@ async fn redrive_step(
                     job.failed += 1;
                     continue;
                 }
+                // Queued under the target's ordering, its key read from the event as at
+                // acceptance. The depth cap is not applied: an operator's redrive, at the
+                // job's rate, may take the queue past it.
+                let spec = rules.targets.get(&target);
+                let ordering_key = match spec.and_then(|s| s.policy.ordering.as_ref()) {
+                    Some(o) => app
+                        .store
+                        .dlq_get(d.id)
+                        .await?
+                        .and_then(|(_, ev)| o.extract_event(&ev.event)),
+                    None => None,
+                };
                 actions.push(RedriveAction::Route {
                     dlq_id: d.id,
                     matched_rules: vec![rule.clone()],
                     targets: vec![crate::store::NewEntry {
                         target_id: target,
                         rule,
-                        ordering_key: None,
+                        ordering_key,
                         max_depth: None,
                         lease_ms: None,
                     }],
@@ -866,6 +915,12 @@ async fn replay_step(
     let mut items = Vec::new();
     for ev in &events {
         job.cursor = ev.seq;
+        // System events are the router's records of its past state: replayed, old alerts
+        // would page again, and could reach the very target they are about.
+        if ev.event.ty.starts_with("router.") {
+            job.skipped += 1;
+            continue;
+        }
         let json = ev.event.to_json();
         if pattern.is_some_and(|p| !p.matches(&json)) {
             job.skipped += 1;
@@ -1059,6 +1114,95 @@ mod tests {
             "{:?}",
             left[0].errors
         );
+    }
+
+    /// A redrive takes an entry out of the DLQ only into a queue: a quarantined event that no
+    /// enabled rule matches any more stays, saying why (it went nowhere, its DLQ record with
+    /// it). One that is requeued gets its max_age afresh, counted from the redrive: a fix that
+    /// took longer than max_age must still be able to redrive.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_redrive_keeps_what_would_go_nowhere_and_restarts_max_age() {
+        let (_dir, app) = app_on(&SimulatedDisk::new());
+        let mut orphan = new_event("/s", "orphan", &[], 0);
+        orphan.event.ty = "no.rule.matches".into();
+        orphan.quarantine = Some(Quarantine {
+            reason: DlqReason::ContractViolation,
+            errors: Vec::new(),
+        });
+        let mut old = new_event("/s", "old", &["hook"], 0);
+        old.targets[0].max_depth = Some(0);
+        app.store.accept(vec![orphan, old]).await.expect("accepted");
+        let job = redrive_all(&app, 1000.0).await;
+        let done = wait_for(&app, &job.id, Duration::from_secs(30), |j| {
+            j.state == JobState::Done
+        })
+        .await;
+        assert_eq!((done.moved, done.failed), (1, 1), "{done:?}");
+        let left = app
+            .store
+            .dlq_list(&DlqFilter::default(), None, 10)
+            .await
+            .expect("dlq");
+        assert_eq!(left.len(), 1, "{left:?}");
+        assert_eq!(left[0].event_id, "orphan");
+        assert!(
+            left[0].errors[0]
+                .message
+                .contains("no enabled rule matches"),
+            "{:?}",
+            left[0].errors
+        );
+        let fate = app
+            .store
+            .fate("/s", "old")
+            .await
+            .expect("fate")
+            .expect("known");
+        assert_eq!(fate.event.accepted_at, 0, "the event keeps its acceptance");
+        assert!(
+            fate.entries[0].accepted_at >= job.created_at,
+            "max_age counts from the redrive: {:?}",
+            fate.entries[0]
+        );
+    }
+
+    /// A replay re-routes business events; the router's own system events (old alerts) are
+    /// skipped, even where a rule matches them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replay_skips_system_events() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = crate::app::test_config(dir.path());
+        std::fs::write(
+            cfg.rules_dir.join("r.yaml"),
+            "rules:\n  - name: r\n    pattern:\n      type: [{ prefix: \"\" }]\n    targets:\n      - webhook: http://127.0.0.1:9/\n        id: hook\n",
+        )
+        .expect("rules");
+        let store = RedbStore::in_memory().expect("store");
+        let app = crate::app::test_app(cfg, store, None);
+        let now = app.clock.now_ms();
+        let mut alert = new_event("/s", "alert", &["hook"], now - 1000);
+        alert.event.ty = "router.dlq.added".into();
+        let business = new_event("/s", "business", &["hook"], now - 1000);
+        app.store
+            .accept(vec![alert, business])
+            .await
+            .expect("accepted");
+        let job = create_replay(
+            &app,
+            ReplayRequest {
+                from: crate::clock::rfc3339(now - 5000),
+                to: crate::clock::rfc3339(now),
+                filter: None,
+                rate_per_sec: 1000.0,
+            },
+        )
+        .await
+        .expect("created");
+        let done = wait_for(&app, &job.id, Duration::from_secs(30), |j| {
+            j.state == JobState::Done
+        })
+        .await;
+        assert_eq!((done.moved, done.skipped), (1, 1), "{done:?}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

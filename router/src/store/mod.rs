@@ -60,6 +60,15 @@ pub enum StoreError {
     },
 }
 
+impl StoreError {
+    /// Whether this is one request's refusal that wrote nothing (a job's revision moved on),
+    /// as opposed to a failure of the store: a group commit answers the refused request and
+    /// commits the others, instead of failing them all and reopening the store.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, StoreError::JobChanged(_))
+    }
+}
+
 /// One compaction of the store file: what `/v1/status` shows and the metrics count.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct CompactionReport {

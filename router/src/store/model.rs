@@ -241,8 +241,11 @@ impl QueueEntry {
     }
 
     /// Moves a dead-lettered entry back to its queue for an operator's redrive at `now`: its
-    /// attempts become history (a fresh budget of attempts), and it is due at once.
+    /// attempts become history (a fresh budget of attempts), it is due at once, and its
+    /// `max_age` counts from now (a fix that took longer than `max_age` must still be able to
+    /// redrive it; the event keeps its own acceptance time).
     pub fn requeue_for_redrive(&mut self, now: Millis) {
+        self.accepted_at = now;
         self.history.append(&mut self.attempts);
         self.state = EntryState::Queued;
         self.lease = None;

@@ -735,12 +735,17 @@ use super::sync_behind::{SyncBehind, SyncHandle};
 
 /// Queues `r` as the op's answer (sent once the group commits) and hands a storage error back
 /// to abort the group.
+/// Queues `r` as the answer to `reply`, and returns the error that must fail the whole group:
+/// a refusal (which wrote nothing, see [`StoreError::is_refusal`]) is that request's answer
+/// alone. A job write that lost a race used to fail every request committed with it, and the
+/// reopen that follows a failed group gave up the leases of deliveries in flight, which were
+/// then sent again.
 fn answer<T: Send + 'static>(
     dones: &mut Vec<Done>,
     reply: Reply<Result<T, StoreError>>,
     r: Result<T, StoreError>,
 ) -> Result<(), StoreError> {
-    let err = r.as_ref().err().cloned();
+    let err = r.as_ref().err().filter(|e| !e.is_refusal()).cloned();
     dones.push(done(reply, r));
     err.map_or(Ok(()), Err)
 }
@@ -3893,9 +3898,10 @@ impl Committer {
                             event: d.event_seq,
                             idx,
                         };
+                        // Its max_age counts from the redrive, as for a requeued entry.
                         let entry = QueueEntry {
                             redrive_count: d.redrive_count + 1,
-                            ..QueueEntry::queued(id, t, key, ev.accepted_at, now, ev.event.hops())
+                            ..QueueEntry::queued(id, t, key, now, now, ev.event.hops())
                         };
                         self.insert_entry(txn, &entry, effects)?;
                     }

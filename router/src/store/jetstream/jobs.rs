@@ -78,14 +78,9 @@ impl JetStreamStore {
                             let key = idempotency_key(&stored.source, &stored.id, &t.target_id);
                             let entry = QueueEntry {
                                 redrive_count: d.redrive_count + 1,
-                                ..QueueEntry::queued(
-                                    id,
-                                    t.clone(),
-                                    key,
-                                    ev.stored.accepted_at,
-                                    now,
-                                    stored.hops(),
-                                )
+                                // Its max_age counts from the redrive, as for a requeued
+                                // entry.
+                                ..QueueEntry::queued(id, t.clone(), key, now, now, stored.hops())
                             };
                             let r = EntryRecord {
                                 entry,

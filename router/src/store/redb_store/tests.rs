@@ -818,6 +818,35 @@ async fn a_job_step_from_a_copy_older_than_a_pause_is_refused_whole() {
     assert!(matches!(s.put_job(j).await, Err(StoreError::JobChanged(_))));
 }
 
+/// A job write that lost its race is that request's refusal alone: the requests committed
+/// with it succeed, and the store is not reopened (which gave up the leases in flight: their
+/// deliveries were sent again, and could run out of attempts).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_job_write_fails_only_itself() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+    s.accept(vec![new_event("/s", "1", &["a"], 1000)])
+        .await
+        .expect("accept");
+    let leased = s.lease("a", 1000, 10, 60_000).await.expect("lease");
+    assert_eq!(leased.len(), 1);
+    let j = job("redrive-1", JobKind::Redrive);
+    s.put_job(j.clone()).await.expect("create");
+    for n in 2..20 {
+        // Another creation of the same job (revision 0), alongside an accept.
+        let (stale, other) = tokio::join!(
+            s.put_job(j.clone()),
+            s.accept(vec![new_event("/s", &n.to_string(), &["b"], 1000)])
+        );
+        assert!(matches!(stale, Err(StoreError::JobChanged(_))), "{stale:?}");
+        other.expect("a request committed with the refused one");
+    }
+    ack(&s, &leased[0], 1001)
+        .await
+        .expect("the lease taken before the refusals still holds");
+    assert_eq!(s.queue_stats()["b"].queued, 18);
+}
+
 #[tokio::test]
 async fn a_refused_copy_is_left_out_of_the_fan_out_and_a_routed_redrive_keeps_the_rest() {
     let dir = tempfile::tempdir().expect("tempdir");
