@@ -216,7 +216,7 @@ impl Metrics {
         );
         registry.register(
             "router_dlq_depth",
-            "DLQ entries, by target",
+            "DLQ entries, by target (target=\"none\": events quarantined at ingest)",
             m.dlq_depth.clone(),
         );
         registry.register(
@@ -355,6 +355,11 @@ impl Metrics {
                 .get_or_create(&l)
                 .set(i64::try_from(s.dlq).unwrap_or(i64::MAX));
         }
+        // Quarantined events have no target: `target="none"`, so that an alert on the DLQ's
+        // depth sees poison too.
+        self.dlq_depth
+            .get_or_create(&vec![("target", "none".to_string())])
+            .set(i64::try_from(store.dlq_without_target()).unwrap_or(i64::MAX));
         self.store_bytes
             .set(i64::try_from(store.disk_bytes().await).unwrap_or(i64::MAX));
         self.compacting.set(i64::from(store.compacting()));

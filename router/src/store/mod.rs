@@ -382,6 +382,10 @@ pub trait Store: Send + Sync + 'static {
     /// Per-target queue numbers.
     fn queue_stats(&self) -> BTreeMap<String, QueueStats>;
 
+    /// How many DLQ entries have no target (events quarantined at ingest): the DLQ's depth
+    /// beside the per-target numbers of [`Store::queue_stats`].
+    fn dlq_without_target(&self) -> u64;
+
     /// Expires dedup keys older than `dedup_window_ms` and removes events older than
     /// `retention_ms` that nothing refers to any more. Bounded work per call.
     fn sweep(

@@ -519,6 +519,8 @@ impl TargetIndex {
 struct Index {
     targets: FxHashMap<String, TargetIndex>,
     notifiers: FxHashMap<String, Arc<Notify>>,
+    /// DLQ entries of no target (events quarantined at ingest).
+    dlq_without_target: u64,
 }
 
 impl Index {
@@ -584,17 +586,17 @@ impl Index {
                 self.target(&target).held.remove(&key);
                 self.notify(&target);
             }
-            Effect::DlqAdded { target } => {
-                if let Some(target) = target {
-                    self.target(&target).dlq += 1;
-                }
-            }
-            Effect::DlqRemoved { target } => {
-                if let Some(target) = target {
+            Effect::DlqAdded { target } => match target {
+                Some(target) => self.target(&target).dlq += 1,
+                None => self.dlq_without_target += 1,
+            },
+            Effect::DlqRemoved { target } => match target {
+                Some(target) => {
                     let t = self.target(&target);
                     t.dlq = t.dlq.saturating_sub(1);
                 }
-            }
+                None => self.dlq_without_target = self.dlq_without_target.saturating_sub(1),
+            },
         }
     }
 }
@@ -1897,6 +1899,10 @@ impl Store for RedbStore {
         async move { RedbStore::dlq_get(self, id) }.boxed()
     }
 
+    fn dlq_without_target(&self) -> u64 {
+        self.index().dlq_without_target
+    }
+
     fn queue_stats(&self) -> BTreeMap<String, QueueStats> {
         self.index()
             .targets
@@ -2140,8 +2146,9 @@ fn recover(db: &Database, cold_before: Option<i64>) -> Result<Recovered, StoreEr
             if rebuild {
                 by_target.insert((dlq_target_key(e.target_id.as_deref()), k.value()), ())?;
             }
-            if let Some(t) = e.target_id {
-                index.target(&t).dlq += 1;
+            match e.target_id {
+                Some(t) => index.target(&t).dlq += 1,
+                None => index.dlq_without_target += 1,
             }
         }
         drop(by_target);

@@ -283,6 +283,10 @@ impl Store for JetStreamStore {
         JetStreamStore::queue_stats(self, Self::wall_now())
     }
 
+    fn dlq_without_target(&self) -> u64 {
+        self.view.dlq_without_target()
+    }
+
     fn sweep(
         &self,
         now: Millis,

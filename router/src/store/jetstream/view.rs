@@ -165,14 +165,20 @@ impl State {
 struct DlqIndex {
     entries: BTreeMap<u64, DlqEntry>,
     per_target: HashMap<String, u64>,
+    /// Entries of no target (events quarantined at ingest).
+    without_target: u64,
 }
 
 impl DlqIndex {
     fn remove(&mut self, id: u64) {
-        if let Some(t) = self.entries.remove(&id).and_then(|d| d.target_id)
-            && let Some(n) = self.per_target.get_mut(&t)
-        {
-            *n = n.saturating_sub(1);
+        match self.entries.remove(&id).map(|d| d.target_id) {
+            Some(Some(t)) => {
+                if let Some(n) = self.per_target.get_mut(&t) {
+                    *n = n.saturating_sub(1);
+                }
+            }
+            Some(None) => self.without_target = self.without_target.saturating_sub(1),
+            None => {}
         }
     }
 
@@ -180,8 +186,9 @@ impl DlqIndex {
         self.remove(id);
         d.attempts = Vec::new();
         d.errors = Vec::new();
-        if let Some(t) = &d.target_id {
-            *self.per_target.entry(t.clone()).or_default() += 1;
+        match &d.target_id {
+            Some(t) => *self.per_target.entry(t.clone()).or_default() += 1,
+            None => self.without_target += 1,
         }
         self.entries.insert(id, d);
     }
@@ -218,6 +225,11 @@ impl View {
 
     fn dlq(&self) -> MutexGuard<'_, DlqIndex> {
         self.dlq.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// How many DLQ entries have no target.
+    pub(super) fn dlq_without_target(&self) -> u64 {
+        self.dlq().without_target
     }
 
     /// Up to `max` entries of `target` that may be leased at `now`, soonest first.
