@@ -288,6 +288,35 @@ async fn a_removed_target_can_dead_letter_its_queue_instead() {
             .map(|a| a.body.clone())
             .collect::<Vec<_>>()
     );
+    // A redrive does not send them back to the removed target (its worker still runs here,
+    // under the configuration it was removed with): they stay, saying why.
+    let (s, job) = post_json(
+        &r,
+        "/v1/dlq/redrive",
+        json!({"filter": {"reason": "target_removed"}, "rate_per_sec": 1000}),
+    )
+    .await;
+    assert_eq!(s, 201, "{job}");
+    let id = job["id"].as_str().expect("job id").to_string();
+    let done = eventually(Duration::from_secs(15), || async {
+        let (_, j) = get_json(&r, &format!("/v1/dlq/redrive/{id}")).await;
+        (j["state"] == "done").then_some(j)
+    })
+    .await
+    .expect("the redrive ends");
+    assert_eq!(
+        (done["moved"].clone(), done["failed"].clone()),
+        (json!(0), json!(10)),
+        "{done}"
+    );
+    let (_, l) = get_json(&r, "/v1/dlq?reason=target_removed").await;
+    assert_eq!(l["entries"].as_array().map(Vec::len), Some(10), "{l}");
+    assert!(
+        l["entries"][0]["errors"]
+            .to_string()
+            .contains("no longer in the rules"),
+        "{l}"
+    );
     r.kill9();
 }
 

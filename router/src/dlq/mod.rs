@@ -782,13 +782,15 @@ async fn redrive_step(
     // rules, or one removed from them that still drains here. Into any other queue it would
     // wait for ever (a removed target's worker starts again only for entries it had).
     let draining: HashSet<String> = app.dispatcher.running().into_iter().map(|s| s.id).collect();
+    let not_in_rules = |target: &str| {
+        vec![FieldError::new(
+            "",
+            format!("not redriven: target {target} is no longer in the rules"),
+        )]
+    };
     let gone = |target: &str| {
-        (!rules.targets.contains_key(target) && !draining.contains(target)).then(|| {
-            vec![FieldError::new(
-                "",
-                format!("not redriven: target {target} is no longer in the rules"),
-            )]
-        })
+        (!rules.targets.contains_key(target) && !draining.contains(target))
+            .then(|| not_in_rules(target))
     };
     let mut actions = Vec::with_capacity(page.len());
     for d in &page {
@@ -873,7 +875,18 @@ async fn redrive_step(
                 job.moved += 1;
             }
             _ if d.entry.is_some() => {
-                if let Some(errors) = d.target_id.as_deref().and_then(gone) {
+                // A removed target's entries dead-lettered for its removal go back only to a
+                // target in the rules: its worker may still run here (it is never stopped),
+                // which would deliver them under the configuration they were removed with,
+                // and only until a restart.
+                let gone_now = d.target_id.as_deref().and_then(|t| {
+                    if d.reason == DlqReason::TargetRemoved {
+                        (!rules.targets.contains_key(t)).then(|| not_in_rules(t))
+                    } else {
+                        gone(t)
+                    }
+                });
+                if let Some(errors) = gone_now {
                     actions.push(RedriveAction::Keep {
                         dlq_id: d.id,
                         errors,
