@@ -3,8 +3,9 @@
 //! `output` (`data.size`: `many` = 10,000 emissions, `big` = one 2 MiB emission) and `log`
 //! (a log flood, then a normal return), `slow` (on its first attempt only, busy for `data.ms`
 //! milliseconds — long enough to outlive its lease — then, on every attempt, records
-//! `slow:<event id>` = one `x` per attempt in kv and emits `hostile.slow.done`). Anything else:
-//! returns nothing.
+//! `slow:<event id>` = one `x` per attempt in kv and emits `hostile.slow.done`), `sleep`
+//! (sleeps an hour: blocks in the host, where epoch interruption cannot reach it). Anything
+//! else: returns nothing.
 
 use std::hint::black_box;
 
@@ -62,6 +63,10 @@ impl Handler for Hostile {
                 Ok(Vec::new())
             }
             "panic" => panic!("hostile handler panicked on purpose (event {})", event.id),
+            "sleep" => {
+                std::thread::sleep(std::time::Duration::from_secs(3600));
+                Ok(Vec::new())
+            }
             "output" => {
                 if data.get("size").and_then(serde_json::Value::as_str) == Some("big") {
                     let blob = "x".repeat(2 << 20);

@@ -1003,14 +1003,15 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
         }
         Err(FinishError::Conflict(key)) => {
             // A concurrent delivery changed a key this invocation's compare-and-set relied on:
-            // nothing was written. The handler runs again on fresh data.
+            // nothing was written. The handler runs again on fresh data, without spending an
+            // attempt: losing a race is contention, not a failure of this delivery (counted,
+            // the last attempt's conflict dead-lettered an event the handler had handled).
             ctx.metrics
                 .deliveries
                 .get_or_create(&labels("conflict"))
                 .inc();
             tracing::warn!(key = %key, "handler key-value precondition failed; the delivery runs again");
-            let error = format!("key-value precondition failed for {key}; retried");
-            finish_without_effects(ctx, leased, finished_at, Some(error), 100).await;
+            finish_without_effects(ctx, leased, finished_at, None, 100).await;
         }
         Err(e @ FinishError::KvQuota { .. }) => {
             // Concurrent deliveries of the handler grew its namespace after this invocation

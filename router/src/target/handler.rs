@@ -147,15 +147,16 @@ impl HandlerTarget {
         if !self.wait_for_wiring().await {
             return (not_wired(), None);
         }
+        // Not uploaded (yet, or again after a delete): the delivery waits for the upload
+        // without spending attempts or counting for the breaker, up to its max_age.
         let Some(h) = self.rt.registry.active(&self.name) else {
             return (
-                AttemptOutcome::Retryable {
-                    error: format!(
+                AttemptOutcome::Deferred {
+                    reason: format!(
                         "handler {:?} is not uploaded (or was deleted); waiting for it",
                         self.name
                     ),
-                    status: None,
-                    retry_after: Some(Duration::from_secs(5)),
+                    retry_after: Duration::from_secs(5),
                 },
                 None,
             );
@@ -366,6 +367,14 @@ impl HandlerTarget {
                     status: None,
                 },
                 effects(outbox_of(&inv, Vec::new())),
+            ),
+            // Nothing is committed, as when the router cannot complete the emissions.
+            InvocationOutcome::InvalidEmission(msg) => (
+                AttemptOutcome::Permanent {
+                    error: format!("handler failed: {msg}"),
+                    status: None,
+                },
+                None,
             ),
             other => {
                 let error = match other {

@@ -8,7 +8,7 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use crate::store::KvUsage;
-use wasmtime::component::{HasSelf, Linker, ResourceTable};
+use wasmtime::component::{HasSelf, Linker, Resource, ResourceTable};
 use wasmtime::{ResourceLimiter, Result as WasmResult};
 use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
 use wasmtime_wasi::p2::{OutputStream, Pollable, StreamResult};
@@ -253,6 +253,9 @@ pub(crate) struct LogBuffer {
     dropped_bytes: u64,
 }
 
+/// What one captured log line counts against the per-invocation cap beyond its message.
+const LINE_OVERHEAD: usize = 64;
+
 impl LogBuffer {
     fn new(cap: usize, started: Instant) -> Self {
         Self {
@@ -270,6 +273,10 @@ impl LogBuffer {
     }
 
     pub(crate) fn push(&mut self, level: LogLevel, mut message: String) {
+        // Each line costs its bookkeeping too (a record, its time, its level): counted, or a
+        // guest logging empty lines in a loop would never reach the cap while every line
+        // still took memory.
+        self.bytes = self.bytes.saturating_add(LINE_OVERHEAD.min(self.cap));
         let room = self.cap.saturating_sub(self.bytes);
         if room == 0 {
             self.dropped_lines += 1;
@@ -572,8 +579,32 @@ pub(crate) fn linker(engine: &wasmtime::Engine) -> WasmResult<Linker<HostState>>
     let mut linker = Linker::new(engine);
     wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
     Handler::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |s| s)?;
+    // A guest waiting on a clock (`std::thread::sleep`, Python's `time.sleep`) would block in
+    // the host, where epoch interruption cannot stop it: the invocation would outlive its
+    // timeout and hold its slot for as long as it asked. Handlers have nothing to wait for
+    // (no network, no files), so subscribing to the clock traps instead.
+    linker.allow_shadowing(true);
+    {
+        let mut clock = linker.instance(MONOTONIC_CLOCK)?;
+        for name in ["subscribe-duration", "subscribe-instant"] {
+            clock.func_wrap(
+                name,
+                |_, (_,): (u64,)| -> WasmResult<(Resource<wasmtime_wasi::p2::DynPollable>,)> {
+                    Err(wasmtime::Error::msg(NO_WAITING))
+                },
+            )?;
+        }
+    }
+    linker.allow_shadowing(false);
     Ok(linker)
 }
+
+/// The WASI clock interface whose subscriptions [`linker`] replaces (the version
+/// wasmtime-wasi implements; components built against older 0.2 versions link to it).
+const MONOTONIC_CLOCK: &str = "wasi:clocks/monotonic-clock@0.2.12";
+
+/// The trap of a handler that waits on a clock.
+const NO_WAITING: &str = "handlers cannot sleep or wait on a clock (the invocation has a wall-clock budget); ask for a retry with a delay instead";
 
 #[cfg(test)]
 mod tests {
@@ -696,7 +727,8 @@ mod tests {
 
     #[test]
     fn logs_are_capped_with_a_closing_note() {
-        let mut logs = LogBuffer::new(10, Instant::now());
+        // Room for two lines' overhead and ten bytes of messages.
+        let mut logs = LogBuffer::new(2 * LINE_OVERHEAD + 10, Instant::now());
         logs.push(LogLevel::Info, "12345".into());
         logs.push(LogLevel::Info, "1234567890".into());
         logs.push(LogLevel::Info, "dropped".into());
@@ -708,6 +740,17 @@ mod tests {
             "{}",
             lines[2].message
         );
+    }
+
+    /// Empty lines cost their bookkeeping: a guest logging "" in a loop reaches the cap.
+    #[test]
+    fn empty_lines_count_against_the_cap() {
+        let mut logs = LogBuffer::new(100 * LINE_OVERHEAD, Instant::now());
+        for _ in 0..100_000 {
+            logs.push(LogLevel::Info, String::new());
+        }
+        let lines = logs.finish();
+        assert!(lines.len() <= 101, "{} lines kept", lines.len());
     }
 
     #[test]

@@ -44,9 +44,12 @@ pub enum InvocationOutcome {
         /// The handler's reason.
         message: String,
     },
-    /// The handler failed permanently (or returned something invalid, or the event could not be
-    /// presented to it).
+    /// The handler failed permanently (or the event could not be presented to it).
     Fail(String),
+    /// The handler returned an emission that is not a valid event: a permanent failure whose
+    /// key-value writes are dropped with its emissions (committed alone, they would tell an
+    /// idempotent handler, after a fix and a redrive, that its work was done).
+    InvalidEmission(String),
     /// The wall-clock timeout passed.
     Timeout,
     /// The memory cap was reached.
@@ -270,10 +273,14 @@ fn emitted_outcome(emitted: Vec<wit::Emitted>, limits: &HandlerLimits) -> Invoca
             limits.max_emitted
         ));
     }
+    // Every field a handler writes counts: a huge `subject` or `type` is output too.
     let bytes: usize = emitted
         .iter()
         .map(|e| {
-            e.data.as_ref().map_or(0, String::len)
+            e.type_.len()
+                + e.subject.as_ref().map_or(0, String::len)
+                + e.datacontenttype.as_ref().map_or(0, String::len)
+                + e.data.as_ref().map_or(0, String::len)
                 + e.extensions
                     .iter()
                     .map(|(k, v)| k.len() + v.len())
@@ -282,7 +289,7 @@ fn emitted_outcome(emitted: Vec<wit::Emitted>, limits: &HandlerLimits) -> Invoca
         .sum();
     if bytes > limits.max_output_bytes {
         return InvocationOutcome::LimitExceeded(format!(
-            "handler emitted {bytes} bytes of data; the limit is {}",
+            "handler emitted {bytes} bytes; the limit is {}",
             limits.max_output_bytes
         ));
     }
@@ -291,7 +298,7 @@ fn emitted_outcome(emitted: Vec<wit::Emitted>, limits: &HandlerLimits) -> Invoca
         match emitted_to_json(e) {
             Ok(v) => events.push(v),
             Err(message) => {
-                return InvocationOutcome::Fail(format!(
+                return InvocationOutcome::InvalidEmission(format!(
                     "emitted event #{i} is invalid: {message}"
                 ));
             }
@@ -489,17 +496,24 @@ mod tests {
         let bad_json = vec![emitted(Some("{"), vec![])];
         assert!(matches!(
             emitted_outcome(bad_json, &limits),
-            InvocationOutcome::Fail(_)
+            InvocationOutcome::InvalidEmission(_)
         ));
         let reserved = vec![emitted(None, vec![("id", "\"x\"")])];
         assert!(matches!(
             emitted_outcome(reserved, &limits),
-            InvocationOutcome::Fail(_)
+            InvocationOutcome::InvalidEmission(_)
         ));
         let upper = vec![emitted(None, vec![("Bad", "1")])];
         assert!(matches!(
             emitted_outcome(upper, &limits),
-            InvocationOutcome::Fail(_)
+            InvocationOutcome::InvalidEmission(_)
+        ));
+        // Every field counts towards the output bound, not only data.
+        let mut long_subject = emitted(None, vec![]);
+        long_subject.subject = Some("s".repeat(limits.max_output_bytes + 1));
+        assert!(matches!(
+            emitted_outcome(vec![long_subject], &limits),
+            InvocationOutcome::LimitExceeded(_)
         ));
     }
 }

@@ -348,6 +348,23 @@ fn hostile_loop_times_out() {
     );
 }
 
+/// A guest that sleeps blocks in the host, where epoch interruption cannot reach it: waiting on
+/// a clock traps at once instead of outliving the timeout (an hour here).
+#[test]
+fn hostile_sleep_traps_instead_of_outliving_its_timeout() {
+    let limits = HandlerLimits {
+        timeout: Duration::from_millis(300),
+        ..HandlerLimits::default()
+    };
+    let inv = hostile_with_neighbour(json!({"mode": "sleep"}), &limits);
+    assert!(
+        matches!(&inv.outcome, InvocationOutcome::Trap(m) if m.contains("cannot sleep")),
+        "{:?}",
+        inv.outcome
+    );
+    assert!(inv.duration < Duration::from_secs(3), "{:?}", inv.duration);
+}
+
 #[test]
 fn hostile_memory_bomb_is_oom() {
     let limits = HandlerLimits {
@@ -391,7 +408,7 @@ fn hostile_output_floods_exceed_the_limits() {
         &HandlerLimits::default(),
     );
     match inv.outcome {
-        InvocationOutcome::LimitExceeded(m) => assert!(m.contains("bytes of data"), "{m}"),
+        InvocationOutcome::LimitExceeded(m) => assert!(m.contains("bytes; the limit"), "{m}"),
         other => panic!("{other:?}"),
     }
 }
