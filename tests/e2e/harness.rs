@@ -662,7 +662,6 @@ pub async fn get_json(r: &RouterProc, path: &str) -> (u16, Value) {
     (status, resp.json::<Value>().await.unwrap_or(Value::Null))
 }
 
-/// The fate of an event.
 /// The `/metrics` text ("" when it cannot be read).
 pub async fn metrics_text(r: &RouterProc) -> String {
     match client().get(r.url("/metrics")).send().await {

@@ -222,14 +222,7 @@ async fn quarantine_stores_poison_in_the_dlq_with_pointers_and_never_routes_it()
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(rcv.count(), 0);
     // The DLQ's depth counts them, under target="none" (an alert on it sees poison too).
-    let metrics = client()
-        .get(r.url("/metrics"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("text");
+    let metrics = metrics_text(&r).await;
     assert!(
         metrics.contains("router_dlq_depth{target=\"none\"} 2"),
         "{metrics}"
