@@ -105,7 +105,7 @@ fn event(data: Value, dataversion: u32) -> CloudEvent {
         time: None,
         datacontenttype: None,
         dataschema: None,
-        data: (!data.is_null()).then_some(data),
+        data: (!data.is_null()).then(|| router::event::Data::from(data)),
         data_base64: None,
         extensions,
     }
