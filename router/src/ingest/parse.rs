@@ -875,6 +875,14 @@ fn short(v: &Value) -> String {
     format!("{}...", &s[..end])
 }
 
+/// A binary-mode body as JSON data: the text as sent, once it is known to read as a value.
+/// The syntax check of `RawValue` lets numbers through that no `Value` can hold (`1e400`),
+/// which contracts and patterns would then read as null, so the body is also read once whole.
+fn json_data_of(body: &[u8]) -> Result<Box<RawValue>, serde_json::Error> {
+    serde_json::from_slice::<Value>(body)?;
+    serde_json::from_slice::<Box<RawValue>>(body)
+}
+
 /// Decodes a binary-mode header value (HTTP binding §3.1.3.2): a value sent as an HTTP
 /// quoted-string (`"..."`, as older senders do) is unquoted first, then percent-decoded. A `%`
 /// not followed by two hex digits is an error: senders must encode a literal `%` as `%25`.
@@ -989,7 +997,7 @@ fn binary(
             if json_depth_exceeds(body, limits.max_json_depth) {
                 return Err(depth_error(limits.max_json_depth));
             }
-            match serde_json::from_slice::<Box<RawValue>>(body) {
+            match json_data_of(body) {
                 Ok(raw) => Some(raw),
                 Err(e) => {
                     errors.push(FieldError::new(
@@ -1002,7 +1010,7 @@ fn binary(
         } else if content_type.is_none() {
             // serde_json bounds its own recursion (128 levels); what parses is JSON data and
             // held to the depth limit like any other.
-            match serde_json::from_slice::<Box<RawValue>>(body) {
+            match json_data_of(body) {
                 Ok(_) if json_depth_exceeds(body, limits.max_json_depth) => {
                     return Err(depth_error(limits.max_json_depth));
                 }
@@ -1700,6 +1708,19 @@ mod tests {
             Some(body.trim()),
             "numbers are not rounded or rewritten"
         );
+    }
+
+    #[test]
+    fn binary_json_data_must_read_as_a_value() {
+        // Syntactically JSON, but no number type holds it (a fuzzer's find).
+        let mut pairs = binary_headers();
+        pairs.push(("content-type", "application/json"));
+        let e = parse(&headers(&pairs), b"[1e386]").unwrap_err();
+        assert_eq!(pointers(&e), ["/data"], "{e}");
+        // Untyped, it is not JSON data: it is carried as bytes.
+        let (_, evs) = parse(&headers(&binary_headers()), b"[1e386]").unwrap();
+        assert_eq!(evs[0].data, None);
+        assert!(evs[0].data_base64.is_some());
     }
 
     #[test]
