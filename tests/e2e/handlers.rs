@@ -563,24 +563,20 @@ async fn another_team_can_never_change_a_teams_handler() {
         b.extend_from_slice(&[0, 6, 4, b't', b'e', b'a', b'm', tag]);
         b
     };
-    let (s, b) = send_as(
-        &r,
-        "PUT",
-        "/v1/handlers/enrich",
-        "billing-ci",
-        Some(("application/wasm", with_bytes(1))),
-    )
-    .await;
+    // The same handler name, uploaded with `token` (the bytes varied by `tag`).
+    let upload_as = |token: &'static str, tag: u8| {
+        send_as(
+            &r,
+            "PUT",
+            "/v1/handlers/enrich",
+            token,
+            Some(("application/wasm", with_bytes(tag))),
+        )
+    };
+    let (s, b) = upload_as("billing-ci", 1).await;
     assert_eq!(s, 201, "{b}");
     // The CRM team's glob covers the name; the handler is still not theirs.
-    let (s, b) = send_as(
-        &r,
-        "PUT",
-        "/v1/handlers/enrich",
-        "crm-ci",
-        Some(("application/wasm", with_bytes(2))),
-    )
-    .await;
+    let (s, b) = upload_as("crm-ci", 2).await;
     assert_eq!(s, 403, "{b}");
     assert!(
         b["errors"][0]["message"]
@@ -606,14 +602,7 @@ async fn another_team_can_never_change_a_teams_handler() {
     assert_eq!(info["owner"], "billing", "{info}");
     assert_eq!(info["versions"].as_array().map(Vec::len), Some(1), "{info}");
     // A rotated token of the team, then an administrator.
-    let (s, b) = send_as(
-        &r,
-        "PUT",
-        "/v1/handlers/enrich",
-        "billing-ci-2027",
-        Some(("application/wasm", with_bytes(3))),
-    )
-    .await;
+    let (s, b) = upload_as("billing-ci-2027", 3).await;
     assert_eq!((s, b["version"].as_u64()), (201, Some(2)), "{b}");
     assert_eq!(b["team"], "billing", "{b}");
     let (s, b) = send_as(
@@ -630,14 +619,7 @@ async fn another_team_can_never_change_a_teams_handler() {
     // Deleted, its name still the team's: its queued deliveries go to no other team's code.
     let (s, _) = send_as(&r, "GET", "/v1/handlers/enrich", "crm-ci", None).await;
     assert_eq!(s, 404);
-    let (s, b) = send_as(
-        &r,
-        "PUT",
-        "/v1/handlers/enrich",
-        "crm-ci",
-        Some(("application/wasm", with_bytes(4))),
-    )
-    .await;
+    let (s, b) = upload_as("crm-ci", 4).await;
     assert_eq!(s, 403, "{b}");
     let (s, b) = send_as(
         &r,
@@ -667,14 +649,7 @@ async fn another_team_can_never_change_a_teams_handler() {
     )
     .await;
     assert_eq!((s, &b["released"]), (200, &json!("enrich")), "{b}");
-    let (s, b) = send_as(
-        &r,
-        "PUT",
-        "/v1/handlers/enrich",
-        "crm-ci",
-        Some(("application/wasm", with_bytes(4))),
-    )
-    .await;
+    let (s, b) = upload_as("crm-ci", 4).await;
     assert_eq!(s, 201, "{b}");
     let (_, info) = send_as(&r, "GET", "/v1/handlers/enrich", "crm-ci", None).await;
     assert_eq!(info["owner"], "crm-ci", "{info}");

@@ -63,13 +63,20 @@ pub struct DeliveryContext {
 
 struct Running {
     runtime: Arc<TargetRuntime>,
-    /// A fingerprint of the signing secret the target was built with (see
-    /// [`Dispatcher::secret_fingerprint`]).
+    /// A fingerprint of the signing secret the target was built with (see [`fingerprint`]).
     secret: Option<u64>,
     stop: CancellationToken,
     target: Arc<dyn Target>,
     /// The worker's attempt slots, shared with handoffs at acceptance.
     slots: Arc<tokio::sync::Semaphore>,
+}
+
+/// An in-process hash of a signing secret, to notice that it changed without keeping it.
+fn fingerprint(secret: Option<&str>) -> Option<u64> {
+    use std::hash::{Hash as _, Hasher as _};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    secret?.hash(&mut h);
+    Some(h.finish())
 }
 
 /// Store key prefix of an operator's pause of a target (kept beside target states, apart from
@@ -237,7 +244,13 @@ impl Dispatcher {
         &self.ctx
     }
 
-    fn build_target(&self, spec: &TargetSpec) -> Result<Arc<dyn Target>, StartError> {
+    /// Builds the target of `spec`; `secret` is the signing secret its `secret_env` names, as
+    /// [`Self::secret_of`] read it.
+    fn build_target(
+        &self,
+        spec: &TargetSpec,
+        secret: Option<&str>,
+    ) -> Result<Arc<dyn Target>, StartError> {
         match &spec.kind {
             TargetKind::Webhook {
                 url,
@@ -248,12 +261,12 @@ impl Dispatcher {
                 let keys = match secret_env {
                     None => Vec::new(),
                     Some(name) => {
-                        let value = (self.ctx.secrets)(name).ok_or_else(|| StartError::Secret {
+                        let value = secret.ok_or_else(|| StartError::Secret {
                             id: spec.id.clone(),
                             name: name.clone(),
                             why: "not set in the environment or the secrets file".into(),
                         })?;
-                        crate::target::webhook::parse_secrets(&value).map_err(|why| {
+                        crate::target::webhook::parse_secrets(value).map_err(|why| {
                             StartError::Secret {
                                 id: spec.id.clone(),
                                 name: name.clone(),
@@ -301,38 +314,34 @@ impl Dispatcher {
     /// set, the WASM runtime down for a handler) without starting a worker:
     /// [`Self::start`] runs it.
     pub fn prepare(&self, spec: TargetSpec) -> Result<PreparedTarget, StartError> {
-        let secret = self.secret_fingerprint(&spec);
-        let target = self.build_target(&spec)?;
+        // Read once: the fingerprint kept is that of the keys the target is built with.
+        let secret = self.secret_of(&spec);
+        let target = self.build_target(&spec, secret.as_deref())?;
         Ok(PreparedTarget {
             spec,
             target,
-            secret,
+            secret: fingerprint(secret.as_deref()),
         })
     }
 
-    /// A fingerprint (in-process hash) of the signing secret `spec` resolves to now, so that a
-    /// reload notices a secret changed in the environment or the secrets file (a key rotation)
-    /// although the rule files did not change: the target is built again with the new keys.
-    /// `None` for a target without a secret, or one whose secret is not set.
-    fn secret_fingerprint(&self, spec: &TargetSpec) -> Option<u64> {
-        use std::hash::{Hash as _, Hasher as _};
-        let TargetKind::Webhook {
-            secret_env: Some(name),
-            ..
-        } = &spec.kind
-        else {
-            return None;
-        };
-        let value = (self.ctx.secrets)(name)?;
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        value.hash(&mut h);
-        Some(h.finish())
+    /// The signing secret `spec` names (`secret_env`), as the environment or the secrets file
+    /// hold it now; `None` for a target without one, or one not set.
+    fn secret_of(&self, spec: &TargetSpec) -> Option<String> {
+        match &spec.kind {
+            TargetKind::Webhook {
+                secret_env: Some(name),
+                ..
+            } => (self.ctx.secrets)(name),
+            _ => None,
+        }
     }
 
     /// Whether a worker runs `spec` as it is now: the same configuration and, for a signed
-    /// webhook, the same secret. A reload prepares the targets for which this is false.
+    /// webhook, the same secret (a reload notices a secret changed in the environment or the
+    /// secrets file, a key rotation, although the rule files did not change). A reload
+    /// prepares the targets for which this is false.
     pub fn is_current(&self, spec: &TargetSpec) -> bool {
-        let secret = self.secret_fingerprint(spec);
+        let secret = fingerprint(self.secret_of(spec).as_deref());
         let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
         running
             .get(&spec.id)

@@ -1151,11 +1151,16 @@ async fn on_transition(ctx: &DeliveryContext, rt: &TargetRuntime, t: Transition,
         "window_requests": t.requests,
         "open_until": match t.to { BreakerState::Open { until } => Some(crate::clock::rfc3339(until)), _ => None },
     })));
-    if let Some(tx) = &ctx.system_events {
-        // Bounded and best-effort: a full channel means an alert storm is already under way.
-        if tx.try_send(ev).is_err() {
-            ctx.metrics.system_events_dropped.inc();
-        }
+    raise(ctx, ev);
+}
+
+/// Hands a system event to the router that routes them. Bounded and best-effort: a full
+/// channel means an alert storm is already under way, and the event is counted as dropped.
+fn raise(ctx: &DeliveryContext, ev: CloudEvent) {
+    if let Some(tx) = &ctx.system_events
+        && tx.try_send(ev).is_err()
+    {
+        ctx.metrics.system_events_dropped.inc();
     }
 }
 
@@ -1175,7 +1180,6 @@ pub fn dead_lettered(
     if ty.starts_with("router.") {
         return;
     }
-    let Some(tx) = &ctx.system_events else { return };
     let mut sys = system_event("router.dlq.added", target.unwrap_or("none"), now);
     if target.is_none() {
         sys.subject = None;
@@ -1187,9 +1191,7 @@ pub fn dead_lettered(
         "event": { "id": id, "source": source, "type": ty },
         "error": error,
     })));
-    if tx.try_send(sys).is_err() {
-        ctx.metrics.system_events_dropped.inc();
-    }
+    raise(ctx, sys);
 }
 
 /// Counts `n` entries of `target` dead-lettered at once with `reason` (a removed target's
@@ -1207,7 +1209,6 @@ pub fn dead_lettered_in_bulk(
         return;
     }
     count_dead_letters(&ctx.metrics, Some(target), reason, n);
-    let Some(tx) = &ctx.system_events else { return };
     let mut sys = system_event("router.dlq.added", target, now);
     sys.data = Some(crate::event::Data::from(serde_json::json!({
         "target": target,
@@ -1215,9 +1216,7 @@ pub fn dead_lettered_in_bulk(
         "count": n,
         "error": error,
     })));
-    if tx.try_send(sys).is_err() {
-        ctx.metrics.system_events_dropped.inc();
-    }
+    raise(ctx, sys);
 }
 
 /// Counts `n` new DLQ entries of `target` (`None`: no target) with `reason`.

@@ -991,6 +991,14 @@ mod tests {
         (dir, app)
     }
 
+    /// The first ten DLQ entries, in id order.
+    async fn dlq_entries(app: &App) -> Vec<crate::store::DlqEntry> {
+        app.store
+            .dlq_list(&DlqFilter::default(), None, 10)
+            .await
+            .expect("dlq")
+    }
+
     /// A redrive job of every DLQ entry at `rate_per_sec`.
     async fn redrive_all(app: &Arc<App>, rate_per_sec: f64) -> Job {
         create_redrive(
@@ -1115,11 +1123,7 @@ mod tests {
             0,
             "nothing queued where no worker would take it"
         );
-        let left = app
-            .store
-            .dlq_list(&DlqFilter::default(), None, 10)
-            .await
-            .expect("dlq");
+        let left = dlq_entries(&app).await;
         assert_eq!(left.len(), 1, "{left:?}");
         assert_eq!(left[0].target_id.as_deref(), Some("old"));
         assert!(
@@ -1151,11 +1155,7 @@ mod tests {
         })
         .await;
         assert_eq!((done.moved, done.failed), (1, 1), "{done:?}");
-        let left = app
-            .store
-            .dlq_list(&DlqFilter::default(), None, 10)
-            .await
-            .expect("dlq");
+        let left = dlq_entries(&app).await;
         assert_eq!(left.len(), 1, "{left:?}");
         assert_eq!(left[0].event_id, "orphan");
         assert!(
@@ -1271,11 +1271,7 @@ mod tests {
         assert_eq!(done.state, JobState::Done, "{done:?}");
         assert_eq!(done.moved, 2, "each entry moved once: {done:?}");
         assert_eq!(done.last_error, None, "the error clears once steps succeed");
-        let left = app
-            .store
-            .dlq_list(&DlqFilter::default(), None, 10)
-            .await
-            .expect("dlq");
+        let left = dlq_entries(&app).await;
         assert!(left.is_empty(), "both entries were redriven: {left:?}");
     }
 }

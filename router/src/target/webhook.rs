@@ -365,32 +365,17 @@ impl Webhook {
                 body,
                 read_error,
             } => {
-                let outcome = classify(status, &body.bytes, body.truncated, retry_after);
-                match (outcome, read_error) {
-                    (
-                        AttemptOutcome::Retryable {
-                            error,
-                            status,
-                            retry_after,
-                        },
-                        Some(why),
-                    ) => AttemptOutcome::Retryable {
-                        error: format!("{error} (then reading the body failed: {why})"),
-                        status,
-                        retry_after,
-                    },
-                    (AttemptOutcome::Permanent { error, status }, Some(why)) => {
-                        AttemptOutcome::Permanent {
-                            error: format!("{error} (then reading the body failed: {why})"),
-                            status,
+                let mut outcome = classify(status, &body.bytes, body.truncated, retry_after);
+                if let Some(why) = read_error {
+                    match &mut outcome {
+                        AttemptOutcome::Retryable { error, .. }
+                        | AttemptOutcome::Permanent { error, .. } => {
+                            error.push_str(&format!(" (then reading the body failed: {why})"));
                         }
+                        _ => tracing::debug!(error = %why, "webhook body read failed after a 2xx"),
                     }
-                    (outcome, Some(why)) => {
-                        tracing::debug!(error = %why, "webhook body read failed after a 2xx");
-                        outcome
-                    }
-                    (outcome, None) => outcome,
                 }
+                outcome
             }
             Exchange::Failed(outcome) => outcome,
         }
