@@ -1,11 +1,11 @@
 //! `hostile`: misbehaves on purpose, by `data.mode`, to prove the router's sandbox limits:
 //! `loop` (never returns), `oom` (memory bomb), `stack` (unbounded recursion), `panic`,
-//! `output` (`data.size`: `many` = 10,000 emissions, `big` = one 2 MiB emission) and `log`
-//! (a log flood, then a normal return), `slow` (on its first attempt only, busy for `data.ms`
-//! milliseconds — long enough to outlive its lease — then, on every attempt, records
-//! `slow:<event id>` = one `x` per attempt in kv and emits `hostile.slow.done`), `sleep`
-//! (sleeps an hour: blocks in the host, where epoch interruption cannot reach it). Anything
-//! else: returns nothing.
+//! `output` (`data.size`: `many` = 10,000 emissions, `big` = one 2 MiB emission), `log` (a
+//! flood of 20,000 lines of about 110 bytes, over 30 times the default cap, then a normal
+//! return), `slow` (on its first attempt only, busy for `data.ms` milliseconds — long enough
+//! to outlive its lease — then, on every attempt, records `slow:<event id>` = one `x` per
+//! attempt in kv and emits `hostile.slow.done`), `sleep` (sleeps an hour: blocks in the host,
+//! where epoch interruption cannot reach it). Anything else: returns nothing.
 
 use std::hint::black_box;
 
@@ -78,7 +78,7 @@ impl Handler for Hostile {
             }
             "log" => {
                 let line = "y".repeat(100);
-                for i in 0..100_000 {
+                for i in 0..20_000 {
                     log::info!("flood {i}: {line}");
                 }
                 Ok(Vec::new())

@@ -230,7 +230,7 @@ struct Prepared {
 
 impl JetStreamStore {
     /// Connects, prepares the records stream, and loads the view of the live queue entries
-    /// (waiting for it at most the configured request timeout).
+    /// (waiting for it while it reads, and giving up after a request timeout without progress).
     pub async fn open(options: JetStreamOptions) -> Result<Self, StoreError> {
         let records = Records::open(options.records).await?;
         let view = view::View::new();
@@ -253,7 +253,7 @@ impl JetStreamStore {
         };
         if !store.view.wait_loaded(store.records.timeout()).await {
             return Err(StoreError::Backend(format!(
-                "the queue entries could not be read within {:?}",
+                "the queue entries could not be read: nothing read for {:?}",
                 store.records.timeout()
             )));
         }

@@ -449,12 +449,27 @@ impl View {
             .is_ok_and(|r| r.is_ok())
     }
 
-    /// Waits until the follower has read every entry that existed when it started.
-    pub async fn wait_loaded(&self, timeout: Duration) -> bool {
+    /// Waits until the follower has read every entry that existed when it started, for as long
+    /// as it keeps applying records: false only when a whole `stall` passes without one. A
+    /// fixed bound made a restart after a long run fail on a loaded machine ("the queue entries
+    /// could not be read within 5s" in a fresh-clone run of the JetStream kill -9 test).
+    pub async fn wait_loaded(&self, stall: Duration) -> bool {
         let mut rx = self.loaded.subscribe();
-        tokio::time::timeout(timeout, rx.wait_for(|&l| l))
-            .await
-            .is_ok_and(|r| r.is_ok())
+        let mut seen = *self.applied.borrow();
+        loop {
+            if let Ok(r) = tokio::time::timeout(stall, rx.wait_for(|&l| l)).await {
+                return r.is_ok();
+            }
+            let now = *self.applied.borrow();
+            if now == seen {
+                return false;
+            }
+            tracing::info!(
+                applied = now,
+                "queue view: still reading the stored entries"
+            );
+            seen = now;
+        }
     }
 
     fn apply_message(
@@ -658,6 +673,33 @@ mod tests {
             due,
             0,
         )
+    }
+
+    /// A view still applying records is waited for past the stall bound; one that applies
+    /// nothing for a whole bound is given up on.
+    #[tokio::test(start_paused = true)]
+    async fn loading_is_waited_for_while_it_makes_progress() {
+        let view = View::new();
+        let feeder = {
+            let view = view.clone();
+            tokio::spawn(async move {
+                for rev in 1..=10u64 {
+                    tokio::time::sleep(Duration::from_millis(600)).await;
+                    view.apply_message("P", &format!("P.dl.{rev}"), rev, b"", true);
+                }
+                view.loaded.send_replace(true);
+            })
+        };
+        let started = tokio::time::Instant::now();
+        assert!(view.wait_loaded(Duration::from_secs(1)).await);
+        assert!(started.elapsed() >= Duration::from_secs(6));
+        feeder.await.unwrap();
+
+        let stalled = View::new();
+        stalled.apply_message("P", "P.dl.1", 1, b"", true);
+        let started = tokio::time::Instant::now();
+        assert!(!stalled.wait_loaded(Duration::from_secs(1)).await);
+        assert!(started.elapsed() < Duration::from_secs(2));
     }
 
     #[test]
