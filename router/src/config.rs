@@ -73,7 +73,9 @@ pub struct HandlersConfig {
     pub dir: Option<PathBuf>,
     /// Linear memory cap per invocation.
     pub memory_bytes: usize,
-    /// Wall-clock timeout per invocation (epoch interruption).
+    /// Wall-clock timeout per invocation (epoch interruption), for every handler; a handler
+    /// target's policy `timeout` bounds its attempts further (an invocation gets whichever is
+    /// shorter, less the time its attempt waited for a free instance).
     #[serde(with = "humantime_serde")]
     pub timeout: Duration,
     /// Optional fuel per invocation.

@@ -537,6 +537,39 @@ async fn hostile_handlers_are_contained() {
     assert_eq!(get_json(&r, "/healthz").await.0, 200);
 }
 
+/// A handler target's policy timeout bounds its invocations below `handlers.timeout` (5 s by
+/// default here): a looping handler under `timeout: 400ms` is stopped near 400 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_timeout_bounds_a_handler_invocation() {
+    let policy = "  quick:\n    timeout: 400ms\n    retry: { max_attempts: 1 }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "to-hostile",
+            "hostile",
+            &["handler: hostile\n        id: hostile\n        policy: quick".to_string()],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(put_handler(&r, "hostile", plugin("hostile")).await.0, 201);
+    post_event(&r, &event("q-loop", "hostile", json!({"mode": "loop"}))).await;
+    let f = eventually(Duration::from_secs(30), || async {
+        let f = fate(&r, "q-loop").await;
+        (f["targets"][0]["state"] == "dlq").then_some(f)
+    })
+    .await
+    .expect("the looping invocation reaches the DLQ");
+    let attempt = &f["targets"][0]["attempts"][0];
+    let error = attempt["error"].as_str().unwrap_or("");
+    assert!(
+        error.starts_with("handler_timeout: no answer within"),
+        "{f}"
+    );
+    // Epoch interruption ticks and a loaded machine add to 400 ms, but nowhere near 5 s.
+    let latency = attempt["latency_ms"].as_u64().unwrap_or(u64::MAX);
+    assert!(latency < 3_000, "{latency} ms: {f}");
+}
+
 /// `order.created` → handler `enrich`; its `order.created.enriched` emissions → `rcv`.
 fn enrich_then_webhook(rcv: &Receiver) -> String {
     format!(
@@ -1193,15 +1226,17 @@ async fn a_full_kv_namespace_fails_the_growing_write_and_shows_its_size() {
     );
 }
 
-/// A lease that runs out under a slow handler: the entry goes back to the queue and a second
-/// attempt runs (and commits) while the first is still busy; when the first finishes, its ack
-/// is refused by the lease's fencing token and nothing of its outbox is written. Exactly one
+/// A lease that runs out under a stalled worker: the first attempt's handler has run, and its
+/// worker stalls (a failpoint) past the lease before committing; the entry goes back to the
+/// queue and a second attempt runs and commits meanwhile; when the first wakes, its ack is
+/// refused by the lease's fencing token and nothing of its outbox is written. Exactly one
 /// emission and one key-value write (the winning attempt's: the second, or a later one when a
-/// loaded machine made the second outlive its lease too) remain.
+/// loaded machine made the second outlive its lease too) remain. A live invocation cannot
+/// outlive its lease: it is bounded by the policy timeout, which the lease covers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lease_lost_under_a_slow_handler_refuses_the_late_ack() {
+async fn a_lease_lost_under_a_stalled_worker_refuses_the_late_ack() {
     let rcv = Receiver::ok().await;
-    let policy = "  slow:\n    timeout: 100ms\n    retry: { max_attempts: 5, base_delay: 50ms, max_delay: 100ms }";
+    let policy = "  slow:\n    timeout: 2s\n    retry: { max_attempts: 5, base_delay: 50ms, max_delay: 100ms }";
     let rules = format!(
         "{}  - name: done\n    pattern: {{ type: [hostile.slow.done] }}\n    targets:\n      - webhook: {}\n",
         rules_yaml(
@@ -1214,21 +1249,26 @@ async fn a_lease_lost_under_a_slow_handler_refuses_the_late_ack() {
         ),
         rcv.url()
     );
-    // The lease is the policy timeout plus the margin (300 ms); the handler may run for 10 s.
-    let config = "[delivery]\nlease_margin = \"200ms\"\n\n[handlers]\ntimeout = \"10s\"\n";
-    let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(config));
+    // The lease is the policy timeout plus the margin (2.2 s); the first attempt's worker
+    // stalls 5 s between the invocation and its commit.
+    let config = "[delivery]\nlease_margin = \"200ms\"\n";
+    let r = RouterProc::start_full(
+        &[("r.yaml", &rules)],
+        &[],
+        &[("EVENT_ROUTER_DELAY_AT", "before_ack:hostile:5000")],
+        Some(config),
+    );
     assert_eq!(put_handler(&r, "hostile", plugin("hostile")).await.0, 201);
-    let ev = event("slow-1", "hostile", json!({"mode": "slow", "ms": 3000}));
+    let ev = event("slow-1", "hostile", json!({"mode": "slow", "ms": 0}));
     assert_eq!(post_event(&r, &ev).await.0, 202);
-    // The second attempt is fast and commits while the first one still spins.
+    // The second attempt is fast and commits while the first one is stalled.
     assert!(
         rcv.wait_for(Duration::from_secs(20), |s| !s.is_empty())
             .await,
         "the second attempt's emission arrives"
     );
-    // The first attempt finishes about 3 s in; its ack is fenced. On a loaded machine a later
-    // attempt can outlive its 300 ms lease too (it waits for CPU beside the spinning one): then
-    // it is fenced as well and the next one wins. Whatever the count, every attempt but the
+    // The first attempt commits about 5 s in; its ack is fenced. On a loaded machine a later
+    // attempt could outlive its lease too: then it is fenced as well and the next one wins. Whatever the count, every attempt but the
     // winner (the last one) is fenced and only the winner's effects are kept.
     let settled = eventually(Duration::from_secs(20), || async {
         let m = metrics_text(&r).await;

@@ -742,6 +742,9 @@ async fn attempt(
     // its ordering key stays held.
     drop(permit);
     crate::failpoint::crash_point("before_ack", &rt.spec.id);
+    if let Some(stall) = crate::failpoint::delay_once("before_ack", &rt.spec.id) {
+        tokio::time::sleep(stall).await;
+    }
     record(&ctx, &rt, &leased, settled).await;
 }
 

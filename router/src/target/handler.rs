@@ -144,6 +144,10 @@ impl HandlerTarget {
     }
 
     async fn run(&self, req: &DeliveryRequest) -> (AttemptOutcome, Option<Box<Effects>>) {
+        // The attempt's policy timeout bounds everything below, the invocation included (which
+        // `handlers.timeout` caps for every handler): the lease (policy timeout + margin) then
+        // always outlasts a live attempt, and a target's `timeout: 2s` means what it says.
+        let deadline = tokio::time::Instant::now() + req.timeout;
         if !self.wait_for_wiring().await {
             return (not_wired(), None);
         }
@@ -211,8 +215,8 @@ impl HandlerTarget {
             }
         }
         // The delivery (lease, store commits) may be in flight many times over; the CPU-bound
-        // invocation passes this per-handler gate. The wait is bounded by the policy timeout so
-        // the lease (timeout + margin) still covers the invocation that follows.
+        // invocation passes this per-handler gate. The wait counts against the attempt's
+        // deadline, which the invocation that follows gets only what is left of.
         let gate = {
             let mut gates = self.rt.gates.lock().unwrap_or_else(|p| p.into_inner());
             gates
@@ -220,7 +224,7 @@ impl HandlerTarget {
                 .or_insert_with(|| Arc::new(Semaphore::new(self.rt.running_per_handler.max(1))))
                 .clone()
         };
-        let _running = match tokio::time::timeout(req.timeout, gate.acquire_owned()).await {
+        let _running = match tokio::time::timeout_at(deadline, gate.acquire_owned()).await {
             Ok(Ok(permit)) => permit,
             _ => {
                 // Busy is not a failure of this delivery: it waits, spending no attempt.
@@ -236,16 +240,49 @@ impl HandlerTarget {
                 );
             }
         };
-        let Ok(_slot) = self.rt.slots.clone().acquire_owned().await else {
+        let _slot = match tokio::time::timeout_at(deadline, self.rt.slots.clone().acquire_owned())
+            .await
+        {
+            Ok(Ok(slot)) => slot,
+            Ok(Err(_)) => {
+                return (
+                    AttemptOutcome::Retryable {
+                        error: "handler runtime is shutting down".into(),
+                        status: None,
+                        retry_after: None,
+                    },
+                    None,
+                );
+            }
+            Err(_) => {
+                return (
+                    AttemptOutcome::Deferred {
+                        reason: format!(
+                            "handler_busy: every instance slot (handlers.max_instances) was taken for longer than the policy timeout of {:?}",
+                            req.timeout
+                        ),
+                        retry_after: Duration::from_secs(1),
+                    },
+                    None,
+                );
+            }
+        };
+        let mut limits = self.rt.limits.clone();
+        limits.timeout = limits
+            .timeout
+            .min(deadline.saturating_duration_since(tokio::time::Instant::now()));
+        if limits.timeout.is_zero() {
             return (
-                AttemptOutcome::Retryable {
-                    error: "handler runtime is shutting down".into(),
-                    status: None,
-                    retry_after: None,
+                AttemptOutcome::Deferred {
+                    reason: format!(
+                        "handler_busy: the policy timeout of {:?} passed before an invocation slot was free",
+                        req.timeout
+                    ),
+                    retry_after: Duration::from_secs(1),
                 },
                 None,
             );
-        };
+        }
         let now = self.rt.clock.now_ms();
         let kv = Arc::new(StoreKv {
             store: self.rt.store.clone(),
@@ -259,8 +296,8 @@ impl HandlerTarget {
             rule: req.rule.clone(),
             target: req.target.clone(),
         };
-        let (limits, event) = (self.rt.limits.clone(), req.event_json());
-        let hh = h.clone();
+        let event = req.event_json();
+        let (hh, timeout) = (h.clone(), limits.timeout);
         let inv = match tokio::task::spawn_blocking(move || {
             crate::wasm::invoke(&hh, &event, &info, kv, &limits)
         })
@@ -378,10 +415,14 @@ impl HandlerTarget {
             ),
             other => {
                 let error = match other {
-                    InvocationOutcome::Timeout => format!(
-                        "handler_timeout: no answer within {:?}",
-                        self.rt.limits.timeout
-                    ),
+                    InvocationOutcome::Timeout => {
+                        // Whole milliseconds: what is left of a deadline is rarely round.
+                        let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+                        format!(
+                            "handler_timeout: no answer within {:?}",
+                            Duration::from_millis(ms)
+                        )
+                    }
                     InvocationOutcome::Oom => format!(
                         "handler_oom: memory cap of {} bytes reached",
                         self.rt.limits.memory_bytes
