@@ -20,9 +20,6 @@ pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json";
 /// Batch-mode media type.
 pub const BATCH_CONTENT_TYPE: &str = "application/cloudevents-batch+json";
 
-/// Attributes the router sets itself; producers may not send them.
-const RESERVED_ATTRIBUTES: &[&str] = &["hops", "replay"];
-
 /// Longest extension attribute name accepted. CloudEvents says names SHOULD NOT exceed 20
 /// characters (a MUST only for the character set), so longer ones are accepted up to this
 /// bound, which only keeps a name from being unreasonably large.
@@ -687,13 +684,17 @@ fn event_from_map(
                     );
                     continue;
                 }
-                if RESERVED_ATTRIBUTES.contains(&name.as_str()) {
-                    err(
-                        &name,
-                        format!(
-                            "'{name}' is reserved: the router sets it, producers must not send it"
-                        ),
-                    );
+                // `hops` counts the handlers an event has passed through, and a producer may
+                // be another router (a webhook target of one) passing on an emitted event: it
+                // is kept, so handlers here continue the count and loops across routers end at
+                // the hop limit. Only its form is checked, as for dataversion.
+                if name == "hops" {
+                    match hops_value(&value) {
+                        Ok(n) => {
+                            extensions.insert(name, Value::from(n));
+                        }
+                        Err(msg) => err(&name, msg),
+                    }
                     continue;
                 }
                 if name == "dataversion" {
@@ -762,7 +763,13 @@ fn event_from_map(
     if let Some(raw) = raw_data
         && raw.get() != "null"
     {
-        data = Some(Data::from_raw(raw.to_owned()));
+        match reads_as_value(raw.get()) {
+            Ok(()) => data = Some(Data::from_raw(raw.to_owned())),
+            Err(e) => errors.push(FieldError::new(
+                loc.attr("data"),
+                format!("data is not a JSON value the router can read: {e}"),
+            )),
+        }
     }
     if data.is_some() && data_base64.is_some() {
         errors.push(FieldError::new(
@@ -804,6 +811,26 @@ fn dataversion_value(v: &Value) -> Result<u32, String> {
         Some(n) if n >= 1 => Ok(n.unsigned_abs()),
         _ => Err(format!(
             "dataversion must be a positive integer (1 to {}), got {}",
+            i32::MAX,
+            short(v)
+        )),
+    }
+}
+
+/// The `hops` extension as a number: a CloudEvents Integer from 0, as a number or in its
+/// canonical string form (binary mode).
+fn hops_value(v: &Value) -> Result<u32, String> {
+    let parsed = match v {
+        Value::Number(n) => n.as_u64(),
+        Value::String(s) if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) => {
+            Some(s.parse::<u64>().unwrap_or(u64::MAX))
+        }
+        _ => None,
+    };
+    match parsed.and_then(|n| i32::try_from(n).ok()) {
+        Some(n) => Ok(n.unsigned_abs()),
+        None => Err(format!(
+            "hops (the handlers an event has passed through) must be an integer from 0 to {}, got {}",
             i32::MAX,
             short(v)
         )),
@@ -875,12 +902,59 @@ fn short(v: &Value) -> String {
     format!("{}...", &s[..end])
 }
 
-/// A binary-mode body as JSON data: the text as sent, once it is known to read as a value.
-/// The syntax check of `RawValue` lets numbers through that no `Value` can hold (`1e400`),
-/// which contracts and patterns would then read as null, so the body is also read once whole.
+/// Whether JSON text already known to be well formed also reads as a value: the syntax check
+/// of `RawValue` lets numbers through that no `Value` can hold (`[1e400]`), which contracts and
+/// patterns would then read as null. Walks the text without building anything (keys and
+/// strings are borrowed where they have no escapes).
+fn reads_as_value(text: &str) -> Result<(), serde_json::Error> {
+    struct Walk;
+    impl<'de> serde::de::Visitor<'de> for Walk {
+        type Value = ();
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a JSON value")
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_str<E>(self, _: &str) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_unit<E>(self) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+            while seq.next_element::<Walked>()?.is_some() {}
+            Ok(())
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            while map.next_entry::<serde::de::IgnoredAny, Walked>()?.is_some() {}
+            Ok(())
+        }
+    }
+    struct Walked;
+    impl<'de> serde::Deserialize<'de> for Walked {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_any(Walk).map(|()| Walked)
+        }
+    }
+    serde_json::from_str::<Walked>(text).map(|_| ())
+}
+
+/// A binary-mode body as JSON data: the text as sent, once it is known to read as a value
+/// ([`reads_as_value`]).
 fn json_data_of(body: &[u8]) -> Result<Box<RawValue>, serde_json::Error> {
-    serde_json::from_slice::<Value>(body)?;
-    serde_json::from_slice::<Box<RawValue>>(body)
+    let raw = serde_json::from_slice::<Box<RawValue>>(body)?;
+    reads_as_value(raw.get())?;
+    Ok(raw)
 }
 
 /// Decodes a binary-mode header value (HTTP binding §3.1.3.2): a value sent as an HTTP
@@ -1587,12 +1661,35 @@ mod tests {
     }
 
     #[test]
-    fn hops_and_replay_are_reserved() {
-        let e = structured_err(with(json!({"hops": 1, "replay": "job"})));
-        let mut p = pointers(&e);
-        p.sort_unstable();
-        assert_eq!(p, ["/hops", "/replay"]);
-        assert!(e.errors.iter().all(|e| e.message.contains("reserved")));
+    fn hops_and_replay_from_a_producer_are_kept() {
+        // Another router's webhook delivery of an event one of its handlers emitted, or of a
+        // replay: the count and the marker go on.
+        let (_, evs) = parse(
+            &headers(&[("content-type", "application/cloudevents+json")]),
+            with(json!({"hops": 2, "replay": "job-7"}))
+                .to_string()
+                .as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(evs[0].hops(), 2);
+        assert_eq!(evs[0].extensions["replay"], json!("job-7"));
+        // Binary mode's header string is the number.
+        let mut pairs = binary_headers();
+        pairs.push(("ce-hops", "3"));
+        let (_, evs) = parse(&headers(&pairs), b"").unwrap();
+        assert_eq!(evs[0].extensions["hops"], json!(3));
+        assert_eq!(evs[0].hops(), 3);
+        for bad in [
+            json!(-1),
+            json!(1.5),
+            json!("x"),
+            json!(true),
+            json!(2_147_483_648_u64),
+        ] {
+            let e = structured_err(with(json!({ "hops": bad })));
+            assert_eq!(pointers(&e), ["/hops"], "{bad}");
+            assert!(e.errors[0].message.contains("hops"), "{e}");
+        }
     }
 
     #[test]
@@ -1613,7 +1710,7 @@ mod tests {
         bad1["id"] = json!("");
         let mut bad3 = minimal();
         bad3["time"] = json!("nope");
-        bad3["hops"] = json!(2);
+        bad3["hops"] = json!(-2);
         let body = json!([minimal(), bad1, minimal(), bad3, 5]).to_string();
         let e = parse(&ct(BATCH_CONTENT_TYPE), body.as_bytes()).unwrap_err();
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
@@ -1724,6 +1821,35 @@ mod tests {
     }
 
     #[test]
+    fn structured_and_batch_data_must_read_as_a_value() {
+        let ev = r#"{"specversion":"1.0","id":"1","source":"/s","type":"t","data":{"a":[1,{"b":-1e386}]}}"#;
+        for ct in ["application/cloudevents+json", "application/json"] {
+            let e = parse(&headers(&[("content-type", ct)]), ev.as_bytes()).unwrap_err();
+            assert_eq!(pointers(&e), ["/data"], "{ct}: {e}");
+        }
+        let batch = format!(
+            r#"[{},{}]"#,
+            ev.replace(r#""id":"1""#, r#""id":"0""#)
+                .replace("-1e386", "1e308"),
+            ev
+        );
+        let e = parse(
+            &headers(&[("content-type", "application/cloudevents-batch+json")]),
+            batch.as_bytes(),
+        )
+        .unwrap_err();
+        assert_eq!(pointers(&e), ["/1/data"], "{e}");
+        // Large but representable numbers, escapes and nesting read as they did.
+        let fine = r#"{"specversion":"1.0","id":"1","source":"/s","type":"t","data":{"n":1e308,"s":"a\u00e9","k\n":[[],{}],"i":-9223372036854775808,"u":18446744073709551615}}"#;
+        let (_, evs) = parse(
+            &headers(&[("content-type", "application/cloudevents+json")]),
+            fine.as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(evs[0].data.as_ref().unwrap().value()["u"], json!(u64::MAX));
+    }
+
+    #[test]
     fn binary_repeated_required_header_is_reported_once() {
         let mut pairs = binary_headers();
         pairs.push(("ce-id", "43"));
@@ -1779,7 +1905,7 @@ mod tests {
             ("ce-type", "t"),
             ("ce-time", "noon"),
             ("ce-dataversion", "v2"),
-            ("ce-hops", "1"),
+            ("ce-hops", "-1"),
             ("ce-bad_name", "x"),
         ]);
         let e = parse(&h, b"").unwrap_err();

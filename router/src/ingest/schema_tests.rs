@@ -213,8 +213,19 @@ fn schema_and_parser_agree_on_every_case() {
             with(json!({"dataversion": 2_147_483_648_u64})),
             false,
         ),
-        ("reserved hops", with(json!({"hops": 1})), false),
-        ("reserved replay", with(json!({"replay": "job-1"})), false),
+        ("hops from another router", with(json!({"hops": 1})), true),
+        (
+            "hops in binary's string form",
+            with(json!({"hops": "4"})),
+            true,
+        ),
+        ("negative hops", with(json!({"hops": -1})), false),
+        ("fractional hops", with(json!({"hops": 1.5})), false),
+        (
+            "replay marker from another router",
+            with(json!({"replay": "job-1"})),
+            true,
+        ),
         (
             "data and data_base64",
             with(json!({"data": {"a": 1}, "data_base64": "AAEC"})),
