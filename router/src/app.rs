@@ -1197,6 +1197,40 @@ pub async fn run_with_store(
     Ok(())
 }
 
+/// The rate limits on system events: per target they are about (20/s, bursts of 100), so
+/// one flapping target cannot use up the alerts of the others, and in total (100/s, bursts of
+/// 500), so many failing targets together still cannot make a storm.
+struct SystemEventLimits {
+    per_target: governor::DefaultKeyedRateLimiter<String>,
+    total: governor::DefaultDirectRateLimiter,
+}
+
+impl SystemEventLimits {
+    fn new() -> Self {
+        use governor::{Quota, RateLimiter};
+        let quota = |per_second: u32, burst: u32| {
+            Quota::per_second(
+                std::num::NonZeroU32::new(per_second).unwrap_or(std::num::NonZeroU32::MIN),
+            )
+            .allow_burst(std::num::NonZeroU32::new(burst).unwrap_or(std::num::NonZeroU32::MIN))
+        };
+        Self {
+            per_target: RateLimiter::keyed(quota(20, 100)),
+            total: RateLimiter::direct(quota(100, 500)),
+        }
+    }
+
+    /// Whether an event about `about` (a target id; events about no target share one key)
+    /// may go now.
+    fn admit(&self, about: Option<&str>) -> bool {
+        // The keys are the router's target ids: as many as the rules have ever named.
+        self.per_target
+            .check_key(&about.unwrap_or("").to_string())
+            .is_ok()
+            && self.total.check().is_ok()
+    }
+}
+
 /// Routes system events (`router.*`) through the live rules, rate-limited so that an alert
 /// path that fails cannot become a storm. An event about a target is never delivered to that
 /// same target.
@@ -1206,21 +1240,17 @@ fn spawn_system_event_router(
     cancel: CancellationToken,
     mut rx: tokio::sync::mpsc::Receiver<crate::event::CloudEvent>,
 ) {
-    use governor::{Quota, RateLimiter};
     let app = app.clone();
     tracker.spawn(async move {
-        let limiter = RateLimiter::direct(
-            Quota::per_second(std::num::NonZeroU32::MIN.saturating_add(19))
-                .allow_burst(std::num::NonZeroU32::MIN.saturating_add(99)),
-        );
+        let limits = SystemEventLimits::new();
         loop {
             let ev = tokio::select! {
                 _ = cancel.cancelled() => break,
                 ev = rx.recv() => match ev { Some(ev) => ev, None => break },
             };
-            if limiter.check().is_err() {
+            if !limits.admit(ev.subject.as_deref()) {
                 app.metrics.system_events_dropped.inc();
-                tracing::warn!(ty = %ev.ty, "system event dropped by the rate limit");
+                tracing::warn!(ty = %ev.ty, about = ?ev.subject, "system event dropped by the rate limit");
                 continue;
             }
             let rules = app.rules.load();
@@ -1263,6 +1293,9 @@ fn spawn_system_event_router(
 /// Handler uploads read or compiled at once (`App::upload_slots`).
 const UPLOAD_SLOTS: usize = 2;
 
+/// `Retry-After` of an upload that found every slot taken for a whole request timeout.
+const UPLOAD_BUSY_RETRY_AFTER_S: u64 = 5;
+
 /// Largest request body of the API's routes other than ingest (which has its own limit) and
 /// handler uploads (`handlers.max_upload_bytes`).
 const API_BODY_LIMIT: usize = 2 << 20;
@@ -1282,9 +1315,30 @@ async fn bounded_body(
         return next.run(req).await;
     }
     let upload = req.method() == axum::http::Method::PUT && route == "/v1/handlers/{name}";
-    // The semaphore is never closed: `None` cannot happen.
+    // An upload waits for a slot at most as long as its body may take to arrive: past that,
+    // the slots are held by other uploads (slow bodies, long compilations), and the uploader
+    // is told to come back rather than left hanging. The semaphore is never closed.
     let _slot = if upload {
-        app.upload_slots.acquire().await.ok()
+        match tokio::time::timeout(app.cfg.server.request_timeout, app.upload_slots.acquire()).await
+        {
+            Ok(Ok(slot)) => Some(slot),
+            _ => {
+                return crate::ingest::with_retry_after(
+                    crate::ingest::error_response(
+                        axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                        "every handler upload slot is taken by other uploads; try again shortly",
+                        vec![crate::event::FieldError::new(
+                            "",
+                            format!(
+                                "{UPLOAD_SLOTS} uploads are read or compiled at once, and none finished within {:?}",
+                                app.cfg.server.request_timeout
+                            ),
+                        )],
+                    ),
+                    UPLOAD_BUSY_RETRY_AFTER_S,
+                );
+            }
+        }
     } else {
         None
     };
@@ -1599,6 +1653,23 @@ mod tests {
     use super::*;
     use crate::store::fault::SimulatedDisk;
     use crate::store::{RedbStore, StoreOptions};
+
+    #[test]
+    fn one_noisy_target_does_not_use_up_the_system_events_of_others() {
+        let limits = SystemEventLimits::new();
+        let admitted = (0..1_000)
+            .filter(|_| limits.admit(Some("flapping")))
+            .count();
+        // Its burst, plus what refills while the loop runs.
+        assert!((100..150).contains(&admitted), "{admitted}");
+        assert!(limits.admit(Some("payments")));
+        assert!(limits.admit(None));
+        // Many targets at once still meet the total bound.
+        let total = (0..2_000)
+            .filter(|i| limits.admit(Some(&format!("t{}", i % 40))))
+            .count();
+        assert!(total < 600, "{total}");
+    }
 
     const SIGNED_RULE: &str = "rules:\n  - name: signed\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/signed\n        id: signed\n        secret_env: ROUTER_UNIT_TEST_SECRET_NEVER_SET\n";
 
