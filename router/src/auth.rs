@@ -186,13 +186,20 @@ pub struct TokenConfigError {
 impl Tokens {
     /// Validates the configured tokens.
     pub fn new(cfg: &[TokenConfig]) -> Result<Self, TokenConfigError> {
-        let mut tokens = Vec::new();
+        let mut tokens: Vec<([u8; 32], TokenConfig)> = Vec::new();
         for (index, t) in cfg.iter().enumerate() {
             let err = |message: String| TokenConfigError {
                 index,
                 name: t.name.clone(),
                 message,
             };
+            // Names key the per-token ingest limits and the emitters of handlers' events: a
+            // second token of the same name would share (and set) the first one's.
+            if let Some(i) = cfg[..index].iter().position(|o| o.name == t.name) {
+                return Err(err(format!(
+                    "the name is already used by auth.tokens[{i}]; token names must be unique"
+                )));
+            }
             if t.name == PRELOAD_OWNER || t.team.as_deref() == Some(PRELOAD_OWNER) {
                 return Err(err(format!(
                     "the name {PRELOAD_OWNER:?} is reserved for preloaded handlers (token name and team)"
@@ -219,6 +226,11 @@ impl Tokens {
                         "unknown scope {s:?}; use ingest:<type-glob>, ingest-source:<source-glob>, handlers:<name-glob>, dlq:<target-glob>, read or admin"
                     )));
                 }
+            }
+            if let Some(i) = tokens.iter().position(|(h, _)| *h == hash) {
+                return Err(err(format!(
+                    "the same token (sha256) as auth.tokens[{i}]; a token must name one principal"
+                )));
             }
             tokens.push((hash, t.clone()));
         }
@@ -383,7 +395,7 @@ mod tests {
     fn a_rotated_uploaders_team_mates_stand_in_for_it() {
         let token = |name: &str, team: Option<&str>, scopes: &[&str]| TokenConfig {
             name: name.into(),
-            sha256: "a".repeat(64),
+            sha256: hex::encode(Sha256::digest(name.as_bytes())),
             scopes: scopes.iter().map(|s| s.to_string()).collect(),
             rate_per_sec: None,
             team: team.map(str::to_string),
@@ -435,6 +447,32 @@ mod tests {
         assert!(!bad(&"a".repeat(64), "ingest-source:/shop/*"));
         assert!(!bad(&"a".repeat(64), "ingest:*"));
     }
+
+    #[test]
+    fn token_names_and_tokens_are_unique() {
+        let token = |name: &str, sha: char| TokenConfig {
+            name: name.into(),
+            sha256: sha.to_string().repeat(64),
+            scopes: vec!["read".into()],
+            rate_per_sec: None,
+            team: None,
+        };
+        let e = Tokens::new(&[token("ci", 'a'), token("ci", 'b')]).unwrap_err();
+        assert!(
+            e.to_string().contains("already used by auth.tokens[0]"),
+            "{e}"
+        );
+        let e = Tokens::new(&[token("ci", 'a'), token("ops", 'a')]).unwrap_err();
+        assert!(e.to_string().contains("same token"), "{e}");
+        assert!(Tokens::new(&[token("ci", 'a'), token("ops", 'b')]).is_ok());
+    }
+
+    #[test]
+    fn head_needs_what_get_needs() {
+        let head = route_need(&http::Method::HEAD, "/v1/status");
+        assert_eq!(head, route_need(&http::Method::GET, "/v1/status"));
+        assert_eq!(head, Need::Read);
+    }
 }
 
 /// What a route requires before its handler runs (finer checks that need the body happen in
@@ -459,6 +497,8 @@ pub enum Need {
 /// listed; an unlisted one requires `admin`, so a new route is closed until classified.
 pub fn route_need(method: &http::Method, route: &str) -> Need {
     use http::Method as M;
+    // HEAD is answered by the GET route (without the body): it needs what GET needs.
+    let method = if method == M::HEAD { &M::GET } else { method };
     match (method, route) {
         (_, "/healthz" | "/readyz") => Need::Nothing,
         (&M::POST, "/v1/events") => Need::Token,
@@ -547,7 +587,12 @@ pub async fn layer(
             .headers()
             .get(http::header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok());
-        let Some(token) = header.and_then(|h| h.strip_prefix("Bearer ")) else {
+        // The scheme name is case-insensitive (RFC 9110 §11.1): `bearer` and `BEARER` too.
+        let token = header.and_then(|h| {
+            let (scheme, token) = h.split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then_some(token)
+        });
+        let Some(token) = token else {
             return unauthorized("send `Authorization: Bearer <token>`");
         };
         match app.tokens.authenticate(token.trim()) {

@@ -248,6 +248,96 @@ async fn the_auth_matrix() {
         (200, Some(2)),
         "{b}"
     );
+    // Controlling another team's job is refused without naming its target, and a job that
+    // does not exist (yet) is 404: nothing is changed unchecked, so a token cannot cancel the
+    // next job id before an administrator creates it.
+    let (s, b) = call(
+        &r,
+        "POST",
+        &format!("/v1/dlq/redrive/{other}/cancel"),
+        Some("shop-token"),
+        None,
+    )
+    .await;
+    assert_eq!(s, 403, "{b}");
+    assert!(!b.to_string().contains("crm"), "{b}");
+    let (s, b) = call(
+        &r,
+        "POST",
+        "/v1/dlq/redrive/redrive-999/cancel",
+        Some("shop-token"),
+        None,
+    )
+    .await;
+    assert_eq!(
+        (s, b["errors"][0]["pointer"].as_str()),
+        (404, Some("/job")),
+        "{b}"
+    );
+    let (s, b) = call(
+        &r,
+        "GET",
+        &format!("/v1/dlq/redrive/{other}"),
+        Some("ops-token"),
+        None,
+    )
+    .await;
+    assert_eq!(s, 200, "{b}");
+    assert_ne!(b["state"], "cancelled", "{b}");
+    // A replay job is not a redrive job: not found under /v1/dlq/redrive, whoever asks.
+    let (s, b) = call(
+        &r,
+        "POST",
+        "/v1/replay",
+        Some("ops-token"),
+        Some(json!({"from": "2026-01-01T00:00:00Z", "to": "2026-01-01T00:00:01Z", "rate_per_sec": 1})),
+    )
+    .await;
+    assert_eq!(s, 201, "{b}");
+    let replay = b["id"].as_str().expect("job id").to_string();
+    for token in ["shop-token", "ops-token"] {
+        let (s, b) = call(
+            &r,
+            "POST",
+            &format!("/v1/dlq/redrive/{replay}/cancel"),
+            Some(token),
+            None,
+        )
+        .await;
+        assert_eq!(s, 404, "{token}: {b}");
+    }
+    // The changes take no query parameters: an option sent there is refused, not ignored.
+    let (s, b) = call(
+        &r,
+        "POST",
+        "/v1/dlq/purge?dry_run=true",
+        Some("ops-token"),
+        Some(json!({"filter": {"target": "erp"}})),
+    )
+    .await;
+    assert_eq!(
+        (s, b["errors"][0]["pointer"].as_str()),
+        (400, Some("/dry_run")),
+        "{b}"
+    );
+    // The Bearer scheme is case-insensitive; HEAD needs what GET needs.
+    let c = client();
+    for scheme in ["bearer", "BEARER"] {
+        let resp = c
+            .get(r.url("/v1/status"))
+            .header("authorization", format!("{scheme} viewer-token"))
+            .send()
+            .await
+            .expect("status");
+        assert_eq!(resp.status(), 200, "{scheme}");
+    }
+    let resp = c
+        .head(r.url("/v1/status"))
+        .header("authorization", "Bearer viewer-token")
+        .send()
+        .await
+        .expect("head");
+    assert_eq!(resp.status(), 200);
 }
 
 /// Producers confined to their own sources: one cannot claim another's (`source`, `id`), so it

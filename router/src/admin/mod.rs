@@ -204,9 +204,12 @@ pub async fn dlq_list(
     if !errors.is_empty() {
         return error_response(StatusCode::BAD_REQUEST, "invalid query", errors);
     }
-    match app.store.dlq_list(&filter, after, limit).await {
-        Ok(list) => {
-            let next = (list.len() == limit)
+    // One more than the page: `next` only when there is more (null on the last page).
+    match app.store.dlq_list(&filter, after, limit + 1).await {
+        Ok(mut list) => {
+            let more = list.len() > limit;
+            list.truncate(limit);
+            let next = more
                 .then(|| list.last().map(|d| d.id.to_string()))
                 .flatten();
             axum::Json(json!({
@@ -232,23 +235,30 @@ pub async fn dlq_show(
             vec![FieldError::new("/id", "DLQ entry ids are integers")],
         );
     };
+    let reads_all = who.allows(&crate::auth::Scope::Read);
+    // Only a caller who may read every entry learns that an id does not exist or whose it
+    // is: for a team token a missing id and another team's entry get the same 403, which
+    // names no target, so ids cannot be probed.
+    let not_yours = || crate::auth::forbidden(&who, "read (or dlq:<target> of the entry's target)");
     match app.store.dlq_get(n).await {
         Ok(Some((d, ev))) => {
-            if let Err(r) = dlq_read_scope(&who, Some(d.target_id.as_deref().unwrap_or(""))) {
-                return *r;
+            // A quarantined entry has no target: a `dlq:` glob matching "" (`dlq:*`) reads it.
+            let target = d.target_id.as_deref().unwrap_or("");
+            let own = who.allows(&crate::auth::Scope::Dlq(target.to_string()));
+            if !(reads_all || own) {
+                return not_yours();
             }
             let mut v = dlq_json(&d);
             v["event"] = ev.event.to_json();
             v["accepted_at"] = json!(rfc3339(ev.accepted_at));
             axum::Json(v).into_response()
         }
-        // Only a caller who may read every entry learns that an id does not exist: for a
-        // team token a missing id answers like another team's entry (403), so ids cannot be
-        // probed.
-        Ok(None) => match dlq_read_scope(&who, None) {
-            Ok(()) => error_response(StatusCode::NOT_FOUND, "unknown DLQ entry", Vec::new()),
-            Err(r) => *r,
-        },
+        Ok(None) if reads_all => error_response(
+            StatusCode::NOT_FOUND,
+            "unknown DLQ entry",
+            vec![FieldError::new("/id", format!("no DLQ entry {n}"))],
+        ),
+        Ok(None) => not_yours(),
         Err(e) => store_error(&e),
     }
 }
@@ -363,9 +373,16 @@ pub async fn release_key(
 pub async fn rules(State(app): State<Arc<App>>) -> Response {
     let r = app.rules.load();
     let disabled = app.disabled_rules();
+    let git_commit = app
+        .reload_status
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .rules_git_commit
+        .clone();
     axum::Json(json!({
         "version": r.version,
         "files": r.files,
+        "git_commit": git_commit,
         "rules": r.rules.iter().map(|rule| json!({
             "name": rule.name,
             "file": rule.file,
@@ -394,10 +411,11 @@ pub async fn rules_test(State(app): State<Arc<App>>, body: axum::body::Bytes) ->
     };
     let rules = app.rules.load();
     let disabled = app.disabled_rules();
+    // Rules an operator disabled are listed, marked: "it matches, but is switched off" is
+    // what someone asking why an event went nowhere needs to read.
     let matches: Vec<Value> = rules
         .matches(&ev)
         .into_iter()
-        .filter(|m| !disabled.contains(&m.rule))
         .map(|m| {
             let targets: Vec<Value> = m
                 .target_ids
@@ -405,7 +423,11 @@ pub async fn rules_test(State(app): State<Arc<App>>, body: axum::body::Bytes) ->
                 .filter_map(|t| rules.targets.get(t))
                 .map(|t| json!({ "id": t.id, "kind": t.kind, "policy": t.policy_name }))
                 .collect();
-            json!({ "rule": m.rule, "targets": targets })
+            json!({
+                "rule": m.rule,
+                "disabled_by_operator": disabled.contains(&m.rule),
+                "targets": targets,
+            })
         })
         .collect();
     axum::Json(json!({ "rules_version": rules.version, "matches": matches })).into_response()
@@ -477,7 +499,13 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
         // On a shared store: how this node follows the pauses, rule switches and open
         // breakers of the other nodes.
         "containment_sync": app.store.shared().then(|| app.dispatcher.containment_sync()),
-        "warnings": *app.warnings.lock().unwrap_or_else(|p| p.into_inner()),
+        "warnings": app
+            .warnings
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .chain(app.rule_warnings.lock().unwrap_or_else(|p| p.into_inner()).iter())
+            .collect::<Vec<_>>(),
     }))
     .into_response()
 }
@@ -604,7 +632,11 @@ fn job_error(e: crate::dlq::JobError) -> Response {
         JobError::Invalid(errors) => {
             error_response(StatusCode::BAD_REQUEST, "invalid request", errors)
         }
-        JobError::NotFound => error_response(StatusCode::NOT_FOUND, "unknown job", Vec::new()),
+        JobError::NotFound => error_response(
+            StatusCode::NOT_FOUND,
+            "unknown job",
+            vec![FieldError::new("/job", "no job of this kind has this id")],
+        ),
         JobError::Conflict(state) => error_response(
             StatusCode::CONFLICT,
             "the job cannot change to that state",
@@ -947,20 +979,44 @@ pub async fn jobs_list(
     axum::Json(json!({ "jobs": jobs, "next": next })).into_response()
 }
 
+/// The kind of job a job route is about: `/v1/replay/...` replays, `/v1/dlq/redrive/...`
+/// redrives. A job of the other kind is not found there.
+fn route_job_kind(matched: Option<&axum::extract::MatchedPath>) -> crate::store::JobKind {
+    if matched.is_some_and(|m| m.as_str().starts_with("/v1/replay")) {
+        crate::store::JobKind::Replay
+    } else {
+        crate::store::JobKind::Redrive
+    }
+}
+
+/// Job `job` as the route sees it: of the route's kind, or not found.
+async fn route_job(
+    app: &App,
+    matched: Option<&axum::extract::MatchedPath>,
+    job: &str,
+) -> Result<crate::store::Job, Response> {
+    match crate::dlq::get(app, job).await {
+        Ok(j) if j.kind == route_job_kind(matched) => Ok(j),
+        Ok(_) => Err(job_error(crate::dlq::JobError::NotFound)),
+        Err(e) => Err(job_error(e)),
+    }
+}
+
 /// `GET /v1/dlq/redrive/{job}`, `GET /v1/replay/{job}`: progress.
 pub async fn job_show(
     State(app): State<Arc<App>>,
     axum::Extension(who): axum::Extension<crate::auth::Principal>,
+    matched: Option<axum::extract::MatchedPath>,
     Path(job): Path<String>,
 ) -> Response {
     if let Err(r) = job_read_scope(&who) {
         return *r;
     }
-    match crate::dlq::get(&app, &job).await {
+    match route_job(&app, matched.as_ref(), &job).await {
         Ok(j) if job_visible(&who, &j) => axum::Json(job_json(&j)).into_response(),
         // Without naming the job's target: it is another team's.
         Ok(_) => crate::auth::forbidden(&who, "read (or dlq:<target> of the job's target)"),
-        Err(e) => job_error(e),
+        Err(r) => r,
     }
 }
 
@@ -968,20 +1024,23 @@ pub async fn job_show(
 pub async fn job_control(
     State(app): State<Arc<App>>,
     axum::Extension(who): axum::Extension<crate::auth::Principal>,
+    matched: Option<axum::extract::MatchedPath>,
     Path((job, action)): Path<(String, String)>,
 ) -> Response {
-    // Replays are admin-only (the router checked); a redrive is its filter's target's.
-    if let Ok(j) = crate::dlq::get(&app, &job).await {
-        let target = j.spec["filter"]["target"].as_str().map(str::to_string);
-        let scope = if j.kind == crate::store::JobKind::Replay {
-            Err(Box::new(crate::auth::forbidden(&who, "admin")))
-        } else {
-            dlq_write_scope(&who, target.as_deref())
-        };
-        if !who.allows(&crate::auth::Scope::Admin)
-            && let Err(r) = scope
-        {
-            return *r;
+    // The scope is checked on the job as read, and nothing changes without that check: a
+    // job not found (yet) is 404, never a change that skipped it. Replays are admin-only
+    // (the router checked); a redrive is its filter's target's team's. The 403 does not name
+    // another team's target.
+    let j = match route_job(&app, matched.as_ref(), &job).await {
+        Ok(j) => j,
+        Err(r) => return r,
+    };
+    if !who.allows(&crate::auth::Scope::Admin) {
+        let target = j.spec["filter"]["target"].as_str();
+        let allowed = j.kind == crate::store::JobKind::Redrive
+            && target.is_some_and(|t| who.allows(&crate::auth::Scope::Dlq(t.to_string())));
+        if !allowed {
+            return crate::auth::forbidden(&who, "admin (or dlq:<target> of the job's target)");
         }
     }
     use crate::store::JobState;
