@@ -40,8 +40,11 @@ pub struct App {
     pub started_at: i64,
     /// False until workers run, and again once shutdown starts.
     pub ready: AtomicBool,
-    /// Problems worth an operator's attention that did not stop the router.
+    /// Problems worth an operator's attention that did not stop the router (its start-up).
     pub warnings: Mutex<Vec<String>>,
+    /// Those of the live rule set (a 15-attempt policy, a target that cannot start yet),
+    /// replaced at each reload; `/v1/status` shows both lists.
+    pub rule_warnings: Mutex<Vec<String>>,
     /// What the last reload did.
     pub reload_status: Mutex<ReloadStatus>,
     /// One reload at a time.
@@ -180,18 +183,35 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
     })
     .await
     .map_err(|e| ReloadError::Invalid(format!("reload task failed: {e}")))?;
+    let old = app.rules.load_full();
     let result: Result<_, ReloadError> = match loaded {
-        (Ok(r), Ok(c), git) => {
+        // A rules directory that was there and is gone (moved away by a deploy, a volume
+        // unmounted) is not "no rules": going live with an empty set would strand or
+        // dead-letter every target's queue.
+        (Ok(_), Ok(_), _) if !app.cfg.rules_dir.exists() && !old.rules.is_empty() => {
+            Err(ReloadError::Invalid(format!(
+                "rules directory {} does not exist (moved, deleted or unmounted?); the previous rules stay live",
+                app.cfg.rules_dir.display()
+            )))
+        }
+        (Ok(mut r), Ok(c), git) => {
             // A target added or changed must be able to start (its signing secret set, its
             // URL valid, the WASM runtime up for a handler) before the set goes live: else
             // its entries would queue with no worker, or its old worker would go on under the
-            // old configuration while the API showed the new one.
+            // old configuration while the API showed the new one. One unchanged since the
+            // live set that still cannot start (it could not at start-up either) stays a
+            // warning: it must not hold back every other change.
             let mut prepared = Vec::new();
             let mut cannot_start = Vec::new();
             for spec in r.0.targets.values() {
                 if !app.dispatcher.is_current(spec) {
                     match app.dispatcher.prepare(spec.clone()) {
                         Ok(p) => prepared.push(p),
+                        Err(e) if old.targets.get(&spec.id) == Some(spec) => {
+                            r.1.push(format!(
+                                "{e} (unchanged by this reload; its entries stay queued)"
+                            ));
+                        }
                         Err(e) => cannot_start.push(e.to_string()),
                     }
                 }
@@ -204,23 +224,20 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
         }
         (Err(e), _, _) | (_, Err(e), _) => Err(ReloadError::Invalid(e.to_string())),
     };
-    let ((rules, warnings), contracts, git, prepared) = match result {
-        Ok(x) => x,
-        Err(e) => {
-            let mut st = app.reload_status.lock().unwrap_or_else(|p| p.into_inner());
-            st.last_attempt_at = crate::clock::rfc3339(now);
-            st.last_trigger = trigger.to_string();
-            st.last_error = Some(e.to_string());
-            st.failed_reloads += 1;
-            app.metrics
-                .reloads
-                .get_or_create(&vec![("result", "error".to_string())])
-                .inc();
-            tracing::error!(trigger, error = %e, "reload refused; the previous rules and contracts stay live");
-            return Err(e);
-        }
+    let refused = |e: ReloadError| {
+        let mut st = app.reload_status.lock().unwrap_or_else(|p| p.into_inner());
+        st.last_attempt_at = crate::clock::rfc3339(now);
+        st.last_trigger = trigger.to_string();
+        st.last_error = Some(e.to_string());
+        st.failed_reloads += 1;
+        app.metrics
+            .reloads
+            .get_or_create(&vec![("result", "error".to_string())])
+            .inc();
+        tracing::error!(trigger, error = %e, "reload refused; the previous rules and contracts stay live");
+        e
     };
-    let old = app.rules.load_full();
+    let ((rules, warnings), contracts, git, prepared) = result.map_err(refused)?;
     app.store
         .save_targets(
             rules
@@ -229,7 +246,8 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                 .map(|t| (t.id.clone(), serde_json::to_value(t).unwrap_or_default()))
                 .collect(),
         )
-        .await?;
+        .await
+        .map_err(|e| refused(e.into()))?;
     let mut started = Vec::new();
     for target in prepared {
         started.push(target.id().to_string());
@@ -335,6 +353,10 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
         .reloads
         .get_or_create(&vec![("result", "ok".to_string())])
         .inc();
+    for w in &warnings {
+        tracing::warn!(trigger, "{w}");
+    }
+    *app.rule_warnings.lock().unwrap_or_else(|p| p.into_inner()) = warnings.clone();
     tracing::info!(trigger, version = %rules_version, contracts = %contracts_version, started = started.len(), removed = removed.len(), "rules and contracts reloaded");
     Ok(ReloadReport {
         rules_version,
@@ -920,9 +942,10 @@ pub async fn run_with_store(
             Some((t.name.clone(), governor::RateLimiter::direct(q)))
         })
         .collect();
-    let (rules, mut warnings) = load_rules(&cfg)?;
+    let (rules, mut rule_warnings) = load_rules(&cfg)?;
+    let mut warnings = Vec::new();
     let contracts = load_contracts(&cfg)?;
-    for w in &warnings {
+    for w in &rule_warnings {
         tracing::warn!("{w}");
     }
     tracing::info!(version = %rules.version, rules = rules.rules.len(), contracts = contracts.contracts().len(), "configuration loaded");
@@ -1012,7 +1035,7 @@ pub async fn run_with_store(
     for spec in to_start {
         if let Err(e) = dispatcher.ensure(spec).await {
             tracing::warn!("{e}");
-            warnings.push(e.to_string());
+            rule_warnings.push(e.to_string());
         }
     }
     dispatcher.start_reaper();
@@ -1039,6 +1062,7 @@ pub async fn run_with_store(
         dispatcher,
         ready: AtomicBool::new(false),
         warnings: Mutex::new(warnings),
+        rule_warnings: Mutex::new(rule_warnings),
         reload_status: Mutex::new(initial_status),
         reload_lock: tokio::sync::Mutex::new(()),
         jobs: if store.shared() {
@@ -1313,6 +1337,28 @@ async fn bounded_body(
     let route = matched.as_ref().map_or("", |m| m.as_str());
     if route == "/v1/events" || req.method() == axum::http::Method::GET {
         return next.run(req).await;
+    }
+    // The API's changes take no query parameters but `release` on a handler's delete: one
+    // sent anyway (`?dry_run=true` on a purge) would be ignored and the change made as if it
+    // were not there, so it is refused and nothing changes.
+    let takes_query = req.method() == axum::http::Method::DELETE && route == "/v1/handlers/{name}";
+    if !takes_query && let Some(query) = req.uri().query().filter(|q| !q.is_empty()) {
+        let name = form_urlencoded::parse(query.as_bytes())
+            .next()
+            .map_or_else(String::new, |(k, _)| {
+                k.replace('~', "~0").replace('/', "~1")
+            });
+        return crate::ingest::error_response(
+            axum::http::StatusCode::BAD_REQUEST,
+            "invalid query",
+            vec![crate::event::FieldError::new(
+                format!("/{name}"),
+                format!(
+                    "{} {route} takes no query parameters; put options in the JSON body",
+                    req.method()
+                ),
+            )],
+        );
     }
     let upload = req.method() == axum::http::Method::PUT && route == "/v1/handlers/{name}";
     // An upload waits for a slot at most as long as its body may take to arrive: past that,
@@ -1630,7 +1676,8 @@ pub(crate) fn test_app(
         clock,
         dispatcher,
         ready: AtomicBool::new(true),
-        warnings: Mutex::new(warnings),
+        warnings: Mutex::new(Vec::new()),
+        rule_warnings: Mutex::new(warnings),
         reload_lock: tokio::sync::Mutex::new(()),
         jobs: crate::dlq::Jobs::default(),
         disabled: ArcSwap::from_pointee(std::collections::HashSet::new()),

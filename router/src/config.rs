@@ -548,10 +548,17 @@ impl Config {
             }
             None => toml::Table::new(),
         };
+        // Which variable set which key, to name it when the key's value is refused.
+        let mut from_env: Vec<(String, String)> = Vec::new();
         for (k, v) in env {
             let Some(rest) = k.strip_prefix("ROUTER_") else {
                 continue;
             };
+            // The CLI clients' variables (`ROUTER_TOKEN`, `ROUTER_API`, …), which operators
+            // export in the same shell: not configuration keys.
+            if RESERVED_ENV.contains(&k.as_str()) {
+                continue;
+            }
             let path: Vec<String> = rest
                 .to_ascii_lowercase()
                 .split("__")
@@ -559,12 +566,44 @@ impl Config {
                 .collect();
             set_path(&mut table, &path, parse_env_value(&v))
                 .map_err(|m| ConfigError::Invalid(format!("{k}: {m}")))?;
+            from_env.push((path.join("."), k));
         }
-        let cfg: Config = toml::Value::Table(table)
-            .try_into()
-            .map_err(|e: toml::de::Error| ConfigError::Invalid(e.message().to_string()))?;
+        // Through serde_path_to_error, so a refused value names its key (`ingest.max_batch:
+        // invalid type …`), and the variable when one set it.
+        let cfg: Config =
+            serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
+                let key = e.path().to_string();
+                let message = e.inner().message().to_string();
+                let var = from_env
+                    .iter()
+                    .find(|(p, _)| *p == key || key.starts_with(&format!("{p}.")))
+                    .map(|(_, var)| format!(" (set by {var})"))
+                    .unwrap_or_default();
+                let key = if key == "." {
+                    String::new()
+                } else {
+                    format!("{key}: ")
+                };
+                ConfigError::Invalid(format!("{key}{message}{var}"))
+            })?;
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// The process's `ROUTER_*` variables for [`Config::load`]. Variables whose name or value
+    /// is not UTF-8 are left out (`std::env::vars` would panic on any, even one that has
+    /// nothing to do with the router); a `ROUTER_*` one is reported on stderr.
+    pub fn env_vars() -> Vec<(String, String)> {
+        std::env::vars_os()
+            .filter_map(|(k, v)| match (k.into_string(), v.into_string()) {
+                (Ok(k), Ok(v)) => Some((k, v)),
+                (Ok(k), Err(_)) if k.starts_with("ROUTER_") => {
+                    eprintln!("warning: {k} is not UTF-8; ignored");
+                    None
+                }
+                _ => None,
+            })
+            .collect()
     }
 
     /// How long a stored event is kept. Events are the archive: the longest of the fate
@@ -655,6 +694,18 @@ impl Config {
         // Every 202 may wait this long: more than a few milliseconds is a mistake, not tuning.
         if self.store.commit_delay > Duration::from_millis(100) {
             return bad("store.commit_delay must be at most 100ms");
+        }
+        // At 0 (or below) ingest, once refused at the high-water mark, would wait for an
+        // empty store.
+        if !(self.store.low_water_fraction > 0.0 && self.store.low_water_fraction <= 1.0) {
+            return bad("store.low_water_fraction must be in (0, 1], e.g. 0.9");
+        }
+        // One wasm page is 64 KiB: below it no handler can even start.
+        if self.handlers.memory_bytes < 64 << 10 {
+            return bad("handlers.memory_bytes must be at least 65536 (one wasm page)");
+        }
+        if self.handlers.timeout.is_zero() {
+            return bad("handlers.timeout must be > 0");
         }
         Ok(())
     }
@@ -776,9 +827,48 @@ mod tests {
     }
 
     #[test]
+    fn refused_values_name_their_key_and_the_variable_that_set_it() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let f = dir.path().join("router.toml");
+        std::fs::write(&f, "[ingest]\nmax_batch = \"x\"\n").expect("write");
+        let e = Config::load(Some(&f), env(&[])).expect_err("string for a number");
+        assert!(e.to_string().contains("ingest.max_batch: "), "{e}");
+        let e = Config::load(None, env(&[("ROUTER_SHUTDOWN_GRACE", "xyz")])).expect_err("duration");
+        assert!(
+            e.to_string().contains("shutdown_grace: ")
+                && e.to_string().contains("(set by ROUTER_SHUTDOWN_GRACE)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_cli_clients_variables_are_not_configuration_keys() {
+        let c = Config::load(
+            None,
+            env(&[
+                ("ROUTER_TOKEN", "rtr_x"),
+                ("ROUTER_API", "http://127.0.0.1:8080"),
+            ]),
+        )
+        .expect("the clients' variables are left alone");
+        assert_eq!(c, Config::default());
+    }
+
+    #[test]
     fn invalid_values_are_refused() {
         let e = Config::load(None, env(&[("ROUTER_INGEST__MAX_BATCH", "0")])).expect_err("zero");
         assert!(e.to_string().contains("max_batch"));
+        for (k, v) in [
+            ("ROUTER_STORE__LOW_WATER_FRACTION", "-1"),
+            ("ROUTER_STORE__LOW_WATER_FRACTION", "0"),
+            ("ROUTER_STORE__LOW_WATER_FRACTION", "1.5"),
+            ("ROUTER_HANDLERS__MEMORY_BYTES", "0"),
+            ("ROUTER_HANDLERS__TIMEOUT", "0s"),
+        ] {
+            let e = Config::load(None, env(&[(k, v)])).expect_err(k);
+            let key = k["ROUTER_".len()..].to_ascii_lowercase().replace("__", ".");
+            assert!(e.to_string().contains(&key), "{k}={v}: {e}");
+        }
         let e = Config::load(None, env(&[("ROUTER_DELIVERY__NICE", "20")])).expect_err("nice");
         assert!(
             e.to_string().contains("delivery.nice must be in 0..=19"),

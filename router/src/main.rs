@@ -424,7 +424,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             rules,
             contracts,
         } => {
-            let mut cfg = Config::load(config.as_deref(), std::env::vars())?;
+            let mut cfg = Config::load(config.as_deref(), Config::env_vars())?;
             if let Some(l) = listen {
                 cfg.listen = l;
             }
@@ -647,7 +647,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Config {
             cmd: ConfigCmd::Explain { dir, config },
         } => {
-            let cfg = Config::load(config.as_deref(), std::env::vars())?;
+            let cfg = Config::load(config.as_deref(), Config::env_vars())?;
             let dir = dir.unwrap_or(cfg.rules_dir);
             let (set, _) = RuleSet::load_dir(&dir).map_err(|errors| {
                 anyhow::anyhow!(

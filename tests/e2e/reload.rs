@@ -127,6 +127,63 @@ async fn rules_reload_on_change_and_a_broken_file_is_refused() {
     assert_eq!(status(&r).await["reload"]["last_error"], Value::Null);
 }
 
+/// The rules directory moved away (a deploy's `mv`, a volume unmounted) is not an empty rule
+/// set: the reload is refused and the old rules stay live. A target that could not start when
+/// the router did (its signing secret unset), left unchanged, does not hold back other changes:
+/// it stays a warning, shown in `/v1/status` and replaced at each reload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vanished_rules_directory_or_an_unchanged_broken_target_never_blocks_or_empties_rules() {
+    let a = Receiver::ok().await;
+    let signed = "rules:\n  - name: signed\n    pattern: { type: [s] }\n    targets:\n      - webhook: http://127.0.0.1:9/x\n        id: signed\n        secret_env: E2E_SECRET_NEVER_SET\n";
+    let r = RouterProc::start(
+        &[
+            ("r.yaml", &webhook_rule("to-a", "t", &a.url(), "a")),
+            ("signed.yaml", signed),
+        ],
+        &[],
+    );
+    let st = status(&r).await;
+    assert!(
+        st["warnings"].to_string().contains("E2E_SECRET_NEVER_SET"),
+        "{st}"
+    );
+    // An unrelated change goes live despite the target that still cannot start.
+    write_rules(
+        &r,
+        "extra.yaml",
+        &webhook_rule("extra", "u", &a.url(), "a2"),
+    );
+    let resp = client()
+        .post(r.url("/v1/admin/reload"))
+        .send()
+        .await
+        .expect("reload");
+    let body: Value = resp.json().await.expect("json");
+    assert!(body["rules_version"].is_string(), "{body}");
+    let (_, rules) = get_json(&r, "/v1/rules").await;
+    assert_eq!(rules["rules"].as_array().map(Vec::len), Some(3), "{rules}");
+    assert!(
+        status(&r).await["warnings"]
+            .to_string()
+            .contains("E2E_SECRET_NEVER_SET")
+    );
+    // The directory goes away: refused, the three rules stay, the error says why.
+    let dir = r.dir.path().join("rules");
+    std::fs::rename(&dir, r.dir.path().join("rules.moved")).expect("move the rules away");
+    let resp = client()
+        .post(r.url("/v1/admin/reload"))
+        .send()
+        .await
+        .expect("reload");
+    assert_eq!(resp.status().as_u16(), 422);
+    let (_, rules) = get_json(&r, "/v1/rules").await;
+    assert_eq!(rules["rules"].as_array().map(Vec::len), Some(3), "{rules}");
+    let err = status(&r).await["reload"]["last_error"].to_string();
+    assert!(err.contains("does not exist"), "{err}");
+    assert_eq!(post_event(&r, &event("still", "t", json!({}))).await.0, 202);
+    assert!(a.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
+}
+
 /// A router whose only target, `old`, takes one event at a time (20 ms each) from a
 /// receiver it returns; `n` events `{prefix}{i}` are accepted for it, then its rule is removed
 /// from the rules directory and the reload is waited for, most of the queue still waiting.

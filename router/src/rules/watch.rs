@@ -31,10 +31,7 @@ pub fn watch(dirs: &[PathBuf], tx: mpsc::Sender<()>) -> notify::Result<DirWatche
     let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
         if let Ok(ev) = res
             && !ev.kind.is_access()
-            && ev
-                .paths
-                .iter()
-                .any(|p| roots.iter().any(|r| p.starts_with(r)))
+            && ev.paths.iter().any(|p| counts(&roots, p))
         {
             let _ = raw_tx.send(());
         }
@@ -75,11 +72,27 @@ pub fn watch(dirs: &[PathBuf], tx: mpsc::Sender<()>) -> notify::Result<DirWatche
     Ok(DirWatcher { _watcher: watcher })
 }
 
+/// Whether a change at `path` can change what is loaded: inside one of `roots`, and not under
+/// a hidden name (`.git/`, an editor's `.rules.yaml.swp`), which the loaders skip. Changes in
+/// `.git/` counted, a rules directory that is a git checkout reloaded itself forever: each
+/// reload's `git status` (for `/v1/status`) writes `.git/index.lock`.
+fn counts(roots: &[PathBuf], path: &std::path::Path) -> bool {
+    roots.iter().any(|r| {
+        path.strip_prefix(r).is_ok_and(|rel| {
+            !rel.components()
+                .any(|c| c.as_os_str().to_string_lossy().starts_with('.'))
+        })
+    })
+}
+
 /// The git commit of `dir` when it is inside a git checkout (with `-dirty` when it has
 /// uncommitted changes), else `None`.
 pub fn git_commit(dir: &std::path::Path) -> Option<String> {
     let run = |args: &[&str]| {
+        // Without optional locks: `git status` would otherwise refresh the index, writing
+        // under `.git/` for what is only a read.
         std::process::Command::new("git")
+            .arg("--no-optional-locks")
             .arg("-C")
             .arg(dir)
             .args(args)
@@ -91,4 +104,35 @@ pub fn git_commit(dir: &std::path::Path) -> Option<String> {
     let head = run(&["rev-parse", "HEAD"])?;
     let dirty = run(&["status", "--porcelain", "--", "."]).is_some_and(|s| !s.is_empty());
     Some(if dirty { format!("{head}-dirty") } else { head })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn changes_under_hidden_names_do_not_count() {
+        let roots = vec![PathBuf::from("/srv/rules")];
+        assert!(counts(
+            &roots,
+            std::path::Path::new("/srv/rules/orders.yaml")
+        ));
+        assert!(counts(
+            &roots,
+            std::path::Path::new("/srv/rules/team/a.yaml")
+        ));
+        assert!(counts(&roots, std::path::Path::new("/srv/rules")));
+        assert!(!counts(
+            &roots,
+            std::path::Path::new("/srv/rules/.git/index.lock")
+        ));
+        assert!(!counts(
+            &roots,
+            std::path::Path::new("/srv/rules/.a.yaml.swp")
+        ));
+        assert!(!counts(
+            &roots,
+            std::path::Path::new("/srv/data/router.redb")
+        ));
+    }
 }
