@@ -463,6 +463,12 @@ struct TargetIndex {
     entry_keys: BTreeMap<EntryId, String>,
     /// Keys held after a dead letter (`on_dead_letter: hold`) until an operator releases them.
     held: BTreeSet<String>,
+    /// Waiting keyed entries that ordering does not let go yet (behind their key's first
+    /// entry, or of a held key), with their due times. Kept out of `ready`: there, a key with
+    /// thousands of entries behind a retrying first one filled every lease's scan (other keys
+    /// and unkeyed entries starved), and its past due times had the worker poll every
+    /// millisecond. A key's next entry moves to `ready` when the one before it leaves.
+    parked: BTreeMap<EntryId, Millis>,
 }
 
 impl TargetIndex {
@@ -474,14 +480,53 @@ impl TargetIndex {
         }
     }
 
+    /// Entry `id` (live) waits from `due`: in `ready` when ordering lets it go, else parked.
+    fn enqueue(&mut self, id: EntryId, due: Millis) {
+        if self.ordering_allows(id) {
+            self.ready.insert((due, id));
+        } else {
+            self.parked.insert(id, due);
+        }
+    }
+
+    /// Moves the first entry of `key` to `ready` if it is parked and the key is not held.
+    fn unpark_first(&mut self, key: &str) {
+        if self.held.contains(key) {
+            return;
+        }
+        if let Some(&first) = self.keys.get(key).and_then(|s| s.first())
+            && let Some(due) = self.parked.remove(&first)
+        {
+            self.ready.insert((due, first));
+        }
+    }
+
+    /// Parks every entry in `ready` that ordering does not let go (after a rebuild that
+    /// filled `ready` before the keys and holds were known).
+    fn park_blocked(&mut self) {
+        let blocked: Vec<(Millis, EntryId)> = self
+            .ready
+            .iter()
+            .filter(|(_, id)| !self.ordering_allows(*id))
+            .copied()
+            .collect();
+        for (due, id) in blocked {
+            self.ready.remove(&(due, id));
+            self.parked.insert(id, due);
+        }
+    }
+
     fn remove_live(&mut self, id: EntryId) {
         self.live.remove(&id);
+        self.parked.remove(&id);
         if let Some(k) = self.entry_keys.remove(&id)
             && let Some(set) = self.keys.get_mut(&k)
         {
             set.remove(&id);
             if set.is_empty() {
                 self.keys.remove(&k);
+            } else {
+                self.unpark_first(&k);
             }
         }
     }
@@ -498,6 +543,8 @@ impl TargetIndex {
     }
 
     /// Up to `max` due entries that ordering allows, scanning at most `SCAN_LIMIT` entries.
+    /// (Blocked entries are parked, not in `ready`; the check stays for a key whose first
+    /// entry changed under one already there: a redriven entry sorts before later ones.)
     fn due(&self, now: Millis, max: usize) -> Vec<(Millis, EntryId)> {
         let mut out = Vec::new();
         for &(due, id) in self.ready.iter().take(SCAN_LIMIT) {
@@ -561,7 +608,7 @@ impl Index {
                         t.in_flight.insert(id, lease);
                     }
                     None => {
-                        t.ready.insert((due, id));
+                        t.enqueue(id, due);
                         self.notify(&target);
                     }
                 }
@@ -569,7 +616,7 @@ impl Index {
             Effect::Requeue { target, id, due } => {
                 let t = self.target(&target);
                 t.in_flight.remove(&id);
-                t.ready.insert((due, id));
+                t.enqueue(id, due);
                 self.notify(&target);
             }
             Effect::Remove { target, id, hold } => {
@@ -583,7 +630,9 @@ impl Index {
                 self.notify(&target);
             }
             Effect::Release { target, key } => {
-                self.target(&target).held.remove(&key);
+                let t = self.target(&target);
+                t.held.remove(&key);
+                t.unpark_first(&key);
                 self.notify(&target);
             }
             Effect::DlqAdded { target } => match target {
@@ -1197,7 +1246,7 @@ impl RedbStore {
                 let t = idx.target(target);
                 for id in ids {
                     t.in_flight.remove(&id);
-                    t.ready.insert((now, id));
+                    t.enqueue(id, now);
                 }
                 Err(e)
             }
@@ -1643,11 +1692,15 @@ impl Store for RedbStore {
         let ids: Vec<EntryId> = {
             let mut idx = self.index();
             let t = idx.target(target);
-            let taken: Vec<(Millis, EntryId)> = std::mem::take(&mut t.ready).into_iter().collect();
-            for (_, id) in &taken {
+            let mut taken: Vec<EntryId> = std::mem::take(&mut t.ready)
+                .into_iter()
+                .map(|(_, id)| id)
+                .collect();
+            taken.extend(std::mem::take(&mut t.parked).into_keys());
+            for id in &taken {
                 t.in_flight.insert(*id, PSEUDO);
             }
-            taken.into_iter().map(|(_, id)| id).collect()
+            taken
         };
         let message = message.to_string();
         let target = target.to_string();
@@ -1667,7 +1720,7 @@ impl Store for RedbStore {
             for id in ids {
                 if t.in_flight.get(&id) == Some(&PSEUDO) {
                     t.in_flight.remove(&id);
-                    t.ready.insert((now, id));
+                    t.enqueue(id, now);
                 }
             }
             r
@@ -1810,7 +1863,14 @@ impl Store for RedbStore {
     }
 
     fn next_due(&self, target: &str) -> Option<Millis> {
-        self.index().target(target).ready.first().map(|(d, _)| *d)
+        // Blocked entries are parked; one can be in `ready` only when a redriven entry took
+        // the front of its key (`TargetIndex::due`), so the first is nearly always the answer.
+        let mut idx = self.index();
+        let t = idx.target(target);
+        t.ready
+            .iter()
+            .find(|(_, id)| t.ordering_allows(*id))
+            .map(|(d, _)| *d)
     }
 
     fn notifier(&self, target: &str) -> Arc<Notify> {
@@ -1834,7 +1894,7 @@ impl Store for RedbStore {
                 .collect();
             for id in &expired {
                 t.in_flight.remove(id);
-                t.ready.insert((now, *id));
+                t.enqueue(*id, now);
             }
             if !expired.is_empty() {
                 n += expired.len();
@@ -1911,7 +1971,7 @@ impl Store for RedbStore {
                 (
                     k.clone(),
                     QueueStats {
-                        queued: t.ready.len() as u64,
+                        queued: (t.ready.len() + t.parked.len()) as u64,
                         in_flight: t.in_flight.len() as u64,
                         oldest_accepted_at: t.live.values().min().copied(),
                         dlq: t.dlq,
@@ -2166,6 +2226,10 @@ fn recover(db: &Database, cold_before: Option<i64>) -> Result<Recovered, StoreEr
             let (k, _) = row?;
             let (t, key) = k.value();
             index.target(t).held.insert(key.to_string());
+        }
+        // Every entry went to `ready` above, before its key's order and holds were known.
+        for t in index.targets.values_mut() {
+            t.park_blocked();
         }
     }
     // Stores written before the KV sizes and expiry index were kept get them built once.

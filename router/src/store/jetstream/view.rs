@@ -345,12 +345,16 @@ impl View {
         })
     }
 
-    /// When the next entry of `target` may be leased.
+    /// When the next entry of `target` may be leased: the soonest that ordering lets go.
+    /// Entries waiting behind their key's first one are passed over: their due times are
+    /// past, and returning one had the worker poll every millisecond while a key was blocked.
     pub fn next_due(&self, target: &str) -> Option<Millis> {
-        self.state()
-            .ready
-            .get(target)
-            .and_then(|s| s.first().map(|(at, _)| *at))
+        let st = self.state();
+        st.ready.get(target).and_then(|set| {
+            set.iter()
+                .find(|(_, id)| st.live.get(id).is_some_and(|l| st.ordering_allows(l)))
+                .map(|(at, _)| *at)
+        })
     }
 
     /// Woken when an entry of `target` is queued or re-queued.

@@ -1411,6 +1411,19 @@ fn observe(model: &Model, store: &RedbStore, id: EntryId) -> QueueEntry {
 fn check(model: &Model, store: &RedbStore) {
     let mut stats: BTreeMap<&str, QueueStats> = BTreeMap::new();
     let mut next_due: BTreeMap<&str, Millis> = BTreeMap::new();
+    // The first live (queued or leased) entry of each ordering key: the only one of its key
+    // that may go, so the only one whose due time counts for the next due time.
+    let mut first_of_key: BTreeMap<(&str, &str), (u64, u32)> = BTreeMap::new();
+    for (&seq, ev) in &model.events {
+        for m in &ev.entries {
+            if let (Some(k), MState::Queued | MState::Leased(_)) = (&m.key, &m.state) {
+                let first = first_of_key
+                    .entry((m.target, k.as_str()))
+                    .or_insert((seq, m.idx));
+                *first = (*first).min((seq, m.idx));
+            }
+        }
+    }
     for (&seq, ev) in &model.events {
         let fate = store
             .fate(SOURCE, &ev.id)
@@ -1457,8 +1470,14 @@ fn check(model: &Model, store: &RedbStore) {
                     assert_eq!((s.state, s.lease), (EntryState::Queued, None), "{at}");
                     assert_eq!(s.due_at, m.due, "due time of {at}");
                     st.queued += 1;
-                    let d = next_due.entry(m.target).or_insert(m.due);
-                    *d = (*d).min(m.due);
+                    let may_go = m.key.as_deref().is_none_or(|k| {
+                        !model.held.contains(k)
+                            && first_of_key.get(&(m.target, k)) == Some(&(seq, m.idx))
+                    });
+                    if may_go {
+                        let d = next_due.entry(m.target).or_insert(m.due);
+                        *d = (*d).min(m.due);
+                    }
                 }
                 MState::Leased(l) => {
                     assert_eq!((s.state, s.lease), (EntryState::Queued, Some(l)), "{at}");

@@ -1333,6 +1333,82 @@ async fn one_entry_per_key_in_flight_and_in_order() {
     assert_eq!(next[0].event.event.id, "2");
 }
 
+/// A key with more entries behind its retrying first one than a lease scans: other keys and
+/// unkeyed entries still go, and the next due time is the first one's retry, not one of the
+/// waiting entries' past due times (which had the worker poll every millisecond). The same
+/// after a restart, which rebuilds the index.
+#[tokio::test]
+async fn a_long_blocked_key_starves_neither_other_keys_nor_the_worker() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let blocked = SCAN_LIMIT + 500;
+    {
+        let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+        for chunk in 0..blocked.div_ceil(1000) {
+            let batch = (chunk * 1000..((chunk + 1) * 1000).min(blocked))
+                .map(|i| keyed(&format!("a{i}"), "hot", 1000))
+                .collect();
+            s.accept(batch).await.expect("accept");
+        }
+        let head = s.lease("a", 1000, 10, 60_000).await.expect("lease");
+        assert_eq!(head.len(), 1, "one entry of the key at a time");
+        let fail = AttemptEnd {
+            finished_at: 1001,
+            result: AttemptResult::Retryable,
+            status: Some(500),
+            error: None,
+            outbox: None,
+        };
+        s.finish(
+            head[0].entry.id,
+            head[0].lease,
+            fail,
+            Disposition::Retry { due_at: 9000 },
+            1001,
+        )
+        .await
+        .expect("retry");
+        assert_eq!(s.next_due("a"), Some(9000));
+        assert_eq!(s.due_count("a", 2000, 10), 0);
+        s.accept(vec![
+            keyed("b", "cold", 2000),
+            new_event("/s", "plain", &["a"], 2000),
+        ])
+        .await
+        .expect("accept");
+        assert_eq!(s.queue_stats()["a"].queued, blocked as u64 + 2);
+    }
+    let s = when_free(|| RedbStore::open_dir(dir.path(), StoreOptions::default())).await;
+    assert_eq!(s.next_due("a"), Some(2000));
+    let mut ids: Vec<String> = s
+        .lease("a", 3000, 10, 60_000)
+        .await
+        .expect("lease")
+        .iter()
+        .map(|l| l.event.event.id.clone())
+        .collect();
+    ids.sort();
+    assert_eq!(
+        ids,
+        ["b", "plain"],
+        "the other key and the unkeyed entry go"
+    );
+    assert_eq!(
+        s.next_due("a"),
+        Some(9000),
+        "then nothing is due before the retry"
+    );
+    let head = s.lease("a", 9000, 10, 60_000).await.expect("lease");
+    assert_eq!(head.len(), 1);
+    assert_eq!(head[0].event.event.id, "a0");
+    ack(&s, &head[0], 9001).await.expect("ack");
+    let next = s.lease("a", 9001, 10, 60_000).await.expect("lease");
+    assert_eq!(next.len(), 1);
+    assert_eq!(
+        next[0].event.event.id, "a1",
+        "the key's next entry, in order"
+    );
+}
+
 #[tokio::test]
 async fn held_keys_and_target_state_survive_restart() {
     let dir = tempfile::tempdir().expect("tempdir");
