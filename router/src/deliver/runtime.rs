@@ -90,10 +90,12 @@ impl TargetRuntime {
             }
             Mutex::new(b)
         });
-        let budget = spec
+        // Every target has a budget: the policy's ratio, or the default (10%).
+        let ratio = spec
             .policy
             .retry_budget
-            .map(|r| Mutex::new(RetryBudget::new(r)));
+            .unwrap_or(crate::policy::budget::DEFAULT_RATIO);
+        let budget = Some(Mutex::new(RetryBudget::new(ratio)));
         let limiter = ArcSwapOption::from(limiter_for(&spec, 1).map(Arc::new));
         Self {
             paused: AtomicBool::new(persisted.as_ref().is_some_and(|s| s.paused)),
@@ -159,7 +161,7 @@ impl TargetRuntime {
         });
         let budget = self.budget().map(|mut b| {
             let (attempts, retries) = b.usage(now);
-            json!({ "ratio": self.spec.policy.retry_budget, "window_first_attempts": attempts, "window_retries": retries })
+            json!({ "ratio": b.ratio(), "window_first_attempts": attempts, "window_retries": retries })
         });
         json!({
             "paused": self.paused.load(Ordering::SeqCst),

