@@ -366,6 +366,23 @@ pub async fn follow(client: &Client, path: &str) -> Result<Value, CliError> {
     }
 }
 
+/// The exit status of a command that waited for its job (`--wait`): success only when the
+/// job ran to `done` with nothing failed, so a script or CI step can tell (a cancelled, paused
+/// or partly failed job is 1).
+pub fn job_exit(job: &Value) -> std::process::ExitCode {
+    let ok = job["state"] == "done" && job["failed"].as_u64().unwrap_or(0) == 0;
+    if ok {
+        std::process::ExitCode::SUCCESS
+    } else {
+        eprintln!(
+            "the job ended {} with {} failed",
+            job["state"].as_str().unwrap_or("?"),
+            job["failed"].as_u64().unwrap_or(0)
+        );
+        std::process::ExitCode::from(1)
+    }
+}
+
 /// `router targets ls` as a table.
 pub fn targets_table(v: &Value) -> String {
     let rows: Vec<Vec<String>> = v["targets"]

@@ -439,6 +439,14 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             router::telemetry::init_tracing(cfg.log_format == router::config::LogFormat::Json);
             rt.block_on(async move {
+                // SIGHUP's default action ends the process: until the reload trigger listens
+                // (after the store opens and the handlers load, seconds on a large store), a
+                // HUP sent to reload would have killed the router. A handler registered now
+                // stays for the process; a HUP that comes before the trigger listens is
+                // dropped (send it again, or POST /v1/admin/reload).
+                #[cfg(unix)]
+                let _early_hup =
+                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup());
                 let listener = tokio::net::TcpListener::bind(cfg.listen)
                     .await
                     .with_context(|| format!("cannot listen on {}", cfg.listen))?;
@@ -615,13 +623,13 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let job = c
                 .call(reqwest::Method::POST, "/v1/replay", Some(serde_json::json!({ "from": from, "to": to, "filter": filter, "rate_per_sec": rate })))
                 .await?;
-            let job = if wait {
-                router::cli::follow(&c, &format!("/v1/replay/{}", job["id"].as_str().unwrap_or(""))).await?
-            } else {
-                job
-            };
+            if !wait {
+                print_value(&api, &job, router::cli::job_line);
+                return Ok(ExitCode::SUCCESS);
+            }
+            let job = router::cli::follow(&c, &format!("/v1/replay/{}", job["id"].as_str().unwrap_or(""))).await?;
             print_value(&api, &job, router::cli::job_line);
-            Ok(ExitCode::SUCCESS)
+            Ok(router::cli::job_exit(&job))
         }),
         Cmd::Handlers { api, cmd } => rt.block_on(handlers(api, cmd)),
         Cmd::Token {
@@ -660,11 +668,17 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 )
             })?;
             println!(
-                "{:<32} {:<28} {:<12} {:>8} {:>14}  notes",
-                "TARGET", "RULE", "POLICY", "ATTEMPTS", "WORST CASE"
+                "{:<32} {:<28} {:<12} {:>8} {:>14} {:>18}  notes",
+                "TARGET", "RULE", "POLICY", "ATTEMPTS", "WORST CASE", "WITH RETRY-AFTER"
             );
             for t in set.targets.values() {
                 let (attempts, time) = t.policy.worst_case();
+                // A NATS publish has no Retry-After; webhooks (429/503) and handlers (retry
+                // with a delay) do.
+                let with_retry_after = match t.kind {
+                    router::rules::TargetKind::Nats { .. } => time,
+                    _ => t.policy.worst_case_with_retry_after(),
+                };
                 let mut notes = Vec::new();
                 if attempts > router::policy::WORST_CASE_ATTEMPTS_SMELL {
                     notes.push(format!(
@@ -672,16 +686,26 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                         router::policy::WORST_CASE_ATTEMPTS_SMELL
                     ));
                 }
-                if time >= t.policy.retry.max_age {
+                if attempts < t.policy.retry.max_attempts {
+                    notes.push(format!(
+                        "max_age allows {attempts} of {} attempts",
+                        t.policy.retry.max_attempts
+                    ));
+                }
+                if with_retry_after >= t.policy.retry.max_age {
                     notes.push("bounded by max_age".to_string());
                 }
+                if t.policy.breaker.is_some() {
+                    notes.push("waiting while the breaker is open spends no attempt (up to max_age)".to_string());
+                }
                 println!(
-                    "{:<32} {:<28} {:<12} {:>8} {:>14}  {}",
+                    "{:<32} {:<28} {:<12} {:>8} {:>14} {:>18}  {}",
                     t.id,
                     t.rule,
                     t.policy_name.as_deref().unwrap_or("(default)"),
                     attempts,
                     humantime::format_duration(time).to_string(),
+                    humantime::format_duration(with_retry_after).to_string(),
                     notes.join("; ")
                 );
             }
@@ -694,6 +718,12 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 .block_on(router::bench::run_ingest(b))
                 .map_err(anyhow::Error::msg)?;
             println!("{report}");
+            // Some refusals (429/503) are what a saturating run measures; none accepted at all
+            // is a run that measured nothing (a wrong URL or token), and says so.
+            if report.ok_events == 0 && report.failed_requests > 0 {
+                eprintln!("every request failed: nothing was measured");
+                return Ok(ExitCode::from(1));
+            }
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench {
@@ -977,16 +1007,17 @@ async fn dlq(api: Api, cmd: DlqCmd) -> anyhow::Result<ExitCode> {
                     Some(serde_json::json!({ "filter": filter.json(), "rate_per_sec": rate })),
                 )
                 .await?;
-            let job = if wait {
-                router::cli::follow(
-                    &c,
-                    &format!("/v1/dlq/redrive/{}", job["id"].as_str().unwrap_or("")),
-                )
-                .await?
-            } else {
-                job
-            };
+            if !wait {
+                print_value(&api, &job, router::cli::job_line);
+                return Ok(ExitCode::SUCCESS);
+            }
+            let job = router::cli::follow(
+                &c,
+                &format!("/v1/dlq/redrive/{}", job["id"].as_str().unwrap_or("")),
+            )
+            .await?;
             print_value(&api, &job, router::cli::job_line);
+            return Ok(router::cli::job_exit(&job));
         }
         DlqCmd::Purge {
             filter,

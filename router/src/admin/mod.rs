@@ -272,7 +272,15 @@ fn target_json(app: &App, id: &str, stats: Option<&crate::store::QueueStats>, no
         v["kind"] = json!(spec.kind);
         v["policy"] = json!(spec.policy_name);
         let (attempts, max_time) = spec.policy.worst_case();
-        v["worst_case"] = json!({ "attempts": attempts, "seconds": max_time.as_secs_f64() });
+        let with_retry_after = match spec.kind {
+            crate::rules::TargetKind::Nats { .. } => max_time,
+            _ => spec.policy.worst_case_with_retry_after(),
+        };
+        v["worst_case"] = json!({
+            "attempts": attempts,
+            "seconds": max_time.as_secs_f64(),
+            "seconds_with_retry_after": with_retry_after.as_secs_f64(),
+        });
         if let Value::Object(m) = rt.snapshot(now) {
             for (k, x) in m {
                 v[k] = x;

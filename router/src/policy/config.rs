@@ -417,24 +417,62 @@ impl PolicyConfig {
         p
     }
 
-    /// Worst case for one event at one target: the number of attempts (`max_attempts`) and
-    /// the longest time before it reaches the DLQ — every attempt running into `timeout`,
-    /// plus the longest backoff `min(max_delay, base_delay * 2^n)` between attempts `n` and
-    /// `n + 1` — capped by `max_age`. (`Retry-After` can stretch a single wait up to
-    /// `retry_after_max`, but never past `max_age`.)
+    /// Worst case for one event at one target: the number of attempts and the longest time
+    /// before it reaches the DLQ — every attempt running into `timeout`, plus the longest
+    /// backoff `min(max_delay, base_delay * 2^n)` between attempts `n` and `n + 1` — capped by
+    /// `max_age`. The attempts are `max_attempts`, or fewer when the shortest waits the jitter
+    /// allows (`none`: the backoff, `equal`: half of it) use up `max_age` first. A target that
+    /// answers with `Retry-After` can stretch every wait: see
+    /// [`PolicyConfig::worst_case_with_retry_after`].
     pub fn worst_case(&self) -> (u32, Duration) {
-        let attempts = self.retry.max_attempts;
+        let attempts = self.attempts_within_max_age();
+        (
+            attempts,
+            self.total_time(attempts, |n| self.retry.max_backoff(n)),
+        )
+    }
+
+    /// The worst case's time when every wait is stretched by a `Retry-After` (a webhook's
+    /// 429/503, a handler's `retry` with a delay) of `retry_after_max` or more: the router
+    /// waits the longer of that and the backoff. Capped by `max_age`. Waiting behind an open
+    /// breaker or a pause spends no attempt and can last until `max_age` too.
+    pub fn worst_case_with_retry_after(&self) -> Duration {
+        let attempts = self.attempts_within_max_age();
+        self.total_time(attempts, |n| {
+            self.retry.max_backoff(n).max(self.retry.retry_after_max)
+        })
+    }
+
+    /// Attempts that can start before `max_age`, at most `max_attempts`.
+    fn attempts_within_max_age(&self) -> u32 {
+        let shortest_wait = |n: u32| match self.retry.jitter {
+            Jitter::Full => Duration::ZERO,
+            Jitter::Equal => self.retry.max_backoff(n) / 2,
+            Jitter::None => self.retry.max_backoff(n),
+        };
+        let mut start = Duration::ZERO;
+        for n in 0..self.retry.max_attempts {
+            // The first attempt always runs; a later one only if it is due before max_age.
+            if n > 0 && start >= self.retry.max_age {
+                return n;
+            }
+            start = start.saturating_add(shortest_wait(n));
+        }
+        self.retry.max_attempts
+    }
+
+    fn total_time(&self, attempts: u32, wait: impl Fn(u32) -> Duration) -> Duration {
         let mut total = Duration::ZERO;
         for n in 0..attempts {
             total = total.saturating_add(self.timeout);
             if n + 1 < attempts {
-                total = total.saturating_add(self.retry.max_backoff(n));
+                total = total.saturating_add(wait(n));
             }
             if total >= self.retry.max_age {
-                return (attempts, self.retry.max_age);
+                return self.retry.max_age;
             }
         }
-        (attempts, total.min(self.retry.max_age))
+        total.min(self.retry.max_age)
     }
 }
 
@@ -662,6 +700,38 @@ mod tests {
         assert_eq!(p.worst_case(), (1, Duration::from_secs(10)));
         p.retry.max_attempts = 0;
         assert_eq!(p.worst_case(), (0, Duration::ZERO));
+    }
+
+    #[test]
+    fn worst_case_counts_retry_after_and_the_attempts_max_age_allows() {
+        // The default policy: 53 s on backoff alone; with Retry-After (up to 1 h) before each
+        // of the 4 retries, 4 h 50 s.
+        let p = PolicyConfig::default();
+        assert_eq!(
+            p.worst_case_with_retry_after(),
+            Duration::from_secs(4 * 3600 + 50)
+        );
+        // A helper's case: 5 attempts, backoff 100-200 ms, retry_after_max 3 s, timeout 10 s.
+        let mut p = PolicyConfig::default();
+        p.retry.max_attempts = 5;
+        p.retry.base_delay = ms(100);
+        p.retry.max_delay = ms(200);
+        p.retry.retry_after_max = Duration::from_secs(3);
+        assert_eq!(p.worst_case_with_retry_after(), Duration::from_secs(62));
+        // 100 attempts a second apart (no jitter) in a max_age of 3 s: 3 attempts run.
+        let mut p = PolicyConfig::default();
+        p.retry.max_attempts = 100;
+        p.retry.base_delay = Duration::from_secs(1);
+        p.retry.max_delay = Duration::from_secs(1);
+        p.retry.jitter = Jitter::None;
+        p.retry.max_age = Duration::from_secs(3);
+        assert_eq!(p.worst_case().0, 3);
+        // Full jitter can wait nothing: every attempt may run.
+        p.retry.jitter = Jitter::Full;
+        assert_eq!(p.worst_case().0, 100);
+        // Equal jitter waits at least half: 0, 0.5, 1, 1.5, 2, 2.5 s.
+        p.retry.jitter = Jitter::Equal;
+        assert_eq!(p.worst_case().0, 6);
     }
 
     #[test]
