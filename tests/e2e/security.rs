@@ -897,3 +897,52 @@ async fn the_api_bounds_bodies_and_answers_every_refusal_in_its_error_shape() {
         "the replay would follow ingest: {job}"
     );
 }
+
+/// Credential headers come from the environment (`headers_env`), never from the rule files:
+/// the receiver gets the value, and neither the rules API nor the rule test shows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhooks_credential_header_comes_from_the_environment() {
+    let rcv = Receiver::ok().await;
+    let rules = rules_yaml(
+        "",
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: erp\n        headers: {{ X-Team: billing }}\n        headers_env: {{ Authorization: E2E_ERP_AUTHORIZATION }}",
+                rcv.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start_with_env(
+        &[("r.yaml", &rules)],
+        &[],
+        &[("E2E_ERP_AUTHORIZATION", "Bearer s3cret-from-env")],
+    );
+    assert_eq!(post_event(&r, &event("h1", "t", json!({}))).await.0, 202);
+    assert!(
+        rcv.wait_for(Duration::from_secs(10), |s| s.len() == 1)
+            .await
+    );
+    let got = &rcv.received()[0];
+    assert_eq!(
+        got.headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok()),
+        Some("Bearer s3cret-from-env")
+    );
+    assert_eq!(
+        got.headers.get("x-team").and_then(|v| v.to_str().ok()),
+        Some("billing")
+    );
+    let (_, rules) = get_json(&r, "/v1/targets/erp").await;
+    assert!(!rules.to_string().contains("s3cret"), "{rules}");
+    let resp = client()
+        .post(r.url("/v1/rules/test"))
+        .json(&event("x", "t", json!({})))
+        .send()
+        .await
+        .expect("test");
+    let body = resp.text().await.expect("body");
+    assert!(!body.contains("s3cret"), "{body}");
+}

@@ -72,11 +72,24 @@ struct Running {
 }
 
 /// An in-process hash of a signing secret, to notice that it changed without keeping it.
-fn fingerprint(secret: Option<&str>) -> Option<u64> {
+fn fingerprint(secrets: &TargetSecrets) -> Option<u64> {
     use std::hash::{Hash as _, Hasher as _};
+    if secrets.signing.is_none() && secrets.headers.is_empty() {
+        return None;
+    }
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    secret?.hash(&mut h);
+    secrets.signing.hash(&mut h);
+    secrets.headers.hash(&mut h);
     Some(h.finish())
+}
+
+/// The secrets a target is built with, as the environment or the secrets file hold them when
+/// read: the signing secret (`secret_env`) and the secret headers (`headers_env`: header name,
+/// variable name, value if set).
+#[derive(Debug, Default)]
+struct TargetSecrets {
+    signing: Option<String>,
+    headers: Vec<(String, String, Option<String>)>,
 }
 
 /// Store key prefix of an operator's pause of a target (kept beside target states, apart from
@@ -244,13 +257,14 @@ impl Dispatcher {
         &self.ctx
     }
 
-    /// Builds the target of `spec`; `secret` is the signing secret its `secret_env` names, as
-    /// [`Self::secret_of`] read it.
+    /// Builds the target of `spec` with the secrets its `secret_env` and `headers_env` name, as
+    /// [`Self::secrets_of`] read it.
     fn build_target(
         &self,
         spec: &TargetSpec,
-        secret: Option<&str>,
+        secrets: &TargetSecrets,
     ) -> Result<Arc<dyn Target>, StartError> {
+        let secret = secrets.signing.as_deref();
         match &spec.kind {
             TargetKind::Webhook {
                 url,
@@ -258,6 +272,28 @@ impl Dispatcher {
                 secret_env,
                 ..
             } => {
+                // Secret headers join the plain ones; one not set keeps the target from
+                // starting (nothing is sent without the credential the receiver expects).
+                let mut headers = headers.clone();
+                for (header, var, value) in &secrets.headers {
+                    let value = value.as_ref().ok_or_else(|| StartError::Secret {
+                        id: spec.id.clone(),
+                        name: var.clone(),
+                        why: format!(
+                            "header {header} (headers_env): not set in the environment or the secrets file"
+                        ),
+                    })?;
+                    if value.contains(['\r', '\n']) {
+                        return Err(StartError::Secret {
+                            id: spec.id.clone(),
+                            name: var.clone(),
+                            why: format!(
+                                "header {header} (headers_env): the value contains a line break"
+                            ),
+                        });
+                    }
+                    headers.insert(header.clone(), value.clone());
+                }
                 let keys = match secret_env {
                     None => Vec::new(),
                     Some(name) => {
@@ -278,7 +314,7 @@ impl Dispatcher {
                 let hook = Webhook::new(
                     &self.ctx.http,
                     url.clone(),
-                    headers,
+                    &headers,
                     self.ctx.cfg.max_response_bytes,
                     keys,
                 )
@@ -314,25 +350,34 @@ impl Dispatcher {
     /// set, the WASM runtime down for a handler) without starting a worker:
     /// [`Self::start`] runs it.
     pub fn prepare(&self, spec: TargetSpec) -> Result<PreparedTarget, StartError> {
-        // Read once: the fingerprint kept is that of the keys the target is built with.
-        let secret = self.secret_of(&spec);
-        let target = self.build_target(&spec, secret.as_deref())?;
+        // Read once: the fingerprint kept is that of the secrets the target is built with.
+        let secrets = self.secrets_of(&spec);
+        let target = self.build_target(&spec, &secrets)?;
         Ok(PreparedTarget {
             spec,
             target,
-            secret: fingerprint(secret.as_deref()),
+            secret: fingerprint(&secrets),
         })
     }
 
-    /// The signing secret `spec` names (`secret_env`), as the environment or the secrets file
-    /// hold it now; `None` for a target without one, or one not set.
-    fn secret_of(&self, spec: &TargetSpec) -> Option<String> {
+    /// The secrets `spec` names (`secret_env`, `headers_env`), as the environment or the
+    /// secrets file hold them now.
+    fn secrets_of(&self, spec: &TargetSpec) -> TargetSecrets {
         match &spec.kind {
             TargetKind::Webhook {
-                secret_env: Some(name),
+                secret_env,
+                headers_env,
                 ..
-            } => (self.ctx.secrets)(name),
-            _ => None,
+            } => TargetSecrets {
+                signing: secret_env
+                    .as_ref()
+                    .and_then(|name| (self.ctx.secrets)(name)),
+                headers: headers_env
+                    .iter()
+                    .map(|(header, var)| (header.clone(), var.clone(), (self.ctx.secrets)(var)))
+                    .collect(),
+            },
+            _ => TargetSecrets::default(),
         }
     }
 
@@ -341,7 +386,7 @@ impl Dispatcher {
     /// secrets file, a key rotation, although the rule files did not change). A reload
     /// prepares the targets for which this is false.
     pub fn is_current(&self, spec: &TargetSpec) -> bool {
-        let secret = fingerprint(self.secret_of(spec).as_deref());
+        let secret = fingerprint(&self.secrets_of(spec));
         let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
         running
             .get(&spec.id)

@@ -1328,6 +1328,7 @@ mod tests {
             url: "http://127.0.0.1:1/".into(),
             headers: Default::default(),
             secret_env: None,
+            headers_env: Default::default(),
             batch: None,
         };
         let handler = || TargetKind::Handler { name: "h".into() };

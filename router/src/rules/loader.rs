@@ -27,6 +27,7 @@ const TARGET_KEYS: &[&str] = &[
     "id",
     "policy",
     "headers",
+    "headers_env",
     "secret_env",
     "batch",
 ];
@@ -711,7 +712,7 @@ impl Cx<'_> {
         };
         let is_webhook = matches!(kind, Some(TargetKind::Webhook { .. }))
             || kinds.iter().any(|(k, _)| k.as_str() == Some("webhook"));
-        for only_webhook in ["headers", "secret_env", "batch"] {
+        for only_webhook in ["headers", "headers_env", "secret_env", "batch"] {
             if !is_webhook && let Some(k) = node.key_node(only_webhook) {
                 self.err(
                     file,
@@ -1008,12 +1009,27 @@ impl Cx<'_> {
                                     ok = false;
                                     continue;
                                 }
+                                // A credential in a file kept in git is readable by
+                                // everyone who can read the repository (and the API shows
+                                // the headers): the plain credential headers are refused, and
+                                // names that merely look like one are warned about.
+                                if SECRET_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
+                                    self.err(
+                                        file,
+                                        k,
+                                        format!(
+                                            "header `{name}` carries a credential: name the environment variable (or secrets-file entry) that holds it under `headers_env: {{ {name}: VAR }}` instead of writing it in a rule file"
+                                        ),
+                                    );
+                                    ok = false;
+                                    continue;
+                                }
                                 if looks_secret(name) {
                                     self.warn(
                                         file,
                                         k,
                                         format!(
-                                            "header `{name}` looks like a credential; secrets must come from the environment or the secrets file, not rule files"
+                                            "header `{name}` looks like a credential; secrets must come from the environment or the secrets file (`headers_env`), not rule files"
                                         ),
                                     );
                                 }
@@ -1026,6 +1042,64 @@ impl Cx<'_> {
                                 h,
                                 format!(
                                     "`headers` must be a mapping of name to value, not {}",
+                                    h.type_name()
+                                ),
+                            );
+                            ok = false;
+                        }
+                    }
+                }
+                let mut headers_env = BTreeMap::new();
+                if let Some(h) = target.get("headers_env") {
+                    match h.as_map() {
+                        Some(entries) => {
+                            for (k, hv) in entries {
+                                let name = k.as_str().unwrap_or_default();
+                                let lower = name.to_ascii_lowercase();
+                                let problem = if !valid_header_name(name) {
+                                    Some(format!("invalid header name `{name}`"))
+                                } else if RESERVED_HEADERS.contains(&lower.as_str()) {
+                                    Some(format!(
+                                        "header `{name}` is set by the router (or frames the request) and cannot be set in a rule file"
+                                    ))
+                                } else if headers
+                                    .keys()
+                                    .any(|h: &String| h.eq_ignore_ascii_case(name))
+                                {
+                                    Some(format!(
+                                        "header `{name}` is in both `headers` and `headers_env`: keep one"
+                                    ))
+                                } else {
+                                    None
+                                };
+                                if let Some(msg) = problem {
+                                    self.err(file, k, msg);
+                                    ok = false;
+                                    continue;
+                                }
+                                match hv.as_str() {
+                                    Some(var) if valid_env_name(var) => {
+                                        headers_env.insert(name.to_string(), var.to_string());
+                                    }
+                                    _ => {
+                                        self.err(
+                                            file,
+                                            hv,
+                                            format!(
+                                                "`headers_env.{name}` must name an environment variable (letters, digits, `_`) that holds the header's value"
+                                            ),
+                                        );
+                                        ok = false;
+                                    }
+                                }
+                            }
+                        }
+                        None => {
+                            self.err(
+                                file,
+                                h,
+                                format!(
+                                    "`headers_env` must be a mapping of header name to environment variable, not {}",
                                     h.type_name()
                                 ),
                             );
@@ -1066,6 +1140,7 @@ impl Cx<'_> {
                     url: value.to_string(),
                     headers,
                     secret_env,
+                    headers_env,
                     batch,
                 })
             }

@@ -89,6 +89,10 @@ pub enum TargetKind {
         /// Name of the environment variable holding the Standard Webhooks signing secret.
         #[serde(default)]
         secret_env: Option<String>,
+        /// Headers whose values are secrets (`Authorization`, an API key): header name → the
+        /// name of the environment variable (or secrets-file entry) that holds the value.
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        headers_env: BTreeMap<String, String>,
         /// Deliver several events per request, as a CloudEvents batch (opt-in).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         batch: Option<WebhookBatch>,

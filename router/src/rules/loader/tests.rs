@@ -147,6 +147,7 @@ fn good_multi_file_set_loads() {
             headers,
             secret_env,
             batch,
+            ..
         } => {
             assert_eq!(batch, &None);
             assert_eq!(url, "http://127.0.0.1:9000/erp");
@@ -512,7 +513,8 @@ rules:
     assert!(e[1].contains("`transfer-encoding`"), "{e:#?}");
     assert!(e[2].contains("`Idempotency-Key`"), "{e:#?}");
 
-    let warn = "\
+    // A credential written in the file is refused, and says where it goes instead.
+    let literal = "\
 rules:
   - name: a
     pattern: {type: [x]}
@@ -520,19 +522,62 @@ rules:
       - webhook: http://h/
         headers: { Authorization: Bearer abc, X-Version: 2 }
 ";
+    let e = errs(&[("r.yaml", literal)]);
+    assert_eq!(e.len(), 1, "{e:#?}");
+    assert!(
+        e[0].starts_with("r.yaml:6:20: header `Authorization` carries a credential")
+            && e[0].contains("headers_env"),
+        "{e:#?}"
+    );
+    let warn = "\
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - webhook: http://h/
+        headers: { X-Api-Key: abc, X-Version: 2 }
+        headers_env: { Authorization: ERP_AUTH }
+";
     let (set, w) = ok(&[("r.yaml", warn)]);
     assert_eq!(w.len(), 1, "{}", lines(&w));
     assert_eq!(w[0].severity, Severity::Warning);
     assert!(
         w[0].to_string()
-            .starts_with("r.yaml:6:20: warning: header `Authorization` looks like a credential"),
+            .starts_with("r.yaml:6:20: warning: header `X-Api-Key` looks like a credential"),
         "{}",
         w[0]
     );
     match &set.targets["a-0"].kind {
-        TargetKind::Webhook { headers, .. } => assert_eq!(headers["X-Version"], "2"),
+        TargetKind::Webhook {
+            headers,
+            headers_env,
+            ..
+        } => {
+            assert_eq!(headers["X-Version"], "2");
+            assert_eq!(headers_env["Authorization"], "ERP_AUTH");
+        }
         other => panic!("{other:?}"),
     }
+    let bad = "\
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - webhook: http://h/
+        headers: { X-Key: a }
+        headers_env: { X-Key: K, Content-Length: L, X-Other: 1BAD }
+";
+    let e = errs(&[("r.yaml", bad)]);
+    assert_eq!(e.len(), 3, "{e:#?}");
+    assert!(e[0].contains("both `headers` and `headers_env`"), "{e:#?}");
+    assert!(
+        e[1].contains("`Content-Length` is set by the router"),
+        "{e:#?}"
+    );
+    assert!(
+        e[2].contains("`headers_env.X-Other` must name an environment variable"),
+        "{e:#?}"
+    );
 }
 
 #[test]
