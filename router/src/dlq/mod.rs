@@ -633,15 +633,23 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
     let rate = job.spec["rate_per_sec"].as_f64().unwrap_or(10.0).max(0.001);
     let mut tokens = 0.0f64;
     let mut last = std::time::Instant::now();
-    let pattern = job
-        .spec
-        .get("filter")
-        .filter(|f| !f.is_null())
-        .and_then(|f| Pattern::compile(f).ok());
-    let filter = serde_json::from_value::<FilterSpec>(job.spec["filter"].clone())
-        .ok()
-        .and_then(|f| f.to_filter("").ok())
-        .unwrap_or_default();
+    // The stored filter was checked when the job was created; one that no longer reads (a
+    // version that changed a reason's name or a pattern operator) must not widen the job to
+    // every entry or event: the job is paused with the reason instead.
+    let spec_filter = job.spec.get("filter").filter(|f| !f.is_null()).cloned();
+    let (pattern, filter) = match read_filters(job.kind, spec_filter) {
+        Ok(f) => f,
+        Err(why) => {
+            tracing::error!(job = %job.id, error = %why, "a job's stored filter does not read; the job is paused");
+            job.state = JobState::Paused;
+            job.last_error = Some(format!(
+                "{why}; paused: cancel it and start a new job with a filter this version reads"
+            ));
+            job.updated_at = app.clock.now_ms();
+            *handle.lock().unwrap_or_else(|p| p.into_inner()) = JobState::Paused;
+            return app.store.put_job(job).await.map(|_| ());
+        }
+    };
     let running = || *handle.lock().unwrap_or_else(|p| p.into_inner()) == JobState::Running;
     // On a shared store: the claim, before the first step (which may be a while at a low rate).
     let mut claim_due = app.jobs.node.is_some();
@@ -713,6 +721,37 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
     };
     app.jobs.set_failing(&job.id, None);
     result
+}
+
+/// A job's stored filter as it runs: a replay's event pattern, a redrive's DLQ filter. An
+/// absent filter is everything; one present that does not read is an error.
+fn read_filters(
+    kind: JobKind,
+    filter: Option<serde_json::Value>,
+) -> Result<(Option<Pattern>, DlqFilter), String> {
+    let Some(f) = filter else {
+        return Ok((None, DlqFilter::default()));
+    };
+    match kind {
+        JobKind::Replay => Pattern::compile(&f)
+            .map(|p| (Some(p), DlqFilter::default()))
+            .map_err(|errs| {
+                let why: Vec<String> = errs.iter().map(ToString::to_string).collect();
+                format!("the replay's filter no longer compiles: {}", why.join("; "))
+            }),
+        JobKind::Redrive => serde_json::from_value::<FilterSpec>(f)
+            .map_err(|e| e.to_string())
+            .and_then(|spec| {
+                spec.to_filter("").map_err(|errs| {
+                    errs.iter()
+                        .map(|e| format!("{}: {}", e.pointer, e.message))
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                })
+            })
+            .map(|f| (None, f))
+            .map_err(|e| format!("the redrive's filter no longer reads: {e}")),
+    }
 }
 
 /// After a step the store refused for a reason of its own (not a change to the job): counts
@@ -960,6 +999,26 @@ async fn replay_step(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_stored_filter_that_no_longer_reads_is_an_error_never_everything() {
+        use serde_json::json;
+        assert!(read_filters(JobKind::Redrive, None).is_ok());
+        let e = read_filters(
+            JobKind::Redrive,
+            Some(json!({"target": "erp", "reason": "no_such_reason"})),
+        )
+        .expect_err("an unknown reason");
+        assert!(e.contains("redrive's filter no longer reads"), "{e}");
+        let e = read_filters(
+            JobKind::Replay,
+            Some(json!({"type": [{"numbre": [">", 1]}]})),
+        )
+        .expect_err("an unknown operator");
+        assert!(e.contains("replay's filter no longer compiles"), "{e}");
+        let (p, _) = read_filters(JobKind::Replay, Some(json!({"type": ["t"]}))).expect("valid");
+        assert!(p.is_some());
+    }
+
     use std::time::Instant;
 
     use super::*;
