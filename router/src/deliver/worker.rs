@@ -594,6 +594,11 @@ async fn breaker_record(
     let success = match outcome {
         AttemptOutcome::Delivered { .. } => Some(true),
         o if o.counts_for_breaker() => Some(false),
+        // A probe answered with a permanent failure (a 4xx, a handler's `fail`): the target
+        // is up and answering, which is what the probe asks. Counted as nothing, it left the
+        // breaker half-open, letting one entry through per probe, until a transient failure
+        // or a success came.
+        AttemptOutcome::Permanent { .. } if probe => Some(true),
         _ => None,
     };
     let transition = rt

@@ -250,6 +250,9 @@ impl Breaker {
         };
         let open_until = now + i64::try_from(self.policy.open_for.as_millis()).unwrap_or(i64::MAX);
         match self.state {
+            // Only a probe decides a half-open breaker: a late answer to an attempt sent
+            // before it opened says nothing about the target now.
+            BreakerState::HalfOpen if !was_probe => None,
             BreakerState::HalfOpen if success => Some(self.transition(BreakerState::Closed, now)),
             BreakerState::HalfOpen => {
                 Some(self.transition(BreakerState::Open { until: open_until }, now))
@@ -346,7 +349,8 @@ mod tests {
         let (admission, half) = b.admit(9_001);
         assert_eq!(admission, Admission::Probes(1));
         assert!(t.followed && half.expect("half-opens").followed);
-        let closed = b.record(Some(true), false, 9_100).expect("closes");
+        b.probes_started(1);
+        let closed = b.record(Some(true), true, 9_100).expect("the probe closes it");
         assert!(closed.followed && closed.to == BreakerState::Closed);
         for at in 9_200..9_230 {
             if let Some(t) = b.record(Some(false), false, at) {
@@ -393,6 +397,23 @@ mod tests {
         b.probes_started(1);
         let t = b.record(Some(false), true, 6100).expect("reopens");
         assert_eq!(t.to, BreakerState::Open { until: 11_100 });
+    }
+
+    #[test]
+    fn a_late_answer_to_an_attempt_sent_before_opening_decides_nothing() {
+        let mut b = Breaker::new(policy(), 0);
+        for i in 0..4 {
+            b.record(Some(false), false, i);
+        }
+        b.admit(6000);
+        b.probes_started(1);
+        assert_eq!(b.record(Some(true), false, 6050), None, "not a probe");
+        assert_eq!(b.record(Some(false), false, 6060), None, "not a probe");
+        assert_eq!(b.state(), BreakerState::HalfOpen);
+        let t = b
+            .record(Some(true), true, 6100)
+            .expect("the probe closes it");
+        assert_eq!(t.to, BreakerState::Closed);
     }
 
     #[test]
