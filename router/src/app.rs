@@ -234,7 +234,9 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
             .reloads
             .get_or_create(&vec![("result", "error".to_string())])
             .inc();
-        tracing::error!(trigger, error = %e, "reload refused; the previous rules and contracts stay live");
+        // One line per record: a log shipper splits at line breaks, and an ERROR whose
+        // continuation lines carry no level is missed by a search for it.
+        tracing::error!(trigger, error = %e.to_string().replace('\n', "; "), "reload refused; the previous rules and contracts stay live");
         e
     };
     let ((rules, warnings), contracts, git, prepared) = result.map_err(refused)?;
@@ -997,6 +999,7 @@ pub async fn run_with_store(
         system_events: Some(sys_tx),
         secrets,
         handlers: handlers.clone(),
+        log_gates: Default::default(),
     });
     // On a shared store: count the live nodes before any worker takes its throttle share.
     if store.shared() {
@@ -1658,6 +1661,7 @@ pub(crate) fn test_app(
         system_events: None,
         secrets,
         handlers: None,
+        log_gates: Default::default(),
     });
     let now = clock.now_ms();
     Arc::new(App {

@@ -180,6 +180,20 @@ async fn a_vanished_rules_directory_or_an_unchanged_broken_target_never_blocks_o
     assert_eq!(rules["rules"].as_array().map(Vec::len), Some(3), "{rules}");
     let err = status(&r).await["reload"]["last_error"].to_string();
     assert!(err.contains("does not exist"), "{err}");
+    let m = metrics_text(&r).await;
+    assert!(
+        m.contains("router_reload_failing 1"),
+        "{}",
+        metric_lines(&m, "reload")
+    );
+    // The target that cannot start is listed, with why.
+    let (_, t) = get_json(&r, "/v1/targets/signed").await;
+    assert!(
+        t["worker"]
+            .as_str()
+            .is_some_and(|w| w.starts_with("not running:") && w.contains("E2E_SECRET_NEVER_SET")),
+        "{t}"
+    );
     assert_eq!(post_event(&r, &event("still", "t", json!({}))).await.0, 202);
     assert!(a.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
 }

@@ -287,9 +287,20 @@ fn target_json(app: &App, id: &str, stats: Option<&crate::store::QueueStats>, no
             }
         }
     } else {
-        v["worker"] = json!(
-            "not running: the target is unknown or could not start (see the warnings in /v1/status)"
-        );
+        // Why, when the target is in the rules but could not start (a secret not set, the
+        // WASM runtime down): the start error kept with the rule set's warnings.
+        let prefix = format!("target {id}: ");
+        let why = app
+            .rule_warnings
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|w| w.starts_with(&prefix))
+            .cloned();
+        v["worker"] = json!(match why {
+            Some(w) => format!("not running: {}", &w[prefix.len()..]),
+            None => "not running: the target is unknown or could not start (see the warnings in /v1/status)".to_string(),
+        });
     }
     let s = stats.cloned().unwrap_or_default();
     v["queued"] = json!(s.queued);
@@ -309,6 +320,9 @@ pub async fn targets(State(app): State<Arc<App>>) -> Response {
     let stats = app.store.queue_stats();
     let mut ids: std::collections::BTreeSet<String> = stats.keys().cloned().collect();
     ids.extend(app.dispatcher.running().into_iter().map(|s| s.id));
+    // Targets of the rules that are not running (could not start) are listed too: with no
+    // entries queued yet they were nowhere to be seen.
+    ids.extend(app.rules.load().targets.keys().cloned());
     let list: Vec<Value> = ids
         .iter()
         .map(|id| target_json(&app, id, stats.get(id), now))
@@ -320,7 +334,10 @@ pub async fn targets(State(app): State<Arc<App>>) -> Response {
 pub async fn target(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
     let now = app.clock.now_ms();
     let stats = app.store.queue_stats();
-    if app.dispatcher.runtime(&id).is_none() && !stats.contains_key(&id) {
+    if app.dispatcher.runtime(&id).is_none()
+        && !stats.contains_key(&id)
+        && !app.rules.load().targets.contains_key(&id)
+    {
         return error_response(
             StatusCode::NOT_FOUND,
             "unknown target",
@@ -568,7 +585,33 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
             .set(i64::from(
                 rt.paused.load(std::sync::atomic::Ordering::SeqCst),
             ));
+        // Every breaker, not only those that changed state since start: one restored open
+        // from the store had no series, and an alert on it stayed silent.
+        if let Some(b) = rt.breaker() {
+            let state = match b.state() {
+                crate::policy::breaker::BreakerState::Closed => 0,
+                crate::policy::breaker::BreakerState::Open { .. } => 1,
+                crate::policy::breaker::BreakerState::HalfOpen => 2,
+            };
+            app.metrics
+                .breaker_state
+                .get_or_create(&vec![("target", rt.spec.id.clone())])
+                .set(state);
+        }
     }
+    app.metrics
+        .store_max_bytes
+        .set(i64::try_from(app.cfg.store.max_disk_bytes).unwrap_or(i64::MAX));
+    app.metrics
+        .ingest_refused
+        .set(i64::from(app.disk_full.load(Ordering::Relaxed)));
+    let failing = app
+        .reload_status
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .last_error
+        .is_some();
+    app.metrics.reload_failing.set(i64::from(failing));
     let body = app
         .metrics
         .render(app.store.as_ref(), app.clock.now_ms())

@@ -59,6 +59,8 @@ pub struct DeliveryContext {
     pub secrets: SecretResolver,
     /// The WASM handler runtime (`handler:` targets).
     pub handlers: Option<Arc<crate::target::handler::HandlerRuntime>>,
+    /// Limits on the log lines about each target's failures and dead letters.
+    pub log_gates: crate::telemetry::LogGates,
 }
 
 struct Running {

@@ -41,6 +41,8 @@ pub struct Counters {
     pub retried: AtomicU64,
     /// Entries moved to the DLQ.
     pub dead_lettered: AtomicU64,
+    /// Deliveries put back without an attempt (a handler not uploaded, or busy).
+    pub deferred: AtomicU64,
     /// Due retries deferred by the retry budget.
     pub budget_deferred: AtomicU64,
     /// Times the worker waited for the rate limiter.
@@ -177,6 +179,7 @@ impl TargetRuntime {
             "delivered": c.delivered.load(Ordering::Relaxed),
             "retried": c.retried.load(Ordering::Relaxed),
             "dead_lettered": c.dead_lettered.load(Ordering::Relaxed),
+            "deferred": c.deferred.load(Ordering::Relaxed),
             "budget_deferred": c.budget_deferred.load(Ordering::Relaxed),
             "throttled": c.throttled.load(Ordering::Relaxed),
         })

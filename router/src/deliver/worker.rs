@@ -645,7 +645,9 @@ fn conclude(
     };
     let label = match &disposition {
         Disposition::Delivered => "delivered",
-        Disposition::Retry { .. } | Disposition::Release { .. } => "retried",
+        Disposition::Retry { .. } => "retried",
+        // Put back without an attempt (a handler not uploaded or busy): not a retry.
+        Disposition::Release { .. } => "deferred",
         Disposition::DeadLetter { .. } => "dead_lettered",
     };
     Settled {
@@ -662,24 +664,35 @@ fn conclude(
 }
 
 /// The log line of one entry's settled attempt.
-fn log_settled(outcome: &AttemptOutcome, s: &Settled) {
+/// Logs how an attempt ended (in its span: event id, target, attempt), at most
+/// `LogGates::PER_WINDOW` lines per target per window; the DLQ line is written by
+/// [`dead_lettered`] once the entry is there. Errors go on one line (a trap's wasm backtrace
+/// stays in the handler's own logs).
+fn log_settled(ctx: &DeliveryContext, target: &str, outcome: &AttemptOutcome, s: &Settled) {
+    let first_line = |e: &str| e.lines().next().unwrap_or("").to_string();
     match &s.disposition {
         Disposition::Delivered => tracing::debug!(status = ?outcome.status(), "delivered"),
         Disposition::Retry { due_at } => {
-            tracing::info!(
-                error = outcome.error().unwrap_or(""),
-                retry_in_ms = due_at - s.end.finished_at,
-                "attempt failed; retry scheduled"
-            )
+            if let Some(suppressed) = ctx.log_gates.admit(target) {
+                tracing::info!(
+                    error = first_line(outcome.error().unwrap_or("")),
+                    retry_in_ms = due_at - s.end.finished_at,
+                    suppressed,
+                    "attempt failed; retry scheduled"
+                )
+            }
         }
-        Disposition::DeadLetter { reason, .. } => {
-            tracing::warn!(
-                error = outcome.error().unwrap_or(""),
-                reason = reason.as_str(),
-                "attempt failed; moved to the DLQ"
-            )
+        Disposition::DeadLetter { .. } => {}
+        Disposition::Release { due_at } => {
+            if let Some(suppressed) = ctx.log_gates.admit(target) {
+                tracing::info!(
+                    reason = first_line(outcome.error().unwrap_or("")),
+                    retry_in_ms = due_at - s.end.finished_at,
+                    suppressed,
+                    "delivery put back without spending an attempt"
+                )
+            }
         }
-        Disposition::Release { .. } => {}
     }
 }
 
@@ -728,14 +741,17 @@ async fn attempt(
             let req = request_for(&rt, &leased);
             let started = Instant::now();
             let (outcome, effects) = target.deliver_with_effects(&req).await;
-            ctx.metrics
-                .attempt_seconds
-                .get_or_create(&vec![("target", rt.spec.id.clone())])
-                .observe(started.elapsed().as_secs_f64());
+            // A delivery put back unattempted is no attempt's latency.
+            if !matches!(outcome, AttemptOutcome::Deferred { .. }) {
+                ctx.metrics
+                    .attempt_seconds
+                    .get_or_create(&vec![("target", rt.spec.id.clone())])
+                    .observe(started.elapsed().as_secs_f64());
+            }
             let finished = ctx.clock.now_ms();
             breaker_record(&ctx, &rt, &outcome, probe, finished).await;
             let s = conclude(&rt, &leased, &outcome, effects, finished);
-            log_settled(&outcome, &s);
+            log_settled(&ctx, &rt.spec.id, &outcome, &s);
             s
         }
     };
@@ -879,7 +895,7 @@ async fn attempt_batch(
                 Disposition::Retry { .. } => retried += 1,
                 Disposition::DeadLetter { .. } => {
                     let _g = tracing::info_span!("attempt", event_id = %leased.event.event.id, source = %leased.event.event.source).entered();
-                    log_settled(&outcome, &s);
+                    log_settled(&ctx, &rt.spec.id, &outcome, &s);
                 }
                 _ => {}
             }
@@ -967,6 +983,7 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
             match outcome_label {
                 "delivered" => c.delivered.fetch_add(1, Ordering::Relaxed),
                 "retried" => c.retried.fetch_add(1, Ordering::Relaxed),
+                "deferred" => c.deferred.fetch_add(1, Ordering::Relaxed),
                 _ => c.dead_lettered.fetch_add(1, Ordering::Relaxed),
             };
             if let Some(r) = dlq_reason {
@@ -1184,10 +1201,24 @@ pub fn dead_lettered(
     now: i64,
 ) {
     count_dead_letters(&ctx.metrics, target, reason, 1);
+    // Every path into the DLQ (an attempt, max_age before one, the depth cap at acceptance,
+    // a quarantine, a handler's emission) says so once it is there, with the event.
+    let about = target.unwrap_or("none");
+    if let Some(suppressed) = ctx.log_gates.admit(&format!("dlq:{about}")) {
+        tracing::warn!(
+            event_id = id,
+            source,
+            target_id = about,
+            reason = reason.as_str(),
+            error = error.and_then(|e| e.lines().next()).unwrap_or(""),
+            suppressed,
+            "moved to the DLQ"
+        );
+    }
     if ty.starts_with("router.") {
         return;
     }
-    let mut sys = system_event("router.dlq.added", target.unwrap_or("none"), now);
+    let mut sys = system_event("router.dlq.added", about, now);
     if target.is_none() {
         sys.subject = None;
         sys.source = "router://ingest".into();
@@ -1216,6 +1247,13 @@ pub fn dead_lettered_in_bulk(
         return;
     }
     count_dead_letters(&ctx.metrics, Some(target), reason, n);
+    tracing::warn!(
+        target_id = target,
+        reason = reason.as_str(),
+        entries = n,
+        error,
+        "moved to the DLQ"
+    );
     let mut sys = system_event("router.dlq.added", target, now);
     sys.data = Some(crate::event::Data::from(serde_json::json!({
         "target": target,

@@ -350,7 +350,9 @@ mod tests {
         assert_eq!(admission, Admission::Probes(1));
         assert!(t.followed && half.expect("half-opens").followed);
         b.probes_started(1);
-        let closed = b.record(Some(true), true, 9_100).expect("the probe closes it");
+        let closed = b
+            .record(Some(true), true, 9_100)
+            .expect("the probe closes it");
         assert!(closed.followed && closed.to == BreakerState::Closed);
         for at in 9_200..9_230 {
             if let Some(t) = b.record(Some(false), false, at) {

@@ -2,8 +2,8 @@
 //! queue entry to one target — timeout, retry, breaker, throttle, budget, ordering.
 //!
 //! `config` holds the configuration types that rule files name and share (`policies:` in a
-//! rule file); `backoff` computes retry waits. The enforcement of breaker, throttle, budget
-//! and ordering lands with the delivery-policies issue.
+//! rule file); `backoff` computes retry waits; `breaker` and `budget` are the per-target state
+//! machines the delivery workers (`deliver::worker`) consult before each lease.
 
 pub mod backoff;
 pub mod breaker;

@@ -434,7 +434,9 @@ impl HandlerTarget {
                     _ => "handler_trap".into(),
                 };
                 self.log(req, &version, "error", error.clone());
-                tracing::warn!(handler = %self.name, error = %error, "handler invocation failed");
+                // The first line: a trap's wasm backtrace (dozens of lines) stays in the
+                // handler's own logs and the attempt record, out of the router's log.
+                tracing::warn!(handler = %self.name, error = error.lines().next().unwrap_or(""), "handler invocation failed");
                 (
                     AttemptOutcome::Retryable {
                         error,
