@@ -123,6 +123,8 @@ pub struct Metrics {
     pub breaker_state: Family<Labels, Gauge>,
     /// Due retries deferred by the retry budget.
     pub budget_deferred: Family<Labels, Counter>,
+    /// Times a target's worker waited for its rate limit.
+    pub throttled: Family<Labels, Counter>,
     /// Leases that failed (the store refused the write) by target; the worker pauses a second.
     pub lease_failures: Family<Labels, Counter>,
     /// Entries leased at acceptance and sent at once (`delivery.handoff`), by target.
@@ -188,6 +190,7 @@ impl Metrics {
             breaker_transitions: Family::default(),
             breaker_state: Family::default(),
             budget_deferred: Family::default(),
+            throttled: Family::default(),
             lease_failures: Family::default(),
             handoffs: Family::default(),
             delivery_batches: Family::default(),
@@ -319,6 +322,11 @@ impl Metrics {
             "router_retry_budget_deferred",
             "Due retries deferred by the retry budget",
             m.budget_deferred.clone(),
+        );
+        registry.register(
+            "router_throttled",
+            "Times a target's worker waited for its rate limit (throttle.rate_per_sec)",
+            m.throttled.clone(),
         );
         registry.register(
             "router_lease_failures",

@@ -110,6 +110,12 @@ async fn an_outage_opens_the_breaker_and_recovery_drains_at_the_throttle_rate() 
         delivered <= 40.0 * drain + 5.0 + 5.0,
         "drained faster than the throttle: {rate:.0}/s"
     );
+    let m = metrics_text(&r).await;
+    assert!(
+        counter(&m, "router_throttled_total{target=\"api\"}") > 0,
+        "the throttle's waits are counted: {}",
+        metric_lines(&m, "throttled")
+    );
     // Nothing reached the DLQ; attempts per event stayed bounded.
     let (_, dlq) = get_json(&r, "/v1/dlq").await;
     assert_eq!(dlq["entries"].as_array().map(Vec::len), Some(0), "{dlq}");

@@ -257,6 +257,10 @@ pub(super) async fn run(
             if allowed == 0 {
                 drop(permits);
                 rt.counters.throttled.fetch_add(1, Ordering::Relaxed);
+                ctx.metrics
+                    .throttled
+                    .get_or_create(&vec![("target", spec.id.clone())])
+                    .inc();
                 let wait = retry_in
                     .unwrap_or(Duration::from_millis(10))
                     .max(Duration::from_millis(1));
