@@ -673,6 +673,7 @@ async fn start_handlers(
         completed_ttl_ms: i64::try_from(h.completed_ttl.as_millis()).unwrap_or(i64::MAX),
         kv_max_bytes: Some(h.kv_max_bytes),
         completed_hits: metrics.completed_hits.clone(),
+        invocations: metrics.handler_invocations.clone(),
         store: store.clone(),
         clock: clock.clone(),
         prepare: std::sync::OnceLock::new(),

@@ -145,6 +145,8 @@ pub struct Metrics {
     pub swept: Family<Labels, Counter>,
     /// Handler deliveries answered from the COMPLETED table (the handler was not run again).
     pub completed_hits: Family<Labels, Counter>,
+    /// Handler invocations by handler and outcome.
+    pub handler_invocations: Family<Labels, Counter>,
     /// Bytes (keys plus values) in each handler's key-value namespace.
     pub handler_kv_bytes: Family<Labels, Gauge>,
     /// Keys in each handler's key-value namespace.
@@ -200,6 +202,7 @@ impl Metrics {
             target_paused: Family::default(),
             swept: Family::default(),
             completed_hits: Family::default(),
+            handler_invocations: Family::default(),
             handler_kv_bytes: Family::default(),
             handler_kv_keys: Family::default(),
             kv_handlers_shown: Default::default(),
@@ -357,6 +360,11 @@ impl Metrics {
             "router_handler_completed_hits",
             "Handler deliveries answered from a stored COMPLETED result without running the handler",
             m.completed_hits.clone(),
+        );
+        registry.register(
+            "router_handler_invocations",
+            "Handler invocations by handler and outcome: ok (emitted), retry, fail (the handler's own answers), trap, timeout, oom, limit (an output or fuel bound), invalid_emission",
+            m.handler_invocations.clone(),
         );
         registry.register(
             "router_handler_kv_bytes",

@@ -498,6 +498,20 @@ async fn hostile_handlers_are_contained() {
         assert!(err.starts_with(class), "{m}: {err}");
         assert_eq!(f["dlq"][0]["reason"], "retries_exhausted", "{m}");
     }
+    // Each outcome is counted by kind.
+    let m = metrics_text(&r).await;
+    for outcome in ["timeout", "oom", "trap", "limit"] {
+        assert!(
+            counter(
+                &m,
+                &format!(
+                    "router_handler_invocations_total{{handler=\"hostile\",outcome=\"{outcome}\"}}"
+                )
+            ) >= 1,
+            "{outcome}: {}",
+            metric_lines(&m, "handler_invocations")
+        );
+    }
     // Traps keep their message (the guest's panic text), in the attempt and in the logs.
     let f = fate(&r, "h-panic").await;
     assert!(

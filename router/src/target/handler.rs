@@ -69,6 +69,11 @@ pub struct HandlerRuntime {
         crate::telemetry::Labels,
         prometheus_client::metrics::counter::Counter,
     >,
+    /// Invocations per handler and outcome.
+    pub invocations: prometheus_client::metrics::family::Family<
+        crate::telemetry::Labels,
+        prometheus_client::metrics::counter::Counter,
+    >,
     /// The store (key-value and COMPLETED reads).
     pub store: Arc<dyn Store>,
     /// Time source.
@@ -353,6 +358,23 @@ impl HandlerTarget {
                 dlq_reason: None,
             }))
         };
+        let outcome = match &inv.outcome {
+            InvocationOutcome::Emitted(_) => "ok",
+            InvocationOutcome::Retry { .. } => "retry",
+            InvocationOutcome::Fail(_) => "fail",
+            InvocationOutcome::InvalidEmission(_) => "invalid_emission",
+            InvocationOutcome::Timeout => "timeout",
+            InvocationOutcome::Oom => "oom",
+            InvocationOutcome::LimitExceeded(_) => "limit",
+            _ => "trap",
+        };
+        self.rt
+            .invocations
+            .get_or_create(&vec![
+                ("handler", self.name.clone()),
+                ("outcome", outcome.to_string()),
+            ])
+            .inc();
         match &inv.outcome {
             InvocationOutcome::Emitted(partials) => {
                 let events = match self.complete(req, partials) {
