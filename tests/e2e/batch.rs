@@ -211,6 +211,14 @@ async fn a_rejected_batch_sends_each_of_its_events_to_the_dlq() {
     let (s, b) = post_json(&r, "/v1/targets/bulk/pause", json!({})).await;
     assert_eq!(s, 200, "{b}");
     accept(&r, "p-", 30, json!({"n": 1})).await;
+    // The fate says what the entries wait for.
+    let f = fate(&r, "p-0").await;
+    assert!(
+        f["targets"][0]["waiting_on"]
+            .as_str()
+            .is_some_and(|w| w.contains("paused")),
+        "{f}"
+    );
     let (s, b) = post_json(&r, "/v1/targets/bulk/resume", json!({})).await;
     assert_eq!(s, 200, "{b}");
     let dlq = eventually(Duration::from_secs(20), || async {

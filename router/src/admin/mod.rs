@@ -128,6 +128,9 @@ pub async fn event_fate(
                 "attempt_count": e.attempts.len(),
                 "attempts": e.attempts.iter().map(attempt_json).collect::<Vec<_>>(),
                 "next_attempt_at": (e.state == EntryState::Queued).then(|| rfc3339(e.due_at)),
+                "waiting_on": (e.state == EntryState::Queued && e.lease.is_none())
+                    .then(|| waiting_on(&app, e))
+                    .flatten(),
                 "last_error": last_error,
                 "idempotency_key": e.idempotency_key,
                 "ordering_key": e.ordering_key,
@@ -261,6 +264,31 @@ pub async fn dlq_show(
         Ok(None) => not_yours(),
         Err(e) => store_error(&e),
     }
+}
+
+/// What a queued entry waits for besides its due time, if anything an operator can act on:
+/// its target paused, the target's breaker open, its ordering key held after a dead letter, or
+/// its target not running. (Entries behind another of their key wait for that one.)
+fn waiting_on(app: &App, e: &crate::store::QueueEntry) -> Option<String> {
+    let Some(rt) = app.dispatcher.runtime(&e.target_id) else {
+        return Some("the target is not running (see /v1/targets)".into());
+    };
+    if rt.paused.load(Ordering::SeqCst) {
+        return Some("the target is paused by an operator".into());
+    }
+    if let Some(b) = rt.breaker()
+        && let crate::policy::breaker::BreakerState::Open { until } = b.state()
+    {
+        return Some(format!(
+            "the target's breaker is open until {}",
+            rfc3339(until)
+        ));
+    }
+    let key = e.ordering_key.as_ref()?;
+    app.store
+        .held_keys(&e.target_id)
+        .contains(key)
+        .then(|| format!("its ordering key {key:?} is held after a dead letter (release it: POST /v1/targets/{}/keys/{{key}}/release)", e.target_id))
 }
 
 fn target_json(app: &App, id: &str, stats: Option<&crate::store::QueueStats>, now: i64) -> Value {
