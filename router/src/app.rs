@@ -887,7 +887,16 @@ pub async fn run(
             on_commit: Some(Arc::new(move |took, ops| m.observe_commit(took, ops))),
             on_compact: Some(Arc::new(move |report| mc.observe_compaction(report))),
             cache_bytes: Some(cfg.store.cache_bytes),
-            compact_min_bytes: Some(cfg.store.compact_min_bytes),
+            // A file past the disk's low-water mark is always worth a look: with the mark
+            // below compact_min_bytes (64 MiB by default), a store refused past its
+            // high-water mark never compacted, and ingest stayed refused until a restart.
+            compact_min_bytes: Some(match cfg.store.max_disk_bytes {
+                0 => cfg.store.compact_min_bytes,
+                high => cfg
+                    .store
+                    .compact_min_bytes
+                    .min((high as f64 * cfg.store.low_water_fraction) as u64),
+            }),
             group_log: cfg.store.group_log,
             checkpoint_every: Some(cfg.store.checkpoint_interval),
             floor_every: None,
@@ -1208,6 +1217,11 @@ pub async fn run_with_store(
         .is_err()
     {
         tracing::warn!("grace period over; unfinished attempts will be retried after restart");
+    }
+    // The last write is done: the embedded store closes its file, so the next start opens it
+    // without a repair.
+    if let Err(e) = app.store.close().await {
+        tracing::warn!(error = %e, "the store did not close cleanly; it is checked at the next start");
     }
     if app.store.shared() {
         // The others take back this node's share of every throttle rate at once.

@@ -401,6 +401,13 @@ pub trait Store: Send + Sync + 'static {
     /// Whether the store is compacting its file (new writes and reads are refused meanwhile).
     fn compacting(&self) -> bool;
 
+    /// Stops cleanly at shutdown, after the last write: what is written is made durable and
+    /// the files are closed (the embedded store's next open then needs no repair). Every
+    /// call after it fails. Backends with nothing to close do nothing.
+    fn close(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async { Ok(()) })
+    }
+
     /// The last compaction of the store file since start (`None`: none yet, or a store
     /// without a file).
     fn last_compaction(&self) -> Option<CompactionReport> {

@@ -769,6 +769,11 @@ enum Op {
     /// Nothing to write: sent by the group log writer after a failed write, so that the
     /// committer, idle or not, starts a group and reopens the store.
     Wake,
+    /// A clean stop (`Store::close`): the groups before it are committed, a last durable one
+    /// follows, and the database file is closed; the committer then ends.
+    Close {
+        reply: oneshot::Sender<Result<(), StoreError>>,
+    },
 }
 
 impl Op {
@@ -858,6 +863,14 @@ impl RedbStore {
             if let Some(c) = cache {
                 b.set_cache_size(c);
             }
+            // Said once per open: a file not closed cleanly (a crash, kill -9, power loss) is
+            // checked page by page before it opens, which takes a while on a large one.
+            let said = std::sync::atomic::AtomicBool::new(false);
+            b.set_repair_callback(move |_| {
+                if !said.swap(true, Ordering::Relaxed) {
+                    tracing::warn!("the store file was not closed cleanly (a crash or a kill): checking every page before it opens; on a large file this takes a while");
+                }
+            });
             b
         };
         let (db, log, reopen): (Database, Option<Logged>, Reopen) = if opts.group_log {
@@ -1014,6 +1027,7 @@ impl RedbStore {
             compact_peak_live: Arc::new(AtomicU64::new(0)),
             path: path.clone(),
             compact_due: false,
+            closing: false,
             compact_min_bytes: opts.compact_min_bytes.unwrap_or(COMPACT_MIN_BYTES),
             sweep_batch: opts.sweep_batch.unwrap_or(SWEEP_BATCH).max(1),
             commit_delay: opts.commit_delay,
@@ -1999,6 +2013,10 @@ impl Store for RedbStore {
         .boxed()
     }
 
+    fn close(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        async move { self.call(|reply| Op::Close { reply }).await? }.boxed()
+    }
+
     fn compacting(&self) -> bool {
         self.compacting.load(Ordering::Acquire)
     }
@@ -2347,6 +2365,8 @@ struct Committer {
     compact_peak_live: Arc<AtomicU64>,
     path: Option<std::path::PathBuf>,
     compact_due: bool,
+    /// Set by a `Close`: the group that follows is a checkpoint (durable in the file).
+    closing: bool,
     compact_min_bytes: u64,
     /// Events examined per sweep call.
     sweep_batch: usize,
@@ -2678,6 +2698,7 @@ impl Committer {
         let mut ops: Vec<Op> = Vec::with_capacity(MAX_GROUP);
         let mut effects: Vec<Effect> = Vec::new();
         let mut last_start: Option<Instant> = None;
+        let mut closing: Option<oneshot::Sender<Result<(), StoreError>>> = None;
         loop {
             let first = match deferred.pop_front() {
                 Some(op) => {
@@ -2715,6 +2736,10 @@ impl Committer {
                     },
                 },
             };
+            if let Op::Close { reply } = first {
+                let _ = reply.send(self.close());
+                return;
+            }
             // The commit delay: whatever arrives while it runs joins this group. A first op
             // after a quiet spell (the last commit started longer ago) goes at once.
             if let Some(wait) = last_start
@@ -2738,6 +2763,10 @@ impl Committer {
             }
             while ops.len() < MAX_GROUP && deferred_events < MAX_DEFERRED_EVENTS {
                 let Ok(op) = rx.try_recv() else { break };
+                if let Op::Close { reply } = op {
+                    closing = Some(reply);
+                    break;
+                }
                 let n = op.accepted_events();
                 if n > 0 && events + n > MAX_GROUP_EVENTS {
                     deferred_events += n;
@@ -2752,7 +2781,9 @@ impl Committer {
                 self.compact_due = true;
             }
             self.commit_group(&mut ops, &mut effects);
-            if std::mem::take(&mut self.check_compaction) {
+            // Not while a compaction is due: the check's read transaction, open across the
+            // compaction, made redb refuse it ("a transaction is still in progress").
+            if std::mem::take(&mut self.check_compaction) && !self.compact_due {
                 self.start_compaction_check();
             }
             if self.compact_due {
@@ -2761,7 +2792,36 @@ impl Committer {
                 // The accepts it held back were refused.
                 deferred_events = deferred.iter().map(Op::accepted_events).sum();
             }
+            if let Some(reply) = closing.take() {
+                let _ = reply.send(self.close());
+                return;
+            }
         }
+    }
+
+    /// A clean stop: a last, durable group (with the group log, a checkpoint: the log's
+    /// records are all in the file), then the file is closed, so the next open finds it
+    /// clean. A process that exits with the file open leaves it marked for repair, and redb's
+    /// repair at the next start walks and checksums every page: time that grows with the file,
+    /// and a store that does not open at all over one bad page nothing reads.
+    fn close(&mut self) -> Result<(), StoreError> {
+        self.closing = true;
+        let (mut ops, mut effects) = (Vec::new(), Vec::new());
+        self.commit_group(&mut ops, &mut effects);
+        if self.last_group_failed || self.poisoned {
+            return Err(StoreError::Backend(
+                "the last commit before closing failed; the file is repaired at the next start"
+                    .into(),
+            ));
+        }
+        let db = self.db.write().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(db) = db {
+            db.close()
+                .map_err(|e| StoreError::Backend(format!("closing the store file: {e}")))?;
+        }
+        self.sync
+            .wait_all()
+            .map_err(|e| StoreError::Backend(format!("sync the store file: {e}")))
     }
 
     /// The store file's size (`None`: in memory, or unreadable).
@@ -2914,12 +2974,18 @@ impl Committer {
         // sweep compacted again, refusing leases each time, so the backlog that would have
         // freed the space never drained. No new check until the file is three times what the
         // compaction left, unless its passes ran out with more to give back.
+        // A compaction that gave much back (at least half the file) sets no floor, and the
+        // next "drained" is measured from what it left (the file holds about the live data
+        // now): a backlog compacted half-way through its drain left the file at half its
+        // peak for good, the floor at three times that never reached again.
+        let gave_back = after.saturating_mul(2) <= before;
         self.compact_floor = match &result {
             Ok(true) => 0,
+            Ok(false) if gave_back => 0,
             _ => after.saturating_mul(3),
         };
-        // The next peak is measured from what is live now.
-        self.compact_peak_live.store(0, Ordering::Release);
+        self.compact_peak_live
+            .store(if gave_back { after } else { 0 }, Ordering::Release);
         let error = match result {
             Ok(_) => {
                 tracing::info!(
@@ -3102,9 +3168,11 @@ impl Committer {
                 txn.abort()?;
                 return Err(e);
             }
-            // A checkpoint also comes before a compaction, which wants nothing unsynced.
+            // A checkpoint also comes before a compaction, which wants nothing unsynced, and
+            // before the file is closed.
             durable = !logged
                 || self.compact_due
+                || self.closing
                 || self.log_bytes >= CHECKPOINT_BYTES
                 || self.last_checkpoint.elapsed() >= self.checkpoint_every;
             txn.set_durability(if durable {
@@ -3385,6 +3453,11 @@ impl Committer {
     ) -> Result<(), StoreError> {
         match op {
             Op::Wake => Ok(()),
+            // Taken out before grouping (`Committer::run`).
+            Op::Close { reply } => {
+                let _ = reply.send(Ok(()));
+                Ok(())
+            }
             Op::Accept { events, reply } => {
                 let r = self.accept(txn, events.into_iter(), effects);
                 answer(dones, reply, r)
