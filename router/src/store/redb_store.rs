@@ -4084,6 +4084,40 @@ impl Committer {
             let ev = dec_event(item.seq, &raw)?;
             let first = self.next_idx(txn, item.seq)?;
             for (idx, t) in (first..).zip(item.targets) {
+                // The depth cap holds for replayed entries as for accepted ones: past it, the
+                // copy goes to the DLQ as target_overflow (a replay into a dead target's full
+                // queue grew it without bound).
+                if let Some(cap) = t.max_depth {
+                    let live = {
+                        let mut idx = self.index.lock().unwrap_or_else(|p| p.into_inner());
+                        idx.target(&t.target_id).live.len() as u64
+                    };
+                    let pending = self.group_depth.get(&t.target_id).copied().unwrap_or(0);
+                    if live + pending >= cap {
+                        let error = crate::event::FieldError::new(
+                            "",
+                            format!(
+                                "queue of {} is at its depth cap ({cap}); replayed by {}",
+                                t.target_id, job.id
+                            ),
+                        );
+                        let d = DlqEntry::at_acceptance(
+                            item.seq,
+                            (
+                                ev.event.id.clone(),
+                                ev.event.source.clone(),
+                                ev.event.ty.clone(),
+                            ),
+                            Some(&t),
+                            DlqReason::TargetOverflow,
+                            vec![error],
+                            now,
+                        );
+                        self.add_dlq(txn, d, effects)?;
+                        continue;
+                    }
+                }
+                *self.group_depth.entry(t.target_id.clone()).or_insert(0) += 1;
                 let original = idempotency_key(&ev.event.source, &ev.event.id, &t.target_id);
                 let id = EntryId {
                     event: item.seq,

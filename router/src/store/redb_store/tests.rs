@@ -2688,3 +2688,44 @@ async fn the_dlq_is_indexed_by_target_and_the_index_is_built_for_an_older_store(
     let all = s.dlq_list(&DlqFilter::default(), None, 100).expect("list");
     assert_eq!(all.len(), 19);
 }
+
+/// A replay meets the queue-depth cap as acceptance does: copies past it go to the DLQ as
+/// target_overflow.
+#[tokio::test]
+async fn a_replay_past_a_targets_depth_cap_overflows_to_the_dlq() {
+    let s = RedbStore::in_memory().expect("store");
+    let mut seqs = Vec::new();
+    for i in 0..3 {
+        let out = s
+            .accept(vec![new_event("/s", &format!("e{i}"), &["a"], 1000)])
+            .await
+            .expect("accept");
+        let AcceptOutcome::Accepted { seq, .. } = out[0] else {
+            panic!("{out:?}")
+        };
+        seqs.push(seq);
+    }
+    let j = job("replay-1", JobKind::Replay);
+    let rev = s.put_job(j.clone()).await.expect("create");
+    let items = seqs
+        .iter()
+        .map(|&seq| ReplayItem {
+            seq,
+            targets: vec![NewEntry {
+                target_id: "a".into(),
+                rule: "r".into(),
+                ordering_key: None,
+                max_depth: Some(4),
+                lease_ms: None,
+            }],
+        })
+        .collect();
+    s.replay_step(Job { rev, ..j }, items, 2000)
+        .await
+        .expect("step");
+    // Three accepted, one replayed copy fits under the cap of four, two overflow.
+    let stats = &s.queue_stats()["a"];
+    assert_eq!((stats.queued, stats.dlq), (4, 2), "{stats:?}");
+    let overflowed = s.fate("/s", "e2").expect("fate").expect("known").dlq;
+    assert_eq!(overflowed[0].reason, DlqReason::TargetOverflow);
+}
