@@ -114,6 +114,8 @@ pub struct Metrics {
     pub store_max_bytes: Gauge,
     /// 1 while ingest is refused past the disk high-water mark.
     pub ingest_refused: Gauge,
+    /// 1 while the store takes writes (0: reopening after a write error).
+    pub store_up: Gauge,
     /// 1 when the last reload (file change, SIGHUP, API) was refused: the live rules are
     /// older than the files.
     pub reload_failing: Gauge,
@@ -188,6 +190,7 @@ impl Metrics {
             store_bytes: Gauge::default(),
             store_max_bytes: Gauge::default(),
             ingest_refused: Gauge::default(),
+            store_up: Gauge::default(),
             reload_failing: Gauge::default(),
             breaker_transitions: Family::default(),
             breaker_state: Family::default(),
@@ -305,6 +308,11 @@ impl Metrics {
             "router_ingest_refused",
             "1 while ingest answers 503 past the disk high-water mark",
             m.ingest_refused.clone(),
+        );
+        registry.register(
+            "router_store_up",
+            "1 while the store takes writes; 0 while it is reopened after a write error (a full or failing disk: ingest and API writes answer 503)",
+            m.store_up.clone(),
         );
         registry.register(
             "router_reload_failing",

@@ -523,6 +523,9 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             "dir": app.cfg.data_dir,
             "max_bytes": app.cfg.store.max_disk_bytes,
             "ingest_refused": app.disk_full.load(Ordering::Relaxed),
+            // False while the store is being reopened after a write error (full or failing
+            // disk): every write answers 503 meanwhile.
+            "writable": app.store.writable(),
             // Which durable write path commits take: synced redb commits, or the group log
             // (`router.log`) with periodic checkpoints.
             "group_log": app.cfg.store.group_log,
@@ -633,6 +636,7 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
     app.metrics
         .ingest_refused
         .set(i64::from(app.disk_full.load(Ordering::Relaxed)));
+    app.metrics.store_up.set(i64::from(app.store.writable()));
     let failing = app
         .reload_status
         .lock()
@@ -661,7 +665,8 @@ pub async fn healthz() -> Response {
 
 /// `GET /readyz`: ready to accept events (store open, workers started, not shutting down).
 pub async fn readyz(State(app): State<Arc<App>>) -> Response {
-    if app.ready.load(Ordering::SeqCst) {
+    // Not ready while the store takes no writes: a balancer then sends producers elsewhere.
+    if app.ready.load(Ordering::SeqCst) && app.store.writable() {
         axum::Json(json!({ "status": "ready" })).into_response()
     } else {
         (

@@ -401,6 +401,12 @@ pub trait Store: Send + Sync + 'static {
     /// Whether the store is compacting its file (new writes and reads are refused meanwhile).
     fn compacting(&self) -> bool;
 
+    /// Whether the store takes writes now: false while the embedded store is being reopened
+    /// after a write error (a full or failing disk), when every write and read answers 503.
+    fn writable(&self) -> bool {
+        true
+    }
+
     /// Stops cleanly at shutdown, after the last write: what is written is made durable and
     /// the files are closed (the embedded store's next open then needs no repair). Every
     /// call after it fails. Backends with nothing to close do nothing.

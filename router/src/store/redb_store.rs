@@ -887,11 +887,15 @@ impl RedbStore {
                 let backend = SyncBehind::new(redb::backends::FileBackend::new(file)?, &s2)?;
                 builder().create_with_backend(backend)
             };
-            let db = open_db()?;
+            let db = open_db().map_err(|e| {
+                StoreError::Backend(format!("open the store file {}: {e}", path.display()))
+            })?;
             let files = open_logs()?;
             (db, Some(Logged { files, sync }), Arc::new(open_db))
         } else {
-            let db = builder().create(&path)?;
+            let db = builder().create(&path).map_err(|e| {
+                StoreError::Backend(format!("open the store file {}: {e}", path.display()))
+            })?;
             if paths.iter().any(|p| p.exists()) {
                 // Left by a run with the log on: what it holds is applied before the log is
                 // given up, or the groups only it made durable would be lost.
@@ -2021,6 +2025,14 @@ impl Store for RedbStore {
         self.compacting.load(Ordering::Acquire)
     }
 
+    fn writable(&self) -> bool {
+        let open = self.db.read().unwrap_or_else(|p| p.into_inner()).is_some();
+        open && !self
+            .log_failed
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::Acquire))
+    }
+
     fn last_compaction(&self) -> Option<CompactionReport> {
         self.last_compaction
             .lock()
@@ -2058,6 +2070,18 @@ fn replay_log(db: &Database, images: &super::group_log::Images) -> Result<u64, S
     let records = super::group_log::records_of(images);
     let mut txn = db.begin_write()?;
     txn.set_durability(Durability::Immediate)?;
+    // A layout this build does not know is refused before anything is written into it (the
+    // check in `recover` comes after the log is applied).
+    let version = read_u64(&txn.open_table(META)?, "format_version")?;
+    if let Some(v) = version
+        && v > u64::from(FORMAT_VERSION)
+    {
+        txn.abort()?;
+        return Err(StoreError::FormatVersion {
+            found: u32::try_from(v).unwrap_or(u32::MAX),
+            expected: FORMAT_VERSION,
+        });
+    }
     let after = read_u64(&txn.open_table(META)?, "log_seq")?.unwrap_or(0);
     let last = logged::replay(&txn, &records, after)?;
     if last > after {

@@ -1009,8 +1009,9 @@ async fn a_failing_disk_fails_the_accept_and_recovers() {
             .await
             .is_err()
     );
-    // Readers fail while the database is closed...
+    // Readers fail while the database is closed, and the store says it takes no writes...
     assert!(s.fate("/s", "0").is_err());
+    assert!(!s.writable());
     disk.set_failing(false);
     // ...and come back once the disk heals, without waiting for a write to trigger the reopen.
     let mut back = false;
@@ -1022,6 +1023,7 @@ async fn a_failing_disk_fails_the_accept_and_recovers() {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     assert!(back, "readers still fail after the disk healed");
+    assert!(s.writable());
     // Healed: the committer reopened the database and the write goes through, as the first
     // copy (nothing of the failed attempts was stored), with the next sequence number.
     let r = s
