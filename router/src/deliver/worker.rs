@@ -411,7 +411,7 @@ pub(super) fn spawn_attempt(
         }
         return;
     }
-    let span = tracing::info_span!("attempt", event_id = %leased.event.event.id, source = %leased.event.event.source, target = %rt.spec.id, attempt = leased.entry.attempts.len());
+    let span = tracing::info_span!("attempt", event_id = %leased.event.event.id, source = %leased.event.event.source, target_id = %rt.spec.id, attempt = leased.entry.attempts.len());
     ctx.tracker.spawn_on(
         attempt(
             ctx.clone(),
@@ -460,7 +460,7 @@ fn spawn_batch(
     probing: bool,
 ) {
     let first = items.first().map(|i| i.leased.event.event.id.clone());
-    let span = tracing::info_span!("batch_attempt", target = %rt.spec.id, events = items.len(), first_event_id = first.as_deref().unwrap_or(""));
+    let span = tracing::info_span!("batch_attempt", target_id = %rt.spec.id, events = items.len(), first_event_id = first.as_deref().unwrap_or(""));
     ctx.tracker.spawn_on(
         attempt_batch(
             ctx.clone(),
@@ -495,7 +495,12 @@ async fn defer(ctx: &DeliveryContext, leased: &Leased, now: i64, until: i64) {
         )
         .await;
     if let Err(e) = r {
-        tracing::warn!(error = %e, "could not defer an entry; it returns when its lease expires");
+        tracing::warn!(
+            error = %e,
+            event_id = %leased.event.event.id,
+            target_id = %leased.entry.target_id,
+            "could not defer an entry; it returns when its lease expires"
+        );
     }
 }
 
