@@ -9,7 +9,7 @@ use super::{
 };
 use crate::store::redb_store::idempotency_key;
 use crate::store::{
-    DlqEntry, EntryId, EntryState, Job, Millis, QueueEntry, RecordCounts, RedriveAction,
+    DlqEntry, DlqReason, EntryId, EntryState, Job, Millis, QueueEntry, RecordCounts, RedriveAction,
     ReplayItem, StoreError, StoredEvent, SweepStats,
 };
 
@@ -153,12 +153,46 @@ impl JetStreamStore {
             // The job first: a step it no longer owns reads nothing more.
             let mut writes = vec![self.job_write(&job).await?];
             let mut events: HashMap<u64, (EventRecord, u64)> = HashMap::new();
+            // Entries this step adds per capped target, beside those the view holds.
+            let mut added: HashMap<String, u64> = HashMap::new();
             for item in &items {
                 let Some((ev, _)) = self.event_for(&mut events, item.seq).await? else {
                     continue;
                 };
                 let stored = &ev.stored.event;
                 for t in &item.targets {
+                    // The depth cap holds for replayed entries as for accepted ones.
+                    if let Some(cap) = t.max_depth {
+                        let n = added.entry(t.target_id.clone()).or_default();
+                        if self.view.depth(&t.target_id) + *n >= cap {
+                            let id = self.next_number("dlq").await?;
+                            let names =
+                                (stored.id.clone(), stored.source.clone(), stored.ty.clone());
+                            let error = crate::event::FieldError::new(
+                                "",
+                                format!(
+                                    "queue of {} is at its depth cap ({cap}); replayed by {}",
+                                    t.target_id, job.id
+                                ),
+                            );
+                            let d = DlqEntry {
+                                id,
+                                ..DlqEntry::at_acceptance(
+                                    item.seq,
+                                    names,
+                                    Some(t),
+                                    DlqReason::TargetOverflow,
+                                    vec![error],
+                                    now,
+                                )
+                            };
+                            writes.push(Write::put(dlq_key(id), enc(&d), Expect::Revision(0)));
+                            // The event's record lists its dead letters (its fate reads them).
+                            ev.dlq.push(id);
+                            continue;
+                        }
+                        *n += 1;
+                    }
                     let id = EntryId {
                         event: item.seq,
                         idx: ev.entries,

@@ -1760,6 +1760,34 @@ async fn a_replay_step_adds_marked_deliveries_of_archived_events() {
     assert_eq!(replayed.id.idx, 1);
     assert_eq!(replayed.replay.as_deref(), Some("replay-1"));
     assert_ne!(replayed.idempotency_key, fate.entries[0].idempotency_key);
+    // The depth cap holds for replays: `a` holds 6 now; at a cap of 7, one more fits.
+    s.settled().await;
+    let mut capped = new_event("/p", "x", &["a"], 0).targets;
+    capped[0].max_depth = Some(7);
+    s.replay_step(
+        Job {
+            rev: 1,
+            ..job("replay-1", JobKind::Replay)
+        },
+        vec![
+            ReplayItem {
+                seq: seqs[1],
+                targets: capped.clone(),
+            },
+            ReplayItem {
+                seq: seqs[2],
+                targets: capped,
+            },
+        ],
+        now + 20,
+    )
+    .await
+    .expect("replay step");
+    s.settled().await;
+    let fate = s.fate("/p", "p2").await.expect("fate").expect("known");
+    assert_eq!(fate.entries.len(), 1, "the second copy overflowed");
+    assert_eq!(fate.dlq.len(), 1);
+    assert_eq!(fate.dlq[0].reason, DlqReason::TargetOverflow);
 }
 
 /// The sweep removes events past retention that nothing refers to (with their entries and
