@@ -795,10 +795,10 @@ fn event_from_map(
     }
 }
 
-/// `dataversion`: a positive CloudEvents Integer (at most `i32::MAX`), as a number or in its
-/// canonical string form (digits), which binary headers always use and which a relay turning
-/// binary mode into structured mode may keep.
-fn dataversion_value(v: &Value) -> Result<u32, String> {
+/// A non-negative CloudEvents Integer (at most `i32::MAX`) as a number or in its canonical
+/// string form (digits), which binary headers always use and which a relay turning binary
+/// mode into structured mode may keep.
+fn cloudevents_count(v: &Value) -> Option<u32> {
     let parsed = match v {
         Value::Number(n) => n.as_u64(),
         Value::String(s) if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) => {
@@ -807,34 +807,31 @@ fn dataversion_value(v: &Value) -> Result<u32, String> {
         }
         _ => None,
     };
-    match parsed.and_then(|n| i32::try_from(n).ok()) {
-        Some(n) if n >= 1 => Ok(n.unsigned_abs()),
-        _ => Err(format!(
+    parsed
+        .and_then(|n| i32::try_from(n).ok())
+        .map(i32::unsigned_abs)
+}
+
+/// `dataversion`: a positive CloudEvents Integer ([`cloudevents_count`] from 1).
+fn dataversion_value(v: &Value) -> Result<u32, String> {
+    cloudevents_count(v).filter(|&n| n >= 1).ok_or_else(|| {
+        format!(
             "dataversion must be a positive integer (1 to {}), got {}",
             i32::MAX,
             short(v)
-        )),
-    }
+        )
+    })
 }
 
-/// The `hops` extension as a number: a CloudEvents Integer from 0, as a number or in its
-/// canonical string form (binary mode).
+/// The `hops` extension as a number ([`cloudevents_count`], from 0).
 fn hops_value(v: &Value) -> Result<u32, String> {
-    let parsed = match v {
-        Value::Number(n) => n.as_u64(),
-        Value::String(s) if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) => {
-            Some(s.parse::<u64>().unwrap_or(u64::MAX))
-        }
-        _ => None,
-    };
-    match parsed.and_then(|n| i32::try_from(n).ok()) {
-        Some(n) => Ok(n.unsigned_abs()),
-        None => Err(format!(
+    cloudevents_count(v).ok_or_else(|| {
+        format!(
             "hops (the handlers an event has passed through) must be an integer from 0 to {}, got {}",
             i32::MAX,
             short(v)
-        )),
-    }
+        )
+    })
 }
 
 /// Whether `s` holds a character the CloudEvents String type excludes (the C0 and C1 controls).

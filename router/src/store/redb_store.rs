@@ -2823,6 +2823,16 @@ impl Committer {
         }
     }
 
+    /// Whether `target`'s queue is at its depth cap: its live entries and those this group
+    /// adds.
+    fn at_depth_cap(&self, target: &str, cap: u64) -> bool {
+        let live = {
+            let mut idx = self.index.lock().unwrap_or_else(|p| p.into_inner());
+            idx.target(target).live.len() as u64
+        };
+        live + self.group_depth.get(target).copied().unwrap_or(0) >= cap
+    }
+
     /// A clean stop: a last, durable group (with the group log, a checkpoint: the log's
     /// records are all in the file), then the file is closed, so the next open finds it
     /// clean. A process that exits with the file open leaves it marked for repair, and redb's
@@ -3707,28 +3717,19 @@ impl Committer {
                         event: seq,
                         idx: u32::try_from(i).unwrap_or(u32::MAX),
                     };
-                    if let Some(cap) = t.max_depth {
-                        let live = {
-                            let mut idx = self.index.lock().unwrap_or_else(|p| p.into_inner());
-                            idx.target(&t.target_id).live.len() as u64
-                        };
-                        let pending = self.group_depth.get(&t.target_id).copied().unwrap_or(0);
-                        if live + pending >= cap {
-                            let error = crate::event::FieldError::new(
-                                "",
-                                format!("queue of {} is at its depth cap ({cap})", t.target_id),
-                            );
-                            let d = p.dead_letter(
-                                seq,
-                                Some(&t),
-                                DlqReason::TargetOverflow,
-                                vec![error],
-                            );
-                            self.add_dlq(txn, d, effects)?;
-                            refused.push(id.idx);
-                            overflowed.push(t.target_id.clone());
-                            continue;
-                        }
+                    if let Some(cap) = t.max_depth
+                        && self.at_depth_cap(&t.target_id, cap)
+                    {
+                        let error = crate::event::FieldError::new(
+                            "",
+                            format!("queue of {} is at its depth cap ({cap})", t.target_id),
+                        );
+                        let d =
+                            p.dead_letter(seq, Some(&t), DlqReason::TargetOverflow, vec![error]);
+                        self.add_dlq(txn, d, effects)?;
+                        refused.push(id.idx);
+                        overflowed.push(t.target_id.clone());
+                        continue;
                     }
                     match self.group_depth.get_mut(&t.target_id) {
                         Some(n) => *n += 1,
@@ -4111,35 +4112,30 @@ impl Committer {
                 // The depth cap holds for replayed entries as for accepted ones: past it, the
                 // copy goes to the DLQ as target_overflow (a replay into a dead target's full
                 // queue grew it without bound).
-                if let Some(cap) = t.max_depth {
-                    let live = {
-                        let mut idx = self.index.lock().unwrap_or_else(|p| p.into_inner());
-                        idx.target(&t.target_id).live.len() as u64
-                    };
-                    let pending = self.group_depth.get(&t.target_id).copied().unwrap_or(0);
-                    if live + pending >= cap {
-                        let error = crate::event::FieldError::new(
-                            "",
-                            format!(
-                                "queue of {} is at its depth cap ({cap}); replayed by {}",
-                                t.target_id, job.id
-                            ),
-                        );
-                        let d = DlqEntry::at_acceptance(
-                            item.seq,
-                            (
-                                ev.event.id.clone(),
-                                ev.event.source.clone(),
-                                ev.event.ty.clone(),
-                            ),
-                            Some(&t),
-                            DlqReason::TargetOverflow,
-                            vec![error],
-                            now,
-                        );
-                        self.add_dlq(txn, d, effects)?;
-                        continue;
-                    }
+                if let Some(cap) = t.max_depth
+                    && self.at_depth_cap(&t.target_id, cap)
+                {
+                    let error = crate::event::FieldError::new(
+                        "",
+                        format!(
+                            "queue of {} is at its depth cap ({cap}); replayed by {}",
+                            t.target_id, job.id
+                        ),
+                    );
+                    let d = DlqEntry::at_acceptance(
+                        item.seq,
+                        (
+                            ev.event.id.clone(),
+                            ev.event.source.clone(),
+                            ev.event.ty.clone(),
+                        ),
+                        Some(&t),
+                        DlqReason::TargetOverflow,
+                        vec![error],
+                        now,
+                    );
+                    self.add_dlq(txn, d, effects)?;
+                    continue;
                 }
                 *self.group_depth.entry(t.target_id.clone()).or_insert(0) += 1;
                 let original = idempotency_key(&ev.event.source, &ev.event.id, &t.target_id);
