@@ -2026,7 +2026,15 @@ impl Store for RedbStore {
     }
 
     fn writable(&self) -> bool {
-        let open = self.db.read().unwrap_or_else(|p| p.into_inner()).is_some();
+        // Never waits: /readyz, /v1/status and /metrics ask, and a compaction holds the
+        // database's write side for seconds (a probe that waited it out would time out, and
+        // health checks would hang). A compaction is planned and reported on its own; the
+        // write side held otherwise is a reopen after a write error.
+        let open = match self.db.try_read() {
+            Ok(slot) => slot.is_some(),
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().is_some(),
+            Err(std::sync::TryLockError::WouldBlock) => self.compacting(),
+        };
         open && !self
             .log_failed
             .as_ref()
