@@ -673,12 +673,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             );
             for t in set.targets.values() {
                 let (attempts, time) = t.policy.worst_case();
-                // A NATS publish has no Retry-After; webhooks (429/503) and handlers (retry
-                // with a delay) do.
-                let with_retry_after = match t.kind {
-                    router::rules::TargetKind::Nats { .. } => time,
-                    _ => t.policy.worst_case_with_retry_after(),
-                };
+                let with_retry_after = t.worst_case_with_retry_after();
                 let mut notes = Vec::new();
                 if attempts > router::policy::WORST_CASE_ATTEMPTS_SMELL {
                     notes.push(format!(

@@ -89,21 +89,11 @@ async fn rules_reload_on_change_and_a_broken_file_is_refused() {
     );
 
     // The admin endpoint answers 422 with the errors while the file is broken.
-    let resp = client()
-        .post(r.url("/v1/admin/reload"))
-        .send()
-        .await
-        .expect("reload");
-    assert_eq!(resp.status().as_u16(), 422);
+    assert_eq!(post_json(&r, "/v1/admin/reload", json!({})).await.0, 422);
     // Fix it again: a new file is added too.
     write_rules(&r, "r.yaml", &webhook_rule("to-b", "t", &b.url(), "b"));
     write_rules(&r, "extra.yaml", &webhook_rule("extra", "u", &a.url(), "a"));
-    let resp = client()
-        .post(r.url("/v1/admin/reload"))
-        .send()
-        .await
-        .expect("reload");
-    assert_eq!(resp.status().as_u16(), 200);
+    assert_eq!(post_json(&r, "/v1/admin/reload", json!({})).await.0, 200);
     let (_, rules) = get_json(&r, "/v1/rules").await;
     let names: Vec<_> = rules["rules"]
         .as_array()
@@ -153,12 +143,7 @@ async fn a_vanished_rules_directory_or_an_unchanged_broken_target_never_blocks_o
         "extra.yaml",
         &webhook_rule("extra", "u", &a.url(), "a2"),
     );
-    let resp = client()
-        .post(r.url("/v1/admin/reload"))
-        .send()
-        .await
-        .expect("reload");
-    let body: Value = resp.json().await.expect("json");
+    let (_, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
     assert!(body["rules_version"].is_string(), "{body}");
     let (_, rules) = get_json(&r, "/v1/rules").await;
     assert_eq!(rules["rules"].as_array().map(Vec::len), Some(3), "{rules}");
@@ -170,12 +155,7 @@ async fn a_vanished_rules_directory_or_an_unchanged_broken_target_never_blocks_o
     // The directory goes away: refused, the three rules stay, the error says why.
     let dir = r.dir.path().join("rules");
     std::fs::rename(&dir, r.dir.path().join("rules.moved")).expect("move the rules away");
-    let resp = client()
-        .post(r.url("/v1/admin/reload"))
-        .send()
-        .await
-        .expect("reload");
-    assert_eq!(resp.status().as_u16(), 422);
+    assert_eq!(post_json(&r, "/v1/admin/reload", json!({})).await.0, 422);
     let (_, rules) = get_json(&r, "/v1/rules").await;
     assert_eq!(rules["rules"].as_array().map(Vec::len), Some(3), "{rules}");
     let err = status(&r).await["reload"]["last_error"].to_string();

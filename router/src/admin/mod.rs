@@ -300,10 +300,7 @@ fn target_json(app: &App, id: &str, stats: Option<&crate::store::QueueStats>, no
         v["kind"] = json!(spec.kind);
         v["policy"] = json!(spec.policy_name);
         let (attempts, max_time) = spec.policy.worst_case();
-        let with_retry_after = match spec.kind {
-            crate::rules::TargetKind::Nats { .. } => max_time,
-            _ => spec.policy.worst_case_with_retry_after(),
-        };
+        let with_retry_after = spec.worst_case_with_retry_after();
         v["worst_case"] = json!({
             "attempts": attempts,
             "seconds": max_time.as_secs_f64(),
@@ -619,15 +616,10 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
         // Every breaker, not only those that changed state since start: one restored open
         // from the store had no series, and an alert on it stayed silent.
         if let Some(b) = rt.breaker() {
-            let state = match b.state() {
-                crate::policy::breaker::BreakerState::Closed => 0,
-                crate::policy::breaker::BreakerState::Open { .. } => 1,
-                crate::policy::breaker::BreakerState::HalfOpen => 2,
-            };
             app.metrics
                 .breaker_state
                 .get_or_create(&vec![("target", rt.spec.id.clone())])
-                .set(state);
+                .set(b.state().gauge());
         }
     }
     app.metrics
@@ -958,9 +950,12 @@ pub async fn replay_create(State(app): State<Arc<App>>, body: axum::body::Bytes)
 /// Whether `who` may read job `j`: `read` sees every job; a team's `dlq:<target>` scope sees
 /// the redrive jobs over that target (the ones it may start and control).
 fn job_visible(who: &crate::auth::Principal, j: &crate::store::Job) -> bool {
-    if who.allows(&crate::auth::Scope::Read) {
-        return true;
-    }
+    who.allows(&crate::auth::Scope::Read) || team_owns_job(who, j)
+}
+
+/// Whether job `j` is a redrive over a target `who`'s `dlq:` scope covers: the jobs a team
+/// may start, read and control without `read` or `admin`.
+fn team_owns_job(who: &crate::auth::Principal, j: &crate::store::Job) -> bool {
     let target = j.spec["filter"]["target"].as_str();
     j.kind == crate::store::JobKind::Redrive
         && target.is_some_and(|t| who.allows(&crate::auth::Scope::Dlq(t.to_string())))
@@ -1119,13 +1114,8 @@ pub async fn job_control(
         Ok(j) => j,
         Err(r) => return r,
     };
-    if !who.allows(&crate::auth::Scope::Admin) {
-        let target = j.spec["filter"]["target"].as_str();
-        let allowed = j.kind == crate::store::JobKind::Redrive
-            && target.is_some_and(|t| who.allows(&crate::auth::Scope::Dlq(t.to_string())));
-        if !allowed {
-            return crate::auth::forbidden(&who, "admin (or dlq:<target> of the job's target)");
-        }
+    if !(who.allows(&crate::auth::Scope::Admin) || team_owns_job(&who, &j)) {
+        return crate::auth::forbidden(&who, "admin (or dlq:<target> of the job's target)");
     }
     use crate::store::JobState;
     let to = match action.as_str() {

@@ -114,11 +114,11 @@ impl Reservation {
     pub fn start(self, leased: Vec<Leased>) {
         let now = self.ctx.clock.now_ms();
         // First attempts: they count toward the retry budget's base, as a worker's do.
-        if let Some(mut budget) = self.rt.budget() {
-            for _ in &leased {
-                budget.first_attempt(now);
-            }
+        let mut budget = self.rt.budget();
+        for _ in &leased {
+            budget.first_attempt(now);
         }
+        drop(budget);
         self.ctx
             .metrics
             .handoffs

@@ -70,7 +70,8 @@ pub struct TargetRuntime {
     /// Configuration in force.
     pub spec: TargetSpec,
     breaker: Option<Mutex<Breaker>>,
-    budget: Option<Mutex<RetryBudget>>,
+    /// Every target has one (the policy's ratio, or the default).
+    budget: Mutex<RetryBudget>,
     /// Token bucket, when the policy sets a rate: this node's share of it
     /// ([`Self::share_among`]).
     limiter: ArcSwapOption<Limiter>,
@@ -97,7 +98,7 @@ impl TargetRuntime {
             .policy
             .retry_budget
             .unwrap_or(crate::policy::budget::DEFAULT_RATIO);
-        let budget = Some(Mutex::new(RetryBudget::new(ratio)));
+        let budget = Mutex::new(RetryBudget::new(ratio));
         let limiter = ArcSwapOption::from(limiter_for(&spec, 1).map(Arc::new));
         Self {
             paused: AtomicBool::new(persisted.as_ref().is_some_and(|s| s.paused)),
@@ -133,11 +134,9 @@ impl TargetRuntime {
             .map(|b| b.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
-    /// The retry budget, if the policy has one.
-    pub fn budget(&self) -> Option<MutexGuard<'_, RetryBudget>> {
-        self.budget
-            .as_ref()
-            .map(|b| b.lock().unwrap_or_else(|p| p.into_inner()))
+    /// The retry budget.
+    pub fn budget(&self) -> MutexGuard<'_, RetryBudget> {
+        self.budget.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// What to persist now.
@@ -161,10 +160,11 @@ impl TargetRuntime {
                 "window_failure_rate": rate,
             })
         });
-        let budget = self.budget().map(|mut b| {
+        let budget = {
+            let mut b = self.budget();
             let (attempts, retries) = b.usage(now);
             json!({ "ratio": b.ratio(), "window_first_attempts": attempts, "window_retries": retries })
-        });
+        };
         json!({
             "paused": self.paused.load(Ordering::SeqCst),
             "breaker": breaker,

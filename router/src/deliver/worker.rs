@@ -341,7 +341,8 @@ async fn lease_and_start(
                 // 2. Budget: retries beyond it wait, unattempted, each until its own slot at
                 // the rate the budget grants them. Probes bypass it.
                 let is_retry = leased.entry.attempts.len() > 1;
-                let deferred = rt.budget().and_then(|mut budget| {
+                let deferred = {
+                    let mut budget = rt.budget();
                     if !is_retry {
                         budget.first_attempt(now);
                         None
@@ -350,7 +351,7 @@ async fn lease_and_start(
                     } else {
                         Some(budget.defer_until(now))
                     }
-                });
+                };
                 if let Some(until) = deferred {
                     rt.counters.budget_deferred.fetch_add(1, Ordering::Relaxed);
                     ctx.metrics
@@ -1135,11 +1136,7 @@ pub(super) fn count_transition(ctx: &DeliveryContext, id: &str, t: &Transition) 
             ("to", t.to.name().to_string()),
         ])
         .inc();
-    let gauge = match t.to {
-        BreakerState::Closed => 0,
-        BreakerState::Open { .. } => 1,
-        BreakerState::HalfOpen => 2,
-    };
+    let gauge = t.to.gauge();
     ctx.metrics
         .breaker_state
         .get_or_create(&vec![("target", id.to_string())])

@@ -38,6 +38,15 @@ impl BreakerState {
             Self::HalfOpen => "half_open",
         }
     }
+
+    /// The state as `router_breaker_state` shows it: 0 closed, 1 open, 2 half-open.
+    pub fn gauge(&self) -> i64 {
+        match self {
+            Self::Closed => 0,
+            Self::Open { .. } => 1,
+            Self::HalfOpen => 2,
+        }
+    }
 }
 
 /// What the breaker allows right now.

@@ -931,19 +931,8 @@ impl Cx<'_> {
                         Some(entries) => {
                             for (k, hv) in entries {
                                 let name = k.as_str().unwrap_or_default();
-                                if !valid_header_name(name) {
-                                    self.err(file, k, format!("invalid header name `{name}`"));
-                                    ok = false;
-                                    continue;
-                                }
-                                if RESERVED_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
-                                    self.err(
-                                        file,
-                                        k,
-                                        format!(
-                                            "header `{name}` is set by the router (or frames the request) and cannot be set in a rule file"
-                                        ),
-                                    );
+                                if let Some(msg) = header_name_problem(name) {
+                                    self.err(file, k, msg);
                                     ok = false;
                                     continue;
                                 }
@@ -1055,23 +1044,16 @@ impl Cx<'_> {
                         Some(entries) => {
                             for (k, hv) in entries {
                                 let name = k.as_str().unwrap_or_default();
-                                let lower = name.to_ascii_lowercase();
-                                let problem = if !valid_header_name(name) {
-                                    Some(format!("invalid header name `{name}`"))
-                                } else if RESERVED_HEADERS.contains(&lower.as_str()) {
-                                    Some(format!(
-                                        "header `{name}` is set by the router (or frames the request) and cannot be set in a rule file"
-                                    ))
-                                } else if headers
+                                let twice = headers
                                     .keys()
-                                    .any(|h: &String| h.eq_ignore_ascii_case(name))
-                                {
-                                    Some(format!(
-                                        "header `{name}` is in both `headers` and `headers_env`: keep one"
-                                    ))
-                                } else {
-                                    None
-                                };
+                                    .any(|h: &String| h.eq_ignore_ascii_case(name));
+                                let problem = header_name_problem(name).or_else(|| {
+                                    twice.then(|| {
+                                        format!(
+                                            "header `{name}` is in both `headers` and `headers_env`: keep one"
+                                        )
+                                    })
+                                });
                                 if let Some(msg) = problem {
                                     self.err(file, k, msg);
                                     ok = false;
@@ -1239,6 +1221,20 @@ fn valid_header_name(s: &str) -> bool {
     !s.is_empty()
         && s.chars()
             .all(|c| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c))
+}
+
+/// What is wrong with `name` as a header a rule file sets (in `headers` or `headers_env`):
+/// not a header name, or one the router sets itself or that frames the request.
+fn header_name_problem(name: &str) -> Option<String> {
+    if !valid_header_name(name) {
+        Some(format!("invalid header name `{name}`"))
+    } else if RESERVED_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
+        Some(format!(
+            "header `{name}` is set by the router (or frames the request) and cannot be set in a rule file"
+        ))
+    } else {
+        None
+    }
 }
 
 fn looks_secret(header: &str) -> bool {

@@ -171,6 +171,19 @@ pub struct TargetSpec {
     pub policy: PolicyConfig,
 }
 
+impl TargetSpec {
+    /// The policy's worst-case time when the target stretches every wait with a
+    /// `Retry-After` ([`PolicyConfig::worst_case_with_retry_after`]): webhooks (429/503) and
+    /// handlers (a retry with a delay) can; a NATS publish cannot, so its worst case is the
+    /// backoff's.
+    pub fn worst_case_with_retry_after(&self) -> std::time::Duration {
+        match self.kind {
+            TargetKind::Nats { .. } => self.policy.worst_case().1,
+            _ => self.policy.worst_case_with_retry_after(),
+        }
+    }
+}
+
 /// One rule: a pattern and the targets that matching events fan out to.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Rule {

@@ -232,17 +232,10 @@ impl HandlerTarget {
         let _running = match tokio::time::timeout_at(deadline, gate.acquire_owned()).await {
             Ok(Ok(permit)) => permit,
             _ => {
-                // Busy is not a failure of this delivery: it waits, spending no attempt.
-                return (
-                    AttemptOutcome::Deferred {
-                        reason: format!(
-                            "handler_busy: {} invocations of {:?} already running (handlers.running_per_handler) for longer than the policy timeout",
-                            self.rt.running_per_handler, self.name
-                        ),
-                        retry_after: Duration::from_secs(1),
-                    },
-                    None,
-                );
+                return busy(format!(
+                    "{} invocations of {:?} already running (handlers.running_per_handler) for longer than the policy timeout",
+                    self.rt.running_per_handler, self.name
+                ));
             }
         };
         let _slot = match tokio::time::timeout_at(deadline, self.rt.slots.clone().acquire_owned())
@@ -260,16 +253,10 @@ impl HandlerTarget {
                 );
             }
             Err(_) => {
-                return (
-                    AttemptOutcome::Deferred {
-                        reason: format!(
-                            "handler_busy: every instance slot (handlers.max_instances) was taken for longer than the policy timeout of {:?}",
-                            req.timeout
-                        ),
-                        retry_after: Duration::from_secs(1),
-                    },
-                    None,
-                );
+                return busy(format!(
+                    "every instance slot (handlers.max_instances) was taken for longer than the policy timeout of {:?}",
+                    req.timeout
+                ));
             }
         };
         let mut limits = self.rt.limits.clone();
@@ -277,16 +264,10 @@ impl HandlerTarget {
             .timeout
             .min(deadline.saturating_duration_since(tokio::time::Instant::now()));
         if limits.timeout.is_zero() {
-            return (
-                AttemptOutcome::Deferred {
-                    reason: format!(
-                        "handler_busy: the policy timeout of {:?} passed before an invocation slot was free",
-                        req.timeout
-                    ),
-                    retry_after: Duration::from_secs(1),
-                },
-                None,
-            );
+            return busy(format!(
+                "the policy timeout of {:?} passed before an invocation slot was free",
+                req.timeout
+            ));
         }
         let now = self.rt.clock.now_ms();
         let kv = Arc::new(StoreKv {
@@ -531,6 +512,18 @@ fn not_wired() -> AttemptOutcome {
         status: None,
         retry_after: Some(Duration::from_secs(1)),
     }
+}
+
+/// The handler is busy (`why`): not a failure of this delivery, which waits a second
+/// without spending an attempt.
+fn busy(why: String) -> (AttemptOutcome, Option<Box<Effects>>) {
+    (
+        AttemptOutcome::Deferred {
+            reason: format!("handler_busy: {why}"),
+            retry_after: Duration::from_secs(1),
+        },
+        None,
+    )
 }
 
 /// What the worker commits with the attempt's result.
