@@ -16,7 +16,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt, TryStreamExt};
 
-use super::records::{Expect, Records, RecordsError, Write};
+use super::records::{Expect, Records, RecordsError, ScanFrom, Write};
 use crate::store::{
     CatalogRecord, ContractCatalog, HandlerCatalog, SharedContract, StoreError, StoredComponent,
 };
@@ -292,7 +292,7 @@ impl HandlerCatalog for JetStreamCatalog {
                 std::collections::BTreeMap::new();
             // Headers only: a sweep does not read the components' bytes.
             self.records
-                .scan_with("hc", None, true, |r| {
+                .scan_with("hc", ScanFrom::Start, true, |r| {
                     let mut parts = r.key.splitn(4, '.');
                     if let (Some("hc"), Some(name), Some(sha), Some(_), true) = (
                         parts.next(),

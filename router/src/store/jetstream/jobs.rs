@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use super::records::{Expect, RecordsError, Write};
+use super::records::{Expect, RecordsError, ScanFrom, Write};
 use super::{
     EntryRecord, EventRecord, JetStreamStore, MAX_RETRIES, dec, dedup_record_key, dlq_key, enc,
     entry_key, event_key, ops,
@@ -50,6 +50,9 @@ impl JetStreamStore {
                             continue;
                         };
                         r.entry.id = id;
+                        if r.entry.ordering_key.is_some() {
+                            r.key_at = r.key_at.or(Some(r.entry.accepted_at));
+                        }
                         r.entry.requeue_for_redrive(now);
                         r.dlq = None;
                         writes.push(Write::put(entry_key(id), enc(&r), Expect::Revision(rev)));
@@ -86,6 +89,7 @@ impl JetStreamStore {
                                 entry,
                                 dlq: None,
                                 node: None,
+                                key_at: None,
                             };
                             writes.push(Write::put(entry_key(id), enc(&r), Expect::Revision(0)));
                         }
@@ -209,6 +213,7 @@ impl JetStreamStore {
                         entry,
                         dlq: None,
                         node: None,
+                        key_at: None,
                     };
                     writes.push(Write::put(entry_key(id), enc(&r), Expect::Revision(0)));
                 }
@@ -233,41 +238,48 @@ impl JetStreamStore {
         after_seq: u64,
         limit: usize,
     ) -> Result<Vec<StoredEvent>, StoreError> {
-        let mut found = Vec::new();
+        // The `limit` lowest sequences seen: a step holds a page, not the whole range.
+        let mut found: std::collections::BTreeMap<u64, StoredEvent> = Default::default();
         let mut bad = None;
         // Clocks of nodes and server differ a little; a minute of slack costs a few records.
         self.records
-            .scan_with("ev", Some(from.saturating_sub(60_000)), false, |r| {
-                let Some(bytes) = r.value else { return true };
-                let Some(seq) = r
-                    .key
-                    .strip_prefix("ev.")
-                    .and_then(|s| s.parse::<u64>().ok())
-                else {
-                    return true;
-                };
-                match dec::<EventRecord>("events", &bytes) {
-                    Ok(mut ev) => {
-                        ev.stored.seq = seq;
-                        let at = ev.stored.accepted_at;
-                        if !ev.stored.quarantined && at >= from && at < to && seq > after_seq {
-                            found.push(ev.stored);
+            .scan_with(
+                "ev",
+                ScanFrom::Time(from.saturating_sub(60_000)),
+                false,
+                |r| {
+                    let Some(bytes) = r.value else { return true };
+                    let Some(seq) = r
+                        .key
+                        .strip_prefix("ev.")
+                        .and_then(|s| s.parse::<u64>().ok())
+                    else {
+                        return true;
+                    };
+                    match dec::<EventRecord>("events", &bytes) {
+                        Ok(mut ev) => {
+                            ev.stored.seq = seq;
+                            let at = ev.stored.accepted_at;
+                            if !ev.stored.quarantined && at >= from && at < to && seq > after_seq {
+                                found.insert(seq, ev.stored);
+                                if found.len() > limit {
+                                    found.pop_last();
+                                }
+                            }
+                            true
                         }
-                        true
+                        Err(e) => {
+                            bad = Some(e);
+                            false
+                        }
                     }
-                    Err(e) => {
-                        bad = Some(e);
-                        false
-                    }
-                }
-            })
+                },
+            )
             .await?;
         if let Some(e) = bad {
             return Err(e);
         }
-        found.sort_by_key(|e| e.seq);
-        found.truncate(limit);
-        Ok(found)
+        Ok(found.into_values().collect())
     }
 
     /// Removes events older than `retention_ms` that no live entry or DLQ entry refers to
@@ -289,11 +301,19 @@ impl JetStreamStore {
         let mut old: Vec<(u64, u64, EventRecord)> = Vec::new();
         let mut more = false;
         let mut bad = None;
+        // Where the last pass stopped: the events it kept (a DLQ entry or a live entry still
+        // refers to them) are not read again until the pass has reached the young records.
+        // (Every call used to start at the first record: once its first batch was all kept
+        // events, it removed nothing, said there was more, and was called again at once,
+        // for good, while nothing behind them was ever removed.)
+        let start = self.sweep_from.load(std::sync::atomic::Ordering::Relaxed);
+        let mut last = None;
         self.records
-            .scan_with("ev", None, false, |r| {
+            .scan_with("ev", ScanFrom::Revision(start), false, |r| {
                 if r.published_ms > wall_cutoff.max(cutoff) {
                     return false;
                 }
+                last = Some(r.revision);
                 let (Some(bytes), Some(seq)) = (
                     r.value,
                     r.key
@@ -328,7 +348,16 @@ impl JetStreamStore {
                 false => stats.pending += 1,
             }
         }
-        stats.more = more;
+        // A full batch goes on from after it; otherwise the pass reached the young records
+        // (or the end), and the next starts over. Only a batch that removed something asks
+        // to be called again at once: kept events are gone over a batch per sweep interval.
+        let next = match last {
+            Some(rev) if more => rev + 1,
+            _ => 0,
+        };
+        self.sweep_from
+            .store(next, std::sync::atomic::Ordering::Relaxed);
+        stats.more = more && stats.events_removed > 0;
         stats.completed_expired = self.expire_completed(now).await?;
         stats.kv_expired = self.expire_kv(now).await?;
         stats.dedup_expired = stats.events_removed;
@@ -474,7 +503,7 @@ impl JetStreamStore {
         ] {
             let mut n = 0;
             self.records
-                .scan_with(kind, None, true, |r| {
+                .scan_with(kind, ScanFrom::Start, true, |r| {
                     n += u64::from(r.value.is_some());
                     true
                 })

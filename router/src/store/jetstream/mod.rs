@@ -100,6 +100,12 @@ struct EntryRecord {
     /// once (its process died holding them) instead of waiting for them to expire.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     node: Option<String>,
+    /// Where the entry stands among its ordering key's entries when that is not its
+    /// `accepted_at`: the acceptance time it had before a redrive, which restarts `max_age`
+    /// from the redrive but must not send the entry behind the entries that waited for it
+    /// (redb orders a key by entry id, which a redrive does not change either).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    key_at: Option<Millis>,
 }
 
 /// An ordering key held after a dead letter (`hk.<fingerprint>`), until an operator
@@ -114,8 +120,8 @@ struct HeldRecord {
 /// key's entries compare-and-set it, so two nodes cannot deliver two entries of one key at
 /// once even while their views lag.
 #[derive(Debug, Serialize, Deserialize)]
-struct KeyLock {
-    entry: EntryId,
+pub(super) struct KeyLock {
+    pub(super) entry: EntryId,
 }
 
 /// A sequence counter's record.
@@ -157,6 +163,10 @@ pub struct JetStreamStore {
     /// The other nodes' announcements as this node saw them (`announce_node`): each node's
     /// last `at` and when, by this node's clock, it last changed.
     announced: Mutex<HashMap<String, (Millis, Millis)>>,
+    /// Where the sweep's next pass over the event records goes on (a revision; 0: from the
+    /// start). Events it keeps (still referred to) are passed over until the pass reaches
+    /// the young records and starts again.
+    sweep_from: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for JetStreamStore {
@@ -249,6 +259,7 @@ impl JetStreamStore {
             node: options.node,
             counts: Mutex::new(None),
             announced: Mutex::default(),
+            sweep_from: std::sync::atomic::AtomicU64::new(0),
             records,
         };
         if !store.view.wait_loaded(store.records.timeout()).await {
@@ -471,7 +482,8 @@ impl JetStreamStore {
                 d.source, d.id, ne.event.source, ne.event.id
             )));
         }
-        Ok((ne.accepted_at < d.accepted_at.saturating_add(ne.dedup_window_ms)).then_some(d.seq))
+        // Inside the window up to its last millisecond, as on redb (`key_at >= accepted_at - window`).
+        Ok((ne.accepted_at <= d.accepted_at.saturating_add(ne.dedup_window_ms)).then_some(d.seq))
     }
 
     /// `ne`'s writes: the event, its dedup key (expecting it where `read` found it), and its
@@ -550,6 +562,7 @@ impl JetStreamStore {
                     entry,
                     dlq: None,
                     node,
+                    key_at: None,
                 };
                 writes.push(Write::put(entry_key(id), enc(&record), Expect::Revision(0)));
             }
@@ -608,6 +621,7 @@ impl JetStreamStore {
                 entry: e,
                 dlq: None,
                 node: None,
+                key_at: live.key_at,
             };
             let write = Write::put(
                 entry_key(record.entry.id),
@@ -666,7 +680,7 @@ impl JetStreamStore {
         let attempts = futures::future::join_all(candidates.into_iter().map(|live| async move {
             let id = live.entry.id;
             let r = self
-                .lease_one(live.revision, live.entry, now, lease_ms)
+                .lease_one(live.revision, live.entry, live.key_at, now, lease_ms)
                 .await;
             // Won: the claim ends when the view has the lease. Lost or failed: now.
             if !matches!(r, Ok(Some(_))) {
@@ -675,40 +689,88 @@ impl JetStreamStore {
             r
         }))
         .await;
-        let won: Vec<(QueueEntry, Lease)> = attempts
-            .into_iter()
-            .filter_map(Result::transpose)
-            .collect::<Result<_, _>>()?;
+        // The leases won are delivered even when others failed: returning only the error
+        // left them leased to nobody until they expired, each then taken over with an
+        // interrupted attempt that counted against its `max_attempts`.
+        let mut won: Vec<(QueueEntry, Lease)> = Vec::new();
+        let mut failed = None;
+        for r in attempts {
+            match r {
+                Ok(Some(w)) => won.push(w),
+                Ok(None) => {}
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = failed {
+            if won.is_empty() {
+                return Err(e);
+            }
+            tracing::warn!(target_id = target, error = %e, won = won.len(), "some leases failed; delivering the ones won");
+        }
         // The events, each read once and all at once (one after another they were a third of
         // a lease's time: a round trip each).
         let mut seqs: Vec<u64> = won.iter().map(|(e, _)| e.id.event).collect();
         seqs.sort_unstable();
         seqs.dedup();
-        let events: HashMap<u64, Arc<StoredEvent>> =
-            try_join_all(seqs.into_iter().map(|seq| async move {
-                let e = self
-                    .event_record(seq)
-                    .await?
-                    .ok_or_else(|| StoreError::Corrupt {
+        let reads = futures::future::join_all(
+            seqs.into_iter()
+                .map(|seq| async move { (seq, self.event_record(seq).await) }),
+        )
+        .await;
+        let mut events: HashMap<u64, Arc<StoredEvent>> = HashMap::new();
+        let mut unread = None;
+        for (seq, r) in reads {
+            match r {
+                Ok(Some(e)) => {
+                    events.insert(seq, Arc::new(e.stored));
+                }
+                Ok(None) => {
+                    unread.get_or_insert(StoreError::Corrupt {
                         table: "entries",
                         message: format!("an entry of event {seq} refers to a missing event"),
-                    })?;
-                Ok::<_, StoreError>((seq, Arc::new(e.stored)))
-            }))
-            .await?
-            .into_iter()
-            .collect();
-        Ok(won
-            .into_iter()
-            .filter_map(|(entry, lease)| {
-                let event = events.get(&entry.id.event)?.clone();
-                Some(Leased {
+                    });
+                }
+                Err(e) => {
+                    unread.get_or_insert(e);
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(won.len());
+        let mut release = Vec::new();
+        for (entry, lease) in won {
+            match events.get(&entry.id.event) {
+                Some(event) => out.push(Leased {
                     entry,
-                    event,
+                    event: event.clone(),
                     lease,
-                })
-            })
-            .collect())
+                }),
+                None => release.push((entry.id, lease)),
+            }
+        }
+        if let Some(e) = unread {
+            // Those leased without their event go back at once, their attempt not counted
+            // (best effort: one that cannot be released expires).
+            for (id, lease) in release {
+                let end = AttemptEnd {
+                    finished_at: now,
+                    result: AttemptResult::Interrupted,
+                    status: None,
+                    error: Some(format!("its event could not be read: {e}")),
+                    outbox: None,
+                };
+                let put_back = Disposition::Release { due_at: now };
+                if let Err(err) = self.finish(id, lease, end, put_back, now).await {
+                    tracing::warn!(target_id = target, entry = %id, error = %err, "a lease without its event could not be released; it expires");
+                }
+            }
+            if out.is_empty() {
+                return Err(e);
+            }
+            tracing::warn!(target_id = target, error = %e, "some leased entries' events could not be read; released");
+        }
+        Ok(out)
     }
 
     /// Leases one entry seen at `revision`; `None` when another worker changed it first.
@@ -716,6 +778,7 @@ impl JetStreamStore {
         &self,
         revision: u64,
         mut entry: QueueEntry,
+        key_at: Option<Millis>,
         now: Millis,
         lease_ms: i64,
     ) -> Result<Option<(QueueEntry, Lease)>, StoreError> {
@@ -746,6 +809,7 @@ impl JetStreamStore {
             entry,
             dlq: None,
             node: Some(self.node.clone()),
+            key_at,
         };
         let write = Write::put(
             entry_key(record.entry.id),
@@ -897,6 +961,7 @@ impl JetStreamStore {
                 entry: e,
                 dlq: Some(dlq_id),
                 node: None,
+                key_at: live.key_at,
             };
             writes.push(Write::put(
                 entry_key(record.entry.id),
@@ -967,6 +1032,7 @@ impl JetStreamStore {
             _ => return Err(FinishError::Fenced),
         }
         e.close_attempt(end);
+        let mut hold_write = None;
         let (mut writes, overflowed) = match end.outbox.as_deref() {
             Some(outbox) => self.outbox_writes(outbox, now).await?,
             None => (Vec::new(), Vec::new()),
@@ -984,7 +1050,7 @@ impl JetStreamStore {
             Disposition::DeadLetter { reason, hold } => {
                 e.state = EntryState::Dead;
                 e.finished_at = Some(now);
-                writes.extend(Self::key_hold(e, hold));
+                hold_write = Self::key_hold(e, hold);
                 let ev = self.event_record(id.event).await?.map(|r| r.stored.event);
                 let names = ev.map(|ev| (ev.id, ev.source, ev.ty)).unwrap_or_default();
                 let dlq_id = self.next_number("dlq").await?;
@@ -1000,6 +1066,12 @@ impl JetStreamStore {
             0,
             Write::put(entry_key(id), enc(&record), Expect::Revision(revision)),
         );
+        // A held key's record goes before the entry's: views apply a batch in order, and one
+        // that saw the entry gone before the key held proposed the key's next entry, which
+        // the key lock (naming an entry no longer queued) let through.
+        if let Some(h) = hold_write {
+            writes.insert(0, h);
+        }
         if writes.len() > records::MAX_BATCH {
             return Err(StoreError::Backend(format!(
                 "the outbox needs {} writes, over the {} of one atomic batch",

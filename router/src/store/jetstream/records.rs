@@ -99,6 +99,17 @@ pub struct Versioned {
     pub revision: u64,
 }
 
+/// Where a scan starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScanFrom {
+    /// The first record.
+    Start,
+    /// The first record written at or after this wall-clock time (ms).
+    Time(i64),
+    /// The first record at or after this revision (stream sequence).
+    Revision(u64),
+}
+
 /// A record met by a scan.
 #[derive(Debug, Clone)]
 pub struct Scanned {
@@ -407,7 +418,7 @@ impl Records {
     /// records: for listings that are rare or small (target states, jobs, the DLQ).
     pub async fn scan(&self, kind: &str) -> Result<Vec<(String, u64, Bytes)>, RecordsError> {
         let mut out = Vec::new();
-        self.scan_with(kind, None, false, |r| {
+        self.scan_with(kind, ScanFrom::Start, false, |r| {
             if let Some(v) = r.value {
                 out.push((r.key, r.revision, v));
             }
@@ -417,22 +428,25 @@ impl Records {
         Ok(out)
     }
 
-    /// Visits the records under `kind.` in stream order (tombstones included), from the
-    /// first written at or after `since` (wall-clock ms) or from the start, until `visit`
-    /// answers false or the consumer has caught up. With `headers_only` the values are not
-    /// sent (a live record's value is then empty, a tombstone's still `None`): for counting.
+    /// Visits the records under `kind.` in stream order (tombstones included), from `from`,
+    /// until `visit` answers false or the consumer has caught up. With `headers_only` the
+    /// values are not sent (a live record's value is then empty, a tombstone's still
+    /// `None`): for counting.
     pub async fn scan_with(
         &self,
         kind: &str,
-        since: Option<i64>,
+        from: ScanFrom,
         headers_only: bool,
         mut visit: impl FnMut(Scanned) -> bool,
     ) -> Result<(), RecordsError> {
         use futures::StreamExt;
         let err = |e: &dyn std::fmt::Display| RecordsError::Server(format!("scan {kind}: {e}"));
-        let deliver_policy = match since {
-            None => jetstream::consumer::DeliverPolicy::All,
-            Some(ms) => jetstream::consumer::DeliverPolicy::ByStartTime {
+        let deliver_policy = match from {
+            ScanFrom::Start | ScanFrom::Revision(0) => jetstream::consumer::DeliverPolicy::All,
+            ScanFrom::Revision(start_sequence) => {
+                jetstream::consumer::DeliverPolicy::ByStartSequence { start_sequence }
+            }
+            ScanFrom::Time(ms) => jetstream::consumer::DeliverPolicy::ByStartTime {
                 start_time: time::OffsetDateTime::from_unix_timestamp_nanos(
                     i128::from(ms.max(0)) * 1_000_000,
                 )

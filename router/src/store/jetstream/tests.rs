@@ -995,6 +995,63 @@ async fn a_held_key_waits_for_its_release() {
     assert_eq!(next[0].event.event.id, "h2");
 }
 
+/// The runbook for a held key: the dead letter is redriven, then the key released. The
+/// redriven entry goes first, before the entries that waited behind it (as on redb). Its
+/// redrive restarts its `max_age`, and sorting it by that new acceptance time put it last
+/// while the key's lock still named it: nothing of the key was leased again, ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redriven_dead_letter_goes_first_when_its_held_key_is_released() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![
+        keyed("r1", "A", 1_000),
+        keyed("r2", "A", 1_001),
+        keyed("r3", "A", 1_002),
+    ])
+    .await
+    .expect("accept");
+    let l = lease_ok(&s, "t", 2_000, 10, 30_000).await.remove(0);
+    assert_eq!(l.event.event.id, "r1");
+    finish(
+        &s,
+        &l,
+        AttemptResult::Permanent,
+        Some("HTTP 422"),
+        Disposition::DeadLetter {
+            reason: DlqReason::PermanentError,
+            hold: true,
+        },
+        2_100,
+    )
+    .await
+    .expect("dead letter");
+    let dlq_id = s.fate("/o", "r1").await.expect("fate").expect("known").dlq[0].id;
+    s.redrive_step(
+        job("redrive-held", JobKind::Redrive),
+        vec![RedriveAction::Requeue { dlq_id }],
+        3_000,
+    )
+    .await
+    .expect("redrive");
+    assert!(s.release_key("t", "A").await.expect("release"));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !s.held_keys("t").is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the release never reached the view"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let mut order = Vec::new();
+    for at in [3_000, 3_100, 3_200] {
+        let next = lease_ok(&s, "t", at, 10, 30_000).await;
+        assert_eq!(next.len(), 1, "one entry of the key at a time: {order:?}");
+        order.push(next[0].event.event.id.clone());
+        deliver(&s, &next[0], at + 50).await.expect("deliver");
+    }
+    assert_eq!(order, ["r1", "r2", "r3"]);
+}
+
 /// Workers of two nodes drain one ordered queue: never two entries of a key in flight at once;
 /// returns the delivery order.
 async fn drain_ordered(nodes: &[Arc<JetStreamStore>; 2], total: usize) -> Vec<String> {
@@ -1168,14 +1225,14 @@ async fn a_lagging_view_cannot_lease_a_second_entry_of_a_key() {
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     };
     let got = b
-        .lease_one(second.revision, second.entry.clone(), 2_000, 60_000)
+        .lease_one(second.revision, second.entry.clone(), None, 2_000, 60_000)
         .await
         .expect("lease");
     assert!(got.is_none(), "a second entry of key A was leased: {got:?}");
     // Once the first is delivered, the lock passes on.
     deliver(&a, &first[0], 2_100).await.expect("deliver");
     let got = b
-        .lease_one(second.revision, second.entry, 2_200, 60_000)
+        .lease_one(second.revision, second.entry, None, 2_200, 60_000)
         .await
         .expect("lease");
     assert!(got.is_some());
@@ -1855,6 +1912,46 @@ async fn the_sweep_removes_what_nothing_refers_to() {
     let counts = s.count_records().await.expect("counts");
     assert_eq!((counts.events, counts.dedup_keys), (3, 3));
 }
+
+/// Events the sweep keeps (still queued) do not stop it: the next call goes on past them to
+/// the ones it can remove. (Each call used to start at the first record; a first batch of
+/// kept events was read again and again, forever, and nothing behind it was removed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_goes_on_past_the_events_it_keeps() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let now = chrono::Utc::now().timestamp_millis();
+    let kept = SWEEP_TEST_KEPT;
+    let stuck: Vec<_> = (0..kept)
+        .map(|i| new_event("/w", &format!("stuck{i}"), &["b"], now - 10_000))
+        .collect();
+    s.accept(stuck).await.expect("accept");
+    let free: Vec<_> = (0..10)
+        .map(|i| new_event("/w", &format!("free{i}"), &[], now - 10_000))
+        .collect();
+    s.accept(free).await.expect("accept");
+    let first = s.sweep(now, 1_000, 5_000).await.expect("sweep");
+    assert_eq!(
+        (first.events_removed, first.pending),
+        (0, 256),
+        "a batch of kept events: {first:?}"
+    );
+    assert!(!first.more, "nothing removed: no need to come back at once");
+    let second = s.sweep(now, 1_000, 5_000).await.expect("sweep");
+    assert_eq!(
+        (second.events_removed, second.pending),
+        (10, kept as u64 - 256),
+        "{second:?}"
+    );
+    assert!(s.fate("/w", "free0").await.expect("fate").is_none());
+    assert!(s.fate("/w", "stuck0").await.expect("fate").is_some());
+    // The pass reached the young records: the next starts over (and keeps the same events).
+    let third = s.sweep(now, 1_000, 5_000).await.expect("sweep");
+    assert_eq!((third.events_removed, third.pending), (0, 256), "{third:?}");
+}
+
+/// More kept events than one sweep batch.
+const SWEEP_TEST_KEPT: usize = 300;
 
 /// Accepts `n` events of `source` for `target` (at 1,000), in batches of 500, and waits until
 /// the view has them: the set-up of the measurements below.

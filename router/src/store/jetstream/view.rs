@@ -33,7 +33,19 @@ pub(super) struct Live {
     pub entry: QueueEntry,
     /// When it may be leased: its due time, or just after its lease's end.
     pub available_at: Millis,
+    /// The record's `key_at` (its place among its key's entries, when not `accepted_at`).
+    pub key_at: Option<Millis>,
 }
+
+impl Live {
+    /// Its place among its ordering key's entries.
+    fn key_order(&self) -> (Millis, EntryId) {
+        (self.key_at.unwrap_or(self.entry.accepted_at), self.entry.id)
+    }
+}
+
+/// A queue entry record as the view applies it: the entry, the node leasing it, `key_at`.
+pub(super) type Applied = (QueueEntry, Option<String>, Option<Millis>);
 
 #[derive(Default)]
 struct State {
@@ -55,29 +67,32 @@ struct State {
 }
 
 impl State {
-    fn remove_live(&mut self, id: EntryId) {
-        let Some(old) = self.live.remove(&id) else {
-            return;
-        };
+    /// Drops `id` from the live set (and this node's claim on it, which the record's newer
+    /// revision ends); returns its target if it had an ordering key (whose next entry may be
+    /// leasable now).
+    fn remove_live(&mut self, id: EntryId) -> Option<String> {
+        self.claimed.remove(&id);
+        let old = self.live.remove(&id)?;
+        let order = old.key_order();
         let target = old.entry.target_id;
         if let Some(set) = self.ready.get_mut(&target) {
             set.remove(&(old.available_at, id));
         }
-        if let Some(k) = old.entry.ordering_key {
-            let slot = (target, k);
-            if let Some(set) = self.keys.get_mut(&slot) {
-                set.remove(&(old.entry.accepted_at, id));
-                if set.is_empty() {
-                    self.keys.remove(&slot);
-                }
+        let k = old.entry.ordering_key?;
+        let slot = (target, k);
+        if let Some(set) = self.keys.get_mut(&slot) {
+            set.remove(&order);
+            if set.is_empty() {
+                self.keys.remove(&slot);
             }
         }
+        Some(slot.0)
     }
 
-    fn apply(&mut self, id: EntryId, revision: u64, record: Option<(QueueEntry, Option<String>)>) {
-        let (entry, node) = match record {
-            Some((e, n)) => (Some(e), n),
-            None => (None, None),
+    fn apply(&mut self, id: EntryId, revision: u64, record: Option<Applied>) {
+        let (entry, node, key_at) = match record {
+            Some((e, n, k)) => (Some(e), n, k),
+            None => (None, None, None),
         };
         if self
             .live
@@ -86,8 +101,14 @@ impl State {
         {
             return;
         }
-        self.remove_live(id);
+        let keyed_target = self.remove_live(id);
         let Some(entry) = entry.filter(|e| e.state == EntryState::Queued) else {
+            // The key's next entry may be leasable now; the worker, whose next due time
+            // passes over entries waiting behind their key, would otherwise sleep until its
+            // idle poll (a second per entry of a key that had been retrying).
+            if let Some(target) = keyed_target {
+                self.notify(&target);
+            }
             return;
         };
         let available_at = entry.lease.map_or(entry.due_at, |l| {
@@ -98,21 +119,20 @@ impl State {
             .entry(target.clone())
             .or_default()
             .insert((available_at, id));
-        if let Some(k) = &entry.ordering_key {
+        let live = Live {
+            revision,
+            node,
+            entry,
+            available_at,
+            key_at,
+        };
+        if let Some(k) = &live.entry.ordering_key {
             self.keys
                 .entry((target.clone(), k.clone()))
                 .or_default()
-                .insert((entry.accepted_at, id));
+                .insert(live.key_order());
         }
-        self.live.insert(
-            id,
-            Live {
-                revision,
-                node,
-                entry,
-                available_at,
-            },
-        );
+        self.live.insert(id, live);
         self.notify(&target);
     }
 
@@ -512,7 +532,7 @@ impl View {
                 match serde_json::from_slice::<EntryRecord>(payload) {
                     Ok(mut r) => {
                         r.entry.id = id;
-                        Some((r.entry, r.node))
+                        Some((r.entry, r.node, r.key_at))
                     }
                     Err(e) => {
                         tracing::error!(%subject, error = %e, "undecodable queue entry record; left out of the view");
@@ -710,11 +730,12 @@ mod tests {
     fn the_view_keeps_the_newest_revision_and_drops_finished_entries() {
         let view = View::new();
         let a = EntryId { event: 1, idx: 0 };
-        view.state().apply(a, 10, Some((entry("t", 100), None)));
+        view.state()
+            .apply(a, 10, Some((entry("t", 100), None, None)));
         assert_eq!(view.due_count("t", 99, 10), 0);
         assert_eq!(view.due_count("t", 100, 10), 1);
         // An older revision arriving late changes nothing.
-        view.state().apply(a, 5, Some((entry("t", 0), None)));
+        view.state().apply(a, 5, Some((entry("t", 0), None, None)));
         assert_eq!(view.next_due("t"), Some(100));
         // Leased until 500: available again just after the lease ends.
         let mut leased = entry("t", 100);
@@ -722,14 +743,54 @@ mod tests {
             token: 11,
             until: 500,
         });
-        view.state().apply(a, 11, Some((leased, None)));
+        view.state().apply(a, 11, Some((leased, None, None)));
         assert_eq!(view.next_due("t"), Some(501));
         assert_eq!(view.candidates("t", 501, 10)[0].revision, 11);
         let mut done = entry("t", 100);
         done.state = EntryState::Delivered;
-        view.state().apply(a, 12, Some((done, None)));
+        view.state().apply(a, 12, Some((done, None, None)));
         assert_eq!(view.next_due("t"), None);
         assert!(view.targets().is_empty());
+    }
+
+    /// When a key's first entry finishes, the target's worker is woken for the next one:
+    /// `next_due` passes over entries waiting behind their key, so without the wake-up the
+    /// worker slept until its idle poll for every entry of a key that had been retrying.
+    /// The claim this node had on the entry ends with the newer revision (it used to stay in
+    /// the map for good, one per lease).
+    #[tokio::test]
+    async fn finishing_a_keys_first_entry_wakes_the_worker_for_the_next() {
+        let view = View::new();
+        let (a, b) = (EntryId { event: 1, idx: 0 }, EntryId { event: 2, idx: 0 });
+        let keyed = |accepted: Millis| {
+            let mut e = entry("t", 0);
+            e.id = if accepted == 1 { a } else { b };
+            e.ordering_key = Some("k".into());
+            e.accepted_at = accepted;
+            e
+        };
+        view.state().apply(a, 1, Some((keyed(1), None, None)));
+        view.state().apply(b, 2, Some((keyed(2), None, None)));
+        let first = view.candidates("t", 10, 10);
+        assert_eq!(
+            first.iter().map(|l| l.entry.id).collect::<Vec<_>>(),
+            vec![a]
+        );
+        assert_eq!(view.state().claimed.len(), 1);
+        // The worker waits: nothing else may go while `a` is leased.
+        assert_eq!(view.next_due("t"), None);
+        let notify = view.notifier("t");
+        let mut done = keyed(1);
+        done.state = EntryState::Delivered;
+        view.state().apply(a, 3, Some((done, None, None)));
+        tokio::time::timeout(Duration::from_secs(5), notify.notified())
+            .await
+            .expect("the worker is woken for the key's next entry");
+        assert_eq!(view.next_due("t"), Some(0));
+        assert!(
+            view.state().claimed.is_empty(),
+            "the claim ended with the lease"
+        );
     }
 
     fn dead(id: u64, target: &str, reason: crate::store::DlqReason, at: Millis) -> Vec<u8> {
