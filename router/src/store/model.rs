@@ -35,7 +35,11 @@ use crate::event::{CloudEvent, FieldError};
 ///   a store of format 5 or older gets it built at open (as does one whose index does not
 ///   count as many rows as its DLQ). A build of format 5 refuses a store of format 6 instead
 ///   of adding dead letters that index would miss.
-pub const FORMAT_VERSION: u32 = 6;
+/// - 7: the dedup keys of events the sweep keeps (`pending_gc`) are in `dedup_kept`, and
+///   their runs are dropped without waiting for them; a store of format 6 or older gets them
+///   copied out at open. A build of format 6 refuses a store of format 7 instead of keeping
+///   events whose fate it could no longer find.
+pub const FORMAT_VERSION: u32 = 7;
 
 /// The oldest on-disk layout this build reads (and upgrades in place at open).
 pub const OLDEST_READABLE_FORMAT: u32 = 1;

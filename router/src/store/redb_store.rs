@@ -38,6 +38,10 @@ const DEDUP_RUN_KEYS: TableDefinition<(u64, u128, u64), i64> =
     TableDefinition::new("dedup_run_keys");
 /// run → `dedup::Run` record (range, key count, Bloom filter): the registered runs.
 const DEDUP_RUNS: TableDefinition<u64, &[u8]> = TableDefinition::new("dedup_runs");
+/// (fingerprint, seq): the dedup keys of events the sweep kept (`pending_gc`), so their fate
+/// stays visible after their run is dropped. Without it one kept event (a dead letter, a
+/// long-dead target's entry) held its whole run, up to a million keys, past the window.
+const DEDUP_KEPT: TableDefinition<(u128, u64), ()> = TableDefinition::new("dedup_kept");
 const ENTRIES: TableDefinition<(u64, u32), &[u8]> = TableDefinition::new("entries");
 const LIVE: TableDefinition<(u64, u32), ()> = TableDefinition::new("live");
 const DLQ: TableDefinition<u64, &[u8]> = TableDefinition::new("dlq");
@@ -1418,6 +1422,12 @@ impl RedbStore {
                 seqs.extend(found.into_iter().rev());
             }
         }
+        // Events kept past their run (older than every run's), newest first.
+        let mut kept: Vec<u64> = Vec::new();
+        for row in r.open_table(DEDUP_KEPT)?.range((fp, 0)..=(fp, u64::MAX))? {
+            kept.push(row?.0.value().1);
+        }
+        seqs.extend(kept.into_iter().rev());
         // Newest first; each candidate is confirmed against the event (a fingerprint is
         // not the key), and one whose event the sweep removed is skipped.
         let events = r.open_table(EVENTS)?;
@@ -1551,6 +1561,8 @@ impl RedbStore {
         Ok(RecordCounts {
             events: r.open_table(EVENTS)?.len()?,
             events_above_floor: above,
+            // Keys of the memtable and the runs: a kept event's key may be in both a run and
+            // `DEDUP_KEPT` until its run is dropped, and is counted with its event.
             dedup_keys,
             dedup_runs,
             dedup_filter_bytes,
@@ -2133,12 +2145,15 @@ fn recover(db: &Database, cold_before: Option<i64>) -> Result<Recovered, StoreEr
     let counters;
     let floor;
     let mut index = Index::default();
-    // Format 6 added the DLQ's index by target: older stores have it built below.
+    // Format 6 added the DLQ's index by target, format 7 the dedup keys of kept events:
+    // older stores have them built below.
     let before_dlq_index;
+    let before_dedup_kept;
     {
         let mut meta = txn.open_table(META)?;
         let found = read_u64(&meta, "format_version")?;
         before_dlq_index = found.is_some_and(|v| v < 6);
+        before_dedup_kept = found.is_some_and(|v| v < 7);
         match found {
             None => {
                 meta.insert(
@@ -2263,7 +2278,25 @@ fn recover(db: &Database, cold_before: Option<i64>) -> Result<Recovered, StoreEr
         }
         drop(by_target);
         txn.open_table(DLQ_BY_EVENT)?;
-        txn.open_table(PENDING_GC)?;
+        let pending = txn.open_table(PENDING_GC)?;
+        let mut kept = txn.open_table(DEDUP_KEPT)?;
+        if before_dedup_kept {
+            // Older builds left a kept event's key in its run (which it held): copy them out,
+            // so the sweep may drop those runs.
+            let events = txn.open_table(EVENTS)?;
+            let mut n = 0u64;
+            for row in pending.iter()? {
+                let seq = row?.0.value();
+                if let Some(raw) = events.get(seq)? {
+                    kept.insert((record_fp(seq, raw.value())?, seq), ())?;
+                    n += 1;
+                }
+            }
+            if n > 0 {
+                tracing::info!(events = n, "dedup keys of kept events indexed on their own");
+            }
+        }
+        drop((pending, kept));
         txn.open_table(TARGET_STATE)?;
         txn.open_table(JOBS)?;
         txn.open_table(KV)?;
@@ -3459,22 +3492,19 @@ impl Committer {
         }
     }
 
-    /// After a sweep in this group: unregisters the runs all of whose events the sweep has
-    /// removed (every sequence number below its cursor and none kept in `pending_gc`). Their
-    /// rows are removed by later groups.
+    /// After a sweep in this group: unregisters the runs the sweep has passed (every sequence
+    /// number below its cursor): each of their events is removed, or kept with its key in
+    /// `DEDUP_KEPT`. Their rows are removed by later groups.
     fn drop_swept_runs(&mut self, txn: &Tx<'_>, stats: &mut SweepStats) -> Result<(), StoreError> {
         let cursor = read_u64(&*txn.open_table(META)?, "sweep_cursor")?.unwrap_or(0);
         let state = self.dedup.clone();
         let state = state.read().unwrap_or_else(|p| p.into_inner());
-        let pending = txn.open_table(PENDING_GC)?;
         let mut runs = txn.open_table(DEDUP_RUNS)?;
         for run in &state.runs {
             if run.seq_hi >= cursor {
                 break;
             }
-            if self.dedup_fx.dropped.contains(&run.id)
-                || pending.range(run.seq_lo..=run.seq_hi)?.next().is_some()
-            {
+            if self.dedup_fx.dropped.contains(&run.id) {
                 continue;
             }
             runs.remove(run.id)?;
@@ -4491,6 +4521,35 @@ struct SweepView {
     accepted_at: Millis,
 }
 
+/// What the sweep reads of a kept event: its dedup key (`DEDUP_KEPT`).
+#[derive(serde::Deserialize)]
+struct KeyView<'a> {
+    #[serde(borrow)]
+    event: KeyFields<'a>,
+}
+
+#[derive(serde::Deserialize)]
+struct KeyFields<'a> {
+    #[serde(borrow)]
+    source: std::borrow::Cow<'a, str>,
+    #[serde(borrow)]
+    id: std::borrow::Cow<'a, str>,
+}
+
+/// The dedup key's fingerprint of the `events` record `b`.
+fn record_fp(seq: u64, b: &[u8]) -> Result<dedup::Fp, StoreError> {
+    let v: KeyView<'_> = serde_json::from_slice(EventRecord::split(seq, b)?.json).map_err(|e| {
+        StoreError::Corrupt {
+            table: "events",
+            message: format!("event {seq}: {e}"),
+        }
+    })?;
+    Ok(dedup::fingerprint(&crate::event::dedup_key(
+        &v.event.source,
+        &v.event.id,
+    )))
+}
+
 fn sweep_view(seq: u64, b: &[u8]) -> Result<Millis, StoreError> {
     let v: SweepView = serde_json::from_slice(EventRecord::split(seq, b)?.json).map_err(|e| {
         StoreError::Corrupt {
@@ -4510,6 +4569,7 @@ struct SweepTables<'a> {
     live: LTable<'a, (u64, u32), ()>,
     dlq_by_event: LTable<'a, (u64, u64), ()>,
     pending_gc: LTable<'a, u64, ()>,
+    dedup_kept: LTable<'a, (u128, u64), ()>,
 }
 
 impl<'a> SweepTables<'a> {
@@ -4520,7 +4580,20 @@ impl<'a> SweepTables<'a> {
             live: txn.open_table(LIVE)?,
             dlq_by_event: txn.open_table(DLQ_BY_EVENT)?,
             pending_gc: txn.open_table(PENDING_GC)?,
+            dedup_kept: txn.open_table(DEDUP_KEPT)?,
         })
+    }
+
+    /// Event `seq` is kept past the sweep: its dedup key moves out of its run (which can then
+    /// be dropped) into `DEDUP_KEPT`, for its fate.
+    fn keep(&mut self, seq: u64) -> Result<(), StoreError> {
+        self.pending_gc.insert(seq, ())?;
+        if let Some(raw) = self.events.get(seq)? {
+            let fp = record_fp(seq, raw.value())?;
+            drop(raw);
+            self.dedup_kept.insert((fp, seq), ())?;
+        }
+        Ok(())
     }
 
     /// Whether a live queue entry or a DLQ entry still refers to event `seq`.
@@ -4542,7 +4615,8 @@ impl<'a> SweepTables<'a> {
     }
 
     /// Removes the events `gone` with their finished queue entries. Their dedup keys go with
-    /// their run, once the sweep has passed all of it (`Committer::drop_swept_runs`).
+    /// their run once the sweep has passed it (`Committer::drop_swept_runs`), or, for events
+    /// kept earlier, from `DEDUP_KEPT` (the caller).
     fn remove(&mut self, gone: &[u64], stats: &mut SweepStats) -> Result<(), StoreError> {
         for seq in gone {
             self.events.remove(*seq)?;
@@ -4571,9 +4645,9 @@ fn sweep_cut(now: Millis, dedup_window_ms: i64, retention_ms: i64) -> Millis {
 /// Bounded garbage collection. Events past the retention (at least the dedup window) are
 /// removed with their finished entries and dedup key unless something still refers to them (a
 /// live queue entry or a DLQ entry); those wait in `pending_gc`, which is revisited a batch at
-/// a time. Dedup keys inside the window are never removed; keys of kept events stay (so their
-/// fate remains visible) but no longer count as duplicates once older than the window, because
-/// accept compares the key's time.
+/// a time. Dedup keys inside the window are never removed; keys of kept events move to
+/// `DEDUP_KEPT` (so their fate remains visible) and no longer count as duplicates: they are
+/// older than the window.
 ///
 /// Only events below `floor` are looked at: above it, `live` does not hold every live entry
 /// (the committer moves the floor past the sweep's cut first, `Committer::sweep_floor`).
@@ -4606,7 +4680,7 @@ fn sweep(
     if let (Some(&lo), Some(&hi)) = (candidates.first(), candidates.last()) {
         let kept = t.referenced_in(lo, hi)?;
         for seq in &kept {
-            t.pending_gc.insert(*seq, ())?;
+            t.keep(*seq)?;
         }
         stats.pending += kept.len() as u64;
         candidates.retain(|seq| !kept.contains(seq));
@@ -4637,7 +4711,12 @@ fn sweep(
         t.pending_gc.remove(seq)?;
         // Only the sweep removes events, and it drops them from `pending_gc` in the same
         // transaction; a missing record would still be nothing to remove.
-        if t.events.get(seq)?.is_some() {
+        let fp = match t.events.get(seq)? {
+            Some(raw) => Some(record_fp(seq, raw.value())?),
+            None => None,
+        };
+        if let Some(fp) = fp {
+            t.dedup_kept.remove((fp, seq))?;
             gone.push(seq);
         }
     }

@@ -312,6 +312,10 @@ struct Model {
     kv_stored: BTreeSet<EntryId>,
     /// Model time of the latest step.
     now: Millis,
+    /// Events accepted before this may have been passed by a sweep that kept them (a live
+    /// or DLQ entry): their dedup key then lives only for their fate (`dedup_kept`), past
+    /// its window, and no longer makes a copy sent again a duplicate.
+    swept_before: Millis,
     /// The redrive job's `moved` (`None`: no step yet).
     job_moved: Option<u64>,
     /// The replay job's `moved` (`None`: no step yet).
@@ -629,13 +633,15 @@ fn plan(model: &mut Model, store: &RedbStore, round: &Round, now: Millis) -> Vec
                 }
             })
             .collect();
-        let dup = match (a.dup, model.events.is_empty()) {
+        // Only events no sweep has passed are sure to be duplicates (`Model::swept_before`).
+        let unswept: Vec<(&u64, &MEvent)> = model
+            .events
+            .iter()
+            .filter(|(_, e)| e.accepted_at >= model.swept_before)
+            .collect();
+        let dup = match (a.dup, unswept.is_empty()) {
             (Some(pick), false) => {
-                let (&seq, ev) = model
-                    .events
-                    .iter()
-                    .nth(pick.index(model.events.len()))
-                    .expect("picked");
+                let (&seq, ev) = unswept[pick.index(unswept.len())];
                 events.push(new_event(&ev.id, a.mask, a.key, false, now));
                 Some((ev.id.clone(), seq))
             }
@@ -1065,6 +1071,7 @@ fn kv_expired(model: &Model, now: Millis) -> Vec<EntryId> {
 }
 
 fn sweep_model(model: &mut Model, now: Millis) {
+    model.swept_before = model.swept_before.max(now - RETENTION_MS);
     for id in kv_expired(model, now) {
         model.kv_stored.remove(&id);
     }
@@ -1290,6 +1297,7 @@ async fn resolve(model: &mut Model, store: &Arc<RedbStore>, op: &Op) {
             }
         }
         Op::Sweep { now } => {
+            model.swept_before = model.swept_before.max(*now - RETENTION_MS);
             let gone: Vec<u64> = model
                 .events
                 .iter()
@@ -1556,21 +1564,26 @@ fn check(model: &Model, store: &RedbStore) {
     assert_eq!(kv_keys, model.kv_stored.len() as u64, "key-value keys");
 }
 
-/// Every acknowledged event, sent again, is a duplicate of its first copy.
+/// Every acknowledged event that no sweep has passed, sent again, is a duplicate of its
+/// first copy.
 async fn check_dedup(model: &Model, store: &RedbStore) {
-    if model.events.is_empty() {
+    let unswept: Vec<(u64, &MEvent)> = model
+        .events
+        .iter()
+        .filter(|(_, e)| e.accepted_at >= model.swept_before)
+        .map(|(&seq, e)| (seq, e))
+        .collect();
+    if unswept.is_empty() {
         return;
     }
-    let again = model
-        .events
-        .values()
-        .map(|e| new_event(&e.id, 1, None, false, 0))
+    let again = unswept
+        .iter()
+        .map(|(_, e)| new_event(&e.id, 1, None, false, 0))
         .collect();
     let outcomes = store.accept(again).await.expect("accept duplicates");
-    let want: Vec<AcceptOutcome> = model
-        .events
-        .keys()
-        .map(|&seq| AcceptOutcome::Duplicate { seq })
+    let want: Vec<AcceptOutcome> = unswept
+        .iter()
+        .map(|&(seq, _)| AcceptOutcome::Duplicate { seq })
         .collect();
     assert_eq!(outcomes, want, "acknowledged events sent again");
 }

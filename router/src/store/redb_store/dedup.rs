@@ -13,8 +13,9 @@
 //!   number grows, so the run fills leaves one after another. It is written a chunk per
 //!   commit (a run is up to a million keys; one commit for all of it would stall ingest) and
 //!   registered in `dedup_runs` with its Bloom filter by the commit of its last chunk;
-//! - a run is dropped whole once the sweep has removed every event in its range: no random
-//!   deletes either.
+//! - a run is dropped whole once the sweep has passed its range: no random deletes either.
+//!   The keys of events the sweep keeps (a dead letter, a stuck target's entry) move to a
+//!   small table of their own (`dedup_kept`) first, for their fate.
 //!
 //! This module holds the in-memory side (memtable, frozen memtable, runs with their filters)
 //! and its encodings; the committer (`redb_store.rs`) does the table work.

@@ -16,7 +16,7 @@ use super::*;
 use crate::store::group_log::{Mutation, Mutations, Record};
 
 /// Every table's number in the group log. Append only: numbers are on disk.
-const TABLE_IDS: [&str; 21] = [
+const TABLE_IDS: [&str; 22] = [
     "meta",
     "events",
     "dedup",
@@ -38,6 +38,7 @@ const TABLE_IDS: [&str; 21] = [
     "dedup_run_keys",
     "dedup_runs",
     "dlq_by_target",
+    "dedup_kept",
 ];
 
 fn table_id(name: &str) -> u8 {
@@ -181,6 +182,7 @@ struct AllTables<'a> {
     dedup_run_keys: Table<'a, (u64, u128, u64), i64>,
     dedup_runs: Table<'a, u64, &'static [u8]>,
     dlq_by_target: Table<'a, (&'static str, u64), ()>,
+    dedup_kept: Table<'a, (u128, u64), ()>,
 }
 
 fn put<K: Key + 'static, V: Value + 'static>(
@@ -223,6 +225,7 @@ impl<'a> AllTables<'a> {
             dedup_run_keys: txn.open_table(DEDUP_RUN_KEYS)?,
             dedup_runs: txn.open_table(DEDUP_RUNS)?,
             dlq_by_target: txn.open_table(DLQ_BY_TARGET)?,
+            dedup_kept: txn.open_table(DEDUP_KEPT)?,
         })
     }
 
@@ -258,6 +261,7 @@ impl<'a> AllTables<'a> {
             18 => put(&mut self.dedup_run_keys, m)?,
             19 => put(&mut self.dedup_runs, m)?,
             20 => put(&mut self.dlq_by_target, m)?,
+            21 => put(&mut self.dedup_kept, m)?,
             other => {
                 return Err(StoreError::Corrupt {
                     table: "group log",
@@ -297,6 +301,7 @@ mod tests {
             DEDUP_RUN_KEYS.name(),
             DEDUP_RUNS.name(),
             DLQ_BY_TARGET.name(),
+            DEDUP_KEPT.name(),
         ];
         // The order of `AllTables::apply`'s arms.
         for (i, n) in names.iter().enumerate() {

@@ -2472,7 +2472,7 @@ async fn a_key_accepted_again_after_the_window_points_its_fate_at_the_newer_even
 }
 
 #[tokio::test]
-async fn a_run_is_dropped_once_the_sweep_removed_all_its_events() {
+async fn a_run_is_dropped_once_swept_and_a_kept_events_fate_outlives_it() {
     let s = RedbStore::with_backend(redb::backends::InMemoryBackend::new(), small_runs(4))
         .expect("store");
     // Event 0 has a queue entry; 1..3 have none.
@@ -2483,18 +2483,73 @@ async fn a_run_is_dropped_once_the_sweep_removed_all_its_events() {
     assert_eq!(runs_settled(&s).await, vec![(1, 4, 4)]);
     let stats = s.sweep(100_000, 5_000, 5_000).await.expect("sweep");
     assert_eq!((stats.events_removed, stats.pending), (3, 1));
-    // Event 0 is kept (its entry is live), so its run stays and its fate is visible.
-    assert_eq!(stats.dedup_expired, 0);
-    assert_eq!(runs_settled(&s).await.len(), 1);
-    assert!(s.fate("/s", "0").expect("fate").is_some());
-    assert!(s.fate("/s", "1").expect("fate").is_none());
-    deliver_all(&s).await;
-    let stats = s.sweep(100_000, 5_000, 5_000).await.expect("sweep");
-    assert_eq!((stats.events_removed, stats.dedup_expired), (1, 4));
+    // Event 0 is kept (its entry is live), but its run goes: its key alone moved out of it
+    // (one kept event used to hold a whole run, up to a million keys).
+    assert_eq!(stats.dedup_expired, 4);
     assert!(runs_settled(&s).await.is_empty());
     assert_eq!(rows_of(&s, DEDUP_RUN_KEYS), 0);
-    assert_eq!(rows_of(&s, DEDUP_RUNS), 0);
+    assert_eq!(rows_of(&s, DEDUP_KEPT), 1);
     assert_eq!(s.record_counts().expect("counts").dedup_keys, 0);
+    let fate = s
+        .fate("/s", "0")
+        .expect("fate")
+        .expect("its fate is still found");
+    assert_eq!(fate.event.seq, 1);
+    assert!(s.fate("/s", "1").expect("fate").is_none());
+    // Past the window it is not a duplicate.
+    let mut again = new_event("/s", "0", &[], 200_000);
+    again.dedup_window_ms = 5_000;
+    let r = s.accept(vec![again]).await.expect("accept");
+    assert_eq!(r, vec![AcceptOutcome::accepted(5)]);
+    assert_eq!(
+        s.fate("/s", "0").expect("fate").expect("known").event.seq,
+        5
+    );
+    deliver_all(&s).await;
+    let stats = s.sweep(100_000, 5_000, 5_000).await.expect("sweep");
+    assert_eq!(stats.events_removed, 1);
+    assert_eq!(rows_of(&s, DEDUP_KEPT), 0, "the key goes with its event");
+    assert_eq!(rows_of(&s, PENDING_GC), 0);
+}
+
+#[tokio::test]
+async fn a_format_6_store_has_its_kept_events_keys_copied_out_at_open() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = RedbStore::open_dir(dir.path(), small_runs(4)).expect("open");
+    s.accept(vec![new_event("/s", "0", &["a"], 1000)])
+        .await
+        .expect("accept");
+    accept_ids(&s, 1..4, 1000).await;
+    assert_eq!(runs_settled(&s).await.len(), 1);
+    drop(s);
+    // What a format 6 build's sweep leaves: its cursor past the run, event 0 (seq 1) kept in
+    // `pending_gc`, its key only in the run, no `dedup_kept`.
+    let path = dir.path().join("router.redb");
+    let db = when_free(|| redb::Database::create(&path)).await;
+    let txn = db.begin_write().expect("txn");
+    {
+        txn.open_table(PENDING_GC)
+            .expect("pending")
+            .insert(1u64, ())
+            .expect("insert");
+        txn.delete_table(DEDUP_KEPT).expect("delete");
+        let mut meta = txn.open_table(META).expect("meta");
+        meta.insert("format_version", 6u64.to_le_bytes().as_slice())
+            .expect("version");
+        meta.insert("sweep_cursor", 5u64.to_le_bytes().as_slice())
+            .expect("cursor");
+    }
+    txn.commit().expect("commit");
+    drop(db);
+    let s = when_free(|| RedbStore::open_dir(dir.path(), small_runs(4))).await;
+    assert_eq!(rows_of(&s, DEDUP_KEPT), 1);
+    let stats = s.sweep(100_000, 5_000, 5_000).await.expect("sweep");
+    assert_eq!(stats.dedup_expired, 4);
+    assert!(runs_settled(&s).await.is_empty());
+    assert_eq!(
+        s.fate("/s", "0").expect("fate").expect("known").event.seq,
+        1
+    );
 }
 
 #[tokio::test]
