@@ -82,7 +82,8 @@ pub struct HandlersConfig {
     pub fuel: Option<u64>,
     /// Most events one invocation may emit.
     pub max_emitted: usize,
-    /// Most bytes of emitted data per invocation.
+    /// Most bytes of emitted events per invocation (type, subject, datacontenttype, data,
+    /// extension names and values).
     pub max_output_bytes: usize,
     /// Most log bytes captured per invocation.
     pub max_log_bytes: usize,

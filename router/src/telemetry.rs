@@ -371,7 +371,7 @@ impl Metrics {
         );
         registry.register(
             "router_handler_invocations",
-            "Handler invocations by handler and outcome: ok (emitted), retry, fail (the handler's own answers), trap, timeout, oom, limit (an output or fuel bound), invalid_emission",
+            "Handler invocations by handler and outcome: ok (emitted), retry, fail (the handler's own answers), trap, timeout, oom, limit (an output, key-value write or fuel bound of the invocation: not retried), host_unavailable (a key-value read failed or the namespace is full: retried), invalid_emission",
             m.handler_invocations.clone(),
         );
         registry.register(

@@ -10,15 +10,6 @@ use serde_json::{Value, json};
 
 use crate::harness::*;
 
-async fn job_done(r: &RouterProc, path: &str, timeout: Duration) -> Value {
-    eventually(timeout, || async {
-        let (_, j) = get_json(r, path).await;
-        (j["state"] == "done").then_some(j)
-    })
-    .await
-    .unwrap_or_else(|| panic!("job {path} did not finish"))
-}
-
 /// Kills and restarts the router every 600 ms until the job at `path` is `done` (at most 30
 /// times); asserts it was killed at least twice mid-way and returns the finished job.
 async fn kill_until_done(r: &mut RouterProc, path: &str) -> Value {

@@ -408,17 +408,97 @@ async fn handler_failures_follow_the_delivery_policies() {
         assert_eq!(recorded, 1, "{msgs:?}");
     }
     assert!(lines[0]["event_id"].is_string() && lines[0]["attempt"].is_number());
-    // A type the handler does not accept goes to the DLQ as unknown_version, no retries.
-    let mut v9 = event("i9", "order.paid", json!({"order_id": "B"}));
-    v9["dataversion"] = json!(9);
-    post_event(&r, &v9).await;
-    let l = eventually(Duration::from_secs(20), || async {
-        let (_, l) = get_json(&r, "/v1/dlq?target=invoice").await;
-        (l["entries"].as_array().map(Vec::len) == Some(1)).then_some(l)
+}
+
+/// A type a handler does not accept (its descriptor) is dead-lettered at once as
+/// `unknown_version`, and a redrive gives it back to that handler alone: the other targets of
+/// the event, which had it already, do not get it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_type_the_handler_does_not_accept_is_redriven_to_that_handler_alone() {
+    let rcv = Receiver::ok().await;
+    let rules = rules_yaml(
+        FAST,
+        &[(
+            "refunds",
+            "order.refunded",
+            &[
+                "handler: invoice\n        id: invoice\n        policy: fast".to_string(),
+                format!("webhook: {}\n        id: books", rcv.url()),
+            ],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(put_handler(&r, "invoice", plugin("invoice")).await.0, 201);
+    post_event(
+        &r,
+        &event("rf1", "order.refunded", json!({"order_id": "R"})),
+    )
+    .await;
+    let f = eventually(Duration::from_secs(20), || async {
+        let f = fate(&r, "rf1").await;
+        let state = |t: &str| {
+            f["targets"]
+                .as_array()
+                .and_then(|ts| ts.iter().find(|x| x["target"] == t))
+                .map(|x| x["state"].clone())
+        };
+        (state("invoice") == Some(json!("dlq")) && state("books") == Some(json!("delivered")))
+            .then_some(f)
+    })
+    .await
+    .expect("invoice dead-letters it, books gets it");
+    let dead = &f["dlq"][0];
+    assert_eq!(dead["reason"], "unknown_version", "{f}");
+    let inv = f["targets"]
+        .as_array()
+        .and_then(|ts| ts.iter().find(|x| x["target"] == "invoice"))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        inv["attempts"].as_array().map(Vec::len),
+        Some(1),
+        "no retries: {f}"
+    );
+    assert!(
+        inv["attempts"][0]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("does not accept order.refunded")),
+        "{f}"
+    );
+    let (s, job) = post_json(
+        &r,
+        "/v1/dlq/redrive",
+        json!({"filter": {"target": "invoice"}}),
+    )
+    .await;
+    assert_eq!(s, 201, "{job}");
+    let id = job["id"].as_str().expect("job id").to_string();
+    let done = job_done(
+        &r,
+        &format!("/v1/dlq/redrive/{id}"),
+        Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(done["moved"], 1, "{done}");
+    // Back to invoice, which still does not accept it: in the DLQ again after one more attempt
+    // (a fresh count of attempts; the DLQ entry lists both).
+    let f = eventually(Duration::from_secs(20), || async {
+        let f = fate(&r, "rf1").await;
+        let inv = f["targets"]
+            .as_array()
+            .and_then(|ts| ts.iter().find(|x| x["target"] == "invoice"))
+            .cloned()
+            .unwrap_or_default();
+        let again = inv["redrive_count"] == 1 && inv["state"] == "dlq";
+        let listed = f["dlq"].as_array().map(Vec::len) == Some(1)
+            && f["dlq"][0]["attempts"].as_array().map(Vec::len) == Some(2);
+        (again && listed).then_some(f)
     })
     .await;
-    // invoice accepts every version of order.paid (empty list), so nothing lands here.
-    assert!(l.is_none() || l.is_some_and(|l| l["entries"][0]["reason"] == "unknown_version"));
+    assert!(f.is_some(), "{}", fate(&r, "rf1").await);
+    // books got it once: the redrive did not route the event again.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(rcv.count(), 1, "{:?}", rcv.received());
 }
 
 /// Each hostile mode costs its invocation only: classified, retried under the policy, and a
@@ -480,7 +560,8 @@ async fn hostile_handlers_are_contained() {
         ("oom", "handler_oom"),
         ("stack", "handler_trap"),
         ("panic", "handler_trap"),
-        ("output", "handler_trap"),
+        // A breached limit is permanent: the same event breaches it again.
+        ("output", "handler_limit"),
         // Waiting on a clock traps (it would block where the timeout cannot reach).
         ("sleep", "handler_trap"),
     ];
@@ -496,7 +577,12 @@ async fn hostile_handlers_are_contained() {
             .unwrap_or("")
             .to_string();
         assert!(err.starts_with(class), "{m}: {err}");
-        assert_eq!(f["dlq"][0]["reason"], "retries_exhausted", "{m}");
+        let reason = if m == "output" {
+            "permanent_error"
+        } else {
+            "retries_exhausted"
+        };
+        assert_eq!(f["dlq"][0]["reason"], reason, "{m}");
     }
     // Each outcome is counted by kind.
     let m = metrics_text(&r).await;

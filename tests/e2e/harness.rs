@@ -632,6 +632,16 @@ pub async fn post_batch(r: &RouterProc, events: &[Value]) {
 }
 
 /// POSTs a JSON body to an API path; returns (status, body).
+/// Waits (up to `timeout`) until the job at `path` (a redrive or replay) is `done`; returns it.
+pub async fn job_done(r: &RouterProc, path: &str, timeout: Duration) -> Value {
+    eventually(timeout, || async {
+        let (_, j) = get_json(r, path).await;
+        (j["state"] == "done").then_some(j)
+    })
+    .await
+    .unwrap_or_else(|| panic!("job {path} did not finish"))
+}
+
 pub async fn post_json(r: &RouterProc, path: &str, body: Value) -> (u16, Value) {
     let resp = client()
         .post(r.url(path))

@@ -347,6 +347,7 @@ impl HandlerTarget {
             InvocationOutcome::Timeout => "timeout",
             InvocationOutcome::Oom => "oom",
             InvocationOutcome::LimitExceeded(_) => "limit",
+            InvocationOutcome::HostUnavailable(_) => "host_unavailable",
             _ => "trap",
         };
         self.rt
@@ -416,6 +417,21 @@ impl HandlerTarget {
                 },
                 None,
             ),
+            // A breached output, KV-write or fuel limit is deterministic: the same event
+            // breaches it again at every attempt, so it is not retried (a fixed handler gets
+            // it by a DLQ redrive). Nothing is committed.
+            InvocationOutcome::LimitExceeded(m) => {
+                let error = format!("handler_limit: {m}");
+                self.log(req, &version, "error", error.clone());
+                tracing::warn!(handler = %self.name, error = %error, "handler invocation failed");
+                (
+                    AttemptOutcome::Permanent {
+                        error,
+                        status: None,
+                    },
+                    None,
+                )
+            }
             other => {
                 let error = match other {
                     InvocationOutcome::Timeout => {
@@ -431,9 +447,7 @@ impl HandlerTarget {
                         self.rt.limits.memory_bytes
                     ),
                     InvocationOutcome::Trap(m) => format!("handler_trap: {m}"),
-                    InvocationOutcome::LimitExceeded(m) => {
-                        format!("handler_trap: limit exceeded: {m}")
-                    }
+                    InvocationOutcome::HostUnavailable(m) => format!("handler_host: {m}"),
                     _ => "handler_trap".into(),
                 };
                 self.log(req, &version, "error", error.clone());

@@ -91,10 +91,18 @@ pub struct LogLine {
 /// Most bytes of one key; longer keys trap the invocation.
 const MAX_KEY_BYTES: usize = 1024;
 
-/// Why a host call stopped the guest: a limit the handler's own calls went over.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub(crate) struct HostLimitBreach(pub(crate) String);
+/// Why a host call stopped the guest.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum HostLimitBreach {
+    /// A limit of one invocation that the handler's own calls went over (a key too long, too
+    /// many bytes written): the same event goes over it again at every attempt.
+    #[error("{0}")]
+    Invocation(String),
+    /// The router could not serve the call (a key-value read failed) or the namespace is full
+    /// for now: another attempt may get through.
+    #[error("{0}")]
+    Transient(String),
+}
 
 /// Memory-growth refused because it would pass the invocation's cap.
 #[derive(Debug, thiserror::Error)]
@@ -364,7 +372,7 @@ impl KvSession {
     fn committed(&self, key: &str) -> Result<Option<Vec<u8>>, HostLimitBreach> {
         self.reader
             .get(key)
-            .map_err(|e| HostLimitBreach(format!("kv read failed: {e}")))
+            .map_err(|e| HostLimitBreach::Transient(format!("kv read failed: {e}")))
     }
 
     /// Accounts a write of `key` (to `value`) against the namespace's bound: a write that
@@ -392,7 +400,7 @@ impl KvSession {
                     let r = self
                         .reader
                         .room()
-                        .map_err(|e| HostLimitBreach(format!("kv read failed: {e}")))?;
+                        .map_err(|e| HostLimitBreach::Transient(format!("kv read failed: {e}")))?;
                     self.room = Some(r);
                     r
                 }
@@ -401,7 +409,7 @@ impl KvSession {
                 && growth > 0
                 && growth as u64 > room
             {
-                return Err(HostLimitBreach(format!(
+                return Err(HostLimitBreach::Transient(format!(
                     "kv namespace is full: this write needs {} more bytes than its limit allows (handlers.kv_max_bytes)",
                     growth as u64 - room
                 )));
@@ -413,7 +421,7 @@ impl KvSession {
 
     fn check_key(key: &str) -> Result<(), HostLimitBreach> {
         if key.len() > MAX_KEY_BYTES {
-            return Err(HostLimitBreach(format!(
+            return Err(HostLimitBreach::Invocation(format!(
                 "kv key of {} bytes is longer than the limit of {MAX_KEY_BYTES}",
                 key.len()
             )));
@@ -431,7 +439,7 @@ impl KvSession {
         self.account(&key, value.as_deref())?;
         self.written_bytes += key.len() + value.as_ref().map_or(0, Vec::len);
         if self.written_bytes > self.cap {
-            return Err(HostLimitBreach(format!(
+            return Err(HostLimitBreach::Invocation(format!(
                 "kv writes of this invocation exceed the limit of {} bytes",
                 self.cap
             )));
@@ -476,8 +484,8 @@ pub(crate) struct HostState {
     pub(crate) logs: LogBuffer,
     pub(crate) kv: KvSession,
     pub(crate) console: CappedPipe,
-    /// Set when a host call refused to go on because of a limit (the guest then traps).
-    pub(crate) breach: Option<String>,
+    /// Set when a host call refused to go on (the guest then traps).
+    pub(crate) breach: Option<HostLimitBreach>,
 }
 
 impl HostState {
@@ -513,7 +521,7 @@ impl HostState {
 
     fn breach<T>(&mut self, result: Result<T, HostLimitBreach>) -> WasmResult<T> {
         result.map_err(|e| {
-            self.breach = Some(e.0.clone());
+            self.breach = Some(e.clone());
             wasmtime::Error::new(e)
         })
     }
@@ -648,7 +656,11 @@ mod tests {
         let mut kv = KvSession::new(Arc::new(Fixed(vec![("a", b"1")], Some(10))), 1 << 10);
         kv.write("b".into(), Some(vec![0; 8]), None).unwrap(); // +9
         let err = kv.write("c".into(), Some(vec![0; 1]), None).unwrap_err(); // +2 > 1 left
-        assert!(err.0.contains("needs 1 more bytes"), "{}", err.0);
+        // A full namespace may have room again later: retried, not a breach of the handler's.
+        assert!(
+            matches!(&err, HostLimitBreach::Transient(m) if m.contains("needs 1 more bytes")),
+            "{err:?}"
+        );
         // Replacing a value counts only the difference; deleting gives room back.
         kv.write("a".into(), Some(vec![0; 2]), None).unwrap(); // +1: exactly full
         kv.write("a".into(), None, None).unwrap(); // -3
@@ -664,7 +676,10 @@ mod tests {
     #[test]
     fn a_failed_kv_read_fails_the_call_instead_of_reading_as_absent() {
         let mut kv = KvSession::new(Arc::new(Broken), 1 << 10);
-        assert!(kv.current("a").unwrap_err().0.contains("disk on fire"));
+        assert!(matches!(
+            kv.current("a").unwrap_err(),
+            HostLimitBreach::Transient(m) if m.contains("disk on fire")
+        ));
         assert!(kv.compare_and_set("a".into(), None, Some(vec![1])).is_err());
         assert!(kv.write("a".into(), Some(vec![1]), None).is_err());
     }

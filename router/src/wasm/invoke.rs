@@ -12,7 +12,9 @@ use base64::Engine as _;
 use serde_json::{Map, Value};
 use wasmtime::{Store, Trap, WasmBacktrace};
 
-use super::bindings::{HostState, KvReader, KvWrite, LogLevel, LogLine, MemoryCapExceeded, wit};
+use super::bindings::{
+    HostLimitBreach, HostState, KvReader, KvWrite, LogLevel, LogLine, MemoryCapExceeded, wit,
+};
 use super::engine::WasmEngine;
 use super::limits::HandlerLimits;
 use super::registry::{HandlerDescriptor, LoadedHandler};
@@ -57,8 +59,12 @@ pub enum InvocationOutcome {
     /// The guest trapped: a panic, a stack overflow, `unreachable`…; the message includes the
     /// trap and what the guest wrote to stderr (a panic's message).
     Trap(String),
-    /// Too many emissions, output too big, key-value writes too big, or fuel exhausted.
+    /// Too many emissions, output too big, key-value writes too big, a key too long, or fuel
+    /// exhausted: the same event goes over the limit again, so it is not retried.
     LimitExceeded(String),
+    /// A host call could not be served for now (a key-value read failed, the namespace is
+    /// full): retried, and not the handler's fault.
+    HostUnavailable(String),
 }
 
 impl InvocationOutcome {
@@ -240,8 +246,12 @@ fn classify_error(err: &wasmtime::Error, state: &HostState) -> InvocationOutcome
     if state.limiter.memory_exhausted || err.is::<MemoryCapExceeded>() {
         return InvocationOutcome::Oom;
     }
-    if let Some(breach) = &state.breach {
-        return InvocationOutcome::LimitExceeded(breach.clone());
+    match &state.breach {
+        Some(HostLimitBreach::Invocation(m)) => return InvocationOutcome::LimitExceeded(m.clone()),
+        Some(HostLimitBreach::Transient(m)) => {
+            return InvocationOutcome::HostUnavailable(m.clone());
+        }
+        None => {}
     }
     let mut message = match err.downcast_ref::<Trap>() {
         Some(Trap::Interrupt) => return InvocationOutcome::Timeout,

@@ -19,7 +19,8 @@ pub struct HandlerLimits {
     pub fuel: Option<u64>,
     /// Most events one invocation may emit. Default 100.
     pub max_emitted: usize,
-    /// Most bytes of emitted data (data and extension values, summed). Default 1 MiB.
+    /// Most bytes of emitted events (type, subject, datacontenttype, data, extension names and
+    /// values, summed over the emissions). Default 1 MiB.
     pub max_output_bytes: usize,
     /// Log bytes kept per invocation; later lines are dropped and counted. Default 64 KiB.
     pub max_log_bytes: usize,
