@@ -473,6 +473,56 @@ mod tests {
         assert_eq!(head, route_need(&http::Method::GET, "/v1/status"));
         assert_eq!(head, Need::Read);
     }
+
+    /// Every (method, route) that a token without `admin` may use is one the route answers:
+    /// the 405 for the others can never hide a route that is open to it.
+    #[test]
+    fn the_routes_open_to_other_tokens_are_methods_the_route_answers() {
+        use http::Method as M;
+        let routes = [
+            "/v1/events",
+            "/v1/events/{id}",
+            "/v1/dlq",
+            "/v1/dlq/summary",
+            "/v1/dlq/purge",
+            "/v1/dlq/redrive",
+            "/v1/dlq/redrive/{job}",
+            "/v1/dlq/redrive/{job}/{action}",
+            "/v1/dlq/{id}",
+            "/v1/replay",
+            "/v1/replay/{job}",
+            "/v1/replay/{job}/{action}",
+            "/v1/rules",
+            "/v1/rules/test",
+            "/v1/rules/{name}/{action}",
+            "/v1/targets",
+            "/v1/targets/{id}",
+            "/v1/targets/{id}/pause",
+            "/v1/targets/{id}/resume",
+            "/v1/targets/{id}/keys/{key}/release",
+            "/v1/contracts",
+            "/v1/contracts/{type}/{version}",
+            "/v1/admin/reload",
+            "/v1/status",
+            "/metrics",
+            "/v1/handlers",
+            "/v1/handlers/{name}",
+            "/v1/handlers/{name}/rollback",
+            "/v1/handlers/{name}/logs",
+            "/healthz",
+            "/readyz",
+        ];
+        for route in routes {
+            let allowed = route_methods(route).unwrap_or_else(|| panic!("{route} listed"));
+            for m in [M::GET, M::HEAD, M::POST, M::PUT, M::DELETE, M::PATCH] {
+                // `Nothing` routes pass the layer whatever the method (axum answers 405).
+                if !matches!(route_need(&m, route), Need::Admin | Need::Nothing) {
+                    assert!(allowed.contains(&m), "{m} {route}");
+                }
+            }
+        }
+        assert_eq!(route_methods("/v1/nope"), None);
+    }
 }
 
 /// What a route requires before its handler runs (finer checks that need the body happen in
@@ -534,6 +584,64 @@ pub fn route_need(method: &http::Method, route: &str) -> Need {
         | (&M::POST, "/v1/rules/test") => Need::Read,
         _ => Need::Admin,
     }
+}
+
+/// The methods each route of the API answers (HEAD with GET), for the 405 that a token
+/// gets when it sends a route a method it does not have: without this the route's
+/// requirement, `admin` for an unlisted (method, route), answered 403 first. A route missing
+/// here only keeps the 403; it opens nothing.
+pub fn route_methods(route: &str) -> Option<&'static [http::Method]> {
+    use http::Method as M;
+    const GET: &[M] = &[M::GET, M::HEAD];
+    const POST: &[M] = &[M::POST];
+    const GET_POST: &[M] = &[M::GET, M::HEAD, M::POST];
+    Some(match route {
+        "/v1/events" | "/v1/dlq/purge" | "/v1/dlq/redrive/{job}/{action}" | "/v1/rules/test" => {
+            POST
+        }
+        "/v1/replay/{job}/{action}"
+        | "/v1/rules/{name}/{action}"
+        | "/v1/targets/{id}/pause"
+        | "/v1/targets/{id}/resume"
+        | "/v1/targets/{id}/keys/{key}/release"
+        | "/v1/admin/reload"
+        | "/v1/handlers/{name}/rollback" => POST,
+        "/v1/dlq/redrive" | "/v1/replay" => GET_POST,
+        "/v1/contracts/{type}/{version}" => &[M::GET, M::HEAD, M::PUT],
+        "/v1/handlers/{name}" => &[M::GET, M::HEAD, M::PUT, M::DELETE],
+        "/v1/events/{id}"
+        | "/v1/dlq"
+        | "/v1/dlq/summary"
+        | "/v1/dlq/{id}"
+        | "/v1/dlq/redrive/{job}"
+        | "/v1/replay/{job}"
+        | "/v1/targets"
+        | "/v1/targets/{id}"
+        | "/v1/rules"
+        | "/v1/contracts"
+        | "/v1/status"
+        | "/metrics"
+        | "/v1/handlers"
+        | "/v1/handlers/{name}/logs"
+        | "/healthz"
+        | "/readyz" => GET,
+        _ => return None,
+    })
+}
+
+/// The 405 answer (its body is the error shape `app::json_rejections` gives axum's own).
+fn method_not_allowed(allowed: &[http::Method]) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let allow = allowed
+        .iter()
+        .map(http::Method::as_str)
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut r = http::StatusCode::METHOD_NOT_ALLOWED.into_response();
+    if let Ok(v) = http::HeaderValue::from_str(&allow) {
+        r.headers_mut().insert(http::header::ALLOW, v);
+    }
+    r
 }
 
 /// The 401 answer.
@@ -640,6 +748,12 @@ pub async fn layer(
         Need::Nothing | Need::Token => true,
     };
     if !ok {
+        // A method the route does not have is that, whoever asks (the token is valid).
+        if let Some(allowed) = route_methods(route)
+            && !allowed.contains(req.method())
+        {
+            return method_not_allowed(allowed);
+        }
         let needed = if need == Need::Read { "read" } else { "admin" };
         return forbidden(&principal, needed);
     }

@@ -842,6 +842,27 @@ async fn the_api_bounds_bodies_and_answers_every_refusal_in_its_error_shape() {
     assert!(resp.headers().contains_key("allow"));
     let body: Value = resp.json().await.expect("json");
     assert_eq!(body["error"], "method not allowed", "{body}");
+    // A token without `admin` gets the 405 too (not a 403 for a route it could never use).
+    for (method, path, allow) in [
+        ("DELETE", "/v1/rules", "GET,HEAD"),
+        ("GET", "/v1/admin/reload", "POST"),
+        ("POST", "/v1/handlers/enrich", "GET,HEAD,PUT,DELETE"),
+    ] {
+        let resp = client()
+            .request(method.parse().expect("method"), r.url(path))
+            .bearer_auth("viewer-token")
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(resp.status().as_u16(), 405, "{method} {path}");
+        assert_eq!(
+            resp.headers().get("allow").and_then(|v| v.to_str().ok()),
+            Some(allow),
+            "{method} {path}"
+        );
+        let body: Value = resp.json().await.expect("json");
+        assert_eq!(body["error"], "method not allowed", "{body}");
+    }
     // Values that parse but make no sense.
     for (method, path, body, pointer) in [
         ("GET", "/v1/replay?staet=running", None, "/staet"),
