@@ -17,16 +17,19 @@ pub struct Descriptor {
     pub name: String,
     /// The handler's own version (free text, semver recommended).
     pub version: String,
-    /// Accepted event types and contract versions.
+    /// Accepted event types and contract versions. Empty: every type and version is accepted.
+    /// Otherwise a delivery of a type or `dataversion` not listed is dead-lettered as
+    /// `unknown_version` without running the handler.
     pub accepts: Vec<Accept>,
 }
 
 impl Descriptor {
-    /// A descriptor that accepts nothing yet; add types with [`Descriptor::accepts`].
+    /// A descriptor with no accepted types listed, which the router takes as accepting every
+    /// event type and version; narrow it with [`Descriptor::accepts`].
     ///
     /// ```
     /// let d = router_sdk::Descriptor::new("noop", "0.1.0");
-    /// assert!(d.accepts.is_empty());
+    /// assert!(d.accepts.is_empty()); // accepts everything
     /// ```
     pub fn new(name: impl Into<String>, version: impl Into<String>) -> Self {
         Self {
@@ -36,7 +39,8 @@ impl Descriptor {
         }
     }
 
-    /// Adds an accepted event type with its `dataversion`s (empty: every version).
+    /// Adds an accepted event type with its `dataversion`s (empty: every version). From the
+    /// first call on, only the types listed are accepted.
     ///
     /// ```
     /// let d = router_sdk::Descriptor::new("n", "1").accepts("order.created", &[2]);

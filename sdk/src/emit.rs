@@ -6,7 +6,22 @@ use serde::de::DeserializeOwned;
 use crate::DataError;
 
 /// An event to emit. The router sets its `id` (derived from the delivery, so a re-run emits the
-/// same ids), `source` (the handler) and `hops`, and routes it like any ingested event.
+/// same ids), `source` (the handler) and `hops`, copies the delivery's `traceparent` and
+/// `tracestate` (when it has them) over any the handler set, and routes it like any ingested
+/// event.
+///
+/// # Limits and validity
+///
+/// One invocation may emit at most `handlers.max_emitted` events (default 100), of at most
+/// `handlers.max_output_bytes` (default 1 MiB) in all, counting every field: type, subject,
+/// datacontenttype, data, and extension names and values. Going over either is a
+/// `handler_limit` failure, permanent: the delivery is dead-lettered at once, since the same
+/// event would go over it again.
+///
+/// The router also refuses an emission that is not a valid event: an empty type, data that is
+/// not JSON, an extension that breaks the rules of [`Emit::with_extension`]. That is a
+/// permanent failure too. Neither kind commits anything: no event is emitted and the
+/// invocation's key-value writes are dropped (see [`kv`](crate::kv)).
 ///
 /// ```
 /// use router_sdk::Emit;
@@ -94,17 +109,37 @@ impl Emit {
 
     /// Adds the extension attribute `name` with `value` (JSON-encoded), e.g. `partitionkey`.
     ///
+    /// The router refuses the emission (see [`Emit`]) unless `name` follows the CloudEvents
+    /// rule, 1 to 64 lower-case letters `a`-`z` and digits `0`-`9`, and is neither a core
+    /// attribute (`specversion`, `id`, `source`, `type`, `subject`, `time`, `datacontenttype`,
+    /// `dataschema`, `data`, `data_base64`) nor `hops`; and unless `value` is a string without
+    /// control characters, an integer that fits in 32 bits, or a boolean (`null` leaves the
+    /// attribute out). `traceparent` and `tracestate` are replaced by the delivery's when it
+    /// has them.
+    ///
+    /// # Panics
+    ///
+    /// On the host target (unit tests) only, when `name` breaks the rule above: the test fails
+    /// where the router would refuse the emission. Inside a component it never panics.
+    ///
     /// ```
     /// let e = router_sdk::Emit::new("t").with_extension("partitionkey", "A-17").unwrap();
     /// assert_eq!(e.extensions(), &[("partitionkey".to_owned(), "\"A-17\"".to_owned())]);
+    /// ```
+    ///
+    /// ```should_panic
+    /// // `Tenant` has an upper-case letter: the router would refuse this emission.
+    /// let _ = router_sdk::Emit::new("t").with_extension("Tenant", "acme");
     /// ```
     pub fn with_extension<T: Serialize + ?Sized>(
         mut self,
         name: impl Into<String>,
         value: &T,
     ) -> Result<Self, DataError> {
-        self.extensions
-            .push((name.into(), serde_json::to_string(value)?));
+        let name = name.into();
+        #[cfg(not(target_arch = "wasm32"))]
+        crate::native::check_extension_name(&name);
+        self.extensions.push((name, serde_json::to_string(value)?));
         Ok(self)
     }
 

@@ -8,6 +8,13 @@ use std::time::Duration;
 /// `?` turns a [`DataError`] or a `serde_json::Error` into [`HandlerError::Fail`]: data that does
 /// not parse will not parse on the next attempt either.
 ///
+/// Returning either variant is a result the handler chose, so the router commits the
+/// invocation's [`kv`](crate::kv) writes with it, as it does with `Ok`. A mark of work done
+/// written before a `Fail` therefore survives the dead letter: after a redrive the handler
+/// finds the work marked done. Only when the sandbox stops the invocation (a trap or panic,
+/// the timeout, the memory cap, a breached limit) or its emissions are refused are the writes
+/// dropped.
+///
 /// ```
 /// use router_sdk::HandlerError;
 /// use std::time::Duration;
@@ -20,14 +27,20 @@ use std::time::Duration;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HandlerError {
     /// A transient failure: the router retries under the target's policy, no sooner than
-    /// `delay` when one is given.
+    /// `delay` when one is given. Each retry is an attempt: once the policy's `max_attempts`
+    /// are spent the delivery is dead-lettered as `retries_exhausted`.
     Retry {
-        /// Earliest time before the next attempt.
+        /// Earliest time before the next attempt. The router waits at least the policy's
+        /// backoff and at most the target policy's `retry_after_max` (default 1 h): a longer
+        /// delay is cut to it. When the next attempt would fall past the policy's `max_age`
+        /// (counted from when the router accepted the event), the delivery is dead-lettered at
+        /// once as `max_age_exceeded` instead.
         delay: Option<Duration>,
         /// What went wrong, for the attempt log.
         message: String,
     },
-    /// A permanent failure: the delivery goes to the dead-letter queue without further attempts.
+    /// A permanent failure: the delivery goes to the dead-letter queue without further attempts
+    /// (the invocation's key-value writes are committed all the same).
     Fail(String),
 }
 
@@ -46,6 +59,12 @@ impl HandlerError {
     }
 
     /// A transient failure that should not be retried before `delay`.
+    ///
+    /// `delay` is capped at the target policy's `retry_after_max` (default 1 h), and a retry
+    /// that would come after the policy's `max_age` dead-letters the delivery at once as
+    /// `max_age_exceeded` (see [`HandlerError::Retry`]). A handler that must wait longer asks
+    /// again at the next attempt (spending one of the policy's `max_attempts` each time), or
+    /// its target's policy raises `retry_after_max`.
     ///
     /// ```
     /// use std::time::Duration;
@@ -110,7 +129,7 @@ impl From<serde_json::Error> for HandlerError {
 /// ```
 #[derive(Debug)]
 pub enum DataError {
-    /// The event has no JSON data (absent, or binary).
+    /// The event has no JSON data (absent, or not JSON: see [`Event`](crate::Event)).
     Missing,
     /// The JSON did not match the requested type, or a value could not be serialized.
     Json(serde_json::Error),

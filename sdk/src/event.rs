@@ -7,8 +7,10 @@ use crate::DataError;
 
 /// A CloudEvent delivered to a handler.
 ///
-/// JSON data arrives as text in [`Event::data`]; [`Event::data_as`] parses it into any
-/// `serde` type. Binary data arrives base64-encoded in [`Event::data_base64`].
+/// JSON data (no `datacontenttype`, or `application/json`, `text/json`, `*+json`) arrives as
+/// text in [`Event::data`]; [`Event::data_as`] parses it into any `serde` type. Other data
+/// arrives base64-encoded in [`Event::data_base64`]: binary data as the producer sent it, and
+/// text of another type (e.g. `text/plain`) as the base64 of its UTF-8 bytes.
 ///
 /// ```
 /// use router_sdk::Event;
@@ -42,9 +44,11 @@ pub struct Event {
     pub dataversion: u32,
     /// The data as JSON text, when it is JSON.
     pub data: Option<String>,
-    /// The data base64-encoded, when it is binary.
+    /// The data base64-encoded, when it is not JSON (binary, or text such as `text/plain`).
     pub data_base64: Option<String>,
-    /// Other extension attributes: name and JSON-encoded value.
+    /// Every other attribute, name and JSON-encoded value: the extensions (e.g.
+    /// `partitionkey`, `traceparent`) and `dataschema`, the one core attribute without a field
+    /// of its own.
     pub extensions: Vec<(String, String)>,
     /// How many handlers this event already went through.
     pub hops: u32,

@@ -45,6 +45,7 @@
 //!
 //! [dependencies]
 //! router-sdk = { path = "../sdk" }
+//! serde = { version = "1", features = ["derive"] } # for #[derive(serde::Deserialize)] above
 //! ```
 //!
 //! ```toml
@@ -82,6 +83,13 @@ pub use error::{DataError, HandlerError};
 pub use event::{Delivery, Event};
 
 /// Helpers for unit-testing handlers on the host target (not available inside a component).
+///
+/// On the host target [`kv`] is an in-memory map per thread (TTLs are ignored) and [`log`]
+/// writes to standard error as well as to a buffer that [`testing::take_logs`] drains. Where
+/// the router would stop an invocation for a rule it can check as cheaply, the stand-ins panic
+/// with the router's reason, so the test fails as the invocation would: a key longer than
+/// [`kv::MAX_KEY_BYTES`], an extension name [`Emit::with_extension`] says the router refuses.
+/// The other limits (emissions, output and write sizes) are not checked here.
 ///
 /// ```
 /// router_sdk::kv::set("k", b"v", None);
@@ -125,10 +133,12 @@ pub trait Handler {
 
     /// Handles one delivery of `event`. `Ok` carries the events to emit (possibly none);
     /// [`HandlerError::retry`] asks for another attempt later and [`HandlerError::fail`] sends
-    /// the delivery to the dead-letter queue.
+    /// the delivery to the dead-letter queue. With any of the three the router commits the
+    /// invocation's [`kv`] writes (see [`kv`] for why that matters).
     ///
     /// A panic is reported to the router as a trap (with the panic message) and retried like a
-    /// transient failure; prefer returning an error.
+    /// transient failure, with its key-value writes dropped; prefer returning an error. The
+    /// limits a handler can breach are listed with [`Emit`] and [`kv`].
     ///
     /// ```
     /// # use router_sdk::{Delivery, Emit, Event, HandlerError};

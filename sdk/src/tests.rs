@@ -101,6 +101,75 @@ fn typed_kv_helpers_round_trip_through_the_native_store() {
     assert_eq!(kv::get("c"), None);
 }
 
+#[test]
+fn native_kv_accepts_keys_up_to_the_routers_limit() {
+    testing::reset();
+    let longest = "k".repeat(kv::MAX_KEY_BYTES);
+    kv::set(&longest, b"v", None);
+    assert_eq!(kv::get(&longest).as_deref(), Some(&b"v"[..]));
+    assert!(kv::compare_and_set(&longest, Some(b"v"), None));
+    kv::delete(&longest);
+}
+
+// The router traps the invocation on a longer key in any call; natively each call panics.
+#[test]
+#[should_panic(expected = "longer than the limit of 1024")]
+fn native_kv_set_panics_on_a_key_the_router_traps_on() {
+    kv::set(&"k".repeat(kv::MAX_KEY_BYTES + 1), b"v", None);
+}
+
+#[test]
+#[should_panic(expected = "longer than the limit of 1024")]
+fn native_kv_get_panics_on_a_key_the_router_traps_on() {
+    let _ = kv::get(&"k".repeat(kv::MAX_KEY_BYTES + 1));
+}
+
+#[test]
+#[should_panic(expected = "longer than the limit of 1024")]
+fn native_kv_compare_and_set_panics_on_a_key_the_router_traps_on() {
+    let _ = kv::compare_and_set(&"k".repeat(kv::MAX_KEY_BYTES + 1), None, Some(b"v"));
+}
+
+#[test]
+fn extension_names_the_router_accepts_pass_natively() {
+    let emit = Emit::new("t")
+        .with_extension("partitionkey", "p")
+        .unwrap()
+        .with_extension("tenant42", &7)
+        .unwrap()
+        .with_extension("a".repeat(64), &true)
+        .unwrap();
+    assert_eq!(emit.extensions().len(), 3);
+}
+
+#[test]
+fn extension_names_the_router_refuses_panic_natively() {
+    let long = "a".repeat(65);
+    for name in [
+        "",
+        "Tenant",
+        "tenant-id",
+        "tenant_id",
+        &long,
+        "id",
+        "source",
+        "type",
+        "dataschema",
+        "data_base64",
+        "hops",
+    ] {
+        let result = std::panic::catch_unwind(|| Emit::new("t").with_extension(name, "x"));
+        let Err(panic) = result else {
+            panic!("extension name {name:?} was accepted");
+        };
+        let message = panic
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .unwrap_or("");
+        assert!(message.contains("is not allowed"), "{name:?}: {message}");
+    }
+}
+
 struct Greeter;
 
 impl Handler for Greeter {

@@ -4,8 +4,10 @@
 //! flood of 20,000 lines of about 110 bytes, over 30 times the default cap, then a normal
 //! return), `slow` (on its first attempt only, busy for `data.ms` milliseconds — long enough
 //! to outlive its lease — then, on every attempt, records `slow:<event id>` = one `x` per
-//! attempt in kv and emits `hostile.slow.done`), `sleep` (sleeps an hour: blocks in the host,
-//! where epoch interruption cannot reach it). Anything else: returns nothing.
+//! attempt in kv and emits `hostile.slow.done`), `sleep` (asks to sleep an hour: the router
+//! traps a guest that waits on a clock, since the wait would block in the host where epoch
+//! interruption cannot reach it, so this ends at once as `handler_trap`). Anything else: returns
+//! nothing.
 
 use std::hint::black_box;
 
@@ -85,7 +87,10 @@ impl Handler for Hostile {
             }
             "slow" => {
                 if delivery.attempt == 1 {
-                    let ms = data.get("ms").and_then(serde_json::Value::as_u64).unwrap_or(0);
+                    let ms = data
+                        .get("ms")
+                        .and_then(serde_json::Value::as_u64)
+                        .unwrap_or(0);
                     let until = std::time::Instant::now() + std::time::Duration::from_millis(ms);
                     while std::time::Instant::now() < until {
                         black_box(0u64);

@@ -1,8 +1,17 @@
 //! `invoice`: records `invoice:<order_id>` once per order with compare-and-set, so a second
-//! delivery of the same order is a no-op. Emits nothing.
+//! delivery of the same order is a no-op, and keeps the record for 30 days (`RECORD_TTL`). Emits
+//! nothing.
+
+use std::time::Duration;
 
 use router_sdk::{Delivery, Descriptor, Emit, Event, Handler, HandlerError, kv, log};
 use serde::{Deserialize, Serialize};
+
+/// How long an order's record is kept. Compare-and-set writes without a TTL, so the claim is
+/// followed by a `set` of the same record with this one: without it, every order ever paid
+/// would stay in the namespace (bounded by `handlers.kv_max_bytes`) for good. A redelivery of
+/// the same order after this long is recorded again.
+const RECORD_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
 
 /// The handler.
 pub struct Invoice;
@@ -42,6 +51,9 @@ impl Handler for Invoice {
             idempotency_key: &delivery.idempotency_key,
         })?;
         if kv::compare_and_set(&key, None, Some(&record)) {
+            // Replaces the claim's buffered value only: the router still commits it on the
+            // condition that the key was absent, so two racing deliveries record it once.
+            kv::set(&key, &record, Some(RECORD_TTL));
             log::info!("recorded {key}");
         } else {
             log::info!("{key} already recorded; nothing to do");
