@@ -4,8 +4,8 @@ use std::collections::HashMap;
 
 use super::records::{Expect, RecordsError, ScanFrom, Write};
 use super::{
-    EntryRecord, EventRecord, JetStreamStore, MAX_RETRIES, dec, dedup_record_key, dlq_key, enc,
-    entry_key, event_key, ops,
+    EntryRecord, EventRecord, JetStreamStore, KeyLock, MAX_RETRIES, dec, dedup_record_key, dlq_key,
+    enc, entry_key, event_key, lock_key, ops,
 };
 use crate::store::redb_store::idempotency_key;
 use crate::store::{
@@ -369,6 +369,7 @@ impl JetStreamStore {
     async fn remove_event(&self, seq: u64, rev: u64, ev: &EventRecord) -> Result<bool, StoreError> {
         let mut writes = vec![Write::delete(event_key(seq), Expect::Revision(rev))];
         let mut dlq_ids = ev.dlq.clone();
+        let mut keyed = Vec::new();
         for idx in 0..ev.entries {
             let id = EntryId { event: seq, idx };
             if let Some((r, erev)) = self.read::<EntryRecord>("entries", &entry_key(id)).await? {
@@ -377,11 +378,23 @@ impl JetStreamStore {
                 }
                 dlq_ids.extend(r.dlq);
                 writes.push(Write::delete(entry_key(id), Expect::Revision(erev)));
+                if let Some(k) = r.entry.ordering_key {
+                    keyed.push((lock_key(&r.entry.target_id, &k), id));
+                }
             }
         }
         for id in dlq_ids {
             if self.read::<DlqEntry>("dlq", &dlq_key(id)).await?.is_some() {
                 return Ok(false);
+            }
+        }
+        // A key lock that still names one of these entries goes with it (a missing lock is
+        // a free key): one lock record per ordering key ever used stayed in the stream.
+        for (lock, id) in keyed {
+            if let Some((l, lrev)) = self.read::<KeyLock>("key locks", &lock).await?
+                && l.entry == id
+            {
+                writes.push(Write::delete(lock, Expect::Revision(lrev)));
             }
         }
         let dd = dedup_record_key(&ev.stored.event.source, &ev.stored.event.id);

@@ -1950,6 +1950,43 @@ async fn the_sweep_goes_on_past_the_events_it_keeps() {
     assert_eq!((third.events_removed, third.pending), (0, 256), "{third:?}");
 }
 
+/// An ordering key's lock record goes with the last entry it named: one record per key
+/// ever used used to stay in the stream for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_removes_a_keys_lock_with_the_entry_it_names() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let now = chrono::Utc::now().timestamp_millis();
+    s.accept(vec![keyed("lk1", "A", now - 10_000)])
+        .await
+        .expect("accept");
+    let l = lease_ok(&s, "t", now, 10, 30_000).await.remove(0);
+    deliver(&s, &l, now).await.expect("deliver");
+    let lock = lock_key("t", "A");
+    assert!(
+        s.records
+            .get(&lock)
+            .await
+            .expect("get")
+            .is_some_and(|v| v.value.is_some())
+    );
+    let stats = s.sweep(now, 1_000, 5_000).await.expect("sweep");
+    assert_eq!(stats.events_removed, 1, "{stats:?}");
+    assert!(
+        s.records
+            .get(&lock)
+            .await
+            .expect("get")
+            .is_none_or(|v| v.value.is_none()),
+        "the lock is gone"
+    );
+    // The key is free: a new entry of it is leased.
+    s.accept(vec![keyed("lk2", "A", now)])
+        .await
+        .expect("accept");
+    assert_eq!(lease_ok(&s, "t", now, 10, 30_000).await.len(), 1);
+}
+
 /// More kept events than one sweep batch.
 const SWEEP_TEST_KEPT: usize = 300;
 
