@@ -52,9 +52,15 @@ struct State {
     live: HashMap<EntryId, Live>,
     /// Per target: (available at, entry), leased entries included.
     ready: HashMap<String, BTreeSet<(Millis, EntryId)>>,
+    /// `ready` without the keyed entries that wait behind their key's first one, or whose
+    /// key is held (parked): what leases look through. Passing over them there cost every
+    /// lease a walk of a blocked key's whole backlog, under the view's lock.
+    leasable: HashMap<String, BTreeSet<(Millis, EntryId)>>,
     /// Live entries per (target, ordering key), in acceptance order: only the first may be
     /// leased.
     keys: HashMap<(String, String), BTreeSet<(Millis, EntryId)>>,
+    /// The entry of each key that is in `leasable` (its first, unless the key is held).
+    promoted: HashMap<(String, String), EntryId>,
     /// Keys held after a dead letter, per target; and which record holds each.
     held: HashMap<String, BTreeSet<String>>,
     held_records: HashMap<String, (String, String)>,
@@ -78,6 +84,9 @@ impl State {
         if let Some(set) = self.ready.get_mut(&target) {
             set.remove(&(old.available_at, id));
         }
+        if let Some(set) = self.leasable.get_mut(&target) {
+            set.remove(&(old.available_at, id));
+        }
         let k = old.entry.ordering_key?;
         let slot = (target, k);
         if let Some(set) = self.keys.get_mut(&slot) {
@@ -86,7 +95,44 @@ impl State {
                 self.keys.remove(&slot);
             }
         }
+        if self.promoted.get(&slot) == Some(&id) {
+            self.promoted.remove(&slot);
+        }
+        self.promote(&slot);
         Some(slot.0)
+    }
+
+    /// Puts the entry of key `slot` that may be leased (its first, unless the key is held)
+    /// in `leasable`, and takes out the one there before if that changed.
+    fn promote(&mut self, slot: &(String, String)) {
+        let held = self.held.get(&slot.0).is_some_and(|h| h.contains(&slot.1));
+        let desired = if held {
+            None
+        } else {
+            self.keys
+                .get(slot)
+                .and_then(|s| s.first())
+                .map(|(_, id)| *id)
+        };
+        let current = self.promoted.get(slot).copied();
+        if current == desired {
+            return;
+        }
+        if let Some(c) = current {
+            if let (Some(l), Some(set)) = (self.live.get(&c), self.leasable.get_mut(&slot.0)) {
+                set.remove(&(l.available_at, c));
+            }
+            self.promoted.remove(slot);
+        }
+        if let Some(d) = desired
+            && let Some(l) = self.live.get(&d)
+        {
+            self.leasable
+                .entry(slot.0.clone())
+                .or_default()
+                .insert((l.available_at, d));
+            self.promoted.insert(slot.clone(), d);
+        }
     }
 
     fn apply(&mut self, id: EntryId, revision: u64, record: Option<Applied>) {
@@ -126,13 +172,25 @@ impl State {
             available_at,
             key_at,
         };
-        if let Some(k) = &live.entry.ordering_key {
-            self.keys
-                .entry((target.clone(), k.clone()))
-                .or_default()
-                .insert(live.key_order());
+        let slot = live.entry.ordering_key.clone().map(|k| (target.clone(), k));
+        match &slot {
+            Some(slot) => {
+                self.keys
+                    .entry(slot.clone())
+                    .or_default()
+                    .insert(live.key_order());
+            }
+            None => {
+                self.leasable
+                    .entry(target.clone())
+                    .or_default()
+                    .insert((available_at, id));
+            }
         }
         self.live.insert(id, live);
+        if let Some(slot) = slot {
+            self.promote(&slot);
+        }
         self.notify(&target);
     }
 
@@ -167,14 +225,18 @@ impl State {
         {
             set.remove(&key);
             // The key's next entry may go now.
-            self.notify(&target);
+            let slot = (target, key);
+            self.promote(&slot);
+            self.notify(&slot.0);
         }
         if let Some((target, key)) = held {
             self.held
                 .entry(target.clone())
                 .or_default()
                 .insert(key.clone());
-            self.held_records.insert(subject.to_string(), (target, key));
+            let slot = (target, key);
+            self.promote(&slot);
+            self.held_records.insert(subject.to_string(), slot);
         }
     }
 }
@@ -258,7 +320,7 @@ impl View {
     /// `unclaim` is called, so concurrent leases of this node never race for one entry.
     pub fn candidates(&self, target: &str, now: Millis, max: usize) -> Vec<Live> {
         let mut st = self.state();
-        let Some(set) = st.ready.get(target) else {
+        let Some(set) = st.leasable.get(target) else {
             return Vec::new();
         };
         let out: Vec<Live> = set
@@ -300,7 +362,7 @@ impl View {
     /// How many entries of `target` may be leased at `now`, up to `max`.
     pub fn due_count(&self, target: &str, now: Millis, max: usize) -> usize {
         let st = self.state();
-        st.ready.get(target).map_or(0, |set| {
+        st.leasable.get(target).map_or(0, |set| {
             set.iter()
                 .take_while(|(at, _)| *at <= now)
                 .filter_map(|(_, id)| st.live.get(id))
@@ -370,7 +432,7 @@ impl View {
     /// past, and returning one had the worker poll every millisecond while a key was blocked.
     pub fn next_due(&self, target: &str) -> Option<Millis> {
         let st = self.state();
-        st.ready.get(target).and_then(|set| {
+        st.leasable.get(target).and_then(|set| {
             set.iter()
                 .find(|(_, id)| st.live.get(id).is_some_and(|l| st.ordering_allows(l)))
                 .map(|(at, _)| *at)
@@ -791,6 +853,55 @@ mod tests {
             view.state().claimed.is_empty(),
             "the claim ended with the lease"
         );
+    }
+
+    /// Entries behind their key's first one, or of a held key, are parked out of what leases
+    /// look through; the next one comes in as the first goes, or as the key is released.
+    #[test]
+    fn a_blocked_keys_backlog_is_parked_out_of_the_leasable_set() {
+        let view = View::new();
+        let keyed = |n: u64| {
+            let mut e = entry("t", 0);
+            e.id = EntryId { event: n, idx: 0 };
+            e.ordering_key = Some("k".into());
+            e.accepted_at = n as Millis;
+            e
+        };
+        for n in 1..=1000 {
+            view.state().apply(
+                EntryId { event: n, idx: 0 },
+                n,
+                Some((keyed(n), None, None)),
+            );
+        }
+        let mut free = entry("t", 0);
+        free.id = EntryId {
+            event: 5000,
+            idx: 0,
+        };
+        view.state()
+            .apply(free.id, 5000, Some((free.clone(), None, None)));
+        let leasable = |v: &View| v.state().leasable.get("t").map_or(0, BTreeSet::len);
+        assert_eq!(leasable(&view), 2, "the key's first and the unkeyed entry");
+        assert_eq!(view.depth("t"), 1001, "the depth counts parked entries");
+        // Held: none of the key's entries is leasable; released: its first again.
+        view.state()
+            .apply_held("P.hk.x", Some(("t".into(), "k".into())));
+        assert_eq!(leasable(&view), 1);
+        assert_eq!(view.due_count("t", 10, 10), 1);
+        view.state().apply_held("P.hk.x", None);
+        assert_eq!(leasable(&view), 2);
+        // The first goes: the second comes in.
+        let mut done = keyed(1);
+        done.state = EntryState::Delivered;
+        view.state()
+            .apply(EntryId { event: 1, idx: 0 }, 6000, Some((done, None, None)));
+        let ids: Vec<u64> = view
+            .candidates("t", 10, 10)
+            .iter()
+            .map(|l| l.entry.id.event)
+            .collect();
+        assert_eq!(ids, vec![2, 5000]);
     }
 
     fn dead(id: u64, target: &str, reason: crate::store::DlqReason, at: Millis) -> Vec<u8> {
