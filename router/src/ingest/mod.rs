@@ -448,12 +448,20 @@ async fn handle(
             .get_or_create(&vec![("status", status.to_string())])
             .inc();
         if let Some(reason) = reason.and_then(|r| r.parse::<DlqReason>().ok()) {
+            // The first validation error, with how many more: the log line says why.
+            let detail = errors.first().map(|e| {
+                let more = match errors.len() - 1 {
+                    0 => String::new(),
+                    n => format!(" (and {n} more)"),
+                };
+                format!("{}: {}{more}", e.pointer, e.message)
+            });
             crate::deliver::dead_lettered(
                 app.dispatcher.context(),
                 None,
                 (&ev.id, &ev.source, &ev.ty),
                 reason,
-                None,
+                detail.as_deref(),
                 now,
             );
         }

@@ -2229,6 +2229,7 @@ fn recover(db: &Database, cold_before: Option<i64>) -> Result<Recovered, StoreEr
         drop(events);
         ids.extend(rows_above);
         let now = chrono::Utc::now().timestamp_millis();
+        let mut reclaimed: BTreeMap<String, u64> = BTreeMap::new();
         let from_rows = ids.into_iter().map(|id| (id, None));
         let from_fanout = fanout.into_iter().map(|e| (e.id, Some(e)));
         for (id, fanout) in from_rows.chain(from_fanout) {
@@ -2253,10 +2254,18 @@ fn recover(db: &Database, cold_before: Option<i64>) -> Result<Recovered, StoreEr
                     );
                 }
                 entries.insert((id.event, id.idx), enc_entry(&e).as_slice())?;
+                *reclaimed.entry(e.target_id.clone()).or_default() += 1;
             }
             let t = index.target(&e.target_id);
             t.ready.insert((e.due_at, id));
             t.insert_live(id, e.accepted_at, e.ordering_key.clone());
+        }
+        for (target, n) in &reclaimed {
+            tracing::warn!(
+                target_id = %target,
+                entries = n,
+                "leases held when the router stopped were reclaimed; their attempts count as interrupted"
+            );
         }
         let dlq = txn.open_table(DLQ)?;
         let mut by_target = txn.open_table(DLQ_BY_TARGET)?;

@@ -268,10 +268,10 @@ impl JetStreamStore {
                 store.records.timeout()
             )));
         }
-        let reclaimed = store.reclaim_own_leases().await?;
-        if reclaimed > 0 {
+        for (target, n) in store.reclaim_own_leases().await? {
             tracing::warn!(
-                entries = reclaimed,
+                target_id = %target,
+                entries = n,
                 node = %store.node,
                 "leases this node held when it stopped were reclaimed; their attempts count as interrupted"
             );
@@ -605,11 +605,14 @@ impl JetStreamStore {
 
     /// Returns the entries this node held leased when it stopped to their queues, their
     /// attempt recorded as interrupted (the embedded store's reclaim at start).
-    async fn reclaim_own_leases(&self) -> Result<usize, StoreError> {
+    async fn reclaim_own_leases(
+        &self,
+    ) -> Result<std::collections::BTreeMap<String, u64>, StoreError> {
         let now = chrono::Utc::now().timestamp_millis();
-        let mut n = 0;
+        let mut n: std::collections::BTreeMap<String, u64> = Default::default();
         for live in self.view.leased_by(&self.node) {
             let mut e = live.entry;
+            let target = e.target_id.clone();
             e.lease = None;
             if let Some(a) = e.attempts.last_mut().filter(|a| a.result.is_none()) {
                 a.finished_at = Some(now);
@@ -629,7 +632,7 @@ impl JetStreamStore {
                 Expect::Revision(live.revision),
             );
             match self.commit(vec![write]).await {
-                Ok(_) => n += 1,
+                Ok(_) => *n.entry(target).or_default() += 1,
                 // Taken over by another node meanwhile (its lease had expired).
                 Err(RecordsError::Conflict) => {}
                 Err(e) => return Err(e.into()),
