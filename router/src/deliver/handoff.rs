@@ -34,9 +34,6 @@ pub struct Reservation {
     rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
     permit: OwnedSemaphorePermit,
-    /// The target's slots: a batch that `max_bytes` splits in several requests takes one more
-    /// per request.
-    slots: Arc<Semaphore>,
 }
 
 /// The fewest entries of one request that a batching webhook with `max_events` takes as a
@@ -70,6 +67,9 @@ pub(super) fn reserve(
         // Fewer than half a batch (a single event): the worker's lease gathers what several
         // commits made due into one request, where a handoff would send them alone.
         Some(b) if entries < min_batch_handoff(b.max_events) => return None,
+        // More than one request's worth: the reservation holds one slot, and what a request
+        // cannot carry would only go back to the queue (`worker::send_batches`).
+        Some(b) if u32::try_from(entries).map_or(true, |n| n > b.max_events) => return None,
         Some(_) => {}
         // One slot is one entry's attempt.
         None if entries != 1 => return None,
@@ -98,7 +98,6 @@ pub(super) fn reserve(
         rt,
         target,
         permit,
-        slots: slots.clone(),
     })
 }
 
@@ -146,13 +145,11 @@ impl Reservation {
             rt,
             target,
             permit,
-            slots,
         } = self;
         let (tracker, spawner) = (ctx.tracker.clone(), ctx.spawner.clone());
         tracker.spawn_on(
             async move {
-                worker::send_batches(&ctx, &rt, &target, leased, &batch, vec![permit], &slots)
-                    .await;
+                worker::send_batches(&ctx, &rt, &target, leased, &batch, vec![permit]).await;
             },
             &spawner,
         );

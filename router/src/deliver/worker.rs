@@ -276,7 +276,7 @@ pub(super) async fn run(
             ctx.clone(),
             rt.clone(),
             target.clone(),
-            (permits, per_slot, slots.clone()),
+            (permits, per_slot),
             now,
             lease_ms,
             probing,
@@ -314,7 +314,7 @@ async fn lease_and_start(
     ctx: Arc<DeliveryContext>,
     rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
-    (mut permits, per_slot, slots): (Vec<OwnedSemaphorePermit>, usize, Arc<Semaphore>),
+    (mut permits, per_slot): (Vec<OwnedSemaphorePermit>, usize),
     now: Millis,
     lease_ms: i64,
     probing: bool,
@@ -372,7 +372,7 @@ async fn lease_and_start(
                 spawn_attempt(&ctx, &rt, &target, leased, permit, probing);
             }
             if let Some(b) = batching {
-                send_batches(&ctx, &rt, &target, to_batch, b, permits, &slots).await;
+                send_batches(&ctx, &rt, &target, to_batch, b, permits).await;
             }
         }
         Err(e) => {
@@ -428,7 +428,12 @@ pub(super) fn spawn_attempt(
 }
 
 /// Sends leased entries of a batching webhook as batch requests (split by `max_events` and
-/// `max_bytes`), each holding a slot: one of `permits`, and past them a slot waited for.
+/// `max_bytes`), each holding one of `permits`. Entries of batches past the permits (a
+/// `max_bytes` split made more requests than there were slots) go back to the queue at once,
+/// their attempt not counted: the next lease takes them, under the throttle and the breaker
+/// like any request. Waiting here for a slot instead let their leases run out while they
+/// waited (the entries were leased again and sent twice, and the late request's answer was
+/// discarded as fenced), and sent those requests past the throttle.
 pub(super) async fn send_batches(
     ctx: &Arc<DeliveryContext>,
     rt: &Arc<TargetRuntime>,
@@ -436,18 +441,20 @@ pub(super) async fn send_batches(
     leased: Vec<Leased>,
     batch: &WebhookBatch,
     mut permits: Vec<OwnedSemaphorePermit>,
-    slots: &Arc<Semaphore>,
 ) {
+    let mut put_back = Vec::new();
     for items in split_batches(leased, batch) {
-        let permit = match permits.pop() {
-            Some(p) => p,
-            None => match slots.clone().acquire_owned().await {
-                Ok(p) => p,
-                // Closed: the worker stopped; the leases expire and return the entries.
-                Err(_) => return,
-            },
-        };
-        spawn_batch(ctx, rt, target, items, permit, false);
+        match permits.pop() {
+            Some(permit) => spawn_batch(ctx, rt, target, items, permit, false),
+            None => put_back.extend(items.into_iter().map(|i| i.leased)),
+        }
+    }
+    if !put_back.is_empty() {
+        let now = ctx.clock.now_ms();
+        tracing::debug!(target_id = %rt.spec.id, entries = put_back.len(), "more batches than slots; the rest go back to the queue");
+        for leased in &put_back {
+            defer(ctx, leased, now, now).await;
+        }
     }
 }
 
