@@ -326,10 +326,24 @@ pub fn classify_flush(error: &str) -> AttemptOutcome {
 
 /// The outcome of a JetStream publish that failed, for any error but "no stream" (which
 /// depends on `nats.ack`).
-pub fn classify_jetstream(kind: JetStreamErrorKind, error: &str) -> AttemptOutcome {
-    match kind {
+pub fn classify_jetstream(e: &async_nats::jetstream::context::PublishError) -> AttemptOutcome {
+    let error = e.to_string();
+    // The stream's answer, when the server gave one.
+    let code = std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<async_nats::jetstream::Error>())
+        .map(async_nats::jetstream::Error::error_code);
+    match e.kind() {
         JetStreamErrorKind::MaxPayloadExceeded => {
             permanent(format!("message too large for NATS: {error}"))
+        }
+        // Over the stream's own `max_msg_size`: this event can never be stored there, and
+        // retrying it burned its attempts and opened the breaker on the subject's valid events.
+        JetStreamErrorKind::Other
+            if code == Some(async_nats::jetstream::ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM) =>
+        {
+            permanent(format!(
+                "message too large for the stream: JetStream: {error}"
+            ))
         }
         JetStreamErrorKind::TimedOut => retryable(format!("timeout: JetStream: {error}")),
         JetStreamErrorKind::BrokenPipe => {
@@ -492,7 +506,7 @@ impl NatsTarget {
                     self.publish_core(&conn.client, headers, req).await
                 }
             },
-            Err(e) => classify_jetstream(e.kind(), &e.to_string()),
+            Err(e) => classify_jetstream(&e),
         }
     }
 
@@ -608,7 +622,7 @@ mod tests {
             (JetStreamErrorKind::Other, false),
             (JetStreamErrorKind::StreamNotFound, false),
         ] {
-            let o = classify_jetstream(kind, "x");
+            let o = classify_jetstream(&async_nats::jetstream::context::PublishError::new(kind));
             assert_eq!(
                 matches!(o, AttemptOutcome::Permanent { .. }),
                 permanent,
@@ -708,13 +722,33 @@ mod tests {
             JetStreamErrorKind::Other,
             error,
         );
-        let o = classify_jetstream(e.kind(), &e.to_string());
+        let o = classify_jetstream(&e);
         assert!(matches!(o, AttemptOutcome::Retryable { .. }), "{o:?}");
         assert!(
             o.error()
                 .is_some_and(|t| t.contains("maximum messages exceeded") && t.contains("10077")),
             "{o:?}"
         );
+    }
+
+    #[test]
+    fn a_message_over_the_streams_own_limit_is_permanent() {
+        let answer: jetstream::response::Response<jetstream::publish::PublishAck> =
+            serde_json::from_str(
+                r#"{"error":{"code":400,"err_code":10054,"description":"message size exceeds maximum allowed"}}"#,
+            )
+            .expect("error answer");
+        let jetstream::response::Response::Err { error } = answer else {
+            panic!("an error answer");
+        };
+        let e = async_nats::jetstream::context::PublishError::with_source(
+            JetStreamErrorKind::Other,
+            error,
+        );
+        let o = classify_jetstream(&e);
+        assert!(matches!(o, AttemptOutcome::Permanent { .. }), "{o:?}");
+        assert!(!o.counts_for_breaker());
+        assert!(o.error().is_some_and(|t| t.contains("10054")), "{o:?}");
     }
 
     /// Nothing listens on the port: the router's client is built all the same (retry on
