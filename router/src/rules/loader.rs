@@ -1287,6 +1287,11 @@ fn check_url(url: &str) -> Result<(), String> {
     {
         return Err(format!("webhook URL `{url}` has an invalid port"));
     }
+    // What the HTTP client will parse it with: a host it refuses (`exa<mple.com`, `bad%host`)
+    // is refused here rather than failing every attempt.
+    if let Err(e) = reqwest::Url::parse(url) {
+        return Err(format!("webhook URL `{url}` is not a valid URL: {e}"));
+    }
     Ok(())
 }
 

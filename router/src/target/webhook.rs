@@ -431,6 +431,13 @@ impl Webhook {
             .await;
         let resp = match sent {
             Ok(r) => r,
+            // The request could not even be built (a URL the client refuses): no retry helps.
+            Err(e) if e.is_builder() => {
+                return Exchange::Failed(AttemptOutcome::Permanent {
+                    error: format!("invalid request: {}", error_chain(&e)),
+                    status: None,
+                });
+            }
             Err(e) => {
                 let kind = if e.is_timeout() {
                     "timeout"

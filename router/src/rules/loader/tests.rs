@@ -472,6 +472,9 @@ fn webhook_urls() {
         ("http://user:pw@host/", "credentials"),
         ("http://[zz]/", "invalid host"),
         ("http://ho st/", "whitespace"),
+        // Refused by the HTTP client: every attempt would fail.
+        ("https://exa<mple.com/hook", "not a valid URL"),
+        ("http://bad%host/x", "not a valid URL"),
     ] {
         one_err(&[("r.yaml", &t(bad))], "r.yaml:5:18: ", why);
     }
