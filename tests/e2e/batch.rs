@@ -283,23 +283,34 @@ async fn a_producer_batch_that_fills_half_a_batch_is_handed_off_as_one_request()
     );
 
     // 50 in one request: more than one request holds, so no handoff (the reservation is one
-    // slot); the worker's lease sends them as two requests (40 and 10). They are concurrent:
-    // either may arrive first.
+    // slot); the worker's leases send them, in requests of at most 40 (how many depends on
+    // when the leases see them: on JetStream the queue view takes them in as it reads them).
     let events: Vec<Value> = (0..50)
         .map(|i| event(&format!("s-{i}"), "t", json!({"n": i})))
         .collect();
     post_batch(&r, &events).await;
+    let s_ids = |seen: &[Received]| -> Vec<String> {
+        seen.iter()
+            .flat_map(|r| r.body.as_array().into_iter().flatten())
+            .filter_map(|e| e["id"].as_str())
+            .filter(|id| id.starts_with("s-"))
+            .map(str::to_string)
+            .collect()
+    };
     assert!(
-        rcv.wait_for(Duration::from_secs(20), |seen| seen.len() >= 3)
+        rcv.wait_for(Duration::from_secs(20), |seen| s_ids(seen).len() >= 50)
             .await,
         "the 50 events did not arrive"
     );
     let got = requests(&rcv);
-    let mut sizes: Vec<usize> = got[1..].iter().map(|(ids, _)| ids.len()).collect();
-    sizes.sort_unstable();
-    assert_eq!(sizes, vec![10, 40], "{sizes:?}");
-    let ids: HashSet<&String> = got[1..].iter().flat_map(|(ids, _)| ids).collect();
-    assert_eq!(ids.len(), 50);
+    assert!(
+        got[1..].iter().all(|(ids, _)| ids.len() <= 40),
+        "{:?}",
+        got.iter().map(|(ids, _)| ids.len()).collect::<Vec<_>>()
+    );
+    let all = s_ids(&rcv.received());
+    let distinct: HashSet<&String> = all.iter().collect();
+    assert_eq!((all.len(), distinct.len()), (50, 50));
     assert_eq!(handoffs().await, 30);
 
     // Single events are left to the queue, whose lease batches what is due: no handoff.

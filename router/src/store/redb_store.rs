@@ -473,9 +473,35 @@ struct TargetIndex {
     /// and unkeyed entries starved), and its past due times had the worker poll every
     /// millisecond. A key's next entry moves to `ready` when the one before it leaves.
     parked: BTreeMap<EntryId, Millis>,
+    /// The entry of each ordering key that is leased (in flight). A redriven or replayed
+    /// entry sorts before the key's later ones, so being first is not enough: without this
+    /// it was leased while a later entry of its key was still being delivered.
+    flying: BTreeMap<String, EntryId>,
 }
 
 impl TargetIndex {
+    /// Entry `id` is leased.
+    fn fly(&mut self, id: EntryId, lease: Lease) {
+        self.in_flight.insert(id, lease);
+        if let Some(k) = self.entry_keys.get(&id) {
+            self.flying.insert(k.clone(), id);
+        }
+    }
+
+    /// Entry `id`'s lease ended (it stays live, or leaves with `remove_live`): its key's
+    /// first entry may go.
+    fn land(&mut self, id: EntryId) {
+        if self.in_flight.remove(&id).is_none() {
+            return;
+        }
+        if let Some(k) = self.entry_keys.get(&id).cloned()
+            && self.flying.get(&k) == Some(&id)
+        {
+            self.flying.remove(&k);
+            self.unpark_first(&k);
+        }
+    }
+
     fn insert_live(&mut self, id: EntryId, accepted_at: Millis, key: Option<String>) {
         self.live.insert(id, accepted_at);
         if let Some(k) = key {
@@ -499,6 +525,7 @@ impl TargetIndex {
             return;
         }
         if let Some(&first) = self.keys.get(key).and_then(|s| s.first())
+            && self.flying.get(key).is_none_or(|f| *f == first)
             && let Some(due) = self.parked.remove(&first)
         {
             self.ready.insert((due, first));
@@ -541,7 +568,9 @@ impl TargetIndex {
         match self.entry_keys.get(&id) {
             None => true,
             Some(k) => {
-                !self.held.contains(k) && self.keys.get(k).and_then(|s| s.first()) == Some(&id)
+                !self.held.contains(k)
+                    && self.keys.get(k).and_then(|s| s.first()) == Some(&id)
+                    && self.flying.get(k).is_none_or(|f| *f == id)
             }
         }
     }
@@ -609,7 +638,7 @@ impl Index {
                 t.insert_live(id, accepted_at, key);
                 match lease {
                     Some(lease) => {
-                        t.in_flight.insert(id, lease);
+                        t.fly(id, lease);
                     }
                     None => {
                         t.enqueue(id, due);
@@ -619,13 +648,13 @@ impl Index {
             }
             Effect::Requeue { target, id, due } => {
                 let t = self.target(&target);
-                t.in_flight.remove(&id);
+                t.land(id);
                 t.enqueue(id, due);
                 self.notify(&target);
             }
             Effect::Remove { target, id, hold } => {
                 let t = self.target(&target);
-                t.in_flight.remove(&id);
+                t.land(id);
                 if hold && let Some(k) = t.entry_keys.get(&id).cloned() {
                     t.held.insert(k);
                 }
@@ -1230,7 +1259,7 @@ impl RedbStore {
             let mut ids = Vec::new();
             for (due, id) in t.due(now, max) {
                 t.ready.remove(&(due, id));
-                t.in_flight.insert(id, lease);
+                t.fly(id, lease);
                 ids.push(id);
             }
             ids
@@ -1257,7 +1286,7 @@ impl RedbStore {
                     let mut idx = self.index();
                     let t = idx.target(target);
                     for id in ids.iter().filter(|id| !got.contains(id)) {
-                        t.in_flight.remove(id);
+                        t.land(*id);
                         t.remove_live(*id);
                     }
                 }
@@ -1267,7 +1296,7 @@ impl RedbStore {
                 let mut idx = self.index();
                 let t = idx.target(target);
                 for id in ids {
-                    t.in_flight.remove(&id);
+                    t.land(id);
                     t.enqueue(id, now);
                 }
                 Err(e)
@@ -1923,7 +1952,7 @@ impl Store for RedbStore {
                 .map(|(id, _)| *id)
                 .collect();
             for id in &expired {
-                t.in_flight.remove(id);
+                t.land(*id);
                 t.enqueue(*id, now);
             }
             if !expired.is_empty() {
@@ -4082,6 +4111,20 @@ impl Committer {
                     };
                     e.requeue_for_redrive(now);
                     self.insert_entry(txn, &e, effects)?;
+                    // The dead letter that held its key goes back at the head of the key
+                    // (it sorts first): the hold has done its work. Left held, the job said
+                    // "done" while the key, this entry included, stayed stopped.
+                    if let Some(key) = e.ordering_key.clone()
+                        && txn
+                            .open_table(HELD)?
+                            .remove((e.target_id.as_str(), key.as_str()))?
+                            .is_some()
+                    {
+                        effects.push(Effect::Release {
+                            target: e.target_id.clone(),
+                            key,
+                        });
+                    }
                 }
                 RedriveAction::Route {
                     dlq_id,

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use super::records::{Expect, RecordsError, ScanFrom, Write};
 use super::{
     EntryRecord, EventRecord, JetStreamStore, KeyLock, MAX_RETRIES, dec, dedup_record_key, dlq_key,
-    enc, entry_key, event_key, lock_key, ops,
+    enc, entry_key, event_key, held_key, lock_key, ops,
 };
 use crate::store::redb_store::idempotency_key;
 use crate::store::{
@@ -55,7 +55,23 @@ impl JetStreamStore {
                         }
                         r.entry.requeue_for_redrive(now);
                         r.dlq = None;
+                        // The dead letter that held its key goes back at the head of the key:
+                        // the hold is released with it, after the entry in the batch (views
+                        // apply it in order: the key free while the entry was still dead let
+                        // the key's next entry take the lock first).
+                        let hold = match &r.entry.ordering_key {
+                            Some(key) => {
+                                let hk = held_key(&r.entry.target_id, key);
+                                self.records
+                                    .get(&hk)
+                                    .await?
+                                    .filter(|v| v.value.is_some())
+                                    .map(|v| Write::delete(hk, Expect::Revision(v.revision)))
+                            }
+                            None => None,
+                        };
                         writes.push(Write::put(entry_key(id), enc(&r), Expect::Revision(rev)));
+                        writes.extend(hold);
                     }
                     RedriveAction::Route {
                         matched_rules,

@@ -799,7 +799,8 @@ impl JetStreamStore {
             // The key's lock first, as a write of its own (an atomic batch costs the server
             // ~5 ms, a single write ~0.5): if the entry's lease then loses its race, the lock
             // names an entry that is first of its key anyway, whoever delivers it.
-            let Some(lock) = self.key_lock_for(&entry.target_id, key, entry.id).await? else {
+            let order = (key_at.unwrap_or(entry.accepted_at), entry.id);
+            let Some(lock) = self.key_lock_for(&entry.target_id, key, order).await? else {
                 return Ok(None);
             };
             match self.commit(vec![lock]).await {
@@ -827,6 +828,32 @@ impl JetStreamStore {
                 };
                 let mut entry = record.entry;
                 entry.lease = Some(lease);
+                // The key's lock may have gone to an entry sorting before this one between
+                // the lock's write and the lease's (a lock held by an entry waiting for its
+                // retry can be taken: `key_lock_for`). Then this lease is given back before
+                // anything is sent: one entry of a key in flight, whatever the race.
+                if let Some(key) = &entry.ordering_key {
+                    let holder = match self.records.get(&lock_key(&entry.target_id, key)).await? {
+                        Some(Versioned { value: Some(b), .. }) => {
+                            Some(dec::<KeyLock>("key locks", &b)?.entry)
+                        }
+                        _ => None,
+                    };
+                    if holder != Some(entry.id) {
+                        let end = AttemptEnd {
+                            finished_at: now,
+                            result: AttemptResult::Interrupted,
+                            status: None,
+                            error: Some("its key's lock went to an earlier entry".into()),
+                            outbox: None,
+                        };
+                        let back = Disposition::Release { due_at: now };
+                        if let Err(e) = self.finish(entry.id, lease, end, back, now).await {
+                            tracing::warn!(entry = %entry.id, error = %e, "a lease that lost its key's lock could not be given back; it expires");
+                        }
+                        return Ok(None);
+                    }
+                }
                 Ok(Some((entry, lease)))
             }
             Err(RecordsError::Conflict) => Ok(None),
@@ -834,26 +861,34 @@ impl JetStreamStore {
         }
     }
 
-    /// The write that gives ordering key `key` of `target` to entry `id`, or `None` when
-    /// another live entry of the key has it (its delivery, or its retry, is not over).
+    /// The write that gives ordering key `key` of `target` to the entry whose place in the
+    /// key is `order` (`(key_at or accepted_at, id)`), or `None` when another entry of the key
+    /// has it: one leased (in flight, or its node gone and not yet taken over), or one waiting
+    /// for its retry that comes before it. A waiting holder that comes after it (a redriven
+    /// dead letter goes back to its place at the head of its key) gives the lock up: refusing
+    /// it left the key's first entry, which views propose, locked out for good.
     async fn key_lock_for(
         &self,
         target: &str,
         key: &str,
-        id: EntryId,
+        order: (Millis, EntryId),
     ) -> Result<Option<Write>, StoreError> {
+        let id = order.1;
         let lock = lock_key(target, key);
         let read = self.records.get(&lock).await?;
         if let Some(bytes) = read.as_ref().and_then(|v| v.value.as_ref()) {
             let holder: KeyLock = dec("key locks", bytes)?;
             if holder.entry != id {
-                let live = match self.records.get(&entry_key(holder.entry)).await? {
+                let blocks = match self.records.get(&entry_key(holder.entry)).await? {
                     Some(Versioned { value: Some(b), .. }) => {
-                        dec::<EntryRecord>("entries", &b)?.entry.state == EntryState::Queued
+                        let r = dec::<EntryRecord>("entries", &b)?;
+                        let holder_order = (r.key_at.unwrap_or(r.entry.accepted_at), holder.entry);
+                        r.entry.state == EntryState::Queued
+                            && (r.entry.lease.is_some() || holder_order < order)
                     }
                     _ => false,
                 };
-                if live {
+                if blocks {
                     return Ok(None);
                 }
             }

@@ -995,7 +995,7 @@ async fn a_held_key_waits_for_its_release() {
     assert_eq!(next[0].event.event.id, "h2");
 }
 
-/// The runbook for a held key: the dead letter is redriven, then the key released. The
+/// The runbook for a held key: the dead letter is redriven, which releases the key. The
 /// redriven entry goes first, before the entries that waited behind it (as on redb). Its
 /// redrive restarts its `max_age`, and sorting it by that new acceptance time put it last
 /// while the key's lock still named it: nothing of the key was leased again, ever.
@@ -1033,15 +1033,18 @@ async fn a_redriven_dead_letter_goes_first_when_its_held_key_is_released() {
     )
     .await
     .expect("redrive");
-    assert!(s.release_key("t", "A").await.expect("release"));
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while !s.held_keys("t").is_empty() {
         assert!(
             std::time::Instant::now() < deadline,
-            "the release never reached the view"
+            "the redrive's release never reached the view"
         );
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
+    assert!(
+        !s.release_key("t", "A").await.expect("release"),
+        "released by the redrive"
+    );
     let mut order = Vec::new();
     for at in [3_000, 3_100, 3_200] {
         let next = lease_ok(&s, "t", at, 10, 30_000).await;
@@ -1050,6 +1053,70 @@ async fn a_redriven_dead_letter_goes_first_when_its_held_key_is_released() {
         deliver(&s, &next[0], at + 50).await.expect("deliver");
     }
     assert_eq!(order, ["r1", "r2", "r3"]);
+}
+
+/// A dead letter redriven while a later entry of its key is in flight waits for that
+/// delivery, then goes before the key's other entries; one redriven while a later entry waits
+/// for its retry goes first, that entry's lock notwithstanding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redriven_entry_waits_for_its_keys_flight_and_then_goes_first() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![
+        keyed("f1", "K", 1_000),
+        keyed("f2", "K", 1_001),
+        keyed("f3", "K", 1_002),
+    ])
+    .await
+    .expect("accept");
+    let l1 = lease_ok(&s, "t", 2_000, 10, 30_000).await.remove(0);
+    assert_eq!(l1.event.event.id, "f1");
+    finish(
+        &s,
+        &l1,
+        AttemptResult::Permanent,
+        Some("HTTP 400"),
+        Disposition::DeadLetter {
+            reason: DlqReason::PermanentError,
+            hold: false,
+        },
+        2_100,
+    )
+    .await
+    .expect("dead letter");
+    let l2 = lease_ok(&s, "t", 2_200, 10, 30_000).await.remove(0);
+    assert_eq!(l2.event.event.id, "f2");
+    let dlq_id = s.fate("/o", "f1").await.expect("fate").expect("known").dlq[0].id;
+    s.redrive_step(
+        job("redrive-flight", JobKind::Redrive),
+        vec![RedriveAction::Requeue { dlq_id }],
+        2_300,
+    )
+    .await
+    .expect("redrive");
+    assert!(
+        lease_ok(&s, "t", 2_400, 10, 30_000).await.is_empty(),
+        "f2 is in flight: nothing else of its key goes"
+    );
+    // f2 fails and waits for its retry, holding the key's lock: f1, before it, goes.
+    finish(
+        &s,
+        &l2,
+        AttemptResult::Retryable,
+        Some("HTTP 503"),
+        Disposition::Retry { due_at: 2_500 },
+        2_450,
+    )
+    .await
+    .expect("retry");
+    let mut order = Vec::new();
+    for at in [3_000, 3_100, 3_200] {
+        let next = lease_ok(&s, "t", at, 10, 30_000).await;
+        assert_eq!(next.len(), 1, "one entry of the key at a time: {order:?}");
+        order.push(next[0].event.event.id.clone());
+        deliver(&s, &next[0], at + 50).await.expect("deliver");
+    }
+    assert_eq!(order, ["f1", "f2", "f3"]);
 }
 
 /// Workers of two nodes drain one ordered queue: never two entries of a key in flight at once;

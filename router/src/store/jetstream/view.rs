@@ -61,6 +61,11 @@ struct State {
     keys: HashMap<(String, String), BTreeSet<(Millis, EntryId)>>,
     /// The entry of each key that is in `leasable` (its first, unless the key is held).
     promoted: HashMap<(String, String), EntryId>,
+    /// The entry of each key that holds a lease (in flight, or its node gone): the only one
+    /// of its key that may be leased (taken over) until it is done. A redriven entry sorts
+    /// first while a later one may be in flight; proposing it then only met the key's lock,
+    /// again and again.
+    leased: HashMap<(String, String), EntryId>,
     /// Keys held after a dead letter, per target; and which record holds each.
     held: HashMap<String, BTreeSet<String>>,
     held_records: HashMap<String, (String, String)>,
@@ -98,6 +103,9 @@ impl State {
         if self.promoted.get(&slot) == Some(&id) {
             self.promoted.remove(&slot);
         }
+        if self.leased.get(&slot) == Some(&id) {
+            self.leased.remove(&slot);
+        }
         self.promote(&slot);
         Some(slot.0)
     }
@@ -108,6 +116,8 @@ impl State {
         let held = self.held.get(&slot.0).is_some_and(|h| h.contains(&slot.1));
         let desired = if held {
             None
+        } else if let Some(&l) = self.leased.get(slot) {
+            Some(l)
         } else {
             self.keys
                 .get(slot)
@@ -179,6 +189,9 @@ impl State {
                     .entry(slot.clone())
                     .or_default()
                     .insert(live.key_order());
+                if live.entry.lease.is_some() {
+                    self.leased.insert(slot.clone(), id);
+                }
             }
             None => {
                 self.leasable
@@ -213,8 +226,12 @@ impl State {
         if self.held.get(&e.target_id).is_some_and(|h| h.contains(k)) {
             return false;
         }
+        let slot = (e.target_id.clone(), k.clone());
+        if let Some(l) = self.leased.get(&slot) {
+            return *l == e.id;
+        }
         self.keys
-            .get(&(e.target_id.clone(), k.clone()))
+            .get(&slot)
             .and_then(|s| s.first())
             .is_some_and(|(_, first)| *first == e.id)
     }

@@ -671,6 +671,7 @@ fn plan(model: &mut Model, store: &RedbStore, round: &Round, now: Millis) -> Vec
             }
         }
     }
+    let mut releasing = false;
     if let (Some(pick), false) = (round.release, model.held.is_empty()) {
         let key = model
             .held
@@ -680,6 +681,7 @@ fn plan(model: &mut Model, store: &RedbStore, round: &Round, now: Millis) -> Vec
             .clone();
         busy.insert(ORDERED);
         ops.push(Op::Release { key });
+        releasing = true;
     }
     let dead = model.in_dlq();
     let mut moved = BTreeSet::new();
@@ -687,6 +689,11 @@ fn plan(model: &mut Model, store: &RedbStore, round: &Round, now: Millis) -> Vec
         let mut moves = Vec::new();
         for pick in &round.redrive {
             let id = dead[pick.index(dead.len())];
+            // A redrive releases the key its entry held: not in the round of a release,
+            // which would find the key released already (or not yet).
+            if releasing && model.entry(id).target == ORDERED {
+                continue;
+            }
             if !frozen(model, id) && moved.insert(id) {
                 busy.insert(model.entry(id).target);
                 moves.push((dlq_id(model, store, id), id));
@@ -990,11 +997,16 @@ fn apply(model: &mut Model, store: &RedbStore, op: &Op, answer: Answer) {
 fn redrive_model(model: &mut Model, moves: &[(u64, EntryId)], job: &Job, now: Millis) {
     for &(_, id) in moves {
         let e = model.entry(id);
+        // The key a dead letter held is released with its redrive.
+        let released = e.key.clone().filter(|_| e.target == ORDERED);
         e.state = MState::Queued;
         e.in_dlq = false;
         e.attempts = 0;
         e.due = now;
         e.redrives += 1;
+        if let Some(k) = released {
+            model.held.remove(&k);
+        }
     }
     model.job_moved = Some(job.moved);
 }

@@ -1335,6 +1335,92 @@ async fn one_entry_per_key_in_flight_and_in_order() {
     assert_eq!(next[0].event.event.id, "2");
 }
 
+/// A redriven dead letter goes back at the head of its key, but not while a later entry of
+/// the key is in flight (it was leased at once, two entries of the key then being delivered
+/// together, the older after the newer); and a redrive releases the key its dead letter
+/// held (the job used to say "done" while the key stayed stopped).
+#[tokio::test]
+async fn a_redriven_keyed_entry_waits_for_its_keys_flight_and_releases_its_hold() {
+    let s = RedbStore::in_memory().expect("store");
+    s.accept(vec![
+        keyed("1", "k", 1000),
+        keyed("2", "k", 1000),
+        keyed("3", "k", 1000),
+    ])
+    .await
+    .expect("accept");
+    let ids =
+        |v: &[Leased]| -> Vec<String> { v.iter().map(|l| l.event.event.id.clone()).collect() };
+    let dead = |hold| Disposition::DeadLetter {
+        reason: DlqReason::PermanentError,
+        hold,
+    };
+    let l1 = s.lease("a", 1000, 10, 60_000).await.expect("lease");
+    assert_eq!(ids(&l1), ["1"]);
+    s.finish(
+        l1[0].entry.id,
+        l1[0].lease,
+        delivered(1001),
+        dead(false),
+        1001,
+    )
+    .await
+    .expect("dead letter");
+    let l2 = s.lease("a", 2000, 10, 60_000).await.expect("lease");
+    assert_eq!(ids(&l2), ["2"]);
+    let redrive = |id: &'static str, n: u64| {
+        let s = &s;
+        async move {
+            let dlq_id = s.fate("/s", id).expect("fate").expect("known").dlq[0].id;
+            let j = job(&format!("redrive-{n}"), JobKind::Redrive);
+            let rev = s.put_job(j.clone()).await.expect("create");
+            s.redrive_step(
+                Job { rev, ..j },
+                vec![RedriveAction::Requeue { dlq_id }],
+                2500,
+            )
+            .await
+            .expect("redrive");
+        }
+    };
+    redrive("1", 1).await;
+    assert!(
+        s.lease("a", 3000, 10, 60_000)
+            .await
+            .expect("lease")
+            .is_empty(),
+        "2 is in flight: neither the redriven 1 nor 3 goes"
+    );
+    ack(&s, &l2[0], 3001).await.expect("ack");
+    let next = s.lease("a", 3002, 10, 60_000).await.expect("lease");
+    assert_eq!(ids(&next), ["1"], "back at the head of its key");
+    ack(&s, &next[0], 3003).await.expect("ack");
+    let next = s.lease("a", 3004, 10, 60_000).await.expect("lease");
+    assert_eq!(ids(&next), ["3"]);
+    ack(&s, &next[0], 3005).await.expect("ack");
+
+    // Held: the redrive releases the key, and its dead letter goes first.
+    s.accept(vec![keyed("4", "h", 4000), keyed("5", "h", 4000)])
+        .await
+        .expect("accept");
+    let l4 = s.lease("a", 4000, 10, 60_000).await.expect("lease");
+    assert_eq!(ids(&l4), ["4"]);
+    s.finish(
+        l4[0].entry.id,
+        l4[0].lease,
+        delivered(4001),
+        dead(true),
+        4001,
+    )
+    .await
+    .expect("dead letter");
+    assert_eq!(s.held_keys("a"), vec!["h".to_string()]);
+    redrive("4", 2).await;
+    assert!(s.held_keys("a").is_empty(), "released by the redrive");
+    let next = s.lease("a", 5000, 10, 60_000).await.expect("lease");
+    assert_eq!(ids(&next), ["4"]);
+}
+
 /// A key with more entries behind its retrying first one than a lease scans: other keys and
 /// unkeyed entries still go, and the next due time is the first one's retry, not one of the
 /// waiting entries' past due times (which had the worker poll every millisecond). The same
