@@ -111,8 +111,8 @@ impl JetStreamStore {
                         }
                     }
                     RedriveAction::Keep { errors, .. } => {
+                        // Not a new failure: the time of the last one stays.
                         d.errors = errors.clone();
-                        d.last_failure_at = now;
                         d.redrive_count += 1;
                         writes.push(Write::put(dlq_key(dlq_id), enc(&d), Expect::Revision(drev)));
                     }
