@@ -323,6 +323,17 @@ pub fn summary_table(v: &Value) -> String {
     )
 }
 
+/// The API route of job `id`'s kind: `router dlq jobs` lists redrives and replays, and each
+/// kind is shown and controlled on its own route (a replay's id on the redrive route was a
+/// 404).
+pub fn job_route(id: &str) -> &'static str {
+    if id.starts_with("replay-") {
+        "/v1/replay"
+    } else {
+        "/v1/dlq/redrive"
+    }
+}
+
 /// One line of job progress.
 pub fn job_line(j: &Value) -> String {
     let total = j["total"].as_u64().unwrap_or(0);
@@ -434,6 +445,13 @@ mod tests {
             "?a=x%20y%2Fz"
         );
         assert_eq!(query(&[("b", &None)]), "");
+    }
+
+    #[test]
+    fn a_jobs_route_follows_its_kind() {
+        assert_eq!(job_route("replay-3"), "/v1/replay");
+        assert_eq!(job_route("replay-12-1a2b"), "/v1/replay");
+        assert_eq!(job_route("redrive-4"), "/v1/dlq/redrive");
     }
 
     #[test]

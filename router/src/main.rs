@@ -1049,11 +1049,12 @@ async fn dlq(api: Api, cmd: DlqCmd) -> anyhow::Result<ExitCode> {
                         .await?
                 }
                 (Some(id), None) => {
-                    c.call(Method::GET, &format!("/v1/dlq/redrive/{id}"), None)
-                        .await?
+                    let base = router::cli::job_route(&id);
+                    c.call(Method::GET, &format!("{base}/{id}"), None).await?
                 }
                 (Some(id), Some(a)) => {
-                    c.call(Method::POST, &format!("/v1/dlq/redrive/{id}/{a}"), None)
+                    let base = router::cli::job_route(&id);
+                    c.call(Method::POST, &format!("{base}/{id}/{a}"), None)
                         .await?
                 }
             };

@@ -1091,10 +1091,16 @@ pub async fn job_show(
     if let Err(r) = job_read_scope(&who) {
         return *r;
     }
+    let hidden = || crate::auth::forbidden(&who, "read (or dlq:<target> of the job's target)");
     match route_job(&app, matched.as_ref(), &job).await {
         Ok(j) if job_visible(&who, &j) => axum::Json(job_json(&j)).into_response(),
         // Without naming the job's target: it is another team's.
-        Ok(_) => crate::auth::forbidden(&who, "read (or dlq:<target> of the job's target)"),
+        Ok(_) => hidden(),
+        // A team token learns nothing of other teams' jobs, not even that one exists: a
+        // missing job gets the same 403 (as a missing DLQ entry does).
+        Err(r) if r.status() == StatusCode::NOT_FOUND && !who.allows(&crate::auth::Scope::Read) => {
+            hidden()
+        }
         Err(r) => r,
     }
 }
@@ -1110,12 +1116,17 @@ pub async fn job_control(
     // job not found (yet) is 404, never a change that skipped it. Replays are admin-only
     // (the router checked); a redrive is its filter's target's team's. The 403 does not name
     // another team's target.
+    let hidden = || crate::auth::forbidden(&who, "admin (or dlq:<target> of the job's target)");
     let j = match route_job(&app, matched.as_ref(), &job).await {
         Ok(j) => j,
+        // The same 403 for a missing job as for another team's (see `job_show`).
+        Err(r) if r.status() == StatusCode::NOT_FOUND && !who.allows(&crate::auth::Scope::Read) => {
+            return hidden();
+        }
         Err(r) => return r,
     };
     if !(who.allows(&crate::auth::Scope::Admin) || team_owns_job(&who, &j)) {
-        return crate::auth::forbidden(&who, "admin (or dlq:<target> of the job's target)");
+        return hidden();
     }
     use crate::store::JobState;
     let to = match action.as_str() {

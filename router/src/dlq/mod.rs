@@ -939,7 +939,22 @@ async fn redrive_step(
                 actions.push(RedriveAction::Requeue { dlq_id: d.id });
                 job.moved += 1;
             }
-            _ => job.skipped += 1,
+            // An emission past the hop limit or outside its handler's scope: routed again it
+            // would loop, or break the scope, again. It stays, saying so, and counts as
+            // failed (it used to be skipped without a word, the job reporting success).
+            _ => {
+                actions.push(RedriveAction::Keep {
+                    dlq_id: d.id,
+                    errors: vec![FieldError::new(
+                        "",
+                        format!(
+                            "not redriven: a {} dead letter is not routed again; fix its handler, then purge it",
+                            d.reason.as_str()
+                        ),
+                    )],
+                });
+                job.failed += 1;
+            }
         }
     }
     job.updated_at = now;

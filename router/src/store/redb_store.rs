@@ -4170,8 +4170,9 @@ impl Committer {
                     let raw = t.get(dlq_id)?.map(|v| v.value().to_vec());
                     if let Some(raw) = raw {
                         let mut d: DlqEntry = dec("dlq", &raw)?;
+                        // Not a new failure: the time of the last one stays (the summary's
+                        // histogram and `until` filters go by it).
                         d.errors = errors;
-                        d.last_failure_at = now;
                         d.redrive_count += 1;
                         t.insert(dlq_id, enc(&d).as_slice())?;
                     }
