@@ -62,7 +62,7 @@ fn entry_state(e: &QueueEntry, now: i64) -> &'static str {
 }
 
 fn dlq_json(d: &DlqEntry) -> Value {
-    json!({
+    let mut v = json!({
         "id": d.id.to_string(),
         "event": { "id": d.event_id, "source": d.event_source, "type": d.event_type },
         "target": d.target_id,
@@ -74,7 +74,11 @@ fn dlq_json(d: &DlqEntry) -> Value {
         "first_failure_at": rfc3339(d.first_failure_at),
         "last_failure_at": rfc3339(d.last_failure_at),
         "redrive_count": d.redrive_count,
-    })
+    });
+    if let Some(job) = &d.replay {
+        v["replay"] = json!(job);
+    }
+    v
 }
 
 /// Query of `GET /v1/events/{id}`.

@@ -978,7 +978,7 @@ async fn replay_step(
         job.state = JobState::Done;
         job.updated_at = now;
         job.heartbeat_at = now;
-        job.rev = app.store.replay_step(job.clone(), Vec::new(), now).await?;
+        job.rev = app.store.replay_step(job.clone(), Vec::new(), now).await?.0;
         return Ok(0);
     }
     let rules = app.rules.load();
@@ -1011,7 +1011,11 @@ async fn replay_step(
     job.updated_at = now;
     job.heartbeat_at = now;
     let n = events.len();
-    job.rev = app.store.replay_step(job.clone(), items, now).await?;
+    // Copies refused by their queue's depth cap went to the DLQ: counted as failed (the job
+    // said all was moved, and `--wait` exited 0).
+    let (rev, dead) = app.store.replay_step(job.clone(), items, now).await?;
+    job.rev = rev;
+    job.failed += dead;
     Ok(n)
 }
 

@@ -385,6 +385,11 @@ pub struct DlqEntry {
     /// Redrives of the entry so far.
     #[serde(default)]
     pub redrive_count: u32,
+    /// The replay job whose copy this is (a replayed delivery that failed, or one refused by
+    /// its queue's cap): a redrive keeps it a replay, with the replay's idempotency key, not
+    /// the original's (receivers that deduplicate on it dropped the redriven copy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replay: Option<String>,
 }
 
 impl DlqEntry {
@@ -417,6 +422,7 @@ impl DlqEntry {
             first_failure_at: at,
             last_failure_at: at,
             redrive_count: 0,
+            replay: None,
         }
     }
 
@@ -456,6 +462,7 @@ impl DlqEntry {
             first_failure_at: first,
             last_failure_at: end.finished_at,
             redrive_count: e.redrive_count,
+            replay: e.replay.clone(),
         }
     }
 }

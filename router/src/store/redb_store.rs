@@ -774,7 +774,7 @@ enum Op {
         job: Job,
         items: Vec<ReplayItem>,
         now: Millis,
-        reply: Reply<Result<u64, StoreError>>,
+        reply: Reply<Result<(u64, u64), StoreError>>,
     },
     PurgeDlq {
         ids: Vec<u64>,
@@ -1822,7 +1822,7 @@ impl Store for RedbStore {
         job: Job,
         items: Vec<ReplayItem>,
         now: Millis,
-    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+    ) -> BoxFuture<'_, Result<(u64, u64), StoreError>> {
         async move {
             self.call(|reply| Op::ReplayStep {
                 job,
@@ -4152,7 +4152,11 @@ impl Committer {
                     drop(ev_t);
                     let first = self.next_idx(txn, d.event_seq)?;
                     for (idx, t) in (first..).zip(targets) {
-                        let key = idempotency_key(&ev.event.source, &ev.event.id, &t.target_id);
+                        let mut key = idempotency_key(&ev.event.source, &ev.event.id, &t.target_id);
+                        // A replay's copy stays one, with the replay's key.
+                        if let Some(job) = &d.replay {
+                            key = idempotency_key(&key, job, "replay");
+                        }
                         let id = EntryId {
                             event: d.event_seq,
                             idx,
@@ -4160,6 +4164,7 @@ impl Committer {
                         // Its max_age counts from the redrive, as for a requeued entry.
                         let entry = QueueEntry {
                             redrive_count: d.redrive_count + 1,
+                            replay: d.replay.clone(),
                             ..QueueEntry::queued(id, t, key, now, now, ev.event.hops())
                         };
                         self.insert_entry(txn, &entry, effects)?;
@@ -4189,8 +4194,9 @@ impl Committer {
         items: Vec<ReplayItem>,
         now: Millis,
         effects: &mut Vec<Effect>,
-    ) -> Result<u64, StoreError> {
+    ) -> Result<(u64, u64), StoreError> {
         check_job_rev(txn, job)?;
+        let mut dead = 0u64;
         for item in items {
             let raw = txn
                 .open_table(EVENTS)?
@@ -4213,19 +4219,23 @@ impl Committer {
                             t.target_id, job.id
                         ),
                     );
-                    let d = DlqEntry::at_acceptance(
-                        item.seq,
-                        (
-                            ev.event.id.clone(),
-                            ev.event.source.clone(),
-                            ev.event.ty.clone(),
-                        ),
-                        Some(&t),
-                        DlqReason::TargetOverflow,
-                        vec![error],
-                        now,
-                    );
+                    let d = DlqEntry {
+                        replay: Some(job.id.clone()),
+                        ..DlqEntry::at_acceptance(
+                            item.seq,
+                            (
+                                ev.event.id.clone(),
+                                ev.event.source.clone(),
+                                ev.event.ty.clone(),
+                            ),
+                            Some(&t),
+                            DlqReason::TargetOverflow,
+                            vec![error],
+                            now,
+                        )
+                    };
                     self.add_dlq(txn, d, effects)?;
+                    dead += 1;
                     continue;
                 }
                 *self.group_depth.entry(t.target_id.clone()).or_insert(0) += 1;
@@ -4243,7 +4253,11 @@ impl Committer {
                 self.insert_entry(txn, &entry, effects)?;
             }
         }
-        write_job(txn, job)
+        let job = Job {
+            failed: job.failed + dead,
+            ..job.clone()
+        };
+        Ok((write_job(txn, &job)?, dead))
     }
 
     /// Moves waiting (not leased) entries to the DLQ without an attempt.
@@ -4290,6 +4304,7 @@ impl Committer {
                 first_failure_at: now,
                 last_failure_at: now,
                 redrive_count: e.redrive_count,
+                replay: e.replay.clone(),
             };
             self.add_dlq(txn, d, effects)?;
             if id.event < self.floor {

@@ -94,9 +94,14 @@ impl JetStreamStore {
                                 idx: ev.entries,
                             };
                             ev.entries += 1;
-                            let key = idempotency_key(&stored.source, &stored.id, &t.target_id);
+                            let mut key = idempotency_key(&stored.source, &stored.id, &t.target_id);
+                            // A replay's copy stays one, with the replay's key.
+                            if let Some(job) = &d.replay {
+                                key = idempotency_key(&key, job, "replay");
+                            }
                             let entry = QueueEntry {
                                 redrive_count: d.redrive_count + 1,
+                                replay: d.replay.clone(),
                                 // Its max_age counts from the redrive, as for a requeued
                                 // entry.
                                 ..QueueEntry::queued(id, t.clone(), key, now, now, stored.hops())
@@ -168,13 +173,15 @@ impl JetStreamStore {
         job: Job,
         items: Vec<ReplayItem>,
         now: Millis,
-    ) -> Result<u64, StoreError> {
+    ) -> Result<(u64, u64), StoreError> {
         for _ in 0..MAX_RETRIES {
             // The job first: a step it no longer owns reads nothing more.
             let mut writes = vec![self.job_write(&job).await?];
             let mut events: HashMap<u64, (EventRecord, u64)> = HashMap::new();
             // Entries this step adds per capped target, beside those the view holds.
             let mut added: HashMap<String, u64> = HashMap::new();
+            // Copies that go to the DLQ instead: the job counts them as failed.
+            let mut dead = 0u64;
             for item in &items {
                 let Some((ev, _)) = self.event_for(&mut events, item.seq).await? else {
                     continue;
@@ -197,6 +204,7 @@ impl JetStreamStore {
                             );
                             let d = DlqEntry {
                                 id,
+                                replay: Some(job.id.clone()),
                                 ..DlqEntry::at_acceptance(
                                     item.seq,
                                     names,
@@ -209,6 +217,7 @@ impl JetStreamStore {
                             writes.push(Write::put(dlq_key(id), enc(&d), Expect::Revision(0)));
                             // The event's record lists its dead letters (its fate reads them).
                             ev.dlq.push(id);
+                            dead += 1;
                             continue;
                         }
                         *n += 1;
@@ -234,8 +243,15 @@ impl JetStreamStore {
                     writes.push(Write::put(entry_key(id), enc(&r), Expect::Revision(0)));
                 }
             }
+            if dead > 0 {
+                let counted = Job {
+                    failed: job.failed + dead,
+                    ..job.clone()
+                };
+                writes[0] = self.job_write(&counted).await?;
+            }
             if self.commit_step(writes, events).await? {
-                return Ok(job.rev + 1);
+                return Ok((job.rev + 1, dead));
             }
         }
         Err(StoreError::Backend(

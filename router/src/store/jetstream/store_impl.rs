@@ -163,7 +163,7 @@ impl Store for JetStreamStore {
         job: Job,
         items: Vec<ReplayItem>,
         now: Millis,
-    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+    ) -> BoxFuture<'_, Result<(u64, u64), StoreError>> {
         JetStreamStore::replay_step(self, job, items, now).boxed()
     }
 

@@ -2863,12 +2863,57 @@ async fn a_replay_past_a_targets_depth_cap_overflows_to_the_dlq() {
             }],
         })
         .collect();
-    s.replay_step(Job { rev, ..j }, items, 2000)
+    let (_, dead) = s
+        .replay_step(Job { rev, ..j }, items, 2000)
         .await
         .expect("step");
-    // Three accepted, one replayed copy fits under the cap of four, two overflow.
+    // Three accepted, one replayed copy fits under the cap of four, two overflow: the job
+    // counts them as failed.
+    assert_eq!(dead, 2);
+    assert_eq!(
+        s.job("replay-1")
+            .await
+            .expect("job")
+            .expect("stored")
+            .failed,
+        2
+    );
     let stats = &s.queue_stats()["a"];
     assert_eq!((stats.queued, stats.dlq), (4, 2), "{stats:?}");
     let overflowed = s.fate("/s", "e2").expect("fate").expect("known").dlq;
     assert_eq!(overflowed[0].reason, DlqReason::TargetOverflow);
+    assert_eq!(overflowed[0].replay.as_deref(), Some("replay-1"));
+    // Redriven, the copy is still the replay's: its marker and key, not the original's
+    // (receivers deduplicating on the key dropped it as the original).
+    let r = job("redrive-1", JobKind::Redrive);
+    let rev = s.put_job(r.clone()).await.expect("create");
+    s.redrive_step(
+        Job { rev, ..r },
+        vec![RedriveAction::Route {
+            dlq_id: overflowed[0].id,
+            matched_rules: vec!["r".into()],
+            targets: vec![NewEntry {
+                target_id: "a".into(),
+                rule: "r".into(),
+                ordering_key: None,
+                max_depth: None,
+                lease_ms: None,
+            }],
+        }],
+        3000,
+    )
+    .await
+    .expect("redrive");
+    let fate = s.fate("/s", "e2").expect("fate").expect("known");
+    let copy = fate
+        .entries
+        .iter()
+        .find(|e| e.redrive_count == 1)
+        .expect("the redriven copy");
+    assert_eq!(copy.replay.as_deref(), Some("replay-1"));
+    let original = idempotency_key("/s", "e2", "a");
+    assert_eq!(
+        copy.idempotency_key,
+        idempotency_key(&original, "replay-1", "replay")
+    );
 }
