@@ -707,22 +707,22 @@ mod tests {
         assert_eq!(target.remembered(), None);
     }
 
-    #[test]
-    fn a_stream_error_answer_is_retryable_with_its_text() {
-        // What the server answers when a stream with `discard: new` is full.
+    /// The publish error of a JetStream error answer `json` (as the server sends it).
+    fn answered(json: &str) -> async_nats::jetstream::context::PublishError {
         let answer: jetstream::response::Response<jetstream::publish::PublishAck> =
-            serde_json::from_str(
-                r#"{"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"}}"#,
-            )
-            .expect("error answer");
+            serde_json::from_str(json).expect("error answer");
         let jetstream::response::Response::Err { error } = answer else {
             panic!("an error answer");
         };
-        let e = async_nats::jetstream::context::PublishError::with_source(
-            JetStreamErrorKind::Other,
-            error,
-        );
-        let o = classify_jetstream(&e);
+        async_nats::jetstream::context::PublishError::with_source(JetStreamErrorKind::Other, error)
+    }
+
+    #[test]
+    fn a_stream_error_answer_is_retryable_with_its_text() {
+        // What the server answers when a stream with `discard: new` is full.
+        let o = classify_jetstream(&answered(
+            r#"{"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"}}"#,
+        ));
         assert!(matches!(o, AttemptOutcome::Retryable { .. }), "{o:?}");
         assert!(
             o.error()
@@ -733,19 +733,9 @@ mod tests {
 
     #[test]
     fn a_message_over_the_streams_own_limit_is_permanent() {
-        let answer: jetstream::response::Response<jetstream::publish::PublishAck> =
-            serde_json::from_str(
-                r#"{"error":{"code":400,"err_code":10054,"description":"message size exceeds maximum allowed"}}"#,
-            )
-            .expect("error answer");
-        let jetstream::response::Response::Err { error } = answer else {
-            panic!("an error answer");
-        };
-        let e = async_nats::jetstream::context::PublishError::with_source(
-            JetStreamErrorKind::Other,
-            error,
-        );
-        let o = classify_jetstream(&e);
+        let o = classify_jetstream(&answered(
+            r#"{"error":{"code":400,"err_code":10054,"description":"message size exceeds maximum allowed"}}"#,
+        ));
         assert!(matches!(o, AttemptOutcome::Permanent { .. }), "{o:?}");
         assert!(!o.counts_for_breaker());
         assert!(o.error().is_some_and(|t| t.contains("10054")), "{o:?}");

@@ -914,6 +914,36 @@ fn keyed(id: &str, key: &str, at: Millis) -> NewEvent {
     ne
 }
 
+/// Dead-letters leased `l` at `at` as a permanent failure (`hold`: its key waits).
+async fn dead_letter(s: &JetStreamStore, l: &Leased, hold: bool, at: Millis) {
+    finish(
+        s,
+        l,
+        AttemptResult::Permanent,
+        Some("HTTP 422"),
+        Disposition::DeadLetter {
+            reason: DlqReason::PermanentError,
+            hold,
+        },
+        at,
+    )
+    .await
+    .expect("dead letter");
+}
+
+/// Leases and delivers target `t`'s entries one lease at each of `ats`, each lease finding
+/// exactly one; returns their event ids in order.
+async fn deliver_one_at_a_time(s: &JetStreamStore, ats: &[Millis]) -> Vec<String> {
+    let mut order = Vec::new();
+    for &at in ats {
+        let next = lease_ok(s, "t", at, 10, 30_000).await;
+        assert_eq!(next.len(), 1, "one entry of the key at a time: {order:?}");
+        order.push(next[0].event.event.id.clone());
+        deliver(s, &next[0], at + 50).await.expect("deliver");
+    }
+    order
+}
+
 /// One entry of a key at a time, in acceptance order, through retries; other keys and
 /// unkeyed entries go on meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -962,19 +992,7 @@ async fn a_held_key_waits_for_its_release() {
         .await
         .expect("accept");
     let l = lease_ok(&s, "t", 2_000, 10, 30_000).await.remove(0);
-    finish(
-        &s,
-        &l,
-        AttemptResult::Permanent,
-        Some("HTTP 422"),
-        Disposition::DeadLetter {
-            reason: DlqReason::PermanentError,
-            hold: true,
-        },
-        2_100,
-    )
-    .await
-    .expect("dead letter");
+    dead_letter(&s, &l, true, 2_100).await;
     assert!(lease_ok(&s, "t", 3_000, 10, 30_000).await.is_empty());
     assert_eq!(s.held_keys("t"), vec!["A".to_string()]);
     assert!(s.release_key("t", "A").await.expect("release"));
@@ -1012,19 +1030,7 @@ async fn a_redriven_dead_letter_goes_first_when_its_held_key_is_released() {
     .expect("accept");
     let l = lease_ok(&s, "t", 2_000, 10, 30_000).await.remove(0);
     assert_eq!(l.event.event.id, "r1");
-    finish(
-        &s,
-        &l,
-        AttemptResult::Permanent,
-        Some("HTTP 422"),
-        Disposition::DeadLetter {
-            reason: DlqReason::PermanentError,
-            hold: true,
-        },
-        2_100,
-    )
-    .await
-    .expect("dead letter");
+    dead_letter(&s, &l, true, 2_100).await;
     let dlq_id = s.fate("/o", "r1").await.expect("fate").expect("known").dlq[0].id;
     s.redrive_step(
         job("redrive-held", JobKind::Redrive),
@@ -1045,13 +1051,7 @@ async fn a_redriven_dead_letter_goes_first_when_its_held_key_is_released() {
         !s.release_key("t", "A").await.expect("release"),
         "released by the redrive"
     );
-    let mut order = Vec::new();
-    for at in [3_000, 3_100, 3_200] {
-        let next = lease_ok(&s, "t", at, 10, 30_000).await;
-        assert_eq!(next.len(), 1, "one entry of the key at a time: {order:?}");
-        order.push(next[0].event.event.id.clone());
-        deliver(&s, &next[0], at + 50).await.expect("deliver");
-    }
+    let order = deliver_one_at_a_time(&s, &[3_000, 3_100, 3_200]).await;
     assert_eq!(order, ["r1", "r2", "r3"]);
 }
 
@@ -1071,19 +1071,7 @@ async fn a_redriven_entry_waits_for_its_keys_flight_and_then_goes_first() {
     .expect("accept");
     let l1 = lease_ok(&s, "t", 2_000, 10, 30_000).await.remove(0);
     assert_eq!(l1.event.event.id, "f1");
-    finish(
-        &s,
-        &l1,
-        AttemptResult::Permanent,
-        Some("HTTP 400"),
-        Disposition::DeadLetter {
-            reason: DlqReason::PermanentError,
-            hold: false,
-        },
-        2_100,
-    )
-    .await
-    .expect("dead letter");
+    dead_letter(&s, &l1, false, 2_100).await;
     let l2 = lease_ok(&s, "t", 2_200, 10, 30_000).await.remove(0);
     assert_eq!(l2.event.event.id, "f2");
     let dlq_id = s.fate("/o", "f1").await.expect("fate").expect("known").dlq[0].id;
@@ -1109,13 +1097,7 @@ async fn a_redriven_entry_waits_for_its_keys_flight_and_then_goes_first() {
     )
     .await
     .expect("retry");
-    let mut order = Vec::new();
-    for at in [3_000, 3_100, 3_200] {
-        let next = lease_ok(&s, "t", at, 10, 30_000).await;
-        assert_eq!(next.len(), 1, "one entry of the key at a time: {order:?}");
-        order.push(next[0].event.event.id.clone());
-        deliver(&s, &next[0], at + 50).await.expect("deliver");
-    }
+    let order = deliver_one_at_a_time(&s, &[3_000, 3_100, 3_200]).await;
     assert_eq!(order, ["f1", "f2", "f3"]);
 }
 
@@ -1842,19 +1824,7 @@ async fn a_redrive_step_requeues_routes_and_keeps() {
         .await
         .expect("accept");
     let l = lease_ok(&s, "a", 1_000, 1, 60_000).await.remove(0);
-    finish(
-        &s,
-        &l,
-        AttemptResult::Permanent,
-        Some("HTTP 400"),
-        Disposition::DeadLetter {
-            reason: DlqReason::PermanentError,
-            hold: false,
-        },
-        1_100,
-    )
-    .await
-    .expect("dead letter");
+    dead_letter(&s, &l, false, 1_100).await;
     let dlq_of = |id: &'static str| {
         let s = &s;
         async move { s.fate("/r", id).await.expect("fate").expect("known").dlq[0].id }
