@@ -140,6 +140,9 @@ pub struct Metrics {
     pub system_events_dropped: Counter,
     /// Redrive and replay job steps the store failed (the job waits and tries again), by kind.
     pub job_step_failures: Family<Labels, Counter>,
+    /// Items redrive and replay jobs went through, by kind and outcome (`moved`, `failed`,
+    /// `skipped`): a job's progress as a rate.
+    pub job_items: Family<Labels, Counter>,
     /// Paused targets (1 = paused).
     pub target_paused: Family<Labels, Gauge>,
     /// Records removed by the sweeper at their age bound, by kind (`dedup_key`, `event`,
@@ -202,6 +205,7 @@ impl Metrics {
             delivery_batch_events: Family::default(),
             system_events_dropped: Counter::default(),
             job_step_failures: Family::default(),
+            job_items: Family::default(),
             target_paused: Family::default(),
             swept: Family::default(),
             completed_hits: Family::default(),
@@ -408,6 +412,11 @@ impl Metrics {
             "router_job_step_failures",
             "Redrive and replay job steps the store failed, by kind (the job waits, shows the error as last_error and tries again)",
             m.job_step_failures.clone(),
+        );
+        registry.register(
+            "router_job_items",
+            "Items redrive and replay jobs went through, by kind and outcome: moved (requeued, routed or replayed), failed (kept in the DLQ with a reason, or a replayed copy refused by its queue's cap), skipped",
+            m.job_items.clone(),
         );
         registry.register(
             "router_target_paused",

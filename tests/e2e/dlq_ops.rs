@@ -128,6 +128,14 @@ async fn a_broken_consumer_is_redriven_after_the_fix_at_the_set_rate() {
     )
     .await;
     assert_eq!(done["moved"], 40);
+    // Its progress is a metric too.
+    assert_eq!(
+        counter(
+            &metrics_text(&r).await,
+            "router_job_items_total{kind=\"redrive\",outcome=\"moved\"}"
+        ),
+        40
+    );
     assert!(
         rcv.wait_for(Duration::from_secs(15), |s| s.len() >= before + 40)
             .await

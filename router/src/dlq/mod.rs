@@ -692,6 +692,25 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
             Ok(n) => {
                 claim_due = false;
                 tokens -= n as f64;
+                let kind = match job.kind {
+                    JobKind::Redrive => "redrive",
+                    JobKind::Replay => "replay",
+                };
+                for (outcome, now_n, was) in [
+                    ("moved", job.moved, before.moved),
+                    ("failed", job.failed, before.failed),
+                    ("skipped", job.skipped, before.skipped),
+                ] {
+                    if now_n > was {
+                        app.metrics
+                            .job_items
+                            .get_or_create(&vec![
+                                ("kind", kind.to_string()),
+                                ("outcome", outcome.to_string()),
+                            ])
+                            .inc_by(now_n - was);
+                    }
+                }
                 if retry_in != STEP_RETRY_MIN {
                     tracing::info!(job = %job.id, "job steps succeed again");
                     retry_in = STEP_RETRY_MIN;
