@@ -465,3 +465,48 @@ rules:
         assert_eq!(f["targets"][0]["attempt_count"], 1, "{f}");
     }
 }
+
+/// A receiver that answers 413 to a batch refuses the request, not its events: they go back
+/// to the queue unattempted and go again in smaller batches (each of them used to go to the
+/// DLQ as a permanent error).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_refused_as_too_large_is_sent_again_in_smaller_batches() {
+    // Takes at most 5 events per request.
+    let rcv = Receiver::scripted(Arc::new(|body: &Value, _| {
+        let n = body.as_array().map_or(1, Vec::len);
+        (if n > 5 { 413 } else { 200 }, Duration::ZERO, vec![])
+    }))
+    .await;
+    let r = RouterProc::start(&[("r.yaml", &one_batching_target(&rcv.url(), 20))], &[]);
+    let (s, b) = post_json(&r, "/v1/targets/bulk/pause", json!({})).await;
+    assert_eq!(s, 200, "{b}");
+    accept(&r, "big-", 20, json!({})).await;
+    let (s, b) = post_json(&r, "/v1/targets/bulk/resume", json!({})).await;
+    assert_eq!(s, 200, "{b}");
+    let delivered = |seen: &[Received]| -> HashSet<String> {
+        seen.iter()
+            .filter(|r| r.body.as_array().is_some_and(|a| a.len() <= 5))
+            .flat_map(|r| r.body.as_array().into_iter().flatten())
+            .filter_map(|e| e["id"].as_str().map(str::to_string))
+            .collect()
+    };
+    assert!(
+        rcv.wait_for(Duration::from_secs(30), |seen| delivered(seen).len() == 20)
+            .await,
+        "{:?}",
+        requests(&rcv)
+            .iter()
+            .map(|(ids, _)| ids.len())
+            .collect::<Vec<_>>()
+    );
+    let (_, dlq) = get_json(&r, "/v1/dlq?target=bulk").await;
+    assert_eq!(dlq["entries"].as_array().map(Vec::len), Some(0), "{dlq}");
+    for i in [0, 19] {
+        let f = fate(&r, &format!("big-{i}")).await;
+        assert_eq!(f["targets"][0]["state"], "delivered", "{f}");
+        assert_eq!(
+            f["targets"][0]["attempt_count"], 1,
+            "the refusals are not attempts: {f}"
+        );
+    }
+}

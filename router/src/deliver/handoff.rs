@@ -63,7 +63,7 @@ pub(super) fn reserve(
     if rt.spec.policy.ordering.is_some() {
         return None;
     }
-    match rt.spec.kind.batch() {
+    match rt.batch() {
         // Fewer than half a batch (a single event): the worker's lease gathers what several
         // commits made due into one request, where a handoff would send them alone.
         Some(b) if entries < min_batch_handoff(b.max_events) => return None,
@@ -123,7 +123,7 @@ impl Reservation {
             .handoffs
             .get_or_create(&vec![("target", self.rt.spec.id.clone())])
             .inc_by(leased.len() as u64);
-        let Some(b) = self.rt.spec.kind.batch() else {
+        let Some(b) = self.rt.batch() else {
             // `reserve` gives a target that does not batch one entry per reservation.
             if let Some(leased) = leased.into_iter().next() {
                 worker::spawn_attempt(
@@ -139,7 +139,7 @@ impl Reservation {
         };
         // Encoding the batch's events is the delivery runtime's work, not the producer's
         // request's (it was measured on the ingest threads, and in the producers' p99).
-        let batch = *b;
+        let batch = b;
         let Self {
             ctx,
             rt,

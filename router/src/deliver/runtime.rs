@@ -3,7 +3,7 @@
 //! reads a snapshot of it.
 
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use arc_swap::ArcSwapOption;
@@ -79,11 +79,40 @@ pub struct TargetRuntime {
     nodes: AtomicUsize,
     /// Operator pause: no attempts while set.
     pub paused: AtomicBool,
+    /// A batching webhook's lowered `max_events` after its receiver refused a batch as too
+    /// large (413); 0: none. In memory: after a restart one more refusal finds it again.
+    batch_cap: AtomicU32,
     /// Counters.
     pub counters: Counters,
 }
 
 impl TargetRuntime {
+    /// A batching webhook's batch as its requests are cut: its configuration, with
+    /// `max_events` lowered after its receiver refused a batch as too large.
+    pub fn batch(&self) -> Option<crate::rules::WebhookBatch> {
+        self.spec.kind.batch().map(|b| {
+            let mut b = *b;
+            let cap = self.batch_cap.load(Ordering::Relaxed);
+            if cap > 0 {
+                b.max_events = b.max_events.min(cap);
+            }
+            b
+        })
+    }
+
+    /// The receiver refused a batch of `n` events as too large: later batches hold at most
+    /// half as many. Returns the new bound.
+    pub fn batch_too_large(&self, n: u32) -> u32 {
+        let half = (n / 2).max(1);
+        let prev = self
+            .batch_cap
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cur| {
+                Some(if cur == 0 { half } else { cur.min(half) })
+            })
+            .unwrap_or(0);
+        if prev == 0 { half } else { prev.min(half) }
+    }
+
     /// Builds the runtime for `spec`, restoring persisted state.
     pub fn new(spec: TargetSpec, persisted: Option<PersistedState>, now: i64) -> Self {
         let breaker = spec.policy.breaker.clone().map(|p| {
@@ -107,6 +136,7 @@ impl TargetRuntime {
             budget,
             limiter,
             nodes: AtomicUsize::new(1),
+            batch_cap: AtomicU32::new(0),
             counters: Counters::default(),
         }
     }

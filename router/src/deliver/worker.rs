@@ -195,7 +195,7 @@ pub(super) async fn run(
             }
         }
         // A batching webhook takes up to a batch per slot (probes go one event at a time).
-        let per_slot = match spec.kind.batch() {
+        let per_slot = match rt.batch() {
             Some(b) if !probing => usize::try_from(b.max_events).unwrap_or(1).max(1),
             _ => 1,
         };
@@ -216,7 +216,7 @@ pub(super) async fn run(
         // for this target wakes the loop to count again. (Without a window the index is not
         // asked for the oldest due time.)
         let mut await_lease = probing;
-        if !probing && let Some(b) = spec.kind.batch().filter(|b| !b.window.is_zero()) {
+        if !probing && let Some(b) = rt.batch().filter(|b| !b.window.is_zero()) {
             match window_gate(b.window, due, per_slot, ctx.store.next_due(&spec.id), now) {
                 WindowGate::All => {}
                 WindowGate::Full(n) => {
@@ -332,7 +332,7 @@ async fn lease_and_start(
         .await
     {
         Ok(batch) => {
-            let batching = spec.kind.batch().filter(|_| per_slot > 1);
+            let batching = rt.batch().filter(|_| per_slot > 1);
             let mut to_batch = Vec::new();
             for leased in batch {
                 if batching.is_none() && permits.is_empty() {
@@ -372,7 +372,7 @@ async fn lease_and_start(
                 spawn_attempt(&ctx, &rt, &target, leased, permit, probing);
             }
             if let Some(b) = batching {
-                send_batches(&ctx, &rt, &target, to_batch, b, permits).await;
+                send_batches(&ctx, &rt, &target, to_batch, &b, permits).await;
             }
         }
         Err(e) => {
@@ -406,8 +406,8 @@ pub(super) fn spawn_attempt(
     permit: OwnedSemaphorePermit,
     probing: bool,
 ) {
-    if let Some(b) = rt.spec.kind.batch() {
-        if let Some(items) = split_batches(vec![leased], b).into_iter().next() {
+    if let Some(b) = rt.batch() {
+        if let Some(items) = split_batches(vec![leased], &b).into_iter().next() {
             spawn_batch(ctx, rt, target, items, permit, probing);
         }
         return;
@@ -904,6 +904,24 @@ async fn attempt_batch(
             .get_or_create(&vec![("target", spec_id.clone())])
             .inc_by(u64::from(n));
         let finished = ctx.clock.now_ms();
+        // 413 for several events is about the request, not them: each would fit alone, and
+        // the whole batch used to go to the DLQ as a permanent error. They go back to the
+        // queue unattempted, and this target's batches hold half as many from now on.
+        let too_large = matches!(
+            outcome,
+            AttemptOutcome::Permanent {
+                status: Some(413),
+                ..
+            }
+        );
+        if too_large && n > 1 {
+            let cap = rt.batch_too_large(n);
+            tracing::warn!(target_id = %spec_id, events = n, max_events = cap, "the receiver refused a batch as too large (413); its events go back to the queue and batches hold at most {cap} from now on");
+            for BatchItem { leased, .. } in &send {
+                defer(&ctx, leased, finished, finished).await;
+            }
+            send.clear();
+        }
         breaker_record(&ctx, &rt, &outcome, probe, finished).await;
         let mut retried = 0usize;
         for BatchItem { leased, .. } in send {
