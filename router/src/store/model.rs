@@ -426,6 +426,37 @@ impl DlqEntry {
         }
     }
 
+    /// The DLQ entry of replay job `job`'s copy of event `seq` for `target`, refused because
+    /// the target's queue is at its depth cap `cap`: a `target_overflow` that keeps its job
+    /// (a redrive sends it as the replay's copy). Its `id` is left 0 for the store to assign.
+    pub fn replay_overflow(
+        seq: u64,
+        names: (String, String, String),
+        target: &NewEntry,
+        job: &str,
+        cap: u64,
+        at: Millis,
+    ) -> Self {
+        let error = FieldError::new(
+            "",
+            format!(
+                "queue of {} is at its depth cap ({cap}); replayed by {job}",
+                target.target_id
+            ),
+        );
+        Self {
+            replay: Some(job.to_string()),
+            ..Self::at_acceptance(
+                seq,
+                names,
+                Some(target),
+                DlqReason::TargetOverflow,
+                vec![error],
+                at,
+            )
+        }
+    }
+
     /// The DLQ entry of queue entry `e`, given up with `reason` after the attempt that ended
     /// as `end` (`now`: when, for an entry never attempted). `names` are the event's `id`,
     /// `source` and `type`. Its `id` is left 0 for the store to assign.

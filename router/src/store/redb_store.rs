@@ -4152,11 +4152,13 @@ impl Committer {
                     drop(ev_t);
                     let first = self.next_idx(txn, d.event_seq)?;
                     for (idx, t) in (first..).zip(targets) {
-                        let mut key = idempotency_key(&ev.event.source, &ev.event.id, &t.target_id);
                         // A replay's copy stays one, with the replay's key.
-                        if let Some(job) = &d.replay {
-                            key = idempotency_key(&key, job, "replay");
-                        }
+                        let key = delivery_key(
+                            &ev.event.source,
+                            &ev.event.id,
+                            &t.target_id,
+                            d.replay.as_deref(),
+                        );
                         let id = EntryId {
                             event: d.event_seq,
                             idx,
@@ -4212,40 +4214,22 @@ impl Committer {
                 if let Some(cap) = t.max_depth
                     && self.at_depth_cap(&t.target_id, cap)
                 {
-                    let error = crate::event::FieldError::new(
-                        "",
-                        format!(
-                            "queue of {} is at its depth cap ({cap}); replayed by {}",
-                            t.target_id, job.id
-                        ),
+                    let names = (
+                        ev.event.id.clone(),
+                        ev.event.source.clone(),
+                        ev.event.ty.clone(),
                     );
-                    let d = DlqEntry {
-                        replay: Some(job.id.clone()),
-                        ..DlqEntry::at_acceptance(
-                            item.seq,
-                            (
-                                ev.event.id.clone(),
-                                ev.event.source.clone(),
-                                ev.event.ty.clone(),
-                            ),
-                            Some(&t),
-                            DlqReason::TargetOverflow,
-                            vec![error],
-                            now,
-                        )
-                    };
+                    let d = DlqEntry::replay_overflow(item.seq, names, &t, &job.id, cap, now);
                     self.add_dlq(txn, d, effects)?;
                     dead += 1;
                     continue;
                 }
                 *self.group_depth.entry(t.target_id.clone()).or_insert(0) += 1;
-                let original = idempotency_key(&ev.event.source, &ev.event.id, &t.target_id);
                 let id = EntryId {
                     event: item.seq,
                     idx,
                 };
-                // Derived from the original key and the job: receivers process it again.
-                let key = idempotency_key(&original, &job.id, "replay");
+                let key = delivery_key(&ev.event.source, &ev.event.id, &t.target_id, Some(&job.id));
                 let entry = QueueEntry {
                     replay: Some(job.id.clone()),
                     ..QueueEntry::queued(id, t, key, now, now, ev.event.hops())
@@ -4480,6 +4464,17 @@ fn finish_done(
             None => r,
         });
     })
+}
+
+/// The `Idempotency-Key` of one (event, target), or of its copy made by replay job `replay`
+/// (derived from the original's key and the job, so receivers process it again): what a
+/// replay step and a redrive of a replayed copy both give it, on every backend.
+pub fn delivery_key(source: &str, id: &str, target: &str, replay: Option<&str>) -> String {
+    let original = idempotency_key(source, id, target);
+    match replay {
+        Some(job) => idempotency_key(&original, job, "replay"),
+        None => original,
+    }
 }
 
 /// The `Idempotency-Key` of one (event, target): stable across retries, restarts and

@@ -417,21 +417,6 @@ impl HandlerTarget {
                 },
                 None,
             ),
-            // A breached output, KV-write or fuel limit is deterministic: the same event
-            // breaches it again at every attempt, so it is not retried (a fixed handler gets
-            // it by a DLQ redrive). Nothing is committed.
-            InvocationOutcome::LimitExceeded(m) => {
-                let error = format!("handler_limit: {m}");
-                self.log(req, &version, "error", error.clone());
-                tracing::warn!(handler = %self.name, error = %error, "handler invocation failed");
-                (
-                    AttemptOutcome::Permanent {
-                        error,
-                        status: None,
-                    },
-                    None,
-                )
-            }
             other => {
                 let error = match other {
                     InvocationOutcome::Timeout => {
@@ -448,20 +433,29 @@ impl HandlerTarget {
                     ),
                     InvocationOutcome::Trap(m) => format!("handler_trap: {m}"),
                     InvocationOutcome::HostUnavailable(m) => format!("handler_host: {m}"),
+                    InvocationOutcome::LimitExceeded(m) => format!("handler_limit: {m}"),
                     _ => "handler_trap".into(),
                 };
                 self.log(req, &version, "error", error.clone());
                 // The first line: a trap's wasm backtrace (dozens of lines) stays in the
                 // handler's own logs and the attempt record, out of the router's log.
                 tracing::warn!(handler = %self.name, error = error.lines().next().unwrap_or(""), "handler invocation failed");
-                (
+                // A breached output, KV-write or fuel limit is deterministic: the same event
+                // breaches it again at every attempt, so it is not retried (a fixed handler
+                // gets it by a DLQ redrive). Nothing is committed either way.
+                let outcome = if matches!(other, InvocationOutcome::LimitExceeded(_)) {
+                    AttemptOutcome::Permanent {
+                        error,
+                        status: None,
+                    }
+                } else {
                     AttemptOutcome::Retryable {
                         error,
                         status: None,
                         retry_after: None,
-                    },
-                    None,
-                )
+                    }
+                };
+                (outcome, None)
             }
         }
     }

@@ -7,9 +7,9 @@ use super::{
     EntryRecord, EventRecord, JetStreamStore, KeyLock, MAX_RETRIES, dec, dedup_record_key, dlq_key,
     enc, entry_key, event_key, held_key, lock_key, ops,
 };
-use crate::store::redb_store::idempotency_key;
+use crate::store::redb_store::delivery_key;
 use crate::store::{
-    DlqEntry, DlqReason, EntryId, EntryState, Job, Millis, QueueEntry, RecordCounts, RedriveAction,
+    DlqEntry, EntryId, EntryState, Job, Millis, QueueEntry, RecordCounts, RedriveAction,
     ReplayItem, StoreError, StoredEvent, SweepStats,
 };
 
@@ -94,11 +94,13 @@ impl JetStreamStore {
                                 idx: ev.entries,
                             };
                             ev.entries += 1;
-                            let mut key = idempotency_key(&stored.source, &stored.id, &t.target_id);
                             // A replay's copy stays one, with the replay's key.
-                            if let Some(job) = &d.replay {
-                                key = idempotency_key(&key, job, "replay");
-                            }
+                            let key = delivery_key(
+                                &stored.source,
+                                &stored.id,
+                                &t.target_id,
+                                d.replay.as_deref(),
+                            );
                             let entry = QueueEntry {
                                 redrive_count: d.redrive_count + 1,
                                 replay: d.replay.clone(),
@@ -195,24 +197,9 @@ impl JetStreamStore {
                             let id = self.next_number("dlq").await?;
                             let names =
                                 (stored.id.clone(), stored.source.clone(), stored.ty.clone());
-                            let error = crate::event::FieldError::new(
-                                "",
-                                format!(
-                                    "queue of {} is at its depth cap ({cap}); replayed by {}",
-                                    t.target_id, job.id
-                                ),
-                            );
                             let d = DlqEntry {
                                 id,
-                                replay: Some(job.id.clone()),
-                                ..DlqEntry::at_acceptance(
-                                    item.seq,
-                                    names,
-                                    Some(t),
-                                    DlqReason::TargetOverflow,
-                                    vec![error],
-                                    now,
-                                )
+                                ..DlqEntry::replay_overflow(item.seq, names, t, &job.id, cap, now)
                             };
                             writes.push(Write::put(dlq_key(id), enc(&d), Expect::Revision(0)));
                             // The event's record lists its dead letters (its fate reads them).
@@ -227,9 +214,7 @@ impl JetStreamStore {
                         idx: ev.entries,
                     };
                     ev.entries += 1;
-                    let original = idempotency_key(&stored.source, &stored.id, &t.target_id);
-                    // Derived from the original key and the job: receivers process it again.
-                    let key = idempotency_key(&original, &job.id, "replay");
+                    let key = delivery_key(&stored.source, &stored.id, &t.target_id, Some(&job.id));
                     let entry = QueueEntry {
                         replay: Some(job.id.clone()),
                         ..QueueEntry::queued(id, t.clone(), key, now, now, stored.hops())
