@@ -336,9 +336,18 @@ pub fn job_route(id: &str) -> &'static str {
 
 /// One line of job progress.
 pub fn job_line(j: &Value) -> String {
-    let total = j["total"].as_u64().unwrap_or(0);
-    let moved = j["moved"].as_u64().unwrap_or(0);
-    let pct = (moved * 100).checked_div(total).unwrap_or(100);
+    let n = |k: &str| j[k].as_u64().unwrap_or(0);
+    let (total, moved) = (n("total"), n("moved"));
+    // Items done: a redrive's entry is moved, failed (kept) or skipped; a replay's event is
+    // moved or skipped, and its failed are moved copies the DLQ took.
+    let done = moved
+        + n("skipped")
+        + if j["kind"] == "replay" {
+            0
+        } else {
+            n("failed")
+        };
+    let pct = (done.min(total) * 100).checked_div(total).unwrap_or(100);
     let width = 30usize;
     let filled = (pct as usize * width / 100).min(width);
     format!(
@@ -452,6 +461,21 @@ mod tests {
         assert_eq!(job_route("replay-3"), "/v1/replay");
         assert_eq!(job_route("replay-12-1a2b"), "/v1/replay");
         assert_eq!(job_route("redrive-4"), "/v1/dlq/redrive");
+    }
+
+    #[test]
+    fn a_jobs_progress_counts_every_item_it_is_done_with() {
+        let redrive = serde_json::json!({"id": "redrive-1", "kind": "redrive", "state": "done",
+            "total": 10, "moved": 6, "failed": 3, "skipped": 1});
+        assert!(job_line(&redrive).contains(&format!("[{}]", "#".repeat(30))));
+        // A replay's failed are copies it moved that the DLQ took: not counted twice.
+        let replay = serde_json::json!({"id": "replay-1", "kind": "replay", "state": "running",
+            "total": 10, "moved": 4, "failed": 4, "skipped": 1});
+        let line = job_line(&replay);
+        assert!(
+            line.contains(&format!("[{}{}]", "#".repeat(15), ".".repeat(15))),
+            "{line}"
+        );
     }
 
     #[test]

@@ -276,9 +276,17 @@ async fn replay_of_a_time_range_delivers_exactly_the_matching_archived_events() 
     )
     .await;
     assert_eq!(s, 201, "{job}");
+    assert_eq!(
+        job["total"], 10,
+        "the range's archived events, counted at creation: {job}"
+    );
     let id = job["id"].as_str().expect("id").to_string();
     let done = job_done(&r, &format!("/v1/replay/{id}"), Duration::from_secs(20)).await;
-    assert_eq!(done["moved"], 5, "{done}");
+    assert_eq!(
+        (&done["moved"], &done["skipped"], &done["total"]),
+        (&json!(5), &json!(5), &json!(10)),
+        "{done}"
+    );
     assert!(
         rcv.wait_for(Duration::from_secs(10), |s| s.len() >= before + 5)
             .await

@@ -82,9 +82,23 @@ pub struct TargetRuntime {
     /// A batching webhook's lowered `max_events` after its receiver refused a batch as too
     /// large (413); 0: none. In memory: after a restart one more refusal finds it again.
     batch_cap: AtomicU32,
+    /// Throttle tokens taken for requests that were never sent (a retry the budget deferred
+    /// after the lease, entries another lease took first), and when they were given back
+    /// ([`Self::refund_tokens`]).
+    throttle_credit: Mutex<(usize, Option<std::time::Instant>)>,
+    /// Full batches delivered under `batch_cap` since it last changed: at
+    /// `BATCH_RAISE_AFTER` the cap doubles (a 413 may have been about a few large events,
+    /// not the receiver's usual limit, and a halved cap would halve throughput for good).
+    batch_ok: AtomicU32,
     /// Counters.
     pub counters: Counters,
 }
+
+/// How long throttle tokens given back stay usable ([`TargetRuntime::refund_tokens`]).
+pub const THROTTLE_CREDIT_TTL: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Full batches a lowered batch cap delivers before it is doubled ([`TargetRuntime::batch_delivered`]).
+pub const BATCH_RAISE_AFTER: u32 = 100;
 
 impl TargetRuntime {
     /// A batching webhook's batch as its requests are cut: its configuration, with
@@ -110,7 +124,31 @@ impl TargetRuntime {
                 Some(if cur == 0 { half } else { cur.min(half) })
             })
             .unwrap_or(0);
+        self.batch_ok.store(0, Ordering::Relaxed);
         if prev == 0 { half } else { prev.min(half) }
+    }
+
+    /// A batch of `n` events was delivered: after `BATCH_RAISE_AFTER` full batches under a
+    /// lowered cap, the cap doubles (back to the configuration's `max_events` once it
+    /// reaches it). Returns the new bound when it was raised. A receiver whose limit is real
+    /// refuses the larger batch and halves the cap again: one request in
+    /// `BATCH_RAISE_AFTER` is the price of finding a higher limit.
+    pub fn batch_delivered(&self, n: u32) -> Option<u32> {
+        let cap = self.batch_cap.load(Ordering::Relaxed);
+        if cap == 0 || n < cap {
+            return None;
+        }
+        if self.batch_ok.fetch_add(1, Ordering::Relaxed) + 1 < BATCH_RAISE_AFTER {
+            return None;
+        }
+        self.batch_ok.store(0, Ordering::Relaxed);
+        let configured = self.spec.kind.batch().map_or(u32::MAX, |b| b.max_events);
+        let raised = cap.saturating_mul(2);
+        let next = if raised >= configured { 0 } else { raised };
+        self.batch_cap
+            .compare_exchange(cap, next, Ordering::Relaxed, Ordering::Relaxed)
+            .ok()
+            .map(|_| raised.min(configured))
     }
 
     /// Builds the runtime for `spec`, restoring persisted state.
@@ -137,6 +175,8 @@ impl TargetRuntime {
             limiter,
             nodes: AtomicUsize::new(1),
             batch_cap: AtomicU32::new(0),
+            batch_ok: AtomicU32::new(0),
+            throttle_credit: Mutex::new((0, None)),
             counters: Counters::default(),
         }
     }
@@ -144,6 +184,55 @@ impl TargetRuntime {
     /// This node's token bucket, if the policy sets a rate.
     pub fn limiter(&self) -> Option<Arc<Limiter>> {
         self.limiter.load_full()
+    }
+
+    /// Gives back `n` throttle tokens taken for requests that were not sent. The budget is
+    /// asked after the lease (only the lease says which entries are retries), the throttle
+    /// before it: without this, each retry the budget defers spent a token, and a backlog of
+    /// retries went out at a fraction of the target's rate while the budget spread them.
+    /// Credit is held at most the bucket's burst, and for `THROTTLE_CREDIT_TTL`: it stands
+    /// for tokens the bucket had moments ago, not for a saving.
+    pub fn refund_tokens(&self, n: usize) {
+        let Some(burst) = self
+            .spec
+            .policy
+            .throttle
+            .as_ref()
+            .filter(|t| t.rate_per_sec.is_some())
+            .and_then(|t| t.effective_burst())
+        else {
+            return;
+        };
+        if n == 0 {
+            return;
+        }
+        let mut c = self
+            .throttle_credit
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let live = c.1.is_some_and(|at| at.elapsed() <= THROTTLE_CREDIT_TTL);
+        let held = if live { c.0 } else { 0 };
+        let share = (burst as usize).div_ceil(self.nodes.load(Ordering::SeqCst).max(1));
+        *c = (
+            (held + n).min(share.max(1)),
+            Some(std::time::Instant::now()),
+        );
+    }
+
+    /// Takes up to `want` tokens of credit ([`Self::refund_tokens`]) before the bucket is
+    /// asked.
+    pub fn take_credit(&self, want: usize) -> usize {
+        let mut c = self
+            .throttle_credit
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if c.1.is_none_or(|at| at.elapsed() > THROTTLE_CREDIT_TTL) {
+            *c = (0, None);
+            return 0;
+        }
+        let n = c.0.min(want);
+        c.0 -= n;
+        n
     }
 
     /// Shares the policy's rate (and burst) among `nodes` router nodes delivering to this
@@ -212,6 +301,11 @@ impl TargetRuntime {
             "deferred": c.deferred.load(Ordering::Relaxed),
             "budget_deferred": c.budget_deferred.load(Ordering::Relaxed),
             "throttled": c.throttled.load(Ordering::Relaxed),
+            // A batching webhook's batches after a 413 lowered them (null: as configured).
+            "batch_max_events": match self.batch_cap.load(Ordering::Relaxed) {
+                0 => None,
+                cap => Some(cap),
+            },
         })
     }
 }
@@ -221,6 +315,7 @@ mod tests {
     use super::*;
     use crate::policy::config::{PolicyConfig, ThrottlePolicy};
     use crate::rules::TargetKind;
+    use std::time::Duration;
 
     fn throttled(rate: f64, burst: u32) -> TargetRuntime {
         let spec = TargetSpec {
@@ -238,6 +333,98 @@ mod tests {
             },
         };
         TargetRuntime::new(spec, None, 0)
+    }
+
+    #[test]
+    fn tokens_given_back_are_spent_first_up_to_the_burst_and_not_for_long() {
+        let rt = throttled(0.001, 4);
+        assert_eq!(rt.take_credit(3), 0, "no credit yet");
+        rt.refund_tokens(3);
+        rt.refund_tokens(3);
+        assert_eq!(rt.take_credit(10), 4, "held at most the burst");
+        assert_eq!(rt.take_credit(10), 0);
+        rt.refund_tokens(2);
+        assert_eq!(rt.take_credit(1), 1);
+        rt.share_among(2);
+        rt.refund_tokens(5);
+        assert_eq!(
+            rt.take_credit(10),
+            2,
+            "at most this node's share of the burst"
+        );
+        rt.refund_tokens(1);
+        std::thread::sleep(THROTTLE_CREDIT_TTL + Duration::from_millis(50));
+        assert_eq!(
+            rt.take_credit(10),
+            0,
+            "credit is for tokens had moments ago"
+        );
+        // No rate: nothing to give back.
+        let mut spec = rt.spec.clone();
+        spec.policy.throttle = None;
+        let free = TargetRuntime::new(spec, None, 0);
+        free.refund_tokens(3);
+        assert_eq!(free.take_credit(3), 0);
+    }
+
+    #[test]
+    fn a_batch_cap_a_413_lowered_doubles_back_after_full_batches_go_through() {
+        let spec = TargetSpec {
+            id: "w".into(),
+            rule: "r".into(),
+            kind: TargetKind::Webhook {
+                url: "http://127.0.0.1:9/".into(),
+                headers: Default::default(),
+                secret_env: None,
+                headers_env: Default::default(),
+                batch: Some(crate::rules::WebhookBatch {
+                    max_events: 100,
+                    max_bytes: 1 << 20,
+                    window: Duration::ZERO,
+                }),
+            },
+            policy_name: None,
+            policy: PolicyConfig::default(),
+        };
+        let rt = TargetRuntime::new(spec, None, 0);
+        let max = |rt: &TargetRuntime| rt.batch().expect("batching").max_events;
+        assert_eq!(rt.batch_delivered(100), None, "nothing to raise");
+        assert_eq!(rt.batch_too_large(100), 50);
+        assert_eq!(rt.batch_too_large(50), 25);
+        assert_eq!(
+            (max(&rt), rt.snapshot(0)["batch_max_events"].clone()),
+            (25, json!(25))
+        );
+        // Partial batches say nothing about the limit; full ones count.
+        for _ in 0..(2 * BATCH_RAISE_AFTER) {
+            assert_eq!(rt.batch_delivered(10), None);
+        }
+        for _ in 1..BATCH_RAISE_AFTER {
+            assert_eq!(rt.batch_delivered(25), None);
+        }
+        assert_eq!(rt.batch_delivered(25), Some(50));
+        assert_eq!(max(&rt), 50);
+        // A 413 on the way up restarts the count.
+        for _ in 1..BATCH_RAISE_AFTER {
+            rt.batch_delivered(50);
+        }
+        assert_eq!(rt.batch_too_large(50), 25);
+        for _ in 1..BATCH_RAISE_AFTER {
+            assert_eq!(rt.batch_delivered(25), None);
+        }
+        assert_eq!(rt.batch_delivered(25), Some(50));
+        for _ in 1..BATCH_RAISE_AFTER {
+            rt.batch_delivered(50);
+        }
+        assert_eq!(
+            rt.batch_delivered(50),
+            Some(100),
+            "back to the configuration"
+        );
+        assert_eq!(
+            (max(&rt), rt.snapshot(0)["batch_max_events"].clone()),
+            (100, Value::Null)
+        );
     }
 
     /// Tokens the bucket hands out at once (its burst; at these rates no token is added

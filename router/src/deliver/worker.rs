@@ -234,12 +234,12 @@ pub(super) async fn run(
         }
 
         // 3. Throttle: take as many tokens as there are requests of due work (the budget
-        // check comes per entry below; a retry it defers gives its token back to nobody, which
-        // only slows a backlog that the budget is slowing anyway). A batch is one request.
+        // check comes per entry, after the lease; the tokens of requests it stops are given
+        // back as credit, spent here first). A batch is one request.
         let requests = due.div_ceil(per_slot).min(permits.len());
         let mut allowed = requests;
         if let Some(limiter) = rt.limiter() {
-            allowed = 0;
+            allowed = rt.take_credit(requests);
             let mut retry_in = None;
             while allowed < requests {
                 match limiter.check() {
@@ -371,9 +371,13 @@ async fn lease_and_start(
                 }
                 spawn_attempt(&ctx, &rt, &target, leased, permit, probing);
             }
-            if let Some(b) = batching {
-                send_batches(&ctx, &rt, &target, to_batch, &b, permits).await;
-            }
+            let unused = match batching {
+                Some(b) => send_batches(&ctx, &rt, &target, to_batch, &b, permits).await,
+                None => permits.len(),
+            };
+            // Each slot taken stood for a throttle token: those not used by a request
+            // (retries the budget deferred, entries another lease took) are given back.
+            rt.refund_tokens(unused);
         }
         Err(e) => {
             drop(permits);
@@ -433,7 +437,8 @@ pub(super) fn spawn_attempt(
 /// their attempt not counted: the next lease takes them, under the throttle and the breaker
 /// like any request. Waiting here for a slot instead let their leases run out while they
 /// waited (the entries were leased again and sent twice, and the late request's answer was
-/// discarded as fenced), and sent those requests past the throttle.
+/// discarded as fenced), and sent those requests past the throttle. Returns how many permits
+/// no request used.
 pub(super) async fn send_batches(
     ctx: &Arc<DeliveryContext>,
     rt: &Arc<TargetRuntime>,
@@ -441,7 +446,7 @@ pub(super) async fn send_batches(
     leased: Vec<Leased>,
     batch: &WebhookBatch,
     mut permits: Vec<OwnedSemaphorePermit>,
-) {
+) -> usize {
     let mut put_back = Vec::new();
     for items in split_batches(leased, batch) {
         match permits.pop() {
@@ -456,6 +461,7 @@ pub(super) async fn send_batches(
             defer(ctx, leased, now, now).await;
         }
     }
+    permits.len()
 }
 
 /// Starts one batch request on the delivery runtime, holding its slot.
@@ -921,6 +927,11 @@ async fn attempt_batch(
                 defer(&ctx, leased, finished, finished).await;
             }
             send.clear();
+        }
+        if matches!(outcome, AttemptOutcome::Delivered { .. })
+            && let Some(cap) = rt.batch_delivered(n)
+        {
+            tracing::info!(target_id = %spec_id, max_events = cap, "batches were delivered under a lowered size for a while; trying larger batches ({cap} events)");
         }
         breaker_record(&ctx, &rt, &outcome, probe, finished).await;
         let mut retried = 0usize;

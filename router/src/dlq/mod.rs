@@ -406,12 +406,17 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
     if !errors.is_empty() {
         return Err(JobError::Invalid(errors));
     }
+    // Counted now, so the job's progress reads against the whole range from its first step.
+    let total = app
+        .store
+        .count_events_between(from.unwrap_or(0), to.unwrap_or(0))
+        .await?;
     let mut job = Job {
         id: next_job_id(app, JobKind::Replay).await?,
         kind: JobKind::Replay,
         state: JobState::Running,
         spec: serde_json::json!({ "from": req.from, "to": req.to, "filter": req.filter, "rate_per_sec": req.rate_per_sec, "from_ms": from, "to_ms": to }),
-        total: 0,
+        total,
         moved: 0,
         failed: 0,
         skipped: 0,
@@ -426,7 +431,7 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
     claim(app, &mut job);
     put_new_job(app, &mut job).await?;
     spawn(app, job.clone());
-    tracing::warn!(job = %job.id, from = %req.from, to = %req.to, "replay job created");
+    tracing::warn!(job = %job.id, from = %req.from, to = %req.to, total, "replay job created");
     Ok(job)
 }
 
@@ -1026,7 +1031,9 @@ async fn replay_step(
         });
         job.moved += 1;
     }
-    job.total = job.moved + job.skipped;
+    // An event accepted inside the range while the job was being created (it had its time
+    // before `to`, and its commit after the count) is replayed too.
+    job.total = job.total.max(job.moved + job.skipped);
     job.updated_at = now;
     job.heartbeat_at = now;
     let n = events.len();

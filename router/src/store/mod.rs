@@ -305,6 +305,14 @@ pub trait Store: Send + Sync + 'static {
         limit: usize,
     ) -> BoxFuture<'_, Result<Vec<StoredEvent>, StoreError>>;
 
+    /// How many archived (not quarantined) events were accepted in [`from`, `to`): a replay's
+    /// total, counted when it is created.
+    fn count_events_between(
+        &self,
+        from: Millis,
+        to: Millis,
+    ) -> BoxFuture<'_, Result<u64, StoreError>>;
+
     /// The stored result of a handler's completed delivery `key`, unless expired.
     fn completed_get<'a>(
         &'a self,

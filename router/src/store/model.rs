@@ -812,7 +812,8 @@ pub struct Job {
     pub state: JobState,
     /// The request that created it (filter, rate, time range...), as given.
     pub spec: serde_json::Value,
-    /// Items at creation time (an estimate for replays).
+    /// Items at creation time: matching DLQ entries (redrive), archived events in the range
+    /// (replay; events accepted in the range while the job was created raise it).
     pub total: u64,
     /// Items moved / replayed.
     pub moved: u64,

@@ -284,6 +284,42 @@ fn dec_event(seq: u64, b: &[u8]) -> Result<StoredEvent, StoreError> {
     Ok(ev)
 }
 
+/// How far acceptance times may step back against sequence order (a clock stepped back):
+/// scans by time start this much early and end this much late.
+const ACCEPT_SLACK_MS: Millis = 60_000;
+
+/// The lowest sequence whose event was accepted at or after `at`, found by bisecting the
+/// sequence space (sequences follow acceptance order, up to `ACCEPT_SLACK_MS`), so a replay of
+/// last hour's events does not read the whole archive before it to find where they start.
+/// Past the last event: one past its sequence.
+fn first_seq_from(
+    t: &impl ReadableTable<u64, &'static [u8]>,
+    at: Millis,
+) -> Result<u64, StoreError> {
+    let (Some(first), Some(last)) = (t.first()?, t.last()?) else {
+        return Ok(0);
+    };
+    let (mut lo, mut hi) = (first.0.value(), last.0.value().saturating_add(1));
+    // Invariant: every event below `lo` was accepted before `at`; the first event at or past
+    // `hi` (if any) was accepted at or after it.
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        let Some(row) = t.range(mid..)?.next() else {
+            hi = mid;
+            continue;
+        };
+        let (k, v) = row?;
+        let seq = k.value();
+        // The first event at or past `mid` is `seq`: before `at`, everything up to it is too.
+        if dec_event(seq, v.value())?.accepted_at < at {
+            lo = seq.saturating_add(1);
+        } else {
+            hi = mid;
+        }
+    }
+    Ok(lo)
+}
+
 /// An event to accept, reduced by the caller to what the committer writes: the `events` record
 /// and each target's queue entry record already encoded (an entry record does not contain its
 /// id, which the committer assigns), and the dedup key. The parsed event itself stays (and is
@@ -1365,13 +1401,15 @@ impl RedbStore {
         let db = self.read_db();
         let r = db.begin_read()?;
         let t = r.open_table(EVENTS)?;
+        let start = first_seq_from(&t, from.saturating_sub(ACCEPT_SLACK_MS))?
+            .max(after_seq.saturating_add(1));
         let mut out = Vec::new();
-        for row in t.range(after_seq.saturating_add(1)..)? {
+        for row in t.range(start..)? {
             let (k, v) = row?;
             let ev = dec_event(k.value(), v.value())?;
             // Sequence numbers follow acceptance order, so the range ends at the first event
             // accepted at or after `to` (clock steps back are tolerated by the slack).
-            if ev.accepted_at >= to.saturating_add(60_000) {
+            if ev.accepted_at >= to.saturating_add(ACCEPT_SLACK_MS) {
                 break;
             }
             if ev.accepted_at >= from && ev.accepted_at < to && !ev.quarantined {
@@ -1382,6 +1420,25 @@ impl RedbStore {
             }
         }
         Ok(out)
+    }
+
+    /// See [`Store::count_events_between`] (answered here synchronously, from the file).
+    pub fn count_events_between(&self, from: Millis, to: Millis) -> Result<u64, StoreError> {
+        let db = self.read_db();
+        let r = db.begin_read()?;
+        let t = r.open_table(EVENTS)?;
+        let mut n = 0;
+        for row in t.range(first_seq_from(&t, from.saturating_sub(ACCEPT_SLACK_MS))?..)? {
+            let (k, v) = row?;
+            let ev = dec_event(k.value(), v.value())?;
+            if ev.accepted_at >= to.saturating_add(ACCEPT_SLACK_MS) {
+                break;
+            }
+            if ev.accepted_at >= from && ev.accepted_at < to && !ev.quarantined {
+                n += 1;
+            }
+        }
+        Ok(n)
     }
 
     /// The value under `key` in a table of (expiry, value) records, unless expired at `now`
@@ -1879,6 +1936,14 @@ impl Store for RedbStore {
     ) -> BoxFuture<'_, Result<Vec<StoredEvent>, StoreError>> {
         async move { off_reactor(|| RedbStore::events_between(self, from, to, after_seq, limit)) }
             .boxed()
+    }
+
+    fn count_events_between(
+        &self,
+        from: Millis,
+        to: Millis,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        async move { off_reactor(|| RedbStore::count_events_between(self, from, to)) }.boxed()
     }
 
     fn completed_get<'a>(

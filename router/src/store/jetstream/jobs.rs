@@ -247,7 +247,9 @@ impl JetStreamStore {
     /// Archived (not quarantined) events accepted in [`from`, `to`), sequence after
     /// `after_seq`, at most `limit`, by sequence. Reads the event records the server stored
     /// since `from` (an event's record is written at its acceptance or later), so a replay of
-    /// a recent range does not pass over the whole archive.
+    /// a recent range does not pass over the whole archive. It reads on to the stream's end:
+    /// a job step may have rewritten an event of the range since (moving it there), and
+    /// sequences are reserved in blocks per node, so they do not follow acceptance times.
     pub async fn events_between(
         &self,
         from: Millis,
@@ -257,6 +259,33 @@ impl JetStreamStore {
     ) -> Result<Vec<StoredEvent>, StoreError> {
         // The `limit` lowest sequences seen: a step holds a page, not the whole range.
         let mut found: std::collections::BTreeMap<u64, StoredEvent> = Default::default();
+        self.scan_archived(from, to, |ev| {
+            if ev.seq > after_seq {
+                found.insert(ev.seq, ev);
+                if found.len() > limit {
+                    found.pop_last();
+                }
+            }
+        })
+        .await?;
+        Ok(found.into_values().collect())
+    }
+
+    /// See [`crate::store::Store::count_events_between`]: one read of the stream from `from`.
+    pub async fn count_events_between(&self, from: Millis, to: Millis) -> Result<u64, StoreError> {
+        let mut n = 0;
+        self.scan_archived(from, to, |_| n += 1).await?;
+        Ok(n)
+    }
+
+    /// Visits each archived (not quarantined) event accepted in [`from`, `to`), reading the
+    /// event records written from a minute before `from` to the stream's end.
+    async fn scan_archived(
+        &self,
+        from: Millis,
+        to: Millis,
+        mut visit: impl FnMut(StoredEvent),
+    ) -> Result<(), StoreError> {
         let mut bad = None;
         // Clocks of nodes and server differ a little; a minute of slack costs a few records.
         self.records
@@ -277,11 +306,8 @@ impl JetStreamStore {
                         Ok(mut ev) => {
                             ev.stored.seq = seq;
                             let at = ev.stored.accepted_at;
-                            if !ev.stored.quarantined && at >= from && at < to && seq > after_seq {
-                                found.insert(seq, ev.stored);
-                                if found.len() > limit {
-                                    found.pop_last();
-                                }
+                            if !ev.stored.quarantined && at >= from && at < to {
+                                visit(ev.stored);
                             }
                             true
                         }
@@ -293,10 +319,10 @@ impl JetStreamStore {
                 },
             )
             .await?;
-        if let Some(e) = bad {
-            return Err(e);
+        match bad {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
-        Ok(found.into_values().collect())
     }
 
     /// Removes events older than `retention_ms` that no live entry or DLQ entry refers to

@@ -189,6 +189,14 @@ impl Store for JetStreamStore {
         JetStreamStore::events_between(self, from, to, after_seq, limit).boxed()
     }
 
+    fn count_events_between(
+        &self,
+        from: Millis,
+        to: Millis,
+    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+        JetStreamStore::count_events_between(self, from, to).boxed()
+    }
+
     fn completed_get<'a>(
         &'a self,
         handler: &'a str,

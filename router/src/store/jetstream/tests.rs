@@ -1900,6 +1900,12 @@ async fn a_replay_step_adds_marked_deliveries_of_archived_events() {
         .expect("archive");
     assert_eq!(rest.len(), 1);
     assert_eq!(rest[0].event.id, "p3");
+    assert_eq!(
+        s.count_events_between(now + 1, now + 4)
+            .await
+            .expect("count"),
+        3
+    );
     s.replay_step(
         job("replay-1", JobKind::Replay),
         vec![ReplayItem {

@@ -2917,3 +2917,66 @@ async fn a_replay_past_a_targets_depth_cap_overflows_to_the_dlq() {
         idempotency_key(&original, "replay-1", "replay")
     );
 }
+
+/// A replay reads the archive from where its range starts: the start is found by bisecting the
+/// sequences, not by reading every event before it, and the range (with a clock stepped back
+/// inside the slack, and quarantined events left out) reads and counts the same either way.
+#[tokio::test]
+async fn the_archive_is_read_from_the_start_of_a_replays_range() {
+    let s = RedbStore::in_memory().expect("store");
+    // One event a second for 20 minutes; the clock steps back 5 s at 600 s; one quarantined.
+    let mut evs: Vec<NewEvent> = (0..1200)
+        .map(|i| {
+            let at = 1_000_000 + i * 1000 - if i >= 600 { 5_000 } else { 0 };
+            new_event("/s", &format!("e{i}"), &["a"], at)
+        })
+        .collect();
+    evs[603].quarantine = Some(Quarantine {
+        reason: DlqReason::ContractViolation,
+        errors: vec![],
+    });
+    for chunk in evs.chunks(100) {
+        s.accept(chunk.to_vec()).await.expect("accept");
+    }
+    let (from, to) = (1_000_000 + 598_000, 1_000_000 + 610_000);
+    let want: Vec<String> = (0..1200)
+        .filter(|&i| {
+            let at = 1_000_000 + i * 1000 - if i >= 600 { 5_000 } else { 0 };
+            at >= from && at < to && i != 603
+        })
+        .map(|i| format!("e{i}"))
+        .collect();
+    let mut got = Vec::new();
+    let mut after = 0;
+    loop {
+        let page = s.events_between(from, to, after, 4).expect("page");
+        let Some(last) = page.last() else { break };
+        after = last.seq;
+        got.extend(page.iter().map(|e| e.event.id.clone()));
+    }
+    assert_eq!(got, want);
+    assert_eq!(
+        s.count_events_between(from, to).expect("count"),
+        want.len() as u64
+    );
+    // The bisection lands on the first event at or after its time, wherever that is.
+    let db = s.read_db();
+    let r = db.begin_read().expect("read");
+    let t = r.open_table(EVENTS).expect("events");
+    let seq_of = |i: u64| i + 1;
+    assert_eq!(first_seq_from(&t, 0).expect("bisect"), seq_of(0));
+    assert_eq!(
+        first_seq_from(&t, 1_000_000 + 300_000).expect("bisect"),
+        seq_of(300)
+    );
+    assert_eq!(
+        first_seq_from(&t, 1_000_000 + 300_001).expect("bisect"),
+        seq_of(301)
+    );
+    assert_eq!(first_seq_from(&t, i64::MAX).expect("bisect"), seq_of(1200));
+    assert_eq!(
+        s.count_events_between(i64::MAX - 1, i64::MAX)
+            .expect("count"),
+        0
+    );
+}
