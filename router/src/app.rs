@@ -194,6 +194,15 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                 app.cfg.rules_dir.display()
             )))
         }
+        // The same for contracts: an empty set would let every event through unchecked.
+        (Ok(_), Ok(_), _)
+            if !app.cfg.contracts_dir.exists() && !app.contracts.load().is_empty() =>
+        {
+            Err(ReloadError::Invalid(format!(
+                "contracts directory {} does not exist (moved, deleted or unmounted?); the previous contracts stay live",
+                app.cfg.contracts_dir.display()
+            )))
+        }
         (Ok(mut r), Ok(c), git) => {
             // A target added or changed must be able to start (its signing secret set, its
             // URL valid, the WASM runtime up for a handler) before the set goes live: else

@@ -625,8 +625,10 @@ impl Config {
         if self.ingest.max_batch == 0 {
             return bad("ingest.max_batch must be > 0");
         }
-        if self.ingest.max_json_depth == 0 || self.ingest.max_json_depth > 1000 {
-            return bad("ingest.max_json_depth must be in 1..=1000");
+        if self.ingest.max_json_depth == 0 || self.ingest.max_json_depth > MAX_JSON_DEPTH {
+            return bad(&format!(
+                "ingest.max_json_depth must be in 1..={MAX_JSON_DEPTH} (the JSON parser refuses deeper documents itself)"
+            ));
         }
         if self.delivery.concurrency == 0 {
             return bad("delivery.concurrency must be > 0");
@@ -711,6 +713,10 @@ impl Config {
         Ok(())
     }
 }
+
+/// The deepest `ingest.max_json_depth`: serde_json refuses a document's 128th level of nesting
+/// itself (its recursion limit), with a less helpful error than the depth check's.
+pub const MAX_JSON_DEPTH: usize = 127;
 
 /// `ROUTER_*` variables that are not configuration keys.
 pub const RESERVED_ENV: &[&str] = &[

@@ -178,6 +178,41 @@ async fn a_vanished_rules_directory_or_an_unchanged_broken_target_never_blocks_o
     assert!(a.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
 }
 
+/// The contracts directory moved away is not "no contracts": the reload is refused, and the
+/// live contracts keep quarantining what breaks them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vanished_contracts_directory_never_turns_the_checks_off() {
+    let a = Receiver::ok().await;
+    let r = RouterProc::start(
+        &[("r.yaml", &webhook_rule("to-a", "t", &a.url(), "a"))],
+        &[(
+            "t/v1.json",
+            r#"{"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}}"#,
+        )],
+    );
+    let dir = r.dir.path().join("contracts");
+    std::fs::rename(&dir, r.dir.path().join("contracts.moved")).expect("move the contracts away");
+    assert_eq!(post_json(&r, "/v1/admin/reload", json!({})).await.0, 422);
+    let err = status(&r).await["reload"]["last_error"].to_string();
+    assert!(
+        err.contains("contracts directory") && err.contains("does not exist"),
+        "{err}"
+    );
+    let (s, body) = post_event(&r, &event("bad", "t", json!({"n": "x"}))).await;
+    assert_eq!(
+        (s, &body["results"][0]["status"]),
+        (202, &json!("quarantined")),
+        "{body}"
+    );
+    let (s, body) = post_event(&r, &event("good", "t", json!({"n": 1}))).await;
+    assert_eq!(
+        (s, &body["results"][0]["status"]),
+        (202, &json!("accepted")),
+        "{body}"
+    );
+    assert!(a.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
+}
+
 /// A router whose only target, `old`, takes one event at a time (20 ms each) from a
 /// receiver it returns; `n` events `{prefix}{i}` are accepted for it, then its rule is removed
 /// from the rules directory and the reload is waited for, most of the queue still waiting.

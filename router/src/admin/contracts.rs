@@ -195,7 +195,12 @@ pub async fn upload(
             "the schema is not a valid contract",
             diags
                 .iter()
-                .map(|d| FieldError::new("", format!("line {}:{}: {}", d.line, d.col, d.message)))
+                .map(|d| {
+                    FieldError::new(
+                        d.pointer.clone(),
+                        format!("line {}:{}: {}", d.line, d.col, d.message),
+                    )
+                })
                 .collect(),
         );
     }

@@ -118,6 +118,8 @@ pub struct ContractDiagnostic {
     pub col: usize,
     /// What is wrong.
     pub message: String,
+    /// Where in the schema, as a JSON pointer ("" when the problem is not at one place in it).
+    pub pointer: String,
 }
 
 impl ContractDiagnostic {
@@ -127,7 +129,13 @@ impl ContractDiagnostic {
             line,
             col,
             message: message.into(),
+            pointer: String::new(),
         }
+    }
+
+    fn at_pointer(mut self, pointer: &str) -> Self {
+        self.pointer = pointer.to_owned();
+        self
     }
 }
 
@@ -492,6 +500,11 @@ impl ContractSet {
         })
     }
 
+    /// Whether the set holds no contract at all.
+    pub fn is_empty(&self) -> bool {
+        self.types.is_empty()
+    }
+
     /// The highest loaded version of `ty`.
     pub fn latest_version(&self, ty: &str) -> Option<u32> {
         self.types.get(ty)?.keys().next_back().copied()
@@ -611,7 +624,8 @@ fn compile(src: &Source, schema: &Value) -> Result<Validator, ContractDiagnostic
                          (https://json-schema.org/draft/2020-12/schema) or draft-07 \
                          (http://json-schema.org/draft-07/schema#)"
                     ),
-                ));
+                )
+                .at_pointer("/$schema"));
             }
         },
         Some(_) => {
@@ -619,13 +633,16 @@ fn compile(src: &Source, schema: &Value) -> Result<Validator, ContractDiagnostic
                 &src.display,
                 at("/$schema"),
                 "$schema must be a string URI",
-            ));
+            )
+            .at_pointer("/$schema"));
         }
     };
     let build = |schema: &Value| {
         jsonschema::options()
             .with_draft(draft)
             .should_validate_formats(true)
+            // A misspelt format name ("emial") would otherwise check nothing, silently.
+            .should_ignore_unknown_formats(false)
             .build(schema)
     };
     let refused = |e: jsonschema::ValidationError<'_>| {
@@ -635,7 +652,7 @@ fn compile(src: &Source, schema: &Value) -> Result<Validator, ContractDiagnostic
         } else {
             format!("schema does not compile at {pointer}: {e}")
         };
-        ContractDiagnostic::new(&src.display, at(pointer), message)
+        ContractDiagnostic::new(&src.display, at(pointer), message).at_pointer(pointer)
     };
     let validator = build(schema).map_err(refused)?;
     if let Some(probe) = referring_to_every_definition(schema)

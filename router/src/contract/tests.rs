@@ -363,6 +363,15 @@ fn schema_that_does_not_compile_names_the_pointer() {
     assert_eq!(d.len(), 1, "{d:?}");
     assert!(d[0].message.contains("/properties/a/type"), "{}", d[0]);
     assert_eq!((d[0].line, d[0].col), (3, 11));
+    assert_eq!(d[0].pointer, "/properties/a/type");
+}
+
+#[test]
+fn a_misspelt_format_is_refused_not_silently_unchecked() {
+    let text = r#"{"properties": {"mail": {"type": "string", "format": "emial"}}}"#;
+    let d = err_at(&[("t/v1.json", text)], None);
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert!(d[0].message.contains("emial"), "{}", d[0]);
 }
 
 #[test]

@@ -260,6 +260,24 @@ fn media_essence(ct: &str) -> String {
         .to_ascii_lowercase()
 }
 
+/// Whether a `text/*` body of this Content-Type reads as UTF-8: no `charset` parameter (the
+/// HTTP binding's data is then taken as sent), or `utf-8` / `us-ascii`. A body in another
+/// charset kept as a string would be decoded wrongly (Latin-1 bytes read as UTF-8).
+fn text_is_utf8(ct: &str) -> bool {
+    ct.split(';').skip(1).all(|param| {
+        let Some((name, value)) = param.split_once('=') else {
+            return true;
+        };
+        if !name.trim().eq_ignore_ascii_case("charset") {
+            return true;
+        }
+        let value = value.trim().trim_matches('"');
+        ["utf-8", "utf8", "us-ascii"]
+            .iter()
+            .any(|c| value.eq_ignore_ascii_case(c))
+    })
+}
+
 /// Whether the body's first byte after JSON whitespace is `b`.
 fn starts_with(body: &[u8], b: u8) -> bool {
     body.iter()
@@ -1094,7 +1112,8 @@ fn binary(
         match as_json {
             Some(raw) => json_data = Some(raw),
             None => {
-                let text = content_type.is_some_and(|ct| media_essence(ct).starts_with("text/"));
+                let text = content_type
+                    .is_some_and(|ct| media_essence(ct).starts_with("text/") && text_is_utf8(ct));
                 match std::str::from_utf8(body) {
                     Ok(s) if text => {
                         attrs.insert("data".into(), Value::String(s.to_owned()));
@@ -1396,6 +1415,36 @@ mod tests {
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
         assert_eq!(pointers(&e), [""]);
         assert!(e.errors[0].message.contains("limit of 3"), "{e}");
+    }
+
+    #[test]
+    fn the_largest_depth_the_config_allows_parses_in_every_mode() {
+        // serde_json refuses its 128th level itself: the config caps the limit below it, so a
+        // body within the limit never meets the parser's own "recursion limit exceeded".
+        let max = crate::config::MAX_JSON_DEPTH;
+        let limits = Limits {
+            max_json_depth: max,
+            ..Limits::default()
+        };
+        let nested =
+            |levels: usize| -> String { format!("{}1{}", "[".repeat(levels), "]".repeat(levels)) };
+        let ev = |levels: usize| {
+            format!(
+                r#"{{"specversion":"1.0","id":"1","source":"/s","type":"t","data":{}}}"#,
+                nested(levels)
+            )
+        };
+        let body = ev(max - 1);
+        assert!(parse_request(&ct(STRUCTURED_CONTENT_TYPE), body.as_bytes(), &limits).is_ok());
+        let body = format!("[{}]", ev(max - 2));
+        assert!(parse_request(&ct(BATCH_CONTENT_TYPE), body.as_bytes(), &limits).is_ok());
+        let mut pairs = binary_headers();
+        pairs.push(("content-type", "application/json"));
+        let body = nested(max);
+        assert!(parse_request(&headers(&pairs), body.as_bytes(), &limits).is_ok());
+        let body = ev(max);
+        let e = parse_request(&ct(STRUCTURED_CONTENT_TYPE), body.as_bytes(), &limits).unwrap_err();
+        assert!(e.errors[0].message.contains("max_json_depth"), "{e}");
     }
 
     #[test]
@@ -1767,6 +1816,33 @@ mod tests {
         let (_, evs) = parse(&h, b"\xff\xfe").unwrap();
         assert_eq!(evs[0].data, None);
         assert_eq!(evs[0].data_base64.as_deref(), Some("//4="));
+    }
+
+    #[test]
+    fn binary_text_in_another_charset_is_kept_as_bytes_not_misread_as_utf8() {
+        // "cafÃ©" in Latin-1 is valid UTF-8 for "café": read as UTF-8 it would change.
+        let latin1 = b"caf\xc3\xa9";
+        for ct in [
+            "text/plain; charset=iso-8859-1",
+            "text/csv;charset=\"windows-1252\"",
+        ] {
+            let mut pairs = binary_headers();
+            pairs.push(("content-type", ct));
+            let (_, evs) = parse(&headers(&pairs), latin1).unwrap();
+            assert_eq!(evs[0].data, None, "{ct}");
+            assert_eq!(evs[0].data_base64.as_deref(), Some("Y2Fmw6k="), "{ct}");
+            assert_eq!(evs[0].datacontenttype.as_deref(), Some(ct));
+        }
+        for ct in [
+            "text/plain",
+            "text/plain; charset=UTF-8",
+            "text/plain; format=flowed; charset=\"us-ascii\"",
+        ] {
+            let mut pairs = binary_headers();
+            pairs.push(("content-type", ct));
+            let (_, evs) = parse(&headers(&pairs), b"plain").unwrap();
+            assert_eq!(evs[0].data, Some(Data::from(json!("plain"))), "{ct}");
+        }
     }
 
     #[test]
