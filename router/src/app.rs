@@ -155,19 +155,107 @@ pub struct ReloadReport {
 
 /// Counts and announces (`router.dlq.added`) `n` entries of removed target `id` moved to
 /// the DLQ.
-fn count_removed(ctx: &crate::deliver::DeliveryContext, id: &str, n: usize) {
+fn count_removed(ctx: &crate::deliver::DeliveryContext, id: &str, n: usize, why: &str) {
     crate::deliver::dead_lettered_in_bulk(
         ctx,
         id,
         crate::store::DlqReason::TargetRemoved,
         n as u64,
-        TARGET_REMOVED,
+        why,
         ctx.clock.now_ms(),
     );
 }
 
 /// The error of a removed target's entries moved to the DLQ.
 const TARGET_REMOVED: &str = "the target was removed from the rules";
+
+/// Moves the queued entries of `id`, a target no longer in the rules, to the DLQ as
+/// `target_removed` with the error `why`. Entries in flight at this moment come back to the
+/// queue when their attempt ends (or their lease expires): they are moved too, for `grace`
+/// (one lease and a little more), unless a reload brings the target back first — then its
+/// queue is live again and what is left of it delivers (a quick revert, or a rule moved
+/// between two files in two saves, used to dead-letter new events of a live target).
+async fn dead_letter_removed(app: &Arc<App>, id: &str, why: String, grace: Duration) {
+    let ctx = app.dispatcher.context().clone();
+    let moved = ctx
+        .store
+        .dead_letter_queued(
+            id,
+            crate::store::DlqReason::TargetRemoved,
+            &why,
+            ctx.clock.now_ms(),
+        )
+        .await;
+    match moved {
+        Ok(n) => {
+            count_removed(&ctx, id, n, &why);
+            tracing::warn!(target_id = %id, entries = n, reason = %why, "target not in the rules; its queued entries moved to the DLQ");
+        }
+        // The new set is live already: a store failure here is not a refused reload
+        // (callers take a refusal to mean nothing changed). The loop below keeps moving them.
+        Err(e) => {
+            tracing::warn!(target_id = %id, error = %e, "target not in the rules; moving its queued entries to the DLQ failed, tried again");
+        }
+    }
+    let app = Arc::downgrade(app);
+    let id = id.to_owned();
+    ctx.tracker.clone().spawn(async move {
+        let deadline = tokio::time::Instant::now() + grace;
+        loop {
+            let back = app
+                .upgrade()
+                .is_none_or(|app| app.rules.load().targets.contains_key(&id));
+            if back {
+                tracing::info!(target_id = %id, "target back in the rules; its queue is no longer moved to the DLQ");
+                break;
+            }
+            let left = ctx
+                .store
+                .queue_stats()
+                .get(&id)
+                .map_or(0, |s| s.queued + s.in_flight);
+            if left == 0 || tokio::time::Instant::now() >= deadline {
+                if left > 0 {
+                    tracing::warn!(target_id = %id, left, "removed target still has entries after its grace period; they drain under its last configuration");
+                }
+                break;
+            }
+            tokio::select! {
+                _ = ctx.cancel.cancelled() => break,
+                _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+            }
+            if app
+                .upgrade()
+                .is_none_or(|app| app.rules.load().targets.contains_key(&id))
+            {
+                continue;
+            }
+            match ctx
+                .store
+                .dead_letter_queued(
+                    &id,
+                    crate::store::DlqReason::TargetRemoved,
+                    &why,
+                    ctx.clock.now_ms(),
+                )
+                .await
+            {
+                Ok(n) => count_removed(&ctx, &id, n, &why),
+                Err(e) => {
+                    tracing::warn!(target_id = %id, error = %e, "moving a removed target's entries to the DLQ failed");
+                }
+            }
+        }
+    });
+}
+
+/// How long a removed target's entries in flight may take to come back to its queue: one
+/// attempt's timeout, the lease margin, and a little more.
+fn removal_grace(cfg: &Config, spec: Option<&TargetSpec>) -> Duration {
+    spec.map_or(Duration::from_secs(60), |s| s.policy.timeout)
+        + cfg.delivery.lease_margin
+        + Duration::from_secs(5)
+}
 
 /// Loads the rules and contracts directories again and swaps them in atomically. An invalid
 /// set is refused and the old one stays live. Compilation happens off the request path.
@@ -279,73 +367,8 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                 tracing::warn!(target_id = %id, "target removed from the rules; its queued entries drain under its last configuration");
             }
             crate::config::OnTargetRemoved::DeadLetter => {
-                // The new set is live already: a store failure here is not a refused reload
-                // (callers take a refusal to mean nothing changed). The loop below keeps
-                // moving the entries.
-                match app
-                    .store
-                    .dead_letter_queued(
-                        id,
-                        crate::store::DlqReason::TargetRemoved,
-                        TARGET_REMOVED,
-                        now,
-                    )
-                    .await
-                {
-                    Ok(n) => {
-                        count_removed(app.dispatcher.context(), id, n);
-                        tracing::warn!(target_id = %id, entries = n, "target removed from the rules; its queued entries moved to the DLQ");
-                    }
-                    Err(e) => {
-                        tracing::warn!(target_id = %id, error = %e, "target removed from the rules; moving its queued entries to the DLQ failed, tried again");
-                    }
-                }
-                // Entries in flight at this moment come back to the queue when their attempt
-                // ends (or their lease expires): keep moving them until the queue is empty, for
-                // at most one lease (attempt timeout + margin) and a little more.
-                let ctx = app.dispatcher.context().clone();
-                let grace = old
-                    .targets
-                    .get(id)
-                    .map_or(Duration::from_secs(60), |s| s.policy.timeout)
-                    + app.cfg.delivery.lease_margin
-                    + Duration::from_secs(5);
-                let id = id.clone();
-                ctx.tracker.clone().spawn(async move {
-                    let deadline = tokio::time::Instant::now() + grace;
-                    loop {
-                        let left = ctx
-                            .store
-                            .queue_stats()
-                            .get(&id)
-                            .map_or(0, |s| s.queued + s.in_flight);
-                        if left == 0 || tokio::time::Instant::now() >= deadline {
-                            if left > 0 {
-                                tracing::warn!(target_id = %id, left, "removed target still has entries after its grace period; they drain under its last configuration");
-                            }
-                            break;
-                        }
-                        tokio::select! {
-                            _ = ctx.cancel.cancelled() => break,
-                            _ = tokio::time::sleep(Duration::from_millis(250)) => {}
-                        }
-                        match ctx
-                            .store
-                            .dead_letter_queued(
-                                &id,
-                                crate::store::DlqReason::TargetRemoved,
-                                TARGET_REMOVED,
-                                ctx.clock.now_ms(),
-                            )
-                            .await
-                        {
-                            Ok(n) => count_removed(&ctx, &id, n),
-                            Err(e) => {
-                                tracing::warn!(target_id = %id, error = %e, "moving a removed target's entries to the DLQ failed");
-                            }
-                        }
-                    }
-                });
+                let grace = removal_grace(&app.cfg, old.targets.get(id));
+                dead_letter_removed(app, id, TARGET_REMOVED.to_string(), grace).await;
             }
         }
     }
@@ -1040,24 +1063,52 @@ pub async fn run_with_store(
         .into_iter()
         .filter_map(|(id, v)| serde_json::from_value(v).ok().map(|s| (id, s)))
         .collect();
+    // Targets removed while the router was down follow `on_target_removed` as at a reload;
+    // entries that cannot drain (no configuration known, or one that cannot start: its secret
+    // gone too, say) go to the DLQ as `target_removed` with why, instead of staying queued
+    // with no worker and no way out.
     let mut to_start: Vec<TargetSpec> = rules.targets.values().cloned().collect();
+    let mut removed: Vec<(String, Option<TargetSpec>, String)> = Vec::new();
+    let dead_letter = matches!(
+        cfg.delivery.on_target_removed,
+        crate::config::OnTargetRemoved::DeadLetter
+    );
     for id in store.targets_with_entries() {
         if !rules.targets.contains_key(&id) {
             match saved.get(&id) {
+                Some(spec) if dead_letter => {
+                    removed.push((id, Some(spec.clone()), TARGET_REMOVED.to_string()))
+                }
                 Some(spec) => {
                     warnings.push(format!("target {id} is no longer in the rules; its queued entries drain under its last configuration"));
                     to_start.push(spec.clone());
                 }
-                None => warnings.push(format!(
-                    "target {id} has queued entries but no known configuration; they stay queued"
+                None => removed.push((
+                    id,
+                    None,
+                    format!("{TARGET_REMOVED}, and no configuration of it is known to drain its queue under"),
                 )),
             }
         }
     }
     for spec in to_start {
+        let id = spec.id.clone();
+        let last = (!rules.targets.contains_key(&id)).then(|| spec.clone());
         if let Err(e) = dispatcher.ensure(spec).await {
-            tracing::warn!("{e}");
-            rule_warnings.push(e.to_string());
+            match last {
+                Some(spec) => {
+                    warnings.retain(|w| !w.starts_with(&format!("target {id} is no longer")));
+                    removed.push((
+                        id,
+                        Some(spec),
+                        format!("{TARGET_REMOVED}, and its last configuration cannot start: {e}"),
+                    ));
+                }
+                None => {
+                    tracing::warn!("{e}");
+                    rule_warnings.push(e.to_string());
+                }
+            }
         }
     }
     dispatcher.start_reaper();
@@ -1127,6 +1178,14 @@ pub async fn run_with_store(
                 .map(|app| prepare_emitted(&app, emitter, events, now))
         });
         let _ = rt.prepare.set(prepare);
+    }
+    for (id, spec, why) in removed {
+        app.warnings
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(format!("target {id} is no longer in the rules; its queued entries went to the DLQ as target_removed ({why})"));
+        let grace = removal_grace(&app.cfg, spec.as_ref());
+        dead_letter_removed(&app, &id, why, grace).await;
     }
     crate::dlq::resume_all(&app, &tracker, workers_cancel.clone()).await?;
     spawn_reload_triggers(&app, &tracker, workers_cancel.clone());

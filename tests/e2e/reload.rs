@@ -1,5 +1,7 @@
 //! Hot reload of rules and contracts against the running binary.
 
+use std::collections::HashSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -642,4 +644,181 @@ async fn a_hundred_reloads_under_load() {
             "{id} reached both or neither"
         );
     }
+}
+
+/// A removed target brought back by the next reload (a quick revert, a rule moved between two
+/// files in two saves) is live again: with `on_target_removed = "dead_letter"`, the loop that
+/// moves what comes back from attempts in flight stops, and new events for it are delivered,
+/// not dead-lettered as `target_removed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_removed_and_put_back_delivers_its_new_events() {
+    // The first request is held 3 s: an attempt in flight keeps the removal's loop going.
+    let rcv = Receiver::scripted(Arc::new(|_, n| {
+        (
+            200,
+            Duration::from_millis(if n == 0 { 3000 } else { 0 }),
+            vec![],
+        )
+    }))
+    .await;
+    let policy = "  one:\n    timeout: 10s\n    throttle: { max_concurrency: 1 }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: h\n        policy: one",
+                rcv.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start_with_env(
+        &[("r.yaml", &rules)],
+        &[],
+        &[("ROUTER_DELIVERY__ON_TARGET_REMOVED", "dead_letter")],
+    );
+    assert_eq!(post_event(&r, &event("e1", "t", json!({}))).await.0, 202);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(post_json(&r, "/v1/admin/reload", json!({})).await.0, 200);
+    write_rules(&r, "r.yaml", "rules: []\n");
+    assert_eq!(post_json(&r, "/v1/admin/reload", json!({})).await.0, 200);
+    write_rules(&r, "r.yaml", &rules);
+    assert_eq!(post_json(&r, "/v1/admin/reload", json!({})).await.0, 200);
+    for id in ["e2", "e3"] {
+        assert_eq!(post_event(&r, &event(id, "t", json!({}))).await.0, 202);
+    }
+    let all = |s: &[Received]| {
+        let ids: HashSet<String> = s.iter().map(Received::event_id).collect();
+        ["e1", "e2", "e3"].iter().all(|i| ids.contains(*i))
+    };
+    assert!(
+        rcv.wait_for(Duration::from_secs(20), all).await,
+        "received {:?}",
+        rcv.received()
+            .iter()
+            .map(Received::event_id)
+            .collect::<Vec<_>>()
+    );
+    let (_, l) = get_json(&r, "/v1/dlq").await;
+    assert_eq!(l["entries"].as_array().map(Vec::len), Some(0), "{l}");
+}
+
+/// `on_target_removed = "dead_letter"` holds for a target removed while the router was down:
+/// at start its queue goes to the DLQ as `target_removed`, instead of draining to the
+/// endpoint the rules no longer name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_removed_while_down_is_dead_lettered_at_start_when_so_configured() {
+    let never = Receiver::status(503).await;
+    let policy = "  p:\n    retry: { max_attempts: 50, base_delay: 1s, max_delay: 1s }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: gone\n        policy: p",
+                never.url()
+            )],
+        )],
+    );
+    let mut r = RouterProc::start_with_env(
+        &[("r.yaml", &rules)],
+        &[],
+        &[("ROUTER_DELIVERY__ON_TARGET_REMOVED", "dead_letter")],
+    );
+    post_batch(
+        &r,
+        &(0..5)
+            .map(|i| event(&format!("w{i}"), "t", json!({})))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    assert!(
+        never
+            .wait_for(Duration::from_secs(10), |s| s.len() >= 5)
+            .await
+    );
+    r.kill9();
+    write_rules(&r, "r.yaml", "rules: []\n");
+    r.restart();
+    let l = eventually(Duration::from_secs(15), || async {
+        let (_, l) = get_json(&r, "/v1/dlq?reason=target_removed").await;
+        (l["entries"].as_array().map(Vec::len) == Some(5)).then_some(l)
+    })
+    .await;
+    assert!(
+        l.is_some(),
+        "the removed target's queue was not dead-lettered at start"
+    );
+    let seen = never.count();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        never.count(),
+        seen,
+        "the removed target kept being attempted"
+    );
+    let st = status(&r).await;
+    assert!(
+        st["warnings"].to_string().contains("target_removed"),
+        "{st}"
+    );
+}
+
+/// A removed target whose last configuration cannot start any more (its signing secret was
+/// taken out of the secrets file too) does not strand its queue: at start its entries go to
+/// the DLQ as `target_removed`, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_target_that_cannot_start_dead_letters_its_queue_saying_why() {
+    let never = Receiver::status(503).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let secrets = dir.path().join("secrets.toml");
+    std::fs::write(
+        &secrets,
+        "E2E_GONE_SECRET = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\n",
+    )
+    .expect("secrets");
+    let config = format!("secrets_file = {:?}\n", secrets.display().to_string());
+    let policy = "  p:\n    retry: { max_attempts: 50, base_delay: 1s, max_delay: 1s }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: signed\n        policy: p\n        secret_env: E2E_GONE_SECRET",
+                never.url()
+            )],
+        )],
+    );
+    let mut r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&config));
+    post_batch(
+        &r,
+        &(0..3)
+            .map(|i| event(&format!("s{i}"), "t", json!({})))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    assert!(
+        never
+            .wait_for(Duration::from_secs(10), |s| s.len() >= 3)
+            .await
+    );
+    r.kill9();
+    write_rules(&r, "r.yaml", "rules: []\n");
+    std::fs::write(&secrets, "").expect("secret removed");
+    r.restart();
+    let l = eventually(Duration::from_secs(15), || async {
+        let (_, l) = get_json(&r, "/v1/dlq?reason=target_removed").await;
+        (l["entries"].as_array().map(Vec::len) == Some(3)).then_some(l)
+    })
+    .await
+    .expect("the removed target's queue was stranded");
+    let errors = l["entries"][0]["errors"].to_string();
+    assert!(
+        errors.contains("cannot start") && errors.contains("E2E_GONE_SECRET"),
+        "{errors}"
+    );
+    let (_, t) = get_json(&r, "/v1/targets/signed").await;
+    assert_eq!(t["queued"].as_u64().unwrap_or(0), 0, "{t}");
 }
