@@ -249,6 +249,43 @@ async fn dead_letter_removed(app: &Arc<App>, id: &str, why: String, grace: Durat
     });
 }
 
+/// Targets whose id now names another one's destination while entries wait for the old
+/// one: a target without an explicit `id` is `<rule>-<index>`, so removing or reordering one
+/// of a rule's targets moves the ids of those after it, and their queues would be delivered
+/// to their neighbour (an event of `/a` posted to `/b`). Such a set is refused, naming the
+/// targets; a destination edited in place (one no other target had) is not a move, and its
+/// queue goes to the new destination, as an edited URL should.
+fn moved_ids(old: &RuleSet, new: &RuleSet, store: &dyn Store) -> Option<String> {
+    let stats = store.queue_stats();
+    let old_by_dest: std::collections::HashMap<String, &str> = old
+        .targets
+        .values()
+        .map(|t| (t.kind.destination(), t.id.as_str()))
+        .collect();
+    let moved: Vec<String> = new
+        .targets
+        .values()
+        .filter_map(|t| {
+            let before = old.targets.get(&t.id)?;
+            let (was, now) = (before.kind.destination(), t.kind.destination());
+            let from = *old_by_dest.get(&now)?;
+            let live = stats.get(&t.id).map_or(0, |s| s.queued + s.in_flight);
+            (was != now && from != t.id && live > 0).then(|| {
+                format!(
+                    "target {} now names {now} (target {from}'s until this reload) while {live} entries wait for {was}",
+                    t.id
+                )
+            })
+        })
+        .collect();
+    (!moved.is_empty()).then(|| {
+        format!(
+            "{}: targets without an explicit `id` are numbered by position in their rule, and removing or reordering one moved them; give the rule's targets explicit ids (keeping a target's current id keeps its queue), or let the queues drain first",
+            moved.join("; ")
+        )
+    })
+}
+
 /// How long a removed target's entries in flight may take to come back to its queue: one
 /// attempt's timeout, the lease margin, and a little more.
 fn removal_grace(cfg: &Config, spec: Option<&TargetSpec>) -> Duration {
@@ -290,6 +327,9 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                 "contracts directory {} does not exist (moved, deleted or unmounted?); the previous contracts stay live",
                 app.cfg.contracts_dir.display()
             )))
+        }
+        (Ok(r), Ok(_), _) if let Some(e) = moved_ids(&old, &r.0, app.store.as_ref()) => {
+            Err(ReloadError::Invalid(e))
         }
         (Ok(mut r), Ok(c), git) => {
             // A target added or changed must be able to start (its signing secret set, its

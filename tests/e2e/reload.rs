@@ -822,3 +822,66 @@ async fn a_removed_target_that_cannot_start_dead_letters_its_queue_saying_why() 
     let (_, t) = get_json(&r, "/v1/targets/signed").await;
     assert_eq!(t["queued"].as_u64().unwrap_or(0), 0, "{t}");
 }
+
+/// Targets without explicit ids are numbered by position: removing the first of a rule's two
+/// targets would have the second's id name the first's queue, and deliver its waiting events
+/// to the wrong receiver. That reload is refused while they wait; a URL edited in place is
+/// not a move, and the waiting entries go to the new URL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_moves_a_queue_to_another_targets_destination_is_refused() {
+    let a = Receiver::status(503).await;
+    let b = Receiver::ok().await;
+    let c = Receiver::ok().await;
+    let policy = "  slow:\n    retry: { max_attempts: 50, base_delay: 500ms, max_delay: 500ms }";
+    let both = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[
+                format!("webhook: {}\n        policy: slow", a.url()),
+                format!("webhook: {}\n        policy: slow", b.url()),
+            ],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &both)], &[]);
+    assert_eq!(post_event(&r, &event("e1", "t", json!({}))).await.0, 202);
+    assert!(b.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
+    assert!(a.wait_for(Duration::from_secs(10), |s| !s.is_empty()).await);
+    // Without a's target, b's becomes r-0, the id of a's waiting entry.
+    let only_b = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!("webhook: {}\n        policy: slow", b.url())],
+        )],
+    );
+    write_rules(&r, "r.yaml", &only_b);
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 422, "{body}");
+    let err = status(&r).await["reload"]["last_error"].to_string();
+    assert!(
+        err.contains("target r-0") && err.contains("explicit ids"),
+        "{err}"
+    );
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(b.count(), 1, "b received a's waiting event");
+    // The same position with a new URL no target had: a's entry goes there.
+    let moved = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[
+                format!("webhook: {}\n        policy: slow", c.url()),
+                format!("webhook: {}\n        policy: slow", b.url()),
+            ],
+        )],
+    );
+    write_rules(&r, "r.yaml", &moved);
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    assert!(c.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
+    assert_eq!(b.count(), 1);
+}

@@ -146,6 +146,16 @@ impl WebhookBatch {
 }
 
 impl TargetKind {
+    /// Where it delivers, in one line (`webhook http://…`, `handler name`, `nats subject`):
+    /// two targets with the same destination deliver to the same place.
+    pub fn destination(&self) -> String {
+        match self {
+            Self::Webhook { url, .. } => format!("webhook {url}"),
+            Self::Handler { name } => format!("handler {name}"),
+            Self::Nats { subject } => format!("nats {subject}"),
+        }
+    }
+
     /// The batching of a webhook that batches.
     pub fn batch(&self) -> Option<&WebhookBatch> {
         match self {
