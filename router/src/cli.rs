@@ -186,6 +186,12 @@ pub fn query(pairs: &[(&str, &Option<String>)]) -> String {
     }
 }
 
+/// `s` as one path segment of an API URL: a rule name or target id may hold `#`, `?`, `%`
+/// or `/`-free text that a URL would otherwise cut or misread.
+pub fn seg(s: &str) -> String {
+    urlencode(s)
+}
+
 fn urlencode(s: &str) -> String {
     s.bytes()
         .map(|b| match b {
@@ -446,6 +452,14 @@ pub fn targets_table(v: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn path_segments_are_encoded() {
+        assert_eq!(seg("orders#v2"), "orders%23v2");
+        assert_eq!(seg("erp?eu"), "erp%3Feu");
+        assert_eq!(seg("50%"), "50%25");
+        assert_eq!(seg("plain-id_1.x"), "plain-id_1.x");
+    }
 
     #[test]
     fn query_strings_encode_and_skip_empty() {

@@ -657,6 +657,16 @@ impl Config {
         if self.nats.credentials_file.is_some() && self.nats.token_env.is_some() {
             return bad("nats.credentials_file and nats.token_env are exclusive: set one");
         }
+        if self
+            .nats
+            .token_env
+            .as_deref()
+            .is_some_and(|v| v.starts_with("ROUTER_"))
+        {
+            return bad(
+                "nats.token_env must not name a ROUTER_ variable: those are read as configuration keys",
+            );
+        }
         if self.nats.token_env.as_deref().is_some_and(str::is_empty) {
             return bad("nats.token_env must name a variable");
         }

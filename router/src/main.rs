@@ -784,7 +784,11 @@ async fn contract_push(
         .client()
         .call_bytes(
             reqwest::Method::PUT,
-            &format!("/v1/contracts/{ty}/{version}"),
+            &format!(
+                "/v1/contracts/{}/{}",
+                router::cli::seg(ty),
+                router::cli::seg(&version)
+            ),
             "application/json",
             text.into_bytes(),
         )
@@ -846,7 +850,7 @@ async fn rule_toggle(api: &Api, name: &str, action: &str) -> anyhow::Result<Exit
     let v = c
         .call(
             reqwest::Method::POST,
-            &format!("/v1/rules/{name}/{action}"),
+            &format!("/v1/rules/{}/{action}", router::cli::seg(name)),
             None,
         )
         .await?;
@@ -873,7 +877,7 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
                 std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
             c.call_bytes(
                 Method::PUT,
-                &format!("/v1/handlers/{name}"),
+                &format!("/v1/handlers/{}", router::cli::seg(name)),
                 "application/wasm",
                 bytes,
             )
@@ -883,7 +887,7 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
         HandlersCmd::Rollback { name, version } => {
             c.call(
                 Method::POST,
-                &format!("/v1/handlers/{name}/rollback"),
+                &format!("/v1/handlers/{}/rollback", router::cli::seg(name)),
                 Some(serde_json::json!({ "version": version })),
             )
             .await?
@@ -896,8 +900,12 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
         } => {
             let q =
                 router::cli::query(&[("event_id", event_id), ("level", level), ("limit", limit)]);
-            c.call(Method::GET, &format!("/v1/handlers/{name}/logs{q}"), None)
-                .await?
+            c.call(
+                Method::GET,
+                &format!("/v1/handlers/{}/logs{q}", router::cli::seg(name)),
+                None,
+            )
+            .await?
         }
     };
     print_value(&api, &v, |v| match &cmd {
@@ -935,7 +943,7 @@ async fn targets(api: Api, cmd: TargetsCmd) -> anyhow::Result<ExitCode> {
         TargetsCmd::Pause { id } => {
             c.call(
                 reqwest::Method::POST,
-                &format!("/v1/targets/{id}/pause"),
+                &format!("/v1/targets/{}/pause", router::cli::seg(id)),
                 None,
             )
             .await?
@@ -943,7 +951,7 @@ async fn targets(api: Api, cmd: TargetsCmd) -> anyhow::Result<ExitCode> {
         TargetsCmd::Resume { id } => {
             c.call(
                 reqwest::Method::POST,
-                &format!("/v1/targets/{id}/resume"),
+                &format!("/v1/targets/{}/resume", router::cli::seg(id)),
                 None,
             )
             .await?

@@ -45,6 +45,25 @@ async fn cli_json(r: &RouterProc, args: &[&str]) -> Value {
     serde_json::from_str(&out).unwrap_or_else(|e| panic!("router {args:?}: {e}: {out}"))
 }
 
+/// Rule names and target ids may hold characters a URL gives meaning to (`#`, `?`, `%`): the
+/// CLI encodes them as path segments, so containment works on them too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_contains_rules_and_targets_whose_names_a_url_would_cut() {
+    let rcv = Receiver::ok().await;
+    let rules = webhook_rule("orders#v2", "t", &rcv.url(), "erp?eu%1");
+    let config = format!(
+        "[[auth.tokens]]\nname = \"ops\"\nsha256 = \"{}\"\nscopes = [\"admin\"]\n",
+        token_sha256("ops-token")
+    );
+    let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&config));
+    let paused = cli_json(&r, &["targets", "pause", "erp?eu%1"]).await;
+    assert_eq!(paused["paused"], true, "{paused}");
+    let resumed = cli_json(&r, &["targets", "resume", "erp?eu%1"]).await;
+    assert_eq!(resumed["paused"], false, "{resumed}");
+    let off = cli_json(&r, &["rules", "disable", "orders#v2"]).await;
+    assert_eq!(off["enabled"], false, "{off}");
+}
+
 /// The DLQ runbook of `docs/operations.md`, by CLI: see the dead letter, contain the target,
 /// fix the receiver, redrive, resume; plus the rule switch and a handler upload.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1068,7 +1068,7 @@ impl Cx<'_> {
                                             file,
                                             hv,
                                             format!(
-                                                "`headers_env.{name}` must name an environment variable (letters, digits, `_`) that holds the header's value"
+                                                "`headers_env.{name}` must name an environment variable (letters, digits, `_`; not `ROUTER_…`, which configures the router) that holds the header's value"
                                             ),
                                         );
                                         ok = false;
@@ -1098,7 +1098,7 @@ impl Cx<'_> {
                                 file,
                                 n,
                                 format!(
-                                    "`secret_env` must name an environment variable (letters, digits, `_`), not `{s}`"
+                                    "`secret_env` must name an environment variable (letters, digits, `_`; not `ROUTER_…`, which configures the router), not `{s}`"
                                 ),
                             );
                             ok = false;
@@ -1192,12 +1192,16 @@ fn valid_name(s: &str) -> bool {
             .any(|c| c.is_whitespace() || c.is_control() || c == '/')
 }
 
+/// A variable name a rule file may take a secret from. Not `ROUTER_…`: every such variable
+/// is read as a configuration key at start, and a secret there stops the router with
+/// "unknown field".
 fn valid_env_name(s: &str) -> bool {
     let mut chars = s.chars();
     chars
         .next()
         .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && !s.starts_with("ROUTER_")
 }
 
 /// The plain scalar that starts at 1-based `line`:`col` of `text`, as written (up to the

@@ -492,12 +492,21 @@ rules:
         secret_env: S
       - webhook: http://h/
         secret_env: 1BAD
+      - webhook: http://h/
+        secret_env: ROUTER_ERP_SECRET
 ";
     let e = errs(&[("r.yaml", src)]);
-    assert_eq!(e.len(), 3, "{e:#?}");
+    assert_eq!(e.len(), 4, "{e:#?}");
     assert!(e[0].starts_with("r.yaml:6:9: `headers` applies to webhook targets only"));
     assert!(e[1].starts_with("r.yaml:7:9: `secret_env` applies to webhook targets only"));
     assert!(e[2].starts_with("r.yaml:9:21: `secret_env` must name an environment variable"));
+    // Every ROUTER_ variable is a configuration key: a secret there stops the router.
+    assert!(
+        e[3].starts_with("r.yaml:11:21: `secret_env` must name an environment variable")
+            && e[3].contains("not `ROUTER_"),
+        "{}",
+        e[3]
+    );
 
     let framing = "\
 rules:
