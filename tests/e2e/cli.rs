@@ -55,7 +55,19 @@ async fn the_cli_contains_rules_and_targets_whose_names_a_url_would_cut() {
         "[[auth.tokens]]\nname = \"ops\"\nsha256 = \"{}\"\nscopes = [\"admin\"]\n",
         token_sha256("ops-token")
     );
-    let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&config));
+    let off = "rules:\n  - name: off\n    enabled: false\n    pattern: { type: [u] }\n    targets:\n      - webhook: http://127.0.0.1:9/x\n        id: off-t\n";
+    let r = RouterProc::start_full(
+        &[("r.yaml", &rules), ("off.yaml", off)],
+        &[],
+        &[],
+        Some(&config),
+    );
+    // A rule its file turns off cannot be enabled by the switch, and is not said to be.
+    let (ok, _, err) = cli(&r, Some("ops-token"), &["rules", "enable", "off"]).await;
+    assert!(
+        !ok && err.contains("409") && err.contains("enabled: false"),
+        "{err}"
+    );
     let paused = cli_json(&r, &["targets", "pause", "erp?eu%1"]).await;
     assert_eq!(paused["paused"], true, "{paused}");
     let resumed = cli_json(&r, &["targets", "resume", "erp?eu%1"]).await;

@@ -1167,6 +1167,28 @@ pub async fn rule_control(
             );
         }
     };
+    // An operator's switch stops a rule, or undoes its own stop: it cannot start a rule that
+    // its file turns off, and saying "enabled" to that would send the operator away wrong.
+    if enabled
+        && let Some(rule) = app
+            .rules
+            .load()
+            .rules
+            .iter()
+            .find(|r| r.name == name && !r.enabled)
+    {
+        return error_response(
+            StatusCode::CONFLICT,
+            "the rule is turned off in its rule file",
+            vec![FieldError::new(
+                "/name",
+                format!(
+                    "{name:?} has `enabled: false` in {}:{}; enable it there (and reload)",
+                    rule.file, rule.line
+                ),
+            )],
+        );
+    }
     match app.set_rule_enabled(&name, enabled).await {
         Ok(true) => axum::Json(json!({ "rule": name, "enabled": enabled })).into_response(),
         Ok(false) => error_response(
