@@ -1845,7 +1845,7 @@ mod tests {
         assert!(total < 600, "{total}");
     }
 
-    const SIGNED_RULE: &str = "rules:\n  - name: signed\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/signed\n        id: signed\n        secret_env: ROUTER_UNIT_TEST_SECRET_NEVER_SET\n";
+    const SIGNED_RULE: &str = "rules:\n  - name: signed\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/signed\n        id: signed\n        secret_env: UNIT_TEST_SECRET_NEVER_SET\n";
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_reload_whose_new_target_cannot_start_is_refused_until_it_can() {
@@ -1867,7 +1867,7 @@ mod tests {
             .expect_err("its secret is not set");
         let message = refused.to_string();
         assert!(
-            message.contains("signed") && message.contains("ROUTER_UNIT_TEST_SECRET_NEVER_SET"),
+            message.contains("signed") && message.contains("UNIT_TEST_SECRET_NEVER_SET"),
             "names the target and the secret: {message}"
         );
         assert_eq!(app.rules.load().version, before, "the old set stays live");
@@ -1885,7 +1885,7 @@ mod tests {
         // The secret added to the secrets file: the next reload takes it.
         std::fs::write(
             &secrets,
-            "ROUTER_UNIT_TEST_SECRET_NEVER_SET = \"whsec_c2VjcmV0\"\n",
+            "UNIT_TEST_SECRET_NEVER_SET = \"whsec_c2VjcmV0\"\n",
         )
         .expect("secrets file");
         let report = reload(&app, "test").await.expect("the secret is there now");
@@ -1899,7 +1899,7 @@ mod tests {
         assert!(report.targets_started.is_empty(), "{report:?}");
         std::fs::write(
             &secrets,
-            "ROUTER_UNIT_TEST_SECRET_NEVER_SET = \"whsec_bmV3 whsec_c2VjcmV0\"\n",
+            "UNIT_TEST_SECRET_NEVER_SET = \"whsec_bmV3 whsec_c2VjcmV0\"\n",
         )
         .expect("secrets file");
         let report = reload(&app, "test").await.expect("rotated");

@@ -227,6 +227,32 @@ async fn quarantine_stores_poison_in_the_dlq_with_pointers_and_never_routes_it()
         metrics.contains("router_dlq_depth{target=\"none\"} 2"),
         "{metrics}"
     );
+    // The same bad data again is a duplicate; the producer's fix, sent with the same id, is
+    // accepted and routed in place of the quarantined copy (which stays in the DLQ).
+    let (_, b) = post_event(
+        &r,
+        &event("bad1", "order.created", json!({"order_id": 7, "total": -1})),
+    )
+    .await;
+    assert_eq!(b["results"][0]["status"], "duplicate", "{b}");
+    let fixed = event(
+        "bad1",
+        "order.created",
+        json!({"order_id": "A7", "total": 1}),
+    );
+    let (_, b) = post_event(&r, &fixed).await;
+    assert_eq!(b["results"][0]["status"], "accepted", "{b}");
+    assert!(
+        rcv.wait_for(Duration::from_secs(10), |s| s.len() == 1)
+            .await
+    );
+    assert_eq!(rcv.received()[0].body["data"]["order_id"], "A7");
+    let (_, b) = post_event(&r, &fixed).await;
+    assert_eq!(b["results"][0]["status"], "duplicate", "{b}");
+    let f = fate(&r, "bad1").await;
+    assert_eq!(f["quarantined"], false, "{f}");
+    let (_, l) = get_json(&r, "/v1/dlq?reason=contract_violation").await;
+    assert_eq!(l["entries"].as_array().map(Vec::len), Some(1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

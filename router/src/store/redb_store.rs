@@ -284,6 +284,27 @@ fn dec_event(seq: u64, b: &[u8]) -> Result<StoredEvent, StoreError> {
     Ok(ev)
 }
 
+/// Whether event `seq` was quarantined at acceptance (and so never routed). Read only for a
+/// duplicate: an event with a fan-out was routed, and its JSON is not decoded.
+fn was_quarantined(
+    events: &impl ReadableTable<u64, &'static [u8]>,
+    seq: u64,
+) -> Result<bool, StoreError> {
+    #[derive(serde::Deserialize)]
+    struct Flag {
+        #[serde(default)]
+        quarantined: bool,
+    }
+    let Some(v) = events.get(seq)? else {
+        return Ok(false);
+    };
+    let rec = EventRecord::split(seq, v.value())?;
+    if rec.entries().next().is_some() {
+        return Ok(false);
+    }
+    Ok(dec::<Flag>("events", rec.json)?.quarantined)
+}
+
 /// How far acceptance times may step back against sequence order (a clock stepped back):
 /// scans by time start this much early and end this much late.
 const ACCEPT_SLACK_MS: Millis = 60_000;
@@ -3832,7 +3853,13 @@ impl Committer {
                     })
                 })?,
             };
-            if let Some((seq, _)) = seen {
+            // A copy whose data passes its contract now is not a duplicate of a quarantined
+            // one (never routed): the producer fixed it and sent it again, with the same id,
+            // as producers do. It is accepted and routed, and its key is the newest for the
+            // fate. A copy that fails again stays a duplicate.
+            if let Some((seq, _)) = seen
+                && (p.quarantine.is_some() || !was_quarantined(&*ev_t, seq)?)
+            {
                 out.push((AcceptOutcome::Duplicate { seq }, Vec::new()));
                 continue;
             }

@@ -88,6 +88,10 @@ struct DedupRecord {
     /// Kept so a fingerprint is confirmed without reading the event.
     source: String,
     id: String,
+    /// The event was quarantined (never routed): a copy that passes its contract is accepted
+    /// in its place.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    quarantined: bool,
 }
 
 /// A queue entry as stored, with the DLQ entry it became (if it did).
@@ -443,8 +447,11 @@ impl JetStreamStore {
             for (i, ne) in events.iter().enumerate() {
                 if outcomes[i].is_none() {
                     let key = dedup_record_key(&ne.event.source, &ne.event.id);
+                    // (A passing copy of a quarantined one waits for the next round, which
+                    // accepts it in its place.)
                     if let Some(&first) = first_of.get(&key)
                         && first != i
+                        && (ne.quarantine.is_some() || events[first].quarantine.is_none())
                         && let Some(AcceptOutcome::Accepted { seq, .. }) = outcomes[first]
                     {
                         outcomes[i] = Some(AcceptOutcome::Duplicate { seq });
@@ -481,6 +488,10 @@ impl JetStreamStore {
                 "dedup fingerprint collision between ({}, {}) and ({}, {})",
                 d.source, d.id, ne.event.source, ne.event.id
             )));
+        }
+        // A fixed copy of a quarantined event is accepted in its place, as on redb.
+        if d.quarantined && ne.quarantine.is_none() {
+            return Ok(None);
         }
         // Inside the window up to its last millisecond, as on redb (`key_at >= accepted_at - window`).
         Ok((ne.accepted_at <= d.accepted_at.saturating_add(ne.dedup_window_ms)).then_some(d.seq))
@@ -590,6 +601,7 @@ impl JetStreamStore {
             accepted_at: at,
             source: ev.source.clone(),
             id: ev.id.clone(),
+            quarantined: ne.quarantine.is_some(),
         };
         writes.push(Write::put(dedup_key, enc(&dedup), Expect::unchanged(read)));
         let event = (!leased.is_empty()).then(|| Arc::new(record.stored));

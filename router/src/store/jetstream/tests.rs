@@ -424,6 +424,54 @@ async fn a_quarantined_event_goes_to_the_dlq_with_its_errors_and_no_entries() {
     assert_eq!(s.dlq_get(d.id + 1_000).await.expect("dlq get"), None);
 }
 
+/// As on redb: a fixed copy of a quarantined event is accepted and routed in its place; a
+/// copy failing again, or a second fixed one, is a duplicate; in one call too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fixed_copy_of_a_quarantined_event_is_accepted_in_its_place() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let poison = |id: &str| {
+        let mut ne = new_event("/s", id, &[], 7_000);
+        ne.quarantine = Some(Quarantine {
+            reason: DlqReason::ContractViolation,
+            errors: vec![],
+        });
+        ne
+    };
+    let bad = seq_of(&s.accept(vec![poison("q")]).await.expect("accept")[0]);
+    assert_eq!(
+        s.accept(vec![poison("q")]).await.expect("accept"),
+        vec![AcceptOutcome::Duplicate { seq: bad }]
+    );
+    let out = s
+        .accept(vec![new_event("/s", "q", &["a"], 7_001)])
+        .await
+        .expect("accept");
+    let good = match out[0] {
+        AcceptOutcome::Accepted { seq, .. } => seq,
+        ref o => panic!("a fixed copy is accepted, not {o:?}"),
+    };
+    assert_ne!(good, bad);
+    for again in [poison("q"), new_event("/s", "q", &["a"], 7_002)] {
+        assert_eq!(
+            s.accept(vec![again]).await.expect("accept"),
+            vec![AcceptOutcome::Duplicate { seq: good }]
+        );
+    }
+    let fate = s.fate("/s", "q").await.expect("fate").expect("known");
+    assert!(!fate.event.quarantined);
+    assert_eq!(fate.entries.len(), 1);
+    let both = s
+        .accept(vec![poison("r"), new_event("/s", "r", &["a"], 7_003)])
+        .await
+        .expect("accept");
+    assert!(
+        both.iter()
+            .all(|o| matches!(o, AcceptOutcome::Accepted { .. })),
+        "{both:?}"
+    );
+}
+
 /// A target at its depth cap gets a `target_overflow` DLQ entry in the accept's batch; the
 /// event's other targets are routed as usual.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

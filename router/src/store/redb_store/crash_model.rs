@@ -374,9 +374,11 @@ impl Model {
     }
 
     /// What `lease(target, now, max)` must return, in order: queued entries due at `now`, by
-    /// due time then id, each unkeyed or the first live entry of a key that is not held.
+    /// due time then id, each unkeyed or the first live entry of a key that is not held and
+    /// has no entry in flight (a redriven dead letter, first of its key, waits for it).
     fn leasable(&self, target: &str, now: Millis, max: usize) -> Vec<EntryId> {
         let mut first_of_key: BTreeMap<&str, EntryId> = BTreeMap::new();
+        let mut flying: BTreeSet<&str> = BTreeSet::new();
         let mut due = Vec::new();
         for (&seq, ev) in &self.events {
             for e in &ev.entries {
@@ -386,6 +388,9 @@ impl Model {
                 let id = entry_id(seq, e.idx);
                 if let Some(k) = &e.key {
                     first_of_key.entry(k.as_str()).or_insert(id);
+                    if matches!(e.state, MState::Leased(_)) {
+                        flying.insert(k.as_str());
+                    }
                 }
                 if e.state == MState::Queued && e.due <= now {
                     due.push((e.due, id, e.key.clone()));
@@ -396,7 +401,11 @@ impl Model {
         due.into_iter()
             .filter(|(_, id, key)| match key {
                 None => true,
-                Some(k) => !self.held.contains(k) && first_of_key.get(k.as_str()) == Some(id),
+                Some(k) => {
+                    !self.held.contains(k)
+                        && !flying.contains(k.as_str())
+                        && first_of_key.get(k.as_str()) == Some(id)
+                }
             })
             .map(|(_, id, _)| id)
             .take(max)
@@ -642,7 +651,13 @@ fn plan(model: &mut Model, store: &RedbStore, round: &Round, now: Millis) -> Vec
         let dup = match (a.dup, unswept.is_empty()) {
             (Some(pick), false) => {
                 let (&seq, ev) = unswept[pick.index(unswept.len())];
-                events.push(new_event(&ev.id, a.mask, a.key, false, now));
+                // A quarantined event's copy is a duplicate only while it fails too (a passing
+                // copy is accepted in its place: `a_fixed_copy_of_a_quarantined_event_…`).
+                events.push(if ev.quarantined {
+                    poison_event(&ev.id, now)
+                } else {
+                    new_event(&ev.id, a.mask, a.key, false, now)
+                });
                 Some((ev.id.clone(), seq))
             }
             _ => None,
@@ -1434,6 +1449,9 @@ fn check(model: &Model, store: &RedbStore) {
     // The first live (queued or leased) entry of each ordering key: the only one of its key
     // that may go, so the only one whose due time counts for the next due time.
     let mut first_of_key: BTreeMap<(&str, &str), (u64, u32)> = BTreeMap::new();
+    // Keys with an entry in flight: a redriven dead letter that comes first in its key waits
+    // for it to land (two entries of a key are never in flight together).
+    let mut flying: BTreeSet<(&str, &str)> = BTreeSet::new();
     for (&seq, ev) in &model.events {
         for m in &ev.entries {
             if let (Some(k), MState::Queued | MState::Leased(_)) = (&m.key, &m.state) {
@@ -1441,6 +1459,9 @@ fn check(model: &Model, store: &RedbStore) {
                     .entry((m.target, k.as_str()))
                     .or_insert((seq, m.idx));
                 *first = (*first).min((seq, m.idx));
+                if matches!(m.state, MState::Leased(_)) {
+                    flying.insert((m.target, k.as_str()));
+                }
             }
         }
     }
@@ -1492,6 +1513,7 @@ fn check(model: &Model, store: &RedbStore) {
                     st.queued += 1;
                     let may_go = m.key.as_deref().is_none_or(|k| {
                         !model.held.contains(k)
+                            && !flying.contains(&(m.target, k))
                             && first_of_key.get(&(m.target, k)) == Some(&(seq, m.idx))
                     });
                     if may_go {
@@ -1590,7 +1612,13 @@ async fn check_dedup(model: &Model, store: &RedbStore) {
     }
     let again = unswept
         .iter()
-        .map(|(_, e)| new_event(&e.id, 1, None, false, 0))
+        .map(|(_, e)| {
+            if e.quarantined {
+                poison_event(&e.id, 0)
+            } else {
+                new_event(&e.id, 1, None, false, 0)
+            }
+        })
         .collect();
     let outcomes = store.accept(again).await.expect("accept duplicates");
     let want: Vec<AcceptOutcome> = unswept

@@ -2980,3 +2980,59 @@ async fn the_archive_is_read_from_the_start_of_a_replays_range() {
         0
     );
 }
+
+fn poison(id: &str, at: Millis) -> NewEvent {
+    let mut ne = new_event("/s", id, &["a"], at);
+    ne.targets.clear();
+    ne.quarantine = Some(Quarantine {
+        reason: DlqReason::ContractViolation,
+        errors: vec![],
+    });
+    ne
+}
+
+/// A producer that fixes a quarantined event's data and sends it again with the same id has
+/// it accepted and routed (the quarantined copy never was); a copy that fails again, or a
+/// second fixed copy, is a duplicate — also after a restart, and in one accept call.
+#[tokio::test]
+async fn a_fixed_copy_of_a_quarantined_event_is_accepted_in_its_place() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+        let bad = s.accept(vec![poison("1", 1000)]).await.expect("accept");
+        assert_eq!(bad, vec![AcceptOutcome::accepted(1)]);
+        assert_eq!(
+            s.accept(vec![poison("1", 1001)]).await.expect("accept"),
+            vec![AcceptOutcome::Duplicate { seq: 1 }],
+            "failing again: a duplicate"
+        );
+        let fixed = s
+            .accept(vec![new_event("/s", "1", &["a"], 1002)])
+            .await
+            .expect("accept");
+        assert_eq!(fixed, vec![AcceptOutcome::accepted(2)]);
+        assert_eq!(s.queue_stats()["a"].queued, 1, "routed");
+        let fate = s.fate("/s", "1").expect("fate").expect("known");
+        assert!(!fate.event.quarantined);
+        assert_eq!(fate.entries.len(), 1);
+        // In one call: the fixed copy after the quarantined one.
+        let both = s
+            .accept(vec![poison("2", 1003), new_event("/s", "2", &["a"], 1003)])
+            .await
+            .expect("accept");
+        assert_eq!(
+            both,
+            vec![AcceptOutcome::accepted(3), AcceptOutcome::accepted(4)]
+        );
+    }
+    let s = when_free(|| RedbStore::open_dir(dir.path(), StoreOptions::default())).await;
+    for again in [poison("1", 1004), new_event("/s", "1", &["a"], 1004)] {
+        assert_eq!(
+            s.accept(vec![again]).await.expect("accept"),
+            vec![AcceptOutcome::Duplicate { seq: 2 }],
+            "the fixed copy is the one held"
+        );
+    }
+    let dlq = s.dlq_list(&DlqFilter::default(), None, 10).expect("dlq");
+    assert_eq!(dlq.len(), 2, "the quarantined copies stay in the DLQ");
+}
