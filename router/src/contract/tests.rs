@@ -521,6 +521,29 @@ fn compatibility_report_flags_consecutive_pairs() {
     );
 }
 
+/// A reference by anchor is compared where it is used, and a change of draft at the root; both
+/// located in the new file.
+#[test]
+fn compatibility_report_follows_anchors_and_dialects() {
+    let v1 = r##"{"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+        "properties": {"a": {"$ref": "#addr"}},
+        "definitions": {"x": {"$id": "#addr", "type": "string"}}}"##;
+    let v2 = "{\n  \"type\": \"object\",\n  \"properties\": {\n    \"a\": {\"$ref\": \"#addr\"}\n  },\n  \"$defs\": {\"x\": {\"$anchor\": \"addr\", \"type\": \"integer\"}}\n}";
+    let s = ContractSet::from_files(&[("t/v1.json", v1), ("t/v2.json", v2)], None).unwrap();
+    let report: Vec<String> = s
+        .compatibility_report()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        report,
+        [
+            "t/v2.json:1:1: incompatible with v1: property `(root)`: `$schema` changed from draft-07 to 2020-12: the drafts validate differently, so it needs a new version",
+            "t/v2.json:4:5: incompatible with v1: property `a`: type changed from \"string\" to \"integer\"",
+        ]
+    );
+}
+
 #[test]
 fn load_dir_reads_tree_and_reports_paths() {
     let dir = tempfile::tempdir().unwrap();
