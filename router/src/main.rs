@@ -309,8 +309,17 @@ enum RulesCmd {
 
 #[derive(Subcommand)]
 enum ContractsCmd {
-    /// Validate every contract in DIR and check each version against the previous one.
-    Check { dir: PathBuf },
+    /// Validate every contract in DIR and report what each version breaks against the
+    /// previous one (a breaking change is what a new version is for: reported, exit 0).
+    /// With `--against BASE` (the same directory as deployed, e.g. a checkout of the main
+    /// branch), exit 1 when a version BASE has was changed incompatibly in place or removed:
+    /// the check for a contracts repository's CI, as the upload API refuses such a change.
+    Check {
+        dir: PathBuf,
+        /// The contracts directory as deployed, to find versions edited in place.
+        #[arg(long, value_name = "BASE")]
+        against: Option<PathBuf>,
+    },
     /// Put FILE (a JSON Schema) live as the contract of TYPE at VERSION on a running router
     /// (`PUT /v1/contracts/{type}/v{N}`): a new version prints its breaking changes against
     /// the one before; an incompatible change to a live version is refused. Client of the API.
@@ -564,11 +573,35 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Contracts {
-            cmd: ContractsCmd::Check { dir },
+            cmd: ContractsCmd::Check { dir, against },
         } => match ContractSet::load_dir(&dir) {
             Ok(set) => {
-                let report = set.compatibility_report();
-                for d in &report {
+                let base = match &against {
+                    // A base that does not load is the base's problem, not this change's: it
+                    // is said, and nothing is compared with it.
+                    Some(b) if !b.exists() => {
+                        anyhow::bail!("--against {}: no such directory", b.display())
+                    }
+                    Some(b) => match ContractSet::load_dir(b) {
+                        Ok(base) => Some(base),
+                        Err(errors) => {
+                            for e in &errors {
+                                eprintln!("base: {e}");
+                            }
+                            anyhow::bail!(
+                                "--against {}: the base contracts do not load ({} problem(s))",
+                                b.display(),
+                                errors.len()
+                            )
+                        }
+                    },
+                    None => None,
+                };
+                for d in set.compatibility_report() {
+                    println!("note: {d} (a new version may break; its consumers must accept it)");
+                }
+                let in_place = base.map(|b| set.changes_from(&b)).unwrap_or_default();
+                for d in &in_place {
                     println!("{d}");
                 }
                 println!(
@@ -576,9 +609,10 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     set.contracts().len(),
                     set.version()
                 );
-                Ok(if report.is_empty() {
+                Ok(if in_place.is_empty() {
                     ExitCode::SUCCESS
                 } else {
+                    eprintln!("{} incompatible change(s) to deployed versions", in_place.len());
                     ExitCode::from(1)
                 })
             }

@@ -407,3 +407,73 @@ async fn the_load_tool_sends_its_token_and_reports_what_was_accepted() {
     assert!(text.contains("events ok:      0"), "{text}");
     assert!(text.contains("failed reqs:    100"), "{text}");
 }
+
+/// `router contracts check` in a contracts repository's CI: a new version that breaks the one
+/// before is what versions are for (a note, exit 0, as the upload API answers 201); a
+/// deployed version edited incompatibly in place, or removed, fails against the base (as the
+/// upload API answers 409).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contracts_check_fails_on_in_place_changes_to_deployed_versions_only() {
+    let v1 = r#"{"type": "object", "properties": {"total": {"type": "number"}}}"#;
+    let v1_optional_added = r#"{"type": "object", "properties": {"total": {"type": "number"}, "note": {"type": "string"}}}"#;
+    let v1_retyped =
+        "{\n  \"type\": \"object\",\n  \"properties\": {\"total\": {\"type\": \"string\"}}\n}";
+    let v2_breaking =
+        r#"{"type": "object", "required": ["total"], "properties": {"total": {"type": "string"}}}"#;
+    let dirs = tempfile::tempdir().expect("tempdir");
+    let write = |name: &str, files: &[(&str, &str)]| {
+        let d = dirs.path().join(name);
+        for (f, text) in files {
+            let p = d.join(f);
+            std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
+            std::fs::write(p, text).expect("write");
+        }
+        d.display().to_string()
+    };
+    let base = write("base", &[("order/v1.json", v1)]);
+    let new_version = write(
+        "new-version",
+        &[
+            ("order/v1.json", v1_optional_added),
+            ("order/v2.json", v2_breaking),
+        ],
+    );
+    let edited = write("edited", &[("order/v1.json", v1_retyped)]);
+    let removed = write("removed", &[("order/v2.json", v2_breaking)]);
+
+    let (ok, out, err) = run_router(None, &["contracts", "check", &new_version]).await;
+    assert!(ok, "{out}{err}");
+    assert!(
+        out.contains("note: ") && out.contains("incompatible with v1"),
+        "{out}"
+    );
+    let (ok, out, err) = run_router(
+        None,
+        &["contracts", "check", &new_version, "--against", &base],
+    )
+    .await;
+    assert!(
+        ok,
+        "an optional property added in place and a new version: {out}{err}"
+    );
+
+    let (ok, out, err) =
+        run_router(None, &["contracts", "check", &edited, "--against", &base]).await;
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("order/v1.json:3:")
+            && out.contains("incompatible change to v1 in place")
+            && out.contains("publish it as v2"),
+        "{out}"
+    );
+    assert!(err.contains("1 incompatible change"), "{err}");
+    let (ok, out, _) =
+        run_router(None, &["contracts", "check", &removed, "--against", &base]).await;
+    assert!(!ok && out.contains("v1 was removed"), "{out}");
+    let (ok, _, err) = run_router(
+        None,
+        &["contracts", "check", &edited, "--against", "/no/such/dir"],
+    )
+    .await;
+    assert!(!ok && err.contains("no such directory"), "{err}");
+}

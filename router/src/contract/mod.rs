@@ -565,6 +565,59 @@ impl ContractSet {
         }
         out
     }
+
+    /// What this set changed in place against `base` (the same directory at an earlier
+    /// revision, as deployed): a version `base` has that was edited incompatibly, or removed.
+    /// That is what a live version must never do — events already valid under it would be
+    /// quarantined — and what the upload API refuses with 409; a breaking change belongs in a
+    /// new version, which [`Self::compatibility_report`] only describes.
+    pub fn changes_from(&self, base: &ContractSet) -> Vec<ContractDiagnostic> {
+        let mut out = Vec::new();
+        for (ty, versions) in &base.types {
+            for (v, old) in versions {
+                let Some(new) = self.types.get(ty).and_then(|vs| vs.get(v)) else {
+                    out.push(ContractDiagnostic::new(
+                        &old.display,
+                        (1, 1),
+                        format!(
+                            "{ty} v{v} was removed: events sent as that version would be quarantined as unknown_version"
+                        ),
+                    ));
+                    continue;
+                };
+                let issues = compat::compat_issues(&old.schema, &new.schema);
+                if issues.is_empty() {
+                    continue;
+                }
+                let positions = JsonPositions::new(&new.text);
+                let next = versions
+                    .keys()
+                    .last()
+                    .copied()
+                    .unwrap_or(*v)
+                    .max(self.latest_version(ty).unwrap_or(*v))
+                    + 1;
+                for issue in issues {
+                    let pos = positions
+                        .as_ref()
+                        .and_then(|p| p.locate(&issue.pointer))
+                        .unwrap_or((1, 1));
+                    out.push(
+                        ContractDiagnostic::new(
+                            &new.display,
+                            pos,
+                            format!(
+                                "incompatible change to v{v} in place: {}; publish it as v{next}",
+                                issue.message
+                            ),
+                        )
+                        .at_pointer(&issue.pointer),
+                    );
+                }
+            }
+        }
+        sorted(out)
+    }
 }
 
 fn sorted(mut diags: Vec<ContractDiagnostic>) -> Vec<ContractDiagnostic> {
