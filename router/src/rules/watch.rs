@@ -12,6 +12,11 @@ use tokio::sync::mpsc;
 /// Quiet time after the last change before a reload is requested.
 pub const DEBOUNCE: Duration = Duration::from_millis(250);
 
+/// How often the directories' listing (names, sizes, modification times, where a symlinked
+/// directory points) is compared with the last one: the fallback for changes the OS watcher
+/// does not report (a file system without inotify, such as some network mounts).
+pub const POLL: Duration = Duration::from_secs(10);
+
 /// Keeps the OS watcher alive; dropping it stops watching.
 pub struct DirWatcher {
     _watcher: std::sync::Arc<std::sync::Mutex<notify::RecommendedWatcher>>,
@@ -21,6 +26,7 @@ pub struct DirWatcher {
 /// its parent once it is created. Sends `()` on `tx` after each debounced burst of changes.
 pub fn watch(dirs: &[PathBuf], tx: mpsc::Sender<()>) -> notify::Result<DirWatcher> {
     let (raw_tx, mut raw_rx) = mpsc::unbounded_channel::<()>();
+    let raw_tx_for_poll = raw_tx.clone();
     // Only changes inside the watched directories count: a missing directory is watched
     // through its parent, whose other entries (e.g. the data directory) change all the time.
     let roots: Vec<PathBuf> = dirs
@@ -36,11 +42,15 @@ pub fn watch(dirs: &[PathBuf], tx: mpsc::Sender<()>) -> notify::Result<DirWatche
             let _ = raw_tx.send(());
         }
     })?;
+    // Each directory's parent is watched too: a directory replaced as a whole (a symlink
+    // flipped to another release, a deploy's `mv`) changes there, and the watch inside it
+    // stays on the old one.
     let add_watches = |w: &mut notify::RecommendedWatcher| {
         for d in &dirs {
             if d.exists() {
                 let _ = w.watch(d, RecursiveMode::Recursive);
-            } else if let Some(parent) = d.parent().filter(|p| p.exists()) {
+            }
+            if let Some(parent) = d.parent().filter(|p| p.exists()) {
                 let _ = w.watch(parent, RecursiveMode::NonRecursive);
             }
         }
@@ -48,6 +58,21 @@ pub fn watch(dirs: &[PathBuf], tx: mpsc::Sender<()>) -> notify::Result<DirWatche
     add_watches(&mut watcher);
     let watcher = std::sync::Arc::new(std::sync::Mutex::new(watcher));
     let w2 = watcher.clone();
+    let poll_tx = raw_tx_for_poll;
+    let poll_dirs = dirs.clone();
+    tokio::spawn(async move {
+        let mut last = listing(&poll_dirs);
+        loop {
+            tokio::time::sleep(POLL).await;
+            let now = listing(&poll_dirs);
+            if now != last {
+                last = now;
+                if poll_tx.send(()).is_err() {
+                    return;
+                }
+            }
+        }
+    });
     tokio::spawn(async move {
         while raw_rx.recv().await.is_some() {
             // Debounce: wait until no event arrived for DEBOUNCE.
@@ -58,9 +83,11 @@ pub fn watch(dirs: &[PathBuf], tx: mpsc::Sender<()>) -> notify::Result<DirWatche
                     Err(_) => break,
                 }
             }
-            // A directory created since may need its own (recursive) watch now.
+            // A directory created or replaced since needs its own (recursive) watch now:
+            // watching the path again follows it to what it is now.
             if let Ok(mut w) = w2.lock() {
                 for d in dirs.iter().filter(|d| d.exists()) {
+                    let _ = w.unwatch(d);
                     let _ = w.watch(d, RecursiveMode::Recursive);
                 }
             }
@@ -76,13 +103,55 @@ pub fn watch(dirs: &[PathBuf], tx: mpsc::Sender<()>) -> notify::Result<DirWatche
 /// a hidden name (`.git/`, an editor's `.rules.yaml.swp`), which the loaders skip. Changes in
 /// `.git/` counted, a rules directory that is a git checkout reloaded itself forever: each
 /// reload's `git status` (for `/v1/status`) writes `.git/index.lock`.
+///
+/// Except names starting `..` at the top: a Kubernetes ConfigMap or Secret volume changes
+/// only there (its files are symlinks through `..data`, a symlink swapped to a new
+/// `..<timestamp>` directory at each update).
 fn counts(roots: &[PathBuf], path: &std::path::Path) -> bool {
     roots.iter().any(|r| {
         path.strip_prefix(r).is_ok_and(|rel| {
-            !rel.components()
-                .any(|c| c.as_os_str().to_string_lossy().starts_with('.'))
+            let mut names = rel.components().map(|c| c.as_os_str().to_string_lossy());
+            match names.next() {
+                None => true,
+                Some(first) if first.starts_with("..") => true,
+                Some(first) => !first.starts_with('.') && !names.any(|n| n.starts_with('.')),
+            }
         })
     })
+}
+
+/// What the poll compares: for each directory, where it resolves to and each file under it
+/// (hidden names skipped, as the loaders skip them; symlinks followed, as the loaders read
+/// them) with its size and modification time. Bounded: a directory of more than
+/// `MAX_LISTED` entries is listed that far.
+fn listing(dirs: &[PathBuf]) -> Vec<(PathBuf, u64, Option<std::time::SystemTime>)> {
+    const MAX_LISTED: usize = 10_000;
+    let mut out = Vec::new();
+    for d in dirs {
+        out.push((std::fs::canonicalize(d).unwrap_or_default(), 0, None));
+        let mut stack = vec![d.clone()];
+        while let Some(dir) = stack.pop() {
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                if out.len() >= MAX_LISTED {
+                    return out;
+                }
+                if e.file_name().to_string_lossy().starts_with('.') {
+                    continue;
+                }
+                let path = e.path();
+                match std::fs::metadata(&path) {
+                    Ok(m) if m.is_dir() => stack.push(path),
+                    Ok(m) => out.push((path, m.len(), m.modified().ok())),
+                    Err(_) => {}
+                }
+            }
+        }
+    }
+    out.sort();
+    out
 }
 
 /// The git commit of `dir` when it is inside a git checkout (with `-dirty` when it has
@@ -134,5 +203,76 @@ mod tests {
             &roots,
             std::path::Path::new("/srv/data/router.redb")
         ));
+        // A ConfigMap volume's update: the `..data` symlink swapped.
+        assert!(counts(&roots, std::path::Path::new("/srv/rules/..data")));
+        assert!(counts(
+            &roots,
+            std::path::Path::new("/srv/rules/..2026_12_06_18_00_00.123/orders.yaml")
+        ));
+        assert!(!counts(
+            &roots,
+            std::path::Path::new("/srv/rules/team/..data")
+        ));
+    }
+
+    async fn signalled(rx: &mut mpsc::Receiver<()>, within: Duration) -> bool {
+        tokio::time::timeout(within, rx.recv()).await.is_ok()
+    }
+
+    /// A rules directory that is a symlink flipped to another release, and a ConfigMap
+    /// volume's `..data` swap, each trigger a reload; so does a later edit in the new release
+    /// (the watch follows the directory to what it is now).
+    #[cfg(unix)]
+    #[tokio::test]
+    async fn a_directory_swapped_under_its_path_is_seen() {
+        use std::os::unix::fs::symlink;
+        let root = tempfile::tempdir().expect("tempdir");
+        let p = |n: &str| root.path().join(n);
+        for rel in ["rel1", "rel2"] {
+            std::fs::create_dir(p(rel)).expect("mkdir");
+            std::fs::write(p(rel).join("r.yaml"), rel).expect("write");
+        }
+        symlink(p("rel1"), p("current")).expect("symlink");
+        // A ConfigMap volume: r.yaml -> ..data/r.yaml, ..data -> ..t1.
+        let cm = p("cm");
+        for t in ["..t1", "..t2"] {
+            std::fs::create_dir_all(cm.join(t)).expect("mkdir");
+            std::fs::write(cm.join(t).join("r.yaml"), t).expect("write");
+        }
+        symlink("..t1", cm.join("..data")).expect("symlink");
+        symlink("..data/r.yaml", cm.join("r.yaml")).expect("symlink");
+
+        let (tx, mut rx) = mpsc::channel(4);
+        let _w = watch(&[p("current"), cm.clone()], tx).expect("watch");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Flip `current` atomically, as deploy tools do.
+        symlink(p("rel2"), p("current.new")).expect("symlink");
+        std::fs::rename(p("current.new"), p("current")).expect("flip");
+        assert!(signalled(&mut rx, Duration::from_secs(5)).await, "the flip");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        std::fs::write(p("rel2").join("r.yaml"), "edited").expect("edit");
+        assert!(
+            signalled(&mut rx, Duration::from_secs(5)).await,
+            "an edit in the new release"
+        );
+        symlink("..t2", cm.join("..data.new")).expect("symlink");
+        std::fs::rename(cm.join("..data.new"), cm.join("..data")).expect("swap");
+        assert!(
+            signalled(&mut rx, Duration::from_secs(5)).await,
+            "the ConfigMap update"
+        );
+    }
+
+    #[test]
+    fn the_poll_sees_a_swap_and_an_edit_but_not_hidden_files() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let d = root.path().join("rules");
+        std::fs::create_dir(&d).expect("mkdir");
+        std::fs::write(d.join("r.yaml"), "a").expect("write");
+        let before = listing(std::slice::from_ref(&d));
+        std::fs::write(d.join(".r.yaml.swp"), "x").expect("write");
+        assert_eq!(listing(std::slice::from_ref(&d)), before);
+        std::fs::write(d.join("r.yaml"), "ab").expect("write");
+        assert_ne!(listing(std::slice::from_ref(&d)), before);
     }
 }
