@@ -63,6 +63,32 @@ pub struct DeliveryContext {
     pub log_gates: crate::telemetry::LogGates,
 }
 
+/// Takes a worker's semaphore of `from` slots to `to`: more are added at once; fewer are taken
+/// out as they come free (those free now at once, the rest by a task that waits for them, ahead
+/// of any new attempt, since the semaphore is fair).
+fn resize_slots(
+    slots: &Arc<tokio::sync::Semaphore>,
+    from: usize,
+    to: usize,
+    tracker: &tokio_util::task::TaskTracker,
+) {
+    if to >= from {
+        slots.add_permits(to - from);
+        return;
+    }
+    let rest = (from - to) - slots.forget_permits(from - to);
+    if let Ok(rest) = u32::try_from(rest)
+        && rest > 0
+    {
+        let slots = slots.clone();
+        tracker.spawn(async move {
+            if let Ok(p) = slots.acquire_many(rest).await {
+                p.forget();
+            }
+        });
+    }
+}
+
 struct Running {
     runtime: Arc<TargetRuntime>,
     /// A fingerprint of the signing secret the target was built with (see [`fingerprint`]).
@@ -437,19 +463,36 @@ impl Dispatcher {
                 (None, None) => {}
             }
         };
-        let persisted = match running.remove(&spec.id) {
+        let count = worker::slot_count(&spec, &self.ctx.cfg);
+        let old = running.remove(&spec.id);
+        let persisted = match &old {
             Some(old) => {
                 old.stop.cancel();
                 Some(old.runtime.persisted())
             }
             None => stored.flatten(),
         };
-        let slots = Arc::new(tokio::sync::Semaphore::new(worker::slot_count(
-            &spec,
-            &self.ctx.cfg,
-        )));
-        let runtime = Arc::new(TargetRuntime::new(spec, persisted, self.ctx.clock.now_ms()));
+        // A replaced worker's attempts in flight keep holding their slots: the new worker
+        // takes the same semaphore, resized, so a concurrency lowered to protect a struggling
+        // dependency holds at once (fresh slots let old and new attempts add up until the old
+        // ones ended, up to a timeout later).
+        let slots = match &old {
+            Some(old) => {
+                resize_slots(&old.slots, old.runtime.slot_count, count, &self.ctx.tracker);
+                old.slots.clone()
+            }
+            None => Arc::new(tokio::sync::Semaphore::new(count)),
+        };
+        let mut runtime = TargetRuntime::new(spec, persisted, self.ctx.clock.now_ms());
+        runtime.slot_count = count;
+        let runtime = Arc::new(runtime);
         runtime.share_among(self.nodes());
+        // The same rate keeps its bucket: a fresh one would hand out a whole burst at once.
+        if let Some(old) = &old
+            && old.runtime.spec.policy.throttle == runtime.spec.policy.throttle
+        {
+            runtime.adopt_limiter(&old.runtime);
+        }
         let stop = self.ctx.cancel.child_token();
         let (ctx, rt, st, t, sl) = (
             self.ctx.clone(),
@@ -655,7 +698,35 @@ impl Dispatcher {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use crate::store::{RedbStore, Store, StoreOptions};
+
+    /// Lowered while all four slots are in flight, a worker's semaphore lets no new attempt
+    /// start until only one is left, then holds one; raised, it grows at once.
+    #[tokio::test]
+    async fn slots_resized_under_attempts_in_flight_hold_the_new_bound() {
+        let tracker = tokio_util::task::TaskTracker::new();
+        let slots = Arc::new(tokio::sync::Semaphore::new(4));
+        let held: Vec<_> = (0..4)
+            .map(|_| slots.clone().try_acquire_owned().expect("a slot"))
+            .collect();
+        super::resize_slots(&slots, 4, 1, &tracker);
+        let mut held = held.into_iter();
+        for _ in 0..3 {
+            drop(held.next());
+            tokio::task::yield_now().await;
+            assert_eq!(slots.available_permits(), 0, "still above the new bound");
+        }
+        drop(held.next());
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert_eq!(slots.available_permits(), 1);
+        super::resize_slots(&slots, 1, 3, &tracker);
+        assert_eq!(slots.available_permits(), 3);
+        // Free slots are taken out at once.
+        super::resize_slots(&slots, 3, 2, &tracker);
+        assert_eq!(slots.available_permits(), 2);
+    }
 
     /// A pause stored in the target's own record only (before pauses had records of their
     /// own) holds when its worker starts, and is given its own record.

@@ -92,6 +92,9 @@ pub struct TargetRuntime {
     batch_ok: AtomicU32,
     /// Counters.
     pub counters: Counters,
+    /// Attempt slots the worker's semaphore was sized to (`worker::slot_count`), so that a
+    /// replacement can resize it.
+    pub slot_count: usize,
 }
 
 /// How long throttle tokens given back stay usable ([`TargetRuntime::refund_tokens`]).
@@ -177,6 +180,7 @@ impl TargetRuntime {
             batch_cap: AtomicU32::new(0),
             batch_ok: AtomicU32::new(0),
             throttle_credit: Mutex::new((0, None)),
+            slot_count: 0,
             counters: Counters::default(),
         }
     }
@@ -184,6 +188,14 @@ impl TargetRuntime {
     /// This node's token bucket, if the policy sets a rate.
     pub fn limiter(&self) -> Option<Arc<Limiter>> {
         self.limiter.load_full()
+    }
+
+    /// Takes over `old`'s token bucket (and its node share): a replacement worker under the
+    /// same rate goes on where the old one was instead of starting with a full burst.
+    pub fn adopt_limiter(&self, old: &TargetRuntime) {
+        self.nodes
+            .store(old.nodes.load(Ordering::SeqCst), Ordering::SeqCst);
+        self.limiter.store(old.limiter.load_full());
     }
 
     /// Gives back `n` throttle tokens taken for requests that were not sent. The budget is
