@@ -60,16 +60,26 @@ pub fn watch(dirs: &[PathBuf], tx: mpsc::Sender<()>) -> notify::Result<DirWatche
     let w2 = watcher.clone();
     let poll_tx = raw_tx_for_poll;
     let poll_dirs = dirs.clone();
+    // The listing as of the last reload requested, by either path: a change the OS watcher
+    // reported is not reloaded a second time by the next poll.
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(listing(&dirs)));
+    let seen2 = seen.clone();
     tokio::spawn(async move {
-        let mut last = listing(&poll_dirs);
         loop {
             tokio::time::sleep(POLL).await;
-            let now = listing(&poll_dirs);
-            if now != last {
-                last = now;
-                if poll_tx.send(()).is_err() {
-                    return;
-                }
+            // A directory walk: off the reactor.
+            let d = poll_dirs.clone();
+            let Ok(now) = tokio::task::spawn_blocking(move || listing(&d)).await else {
+                return;
+            };
+            let changed = {
+                let mut seen = seen2.lock().unwrap_or_else(|p| p.into_inner());
+                let changed = *seen != now;
+                *seen = now;
+                changed
+            };
+            if changed && poll_tx.send(()).is_err() {
+                return;
             }
         }
     });
@@ -90,6 +100,10 @@ pub fn watch(dirs: &[PathBuf], tx: mpsc::Sender<()>) -> notify::Result<DirWatche
                     let _ = w.unwatch(d);
                     let _ = w.watch(d, RecursiveMode::Recursive);
                 }
+            }
+            let d = dirs.clone();
+            if let Ok(now) = tokio::task::spawn_blocking(move || listing(&d)).await {
+                *seen.lock().unwrap_or_else(|p| p.into_inner()) = now;
             }
             if tx.send(()).await.is_err() {
                 return;
