@@ -89,7 +89,8 @@ pub struct HandlersConfig {
     pub max_log_bytes: usize,
     /// Emitted events past this many handler hops go to the DLQ as `loop_detected`.
     pub hop_limit: u32,
-    /// Instances alive at once (the pooling allocator's size).
+    /// Invocations alive at once (the pooling allocator holds two more instances, for the
+    /// `describe` checks of uploads and rollbacks).
     pub max_instances: u32,
     /// At start, upload every `<name>.wasm` of this directory as handler `<name>`, unless
     /// those bytes are already a stored version (then it is left as it is, so a restart does

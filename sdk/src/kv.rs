@@ -53,8 +53,9 @@
 //!   `handler_limit` failure, permanent (dead-lettered at once, since the same event would
 //!   breach it again);
 //! - more than 1 MiB of writes in one invocation (keys plus values, summed over every [`set`],
-//!   [`delete`] and successful [`compare_and_set`], even of the same key): `handler_limit`,
-//!   permanent;
+//!   [`delete`] and successful [`compare_and_set`], even of the same key, plus, once per key,
+//!   the key and stored value each [`compare_and_set`] depended on, which the router keeps to
+//!   re-check at commit): `handler_limit`, permanent;
 //! - a write that grows the handler's namespace past `handlers.kv_max_bytes` (default 64 MiB,
 //!   keys plus values), or a read the router cannot serve: a `handler_host` failure, retried
 //!   under the target's policy (keys may expire meanwhile).

@@ -32,6 +32,10 @@ fn runtime(app: &App) -> Result<&Arc<crate::target::handler::HandlerRuntime>, Bo
     })
 }
 
+/// `Retry-After` of an upload or rollback refused while every instance that checks uploads
+/// is in use (each check is bounded by the handler timeout).
+const UPLOAD_BUSY_RETRY_AFTER_S: u64 = 5;
+
 fn registry_error(who: &Principal, name: &str, e: RegistryError) -> Response {
     if matches!(e, RegistryError::Catalog(_)) {
         return catalog_unavailable(name, &e);
@@ -46,11 +50,22 @@ fn registry_error(who: &Principal, name: &str, e: RegistryError) -> Response {
     if let RegistryError::OwnedByAnotherTeam(e) = &e {
         return owned_elsewhere(who, e);
     }
+    if let RegistryError::Busy(why) = &e {
+        return crate::ingest::with_retry_after(
+            error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the router is busy checking other uploads; nothing was changed",
+                vec![FieldError::new("", why.clone())],
+            ),
+            UPLOAD_BUSY_RETRY_AFTER_S,
+        );
+    }
     let status = match &e {
         RegistryError::UnknownHandler(_) | RegistryError::UnknownVersion { .. } => {
             StatusCode::NOT_FOUND
         }
         RegistryError::AmbiguousVersion(_) => StatusCode::BAD_REQUEST,
+        RegistryError::CorruptIndex { .. } => StatusCode::CONFLICT,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     if status == StatusCode::INTERNAL_SERVER_ERROR {
@@ -109,6 +124,25 @@ pub async fn upload(
         }
         Err(e @ UploadError::Catalog(_)) => catalog_unavailable(&name, &e),
         Err(UploadError::OwnedByAnotherTeam(e)) => owned_elsewhere(&who, &e),
+        // Every instance that checks uploads was in use: the component was not judged.
+        Err(UploadError::Busy(why)) => {
+            tracing::warn!(handler = %name, reason = %why, "handler upload refused: no instance free to check it");
+            crate::ingest::with_retry_after(
+                error_response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the router is busy checking other uploads; nothing was changed",
+                    vec![FieldError::new("", why)],
+                ),
+                UPLOAD_BUSY_RETRY_AFTER_S,
+            )
+        }
+        // This node cannot read the handler's index (written by a newer router, or damaged):
+        // writing over it would lose what it holds.
+        Err(e @ UploadError::UnreadableIndex(_)) => error_response(
+            StatusCode::CONFLICT,
+            "this node cannot read the handler's index; nothing was changed",
+            vec![FieldError::new("", e.to_string())],
+        ),
         Err(e) => error_response(
             StatusCode::BAD_REQUEST,
             "invalid handler",

@@ -220,8 +220,12 @@ impl HandlerTarget {
             }
         }
         // The delivery (lease, store commits) may be in flight many times over; the CPU-bound
-        // invocation passes this per-handler gate. The wait counts against the attempt's
-        // deadline, which the invocation that follows gets only what is left of.
+        // invocation passes this per-handler gate, then takes an instance slot. Both waits
+        // count against the attempt's deadline, but only up to the point where the invocation
+        // would still get its run time (`least_run_time`): past it the delivery is put back
+        // as busy, unattempted, rather than run on what is left and blamed for timing out.
+        let least = least_run_time(self.rt.limits.timeout, req.timeout);
+        let run_by = deadline.checked_sub(least).unwrap_or(deadline);
         let gate = {
             let mut gates = self.rt.gates.lock().unwrap_or_else(|p| p.into_inner());
             gates
@@ -229,16 +233,17 @@ impl HandlerTarget {
                 .or_insert_with(|| Arc::new(Semaphore::new(self.rt.running_per_handler.max(1))))
                 .clone()
         };
-        let _running = match tokio::time::timeout_at(deadline, gate.acquire_owned()).await {
+        let waiting = tokio::time::Instant::now();
+        let _running = match tokio::time::timeout_at(run_by, gate.acquire_owned()).await {
             Ok(Ok(permit)) => permit,
             _ => {
                 return busy(format!(
-                    "{} invocations of {:?} already running (handlers.running_per_handler) for longer than the policy timeout",
-                    self.rt.running_per_handler, self.name
+                    "{} invocations of {:?} already running (handlers.running_per_handler) for so long that this one would not get {least:?} of the policy timeout of {:?}",
+                    self.rt.running_per_handler, self.name, req.timeout
                 ));
             }
         };
-        let _slot = match tokio::time::timeout_at(deadline, self.rt.slots.clone().acquire_owned())
+        let slot = match tokio::time::timeout_at(run_by, self.rt.slots.clone().acquire_owned())
             .await
         {
             Ok(Ok(slot)) => slot,
@@ -254,21 +259,22 @@ impl HandlerTarget {
             }
             Err(_) => {
                 return busy(format!(
-                    "every instance slot (handlers.max_instances) was taken for longer than the policy timeout of {:?}",
+                    "every instance slot (handlers.max_instances) was taken for so long that this invocation would not get {least:?} of the policy timeout of {:?}",
                     req.timeout
                 ));
             }
         };
-        let mut limits = self.rt.limits.clone();
-        limits.timeout = limits
-            .timeout
-            .min(deadline.saturating_duration_since(tokio::time::Instant::now()));
-        if limits.timeout.is_zero() {
+        let now_instant = tokio::time::Instant::now();
+        let waited = now_instant.saturating_duration_since(waiting);
+        let left = deadline.saturating_duration_since(now_instant);
+        if left < least || left.is_zero() {
             return busy(format!(
-                "the policy timeout of {:?} passed before an invocation slot was free",
+                "waited {waited:?} for a free instance; the {left:?} left of the policy timeout of {:?} is less than the {least:?} an invocation gets",
                 req.timeout
             ));
         }
+        let mut limits = self.rt.limits.clone();
+        limits.timeout = limits.timeout.min(left);
         let now = self.rt.clock.now_ms();
         let kv = Arc::new(StoreKv {
             store: self.rt.store.clone(),
@@ -284,7 +290,11 @@ impl HandlerTarget {
         };
         let event = req.event_json();
         let (hh, timeout) = (h.clone(), limits.timeout);
+        // The slot goes with the invocation: were this attempt's future dropped (shutdown),
+        // the invocation still running would keep its instance of the pool, and the slot must
+        // account for it until it ends.
         let inv = match tokio::task::spawn_blocking(move || {
+            let _slot = slot;
             crate::wasm::invoke(&hh, &event, &info, kv, &limits)
         })
         .await
@@ -339,6 +349,19 @@ impl HandlerTarget {
                 dlq_reason: None,
             }))
         };
+        if let InvocationOutcome::Busy(why) = &inv.outcome {
+            // The handler did not run (the pool had no instance for it despite the slot):
+            // not this delivery's failure, nor the handler's.
+            tracing::warn!(handler = %self.name, reason = %why, "no wasm instance for a handler invocation; the delivery is put back");
+            self.rt
+                .invocations
+                .get_or_create(&vec![
+                    ("handler", self.name.clone()),
+                    ("outcome", "busy".to_string()),
+                ])
+                .inc();
+            return busy(why.clone());
+        }
         let outcome = match &inv.outcome {
             InvocationOutcome::Emitted(_) => "ok",
             InvocationOutcome::Retry { .. } => "retry",
@@ -422,10 +445,19 @@ impl HandlerTarget {
                     InvocationOutcome::Timeout => {
                         // Whole milliseconds: what is left of a deadline is rarely round.
                         let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-                        format!(
+                        let mut error = format!(
                             "handler_timeout: no answer within {:?}",
                             Duration::from_millis(ms)
-                        )
+                        );
+                        if timeout < self.rt.limits.timeout {
+                            error.push_str(&format!(
+                                " (handlers.timeout is {:?}; the target's policy timeout of {:?} bounds the whole attempt, and {:?} of it had passed before the handler ran)",
+                                self.rt.limits.timeout,
+                                req.timeout,
+                                req.timeout.saturating_sub(timeout)
+                            ));
+                        }
+                        error
                     }
                     InvocationOutcome::Oom => format!(
                         "handler_oom: memory cap of {} bytes reached",
@@ -512,6 +544,26 @@ impl HandlerTarget {
     }
 }
 
+/// The least run time an invocation must still have, when it gets its turn at the handler's
+/// gate and an instance slot, to be run at all; with less, the delivery is put back as busy
+/// without spending an attempt or counting for the breaker.
+///
+/// The policy timeout bounds the whole attempt (the lease is sized on it), waits included, so
+/// a delivery that queued long would otherwise run on what little is left, time out, and be
+/// charged for a timeout a healthy handler never had the time to avoid. Asking for the whole
+/// of `handlers.timeout` makes a `handler_timeout` always mean "ran for handlers.timeout and
+/// did not answer". That needs room to queue, though: when the policy timeout is shorter than
+/// twice `handlers.timeout`, asking for all of it (or all of the policy timeout, when that is
+/// the shorter) would leave little or no time to wait at all, and a handler with more
+/// deliveries than its gate admits would see most of them bounce off it as busy, again and
+/// again, while the gate idles between their retries. So the invocation is owed
+/// `handlers.timeout`, but never more than half the policy timeout: the other half is the
+/// most a delivery may queue. With the defaults (10 s policy, 5 s `handlers.timeout`) every
+/// invocation that runs gets its full 5 s.
+fn least_run_time(handler_timeout: Duration, policy_timeout: Duration) -> Duration {
+    handler_timeout.min(policy_timeout / 2)
+}
+
 /// The router is starting or stopping and cannot route emitted events: retried, nothing kept.
 fn not_wired() -> AttemptOutcome {
     AttemptOutcome::Retryable {
@@ -553,5 +605,36 @@ impl Target for HandlerTarget {
         req: &'a DeliveryRequest,
     ) -> BoxFuture<'a, (AttemptOutcome, Option<Box<Effects>>)> {
         self.run(req).boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_invocation_is_owed_its_timeout_but_at_most_half_the_policy_timeout() {
+        let s = Duration::from_secs;
+        // The defaults: the full handlers.timeout, and as long again to queue.
+        assert_eq!(least_run_time(s(5), s(10)), s(5));
+        assert_eq!(least_run_time(s(5), s(60)), s(5));
+        // A policy timeout under twice handlers.timeout: half of it, the other half to queue.
+        assert_eq!(least_run_time(s(5), s(6)), s(3));
+        assert_eq!(least_run_time(s(5), s(2)), s(1));
+        // Never more than the policy timeout leaves room for.
+        for (handler, policy) in [(1, 1), (5, 1), (1, 100), (30, 7)] {
+            let least = least_run_time(s(handler), s(policy));
+            assert!(least <= s(handler) && least <= s(policy) / 2 && !least.is_zero());
+        }
+    }
+
+    #[test]
+    fn busy_defers_without_an_attempt() {
+        let (outcome, effects) = busy("no instance".into());
+        assert!(effects.is_none());
+        assert!(
+            matches!(&outcome, AttemptOutcome::Deferred { reason, .. } if reason == "handler_busy: no instance"),
+            "{outcome:?}"
+        );
     }
 }

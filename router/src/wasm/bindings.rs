@@ -1,7 +1,7 @@
 //! The host side of the `router:handler` world: generated bindings, the per-invocation store
 //! state, and the imports a handler gets (log, kv, and WASI p2 with nothing granted).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
@@ -89,7 +89,7 @@ pub struct LogLine {
 }
 
 /// Most bytes of one key; longer keys trap the invocation.
-const MAX_KEY_BYTES: usize = 1024;
+pub(crate) const MAX_KEY_BYTES: usize = 1024;
 
 /// Why a host call stopped the guest.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -335,6 +335,10 @@ pub(crate) struct KvSession {
     overlay: HashMap<String, usize>,
     pub(crate) writes: Vec<KvWrite>,
     pub(crate) cas_checks: Vec<(String, Option<Vec<u8>>)>,
+    /// The keys of `cas_checks`.
+    cas_keys: HashSet<String>,
+    /// Bytes of keys and values written, and of the keys and values compare-and-set checks
+    /// keep (both held in memory until commit), against `cap`.
     written_bytes: usize,
     cap: usize,
     /// Committed size (key plus value, 0 when absent) of each key this invocation wrote.
@@ -352,6 +356,7 @@ impl KvSession {
             overlay: HashMap::new(),
             writes: Vec::new(),
             cas_checks: Vec::new(),
+            cas_keys: HashSet::new(),
             written_bytes: 0,
             cap,
             committed_sizes: HashMap::new(),
@@ -429,6 +434,18 @@ impl KvSession {
         Ok(())
     }
 
+    /// Counts `bytes` more of writes or compare-and-set checks against the invocation's cap.
+    fn count(&mut self, bytes: usize) -> Result<(), HostLimitBreach> {
+        self.written_bytes = self.written_bytes.saturating_add(bytes);
+        if self.written_bytes > self.cap {
+            return Err(HostLimitBreach::Invocation(format!(
+                "kv writes and compare-and-set checks of this invocation exceed the limit of {} bytes",
+                self.cap
+            )));
+        }
+        Ok(())
+    }
+
     fn write(
         &mut self,
         key: String,
@@ -437,13 +454,7 @@ impl KvSession {
     ) -> Result<(), HostLimitBreach> {
         Self::check_key(&key)?;
         self.account(&key, value.as_deref())?;
-        self.written_bytes += key.len() + value.as_ref().map_or(0, Vec::len);
-        if self.written_bytes > self.cap {
-            return Err(HostLimitBreach::Invocation(format!(
-                "kv writes of this invocation exceed the limit of {} bytes",
-                self.cap
-            )));
-        }
+        self.count(key.len() + value.as_ref().map_or(0, Vec::len))?;
         match self.overlay.get(&key) {
             Some(&i) => self.writes[i] = KvWrite { key, value, ttl_ms },
             None => {
@@ -464,8 +475,12 @@ impl KvSession {
         let written_here = self.overlay.contains_key(&key);
         let current = self.current(&key)?;
         // The outcome depended on the committed value only when this invocation had not written
-        // the key yet: that value is what the router must find unchanged at commit time.
-        if !written_here && !self.cas_checks.iter().any(|(k, _)| *k == key) {
+        // the key yet: that value is what the router must find unchanged at commit time. Kept
+        // until the commit, it counts against the cap like a write (a failing compare-and-set
+        // on ever new keys would otherwise grow the invocation's memory without bound).
+        if !written_here && !self.cas_keys.contains(&key) {
+            self.count(key.len() + current.as_ref().map_or(0, Vec::len))?;
+            self.cas_keys.insert(key.clone());
             self.cas_checks.push((key.clone(), current.clone()));
         }
         if current != expected {
@@ -486,6 +501,8 @@ pub(crate) struct HostState {
     pub(crate) console: CappedPipe,
     /// Set when a host call refused to go on (the guest then traps).
     pub(crate) breach: Option<HostLimitBreach>,
+    /// The store's hostcall fuel (most bytes one call copies out of the guest), for messages.
+    pub(crate) hostcall_fuel: usize,
 }
 
 impl HostState {
@@ -516,6 +533,7 @@ impl HostState {
             kv: KvSession::new(kv, limits.max_kv_write_bytes),
             console,
             breach: None,
+            hostcall_fuel: 0,
         }
     }
 
@@ -730,6 +748,37 @@ mod tests {
             ]
         );
         assert_eq!(current(&kv, "a").as_deref(), Some(&b"3"[..]));
+    }
+
+    /// Every compare-and-set that depended on a committed value keeps its key and that value
+    /// until the commit: they count against the cap, so failing ones on ever new keys cannot
+    /// grow the invocation without bound.
+    #[test]
+    fn compare_and_set_checks_count_against_the_write_cap() {
+        let mut kv = KvSession::new(Arc::new(Fixed(vec![("a", b"0123456789")], None)), 40);
+        // A failing check of "a" keeps 1 + 10 bytes; asking again keeps nothing more.
+        assert!(!kv.compare_and_set("a".into(), None, None).unwrap());
+        assert!(!kv.compare_and_set("a".into(), None, None).unwrap());
+        assert_eq!(kv.written_bytes, 11);
+        // Failing checks of new keys (the value expected is not there) keep their keys.
+        for key in ["k1", "k2", "k3"] {
+            assert!(!kv.compare_and_set(key.into(), Some(vec![1]), None).unwrap());
+        }
+        assert_eq!((kv.written_bytes, kv.cas_checks.len()), (17, 4));
+        // A successful one keeps its check and its write: 2 + 2 + 20 more, over 40.
+        let err = kv
+            .compare_and_set("k4".into(), None, Some(vec![0; 20]))
+            .unwrap_err();
+        assert!(
+            matches!(&err, HostLimitBreach::Invocation(m) if m.contains("exceed the limit of 40 bytes")),
+            "{err:?}"
+        );
+        let mut flood = KvSession::new(Arc::new(EmptyKv), 1 << 10);
+        let breached = (0..1_000)
+            .map(|i| flood.compare_and_set(format!("key-{i:04}"), Some(vec![1]), None))
+            .position(|r| r.is_err());
+        // Each check keeps 8 bytes of key: the 129th goes over 1 KiB.
+        assert_eq!(breached, Some(128));
     }
 
     #[test]

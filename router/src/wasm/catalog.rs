@@ -295,10 +295,14 @@ impl HandlerChanges {
                 (validated, bytes)
             })
             .await;
-            let validated = validated.map_err(|e| RegistryError::Load {
-                name: name.to_owned(),
-                version: info.version,
-                message: e.to_string(),
+            let validated = validated.map_err(|e| match e {
+                // The version is fine; the router had no instance to check it with.
+                UploadError::Busy(m) => RegistryError::Busy(m),
+                e => RegistryError::Load {
+                    name: name.to_owned(),
+                    version: info.version,
+                    message: e.to_string(),
+                },
             })?;
             let written = catalog
                 .put_index(name, index.to_bytes().into(), revision)

@@ -3,10 +3,10 @@
 //! and instantiated against.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use thiserror::Error;
 use wasmtime::component::Linker;
@@ -17,11 +17,24 @@ use wasmtime::{
 use super::bindings::{self, HostState};
 use super::limits::{HandlerLimits, LimitsError};
 
+/// Instances the pool keeps for `describe` beyond [`EngineConfig::max_instances`]: uploads,
+/// rollbacks and preloads call it, and their requests do not hold one of the invocations'
+/// slots (`handlers.max_instances`). Without its own share of the pool, a `describe` (which
+/// goes on after its upload's client has gone) could take the instance an invocation holds a
+/// slot for, and that healthy invocation would fail.
+pub const DESCRIBE_INSTANCES: u32 = 2;
+
+/// How long a `describe` waits for one of the [`DESCRIBE_INSTANCES`] before it gives up as
+/// busy: about two describes' default timeout, so a queue of a few uploads gets through.
+const DESCRIBE_SLOT_WAIT: Duration = Duration::from_secs(10);
+
 /// Sizing of the shared engine. The defaults suit a small machine (2 cores): at most 64 handler
 /// instances alive at once, each memory capped at 64 MiB.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineConfig {
-    /// Most component instances alive at once (one per running invocation). Default 64.
+    /// Most component instances of invocations alive at once (one per running invocation;
+    /// the handler target holds as many slots). The pool holds [`DESCRIBE_INSTANCES`] more,
+    /// which only `describe` uses. Default 64.
     pub max_instances: u32,
     /// Pool slot size per linear memory: the upper bound for [`HandlerLimits::memory_bytes`].
     /// Default 64 MiB.
@@ -75,6 +88,7 @@ pub struct WasmEngine {
     linker: Linker<HostState>,
     cache: Option<Cache>,
     config: EngineConfig,
+    describe_slots: DescribeSlots,
     ticker: Option<Ticker>,
 }
 
@@ -90,7 +104,10 @@ impl WasmEngine {
     /// Builds the engine and starts its epoch ticker.
     pub fn new(config: EngineConfig) -> Result<Arc<Self>, EngineError> {
         let cfg_err = |e: wasmtime::Error| EngineError::Config(format!("{e:#}"));
-        let instances = config.max_instances.max(1);
+        let instances = config
+            .max_instances
+            .max(1)
+            .saturating_add(DESCRIBE_INSTANCES);
         let mut pool = PoolingAllocationConfig::new();
         pool.total_component_instances(instances)
             .total_core_instances(instances.saturating_mul(config.max_core_instances_per_component))
@@ -134,6 +151,7 @@ impl WasmEngine {
             linker,
             cache,
             config,
+            describe_slots: DescribeSlots::new(DESCRIBE_INSTANCES),
             ticker: Some(ticker),
         }))
     }
@@ -157,6 +175,12 @@ impl WasmEngine {
         self.cache.as_ref().map(Cache::cache_misses)
     }
 
+    /// One of the pool's [`DESCRIBE_INSTANCES`], held until the guard drops; `None` when none
+    /// came free within a few seconds (other uploads are describing).
+    pub(crate) fn describe_slot(&self) -> Option<DescribeSlot<'_>> {
+        self.describe_slots.acquire(DESCRIBE_SLOT_WAIT)
+    }
+
     /// Checks that `limits` can be enforced by this engine.
     pub fn check_limits(&self, limits: &HandlerLimits) -> Result<(), LimitsError> {
         limits.validate(self.config.max_memory_bytes, self.config.fuel)
@@ -176,6 +200,56 @@ impl Drop for WasmEngine {
         if let Some(ticker) = self.ticker.take() {
             ticker.stop();
         }
+    }
+}
+
+/// The pool's instances kept for `describe`: a counting semaphore that blocking code (where
+/// `describe` runs) can wait on with a bound.
+struct DescribeSlots {
+    free: Mutex<u32>,
+    freed: Condvar,
+}
+
+impl DescribeSlots {
+    fn new(n: u32) -> Self {
+        Self {
+            free: Mutex::new(n),
+            freed: Condvar::new(),
+        }
+    }
+
+    fn acquire(&self, wait: Duration) -> Option<DescribeSlot<'_>> {
+        let until = Instant::now() + wait;
+        let mut free = self.free.lock().unwrap_or_else(PoisonError::into_inner);
+        while *free == 0 {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            free = self
+                .freed
+                .wait_timeout(free, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        *free -= 1;
+        Some(DescribeSlot { slots: self })
+    }
+}
+
+/// A held describe instance; given back on drop.
+pub(crate) struct DescribeSlot<'a> {
+    slots: &'a DescribeSlots,
+}
+
+impl Drop for DescribeSlot<'_> {
+    fn drop(&mut self) {
+        *self
+            .slots
+            .free
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) += 1;
+        self.slots.freed.notify_one();
     }
 }
 
@@ -224,6 +298,20 @@ mod tests {
         let weak = Arc::downgrade(&engine);
         drop(engine);
         assert!(weak.upgrade().is_none());
+    }
+
+    #[test]
+    fn describe_slots_are_bounded_and_given_back() {
+        let slots = DescribeSlots::new(2);
+        let a = slots.acquire(Duration::ZERO).unwrap();
+        let _b = slots.acquire(Duration::ZERO).unwrap();
+        assert!(slots.acquire(Duration::from_millis(20)).is_none());
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| slots.acquire(Duration::from_secs(30)).is_some());
+            std::thread::sleep(Duration::from_millis(20));
+            drop(a);
+            assert!(waiter.join().unwrap());
+        });
     }
 
     #[test]

@@ -13,7 +13,8 @@ use serde_json::{Map, Value};
 use wasmtime::{Store, Trap, WasmBacktrace};
 
 use super::bindings::{
-    HostLimitBreach, HostState, KvReader, KvWrite, LogLevel, LogLine, MemoryCapExceeded, wit,
+    HostLimitBreach, HostState, KvReader, KvWrite, LogLevel, LogLine, MAX_KEY_BYTES,
+    MemoryCapExceeded, wit,
 };
 use super::engine::WasmEngine;
 use super::limits::HandlerLimits;
@@ -65,6 +66,9 @@ pub enum InvocationOutcome {
     /// A host call could not be served for now (a key-value read failed, the namespace is
     /// full): retried, and not the handler's fault.
     HostUnavailable(String),
+    /// No instance could be allocated for the invocation (the engine's instance pool was
+    /// full): the handler did not run, so this is neither an attempt nor its failure.
+    Busy(String),
 }
 
 impl InvocationOutcome {
@@ -147,7 +151,7 @@ pub fn invoke(
         target: delivery.target.clone(),
     };
 
-    let mut store = new_store(handler.engine(), limits, kv);
+    let mut store = new_store(handler.engine(), limits, kv, hostcall_fuel(limits));
     let result = handler
         .pre()
         .instantiate(&mut store)
@@ -166,18 +170,47 @@ pub fn invoke(
     finish(outcome, state, started)
 }
 
-/// Calls `describe` in a fresh store under default limits.
+/// Why `describe` gave no descriptor.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum DescribeError {
+    /// The router had no instance to spare for it (other uploads were describing, or the pool
+    /// was full): nothing is wrong with the component, and the same call may pass later.
+    #[error("{0}")]
+    Busy(String),
+    /// `describe` trapped, timed out, ran out of memory or returned too much.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// Hostcall fuel of a `describe` call: its result is a name, a version and a list of types.
+const DESCRIBE_HOSTCALL_FUEL: usize = 256 << 10;
+
+/// Calls `describe` in a fresh store under default limits, on one of the instances the
+/// engine's pool keeps for it ([`super::engine::DESCRIBE_INSTANCES`]), held until the store is
+/// gone: an upload whose client went away still holds it until `describe` ends, and never
+/// takes an instance an invocation holds a slot for.
 pub(crate) fn describe(
     engine: &Arc<WasmEngine>,
     pre: &super::bindings::HandlerPre<HostState>,
-) -> Result<HandlerDescriptor, String> {
+) -> Result<HandlerDescriptor, DescribeError> {
+    let Some(_slot) = engine.describe_slot() else {
+        return Err(DescribeError::Busy(format!(
+            "the router is busy: the {} instances kept for describe() are all in use by other uploads; try again shortly",
+            super::engine::DESCRIBE_INSTANCES
+        )));
+    };
     let limits = HandlerLimits {
         memory_bytes: HandlerLimits::default()
             .memory_bytes
             .min(engine.config().max_memory_bytes),
         ..HandlerLimits::default()
     };
-    let mut store = new_store(engine, &limits, Arc::new(super::bindings::EmptyKv));
+    let mut store = new_store(
+        engine,
+        &limits,
+        Arc::new(super::bindings::EmptyKv),
+        DESCRIBE_HOSTCALL_FUEL,
+    );
     let result = pre
         .instantiate(&mut store)
         .and_then(|i| i.call_describe(&mut store));
@@ -185,27 +218,66 @@ pub(crate) fn describe(
     match result {
         Ok(d) => Ok(HandlerDescriptor::from(d)),
         Err(err) => Err(match classify_error(&err, &state) {
-            InvocationOutcome::Timeout => {
-                format!("describe did not return within {:?}", limits.timeout)
-            }
-            InvocationOutcome::Oom => format!(
+            InvocationOutcome::Busy(m) => DescribeError::Busy(format!("the router is busy: {m}")),
+            InvocationOutcome::Timeout => DescribeError::Failed(format!(
+                "describe did not return within {:?}",
+                limits.timeout
+            )),
+            InvocationOutcome::Oom => DescribeError::Failed(format!(
                 "describe exceeded the memory limit of {} bytes",
                 limits.memory_bytes
-            ),
-            InvocationOutcome::Trap(m) | InvocationOutcome::LimitExceeded(m) => m,
-            other => format!("{other:?}"),
+            )),
+            InvocationOutcome::Trap(m) | InvocationOutcome::LimitExceeded(m) => {
+                DescribeError::Failed(m)
+            }
+            other => DescribeError::Failed(format!("{other:?}")),
         }),
     }
 }
 
-fn new_store(
+/// What may be copied out of the guest in one call on top of the largest output an
+/// invocation may legitimately hand over: list bookkeeping (each element of a list counts its
+/// size in host memory: an emission about 120 bytes, an extension 48) and a log line longer
+/// than the log cap, which is truncated after it is copied.
+const HOSTCALL_SLACK: usize = 256 << 10;
+
+/// Wasmtime's hostcall fuel for one invocation: the most bytes one call may copy out of the
+/// guest into the host (the `handle` result, a log line, a key-value write). Wasmtime counts
+/// the bytes of each string and, for each list, its length times its element's size in host
+/// memory, and stops the call past it. Its default (128 MiB per call) let a handler capped at
+/// a few MiB of memory make the router allocate a hundred times that, by returning many
+/// emissions that all point at the same string: the limits checked after the copy came too
+/// late. This is the largest thing a call may carry within the other limits, and some slack.
+pub(crate) fn hostcall_fuel(limits: &HandlerLimits) -> usize {
+    let result = limits.max_output_bytes.saturating_add(
+        limits
+            .max_emitted
+            .saturating_mul(std::mem::size_of::<wit::Emitted>()),
+    );
+    // A compare-and-set carries the expected value and the new one, each at most what one
+    // invocation may write.
+    let kv = limits
+        .max_kv_write_bytes
+        .saturating_mul(2)
+        .saturating_add(2 * MAX_KEY_BYTES);
+    result
+        .max(kv)
+        .max(limits.max_log_bytes)
+        .max(limits.max_stderr_bytes)
+        .saturating_add(HOSTCALL_SLACK)
+}
+
+pub(super) fn new_store(
     engine: &Arc<WasmEngine>,
     limits: &HandlerLimits,
     kv: Arc<dyn KvReader>,
+    hostcall_fuel: usize,
 ) -> Store<HostState> {
-    let state = HostState::new(limits, engine.config().table_elements, kv);
+    let mut state = HostState::new(limits, engine.config().table_elements, kv);
+    state.hostcall_fuel = hostcall_fuel;
     let mut store = Store::new(engine.engine(), state);
     store.limiter(|s| &mut s.limiter);
+    store.set_hostcall_fuel(hostcall_fuel);
     store.set_epoch_deadline(engine.deadline_ticks(limits.timeout));
     if engine.config().fuel {
         // With metering on, a store starts with no fuel at all: "no fuel limit" means plenty.
@@ -240,9 +312,31 @@ fn finish(outcome: InvocationOutcome, state: HostState, started: Instant) -> Inv
     }
 }
 
+/// Wasmtime's message when a call copied more out of the guest than its hostcall fuel
+/// allows. Its error type (`HostcallFuelExhausted` in wasmtime 48's
+/// `runtime/component/func/options.rs`) is private, so its message, compared whole, is the
+/// only way to tell it; `tests::a_result_over_the_hostcall_fuel_is_a_limit` runs a real guest
+/// into it, so a wasmtime upgrade that rewords it fails there instead of turning a permanent
+/// limit into a retried trap.
+const HOSTCALL_FUEL_EXHAUSTED: &str = "too much data is being copied between the host and the guest: fuel allocated for hostcalls has been exhausted";
+
+/// Whether `err` is wasmtime's refusal to copy more than the store's hostcall fuel.
+fn is_hostcall_fuel_exhausted(err: &wasmtime::Error) -> bool {
+    err.downcast_ref::<Trap>().is_none()
+        && err
+            .chain()
+            .any(|e| e.to_string() == HOSTCALL_FUEL_EXHAUSTED)
+}
+
 /// Tells which limit (or which trap) stopped the guest. Flags set by the host (memory cap,
 /// host-call limits) win over the trap code, which for them is only a consequence.
 fn classify_error(err: &wasmtime::Error, state: &HostState) -> InvocationOutcome {
+    // Instantiation found the pool full: the guest never ran. Wasmtime reports this with a
+    // public error type (`PoolConcurrencyLimitError`: component or core instances, memories,
+    // tables), found anywhere in the context chain by `is`.
+    if err.is::<wasmtime::PoolConcurrencyLimitError>() {
+        return InvocationOutcome::Busy(format!("no wasm instance free: {err:#}"));
+    }
     if state.limiter.memory_exhausted || err.is::<MemoryCapExceeded>() {
         return InvocationOutcome::Oom;
     }
@@ -252,6 +346,12 @@ fn classify_error(err: &wasmtime::Error, state: &HostState) -> InvocationOutcome
             return InvocationOutcome::HostUnavailable(m.clone());
         }
         None => {}
+    }
+    if is_hostcall_fuel_exhausted(err) {
+        return InvocationOutcome::LimitExceeded(format!(
+            "the handler handed the router more than {} bytes in one call (its result, a log line or a key-value write), past what its limits allow",
+            state.hostcall_fuel
+        ));
     }
     let mut message = match err.downcast_ref::<Trap>() {
         Some(Trap::Interrupt) => return InvocationOutcome::Timeout,

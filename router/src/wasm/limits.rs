@@ -7,6 +7,11 @@ use thiserror::Error;
 
 /// What one handler invocation may use. Every breach costs that invocation only: the store is
 /// dropped and the outcome says which limit was hit.
+///
+/// What one call copies out of the guest (the `handle` result, a log line, a key-value write)
+/// is bounded too, before the copy: by about the largest of what the output, key-value and log
+/// limits allow, plus 256 KiB (`invoke::hostcall_fuel`). A call over it is a breach, as the
+/// output limits are.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HandlerLimits {
     /// Cap on the guest's linear memory (each memory of the component). Default 64 MiB; must not
@@ -24,7 +29,9 @@ pub struct HandlerLimits {
     pub max_output_bytes: usize,
     /// Log bytes kept per invocation; later lines are dropped and counted. Default 64 KiB.
     pub max_log_bytes: usize,
-    /// Bytes of key-value writes (keys and values) per invocation. Default 1 MiB.
+    /// Bytes of key-value writes (keys and values) per invocation, and of the key and
+    /// committed value each compare-and-set depended on (kept until the commit re-checks
+    /// them). Default 1 MiB.
     pub max_kv_write_bytes: usize,
     /// Bytes of the guest's stdout/stderr kept per invocation (panic messages land there).
     /// Default 16 KiB.

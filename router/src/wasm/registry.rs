@@ -449,6 +449,15 @@ pub enum UploadError {
     /// `describe` trapped, timed out or ran out of memory.
     #[error("describe() failed: {0}")]
     DescribeFailed(String),
+    /// The router had no instance free to run `describe` (other uploads were describing):
+    /// nothing is wrong with the component, and the same upload may pass shortly. Nothing was
+    /// stored. (An API answers it as unavailable, with a `Retry-After`.)
+    #[error("{0}")]
+    Busy(String),
+    /// The handler's stored index cannot be read (see [`RegistryError::CorruptIndex`]):
+    /// nothing changes the handler on this node until an operator fixes or removes it.
+    #[error(transparent)]
+    UnreadableIndex(Box<RegistryError>),
     /// `describe` names another handler.
     #[error(
         "describe() says the handler is named {described:?}, but it is uploaded as {expected:?}"
@@ -516,7 +525,14 @@ pub enum RegistryError {
         /// The store's error.
         message: String,
     },
-    /// An `index.json` that does not parse.
+    /// The router had no instance free to run the version's `describe` (a rollback checks
+    /// it): nothing changed, and the same call may pass shortly. (An API answers it as
+    /// unavailable, with a `Retry-After`.)
+    #[error("{0}")]
+    Busy(String),
+    /// An `index.json` that cannot be read (it does not parse, or a newer router wrote it).
+    /// At open the handler is listed with this as its `load_error`; changing it on this node
+    /// is refused with this error, since writing over the file would lose what it holds.
     #[error("corrupt handler index {path}: {message}")]
     CorruptIndex {
         /// The file.
@@ -607,6 +623,26 @@ struct Entry {
     index: HandlerIndex,
     active: Option<Arc<LoadedHandler>>,
     load_error: Option<String>,
+    /// The handler's `index.json` could not be read at open, and why: `index` is only a
+    /// placeholder with its name, and the handler is changed here by nothing but a shared
+    /// catalog's record (which is the truth there) until an operator fixes or removes the file.
+    unreadable: Option<UnreadableIndex>,
+}
+
+/// Where and why a handler's index could not be read.
+#[derive(Debug, Clone)]
+struct UnreadableIndex {
+    path: PathBuf,
+    message: String,
+}
+
+impl UnreadableIndex {
+    fn error(&self) -> RegistryError {
+        RegistryError::CorruptIndex {
+            path: self.path.clone(),
+            message: self.message.clone(),
+        }
+    }
 }
 
 impl Entry {
@@ -688,8 +724,11 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 impl HandlerRegistry {
     /// Opens (or creates) the registry in `dir` and loads every handler's active version.
     ///
-    /// A handler whose active version cannot be loaded stays listed with a `load_error` and no
-    /// active version; the others are unaffected.
+    /// A handler whose active version cannot be loaded, or whose index cannot be read (corrupt,
+    /// or of a newer format), stays listed with a `load_error` and no active version; the
+    /// others are unaffected. One with an unreadable index is not changed here (uploads,
+    /// rollbacks and deletes are refused with [`RegistryError::CorruptIndex`]) until the file
+    /// is fixed or removed, since writing over it would lose what it holds.
     pub fn open(dir: impl Into<PathBuf>, engine: Arc<WasmEngine>) -> Result<Self, RegistryError> {
         let dir = dir.into();
         fs::create_dir_all(&dir)?;
@@ -710,12 +749,32 @@ impl HandlerRegistry {
             if !valid_handler_name(&name) || !index_path.is_file() {
                 continue;
             }
-            let index = HandlerIndex::from_bytes(&fs::read(&index_path)?).map_err(|e| {
-                RegistryError::CorruptIndex {
-                    path: index_path.clone(),
-                    message: e.to_string(),
+            // One unreadable index (corrupt, or written by a newer router) costs that handler
+            // only: it is listed with why, and the others load.
+            let read = fs::read(&index_path)
+                .map_err(|e| e.to_string())
+                .and_then(|bytes| HandlerIndex::from_bytes(&bytes).map_err(|e| e.to_string()));
+            let index = match read {
+                Ok(index) => index,
+                Err(message) => {
+                    let unreadable = UnreadableIndex {
+                        path: index_path.clone(),
+                        message,
+                    };
+                    let error = unreadable.error();
+                    tracing::error!(handler = %name, error = %error, "cannot read a handler's index; the handler is not loaded, and not changed here until the file is fixed or removed");
+                    entries.insert(
+                        name.clone(),
+                        Entry {
+                            index: HandlerIndex::empty(&name),
+                            active: None,
+                            load_error: Some(error.to_string()),
+                            unreadable: Some(unreadable),
+                        },
+                    );
+                    continue;
                 }
-            })?;
+            };
             let active_version = index
                 .active
                 .as_ref()
@@ -736,6 +795,7 @@ impl HandlerRegistry {
                     index,
                     active,
                     load_error,
+                    unreadable: None,
                 },
             );
         }
@@ -784,8 +844,10 @@ impl HandlerRegistry {
         let pre = self
             .pre_instantiate(&component)
             .map_err(UploadError::WrongWorld)?;
-        let descriptor =
-            invoke::describe(&self.engine, &pre).map_err(UploadError::DescribeFailed)?;
+        let descriptor = invoke::describe(&self.engine, &pre).map_err(|e| match e {
+            invoke::DescribeError::Busy(m) => UploadError::Busy(m),
+            invoke::DescribeError::Failed(m) => UploadError::DescribeFailed(m),
+        })?;
         if descriptor.name != name {
             return Err(UploadError::NameMismatch {
                 expected: name.to_owned(),
@@ -816,6 +878,8 @@ impl HandlerRegistry {
             .write_lock
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        self.check_readable(name)
+            .map_err(|e| UploadError::UnreadableIndex(Box::new(e)))?;
         let index = self
             .index_of(name)
             .unwrap_or_else(|| HandlerIndex::empty(name));
@@ -936,12 +1000,13 @@ impl HandlerRegistry {
             .find(|v| v.sha256 == sha256)
     }
 
-    /// Every handler's index, as stored here.
+    /// Every handler's index, as stored here (those that could not be read left out).
     pub(crate) fn indexes(&self) -> Vec<HandlerIndex> {
         self.entries
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .values()
+            .filter(|e| e.unreadable.is_none())
             .map(|e| e.index.clone())
             .collect()
     }
@@ -1005,6 +1070,7 @@ impl HandlerRegistry {
             .write_lock
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        self.check_readable(name)?;
         let index = self
             .index_of(name)
             .ok_or_else(|| RegistryError::UnknownHandler(name.to_owned()))?;
@@ -1056,6 +1122,7 @@ impl HandlerRegistry {
             .write_lock
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        self.check_readable(name)?;
         let Some(before) = self.index_of(name) else {
             return Ok((None, false));
         };
@@ -1121,12 +1188,29 @@ impl HandlerRegistry {
             .and_then(|e| e.active.clone())
     }
 
+    /// The index of `name`; `None` when there is none or it could not be read.
     fn index_of(&self, name: &str) -> Option<HandlerIndex> {
         self.entries
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .get(name)
+            .filter(|e| e.unreadable.is_none())
             .map(|e| e.index.clone())
+    }
+
+    /// Refused when the index of `name` could not be read at open: a change made here would
+    /// write over it.
+    fn check_readable(&self, name: &str) -> Result<(), RegistryError> {
+        match self
+            .entries
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(name)
+            .and_then(|e| e.unreadable.as_ref())
+        {
+            Some(unreadable) => Err(unreadable.error()),
+            None => Ok(()),
+        }
     }
 
     fn install(&self, index: HandlerIndex, active: Option<Arc<LoadedHandler>>) {
@@ -1140,6 +1224,7 @@ impl HandlerRegistry {
                     index,
                     active,
                     load_error: None,
+                    unreadable: None,
                 },
             );
     }

@@ -1440,26 +1440,180 @@ async fn without_a_catalog_changes_go_to_the_registry_alone() {
 
 /// An index written by a newer router is refused, not half-read: an older node in a rolling
 /// upgrade (or after a downgrade) would otherwise drop what it does not know when it writes
-/// the index again. Locally the registry does not open; a shared catalog's record is refused
-/// by the same decoder.
+/// the index again. That costs that handler only: the registry opens, lists it with why, loads
+/// the others, and refuses to change it (which would write over the file). A shared catalog's
+/// record is refused by the same decoder.
 #[test]
 fn an_index_of_a_newer_format_is_refused() {
-    let (dir, registry) = registry_with(&["noop"]);
+    let (dir, registry) = registry_with(&["noop", "strict"]);
     drop(registry);
     let path = dir.path().join("handlers/noop/index.json");
     let mut index: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     index["format"] = serde_json::json!(99);
     let newer = serde_json::to_vec(&index).unwrap();
     std::fs::write(&path, &newer).unwrap();
-    let Err(err) = HandlerRegistry::open(dir.path().join("handlers"), engine()) else {
-        panic!("an index of a newer format was read");
-    };
-    let err = err.to_string();
+    let registry = HandlerRegistry::open(dir.path().join("handlers"), engine()).unwrap();
+    assert!(registry.active("noop").is_none());
+    assert!(registry.active("strict").is_some());
+    let listed = registry.get("noop").unwrap();
+    let load_error = listed.load_error.unwrap();
     assert!(
-        err.contains("format 99, newer than this router reads"),
-        "{err}"
+        load_error.contains("format 99, newer than this router reads"),
+        "{load_error}"
     );
+    assert_eq!(
+        registry
+            .list()
+            .iter()
+            .map(|h| h.name.as_str())
+            .collect::<Vec<_>>(),
+        ["noop", "strict"]
+    );
+    // Nothing writes over the file: not an upload, a rollback or a delete.
+    let upload = registry
+        .upload("noop", &plugin("noop"), "tests")
+        .unwrap_err();
+    assert!(
+        matches!(upload, UploadError::UnreadableIndex(_)),
+        "{upload}"
+    );
+    assert!(matches!(
+        registry.rollback("noop", "1"),
+        Err(RegistryError::CorruptIndex { .. })
+    ));
+    assert!(matches!(
+        registry.delete("noop"),
+        Err(RegistryError::CorruptIndex { .. })
+    ));
+    assert_eq!(std::fs::read(&path).unwrap(), newer);
+    assert!(registry.indexes().iter().all(|i| i.name != "noop"));
     assert!(registry::HandlerIndex::from_bytes(&newer).is_err());
     index["format"] = serde_json::json!(1);
     assert!(registry::HandlerIndex::from_bytes(&serde_json::to_vec(&index).unwrap()).is_ok());
+}
+
+/// An index that does not parse (or cannot be read) costs its handler only, as a newer one.
+#[test]
+fn a_corrupt_index_does_not_stop_the_registry_from_opening() {
+    let (dir, registry) = registry_with(&["noop", "strict"]);
+    drop(registry);
+    std::fs::write(dir.path().join("handlers/strict/index.json"), b"{not json").unwrap();
+    let registry = HandlerRegistry::open(dir.path().join("handlers"), engine()).unwrap();
+    assert!(registry.active("noop").is_some());
+    assert!(registry.active("strict").is_none());
+    let load_error = registry.get("strict").unwrap().load_error.unwrap();
+    assert!(load_error.contains("corrupt handler index"), "{load_error}");
+}
+
+/// An engine with room for one invocation (plus the instances kept for `describe`), its
+/// registry with `noop` uploaded, and `noop`.
+fn one_instance_engine() -> (tempfile::TempDir, HandlerRegistry, Arc<LoadedHandler>) {
+    let small = WasmEngine::new(EngineConfig {
+        max_instances: 1,
+        cache_dir: Some(plugins_dir().join("../wasmtime-test-cache")),
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let registry = HandlerRegistry::open(dir.path(), small).unwrap();
+    registry.upload("noop", &plugin("noop"), "tests").unwrap();
+    let noop = registry.active("noop").unwrap();
+    (dir, registry, noop)
+}
+
+/// A live instance of `h` from the engine's pool, as a running invocation holds one.
+fn hold_instance(h: &LoadedHandler) -> wasmtime::Store<bindings::HostState> {
+    let limits = HandlerLimits::default();
+    let mut store = invoke::new_store(
+        h.engine(),
+        &limits,
+        Arc::new(EmptyKv),
+        invoke::hostcall_fuel(&limits),
+    );
+    h.pre().instantiate(&mut store).unwrap();
+    store
+}
+
+/// `describe` (uploads, rollbacks, preloads) runs on instances the pool keeps for it: with
+/// every invocation slot in use (`max_instances` = 1, one instance live), an upload still
+/// passes instead of failing as "describe() failed: maximum concurrent limit reached".
+#[test]
+fn an_upload_while_every_invocation_slot_is_in_use_still_describes() {
+    let (_dir, registry, noop) = one_instance_engine();
+    let _running = hold_instance(&noop);
+    registry
+        .upload("strict", &plugin("strict"), "tests")
+        .unwrap();
+    assert!(registry.active("strict").is_some());
+}
+
+/// A full instance pool is no failure of the handler nor of the component being uploaded:
+/// an invocation comes back `Busy` (put back unattempted) and an upload `UploadError::Busy`.
+#[test]
+fn a_full_instance_pool_is_busy_not_a_trap() {
+    let (_dir, registry, noop) = one_instance_engine();
+    let held: Vec<_> = (0..1 + engine::DESCRIBE_INSTANCES)
+        .map(|_| hold_instance(&noop))
+        .collect();
+    let inv = invoke(
+        &noop,
+        &event("p", "t", json!({})),
+        &delivery(),
+        Arc::new(EmptyKv),
+        &HandlerLimits::default(),
+    );
+    assert!(
+        matches!(&inv.outcome, InvocationOutcome::Busy(m) if m.contains("maximum concurrent limit")),
+        "{:?}",
+        inv.outcome
+    );
+    assert!(!inv.outcome.is_handler_result());
+    let upload = registry
+        .upload("strict", &plugin("strict"), "tests")
+        .unwrap_err();
+    assert!(
+        matches!(&upload, UploadError::Busy(m) if m.contains("busy")),
+        "{upload}"
+    );
+    drop(held);
+    let inv = invoke(
+        &noop,
+        &event("p", "t", json!({})),
+        &delivery(),
+        Arc::new(EmptyKv),
+        &HandlerLimits::default(),
+    );
+    assert_eq!(inv.outcome, InvocationOutcome::Emitted(vec![]));
+}
+
+/// What the host copies out of the guest in one call is bounded by the store's hostcall fuel,
+/// sized on the invocation's limits: a result over it stops the copy, as a permanent
+/// `handler_limit` rather than a retried trap. (This also pins wasmtime's message for it,
+/// whose error type is private: see `invoke::HOSTCALL_FUEL_EXHAUSTED`.)
+#[test]
+fn a_result_over_the_hostcall_fuel_is_a_limit() {
+    let limits = HandlerLimits {
+        max_kv_write_bytes: 64 << 10,
+        ..HandlerLimits::default()
+    };
+    let fuel = invoke::hostcall_fuel(&limits);
+    assert!(fuel < 2 << 20, "{fuel}");
+    // One emission of 2 MiB of data.
+    let inv = run(
+        "hostile",
+        &event("b", "t", json!({"mode": "output", "size": "big"})),
+        &limits,
+    );
+    match inv.outcome {
+        InvocationOutcome::LimitExceeded(m) => {
+            assert!(
+                m.contains(&format!("more than {fuel} bytes in one call")),
+                "{m}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    // Within the fuel, the limits checked on the result still speak (default limits: the
+    // same 2 MiB fits in the fuel, and is over `max_output_bytes`).
+    assert!(invoke::hostcall_fuel(&HandlerLimits::default()) > (2 << 20) + 2);
 }
