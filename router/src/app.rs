@@ -1464,10 +1464,15 @@ async fn bounded_body(
     if route == "/v1/events" || req.method() == axum::http::Method::GET {
         return next.run(req).await;
     }
-    // The API's changes take no query parameters but `release` on a handler's delete: one
+    // The API's changes take no query parameters but `release` on a handler's delete and
+    // `team` on its upload (whose body is the component; each handler checks its own): one
     // sent anyway (`?dry_run=true` on a purge) would be ignored and the change made as if it
     // were not there, so it is refused and nothing changes.
-    let takes_query = req.method() == axum::http::Method::DELETE && route == "/v1/handlers/{name}";
+    let takes_query = route == "/v1/handlers/{name}"
+        && matches!(
+            *req.method(),
+            axum::http::Method::DELETE | axum::http::Method::PUT
+        );
     if !takes_query && let Some(query) = req.uri().query().filter(|q| !q.is_empty()) {
         let name = form_urlencoded::parse(query.as_bytes())
             .next()

@@ -137,6 +137,7 @@ impl Principal {
             team: self.team.clone(),
             admin: self.allows(&Scope::Admin),
             preload: false,
+            for_team: None,
         }
     }
 

@@ -339,7 +339,13 @@ enum ContractsCmd {
 #[derive(Subcommand)]
 enum HandlersCmd {
     /// Upload a component (validated before it becomes active).
-    Push { name: String, file: PathBuf },
+    Push {
+        name: String,
+        file: PathBuf,
+        /// An administrator's upload for a team: the handler becomes that team's.
+        #[arg(long)]
+        team: Option<String>,
+    },
     /// Every handler with its active version.
     List,
     /// Activate an earlier version (number or sha256 prefix).
@@ -906,12 +912,16 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
     use reqwest::Method;
     let c = api.client();
     let v = match &cmd {
-        HandlersCmd::Push { name, file } => {
+        HandlersCmd::Push { name, file, team } => {
             let bytes =
                 std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
             c.call_bytes(
                 Method::PUT,
-                &format!("/v1/handlers/{}", router::cli::seg(name)),
+                &format!(
+                    "/v1/handlers/{}{}",
+                    router::cli::seg(name),
+                    router::cli::query(&[("team", team)])
+                ),
                 "application/wasm",
                 bytes,
             )

@@ -794,6 +794,36 @@ async fn another_team_can_never_change_a_teams_handler() {
     let (_, info) = send_as(&r, "GET", "/v1/handlers/enrich", "crm-ci", None).await;
     assert_eq!(info["owner"], "crm-ci", "{info}");
     assert_eq!(info["versions"].as_array().map(Vec::len), Some(1), "{info}");
+    // An administrator uploads a handler for a team: it is that team's from the start, and
+    // no other team claims it by uploading next. A team token cannot upload for a team.
+    let put = |token: &'static str, path: &'static str, tag: u8| {
+        send_as(
+            &r,
+            "PUT",
+            path,
+            token,
+            Some(("application/wasm", with_bytes(tag))),
+        )
+    };
+    // (Here: an administrator hands the handler over to billing.) No other query is taken.
+    let (s, b) = put("ops", "/v1/handlers/enrich?team=billing", 5).await;
+    assert_eq!(s, 201, "{b}");
+    let (_, info) = send_as(&r, "GET", "/v1/handlers/enrich", "ops", None).await;
+    assert_eq!(info["owner"], "billing", "{info}");
+    let (s, b) = put("crm-ci", "/v1/handlers/enrich", 6).await;
+    assert_eq!(s, 403, "{b}");
+    let (s, b) = put("crm-ci", "/v1/handlers/enrich?team=crm-ci", 7).await;
+    assert_eq!(
+        (s, &b["errors"][0]["pointer"]),
+        (403, &json!("/team")),
+        "{b}"
+    );
+    let (s, b) = put("ops", "/v1/handlers/enrich?dry_run=1", 8).await;
+    assert_eq!(
+        (s, &b["errors"][0]["pointer"]),
+        (400, &json!("/dry_run")),
+        "{b}"
+    );
 }
 
 /// A released name takes nothing of the last team with it: the handler's key-value entries and

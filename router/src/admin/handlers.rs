@@ -84,8 +84,48 @@ pub async fn upload(
     State(app): State<Arc<App>>,
     axum::Extension(who): axum::Extension<Principal>,
     Path(name): Path<String>,
+    axum::extract::RawQuery(query): axum::extract::RawQuery,
     body: axum::body::Bytes,
 ) -> Response {
+    let mut uploader = who.uploader();
+    let mut team = None;
+    for (k, v) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
+        if k != "team" {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid query",
+                vec![FieldError::new(
+                    format!("/{}", k.replace('~', "~0").replace('/', "~1")),
+                    "PUT /v1/handlers/{name} takes only `team` (an administrator's upload for a team)",
+                )],
+            );
+        }
+        team = Some(v.into_owned());
+    }
+    if let Some(team) = team {
+        // Only an administrator uploads for a team; a team token's handlers are its own.
+        if !uploader.admin {
+            return error_response(
+                StatusCode::FORBIDDEN,
+                "only an administrator uploads a handler for a team",
+                vec![FieldError::new(
+                    "/team",
+                    format!(
+                        "token {:?} uploads for its own team {:?}",
+                        who.name, who.team
+                    ),
+                )],
+            );
+        }
+        if team.is_empty() {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid team",
+                vec![FieldError::new("/team", "must not be empty")],
+            );
+        }
+        uploader.for_team = Some(team);
+    }
     let rt = match runtime(&app) {
         Ok(rt) => rt.clone(),
         Err(r) => return *r,
@@ -105,7 +145,7 @@ pub async fn upload(
     if let Err(r) = owner_check(&rt, &who, &name) {
         return *r;
     }
-    match rt.changes.upload(&name, body, who.uploader()).await {
+    match rt.changes.upload(&name, body, uploader).await {
         Ok(v) => {
             tracing::warn!(handler = %name, version = v.version, sha256 = %v.sha256, uploader = %who.name, "handler uploaded and activated");
             (StatusCode::CREATED, axum::Json(json!(v))).into_response()

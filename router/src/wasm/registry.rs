@@ -128,6 +128,9 @@ pub struct Uploader {
     /// preloaded, so a later start does not upload them again once they are no longer a kept
     /// version.
     pub preload: bool,
+    /// An administrator's upload for a team (`?team=`): the handler becomes that team's, so
+    /// no other team can take it over by uploading next. Ignored for other uploaders.
+    pub for_team: Option<String>,
 }
 
 impl Uploader {
@@ -139,6 +142,7 @@ impl Uploader {
             team: token.to_owned(),
             admin: false,
             preload: true,
+            for_team: None,
         }
     }
 }
@@ -152,6 +156,7 @@ impl From<&str> for Uploader {
             team: name.to_owned(),
             admin: true,
             preload: false,
+            for_team: None,
         }
     }
 }
@@ -243,11 +248,16 @@ impl HandlerIndex {
         }
         self.check_owner(uploader)?;
         // The first team to upload claims it; an administrator's upload (an operator acting
-        // for a team) does not.
-        if self.owner.is_none() {
-            self.owner = self
-                .effective_owner()
-                .or_else(|| (!uploader.admin).then(|| uploader.team.clone()));
+        // for a team) does not, unless it names the team, which then owns it (an
+        // administrator may also hand a handler over that way).
+        match uploader.for_team.as_ref().filter(|_| uploader.admin) {
+            Some(team) => self.owner = Some(team.clone()),
+            None if self.owner.is_none() => {
+                self.owner = self
+                    .effective_owner()
+                    .or_else(|| (!uploader.admin).then(|| uploader.team.clone()));
+            }
+            None => {}
         }
         let info = match self.versions.iter().find(|x| x.sha256 == v.sha256) {
             Some(existing) => existing.clone(),

@@ -714,6 +714,50 @@ fn past_keep_versions_the_oldest_version_and_its_component_go_but_never_the_acti
     assert_eq!(reopened.active("noop").unwrap().version().version, 7);
 }
 
+/// An administrator uploading for a team (`?team=`) gives the handler to that team: another
+/// team can no longer take it over by uploading next. Without it, the first team to upload
+/// claims it, as before.
+#[test]
+fn an_administrators_upload_for_a_team_gives_it_that_team() {
+    let (_dir, registry) = registry_with(&[]);
+    let ops = |team: Option<&str>| Uploader {
+        for_team: team.map(str::to_owned),
+        ..Uploader::from("ops")
+    };
+    let member = |team: &str| Uploader {
+        token: format!("{team}-ci"),
+        team: team.into(),
+        admin: false,
+        preload: false,
+        // A non-administrator cannot give a handler away.
+        for_team: Some("someone-else".into()),
+    };
+    registry
+        .upload("noop", &plugin("noop"), ops(Some("billing")))
+        .unwrap();
+    assert_eq!(
+        registry.get("noop").unwrap().owner.as_deref(),
+        Some("billing")
+    );
+    assert!(matches!(
+        registry.upload("noop", &variant_of(&plugin("noop"), "x"), member("crm")),
+        Err(UploadError::OwnedByAnotherTeam(_))
+    ));
+    registry
+        .upload("noop", &variant_of(&plugin("noop"), "y"), member("billing"))
+        .unwrap();
+    assert_eq!(
+        registry.get("noop").unwrap().owner.as_deref(),
+        Some("billing"),
+        "a member's upload keeps it with its team"
+    );
+    // Unnamed, an administrator's upload leaves the handler to the first team that uploads.
+    registry
+        .upload("enrich", &plugin("enrich"), ops(None))
+        .unwrap();
+    assert_eq!(registry.get("enrich").unwrap().owner, None);
+}
+
 #[test]
 fn a_handler_belongs_to_its_first_uploaders_team() {
     let (dir, registry) = registry_with(&[]);
@@ -722,6 +766,7 @@ fn a_handler_belongs_to_its_first_uploaders_team() {
         team: team.into(),
         admin: false,
         preload: false,
+        for_team: None,
     };
     let v1 = registry
         .upload("noop", &plugin("noop"), member("billing-ci", "billing"))
@@ -851,6 +896,7 @@ fn an_index_from_before_teams_belongs_to_its_first_uploader() {
         team: "crm".into(),
         admin: false,
         preload: false,
+        for_team: None,
     };
     assert!(matches!(
         registry.upload("noop", &variant_of(&plugin("noop"), "x"), other.clone()),
