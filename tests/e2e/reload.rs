@@ -704,6 +704,42 @@ async fn a_target_removed_and_put_back_delivers_its_new_events() {
     assert_eq!(l["entries"].as_array().map(Vec::len), Some(0), "{l}");
 }
 
+/// Sends `n` events `{prefix}{i}` to the router's only rule, waits until `never` has seen an
+/// attempt of each, kills the router, empties its rules (and does `meanwhile`), and restarts it.
+async fn removed_while_down(
+    r: &mut RouterProc,
+    never: &Receiver,
+    prefix: &str,
+    n: usize,
+    meanwhile: impl FnOnce(),
+) {
+    post_batch(
+        r,
+        &(0..n)
+            .map(|i| event(&format!("{prefix}{i}"), "t", json!({})))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    assert!(
+        never
+            .wait_for(Duration::from_secs(10), |s| s.len() >= n)
+            .await
+    );
+    r.kill9();
+    write_rules(r, "r.yaml", "rules: []\n");
+    meanwhile();
+    r.restart();
+}
+
+/// The DLQ's `target_removed` entries once there are `n` of them (`None` after 15 s).
+async fn target_removed_entries(r: &RouterProc, n: usize) -> Option<Value> {
+    eventually(Duration::from_secs(15), || async {
+        let (_, l) = get_json(r, "/v1/dlq?reason=target_removed").await;
+        (l["entries"].as_array().map(Vec::len) == Some(n)).then_some(l)
+    })
+    .await
+}
+
 /// `on_target_removed = "dead_letter"` holds for a target removed while the router was down:
 /// at start its queue goes to the DLQ as `target_removed`, instead of draining to the
 /// endpoint the rules no longer name.
@@ -727,26 +763,8 @@ async fn a_target_removed_while_down_is_dead_lettered_at_start_when_so_configure
         &[],
         &[("ROUTER_DELIVERY__ON_TARGET_REMOVED", "dead_letter")],
     );
-    post_batch(
-        &r,
-        &(0..5)
-            .map(|i| event(&format!("w{i}"), "t", json!({})))
-            .collect::<Vec<_>>(),
-    )
-    .await;
-    assert!(
-        never
-            .wait_for(Duration::from_secs(10), |s| s.len() >= 5)
-            .await
-    );
-    r.kill9();
-    write_rules(&r, "r.yaml", "rules: []\n");
-    r.restart();
-    let l = eventually(Duration::from_secs(15), || async {
-        let (_, l) = get_json(&r, "/v1/dlq?reason=target_removed").await;
-        (l["entries"].as_array().map(Vec::len) == Some(5)).then_some(l)
-    })
-    .await;
+    removed_while_down(&mut r, &never, "w", 5, || {}).await;
+    let l = target_removed_entries(&r, 5).await;
     assert!(
         l.is_some(),
         "the removed target's queue was not dead-lettered at start"
@@ -792,28 +810,13 @@ async fn a_removed_target_that_cannot_start_dead_letters_its_queue_saying_why() 
         )],
     );
     let mut r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&config));
-    post_batch(
-        &r,
-        &(0..3)
-            .map(|i| event(&format!("s{i}"), "t", json!({})))
-            .collect::<Vec<_>>(),
-    )
-    .await;
-    assert!(
-        never
-            .wait_for(Duration::from_secs(10), |s| s.len() >= 3)
-            .await
-    );
-    r.kill9();
-    write_rules(&r, "r.yaml", "rules: []\n");
-    std::fs::write(&secrets, "").expect("secret removed");
-    r.restart();
-    let l = eventually(Duration::from_secs(15), || async {
-        let (_, l) = get_json(&r, "/v1/dlq?reason=target_removed").await;
-        (l["entries"].as_array().map(Vec::len) == Some(3)).then_some(l)
+    removed_while_down(&mut r, &never, "s", 3, || {
+        std::fs::write(&secrets, "").expect("secret removed")
     })
-    .await
-    .expect("the removed target's queue was stranded");
+    .await;
+    let l = target_removed_entries(&r, 3)
+        .await
+        .expect("the removed target's queue was stranded");
     let errors = l["entries"][0]["errors"].to_string();
     assert!(
         errors.contains("cannot start") && errors.contains("E2E_GONE_SECRET"),
