@@ -849,7 +849,13 @@ fn read_secrets(
 
 /// Secrets come from the environment first, then the optional secrets file (a TOML table of
 /// name = "value"); never from the rule files.
-fn secret_resolver(cfg: &Config) -> Result<crate::deliver::SecretResolver, RunError> {
+/// Resolves secrets by name: the environment, then `cfg.secrets_file`. With `env_prefix` (the
+/// names rule files give, under `secrets_env_prefix`), the environment is read only for names
+/// that start with it; others resolve in the secrets file alone.
+fn secret_resolver(
+    cfg: &Config,
+    env_prefix: Option<String>,
+) -> Result<crate::deliver::SecretResolver, RunError> {
     let file = match &cfg.secrets_file {
         None => Default::default(),
         Some(p) => read_secrets(p).map_err(RunError::Secrets)?,
@@ -861,8 +867,17 @@ fn secret_resolver(cfg: &Config) -> Result<crate::deliver::SecretResolver, RunEr
     let path = cfg.secrets_file.clone();
     let last = Mutex::new(file);
     Ok(Arc::new(move |name: &str| {
-        if let Ok(v) = std::env::var(name) {
-            return Some(v);
+        match &env_prefix {
+            Some(p) if !name.starts_with(p.as_str()) => {
+                if std::env::var_os(name).is_some() {
+                    tracing::warn!(name, prefix = %p, "a rule file names an environment variable outside secrets_env_prefix: it is not read (the secrets file is)");
+                }
+            }
+            _ => {
+                if let Ok(v) = std::env::var(name) {
+                    return Some(v);
+                }
+            }
         }
         let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(p) = &path {
@@ -1063,7 +1078,9 @@ pub async fn run_with_store(
             warnings.push(format!("delivery threads run at ingest's priority: {e}"));
         }
     }
-    let secrets = secret_resolver(&cfg)?;
+    // The operator's configuration (nats.token_env) names any variable; rule files only those
+    // within secrets_env_prefix.
+    let secrets = secret_resolver(&cfg, cfg.secrets_env_prefix.clone())?;
     let dispatcher = Dispatcher::new(DeliveryContext {
         store: store.clone(),
         metrics: metrics.clone(),
@@ -1072,7 +1089,7 @@ pub async fn run_with_store(
         http: crate::target::webhook::shared_clients(cfg.delivery.tls_ca_file.as_deref())?,
         nats: crate::target::nats::NatsConnection::new(
             cfg.nats.clone(),
-            secrets.clone(),
+            secret_resolver(&cfg, None)?,
             delivery_threads.handle(),
         ),
         cancel: workers_cancel.clone(),
@@ -1771,7 +1788,7 @@ pub(crate) fn test_app(
     let metrics = Metrics::new();
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let spawner = tokio::runtime::Handle::current();
-    let secrets = secret_resolver(&cfg).expect("the test's secrets file reads");
+    let secrets = secret_resolver(&cfg, None).expect("the test's secrets file reads");
     let dispatcher = Dispatcher::new(DeliveryContext {
         store: store.clone(),
         metrics: metrics.clone(),
@@ -1851,6 +1868,32 @@ mod tests {
     }
 
     const SIGNED_RULE: &str = "rules:\n  - name: signed\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/signed\n        id: signed\n        secret_env: UNIT_TEST_SECRET_NEVER_SET\n";
+
+    /// With `secrets_env_prefix`, a name a rule file gives is read from the environment only
+    /// within the prefix; others come from the secrets file alone. Without it (and for the
+    /// operator's own configuration), the environment first.
+    #[test]
+    fn rule_file_secrets_read_the_environment_only_within_the_prefix() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("secrets.toml");
+        std::fs::write(&file, "IN_FILE = \"f\"\nPATH = \"from-file\"\n").expect("secrets");
+        let mut cfg = test_config(dir.path());
+        cfg.secrets_file = Some(file);
+        let path = std::env::var("PATH").expect("PATH is set");
+        let open = secret_resolver(&cfg, None).expect("resolver");
+        assert_eq!((open.as_ref())("PATH"), Some(path.clone()));
+        let fenced = secret_resolver(&cfg, Some("WEBHOOK_".into())).expect("resolver");
+        assert_eq!(
+            (fenced.as_ref())("PATH").as_deref(),
+            Some("from-file"),
+            "outside the prefix: the file, never the environment"
+        );
+        assert_eq!((fenced.as_ref())("IN_FILE").as_deref(), Some("f"));
+        let home = secret_resolver(&cfg, Some("PA".into())).expect("resolver");
+        assert_eq!((home.as_ref())("PATH"), Some(path), "within the prefix");
+        cfg.secrets_env_prefix = Some("ROUTER_SECRET_".into());
+        assert!(cfg.validate().is_err());
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_reload_whose_new_target_cannot_start_is_refused_until_it_can() {

@@ -63,6 +63,11 @@ pub struct Config {
     /// Optional TOML file of secrets (`NAME = "value"`) that `secret_env` names resolve in,
     /// after the environment. Never the rule files.
     pub secrets_file: Option<PathBuf>,
+    /// When set, a rule file's `secret_env` and `headers_env` names are read from the
+    /// environment only if they start with it (names outside it resolve in `secrets_file`
+    /// only), so that whoever edits rule files cannot have the router send its other
+    /// environment (cloud credentials, the NATS token) as a header to a URL they name.
+    pub secrets_env_prefix: Option<String>,
 }
 
 /// `[handlers]`: limits of every handler invocation and where handlers are kept.
@@ -482,6 +487,7 @@ impl Default for Config {
             server: ServerConfig::default(),
             nats: NatsConfig::default(),
             secrets_file: None,
+            secrets_env_prefix: None,
         }
     }
 }
@@ -657,6 +663,13 @@ impl Config {
         }
         if self.nats.credentials_file.is_some() && self.nats.token_env.is_some() {
             return bad("nats.credentials_file and nats.token_env are exclusive: set one");
+        }
+        if let Some(p) = &self.secrets_env_prefix
+            && (p.is_empty() || p.starts_with("ROUTER_"))
+        {
+            return bad(
+                "secrets_env_prefix must be non-empty and not start with ROUTER_ (those variables are configuration keys)",
+            );
         }
         if self
             .nats
