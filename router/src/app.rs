@@ -319,6 +319,14 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                 app.cfg.rules_dir.display()
             )))
         }
+        // Nor is a directory emptied of rule files (a checkout or sync caught half-way): to
+        // remove every rule on purpose, a file says so (`rules: []`).
+        (Ok(r), Ok(_), _) if r.0.files.is_empty() && !old.rules.is_empty() => {
+            Err(ReloadError::Invalid(format!(
+                "rules directory {} holds no rule file (emptied, or a sync caught half-way?); the previous rules stay live. To remove every rule, leave a file that says `rules: []`",
+                app.cfg.rules_dir.display()
+            )))
+        }
         // The same for contracts: an empty set would let every event through unchecked.
         (Ok(_), Ok(_), _)
             if !app.cfg.contracts_dir.exists() && !app.contracts.load().is_empty() =>

@@ -888,3 +888,22 @@ async fn a_reload_that_moves_a_queue_to_another_targets_destination_is_refused()
     assert!(c.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
     assert_eq!(b.count(), 1);
 }
+
+/// A rules directory emptied of rule files (a checkout or sync caught half-way) does not take
+/// every rule away; a file saying `rules: []` does, on purpose.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_emptied_rules_directory_is_refused_and_rules_empty_is_not() {
+    let a = Receiver::ok().await;
+    let r = routing_t_to(&a);
+    std::fs::remove_file(r.dir.path().join("rules/r.yaml")).expect("remove the rule file");
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 422, "{body}");
+    assert!(body.to_string().contains("holds no rule file"), "{body}");
+    let (_, rules) = get_json(&r, "/v1/rules").await;
+    assert_eq!(rules["rules"].as_array().map(Vec::len), Some(1), "{rules}");
+    write_rules(&r, "r.yaml", "rules: []\n");
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    let (_, rules) = get_json(&r, "/v1/rules").await;
+    assert_eq!(rules["rules"].as_array().map(Vec::len), Some(0), "{rules}");
+}
