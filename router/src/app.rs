@@ -79,9 +79,12 @@ impl App {
         self.disabled.load_full()
     }
 
-    /// Disables or enables a rule (persisted). Returns false for a rule not in the live set.
+    /// Disables or enables a rule (persisted). Returns false for a rule not in the live set,
+    /// except when enabling clears an operator's switch left on a name no live rule has (the
+    /// rule renamed or removed since): that one is cleared.
     pub async fn set_rule_enabled(&self, name: &str, enabled: bool) -> Result<bool, StoreError> {
-        if !self.rules.load().rules.iter().any(|r| r.name == name) {
+        let stale_switch = enabled && self.disabled.load().contains(name);
+        if !stale_switch && !self.rules.load().rules.iter().any(|r| r.name == name) {
             return Ok(false);
         }
         self.store

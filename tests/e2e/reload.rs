@@ -907,3 +907,26 @@ async fn an_emptied_rules_directory_is_refused_and_rules_empty_is_not() {
     let (_, rules) = get_json(&r, "/v1/rules").await;
     assert_eq!(rules["rules"].as_array().map(Vec::len), Some(0), "{rules}");
 }
+
+/// An operator's switch on a rule renamed since is listed (it would stop a rule of that name
+/// that came back) and can be cleared while no rule has the name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switch_left_on_a_renamed_rule_is_listed_and_can_be_cleared() {
+    let a = Receiver::ok().await;
+    let r = routing_t_to(&a);
+    assert_eq!(post_json(&r, "/v1/rules/r/disable", json!({})).await.0, 200);
+    write_rules(
+        &r,
+        "r.yaml",
+        &rules_yaml("", &[("r2", "t", &[format!("webhook: {}", a.url())])]),
+    );
+    assert_eq!(post_json(&r, "/v1/admin/reload", json!({})).await.0, 200);
+    let (_, rules) = get_json(&r, "/v1/rules").await;
+    assert_eq!(rules["disabled_absent"], json!(["r"]), "{rules}");
+    assert_eq!(post_json(&r, "/v1/rules/r/disable", json!({})).await.0, 404);
+    let (s, body) = post_json(&r, "/v1/rules/r/enable", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    let (_, rules) = get_json(&r, "/v1/rules").await;
+    assert_eq!(rules["disabled_absent"], json!([]), "{rules}");
+    assert_eq!(post_json(&r, "/v1/rules/r/enable", json!({})).await.0, 404);
+}

@@ -446,6 +446,12 @@ pub async fn rules(State(app): State<Arc<App>>) -> Response {
             "pattern": rule.pattern_json,
             "targets": rule.target_ids,
         })).collect::<Vec<_>>(),
+        // Operator switches naming no live rule (renamed or removed since): each would stop a
+        // rule of that name the moment one came back. `rules enable NAME` clears one.
+        "disabled_absent": disabled
+            .iter()
+            .filter(|n| !r.rules.iter().any(|rule| &rule.name == *n))
+            .collect::<std::collections::BTreeSet<_>>(),
     }))
     .into_response()
 }
