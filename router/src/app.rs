@@ -136,6 +136,10 @@ pub enum ReloadError {
     /// The new rules or contracts do not load.
     #[error("{0}")]
     Invalid(String),
+    /// The new rules do not load (or cannot go live); the contracts loaded, and went live
+    /// if they changed.
+    #[error("{0}")]
+    RulesRefused(String),
     /// Saving target configurations failed: the store, not the files, is at fault.
     #[error("store: {0}")]
     Store(#[from] StoreError),
@@ -312,37 +316,39 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
     .await
     .map_err(|e| ReloadError::Invalid(format!("reload task failed: {e}")))?;
     let old = app.rules.load_full();
-    let result: Result<_, ReloadError> = match loaded {
-        // A rules directory that was there and is gone (moved away by a deploy, a volume
-        // unmounted) is not "no rules": going live with an empty set would strand or
-        // dead-letter every target's queue.
-        (Ok(_), Ok(_), _) if !app.cfg.rules_dir.exists() && !old.rules.is_empty() => {
-            Err(ReloadError::Invalid(format!(
-                "rules directory {} does not exist (moved, deleted or unmounted?); the previous rules stay live",
-                app.cfg.rules_dir.display()
-            )))
-        }
-        // Nor is a directory emptied of rule files (a checkout or sync caught half-way): to
-        // remove every rule on purpose, a file says so (`rules: []`).
-        (Ok(r), Ok(_), _) if r.0.files.is_empty() && !old.rules.is_empty() => {
-            Err(ReloadError::Invalid(format!(
-                "rules directory {} holds no rule file (emptied, or a sync caught half-way?); the previous rules stay live. To remove every rule, leave a file that says `rules: []`",
-                app.cfg.rules_dir.display()
-            )))
-        }
-        // The same for contracts: an empty set would let every event through unchecked.
-        (Ok(_), Ok(_), _)
-            if !app.cfg.contracts_dir.exists() && !app.contracts.load().is_empty() =>
-        {
+    let (rules_loaded, contracts_loaded, git) = loaded;
+    // The contracts side. A set that does not load, or a directory gone, refuses the whole
+    // reload (the rules could name types whose contracts just failed).
+    let contracts_side: Result<ContractSet, ReloadError> = match contracts_loaded {
+        Err(e) => Err(ReloadError::Invalid(e.to_string())),
+        // Not "no contracts": an empty set would let every event through unchecked.
+        Ok(_) if !app.cfg.contracts_dir.exists() && !app.contracts.load().is_empty() => {
             Err(ReloadError::Invalid(format!(
                 "contracts directory {} does not exist (moved, deleted or unmounted?); the previous contracts stay live",
                 app.cfg.contracts_dir.display()
             )))
         }
-        (Ok(r), Ok(_), _) if let Some(e) = moved_ids(&old, &r.0, app.store.as_ref()) => {
-            Err(ReloadError::Invalid(e))
-        }
-        (Ok(mut r), Ok(c), git) => {
+        Ok(c) => Ok(c),
+    };
+    // The rules side. Refused alone, it does not hold back a contracts change: a broken rule
+    // file used to block every contract upload and fix until it was repaired.
+    let rules_side: Result<_, String> = match rules_loaded {
+        Err(e) => Err(e.to_string()),
+        // A rules directory that was there and is gone (moved away by a deploy, a volume
+        // unmounted) is not "no rules": going live with an empty set would strand or
+        // dead-letter every target's queue.
+        Ok(_) if !app.cfg.rules_dir.exists() && !old.rules.is_empty() => Err(format!(
+            "rules directory {} does not exist (moved, deleted or unmounted?); the previous rules stay live",
+            app.cfg.rules_dir.display()
+        )),
+        // Nor is a directory emptied of rule files (a checkout or sync caught half-way): to
+        // remove every rule on purpose, a file says so (`rules: []`).
+        Ok(r) if r.0.files.is_empty() && !old.rules.is_empty() => Err(format!(
+            "rules directory {} holds no rule file (emptied, or a sync caught half-way?); the previous rules stay live. To remove every rule, leave a file that says `rules: []`",
+            app.cfg.rules_dir.display()
+        )),
+        Ok(r) if let Some(e) = moved_ids(&old, &r.0, app.store.as_ref()) => Err(e),
+        Ok(mut r) => {
             // A target added or changed must be able to start (its signing secret set, its
             // URL valid, the WASM runtime up for a handler) before the set goes live: else
             // its entries would queue with no worker, or its old worker would go on under the
@@ -365,12 +371,11 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                 }
             }
             if cannot_start.is_empty() {
-                Ok((r, c, git, prepared))
+                Ok((r, prepared))
             } else {
-                Err(ReloadError::Invalid(cannot_start.join("\n")))
+                Err(cannot_start.join("\n"))
             }
         }
-        (Err(e), _, _) | (_, Err(e), _) => Err(ReloadError::Invalid(e.to_string())),
     };
     let refused = |e: ReloadError| {
         let mut st = app.reload_status.lock().unwrap_or_else(|p| p.into_inner());
@@ -384,8 +389,31 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
             .inc();
         // One line per record: a log shipper splits at line breaks, and an ERROR whose
         // continuation lines carry no level is missed by a search for it.
-        tracing::error!(trigger, error = %e.to_string().replace('\n', "; "), "reload refused; the previous rules and contracts stay live");
+        match &e {
+            ReloadError::RulesRefused(_) => {
+                tracing::error!(trigger, error = %e.to_string().replace('\n', "; "), "rules refused; the previous rules stay live (the contracts reloaded)")
+            }
+            _ => {
+                tracing::error!(trigger, error = %e.to_string().replace('\n', "; "), "reload refused; the previous rules and contracts stay live")
+            }
+        }
         e
+    };
+    let result = match (rules_side, contracts_side) {
+        (_, Err(e)) => Err(e),
+        (Err(e), Ok(contracts)) => {
+            let version = contracts.version();
+            if version != app.contracts.load().version() {
+                app.contracts.store(Arc::new(contracts));
+                app.reload_status
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .contracts_version = version.clone();
+                tracing::info!(trigger, contracts_version = %version, "contracts reloaded");
+            }
+            Err(ReloadError::RulesRefused(e))
+        }
+        (Ok((r, prepared)), Ok(c)) => Ok((r, c, git, prepared)),
     };
     let ((rules, warnings), contracts, git, prepared) = result.map_err(refused)?;
     app.store

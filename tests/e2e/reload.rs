@@ -466,7 +466,7 @@ async fn contracts_reload_and_an_invalid_schema_is_refused() {
 
 /// `PUT /v1/contracts/{type}/{version}` writes the file into the watched directory and the
 /// contract applies to the very next event; when the directory will not reload (here a broken
-/// rule file beside it), the upload is refused and leaves the directory as it was.
+/// contract file beside it), the upload is refused and leaves the directory as it was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_uploaded_contract_applies_at_once_and_a_refused_one_changes_nothing() {
     let rcv = Receiver::ok().await;
@@ -484,18 +484,21 @@ async fn an_uploaded_contract_applies_at_once_and_a_refused_one_changes_nothing(
     .expect("JSON");
     assert_eq!(on_disk, v1);
 
-    write_rules(&r, "broken.yaml", "rules: [");
+    // Another contract file broken in the directory: the contracts would not reload.
+    let broken = r.dir.path().join("contracts/z");
+    std::fs::create_dir_all(&broken).expect("mkdir");
+    std::fs::write(broken.join("v1.json"), "{ not json").expect("write");
     let err = eventually(Duration::from_secs(10), || async {
         status(&r).await["reload"]["last_error"]
             .as_str()
             .map(str::to_string)
     })
     .await;
-    assert!(err.is_some(), "the broken rule file was not noticed");
+    assert!(err.is_some(), "the broken contract file was not noticed");
     let (code, body) = put_json(&r, "/v1/contracts/t/v2", json!({"type": "object"})).await;
     assert_eq!(code, 409, "{body}");
     assert!(
-        body["errors"].to_string().contains("broken.yaml"),
+        body["errors"].to_string().contains("z/v1.json"),
         "the answer names what would not reload: {body}"
     );
     let left: Vec<String> = std::fs::read_dir(&dir)
@@ -929,4 +932,66 @@ async fn a_switch_left_on_a_renamed_rule_is_listed_and_can_be_cleared() {
     let (_, rules) = get_json(&r, "/v1/rules").await;
     assert_eq!(rules["disabled_absent"], json!([]), "{rules}");
     assert_eq!(post_json(&r, "/v1/rules/r/enable", json!({})).await.0, 404);
+}
+
+/// Rules and contracts reload apart: with a broken rule file in the directory, a contract
+/// uploaded over the API and one dropped into the directory both go live (the upload says the
+/// rules were refused), while the previous rules stay live.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_rule_file_does_not_hold_contract_changes_back() {
+    let a = Receiver::ok().await;
+    let r = routing_t_to(&a);
+    write_rules(
+        &r,
+        "broken.yaml",
+        "rules: [ {name: x, pattern: {type: [u]}\n",
+    );
+    let (s, body) = put_json(
+        &r,
+        "/v1/contracts/t/v1",
+        json!({"type": "object", "required": ["n"]}),
+    )
+    .await;
+    assert_eq!(s, 201, "{body}");
+    assert!(
+        body["rules_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("broken.yaml")),
+        "{body}"
+    );
+    let (_, b) = post_event(&r, &event("no-n", "t", json!({}))).await;
+    assert_eq!(
+        b["results"][0]["status"], "quarantined",
+        "the contract is live: {b}"
+    );
+    // One dropped into the directory goes live with the next reload too.
+    let dir = r.dir.path().join("contracts/u");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    std::fs::write(
+        dir.join("v1.json"),
+        r#"{"type": "object", "required": ["m"]}"#,
+    )
+    .expect("write");
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 422, "{body}");
+    assert!(
+        body.to_string().contains("the contracts reloaded"),
+        "{body}"
+    );
+    let (_, list) = get_json(&r, "/v1/contracts").await;
+    assert!(list.to_string().contains("\"u\""), "{list}");
+    let st = status(&r).await;
+    assert!(
+        st["reload"]["last_error"]
+            .to_string()
+            .contains("broken.yaml"),
+        "{st}"
+    );
+    let (_, rules) = get_json(&r, "/v1/rules").await;
+    assert_eq!(rules["rules"].as_array().map(Vec::len), Some(1), "{rules}");
+    assert_eq!(
+        post_event(&r, &event("ok", "t", json!({"n": 1}))).await.0,
+        202
+    );
+    assert!(a.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
 }

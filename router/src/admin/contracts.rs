@@ -234,7 +234,9 @@ pub async fn upload(
 
     let path = app.cfg.contracts_dir.join(&ty).join(format!("v{v}.json"));
     let placed = match &app.shared_contracts {
-        None => place_here(&app, &path, text).await.map(|()| None),
+        None => place_here(&app, &path, text)
+            .await
+            .map(|rules_error| (None, rules_error)),
         Some(shared) => {
             let contract = SharedContract {
                 ty: ty.clone(),
@@ -245,8 +247,8 @@ pub async fn upload(
             place_shared(&app, shared, &rel, &path, contract).await
         }
     };
-    let local_error = match placed {
-        Ok(local_error) => local_error,
+    let (local_error, rules_error) = match placed {
+        Ok(placed) => placed,
         Err(refused) => return *refused,
     };
     tracing::info!(contract = %rel, replaced = replaced.is_some(), applied_here = local_error.is_none(), "contract uploaded");
@@ -273,41 +275,54 @@ pub async fn upload(
     if let Some(e) = local_error {
         answer["local_error"] = json!(e);
     }
+    if let Some(e) = rules_error {
+        answer["rules_error"] = json!(e);
+    }
     (status, axum::Json(answer)).into_response()
 }
 
 /// The embedded store: this node's directory is the truth. Writes the file and reloads,
 /// putting the directory back when the reload refuses it.
-async fn place_here(app: &Arc<App>, path: &FsPath, text: &str) -> Result<(), Box<Response>> {
+/// `Ok(Some(why))`: the contract is live, but the rules did not reload with it (a broken rule
+/// file, which no longer holds contract changes back).
+async fn place_here(
+    app: &Arc<App>,
+    path: &FsPath,
+    text: &str,
+) -> Result<Option<String>, Box<Response>> {
     let before = write_blocking(path, text)
         .await
         .map_err(|e| Box::new(write_failed(path, &e)))?;
-    if let Err(e) = crate::app::reload(app, "contract upload").await {
-        if restore_blocking(path, before).await.is_err() {
-            tracing::error!(file = %path.display(), "could not put the contracts directory back after a refused upload");
+    match crate::app::reload(app, "contract upload").await {
+        Ok(_) => Ok(None),
+        Err(ReloadError::RulesRefused(why)) => Ok(Some(why)),
+        Err(e) => {
+            if restore_blocking(path, before).await.is_err() {
+                tracing::error!(file = %path.display(), "could not put the contracts directory back after a refused upload");
+            }
+            Err(Box::new(reload_refused(&e)))
         }
-        return Err(Box::new(reload_refused(&e)));
     }
-    Ok(())
 }
 
 /// A store several nodes share: checks that this node would reload with the upload (its rules
 /// and its contracts directory with the file, loaded without making them live), records it in
 /// the store, then writes and reloads it here.
-/// `Err` is the answer when nothing changed anywhere; `Ok(Some(why))` when the store took the
-/// upload but this node's directory did not (the next sync applies it here).
+/// `Err` is the answer when nothing changed anywhere; `Ok((Some(why), _))` when the store took
+/// the upload but this node's directory did not (the next sync applies it here); `Ok((_,
+/// Some(why)))` when it is live here but the rules did not reload with it.
 async fn place_shared(
     app: &Arc<App>,
     shared: &SharedContracts,
     rel: &str,
     path: &FsPath,
     contract: SharedContract,
-) -> Result<Option<String>, Box<Response>> {
-    // A dry run of the reload: the rules too, as a broken rule file would refuse it here.
+) -> Result<(Option<String>, Option<String>), Box<Response>> {
+    // A dry run of the contracts' reload (the rules reload apart: a broken rule file does
+    // not hold a contract back).
     let text = contract.text.clone();
     let (cfg, r, t) = (app.cfg.clone(), rel.to_owned(), text.clone());
     let checked = tokio::task::spawn_blocking(move || {
-        crate::app::load_rules(&cfg)?;
         crate::app::load_contracts_with(&cfg, &[(r.as_str(), t.as_str())]).map(|_| ())
     })
     .await;
@@ -345,7 +360,8 @@ async fn place_shared(
     let local = match write_blocking(path, &text).await {
         Err(e) => Err(format!("cannot write it: {e}")),
         Ok(before) => match crate::app::reload(app, "contract upload").await {
-            Ok(_) => Ok(()),
+            Ok(_) => Ok(None),
+            Err(ReloadError::RulesRefused(why)) => Ok(Some(why)),
             Err(e) => {
                 // Taken back out, so the directory keeps matching the live set; the next
                 // sync writes it again and reloads.
@@ -357,15 +373,15 @@ async fn place_shared(
         },
     };
     match local {
-        Ok(()) => {
+        Ok(rules_error) => {
             shared.mark(rel, revision);
             shared.keep_applied().await;
-            Ok(None)
+            Ok((None, rules_error))
         }
         Err(why) => {
             tracing::error!(contract = %rel, revision, error = %why, "a contract upload written to the shared catalog could not be applied on this node; the next sync retries it");
             shared.contract_error(rel, Some(why.clone()));
-            Ok(Some(why))
+            Ok((Some(why), None))
         }
     }
 }
@@ -375,7 +391,7 @@ async fn place_shared(
 /// (the file is not at fault; trying again later may work).
 fn reload_refused(e: &ReloadError) -> Response {
     match e {
-        ReloadError::Invalid(msg) => error_response(
+        ReloadError::Invalid(msg) | ReloadError::RulesRefused(msg) => error_response(
             StatusCode::CONFLICT,
             "the contracts directory did not reload with this file; nothing changed",
             msg.lines().map(|l| FieldError::new("", l)).collect(),
@@ -613,7 +629,8 @@ impl SharedContracts {
             return Ok(Vec::new());
         }
         let refused = match crate::app::reload(app, "shared contract").await {
-            Ok(_) => {
+            // The contracts went live; the rules' refusal is theirs, shown in the status.
+            Ok(_) | Err(ReloadError::RulesRefused(_)) => {
                 let mut files = Vec::new();
                 for (rel, _, _, revision) in written {
                     tracing::info!(contract = %rel, revision, "contract uploaded on another node applied");
@@ -634,7 +651,8 @@ impl SharedContracts {
         match refused {
             // Not the files' fault: no lock-out, and the round's failure is the store's.
             ReloadError::Store(e) => Err(e),
-            e @ ReloadError::Invalid(_) => {
+            // (Answered above: the contracts went live.)
+            e @ (ReloadError::Invalid(_) | ReloadError::RulesRefused(_)) => {
                 for (rel, _, _, revision) in written {
                     tracing::error!(contract = %rel, revision, error = %e, "this node's contracts directory does not reload with a contract uploaded on another node");
                     self.contract_error(
@@ -969,24 +987,38 @@ mod tests {
         assert!(node.catalog.records.lock().expect("records").is_empty());
     }
 
-    /// A node that would not reload with the upload (another contract or a rule file is
-    /// broken) refuses it before the store hears of it: no other node gets a contract this one
-    /// cannot hold.
+    /// A node whose contracts would not reload with the upload (another contract is broken)
+    /// refuses it before the store hears of it: no other node gets a contract this one cannot
+    /// hold. A broken rule file does not: rules reload apart, and the contract goes live
+    /// (shared, and here), the answer saying the rules were refused.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_upload_this_node_cannot_reload_with_is_not_shared() {
-        for broken in ["contracts/t/v3.json", "rules/broken.yaml"] {
-            let node = Node::start(true);
-            std::fs::write(node.dir.path().join(broken), r#"{"type": 5"#).expect("from git");
-            let (status, _, body) = node.put(2, V2).await;
-            assert_eq!(status, StatusCode::CONFLICT, "{broken}: {body}");
-            assert!(
-                body["errors"].to_string().contains(broken),
-                "{broken}: {body}"
-            );
-            assert!(node.catalog.records.lock().expect("records").is_empty());
-            assert!(!node.file(2).exists());
-            assert!(!node.live(2));
-        }
+        let broken = "contracts/t/v3.json";
+        let node = Node::start(true);
+        std::fs::write(node.dir.path().join(broken), r#"{"type": 5"#).expect("from git");
+        let (status, _, body) = node.put(2, V2).await;
+        assert_eq!(status, StatusCode::CONFLICT, "{broken}: {body}");
+        assert!(
+            body["errors"].to_string().contains(broken),
+            "{broken}: {body}"
+        );
+        assert!(node.catalog.records.lock().expect("records").is_empty());
+        assert!(!node.file(2).exists());
+        assert!(!node.live(2));
+
+        let node = Node::start(true);
+        std::fs::write(node.dir.path().join("rules/broken.yaml"), r#"{"type": 5"#)
+            .expect("from git");
+        let (status, _, body) = node.put(2, V2).await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        assert!(
+            body["rules_error"]
+                .as_str()
+                .is_some_and(|e| e.contains("broken.yaml")),
+            "{body}"
+        );
+        assert_eq!(node.catalog.records.lock().expect("records").len(), 1);
+        assert!(node.live(2));
     }
 
     /// A store that fails during the upload's reload is the store's fault, not the file's: 503

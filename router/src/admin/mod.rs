@@ -502,6 +502,11 @@ pub async fn reload(State(app): State<Arc<App>>) -> Response {
             "reload refused; the previous rules and contracts stay live",
             msg.lines().map(|l| FieldError::new("", l)).collect(),
         ),
+        Err(crate::app::ReloadError::RulesRefused(msg)) => error_response(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "rules refused; the previous rules stay live (the contracts reloaded)",
+            msg.lines().map(|l| FieldError::new("", l)).collect(),
+        ),
         Err(crate::app::ReloadError::Store(e)) => store_error(&e),
     }
 }
