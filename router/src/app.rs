@@ -404,6 +404,9 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
         (Err(e), Ok(contracts)) => {
             let version = contracts.version();
             if version != app.contracts.load().version() {
+                for w in contracts.warnings_against(&app.contracts.load()) {
+                    tracing::warn!(trigger, "{w}");
+                }
                 app.contracts.store(Arc::new(contracts));
                 app.reload_status
                     .lock()
@@ -415,7 +418,8 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
         }
         (Ok((r, prepared)), Ok(c)) => Ok((r, c, git, prepared)),
     };
-    let ((rules, warnings), contracts, git, prepared) = result.map_err(refused)?;
+    let ((rules, mut warnings), contracts, git, prepared) = result.map_err(refused)?;
+    warnings.extend(contracts.warnings_against(&app.contracts.load()));
     app.store
         .save_targets(
             rules
@@ -1083,6 +1087,7 @@ pub async fn run_with_store(
     let (rules, mut rule_warnings) = load_rules(&cfg)?;
     let mut warnings = Vec::new();
     let contracts = load_contracts(&cfg)?;
+    rule_warnings.extend(contracts.warnings_against(&ContractSet::empty()));
     for w in &rule_warnings {
         tracing::warn!("{w}");
     }

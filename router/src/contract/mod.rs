@@ -489,6 +489,31 @@ impl ContractSet {
             .collect()
     }
 
+    /// What an operator should hear about this set against the live one, `before`: a type
+    /// whose every version went (its events are no longer checked at all, enforce mode or
+    /// not), and a `modes.toml` entry for a type without contracts (it does nothing).
+    pub fn warnings_against(&self, before: &ContractSet) -> Vec<String> {
+        let gone = before
+            .types
+            .keys()
+            .filter(|t| !self.types.contains_key(*t))
+            .map(|t| {
+                format!(
+                    "contracts: every version of type {t} was removed; its events are no longer checked"
+                )
+            });
+        let idle = self
+            .modes
+            .keys()
+            .filter(|t| !self.types.contains_key(*t))
+            .map(|t| {
+                format!(
+                    "contracts: {MODES_FILE} sets a mode for type {t}, which has no contract; it has no effect"
+                )
+            });
+        gone.chain(idle).collect()
+    }
+
     /// The contract of `ty` at `version`, if loaded.
     pub fn get(&self, ty: &str, version: u32) -> Option<ContractInfo> {
         let c = self.types.get(ty)?.get(&version)?;

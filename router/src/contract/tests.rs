@@ -631,3 +631,22 @@ fn load_dir_with_loads_the_directory_as_it_would_be() {
     let fresh = ContractSet::load_dir_with(&root.join("nope"), &[("t/v1.json", "{}")]).unwrap();
     assert_eq!(fresh.contracts().len(), 1);
 }
+
+#[test]
+fn a_type_whose_contracts_all_went_and_an_idle_mode_are_warned_of() {
+    let before = ContractSet::from_files(
+        &[("a/v1.json", "{}"), ("b/v1.json", "{}")],
+        Some("\"a\" = \"enforce\""),
+    )
+    .unwrap();
+    let after =
+        ContractSet::from_files(&[("b/v1.json", "{}")], Some("\"a\" = \"enforce\"")).unwrap();
+    let w = after.warnings_against(&before);
+    assert_eq!(w.len(), 2, "{w:?}");
+    assert!(
+        w[0].contains("type a was removed") && w[0].contains("no longer checked"),
+        "{w:?}"
+    );
+    assert!(w[1].contains("modes.toml sets a mode for type a"), "{w:?}");
+    assert!(before.warnings_against(&before).is_empty());
+}
