@@ -391,7 +391,7 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
         // continuation lines carry no level is missed by a search for it.
         match &e {
             ReloadError::RulesRefused(_) => {
-                tracing::error!(trigger, error = %e.to_string().replace('\n', "; "), "rules refused; the previous rules stay live (the contracts reloaded)")
+                tracing::error!(trigger, error = %e.to_string().replace('\n', "; "), "rules refused; the previous rules stay live (contracts reload apart: the directory's are live)")
             }
             _ => {
                 tracing::error!(trigger, error = %e.to_string().replace('\n', "; "), "reload refused; the previous rules and contracts stay live")

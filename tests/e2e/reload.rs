@@ -975,7 +975,7 @@ async fn a_broken_rule_file_does_not_hold_contract_changes_back() {
     let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
     assert_eq!(s, 422, "{body}");
     assert!(
-        body.to_string().contains("the contracts reloaded"),
+        body.to_string().contains("contracts reload apart"),
         "{body}"
     );
     let (_, list) = get_json(&r, "/v1/contracts").await;

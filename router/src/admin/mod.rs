@@ -504,7 +504,7 @@ pub async fn reload(State(app): State<Arc<App>>) -> Response {
         ),
         Err(crate::app::ReloadError::RulesRefused(msg)) => error_response(
             StatusCode::UNPROCESSABLE_ENTITY,
-            "rules refused; the previous rules stay live (the contracts reloaded)",
+            "rules refused; the previous rules stay live (contracts reload apart: the directory's are live)",
             msg.lines().map(|l| FieldError::new("", l)).collect(),
         ),
         Err(crate::app::ReloadError::Store(e)) => store_error(&e),
