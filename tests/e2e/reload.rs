@@ -8,6 +8,13 @@ use serde_json::{Value, json};
 
 use crate::harness::*;
 
+/// Writes contract file `rel` (`<type>/v<N>.json`) into the router's contracts directory.
+fn write_contract(r: &RouterProc, rel: &str, text: &str) {
+    let path = r.dir.path().join("contracts").join(rel);
+    std::fs::create_dir_all(path.parent().expect("a type directory")).expect("mkdir");
+    std::fs::write(path, text).expect("write");
+}
+
 fn write_rules(r: &RouterProc, name: &str, text: &str) {
     // Write to a temp file and rename, as editors and `git checkout` do, so the watcher never
     // sees a half-written file.
@@ -300,22 +307,8 @@ async fn a_removed_target_drains_after_a_kill_9() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_removed_target_can_dead_letter_its_queue_instead() {
     let never = Receiver::status(503).await;
-    let policy = "  p:\n    retry: { max_attempts: 50, base_delay: 1s, max_delay: 1s }";
     let mut r = RouterProc::start_with_env(
-        &[(
-            "r.yaml",
-            &rules_yaml(
-                policy,
-                &[(
-                    "r",
-                    "t",
-                    &[format!(
-                        "webhook: {}\n        id: gone\n        policy: p",
-                        never.url()
-                    )],
-                )],
-            ),
-        )],
+        &[("r.yaml", &retrying_rule(&never.url(), "id: gone"))],
         &[],
         &[("ROUTER_DELIVERY__ON_TARGET_REMOVED", "dead_letter")],
     );
@@ -427,13 +420,7 @@ async fn contracts_reload_and_an_invalid_schema_is_refused() {
         post_event(&r, &event("free", "t", json!({"x": 1}))).await.1["results"][0]["status"],
         "accepted"
     );
-    let dir = r.dir.path().join("contracts/t");
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    std::fs::write(
-        dir.join("v1.json"),
-        r#"{"type": "object", "required": ["y"]}"#,
-    )
-    .expect("write");
+    write_contract(&r, "t/v1.json", r#"{"type": "object", "required": ["y"]}"#);
     let ok = eventually(Duration::from_secs(10), || async {
         let (_, b) = post_event(
             &r,
@@ -444,11 +431,11 @@ async fn contracts_reload_and_an_invalid_schema_is_refused() {
     })
     .await;
     assert!(ok.is_some(), "the new contract never applied");
-    std::fs::write(
-        dir.join("v2.json"),
+    write_contract(
+        &r,
+        "t/v2.json",
         r#"{"type": "object", "properties": {"y": {"type": "nope"}}}"#,
-    )
-    .expect("write");
+    );
     let err = eventually(Duration::from_secs(10), || async {
         status(&r).await["reload"]["last_error"]
             .as_str()
@@ -485,9 +472,7 @@ async fn an_uploaded_contract_applies_at_once_and_a_refused_one_changes_nothing(
     assert_eq!(on_disk, v1);
 
     // Another contract file broken in the directory: the contracts would not reload.
-    let broken = r.dir.path().join("contracts/z");
-    std::fs::create_dir_all(&broken).expect("mkdir");
-    std::fs::write(broken.join("v1.json"), "{ not json").expect("write");
+    write_contract(&r, "z/v1.json", "{ not json");
     let err = eventually(Duration::from_secs(10), || async {
         status(&r).await["reload"]["last_error"]
             .as_str()
@@ -707,6 +692,21 @@ async fn a_target_removed_and_put_back_delivers_its_new_events() {
     assert_eq!(l["entries"].as_array().map(Vec::len), Some(0), "{l}");
 }
 
+/// Rule `r`: events of type `t` to one webhook at `url` that retries for a long while (50
+/// attempts, 1 s apart), with the target's other lines (`id: …`) as given.
+fn retrying_rule(url: &str, target: &str) -> String {
+    rules_yaml(
+        "  p:\n    retry: { max_attempts: 50, base_delay: 1s, max_delay: 1s }",
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {url}\n        {target}\n        policy: p"
+            )],
+        )],
+    )
+}
+
 /// Sends `n` events `{prefix}{i}` to the router's only rule, waits until `never` has seen an
 /// attempt of each, kills the router, empties its rules (and does `meanwhile`), and restarts it.
 async fn removed_while_down(
@@ -749,18 +749,7 @@ async fn target_removed_entries(r: &RouterProc, n: usize) -> Option<Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_target_removed_while_down_is_dead_lettered_at_start_when_so_configured() {
     let never = Receiver::status(503).await;
-    let policy = "  p:\n    retry: { max_attempts: 50, base_delay: 1s, max_delay: 1s }";
-    let rules = rules_yaml(
-        policy,
-        &[(
-            "r",
-            "t",
-            &[format!(
-                "webhook: {}\n        id: gone\n        policy: p",
-                never.url()
-            )],
-        )],
-    );
+    let rules = retrying_rule(&never.url(), "id: gone");
     let mut r = RouterProc::start_with_env(
         &[("r.yaml", &rules)],
         &[],
@@ -800,17 +789,9 @@ async fn a_removed_target_that_cannot_start_dead_letters_its_queue_saying_why() 
     )
     .expect("secrets");
     let config = format!("secrets_file = {:?}\n", secrets.display().to_string());
-    let policy = "  p:\n    retry: { max_attempts: 50, base_delay: 1s, max_delay: 1s }";
-    let rules = rules_yaml(
-        policy,
-        &[(
-            "r",
-            "t",
-            &[format!(
-                "webhook: {}\n        id: signed\n        policy: p\n        secret_env: E2E_GONE_SECRET",
-                never.url()
-            )],
-        )],
+    let rules = retrying_rule(
+        &never.url(),
+        "id: signed\n        secret_env: E2E_GONE_SECRET",
     );
     let mut r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&config));
     removed_while_down(&mut r, &never, "s", 3, || {
@@ -965,13 +946,7 @@ async fn a_broken_rule_file_does_not_hold_contract_changes_back() {
         "the contract is live: {b}"
     );
     // One dropped into the directory goes live with the next reload too.
-    let dir = r.dir.path().join("contracts/u");
-    std::fs::create_dir_all(&dir).expect("mkdir");
-    std::fs::write(
-        dir.join("v1.json"),
-        r#"{"type": "object", "required": ["m"]}"#,
-    )
-    .expect("write");
+    write_contract(&r, "u/v1.json", r#"{"type": "object", "required": ["m"]}"#);
     let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
     assert_eq!(s, 422, "{body}");
     assert!(

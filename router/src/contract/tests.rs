@@ -485,6 +485,14 @@ fn contracts_listing_and_version_hash() {
     assert_ne!(ContractSet::empty().version(), v);
 }
 
+/// The compatibility report of `s`, a line per problem as `router contracts check` prints it.
+fn report_lines(s: &ContractSet) -> Vec<String> {
+    s.compatibility_report()
+        .iter()
+        .map(ToString::to_string)
+        .collect()
+}
+
 #[test]
 fn compatibility_report_flags_consecutive_pairs() {
     let s = set(None);
@@ -506,11 +514,7 @@ fn compatibility_report_flags_consecutive_pairs() {
         None,
     )
     .unwrap();
-    let report: Vec<String> = s
-        .compatibility_report()
-        .iter()
-        .map(ToString::to_string)
-        .collect();
+    let report = report_lines(&s);
     assert_eq!(
         report,
         [
@@ -530,11 +534,7 @@ fn compatibility_report_follows_anchors_and_dialects() {
         "definitions": {"x": {"$id": "#addr", "type": "string"}}}"##;
     let v2 = "{\n  \"type\": \"object\",\n  \"properties\": {\n    \"a\": {\"$ref\": \"#addr\"}\n  },\n  \"$defs\": {\"x\": {\"$anchor\": \"addr\", \"type\": \"integer\"}}\n}";
     let s = ContractSet::from_files(&[("t/v1.json", v1), ("t/v2.json", v2)], None).unwrap();
-    let report: Vec<String> = s
-        .compatibility_report()
-        .iter()
-        .map(ToString::to_string)
-        .collect();
+    let report = report_lines(&s);
     assert_eq!(
         report,
         [

@@ -1601,13 +1601,16 @@ fn a_full_instance_pool_is_busy_not_a_trap() {
     let held: Vec<_> = (0..1 + engine::DESCRIBE_INSTANCES)
         .map(|_| hold_instance(&noop))
         .collect();
-    let inv = invoke(
-        &noop,
-        &event("p", "t", json!({})),
-        &delivery(),
-        Arc::new(EmptyKv),
-        &HandlerLimits::default(),
-    );
+    let run = || {
+        invoke(
+            &noop,
+            &event("p", "t", json!({})),
+            &delivery(),
+            Arc::new(EmptyKv),
+            &HandlerLimits::default(),
+        )
+    };
+    let inv = run();
     assert!(
         matches!(&inv.outcome, InvocationOutcome::Busy(m) if m.contains("maximum concurrent limit")),
         "{:?}",
@@ -1622,14 +1625,7 @@ fn a_full_instance_pool_is_busy_not_a_trap() {
         "{upload}"
     );
     drop(held);
-    let inv = invoke(
-        &noop,
-        &event("p", "t", json!({})),
-        &delivery(),
-        Arc::new(EmptyKv),
-        &HandlerLimits::default(),
-    );
-    assert_eq!(inv.outcome, InvocationOutcome::Emitted(vec![]));
+    assert_eq!(run().outcome, InvocationOutcome::Emitted(vec![]));
 }
 
 /// What the host copies out of the guest in one call is bounded by the store's hostcall fuel,
