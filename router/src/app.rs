@@ -160,19 +160,6 @@ pub struct ReloadReport {
     pub warnings: Vec<String>,
 }
 
-/// Counts and announces (`router.dlq.added`) `n` entries of removed target `id` moved to
-/// the DLQ.
-fn count_removed(ctx: &crate::deliver::DeliveryContext, id: &str, n: usize, why: &str) {
-    crate::deliver::dead_lettered_in_bulk(
-        ctx,
-        id,
-        crate::store::DlqReason::TargetRemoved,
-        n as u64,
-        why,
-        ctx.clock.now_ms(),
-    );
-}
-
 /// The error of a removed target's entries moved to the DLQ.
 const TARGET_REMOVED: &str = "the target was removed from the rules";
 
@@ -184,18 +171,8 @@ const TARGET_REMOVED: &str = "the target was removed from the rules";
 /// between two files in two saves, used to dead-letter new events of a live target).
 async fn dead_letter_removed(app: &Arc<App>, id: &str, why: String, grace: Duration) {
     let ctx = app.dispatcher.context().clone();
-    let moved = ctx
-        .store
-        .dead_letter_queued(
-            id,
-            crate::store::DlqReason::TargetRemoved,
-            &why,
-            ctx.clock.now_ms(),
-        )
-        .await;
-    match moved {
+    match move_removed_queue(&ctx, id, &why).await {
         Ok(n) => {
-            count_removed(&ctx, id, n, &why);
             tracing::warn!(target_id = %id, entries = n, reason = %why, "target not in the rules; its queued entries moved to the DLQ");
         }
         // The new set is live already: a store failure here is not a refused reload
@@ -206,13 +183,14 @@ async fn dead_letter_removed(app: &Arc<App>, id: &str, why: String, grace: Durat
     }
     let app = Arc::downgrade(app);
     let id = id.to_owned();
+    let back = move |id: &str| {
+        app.upgrade()
+            .is_none_or(|app| app.rules.load().targets.contains_key(id))
+    };
     ctx.tracker.clone().spawn(async move {
         let deadline = tokio::time::Instant::now() + grace;
         loop {
-            let back = app
-                .upgrade()
-                .is_none_or(|app| app.rules.load().targets.contains_key(&id));
-            if back {
+            if back(&id) {
                 tracing::info!(target_id = %id, "target back in the rules; its queue is no longer moved to the DLQ");
                 break;
             }
@@ -231,29 +209,41 @@ async fn dead_letter_removed(app: &Arc<App>, id: &str, why: String, grace: Durat
                 _ = ctx.cancel.cancelled() => break,
                 _ = tokio::time::sleep(Duration::from_millis(250)) => {}
             }
-            if app
-                .upgrade()
-                .is_none_or(|app| app.rules.load().targets.contains_key(&id))
-            {
+            if back(&id) {
                 continue;
             }
-            match ctx
-                .store
-                .dead_letter_queued(
-                    &id,
-                    crate::store::DlqReason::TargetRemoved,
-                    &why,
-                    ctx.clock.now_ms(),
-                )
-                .await
-            {
-                Ok(n) => count_removed(&ctx, &id, n, &why),
-                Err(e) => {
-                    tracing::warn!(target_id = %id, error = %e, "moving a removed target's entries to the DLQ failed");
-                }
+            if let Err(e) = move_removed_queue(&ctx, &id, &why).await {
+                tracing::warn!(target_id = %id, error = %e, "moving a removed target's entries to the DLQ failed");
             }
         }
     });
+}
+
+/// Moves what is queued for `id`, a target no longer in the rules, to the DLQ as
+/// `target_removed` with the error `why`, counted and announced (`router.dlq.added`).
+async fn move_removed_queue(
+    ctx: &crate::deliver::DeliveryContext,
+    id: &str,
+    why: &str,
+) -> Result<usize, StoreError> {
+    let n = ctx
+        .store
+        .dead_letter_queued(
+            id,
+            crate::store::DlqReason::TargetRemoved,
+            why,
+            ctx.clock.now_ms(),
+        )
+        .await?;
+    crate::deliver::dead_lettered_in_bulk(
+        ctx,
+        id,
+        crate::store::DlqReason::TargetRemoved,
+        n as u64,
+        why,
+        ctx.clock.now_ms(),
+    );
+    Ok(n)
 }
 
 /// Targets whose id now names another one's destination while entries wait for the old
@@ -1537,9 +1527,7 @@ async fn bounded_body(
     if !takes_query && let Some(query) = req.uri().query().filter(|q| !q.is_empty()) {
         let name = form_urlencoded::parse(query.as_bytes())
             .next()
-            .map_or_else(String::new, |(k, _)| {
-                k.replace('~', "~0").replace('/', "~1")
-            });
+            .map_or_else(String::new, |(k, _)| crate::event::pointer_token(&k));
         return crate::ingest::error_response(
             axum::http::StatusCode::BAD_REQUEST,
             "invalid query",

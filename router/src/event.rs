@@ -186,6 +186,12 @@ pub struct FieldError {
     pub message: String,
 }
 
+/// Escapes one RFC 6901 reference token (`~` as `~0`, `/` as `~1`), for a name that becomes
+/// a step of a JSON pointer.
+pub fn pointer_token(s: &str) -> String {
+    s.replace('~', "~0").replace('/', "~1")
+}
+
 impl FieldError {
     /// Builds an error at `pointer`.
     pub fn new(pointer: impl Into<String>, message: impl Into<String>) -> Self {

@@ -103,7 +103,7 @@ fn index(v: &JsonAst<'_>, at: usize, pointer: &mut String, out: &mut HashMap<Str
                     ObjectPropName::Word(w) => w.value,
                 };
                 pointer.push('/');
-                pointer.push_str(&name.replace('~', "~0").replace('/', "~1"));
+                pointer.push_str(&crate::event::pointer_token(name));
                 index(&prop.value, prop.range.start, pointer, out);
                 pointer.truncate(len);
             }

@@ -84,25 +84,11 @@ pub async fn upload(
     State(app): State<Arc<App>>,
     axum::Extension(who): axum::Extension<Principal>,
     Path(name): Path<String>,
-    axum::extract::RawQuery(query): axum::extract::RawQuery,
+    crate::admin::ApiQuery(q): crate::admin::ApiQuery<UploadQuery>,
     body: axum::body::Bytes,
 ) -> Response {
     let mut uploader = who.uploader();
-    let mut team = None;
-    for (k, v) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
-        if k != "team" {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "invalid query",
-                vec![FieldError::new(
-                    format!("/{}", k.replace('~', "~0").replace('/', "~1")),
-                    "PUT /v1/handlers/{name} takes only `team` (an administrator's upload for a team)",
-                )],
-            );
-        }
-        team = Some(v.into_owned());
-    }
-    if let Some(team) = team {
+    if let Some(team) = q.team {
         // Only an administrator uploads for a team; a team token's handlers are its own.
         if !uploader.admin {
             return error_response(
@@ -293,6 +279,14 @@ pub async fn rollback(
 }
 
 /// Query of the delete route.
+/// `PUT /v1/handlers/{name}[?team=…]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UploadQuery {
+    /// An administrator's upload for a team: the handler becomes that team's.
+    team: Option<String>,
+}
+
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DeleteQuery {

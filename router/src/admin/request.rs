@@ -21,7 +21,7 @@ pub(crate) fn error_pointer<E: std::fmt::Display>(e: &serde_path_to_error::Error
     let missing = message
         .strip_prefix("missing field `")
         .and_then(|rest| rest.split_once('`'))
-        .map(|(name, _)| name.replace('~', "~0").replace('/', "~1"));
+        .map(|(name, _)| crate::event::pointer_token(name));
     if let Some(name) = missing {
         out.push('/');
         out.push_str(&name);
@@ -38,7 +38,7 @@ fn pointer(path: &serde_path_to_error::Path) -> String {
             Segment::Seq { index } => out.push_str(&format!("/{index}")),
             Segment::Map { key } => {
                 out.push('/');
-                out.push_str(&key.replace('~', "~0").replace('/', "~1"));
+                out.push_str(&crate::event::pointer_token(key));
             }
             Segment::Enum { .. } | Segment::Unknown => {}
         }

@@ -7,6 +7,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use jsonschema::{Draft, Registry, Uri};
 use serde_json::{Map, Value};
 
+use crate::event::pointer_token;
+
 /// One incompatibility, with where it shows in the new schema (a JSON pointer into it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Issue {
@@ -328,7 +330,7 @@ impl<'s> Expander<'s> {
             if k == "$ref" || k == "$defs" || k == "definitions" {
                 continue;
             }
-            let at = format!("{at}/{}", escape(k));
+            let at = format!("{at}/{}", pointer_token(k));
             out.insert(k.clone(), self.keyword(k, v, base, &at)?);
         }
         Some(out)
@@ -365,7 +367,7 @@ impl<'s> Expander<'s> {
             ) => {
                 let mut out = Map::new();
                 for (k, v) in m {
-                    let at = format!("{at}/{}", escape(k));
+                    let at = format!("{at}/{}", pointer_token(k));
                     // `dependencies` also holds arrays of names (draft 7).
                     let v = if v.is_object() || v.is_boolean() {
                         self.schema(v, base, &at)?
@@ -520,11 +522,11 @@ fn definitions_unchanged(old: &Value, new: &Value, r: &str, out: &mut Vec<Issue>
         match v {
             Value::Object(m) => {
                 for (k, v) in m {
-                    let at = format!("{at}/{}", escape(k));
+                    let at = format!("{at}/{}", pointer_token(k));
                     match v {
                         Value::Object(entries) if k == "$defs" || k == "definitions" => {
                             for (name, entry) in entries {
-                                defs.insert(format!("{at}/{}", escape(name)), entry);
+                                defs.insert(format!("{at}/{}", pointer_token(name)), entry);
                             }
                         }
                         _ => collect(v, &at, defs),
@@ -585,10 +587,6 @@ fn child(path: &str, name: &str) -> String {
     } else {
         format!("{path}.{name}")
     }
-}
-
-fn escape(token: &str) -> String {
-    token.replace('~', "~0").replace('/', "~1")
 }
 
 fn type_set(schema: &Value) -> Option<BTreeSet<String>> {
@@ -829,7 +827,7 @@ fn walk(old: &Value, new: &Value, path: &str, ptr: &str, enclosed: bool, out: &m
                     old_sub,
                     new_sub,
                     &path,
-                    &format!("{ptr}/properties/{}", escape(name)),
+                    &format!("{ptr}/properties/{}", pointer_token(name)),
                     enclosed,
                     out,
                 );
@@ -842,7 +840,7 @@ fn walk(old: &Value, new: &Value, path: &str, ptr: &str, enclosed: bool, out: &m
     for name in new_props.keys().filter(|n| !old_props.contains_key(*n)) {
         if let Some(by) = constrained_by(enclosed, constrains_property(old, name, true)) {
             out.push(Issue {
-                pointer: format!("{ptr}/properties/{}", escape(name)),
+                pointer: format!("{ptr}/properties/{}", pointer_token(name)),
                 message: format!(
                     "new property `{}` was already constrained by {by}: naming it may change \
                      what it accepts",
@@ -1037,7 +1035,7 @@ fn other_keywords(old: &Value, new: &Value, path: &str, ptr: &str, out: &mut Vec
         };
         out.push(Issue {
             pointer: if n.contains_key(key) {
-                format!("{ptr}/{}", escape(key))
+                format!("{ptr}/{}", pointer_token(key))
             } else {
                 ptr.to_owned()
             },

@@ -569,23 +569,9 @@ impl ContractSet {
                 let [(old_v, old), (_, new)] = pair else {
                     continue;
                 };
-                let issues = compat::compat_issues(&old.schema, &new.schema);
-                if issues.is_empty() {
-                    continue;
-                }
-                // Parsed once per file: a report can name thousands of places in it.
-                let positions = JsonPositions::new(&new.text);
-                for issue in issues {
-                    let pos = positions
-                        .as_ref()
-                        .and_then(|p| p.locate(&issue.pointer))
-                        .unwrap_or((1, 1));
-                    out.push(ContractDiagnostic::new(
-                        &new.display,
-                        pos,
-                        format!("incompatible with v{old_v}: {}", issue.message),
-                    ));
-                }
+                out.extend(incompatibilities(old, new, |m| {
+                    format!("incompatible with v{old_v}: {m}")
+                }));
             }
         }
         out
@@ -610,11 +596,6 @@ impl ContractSet {
                     ));
                     continue;
                 };
-                let issues = compat::compat_issues(&old.schema, &new.schema);
-                if issues.is_empty() {
-                    continue;
-                }
-                let positions = JsonPositions::new(&new.text);
                 let next = versions
                     .keys()
                     .last()
@@ -622,27 +603,39 @@ impl ContractSet {
                     .unwrap_or(*v)
                     .max(self.latest_version(ty).unwrap_or(*v))
                     + 1;
-                for issue in issues {
-                    let pos = positions
-                        .as_ref()
-                        .and_then(|p| p.locate(&issue.pointer))
-                        .unwrap_or((1, 1));
-                    out.push(
-                        ContractDiagnostic::new(
-                            &new.display,
-                            pos,
-                            format!(
-                                "incompatible change to v{v} in place: {}; publish it as v{next}",
-                                issue.message
-                            ),
-                        )
-                        .at_pointer(&issue.pointer),
-                    );
-                }
+                out.extend(incompatibilities(old, new, |m| {
+                    format!("incompatible change to v{v} in place: {m}; publish it as v{next}")
+                }));
             }
         }
         sorted(out)
     }
+}
+
+/// What `new` breaks of `old`, each located in `new`'s file (line, column and pointer) and
+/// worded by `say` from the checker's message.
+fn incompatibilities(
+    old: &Contract,
+    new: &Contract,
+    say: impl Fn(&str) -> String,
+) -> Vec<ContractDiagnostic> {
+    let issues = compat::compat_issues(&old.schema, &new.schema);
+    if issues.is_empty() {
+        return Vec::new();
+    }
+    // Parsed once per file: a report can name thousands of places in it.
+    let positions = JsonPositions::new(&new.text);
+    issues
+        .into_iter()
+        .map(|issue| {
+            let pos = positions
+                .as_ref()
+                .and_then(|p| p.locate(&issue.pointer))
+                .unwrap_or((1, 1));
+            ContractDiagnostic::new(&new.display, pos, say(&issue.message))
+                .at_pointer(&issue.pointer)
+        })
+        .collect()
 }
 
 fn sorted(mut diags: Vec<ContractDiagnostic>) -> Vec<ContractDiagnostic> {
@@ -764,7 +757,7 @@ fn referring_to_every_definition(schema: &Value) -> Option<Value> {
     for key in ["$defs", "definitions"] {
         if let Some(Value::Object(defs)) = root.get(key) {
             for name in defs.keys() {
-                let token = name.replace('~', "~0").replace('/', "~1");
+                let token = crate::event::pointer_token(name);
                 let fragment = utf8_percent_encode(&token, FRAGMENT).to_string();
                 refs.push(serde_json::json!({ "$ref": format!("#/{key}/{fragment}") }));
             }

@@ -478,14 +478,15 @@ impl Dispatcher {
         // ones ended, up to a timeout later).
         let slots = match &old {
             Some(old) => {
-                resize_slots(&old.slots, old.runtime.slot_count, count, &self.ctx.tracker);
+                // The configuration is fixed for the process: the old worker's count is its
+                // spec's.
+                let was = worker::slot_count(&old.runtime.spec, &self.ctx.cfg);
+                resize_slots(&old.slots, was, count, &self.ctx.tracker);
                 old.slots.clone()
             }
             None => Arc::new(tokio::sync::Semaphore::new(count)),
         };
-        let mut runtime = TargetRuntime::new(spec, persisted, self.ctx.clock.now_ms());
-        runtime.slot_count = count;
-        let runtime = Arc::new(runtime);
+        let runtime = Arc::new(TargetRuntime::new(spec, persisted, self.ctx.clock.now_ms()));
         runtime.share_among(self.nodes());
         // The same rate keeps its bucket: a fresh one would hand out a whole burst at once.
         if let Some(old) = &old

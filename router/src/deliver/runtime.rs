@@ -51,15 +51,22 @@ pub struct Counters {
 
 /// The token bucket for `nodes`' share of `spec`'s throttle rate and burst (the burst rounded
 /// up, at least one).
-fn limiter_for(spec: &TargetSpec, nodes: usize) -> Option<Limiter> {
+/// This node's part of the policy's burst, when the policy sets a rate, shared among `nodes`
+/// (rounded up, at least one token).
+fn burst_share(spec: &TargetSpec, nodes: usize) -> Option<NonZeroU32> {
     let t = spec.policy.throttle.as_ref()?;
-    let rate = t.rate_per_sec? / nodes as f64;
+    t.rate_per_sec?;
     let burst = t.effective_burst().unwrap_or(1).max(1);
-    let burst = NonZeroU32::new(
+    NonZeroU32::new(
         burst
             .div_ceil(u32::try_from(nodes).unwrap_or(u32::MAX))
             .max(1),
-    )?;
+    )
+}
+
+fn limiter_for(spec: &TargetSpec, nodes: usize) -> Option<Limiter> {
+    let rate = spec.policy.throttle.as_ref()?.rate_per_sec? / nodes as f64;
+    let burst = burst_share(spec, nodes)?;
     // Quota::with_period takes the time per token; rates below 1/s are allowed.
     let period = std::time::Duration::from_secs_f64(1.0 / rate.max(1e-6));
     Quota::with_period(period).map(|q| RateLimiter::direct(q.allow_burst(burst)))
@@ -92,9 +99,6 @@ pub struct TargetRuntime {
     batch_ok: AtomicU32,
     /// Counters.
     pub counters: Counters,
-    /// Attempt slots the worker's semaphore was sized to (`worker::slot_count`), so that a
-    /// replacement can resize it.
-    pub slot_count: usize,
 }
 
 /// How long throttle tokens given back stay usable ([`TargetRuntime::refund_tokens`]).
@@ -180,7 +184,6 @@ impl TargetRuntime {
             batch_cap: AtomicU32::new(0),
             batch_ok: AtomicU32::new(0),
             throttle_credit: Mutex::new((0, None)),
-            slot_count: 0,
             counters: Counters::default(),
         }
     }
@@ -205,14 +208,7 @@ impl TargetRuntime {
     /// Credit is held at most the bucket's burst, and for `THROTTLE_CREDIT_TTL`: it stands
     /// for tokens the bucket had moments ago, not for a saving.
     pub fn refund_tokens(&self, n: usize) {
-        let Some(burst) = self
-            .spec
-            .policy
-            .throttle
-            .as_ref()
-            .filter(|t| t.rate_per_sec.is_some())
-            .and_then(|t| t.effective_burst())
-        else {
+        let Some(share) = burst_share(&self.spec, self.nodes.load(Ordering::SeqCst).max(1)) else {
             return;
         };
         if n == 0 {
@@ -224,9 +220,8 @@ impl TargetRuntime {
             .unwrap_or_else(|p| p.into_inner());
         let live = c.1.is_some_and(|at| at.elapsed() <= THROTTLE_CREDIT_TTL);
         let held = if live { c.0 } else { 0 };
-        let share = (burst as usize).div_ceil(self.nodes.load(Ordering::SeqCst).max(1));
         *c = (
-            (held + n).min(share.max(1)),
+            (held + n).min(share.get() as usize),
             Some(std::time::Instant::now()),
         );
     }

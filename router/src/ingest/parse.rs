@@ -494,11 +494,6 @@ pub fn json_depth_exceeds(body: &[u8], max: usize) -> bool {
     false
 }
 
-/// Escapes one RFC 6901 reference token.
-fn escape_token(s: &str) -> String {
-    s.replace('~', "~0").replace('/', "~1")
-}
-
 /// How attribute errors are located: structured/batch use `<prefix>/<name>`, binary mode
 /// names the header (`/ce-<name>`).
 #[derive(Clone, Copy)]
@@ -510,11 +505,11 @@ enum Locator<'a> {
 impl Locator<'_> {
     fn attr(self, name: &str) -> String {
         match self {
-            Locator::Json(prefix) => format!("{prefix}/{}", escape_token(name)),
+            Locator::Json(prefix) => format!("{prefix}/{}", crate::event::pointer_token(name)),
             Locator::Headers => match name {
                 "data" | "data_base64" => "/data".to_owned(),
                 "datacontenttype" => "/content-type".to_owned(),
-                _ => format!("/ce-{}", escape_token(name)),
+                _ => format!("/ce-{}", crate::event::pointer_token(name)),
             },
         }
     }
@@ -1043,7 +1038,7 @@ fn binary(
         let Some(attr) = name.as_str().strip_prefix("ce-") else {
             continue;
         };
-        let pointer = format!("/ce-{}", escape_token(attr));
+        let pointer = format!("/ce-{}", crate::event::pointer_token(attr));
         if matches!(attr, "data" | "data_base64" | "datacontenttype") {
             errors.push(FieldError::new(
                 pointer,

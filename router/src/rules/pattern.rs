@@ -593,7 +593,7 @@ fn kind(v: &Value) -> &'static str {
 
 /// Appends one reference token to a JSON pointer.
 pub(crate) fn pointer_push(base: &str, token: &str) -> String {
-    format!("{base}/{}", token.replace('~', "~0").replace('/', "~1"))
+    format!("{base}/{}", crate::event::pointer_token(token))
 }
 
 struct Compiler {

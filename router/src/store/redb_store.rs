@@ -1419,47 +1419,51 @@ impl RedbStore {
         after_seq: u64,
         limit: usize,
     ) -> Result<Vec<StoredEvent>, StoreError> {
-        let db = self.read_db();
-        let r = db.begin_read()?;
-        let t = r.open_table(EVENTS)?;
-        let start = first_seq_from(&t, from.saturating_sub(ACCEPT_SLACK_MS))?
-            .max(after_seq.saturating_add(1));
         let mut out = Vec::new();
-        for row in t.range(start..)? {
-            let (k, v) = row?;
-            let ev = dec_event(k.value(), v.value())?;
-            // Sequence numbers follow acceptance order, so the range ends at the first event
-            // accepted at or after `to` (clock steps back are tolerated by the slack).
-            if ev.accepted_at >= to.saturating_add(ACCEPT_SLACK_MS) {
-                break;
-            }
-            if ev.accepted_at >= from && ev.accepted_at < to && !ev.quarantined {
-                out.push(ev);
-                if out.len() >= limit {
-                    break;
-                }
-            }
-        }
+        self.scan_archived(from, to, after_seq, |ev| {
+            out.push(ev);
+            out.len() < limit
+        })?;
         Ok(out)
     }
 
     /// See [`Store::count_events_between`] (answered here synchronously, from the file).
     pub fn count_events_between(&self, from: Millis, to: Millis) -> Result<u64, StoreError> {
+        let mut n = 0;
+        self.scan_archived(from, to, 0, |_| {
+            n += 1;
+            true
+        })?;
+        Ok(n)
+    }
+
+    /// Visits the archived (not quarantined) events accepted in [`from`, `to`) with a sequence
+    /// after `after_seq`, in sequence order, while `visit` says to go on. The read starts where
+    /// the range starts (`first_seq_from`) and ends at the first event accepted at or after
+    /// `to`: sequence numbers follow acceptance order, clock steps back tolerated by the slack.
+    fn scan_archived(
+        &self,
+        from: Millis,
+        to: Millis,
+        after_seq: u64,
+        mut visit: impl FnMut(StoredEvent) -> bool,
+    ) -> Result<(), StoreError> {
         let db = self.read_db();
         let r = db.begin_read()?;
         let t = r.open_table(EVENTS)?;
-        let mut n = 0;
-        for row in t.range(first_seq_from(&t, from.saturating_sub(ACCEPT_SLACK_MS))?..)? {
+        let start = first_seq_from(&t, from.saturating_sub(ACCEPT_SLACK_MS))?
+            .max(after_seq.saturating_add(1));
+        for row in t.range(start..)? {
             let (k, v) = row?;
             let ev = dec_event(k.value(), v.value())?;
             if ev.accepted_at >= to.saturating_add(ACCEPT_SLACK_MS) {
                 break;
             }
-            if ev.accepted_at >= from && ev.accepted_at < to && !ev.quarantined {
-                n += 1;
+            if ev.accepted_at >= from && ev.accepted_at < to && !ev.quarantined && !visit(ev) {
+                break;
             }
         }
-        Ok(n)
+        Ok(())
     }
 
     /// The value under `key` in a table of (expiry, value) records, unless expired at `now`
