@@ -680,9 +680,12 @@ pub struct HandlerRegistry {
     entries: RwLock<HashMap<String, Entry>>,
     /// Serialises changes (upload's commit, rollback, delete) so index writes never interleave.
     write_lock: Mutex<()>,
-    /// Serialises compilations so cache misses can be attributed to this registry.
-    compile_lock: Mutex<()>,
-    compilations: AtomicU64,
+    /// The engine's cache misses when the registry opened (`None`: the engine has no cache,
+    /// and every compilation counts in `uncached_compilations`). Compilations are not
+    /// serialised: an upload of a large component compiling for seconds must not hold up a
+    /// rollback, whose version the cache usually has.
+    misses_at_open: Option<usize>,
+    uncached_compilations: AtomicU64,
     /// Versions kept per handler (`handlers.keep_versions`).
     keep_versions: usize,
 }
@@ -742,13 +745,14 @@ impl HandlerRegistry {
     pub fn open(dir: impl Into<PathBuf>, engine: Arc<WasmEngine>) -> Result<Self, RegistryError> {
         let dir = dir.into();
         fs::create_dir_all(&dir)?;
+        let misses_at_open = engine.cache_misses();
         let registry = Self {
             dir,
             engine,
             entries: RwLock::new(HashMap::new()),
             write_lock: Mutex::new(()),
-            compile_lock: Mutex::new(()),
-            compilations: AtomicU64::new(0),
+            misses_at_open,
+            uncached_compilations: AtomicU64::new(0),
             keep_versions: DEFAULT_KEEP_VERSIONS,
         };
         let mut entries = HashMap::new();
@@ -831,7 +835,10 @@ impl HandlerRegistry {
 
     /// Components compiled (not found in the compilation cache) by this registry since it opened.
     pub fn compilations(&self) -> u64 {
-        self.compilations.load(Ordering::Relaxed)
+        match (self.misses_at_open, self.engine.cache_misses()) {
+            (Some(base), Some(now)) => now.saturating_sub(base) as u64,
+            _ => self.uncached_compilations.load(Ordering::Relaxed),
+        }
     }
 
     /// Checks `bytes` as a handler named `name` (see [`Validated`]) without storing anything.
@@ -1076,16 +1083,30 @@ impl HandlerRegistry {
         version: &str,
         who: &Uploader,
     ) -> Result<VersionInfo, RegistryError> {
+        // The version is loaded (from the compilation cache, or compiled) before the write
+        // lock is taken, so a rollback never waits behind another handler's change, and the
+        // choice is checked again under the lock in case that change removed the version.
+        let chosen = || -> Result<(HandlerIndex, VersionInfo), RegistryError> {
+            self.check_readable(name)?;
+            self.index_of(name)
+                .ok_or_else(|| RegistryError::UnknownHandler(name.to_owned()))?
+                .with_active(version, who)
+        };
+        let (_, planned) = chosen()?;
+        let loaded = Arc::new(self.load_version(name, planned)?);
         let _write = self
             .write_lock
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        self.check_readable(name)?;
-        let index = self
-            .index_of(name)
-            .ok_or_else(|| RegistryError::UnknownHandler(name.to_owned()))?;
-        let (index, info) = index.with_active(version, who)?;
-        let loaded = Arc::new(self.load_version(name, info.clone())?);
+        let (index, info) = chosen()?;
+        if info != loaded.info {
+            // A change in between made the same words name another version (a hash prefix
+            // now ambiguous, the version pruned): refuse rather than guess.
+            return Err(RegistryError::UnknownVersion {
+                name: name.to_owned(),
+                version: version.to_owned(),
+            });
+        }
         self.write_index(&index)?;
         self.install(index, Some(loaded));
         tracing::info!(handler = name, version = info.version, sha256 = %info.sha256, "handler rolled back");
@@ -1247,19 +1268,10 @@ impl HandlerRegistry {
     }
 
     fn compile(&self, bytes: &[u8]) -> Result<Component, String> {
-        let _compiling = self
-            .compile_lock
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let before = self.engine.cache_misses();
         let component =
             Component::new(self.engine.engine(), bytes).map_err(|e| format!("{e:#}"))?;
-        let compiled = match (before, self.engine.cache_misses()) {
-            (Some(before), Some(after)) => after != before,
-            _ => true,
-        };
-        if compiled {
-            self.compilations.fetch_add(1, Ordering::Relaxed);
+        if self.misses_at_open.is_none() {
+            self.uncached_compilations.fetch_add(1, Ordering::Relaxed);
         }
         Ok(component)
     }

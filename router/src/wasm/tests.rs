@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
@@ -1658,4 +1658,53 @@ fn a_result_over_the_hostcall_fuel_is_a_limit() {
     // Within the fuel, the limits checked on the result still speak (default limits: the
     // same 2 MiB fits in the fuel, and is over `max_output_bytes`).
     assert!(invoke::hostcall_fuel(&HandlerLimits::default()) > (2 << 20) + 2);
+}
+
+/// A rollback (the 3 a.m. fix) loads its version from the compilation cache; it must not wait
+/// while another handler's large upload compiles. Before, every compilation took one lock, and
+/// a rollback waited out the whole compilation of a Python component.
+#[test]
+fn a_rollback_does_not_wait_for_another_handlers_compilation() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = WasmEngine::new(EngineConfig {
+        cache_dir: Some(dir.path().join("compiled")),
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let registry = HandlerRegistry::open(dir.path().join("handlers"), engine).unwrap();
+    let noop = plugin("noop");
+    registry.upload("noop", &noop, "t").unwrap();
+    registry
+        .upload("noop", &variant_of(&noop, "v2"), "t")
+        .unwrap();
+    assert_eq!(registry.compilations(), 2);
+    // Not in this engine's (fresh) cache: a full compilation, seconds for the Python runtime.
+    let big = plugin("enrich_py");
+    std::thread::scope(|s| {
+        let upload = s.spawn(|| {
+            let t = Instant::now();
+            registry.upload("enrich_py", &big, "t").unwrap();
+            t.elapsed()
+        });
+        // Let the compilation get going.
+        std::thread::sleep(Duration::from_millis(300));
+        let t = Instant::now();
+        let back = registry.rollback("noop", "1").unwrap();
+        let rollback = t.elapsed();
+        assert_eq!(back.version, 1);
+        let upload = upload.join().unwrap();
+        // Generous: the rollback reads and loads one cached component (milliseconds); the
+        // upload compiles a ~18 MB component from scratch. Waiting on it made the two about
+        // equal.
+        assert!(
+            rollback * 4 < upload,
+            "rollback took {rollback:?} beside an upload of {upload:?}"
+        );
+    });
+    assert_eq!(
+        registry.compilations(),
+        3,
+        "py compiled; the rollback hit the cache"
+    );
+    assert_eq!(registry.active("noop").unwrap().version().version, 1);
 }
