@@ -1084,7 +1084,14 @@ async fn dlq(api: Api, cmd: DlqCmd) -> anyhow::Result<ExitCode> {
                 if v["dry_run"] == true {
                     format!("{} entries match (dry run: nothing purged)", v["matched"])
                 } else {
-                    format!("{} entries purged", v["purged"])
+                    let mut out = format!("{} entries purged", v["purged"]);
+                    for k in v["released_keys"].as_array().into_iter().flatten() {
+                        out.push_str(&format!(
+                            "\nordering key {} of {} released (its holding dead letter was purged)",
+                            k["key"], k["target"]
+                        ));
+                    }
+                    out
                 }
             });
         }

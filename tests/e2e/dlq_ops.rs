@@ -618,3 +618,95 @@ async fn the_job_list_is_newest_first_paged_and_filtered() {
         assert_eq!(b["errors"][0]["pointer"], pointer, "{query}: {b}");
     }
 }
+
+/// Under `on_dead_letter: hold` the newest dead letter of a key holds it. Purging that dead
+/// letter releases the key (the purge answer names it) and the events queued behind it go;
+/// purging an older dead letter of the same key, which holds nothing, leaves the hold alone.
+/// Before, a purge never released a key: everything behind it waited for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purging_the_dead_letter_that_holds_a_key_releases_it() {
+    // Events whose data says `fail` are refused for good (400: no retries).
+    let rcv = Receiver::scripted(Arc::new(|ev, _| {
+        let status = if ev["data"]["fail"] == true { 400 } else { 200 };
+        (status, Duration::ZERO, vec![])
+    }))
+    .await;
+    let policy = "  held:\n    ordering: partitionkey\n    on_dead_letter: hold";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: ordered\n        policy: held",
+                rcv.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    // Each event has a source of its own, so a purge can pick one dead letter.
+    let keyed = |id: &str, fail: bool| {
+        let mut e = event(id, "t", json!({ "fail": fail }));
+        e["partitionkey"] = json!("K");
+        e["source"] = json!(format!("/{id}"));
+        e
+    };
+    let held = || async {
+        let (_, t) = get_json(&r, "/v1/targets/ordered").await;
+        t["held_keys"].clone()
+    };
+    let purge = |source: &'static str| {
+        let r = &r;
+        async move {
+            let (status, p) = post_json(
+                r,
+                "/v1/dlq/purge",
+                json!({ "filter": { "target": "ordered", "source": source } }),
+            )
+            .await;
+            assert_eq!(status, 200, "{p}");
+            assert_eq!(p["purged"], 1, "{p}");
+            p["released_keys"].clone()
+        }
+    };
+    // `old` fails and holds K; an operator releases K by hand; `new` fails and holds K again,
+    // with `behind` queued after it.
+    post_batch(&r, &[keyed("old", true)]).await;
+    eventually(Duration::from_secs(15), || async {
+        (held().await == json!(["K"])).then_some(())
+    })
+    .await
+    .expect("the first dead letter holds K");
+    let (status, _) = post_json(&r, "/v1/targets/ordered/keys/K/release", json!({})).await;
+    assert_eq!(status, 200);
+    post_batch(&r, &[keyed("new", true), keyed("behind", false)]).await;
+    eventually(Duration::from_secs(15), || async {
+        let (_, l) = get_json(&r, "/v1/dlq?target=ordered").await;
+        (l["entries"].as_array().map(Vec::len) == Some(2) && held().await == json!(["K"]))
+            .then_some(())
+    })
+    .await
+    .expect("the second dead letter holds K again");
+    let (_, l) = get_json(&r, "/v1/dlq?target=ordered").await;
+    assert_eq!(l["entries"][0]["ordering_key"], "K", "{l}");
+
+    // The older dead letter holds nothing: purging it keeps the hold, and `behind` waits.
+    assert_eq!(purge("/old").await, json!([]));
+    assert_eq!(held().await, json!(["K"]));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!rcv.distinct_ids().contains("behind"), "K is still held");
+
+    // Purging the one that holds K releases it; `behind` is delivered.
+    assert_eq!(
+        purge("/new").await,
+        json!([{ "target": "ordered", "key": "K" }])
+    );
+    assert_eq!(held().await, json!([]));
+    assert!(
+        rcv.wait_for(Duration::from_secs(15), |s| s
+            .iter()
+            .any(|x| x.event_id() == "behind"))
+            .await,
+        "the event behind the purged dead letter was delivered"
+    );
+}

@@ -8,6 +8,7 @@ pub(crate) mod request;
 pub use request::ApiQuery;
 use request::parse_body;
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -77,6 +78,9 @@ fn dlq_json(d: &DlqEntry) -> Value {
     });
     if let Some(job) = &d.replay {
         v["replay"] = json!(job);
+    }
+    if let Some(key) = &d.ordering_key {
+        v["ordering_key"] = json!(key);
     }
     v
 }
@@ -859,6 +863,80 @@ pub struct PurgeRequest {
     all: bool,
 }
 
+/// The ordering keys a purge may free: under `on_dead_letter: hold` the newest dead letter of
+/// a key holds it, and once that dead letter is purged nothing would ever release the key
+/// (a redrive releases it; a purge only removed the entry), so everything queued behind it
+/// waited for good.
+#[derive(Default)]
+struct PurgedHolders {
+    /// (target, key) → the highest DLQ id purged with that key while it was held.
+    purged: BTreeMap<(String, String), u64>,
+}
+
+impl PurgedHolders {
+    /// Notes the dead letters of `page` (about to be purged) whose key is held.
+    fn note(&mut self, store: &dyn crate::store::Store, page: &[DlqEntry]) {
+        let mut held: HashMap<&str, Vec<String>> = HashMap::new();
+        for d in page {
+            let (Some(target), Some(key)) = (&d.target_id, &d.ordering_key) else {
+                continue;
+            };
+            let keys = held
+                .entry(target.as_str())
+                .or_insert_with(|| store.held_keys(target));
+            if keys.contains(key) {
+                let id = self
+                    .purged
+                    .entry((target.clone(), key.clone()))
+                    .or_default();
+                *id = (*id).max(d.id);
+            }
+        }
+    }
+
+    /// Releases each noted key no later dead letter of its target and key is left to hold
+    /// (those entries were dead-lettered after the purged one; the newest holds the key).
+    /// Returns the keys released.
+    async fn release(
+        self,
+        store: &dyn crate::store::Store,
+    ) -> Result<Vec<(String, String)>, crate::store::StoreError> {
+        let mut by_target: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+        for ((target, key), id) in self.purged {
+            by_target.entry(target).or_default().insert(key, id);
+        }
+        let mut released = Vec::new();
+        for (target, mut keys) in by_target {
+            let filter = crate::store::DlqFilter {
+                target: Some(target.clone()),
+                ..Default::default()
+            };
+            let mut after = keys.values().min().copied();
+            loop {
+                let page = store.dlq_list(&filter, after, 1000).await?;
+                for d in &page {
+                    if let Some(key) = &d.ordering_key
+                        && keys.get(key).is_some_and(|purged| d.id > *purged)
+                    {
+                        keys.remove(key);
+                    }
+                }
+                match page.last() {
+                    Some(l) if page.len() == 1000 && !keys.is_empty() => after = Some(l.id),
+                    _ => break,
+                }
+            }
+            for key in keys.into_keys() {
+                if store.release_key(&target, &key).await? {
+                    tracing::info!(target = %target, key = %key, "ordering key released: the dead letter that held it was purged");
+                    released.push((target.clone(), key));
+                }
+            }
+        }
+        Ok(released)
+    }
+}
+
 /// `POST /v1/dlq/purge`: deletes matching entries (or counts them with `dry_run`).
 pub async fn dlq_purge(
     State(app): State<Arc<App>>,
@@ -897,11 +975,13 @@ pub async fn dlq_purge(
         let mut matched = 0u64;
         let mut purged = 0u64;
         let mut after = None;
+        let mut holders = PurgedHolders::default();
         loop {
             let page = app.store.dlq_list(&filter, after, 1000).await?;
             matched += page.len() as u64;
             let last = page.last().map(|d| d.id);
             if !dry_run && !page.is_empty() {
+                holders.note(app.store.as_ref(), &page);
                 purged += app
                     .store
                     .purge_dlq(page.iter().map(|d| d.id).collect())
@@ -913,15 +993,25 @@ pub async fn dlq_purge(
                 _ => break,
             }
         }
+        let released = holders.release(app.store.as_ref()).await?;
         if !dry_run {
-            tracing::warn!(purged, by = %by, filter = ?spec, "DLQ purge done");
+            tracing::warn!(purged, released_keys = released.len(), by = %by, filter = ?spec, "DLQ purge done");
         }
-        Ok::<_, crate::store::StoreError>((matched, purged))
+        Ok::<_, crate::store::StoreError>((matched, purged, released))
     });
     match purge.await {
-        Ok(Ok((matched, purged))) => {
-            axum::Json(json!({ "dry_run": dry_run, "matched": matched, "purged": purged }))
-                .into_response()
+        Ok(Ok((matched, purged, released))) => {
+            let released: Vec<Value> = released
+                .into_iter()
+                .map(|(target, key)| json!({ "target": target, "key": key }))
+                .collect();
+            axum::Json(json!({
+                "dry_run": dry_run,
+                "matched": matched,
+                "purged": purged,
+                "released_keys": released,
+            }))
+            .into_response()
         }
         Ok(Err(e)) => store_error(&e),
         Err(e) => {

@@ -390,6 +390,11 @@ pub struct DlqEntry {
     /// the original's (receivers that deduplicate on it dropped the redriven copy).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replay: Option<String>,
+    /// The entry's ordering key (an ordered target's): under `on_dead_letter: hold` the
+    /// newest dead letter of a key holds it, and purging that one releases the key. `None`
+    /// also for entries stored before the field existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ordering_key: Option<String>,
 }
 
 impl DlqEntry {
@@ -423,6 +428,7 @@ impl DlqEntry {
             last_failure_at: at,
             redrive_count: 0,
             replay: None,
+            ordering_key: target.and_then(|t| t.ordering_key.clone()),
         }
     }
 
@@ -494,6 +500,7 @@ impl DlqEntry {
             last_failure_at: end.finished_at,
             redrive_count: e.redrive_count,
             replay: e.replay.clone(),
+            ordering_key: e.ordering_key.clone(),
         }
     }
 }

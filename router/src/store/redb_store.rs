@@ -4385,6 +4385,7 @@ impl Committer {
                 last_failure_at: now,
                 redrive_count: e.redrive_count,
                 replay: e.replay.clone(),
+                ordering_key: e.ordering_key.clone(),
             };
             self.add_dlq(txn, d, effects)?;
             if id.event < self.floor {
