@@ -836,7 +836,11 @@ async fn redrive_step(
         job.state = JobState::Done;
         job.updated_at = now;
         job.heartbeat_at = now;
-        job.rev = app.store.redrive_step(job.clone(), Vec::new(), now).await?;
+        job.rev = app
+            .store
+            .redrive_step(job.clone(), Vec::new(), now)
+            .await?
+            .0;
         return Ok(0);
     }
     let contracts = app.contracts.load();
@@ -984,7 +988,10 @@ async fn redrive_step(
     job.updated_at = now;
     job.heartbeat_at = now;
     let n = page.len();
-    job.rev = app.store.redrive_step(job.clone(), actions, now).await?;
+    let (rev, gone) = app.store.redrive_step(job.clone(), actions, now).await?;
+    // Entries another job (or a purge) took first: this job did not move them.
+    gone.apply(job);
+    job.rev = rev;
     Ok(n)
 }
 

@@ -266,13 +266,14 @@ pub trait Store: Send + Sync + 'static {
 
     /// Applies redrive actions and the job's new progress atomically, if the job is still at
     /// `job.rev` (as [`Store::put_job`]; on [`StoreError::JobChanged`] nothing is applied);
-    /// returns the job's new revision.
+    /// returns the job's new revision and the actions whose dead letter was gone, which the
+    /// stored job counts as skipped instead of moved or failed ([`RedriveGone::apply`]).
     fn redrive_step(
         &self,
         job: Job,
         actions: Vec<RedriveAction>,
         now: Millis,
-    ) -> BoxFuture<'_, Result<u64, StoreError>>;
+    ) -> BoxFuture<'_, Result<(u64, RedriveGone), StoreError>>;
 
     /// Adds replayed deliveries and the job's new progress atomically, if the job is still at
     /// `job.rev` (as [`Store::redrive_step`]); returns the job's new revision and how many

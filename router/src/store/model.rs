@@ -853,6 +853,35 @@ pub struct Job {
     pub rev: u64,
 }
 
+/// A redrive step's actions whose dead letter was gone when the step was applied (purged, or
+/// moved by another job or node since the step read it). The job had counted them as moved or
+/// failed; they are skipped instead, so two jobs over the same entries do not both report
+/// every entry moved.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RedriveGone {
+    /// Counted as moved (`Requeue`, `Route`).
+    pub moved: u64,
+    /// Counted as failed (`Keep`).
+    pub failed: u64,
+}
+
+impl RedriveGone {
+    /// Counts `action` (whose dead letter was gone) as it should have been.
+    pub fn add(&mut self, action: &RedriveAction) {
+        match action {
+            RedriveAction::Requeue { .. } | RedriveAction::Route { .. } => self.moved += 1,
+            RedriveAction::Keep { .. } => self.failed += 1,
+        }
+    }
+
+    /// `job`'s progress with these actions skipped rather than moved or failed.
+    pub fn apply(&self, job: &mut Job) {
+        job.moved = job.moved.saturating_sub(self.moved);
+        job.failed = job.failed.saturating_sub(self.failed);
+        job.skipped += self.moved + self.failed;
+    }
+}
+
 /// What a redrive step does with one DLQ entry.
 #[derive(Debug, Clone, PartialEq)]
 pub enum RedriveAction {
@@ -877,6 +906,17 @@ pub enum RedriveAction {
         /// Why.
         errors: Vec<FieldError>,
     },
+}
+
+impl RedriveAction {
+    /// The DLQ entry the action is about.
+    pub fn dlq_id(&self) -> u64 {
+        match self {
+            Self::Requeue { dlq_id } | Self::Route { dlq_id, .. } | Self::Keep { dlq_id, .. } => {
+                *dlq_id
+            }
+        }
+    }
 }
 
 /// One replayed event: its new fan-out, carrying the replay job's marker.

@@ -825,7 +825,7 @@ enum Op {
         job: Job,
         actions: Vec<RedriveAction>,
         now: Millis,
-        reply: Reply<Result<u64, StoreError>>,
+        reply: Reply<Result<(u64, RedriveGone), StoreError>>,
     },
     ReplayStep {
         job: Job,
@@ -1886,7 +1886,7 @@ impl Store for RedbStore {
         job: Job,
         actions: Vec<RedriveAction>,
         now: Millis,
-    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+    ) -> BoxFuture<'_, Result<(u64, RedriveGone), StoreError>> {
         async move {
             self.call(|reply| Op::RedriveStep {
                 job,
@@ -4189,10 +4189,15 @@ impl Committer {
         actions: Vec<RedriveAction>,
         now: Millis,
         effects: &mut Vec<Effect>,
-    ) -> Result<u64, StoreError> {
+    ) -> Result<(u64, RedriveGone), StoreError> {
         // Checked before any action: a refused step changes nothing.
         check_job_rev(txn, job)?;
+        let mut gone = RedriveGone::default();
         for action in actions {
+            if txn.open_table(DLQ)?.get(action.dlq_id())?.is_none() {
+                gone.add(&action);
+                continue;
+            }
             match action {
                 RedriveAction::Requeue { dlq_id } => {
                     let Some(d) = take_dlq(txn, dlq_id)? else {
@@ -4282,7 +4287,9 @@ impl Committer {
                 }
             }
         }
-        write_job(txn, job)
+        let mut job = job.clone();
+        gone.apply(&mut job);
+        Ok((write_job(txn, &job)?, gone))
     }
 
     fn replay_step(

@@ -10,7 +10,7 @@ use super::{
 use crate::store::redb_store::delivery_key;
 use crate::store::{
     DlqEntry, EntryId, EntryState, Job, Millis, QueueEntry, RecordCounts, RedriveAction,
-    ReplayItem, StoreError, StoredEvent, SweepStats,
+    RedriveGone, ReplayItem, StoreError, StoredEvent, SweepStats,
 };
 
 /// Events removed (or examined and kept) per sweep call, so one call stays short.
@@ -24,20 +24,18 @@ impl JetStreamStore {
         job: Job,
         actions: Vec<RedriveAction>,
         now: Millis,
-    ) -> Result<u64, StoreError> {
+    ) -> Result<(u64, RedriveGone), StoreError> {
         for _ in 0..MAX_RETRIES {
             // The job first: a step it no longer owns reads nothing more.
             let mut writes = vec![self.job_write(&job).await?];
             // Events changed by several actions of this step: their latest record.
             let mut events: HashMap<u64, (EventRecord, u64)> = HashMap::new();
+            let mut gone = RedriveGone::default();
             for action in &actions {
-                let dlq_id = match action {
-                    RedriveAction::Requeue { dlq_id }
-                    | RedriveAction::Route { dlq_id, .. }
-                    | RedriveAction::Keep { dlq_id, .. } => *dlq_id,
-                };
+                let dlq_id = action.dlq_id();
                 let Some((mut d, drev)) = self.read::<DlqEntry>("dlq", &dlq_key(dlq_id)).await?
                 else {
+                    gone.add(action);
                     continue;
                 };
                 match action {
@@ -125,8 +123,15 @@ impl JetStreamStore {
                     }
                 }
             }
+            if gone != RedriveGone::default() {
+                // The stored progress counts them as skipped (read again: the write made
+                // first checked the job's revision, which this one checks the same way).
+                let mut counted = job.clone();
+                gone.apply(&mut counted);
+                writes[0] = self.job_write(&counted).await?;
+            }
             if self.commit_step(writes, events).await? {
-                return Ok(job.rev + 1);
+                return Ok((job.rev + 1, gone));
             }
         }
         Err(StoreError::Backend(

@@ -154,7 +154,7 @@ impl Store for JetStreamStore {
         job: Job,
         actions: Vec<RedriveAction>,
         now: Millis,
-    ) -> BoxFuture<'_, Result<u64, StoreError>> {
+    ) -> BoxFuture<'_, Result<(u64, crate::store::RedriveGone), StoreError>> {
         JetStreamStore::redrive_step(self, job, actions, now).boxed()
     }
 

@@ -2612,3 +2612,46 @@ async fn jobs_are_deleted_only_at_the_revision_read() {
     assert_eq!(s.delete_jobs(&[current, unknown]).await.expect("delete"), 1);
     assert!(s.jobs().await.expect("jobs").is_empty());
 }
+
+/// As on redb: a step whose dead letters another job moved first counts them as skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_step_counts_entries_already_gone_as_skipped() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![new_event("/g", "d1", &["a"], 1_000)])
+        .await
+        .expect("accept");
+    let l = lease_ok(&s, "a", 1_000, 1, 60_000).await.remove(0);
+    dead_letter(&s, &l, false, 1_100).await;
+    let dlq_id = s.fate("/g", "d1").await.expect("fate").expect("known").dlq[0].id;
+    let (first, second) = (
+        job("redrive-1", JobKind::Redrive),
+        job("redrive-2", JobKind::Redrive),
+    );
+    for j in [&first, &second] {
+        s.put_job(j.clone()).await.expect("create");
+    }
+    let planned = |j: &Job| Job {
+        moved: 1,
+        rev: 1,
+        ..j.clone()
+    };
+    let requeue = vec![RedriveAction::Requeue { dlq_id }];
+    let (_, gone) = s
+        .redrive_step(planned(&first), requeue.clone(), 2_000)
+        .await
+        .expect("first step");
+    assert_eq!(gone, crate::store::RedriveGone::default());
+    let (_, gone) = s
+        .redrive_step(planned(&second), requeue, 2_000)
+        .await
+        .expect("second step");
+    assert_eq!(gone.moved, 1);
+    let jobs = s.jobs().await.expect("jobs");
+    let progress = |id: &str| {
+        let j = jobs.iter().find(|j| j.id == id).expect("job");
+        (j.moved, j.skipped)
+    };
+    assert_eq!(progress("redrive-1"), (1, 0));
+    assert_eq!(progress("redrive-2"), (0, 1));
+}

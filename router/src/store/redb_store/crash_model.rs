@@ -605,7 +605,7 @@ enum Answer {
     Finished(Result<(), FinishError>),
     Leased(Result<Vec<Leased>, StoreError>),
     Released(Result<bool, StoreError>),
-    Redriven(Result<u64, StoreError>),
+    Redriven(Result<(u64, RedriveGone), StoreError>),
     Purged(Result<u64, StoreError>),
     Swept(Result<(), StoreError>),
     Replayed(Result<u64, StoreError>),
@@ -974,7 +974,12 @@ fn apply(model: &mut Model, store: &RedbStore, op: &Op, answer: Answer) {
             model.held.remove(key);
         }
         (Op::Redrive { moves, job, now }, Answer::Redriven(r)) => {
-            r.expect("redrive step");
+            let (_, gone) = r.expect("redrive step");
+            assert_eq!(
+                gone,
+                RedriveGone::default(),
+                "every redriven entry was in the DLQ"
+            );
             redrive_model(model, moves, job, *now);
         }
         (Op::Purge { entry, .. }, Answer::Purged(r)) => {

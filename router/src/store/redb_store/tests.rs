@@ -3036,3 +3036,59 @@ async fn a_fixed_copy_of_a_quarantined_event_is_accepted_in_its_place() {
     let dlq = s.dlq_list(&DlqFilter::default(), None, 10).expect("dlq");
     assert_eq!(dlq.len(), 2, "the quarantined copies stay in the DLQ");
 }
+
+/// Two redrive jobs planned over the same dead letters: the step applied second finds them
+/// gone and its stored progress counts them as skipped, not moved (each job reported every
+/// entry moved: two jobs over 60 entries said 120).
+#[tokio::test]
+async fn a_redrive_step_counts_entries_already_gone_as_skipped() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+    let mut ne = new_event("/s", "1", &["capped"], 1000);
+    ne.targets[0].max_depth = Some(0);
+    s.accept(vec![ne]).await.expect("accept");
+    let dlq_id = s.fate("/s", "1").expect("fate").expect("known").dlq[0].id;
+    let route = || RedriveAction::Route {
+        dlq_id,
+        matched_rules: vec!["r".into()],
+        targets: new_event("/s", "1", &["c"], 0).targets,
+    };
+    let (first, second) = (
+        job("redrive-1", JobKind::Redrive),
+        job("redrive-2", JobKind::Redrive),
+    );
+    for j in [&first, &second] {
+        s.put_job(j.clone()).await.expect("create");
+    }
+    let planned = |j: &Job| Job {
+        moved: 1,
+        cursor: dlq_id,
+        rev: 1,
+        ..j.clone()
+    };
+    let (_, gone) = s
+        .redrive_step(planned(&first), vec![route()], 2000)
+        .await
+        .expect("first step");
+    assert_eq!(gone, RedriveGone::default());
+    let (_, gone) = s
+        .redrive_step(planned(&second), vec![route()], 2000)
+        .await
+        .expect("second step");
+    assert_eq!(
+        gone,
+        RedriveGone {
+            moved: 1,
+            failed: 0
+        }
+    );
+    let jobs = s.jobs().expect("jobs");
+    let progress = |id: &str| {
+        let j = jobs.iter().find(|j| j.id == id).expect("job");
+        (j.moved, j.failed, j.skipped)
+    };
+    assert_eq!(progress("redrive-1"), (1, 0, 0));
+    assert_eq!(progress("redrive-2"), (0, 0, 1));
+    let fate = s.fate("/s", "1").expect("fate").expect("known");
+    assert_eq!(fate.entries.len(), 1, "routed once");
+}
