@@ -410,12 +410,17 @@ async fn handle(
         }
         Err(e) => {
             tracing::error!(error = %e, events = answered.len(), "accept failed: store unavailable");
+            // A redb commit that fails is not applied. A JetStream publish whose answer was
+            // lost (a timeout) may have been: its events may be stored, and delivered. The
+            // producer must send the same ids again (a stored one answers `duplicate`), never
+            // new ones, or it makes a second business event.
+            let message = if app.store.shared() {
+                "storage unavailable; these events may or may not have been stored: retry later with the same ids (one already stored answers duplicate)"
+            } else {
+                "storage unavailable; nothing was stored, retry later"
+            };
             return with_retry_after(
-                error_response(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "storage unavailable; nothing was stored, retry later",
-                    Vec::new(),
-                ),
+                error_response(StatusCode::SERVICE_UNAVAILABLE, message, Vec::new()),
                 STORE_RETRY_AFTER_S,
             );
         }
