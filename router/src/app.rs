@@ -651,6 +651,11 @@ pub enum RunError {
         /// One problem per line.
         errors: String,
     },
+    /// Another router runs on this data dir (a shared store's node identity).
+    #[error(
+        "data dir {0} is in use by another router on this host (its node.lock is held); give each node its own --data-dir"
+    )]
+    DataDirInUse(String),
     /// Serving failed.
     #[error("http server: {0}")]
     Serve(#[from] std::io::Error),
@@ -979,6 +984,8 @@ pub async fn run(
         .handler_kv_max_bytes
         .set(i64::try_from(cfg.handlers.kv_max_bytes).unwrap_or(i64::MAX));
     if cfg.store.backend == crate::config::StoreBackend::Jetstream {
+        // Held until the router stops (the kernel lets go of a dead process's lock).
+        let _node_lock = lock_node(&cfg.data_dir)?;
         let js = &cfg.store.jetstream;
         let store = crate::store::jetstream::JetStreamStore::open(
             crate::store::jetstream::JetStreamOptions {
@@ -1028,6 +1035,28 @@ pub async fn run(
         },
     )?;
     run_with_store(cfg, listener, store, metrics, shutdown).await
+}
+
+/// Locks `<data_dir>/node.lock` for this process. On a shared store the data dir is the node's
+/// identity (`node_id`), and a node starting reclaims every lease recorded under it: a second
+/// router started on the data dir of one still running took over that one's deliveries in
+/// flight and sent them again (reproduced). The lock is advisory and per host: copies of a
+/// data dir on several machines (a cloned image) are not caught.
+fn lock_node(data_dir: &std::path::Path) -> Result<std::fs::File, RunError> {
+    std::fs::create_dir_all(data_dir)?;
+    let path = data_dir.join("node.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => {
+            Err(RunError::DataDirInUse(data_dir.display().to_string()))
+        }
+        Err(std::fs::TryLockError::Error(e)) => Err(e.into()),
+    }
 }
 
 /// This node's identity for a shared store: kept in `<data_dir>/node-id`, made at first start.

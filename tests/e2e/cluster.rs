@@ -835,3 +835,56 @@ async fn get_json_as(r: &RouterProc, path: &str, token: &str) -> (u16, Value) {
     let status = resp.status().as_u16();
     (status, resp.json::<Value>().await.unwrap_or(Value::Null))
 }
+
+/// A second router started on the data dir of one still running (a shared store's node
+/// identity) refuses to start. Before, it reclaimed every lease of that identity as a dead
+/// node's and sent the running node's deliveries in flight again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_router_on_a_live_nodes_data_dir_refuses_to_start() {
+    let Ok(url) = std::env::var("E2E_JETSTREAM_URL") else {
+        eprintln!("skipped: needs the JetStream pass (scripts/jetstream-e2e.sh)");
+        return;
+    };
+    let stream = format!("NODELOCK{}", std::process::id());
+    let prefix = format!("nodelock.{}", std::process::id());
+    let env = [
+        ("ROUTER_STORE__JETSTREAM__STREAM", stream.as_str()),
+        ("ROUTER_STORE__JETSTREAM__PREFIX", prefix.as_str()),
+    ];
+    let a = RouterProc::start_with_env(&[], &[], &env);
+    let mut second = std::process::Command::new(env!("CARGO_BIN_EXE_router"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(a.data_dir())
+        .arg("--rules")
+        .arg(a.dir.path().join("rules"))
+        .arg("--contracts")
+        .arg(a.dir.path().join("contracts"))
+        .env("ROUTER_STORE__BACKEND", "jetstream")
+        .env("ROUTER_STORE__JETSTREAM__URL", &url)
+        .env("ROUTER_STORE__JETSTREAM__STREAM", &stream)
+        .env("ROUTER_STORE__JETSTREAM__PREFIX", &prefix)
+        .env("NO_COLOR", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    // Generous: the refusal comes before the store is opened.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = second.try_wait().expect("wait") {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = second.kill();
+            panic!("the second router kept running on a live node's data dir");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut second.stderr.take().expect("stderr"), &mut stderr)
+        .expect("stderr");
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("is in use by another router"), "{stderr}");
+    let (status, _) = get_json(&a, "/readyz").await;
+    assert_eq!(status, 200, "the first router carries on");
+}
