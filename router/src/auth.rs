@@ -165,6 +165,32 @@ impl Principal {
     }
 }
 
+/// Why the pattern of scope `s` (known kind, non-empty pattern) can never be what its author
+/// meant, if it cannot: a scope is matched character for character, so `ingest: order.*`
+/// (a space), `dlq:erp ` or `dlq:erp,crm` (one scope per list element) would load and then
+/// never match, and the token would be refused for reasons its config does not show.
+fn scope_pattern_problem(s: &str) -> Option<String> {
+    let pattern = s.split_once(':').map_or("", |(_, p)| p);
+    if let Some(c) = pattern
+        .chars()
+        .find(|c| c.is_whitespace() || c.is_control() || *c == ',')
+    {
+        return Some(format!(
+            "the pattern contains {c:?}; patterns have no spaces, commas or control characters (give each pattern its own scope: [\"dlq:erp\", \"dlq:crm\"])"
+        ));
+    }
+    if s.starts_with("handlers:")
+        && let Some(c) = pattern
+            .chars()
+            .find(|c| !matches!(c, 'a'..='z' | '0'..='9' | '_' | '-' | '*'))
+    {
+        return Some(format!(
+            "the pattern contains {c:?}; handler names are a-z, 0-9, '_' and '-' (and '*' in a pattern)"
+        ));
+    }
+    None
+}
+
 /// Uploader name of handlers preloaded from the operator's `handlers.preload_dir`: they are the
 /// operator's own, so no token may take this name.
 pub const PRELOAD_OWNER: &str = "preload";
@@ -226,6 +252,9 @@ impl Tokens {
                     return Err(err(format!(
                         "unknown scope {s:?}; use ingest:<type-glob>, ingest-source:<source-glob>, handlers:<name-glob>, dlq:<target-glob>, read or admin"
                     )));
+                }
+                if let Some(why) = scope_pattern_problem(s) {
+                    return Err(err(format!("scope {s:?}: {why}")));
                 }
             }
             if let Some(i) = tokens.iter().position(|(h, _)| *h == hash) {
@@ -447,6 +476,46 @@ mod tests {
         assert!(bad(&"a".repeat(64), "ingest-source:"));
         assert!(!bad(&"a".repeat(64), "ingest-source:/shop/*"));
         assert!(!bad(&"a".repeat(64), "ingest:*"));
+    }
+
+    /// A pattern that would load and then never match is refused at load, naming the token
+    /// and the scope.
+    #[test]
+    fn scope_typos_are_refused_at_load() {
+        let load = |scope: &str| {
+            Tokens::new(&[TokenConfig {
+                name: "shop".into(),
+                sha256: "a".repeat(64),
+                scopes: vec![scope.into()],
+                rate_per_sec: None,
+                team: None,
+            }])
+        };
+        for typo in [
+            "ingest: order.*",
+            "ingest:order.* ",
+            "dlq:erp ",
+            "dlq:erp,crm",
+            "dlq:erp\tcrm",
+            "ingest-source:/shop/\u{7}",
+            "handlers:Enrich",
+            "handlers:enrich.v2",
+            "handlers:team/enrich",
+        ] {
+            let e = load(typo).expect_err(typo).to_string();
+            assert!(e.contains("auth.tokens[0] (shop)"), "{typo}: {e}");
+            assert!(e.contains(&format!("{typo:?}")), "{typo}: {e}");
+        }
+        for fine in [
+            "ingest:order.*",
+            "ingest-source:https://shop.example/*",
+            "dlq:erp-*",
+            "handlers:billing-*",
+            "handlers:enrich_v2",
+            "handlers:*",
+        ] {
+            assert!(load(fine).is_ok(), "{fine}");
+        }
     }
 
     #[test]

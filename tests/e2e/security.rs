@@ -971,3 +971,62 @@ async fn a_webhooks_credential_header_comes_from_the_environment() {
     let body = resp.text().await.expect("body");
     assert!(!body.contains("s3cret"), "{body}");
 }
+
+/// Starts `router serve` with `config`; the process's stderr once it exited, or `None` if it
+/// was still serving after 30 s (then it is killed).
+fn serve_exit_output(config: &str) -> Option<String> {
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = dir.path().join("router.toml");
+    std::fs::write(&path, config).expect("write config");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_router"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(&path)
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .arg("--rules")
+        .arg(dir.path().join("rules"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while child.try_wait().expect("wait").is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut err = String::new();
+    use std::io::Read as _;
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut err)
+        .expect("read stderr");
+    Some(err)
+}
+
+/// A scope is matched character for character: a space, a trailing blank or two patterns in
+/// one string would load, never match, and leave the token refused for no reason its config
+/// shows. The router refuses to start instead, naming the token and the scope.
+#[test]
+fn a_scope_typo_stops_the_router_at_start() {
+    for (scope, why) in [
+        ("ingest: order.*", "' '"),
+        ("dlq:erp,crm", "','"),
+        ("handlers:Billing-*", "'B'"),
+    ] {
+        let config = format!(
+            "[[auth.tokens]]\nname = \"shop\"\nsha256 = \"{}\"\nscopes = [\"read\", \"{scope}\"]\n",
+            token_sha256("shop-token")
+        );
+        let err = serve_exit_output(&config)
+            .unwrap_or_else(|| panic!("the router started with scope {scope:?}"));
+        assert!(err.contains("auth.tokens[0] (shop)"), "{scope}: {err}");
+        assert!(err.contains(&format!("{scope:?}")), "{scope}: {err}");
+        assert!(err.contains(why), "{scope}: {err}");
+    }
+}
