@@ -1512,7 +1512,13 @@ async fn bounded_body(
     next: axum::middleware::Next,
 ) -> axum::response::Response {
     let route = matched.as_ref().map_or("", |m| m.as_str());
-    if route == "/v1/events" || req.method() == axum::http::Method::GET {
+    // HEAD is answered by the GET route: no body, and the GET's query parameters.
+    if route == "/v1/events"
+        || matches!(
+            *req.method(),
+            axum::http::Method::GET | axum::http::Method::HEAD
+        )
+    {
         return next.run(req).await;
     }
     // The API's changes take no query parameters but `release` on a handler's delete and

@@ -542,6 +542,18 @@ mod tests {
         let head = route_need(&http::Method::HEAD, "/v1/status");
         assert_eq!(head, route_need(&http::Method::GET, "/v1/status"));
         assert_eq!(head, Need::Read);
+        // `read` reads one handler's metadata by HEAD as by GET; never its logs, never a change.
+        use http::Method as M;
+        for m in [M::GET, M::HEAD] {
+            assert!(reads_handler_metadata(&m, "/v1/handlers/{name}"), "{m}");
+            assert!(
+                !reads_handler_metadata(&m, "/v1/handlers/{name}/logs"),
+                "{m}"
+            );
+        }
+        for m in [M::PUT, M::DELETE, M::POST] {
+            assert!(!reads_handler_metadata(&m, "/v1/handlers/{name}"), "{m}");
+        }
     }
 
     /// Every (method, route) that a token without `admin` may use is one the route answers:
@@ -654,6 +666,13 @@ pub fn route_need(method: &http::Method, route: &str) -> Need {
         | (&M::POST, "/v1/rules/test") => Need::Read,
         _ => Need::Admin,
     }
+}
+
+/// Whether `method route` reads one handler's metadata (its versions and owner), which `read`
+/// may do as well as `handlers:<name>`; its logs are its team's alone. HEAD is GET without the
+/// body, so it is allowed what GET is.
+pub fn reads_handler_metadata(method: &http::Method, route: &str) -> bool {
+    matches!(*method, http::Method::GET | http::Method::HEAD) && route == "/v1/handlers/{name}"
 }
 
 /// The methods each route of the API answers (HEAD with GET), for the 405 that a token
@@ -808,8 +827,7 @@ pub async fn layer(
                 );
             }
             let scope = Scope::Handlers(name.to_string());
-            let read_one =
-                req.method() == http::Method::GET && !req.uri().path().ends_with("/logs");
+            let read_one = reads_handler_metadata(req.method(), route);
             if !(principal.allows(&scope) || (read_one && principal.allows(&Scope::Read))) {
                 return forbidden(&principal, &scope.to_string());
             }

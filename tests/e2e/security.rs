@@ -1030,3 +1030,29 @@ fn a_scope_typo_stops_the_router_at_start() {
         assert!(err.contains(why), "{scope}: {err}");
     }
 }
+
+/// HEAD is GET without the body: a reader's HEAD gets what its GET gets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn head_is_answered_as_get() {
+    let r = RouterProc::start_full(&[], &[], &[], Some(&auth_config()));
+    for path in ["/v1/handlers/enrich", "/v1/dlq?limit=5", "/v1/status"] {
+        let status = |method: reqwest::Method| {
+            let url = r.url(path);
+            async move {
+                client()
+                    .request(method, url)
+                    .bearer_auth("viewer-token")
+                    .send()
+                    .await
+                    .expect("send")
+                    .status()
+                    .as_u16()
+            }
+        };
+        let (get, head) = (
+            status(reqwest::Method::GET).await,
+            status(reqwest::Method::HEAD).await,
+        );
+        assert_eq!(head, get, "HEAD {path}");
+    }
+}
