@@ -972,6 +972,58 @@ async fn a_webhooks_credential_header_comes_from_the_environment() {
     assert!(!body.contains("s3cret"), "{body}");
 }
 
+/// A handler's logs (event contents, its state) are its team's: another team's token whose
+/// `handlers:` glob covers the name reads its metadata, not its logs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_team_cannot_read_a_teams_handler_logs() {
+    let auth = tokens_config(&[
+        ("ops", None, "admin"),
+        ("billing-ci", Some("billing"), "handlers:*"),
+        ("crm-ci", None, "handlers:*"),
+    ]);
+    let rules = "rules:\n  - name: paid\n    pattern: { type: [order.paid] }\n    targets:\n      - handler: invoice\n";
+    let r = RouterProc::start_full(&[("r.yaml", rules)], &[], &[], Some(&auth));
+    let (s, b) = send_as(
+        &r,
+        "PUT",
+        "/v1/handlers/invoice",
+        "billing-ci",
+        Some(("application/wasm", crate::handlers::plugin("invoice"))),
+    )
+    .await;
+    assert_eq!(s, 201, "{b}");
+    let ev = event("paid-1", "order.paid", json!({"order_id": "A-1"}));
+    let (s, b) = send_as(
+        &r,
+        "POST",
+        "/v1/events",
+        "ops",
+        Some(("application/cloudevents+json", ev.to_string().into_bytes())),
+    )
+    .await;
+    assert_eq!(s, 202, "{b}");
+    let lines = |b: &Value| b["lines"].as_array().map_or(0, Vec::len);
+    let logged = eventually(Duration::from_secs(30), || async {
+        let (s, l) = send_as(&r, "GET", "/v1/handlers/invoice/logs", "billing-ci", None).await;
+        (s == 200 && lines(&l) > 0).then_some(())
+    })
+    .await;
+    assert!(logged.is_some(), "the handler logged nothing for its team");
+    let (s, b) = send_as(&r, "GET", "/v1/handlers/invoice/logs", "crm-ci", None).await;
+    assert_eq!(
+        (s, &b["errors"][0]["pointer"]),
+        (403, &json!("/authorization")),
+        "{b}"
+    );
+    let msg = b["errors"][0]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("belongs to team \"billing\""), "{b}");
+    // The metadata stays readable; an administrator reads the logs.
+    let (s, info) = send_as(&r, "GET", "/v1/handlers/invoice", "crm-ci", None).await;
+    assert_eq!((s, &info["owner"]), (200, &json!("billing")), "{info}");
+    let (s, l) = send_as(&r, "GET", "/v1/handlers/invoice/logs", "ops", None).await;
+    assert!(s == 200 && lines(&l) > 0, "{s} {l}");
+}
+
 /// Starts `router serve` with `config`; the process's stderr once it exited, or `None` if it
 /// was still serving after 30 s (then it is killed).
 fn serve_exit_output(config: &str) -> Option<String> {
