@@ -1083,6 +1083,54 @@ fn a_scope_typo_stops_the_router_at_start() {
     }
 }
 
+/// A job list's `after=<job id>` resolves only among the caller's jobs: another team's job
+/// answers exactly as one that does not exist, so paging does not tell a team which jobs
+/// other teams run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_cursor_does_not_reveal_another_teams_job() {
+    let r = RouterProc::start_full(&[], &[], &[], Some(&auth_config()));
+    let redrive = |token: &'static str, target: &str| {
+        call(
+            &r,
+            "POST",
+            "/v1/dlq/redrive",
+            Some(token),
+            Some(json!({"filter": {"target": target}, "rate_per_sec": 5})),
+        )
+    };
+    let (s, own) = redrive("shop-token", "erp").await;
+    assert_eq!(s, 201, "{own}");
+    let (s, other) = redrive("ops-token", "crm").await;
+    assert_eq!(s, 201, "{other}");
+    let page_after = |job: &str| {
+        let path = format!("/v1/dlq/redrive?after={job}");
+        let r = &r;
+        async move { call(r, "GET", &path, Some("shop-token"), None).await }
+    };
+    let missing = page_after("redrive-999").await;
+    assert_eq!(missing.0, 400, "{}", missing.1);
+    let others = page_after(other["id"].as_str().expect("id")).await;
+    assert_eq!(
+        others, missing,
+        "another team's job answers as a missing one"
+    );
+    let (s, b) = page_after(own["id"].as_str().expect("id")).await;
+    assert_eq!(s, 200, "its own job is a cursor: {b}");
+    // `read` sees every job, and pages after any.
+    let (s, b) = call(
+        &r,
+        "GET",
+        &format!(
+            "/v1/dlq/redrive?after={}",
+            other["id"].as_str().expect("id")
+        ),
+        Some("viewer-token"),
+        None,
+    )
+    .await;
+    assert_eq!(s, 200, "{b}");
+}
+
 /// HEAD is GET without the body: a reader's HEAD gets what its GET gets.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn head_is_answered_as_get() {
