@@ -191,6 +191,43 @@ fn scope_pattern_problem(s: &str) -> Option<String> {
     None
 }
 
+/// Source prefixes of the router's own events: a handler's emissions (`handler://<name>`, with
+/// ids derived from the delivery by a public hash, so they can be computed in advance) and
+/// system events (`router://…`: `router.dlq.added`, `router.breaker.*`). An event sent to
+/// ingest with such a source could take a handler's future (`source`, `id`), so that the real
+/// emission is dropped as a duplicate, or pass for a system event.
+pub const RESERVED_SOURCE_PREFIXES: [&str; 2] = ["handler://", "router://"];
+
+/// The reserved prefix `source` starts with, if any (the scheme compared case-insensitively, as
+/// URI schemes are).
+pub fn reserved_source_prefix(source: &str) -> Option<&'static str> {
+    RESERVED_SOURCE_PREFIXES.into_iter().find(|p| {
+        source
+            .get(..p.len())
+            .is_some_and(|h| h.eq_ignore_ascii_case(p))
+    })
+}
+
+impl Principal {
+    /// The scope this caller lacks to send an event from `source` when that source is one of
+    /// the router's own ([`RESERVED_SOURCE_PREFIXES`]), if any. Only `admin` or an
+    /// `ingest-source:` pattern that itself starts with the prefix (`ingest-source:handler://*`,
+    /// for a router downstream of another) covers it: `ingest-source:*`, or no source scope
+    /// at all, does not.
+    pub fn reserved_source_denial(&self, source: &str) -> Option<Scope> {
+        let prefix = reserved_source_prefix(source)?;
+        if self.scopes.iter().any(|s| s == "admin") {
+            return None;
+        }
+        let covered = self
+            .scopes
+            .iter()
+            .filter_map(|s| s.strip_prefix("ingest-source:"))
+            .any(|g| g.starts_with(prefix) && glob(g, source));
+        (!covered).then(|| Scope::IngestSource(source.to_string()))
+    }
+}
+
 /// Uploader name of handlers preloaded from the operator's `handlers.preload_dir`: they are the
 /// operator's own, so no token may take this name.
 pub const PRELOAD_OWNER: &str = "preload";
@@ -419,6 +456,66 @@ mod tests {
                 .as_deref(),
             Some("ingest:user.created")
         );
+    }
+
+    #[test]
+    fn the_routers_own_sources_need_a_scope_that_names_them() {
+        let p = |scopes: &[&str]| Principal {
+            name: "t".into(),
+            team: "t".into(),
+            scopes: scopes.iter().map(|s| s.to_string()).collect(),
+        };
+        let denial =
+            |p: &Principal, src: &str| p.reserved_source_denial(src).map(|s| s.to_string());
+        let sources = [
+            "handler://enrich",
+            "router://targets/erp",
+            "router://ingest",
+            "HANDLER://enrich",
+            "Router://ingest",
+        ];
+        // No source scope, a bare `*`, or a glob that reaches the prefix only by `*`: refused.
+        for scopes in [
+            &["ingest:*"][..],
+            &["ingest-source:*"],
+            &["ingest:*", "ingest-source:*"],
+            &["ingest-source:h*"],
+            &["ingest-source:*://*"],
+            &["read", "handlers:*", "dlq:*"],
+        ] {
+            for src in sources {
+                assert_eq!(
+                    denial(&p(scopes), src),
+                    Some(format!("ingest-source:{src}")),
+                    "{scopes:?} {src}"
+                );
+            }
+        }
+        // A pattern that starts with the prefix, and matches.
+        let downstream = p(&["ingest-source:handler://*"]);
+        assert_eq!(denial(&downstream, "handler://enrich"), None);
+        assert!(denial(&downstream, "router://ingest").is_some());
+        let one = p(&["ingest-source:handler://enrich", "ingest-source:*"]);
+        assert_eq!(denial(&one, "handler://enrich"), None);
+        assert!(denial(&one, "handler://invoice").is_some());
+        assert_eq!(
+            denial(&p(&["ingest-source:router://*"]), "router://ingest"),
+            None
+        );
+        // Administrators (and so every caller when auth is off) send anything.
+        for src in sources {
+            assert_eq!(denial(&p(&["admin"]), src), None, "{src}");
+        }
+        // Other sources are not this check's business.
+        for src in [
+            "/shop",
+            "https://handler.example",
+            "handler:/x",
+            "routers://x",
+            "h",
+        ] {
+            assert_eq!(denial(&p(&["ingest:*"]), src), None, "{src}");
+        }
     }
 
     #[test]

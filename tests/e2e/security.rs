@@ -972,6 +972,132 @@ async fn a_webhooks_credential_header_comes_from_the_environment() {
     assert!(!body.contains("s3cret"), "{body}");
 }
 
+/// A handler's emitted events carry `handler://<name>` and ids any producer can compute, and
+/// system events `router://…`: a producer that could send those sources could make the dedup
+/// window swallow a handler's real emission, or forge a `router.dlq.added`. Only an
+/// administrator, or a token whose `ingest-source:` pattern names the prefix (a router
+/// downstream of another), sends them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_routers_own_sources_are_reserved_at_ingest() {
+    let rcv = Receiver::ok().await;
+    let rules = webhook_rule("alerts", "router.dlq.added", &rcv.url(), "pager");
+    let auth = format!(
+        "{}{}",
+        auth_config(),
+        tokens_config(&[
+            ("anywhere", None, "ingest-source:*"),
+            ("downstream", None, "ingest-source:handler://*"),
+        ])
+    );
+    let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&auth));
+    let from = |source: &str, id: &str| json!({"specversion": "1.0", "id": id, "source": source, "type": "router.dlq.added", "data": {}});
+    let post = |token: &'static str, ct: &'static str, body: String| {
+        let url = r.url("/v1/events");
+        async move {
+            let resp = client()
+                .post(url)
+                .bearer_auth(token)
+                .header("content-type", ct)
+                .body(body)
+                .send()
+                .await
+                .expect("send");
+            let s = resp.status().as_u16();
+            (s, resp.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let structured = "application/cloudevents+json";
+    // No source restriction, or `ingest-source:*`: the router's sources are not covered.
+    for (token, source) in [
+        ("shop-token", "router://targets/erp"),
+        ("anywhere", "router://ingest"),
+        ("anywhere", "handler://enrich"),
+        ("downstream", "router://ingest"),
+    ] {
+        let (s, b) = post(token, structured, from(source, "f-1").to_string()).await;
+        assert_eq!(
+            (s, &b["errors"][0]["pointer"]),
+            (403, &json!("/source")),
+            "{token} {source}: {b}"
+        );
+        let msg = b["errors"][0]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains(&format!("ingest-source:{source}")), "{b}");
+    }
+    // A batch names the element; nothing of it is stored.
+    let batch = json!([from("/shop", "ok-1"), from("handler://enrich", "f-2")]);
+    let (s, b) = post(
+        "anywhere",
+        "application/cloudevents-batch+json",
+        batch.to_string(),
+    )
+    .await;
+    assert_eq!(
+        (s, &b["errors"][0]["pointer"]),
+        (403, &json!("/1/source")),
+        "{b}"
+    );
+    let (s, _) = get_json_as(&r, "/v1/events/ok-1?source=/shop", "ops-token").await;
+    assert_eq!(s, 404, "an element of the refused batch was stored");
+    // Binary mode: the ce-source header.
+    let resp = client()
+        .post(r.url("/v1/events"))
+        .bearer_auth("anywhere")
+        .header("ce-specversion", "1.0")
+        .header("ce-id", "f-3")
+        .header("ce-source", "router://targets/erp")
+        .header("ce-type", "router.dlq.added")
+        .header("content-type", "application/json")
+        .body("{}")
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status().as_u16(), 403);
+    let b: Value = resp.json().await.expect("json");
+    assert_eq!(b["errors"][0]["pointer"], "/ce-source", "{b}");
+    // Allowed: the prefix named by the scope, and an administrator.
+    let (s, b) = post(
+        "downstream",
+        structured,
+        from("handler://enrich", "d-1").to_string(),
+    )
+    .await;
+    assert_eq!(s, 202, "{b}");
+    let (s, b) = post(
+        "ops-token",
+        structured,
+        from("router://ingest", "o-1").to_string(),
+    )
+    .await;
+    assert_eq!(s, 202, "{b}");
+    // Only those two reached the alert route.
+    assert!(
+        rcv.wait_for(Duration::from_secs(20), |got| got.len() >= 2)
+            .await,
+        "the accepted events were not delivered"
+    );
+    let delivered = rcv
+        .settled_count(Duration::from_secs(1), Duration::from_secs(20))
+        .await;
+    assert_eq!(delivered, 2, "{:?}", rcv.received());
+    drop(r);
+
+    // Without tokens (every local caller an administrator) they are accepted as before.
+    let r = RouterProc::start(&[], &[]);
+    let (s, b) = post_event(&r, &from("handler://enrich", "n-1")).await;
+    assert_eq!(s, 202, "{b}");
+}
+
+async fn get_json_as(r: &RouterProc, path: &str, token: &str) -> (u16, Value) {
+    let resp = client()
+        .get(r.url(path))
+        .bearer_auth(token)
+        .send()
+        .await
+        .expect("get");
+    let s = resp.status().as_u16();
+    (s, resp.json().await.unwrap_or(Value::Null))
+}
+
 /// A handler's logs (event contents, its state) are its team's: another team's token whose
 /// `handlers:` glob covers the name reads its metadata, not its logs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
