@@ -972,6 +972,238 @@ async fn a_webhooks_credential_header_comes_from_the_environment() {
     assert!(!body.contains("s3cret"), "{body}");
 }
 
+/// Sends `method path` with `headers` and an optional body (its content type among the
+/// headers); returns (status, JSON body or null).
+async fn send_with(
+    r: &RouterProc,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> (u16, Value) {
+    let mut rb = client().request(method.parse().expect("method"), r.url(path));
+    for (k, v) in headers {
+        rb = rb.header(*k, *v);
+    }
+    if let Some(b) = body {
+        rb = rb.body(b.to_string());
+    }
+    let resp = rb.send().await.expect("send");
+    let s = resp.status().as_u16();
+    (s, resp.json().await.unwrap_or(Value::Null))
+}
+
+/// With no tokens every local caller is an administrator, so a web page open in the
+/// operator's browser must not be able to act through it: not by posting a form (text/plain),
+/// not by a cross-origin request, and not by rebinding a name of its own to 127.0.0.1. The CLI,
+/// curl and producers (no Origin, a loopback Host, JSON) are served as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_web_page_cannot_drive_a_router_without_tokens() {
+    let rejecting = Receiver::status(400).await;
+    let rules = webhook_rule("orders", "order.paid", &rejecting.url(), "erp");
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(
+        post_event(&r, &event("p1", "order.paid", json!({})))
+            .await
+            .0,
+        202
+    );
+    let dead_letters = || async {
+        get_json(&r, "/v1/dlq?target=erp").await.1["entries"]
+            .as_array()
+            .map_or(0, Vec::len)
+    };
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            (dead_letters().await == 1).then_some(())
+        })
+        .await
+        .is_some(),
+        "the rejected event reached the DLQ"
+    );
+    let purge_all = r#"{"filter": {}, "all": true}"#;
+
+    // A form on any site can post text/plain: it is not taken as the JSON it looks like.
+    let (s, b) = send_with(
+        &r,
+        "POST",
+        "/v1/dlq/purge",
+        &[("content-type", "text/plain")],
+        Some(purge_all),
+    )
+    .await;
+    assert_eq!(
+        (s, &b["errors"][0]["pointer"]),
+        (415, &json!("/content-type")),
+        "{b}"
+    );
+    // Nor is a body without a content type.
+    let (s, b) = send_with(&r, "POST", "/v1/dlq/purge", &[], Some(purge_all)).await;
+    assert_eq!(s, 415, "{b}");
+    // A page's request says where it comes from: refused, JSON or not, body or not.
+    let page = [("origin", "http://evil.example")];
+    for (method, path, ct, body) in [
+        ("POST", "/v1/dlq/purge", "application/json", Some(purge_all)),
+        ("POST", "/v1/targets/erp/pause", "", None),
+        (
+            "POST",
+            "/v1/events",
+            "application/cloudevents+json",
+            Some(r#"{"specversion":"1.0","id":"x","source":"/evil","type":"order.paid"}"#),
+        ),
+        ("GET", "/v1/dlq?target=erp", "", None),
+    ] {
+        let mut headers = page.to_vec();
+        if !ct.is_empty() {
+            headers.push(("content-type", ct));
+        }
+        let (s, b) = send_with(&r, method, path, &headers, body).await;
+        assert_eq!(
+            (s, &b["errors"][0]["pointer"]),
+            (403, &json!("/origin")),
+            "{method} {path}: {b}"
+        );
+    }
+    // A request without Origin that the browser marks as another site's (an <img>, a link).
+    let (s, b) = send_with(
+        &r,
+        "GET",
+        "/v1/dlq?target=erp",
+        &[("sec-fetch-site", "cross-site")],
+        None,
+    )
+    .await;
+    assert_eq!(
+        (s, &b["errors"][0]["pointer"]),
+        (403, &json!("/sec-fetch-site")),
+        "{b}"
+    );
+    // DNS rebinding: the page's own name, now resolving to 127.0.0.1, so the request is
+    // "same-origin" for the browser; the name in Host gives it away.
+    let rebound = format!("evil.example:{}", r.addr.port());
+    let rebound_origin = format!("http://{rebound}");
+    for (method, path, body) in [
+        ("GET", "/v1/dlq?target=erp", None),
+        ("POST", "/v1/dlq/purge", Some(purge_all)),
+    ] {
+        let (s, b) = send_with(
+            &r,
+            method,
+            path,
+            &[
+                ("host", &rebound),
+                ("origin", &rebound_origin),
+                ("content-type", "application/json"),
+            ],
+            body,
+        )
+        .await;
+        assert_eq!(
+            (s, &b["errors"][0]["pointer"]),
+            (403, &json!("/host")),
+            "{method} {path}: {b}"
+        );
+        assert!(
+            b["errors"][0]["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("DNS rebinding"),
+            "{b}"
+        );
+    }
+    // Nothing of it happened.
+    assert_eq!(dead_letters().await, 1, "the DLQ was purged");
+    let (_, t) = get_json(&r, "/v1/targets/erp").await;
+    assert_eq!(t["paused"], false, "{t}");
+    assert_eq!(
+        get_json(&r, "/v1/events/x?source=/evil").await.0,
+        404,
+        "the page's event was stored"
+    );
+
+    // Programs: a loopback name in Host (any port), no Origin, JSON or no body.
+    let localhost = format!("localhost:{}", r.addr.port());
+    let (s, b) = send_with(
+        &r,
+        "POST",
+        "/v1/targets/erp/pause",
+        &[("host", &localhost)],
+        None,
+    )
+    .await;
+    assert_eq!((s, &b["paused"]), (200, &json!(true)), "{b}");
+    let (s, b) = send_with(
+        &r,
+        "POST",
+        "/v1/dlq/purge",
+        &[("content-type", "application/json; charset=utf-8")],
+        Some(purge_all),
+    )
+    .await;
+    assert_eq!((s, &b["purged"]), (200, &json!(1)), "{b}");
+    // And the operator is told that auth is off.
+    let (_, status) = get_json(&r, "/v1/status").await;
+    assert!(
+        status["warnings"].to_string().contains("auth is off"),
+        "{}",
+        status["warnings"]
+    );
+    assert!(r.log_text().contains("auth is off"), "no start-up warning");
+}
+
+/// With tokens a router is reached by whatever name its clients use (a proxy, a DNS name),
+/// and a web page's request is still refused: a browser would not attach the token, but a
+/// request it makes on a page's behalf has no business here either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_tokens_any_host_is_served_but_no_web_page() {
+    let r = RouterProc::start_full(&[], &[], &[], Some(&auth_config()));
+    let bearer = "Bearer viewer-token";
+    let (s, b) = send_with(
+        &r,
+        "GET",
+        "/v1/status",
+        &[("host", "router.internal"), ("authorization", bearer)],
+        None,
+    )
+    .await;
+    assert_eq!(s, 200, "{b}");
+    assert!(
+        !b["warnings"].to_string().contains("auth is off"),
+        "{}",
+        b["warnings"]
+    );
+    let (s, b) = send_with(
+        &r,
+        "GET",
+        "/v1/status",
+        &[
+            ("host", "router.internal"),
+            ("origin", "https://router.internal"),
+            ("authorization", bearer),
+        ],
+        None,
+    )
+    .await;
+    assert_eq!(s, 200, "its own origin, behind a TLS proxy: {b}");
+    let (s, b) = send_with(
+        &r,
+        "GET",
+        "/v1/status",
+        &[
+            ("host", "router.internal"),
+            ("origin", "https://wiki.internal"),
+            ("authorization", bearer),
+        ],
+        None,
+    )
+    .await;
+    assert_eq!(
+        (s, &b["errors"][0]["pointer"]),
+        (403, &json!("/origin")),
+        "{b}"
+    );
+}
+
 /// A handler's emitted events carry `handler://<name>` and ids any producer can compute, and
 /// system events `router://…`: a producer that could send those sources could make the dedup
 /// window swallow a handler's real emission, or forge a `router.dlq.added`. Only an
