@@ -1078,6 +1078,19 @@ fn node_id(data_dir: &std::path::Path) -> Result<String, RunError> {
     Ok(id)
 }
 
+/// The start-up warning of a router without `[[auth.tokens]]` listening on `local`.
+fn auth_off_warning(local: std::net::SocketAddr, insecure: bool) -> String {
+    if insecure {
+        format!(
+            "auth is off (no [[auth.tokens]]) and auth.insecure is set: every caller that reaches {local}, whatever host it names, is an administrator"
+        )
+    } else {
+        format!(
+            "auth is off (no [[auth.tokens]]): every caller on this machine is an administrator; {local} answers only requests addressed to a loopback name and not made by a web page. Configure [[auth.tokens]] before sharing the machine or the port"
+        )
+    }
+}
+
 /// Runs the router on a given store (tests hand in fault-injecting ones).
 pub async fn run_with_store(
     cfg: Config,
@@ -1091,6 +1104,7 @@ pub async fn run_with_store(
     if !tokens.enabled() && !local.ip().is_loopback() && !cfg.auth.insecure {
         return Err(RunError::Insecure(local));
     }
+    let guard = crate::guard::RequestGuard::new(tokens.enabled(), cfg.auth.insecure, local);
     let ingest_limiters = cfg
         .auth
         .tokens
@@ -1105,6 +1119,11 @@ pub async fn run_with_store(
         .collect();
     let (rules, mut rule_warnings) = load_rules(&cfg)?;
     let mut warnings = Vec::new();
+    if !tokens.enabled() {
+        let w = auth_off_warning(local, cfg.auth.insecure);
+        tracing::warn!("{w}");
+        warnings.push(w);
+    }
     let contracts = load_contracts(&cfg)?;
     rule_warnings.extend(contracts.warnings_against(&ContractSet::empty()));
     for w in &rule_warnings {
@@ -1388,6 +1407,11 @@ pub async fn run_with_store(
             app.clone(),
             crate::auth::layer,
         ))
+        // Outer: a web page's request is refused before anything else looks at it.
+        .route_layer(axum::middleware::from_fn_with_state(
+            Arc::new(guard),
+            crate::guard::layer,
+        ))
         .layer(axum::middleware::map_response(json_rejections))
         .with_state(app.clone());
 
@@ -1541,7 +1565,13 @@ async fn bounded_body(
     next: axum::middleware::Next,
 ) -> axum::response::Response {
     let route = matched.as_ref().map_or("", |m| m.as_str());
-    if route == "/v1/events" || req.method() == axum::http::Method::GET {
+    // HEAD is answered by the GET route: no body, and the GET's query parameters.
+    if route == "/v1/events"
+        || matches!(
+            *req.method(),
+            axum::http::Method::GET | axum::http::Method::HEAD
+        )
+    {
         return next.run(req).await;
     }
     // The API's changes take no query parameters but `release` on a handler's delete and
@@ -1570,6 +1600,11 @@ async fn bounded_body(
         );
     }
     let upload = req.method() == axum::http::Method::PUT && route == "/v1/handlers/{name}";
+    // A change's body is JSON, or there is none (a handler upload's is the component): what a
+    // web page can send without a CORS preflight is never JSON (`guard`).
+    if !upload && let Err(r) = crate::guard::check_body_type(req.headers(), None) {
+        return *r;
+    }
     // An upload waits for a slot at most as long as its body may take to arrive: past that,
     // the slots are held by other uploads (slow bodies, long compilations), and the uploader
     // is told to come back rather than left hanging. The semaphore is never closed.
@@ -1608,6 +1643,9 @@ async fn bounded_body(
         Ok(b) => b,
         Err(resp) => return *resp,
     };
+    if !upload && let Err(r) = crate::guard::check_body_type(&parts.headers, Some(bytes.len())) {
+        return *r;
+    }
     next.run(axum::extract::Request::from_parts(
         parts,
         axum::body::Body::from(bytes),

@@ -165,6 +165,69 @@ impl Principal {
     }
 }
 
+/// Why the pattern of scope `s` (known kind, non-empty pattern) can never be what its author
+/// meant, if it cannot: a scope is matched character for character, so `ingest: order.*`
+/// (a space), `dlq:erp ` or `dlq:erp,crm` (one scope per list element) would load and then
+/// never match, and the token would be refused for reasons its config does not show.
+fn scope_pattern_problem(s: &str) -> Option<String> {
+    let pattern = s.split_once(':').map_or("", |(_, p)| p);
+    if let Some(c) = pattern
+        .chars()
+        .find(|c| c.is_whitespace() || c.is_control() || *c == ',')
+    {
+        return Some(format!(
+            "the pattern contains {c:?}; patterns have no spaces, commas or control characters (give each pattern its own scope: [\"dlq:erp\", \"dlq:crm\"])"
+        ));
+    }
+    if s.starts_with("handlers:")
+        && let Some(c) = pattern
+            .chars()
+            .find(|c| !matches!(c, 'a'..='z' | '0'..='9' | '_' | '-' | '*'))
+    {
+        return Some(format!(
+            "the pattern contains {c:?}; handler names are a-z, 0-9, '_' and '-' (and '*' in a pattern)"
+        ));
+    }
+    None
+}
+
+/// Source prefixes of the router's own events: a handler's emissions (`handler://<name>`, with
+/// ids derived from the delivery by a public hash, so they can be computed in advance) and
+/// system events (`router://…`: `router.dlq.added`, `router.breaker.*`). An event sent to
+/// ingest with such a source could take a handler's future (`source`, `id`), so that the real
+/// emission is dropped as a duplicate, or pass for a system event.
+pub const RESERVED_SOURCE_PREFIXES: [&str; 2] = ["handler://", "router://"];
+
+/// The reserved prefix `source` starts with, if any (the scheme compared case-insensitively, as
+/// URI schemes are).
+pub fn reserved_source_prefix(source: &str) -> Option<&'static str> {
+    RESERVED_SOURCE_PREFIXES.into_iter().find(|p| {
+        source
+            .get(..p.len())
+            .is_some_and(|h| h.eq_ignore_ascii_case(p))
+    })
+}
+
+impl Principal {
+    /// The scope this caller lacks to send an event from `source` when that source is one of
+    /// the router's own ([`RESERVED_SOURCE_PREFIXES`]), if any. Only `admin` or an
+    /// `ingest-source:` pattern that itself starts with the prefix (`ingest-source:handler://*`,
+    /// for a router downstream of another) covers it: `ingest-source:*`, or no source scope
+    /// at all, does not.
+    pub fn reserved_source_denial(&self, source: &str) -> Option<Scope> {
+        let prefix = reserved_source_prefix(source)?;
+        if self.scopes.iter().any(|s| s == "admin") {
+            return None;
+        }
+        let covered = self
+            .scopes
+            .iter()
+            .filter_map(|s| s.strip_prefix("ingest-source:"))
+            .any(|g| g.starts_with(prefix) && glob(g, source));
+        (!covered).then(|| Scope::IngestSource(source.to_string()))
+    }
+}
+
 /// Uploader name of handlers preloaded from the operator's `handlers.preload_dir`: they are the
 /// operator's own, so no token may take this name.
 pub const PRELOAD_OWNER: &str = "preload";
@@ -226,6 +289,9 @@ impl Tokens {
                     return Err(err(format!(
                         "unknown scope {s:?}; use ingest:<type-glob>, ingest-source:<source-glob>, handlers:<name-glob>, dlq:<target-glob>, read or admin"
                     )));
+                }
+                if let Some(why) = scope_pattern_problem(s) {
+                    return Err(err(format!("scope {s:?}: {why}")));
                 }
             }
             if let Some(i) = tokens.iter().position(|(h, _)| *h == hash) {
@@ -393,6 +459,66 @@ mod tests {
     }
 
     #[test]
+    fn the_routers_own_sources_need_a_scope_that_names_them() {
+        let p = |scopes: &[&str]| Principal {
+            name: "t".into(),
+            team: "t".into(),
+            scopes: scopes.iter().map(|s| s.to_string()).collect(),
+        };
+        let denial =
+            |p: &Principal, src: &str| p.reserved_source_denial(src).map(|s| s.to_string());
+        let sources = [
+            "handler://enrich",
+            "router://targets/erp",
+            "router://ingest",
+            "HANDLER://enrich",
+            "Router://ingest",
+        ];
+        // No source scope, a bare `*`, or a glob that reaches the prefix only by `*`: refused.
+        for scopes in [
+            &["ingest:*"][..],
+            &["ingest-source:*"],
+            &["ingest:*", "ingest-source:*"],
+            &["ingest-source:h*"],
+            &["ingest-source:*://*"],
+            &["read", "handlers:*", "dlq:*"],
+        ] {
+            for src in sources {
+                assert_eq!(
+                    denial(&p(scopes), src),
+                    Some(format!("ingest-source:{src}")),
+                    "{scopes:?} {src}"
+                );
+            }
+        }
+        // A pattern that starts with the prefix, and matches.
+        let downstream = p(&["ingest-source:handler://*"]);
+        assert_eq!(denial(&downstream, "handler://enrich"), None);
+        assert!(denial(&downstream, "router://ingest").is_some());
+        let one = p(&["ingest-source:handler://enrich", "ingest-source:*"]);
+        assert_eq!(denial(&one, "handler://enrich"), None);
+        assert!(denial(&one, "handler://invoice").is_some());
+        assert_eq!(
+            denial(&p(&["ingest-source:router://*"]), "router://ingest"),
+            None
+        );
+        // Administrators (and so every caller when auth is off) send anything.
+        for src in sources {
+            assert_eq!(denial(&p(&["admin"]), src), None, "{src}");
+        }
+        // Other sources are not this check's business.
+        for src in [
+            "/shop",
+            "https://handler.example",
+            "handler:/x",
+            "routers://x",
+            "h",
+        ] {
+            assert_eq!(denial(&p(&["ingest:*"]), src), None, "{src}");
+        }
+    }
+
+    #[test]
     fn a_rotated_uploaders_team_mates_stand_in_for_it() {
         let token = |name: &str, team: Option<&str>, scopes: &[&str]| TokenConfig {
             name: name.into(),
@@ -449,6 +575,46 @@ mod tests {
         assert!(!bad(&"a".repeat(64), "ingest:*"));
     }
 
+    /// A pattern that would load and then never match is refused at load, naming the token
+    /// and the scope.
+    #[test]
+    fn scope_typos_are_refused_at_load() {
+        let load = |scope: &str| {
+            Tokens::new(&[TokenConfig {
+                name: "shop".into(),
+                sha256: "a".repeat(64),
+                scopes: vec![scope.into()],
+                rate_per_sec: None,
+                team: None,
+            }])
+        };
+        for typo in [
+            "ingest: order.*",
+            "ingest:order.* ",
+            "dlq:erp ",
+            "dlq:erp,crm",
+            "dlq:erp\tcrm",
+            "ingest-source:/shop/\u{7}",
+            "handlers:Enrich",
+            "handlers:enrich.v2",
+            "handlers:team/enrich",
+        ] {
+            let e = load(typo).expect_err(typo).to_string();
+            assert!(e.contains("auth.tokens[0] (shop)"), "{typo}: {e}");
+            assert!(e.contains(&format!("{typo:?}")), "{typo}: {e}");
+        }
+        for fine in [
+            "ingest:order.*",
+            "ingest-source:https://shop.example/*",
+            "dlq:erp-*",
+            "handlers:billing-*",
+            "handlers:enrich_v2",
+            "handlers:*",
+        ] {
+            assert!(load(fine).is_ok(), "{fine}");
+        }
+    }
+
     #[test]
     fn token_names_and_tokens_are_unique() {
         let token = |name: &str, sha: char| TokenConfig {
@@ -473,6 +639,18 @@ mod tests {
         let head = route_need(&http::Method::HEAD, "/v1/status");
         assert_eq!(head, route_need(&http::Method::GET, "/v1/status"));
         assert_eq!(head, Need::Read);
+        // `read` reads one handler's metadata by HEAD as by GET; never its logs, never a change.
+        use http::Method as M;
+        for m in [M::GET, M::HEAD] {
+            assert!(reads_handler_metadata(&m, "/v1/handlers/{name}"), "{m}");
+            assert!(
+                !reads_handler_metadata(&m, "/v1/handlers/{name}/logs"),
+                "{m}"
+            );
+        }
+        for m in [M::PUT, M::DELETE, M::POST] {
+            assert!(!reads_handler_metadata(&m, "/v1/handlers/{name}"), "{m}");
+        }
     }
 
     /// Every (method, route) that a token without `admin` may use is one the route answers:
@@ -585,6 +763,13 @@ pub fn route_need(method: &http::Method, route: &str) -> Need {
         | (&M::POST, "/v1/rules/test") => Need::Read,
         _ => Need::Admin,
     }
+}
+
+/// Whether `method route` reads one handler's metadata (its versions and owner), which `read`
+/// may do as well as `handlers:<name>`; its logs are its team's alone. HEAD is GET without the
+/// body, so it is allowed what GET is.
+pub fn reads_handler_metadata(method: &http::Method, route: &str) -> bool {
+    matches!(*method, http::Method::GET | http::Method::HEAD) && route == "/v1/handlers/{name}"
 }
 
 /// The methods each route of the API answers (HEAD with GET), for the 405 that a token
@@ -739,8 +924,7 @@ pub async fn layer(
                 );
             }
             let scope = Scope::Handlers(name.to_string());
-            let read_one =
-                req.method() == http::Method::GET && !req.uri().path().ends_with("/logs");
+            let read_one = reads_handler_metadata(req.method(), route);
             if !(principal.allows(&scope) || (read_one && principal.allows(&Scope::Read))) {
                 return forbidden(&principal, &scope.to_string());
             }

@@ -17,6 +17,7 @@ pub mod deliver;
 pub mod dlq;
 pub mod event;
 pub mod failpoint;
+pub mod guard;
 pub mod ingest;
 pub mod policy;
 pub mod rules;

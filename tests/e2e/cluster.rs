@@ -776,12 +776,18 @@ async fn another_team_cannot_delete_a_teams_handler_through_another_router() {
         .collect();
     let a = RouterProc::start_full(&[], &[], &env, Some(&auth));
     let b = RouterProc::start_full(&[], &[], &env, Some(&auth));
+    // A body is a component (PUT) or JSON (a rollback's).
     let send = |r: &RouterProc, method: &str, path: &str, token: &str, body: Option<Vec<u8>>| {
         let mut rb = client()
             .request(method.parse().expect("method"), r.url(path))
             .bearer_auth(token);
         if let Some(b) = body {
-            rb = rb.body(b);
+            let ct = if method == "PUT" {
+                "application/wasm"
+            } else {
+                "application/json"
+            };
+            rb = rb.header("content-type", ct).body(b);
         }
         async move {
             let resp = rb.send().await.expect("send");

@@ -731,7 +731,7 @@ async fn another_team_can_never_change_a_teams_handler() {
         "POST",
         "/v1/handlers/enrich/rollback",
         "crm-ci",
-        Some(("application/wasm", rollback.clone())),
+        Some(("application/json", rollback.clone())),
     )
     .await;
     assert_eq!(s, 403, "{b}");
@@ -750,7 +750,7 @@ async fn another_team_can_never_change_a_teams_handler() {
         "POST",
         "/v1/handlers/enrich/rollback",
         "ops",
-        Some(("application/wasm", rollback)),
+        Some(("application/json", rollback)),
     )
     .await;
     assert_eq!(s, 200, "{b}");

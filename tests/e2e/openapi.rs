@@ -1063,6 +1063,10 @@ async fn responses_validate_against_the_document() {
 
     api.expect(200, "GET", "/healthz", Req::default()).await;
     api.expect(200, "GET", "/readyz", Req::default()).await;
+    // A web page's request (here: a probe from another origin) is refused in the error shape.
+    let from_a_page = || Req::default().header("origin", "http://evil.example");
+    api.expect(403, "GET", "/healthz", from_a_page()).await;
+    api.expect(403, "GET", "/readyz", from_a_page()).await;
 
     // --- Ingest, all three modes ---
     let mut first = ce("o-1", "order.created", json!({"order_id": "1"}));
@@ -1619,6 +1623,14 @@ async fn responses_validate_against_the_document() {
         admin().raw("application/json", ""),
     )
     .await;
+    // A change's body is JSON: what a web form can post (text/plain) is not taken as such.
+    api.expect(
+        415,
+        "POST",
+        "/v1/dlq/purge",
+        admin().raw("text/plain", r#"{"filter": {}, "all": true}"#),
+    )
+    .await;
     api.expect(
         403,
         "POST",
@@ -1675,7 +1687,9 @@ async fn responses_validate_against_the_document() {
         ("controlRedriveJob", &[404, 409][..]),
         ("controlReplayJob", &[404, 409][..]),
         ("createReplay", &[400, 403][..]),
-        ("purgeDlq", &[400, 403][..]),
+        ("purgeDlq", &[400, 403, 415][..]),
+        ("healthz", &[403][..]),
+        ("readyz", &[403][..]),
         ("getContract", &[400, 404][..]),
         ("putContract", &[400, 409, 422][..]),
     ]);

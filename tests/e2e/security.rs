@@ -971,3 +971,546 @@ async fn a_webhooks_credential_header_comes_from_the_environment() {
     let body = resp.text().await.expect("body");
     assert!(!body.contains("s3cret"), "{body}");
 }
+
+/// Sends `method path` with `headers` and an optional body (its content type among the
+/// headers); returns (status, JSON body or null).
+async fn send_with(
+    r: &RouterProc,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> (u16, Value) {
+    let mut rb = client().request(method.parse().expect("method"), r.url(path));
+    for (k, v) in headers {
+        rb = rb.header(*k, *v);
+    }
+    if let Some(b) = body {
+        rb = rb.body(b.to_string());
+    }
+    let resp = rb.send().await.expect("send");
+    let s = resp.status().as_u16();
+    (s, resp.json().await.unwrap_or(Value::Null))
+}
+
+/// With no tokens every local caller is an administrator, so a web page open in the
+/// operator's browser must not be able to act through it: not by posting a form (text/plain),
+/// not by a cross-origin request, and not by rebinding a name of its own to 127.0.0.1. The CLI,
+/// curl and producers (no Origin, a loopback Host, JSON) are served as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_web_page_cannot_drive_a_router_without_tokens() {
+    let rejecting = Receiver::status(400).await;
+    let rules = webhook_rule("orders", "order.paid", &rejecting.url(), "erp");
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(
+        post_event(&r, &event("p1", "order.paid", json!({})))
+            .await
+            .0,
+        202
+    );
+    let dead_letters = || async {
+        get_json(&r, "/v1/dlq?target=erp").await.1["entries"]
+            .as_array()
+            .map_or(0, Vec::len)
+    };
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            (dead_letters().await == 1).then_some(())
+        })
+        .await
+        .is_some(),
+        "the rejected event reached the DLQ"
+    );
+    let purge_all = r#"{"filter": {}, "all": true}"#;
+
+    // A form on any site can post text/plain: it is not taken as the JSON it looks like.
+    let (s, b) = send_with(
+        &r,
+        "POST",
+        "/v1/dlq/purge",
+        &[("content-type", "text/plain")],
+        Some(purge_all),
+    )
+    .await;
+    assert_eq!(
+        (s, &b["errors"][0]["pointer"]),
+        (415, &json!("/content-type")),
+        "{b}"
+    );
+    // Nor is a body without a content type.
+    let (s, b) = send_with(&r, "POST", "/v1/dlq/purge", &[], Some(purge_all)).await;
+    assert_eq!(s, 415, "{b}");
+    // A page's request says where it comes from: refused, JSON or not, body or not.
+    let page = [("origin", "http://evil.example")];
+    for (method, path, ct, body) in [
+        ("POST", "/v1/dlq/purge", "application/json", Some(purge_all)),
+        ("POST", "/v1/targets/erp/pause", "", None),
+        (
+            "POST",
+            "/v1/events",
+            "application/cloudevents+json",
+            Some(r#"{"specversion":"1.0","id":"x","source":"/evil","type":"order.paid"}"#),
+        ),
+        ("GET", "/v1/dlq?target=erp", "", None),
+    ] {
+        let mut headers = page.to_vec();
+        if !ct.is_empty() {
+            headers.push(("content-type", ct));
+        }
+        let (s, b) = send_with(&r, method, path, &headers, body).await;
+        assert_eq!(
+            (s, &b["errors"][0]["pointer"]),
+            (403, &json!("/origin")),
+            "{method} {path}: {b}"
+        );
+    }
+    // A request without Origin that the browser marks as another site's (an <img>, a link).
+    let (s, b) = send_with(
+        &r,
+        "GET",
+        "/v1/dlq?target=erp",
+        &[("sec-fetch-site", "cross-site")],
+        None,
+    )
+    .await;
+    assert_eq!(
+        (s, &b["errors"][0]["pointer"]),
+        (403, &json!("/sec-fetch-site")),
+        "{b}"
+    );
+    // DNS rebinding: the page's own name, now resolving to 127.0.0.1, so the request is
+    // "same-origin" for the browser; the name in Host gives it away.
+    let rebound = format!("evil.example:{}", r.addr.port());
+    let rebound_origin = format!("http://{rebound}");
+    for (method, path, body) in [
+        ("GET", "/v1/dlq?target=erp", None),
+        ("POST", "/v1/dlq/purge", Some(purge_all)),
+    ] {
+        let (s, b) = send_with(
+            &r,
+            method,
+            path,
+            &[
+                ("host", &rebound),
+                ("origin", &rebound_origin),
+                ("content-type", "application/json"),
+            ],
+            body,
+        )
+        .await;
+        assert_eq!(
+            (s, &b["errors"][0]["pointer"]),
+            (403, &json!("/host")),
+            "{method} {path}: {b}"
+        );
+        assert!(
+            b["errors"][0]["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("DNS rebinding"),
+            "{b}"
+        );
+    }
+    // Nothing of it happened.
+    assert_eq!(dead_letters().await, 1, "the DLQ was purged");
+    let (_, t) = get_json(&r, "/v1/targets/erp").await;
+    assert_eq!(t["paused"], false, "{t}");
+    assert_eq!(
+        get_json(&r, "/v1/events/x?source=/evil").await.0,
+        404,
+        "the page's event was stored"
+    );
+
+    // Programs: a loopback name in Host (any port), no Origin, JSON or no body.
+    let localhost = format!("localhost:{}", r.addr.port());
+    let (s, b) = send_with(
+        &r,
+        "POST",
+        "/v1/targets/erp/pause",
+        &[("host", &localhost)],
+        None,
+    )
+    .await;
+    assert_eq!((s, &b["paused"]), (200, &json!(true)), "{b}");
+    let (s, b) = send_with(
+        &r,
+        "POST",
+        "/v1/dlq/purge",
+        &[("content-type", "application/json; charset=utf-8")],
+        Some(purge_all),
+    )
+    .await;
+    assert_eq!((s, &b["purged"]), (200, &json!(1)), "{b}");
+    // And the operator is told that auth is off.
+    let (_, status) = get_json(&r, "/v1/status").await;
+    assert!(
+        status["warnings"].to_string().contains("auth is off"),
+        "{}",
+        status["warnings"]
+    );
+    assert!(r.log_text().contains("auth is off"), "no start-up warning");
+}
+
+/// With tokens a router is reached by whatever name its clients use (a proxy, a DNS name),
+/// and a web page's request is still refused: a browser would not attach the token, but a
+/// request it makes on a page's behalf has no business here either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_tokens_any_host_is_served_but_no_web_page() {
+    let r = RouterProc::start_full(&[], &[], &[], Some(&auth_config()));
+    let bearer = "Bearer viewer-token";
+    let (s, b) = send_with(
+        &r,
+        "GET",
+        "/v1/status",
+        &[("host", "router.internal"), ("authorization", bearer)],
+        None,
+    )
+    .await;
+    assert_eq!(s, 200, "{b}");
+    assert!(
+        !b["warnings"].to_string().contains("auth is off"),
+        "{}",
+        b["warnings"]
+    );
+    let (s, b) = send_with(
+        &r,
+        "GET",
+        "/v1/status",
+        &[
+            ("host", "router.internal"),
+            ("origin", "https://router.internal"),
+            ("authorization", bearer),
+        ],
+        None,
+    )
+    .await;
+    assert_eq!(s, 200, "its own origin, behind a TLS proxy: {b}");
+    let (s, b) = send_with(
+        &r,
+        "GET",
+        "/v1/status",
+        &[
+            ("host", "router.internal"),
+            ("origin", "https://wiki.internal"),
+            ("authorization", bearer),
+        ],
+        None,
+    )
+    .await;
+    assert_eq!(
+        (s, &b["errors"][0]["pointer"]),
+        (403, &json!("/origin")),
+        "{b}"
+    );
+}
+
+/// A handler's emitted events carry `handler://<name>` and ids any producer can compute, and
+/// system events `router://…`: a producer that could send those sources could make the dedup
+/// window swallow a handler's real emission, or forge a `router.dlq.added`. Only an
+/// administrator, or a token whose `ingest-source:` pattern names the prefix (a router
+/// downstream of another), sends them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_routers_own_sources_are_reserved_at_ingest() {
+    let rcv = Receiver::ok().await;
+    let rules = webhook_rule("alerts", "router.dlq.added", &rcv.url(), "pager");
+    let auth = format!(
+        "{}{}",
+        auth_config(),
+        tokens_config(&[
+            ("anywhere", None, "ingest-source:*"),
+            ("downstream", None, "ingest-source:handler://*"),
+        ])
+    );
+    let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&auth));
+    let from = |source: &str, id: &str| json!({"specversion": "1.0", "id": id, "source": source, "type": "router.dlq.added", "data": {}});
+    let post = |token: &'static str, ct: &'static str, body: String| {
+        let url = r.url("/v1/events");
+        async move {
+            let resp = client()
+                .post(url)
+                .bearer_auth(token)
+                .header("content-type", ct)
+                .body(body)
+                .send()
+                .await
+                .expect("send");
+            let s = resp.status().as_u16();
+            (s, resp.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let structured = "application/cloudevents+json";
+    // No source restriction, or `ingest-source:*`: the router's sources are not covered.
+    for (token, source) in [
+        ("shop-token", "router://targets/erp"),
+        ("anywhere", "router://ingest"),
+        ("anywhere", "handler://enrich"),
+        ("downstream", "router://ingest"),
+    ] {
+        let (s, b) = post(token, structured, from(source, "f-1").to_string()).await;
+        assert_eq!(
+            (s, &b["errors"][0]["pointer"]),
+            (403, &json!("/source")),
+            "{token} {source}: {b}"
+        );
+        let msg = b["errors"][0]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains(&format!("ingest-source:{source}")), "{b}");
+    }
+    // A batch names the element; nothing of it is stored.
+    let batch = json!([from("/shop", "ok-1"), from("handler://enrich", "f-2")]);
+    let (s, b) = post(
+        "anywhere",
+        "application/cloudevents-batch+json",
+        batch.to_string(),
+    )
+    .await;
+    assert_eq!(
+        (s, &b["errors"][0]["pointer"]),
+        (403, &json!("/1/source")),
+        "{b}"
+    );
+    let (s, _) = get_json_as(&r, "/v1/events/ok-1?source=/shop", "ops-token").await;
+    assert_eq!(s, 404, "an element of the refused batch was stored");
+    // Binary mode: the ce-source header.
+    let resp = client()
+        .post(r.url("/v1/events"))
+        .bearer_auth("anywhere")
+        .header("ce-specversion", "1.0")
+        .header("ce-id", "f-3")
+        .header("ce-source", "router://targets/erp")
+        .header("ce-type", "router.dlq.added")
+        .header("content-type", "application/json")
+        .body("{}")
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status().as_u16(), 403);
+    let b: Value = resp.json().await.expect("json");
+    assert_eq!(b["errors"][0]["pointer"], "/ce-source", "{b}");
+    // Allowed: the prefix named by the scope, and an administrator.
+    let (s, b) = post(
+        "downstream",
+        structured,
+        from("handler://enrich", "d-1").to_string(),
+    )
+    .await;
+    assert_eq!(s, 202, "{b}");
+    let (s, b) = post(
+        "ops-token",
+        structured,
+        from("router://ingest", "o-1").to_string(),
+    )
+    .await;
+    assert_eq!(s, 202, "{b}");
+    // Only those two reached the alert route.
+    assert!(
+        rcv.wait_for(Duration::from_secs(20), |got| got.len() >= 2)
+            .await,
+        "the accepted events were not delivered"
+    );
+    let delivered = rcv
+        .settled_count(Duration::from_secs(1), Duration::from_secs(20))
+        .await;
+    assert_eq!(delivered, 2, "{:?}", rcv.received());
+    drop(r);
+
+    // Without tokens (every local caller an administrator) they are accepted as before.
+    let r = RouterProc::start(&[], &[]);
+    let (s, b) = post_event(&r, &from("handler://enrich", "n-1")).await;
+    assert_eq!(s, 202, "{b}");
+}
+
+async fn get_json_as(r: &RouterProc, path: &str, token: &str) -> (u16, Value) {
+    let resp = client()
+        .get(r.url(path))
+        .bearer_auth(token)
+        .send()
+        .await
+        .expect("get");
+    let s = resp.status().as_u16();
+    (s, resp.json().await.unwrap_or(Value::Null))
+}
+
+/// A handler's logs (event contents, its state) are its team's: another team's token whose
+/// `handlers:` glob covers the name reads its metadata, not its logs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_team_cannot_read_a_teams_handler_logs() {
+    let auth = tokens_config(&[
+        ("ops", None, "admin"),
+        ("billing-ci", Some("billing"), "handlers:*"),
+        ("crm-ci", None, "handlers:*"),
+    ]);
+    let rules = "rules:\n  - name: paid\n    pattern: { type: [order.paid] }\n    targets:\n      - handler: invoice\n";
+    let r = RouterProc::start_full(&[("r.yaml", rules)], &[], &[], Some(&auth));
+    let (s, b) = send_as(
+        &r,
+        "PUT",
+        "/v1/handlers/invoice",
+        "billing-ci",
+        Some(("application/wasm", crate::handlers::plugin("invoice"))),
+    )
+    .await;
+    assert_eq!(s, 201, "{b}");
+    let ev = event("paid-1", "order.paid", json!({"order_id": "A-1"}));
+    let (s, b) = send_as(
+        &r,
+        "POST",
+        "/v1/events",
+        "ops",
+        Some(("application/cloudevents+json", ev.to_string().into_bytes())),
+    )
+    .await;
+    assert_eq!(s, 202, "{b}");
+    let lines = |b: &Value| b["lines"].as_array().map_or(0, Vec::len);
+    let logged = eventually(Duration::from_secs(30), || async {
+        let (s, l) = send_as(&r, "GET", "/v1/handlers/invoice/logs", "billing-ci", None).await;
+        (s == 200 && lines(&l) > 0).then_some(())
+    })
+    .await;
+    assert!(logged.is_some(), "the handler logged nothing for its team");
+    let (s, b) = send_as(&r, "GET", "/v1/handlers/invoice/logs", "crm-ci", None).await;
+    assert_eq!(
+        (s, &b["errors"][0]["pointer"]),
+        (403, &json!("/authorization")),
+        "{b}"
+    );
+    let msg = b["errors"][0]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("belongs to team \"billing\""), "{b}");
+    // The metadata stays readable; an administrator reads the logs.
+    let (s, info) = send_as(&r, "GET", "/v1/handlers/invoice", "crm-ci", None).await;
+    assert_eq!((s, &info["owner"]), (200, &json!("billing")), "{info}");
+    let (s, l) = send_as(&r, "GET", "/v1/handlers/invoice/logs", "ops", None).await;
+    assert!(s == 200 && lines(&l) > 0, "{s} {l}");
+}
+
+/// Starts `router serve` with `config`; the process's stderr once it exited, or `None` if it
+/// was still serving after 30 s (then it is killed).
+fn serve_exit_output(config: &str) -> Option<String> {
+    let dir = tempfile::tempdir().expect("tmp");
+    let path = dir.path().join("router.toml");
+    std::fs::write(&path, config).expect("write config");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_router"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(&path)
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .arg("--rules")
+        .arg(dir.path().join("rules"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while child.try_wait().expect("wait").is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut err = String::new();
+    use std::io::Read as _;
+    child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut err)
+        .expect("read stderr");
+    Some(err)
+}
+
+/// A scope is matched character for character: a space, a trailing blank or two patterns in
+/// one string would load, never match, and leave the token refused for no reason its config
+/// shows. The router refuses to start instead, naming the token and the scope.
+#[test]
+fn a_scope_typo_stops_the_router_at_start() {
+    for (scope, why) in [
+        ("ingest: order.*", "' '"),
+        ("dlq:erp,crm", "','"),
+        ("handlers:Billing-*", "'B'"),
+    ] {
+        let config = format!(
+            "[[auth.tokens]]\nname = \"shop\"\nsha256 = \"{}\"\nscopes = [\"read\", \"{scope}\"]\n",
+            token_sha256("shop-token")
+        );
+        let err = serve_exit_output(&config)
+            .unwrap_or_else(|| panic!("the router started with scope {scope:?}"));
+        assert!(err.contains("auth.tokens[0] (shop)"), "{scope}: {err}");
+        assert!(err.contains(&format!("{scope:?}")), "{scope}: {err}");
+        assert!(err.contains(why), "{scope}: {err}");
+    }
+}
+
+/// A job list's `after=<job id>` resolves only among the caller's jobs: another team's job
+/// answers exactly as one that does not exist, so paging does not tell a team which jobs
+/// other teams run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_cursor_does_not_reveal_another_teams_job() {
+    let r = RouterProc::start_full(&[], &[], &[], Some(&auth_config()));
+    let redrive = |token: &'static str, target: &str| {
+        call(
+            &r,
+            "POST",
+            "/v1/dlq/redrive",
+            Some(token),
+            Some(json!({"filter": {"target": target}, "rate_per_sec": 5})),
+        )
+    };
+    let (s, own) = redrive("shop-token", "erp").await;
+    assert_eq!(s, 201, "{own}");
+    let (s, other) = redrive("ops-token", "crm").await;
+    assert_eq!(s, 201, "{other}");
+    let page_after = |job: &str| {
+        let path = format!("/v1/dlq/redrive?after={job}");
+        let r = &r;
+        async move { call(r, "GET", &path, Some("shop-token"), None).await }
+    };
+    let missing = page_after("redrive-999").await;
+    assert_eq!(missing.0, 400, "{}", missing.1);
+    let others = page_after(other["id"].as_str().expect("id")).await;
+    assert_eq!(
+        others, missing,
+        "another team's job answers as a missing one"
+    );
+    let (s, b) = page_after(own["id"].as_str().expect("id")).await;
+    assert_eq!(s, 200, "its own job is a cursor: {b}");
+    // `read` sees every job, and pages after any.
+    let (s, b) = call(
+        &r,
+        "GET",
+        &format!(
+            "/v1/dlq/redrive?after={}",
+            other["id"].as_str().expect("id")
+        ),
+        Some("viewer-token"),
+        None,
+    )
+    .await;
+    assert_eq!(s, 200, "{b}");
+}
+
+/// HEAD is GET without the body: a reader's HEAD gets what its GET gets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn head_is_answered_as_get() {
+    let r = RouterProc::start_full(&[], &[], &[], Some(&auth_config()));
+    for path in ["/v1/handlers/enrich", "/v1/dlq?limit=5", "/v1/status"] {
+        let status = |method: reqwest::Method| {
+            let url = r.url(path);
+            async move {
+                client()
+                    .request(method, url)
+                    .bearer_auth("viewer-token")
+                    .send()
+                    .await
+                    .expect("send")
+                    .status()
+                    .as_u16()
+            }
+        };
+        let (get, head) = (
+            status(reqwest::Method::GET).await,
+            status(reqwest::Method::HEAD).await,
+        );
+        assert_eq!(head, get, "HEAD {path}");
+    }
+}

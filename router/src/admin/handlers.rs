@@ -1,7 +1,8 @@
 //! Handler management API: upload (validated before it activates), list, show, rollback,
 //! delete, logs. Every route needs `handlers:<name>` for that handler (or `admin`; reading one
 //! also `read`), checked by the auth layer before the body is read (`auth::Need::Handler`);
-//! listing all handlers needs `read`.
+//! listing all handlers needs `read`. Changes and logs are the owning team's (or an
+//! administrator's) besides: a `handlers:` glob covering another team's handler opens neither.
 
 use std::sync::Arc;
 
@@ -364,9 +365,12 @@ enum LogLevelParam {
 }
 
 /// `GET /v1/handlers/{name}/logs?limit=`: recent captured lines (size-capped), with event id,
-/// attempt and level; traps keep their message.
+/// attempt and level; traps keep their message. They are the owning team's (and an
+/// administrator's): what a handler logs is its team's data (event contents, its own state),
+/// which another team's `handlers:` glob covering the name does not open.
 pub async fn logs(
     State(app): State<Arc<App>>,
+    axum::Extension(who): axum::Extension<Principal>,
     Path(name): Path<String>,
     crate::admin::ApiQuery(q): crate::admin::ApiQuery<LogsQuery>,
 ) -> Response {
@@ -374,6 +378,24 @@ pub async fn logs(
         Ok(rt) => rt,
         Err(r) => return *r,
     };
+    if let Some(Err(e)) = rt
+        .registry
+        .index(&name)
+        .map(|i| i.check_owner(&who.uploader()))
+    {
+        tracing::warn!(token = %who.name, team = %who.team, handler = %name, owner = %e.owner, "handler logs refused: another team owns the handler");
+        return error_response(
+            StatusCode::FORBIDDEN,
+            "out of scope",
+            vec![FieldError::new(
+                "/authorization",
+                format!(
+                    "token {:?} (team {:?}): handler {name:?} belongs to team {:?}; only its team or an administrator reads its logs",
+                    who.name, who.team, e.owner
+                ),
+            )],
+        );
+    }
     let query = crate::wasm::LogQuery {
         limit: q.limit.unwrap_or(200).min(MAX_LOG_LINES),
         event_id: q.event_id,

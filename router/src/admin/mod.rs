@@ -1114,32 +1114,21 @@ pub async fn jobs_list(
         Ok(jobs) => jobs,
         Err(e) => return store_error(&e),
     };
-    // The cursor is a position, not a job: the page goes on after it even when that job has
-    // changed state or been swept since.
     let cursor: Option<(i64, String)> = match &q.after {
         None => None,
-        Some(after) => {
-            let position = after
-                .split_once(':')
-                .and_then(|(at, id)| Some((at.parse::<i64>().ok()?, id.to_string())))
-                .or_else(|| {
-                    let j = jobs.iter().find(|j| &j.id == after)?;
-                    Some((j.created_at, j.id.clone()))
-                });
-            match position {
-                Some(p) => Some(p),
-                None => {
-                    return error_response(
-                        StatusCode::BAD_REQUEST,
-                        "invalid query",
-                        vec![FieldError::new(
-                            "/after",
-                            "not a cursor: give the `next` of the previous page",
-                        )],
-                    );
-                }
+        Some(after) => match job_cursor(after, &jobs, |j| job_visible(&who, j)) {
+            Some(p) => Some(p),
+            None => {
+                return error_response(
+                    StatusCode::BAD_REQUEST,
+                    "invalid query",
+                    vec![FieldError::new(
+                        "/after",
+                        "not a cursor: give the `next` of the previous page",
+                    )],
+                );
             }
-        }
+        },
     };
     jobs.retain(|j| {
         job_visible(&who, j)
@@ -1161,6 +1150,25 @@ pub async fn jobs_list(
         .map(|j| job_json(&app.jobs.shown(j)))
         .collect();
     axum::Json(json!({ "jobs": jobs, "next": next })).into_response()
+}
+
+/// The position a job list's `after` names: `<created_at ms>:<id>` (the previous page's
+/// `next`), or the id of a job `visible` to the caller. The cursor is a position, not a job:
+/// the page goes on after it even when that job has changed state or been swept since. A job
+/// the caller may not see is no cursor, exactly as one that does not exist, so a team token
+/// cannot learn by paging whether another team's job exists.
+fn job_cursor(
+    after: &str,
+    jobs: &[crate::store::Job],
+    visible: impl Fn(&crate::store::Job) -> bool,
+) -> Option<(i64, String)> {
+    after
+        .split_once(':')
+        .and_then(|(at, id)| Some((at.parse::<i64>().ok()?, id.to_string())))
+        .or_else(|| {
+            let j = jobs.iter().find(|j| j.id == after && visible(j))?;
+            Some((j.created_at, j.id.clone()))
+        })
 }
 
 /// The kind of job a job route is about: `/v1/replay/...` replays, `/v1/dlq/redrive/...`
@@ -1298,5 +1306,53 @@ pub async fn rule_control(
             vec![FieldError::new("/name", format!("no live rule {name:?}"))],
         ),
         Err(e) => store_error(&e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::auth::Principal;
+    use crate::store::JobKind;
+
+    /// A redrive job over `target`, created at `at`.
+    fn redrive(id: &str, target: &str, at: i64) -> crate::store::Job {
+        let mut j = crate::store::test_events::job(id, JobKind::Redrive);
+        j.spec = json!({ "filter": { "target": target } });
+        j.created_at = at;
+        j
+    }
+
+    /// A job id is a cursor only for a caller who may see that job: another team's answers as a
+    /// job that does not exist, so paging tells a team token nothing of other teams' jobs.
+    #[test]
+    fn a_job_cursor_resolves_only_among_the_callers_jobs() {
+        let jobs = [
+            redrive("redrive-1", "erp", 10),
+            redrive("redrive-2", "crm", 20),
+        ];
+        let who = |scope: &str| Principal {
+            name: "t".into(),
+            team: "t".into(),
+            scopes: vec![scope.into()],
+        };
+        let cursor = |p: &Principal, after: &str| job_cursor(after, &jobs, |j| job_visible(p, j));
+        let erp = who("dlq:erp");
+        assert_eq!(
+            cursor(&erp, "redrive-1"),
+            Some((10, "redrive-1".to_string()))
+        );
+        assert_eq!(cursor(&erp, "redrive-2"), None, "crm's job");
+        assert_eq!(cursor(&erp, "redrive-3"), None, "no such job");
+        // A position names no job: it resolves whoever asks.
+        assert_eq!(
+            cursor(&erp, "20:redrive-2"),
+            Some((20, "redrive-2".to_string()))
+        );
+        // `read` sees every job.
+        assert_eq!(
+            cursor(&who("read"), "redrive-2"),
+            Some((20, "redrive-2".to_string()))
+        );
     }
 }

@@ -203,7 +203,12 @@ async fn handle(
     }
     // Scope: every event's type and source must be within the token's ingest scopes (nothing
     // is stored otherwise).
-    for ev in &events {
+    // A source of the router's own is refused as such first: that is what the producer must
+    // fix, whatever else its scopes lack.
+    for (i, ev) in events.iter().enumerate() {
+        if let Some(needed) = principal.reserved_source_denial(&ev.source) {
+            return reserved_source_refused(principal, mode, i, &ev.source, &needed);
+        }
         if let Some(needed) = principal.ingest_denial(&ev.ty, Some(&ev.source)) {
             return crate::auth::forbidden(principal, &needed.to_string());
         }
@@ -486,6 +491,36 @@ async fn handle(
         axum::Json(Answer { results }),
     )
         .into_response()
+}
+
+/// The 403 for event `i` of a request in `mode` whose source is one of the router's own
+/// (`auth::RESERVED_SOURCE_PREFIXES`), pointing at that source: `/source`, `/<i>/source` in a
+/// batch, the `ce-source` header in binary mode.
+fn reserved_source_refused(
+    principal: &crate::auth::Principal,
+    mode: parse::Mode,
+    i: usize,
+    source: &str,
+    needed: &crate::auth::Scope,
+) -> Response {
+    let pointer = match mode {
+        parse::Mode::Structured => "/source".to_owned(),
+        parse::Mode::Batch => format!("/{i}/source"),
+        parse::Mode::Binary => "/ce-source".to_owned(),
+    };
+    let prefix = crate::auth::reserved_source_prefix(source).unwrap_or_default();
+    tracing::warn!(token = %principal.name, source, "ingest refused: a source reserved for the router's own events");
+    error_response(
+        StatusCode::FORBIDDEN,
+        "out of scope",
+        vec![FieldError::new(
+            pointer,
+            format!(
+                "token {:?} lacks scope {needed}: sources starting with {prefix} are the router's own (handlers' emitted events, system events); only admin or an ingest-source: pattern that itself starts with {prefix} may send them (ingest-source:* does not)",
+                principal.name
+            ),
+        )],
+    )
 }
 
 /// `Retry-After` (seconds) while the store compacts its file: compaction takes seconds on a
