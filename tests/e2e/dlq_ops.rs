@@ -311,6 +311,82 @@ async fn replay_of_a_time_range_delivers_exactly_the_matching_archived_events() 
     }
 }
 
+/// Replayed copies that meet their target's full queue go to the DLQ as `target_overflow`:
+/// new dead letters, counted in `router_dlq_entries_total` and announced as
+/// `router.dlq.added` like the copies refused at acceptance (they were only the job's
+/// `failed`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_copies_past_the_depth_cap_are_counted_and_announced() {
+    let rcv = Receiver::ok().await;
+    let alerts = Receiver::ok().await;
+    let rules = format!(
+        "{}  - name: page-on-dlq\n    pattern:\n      type: [router.dlq.added]\n    targets:\n      - webhook: {}\n        id: pager\n",
+        rules_yaml(
+            "  capped:\n    max_queue_depth: 4",
+            &[(
+                "r",
+                "t",
+                &[format!(
+                    "webhook: {}\n        id: c\n        policy: capped",
+                    rcv.url()
+                )]
+            )]
+        ),
+        alerts.url()
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    // Paused, `c` keeps what it is given: four accepted events fill its queue to the cap.
+    assert_eq!(post_json(&r, "/v1/targets/c/pause", json!({})).await.0, 200);
+    let from = chrono::Utc::now() - chrono::Duration::seconds(1);
+    let batch: Vec<_> = (0..4)
+        .map(|i| event(&format!("x{i}"), "t", json!({"i": i})))
+        .collect();
+    post_batch(&r, &batch).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let to = chrono::Utc::now() + chrono::Duration::milliseconds(10);
+    let (s, job) = post_json(
+        &r,
+        "/v1/replay",
+        json!({"from": from.to_rfc3339(), "to": to.to_rfc3339(), "rate_per_sec": 100}),
+    )
+    .await;
+    assert_eq!(s, 201, "{job}");
+    let id = job["id"].as_str().expect("id").to_string();
+    let done = job_done(&r, &format!("/v1/replay/{id}"), Duration::from_secs(20)).await;
+    assert_eq!(done["failed"], 4, "every copy overflowed: {done}");
+    let m = metrics_text(&r).await;
+    assert_eq!(
+        counter(
+            &m,
+            "router_dlq_entries_total{target=\"c\",reason=\"target_overflow\"}"
+        ),
+        4,
+        "{}",
+        metric_lines(&m, "router_dlq_entries")
+    );
+    let overflow_alerts = |s: &[Received]| {
+        s.iter()
+            .filter(|a| {
+                a.body["type"] == "router.dlq.added"
+                    && a.body["data"]["reason"] == "target_overflow"
+                    && a.body["data"]["target"] == "c"
+            })
+            .count()
+    };
+    assert!(
+        alerts
+            .wait_for(Duration::from_secs(10), |s| overflow_alerts(s) == 4)
+            .await,
+        "a router.dlq.added per overflowed copy: {:?}",
+        alerts
+            .received()
+            .iter()
+            .map(|a| a.body["data"].clone())
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(rcv.count(), 0, "paused");
+}
+
 /// A replay job resumes from its durable cursor after each kill -9: every archived event of
 /// the range is replayed, none twice under different keys, and the job ends `done` having
 /// moved each once.
