@@ -1432,9 +1432,23 @@ impl SystemEventLimits {
     }
 }
 
+/// Whether a system event about `about` may go to `target`: never to the target it is about,
+/// nor to another target that delivers to the same place (a handler or a URL named by two
+/// rules).
+fn deliverable(rules: &RuleSet, about: Option<&str>, target: &str) -> bool {
+    let Some(about) = about else { return true };
+    if target == about {
+        return false;
+    }
+    match (rules.targets.get(about), rules.targets.get(target)) {
+        (Some(a), Some(t)) => a.kind.destination() != t.kind.destination(),
+        _ => true,
+    }
+}
+
 /// Routes system events (`router.*`) through the live rules, rate-limited so that an alert
 /// path that fails cannot become a storm. An event about a target is never delivered to that
-/// same target.
+/// same target (see [`deliverable`]).
 fn spawn_system_event_router(
     app: &Arc<App>,
     tracker: &TaskTracker,
@@ -1465,7 +1479,8 @@ fn spawn_system_event_router(
                 app.clock.now_ms(),
                 window,
             );
-            ne.targets.retain(|t| Some(&t.target_id) != about.as_ref());
+            ne.targets
+                .retain(|t| deliverable(&rules, about.as_deref(), &t.target_id));
             // A store that refuses it is usually brief (a compaction, a reconnect): tried
             // again for about 7 s, then counted as dropped.
             let mut retry_in = Duration::from_secs(1);
@@ -1815,6 +1830,30 @@ pub(crate) fn test_app(
     store: Arc<dyn Store>,
     shared_contracts: Option<Arc<crate::admin::contracts::SharedContracts>>,
 ) -> Arc<App> {
+    test_app_with(cfg, store, shared_contracts, None)
+}
+
+/// A [`test_app`] whose delivery raises its system events into a channel of 1024 (as
+/// [`run_with_store`]'s does), returned beside it.
+#[cfg(test)]
+pub(crate) fn test_app_raising(
+    cfg: Config,
+    store: Arc<dyn Store>,
+) -> (
+    Arc<App>,
+    tokio::sync::mpsc::Receiver<crate::event::CloudEvent>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::channel(1024);
+    (test_app_with(cfg, store, None, Some(tx)), rx)
+}
+
+#[cfg(test)]
+fn test_app_with(
+    cfg: Config,
+    store: Arc<dyn Store>,
+    shared_contracts: Option<Arc<crate::admin::contracts::SharedContracts>>,
+    system_events: Option<tokio::sync::mpsc::Sender<crate::event::CloudEvent>>,
+) -> Arc<App> {
     let (rules, warnings) = load_rules(&cfg).expect("the test's rules load");
     let contracts = load_contracts(&cfg).expect("the test's contracts load");
     let metrics = Metrics::new();
@@ -1835,7 +1874,7 @@ pub(crate) fn test_app(
         cancel: CancellationToken::new(),
         tracker: TaskTracker::new(),
         spawner,
-        system_events: None,
+        system_events,
         secrets,
         handlers: None,
         log_gates: Default::default(),
@@ -1880,7 +1919,7 @@ pub(crate) fn test_app(
 mod tests {
     use super::*;
     use crate::store::fault::SimulatedDisk;
-    use crate::store::{RedbStore, StoreOptions};
+    use crate::store::{DlqReason, RedbStore, StoreOptions};
 
     #[test]
     fn one_noisy_target_does_not_use_up_the_system_events_of_others() {
@@ -1897,6 +1936,104 @@ mod tests {
             .filter(|i| limits.admit(Some(&format!("t{}", i % 40))))
             .count();
         assert!(total < 600, "{total}");
+    }
+
+    /// An alert loop through a handler: webhook `a` fails → `router.dlq.added` about `a` →
+    /// handler `b` turns it into `ops.page` → routed to `a`, which fails again → … With
+    /// system events starting at hop 0 every turn, nothing ended it. Each announcement now
+    /// carries its dead letter's hops plus one, so the emissions climb to the hop limit and
+    /// the last one goes to the DLQ as `loop_detected`; that dead letter is announced as
+    /// about `b`, which therefore never receives it.
+    #[tokio::test]
+    async fn an_alert_loop_through_a_handler_ends_at_the_hop_limit() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = test_config(dir.path());
+        std::fs::write(
+            cfg.rules_dir.join("r.yaml"),
+            "rules:\n  - name: pages\n    pattern:\n      type: [ops.page]\n    targets:\n      - webhook: http://127.0.0.1:9/a\n        id: a\n  - name: alerts\n    pattern:\n      type: [router.dlq.added]\n    targets:\n      - webhook: http://127.0.0.1:9/b\n        id: b\n",
+        )
+        .expect("rules");
+        let store = RedbStore::in_memory().expect("store");
+        let (app, mut rx) = test_app_raising(cfg, store);
+        let ctx = app.dispatcher.context().clone();
+        let emitter = crate::target::handler::EmitterOf {
+            handler: "b".into(),
+            owner: crate::auth::PRELOAD_OWNER.into(),
+            team: None,
+        };
+        let now = app.clock.now_ms();
+        let mut page = crate::store::test_events::ev("/producer", "page-0");
+        page.ty = "ops.page".into();
+        for turn in 0..50 {
+            // `a` fails it for good.
+            crate::deliver::dead_lettered(
+                &ctx,
+                Some("a"),
+                crate::deliver::DeadEvent::of(&page),
+                DlqReason::PermanentError,
+                None,
+                now,
+            );
+            let alert = rx.try_recv().expect("router.dlq.added about a");
+            assert_eq!(alert.subject.as_deref(), Some("a"));
+            assert_eq!(alert.hops(), page.hops() + 1);
+            // `b` handles the alert: its emission has one hop more (as the handler target
+            // completes it), then re-enters the pipeline.
+            let mut emitted = page.clone();
+            emitted.id = format!("page-{}", turn + 1);
+            emitted
+                .extensions
+                .insert("hops".into(), serde_json::Value::from(alert.hops() + 1));
+            let ne = prepare_emitted(&app, &emitter, vec![emitted.clone()], now)
+                .pop()
+                .expect("prepared");
+            if let Some(q) = ne.quarantine {
+                assert_eq!(q.reason, DlqReason::LoopDetected);
+                assert!(turn <= 5, "ended after {turn} turns");
+                // Its dead letter is about `b`, so it is never routed back to `b`.
+                crate::deliver::dead_lettered(
+                    &ctx,
+                    None,
+                    crate::deliver::DeadEvent {
+                        emitted_by: Some("b"),
+                        ..crate::deliver::DeadEvent::of(&emitted)
+                    },
+                    q.reason,
+                    None,
+                    now,
+                );
+                let last = rx.try_recv().expect("router.dlq.added about b");
+                assert_eq!(last.subject.as_deref(), Some("b"));
+                assert_eq!(last.data.as_ref().expect("data").value()["emitted_by"], "b");
+                let rules = app.rules.load();
+                assert!(!deliverable(&rules, Some("b"), "b"));
+                return;
+            }
+            assert_eq!(ne.targets.len(), 1, "routed to a again");
+            page = emitted;
+        }
+        panic!("the alert loop never ended");
+    }
+
+    #[tokio::test]
+    async fn a_system_event_goes_neither_to_its_target_nor_to_the_same_destination() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = test_config(dir.path());
+        std::fs::write(
+            cfg.rules_dir.join("r.yaml"),
+            "rules:\n  - name: r\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/\n        id: hook\n  - name: alerts\n    pattern:\n      type: [router.dlq.added]\n    targets:\n      - webhook: http://127.0.0.1:9/pager\n        id: pager\n      - webhook: http://127.0.0.1:9/\n        id: hook-alias\n",
+        )
+        .expect("rules");
+        let app = test_app(cfg, RedbStore::in_memory().expect("store"), None);
+        let rules = app.rules.load();
+        assert!(!deliverable(&rules, Some("hook"), "hook"));
+        assert!(!deliverable(&rules, Some("hook"), "hook-alias"), "same URL");
+        assert!(deliverable(&rules, Some("hook"), "pager"));
+        assert!(deliverable(&rules, None, "hook-alias"));
+        assert!(
+            deliverable(&rules, Some("gone"), "pager"),
+            "no longer in the rules"
+        );
     }
 
     const SIGNED_RULE: &str = "rules:\n  - name: signed\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/signed\n        id: signed\n        secret_env: UNIT_TEST_SECRET_NEVER_SET\n";

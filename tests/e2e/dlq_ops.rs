@@ -694,3 +694,55 @@ async fn the_job_list_is_newest_first_paged_and_filtered() {
         assert_eq!(b["errors"][0]["pointer"], pointer, "{query}: {b}");
     }
 }
+
+/// A contract that no `data` meets (it needs a field nobody sends).
+const NEVER_VALID: &str = r#"{
+  "$schema": "https://json-schema.org/draft/2020-12/schema",
+  "type": "object",
+  "required": ["never_sent"]
+}"#;
+
+/// A handler's emission that goes to the DLQ (here it fails its contract) is announced as
+/// about the handler's target, so a rule that sends `router.dlq.added` to that same handler
+/// does not hand the handler its own failure (it did: the announcement was about no
+/// target). The announcement counts one hop more than the emission.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_emissions_dead_letter_is_not_announced_to_the_handler_that_emitted_it() {
+    use crate::handlers::{plugin, put_handler};
+    let alerts = Receiver::ok().await;
+    let rules = format!(
+        "rules:\n  - name: enrich-all\n    pattern:\n      type: [order, router.dlq.added]\n    targets:\n      - handler: enrich\n        id: e\n  - name: page-on-dlq\n    pattern:\n      type: [router.dlq.added]\n    targets:\n      - webhook: {}\n        id: pager\n",
+        alerts.url()
+    );
+    let r = RouterProc::start(
+        &[("r.yaml", &rules)],
+        &[("order.enriched/v1.json", NEVER_VALID)],
+    );
+    assert_eq!(put_handler(&r, "enrich", plugin("enrich")).await.0, 201);
+    assert_eq!(
+        post_event(&r, &event("o1", "order", json!({"a": 1})))
+            .await
+            .0,
+        202
+    );
+    assert!(
+        alerts
+            .wait_for(Duration::from_secs(30), |s| !s.is_empty())
+            .await,
+        "no router.dlq.added for the quarantined emission"
+    );
+    let alert = alerts.received()[0].body.clone();
+    assert_eq!(
+        (&alert["subject"], &alert["data"]["emitted_by"]),
+        (&json!("e"), &json!("e")),
+        "about the emitting target: {alert}"
+    );
+    assert_eq!(alert["data"]["target"], Value::Null, "{alert}");
+    assert_eq!(alert["data"]["reason"], "contract_violation", "{alert}");
+    assert_eq!(alert["hops"], 2, "the emission's hop plus one: {alert}");
+    // The handler ran for the order only, never for the announcement of its own emission.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (_, t) = get_json(&r, "/v1/targets/e").await;
+    assert_eq!(t["delivered"], 1, "{t}");
+    assert_eq!(alerts.count(), 1);
+}

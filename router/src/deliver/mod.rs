@@ -27,7 +27,9 @@ use crate::telemetry::Metrics;
 pub use handoff::Reservation;
 pub use runtime::{Limiter, PersistedState, TargetRuntime};
 pub use threads::{DeliveryThreads, DeliveryThreadsStatus};
-pub use worker::{count_dead_letters, dead_lettered, dead_lettered_in_bulk, decide, system_event};
+pub use worker::{
+    DeadEvent, count_dead_letters, dead_lettered, dead_lettered_in_bulk, decide, system_event,
+};
 
 /// Resolves a secret by name (environment, then the secrets file).
 pub type SecretResolver = Arc<dyn Fn(&str) -> Option<String> + Send + Sync>;

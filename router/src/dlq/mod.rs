@@ -1051,11 +1051,10 @@ async fn replay_step(
         let Some(ev) = events.iter().find(|e| e.seq == *seq) else {
             continue;
         };
-        let ev = &ev.event;
         crate::deliver::dead_lettered(
             app.dispatcher.context(),
             Some(target),
-            (&ev.id, &ev.source, &ev.ty),
+            crate::deliver::DeadEvent::of(&ev.event),
             DlqReason::TargetOverflow,
             Some(&format!(
                 "replayed by {}; the target's queue is at its depth cap",
