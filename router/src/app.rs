@@ -1486,7 +1486,29 @@ fn spawn_system_event_router(
             let mut retry_in = Duration::from_secs(1);
             loop {
                 match app.store.accept(vec![ne.clone()]).await {
-                    Ok(_) => break,
+                    Ok(outcomes) => {
+                        // A copy that met a full queue (the alert route's own target at its
+                        // cap) is a dead letter like any other: counted, but not announced,
+                        // which would feed the alert path its own failures (dead_lettered
+                        // raises nothing about a router.* event).
+                        for outcome in &outcomes {
+                            if let crate::store::AcceptOutcome::Accepted { overflowed, .. } =
+                                outcome
+                            {
+                                for target in overflowed {
+                                    crate::deliver::dead_lettered(
+                                        app.dispatcher.context(),
+                                        Some(target),
+                                        crate::deliver::DeadEvent::of(&ne.event),
+                                        crate::store::DlqReason::TargetOverflow,
+                                        Some("the target's queue is at its depth cap"),
+                                        app.clock.now_ms(),
+                                    );
+                                }
+                            }
+                        }
+                        break;
+                    }
                     Err(e) if retry_in <= Duration::from_secs(4) => {
                         tracing::warn!(error = %e, %ty, ?retry_in, "could not store a system event; trying again");
                         tokio::select! {
@@ -2034,6 +2056,73 @@ mod tests {
             deliverable(&rules, Some("gone"), "pager"),
             "no longer in the rules"
         );
+    }
+
+    /// Rules: `t` to the webhook `hook`; `router.dlq.added` to `pager` (its queue capped at
+    /// 2) and to `hook-alias`, another target delivering where `hook` does.
+    const ALERT_RULES: &str = "policies:\n  capped:\n    max_queue_depth: 2\nrules:\n  - name: r\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/\n        id: hook\n  - name: alerts\n    pattern:\n      type: [router.dlq.added]\n    targets:\n      - webhook: http://127.0.0.1:9/pager\n        id: pager\n        policy: capped\n      - webhook: http://127.0.0.1:9/\n        id: hook-alias\n";
+
+    /// A system event's copy that meets a full queue is a dead letter like any other: counted
+    /// in `router_dlq_entries_total` (the accept's answer was discarded, 123 entries went
+    /// uncounted in an audit), but not announced, which would feed the alert path its own
+    /// failures.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn system_events_past_a_full_queue_are_counted_and_not_announced() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = test_config(dir.path());
+        std::fs::write(cfg.rules_dir.join("r.yaml"), ALERT_RULES).expect("rules");
+        let (app, rx) = test_app_raising(cfg, RedbStore::in_memory().expect("store"));
+        let (tracker, cancel) = (TaskTracker::new(), CancellationToken::new());
+        spawn_system_event_router(&app, &tracker, cancel.clone(), rx);
+        let now = app.clock.now_ms();
+        let ctx = app.dispatcher.context();
+        for i in 0..5 {
+            let ev = crate::store::test_events::ev("/s", &format!("e{i}"));
+            crate::deliver::dead_lettered(
+                ctx,
+                Some("hook"),
+                crate::deliver::DeadEvent::of(&ev),
+                DlqReason::RetriesExhausted,
+                None,
+                now,
+            );
+        }
+        // No worker runs here: `pager` keeps two, and three overflow.
+        let overflowed = || {
+            app.metrics
+                .dlq_entries
+                .get_or_create(&vec![
+                    ("target", "pager".to_owned()),
+                    ("reason", "target_overflow".to_owned()),
+                ])
+                .get()
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while overflowed() < 3 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(overflowed(), 3);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let stored = app
+            .store
+            .events_between(0, i64::MAX, 0, 100)
+            .await
+            .expect("archive");
+        let announced = stored
+            .iter()
+            .filter(|e| e.event.ty == "router.dlq.added")
+            .count();
+        assert_eq!(announced, 5, "none about the overflowed copies");
+        assert_eq!(app.store.queue_stats()["pager"].queued, 2);
+        assert_eq!(
+            app.store
+                .queue_stats()
+                .get("hook-alias")
+                .map_or(0, |s| s.queued),
+            0,
+            "never to where `hook` delivers"
+        );
+        cancel.cancel();
     }
 
     const SIGNED_RULE: &str = "rules:\n  - name: signed\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/signed\n        id: signed\n        secret_env: UNIT_TEST_SECRET_NEVER_SET\n";

@@ -702,6 +702,59 @@ const NEVER_VALID: &str = r#"{
   "required": ["never_sent"]
 }"#;
 
+/// The alert route's own queue at its cap: the announcements that overflow it are dead
+/// letters like any other, counted in `router_dlq_entries_total` (the system-event router
+/// discarded the store's answer, and an audit found 123 DLQ entries no metric counted), and
+/// announced no further (the alert path would feed on its own failures).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alerts_that_overflow_the_alert_queue_are_counted_dead_letters() {
+    let alerts = Receiver::ok().await;
+    let rules = format!(
+        "policies:\n  capped:\n    max_queue_depth: 3\nrules:\n  - name: page-on-dlq\n    pattern:\n      type: [router.dlq.added]\n    targets:\n      - webhook: {}\n        id: pager\n        policy: capped\n",
+        alerts.url()
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[("t/v1.json", NEVER_VALID)]);
+    // Paused, the pager keeps three announcements; the others overflow.
+    assert_eq!(
+        post_json(&r, "/v1/targets/pager/pause", json!({})).await.0,
+        200
+    );
+    let batch: Vec<_> = (0..30)
+        .map(|i| event(&format!("p{i}"), "t", json!({"i": i})))
+        .collect();
+    post_batch(&r, &batch).await;
+    let overflowed = "router_dlq_entries_total{target=\"pager\",reason=\"target_overflow\"}";
+    let counted = eventually(Duration::from_secs(20), || async {
+        let n = counter(&metrics_text(&r).await, overflowed);
+        (n >= 27).then_some(n)
+    })
+    .await;
+    assert_eq!(
+        counted,
+        Some(27),
+        "announcements past the cap were not counted"
+    );
+    let (_, l) = get_json(&r, "/v1/dlq?target=pager&limit=100").await;
+    assert_eq!(l["entries"].as_array().map(Vec::len), Some(27), "{l}");
+    // Nothing more comes of them: no announcement of the overflow, so no more dead letters.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let m = metrics_text(&r).await;
+    assert_eq!(
+        counter(&m, overflowed),
+        27,
+        "{}",
+        metric_lines(&m, "dlq_entries")
+    );
+    assert_eq!(
+        counter(
+            &m,
+            "router_dlq_entries_total{target=\"none\",reason=\"contract_violation\"}"
+        ),
+        30
+    );
+    assert_eq!(alerts.count(), 0, "paused");
+}
+
 /// A handler's emission that goes to the DLQ (here it fails its contract) is announced as
 /// about the handler's target, so a rule that sends `router.dlq.added` to that same handler
 /// does not hand the handler its own failure (it did: the announcement was about no
