@@ -1133,6 +1133,7 @@ pub async fn run_with_store(
         secrets,
         handlers: handlers.clone(),
         log_gates: Default::default(),
+        unannounced: Default::default(),
     });
     // On a shared store: count the live nodes before any worker takes its throttle share.
     if store.shared() {
@@ -1284,7 +1285,7 @@ pub async fn run_with_store(
     spawn_node_announcer(&app, &tracker, workers_cancel.clone());
     spawn_sweeper(&app, &tracker, workers_cancel.clone());
     spawn_disk_monitor(&app, &tracker, workers_cancel.clone());
-    spawn_system_event_router(&app, &tracker, workers_cancel.clone(), sys_rx);
+    crate::system_events::spawn_router(&app, &tracker, workers_cancel.clone(), sys_rx);
 
     let router = Router::new()
         .route("/v1/events", post(crate::ingest::post_events))
@@ -1396,136 +1397,6 @@ pub async fn run_with_store(
     }
     tracing::info!("stopped");
     Ok(())
-}
-
-/// The rate limits on system events: per target they are about (20/s, bursts of 100), so
-/// one flapping target cannot use up the alerts of the others, and in total (100/s, bursts of
-/// 500), so many failing targets together still cannot make a storm.
-struct SystemEventLimits {
-    per_target: governor::DefaultKeyedRateLimiter<String>,
-    total: governor::DefaultDirectRateLimiter,
-}
-
-impl SystemEventLimits {
-    fn new() -> Self {
-        use governor::{Quota, RateLimiter};
-        let quota = |per_second: u32, burst: u32| {
-            Quota::per_second(
-                std::num::NonZeroU32::new(per_second).unwrap_or(std::num::NonZeroU32::MIN),
-            )
-            .allow_burst(std::num::NonZeroU32::new(burst).unwrap_or(std::num::NonZeroU32::MIN))
-        };
-        Self {
-            per_target: RateLimiter::keyed(quota(20, 100)),
-            total: RateLimiter::direct(quota(100, 500)),
-        }
-    }
-
-    /// Whether an event about `about` (a target id; events about no target share one key)
-    /// may go now.
-    fn admit(&self, about: Option<&str>) -> bool {
-        // The keys are the router's target ids: as many as the rules have ever named.
-        self.per_target
-            .check_key(&about.unwrap_or("").to_string())
-            .is_ok()
-            && self.total.check().is_ok()
-    }
-}
-
-/// Whether a system event about `about` may go to `target`: never to the target it is about,
-/// nor to another target that delivers to the same place (a handler or a URL named by two
-/// rules).
-fn deliverable(rules: &RuleSet, about: Option<&str>, target: &str) -> bool {
-    let Some(about) = about else { return true };
-    if target == about {
-        return false;
-    }
-    match (rules.targets.get(about), rules.targets.get(target)) {
-        (Some(a), Some(t)) => a.kind.destination() != t.kind.destination(),
-        _ => true,
-    }
-}
-
-/// Routes system events (`router.*`) through the live rules, rate-limited so that an alert
-/// path that fails cannot become a storm. An event about a target is never delivered to that
-/// same target (see [`deliverable`]).
-fn spawn_system_event_router(
-    app: &Arc<App>,
-    tracker: &TaskTracker,
-    cancel: CancellationToken,
-    mut rx: tokio::sync::mpsc::Receiver<crate::event::CloudEvent>,
-) {
-    let app = app.clone();
-    tracker.spawn(async move {
-        let limits = SystemEventLimits::new();
-        loop {
-            let ev = tokio::select! {
-                _ = cancel.cancelled() => break,
-                ev = rx.recv() => match ev { Some(ev) => ev, None => break },
-            };
-            if !limits.admit(ev.subject.as_deref()) {
-                app.metrics.system_events_dropped.inc();
-                tracing::warn!(ty = %ev.ty, about = ?ev.subject, "system event dropped by the rate limit");
-                continue;
-            }
-            let rules = app.rules.load();
-            let window = i64::try_from(app.cfg.ingest.dedup_window.as_millis()).unwrap_or(i64::MAX);
-            let about = ev.subject.clone();
-            let ty = ev.ty.clone();
-            let mut ne = crate::ingest::route(
-                &rules,
-                &app.disabled_rules(),
-                ev,
-                app.clock.now_ms(),
-                window,
-            );
-            ne.targets
-                .retain(|t| deliverable(&rules, about.as_deref(), &t.target_id));
-            // A store that refuses it is usually brief (a compaction, a reconnect): tried
-            // again for about 7 s, then counted as dropped.
-            let mut retry_in = Duration::from_secs(1);
-            loop {
-                match app.store.accept(vec![ne.clone()]).await {
-                    Ok(outcomes) => {
-                        // A copy that met a full queue (the alert route's own target at its
-                        // cap) is a dead letter like any other: counted, but not announced,
-                        // which would feed the alert path its own failures (dead_lettered
-                        // raises nothing about a router.* event).
-                        for outcome in &outcomes {
-                            if let crate::store::AcceptOutcome::Accepted { overflowed, .. } =
-                                outcome
-                            {
-                                for target in overflowed {
-                                    crate::deliver::dead_lettered(
-                                        app.dispatcher.context(),
-                                        Some(target),
-                                        crate::deliver::DeadEvent::of(&ne.event),
-                                        crate::store::DlqReason::TargetOverflow,
-                                        Some("the target's queue is at its depth cap"),
-                                        app.clock.now_ms(),
-                                    );
-                                }
-                            }
-                        }
-                        break;
-                    }
-                    Err(e) if retry_in <= Duration::from_secs(4) => {
-                        tracing::warn!(error = %e, %ty, ?retry_in, "could not store a system event; trying again");
-                        tokio::select! {
-                            _ = cancel.cancelled() => {}
-                            _ = tokio::time::sleep(retry_in) => {}
-                        }
-                        retry_in *= 2;
-                    }
-                    Err(e) => {
-                        app.metrics.system_events_dropped.inc();
-                        tracing::error!(error = %e, %ty, "could not store a system event; dropped");
-                        break;
-                    }
-                }
-            }
-        }
-    });
 }
 
 /// Handler uploads read or compiled at once (`App::upload_slots`).
@@ -1900,6 +1771,7 @@ fn test_app_with(
         secrets,
         handlers: None,
         log_gates: Default::default(),
+        unannounced: Default::default(),
     });
     let now = clock.now_ms();
     Arc::new(App {
@@ -1942,23 +1814,6 @@ mod tests {
     use super::*;
     use crate::store::fault::SimulatedDisk;
     use crate::store::{DlqReason, RedbStore, StoreOptions};
-
-    #[test]
-    fn one_noisy_target_does_not_use_up_the_system_events_of_others() {
-        let limits = SystemEventLimits::new();
-        let admitted = (0..1_000)
-            .filter(|_| limits.admit(Some("flapping")))
-            .count();
-        // Its burst, plus what refills while the loop runs.
-        assert!((100..150).contains(&admitted), "{admitted}");
-        assert!(limits.admit(Some("payments")));
-        assert!(limits.admit(None));
-        // Many targets at once still meet the total bound.
-        let total = (0..2_000)
-            .filter(|i| limits.admit(Some(&format!("t{}", i % 40))))
-            .count();
-        assert!(total < 600, "{total}");
-    }
 
     /// An alert loop through a handler: webhook `a` fails → `router.dlq.added` about `a` →
     /// handler `b` turns it into `ops.page` → routed to `a`, which fails again → … With
@@ -2028,101 +1883,13 @@ mod tests {
                 assert_eq!(last.subject.as_deref(), Some("b"));
                 assert_eq!(last.data.as_ref().expect("data").value()["emitted_by"], "b");
                 let rules = app.rules.load();
-                assert!(!deliverable(&rules, Some("b"), "b"));
+                assert!(!crate::system_events::deliverable(&rules, Some("b"), "b"));
                 return;
             }
             assert_eq!(ne.targets.len(), 1, "routed to a again");
             page = emitted;
         }
         panic!("the alert loop never ended");
-    }
-
-    #[tokio::test]
-    async fn a_system_event_goes_neither_to_its_target_nor_to_the_same_destination() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let cfg = test_config(dir.path());
-        std::fs::write(
-            cfg.rules_dir.join("r.yaml"),
-            "rules:\n  - name: r\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/\n        id: hook\n  - name: alerts\n    pattern:\n      type: [router.dlq.added]\n    targets:\n      - webhook: http://127.0.0.1:9/pager\n        id: pager\n      - webhook: http://127.0.0.1:9/\n        id: hook-alias\n",
-        )
-        .expect("rules");
-        let app = test_app(cfg, RedbStore::in_memory().expect("store"), None);
-        let rules = app.rules.load();
-        assert!(!deliverable(&rules, Some("hook"), "hook"));
-        assert!(!deliverable(&rules, Some("hook"), "hook-alias"), "same URL");
-        assert!(deliverable(&rules, Some("hook"), "pager"));
-        assert!(deliverable(&rules, None, "hook-alias"));
-        assert!(
-            deliverable(&rules, Some("gone"), "pager"),
-            "no longer in the rules"
-        );
-    }
-
-    /// Rules: `t` to the webhook `hook`; `router.dlq.added` to `pager` (its queue capped at
-    /// 2) and to `hook-alias`, another target delivering where `hook` does.
-    const ALERT_RULES: &str = "policies:\n  capped:\n    max_queue_depth: 2\nrules:\n  - name: r\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/\n        id: hook\n  - name: alerts\n    pattern:\n      type: [router.dlq.added]\n    targets:\n      - webhook: http://127.0.0.1:9/pager\n        id: pager\n        policy: capped\n      - webhook: http://127.0.0.1:9/\n        id: hook-alias\n";
-
-    /// A system event's copy that meets a full queue is a dead letter like any other: counted
-    /// in `router_dlq_entries_total` (the accept's answer was discarded, 123 entries went
-    /// uncounted in an audit), but not announced, which would feed the alert path its own
-    /// failures.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn system_events_past_a_full_queue_are_counted_and_not_announced() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let cfg = test_config(dir.path());
-        std::fs::write(cfg.rules_dir.join("r.yaml"), ALERT_RULES).expect("rules");
-        let (app, rx) = test_app_raising(cfg, RedbStore::in_memory().expect("store"));
-        let (tracker, cancel) = (TaskTracker::new(), CancellationToken::new());
-        spawn_system_event_router(&app, &tracker, cancel.clone(), rx);
-        let now = app.clock.now_ms();
-        let ctx = app.dispatcher.context();
-        for i in 0..5 {
-            let ev = crate::store::test_events::ev("/s", &format!("e{i}"));
-            crate::deliver::dead_lettered(
-                ctx,
-                Some("hook"),
-                crate::deliver::DeadEvent::of(&ev),
-                DlqReason::RetriesExhausted,
-                None,
-                now,
-            );
-        }
-        // No worker runs here: `pager` keeps two, and three overflow.
-        let overflowed = || {
-            app.metrics
-                .dlq_entries
-                .get_or_create(&vec![
-                    ("target", "pager".to_owned()),
-                    ("reason", "target_overflow".to_owned()),
-                ])
-                .get()
-        };
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while overflowed() < 3 && std::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        assert_eq!(overflowed(), 3);
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let stored = app
-            .store
-            .events_between(0, i64::MAX, 0, 100)
-            .await
-            .expect("archive");
-        let announced = stored
-            .iter()
-            .filter(|e| e.event.ty == "router.dlq.added")
-            .count();
-        assert_eq!(announced, 5, "none about the overflowed copies");
-        assert_eq!(app.store.queue_stats()["pager"].queued, 2);
-        assert_eq!(
-            app.store
-                .queue_stats()
-                .get("hook-alias")
-                .map_or(0, |s| s.queued),
-            0,
-            "never to where `hook` delivers"
-        );
-        cancel.cancel();
     }
 
     const SIGNED_RULE: &str = "rules:\n  - name: signed\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/signed\n        id: signed\n        secret_env: UNIT_TEST_SECRET_NEVER_SET\n";

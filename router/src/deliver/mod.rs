@@ -63,6 +63,8 @@ pub struct DeliveryContext {
     pub handlers: Option<Arc<crate::target::handler::HandlerRuntime>>,
     /// Limits on the log lines about each target's failures and dead letters.
     pub log_gates: crate::telemetry::LogGates,
+    /// New dead letters whose `router.dlq.added` was dropped, to be announced in a summary.
+    pub unannounced: crate::system_events::Unannounced,
 }
 
 /// Takes a worker's semaphore of `from` slots to `to`: more are added at once; fewer are taken

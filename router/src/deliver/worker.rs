@@ -1230,12 +1230,13 @@ async fn on_transition(ctx: &DeliveryContext, rt: &TargetRuntime, t: Transition,
 }
 
 /// Hands a system event to the router that routes them. Bounded and best-effort: a full
-/// channel means an alert storm is already under way, and the event is counted as dropped.
+/// channel means an alert storm is already under way, and the event is counted as dropped
+/// (a `router.dlq.added` is announced later in its target's summary).
 fn raise(ctx: &DeliveryContext, ev: CloudEvent) {
     if let Some(tx) = &ctx.system_events
-        && tx.try_send(ev).is_err()
+        && let Err(e) = tx.try_send(ev)
     {
-        ctx.metrics.system_events_dropped.inc();
+        crate::system_events::dropped(ctx, &e.into_inner(), "the routing channel is full");
     }
 }
 
@@ -1335,7 +1336,11 @@ pub fn dead_lettered(
         return;
     }
     let about = target.or(emitted_by);
-    let mut sys = system_event("router.dlq.added", about.unwrap_or("none"), now);
+    let mut sys = system_event(
+        crate::system_events::DLQ_ADDED,
+        about.unwrap_or("none"),
+        now,
+    );
     if about.is_none() {
         sys.subject = None;
         sys.source = "router://ingest".into();
@@ -1379,7 +1384,7 @@ pub fn dead_lettered_in_bulk(
         error,
         "moved to the DLQ"
     );
-    let mut sys = system_event("router.dlq.added", target, now);
+    let mut sys = system_event(crate::system_events::DLQ_ADDED, target, now);
     sys.data = Some(crate::event::Data::from(serde_json::json!({
         "target": target,
         "reason": reason.as_str(),
