@@ -263,6 +263,61 @@ async fn a_burst_of_dead_letters_does_not_silence_the_breaker() {
     );
 }
 
+/// A reload that edits only a target's policy timeout replaced its worker with fresh counters
+/// and a fresh breaker: `/v1/targets/<id>` read 0 dead-lettered, and a failing target under
+/// frequent reloads never reached `min_requests`. The replacement goes on with both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_edit_keeps_the_targets_counters_and_breaker_window() {
+    let down = Receiver::status(500).await;
+    let policy = |timeout: &str| {
+        format!(
+            "  p:\n    timeout: {timeout}\n    retry: {{ max_attempts: 1, base_delay: 10ms, max_delay: 10ms }}\n    breaker: {{ failure_rate: 0.5, min_requests: 20, window: 5m, open_for: 5m }}"
+        )
+    };
+    let rules = |timeout: &str| {
+        rules_yaml(
+            &policy(timeout),
+            &[(
+                "r",
+                "t",
+                &[format!(
+                    "webhook: {}\n        id: api\n        policy: p",
+                    down.url()
+                )],
+            )],
+        )
+    };
+    let r = RouterProc::start(&[("r.yaml", &rules("2s"))], &[]);
+    let send = |from: usize, n: usize| {
+        let r = &r;
+        async move {
+            let batch: Vec<_> = (from..from + n)
+                .map(|i| event(&format!("k{i}"), "t", json!({"i": i})))
+                .collect();
+            post_batch(r, &batch).await;
+            eventually(Duration::from_secs(20), || async {
+                let st = target_state(r, "api").await;
+                (st["dead_lettered"] == from + n).then_some(st)
+            })
+            .await
+            .unwrap_or_else(|| panic!("{} dead letters expected", from + n))
+        }
+    };
+    let before = send(0, 10).await;
+    assert_eq!(before["breaker"]["window_requests"], 10, "{before}");
+    std::fs::write(r.dir.path().join("rules/r.yaml"), rules("3s")).expect("rules");
+    let (s, report) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{report}");
+    let st = target_state(&r, "api").await;
+    let worst = |v: &Value| v["worst_case"]["seconds"].as_f64().unwrap_or(0.0);
+    assert!(worst(&st) > worst(&before), "the edit is live: {st}");
+    assert_eq!(st["dead_lettered"], 10, "{st}");
+    assert_eq!(st["breaker"]["window_requests"], 10, "{st}");
+    // Ten more failures make the twenty the breaker needs.
+    let after = send(10, 10).await;
+    assert_eq!(after["breaker"]["state"], "open", "{after}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn permanent_failures_never_open_the_breaker_but_timeouts_do() {
     let bad = Receiver::status(400).await;
