@@ -1181,6 +1181,7 @@ pub async fn run_with_store(
         secrets,
         handlers: handlers.clone(),
         log_gates: Default::default(),
+        unannounced: Default::default(),
     });
     // On a shared store: count the live nodes before any worker takes its throttle share.
     if store.shared() {
@@ -1332,7 +1333,7 @@ pub async fn run_with_store(
     spawn_node_announcer(&app, &tracker, workers_cancel.clone());
     spawn_sweeper(&app, &tracker, workers_cancel.clone());
     spawn_disk_monitor(&app, &tracker, workers_cancel.clone());
-    spawn_system_event_router(&app, &tracker, workers_cancel.clone(), sys_rx);
+    crate::system_events::spawn_router(&app, &tracker, workers_cancel.clone(), sys_rx);
 
     let router = Router::new()
         .route("/v1/events", post(crate::ingest::post_events))
@@ -1449,99 +1450,6 @@ pub async fn run_with_store(
     }
     tracing::info!("stopped");
     Ok(())
-}
-
-/// The rate limits on system events: per target they are about (20/s, bursts of 100), so
-/// one flapping target cannot use up the alerts of the others, and in total (100/s, bursts of
-/// 500), so many failing targets together still cannot make a storm.
-struct SystemEventLimits {
-    per_target: governor::DefaultKeyedRateLimiter<String>,
-    total: governor::DefaultDirectRateLimiter,
-}
-
-impl SystemEventLimits {
-    fn new() -> Self {
-        use governor::{Quota, RateLimiter};
-        let quota = |per_second: u32, burst: u32| {
-            Quota::per_second(
-                std::num::NonZeroU32::new(per_second).unwrap_or(std::num::NonZeroU32::MIN),
-            )
-            .allow_burst(std::num::NonZeroU32::new(burst).unwrap_or(std::num::NonZeroU32::MIN))
-        };
-        Self {
-            per_target: RateLimiter::keyed(quota(20, 100)),
-            total: RateLimiter::direct(quota(100, 500)),
-        }
-    }
-
-    /// Whether an event about `about` (a target id; events about no target share one key)
-    /// may go now.
-    fn admit(&self, about: Option<&str>) -> bool {
-        // The keys are the router's target ids: as many as the rules have ever named.
-        self.per_target
-            .check_key(&about.unwrap_or("").to_string())
-            .is_ok()
-            && self.total.check().is_ok()
-    }
-}
-
-/// Routes system events (`router.*`) through the live rules, rate-limited so that an alert
-/// path that fails cannot become a storm. An event about a target is never delivered to that
-/// same target.
-fn spawn_system_event_router(
-    app: &Arc<App>,
-    tracker: &TaskTracker,
-    cancel: CancellationToken,
-    mut rx: tokio::sync::mpsc::Receiver<crate::event::CloudEvent>,
-) {
-    let app = app.clone();
-    tracker.spawn(async move {
-        let limits = SystemEventLimits::new();
-        loop {
-            let ev = tokio::select! {
-                _ = cancel.cancelled() => break,
-                ev = rx.recv() => match ev { Some(ev) => ev, None => break },
-            };
-            if !limits.admit(ev.subject.as_deref()) {
-                app.metrics.system_events_dropped.inc();
-                tracing::warn!(ty = %ev.ty, about = ?ev.subject, "system event dropped by the rate limit");
-                continue;
-            }
-            let rules = app.rules.load();
-            let window = i64::try_from(app.cfg.ingest.dedup_window.as_millis()).unwrap_or(i64::MAX);
-            let about = ev.subject.clone();
-            let ty = ev.ty.clone();
-            let mut ne = crate::ingest::route(
-                &rules,
-                &app.disabled_rules(),
-                ev,
-                app.clock.now_ms(),
-                window,
-            );
-            ne.targets.retain(|t| Some(&t.target_id) != about.as_ref());
-            // A store that refuses it is usually brief (a compaction, a reconnect): tried
-            // again for about 7 s, then counted as dropped.
-            let mut retry_in = Duration::from_secs(1);
-            loop {
-                match app.store.accept(vec![ne.clone()]).await {
-                    Ok(_) => break,
-                    Err(e) if retry_in <= Duration::from_secs(4) => {
-                        tracing::warn!(error = %e, %ty, ?retry_in, "could not store a system event; trying again");
-                        tokio::select! {
-                            _ = cancel.cancelled() => {}
-                            _ = tokio::time::sleep(retry_in) => {}
-                        }
-                        retry_in *= 2;
-                    }
-                    Err(e) => {
-                        app.metrics.system_events_dropped.inc();
-                        tracing::error!(error = %e, %ty, "could not store a system event; dropped");
-                        break;
-                    }
-                }
-            }
-        }
-    });
 }
 
 /// Handler uploads read or compiled at once (`App::upload_slots`).
@@ -1882,6 +1790,30 @@ pub(crate) fn test_app(
     store: Arc<dyn Store>,
     shared_contracts: Option<Arc<crate::admin::contracts::SharedContracts>>,
 ) -> Arc<App> {
+    test_app_with(cfg, store, shared_contracts, None)
+}
+
+/// A [`test_app`] whose delivery raises its system events into a channel of 1024 (as
+/// [`run_with_store`]'s does), returned beside it.
+#[cfg(test)]
+pub(crate) fn test_app_raising(
+    cfg: Config,
+    store: Arc<dyn Store>,
+) -> (
+    Arc<App>,
+    tokio::sync::mpsc::Receiver<crate::event::CloudEvent>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::channel(1024);
+    (test_app_with(cfg, store, None, Some(tx)), rx)
+}
+
+#[cfg(test)]
+fn test_app_with(
+    cfg: Config,
+    store: Arc<dyn Store>,
+    shared_contracts: Option<Arc<crate::admin::contracts::SharedContracts>>,
+    system_events: Option<tokio::sync::mpsc::Sender<crate::event::CloudEvent>>,
+) -> Arc<App> {
     let (rules, warnings) = load_rules(&cfg).expect("the test's rules load");
     let contracts = load_contracts(&cfg).expect("the test's contracts load");
     let metrics = Metrics::new();
@@ -1902,10 +1834,11 @@ pub(crate) fn test_app(
         cancel: CancellationToken::new(),
         tracker: TaskTracker::new(),
         spawner,
-        system_events: None,
+        system_events,
         secrets,
         handlers: None,
         log_gates: Default::default(),
+        unannounced: Default::default(),
     });
     let now = clock.now_ms();
     Arc::new(App {
@@ -1947,23 +1880,83 @@ pub(crate) fn test_app(
 mod tests {
     use super::*;
     use crate::store::fault::SimulatedDisk;
-    use crate::store::{RedbStore, StoreOptions};
+    use crate::store::{DlqReason, RedbStore, StoreOptions};
 
-    #[test]
-    fn one_noisy_target_does_not_use_up_the_system_events_of_others() {
-        let limits = SystemEventLimits::new();
-        let admitted = (0..1_000)
-            .filter(|_| limits.admit(Some("flapping")))
-            .count();
-        // Its burst, plus what refills while the loop runs.
-        assert!((100..150).contains(&admitted), "{admitted}");
-        assert!(limits.admit(Some("payments")));
-        assert!(limits.admit(None));
-        // Many targets at once still meet the total bound.
-        let total = (0..2_000)
-            .filter(|i| limits.admit(Some(&format!("t{}", i % 40))))
-            .count();
-        assert!(total < 600, "{total}");
+    /// An alert loop through a handler: webhook `a` fails → `router.dlq.added` about `a` →
+    /// handler `b` turns it into `ops.page` → routed to `a`, which fails again → … With
+    /// system events starting at hop 0 every turn, nothing ended it. Each announcement now
+    /// carries its dead letter's hops plus one, so the emissions climb to the hop limit and
+    /// the last one goes to the DLQ as `loop_detected`; that dead letter is announced as
+    /// about `b`, which therefore never receives it.
+    #[tokio::test]
+    async fn an_alert_loop_through_a_handler_ends_at_the_hop_limit() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = test_config(dir.path());
+        std::fs::write(
+            cfg.rules_dir.join("r.yaml"),
+            "rules:\n  - name: pages\n    pattern:\n      type: [ops.page]\n    targets:\n      - webhook: http://127.0.0.1:9/a\n        id: a\n  - name: alerts\n    pattern:\n      type: [router.dlq.added]\n    targets:\n      - webhook: http://127.0.0.1:9/b\n        id: b\n",
+        )
+        .expect("rules");
+        let store = RedbStore::in_memory().expect("store");
+        let (app, mut rx) = test_app_raising(cfg, store);
+        let ctx = app.dispatcher.context().clone();
+        let emitter = crate::target::handler::EmitterOf {
+            handler: "b".into(),
+            owner: crate::auth::PRELOAD_OWNER.into(),
+            team: None,
+        };
+        let now = app.clock.now_ms();
+        let mut page = crate::store::test_events::ev("/producer", "page-0");
+        page.ty = "ops.page".into();
+        for turn in 0..50 {
+            // `a` fails it for good.
+            crate::deliver::dead_lettered(
+                &ctx,
+                Some("a"),
+                crate::deliver::DeadEvent::of(&page),
+                DlqReason::PermanentError,
+                None,
+                now,
+            );
+            let alert = rx.try_recv().expect("router.dlq.added about a");
+            assert_eq!(alert.subject.as_deref(), Some("a"));
+            assert_eq!(alert.hops(), page.hops() + 1);
+            // `b` handles the alert: its emission has one hop more (as the handler target
+            // completes it), then re-enters the pipeline.
+            let mut emitted = page.clone();
+            emitted.id = format!("page-{}", turn + 1);
+            emitted
+                .extensions
+                .insert("hops".into(), serde_json::Value::from(alert.hops() + 1));
+            let ne = prepare_emitted(&app, &emitter, vec![emitted.clone()], now)
+                .pop()
+                .expect("prepared");
+            if let Some(q) = ne.quarantine {
+                assert_eq!(q.reason, DlqReason::LoopDetected);
+                assert!(turn <= 5, "ended after {turn} turns");
+                // Its dead letter is about `b`, so it is never routed back to `b`.
+                crate::deliver::dead_lettered(
+                    &ctx,
+                    None,
+                    crate::deliver::DeadEvent {
+                        emitted_by: Some("b"),
+                        ..crate::deliver::DeadEvent::of(&emitted)
+                    },
+                    q.reason,
+                    None,
+                    now,
+                );
+                let last = rx.try_recv().expect("router.dlq.added about b");
+                assert_eq!(last.subject.as_deref(), Some("b"));
+                assert_eq!(last.data.as_ref().expect("data").value()["emitted_by"], "b");
+                let rules = app.rules.load();
+                assert!(!crate::system_events::deliverable(&rules, Some("b"), "b"));
+                return;
+            }
+            assert_eq!(ne.targets.len(), 1, "routed to a again");
+            page = emitted;
+        }
+        panic!("the alert loop never ended");
     }
 
     const SIGNED_RULE: &str = "rules:\n  - name: signed\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/signed\n        id: signed\n        secret_env: UNIT_TEST_SECRET_NEVER_SET\n";

@@ -22,6 +22,7 @@ pub mod ingest;
 pub mod policy;
 pub mod rules;
 pub mod store;
+pub mod system_events;
 pub mod target;
 pub mod telemetry;
 mod text_pos;

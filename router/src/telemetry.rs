@@ -135,9 +135,11 @@ pub struct Metrics {
     pub delivery_batches: Family<Labels, Counter>,
     /// Events those requests carried, by target (over `delivery_batches`: the mean batch).
     pub delivery_batch_events: Family<Labels, Counter>,
-    /// System events dropped: the routing channel full, past the rate limit, or refused by
-    /// the store for several seconds.
-    pub system_events_dropped: Counter,
+    /// System events dropped (the routing channel full, past the rate limit, or refused by
+    /// the store for several seconds), by `type` (one of
+    /// [`crate::system_events::Kind`]'s, a fixed set) and the `target` they were about
+    /// (`none`: about no target).
+    pub system_events_dropped: Family<Labels, Counter>,
     /// Redrive and replay job steps the store failed (the job waits and tries again), by kind.
     pub job_step_failures: Family<Labels, Counter>,
     /// Items redrive and replay jobs went through, by kind and outcome (`moved`, `failed`,
@@ -203,7 +205,7 @@ impl Metrics {
             handoffs: Family::default(),
             delivery_batches: Family::default(),
             delivery_batch_events: Family::default(),
-            system_events_dropped: Counter::default(),
+            system_events_dropped: Family::default(),
             job_step_failures: Family::default(),
             job_items: Family::default(),
             target_paused: Family::default(),
@@ -405,7 +407,7 @@ impl Metrics {
         );
         registry.register(
             "router_system_events_dropped",
-            "System events dropped: the routing channel full, past the rate limit, or refused by the store for several seconds",
+            "System events dropped, by type and the target they were about: the routing channel full, past the rate limit, or refused by the store for several seconds (dropped router.dlq.added are announced later by one summary per target)",
             m.system_events_dropped.clone(),
         );
         registry.register(

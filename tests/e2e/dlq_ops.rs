@@ -311,6 +311,82 @@ async fn replay_of_a_time_range_delivers_exactly_the_matching_archived_events() 
     }
 }
 
+/// Replayed copies that meet their target's full queue go to the DLQ as `target_overflow`:
+/// new dead letters, counted in `router_dlq_entries_total` and announced as
+/// `router.dlq.added` like the copies refused at acceptance (they were only the job's
+/// `failed`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_copies_past_the_depth_cap_are_counted_and_announced() {
+    let rcv = Receiver::ok().await;
+    let alerts = Receiver::ok().await;
+    let rules = format!(
+        "{}  - name: page-on-dlq\n    pattern:\n      type: [router.dlq.added]\n    targets:\n      - webhook: {}\n        id: pager\n",
+        rules_yaml(
+            "  capped:\n    max_queue_depth: 4",
+            &[(
+                "r",
+                "t",
+                &[format!(
+                    "webhook: {}\n        id: c\n        policy: capped",
+                    rcv.url()
+                )]
+            )]
+        ),
+        alerts.url()
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    // Paused, `c` keeps what it is given: four accepted events fill its queue to the cap.
+    assert_eq!(post_json(&r, "/v1/targets/c/pause", json!({})).await.0, 200);
+    let from = chrono::Utc::now() - chrono::Duration::seconds(1);
+    let batch: Vec<_> = (0..4)
+        .map(|i| event(&format!("x{i}"), "t", json!({"i": i})))
+        .collect();
+    post_batch(&r, &batch).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let to = chrono::Utc::now() + chrono::Duration::milliseconds(10);
+    let (s, job) = post_json(
+        &r,
+        "/v1/replay",
+        json!({"from": from.to_rfc3339(), "to": to.to_rfc3339(), "rate_per_sec": 100}),
+    )
+    .await;
+    assert_eq!(s, 201, "{job}");
+    let id = job["id"].as_str().expect("id").to_string();
+    let done = job_done(&r, &format!("/v1/replay/{id}"), Duration::from_secs(20)).await;
+    assert_eq!(done["failed"], 4, "every copy overflowed: {done}");
+    let m = metrics_text(&r).await;
+    assert_eq!(
+        counter(
+            &m,
+            "router_dlq_entries_total{target=\"c\",reason=\"target_overflow\"}"
+        ),
+        4,
+        "{}",
+        metric_lines(&m, "router_dlq_entries")
+    );
+    let overflow_alerts = |s: &[Received]| {
+        s.iter()
+            .filter(|a| {
+                a.body["type"] == "router.dlq.added"
+                    && a.body["data"]["reason"] == "target_overflow"
+                    && a.body["data"]["target"] == "c"
+            })
+            .count()
+    };
+    assert!(
+        alerts
+            .wait_for(Duration::from_secs(10), |s| overflow_alerts(s) == 4)
+            .await,
+        "a router.dlq.added per overflowed copy: {:?}",
+        alerts
+            .received()
+            .iter()
+            .map(|a| a.body["data"].clone())
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(rcv.count(), 0, "paused");
+}
+
 /// A replay job resumes from its durable cursor after each kill -9: every archived event of
 /// the range is replayed, none twice under different keys, and the job ends `done` having
 /// moved each once.
@@ -709,4 +785,109 @@ async fn purging_the_dead_letter_that_holds_a_key_releases_it() {
             .await,
         "the event behind the purged dead letter was delivered"
     );
+}
+
+/// A contract that no `data` meets (it needs a field nobody sends).
+const NEVER_VALID: &str = r#"{
+  "$schema": "https://json-schema.org/draft/2020-12/schema",
+  "type": "object",
+  "required": ["never_sent"]
+}"#;
+
+/// The alert route's own queue at its cap: the announcements that overflow it are dead
+/// letters like any other, counted in `router_dlq_entries_total` (the system-event router
+/// discarded the store's answer, and an audit found 123 DLQ entries no metric counted), and
+/// announced no further (the alert path would feed on its own failures).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alerts_that_overflow_the_alert_queue_are_counted_dead_letters() {
+    let alerts = Receiver::ok().await;
+    let rules = format!(
+        "policies:\n  capped:\n    max_queue_depth: 3\nrules:\n  - name: page-on-dlq\n    pattern:\n      type: [router.dlq.added]\n    targets:\n      - webhook: {}\n        id: pager\n        policy: capped\n",
+        alerts.url()
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[("t/v1.json", NEVER_VALID)]);
+    // Paused, the pager keeps three announcements; the others overflow.
+    assert_eq!(
+        post_json(&r, "/v1/targets/pager/pause", json!({})).await.0,
+        200
+    );
+    let batch: Vec<_> = (0..30)
+        .map(|i| event(&format!("p{i}"), "t", json!({"i": i})))
+        .collect();
+    post_batch(&r, &batch).await;
+    let overflowed = "router_dlq_entries_total{target=\"pager\",reason=\"target_overflow\"}";
+    let counted = eventually(Duration::from_secs(20), || async {
+        let n = counter(&metrics_text(&r).await, overflowed);
+        (n >= 27).then_some(n)
+    })
+    .await;
+    assert_eq!(
+        counted,
+        Some(27),
+        "announcements past the cap were not counted"
+    );
+    let (_, l) = get_json(&r, "/v1/dlq?target=pager&limit=100").await;
+    assert_eq!(l["entries"].as_array().map(Vec::len), Some(27), "{l}");
+    // Nothing more comes of them: no announcement of the overflow, so no more dead letters.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let m = metrics_text(&r).await;
+    assert_eq!(
+        counter(&m, overflowed),
+        27,
+        "{}",
+        metric_lines(&m, "dlq_entries")
+    );
+    assert_eq!(
+        counter(
+            &m,
+            "router_dlq_entries_total{target=\"none\",reason=\"contract_violation\"}"
+        ),
+        30
+    );
+    assert_eq!(alerts.count(), 0, "paused");
+}
+
+/// A handler's emission that goes to the DLQ (here it fails its contract) is announced as
+/// about the handler's target, so a rule that sends `router.dlq.added` to that same handler
+/// does not hand the handler its own failure (it did: the announcement was about no
+/// target). The announcement counts one hop more than the emission.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_emissions_dead_letter_is_not_announced_to_the_handler_that_emitted_it() {
+    use crate::handlers::{plugin, put_handler};
+    let alerts = Receiver::ok().await;
+    let rules = format!(
+        "rules:\n  - name: enrich-all\n    pattern:\n      type: [order, router.dlq.added]\n    targets:\n      - handler: enrich\n        id: e\n  - name: page-on-dlq\n    pattern:\n      type: [router.dlq.added]\n    targets:\n      - webhook: {}\n        id: pager\n",
+        alerts.url()
+    );
+    let r = RouterProc::start(
+        &[("r.yaml", &rules)],
+        &[("order.enriched/v1.json", NEVER_VALID)],
+    );
+    assert_eq!(put_handler(&r, "enrich", plugin("enrich")).await.0, 201);
+    assert_eq!(
+        post_event(&r, &event("o1", "order", json!({"a": 1})))
+            .await
+            .0,
+        202
+    );
+    assert!(
+        alerts
+            .wait_for(Duration::from_secs(30), |s| !s.is_empty())
+            .await,
+        "no router.dlq.added for the quarantined emission"
+    );
+    let alert = alerts.received()[0].body.clone();
+    assert_eq!(
+        (&alert["subject"], &alert["data"]["emitted_by"]),
+        (&json!("e"), &json!("e")),
+        "about the emitting target: {alert}"
+    );
+    assert_eq!(alert["data"]["target"], Value::Null, "{alert}");
+    assert_eq!(alert["data"]["reason"], "contract_violation", "{alert}");
+    assert_eq!(alert["hops"], 2, "the emission's hop plus one: {alert}");
+    // The handler ran for the order only, never for the announcement of its own emission.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (_, t) = get_json(&r, "/v1/targets/e").await;
+    assert_eq!(t["delivered"], 1, "{t}");
+    assert_eq!(alerts.count(), 1);
 }

@@ -141,6 +141,183 @@ async fn an_outage_opens_the_breaker_and_recovery_drains_at_the_throttle_rate() 
     );
 }
 
+/// A burst of dead letters used up the rate limit that the breaker's transitions shared with
+/// `router.dlq.added`: the `router.breaker.opened` right after it was dropped for good (an
+/// alert route saw `closed` with no `opened`). Transitions have a limit of their own now;
+/// the dropped announcements are counted by type and target, logged a few lines at a time
+/// (it was one line each), and come back as a summary, so every dead letter is announced
+/// one way or the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_dead_letters_does_not_silence_the_breaker() {
+    let down = Receiver::status(500).await;
+    let alerts = Receiver::ok().await;
+    let policy = "  burst:\n    retry: { max_attempts: 1, base_delay: 10ms, max_delay: 10ms }\n    breaker: { failure_rate: 0.5, min_requests: 200, window: 60s, open_for: 60s }";
+    let rules = format!(
+        "{}  - name: alerts\n    pattern:\n      type: [{{ prefix: router. }}]\n    targets:\n      - webhook: {}\n        id: pager\n",
+        rules_yaml(
+            policy,
+            &[(
+                "r",
+                "t",
+                &[format!(
+                    "webhook: {}\n        id: api\n        policy: burst",
+                    down.url()
+                )]
+            )]
+        ),
+        alerts.url()
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    // 200 dead letters within a few seconds: past the announcements' burst of 100 (and the
+    // 20/s after it), and the 200th failure opens the breaker.
+    post_batch(
+        &r,
+        &(0..200)
+            .map(|i| event(&format!("d{i}"), "t", json!({"i": i})))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    let of_type = |s: &[Received], ty: &str| {
+        s.iter()
+            .filter(|a| a.body["type"] == ty && a.body["subject"] == "api")
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert!(
+        alerts
+            .wait_for(Duration::from_secs(30), |s| !of_type(
+                s,
+                "router.breaker.opened"
+            )
+            .is_empty())
+            .await,
+        "router.breaker.opened was dropped; {}",
+        metric_lines(&metrics_text(&r).await, "system_events_dropped")
+    );
+    // Every dead letter announced: one by one, or in a summary of those that were not.
+    let announced = |s: &[Received]| -> u64 {
+        of_type(s, "router.dlq.added")
+            .iter()
+            .map(|a| match a.body["data"]["unannounced"] == true {
+                true => a.body["data"]["count"].as_u64().unwrap_or(0),
+                false => 1,
+            })
+            .sum()
+    };
+    assert!(
+        alerts
+            .wait_for(Duration::from_secs(20), |s| announced(s) >= 200)
+            .await,
+        "announced {} of 200 dead letters",
+        announced(&alerts.received())
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let got = alerts.received();
+    assert_eq!(announced(&got), 200);
+    let summaries: Vec<_> = of_type(&got, "router.dlq.added")
+        .into_iter()
+        .filter(|a| a.body["data"]["unannounced"] == true)
+        .collect();
+    assert!(!summaries.is_empty(), "the burst was not rate-limited");
+    assert_eq!(
+        summaries[0].body["data"]["reasons"],
+        json!({"retries_exhausted": summaries[0].body["data"]["count"]}),
+        "{}",
+        summaries[0].body
+    );
+    let m = metrics_text(&r).await;
+    let dropped = counter(
+        &m,
+        "router_system_events_dropped_total{type=\"router.dlq.added\",target=\"api\"}",
+    );
+    let summarised: u64 = summaries
+        .iter()
+        .map(|a| a.body["data"]["count"].as_u64().unwrap_or(0))
+        .sum();
+    assert_eq!(
+        dropped,
+        summarised,
+        "{}",
+        metric_lines(&m, "system_events_dropped")
+    );
+    assert_eq!(
+        counter(
+            &m,
+            "router_system_events_dropped_total{type=\"router.breaker.opened\",target=\"api\"}"
+        ),
+        0
+    );
+    // A few log lines for the drops, not one each.
+    let lines = r
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("system event dropped"))
+        .count();
+    eprintln!(
+        "{dropped} announcements dropped, {} summaries, {lines} log lines",
+        summaries.len()
+    );
+    assert!(
+        lines <= 20 && (lines as u64) < dropped,
+        "{lines} log lines for {dropped} dropped system events"
+    );
+}
+
+/// A reload that edits only a target's policy timeout replaced its worker with fresh counters
+/// and a fresh breaker: `/v1/targets/<id>` read 0 dead-lettered, and a failing target under
+/// frequent reloads never reached `min_requests`. The replacement goes on with both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_edit_keeps_the_targets_counters_and_breaker_window() {
+    let down = Receiver::status(500).await;
+    let policy = |timeout: &str| {
+        format!(
+            "  p:\n    timeout: {timeout}\n    retry: {{ max_attempts: 1, base_delay: 10ms, max_delay: 10ms }}\n    breaker: {{ failure_rate: 0.5, min_requests: 20, window: 5m, open_for: 5m }}"
+        )
+    };
+    let rules = |timeout: &str| {
+        rules_yaml(
+            &policy(timeout),
+            &[(
+                "r",
+                "t",
+                &[format!(
+                    "webhook: {}\n        id: api\n        policy: p",
+                    down.url()
+                )],
+            )],
+        )
+    };
+    let r = RouterProc::start(&[("r.yaml", &rules("2s"))], &[]);
+    let send = |from: usize, n: usize| {
+        let r = &r;
+        async move {
+            let batch: Vec<_> = (from..from + n)
+                .map(|i| event(&format!("k{i}"), "t", json!({"i": i})))
+                .collect();
+            post_batch(r, &batch).await;
+            eventually(Duration::from_secs(20), || async {
+                let st = target_state(r, "api").await;
+                (st["dead_lettered"] == from + n).then_some(st)
+            })
+            .await
+            .unwrap_or_else(|| panic!("{} dead letters expected", from + n))
+        }
+    };
+    let before = send(0, 10).await;
+    assert_eq!(before["breaker"]["window_requests"], 10, "{before}");
+    std::fs::write(r.dir.path().join("rules/r.yaml"), rules("3s")).expect("rules");
+    let (s, report) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{report}");
+    let st = target_state(&r, "api").await;
+    let worst = |v: &Value| v["worst_case"]["seconds"].as_f64().unwrap_or(0.0);
+    assert!(worst(&st) > worst(&before), "the edit is live: {st}");
+    assert_eq!(st["dead_lettered"], 10, "{st}");
+    assert_eq!(st["breaker"]["window_requests"], 10, "{st}");
+    // Ten more failures make the twenty the breaker needs.
+    let after = send(10, 10).await;
+    assert_eq!(after["breaker"]["state"], "open", "{after}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn permanent_failures_never_open_the_breaker_but_timeouts_do() {
     let bad = Receiver::status(400).await;

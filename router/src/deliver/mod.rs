@@ -27,7 +27,9 @@ use crate::telemetry::Metrics;
 pub use handoff::Reservation;
 pub use runtime::{Limiter, PersistedState, TargetRuntime};
 pub use threads::{DeliveryThreads, DeliveryThreadsStatus};
-pub use worker::{count_dead_letters, dead_lettered, dead_lettered_in_bulk, decide, system_event};
+pub use worker::{
+    DeadEvent, count_dead_letters, dead_lettered, dead_lettered_in_bulk, decide, system_event,
+};
 
 /// Resolves a secret by name (environment, then the secrets file).
 pub type SecretResolver = Arc<dyn Fn(&str) -> Option<String> + Send + Sync>;
@@ -61,6 +63,8 @@ pub struct DeliveryContext {
     pub handlers: Option<Arc<crate::target::handler::HandlerRuntime>>,
     /// Limits on the log lines about each target's failures and dead letters.
     pub log_gates: crate::telemetry::LogGates,
+    /// New dead letters whose `router.dlq.added` was dropped, to be announced in a summary.
+    pub unannounced: crate::system_events::Unannounced,
 }
 
 /// Takes a worker's semaphore of `from` slots to `to`: more are added at once; fewer are taken
@@ -486,7 +490,13 @@ impl Dispatcher {
             }
             None => Arc::new(tokio::sync::Semaphore::new(count)),
         };
-        let runtime = Arc::new(TargetRuntime::new(spec, persisted, self.ctx.clock.now_ms()));
+        let mut runtime = TargetRuntime::new(spec, persisted, self.ctx.clock.now_ms());
+        // The same target id goes on with its counters and its breaker (like its slots above
+        // and its token bucket below): a reload is not a reason to forget them.
+        if let Some(old) = &old {
+            runtime.carry_over(&old.runtime);
+        }
+        let runtime = Arc::new(runtime);
         runtime.share_among(self.nodes());
         // The same rate keeps its bucket: a fresh one would hand out a whole burst at once.
         if let Some(old) = &old
@@ -727,6 +737,55 @@ mod tests {
         // Free slots are taken out at once.
         super::resize_slots(&slots, 3, 2, &tracker);
         assert_eq!(slots.available_permits(), 2);
+    }
+
+    /// A reload that edits a target's policy replaces its worker: the new one goes on with the
+    /// old one's counters and breaker (its window and state), under the new breaker policy,
+    /// and what the old worker's attempts in flight record after the swap lands there too.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replaced_worker_keeps_the_targets_counters_and_breaker() {
+        use std::sync::atomic::Ordering;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = crate::app::test_config(dir.path());
+        let store =
+            RedbStore::open_dir(&dir.path().join("store"), StoreOptions::default()).expect("store");
+        let app = crate::app::test_app(cfg, store, None);
+        let mut spec = app.rules.load().targets["hook"].clone();
+        spec.policy.breaker = Some(crate::policy::config::BreakerPolicy {
+            min_requests: 4,
+            ..Default::default()
+        });
+        app.dispatcher.ensure(spec.clone()).await.expect("worker");
+        let old = app.dispatcher.runtime("hook").expect("running");
+        let now = app.clock.now_ms();
+        old.counters.dead_lettered.fetch_add(310, Ordering::Relaxed);
+        for _ in 0..2 {
+            old.breaker()
+                .expect("a breaker")
+                .record(Some(false), false, now);
+        }
+        // Only the timeout edited, then the breaker's window too.
+        spec.policy.timeout = std::time::Duration::from_secs(3);
+        app.dispatcher.ensure(spec.clone()).await.expect("replaced");
+        spec.policy.breaker = Some(crate::policy::config::BreakerPolicy {
+            min_requests: 3,
+            window: std::time::Duration::from_secs(60),
+            ..Default::default()
+        });
+        app.dispatcher.ensure(spec.clone()).await.expect("replaced");
+        let new = app.dispatcher.runtime("hook").expect("running");
+        assert!(!Arc::ptr_eq(&old, &new), "the worker was replaced");
+        let snap = new.snapshot(now);
+        assert_eq!(snap["dead_lettered"], 310, "{snap}");
+        assert_eq!(snap["breaker"]["window_requests"], 2, "{snap}");
+        // A late failure of the old worker's attempt counts for the target, and opens it
+        // under the new minimum.
+        let t = old
+            .breaker()
+            .expect("a breaker")
+            .record(Some(false), false, now);
+        assert!(t.is_some(), "3 failures pass the new min_requests");
+        assert_eq!(new.snapshot(now)["breaker"]["state"], "open");
     }
 
     /// A pause stored in the target's own record only (before pauses had records of their

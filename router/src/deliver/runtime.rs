@@ -32,7 +32,8 @@ pub struct PersistedState {
     pub paused: bool,
 }
 
-/// Counters since start.
+/// Counters since start (of the process: a reload that replaces the target's worker carries
+/// them over, [`TargetRuntime::carry_over`]).
 #[derive(Debug, Default)]
 pub struct Counters {
     /// Attempts that delivered.
@@ -76,7 +77,8 @@ fn limiter_for(spec: &TargetSpec, nodes: usize) -> Option<Limiter> {
 pub struct TargetRuntime {
     /// Configuration in force.
     pub spec: TargetSpec,
-    breaker: Option<Mutex<Breaker>>,
+    /// Shared with the runtime this one replaced, if any ([`Self::carry_over`]).
+    breaker: Option<Arc<Mutex<Breaker>>>,
     /// Every target has one (the policy's ratio, or the default).
     budget: Mutex<RetryBudget>,
     /// Token bucket, when the policy sets a rate: this node's share of it
@@ -97,8 +99,8 @@ pub struct TargetRuntime {
     /// `BATCH_RAISE_AFTER` the cap doubles (a 413 may have been about a few large events,
     /// not the receiver's usual limit, and a halved cap would halve throughput for good).
     batch_ok: AtomicU32,
-    /// Counters.
-    pub counters: Counters,
+    /// Counters, shared with the runtime this one replaced, if any ([`Self::carry_over`]).
+    pub counters: Arc<Counters>,
 }
 
 /// How long throttle tokens given back stay usable ([`TargetRuntime::refund_tokens`]).
@@ -165,7 +167,7 @@ impl TargetRuntime {
             if let Some((state, since)) = persisted.as_ref().and_then(|s| s.breaker) {
                 b.restore(state, since);
             }
-            Mutex::new(b)
+            Arc::new(Mutex::new(b))
         });
         // Every target has a budget: the policy's ratio, or the default (10%).
         let ratio = spec
@@ -184,7 +186,26 @@ impl TargetRuntime {
             batch_cap: AtomicU32::new(0),
             batch_ok: AtomicU32::new(0),
             throttle_credit: Mutex::new((0, None)),
-            counters: Counters::default(),
+            counters: Arc::default(),
+        }
+    }
+
+    /// Goes on from `old`, the runtime this one replaces for the same target id (a reload
+    /// changed its configuration): the same counters and the same breaker, its window and
+    /// state, under this runtime's breaker policy. A reload used to start both afresh, so
+    /// `/v1/targets` read 0 dead-lettered after a timeout edit, and a reload every few
+    /// seconds kept a failing target's breaker from ever seeing `min_requests`. Shared rather
+    /// than copied: the old worker's attempts still in flight record their outcomes after the
+    /// swap, and they belong to the same target. A breaker the new policy adds starts closed
+    /// and empty; one it removes is gone.
+    pub fn carry_over(&mut self, old: &TargetRuntime) {
+        self.counters = old.counters.clone();
+        if let (Some(policy), Some(shared)) = (&self.spec.policy.breaker, &old.breaker) {
+            shared
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .set_policy(policy.clone());
+            self.breaker = Some(shared.clone());
         }
     }
 
@@ -432,6 +453,34 @@ mod tests {
             (max(&rt), rt.snapshot(0)["batch_max_events"].clone()),
             (100, Value::Null)
         );
+    }
+
+    #[test]
+    fn a_replacing_runtime_shares_the_counters_and_the_breaker() {
+        use crate::policy::config::BreakerPolicy;
+        let mut spec = throttled(1.0, 1).spec;
+        spec.policy.breaker = Some(BreakerPolicy::default());
+        let old = TargetRuntime::new(spec.clone(), None, 0);
+        old.counters.delivered.fetch_add(7, Ordering::Relaxed);
+        old.breaker()
+            .expect("a breaker")
+            .record(Some(false), false, 0);
+        let mut new = TargetRuntime::new(spec.clone(), None, 0);
+        new.carry_over(&old);
+        assert_eq!(new.snapshot(0)["delivered"], 7);
+        assert_eq!(new.snapshot(0)["breaker"]["window_requests"], 1);
+        old.counters.retried.fetch_add(1, Ordering::Relaxed);
+        assert_eq!(new.snapshot(0)["retried"], 1, "shared, not copied");
+        // A policy without a breaker drops it; one that adds a breaker starts it empty.
+        spec.policy.breaker = None;
+        let mut none = TargetRuntime::new(spec.clone(), None, 0);
+        none.carry_over(&new);
+        assert!(none.breaker().is_none());
+        spec.policy.breaker = Some(BreakerPolicy::default());
+        let mut again = TargetRuntime::new(spec, None, 0);
+        again.carry_over(&none);
+        assert_eq!(again.snapshot(0)["breaker"]["window_requests"], 0);
+        assert_eq!(again.snapshot(0)["delivered"], 7);
     }
 
     /// Tokens the bucket hands out at once (its burst; at these rates no token is added

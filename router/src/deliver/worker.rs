@@ -998,7 +998,7 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
     // the DLQ (past the hop limit, out of its scope, failing their contract) and the copies
     // the store sends there (their target's queue at its cap) are dead letters of their own
     // once the finish commits.
-    let emitted: Vec<(String, String, String, Option<DlqReason>)> = end
+    let emitted: Vec<Emitted> = end
         .outbox
         .as_ref()
         .map(|o| {
@@ -1006,8 +1006,13 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
                 .iter()
                 .map(|ne| {
                     let ev = &ne.event;
-                    let q = ne.quarantine.as_ref().map(|q| q.reason);
-                    (ev.id.clone(), ev.source.clone(), ev.ty.clone(), q)
+                    Emitted {
+                        id: ev.id.clone(),
+                        source: ev.source.clone(),
+                        ty: ev.ty.clone(),
+                        hops: ev.hops(),
+                        quarantine: ne.quarantine.as_ref().map(|q| q.reason),
+                    }
                 })
                 .collect()
         })
@@ -1033,38 +1038,42 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
                 _ => c.dead_lettered.fetch_add(1, Ordering::Relaxed),
             };
             if let Some(r) = dlq_reason {
-                let ev = &leased.event.event;
                 dead_lettered(
                     ctx,
                     Some(&spec.id),
-                    (&ev.id, &ev.source, &ev.ty),
+                    DeadEvent::of(&leased.event.event),
                     r,
                     end_error.as_deref(),
                     finished_at,
                 );
             }
             let why = format!("emitted by handler target {}", spec.id);
-            for (id, source, ty, reason) in &emitted {
-                if let Some(reason) = reason {
+            for e in &emitted {
+                if let Some(reason) = e.quarantine {
+                    // In the DLQ with no target; announced as about the handler target that
+                    // emitted it, so the announcement never goes back to that handler.
                     dead_lettered(
                         ctx,
                         None,
-                        (id, source, ty),
-                        *reason,
+                        DeadEvent {
+                            emitted_by: Some(&spec.id),
+                            ..e.dead()
+                        },
+                        reason,
                         Some(&why),
                         finished_at,
                     );
                 }
             }
             for (i, target) in &finished.overflowed {
-                let Some((id, source, ty, _)) = emitted.get(*i) else {
+                let Some(e) = emitted.get(*i) else {
                     continue;
                 };
                 let why = format!("{why}; the queue of {target} is at its depth cap");
                 dead_lettered(
                     ctx,
                     Some(target),
-                    (id, source, ty),
+                    e.dead(),
                     DlqReason::TargetOverflow,
                     Some(&why),
                     finished_at,
@@ -1221,36 +1230,102 @@ async fn on_transition(ctx: &DeliveryContext, rt: &TargetRuntime, t: Transition,
 }
 
 /// Hands a system event to the router that routes them. Bounded and best-effort: a full
-/// channel means an alert storm is already under way, and the event is counted as dropped.
+/// channel means an alert storm is already under way, and the event is counted as dropped
+/// (a `router.dlq.added` is announced later in its target's summary).
 fn raise(ctx: &DeliveryContext, ev: CloudEvent) {
     if let Some(tx) = &ctx.system_events
-        && tx.try_send(ev).is_err()
+        && let Err(e) = tx.try_send(ev)
     {
-        ctx.metrics.system_events_dropped.inc();
+        crate::system_events::dropped(ctx, &e.into_inner(), "the routing channel is full");
     }
 }
 
-/// A new DLQ entry of the event named by its (`id`, `source`, `type`), for `target` (`None`:
-/// an event quarantined before any target): counted in `router_dlq_entries_total` and raised
-/// as `router.dlq.added` (rate-limited where it is routed). Events that are themselves system
-/// events raise none, so an alert path that fails cannot feed itself.
+/// An emitted event of a handler's outbox, as its dead letters name it.
+struct Emitted {
+    id: String,
+    source: String,
+    ty: String,
+    hops: u32,
+    quarantine: Option<DlqReason>,
+}
+
+impl Emitted {
+    fn dead(&self) -> DeadEvent<'_> {
+        DeadEvent {
+            id: &self.id,
+            source: &self.source,
+            ty: &self.ty,
+            hops: self.hops,
+            emitted_by: None,
+        }
+    }
+}
+
+/// The event a new DLQ entry holds, as its `router.dlq.added` names it.
+#[derive(Debug, Clone, Copy)]
+pub struct DeadEvent<'a> {
+    /// Its `id`.
+    pub id: &'a str,
+    /// Its `source`.
+    pub source: &'a str,
+    /// Its `type`.
+    pub ty: &'a str,
+    /// Its handler hops: the announcement carries one more (see [`dead_lettered`]).
+    pub hops: u32,
+    /// The handler target that emitted it, for an emission that went to the DLQ before any
+    /// target of its own (past the hop limit, out of scope, failing its contract): the
+    /// announcement is about that target.
+    pub emitted_by: Option<&'a str>,
+}
+
+impl<'a> DeadEvent<'a> {
+    /// `ev` as its dead letter names it.
+    pub fn of(ev: &'a CloudEvent) -> Self {
+        Self {
+            id: &ev.id,
+            source: &ev.source,
+            ty: &ev.ty,
+            hops: ev.hops(),
+            emitted_by: None,
+        }
+    }
+}
+
+/// A new DLQ entry of `event`, for `target` (`None`: an event quarantined before any target):
+/// counted in `router_dlq_entries_total` and raised as `router.dlq.added` (rate-limited where
+/// it is routed). Events that are themselves system events raise none, so an alert path that
+/// fails cannot feed itself.
+///
+/// The announcement is about `target`, or else the handler target that emitted the event
+/// (it is never routed to the target it is about), and its `hops` are the event's plus one:
+/// an alert that a handler turns into an event which fails again (webhook A fails →
+/// `router.dlq.added` → handler B emits `ops.page` → A fails → …) climbs a hop per turn, so
+/// the hop limit ends it (`loop_detected`) where it used to start again at 0 every time.
 pub fn dead_lettered(
     ctx: &DeliveryContext,
     target: Option<&str>,
-    (id, source, ty): (&str, &str, &str),
+    event: DeadEvent<'_>,
     reason: DlqReason,
     error: Option<&str>,
     now: i64,
 ) {
+    let DeadEvent {
+        id,
+        source,
+        ty,
+        hops,
+        emitted_by,
+    } = event;
     count_dead_letters(&ctx.metrics, target, reason, 1);
     // Every path into the DLQ (an attempt, max_age before one, the depth cap at acceptance,
     // a quarantine, a handler's emission) says so once it is there, with the event.
-    let about = target.unwrap_or("none");
-    if let Some(suppressed) = ctx.log_gates.admit(&format!("dlq:{about}")) {
+    let gate = target.unwrap_or("none");
+    if let Some(suppressed) = ctx.log_gates.admit(&format!("dlq:{gate}")) {
         tracing::warn!(
             event_id = id,
             source,
-            target_id = about,
+            target_id = gate,
+            emitted_by,
             reason = reason.as_str(),
             error = error.and_then(|e| e.lines().next()).unwrap_or(""),
             suppressed,
@@ -1260,17 +1335,30 @@ pub fn dead_lettered(
     if ty.starts_with("router.") {
         return;
     }
-    let mut sys = system_event("router.dlq.added", about, now);
-    if target.is_none() {
+    let about = target.or(emitted_by);
+    let mut sys = system_event(
+        crate::system_events::DLQ_ADDED,
+        about.unwrap_or("none"),
+        now,
+    );
+    if about.is_none() {
         sys.subject = None;
         sys.source = "router://ingest".into();
     }
-    sys.data = Some(crate::event::Data::from(serde_json::json!({
+    sys.extensions.insert(
+        "hops".into(),
+        serde_json::Value::from(hops.saturating_add(1)),
+    );
+    let mut data = serde_json::json!({
         "target": target,
         "reason": reason.as_str(),
         "event": { "id": id, "source": source, "type": ty },
         "error": error,
-    })));
+    });
+    if let Some(by) = emitted_by {
+        data["emitted_by"] = serde_json::Value::from(by);
+    }
+    sys.data = Some(crate::event::Data::from(data));
     raise(ctx, sys);
 }
 
@@ -1296,7 +1384,7 @@ pub fn dead_lettered_in_bulk(
         error,
         "moved to the DLQ"
     );
-    let mut sys = system_event("router.dlq.added", target, now);
+    let mut sys = system_event(crate::system_events::DLQ_ADDED, target, now);
     sys.data = Some(crate::event::Data::from(serde_json::json!({
         "target": target,
         "reason": reason.as_str(),

@@ -1009,7 +1009,11 @@ async fn replay_step(
         job.state = JobState::Done;
         job.updated_at = now;
         job.heartbeat_at = now;
-        job.rev = app.store.replay_step(job.clone(), Vec::new(), now).await?.0;
+        job.rev = app
+            .store
+            .replay_step(job.clone(), Vec::new(), now)
+            .await?
+            .rev;
         return Ok(0);
     }
     let rules = app.rules.load();
@@ -1045,10 +1049,27 @@ async fn replay_step(
     job.heartbeat_at = now;
     let n = events.len();
     // Copies refused by their queue's depth cap went to the DLQ: counted as failed (the job
-    // said all was moved, and `--wait` exited 0).
-    let (rev, dead) = app.store.replay_step(job.clone(), items, now).await?;
-    job.rev = rev;
-    job.failed += dead;
+    // said all was moved, and `--wait` exited 0), and, as new dead letters, in
+    // router_dlq_entries_total and router.dlq.added like any other (they were neither).
+    let stepped = app.store.replay_step(job.clone(), items, now).await?;
+    job.rev = stepped.rev;
+    job.failed += stepped.overflowed.len() as u64;
+    for (seq, target) in &stepped.overflowed {
+        let Some(ev) = events.iter().find(|e| e.seq == *seq) else {
+            continue;
+        };
+        crate::deliver::dead_lettered(
+            app.dispatcher.context(),
+            Some(target),
+            crate::deliver::DeadEvent::of(&ev.event),
+            DlqReason::TargetOverflow,
+            Some(&format!(
+                "replayed by {}; the target's queue is at its depth cap",
+                job.id
+            )),
+            now,
+        );
+    }
     Ok(n)
 }
 
@@ -1330,6 +1351,53 @@ mod tests {
         })
         .await;
         assert_eq!((done.moved, done.skipped), (1, 1), "{done:?}");
+    }
+
+    /// Replayed copies that meet their target's full queue go to the DLQ as
+    /// `target_overflow`: new dead letters, counted in `router_dlq_entries_total` like those
+    /// at acceptance (they used to count only as the job's `failed`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn replayed_copies_past_the_depth_cap_are_counted_as_dead_letters() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = crate::app::test_config(dir.path());
+        std::fs::write(
+            cfg.rules_dir.join("r.yaml"),
+            "policies:\n  capped:\n    max_queue_depth: 3\nrules:\n  - name: r\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/\n        id: hook\n        policy: capped\n",
+        )
+        .expect("rules");
+        let store = RedbStore::in_memory().expect("store");
+        let app = crate::app::test_app(cfg, store, None);
+        let now = app.clock.now_ms();
+        // No worker runs here: the three accepted entries stay queued, at the cap.
+        let events = (0..3)
+            .map(|i| new_event("/s", &format!("e{i}"), &["hook"], now - 1000))
+            .collect();
+        app.store.accept(events).await.expect("accepted");
+        let job = create_replay(
+            &app,
+            ReplayRequest {
+                from: crate::clock::rfc3339(now - 5000),
+                to: crate::clock::rfc3339(now),
+                filter: None,
+                rate_per_sec: 1000.0,
+            },
+        )
+        .await
+        .expect("created");
+        let done = wait_for(&app, &job.id, Duration::from_secs(30), |j| {
+            j.state == JobState::Done
+        })
+        .await;
+        assert_eq!(done.failed, 3, "{done:?}");
+        let counted = app
+            .metrics
+            .dlq_entries
+            .get_or_create(&vec![
+                ("target", "hook".to_owned()),
+                ("reason", "target_overflow".to_owned()),
+            ])
+            .get();
+        assert_eq!(counted, 3, "every replayed copy in the DLQ is counted");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -439,7 +439,7 @@ async fn handle(
                 crate::deliver::dead_lettered(
                     app.dispatcher.context(),
                     Some(target),
-                    (&ev.id, &ev.source, &ev.ty),
+                    ev.dead(),
                     DlqReason::TargetOverflow,
                     Some("the target's queue is at its depth cap"),
                     now,
@@ -469,7 +469,7 @@ async fn handle(
             crate::deliver::dead_lettered(
                 app.dispatcher.context(),
                 None,
-                (&ev.id, &ev.source, &ev.ty),
+                ev.dead(),
                 reason,
                 detail.as_deref(),
                 now,
@@ -559,6 +559,7 @@ struct Answered {
     id: String,
     source: String,
     ty: String,
+    hops: u32,
 }
 
 impl Answered {
@@ -567,6 +568,18 @@ impl Answered {
             id: ev.id.clone(),
             source: ev.source.clone(),
             ty: ev.ty.clone(),
+            hops: ev.hops(),
+        }
+    }
+
+    /// The event as its dead letters name it.
+    fn dead(&self) -> crate::deliver::DeadEvent<'_> {
+        crate::deliver::DeadEvent {
+            id: &self.id,
+            source: &self.source,
+            ty: &self.ty,
+            hops: self.hops,
+            emitted_by: None,
         }
     }
 }

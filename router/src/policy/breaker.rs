@@ -112,6 +112,18 @@ impl Breaker {
         self.since = since;
     }
 
+    /// Goes on under `policy`, a target's policy edited by a reload, keeping what it has
+    /// seen. The window's counts are per second, so they read under a new `window` as they
+    /// are: a shorter one leaves out the older seconds at the next look, a longer one has no
+    /// counts from before the old window (they were already dropped) and fills up as attempts
+    /// come. A new `failure_rate`, `min_requests` or `consecutive_failures` is asked at the
+    /// next counted failure, and a new `half_open_probes` at the next admission. An open
+    /// breaker keeps the end it was given: the new `open_for` applies from the next opening
+    /// (an edit does not cut an outage's wait short, nor make it longer, halfway through).
+    pub fn set_policy(&mut self, policy: BreakerPolicy) {
+        self.policy = policy;
+    }
+
     /// Current state (after applying the clock: an expired open state reads as half-open).
     pub fn state(&self) -> BreakerState {
         self.state
@@ -436,6 +448,37 @@ mod tests {
         // 20 s later the window (10 s) holds only the new failure: 1 < min_requests.
         assert_eq!(b.record(Some(false), false, 20_000), None);
         assert_eq!(b.window_stats(20_000).0, 1);
+    }
+
+    #[test]
+    fn a_new_policy_keeps_the_window_and_the_state() {
+        let mut b = Breaker::new(policy(), 0);
+        for t in [0, 1000, 2000] {
+            assert_eq!(b.record(Some(false), false, t), None, "below min_requests");
+        }
+        // A reload edits the policy: the failures seen count towards the new minimum.
+        b.set_policy(BreakerPolicy {
+            min_requests: 3,
+            window: Duration::from_secs(20),
+            ..policy()
+        });
+        assert_eq!(b.window_stats(3000).0, 3);
+        let t = b
+            .record(Some(false), false, 3000)
+            .expect("4 failures of 4 pass the new minimum");
+        assert_eq!(t.to, BreakerState::Open { until: 8000 });
+        // An open breaker keeps its end under a new open_for; the next opening uses it.
+        b.set_policy(BreakerPolicy {
+            open_for: Duration::from_secs(60),
+            ..policy()
+        });
+        assert_eq!(b.admit(7000).0, Admission::WaitUntil(8000));
+        // A shorter window leaves out the older seconds.
+        b.set_policy(BreakerPolicy {
+            window: Duration::from_secs(2),
+            ..policy()
+        });
+        assert_eq!(b.window_stats(3500).0, 2, "the seconds 2 and 3 only");
     }
 
     #[test]

@@ -276,15 +276,15 @@ pub trait Store: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<(u64, RedriveGone), StoreError>>;
 
     /// Adds replayed deliveries and the job's new progress atomically, if the job is still at
-    /// `job.rev` (as [`Store::redrive_step`]); returns the job's new revision and how many
-    /// copies went to the DLQ instead (their queue at its depth cap), which the stored job
+    /// `job.rev` (as [`Store::redrive_step`]); returns the job's new revision and the copies
+    /// that went to the DLQ instead (their queue at its depth cap), which the stored job
     /// counts as `failed` on top of `job.failed`.
     fn replay_step(
         &self,
         job: Job,
         items: Vec<ReplayItem>,
         now: Millis,
-    ) -> BoxFuture<'_, Result<(u64, u64), StoreError>>;
+    ) -> BoxFuture<'_, Result<ReplayStepped, StoreError>>;
 
     /// Deletes DLQ entries. Returns how many existed.
     fn purge_dlq(&self, ids: Vec<u64>) -> BoxFuture<'_, Result<u64, StoreError>>;

@@ -928,6 +928,17 @@ pub struct ReplayItem {
     pub targets: Vec<NewEntry>,
 }
 
+/// What a replay step did ([`crate::store::Store::replay_step`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ReplayStepped {
+    /// The job's new revision.
+    pub rev: u64,
+    /// The copies that went to the DLQ as `target_overflow` instead of their queue (at its
+    /// depth cap), as (archived event's sequence, target id): new dead letters to count and
+    /// announce like any other. The stored job counts them as `failed`.
+    pub overflowed: Vec<(u64, String)>,
+}
+
 /// One row of the DLQ summary: a (target, reason) group with a histogram over time.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct SummaryRow {

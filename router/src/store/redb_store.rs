@@ -831,7 +831,7 @@ enum Op {
         job: Job,
         items: Vec<ReplayItem>,
         now: Millis,
-        reply: Reply<Result<(u64, u64), StoreError>>,
+        reply: Reply<Result<ReplayStepped, StoreError>>,
     },
     PurgeDlq {
         ids: Vec<u64>,
@@ -1904,7 +1904,7 @@ impl Store for RedbStore {
         job: Job,
         items: Vec<ReplayItem>,
         now: Millis,
-    ) -> BoxFuture<'_, Result<(u64, u64), StoreError>> {
+    ) -> BoxFuture<'_, Result<ReplayStepped, StoreError>> {
         async move {
             self.call(|reply| Op::ReplayStep {
                 job,
@@ -4299,9 +4299,9 @@ impl Committer {
         items: Vec<ReplayItem>,
         now: Millis,
         effects: &mut Vec<Effect>,
-    ) -> Result<(u64, u64), StoreError> {
+    ) -> Result<ReplayStepped, StoreError> {
         check_job_rev(txn, job)?;
-        let mut dead = 0u64;
+        let mut overflowed = Vec::new();
         for item in items {
             let raw = txn
                 .open_table(EVENTS)?
@@ -4324,7 +4324,7 @@ impl Committer {
                     );
                     let d = DlqEntry::replay_overflow(item.seq, names, &t, &job.id, cap, now);
                     self.add_dlq(txn, d, effects)?;
-                    dead += 1;
+                    overflowed.push((item.seq, t.target_id));
                     continue;
                 }
                 *self.group_depth.entry(t.target_id.clone()).or_insert(0) += 1;
@@ -4341,10 +4341,13 @@ impl Committer {
             }
         }
         let job = Job {
-            failed: job.failed + dead,
+            failed: job.failed + overflowed.len() as u64,
             ..job.clone()
         };
-        Ok((write_job(txn, &job)?, dead))
+        Ok(ReplayStepped {
+            rev: write_job(txn, &job)?,
+            overflowed,
+        })
     }
 
     /// Moves waiting (not leased) entries to the DLQ without an attempt.

@@ -10,7 +10,7 @@ use super::{
 use crate::store::redb_store::delivery_key;
 use crate::store::{
     DlqEntry, EntryId, EntryState, Job, Millis, QueueEntry, RecordCounts, RedriveAction,
-    RedriveGone, ReplayItem, StoreError, StoredEvent, SweepStats,
+    RedriveGone, ReplayItem, ReplayStepped, StoreError, StoredEvent, SweepStats,
 };
 
 /// Events removed (or examined and kept) per sweep call, so one call stays short.
@@ -180,7 +180,7 @@ impl JetStreamStore {
         job: Job,
         items: Vec<ReplayItem>,
         now: Millis,
-    ) -> Result<(u64, u64), StoreError> {
+    ) -> Result<ReplayStepped, StoreError> {
         for _ in 0..MAX_RETRIES {
             // The job first: a step it no longer owns reads nothing more.
             let mut writes = vec![self.job_write(&job).await?];
@@ -188,7 +188,7 @@ impl JetStreamStore {
             // Entries this step adds per capped target, beside those the view holds.
             let mut added: HashMap<String, u64> = HashMap::new();
             // Copies that go to the DLQ instead: the job counts them as failed.
-            let mut dead = 0u64;
+            let mut overflowed = Vec::new();
             for item in &items {
                 let Some((ev, _)) = self.event_for(&mut events, item.seq).await? else {
                     continue;
@@ -209,7 +209,7 @@ impl JetStreamStore {
                             writes.push(Write::put(dlq_key(id), enc(&d), Expect::Revision(0)));
                             // The event's record lists its dead letters (its fate reads them).
                             ev.dlq.push(id);
-                            dead += 1;
+                            overflowed.push((item.seq, t.target_id.clone()));
                             continue;
                         }
                         *n += 1;
@@ -233,15 +233,18 @@ impl JetStreamStore {
                     writes.push(Write::put(entry_key(id), enc(&r), Expect::Revision(0)));
                 }
             }
-            if dead > 0 {
+            if !overflowed.is_empty() {
                 let counted = Job {
-                    failed: job.failed + dead,
+                    failed: job.failed + overflowed.len() as u64,
                     ..job.clone()
                 };
                 writes[0] = self.job_write(&counted).await?;
             }
             if self.commit_step(writes, events).await? {
-                return Ok((job.rev + 1, dead));
+                return Ok(ReplayStepped {
+                    rev: job.rev + 1,
+                    overflowed,
+                });
             }
         }
         Err(StoreError::Backend(

@@ -18,8 +18,8 @@ use super::JetStreamStore;
 use crate::store::{
     AcceptOutcome, AcceptedLeased, AttemptEnd, Disposition, DlqEntry, DlqFilter, DlqReason,
     EntryId, Fate, FinishError, Finished, Job, KvUsage, Lease, Leased, Millis, NewEvent,
-    QueueStats, RecordCounts, RedriveAction, ReplayItem, Store, StoreError, StoredEvent,
-    SummaryRow, SweepStats,
+    QueueStats, RecordCounts, RedriveAction, ReplayItem, ReplayStepped, Store, StoreError,
+    StoredEvent, SummaryRow, SweepStats,
 };
 
 /// How long record counts (a pass over the records) are reused.
@@ -163,7 +163,7 @@ impl Store for JetStreamStore {
         job: Job,
         items: Vec<ReplayItem>,
         now: Millis,
-    ) -> BoxFuture<'_, Result<(u64, u64), StoreError>> {
+    ) -> BoxFuture<'_, Result<ReplayStepped, StoreError>> {
         JetStreamStore::replay_step(self, job, items, now).boxed()
     }
 

@@ -1974,25 +1974,31 @@ async fn a_replay_step_adds_marked_deliveries_of_archived_events() {
     s.settled().await;
     let mut capped = new_event("/p", "x", &["a"], 0).targets;
     capped[0].max_depth = Some(7);
-    s.replay_step(
-        Job {
-            rev: 1,
-            ..job("replay-1", JobKind::Replay)
-        },
-        vec![
-            ReplayItem {
-                seq: seqs[1],
-                targets: capped.clone(),
+    let stepped = s
+        .replay_step(
+            Job {
+                rev: 1,
+                ..job("replay-1", JobKind::Replay)
             },
-            ReplayItem {
-                seq: seqs[2],
-                targets: capped,
-            },
-        ],
-        now + 20,
-    )
-    .await
-    .expect("replay step");
+            vec![
+                ReplayItem {
+                    seq: seqs[1],
+                    targets: capped.clone(),
+                },
+                ReplayItem {
+                    seq: seqs[2],
+                    targets: capped,
+                },
+            ],
+            now + 20,
+        )
+        .await
+        .expect("replay step");
+    assert_eq!(
+        stepped.overflowed,
+        [(seqs[2], "a".to_owned())],
+        "the step says which copy overflowed (it is counted and announced)"
+    );
     s.settled().await;
     let fate = s.fate("/p", "p2").await.expect("fate").expect("known");
     assert_eq!(fate.entries.len(), 1, "the second copy overflowed");

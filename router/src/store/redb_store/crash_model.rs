@@ -885,7 +885,7 @@ async fn run(store: Arc<RedbStore>, op: Op) -> Answer {
                     }],
                 })
                 .collect();
-            Answer::Replayed(store.replay_step(job, items, now).await.map(|(rev, _)| rev))
+            Answer::Replayed(store.replay_step(job, items, now).await.map(|s| s.rev))
         }
         Op::PutState { target, state } => Answer::Put(store.put_target_state(target, state).await),
         Op::Save { configs } => Answer::Put(

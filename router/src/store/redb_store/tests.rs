@@ -2863,13 +2863,16 @@ async fn a_replay_past_a_targets_depth_cap_overflows_to_the_dlq() {
             }],
         })
         .collect();
-    let (_, dead) = s
+    let stepped = s
         .replay_step(Job { rev, ..j }, items, 2000)
         .await
         .expect("step");
     // Three accepted, one replayed copy fits under the cap of four, two overflow: the job
-    // counts them as failed.
-    assert_eq!(dead, 2);
+    // counts them as failed, and the step says which (they are counted and announced).
+    assert_eq!(
+        stepped.overflowed,
+        [(seqs[1], "a".to_owned()), (seqs[2], "a".to_owned())]
+    );
     assert_eq!(
         s.job("replay-1")
             .await
