@@ -735,6 +735,21 @@ fn check_stream(have: &stream::Config, want: &stream::Config) -> Result<(), Reco
     if have.subjects != want.subjects {
         wrong.push("subjects differ from the configured prefix");
     }
+    // A node configured for a replicated stream must not run on a single copy without
+    // knowing (nor the other way round): the durability promised differs. Changing the
+    // stream's replicas is the operator's decision, so it is refused, not updated.
+    let replicas = (have.num_replicas.max(1) != want.num_replicas.max(1)).then(|| {
+        format!(
+            "it has {} replica(s) but store.jetstream.replicas is {} (change the stream's \
+             replicas, e.g. `nats stream edit {} --replicas {}`, or the setting)",
+            have.num_replicas.max(1),
+            want.num_replicas.max(1),
+            have.name,
+            want.num_replicas.max(1)
+        )
+    });
+    let mut wrong: Vec<String> = wrong.into_iter().map(str::to_string).collect();
+    wrong.extend(replicas);
     if wrong.is_empty() {
         Ok(())
     } else {

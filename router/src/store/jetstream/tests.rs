@@ -2612,3 +2612,21 @@ async fn jobs_are_deleted_only_at_the_revision_read() {
     assert_eq!(s.delete_jobs(&[current, unknown]).await.expect("delete"), 1);
     assert!(s.jobs().await.expect("jobs").is_empty());
 }
+
+/// A node configured for a replicated stream does not run on an existing single-replica one
+/// without saying so (nor the other way round): it is refused at open, naming both numbers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_with_another_number_of_replicas_is_refused() {
+    let server = TestServer::start();
+    Records::open(server.records("REPL"))
+        .await
+        .expect("created with one replica");
+    let mut cfg = server.records("REPL");
+    cfg.replicas = 3;
+    let e = Records::open(cfg).await.expect_err("refused");
+    assert!(
+        e.to_string()
+            .contains("has 1 replica(s) but store.jetstream.replicas is 3"),
+        "{e}"
+    );
+}
