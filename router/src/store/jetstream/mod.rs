@@ -171,6 +171,10 @@ pub struct JetStreamStore {
     /// start). Events it keeps (still referred to) are passed over until the pass reaches
     /// the young records and starts again.
     sweep_from: std::sync::atomic::AtomicU64,
+    /// Where the sweep's next pass over the COMPLETED records goes on (as `sweep_from`).
+    completed_from: std::sync::atomic::AtomicU64,
+    /// Where the sweep's next pass over the key-value records goes on (as `sweep_from`).
+    kv_from: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for JetStreamStore {
@@ -264,6 +268,8 @@ impl JetStreamStore {
             counts: Mutex::new(None),
             announced: Mutex::default(),
             sweep_from: std::sync::atomic::AtomicU64::new(0),
+            completed_from: std::sync::atomic::AtomicU64::new(0),
+            kv_from: std::sync::atomic::AtomicU64::new(0),
             records,
         };
         if !store.view.wait_loaded(store.records.timeout()).await {

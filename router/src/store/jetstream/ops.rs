@@ -68,6 +68,23 @@ impl KvRecord {
     }
 }
 
+/// What the sweep and `kv_clear` need of a key-value entry to choose it: the value, the
+/// bulk of the record, is skipped, not decoded (a pass over every entry decoded and kept
+/// them all).
+#[derive(Debug, Deserialize)]
+pub(super) struct KvHead {
+    pub namespace: String,
+    pub key: String,
+    #[serde(default)]
+    pub expires_at: Option<Millis>,
+}
+
+/// What the sweep needs of a COMPLETED record: its expiry (the stored result is skipped).
+#[derive(Debug, Deserialize)]
+pub(super) struct CompletedHead {
+    pub expires_at: Millis,
+}
+
 /// What a handler's namespace holds (`ku.<fingerprint>`), changed in the same batch as its
 /// key-value writes.
 #[derive(Debug, Default, Serialize, Deserialize)]

@@ -2630,3 +2630,68 @@ async fn a_stream_with_another_number_of_replicas_is_refused() {
         "{e}"
     );
 }
+
+/// More than a sweep batch (256) of expired COMPLETED and key-value records are all removed
+/// by consecutive sweeps, each asking for the next at once (`more`), as on the embedded
+/// store. Only events used to count, so each kind went at 256 per sweep interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_goes_on_while_its_batches_of_expired_records_are_full() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let now = chrono::Utc::now().timestamp_millis();
+    // 600 expired COMPLETED records among 700.
+    let writes: Vec<Write> = (0..700)
+        .map(|i| {
+            let expires_at = if i % 7 == 0 { now + 3_600_000 } else { now - 1 };
+            Write::put(
+                ops::completed_key("h", &format!("k{i}")),
+                enc(&ops::CompletedRecord {
+                    result: ops::b64(b"{}"),
+                    expires_at,
+                }),
+                Expect::Any,
+            )
+        })
+        .collect();
+    s.records.commit(writes).await.expect("completed records");
+    // 300 expired key-value entries, written by a finish (with their usage).
+    s.accept(vec![new_event("/kv", "e", &["h"], now)])
+        .await
+        .expect("accept");
+    let l = lease_ok(&s, "h", now, 1, 60_000).await.remove(0);
+    let end = AttemptEnd {
+        finished_at: now,
+        result: AttemptResult::Delivered,
+        status: None,
+        error: None,
+        outbox: Some(Box::new(Outbox {
+            kv: (0..300)
+                .map(|i| put_kv(&format!("k{i}"), b"v", Some(now - 1)))
+                .collect(),
+            ..Outbox::default()
+        })),
+    };
+    s.finish(l.entry.id, l.lease, end, Disposition::Delivered, now)
+        .await
+        .expect("finish");
+    assert_eq!(s.kv_usage_of("h").await.expect("usage").keys, 300);
+
+    let (mut calls, mut completed, mut kv) = (0, 0, 0);
+    loop {
+        let stats = s.sweep(now, 1_000, 3_600_000).await.expect("sweep");
+        calls += 1;
+        completed += stats.completed_expired;
+        kv += stats.kv_expired;
+        if !stats.more {
+            break;
+        }
+        assert!(calls < 10, "the sweep keeps asking for more: {stats:?}");
+    }
+    assert_eq!((completed, kv), (600, 300), "after {calls} sweeps");
+    assert_eq!(
+        calls, 3,
+        "256 + 256 + 88 COMPLETED records, 256 + 44 entries"
+    );
+    assert_eq!(s.count_records().await.expect("counts").completed, 100);
+    assert_eq!(s.kv_usage_of("h").await.expect("usage"), KvUsage::default());
+}
