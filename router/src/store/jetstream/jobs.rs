@@ -55,9 +55,9 @@ impl JetStreamStore {
         actions: Vec<RedriveAction>,
         now: Millis,
     ) -> Result<u64, StoreError> {
-        for _ in 0..MAX_RETRIES {
+        for attempt in 0..MAX_RETRIES {
             // The job first: a step it no longer owns reads nothing more.
-            let mut writes = vec![self.job_write(&job).await?];
+            let mut writes = vec![self.job_write(&job, attempt > 0).await?];
             // Events changed by several actions of this step: their latest record.
             let mut events: HashMap<u64, (EventRecord, u64)> = HashMap::new();
             for action in &actions {
@@ -66,7 +66,9 @@ impl JetStreamStore {
                     | RedriveAction::Route { dlq_id, .. }
                     | RedriveAction::Keep { dlq_id, .. } => *dlq_id,
                 };
-                let Some((mut d, drev)) = self.read::<DlqEntry>("dlq", &dlq_key(dlq_id)).await?
+                let Some((mut d, drev)) = self
+                    .read_existing::<DlqEntry>("dlq", &dlq_key(dlq_id))
+                    .await?
                 else {
                     continue;
                 };
@@ -74,8 +76,9 @@ impl JetStreamStore {
                     RedriveAction::Requeue { .. } => {
                         writes.push(Write::delete(dlq_key(dlq_id), Expect::Revision(drev)));
                         let Some(id) = d.entry else { continue };
-                        let Some((mut r, rev)) =
-                            self.read::<EntryRecord>("entries", &entry_key(id)).await?
+                        let Some((mut r, rev)) = self
+                            .read_existing::<EntryRecord>("entries", &entry_key(id))
+                            .await?
                         else {
                             continue;
                         };
@@ -188,7 +191,9 @@ impl JetStreamStore {
         seq: u64,
     ) -> Result<Option<&'a mut (EventRecord, u64)>, StoreError> {
         if let std::collections::hash_map::Entry::Vacant(slot) = events.entry(seq) {
-            let Some((mut ev, rev)) = self.read::<EventRecord>("events", &event_key(seq)).await?
+            let Some((mut ev, rev)) = self
+                .read_existing::<EventRecord>("events", &event_key(seq))
+                .await?
             else {
                 return Ok(None);
             };
@@ -206,9 +211,9 @@ impl JetStreamStore {
         items: Vec<ReplayItem>,
         now: Millis,
     ) -> Result<(u64, u64), StoreError> {
-        for _ in 0..MAX_RETRIES {
+        for attempt in 0..MAX_RETRIES {
             // The job first: a step it no longer owns reads nothing more.
-            let mut writes = vec![self.job_write(&job).await?];
+            let mut writes = vec![self.job_write(&job, attempt > 0).await?];
             let mut events: HashMap<u64, (EventRecord, u64)> = HashMap::new();
             // Entries this step adds per capped target, beside those the view holds.
             let mut added: HashMap<String, u64> = HashMap::new();
@@ -263,7 +268,7 @@ impl JetStreamStore {
                     failed: job.failed + dead,
                     ..job.clone()
                 };
-                writes[0] = self.job_write(&counted).await?;
+                writes[0] = self.job_write(&counted, attempt > 0).await?;
             }
             if self.commit_step(writes, events).await? {
                 return Ok((job.rev + 1, dead));

@@ -312,7 +312,8 @@ impl JetStreamStore {
         }
         let key = format!("ctr.{name}");
         for attempt in 0..MAX_RETRIES {
-            let read = self.records.get(&key).await?;
+            // After a lost race, from the leader: a lagging replica would lose it again.
+            let read = self.records.get_from(&key, attempt > 0).await?;
             let start = match read.as_ref().and_then(|v| v.value.as_ref()) {
                 Some(bytes) => dec::<CounterRecord>("counters", bytes)?.next,
                 None => 1,
@@ -383,16 +384,19 @@ impl JetStreamStore {
         }
         let mut outcomes: Vec<Option<AcceptOutcome>> = vec![None; events.len()];
         let mut handed = Vec::new();
-        for _ in 0..MAX_RETRIES {
+        for round in 0..MAX_RETRIES {
             let pending: Vec<usize> = (0..events.len())
                 .filter(|&i| outcomes[i].is_none())
                 .collect();
             if pending.is_empty() {
                 break;
             }
+            // After a lost race, from the leader: a lagging replica would lose it again.
+            let leader = round > 0;
             let reads = try_join_all(pending.iter().map(|&i| {
                 let ev = &events[i].event;
-                self.records.get_owned(dedup_record_key(&ev.source, &ev.id))
+                let key = dedup_record_key(&ev.source, &ev.id);
+                async move { self.records.get_from(&key, leader).await }
             }))
             .await?;
             // Events of this call that repeat an earlier one of it are duplicates of that one
@@ -866,9 +870,27 @@ impl JetStreamStore {
         key: &str,
         order: (Millis, EntryId),
     ) -> Result<Option<Vec<Write>>, StoreError> {
+        // A refusal read from a replica is read again from the leader: a replica that had
+        // not applied the holder's finish yet showed it still in flight, and the key's next
+        // entry waited for the next lease round. (A lock given on a stale read costs nothing:
+        // its compare-and-set fails.)
+        match self.key_lock_from(target, key, order, false).await? {
+            Some(writes) => Ok(Some(writes)),
+            None => self.key_lock_from(target, key, order, true).await,
+        }
+    }
+
+    /// `key_lock_for`, reading from the leader or the fast way (`Records::get_from`).
+    async fn key_lock_from(
+        &self,
+        target: &str,
+        key: &str,
+        order: (Millis, EntryId),
+        leader: bool,
+    ) -> Result<Option<Vec<Write>>, StoreError> {
         let id = order.1;
         let lock = lock_key(target, key);
-        let read = self.records.get(&lock).await?;
+        let read = self.records.get_from(&lock, leader).await?;
         let mut writes = Vec::with_capacity(2);
         if let Some(bytes) = read.as_ref().and_then(|v| v.value.as_ref()) {
             let holder: KeyLock = dec("key locks", bytes)?;
@@ -876,7 +898,10 @@ impl JetStreamStore {
                 && let Some(Versioned {
                     value: Some(b),
                     revision,
-                }) = self.records.get(&entry_key(holder.entry)).await?
+                }) = self
+                    .records
+                    .get_from(&entry_key(holder.entry), leader)
+                    .await?
             {
                 let r = dec::<EntryRecord>("entries", &b)?;
                 if r.entry.state == EntryState::Queued {
@@ -927,7 +952,9 @@ impl JetStreamStore {
     pub async fn release_key(&self, target: &str, key: &str) -> Result<bool, StoreError> {
         let k = held_key(target, key);
         for _ in 0..MAX_RETRIES {
-            let Some(read) = self.records.get(&k).await? else {
+            // From the leader: a replica that had not applied the hold yet answered "not
+            // held" to the operator, and the key stayed held.
+            let Some(read) = self.records.get_leader(&k).await? else {
                 return Ok(false);
             };
             if read.value.is_none() {
@@ -1036,9 +1063,14 @@ impl JetStreamStore {
         now: Millis,
     ) -> Result<Finished, FinishError> {
         // A conflict is either the lease taken over (fenced) or a key-value record of the
-        // outbox changed by another delivery: the second is read again and retried.
-        for _ in 0..MAX_RETRIES {
-            match self.finish_once(id, lease, &end, &disposition, now).await {
+        // outbox changed by another delivery: the second is read again and retried, from
+        // the stream's leader (a lagging replica would lose the same race again).
+        for attempt in 0..MAX_RETRIES {
+            let fresh = attempt > 0;
+            match self
+                .finish_once(id, lease, &end, &disposition, now, fresh)
+                .await
+            {
                 Err(FinishError::Contended) => continue,
                 other => return other,
             }
@@ -1046,6 +1078,7 @@ impl JetStreamStore {
         Err(FinishError::Contended)
     }
 
+    /// One try of `finish`; with `fresh`, every record is read from the stream's leader.
     async fn finish_once(
         &self,
         id: EntryId,
@@ -1053,15 +1086,21 @@ impl JetStreamStore {
         end: &AttemptEnd,
         disposition: &Disposition,
         now: Millis,
+        fresh: bool,
     ) -> Result<Finished, FinishError> {
+        // The lease's token is the revision this node's lease wrote, so an older answer is a
+        // replica's that has not applied the lease yet: read from the leader instead. Taken
+        // as it came, it fenced a delivery that had succeeded, and the entry went out again
+        // once its lease expired, its attempt counted as interrupted.
+        let read = if fresh {
+            self.records.get_leader(&entry_key(id)).await
+        } else {
+            self.records.get_at_least(&entry_key(id), lease.token).await
+        };
         let Some(Versioned {
             value: Some(bytes),
             revision,
-        }) = self
-            .records
-            .get(&entry_key(id))
-            .await
-            .map_err(StoreError::from)?
+        }) = read.map_err(StoreError::from)?
         else {
             return Err(FinishError::NotFound);
         };
@@ -1079,7 +1118,7 @@ impl JetStreamStore {
         e.close_attempt(end);
         let mut hold_write = None;
         let (mut writes, overflowed) = match end.outbox.as_deref() {
-            Some(outbox) => self.outbox_writes(outbox, now).await?,
+            Some(outbox) => self.outbox_writes(outbox, now, fresh).await?,
             None => (Vec::new(), Vec::new()),
         };
         match *disposition {
@@ -1128,10 +1167,12 @@ impl JetStreamStore {
         match self.commit(writes).await {
             Ok(_) => Ok(Finished { overflowed }),
             Err(RecordsError::Conflict) => {
-                // Taken over between the read and the write, or an outbox record changed.
+                // Taken over between the read and the write, or an outbox record changed:
+                // the leader tells which (a replica could still show the lease's revision
+                // after a take-over).
                 match self
                     .records
-                    .get(&entry_key(id))
+                    .get_leader(&entry_key(id))
                     .await
                     .map_err(StoreError::from)?
                 {
@@ -1153,6 +1194,7 @@ impl JetStreamStore {
         &self,
         outbox: &Outbox,
         now: Millis,
+        fresh: bool,
     ) -> Result<(Vec<Write>, Vec<(usize, String)>), FinishError> {
         let mut writes = Vec::new();
         let mut overflowed = Vec::new();
@@ -1163,7 +1205,11 @@ impl JetStreamStore {
             if !seen.insert(key.clone()) {
                 continue;
             }
-            let read = self.records.get(&key).await.map_err(StoreError::from)?;
+            let read = self
+                .records
+                .get_from(&key, fresh)
+                .await
+                .map_err(StoreError::from)?;
             if self.live_duplicate(ne, read.as_ref())?.is_some() {
                 continue;
             }
@@ -1191,7 +1237,7 @@ impl JetStreamStore {
         for (ns, k) in touched {
             let read = self
                 .records
-                .get(&ops::kv_key(&ns, &k))
+                .get_from(&ops::kv_key(&ns, &k), fresh)
                 .await
                 .map_err(StoreError::from)?;
             current.insert((ns, k), read);
@@ -1291,7 +1337,11 @@ impl JetStreamStore {
         }
         for ((ns, shard), (bytes, keys)) in usage {
             let ukey = ops::usage_key(&ns, shard);
-            let read = self.records.get(&ukey).await.map_err(StoreError::from)?;
+            let read = self
+                .records
+                .get_from(&ukey, fresh)
+                .await
+                .map_err(StoreError::from)?;
             let old: ops::UsageRecord = match read.as_ref().and_then(|v| v.value.as_ref()) {
                 Some(b) => dec("kv usage", b)?,
                 None => ops::UsageRecord::default(),
@@ -1360,8 +1410,25 @@ impl JetStreamStore {
     }
 
     /// The stored event `seq` with the number of its entries and its quarantine DLQ entry.
+    ///
+    /// Whoever asks holds a reference to it (an entry, a DLQ entry, a dedup key), so it
+    /// exists: a replica that does not have it yet is not believed, and the leader is asked.
     async fn event_record(&self, seq: u64) -> Result<Option<EventRecord>, StoreError> {
-        match self.records.get(&event_key(seq)).await? {
+        self.event_record_from(seq, false).await
+    }
+
+    /// `event_record`, from the leader with `leader`.
+    async fn event_record_from(
+        &self,
+        seq: u64,
+        leader: bool,
+    ) -> Result<Option<EventRecord>, StoreError> {
+        let read = if leader {
+            self.records.get_leader(&event_key(seq)).await?
+        } else {
+            self.records.get_at_least(&event_key(seq), 1).await?
+        };
+        match read {
             Some(Versioned {
                 value: Some(bytes), ..
             }) => {
@@ -1373,11 +1440,16 @@ impl JetStreamStore {
         }
     }
 
-    /// Everything known about (`source`, `id`).
+    /// Everything known about (`source`, `id`), read from the stream's leader: a producer
+    /// asks right after its 202, maybe of another node, and a replica that had not applied
+    /// the accept yet answered that the event was unknown.
     pub async fn fate(&self, source: &str, id: &str) -> Result<Option<Fate>, StoreError> {
         let Some(Versioned {
             value: Some(bytes), ..
-        }) = self.records.get(&dedup_record_key(source, id)).await?
+        }) = self
+            .records
+            .get_leader(&dedup_record_key(source, id))
+            .await?
         else {
             return Ok(None);
         };
@@ -1385,12 +1457,12 @@ impl JetStreamStore {
         if d.source != source || d.id != id {
             return Ok(None);
         }
-        let Some(ev) = self.event_record(d.seq).await? else {
+        let Some(ev) = self.event_record_from(d.seq, true).await? else {
             return Ok(None);
         };
         let reads = try_join_all((0..ev.entries).map(|idx| {
-            self.records
-                .get_owned(entry_key(EntryId { event: d.seq, idx }))
+            let key = entry_key(EntryId { event: d.seq, idx });
+            async move { self.records.get_leader(&key).await }
         }))
         .await?;
         let mut entries = Vec::new();
@@ -1405,7 +1477,7 @@ impl JetStreamStore {
         }
         let mut dlq = Vec::new();
         for id in dlq_ids {
-            if let Some(e) = self.dlq_entry(id).await? {
+            if let Some(e) = self.dlq_entry_from(id, true).await? {
                 dlq.push(e);
             }
         }
@@ -1416,8 +1488,21 @@ impl JetStreamStore {
         }))
     }
 
+    /// DLQ entry `id`. The ids asked for come from the view, which follows the stream
+    /// from its leader, so one a replica does not have yet is read from the leader (a
+    /// listing skipped it as purged).
     async fn dlq_entry(&self, id: u64) -> Result<Option<DlqEntry>, StoreError> {
-        match self.records.get(&dlq_key(id)).await? {
+        self.dlq_entry_from(id, false).await
+    }
+
+    /// `dlq_entry`, from the leader with `leader`.
+    async fn dlq_entry_from(&self, id: u64, leader: bool) -> Result<Option<DlqEntry>, StoreError> {
+        let read = if leader {
+            self.records.get_leader(&dlq_key(id)).await?
+        } else {
+            self.records.get_at_least(&dlq_key(id), 1).await?
+        };
+        match read {
             Some(Versioned {
                 value: Some(bytes), ..
             }) => Ok(Some(dec("dlq", &bytes)?)),

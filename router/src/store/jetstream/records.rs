@@ -188,6 +188,11 @@ pub struct Records {
     /// commit; the group committer answers it at once instead of letting it fail a whole
     /// group (`Records::known_stale`).
     written: Mutex<HashMap<String, u64>>,
+    /// For tests: what a replica that stopped applying writes still answers, by key (`None`:
+    /// it does not have the record). A direct get of such a key answers this; the leader is
+    /// still asked for real (`Records::lag_behind`).
+    #[cfg(test)]
+    lagging: Mutex<HashMap<String, Option<Versioned>>>,
 }
 
 /// A transaction waiting for the group committer, and where its answer goes.
@@ -363,6 +368,8 @@ impl Records {
             open: tokio::sync::Semaphore::new(MAX_OPEN_BATCHES),
             group: tx,
             written: Mutex::new(HashMap::new()),
+            #[cfg(test)]
+            lagging: Mutex::default(),
         });
         tokio::spawn(group_commits(Arc::downgrade(&records), rx));
         Ok(records)
@@ -388,24 +395,120 @@ impl Records {
         format!("{}.{key}", self.config.prefix)
     }
 
-    /// The record at `key` (`None`: no message at all, or its tombstone expired).
+    /// The record at `key` (`None`: no message at all, or its tombstone expired), read the
+    /// fast way: a direct get, which any replica of the stream may answer.
+    ///
+    /// A replica applies a write some time after the stream's leader acknowledged it (a
+    /// follower learns that an entry is committed from the leader's next message), so its
+    /// answer can be older than a write already acknowledged. A read older than this node's
+    /// own last commit of the record (`written`) is therefore read again from the leader
+    /// (`get_leader`): a node always sees its own writes. Another node's recent write may
+    /// still be missing, which is harmless wherever the decision ends in a compare-and-set
+    /// of the record read (the commit is refused and the caller reads again). Decisions with
+    /// no such check, or that know a revision they must see, use `get_at_least` or
+    /// `get_leader`.
     pub async fn get(&self, key: &str) -> Result<Option<Versioned>, RecordsError> {
+        self.get_at_least(key, 0).await
+    }
+
+    /// `get`, read again from the leader when the answer is older than `revision` (a
+    /// revision the caller knows the record reached, such as a lease's token) or than this
+    /// node's own last commit of it. With `revision` 1, a record known to exist that a
+    /// lagging replica does not have yet is read from the leader instead of reported absent.
+    pub async fn get_at_least(
+        &self,
+        key: &str,
+        revision: u64,
+    ) -> Result<Option<Versioned>, RecordsError> {
+        let known = revision.max(self.own_revision(key));
+        let read = self.direct_get(key).await?;
+        if read.as_ref().map_or(0, |v| v.revision) < known {
+            return self.get_leader(key).await;
+        }
+        Ok(read)
+    }
+
+    /// The record at `key` as whichever replica answers has it.
+    async fn direct_get(&self, key: &str) -> Result<Option<Versioned>, RecordsError> {
+        #[cfg(test)]
+        if let Some(read) = self
+            .lagging
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key)
+        {
+            return Ok(read.clone());
+        }
         match self
             .stream
             .direct_get_last_for_subject(self.subject(key))
             .await
         {
-            Ok(m) => Ok(Some(Versioned {
-                value: if m.headers.get(TOMBSTONE).is_some() {
-                    None
-                } else {
-                    Some(m.payload)
-                },
-                revision: m.sequence,
-            })),
+            Ok(m) => Ok(Some(versioned(m))),
             Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => Ok(None),
             Err(e) => Err(RecordsError::Server(format!("read {key}: {e}"))),
         }
+    }
+
+    /// For tests: from now on, direct gets of `key` answer that it has no record, as a
+    /// replica that has not applied its first write yet would (`lagging`).
+    #[cfg(test)]
+    pub fn lag_without(&self, key: &str) {
+        self.lagging
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key.to_string(), None);
+    }
+
+    /// For tests: from now on, direct gets of `keys` answer what they answer now, as a
+    /// replica that stops applying writes to them would (`lagging`).
+    #[cfg(test)]
+    pub async fn lag_behind(&self, keys: &[String]) {
+        for key in keys {
+            let read = self.direct_get(key).await.expect("read before lagging");
+            self.lagging
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(key.clone(), read);
+        }
+    }
+
+    /// The record at `key` as the stream's leader has it (the leader acknowledges a write
+    /// once it has applied it, so this read sees every acknowledged write). A request through
+    /// the JetStream API to one server, where `get` may be answered by any: for decisions that
+    /// cannot be checked by a compare-and-set (an operator's purge or release, a fate), or a
+    /// read again after a conflict.
+    pub async fn get_leader(&self, key: &str) -> Result<Option<Versioned>, RecordsError> {
+        match self
+            .stream
+            .get_last_raw_message_by_subject(&self.subject(key))
+            .await
+        {
+            Ok(m) => Ok(Some(versioned(m))),
+            Err(e) if e.kind() == stream::LastRawMessageErrorKind::NoMessageFound => Ok(None),
+            Err(e) => Err(RecordsError::Server(format!(
+                "read {key} from the leader: {e}"
+            ))),
+        }
+    }
+
+    /// `get` (`leader`: false) or `get_leader`.
+    pub async fn get_from(
+        &self,
+        key: &str,
+        leader: bool,
+    ) -> Result<Option<Versioned>, RecordsError> {
+        if leader {
+            self.get_leader(key).await
+        } else {
+            self.get(key).await
+        }
+    }
+
+    /// The revision this node last committed `key` at, as far as it remembers (0: none).
+    fn own_revision(&self, key: &str) -> u64 {
+        let written = self.written.lock().unwrap_or_else(|p| p.into_inner());
+        written.get(key).copied().unwrap_or(0)
     }
 
     /// The largest message the server takes (headers and payload), as it last said.
@@ -672,6 +775,18 @@ impl Records {
         // A batch's messages get consecutive sequences, ending at the acknowledged one.
         let first = ack.seq + 1 - n as u64;
         Ok((first..=ack.seq).collect())
+    }
+}
+
+/// A record as a read returned its message.
+fn versioned(m: async_nats::jetstream::message::StreamMessage) -> Versioned {
+    Versioned {
+        value: if m.headers.get(TOMBSTONE).is_some() {
+            None
+        } else {
+            Some(m.payload)
+        },
+        revision: m.sequence,
     }
 }
 
