@@ -103,7 +103,8 @@ impl JetStreamStore {
                             }
                             None => None,
                         };
-                        writes.push(Write::put(entry_key(id), enc(&r), Expect::Revision(rev)));
+                        let bytes = self.fit_records(&mut r, None)?.0;
+                        writes.push(Write::put(entry_key(id), bytes, Expect::Revision(rev)));
                         writes.extend(hold);
                     }
                     RedriveAction::Route {

@@ -232,6 +232,59 @@ fn lock_key(target: &str, key: &str) -> String {
     format!("kl.{}", ops::fp(&[target, key]))
 }
 
+/// Longest error text an attempt keeps once its entry's record had to be shortened to fit in
+/// one record (`JetStreamStore::fit_records`).
+const SHORT_ERROR_CHARS: usize = 256;
+
+/// `text` cut to `max` characters, with an ellipsis when cut.
+fn cut_text(text: &mut String, max: usize) {
+    if let Some((at, _)) = text.char_indices().nth(max) {
+        text.truncate(at);
+        text.push('…');
+    }
+}
+
+/// Shortens an entry (and its new DLQ entry) at `step` of `JetStreamStore::fit_records`:
+/// 0 cuts every error text, 1 drops the attempts from before redrives, 2 every error text
+/// but the last attempt's and the DLQ entry's copy of the attempts. The attempts themselves
+/// stay: `max_attempts` counts them.
+fn shorten(step: u8, entry: &mut QueueEntry, dlq: Option<&mut DlqEntry>) {
+    let cut = |a: &mut super::AttemptRecord| {
+        if let Some(e) = a.error.as_mut() {
+            cut_text(e, SHORT_ERROR_CHARS);
+        }
+    };
+    match step {
+        0 => {
+            entry.attempts.iter_mut().for_each(cut);
+            entry.history.iter_mut().for_each(cut);
+            if let Some(d) = dlq {
+                d.attempts.iter_mut().for_each(cut);
+                for e in &mut d.errors {
+                    cut_text(&mut e.message, SHORT_ERROR_CHARS);
+                }
+            }
+        }
+        1 => {
+            entry.history.clear();
+            if let Some(d) = dlq {
+                d.attempts.clone_from(&entry.attempts);
+            }
+        }
+        _ => {
+            let last = entry.attempts.len().saturating_sub(1);
+            for (i, a) in entry.attempts.iter_mut().enumerate() {
+                if i != last {
+                    a.error = None;
+                }
+            }
+            if let Some(d) = dlq {
+                d.attempts.clear();
+            }
+        }
+    }
+}
+
 /// One event's writes, prepared for a commit.
 struct Prepared {
     /// Index in the caller's list.
@@ -419,6 +472,18 @@ impl JetStreamStore {
                     .prepare(i, ne, key, read.as_ref(), leasing, &mut depth)
                     .await?;
                 prepared.push(p);
+            }
+            // Every event is checked before anything is committed: one too large for the
+            // server is refused on its own (413 at ingest), where its commit failed and
+            // failed the transactions grouped with it.
+            for p in &prepared {
+                if let Some((_, bytes)) = self.records.oversized(&p.writes) {
+                    return Err(StoreError::EventTooLarge {
+                        index: p.index,
+                        bytes,
+                        max: self.records.record_limit(),
+                    });
+                }
             }
             for chunk in chunks(prepared) {
                 let writes: Vec<Write> = chunk.iter().flat_map(|p| p.writes.clone()).collect();
@@ -642,7 +707,7 @@ impl JetStreamStore {
                 a.error =
                     Some("the router stopped during this attempt; lease reclaimed at start".into());
             }
-            let record = EntryRecord {
+            let mut record = EntryRecord {
                 entry: e,
                 dlq: None,
                 node: None,
@@ -650,7 +715,7 @@ impl JetStreamStore {
             };
             let write = Write::put(
                 entry_key(record.entry.id),
-                enc(&record),
+                self.fit_records(&mut record, None)?.0,
                 Expect::Revision(live.revision),
             );
             match self.commit(vec![write]).await {
@@ -832,15 +897,17 @@ impl JetStreamStore {
                 Err(e) => return Err(e.into()),
             }
         }
-        let record = EntryRecord {
+        let mut record = EntryRecord {
             entry,
             dlq: None,
             node: Some(self.node.clone()),
             key_at,
         };
+        // The attempt started here (and a taken-over one's error) may take a record that
+        // had just fit over the server's limit.
         let write = Write::put(
             entry_key(record.entry.id),
-            enc(&record),
+            self.fit_records(&mut record, None)?.0,
             Expect::Revision(revision),
         );
         match self.commit(vec![write]).await {
@@ -1020,7 +1087,7 @@ impl JetStreamStore {
                 outbox: None,
             };
             let dlq_id = self.next_number("dlq").await?;
-            let d = DlqEntry {
+            let mut d = DlqEntry {
                 id: dlq_id,
                 first_failure_at: now,
                 ..DlqEntry::of_given_up(&e, names, reason, &end, now)
@@ -1029,18 +1096,23 @@ impl JetStreamStore {
             e.lease = None;
             e.state = EntryState::Dead;
             e.finished_at = Some(now);
-            let record = EntryRecord {
+            let mut record = EntryRecord {
                 entry: e,
                 dlq: Some(dlq_id),
                 node: None,
                 key_at: live.key_at,
             };
+            let (entry_bytes, dlq_bytes) = self.fit_records(&mut record, Some(&mut d))?;
             writes.push(Write::put(
                 entry_key(record.entry.id),
-                enc(&record),
+                entry_bytes,
                 Expect::Revision(live.revision),
             ));
-            writes.push(Write::put(dlq_key(dlq_id), enc(&d), Expect::Revision(0)));
+            writes.push(Write::put(
+                dlq_key(dlq_id),
+                dlq_bytes.unwrap_or_else(|| enc(&d)),
+                Expect::Revision(0),
+            ));
             match self.commit(writes).await {
                 Ok(_) => n += 1,
                 // Leased or finished by someone meanwhile: it is theirs.
@@ -1049,6 +1121,55 @@ impl JetStreamStore {
             }
         }
         Ok(n)
+    }
+
+    /// The encoded entry record and DLQ entry, shortened until each fits in one record of the
+    /// server's (`shorten`, step by step; the DLQ entry then says so in its errors). An entry
+    /// retried and redriven many times with long errors could outgrow the server's message
+    /// size, and then every finish of it was refused and it went back to its queue each
+    /// time. The number of attempts, which `max_attempts` counts, is never cut.
+    fn fit_records(
+        &self,
+        record: &mut EntryRecord,
+        mut dlq: Option<&mut DlqEntry>,
+    ) -> Result<(Vec<u8>, Option<Vec<u8>>), StoreError> {
+        let fits = |r: &[u8], d: Option<&[u8]>| {
+            self.records.fits(r.len()) && d.is_none_or(|d| self.records.fits(d.len()))
+        };
+        let (r, d) = (enc(record), dlq.as_deref().map(enc));
+        if fits(&r, d.as_deref()) {
+            return Ok((r, d));
+        }
+        let size = r.len().max(d.as_ref().map_or(0, Vec::len));
+        let limit = self.records.record_limit();
+        if let Some(d) = dlq.as_deref_mut() {
+            d.errors.push(crate::event::FieldError::new(
+                "",
+                format!(
+                    "the attempts' history was shortened: with it this record took {size} \
+                     bytes, over the {limit} the NATS server takes in one record"
+                ),
+            ));
+        }
+        for step in 0..3 {
+            shorten(step, &mut record.entry, dlq.as_deref_mut());
+            let (r, d) = (enc(record), dlq.as_deref().map(enc));
+            if fits(&r, d.as_deref()) {
+                tracing::warn!(
+                    entry = %record.entry.id,
+                    target_id = %record.entry.target_id,
+                    bytes = size,
+                    limit,
+                    "an entry's attempt history was shortened to fit in one record"
+                );
+                return Ok((r, d));
+            }
+        }
+        Err(StoreError::Backend(format!(
+            "entry {} of {} does not fit in a record of {limit} bytes even without its \
+             attempts' errors",
+            record.entry.id, record.entry.target_id
+        )))
     }
 
     /// Records the end of an attempt and moves the entry on (delivered, retry, DLQ), in one
@@ -1118,9 +1239,22 @@ impl JetStreamStore {
         e.close_attempt(end);
         let mut hold_write = None;
         let (mut writes, overflowed) = match end.outbox.as_deref() {
-            Some(outbox) => self.outbox_writes(outbox, now, fresh).await?,
+            Some(outbox) => {
+                let (writes, overflowed) = self.outbox_writes(outbox, now, fresh).await?;
+                // Nothing of an outbox the server cannot hold is written: the caller
+                // dead-letters the delivery without it (sent again, it would write the same).
+                if let Some((key, bytes)) = self.records.oversized(&writes) {
+                    return Err(FinishError::TooLarge {
+                        record: key.to_string(),
+                        bytes,
+                        max: self.records.record_limit(),
+                    });
+                }
+                (writes, overflowed)
+            }
             None => (Vec::new(), Vec::new()),
         };
+        let mut dlq = None;
         match *disposition {
             Disposition::Delivered => {
                 e.state = EntryState::Delivered;
@@ -1138,17 +1272,20 @@ impl JetStreamStore {
                 let ev = self.event_record(id.event).await?.map(|r| r.stored.event);
                 let names = ev.map(|ev| (ev.id, ev.source, ev.ty)).unwrap_or_default();
                 let dlq_id = self.next_number("dlq").await?;
-                let d = DlqEntry {
+                dlq = Some(DlqEntry {
                     id: dlq_id,
                     ..DlqEntry::of_given_up(e, names, reason, end, now)
-                };
-                writes.push(Write::put(dlq_key(dlq_id), enc(&d), Expect::Revision(0)));
+                });
                 record.dlq = Some(dlq_id);
             }
         }
+        let (entry_bytes, dlq_bytes) = self.fit_records(&mut record, dlq.as_mut())?;
+        if let (Some(d), Some(bytes)) = (&dlq, dlq_bytes) {
+            writes.push(Write::put(dlq_key(d.id), bytes, Expect::Revision(0)));
+        }
         writes.insert(
             0,
-            Write::put(entry_key(id), enc(&record), Expect::Revision(revision)),
+            Write::put(entry_key(id), entry_bytes, Expect::Revision(revision)),
         );
         // A held key's record goes before the entry's: views apply a batch in order, and one
         // that saw the entry gone before the key held proposed the key's next entry, which

@@ -2904,3 +2904,311 @@ async fn decisions_read_past_a_lagging_replica() {
         ["k2"]
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Records over the server's limits, refused and busy batches
+
+use super::test_server::Limits;
+
+/// A write over the server's `max_payload` (64 KB here) is refused before anything of its
+/// transaction is sent. The client used to refuse it in the middle of its batch, leaving the
+/// batch open on the server, where it held one of the stream's batch places until the
+/// server's batch timeout (10 s): with one place, as here, the next batch then failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_over_the_servers_limit_is_refused_before_anything_is_sent() {
+    let server = TestServer::start_with(Limits {
+        max_payload: "64KB",
+        batch: "max_inflight_per_stream: 1",
+    });
+    let mut cfg = server.records("OVER");
+    cfg.max_record_bytes = 32 << 10;
+    // Shorter than the server's batch timeout: a batch left open would outlast the retries.
+    cfg.timeout = std::time::Duration::from_secs(3);
+    let r = Records::open(cfg).await.expect("open");
+    let e = r
+        .commit(vec![
+            Write::put("a", "1", Expect::Revision(0)),
+            Write::put("big", vec![b'x'; 100 << 10], Expect::Revision(0)),
+            Write::put("c", "1", Expect::Revision(0)),
+        ])
+        .await
+        .expect_err("too large");
+    assert!(
+        matches!(e, RecordsError::RecordTooLarge { ref key, max, .. } if key == "big" && max == 64 << 10),
+        "{e:?}"
+    );
+    assert_eq!(r.get("a").await.expect("read"), None);
+    r.commit(vec![
+        Write::put("a", "1", Expect::Revision(0)),
+        Write::put("c", "1", Expect::Revision(0)),
+    ])
+    .await
+    .expect("the next batch has the stream's only place");
+    // A value at the limit goes through, alone or in a batch.
+    let most = vec![b'y'; r.record_limit()];
+    r.commit(vec![Write::put("m1", most.clone(), Expect::Revision(0))])
+        .await
+        .expect("a value at the limit");
+    r.commit(vec![
+        Write::put("m2", most, Expect::Revision(0)),
+        Write::put("m3", "1", Expect::Revision(0)),
+    ])
+    .await
+    .expect("a value at the limit in a batch");
+}
+
+/// A transaction the server refuses for its content fails alone: the others of its group
+/// commit. Here a message is over the stream's `max_msg_size`, lowered after the store
+/// opened: the server drops it and answers the group's commit "batch incomplete" (10176),
+/// as it does for a batch it had no room for; the store reads the limit again and fails
+/// that transaction alone as `RecordTooLarge`. Only conflicts were isolated; any other
+/// refusal failed the whole group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_the_server_refuses_fails_alone_in_its_group() {
+    let server = TestServer::start();
+    let r = Records::open(server.records("REFUSE")).await.expect("open");
+    let client = async_nats::connect(server.url()).await.expect("connect");
+    let js = async_nats::jetstream::new(client);
+    let mut stream = js.get_stream("REFUSE").await.expect("stream");
+    let mut config = stream.info().await.expect("info").config.clone();
+    config.max_message_size = 4096;
+    js.update_stream(config).await.expect("lower max_msg_size");
+    for round in 0..3 {
+        let tasks: Vec<_> = (0..40)
+            .map(|i| {
+                let r = r.clone();
+                tokio::spawn(async move {
+                    let value = if i == 17 {
+                        vec![b'z'; 10_000]
+                    } else {
+                        vec![b'v']
+                    };
+                    r.commit(vec![
+                        Write::put(format!("k{round}_{i}"), value, Expect::Revision(0)),
+                        Write::put(format!("m{round}_{i}"), "v", Expect::Revision(0)),
+                    ])
+                    .await
+                })
+            })
+            .collect();
+        for (i, t) in tasks.into_iter().enumerate() {
+            let got = t.await.expect("task");
+            if i == 17 {
+                assert!(
+                    matches!(got, Err(RecordsError::RecordTooLarge { max: 4096, .. })),
+                    "{got:?}"
+                );
+            } else {
+                assert!(got.is_ok(), "transaction {i} of round {round}: {got:?}");
+            }
+        }
+    }
+}
+
+/// A batch refused because the stream's batches are all in use (`atomic publish too many
+/// inflight`, 10210: here the only place is held by a batch its writer abandoned) is sent
+/// again after a backoff, and commits once the server's batch timeout (1 s here) frees the
+/// place. It used to fail at once, and with it every accept grouped in it (503s on every
+/// node while abandoned batches held the places).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_refused_as_busy_is_sent_again_until_it_commits() {
+    let server = TestServer::start_with(Limits {
+        max_payload: "8MB",
+        batch: "max_inflight_per_stream: 1, timeout: \"1s\"",
+    });
+    let cfg = server.records("BUSY");
+    let prefix = cfg.prefix.clone();
+    let r = Records::open(cfg).await.expect("open");
+    let client = async_nats::connect(server.url()).await.expect("connect");
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Batch-Id", "abandoned");
+    headers.insert("Nats-Batch-Sequence", "1");
+    client
+        .publish_with_headers(format!("{prefix}.x"), headers, "x".into())
+        .await
+        .expect("publish");
+    // The stream takes in messages on a queue of its own: a one-message batch of a probe
+    // is refused once the abandoned batch holds the place.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    for n in 0.. {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the place never filled"
+        );
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Batch-Id", format!("probe{n}").as_str());
+        headers.insert("Nats-Batch-Sequence", "1");
+        headers.insert("Nats-Batch-Commit", "1");
+        let reply = client
+            .request_with_headers(format!("{prefix}.probe"), headers, "p".into())
+            .await
+            .expect("probe");
+        if String::from_utf8_lossy(&reply.payload).contains("10210") {
+            break;
+        }
+    }
+    let revs = r
+        .commit(vec![
+            Write::put("a", "1", Expect::Revision(0)),
+            Write::put("b", "1", Expect::Revision(0)),
+        ])
+        .await
+        .expect("committed once the place is free");
+    assert_eq!(revs.len(), 2);
+    assert!(r.busy_refusals() > 0, "it was not refused first");
+    assert_eq!(r.get("x").await.expect("read"), None, "the abandoned batch");
+}
+
+/// A JetStream store on a server with a 64 KB `max_payload`.
+async fn small_store(server: &TestServer) -> Arc<JetStreamStore> {
+    let mut records = server.records("ROUTER");
+    records.max_record_bytes = 40 << 10;
+    Arc::new(
+        JetStreamStore::open(JetStreamOptions {
+            records,
+            node: format!("{:016x}", rand::random::<u64>()),
+        })
+        .await
+        .expect("open the JetStream store"),
+    )
+}
+
+/// An event whose record is over the server's `max_payload` is refused on its own, before
+/// anything of its call is sent (`EventTooLarge`: ingest answers 413), and the accepts
+/// committed beside it go through. Text is stored JSON-escaped: 20,000 control characters
+/// take 120 KB. Its commit used to fail in the middle of its batch, failing every accept
+/// grouped with it and leaving the batch open on the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_too_large_for_a_record_is_refused_alone() {
+    let server = TestServer::start_with(Limits {
+        max_payload: "64KB",
+        batch: "",
+    });
+    let s = small_store(&server).await;
+    let text: String = std::iter::repeat_n('\u{1}', 20_000).collect();
+    let mut big = new_event("/big", "big", &["t"], 1_000);
+    big.event =
+        serde_json::from_value(json!({"id": "big", "source": "/big", "type": "t", "data": text}))
+            .expect("event");
+    let small: Vec<_> = (0..20)
+        .map(|i| {
+            let s = s.clone();
+            tokio::spawn(async move {
+                s.accept(vec![new_event("/small", &format!("s{i}"), &["t"], 1_000)])
+                    .await
+            })
+        })
+        .collect();
+    let refused = {
+        let s = s.clone();
+        let with = new_event("/small", "beside", &["t"], 1_000);
+        tokio::spawn(async move { s.accept(vec![with, big]).await })
+    };
+    let e = refused.await.expect("task").expect_err("refused");
+    assert!(
+        matches!(e, StoreError::EventTooLarge { index: 1, bytes, max } if bytes > 120_000 && max < 64 << 10),
+        "{e:?}"
+    );
+    for t in small {
+        let o = t.await.expect("task").expect("accepted");
+        assert!(matches!(o[0], AcceptOutcome::Accepted { .. }), "{o:?}");
+    }
+    assert!(s.fate("/big", "big").await.expect("fate").is_none());
+    assert!(
+        s.fate("/small", "beside").await.expect("fate").is_none(),
+        "nothing of the refused call is stored"
+    );
+}
+
+/// Finishes whose records would be over the server's `max_payload` no longer fail for good.
+/// An entry's record carries every attempt's error: retried with errors of 2,000 control
+/// characters (12 KB each, escaped), it outgrows 64 KB within a few attempts, and then every
+/// finish failed and the entry came back at each lease expiry. Now its error texts are cut
+/// (the attempts stay, and count) and the finish commits, as does its dead letter, which says
+/// so. An outbox with a record too large is refused whole (`FinishError::TooLarge`, nothing
+/// written, the lease still held), for the worker to dead-letter the delivery without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finishes_too_large_for_a_record_are_shortened_or_refused_whole() {
+    let server = TestServer::start_with(Limits {
+        max_payload: "64KB",
+        batch: "",
+    });
+    let s = small_store(&server).await;
+    s.accept(vec![new_event("/f", "e", &["t"], 1_000)])
+        .await
+        .expect("accept");
+    let long: String = std::iter::repeat_n('\u{2}', 2_000).collect();
+    let mut at = 1_000;
+    for attempt in 1..=8 {
+        let l = lease_ok(&s, "t", at, 1, 60_000).await.remove(0);
+        assert_eq!(l.entry.attempts.len(), attempt);
+        finish(
+            &s,
+            &l,
+            AttemptResult::Retryable,
+            Some(&long),
+            Disposition::Retry { due_at: at + 5 },
+            at,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("attempt {attempt}: {e}"));
+        at += 10;
+    }
+    let fate = s.fate("/f", "e").await.expect("fate").expect("stored");
+    let attempts = &fate.entries[0].attempts;
+    assert_eq!(attempts.len(), 8, "every attempt is kept");
+    let lengths: Vec<usize> = attempts
+        .iter()
+        .map(|a| a.error.as_ref().map_or(0, |e| e.chars().count()))
+        .collect();
+    assert!(
+        lengths.contains(&257) && lengths.iter().all(|&n| n > 0),
+        "the errors' lengths: {lengths:?}"
+    );
+
+    let l = lease_ok(&s, "t", at, 1, 60_000).await.remove(0);
+    let end = AttemptEnd {
+        finished_at: at,
+        result: AttemptResult::Delivered,
+        status: None,
+        error: None,
+        outbox: Some(Box::new(Outbox {
+            kv: vec![put_kv("big", &[0u8; 60_000], None)],
+            ..Outbox::default()
+        })),
+    };
+    let e = s
+        .finish(l.entry.id, l.lease, end, Disposition::Delivered, at)
+        .await
+        .expect_err("too large");
+    assert!(matches!(e, FinishError::TooLarge { .. }), "{e:?}");
+    assert_eq!(s.kv_get("h", "big", at).await.expect("read"), None);
+    // Its final error alone (60 KB escaped) fills a record, twice in the DLQ entry (its
+    // errors and its last attempt).
+    let huge: String = std::iter::repeat_n('\u{3}', 10_000).collect();
+    finish(
+        &s,
+        &l,
+        AttemptResult::Permanent,
+        Some(&huge),
+        Disposition::DeadLetter {
+            reason: DlqReason::PermanentError,
+            hold: false,
+        },
+        at,
+    )
+    .await
+    .expect("the dead letter without the outbox");
+    let fate = s.fate("/f", "e").await.expect("fate").expect("stored");
+    assert_eq!(fate.entries[0].state, EntryState::Dead);
+    assert_eq!(fate.dlq.len(), 1);
+    assert_eq!(fate.dlq[0].attempt_count, 9);
+    assert!(
+        fate.dlq[0]
+            .errors
+            .iter()
+            .any(|e| e.message.contains("history was shortened")),
+        "{} errors",
+        fate.dlq[0].errors.len()
+    );
+}
