@@ -367,3 +367,60 @@ async fn bad_input_gets_a_specific_4xx_and_stores_nothing() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(rcv.count(), 0);
 }
+
+/// On the JetStream store, an event whose stored form is over what the NATS server takes in
+/// one message is refused on its own with a 413 that says so, and the producers posting
+/// beside it are not held up. A binary-mode `text/plain` body is stored as a JSON string:
+/// 1.5 MB of control characters (within a 2 MB body limit) take 9 MB escaped, over the
+/// 8 MB server's `max_payload`. It used to fail mid-batch with a 503 (its producer retried it
+/// for ever), failing the accepts committed in the same batch, and left the batch open on
+/// the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_too_large_for_the_jetstream_store_is_refused_alone_with_413() {
+    if !RouterProc::on_jetstream() {
+        eprintln!("skipped: needs the JetStream pass (scripts/jetstream-e2e.sh)");
+        return;
+    }
+    let rcv = Receiver::ok().await;
+    let rules = webhook_rule("r", "t", &rcv.url(), "hook");
+    let r = RouterProc::start_with_env(
+        &[("r.yaml", &rules)],
+        &[],
+        &[("ROUTER_INGEST__MAX_BODY_BYTES", "2097152")],
+    );
+    let big = vec![1u8; 1_500_000];
+    let send_big = client()
+        .post(r.url("/v1/events"))
+        .header("content-type", "text/plain")
+        .header("ce-specversion", "1.0")
+        .header("ce-id", "big")
+        .header("ce-source", "/big")
+        .header("ce-type", "t")
+        .body(big)
+        .send();
+    let node = &r;
+    let small =
+        futures::future::join_all((0..20).map(|i| async move {
+            post_event(node, &event(&format!("s{i}"), "t", json!({}))).await
+        }));
+    let (resp, small) = tokio::join!(send_big, small);
+    let resp = resp.expect("post");
+    assert_eq!(resp.status().as_u16(), 413);
+    let body: Value = resp.json().await.expect("json");
+    let message = body["errors"][0]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("bytes the store takes in one record") && message.contains("escaped"),
+        "{body}"
+    );
+    for (status, body) in small {
+        assert_eq!(status, 202, "{body}");
+    }
+    assert!(
+        rcv.wait_for(Duration::from_secs(20), |s| s.len() == 20)
+            .await,
+        "delivered {}",
+        rcv.count()
+    );
+    let (status, _) = get_json(&r, "/v1/events/big?source=/big").await;
+    assert_eq!(status, 404, "nothing of it was stored");
+}

@@ -1124,6 +1124,49 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
             let delay = 50 + rand::random::<u64>() % 200;
             finish_without_effects(ctx, leased, finished_at, None, delay as i64).await;
         }
+        Err(e @ FinishError::TooLarge { .. }) => {
+            // The handler's output holds a record the store cannot take in one message: run
+            // again, it would write the same, so the delivery is dead-lettered without its
+            // output (the attempt's own records fit: the store shortens their error texts).
+            let error = format!("{e}; nothing of its output was stored");
+            tracing::error!(error = %error, "the attempt's output is too large for the store; dead-lettered without it");
+            let end = AttemptEnd {
+                finished_at,
+                result: AttemptResult::Permanent,
+                status: None,
+                error: Some(error.clone()),
+                outbox: None,
+            };
+            let reason = DlqReason::PermanentError;
+            let disposition = Disposition::DeadLetter {
+                reason,
+                hold: spec.policy.on_dead_letter == OnDeadLetter::Hold,
+            };
+            match ctx
+                .store
+                .finish(leased.entry.id, leased.lease, end, disposition, finished_at)
+                .await
+            {
+                Ok(_) => {
+                    ctx.metrics
+                        .deliveries
+                        .get_or_create(&labels("dead_lettered"))
+                        .inc();
+                    rt.counters.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                    dead_lettered(
+                        ctx,
+                        Some(&spec.id),
+                        DeadEvent::of(&leased.event.event),
+                        reason,
+                        Some(&error),
+                        finished_at,
+                    );
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "could not dead-letter the attempt; the entry will be retried when its lease expires");
+                }
+            }
+        }
         Err(FinishError::Fenced) => {
             ctx.metrics
                 .deliveries

@@ -403,6 +403,41 @@ async fn handle(
             }
             o
         }
+        Err(crate::store::StoreError::EventTooLarge { index, bytes, max }) => {
+            // The event's stored form is over what one record of the store holds (a text
+            // body is stored JSON-escaped, binary data as base64, so it can be several times
+            // the body): sent again it would fail again, so a 413, not a 503.
+            app.metrics
+                .ingest_events
+                .get_or_create(&vec![("status", "rejected".to_string())])
+                .inc_by(answered.len() as u64);
+            let ev = answered.get(index);
+            tracing::warn!(
+                event_id = ev.map_or("", |a| a.id.as_str()),
+                source = ev.map_or("", |a| a.source.as_str()),
+                bytes,
+                max,
+                "event refused: too large for one record of the store"
+            );
+            let pointer = if batch {
+                format!("/{index}")
+            } else {
+                String::new()
+            };
+            return error_response(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "event too large for the store",
+                vec![FieldError::new(
+                    pointer,
+                    format!(
+                        "stored with its envelope the event takes {bytes} bytes (text is stored \
+                         JSON-escaped, so control characters take six bytes each; binary data \
+                         as base64), over the {max} bytes the store takes in one record: \
+                         nothing was stored"
+                    ),
+                )],
+            );
+        }
         Err(crate::store::StoreError::Compacting) => {
             // Planned and short-lived: back-pressure, not an error.
             tracing::info!(

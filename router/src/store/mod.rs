@@ -50,6 +50,22 @@ pub enum StoreError {
     /// nothing of the write was applied; read the job again.
     #[error("job {0} was changed since it was read")]
     JobChanged(String),
+    /// One event of the call cannot be stored: its record would be larger than the backend
+    /// takes in one record (the JetStream store's NATS server `max_payload`; the event's text
+    /// is stored JSON-escaped, binary data as base64). Nothing of the call was stored. Ingest
+    /// answers 413.
+    #[error(
+        "event {index} of the request would be stored as a record of {bytes} bytes, over the \
+         {max} bytes the store takes in one record"
+    )]
+    EventTooLarge {
+        /// The event's position in the call.
+        index: usize,
+        /// Its record's size.
+        bytes: usize,
+        /// The largest record the store takes.
+        max: usize,
+    },
     /// A record could not be decoded.
     #[error("corrupt record in {table}: {message}")]
     Corrupt {
@@ -65,7 +81,10 @@ impl StoreError {
     /// as opposed to a failure of the store: a group commit answers the refused request and
     /// commits the others, instead of failing them all and reopening the store.
     pub fn is_refusal(&self) -> bool {
-        matches!(self, StoreError::JobChanged(_))
+        matches!(
+            self,
+            StoreError::JobChanged(_) | StoreError::EventTooLarge { .. }
+        )
     }
 }
 
@@ -123,6 +142,22 @@ pub enum FinishError {
     /// without counting.
     #[error("the records this finish writes kept changing under concurrent finishes")]
     Contended,
+    /// The outbox writes a record larger than the store takes in one record (an emitted
+    /// event, a key-value entry or a stored result past the JetStream server's
+    /// `max_payload`): nothing was written and the lease is still held. Run again, the
+    /// handler would write the same: the caller dead-letters the delivery without its outbox.
+    #[error(
+        "the handler's output cannot be stored: record {record} would take {bytes} bytes, over \
+         the {max} the store takes in one record"
+    )]
+    TooLarge {
+        /// The record's key.
+        record: String,
+        /// Its size.
+        bytes: usize,
+        /// The largest record the store takes.
+        max: usize,
+    },
     /// Storage failure.
     #[error(transparent)]
     Store(#[from] StoreError),

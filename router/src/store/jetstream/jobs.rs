@@ -16,6 +16,36 @@ use crate::store::{
 /// Events removed (or examined and kept) per sweep call, so one call stays short.
 const SWEEP_BATCH: usize = 256;
 
+/// What `remove_kv` did.
+#[derive(Debug, Default)]
+struct KvRemoved {
+    /// Entries removed.
+    removed: u64,
+    /// The batch of entries chosen was full: there may be more.
+    full: bool,
+    /// A shard's batch was left because its usage record changed meanwhile.
+    conflicted: bool,
+    /// The last revision the pass examined.
+    last: Option<u64>,
+}
+
+/// Where a sweep's next pass over a kind of records goes on: after `last` when the batch was
+/// full, else (the pass reached the end) from the start.
+fn next_pass(last: Option<u64>, full: bool) -> u64 {
+    match last {
+        Some(rev) if full => rev + 1,
+        _ => 0,
+    }
+}
+
+/// A record that does not decode, as the store reports it.
+fn corrupt(table: &'static str, e: &serde_json::Error) -> StoreError {
+    StoreError::Corrupt {
+        table,
+        message: e.to_string(),
+    }
+}
+
 impl JetStreamStore {
     /// Applies redrive actions and the job's new progress in one transaction (read again and
     /// retried when another node changed one of its records meanwhile).
@@ -25,15 +55,17 @@ impl JetStreamStore {
         actions: Vec<RedriveAction>,
         now: Millis,
     ) -> Result<(u64, RedriveGone), StoreError> {
-        for _ in 0..MAX_RETRIES {
+        for attempt in 0..MAX_RETRIES {
             // The job first: a step it no longer owns reads nothing more.
-            let mut writes = vec![self.job_write(&job).await?];
+            let mut writes = vec![self.job_write(&job, attempt > 0).await?];
             // Events changed by several actions of this step: their latest record.
             let mut events: HashMap<u64, (EventRecord, u64)> = HashMap::new();
             let mut gone = RedriveGone::default();
             for action in &actions {
                 let dlq_id = action.dlq_id();
-                let Some((mut d, drev)) = self.read::<DlqEntry>("dlq", &dlq_key(dlq_id)).await?
+                let Some((mut d, drev)) = self
+                    .read_existing::<DlqEntry>("dlq", &dlq_key(dlq_id))
+                    .await?
                 else {
                     gone.add(action);
                     continue;
@@ -42,8 +74,9 @@ impl JetStreamStore {
                     RedriveAction::Requeue { .. } => {
                         writes.push(Write::delete(dlq_key(dlq_id), Expect::Revision(drev)));
                         let Some(id) = d.entry else { continue };
-                        let Some((mut r, rev)) =
-                            self.read::<EntryRecord>("entries", &entry_key(id)).await?
+                        let Some((mut r, rev)) = self
+                            .read_existing::<EntryRecord>("entries", &entry_key(id))
+                            .await?
                         else {
                             continue;
                         };
@@ -68,7 +101,8 @@ impl JetStreamStore {
                             }
                             None => None,
                         };
-                        writes.push(Write::put(entry_key(id), enc(&r), Expect::Revision(rev)));
+                        let bytes = self.fit_records(&mut r, None)?.0;
+                        writes.push(Write::put(entry_key(id), bytes, Expect::Revision(rev)));
                         writes.extend(hold);
                     }
                     RedriveAction::Route {
@@ -128,7 +162,7 @@ impl JetStreamStore {
                 // first checked the job's revision, which this one checks the same way).
                 let mut counted = job.clone();
                 gone.apply(&mut counted);
-                writes[0] = self.job_write(&counted).await?;
+                writes[0] = self.job_write(&counted, attempt > 0).await?;
             }
             if self.commit_step(writes, events).await? {
                 return Ok((job.rev + 1, gone));
@@ -163,7 +197,9 @@ impl JetStreamStore {
         seq: u64,
     ) -> Result<Option<&'a mut (EventRecord, u64)>, StoreError> {
         if let std::collections::hash_map::Entry::Vacant(slot) = events.entry(seq) {
-            let Some((mut ev, rev)) = self.read::<EventRecord>("events", &event_key(seq)).await?
+            let Some((mut ev, rev)) = self
+                .read_existing::<EventRecord>("events", &event_key(seq))
+                .await?
             else {
                 return Ok(None);
             };
@@ -181,9 +217,9 @@ impl JetStreamStore {
         items: Vec<ReplayItem>,
         now: Millis,
     ) -> Result<ReplayStepped, StoreError> {
-        for _ in 0..MAX_RETRIES {
+        for attempt in 0..MAX_RETRIES {
             // The job first: a step it no longer owns reads nothing more.
-            let mut writes = vec![self.job_write(&job).await?];
+            let mut writes = vec![self.job_write(&job, attempt > 0).await?];
             let mut events: HashMap<u64, (EventRecord, u64)> = HashMap::new();
             // Entries this step adds per capped target, beside those the view holds.
             let mut added: HashMap<String, u64> = HashMap::new();
@@ -238,7 +274,7 @@ impl JetStreamStore {
                     failed: job.failed + overflowed.len() as u64,
                     ..job.clone()
                 };
-                writes[0] = self.job_write(&counted).await?;
+                writes[0] = self.job_write(&counted, attempt > 0).await?;
             }
             if self.commit_step(writes, events).await? {
                 return Ok(ReplayStepped {
@@ -402,15 +438,16 @@ impl JetStreamStore {
         // A full batch goes on from after it; otherwise the pass reached the young records
         // (or the end), and the next starts over. Only a batch that removed something asks
         // to be called again at once: kept events are gone over a batch per sweep interval.
-        let next = match last {
-            Some(rev) if more => rev + 1,
-            _ => 0,
-        };
         self.sweep_from
-            .store(next, std::sync::atomic::Ordering::Relaxed);
-        stats.more = more && stats.events_removed > 0;
-        stats.completed_expired = self.expire_completed(now).await?;
-        stats.kv_expired = self.expire_kv(now).await?;
+            .store(next_pass(last, more), std::sync::atomic::Ordering::Relaxed);
+        let (completed, completed_full) = self.expire_completed(now).await?;
+        let (kv, kv_full) = self.expire_kv(now).await?;
+        // As on the embedded store: a full batch of expired COMPLETED or key-value records
+        // asks to be called again at once (only events counted, so each kind was removed at
+        // 256 a sweep interval however many had expired).
+        stats.more = (more && stats.events_removed > 0) || completed_full || kv_full;
+        stats.completed_expired = completed;
+        stats.kv_expired = kv;
         stats.dedup_expired = stats.events_removed;
         Ok(stats)
     }
@@ -462,34 +499,70 @@ impl JetStreamStore {
         }
     }
 
-    async fn expire_completed(&self, now: Millis) -> Result<u64, StoreError> {
+    /// Removes up to `SWEEP_BATCH` expired COMPLETED records; how many, and whether the
+    /// batch was full (there may be more). Each call goes on from where the last stopped
+    /// (`completed_from`) and decodes only the records' expiry: every call used to read
+    /// every record, value and all, into memory, on every node.
+    async fn expire_completed(&self, now: Millis) -> Result<(u64, bool), StoreError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let start = self.completed_from.load(Relaxed);
         let mut expired = Vec::new();
-        for (key, rev, bytes) in self.records.scan("cd").await? {
-            let r: ops::CompletedRecord = dec("completed", &bytes)?;
-            if r.expires_at <= now {
-                expired.push(Write::delete(key, Expect::Revision(rev)));
-                if expired.len() >= SWEEP_BATCH {
-                    break;
+        let mut last = None;
+        let mut bad = None;
+        self.records
+            .scan_with("cd", ScanFrom::Revision(start), false, |r| {
+                last = Some(r.revision);
+                let Some(bytes) = r.value else { return true };
+                match serde_json::from_slice::<ops::CompletedHead>(&bytes) {
+                    Ok(c) if c.expires_at <= now => {
+                        expired.push(Write::delete(r.key, Expect::Revision(r.revision)));
+                        expired.len() < SWEEP_BATCH
+                    }
+                    Ok(_) => true,
+                    Err(e) => {
+                        bad = Some(corrupt("completed", &e));
+                        false
+                    }
                 }
-            }
+            })
+            .await?;
+        if let Some(e) = bad {
+            return Err(e);
         }
+        let full = expired.len() >= SWEEP_BATCH;
         let n = expired.len() as u64;
         if n > 0 {
             match self.commit(expired).await {
                 Ok(_) => {}
-                Err(RecordsError::Conflict) => return Ok(0),
+                // Rewritten meanwhile (a delivery stored a new result): the same records
+                // are read again next time.
+                Err(RecordsError::Conflict) => return Ok((0, false)),
                 Err(e) => return Err(e.into()),
             }
         }
-        Ok(n)
+        self.completed_from.store(next_pass(last, full), Relaxed);
+        Ok((n, full))
     }
 
-    /// Removes expired key-value entries, each usage shard's with its record in one batch.
-    async fn expire_kv(&self, now: Millis) -> Result<u64, StoreError> {
-        let (removed, _) = self
-            .remove_kv(|r| r.expires_at.is_some_and(|e| e <= now), SWEEP_BATCH)
+    /// Removes expired key-value entries, each usage shard's with its record in one batch;
+    /// how many, and whether the batch was full. Goes on from where the last call stopped
+    /// (`kv_from`).
+    async fn expire_kv(&self, now: Millis) -> Result<(u64, bool), StoreError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let start = self.kv_from.load(Relaxed);
+        let picked = self
+            .remove_kv(
+                |r| r.expires_at.is_some_and(|e| e <= now),
+                SWEEP_BATCH,
+                start,
+            )
             .await?;
-        Ok(removed)
+        // A batch that met a concurrent write is read again next time, from the same place.
+        if !picked.conflicted {
+            self.kv_from
+                .store(next_pass(picked.last, picked.full), Relaxed);
+        }
+        Ok((picked.removed, picked.full))
     }
 
     /// Removes every key-value entry of `namespace` (see [`crate::store::Store::kv_clear`]).
@@ -497,11 +570,11 @@ impl JetStreamStore {
     pub async fn kv_clear(&self, namespace: &str) -> Result<u64, StoreError> {
         let mut removed = 0;
         for _ in 0..8 {
-            let (n, conflicted) = self
-                .remove_kv(|r| r.namespace == namespace, usize::MAX)
+            let picked = self
+                .remove_kv(|r| r.namespace == namespace, usize::MAX, 0)
                 .await?;
-            removed += n;
-            if !conflicted {
+            removed += picked.removed;
+            if !picked.conflicted {
                 return Ok(removed);
             }
         }
@@ -510,29 +583,59 @@ impl JetStreamStore {
         )))
     }
 
-    /// Removes the key-value entries `pick` selects (at most `limit`), each usage shard's
-    /// with its record in one batch. Returns how many, and whether a batch was left because
-    /// its shard changed meanwhile.
+    /// Removes the key-value entries `pick` selects (at most `limit`), from revision `from`
+    /// on, each usage shard's with its record in one batch. Only the chosen entries are
+    /// decoded whole and kept.
     async fn remove_kv(
         &self,
-        pick: impl Fn(&ops::KvRecord) -> bool,
+        pick: impl Fn(&ops::KvHead) -> bool,
         limit: usize,
-    ) -> Result<(u64, bool), StoreError> {
+        from: u64,
+    ) -> Result<KvRemoved, StoreError> {
         type Picked = Vec<(String, u64, ops::KvRecord)>;
         let mut by_shard: HashMap<(String, u8), Picked> = HashMap::new();
         let mut n = 0;
-        for (key, rev, bytes) in self.records.scan("kv").await? {
-            let r: ops::KvRecord = dec("kv", &bytes)?;
-            if n < limit && pick(&r) {
-                n += 1;
-                let shard = ops::usage_shard(&r.namespace, &r.key);
-                by_shard
-                    .entry((r.namespace.clone(), shard))
-                    .or_default()
-                    .push((key, rev, r));
-            }
+        let mut last = None;
+        let mut bad = None;
+        self.records
+            .scan_with("kv", ScanFrom::Revision(from), false, |r| {
+                last = Some(r.revision);
+                let Some(bytes) = r.value else { return true };
+                let head = match serde_json::from_slice::<ops::KvHead>(&bytes) {
+                    Ok(h) => h,
+                    Err(e) => {
+                        bad = Some(corrupt("kv", &e));
+                        return false;
+                    }
+                };
+                if !pick(&head) {
+                    return true;
+                }
+                match dec::<ops::KvRecord>("kv", &bytes) {
+                    Ok(record) => {
+                        let shard = ops::usage_shard(&head.namespace, &head.key);
+                        by_shard
+                            .entry((head.namespace, shard))
+                            .or_default()
+                            .push((r.key, r.revision, record));
+                        n += 1;
+                        n < limit
+                    }
+                    Err(e) => {
+                        bad = Some(e);
+                        false
+                    }
+                }
+            })
+            .await?;
+        if let Some(e) = bad {
+            return Err(e);
         }
-        let (mut removed, mut conflicted) = (0, false);
+        let mut out = KvRemoved {
+            full: n >= limit,
+            last,
+            ..KvRemoved::default()
+        };
         for ((ns, shard), items) in by_shard {
             let ukey = ops::usage_key(&ns, shard);
             let Some((mut usage, urev)) = self.read::<ops::UsageRecord>("kv usage", &ukey).await?
@@ -547,12 +650,12 @@ impl JetStreamStore {
             }
             writes.push(Write::put(ukey, enc(&usage), Expect::Revision(urev)));
             match self.commit(writes).await {
-                Ok(_) => removed += items.len() as u64,
-                Err(RecordsError::Conflict) => conflicted = true,
+                Ok(_) => out.removed += items.len() as u64,
+                Err(RecordsError::Conflict) => out.conflicted = true,
                 Err(e) => return Err(e.into()),
             }
         }
-        Ok((removed, conflicted))
+        Ok(out)
     }
 
     /// Counts the records of each bounded kind (a pass over their headers: the caller

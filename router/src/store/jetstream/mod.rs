@@ -171,6 +171,10 @@ pub struct JetStreamStore {
     /// start). Events it keeps (still referred to) are passed over until the pass reaches
     /// the young records and starts again.
     sweep_from: std::sync::atomic::AtomicU64,
+    /// Where the sweep's next pass over the COMPLETED records goes on (as `sweep_from`).
+    completed_from: std::sync::atomic::AtomicU64,
+    /// Where the sweep's next pass over the key-value records goes on (as `sweep_from`).
+    kv_from: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for JetStreamStore {
@@ -228,6 +232,59 @@ fn lock_key(target: &str, key: &str) -> String {
     format!("kl.{}", ops::fp(&[target, key]))
 }
 
+/// Longest error text an attempt keeps once its entry's record had to be shortened to fit in
+/// one record (`JetStreamStore::fit_records`).
+const SHORT_ERROR_CHARS: usize = 256;
+
+/// `text` cut to `max` characters, with an ellipsis when cut.
+fn cut_text(text: &mut String, max: usize) {
+    if let Some((at, _)) = text.char_indices().nth(max) {
+        text.truncate(at);
+        text.push('…');
+    }
+}
+
+/// Shortens an entry (and its new DLQ entry) at `step` of `JetStreamStore::fit_records`:
+/// 0 cuts every error text, 1 drops the attempts from before redrives, 2 every error text
+/// but the last attempt's and the DLQ entry's copy of the attempts. The attempts themselves
+/// stay: `max_attempts` counts them.
+fn shorten(step: u8, entry: &mut QueueEntry, dlq: Option<&mut DlqEntry>) {
+    let cut = |a: &mut super::AttemptRecord| {
+        if let Some(e) = a.error.as_mut() {
+            cut_text(e, SHORT_ERROR_CHARS);
+        }
+    };
+    match step {
+        0 => {
+            entry.attempts.iter_mut().for_each(cut);
+            entry.history.iter_mut().for_each(cut);
+            if let Some(d) = dlq {
+                d.attempts.iter_mut().for_each(cut);
+                for e in &mut d.errors {
+                    cut_text(&mut e.message, SHORT_ERROR_CHARS);
+                }
+            }
+        }
+        1 => {
+            entry.history.clear();
+            if let Some(d) = dlq {
+                d.attempts.clone_from(&entry.attempts);
+            }
+        }
+        _ => {
+            let last = entry.attempts.len().saturating_sub(1);
+            for (i, a) in entry.attempts.iter_mut().enumerate() {
+                if i != last {
+                    a.error = None;
+                }
+            }
+            if let Some(d) = dlq {
+                d.attempts.clear();
+            }
+        }
+    }
+}
+
 /// One event's writes, prepared for a commit.
 struct Prepared {
     /// Index in the caller's list.
@@ -264,6 +321,8 @@ impl JetStreamStore {
             counts: Mutex::new(None),
             announced: Mutex::default(),
             sweep_from: std::sync::atomic::AtomicU64::new(0),
+            completed_from: std::sync::atomic::AtomicU64::new(0),
+            kv_from: std::sync::atomic::AtomicU64::new(0),
             records,
         };
         if !store.view.wait_loaded(store.records.timeout()).await {
@@ -306,7 +365,8 @@ impl JetStreamStore {
         }
         let key = format!("ctr.{name}");
         for attempt in 0..MAX_RETRIES {
-            let read = self.records.get(&key).await?;
+            // After a lost race, from the leader: a lagging replica would lose it again.
+            let read = self.records.get_from(&key, attempt > 0).await?;
             let start = match read.as_ref().and_then(|v| v.value.as_ref()) {
                 Some(bytes) => dec::<CounterRecord>("counters", bytes)?.next,
                 None => 1,
@@ -377,16 +437,19 @@ impl JetStreamStore {
         }
         let mut outcomes: Vec<Option<AcceptOutcome>> = vec![None; events.len()];
         let mut handed = Vec::new();
-        for _ in 0..MAX_RETRIES {
+        for round in 0..MAX_RETRIES {
             let pending: Vec<usize> = (0..events.len())
                 .filter(|&i| outcomes[i].is_none())
                 .collect();
             if pending.is_empty() {
                 break;
             }
+            // After a lost race, from the leader: a lagging replica would lose it again.
+            let leader = round > 0;
             let reads = try_join_all(pending.iter().map(|&i| {
                 let ev = &events[i].event;
-                self.records.get_owned(dedup_record_key(&ev.source, &ev.id))
+                let key = dedup_record_key(&ev.source, &ev.id);
+                async move { self.records.get_from(&key, leader).await }
             }))
             .await?;
             // Events of this call that repeat an earlier one of it are duplicates of that one
@@ -409,6 +472,18 @@ impl JetStreamStore {
                     .prepare(i, ne, key, read.as_ref(), leasing, &mut depth)
                     .await?;
                 prepared.push(p);
+            }
+            // Every event is checked before anything is committed: one too large for the
+            // server is refused on its own (413 at ingest), where its commit failed and
+            // failed the transactions grouped with it.
+            for p in &prepared {
+                if let Some((_, bytes)) = self.records.oversized(&p.writes) {
+                    return Err(StoreError::EventTooLarge {
+                        index: p.index,
+                        bytes,
+                        max: self.records.record_limit(),
+                    });
+                }
             }
             for chunk in chunks(prepared) {
                 let writes: Vec<Write> = chunk.iter().flat_map(|p| p.writes.clone()).collect();
@@ -632,7 +707,7 @@ impl JetStreamStore {
                 a.error =
                     Some("the router stopped during this attempt; lease reclaimed at start".into());
             }
-            let record = EntryRecord {
+            let mut record = EntryRecord {
                 entry: e,
                 dlq: None,
                 node: None,
@@ -640,7 +715,7 @@ impl JetStreamStore {
             };
             let write = Write::put(
                 entry_key(record.entry.id),
-                enc(&record),
+                self.fit_records(&mut record, None)?.0,
                 Expect::Revision(live.revision),
             );
             match self.commit(vec![write]).await {
@@ -822,15 +897,17 @@ impl JetStreamStore {
                 Err(e) => return Err(e.into()),
             }
         }
-        let record = EntryRecord {
+        let mut record = EntryRecord {
             entry,
             dlq: None,
             node: Some(self.node.clone()),
             key_at,
         };
+        // The attempt started here (and a taken-over one's error) may take a record that
+        // had just fit over the server's limit.
         let write = Write::put(
             entry_key(record.entry.id),
-            enc(&record),
+            self.fit_records(&mut record, None)?.0,
             Expect::Revision(revision),
         );
         match self.commit(vec![write]).await {
@@ -860,9 +937,27 @@ impl JetStreamStore {
         key: &str,
         order: (Millis, EntryId),
     ) -> Result<Option<Vec<Write>>, StoreError> {
+        // A refusal read from a replica is read again from the leader: a replica that had
+        // not applied the holder's finish yet showed it still in flight, and the key's next
+        // entry waited for the next lease round. (A lock given on a stale read costs nothing:
+        // its compare-and-set fails.)
+        match self.key_lock_from(target, key, order, false).await? {
+            Some(writes) => Ok(Some(writes)),
+            None => self.key_lock_from(target, key, order, true).await,
+        }
+    }
+
+    /// `key_lock_for`, reading from the leader or the fast way (`Records::get_from`).
+    async fn key_lock_from(
+        &self,
+        target: &str,
+        key: &str,
+        order: (Millis, EntryId),
+        leader: bool,
+    ) -> Result<Option<Vec<Write>>, StoreError> {
         let id = order.1;
         let lock = lock_key(target, key);
-        let read = self.records.get(&lock).await?;
+        let read = self.records.get_from(&lock, leader).await?;
         let mut writes = Vec::with_capacity(2);
         if let Some(bytes) = read.as_ref().and_then(|v| v.value.as_ref()) {
             let holder: KeyLock = dec("key locks", bytes)?;
@@ -870,7 +965,10 @@ impl JetStreamStore {
                 && let Some(Versioned {
                     value: Some(b),
                     revision,
-                }) = self.records.get(&entry_key(holder.entry)).await?
+                }) = self
+                    .records
+                    .get_from(&entry_key(holder.entry), leader)
+                    .await?
             {
                 let r = dec::<EntryRecord>("entries", &b)?;
                 if r.entry.state == EntryState::Queued {
@@ -921,7 +1019,9 @@ impl JetStreamStore {
     pub async fn release_key(&self, target: &str, key: &str) -> Result<bool, StoreError> {
         let k = held_key(target, key);
         for _ in 0..MAX_RETRIES {
-            let Some(read) = self.records.get(&k).await? else {
+            // From the leader: a replica that had not applied the hold yet answered "not
+            // held" to the operator, and the key stayed held.
+            let Some(read) = self.records.get_leader(&k).await? else {
                 return Ok(false);
             };
             if read.value.is_none() {
@@ -987,7 +1087,7 @@ impl JetStreamStore {
                 outbox: None,
             };
             let dlq_id = self.next_number("dlq").await?;
-            let d = DlqEntry {
+            let mut d = DlqEntry {
                 id: dlq_id,
                 first_failure_at: now,
                 ..DlqEntry::of_given_up(&e, names, reason, &end, now)
@@ -996,18 +1096,23 @@ impl JetStreamStore {
             e.lease = None;
             e.state = EntryState::Dead;
             e.finished_at = Some(now);
-            let record = EntryRecord {
+            let mut record = EntryRecord {
                 entry: e,
                 dlq: Some(dlq_id),
                 node: None,
                 key_at: live.key_at,
             };
+            let (entry_bytes, dlq_bytes) = self.fit_records(&mut record, Some(&mut d))?;
             writes.push(Write::put(
                 entry_key(record.entry.id),
-                enc(&record),
+                entry_bytes,
                 Expect::Revision(live.revision),
             ));
-            writes.push(Write::put(dlq_key(dlq_id), enc(&d), Expect::Revision(0)));
+            writes.push(Write::put(
+                dlq_key(dlq_id),
+                dlq_bytes.unwrap_or_else(|| enc(&d)),
+                Expect::Revision(0),
+            ));
             match self.commit(writes).await {
                 Ok(_) => n += 1,
                 // Leased or finished by someone meanwhile: it is theirs.
@@ -1016,6 +1121,55 @@ impl JetStreamStore {
             }
         }
         Ok(n)
+    }
+
+    /// The encoded entry record and DLQ entry, shortened until each fits in one record of the
+    /// server's (`shorten`, step by step; the DLQ entry then says so in its errors). An entry
+    /// retried and redriven many times with long errors could outgrow the server's message
+    /// size, and then every finish of it was refused and it went back to its queue each
+    /// time. The number of attempts, which `max_attempts` counts, is never cut.
+    fn fit_records(
+        &self,
+        record: &mut EntryRecord,
+        mut dlq: Option<&mut DlqEntry>,
+    ) -> Result<(Vec<u8>, Option<Vec<u8>>), StoreError> {
+        let fits = |r: &[u8], d: Option<&[u8]>| {
+            self.records.fits(r.len()) && d.is_none_or(|d| self.records.fits(d.len()))
+        };
+        let (r, d) = (enc(record), dlq.as_deref().map(enc));
+        if fits(&r, d.as_deref()) {
+            return Ok((r, d));
+        }
+        let size = r.len().max(d.as_ref().map_or(0, Vec::len));
+        let limit = self.records.record_limit();
+        if let Some(d) = dlq.as_deref_mut() {
+            d.errors.push(crate::event::FieldError::new(
+                "",
+                format!(
+                    "the attempts' history was shortened: with it this record took {size} \
+                     bytes, over the {limit} the NATS server takes in one record"
+                ),
+            ));
+        }
+        for step in 0..3 {
+            shorten(step, &mut record.entry, dlq.as_deref_mut());
+            let (r, d) = (enc(record), dlq.as_deref().map(enc));
+            if fits(&r, d.as_deref()) {
+                tracing::warn!(
+                    entry = %record.entry.id,
+                    target_id = %record.entry.target_id,
+                    bytes = size,
+                    limit,
+                    "an entry's attempt history was shortened to fit in one record"
+                );
+                return Ok((r, d));
+            }
+        }
+        Err(StoreError::Backend(format!(
+            "entry {} of {} does not fit in a record of {limit} bytes even without its \
+             attempts' errors",
+            record.entry.id, record.entry.target_id
+        )))
     }
 
     /// Records the end of an attempt and moves the entry on (delivered, retry, DLQ), in one
@@ -1030,9 +1184,14 @@ impl JetStreamStore {
         now: Millis,
     ) -> Result<Finished, FinishError> {
         // A conflict is either the lease taken over (fenced) or a key-value record of the
-        // outbox changed by another delivery: the second is read again and retried.
-        for _ in 0..MAX_RETRIES {
-            match self.finish_once(id, lease, &end, &disposition, now).await {
+        // outbox changed by another delivery: the second is read again and retried, from
+        // the stream's leader (a lagging replica would lose the same race again).
+        for attempt in 0..MAX_RETRIES {
+            let fresh = attempt > 0;
+            match self
+                .finish_once(id, lease, &end, &disposition, now, fresh)
+                .await
+            {
                 Err(FinishError::Contended) => continue,
                 other => return other,
             }
@@ -1040,6 +1199,7 @@ impl JetStreamStore {
         Err(FinishError::Contended)
     }
 
+    /// One try of `finish`; with `fresh`, every record is read from the stream's leader.
     async fn finish_once(
         &self,
         id: EntryId,
@@ -1047,15 +1207,21 @@ impl JetStreamStore {
         end: &AttemptEnd,
         disposition: &Disposition,
         now: Millis,
+        fresh: bool,
     ) -> Result<Finished, FinishError> {
+        // The lease's token is the revision this node's lease wrote, so an older answer is a
+        // replica's that has not applied the lease yet: read from the leader instead. Taken
+        // as it came, it fenced a delivery that had succeeded, and the entry went out again
+        // once its lease expired, its attempt counted as interrupted.
+        let read = if fresh {
+            self.records.get_leader(&entry_key(id)).await
+        } else {
+            self.records.get_at_least(&entry_key(id), lease.token).await
+        };
         let Some(Versioned {
             value: Some(bytes),
             revision,
-        }) = self
-            .records
-            .get(&entry_key(id))
-            .await
-            .map_err(StoreError::from)?
+        }) = read.map_err(StoreError::from)?
         else {
             return Err(FinishError::NotFound);
         };
@@ -1073,9 +1239,22 @@ impl JetStreamStore {
         e.close_attempt(end);
         let mut hold_write = None;
         let (mut writes, overflowed) = match end.outbox.as_deref() {
-            Some(outbox) => self.outbox_writes(outbox, now).await?,
+            Some(outbox) => {
+                let (writes, overflowed) = self.outbox_writes(outbox, now, fresh).await?;
+                // Nothing of an outbox the server cannot hold is written: the caller
+                // dead-letters the delivery without it (sent again, it would write the same).
+                if let Some((key, bytes)) = self.records.oversized(&writes) {
+                    return Err(FinishError::TooLarge {
+                        record: key.to_string(),
+                        bytes,
+                        max: self.records.record_limit(),
+                    });
+                }
+                (writes, overflowed)
+            }
             None => (Vec::new(), Vec::new()),
         };
+        let mut dlq = None;
         match *disposition {
             Disposition::Delivered => {
                 e.state = EntryState::Delivered;
@@ -1093,17 +1272,20 @@ impl JetStreamStore {
                 let ev = self.event_record(id.event).await?.map(|r| r.stored.event);
                 let names = ev.map(|ev| (ev.id, ev.source, ev.ty)).unwrap_or_default();
                 let dlq_id = self.next_number("dlq").await?;
-                let d = DlqEntry {
+                dlq = Some(DlqEntry {
                     id: dlq_id,
                     ..DlqEntry::of_given_up(e, names, reason, end, now)
-                };
-                writes.push(Write::put(dlq_key(dlq_id), enc(&d), Expect::Revision(0)));
+                });
                 record.dlq = Some(dlq_id);
             }
         }
+        let (entry_bytes, dlq_bytes) = self.fit_records(&mut record, dlq.as_mut())?;
+        if let (Some(d), Some(bytes)) = (&dlq, dlq_bytes) {
+            writes.push(Write::put(dlq_key(d.id), bytes, Expect::Revision(0)));
+        }
         writes.insert(
             0,
-            Write::put(entry_key(id), enc(&record), Expect::Revision(revision)),
+            Write::put(entry_key(id), entry_bytes, Expect::Revision(revision)),
         );
         // A held key's record goes before the entry's: views apply a batch in order, and one
         // that saw the entry gone before the key held proposed the key's next entry, which
@@ -1122,10 +1304,12 @@ impl JetStreamStore {
         match self.commit(writes).await {
             Ok(_) => Ok(Finished { overflowed }),
             Err(RecordsError::Conflict) => {
-                // Taken over between the read and the write, or an outbox record changed.
+                // Taken over between the read and the write, or an outbox record changed:
+                // the leader tells which (a replica could still show the lease's revision
+                // after a take-over).
                 match self
                     .records
-                    .get(&entry_key(id))
+                    .get_leader(&entry_key(id))
                     .await
                     .map_err(StoreError::from)?
                 {
@@ -1147,6 +1331,7 @@ impl JetStreamStore {
         &self,
         outbox: &Outbox,
         now: Millis,
+        fresh: bool,
     ) -> Result<(Vec<Write>, Vec<(usize, String)>), FinishError> {
         let mut writes = Vec::new();
         let mut overflowed = Vec::new();
@@ -1157,7 +1342,11 @@ impl JetStreamStore {
             if !seen.insert(key.clone()) {
                 continue;
             }
-            let read = self.records.get(&key).await.map_err(StoreError::from)?;
+            let read = self
+                .records
+                .get_from(&key, fresh)
+                .await
+                .map_err(StoreError::from)?;
             if self.live_duplicate(ne, read.as_ref())?.is_some() {
                 continue;
             }
@@ -1185,7 +1374,7 @@ impl JetStreamStore {
         for (ns, k) in touched {
             let read = self
                 .records
-                .get(&ops::kv_key(&ns, &k))
+                .get_from(&ops::kv_key(&ns, &k), fresh)
                 .await
                 .map_err(StoreError::from)?;
             current.insert((ns, k), read);
@@ -1285,7 +1474,11 @@ impl JetStreamStore {
         }
         for ((ns, shard), (bytes, keys)) in usage {
             let ukey = ops::usage_key(&ns, shard);
-            let read = self.records.get(&ukey).await.map_err(StoreError::from)?;
+            let read = self
+                .records
+                .get_from(&ukey, fresh)
+                .await
+                .map_err(StoreError::from)?;
             let old: ops::UsageRecord = match read.as_ref().and_then(|v| v.value.as_ref()) {
                 Some(b) => dec("kv usage", b)?,
                 None => ops::UsageRecord::default(),
@@ -1354,8 +1547,25 @@ impl JetStreamStore {
     }
 
     /// The stored event `seq` with the number of its entries and its quarantine DLQ entry.
+    ///
+    /// Whoever asks holds a reference to it (an entry, a DLQ entry, a dedup key), so it
+    /// exists: a replica that does not have it yet is not believed, and the leader is asked.
     async fn event_record(&self, seq: u64) -> Result<Option<EventRecord>, StoreError> {
-        match self.records.get(&event_key(seq)).await? {
+        self.event_record_from(seq, false).await
+    }
+
+    /// `event_record`, from the leader with `leader`.
+    async fn event_record_from(
+        &self,
+        seq: u64,
+        leader: bool,
+    ) -> Result<Option<EventRecord>, StoreError> {
+        let read = if leader {
+            self.records.get_leader(&event_key(seq)).await?
+        } else {
+            self.records.get_at_least(&event_key(seq), 1).await?
+        };
+        match read {
             Some(Versioned {
                 value: Some(bytes), ..
             }) => {
@@ -1367,11 +1577,16 @@ impl JetStreamStore {
         }
     }
 
-    /// Everything known about (`source`, `id`).
+    /// Everything known about (`source`, `id`), read from the stream's leader: a producer
+    /// asks right after its 202, maybe of another node, and a replica that had not applied
+    /// the accept yet answered that the event was unknown.
     pub async fn fate(&self, source: &str, id: &str) -> Result<Option<Fate>, StoreError> {
         let Some(Versioned {
             value: Some(bytes), ..
-        }) = self.records.get(&dedup_record_key(source, id)).await?
+        }) = self
+            .records
+            .get_leader(&dedup_record_key(source, id))
+            .await?
         else {
             return Ok(None);
         };
@@ -1379,12 +1594,12 @@ impl JetStreamStore {
         if d.source != source || d.id != id {
             return Ok(None);
         }
-        let Some(ev) = self.event_record(d.seq).await? else {
+        let Some(ev) = self.event_record_from(d.seq, true).await? else {
             return Ok(None);
         };
         let reads = try_join_all((0..ev.entries).map(|idx| {
-            self.records
-                .get_owned(entry_key(EntryId { event: d.seq, idx }))
+            let key = entry_key(EntryId { event: d.seq, idx });
+            async move { self.records.get_leader(&key).await }
         }))
         .await?;
         let mut entries = Vec::new();
@@ -1399,7 +1614,7 @@ impl JetStreamStore {
         }
         let mut dlq = Vec::new();
         for id in dlq_ids {
-            if let Some(e) = self.dlq_entry(id).await? {
+            if let Some(e) = self.dlq_entry_from(id, true).await? {
                 dlq.push(e);
             }
         }
@@ -1410,8 +1625,21 @@ impl JetStreamStore {
         }))
     }
 
+    /// DLQ entry `id`. The ids asked for come from the view, which follows the stream
+    /// from its leader, so one a replica does not have yet is read from the leader (a
+    /// listing skipped it as purged).
     async fn dlq_entry(&self, id: u64) -> Result<Option<DlqEntry>, StoreError> {
-        match self.records.get(&dlq_key(id)).await? {
+        self.dlq_entry_from(id, false).await
+    }
+
+    /// `dlq_entry`, from the leader with `leader`.
+    async fn dlq_entry_from(&self, id: u64, leader: bool) -> Result<Option<DlqEntry>, StoreError> {
+        let read = if leader {
+            self.records.get_leader(&dlq_key(id)).await?
+        } else {
+            self.records.get_at_least(&dlq_key(id), 1).await?
+        };
+        match read {
             Some(Versioned {
                 value: Some(bytes), ..
             }) => Ok(Some(dec("dlq", &bytes)?)),

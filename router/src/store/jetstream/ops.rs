@@ -19,7 +19,7 @@ use futures::{StreamExt, TryStreamExt};
 use crate::store::{DlqEntry, DlqFilter, Job, KvUsage, Millis, StoreError, SummaryRow};
 
 /// The record key of job `id`.
-fn job_key(id: &str) -> String {
+pub(super) fn job_key(id: &str) -> String {
     format!("job.{}", fp(&[id]))
 }
 
@@ -33,6 +33,14 @@ fn job_from_value(value: serde_json::Value) -> Result<Job, StoreError> {
         table: "jobs",
         message: e.to_string(),
     })
+}
+
+/// The job revision (`Job::rev`) a read of a job record found (0: none).
+fn stored_rev(read: Option<&Versioned>) -> Result<u64, StoreError> {
+    match read.and_then(|v| v.value.as_ref()) {
+        Some(bytes) => Ok(decode_job(bytes)?.rev),
+        None => Ok(0),
+    }
 }
 
 /// DLQ entries a listing reads at once.
@@ -66,6 +74,23 @@ impl KvRecord {
     pub fn usage_bytes(&self) -> Result<u64, StoreError> {
         Ok(KvUsage::entry_bytes(&self.key, &self.decoded()?))
     }
+}
+
+/// What the sweep and `kv_clear` need of a key-value entry to choose it: the value, the
+/// bulk of the record, is skipped, not decoded (a pass over every entry decoded and kept
+/// them all).
+#[derive(Debug, Deserialize)]
+pub(super) struct KvHead {
+    pub namespace: String,
+    pub key: String,
+    #[serde(default)]
+    pub expires_at: Option<Millis>,
+}
+
+/// What the sweep needs of a COMPLETED record: its expiry (the stored result is skipped).
+#[derive(Debug, Deserialize)]
+pub(super) struct CompletedHead {
+    pub expires_at: Millis,
 }
 
 /// What a handler's namespace holds (`ku.<fingerprint>`), changed in the same batch as its
@@ -147,6 +172,24 @@ impl JetStreamStore {
         }
     }
 
+    /// `read` of a record the caller knows exists (a job's DLQ entry, its entry, its event):
+    /// a replica that does not have it yet is not believed, and the leader is asked. A
+    /// redrive step that took such a read's "absent" skipped the entry and moved its cursor
+    /// past it.
+    pub(super) async fn read_existing<T: for<'de> Deserialize<'de>>(
+        &self,
+        table: &'static str,
+        key: &str,
+    ) -> Result<Option<(T, u64)>, StoreError> {
+        match self.records.get_at_least(key, 1).await? {
+            Some(Versioned {
+                value: Some(bytes),
+                revision,
+            }) => Ok(Some((dec(table, &bytes)?, revision))),
+            _ => Ok(None),
+        }
+    }
+
     /// Every `(id, value)` of a kind of named records.
     async fn named(
         &self,
@@ -214,13 +257,19 @@ impl JetStreamStore {
     /// The write that stores `job` at its next revision: refused now
     /// ([`StoreError::JobChanged`]) when the stored job is not at `job.rev`, and at commit
     /// ([`RecordsError::Conflict`](super::RecordsError::Conflict)) when it is written after
-    /// this read.
-    pub(super) async fn job_write(&self, job: &Job) -> Result<Write, StoreError> {
-        let read = self.records.get(&job_key(&job.id)).await?;
-        let stored = match read.as_ref().and_then(|v| v.value.as_ref()) {
-            Some(bytes) => decode_job(bytes)?.rev,
-            None => 0,
-        };
+    /// this read. With `leader` (a try after a conflict) the job is read from the stream's
+    /// leader.
+    pub(super) async fn job_write(&self, job: &Job, leader: bool) -> Result<Write, StoreError> {
+        let key = job_key(&job.id);
+        let mut read = self.records.get_from(&key, leader).await?;
+        let mut stored = stored_rev(read.as_ref())?;
+        if stored < job.rev && !leader {
+            // Someone wrote `job.rev` (the caller read it): a replica that has not applied
+            // that write yet is not a change of the job. Deciding on it refused the write
+            // as `JobChanged`, and the runner of a job stopped.
+            read = self.records.get_leader(&key).await?;
+            stored = stored_rev(read.as_ref())?;
+        }
         if stored != job.rev {
             return Err(StoreError::JobChanged(job.id.clone()));
         }
@@ -241,9 +290,13 @@ impl JetStreamStore {
 
     /// Creates or updates a background job if it is still at `job.rev`; its new revision.
     pub async fn put_job(&self, job: Job) -> Result<u64, StoreError> {
-        for _ in 0..super::MAX_RETRIES {
-            // A conflict means the record moved since the read: the next read says how.
-            match self.commit(vec![self.job_write(&job).await?]).await {
+        for attempt in 0..super::MAX_RETRIES {
+            // A conflict means the record moved since the read: the next read (from the
+            // leader) says how.
+            match self
+                .commit(vec![self.job_write(&job, attempt > 0).await?])
+                .await
+            {
                 Ok(_) => return Ok(job.rev + 1),
                 Err(super::RecordsError::Conflict) => {}
                 Err(e) => return Err(e.into()),
@@ -317,10 +370,11 @@ impl JetStreamStore {
     pub async fn delete_jobs(&self, jobs: &[Job]) -> Result<u64, StoreError> {
         let mut removed = 0;
         for job in jobs {
+            // From the leader: a replica behind the job's last write kept a job meant to go.
             let Some(Versioned {
                 value: Some(bytes),
                 revision,
-            }) = self.records.get(&job_key(&job.id)).await?
+            }) = self.records.get_leader(&job_key(&job.id)).await?
             else {
                 continue;
             };
@@ -395,10 +449,13 @@ impl JetStreamStore {
         let mut n = 0;
         for id in ids {
             let key = dlq_key(id);
+            // From the leader: an operator's purge has no compare-and-set to catch a stale
+            // read, and a replica that did not have the entry yet (or had an older revision
+            // of it) left it in the DLQ, reported as not there.
             if let Some(Versioned {
                 value: Some(_),
                 revision,
-            }) = self.records.get(&key).await?
+            }) = self.records.get_leader(&key).await?
             {
                 match self
                     .commit(vec![Write::delete(key, Expect::Revision(revision))])

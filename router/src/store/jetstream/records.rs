@@ -16,7 +16,7 @@
 //! must expect.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -49,6 +49,18 @@ const WRITTEN_MEMORY: usize = 65_536;
 
 /// Transactions the group committer holds out of its channel at once.
 const GROUP_QUEUE: usize = 4096;
+
+/// What a record's message may need beside its value, for the headers this layer sets (batch
+/// id and sequence, expected revision, commit, tombstone and TTL: under 200 bytes). The
+/// server's `max_payload` counts headers and value together.
+const HEADER_ALLOWANCE: usize = 512;
+
+/// First wait before a commit refused because the stream's atomic batches were all in use is
+/// sent again; it doubles up to `BUSY_BACKOFF_MAX`, and the retries end at the request timeout.
+const BUSY_BACKOFF_START: Duration = Duration::from_millis(20);
+
+/// Longest wait between two tries of a commit refused as busy.
+const BUSY_BACKOFF_MAX: Duration = Duration::from_millis(500);
 
 /// Where the records live and how to reach them.
 #[derive(Debug, Clone)]
@@ -85,9 +97,73 @@ pub enum RecordsError {
     /// The two writes of one transaction touch the same record.
     #[error("record {0:?} is written twice in one transaction")]
     SameRecordTwice(String),
-    /// The server refused, timed out or could not be reached.
+    /// A write's message would be larger than the server takes (its `max_payload`, or the
+    /// stream's `max_msg_size`): refused before anything of the transaction was sent.
+    #[error(
+        "record {key:?} would be a message of {bytes} bytes, over the {max} the NATS server takes \
+         (its max_payload or the stream's max_msg_size)"
+    )]
+    RecordTooLarge {
+        /// The record's key.
+        key: String,
+        /// Its value's size plus what its headers may need.
+        bytes: usize,
+        /// The largest message the server takes.
+        max: usize,
+    },
+    /// The server refused the transaction for its content, not for a changed record (an
+    /// answer with an error code): nothing was written.
+    #[error("commit refused ({code}): {description}")]
+    Refused {
+        /// The server's `err_code`.
+        code: u64,
+        /// The server's description.
+        description: String,
+    },
+    /// The stream's atomic batches stayed all in use (abandoned batches of a failed writer
+    /// hold their place until the server's batch timeout) for as long as a request may take:
+    /// nothing was written. Transient.
+    #[error("the stream's atomic batches stayed busy: {0}")]
+    Busy(String),
+    /// The server timed out or could not be reached.
     #[error("NATS JetStream: {0}")]
     Server(String),
+}
+
+impl RecordsError {
+    /// Whether the server answered this commit with a refusal of its content (a changed
+    /// record, an error code), as opposed to failing or not answering at all. A group of
+    /// transactions refused so is split until the refused one is alone, so it fails on its
+    /// own; a group that met an unreachable server or busy batches fails as a whole, since
+    /// every part sent again would meet the same (each costing up to a request timeout).
+    fn refuses_content(&self) -> bool {
+        match self {
+            Self::Conflict
+            | Self::Refused { .. }
+            | Self::RecordTooLarge { .. }
+            | Self::TooLarge(_)
+            | Self::SameRecordTwice(_) => true,
+            Self::Unsupported(_) | Self::Busy(_) | Self::Server(_) => false,
+        }
+    }
+}
+
+/// Whether a commit refused by the server with `code` can be sent again as it is: a batch
+/// the stream had no room for (too many open batches, 10210), or one whose messages it
+/// dropped for that reason and then found incomplete at its commit (10176). Nothing of it
+/// was applied either way.
+fn busy_code(code: u64) -> bool {
+    matches!(code, 10176 | 10210)
+}
+
+/// The wait before try `n` (from 0) of a commit refused as busy: doubling from
+/// `BUSY_BACKOFF_START` up to `BUSY_BACKOFF_MAX`, with up to half of it random so nodes that
+/// were refused together do not come back together.
+fn busy_backoff(n: u32) -> Duration {
+    let base = BUSY_BACKOFF_START
+        .saturating_mul(1u32 << n.min(16))
+        .min(BUSY_BACKOFF_MAX);
+    base / 2 + base.mul_f64(rand::random::<f64>() / 2.0)
 }
 
 /// A record as read: its value (`None` for a tombstone) and its revision.
@@ -188,6 +264,17 @@ pub struct Records {
     /// commit; the group committer answers it at once instead of letting it fail a whole
     /// group (`Records::known_stale`).
     written: Mutex<HashMap<String, u64>>,
+    /// The stream's `max_msg_size` (`usize::MAX`: none), as read at open and again when a
+    /// commit is refused as busy (`Records::commit_now`).
+    stream_max_msg: AtomicUsize,
+    /// For tests: what a replica that stopped applying writes still answers, by key (`None`:
+    /// it does not have the record). A direct get of such a key answers this; the leader is
+    /// still asked for real (`Records::lag_behind`).
+    #[cfg(test)]
+    lagging: Mutex<HashMap<String, Option<Versioned>>>,
+    /// For tests: how many commits the server refused as busy (`Records::commit_now`).
+    #[cfg(test)]
+    busy_refusals: AtomicU64,
 }
 
 /// A transaction waiting for the group committer, and where its answer goes.
@@ -250,9 +337,9 @@ async fn group_commits(records: Weak<Records>, mut rx: tokio::sync::mpsc::Receiv
 }
 
 /// Commits a group of transactions (on distinct records) as one atomic batch. When the
-/// server refuses it for a conflict, the group is halved and each half committed the same
-/// way, so one stale transaction costs about two batches per halving instead of a batch per
-/// transaction of the group.
+/// server refuses it for its content (a conflict, or another error it answers with), the
+/// group is halved and each half committed the same way, so one bad transaction costs about
+/// two batches per halving instead of a batch per transaction of the group, and fails alone.
 async fn commit_group(records: &Records, group: Vec<Grouped>) {
     // The group as built was checked for staleness (`group_commits`); halves after a
     // conflict are checked again, since a commit of an earlier half may have made one of
@@ -286,7 +373,11 @@ async fn commit_group(records: &Records, group: Vec<Grouped>) {
                     at += n;
                 }
             }
-            Err(RecordsError::Conflict) => {
+            // Conflicts, and any other refusal of the batch's content: each half goes on
+            // its own, so one transaction the server will not take (a conflict, a message
+            // over the stream's size limit) fails alone instead of failing every one it was
+            // grouped with.
+            Err(e) if e.refuses_content() => {
                 let second = part.split_off(part.len() / 2);
                 parts.push(second);
                 parts.push(part);
@@ -353,6 +444,7 @@ impl Records {
             }
             Err(e) => return Err(RecordsError::Server(format!("stream lookup: {e}"))),
         };
+        let stream_max_msg = AtomicUsize::new(max_msg_size(&stream.cached_info().config));
         let (tx, rx) = tokio::sync::mpsc::channel(4096);
         let records = Arc::new(Self {
             client,
@@ -363,6 +455,11 @@ impl Records {
             open: tokio::sync::Semaphore::new(MAX_OPEN_BATCHES),
             group: tx,
             written: Mutex::new(HashMap::new()),
+            stream_max_msg,
+            #[cfg(test)]
+            lagging: Mutex::default(),
+            #[cfg(test)]
+            busy_refusals: AtomicU64::new(0),
         });
         tokio::spawn(group_commits(Arc::downgrade(&records), rx));
         Ok(records)
@@ -388,29 +485,171 @@ impl Records {
         format!("{}.{key}", self.config.prefix)
     }
 
-    /// The record at `key` (`None`: no message at all, or its tombstone expired).
+    /// The record at `key` (`None`: no message at all, or its tombstone expired), read the
+    /// fast way: a direct get, which any replica of the stream may answer.
+    ///
+    /// A replica applies a write some time after the stream's leader acknowledged it (a
+    /// follower learns that an entry is committed from the leader's next message), so its
+    /// answer can be older than a write already acknowledged. A read older than this node's
+    /// own last commit of the record (`written`) is therefore read again from the leader
+    /// (`get_leader`): a node always sees its own writes. Another node's recent write may
+    /// still be missing, which is harmless wherever the decision ends in a compare-and-set
+    /// of the record read (the commit is refused and the caller reads again). Decisions with
+    /// no such check, or that know a revision they must see, use `get_at_least` or
+    /// `get_leader`.
     pub async fn get(&self, key: &str) -> Result<Option<Versioned>, RecordsError> {
+        self.get_at_least(key, 0).await
+    }
+
+    /// `get`, read again from the leader when the answer is older than `revision` (a
+    /// revision the caller knows the record reached, such as a lease's token) or than this
+    /// node's own last commit of it. With `revision` 1, a record known to exist that a
+    /// lagging replica does not have yet is read from the leader instead of reported absent.
+    pub async fn get_at_least(
+        &self,
+        key: &str,
+        revision: u64,
+    ) -> Result<Option<Versioned>, RecordsError> {
+        let known = revision.max(self.own_revision(key));
+        let read = self.direct_get(key).await?;
+        if read.as_ref().map_or(0, |v| v.revision) < known {
+            return self.get_leader(key).await;
+        }
+        Ok(read)
+    }
+
+    /// The record at `key` as whichever replica answers has it.
+    async fn direct_get(&self, key: &str) -> Result<Option<Versioned>, RecordsError> {
+        #[cfg(test)]
+        if let Some(read) = self
+            .lagging
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key)
+        {
+            return Ok(read.clone());
+        }
         match self
             .stream
             .direct_get_last_for_subject(self.subject(key))
             .await
         {
-            Ok(m) => Ok(Some(Versioned {
-                value: if m.headers.get(TOMBSTONE).is_some() {
-                    None
-                } else {
-                    Some(m.payload)
-                },
-                revision: m.sequence,
-            })),
+            Ok(m) => Ok(Some(versioned(m))),
             Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => Ok(None),
             Err(e) => Err(RecordsError::Server(format!("read {key}: {e}"))),
         }
     }
 
+    /// For tests: from now on, direct gets of `key` answer that it has no record, as a
+    /// replica that has not applied its first write yet would (`lagging`).
+    #[cfg(test)]
+    pub fn lag_without(&self, key: &str) {
+        self.lagging
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key.to_string(), None);
+    }
+
+    /// For tests: from now on, direct gets of `keys` answer what they answer now, as a
+    /// replica that stops applying writes to them would (`lagging`).
+    #[cfg(test)]
+    pub async fn lag_behind(&self, keys: &[String]) {
+        for key in keys {
+            let read = self.direct_get(key).await.expect("read before lagging");
+            self.lagging
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(key.clone(), read);
+        }
+    }
+
+    /// The record at `key` as the stream's leader has it (the leader acknowledges a write
+    /// once it has applied it, so this read sees every acknowledged write). A request through
+    /// the JetStream API to one server, where `get` may be answered by any: for decisions that
+    /// cannot be checked by a compare-and-set (an operator's purge or release, a fate), or a
+    /// read again after a conflict.
+    pub async fn get_leader(&self, key: &str) -> Result<Option<Versioned>, RecordsError> {
+        match self
+            .stream
+            .get_last_raw_message_by_subject(&self.subject(key))
+            .await
+        {
+            Ok(m) => Ok(Some(versioned(m))),
+            Err(e) if e.kind() == stream::LastRawMessageErrorKind::NoMessageFound => Ok(None),
+            Err(e) => Err(RecordsError::Server(format!(
+                "read {key} from the leader: {e}"
+            ))),
+        }
+    }
+
+    /// `get` (`leader`: false) or `get_leader`.
+    pub async fn get_from(
+        &self,
+        key: &str,
+        leader: bool,
+    ) -> Result<Option<Versioned>, RecordsError> {
+        if leader {
+            self.get_leader(key).await
+        } else {
+            self.get(key).await
+        }
+    }
+
+    /// The revision this node last committed `key` at, as far as it remembers (0: none).
+    fn own_revision(&self, key: &str) -> u64 {
+        let written = self.written.lock().unwrap_or_else(|p| p.into_inner());
+        written.get(key).copied().unwrap_or(0)
+    }
+
+    /// The largest value a record may hold: what the server takes in one message (its
+    /// `max_payload`, and the stream's `max_msg_size` if set) less the headers' allowance.
+    pub fn record_limit(&self) -> usize {
+        self.max_payload()
+            .min(self.stream_max_msg.load(Ordering::Relaxed))
+            .saturating_sub(HEADER_ALLOWANCE)
+    }
+
+    /// The first of `writes` whose value is over `record_limit`, with its size.
+    pub fn oversized<'a>(&self, writes: &'a [Write]) -> Option<(&'a str, usize)> {
+        let limit = self.record_limit();
+        writes.iter().find_map(|w| {
+            let n = w.value.as_ref().map_or(0, Bytes::len);
+            (n > limit).then_some((w.key.as_str(), n))
+        })
+    }
+
+    /// `RecordTooLarge` for the first of `writes` over `record_limit`.
+    fn check_sizes(&self, writes: &[Write]) -> Result<(), RecordsError> {
+        match self.oversized(writes) {
+            Some((key, n)) => Err(RecordsError::RecordTooLarge {
+                key: key.to_string(),
+                bytes: n + HEADER_ALLOWANCE,
+                max: self.record_limit() + HEADER_ALLOWANCE,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Reads the stream's `max_msg_size` again (an operator may have lowered it since open).
+    async fn refresh_limits(&self) -> Result<(), RecordsError> {
+        let info = self
+            .stream
+            .get_info()
+            .await
+            .map_err(|e| RecordsError::Server(format!("stream info: {e}")))?;
+        self.stream_max_msg
+            .store(max_msg_size(&info.config), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Whether a value of `len` bytes fits in a record (`record_limit`).
+    pub fn fits(&self, len: usize) -> bool {
+        len <= self.record_limit()
+    }
+
     /// The largest message the server takes (headers and payload), as it last said.
     pub fn max_payload(&self) -> usize {
-        self.client.server_info().max_payload
+        self.client.max_payload()
     }
 
     /// Every live record under `kind.` (tombstones left out), as (key, revision, value),
@@ -531,6 +770,10 @@ impl Records {
                 return Err(RecordsError::SameRecordTwice(w.key.clone()));
             }
         }
+        // Before anything is sent: a message the server refuses in the middle of a batch
+        // left the batch open on the server (holding one of the stream's few batch places
+        // until the server's batch timeout) and, in a group, failed every transaction of it.
+        self.check_sizes(&writes)?;
         if writes.len() == 1 {
             return self.commit_now(writes).await;
         }
@@ -556,6 +799,12 @@ impl Records {
         })
     }
 
+    /// How many commits the server refused as busy (for tests).
+    #[cfg(test)]
+    pub fn busy_refusals(&self) -> u64 {
+        self.busy_refusals.load(Ordering::Relaxed)
+    }
+
     /// How many commits this node has sent to the server (for tests).
     #[cfg(test)]
     pub fn commits_sent(&self) -> u64 {
@@ -574,16 +823,48 @@ impl Records {
         }
     }
 
-    /// Commits `writes` (checked by `commit`) as one publish or atomic batch, now.
+    /// Commits `writes` (checked by `commit`) as one publish or atomic batch, now. A batch
+    /// the stream had no room for is sent again after a backoff (`busy_backoff`) until the
+    /// request timeout has passed.
+    ///
+    /// A batch the server found incomplete at its commit is either one whose messages it
+    /// dropped for want of room, or one of whose messages it refused (the answer does not
+    /// say which). The only refusal of a message this layer does not check before sending
+    /// is the stream's `max_msg_size` lowered since it was read: it is read again, and a
+    /// write now over it fails the transaction as `RecordTooLarge` (which the group
+    /// committer isolates) instead of being sent again until the timeout.
     async fn commit_now(&self, writes: Vec<Write>) -> Result<Vec<u64>, RecordsError> {
+        // The group committer's halves come here without `commit`'s check.
+        self.check_sizes(&writes)?;
         let keys: Vec<String> = writes.iter().map(|w| w.key.clone()).collect();
-        let revisions = self.send_commit(writes).await?;
+        let started = tokio::time::Instant::now();
+        let mut tries = 0;
+        let revisions = loop {
+            match self.send_commit(&writes).await {
+                Err(RecordsError::Busy(why)) => {
+                    #[cfg(test)]
+                    self.busy_refusals.fetch_add(1, Ordering::Relaxed);
+                    if tries == 0 {
+                        self.refresh_limits().await?;
+                        self.check_sizes(&writes)?;
+                    }
+                    let wait = busy_backoff(tries);
+                    if started.elapsed() + wait > self.config.timeout {
+                        return Err(RecordsError::Busy(why));
+                    }
+                    tracing::debug!(tries, error = %why, "atomic batch refused as busy; sending it again");
+                    tokio::time::sleep(wait).await;
+                    tries += 1;
+                }
+                other => break other?,
+            }
+        };
         self.remember(keys, &revisions);
         Ok(revisions)
     }
 
     /// Sends `writes` as one publish or atomic batch and reads the server's answer.
-    async fn send_commit(&self, writes: Vec<Write>) -> Result<Vec<u64>, RecordsError> {
+    async fn send_commit(&self, writes: &[Write]) -> Result<Vec<u64>, RecordsError> {
         // Only batches count against the server's cap on open batches; a single write is a
         // plain publish.
         let _open = match writes.len() {
@@ -602,7 +883,7 @@ impl Records {
         );
         let n = writes.len();
         let mut reply = None;
-        for (i, w) in writes.into_iter().enumerate() {
+        for (i, w) in writes.iter().enumerate() {
             let mut headers = HeaderMap::new();
             // One write needs no batch: a plain publish with its expectation is as atomic,
             // and the server answers it without a batch's staging (5 ms against 0.3 here).
@@ -616,8 +897,8 @@ impl Records {
                     r.to_string().as_str(),
                 );
             }
-            let payload = match w.value {
-                Some(v) => v,
+            let payload = match &w.value {
+                Some(v) => v.clone(),
                 None => {
                     headers.insert(TOMBSTONE, "1");
                     headers.insert("Nats-TTL", TOMBSTONE_TTL);
@@ -656,10 +937,13 @@ impl Records {
                 // JSStreamWrongLastSequenceErr, and its batch form (two expectations on
                 // one subject cannot both hold).
                 10071 | 10164 => RecordsError::Conflict,
-                _ => RecordsError::Server(format!(
-                    "commit refused ({}): {}",
-                    err.err_code, err.description
-                )),
+                code if busy_code(code) => {
+                    RecordsError::Busy(format!("{} ({code})", err.description))
+                }
+                code => RecordsError::Refused {
+                    code,
+                    description: err.description,
+                },
             });
         }
         // A plain publish's ack has no count.
@@ -672,6 +956,26 @@ impl Records {
         // A batch's messages get consecutive sequences, ending at the acknowledged one.
         let first = ack.seq + 1 - n as u64;
         Ok((first..=ack.seq).collect())
+    }
+}
+
+/// A stream's `max_msg_size` as a bound (`usize::MAX`: none).
+fn max_msg_size(config: &stream::Config) -> usize {
+    usize::try_from(config.max_message_size)
+        .ok()
+        .filter(|&n| n > 0)
+        .unwrap_or(usize::MAX)
+}
+
+/// A record as a read returned its message.
+fn versioned(m: async_nats::jetstream::message::StreamMessage) -> Versioned {
+    Versioned {
+        value: if m.headers.get(TOMBSTONE).is_some() {
+            None
+        } else {
+            Some(m.payload)
+        },
+        revision: m.sequence,
     }
 }
 
@@ -735,6 +1039,21 @@ fn check_stream(have: &stream::Config, want: &stream::Config) -> Result<(), Reco
     if have.subjects != want.subjects {
         wrong.push("subjects differ from the configured prefix");
     }
+    // A node configured for a replicated stream must not run on a single copy without
+    // knowing (nor the other way round): the durability promised differs. Changing the
+    // stream's replicas is the operator's decision, so it is refused, not updated.
+    let replicas = (have.num_replicas.max(1) != want.num_replicas.max(1)).then(|| {
+        format!(
+            "it has {} replica(s) but store.jetstream.replicas is {} (change the stream's \
+             replicas, e.g. `nats stream edit {} --replicas {}`, or the setting)",
+            have.num_replicas.max(1),
+            want.num_replicas.max(1),
+            have.name,
+            want.num_replicas.max(1)
+        )
+    });
+    let mut wrong: Vec<String> = wrong.into_iter().map(str::to_string).collect();
+    wrong.extend(replicas);
     if wrong.is_empty() {
         Ok(())
     } else {

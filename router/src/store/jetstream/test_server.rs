@@ -20,6 +20,27 @@ pub struct TestServer {
     bin: PathBuf,
     /// In a cluster: this server's name, its route port and every member's route port.
     cluster: Option<(String, u16, Vec<u16>)>,
+    limits: Limits,
+}
+
+/// Server settings a test sets other than the default (`TestServer::start_with`).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// `max_payload`, the largest message the server takes (`8MB` by default here).
+    pub max_payload: &'static str,
+    /// Settings of JetStream's atomic batches (`jetstream { limits { batch { … } } }`), e.g.
+    /// `max_inflight_per_stream: 1, timeout: "1s"` (empty: the server's defaults, 50 open
+    /// batches per stream and a 10 s timeout).
+    pub batch: &'static str,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_payload: "8MB",
+            batch: "",
+        }
+    }
 }
 
 /// The server binary, or a panic that says how to get it.
@@ -55,12 +76,18 @@ fn free_port() -> u16 {
 impl TestServer {
     /// Starts a server and waits until it accepts connections.
     pub fn start() -> Self {
+        Self::start_with(Limits::default())
+    }
+
+    /// `start`, with other `limits`.
+    pub fn start_with(limits: Limits) -> Self {
         let mut s = Self {
             child: None,
             port: free_port(),
             dir: tempfile::tempdir().expect("temp dir"),
             bin: binary(),
             cluster: None,
+            limits,
         };
         s.spawn();
         s
@@ -78,6 +105,7 @@ impl TestServer {
                 dir: tempfile::tempdir().expect("temp dir"),
                 bin: binary(),
                 cluster: Some((format!("n{i}"), routes[i], routes.clone())),
+                limits: Limits::default(),
             })
             .collect();
         for s in &mut servers {
@@ -102,9 +130,10 @@ impl TestServer {
     fn spawn(&mut self) {
         let conf = self.dir.path().join("server.conf");
         let store = self.dir.path().join("js");
+        let Limits { max_payload, batch } = self.limits;
         let config = match &self.cluster {
             None => format!(
-                "listen: 127.0.0.1:{}\nmax_payload: 8MB\njetstream {{\n  store_dir: {:?}\n  sync_interval: always\n}}\n",
+                "listen: 127.0.0.1:{}\nmax_payload: {max_payload}\njetstream {{\n  store_dir: {:?}\n  sync_interval: always\n  limits {{ batch {{ {batch} }} }}\n}}\n",
                 self.port,
                 store.display().to_string()
             ),
@@ -115,7 +144,7 @@ impl TestServer {
                     .collect::<Vec<_>>()
                     .join(", ");
                 format!(
-                    "server_name: {name}\nlisten: 127.0.0.1:{}\nmax_payload: 8MB\njetstream {{\n  store_dir: {:?}\n}}\ncluster {{\n  name: test\n  listen: 127.0.0.1:{own}\n  routes: [ {routes} ]\n}}\n",
+                    "server_name: {name}\nlisten: 127.0.0.1:{}\nmax_payload: {max_payload}\njetstream {{\n  store_dir: {:?}\n}}\ncluster {{\n  name: test\n  listen: 127.0.0.1:{own}\n  routes: [ {routes} ]\n}}\n",
                     self.port,
                     store.display().to_string()
                 )
