@@ -1134,6 +1134,25 @@ mod tests {
             .expect("dlq")
     }
 
+    /// A replay of the 5 s before `now`, once done.
+    async fn replay_last_seconds(app: &Arc<App>, now: i64) -> Job {
+        let job = create_replay(
+            app,
+            ReplayRequest {
+                from: crate::clock::rfc3339(now - 5000),
+                to: crate::clock::rfc3339(now),
+                filter: None,
+                rate_per_sec: 1000.0,
+            },
+        )
+        .await
+        .expect("created");
+        wait_for(app, &job.id, Duration::from_secs(30), |j| {
+            j.state == JobState::Done
+        })
+        .await
+    }
+
     /// A redrive job of every DLQ entry at `rate_per_sec`.
     async fn redrive_all(app: &Arc<App>, rate_per_sec: f64) -> Job {
         create_redrive(
@@ -1335,21 +1354,7 @@ mod tests {
             .accept(vec![alert, business])
             .await
             .expect("accepted");
-        let job = create_replay(
-            &app,
-            ReplayRequest {
-                from: crate::clock::rfc3339(now - 5000),
-                to: crate::clock::rfc3339(now),
-                filter: None,
-                rate_per_sec: 1000.0,
-            },
-        )
-        .await
-        .expect("created");
-        let done = wait_for(&app, &job.id, Duration::from_secs(30), |j| {
-            j.state == JobState::Done
-        })
-        .await;
+        let done = replay_last_seconds(&app, now).await;
         assert_eq!((done.moved, done.skipped), (1, 1), "{done:?}");
     }
 
@@ -1373,21 +1378,7 @@ mod tests {
             .map(|i| new_event("/s", &format!("e{i}"), &["hook"], now - 1000))
             .collect();
         app.store.accept(events).await.expect("accepted");
-        let job = create_replay(
-            &app,
-            ReplayRequest {
-                from: crate::clock::rfc3339(now - 5000),
-                to: crate::clock::rfc3339(now),
-                filter: None,
-                rate_per_sec: 1000.0,
-            },
-        )
-        .await
-        .expect("created");
-        let done = wait_for(&app, &job.id, Duration::from_secs(30), |j| {
-            j.state == JobState::Done
-        })
-        .await;
+        let done = replay_last_seconds(&app, now).await;
         assert_eq!(done.failed, 3, "{done:?}");
         let counted = app
             .metrics
