@@ -208,7 +208,27 @@ pub fn reserved_source_prefix(source: &str) -> Option<&'static str> {
     })
 }
 
+/// The type prefix of system events (`router.dlq.added`, `router.breaker.opened`, …): rules
+/// route them to alerting, so a producer sending one under its own source could raise a false
+/// alert (or hide a real one among fakes).
+pub const RESERVED_TYPE_PREFIX: &str = "router.";
+
 impl Principal {
+    /// The scope this caller lacks to send an event of type `ty` when it is a system event's
+    /// ([`RESERVED_TYPE_PREFIX`]), if any: as for reserved sources, only `admin` or an
+    /// `ingest:` pattern that itself starts with `router.` covers it (`ingest:*` does not).
+    pub fn reserved_type_denial(&self, ty: &str) -> Option<Scope> {
+        if !ty.starts_with(RESERVED_TYPE_PREFIX) || self.scopes.iter().any(|s| s == "admin") {
+            return None;
+        }
+        let covered = self
+            .scopes
+            .iter()
+            .filter_map(|s| s.strip_prefix("ingest:"))
+            .any(|g| g.starts_with(RESERVED_TYPE_PREFIX) && glob(g, ty));
+        (!covered).then(|| Scope::Ingest(ty.to_string()))
+    }
+
     /// The scope this caller lacks to send an event from `source` when that source is one of
     /// the router's own ([`RESERVED_SOURCE_PREFIXES`]), if any. Only `admin` or an
     /// `ingest-source:` pattern that itself starts with the prefix (`ingest-source:handler://*`,
@@ -456,6 +476,37 @@ mod tests {
                 .as_deref(),
             Some("ingest:user.created")
         );
+    }
+
+    #[test]
+    fn system_event_types_need_a_scope_that_names_them() {
+        let p = |scopes: &[&str]| Principal {
+            name: "t".into(),
+            team: "t".into(),
+            scopes: scopes.iter().map(|s| s.to_string()).collect(),
+        };
+        let denial = |p: &Principal, ty: &str| p.reserved_type_denial(ty).map(|s| s.to_string());
+        for scopes in [&["ingest:*"][..], &["ingest:r*"], &[]] {
+            assert_eq!(
+                denial(&p(scopes), "router.dlq.added").as_deref(),
+                Some("ingest:router.dlq.added"),
+                "{scopes:?}"
+            );
+        }
+        for scopes in [
+            &["admin"][..],
+            &["ingest:router.*"],
+            &["ingest:router.dlq.added"],
+        ] {
+            assert_eq!(denial(&p(scopes), "router.dlq.added"), None, "{scopes:?}");
+        }
+        assert_eq!(
+            denial(&p(&["ingest:router.breaker.*"]), "router.dlq.added").as_deref(),
+            Some("ingest:router.dlq.added")
+        );
+        // Not a system event's type.
+        assert_eq!(denial(&p(&["ingest:*"]), "order.router.created"), None);
+        assert_eq!(denial(&p(&["ingest:*"]), "routers.added"), None);
     }
 
     #[test]

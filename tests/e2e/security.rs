@@ -1218,7 +1218,12 @@ async fn the_routers_own_sources_are_reserved_at_ingest() {
         auth_config(),
         tokens_config(&[
             ("anywhere", None, "ingest-source:*"),
-            ("downstream", None, "ingest-source:handler://*"),
+            // Two scopes (the helper writes the string between the brackets' quotes).
+            (
+                "downstream",
+                None,
+                "ingest-source:handler://*\", \"ingest:router.*",
+            ),
         ])
     );
     let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&auth));
@@ -1256,7 +1261,9 @@ async fn the_routers_own_sources_are_reserved_at_ingest() {
         assert!(msg.contains(&format!("ingest-source:{source}")), "{b}");
     }
     // A batch names the element; nothing of it is stored.
-    let batch = json!([from("/shop", "ok-1"), from("handler://enrich", "f-2")]);
+    let mut ok = from("/shop", "ok-1");
+    ok["type"] = json!("order.created");
+    let batch = json!([ok, from("handler://enrich", "f-2")]);
     let (s, b) = post(
         "anywhere",
         "application/cloudevents-batch+json",
@@ -1286,6 +1293,21 @@ async fn the_routers_own_sources_are_reserved_at_ingest() {
     assert_eq!(resp.status().as_u16(), 403);
     let b: Value = resp.json().await.expect("json");
     assert_eq!(b["errors"][0]["pointer"], "/ce-source", "{b}");
+    // A system event's type under the producer's own source: a false alert. Refused unless
+    // an `ingest:` pattern names `router.` itself.
+    let (s, b) = post("anywhere", structured, from("/shop", "f-4").to_string()).await;
+    assert_eq!(
+        (s, &b["errors"][0]["pointer"]),
+        (403, &json!("/type")),
+        "{b}"
+    );
+    assert!(
+        b["errors"][0]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("ingest:router.dlq.added"),
+        "{b}"
+    );
     // Allowed: the prefix named by the scope, and an administrator.
     let (s, b) = post(
         "downstream",

@@ -207,7 +207,10 @@ async fn handle(
     // fix, whatever else its scopes lack.
     for (i, ev) in events.iter().enumerate() {
         if let Some(needed) = principal.reserved_source_denial(&ev.source) {
-            return reserved_source_refused(principal, mode, i, &ev.source, &needed);
+            return reserved_refused(principal, mode, i, Reserved::Source, &ev.source, &needed);
+        }
+        if let Some(needed) = principal.reserved_type_denial(&ev.ty) {
+            return reserved_refused(principal, mode, i, Reserved::Type, &ev.ty, &needed);
         }
         if let Some(needed) = principal.ingest_denial(&ev.ty, Some(&ev.source)) {
             return crate::auth::forbidden(principal, &needed.to_string());
@@ -528,32 +531,56 @@ async fn handle(
         .into_response()
 }
 
-/// The 403 for event `i` of a request in `mode` whose source is one of the router's own
-/// (`auth::RESERVED_SOURCE_PREFIXES`), pointing at that source: `/source`, `/<i>/source` in a
-/// batch, the `ce-source` header in binary mode.
-fn reserved_source_refused(
+/// The attribute of an event that names it as one of the router's own.
+#[derive(Clone, Copy)]
+enum Reserved {
+    /// `handler://` or `router://` (`auth::RESERVED_SOURCE_PREFIXES`).
+    Source,
+    /// `router.` (`auth::RESERVED_TYPE_PREFIX`).
+    Type,
+}
+
+/// The 403 for event `i` of a request in `mode` whose source or type (`value`) is one of the
+/// router's own, pointing at that attribute: `/source`, `/<i>/source` in a batch, the
+/// `ce-source` header in binary mode (`type` likewise).
+fn reserved_refused(
     principal: &crate::auth::Principal,
     mode: parse::Mode,
     i: usize,
-    source: &str,
+    what: Reserved,
+    value: &str,
     needed: &crate::auth::Scope,
 ) -> Response {
-    let pointer = match mode {
-        parse::Mode::Structured => "/source".to_owned(),
-        parse::Mode::Batch => format!("/{i}/source"),
-        parse::Mode::Binary => "/ce-source".to_owned(),
+    let attr = match what {
+        Reserved::Source => "source",
+        Reserved::Type => "type",
     };
-    let prefix = crate::auth::reserved_source_prefix(source).unwrap_or_default();
-    tracing::warn!(token = %principal.name, source, "ingest refused: a source reserved for the router's own events");
+    let pointer = match mode {
+        parse::Mode::Structured => format!("/{attr}"),
+        parse::Mode::Batch => format!("/{i}/{attr}"),
+        parse::Mode::Binary => format!("/ce-{attr}"),
+    };
+    let why = match what {
+        Reserved::Source => {
+            let prefix = crate::auth::reserved_source_prefix(value).unwrap_or_default();
+            format!(
+                "sources starting with {prefix} are the router's own (handlers' emitted events, system events); only admin or an ingest-source: pattern that itself starts with {prefix} may send them (ingest-source:* does not)"
+            )
+        }
+        Reserved::Type => {
+            let prefix = crate::auth::RESERVED_TYPE_PREFIX;
+            format!(
+                "types starting with {prefix} are the router's system events (alert rules route them); only admin or an ingest: pattern that itself starts with {prefix} may send them (ingest:* does not)"
+            )
+        }
+    };
+    tracing::warn!(token = %principal.name, attr, value, "ingest refused: an attribute reserved for the router's own events");
     error_response(
         StatusCode::FORBIDDEN,
         "out of scope",
         vec![FieldError::new(
             pointer,
-            format!(
-                "token {:?} lacks scope {needed}: sources starting with {prefix} are the router's own (handlers' emitted events, system events); only admin or an ingest-source: pattern that itself starts with {prefix} may send them (ingest-source:* does not)",
-                principal.name
-            ),
+            format!("token {:?} lacks scope {needed}: {why}", principal.name),
         )],
     )
 }
