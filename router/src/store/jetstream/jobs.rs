@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use super::records::{Expect, RecordsError, ScanFrom, Write};
+use super::records::{Expect, MAX_BATCH, RecordsError, ScanFrom, Write};
 use super::{
     EntryRecord, EventRecord, JetStreamStore, KeyLock, MAX_RETRIES, dec, dedup_record_key, dlq_key,
     enc, entry_key, event_key, held_key, lock_key, ops,
@@ -555,6 +555,7 @@ impl JetStreamStore {
                 |r| r.expires_at.is_some_and(|e| e <= now),
                 SWEEP_BATCH,
                 start,
+                MAX_BATCH - 1,
             )
             .await?;
         // A batch that met a concurrent write is read again next time, from the same place.
@@ -568,10 +569,19 @@ impl JetStreamStore {
     /// Removes every key-value entry of `namespace` (see [`crate::store::Store::kv_clear`]).
     /// A batch that met a concurrent write to its usage shard is tried again.
     pub async fn kv_clear(&self, namespace: &str) -> Result<u64, StoreError> {
+        self.kv_clear_in(namespace, MAX_BATCH - 1).await
+    }
+
+    /// [`Self::kv_clear`] in transactions of at most `chunk` entries (tests use small ones).
+    pub(super) async fn kv_clear_in(
+        &self,
+        namespace: &str,
+        chunk: usize,
+    ) -> Result<u64, StoreError> {
         let mut removed = 0;
         for _ in 0..8 {
             let picked = self
-                .remove_kv(|r| r.namespace == namespace, usize::MAX, 0)
+                .remove_kv(|r| r.namespace == namespace, usize::MAX, 0, chunk)
                 .await?;
             removed += picked.removed;
             if !picked.conflicted {
@@ -584,13 +594,14 @@ impl JetStreamStore {
     }
 
     /// Removes the key-value entries `pick` selects (at most `limit`), from revision `from`
-    /// on, each usage shard's with its record in one batch. Only the chosen entries are
-    /// decoded whole and kept.
+    /// on, each usage shard's with its record, at most `chunk` entries a transaction (below
+    /// the atomic batch limit). Only the chosen entries are decoded whole and kept.
     async fn remove_kv(
         &self,
         pick: impl Fn(&ops::KvHead) -> bool,
         limit: usize,
         from: u64,
+        chunk: usize,
     ) -> Result<KvRemoved, StoreError> {
         type Picked = Vec<(String, u64, ops::KvRecord)>;
         let mut by_shard: HashMap<(String, u8), Picked> = HashMap::new();
@@ -642,17 +653,31 @@ impl JetStreamStore {
             else {
                 continue;
             };
-            let mut writes = Vec::new();
-            for (key, rev, r) in &items {
-                usage.bytes = usage.bytes.saturating_sub(r.usage_bytes()?);
-                usage.keys = usage.keys.saturating_sub(1);
-                writes.push(Write::delete(key.clone(), Expect::Revision(*rev)));
-            }
-            writes.push(Write::put(ukey, enc(&usage), Expect::Revision(urev)));
-            match self.commit(writes).await {
-                Ok(_) => out.removed += items.len() as u64,
-                Err(RecordsError::Conflict) => out.conflicted = true,
-                Err(e) => return Err(e.into()),
+            // A shard's entries go in transactions of at most one atomic batch (its usage
+            // record's write included): a namespace with more than that in one shard failed
+            // to clear at all.
+            let mut urev = urev;
+            for chunk in items.chunks(chunk.clamp(1, MAX_BATCH - 1)) {
+                let mut writes = Vec::with_capacity(chunk.len() + 1);
+                let mut left = usage.clone();
+                for (key, rev, r) in chunk {
+                    left.bytes = left.bytes.saturating_sub(r.usage_bytes()?);
+                    left.keys = left.keys.saturating_sub(1);
+                    writes.push(Write::delete(key.clone(), Expect::Revision(*rev)));
+                }
+                writes.push(Write::put(ukey.clone(), enc(&left), Expect::Revision(urev)));
+                match self.commit(writes).await {
+                    Ok(revs) => {
+                        out.removed += chunk.len() as u64;
+                        usage = left;
+                        urev = revs.last().copied().unwrap_or(urev);
+                    }
+                    Err(RecordsError::Conflict) => {
+                        out.conflicted = true;
+                        break;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
             }
         }
         Ok(out)

@@ -95,7 +95,7 @@ pub(super) struct CompletedHead {
 
 /// What a handler's namespace holds (`ku.<fingerprint>`), changed in the same batch as its
 /// key-value writes.
-#[derive(Debug, Default, Serialize, Deserialize)]
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
 pub(super) struct UsageRecord {
     pub namespace: String,
     pub bytes: u64,

@@ -3261,3 +3261,40 @@ async fn finishes_too_large_for_a_record_are_shortened_or_refused_whole() {
         fate.dlq[0].errors.len()
     );
 }
+
+/// A namespace is cleared in transactions below the atomic batch limit, each usage shard's
+/// record following its deletes: before, all of one shard's entries and its record went in
+/// one transaction, and a shard of more than 999 entries could not be cleared at all. Here
+/// transactions of 3 entries stand in for 999.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespace_is_cleared_in_transactions_within_the_batch_limit() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![new_event("/h", "in", &["handler"], 1_000)])
+        .await
+        .expect("accept");
+    let l = lease_ok(&s, "handler", 1_000, 1, 60_000).await.remove(0);
+    let end = AttemptEnd {
+        finished_at: 1_500,
+        result: AttemptResult::Delivered,
+        status: None,
+        error: None,
+        outbox: Some(Box::new(Outbox {
+            emitted: Vec::new(),
+            kv: (0..40)
+                .map(|i| put_kv(&format!("k{i:02}"), b"value", None))
+                .collect(),
+            cas: Vec::new(),
+            completed: None,
+            kv_max_bytes: Some(1_000_000),
+        })),
+    };
+    s.finish(l.entry.id, l.lease, end, Disposition::Delivered, 1_500)
+        .await
+        .expect("finish");
+    assert_eq!(s.kv_usage_of("h").await.expect("usage").keys, 40);
+    assert_eq!(s.kv_clear_in("h", 3).await.expect("clear"), 40);
+    let usage = s.kv_usage_of("h").await.expect("usage");
+    assert_eq!((usage.keys, usage.bytes), (0, 0), "{usage:?}");
+    assert_eq!(s.kv_get("h", "k07", 2_000).await.expect("get"), None);
+}
