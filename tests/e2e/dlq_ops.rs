@@ -891,3 +891,56 @@ async fn an_emissions_dead_letter_is_not_announced_to_the_handler_that_emitted_i
     assert_eq!(t["delivered"], 1, "{t}");
     assert_eq!(alerts.count(), 1);
 }
+
+/// Dead letters without a target (quarantined at ingest) are `target="none"` in the metrics;
+/// the same name selects them in the DLQ API, so the DLQ an alert names is the one an operator
+/// lists. Before, `?target=none` listed nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dead_letters_without_a_target_are_listed_as_target_none() {
+    let refusing = Receiver::status(400).await;
+    let rules = rules_yaml(
+        "",
+        &[(
+            "r",
+            "order",
+            &[format!("webhook: {}\n        id: hook", refusing.url())],
+        )],
+    );
+    let strict = r#"{"type": "object", "required": ["id"]}"#;
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[("order/v1.json", strict)]);
+    let (_, b) = post_event(&r, &event("q1", "order", json!({"name": "no id"}))).await;
+    assert_eq!(b["results"][0]["status"], "quarantined");
+    let (_, b) = post_event(&r, &event("p1", "order", json!({"id": 1}))).await;
+    assert_eq!(b["results"][0]["status"], "accepted");
+    eventually(Duration::from_secs(15), || async {
+        let (_, l) = get_json(&r, "/v1/dlq").await;
+        (l["entries"].as_array().map(Vec::len) == Some(2)).then_some(())
+    })
+    .await
+    .expect("both dead letters");
+    let (status, l) = get_json(&r, "/v1/dlq?target=none").await;
+    assert_eq!(status, 200, "{l}");
+    let ids: Vec<_> = l["entries"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| e["event"]["id"].clone())
+        .collect();
+    assert_eq!(ids, [json!("q1")], "{l}");
+    let (_, s) = get_json(&r, "/v1/dlq/summary?target=none").await;
+    assert_eq!(s["groups"].as_array().map(Vec::len), Some(1), "{s}");
+    assert_eq!(s["groups"][0]["reason"], "contract_violation", "{s}");
+    let metrics = metrics_text(&r).await;
+    assert!(
+        metrics.contains("router_dlq_depth{target=\"none\"} 1"),
+        "{}",
+        metric_lines(&metrics, "router_dlq_depth")
+    );
+    let (status, p) = post_json(
+        &r,
+        "/v1/dlq/purge",
+        json!({ "filter": { "target": "none" }, "dry_run": true }),
+    )
+    .await;
+    assert_eq!((status, p["matched"].clone()), (200, json!(1)), "{p}");
+}

@@ -695,6 +695,8 @@ fn dlq_read_scope(who: &crate::auth::Principal, target: Option<&str>) -> Result<
         return Ok(());
     }
     match target {
+        // Dead letters without a target are every producer's quarantined events: no team's.
+        Some(crate::store::NO_TARGET) => Err(Box::new(crate::auth::forbidden(who, "read"))),
         Some(t) => crate::auth::require(who, &crate::auth::Scope::Dlq(t.to_string())),
         None => Err(Box::new(crate::auth::forbidden(
             who,
@@ -713,6 +715,7 @@ fn dlq_write_scope(
         return Ok(());
     }
     match target {
+        Some(crate::store::NO_TARGET) => Err(Box::new(crate::auth::forbidden(who, "admin"))),
         Some(t) => crate::auth::require(who, &crate::auth::Scope::Dlq(t.to_string())),
         None => Err(Box::new(crate::auth::forbidden(
             who,
@@ -1321,6 +1324,24 @@ mod tests {
         j.spec = json!({ "filter": { "target": target } });
         j.created_at = at;
         j
+    }
+
+    /// Dead letters without a target (`target=none`) are every producer's quarantined events:
+    /// no `dlq:` glob covers them, not even `dlq:*`; `read` lists them and `admin` changes them.
+    #[test]
+    fn the_dead_letters_without_a_target_are_no_teams() {
+        let who = |scopes: &[&str]| Principal {
+            name: "t".into(),
+            team: "t".into(),
+            scopes: scopes.iter().map(|s| s.to_string()).collect(),
+        };
+        let none = Some(crate::store::NO_TARGET);
+        assert!(dlq_read_scope(&who(&["dlq:*"]), none).is_err());
+        assert!(dlq_write_scope(&who(&["dlq:*"]), none).is_err());
+        assert!(dlq_read_scope(&who(&["dlq:*"]), Some("erp")).is_ok());
+        assert!(dlq_read_scope(&who(&["read"]), none).is_ok());
+        assert!(dlq_write_scope(&who(&["read"]), none).is_err());
+        assert!(dlq_write_scope(&who(&["admin"]), none).is_ok());
     }
 
     /// A job id is a cursor only for a caller who may see that job: another team's answers as a

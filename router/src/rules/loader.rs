@@ -739,6 +739,16 @@ impl Cx<'_> {
                 None => return None,
             },
         };
+        if id == crate::store::NO_TARGET {
+            self.err(
+                file,
+                id_node,
+                format!(
+                    "target id `{id}` is reserved: metrics and the DLQ API name dead letters without a target so"
+                ),
+            );
+            return None;
+        }
         if let Some(prefix) = RESERVED_TARGET_PREFIXES
             .iter()
             .find(|p| id.starts_with(**p))

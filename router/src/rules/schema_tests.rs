@@ -184,6 +184,8 @@ const TARGETS: &[(&str, &str, bool)] = &[
     ("unknown target key", "{ handler: h, retries: 3 }", false),
     ("id with a space", "{ handler: h, id: \"a b\" }", false),
     ("null id", "{ handler: h, id: }", false),
+    ("the id of dead letters without a target", "{ handler: h, id: none }", false),
+    ("an id that only starts with none", "{ handler: h, id: none-1 }", true),
     ("policy reference that is null", "{ handler: h, policy: }", false),
     ("handler with a slash", "{ handler: a/b }", false),
     ("headers on a handler", "{ handler: h, headers: { X-A: b } }", false),

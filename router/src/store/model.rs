@@ -729,10 +729,16 @@ pub struct QueueStats {
     pub dlq: u64,
 }
 
+/// The target filter that selects dead letters without a target (events quarantined at
+/// ingest, a handler's emissions refused before any target): the name metrics give them
+/// (`target="none"`), so the DLQ an alert names is the one a filter lists. No target may take
+/// this id (the rule loader refuses it).
+pub const NO_TARGET: &str = "none";
+
 /// Filter for DLQ listings.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DlqFilter {
-    /// Only this target.
+    /// Only this target ([`NO_TARGET`]: only dead letters without one).
     pub target: Option<String>,
     /// Only this reason.
     pub reason: Option<DlqReason>,
@@ -751,10 +757,10 @@ pub struct DlqFilter {
 impl DlqFilter {
     /// Whether `e` passes the filter.
     pub fn matches(&self, e: &DlqEntry) -> bool {
-        self.target
-            .as_ref()
-            .is_none_or(|t| e.target_id.as_deref() == Some(t.as_str()))
-            && self.reason.is_none_or(|r| e.reason == r)
+        self.target.as_ref().is_none_or(|t| match t.as_str() {
+            NO_TARGET => e.target_id.is_none(),
+            t => e.target_id.as_deref() == Some(t),
+        }) && self.reason.is_none_or(|r| e.reason == r)
             && self
                 .rule
                 .as_ref()

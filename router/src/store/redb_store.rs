@@ -4659,6 +4659,10 @@ fn for_each_dlq(
         }
         return Ok(());
     };
+    let target = match target {
+        NO_TARGET => dlq_target_key(None),
+        t => t,
+    };
     let by_target = r.open_table(DLQ_BY_TARGET)?;
     for row in by_target.range((target, start)..=(target, u64::MAX))? {
         let id = row?.0.value().1;
