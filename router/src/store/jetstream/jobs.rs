@@ -13,8 +13,11 @@ use crate::store::{
     RedriveGone, ReplayItem, ReplayStepped, StoreError, StoredEvent, SweepStats,
 };
 
-/// Events removed (or examined and kept) per sweep call, so one call stays short.
+/// Events removed (or examined and kept) per sweep batch, so one call stays short.
 const SWEEP_BATCH: usize = 256;
+
+/// Batches of kept events only (nothing removed) one sweep call goes over before it stops.
+const KEPT_BATCHES_PER_CALL: usize = 8;
 
 /// What `remove_kv` did.
 #[derive(Debug, Default)]
@@ -369,22 +372,16 @@ impl JetStreamStore {
         }
     }
 
-    /// Removes events older than `retention_ms` that no live entry or DLQ entry refers to
-    /// (with their finished entries and their dedup key), COMPLETED records and key-value
-    /// entries past their expiry. Bounded work per call (`more` when there is more to do).
-    /// Dedup keys go with their events, as in the embedded store: a key outlives its window
-    /// until its event is swept, and a key past its window no longer counts at accept.
-    pub async fn sweep(
+    /// One batch of the sweep's pass over events accepted before `cutoff` (records stored
+    /// after `wall_cutoff` hold only younger ones): removes those nothing refers to, counting
+    /// into `stats`. Returns whether the batch was full (the pass goes on from after it) and
+    /// how many it removed.
+    async fn sweep_events(
         &self,
-        now: Millis,
-        _dedup_window_ms: i64,
-        retention_ms: i64,
-    ) -> Result<SweepStats, StoreError> {
-        let mut stats = SweepStats::default();
-        let cutoff = now.saturating_sub(retention_ms);
-        // Oldest first; records stored after the cutoff (plus slack for clocks) hold only
-        // younger events.
-        let wall_cutoff = chrono::Utc::now().timestamp_millis() - retention_ms + 60_000;
+        cutoff: Millis,
+        wall_cutoff: Millis,
+        stats: &mut SweepStats,
+    ) -> Result<(bool, u64), StoreError> {
         let mut old: Vec<(u64, u64, EventRecord)> = Vec::new();
         let mut more = false;
         let mut bad = None;
@@ -429,17 +426,52 @@ impl JetStreamStore {
         if let Some(e) = bad {
             return Err(e);
         }
+        let mut removed = 0;
         for (seq, rev, ev) in old {
             match self.remove_event(seq, rev, &ev).await? {
-                true => stats.events_removed += 1,
+                true => removed += 1,
                 false => stats.pending += 1,
             }
         }
+        stats.events_removed += removed;
         // A full batch goes on from after it; otherwise the pass reached the young records
         // (or the end), and the next starts over. Only a batch that removed something asks
-        // to be called again at once: kept events are gone over a batch per sweep interval.
+        // to be called again at once; batches of kept events only are gone over up to
+        // `KEPT_BATCHES_PER_CALL` a call.
         self.sweep_from
             .store(next_pass(last, more), std::sync::atomic::Ordering::Relaxed);
+        Ok((more, removed))
+    }
+
+    /// Removes events older than `retention_ms` that no live entry or DLQ entry refers to
+    /// (with their finished entries and their dedup key), COMPLETED records and key-value
+    /// entries past their expiry. Bounded work per call (`more` when there is more to do).
+    /// Dedup keys go with their events, as in the embedded store: a key outlives its window
+    /// until its event is swept, and a key past its window no longer counts at accept.
+    pub async fn sweep(
+        &self,
+        now: Millis,
+        _dedup_window_ms: i64,
+        retention_ms: i64,
+    ) -> Result<SweepStats, StoreError> {
+        let mut stats = SweepStats::default();
+        let cutoff = now.saturating_sub(retention_ms);
+        // Oldest first; records stored after the cutoff (plus slack for clocks) hold only
+        // younger events.
+        let wall_cutoff = chrono::Utc::now().timestamp_millis() - retention_ms + 60_000;
+        let mut more = false;
+        // A batch made only of kept events removes nothing and does not ask to be called
+        // again at once, so with one batch a call the pass went over kept events at 256 a
+        // sweep interval (a minute by default): behind 100,000 dead-lettered events, the
+        // archive waited hours to be trimmed. Such batches are now passed over up to
+        // `KEPT_BATCHES_PER_CALL` in one call.
+        for _ in 0..KEPT_BATCHES_PER_CALL {
+            let (full, removed) = self.sweep_events(cutoff, wall_cutoff, &mut stats).await?;
+            more = full;
+            if !full || removed > 0 {
+                break;
+            }
+        }
         let (completed, completed_full) = self.expire_completed(now).await?;
         let (kv, kv_full) = self.expire_kv(now).await?;
         // As on the embedded store: a full batch of expired COMPLETED or key-value records
