@@ -218,15 +218,9 @@ impl Principal {
     /// ([`RESERVED_TYPE_PREFIX`]), if any: as for reserved sources, only `admin` or an
     /// `ingest:` pattern that itself starts with `router.` covers it (`ingest:*` does not).
     pub fn reserved_type_denial(&self, ty: &str) -> Option<Scope> {
-        if !ty.starts_with(RESERVED_TYPE_PREFIX) || self.scopes.iter().any(|s| s == "admin") {
-            return None;
-        }
-        let covered = self
-            .scopes
-            .iter()
-            .filter_map(|s| s.strip_prefix("ingest:"))
-            .any(|g| g.starts_with(RESERVED_TYPE_PREFIX) && glob(g, ty));
-        (!covered).then(|| Scope::Ingest(ty.to_string()))
+        (ty.starts_with(RESERVED_TYPE_PREFIX)
+            && !self.covers_reserved("ingest:", RESERVED_TYPE_PREFIX, ty))
+        .then(|| Scope::Ingest(ty.to_string()))
     }
 
     /// The scope this caller lacks to send an event from `source` when that source is one of
@@ -236,15 +230,20 @@ impl Principal {
     /// at all, does not.
     pub fn reserved_source_denial(&self, source: &str) -> Option<Scope> {
         let prefix = reserved_source_prefix(source)?;
-        if self.scopes.iter().any(|s| s == "admin") {
-            return None;
-        }
-        let covered = self
-            .scopes
-            .iter()
-            .filter_map(|s| s.strip_prefix("ingest-source:"))
-            .any(|g| g.starts_with(prefix) && glob(g, source));
-        (!covered).then(|| Scope::IngestSource(source.to_string()))
+        (!self.covers_reserved("ingest-source:", prefix, source))
+            .then(|| Scope::IngestSource(source.to_string()))
+    }
+
+    /// Whether `admin`, or a `kind` scope whose pattern itself starts with `reserved` and
+    /// matches `value`, covers a reserved value (a pattern reaching it only through `*` does
+    /// not).
+    fn covers_reserved(&self, kind: &str, reserved: &str, value: &str) -> bool {
+        self.scopes.iter().any(|s| s == "admin")
+            || self
+                .scopes
+                .iter()
+                .filter_map(|s| s.strip_prefix(kind))
+                .any(|g| g.starts_with(reserved) && glob(g, value))
     }
 }
 
