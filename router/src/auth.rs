@@ -214,6 +214,16 @@ pub fn reserved_source_prefix(source: &str) -> Option<&'static str> {
 pub const RESERVED_TYPE_PREFIX: &str = "router.";
 
 impl Principal {
+    /// A caller named and teamed `t` with `scopes` (tests of scope decisions).
+    #[cfg(test)]
+    pub(crate) fn with_scopes(scopes: &[&str]) -> Self {
+        Self {
+            name: "t".into(),
+            team: "t".into(),
+            scopes: scopes.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
     /// The scope this caller lacks to send an event of type `ty` when it is a system event's
     /// ([`RESERVED_TYPE_PREFIX`]), if any: as for reserved sources, only `admin` or an
     /// `ingest:` pattern that itself starts with `router.` covers it (`ingest:*` does not).
@@ -428,11 +438,7 @@ mod tests {
 
     #[test]
     fn ingest_scopes_restrict_types_and_sources_each_when_present() {
-        let p = |scopes: &[&str]| Principal {
-            name: "t".into(),
-            team: "t".into(),
-            scopes: scopes.iter().map(|s| s.to_string()).collect(),
-        };
+        let p = Principal::with_scopes;
         let denial = |p: &Principal, ty: &str, src: &str| {
             p.ingest_denial(ty, Some(src)).map(|s| s.to_string())
         };
@@ -479,11 +485,7 @@ mod tests {
 
     #[test]
     fn system_event_types_need_a_scope_that_names_them() {
-        let p = |scopes: &[&str]| Principal {
-            name: "t".into(),
-            team: "t".into(),
-            scopes: scopes.iter().map(|s| s.to_string()).collect(),
-        };
+        let p = Principal::with_scopes;
         let denial = |p: &Principal, ty: &str| p.reserved_type_denial(ty).map(|s| s.to_string());
         for scopes in [&["ingest:*"][..], &["ingest:r*"], &[]] {
             assert_eq!(
@@ -510,11 +512,7 @@ mod tests {
 
     #[test]
     fn the_routers_own_sources_need_a_scope_that_names_them() {
-        let p = |scopes: &[&str]| Principal {
-            name: "t".into(),
-            team: "t".into(),
-            scopes: scopes.iter().map(|s| s.to_string()).collect(),
-        };
+        let p = Principal::with_scopes;
         let denial =
             |p: &Principal, src: &str| p.reserved_source_denial(src).map(|s| s.to_string());
         let sources = [

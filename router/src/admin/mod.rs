@@ -1330,11 +1330,7 @@ mod tests {
     /// no `dlq:` glob covers them, not even `dlq:*`; `read` lists them and `admin` changes them.
     #[test]
     fn the_dead_letters_without_a_target_are_no_teams() {
-        let who = |scopes: &[&str]| Principal {
-            name: "t".into(),
-            team: "t".into(),
-            scopes: scopes.iter().map(|s| s.to_string()).collect(),
-        };
+        let who = Principal::with_scopes;
         let none = Some(crate::store::NO_TARGET);
         assert!(dlq_read_scope(&who(&["dlq:*"]), none).is_err());
         assert!(dlq_write_scope(&who(&["dlq:*"]), none).is_err());
@@ -1352,11 +1348,7 @@ mod tests {
             redrive("redrive-1", "erp", 10),
             redrive("redrive-2", "crm", 20),
         ];
-        let who = |scope: &str| Principal {
-            name: "t".into(),
-            team: "t".into(),
-            scopes: vec![scope.into()],
-        };
+        let who = |scope: &str| Principal::with_scopes(&[scope]);
         let cursor = |p: &Principal, after: &str| job_cursor(after, &jobs, |j| job_visible(p, j));
         let erp = who("dlq:erp");
         assert_eq!(
