@@ -1333,7 +1333,13 @@ pub async fn run_with_store(
     spawn_node_announcer(&app, &tracker, workers_cancel.clone());
     spawn_sweeper(&app, &tracker, workers_cancel.clone());
     spawn_disk_monitor(&app, &tracker, workers_cancel.clone());
-    crate::system_events::spawn_router(&app, &tracker, workers_cancel.clone(), sys_rx);
+    // System events outlive delivery: the attempts that end during the shutdown's grace
+    // period still raise theirs, and the task announces what is left when it is cancelled,
+    // after delivery has stopped (or when `run` returns any other way: the guard).
+    let sys_tracker = TaskTracker::new();
+    let sys_cancel = CancellationToken::new();
+    let _sys_guard = sys_cancel.clone().drop_guard();
+    crate::system_events::spawn_router(&app, &sys_tracker, sys_cancel.clone(), sys_rx);
 
     let router = Router::new()
         .route("/v1/events", post(crate::ingest::post_events))
@@ -1430,6 +1436,16 @@ pub async fn run_with_store(
         .is_err()
     {
         tracing::warn!("grace period over; unfinished attempts will be retried after restart");
+    }
+    sys_cancel.cancel();
+    sys_tracker.close();
+    if tokio::time::timeout(Duration::from_secs(10), sys_tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "the last system events were not all stored within 10 s; the DLQ and its metrics have every dead letter"
+        );
     }
     // The last write is done: the embedded store closes its file, so the next start opens it
     // without a repair.

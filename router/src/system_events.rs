@@ -238,7 +238,12 @@ pub fn dropped(ctx: &DeliveryContext, ev: &CloudEvent, why: &str) {
 }
 
 /// Starts the task that routes system events from `rx` through the live rules until
-/// `cancel`, and summarises dropped announcements every `SUMMARY_EVERY`.
+/// `cancel`, and summarises dropped announcements every `SUMMARY_EVERY`. At `cancel` it
+/// routes what is left: the events still in `rx`, then one summary per target of the dead
+/// letters not yet announced, past the rate limit (the limit bounds a storm; one last
+/// summary a target is not one). Before, a shutdown lost both, and the dead letters of the
+/// attempts that ended during the shutdown's grace period were never announced. The caller
+/// cancels it once delivery has stopped, so those are in.
 pub(crate) fn spawn_router(
     app: &Arc<App>,
     tracker: &TaskTracker,
@@ -263,6 +268,21 @@ pub(crate) fn spawn_router(
                         dropped(app.dispatcher.context(), &ev, "past its rate limit");
                     }
                 }
+            }
+        }
+        // The store is still open (it closes after this task ends). `cancel` is cancelled,
+        // so a store that refuses an event is tried again at once, not for seconds.
+        while let Ok(ev) = rx.try_recv() {
+            if limits.admit(Kind::of(&ev.ty), ev.subject.as_deref()) {
+                route(&app, ev, &cancel).await;
+            } else {
+                dropped(app.dispatcher.context(), &ev, "past its rate limit");
+            }
+        }
+        let unannounced = &app.dispatcher.context().unannounced;
+        for about in unannounced.targets() {
+            if let Some(ev) = unannounced.take(&about, app.clock.now_ms()) {
+                route(&app, ev, &cancel).await;
             }
         }
     });
@@ -483,6 +503,62 @@ mod tests {
             "never to where `hook` delivers"
         );
         cancel.cancel();
+    }
+
+    /// A shutdown routes what is left: the announcements still in the channel, and one
+    /// summary per target of those dropped before (the rate limit notwithstanding). Before,
+    /// both were lost, with the dead letters of every attempt that ended during the grace
+    /// period.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn at_shutdown_what_is_left_is_announced() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (app, rx) = app_on_rules(dir.path());
+        let now = app.clock.now_ms();
+        let ctx = app.dispatcher.context();
+        for i in 0..2 {
+            let ev = crate::store::test_events::ev("/s", &format!("e{i}"));
+            crate::deliver::dead_lettered(
+                ctx,
+                Some("hook"),
+                DeadEvent::of(&ev),
+                DlqReason::RetriesExhausted,
+                None,
+                now,
+            );
+        }
+        ctx.unannounced.add(&announcement(
+            Some("hook"),
+            json!({"target": "hook", "reason": "retries_exhausted", "count": 7}),
+            1,
+        ));
+        // Cancelled before it starts: all it does is the shutdown's part.
+        let (tracker, cancel) = (TaskTracker::new(), CancellationToken::new());
+        cancel.cancel();
+        spawn_router(&app, &tracker, cancel, rx);
+        tracker.close();
+        tokio::time::timeout(Duration::from_secs(20), tracker.wait())
+            .await
+            .expect("the task ends");
+        let stored = app
+            .store
+            .events_between(0, i64::MAX, 0, 100)
+            .await
+            .expect("archive");
+        let announced: Vec<Value> = stored
+            .iter()
+            .filter(|e| e.event.ty == DLQ_ADDED)
+            .map(|e| e.event.data.as_ref().expect("data").value().clone())
+            .collect();
+        assert_eq!(announced.len(), 3, "{announced:?}");
+        assert_eq!(
+            announced
+                .iter()
+                .filter(|d| d["unannounced"] == true && d["count"] == 7)
+                .count(),
+            1,
+            "{announced:?}"
+        );
+        assert!(ctx.unannounced.targets().is_empty());
     }
 
     #[test]
