@@ -757,6 +757,12 @@ pub struct DlqFilter {
 impl DlqFilter {
     /// Whether `e` passes the filter.
     pub fn matches(&self, e: &DlqEntry) -> bool {
+        self.matches_head(&DlqHead::of(e))
+    }
+
+    /// Whether the dead letter whose head is `e` passes the filter (everything the filter
+    /// reads is in the head).
+    pub fn matches_head(&self, e: &DlqHead<'_>) -> bool {
         self.target.as_ref().is_none_or(|t| match t.as_str() {
             NO_TARGET => e.target_id.is_none(),
             t => e.target_id.as_deref() == Some(t),
@@ -765,10 +771,53 @@ impl DlqFilter {
                 .rule
                 .as_ref()
                 .is_none_or(|r| e.rule.as_deref() == Some(r.as_str()))
-            && self.event_type.as_ref().is_none_or(|t| &e.event_type == t)
-            && self.source.as_ref().is_none_or(|s| &e.event_source == s)
+            && self.event_type.as_ref().is_none_or(|t| e.event_type == *t)
+            && self.source.as_ref().is_none_or(|s| e.event_source == *s)
             && self.since.is_none_or(|s| e.last_failure_at >= s)
             && self.until.is_none_or(|u| e.last_failure_at < u)
+    }
+}
+
+/// What DLQ filters and the summary read of a dead letter: its [`DlqEntry`] without the
+/// event id, the errors and the attempts. A store decodes only this from each record it
+/// scans (a `retries_exhausted` entry's attempts are most of its record, and the strings
+/// here are borrowed from the record where they need no unescaping), and the whole entry
+/// only for the records a filter selects.
+#[derive(Debug, Deserialize)]
+pub struct DlqHead<'a> {
+    /// See [`DlqEntry::event_source`].
+    #[serde(borrow)]
+    pub event_source: std::borrow::Cow<'a, str>,
+    /// See [`DlqEntry::event_type`].
+    #[serde(borrow)]
+    pub event_type: std::borrow::Cow<'a, str>,
+    /// See [`DlqEntry::target_id`].
+    #[serde(default, borrow)]
+    pub target_id: Option<std::borrow::Cow<'a, str>>,
+    /// See [`DlqEntry::rule`].
+    #[serde(default, borrow)]
+    pub rule: Option<std::borrow::Cow<'a, str>>,
+    /// See [`DlqEntry::reason`].
+    pub reason: DlqReason,
+    /// See [`DlqEntry::first_failure_at`].
+    pub first_failure_at: Millis,
+    /// See [`DlqEntry::last_failure_at`].
+    pub last_failure_at: Millis,
+}
+
+impl<'a> DlqHead<'a> {
+    /// The head of `e`, borrowed from it.
+    pub fn of(e: &'a DlqEntry) -> Self {
+        use std::borrow::Cow::Borrowed;
+        Self {
+            event_source: Borrowed(&e.event_source),
+            event_type: Borrowed(&e.event_type),
+            target_id: e.target_id.as_deref().map(Borrowed),
+            rule: e.rule.as_deref().map(Borrowed),
+            reason: e.reason,
+            first_failure_at: e.first_failure_at,
+            last_failure_at: e.last_failure_at,
+        }
     }
 }
 
@@ -970,7 +1019,9 @@ type SummaryGroup = (SummaryRow, std::collections::BTreeMap<Millis, u64>);
 #[derive(Debug)]
 pub struct DlqSummary {
     bucket_ms: i64,
-    groups: std::collections::BTreeMap<(Option<String>, DlqReason), SummaryGroup>,
+    /// By target (`""` for none: no target id is empty), then reason: looked up by the
+    /// borrowed target id, so counting an entry allocates nothing once its group exists.
+    groups: std::collections::BTreeMap<String, std::collections::BTreeMap<DlqReason, SummaryGroup>>,
 }
 
 impl DlqSummary {
@@ -982,24 +1033,26 @@ impl DlqSummary {
         }
     }
 
-    /// Counts `e` into its (target, reason) group.
-    pub fn add(&mut self, e: &DlqEntry) {
-        let g = self
-            .groups
-            .entry((e.target_id.clone(), e.reason))
-            .or_insert_with(|| {
-                (
-                    SummaryRow {
-                        target: e.target_id.clone(),
-                        reason: e.reason,
-                        count: 0,
-                        first_failure_at: e.first_failure_at,
-                        last_failure_at: e.last_failure_at,
-                        histogram: Vec::new(),
-                    },
-                    Default::default(),
-                )
-            });
+    /// Counts the dead letter whose head is `e` into its (target, reason) group.
+    pub fn add(&mut self, e: &DlqHead<'_>) {
+        let target = e.target_id.as_deref().unwrap_or("");
+        if !self.groups.contains_key(target) {
+            self.groups.insert(target.to_owned(), Default::default());
+        }
+        let by_reason = self.groups.get_mut(target).expect("inserted above");
+        let g = by_reason.entry(e.reason).or_insert_with(|| {
+            (
+                SummaryRow {
+                    target: e.target_id.as_deref().map(str::to_owned),
+                    reason: e.reason,
+                    count: 0,
+                    first_failure_at: e.first_failure_at,
+                    last_failure_at: e.last_failure_at,
+                    histogram: Vec::new(),
+                },
+                Default::default(),
+            )
+        });
         g.0.count += 1;
         g.0.first_failure_at = g.0.first_failure_at.min(e.first_failure_at);
         g.0.last_failure_at = g.0.last_failure_at.max(e.last_failure_at);
@@ -1007,10 +1060,11 @@ impl DlqSummary {
             .or_default() += 1;
     }
 
-    /// The rows, by target and reason.
+    /// The rows, by target (dead letters without one first) and reason.
     pub fn rows(self) -> Vec<SummaryRow> {
         self.groups
             .into_values()
+            .flat_map(|by_reason| by_reason.into_values())
             .map(|(mut row, hist)| {
                 row.histogram = hist.into_iter().collect();
                 row

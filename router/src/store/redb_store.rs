@@ -1404,9 +1404,9 @@ impl RedbStore {
         let db = self.read_db();
         let r = db.begin_read()?;
         let mut summary = DlqSummary::new(bucket_ms);
-        for_each_dlq(&r, filter, 0, |e| {
-            summary.add(&e);
-            true
+        scan_dlq(&r, filter, 0, |_, head| {
+            summary.add(&head);
+            Ok(true)
         })?;
         Ok(summary.rows())
     }
@@ -4649,11 +4649,32 @@ fn for_each_dlq(
     start: u64,
     mut visit: impl FnMut(DlqEntry) -> bool,
 ) -> Result<(), StoreError> {
+    scan_dlq(r, filter, start, |raw, _| Ok(visit(dec("dlq", raw)?)))
+}
+
+/// Visits the DLQ's records from id `start` on that pass `filter` (each with its head, the
+/// only part decoded to decide) until `visit` answers false: through the by-target index
+/// when the filter names a target.
+fn scan_dlq(
+    r: &redb::ReadTransaction,
+    filter: &DlqFilter,
+    start: u64,
+    mut visit: impl FnMut(&[u8], DlqHead<'_>) -> Result<bool, StoreError>,
+) -> Result<(), StoreError> {
+    let mut offer = |raw: &[u8]| -> Result<bool, StoreError> {
+        let head: DlqHead<'_> = serde_json::from_slice(raw).map_err(|e| StoreError::Corrupt {
+            table: "dlq",
+            message: e.to_string(),
+        })?;
+        if !filter.matches_head(&head) {
+            return Ok(true);
+        }
+        visit(raw, head)
+    };
     let t = r.open_table(DLQ)?;
     let Some(target) = filter.target.as_deref() else {
         for row in t.range(start..)? {
-            let e: DlqEntry = dec("dlq", row?.1.value())?;
-            if filter.matches(&e) && !visit(e) {
+            if !offer(row?.1.value())? {
                 break;
             }
         }
@@ -4669,8 +4690,7 @@ fn for_each_dlq(
         // The index and the DLQ change in the same commits; a missing entry is skipped all the
         // same rather than failing a read.
         let Some(raw) = t.get(id)? else { continue };
-        let e: DlqEntry = dec("dlq", raw.value())?;
-        if filter.matches(&e) && !visit(e) {
+        if !offer(raw.value())? {
             break;
         }
     }

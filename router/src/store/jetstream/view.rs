@@ -524,7 +524,7 @@ impl View {
     pub fn dlq_summary(&self, filter: &DlqFilter, bucket_ms: i64) -> Vec<SummaryRow> {
         let mut summary = DlqSummary::new(bucket_ms);
         for d in self.dlq().entries.values().filter(|d| filter.matches(d)) {
-            summary.add(d);
+            summary.add(&crate::store::DlqHead::of(d));
         }
         summary.rows()
     }
