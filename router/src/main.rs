@@ -559,8 +559,17 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 .with_context(|| format!("reading {}", event.display()))?;
             let ev: serde_json::Value = serde_json::from_str(&text)
                 .with_context(|| format!("parsing {}", event.display()))?;
-            let matches: Vec<_> = set
-                .matches(&ev)
+            let matched = match set.test_event(ev) {
+                Ok(m) => m,
+                Err(errors) => {
+                    eprintln!("{} is not a valid CloudEvent:", event.display());
+                    for e in &errors {
+                        eprintln!("  {}: {}", if e.pointer.is_empty() { "(event)" } else { &e.pointer }, e.message);
+                    }
+                    return Ok(ExitCode::from(1));
+                }
+            };
+            let matches: Vec<_> = matched
                 .into_iter()
                 .map(|m| {
                     let targets: Vec<_> = m

@@ -1360,6 +1360,16 @@ async fn responses_validate_against_the_document() {
         admin().raw("application/json", "{"),
     )
     .await;
+    // Not a CloudEvent: refused with its pointers, not matched as it is.
+    let bad = api
+        .expect(
+            400,
+            "POST",
+            "/v1/rules/test",
+            admin().json(&json!({"id": "x"})),
+        )
+        .await;
+    assert!(bad.to_string().contains("/specversion"), "{bad}");
     api.expect(200, "POST", "/v1/rules/failing/disable", admin())
         .await;
     api.expect(200, "POST", "/v1/rules/failing/enable", admin())

@@ -970,3 +970,50 @@ async fn a_broken_rule_file_does_not_hold_contract_changes_back() {
     );
     assert!(a.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
 }
+
+/// `/v1/rules` names the commit of the checkout the live set came from. Committing an edit
+/// changes only `.git/`, which the watcher ignores: the commit noted at the edit's reload
+/// (`<old>-dirty`) stayed until some unrelated reload. It is read again while the files are
+/// still the live set's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rules_commit_follows_a_commit_of_the_live_files() {
+    let a = Receiver::ok().await;
+    let r = RouterProc::start(
+        &[("r.yaml", &webhook_rule("to-a", "t", &a.url(), "a"))],
+        &[],
+    );
+    let dir = r.dir.path().join("rules");
+    let git = |args: &[&str]| {
+        let out = std::process::Command::new("git")
+            .arg("-C")
+            .arg(&dir)
+            .args(["-c", "user.name=t", "-c", "user.email=t@example.com"])
+            .args(args)
+            .output()
+            .expect("git runs");
+        assert!(out.status.success(), "git {args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    git(&["init", "-q"]);
+    git(&["add", "-A"]);
+    git(&["commit", "-q", "-m", "first"]);
+    let first = git(&["rev-parse", "HEAD"]);
+    let commit = || async { get_json(&r, "/v1/rules").await.1["git_commit"].clone() };
+    assert_eq!(commit().await, first.as_str());
+
+    let v1 = status(&r).await["rules"]["version"]
+        .as_str()
+        .expect("version")
+        .to_string();
+    write_rules(&r, "r.yaml", &webhook_rule("to-a2", "t", &a.url(), "a"));
+    wait_version_change(&r, &v1).await;
+    assert_eq!(commit().await, format!("{first}-dirty").as_str());
+    git(&["commit", "-q", "-am", "second"]);
+    let second = git(&["rev-parse", "HEAD"]);
+    assert_ne!(first, second);
+    assert_eq!(
+        commit().await,
+        second.as_str(),
+        "the commit, not the stale -dirty"
+    );
+}

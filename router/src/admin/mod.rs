@@ -427,16 +427,43 @@ pub async fn release_key(
     }
 }
 
+/// The git commit of the live rule set. Read again from the checkout while its rule files
+/// are still the live set's (same version): the one noted at the last reload went stale when
+/// the edit it called `-dirty` was committed, since a commit changes only `.git/`, which the
+/// watcher ignores. Once the files differ (an edit not loaded yet, or refused), the commit
+/// noted at the reload is the one that describes the live set.
+async fn live_git_commit(app: &Arc<App>, version: &str) -> Option<String> {
+    let noted = || {
+        app.reload_status
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .rules_git_commit
+            .clone()
+    };
+    let dir = app.cfg.rules_dir.clone();
+    let version = version.to_owned();
+    let fresh = tokio::task::spawn_blocking(move || {
+        let on_disk = crate::rules::RuleSet::disk_version(&dir).ok()?;
+        (on_disk == version).then(|| crate::rules::watch::git_commit(&dir))
+    });
+    match tokio::time::timeout(std::time::Duration::from_secs(5), fresh).await {
+        Ok(Ok(Some(commit))) => {
+            app.reload_status
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .rules_git_commit
+                .clone_from(&commit);
+            commit
+        }
+        _ => noted(),
+    }
+}
+
 /// `GET /v1/rules`: the live rule set.
 pub async fn rules(State(app): State<Arc<App>>) -> Response {
     let r = app.rules.load();
     let disabled = app.disabled_rules();
-    let git_commit = app
-        .reload_status
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .rules_git_commit
-        .clone();
+    let git_commit = live_git_commit(&app, &r.version).await;
     axum::Json(json!({
         "version": r.version,
         "files": r.files,
@@ -460,8 +487,8 @@ pub async fn rules(State(app): State<Arc<App>>) -> Response {
     .into_response()
 }
 
-/// `POST /v1/rules/test`: which live rules and targets an event (structured CloudEvent JSON)
-/// matches. Changes nothing.
+/// `POST /v1/rules/test`: which live rules and targets an event (structured CloudEvent JSON,
+/// checked as ingest checks it) matches. Changes nothing.
 pub async fn rules_test(State(app): State<Arc<App>>, body: axum::body::Bytes) -> Response {
     let ev: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
@@ -474,11 +501,16 @@ pub async fn rules_test(State(app): State<Arc<App>>, body: axum::body::Bytes) ->
         }
     };
     let rules = app.rules.load();
+    let matched = match rules.test_event(ev) {
+        Ok(m) => m,
+        Err(errors) => {
+            return error_response(StatusCode::BAD_REQUEST, "not a valid CloudEvent", errors);
+        }
+    };
     let disabled = app.disabled_rules();
     // Rules an operator disabled are listed, marked: "it matches, but is switched off" is
     // what someone asking why an event went nowhere needs to read.
-    let matches: Vec<Value> = rules
-        .matches(&ev)
+    let matches: Vec<Value> = matched
         .into_iter()
         .map(|m| {
             let targets: Vec<Value> = m

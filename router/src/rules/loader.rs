@@ -127,6 +127,24 @@ pub(crate) fn load_dir(dir: &Path) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Dia
     load(&inputs, diags)
 }
 
+/// The version (see [`crate::rules::version_of`]) of the rule files under `dir` as they are
+/// on disk now, without parsing them: whether the live set is still what the directory
+/// holds.
+pub(crate) fn disk_version(dir: &Path) -> io::Result<String> {
+    let mut found = Vec::new();
+    walk(dir, "", &mut found)?;
+    found.sort();
+    let mut files = Vec::with_capacity(found.len());
+    for (rel, path) in found {
+        files.push((rel, fs::read(&path)?));
+    }
+    let hashed: Vec<(&str, &[u8])> = files
+        .iter()
+        .map(|(rel, bytes)| (rel.as_str(), bytes.as_slice()))
+        .collect();
+    Ok(version_of(&hashed))
+}
+
 fn is_rule_file(name: &str) -> bool {
     let lower = name.to_ascii_lowercase();
     lower.ends_with(".yaml") || lower.ends_with(".yml") || lower.ends_with(".json")

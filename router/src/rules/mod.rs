@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use crate::event::CloudEvent;
+use crate::event::{CloudEvent, FieldError};
 use crate::policy::PolicyConfig;
 pub use automaton::{CompiledMatcher, MatchError, MatcherStats};
 pub use pattern::{Pattern, PatternError, simple_match};
@@ -319,6 +319,15 @@ impl RuleSet {
         loader::load_dir(dir)
     }
 
+    /// The version of the rule files under `dir` as they are on disk now (no parsing): equal
+    /// to a set's [`RuleSet::version`] when that set is what the directory holds.
+    ///
+    /// # Errors
+    /// The directory or a file in it cannot be read.
+    pub fn disk_version(dir: &Path) -> std::io::Result<String> {
+        loader::disk_version(dir)
+    }
+
     /// Handler targets whose handler is not among `known` (the handlers the deployment will
     /// have, e.g. the `*.wasm` files of `handlers.preload_dir`): one error per target, at its
     /// rule in `dir`. Rule files alone cannot say which handlers exist, since teams upload
@@ -427,6 +436,37 @@ impl RuleSet {
         self.rule_matches(self.matcher.matches_event(event))
     }
 
+    /// What `rules test` answers for `event` (structured CloudEvent JSON): the event is
+    /// checked as ingest checks it, then matched as the live router matches it. Before, any
+    /// JSON was matched as it was: `{"id":"x"}` fired the rules with `exists: false`, `data:
+    /// null` matched `exists: true` unlike on the live path, and an event pasted from the
+    /// EventBridge docs matched nothing without a word.
+    ///
+    /// # Errors
+    /// Every envelope problem of `event`, each with its JSON pointer (and a hint when it is
+    /// an EventBridge event rather than a CloudEvent).
+    pub fn test_event(&self, event: Value) -> Result<Vec<RuleMatch>, Vec<FieldError>> {
+        let eventbridge = event.get("specversion").is_none()
+            && (event.get("detail-type").is_some() || event.get("detail").is_some());
+        match crate::ingest::parse::event_from_json(event, "") {
+            Ok(ev) => Ok(self.matches_event(&ev)),
+            Err(mut errors) => {
+                if eventbridge {
+                    errors.insert(
+                        0,
+                        FieldError::new(
+                            "",
+                            "this looks like an EventBridge event: the router routes \
+                             CloudEvents, whose `type` and `data` are EventBridge's \
+                             `detail-type` and `detail` (patterns may use either name)",
+                        ),
+                    );
+                }
+                Err(errors)
+            }
+        }
+    }
+
     /// The rule called `name`.
     pub fn rule(&self, name: &str) -> Option<&Rule> {
         self.rules.iter().find(|r| r.name == name)
@@ -455,3 +495,51 @@ pub fn version_of(files: &[(&str, &[u8])]) -> String {
 
 #[cfg(test)]
 mod schema_tests;
+
+#[cfg(test)]
+mod test_event_tests {
+    use super::*;
+    use serde_json::json;
+
+    const RULES: &str = "rules:\n  - name: no-subject\n    pattern:\n      subject: [{exists: false}]\n    targets:\n      - webhook: http://127.0.0.1:9/a\n  - name: has-data\n    pattern:\n      data: [{exists: true}]\n    targets:\n      - webhook: http://127.0.0.1:9/b\n";
+
+    fn set() -> RuleSet {
+        RuleSet::from_sources(&[("r.yaml", RULES)])
+            .expect("rules")
+            .0
+    }
+
+    fn names(m: Vec<RuleMatch>) -> Vec<String> {
+        m.into_iter().map(|m| m.rule).collect()
+    }
+
+    #[test]
+    fn a_value_that_is_not_an_event_is_refused_not_matched() {
+        let errors = set()
+            .test_event(json!({"id": "x"}))
+            .expect_err("no envelope");
+        let pointers: Vec<&str> = errors.iter().map(|e| e.pointer.as_str()).collect();
+        assert!(pointers.contains(&"/specversion"), "{errors:?}");
+        assert!(pointers.contains(&"/source"), "{errors:?}");
+        assert!(set().test_event(json!([1, 2])).is_err());
+    }
+
+    #[test]
+    fn an_event_is_matched_as_the_live_router_matches_it() {
+        let ev = json!({"specversion": "1.0", "id": "1", "source": "/s", "type": "t",
+                        "data": null});
+        // Ingest drops a null attribute: the live path never sees `data`.
+        assert_eq!(names(set().test_event(ev).expect("valid")), ["no-subject"]);
+        let ev = json!({"specversion": "1.0", "id": "1", "source": "/s", "type": "t",
+                        "subject": "x", "data": "text"});
+        assert_eq!(names(set().test_event(ev).expect("valid")), ["has-data"]);
+    }
+
+    #[test]
+    fn an_eventbridge_event_is_told_apart() {
+        let ev = json!({"version": "0", "id": "1", "detail-type": "Order Placed",
+                        "source": "com.shop", "detail": {"total": 5}});
+        let errors = set().test_event(ev).expect_err("not a CloudEvent");
+        assert!(errors[0].message.contains("EventBridge"), "{errors:?}");
+    }
+}
