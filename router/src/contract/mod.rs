@@ -352,7 +352,10 @@ impl ContractSet {
                 ));
                 continue;
             }
-            let schema: Value = match serde_json::from_str(&src.text) {
+            // A byte-order mark (some Windows editors write one) is not JSON, but rule files
+            // accept it, so contract files do too.
+            let text = src.text.strip_prefix('\u{feff}').unwrap_or(&src.text);
+            let schema: Value = match serde_json::from_str(text) {
                 Ok(v) => v,
                 Err(e) => {
                     diags.push(ContractDiagnostic::new(

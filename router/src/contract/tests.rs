@@ -650,3 +650,16 @@ fn a_type_whose_contracts_all_went_and_an_idle_mode_are_warned_of() {
     assert!(w[1].contains("modes.toml sets a mode for type a"), "{w:?}");
     assert!(before.warnings_against(&before).is_empty());
 }
+
+/// A contract file that starts with a byte-order mark loads, as a rule file does (it failed
+/// with "expected value at line 1 column 1").
+#[test]
+fn a_contract_file_with_a_byte_order_mark_loads() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let set = ContractSet::load_dir_with(
+        dir.path(),
+        &[("order.created/v1.json", "\u{feff}{\"type\": \"object\"}")],
+    )
+    .expect("loads");
+    assert!(set.get("order.created", 1).is_some());
+}
