@@ -251,7 +251,9 @@ async fn move_removed_queue(
 /// of a rule's targets moves the ids of those after it, and their queues would be delivered
 /// to their neighbour (an event of `/a` posted to `/b`). Such a set is refused, naming the
 /// targets; a destination edited in place (one no other target had) is not a move, and its
-/// queue goes to the new destination, as an edited URL should.
+/// queue goes to the new destination, as an edited URL should. Dead letters count as entries
+/// here: an id that moved with only dead letters was let through, and redriving them then
+/// delivered them to the neighbour.
 fn moved_ids(old: &RuleSet, new: &RuleSet, store: &dyn Store) -> Option<String> {
     let stats = store.queue_stats();
     let old_by_dest: std::collections::HashMap<String, &str> = old
@@ -266,18 +268,31 @@ fn moved_ids(old: &RuleSet, new: &RuleSet, store: &dyn Store) -> Option<String> 
             let before = old.targets.get(&t.id)?;
             let (was, now) = (before.kind.destination(), t.kind.destination());
             let from = *old_by_dest.get(&now)?;
-            let live = stats.get(&t.id).map_or(0, |s| s.queued + s.in_flight);
-            (was != now && from != t.id && live > 0).then(|| {
+            let s = stats.get(&t.id);
+            let live = s.map_or(0, |s| s.queued + s.in_flight);
+            // Dead letters move with the id too: a redrive would deliver them to `now`.
+            let dead = s.map_or(0, |s| s.dlq);
+            (was != now && from != t.id && live + dead > 0).then(|| {
+                let mut held = Vec::new();
+                if live > 0 {
+                    held.push(format!("{live} entries wait for {was}"));
+                }
+                if dead > 0 {
+                    held.push(format!(
+                        "{dead} dead letters of {was} would be redriven there"
+                    ));
+                }
                 format!(
-                    "target {} now names {now} (target {from}'s until this reload) while {live} entries wait for {was}",
-                    t.id
+                    "target {} now names {now} (target {from}'s until this reload) while {}",
+                    t.id,
+                    held.join(" and ")
                 )
             })
         })
         .collect();
     (!moved.is_empty()).then(|| {
         format!(
-            "{}: targets without an explicit `id` are numbered by position in their rule, and removing or reordering one moved them; give the rule's targets explicit ids (keeping a target's current id keeps its queue), or let the queues drain first",
+            "{}: targets without an explicit `id` are numbered by position in their rule, and removing or reordering one moved them; give the rule's targets explicit ids (keeping a target's current id keeps its queue and its dead letters), or let the queues drain and redrive or purge the dead letters first",
             moved.join("; ")
         )
     })

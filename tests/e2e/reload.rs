@@ -873,6 +873,46 @@ async fn a_reload_that_moves_a_queue_to_another_targets_destination_is_refused()
     assert_eq!(b.count(), 1);
 }
 
+/// An id that would move with only dead letters is refused too: a redrive of them would
+/// deliver to the neighbour that took the id (it was let through when no entry was queued).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_moves_dead_letters_to_another_targets_destination_is_refused() {
+    let a = Receiver::status(400).await;
+    let b = Receiver::ok().await;
+    let both = rules_yaml(
+        "",
+        &[(
+            "r",
+            "t",
+            &[
+                format!("webhook: {}", a.url()),
+                format!("webhook: {}", b.url()),
+            ],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &both)], &[]);
+    assert_eq!(post_event(&r, &event("e1", "t", json!({}))).await.0, 202);
+    assert!(b.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
+    eventually(Duration::from_secs(10), || async {
+        let (_, dlq) = get_json(&r, "/v1/dlq?target=r-0").await;
+        (dlq["entries"].as_array().map_or(0, Vec::len) == 1).then_some(())
+    })
+    .await
+    .expect("a's event is a dead letter of r-0");
+    write_rules(
+        &r,
+        "r.yaml",
+        &rules_yaml("", &[("r", "t", &[format!("webhook: {}", b.url())])]),
+    );
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 422, "{body}");
+    let err = status(&r).await["reload"]["last_error"].to_string();
+    assert!(
+        err.contains("target r-0") && err.contains("1 dead letters"),
+        "{err}"
+    );
+}
+
 /// A rules directory emptied of rule files (a checkout or sync caught half-way) does not take
 /// every rule away; a file saying `rules: []` does, on purpose.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
