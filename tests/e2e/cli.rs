@@ -415,7 +415,10 @@ async fn the_load_tool_sends_its_token_and_reports_what_was_accepted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn contracts_check_fails_on_in_place_changes_to_deployed_versions_only() {
     let v1 = r#"{"type": "object", "properties": {"total": {"type": "number"}}}"#;
-    let v1_optional_added = r#"{"type": "object", "properties": {"total": {"type": "number"}, "note": {"type": "string"}}}"#;
+    // Documented in place: any value still passes there.
+    let v1_optional_added = r#"{"type": "object", "properties": {"total": {"type": "number"}, "note": {"description": "free text"}}}"#;
+    // Typed in place: `note: 5` passed the open v1 and would be quarantined.
+    let v1_optional_typed = r#"{"type": "object", "properties": {"total": {"type": "number"}, "note": {"type": "string"}}}"#;
     let v1_retyped =
         "{\n  \"type\": \"object\",\n  \"properties\": {\"total\": {\"type\": \"string\"}}\n}";
     let v2_breaking =
@@ -439,6 +442,7 @@ async fn contracts_check_fails_on_in_place_changes_to_deployed_versions_only() {
         ],
     );
     let edited = write("edited", &[("order/v1.json", v1_retyped)]);
+    let typed = write("typed", &[("order/v1.json", v1_optional_typed)]);
     let removed = write("removed", &[("order/v2.json", v2_breaking)]);
 
     let (ok, out, err) = run_router(None, &["contracts", "check", &new_version]).await;
@@ -454,8 +458,10 @@ async fn contracts_check_fails_on_in_place_changes_to_deployed_versions_only() {
     .await;
     assert!(
         ok,
-        "an optional property added in place and a new version: {out}{err}"
+        "an optional property documented in place and a new version: {out}{err}"
     );
+    let (ok, out, _) = run_router(None, &["contracts", "check", &typed, "--against", &base]).await;
+    assert!(!ok && out.contains("new property `note`"), "{out}");
 
     let (ok, out, err) =
         run_router(None, &["contracts", "check", &edited, "--against", &base]).await;

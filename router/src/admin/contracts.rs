@@ -27,7 +27,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
 use crate::app::{App, ReloadError};
-use crate::contract::{CompatIssue, ContractSet, compat_issues, parse_version};
+use crate::contract::{CompatIssue, ContractSet, compat_issues, in_place_issues, parse_version};
 use crate::event::FieldError;
 use crate::ingest::error_response;
 use crate::store::{ContractCatalog, SharedContract, StoreError};
@@ -209,7 +209,7 @@ pub async fn upload(
     let live = app.contracts.load_full();
     let replaced = live.get(&ty, v);
     if let Some(old) = &replaced {
-        let issues = compat_issues(&old.schema, &schema);
+        let issues = in_place_issues(&old.schema, &schema);
         if !issues.is_empty() {
             let next = live.latest_version(&ty).unwrap_or(v).saturating_add(1);
             return error_response(

@@ -507,6 +507,77 @@ pub(crate) fn compat_issues(old: &Value, new: &Value) -> Vec<Issue> {
     out
 }
 
+/// [`compat_issues`] for an edit in place of a live version, which must accept every value
+/// the version accepted: also a new property named where the old object was open (no
+/// `additionalProperties: false` or `unevaluatedProperties: false` beside it), with a schema
+/// that does not accept everything. Between versions that is an optional field added, which the
+/// SPEC calls compatible (producers of the new version send it as documented); in place it
+/// narrows what was valid: `extra: "x"` passed the open v1 and is quarantined once v1 names
+/// `extra` an integer.
+pub(crate) fn in_place_issues(old: &Value, new: &Value) -> Vec<Issue> {
+    let mut out = compat_issues(old, new);
+    let (Some(old_x), Some(new_x)) = (
+        expand(old, Dialect::of(old).draft()),
+        expand(new, Dialect::of(new).draft()),
+    ) else {
+        return out;
+    };
+    let mut named = Vec::new();
+    newly_named(&old_x.schema, &new_x.schema, "", "", &mut named);
+    for mut issue in named {
+        issue.pointer = within(new, &issue.pointer).to_owned();
+        if !out.iter().any(|o| o.pointer == issue.pointer) {
+            out.push(issue);
+        }
+    }
+    out
+}
+
+/// Whether `schema` is an object of annotations only (`description`, `title`, …): it accepts
+/// every value.
+fn annotates_only(schema: &Value) -> bool {
+    schema
+        .as_object()
+        .is_some_and(|m| m.keys().all(|k| ANNOTATIONS.contains(&k.as_str())))
+}
+
+/// The walk of [`in_place_issues`]: properties (and single-schema `items`) present in both,
+/// and the new properties of objects the old schema left open.
+fn newly_named(old: &Value, new: &Value, path: &str, ptr: &str, out: &mut Vec<Issue>) {
+    if let Some(new_props) = properties(new) {
+        let closed = ["additionalProperties", "unevaluatedProperties"]
+            .iter()
+            .any(|k| old.get(*k) == Some(&Value::Bool(false)));
+        let none = Map::new();
+        let old_props = properties(old).unwrap_or(&none);
+        for (name, new_schema) in new_props {
+            let at = format!("{ptr}/properties/{}", pointer_token(name));
+            match old_props.get(name) {
+                Some(old_schema) => {
+                    newly_named(old_schema, new_schema, &child(path, name), &at, out)
+                }
+                None if !closed && !accepts_all(new_schema) && !annotates_only(new_schema) => {
+                    out.push(Issue {
+                        pointer: at,
+                        message: format!(
+                            "new property `{}` in a live version whose object was open: any value \
+                         was valid there, so naming it may quarantine events that passed",
+                            child(path, name)
+                        ),
+                    });
+                }
+                None => {}
+            }
+        }
+    }
+    if let (Some(o), Some(n)) = (old.get("items"), new.get("items"))
+        && o.is_object()
+        && n.is_object()
+    {
+        newly_named(o, n, &format!("{path}[]"), &format!("{ptr}/items"), out);
+    }
+}
+
 /// The longest prefix of `pointer` that exists in `doc`.
 fn within<'p>(doc: &Value, mut pointer: &'p str) -> &'p str {
     while !pointer.is_empty() && doc.pointer(pointer).is_none() {
@@ -1273,6 +1344,45 @@ mod tests {
         let mut wrapped = open.clone();
         wrapped["allOf"] = json!([{"properties": {"a": {"type": "string", "minLength": 1}}}]);
         assert!(!flagged(open, wrapped).is_empty());
+    }
+
+    /// In place, a property named where the object was open narrows what the live version
+    /// accepted; between versions it is the optional field the SPEC calls compatible.
+    #[test]
+    fn in_place_a_new_property_of_an_open_object_is_flagged() {
+        let open = json!({"type": "object", "properties": {"a": {"type": "string"},
+                          "o": {"type": "object", "properties": {}}}});
+        let mut typed = open.clone();
+        typed["properties"]["extra"] = json!({"type": "integer"});
+        assert!(
+            compat_issues(&open, &typed).is_empty(),
+            "a new version may add it"
+        );
+        let issues = in_place_issues(&open, &typed);
+        assert_eq!(issues.len(), 1, "{issues:?}");
+        assert_eq!(issues[0].pointer, "/properties/extra");
+        // Nested, and under `items`.
+        let mut nested = open.clone();
+        nested["properties"]["o"]["properties"]["n"] = json!({"enum": [1]});
+        assert_eq!(
+            in_place_issues(&open, &nested)[0].pointer,
+            "/properties/o/properties/n"
+        );
+        let list = json!({"type": "array", "items": {"type": "object", "properties": {}}});
+        let mut listed = list.clone();
+        listed["items"]["properties"]["sku"] = json!({"type": "string"});
+        assert_eq!(in_place_issues(&list, &listed).len(), 1);
+        // Named with a schema that accepts anything: nothing narrows.
+        let mut annotated = open.clone();
+        annotated["properties"]["extra"] = json!({"description": "documented"});
+        assert!(in_place_issues(&open, &annotated).is_empty());
+        // A closed object forbade it: allowing it in place only loosens.
+        let mut closed = open.clone();
+        closed["additionalProperties"] = json!(false);
+        let mut opened = closed.clone();
+        opened["properties"]["extra"] = json!({"type": "integer"});
+        assert!(in_place_issues(&closed, &opened).is_empty());
+        assert!(in_place_issues(&open, &open).is_empty());
     }
 
     #[test]

@@ -19,7 +19,7 @@ use crate::event::{CloudEvent, FieldError};
 
 use crate::text_pos::{JsonPositions, Lines};
 pub use compat::check_compatibility;
-pub(crate) use compat::{Issue as CompatIssue, compat_issues};
+pub(crate) use compat::{Issue as CompatIssue, compat_issues, in_place_issues};
 use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
 
 /// Name of the optional per-type mode file at the root of a contracts directory.
@@ -572,7 +572,7 @@ impl ContractSet {
                 let [(old_v, old), (_, new)] = pair else {
                     continue;
                 };
-                out.extend(incompatibilities(old, new, |m| {
+                out.extend(incompatibilities(old, new, false, |m| {
                     format!("incompatible with v{old_v}: {m}")
                 }));
             }
@@ -606,7 +606,7 @@ impl ContractSet {
                     .unwrap_or(*v)
                     .max(self.latest_version(ty).unwrap_or(*v))
                     + 1;
-                out.extend(incompatibilities(old, new, |m| {
+                out.extend(incompatibilities(old, new, true, |m| {
                     format!("incompatible change to v{v} in place: {m}; publish it as v{next}")
                 }));
             }
@@ -616,13 +616,19 @@ impl ContractSet {
 }
 
 /// What `new` breaks of `old`, each located in `new`'s file (line, column and pointer) and
-/// worded by `say` from the checker's message.
+/// worded by `say` from the checker's message; `in_place` when `new` replaces `old` as the
+/// same version (see [`compat::in_place_issues`]).
 fn incompatibilities(
     old: &Contract,
     new: &Contract,
+    in_place: bool,
     say: impl Fn(&str) -> String,
 ) -> Vec<ContractDiagnostic> {
-    let issues = compat::compat_issues(&old.schema, &new.schema);
+    let issues = if in_place {
+        compat::in_place_issues(&old.schema, &new.schema)
+    } else {
+        compat::compat_issues(&old.schema, &new.schema)
+    };
     if issues.is_empty() {
         return Vec::new();
     }
