@@ -199,7 +199,12 @@ async fn a_redrive_job_survives_repeated_kill_9() {
         .is_some()
     );
     broken.store(false, Ordering::SeqCst);
-    let (_, job) = post_json(&r, "/v1/dlq/redrive", json!({"rate_per_sec": 25})).await;
+    let (_, job) = post_json(
+        &r,
+        "/v1/dlq/redrive",
+        json!({"rate_per_sec": 25, "all": true}),
+    )
+    .await;
     let id = job["id"].as_str().expect("id").to_string();
     let j = kill_until_done(&mut r, &format!("/v1/dlq/redrive/{id}")).await;
     assert_eq!(j["moved"], 60, "{j}");

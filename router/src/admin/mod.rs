@@ -746,8 +746,28 @@ fn job_error(e: crate::dlq::JobError) -> Response {
                 ),
             )],
         ),
+        JobError::UnknownTarget { target, .. } => unknown_redrive_target(&target, None),
         JobError::Store(e) => store_error(&e),
     }
+}
+
+/// 404 for a redrive naming a target the router does not know, with the closest known id the
+/// caller may redrive (`suggestion`) when there is one.
+fn unknown_redrive_target(target: &str, suggestion: Option<&str>) -> Response {
+    let hint = match suggestion {
+        Some(id) => format!("; did you mean {id:?}?"),
+        None => String::new(),
+    };
+    error_response(
+        StatusCode::NOT_FOUND,
+        "unknown target",
+        vec![FieldError::new(
+            "/filter/target",
+            format!(
+                "no target {target:?} in the live rules, running, or with dead letters{hint} (`none` selects the dead letters without a target; GET /v1/targets lists them)"
+            ),
+        )],
+    )
 }
 
 fn job_json(j: &crate::store::Job) -> Value {
@@ -1039,6 +1059,14 @@ pub async fn redrive_create(
     }
     match crate::dlq::create_redrive(&app, req).await {
         Ok(job) => (StatusCode::CREATED, axum::Json(job_json(&job))).into_response(),
+        // Only an id the caller may redrive is suggested: a team token must not learn other
+        // teams' target ids from its typos.
+        Err(crate::dlq::JobError::UnknownTarget { target, known }) => {
+            let suggestion = known
+                .iter()
+                .find(|id| dlq_write_scope(&who, Some(id.as_str())).is_ok());
+            unknown_redrive_target(&target, suggestion.map(String::as_str))
+        }
         Err(e) => job_error(e),
     }
 }
