@@ -6,6 +6,34 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
+/// Exit status when stdout's reader went away: 128 + SIGPIPE, what a shell shows for a command
+/// a closed pipe ended (`yes | head` under `set -o pipefail`).
+pub const BROKEN_PIPE_EXIT: i32 = 141;
+
+/// Writes one line of the command's output to stdout. Rust ignores SIGPIPE, so a reader that
+/// closed the pipe (`router dlq jobs | head -1`) makes the write fail: the reader has what it
+/// wanted and the process ends quietly with [`BROKEN_PIPE_EXIT`], where `println!` panicked
+/// with a backtrace (status 101). Any other write error (a full disk under a redirect) is
+/// reported, status 1.
+pub fn write_stdout(line: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    let written = out
+        .write_fmt(line)
+        .and_then(|()| out.write_all(b"\n"))
+        .and_then(|()| out.flush());
+    match written {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+            std::process::exit(BROKEN_PIPE_EXIT)
+        }
+        Err(e) => {
+            eprintln!("error: cannot write the output: {e}");
+            std::process::exit(1)
+        }
+    }
+}
+
 /// Error talking to the router API.
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
@@ -288,45 +316,112 @@ pub fn dlq_table(v: &Value) -> String {
     t
 }
 
-/// `router dlq summary` as a table with a sparkline-like histogram.
+/// Most bucket lines `router dlq summary` prints per group; past it, a line says how many
+/// more there are and how to see them.
+const MAX_BUCKET_LINES: usize = 48;
+
+/// `router dlq summary`: a table of the groups, then each group's histogram with the time of
+/// every bucket and the empty stretches between them, so a reader tells a burst (one bucket)
+/// from a trickle (buckets spread over hours or days) at a glance. Printing only the non-empty
+/// counts ("2 bucket(s): 3 2") hid whether they were a minute or a week apart.
 pub fn summary_table(v: &Value) -> String {
-    let rows: Vec<Vec<String>> = v["groups"]
-        .as_array()
-        .into_iter()
-        .flatten()
+    let bucket_ms = v["bucket_seconds"].as_i64().unwrap_or(3600).max(1) * 1000;
+    let groups: Vec<&Value> = v["groups"].as_array().into_iter().flatten().collect();
+    let histogram = |g: &Value| -> Vec<(i64, String, u64)> {
+        g["histogram"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|b| {
+                let at = b["bucket"].as_str()?;
+                let ms = chrono::DateTime::parse_from_rfc3339(at)
+                    .ok()?
+                    .timestamp_millis();
+                Some((ms, at.to_string(), b["count"].as_u64()?))
+            })
+            .collect()
+    };
+    let rows: Vec<Vec<String>> = groups
+        .iter()
         .map(|g| {
-            let hist: Vec<u64> = g["histogram"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|b| b["count"].as_u64())
-                .collect();
-            let buckets = hist.len();
+            let hist = histogram(g);
+            let span = match (hist.first(), hist.last()) {
+                (Some(a), Some(b)) => (b.0 - a.0) / bucket_ms + 1,
+                _ => 0,
+            };
             vec![
                 s(&g["target"]),
                 s(&g["reason"]),
                 s(&g["count"]),
                 s(&g["first_failure_at"]),
                 s(&g["last_failure_at"]),
-                format!(
-                    "{buckets} bucket(s): {}",
-                    hist.iter()
-                        .map(u64::to_string)
-                        .collect::<Vec<_>>()
-                        .join(" ")
-                ),
+                format!("{} of {span} bucket(s)", hist.len()),
             ]
         })
         .collect();
-    format!(
+    let mut out = format!(
         "{}\ntotal {} (bucket {}s) — one burst in one bucket points to an outage; a trickle over many to poison",
         table(
-            &["TARGET", "REASON", "COUNT", "FIRST", "LAST", "HISTOGRAM"],
+            &["TARGET", "REASON", "COUNT", "FIRST", "LAST", "NON-EMPTY"],
             &rows
         ),
         s(&v["total"]),
         s(&v["bucket_seconds"])
-    )
+    );
+    for g in groups {
+        let hist = histogram(g);
+        let most = hist.iter().map(|b| b.2).max().unwrap_or(1).max(1);
+        let width = hist.iter().map(|b| b.1.len()).max().unwrap_or(0);
+        out.push_str(&format!("\n\n{} {}:", s(&g["target"]), s(&g["reason"])));
+        let mut prev: Option<i64> = None;
+        for (i, (ms, at, n)) in hist.iter().enumerate() {
+            if i == MAX_BUCKET_LINES {
+                out.push_str(&format!(
+                    "\n  … {} more non-empty bucket(s): narrow --since/--until or use a larger --bucket",
+                    hist.len() - i
+                ));
+                break;
+            }
+            if let Some(p) = prev {
+                let empty = (ms - p) / bucket_ms - 1;
+                if empty > 0 {
+                    out.push_str(&format!("\n  {:width$}  ({empty} empty bucket(s))", ""));
+                }
+            }
+            prev = Some(*ms);
+            let bar = (*n * 30).div_ceil(most);
+            out.push_str(&format!(
+                "\n  {at:width$}  {n:>6}  {}",
+                "#".repeat(usize::try_from(bar).unwrap_or(30))
+            ));
+        }
+    }
+    out
+}
+
+/// What a job works on, as its spec says: a redrive's filter (`target=erp reason=…`, or
+/// `whole DLQ`), a replay's range and pattern.
+pub fn job_scope(j: &Value) -> String {
+    let spec = &j["spec"];
+    if j["kind"] == "replay" {
+        let mut out = format!("{} to {}", s(&spec["from"]), s(&spec["to"]));
+        if !spec["filter"].is_null() {
+            out.push_str(&format!(" matching {}", spec["filter"]));
+        }
+        return out;
+    }
+    let parts: Vec<String> = spec["filter"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(_, v)| !v.is_null())
+        .map(|(k, v)| format!("{k}={}", s(v)))
+        .collect();
+    if parts.is_empty() {
+        "whole DLQ".into()
+    } else {
+        parts.join(" ")
+    }
 }
 
 /// The API route of job `id`'s kind: `router dlq jobs` lists redrives and replays, and each
@@ -357,8 +452,9 @@ pub fn job_line(j: &Value) -> String {
     let width = 30usize;
     let filled = (pct as usize * width / 100).min(width);
     format!(
-        "{} [{}{}] {moved}/{total} moved, {} failed, {} skipped — {}",
+        "{} ({}) [{}{}] {moved}/{total} moved, {} failed, {} skipped — {}",
         s(&j["id"]),
+        job_scope(j),
         "#".repeat(filled),
         ".".repeat(width - filled),
         s(&j["failed"]),
@@ -489,6 +585,57 @@ mod tests {
         assert!(
             line.contains(&format!("[{}{}]", "#".repeat(15), ".".repeat(15))),
             "{line}"
+        );
+    }
+
+    /// The summary shows when each bucket was and the empty stretch between them: two
+    /// buckets 9 minutes apart read as such, not as "2 bucket(s): 3 2".
+    #[test]
+    fn the_summary_shows_each_buckets_time_and_the_gaps_between() {
+        let v = serde_json::json!({"total": 5, "bucket_seconds": 60, "groups": [{
+        "target": "t400", "reason": "permanent_error", "count": 5,
+        "first_failure_at": "2025-01-01T10:00:10Z", "last_failure_at": "2025-01-01T10:09:20Z",
+        "histogram": [
+            {"bucket": "2025-01-01T10:00:00Z", "count": 3},
+            {"bucket": "2025-01-01T10:09:00Z", "count": 2},
+        ]}]});
+        let t = summary_table(&v);
+        assert!(t.contains("2 of 10 bucket(s)"), "{t}");
+        let lines: Vec<&str> = t
+            .lines()
+            .skip_while(|l| !l.starts_with("t400 permanent_error:"))
+            .collect();
+        assert_eq!(
+            lines[1..],
+            [
+                format!("  2025-01-01T10:00:00Z       3  {}", "#".repeat(30)),
+                format!("  {:20}  (8 empty bucket(s))", ""),
+                format!("  2025-01-01T10:09:00Z       2  {}", "#".repeat(20)),
+            ],
+            "{t}"
+        );
+    }
+
+    /// A job's line says what it works on: which target (or the whole DLQ) a redrive moves,
+    /// which range a replay covers.
+    #[test]
+    fn a_jobs_line_names_its_filter() {
+        let redrive = serde_json::json!({"id": "redrive-2", "kind": "redrive", "state": "done",
+            "spec": {"filter": {"target": "t400", "reason": "permanent_error"}, "rate_per_sec": 10.0},
+            "total": 1, "moved": 1, "failed": 0, "skipped": 0});
+        assert!(
+            job_line(&redrive).starts_with("redrive-2 (target=t400 reason=permanent_error) ["),
+            "{}",
+            job_line(&redrive)
+        );
+        let all = serde_json::json!({"id": "redrive-3", "kind": "redrive", "spec": {"filter": {}}});
+        assert!(job_line(&all).contains("(whole DLQ)"), "{}", job_line(&all));
+        let replay = serde_json::json!({"id": "replay-1", "kind": "replay",
+            "spec": {"from": "2025-01-01T00:00:00Z", "to": "2025-01-02T00:00:00Z", "filter": null}});
+        assert!(
+            job_line(&replay).contains("(2025-01-01T00:00:00Z to 2025-01-02T00:00:00Z)"),
+            "{}",
+            job_line(&replay)
         );
     }
 

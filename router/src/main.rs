@@ -13,6 +13,15 @@ use router::contract::ContractSet;
 use router::rules::RuleSet;
 use tokio_util::sync::CancellationToken;
 
+/// `println!` for the command's output: a reader that goes away before the end (`router dlq ls
+/// | head`) ends the process quietly (status 141, as a shell shows for a command a closed pipe
+/// ended) rather than with `println!`'s panic and backtrace.
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        router::cli::write_stdout(format_args!($($arg)*))
+    };
+}
+
 // The pipeline allocates many small, short-lived buffers per event (JSON values, records);
 // mimalloc handles that pattern markedly better than glibc's allocator under two threads.
 #[global_allocator]
@@ -226,7 +235,8 @@ enum DlqCmd {
     },
     /// One entry with its event and every attempt.
     Show { id: String },
-    /// Move matching entries back to their queues at a set rate (a job).
+    /// Move matching entries back to their queues at a set rate (a job; with no filter, only
+    /// with --all).
     Redrive {
         #[command(flatten)]
         filter: DlqFilterArgs,
@@ -236,6 +246,9 @@ enum DlqCmd {
         /// Follow the job's progress until it ends.
         #[arg(long)]
         wait: bool,
+        /// Redrive every entry of the DLQ (required when no filter is given).
+        #[arg(long)]
+        all: bool,
     },
     /// Delete matching entries (with no filter, only with --all).
     Purge {
@@ -521,9 +534,9 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             match checked {
                 Ok((set, warnings)) => {
                     for w in &warnings {
-                        println!("{w}");
+                        outln!("{w}");
                     }
-                    println!(
+                    outln!(
                         "ok: {} rules, {} targets, {} policies in {} files (version {})",
                         set.rules.len(),
                         set.targets.len(),
@@ -535,7 +548,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
                 Err(errors) => {
                     for e in &errors {
-                        println!("{e}");
+                        outln!("{e}");
                     }
                     eprintln!("{} problem(s)", errors.len());
                     Ok(ExitCode::from(1))
@@ -581,7 +594,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     serde_json::json!({ "rule": m.rule, "targets": targets })
                 })
                 .collect();
-            println!(
+            outln!(
                 "{}",
                 serde_json::to_string_pretty(&serde_json::json!({ "matches": matches }))?
             );
@@ -613,13 +626,13 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     None => None,
                 };
                 for d in set.compatibility_report() {
-                    println!("note: {d} (a new version may break; its consumers must accept it)");
+                    outln!("note: {d} (a new version may break; its consumers must accept it)");
                 }
                 let in_place = base.map(|b| set.changes_from(&b)).unwrap_or_default();
                 for d in &in_place {
-                    println!("{d}");
+                    outln!("{d}");
                 }
-                println!(
+                outln!(
                     "{} contracts (version {})",
                     set.contracts().len(),
                     set.version()
@@ -633,7 +646,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Err(errors) => {
                 for e in &errors {
-                    println!("{e}");
+                    outln!("{e}");
                 }
                 eprintln!("{} problem(s)", errors.len());
                 Ok(ExitCode::from(1))
@@ -694,7 +707,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             router::auth::Tokens::new(std::slice::from_ref(&cfg))?;
             eprintln!("token for {name} (shown once; the router stores only its hash):");
-            println!("{token}");
+            outln!("{token}");
             eprintln!("\nadd to the config file:\n");
             let scopes = cfg.scopes.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(", ");
             let team = cfg.team.as_ref().map(|t| format!("\nteam = {t:?}")).unwrap_or_default();
@@ -716,7 +729,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                         .join("\n")
                 )
             })?;
-            println!(
+            outln!(
                 "{:<32} {:<28} {:<12} {:>8} {:>14} {:>18}  notes",
                 "TARGET", "RULE", "POLICY", "ATTEMPTS", "WORST CASE", "WITH RETRY-AFTER"
             );
@@ -742,7 +755,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 if t.policy.breaker.is_some() {
                     notes.push("waiting while the breaker is open spends no attempt (up to max_age)".to_string());
                 }
-                println!(
+                outln!(
                     "{:<32} {:<28} {:<12} {:>8} {:>14} {:>18}  {}",
                     t.id,
                     t.rule,
@@ -761,7 +774,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let report = rt
                 .block_on(router::bench::run_ingest(b))
                 .map_err(anyhow::Error::msg)?;
-            println!("{report}");
+            outln!("{report}");
             // Some refusals (429/503) are what a saturating run measures; none accepted at all
             // is a run that measured nothing (a wrong URL or token), and says so.
             if report.ok_events == 0 && report.failed_requests > 0 {
@@ -779,7 +792,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let report = rt
                 .block_on(router::bench::run_store(b))
                 .map_err(anyhow::Error::msg)?;
-            println!("{report}");
+            outln!("{report}");
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench {
@@ -788,7 +801,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let report = rt
                 .block_on(router::bench::run_sweep(b))
                 .map_err(anyhow::Error::msg)?;
-            println!("{report}");
+            outln!("{report}");
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench {
@@ -806,9 +819,9 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
 
 fn print_value(api: &Api, v: &serde_json::Value, render: impl Fn(&serde_json::Value) -> String) {
     if api.json {
-        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+        outln!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
     } else {
-        println!("{}", render(v));
+        outln!("{}", render(v));
     }
 }
 
@@ -1053,14 +1066,21 @@ async fn dlq(api: Api, cmd: DlqCmd) -> anyhow::Result<ExitCode> {
         DlqCmd::Show { id } => {
             let v = c.call(Method::GET, &format!("/v1/dlq/{id}"), None).await?;
             // An entry is best read whole.
-            println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            outln!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
         }
-        DlqCmd::Redrive { filter, rate, wait } => {
+        DlqCmd::Redrive {
+            filter,
+            rate,
+            wait,
+            all,
+        } => {
             let job = c
                 .call(
                     Method::POST,
                     "/v1/dlq/redrive",
-                    Some(serde_json::json!({ "filter": filter.json(), "rate_per_sec": rate })),
+                    Some(
+                        serde_json::json!({ "filter": filter.json(), "rate_per_sec": rate, "all": all }),
+                    ),
                 )
                 .await?;
             if !wait {

@@ -483,3 +483,34 @@ async fn contracts_check_fails_on_in_place_changes_to_deployed_versions_only() {
     .await;
     assert!(!ok && err.contains("no such directory"), "{err}");
 }
+
+/// A reader that closes the pipe early (`router rules test … | head`, `router dlq jobs | true`)
+/// ends the command quietly with 141 (what a shell shows for a command a closed pipe ended):
+/// `println!` panicked on the failed write, with a backtrace and status 101. The pipe's read
+/// end is closed before the command starts, so every write it makes fails.
+#[test]
+fn output_into_a_closed_pipe_ends_the_command_quietly() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rules = dir.path().join("rules");
+    std::fs::create_dir_all(&rules).expect("rules dir");
+    std::fs::write(
+        rules.join("r.yaml"),
+        webhook_rule("orders", "t", "http://127.0.0.1:9/x", "erp"),
+    )
+    .expect("rule file");
+    let ev = dir.path().join("ev.json");
+    std::fs::write(&ev, event("e1", "t", json!({})).to_string()).expect("event file");
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_router"))
+        .args(["rules", "test"])
+        .arg(&rules)
+        .arg(&ev)
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .expect("run router rules test");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(141), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

@@ -199,7 +199,12 @@ async fn a_redrive_job_survives_repeated_kill_9() {
         .is_some()
     );
     broken.store(false, Ordering::SeqCst);
-    let (_, job) = post_json(&r, "/v1/dlq/redrive", json!({"rate_per_sec": 25})).await;
+    let (_, job) = post_json(
+        &r,
+        "/v1/dlq/redrive",
+        json!({"rate_per_sec": 25, "all": true}),
+    )
+    .await;
     let id = job["id"].as_str().expect("id").to_string();
     let j = kill_until_done(&mut r, &format!("/v1/dlq/redrive/{id}")).await;
     assert_eq!(j["moved"], 60, "{j}");
@@ -962,4 +967,27 @@ async fn the_dead_letters_without_a_target_are_listed_as_target_none() {
     )
     .await;
     assert_eq!((status, p["matched"].clone()), (200, json!(1)), "{p}");
+}
+
+/// Once an operator purged an event's dead letter, its fate says `purged` for that target: it
+/// said `dlq` with an empty `dlq` list, and the reader went looking for an entry that is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purged_dead_letter_shows_as_purged_in_the_fate() {
+    let refusing = Receiver::status(400).await;
+    let rules = webhook_rule("r", "order", &refusing.url(), "hook");
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let (_, b) = post_event(&r, &event("p1", "order", json!({"id": 1}))).await;
+    assert_eq!(b["results"][0]["status"], "accepted", "{b}");
+    let dead = eventually(Duration::from_secs(15), || async {
+        let f = fate(&r, "p1").await;
+        (f["targets"][0]["state"] == "dlq").then_some(f)
+    })
+    .await
+    .expect("the permanent failure is dead-lettered");
+    assert_eq!(dead["dlq"].as_array().map(Vec::len), Some(1), "{dead}");
+    let (s, p) = post_json(&r, "/v1/dlq/purge", json!({"filter": {"target": "hook"}})).await;
+    assert_eq!((s, p["purged"].clone()), (200, json!(1)), "{p}");
+    let f = fate(&r, "p1").await;
+    assert_eq!(f["dlq"], json!([]), "{f}");
+    assert_eq!(f["targets"][0]["state"], "purged", "{f}");
 }

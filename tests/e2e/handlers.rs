@@ -1499,3 +1499,37 @@ async fn a_delivery_to_a_handler_not_uploaded_waits_visibly_without_attempts() {
     .expect("delivered once uploaded");
     assert_eq!(done["targets"][0]["attempt_count"], 1, "{done}");
 }
+
+/// A delivery to a handler that has no active version says why it waits, in its fate and in
+/// `/v1/status` (read from the registry at each request): it showed queued with no reason
+/// anywhere but an INFO log line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_waiting_for_a_missing_handler_says_so() {
+    let rules = rules_yaml(
+        "",
+        &[("r", "t", &["handler: absent\n        id: h".to_string()])],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let (_, b) = post_event(&r, &event("w1", "t", json!({}))).await;
+    assert_eq!(b["results"][0]["status"], "accepted", "{b}");
+    let f = eventually(Duration::from_secs(15), || async {
+        let f = fate(&r, "w1").await;
+        f["targets"][0]["waiting_on"]
+            .as_str()
+            .is_some_and(|w| w.contains("\"absent\" is not uploaded"))
+            .then_some(f)
+    })
+    .await;
+    assert!(f.is_some(), "{}", fate(&r, "w1").await);
+    let (_, status) = get_json(&r, "/v1/status").await;
+    assert!(
+        status["warnings"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|w| w
+                .as_str()
+                .is_some_and(|w| w.contains("target h: handler \"absent\" has no active version"))),
+        "{status}"
+    );
+}

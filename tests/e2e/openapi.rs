@@ -1555,6 +1555,27 @@ async fn responses_validate_against_the_document() {
         admin().json(&json!({"filter": {"colour": 1}})),
     )
     .await;
+    // The whole DLQ only when asked for; a target id that is nobody's is a 404 naming the
+    // closest one.
+    let b = api
+        .expect(400, "POST", "/v1/dlq/redrive", admin().json(&json!({})))
+        .await;
+    assert_eq!(b["errors"][0]["pointer"], "/filter", "{b}");
+    let b = api
+        .expect(
+            404,
+            "POST",
+            "/v1/dlq/redrive",
+            admin().json(&json!({"filter": {"target": "brokne"}})),
+        )
+        .await;
+    assert_eq!(b["errors"][0]["pointer"], "/filter/target", "{b}");
+    assert!(
+        b["errors"][0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("did you mean \"broken\"")),
+        "{b}"
+    );
     api.expect(200, "GET", "/v1/events/o-3?source=/test", admin())
         .await;
 

@@ -809,3 +809,102 @@ async fn per_key_order_holds_while_one_key_fails() {
         );
     }
 }
+
+/// A pause does not stop max_age: an entry that outlives it while its target is paused says
+/// so in its fate, and at the resume goes to the DLQ as max_age_exceeded without being sent
+/// and without an attempt (it showed attempt 1, "interrupted": the lease's record of an
+/// attempt never made).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_past_max_age_while_paused_is_dead_lettered_unsent_without_an_attempt() {
+    let rcv = Receiver::ok().await;
+    let rules = rules_yaml(
+        "  short:\n    retry: { max_attempts: 3, base_delay: 10ms, max_delay: 10ms, max_age: 1s }",
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: hook\n        policy: short",
+                rcv.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let (s, b) = post_json(&r, "/v1/targets/hook/pause", json!({})).await;
+    assert_eq!(s, 200, "{b}");
+    let (_, b) = post_event(&r, &event("m1", "t", json!({}))).await;
+    assert_eq!(b["results"][0]["status"], "accepted", "{b}");
+    let waiting = eventually(Duration::from_secs(15), || async {
+        let f = fate(&r, "m1").await;
+        f["targets"][0]["waiting_on"]
+            .as_str()
+            .is_some_and(|w| w.contains("paused") && w.contains("past its max_age"))
+            .then_some(f)
+    })
+    .await;
+    assert!(waiting.is_some(), "{}", fate(&r, "m1").await);
+    let (s, b) = post_json(&r, "/v1/targets/hook/resume", json!({})).await;
+    assert_eq!(s, 200, "{b}");
+    let dead = eventually(Duration::from_secs(15), || async {
+        let f = fate(&r, "m1").await;
+        (f["targets"][0]["state"] == "dlq").then_some(f)
+    })
+    .await
+    .expect("dead-lettered at the resume");
+    let d = &dead["dlq"][0];
+    assert_eq!(d["reason"], "max_age_exceeded", "{dead}");
+    assert_eq!(
+        (d["attempt_count"].clone(), d["attempts"].clone()),
+        (json!(0), json!([])),
+        "{dead}"
+    );
+    assert!(
+        d["errors"][0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("not sent")),
+        "{dead}"
+    );
+    assert_eq!(dead["targets"][0]["attempt_count"], 0, "{dead}");
+    assert_eq!(rcv.count(), 0, "nothing was sent");
+}
+
+/// Entries held by the target's throttle say so in their fate: a backlog that drains at the
+/// throttle's rate showed each due entry with `waiting_on` null, which read as stuck.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_due_entry_held_by_the_throttle_says_so() {
+    let rcv = Receiver::ok().await;
+    let rules = rules_yaml(
+        "  slow:\n    throttle: { rate_per_sec: 0.1, burst: 1 }",
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: hook\n        policy: slow",
+                rcv.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let batch: Vec<_> = (0..3)
+        .map(|i| event(&format!("th{i}"), "t", json!({})))
+        .collect();
+    post_batch(&r, &batch).await;
+    // One goes on the burst; the others wait ten seconds each for a token.
+    let held = eventually(Duration::from_secs(15), || async {
+        for i in 0..3 {
+            let f = fate(&r, &format!("th{i}")).await;
+            if f["targets"][0]["waiting_on"]
+                .as_str()
+                .is_some_and(|w| w.contains("throttle"))
+            {
+                return Some(f);
+            }
+        }
+        None
+    })
+    .await;
+    assert!(
+        held.is_some(),
+        "no fate names the throttle: {}",
+        fate(&r, "th2").await
+    );
+}

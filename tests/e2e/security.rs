@@ -58,7 +58,14 @@ async fn call(
 async fn the_auth_matrix() {
     let rcv = Receiver::ok().await;
     let rules = webhook_rule("orders", "order.paid", &rcv.url(), "erp");
-    let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&auth_config()));
+    // A second team's target, so that its redrive below names a target the router knows.
+    let crm = webhook_rule("users", "user.created", &rcv.url(), "crm");
+    let r = RouterProc::start_full(
+        &[("r.yaml", &rules), ("crm.yaml", &crm)],
+        &[],
+        &[],
+        Some(&auth_config()),
+    );
     let ev = event("a1", "order.paid", json!({}));
     // (method, path, body, token in scope, token out of scope)
     let cases: Vec<(&str, &str, Option<Value>, &str, &str)> = vec![
@@ -1468,7 +1475,15 @@ fn a_scope_typo_stops_the_router_at_start() {
 /// other teams run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_cursor_does_not_reveal_another_teams_job() {
-    let r = RouterProc::start_full(&[], &[], &[], Some(&auth_config()));
+    // Both teams' targets in the rules: a redrive naming an unknown target is refused.
+    let erp = webhook_rule("orders", "order.paid", "http://127.0.0.1:9/erp", "erp");
+    let crm = webhook_rule("users", "user.created", "http://127.0.0.1:9/crm", "crm");
+    let r = RouterProc::start_full(
+        &[("erp.yaml", &erp), ("crm.yaml", &crm)],
+        &[],
+        &[],
+        Some(&auth_config()),
+    );
     let redrive = |token: &'static str, target: &str| {
         call(
             &r,

@@ -52,13 +52,27 @@ fn attempt_json(a: &AttemptRecord) -> Value {
     })
 }
 
-fn entry_state(e: &QueueEntry, now: i64) -> &'static str {
+/// The state the fate shows for `e`; `dlq` are the event's DLQ entries. A dead entry whose DLQ
+/// entry an operator purged is `purged`: "dlq" with no DLQ entry had the reader look for one
+/// that is gone.
+fn entry_state(e: &QueueEntry, dlq: &[DlqEntry], now: i64) -> &'static str {
     match e.state {
         EntryState::Delivered => "delivered",
-        EntryState::Dead => "dlq",
+        EntryState::Dead if dlq.iter().any(|d| refers_to(d, e)) => "dlq",
+        EntryState::Dead => "purged",
         EntryState::Queued if e.lease.is_some_and(|l| l.until >= now) => "in_flight",
         EntryState::Queued if e.attempts.is_empty() => "queued",
         EntryState::Queued => "retrying",
+    }
+}
+
+/// Whether DLQ entry `d` is the dead letter of queue entry `e`: by its entry id, or (refused
+/// at acceptance by the queue's depth cap, before the entry had an attempt) by its event and
+/// target.
+fn refers_to(d: &DlqEntry, e: &QueueEntry) -> bool {
+    match d.entry {
+        Some(id) => id == e.id,
+        None => d.event_seq == e.id.event && d.target_id.as_deref() == Some(e.target_id.as_str()),
     }
 }
 
@@ -123,6 +137,8 @@ pub async fn event_fate(
         Err(e) => return store_error(&e),
     };
     let now = app.clock.now_ms();
+    let stats = app.store.queue_stats();
+    let in_flight = |target: &str| stats.get(target).map_or(0, |s| s.in_flight);
     let targets: Vec<Value> = fate
         .entries
         .iter()
@@ -132,12 +148,12 @@ pub async fn event_fate(
                 "target": e.target_id,
                 "rule": e.rule,
                 "entry": e.id.to_string(),
-                "state": entry_state(e, now),
+                "state": entry_state(e, &fate.dlq, now),
                 "attempt_count": e.attempts.len(),
                 "attempts": e.attempts.iter().map(attempt_json).collect::<Vec<_>>(),
                 "next_attempt_at": (e.state == EntryState::Queued).then(|| rfc3339(e.due_at)),
                 "waiting_on": (e.state == EntryState::Queued && e.lease.is_none())
-                    .then(|| waiting_on(&app, e))
+                    .then(|| waiting_on(&app, e, in_flight(&e.target_id), now))
                     .flatten(),
                 "last_error": last_error,
                 "idempotency_key": e.idempotency_key,
@@ -274,29 +290,97 @@ pub async fn dlq_show(
     }
 }
 
+/// How recent a budget deferral (or the end of a throttle wait) must be for an entry's fate
+/// to name it: while they hold a backlog the worker meets them every second or so.
+const LIVE_HOLD_MS: i64 = 3_000;
+
 /// What a queued entry waits for besides its due time, if anything an operator can act on:
-/// its target paused, the target's breaker open, its ordering key held after a dead letter, or
-/// its target not running. (Entries behind another of their key wait for that one.)
-fn waiting_on(app: &App, e: &crate::store::QueueEntry) -> Option<String> {
+/// its target paused (and whether its max_age runs out meanwhile), the target's breaker open,
+/// its handler not uploaded, its ordering key held after a dead letter, its target not
+/// running; and, once it is due, the target's retry budget, throttle or concurrency, which
+/// hold a backlog that drains slower than it came (a fate that said nothing there read as a
+/// stuck entry). (Entries behind another of their key wait for that one.)
+fn waiting_on(app: &App, e: &crate::store::QueueEntry, in_flight: u64, now: i64) -> Option<String> {
     let Some(rt) = app.dispatcher.runtime(&e.target_id) else {
         return Some("the target is not running (see /v1/targets)".into());
     };
+    let max_age = rt.spec.policy.retry.max_age;
+    let expires = e
+        .accepted_at
+        .saturating_add(i64::try_from(max_age.as_millis()).unwrap_or(i64::MAX));
+    // A pause or an open breaker does not stop max_age (it counts from acceptance): say so
+    // once it has run out, since the entry then goes to the DLQ unsent at the resume.
+    let past_max_age = || {
+        (now > expires).then(|| {
+            format!(
+                "; it is past its max_age ({}) and goes to the DLQ as max_age_exceeded, unsent, once the target resumes",
+                humantime::format_duration(max_age)
+            )
+        })
+    };
     if rt.paused.load(Ordering::SeqCst) {
-        return Some("the target is paused by an operator".into());
-    }
-    if let Some(b) = rt.breaker()
-        && let crate::policy::breaker::BreakerState::Open { until } = b.state()
-    {
         return Some(format!(
-            "the target's breaker is open until {}",
-            rfc3339(until)
+            "the target is paused by an operator{}",
+            past_max_age().unwrap_or_default()
         ));
     }
-    let key = e.ordering_key.as_ref()?;
-    app.store
-        .held_keys(&e.target_id)
-        .contains(key)
-        .then(|| format!("its ordering key {key:?} is held after a dead letter (release it: POST /v1/targets/{}/keys/{{key}}/release)", e.target_id))
+    if let Some(b) = rt.breaker()
+        && let crate::policy::breaker::BreakerState::Open { until } = b.state_at(now)
+    {
+        return Some(format!(
+            "the target's breaker is open until {}{}",
+            rfc3339(until),
+            past_max_age().unwrap_or_default()
+        ));
+    }
+    if let crate::rules::TargetKind::Handler { name } = &rt.spec.kind
+        && app
+            .handlers
+            .as_ref()
+            .is_some_and(|h| h.registry.active(name).is_none())
+    {
+        return Some(format!(
+            "handler {name:?} is not uploaded (or was deleted): the delivery waits for it, without spending attempts, up to its max_age"
+        ));
+    }
+    if let Some(key) = &e.ordering_key
+        && app.store.held_keys(&e.target_id).contains(key)
+    {
+        return Some(format!(
+            "its ordering key {key:?} is held after a dead letter (release it: POST /v1/targets/{}/keys/{{key}}/release)",
+            e.target_id
+        ));
+    }
+    // A retry the budget deferred is put back due at its turn: it may show a next attempt
+    // in the future or, in a long backlog, one already past.
+    let deferred_at = rt.counters.last_budget_deferred_at.load(Ordering::Relaxed);
+    if !e.attempts.is_empty() && deferred_at > 0 && now.saturating_sub(deferred_at) <= LIVE_HOLD_MS
+    {
+        return Some(format!(
+            "due, deferred by the target's retry budget (ratio {}, plus {}/s): retries beyond it wait their turn (budget_deferred in /v1/targets)",
+            rt.budget().ratio(),
+            crate::policy::budget::MIN_RETRIES_PER_SEC
+        ));
+    }
+    if e.due_at > now {
+        return None;
+    }
+    if now <= rt.counters.throttled_until.load(Ordering::Relaxed) + LIVE_HOLD_MS {
+        let rate = rt
+            .spec
+            .policy
+            .throttle
+            .as_ref()
+            .and_then(|t| t.rate_per_sec)
+            .map_or_else(String::new, |r| format!(" ({r}/s)"));
+        return Some(format!(
+            "due, waiting for the target's throttle{rate}: entries go at its rate"
+        ));
+    }
+    let slots = crate::deliver::slot_count(&rt.spec, &app.cfg.delivery) as u64;
+    (in_flight >= slots).then(|| {
+        format!("due, waiting for a free slot: {in_flight} attempts in flight, the target's concurrency is {slots}")
+    })
 }
 
 fn target_json(app: &App, id: &str, stats: Option<&crate::store::QueueStats>, now: i64) -> Value {
@@ -608,10 +692,34 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .iter()
-            .chain(app.rule_warnings.lock().unwrap_or_else(|p| p.into_inner()).iter())
+            .cloned()
+            .chain(app.rule_warnings.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned())
+            .chain(missing_handler_warnings(&app, &rules))
             .collect::<Vec<_>>(),
     }))
     .into_response()
+}
+
+/// One warning per live rule target whose handler has no active version, read from the
+/// registry at each request: the one the loader gave at start went stale after an upload, and
+/// a handler deleted later had none at all, while its deliveries waited without a word.
+fn missing_handler_warnings(app: &App, rules: &crate::rules::RuleSet) -> Vec<String> {
+    let Some(h) = app.handlers.as_ref() else {
+        return Vec::new();
+    };
+    rules
+        .targets
+        .values()
+        .filter_map(|t| match &t.kind {
+            crate::rules::TargetKind::Handler { name } if h.registry.active(name).is_none() => {
+                Some(format!(
+                    "target {}: handler {name:?} has no active version (not uploaded, or deleted): its deliveries wait for it, up to their max_age",
+                    t.id
+                ))
+            }
+            _ => None,
+        })
+        .collect()
 }
 
 /// What each age-bounded kind of record holds, with its bound.
@@ -666,11 +774,13 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
             ));
         // Every breaker, not only those that changed state since start: one restored open
         // from the store had no series, and an alert on it stayed silent.
+        // In effect now: an open period that ended during a pause is over (half-open), and
+        // an alert on 1 must not go on firing for a contained target.
         if let Some(b) = rt.breaker() {
             app.metrics
                 .breaker_state
                 .get_or_create(&vec![("target", rt.spec.id.clone())])
-                .set(b.state().gauge());
+                .set(b.state_at(app.clock.now_ms()).gauge());
         }
     }
     app.metrics
@@ -778,8 +888,28 @@ fn job_error(e: crate::dlq::JobError) -> Response {
                 ),
             )],
         ),
+        JobError::UnknownTarget { target, .. } => unknown_redrive_target(&target, None),
         JobError::Store(e) => store_error(&e),
     }
+}
+
+/// 404 for a redrive naming a target the router does not know, with the closest known id the
+/// caller may redrive (`suggestion`) when there is one.
+fn unknown_redrive_target(target: &str, suggestion: Option<&str>) -> Response {
+    let hint = match suggestion {
+        Some(id) => format!("; did you mean {id:?}?"),
+        None => String::new(),
+    };
+    error_response(
+        StatusCode::NOT_FOUND,
+        "unknown target",
+        vec![FieldError::new(
+            "/filter/target",
+            format!(
+                "no target {target:?} in the live rules, running, or with dead letters{hint} (`none` selects the dead letters without a target; GET /v1/targets lists them)"
+            ),
+        )],
+    )
 }
 
 fn job_json(j: &crate::store::Job) -> Value {
@@ -1071,6 +1201,14 @@ pub async fn redrive_create(
     }
     match crate::dlq::create_redrive(&app, req).await {
         Ok(job) => (StatusCode::CREATED, axum::Json(job_json(&job))).into_response(),
+        // Only an id the caller may redrive is suggested: a team token must not learn other
+        // teams' target ids from its typos.
+        Err(crate::dlq::JobError::UnknownTarget { target, known }) => {
+            let suggestion = known
+                .iter()
+                .find(|id| dlq_write_scope(&who, Some(id.as_str())).is_ok());
+            unknown_redrive_target(&target, suggestion.map(String::as_str))
+        }
         Err(e) => job_error(e),
     }
 }

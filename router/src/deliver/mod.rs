@@ -28,7 +28,8 @@ pub use handoff::Reservation;
 pub use runtime::{Limiter, PersistedState, TargetRuntime};
 pub use threads::{DeliveryThreads, DeliveryThreadsStatus};
 pub use worker::{
-    DeadEvent, count_dead_letters, dead_lettered, dead_lettered_in_bulk, decide, system_event,
+    DeadEvent, count_dead_letters, dead_lettered, dead_lettered_in_bulk, decide, slot_count,
+    system_event,
 };
 
 /// Resolves a secret by name (environment, then the secrets file).

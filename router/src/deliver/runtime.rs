@@ -3,7 +3,7 @@
 //! reads a snapshot of it.
 
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use arc_swap::ArcSwapOption;
@@ -48,6 +48,11 @@ pub struct Counters {
     pub budget_deferred: AtomicU64,
     /// Times the worker waited for the rate limiter.
     pub throttled: AtomicU64,
+    /// When (ms) the retry budget last deferred a due retry; 0: never. An event's fate says
+    /// its due retry waits for the budget when this is recent.
+    pub last_budget_deferred_at: AtomicI64,
+    /// Until when (ms) the worker waits for the rate limiter's next token; 0: never.
+    pub throttled_until: AtomicI64,
 }
 
 /// The token bucket for `nodes`' share of `spec`'s throttle rate and burst (the burst rounded
@@ -299,10 +304,14 @@ impl TargetRuntime {
         let c = &self.counters;
         let breaker = self.breaker().map(|mut b| {
             let (requests, rate) = b.window_stats(now);
+            // In effect now: an open period that ended while the target was paused (whose
+            // worker asks the breaker nothing) reads as half-open, not as open until a past
+            // time.
+            let state = b.state_at(now);
             json!({
-                "state": b.state().name(),
-                "since": crate::clock::rfc3339(b.since()),
-                "open_until": match b.state() { BreakerState::Open { until } => Some(crate::clock::rfc3339(until)), _ => None },
+                "state": state.name(),
+                "since": crate::clock::rfc3339(b.since_at(now)),
+                "open_until": match state { BreakerState::Open { until } => Some(crate::clock::rfc3339(until)), _ => None },
                 "window_requests": requests,
                 "window_failure_rate": rate,
             })
@@ -453,6 +462,26 @@ mod tests {
             (max(&rt), rt.snapshot(0)["batch_max_events"].clone()),
             (100, Value::Null)
         );
+    }
+
+    /// A paused target's breaker whose open period has ended shows as half-open (what the
+    /// next attempt after the resume finds), not open until a time in the past.
+    #[test]
+    fn an_expired_open_breaker_shows_as_half_open() {
+        use crate::policy::config::BreakerPolicy;
+        let mut spec = throttled(1.0, 1).spec;
+        spec.policy.breaker = Some(BreakerPolicy::default());
+        let persisted = PersistedState {
+            breaker: Some((BreakerState::Open { until: 30_000 }, 0)),
+            paused: true,
+        };
+        let rt = TargetRuntime::new(spec, Some(persisted), 0);
+        let open = rt.snapshot(10_000);
+        assert_eq!(open["breaker"]["state"], "open", "{open}");
+        let later = rt.snapshot(120_000);
+        assert_eq!(later["breaker"]["state"], "half_open", "{later}");
+        assert_eq!(later["breaker"]["open_until"], Value::Null, "{later}");
+        assert_eq!(later["breaker"]["since"], crate::clock::rfc3339(30_000));
     }
 
     #[test]

@@ -99,10 +99,7 @@ fn window_gate(
 
 /// Attempts a target may have in flight: its policy's `throttle.max_concurrency`, else the
 /// default of its kind (handlers get more: their CPU is bounded by the invocation gate).
-pub(super) fn slot_count(
-    spec: &crate::rules::TargetSpec,
-    cfg: &crate::config::DeliveryConfig,
-) -> usize {
+pub fn slot_count(spec: &crate::rules::TargetSpec, cfg: &crate::config::DeliveryConfig) -> usize {
     let default = if matches!(spec.kind, TargetKind::Handler { .. }) {
         cfg.handler_concurrency
     } else {
@@ -257,6 +254,7 @@ pub(super) async fn run(
             if allowed == 0 {
                 drop(permits);
                 rt.counters.throttled.fetch_add(1, Ordering::Relaxed);
+
                 ctx.metrics
                     .throttled
                     .get_or_create(&vec![("target", spec.id.clone())])
@@ -264,6 +262,9 @@ pub(super) async fn run(
                 let wait = retry_in
                     .unwrap_or(Duration::from_millis(10))
                     .max(Duration::from_millis(1));
+                rt.counters
+                    .throttled_until
+                    .store(now.saturating_add(ms(wait)), Ordering::Relaxed);
                 if !sleep_or_stop(&stop, wait, None).await {
                     break;
                 }
@@ -354,6 +355,9 @@ async fn lease_and_start(
                 };
                 if let Some(until) = deferred {
                     rt.counters.budget_deferred.fetch_add(1, Ordering::Relaxed);
+                    rt.counters
+                        .last_budget_deferred_at
+                        .store(now, Ordering::Relaxed);
                     ctx.metrics
                         .budget_deferred
                         .get_or_create(&vec![("target", spec.id.clone())])
@@ -593,7 +597,9 @@ fn not_sendable(rt: &TargetRuntime, leased: &Leased, now: Millis) -> Option<Sett
     Some(Settled {
         end: AttemptEnd {
             finished_at: now,
-            result: AttemptResult::Interrupted,
+            // Nothing was sent: the lease's attempt record goes, the dead letter's attempts
+            // are the ones made.
+            result: AttemptResult::NotSent,
             status: None,
             error: Some(error),
             outbox: None,

@@ -114,6 +114,10 @@ pub struct RedriveRequest {
     /// Entries moved per second at most (default 10).
     #[serde(default = "default_rate")]
     pub rate_per_sec: f64,
+    /// Required with an empty filter: the whole DLQ (every target's dead letters and the
+    /// quarantined events), on purpose.
+    #[serde(default)]
+    pub all: bool,
 }
 
 /// Body of `POST /v1/replay`.
@@ -250,6 +254,17 @@ pub enum JobError {
     /// The job cannot go to that state.
     #[error("job is {0:?}")]
     Conflict(JobState),
+    /// The filter names a target the router does not know: not in the live rules, not
+    /// running, and with no dead letters (a typo would otherwise make a job that moves nothing
+    /// and ends `done`).
+    #[error("unknown target {target:?}")]
+    UnknownTarget {
+        /// The id as given.
+        target: String,
+        /// The ids the router knows (live rules, running workers, dead letters), closest
+        /// first: the caller picks what it may show.
+        known: Vec<String>,
+    },
     /// Storage failure.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -329,6 +344,52 @@ pub async fn sweep_jobs(app: &App, now: i64, retention: Duration) -> Result<u64,
     Ok(removed)
 }
 
+/// The target ids the router knows, most like `wanted` first (then by name); those too
+/// unlike it to be a typo of it are left out.
+fn closest_targets(app: &App, wanted: &str) -> Vec<String> {
+    let mut ids: std::collections::BTreeSet<String> =
+        app.rules.load().targets.keys().cloned().collect();
+    ids.extend(app.dispatcher.running().into_iter().map(|s| s.id));
+    ids.extend(
+        app.store
+            .queue_stats()
+            .into_iter()
+            .filter(|(_, s)| s.dlq > 0)
+            .map(|(id, _)| id),
+    );
+    let mut scored: Vec<(f64, String)> = ids
+        .into_iter()
+        .map(|id| (strsim::normalized_damerau_levenshtein(wanted, &id), id))
+        // Below half alike it is another name, not a typo: suggesting it would mislead.
+        .filter(|(score, _)| *score >= 0.5)
+        .collect();
+    scored.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+    scored.into_iter().map(|(_, id)| id).collect()
+}
+
+/// Refuses a filter naming a target the router does not know: one not in the live rules, not
+/// running (a removed target still draining is) and with no dead letters. `none` (the
+/// dead letters without a target) is always known.
+async fn check_target(app: &App, target: &str) -> Result<(), JobError> {
+    if target == crate::store::NO_TARGET
+        || app.rules.load().targets.contains_key(target)
+        || app.dispatcher.runtime(target).is_some()
+    {
+        return Ok(());
+    }
+    let only_target = DlqFilter {
+        target: Some(target.to_owned()),
+        ..DlqFilter::default()
+    };
+    if !app.store.dlq_list(&only_target, None, 1).await?.is_empty() {
+        return Ok(());
+    }
+    Err(JobError::UnknownTarget {
+        target: target.to_owned(),
+        known: closest_targets(app, target),
+    })
+}
+
 /// Creates and starts a redrive job.
 pub async fn create_redrive(app: &Arc<App>, req: RedriveRequest) -> Result<Job, JobError> {
     let filter = req.filter.to_filter("/filter").map_err(JobError::Invalid)?;
@@ -337,6 +398,17 @@ pub async fn create_redrive(app: &Arc<App>, req: RedriveRequest) -> Result<Job, 
             "/rate_per_sec",
             "must be in (0, 10000]: a job moves at most 1000 items a step, ten steps a second",
         )]));
+    }
+    if filter == DlqFilter::default() && !req.all {
+        // As for purge: a forgotten flag must not send every target's dead letters (the
+        // quarantined events with them) back at once.
+        return Err(JobError::Invalid(vec![FieldError::new(
+            "/filter",
+            "an empty filter would redrive the whole DLQ: name at least one of target, reason, rule, type, source, since, until; or set \"all\": true to redrive every entry",
+        )]));
+    }
+    if let Some(target) = &filter.target {
+        check_target(app, target).await?;
     }
     let total = count_matching(app, &filter).await?;
     // Entries that fail again come back with new ids: the job stops at the highest id that
@@ -1160,6 +1232,7 @@ mod tests {
             RedriveRequest {
                 filter: FilterSpec::default(),
                 rate_per_sec,
+                all: true,
             },
         )
         .await
@@ -1285,6 +1358,52 @@ mod tests {
             "{:?}",
             left[0].errors
         );
+    }
+
+    /// A redrive's filter must say what it means: a target id the router does not know (a
+    /// typo) is refused with the closest known id, not run as an empty job that ends `done`;
+    /// an empty filter needs `all`, as a purge does. Known are the live rules' targets, the
+    /// targets with dead letters (one removed from the rules) and `none`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_redrive_of_an_unknown_target_or_of_everything_unasked_is_refused() {
+        let (_dir, app) = app_on(&SimulatedDisk::new());
+        let mut ne = new_event("/s", "b", &["old"], 0);
+        ne.targets[0].max_depth = Some(0);
+        app.store.accept(vec![ne]).await.expect("accepted");
+        let redrive = |target: Option<&str>, all: bool| {
+            create_redrive(
+                &app,
+                RedriveRequest {
+                    filter: FilterSpec {
+                        target: target.map(str::to_string),
+                        ..FilterSpec::default()
+                    },
+                    rate_per_sec: 10.0,
+                    all,
+                },
+            )
+        };
+        match redrive(Some("hoke"), false).await {
+            Err(JobError::UnknownTarget { target, known }) => {
+                assert_eq!(target, "hoke");
+                assert_eq!(known.first().map(String::as_str), Some("hook"), "{known:?}");
+            }
+            other => panic!("an unknown target was not refused: {other:?}"),
+        }
+        match redrive(None, false).await {
+            Err(JobError::Invalid(errors)) => assert_eq!(errors[0].pointer, "/filter"),
+            other => panic!("an empty filter without all was not refused: {other:?}"),
+        }
+        assert!(app.store.jobs().await.expect("jobs").is_empty());
+        for (target, all) in [
+            (Some("hook"), false),
+            (Some("old"), false),
+            (Some("none"), false),
+            (None, true),
+        ] {
+            let made = redrive(target, all).await;
+            assert!(made.is_ok(), "{target:?} all={all}: {made:?}");
+        }
     }
 
     /// A redrive takes an entry out of the DLQ only into a queue: a quarantined event that no

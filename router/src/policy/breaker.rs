@@ -124,9 +124,31 @@ impl Breaker {
         self.policy = policy;
     }
 
-    /// Current state (after applying the clock: an expired open state reads as half-open).
+    /// Current state as recorded: an open state stays open past its `until` until the next
+    /// admission moves it to half-open ([`Self::state_at`] reads it with the clock applied).
     pub fn state(&self) -> BreakerState {
         self.state
+    }
+
+    /// The state in effect at `now`: an open state whose `until` has passed reads as
+    /// half-open, what the next admission makes it. A paused target's worker asks for no
+    /// admission, so its breaker stayed "open" with an `open_until` in the past (and
+    /// `router_breaker_state` 1, alerting) for as long as the pause lasted, though nothing
+    /// waited on it any more.
+    pub fn state_at(&self, now: i64) -> BreakerState {
+        match self.state {
+            BreakerState::Open { until } if now >= until => BreakerState::HalfOpen,
+            s => s,
+        }
+    }
+
+    /// When the state in effect at `now` ([`Self::state_at`]) began: an expired open state's
+    /// half-open began when its open period ended.
+    pub fn since_at(&self, now: i64) -> i64 {
+        match self.state {
+            BreakerState::Open { until } if now >= until => until,
+            _ => self.since,
+        }
     }
 
     /// When the current state began.
@@ -299,6 +321,25 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    /// An open breaker whose `open_for` has passed reads as half-open at once, though only
+    /// the next admission (none while the target is paused) records the transition.
+    #[test]
+    fn an_expired_open_state_reads_as_half_open() {
+        let mut b = Breaker::new(BreakerPolicy::default(), 0);
+        b.restore(BreakerState::Open { until: 5_000 }, 1_000);
+        assert_eq!(b.state_at(4_999), BreakerState::Open { until: 5_000 });
+        assert_eq!(b.since_at(4_999), 1_000);
+        assert_eq!(b.state_at(60_000), BreakerState::HalfOpen);
+        assert_eq!(b.since_at(60_000), 5_000);
+        assert_eq!(
+            b.state(),
+            BreakerState::Open { until: 5_000 },
+            "nothing recorded"
+        );
+        assert_eq!(b.admit(60_000).0, Admission::Probes(1));
+        assert_eq!(b.state(), BreakerState::HalfOpen);
+    }
 
     fn policy() -> BreakerPolicy {
         BreakerPolicy {

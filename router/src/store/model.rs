@@ -137,6 +137,10 @@ pub enum AttemptResult {
     Permanent,
     /// The process died (or the lease expired) while the attempt was in flight.
     Interrupted,
+    /// Given up before it was sent (its attempts or its age used up when leased): no
+    /// attempt. Closing an attempt so drops the record its lease wrote, so a dead letter shows
+    /// only the attempts really made; never stored.
+    NotSent,
 }
 
 /// One delivery attempt, recorded durably when it starts and completed when it ends.
@@ -262,6 +266,13 @@ impl QueueEntry {
     /// whatever comes next for the entry).
     pub fn close_attempt(&mut self, end: &AttemptEnd) {
         self.lease = None;
+        if end.result == AttemptResult::NotSent {
+            // The record is the lease's, written before anything was sent: kept, it showed as
+            // an "interrupted" attempt that never happened (a whole paused queue dead-lettered
+            // past max_age had one each).
+            self.attempts.pop();
+            return;
+        }
         if let Some(a) = self.attempts.last_mut() {
             a.finished_at = Some(end.finished_at);
             a.result = Some(end.result);
