@@ -439,7 +439,8 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             rules,
             contracts,
         } => {
-            let mut cfg = Config::load(config.as_deref(), Config::env_vars())?;
+            let env = Config::env_vars();
+            let mut cfg = Config::load(config.as_deref(), env.clone())?;
             if let Some(l) = listen {
                 cfg.listen = l;
             }
@@ -453,6 +454,10 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 cfg.contracts_dir = c;
             }
             router::telemetry::init_tracing(cfg.log_format == router::config::LogFormat::Json);
+            let links = router::config::kubernetes_service_links(&env);
+            if !links.is_empty() {
+                tracing::info!(variables = ?links, "ignored as Kubernetes service links of a Service named `router`, not configuration keys");
+            }
             rt.block_on(async move {
                 // SIGHUP's default action ends the process: until the reload trigger listens
                 // (after the store opens and the handlers load, seconds on a large store), a
