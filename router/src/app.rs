@@ -877,12 +877,45 @@ fn prepare_emitted(
         .collect()
 }
 
-/// The secrets file's `NAME = "value"` pairs.
+/// The secrets file's `NAME = "value"` pairs. A file that does not parse is reported by
+/// position only: the TOML parser's own message quotes the offending line, which is a secret
+/// (`HOOK_AUTH = "Bearer …` with its closing quote missing), and went to stderr at start and
+/// to the log at every reload.
 fn read_secrets(
     path: &std::path::Path,
 ) -> Result<std::collections::HashMap<String, String>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+    toml::from_str(&text).map_err(|e| {
+        let at = e.span().map_or_else(String::new, |span| {
+            let (line, col) = crate::text_pos::Lines::new(&text).at(span.start);
+            format!(":{line}:{col}")
+        });
+        format!(
+            "{}{at}: not a TOML table of NAME = \"value\" strings ({}; the file's text is not shown, it holds secrets)",
+            path.display(),
+            without_quoted(e.message())
+        )
+    })
+}
+
+/// `message` with every fragment quoted in backticks or double quotes left out: parser and
+/// serde messages quote the text they stumbled on (`invalid type: integer `1234``).
+fn without_quoted(message: &str) -> String {
+    let mut out = String::new();
+    let mut quote = None;
+    for c in message.chars() {
+        match (quote, c) {
+            (None, '`' | '"') => {
+                quote = Some(c);
+                out.push('…');
+            }
+            (None, '\n') => out.push(' '),
+            (None, c) => out.push(c),
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), _) => {}
+        }
+    }
+    out.trim().to_string()
 }
 
 /// Secrets come from the environment first, then the optional secrets file (a TOML table of
@@ -2046,5 +2079,48 @@ mod tests {
         assert_eq!(report.targets_started, ["signed"], "{report:?}");
         let report = reload(&app, "test").await.expect("nothing changed");
         assert!(report.targets_started.is_empty(), "{report:?}");
+    }
+
+    /// A secrets file that does not parse is reported by path, line and column: the TOML
+    /// parser's own message quotes the line, which is a secret.
+    #[test]
+    fn a_broken_secrets_file_is_reported_without_its_text() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("secrets.toml");
+        for (text, at) in [
+            // The closing quote missing.
+            (
+                "HOOK = \"whsec_c2VjcmV0\"\nHOOK_AUTH = \"Bearer SUPERSECRET-TOKEN-456\n",
+                ":2:",
+            ),
+            // Not a string.
+            ("HOOK_AUTH = 4561234\n", ":1:"),
+            // A table where a value belongs.
+            ("[HOOK_AUTH]\nvalue = \"SUPERSECRET-TOKEN-456\"\n", ":1:"),
+            // A duplicate name.
+            (
+                "HOOK_AUTH = \"SUPERSECRET-TOKEN-456\"\nHOOK_AUTH = \"SUPERSECRET-TOKEN-456\"\n",
+                ":2:",
+            ),
+        ] {
+            std::fs::write(&path, text).expect("secrets file");
+            let e = read_secrets(&path).expect_err(text);
+            assert!(
+                !e.contains("SUPERSECRET") && !e.contains("4561234") && !e.contains("c2Vj"),
+                "{e}"
+            );
+            assert!(
+                e.contains(&format!("{}{at}", path.display())),
+                "{text:?}: {e}"
+            );
+            let cfg = Config {
+                secrets_file: Some(path.clone()),
+                ..Default::default()
+            };
+            let Err(e) = secret_resolver(&cfg, None) else {
+                panic!("a broken secrets file is refused at start");
+            };
+            assert!(!e.to_string().contains("SUPERSECRET"), "{e}");
+        }
     }
 }
