@@ -122,7 +122,7 @@ pub(super) fn lease_ms(
     spec: &crate::rules::TargetSpec,
     cfg: &crate::config::DeliveryConfig,
 ) -> i64 {
-    ms(spec.policy.timeout + cfg.lease_margin)
+    ms(spec.policy.timeout.saturating_add(cfg.lease_margin))
 }
 
 /// The worker loop.

@@ -14,6 +14,13 @@ use serde_json::Value;
 /// Worst-case attempts per event above which the loader warns ("more than 15 is a smell").
 pub const WORST_CASE_ATTEMPTS_SMELL: u32 = 15;
 
+/// Longest duration a policy may set (ten years). Policy durations are added to timestamps
+/// (an open breaker's end, a retry's due time, an event's `max_age` limit) in milliseconds: far
+/// past any real need, a typo such as `open_for: 99999999999999d` overflowed that sum and
+/// panicked the delivery task, leaving its entry in flight. Ten years keeps every such sum
+/// within `i64` milliseconds by a wide margin.
+pub const MAX_POLICY_DURATION: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
 /// Serde adapter for `Duration` fields: parses humantime strings, writes compact ones
 /// (`200ms`, `24h`, `1h 30m`) that humantime parses back to the same value.
 pub(crate) mod duration_str {
@@ -342,10 +349,32 @@ impl PolicyConfig {
     /// loader reports each one as an error.
     pub fn validate(&self) -> Vec<String> {
         let mut p = Vec::new();
+        let r = &self.retry;
+        let durations = [
+            ("timeout", Some(self.timeout)),
+            ("retry.base_delay", Some(r.base_delay)),
+            ("retry.max_delay", Some(r.max_delay)),
+            ("retry.max_age", Some(r.max_age)),
+            ("retry.retry_after_max", Some(r.retry_after_max)),
+            ("breaker.window", self.breaker.as_ref().map(|b| b.window)),
+            (
+                "breaker.open_for",
+                self.breaker.as_ref().map(|b| b.open_for),
+            ),
+        ];
+        for (field, d) in durations {
+            if let Some(d) = d
+                && d > MAX_POLICY_DURATION
+            {
+                p.push(format!(
+                    "{field} must be at most 10 years (3650d), not {}",
+                    format_duration(d)
+                ));
+            }
+        }
         if self.timeout.is_zero() {
             p.push("timeout must be greater than 0".to_string());
         }
-        let r = &self.retry;
         if r.max_attempts == 0 {
             p.push("retry.max_attempts must be at least 1".to_string());
         }
@@ -664,6 +693,55 @@ mod tests {
             p.validate(),
             vec!["timeout must be greater than 0".to_string()]
         );
+    }
+
+    /// Every policy duration is bounded: `open_for: 99999999999999d` passed `rules check`
+    /// and panicked the delivery task when the breaker opened (an overflowing sum).
+    #[test]
+    fn durations_past_ten_years_are_refused() {
+        let huge = Duration::from_secs(99_999_999_999_999 * 86_400);
+        let p = PolicyConfig {
+            timeout: huge,
+            retry: RetryPolicy {
+                base_delay: huge,
+                max_delay: huge,
+                max_age: huge,
+                retry_after_max: huge,
+                ..RetryPolicy::default()
+            },
+            breaker: Some(BreakerPolicy {
+                window: huge,
+                open_for: huge,
+                ..BreakerPolicy::default()
+            }),
+            ..PolicyConfig::default()
+        };
+        let problems = p.validate();
+        for field in [
+            "timeout",
+            "retry.base_delay",
+            "retry.max_delay",
+            "retry.max_age",
+            "retry.retry_after_max",
+            "breaker.window",
+            "breaker.open_for",
+        ] {
+            assert!(
+                problems
+                    .iter()
+                    .any(|m| m.starts_with(&format!("{field} must be at most 10 years"))),
+                "{field}: {problems:?}"
+            );
+        }
+        assert_eq!(problems.len(), 7, "{problems:?}");
+        let at_bound = PolicyConfig {
+            retry: RetryPolicy {
+                max_age: MAX_POLICY_DURATION,
+                ..RetryPolicy::default()
+            },
+            ..PolicyConfig::default()
+        };
+        assert!(at_bound.validate().is_empty(), "{:?}", at_bound.validate());
     }
 
     #[test]

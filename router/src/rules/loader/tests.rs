@@ -788,6 +788,33 @@ rules:
     );
 }
 
+/// `rules check` refuses an absurd duration at its line: `open_for: 99999999999999d` passed
+/// and panicked the delivery task when the breaker opened.
+#[test]
+fn policy_durations_past_ten_years_are_errors_at_the_field() {
+    let src = "\
+policies:
+  p:
+    breaker: { open_for: 99999999999999d }
+    retry: { max_age: 3651d }
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets: [{handler: h, policy: p}]
+";
+    let e = errs(&[("r.yaml", src)]);
+    assert_eq!(e.len(), 2, "{e:#?}");
+    for (at, problem) in [
+        ("r.yaml:4:", "retry.max_age must be at most 10 years"),
+        ("r.yaml:3:", "breaker.open_for must be at most 10 years"),
+    ] {
+        assert!(
+            e.iter().any(|x| x.starts_with(at) && x.contains(problem)),
+            "{problem}: {e:#?}"
+        );
+    }
+}
+
 #[test]
 fn worst_case_and_unused_policy_warnings() {
     let src = "\
