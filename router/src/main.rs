@@ -733,7 +733,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     ));
                 }
                 if with_retry_after >= t.policy.retry.max_age {
-                    notes.push("bounded by max_age".to_string());
+                    notes.push("bounded by max_age (+ the last attempt's timeout)".to_string());
                 }
                 if t.policy.breaker.is_some() {
                     notes.push("waiting while the breaker is open spends no attempt (up to max_age)".to_string());

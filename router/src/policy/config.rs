@@ -449,7 +449,9 @@ impl PolicyConfig {
     /// Worst case for one event at one target: the number of attempts and the longest time
     /// before it reaches the DLQ — every attempt running into `timeout`, plus the longest
     /// backoff `min(max_delay, base_delay * 2^n)` between attempts `n` and `n + 1` — capped by
-    /// `max_age`. The attempts are `max_attempts`, or fewer when the shortest waits the jitter
+    /// `max_age + timeout`: the worker checks `max_age` when it schedules a retry (and again
+    /// before sending one), so an attempt that starts just inside `max_age` still runs for up
+    /// to its `timeout` past it. The attempts are `max_attempts`, or fewer when the shortest waits the jitter
     /// allows (`none`: the backoff, `equal`: half of it) use up `max_age` first. A target that
     /// answers with `Retry-After` can stretch every wait: see
     /// [`PolicyConfig::worst_case_with_retry_after`].
@@ -463,7 +465,7 @@ impl PolicyConfig {
 
     /// The worst case's time when every wait is stretched by a `Retry-After` (a webhook's
     /// 429/503, a handler's `retry` with a delay) of `retry_after_max` or more: the router
-    /// waits the longer of that and the backoff. Capped by `max_age`. Waiting behind an open
+    /// waits the longer of that and the backoff. Capped by `max_age + timeout`. Waiting behind an open
     /// breaker or a pause spends no attempt and can last until `max_age` too.
     pub fn worst_case_with_retry_after(&self) -> Duration {
         let attempts = self.attempts_within_max_age();
@@ -472,7 +474,8 @@ impl PolicyConfig {
         })
     }
 
-    /// Attempts that can start before `max_age`, at most `max_attempts`.
+    /// Attempts that can start by `max_age` (the worker sends a retry due at `max_age` itself,
+    /// not one due after it), at most `max_attempts`.
     fn attempts_within_max_age(&self) -> u32 {
         let shortest_wait = |n: u32| match self.retry.jitter {
             Jitter::Full => Duration::ZERO,
@@ -482,7 +485,7 @@ impl PolicyConfig {
         let mut start = Duration::ZERO;
         for n in 0..self.retry.max_attempts {
             // The first attempt always runs; a later one only if it is due before max_age.
-            if n > 0 && start >= self.retry.max_age {
+            if n > 0 && start > self.retry.max_age {
                 return n;
             }
             start = start.saturating_add(shortest_wait(n));
@@ -491,17 +494,19 @@ impl PolicyConfig {
     }
 
     fn total_time(&self, attempts: u32, wait: impl Fn(u32) -> Duration) -> Duration {
+        // The last attempt starts by `max_age` at the latest and may run its whole timeout.
+        let cap = self.retry.max_age.saturating_add(self.timeout);
         let mut total = Duration::ZERO;
         for n in 0..attempts {
             total = total.saturating_add(self.timeout);
             if n + 1 < attempts {
                 total = total.saturating_add(wait(n));
             }
-            if total >= self.retry.max_age {
-                return self.retry.max_age;
+            if total >= cap {
+                return cap;
             }
         }
-        total.min(self.retry.max_age)
+        total
     }
 }
 
@@ -773,7 +778,8 @@ mod tests {
         let mut p = PolicyConfig::default();
         p.retry.max_attempts = 1000;
         p.retry.max_age = Duration::from_secs(600);
-        assert_eq!(p.worst_case(), (1000, Duration::from_secs(600)));
+        // The last attempt may start at 600 s and run its 10 s timeout.
+        assert_eq!(p.worst_case(), (1000, Duration::from_secs(610)));
         p.retry.max_attempts = 1;
         assert_eq!(p.worst_case(), (1, Duration::from_secs(10)));
         p.retry.max_attempts = 0;
@@ -796,20 +802,21 @@ mod tests {
         p.retry.max_delay = ms(200);
         p.retry.retry_after_max = Duration::from_secs(3);
         assert_eq!(p.worst_case_with_retry_after(), Duration::from_secs(62));
-        // 100 attempts a second apart (no jitter) in a max_age of 3 s: 3 attempts run.
+        // 100 attempts a second apart (no jitter) in a max_age of 3 s: 4 attempts run (at 0,
+        // 1, 2 and 3 s when each fails at once: one due at max_age itself is sent).
         let mut p = PolicyConfig::default();
         p.retry.max_attempts = 100;
         p.retry.base_delay = Duration::from_secs(1);
         p.retry.max_delay = Duration::from_secs(1);
         p.retry.jitter = Jitter::None;
         p.retry.max_age = Duration::from_secs(3);
-        assert_eq!(p.worst_case().0, 3);
+        assert_eq!(p.worst_case().0, 4);
         // Full jitter can wait nothing: every attempt may run.
         p.retry.jitter = Jitter::Full;
         assert_eq!(p.worst_case().0, 100);
-        // Equal jitter waits at least half: 0, 0.5, 1, 1.5, 2, 2.5 s.
+        // Equal jitter waits at least half: 0, 0.5, 1, 1.5, 2, 2.5, 3 s.
         p.retry.jitter = Jitter::Equal;
-        assert_eq!(p.worst_case().0, 6);
+        assert_eq!(p.worst_case().0, 7);
     }
 
     #[test]
