@@ -512,7 +512,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 (None, None) => None,
             };
             // Unknown handlers fail the check like the loader's own errors, after its warnings.
-            let checked = RuleSet::load_dir(&dir).and_then(|(set, warnings)| {
+            let checked = RuleSet::check_dir(&dir).and_then(|(set, warnings)| {
                 let unknown = known
                     .as_ref()
                     .map(|k| set.unknown_handlers(&dir, k))
