@@ -318,6 +318,15 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                 app.cfg.contracts_dir.display()
             )))
         }
+        // Nor is a directory emptied of contracts (a checkout or sync caught half-way): an
+        // enforced type would go from 422 to accepted unchecked. Removing every contract
+        // is rare enough to take a restart.
+        Ok(c) if c.is_empty() && !app.contracts.load().is_empty() => {
+            Err(ReloadError::Invalid(format!(
+                "contracts directory {} holds no contract (emptied, or a sync caught half-way?); the previous contracts stay live. To remove every contract on purpose, restart the router on the empty directory",
+                app.cfg.contracts_dir.display()
+            )))
+        }
         Ok(c) => Ok(c),
     };
     // The rules side. Refused alone, it does not hold back a contracts change: a broken rule
@@ -651,6 +660,30 @@ pub enum RunError {
         /// One problem per line.
         errors: String,
     },
+    /// A configured rules or contracts directory does not exist: not "no rules" (every
+    /// queue would be treated as removed) nor "no contracts" (every event let through).
+    #[error(
+        "{what} directory {dir} does not exist (a typo, or a volume not mounted?): point {flag} at the right one, or create it"
+    )]
+    MissingDir {
+        /// `rules` or `contracts`.
+        what: &'static str,
+        /// The directory.
+        dir: String,
+        /// The flag and key that set it.
+        flag: &'static str,
+    },
+    /// The rules directory holds no rule file while the store has queued entries: starting
+    /// would treat every one of those targets as removed.
+    #[error(
+        "rules directory {dir} holds no rule file, but the store has queued entries for {targets}: starting would treat them all as removed (drained to their old destinations or dead-lettered as target_removed). Point --rules at the right directory; to remove every rule on purpose, leave a file that says `rules: []`"
+    )]
+    NoRuleFiles {
+        /// The directory.
+        dir: String,
+        /// The targets with entries (a few named, and how many).
+        targets: String,
+    },
     /// Another router runs on this data dir (a shared store's node identity).
     #[error(
         "data dir {0} is in use by another router on this host (its node.lock is held); give each node its own --data-dir"
@@ -963,7 +996,48 @@ fn secret_resolver(
     }))
 }
 
-/// Loads the rule set from `cfg.rules_dir` (a missing directory means no rules).
+/// Refuses to start on a rules or contracts directory that is not there, and on a rules
+/// directory without a rule file while the store holds queued entries: the reload refuses
+/// both (the previous set stays live), and a start has no previous set to keep, so it stops
+/// instead of going live with none. `router serve` with no configuration at all still runs:
+/// the built-in default directories (`./rules`, `./contracts`) may be absent, as long as the
+/// store has nothing queued.
+fn check_dirs_at_start(cfg: &Config, rules: &RuleSet, store: &dyn Store) -> Result<(), RunError> {
+    let defaults = Config::default();
+    if !cfg.rules_dir.exists() && cfg.rules_dir != defaults.rules_dir {
+        return Err(RunError::MissingDir {
+            what: "rules",
+            dir: cfg.rules_dir.display().to_string(),
+            flag: "--rules (rules_dir)",
+        });
+    }
+    if !cfg.contracts_dir.exists() && cfg.contracts_dir != defaults.contracts_dir {
+        return Err(RunError::MissingDir {
+            what: "contracts",
+            dir: cfg.contracts_dir.display().to_string(),
+            flag: "--contracts (contracts_dir)",
+        });
+    }
+    if rules.files.is_empty() {
+        let mut queued = store.targets_with_entries();
+        if !queued.is_empty() {
+            queued.sort();
+            let n = queued.len();
+            let mut targets = queued.into_iter().take(5).collect::<Vec<_>>().join(", ");
+            if n > 5 {
+                targets.push_str(&format!(" and {} more", n - 5));
+            }
+            return Err(RunError::NoRuleFiles {
+                dir: cfg.rules_dir.display().to_string(),
+                targets,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Loads the rule set from `cfg.rules_dir` (a missing directory means no rules: a reload
+/// refuses that on its own terms, a start in [`check_dirs_at_start`]).
 pub fn load_rules(cfg: &Config) -> Result<(RuleSet, Vec<String>), RunError> {
     if !cfg.rules_dir.exists() {
         return Ok((
@@ -1151,6 +1225,7 @@ pub async fn run_with_store(
         })
         .collect();
     let (rules, mut rule_warnings) = load_rules(&cfg)?;
+    check_dirs_at_start(&cfg, &rules, store.as_ref())?;
     let mut warnings = Vec::new();
     if !tokens.enabled() {
         let w = auth_off_warning(local, cfg.auth.insecure);

@@ -35,9 +35,11 @@ pub struct Config {
     pub listen: SocketAddr,
     /// Directory of the embedded store (default `./data`).
     pub data_dir: PathBuf,
-    /// Directory of rule files (default `./rules`; missing = no rules, with a warning).
+    /// Directory of rule files (default `./rules`). A configured one that does not exist
+    /// stops the start; the default may be absent (no rules, with a warning).
     pub rules_dir: PathBuf,
-    /// Directory of contracts (default `./contracts`; missing = no contracts).
+    /// Directory of contracts (default `./contracts`). A configured one that does not exist
+    /// stops the start; the default may be absent (no contracts).
     pub contracts_dir: PathBuf,
     /// How long SIGTERM waits for in-flight attempts before exiting (default 10s).
     #[serde(with = "humantime_serde")]
