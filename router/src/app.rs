@@ -283,6 +283,39 @@ fn moved_ids(old: &RuleSet, new: &RuleSet, store: &dyn Store) -> Option<String> 
     })
 }
 
+/// Whether `id` has entries queued or in flight.
+fn has_live_entries(app: &App, id: &str) -> bool {
+    app.store
+        .queue_stats()
+        .get(id)
+        .is_some_and(|s| s.queued + s.in_flight > 0)
+}
+
+/// One warning per target no longer in the live rules that still has entries, from the live
+/// state (for `/v1/status`): it appears when a reload (or a start) removes such a target and
+/// goes once its queue is empty. A start-up list missed the targets a reload removed, and
+/// kept those long drained.
+pub fn removed_target_warnings(app: &App) -> Vec<String> {
+    let rules = app.rules.load();
+    app.store
+        .queue_stats()
+        .into_iter()
+        .filter(|(id, s)| s.queued + s.in_flight > 0 && !rules.targets.contains_key(id))
+        .map(|(id, s)| {
+            let n = s.queued + s.in_flight;
+            if app.dispatcher.runtime(&id).is_some() {
+                format!(
+                    "target {id} is no longer in the rules; its {n} queued entries drain under its last configuration"
+                )
+            } else {
+                format!(
+                    "target {id} is no longer in the rules and no worker runs for it; its {n} entries go to the DLQ as target_removed"
+                )
+            }
+        })
+        .collect()
+}
+
 /// How long a removed target's entries in flight may take to come back to its queue: one
 /// attempt's timeout, the lease margin, and a little more.
 fn removal_grace(cfg: &Config, spec: Option<&TargetSpec>) -> Duration {
@@ -444,12 +477,34 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
     app.rules.store(Arc::new(rules));
     app.contracts.store(Arc::new(contracts));
     for id in &removed {
+        let grace = removal_grace(&app.cfg, old.targets.get(id));
         match app.cfg.delivery.on_target_removed {
+            // Draining takes a worker. One that never started (its secret unset since the
+            // router started, say) drained nothing: its entries stayed queued until a restart
+            // dead-lettered them. As at a start: its last configuration is tried, and if it
+            // cannot start, the entries go to the DLQ saying why.
+            crate::config::OnTargetRemoved::Drain
+                if app.dispatcher.runtime(id).is_none() && has_live_entries(app, id) =>
+            {
+                let started = match old.targets.get(id) {
+                    Some(spec) => app.dispatcher.ensure(spec.clone()).await.map_err(|e| {
+                        format!("{TARGET_REMOVED}, and its last configuration cannot start: {e}")
+                    }),
+                    None => Err(format!(
+                        "{TARGET_REMOVED}, and no configuration of it is known to drain its queue under"
+                    )),
+                };
+                match started {
+                    Ok(()) => {
+                        tracing::warn!(target_id = %id, "target removed from the rules; its worker started under its last configuration to drain its queued entries");
+                    }
+                    Err(why) => dead_letter_removed(app, id, why, grace).await,
+                }
+            }
             crate::config::OnTargetRemoved::Drain => {
                 tracing::warn!(target_id = %id, "target removed from the rules; its queued entries drain under its last configuration");
             }
             crate::config::OnTargetRemoved::DeadLetter => {
-                let grace = removal_grace(&app.cfg, old.targets.get(id));
                 dead_letter_removed(app, id, TARGET_REMOVED.to_string(), grace).await;
             }
         }
@@ -1327,10 +1382,8 @@ pub async fn run_with_store(
                 Some(spec) if dead_letter => {
                     removed.push((id, Some(spec.clone()), TARGET_REMOVED.to_string()))
                 }
-                Some(spec) => {
-                    warnings.push(format!("target {id} is no longer in the rules; its queued entries drain under its last configuration"));
-                    to_start.push(spec.clone());
-                }
+                // Listed in /v1/status while it drains (`removed_target_warnings`).
+                Some(spec) => to_start.push(spec.clone()),
                 None => removed.push((
                     id,
                     None,
@@ -1345,7 +1398,6 @@ pub async fn run_with_store(
         if let Err(e) = dispatcher.ensure(spec).await {
             match last {
                 Some(spec) => {
-                    warnings.retain(|w| !w.starts_with(&format!("target {id} is no longer")));
                     removed.push((
                         id,
                         Some(spec),

@@ -323,6 +323,70 @@ async fn a_removed_target_drains_under_its_last_configuration() {
     assert_eq!(t["in_rule_set"], false);
 }
 
+/// `/v1/status` lists a target a live reload removed while its queue drains, and no longer
+/// once it has drained. The list was made at start only: a reload's removals were missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_lists_a_removed_target_while_it_drains() {
+    let (r, slow) = removed_while_queued(200, "w").await;
+    let warnings = status(&r).await["warnings"].to_string();
+    assert!(
+        warnings.contains("target old is no longer in the rules")
+            && warnings.contains("drain under its last configuration"),
+        "{warnings}"
+    );
+    assert!(
+        slow.wait_for(Duration::from_secs(60), |s| s.len() >= 200)
+            .await,
+        "the removed target's queue was stranded"
+    );
+    let gone = eventually(Duration::from_secs(15), || async {
+        let w = status(&r).await["warnings"].to_string();
+        (!w.contains("target old")).then_some(())
+    })
+    .await;
+    assert!(gone.is_some(), "{}", status(&r).await["warnings"]);
+}
+
+/// A target whose worker never started (its signing secret unset since the router started)
+/// and that a live reload removes does not strand its queue: its last configuration still
+/// cannot start, so its entries go to the DLQ as `target_removed`, saying why. They used to
+/// stay queued with no worker until a restart, the log saying they drained.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_target_whose_worker_never_started_does_not_strand_its_queue() {
+    let a = Receiver::ok().await;
+    let signed = "rules:\n  - name: signed\n    pattern: { type: [s] }\n    targets:\n      - webhook: http://127.0.0.1:9/x\n        id: signed\n        secret_env: E2E_STRANDED_SECRET_NEVER_SET\n";
+    let r = RouterProc::start(
+        &[
+            ("r.yaml", &webhook_rule("to-a", "t", &a.url(), "a")),
+            ("signed.yaml", signed),
+        ],
+        &[],
+    );
+    post_batch(
+        &r,
+        &[event("s1", "s", json!({})), event("s2", "s", json!({}))],
+    )
+    .await;
+    let (_, t) = get_json(&r, "/v1/targets/signed").await;
+    assert_eq!(t["queued"], 2, "{t}");
+    std::fs::remove_file(r.dir.path().join("rules/signed.yaml")).expect("remove the rule");
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    let l = target_removed_entries(&r, 2)
+        .await
+        .expect("the removed target's queue was stranded");
+    let errors = l["entries"][0]["errors"].to_string();
+    assert!(
+        errors.contains("cannot start") && errors.contains("E2E_STRANDED_SECRET_NEVER_SET"),
+        "{errors}"
+    );
+    let (_, t) = get_json(&r, "/v1/targets/signed").await;
+    assert_eq!(t["queued"].as_u64().unwrap_or(0), 0, "{t}");
+    // The rest of the router carries on.
+    assert_eq!(post_event(&r, &event("t1", "t", json!({}))).await.0, 202);
+    assert!(a.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
+}
+
 /// A removed target's queue still drains after a kill -9: its last configuration comes back
 /// from the store, since the rules directory no longer has it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
