@@ -298,6 +298,39 @@ fn moved_ids(old: &RuleSet, new: &RuleSet, store: &dyn Store) -> Option<String> 
     })
 }
 
+/// Whether `id` has entries queued or in flight.
+fn has_live_entries(app: &App, id: &str) -> bool {
+    app.store
+        .queue_stats()
+        .get(id)
+        .is_some_and(|s| s.queued + s.in_flight > 0)
+}
+
+/// One warning per target no longer in the live rules that still has entries, from the live
+/// state (for `/v1/status`): it appears when a reload (or a start) removes such a target and
+/// goes once its queue is empty. A start-up list missed the targets a reload removed, and
+/// kept those long drained.
+pub fn removed_target_warnings(app: &App) -> Vec<String> {
+    let rules = app.rules.load();
+    app.store
+        .queue_stats()
+        .into_iter()
+        .filter(|(id, s)| s.queued + s.in_flight > 0 && !rules.targets.contains_key(id))
+        .map(|(id, s)| {
+            let n = s.queued + s.in_flight;
+            if app.dispatcher.runtime(&id).is_some() {
+                format!(
+                    "target {id} is no longer in the rules; its {n} queued entries drain under its last configuration"
+                )
+            } else {
+                format!(
+                    "target {id} is no longer in the rules and no worker runs for it; its {n} entries go to the DLQ as target_removed"
+                )
+            }
+        })
+        .collect()
+}
+
 /// How long a removed target's entries in flight may take to come back to its queue: one
 /// attempt's timeout, the lease margin, and a little more.
 fn removal_grace(cfg: &Config, spec: Option<&TargetSpec>) -> Duration {
@@ -330,6 +363,15 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
         Ok(_) if !app.cfg.contracts_dir.exists() && !app.contracts.load().is_empty() => {
             Err(ReloadError::Invalid(format!(
                 "contracts directory {} does not exist (moved, deleted or unmounted?); the previous contracts stay live",
+                app.cfg.contracts_dir.display()
+            )))
+        }
+        // Nor is a directory emptied of contracts (a checkout or sync caught half-way): an
+        // enforced type would go from 422 to accepted unchecked. Removing every contract
+        // is rare enough to take a restart.
+        Ok(c) if c.is_empty() && !app.contracts.load().is_empty() => {
+            Err(ReloadError::Invalid(format!(
+                "contracts directory {} holds no contract (emptied, or a sync caught half-way?); the previous contracts stay live. To remove every contract on purpose, restart the router on the empty directory",
                 app.cfg.contracts_dir.display()
             )))
         }
@@ -450,12 +492,34 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
     app.rules.store(Arc::new(rules));
     app.contracts.store(Arc::new(contracts));
     for id in &removed {
+        let grace = removal_grace(&app.cfg, old.targets.get(id));
         match app.cfg.delivery.on_target_removed {
+            // Draining takes a worker. One that never started (its secret unset since the
+            // router started, say) drained nothing: its entries stayed queued until a restart
+            // dead-lettered them. As at a start: its last configuration is tried, and if it
+            // cannot start, the entries go to the DLQ saying why.
+            crate::config::OnTargetRemoved::Drain
+                if app.dispatcher.runtime(id).is_none() && has_live_entries(app, id) =>
+            {
+                let started = match old.targets.get(id) {
+                    Some(spec) => app.dispatcher.ensure(spec.clone()).await.map_err(|e| {
+                        format!("{TARGET_REMOVED}, and its last configuration cannot start: {e}")
+                    }),
+                    None => Err(format!(
+                        "{TARGET_REMOVED}, and no configuration of it is known to drain its queue under"
+                    )),
+                };
+                match started {
+                    Ok(()) => {
+                        tracing::warn!(target_id = %id, "target removed from the rules; its worker started under its last configuration to drain its queued entries");
+                    }
+                    Err(why) => dead_letter_removed(app, id, why, grace).await,
+                }
+            }
             crate::config::OnTargetRemoved::Drain => {
                 tracing::warn!(target_id = %id, "target removed from the rules; its queued entries drain under its last configuration");
             }
             crate::config::OnTargetRemoved::DeadLetter => {
-                let grace = removal_grace(&app.cfg, old.targets.get(id));
                 dead_letter_removed(app, id, TARGET_REMOVED.to_string(), grace).await;
             }
         }
@@ -665,6 +729,30 @@ pub enum RunError {
         dir: String,
         /// One problem per line.
         errors: String,
+    },
+    /// A configured rules or contracts directory does not exist: not "no rules" (every
+    /// queue would be treated as removed) nor "no contracts" (every event let through).
+    #[error(
+        "{what} directory {dir} does not exist (a typo, or a volume not mounted?): point {flag} at the right one, or create it"
+    )]
+    MissingDir {
+        /// `rules` or `contracts`.
+        what: &'static str,
+        /// The directory.
+        dir: String,
+        /// The flag and key that set it.
+        flag: &'static str,
+    },
+    /// The rules directory holds no rule file while the store has queued entries: starting
+    /// would treat every one of those targets as removed.
+    #[error(
+        "rules directory {dir} holds no rule file, but the store has queued entries for {targets}: starting would treat them all as removed (drained to their old destinations or dead-lettered as target_removed). Point --rules at the right directory; to remove every rule on purpose, leave a file that says `rules: []`"
+    )]
+    NoRuleFiles {
+        /// The directory.
+        dir: String,
+        /// The targets with entries (a few named, and how many).
+        targets: String,
     },
     /// Another router runs on this data dir (a shared store's node identity).
     #[error(
@@ -892,12 +980,45 @@ fn prepare_emitted(
         .collect()
 }
 
-/// The secrets file's `NAME = "value"` pairs.
+/// The secrets file's `NAME = "value"` pairs. A file that does not parse is reported by
+/// position only: the TOML parser's own message quotes the offending line, which is a secret
+/// (`HOOK_AUTH = "Bearer …` with its closing quote missing), and went to stderr at start and
+/// to the log at every reload.
 fn read_secrets(
     path: &std::path::Path,
 ) -> Result<std::collections::HashMap<String, String>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+    toml::from_str(&text).map_err(|e| {
+        let at = e.span().map_or_else(String::new, |span| {
+            let (line, col) = crate::text_pos::Lines::new(&text).at(span.start);
+            format!(":{line}:{col}")
+        });
+        format!(
+            "{}{at}: not a TOML table of NAME = \"value\" strings ({}; the file's text is not shown, it holds secrets)",
+            path.display(),
+            without_quoted(e.message())
+        )
+    })
+}
+
+/// `message` with every fragment quoted in backticks or double quotes left out: parser and
+/// serde messages quote the text they stumbled on (`invalid type: integer `1234``).
+fn without_quoted(message: &str) -> String {
+    let mut out = String::new();
+    let mut quote = None;
+    for c in message.chars() {
+        match (quote, c) {
+            (None, '`' | '"') => {
+                quote = Some(c);
+                out.push('…');
+            }
+            (None, '\n') => out.push(' '),
+            (None, c) => out.push(c),
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), _) => {}
+        }
+    }
+    out.trim().to_string()
 }
 
 /// Secrets come from the environment first, then the optional secrets file (a TOML table of
@@ -945,7 +1066,48 @@ fn secret_resolver(
     }))
 }
 
-/// Loads the rule set from `cfg.rules_dir` (a missing directory means no rules).
+/// Refuses to start on a rules or contracts directory that is not there, and on a rules
+/// directory without a rule file while the store holds queued entries: the reload refuses
+/// both (the previous set stays live), and a start has no previous set to keep, so it stops
+/// instead of going live with none. `router serve` with no configuration at all still runs:
+/// the built-in default directories (`./rules`, `./contracts`) may be absent, as long as the
+/// store has nothing queued.
+fn check_dirs_at_start(cfg: &Config, rules: &RuleSet, store: &dyn Store) -> Result<(), RunError> {
+    let defaults = Config::default();
+    if !cfg.rules_dir.exists() && cfg.rules_dir != defaults.rules_dir {
+        return Err(RunError::MissingDir {
+            what: "rules",
+            dir: cfg.rules_dir.display().to_string(),
+            flag: "--rules (rules_dir)",
+        });
+    }
+    if !cfg.contracts_dir.exists() && cfg.contracts_dir != defaults.contracts_dir {
+        return Err(RunError::MissingDir {
+            what: "contracts",
+            dir: cfg.contracts_dir.display().to_string(),
+            flag: "--contracts (contracts_dir)",
+        });
+    }
+    if rules.files.is_empty() {
+        let mut queued = store.targets_with_entries();
+        if !queued.is_empty() {
+            queued.sort();
+            let n = queued.len();
+            let mut targets = queued.into_iter().take(5).collect::<Vec<_>>().join(", ");
+            if n > 5 {
+                targets.push_str(&format!(" and {} more", n - 5));
+            }
+            return Err(RunError::NoRuleFiles {
+                dir: cfg.rules_dir.display().to_string(),
+                targets,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Loads the rule set from `cfg.rules_dir` (a missing directory means no rules: a reload
+/// refuses that on its own terms, a start in [`check_dirs_at_start`]).
 pub fn load_rules(cfg: &Config) -> Result<(RuleSet, Vec<String>), RunError> {
     if !cfg.rules_dir.exists() {
         return Ok((
@@ -1133,6 +1295,7 @@ pub async fn run_with_store(
         })
         .collect();
     let (rules, mut rule_warnings) = load_rules(&cfg)?;
+    check_dirs_at_start(&cfg, &rules, store.as_ref())?;
     let mut warnings = Vec::new();
     if !tokens.enabled() {
         let w = auth_off_warning(local, cfg.auth.insecure);
@@ -1234,10 +1397,8 @@ pub async fn run_with_store(
                 Some(spec) if dead_letter => {
                     removed.push((id, Some(spec.clone()), TARGET_REMOVED.to_string()))
                 }
-                Some(spec) => {
-                    warnings.push(format!("target {id} is no longer in the rules; its queued entries drain under its last configuration"));
-                    to_start.push(spec.clone());
-                }
+                // Listed in /v1/status while it drains (`removed_target_warnings`).
+                Some(spec) => to_start.push(spec.clone()),
                 None => removed.push((
                     id,
                     None,
@@ -1252,7 +1413,6 @@ pub async fn run_with_store(
         if let Err(e) = dispatcher.ensure(spec).await {
             match last {
                 Some(spec) => {
-                    warnings.retain(|w| !w.starts_with(&format!("target {id} is no longer")));
                     removed.push((
                         id,
                         Some(spec),
@@ -2077,5 +2237,48 @@ mod tests {
         assert_eq!(report.targets_started, ["signed"], "{report:?}");
         let report = reload(&app, "test").await.expect("nothing changed");
         assert!(report.targets_started.is_empty(), "{report:?}");
+    }
+
+    /// A secrets file that does not parse is reported by path, line and column: the TOML
+    /// parser's own message quotes the line, which is a secret.
+    #[test]
+    fn a_broken_secrets_file_is_reported_without_its_text() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("secrets.toml");
+        for (text, at) in [
+            // The closing quote missing.
+            (
+                "HOOK = \"whsec_c2VjcmV0\"\nHOOK_AUTH = \"Bearer SUPERSECRET-TOKEN-456\n",
+                ":2:",
+            ),
+            // Not a string.
+            ("HOOK_AUTH = 4561234\n", ":1:"),
+            // A table where a value belongs.
+            ("[HOOK_AUTH]\nvalue = \"SUPERSECRET-TOKEN-456\"\n", ":1:"),
+            // A duplicate name.
+            (
+                "HOOK_AUTH = \"SUPERSECRET-TOKEN-456\"\nHOOK_AUTH = \"SUPERSECRET-TOKEN-456\"\n",
+                ":2:",
+            ),
+        ] {
+            std::fs::write(&path, text).expect("secrets file");
+            let e = read_secrets(&path).expect_err(text);
+            assert!(
+                !e.contains("SUPERSECRET") && !e.contains("4561234") && !e.contains("c2Vj"),
+                "{e}"
+            );
+            assert!(
+                e.contains(&format!("{}{at}", path.display())),
+                "{text:?}: {e}"
+            );
+            let cfg = Config {
+                secrets_file: Some(path.clone()),
+                ..Default::default()
+            };
+            let Err(e) = secret_resolver(&cfg, None) else {
+                panic!("a broken secrets file is refused at start");
+            };
+            assert!(!e.to_string().contains("SUPERSECRET"), "{e}");
+        }
     }
 }

@@ -35,9 +35,11 @@ pub struct Config {
     pub listen: SocketAddr,
     /// Directory of the embedded store (default `./data`).
     pub data_dir: PathBuf,
-    /// Directory of rule files (default `./rules`; missing = no rules, with a warning).
+    /// Directory of rule files (default `./rules`). A configured one that does not exist
+    /// stops the start; the default may be absent (no rules, with a warning).
     pub rules_dir: PathBuf,
-    /// Directory of contracts (default `./contracts`; missing = no contracts).
+    /// Directory of contracts (default `./contracts`). A configured one that does not exist
+    /// stops the start; the default may be absent (no contracts).
     pub contracts_dir: PathBuf,
     /// How long SIGTERM waits for in-flight attempts before exiting (default 10s).
     #[serde(with = "humantime_serde")]
@@ -567,6 +569,11 @@ impl Config {
             if RESERVED_ENV.contains(&k.as_str()) {
                 continue;
             }
+            // What Kubernetes injects into every pod of a namespace with a Service named
+            // `router`: not configuration, and read as keys it stopped the router.
+            if is_kubernetes_service_link(&k, &v) {
+                continue;
+            }
             let path: Vec<String> = rest
                 .to_ascii_lowercase()
                 .split("__")
@@ -750,6 +757,49 @@ pub const RESERVED_ENV: &[&str] = &[
     "ROUTER_PLUGINS_TARGET_DIR",
 ];
 
+/// Whether `ROUTER_*` variable `name` (with `value`) is one of the service links Kubernetes
+/// sets in every pod of a namespace that has a Service named `router` (docker links too):
+/// `ROUTER_SERVICE_HOST`, `ROUTER_SERVICE_PORT[_<PORT NAME>]`, `ROUTER_PORT=tcp://…` and
+/// `ROUTER_PORT_<port>_<TCP|UDP|SCTP>[_PROTO|_PORT|_ADDR]`. No configuration key is named
+/// `service_*` or `port*`, so none is shadowed; a `ROUTER_PORT` whose value is not such an
+/// address is still read as a key (and refused as unknown, which tells its author so).
+pub fn is_kubernetes_service_link(name: &str, value: &str) -> bool {
+    let Some(rest) = name.strip_prefix("ROUTER_") else {
+        return false;
+    };
+    if rest == "SERVICE_HOST" || rest == "SERVICE_PORT" {
+        return true;
+    }
+    if let Some(port_name) = rest.strip_prefix("SERVICE_PORT_") {
+        return !port_name.is_empty();
+    }
+    if rest == "PORT" {
+        return ["tcp://", "udp://", "sctp://"]
+            .iter()
+            .any(|scheme| value.starts_with(scheme));
+    }
+    let Some(link) = rest.strip_prefix("PORT_") else {
+        return false;
+    };
+    let mut parts = link.splitn(3, '_');
+    let (Some(port), Some(proto)) = (parts.next(), parts.next()) else {
+        return false;
+    };
+    !port.is_empty()
+        && port.bytes().all(|b| b.is_ascii_digit())
+        && matches!(proto, "TCP" | "UDP" | "SCTP")
+        && matches!(parts.next(), None | Some("PROTO" | "PORT" | "ADDR"))
+}
+
+/// The `ROUTER_*` variables of `env` that [`Config::load`] leaves alone as Kubernetes service
+/// links, for a log line at start.
+pub fn kubernetes_service_links(env: &[(String, String)]) -> Vec<String> {
+    env.iter()
+        .filter(|(k, v)| is_kubernetes_service_link(k, v))
+        .map(|(k, _)| k.clone())
+        .collect()
+}
+
 fn parse_env_value(raw: &str) -> toml::Value {
     // Numbers and booleans keep their type; anything else (paths, durations, addresses) is a
     // string, so `ROUTER_LISTEN=127.0.0.1:9000` needs no quoting.
@@ -883,6 +933,42 @@ mod tests {
         )
         .expect("the clients' variables are left alone");
         assert_eq!(c, Config::default());
+    }
+
+    #[test]
+    fn kubernetes_service_links_are_not_configuration_keys() {
+        // What a pod gets from a Service named `router` with a port 8080 named `http`.
+        let links = env(&[
+            ("ROUTER_SERVICE_HOST", "10.96.0.10"),
+            ("ROUTER_SERVICE_PORT", "8080"),
+            ("ROUTER_SERVICE_PORT_HTTP", "8080"),
+            ("ROUTER_PORT", "tcp://10.96.0.10:8080"),
+            ("ROUTER_PORT_8080_TCP", "tcp://10.96.0.10:8080"),
+            ("ROUTER_PORT_8080_TCP_PROTO", "tcp"),
+            ("ROUTER_PORT_8080_TCP_PORT", "8080"),
+            ("ROUTER_PORT_8080_TCP_ADDR", "10.96.0.10"),
+            ("ROUTER_PORT_53_UDP", "udp://10.96.0.10:53"),
+            ("ROUTER_PORT_9_SCTP_ADDR", "10.96.0.10"),
+        ]);
+        let c = Config::load(None, links.clone()).expect("service links are left alone");
+        assert_eq!(c, Config::default());
+        assert_eq!(kubernetes_service_links(&links).len(), links.len());
+        // Keys are still read beside them, and shapes that are not links are still keys.
+        let mut with_key = links;
+        with_key.push(("ROUTER_INGEST__MAX_BATCH".into(), "7".into()));
+        let c = Config::load(None, with_key).expect("a key beside the links");
+        assert_eq!(c.ingest.max_batch, 7);
+        for (k, v) in [
+            ("ROUTER_PORT", "8080"),
+            ("ROUTER_PORT_8080_HTTP", "x"),
+            ("ROUTER_PORT_X_TCP", "x"),
+            ("ROUTER_PORT_8080_TCP_HOST", "x"),
+            ("ROUTER_SERVICE_PORT_", "1"),
+        ] {
+            assert!(!is_kubernetes_service_link(k, v), "{k}={v}");
+            let e = Config::load(None, env(&[(k, v)])).expect_err(k);
+            assert!(e.to_string().contains(k), "{k}: {e}");
+        }
     }
 
     #[test]

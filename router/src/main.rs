@@ -452,7 +452,8 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             rules,
             contracts,
         } => {
-            let mut cfg = Config::load(config.as_deref(), Config::env_vars())?;
+            let env = Config::env_vars();
+            let mut cfg = Config::load(config.as_deref(), env.clone())?;
             if let Some(l) = listen {
                 cfg.listen = l;
             }
@@ -466,6 +467,10 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 cfg.contracts_dir = c;
             }
             router::telemetry::init_tracing(cfg.log_format == router::config::LogFormat::Json);
+            let links = router::config::kubernetes_service_links(&env);
+            if !links.is_empty() {
+                tracing::info!(variables = ?links, "ignored as Kubernetes service links of a Service named `router`, not configuration keys");
+            }
             rt.block_on(async move {
                 // SIGHUP's default action ends the process: until the reload trigger listens
                 // (after the store opens and the handlers load, seconds on a large store), a
@@ -520,7 +525,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 (None, None) => None,
             };
             // Unknown handlers fail the check like the loader's own errors, after its warnings.
-            let checked = RuleSet::load_dir(&dir).and_then(|(set, warnings)| {
+            let checked = RuleSet::check_dir(&dir).and_then(|(set, warnings)| {
                 let unknown = known
                     .as_ref()
                     .map(|k| set.unknown_handlers(&dir, k))
@@ -750,7 +755,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     ));
                 }
                 if with_retry_after >= t.policy.retry.max_age {
-                    notes.push("bounded by max_age".to_string());
+                    notes.push("bounded by max_age (+ the last attempt's timeout)".to_string());
                 }
                 if t.policy.breaker.is_some() {
                     notes.push("waiting while the breaker is open spends no attempt (up to max_age)".to_string());

@@ -260,6 +260,7 @@ async fn serve_in_process_with(
     let dir = tempfile::tempdir().expect("tmp");
     std::fs::create_dir_all(dir.path().join("rules")).expect("mkdir");
     std::fs::write(dir.path().join("rules/r.yaml"), rules).expect("write");
+    std::fs::create_dir_all(dir.path().join("contracts")).expect("mkdir");
     let mut cfg = router::config::Config {
         rules_dir: dir.path().join("rules"),
         contracts_dir: dir.path().join("contracts"),

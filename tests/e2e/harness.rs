@@ -54,6 +54,8 @@ impl RouterProc {
         for (name, text) in contracts {
             write(&dir.path().join("contracts").join(name), text);
         }
+        // Passed with --contracts: a configured directory that does not exist stops the router.
+        std::fs::create_dir_all(dir.path().join("contracts")).expect("contracts dir");
         if let Some(c) = config {
             write(&dir.path().join("router.toml"), c);
         }
@@ -87,6 +89,72 @@ impl RouterProc {
     }
 
     fn spawn(&mut self) {
+        let mut cmd = self.command(
+            &self.dir.path().join("rules"),
+            &self.dir.path().join("contracts"),
+        );
+        let mut child = cmd.spawn().expect("spawn router");
+        let stderr = child.stderr.take().expect("stderr");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let log = self.log.clone();
+        std::thread::spawn(move || {
+            let mut tx = Some(tx);
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if let Some(addr) = line
+                    .find("router listening")
+                    .and_then(|i| line[i..].split("listen=").nth(1))
+                {
+                    let addr = addr.split_whitespace().next().unwrap_or("").to_string();
+                    if let Some(tx) = tx.take() {
+                        let _ = tx.send(addr);
+                    }
+                }
+                log.lock().expect("log").push(line);
+            }
+        });
+        let addr = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(a) => a,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("router did not start; log:\n{}", self.log_text());
+            }
+        };
+        self.addr = addr.parse().expect("listen address in log");
+        self.child = Some(child);
+    }
+
+    /// Runs `router serve` on this router's data dir and config with `rules` and `contracts` as
+    /// its directories, while this one is stopped, expecting it to refuse to start: its exit
+    /// code and stderr. Panics if it is still running after 60 s.
+    pub fn serve_refused(&self, rules: &Path, contracts: &Path) -> (Option<i32>, String) {
+        assert!(self.child.is_none(), "stop the router first");
+        let mut child = self
+            .command(rules, contracts)
+            .spawn()
+            .expect("spawn router");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while child.try_wait().expect("wait").is_none() {
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let out = child.wait_with_output().expect("output");
+                panic!(
+                    "the router started; log:\n{}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let out = child.wait_with_output().expect("output");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    /// `router serve` on this router's data dir, config and environment, with `rules` and
+    /// `contracts` as its directories.
+    fn command(&self, rules: &Path, contracts: &Path) -> Command {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_router"));
         cmd.arg("serve")
             .arg("--listen")
@@ -94,9 +162,9 @@ impl RouterProc {
             .arg("--data-dir")
             .arg(self.data_dir())
             .arg("--rules")
-            .arg(self.dir.path().join("rules"))
+            .arg(rules)
             .arg("--contracts")
-            .arg(self.dir.path().join("contracts"));
+            .arg(contracts);
         let config = self.dir.path().join("router.toml");
         if config.exists() {
             cmd.arg("--config").arg(config);
@@ -129,35 +197,7 @@ impl RouterProc {
         for (k, v) in &self.extra_env {
             cmd.env(k, v);
         }
-        let mut child = cmd.spawn().expect("spawn router");
-        let stderr = child.stderr.take().expect("stderr");
-        let (tx, rx) = std::sync::mpsc::channel();
-        let log = self.log.clone();
-        std::thread::spawn(move || {
-            let mut tx = Some(tx);
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                if let Some(addr) = line
-                    .find("router listening")
-                    .and_then(|i| line[i..].split("listen=").nth(1))
-                {
-                    let addr = addr.split_whitespace().next().unwrap_or("").to_string();
-                    if let Some(tx) = tx.take() {
-                        let _ = tx.send(addr);
-                    }
-                }
-                log.lock().expect("log").push(line);
-            }
-        });
-        let addr = match rx.recv_timeout(Duration::from_secs(60)) {
-            Ok(a) => a,
-            Err(_) => {
-                let _ = child.kill();
-                panic!("router did not start; log:\n{}", self.log_text());
-            }
-        };
-        self.addr = addr.parse().expect("listen address in log");
-        self.child = Some(child);
+        cmd
     }
 
     pub fn log_text(&self) -> String {

@@ -222,6 +222,55 @@ async fn a_vanished_contracts_directory_never_turns_the_checks_off() {
     assert!(a.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
 }
 
+/// The contracts directory emptied (a sync caught half-way) is not "no contracts" either: the
+/// reload is refused, visibly, and an enforced type is still answered 422. It used to go live
+/// with a WARN line only, and the type's bad events were accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_emptied_contracts_directory_never_turns_the_checks_off() {
+    let a = Receiver::ok().await;
+    let r = RouterProc::start(
+        &[("r.yaml", &webhook_rule("to-a", "t", &a.url(), "a"))],
+        &[
+            (
+                "t/v1.json",
+                r#"{"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}}"#,
+            ),
+            ("modes.toml", "t = \"enforce\"\n"),
+        ],
+    );
+    assert_eq!(
+        post_event(&r, &event("bad0", "t", json!({"n": "x"})))
+            .await
+            .0,
+        422
+    );
+    let dir = r.dir.path().join("contracts");
+    std::fs::remove_dir_all(dir.join("t")).expect("empty the contracts directory");
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 422, "{body}");
+    let err = status(&r).await["reload"]["last_error"].to_string();
+    assert!(err.contains("holds no contract"), "{err}");
+    let m = metrics_text(&r).await;
+    assert!(
+        m.contains("router_reload_failing 1"),
+        "{}",
+        metric_lines(&m, "reload")
+    );
+    assert_eq!(
+        post_event(&r, &event("bad1", "t", json!({"n": "x"})))
+            .await
+            .0,
+        422
+    );
+    let (s, body) = post_event(&r, &event("good", "t", json!({"n": 1}))).await;
+    assert_eq!(
+        (s, &body["results"][0]["status"]),
+        (202, &json!("accepted")),
+        "{body}"
+    );
+    assert!(a.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
+}
+
 /// A router whose only target, `old`, takes one event at a time (20 ms each) from a
 /// receiver it returns; `n` events `{prefix}{i}` are accepted for it, then its rule is removed
 /// from the rules directory and the reload is waited for, most of the queue still waiting.
@@ -272,6 +321,70 @@ async fn a_removed_target_drains_under_its_last_configuration() {
     );
     let (_, t) = get_json(&r, "/v1/targets/old").await;
     assert_eq!(t["in_rule_set"], false);
+}
+
+/// `/v1/status` lists a target a live reload removed while its queue drains, and no longer
+/// once it has drained. The list was made at start only: a reload's removals were missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_lists_a_removed_target_while_it_drains() {
+    let (r, slow) = removed_while_queued(200, "w").await;
+    let warnings = status(&r).await["warnings"].to_string();
+    assert!(
+        warnings.contains("target old is no longer in the rules")
+            && warnings.contains("drain under its last configuration"),
+        "{warnings}"
+    );
+    assert!(
+        slow.wait_for(Duration::from_secs(60), |s| s.len() >= 200)
+            .await,
+        "the removed target's queue was stranded"
+    );
+    let gone = eventually(Duration::from_secs(15), || async {
+        let w = status(&r).await["warnings"].to_string();
+        (!w.contains("target old")).then_some(())
+    })
+    .await;
+    assert!(gone.is_some(), "{}", status(&r).await["warnings"]);
+}
+
+/// A target whose worker never started (its signing secret unset since the router started)
+/// and that a live reload removes does not strand its queue: its last configuration still
+/// cannot start, so its entries go to the DLQ as `target_removed`, saying why. They used to
+/// stay queued with no worker until a restart, the log saying they drained.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_target_whose_worker_never_started_does_not_strand_its_queue() {
+    let a = Receiver::ok().await;
+    let signed = "rules:\n  - name: signed\n    pattern: { type: [s] }\n    targets:\n      - webhook: http://127.0.0.1:9/x\n        id: signed\n        secret_env: E2E_STRANDED_SECRET_NEVER_SET\n";
+    let r = RouterProc::start(
+        &[
+            ("r.yaml", &webhook_rule("to-a", "t", &a.url(), "a")),
+            ("signed.yaml", signed),
+        ],
+        &[],
+    );
+    post_batch(
+        &r,
+        &[event("s1", "s", json!({})), event("s2", "s", json!({}))],
+    )
+    .await;
+    let (_, t) = get_json(&r, "/v1/targets/signed").await;
+    assert_eq!(t["queued"], 2, "{t}");
+    std::fs::remove_file(r.dir.path().join("rules/signed.yaml")).expect("remove the rule");
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    let l = target_removed_entries(&r, 2)
+        .await
+        .expect("the removed target's queue was stranded");
+    let errors = l["entries"][0]["errors"].to_string();
+    assert!(
+        errors.contains("cannot start") && errors.contains("E2E_STRANDED_SECRET_NEVER_SET"),
+        "{errors}"
+    );
+    let (_, t) = get_json(&r, "/v1/targets/signed").await;
+    assert_eq!(t["queued"].as_u64().unwrap_or(0), 0, "{t}");
+    // The rest of the router carries on.
+    assert_eq!(post_event(&r, &event("t1", "t", json!({}))).await.0, 202);
+    assert!(a.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
 }
 
 /// A removed target's queue still drains after a kill -9: its last configuration comes back
@@ -772,6 +885,72 @@ async fn a_target_removed_while_down_is_dead_lettered_at_start_when_so_configure
     assert!(
         st["warnings"].to_string().contains("target_removed"),
         "{st}"
+    );
+}
+
+/// A start on a rules directory that is not there (a typo in `--rules`, a volume not
+/// mounted) or that holds no rule file while entries wait is refused, as a reload refuses it:
+/// it used to count as "no rules", and every queue was treated as removed (dead-lettered
+/// as `target_removed` with `on_target_removed = "dead_letter"`, and every new event accepted
+/// and routed nowhere while `/readyz` said ready). A configured contracts directory that is not
+/// there stops the start too. A file that says `rules: []` removes them on purpose.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_or_emptied_rules_directory_at_start_stops_the_router() {
+    let never = Receiver::status(503).await;
+    let rules = retrying_rule(&never.url(), "id: kept");
+    let mut r = RouterProc::start_with_env(
+        &[("r.yaml", &rules)],
+        &[],
+        &[("ROUTER_DELIVERY__ON_TARGET_REMOVED", "dead_letter")],
+    );
+    post_batch(&r, &[event("m1", "t", json!({}))]).await;
+    assert!(
+        never
+            .wait_for(Duration::from_secs(10), |s| !s.is_empty())
+            .await
+    );
+    r.kill9();
+    let (rules_dir, contracts_dir) = (r.dir.path().join("rules"), r.dir.path().join("contracts"));
+
+    let (code, err) = r.serve_refused(&r.dir.path().join("rulez"), &contracts_dir);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("rules directory") && err.contains("rulez") && err.contains("does not exist"),
+        "{err}"
+    );
+    let (code, err) = r.serve_refused(&rules_dir, &r.dir.path().join("contractz"));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("contracts directory") && err.contains("contractz"),
+        "{err}"
+    );
+    std::fs::remove_file(rules_dir.join("r.yaml")).expect("empty the rules directory");
+    let (code, err) = r.serve_refused(&rules_dir, &contracts_dir);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("holds no rule file") && err.contains("kept") && err.contains("rules: []"),
+        "{err}"
+    );
+
+    // The rules back: nothing was dead-lettered meanwhile, and the entry is still retried.
+    write_rules(&r, "r.yaml", &rules);
+    r.restart();
+    let (_, l) = get_json(&r, "/v1/dlq").await;
+    assert_eq!(l["entries"].as_array().map(Vec::len), Some(0), "{l}");
+    let seen = never.count();
+    assert!(
+        never
+            .wait_for(Duration::from_secs(10), |s| s.len() > seen)
+            .await,
+        "the entry is no longer retried"
+    );
+    // `rules: []` says it: the target is removed, as configured.
+    r.kill9();
+    write_rules(&r, "r.yaml", "rules: []\n");
+    r.restart();
+    assert!(
+        target_removed_entries(&r, 1).await.is_some(),
+        "the removed target's entry was not dead-lettered"
     );
 }
 

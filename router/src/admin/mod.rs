@@ -640,6 +640,7 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
     let store_bytes = app.store.disk_bytes().await;
     let records = records_status(&app).await;
     let handler_kv = handler_kv_status(&app).await;
+    let removed_targets = crate::app::removed_target_warnings(&app);
     axum::Json(json!({
         "version": env!("CARGO_PKG_VERSION"),
         "started_at": rfc3339(app.started_at),
@@ -695,6 +696,7 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             .cloned()
             .chain(app.rule_warnings.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned())
             .chain(missing_handler_warnings(&app, &rules))
+            .chain(removed_targets)
             .collect::<Vec<_>>(),
     }))
     .into_response()

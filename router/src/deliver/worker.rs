@@ -119,7 +119,7 @@ pub(super) fn lease_ms(
     spec: &crate::rules::TargetSpec,
     cfg: &crate::config::DeliveryConfig,
 ) -> i64 {
-    ms(spec.policy.timeout + cfg.lease_margin)
+    ms(spec.policy.timeout.saturating_add(cfg.lease_margin))
 }
 
 /// The worker loop.
@@ -1583,6 +1583,39 @@ mod tests {
         let (_, bound) = p.worst_case();
         let (_, t) = simulate(&p);
         assert!(t <= ms(bound), "{t} > {bound:?}");
+    }
+
+    /// `max_age` is checked when a retry is scheduled, not when an attempt ends: the last
+    /// attempt can start just inside it and run its whole timeout. `config explain` printed
+    /// `max_age` (5 s) for an event that reached the DLQ at 7 s.
+    #[test]
+    fn config_explain_counts_the_last_attempts_timeout_past_max_age() {
+        use crate::policy::{Jitter, PolicyConfig};
+        let mut p = PolicyConfig {
+            timeout: Duration::from_secs(3),
+            ..PolicyConfig::default()
+        };
+        p.retry.max_attempts = 5;
+        p.retry.base_delay = Duration::from_secs(1);
+        p.retry.max_delay = Duration::from_secs(2);
+        p.retry.max_age = Duration::from_secs(5);
+        p.retry.jitter = Jitter::None;
+        let (attempts, bound) = p.worst_case();
+        let (n, t) = simulate(&p);
+        // Attempts at 0-3 s and 4-7 s; the next would be due at 9 s, past max_age.
+        assert_eq!((n, t), (2, 7_000));
+        assert!(n <= attempts && t <= ms(bound), "{t} ms > {bound:?}");
+        assert_eq!(bound, Duration::from_secs(8), "max_age + timeout");
+        // A retry due at max_age exactly is still sent: 0-3 s, then 4-7 s (due at 4 s ≤ 5 s)…
+        // with max_age 4 s, the second attempt is due at max_age itself and runs to 7 s.
+        p.retry.max_age = Duration::from_secs(4);
+        let (n, t) = simulate(&p);
+        assert_eq!((n, t), (2, 7_000));
+        let (attempts, bound) = p.worst_case();
+        assert!(
+            n <= attempts && t <= ms(bound),
+            "{n}/{attempts}, {t} ms > {bound:?}"
+        );
     }
 
     #[test]

@@ -161,7 +161,7 @@ impl Breaker {
     }
 
     fn prune(&mut self, now: i64) {
-        let oldest = (now - self.window_ms()) / 1000;
+        let oldest = now.saturating_sub(self.window_ms()) / 1000;
         while self.buckets.front().is_some_and(|b| b.0 <= oldest) {
             self.buckets.pop_front();
         }
@@ -291,7 +291,10 @@ impl Breaker {
         } else {
             self.consecutive_failures + 1
         };
-        let open_until = now + i64::try_from(self.policy.open_for.as_millis()).unwrap_or(i64::MAX);
+        // Saturating: policies bound `open_for` (`MAX_POLICY_DURATION`), but a breaker built
+        // from any other policy must not panic the delivery task over a sum.
+        let open_until =
+            now.saturating_add(i64::try_from(self.policy.open_for.as_millis()).unwrap_or(i64::MAX));
         match self.state {
             // Only a probe decides a half-open breaker: a late answer to an attempt sent
             // before it opened says nothing about the target now.
@@ -379,6 +382,25 @@ mod tests {
             .record(Some(true), true, 6200)
             .expect("the probe's success closes it");
         assert_eq!(t.to, BreakerState::Closed);
+    }
+
+    /// An `open_for` no policy allows any more (validation bounds it) does not overflow the
+    /// breaker's end: it used to panic the delivery task with the entry in flight.
+    #[test]
+    fn an_absurd_open_for_saturates_instead_of_panicking() {
+        let mut b = Breaker::new(
+            BreakerPolicy {
+                open_for: Duration::from_secs(99_999_999_999_999 * 86_400),
+                window: Duration::MAX,
+                consecutive_failures: Some(1),
+                ..policy()
+            },
+            0,
+        );
+        let t = b
+            .record(Some(false), false, 1_700_000_000_000)
+            .expect("opens at the first failure");
+        assert_eq!(t.to, BreakerState::Open { until: i64::MAX });
     }
 
     #[test]

@@ -14,6 +14,13 @@ use serde_json::Value;
 /// Worst-case attempts per event above which the loader warns ("more than 15 is a smell").
 pub const WORST_CASE_ATTEMPTS_SMELL: u32 = 15;
 
+/// Longest duration a policy may set (ten years). Policy durations are added to timestamps
+/// (an open breaker's end, a retry's due time, an event's `max_age` limit) in milliseconds: far
+/// past any real need, a typo such as `open_for: 99999999999999d` overflowed that sum and
+/// panicked the delivery task, leaving its entry in flight. Ten years keeps every such sum
+/// within `i64` milliseconds by a wide margin.
+pub const MAX_POLICY_DURATION: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
 /// Serde adapter for `Duration` fields: parses humantime strings, writes compact ones
 /// (`200ms`, `24h`, `1h 30m`) that humantime parses back to the same value.
 pub(crate) mod duration_str {
@@ -342,10 +349,32 @@ impl PolicyConfig {
     /// loader reports each one as an error.
     pub fn validate(&self) -> Vec<String> {
         let mut p = Vec::new();
+        let r = &self.retry;
+        let durations = [
+            ("timeout", Some(self.timeout)),
+            ("retry.base_delay", Some(r.base_delay)),
+            ("retry.max_delay", Some(r.max_delay)),
+            ("retry.max_age", Some(r.max_age)),
+            ("retry.retry_after_max", Some(r.retry_after_max)),
+            ("breaker.window", self.breaker.as_ref().map(|b| b.window)),
+            (
+                "breaker.open_for",
+                self.breaker.as_ref().map(|b| b.open_for),
+            ),
+        ];
+        for (field, d) in durations {
+            if let Some(d) = d
+                && d > MAX_POLICY_DURATION
+            {
+                p.push(format!(
+                    "{field} must be at most 10 years (3650d), not {}",
+                    format_duration(d)
+                ));
+            }
+        }
         if self.timeout.is_zero() {
             p.push("timeout must be greater than 0".to_string());
         }
-        let r = &self.retry;
         if r.max_attempts == 0 {
             p.push("retry.max_attempts must be at least 1".to_string());
         }
@@ -420,7 +449,9 @@ impl PolicyConfig {
     /// Worst case for one event at one target: the number of attempts and the longest time
     /// before it reaches the DLQ — every attempt running into `timeout`, plus the longest
     /// backoff `min(max_delay, base_delay * 2^n)` between attempts `n` and `n + 1` — capped by
-    /// `max_age`. The attempts are `max_attempts`, or fewer when the shortest waits the jitter
+    /// `max_age + timeout`: the worker checks `max_age` when it schedules a retry (and again
+    /// before sending one), so an attempt that starts just inside `max_age` still runs for up
+    /// to its `timeout` past it. The attempts are `max_attempts`, or fewer when the shortest waits the jitter
     /// allows (`none`: the backoff, `equal`: half of it) use up `max_age` first. A target that
     /// answers with `Retry-After` can stretch every wait: see
     /// [`PolicyConfig::worst_case_with_retry_after`].
@@ -434,7 +465,7 @@ impl PolicyConfig {
 
     /// The worst case's time when every wait is stretched by a `Retry-After` (a webhook's
     /// 429/503, a handler's `retry` with a delay) of `retry_after_max` or more: the router
-    /// waits the longer of that and the backoff. Capped by `max_age`. Waiting behind an open
+    /// waits the longer of that and the backoff. Capped by `max_age + timeout`. Waiting behind an open
     /// breaker or a pause spends no attempt and can last until `max_age` too.
     pub fn worst_case_with_retry_after(&self) -> Duration {
         let attempts = self.attempts_within_max_age();
@@ -443,7 +474,8 @@ impl PolicyConfig {
         })
     }
 
-    /// Attempts that can start before `max_age`, at most `max_attempts`.
+    /// Attempts that can start by `max_age` (the worker sends a retry due at `max_age` itself,
+    /// not one due after it), at most `max_attempts`.
     fn attempts_within_max_age(&self) -> u32 {
         let shortest_wait = |n: u32| match self.retry.jitter {
             Jitter::Full => Duration::ZERO,
@@ -453,7 +485,7 @@ impl PolicyConfig {
         let mut start = Duration::ZERO;
         for n in 0..self.retry.max_attempts {
             // The first attempt always runs; a later one only if it is due before max_age.
-            if n > 0 && start >= self.retry.max_age {
+            if n > 0 && start > self.retry.max_age {
                 return n;
             }
             start = start.saturating_add(shortest_wait(n));
@@ -462,17 +494,19 @@ impl PolicyConfig {
     }
 
     fn total_time(&self, attempts: u32, wait: impl Fn(u32) -> Duration) -> Duration {
+        // The last attempt starts by `max_age` at the latest and may run its whole timeout.
+        let cap = self.retry.max_age.saturating_add(self.timeout);
         let mut total = Duration::ZERO;
         for n in 0..attempts {
             total = total.saturating_add(self.timeout);
             if n + 1 < attempts {
                 total = total.saturating_add(wait(n));
             }
-            if total >= self.retry.max_age {
-                return self.retry.max_age;
+            if total >= cap {
+                return cap;
             }
         }
-        total.min(self.retry.max_age)
+        total
     }
 }
 
@@ -666,6 +700,55 @@ mod tests {
         );
     }
 
+    /// Every policy duration is bounded: `open_for: 99999999999999d` passed `rules check`
+    /// and panicked the delivery task when the breaker opened (an overflowing sum).
+    #[test]
+    fn durations_past_ten_years_are_refused() {
+        let huge = Duration::from_secs(99_999_999_999_999 * 86_400);
+        let p = PolicyConfig {
+            timeout: huge,
+            retry: RetryPolicy {
+                base_delay: huge,
+                max_delay: huge,
+                max_age: huge,
+                retry_after_max: huge,
+                ..RetryPolicy::default()
+            },
+            breaker: Some(BreakerPolicy {
+                window: huge,
+                open_for: huge,
+                ..BreakerPolicy::default()
+            }),
+            ..PolicyConfig::default()
+        };
+        let problems = p.validate();
+        for field in [
+            "timeout",
+            "retry.base_delay",
+            "retry.max_delay",
+            "retry.max_age",
+            "retry.retry_after_max",
+            "breaker.window",
+            "breaker.open_for",
+        ] {
+            assert!(
+                problems
+                    .iter()
+                    .any(|m| m.starts_with(&format!("{field} must be at most 10 years"))),
+                "{field}: {problems:?}"
+            );
+        }
+        assert_eq!(problems.len(), 7, "{problems:?}");
+        let at_bound = PolicyConfig {
+            retry: RetryPolicy {
+                max_age: MAX_POLICY_DURATION,
+                ..RetryPolicy::default()
+            },
+            ..PolicyConfig::default()
+        };
+        assert!(at_bound.validate().is_empty(), "{:?}", at_bound.validate());
+    }
+
     #[test]
     fn worst_case_default_policy() {
         // 5 attempts of 10s + waits 200ms, 400ms, 800ms, 1.6s.
@@ -695,7 +778,8 @@ mod tests {
         let mut p = PolicyConfig::default();
         p.retry.max_attempts = 1000;
         p.retry.max_age = Duration::from_secs(600);
-        assert_eq!(p.worst_case(), (1000, Duration::from_secs(600)));
+        // The last attempt may start at 600 s and run its 10 s timeout.
+        assert_eq!(p.worst_case(), (1000, Duration::from_secs(610)));
         p.retry.max_attempts = 1;
         assert_eq!(p.worst_case(), (1, Duration::from_secs(10)));
         p.retry.max_attempts = 0;
@@ -718,20 +802,21 @@ mod tests {
         p.retry.max_delay = ms(200);
         p.retry.retry_after_max = Duration::from_secs(3);
         assert_eq!(p.worst_case_with_retry_after(), Duration::from_secs(62));
-        // 100 attempts a second apart (no jitter) in a max_age of 3 s: 3 attempts run.
+        // 100 attempts a second apart (no jitter) in a max_age of 3 s: 4 attempts run (at 0,
+        // 1, 2 and 3 s when each fails at once: one due at max_age itself is sent).
         let mut p = PolicyConfig::default();
         p.retry.max_attempts = 100;
         p.retry.base_delay = Duration::from_secs(1);
         p.retry.max_delay = Duration::from_secs(1);
         p.retry.jitter = Jitter::None;
         p.retry.max_age = Duration::from_secs(3);
-        assert_eq!(p.worst_case().0, 3);
+        assert_eq!(p.worst_case().0, 4);
         // Full jitter can wait nothing: every attempt may run.
         p.retry.jitter = Jitter::Full;
         assert_eq!(p.worst_case().0, 100);
-        // Equal jitter waits at least half: 0, 0.5, 1, 1.5, 2, 2.5 s.
+        // Equal jitter waits at least half: 0, 0.5, 1, 1.5, 2, 2.5, 3 s.
         p.retry.jitter = Jitter::Equal;
-        assert_eq!(p.worst_case().0, 6);
+        assert_eq!(p.worst_case().0, 7);
     }
 
     #[test]

@@ -79,11 +79,34 @@ pub(crate) struct SourceFile {
     pub text: String,
 }
 
+/// How a symlink that leads nowhere is reported: an error for `rules check` (CI), a warning
+/// for the running router. A Kubernetes ConfigMap update leaves a removed key's link dangling
+/// for a moment (its `..data` swapped, the stale link removed next): refusing that reload
+/// would flag a failing reload for a change that is about to be whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dangling {
+    /// An error: the set does not load.
+    Error,
+    /// A warning: the link is left out.
+    Warn,
+}
+
 /// See [`RuleSet::load_dir`].
-pub(crate) fn load_dir(dir: &Path) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Diagnostic>> {
+pub(crate) fn load_dir(
+    dir: &Path,
+    dangling: Dangling,
+) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Diagnostic>> {
     let dir_display = dir.display().to_string();
     let mut found = Vec::new();
-    if let Err(e) = walk(dir, "", &mut found) {
+    let mut walked = Walk {
+        out: &mut found,
+        diags: Vec::new(),
+        dangling,
+        ancestors: dir.canonicalize().into_iter().collect(),
+    };
+    let result = walked.walk(dir, "");
+    let walk_diags = std::mem::take(&mut walked.diags);
+    if let Err(e) = result {
         return Err(vec![Diagnostic {
             file: dir_display,
             line: 0,
@@ -93,7 +116,7 @@ pub(crate) fn load_dir(dir: &Path) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Dia
         }]);
     }
     found.sort();
-    let mut diags = Vec::new();
+    let mut diags = walk_diags;
     if found.is_empty() {
         diags.push(Diagnostic {
             file: dir_display,
@@ -132,7 +155,13 @@ pub(crate) fn load_dir(dir: &Path) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Dia
 /// holds.
 pub(crate) fn disk_version(dir: &Path) -> io::Result<String> {
     let mut found = Vec::new();
-    walk(dir, "", &mut found)?;
+    Walk {
+        out: &mut found,
+        diags: Vec::new(),
+        dangling: Dangling::Warn,
+        ancestors: dir.canonicalize().into_iter().collect(),
+    }
+    .walk(dir, "")?;
     found.sort();
     let mut files = Vec::with_capacity(found.len());
     for (rel, path) in found {
@@ -150,29 +179,91 @@ fn is_rule_file(name: &str) -> bool {
     lower.ends_with(".yaml") || lower.ends_with(".yml") || lower.ends_with(".json")
 }
 
-fn walk(dir: &Path, prefix: &str, out: &mut Vec<(String, PathBuf)>) -> io::Result<()> {
-    for entry in fs::read_dir(dir)? {
-        let entry = entry?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with('.') {
-            continue;
+/// A walk of a rules directory: the rule files found, and what it had to say about links.
+struct Walk<'a> {
+    out: &'a mut Vec<(String, PathBuf)>,
+    diags: Vec<Diagnostic>,
+    dangling: Dangling,
+    /// The directories being walked, resolved: a link back to one of them is a loop.
+    ancestors: Vec<PathBuf>,
+}
+
+impl Walk<'_> {
+    /// Collects the rule files under `dir`. Hidden entries are skipped (`.git`, and the
+    /// `..data` and `..<timestamp>` entries of a Kubernetes ConfigMap mount, whose visible
+    /// files are links into them). Links are followed, to files and to directories (a
+    /// team's rules linked in); one that leads nowhere, or back into the walk, is reported.
+    fn walk(&mut self, dir: &Path, prefix: &str) -> io::Result<()> {
+        for entry in fs::read_dir(dir)? {
+            let entry = entry?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') {
+                continue;
+            }
+            let rel = if prefix.is_empty() {
+                name.clone()
+            } else {
+                format!("{prefix}/{name}")
+            };
+            let path = entry.path();
+            let ft = entry.file_type()?;
+            if ft.is_dir() {
+                self.enter(&path, &rel)?;
+            } else if ft.is_file() {
+                if is_rule_file(&name) {
+                    self.out.push((rel, path));
+                }
+            } else if ft.is_symlink() {
+                match fs::metadata(&path) {
+                    Ok(m) if m.is_dir() => self.enter(&path, &rel)?,
+                    Ok(m) if m.is_file() && is_rule_file(&name) => self.out.push((rel, path)),
+                    Ok(_) => {}
+                    // A rule file, or what may have been a directory of them (a name
+                    // without an extension); a dangling `README.md` is no rule's business.
+                    Err(e) if is_rule_file(&name) || !name.contains('.') => {
+                        let to = fs::read_link(&path)
+                            .map_or_else(|_| "?".to_string(), |t| t.display().to_string());
+                        let (severity, then) = match self.dangling {
+                            Dangling::Error => (Severity::Error, ""),
+                            Dangling::Warn => (Severity::Warning, "; left out"),
+                        };
+                        self.diags.push(Diagnostic {
+                            file: path.display().to_string(),
+                            line: 0,
+                            col: 0,
+                            message: format!("symlink to {to} leads nowhere ({e}){then}"),
+                            severity,
+                        });
+                    }
+                    Err(_) => {}
+                }
+            }
         }
-        let rel = if prefix.is_empty() {
-            name.clone()
-        } else {
-            format!("{prefix}/{name}")
-        };
-        let path = entry.path();
-        let ft = entry.file_type()?;
-        if ft.is_dir() {
-            walk(&path, &rel, out)?;
-        } else if is_rule_file(&name)
-            && (ft.is_file() || fs::metadata(&path).is_ok_and(|m| m.is_file()))
-        {
-            out.push((rel, path));
-        }
+        Ok(())
     }
-    Ok(())
+
+    /// Walks subdirectory `path` (a directory or a link to one) unless it leads back into the
+    /// walk.
+    fn enter(&mut self, path: &Path, rel: &str) -> io::Result<()> {
+        let real = path.canonicalize()?;
+        if self.ancestors.contains(&real) {
+            self.diags.push(Diagnostic {
+                file: path.display().to_string(),
+                line: 0,
+                col: 0,
+                message: format!(
+                    "symlink loop: {} is a directory this walk is already in; left out",
+                    real.display()
+                ),
+                severity: Severity::Warning,
+            });
+            return Ok(());
+        }
+        self.ancestors.push(real);
+        let result = self.walk(path, rel);
+        self.ancestors.pop();
+        result
+    }
 }
 
 /// Loads already-read files; `diags` holds problems found before parsing.

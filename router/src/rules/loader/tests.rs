@@ -788,6 +788,33 @@ rules:
     );
 }
 
+/// `rules check` refuses an absurd duration at its line: `open_for: 99999999999999d` passed
+/// and panicked the delivery task when the breaker opened.
+#[test]
+fn policy_durations_past_ten_years_are_errors_at_the_field() {
+    let src = "\
+policies:
+  p:
+    breaker: { open_for: 99999999999999d }
+    retry: { max_age: 3651d }
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets: [{handler: h, policy: p}]
+";
+    let e = errs(&[("r.yaml", src)]);
+    assert_eq!(e.len(), 2, "{e:#?}");
+    for (at, problem) in [
+        ("r.yaml:4:", "retry.max_age must be at most 10 years"),
+        ("r.yaml:3:", "breaker.open_for must be at most 10 years"),
+    ] {
+        assert!(
+            e.iter().any(|x| x.starts_with(at) && x.contains(problem)),
+            "{problem}: {e:#?}"
+        );
+    }
+}
+
 #[test]
 fn worst_case_and_unused_policy_warnings() {
     let src = "\
@@ -1059,6 +1086,74 @@ fn load_dir_walks_sorted_and_skips_hidden_and_other_files() {
     assert!(d.iter().all(|x| x.file == shown), "{}", lines(&d));
     assert_eq!(d.len(), 2);
     assert_eq!((d[0].line, d[0].col), (2, 5));
+}
+
+/// Linked rule files and directories are followed (a team's rules linked in; a Kubernetes
+/// ConfigMap mount, whose files are links into a hidden `..data`); a link that leads nowhere is
+/// an error for `rules check` and a warning for the router; a loop is left out with a warning.
+/// Both used to be skipped without a word, `rules check` reporting fewer rules as ok.
+#[cfg(unix)]
+#[test]
+fn load_dir_follows_symlinks_and_reports_dangling_ones() {
+    use std::os::unix::fs::symlink;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path().join("rules");
+    let team = dir.path().join("team");
+    std::fs::create_dir_all(&team).expect("mkdir");
+    std::fs::write(team.join("orders.yaml"), ORDERS).expect("write");
+    // A ConfigMap mount: `..2024_01_01` holds the files, `..data` links to it, and each
+    // visible file links through `..data`.
+    let stamp = root.join("..2024_01_01_00_00_00.1");
+    std::fs::create_dir_all(&stamp).expect("mkdir");
+    std::fs::write(stamp.join("policies.yml"), POLICIES).expect("write");
+    symlink("..2024_01_01_00_00_00.1", root.join("..data")).expect("link");
+    symlink("..data/policies.yml", root.join("policies.yml")).expect("link");
+    symlink("../team", root.join("team")).expect("link");
+    // A loop back to the root: left out, with a warning.
+    symlink("../rules", team.join("up")).expect("link");
+    let (set, warnings) = match RuleSet::check_dir(&root) {
+        Ok(r) => r,
+        Err(d) => panic!("{}", lines(&d)),
+    };
+    assert_eq!(set.files, vec!["policies.yml", "team/orders.yaml"]);
+    assert_eq!(warnings.len(), 1, "{}", lines(&warnings));
+    assert!(
+        warnings[0].message.contains("symlink loop"),
+        "{}",
+        lines(&warnings)
+    );
+
+    symlink("../nowhere/shared.yaml", root.join("shared.yaml")).expect("link");
+    symlink("../gone", root.join("gone")).expect("link");
+    symlink("../nowhere/README.md", root.join("README.md")).expect("link");
+    let d = RuleSet::check_dir(&root).expect_err("a dangling link fails the check");
+    let dangling: Vec<_> = d
+        .iter()
+        .filter(|x| x.message.contains("leads nowhere"))
+        .collect();
+    assert_eq!(dangling.len(), 2, "{}", lines(&d));
+    assert!(dangling.iter().all(|x| x.severity == Severity::Error));
+    assert!(
+        dangling
+            .iter()
+            .any(|x| x.file.ends_with("shared.yaml") && x.message.contains("nowhere/shared.yaml")),
+        "{}",
+        lines(&d)
+    );
+    let (set, warnings) = match RuleSet::load_dir(&root) {
+        Ok(r) => r,
+        Err(d) => panic!("{}", lines(&d)),
+    };
+    assert_eq!(set.files, vec!["policies.yml", "team/orders.yaml"]);
+    assert_eq!(
+        warnings
+            .iter()
+            .filter(|w| w.message.contains("leads nowhere"))
+            .count(),
+        2,
+        "{}",
+        lines(&warnings)
+    );
 }
 
 #[test]
