@@ -168,6 +168,9 @@ pub struct Metrics {
     pub handler_catalog: Family<Labels, Counter>,
     /// Records held per bounded kind (events, dedup keys, COMPLETED records, handler KV keys).
     pub store_records: Family<Labels, Gauge>,
+    /// 1 while the shared NATS connection is up, by `url` (no series until a `nats:` target
+    /// starts the client).
+    pub nats_connected: Family<Labels, Gauge>,
 }
 
 impl Metrics {
@@ -218,6 +221,7 @@ impl Metrics {
             handler_kv_max_bytes: Gauge::default(),
             handler_catalog: Family::default(),
             store_records: Family::default(),
+            nats_connected: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -419,6 +423,11 @@ impl Metrics {
             "router_job_items",
             "Items redrive and replay jobs went through, by kind and outcome: moved (requeued, routed or replayed), failed (kept in the DLQ with a reason, or a replayed copy refused by its queue's cap), skipped",
             m.job_items.clone(),
+        );
+        registry.register(
+            "router_nats_connected",
+            "1 while the NATS connection nats: targets share is up, 0 while it is down, by url (no series until a nats: target starts it)",
+            m.nats_connected.clone(),
         );
         registry.register(
             "router_target_paused",

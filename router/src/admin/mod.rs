@@ -559,6 +559,8 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             })),
         },
         "delivery": app.delivery_threads,
+        // The connection nats: targets share; null until one starts it.
+        "nats": app.dispatcher.nats().status(),
         // Live router nodes on the store (1 on the embedded one): each target's throttle rate
         // is split among them.
         "nodes": app.dispatcher.nodes(),
@@ -640,6 +642,12 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
                 .get_or_create(&vec![("target", rt.spec.id.clone())])
                 .set(b.state().gauge());
         }
+    }
+    if let Some(nats) = app.dispatcher.nats().status() {
+        app.metrics
+            .nats_connected
+            .get_or_create(&vec![("url", nats.url)])
+            .set(i64::from(nats.connected));
     }
     app.metrics
         .store_max_bytes

@@ -602,7 +602,12 @@ impl Dispatcher {
         handoff::reserve(&self.ctx, rt, target, &slots, now, entries)
     }
 
-    /// Runtimes of running workers.
+    /// The NATS connection `nats:` targets share (its state, for status and metrics).
+    pub fn nats(&self) -> &Arc<crate::target::nats::NatsConnection> {
+        &self.ctx.nats
+    }
+
+    /// Every running target's runtime.
     pub fn runtimes(&self) -> Vec<Arc<TargetRuntime>> {
         let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
         running.values().map(|r| r.runtime.clone()).collect()
