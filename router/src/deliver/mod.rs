@@ -550,8 +550,8 @@ impl Dispatcher {
                         Some(s)
                     }
                     (None, Some(p)) => Some(PersistedState {
-                        breaker: None,
                         paused: p,
+                        ..PersistedState::default()
                     }),
                     (s, None) => {
                         if s.as_ref().is_some_and(|s| s.paused) {

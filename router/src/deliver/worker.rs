@@ -1,7 +1,8 @@
 //! One target's delivery worker and the attempt state machine.
 //!
 //! Each turn of the loop applies the policy checks in the SPEC's order — breaker → budget →
-//! throttle → concurrency — before any attempt is spent: an open breaker leases nothing (due
+//! throttle → concurrency — before any attempt is spent (a receiver's `Retry-After` pause
+//! first, like an open breaker): an open breaker leases nothing (due
 //! messages wait, attempt counts do not grow), half-open lets a few probes through, an
 //! over-budget retry is put back unattempted, and the rate limiter decides how many entries are
 //! leased at all.
@@ -159,6 +160,17 @@ pub(super) async fn run(
             p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
         };
         let now = ctx.clock.now_ms();
+
+        // 0. The receiver's Retry-After pause: like an open breaker, nothing is leased. Asked
+        // once a slot is held: with a backlog the loop waits for a slot, and the attempt that
+        // got the 429 sets the pause before it frees its slot.
+        if let Some(until) = rt.retry_after_until(now) {
+            drop(first);
+            if !sleep_or_stop(&stop, wait_ms(until - now), None).await {
+                break;
+            }
+            continue;
+        }
 
         // 1. Breaker.
         let (admission, transition) = match rt.breaker() {
@@ -632,6 +644,48 @@ async fn breaker_record(
     }
 }
 
+/// The target-level pause a 429 or 503 with `Retry-After` asks for: `finished` plus the
+/// delay, capped by the policy's `retry_after_max`. `None` for any other outcome (a handler's
+/// `retry` with a delay is about its event, not the target).
+fn retry_after_pause(
+    outcome: &AttemptOutcome,
+    retry: &RetryPolicy,
+    finished: Millis,
+) -> Option<Millis> {
+    match outcome {
+        AttemptOutcome::Retryable {
+            status: Some(429 | 503),
+            retry_after: Some(ra),
+            ..
+        } if !ra.is_zero() => Some(finished.saturating_add(ms((*ra).min(retry.retry_after_max)))),
+        _ => None,
+    }
+}
+
+/// Holds the whole target off after a 429 or 503 with `Retry-After` ([`retry_after_pause`]):
+/// the worker leases nothing until then, so the rest of the queue waits instead of spending
+/// attempts on answers the receiver announced. Persisted with the breaker's record, so a
+/// restart keeps the pause.
+async fn hold_off(
+    ctx: &DeliveryContext,
+    rt: &TargetRuntime,
+    outcome: &AttemptOutcome,
+    finished: Millis,
+) {
+    let Some(until) = retry_after_pause(outcome, &rt.spec.policy.retry, finished) else {
+        return;
+    };
+    if !rt.hold_off_until(until) {
+        return;
+    }
+    let id = &rt.spec.id;
+    tracing::warn!(target_id = %id, until = %crate::clock::rfc3339(until), "the receiver asked to hold off (Retry-After); nothing is sent to it until then");
+    let state = serde_json::to_value(rt.persisted()).unwrap_or_default();
+    if let Err(e) = ctx.store.put_target_state(id, state).await {
+        tracing::warn!(target_id = %id, error = %e, "could not persist the Retry-After pause; it holds until a restart");
+    }
+}
+
 /// What follows for `leased` from the outcome of the request that carried it.
 fn conclude(
     rt: &TargetRuntime,
@@ -773,6 +827,7 @@ async fn attempt(
             }
             let finished = ctx.clock.now_ms();
             breaker_record(&ctx, &rt, &outcome, probe, finished).await;
+            hold_off(&ctx, &rt, &outcome, finished).await;
             let s = conclude(&rt, &leased, &outcome, effects, finished);
             log_settled(&ctx, &rt.spec.id, &outcome, &s);
             s
@@ -934,6 +989,7 @@ async fn attempt_batch(
             tracing::info!(target_id = %spec_id, max_events = cap, "batches were delivered under a lowered size for a while; trying larger batches ({cap} events)");
         }
         breaker_record(&ctx, &rt, &outcome, probe, finished).await;
+        hold_off(&ctx, &rt, &outcome, finished).await;
         let mut retried = 0usize;
         for BatchItem { leased, .. } in send {
             let s = conclude(&rt, &leased, &outcome, None, finished);
@@ -1758,6 +1814,36 @@ mod tests {
             window_gate(Duration::from_secs(60), 1, 100, Some(1_000), 1_000),
             WindowGate::Wait(wait_ms(IDLE_MS))
         );
+    }
+
+    #[test]
+    fn only_a_429_or_503_with_retry_after_holds_off_the_target() {
+        let mut retry = policy();
+        retry.retry_after_max = Duration::from_secs(60);
+        let answer = |status, ra: Option<u64>| AttemptOutcome::Retryable {
+            error: "x".into(),
+            status,
+            retry_after: ra.map(Duration::from_secs),
+        };
+        assert_eq!(
+            retry_after_pause(&answer(Some(429), Some(30)), &retry, 1_000),
+            Some(31_000)
+        );
+        assert_eq!(
+            retry_after_pause(&answer(Some(503), Some(3600)), &retry, 1_000),
+            Some(61_000),
+            "capped by retry_after_max"
+        );
+        for o in [
+            answer(Some(429), None),
+            answer(Some(429), Some(0)),
+            answer(Some(500), Some(30)),
+            // A handler's retry with a delay is about its event.
+            answer(None, Some(30)),
+            AttemptOutcome::Delivered { status: Some(200) },
+        ] {
+            assert_eq!(retry_after_pause(&o, &retry, 1_000), None, "{o:?}");
+        }
     }
 
     #[test]
