@@ -59,6 +59,8 @@ pub struct DeliveryContext {
     pub system_events: Option<tokio::sync::mpsc::Sender<crate::event::CloudEvent>>,
     /// Resolves a secret name (`secret_env`): the environment, then the secrets file.
     pub secrets: SecretResolver,
+    /// `secrets_env_prefix` (`None`: any name), to say why a name outside it was not found.
+    pub secrets_env_prefix: Option<String>,
     /// The WASM handler runtime (`handler:` targets).
     pub handlers: Option<Arc<crate::target::handler::HandlerRuntime>>,
     /// Limits on the log lines about each target's failures and dead letters.
@@ -289,6 +291,16 @@ impl Dispatcher {
         &self.ctx
     }
 
+    /// Why the secret `name` a rule file gives was not found.
+    fn not_set(&self, name: &str) -> String {
+        match &self.ctx.secrets_env_prefix {
+            Some(p) if !name.starts_with(p.as_str()) => format!(
+                "not in the secrets file (rule files read only environment variables named {p}…, secrets_env_prefix)"
+            ),
+            _ => "not set in the environment or the secrets file".to_string(),
+        }
+    }
+
     /// Builds the target of `spec` with the secrets its `secret_env` and `headers_env` name, as
     /// [`Self::secrets_of`] read it.
     fn build_target(
@@ -311,9 +323,7 @@ impl Dispatcher {
                     let value = value.as_ref().ok_or_else(|| StartError::Secret {
                         id: spec.id.clone(),
                         name: var.clone(),
-                        why: format!(
-                            "header {header} (headers_env): not set in the environment or the secrets file"
-                        ),
+                        why: format!("header {header} (headers_env): {}", self.not_set(var)),
                     })?;
                     if value.contains(['\r', '\n']) {
                         return Err(StartError::Secret {
@@ -332,13 +342,13 @@ impl Dispatcher {
                         let value = secret.ok_or_else(|| StartError::Secret {
                             id: spec.id.clone(),
                             name: name.clone(),
-                            why: "not set in the environment or the secrets file".into(),
+                            why: self.not_set(name),
                         })?;
-                        crate::target::webhook::parse_secrets(value).map_err(|why| {
+                        crate::target::webhook::parse_secrets(value).map_err(|e| {
                             StartError::Secret {
                                 id: spec.id.clone(),
                                 name: name.clone(),
-                                why,
+                                why: e.to_string(),
                             }
                         })?
                     }
