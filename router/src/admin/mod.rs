@@ -626,23 +626,19 @@ async fn handler_kv_status(app: &App) -> serde_json::Value {
 /// `GET /metrics`.
 pub async fn metrics(State(app): State<Arc<App>>) -> Response {
     // Read from the workers at each scrape: a pause restored at start or followed from another
-    // node shows as well as one made through this node's API.
+    // node shows as well as one made through this node's API. Every breaker, not only those
+    // that changed state since start: one restored open from the store had no series, and an
+    // alert on it stayed silent. Targets a reload removed (once drained) or whose breaker it
+    // removed lose their series.
+    let mut paused = Vec::new();
+    let mut breakers = Vec::new();
     for rt in app.dispatcher.runtimes() {
-        app.metrics
-            .target_paused
-            .get_or_create(&vec![("target", rt.spec.id.clone())])
-            .set(i64::from(
-                rt.paused.load(std::sync::atomic::Ordering::SeqCst),
-            ));
-        // Every breaker, not only those that changed state since start: one restored open
-        // from the store had no series, and an alert on it stayed silent.
+        paused.push((rt.spec.id.clone(), rt.paused.load(Ordering::SeqCst)));
         if let Some(b) = rt.breaker() {
-            app.metrics
-                .breaker_state
-                .get_or_create(&vec![("target", rt.spec.id.clone())])
-                .set(b.state().gauge());
+            breakers.push((rt.spec.id.clone(), b.state().gauge()));
         }
     }
+    app.metrics.set_worker_gauges(&paused, &breakers);
     if let Some(nats) = app.dispatcher.nats().status() {
         app.metrics
             .nats_connected

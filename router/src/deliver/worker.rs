@@ -1271,7 +1271,7 @@ async fn finish_without_effects(
     }
 }
 
-/// A breaker transition in the metrics: counted by the state it went to, and the state gauge.
+/// A breaker transition in the metrics: counted by the state it went to.
 pub(super) fn count_transition(ctx: &DeliveryContext, id: &str, t: &Transition) {
     ctx.metrics
         .breaker_transitions
@@ -1280,11 +1280,9 @@ pub(super) fn count_transition(ctx: &DeliveryContext, id: &str, t: &Transition) 
             ("to", t.to.name().to_string()),
         ])
         .inc();
-    let gauge = t.to.gauge();
-    ctx.metrics
-        .breaker_state
-        .get_or_create(&vec![("target", id.to_string())])
-        .set(gauge);
+    // `router_breaker_state` is set at each scrape from the breakers of the running workers
+    // (`admin::metrics`), which also removes the series of a breaker or target a reload took
+    // away: a series created here could outlive its breaker at its last value.
 }
 
 /// A breaker transition: persisted (so an open breaker stays open across a restart), logged,
