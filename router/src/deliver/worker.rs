@@ -853,8 +853,12 @@ pub(super) struct BatchItem {
 }
 
 /// Splits leased entries of a batching webhook into requests of at most `max_events` events
-/// and `max_bytes` bytes of body (an event larger than that goes alone), in lease order.
-pub(super) fn split_batches(leased: Vec<Leased>, batch: &WebhookBatch) -> Vec<Vec<BatchItem>> {
+/// and `max_bytes` bytes of body (an event larger than that goes alone), in accept order
+/// (entry id). Lease order is due-time order, which jitter and retries reshuffle: the same
+/// events sent again came in another order, so the batch's `Idempotency-Key` (a digest of
+/// its entries in order) changed and the array's events were reordered.
+pub(super) fn split_batches(mut leased: Vec<Leased>, batch: &WebhookBatch) -> Vec<Vec<BatchItem>> {
+    leased.sort_by_key(|l| l.entry.id);
     let max_events = usize::try_from(batch.max_events)
         .unwrap_or(usize::MAX)
         .max(1);
@@ -1845,7 +1849,7 @@ mod tests {
     }
 
     #[test]
-    fn batches_split_by_count_and_by_bytes_in_lease_order() {
+    fn batches_split_by_count_and_by_bytes_in_accept_order() {
         let by_count = WebhookBatch {
             max_events: 3,
             max_bytes: WebhookBatch::DEFAULT_MAX_BYTES,
@@ -1861,10 +1865,11 @@ mod tests {
             max_bytes: 3072,
             window: Duration::ZERO,
         };
-        let mut entries: Vec<Leased> = (0..5).map(|n| leased(n, 1000)).collect();
-        entries.insert(2, leased(99, 5000));
+        let entries: Vec<Leased> = (0..6)
+            .map(|n| leased(n, if n == 2 { 5000 } else { 1000 }))
+            .collect();
         let b = split_batches(entries, &by_bytes);
-        assert_eq!(ids(&b), vec![vec![0, 1], vec![99], vec![2, 3], vec![4]]);
+        assert_eq!(ids(&b), vec![vec![0, 1], vec![2], vec![3, 4], vec![5]]);
         for batch in &b {
             let body: usize = batch.iter().map(|i| i.json.len() + 1).sum::<usize>() + 1;
             assert!(batch.len() == 1 || body <= 3072, "{body} bytes");
@@ -1875,7 +1880,7 @@ mod tests {
     }
 
     #[test]
-    fn a_batch_key_follows_its_entries_and_their_order() {
+    fn a_batch_key_follows_its_entries_not_their_lease_order() {
         let batch = |ns: &[u64]| -> Vec<BatchItem> {
             split_batches(
                 ns.iter().map(|&n| leased(n, 1)).collect(),
@@ -1891,6 +1896,16 @@ mod tests {
         assert!(k.starts_with("batch-") && k.len() == 6 + 32, "{k}");
         assert_eq!(k, batch_key(&batch(&[1, 2, 3])), "stable when sent again");
         assert_ne!(k, batch_key(&batch(&[1, 2])));
-        assert_ne!(k, batch_key(&batch(&[3, 2, 1])));
+        // Leased in another order (retries due at jittered times): the same request, the same
+        // key, the events in the same order in the array.
+        let again = batch(&[3, 1, 2]);
+        assert_eq!(k, batch_key(&again));
+        assert_eq!(
+            again
+                .iter()
+                .map(|i| i.leased.entry.id.event)
+                .collect::<Vec<_>>(),
+            vec![1, 2, 3]
+        );
     }
 }
