@@ -352,8 +352,10 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                     match app.dispatcher.prepare(spec.clone()) {
                         Ok(p) => prepared.push(p),
                         Err(e) if old.targets.get(&spec.id) == Some(spec) => {
+                            // The error does not say what becomes of the entries: that
+                            // depends on where it arises (a removed target's go to the DLQ).
                             r.1.push(format!(
-                                "{e} (unchanged by this reload; its entries stay queued)"
+                                "{e}; the target is unchanged by this reload and still has no worker: its entries wait in its queue"
                             ));
                         }
                         Err(e) => cannot_start.push(e.to_string()),
@@ -1246,8 +1248,9 @@ pub async fn run_with_store(
                     ));
                 }
                 None => {
+                    let e = format!("{e}; no worker runs: its entries wait in its queue");
                     tracing::warn!("{e}");
-                    rule_warnings.push(e.to_string());
+                    rule_warnings.push(e);
                 }
             }
         }

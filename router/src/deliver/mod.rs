@@ -158,9 +158,9 @@ pub enum StartError {
         /// Why.
         source: WebhookError,
     },
-    /// The webhook's signing secret is missing or malformed: nothing is sent unsigned; the
-    /// queue waits.
-    #[error("target {id}: signing secret {name}: {why}; its entries stay queued")]
+    /// The webhook's signing secret is missing or malformed: nothing is sent unsigned. (What
+    /// happens to its entries depends on where the error arises, so the caller says it.)
+    #[error("target {id}: signing secret {name}: {why}")]
     Secret {
         /// Target id.
         id: String,
@@ -172,7 +172,7 @@ pub enum StartError {
     /// The target kind is not available in this process (handler targets while the WASM
     /// runtime could not start).
     #[error(
-        "target {id}: {kind} targets cannot run: the WASM handler runtime did not start (see the warnings in /v1/status; fix it and restart); its entries stay queued"
+        "target {id}: {kind} targets cannot run: the WASM handler runtime did not start (see the warnings in /v1/status; fix it and restart)"
     )]
     Unsupported {
         /// Target id.

@@ -1288,9 +1288,12 @@ fn check_url(url: &str) -> Result<(), String> {
         ));
     }
     let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
-    if authority.contains('@') {
+    if let Some((_, host)) = authority.rsplit_once('@') {
+        // Not echoed: the error lands in CI logs. `secret_env` is the signing secret, not a
+        // credential the receiver checks; the hint named it.
+        let path = &rest[authority.len()..];
         return Err(format!(
-            "webhook URL `{url}` must not contain credentials; use `secret_env` or the secrets file"
+            "webhook URL `{scheme}://…@{host}{path}` must not contain credentials (a rule file is kept in git); send them as a header from the environment or the secrets file, e.g. `headers_env: {{ Authorization: WEBHOOK_SECRET_… }}` holding `Basic <base64 of user:password>`"
         ));
     }
     let bad_host = || format!("webhook URL `{url}` has an invalid host");

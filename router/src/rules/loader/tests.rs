@@ -478,6 +478,13 @@ fn webhook_urls() {
     ] {
         one_err(&[("r.yaml", &t(bad))], "r.yaml:5:18: ", why);
     }
+    // The credentials are not echoed (CI logs), and the hint names the header way, not the
+    // signing secret.
+    let e = errs(&[("r.yaml", &t("https://user:s3cret@host:8443/hook?x=1"))]);
+    assert_eq!(e.len(), 1, "{e:#?}");
+    assert!(!e[0].contains("s3cret"), "{}", e[0]);
+    assert!(e[0].contains("https://…@host:8443/hook?x=1"), "{}", e[0]);
+    assert!(e[0].contains("headers_env: { Authorization:"), "{}", e[0]);
 }
 
 #[test]
