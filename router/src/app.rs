@@ -409,8 +409,10 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                     match app.dispatcher.prepare(spec.clone()) {
                         Ok(p) => prepared.push(p),
                         Err(e) if old.targets.get(&spec.id) == Some(spec) => {
+                            // The error does not say what becomes of the entries: that
+                            // depends on where it arises (a removed target's go to the DLQ).
                             r.1.push(format!(
-                                "{e} (unchanged by this reload; its entries stay queued)"
+                                "{e}; the target is unchanged by this reload and still has no worker: its entries wait in its queue"
                             ));
                         }
                         Err(e) => cannot_start.push(e.to_string()),
@@ -1340,7 +1342,7 @@ pub async fn run_with_store(
     }
     // The operator's configuration (nats.token_env) names any variable; rule files only those
     // within secrets_env_prefix.
-    let secrets = secret_resolver(&cfg, cfg.secrets_env_prefix.clone())?;
+    let secrets = secret_resolver(&cfg, cfg.rule_secrets_prefix())?;
     let dispatcher = Dispatcher::new(DeliveryContext {
         store: store.clone(),
         metrics: metrics.clone(),
@@ -1357,6 +1359,7 @@ pub async fn run_with_store(
         spawner: delivery_threads.handle(),
         system_events: Some(sys_tx),
         secrets,
+        secrets_env_prefix: cfg.rule_secrets_prefix(),
         handlers: handlers.clone(),
         log_gates: Default::default(),
         unannounced: Default::default(),
@@ -1420,8 +1423,9 @@ pub async fn run_with_store(
                     ));
                 }
                 None => {
+                    let e = format!("{e}; no worker runs: its entries wait in its queue");
                     tracing::warn!("{e}");
-                    rule_warnings.push(e.to_string());
+                    rule_warnings.push(e);
                 }
             }
         }
@@ -2027,6 +2031,8 @@ fn test_app_with(
         spawner,
         system_events,
         secrets,
+        // The tests' resolver reads any name (above).
+        secrets_env_prefix: None,
         handlers: None,
         log_gates: Default::default(),
         unannounced: Default::default(),
@@ -2174,8 +2180,30 @@ mod tests {
         assert_eq!((fenced.as_ref())("IN_FILE").as_deref(), Some("f"));
         let home = secret_resolver(&cfg, Some("PA".into())).expect("resolver");
         assert_eq!((home.as_ref())("PATH"), Some(path), "within the prefix");
-        cfg.secrets_env_prefix = Some("ROUTER_SECRET_".into());
+        cfg.secrets_env_prefix = "ROUTER_SECRET_".into();
         assert!(cfg.validate().is_err());
+        // Empty: any name, the operator's explicit choice.
+        cfg.secrets_env_prefix = String::new();
+        assert!(cfg.validate().is_ok());
+        assert_eq!(cfg.rule_secrets_prefix(), None);
+    }
+
+    /// By default a rule file reads only `WEBHOOK_SECRET_…` from the environment: without a
+    /// prefix, `headers_env: { X-Copy: ANY_VAR }` sent any variable of the router (another
+    /// target's signing secret, the NATS token, cloud credentials) to the URL the rule names.
+    #[test]
+    fn by_default_rule_files_read_only_prefixed_variables_from_the_environment() {
+        let cfg = Config::default();
+        assert_eq!(
+            cfg.rule_secrets_prefix().as_deref(),
+            Some("WEBHOOK_SECRET_")
+        );
+        let rules = secret_resolver(&cfg, cfg.rule_secrets_prefix()).expect("resolver");
+        assert!(std::env::var_os("PATH").is_some());
+        assert_eq!((rules.as_ref())("PATH"), None);
+        // The operator's own configuration (nats.token_env) names any variable.
+        let operator = secret_resolver(&cfg, None).expect("resolver");
+        assert!((operator.as_ref())("PATH").is_some());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2213,10 +2241,29 @@ mod tests {
             "/v1/status shows why"
         );
 
+        // Set but empty, or `whsec_` alone: refused the same way (an empty secret sent the
+        // webhooks unsigned; `whsec_` alone signed them with an empty key).
+        for (value, why) in [("", "the value is empty"), ("whsec_", "0 bytes of key")] {
+            std::fs::write(
+                &secrets,
+                format!("UNIT_TEST_SECRET_NEVER_SET = \"{value}\"\n"),
+            )
+            .expect("secrets file");
+            let message = reload(&app, "test")
+                .await
+                .expect_err("an empty secret cannot sign")
+                .to_string();
+            assert!(
+                message.contains("UNIT_TEST_SECRET_NEVER_SET") && message.contains(why),
+                "{value:?}: {message}"
+            );
+            assert!(!app.rules.load().targets.contains_key("signed"));
+        }
+
         // The secret added to the secrets file: the next reload takes it.
         std::fs::write(
             &secrets,
-            "UNIT_TEST_SECRET_NEVER_SET = \"whsec_c2VjcmV0\"\n",
+            "UNIT_TEST_SECRET_NEVER_SET = \"whsec_dW5pdC10ZXN0LXNpZ25pbmcta2V5\"\n",
         )
         .expect("secrets file");
         let report = reload(&app, "test").await.expect("the secret is there now");
@@ -2230,7 +2277,7 @@ mod tests {
         assert!(report.targets_started.is_empty(), "{report:?}");
         std::fs::write(
             &secrets,
-            "UNIT_TEST_SECRET_NEVER_SET = \"whsec_bmV3 whsec_c2VjcmV0\"\n",
+            "UNIT_TEST_SECRET_NEVER_SET = \"whsec_bmV3LXNpZ25pbmcta2V5LTAwMDE= whsec_dW5pdC10ZXN0LXNpZ25pbmcta2V5\"\n",
         )
         .expect("secrets file");
         let report = reload(&app, "test").await.expect("rotated");

@@ -65,12 +65,17 @@ pub struct Config {
     /// Optional TOML file of secrets (`NAME = "value"`) that `secret_env` names resolve in,
     /// after the environment. Never the rule files.
     pub secrets_file: Option<PathBuf>,
-    /// When set, a rule file's `secret_env` and `headers_env` names are read from the
-    /// environment only if they start with it (names outside it resolve in `secrets_file`
-    /// only), so that whoever edits rule files cannot have the router send its other
-    /// environment (cloud credentials, the NATS token) as a header to a URL they name.
-    pub secrets_env_prefix: Option<String>,
+    /// A rule file's `secret_env` and `headers_env` names are read from the environment only
+    /// if they start with it (names outside it resolve in `secrets_file` only), so that
+    /// whoever edits rule files cannot have the router send the rest of its environment
+    /// (cloud credentials, the NATS token, another team's signing secret) as a header to a
+    /// URL they name. Default [`DEFAULT_SECRETS_ENV_PREFIX`]; empty: any name (the rule
+    /// files' authors are trusted with the router's whole environment).
+    pub secrets_env_prefix: String,
 }
+
+/// The default `secrets_env_prefix`. Not `ROUTER_…`: those variables are configuration keys.
+pub const DEFAULT_SECRETS_ENV_PREFIX: &str = "WEBHOOK_SECRET_";
 
 /// `[handlers]`: limits of every handler invocation and where handlers are kept.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -489,7 +494,7 @@ impl Default for Config {
             server: ServerConfig::default(),
             nats: NatsConfig::default(),
             secrets_file: None,
-            secrets_env_prefix: None,
+            secrets_env_prefix: DEFAULT_SECRETS_ENV_PREFIX.to_string(),
         }
     }
 }
@@ -542,6 +547,12 @@ impl Default for StoreConfig {
 }
 
 impl Config {
+    /// The prefix a rule file's secret names need to be read from the environment; `None`:
+    /// any name (`secrets_env_prefix = ""`).
+    pub fn rule_secrets_prefix(&self) -> Option<String> {
+        Some(self.secrets_env_prefix.clone()).filter(|p| !p.is_empty())
+    }
+
     /// Loads defaults, then `file` (if any), then `ROUTER_*` variables from `env`.
     pub fn load(
         file: Option<&Path>,
@@ -671,11 +682,9 @@ impl Config {
         if self.nats.credentials_file.is_some() && self.nats.token_env.is_some() {
             return bad("nats.credentials_file and nats.token_env are exclusive: set one");
         }
-        if let Some(p) = &self.secrets_env_prefix
-            && (p.is_empty() || p.starts_with("ROUTER_"))
-        {
+        if self.secrets_env_prefix.starts_with("ROUTER_") {
             return bad(
-                "secrets_env_prefix must be non-empty and not start with ROUTER_ (those variables are configuration keys)",
+                "secrets_env_prefix must not start with ROUTER_ (those variables are configuration keys)",
             );
         }
         if self

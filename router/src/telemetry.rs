@@ -73,6 +73,26 @@ impl LogGates {
     }
 }
 
+/// Sets `family`'s series to `current` (target id → value) and removes those of the targets
+/// `shown` had and `current` has not; `shown` becomes `current`'s targets.
+fn retain_series<'a>(
+    family: &Family<Labels, Gauge>,
+    shown: &mut std::collections::BTreeSet<String>,
+    current: impl Iterator<Item = (&'a String, i64)>,
+) {
+    let mut now_shown = std::collections::BTreeSet::new();
+    for (target, value) in current {
+        family
+            .get_or_create(&vec![("target", target.clone())])
+            .set(value);
+        now_shown.insert(target.clone());
+    }
+    for gone in shown.difference(&now_shown) {
+        family.remove(&vec![("target", gone.clone())]);
+    }
+    *shown = now_shown;
+}
+
 /// Every metric the router exports.
 pub struct Metrics {
     registry: Registry,
@@ -161,6 +181,13 @@ pub struct Metrics {
     /// Handlers whose KV gauges the last scrape set (so an emptied namespace can be removed
     /// without clearing the families under a concurrent scrape).
     kv_handlers_shown: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    /// Targets whose queue gauges the last scrape showed.
+    queue_targets_shown: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    /// Targets whose `router_target_paused` and `router_breaker_state` the last scrape showed.
+    worker_gauges_shown: std::sync::Mutex<(
+        std::collections::BTreeSet<String>,
+        std::collections::BTreeSet<String>,
+    )>,
     /// The bound on each namespace (`handlers.kv_max_bytes`).
     pub handler_kv_max_bytes: Gauge,
     /// Reads of the shared handler catalog (result ok, error) and the handler changes they
@@ -168,6 +195,9 @@ pub struct Metrics {
     pub handler_catalog: Family<Labels, Counter>,
     /// Records held per bounded kind (events, dedup keys, COMPLETED records, handler KV keys).
     pub store_records: Family<Labels, Gauge>,
+    /// 1 while the shared NATS connection is up, by `url` (no series until a `nats:` target
+    /// starts the client).
+    pub nats_connected: Family<Labels, Gauge>,
 }
 
 impl Metrics {
@@ -215,9 +245,12 @@ impl Metrics {
             handler_kv_bytes: Family::default(),
             handler_kv_keys: Family::default(),
             kv_handlers_shown: Default::default(),
+            queue_targets_shown: Default::default(),
+            worker_gauges_shown: Default::default(),
             handler_kv_max_bytes: Gauge::default(),
             handler_catalog: Family::default(),
             store_records: Family::default(),
+            nats_connected: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -421,6 +454,11 @@ impl Metrics {
             m.job_items.clone(),
         );
         registry.register(
+            "router_nats_connected",
+            "1 while the NATS connection nats: targets share is up, 0 while it is down, by url (no series until a nats: target starts it)",
+            m.nats_connected.clone(),
+        );
+        registry.register(
             "router_target_paused",
             "1 while an operator has paused the target",
             m.target_paused.clone(),
@@ -448,9 +486,50 @@ impl Metrics {
             .observe(report.took_ms as f64 / 1000.0);
     }
 
+    /// Sets the per-target gauges read from the running workers: `paused` (every target with
+    /// a worker: those of the live rules and removed ones still draining) and `breakers` (the
+    /// state gauge of those with a breaker). The series of a target no longer in the list — a
+    /// reload removed it, or its breaker — are removed: left at their last value, an alert on
+    /// `router_breaker_state == 1` never cleared. (Removed one by one rather than by clearing
+    /// the families first, which would show a concurrent scrape an empty family.)
+    pub fn set_worker_gauges(&self, paused: &[(String, bool)], breakers: &[(String, i64)]) {
+        let mut shown = self
+            .worker_gauges_shown
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let (paused_shown, breakers_shown) = &mut *shown;
+        retain_series(
+            &self.target_paused,
+            paused_shown,
+            paused.iter().map(|(t, p)| (t, i64::from(*p))),
+        );
+        retain_series(
+            &self.breaker_state,
+            breakers_shown,
+            breakers.iter().map(|(t, g)| (t, *g)),
+        );
+    }
+
     /// Refreshes gauges from the store and renders the text exposition.
     pub async fn render(&self, store: &dyn Store, now_ms: i64) -> String {
-        for (target, s) in store.queue_stats() {
+        let stats = store.queue_stats();
+        {
+            // A target whose queue the store no longer lists (removed, and drained) loses its
+            // series instead of keeping its last depth.
+            let mut shown = self
+                .queue_targets_shown
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            for gone in shown.iter().filter(|t| !stats.contains_key(*t)) {
+                let l = vec![("target", gone.clone())];
+                self.queue_depth.remove(&l);
+                self.queue_in_flight.remove(&l);
+                self.queue_oldest_age_seconds.remove(&l);
+                self.dlq_depth.remove(&l);
+            }
+            *shown = stats.keys().cloned().collect();
+        }
+        for (target, s) in stats {
             let l = vec![("target", target)];
             self.queue_depth
                 .get_or_create(&l)
@@ -568,5 +647,39 @@ mod log_gate_tests {
         // The next window's first line says how many were left out.
         assert_eq!(gates.admit_at("erp", t0 + LogGates::WINDOW), Some(15));
         assert_eq!(gates.admit_at("erp", t0 + LogGates::WINDOW), Some(0));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exposition(m: &Metrics) -> String {
+        let mut out = String::new();
+        encode(&mut out, &m.registry).expect("encode");
+        out
+    }
+
+    /// A reload that removes a target's breaker, or the target, removes its series: an
+    /// alert on `router_breaker_state == 1` left at its last value never cleared.
+    #[test]
+    fn worker_gauges_of_removed_breakers_and_targets_disappear() {
+        let m = Metrics::new();
+        m.set_worker_gauges(
+            &[("a".into(), false), ("b".into(), true)],
+            &[("a".into(), 1), ("b".into(), 0)],
+        );
+        let t = exposition(&m);
+        assert!(t.contains("router_breaker_state{target=\"a\"} 1"), "{t}");
+        assert!(t.contains("router_target_paused{target=\"b\"} 1"), "{t}");
+        // The reload removed a's breaker and target b.
+        m.set_worker_gauges(&[("a".into(), false)], &[]);
+        let t = exposition(&m);
+        assert!(!t.contains("router_breaker_state{"), "{t}");
+        assert!(!t.contains("router_target_paused{target=\"b\"}"), "{t}");
+        assert!(t.contains("router_target_paused{target=\"a\"} 0"), "{t}");
+        // A breaker added back shows again.
+        m.set_worker_gauges(&[("a".into(), false)], &[("a".into(), 2)]);
+        assert!(exposition(&m).contains("router_breaker_state{target=\"a\"} 2"));
     }
 }

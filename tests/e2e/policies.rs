@@ -612,6 +612,99 @@ async fn retry_after_is_honoured_in_both_forms() {
     );
 }
 
+/// A 429 with `Retry-After` holds off the whole target, not only the event it answered: the
+/// backlog waits (no attempt spent) until the receiver's time has passed, and `/v1/targets`
+/// shows until when. Only the answered event's due time was moved before: every other queued
+/// event went at once, got the same 429 and spent an attempt (with `max_attempts: 2` and a
+/// receiver still refusing, all of them would have gone to the DLQ).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_holds_off_the_whole_target() {
+    let answered = Arc::new(AtomicUsize::new(0));
+    let a2 = answered.clone();
+    // The first request ever: 429, Retry-After: 3, answered after 1 s so that the backlog is
+    // queued behind it. Every other: 200.
+    let rcv = Receiver::scripted(Arc::new(move |_, _| {
+        if a2.fetch_add(1, Ordering::SeqCst) == 0 {
+            (
+                429,
+                Duration::from_secs(1),
+                vec![("retry-after", "3".to_string())],
+            )
+        } else {
+            (200, Duration::ZERO, vec![])
+        }
+    }))
+    .await;
+    let policy = "  p:\n    timeout: 5s\n    retry: { max_attempts: 2, base_delay: 10ms, max_delay: 10ms, jitter: none }\n    throttle: { max_concurrency: 1 }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: ra\n        policy: p",
+                rcv.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(post_event(&r, &event("first", "t", json!({}))).await.0, 202);
+    assert!(
+        rcv.wait_for(Duration::from_secs(10), |s| !s.is_empty())
+            .await
+    );
+    let first_at = rcv.received()[0].at;
+    for i in 0..8 {
+        assert_eq!(
+            post_event(&r, &event(&format!("next-{i}"), "t", json!({})))
+                .await
+                .0,
+            202
+        );
+    }
+    // The pause shows once the 429 is in.
+    let until = eventually(Duration::from_secs(10), || async {
+        target_state(&r, "ra").await["retry_after_until"]
+            .as_str()
+            .map(str::to_string)
+    })
+    .await;
+    // A waiting event's fate says why (the pause lasts 3 s from the 429; this is read at once).
+    let waiting = fate(&r, "next-7").await["targets"][0]["waiting_on"].clone();
+    assert!(
+        waiting.as_str().is_some_and(|w| w.contains("Retry-After")),
+        "{waiting}"
+    );
+    assert!(
+        rcv.wait_for(Duration::from_secs(20), |s| s.len() >= 10)
+            .await,
+        "every event delivered after the pause"
+    );
+    let got = rcv.received();
+    assert_eq!(
+        got.len(),
+        10,
+        "one request per event, and one retry of the first"
+    );
+    for g in &got[1..] {
+        // The 429 went out 1 s after the request was seen, and asked for 3 s more.
+        assert!(
+            g.at - first_at >= Duration::from_millis(3500),
+            "{} sent {:?} after the request answered 429",
+            g.event_id(),
+            g.at - first_at
+        );
+    }
+    assert!(until.is_some(), "retry_after_until shown during the pause");
+    let t = target_state(&r, "ra").await;
+    assert_eq!(t["dead_lettered"], 0, "{t}");
+    assert_eq!(
+        t["retried"], 1,
+        "only the answered event spent an attempt: {t}"
+    );
+    assert!(t["retry_after_until"].is_null(), "{t}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_age_ends_in_the_dlq_with_its_reason() {
     let rcv = Receiver::status(500).await;

@@ -632,7 +632,7 @@ async fn webhooks_are_signed_per_standard_webhooks_with_rotation() {
             "r",
             "t",
             &[format!(
-                "webhook: {}\n        secret_env: TEST_HOOK_SECRET",
+                "webhook: {}\n        secret_env: WEBHOOK_SECRET_TEST_HOOK",
                 rcv.url()
             )],
         )],
@@ -641,7 +641,10 @@ async fn webhooks_are_signed_per_standard_webhooks_with_rotation() {
     let r = RouterProc::start_with_env(
         &[("r.yaml", &rules)],
         &[],
-        &[("TEST_HOOK_SECRET", &format!("{secret} whsec_c2Vjb25k"))],
+        &[(
+            "WEBHOOK_SECRET_TEST_HOOK",
+            &format!("{secret} whsec_c2Vjb25kLXNpZ25pbmcta2V5LTAy"),
+        )],
     );
     assert_eq!(
         post_event(&r, &event("s1", "t", json!({"a": 1}))).await.0,
@@ -941,7 +944,7 @@ async fn a_webhooks_credential_header_comes_from_the_environment() {
             "r",
             "t",
             &[format!(
-                "webhook: {}\n        id: erp\n        headers: {{ X-Team: billing }}\n        headers_env: {{ Authorization: E2E_ERP_AUTHORIZATION }}",
+                "webhook: {}\n        id: erp\n        headers: {{ X-Team: billing }}\n        headers_env: {{ Authorization: WEBHOOK_SECRET_E2E_ERP_AUTHORIZATION }}",
                 rcv.url()
             )],
         )],
@@ -949,7 +952,10 @@ async fn a_webhooks_credential_header_comes_from_the_environment() {
     let r = RouterProc::start_with_env(
         &[("r.yaml", &rules)],
         &[],
-        &[("E2E_ERP_AUTHORIZATION", "Bearer s3cret-from-env")],
+        &[(
+            "WEBHOOK_SECRET_E2E_ERP_AUTHORIZATION",
+            "Bearer s3cret-from-env",
+        )],
     );
     assert_eq!(post_event(&r, &event("h1", "t", json!({}))).await.0, 202);
     assert!(

@@ -333,6 +333,13 @@ fn waiting_on(app: &App, e: &crate::store::QueueEntry, in_flight: u64, now: i64)
             past_max_age().unwrap_or_default()
         ));
     }
+    if let Some(until) = rt.retry_after_until(now) {
+        return Some(format!(
+            "the target's receiver asked to wait (429/503 with Retry-After): nothing is sent to it until {}{}",
+            rfc3339(until),
+            past_max_age().unwrap_or_default()
+        ));
+    }
     if let crate::rules::TargetKind::Handler { name } = &rt.spec.kind
         && app
             .handlers
@@ -676,6 +683,8 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             })),
         },
         "delivery": app.delivery_threads,
+        // The connection nats: targets share; null until one starts it.
+        "nats": app.dispatcher.nats().status(),
         // Live router nodes on the store (1 on the embedded one): each target's throttle rate
         // is split among them.
         "nodes": app.dispatcher.nodes(),
@@ -766,24 +775,26 @@ async fn handler_kv_status(app: &App) -> serde_json::Value {
 /// `GET /metrics`.
 pub async fn metrics(State(app): State<Arc<App>>) -> Response {
     // Read from the workers at each scrape: a pause restored at start or followed from another
-    // node shows as well as one made through this node's API.
+    // node shows as well as one made through this node's API. Every breaker, not only those
+    // that changed state since start: one restored open from the store had no series, and an
+    // alert on it stayed silent. Targets a reload removed (once drained) or whose breaker it
+    // removed lose their series.
+    let mut paused = Vec::new();
+    let mut breakers = Vec::new();
     for rt in app.dispatcher.runtimes() {
-        app.metrics
-            .target_paused
-            .get_or_create(&vec![("target", rt.spec.id.clone())])
-            .set(i64::from(
-                rt.paused.load(std::sync::atomic::Ordering::SeqCst),
-            ));
-        // Every breaker, not only those that changed state since start: one restored open
-        // from the store had no series, and an alert on it stayed silent.
+        paused.push((rt.spec.id.clone(), rt.paused.load(Ordering::SeqCst)));
         // In effect now: an open period that ended during a pause is over (half-open), and
         // an alert on 1 must not go on firing for a contained target.
         if let Some(b) = rt.breaker() {
-            app.metrics
-                .breaker_state
-                .get_or_create(&vec![("target", rt.spec.id.clone())])
-                .set(b.state_at(app.clock.now_ms()).gauge());
+            breakers.push((rt.spec.id.clone(), b.state_at(app.clock.now_ms()).gauge()));
         }
+    }
+    app.metrics.set_worker_gauges(&paused, &breakers);
+    if let Some(nats) = app.dispatcher.nats().status() {
+        app.metrics
+            .nats_connected
+            .get_or_create(&vec![("url", nats.url)])
+            .set(i64::from(nats.connected));
     }
     app.metrics
         .store_max_bytes

@@ -56,7 +56,7 @@ pub(super) fn reserve(
     now: Millis,
     entries: usize,
 ) -> Option<Reservation> {
-    if rt.paused.load(Ordering::SeqCst) {
+    if rt.paused.load(Ordering::SeqCst) || rt.retry_after_until(now).is_some() {
         return None;
     }
     // Ordered targets: the entry may have an earlier one of its key in the queue.

@@ -60,6 +60,8 @@ pub struct DeliveryContext {
     pub system_events: Option<tokio::sync::mpsc::Sender<crate::event::CloudEvent>>,
     /// Resolves a secret name (`secret_env`): the environment, then the secrets file.
     pub secrets: SecretResolver,
+    /// `secrets_env_prefix` (`None`: any name), to say why a name outside it was not found.
+    pub secrets_env_prefix: Option<String>,
     /// The WASM handler runtime (`handler:` targets).
     pub handlers: Option<Arc<crate::target::handler::HandlerRuntime>>,
     /// Limits on the log lines about each target's failures and dead letters.
@@ -157,9 +159,9 @@ pub enum StartError {
         /// Why.
         source: WebhookError,
     },
-    /// The webhook's signing secret is missing or malformed: nothing is sent unsigned; the
-    /// queue waits.
-    #[error("target {id}: signing secret {name}: {why}; its entries stay queued")]
+    /// The webhook's signing secret is missing or malformed: nothing is sent unsigned. (What
+    /// happens to its entries depends on where the error arises, so the caller says it.)
+    #[error("target {id}: signing secret {name}: {why}")]
     Secret {
         /// Target id.
         id: String,
@@ -171,7 +173,7 @@ pub enum StartError {
     /// The target kind is not available in this process (handler targets while the WASM
     /// runtime could not start).
     #[error(
-        "target {id}: {kind} targets cannot run: the WASM handler runtime did not start (see the warnings in /v1/status; fix it and restart); its entries stay queued"
+        "target {id}: {kind} targets cannot run: the WASM handler runtime did not start (see the warnings in /v1/status; fix it and restart)"
     )]
     Unsupported {
         /// Target id.
@@ -290,6 +292,16 @@ impl Dispatcher {
         &self.ctx
     }
 
+    /// Why the secret `name` a rule file gives was not found.
+    fn not_set(&self, name: &str) -> String {
+        match &self.ctx.secrets_env_prefix {
+            Some(p) if !name.starts_with(p.as_str()) => format!(
+                "not in the secrets file (rule files read only environment variables named {p}…, secrets_env_prefix)"
+            ),
+            _ => "not set in the environment or the secrets file".to_string(),
+        }
+    }
+
     /// Builds the target of `spec` with the secrets its `secret_env` and `headers_env` name, as
     /// [`Self::secrets_of`] read it.
     fn build_target(
@@ -312,9 +324,7 @@ impl Dispatcher {
                     let value = value.as_ref().ok_or_else(|| StartError::Secret {
                         id: spec.id.clone(),
                         name: var.clone(),
-                        why: format!(
-                            "header {header} (headers_env): not set in the environment or the secrets file"
-                        ),
+                        why: format!("header {header} (headers_env): {}", self.not_set(var)),
                     })?;
                     if value.contains(['\r', '\n']) {
                         return Err(StartError::Secret {
@@ -333,13 +343,13 @@ impl Dispatcher {
                         let value = secret.ok_or_else(|| StartError::Secret {
                             id: spec.id.clone(),
                             name: name.clone(),
-                            why: "not set in the environment or the secrets file".into(),
+                            why: self.not_set(name),
                         })?;
-                        crate::target::webhook::parse_secrets(value).map_err(|why| {
+                        crate::target::webhook::parse_secrets(value).map_err(|e| {
                             StartError::Secret {
                                 id: spec.id.clone(),
                                 name: name.clone(),
-                                why,
+                                why: e.to_string(),
                             }
                         })?
                     }
@@ -551,8 +561,8 @@ impl Dispatcher {
                         Some(s)
                     }
                     (None, Some(p)) => Some(PersistedState {
-                        breaker: None,
                         paused: p,
+                        ..PersistedState::default()
                     }),
                     (s, None) => {
                         if s.as_ref().is_some_and(|s| s.paused) {
@@ -603,7 +613,12 @@ impl Dispatcher {
         handoff::reserve(&self.ctx, rt, target, &slots, now, entries)
     }
 
-    /// Runtimes of running workers.
+    /// The NATS connection `nats:` targets share (its state, for status and metrics).
+    pub fn nats(&self) -> &Arc<crate::target::nats::NatsConnection> {
+        &self.ctx.nats
+    }
+
+    /// Every running target's runtime.
     pub fn runtimes(&self) -> Vec<Arc<TargetRuntime>> {
         let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
         running.values().map(|r| r.runtime.clone()).collect()

@@ -30,6 +30,9 @@ pub struct PersistedState {
     /// Paused by an operator.
     #[serde(default)]
     pub paused: bool,
+    /// The receiver's `Retry-After` pause: no entry is sent before this time (clock ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_until: Option<i64>,
 }
 
 /// Counters since start (of the process: a reload that replaces the target's worker carries
@@ -93,6 +96,13 @@ pub struct TargetRuntime {
     nodes: AtomicUsize,
     /// Operator pause: no attempts while set.
     pub paused: AtomicBool,
+    /// Until when (clock ms) the receiver asked the router to hold off, with `Retry-After` on
+    /// a 429 or 503 (capped by `retry_after_max`); 0: never. Like an open breaker it gates
+    /// the whole target: entries wait in the queue, no attempt is spent. Setting only the
+    /// answered entry's due time let every other queued entry go at once, get the same 429
+    /// and spend an attempt, and a backlog went to the DLQ while the receiver asked for a
+    /// pause.
+    retry_after_until: Arc<AtomicI64>,
     /// A batching webhook's lowered `max_events` after its receiver refused a batch as too
     /// large (413); 0: none. In memory: after a restart one more refusal finds it again.
     batch_cap: AtomicU32,
@@ -181,8 +191,14 @@ impl TargetRuntime {
             .unwrap_or(crate::policy::budget::DEFAULT_RATIO);
         let budget = Mutex::new(RetryBudget::new(ratio));
         let limiter = ArcSwapOption::from(limiter_for(&spec, 1).map(Arc::new));
+        let retry_after_until = persisted
+            .as_ref()
+            .and_then(|s| s.retry_after_until)
+            .filter(|&until| until > now)
+            .unwrap_or(0);
         Self {
             paused: AtomicBool::new(persisted.as_ref().is_some_and(|s| s.paused)),
+            retry_after_until: Arc::new(AtomicI64::new(retry_after_until)),
             spec,
             breaker,
             budget,
@@ -205,6 +221,9 @@ impl TargetRuntime {
     /// and empty; one it removes is gone.
     pub fn carry_over(&mut self, old: &TargetRuntime) {
         self.counters = old.counters.clone();
+        // The receiver's pause is about the receiver, not the configuration; shared so that
+        // the old worker's attempts still in flight extend the new worker's pause.
+        self.retry_after_until = old.retry_after_until.clone();
         if let (Some(policy), Some(shared)) = (&self.spec.policy.breaker, &old.breaker) {
             shared
                 .lock()
@@ -212,6 +231,18 @@ impl TargetRuntime {
                 .set_policy(policy.clone());
             self.breaker = Some(shared.clone());
         }
+    }
+
+    /// Until when the receiver asked to be left alone (`Retry-After`), if that is after `now`.
+    pub fn retry_after_until(&self, now: i64) -> Option<i64> {
+        Some(self.retry_after_until.load(Ordering::SeqCst)).filter(|&until| until > now)
+    }
+
+    /// The receiver asked for no request before `until` (clock ms). Returns whether this
+    /// started a pause or extended it by a second or more (worth persisting and logging).
+    pub fn hold_off_until(&self, until: i64) -> bool {
+        let before = self.retry_after_until.fetch_max(until, Ordering::SeqCst);
+        until >= before.saturating_add(1000)
     }
 
     /// This node's token bucket, if the policy sets a rate.
@@ -296,6 +327,8 @@ impl TargetRuntime {
         PersistedState {
             breaker: self.breaker().map(|b| (b.state(), b.since())),
             paused: self.paused.load(Ordering::SeqCst),
+            retry_after_until: Some(self.retry_after_until.load(Ordering::SeqCst))
+                .filter(|&until| until > 0),
         }
     }
 
@@ -323,6 +356,8 @@ impl TargetRuntime {
         };
         json!({
             "paused": self.paused.load(Ordering::SeqCst),
+            // The receiver's Retry-After pause (429/503): nothing is sent before it.
+            "retry_after_until": self.retry_after_until(now).map(crate::clock::rfc3339),
             "breaker": breaker,
             "retry_budget": budget,
             "throttle": self.spec.policy.throttle,
@@ -474,6 +509,7 @@ mod tests {
         let persisted = PersistedState {
             breaker: Some((BreakerState::Open { until: 30_000 }, 0)),
             paused: true,
+            retry_after_until: None,
         };
         let rt = TargetRuntime::new(spec, Some(persisted), 0);
         let open = rt.snapshot(10_000);

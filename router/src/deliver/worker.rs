@@ -1,7 +1,8 @@
 //! One target's delivery worker and the attempt state machine.
 //!
 //! Each turn of the loop applies the policy checks in the SPEC's order — breaker → budget →
-//! throttle → concurrency — before any attempt is spent: an open breaker leases nothing (due
+//! throttle → concurrency — before any attempt is spent (a receiver's `Retry-After` pause
+//! first, like an open breaker): an open breaker leases nothing (due
 //! messages wait, attempt counts do not grow), half-open lets a few probes through, an
 //! over-budget retry is put back unattempted, and the rate limiter decides how many entries are
 //! leased at all.
@@ -156,6 +157,17 @@ pub(super) async fn run(
             p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
         };
         let now = ctx.clock.now_ms();
+
+        // 0. The receiver's Retry-After pause: like an open breaker, nothing is leased. Asked
+        // once a slot is held: with a backlog the loop waits for a slot, and the attempt that
+        // got the 429 sets the pause before it frees its slot.
+        if let Some(until) = rt.retry_after_until(now) {
+            drop(first);
+            if !sleep_or_stop(&stop, wait_ms(until - now), None).await {
+                break;
+            }
+            continue;
+        }
 
         // 1. Breaker.
         let (admission, transition) = match rt.breaker() {
@@ -638,6 +650,48 @@ async fn breaker_record(
     }
 }
 
+/// The target-level pause a 429 or 503 with `Retry-After` asks for: `finished` plus the
+/// delay, capped by the policy's `retry_after_max`. `None` for any other outcome (a handler's
+/// `retry` with a delay is about its event, not the target).
+fn retry_after_pause(
+    outcome: &AttemptOutcome,
+    retry: &RetryPolicy,
+    finished: Millis,
+) -> Option<Millis> {
+    match outcome {
+        AttemptOutcome::Retryable {
+            status: Some(429 | 503),
+            retry_after: Some(ra),
+            ..
+        } if !ra.is_zero() => Some(finished.saturating_add(ms((*ra).min(retry.retry_after_max)))),
+        _ => None,
+    }
+}
+
+/// Holds the whole target off after a 429 or 503 with `Retry-After` ([`retry_after_pause`]):
+/// the worker leases nothing until then, so the rest of the queue waits instead of spending
+/// attempts on answers the receiver announced. Persisted with the breaker's record, so a
+/// restart keeps the pause.
+async fn hold_off(
+    ctx: &DeliveryContext,
+    rt: &TargetRuntime,
+    outcome: &AttemptOutcome,
+    finished: Millis,
+) {
+    let Some(until) = retry_after_pause(outcome, &rt.spec.policy.retry, finished) else {
+        return;
+    };
+    if !rt.hold_off_until(until) {
+        return;
+    }
+    let id = &rt.spec.id;
+    tracing::warn!(target_id = %id, until = %crate::clock::rfc3339(until), "the receiver asked to hold off (Retry-After); nothing is sent to it until then");
+    let state = serde_json::to_value(rt.persisted()).unwrap_or_default();
+    if let Err(e) = ctx.store.put_target_state(id, state).await {
+        tracing::warn!(target_id = %id, error = %e, "could not persist the Retry-After pause; it holds until a restart");
+    }
+}
+
 /// What follows for `leased` from the outcome of the request that carried it.
 fn conclude(
     rt: &TargetRuntime,
@@ -779,6 +833,7 @@ async fn attempt(
             }
             let finished = ctx.clock.now_ms();
             breaker_record(&ctx, &rt, &outcome, probe, finished).await;
+            hold_off(&ctx, &rt, &outcome, finished).await;
             let s = conclude(&rt, &leased, &outcome, effects, finished);
             log_settled(&ctx, &rt.spec.id, &outcome, &s);
             s
@@ -804,8 +859,12 @@ pub(super) struct BatchItem {
 }
 
 /// Splits leased entries of a batching webhook into requests of at most `max_events` events
-/// and `max_bytes` bytes of body (an event larger than that goes alone), in lease order.
-pub(super) fn split_batches(leased: Vec<Leased>, batch: &WebhookBatch) -> Vec<Vec<BatchItem>> {
+/// and `max_bytes` bytes of body (an event larger than that goes alone), in accept order
+/// (entry id). Lease order is due-time order, which jitter and retries reshuffle: the same
+/// events sent again came in another order, so the batch's `Idempotency-Key` (a digest of
+/// its entries in order) changed and the array's events were reordered.
+pub(super) fn split_batches(mut leased: Vec<Leased>, batch: &WebhookBatch) -> Vec<Vec<BatchItem>> {
+    leased.sort_by_key(|l| l.entry.id);
     let max_events = usize::try_from(batch.max_events)
         .unwrap_or(usize::MAX)
         .max(1);
@@ -940,6 +999,7 @@ async fn attempt_batch(
             tracing::info!(target_id = %spec_id, max_events = cap, "batches were delivered under a lowered size for a while; trying larger batches ({cap} events)");
         }
         breaker_record(&ctx, &rt, &outcome, probe, finished).await;
+        hold_off(&ctx, &rt, &outcome, finished).await;
         let mut retried = 0usize;
         for BatchItem { leased, .. } in send {
             let s = conclude(&rt, &leased, &outcome, None, finished);
@@ -1221,7 +1281,7 @@ async fn finish_without_effects(
     }
 }
 
-/// A breaker transition in the metrics: counted by the state it went to, and the state gauge.
+/// A breaker transition in the metrics: counted by the state it went to.
 pub(super) fn count_transition(ctx: &DeliveryContext, id: &str, t: &Transition) {
     ctx.metrics
         .breaker_transitions
@@ -1230,11 +1290,9 @@ pub(super) fn count_transition(ctx: &DeliveryContext, id: &str, t: &Transition) 
             ("to", t.to.name().to_string()),
         ])
         .inc();
-    let gauge = t.to.gauge();
-    ctx.metrics
-        .breaker_state
-        .get_or_create(&vec![("target", id.to_string())])
-        .set(gauge);
+    // `router_breaker_state` is set at each scrape from the breakers of the running workers
+    // (`admin::metrics`), which also removes the series of a breaker or target a reload took
+    // away: a series created here could outlive its breaker at its last value.
 }
 
 /// A breaker transition: persisted (so an open breaker stays open across a restart), logged,
@@ -1800,7 +1858,37 @@ mod tests {
     }
 
     #[test]
-    fn batches_split_by_count_and_by_bytes_in_lease_order() {
+    fn only_a_429_or_503_with_retry_after_holds_off_the_target() {
+        let mut retry = policy();
+        retry.retry_after_max = Duration::from_secs(60);
+        let answer = |status, ra: Option<u64>| AttemptOutcome::Retryable {
+            error: "x".into(),
+            status,
+            retry_after: ra.map(Duration::from_secs),
+        };
+        assert_eq!(
+            retry_after_pause(&answer(Some(429), Some(30)), &retry, 1_000),
+            Some(31_000)
+        );
+        assert_eq!(
+            retry_after_pause(&answer(Some(503), Some(3600)), &retry, 1_000),
+            Some(61_000),
+            "capped by retry_after_max"
+        );
+        for o in [
+            answer(Some(429), None),
+            answer(Some(429), Some(0)),
+            answer(Some(500), Some(30)),
+            // A handler's retry with a delay is about its event.
+            answer(None, Some(30)),
+            AttemptOutcome::Delivered { status: Some(200) },
+        ] {
+            assert_eq!(retry_after_pause(&o, &retry, 1_000), None, "{o:?}");
+        }
+    }
+
+    #[test]
+    fn batches_split_by_count_and_by_bytes_in_accept_order() {
         let by_count = WebhookBatch {
             max_events: 3,
             max_bytes: WebhookBatch::DEFAULT_MAX_BYTES,
@@ -1816,10 +1904,11 @@ mod tests {
             max_bytes: 3072,
             window: Duration::ZERO,
         };
-        let mut entries: Vec<Leased> = (0..5).map(|n| leased(n, 1000)).collect();
-        entries.insert(2, leased(99, 5000));
+        let entries: Vec<Leased> = (0..6)
+            .map(|n| leased(n, if n == 2 { 5000 } else { 1000 }))
+            .collect();
         let b = split_batches(entries, &by_bytes);
-        assert_eq!(ids(&b), vec![vec![0, 1], vec![99], vec![2, 3], vec![4]]);
+        assert_eq!(ids(&b), vec![vec![0, 1], vec![2], vec![3, 4], vec![5]]);
         for batch in &b {
             let body: usize = batch.iter().map(|i| i.json.len() + 1).sum::<usize>() + 1;
             assert!(batch.len() == 1 || body <= 3072, "{body} bytes");
@@ -1830,7 +1919,7 @@ mod tests {
     }
 
     #[test]
-    fn a_batch_key_follows_its_entries_and_their_order() {
+    fn a_batch_key_follows_its_entries_not_their_lease_order() {
         let batch = |ns: &[u64]| -> Vec<BatchItem> {
             split_batches(
                 ns.iter().map(|&n| leased(n, 1)).collect(),
@@ -1846,6 +1935,16 @@ mod tests {
         assert!(k.starts_with("batch-") && k.len() == 6 + 32, "{k}");
         assert_eq!(k, batch_key(&batch(&[1, 2, 3])), "stable when sent again");
         assert_ne!(k, batch_key(&batch(&[1, 2])));
-        assert_ne!(k, batch_key(&batch(&[3, 2, 1])));
+        // Leased in another order (retries due at jittered times): the same request, the same
+        // key, the events in the same order in the array.
+        let again = batch(&[3, 1, 2]);
+        assert_eq!(k, batch_key(&again));
+        assert_eq!(
+            again
+                .iter()
+                .map(|i| i.leased.entry.id.event)
+                .collect::<Vec<_>>(),
+            vec![1, 2, 3]
+        );
     }
 }

@@ -16,6 +16,12 @@ use super::{
 };
 use crate::policy::{PolicyConfig, WORST_CASE_ATTEMPTS_SMELL};
 
+/// Whether `c` cannot be in an HTTP header value: what `http::HeaderValue::from_str` refuses
+/// (control characters other than tab, and DEL; text beyond ASCII passes).
+fn not_in_header_value(c: char) -> bool {
+    c.is_ascii_control() && c != '\t'
+}
+
 /// `$schema` lets a JSON rule file name its schema (`schemas/rules.schema.json`) for editors;
 /// YAML files can use a `# yaml-language-server: $schema=…` comment instead. It is not read.
 const FILE_KEYS: &[&str] = &["$schema", "policies", "rules"];
@@ -1108,11 +1114,20 @@ impl Cx<'_> {
                                         continue;
                                     }
                                 };
-                                if val.contains(['\r', '\n']) {
+                                // The HTTP client's own check (`HeaderValue::from_str`, which the
+                                // webhook target applies when it starts): a control character
+                                // other than tab (CR, LF, NUL, VT, DEL...) passed `rules check`
+                                // and then kept the target from starting.
+                                if let Some(c) = val.chars().find(|&c| not_in_header_value(c)) {
+                                    let what = if matches!(c, '\r' | '\n') {
+                                        "a line break".to_string()
+                                    } else {
+                                        format!("the control character U+{:04X}", u32::from(c))
+                                    };
                                     self.err(
                                         file,
                                         hv,
-                                        format!("header `{name}` value contains a line break"),
+                                        format!("header `{name}` value contains {what}, which an HTTP header cannot carry"),
                                     );
                                     ok = false;
                                     continue;
@@ -1382,9 +1397,12 @@ fn check_url(url: &str) -> Result<(), String> {
         ));
     }
     let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
-    if authority.contains('@') {
+    if let Some((_, host)) = authority.rsplit_once('@') {
+        // Not echoed: the error lands in CI logs. `secret_env` is the signing secret, not a
+        // credential the receiver checks; the hint named it.
+        let path = &rest[authority.len()..];
         return Err(format!(
-            "webhook URL `{url}` must not contain credentials; use `secret_env` or the secrets file"
+            "webhook URL `{scheme}://…@{host}{path}` must not contain credentials (a rule file is kept in git); send them as a header from the environment or the secrets file, e.g. `headers_env: {{ Authorization: WEBHOOK_SECRET_… }}` holding `Basic <base64 of user:password>`"
         ));
     }
     let bad_host = || format!("webhook URL `{url}` has an invalid host");

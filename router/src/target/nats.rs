@@ -11,7 +11,12 @@
 //!   every few seconds per target), a JetStream publish: a request answered by the stream's
 //!   PubAck, delivered once stored. Where none does (or the server has no JetStream), the
 //!   message is published as core NATS and flushed instead: delivered then means the server
-//!   has it, with no promise that anyone received it.
+//!   has it, with no promise that anyone received it. Only a definite answer selects core:
+//!   the API's "no such stream" or "JetStream not enabled", or no responders on a server whose
+//!   INFO says it runs no JetStream. JetStream not answering on a server that runs it (it
+//!   stops before client connections close at shutdown) and a publish to a found stream that
+//!   nobody answers are retryable failures, so no event is recorded delivered that a stream
+//!   should have stored but did not.
 //! - `jetstream`: the same, but no stream is a retryable failure, so entries wait in their
 //!   queue until an operator creates the stream.
 //! - `core`: core publish and flush only.
@@ -201,6 +206,27 @@ impl NatsConnection {
             .await
     }
 
+    /// The connection as `/v1/status` and `router_nats_connected` show it; `None` until a
+    /// `nats:` target has started the client (a router without such targets never connects).
+    pub fn status(&self) -> Option<NatsStatus> {
+        let conn = self.client.get()?;
+        let state = conn.client.connection_state();
+        let info =
+            (state == async_nats::connection::State::Connected).then(|| conn.client.server_info());
+        Some(NatsStatus {
+            url: self.cfg.url.clone(),
+            connected: info.is_some(),
+            state: state.to_string(),
+            server: info.as_ref().map(|i| i.server_name.clone()),
+            jetstream: info.map(|i| i.jetstream),
+            last_event: self
+                .last_event
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
+        })
+    }
+
     /// The error text of an attempt made while the client is not connected.
     fn not_connected(&self, state: &async_nats::connection::State) -> String {
         let last = self
@@ -219,6 +245,31 @@ impl NatsConnection {
             ),
         }
     }
+}
+
+/// The shared connection's state, for `/v1/status` (`nats`) and `router_nats_connected`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct NatsStatus {
+    /// `nats.url`, as configured.
+    pub url: String,
+    /// Whether the client is connected now.
+    pub connected: bool,
+    /// The client's own word for its state (`connected`, `disconnected`, `pending`).
+    pub state: String,
+    /// The name of the server it is connected to.
+    pub server: Option<String>,
+    /// Whether that server runs JetStream (its INFO).
+    pub jetstream: Option<bool>,
+    /// The client's last connection event (why the last connect failed, ...).
+    pub last_event: Option<String>,
+}
+
+/// How long an attempt waits for a connection being made before it reports "not connected":
+/// `connect_timeout`, but at most half the attempt's own timeout. Waiting the whole timeout
+/// made every attempt while NATS was down cost the policy's timeout and report a timeout, not
+/// the unreachable server.
+fn connect_wait(connect_timeout: Duration, attempt_timeout: Duration) -> Duration {
+    connect_timeout.min(attempt_timeout / 2)
 }
 
 /// The client's connection state once it is connected, or after `within`.
@@ -371,12 +422,75 @@ fn no_stream(subject: &str, capture: &Capture) -> AttemptOutcome {
     ))
 }
 
-/// Whether a failed stream lookup means the server has no JetStream: its API did not answer
-/// ("no responders"), the request error that the lookup carries as its source.
-fn no_jetstream(e: &jetstream::context::GetStreamByNameError) -> bool {
-    std::error::Error::source(e)
-        .and_then(|s| s.downcast_ref::<jetstream::context::RequestError>())
-        .is_some_and(|r| r.kind() == jetstream::context::RequestErrorKind::NoResponders)
+/// What a failed stream lookup says about the subject. Only a definite answer means "no
+/// JetStream" (and, under `auto`, core publishing): the API answered that JetStream is not
+/// enabled (for the account, or at all), or its subjects have no responders on a server whose
+/// INFO says it runs no JetStream. "No responders" from a server that runs JetStream means
+/// JetStream is not answering for now: a server shutting down stops JetStream before it
+/// closes client connections, and one starting opens them before JetStream has recovered its
+/// streams. Taking that as "no JetStream" published the events of the window as core NATS,
+/// recorded delivered though no stream stored them; it is a retryable failure, never cached.
+fn lookup_failed(
+    e: &jetstream::context::GetStreamByNameError,
+    server_runs_jetstream: bool,
+    subject: &str,
+) -> Result<Capture, AttemptOutcome> {
+    use jetstream::context::GetStreamByNameErrorKind as K;
+    use jetstream::context::{RequestError, RequestErrorKind};
+    // The lookup wraps what happened a few levels down (a page request's error inside the
+    // lookup's): the whole chain is searched.
+    let chain = || {
+        std::iter::successors(Some(e as &(dyn std::error::Error + 'static)), |s| {
+            s.source()
+        })
+    };
+    let disabled = chain().any(|s| {
+        s.downcast_ref::<jetstream::Error>().is_some_and(|answer| {
+            [
+                jetstream::ErrorCode::JETSTREAM_NOT_ENABLED,
+                jetstream::ErrorCode::JETSTREAM_NOT_ENABLED_FOR_ACCOUNT,
+            ]
+            .contains(&answer.error_code())
+        })
+    });
+    let no_responders = chain().any(|s| {
+        s.downcast_ref::<RequestError>()
+            .is_some_and(|r| r.kind() == RequestErrorKind::NoResponders)
+    });
+    match e.kind() {
+        K::NotFound => Ok(Capture::NoStream),
+        K::InvalidSubject => Err(permanent(format!("invalid NATS subject {subject}: {e}"))),
+        _ if disabled => Ok(Capture::NoJetStream),
+        K::Request if no_responders && !server_runs_jetstream => Ok(Capture::NoJetStream),
+        K::Request if no_responders => Err(retryable(format!(
+            "JetStream: looking up the stream of subject {subject}: JetStream is not answering \
+             (no responders; the server is restarting or JetStream is recovering)"
+        ))),
+        K::Request | K::JetStream(_) => Err(retryable(format!(
+            "JetStream: looking up the stream of subject {subject}: {e}"
+        ))),
+    }
+}
+
+/// The outcome of a JetStream publish to a subject that `stream` was found to capture.
+/// async-nats reports a publish nobody answered ("no responders") as `StreamNotFound`. That
+/// is JetStream not answering (stopping or starting with the server) at least as often as a
+/// deleted stream, so it is a retryable failure, never a reason to publish as core NATS: the
+/// next attempt looks the stream up again, and only the API's own "no such stream" (or "no
+/// JetStream") answer selects core publishing under `auto`.
+fn classify_stream_publish(
+    e: &jetstream::context::PublishError,
+    stream: &str,
+    subject: &str,
+) -> AttemptOutcome {
+    match e.kind() {
+        JetStreamErrorKind::StreamNotFound => retryable(format!(
+            "JetStream: no answer from stream {stream} to the publish on subject {subject} (no \
+             responders: JetStream is restarting or the stream was deleted); the stream is \
+             looked up again at the next attempt"
+        )),
+        _ => classify_jetstream(e),
+    }
 }
 
 impl NatsTarget {
@@ -409,29 +523,17 @@ impl NatsTarget {
     /// subscriber gets the request, nobody acknowledges, and every retry would hand it another
     /// copy. So the target asks JetStream's API first, and publishes as core NATS where no
     /// stream is.
-    async fn capture(&self, js: &jetstream::Context) -> Result<Capture, AttemptOutcome> {
-        use jetstream::context::GetStreamByNameErrorKind as K;
+    async fn capture(&self, conn: &Connected) -> Result<Capture, AttemptOutcome> {
         if let Some(c) = self.remembered() {
             return Ok(c);
         }
-        let found = match js.stream_by_subject(self.subject.to_string()).await {
+        let found = match conn
+            .jetstream
+            .stream_by_subject(self.subject.to_string())
+            .await
+        {
             Ok(name) => Capture::Stream(name),
-            Err(e) => match e.kind() {
-                K::NotFound => Capture::NoStream,
-                K::Request if no_jetstream(&e) => Capture::NoJetStream,
-                K::InvalidSubject => {
-                    return Err(permanent(format!(
-                        "invalid NATS subject {}: {e}",
-                        self.subject
-                    )));
-                }
-                K::Request | K::JetStream(_) => {
-                    return Err(retryable(format!(
-                        "JetStream: looking up the stream of subject {}: {e}",
-                        self.subject
-                    )));
-                }
-            },
+            Err(e) => lookup_failed(&e, conn.client.server_info().jetstream, &self.subject)?,
         };
         self.remember(Some(found.clone()));
         Ok(found)
@@ -462,8 +564,10 @@ impl NatsTarget {
         // Nothing is handed to a client that is not connected: it would queue the message
         // and send it whenever it reconnects, long after this attempt was reported failed.
         // A connection being made (the router just started, the server restarted) gets up to
-        // `connect_timeout` to come up, as a webhook's connect would.
-        let state = wait_connected(&conn.client, self.conn.cfg.connect_timeout).await;
+        // `connect_timeout` to come up, as a webhook's connect would (bounded by the attempt's
+        // timeout: see `connect_wait`).
+        let within = connect_wait(self.conn.cfg.connect_timeout, req.timeout);
+        let state = wait_connected(&conn.client, within).await;
         if state != async_nats::connection::State::Connected {
             return retryable(self.conn.not_connected(&state));
         }
@@ -471,18 +575,18 @@ impl NatsTarget {
         if self.ack == NatsAck::Core {
             return self.publish_core(&conn.client, headers, req).await;
         }
-        let capture = match self.capture(&conn.jetstream).await {
+        let capture = match self.capture(conn).await {
             Ok(c) => c,
             Err(outcome) => return outcome,
         };
-        match (&capture, self.ack) {
-            (Capture::Stream(_), _) => {}
+        let stream = match (&capture, self.ack) {
+            (Capture::Stream(stream), _) => stream,
             (_, NatsAck::JetStream) => return no_stream(&self.subject, &capture),
             _ => return self.publish_core(&conn.client, headers, req).await,
-        }
+        };
         let message = JetStreamMessage::build()
             .payload(req.body.clone())
-            .headers(headers.clone());
+            .headers(headers);
         let acked = async {
             conn.jetstream
                 .send_publish(self.subject.clone(), message)
@@ -498,15 +602,7 @@ impl NatsTarget {
                 }
                 AttemptOutcome::Delivered { status: None }
             }
-            // The stream went away since the lookup (and no core subscriber took the request).
-            Err(e) if e.kind() == JetStreamErrorKind::StreamNotFound => match self.ack {
-                NatsAck::JetStream => no_stream(&self.subject, &Capture::NoStream),
-                _ => {
-                    self.remember(Some(Capture::NoStream));
-                    self.publish_core(&conn.client, headers, req).await
-                }
-            },
-            Err(e) => classify_jetstream(&e),
+            Err(e) => classify_stream_publish(&e, stream, &self.subject),
         }
     }
 
@@ -647,27 +743,131 @@ mod tests {
     }
 
     #[test]
-    fn a_lookup_without_responders_means_no_jetstream() {
+    fn only_a_definite_answer_of_the_lookup_means_no_stream_or_no_jetstream() {
         use jetstream::context::{
             GetStreamByNameError, GetStreamByNameErrorKind, RequestError, RequestErrorKind,
         };
+        // As `stream_by_subject` reports a failed page request: the lookup's Request error,
+        // over the page's, over the request's own.
         let lookup = |kind| {
             GetStreamByNameError::with_source(
                 GetStreamByNameErrorKind::Request,
-                RequestError::new(kind),
+                RequestError::with_source(RequestErrorKind::Other, RequestError::new(kind)),
             )
         };
-        assert!(no_jetstream(&lookup(RequestErrorKind::NoResponders)));
-        assert!(!no_jetstream(&lookup(RequestErrorKind::TimedOut)));
-        assert!(!no_jetstream(&GetStreamByNameError::new(
-            GetStreamByNameErrorKind::NotFound
-        )));
+        let answered = |json: &str| {
+            let answer: jetstream::response::Response<jetstream::publish::PublishAck> =
+                serde_json::from_str(json).expect("error answer");
+            let jetstream::response::Response::Err { error } = answer else {
+                panic!("an error answer");
+            };
+            GetStreamByNameError::with_source(
+                GetStreamByNameErrorKind::Request,
+                RequestError::with_source(RequestErrorKind::Other, error),
+            )
+        };
+        let no_responders = lookup(RequestErrorKind::NoResponders);
+        // A server whose INFO says it runs no JetStream: nothing will ever answer.
+        assert_eq!(
+            lookup_failed(&no_responders, false, "a.b").ok(),
+            Some(Capture::NoJetStream)
+        );
+        // A server that runs JetStream but whose JetStream does not answer (shutting down,
+        // recovering): a retryable failure, not "no JetStream".
+        let o = lookup_failed(&no_responders, true, "a.b").expect_err("retryable");
+        assert!(matches!(o, AttemptOutcome::Retryable { .. }), "{o:?}");
+        assert!(
+            o.error()
+                .is_some_and(|e| e.contains("JetStream is not answering")),
+            "{o:?}"
+        );
+        for kind in [RequestErrorKind::TimedOut, RequestErrorKind::Other] {
+            let o = lookup_failed(&lookup(kind), false, "a.b").expect_err("retryable");
+            assert!(o.counts_for_breaker(), "{o:?}");
+        }
+        assert_eq!(
+            lookup_failed(
+                &GetStreamByNameError::new(GetStreamByNameErrorKind::NotFound),
+                true,
+                "a.b"
+            )
+            .ok(),
+            Some(Capture::NoStream)
+        );
+        // The account has no JetStream: the API says so (10039).
+        let disabled = answered(
+            r#"{"error":{"code":503,"err_code":10039,"description":"jetstream not enabled for account"}}"#,
+        );
+        assert_eq!(
+            lookup_failed(&disabled, true, "a.b").ok(),
+            Some(Capture::NoJetStream)
+        );
+        // Any other error answer is retried.
+        let other = answered(
+            r#"{"error":{"code":500,"err_code":10008,"description":"jetstream cluster not available"}}"#,
+        );
+        assert!(lookup_failed(&other, true, "a.b").is_err());
         let o = no_stream("a.b", &Capture::NoJetStream);
         assert!(
             o.error().is_some_and(|e| e
                 .starts_with("no JetStream stream captures subject a.b: JetStream is not enabled")),
             "{o:?}"
         );
+    }
+
+    #[test]
+    fn a_publish_without_responders_to_a_found_stream_is_retried() {
+        let e =
+            async_nats::jetstream::context::PublishError::new(JetStreamErrorKind::StreamNotFound);
+        let o = classify_stream_publish(&e, "ORDERS", "orders.paid");
+        assert!(matches!(o, AttemptOutcome::Retryable { .. }), "{o:?}");
+        assert!(
+            o.error()
+                .is_some_and(|t| t.contains("no answer from stream ORDERS")),
+            "{o:?}"
+        );
+    }
+
+    /// The loss of the audit: a stream was found for the subject, then JetStream stopped
+    /// answering (the server shutting down) while core NATS still worked. A server without
+    /// JetStream stands in for that window deterministically: its JetStream API has no
+    /// responders, as a stopping JetStream's has. The publish must fail (retryable) rather
+    /// than go out as core NATS and be recorded delivered; only once the lookup gets a
+    /// definite answer (here: the server's INFO says it runs no JetStream) does `auto` publish
+    /// as core.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_found_stream_that_stops_answering_is_retried_not_published_as_core() {
+        use futures::StreamExt;
+        let server = crate::store::jetstream::test_server::TestServer::start_core_only();
+        let cfg = NatsConfig {
+            url: server.url(),
+            ..NatsConfig::default()
+        };
+        let conn = NatsConnection::new(cfg, no_secrets(), tokio::runtime::Handle::current());
+        let watcher = async_nats::connect(server.url()).await.expect("connect");
+        let mut seen = watcher.subscribe("orders.paid").await.expect("subscribe");
+        watcher.flush().await.expect("flush");
+        let target = NatsTarget::new(conn, "orders.paid");
+        target.remember(Some(Capture::Stream("ORDERS".into())));
+        let o = target.attempt(&request(Duration::from_secs(5), None)).await;
+        assert!(matches!(o, AttemptOutcome::Retryable { .. }), "{o:?}");
+        // The JetStream publish is itself a request on the subject (with a reply subject for
+        // the PubAck), which a core subscriber sees; a core publish has no reply subject.
+        while let Ok(Some(msg)) =
+            tokio::time::timeout(Duration::from_millis(500), seen.next()).await
+        {
+            assert!(msg.reply.is_some(), "published as core NATS: {msg:?}");
+        }
+        // The failed attempt forgot the stream; the lookup now has a definite answer.
+        let o = target.attempt(&request(Duration::from_secs(5), None)).await;
+        assert!(matches!(o, AttemptOutcome::Delivered { .. }), "{o:?}");
+        assert_eq!(target.remembered(), Some(Capture::NoJetStream));
+        let msg = tokio::time::timeout(Duration::from_secs(10), seen.next())
+            .await
+            .expect("the core message within 10 s")
+            .expect("a message");
+        assert!(msg.reply.is_none(), "a core publish: {msg:?}");
+        assert_eq!(&msg.payload[..], b"{\"id\":\"e-1\"}");
     }
 
     #[tokio::test]
@@ -777,6 +977,46 @@ mod tests {
         }
         tracker.close();
         tracker.wait().await;
+    }
+
+    /// `connect_timeout` (2 s by default) longer than the attempt's timeout: the attempt
+    /// reports the unreachable server after half its timeout, not a timeout after all of it;
+    /// and the connection's state shows in its status.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unreachable_server_is_reported_as_such_within_the_attempts_timeout() {
+        assert_eq!(
+            connect_wait(Duration::from_secs(2), Duration::from_secs(1)),
+            Duration::from_millis(500)
+        );
+        assert_eq!(
+            connect_wait(Duration::from_secs(2), Duration::from_secs(10)),
+            Duration::from_secs(2)
+        );
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            l.local_addr().expect("addr").port()
+        };
+        let cfg = NatsConfig {
+            url: format!("nats://127.0.0.1:{port}"),
+            connect_timeout: Duration::from_secs(2),
+            ..NatsConfig::default()
+        };
+        let conn = NatsConnection::new(cfg, no_secrets(), tokio::runtime::Handle::current());
+        assert!(
+            conn.status().is_none(),
+            "no client before a target starts it"
+        );
+        let target = NatsTarget::new(conn.clone(), "orders.paid");
+        let o = target.attempt(&request(Duration::from_secs(1), None)).await;
+        assert!(
+            o.error().is_some_and(|e| e.starts_with(&format!(
+                "connection failed: not connected to NATS at nats://127.0.0.1:{port}"
+            ))),
+            "{o:?}"
+        );
+        let status = conn.status().expect("started");
+        assert!(!status.connected, "{status:?}");
+        assert_eq!(status.url, format!("nats://127.0.0.1:{port}"));
     }
 
     #[tokio::test]

@@ -77,19 +77,69 @@ pub struct Webhook {
     signing_keys: Vec<Vec<u8>>,
 }
 
+/// The fewest bytes of key a signing secret may have. Standard Webhooks' secrets are 24 to 64
+/// bytes; 16 (128 bits) is the floor below which an HMAC key is guessable, and what catches a
+/// `whsec_` with nothing after it, or a placeholder such as `changeme`.
+pub const MIN_SIGNING_KEY_BYTES: usize = 16;
+
+/// Why a signing secret's value cannot sign.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SecretError {
+    /// Nothing but whitespace: such a target sent its webhooks unsigned, with no word of it.
+    #[error(
+        "the value is empty; set the secret (or remove secret_env from the target to send unsigned)"
+    )]
+    Empty,
+    /// A key too short to be a secret (`whsec_` alone signed with an empty HMAC key).
+    #[error(
+        "secret {position} has {bytes} bytes of key, fewer than {MIN_SIGNING_KEY_BYTES} (Standard Webhooks secrets are `whsec_` and 24 to 64 bytes in base64)"
+    )]
+    TooShort {
+        /// Which secret of the value (1-based; two during a rotation).
+        position: usize,
+        /// Its key's length.
+        bytes: usize,
+    },
+    /// `whsec_` followed by something that is not base64.
+    #[error("secret {position}: whsec_ secret is not valid base64: {source}")]
+    Base64 {
+        /// Which secret of the value (1-based).
+        position: usize,
+        /// The decoder's error.
+        source: base64::DecodeError,
+    },
+}
+
 /// Parses a secret value: one or more whitespace-separated secrets (two during a rotation),
-/// each `whsec_<base64>` (the Standard Webhooks form) or raw text.
-pub fn parse_secrets(value: &str) -> Result<Vec<Vec<u8>>, String> {
+/// each `whsec_<base64>` (the Standard Webhooks form) or raw text. An empty value or a key
+/// shorter than [`MIN_SIGNING_KEY_BYTES`] is an error, so the target does not start: a
+/// configured secret that cannot sign must not turn into unsigned or weakly signed requests.
+pub fn parse_secrets(value: &str) -> Result<Vec<Vec<u8>>, SecretError> {
     use base64::Engine as _;
-    value
+    let keys = value
         .split_whitespace()
-        .map(|s| match s.strip_prefix("whsec_") {
-            Some(b64) => base64::engine::general_purpose::STANDARD
-                .decode(b64)
-                .map_err(|e| format!("whsec_ secret is not valid base64: {e}")),
-            None => Ok(s.as_bytes().to_vec()),
+        .enumerate()
+        .map(|(i, s)| {
+            let position = i + 1;
+            let key = match s.strip_prefix("whsec_") {
+                Some(b64) => base64::engine::general_purpose::STANDARD
+                    .decode(b64)
+                    .map_err(|source| SecretError::Base64 { position, source })?,
+                None => s.as_bytes().to_vec(),
+            };
+            if key.len() < MIN_SIGNING_KEY_BYTES {
+                return Err(SecretError::TooShort {
+                    position,
+                    bytes: key.len(),
+                });
+            }
+            Ok(key)
         })
-        .collect()
+        .collect::<Result<Vec<_>, _>>()?;
+    if keys.is_empty() {
+        return Err(SecretError::Empty);
+    }
+    Ok(keys)
 }
 
 /// The `webhook-signature` header value: `v1,<base64 HMAC-SHA256>` for each key, space
@@ -917,10 +967,43 @@ mod tests {
         );
         assert_eq!(sig, "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=");
         // Rotation: two secrets, two signatures.
-        let two =
-            parse_secrets("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw rawsecret").expect("secrets");
+        let two = parse_secrets("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw raw-secret-of-24-bytes!!")
+            .expect("secrets");
         assert_eq!(sign(&two, "a", 1, b"x").split(' ').count(), 2);
-        assert!(parse_secrets("whsec_!!!").is_err());
+        assert!(matches!(
+            parse_secrets("whsec_!!!"),
+            Err(SecretError::Base64 { position: 1, .. })
+        ));
+    }
+
+    /// An empty secret sent webhooks unsigned; `whsec_` alone signed with an empty key. Both,
+    /// and any key under 16 bytes, keep the target from starting.
+    #[test]
+    fn an_empty_or_short_secret_cannot_sign() {
+        assert_eq!(parse_secrets(""), Err(SecretError::Empty));
+        assert_eq!(parse_secrets(" \t\n"), Err(SecretError::Empty));
+        assert_eq!(
+            parse_secrets("whsec_"),
+            Err(SecretError::TooShort {
+                position: 1,
+                bytes: 0
+            })
+        );
+        assert_eq!(
+            parse_secrets("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw changeme"),
+            Err(SecretError::TooShort {
+                position: 2,
+                bytes: 8
+            })
+        );
+        // 15 bytes of key, then 16.
+        assert!(parse_secrets("whsec_MDEyMzQ1Njc4OWFiY2Rl").is_err());
+        assert_eq!(
+            parse_secrets("whsec_MDEyMzQ1Njc4OWFiY2RlZg==").map(|k| k[0].len()),
+            Ok(16)
+        );
+        let e = parse_secrets("whsec_").expect_err("short").to_string();
+        assert!(e.contains("0 bytes of key, fewer than 16"), "{e}");
     }
 
     #[test]

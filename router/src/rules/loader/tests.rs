@@ -478,6 +478,13 @@ fn webhook_urls() {
     ] {
         one_err(&[("r.yaml", &t(bad))], "r.yaml:5:18: ", why);
     }
+    // The credentials are not echoed (CI logs), and the hint names the header way, not the
+    // signing secret.
+    let e = errs(&[("r.yaml", &t("https://user:s3cret@host:8443/hook?x=1"))]);
+    assert_eq!(e.len(), 1, "{e:#?}");
+    assert!(!e[0].contains("s3cret"), "{}", e[0]);
+    assert!(e[0].contains("https://…@host:8443/hook?x=1"), "{}", e[0]);
+    assert!(e[0].contains("headers_env: { Authorization:"), "{}", e[0]);
 }
 
 #[test]
@@ -1341,4 +1348,45 @@ rules:
         e[7].starts_with("r.yaml:16:26: `batch.window` must be a duration such as `20ms`"),
         "{e:#?}"
     );
+}
+
+/// `rules check` refuses every header value the webhook target's HTTP client refuses at start
+/// (it checked only CR and LF: a vertical tab, NUL or DEL passed the check and then kept the
+/// target from starting).
+#[test]
+fn header_values_the_http_client_refuses_are_errors_with_their_position() {
+    let src = "\
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - webhook: http://h/
+        headers: { X-A: \"a\\vb\", X-B: \"a\\0b\", X-C: \"a\\x7Fb\", X-D: \"a\\tb é\" }
+";
+    let e = errs(&[("r.yaml", src)]);
+    assert_eq!(e.len(), 3, "{e:#?}");
+    assert!(
+        e[0].starts_with("r.yaml:6:25: header `X-A` value contains the control character U+000B"),
+        "{}",
+        e[0]
+    );
+    assert!(
+        e[1].contains("`X-B` value contains the control character U+0000"),
+        "{}",
+        e[1]
+    );
+    assert!(
+        e[2].contains("`X-C` value contains the control character U+007F"),
+        "{}",
+        e[2]
+    );
+    // The same rule as the client's, for every ASCII character.
+    for b in 0u8..=127 {
+        let c = char::from(b);
+        assert_eq!(
+            super::not_in_header_value(c),
+            http::HeaderValue::from_str(c.encode_utf8(&mut [0; 4])).is_err(),
+            "{b:#04x}"
+        );
+    }
 }

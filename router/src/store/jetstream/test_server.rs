@@ -21,6 +21,8 @@ pub struct TestServer {
     /// In a cluster: this server's name, its route port and every member's route port.
     cluster: Option<(String, u16, Vec<u16>)>,
     limits: Limits,
+    /// Whether the server runs JetStream (all but `start_core_only`).
+    jetstream: bool,
 }
 
 /// Server settings a test sets other than the default (`TestServer::start_with`).
@@ -88,6 +90,22 @@ impl TestServer {
             bin: binary(),
             cluster: None,
             limits,
+            jetstream: true,
+        };
+        s.spawn();
+        s
+    }
+
+    /// A server without JetStream (core NATS only), for the `nats:` target's tests.
+    pub fn start_core_only() -> Self {
+        let mut s = Self {
+            child: None,
+            port: free_port(),
+            dir: tempfile::tempdir().expect("temp dir"),
+            bin: binary(),
+            cluster: None,
+            limits: Limits::default(),
+            jetstream: false,
         };
         s.spawn();
         s
@@ -106,6 +124,7 @@ impl TestServer {
                 bin: binary(),
                 cluster: Some((format!("n{i}"), routes[i], routes.clone())),
                 limits: Limits::default(),
+                jetstream: true,
             })
             .collect();
         for s in &mut servers {
@@ -132,6 +151,10 @@ impl TestServer {
         let store = self.dir.path().join("js");
         let Limits { max_payload, batch } = self.limits;
         let config = match &self.cluster {
+            None if !self.jetstream => format!(
+                "listen: 127.0.0.1:{}\nmax_payload: {max_payload}\n",
+                self.port
+            ),
             None => format!(
                 "listen: 127.0.0.1:{}\nmax_payload: {max_payload}\njetstream {{\n  store_dir: {:?}\n  sync_interval: always\n  limits {{ batch {{ {batch} }} }}\n}}\n",
                 self.port,
