@@ -807,6 +807,18 @@ fn emit_scope_error(
             emitter.handler, emitter.owner
         ));
     };
+    // A system event's type (`router.dlq.added` …) is reserved as at ingest: alert rules route
+    // them, so a team whose token may not send one may not have its handler emit one either
+    // (`ingest:*` does not cover them).
+    if let Some(need) = principal.reserved_type_denial(ty) {
+        return Some(format!(
+            "handler {:?} (owner {:?}) may not emit type {ty:?}: types starting with {} are the router's system events, and its owner's token lacks {need} (only admin or an ingest: pattern that itself starts with {} covers them)",
+            emitter.handler,
+            emitter.owner,
+            crate::auth::RESERVED_TYPE_PREFIX,
+            crate::auth::RESERVED_TYPE_PREFIX
+        ));
+    }
     // The router sets an emitted event's source (the handler's URI): only its type is the
     // owner's to be checked.
     principal.ingest_denial(ty, None).map(|need| {
@@ -1881,6 +1893,56 @@ mod tests {
     use super::*;
     use crate::store::fault::SimulatedDisk;
     use crate::store::{DlqReason, RedbStore, StoreOptions};
+
+    /// A handler's emissions are held to its owner's ingest scope, system event types
+    /// included: `ingest:*` lets a team send (and emit) any type but `router.*`, which alert
+    /// rules route; only `admin` or an `ingest:router.…` pattern covers those, as at ingest.
+    #[test]
+    fn a_handler_may_not_emit_a_system_event_its_owner_may_not_send() {
+        use sha2::Digest as _;
+        let token = |name: &str, scopes: &[&str]| crate::auth::TokenConfig {
+            name: name.into(),
+            sha256: hex::encode(sha2::Sha256::digest(name.as_bytes())),
+            scopes: scopes.iter().map(|s| s.to_string()).collect(),
+            rate_per_sec: None,
+            team: None,
+        };
+        let tokens = crate::auth::Tokens::new(&[
+            token("team", &["ingest:*", "handlers:custom"]),
+            token("relay", &["ingest:router.dlq.*", "handlers:custom"]),
+            token("ops", &["admin"]),
+        ])
+        .expect("tokens");
+        let by = |owner: &str| crate::target::handler::EmitterOf {
+            handler: "custom".into(),
+            owner: owner.into(),
+            team: None,
+        };
+        let why = emit_scope_error(&tokens, &by("team"), "router.dlq.added")
+            .expect("ingest:* does not cover a system event type");
+        assert!(
+            why.contains("ingest:router.dlq.added") && why.contains("system events"),
+            "{why}"
+        );
+        assert_eq!(
+            emit_scope_error(&tokens, &by("team"), "order.created"),
+            None
+        );
+        assert_eq!(
+            emit_scope_error(&tokens, &by("relay"), "router.dlq.added"),
+            None
+        );
+        assert!(emit_scope_error(&tokens, &by("relay"), "router.breaker.opened").is_some());
+        assert_eq!(
+            emit_scope_error(&tokens, &by("ops"), "router.dlq.added"),
+            None
+        );
+        // Preloaded handlers are the operator's own.
+        assert_eq!(
+            emit_scope_error(&tokens, &by(crate::auth::PRELOAD_OWNER), "router.dlq.added"),
+            None
+        );
+    }
 
     /// An alert loop through a handler: webhook `a` fails → `router.dlq.added` about `a` →
     /// handler `b` turns it into `ops.page` → routed to `a`, which fails again → … With

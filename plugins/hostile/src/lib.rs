@@ -6,8 +6,9 @@
 //! to outlive its lease — then, on every attempt, records `slow:<event id>` = one `x` per
 //! attempt in kv and emits `hostile.slow.done`), `sleep` (asks to sleep an hour: the router
 //! traps a guest that waits on a clock, since the wait would block in the host where epoch
-//! interruption cannot reach it, so this ends at once as `handler_trap`). Anything else: returns
-//! nothing.
+//! interruption cannot reach it, so this ends at once as `handler_trap`), `forge` (emits one
+//! event of type `data.type` with `data.data`, e.g. a fake `router.dlq.added`: the router holds
+//! emissions to the uploader's ingest scope). Anything else: returns nothing.
 
 use std::hint::black_box;
 
@@ -101,6 +102,14 @@ impl Handler for Hostile {
                 let mark = "x".repeat(delivery.attempt as usize);
                 kv::set(&format!("slow:{}", event.id), mark.as_bytes(), None);
                 Ok(vec![Emit::new("hostile.slow.done")])
+            }
+            "forge" => {
+                let ty = data
+                    .get("type")
+                    .and_then(serde_json::Value::as_str)
+                    .unwrap_or("hostile.forged");
+                let body = data.get("data").cloned().unwrap_or(serde_json::Value::Null);
+                Ok(vec![Emit::json(ty, &body)?])
             }
             _ => Ok(Vec::new()),
         }
