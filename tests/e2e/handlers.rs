@@ -363,6 +363,41 @@ async fn handler_failures_follow_the_delivery_policies() {
             .unwrap_or("")
             .contains("retry")
     );
+    // The handlers' own `fail` and `retry` answers are in their logs, with the event id and
+    // attempt: a team with only `handlers:` scope sees why its deliveries were dead-lettered.
+    let line = |lines: &[Value], prefix: &str| {
+        lines
+            .iter()
+            .find(|l| l["message"].as_str().is_some_and(|m| m.starts_with(prefix)))
+            .cloned()
+    };
+    let failed = line(&logs(&r, "strict").await, "failed: ").expect("strict's failure logged");
+    assert_eq!(
+        (&failed["level"], &failed["event_id"], &failed["attempt"]),
+        (&json!("error"), &json!("s1"), &json!(1)),
+        "{failed}"
+    );
+    let retried = logs(&r, "flaky")
+        .await
+        .into_iter()
+        .filter(|l| {
+            l["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("retry requested (after 100ms): flaky: attempt"))
+        })
+        .collect::<Vec<_>>();
+    let mut attempts: Vec<u64> = retried
+        .iter()
+        .filter_map(|l| l["attempt"].as_u64())
+        .collect();
+    attempts.sort_unstable();
+    assert_eq!(attempts, [1, 2], "{retried:?}");
+    assert!(
+        retried
+            .iter()
+            .all(|l| l["level"] == "warn" && l["event_id"] == "f1"),
+        "{retried:?}"
+    );
     let lines = eventually(Duration::from_secs(20), || async {
         let l = logs(&r, "invoice").await;
         (l.len() >= 2).then_some(l)

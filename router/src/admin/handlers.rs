@@ -383,11 +383,19 @@ pub async fn logs(
         Ok(rt) => rt,
         Err(r) => return *r,
     };
-    if let Some(Err(e)) = rt
-        .registry
-        .index(&name)
-        .map(|i| i.check_owner(&who.uploader()))
-    {
+    let index = rt.registry.index(&name);
+    // A name with no record here (never uploaded, or released) has no logs to read: a 200
+    // with no lines would pass for a handler that ran and logged nothing (a typo'd name, a
+    // dashboard on the wrong one). A deleted handler's kept name keeps its logs; a handler
+    // whose index cannot be read is still listed, and so are its logs.
+    if index.is_none() && rt.registry.get(&name).is_none() {
+        return error_response(
+            StatusCode::NOT_FOUND,
+            "unknown handler",
+            vec![FieldError::new("/name", format!("no handler {name:?}"))],
+        );
+    }
+    if let Some(Err(e)) = index.map(|i| i.check_owner(&who.uploader())) {
         tracing::warn!(token = %who.name, team = %who.team, handler = %name, owner = %e.owner, "handler logs refused: another team owns the handler");
         return error_response(
             StatusCode::FORBIDDEN,
