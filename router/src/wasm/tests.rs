@@ -357,12 +357,27 @@ fn hostile_sleep_traps_instead_of_outliving_its_timeout() {
         ..HandlerLimits::default()
     };
     let inv = hostile_with_neighbour(json!({"mode": "sleep"}), &limits);
-    assert!(
-        matches!(&inv.outcome, InvocationOutcome::Trap(m) if m.contains("cannot sleep")),
-        "{:?}",
-        inv.outcome
-    );
+    // The router's explanation opens the message, not the wasm backtrace.
+    match &inv.outcome {
+        InvocationOutcome::Trap(m) => {
+            assert!(m.lines().next().unwrap().contains("cannot sleep"), "{m}");
+            assert_one_backtrace(m);
+        }
+        other => panic!("{other:?}"),
+    }
     assert!(inv.duration < Duration::from_secs(3), "{:?}", inv.duration);
+}
+
+/// A trap's message holds the wasm backtrace once, after its first line.
+fn assert_one_backtrace(m: &str) {
+    assert_eq!(
+        m.matches("error while executing at wasm backtrace:")
+            .count(),
+        1,
+        "{m}"
+    );
+    assert!(!m.lines().next().unwrap().contains("backtrace"), "{m}");
+    assert!(!m.contains("wasm trap: wasm trap"), "{m}");
 }
 
 #[test]
@@ -379,7 +394,14 @@ fn hostile_memory_bomb_is_oom() {
 fn hostile_deep_recursion_is_a_stack_overflow_trap() {
     let inv = hostile_with_neighbour(json!({"mode": "stack"}), &HandlerLimits::default());
     match inv.outcome {
-        InvocationOutcome::Trap(m) => assert!(m.contains("stack overflow"), "{m}"),
+        InvocationOutcome::Trap(m) => {
+            assert_eq!(
+                m.lines().next(),
+                Some("wasm trap: stack overflow (call stack exhausted)"),
+                "{m}"
+            );
+            assert_one_backtrace(&m);
+        }
         other => panic!("{other:?}"),
     }
 }
@@ -388,10 +410,17 @@ fn hostile_deep_recursion_is_a_stack_overflow_trap() {
 fn hostile_panic_is_a_trap_with_the_panic_message() {
     let inv = hostile_with_neighbour(json!({"mode": "panic"}), &HandlerLimits::default());
     match inv.outcome {
-        InvocationOutcome::Trap(m) => assert!(
-            m.contains("hostile handler panicked on purpose (event h1)"),
-            "{m}"
-        ),
+        InvocationOutcome::Trap(m) => {
+            assert_eq!(
+                m.lines().next(),
+                Some(
+                    "guest panicked: hostile handler panicked on purpose (event h1) (wasm trap: wasm `unreachable` instruction executed)"
+                ),
+                "{m}"
+            );
+            assert!(m.contains("\nguest stderr:\n"), "{m}");
+            assert_one_backtrace(&m);
+        }
         other => panic!("{other:?}"),
     }
 }
