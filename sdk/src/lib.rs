@@ -88,8 +88,9 @@ pub use event::{Delivery, Event};
 /// writes to standard error as well as to a buffer that [`testing::take_logs`] drains. Where
 /// the router would stop an invocation for a rule it can check as cheaply, the stand-ins panic
 /// with the router's reason, so the test fails as the invocation would: a key longer than
-/// [`kv::MAX_KEY_BYTES`], an extension name [`Emit::with_extension`] says the router refuses.
-/// The other limits (emissions, output and write sizes) are not checked here.
+/// [`kv::MAX_KEY_BYTES`]. (An extension the router refuses is already an error of
+/// [`Emit::with_extension`], here and inside a component.) The other limits (emissions, output
+/// and write sizes) are not checked here.
 ///
 /// ```
 /// router_sdk::kv::set("k", b"v", None);
