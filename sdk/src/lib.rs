@@ -44,9 +44,18 @@
 //! crate-type = ["cdylib"]
 //!
 //! [dependencies]
-//! router-sdk = { path = "../sdk" }
+//! # A team's own repository: the router's repository as a git dependency (Cargo finds the
+//! # `router-sdk` package in its workspace), pinned to the router release the handler targets,
+//! # so the SDK and the WIT world it implements change only when the team moves the pin.
+//! router-sdk = { git = "https://git.example.com/platform/router.git", tag = "v0.1.0" }
+//! # Inside the router's repository (as `plugins/` does): a path dependency.
+//! # router-sdk = { path = "../sdk" }
 //! serde = { version = "1", features = ["derive"] } # for #[derive(serde::Deserialize)] above
 //! ```
+//!
+//! Use your deployment's clone URL and a tag (or `rev = "<commit>"`) that matches the routers
+//! you upload to: an upload is refused unless the component implements the router's world
+//! (`sdk/wit/`).
 //!
 //! ```toml
 //! # .cargo/config.toml: a 64 KiB guest stack makes each invocation about twice as cheap
