@@ -219,6 +219,106 @@ async fn dead_letter_removed(app: &Arc<App>, id: &str, why: String, grace: Durat
     });
 }
 
+/// What a handler's release does to its queued deliveries ([`crate::wasm::ReleasedQueues`]):
+/// every target that runs the handler (in the rules now, or draining under an earlier rule
+/// set's configuration) has its waiting entries moved to the DLQ as `handler_released`,
+/// counted and announced like a removed target's. (Weak: the dispatcher's context holds the
+/// handler runtime, which holds this.)
+struct ReleasedHandlerQueues {
+    dispatcher: std::sync::Weak<Dispatcher>,
+}
+
+/// The error of a delivery dead-lettered because its handler's name was released.
+fn handler_released_error(name: &str) -> String {
+    format!(
+        "handler {name:?} was released, so its queued deliveries never run on the code of whichever team claims the name next; redrive them to deliver them to the handler of that name now"
+    )
+}
+
+impl crate::wasm::ReleasedQueues for ReleasedHandlerQueues {
+    fn dead_letter(
+        &self,
+        name: &str,
+        wait: Duration,
+    ) -> futures::future::BoxFuture<'_, Result<u64, String>> {
+        use futures::FutureExt as _;
+        let name = name.to_owned();
+        async move {
+            let Some(dispatcher) = self.dispatcher.upgrade() else {
+                return Err("the router is shutting down".to_owned());
+            };
+            let ctx = dispatcher.context().clone();
+            let runs_it = |spec: &TargetSpec| {
+                matches!(&spec.kind, crate::rules::TargetKind::Handler { name: n } if *n == name)
+            };
+            let mut ids: std::collections::BTreeSet<String> = dispatcher
+                .running()
+                .into_iter()
+                .filter(|s| runs_it(s))
+                .map(|s| s.id)
+                .collect();
+            // Every configuration the store remembers: a target removed from the rules
+            // whose worker is not running here (another node's, or not restarted) still
+            // has a queue.
+            for (id, spec) in ctx.store.saved_targets().await.map_err(|e| e.to_string())? {
+                if serde_json::from_value::<TargetSpec>(spec).is_ok_and(|s| runs_it(&s)) {
+                    ids.insert(id);
+                }
+            }
+            let why = handler_released_error(&name);
+            let reason = crate::store::DlqReason::HandlerReleased;
+            let deadline = tokio::time::Instant::now() + wait;
+            let sweep = || async {
+                let mut moved = 0u64;
+                for id in &ids {
+                    let n = ctx
+                        .store
+                        .dead_letter_queued(id, reason, &why, ctx.clock.now_ms())
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    crate::deliver::dead_lettered_in_bulk(
+                        &ctx,
+                        id,
+                        reason,
+                        n as u64,
+                        &why,
+                        ctx.clock.now_ms(),
+                    );
+                    moved += n as u64;
+                }
+                Ok::<u64, String>(moved)
+            };
+            let leased = || {
+                let stats = ctx.store.queue_stats();
+                ids.iter()
+                    .filter_map(|id| stats.get(id))
+                    .map(|s| s.in_flight)
+                    .sum::<u64>()
+            };
+            let mut moved = sweep().await?;
+            // A delivery leased during a sweep is not moved by it: its worker, finding the
+            // handler deleted, puts it back (not due again for seconds), and a later sweep
+            // moves it. Once nothing is leased, one more sweep takes those put back since
+            // the last one. Entries routed to the name meanwhile are for whoever claims it
+            // next, as after the release.
+            loop {
+                if leased() == 0 {
+                    return Ok(moved + sweep().await?);
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(format!(
+                        "{} of its deliveries were still leased by a worker after {wait:?}",
+                        leased()
+                    ));
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                moved += sweep().await?;
+            }
+        }
+        .boxed()
+    }
+}
+
 /// Moves what is queued for `id`, a target no longer in the rules, to the DLQ as
 /// `target_removed` with the error `why`, counted and announced (`router.dlq.added`).
 async fn move_removed_queue(
@@ -912,6 +1012,18 @@ fn emit_scope_error(
             emitter.handler, emitter.owner
         ));
     };
+    // A system event's type (`router.dlq.added` …) is reserved as at ingest: alert rules route
+    // them, so a team whose token may not send one may not have its handler emit one either
+    // (`ingest:*` does not cover them).
+    if let Some(need) = principal.reserved_type_denial(ty) {
+        return Some(format!(
+            "handler {:?} (owner {:?}) may not emit type {ty:?}: types starting with {} are the router's system events, and its owner's token lacks {need} (only admin or an ingest: pattern that itself starts with {} covers them)",
+            emitter.handler,
+            emitter.owner,
+            crate::auth::RESERVED_TYPE_PREFIX,
+            crate::auth::RESERVED_TYPE_PREFIX
+        ));
+    }
     // The router sets an emitted event's source (the handler's URI): only its type is the
     // owner's to be checked.
     principal.ingest_denial(ty, None).map(|need| {
@@ -1364,6 +1476,12 @@ pub async fn run_with_store(
         log_gates: Default::default(),
         unannounced: Default::default(),
     });
+    if let Some(h) = &handlers {
+        h.changes
+            .set_released_queues(Arc::new(ReleasedHandlerQueues {
+                dispatcher: Arc::downgrade(&dispatcher),
+            }));
+    }
     // On a shared store: count the live nodes before any worker takes its throttle share.
     if store.shared() {
         count_nodes(store.as_ref(), &dispatcher, clock.now_ms()).await;
@@ -2078,6 +2196,56 @@ mod tests {
     use super::*;
     use crate::store::fault::SimulatedDisk;
     use crate::store::{DlqReason, RedbStore, StoreOptions};
+
+    /// A handler's emissions are held to its owner's ingest scope, system event types
+    /// included: `ingest:*` lets a team send (and emit) any type but `router.*`, which alert
+    /// rules route; only `admin` or an `ingest:router.…` pattern covers those, as at ingest.
+    #[test]
+    fn a_handler_may_not_emit_a_system_event_its_owner_may_not_send() {
+        use sha2::Digest as _;
+        let token = |name: &str, scopes: &[&str]| crate::auth::TokenConfig {
+            name: name.into(),
+            sha256: hex::encode(sha2::Sha256::digest(name.as_bytes())),
+            scopes: scopes.iter().map(|s| s.to_string()).collect(),
+            rate_per_sec: None,
+            team: None,
+        };
+        let tokens = crate::auth::Tokens::new(&[
+            token("team", &["ingest:*", "handlers:custom"]),
+            token("relay", &["ingest:router.dlq.*", "handlers:custom"]),
+            token("ops", &["admin"]),
+        ])
+        .expect("tokens");
+        let by = |owner: &str| crate::target::handler::EmitterOf {
+            handler: "custom".into(),
+            owner: owner.into(),
+            team: None,
+        };
+        let why = emit_scope_error(&tokens, &by("team"), "router.dlq.added")
+            .expect("ingest:* does not cover a system event type");
+        assert!(
+            why.contains("ingest:router.dlq.added") && why.contains("system events"),
+            "{why}"
+        );
+        assert_eq!(
+            emit_scope_error(&tokens, &by("team"), "order.created"),
+            None
+        );
+        assert_eq!(
+            emit_scope_error(&tokens, &by("relay"), "router.dlq.added"),
+            None
+        );
+        assert!(emit_scope_error(&tokens, &by("relay"), "router.breaker.opened").is_some());
+        assert_eq!(
+            emit_scope_error(&tokens, &by("ops"), "router.dlq.added"),
+            None
+        );
+        // Preloaded handlers are the operator's own.
+        assert_eq!(
+            emit_scope_error(&tokens, &by(crate::auth::PRELOAD_OWNER), "router.dlq.added"),
+            None
+        );
+    }
 
     /// An alert loop through a handler: webhook `a` fails → `router.dlq.added` about `a` →
     /// handler `b` turns it into `ops.page` → routed to `a`, which fails again → … With

@@ -239,13 +239,20 @@ fn s(v: &Value) -> String {
     }
 }
 
+/// What a table cell shows of `c`: its first line (a handler trap's error goes on with the
+/// guest's stderr and a wasm backtrace, and a line break would split the row), at most 60
+/// characters. `router dlq show` prints the whole text.
+fn cell(c: &str) -> String {
+    c.lines().next().unwrap_or("").chars().take(60).collect()
+}
+
 /// Renders a table with a header and left-aligned columns.
 pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for r in rows {
         for (i, c) in r.iter().enumerate() {
             if let Some(w) = widths.get_mut(i) {
-                *w = (*w).max(c.chars().count().min(60));
+                *w = (*w).max(cell(c).chars().count());
             }
         }
     }
@@ -254,7 +261,7 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
             .iter()
             .enumerate()
             .map(|(i, c)| {
-                let c: String = c.chars().take(60).collect();
+                let c = cell(c);
                 format!("{c:<w$}", w = widths.get(i).copied().unwrap_or(0))
             })
             .collect::<Vec<_>>()
@@ -643,5 +650,26 @@ mod tests {
     fn tables_align_columns() {
         let t = table(&["A", "LONGER"], &[vec!["xxxx".into(), "1".into()]]);
         assert_eq!(t, "A     LONGER\nxxxx  1");
+    }
+
+    /// A handler trap's error runs over many lines (guest stderr, wasm backtrace): the DLQ
+    /// table shows its first line, so each entry stays one row.
+    #[test]
+    fn a_multi_line_error_is_one_row_of_the_dlq_table() {
+        let v = serde_json::json!({"entries": [{
+            "id": 7, "target": "h", "reason": "retries_exhausted",
+            "event": {"type": "t", "id": "e1"}, "attempt_count": 3,
+            "last_failure_at": "2026-01-01T00:00:00Z",
+            "attempts": [{"error": "handler_trap: wasm trap: stack overflow (call stack exhausted)\nerror while executing at wasm backtrace:\n    0: 0x1 - f"}]
+        }]});
+        let t = dlq_table(&v);
+        assert_eq!(t.lines().count(), 2, "{t}");
+        assert!(
+            t.lines()
+                .nth(1)
+                .unwrap()
+                .ends_with("handler_trap: wasm trap: stack overflow (call stack exhauste"),
+            "{t}"
+        );
     }
 }

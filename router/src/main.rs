@@ -157,8 +157,8 @@ struct DlqFilterArgs {
     #[arg(long)]
     target: Option<String>,
     /// Only entries with this reason: contract_violation, unknown_version, permanent_error,
-    /// retries_exhausted, max_age_exceeded, loop_detected, target_removed, target_overflow or
-    /// scope_violation.
+    /// retries_exhausted, max_age_exceeded, loop_detected, target_removed, target_overflow,
+    /// scope_violation or handler_released.
     #[arg(long)]
     reason: Option<String>,
     /// Only entries of this rule.

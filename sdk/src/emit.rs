@@ -108,28 +108,36 @@ impl Emit {
     }
 
     /// Adds the extension attribute `name` with `value` (JSON-encoded), e.g. `partitionkey`.
+    /// Setting a name again replaces its value (an event has one value per attribute).
     ///
-    /// The router refuses the emission (see [`Emit`]) unless `name` follows the CloudEvents
-    /// rule, 1 to 64 lower-case letters `a`-`z` and digits `0`-`9`, and is neither a core
-    /// attribute (`specversion`, `id`, `source`, `type`, `subject`, `time`, `datacontenttype`,
-    /// `dataschema`, `data`, `data_base64`) nor `hops`; and unless `value` is a string without
-    /// control characters, an integer that fits in 32 bits, or a boolean (`null` leaves the
-    /// attribute out). `traceparent` and `tracestate` are replaced by the delivery's when it
-    /// has them.
+    /// # Errors
     ///
-    /// # Panics
-    ///
-    /// On the host target (unit tests) only, when `name` breaks the rule above: the test fails
-    /// where the router would refuse the emission. Inside a component it never panics.
+    /// [`DataError::Extension`] for what the router would refuse (it would fail every delivery
+    /// of the event permanently, so the SDK refuses it here, on every target, and a unit test
+    /// finds it): a `name` other than 1 to 64 lower-case letters `a`-`z` and digits `0`-`9`
+    /// (the CloudEvents rule), a core attribute (`specversion`, `id`, `source`, `type`,
+    /// `subject`, `time`, `datacontenttype`, `dataschema`, `data`, `data_base64`) or `hops`;
+    /// a `value` other than a string without control characters, an integer from −2³¹ to
+    /// 2³¹−1 (CloudEvents has no other number type: send `1.5` or a larger number as a
+    /// string), or a boolean; for `dataversion`, anything but a positive integer (or a string
+    /// of its digits). `null` leaves the attribute out. [`DataError::Json`] when `value` does
+    /// not serialize. `traceparent` and `tracestate` are replaced by the delivery's when it has
+    /// them.
     ///
     /// ```
     /// let e = router_sdk::Emit::new("t").with_extension("partitionkey", "A-17").unwrap();
     /// assert_eq!(e.extensions(), &[("partitionkey".to_owned(), "\"A-17\"".to_owned())]);
+    /// // Set again: replaced.
+    /// let e = e.with_extension("partitionkey", "B-2").unwrap();
+    /// assert_eq!(e.extensions(), &[("partitionkey".to_owned(), "\"B-2\"".to_owned())]);
     /// ```
     ///
-    /// ```should_panic
-    /// // `Tenant` has an upper-case letter: the router would refuse this emission.
-    /// let _ = router_sdk::Emit::new("t").with_extension("Tenant", "acme");
+    /// ```
+    /// use router_sdk::{DataError, Emit};
+    /// // `Tenant` has an upper-case letter, and 1.5 is not a CloudEvents integer.
+    /// assert!(matches!(Emit::new("t").with_extension("Tenant", "acme"), Err(DataError::Extension { .. })));
+    /// let err = Emit::new("t").with_extension("ratio", &1.5).unwrap_err();
+    /// assert!(err.to_string().contains("send other numbers as strings"), "{err}");
     /// ```
     pub fn with_extension<T: Serialize + ?Sized>(
         mut self,
@@ -137,9 +145,15 @@ impl Emit {
         value: &T,
     ) -> Result<Self, DataError> {
         let name = name.into();
-        #[cfg(not(target_arch = "wasm32"))]
-        crate::native::check_extension_name(&name);
-        self.extensions.push((name, serde_json::to_string(value)?));
+        let value = serde_json::to_value(value)?;
+        if let Some(reason) = extension_problem(&name, &value) {
+            return Err(DataError::Extension { name, reason });
+        }
+        let json = value.to_string();
+        match self.extensions.iter_mut().find(|(n, _)| *n == name) {
+            Some(existing) => existing.1 = json,
+            None => self.extensions.push((name, json)),
+        }
         Ok(self)
     }
 
@@ -197,5 +211,82 @@ impl Emit {
     /// ```
     pub fn extensions(&self) -> &[(String, String)] {
         &self.extensions
+    }
+}
+
+/// Longest extension name the router accepts on an emitted event (CloudEvents only says names
+/// SHOULD NOT pass 20 characters; the router's ingest bound is 64).
+const MAX_EXTENSION_NAME_LEN: usize = 64;
+
+/// Attributes an emitted event cannot carry as extensions: the CloudEvents core attributes,
+/// which have their own fields or are the router's to set, and the router's `hops`. The same
+/// list as the router's `CORE_ATTRIBUTES` (router/src/event.rs) plus `hops`, copied because the
+/// guest crate cannot depend on the router.
+const RESERVED_EXTENSION_NAMES: &[&str] = &[
+    "specversion",
+    "id",
+    "source",
+    "type",
+    "subject",
+    "time",
+    "datacontenttype",
+    "dataschema",
+    "data",
+    "data_base64",
+    "hops",
+];
+
+/// Why the router would refuse extension `name` = `value` on an emitted event, if it would:
+/// the checks of its emission and ingest parsing (`router/src/wasm/invoke.rs`
+/// `emitted_to_json`, `router/src/ingest/parse.rs`), in the same order.
+fn extension_problem(name: &str, value: &serde_json::Value) -> Option<String> {
+    use serde_json::Value;
+    let valid_name = !name.is_empty()
+        && name.len() <= MAX_EXTENSION_NAME_LEN
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+    if !valid_name {
+        return Some(format!(
+            "names are 1-{MAX_EXTENSION_NAME_LEN} lower-case letters a-z and digits 0-9"
+        ));
+    }
+    if RESERVED_EXTENSION_NAMES.contains(&name) {
+        return Some("it is a core attribute or the router's `hops`".to_owned());
+    }
+    match value {
+        // The JSON format: a null attribute is an absent one.
+        Value::Null => None,
+        // The router reads `dataversion` as the contract version: a positive integer (or a
+        // string of its digits) that fits a CloudEvents Integer.
+        _ if name == "dataversion" => {
+            let version = match value {
+                Value::Number(n) => n.as_u64(),
+                Value::String(s) if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) => {
+                    Some(s.parse::<u64>().unwrap_or(u64::MAX))
+                }
+                _ => None,
+            };
+            let max = u64::from(i32::MAX.unsigned_abs());
+            (!version.is_some_and(|v| (1..=max).contains(&v))).then(|| {
+                format!("dataversion must be a positive integer (1 to {max}), got {value}")
+            })
+        }
+        Value::Bool(_) => None,
+        Value::String(s) if s.chars().any(char::is_control) => Some(
+            "the value must not contain control characters (U+0000-U+001F, U+007F-U+009F)"
+                .to_owned(),
+        ),
+        Value::String(_) => None,
+        Value::Number(n) if n.as_i64().is_some_and(|i| i32::try_from(i).is_ok()) => None,
+        Value::Number(n) => Some(format!(
+            "the value must be an integer from {} to {} (CloudEvents has no other number type; send other numbers as strings), got {n}",
+            i32::MIN,
+            i32::MAX
+        )),
+        Value::Array(_) | Value::Object(_) => Some(
+            "the value must be a string, integer or boolean (send structured values as data)"
+                .to_owned(),
+        ),
     }
 }

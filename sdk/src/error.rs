@@ -133,6 +133,14 @@ pub enum DataError {
     Missing,
     /// The JSON did not match the requested type, or a value could not be serialized.
     Json(serde_json::Error),
+    /// An extension attribute the router refuses on an emitted event (see
+    /// [`Emit::with_extension`](crate::Emit::with_extension)).
+    Extension {
+        /// The attribute's name.
+        name: String,
+        /// Why the router refuses it.
+        reason: String,
+    },
 }
 
 impl fmt::Display for DataError {
@@ -140,6 +148,9 @@ impl fmt::Display for DataError {
         match self {
             Self::Missing => f.write_str("the event has no JSON data"),
             Self::Json(e) => write!(f, "invalid JSON data: {e}"),
+            Self::Extension { name, reason } => {
+                write!(f, "extension attribute {name:?} is not allowed: {reason}")
+            }
         }
     }
 }
@@ -147,7 +158,7 @@ impl fmt::Display for DataError {
 impl std::error::Error for DataError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Self::Missing => None,
+            Self::Missing | Self::Extension { .. } => None,
             Self::Json(e) => Some(e),
         }
     }

@@ -44,9 +44,18 @@
 //! crate-type = ["cdylib"]
 //!
 //! [dependencies]
-//! router-sdk = { path = "../sdk" }
+//! # A team's own repository: the router's repository as a git dependency (Cargo finds the
+//! # `router-sdk` package in its workspace), pinned to the router release the handler targets,
+//! # so the SDK and the WIT world it implements change only when the team moves the pin.
+//! router-sdk = { git = "https://git.example.com/platform/router.git", tag = "v0.1.0" }
+//! # Inside the router's repository (as `plugins/` does): a path dependency.
+//! # router-sdk = { path = "../sdk" }
 //! serde = { version = "1", features = ["derive"] } # for #[derive(serde::Deserialize)] above
 //! ```
+//!
+//! Use your deployment's clone URL and a tag (or `rev = "<commit>"`) that matches the routers
+//! you upload to: an upload is refused unless the component implements the router's world
+//! (`sdk/wit/`).
 //!
 //! ```toml
 //! # .cargo/config.toml: a 64 KiB guest stack makes each invocation about twice as cheap
@@ -88,8 +97,9 @@ pub use event::{Delivery, Event};
 /// writes to standard error as well as to a buffer that [`testing::take_logs`] drains. Where
 /// the router would stop an invocation for a rule it can check as cheaply, the stand-ins panic
 /// with the router's reason, so the test fails as the invocation would: a key longer than
-/// [`kv::MAX_KEY_BYTES`], an extension name [`Emit::with_extension`] says the router refuses.
-/// The other limits (emissions, output and write sizes) are not checked here.
+/// [`kv::MAX_KEY_BYTES`]. (An extension the router refuses is already an error of
+/// [`Emit::with_extension`], here and inside a component.) The other limits (emissions, output
+/// and write sizes) are not checked here.
 ///
 /// ```
 /// router_sdk::kv::set("k", b"v", None);

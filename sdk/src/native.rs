@@ -1,9 +1,11 @@
 //! Host-target stand-ins for the router's imports, so handlers build and unit-test natively:
 //! log lines go to standard error (and a per-thread buffer), the store is a per-thread map.
 //!
-//! Where the router would stop an invocation for a rule the handler broke (a key too long, an
-//! emitted extension it refuses), the stand-ins panic with the router's reason: a unit test then
-//! fails the way the invocation would, instead of passing here and failing after upload.
+//! Where the router would stop an invocation for a rule the handler broke (a key too long), the
+//! stand-ins panic with the router's reason: a unit test then fails the way the invocation
+//! would, instead of passing here and failing after upload. (An emitted extension the router
+//! refuses is an error of [`Emit::with_extension`](crate::Emit::with_extension) on every
+//! target.)
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -16,28 +18,6 @@ thread_local! {
     static LOGS: RefCell<Vec<(Level, String)>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Longest extension name the router accepts on an emitted event (CloudEvents only says names
-/// SHOULD NOT pass 20 characters; the router's ingest bound is 64).
-const MAX_EXTENSION_NAME_LEN: usize = 64;
-
-/// Attributes an emitted event cannot carry as extensions: the CloudEvents core attributes,
-/// which have their own fields or are the router's to set, and the router's `hops`. The same
-/// list as the router's `CORE_ATTRIBUTES` (router/src/event.rs) plus `hops`, copied because the
-/// guest crate cannot depend on the router.
-const RESERVED_EXTENSION_NAMES: &[&str] = &[
-    "specversion",
-    "id",
-    "source",
-    "type",
-    "subject",
-    "time",
-    "datacontenttype",
-    "dataschema",
-    "data",
-    "data_base64",
-    "hops",
-];
-
 pub(crate) fn log(level: Level, message: &str) {
     eprintln!("[{level:?}] {message}");
     LOGS.with(|l| l.borrow_mut().push((level, message.to_owned())));
@@ -49,24 +29,6 @@ fn check_key(key: &str) {
         key.len() <= MAX_KEY_BYTES,
         "kv key of {} bytes is longer than the limit of {MAX_KEY_BYTES} (the router traps the invocation: handler_limit)",
         key.len()
-    );
-}
-
-/// The router refuses an emission with such an extension as invalid (a permanent failure that
-/// commits nothing).
-pub(crate) fn check_extension_name(name: &str) {
-    let valid = !name.is_empty()
-        && name.len() <= MAX_EXTENSION_NAME_LEN
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
-    assert!(
-        valid,
-        "extension name {name:?} is not allowed: names are 1-{MAX_EXTENSION_NAME_LEN} lower-case letters a-z and digits 0-9 (the router refuses the emission)"
-    );
-    assert!(
-        !RESERVED_EXTENSION_NAMES.contains(&name),
-        "extension name {name:?} is not allowed: it is a core attribute or the router's `hops` (the router refuses the emission)"
     );
 }
 

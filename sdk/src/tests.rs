@@ -131,19 +131,36 @@ fn native_kv_compare_and_set_panics_on_a_key_the_router_traps_on() {
 }
 
 #[test]
-fn extension_names_the_router_accepts_pass_natively() {
+fn extensions_the_router_accepts_pass() {
     let emit = Emit::new("t")
         .with_extension("partitionkey", "p")
         .unwrap()
         .with_extension("tenant42", &7)
         .unwrap()
         .with_extension("a".repeat(64), &true)
+        .unwrap()
+        .with_extension("low", &i32::MIN)
+        .unwrap()
+        .with_extension("high", &i32::MAX)
+        .unwrap()
+        .with_extension("dataversion", &2)
+        .unwrap()
+        .with_extension("gone", &Option::<u8>::None)
         .unwrap();
-    assert_eq!(emit.extensions().len(), 3);
+    assert_eq!(emit.extensions().len(), 7);
+    assert_eq!(
+        Emit::new("t")
+            .with_extension("dataversion", "3")
+            .unwrap()
+            .extensions(),
+        &[("dataversion".to_owned(), "\"3\"".to_owned())]
+    );
 }
 
+/// Each is a permanent failure at the router (every delivery of the event): refused here
+/// instead, on every target, with the router's reason.
 #[test]
-fn extension_names_the_router_refuses_panic_natively() {
+fn extensions_the_router_refuses_are_errors() {
     let long = "a".repeat(65);
     for name in [
         "",
@@ -158,16 +175,79 @@ fn extension_names_the_router_refuses_panic_natively() {
         "data_base64",
         "hops",
     ] {
-        let result = std::panic::catch_unwind(|| Emit::new("t").with_extension(name, "x"));
-        let Err(panic) = result else {
-            panic!("extension name {name:?} was accepted");
-        };
-        let message = panic
-            .downcast_ref::<String>()
-            .map(String::as_str)
-            .unwrap_or("");
-        assert!(message.contains("is not allowed"), "{name:?}: {message}");
+        match Emit::new("t").with_extension(name, "x") {
+            Err(DataError::Extension { name: n, .. }) => assert_eq!(n, name),
+            other => panic!("extension name {name:?}: {other:?}"),
+        }
     }
+    let values: [(&str, serde_json::Value, &str); 9] = [
+        (
+            "ratio",
+            serde_json::json!(1.5),
+            "send other numbers as strings",
+        ),
+        (
+            "big",
+            serde_json::json!(4_294_967_296u64),
+            "integer from -2147483648",
+        ),
+        ("big", serde_json::json!(2_147_483_648u64), "integer from"),
+        (
+            "small",
+            serde_json::json!(-2_147_483_649i64),
+            "integer from",
+        ),
+        ("whole", serde_json::json!(2.0), "integer from"),
+        (
+            "obj",
+            serde_json::json!({"a": 1}),
+            "string, integer or boolean",
+        ),
+        ("list", serde_json::json!([1]), "string, integer or boolean"),
+        ("line", serde_json::json!("a\nb"), "control characters"),
+        ("dataversion", serde_json::json!(0), "positive integer"),
+    ];
+    for (name, value, why) in values {
+        let err = Emit::new("t").with_extension(name, &value).unwrap_err();
+        assert!(
+            matches!(&err, DataError::Extension { .. }) && err.to_string().contains(why),
+            "{name} = {value}: {err}"
+        );
+    }
+    for bad in [
+        serde_json::json!("v2"),
+        serde_json::json!(true),
+        serde_json::json!(-1),
+    ] {
+        assert!(
+            Emit::new("t").with_extension("dataversion", &bad).is_err(),
+            "{bad}"
+        );
+    }
+    // `?` in a handler makes it a permanent failure with the reason.
+    let failed: HandlerError = Emit::new("t").with_extension("x", &1.5).unwrap_err().into();
+    assert!(
+        !failed.is_retry() && failed.to_string().contains("\"x\""),
+        "{failed}"
+    );
+}
+
+#[test]
+fn an_extension_set_twice_keeps_the_last_value() {
+    let emit = Emit::new("t")
+        .with_extension("tenant", "a")
+        .unwrap()
+        .with_extension("region", "eu")
+        .unwrap()
+        .with_extension("tenant", "b")
+        .unwrap();
+    assert_eq!(
+        emit.extensions(),
+        &[
+            ("tenant".to_owned(), "\"b\"".to_owned()),
+            ("region".to_owned(), "\"eu\"".to_owned())
+        ]
+    );
 }
 
 struct Greeter;

@@ -363,6 +363,41 @@ async fn handler_failures_follow_the_delivery_policies() {
             .unwrap_or("")
             .contains("retry")
     );
+    // The handlers' own `fail` and `retry` answers are in their logs, with the event id and
+    // attempt: a team with only `handlers:` scope sees why its deliveries were dead-lettered.
+    let line = |lines: &[Value], prefix: &str| {
+        lines
+            .iter()
+            .find(|l| l["message"].as_str().is_some_and(|m| m.starts_with(prefix)))
+            .cloned()
+    };
+    let failed = line(&logs(&r, "strict").await, "failed: ").expect("strict's failure logged");
+    assert_eq!(
+        (&failed["level"], &failed["event_id"], &failed["attempt"]),
+        (&json!("error"), &json!("s1"), &json!(1)),
+        "{failed}"
+    );
+    let retried = logs(&r, "flaky")
+        .await
+        .into_iter()
+        .filter(|l| {
+            l["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("retry requested (after 100ms): flaky: attempt"))
+        })
+        .collect::<Vec<_>>();
+    let mut attempts: Vec<u64> = retried
+        .iter()
+        .filter_map(|l| l["attempt"].as_u64())
+        .collect();
+    attempts.sort_unstable();
+    assert_eq!(attempts, [1, 2], "{retried:?}");
+    assert!(
+        retried
+            .iter()
+            .all(|l| l["level"] == "warn" && l["event_id"] == "f1"),
+        "{retried:?}"
+    );
     let lines = eventually(Duration::from_secs(20), || async {
         let l = logs(&r, "invoice").await;
         (l.len() >= 2).then_some(l)
@@ -901,6 +936,146 @@ async fn a_released_handler_name_leaves_no_key_value_entries_or_logs() {
 /// An emitted event whose target's queue is at its depth cap goes to the DLQ as
 /// `target_overflow` inside the ack's commit, and is counted and announced like any other new
 /// dead letter.
+/// A released name takes none of the last team's queued deliveries with it: a delivery
+/// queued for the deleted handler (waiting for its team's next upload) goes to the DLQ as
+/// `handler_released` when the team releases the name, so the next team to claim the name
+/// never runs it, and an operator can still redrive it deliberately.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_handler_names_queued_deliveries_never_reach_the_next_team() {
+    let tokens = [
+        ("ops", None, "admin"),
+        ("billing-ci", Some("billing"), "handlers:*"),
+        ("crm-ci", Some("crm"), "handlers:*"),
+    ];
+    let auth = tokens_config(&tokens);
+    let rules = "rules:\n  - name: paid\n    pattern: { type: [order.paid] }\n    targets:\n      - handler: invoice\n        id: invoicing\n";
+    let r = RouterProc::start_full(&[("r.yaml", rules)], &[], &[], Some(&auth));
+    let invoice = || Some(("application/wasm", plugin("invoice")));
+    let (s, b) = send_as(&r, "PUT", "/v1/handlers/invoice", "billing-ci", invoice()).await;
+    assert_eq!(s, 201, "{b}");
+    let (s, b) = send_as(&r, "DELETE", "/v1/handlers/invoice", "billing-ci", None).await;
+    assert_eq!((s, &b["name_kept_by"]), (200, &json!("billing")), "{b}");
+    // Billing's order, queued while its handler is deleted: it waits for billing's upload.
+    let ev = event("paid-1", "order.paid", json!({"order_id": "A-1"}));
+    let (s, b) = send_as(
+        &r,
+        "POST",
+        "/v1/events",
+        "ops",
+        Some(("application/cloudevents+json", ev.to_string().into_bytes())),
+    )
+    .await;
+    assert_eq!(s, 202, "{b}");
+    let fate_of = || async {
+        send_as(&r, "GET", "/v1/events/paid-1?source=/test", "ops", None)
+            .await
+            .1
+    };
+    let waiting = eventually(Duration::from_secs(20), || async {
+        let (_, t) = send_as(&r, "GET", "/v1/targets/invoicing", "ops", None).await;
+        (t["deferred"].as_u64().unwrap_or(0) >= 1).then_some(())
+    })
+    .await;
+    assert!(
+        waiting.is_some(),
+        "the delivery did not wait for the upload"
+    );
+    // Released: the delivery is a dead letter before another team can claim the name.
+    let (s, b) = send_as(
+        &r,
+        "DELETE",
+        "/v1/handlers/invoice?release=true",
+        "billing-ci",
+        None,
+    )
+    .await;
+    assert_eq!((s, &b["released"]), (200, &json!("invoice")), "{b}");
+    let f = fate_of().await;
+    assert_eq!(f["targets"][0]["state"], "dlq", "{f}");
+    let (_, l) = send_as(&r, "GET", "/v1/dlq?reason=handler_released", "ops", None).await;
+    assert_eq!(l["entries"].as_array().map(Vec::len), Some(1), "{l}");
+    assert_eq!(l["entries"][0]["target"], "invoicing", "{l}");
+    assert!(
+        l["entries"][0]["errors"]
+            .to_string()
+            .contains("was released"),
+        "{l}"
+    );
+    // CRM claims the name: its handler never sees billing's order (deliveries waiting for a
+    // handler are retried every 5 s; this waits well past that).
+    let (s, b) = send_as(&r, "PUT", "/v1/handlers/invoice", "crm-ci", invoice()).await;
+    assert_eq!(s, 201, "{b}");
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let (s, l) = send_as(&r, "GET", "/v1/handlers/invoice/logs", "crm-ci", None).await;
+    assert_eq!(s, 200, "{l}");
+    assert_eq!(l["lines"].as_array().map(Vec::len), Some(0), "{l}");
+    let f = fate_of().await;
+    assert_eq!(f["targets"][0]["state"], "dlq", "{f}");
+}
+
+/// A plain delete never removes a handler's key-value entries or logs, even when no team owns
+/// it (auth off, the default): `invoice` deleted and uploaded again still knows order A-1 was
+/// invoiced, so a second payment event for it is a no-op, not a second invoice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_an_unowned_handler_keeps_its_key_value_entries_and_logs() {
+    let rules = "rules:\n  - name: paid\n    pattern: { type: [order.paid] }\n    targets:\n      - handler: invoice\n";
+    let r = RouterProc::start(&[("r.yaml", rules)], &[]);
+    assert_eq!(put_handler(&r, "invoice", plugin("invoice")).await.0, 201);
+    let says = |needle: &'static str| {
+        let r = &r;
+        move || async move {
+            logs(r, "invoice")
+                .await
+                .into_iter()
+                .find(|l| l["message"].as_str().is_some_and(|m| m.contains(needle)))
+        }
+    };
+    let (s, b) = post_event(&r, &event("o-1", "order.paid", json!({"order_id": "A-1"}))).await;
+    assert_eq!(s, 202, "{b}");
+    let first = eventually(Duration::from_secs(30), says("recorded invoice:A-1")).await;
+    assert!(first.is_some(), "the first payment was not recorded");
+    let resp = client()
+        .delete(r.url("/v1/handlers/invoice"))
+        .send()
+        .await
+        .expect("delete");
+    assert_eq!(resp.status().as_u16(), 200);
+    let b: Value = resp.json().await.expect("json");
+    assert_eq!(b, json!({"deleted": "invoice", "name_kept_by": null}));
+    let (s, _) = get_json(&r, "/v1/handlers/invoice").await;
+    assert_eq!(s, 404);
+    // Its logs stay readable while it is deleted; deleting again says what is kept.
+    assert!(!logs(&r, "invoice").await.is_empty());
+    let resp = client()
+        .delete(r.url("/v1/handlers/invoice"))
+        .send()
+        .await
+        .expect("delete");
+    assert_eq!(resp.status().as_u16(), 404);
+    let b: Value = resp.json().await.expect("json");
+    assert!(
+        b["errors"][0]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("key-value entries and logs are kept"),
+        "{b}"
+    );
+    assert_eq!(put_handler(&r, "invoice", plugin("invoice")).await.0, 201);
+    let (s, b) = post_event(&r, &event("o-2", "order.paid", json!({"order_id": "A-1"}))).await;
+    assert_eq!(s, 202, "{b}");
+    let second = eventually(
+        Duration::from_secs(30),
+        says("invoice:A-1 already recorded"),
+    )
+    .await;
+    assert!(second.is_some(), "{:?}", logs(&r, "invoice").await);
+    assert_eq!(second.expect("checked")["event_id"], "o-2");
+    assert!(
+        says("recorded invoice:A-1")().await.is_some(),
+        "the first upload's log lines are kept"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn emitted_events_past_a_queue_cap_are_counted_dead_letters() {
     let down = Receiver::status(503).await;

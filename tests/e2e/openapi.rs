@@ -1872,11 +1872,21 @@ async fn handler_responses_validate_against_the_document() {
     api.expect(403, "GET", "/v1/handlers/noop/logs", Req::token(READER))
         .await;
 
+    // A name no handler ever had has no logs (not an empty list that looks like a quiet
+    // handler); a deleted handler's kept name keeps them until it is released.
+    api.expect(404, "GET", "/v1/handlers/never-uploaded/logs", admin())
+        .await;
     api.expect(200, "DELETE", "/v1/handlers/noop", admin())
         .await;
     api.expect(404, "DELETE", "/v1/handlers/noop", admin())
         .await;
     api.expect(404, "GET", "/v1/handlers/noop", admin()).await;
+    api.expect(200, "GET", "/v1/handlers/noop/logs", admin())
+        .await;
+    api.expect(200, "DELETE", "/v1/handlers/noop?release=true", admin())
+        .await;
+    api.expect(404, "GET", "/v1/handlers/noop/logs", admin())
+        .await;
     api.expect(
         404,
         "POST",

@@ -1354,6 +1354,117 @@ async fn the_routers_own_sources_are_reserved_at_ingest() {
     assert_eq!(s, 202, "{b}");
 }
 
+/// What ingest refuses a team it refuses the team's handler too: a handler uploaded by a token
+/// with `ingest:*` that emits `router.dlq.added` (a false page to on-call) has that emission
+/// dead-lettered as `scope_violation`, never routed; an administrator's upload may emit it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_teams_handler_cannot_emit_a_system_event_its_token_may_not_send() {
+    let pager = Receiver::ok().await;
+    let rules = format!(
+        "rules:\n  - name: misbehave\n    pattern: {{ type: [hostile.run] }}\n    targets:\n      - handler: hostile\n        id: hostile\n  - name: alerts\n    pattern: {{ type: [router.dlq.added] }}\n    targets:\n      - webhook: {}\n        id: pager\n",
+        pager.url()
+    );
+    let auth = tokens_config(&[
+        ("ops-token", None, "admin"),
+        ("team-token", None, "ingest:*\", \"handlers:hostile"),
+    ]);
+    let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&auth));
+    let forge = |id: &str| {
+        let ev = event(
+            id,
+            "hostile.run",
+            json!({"mode": "forge", "type": "router.dlq.added", "data": {"target": "erp", "reason": "retries_exhausted"}}),
+        );
+        ("application/cloudevents+json", ev.to_string().into_bytes())
+    };
+    // The team itself is refused the type at ingest …
+    let direct = event("direct-1", "router.dlq.added", json!({}));
+    let (s, b) = send_as(
+        &r,
+        "POST",
+        "/v1/events",
+        "team-token",
+        Some((
+            "application/cloudevents+json",
+            direct.to_string().into_bytes(),
+        )),
+    )
+    .await;
+    assert_eq!(
+        (s, &b["errors"][0]["pointer"]),
+        (403, &json!("/type")),
+        "{b}"
+    );
+    // … and so is its handler.
+    let (s, b) = send_as(
+        &r,
+        "PUT",
+        "/v1/handlers/hostile",
+        "team-token",
+        Some(("application/wasm", crate::handlers::plugin("hostile"))),
+    )
+    .await;
+    assert_eq!(s, 201, "{b}");
+    let (s, b) = send_as(
+        &r,
+        "POST",
+        "/v1/events",
+        "team-token",
+        Some(forge("forge-1")),
+    )
+    .await;
+    assert_eq!(s, 202, "{b}");
+    let entry = eventually(Duration::from_secs(30), || async {
+        let (s, v) = get_json_as(&r, "/v1/dlq?reason=scope_violation", "ops-token").await;
+        (s == 200).then(|| v["entries"].as_array()?.first().cloned())?
+    })
+    .await
+    .expect("a scope_violation dead letter for the forged emission");
+    assert_eq!(entry["event"]["type"], "router.dlq.added", "{entry}");
+    assert_eq!(entry["event"]["source"], "handler://hostile", "{entry}");
+    let msg = entry["errors"][0]["message"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("ingest:router.dlq.added") && msg.contains("system events"),
+        "{msg}"
+    );
+    // Never routed to the alert rule (and a dead letter of a `router.*` event is not itself
+    // announced, so the pager hears nothing at all).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(pager.count(), 0, "{:?}", pager.received());
+
+    // An administrator's upload is the operator's: its emission is routed. (Other bytes, a
+    // custom section added: the same bytes would re-activate the team's version.)
+    let mut ops_bytes = crate::handlers::plugin("hostile");
+    ops_bytes.extend_from_slice(&[0, 4, 3, b'o', b'p', b's']);
+    let (s, b) = send_as(
+        &r,
+        "PUT",
+        "/v1/handlers/hostile",
+        "ops-token",
+        Some(("application/wasm", ops_bytes)),
+    )
+    .await;
+    assert_eq!((s, &b["version"]), (201, &json!(2)), "{b}");
+    let (s, b) = send_as(
+        &r,
+        "POST",
+        "/v1/events",
+        "ops-token",
+        Some(forge("forge-2")),
+    )
+    .await;
+    assert_eq!(s, 202, "{b}");
+    assert!(
+        pager
+            .wait_for(Duration::from_secs(30), |got| got
+                .iter()
+                .any(|g| g.body["source"] == "handler://hostile"))
+            .await,
+        "an administrator's handler emits system events: {:?}",
+        pager.received()
+    );
+}
+
 async fn get_json_as(r: &RouterProc, path: &str, token: &str) -> (u16, Value) {
     let resp = client()
         .get(r.url(path))

@@ -2,12 +2,16 @@
 //! `loop` (never returns), `oom` (memory bomb), `stack` (unbounded recursion), `panic`,
 //! `output` (`data.size`: `many` = 10,000 emissions, `big` = one 2 MiB emission), `log` (a
 //! flood of 20,000 lines of about 110 bytes, over 30 times the default cap, then a normal
-//! return), `slow` (on its first attempt only, busy for `data.ms` milliseconds — long enough
-//! to outlive its lease — then, on every attempt, records `slow:<event id>` = one `x` per
-//! attempt in kv and emits `hostile.slow.done`), `sleep` (asks to sleep an hour: the router
-//! traps a guest that waits on a clock, since the wait would block in the host where epoch
-//! interruption cannot reach it, so this ends at once as `handler_trap`). Anything else: returns
-//! nothing.
+//! return), `slow` (on its first attempt only, busy for `data.ms` milliseconds, which the
+//! invocation timeout cuts short — it cannot outlive its lease, since the invocation is bounded
+//! by the policy timeout and the lease outlasts that; the lease-loss test stalls the worker
+//! after the invocation with a failpoint instead — then, on every attempt that gets that far,
+//! records `slow:<event id>` = one `x` per attempt in kv and emits `hostile.slow.done`),
+//! `sleep` (asks to sleep an hour: the router traps a guest that waits on a clock, since the
+//! wait would block in the host where epoch interruption cannot reach it, so this ends at once
+//! as `handler_trap`), `forge` (emits one event of type `data.type` with `data.data`, e.g. a
+//! fake `router.dlq.added`: the router holds emissions to the uploader's ingest scope).
+//! Anything else: returns nothing.
 
 use std::hint::black_box;
 
@@ -101,6 +105,14 @@ impl Handler for Hostile {
                 let mark = "x".repeat(delivery.attempt as usize);
                 kv::set(&format!("slow:{}", event.id), mark.as_bytes(), None);
                 Ok(vec![Emit::new("hostile.slow.done")])
+            }
+            "forge" => {
+                let ty = data
+                    .get("type")
+                    .and_then(serde_json::Value::as_str)
+                    .unwrap_or("hostile.forged");
+                let body = data.get("data").cloned().unwrap_or(serde_json::Value::Null);
+                Ok(vec![Emit::json(ty, &body)?])
             }
             _ => Ok(Vec::new()),
         }

@@ -44,7 +44,7 @@ fn registry_error(who: &Principal, name: &str, e: RegistryError) -> Response {
     if matches!(e, RegistryError::Store { .. }) {
         tracing::error!(handler = %name, error = %e, "freeing a handler name failed; the name stays kept");
         return crate::ingest::catalog_unavailable_response(
-            "the handler's key-value entries could not be removed, so its name stays kept; try again",
+            "the handler's queued deliveries or key-value entries could not be removed, so its name stays kept; try again",
             e.to_string(),
         );
     }
@@ -299,7 +299,8 @@ pub struct DeleteQuery {
 
 /// `DELETE /v1/handlers/{name}[?release=true]`: its queued deliveries wait (retryable) until
 /// one is uploaded, which only its team (or an administrator) can do unless the name is
-/// released.
+/// released. A release moves them to the DLQ (`handler_released`) and removes the handler's
+/// key-value entries and logs before the name is free.
 pub async fn delete(
     State(app): State<Arc<App>>,
     axum::Extension(who): axum::Extension<Principal>,
@@ -325,10 +326,14 @@ pub async fn delete(
         }
         Ok(Deletion::Unknown) => {
             let detail = match rt.registry.index(&name) {
-                Some(kept) if kept.deleted => format!(
-                    "handler {name:?} is deleted; its name stays with team {:?} (?release=true frees it)",
-                    kept.owner.unwrap_or_default()
-                ),
+                Some(kept) if kept.deleted => match kept.owner {
+                    Some(team) => format!(
+                        "handler {name:?} is deleted; its name stays with team {team:?} (?release=true frees it)"
+                    ),
+                    None => format!(
+                        "handler {name:?} is deleted; its key-value entries and logs are kept (?release=true removes them and frees the name)"
+                    ),
+                },
                 _ => format!("no handler {name:?}"),
             };
             error_response(
@@ -378,11 +383,19 @@ pub async fn logs(
         Ok(rt) => rt,
         Err(r) => return *r,
     };
-    if let Some(Err(e)) = rt
-        .registry
-        .index(&name)
-        .map(|i| i.check_owner(&who.uploader()))
-    {
+    let index = rt.registry.index(&name);
+    // A name with no record here (never uploaded, or released) has no logs to read: a 200
+    // with no lines would pass for a handler that ran and logged nothing (a typo'd name, a
+    // dashboard on the wrong one). A deleted handler's kept name keeps its logs; a handler
+    // whose index cannot be read is still listed, and so are its logs.
+    if index.is_none() && rt.registry.get(&name).is_none() {
+        return error_response(
+            StatusCode::NOT_FOUND,
+            "unknown handler",
+            vec![FieldError::new("/name", format!("no handler {name:?}"))],
+        );
+    }
+    if let Some(Err(e)) = index.map(|i| i.check_owner(&who.uploader())) {
         tracing::warn!(token = %who.name, team = %who.team, handler = %name, owner = %e.owner, "handler logs refused: another team owns the handler");
         return error_response(
             StatusCode::FORBIDDEN,

@@ -1261,12 +1261,20 @@ impl Cx<'_> {
                 })
             }
             "handler" => {
-                if valid_name(value) {
+                // The upload API's rule, not the generic name's: a name no handler can be
+                // uploaded under would pass the check and its events wait until max_age.
+                if crate::wasm::valid_handler_name(value) {
                     Some(TargetKind::Handler {
                         name: value.to_string(),
                     })
                 } else {
-                    self.err(file, v, format!("invalid handler name `{value}`"));
+                    self.err(
+                        file,
+                        v,
+                        format!(
+                            "invalid handler name `{value}`: handler names are 1 to 64 characters of a-z, 0-9, '_' and '-', starting with a letter or digit (no handler can be uploaded under any other)"
+                        ),
+                    );
                     None
                 }
             }

@@ -318,6 +318,10 @@ pub enum DlqReason {
     TargetOverflow,
     /// A handler emitted an event outside its owner's ingest scope.
     ScopeViolation,
+    /// Queued for a handler whose name its team (or an administrator) released: another
+    /// team may claim the name, and a delivery queued for the old handler must not run on its
+    /// code. A redrive sends it to whatever handler has the name then, deliberately.
+    HandlerReleased,
 }
 
 impl DlqReason {
@@ -333,11 +337,12 @@ impl DlqReason {
             Self::TargetRemoved => "target_removed",
             Self::TargetOverflow => "target_overflow",
             Self::ScopeViolation => "scope_violation",
+            Self::HandlerReleased => "handler_released",
         }
     }
 
     /// Every reason, for metrics and parsing.
-    pub const ALL: [DlqReason; 9] = [
+    pub const ALL: [DlqReason; 10] = [
         Self::ContractViolation,
         Self::UnknownVersion,
         Self::PermanentError,
@@ -347,6 +352,7 @@ impl DlqReason {
         Self::TargetRemoved,
         Self::TargetOverflow,
         Self::ScopeViolation,
+        Self::HandlerReleased,
     ];
 }
 

@@ -385,6 +385,9 @@ impl HandlerTarget {
                 let events = match self.complete(req, partials) {
                     Ok(evs) => evs,
                     Err(e) => {
+                        // The handler's team reads why in its logs (the DLQ is the
+                        // target owner's, which a `handlers:` scope does not open).
+                        self.log(req, &version, "error", format!("failed: {e}"));
                         return (
                             AttemptOutcome::Permanent {
                                 error: e,
@@ -417,29 +420,46 @@ impl HandlerTarget {
                 outbox.completed = Some(completed);
                 (AttemptOutcome::Delivered { status: None }, effects(outbox))
             }
-            InvocationOutcome::Retry { delay, message } => (
-                AttemptOutcome::Retryable {
-                    error: format!("handler asked to retry: {message}"),
-                    status: None,
-                    retry_after: *delay,
-                },
-                effects(outbox_of(&inv, Vec::new())),
-            ),
-            InvocationOutcome::Fail(msg) => (
-                AttemptOutcome::Permanent {
-                    error: format!("handler failed: {msg}"),
-                    status: None,
-                },
-                effects(outbox_of(&inv, Vec::new())),
-            ),
+            // The handler's own `retry` and `fail` answers are logged like traps, so its team
+            // sees why a delivery is retried or dead-lettered with a `handlers:` scope alone.
+            InvocationOutcome::Retry { delay, message } => {
+                let after = delay.map(|d| format!(" (after {d:?})")).unwrap_or_default();
+                self.log(
+                    req,
+                    &version,
+                    "warn",
+                    format!("retry requested{after}: {message}"),
+                );
+                (
+                    AttemptOutcome::Retryable {
+                        error: format!("handler asked to retry: {message}"),
+                        status: None,
+                        retry_after: *delay,
+                    },
+                    effects(outbox_of(&inv, Vec::new())),
+                )
+            }
+            InvocationOutcome::Fail(msg) => {
+                self.log(req, &version, "error", format!("failed: {msg}"));
+                (
+                    AttemptOutcome::Permanent {
+                        error: format!("handler failed: {msg}"),
+                        status: None,
+                    },
+                    effects(outbox_of(&inv, Vec::new())),
+                )
+            }
             // Nothing is committed, as when the router cannot complete the emissions.
-            InvocationOutcome::InvalidEmission(msg) => (
-                AttemptOutcome::Permanent {
-                    error: format!("handler failed: {msg}"),
-                    status: None,
-                },
-                None,
-            ),
+            InvocationOutcome::InvalidEmission(msg) => {
+                self.log(req, &version, "error", format!("failed: {msg}"));
+                (
+                    AttemptOutcome::Permanent {
+                        error: format!("handler failed: {msg}"),
+                        status: None,
+                    },
+                    None,
+                )
+            }
             other => {
                 let error = match other {
                     InvocationOutcome::Timeout => {

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::future::BoxFuture;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -81,6 +82,20 @@ pub struct HandlerChanges {
     /// Where a handler's key-value entries and logs are, removed when its name is freed
     /// (`None`: the registry alone, in tests).
     data: Option<HandlerData>,
+    /// Dead-letters the deliveries queued for a handler whose name is released (set once the
+    /// delivery runtime exists, which is built after the handlers).
+    released_queues: std::sync::OnceLock<Arc<dyn ReleasedQueues>>,
+}
+
+/// What a release does to the deliveries queued for the handler: moves them to the DLQ
+/// (reason `handler_released`), so that none of them runs on the code of whichever team
+/// claims the name next. Implemented by the delivery runtime (`app`), which knows the
+/// handler's targets, counts the dead letters and announces them.
+pub trait ReleasedQueues: Send + Sync {
+    /// Moves every delivery queued for handler `name` to the DLQ, those leased now once they
+    /// are back in their queue (at most `wait` for them). Returns how many moved, or why it
+    /// failed (the release then stops with the name held, to be released again).
+    fn dead_letter(&self, name: &str, wait: Duration) -> BoxFuture<'_, Result<u64, String>>;
 }
 
 /// What a handler leaves besides its versions: its key-value namespace on the store and this
@@ -164,7 +179,14 @@ impl HandlerChanges {
             status: Mutex::new(status),
             syncs,
             data: None,
+            released_queues: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Wires what a release does to the handler's queued deliveries (once; later calls are
+    /// ignored). Until it is wired, a release of a name with data is refused as busy.
+    pub fn set_released_queues(&self, queues: Arc<dyn ReleasedQueues>) {
+        let _ = self.released_queues.set(queues);
     }
 
     /// Changes that remove a handler's key-value entries and logs when its name is freed.
@@ -342,9 +364,12 @@ impl HandlerChanges {
 
     /// [`HandlerRegistry::delete_as`] everywhere when shared (ownership checked on the
     /// catalog's record, in the same round as the write). Before a name is freed, the
-    /// handler's key-value entries and this node's logs of it are removed (other nodes remove
-    /// theirs when they apply the freed record), so the next team to claim the name starts
-    /// with nothing of the last one's.
+    /// deliveries queued for the handler go to the DLQ as `handler_released`, and its
+    /// key-value entries and this node's logs of it are removed (other nodes remove theirs
+    /// when they apply the freed record), so the next team to claim the name starts with
+    /// nothing of the last one's and never runs a delivery queued for it. All of that happens
+    /// while the name is held (`DeleteStep::Hold`): a crash or failure half-way leaves it held,
+    /// and releasing again finishes it.
     pub async fn delete_as(
         &self,
         name: &str,
@@ -354,10 +379,20 @@ impl HandlerChanges {
         if !super::valid_handler_name(name) {
             return Ok(Deletion::Unknown);
         }
+        if release && self.data.is_some() && self.released_queues.get().is_none() {
+            return Err(RegistryError::Busy(
+                "the delivery runtime is still starting; release the name again in a moment".into(),
+            ));
+        }
         // Invocations already running keep their handle; the entries are removed once they
         // are done.
         let running = self.registry.active(name).map(|h| Arc::downgrade(&h));
-        let (before, deleted) = self.delete_step(name, who, DeleteStep::Keep).await?;
+        let (before, changed) = self
+            .delete_step(name, who, DeleteStep::first(release))
+            .await?;
+        // Whether this delete removed a live handler (a `Hold` on a deleted one's kept name
+        // changes the record too).
+        let deleted = changed && before.as_ref().is_some_and(|b| !b.deleted);
         match after_keep(before.as_ref(), deleted, release) {
             Ok(done) => Ok(done),
             Err(owner) => {
@@ -368,10 +403,10 @@ impl HandlerChanges {
         }
     }
 
-    /// Removes what a handler named `name` left: its key-value entries (on the store, shared
-    /// or not) and this node's logs of it, once the invocations `running` here when it was
-    /// deleted are done (at most `HandlerData::drain`) and their acks, which carry their
-    /// key-value writes, committed.
+    /// Removes what a handler named `name` left: the deliveries queued for it (to the DLQ),
+    /// its key-value entries (on the store, shared or not) and this node's logs of it, once
+    /// the invocations `running` here when it was deleted are done (at most
+    /// `HandlerData::drain`) and their acks, which carry their key-value writes, committed.
     async fn forget_data(
         &self,
         name: &str,
@@ -388,13 +423,30 @@ impl HandlerChanges {
             // An invocation's ack is committed just after it lets go of the handle.
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+        if let Some(queues) = self.released_queues.get() {
+            let moved =
+                queues
+                    .dead_letter(name, data.drain)
+                    .await
+                    .map_err(|e| RegistryError::Store {
+                        name: name.to_owned(),
+                        message: format!("moving its queued deliveries to the DLQ failed: {e}"),
+                    })?;
+            if moved > 0 {
+                tracing::warn!(
+                    handler = name,
+                    deliveries = moved,
+                    "a released handler's queued deliveries moved to the DLQ as handler_released"
+                );
+            }
+        }
         let removed = data
             .store
             .kv_clear(name)
             .await
             .map_err(|e| RegistryError::Store {
                 name: name.to_owned(),
-                message: e.to_string(),
+                message: format!("removing its key-value entries failed: {e}"),
             })?;
         data.logs.forget(name)?;
         tracing::info!(
@@ -635,7 +687,7 @@ impl HandlerChanges {
             if local.is_none() || local.as_ref() == Some(&index) {
                 return Ok(None);
             }
-            let freed = index.owner.is_none();
+            let freed = index.is_free();
             let registry = self.registry.clone();
             blocking(move || registry.apply(index, None))
                 .await

@@ -353,25 +353,59 @@ fn classify_error(err: &wasmtime::Error, state: &HostState) -> InvocationOutcome
             state.hostcall_fuel
         ));
     }
-    let mut message = match err.downcast_ref::<Trap>() {
+    // The first line says what happened (the trap's kind, the guest's panic, or the router's
+    // own explanation), as the DLQ table and the router's log show only it; the guest's
+    // stderr and the wasm backtrace follow, once each. (Wasmtime's `Trap` displays with its
+    // own "wasm trap: " prefix, and the backtrace is the error's outermost context, so
+    // `{err:#}` would open with the backtrace and repeat it.)
+    let backtrace = err.downcast_ref::<WasmBacktrace>().map(ToString::to_string);
+    let what = match err.downcast_ref::<Trap>() {
         Some(Trap::Interrupt) => return InvocationOutcome::Timeout,
         Some(Trap::OutOfFuel) => return InvocationOutcome::LimitExceeded("fuel exhausted".into()),
         Some(Trap::StackOverflow) => "wasm trap: stack overflow (call stack exhausted)".to_owned(),
-        Some(trap) => format!("wasm trap: {trap}"),
-        None => format!("{err:#}"),
+        Some(trap) => trap.to_string(),
+        None => {
+            let causes: Vec<String> = err
+                .chain()
+                .map(ToString::to_string)
+                .filter(|m| Some(m) != backtrace.as_ref())
+                .collect();
+            if causes.is_empty() {
+                "the handler failed".to_owned()
+            } else {
+                causes.join(": ")
+            }
+        }
     };
     let console = state.console.text();
+    let mut message = match guest_panic(&console) {
+        Some(panic) => format!("guest panicked: {panic} ({what})"),
+        None => what,
+    };
     if !console.is_empty() {
         message.push_str("\nguest stderr:\n");
         message.push_str(&console);
     }
-    if let Some(bt) = err.downcast_ref::<WasmBacktrace>() {
-        let bt = bt.to_string();
+    if let Some(bt) = backtrace {
         let cut = bt.char_indices().nth(2048).map_or(bt.len(), |(i, _)| i);
-        message.push_str("\nwasm backtrace:\n");
+        message.push('\n');
         message.push_str(&bt[..cut]);
     }
     InvocationOutcome::Trap(message)
+}
+
+/// The message of a Rust panic in the guest's stderr (`thread '…' panicked at FILE:LINE:COL:`
+/// then the message), on one line, if there is one.
+fn guest_panic(console: &str) -> Option<String> {
+    let (_, after) = console.split_once(" panicked at ")?;
+    let (_, rest) = after.split_once('\n')?;
+    let message: Vec<&str> = rest
+        .lines()
+        .take_while(|l| !l.starts_with("note: "))
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    (!message.is_empty()).then(|| message.join(" "))
 }
 
 /// Checks the handler's emissions against the limits and turns them into partial CloudEvents.
@@ -516,6 +550,14 @@ pub(crate) fn event_to_wit(event: &Value) -> Result<wit::Event, String> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_rust_panic_in_the_guest_stderr_is_found_on_one_line() {
+        let console = "thread '<unnamed>' panicked at src/lib.rs:70:24:\nbad input:\n  order 7\nnote: run with `RUST_BACKTRACE=1` environment variable to display a backtrace\n";
+        assert_eq!(guest_panic(console).as_deref(), Some("bad input: order 7"));
+        assert_eq!(guest_panic("just a line\n"), None);
+        assert_eq!(guest_panic(""), None);
+    }
 
     #[test]
     fn structured_event_maps_to_the_record() {

@@ -15,7 +15,7 @@ pub mod registry;
 mod tests;
 
 pub use bindings::{EmptyKv, KvReader, KvWrite, LogLevel, LogLine};
-pub use catalog::{CatalogStatus, HandlerChanges, HandlerData, SyncReport};
+pub use catalog::{CatalogStatus, HandlerChanges, HandlerData, ReleasedQueues, SyncReport};
 pub use engine::{EngineConfig, EngineError, WasmEngine};
 pub use invoke::{DeliveryInfo, Invocation, InvocationOutcome, invoke};
 pub use limits::{HandlerLimits, LimitsError};

@@ -25,8 +25,14 @@ use super::bindings::{HandlerPre, HostState, wit};
 use super::engine::WasmEngine;
 use super::invoke;
 
-/// Version of the `index.json` format.
-const INDEX_FORMAT: u32 = 1;
+/// Version of the `index.json` format: the newest this router reads.
+const INDEX_FORMAT: u32 = 2;
+
+/// The format of an index without `kept` (every index of a live handler): routers before
+/// format 2 read it. Only a record that needs format 2 is written as such, so that in a
+/// rolling upgrade an older node refuses it (and keeps serving what it has) instead of reading
+/// a kept, unowned tombstone as a freed name and removing its logs.
+const BASE_INDEX_FORMAT: u32 = 1;
 
 /// What a handler's `describe` returned.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -187,20 +193,33 @@ pub(crate) struct HandlerIndex {
     /// meanwhile deletes its copy instead of publishing it again.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub(crate) deleted: bool,
+    /// Deleted without a release while no team owned it (only administrators uploaded it,
+    /// or auth is off): like a team's kept name, its key-value entries and logs stay, and
+    /// whoever may upload it (as before the delete) finds them. Only a release frees it. A
+    /// deleted record with neither `owner` nor `kept` is a freed name. (Format 2.)
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) kept: bool,
 }
 
 impl HandlerIndex {
     /// A handler with no versions yet.
     pub(crate) fn empty(name: &str) -> Self {
         Self {
-            format: INDEX_FORMAT,
+            format: BASE_INDEX_FORMAT,
             name: name.to_owned(),
             active: None,
             versions: Vec::new(),
             owner: None,
             preloaded: None,
             deleted: false,
+            kept: false,
         }
+    }
+
+    /// A deleted handler's name that nothing holds any more: no team keeps it and its data
+    /// is gone (released, or deleted before names were kept).
+    pub(crate) fn is_free(&self) -> bool {
+        self.deleted && self.owner.is_none() && !self.kept
     }
 
     /// The team that owns the handler: the one recorded or, for an index written before
@@ -322,25 +341,43 @@ impl HandlerIndex {
         }
     }
 
+    /// The record of a deleted handler no team owned, whose data stays (`kept`).
+    fn kept_tombstone(name: &str) -> Self {
+        Self {
+            format: INDEX_FORMAT,
+            kept: true,
+            ..Self::tombstone(name, None)
+        }
+    }
+
     /// The record after `step` by `who`, or `None` when the step changes nothing: `Keep`
-    /// deletes a live handler and keeps its name for its team (for an unowned one, `who`'s
-    /// team holds it until `Free`); `Free` gives up the name of a deleted handler. Refused
-    /// when another team owns the handler or its kept name.
+    /// deletes a live handler and keeps its name and data (for its team, or for whoever may
+    /// upload it when no team owned it); `Hold`, a release's first step, deletes a live
+    /// handler, or takes a deleted one's kept name, and holds the name for its team (for an
+    /// unowned one, `who`'s) while its data is removed; `Free` gives up the name of a deleted
+    /// handler. Refused when another team owns the handler or its kept name.
     pub(crate) fn deleted_by(
         &self,
         who: &Uploader,
         step: DeleteStep,
     ) -> Result<Option<Self>, OwnedByAnotherTeam> {
-        let owner = self.effective_owner();
-        if self.deleted && owner.is_none() {
+        if self.is_free() {
             return Ok(None);
         }
+        let owner = self.effective_owner();
         self.check_owner(who)?;
         Ok(match (step, self.deleted) {
-            (DeleteStep::Keep, false) => Some(Self::tombstone(
+            (DeleteStep::Keep, false) => Some(match owner {
+                Some(team) => Self::tombstone(&self.name, Some(team)),
+                None => Self::kept_tombstone(&self.name),
+            }),
+            (DeleteStep::Hold, false) => Some(Self::tombstone(
                 &self.name,
                 Some(owner.unwrap_or_else(|| who.team.clone())),
             )),
+            (DeleteStep::Hold, true) if owner.is_none() => {
+                Some(Self::tombstone(&self.name, Some(who.team.clone())))
+            }
             (DeleteStep::Free, true) => Some(Self::tombstone(&self.name, None)),
             _ => None,
         })
@@ -524,11 +561,9 @@ pub enum RegistryError {
     /// written; nothing was changed.
     #[error("the shared handler catalog is unavailable: {0}")]
     Catalog(String),
-    /// The key-value entries of a handler whose name was to be freed could not be removed;
-    /// the name stays kept.
-    #[error(
-        "cannot remove handler {name:?}'s key-value entries, so its name stays kept: {message}"
-    )]
+    /// What a handler whose name was to be freed left (its queued deliveries, its key-value
+    /// entries) could not be removed; the name stays kept.
+    #[error("cannot release handler {name:?}, so its name stays kept: {message}")]
     Store {
         /// The handler.
         name: String,
@@ -568,36 +603,51 @@ pub struct OwnedByAnotherTeam {
     pub owner: String,
 }
 
-/// A step of a delete. A name is freed in two steps, with the handler's key-value entries and
-/// logs removed in between (`HandlerChanges::delete_as`), so that a crash half-way leaves the
-/// name kept rather than free with the old team's data readable by the next team to claim it.
+/// A step of a delete. A plain delete is one `Keep` step. A release frees a name in two
+/// steps, `Hold` then `Free`, with the handler's queued deliveries dead-lettered and its
+/// key-value entries and logs removed in between (`HandlerChanges::delete_as`), so that a
+/// crash half-way leaves the name held rather than free with the old team's data readable, or
+/// its deliveries runnable, by the next team to claim it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum DeleteStep {
-    /// Delete the handler's versions; the name stays with its team.
+    /// Delete the handler's versions; the name and data stay (with its team, if any).
     Keep,
+    /// Delete the handler's versions, if not yet, and hold the name while it is released.
+    Hold,
     /// Give up a deleted handler's name.
     Free,
 }
 
-/// How a delete goes on after its `Keep` step, given the record before that step and
-/// whether the step changed it: `Ok(done)`, or `Err(owner)` when the name is to be freed
-/// (`release`, or a handler no team owned), with the team it was kept for, if any.
+impl DeleteStep {
+    /// The first step of a delete, releasing the name or not.
+    pub(crate) fn first(release: bool) -> Self {
+        if release { Self::Hold } else { Self::Keep }
+    }
+}
+
+/// How a delete goes on after its first step (`DeleteStep::first`), given the record before
+/// that step and whether the step deleted a live handler: `Ok(done)`, or `Err(owner)` when the
+/// name is to be freed (`release`), with the team it was kept for, if any.
+///
+/// A plain delete never frees a name, even one no team owns: freeing removes the handler's
+/// key-value entries (an idempotent handler's record of what it did) and logs for good, which
+/// only an explicit release may do.
 pub(crate) fn after_keep(
     before: Option<&HandlerIndex>,
-    changed: bool,
+    deleted: bool,
     release: bool,
 ) -> Result<Deletion, Option<String>> {
     let Some(before) = before else {
         return Ok(Deletion::Unknown);
     };
-    let owner = before.effective_owner();
-    if before.deleted && owner.is_none() {
+    if before.is_free() {
         return Ok(Deletion::Unknown);
     }
-    if release || owner.is_none() {
+    let owner = before.effective_owner();
+    if release {
         return Err(owner);
     }
-    Ok(if changed {
+    Ok(if deleted {
         Deletion::Deleted { kept_by: owner }
     } else {
         Deletion::Unknown
@@ -605,7 +655,7 @@ pub(crate) fn after_keep(
 }
 
 /// What a delete did once its `Free` step ran (`freed`: it changed the record), after a
-/// `Keep` step that deleted a live handler (`deleted`) kept for `owner`.
+/// `Hold` step that deleted a live handler (`deleted`) kept for `owner`.
 pub(crate) fn after_free(deleted: bool, freed: bool, owner: Option<String>) -> Deletion {
     match (deleted, freed) {
         (true, true) => Deletion::Deleted { kept_by: None },
@@ -1113,8 +1163,8 @@ impl HandlerRegistry {
         Ok(info)
     }
 
-    /// Removes a handler and all its versions, as an operator (whose uploads claim no name, so
-    /// the name stays only with a team that uploaded it). Returns whether it existed.
+    /// Removes a handler's versions, as an operator; its name stays kept (with the team that
+    /// owns it, if any) until released. Returns whether it existed.
     /// Invocations already running keep their `Arc<LoadedHandler>` and finish.
     pub fn delete(&self, name: &str) -> Result<bool, RegistryError> {
         let deletion = self.delete_as(name, &Uploader::from("operator"), false)?;
@@ -1122,8 +1172,8 @@ impl HandlerRegistry {
     }
 
     /// [`Self::delete`] by `who`, refused when another team owns the handler. The name stays
-    /// with its team unless `release` (or no team owned it); releasing the name of a handler
-    /// already deleted frees it. The registry alone keeps no key-value entries or logs:
+    /// (with its team, if any) unless `release`; releasing the name of a handler already
+    /// deleted frees it. The registry alone keeps no key-value entries or logs:
     /// `HandlerChanges::delete_as` removes those before a name is freed.
     pub fn delete_as(
         &self,
@@ -1131,7 +1181,8 @@ impl HandlerRegistry {
         who: &Uploader,
         release: bool,
     ) -> Result<Deletion, RegistryError> {
-        let (before, deleted) = self.delete_step(name, who, DeleteStep::Keep)?;
+        let (before, changed) = self.delete_step(name, who, DeleteStep::first(release))?;
+        let deleted = changed && before.as_ref().is_some_and(|b| !b.deleted);
         match after_keep(before.as_ref(), deleted, release) {
             Ok(done) => Ok(done),
             Err(owner) => {
@@ -1166,12 +1217,12 @@ impl HandlerRegistry {
     }
 
     /// Makes `tombstone` (a deleted handler's record) this registry's state, with the write
-    /// lock held: its components are removed and, while a team keeps the name, only its index
-    /// stays; an unowned name leaves nothing behind.
+    /// lock held: its components are removed and, while the name is kept, only its index
+    /// stays; a freed name leaves nothing behind.
     fn remove(&self, tombstone: HandlerIndex) -> Result<(), RegistryError> {
         let name = tombstone.name.clone();
         let dir = self.dir.join(&name);
-        if tombstone.owner.is_some() && valid_handler_name(&name) {
+        if !tombstone.is_free() && valid_handler_name(&name) {
             fs::create_dir_all(&dir)?;
             self.write_index(&tombstone)?;
             self.prune_components(&tombstone);
@@ -1386,6 +1437,7 @@ mod tests {
             owner: None,
             preloaded: None,
             deleted: false,
+            kept: false,
         };
         assert_eq!(find_version(&index, "h", "2").unwrap().version, 2);
         assert_eq!(find_version(&index, "h", "v12").unwrap().version, 12);

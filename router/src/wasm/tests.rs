@@ -357,12 +357,27 @@ fn hostile_sleep_traps_instead_of_outliving_its_timeout() {
         ..HandlerLimits::default()
     };
     let inv = hostile_with_neighbour(json!({"mode": "sleep"}), &limits);
-    assert!(
-        matches!(&inv.outcome, InvocationOutcome::Trap(m) if m.contains("cannot sleep")),
-        "{:?}",
-        inv.outcome
-    );
+    // The router's explanation opens the message, not the wasm backtrace.
+    match &inv.outcome {
+        InvocationOutcome::Trap(m) => {
+            assert!(m.lines().next().unwrap().contains("cannot sleep"), "{m}");
+            assert_one_backtrace(m);
+        }
+        other => panic!("{other:?}"),
+    }
     assert!(inv.duration < Duration::from_secs(3), "{:?}", inv.duration);
+}
+
+/// A trap's message holds the wasm backtrace once, after its first line.
+fn assert_one_backtrace(m: &str) {
+    assert_eq!(
+        m.matches("error while executing at wasm backtrace:")
+            .count(),
+        1,
+        "{m}"
+    );
+    assert!(!m.lines().next().unwrap().contains("backtrace"), "{m}");
+    assert!(!m.contains("wasm trap: wasm trap"), "{m}");
 }
 
 #[test]
@@ -379,7 +394,14 @@ fn hostile_memory_bomb_is_oom() {
 fn hostile_deep_recursion_is_a_stack_overflow_trap() {
     let inv = hostile_with_neighbour(json!({"mode": "stack"}), &HandlerLimits::default());
     match inv.outcome {
-        InvocationOutcome::Trap(m) => assert!(m.contains("stack overflow"), "{m}"),
+        InvocationOutcome::Trap(m) => {
+            assert_eq!(
+                m.lines().next(),
+                Some("wasm trap: stack overflow (call stack exhausted)"),
+                "{m}"
+            );
+            assert_one_backtrace(&m);
+        }
         other => panic!("{other:?}"),
     }
 }
@@ -388,10 +410,17 @@ fn hostile_deep_recursion_is_a_stack_overflow_trap() {
 fn hostile_panic_is_a_trap_with_the_panic_message() {
     let inv = hostile_with_neighbour(json!({"mode": "panic"}), &HandlerLimits::default());
     match inv.outcome {
-        InvocationOutcome::Trap(m) => assert!(
-            m.contains("hostile handler panicked on purpose (event h1)"),
-            "{m}"
-        ),
+        InvocationOutcome::Trap(m) => {
+            assert_eq!(
+                m.lines().next(),
+                Some(
+                    "guest panicked: hostile handler panicked on purpose (event h1) (wasm trap: wasm `unreachable` instruction executed)"
+                ),
+                "{m}"
+            );
+            assert!(m.contains("\nguest stderr:\n"), "{m}");
+            assert_one_backtrace(&m);
+        }
         other => panic!("{other:?}"),
     }
 }
@@ -627,7 +656,13 @@ fn versions_rollback_reupload_and_delete() {
 
     assert!(reopened.delete("noop").unwrap());
     assert!(reopened.active("noop").is_none() && reopened.list().is_empty());
-    assert!(!dir.path().join("handlers/noop").exists());
+    // No team owned it, yet the delete only removes its versions: the name's record stays
+    // (its key-value entries and logs with it) until a release.
+    let kept: Vec<String> = std::fs::read_dir(dir.path().join("handlers/noop"))
+        .unwrap()
+        .filter_map(|d| d.ok()?.file_name().into_string().ok())
+        .collect();
+    assert_eq!(kept, ["index.json"]);
     assert!(!reopened.delete("noop").unwrap());
     // A running invocation's handle outlives the delete.
     assert_eq!(
@@ -871,6 +906,86 @@ fn a_handler_belongs_to_its_first_uploaders_team() {
         reopened.get("enrich").unwrap().owner.as_deref(),
         Some("billing")
     );
+}
+
+/// A plain delete never frees a name, even one no team owns (auth off, or only administrators
+/// uploaded it): freeing is what removes the handler's key-value entries and logs for good,
+/// and an idempotent handler's entries are its record of what it already did. The record
+/// stays (across a reopen), anyone who may upload the name finds it again, and only a release
+/// frees it. An older router refuses the record (format 2) rather than read it as free.
+#[test]
+fn a_plain_delete_of_an_unowned_handler_keeps_its_name_until_released() {
+    let (dir, registry) = registry_with(&[]);
+    registry.upload("noop", &plugin("noop"), "ops").unwrap();
+    assert_eq!(registry.get("noop").unwrap().owner, None);
+    assert_eq!(
+        registry
+            .delete_as("noop", &Uploader::from("ops"), false)
+            .unwrap(),
+        Deletion::Deleted { kept_by: None }
+    );
+    let registry = HandlerRegistry::open(dir.path().join("handlers"), engine()).unwrap();
+    assert!(registry.get("noop").is_none() && registry.active("noop").is_none());
+    let kept = registry
+        .index("noop")
+        .expect("the deleted handler's record is kept");
+    assert!(kept.deleted && kept.kept && kept.owner.is_none() && !kept.is_free());
+    let stored: Value = serde_json::from_slice(
+        &std::fs::read(dir.path().join("handlers/noop/index.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(stored["format"], 2, "{stored}");
+    assert_eq!(
+        registry
+            .delete_as("noop", &Uploader::from("ops"), false)
+            .unwrap(),
+        Deletion::Unknown,
+        "deleting it again changes nothing"
+    );
+    // Uploaded again (here by a team, which claims it as it could before the delete): a new
+    // history, format 1 again.
+    let team = Uploader {
+        token: "billing-ci".into(),
+        team: "billing".into(),
+        admin: false,
+        preload: false,
+        for_team: None,
+    };
+    let again = registry
+        .upload("noop", &plugin("noop"), team.clone())
+        .unwrap();
+    assert_eq!(again.version, 1);
+    assert_eq!(
+        registry.get("noop").unwrap().owner.as_deref(),
+        Some("billing")
+    );
+    let index = registry.index("noop").unwrap();
+    assert!(!index.kept && !index.deleted);
+
+    // An administrator's handler deleted, then released: only the release frees the name.
+    registry.upload("enrich", &plugin("enrich"), "ops").unwrap();
+    assert_eq!(
+        registry
+            .delete_as("enrich", &Uploader::from("ops"), false)
+            .unwrap(),
+        Deletion::Deleted { kept_by: None }
+    );
+    assert!(dir.path().join("handlers/enrich/index.json").is_file());
+    assert_eq!(
+        registry.delete_as("enrich", &team, true).unwrap(),
+        Deletion::Released
+    );
+    assert!(registry.index("enrich").is_none());
+    assert!(!dir.path().join("handlers/enrich").exists());
+    // Deleted and released at once.
+    registry.upload("strict", &plugin("strict"), "ops").unwrap();
+    assert_eq!(
+        registry
+            .delete_as("strict", &Uploader::from("ops"), true)
+            .unwrap(),
+        Deletion::Deleted { kept_by: None }
+    );
+    assert!(!dir.path().join("handlers/strict").exists());
 }
 
 #[test]

@@ -689,6 +689,27 @@ fn nats_and_handler_names() {
         "r.yaml:5:18: ",
         "invalid handler name",
     );
+    // Names the upload API refuses (`PUT /v1/handlers/Billing.v2` is a 400): a rule naming
+    // one would pass the check, and its events wait for an upload that can never happen.
+    for name in [
+        "Billing.v2",
+        "billing.v2",
+        "-billing",
+        "a".repeat(65).as_str(),
+    ] {
+        one_err(
+            &[("r.yaml", &t("handler", name))],
+            "r.yaml:5:18: ",
+            "handler names are 1 to 64 characters of a-z, 0-9, '_' and '-'",
+        );
+    }
+    for name in ["billing-v2", "billing_v2", "7up", "a".repeat(64).as_str()] {
+        assert!(
+            crate::wasm::valid_handler_name(name),
+            "{name}: a name the API takes"
+        );
+        ok(&[("r.yaml", &t("handler", name))]);
+    }
 }
 
 #[test]
