@@ -991,3 +991,51 @@ async fn a_purged_dead_letter_shows_as_purged_in_the_fate() {
     assert_eq!(f["dlq"], json!([]), "{f}");
     assert_eq!(f["targets"][0]["state"], "purged", "{f}");
 }
+
+/// The fate and a dead letter show the event's `data` as the producer sent it (and as every
+/// target receives it): built as a JSON value, an integer past what `f64` holds exactly showed
+/// as 1.8446744073709552e+19, and `1.10` as 1.1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fate_and_the_dlq_show_data_as_sent() {
+    let a = Receiver::status(400).await;
+    let r = RouterProc::start(&[("r.yaml", &webhook_rule("r", "t", &a.url(), "a"))], &[]);
+    let body = r#"{"specversion":"1.0","id":"big","source":"/test","type":"t","data":{"n":18446744073709551616,"f":1.10}}"#;
+    let resp = client()
+        .post(r.url("/v1/events"))
+        .header("content-type", "application/cloudevents+json")
+        .body(body)
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(resp.status(), 202);
+    assert!(a.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
+    let r = &r;
+    let text = |path: String| async move {
+        client()
+            .get(r.url(&path))
+            .send()
+            .await
+            .expect("get")
+            .text()
+            .await
+            .expect("text")
+    };
+    let sent = r#""data":{"n":18446744073709551616,"f":1.10}"#;
+    let fate_text = text("/v1/events/big?source=/test".to_owned()).await;
+    assert!(fate_text.contains(sent), "{fate_text}");
+    let id = eventually(Duration::from_secs(10), || async {
+        let (_, dlq) = get_json(r, "/v1/dlq").await;
+        dlq["entries"][0]["id"].as_str().map(str::to_owned)
+    })
+    .await
+    .expect("a dead letter");
+    let entry = text(format!("/v1/dlq/{id}")).await;
+    assert!(entry.contains(sent), "{entry}");
+    assert_eq!(
+        entry.matches("\"event\":").count(),
+        1,
+        "one event member: {entry}"
+    );
+    let v: Value = serde_json::from_str(&entry).expect("JSON");
+    assert_eq!(v["event"]["id"], "big", "{v}");
+}

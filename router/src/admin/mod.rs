@@ -163,7 +163,7 @@ pub async fn event_fate(
         })
         .collect();
     let ev = &fate.event;
-    axum::Json(json!({
+    json!({
         "id": ev.event.id,
         "source": ev.event.source,
         "type": ev.event.ty,
@@ -173,9 +173,54 @@ pub async fn event_fate(
         "quarantined": ev.quarantined,
         "targets": targets,
         "dlq": fate.dlq.iter().map(dlq_json).collect::<Vec<_>>(),
-        "event": ev.event.to_json(),
-    }))
-    .into_response()
+    })
+    .with_event(&ev.event)
+}
+
+/// An answer whose `event` member is the stored event as it is delivered: its `data` is the
+/// text the producer sent. Built as a `Value` (`to_json`), a number past what `f64` holds
+/// exactly (18446744073709551616) showed as 1.8446744073709552e+19, though every target
+/// received it as sent.
+struct WithEvent<'a> {
+    fields: Value,
+    event: &'a crate::event::CloudEvent,
+}
+
+impl serde::Serialize for WithEvent<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let fields = self.fields.as_object();
+        let mut m = s.serialize_map(Some(fields.map_or(0, |f| f.len()) + 1))?;
+        for (k, v) in fields.into_iter().flatten() {
+            m.serialize_entry(k, v)?;
+        }
+        let raw = serde_json::value::RawValue::from_string(
+            String::from_utf8(self.event.structured_bytes(None))
+                .map_err(serde::ser::Error::custom)?,
+        )
+        .map_err(serde::ser::Error::custom)?;
+        m.serialize_entry("event", &raw)?;
+        m.end()
+    }
+}
+
+/// See [`WithEvent`].
+trait AnswerWithEvent {
+    fn with_event(self, event: &crate::event::CloudEvent) -> Response;
+}
+
+impl AnswerWithEvent for Value {
+    fn with_event(mut self, event: &crate::event::CloudEvent) -> Response {
+        // The whole event replaces any summary of it (a dead letter's id, source and type).
+        if let Value::Object(m) = &mut self {
+            m.remove("event");
+        }
+        axum::Json(WithEvent {
+            fields: self,
+            event,
+        })
+        .into_response()
+    }
 }
 
 /// Query of `GET /v1/dlq`.
@@ -276,9 +321,8 @@ pub async fn dlq_show(
                 return not_yours();
             }
             let mut v = dlq_json(&d);
-            v["event"] = ev.event.to_json();
             v["accepted_at"] = json!(rfc3339(ev.accepted_at));
-            axum::Json(v).into_response()
+            v.with_event(&ev.event)
         }
         Ok(None) if reads_all => error_response(
             StatusCode::NOT_FOUND,
