@@ -171,7 +171,7 @@ const TARGET_REMOVED: &str = "the target was removed from the rules";
 /// between two files in two saves, used to dead-letter new events of a live target).
 async fn dead_letter_removed(app: &Arc<App>, id: &str, why: String, grace: Duration) {
     let ctx = app.dispatcher.context().clone();
-    match move_removed_queue(&ctx, id, &why).await {
+    match move_queue_to_dlq(&ctx, id, crate::store::DlqReason::TargetRemoved, &why).await {
         Ok(n) => {
             tracing::warn!(target_id = %id, entries = n, reason = %why, "target not in the rules; its queued entries moved to the DLQ");
         }
@@ -212,7 +212,7 @@ async fn dead_letter_removed(app: &Arc<App>, id: &str, why: String, grace: Durat
             if back(&id) {
                 continue;
             }
-            if let Err(e) = move_removed_queue(&ctx, &id, &why).await {
+            if let Err(e) = move_queue_to_dlq(&ctx, &id, crate::store::DlqReason::TargetRemoved, &why).await {
                 tracing::warn!(target_id = %id, error = %e, "moving a removed target's entries to the DLQ failed");
             }
         }
@@ -271,20 +271,9 @@ impl crate::wasm::ReleasedQueues for ReleasedHandlerQueues {
             let sweep = || async {
                 let mut moved = 0u64;
                 for id in &ids {
-                    let n = ctx
-                        .store
-                        .dead_letter_queued(id, reason, &why, ctx.clock.now_ms())
+                    moved += move_queue_to_dlq(&ctx, id, reason, &why)
                         .await
-                        .map_err(|e| e.to_string())?;
-                    crate::deliver::dead_lettered_in_bulk(
-                        &ctx,
-                        id,
-                        reason,
-                        n as u64,
-                        &why,
-                        ctx.clock.now_ms(),
-                    );
-                    moved += n as u64;
+                        .map_err(|e| e.to_string())? as u64;
                 }
                 Ok::<u64, String>(moved)
             };
@@ -319,30 +308,20 @@ impl crate::wasm::ReleasedQueues for ReleasedHandlerQueues {
     }
 }
 
-/// Moves what is queued for `id`, a target no longer in the rules, to the DLQ as
-/// `target_removed` with the error `why`, counted and announced (`router.dlq.added`).
-async fn move_removed_queue(
+/// Moves what is queued for `id` to the DLQ as `reason` with the error `why`, counted and
+/// announced (`router.dlq.added`): a target no longer in the rules (`target_removed`), or one
+/// that runs a released handler (`handler_released`).
+async fn move_queue_to_dlq(
     ctx: &crate::deliver::DeliveryContext,
     id: &str,
+    reason: crate::store::DlqReason,
     why: &str,
 ) -> Result<usize, StoreError> {
     let n = ctx
         .store
-        .dead_letter_queued(
-            id,
-            crate::store::DlqReason::TargetRemoved,
-            why,
-            ctx.clock.now_ms(),
-        )
+        .dead_letter_queued(id, reason, why, ctx.clock.now_ms())
         .await?;
-    crate::deliver::dead_lettered_in_bulk(
-        ctx,
-        id,
-        crate::store::DlqReason::TargetRemoved,
-        n as u64,
-        why,
-        ctx.clock.now_ms(),
-    );
+    crate::deliver::dead_lettered_in_bulk(ctx, id, reason, n as u64, why, ctx.clock.now_ms());
     Ok(n)
 }
 
