@@ -163,7 +163,7 @@ pub async fn event_fate(
         })
         .collect();
     let ev = &fate.event;
-    json!({
+    let fields = json!({
         "id": ev.event.id,
         "source": ev.event.source,
         "type": ev.event.ty,
@@ -173,8 +173,8 @@ pub async fn event_fate(
         "quarantined": ev.quarantined,
         "targets": targets,
         "dlq": fate.dlq.iter().map(dlq_json).collect::<Vec<_>>(),
-    })
-    .with_event(&ev.event)
+    });
+    with_event(fields, &ev.event)
 }
 
 /// An answer whose `event` member is the stored event as it is delivered: its `data` is the
@@ -204,23 +204,13 @@ impl serde::Serialize for WithEvent<'_> {
     }
 }
 
-/// See [`WithEvent`].
-trait AnswerWithEvent {
-    fn with_event(self, event: &crate::event::CloudEvent) -> Response;
-}
-
-impl AnswerWithEvent for Value {
-    fn with_event(mut self, event: &crate::event::CloudEvent) -> Response {
-        // The whole event replaces any summary of it (a dead letter's id, source and type).
-        if let Value::Object(m) = &mut self {
-            m.remove("event");
-        }
-        axum::Json(WithEvent {
-            fields: self,
-            event,
-        })
-        .into_response()
+/// `fields` answered with the event as [`WithEvent`] writes it, in place of any summary of it
+/// (a dead letter's id, source and type).
+fn with_event(mut fields: Value, event: &crate::event::CloudEvent) -> Response {
+    if let Value::Object(m) = &mut fields {
+        m.remove("event");
     }
+    axum::Json(WithEvent { fields, event }).into_response()
 }
 
 /// Query of `GET /v1/dlq`.
@@ -322,7 +312,7 @@ pub async fn dlq_show(
             }
             let mut v = dlq_json(&d);
             v["accepted_at"] = json!(rfc3339(ev.accepted_at));
-            v.with_event(&ev.event)
+            with_event(v, &ev.event)
         }
         Ok(None) if reads_all => error_response(
             StatusCode::NOT_FOUND,
