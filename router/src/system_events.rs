@@ -451,18 +451,14 @@ mod tests {
     /// in `router_dlq_entries_total` (the accept's answer was discarded, 123 entries went
     /// uncounted in an audit), but not announced, which would feed the alert path its own
     /// failures.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn system_events_past_a_full_queue_are_counted_and_not_announced() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (app, rx) = app_on_rules(dir.path());
-        let (tracker, cancel) = (TaskTracker::new(), CancellationToken::new());
-        spawn_router(&app, &tracker, cancel.clone(), rx);
+    /// `n` events dead-lettered for `hook` (`retries_exhausted`), each raising its
+    /// `router.dlq.added`.
+    fn dead_letter_for_hook(app: &App, n: usize) {
         let now = app.clock.now_ms();
-        let ctx = app.dispatcher.context();
-        for i in 0..5 {
+        for i in 0..n {
             let ev = crate::store::test_events::ev("/s", &format!("e{i}"));
             crate::deliver::dead_lettered(
-                ctx,
+                app.dispatcher.context(),
                 Some("hook"),
                 DeadEvent::of(&ev),
                 DlqReason::RetriesExhausted,
@@ -470,6 +466,15 @@ mod tests {
                 now,
             );
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn system_events_past_a_full_queue_are_counted_and_not_announced() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (app, rx) = app_on_rules(dir.path());
+        let (tracker, cancel) = (TaskTracker::new(), CancellationToken::new());
+        spawn_router(&app, &tracker, cancel.clone(), rx);
+        dead_letter_for_hook(&app, 5);
         // No worker runs here: `pager` keeps two, and three overflow.
         let overflowed = || {
             app.metrics
@@ -513,19 +518,8 @@ mod tests {
     async fn at_shutdown_what_is_left_is_announced() {
         let dir = tempfile::tempdir().expect("tempdir");
         let (app, rx) = app_on_rules(dir.path());
-        let now = app.clock.now_ms();
         let ctx = app.dispatcher.context();
-        for i in 0..2 {
-            let ev = crate::store::test_events::ev("/s", &format!("e{i}"));
-            crate::deliver::dead_lettered(
-                ctx,
-                Some("hook"),
-                DeadEvent::of(&ev),
-                DlqReason::RetriesExhausted,
-                None,
-                now,
-            );
-        }
+        dead_letter_for_hook(&app, 2);
         ctx.unannounced.add(&announcement(
             Some("hook"),
             json!({"target": "hook", "reason": "retries_exhausted", "count": 7}),
