@@ -491,9 +491,12 @@ impl DlqEntry {
         now: Millis,
     ) -> Self {
         let (event_id, event_source, event_type) = names;
+        // Over the history too: a redriven entry that fails again is the same failure seen
+        // since its first attempt, not a new one starting at the redrive.
         let first = e
-            .attempts
+            .history
             .iter()
+            .chain(&e.attempts)
             .find(|a| a.result != Some(AttemptResult::Delivered))
             .map_or(now, |a| a.finished_at.unwrap_or(a.started_at));
         Self {
@@ -1110,6 +1113,43 @@ mod tests {
         let id = EntryId { event: 42, idx: 3 };
         assert_eq!(id.to_string().parse::<EntryId>(), Ok(id));
         assert!("42".parse::<EntryId>().is_err());
+    }
+
+    #[test]
+    fn a_redriven_entry_that_fails_again_keeps_its_first_failure() {
+        let failed = |n, at| AttemptRecord {
+            n,
+            started_at: at - 10,
+            finished_at: Some(at),
+            result: Some(AttemptResult::Retryable),
+            status: Some(500),
+            error: Some("HTTP 500".into()),
+        };
+        let target = NewEntry {
+            target_id: "t".into(),
+            rule: "r".into(),
+            ordering_key: None,
+            max_depth: None,
+            lease_ms: None,
+        };
+        let mut e = QueueEntry::queued(EntryId { event: 1, idx: 0 }, target, "k".into(), 0, 0, 0);
+        e.attempts.push(failed(1, 1_000));
+        e.requeue_for_redrive(5_000);
+        e.attempts.push(failed(1, 6_000));
+        let end = AttemptEnd {
+            finished_at: 6_000,
+            result: AttemptResult::Retryable,
+            status: Some(500),
+            error: Some("HTTP 500".into()),
+            outbox: None,
+        };
+        let names = ("id".into(), "src".into(), "type".into());
+        let d = DlqEntry::of_given_up(&e, names, DlqReason::RetriesExhausted, &end, 6_000);
+        assert_eq!((d.first_failure_at, d.last_failure_at), (1_000, 6_000));
+        assert_eq!(
+            (d.attempt_count, d.attempts.len(), d.redrive_count),
+            (1, 2, 1)
+        );
     }
 
     #[test]
