@@ -202,7 +202,7 @@ impl Tally {
                 let Some(Ok(mut w)) = t.window.as_ref().map(|w| w.lock()) else {
                     break;
                 };
-                eprintln!(
+                crate::errln!(
                     "+{:>5.0}s  {:>7} req  p50 {:>8.2} ms  p99 {:>8.2} ms  max {:>8.2} ms",
                     t.started.elapsed().as_secs_f64(),
                     w.len(),
@@ -506,7 +506,7 @@ pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
                     && start / every != end / every
                 {
                     let mut since = stretch_start.lock().unwrap_or_else(|p| p.into_inner());
-                    eprintln!(
+                    crate::errln!(
                         "{end} events: {:.0} events/s over the last {every}, slowest accept {:.1} ms",
                         every as f64 / since.elapsed().as_secs_f64(),
                         stretch_max.swap(0, Ordering::Relaxed) as f64 / 1000.0
@@ -642,7 +642,7 @@ pub async fn run_sweep(b: SweepBench) -> Result<SweepReport, String> {
             .map_err(|e| e.to_string())?;
         let _ = hist.record(t0.elapsed().as_micros().max(1) as u64);
         if std::env::var_os("SWEEP_TRACE").is_some() {
-            eprintln!(
+            crate::errln!(
                 "call {calls}: {:?} removed {}",
                 t0.elapsed(),
                 s.events_removed
@@ -674,7 +674,7 @@ pub async fn run_sink(
     counter: Arc<AtomicU64>,
 ) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
-    eprintln!("sink listening on {}", listener.local_addr()?);
+    crate::errln!("sink listening on {}", listener.local_addr()?);
     loop {
         let (stream, _) = listener.accept().await?;
         let _ = stream.set_nodelay(true);

@@ -28,10 +28,31 @@ pub fn write_stdout(line: std::fmt::Arguments<'_>) {
             std::process::exit(BROKEN_PIPE_EXIT)
         }
         Err(e) => {
-            eprintln!("error: cannot write the output: {e}");
+            crate::errln!("error: cannot write the output: {e}");
             std::process::exit(1)
         }
     }
+}
+
+/// Writes diagnostics to stderr (`eprint!` without its panic): a reader of stderr that went
+/// away (`router rules check DIR 2>&1 | head -1`) must not turn a finding into a panic with
+/// status 101; the exit status still says what the command found. Write errors are ignored:
+/// there is nowhere left to report them.
+pub fn write_stderr(text: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    let mut err = std::io::stderr().lock();
+    let _ = err.write_fmt(text).and_then(|()| err.flush());
+}
+
+/// `eprintln!` through [`write_stderr`].
+#[macro_export]
+macro_rules! errln {
+    () => {
+        $crate::cli::write_stderr(format_args!("\n"))
+    };
+    ($($arg:tt)*) => {
+        $crate::cli::write_stderr(format_args!("{}\n", format_args!($($arg)*)))
+    };
 }
 
 /// Error talking to the router API.
@@ -480,13 +501,13 @@ pub async fn follow(client: &Client, path: &str) -> Result<Value, CliError> {
         let j = client.call(reqwest::Method::GET, path, None).await?;
         let line = job_line(&j);
         if tty {
-            eprint!("\r{line}");
+            write_stderr(format_args!("\r{line}"));
         } else if line != last {
-            eprintln!("{line}");
+            crate::errln!("{line}");
         }
         if j["state"] != "running" {
             if tty {
-                eprintln!();
+                crate::errln!();
             }
             return Ok(j);
         }
@@ -503,7 +524,7 @@ pub fn job_exit(job: &Value) -> std::process::ExitCode {
     if ok {
         std::process::ExitCode::SUCCESS
     } else {
-        eprintln!(
+        crate::errln!(
             "the job ended {} with {} failed",
             job["state"].as_str().unwrap_or("?"),
             job["failed"].as_u64().unwrap_or(0)

@@ -624,7 +624,7 @@ impl Config {
             .filter_map(|(k, v)| match (k.into_string(), v.into_string()) {
                 (Ok(k), Ok(v)) => Some((k, v)),
                 (Ok(k), Err(_)) if k.starts_with("ROUTER_") => {
-                    eprintln!("warning: {k} is not UTF-8; ignored");
+                    crate::errln!("warning: {k} is not UTF-8; ignored");
                     None
                 }
                 _ => None,

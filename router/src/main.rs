@@ -431,7 +431,7 @@ fn main() -> ExitCode {
     match real_main(cli) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            router::errln!("error: {e:#}");
             ExitCode::from(2)
         }
     }
@@ -555,7 +555,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     for e in &errors {
                         outln!("{e}");
                     }
-                    eprintln!("{} problem(s)", errors.len());
+                    router::errln!("{} problem(s)", errors.len());
                     Ok(ExitCode::from(1))
                 }
             }
@@ -580,9 +580,9 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let matched = match set.test_event(ev) {
                 Ok(m) => m,
                 Err(errors) => {
-                    eprintln!("{} is not a valid CloudEvent:", event.display());
+                    router::errln!("{} is not a valid CloudEvent:", event.display());
                     for e in &errors {
-                        eprintln!("  {}: {}", if e.pointer.is_empty() { "(event)" } else { &e.pointer }, e.message);
+                        router::errln!("  {}: {}", if e.pointer.is_empty() { "(event)" } else { &e.pointer }, e.message);
                     }
                     return Ok(ExitCode::from(1));
                 }
@@ -619,7 +619,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                         Ok(base) => Some(base),
                         Err(errors) => {
                             for e in &errors {
-                                eprintln!("base: {e}");
+                                router::errln!("base: {e}");
                             }
                             anyhow::bail!(
                                 "--against {}: the base contracts do not load ({} problem(s))",
@@ -645,7 +645,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 Ok(if in_place.is_empty() {
                     ExitCode::SUCCESS
                 } else {
-                    eprintln!("{} incompatible change(s) to deployed versions", in_place.len());
+                    router::errln!("{} incompatible change(s) to deployed versions", in_place.len());
                     ExitCode::from(1)
                 })
             }
@@ -653,7 +653,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 for e in &errors {
                     outln!("{e}");
                 }
-                eprintln!("{} problem(s)", errors.len());
+                router::errln!("{} problem(s)", errors.len());
                 Ok(ExitCode::from(1))
             }
         },
@@ -711,12 +711,12 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 team,
             };
             router::auth::Tokens::new(std::slice::from_ref(&cfg))?;
-            eprintln!("token for {name} (shown once; the router stores only its hash):");
+            router::errln!("token for {name} (shown once; the router stores only its hash):");
             outln!("{token}");
-            eprintln!("\nadd to the config file:\n");
+            router::errln!("\nadd to the config file:\n");
             let scopes = cfg.scopes.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(", ");
             let team = cfg.team.as_ref().map(|t| format!("\nteam = {t:?}")).unwrap_or_default();
-            eprintln!("[[auth.tokens]]\nname = {:?}{team}\nsha256 = {:?}\nscopes = [{scopes}]", cfg.name, cfg.sha256);
+            router::errln!("[[auth.tokens]]\nname = {:?}{team}\nsha256 = {:?}\nscopes = [{scopes}]", cfg.name, cfg.sha256);
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Config {
@@ -783,7 +783,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             // Some refusals (429/503) are what a saturating run measures; none accepted at all
             // is a run that measured nothing (a wrong URL or token), and says so.
             if report.ok_events == 0 && report.failed_requests > 0 {
-                eprintln!("every request failed: nothing was measured");
+                router::errln!("every request failed: nothing was measured");
                 return Ok(ExitCode::from(1));
             }
             Ok(ExitCode::SUCCESS)
