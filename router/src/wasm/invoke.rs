@@ -551,6 +551,29 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// The SDK refuses, before the call ends, the extension names this host refuses on an
+    /// emitted event; it keeps its own copy of the list (the guest crate cannot depend on the
+    /// router), so the two are compared here as text: a core attribute added to one alone
+    /// would make `with_extension` accept what the router then dead-letters, or the reverse.
+    #[test]
+    fn the_sdk_reserves_the_extension_names_this_host_refuses() {
+        let sdk = include_str!("../../../sdk/src/emit.rs");
+        let head = "const RESERVED_EXTENSION_NAMES: &[&str] = &[";
+        let start = sdk.find(head).expect("the SDK's list") + head.len();
+        let list = &sdk[start..];
+        let list = &list[..list.find("];").expect("its end")];
+        let mut in_sdk: Vec<&str> = list
+            .split(',')
+            .map(|n| n.trim().trim_matches('"'))
+            .filter(|n| !n.is_empty())
+            .collect();
+        let mut here: Vec<&str> = crate::event::CORE_ATTRIBUTES.to_vec();
+        here.push("hops");
+        in_sdk.sort_unstable();
+        here.sort_unstable();
+        assert_eq!(in_sdk, here);
+    }
+
     #[test]
     fn a_rust_panic_in_the_guest_stderr_is_found_on_one_line() {
         let console = "thread '<unnamed>' panicked at src/lib.rs:70:24:\nbad input:\n  order 7\nnote: run with `RUST_BACKTRACE=1` environment variable to display a backtrace\n";
