@@ -133,13 +133,14 @@ pub struct ReloadStatus {
 /// Why a reload was refused: the previous rules and contracts stay live.
 #[derive(Debug, thiserror::Error)]
 pub enum ReloadError {
-    /// The new rules or contracts do not load.
-    #[error("{0}")]
-    Invalid(String),
-    /// The new rules do not load (or cannot go live); the contracts loaded, and went live
-    /// if they changed.
-    #[error("{0}")]
-    RulesRefused(String),
+    /// The new rules or contracts do not load: one problem per entry (a file's
+    /// `path:line:col: message`, or a sentence about the directory).
+    #[error("{}", .0.join("\n"))]
+    Invalid(Vec<String>),
+    /// The new rules do not load (or cannot go live), one problem per entry; the contracts
+    /// loaded, and went live if they changed.
+    #[error("{}", .0.join("\n"))]
+    RulesRefused(Vec<String>),
     /// Saving target configurations failed: the store, not the files, is at fault.
     #[error("store: {0}")]
     Store(#[from] StoreError),
@@ -431,49 +432,49 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
         (rules, contracts, git)
     })
     .await
-    .map_err(|e| ReloadError::Invalid(format!("reload task failed: {e}")))?;
+    .map_err(|e| ReloadError::Invalid(vec![format!("reload task failed: {e}")]))?;
     let old = app.rules.load_full();
     let (rules_loaded, contracts_loaded, git) = loaded;
     // The contracts side. A set that does not load, or a directory gone, refuses the whole
     // reload (the rules could name types whose contracts just failed).
     let contracts_side: Result<ContractSet, ReloadError> = match contracts_loaded {
-        Err(e) => Err(ReloadError::Invalid(e.to_string())),
+        Err(e) => Err(ReloadError::Invalid(e.problems())),
         // Not "no contracts": an empty set would let every event through unchecked.
         Ok(_) if !app.cfg.contracts_dir.exists() && !app.contracts.load().is_empty() => {
-            Err(ReloadError::Invalid(format!(
+            Err(ReloadError::Invalid(vec![format!(
                 "contracts directory {} does not exist (moved, deleted or unmounted?); the previous contracts stay live",
                 app.cfg.contracts_dir.display()
-            )))
+            )]))
         }
         // Nor is a directory emptied of contracts (a checkout or sync caught half-way): an
         // enforced type would go from 422 to accepted unchecked. Removing every contract
         // is rare enough to take a restart.
         Ok(c) if c.is_empty() && !app.contracts.load().is_empty() => {
-            Err(ReloadError::Invalid(format!(
+            Err(ReloadError::Invalid(vec![format!(
                 "contracts directory {} holds no contract (emptied, or a sync caught half-way?); the previous contracts stay live. To remove every contract on purpose, restart the router on the empty directory",
                 app.cfg.contracts_dir.display()
-            )))
+            )]))
         }
         Ok(c) => Ok(c),
     };
     // The rules side. Refused alone, it does not hold back a contracts change: a broken rule
     // file used to block every contract upload and fix until it was repaired.
-    let rules_side: Result<_, String> = match rules_loaded {
-        Err(e) => Err(e.to_string()),
+    let rules_side: Result<_, Vec<String>> = match rules_loaded {
+        Err(e) => Err(e.problems()),
         // A rules directory that was there and is gone (moved away by a deploy, a volume
         // unmounted) is not "no rules": going live with an empty set would strand or
         // dead-letter every target's queue.
-        Ok(_) if !app.cfg.rules_dir.exists() && !old.rules.is_empty() => Err(format!(
+        Ok(_) if !app.cfg.rules_dir.exists() && !old.rules.is_empty() => Err(vec![format!(
             "rules directory {} does not exist (moved, deleted or unmounted?); the previous rules stay live",
             app.cfg.rules_dir.display()
-        )),
+        )]),
         // Nor is a directory emptied of rule files (a checkout or sync caught half-way): to
         // remove every rule on purpose, a file says so (`rules: []`).
-        Ok(r) if r.0.files.is_empty() && !old.rules.is_empty() => Err(format!(
+        Ok(r) if r.0.files.is_empty() && !old.rules.is_empty() => Err(vec![format!(
             "rules directory {} holds no rule file (emptied, or a sync caught half-way?); the previous rules stay live. To remove every rule, leave a file that says `rules: []`",
             app.cfg.rules_dir.display()
-        )),
-        Ok(r) if let Some(e) = moved_ids(&old, &r.0, app.store.as_ref()) => Err(e),
+        )]),
+        Ok(r) if let Some(e) = moved_ids(&old, &r.0, app.store.as_ref()) => Err(vec![e]),
         Ok(mut r) => {
             // A target added or changed must be able to start (its signing secret set, its
             // URL valid, the WASM runtime up for a handler) before the set goes live: else
@@ -501,7 +502,7 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
             if cannot_start.is_empty() {
                 Ok((r, prepared))
             } else {
-                Err(cannot_start.join("\n"))
+                Err(cannot_start)
             }
         }
     };
@@ -796,20 +797,20 @@ pub enum RunError {
     #[error("store: {0}")]
     Store(#[from] StoreError),
     /// Rule files are invalid.
-    #[error("rules in {dir}:\n{errors}")]
+    #[error("rules in {dir}:\n{}", errors.join("\n"))]
     Rules {
         /// Rules directory.
         dir: String,
-        /// One problem per line.
-        errors: String,
+        /// One problem per entry.
+        errors: Vec<String>,
     },
     /// Contracts are invalid.
-    #[error("contracts in {dir}:\n{errors}")]
+    #[error("contracts in {dir}:\n{}", errors.join("\n"))]
     Contracts {
         /// Contracts directory.
         dir: String,
-        /// One problem per line.
-        errors: String,
+        /// One problem per entry.
+        errors: Vec<String>,
     },
     /// A configured rules or contracts directory does not exist: not "no rules" (every
     /// queue would be treated as removed) nor "no contracts" (every event let through).
@@ -857,6 +858,18 @@ pub enum RunError {
         "refusing to listen on {0} without auth tokens: configure [[auth.tokens]] or set auth.insecure = true"
     )]
     Insecure(std::net::SocketAddr),
+}
+
+impl RunError {
+    /// The problems one per entry: a rules or contracts directory's per-file findings without
+    /// the heading that names the directory (a reload's answer lists them as its errors), any
+    /// other error as its one line.
+    pub fn problems(&self) -> Vec<String> {
+        match self {
+            Self::Rules { errors, .. } | Self::Contracts { errors, .. } => errors.clone(),
+            other => vec![other.to_string()],
+        }
+    }
 }
 
 async fn start_handlers(
@@ -1215,11 +1228,7 @@ pub fn load_rules(cfg: &Config) -> Result<(RuleSet, Vec<String>), RunError> {
         Ok((set, warnings)) => Ok((set, warnings.iter().map(ToString::to_string).collect())),
         Err(errors) => Err(RunError::Rules {
             dir: cfg.rules_dir.display().to_string(),
-            errors: errors
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join("\n"),
+            errors: errors.iter().map(ToString::to_string).collect(),
         }),
     }
 }
@@ -1234,11 +1243,7 @@ pub fn load_contracts(cfg: &Config) -> Result<ContractSet, RunError> {
 pub fn load_contracts_with(cfg: &Config, files: &[(&str, &str)]) -> Result<ContractSet, RunError> {
     ContractSet::load_dir_with(&cfg.contracts_dir, files).map_err(|errors| RunError::Contracts {
         dir: cfg.contracts_dir.display().to_string(),
-        errors: errors
-            .iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join("\n"),
+        errors: errors.iter().map(ToString::to_string).collect(),
     })
 }
 

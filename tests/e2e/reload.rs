@@ -97,8 +97,18 @@ async fn rules_reload_on_change_and_a_broken_file_is_refused() {
         "{metrics}"
     );
 
-    // The admin endpoint answers 422 with the errors while the file is broken.
-    assert_eq!(post_json(&r, "/v1/admin/reload", json!({})).await.0, 422);
+    // The admin endpoint answers 422 with the errors while the file is broken: each one a
+    // problem of the file, with its position (no heading line posing as an error).
+    let (code, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(code, 422, "{body}");
+    let errors = body["errors"].as_array().expect("errors");
+    assert!(!errors.is_empty(), "{body}");
+    assert!(
+        errors
+            .iter()
+            .all(|e| e["message"].as_str().is_some_and(|m| m.contains("r.yaml:"))),
+        "{body}"
+    );
     // Fix it again: a new file is added too.
     write_rules(&r, "r.yaml", &webhook_rule("to-b", "t", &b.url(), "b"));
     write_rules(&r, "extra.yaml", &webhook_rule("extra", "u", &a.url(), "a"));

@@ -295,7 +295,7 @@ async fn place_here(
         .map_err(|e| Box::new(write_failed(path, &e)))?;
     match crate::app::reload(app, "contract upload").await {
         Ok(_) => Ok(None),
-        Err(ReloadError::RulesRefused(why)) => Ok(Some(why)),
+        Err(ReloadError::RulesRefused(why)) => Ok(Some(why.join("; "))),
         Err(e) => {
             if restore_blocking(path, before).await.is_err() {
                 tracing::error!(file = %path.display(), "could not put the contracts directory back after a refused upload");
@@ -330,7 +330,7 @@ async fn place_shared(
         Ok(Ok(())) => {}
         Ok(Err(e)) => {
             return Err(Box::new(reload_refused(&ReloadError::Invalid(
-                e.to_string(),
+                e.problems(),
             ))));
         }
         Err(e) => {
@@ -361,7 +361,7 @@ async fn place_shared(
         Err(e) => Err(format!("cannot write it: {e}")),
         Ok(before) => match crate::app::reload(app, "contract upload").await {
             Ok(_) => Ok(None),
-            Err(ReloadError::RulesRefused(why)) => Ok(Some(why)),
+            Err(ReloadError::RulesRefused(why)) => Ok(Some(why.join("; "))),
             Err(e) => {
                 // Taken back out, so the directory keeps matching the live set; the next
                 // sync writes it again and reloads.
@@ -394,7 +394,7 @@ fn reload_refused(e: &ReloadError) -> Response {
         ReloadError::Invalid(msg) | ReloadError::RulesRefused(msg) => error_response(
             StatusCode::CONFLICT,
             "the contracts directory did not reload with this file; nothing changed",
-            msg.lines().map(|l| FieldError::new("", l)).collect(),
+            super::problems_as_errors(msg),
         ),
         ReloadError::Store(e) => {
             tracing::error!(error = %e, "contract upload refused: the store failed during the reload");

@@ -661,15 +661,21 @@ pub async fn reload(State(app): State<Arc<App>>) -> Response {
         Err(crate::app::ReloadError::Invalid(msg)) => error_response(
             StatusCode::UNPROCESSABLE_ENTITY,
             "reload refused; the previous rules and contracts stay live",
-            msg.lines().map(|l| FieldError::new("", l)).collect(),
+            problems_as_errors(&msg),
         ),
         Err(crate::app::ReloadError::RulesRefused(msg)) => error_response(
             StatusCode::UNPROCESSABLE_ENTITY,
             "rules refused; the previous rules stay live (contracts reload apart: the directory's are live)",
-            msg.lines().map(|l| FieldError::new("", l)).collect(),
+            problems_as_errors(&msg),
         ),
         Err(crate::app::ReloadError::Store(e)) => store_error(&e),
     }
+}
+
+/// A refused reload's problems as the errors of its answer, one each (a problem that spans
+/// lines, such as a schema error with its context, stays one).
+pub(crate) fn problems_as_errors(problems: &[String]) -> Vec<FieldError> {
+    problems.iter().map(|p| FieldError::new("", p)).collect()
 }
 
 /// `GET /v1/status`.
