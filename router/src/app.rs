@@ -674,14 +674,20 @@ fn spawn_operator_state_follower(app: &Arc<App>, tracker: &TaskTracker, cancel: 
             let Ok(states) = states else {
                 continue;
             };
-            // Breakers opened on other nodes (the target's record holds the last writer's).
+            // Breakers opened and Retry-After pauses taken on other nodes (the target's record
+            // holds the last writer's).
             for (id, v) in &states {
+                let Ok(state) = serde_json::from_value::<crate::deliver::PersistedState>(v.clone())
+                else {
+                    continue;
+                };
                 if let Some((crate::policy::breaker::BreakerState::Open { until }, _)) =
-                    serde_json::from_value::<crate::deliver::PersistedState>(v.clone())
-                        .ok()
-                        .and_then(|s| s.breaker)
+                    state.breaker
                 {
                     app.dispatcher.follow_breaker_open(id, until);
+                }
+                if let Some(until) = state.retry_after_until {
+                    app.dispatcher.follow_retry_after(id, until);
                 }
             }
             let disabled = disabled_in(&states);

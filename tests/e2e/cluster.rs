@@ -468,6 +468,92 @@ async fn a_pause_or_a_disabled_rule_on_one_router_holds_on_every_router() {
     );
 }
 
+/// A receiver's `Retry-After` holds every router off, not only the one it answered: the
+/// others follow the pause from the target's stored state (within their 2 s interval), so a
+/// backlog posted to any router waits for the pause to end instead of each router spending an
+/// attempt per entry on the 429s the receiver announced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_answered_to_one_router_holds_off_every_router() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    if !RouterProc::on_jetstream() {
+        eprintln!("skipped: needs the JetStream pass (scripts/jetstream-e2e.sh)");
+        return;
+    }
+    let answered = Arc::new(AtomicUsize::new(0));
+    let a2 = answered.clone();
+    // The first request ever: 429 with Retry-After: 8. Every other: 200.
+    let rcv = Receiver::scripted(Arc::new(move |_, _| {
+        if a2.fetch_add(1, Ordering::SeqCst) == 0 {
+            (429, Duration::ZERO, vec![("retry-after", "8".to_string())])
+        } else {
+            (200, Duration::ZERO, vec![])
+        }
+    }))
+    .await;
+    let policy =
+        "  p:\n    retry: { max_attempts: 2, base_delay: 10ms, max_delay: 10ms, jitter: none }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: ra\n        policy: p",
+                rcv.url()
+            )],
+        )],
+    );
+    let (a, b) = two_routers("RETRYAFTER", &rules, &[]);
+    assert_eq!(post_event(&a, &event("first", "t", json!({}))).await.0, 202);
+    assert!(
+        rcv.wait_for(Duration::from_secs(10), |s| !s.is_empty())
+            .await
+    );
+    let answered_at = rcv.received()[0].at;
+    // Whichever router sent it, both show the pause: one from the answer, the other from the
+    // stored state.
+    for r in [&a, &b] {
+        let shown = eventually(Duration::from_secs(6), || async {
+            let (_, t) = get_json(r, "/v1/targets/ra").await;
+            t["retry_after_until"].as_str().map(str::to_string)
+        })
+        .await;
+        assert!(
+            shown.is_some(),
+            "a router never showed the Retry-After pause"
+        );
+    }
+    for i in 0..6 {
+        let r = if i % 2 == 0 { &a } else { &b };
+        let ev = event(&format!("next-{i}"), "t", json!({}));
+        assert_eq!(post_event(r, &ev).await.0, 202);
+    }
+    assert!(
+        rcv.wait_for(Duration::from_secs(40), |s| s.len() >= 8)
+            .await,
+        "only {} requests: the first, its retry and the six after the pause",
+        rcv.count()
+    );
+    let got = rcv.received();
+    for g in &got[1..] {
+        // 8 s asked; the routers' clocks are the test's, less a little for the rounding of
+        // the header's seconds.
+        assert!(
+            g.at - answered_at >= Duration::from_millis(7_500),
+            "{} sent {:?} after the 429",
+            g.event_id(),
+            g.at - answered_at
+        );
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        rcv.count(),
+        8,
+        "one request per event, and one retry of the first"
+    );
+}
+
 /// A redrive job runs on one router of a cluster: an operator pauses it through another router
 /// and it stops everywhere; resumed, it goes on; when the router running it dies, another takes
 /// it over and finishes it, moving each entry once.

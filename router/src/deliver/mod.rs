@@ -692,6 +692,22 @@ impl Dispatcher {
         true
     }
 
+    /// Holds target `id` off until `until` because another node's request was answered 429
+    /// or 503 with `Retry-After` (that node persisted the pause with its breaker's record): the
+    /// receiver asked the service, not one node, to wait. Not persisted again. Returns whether
+    /// it started a pause here or extended this node's by a second or more.
+    pub fn follow_retry_after(&self, id: &str, until: i64) -> bool {
+        let Some(rt) = self.runtime(id) else {
+            return false;
+        };
+        let now = self.ctx.clock.now_ms();
+        if until <= now || !rt.hold_off_until(until) {
+            return false;
+        }
+        tracing::warn!(target_id = %id, until = %crate::clock::rfc3339(until), "the receiver asked another node to hold off (Retry-After); nothing is sent to it from this node either until then");
+        true
+    }
+
     /// Applies a pause or resume made on another node sharing the store (already persisted
     /// there). Returns whether this node's worker changed.
     pub fn follow_pause(&self, id: &str, paused: bool) -> bool {
