@@ -720,6 +720,46 @@ fn enrich_then_webhook(rcv: &Receiver) -> String {
     )
 }
 
+/// A replay re-runs a handler on its archived input: what the handler emits then carries the
+/// replay's marker, as the replayed delivery did, under new ids (derived from the replay's own
+/// idempotency key), so a receiver downstream can tell it from new business.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_a_handler_emits_during_a_replay_carry_its_marker() {
+    let rcv = Receiver::ok().await;
+    let r = RouterProc::start(&[("r.yaml", &enrich_then_webhook(&rcv))], &[]);
+    assert_eq!(put_handler(&r, "enrich", plugin("enrich")).await.0, 201);
+    let from = chrono::Utc::now() - chrono::Duration::seconds(1);
+    let ev = event("o1", "order.created", json!({"total": 5, "sku": "a"}));
+    assert_eq!(post_event(&r, &ev).await.0, 202);
+    assert!(
+        rcv.wait_for(Duration::from_secs(15), |s| s.len() == 1)
+            .await
+    );
+    let first = rcv.received()[0].body.clone();
+    assert!(first.get("replay").is_none(), "{first}");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let to = chrono::Utc::now();
+    let (s, job) = post_json(
+        &r,
+        "/v1/replay",
+        json!({"from": from.to_rfc3339(), "to": to.to_rfc3339(), "filter": {"type": ["order.created"]}, "rate_per_sec": 100}),
+    )
+    .await;
+    assert_eq!(s, 201, "{job}");
+    let id = job["id"].as_str().expect("job id").to_string();
+    let done = job_done(&r, &format!("/v1/replay/{id}"), Duration::from_secs(20)).await;
+    assert_eq!(done["moved"], 1, "{done}");
+    assert!(
+        rcv.wait_for(Duration::from_secs(15), |s| s.len() == 2)
+            .await,
+        "the replayed delivery's emission reaches the webhook"
+    );
+    let again = rcv.received()[1].body.clone();
+    assert_eq!(again["type"], "order.created.enriched", "{again}");
+    assert_eq!(again["replay"], id.as_str(), "{again}");
+    assert_ne!(again["id"], first["id"], "{again}");
+}
+
 /// A handler belongs to its first uploader's team: another team's token whose `handlers:` glob
 /// covers the name still cannot upload over it, roll it back or delete it; a rotated token of
 /// the same team and an administrator can.

@@ -525,7 +525,8 @@ impl HandlerTarget {
     }
 
     /// Completes partial emitted events: `id` derived from the delivery (a re-run produces the
-    /// same ids, so ingest dedup drops its duplicates), `source` the handler's URI, `hops`.
+    /// same ids, so ingest dedup drops its duplicates), `source` the handler's URI, `hops`, and
+    /// a replayed delivery's `replay` marker.
     fn complete(
         &self,
         req: &DeliveryRequest,
@@ -550,6 +551,14 @@ impl HandlerTarget {
                     )
                 })?;
                 ev.extensions.insert("hops".into(), Value::from(hops));
+                // What a handler emits while handling a replayed delivery exists because of
+                // the replay: it carries the job's marker as the replayed copy did, so a
+                // receiver downstream can tell it from new business (its id, derived from the
+                // replay's own idempotency key, is new).
+                if let Some(job) = &req.replay {
+                    ev.extensions
+                        .insert("replay".into(), Value::from(job.clone()));
+                }
                 for (name, value) in [
                     ("traceparent", &req.traceparent),
                     ("tracestate", &req.tracestate),
