@@ -690,6 +690,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let job = c
                 .call(reqwest::Method::POST, "/v1/replay", Some(serde_json::json!({ "from": from, "to": to, "filter": filter, "rate_per_sec": rate })))
                 .await?;
+            router::cli::job_warnings(&job);
             if !wait {
                 print_value(&api, &job, router::cli::job_line);
                 return Ok(ExitCode::SUCCESS);

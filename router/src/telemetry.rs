@@ -163,7 +163,7 @@ pub struct Metrics {
     /// Redrive and replay job steps the store failed (the job waits and tries again), by kind.
     pub job_step_failures: Family<Labels, Counter>,
     /// Items redrive and replay jobs went through, by kind and outcome (`moved`, `failed`,
-    /// `skipped`): a job's progress as a rate.
+    /// `skipped`, `expired`): a job's progress as a rate.
     pub job_items: Family<Labels, Counter>,
     /// Paused targets (1 = paused).
     pub target_paused: Family<Labels, Gauge>,
@@ -450,7 +450,7 @@ impl Metrics {
         );
         registry.register(
             "router_job_items",
-            "Items redrive and replay jobs went through, by kind and outcome: moved (requeued, routed or replayed), failed (kept in the DLQ with a reason, or a replayed copy refused by its queue's cap), skipped",
+            "Items redrive and replay jobs went through, by kind and outcome: moved (requeued, routed or replayed), failed (kept in the DLQ with a reason, or a replayed event one of whose copies its queue's cap refused), skipped, expired (a replay's events the archive sweep removed before the job reached them)",
             m.job_items.clone(),
         );
         registry.register(

@@ -975,6 +975,8 @@ fn job_json(j: &crate::store::Job) -> Value {
         "moved": j.moved,
         "failed": j.failed,
         "skipped": j.skipped,
+        "expired": j.expired,
+        "warnings": j.warnings,
         "cursor": j.cursor,
         "created_at": rfc3339(j.created_at),
         "updated_at": rfc3339(j.updated_at),

@@ -311,9 +311,10 @@ pub trait Store: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<(u64, RedriveGone), StoreError>>;
 
     /// Adds replayed deliveries and the job's new progress atomically, if the job is still at
-    /// `job.rev` (as [`Store::redrive_step`]); returns the job's new revision and the copies
-    /// that went to the DLQ instead (their queue at its depth cap), which the stored job
-    /// counts as `failed` on top of `job.failed`.
+    /// `job.rev` (as [`Store::redrive_step`]); returns the job's new revision, the copies
+    /// that went to the DLQ instead (their queue at its depth cap) and the items whose event
+    /// was gone, which the stored job counts as [`ReplayStepped::apply`] says (`job` counts
+    /// every item as moved).
     fn replay_step(
         &self,
         job: Job,

@@ -899,11 +899,24 @@ pub struct Job {
     pub total: u64,
     /// Items moved / replayed.
     pub moved: u64,
-    /// Items that could not be moved (e.g. still invalid against the current contract).
+    /// Items that could not be moved: a redrive's entries kept in the DLQ (e.g. still invalid
+    /// against the current contract); a replay's events one of whose copies a queue's depth
+    /// cap sent to the DLQ.
     pub failed: u64,
-    /// Items skipped (did not match the filter).
+    /// Items skipped: a replay's events that did not match its filter or any rule (or were
+    /// the router's own system events); a redrive's entries another job moved, or a purge
+    /// removed, before this one reached them.
     #[serde(default)]
     pub skipped: u64,
+    /// A replay's events that the archive sweep removed (past the archive's retention) before
+    /// the job reached them: counted when the job ends, as the part of `total` it never saw.
+    /// `moved`, `failed`, `skipped` and `expired` count distinct items.
+    #[serde(default)]
+    pub expired: u64,
+    /// What the operator should know about the job from its creation on (a replay whose range
+    /// starts before what the archive still holds).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
     /// Last DLQ id or event sequence processed.
     pub cursor: u64,
     /// Creation time.
@@ -1010,8 +1023,30 @@ pub struct ReplayStepped {
     pub rev: u64,
     /// The copies that went to the DLQ as `target_overflow` instead of their queue (at its
     /// depth cap), as (archived event's sequence, target id): new dead letters to count and
-    /// announce like any other. The stored job counts them as `failed`.
+    /// announce like any other. The stored job counts their events as `failed`
+    /// ([`ReplayStepped::apply`]).
     pub overflowed: Vec<(u64, String)>,
+    /// The items whose event the archive sweep removed between the step's read and its
+    /// commit: nothing was replayed for them.
+    pub gone: Vec<u64>,
+}
+
+impl ReplayStepped {
+    /// `job`'s progress, counted by the caller with every item of the step as moved, with
+    /// this step's outcome: an event one of whose copies a queue refused is `failed` instead
+    /// (counted once, however many of its copies were refused: the counters count events,
+    /// and add up to at most `total`); one whose event was gone is not counted, so that it
+    /// is `expired` when the job ends.
+    pub fn apply(&self, job: &mut Job) {
+        let failed = self
+            .overflowed
+            .iter()
+            .map(|(seq, _)| *seq)
+            .collect::<std::collections::BTreeSet<_>>()
+            .len() as u64;
+        job.moved = job.moved.saturating_sub(failed + self.gone.len() as u64);
+        job.failed += failed;
+    }
 }
 
 /// One row of the DLQ summary: a (target, reason) group with a histogram over time.

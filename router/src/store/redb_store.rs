@@ -4302,12 +4302,16 @@ impl Committer {
     ) -> Result<ReplayStepped, StoreError> {
         check_job_rev(txn, job)?;
         let mut overflowed = Vec::new();
+        let mut gone = Vec::new();
         for item in items {
             let raw = txn
                 .open_table(EVENTS)?
                 .get(item.seq)?
                 .map(|v| v.value().to_vec());
-            let Some(raw) = raw else { continue };
+            let Some(raw) = raw else {
+                gone.push(item.seq);
+                continue;
+            };
             let ev = dec_event(item.seq, &raw)?;
             let first = self.next_idx(txn, item.seq)?;
             for (idx, t) in (first..).zip(item.targets) {
@@ -4340,14 +4344,15 @@ impl Committer {
                 self.insert_entry(txn, &entry, effects)?;
             }
         }
-        let job = Job {
-            failed: job.failed + overflowed.len() as u64,
-            ..job.clone()
-        };
-        Ok(ReplayStepped {
-            rev: write_job(txn, &job)?,
+        let mut stepped = ReplayStepped {
+            rev: 0,
             overflowed,
-        })
+            gone,
+        };
+        let mut job = job.clone();
+        stepped.apply(&mut job);
+        stepped.rev = write_job(txn, &job)?;
+        Ok(stepped)
     }
 
     /// Moves waiting (not leased) entries to the DLQ without an attempt.

@@ -45,6 +45,8 @@ pub fn job(id: &str, kind: JobKind) -> Job {
         moved: 0,
         failed: 0,
         skipped: 0,
+        expired: 0,
+        warnings: Vec::new(),
         cursor: 0,
         created_at: 0,
         updated_at: 0,

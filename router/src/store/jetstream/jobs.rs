@@ -226,10 +226,13 @@ impl JetStreamStore {
             let mut events: HashMap<u64, (EventRecord, u64)> = HashMap::new();
             // Entries this step adds per capped target, beside those the view holds.
             let mut added: HashMap<String, u64> = HashMap::new();
-            // Copies that go to the DLQ instead: the job counts them as failed.
+            // Copies that go to the DLQ instead: the job counts their events as failed.
             let mut overflowed = Vec::new();
+            // Events the sweep removed since the step read them: nothing to replay.
+            let mut gone = Vec::new();
             for item in &items {
                 let Some((ev, _)) = self.event_for(&mut events, item.seq).await? else {
+                    gone.push(item.seq);
                     continue;
                 };
                 let stored = &ev.stored.event;
@@ -272,18 +275,18 @@ impl JetStreamStore {
                     writes.push(Write::put(entry_key(id), enc(&r), Expect::Revision(0)));
                 }
             }
-            if !overflowed.is_empty() {
-                let counted = Job {
-                    failed: job.failed + overflowed.len() as u64,
-                    ..job.clone()
-                };
+            let stepped = ReplayStepped {
+                rev: job.rev + 1,
+                overflowed,
+                gone,
+            };
+            if !stepped.overflowed.is_empty() || !stepped.gone.is_empty() {
+                let mut counted = job.clone();
+                stepped.apply(&mut counted);
                 writes[0] = self.job_write(&counted, attempt > 0).await?;
             }
             if self.commit_step(writes, events).await? {
-                return Ok(ReplayStepped {
-                    rev: job.rev + 1,
-                    overflowed,
-                });
+                return Ok(stepped);
             }
         }
         Err(StoreError::Backend(

@@ -1438,6 +1438,8 @@ async fn target_states_saved_targets_and_jobs_keep_the_last_write() {
         moved: 0,
         failed: 0,
         skipped: 0,
+        expired: 0,
+        warnings: Vec::new(),
         cursor: 0,
         created_at: 1_000,
         updated_at: 1_000,
@@ -1974,10 +1976,13 @@ async fn a_replay_step_adds_marked_deliveries_of_archived_events() {
     s.settled().await;
     let mut capped = new_event("/p", "x", &["a"], 0).targets;
     capped[0].max_depth = Some(7);
+    // The caller counts every item as moved; the third item's event is gone (swept since
+    // the step read it).
     let stepped = s
         .replay_step(
             Job {
                 rev: 1,
+                moved: 4,
                 ..job("replay-1", JobKind::Replay)
             },
             vec![
@@ -1987,6 +1992,10 @@ async fn a_replay_step_adds_marked_deliveries_of_archived_events() {
                 },
                 ReplayItem {
                     seq: seqs[2],
+                    targets: capped.clone(),
+                },
+                ReplayItem {
+                    seq: seqs[4] + 1000,
                     targets: capped,
                 },
             ],
@@ -1999,6 +2008,11 @@ async fn a_replay_step_adds_marked_deliveries_of_archived_events() {
         [(seqs[2], "a".to_owned())],
         "the step says which copy overflowed (it is counted and announced)"
     );
+    assert_eq!(stepped.gone, [seqs[4] + 1000]);
+    // Its event counts as failed, not as moved too; the gone one as neither (the job counts
+    // it as expired when it ends).
+    let stored = s.job("replay-1").await.expect("job").expect("stored");
+    assert_eq!((stored.moved, stored.failed), (2, 1), "{stored:?}");
     s.settled().await;
     let fate = s.fate("/p", "p2").await.expect("fate").expect("known");
     assert_eq!(fate.entries.len(), 1, "the second copy overflowed");

@@ -1396,6 +1396,8 @@ fn job(store: &RedbStore, id: &str, moved: u64, now: Millis) -> Job {
         moved,
         failed: 0,
         skipped: 0,
+        expired: 0,
+        warnings: Vec::new(),
         cursor: 0,
         created_at: now,
         updated_at: now,

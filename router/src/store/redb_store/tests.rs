@@ -2850,8 +2850,10 @@ async fn a_replay_past_a_targets_depth_cap_overflows_to_the_dlq() {
     }
     let j = job("replay-1", JobKind::Replay);
     let rev = s.put_job(j.clone()).await.expect("create");
+    // The third item's event is gone (swept since the step read it).
     let items = seqs
         .iter()
+        .chain(&[seqs[2] + 1000])
         .map(|&seq| ReplayItem {
             seq,
             targets: vec![NewEntry {
@@ -2863,24 +2865,22 @@ async fn a_replay_past_a_targets_depth_cap_overflows_to_the_dlq() {
             }],
         })
         .collect();
+    // The caller counts every item as moved.
     let stepped = s
-        .replay_step(Job { rev, ..j }, items, 2000)
+        .replay_step(Job { rev, moved: 4, ..j }, items, 2000)
         .await
         .expect("step");
     // Three accepted, one replayed copy fits under the cap of four, two overflow: the job
-    // counts them as failed, and the step says which (they are counted and announced).
+    // counts their events as failed, not moved too ("4/4 moved, 2 failed"), and the step
+    // says which (they are counted and announced). The gone one is neither: the job counts
+    // it as expired when it ends.
     assert_eq!(
         stepped.overflowed,
         [(seqs[1], "a".to_owned()), (seqs[2], "a".to_owned())]
     );
-    assert_eq!(
-        s.job("replay-1")
-            .await
-            .expect("job")
-            .expect("stored")
-            .failed,
-        2
-    );
+    assert_eq!(stepped.gone, [seqs[2] + 1000]);
+    let stored = s.job("replay-1").await.expect("job").expect("stored");
+    assert_eq!((stored.moved, stored.failed), (1, 2), "{stored:?}");
     let stats = &s.queue_stats()["a"];
     assert_eq!((stats.queued, stats.dlq), (4, 2), "{stats:?}");
     let overflowed = s.fate("/s", "e2").expect("fate").expect("known").dlq;
