@@ -744,6 +744,11 @@ const TICK: Duration = Duration::from_millis(100);
 /// no faster than 10 × this per second whatever its rate.
 const MAX_STEP_ITEMS: usize = 1000;
 
+/// Most bytes of stored events one replay step reads (past the first event, which it always
+/// takes): a step held up to `MAX_STEP_ITEMS` whole events, those its filter skips too
+/// (200 events of 900 KB took 170 MB), and jobs are not limited in number.
+const MAX_STEP_BYTES: usize = 8 << 20;
+
 /// The highest `rate_per_sec` a job takes: what `MAX_STEP_ITEMS` a `TICK` allows.
 const MAX_RATE: f64 = 10_000.0;
 
@@ -1128,7 +1133,10 @@ async fn replay_step(
 ) -> Result<usize, StoreError> {
     let from = job.spec["from_ms"].as_i64().unwrap_or(0);
     let to = job.spec["to_ms"].as_i64().unwrap_or(0);
-    let events = app.store.events_between(from, to, job.cursor, take).await?;
+    let events = app
+        .store
+        .events_between(from, to, job.cursor, take, MAX_STEP_BYTES)
+        .await?;
     if events.is_empty() {
         job.state = JobState::Done;
         // The part of its total it never saw: events the archive sweep removed (past the

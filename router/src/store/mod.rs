@@ -333,13 +333,16 @@ pub trait Store: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Vec<SummaryRow>, StoreError>>;
 
     /// Archived (not quarantined) events accepted in [`from`, `to`), sequence after
-    /// `after_seq`, at most `limit`.
+    /// `after_seq`, in sequence order: at most `limit`, and no more than fit in `max_bytes`
+    /// of stored event records (always the first one, however large), so that what a caller
+    /// holds is bounded whatever the events' size.
     fn events_between(
         &self,
         from: Millis,
         to: Millis,
         after_seq: u64,
         limit: usize,
+        max_bytes: usize,
     ) -> BoxFuture<'_, Result<Vec<StoredEvent>, StoreError>>;
 
     /// How many archived (not quarantined) events were accepted in [`from`, `to`): a replay's

@@ -1418,9 +1418,17 @@ impl RedbStore {
         to: Millis,
         after_seq: u64,
         limit: usize,
+        max_bytes: usize,
     ) -> Result<Vec<StoredEvent>, StoreError> {
         let mut out = Vec::new();
-        self.scan_archived(from, to, after_seq, |ev| {
+        let mut bytes = 0usize;
+        self.scan_archived_sized(from, to, after_seq, |ev, size| {
+            // The event past the budget is not taken (the next page starts with it), unless
+            // it is the first: a page always moves the caller on.
+            if !out.is_empty() && bytes.saturating_add(size) > max_bytes {
+                return false;
+            }
+            bytes = bytes.saturating_add(size);
             out.push(ev);
             out.len() < limit
         })?;
@@ -1448,6 +1456,17 @@ impl RedbStore {
         after_seq: u64,
         mut visit: impl FnMut(StoredEvent) -> bool,
     ) -> Result<(), StoreError> {
+        self.scan_archived_sized(from, to, after_seq, |ev, _| visit(ev))
+    }
+
+    /// [`Self::scan_archived`], with each event's stored size in bytes.
+    fn scan_archived_sized(
+        &self,
+        from: Millis,
+        to: Millis,
+        after_seq: u64,
+        mut visit: impl FnMut(StoredEvent, usize) -> bool,
+    ) -> Result<(), StoreError> {
         let db = self.read_db();
         let r = db.begin_read()?;
         let t = r.open_table(EVENTS)?;
@@ -1455,11 +1474,13 @@ impl RedbStore {
             .max(after_seq.saturating_add(1));
         for row in t.range(start..)? {
             let (k, v) = row?;
+            let size = v.value().len();
             let ev = dec_event(k.value(), v.value())?;
             if ev.accepted_at >= to.saturating_add(ACCEPT_SLACK_MS) {
                 break;
             }
-            if ev.accepted_at >= from && ev.accepted_at < to && !ev.quarantined && !visit(ev) {
+            if ev.accepted_at >= from && ev.accepted_at < to && !ev.quarantined && !visit(ev, size)
+            {
                 break;
             }
         }
@@ -1958,9 +1979,12 @@ impl Store for RedbStore {
         to: Millis,
         after_seq: u64,
         limit: usize,
+        max_bytes: usize,
     ) -> BoxFuture<'_, Result<Vec<StoredEvent>, StoreError>> {
-        async move { off_reactor(|| RedbStore::events_between(self, from, to, after_seq, limit)) }
-            .boxed()
+        async move {
+            off_reactor(|| RedbStore::events_between(self, from, to, after_seq, limit, max_bytes))
+        }
+        .boxed()
     }
 
     fn count_events_between(

@@ -306,35 +306,43 @@ impl JetStreamStore {
         to: Millis,
         after_seq: u64,
         limit: usize,
+        max_bytes: usize,
     ) -> Result<Vec<StoredEvent>, StoreError> {
-        // The `limit` lowest sequences seen: a step holds a page, not the whole range.
-        let mut found: std::collections::BTreeMap<u64, StoredEvent> = Default::default();
-        self.scan_archived(from, to, |ev| {
+        // The lowest sequences seen that fit in `limit` and `max_bytes` (at least one): a step
+        // holds a page, not the whole range. Sequences arrive out of order, so a lower one
+        // seen later pushes the highest kept out.
+        let mut found: std::collections::BTreeMap<u64, (StoredEvent, usize)> = Default::default();
+        let mut bytes = 0usize;
+        self.scan_archived(from, to, |ev, size| {
             if ev.seq > after_seq {
-                found.insert(ev.seq, ev);
-                if found.len() > limit {
-                    found.pop_last();
+                bytes = bytes.saturating_add(size);
+                found.insert(ev.seq, (ev, size));
+                while found.len() > limit || (found.len() > 1 && bytes > max_bytes) {
+                    if let Some((_, (_, s))) = found.pop_last() {
+                        bytes = bytes.saturating_sub(s);
+                    }
                 }
             }
         })
         .await?;
-        Ok(found.into_values().collect())
+        Ok(found.into_values().map(|(ev, _)| ev).collect())
     }
 
     /// See [`crate::store::Store::count_events_between`]: one read of the stream from `from`.
     pub async fn count_events_between(&self, from: Millis, to: Millis) -> Result<u64, StoreError> {
         let mut n = 0;
-        self.scan_archived(from, to, |_| n += 1).await?;
+        self.scan_archived(from, to, |_, _| n += 1).await?;
         Ok(n)
     }
 
-    /// Visits each archived (not quarantined) event accepted in [`from`, `to`), reading the
-    /// event records written from a minute before `from` to the stream's end.
+    /// Visits each archived (not quarantined) event accepted in [`from`, `to`), with the size
+    /// of its record, reading the event records written from a minute before `from` to the
+    /// stream's end.
     async fn scan_archived(
         &self,
         from: Millis,
         to: Millis,
-        mut visit: impl FnMut(StoredEvent),
+        mut visit: impl FnMut(StoredEvent, usize),
     ) -> Result<(), StoreError> {
         let mut bad = None;
         // Clocks of nodes and server differ a little; a minute of slack costs a few records.
@@ -357,7 +365,7 @@ impl JetStreamStore {
                             ev.stored.seq = seq;
                             let at = ev.stored.accepted_at;
                             if !ev.stored.quarantined && at >= from && at < to {
-                                visit(ev.stored);
+                                visit(ev.stored, bytes.len());
                             }
                             true
                         }

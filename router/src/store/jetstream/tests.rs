@@ -1937,7 +1937,7 @@ async fn a_replay_step_adds_marked_deliveries_of_archived_events() {
         .expect("accept");
     let seqs: Vec<u64> = out.iter().map(seq_of).collect();
     let page = s
-        .events_between(now + 1, now + 4, 0, 2)
+        .events_between(now + 1, now + 4, 0, 2, usize::MAX)
         .await
         .expect("archive");
     assert_eq!(
@@ -1945,7 +1945,7 @@ async fn a_replay_step_adds_marked_deliveries_of_archived_events() {
         vec!["p1", "p2"]
     );
     let rest = s
-        .events_between(now + 1, now + 4, page[1].seq, 10)
+        .events_between(now + 1, now + 4, page[1].seq, 10, usize::MAX)
         .await
         .expect("archive");
     assert_eq!(rest.len(), 1);
@@ -2018,6 +2018,56 @@ async fn a_replay_step_adds_marked_deliveries_of_archived_events() {
     assert_eq!(fate.entries.len(), 1, "the second copy overflowed");
     assert_eq!(fate.dlq.len(), 1);
     assert_eq!(fate.dlq[0].reason, DlqReason::TargetOverflow);
+}
+
+/// A page of the archive (a replay step's read) holds no more than its byte budget, and at
+/// least one event whatever its size: a step held up to 1000 whole events, however large.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_of_the_archive_holds_no_more_than_its_byte_budget() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let now = chrono::Utc::now().timestamp_millis();
+    let big = "x".repeat(10_000);
+    let events = (0..5)
+        .map(|i| {
+            let mut ne = new_event("/b", &format!("b{i}"), &["a"], now + i);
+            ne.event = serde_json::from_value(
+                json!({"id": format!("b{i}"), "source": "/b", "type": "t", "data": {"s": big}}),
+            )
+            .expect("event");
+            ne
+        })
+        .collect();
+    s.accept(events).await.expect("accept");
+    let page = |after: u64, max_bytes: usize| {
+        let s = &s;
+        async move {
+            s.events_between(now, now + 5, after, 100, max_bytes)
+                .await
+                .expect("archive")
+                .into_iter()
+                .map(|e| (e.seq, e.event.id))
+                .collect::<Vec<_>>()
+        }
+    };
+    // Each record holds a little more than 10 KB: two fit in 25 KB, three do not.
+    let first = page(0, 25_000).await;
+    assert_eq!(
+        first.iter().map(|(_, id)| id.as_str()).collect::<Vec<_>>(),
+        ["b0", "b1"]
+    );
+    let next = page(first[1].0, 25_000).await;
+    assert_eq!(
+        next.iter().map(|(_, id)| id.as_str()).collect::<Vec<_>>(),
+        ["b2", "b3"]
+    );
+    let one = page(0, 0).await;
+    assert_eq!(
+        one.iter().map(|(_, id)| id.as_str()).collect::<Vec<_>>(),
+        ["b0"],
+        "the first event is always taken"
+    );
+    assert_eq!(page(0, usize::MAX).await.len(), 5);
 }
 
 /// The sweep removes events past retention that nothing refers to (with their entries and

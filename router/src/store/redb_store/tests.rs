@@ -2952,7 +2952,9 @@ async fn the_archive_is_read_from_the_start_of_a_replays_range() {
     let mut got = Vec::new();
     let mut after = 0;
     loop {
-        let page = s.events_between(from, to, after, 4).expect("page");
+        let page = s
+            .events_between(from, to, after, 4, usize::MAX)
+            .expect("page");
         let Some(last) = page.last() else { break };
         after = last.seq;
         got.extend(page.iter().map(|e| e.event.id.clone()));
@@ -2962,6 +2964,22 @@ async fn the_archive_is_read_from_the_start_of_a_replays_range() {
         s.count_events_between(from, to).expect("count"),
         want.len() as u64
     );
+    // A page holds no more than its byte budget, and at least one event whatever its size.
+    let all = s.events_between(from, to, 0, 100, usize::MAX).expect("all");
+    let record = |seq: u64| {
+        let db = s.read_db();
+        let r = db.begin_read().expect("read");
+        let t = r.open_table(EVENTS).expect("events");
+        t.get(seq).expect("get").expect("there").value().len()
+    };
+    let two = record(all[0].seq) + record(all[1].seq);
+    let page = s.events_between(from, to, 0, 100, two).expect("page");
+    assert_eq!(page.len(), 2, "two events fit in their own bytes");
+    let page = s.events_between(from, to, 0, 100, two - 1).expect("page");
+    assert_eq!(page.len(), 1, "the second does not fit");
+    let page = s.events_between(from, to, 0, 100, 0).expect("page");
+    assert_eq!(page.len(), 1, "the first is always taken");
+    assert_eq!(page[0].seq, all[0].seq);
     // The bisection lands on the first event at or after its time, wherever that is.
     let db = s.read_db();
     let r = db.begin_read().expect("read");
