@@ -541,6 +541,109 @@ async fn a_replay_the_archive_sweep_outruns_counts_the_events_it_lost_as_expired
     assert_eq!(old["warnings"].as_array().map(Vec::len), Some(1), "{old}");
 }
 
+/// A job nobody watches is still seen: `GET /v1/status` lists the running and paused jobs
+/// with their progress and when each last went through an item, and `router_jobs` counts
+/// them by kind and state. A rate below what the runner runs at is refused (it was accepted,
+/// echoed, and run at 0.001/s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn running_and_paused_jobs_show_in_the_status_and_the_metrics() {
+    let rcv = Receiver::ok().await;
+    let rules = webhook_rule("r", "t", &rcv.url(), "c");
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let from = chrono::Utc::now() - chrono::Duration::seconds(1);
+    let batch: Vec<_> = (0..5)
+        .map(|i| event(&format!("s{i}"), "t", json!({})))
+        .collect();
+    post_batch(&r, &batch).await;
+    let to = chrono::Utc::now() + chrono::Duration::seconds(1);
+    let range =
+        |rate: f64| json!({"from": from.to_rfc3339(), "to": to.to_rfc3339(), "rate_per_sec": rate});
+    for rate in [1e-300, 0.0001] {
+        let (s, b) = post_json(&r, "/v1/replay", range(rate)).await;
+        assert_eq!(
+            (s, &b["errors"][0]["pointer"]),
+            (400, &json!("/rate_per_sec")),
+            "{b}"
+        );
+        let (s, b) = post_json(
+            &r,
+            "/v1/dlq/redrive",
+            json!({"all": true, "rate_per_sec": rate}),
+        )
+        .await;
+        assert_eq!(
+            (s, &b["errors"][0]["pointer"]),
+            (400, &json!("/rate_per_sec")),
+            "{b}"
+        );
+    }
+    // One event every 2 s: running for a while.
+    let (s, job) = post_json(&r, "/v1/replay", range(0.5)).await;
+    assert_eq!(s, 201, "{job}");
+    let id = job["id"].as_str().expect("id").to_string();
+    let listed = |status: &Value| {
+        status["jobs"]["active"]
+            .as_array()
+            .and_then(|a| a.iter().find(|j| j["id"] == id.as_str()).cloned())
+    };
+    // Its first item comes about 2 s after its creation.
+    let shown = eventually(Duration::from_secs(15), || async {
+        let (_, st) = get_json(&r, "/v1/status").await;
+        listed(&st).filter(|j| j["last_item_at"].is_string())
+    })
+    .await
+    .expect("the running job in the status, having gone through an item");
+    assert_eq!(
+        (&shown["kind"], &shown["state"]),
+        (&json!("replay"), &json!("running")),
+        "{shown}"
+    );
+    assert_eq!(shown["total"], 5, "{shown}");
+    let m = metrics_text(&r).await;
+    let jobs = |m: &str, state: &str| {
+        counter(
+            m,
+            &format!("router_jobs{{kind=\"replay\",state=\"{state}\"}}"),
+        )
+    };
+    assert_eq!(
+        (jobs(&m, "running"), jobs(&m, "paused")),
+        (1, 0),
+        "{}",
+        metric_lines(&m, "router_jobs")
+    );
+    assert_eq!(
+        post_json(&r, &format!("/v1/replay/{id}/pause"), json!({}))
+            .await
+            .0,
+        200
+    );
+    let (_, st) = get_json(&r, "/v1/status").await;
+    assert_eq!(
+        listed(&st).map(|j| j["state"].clone()),
+        Some(json!("paused")),
+        "{st}"
+    );
+    let m = metrics_text(&r).await;
+    assert_eq!(
+        (jobs(&m, "running"), jobs(&m, "paused")),
+        (0, 1),
+        "{}",
+        metric_lines(&m, "router_jobs")
+    );
+    // Ended, it leaves both.
+    assert_eq!(
+        post_json(&r, &format!("/v1/replay/{id}/cancel"), json!({}))
+            .await
+            .0,
+        200
+    );
+    let (_, st) = get_json(&r, "/v1/status").await;
+    assert_eq!(listed(&st), None, "{st}");
+    let m = metrics_text(&r).await;
+    assert_eq!((jobs(&m, "running"), jobs(&m, "paused")), (0, 0));
+}
+
 /// A replay job resumes from its durable cursor after each kill -9: every archived event of
 /// the range is replayed, none twice under different keys, and the job ends `done` having
 /// moved each once.

@@ -687,6 +687,7 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
     let store_bytes = app.store.disk_bytes().await;
     let records = records_status(&app).await;
     let handler_kv = handler_kv_status(&app).await;
+    let jobs = jobs_status(&app).await;
     let removed_targets = crate::app::removed_target_warnings(&app);
     axum::Json(json!({
         "version": env!("CARGO_PKG_VERSION"),
@@ -730,6 +731,7 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
         "nodes": app.dispatcher.nodes(),
         "records": records,
         "handler_kv": handler_kv,
+        "jobs": jobs,
         // On a shared store: how this node follows the handlers the nodes share.
         "handler_catalog": app.handlers.as_ref().map(|rt| rt.changes.status()),
         // On a shared store: how this node follows the contracts put over the API elsewhere.
@@ -771,6 +773,39 @@ fn missing_handler_warnings(app: &App, rules: &crate::rules::RuleSet) -> Vec<Str
             _ => None,
         })
         .collect()
+}
+
+/// The jobs still to finish (running and paused), oldest first, with their progress and when
+/// each last went through an item: a job that stands still shows here, without knowing its
+/// id.
+async fn jobs_status(app: &App) -> serde_json::Value {
+    match app.store.jobs().await {
+        Ok(mut jobs) => {
+            jobs.retain(|j| !j.state.finished());
+            jobs.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+            let active: Vec<Value> = jobs
+                .into_iter()
+                .map(|j| {
+                    let j = app.jobs.shown(j);
+                    json!({
+                        "id": j.id,
+                        "kind": j.kind,
+                        "state": j.state,
+                        "total": j.total,
+                        "moved": j.moved,
+                        "failed": j.failed,
+                        "skipped": j.skipped,
+                        "expired": j.expired,
+                        "created_at": rfc3339(j.created_at),
+                        "last_item_at": j.last_item_at.map(rfc3339),
+                        "last_error": j.last_error,
+                    })
+                })
+                .collect();
+            json!({ "active": active })
+        }
+        Err(e) => json!({ "active": [], "error": e.to_string() }),
+    }
 }
 
 /// What each age-bounded kind of record holds, with its bound.
@@ -977,6 +1012,7 @@ fn job_json(j: &crate::store::Job) -> Value {
         "skipped": j.skipped,
         "expired": j.expired,
         "warnings": j.warnings,
+        "last_item_at": j.last_item_at.map(rfc3339),
         "cursor": j.cursor,
         "created_at": rfc3339(j.created_at),
         "updated_at": rfc3339(j.updated_at),

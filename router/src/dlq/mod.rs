@@ -390,15 +390,25 @@ async fn check_target(app: &App, target: &str) -> Result<(), JobError> {
     })
 }
 
+/// Refuses a rate the runner would not keep: below `MIN_RATE` it would run at that floor,
+/// not at what the job says (and echoes), above `MAX_RATE` steps cannot keep up.
+fn check_rate(rate: f64) -> Result<(), FieldError> {
+    // NaN is in no range: refused too.
+    if (MIN_RATE..=MAX_RATE).contains(&rate) {
+        return Ok(());
+    }
+    Err(FieldError::new(
+        "/rate_per_sec",
+        format!(
+            "must be in [{MIN_RATE}, {MAX_RATE}]: slower than {MIN_RATE} a second a job would hardly move, and it moves at most {MAX_STEP_ITEMS} items a step, ten steps a second"
+        ),
+    ))
+}
+
 /// Creates and starts a redrive job.
 pub async fn create_redrive(app: &Arc<App>, req: RedriveRequest) -> Result<Job, JobError> {
     let filter = req.filter.to_filter("/filter").map_err(JobError::Invalid)?;
-    if !(req.rate_per_sec > 0.0 && req.rate_per_sec <= MAX_RATE) {
-        return Err(JobError::Invalid(vec![FieldError::new(
-            "/rate_per_sec",
-            "must be in (0, 10000]: a job moves at most 1000 items a step, ten steps a second",
-        )]));
-    }
+    check_rate(req.rate_per_sec).map_err(|e| JobError::Invalid(vec![e]))?;
     if filter == DlqFilter::default() && !req.all {
         // As for purge: a forgotten flag must not send every target's dead letters (the
         // quarantined events with them) back at once.
@@ -426,6 +436,7 @@ pub async fn create_redrive(app: &Arc<App>, req: RedriveRequest) -> Result<Job, 
         skipped: 0,
         expired: 0,
         warnings: Vec::new(),
+        last_item_at: None,
         cursor: 0,
         created_at: now,
         updated_at: now,
@@ -460,11 +471,8 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
                 .map(|e| FieldError::new(format!("/filter{}", e.pointer), e.message)),
         );
     }
-    if !(req.rate_per_sec > 0.0 && req.rate_per_sec <= MAX_RATE) {
-        errors.push(FieldError::new(
-            "/rate_per_sec",
-            "must be in (0, 10000]: a job moves at most 1000 items a step, ten steps a second",
-        ));
+    if let Err(e) = check_rate(req.rate_per_sec) {
+        errors.push(e);
     }
     let now = app.clock.now_ms();
     // Events accepted after the job is created are not replayed: a `to` in the future would
@@ -507,6 +515,7 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
         skipped: 0,
         expired: 0,
         warnings,
+        last_item_at: None,
         cursor: 0,
         created_at: now,
         updated_at: now,
@@ -752,8 +761,15 @@ const MAX_STEP_BYTES: usize = 8 << 20;
 /// The highest `rate_per_sec` a job takes: what `MAX_STEP_ITEMS` a `TICK` allows.
 const MAX_RATE: f64 = 10_000.0;
 
+/// The lowest `rate_per_sec` a job takes and runs at (an item about every 17 minutes). A job
+/// stored with a lower rate (created before such rates were refused) runs at this.
+const MIN_RATE: f64 = 0.001;
+
 async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Result<(), StoreError> {
-    let rate = job.spec["rate_per_sec"].as_f64().unwrap_or(10.0).max(0.001);
+    let rate = job.spec["rate_per_sec"]
+        .as_f64()
+        .unwrap_or(10.0)
+        .max(MIN_RATE);
     let mut tokens = 0.0f64;
     let mut last = std::time::Instant::now();
     // The stored filter was checked when the job was created; one that no longer reads (a
@@ -1116,6 +1132,7 @@ async fn redrive_step(
     }
     job.updated_at = now;
     job.heartbeat_at = now;
+    job.last_item_at = Some(now);
     let n = page.len();
     let (rev, gone) = app.store.redrive_step(job.clone(), actions, now).await?;
     // Entries another job (or a purge) took first: this job did not move them.
@@ -1196,6 +1213,7 @@ async fn replay_step(
         .max(job.moved + job.failed + job.skipped + job.expired);
     job.updated_at = now;
     job.heartbeat_at = now;
+    job.last_item_at = Some(now);
     let n = events.len();
     // Copies refused by their queue's depth cap went to the DLQ: their events count as
     // failed, not moved (the job said all was moved, and `--wait` exited 0; then it said
@@ -1752,6 +1770,55 @@ mod tests {
             assert_eq!(j.moved + j.failed + j.skipped, j.total, "{j:?}");
         }
         assert_eq!((fast.moved, slow.moved, slow.skipped), (2, 0, 2));
+    }
+
+    /// A rate below the runner's floor was accepted and echoed, and ran at the floor: it is
+    /// refused, pointing at the rate.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn rates_below_what_a_job_runs_at_are_refused() {
+        let (_dir, app) = app_on(&SimulatedDisk::new());
+        let now = app.clock.now_ms();
+        for rate in [1e-300, 0.0001, 0.0, -1.0, 10_001.0] {
+            let redrive = create_redrive(
+                &app,
+                RedriveRequest {
+                    filter: FilterSpec::default(),
+                    rate_per_sec: rate,
+                    all: true,
+                },
+            )
+            .await;
+            let replay = create_replay(
+                &app,
+                ReplayRequest {
+                    from: crate::clock::rfc3339(now - 60_000),
+                    to: crate::clock::rfc3339(now),
+                    filter: None,
+                    rate_per_sec: rate,
+                },
+            )
+            .await;
+            for made in [redrive, replay] {
+                match made {
+                    Err(JobError::Invalid(e)) => {
+                        assert_eq!(e[0].pointer, "/rate_per_sec", "{rate}");
+                        assert!(e[0].message.contains("[0.001, 10000]"), "{}", e[0].message);
+                    }
+                    other => panic!("rate {rate} was not refused: {other:?}"),
+                }
+            }
+        }
+        assert!(app.store.jobs().await.expect("jobs").is_empty());
+        let slowest = create_redrive(
+            &app,
+            RedriveRequest {
+                filter: FilterSpec::default(),
+                rate_per_sec: MIN_RATE,
+                all: true,
+            },
+        )
+        .await;
+        assert!(slowest.is_ok(), "{slowest:?}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

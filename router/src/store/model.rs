@@ -866,6 +866,16 @@ impl JobState {
     pub fn finished(self) -> bool {
         matches!(self, Self::Done | Self::Cancelled)
     }
+
+    /// The wire name (`running`, ...): its metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Running => "running",
+            Self::Paused => "paused",
+            Self::Cancelled => "cancelled",
+            Self::Done => "done",
+        }
+    }
 }
 
 /// State of a background job.
@@ -917,6 +927,10 @@ pub struct Job {
     /// starts before what the archive still holds).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub warnings: Vec<String>,
+    /// When a step last went through an item (moved, failed or skipped it): a running job
+    /// whose time stands still is stuck. `None` before its first item.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_item_at: Option<Millis>,
     /// Last DLQ id or event sequence processed.
     pub cursor: u64,
     /// Creation time.

@@ -47,6 +47,7 @@ pub fn job(id: &str, kind: JobKind) -> Job {
         skipped: 0,
         expired: 0,
         warnings: Vec::new(),
+        last_item_at: None,
         cursor: 0,
         created_at: 0,
         updated_at: 0,

@@ -1440,6 +1440,7 @@ async fn target_states_saved_targets_and_jobs_keep_the_last_write() {
         skipped: 0,
         expired: 0,
         warnings: Vec::new(),
+        last_item_at: None,
         cursor: 0,
         created_at: 1_000,
         updated_at: 1_000,

@@ -1398,6 +1398,7 @@ fn job(store: &RedbStore, id: &str, moved: u64, now: Millis) -> Job {
         skipped: 0,
         expired: 0,
         warnings: Vec::new(),
+        last_item_at: None,
         cursor: 0,
         created_at: now,
         updated_at: now,
