@@ -314,6 +314,13 @@ async fn replay_of_a_time_range_delivers_exactly_the_matching_archived_events() 
             "replay gets its own idempotency key"
         );
     }
+    // The fate tells the replayed copy from the original: it names its replay (two copies
+    // with different keys and nothing saying why, before).
+    let f = fate(&r, "inside0").await;
+    let targets = f["targets"].as_array().expect("targets");
+    assert_eq!(targets.len(), 2, "{f}");
+    assert!(targets[0].get("replay").is_none(), "the original: {f}");
+    assert_eq!(targets[1]["replay"], id.as_str(), "{f}");
 }
 
 /// Replayed copies that meet their target's full queue go to the DLQ as `target_overflow`:

@@ -144,7 +144,7 @@ pub async fn event_fate(
         .iter()
         .map(|e| {
             let last_error = e.attempts.iter().rev().find_map(|a| a.error.clone());
-            json!({
+            let mut t = json!({
                 "target": e.target_id,
                 "rule": e.rule,
                 "entry": e.id.to_string(),
@@ -159,7 +159,13 @@ pub async fn event_fate(
                 "idempotency_key": e.idempotency_key,
                 "ordering_key": e.ordering_key,
                 "redrive_count": e.redrive_count,
-            })
+            });
+            // A replayed copy says which replay made it: its idempotency key differs from
+            // the original's, and without this the fate showed no reason why.
+            if let Some(job) = &e.replay {
+                t["replay"] = json!(job);
+            }
+            t
         })
         .collect();
     let ev = &fate.event;
