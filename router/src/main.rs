@@ -179,6 +179,17 @@ struct DlqFilterArgs {
 }
 
 impl DlqFilterArgs {
+    /// Refuses a `what` (redrive, purge) of the whole DLQ that does not say `--all`, in the
+    /// CLI's words: the server's refusal names the API's `"all": true`, which is no flag here.
+    fn check_all(&self, what: &str, all: bool) -> anyhow::Result<()> {
+        if all || self.json().as_object().is_some_and(|m| !m.is_empty()) {
+            return Ok(());
+        }
+        anyhow::bail!(
+            "an empty filter would {what} the whole DLQ: give at least one of --target, --reason, --rule, --type, --source, --since, --until; or pass --all to {what} every entry"
+        )
+    }
+
     fn json(&self) -> serde_json::Value {
         let mut m = serde_json::Map::new();
         for (k, v) in [
@@ -1080,6 +1091,7 @@ async fn dlq(api: Api, cmd: DlqCmd) -> anyhow::Result<ExitCode> {
             wait,
             all,
         } => {
+            filter.check_all("redrive", all)?;
             let job = c
                 .call(
                     Method::POST,
@@ -1106,6 +1118,8 @@ async fn dlq(api: Api, cmd: DlqCmd) -> anyhow::Result<ExitCode> {
             dry_run,
             all,
         } => {
+            // A dry run only counts: the whole DLQ is a fair question.
+            filter.check_all("purge", all || dry_run)?;
             let v = c
                 .call(
                     Method::POST,

@@ -96,6 +96,9 @@ fn dlq_json(d: &DlqEntry) -> Value {
     if let Some(key) = &d.ordering_key {
         v["ordering_key"] = json!(key);
     }
+    if let Some(n) = &d.not_redriven {
+        v["not_redriven"] = json!({ "job": n.job, "at": rfc3339(n.at), "message": n.message });
+    }
     v
 }
 

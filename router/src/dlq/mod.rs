@@ -994,12 +994,8 @@ async fn redrive_step(
     // rules, or one removed from them that still drains here. Into any other queue it would
     // wait for ever (a removed target's worker starts again only for entries it had).
     let draining: HashSet<String> = app.dispatcher.running().into_iter().map(|s| s.id).collect();
-    let not_in_rules = |target: &str| {
-        vec![FieldError::new(
-            "",
-            format!("not redriven: target {target} is no longer in the rules"),
-        )]
-    };
+    let not_in_rules =
+        |target: &str| format!("not redriven: target {target} is no longer in the rules");
     let gone = |target: &str| {
         (!rules.targets.contains_key(target) && !draining.contains(target))
             .then(|| not_in_rules(target))
@@ -1025,10 +1021,8 @@ async fn redrive_step(
                             // (its rule may be disabled for containment): it stays.
                             actions.push(RedriveAction::Keep {
                                 dlq_id: d.id,
-                                errors: vec![FieldError::new(
-                                    "",
-                                    "not redriven: its data passes the contract now, but no enabled rule matches it; enable or add a rule and redrive again (or purge it)",
-                                )],
+                                note: "not redriven: its data passes the contract now, but no enabled rule matches it; enable or add a rule and redrive again (or purge it)".into(),
+                                errors: None,
                             });
                             job.failed += 1;
                             continue;
@@ -1041,10 +1035,20 @@ async fn redrive_step(
                         job.moved += 1;
                     }
                     ContractOutcome::Violation { reason, errors, .. } => {
-                        let _ = reason == ViolationReason::UnknownVersion;
+                        let note = match reason {
+                            ViolationReason::UnknownVersion => {
+                                "not redriven: its dataversion still has no contract"
+                            }
+                            ViolationReason::ContractViolation => {
+                                "not redriven: its data still fails the current contract"
+                            }
+                        };
+                        // The errors are the current contract's verdict: they replace those
+                        // of the contract it was quarantined under.
                         actions.push(RedriveAction::Keep {
                             dlq_id: d.id,
-                            errors,
+                            note: note.into(),
+                            errors: Some(errors),
                         });
                         job.failed += 1;
                     }
@@ -1056,10 +1060,11 @@ async fn redrive_step(
                     job.skipped += 1;
                     continue;
                 };
-                if let Some(errors) = gone(&target) {
+                if let Some(note) = gone(&target) {
                     actions.push(RedriveAction::Keep {
                         dlq_id: d.id,
-                        errors,
+                        note,
+                        errors: None,
                     });
                     job.failed += 1;
                     continue;
@@ -1101,10 +1106,11 @@ async fn redrive_step(
                         gone(t)
                     }
                 });
-                if let Some(errors) = gone_now {
+                if let Some(note) = gone_now {
                     actions.push(RedriveAction::Keep {
                         dlq_id: d.id,
-                        errors,
+                        note,
+                        errors: None,
                     });
                     job.failed += 1;
                     continue;
@@ -1118,13 +1124,11 @@ async fn redrive_step(
             _ => {
                 actions.push(RedriveAction::Keep {
                     dlq_id: d.id,
-                    errors: vec![FieldError::new(
-                        "",
-                        format!(
-                            "not redriven: a {} dead letter is not routed again; fix its handler, then purge it",
-                            d.reason.as_str()
-                        ),
-                    )],
+                    note: format!(
+                        "not redriven: a {} dead letter is not routed again; fix its handler, then purge it",
+                        d.reason.as_str()
+                    ),
+                    errors: None,
                 });
                 job.failed += 1;
             }
@@ -1449,11 +1453,31 @@ mod tests {
         let left = dlq_entries(&app).await;
         assert_eq!(left.len(), 1, "{left:?}");
         assert_eq!(left[0].target_id.as_deref(), Some("old"));
+        let why = left[0].not_redriven.as_ref().expect("says why it stayed");
+        assert!(why.message.contains("no longer in the rules"), "{why:?}");
+        assert_eq!(why.job, job.id);
+        // Not redriven: its own failure (the depth cap that refused it) and its redrive
+        // count stay as they were. The refusal used to be written over the error, and the
+        // count raised as if it had been redriven.
         assert!(
-            left[0].errors[0].message.contains("no longer in the rules"),
+            left[0].errors[0].message.contains("depth cap"),
             "{:?}",
             left[0].errors
         );
+        assert_eq!(left[0].redrive_count, 0);
+        // Redriven again: still one refusal, the newest, and still the failure's error.
+        let again = redrive_all(&app, 1000.0).await;
+        wait_for(&app, &again.id, Duration::from_secs(30), |j| {
+            j.state == JobState::Done
+        })
+        .await;
+        let left = dlq_entries(&app).await;
+        assert_eq!(
+            left[0].not_redriven.as_ref().map(|n| n.job.as_str()),
+            Some(again.id.as_str())
+        );
+        assert_eq!(left[0].errors.len(), 1, "{:?}", left[0].errors);
+        assert_eq!(left[0].redrive_count, 0);
     }
 
     /// A redrive's filter must say what it means: a target id the router does not know (a
@@ -1528,11 +1552,12 @@ mod tests {
         assert_eq!(left.len(), 1, "{left:?}");
         assert_eq!(left[0].event_id, "orphan");
         assert!(
-            left[0].errors[0]
-                .message
-                .contains("no enabled rule matches"),
+            left[0]
+                .not_redriven
+                .as_ref()
+                .is_some_and(|n| n.message.contains("no enabled rule matches")),
             "{:?}",
-            left[0].errors
+            left[0]
         );
         let fate = app
             .store

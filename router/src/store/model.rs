@@ -412,9 +412,44 @@ pub struct DlqEntry {
     /// also for entries stored before the field existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ordering_key: Option<String>,
+    /// Why the last redrive that reached the entry left it here. Kept apart from `errors`: a
+    /// refusal written over them lost the failure the operator needs to fix.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_redriven: Option<NotRedriven>,
+}
+
+/// A redrive's refusal to move a DLQ entry ([`DlqEntry::not_redriven`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NotRedriven {
+    /// The redrive job.
+    pub job: String,
+    /// When.
+    pub at: Millis,
+    /// Why (`not redriven: target X is no longer in the rules`, ...).
+    pub message: String,
 }
 
 impl DlqEntry {
+    /// What redrive job `job`'s `Keep` at `at` does to the entry: records why it stays, and
+    /// takes a re-check's `errors` in place of its own. The redrive count and the time of the
+    /// last failure stay: neither a redrive nor a new failure happened.
+    pub fn kept_by_redrive(
+        &mut self,
+        job: &str,
+        at: Millis,
+        note: &str,
+        errors: Option<&Vec<FieldError>>,
+    ) {
+        if let Some(errors) = errors {
+            self.errors.clone_from(errors);
+        }
+        self.not_redriven = Some(NotRedriven {
+            job: job.to_owned(),
+            at,
+            message: note.to_owned(),
+        });
+    }
+
     /// The DLQ entry of an event stored as `seq` and dead-lettered at its acceptance `at`,
     /// before any attempt: quarantined (no `target`), or one target's copy refused by its
     /// queue's depth cap. `names` are the event's `id`, `source` and `type`. Its `id` is left 0
@@ -446,6 +481,7 @@ impl DlqEntry {
             redrive_count: 0,
             replay: None,
             ordering_key: target.and_then(|t| t.ordering_key.clone()),
+            not_redriven: None,
         }
     }
 
@@ -521,6 +557,7 @@ impl DlqEntry {
             redrive_count: e.redrive_count,
             replay: e.replay.clone(),
             ordering_key: e.ordering_key.clone(),
+            not_redriven: None,
         }
     }
 }
@@ -1001,12 +1038,17 @@ pub enum RedriveAction {
         /// Its fan-out under the current rules.
         targets: Vec<NewEntry>,
     },
-    /// Still failing: stays in the DLQ with refreshed errors.
+    /// Not redriven: stays in the DLQ, saying why in its `not_redriven`. Its errors (the
+    /// failure's own) stay, or are replaced by those a re-check found now; its redrive count
+    /// stays: it was not redriven.
     Keep {
         /// DLQ entry id.
         dlq_id: u64,
-        /// Why.
-        errors: Vec<FieldError>,
+        /// Why it was not redriven.
+        note: String,
+        /// The errors a re-check found now (a quarantined event against the current
+        /// contracts), in place of the entry's; `None` keeps the entry's.
+        errors: Option<Vec<FieldError>>,
     },
 }
 

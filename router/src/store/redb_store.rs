@@ -4297,15 +4297,18 @@ impl Committer {
                         self.insert_entry(txn, &entry, effects)?;
                     }
                 }
-                RedriveAction::Keep { dlq_id, errors } => {
+                RedriveAction::Keep {
+                    dlq_id,
+                    note,
+                    errors,
+                } => {
                     let mut t = txn.open_table(DLQ)?;
                     let raw = t.get(dlq_id)?.map(|v| v.value().to_vec());
                     if let Some(raw) = raw {
                         let mut d: DlqEntry = dec("dlq", &raw)?;
                         // Not a new failure: the time of the last one stays (the summary's
                         // histogram and `until` filters go by it).
-                        d.errors = errors;
-                        d.redrive_count += 1;
+                        d.kept_by_redrive(&job.id, now, &note, errors.as_ref());
                         t.insert(dlq_id, enc(&d).as_slice())?;
                     }
                 }
@@ -4425,6 +4428,7 @@ impl Committer {
                 redrive_count: e.redrive_count,
                 replay: e.replay.clone(),
                 ordering_key: e.ordering_key.clone(),
+                not_redriven: None,
             };
             self.add_dlq(txn, d, effects)?;
             if id.event < self.floor {

@@ -152,10 +152,9 @@ impl JetStreamStore {
                             writes.push(Write::put(entry_key(id), enc(&r), Expect::Revision(0)));
                         }
                     }
-                    RedriveAction::Keep { errors, .. } => {
+                    RedriveAction::Keep { note, errors, .. } => {
                         // Not a new failure: the time of the last one stays.
-                        d.errors = errors.clone();
-                        d.redrive_count += 1;
+                        d.kept_by_redrive(&job.id, now, note, errors.as_ref());
                         writes.push(Write::put(dlq_key(dlq_id), enc(&d), Expect::Revision(drev)));
                     }
                 }

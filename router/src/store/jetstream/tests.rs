@@ -1894,10 +1894,11 @@ async fn a_redrive_step_requeues_routes_and_keeps() {
             },
             RedriveAction::Keep {
                 dlq_id: q2,
-                errors: vec![FieldError {
+                note: "not redriven: its data still fails the current contract".into(),
+                errors: Some(vec![FieldError {
                     pointer: "/data".into(),
                     message: "still bad".into(),
-                }],
+                }]),
             },
         ],
         2_000,
@@ -1917,8 +1918,12 @@ async fn a_redrive_step_requeues_routes_and_keeps() {
     assert!(routed.dlq.is_empty(), "its DLQ entry is gone");
     let kept = s.dlq_get(q2).await.expect("get").expect("kept").0;
     assert_eq!(kept.errors[0].message, "still bad");
-    // A redrive that keeps it is not a new failure.
-    assert_eq!((kept.redrive_count, kept.last_failure_at), (1, 1_000));
+    assert_eq!(
+        kept.not_redriven.as_ref().map(|n| (n.job.as_str(), n.at)),
+        Some(("redrive-1", 2_000))
+    );
+    // A redrive that keeps it is not a new failure, nor a redrive.
+    assert_eq!((kept.redrive_count, kept.last_failure_at), (0, 1_000));
 }
 
 /// Replay re-routes archived events with their own idempotency keys and the job's marker;
