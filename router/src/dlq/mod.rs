@@ -1794,7 +1794,9 @@ mod tests {
             assert_eq!(j.total, 2, "{j:?}");
             assert_eq!(j.moved + j.failed + j.skipped, j.total, "{j:?}");
         }
-        assert_eq!((fast.moved, slow.moved, slow.skipped), (2, 0, 2));
+        // Each entry moved once, by one job or the other: on a slow machine the fast job may
+        // not be done within the slow one's two seconds, and then they share the entries.
+        assert_eq!(fast.moved + slow.moved, 2, "{fast:?} {slow:?}");
     }
 
     /// A rate below the runner's floor was accepted and echoed, and ran at the floor: it is
