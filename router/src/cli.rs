@@ -467,28 +467,36 @@ pub fn job_route(id: &str) -> &'static str {
 pub fn job_line(j: &Value) -> String {
     let n = |k: &str| j[k].as_u64().unwrap_or(0);
     let (total, moved) = (n("total"), n("moved"));
-    // Items done: a redrive's entry is moved, failed (kept) or skipped; a replay's event is
-    // moved or skipped, and its failed are moved copies the DLQ took.
-    let done = moved
-        + n("skipped")
-        + if j["kind"] == "replay" {
-            0
-        } else {
-            n("failed")
-        };
+    // Items done: each item is moved, failed, skipped or (a replay's, gone from the archive
+    // before the job reached it) expired, never two of them.
+    let done = moved + n("failed") + n("skipped") + n("expired");
     let pct = (done.min(total) * 100).checked_div(total).unwrap_or(100);
     let width = 30usize;
     let filled = (pct as usize * width / 100).min(width);
+    // Only a replay's events can expire: a redrive's line would always say 0.
+    let expired = if j["kind"] == "replay" || n("expired") > 0 {
+        format!(", {} expired", n("expired"))
+    } else {
+        String::new()
+    };
     format!(
-        "{} ({}) [{}{}] {moved}/{total} moved, {} failed, {} skipped — {}",
+        "{} ({}) [{}{}] {moved}/{total} moved, {} failed, {} skipped{expired} — {}",
         s(&j["id"]),
         job_scope(j),
         "#".repeat(filled),
         ".".repeat(width - filled),
-        s(&j["failed"]),
-        s(&j["skipped"]),
+        n("failed"),
+        n("skipped"),
         s(&j["state"])
     )
+}
+
+/// Writes a new job's `warnings` to stderr (a replay of a range the archive no longer holds
+/// in full): said once, when the operator starts it.
+pub fn job_warnings(job: &Value) {
+    for w in job["warnings"].as_array().into_iter().flatten() {
+        crate::errln!("warning: {}", w.as_str().unwrap_or_default());
+    }
 }
 
 /// Polls a job until it is no longer running, printing its progress: on one line rewritten in
@@ -517,20 +525,29 @@ pub async fn follow(client: &Client, path: &str) -> Result<Value, CliError> {
 }
 
 /// The exit status of a command that waited for its job (`--wait`): success only when the
-/// job ran to `done` with nothing failed, so a script or CI step can tell (a cancelled, paused
-/// or partly failed job is 1).
+/// job ran to `done` with nothing failed or expired, so a script or CI step can tell (a
+/// cancelled, paused or partly failed job is 1, and so is a replay that missed events the
+/// archive sweep removed before it reached them).
 pub fn job_exit(job: &Value) -> std::process::ExitCode {
-    let ok = job["state"] == "done" && job["failed"].as_u64().unwrap_or(0) == 0;
+    let n = |k: &str| job[k].as_u64().unwrap_or(0);
+    let ok = job["state"] == "done" && n("failed") == 0 && n("expired") == 0;
     if ok {
-        std::process::ExitCode::SUCCESS
-    } else {
-        crate::errln!(
-            "the job ended {} with {} failed",
-            job["state"].as_str().unwrap_or("?"),
-            job["failed"].as_u64().unwrap_or(0)
-        );
-        std::process::ExitCode::from(1)
+        return std::process::ExitCode::SUCCESS;
     }
+    let expired = if n("expired") > 0 {
+        format!(", {} expired", n("expired"))
+    } else {
+        String::new()
+    };
+    crate::errln!(
+        "the job ended {} with {} failed{expired}",
+        job["state"].as_str().unwrap_or("?"),
+        n("failed")
+    );
+    if let Some(e) = job["last_error"].as_str() {
+        crate::errln!("  {e}");
+    }
+    std::process::ExitCode::from(1)
 }
 
 /// `router targets ls` as a table.
@@ -606,12 +623,22 @@ mod tests {
         let redrive = serde_json::json!({"id": "redrive-1", "kind": "redrive", "state": "done",
             "total": 10, "moved": 6, "failed": 3, "skipped": 1});
         assert!(job_line(&redrive).contains(&format!("[{}]", "#".repeat(30))));
-        // A replay's failed are copies it moved that the DLQ took: not counted twice.
+        assert!(
+            !job_line(&redrive).contains("expired"),
+            "{}",
+            job_line(&redrive)
+        );
+        // A replay's events are moved, failed (a copy refused by a queue's cap), skipped or
+        // expired (gone from the archive), each once.
         let replay = serde_json::json!({"id": "replay-1", "kind": "replay", "state": "running",
-            "total": 10, "moved": 4, "failed": 4, "skipped": 1});
+            "total": 20, "moved": 4, "failed": 4, "skipped": 1, "expired": 1});
         let line = job_line(&replay);
         assert!(
             line.contains(&format!("[{}{}]", "#".repeat(15), ".".repeat(15))),
+            "{line}"
+        );
+        assert!(
+            line.contains("4/20 moved, 4 failed, 1 skipped, 1 expired — running"),
             "{line}"
         );
     }

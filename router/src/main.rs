@@ -179,6 +179,17 @@ struct DlqFilterArgs {
 }
 
 impl DlqFilterArgs {
+    /// Refuses a `what` (redrive, purge) of the whole DLQ that does not say `--all`, in the
+    /// CLI's words: the server's refusal names the API's `"all": true`, which is no flag here.
+    fn check_all(&self, what: &str, all: bool) -> anyhow::Result<()> {
+        if all || self.json().as_object().is_some_and(|m| !m.is_empty()) {
+            return Ok(());
+        }
+        anyhow::bail!(
+            "an empty filter would {what} the whole DLQ: give at least one of --target, --reason, --rule, --type, --source, --since, --until; or pass --all to {what} every entry"
+        )
+    }
+
     fn json(&self) -> serde_json::Value {
         let mut m = serde_json::Map::new();
         for (k, v) in [
@@ -690,6 +701,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let job = c
                 .call(reqwest::Method::POST, "/v1/replay", Some(serde_json::json!({ "from": from, "to": to, "filter": filter, "rate_per_sec": rate })))
                 .await?;
+            router::cli::job_warnings(&job);
             if !wait {
                 print_value(&api, &job, router::cli::job_line);
                 return Ok(ExitCode::SUCCESS);
@@ -1079,6 +1091,7 @@ async fn dlq(api: Api, cmd: DlqCmd) -> anyhow::Result<ExitCode> {
             wait,
             all,
         } => {
+            filter.check_all("redrive", all)?;
             let job = c
                 .call(
                     Method::POST,
@@ -1105,6 +1118,8 @@ async fn dlq(api: Api, cmd: DlqCmd) -> anyhow::Result<ExitCode> {
             dry_run,
             all,
         } => {
+            // A dry run only counts: the whole DLQ is a fair question.
+            filter.check_all("purge", all || dry_run)?;
             let v = c
                 .call(
                     Method::POST,

@@ -493,7 +493,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let stored = app
             .store
-            .events_between(0, i64::MAX, 0, 100)
+            .events_between(0, i64::MAX, 0, 100, usize::MAX)
             .await
             .expect("archive");
         let announced = stored.iter().filter(|e| e.event.ty == DLQ_ADDED).count();
@@ -535,7 +535,7 @@ mod tests {
             .expect("the task ends");
         let stored = app
             .store
-            .events_between(0, i64::MAX, 0, 100)
+            .events_between(0, i64::MAX, 0, 100, usize::MAX)
             .await
             .expect("archive");
         let announced: Vec<Value> = stored

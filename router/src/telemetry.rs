@@ -163,8 +163,11 @@ pub struct Metrics {
     /// Redrive and replay job steps the store failed (the job waits and tries again), by kind.
     pub job_step_failures: Family<Labels, Counter>,
     /// Items redrive and replay jobs went through, by kind and outcome (`moved`, `failed`,
-    /// `skipped`): a job's progress as a rate.
+    /// `skipped`, `expired`): a job's progress as a rate.
     pub job_items: Family<Labels, Counter>,
+    /// Jobs still to finish, by kind and state (`running`, `paused`), as the store holds them
+    /// at the scrape: a job nobody watches is still seen.
+    pub jobs: Family<Labels, Gauge>,
     /// Paused targets (1 = paused).
     pub target_paused: Family<Labels, Gauge>,
     /// Records removed by the sweeper at their age bound, by kind (`dedup_key`, `event`,
@@ -238,6 +241,7 @@ impl Metrics {
             system_events_dropped: Family::default(),
             job_step_failures: Family::default(),
             job_items: Family::default(),
+            jobs: Family::default(),
             target_paused: Family::default(),
             swept: Family::default(),
             completed_hits: Family::default(),
@@ -450,8 +454,13 @@ impl Metrics {
         );
         registry.register(
             "router_job_items",
-            "Items redrive and replay jobs went through, by kind and outcome: moved (requeued, routed or replayed), failed (kept in the DLQ with a reason, or a replayed copy refused by its queue's cap), skipped",
+            "Items redrive and replay jobs went through, by kind and outcome: moved (requeued, routed or replayed), failed (kept in the DLQ with a reason, or a replayed event one of whose copies its queue's cap refused), skipped, expired (a replay's events the archive sweep removed before the job reached them)",
             m.job_items.clone(),
+        );
+        registry.register(
+            "router_jobs",
+            "Redrive and replay jobs still to finish, by kind and state (running, paused), as the store holds them (on a shared store every node reports them all)",
+            m.jobs.clone(),
         );
         registry.register(
             "router_nats_connected",
@@ -574,6 +583,29 @@ impl Metrics {
             // During a compaction the gauges keep their last values: planned, not a failure.
             Err(crate::store::StoreError::Compacting) => {}
             Err(e) => tracing::warn!(error = %e, "could not read record counts for /metrics"),
+        }
+        match store.jobs().await {
+            Ok(jobs) => {
+                use crate::store::{JobKind, JobState};
+                // Every series, zeros too: an alert on a paused job needs one to compare.
+                for kind in [JobKind::Redrive, JobKind::Replay] {
+                    for state in [JobState::Running, JobState::Paused] {
+                        let n = jobs
+                            .iter()
+                            .filter(|j| j.kind == kind && j.state == state)
+                            .count();
+                        self.jobs
+                            .get_or_create(&vec![
+                                ("kind", kind.as_str().to_string()),
+                                ("state", state.as_str().to_string()),
+                            ])
+                            .set(i64::try_from(n).unwrap_or(i64::MAX));
+                    }
+                }
+            }
+            // As for the record counts: the gauges keep their last values.
+            Err(crate::store::StoreError::Compacting) => {}
+            Err(e) => tracing::warn!(error = %e, "could not read the jobs for /metrics"),
         }
         match store.kv_usage().await {
             Ok(usage) => {

@@ -514,3 +514,24 @@ fn output_into_a_closed_pipe_ends_the_command_quietly() {
     assert_eq!(out.status.code(), Some(141), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// A redrive or purge of the whole DLQ that does not say so is refused in the CLI's words:
+/// the flag is `--all` (the API's answer named its `"all": true`, which is no flag of
+/// `router dlq`). A dry run of a purge only counts, and needs no flag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_dlq_redrive_or_purge_without_all_names_the_flag() {
+    let r = RouterProc::start(&[], &[]);
+    for what in ["redrive", "purge"] {
+        let (ok, _, err) = cli(&r, None, &["dlq", what]).await;
+        assert!(!ok, "{what} of the whole DLQ without --all: {err}");
+        assert!(
+            err.contains(&format!("or pass --all to {what} every entry"))
+                && !err.contains("\"all\": true"),
+            "{what}: {err}"
+        );
+        let (ok, _, err) = cli(&r, None, &["dlq", what, "--all", "--json"]).await;
+        assert!(ok, "{what} --all: {err}");
+    }
+    let (ok, _, err) = cli(&r, None, &["dlq", "purge", "--dry-run"]).await;
+    assert!(ok, "a dry run only counts: {err}");
+}

@@ -314,6 +314,13 @@ async fn replay_of_a_time_range_delivers_exactly_the_matching_archived_events() 
             "replay gets its own idempotency key"
         );
     }
+    // The fate tells the replayed copy from the original: it names its replay (two copies
+    // with different keys and nothing saying why, before).
+    let f = fate(&r, "inside0").await;
+    let targets = f["targets"].as_array().expect("targets");
+    assert_eq!(targets.len(), 2, "{f}");
+    assert!(targets[0].get("replay").is_none(), "the original: {f}");
+    assert_eq!(targets[1]["replay"], id.as_str(), "{f}");
 }
 
 /// Replayed copies that meet their target's full queue go to the DLQ as `target_overflow`:
@@ -358,7 +365,12 @@ async fn replayed_copies_past_the_depth_cap_are_counted_and_announced() {
     assert_eq!(s, 201, "{job}");
     let id = job["id"].as_str().expect("id").to_string();
     let done = job_done(&r, &format!("/v1/replay/{id}"), Duration::from_secs(20)).await;
-    assert_eq!(done["failed"], 4, "every copy overflowed: {done}");
+    // Each event counts once: failed, not also moved ("4/4 moved, 4 failed").
+    assert_eq!(
+        (&done["moved"], &done["failed"]),
+        (&json!(0), &json!(4)),
+        "every copy overflowed: {done}"
+    );
     let m = metrics_text(&r).await;
     assert_eq!(
         counter(
@@ -368,6 +380,15 @@ async fn replayed_copies_past_the_depth_cap_are_counted_and_announced() {
         4,
         "{}",
         metric_lines(&m, "router_dlq_entries")
+    );
+    assert_eq!(
+        counter(
+            &m,
+            "router_job_items_total{kind=\"replay\",outcome=\"moved\"}"
+        ),
+        0,
+        "{}",
+        metric_lines(&m, "router_job_items")
     );
     let overflow_alerts = |s: &[Received]| {
         s.iter()
@@ -390,6 +411,244 @@ async fn replayed_copies_past_the_depth_cap_are_counted_and_announced() {
             .collect::<Vec<_>>()
     );
     assert_eq!(rcv.count(), 0, "paused");
+}
+
+/// Runs `router ARGS… --api <router>`; returns (exit code, stderr).
+async fn router_cli(r: &RouterProc, args: &[&str]) -> (Option<i32>, String) {
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_router"))
+            .args(args)
+            .args(["--api", &r.url("")])
+            .env_remove("ROUTER_TOKEN")
+            .env_remove("ROUTER_API")
+            .output(),
+    )
+    .await
+    .expect("the command finished")
+    .expect("run the command");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The archive sweep does not wait for a replay: a slow replay of events about to pass the
+/// archive's retention loses the rest of them to the sweep. The job says so (it used to end
+/// `done`, "3/40 moved, 0 failed, 0 skipped", and `--wait` exited 0): the events it never
+/// reached are `expired`, its `last_error` says how many and why, the metric counts them, and
+/// `router replay --wait` exits 1. A replay of a range before the archive's horizon says
+/// where the horizon is when it is created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_the_archive_sweep_outruns_counts_the_events_it_lost_as_expired() {
+    let rcv = Receiver::ok().await;
+    let rules = webhook_rule("r", "t", &rcv.url(), "c");
+    let r = RouterProc::start_with_env(
+        &[("r.yaml", &rules)],
+        &[],
+        &[
+            ("ROUTER_ARCHIVE__RETENTION", "2s"),
+            ("ROUTER_DELIVERY__RETENTION", "2s"),
+            ("ROUTER_INGEST__DEDUP_WINDOW", "2s"),
+            ("ROUTER_DELIVERY__SWEEP_INTERVAL", "200ms"),
+        ],
+    );
+    let from = chrono::Utc::now() - chrono::Duration::seconds(1);
+    let batch: Vec<_> = (0..40)
+        .map(|i| event(&format!("x{i}"), "t", json!({})))
+        .collect();
+    post_batch(&r, &batch).await;
+    // Delivered, so that nothing holds them past the retention.
+    assert!(queues_drained(&r, Duration::from_secs(20)).await);
+    let to = chrono::Utc::now() + chrono::Duration::seconds(1);
+    // One event a second: the sweep removes the rest 2 s after their acceptance, long before
+    // the job could reach them (40 s). Bounded by how soon they were delivered, not by the
+    // rate: the job ends once the archive has nothing left of its range.
+    let started = Instant::now();
+    let (code, err) = router_cli(
+        &r,
+        &[
+            "replay",
+            "--from",
+            &from.to_rfc3339(),
+            "--to",
+            &to.to_rfc3339(),
+            "--rate",
+            "1",
+            "--wait",
+        ],
+    )
+    .await;
+    assert_eq!(code, Some(1), "--wait fails when events expired: {err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(err.contains(" expired — done"), "{err}");
+    assert!(err.contains("the job ended done with 0 failed, "), "{err}");
+    assert!(err.contains("removed from the archive"), "{err}");
+    let (_, list) = get_json(&r, "/v1/replay?kind=replay").await;
+    let id = list["jobs"][0]["id"].as_str().expect("the job").to_string();
+    let (_, j) = get_json(&r, &format!("/v1/replay/{id}")).await;
+    let n = |k: &str| j[k].as_u64().unwrap_or(0);
+    assert_eq!(j["state"], "done", "{j}");
+    assert_eq!(n("total"), 40, "{j}");
+    assert!(n("expired") > 0, "{j}");
+    assert_eq!(
+        n("moved") + n("failed") + n("skipped") + n("expired"),
+        n("total"),
+        "every event of the range is accounted for: {j}"
+    );
+    let why = j["last_error"].as_str().unwrap_or_default();
+    assert!(
+        why.starts_with(&format!(
+            "{} of the range's 40 events were removed from the archive",
+            n("expired")
+        )) && why.contains("archive.retention = 2s"),
+        "{j}"
+    );
+    let m = metrics_text(&r).await;
+    assert_eq!(
+        counter(
+            &m,
+            "router_job_items_total{kind=\"replay\",outcome=\"expired\"}"
+        ),
+        n("expired"),
+        "{}",
+        metric_lines(&m, "router_job_items")
+    );
+    assert!(
+        r.log_text()
+            .contains("a replay ended short of events of its range that the archive sweep removed"),
+        "a warning is logged"
+    );
+
+    // A range before the archive's horizon: accepted, and said when it is created.
+    let (code, err) = router_cli(
+        &r,
+        &[
+            "replay",
+            "--from",
+            "1900-01-01T00:00:00Z",
+            "--to",
+            &chrono::Utc::now().to_rfc3339(),
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        err.contains("warning: events accepted before ")
+            && err.contains("are no longer archived (archive.retention = 2s)"),
+        "{err}"
+    );
+    let (_, list) = get_json(&r, "/v1/replay?kind=replay").await;
+    let old = &list["jobs"][0];
+    assert_eq!(old["warnings"].as_array().map(Vec::len), Some(1), "{old}");
+}
+
+/// A job nobody watches is still seen: `GET /v1/status` lists the running and paused jobs
+/// with their progress and when each last went through an item, and `router_jobs` counts
+/// them by kind and state. A rate below what the runner runs at is refused (it was accepted,
+/// echoed, and run at 0.001/s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn running_and_paused_jobs_show_in_the_status_and_the_metrics() {
+    let rcv = Receiver::ok().await;
+    let rules = webhook_rule("r", "t", &rcv.url(), "c");
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let from = chrono::Utc::now() - chrono::Duration::seconds(1);
+    let batch: Vec<_> = (0..5)
+        .map(|i| event(&format!("s{i}"), "t", json!({})))
+        .collect();
+    post_batch(&r, &batch).await;
+    let to = chrono::Utc::now() + chrono::Duration::seconds(1);
+    let range =
+        |rate: f64| json!({"from": from.to_rfc3339(), "to": to.to_rfc3339(), "rate_per_sec": rate});
+    for rate in [1e-300, 0.0001] {
+        let (s, b) = post_json(&r, "/v1/replay", range(rate)).await;
+        assert_eq!(
+            (s, &b["errors"][0]["pointer"]),
+            (400, &json!("/rate_per_sec")),
+            "{b}"
+        );
+        let (s, b) = post_json(
+            &r,
+            "/v1/dlq/redrive",
+            json!({"all": true, "rate_per_sec": rate}),
+        )
+        .await;
+        assert_eq!(
+            (s, &b["errors"][0]["pointer"]),
+            (400, &json!("/rate_per_sec")),
+            "{b}"
+        );
+    }
+    // One event every 2 s: running for a while.
+    let (s, job) = post_json(&r, "/v1/replay", range(0.5)).await;
+    assert_eq!(s, 201, "{job}");
+    let id = job["id"].as_str().expect("id").to_string();
+    let listed = |status: &Value| {
+        status["jobs"]["active"]
+            .as_array()
+            .and_then(|a| a.iter().find(|j| j["id"] == id.as_str()).cloned())
+    };
+    // Its first item comes about 2 s after its creation.
+    let shown = eventually(Duration::from_secs(15), || async {
+        let (_, st) = get_json(&r, "/v1/status").await;
+        listed(&st).filter(|j| j["last_item_at"].is_string())
+    })
+    .await
+    .expect("the running job in the status, having gone through an item");
+    assert_eq!(
+        (&shown["kind"], &shown["state"]),
+        (&json!("replay"), &json!("running")),
+        "{shown}"
+    );
+    assert_eq!(shown["total"], 5, "{shown}");
+    let m = metrics_text(&r).await;
+    let jobs = |m: &str, state: &str| {
+        counter(
+            m,
+            &format!("router_jobs{{kind=\"replay\",state=\"{state}\"}}"),
+        )
+    };
+    assert_eq!(
+        (jobs(&m, "running"), jobs(&m, "paused")),
+        (1, 0),
+        "{}",
+        metric_lines(&m, "router_jobs")
+    );
+    assert_eq!(
+        post_json(&r, &format!("/v1/replay/{id}/pause"), json!({}))
+            .await
+            .0,
+        200
+    );
+    let (_, st) = get_json(&r, "/v1/status").await;
+    assert_eq!(
+        listed(&st).map(|j| j["state"].clone()),
+        Some(json!("paused")),
+        "{st}"
+    );
+    let m = metrics_text(&r).await;
+    assert_eq!(
+        (jobs(&m, "running"), jobs(&m, "paused")),
+        (0, 1),
+        "{}",
+        metric_lines(&m, "router_jobs")
+    );
+    // Ended, it leaves both.
+    assert_eq!(
+        post_json(&r, &format!("/v1/replay/{id}/cancel"), json!({}))
+            .await
+            .0,
+        200
+    );
+    let (_, st) = get_json(&r, "/v1/status").await;
+    assert_eq!(listed(&st), None, "{st}");
+    let m = metrics_text(&r).await;
+    assert_eq!((jobs(&m, "running"), jobs(&m, "paused")), (0, 0));
 }
 
 /// A replay job resumes from its durable cursor after each kill -9: every archived event of

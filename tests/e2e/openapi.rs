@@ -616,6 +616,88 @@ fn every_route_is_documented_and_every_operation_is_complete() {
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
+/// Each job route serves its own kind (`/v1/dlq/redrive/{job}` redrives, `/v1/replay/{job}`
+/// replays) and answers 404 for the other, and the document says so: it said each job's id was
+/// found on the other kind's routes too (getRedriveJob, getReplayJob, controlRedriveJob), and
+/// a client that followed it got 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_job_route_serves_its_own_kind_as_the_document_says() {
+    let doc = Doc::load();
+    let r = RouterProc::start(&[], &[]);
+    let now = chrono::Utc::now();
+    let (s, redrive) = post_json(
+        &r,
+        "/v1/dlq/redrive",
+        // Slow enough to be running throughout (its first step comes in 1000 s).
+        json!({"all": true, "rate_per_sec": 0.001}),
+    )
+    .await;
+    assert_eq!(s, 201, "{redrive}");
+    let (s, replay) = post_json(
+        &r,
+        "/v1/replay",
+        json!({"from": (now - chrono::Duration::hours(1)).to_rfc3339(), "to": now.to_rfc3339(), "rate_per_sec": 0.001}),
+    )
+    .await;
+    assert_eq!(s, 201, "{replay}");
+    let (redrive, replay) = (
+        redrive["id"].as_str().expect("id"),
+        replay["id"].as_str().expect("id"),
+    );
+    for (op, method, path, own, other) in [
+        (
+            "getRedriveJob",
+            "GET",
+            "/v1/dlq/redrive/{job}",
+            redrive,
+            replay,
+        ),
+        ("getReplayJob", "GET", "/v1/replay/{job}", replay, redrive),
+        (
+            "controlRedriveJob",
+            "POST",
+            "/v1/dlq/redrive/{job}/{action}",
+            redrive,
+            replay,
+        ),
+        (
+            "controlReplayJob",
+            "POST",
+            "/v1/replay/{job}/{action}",
+            replay,
+            redrive,
+        ),
+    ] {
+        let at = |job: &str| r.url(&path.replace("{job}", job).replace("{action}", "pause"));
+        let status = |job: &str| {
+            let url = at(job);
+            async move {
+                client()
+                    .request(method.parse().expect("method"), url)
+                    .send()
+                    .await
+                    .expect("send")
+                    .status()
+                    .as_u16()
+            }
+        };
+        assert_eq!(status(other).await, 404, "{op} with the other kind's id");
+        assert_eq!(status(own).await, 200, "{op} with its own kind's id");
+        let described = doc.op(method, path)["description"]
+            .as_str()
+            .unwrap_or_default()
+            .replace('\n', " ");
+        assert!(
+            described.contains("is 404 here"),
+            "{op} does not say the other kind's id is 404: {described}"
+        );
+        assert!(
+            !described.contains("found here too") && !described.contains("also reachable here"),
+            "{op} says the other kind's id is served: {described}"
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Fixtures shared by b) and c)
 // ---------------------------------------------------------------------------------------------

@@ -513,14 +513,24 @@ async fn a_removed_target_can_dead_letter_its_queue_instead() {
         (json!(0), json!(10)),
         "{done}"
     );
-    let (_, l) = get_json(&r, "/v1/dlq?reason=target_removed").await;
-    assert_eq!(l["entries"].as_array().map(Vec::len), Some(10), "{l}");
-    assert!(
-        l["entries"][0]["errors"]
-            .to_string()
-            .contains("no longer in the rules"),
-        "{l}"
+    let (_, after) = get_json(&r, "/v1/dlq?reason=target_removed").await;
+    assert_eq!(
+        after["entries"].as_array().map(Vec::len),
+        Some(10),
+        "{after}"
     );
+    let listed = l.expect("listed");
+    let (kept, before) = (&after["entries"][0], &listed["entries"][0]);
+    assert!(
+        kept["not_redriven"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("no longer in the rules")),
+        "{kept}"
+    );
+    assert_eq!(kept["not_redriven"]["job"], id.as_str(), "{kept}");
+    // The failure's own error and the redrive count stay: it was not redriven.
+    assert_eq!(kept["errors"], before["errors"], "{kept}");
+    assert_eq!(kept["redrive_count"], 0, "{kept}");
     r.kill9();
 }
 

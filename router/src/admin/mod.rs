@@ -96,6 +96,9 @@ fn dlq_json(d: &DlqEntry) -> Value {
     if let Some(key) = &d.ordering_key {
         v["ordering_key"] = json!(key);
     }
+    if let Some(n) = &d.not_redriven {
+        v["not_redriven"] = json!({ "job": n.job, "at": rfc3339(n.at), "message": n.message });
+    }
     v
 }
 
@@ -144,7 +147,7 @@ pub async fn event_fate(
         .iter()
         .map(|e| {
             let last_error = e.attempts.iter().rev().find_map(|a| a.error.clone());
-            json!({
+            let mut t = json!({
                 "target": e.target_id,
                 "rule": e.rule,
                 "entry": e.id.to_string(),
@@ -159,7 +162,13 @@ pub async fn event_fate(
                 "idempotency_key": e.idempotency_key,
                 "ordering_key": e.ordering_key,
                 "redrive_count": e.redrive_count,
-            })
+            });
+            // A replayed copy says which replay made it: its idempotency key differs from
+            // the original's, and without this the fate showed no reason why.
+            if let Some(job) = &e.replay {
+                t["replay"] = json!(job);
+            }
+            t
         })
         .collect();
     let ev = &fate.event;
@@ -687,6 +696,7 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
     let store_bytes = app.store.disk_bytes().await;
     let records = records_status(&app).await;
     let handler_kv = handler_kv_status(&app).await;
+    let jobs = jobs_status(&app).await;
     let removed_targets = crate::app::removed_target_warnings(&app);
     axum::Json(json!({
         "version": env!("CARGO_PKG_VERSION"),
@@ -730,6 +740,7 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
         "nodes": app.dispatcher.nodes(),
         "records": records,
         "handler_kv": handler_kv,
+        "jobs": jobs,
         // On a shared store: how this node follows the handlers the nodes share.
         "handler_catalog": app.handlers.as_ref().map(|rt| rt.changes.status()),
         // On a shared store: how this node follows the contracts put over the API elsewhere.
@@ -771,6 +782,39 @@ fn missing_handler_warnings(app: &App, rules: &crate::rules::RuleSet) -> Vec<Str
             _ => None,
         })
         .collect()
+}
+
+/// The jobs still to finish (running and paused), oldest first, with their progress and when
+/// each last went through an item: a job that stands still shows here, without knowing its
+/// id.
+async fn jobs_status(app: &App) -> serde_json::Value {
+    match app.store.jobs().await {
+        Ok(mut jobs) => {
+            jobs.retain(|j| !j.state.finished());
+            jobs.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+            let active: Vec<Value> = jobs
+                .into_iter()
+                .map(|j| {
+                    let j = app.jobs.shown(j);
+                    json!({
+                        "id": j.id,
+                        "kind": j.kind,
+                        "state": j.state,
+                        "total": j.total,
+                        "moved": j.moved,
+                        "failed": j.failed,
+                        "skipped": j.skipped,
+                        "expired": j.expired,
+                        "created_at": rfc3339(j.created_at),
+                        "last_item_at": j.last_item_at.map(rfc3339),
+                        "last_error": j.last_error,
+                    })
+                })
+                .collect();
+            json!({ "active": active })
+        }
+        Err(e) => json!({ "active": [], "error": e.to_string() }),
+    }
 }
 
 /// What each age-bounded kind of record holds, with its bound.
@@ -975,6 +1019,9 @@ fn job_json(j: &crate::store::Job) -> Value {
         "moved": j.moved,
         "failed": j.failed,
         "skipped": j.skipped,
+        "expired": j.expired,
+        "warnings": j.warnings,
+        "last_item_at": j.last_item_at.map(rfc3339),
         "cursor": j.cursor,
         "created_at": rfc3339(j.created_at),
         "updated_at": rfc3339(j.updated_at),

@@ -390,15 +390,25 @@ async fn check_target(app: &App, target: &str) -> Result<(), JobError> {
     })
 }
 
+/// Refuses a rate the runner would not keep: below `MIN_RATE` it would run at that floor,
+/// not at what the job says (and echoes), above `MAX_RATE` steps cannot keep up.
+fn check_rate(rate: f64) -> Result<(), FieldError> {
+    // NaN is in no range: refused too.
+    if (MIN_RATE..=MAX_RATE).contains(&rate) {
+        return Ok(());
+    }
+    Err(FieldError::new(
+        "/rate_per_sec",
+        format!(
+            "must be in [{MIN_RATE}, {MAX_RATE}]: slower than {MIN_RATE} a second a job would hardly move, and it moves at most {MAX_STEP_ITEMS} items a step, ten steps a second"
+        ),
+    ))
+}
+
 /// Creates and starts a redrive job.
 pub async fn create_redrive(app: &Arc<App>, req: RedriveRequest) -> Result<Job, JobError> {
     let filter = req.filter.to_filter("/filter").map_err(JobError::Invalid)?;
-    if !(req.rate_per_sec > 0.0 && req.rate_per_sec <= MAX_RATE) {
-        return Err(JobError::Invalid(vec![FieldError::new(
-            "/rate_per_sec",
-            "must be in (0, 10000]: a job moves at most 1000 items a step, ten steps a second",
-        )]));
-    }
+    check_rate(req.rate_per_sec).map_err(|e| JobError::Invalid(vec![e]))?;
     if filter == DlqFilter::default() && !req.all {
         // As for purge: a forgotten flag must not send every target's dead letters (the
         // quarantined events with them) back at once.
@@ -424,6 +434,9 @@ pub async fn create_redrive(app: &Arc<App>, req: RedriveRequest) -> Result<Job, 
         moved: 0,
         failed: 0,
         skipped: 0,
+        expired: 0,
+        warnings: Vec::new(),
+        last_item_at: None,
         cursor: 0,
         created_at: now,
         updated_at: now,
@@ -458,11 +471,8 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
                 .map(|e| FieldError::new(format!("/filter{}", e.pointer), e.message)),
         );
     }
-    if !(req.rate_per_sec > 0.0 && req.rate_per_sec <= MAX_RATE) {
-        errors.push(FieldError::new(
-            "/rate_per_sec",
-            "must be in (0, 10000]: a job moves at most 1000 items a step, ten steps a second",
-        ));
+    if let Err(e) = check_rate(req.rate_per_sec) {
+        errors.push(e);
     }
     let now = app.clock.now_ms();
     // Events accepted after the job is created are not replayed: a `to` in the future would
@@ -483,6 +493,17 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
         .store
         .count_events_between(from.unwrap_or(0), to.unwrap_or(0))
         .await?;
+    // Accepted as asked (what is left is replayed), but said: a range the archive no longer
+    // holds read as an empty one, total 0 and `done`, even for a range in 1900.
+    let horizon = archive_horizon(&app.cfg, now);
+    let mut warnings = Vec::new();
+    if from.is_some_and(|f| f < horizon) {
+        warnings.push(format!(
+            "events accepted before {} are no longer archived ({}): the range's events from before then are gone, except any a queue or DLQ entry still holds",
+            crate::clock::rfc3339(horizon),
+            retention_note(&app.cfg)
+        ));
+    }
     let mut job = Job {
         id: next_job_id(app, JobKind::Replay).await?,
         kind: JobKind::Replay,
@@ -492,6 +513,9 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
         moved: 0,
         failed: 0,
         skipped: 0,
+        expired: 0,
+        warnings,
+        last_item_at: None,
         cursor: 0,
         created_at: now,
         updated_at: now,
@@ -503,8 +527,34 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
     claim(app, &mut job);
     put_new_job(app, &mut job).await?;
     spawn(app, job.clone());
-    tracing::warn!(job = %job.id, from = %req.from, to = %req.to, total, "replay job created");
+    tracing::warn!(job = %job.id, from = %req.from, to = %req.to, total, warnings = ?job.warnings, "replay job created");
     Ok(job)
+}
+
+/// The archive's horizon at `now`: the sweep removes the events accepted before it (those no
+/// queue or DLQ entry holds), as `Config::event_retention` and the sweep's cut say.
+fn archive_horizon(cfg: &crate::config::Config, now: i64) -> i64 {
+    let kept = i64::try_from(cfg.event_retention().as_millis()).unwrap_or(i64::MAX);
+    now.saturating_sub(kept)
+}
+
+/// The setting(s) behind the archive's horizon, as an operator would change them.
+fn retention_note(cfg: &crate::config::Config) -> String {
+    let archive = cfg.archive.retention;
+    let kept = cfg.event_retention();
+    if kept == archive {
+        format!(
+            "archive.retention = {}",
+            humantime::format_duration(archive)
+        )
+    } else {
+        // delivery.retention or the dedup window keeps events longer than the archive asks.
+        format!(
+            "archive.retention = {}; events are kept for {}, the longest of archive.retention, delivery.retention and ingest.dedup_window",
+            humantime::format_duration(archive),
+            humantime::format_duration(kept)
+        )
+    }
 }
 
 async fn count_matching(app: &App, filter: &DlqFilter) -> Result<u64, StoreError> {
@@ -703,11 +753,23 @@ const TICK: Duration = Duration::from_millis(100);
 /// no faster than 10 × this per second whatever its rate.
 const MAX_STEP_ITEMS: usize = 1000;
 
+/// Most bytes of stored events one replay step reads (past the first event, which it always
+/// takes): a step held up to `MAX_STEP_ITEMS` whole events, those its filter skips too
+/// (200 events of 900 KB took 170 MB), and jobs are not limited in number.
+const MAX_STEP_BYTES: usize = 8 << 20;
+
 /// The highest `rate_per_sec` a job takes: what `MAX_STEP_ITEMS` a `TICK` allows.
 const MAX_RATE: f64 = 10_000.0;
 
+/// The lowest `rate_per_sec` a job takes and runs at (an item about every 17 minutes). A job
+/// stored with a lower rate (created before such rates were refused) runs at this.
+const MIN_RATE: f64 = 0.001;
+
 async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Result<(), StoreError> {
-    let rate = job.spec["rate_per_sec"].as_f64().unwrap_or(10.0).max(0.001);
+    let rate = job.spec["rate_per_sec"]
+        .as_f64()
+        .unwrap_or(10.0)
+        .max(MIN_RATE);
     let mut tokens = 0.0f64;
     let mut last = std::time::Instant::now();
     // The stored filter was checked when the job was created; one that no longer reads (a
@@ -777,6 +839,7 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
                     ("moved", job.moved, before.moved),
                     ("failed", job.failed, before.failed),
                     ("skipped", job.skipped, before.skipped),
+                    ("expired", job.expired, before.expired),
                 ] {
                     if now_n > was {
                         app.metrics
@@ -794,7 +857,10 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
                 }
                 app.jobs.set_failing(&job.id, None);
                 if job.state == JobState::Done {
-                    tracing::info!(job = %job.id, moved = job.moved, failed = job.failed, "job finished");
+                    if job.expired > before.expired {
+                        tracing::warn!(job = %job.id, expired = job.expired, total = job.total, "a replay ended short of events of its range that the archive sweep removed before the job reached them");
+                    }
+                    tracing::info!(job = %job.id, moved = job.moved, failed = job.failed, skipped = job.skipped, expired = job.expired, "job finished");
                     break Ok(());
                 }
             }
@@ -906,6 +972,13 @@ async fn redrive_step(
     page.retain(|d| d.id <= max_id);
     if page.is_empty() {
         job.state = JobState::Done;
+        // The entries of its total it never reached: another job (or node) moved them, or a
+        // purge removed them, before it read them (those it read and found gone at its
+        // commit are skipped already). Without this, two jobs over the same entries both
+        // ended `done` with items missing from their counts.
+        job.skipped += job
+            .total
+            .saturating_sub(job.moved + job.failed + job.skipped);
         job.updated_at = now;
         job.heartbeat_at = now;
         job.rev = app
@@ -921,12 +994,8 @@ async fn redrive_step(
     // rules, or one removed from them that still drains here. Into any other queue it would
     // wait for ever (a removed target's worker starts again only for entries it had).
     let draining: HashSet<String> = app.dispatcher.running().into_iter().map(|s| s.id).collect();
-    let not_in_rules = |target: &str| {
-        vec![FieldError::new(
-            "",
-            format!("not redriven: target {target} is no longer in the rules"),
-        )]
-    };
+    let not_in_rules =
+        |target: &str| format!("not redriven: target {target} is no longer in the rules");
     let gone = |target: &str| {
         (!rules.targets.contains_key(target) && !draining.contains(target))
             .then(|| not_in_rules(target))
@@ -952,10 +1021,8 @@ async fn redrive_step(
                             // (its rule may be disabled for containment): it stays.
                             actions.push(RedriveAction::Keep {
                                 dlq_id: d.id,
-                                errors: vec![FieldError::new(
-                                    "",
-                                    "not redriven: its data passes the contract now, but no enabled rule matches it; enable or add a rule and redrive again (or purge it)",
-                                )],
+                                note: "not redriven: its data passes the contract now, but no enabled rule matches it; enable or add a rule and redrive again (or purge it)".into(),
+                                errors: None,
                             });
                             job.failed += 1;
                             continue;
@@ -968,10 +1035,20 @@ async fn redrive_step(
                         job.moved += 1;
                     }
                     ContractOutcome::Violation { reason, errors, .. } => {
-                        let _ = reason == ViolationReason::UnknownVersion;
+                        let note = match reason {
+                            ViolationReason::UnknownVersion => {
+                                "not redriven: its dataversion still has no contract"
+                            }
+                            ViolationReason::ContractViolation => {
+                                "not redriven: its data still fails the current contract"
+                            }
+                        };
+                        // The errors are the current contract's verdict: they replace those
+                        // of the contract it was quarantined under.
                         actions.push(RedriveAction::Keep {
                             dlq_id: d.id,
-                            errors,
+                            note: note.into(),
+                            errors: Some(errors),
                         });
                         job.failed += 1;
                     }
@@ -983,10 +1060,11 @@ async fn redrive_step(
                     job.skipped += 1;
                     continue;
                 };
-                if let Some(errors) = gone(&target) {
+                if let Some(note) = gone(&target) {
                     actions.push(RedriveAction::Keep {
                         dlq_id: d.id,
-                        errors,
+                        note,
+                        errors: None,
                     });
                     job.failed += 1;
                     continue;
@@ -1028,10 +1106,11 @@ async fn redrive_step(
                         gone(t)
                     }
                 });
-                if let Some(errors) = gone_now {
+                if let Some(note) = gone_now {
                     actions.push(RedriveAction::Keep {
                         dlq_id: d.id,
-                        errors,
+                        note,
+                        errors: None,
                     });
                     job.failed += 1;
                     continue;
@@ -1045,13 +1124,11 @@ async fn redrive_step(
             _ => {
                 actions.push(RedriveAction::Keep {
                     dlq_id: d.id,
-                    errors: vec![FieldError::new(
-                        "",
-                        format!(
-                            "not redriven: a {} dead letter is not routed again; fix its handler, then purge it",
-                            d.reason.as_str()
-                        ),
-                    )],
+                    note: format!(
+                        "not redriven: a {} dead letter is not routed again; fix its handler, then purge it",
+                        d.reason.as_str()
+                    ),
+                    errors: None,
                 });
                 job.failed += 1;
             }
@@ -1059,6 +1136,7 @@ async fn redrive_step(
     }
     job.updated_at = now;
     job.heartbeat_at = now;
+    job.last_item_at = Some(now);
     let n = page.len();
     let (rev, gone) = app.store.redrive_step(job.clone(), actions, now).await?;
     // Entries another job (or a purge) took first: this job did not move them.
@@ -1076,9 +1154,27 @@ async fn replay_step(
 ) -> Result<usize, StoreError> {
     let from = job.spec["from_ms"].as_i64().unwrap_or(0);
     let to = job.spec["to_ms"].as_i64().unwrap_or(0);
-    let events = app.store.events_between(from, to, job.cursor, take).await?;
+    let events = app
+        .store
+        .events_between(from, to, job.cursor, take, MAX_STEP_BYTES)
+        .await?;
     if events.is_empty() {
         job.state = JobState::Done;
+        // The part of its total it never saw: events the archive sweep removed (past the
+        // archive's retention) before the job reached them. The sweep does not wait for jobs
+        // (a paused one would pin the archive, and the disk): the job says so instead of
+        // ending as if it had replayed the range.
+        let expired = job
+            .total
+            .saturating_sub(job.moved + job.failed + job.skipped + job.expired);
+        if expired > 0 {
+            job.expired += expired;
+            job.last_error = Some(format!(
+                "{expired} of the range's {} events were removed from the archive before the job reached them: they were past its retention ({}); replay a range closer to now, or at a higher rate",
+                job.total,
+                retention_note(&app.cfg)
+            ));
+        }
         job.updated_at = now;
         job.heartbeat_at = now;
         job.rev = app
@@ -1116,16 +1212,20 @@ async fn replay_step(
     }
     // An event accepted inside the range while the job was being created (it had its time
     // before `to`, and its commit after the count) is replayed too.
-    job.total = job.total.max(job.moved + job.skipped);
+    job.total = job
+        .total
+        .max(job.moved + job.failed + job.skipped + job.expired);
     job.updated_at = now;
     job.heartbeat_at = now;
+    job.last_item_at = Some(now);
     let n = events.len();
-    // Copies refused by their queue's depth cap went to the DLQ: counted as failed (the job
-    // said all was moved, and `--wait` exited 0), and, as new dead letters, in
-    // router_dlq_entries_total and router.dlq.added like any other (they were neither).
+    // Copies refused by their queue's depth cap went to the DLQ: their events count as
+    // failed, not moved (the job said all was moved, and `--wait` exited 0; then it said
+    // "60/60 moved, 55 failed"), and, as new dead letters, in router_dlq_entries_total and
+    // router.dlq.added like any other (they were neither).
     let stepped = app.store.replay_step(job.clone(), items, now).await?;
     job.rev = stepped.rev;
-    job.failed += stepped.overflowed.len() as u64;
+    stepped.apply(job);
     for (seq, target) in &stepped.overflowed {
         let Some(ev) = events.iter().find(|e| e.seq == *seq) else {
             continue;
@@ -1353,11 +1453,31 @@ mod tests {
         let left = dlq_entries(&app).await;
         assert_eq!(left.len(), 1, "{left:?}");
         assert_eq!(left[0].target_id.as_deref(), Some("old"));
+        let why = left[0].not_redriven.as_ref().expect("says why it stayed");
+        assert!(why.message.contains("no longer in the rules"), "{why:?}");
+        assert_eq!(why.job, job.id);
+        // Not redriven: its own failure (the depth cap that refused it) and its redrive
+        // count stay as they were. The refusal used to be written over the error, and the
+        // count raised as if it had been redriven.
         assert!(
-            left[0].errors[0].message.contains("no longer in the rules"),
+            left[0].errors[0].message.contains("depth cap"),
             "{:?}",
             left[0].errors
         );
+        assert_eq!(left[0].redrive_count, 0);
+        // Redriven again: still one refusal, the newest, and still the failure's error.
+        let again = redrive_all(&app, 1000.0).await;
+        wait_for(&app, &again.id, Duration::from_secs(30), |j| {
+            j.state == JobState::Done
+        })
+        .await;
+        let left = dlq_entries(&app).await;
+        assert_eq!(
+            left[0].not_redriven.as_ref().map(|n| n.job.as_str()),
+            Some(again.id.as_str())
+        );
+        assert_eq!(left[0].errors.len(), 1, "{:?}", left[0].errors);
+        assert_eq!(left[0].redrive_count, 0);
     }
 
     /// A redrive's filter must say what it means: a target id the router does not know (a
@@ -1432,11 +1552,12 @@ mod tests {
         assert_eq!(left.len(), 1, "{left:?}");
         assert_eq!(left[0].event_id, "orphan");
         assert!(
-            left[0].errors[0]
-                .message
-                .contains("no enabled rule matches"),
+            left[0]
+                .not_redriven
+                .as_ref()
+                .is_some_and(|n| n.message.contains("no enabled rule matches")),
             "{:?}",
-            left[0].errors
+            left[0]
         );
         let fate = app
             .store
@@ -1498,7 +1619,18 @@ mod tests {
             .collect();
         app.store.accept(events).await.expect("accepted");
         let done = replay_last_seconds(&app, now).await;
-        assert_eq!(done.failed, 3, "{done:?}");
+        // Each event once: failed, not also moved ("3/3 moved, 3 failed").
+        assert_eq!((done.moved, done.failed), (0, 3), "{done:?}");
+        let items = |outcome: &str| {
+            app.metrics
+                .job_items
+                .get_or_create(&vec![
+                    ("kind", "replay".to_owned()),
+                    ("outcome", outcome.to_owned()),
+                ])
+                .get()
+        };
+        assert_eq!((items("moved"), items("failed")), (0, 3));
         let counted = app
             .metrics
             .dlq_entries
@@ -1508,6 +1640,212 @@ mod tests {
             ])
             .get();
         assert_eq!(counted, 3, "every replayed copy in the DLQ is counted");
+    }
+
+    /// The archive sweep does not wait for jobs: events of a replay's range it removes before
+    /// the job reaches them are counted as `expired` when the job ends, with a `last_error`
+    /// saying how many and why. The job used to end `done` with them missing from its counts.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn events_the_archive_sweep_removed_before_a_replay_reached_them_are_expired() {
+        let (_dir, app) = app_on(&SimulatedDisk::new());
+        let now = app.clock.now_ms();
+        // No targets: nothing refers to them, so the sweep takes them past its cut.
+        let events = (0..3)
+            .map(|i| new_event("/s", &format!("e{i}"), &[], now - 10_000))
+            .collect();
+        app.store.accept(events).await.expect("accepted");
+        // Its first step comes two seconds after its creation; the sweep runs before.
+        let job = create_replay(
+            &app,
+            ReplayRequest {
+                from: crate::clock::rfc3339(now - 20_000),
+                to: crate::clock::rfc3339(now),
+                filter: None,
+                rate_per_sec: 0.5,
+            },
+        )
+        .await
+        .expect("created");
+        assert_eq!(job.total, 3, "{job:?}");
+        assert!(job.warnings.is_empty(), "inside the retention: {job:?}");
+        loop {
+            let swept = app
+                .store
+                .sweep(app.clock.now_ms(), 5_000, 5_000)
+                .await
+                .expect("swept");
+            if !swept.more {
+                break;
+            }
+        }
+        assert_eq!(
+            app.store
+                .count_events_between(now - 20_000, now)
+                .await
+                .expect("count"),
+            0,
+            "the sweep removed them"
+        );
+        let done = wait_for(&app, &job.id, Duration::from_secs(30), |j| {
+            j.state == JobState::Done
+        })
+        .await;
+        assert_eq!(done.state, JobState::Done, "{done:?}");
+        assert_eq!(
+            (done.moved, done.failed, done.skipped, done.expired),
+            (0, 0, 0, 3),
+            "{done:?}"
+        );
+        let why = done.last_error.as_deref().unwrap_or_default();
+        assert!(
+            why.starts_with("3 of the range's 3 events were removed from the archive")
+                && why.contains("archive.retention = 7days"),
+            "{why}"
+        );
+        let expired = app
+            .metrics
+            .job_items
+            .get_or_create(&vec![
+                ("kind", "replay".to_owned()),
+                ("outcome", "expired".to_owned()),
+            ])
+            .get();
+        assert_eq!(expired, 3);
+    }
+
+    /// A replay of a range that starts before what the archive still holds is accepted, and
+    /// says so from its creation on: a range in 1900 used to read as an empty one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replay_from_before_the_archive_horizon_says_where_the_horizon_is() {
+        let (_dir, app) = app_on(&SimulatedDisk::new());
+        let replay = |from: String| {
+            create_replay(
+                &app,
+                ReplayRequest {
+                    from,
+                    to: crate::clock::rfc3339(app.clock.now_ms()),
+                    filter: None,
+                    rate_per_sec: 1000.0,
+                },
+            )
+        };
+        let job = replay("1900-01-01T00:00:00Z".into())
+            .await
+            .expect("accepted");
+        assert_eq!(job.warnings.len(), 1, "{job:?}");
+        let horizon = app.clock.now_ms() - 7 * 24 * 3600 * 1000;
+        let w = &job.warnings[0];
+        assert!(
+            w.starts_with("events accepted before ")
+                && w.contains("are no longer archived (archive.retention = 7days)"),
+            "{w}"
+        );
+        let named = w
+            .strip_prefix("events accepted before ")
+            .and_then(|r| r.split(' ').next())
+            .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+            .map(|t| t.timestamp_millis())
+            .expect("the horizon's time");
+        assert!((named - horizon).abs() < 60_000, "{named} vs {horizon}");
+        // Its later reads say so too.
+        let read = get(&app, &job.id).await.expect("read");
+        assert_eq!(read.warnings, job.warnings);
+        // A range inside the archive has no warning.
+        let recent = replay(crate::clock::rfc3339(app.clock.now_ms() - 60_000))
+            .await
+            .expect("accepted");
+        assert!(recent.warnings.is_empty(), "{recent:?}");
+    }
+
+    /// Two redrives over the same entries: each entry is moved once, by one of them, and the
+    /// other counts what it never reached as skipped. Both used to end `done` with items
+    /// missing from their counts.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_redrive_counts_what_another_job_took_first_as_skipped() {
+        let (_dir, app) = app_on(&SimulatedDisk::new());
+        let quarantined = |id: &str| {
+            let mut ne = new_event("/s", id, &[], 0);
+            ne.quarantine = Some(Quarantine {
+                reason: DlqReason::ContractViolation,
+                errors: Vec::new(),
+            });
+            ne
+        };
+        app.store
+            .accept(vec![quarantined("a"), quarantined("b")])
+            .await
+            .expect("accepted");
+        // The slow one's first step comes two seconds after its creation, the fast one's at
+        // once.
+        let slow = redrive_all(&app, 0.5).await;
+        let fast = redrive_all(&app, 1000.0).await;
+        let ended = |id: String| {
+            let app = &app;
+            async move {
+                wait_for(app, &id, Duration::from_secs(30), |j| {
+                    j.state == JobState::Done
+                })
+                .await
+            }
+        };
+        let (fast, slow) = (ended(fast.id).await, ended(slow.id).await);
+        for j in [&fast, &slow] {
+            assert_eq!(j.state, JobState::Done, "{j:?}");
+            assert_eq!(j.total, 2, "{j:?}");
+            assert_eq!(j.moved + j.failed + j.skipped, j.total, "{j:?}");
+        }
+        // Each entry moved once, by one job or the other: on a slow machine the fast job may
+        // not be done within the slow one's two seconds, and then they share the entries.
+        assert_eq!(fast.moved + slow.moved, 2, "{fast:?} {slow:?}");
+    }
+
+    /// A rate below the runner's floor was accepted and echoed, and ran at the floor: it is
+    /// refused, pointing at the rate.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn rates_below_what_a_job_runs_at_are_refused() {
+        let (_dir, app) = app_on(&SimulatedDisk::new());
+        let now = app.clock.now_ms();
+        for rate in [1e-300, 0.0001, 0.0, -1.0, 10_001.0] {
+            let redrive = create_redrive(
+                &app,
+                RedriveRequest {
+                    filter: FilterSpec::default(),
+                    rate_per_sec: rate,
+                    all: true,
+                },
+            )
+            .await;
+            let replay = create_replay(
+                &app,
+                ReplayRequest {
+                    from: crate::clock::rfc3339(now - 60_000),
+                    to: crate::clock::rfc3339(now),
+                    filter: None,
+                    rate_per_sec: rate,
+                },
+            )
+            .await;
+            for made in [redrive, replay] {
+                match made {
+                    Err(JobError::Invalid(e)) => {
+                        assert_eq!(e[0].pointer, "/rate_per_sec", "{rate}");
+                        assert!(e[0].message.contains("[0.001, 10000]"), "{}", e[0].message);
+                    }
+                    other => panic!("rate {rate} was not refused: {other:?}"),
+                }
+            }
+        }
+        assert!(app.store.jobs().await.expect("jobs").is_empty());
+        let slowest = create_redrive(
+            &app,
+            RedriveRequest {
+                filter: FilterSpec::default(),
+                rate_per_sec: MIN_RATE,
+                all: true,
+            },
+        )
+        .await;
+        assert!(slowest.is_ok(), "{slowest:?}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -311,9 +311,10 @@ pub trait Store: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<(u64, RedriveGone), StoreError>>;
 
     /// Adds replayed deliveries and the job's new progress atomically, if the job is still at
-    /// `job.rev` (as [`Store::redrive_step`]); returns the job's new revision and the copies
-    /// that went to the DLQ instead (their queue at its depth cap), which the stored job
-    /// counts as `failed` on top of `job.failed`.
+    /// `job.rev` (as [`Store::redrive_step`]); returns the job's new revision, the copies
+    /// that went to the DLQ instead (their queue at its depth cap) and the items whose event
+    /// was gone, which the stored job counts as [`ReplayStepped::apply`] says (`job` counts
+    /// every item as moved).
     fn replay_step(
         &self,
         job: Job,
@@ -332,13 +333,16 @@ pub trait Store: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Vec<SummaryRow>, StoreError>>;
 
     /// Archived (not quarantined) events accepted in [`from`, `to`), sequence after
-    /// `after_seq`, at most `limit`.
+    /// `after_seq`, in sequence order: at most `limit`, and no more than fit in `max_bytes`
+    /// of stored event records (always the first one, however large), so that what a caller
+    /// holds is bounded whatever the events' size.
     fn events_between(
         &self,
         from: Millis,
         to: Millis,
         after_seq: u64,
         limit: usize,
+        max_bytes: usize,
     ) -> BoxFuture<'_, Result<Vec<StoredEvent>, StoreError>>;
 
     /// How many archived (not quarantined) events were accepted in [`from`, `to`): a replay's

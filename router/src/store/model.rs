@@ -412,9 +412,44 @@ pub struct DlqEntry {
     /// also for entries stored before the field existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ordering_key: Option<String>,
+    /// Why the last redrive that reached the entry left it here. Kept apart from `errors`: a
+    /// refusal written over them lost the failure the operator needs to fix.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_redriven: Option<NotRedriven>,
+}
+
+/// A redrive's refusal to move a DLQ entry ([`DlqEntry::not_redriven`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NotRedriven {
+    /// The redrive job.
+    pub job: String,
+    /// When.
+    pub at: Millis,
+    /// Why (`not redriven: target X is no longer in the rules`, ...).
+    pub message: String,
 }
 
 impl DlqEntry {
+    /// What redrive job `job`'s `Keep` at `at` does to the entry: records why it stays, and
+    /// takes a re-check's `errors` in place of its own. The redrive count and the time of the
+    /// last failure stay: neither a redrive nor a new failure happened.
+    pub fn kept_by_redrive(
+        &mut self,
+        job: &str,
+        at: Millis,
+        note: &str,
+        errors: Option<&Vec<FieldError>>,
+    ) {
+        if let Some(errors) = errors {
+            self.errors.clone_from(errors);
+        }
+        self.not_redriven = Some(NotRedriven {
+            job: job.to_owned(),
+            at,
+            message: note.to_owned(),
+        });
+    }
+
     /// The DLQ entry of an event stored as `seq` and dead-lettered at its acceptance `at`,
     /// before any attempt: quarantined (no `target`), or one target's copy refused by its
     /// queue's depth cap. `names` are the event's `id`, `source` and `type`. Its `id` is left 0
@@ -446,6 +481,7 @@ impl DlqEntry {
             redrive_count: 0,
             replay: None,
             ordering_key: target.and_then(|t| t.ordering_key.clone()),
+            not_redriven: None,
         }
     }
 
@@ -521,6 +557,7 @@ impl DlqEntry {
             redrive_count: e.redrive_count,
             replay: e.replay.clone(),
             ordering_key: e.ordering_key.clone(),
+            not_redriven: None,
         }
     }
 }
@@ -866,6 +903,16 @@ impl JobState {
     pub fn finished(self) -> bool {
         matches!(self, Self::Done | Self::Cancelled)
     }
+
+    /// The wire name (`running`, ...): its metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Running => "running",
+            Self::Paused => "paused",
+            Self::Cancelled => "cancelled",
+            Self::Done => "done",
+        }
+    }
 }
 
 /// State of a background job.
@@ -899,11 +946,28 @@ pub struct Job {
     pub total: u64,
     /// Items moved / replayed.
     pub moved: u64,
-    /// Items that could not be moved (e.g. still invalid against the current contract).
+    /// Items that could not be moved: a redrive's entries kept in the DLQ (e.g. still invalid
+    /// against the current contract); a replay's events one of whose copies a queue's depth
+    /// cap sent to the DLQ.
     pub failed: u64,
-    /// Items skipped (did not match the filter).
+    /// Items skipped: a replay's events that did not match its filter or any rule (or were
+    /// the router's own system events); a redrive's entries another job moved, or a purge
+    /// removed, before this one reached them.
     #[serde(default)]
     pub skipped: u64,
+    /// A replay's events that the archive sweep removed (past the archive's retention) before
+    /// the job reached them: counted when the job ends, as the part of `total` it never saw.
+    /// `moved`, `failed`, `skipped` and `expired` count distinct items.
+    #[serde(default)]
+    pub expired: u64,
+    /// What the operator should know about the job from its creation on (a replay whose range
+    /// starts before what the archive still holds).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
+    /// When a step last went through an item (moved, failed or skipped it): a running job
+    /// whose time stands still is stuck. `None` before its first item.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_item_at: Option<Millis>,
     /// Last DLQ id or event sequence processed.
     pub cursor: u64,
     /// Creation time.
@@ -974,12 +1038,17 @@ pub enum RedriveAction {
         /// Its fan-out under the current rules.
         targets: Vec<NewEntry>,
     },
-    /// Still failing: stays in the DLQ with refreshed errors.
+    /// Not redriven: stays in the DLQ, saying why in its `not_redriven`. Its errors (the
+    /// failure's own) stay, or are replaced by those a re-check found now; its redrive count
+    /// stays: it was not redriven.
     Keep {
         /// DLQ entry id.
         dlq_id: u64,
-        /// Why.
-        errors: Vec<FieldError>,
+        /// Why it was not redriven.
+        note: String,
+        /// The errors a re-check found now (a quarantined event against the current
+        /// contracts), in place of the entry's; `None` keeps the entry's.
+        errors: Option<Vec<FieldError>>,
     },
 }
 
@@ -1010,8 +1079,30 @@ pub struct ReplayStepped {
     pub rev: u64,
     /// The copies that went to the DLQ as `target_overflow` instead of their queue (at its
     /// depth cap), as (archived event's sequence, target id): new dead letters to count and
-    /// announce like any other. The stored job counts them as `failed`.
+    /// announce like any other. The stored job counts their events as `failed`
+    /// ([`ReplayStepped::apply`]).
     pub overflowed: Vec<(u64, String)>,
+    /// The items whose event the archive sweep removed between the step's read and its
+    /// commit: nothing was replayed for them.
+    pub gone: Vec<u64>,
+}
+
+impl ReplayStepped {
+    /// `job`'s progress, counted by the caller with every item of the step as moved, with
+    /// this step's outcome: an event one of whose copies a queue refused is `failed` instead
+    /// (counted once, however many of its copies were refused: the counters count events,
+    /// and add up to at most `total`); one whose event was gone is not counted, so that it
+    /// is `expired` when the job ends.
+    pub fn apply(&self, job: &mut Job) {
+        let failed = self
+            .overflowed
+            .iter()
+            .map(|(seq, _)| *seq)
+            .collect::<std::collections::BTreeSet<_>>()
+            .len() as u64;
+        job.moved = job.moved.saturating_sub(failed + self.gone.len() as u64);
+        job.failed += failed;
+    }
 }
 
 /// One row of the DLQ summary: a (target, reason) group with a histogram over time.

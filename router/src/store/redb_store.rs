@@ -1418,9 +1418,17 @@ impl RedbStore {
         to: Millis,
         after_seq: u64,
         limit: usize,
+        max_bytes: usize,
     ) -> Result<Vec<StoredEvent>, StoreError> {
         let mut out = Vec::new();
-        self.scan_archived(from, to, after_seq, |ev| {
+        let mut bytes = 0usize;
+        self.scan_archived_sized(from, to, after_seq, |ev, size| {
+            // The event past the budget is not taken (the next page starts with it), unless
+            // it is the first: a page always moves the caller on.
+            if !out.is_empty() && bytes.saturating_add(size) > max_bytes {
+                return false;
+            }
+            bytes = bytes.saturating_add(size);
             out.push(ev);
             out.len() < limit
         })?;
@@ -1448,6 +1456,17 @@ impl RedbStore {
         after_seq: u64,
         mut visit: impl FnMut(StoredEvent) -> bool,
     ) -> Result<(), StoreError> {
+        self.scan_archived_sized(from, to, after_seq, |ev, _| visit(ev))
+    }
+
+    /// [`Self::scan_archived`], with each event's stored size in bytes.
+    fn scan_archived_sized(
+        &self,
+        from: Millis,
+        to: Millis,
+        after_seq: u64,
+        mut visit: impl FnMut(StoredEvent, usize) -> bool,
+    ) -> Result<(), StoreError> {
         let db = self.read_db();
         let r = db.begin_read()?;
         let t = r.open_table(EVENTS)?;
@@ -1455,11 +1474,13 @@ impl RedbStore {
             .max(after_seq.saturating_add(1));
         for row in t.range(start..)? {
             let (k, v) = row?;
+            let size = v.value().len();
             let ev = dec_event(k.value(), v.value())?;
             if ev.accepted_at >= to.saturating_add(ACCEPT_SLACK_MS) {
                 break;
             }
-            if ev.accepted_at >= from && ev.accepted_at < to && !ev.quarantined && !visit(ev) {
+            if ev.accepted_at >= from && ev.accepted_at < to && !ev.quarantined && !visit(ev, size)
+            {
                 break;
             }
         }
@@ -1958,9 +1979,12 @@ impl Store for RedbStore {
         to: Millis,
         after_seq: u64,
         limit: usize,
+        max_bytes: usize,
     ) -> BoxFuture<'_, Result<Vec<StoredEvent>, StoreError>> {
-        async move { off_reactor(|| RedbStore::events_between(self, from, to, after_seq, limit)) }
-            .boxed()
+        async move {
+            off_reactor(|| RedbStore::events_between(self, from, to, after_seq, limit, max_bytes))
+        }
+        .boxed()
     }
 
     fn count_events_between(
@@ -4273,15 +4297,18 @@ impl Committer {
                         self.insert_entry(txn, &entry, effects)?;
                     }
                 }
-                RedriveAction::Keep { dlq_id, errors } => {
+                RedriveAction::Keep {
+                    dlq_id,
+                    note,
+                    errors,
+                } => {
                     let mut t = txn.open_table(DLQ)?;
                     let raw = t.get(dlq_id)?.map(|v| v.value().to_vec());
                     if let Some(raw) = raw {
                         let mut d: DlqEntry = dec("dlq", &raw)?;
                         // Not a new failure: the time of the last one stays (the summary's
                         // histogram and `until` filters go by it).
-                        d.errors = errors;
-                        d.redrive_count += 1;
+                        d.kept_by_redrive(&job.id, now, &note, errors.as_ref());
                         t.insert(dlq_id, enc(&d).as_slice())?;
                     }
                 }
@@ -4302,12 +4329,16 @@ impl Committer {
     ) -> Result<ReplayStepped, StoreError> {
         check_job_rev(txn, job)?;
         let mut overflowed = Vec::new();
+        let mut gone = Vec::new();
         for item in items {
             let raw = txn
                 .open_table(EVENTS)?
                 .get(item.seq)?
                 .map(|v| v.value().to_vec());
-            let Some(raw) = raw else { continue };
+            let Some(raw) = raw else {
+                gone.push(item.seq);
+                continue;
+            };
             let ev = dec_event(item.seq, &raw)?;
             let first = self.next_idx(txn, item.seq)?;
             for (idx, t) in (first..).zip(item.targets) {
@@ -4340,14 +4371,15 @@ impl Committer {
                 self.insert_entry(txn, &entry, effects)?;
             }
         }
-        let job = Job {
-            failed: job.failed + overflowed.len() as u64,
-            ..job.clone()
-        };
-        Ok(ReplayStepped {
-            rev: write_job(txn, &job)?,
+        let mut stepped = ReplayStepped {
+            rev: 0,
             overflowed,
-        })
+            gone,
+        };
+        let mut job = job.clone();
+        stepped.apply(&mut job);
+        stepped.rev = write_job(txn, &job)?;
+        Ok(stepped)
     }
 
     /// Moves waiting (not leased) entries to the DLQ without an attempt.
@@ -4396,6 +4428,7 @@ impl Committer {
                 redrive_count: e.redrive_count,
                 replay: e.replay.clone(),
                 ordering_key: e.ordering_key.clone(),
+                not_redriven: None,
             };
             self.add_dlq(txn, d, effects)?;
             if id.event < self.floor {

@@ -152,10 +152,9 @@ impl JetStreamStore {
                             writes.push(Write::put(entry_key(id), enc(&r), Expect::Revision(0)));
                         }
                     }
-                    RedriveAction::Keep { errors, .. } => {
+                    RedriveAction::Keep { note, errors, .. } => {
                         // Not a new failure: the time of the last one stays.
-                        d.errors = errors.clone();
-                        d.redrive_count += 1;
+                        d.kept_by_redrive(&job.id, now, note, errors.as_ref());
                         writes.push(Write::put(dlq_key(dlq_id), enc(&d), Expect::Revision(drev)));
                     }
                 }
@@ -226,10 +225,13 @@ impl JetStreamStore {
             let mut events: HashMap<u64, (EventRecord, u64)> = HashMap::new();
             // Entries this step adds per capped target, beside those the view holds.
             let mut added: HashMap<String, u64> = HashMap::new();
-            // Copies that go to the DLQ instead: the job counts them as failed.
+            // Copies that go to the DLQ instead: the job counts their events as failed.
             let mut overflowed = Vec::new();
+            // Events the sweep removed since the step read them: nothing to replay.
+            let mut gone = Vec::new();
             for item in &items {
                 let Some((ev, _)) = self.event_for(&mut events, item.seq).await? else {
+                    gone.push(item.seq);
                     continue;
                 };
                 let stored = &ev.stored.event;
@@ -272,18 +274,18 @@ impl JetStreamStore {
                     writes.push(Write::put(entry_key(id), enc(&r), Expect::Revision(0)));
                 }
             }
-            if !overflowed.is_empty() {
-                let counted = Job {
-                    failed: job.failed + overflowed.len() as u64,
-                    ..job.clone()
-                };
+            let stepped = ReplayStepped {
+                rev: job.rev + 1,
+                overflowed,
+                gone,
+            };
+            if !stepped.overflowed.is_empty() || !stepped.gone.is_empty() {
+                let mut counted = job.clone();
+                stepped.apply(&mut counted);
                 writes[0] = self.job_write(&counted, attempt > 0).await?;
             }
             if self.commit_step(writes, events).await? {
-                return Ok(ReplayStepped {
-                    rev: job.rev + 1,
-                    overflowed,
-                });
+                return Ok(stepped);
             }
         }
         Err(StoreError::Backend(
@@ -303,35 +305,43 @@ impl JetStreamStore {
         to: Millis,
         after_seq: u64,
         limit: usize,
+        max_bytes: usize,
     ) -> Result<Vec<StoredEvent>, StoreError> {
-        // The `limit` lowest sequences seen: a step holds a page, not the whole range.
-        let mut found: std::collections::BTreeMap<u64, StoredEvent> = Default::default();
-        self.scan_archived(from, to, |ev| {
+        // The lowest sequences seen that fit in `limit` and `max_bytes` (at least one): a step
+        // holds a page, not the whole range. Sequences arrive out of order, so a lower one
+        // seen later pushes the highest kept out.
+        let mut found: std::collections::BTreeMap<u64, (StoredEvent, usize)> = Default::default();
+        let mut bytes = 0usize;
+        self.scan_archived(from, to, |ev, size| {
             if ev.seq > after_seq {
-                found.insert(ev.seq, ev);
-                if found.len() > limit {
-                    found.pop_last();
+                bytes = bytes.saturating_add(size);
+                found.insert(ev.seq, (ev, size));
+                while found.len() > limit || (found.len() > 1 && bytes > max_bytes) {
+                    if let Some((_, (_, s))) = found.pop_last() {
+                        bytes = bytes.saturating_sub(s);
+                    }
                 }
             }
         })
         .await?;
-        Ok(found.into_values().collect())
+        Ok(found.into_values().map(|(ev, _)| ev).collect())
     }
 
     /// See [`crate::store::Store::count_events_between`]: one read of the stream from `from`.
     pub async fn count_events_between(&self, from: Millis, to: Millis) -> Result<u64, StoreError> {
         let mut n = 0;
-        self.scan_archived(from, to, |_| n += 1).await?;
+        self.scan_archived(from, to, |_, _| n += 1).await?;
         Ok(n)
     }
 
-    /// Visits each archived (not quarantined) event accepted in [`from`, `to`), reading the
-    /// event records written from a minute before `from` to the stream's end.
+    /// Visits each archived (not quarantined) event accepted in [`from`, `to`), with the size
+    /// of its record, reading the event records written from a minute before `from` to the
+    /// stream's end.
     async fn scan_archived(
         &self,
         from: Millis,
         to: Millis,
-        mut visit: impl FnMut(StoredEvent),
+        mut visit: impl FnMut(StoredEvent, usize),
     ) -> Result<(), StoreError> {
         let mut bad = None;
         // Clocks of nodes and server differ a little; a minute of slack costs a few records.
@@ -354,7 +364,7 @@ impl JetStreamStore {
                             ev.stored.seq = seq;
                             let at = ev.stored.accepted_at;
                             if !ev.stored.quarantined && at >= from && at < to {
-                                visit(ev.stored);
+                                visit(ev.stored, bytes.len());
                             }
                             true
                         }

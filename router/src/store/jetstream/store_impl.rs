@@ -185,8 +185,9 @@ impl Store for JetStreamStore {
         to: Millis,
         after_seq: u64,
         limit: usize,
+        max_bytes: usize,
     ) -> BoxFuture<'_, Result<Vec<StoredEvent>, StoreError>> {
-        JetStreamStore::events_between(self, from, to, after_seq, limit).boxed()
+        JetStreamStore::events_between(self, from, to, after_seq, limit, max_bytes).boxed()
     }
 
     fn count_events_between(

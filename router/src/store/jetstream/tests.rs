@@ -1438,6 +1438,9 @@ async fn target_states_saved_targets_and_jobs_keep_the_last_write() {
         moved: 0,
         failed: 0,
         skipped: 0,
+        expired: 0,
+        warnings: Vec::new(),
+        last_item_at: None,
         cursor: 0,
         created_at: 1_000,
         updated_at: 1_000,
@@ -1891,10 +1894,11 @@ async fn a_redrive_step_requeues_routes_and_keeps() {
             },
             RedriveAction::Keep {
                 dlq_id: q2,
-                errors: vec![FieldError {
+                note: "not redriven: its data still fails the current contract".into(),
+                errors: Some(vec![FieldError {
                     pointer: "/data".into(),
                     message: "still bad".into(),
-                }],
+                }]),
             },
         ],
         2_000,
@@ -1914,8 +1918,12 @@ async fn a_redrive_step_requeues_routes_and_keeps() {
     assert!(routed.dlq.is_empty(), "its DLQ entry is gone");
     let kept = s.dlq_get(q2).await.expect("get").expect("kept").0;
     assert_eq!(kept.errors[0].message, "still bad");
-    // A redrive that keeps it is not a new failure.
-    assert_eq!((kept.redrive_count, kept.last_failure_at), (1, 1_000));
+    assert_eq!(
+        kept.not_redriven.as_ref().map(|n| (n.job.as_str(), n.at)),
+        Some(("redrive-1", 2_000))
+    );
+    // A redrive that keeps it is not a new failure, nor a redrive.
+    assert_eq!((kept.redrive_count, kept.last_failure_at), (0, 1_000));
 }
 
 /// Replay re-routes archived events with their own idempotency keys and the job's marker;
@@ -1935,7 +1943,7 @@ async fn a_replay_step_adds_marked_deliveries_of_archived_events() {
         .expect("accept");
     let seqs: Vec<u64> = out.iter().map(seq_of).collect();
     let page = s
-        .events_between(now + 1, now + 4, 0, 2)
+        .events_between(now + 1, now + 4, 0, 2, usize::MAX)
         .await
         .expect("archive");
     assert_eq!(
@@ -1943,7 +1951,7 @@ async fn a_replay_step_adds_marked_deliveries_of_archived_events() {
         vec!["p1", "p2"]
     );
     let rest = s
-        .events_between(now + 1, now + 4, page[1].seq, 10)
+        .events_between(now + 1, now + 4, page[1].seq, 10, usize::MAX)
         .await
         .expect("archive");
     assert_eq!(rest.len(), 1);
@@ -1974,10 +1982,13 @@ async fn a_replay_step_adds_marked_deliveries_of_archived_events() {
     s.settled().await;
     let mut capped = new_event("/p", "x", &["a"], 0).targets;
     capped[0].max_depth = Some(7);
+    // The caller counts every item as moved; the third item's event is gone (swept since
+    // the step read it).
     let stepped = s
         .replay_step(
             Job {
                 rev: 1,
+                moved: 4,
                 ..job("replay-1", JobKind::Replay)
             },
             vec![
@@ -1987,6 +1998,10 @@ async fn a_replay_step_adds_marked_deliveries_of_archived_events() {
                 },
                 ReplayItem {
                     seq: seqs[2],
+                    targets: capped.clone(),
+                },
+                ReplayItem {
+                    seq: seqs[4] + 1000,
                     targets: capped,
                 },
             ],
@@ -1999,11 +2014,66 @@ async fn a_replay_step_adds_marked_deliveries_of_archived_events() {
         [(seqs[2], "a".to_owned())],
         "the step says which copy overflowed (it is counted and announced)"
     );
+    assert_eq!(stepped.gone, [seqs[4] + 1000]);
+    // Its event counts as failed, not as moved too; the gone one as neither (the job counts
+    // it as expired when it ends).
+    let stored = s.job("replay-1").await.expect("job").expect("stored");
+    assert_eq!((stored.moved, stored.failed), (2, 1), "{stored:?}");
     s.settled().await;
     let fate = s.fate("/p", "p2").await.expect("fate").expect("known");
     assert_eq!(fate.entries.len(), 1, "the second copy overflowed");
     assert_eq!(fate.dlq.len(), 1);
     assert_eq!(fate.dlq[0].reason, DlqReason::TargetOverflow);
+}
+
+/// A page of the archive (a replay step's read) holds no more than its byte budget, and at
+/// least one event whatever its size: a step held up to 1000 whole events, however large.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_of_the_archive_holds_no_more_than_its_byte_budget() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let now = chrono::Utc::now().timestamp_millis();
+    let big = "x".repeat(10_000);
+    let events = (0..5)
+        .map(|i| {
+            let mut ne = new_event("/b", &format!("b{i}"), &["a"], now + i);
+            ne.event = serde_json::from_value(
+                json!({"id": format!("b{i}"), "source": "/b", "type": "t", "data": {"s": big}}),
+            )
+            .expect("event");
+            ne
+        })
+        .collect();
+    s.accept(events).await.expect("accept");
+    let page = |after: u64, max_bytes: usize| {
+        let s = &s;
+        async move {
+            s.events_between(now, now + 5, after, 100, max_bytes)
+                .await
+                .expect("archive")
+                .into_iter()
+                .map(|e| (e.seq, e.event.id))
+                .collect::<Vec<_>>()
+        }
+    };
+    // Each record holds a little more than 10 KB: two fit in 25 KB, three do not.
+    let first = page(0, 25_000).await;
+    assert_eq!(
+        first.iter().map(|(_, id)| id.as_str()).collect::<Vec<_>>(),
+        ["b0", "b1"]
+    );
+    let next = page(first[1].0, 25_000).await;
+    assert_eq!(
+        next.iter().map(|(_, id)| id.as_str()).collect::<Vec<_>>(),
+        ["b2", "b3"]
+    );
+    let one = page(0, 0).await;
+    assert_eq!(
+        one.iter().map(|(_, id)| id.as_str()).collect::<Vec<_>>(),
+        ["b0"],
+        "the first event is always taken"
+    );
+    assert_eq!(page(0, usize::MAX).await.len(), 5);
 }
 
 /// The sweep removes events past retention that nothing refers to (with their entries and

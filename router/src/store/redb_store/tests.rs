@@ -2850,8 +2850,10 @@ async fn a_replay_past_a_targets_depth_cap_overflows_to_the_dlq() {
     }
     let j = job("replay-1", JobKind::Replay);
     let rev = s.put_job(j.clone()).await.expect("create");
+    // The third item's event is gone (swept since the step read it).
     let items = seqs
         .iter()
+        .chain(&[seqs[2] + 1000])
         .map(|&seq| ReplayItem {
             seq,
             targets: vec![NewEntry {
@@ -2863,24 +2865,22 @@ async fn a_replay_past_a_targets_depth_cap_overflows_to_the_dlq() {
             }],
         })
         .collect();
+    // The caller counts every item as moved.
     let stepped = s
-        .replay_step(Job { rev, ..j }, items, 2000)
+        .replay_step(Job { rev, moved: 4, ..j }, items, 2000)
         .await
         .expect("step");
     // Three accepted, one replayed copy fits under the cap of four, two overflow: the job
-    // counts them as failed, and the step says which (they are counted and announced).
+    // counts their events as failed, not moved too ("4/4 moved, 2 failed"), and the step
+    // says which (they are counted and announced). The gone one is neither: the job counts
+    // it as expired when it ends.
     assert_eq!(
         stepped.overflowed,
         [(seqs[1], "a".to_owned()), (seqs[2], "a".to_owned())]
     );
-    assert_eq!(
-        s.job("replay-1")
-            .await
-            .expect("job")
-            .expect("stored")
-            .failed,
-        2
-    );
+    assert_eq!(stepped.gone, [seqs[2] + 1000]);
+    let stored = s.job("replay-1").await.expect("job").expect("stored");
+    assert_eq!((stored.moved, stored.failed), (1, 2), "{stored:?}");
     let stats = &s.queue_stats()["a"];
     assert_eq!((stats.queued, stats.dlq), (4, 2), "{stats:?}");
     let overflowed = s.fate("/s", "e2").expect("fate").expect("known").dlq;
@@ -2952,7 +2952,9 @@ async fn the_archive_is_read_from_the_start_of_a_replays_range() {
     let mut got = Vec::new();
     let mut after = 0;
     loop {
-        let page = s.events_between(from, to, after, 4).expect("page");
+        let page = s
+            .events_between(from, to, after, 4, usize::MAX)
+            .expect("page");
         let Some(last) = page.last() else { break };
         after = last.seq;
         got.extend(page.iter().map(|e| e.event.id.clone()));
@@ -2962,6 +2964,22 @@ async fn the_archive_is_read_from_the_start_of_a_replays_range() {
         s.count_events_between(from, to).expect("count"),
         want.len() as u64
     );
+    // A page holds no more than its byte budget, and at least one event whatever its size.
+    let all = s.events_between(from, to, 0, 100, usize::MAX).expect("all");
+    let record = |seq: u64| {
+        let db = s.read_db();
+        let r = db.begin_read().expect("read");
+        let t = r.open_table(EVENTS).expect("events");
+        t.get(seq).expect("get").expect("there").value().len()
+    };
+    let two = record(all[0].seq) + record(all[1].seq);
+    let page = s.events_between(from, to, 0, 100, two).expect("page");
+    assert_eq!(page.len(), 2, "two events fit in their own bytes");
+    let page = s.events_between(from, to, 0, 100, two - 1).expect("page");
+    assert_eq!(page.len(), 1, "the second does not fit");
+    let page = s.events_between(from, to, 0, 100, 0).expect("page");
+    assert_eq!(page.len(), 1, "the first is always taken");
+    assert_eq!(page[0].seq, all[0].seq);
     // The bisection lands on the first event at or after its time, wherever that is.
     let db = s.read_db();
     let r = db.begin_read().expect("read");
