@@ -1668,3 +1668,93 @@ async fn head_is_answered_as_get() {
         assert_eq!(head, get, "HEAD {path}");
     }
 }
+
+/// A router with a `dlq:*` token ("teams") beside `auth_config`'s, and one quarantined event
+/// (a dead letter without a target): the router and that dead letter's id.
+async fn with_a_dead_letter_without_a_target() -> (RouterProc, String) {
+    let rules = webhook_rule("orders", "order.paid", "http://127.0.0.1:9/erp", "erp");
+    let strict = r#"{"type": "object", "required": ["id"]}"#;
+    let config = format!(
+        "{}\n{}",
+        auth_config(),
+        tokens_config(&[("teams-token", Some("teams"), "dlq:*")])
+    );
+    let r = RouterProc::start_full(
+        &[("r.yaml", &rules)],
+        &[("order.paid/v1.json", strict)],
+        &[],
+        Some(&config),
+    );
+    let ev = event("q1", "order.paid", json!({"name": "no id"}));
+    let (s, b) = call(&r, "POST", "/v1/events", Some("ops-token"), Some(ev)).await;
+    assert_eq!(
+        (s, &b["results"][0]["status"]),
+        (202, &json!("quarantined")),
+        "{b}"
+    );
+    let (s, l) = call(&r, "GET", "/v1/dlq?target=none", Some("viewer-token"), None).await;
+    assert_eq!(s, 200, "{l}");
+    let id = l["entries"][0]["id"]
+        .as_str()
+        .expect("the dead letter")
+        .to_string();
+    (r, id)
+}
+
+/// The dead letters without a target are `read`/`admin` only (docs/configuration.md): a
+/// redrive over them (`target: none`) is an administrator's job that no `dlq:` glob reaches,
+/// not even `dlq:*` (which matches the name "none"). Before, a `dlq:*` token listed, read,
+/// paused and cancelled it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_over_the_dead_letters_without_a_target_is_no_teams() {
+    let (r, _) = with_a_dead_letter_without_a_target().await;
+    let body = json!({"filter": {"target": "none"}, "rate_per_sec": 1});
+    let (s, _) = call(
+        &r,
+        "POST",
+        "/v1/dlq/redrive",
+        Some("teams-token"),
+        Some(body.clone()),
+    )
+    .await;
+    assert_eq!(s, 403, "a team cannot start it");
+    let (s, job) = call(&r, "POST", "/v1/dlq/redrive", Some("ops-token"), Some(body)).await;
+    assert_eq!(s, 201, "{job}");
+    let path = format!("/v1/dlq/redrive/{}", job["id"].as_str().expect("job id"));
+    let (s, missing) = call(
+        &r,
+        "GET",
+        "/v1/dlq/redrive/redrive-999",
+        Some("teams-token"),
+        None,
+    )
+    .await;
+    assert_eq!(s, 403, "{missing}");
+    let (s, b) = call(&r, "GET", &path, Some("teams-token"), None).await;
+    assert_eq!(
+        (s, &b),
+        (403, &missing),
+        "the same 403 as a job that does not exist"
+    );
+    let (s, b) = call(&r, "GET", "/v1/dlq/redrive", Some("teams-token"), None).await;
+    assert_eq!((s, &b["jobs"]), (200, &json!([])), "{b}");
+    for action in ["pause", "cancel"] {
+        let control = |to: String| {
+            let r = &r;
+            async move { call(r, "POST", &to, Some("teams-token"), None).await }
+        };
+        let missing = control(format!("/v1/dlq/redrive/redrive-999/{action}")).await;
+        assert_eq!(missing.0, 403, "{}", missing.1);
+        let b = control(format!("{path}/{action}")).await;
+        assert_eq!(
+            b, missing,
+            "{action}: the same 403 as a job that does not exist"
+        );
+    }
+    let (s, b) = call(&r, "GET", &path, Some("viewer-token"), None).await;
+    assert_eq!(s, 200, "{b}");
+    assert!(
+        !matches!(b["state"].as_str(), Some("paused" | "cancelled")),
+        "a refused control changed the job: {b}"
+    );
+}

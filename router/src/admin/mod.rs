@@ -1285,11 +1285,21 @@ fn job_visible(who: &crate::auth::Principal, j: &crate::store::Job) -> bool {
 }
 
 /// Whether job `j` is a redrive over a target `who`'s `dlq:` scope covers: the jobs a team
-/// may start, read and control without `read` or `admin`.
+/// may start, read and control without `read` or `admin`. A redrive without a target filter,
+/// or over the dead letters without a target, is no team's (see [`team_covers_target`]).
 fn team_owns_job(who: &crate::auth::Principal, j: &crate::store::Job) -> bool {
-    let target = j.spec["filter"]["target"].as_str();
     j.kind == crate::store::JobKind::Redrive
-        && target.is_some_and(|t| who.allows(&crate::auth::Scope::Dlq(t.to_string())))
+        && team_covers_target(who, j.spec["filter"]["target"].as_str())
+}
+
+/// Whether `who`'s `dlq:` scopes cover the dead letters of `target`. `None` (no target filter,
+/// or a dead letter without a target) and [`crate::store::NO_TARGET`] never are: those are
+/// every producer's quarantined events, `read`/`admin` only, and a `dlq:*` glob would
+/// otherwise match the name "none" or the empty string.
+fn team_covers_target(who: &crate::auth::Principal, target: Option<&str>) -> bool {
+    target.is_some_and(|t| {
+        t != crate::store::NO_TARGET && who.allows(&crate::auth::Scope::Dlq(t.to_string()))
+    })
 }
 
 /// The 403 for a job read by a token with neither `read` nor any `dlq:` scope.
@@ -1561,6 +1571,22 @@ mod tests {
         assert!(dlq_read_scope(&who(&["read"]), none).is_ok());
         assert!(dlq_write_scope(&who(&["read"]), none).is_err());
         assert!(dlq_write_scope(&who(&["admin"]), none).is_ok());
+    }
+
+    /// A redrive over the dead letters without a target, or with no target filter, is no
+    /// team's: a `dlq:*` token neither sees nor controls it (its glob matches "none").
+    #[test]
+    fn a_redrive_over_no_target_is_no_teams_job() {
+        let any_team = Principal::with_scopes(&["dlq:*"]);
+        assert!(team_owns_job(&any_team, &redrive("redrive-1", "erp", 10)));
+        let none = redrive("redrive-2", crate::store::NO_TARGET, 20);
+        assert!(!team_owns_job(&any_team, &none));
+        assert!(!job_visible(&any_team, &none));
+        let mut unfiltered = crate::store::test_events::job("redrive-3", JobKind::Redrive);
+        unfiltered.spec = json!({ "filter": { "reason": "contract_violation" } });
+        assert!(!team_owns_job(&any_team, &unfiltered));
+        assert!(job_visible(&Principal::with_scopes(&["read"]), &none));
+        assert!(!team_owns_job(&Principal::with_scopes(&["dlq:no*"]), &none));
     }
 
     /// A job id is a cursor only for a caller who may see that job: another team's answers as a
