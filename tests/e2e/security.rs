@@ -1758,3 +1758,35 @@ async fn a_redrive_over_the_dead_letters_without_a_target_is_no_teams() {
         "a refused control changed the job: {b}"
     );
 }
+
+/// A dead letter without a target (a quarantined event, with its full event) is not a
+/// team's to read by id either: `dlq:*` gets the 403 of another team's entry or of an id that
+/// does not exist, as its list with `target=none` is refused. Before, `dlq:*` read every one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_without_a_target_is_not_a_teams_to_show() {
+    let (r, id) = with_a_dead_letter_without_a_target().await;
+    let (s, missing) = call(&r, "GET", "/v1/dlq/999999", Some("teams-token"), None).await;
+    assert_eq!(s, 403, "{missing}");
+    let (s, b) = call(
+        &r,
+        "GET",
+        &format!("/v1/dlq/{id}"),
+        Some("teams-token"),
+        None,
+    )
+    .await;
+    assert_eq!(
+        (s, &b),
+        (403, &missing),
+        "the same 403 as an id that does not exist"
+    );
+    let (s, b) = call(
+        &r,
+        "GET",
+        &format!("/v1/dlq/{id}"),
+        Some("viewer-token"),
+        None,
+    )
+    .await;
+    assert_eq!((s, &b["event"]["id"]), (200, &json!("q1")), "{b}");
+}

@@ -304,10 +304,9 @@ pub async fn dlq_show(
     let not_yours = || crate::auth::forbidden(&who, "read (or dlq:<target> of the entry's target)");
     match app.store.dlq_get(n).await {
         Ok(Some((d, ev))) => {
-            // A quarantined entry has no target: a `dlq:` glob matching "" (`dlq:*`) reads it.
-            let target = d.target_id.as_deref().unwrap_or("");
-            let own = who.allows(&crate::auth::Scope::Dlq(target.to_string()));
-            if !(reads_all || own) {
+            // An entry without a target (a quarantined event) is no team's: the same 403 as
+            // another team's entry, as `GET /v1/dlq?target=none` answers.
+            if !(reads_all || team_covers_target(&who, d.target_id.as_deref())) {
                 return not_yours();
             }
             let mut v = dlq_json(&d);
