@@ -183,12 +183,7 @@ async fn handle(
                 .ingest_events
                 .get_or_create(&vec![("status", "rejected".to_string())])
                 .inc();
-            let summary = match e.status.as_u16() {
-                413 => "request too large",
-                415 => "unsupported content type",
-                _ => "invalid CloudEvent",
-            };
-            return error_response(e.status, summary, e.errors);
+            return error_response(e.status, e.summary, e.errors);
         }
     };
     if events.is_empty() {
