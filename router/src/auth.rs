@@ -303,6 +303,16 @@ impl Tokens {
                     "team must not be empty (leave it out to use the token's name)".into(),
                 ));
             }
+            // A rate of zero or less (or NaN) is no rate: the limiter let a first request
+            // through and answered the next ones 429 with a Retry-After of 1000000 s (11
+            // days). An infinite one built no limiter at all.
+            if let Some(rate) = t.rate_per_sec
+                && !(rate.is_finite() && rate > 0.0)
+            {
+                return Err(err(format!(
+                    "rate_per_sec = {rate} is not a rate: give a number of events per second above 0, or leave it out for no limit"
+                )));
+            }
             let bytes =
                 hex::decode(&t.sha256).map_err(|e| err(format!("sha256 is not hex: {e}")))?;
             let hash: [u8; 32] = bytes
@@ -660,6 +670,32 @@ mod tests {
             "handlers:*",
         ] {
             assert!(load(fine).is_ok(), "{fine}");
+        }
+    }
+
+    /// A rate that is not a positive finite number is refused at load, naming the token: a
+    /// zero, negative or NaN rate locked the token out after its first request (Retry-After
+    /// 1000000), an infinite one set no limit.
+    #[test]
+    fn a_rate_that_admits_nothing_is_refused_at_load() {
+        let load = |rate: f64| {
+            Tokens::new(&[TokenConfig {
+                name: "shop".into(),
+                sha256: "a".repeat(64),
+                scopes: vec!["ingest:*".into()],
+                rate_per_sec: Some(rate),
+                team: None,
+            }])
+        };
+        for rate in [0.0, -0.0, -5.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            let e = load(rate).expect_err(&rate.to_string()).to_string();
+            assert!(
+                e.contains("auth.tokens[0] (shop)") && e.contains("rate_per_sec"),
+                "{rate}: {e}"
+            );
+        }
+        for rate in [0.001, 1.0, 500.0, 1e9] {
+            assert!(load(rate).is_ok(), "{rate}");
         }
     }
 

@@ -1534,6 +1534,9 @@ fn serve_exit_output(config: &str) -> Option<String> {
     let dir = tempfile::tempdir().expect("tmp");
     let path = dir.path().join("router.toml");
     std::fs::write(&path, config).expect("write config");
+    // The rules directory exists, so that a config the router takes starts it (a missing
+    // directory would stop it too, for another reason).
+    std::fs::create_dir_all(dir.path().join("rules")).expect("rules dir");
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_router"))
         .args(["serve", "--listen", "127.0.0.1:0", "--config"])
         .arg(&path)
@@ -1584,6 +1587,25 @@ fn a_scope_typo_stops_the_router_at_start() {
         assert!(err.contains("auth.tokens[0] (shop)"), "{scope}: {err}");
         assert!(err.contains(&format!("{scope:?}")), "{scope}: {err}");
         assert!(err.contains(why), "{scope}: {err}");
+    }
+}
+
+/// A token's `rate_per_sec` that is not a positive number stops the router at start, naming
+/// the token: before, 0, a negative rate or NaN was taken, and the token's requests after its
+/// first were answered 429 with a Retry-After of 1000000 s; `inf` set no limit.
+#[test]
+fn a_rate_that_admits_nothing_stops_the_router_at_start() {
+    for rate in ["0", "-1", "nan", "inf"] {
+        let config = format!(
+            "[[auth.tokens]]\nname = \"shop\"\nsha256 = \"{}\"\nscopes = [\"ingest:*\"]\nrate_per_sec = {rate}\n",
+            token_sha256("shop-token")
+        );
+        let err = serve_exit_output(&config)
+            .unwrap_or_else(|| panic!("the router started with rate_per_sec = {rate}"));
+        assert!(
+            err.contains("auth.tokens[0] (shop)") && err.contains("rate_per_sec"),
+            "{rate}: {err}"
+        );
     }
 }
 
