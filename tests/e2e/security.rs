@@ -1812,3 +1812,110 @@ async fn a_dead_letter_without_a_target_is_not_a_teams_to_show() {
     .await;
     assert_eq!((s, &b["event"]["id"]), (200, &json!("q1")), "{b}");
 }
+
+/// A type or source outside the token's ingest scopes is refused pointing at that attribute
+/// of that event (`/type`, `/<index>/source`, `/ce-type`), as a reserved source is, with the
+/// message naming the token and the scope it lacks. Before, every such 403 pointed at
+/// `/authorization`, and a producer could not tell which element of a batch to fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_out_of_scope_event_is_refused_pointing_at_its_attribute() {
+    let auth = format!(
+        "{}{}",
+        auth_config(),
+        tokens_config(&[("eu-shop", None, "ingest-source:/shop/eu")])
+    );
+    let r = RouterProc::start_full(&[], &[], &[], Some(&auth));
+    let ev = |id: &str, ty: &str, source: &str| json!({"specversion": "1.0", "id": id, "source": source, "type": ty});
+    let post = |token: &'static str, headers: Vec<(&'static str, String)>, body: String| {
+        let url = r.url("/v1/events");
+        async move {
+            let mut rb = client().post(url).bearer_auth(token).body(body);
+            for (k, v) in headers {
+                rb = rb.header(k, v);
+            }
+            let resp = rb.send().await.expect("send");
+            let s = resp.status().as_u16();
+            (s, resp.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let ct = |ct: &str| vec![("content-type", ct.to_string())];
+    let binary = |ty: &str, source: &str| {
+        vec![
+            ("ce-specversion", "1.0".to_string()),
+            ("ce-id", "b-1".to_string()),
+            ("ce-type", ty.to_string()),
+            ("ce-source", source.to_string()),
+        ]
+    };
+    let cases = [
+        (
+            "shop-token",
+            ct("application/cloudevents+json"),
+            ev("s-1", "user.created", "/test").to_string(),
+            "/type",
+            "ingest:user.created",
+        ),
+        (
+            "shop-token",
+            ct("application/cloudevents-batch+json"),
+            json!([
+                ev("s-2", "order.paid", "/test"),
+                ev("s-3", "user.created", "/test")
+            ])
+            .to_string(),
+            "/1/type",
+            "ingest:user.created",
+        ),
+        (
+            "shop-token",
+            binary("user.created", "/test"),
+            String::new(),
+            "/ce-type",
+            "ingest:user.created",
+        ),
+        (
+            "eu-shop",
+            ct("application/cloudevents+json"),
+            ev("s-4", "order.paid", "/shop/us").to_string(),
+            "/source",
+            "ingest-source:/shop/us",
+        ),
+        (
+            "eu-shop",
+            ct("application/json"),
+            json!([
+                ev("s-5", "order.paid", "/shop/eu"),
+                ev("s-6", "order.paid", "/shop/us")
+            ])
+            .to_string(),
+            "/1/source",
+            "ingest-source:/shop/us",
+        ),
+        (
+            "eu-shop",
+            binary("order.paid", "/shop/us"),
+            String::new(),
+            "/ce-source",
+            "ingest-source:/shop/us",
+        ),
+    ];
+    for (token, headers, body, pointer, scope) in cases {
+        let name = token.trim_end_matches("-token");
+        let (s, b) = post(token, headers, body).await;
+        assert_eq!(
+            (s, &b["errors"][0]["pointer"]),
+            (403, &json!(pointer)),
+            "{token} {pointer}: {b}"
+        );
+        let msg = b["errors"][0]["message"].as_str().unwrap_or_default();
+        assert!(
+            msg.contains(&format!("token {name:?} lacks scope {scope}")),
+            "{b}"
+        );
+    }
+    for (id, source) in [("s-2", "/test"), ("s-5", "/shop/eu")] {
+        let (s, _) =
+            get_json_as(&r, &format!("/v1/events/{id}?source={source}"), "ops-token").await;
+        assert_eq!(s, 404, "{id} of a refused batch was stored");
+    }
+}
