@@ -1938,10 +1938,17 @@ async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let svc = hyper_util::service::TowerToHyperService::new(router.clone());
+        // `max_header_size` is the limit on the request head; `max_buf_size` only bounds the
+        // read buffer, which a read can overshoot (alone it let heads of 110,000 bytes through
+        // a limit of 65536, reproduced). The buffer keeps room past the limit so that a head a
+        // little over it can be read whole and answered 431, rather than the connection
+        // closed on unread bytes (a reset the client may see instead of the answer). hyper
+        // answers that 431 itself, without a body.
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(cfg.header_read_timeout)
-            .max_buf_size(cfg.max_header_bytes.max(8192))
+            .max_header_size(cfg.max_header_bytes)
+            .max_buf_size(cfg.max_header_bytes.saturating_add(8192).max(8192))
             .serve_connection(TokioIo::new(stream), svc);
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
