@@ -988,30 +988,42 @@ fn job_json(j: &crate::store::Job) -> Value {
 /// with one bucket per entry.
 const MAX_SUMMARY_BUCKETS: usize = 10_000;
 
+/// Query of `GET /v1/dlq/summary`: the filter of `GET /v1/dlq` and the histogram's bucket.
+/// A struct rather than a map, so that a parameter given twice is refused (`duplicate
+/// field`) as `GET /v1/dlq` refuses it, not silently read as its last value.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SummaryQuery {
+    target: Option<String>,
+    reason: Option<String>,
+    rule: Option<String>,
+    #[serde(rename = "type")]
+    ty: Option<String>,
+    source: Option<String>,
+    since: Option<String>,
+    until: Option<String>,
+    bucket: Option<String>,
+}
+
 /// `GET /v1/dlq/summary`: counts by target × reason with first/last time and a histogram.
 pub async fn dlq_summary(
     State(app): State<Arc<App>>,
     axum::Extension(who): axum::Extension<crate::auth::Principal>,
-    ApiQuery(q): ApiQuery<std::collections::HashMap<String, String>>,
+    ApiQuery(q): ApiQuery<SummaryQuery>,
 ) -> Response {
-    if let Err(r) = dlq_read_scope(&who, q.get("target").map(String::as_str)) {
+    if let Err(r) = dlq_read_scope(&who, q.target.as_deref()) {
         return *r;
     }
-    let mut q = q;
-    let bucket = q.remove("bucket");
-    let spec: crate::dlq::FilterSpec = match serde_path_to_error::deserialize(json!(q)) {
-        Ok(s) => s,
-        Err(e) => {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "invalid query",
-                vec![FieldError::new(
-                    request::error_pointer(&e),
-                    e.inner().to_string(),
-                )],
-            );
-        }
+    let spec = crate::dlq::FilterSpec {
+        target: q.target,
+        reason: q.reason,
+        rule: q.rule,
+        ty: q.ty,
+        source: q.source,
+        since: q.since,
+        until: q.until,
     };
+    let bucket = q.bucket;
     let bucket_ms = match bucket.as_deref().map(humantime::parse_duration) {
         None => 3_600_000,
         Some(Ok(d)) if d.as_secs() >= 1 => i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
@@ -1586,6 +1598,37 @@ mod tests {
         assert!(!team_owns_job(&any_team, &unfiltered));
         assert!(job_visible(&Principal::with_scopes(&["read"]), &none));
         assert!(!team_owns_job(&Principal::with_scopes(&["dlq:no*"]), &none));
+    }
+
+    /// A filter parameter given twice is refused by the summary as by the list: before, the
+    /// summary counted only the last value's dead letters.
+    #[tokio::test]
+    async fn a_parameter_given_twice_is_refused_by_the_dlq_list_and_summary() {
+        use http_body_util::BodyExt as _;
+        async fn refusal(r: Box<Response>) -> Value {
+            assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+            let body = r.into_body().collect().await.expect("body").to_bytes();
+            serde_json::from_slice(&body).expect("JSON")
+        }
+        for query in [
+            "target=a&target=b",
+            "reason=x&since=2026-01-01T00:00:00Z&reason=y",
+        ] {
+            let list = refusal(ApiQuery::<DlqQuery>::parse(query).unwrap_err()).await;
+            let summary = refusal(ApiQuery::<SummaryQuery>::parse(query).unwrap_err()).await;
+            assert_eq!(summary, list, "{query}");
+            let message = summary["errors"][0]["message"].as_str().unwrap_or_default();
+            assert!(message.contains("duplicate field"), "{summary}");
+        }
+        assert!(ApiQuery::<SummaryQuery>::parse("bucket=1h&bucket=2h").is_err());
+        assert!(
+            ApiQuery::<SummaryQuery>::parse("target=a&bucket=5m&since=2026-01-01T00:00:00Z")
+                .is_ok()
+        );
+        assert!(
+            ApiQuery::<SummaryQuery>::parse("limit=5").is_err(),
+            "no limit"
+        );
     }
 
     /// A job id is a cursor only for a caller who may see that job: another team's answers as a
