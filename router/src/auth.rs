@@ -286,6 +286,13 @@ impl Tokens {
                 name: t.name.clone(),
                 message,
             };
+            // The name is how logs, 403s and handler owners say who acted: an empty one says
+            // nobody.
+            if t.name.trim().is_empty() {
+                return Err(err(
+                    "name must not be empty (it names the token's holder in logs and 403s)".into(),
+                ));
+            }
             // Names key the per-token ingest limits and the emitters of handlers' events: a
             // second token of the same name would share (and set) the first one's.
             if let Some(i) = cfg[..index].iter().position(|o| o.name == t.name) {
@@ -697,6 +704,26 @@ mod tests {
         for rate in [0.001, 1.0, 500.0, 1e9] {
             assert!(load(rate).is_ok(), "{rate}");
         }
+    }
+
+    /// A token needs a name (`router token new ''` and a config alike): logs, 403s and handler
+    /// owners name the token's holder by it.
+    #[test]
+    fn an_empty_token_name_is_refused() {
+        let load = |name: &str| {
+            Tokens::new(&[TokenConfig {
+                name: name.into(),
+                sha256: "a".repeat(64),
+                scopes: vec!["read".into()],
+                rate_per_sec: None,
+                team: None,
+            }])
+        };
+        for name in ["", " ", "\t"] {
+            let e = load(name).expect_err(name).to_string();
+            assert!(e.contains("name must not be empty"), "{name:?}: {e}");
+        }
+        assert!(load("ci").is_ok());
     }
 
     #[test]
