@@ -799,8 +799,10 @@ fn spawn_reload_triggers(app: &Arc<App>, tracker: &TaskTracker, cancel: Cancella
 /// Why the router could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    /// The store could not be opened.
-    #[error("store: {0}")]
+    /// The store could not be opened. (Each variant's `Display` says what it adds and leaves
+    /// its source to the chain: `main` prints the whole chain, so a message that repeated its
+    /// source's was printed twice.)
+    #[error(transparent)]
     Store(#[from] StoreError),
     /// Rule files are invalid.
     #[error("rules in {dir}:\n{}", errors.join("\n"))]
@@ -847,14 +849,23 @@ pub enum RunError {
         "data dir {0} is in use by another router on this host (its node.lock is held); give each node its own --data-dir"
     )]
     DataDirInUse(String),
-    /// Serving failed.
-    #[error("http server: {0}")]
+    /// An I/O error while starting (the listener's address, the delivery threads).
+    #[error("starting the router")]
     Serve(#[from] std::io::Error),
+    /// The data dir's node lock or node id could not be read or written (a shared store).
+    #[error("data dir {dir}")]
+    DataDir {
+        /// The data dir.
+        dir: String,
+        /// What failed.
+        #[source]
+        source: std::io::Error,
+    },
     /// The webhook HTTP client could not be built.
-    #[error("http client: {0}")]
+    #[error(transparent)]
     Client(#[from] crate::target::webhook::WebhookError),
-    /// Invalid `[auth]` configuration.
-    #[error("{0}")]
+    /// Invalid `[auth]` configuration (the message names the token).
+    #[error(transparent)]
     Auth(#[from] crate::auth::TokenConfigError),
     /// The secrets file is unreadable or not a TOML table of strings.
     #[error("secrets file {0}")]
@@ -869,13 +880,25 @@ pub enum RunError {
 impl RunError {
     /// The problems one per entry: a rules or contracts directory's per-file findings without
     /// the heading that names the directory (a reload's answer lists them as its errors), any
-    /// other error as its one line.
+    /// other error as its one line with its sources.
     pub fn problems(&self) -> Vec<String> {
         match self {
             Self::Rules { errors, .. } | Self::Contracts { errors, .. } => errors.clone(),
-            other => vec![other.to_string()],
+            other => vec![error_chain(other)],
         }
     }
+}
+
+/// `e` and its sources, `: `-separated (as `main` prints an error).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
 }
 
 async fn start_handlers(
@@ -1324,38 +1347,51 @@ pub async fn run(
 /// flight and sent them again (reproduced). The lock is advisory and per host: copies of a
 /// data dir on several machines (a cloned image) are not caught.
 fn lock_node(data_dir: &std::path::Path) -> Result<std::fs::File, RunError> {
-    std::fs::create_dir_all(data_dir)?;
+    let failed = data_dir_error(data_dir);
+    std::fs::create_dir_all(data_dir).map_err(failed)?;
     let path = data_dir.join("node.lock");
     let file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
-        .open(&path)?;
+        .open(&path)
+        .map_err(failed)?;
     match file.try_lock() {
         Ok(()) => Ok(file),
         Err(std::fs::TryLockError::WouldBlock) => {
             Err(RunError::DataDirInUse(data_dir.display().to_string()))
         }
-        Err(std::fs::TryLockError::Error(e)) => Err(e.into()),
+        Err(std::fs::TryLockError::Error(e)) => Err(failed(e)),
+    }
+}
+
+/// Wraps an I/O error on `data_dir` (the node lock or id) into the error naming the dir.
+fn data_dir_error(data_dir: &std::path::Path) -> impl Fn(std::io::Error) -> RunError + Copy + '_ {
+    move |source| RunError::DataDir {
+        dir: data_dir.display().to_string(),
+        source,
     }
 }
 
 /// This node's identity for a shared store: kept in `<data_dir>/node-id`, made at first start.
 /// A restarted node reclaims the leases it held by it.
 fn node_id(data_dir: &std::path::Path) -> Result<String, RunError> {
+    let failed = data_dir_error(data_dir);
     let path = data_dir.join("node-id");
     match std::fs::read_to_string(&path) {
         Ok(id) if !id.trim().is_empty() => return Ok(id.trim().to_string()),
         Ok(_) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e.into()),
+        Err(e) => return Err(failed(e)),
     }
-    std::fs::create_dir_all(data_dir)?;
+    std::fs::create_dir_all(data_dir).map_err(failed)?;
     let id = format!("{:016x}", rand::random::<u64>());
     let tmp = data_dir.join("node-id.tmp");
-    std::fs::write(&tmp, &id)?;
-    std::fs::File::open(&tmp)?.sync_all()?;
-    std::fs::rename(&tmp, &path)?;
+    std::fs::write(&tmp, &id).map_err(failed)?;
+    std::fs::File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .map_err(failed)?;
+    std::fs::rename(&tmp, &path).map_err(failed)?;
     Ok(id)
 }
 
@@ -1938,10 +1974,17 @@ async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let svc = hyper_util::service::TowerToHyperService::new(router.clone());
+        // `max_header_size` is the limit on the request head; `max_buf_size` only bounds the
+        // read buffer, which a read can overshoot (alone it let heads of 110,000 bytes through
+        // a limit of 65536, reproduced). The buffer keeps room past the limit so that a head a
+        // little over it can be read whole and answered 431, rather than the connection
+        // closed on unread bytes (a reset the client may see instead of the answer). hyper
+        // answers that 431 itself, without a body.
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(cfg.header_read_timeout)
-            .max_buf_size(cfg.max_header_bytes.max(8192))
+            .max_header_size(cfg.max_header_bytes)
+            .max_buf_size(cfg.max_header_bytes.saturating_add(8192).max(8192))
             .serve_connection(TokioIo::new(stream), svc);
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
@@ -2186,6 +2229,51 @@ mod tests {
     use super::*;
     use crate::store::fault::SimulatedDisk;
     use crate::store::{DlqReason, RedbStore, StoreOptions};
+
+    /// `main` prints a start error with its sources (`{e:#}`): every variant that has a
+    /// source says its message once. Before, `Auth`, `Store`, `Serve` and `Client` put their
+    /// source's message in their own as well, and a config mistake was printed twice.
+    #[test]
+    fn a_start_error_says_each_thing_once() {
+        let token = crate::auth::Tokens::new(&[crate::auth::TokenConfig {
+            name: "shop".into(),
+            sha256: "zz".into(),
+            scopes: vec!["read".into()],
+            rate_per_sec: None,
+            team: None,
+        }])
+        .expect_err("not hex");
+        let io = || std::io::Error::new(std::io::ErrorKind::PermissionDenied, "denied here");
+        let client = reqwest::Client::builder()
+            .user_agent("no\nnewlines")
+            .build()
+            .expect_err("an invalid header value");
+        let cases = [
+            (RunError::Auth(token), "auth.tokens[0] (shop)"),
+            (
+                RunError::Store(StoreError::Backend("disk gone".into())),
+                "disk gone",
+            ),
+            (RunError::Serve(io()), "denied here"),
+            (
+                RunError::DataDir {
+                    dir: "/data".into(),
+                    source: io(),
+                },
+                "denied here",
+            ),
+            (
+                RunError::Client(crate::target::webhook::WebhookError::Client(client)),
+                "builder error",
+            ),
+        ];
+        for (e, what) in cases {
+            let problems = e.problems();
+            let shown = format!("{:#}", anyhow::Error::from(e));
+            assert_eq!(shown.matches(what).count(), 1, "{shown}");
+            assert_eq!(problems, [shown]);
+        }
+    }
 
     /// A handler's emissions are held to its owner's ingest scope, system event types
     /// included: `ingest:*` lets a team send (and emit) any type but `router.*`, which alert

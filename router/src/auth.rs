@@ -286,6 +286,13 @@ impl Tokens {
                 name: t.name.clone(),
                 message,
             };
+            // The name is how logs, 403s and handler owners say who acted: an empty one says
+            // nobody.
+            if t.name.trim().is_empty() {
+                return Err(err(
+                    "name must not be empty (it names the token's holder in logs and 403s)".into(),
+                ));
+            }
             // Names key the per-token ingest limits and the emitters of handlers' events: a
             // second token of the same name would share (and set) the first one's.
             if let Some(i) = cfg[..index].iter().position(|o| o.name == t.name) {
@@ -302,6 +309,16 @@ impl Tokens {
                 return Err(err(
                     "team must not be empty (leave it out to use the token's name)".into(),
                 ));
+            }
+            // A rate of zero or less (or NaN) is no rate: the limiter let a first request
+            // through and answered the next ones 429 with a Retry-After of 1000000 s (11
+            // days). An infinite one built no limiter at all.
+            if let Some(rate) = t.rate_per_sec
+                && !(rate.is_finite() && rate > 0.0)
+            {
+                return Err(err(format!(
+                    "rate_per_sec = {rate} is not a rate: give a number of events per second above 0, or leave it out for no limit"
+                )));
             }
             let bytes =
                 hex::decode(&t.sha256).map_err(|e| err(format!("sha256 is not hex: {e}")))?;
@@ -661,6 +678,52 @@ mod tests {
         ] {
             assert!(load(fine).is_ok(), "{fine}");
         }
+    }
+
+    /// A rate that is not a positive finite number is refused at load, naming the token: a
+    /// zero, negative or NaN rate locked the token out after its first request (Retry-After
+    /// 1000000), an infinite one set no limit.
+    #[test]
+    fn a_rate_that_admits_nothing_is_refused_at_load() {
+        let load = |rate: f64| {
+            Tokens::new(&[TokenConfig {
+                name: "shop".into(),
+                sha256: "a".repeat(64),
+                scopes: vec!["ingest:*".into()],
+                rate_per_sec: Some(rate),
+                team: None,
+            }])
+        };
+        for rate in [0.0, -0.0, -5.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            let e = load(rate).expect_err(&rate.to_string()).to_string();
+            assert!(
+                e.contains("auth.tokens[0] (shop)") && e.contains("rate_per_sec"),
+                "{rate}: {e}"
+            );
+        }
+        for rate in [0.001, 1.0, 500.0, 1e9] {
+            assert!(load(rate).is_ok(), "{rate}");
+        }
+    }
+
+    /// A token needs a name (`router token new ''` and a config alike): logs, 403s and handler
+    /// owners name the token's holder by it.
+    #[test]
+    fn an_empty_token_name_is_refused() {
+        let load = |name: &str| {
+            Tokens::new(&[TokenConfig {
+                name: name.into(),
+                sha256: "a".repeat(64),
+                scopes: vec!["read".into()],
+                rate_per_sec: None,
+                team: None,
+            }])
+        };
+        for name in ["", " ", "\t"] {
+            let e = load(name).expect_err(name).to_string();
+            assert!(e.contains("name must not be empty"), "{name:?}: {e}");
+        }
+        assert!(load("ci").is_ok());
     }
 
     #[test]

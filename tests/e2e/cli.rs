@@ -535,3 +535,18 @@ async fn a_whole_dlq_redrive_or_purge_without_all_names_the_flag() {
     let (ok, _, err) = cli(&r, None, &["dlq", "purge", "--dry-run"]).await;
     assert!(ok, "a dry run only counts: {err}");
 }
+
+/// `router token new` refuses an empty name, as the router refuses such a token at start,
+/// and prints no token: before, it printed one with `name = ""` for the config.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_new_refuses_an_empty_name() {
+    let (ok, out, err) = run_router(None, &["token", "new", "", "--scope", "read"]).await;
+    assert!(!ok, "{out}{err}");
+    assert!(err.contains("name must not be empty"), "{err}");
+    assert!(
+        !out.contains("rtr_") && !err.contains("rtr_"),
+        "a token was printed: {out}{err}"
+    );
+    let (ok, out, err) = run_router(None, &["token", "new", "ci", "--scope", "read"]).await;
+    assert!(ok && out.starts_with("rtr_"), "{out}{err}");
+}

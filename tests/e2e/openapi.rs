@@ -1995,3 +1995,65 @@ async fn handler_responses_validate_against_the_document() {
         "handler operations without a checked 2xx: {missing:?}"
     );
 }
+
+/// What the document says of two ingest edge cases is what the server does. Before, the
+/// operation called a batch "a non-empty JSON array" while `CloudEventBatchInput` (and the
+/// server) take an empty one, and said a binary-mode body without `Content-Type` becomes "the
+/// parsed JSON" while the server keeps a body that is not JSON as `data_base64`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ingest_description_says_what_the_server_does() {
+    let doc = Doc::load();
+    let text = doc.root["paths"]["/v1/events"]["post"]["description"]
+        .as_str()
+        .expect("postEvents description");
+    // Line breaks and indentation are the YAML's.
+    let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(!text.contains("non-empty"), "{text}");
+    for says in [
+        "an empty array is answered 202 with no results",
+        "no `Content-Type` → `data` is the body's JSON when the body is JSON, else the body is `data_base64`",
+    ] {
+        assert!(text.contains(says), "{text}");
+    }
+    let rcv = Receiver::ok().await;
+    let r = RouterProc::start(
+        &[("r.yaml", &webhook_rule("r", "t", &rcv.url(), "hook"))],
+        &[],
+    );
+    let (s, b) = post_raw(&r, "application/cloudevents-batch+json", b"[]".to_vec()).await;
+    assert_eq!((s, b), (202, json!({"results": []})));
+    let send = |id: &'static str, body: &'static [u8]| {
+        let url = r.url("/v1/events");
+        async move {
+            let resp = client()
+                .post(url)
+                .header("ce-specversion", "1.0")
+                .header("ce-id", id)
+                .header("ce-source", "/test")
+                .header("ce-type", "t")
+                .body(body)
+                .send()
+                .await
+                .expect("send");
+            resp.status().as_u16()
+        }
+    };
+    assert_eq!(send("json", br#"{"a": 1}"#).await, 202);
+    assert_eq!(send("bytes", b"\xff\x00not json").await, 202);
+    assert!(
+        rcv.wait_for(Duration::from_secs(20), |got| got.len() >= 2)
+            .await,
+        "{:?}",
+        rcv.received()
+    );
+    let got = rcv.received();
+    let by_id = |id: &str| {
+        got.iter()
+            .find(|g| g.body["id"] == id)
+            .map(|g| g.body.clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(by_id("json")["data"], json!({"a": 1}));
+    assert_eq!(by_id("bytes")["data_base64"], json!("/wBub3QganNvbg=="));
+    assert_eq!(by_id("bytes")["data"], Value::Null);
+}

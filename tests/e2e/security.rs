@@ -1534,6 +1534,9 @@ fn serve_exit_output(config: &str) -> Option<String> {
     let dir = tempfile::tempdir().expect("tmp");
     let path = dir.path().join("router.toml");
     std::fs::write(&path, config).expect("write config");
+    // The rules directory exists, so that a config the router takes starts it (a missing
+    // directory would stop it too, for another reason).
+    std::fs::create_dir_all(dir.path().join("rules")).expect("rules dir");
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_router"))
         .args(["serve", "--listen", "127.0.0.1:0", "--config"])
         .arg(&path)
@@ -1581,10 +1584,60 @@ fn a_scope_typo_stops_the_router_at_start() {
         );
         let err = serve_exit_output(&config)
             .unwrap_or_else(|| panic!("the router started with scope {scope:?}"));
-        assert!(err.contains("auth.tokens[0] (shop)"), "{scope}: {err}");
+        // Once: the message was printed again as its own source.
+        assert_eq!(
+            err.matches("auth.tokens[0] (shop)").count(),
+            1,
+            "{scope}: {err}"
+        );
         assert!(err.contains(&format!("{scope:?}")), "{scope}: {err}");
         assert!(err.contains(why), "{scope}: {err}");
     }
+}
+
+/// A token's `rate_per_sec` that is not a positive number stops the router at start, naming
+/// the token: before, 0, a negative rate or NaN was taken, and the token's requests after its
+/// first were answered 429 with a Retry-After of 1000000 s; `inf` set no limit.
+#[test]
+fn a_rate_that_admits_nothing_stops_the_router_at_start() {
+    for rate in ["0", "-1", "nan", "inf"] {
+        let config = format!(
+            "[[auth.tokens]]\nname = \"shop\"\nsha256 = \"{}\"\nscopes = [\"ingest:*\"]\nrate_per_sec = {rate}\n",
+            token_sha256("shop-token")
+        );
+        let err = serve_exit_output(&config)
+            .unwrap_or_else(|| panic!("the router started with rate_per_sec = {rate}"));
+        assert!(
+            err.contains("auth.tokens[0] (shop)") && err.contains("rate_per_sec"),
+            "{rate}: {err}"
+        );
+    }
+}
+
+/// `server.max_header_bytes` (default 65536) is the limit on the request head: a head over it
+/// is answered 431 (by hyper, without a body), one under it is served. Before, the value only
+/// sized hyper's read buffer, which a read could overshoot: heads of up to about 110,000 bytes
+/// were served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_head_over_max_header_bytes_is_431() {
+    let r = RouterProc::start(&[], &[]);
+    let status = |pad: usize| {
+        let url = r.url("/healthz");
+        async move {
+            client()
+                .get(url)
+                .header("x-pad", "a".repeat(pad))
+                .send()
+                .await
+                .expect("an answer, not a reset")
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(status(60_000).await, 200);
+    // A little over the limit, so that the server has read the whole head when it answers
+    // (a larger one is answered with bytes unread, and the client may see a reset instead).
+    assert_eq!(status(70_000).await, 431);
 }
 
 /// A job list's `after=<job id>` resolves only among the caller's jobs: another team's job
@@ -1666,5 +1719,234 @@ async fn head_is_answered_as_get() {
             status(reqwest::Method::HEAD).await,
         );
         assert_eq!(head, get, "HEAD {path}");
+    }
+}
+
+/// A router with a `dlq:*` token ("teams") beside `auth_config`'s, and one quarantined event
+/// (a dead letter without a target): the router and that dead letter's id.
+async fn with_a_dead_letter_without_a_target() -> (RouterProc, String) {
+    let rules = webhook_rule("orders", "order.paid", "http://127.0.0.1:9/erp", "erp");
+    let strict = r#"{"type": "object", "required": ["id"]}"#;
+    let config = format!(
+        "{}\n{}",
+        auth_config(),
+        tokens_config(&[("teams-token", Some("teams"), "dlq:*")])
+    );
+    let r = RouterProc::start_full(
+        &[("r.yaml", &rules)],
+        &[("order.paid/v1.json", strict)],
+        &[],
+        Some(&config),
+    );
+    let ev = event("q1", "order.paid", json!({"name": "no id"}));
+    let (s, b) = call(&r, "POST", "/v1/events", Some("ops-token"), Some(ev)).await;
+    assert_eq!(
+        (s, &b["results"][0]["status"]),
+        (202, &json!("quarantined")),
+        "{b}"
+    );
+    let (s, l) = call(&r, "GET", "/v1/dlq?target=none", Some("viewer-token"), None).await;
+    assert_eq!(s, 200, "{l}");
+    let id = l["entries"][0]["id"]
+        .as_str()
+        .expect("the dead letter")
+        .to_string();
+    (r, id)
+}
+
+/// The dead letters without a target are `read`/`admin` only (docs/configuration.md): a
+/// redrive over them (`target: none`) is an administrator's job that no `dlq:` glob reaches,
+/// not even `dlq:*` (which matches the name "none"). Before, a `dlq:*` token listed, read,
+/// paused and cancelled it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_over_the_dead_letters_without_a_target_is_no_teams() {
+    let (r, _) = with_a_dead_letter_without_a_target().await;
+    let body = json!({"filter": {"target": "none"}, "rate_per_sec": 1});
+    let (s, _) = call(
+        &r,
+        "POST",
+        "/v1/dlq/redrive",
+        Some("teams-token"),
+        Some(body.clone()),
+    )
+    .await;
+    assert_eq!(s, 403, "a team cannot start it");
+    let (s, job) = call(&r, "POST", "/v1/dlq/redrive", Some("ops-token"), Some(body)).await;
+    assert_eq!(s, 201, "{job}");
+    let path = format!("/v1/dlq/redrive/{}", job["id"].as_str().expect("job id"));
+    let (s, missing) = call(
+        &r,
+        "GET",
+        "/v1/dlq/redrive/redrive-999",
+        Some("teams-token"),
+        None,
+    )
+    .await;
+    assert_eq!(s, 403, "{missing}");
+    let (s, b) = call(&r, "GET", &path, Some("teams-token"), None).await;
+    assert_eq!(
+        (s, &b),
+        (403, &missing),
+        "the same 403 as a job that does not exist"
+    );
+    let (s, b) = call(&r, "GET", "/v1/dlq/redrive", Some("teams-token"), None).await;
+    assert_eq!((s, &b["jobs"]), (200, &json!([])), "{b}");
+    for action in ["pause", "cancel"] {
+        let control = |to: String| {
+            let r = &r;
+            async move { call(r, "POST", &to, Some("teams-token"), None).await }
+        };
+        let missing = control(format!("/v1/dlq/redrive/redrive-999/{action}")).await;
+        assert_eq!(missing.0, 403, "{}", missing.1);
+        let b = control(format!("{path}/{action}")).await;
+        assert_eq!(
+            b, missing,
+            "{action}: the same 403 as a job that does not exist"
+        );
+    }
+    let (s, b) = call(&r, "GET", &path, Some("viewer-token"), None).await;
+    assert_eq!(s, 200, "{b}");
+    assert!(
+        !matches!(b["state"].as_str(), Some("paused" | "cancelled")),
+        "a refused control changed the job: {b}"
+    );
+}
+
+/// A dead letter without a target (a quarantined event, with its full event) is not a
+/// team's to read by id either: `dlq:*` gets the 403 of another team's entry or of an id that
+/// does not exist, as its list with `target=none` is refused. Before, `dlq:*` read every one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_without_a_target_is_not_a_teams_to_show() {
+    let (r, id) = with_a_dead_letter_without_a_target().await;
+    let (s, missing) = call(&r, "GET", "/v1/dlq/999999", Some("teams-token"), None).await;
+    assert_eq!(s, 403, "{missing}");
+    let (s, b) = call(
+        &r,
+        "GET",
+        &format!("/v1/dlq/{id}"),
+        Some("teams-token"),
+        None,
+    )
+    .await;
+    assert_eq!(
+        (s, &b),
+        (403, &missing),
+        "the same 403 as an id that does not exist"
+    );
+    let (s, b) = call(
+        &r,
+        "GET",
+        &format!("/v1/dlq/{id}"),
+        Some("viewer-token"),
+        None,
+    )
+    .await;
+    assert_eq!((s, &b["event"]["id"]), (200, &json!("q1")), "{b}");
+}
+
+/// A type or source outside the token's ingest scopes is refused pointing at that attribute
+/// of that event (`/type`, `/<index>/source`, `/ce-type`), as a reserved source is, with the
+/// message naming the token and the scope it lacks. Before, every such 403 pointed at
+/// `/authorization`, and a producer could not tell which element of a batch to fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_out_of_scope_event_is_refused_pointing_at_its_attribute() {
+    let auth = format!(
+        "{}{}",
+        auth_config(),
+        tokens_config(&[("eu-shop", None, "ingest-source:/shop/eu")])
+    );
+    let r = RouterProc::start_full(&[], &[], &[], Some(&auth));
+    let ev = |id: &str, ty: &str, source: &str| json!({"specversion": "1.0", "id": id, "source": source, "type": ty});
+    let post = |token: &'static str, headers: Vec<(&'static str, String)>, body: String| {
+        let url = r.url("/v1/events");
+        async move {
+            let mut rb = client().post(url).bearer_auth(token).body(body);
+            for (k, v) in headers {
+                rb = rb.header(k, v);
+            }
+            let resp = rb.send().await.expect("send");
+            let s = resp.status().as_u16();
+            (s, resp.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let ct = |ct: &str| vec![("content-type", ct.to_string())];
+    let binary = |ty: &str, source: &str| {
+        vec![
+            ("ce-specversion", "1.0".to_string()),
+            ("ce-id", "b-1".to_string()),
+            ("ce-type", ty.to_string()),
+            ("ce-source", source.to_string()),
+        ]
+    };
+    let cases = [
+        (
+            "shop-token",
+            ct("application/cloudevents+json"),
+            ev("s-1", "user.created", "/test").to_string(),
+            "/type",
+            "ingest:user.created",
+        ),
+        (
+            "shop-token",
+            ct("application/cloudevents-batch+json"),
+            json!([
+                ev("s-2", "order.paid", "/test"),
+                ev("s-3", "user.created", "/test")
+            ])
+            .to_string(),
+            "/1/type",
+            "ingest:user.created",
+        ),
+        (
+            "shop-token",
+            binary("user.created", "/test"),
+            String::new(),
+            "/ce-type",
+            "ingest:user.created",
+        ),
+        (
+            "eu-shop",
+            ct("application/cloudevents+json"),
+            ev("s-4", "order.paid", "/shop/us").to_string(),
+            "/source",
+            "ingest-source:/shop/us",
+        ),
+        (
+            "eu-shop",
+            ct("application/json"),
+            json!([
+                ev("s-5", "order.paid", "/shop/eu"),
+                ev("s-6", "order.paid", "/shop/us")
+            ])
+            .to_string(),
+            "/1/source",
+            "ingest-source:/shop/us",
+        ),
+        (
+            "eu-shop",
+            binary("order.paid", "/shop/us"),
+            String::new(),
+            "/ce-source",
+            "ingest-source:/shop/us",
+        ),
+    ];
+    for (token, headers, body, pointer, scope) in cases {
+        let name = token.trim_end_matches("-token");
+        let (s, b) = post(token, headers, body).await;
+        assert_eq!(
+            (s, &b["errors"][0]["pointer"]),
+            (403, &json!(pointer)),
+            "{token} {pointer}: {b}"
+        );
+        let msg = b["errors"][0]["message"].as_str().unwrap_or_default();
+        assert!(
+            msg.contains(&format!("token {name:?} lacks scope {scope}")),
+            "{b}"
+        );
+    }
+    for (id, source) in [("s-2", "/test"), ("s-5", "/shop/eu")] {
+        let (s, _) =
+            get_json_as(&r, &format!("/v1/events/{id}?source={source}"), "ops-token").await;
+        assert_eq!(s, 404, "{id} of a refused batch was stored");
     }
 }

@@ -313,10 +313,9 @@ pub async fn dlq_show(
     let not_yours = || crate::auth::forbidden(&who, "read (or dlq:<target> of the entry's target)");
     match app.store.dlq_get(n).await {
         Ok(Some((d, ev))) => {
-            // A quarantined entry has no target: a `dlq:` glob matching "" (`dlq:*`) reads it.
-            let target = d.target_id.as_deref().unwrap_or("");
-            let own = who.allows(&crate::auth::Scope::Dlq(target.to_string()));
-            if !(reads_all || own) {
+            // An entry without a target (a quarantined event) is no team's: the same 403 as
+            // another team's entry, as `GET /v1/dlq?target=none` answers.
+            if !(reads_all || team_covers_target(&who, d.target_id.as_deref())) {
                 return not_yours();
             }
             let mut v = dlq_json(&d);
@@ -1036,30 +1035,42 @@ fn job_json(j: &crate::store::Job) -> Value {
 /// with one bucket per entry.
 const MAX_SUMMARY_BUCKETS: usize = 10_000;
 
+/// Query of `GET /v1/dlq/summary`: the filter of `GET /v1/dlq` and the histogram's bucket.
+/// A struct rather than a map, so that a parameter given twice is refused (`duplicate
+/// field`) as `GET /v1/dlq` refuses it, not silently read as its last value.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SummaryQuery {
+    target: Option<String>,
+    reason: Option<String>,
+    rule: Option<String>,
+    #[serde(rename = "type")]
+    ty: Option<String>,
+    source: Option<String>,
+    since: Option<String>,
+    until: Option<String>,
+    bucket: Option<String>,
+}
+
 /// `GET /v1/dlq/summary`: counts by target × reason with first/last time and a histogram.
 pub async fn dlq_summary(
     State(app): State<Arc<App>>,
     axum::Extension(who): axum::Extension<crate::auth::Principal>,
-    ApiQuery(q): ApiQuery<std::collections::HashMap<String, String>>,
+    ApiQuery(q): ApiQuery<SummaryQuery>,
 ) -> Response {
-    if let Err(r) = dlq_read_scope(&who, q.get("target").map(String::as_str)) {
+    if let Err(r) = dlq_read_scope(&who, q.target.as_deref()) {
         return *r;
     }
-    let mut q = q;
-    let bucket = q.remove("bucket");
-    let spec: crate::dlq::FilterSpec = match serde_path_to_error::deserialize(json!(q)) {
-        Ok(s) => s,
-        Err(e) => {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "invalid query",
-                vec![FieldError::new(
-                    request::error_pointer(&e),
-                    e.inner().to_string(),
-                )],
-            );
-        }
+    let spec = crate::dlq::FilterSpec {
+        target: q.target,
+        reason: q.reason,
+        rule: q.rule,
+        ty: q.ty,
+        source: q.source,
+        since: q.since,
+        until: q.until,
     };
+    let bucket = q.bucket;
     let bucket_ms = match bucket.as_deref().map(humantime::parse_duration) {
         None => 3_600_000,
         Some(Ok(d)) if d.as_secs() >= 1 => i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
@@ -1332,11 +1343,21 @@ fn job_visible(who: &crate::auth::Principal, j: &crate::store::Job) -> bool {
 }
 
 /// Whether job `j` is a redrive over a target `who`'s `dlq:` scope covers: the jobs a team
-/// may start, read and control without `read` or `admin`.
+/// may start, read and control without `read` or `admin`. A redrive without a target filter,
+/// or over the dead letters without a target, is no team's (see [`team_covers_target`]).
 fn team_owns_job(who: &crate::auth::Principal, j: &crate::store::Job) -> bool {
-    let target = j.spec["filter"]["target"].as_str();
     j.kind == crate::store::JobKind::Redrive
-        && target.is_some_and(|t| who.allows(&crate::auth::Scope::Dlq(t.to_string())))
+        && team_covers_target(who, j.spec["filter"]["target"].as_str())
+}
+
+/// Whether `who`'s `dlq:` scopes cover the dead letters of `target`. `None` (no target filter,
+/// or a dead letter without a target) and [`crate::store::NO_TARGET`] never are: those are
+/// every producer's quarantined events, `read`/`admin` only, and a `dlq:*` glob would
+/// otherwise match the name "none" or the empty string.
+fn team_covers_target(who: &crate::auth::Principal, target: Option<&str>) -> bool {
+    target.is_some_and(|t| {
+        t != crate::store::NO_TARGET && who.allows(&crate::auth::Scope::Dlq(t.to_string()))
+    })
 }
 
 /// The 403 for a job read by a token with neither `read` nor any `dlq:` scope.
@@ -1608,6 +1629,53 @@ mod tests {
         assert!(dlq_read_scope(&who(&["read"]), none).is_ok());
         assert!(dlq_write_scope(&who(&["read"]), none).is_err());
         assert!(dlq_write_scope(&who(&["admin"]), none).is_ok());
+    }
+
+    /// A redrive over the dead letters without a target, or with no target filter, is no
+    /// team's: a `dlq:*` token neither sees nor controls it (its glob matches "none").
+    #[test]
+    fn a_redrive_over_no_target_is_no_teams_job() {
+        let any_team = Principal::with_scopes(&["dlq:*"]);
+        assert!(team_owns_job(&any_team, &redrive("redrive-1", "erp", 10)));
+        let none = redrive("redrive-2", crate::store::NO_TARGET, 20);
+        assert!(!team_owns_job(&any_team, &none));
+        assert!(!job_visible(&any_team, &none));
+        let mut unfiltered = crate::store::test_events::job("redrive-3", JobKind::Redrive);
+        unfiltered.spec = json!({ "filter": { "reason": "contract_violation" } });
+        assert!(!team_owns_job(&any_team, &unfiltered));
+        assert!(job_visible(&Principal::with_scopes(&["read"]), &none));
+        assert!(!team_owns_job(&Principal::with_scopes(&["dlq:no*"]), &none));
+    }
+
+    /// A filter parameter given twice is refused by the summary as by the list: before, the
+    /// summary counted only the last value's dead letters.
+    #[tokio::test]
+    async fn a_parameter_given_twice_is_refused_by_the_dlq_list_and_summary() {
+        use http_body_util::BodyExt as _;
+        async fn refusal(r: Box<Response>) -> Value {
+            assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+            let body = r.into_body().collect().await.expect("body").to_bytes();
+            serde_json::from_slice(&body).expect("JSON")
+        }
+        for query in [
+            "target=a&target=b",
+            "reason=x&since=2026-01-01T00:00:00Z&reason=y",
+        ] {
+            let list = refusal(ApiQuery::<DlqQuery>::parse(query).unwrap_err()).await;
+            let summary = refusal(ApiQuery::<SummaryQuery>::parse(query).unwrap_err()).await;
+            assert_eq!(summary, list, "{query}");
+            let message = summary["errors"][0]["message"].as_str().unwrap_or_default();
+            assert!(message.contains("duplicate field"), "{summary}");
+        }
+        assert!(ApiQuery::<SummaryQuery>::parse("bucket=1h&bucket=2h").is_err());
+        assert!(
+            ApiQuery::<SummaryQuery>::parse("target=a&bucket=5m&since=2026-01-01T00:00:00Z")
+                .is_ok()
+        );
+        assert!(
+            ApiQuery::<SummaryQuery>::parse("limit=5").is_err(),
+            "no limit"
+        );
     }
 
     /// A job id is a cursor only for a caller who may see that job: another team's answers as a

@@ -183,12 +183,7 @@ async fn handle(
                 .ingest_events
                 .get_or_create(&vec![("status", "rejected".to_string())])
                 .inc();
-            let summary = match e.status.as_u16() {
-                413 => "request too large",
-                415 => "unsupported content type",
-                _ => "invalid CloudEvent",
-            };
-            return error_response(e.status, summary, e.errors);
+            return error_response(e.status, e.summary, e.errors);
         }
     };
     if events.is_empty() {
@@ -213,7 +208,7 @@ async fn handle(
             return reserved_refused(principal, mode, i, Reserved::Type, &ev.ty, &needed);
         }
         if let Some(needed) = principal.ingest_denial(&ev.ty, Some(&ev.source)) {
-            return crate::auth::forbidden(principal, &needed.to_string());
+            return scope_refused(principal, mode, i, &needed);
         }
     }
     if let Some(limiter) = app.ingest_limiters.get(&principal.name) {
@@ -540,9 +535,41 @@ enum Reserved {
     Type,
 }
 
+/// Where attribute `attr` of event `i` of a request in `mode` was sent: `/source`,
+/// `/<i>/source` in a batch, the `ce-source` header in binary mode (`type` likewise).
+fn attribute_pointer(mode: parse::Mode, i: usize, attr: &str) -> String {
+    match mode {
+        parse::Mode::Structured => format!("/{attr}"),
+        parse::Mode::Batch => format!("/{i}/{attr}"),
+        parse::Mode::Binary => format!("/ce-{attr}"),
+    }
+}
+
+/// The 403 for event `i` of a request in `mode` whose type or source is outside the token's
+/// ingest scopes (`needed`), pointing at that attribute, so that a producer sending a batch
+/// learns which element to fix.
+fn scope_refused(
+    principal: &crate::auth::Principal,
+    mode: parse::Mode,
+    i: usize,
+    needed: &crate::auth::Scope,
+) -> Response {
+    let attr = match needed {
+        crate::auth::Scope::IngestSource(_) => "source",
+        _ => "type",
+    };
+    error_response(
+        StatusCode::FORBIDDEN,
+        "out of scope",
+        vec![FieldError::new(
+            attribute_pointer(mode, i, attr),
+            format!("token {:?} lacks scope {needed}", principal.name),
+        )],
+    )
+}
+
 /// The 403 for event `i` of a request in `mode` whose source or type (`value`) is one of the
-/// router's own, pointing at that attribute: `/source`, `/<i>/source` in a batch, the
-/// `ce-source` header in binary mode (`type` likewise).
+/// router's own, pointing at that attribute (see [`attribute_pointer`]).
 fn reserved_refused(
     principal: &crate::auth::Principal,
     mode: parse::Mode,
@@ -555,11 +582,7 @@ fn reserved_refused(
         Reserved::Source => "source",
         Reserved::Type => "type",
     };
-    let pointer = match mode {
-        parse::Mode::Structured => format!("/{attr}"),
-        parse::Mode::Batch => format!("/{i}/{attr}"),
-        parse::Mode::Binary => format!("/ce-{attr}"),
-    };
+    let pointer = attribute_pointer(mode, i, attr);
     let why = match what {
         Reserved::Source => {
             let prefix = crate::auth::reserved_source_prefix(value).unwrap_or_default();

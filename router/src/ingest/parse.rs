@@ -68,7 +68,10 @@ pub enum Mode {
 pub struct ParseError {
     /// 400, 413 or 415.
     pub status: StatusCode,
-    /// The problems, each located by a JSON pointer (or a `/ce-<name>` header pointer).
+    /// The answer's summary (its `error`).
+    pub summary: &'static str,
+    /// The problems, each located by a JSON pointer (or a `/ce-<name>` or `/content-type`
+    /// header pointer).
     pub errors: Vec<FieldError>,
 }
 
@@ -76,6 +79,11 @@ impl ParseError {
     fn one(status: StatusCode, pointer: impl Into<String>, message: impl Into<String>) -> Self {
         Self {
             status,
+            summary: match status {
+                StatusCode::PAYLOAD_TOO_LARGE => "request too large",
+                StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported content type",
+                _ => "invalid CloudEvent",
+            },
             errors: vec![FieldError::new(pointer, message)],
         }
     }
@@ -83,6 +91,7 @@ impl ParseError {
     fn bad_request(errors: Vec<FieldError>) -> Self {
         Self {
             status: StatusCode::BAD_REQUEST,
+            summary: "invalid CloudEvent",
             errors,
         }
     }
@@ -157,6 +166,20 @@ fn parse_body(
     body: &[u8],
     limits: &Limits,
 ) -> Result<(Mode, Vec<CloudEvent>), ParseError> {
+    // Nothing decodes a body: a compressed one would be stored as its compressed bytes
+    // (binary mode) or refused as malformed JSON, neither what the producer sent.
+    if let Some(coding) = content_coding(headers) {
+        return Err(ParseError {
+            summary: "unsupported content encoding",
+            ..ParseError::one(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "/content-encoding",
+                format!(
+                    "Content-Encoding {coding:?} is not supported: send the body uncompressed (no Content-Encoding, or identity)"
+                ),
+            )
+        });
+    }
     if body.len() > limits.max_body_bytes {
         return Err(ParseError::one(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -182,6 +205,21 @@ fn parse_body(
             }
         },
     };
+    // JSON is UTF-8 (RFC 8259 §8.1), and it is read as such: a body declared in another
+    // charset would be refused as malformed or, when its bytes happen to read as UTF-8, stored
+    // as other text than was sent.
+    if let Some(ct) = content_type.as_deref()
+        && content_type_is_json(ct)
+        && !charset_is_utf8(ct)
+    {
+        return Err(ParseError::one(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "/content-type",
+            format!(
+                "only UTF-8 is accepted: Content-Type {ct:?} names another charset; send the JSON as UTF-8 (charset=utf-8, or no charset)"
+            ),
+        ));
+    }
     let essence = content_type.as_deref().map(media_essence);
     let has_ce_headers = headers.keys().any(|k| k.as_str().starts_with("ce-"));
 
@@ -260,10 +298,31 @@ fn media_essence(ct: &str) -> String {
         .to_ascii_lowercase()
 }
 
-/// Whether a `text/*` body of this Content-Type reads as UTF-8: no `charset` parameter (the
-/// HTTP binding's data is then taken as sent), or `utf-8` / `us-ascii`. A body in another
-/// charset kept as a string would be decoded wrongly (Latin-1 bytes read as UTF-8).
-fn text_is_utf8(ct: &str) -> bool {
+/// The request's content coding when it is not `identity` (every `Content-Encoding` value,
+/// as sent), or `None`.
+fn content_coding(headers: &HeaderMap) -> Option<String> {
+    let values = headers.get_all(http::header::CONTENT_ENCODING);
+    let identity = values.iter().all(|v| {
+        v.to_str().is_ok_and(|v| {
+            v.split(',').all(|coding| {
+                let coding = coding.trim();
+                coding.is_empty() || coding.eq_ignore_ascii_case("identity")
+            })
+        })
+    });
+    (!identity).then(|| {
+        values
+            .iter()
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+            .collect::<Vec<_>>()
+            .join(", ")
+    })
+}
+
+/// Whether a body of this Content-Type reads as UTF-8: no `charset` parameter (the HTTP
+/// binding's data is then taken as sent; JSON is UTF-8), or `utf-8` / `us-ascii`. A body in
+/// another charset kept as a string would be decoded wrongly (Latin-1 bytes read as UTF-8).
+fn charset_is_utf8(ct: &str) -> bool {
     ct.split(';').skip(1).all(|param| {
         let Some((name, value)) = param.split_once('=') else {
             return true;
@@ -1107,8 +1166,9 @@ fn binary(
         match as_json {
             Some(raw) => json_data = Some(raw),
             None => {
-                let text = content_type
-                    .is_some_and(|ct| media_essence(ct).starts_with("text/") && text_is_utf8(ct));
+                let text = content_type.is_some_and(|ct| {
+                    media_essence(ct).starts_with("text/") && charset_is_utf8(ct)
+                });
                 match std::str::from_utf8(body) {
                     Ok(s) if text => {
                         attrs.insert("data".into(), Value::String(s.to_owned()));
@@ -1371,6 +1431,88 @@ mod tests {
         );
         let e = parse(&h, b"{}").unwrap_err();
         assert_eq!(e.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    }
+
+    /// A compressed body is refused in every mode, naming Content-Encoding: before, binary
+    /// mode stored the gzip bytes as the event's data_base64 and structured mode answered
+    /// "malformed JSON".
+    #[test]
+    fn a_content_encoding_other_than_identity_is_415() {
+        let gzip_magic = b"\x1f\x8b\x08\x00\x00\x00\x00\x00".as_slice();
+        let with_coding = |mut h: HeaderMap, coding: &str| {
+            h.append(
+                http::header::CONTENT_ENCODING,
+                HeaderValue::from_str(coding).unwrap(),
+            );
+            h
+        };
+        let mut binary = binary_headers();
+        binary.push(("content-type", "application/octet-stream"));
+        for (h, body) in [
+            (headers(&binary), gzip_magic.to_vec()),
+            (ct(STRUCTURED_CONTENT_TYPE), gzip_magic.to_vec()),
+            (ct(BATCH_CONTENT_TYPE), gzip_magic.to_vec()),
+            (HeaderMap::new(), minimal().to_string().into_bytes()),
+        ] {
+            for coding in ["gzip", "br", "deflate, identity", "x-unknown"] {
+                let e = parse(&with_coding(h.clone(), coding), &body).unwrap_err();
+                assert_eq!(e.status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{coding}");
+                assert_eq!(e.summary, "unsupported content encoding");
+                assert_eq!(pointers(&e), ["/content-encoding"], "{coding}");
+                assert!(
+                    e.errors[0].message.contains(coding)
+                        && e.errors[0].message.contains("send the body uncompressed"),
+                    "{e}"
+                );
+            }
+        }
+        let body = minimal().to_string();
+        for coding in ["identity", "Identity", " IDENTITY ", ""] {
+            let h = with_coding(ct(STRUCTURED_CONTENT_TYPE), coding);
+            assert_eq!(
+                parse(&h, body.as_bytes()).unwrap().0,
+                Mode::Structured,
+                "{coding:?}"
+            );
+        }
+        // A second header with another coding is a coding too.
+        let h = with_coding(with_coding(ct(STRUCTURED_CONTENT_TYPE), "identity"), "gzip");
+        assert_eq!(
+            parse(&h, body.as_bytes()).unwrap_err().status,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE
+        );
+    }
+
+    /// JSON is read as UTF-8: a JSON content type naming another charset is 415 (before, a
+    /// misleading 400, or a 202 storing other text than was sent). (A charset on a non-JSON
+    /// binary body is the data's own: see the test of text in another charset.)
+    #[test]
+    fn a_json_content_type_naming_another_charset_is_415() {
+        let body = minimal().to_string();
+        let mut binary = binary_headers();
+        binary.push(("content-type", "application/json; charset=latin1"));
+        for h in [
+            ct("application/cloudevents+json; charset=utf-16"),
+            ct("application/cloudevents-batch+json;charset=ISO-8859-1"),
+            ct("application/json; charset=\"windows-1252\""),
+            headers(&binary),
+        ] {
+            let e = parse(&h, body.as_bytes()).unwrap_err();
+            assert_eq!(e.status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{h:?}");
+            assert_eq!(pointers(&e), ["/content-type"], "{h:?}");
+            assert!(
+                e.errors[0].message.contains("only UTF-8 is accepted"),
+                "{e}"
+            );
+        }
+        for charset in ["utf-8", "UTF-8", "utf8", "\"utf-8\""] {
+            let h = ct(&format!("application/cloudevents+json; charset={charset}"));
+            assert_eq!(
+                parse(&h, body.as_bytes()).unwrap().0,
+                Mode::Structured,
+                "{charset}"
+            );
+        }
     }
 
     // ---- request-level limits ----

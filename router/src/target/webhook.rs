@@ -29,8 +29,9 @@ pub enum WebhookError {
     /// A header name or value from the rule file is not valid HTTP.
     #[error("invalid header {0:?}")]
     Header(String),
-    /// The HTTP client could not be built.
-    #[error("http client: {0}")]
+    /// The HTTP client could not be built (why is reqwest's error, the source: repeated in
+    /// this message it was printed twice).
+    #[error("http client")]
     Client(#[from] reqwest::Error),
     /// `delivery.tls_ca_file` could not be read or holds no certificate.
     #[error("delivery.tls_ca_file {path}: {message}")]
