@@ -1743,6 +1743,7 @@ pub async fn run_with_store(
             crate::guard::layer,
         ))
         .layer(axum::middleware::map_response(json_rejections))
+        .layer(axum::middleware::from_fn(close_if_body_unread))
         .with_state(app.clone());
 
     app.ready.store(true, Ordering::SeqCst);
@@ -1898,6 +1899,73 @@ async fn bounded_body(
         axum::body::Body::from(bytes),
     ))
     .await
+}
+
+/// A request answered before its body was read to the end (a 401 or 403, a handler name
+/// that is not valid, a body past its limit) leaves the rest of that body on the connection:
+/// hyper then closes the connection after the answer rather than read an unbounded body, and
+/// a client that kept it for its next request, told nothing, sees that request fail with the
+/// connection closed under it. Such an answer says `Connection: close`, so the client opens a
+/// new connection instead.
+async fn close_if_body_unread(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::body::HttpBody as _;
+    if req.body().is_end_stream() {
+        return next.run(req).await;
+    }
+    let read = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (parts, body) = req.into_parts();
+    let body = axum::body::Body::new(WatchedBody {
+        inner: body,
+        read: read.clone(),
+    });
+    let mut resp = next
+        .run(axum::extract::Request::from_parts(parts, body))
+        .await;
+    if !read.load(Ordering::SeqCst) {
+        resp.headers_mut().insert(
+            axum::http::header::CONNECTION,
+            axum::http::HeaderValue::from_static("close"),
+        );
+    }
+    resp
+}
+
+/// A request body that records whether it was read to its end ([`close_if_body_unread`]).
+struct WatchedBody {
+    inner: axum::body::Body,
+    read: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl http_body::Body for WatchedBody {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        let ended = match &polled {
+            std::task::Poll::Ready(None) => true,
+            std::task::Poll::Ready(Some(Ok(_))) => self.inner.is_end_stream(),
+            _ => false,
+        };
+        if ended {
+            self.read.store(true, Ordering::SeqCst);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// Extractor rejections (a query string that does not parse, a missing body) come from axum as

@@ -805,6 +805,31 @@ async fn the_api_bounds_bodies_and_answers_every_refusal_in_its_error_shape() {
     let head = String::from_utf8_lossy(&buf[..n]);
     assert!(head.starts_with("HTTP/1.1 403"), "{head}");
     assert!(head.contains("handlers:enrich"), "{head}");
+    // The body left unread, the server closes the connection after the answer, and says so:
+    // a client keeping it for its next request would see that request fail.
+    assert!(
+        head.to_ascii_lowercase().contains("connection: close"),
+        "{head}"
+    );
+    // A request whose body was read keeps its connection.
+    let mut s = tokio::net::TcpStream::connect(r.addr)
+        .await
+        .expect("connect");
+    s.write_all(
+        b"POST /v1/dlq/purge HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ops-token\r\nContent-Type: application/json\r\nContent-Length: 33\r\n\r\n{\"filter\": {\"all\": true}, \"x\": 1}",
+    )
+    .await
+    .expect("write");
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .expect("answered")
+        .expect("read");
+    let head = String::from_utf8_lossy(&buf[..n]);
+    assert!(head.starts_with("HTTP/1.1 4"), "{head}");
+    assert!(
+        !head.to_ascii_lowercase().contains("connection: close"),
+        "{head}"
+    );
     // An allowed caller whose body does not come: 408 after server.request_timeout.
     let mut s = tokio::net::TcpStream::connect(r.addr)
         .await
