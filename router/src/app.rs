@@ -1971,7 +1971,10 @@ fn spawn_disk_monitor(app: &Arc<App>, tracker: &TaskTracker, cancel: Cancellatio
                 _ = cancel.cancelled() => break,
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
             }
-            let used = app.store.disk_bytes().await;
+            // Unknown (the store out of reach): the mark stays where it was.
+            let Some(used) = app.store.disk_bytes().await else {
+                continue;
+            };
             let full = app.disk_full.load(Ordering::Relaxed);
             if !full && used > high {
                 app.disk_full.store(true, Ordering::Relaxed);
