@@ -681,10 +681,16 @@ fn spawn_operator_state_follower(app: &Arc<App>, tracker: &TaskTracker, cancel: 
                 else {
                     continue;
                 };
-                if let Some((crate::policy::breaker::BreakerState::Open { until }, _)) =
-                    state.breaker
-                {
-                    app.dispatcher.follow_breaker_open(id, until);
+                match state.breaker {
+                    Some((crate::policy::breaker::BreakerState::Open { until }, _)) => {
+                        app.dispatcher.follow_breaker_open(id, until);
+                    }
+                    // Another node's probe succeeded: a node of ours left half-open (no
+                    // traffic to probe with) closes too.
+                    Some((crate::policy::breaker::BreakerState::Closed, since)) => {
+                        app.dispatcher.follow_breaker_close(id, since);
+                    }
+                    _ => {}
                 }
                 if let Some(until) = state.retry_after_until {
                     app.dispatcher.follow_retry_after(id, until);
