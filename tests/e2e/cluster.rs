@@ -35,6 +35,12 @@ async fn two_routers_on_one_jetstream_store_deliver_each_event_once() {
     let rcv = Receiver::ok().await;
     let rules = webhook_rule("r", "t", &rcv.url(), "hook");
     let (mut a, b) = two_routers("CLUSTER", &rules, &[]);
+    // Each node says which it is: the id in its data dir, what its jobs name as runner.
+    for r in [&a, &b] {
+        let id = std::fs::read_to_string(r.data_dir().join("node-id")).expect("node-id");
+        let (_, status) = get_json(r, "/v1/status").await;
+        assert_eq!(status["node"].as_str(), Some(id.trim()), "{status}");
+    }
     let n = 400;
     for chunk in 0..(n / 50) {
         let batch: Vec<_> = (0..50)

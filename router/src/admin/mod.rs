@@ -725,6 +725,9 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
     let removed_targets = crate::app::removed_target_warnings(&app);
     axum::Json(json!({
         "version": env!("CARGO_PKG_VERSION"),
+        // Which node answers, on a shared store (`<data_dir>/node-id`, a job's `runner`):
+        // most figures here are this node's own. Null on the embedded store.
+        "node": app.store.node_id(),
         "started_at": rfc3339(app.started_at),
         "uptime_seconds": (now - app.started_at) / 1000,
         "ready": app.ready.load(Ordering::SeqCst),

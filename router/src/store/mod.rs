@@ -488,6 +488,12 @@ pub trait Store: Send + Sync + 'static {
     /// How many records each bounded kind holds (cheap: kept counts, not scans).
     fn record_counts(&self) -> BoxFuture<'_, Result<RecordCounts, StoreError>>;
 
+    /// This node's identity among the nodes sharing the store (`<data_dir>/node-id`, what jobs
+    /// name as their `runner`); `None` on a store of one node.
+    fn node_id(&self) -> Option<String> {
+        None
+    }
+
     /// Whether several router nodes may share this store (then state an operator sets on one
     /// node, such as a paused target, is followed by the others).
     fn shared(&self) -> bool {

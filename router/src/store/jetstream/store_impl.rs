@@ -310,6 +310,10 @@ impl Store for JetStreamStore {
         async move { self.records.stream_bytes().await.ok() }.boxed()
     }
 
+    fn node_id(&self) -> Option<String> {
+        Some(self.node.clone())
+    }
+
     fn writable(&self) -> bool {
         // Connected, and the last commit did not fail for want of the server: during an
         // outage every write answers 503, so `/readyz` must say not ready.
