@@ -681,10 +681,16 @@ fn spawn_operator_state_follower(app: &Arc<App>, tracker: &TaskTracker, cancel: 
                 else {
                     continue;
                 };
-                if let Some((crate::policy::breaker::BreakerState::Open { until }, _)) =
-                    state.breaker
-                {
-                    app.dispatcher.follow_breaker_open(id, until);
+                match state.breaker {
+                    Some((crate::policy::breaker::BreakerState::Open { until }, _)) => {
+                        app.dispatcher.follow_breaker_open(id, until);
+                    }
+                    // Another node's probe succeeded: a node of ours left half-open (no
+                    // traffic to probe with) closes too.
+                    Some((crate::policy::breaker::BreakerState::Closed, since)) => {
+                        app.dispatcher.follow_breaker_close(id, since);
+                    }
+                    _ => {}
                 }
                 if let Some(until) = state.retry_after_until {
                     app.dispatcher.follow_retry_after(id, until);
@@ -2082,7 +2088,10 @@ fn spawn_disk_monitor(app: &Arc<App>, tracker: &TaskTracker, cancel: Cancellatio
                 _ = cancel.cancelled() => break,
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
             }
-            let used = app.store.disk_bytes().await;
+            // Unknown (the store out of reach): the mark stays where it was.
+            let Some(used) = app.store.disk_bytes().await else {
+                continue;
+            };
             let full = app.disk_full.load(Ordering::Relaxed);
             if !full && used > high {
                 app.disk_full.store(true, Ordering::Relaxed);

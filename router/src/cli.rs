@@ -499,6 +499,20 @@ pub fn job_warnings(job: &Value) {
     }
 }
 
+/// A job's line in `router dlq jobs` and `router dlq jobs ID`: its progress (`job_line`) and,
+/// while it runs on a shared store, which node runs it and when that node last renewed it (a
+/// heartbeat older than 30 s means another node takes the job over).
+pub fn job_row(j: &Value) -> String {
+    let line = job_line(j);
+    match (j["state"].as_str(), j["runner"].as_str()) {
+        (Some("running"), Some(runner)) => format!(
+            "{line} — runner {runner}, heartbeat {}",
+            j["heartbeat_at"].as_str().unwrap_or("-")
+        ),
+        _ => line,
+    }
+}
+
 /// Polls a job until it is no longer running, printing its progress: on one line rewritten in
 /// place on a terminal, else (a runbook's log) a line each time the progress changes.
 pub async fn follow(client: &Client, path: &str) -> Result<Value, CliError> {
@@ -692,6 +706,26 @@ mod tests {
             "{}",
             job_line(&replay)
         );
+    }
+
+    /// A running job's row names the node running it and its last heartbeat (on a shared
+    /// store several nodes may run jobs); a finished job's or one without a runner does not.
+    #[test]
+    fn a_running_jobs_row_names_its_runner_and_heartbeat() {
+        let running = serde_json::json!({"id": "redrive-2-9f2c", "kind": "redrive",
+            "state": "running", "spec": {"filter": {}}, "total": 4, "moved": 1, "failed": 0,
+            "skipped": 0, "runner": "3fa1c2d4e5b60718", "heartbeat_at": "2026-12-07T10:00:05Z"});
+        assert!(
+            job_row(&running)
+                .ends_with("— running — runner 3fa1c2d4e5b60718, heartbeat 2026-12-07T10:00:05Z"),
+            "{}",
+            job_row(&running)
+        );
+        let done = serde_json::json!({"id": "redrive-1", "kind": "redrive", "state": "done",
+            "runner": "3fa1c2d4e5b60718", "heartbeat_at": "2026-12-07T10:00:05Z"});
+        assert_eq!(job_row(&done), job_line(&done));
+        let embedded = serde_json::json!({"id": "redrive-3", "state": "running", "runner": null});
+        assert_eq!(job_row(&embedded), job_line(&embedded));
     }
 
     #[test]

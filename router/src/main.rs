@@ -1169,10 +1169,10 @@ async fn dlq(api: Api, cmd: DlqCmd) -> anyhow::Result<ExitCode> {
             print_value(&api, &v, |v| match v["jobs"].as_array() {
                 Some(jobs) => jobs
                     .iter()
-                    .map(router::cli::job_line)
+                    .map(router::cli::job_row)
                     .collect::<Vec<_>>()
                     .join("\n"),
-                None => router::cli::job_line(v),
+                None => router::cli::job_row(v),
             });
         }
     }

@@ -128,8 +128,9 @@ pub struct Metrics {
     pub dlq_depth: Family<Labels, Gauge>,
     /// Rule/contract reloads by result.
     pub reloads: Family<Labels, Counter>,
-    /// Store file size.
-    pub store_bytes: Gauge,
+    /// Store file size (on JetStream: the stream's size on the server). Absent while the
+    /// store cannot say (a shared store out of reach): unknown is not 0.
+    pub store_bytes: Family<Labels, Gauge>,
     /// `store.max_disk_bytes` (0: no mark), beside `store_bytes` for a "near the mark" alert.
     pub store_max_bytes: Gauge,
     /// 1 while ingest is refused past the disk high-water mark.
@@ -225,7 +226,7 @@ impl Metrics {
             queue_oldest_age_seconds: Family::default(),
             dlq_depth: Family::default(),
             reloads: Family::default(),
-            store_bytes: Gauge::default(),
+            store_bytes: Family::default(),
             store_max_bytes: Gauge::default(),
             ingest_refused: Gauge::default(),
             store_up: Gauge::default(),
@@ -339,7 +340,7 @@ impl Metrics {
         );
         registry.register(
             "router_store_bytes",
-            "Size of the store file",
+            "Size of the store file (JetStream: the stream on the server); absent while unknown",
             m.store_bytes.clone(),
         );
         registry.register(
@@ -559,10 +560,31 @@ impl Metrics {
         self.dlq_depth
             .get_or_create(&vec![("target", "none".to_string())])
             .set(i64::try_from(store.dlq_without_target()).unwrap_or(i64::MAX));
-        self.store_bytes
-            .set(i64::try_from(store.disk_bytes().await).unwrap_or(i64::MAX));
         self.compacting.set(i64::from(store.compacting()));
-        match store.record_counts().await {
+        // The store's reads at once, and within one bound: a store that does not answer (a
+        // shared store's server down) must not make the scrape outlast Prometheus' timeout
+        // (10 s by default), which loses every metric just when they matter.
+        let deadline = tokio::time::Instant::now() + STORE_READS_BOUND;
+        let (bytes, counts, usage, jobs) = tokio::join!(
+            tokio::time::timeout_at(deadline, store.disk_bytes()),
+            tokio::time::timeout_at(deadline, store.record_counts()),
+            tokio::time::timeout_at(deadline, store.kv_usage()),
+            tokio::time::timeout_at(deadline, store.jobs()),
+        );
+        match bytes.ok().flatten() {
+            Some(b) => {
+                self.store_bytes
+                    .get_or_create(&Labels::new())
+                    .set(i64::try_from(b).unwrap_or(i64::MAX));
+            }
+            None => {
+                self.store_bytes.remove(&Labels::new());
+            }
+        }
+        let timed_out = || {
+            crate::store::StoreError::Unavailable(format!("no answer within {STORE_READS_BOUND:?}"))
+        };
+        match counts.unwrap_or_else(|_| Err(timed_out())) {
             Ok(c) => {
                 self.dedup_filter_bytes
                     .set(i64::try_from(c.dedup_filter_bytes).unwrap_or(i64::MAX));
@@ -584,7 +606,7 @@ impl Metrics {
             Err(crate::store::StoreError::Compacting) => {}
             Err(e) => tracing::warn!(error = %e, "could not read record counts for /metrics"),
         }
-        match store.jobs().await {
+        match jobs.unwrap_or_else(|_| Err(timed_out())) {
             Ok(jobs) => {
                 use crate::store::{JobKind, JobState};
                 // Every series, zeros too: an alert on a paused job needs one to compare.
@@ -607,7 +629,7 @@ impl Metrics {
             Err(crate::store::StoreError::Compacting) => {}
             Err(e) => tracing::warn!(error = %e, "could not read the jobs for /metrics"),
         }
-        match store.kv_usage().await {
+        match usage.unwrap_or_else(|_| Err(timed_out())) {
             Ok(usage) => {
                 // A namespace emptied since the last scrape disappears instead of keeping its
                 // last size. Only those are removed (clearing the families first would show a
@@ -644,6 +666,9 @@ impl Metrics {
         out
     }
 }
+
+/// How long `/metrics` and `/v1/status` wait for the store's reads, all of them together.
+pub const STORE_READS_BOUND: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Installs the global tracing subscriber (`RUST_LOG` filters, default `info`).
 pub fn init_tracing(json: bool) {

@@ -35,6 +35,12 @@ async fn two_routers_on_one_jetstream_store_deliver_each_event_once() {
     let rcv = Receiver::ok().await;
     let rules = webhook_rule("r", "t", &rcv.url(), "hook");
     let (mut a, b) = two_routers("CLUSTER", &rules, &[]);
+    // Each node says which it is: the id in its data dir, what its jobs name as runner.
+    for r in [&a, &b] {
+        let id = std::fs::read_to_string(r.data_dir().join("node-id")).expect("node-id");
+        let (_, status) = get_json(r, "/v1/status").await;
+        assert_eq!(status["node"].as_str(), Some(id.trim()), "{status}");
+    }
     let n = 400;
     for chunk in 0..(n / 50) {
         let batch: Vec<_> = (0..50)
@@ -371,6 +377,128 @@ async fn a_contract_upload_while_the_store_is_down_changes_nothing() {
         "the upload never went through once the store was back"
     );
     assert_eq!(get_json(&a, "/v1/contracts/t/v2").await.0, 200);
+}
+
+/// A store outage under a router (its own nats-server, killed and started again while an
+/// attempt is under way): meanwhile the router says it is not ready and why, answers at once
+/// (ingest and a pause: 503 without waiting out the store's timeout), and its scrapes stay
+/// quick with the store's size unknown, not 0; afterwards, what it refused is never applied
+/// (the client held such writes and sent them on its reconnect: the pause took effect once
+/// the store was back), and the delivery whose finish fell in the outage is recorded with its
+/// one attempt instead of being sent again after its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_is_reported_at_once_and_leaves_nothing_behind() {
+    use std::sync::Arc;
+    use std::time::Instant;
+    let Some(mut nats) = OwnNats::start().filter(|_| RouterProc::on_jetstream()) else {
+        eprintln!("skipped: needs the JetStream pass (scripts/jetstream-e2e.sh)");
+        return;
+    };
+    // The receiver takes 2 s to answer: time to stop the store during the attempt.
+    let rcv = Receiver::scripted(Arc::new(|_, _| (200, Duration::from_secs(2), vec![]))).await;
+    let rules = rules_yaml(
+        "  slow:\n    timeout: 10s\n    retry: { max_attempts: 2, base_delay: 100ms }",
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: hook\n        policy: slow",
+                rcv.url()
+            )],
+        )],
+    );
+    let url = nats.url();
+    let a = RouterProc::start_with_env(
+        &[("r.yaml", &rules)],
+        &[],
+        &[
+            ("ROUTER_STORE__JETSTREAM__URL", url.as_str()),
+            ("ROUTER_STORE__JETSTREAM__TIMEOUT", "2s"),
+        ],
+    );
+    assert_eq!(post_event(&a, &event("e1", "t", json!({}))).await.0, 202);
+    assert!(
+        rcv.wait_for(Duration::from_secs(10), |r| !r.is_empty())
+            .await,
+        "the attempt never reached the receiver"
+    );
+    nats.kill();
+
+    let not_ready = eventually(Duration::from_secs(5), || async {
+        let r = client().get(a.url("/readyz")).send().await.ok()?;
+        (r.status().as_u16() == 503).then_some(())
+    })
+    .await;
+    assert!(
+        not_ready.is_some(),
+        "/readyz stayed ready with the store down"
+    );
+    // Well under Prometheus' 10 s scrape timeout (bounded at 2 s; 5 s here for a loaded
+    // machine).
+    let t = Instant::now();
+    let (_, status) = get_json(&a, "/v1/status").await;
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "status took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(status["store"]["writable"], false, "{status}");
+    assert!(status["store"]["bytes"].is_null(), "{status}");
+    let t = Instant::now();
+    let metrics = metrics_text(&a).await;
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "/metrics took {:?}",
+        t.elapsed()
+    );
+    assert!(metrics.contains("\nrouter_store_up 0\n"), "{metrics}");
+    assert!(
+        !metrics
+            .lines()
+            .any(|l| l.starts_with("router_store_bytes ")),
+        "{metrics}"
+    );
+    // At once: the store's timeout is 2 s.
+    let t = Instant::now();
+    let (code, body) = post_event(&a, &event("e2", "t", json!({}))).await;
+    assert_eq!(code, 503, "{body}");
+    let (code, body) = post_json(&a, "/v1/targets/hook/pause", json!({})).await;
+    assert_eq!(code, 503, "{body}");
+    assert!(
+        t.elapsed() < Duration::from_millis(1500),
+        "refusals took {:?}",
+        t.elapsed()
+    );
+
+    nats.spawn();
+    let ready = eventually(Duration::from_secs(30), || async {
+        let r = client().get(a.url("/readyz")).send().await.ok()?;
+        (r.status().as_u16() == 200).then_some(())
+    })
+    .await;
+    assert!(ready.is_some(), "/readyz never became ready again");
+    // Recorded once the store was back, well within the lease (10 s + 30 s).
+    let delivered = eventually(Duration::from_secs(20), || async {
+        let f = fate(&a, "e1").await;
+        (f["targets"][0]["state"] == "delivered").then_some(f)
+    })
+    .await
+    .expect("the delivery was not recorded once the store was back");
+    assert_eq!(
+        delivered["targets"][0]["attempts"].as_array().map(Vec::len),
+        Some(1),
+        "{delivered}"
+    );
+    // The refused pause stays refused (the node follows stored pauses every 2 s).
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (_, t) = get_json(&a, "/v1/targets/hook").await;
+    assert_eq!(
+        t["paused"], false,
+        "a pause refused with 503 took effect: {t}"
+    );
+    assert_eq!(rcv.count(), 1, "the event was sent again");
+    let (_, status) = get_json(&a, "/v1/status").await;
+    assert_eq!(status["store"]["writable"], true, "{status}");
 }
 
 /// Containment made on one router holds on every router: a target paused through one node gets

@@ -251,6 +251,22 @@ pub struct RollbackRequest {
     version: String,
 }
 
+/// A rollback's body. With none at all the JSON parser's "EOF while parsing a value at line 1
+/// column 0" told the caller nothing of what to send: it is named instead.
+fn rollback_request(body: &[u8]) -> Result<RollbackRequest, Box<Response>> {
+    if body.trim_ascii().is_empty() {
+        return Err(Box::new(error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid request body",
+            vec![FieldError::new(
+                "",
+                r#"a body {"version": "<n>"} is required: the version to switch back to, its number (e.g. "2") or a prefix of its sha256 (GET /v1/handlers/{name} lists them)"#,
+            )],
+        )));
+    }
+    crate::admin::request::parse_body(body)
+}
+
 /// `POST /v1/handlers/{name}/rollback {"version"}`.
 pub async fn rollback(
     State(app): State<Arc<App>>,
@@ -258,7 +274,7 @@ pub async fn rollback(
     Path(name): Path<String>,
     body: axum::body::Bytes,
 ) -> Response {
-    let req: RollbackRequest = match crate::admin::request::parse_body(&body) {
+    let req = match rollback_request(&body) {
         Ok(r) => r,
         Err(resp) => return *resp,
     };
@@ -429,5 +445,38 @@ pub async fn logs(
                 Vec::new(),
             )
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn error_of(r: Box<Response>) -> (StatusCode, serde_json::Value) {
+        let status = r.status();
+        let body = axum::body::to_bytes(r.into_body(), 1 << 16)
+            .await
+            .expect("body");
+        (status, serde_json::from_slice(&body).expect("json"))
+    }
+
+    /// A rollback without a body says what to send, where it answered with the JSON parser's
+    /// "EOF while parsing a value at line 1 column 0".
+    #[tokio::test]
+    async fn a_rollback_without_a_body_says_which_body_it_needs() {
+        for body in [&b""[..], b"  \n"] {
+            let (status, v) = error_of(rollback_request(body).expect_err("no body")).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST);
+            let message = v["errors"][0]["message"].as_str().unwrap_or_default();
+            assert!(message.contains(r#"{"version": "<n>"} is required"#), "{v}");
+        }
+        assert_eq!(
+            rollback_request(br#"{"version": "2"}"#)
+                .expect("valid")
+                .version,
+            "2"
+        );
+        let (_, v) = error_of(rollback_request(b"{}").expect_err("missing")).await;
+        assert_eq!(v["errors"][0]["pointer"], "/version", "{v}");
     }
 }

@@ -40,6 +40,26 @@ fn store_error(e: &crate::store::StoreError) -> Response {
     )
 }
 
+/// `store_error` for an operator's change (a pause, a rule switch). A write whose answer never
+/// came may still be applied, on every node: the answer says so and where to look (ingest's
+/// 503 says the same of events), instead of a 503 the change then contradicts.
+fn change_store_error(e: &crate::store::StoreError, check: &str) -> Response {
+    if !matches!(e, crate::store::StoreError::Unanswered(_)) {
+        return store_error(e);
+    }
+    tracing::error!(error = %e, "an operator's change went unanswered by the store");
+    crate::ingest::with_retry_after(
+        error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &format!(
+                "storage did not answer: the change may or may not have been applied; check {check} before trying again"
+            ),
+            Vec::new(),
+        ),
+        crate::ingest::STORE_RETRY_AFTER_S,
+    )
+}
+
 fn attempt_json(a: &AttemptRecord) -> Value {
     json!({
         "n": a.n,
@@ -524,7 +544,7 @@ async fn set_paused(app: &App, id: &str, paused: bool) -> Response {
             "unknown target",
             vec![FieldError::new("/id", format!("no running target {id:?}"))],
         ),
-        Err(e) => store_error(&e),
+        Err(e) => change_store_error(&e, &format!("GET /v1/targets/{id}")),
     }
 }
 
@@ -691,14 +711,33 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
     let rules = app.rules.load();
     let contracts = app.contracts.load();
     let now = app.clock.now_ms();
-    // Store reads first: none of them may wait while the status locks below are held.
-    let store_bytes = app.store.disk_bytes().await;
-    let records = records_status(&app).await;
-    let handler_kv = handler_kv_status(&app).await;
-    let jobs = jobs_status(&app).await;
+    // Store reads first: none of them may wait while the status locks below are held. At
+    // once and within one bound (as /metrics): a store that does not answer shows as such
+    // instead of holding the answer for a request timeout per read.
+    let deadline = tokio::time::Instant::now() + crate::telemetry::STORE_READS_BOUND;
+    let (store_bytes, records, handler_kv, jobs) = tokio::join!(
+        tokio::time::timeout_at(deadline, app.store.disk_bytes()),
+        tokio::time::timeout_at(deadline, records_status(&app)),
+        tokio::time::timeout_at(deadline, handler_kv_status(&app)),
+        tokio::time::timeout_at(deadline, jobs_status(&app)),
+    );
+    let unanswered = format!(
+        "the store did not answer within {:?}",
+        crate::telemetry::STORE_READS_BOUND
+    );
+    // Unknown (null) while the store cannot say, not 0.
+    let store_bytes = store_bytes.ok().flatten();
+    let records = records.unwrap_or_else(|_| json!({ "error": unanswered }));
+    let handler_kv = handler_kv.unwrap_or_else(
+        |_| json!({ "max_bytes": app.cfg.handlers.kv_max_bytes, "error": unanswered }),
+    );
+    let jobs = jobs.unwrap_or_else(|_| json!({ "active": [], "error": unanswered }));
     let removed_targets = crate::app::removed_target_warnings(&app);
     axum::Json(json!({
         "version": env!("CARGO_PKG_VERSION"),
+        // Which node answers, on a shared store (`<data_dir>/node-id`, a job's `runner`):
+        // most figures here are this node's own. Null on the embedded store.
+        "node": app.store.node_id(),
         "started_at": rfc3339(app.started_at),
         "uptime_seconds": (now - app.started_at) / 1000,
         "ready": app.ready.load(Ordering::SeqCst),
@@ -707,13 +746,15 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
         "contracts": { "version": contracts.version(), "count": contracts.contracts().len(), "dir": app.cfg.contracts_dir },
         "store": {
             "backend": app.cfg.store.backend,
-            // On JetStream: what the server holds for this store's stream.
+            // On JetStream: what the server holds for this store's stream (null while the
+            // server cannot be asked).
             "bytes": store_bytes,
             "dir": app.cfg.data_dir,
             "max_bytes": app.cfg.store.max_disk_bytes,
             "ingest_refused": app.disk_full.load(Ordering::Relaxed),
             // False while the store is being reopened after a write error (full or failing
-            // disk): every write answers 503 meanwhile.
+            // disk), or on JetStream while the server is out of reach or its last commit
+            // failed: every write answers 503 meanwhile.
             "writable": app.store.writable(),
             // Which durable write path commits take: synced redb commits, or the group log
             // (`router.log`) with periodic checkpoints.
@@ -1599,7 +1640,7 @@ pub async fn rule_control(
             "unknown rule",
             vec![FieldError::new("/name", format!("no live rule {name:?}"))],
         ),
-        Err(e) => store_error(&e),
+        Err(e) => change_store_error(&e, "GET /v1/rules"),
     }
 }
 
@@ -1615,6 +1656,40 @@ mod tests {
         j.spec = json!({ "filter": { "target": target } });
         j.created_at = at;
         j
+    }
+
+    /// An operator's change whose write went unanswered may still apply: its 503 says so and
+    /// where to look, where it said only "storage unavailable" and the change then took
+    /// effect. A change refused before anything was sent keeps the plain 503.
+    #[tokio::test]
+    async fn an_unanswered_change_says_it_may_have_been_applied() {
+        use crate::store::StoreError;
+        let body = |r: Response| async move {
+            let status = r.status();
+            let b = axum::body::to_bytes(r.into_body(), 1 << 16)
+                .await
+                .expect("body");
+            (status, serde_json::from_slice::<Value>(&b).expect("json"))
+        };
+        let (status, v) = body(change_store_error(
+            &StoreError::Unanswered("commit: timed out".into()),
+            "GET /v1/targets/erp",
+        ))
+        .await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        let summary = v["error"].as_str().unwrap_or_default();
+        assert!(
+            summary.contains("may or may not have been applied")
+                && summary.contains("GET /v1/targets/erp"),
+            "{v}"
+        );
+        let (status, v) = body(change_store_error(
+            &StoreError::Unavailable("not connected".into()),
+            "GET /v1/targets/erp",
+        ))
+        .await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(v["error"], "storage unavailable", "{v}");
     }
 
     /// Dead letters without a target (`target=none`) are every producer's quarantined events:

@@ -692,6 +692,28 @@ impl Dispatcher {
         true
     }
 
+    /// Closes target `id`'s half-open breaker because another node's breaker for it closed at
+    /// `closed_at`, after this one opened (see
+    /// [`Breaker::follow_close`](crate::policy::breaker::Breaker::follow_close)): counted and
+    /// logged here as a followed transition, not persisted or raised again (that node did
+    /// both). Returns whether it closed.
+    pub fn follow_breaker_close(&self, id: &str, closed_at: i64) -> bool {
+        let Some(rt) = self.runtime(id) else {
+            return false;
+        };
+        let now = self.ctx.clock.now_ms();
+        let Some(t) = rt
+            .breaker()
+            .and_then(|mut b| b.follow_close(closed_at, now))
+        else {
+            return false;
+        };
+        worker::count_transition(&self.ctx, id, &t);
+        tracing::warn!(target_id = %id, closed_at = %crate::clock::rfc3339(closed_at), "circuit breaker closed: another node's breaker for this target closed (its probe succeeded) after this one opened");
+        self.ctx.store.notifier(id).notify_one();
+        true
+    }
+
     /// Holds target `id` off until `until` because another node's request was answered 429
     /// or 503 with `Retry-After` (that node persisted the pause with its breaker's record): the
     /// receiver asked the service, not one node, to wait. Not persisted again. Returns whether
@@ -818,6 +840,39 @@ mod tests {
             .record(Some(false), false, now);
         assert!(t.is_some(), "3 failures pass the new min_requests");
         assert_eq!(new.snapshot(now)["breaker"]["state"], "open");
+    }
+
+    /// A breaker left half-open on this node (no traffic of its own to probe with) closes when
+    /// another node's breaker for the target closed after it opened, counted as a followed
+    /// transition; a close from before it opened is not followed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_half_open_breaker_follows_another_nodes_close() {
+        use crate::policy::breaker::BreakerState;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = crate::app::test_config(dir.path());
+        let store =
+            RedbStore::open_dir(&dir.path().join("store"), StoreOptions::default()).expect("store");
+        let app = crate::app::test_app(cfg, store, None);
+        let mut spec = app.rules.load().targets["hook"].clone();
+        spec.policy.breaker = Some(crate::policy::config::BreakerPolicy::default());
+        app.dispatcher.ensure(spec).await.expect("worker");
+        let rt = app.dispatcher.runtime("hook").expect("running");
+        let now = app.clock.now_ms();
+        rt.breaker()
+            .expect("a breaker")
+            .restore(BreakerState::HalfOpen, now - 10_000);
+        assert!(!app.dispatcher.follow_breaker_close("hook", now - 20_000));
+        assert_eq!(rt.snapshot(now)["breaker"]["state"], "half_open");
+        assert!(app.dispatcher.follow_breaker_close("hook", now - 5_000));
+        assert_eq!(
+            rt.snapshot(app.clock.now_ms())["breaker"]["state"],
+            "closed"
+        );
+        let text = app.metrics.render(app.store.as_ref(), now).await;
+        assert!(
+            text.contains("router_breaker_transitions_total{target=\"hook\",to=\"closed\"} 1"),
+            "{text}"
+        );
     }
 
     /// A pause stored in the target's own record only (before pauses had records of their

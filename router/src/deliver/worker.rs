@@ -1315,9 +1315,11 @@ async fn on_transition(ctx: &DeliveryContext, rt: &TargetRuntime, t: Transition,
         // transition once per node, would only mislead the other nodes and the alert routes.
         return;
     }
-    let state = serde_json::to_value(rt.persisted()).unwrap_or_default();
-    if let Err(e) = ctx.store.put_target_state(id, state).await {
-        tracing::error!(target_id = %id, error = %e, "could not persist the breaker state");
+    if persists(&t, ctx.store.shared()) {
+        let state = serde_json::to_value(rt.persisted()).unwrap_or_default();
+        if let Err(e) = ctx.store.put_target_state(id, state).await {
+            tracing::error!(target_id = %id, error = %e, "could not persist the breaker state");
+        }
     }
     let ty = match t.to {
         BreakerState::Open { .. } => "router.breaker.opened",
@@ -1334,6 +1336,16 @@ async fn on_transition(ctx: &DeliveryContext, rt: &TargetRuntime, t: Transition,
         "open_until": match t.to { BreakerState::Open { until } => Some(crate::clock::rfc3339(until)), _ => None },
     })));
     raise(ctx, ev);
+}
+
+/// Whether breaker transition `t` (not followed) is written into the target's record. On a
+/// store several nodes share, a half-open is not: the record is every node's, and a node with
+/// no traffic half-opening after another node's probe had closed the breaker wrote half-open
+/// over that close, so it never saw the close to follow, and nodes restarted later restored
+/// half-open. The open before it, kept in the record, reads as half-open once its time is
+/// past, for a node that restores it.
+fn persists(t: &Transition, shared: bool) -> bool {
+    !(shared && t.to == BreakerState::HalfOpen)
 }
 
 /// Hands a system event to the router that routes them. Bounded and best-effort: a full
@@ -1536,6 +1548,28 @@ pub fn system_event(ty: &str, target: &str, now: i64) -> CloudEvent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// On a shared store a half-open is not written into the target's record (it wrote over
+    /// another node's close); opens and closes are, and everything on a store of one node.
+    #[test]
+    fn a_half_open_is_not_stored_over_the_other_nodes_record() {
+        let t = |from, to| Transition {
+            from,
+            to,
+            failure_rate: 0.0,
+            requests: 0,
+            followed: false,
+        };
+        let open = BreakerState::Open { until: 10 };
+        let half = t(open, BreakerState::HalfOpen);
+        assert!(!persists(&half, true));
+        assert!(persists(&half, false));
+        assert!(persists(&t(BreakerState::Closed, open), true));
+        assert!(persists(
+            &t(BreakerState::HalfOpen, BreakerState::Closed),
+            true
+        ));
+    }
 
     fn policy() -> RetryPolicy {
         RetryPolicy {

@@ -89,6 +89,9 @@ pub struct Breaker {
     probes_in_flight: u32,
     /// The current open or half-open cycle began by following another node.
     followed: bool,
+    /// When the current open or half-open cycle began (the breaker opened): a close made on
+    /// another node after it is followed ([`Self::follow_close`]).
+    opened_at: i64,
 }
 
 impl Breaker {
@@ -102,6 +105,7 @@ impl Breaker {
             consecutive_failures: 0,
             probes_in_flight: 0,
             followed: false,
+            opened_at: now,
         }
     }
 
@@ -110,6 +114,7 @@ impl Breaker {
     pub fn restore(&mut self, state: BreakerState, since: i64) {
         self.state = state;
         self.since = since;
+        self.opened_at = since;
     }
 
     /// Goes on under `policy`, a target's policy edited by a reload, keeping what it has
@@ -190,6 +195,7 @@ impl Breaker {
         if matches!(to, BreakerState::Open { .. }) {
             // Opened on this node's own evidence (follow_open marks its own opening after).
             self.followed = false;
+            self.opened_at = now;
         }
         let t = Transition {
             from: self.state,
@@ -247,6 +253,22 @@ impl Breaker {
         }
         let mut t = self.transition(BreakerState::Open { until }, now);
         self.followed = true;
+        t.followed = true;
+        Some(t)
+    }
+
+    /// Closes a half-open breaker because another router node's breaker for the same target
+    /// closed at `closed_at` (its probe succeeded), after this one opened: the target answered
+    /// there since this node's own evidence against it. Without it a node with no traffic of
+    /// its own stayed half-open for good on a healthy target (and `router_breaker_state` 2
+    /// went on alerting). A close from before this breaker opened says nothing about what it
+    /// opened on, and an open breaker waits out its period: each node still opens on its own
+    /// evidence, and probes on its own when it has traffic. Returns the transition, if any.
+    pub fn follow_close(&mut self, closed_at: i64, now: i64) -> Option<Transition> {
+        if self.state_at(now) != BreakerState::HalfOpen || closed_at <= self.opened_at {
+            return None;
+        }
+        let mut t = self.transition(BreakerState::Closed, now);
         t.followed = true;
         Some(t)
     }
@@ -414,6 +436,45 @@ mod tests {
             .expect("opens: 3 of 4 failed");
         assert_eq!(t.to, BreakerState::Open { until: 5030 });
         assert_eq!(b.admit(1000).0, Admission::WaitUntil(5030));
+    }
+
+    #[test]
+    fn a_half_open_breaker_follows_a_close_made_elsewhere_after_it_opened() {
+        let mut b = Breaker::new(policy(), 0);
+        let opened = (0..4).find_map(|_| b.record(Some(false), false, 1_000));
+        let until = match opened.map(|t| t.to) {
+            Some(BreakerState::Open { until }) => until,
+            s => panic!("{s:?}"),
+        };
+        // Still open: it waits out its period whatever the others did.
+        assert!(b.follow_close(until - 1, until - 1).is_none());
+        // Half-open (by the clock, before any admission): a close from before it opened says
+        // nothing; one after does.
+        assert!(b.follow_close(900, until + 10).is_none());
+        let t = b.follow_close(5_000, until + 10).expect("follows");
+        assert!(t.followed && t.to == BreakerState::Closed, "{t:?}");
+        assert_eq!(b.state(), BreakerState::Closed);
+        assert!(
+            b.follow_close(6_000, until + 20).is_none(),
+            "already closed"
+        );
+
+        // Half-open after an admission, then a close elsewhere: followed too.
+        assert!(
+            (0..4)
+                .find_map(|_| b.record(Some(false), false, 20_000))
+                .is_some()
+        );
+        let (_, half) = b.admit(40_000);
+        assert_eq!(half.map(|t| t.to), Some(BreakerState::HalfOpen));
+        assert!(b.follow_close(40_500, 41_000).is_some());
+
+        // Restored half-open (written by a node before half-open stopped being stored on a
+        // shared store) since 50 000: a later close is followed, an earlier one not.
+        let mut r = Breaker::new(policy(), 60_000);
+        r.restore(BreakerState::HalfOpen, 50_000);
+        assert!(r.follow_close(49_000, 60_000).is_none());
+        assert!(r.follow_close(55_000, 60_000).is_some());
     }
 
     #[test]

@@ -30,6 +30,16 @@ pub enum StoreError {
     /// The backend failed (I/O, corruption, full disk). Ingest answers 503.
     #[error("storage failure: {0}")]
     Backend(String),
+    /// The store cannot be reached now (a shared store's server is down, or the connection to
+    /// it is being made again): nothing was sent, so nothing of the call was applied. Refused
+    /// at once instead of waiting out a timeout. Ingest answers 503.
+    #[error("storage unavailable: {0}")]
+    Unavailable(String),
+    /// A write was sent and its answer never came (a timeout, a connection lost after the
+    /// send): it may or may not have been applied. Read again to know; a change an operator
+    /// asked for may still take effect.
+    #[error("storage did not answer, the write may or may not have been applied: {0}")]
+    Unanswered(String),
     /// The store was written by another on-disk format version.
     #[error("store format version {found} is not supported (this build reads {expected})")]
     FormatVersion {
@@ -85,6 +95,14 @@ impl StoreError {
             self,
             StoreError::JobChanged(_) | StoreError::EventTooLarge { .. }
         )
+    }
+}
+
+impl StoreError {
+    /// Whether the store could not be reached or did not answer (as opposed to refusing the
+    /// call or failing on its own): the same call may succeed once it answers again.
+    pub fn is_outage(&self) -> bool {
+        matches!(self, StoreError::Unavailable(_) | StoreError::Unanswered(_))
     }
 }
 
@@ -445,8 +463,9 @@ pub trait Store: Send + Sync + 'static {
         retention_ms: i64,
     ) -> BoxFuture<'_, Result<SweepStats, StoreError>>;
 
-    /// Size of the store on disk, in bytes (0 for in-memory stores).
-    fn disk_bytes(&self) -> BoxFuture<'_, u64>;
+    /// Size of the store on disk, in bytes (0 for in-memory stores); `None` when it cannot be
+    /// read now (a shared store's server out of reach): unknown, not empty.
+    fn disk_bytes(&self) -> BoxFuture<'_, Option<u64>>;
 
     /// Whether the store is compacting its file (new writes and reads are refused meanwhile).
     fn compacting(&self) -> bool;
@@ -472,6 +491,12 @@ pub trait Store: Send + Sync + 'static {
 
     /// How many records each bounded kind holds (cheap: kept counts, not scans).
     fn record_counts(&self) -> BoxFuture<'_, Result<RecordCounts, StoreError>>;
+
+    /// This node's identity among the nodes sharing the store (`<data_dir>/node-id`, what jobs
+    /// name as their `runner`); `None` on a store of one node.
+    fn node_id(&self) -> Option<String> {
+        None
+    }
 
     /// Whether several router nodes may share this store (then state an operator sets on one
     /// node, such as a paused target, is followed by the others).

@@ -2203,8 +2203,8 @@ impl Store for RedbStore {
             .clone()
     }
 
-    fn disk_bytes(&self) -> BoxFuture<'_, u64> {
-        async move { RedbStore::disk_bytes(self) }.boxed()
+    fn disk_bytes(&self) -> BoxFuture<'_, Option<u64>> {
+        async move { Some(RedbStore::disk_bytes(self)) }.boxed()
     }
 }
 

@@ -54,6 +54,17 @@ use super::{
 /// asks the view to follow again with a new consumer (`JetStreamStore::caught_up`).
 const VIEW_PATIENCE: std::time::Duration = std::time::Duration::from_secs(3);
 
+/// How often the leases whose commit went unanswered are looked at again
+/// (`settle_unanswered_leases`).
+const UNANSWERED_LEASE_CHECK: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// First wait before a finish the store did not take (unreachable, unanswered) is tried
+/// again; it doubles up to `FINISH_RETRY_MAX`, for as long as the lease lasts.
+const FINISH_RETRY_START: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Longest wait between two tries of a finish the store did not take.
+const FINISH_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// How many sequence numbers a node reserves from a counter at a time. Numbers of a block a
 /// node does not use (it stops) are never used: sequences have gaps, never repeats.
 const SEQ_BLOCK: u64 = 256;
@@ -64,7 +75,11 @@ const MAX_RETRIES: usize = 16;
 
 impl From<RecordsError> for StoreError {
     fn from(e: RecordsError) -> Self {
-        StoreError::Backend(e.to_string())
+        match e {
+            RecordsError::Unavailable(why) => StoreError::Unavailable(why),
+            RecordsError::Unanswered(why) => StoreError::Unanswered(why),
+            e => StoreError::Backend(e.to_string()),
+        }
     }
 }
 
@@ -157,7 +172,13 @@ pub struct JetStreamStore {
     /// The task that keeps `view` up to date; stopped with the store.
     follower: tokio::task::JoinHandle<()>,
     /// The newest revision this node wrote of a record its view follows.
-    written: std::sync::atomic::AtomicU64,
+    written: Arc<std::sync::atomic::AtomicU64>,
+    /// Leases whose commit was sent but never answered (`UnansweredLease`): the worker was
+    /// told the lease failed, so if the server applied it after all, the entry is given back
+    /// with that attempt not counted.
+    unanswered: Unanswered,
+    /// The task that settles `unanswered`; stopped with the store.
+    settler: tokio::task::JoinHandle<()>,
     /// This node's identity (`JetStreamOptions::node`).
     node: String,
     /// The runtime the store was opened on: synchronous reads from plain threads run there.
@@ -188,7 +209,115 @@ impl std::fmt::Debug for JetStreamStore {
 impl Drop for JetStreamStore {
     fn drop(&mut self) {
         self.follower.abort();
+        self.settler.abort();
     }
+}
+
+/// A lease whose commit the server may have applied without its answer reaching this node:
+/// the entry record as this node wrote it, and the revision that write expected.
+#[derive(Debug, Clone)]
+struct UnansweredLease {
+    key: String,
+    expected: u64,
+    written: bytes::Bytes,
+}
+
+/// The leases this node could not tell the outcome of, by entry.
+type Unanswered = Arc<Mutex<HashMap<EntryId, UnansweredLease>>>;
+
+/// Settles the leases of `unanswered` whenever the server can be reached: a lease the server
+/// applied is given back (its attempt dropped, as a lease released unsent: the worker never
+/// sent it), and one it has not is made impossible by writing its record again unchanged,
+/// so that a copy still held by the client and sent once it reconnects finds its expected
+/// revision gone. Without this the entry stayed leased to nobody for a whole lease period
+/// and then counted an attempt that was never made ("interrupted").
+async fn settle_unanswered_leases(
+    records: Arc<Records>,
+    unanswered: Unanswered,
+    written: Arc<std::sync::atomic::AtomicU64>,
+) {
+    loop {
+        tokio::time::sleep(UNANSWERED_LEASE_CHECK).await;
+        let pending: Vec<(EntryId, UnansweredLease)> = unanswered
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(id, l)| (*id, l.clone()))
+            .collect();
+        if pending.is_empty() || !records.connected() {
+            continue;
+        }
+        for (id, lease) in pending {
+            match settle_unanswered_lease(&records, &lease).await {
+                Ok(Some(rev)) => {
+                    written.fetch_max(rev, std::sync::atomic::Ordering::Relaxed);
+                    unanswered
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&id);
+                }
+                Ok(None) => {
+                    unanswered
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&id);
+                }
+                // Raced with another writer of the entry: the next round reads it again.
+                Err(RecordsError::Conflict) => {}
+                Err(e) => {
+                    tracing::debug!(entry = %id, error = %e, "an unanswered lease could not be settled yet");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// One round of `settle_unanswered_leases` for `lease`: `Ok` once it is settled (with the
+/// revision this node wrote, if it wrote one), `Err(Conflict)` to try again.
+async fn settle_unanswered_lease(
+    records: &Records,
+    lease: &UnansweredLease,
+) -> Result<Option<u64>, RecordsError> {
+    let Some(read) = records.get_leader(&lease.key).await? else {
+        return Ok(None);
+    };
+    let write = if read.value.as_ref() == Some(&lease.written) {
+        // Applied: the lease is this node's, and the worker that asked for it is gone.
+        let Some(mut record) = read
+            .value
+            .as_ref()
+            .and_then(|b| serde_json::from_slice::<EntryRecord>(b).ok())
+        else {
+            // This node wrote it, so it decodes; if not, it is not this code's to repair.
+            return Ok(None);
+        };
+        record.entry.lease = None;
+        record.entry.attempts.pop();
+        record.node = None;
+        tracing::warn!(
+            entry = %record.entry.id,
+            target_id = %record.entry.target_id,
+            "a lease whose commit went unanswered was applied after all; given back, its attempt (never sent) not counted"
+        );
+        Write::put(
+            lease.key.clone(),
+            enc(&record),
+            Expect::Revision(read.revision),
+        )
+    } else if read.revision == lease.expected {
+        // Not applied (yet): the same record again, so the lease can no longer be.
+        Write {
+            key: lease.key.clone(),
+            value: read.value.clone(),
+            expect: Expect::Revision(read.revision),
+        }
+    } else {
+        // Changed by someone else: the lease's expectation can never hold again.
+        return Ok(None);
+    };
+    let revs = records.commit(vec![write]).await?;
+    Ok(revs.first().copied())
 }
 
 fn enc<T: Serialize>(v: &T) -> Vec<u8> {
@@ -310,12 +439,21 @@ impl JetStreamStore {
             records.stream(),
             records.prefix().to_string(),
         ));
+        let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let unanswered = Unanswered::default();
+        let settler = tokio::spawn(settle_unanswered_leases(
+            records.clone(),
+            unanswered.clone(),
+            written.clone(),
+        ));
         let store = Self {
             blocks: Mutex::new(HashMap::new()),
             refill: tokio::sync::Mutex::new(()),
             view,
             follower,
-            written: std::sync::atomic::AtomicU64::new(0),
+            written,
+            unanswered,
+            settler,
             runtime: tokio::runtime::Handle::current(),
             node: options.node,
             counts: Mutex::new(None),
@@ -731,6 +869,13 @@ impl JetStreamStore {
     /// Waits until this node's view has every write this node made: what reads answered from
     /// the view (leases, DLQ listings) wait for, so a node always sees its own writes.
     async fn caught_up(&self) -> Result<(), StoreError> {
+        // The view cannot follow a server it is not connected to: waiting for it would only
+        // turn the outage into a slow failure.
+        if !self.records.connected() {
+            return Err(StoreError::Unavailable(
+                "the queue view cannot follow the store: not connected".into(),
+            ));
+        }
         let written = self.written.load(std::sync::atomic::Ordering::Relaxed);
         // A view still behind after a few seconds is more likely following a consumer that
         // went silent (its server died) than slow: it follows again with a new one.
@@ -905,11 +1050,9 @@ impl JetStreamStore {
         };
         // The attempt started here (and a taken-over one's error) may take a record that
         // had just fit over the server's limit.
-        let write = Write::put(
-            entry_key(record.entry.id),
-            self.fit_records(&mut record, None)?.0,
-            Expect::Revision(revision),
-        );
+        let bytes = bytes::Bytes::from(self.fit_records(&mut record, None)?.0);
+        let key = entry_key(record.entry.id);
+        let write = Write::put(key.clone(), bytes.clone(), Expect::Revision(revision));
         match self.commit(vec![write]).await {
             Ok(revs) => {
                 let lease = Lease {
@@ -921,6 +1064,21 @@ impl JetStreamStore {
                 Ok(Some((entry, lease)))
             }
             Err(RecordsError::Conflict) => Ok(None),
+            Err(e @ RecordsError::Unanswered(_)) => {
+                // The caller is told it failed; if it was applied, it is given back.
+                self.unanswered
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(
+                        record.entry.id,
+                        UnansweredLease {
+                            key,
+                            expected: revision,
+                            written: bytes,
+                        },
+                    );
+                Err(e.into())
+            }
             Err(e) => Err(e.into()),
         }
     }
@@ -1186,20 +1344,42 @@ impl JetStreamStore {
         // A conflict is either the lease taken over (fenced) or a key-value record of the
         // outbox changed by another delivery: the second is read again and retried, from
         // the stream's leader (a lagging replica would lose the same race again).
-        for attempt in 0..MAX_RETRIES {
-            let fresh = attempt > 0;
+        //
+        // A store out of reach, or a commit left unanswered, is tried again for as long as
+        // the lease lasts (on this process's clock, from `now`): the attempt has happened, and
+        // given up on, it counted as interrupted and was made again once the lease expired.
+        // Trying again is safe under the lease's fencing token: the entry must still be at
+        // that revision, so at most one of the tries is applied, and a try whose answer was
+        // lost is recognised by the entry it wrote (`sent`).
+        let lease_left = u64::try_from(lease.until.saturating_sub(now)).unwrap_or(0);
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(lease_left);
+        let mut sent = Vec::new();
+        let mut contended = 0;
+        let mut wait = FINISH_RETRY_START;
+        let mut fresh = false;
+        loop {
             match self
-                .finish_once(id, lease, &end, &disposition, now, fresh)
+                .finish_once(id, lease, &end, &disposition, now, fresh, &mut sent)
                 .await
             {
-                Err(FinishError::Contended) => continue,
+                Err(FinishError::Contended) if contended + 1 < MAX_RETRIES => contended += 1,
+                Err(FinishError::Store(e))
+                    if e.is_outage() && tokio::time::Instant::now() + wait < deadline =>
+                {
+                    tracing::debug!(entry = %id, error = %e, "finish not recorded yet; trying again");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(FINISH_RETRY_MAX);
+                }
                 other => return other,
             }
+            fresh = true;
         }
-        Err(FinishError::Contended)
     }
 
     /// One try of `finish`; with `fresh`, every record is read from the stream's leader.
+    /// `sent` holds the entry records (and what each try answers) of earlier tries whose
+    /// commit went unanswered: finding one of them stored means that try was applied.
+    #[allow(clippy::too_many_arguments)]
     async fn finish_once(
         &self,
         id: EntryId,
@@ -1208,6 +1388,7 @@ impl JetStreamStore {
         disposition: &Disposition,
         now: Millis,
         fresh: bool,
+        sent: &mut Vec<(bytes::Bytes, Finished)>,
     ) -> Result<Finished, FinishError> {
         // The lease's token is the revision this node's lease wrote, so an older answer is a
         // replica's that has not applied the lease yet: read from the leader instead. Taken
@@ -1226,7 +1407,10 @@ impl JetStreamStore {
             return Err(FinishError::NotFound);
         };
         if revision != lease.token {
-            return Err(FinishError::Fenced);
+            return match sent.iter().find(|(b, _)| *b == bytes) {
+                Some((_, finished)) => Ok(finished.clone()),
+                None => Err(FinishError::Fenced),
+            };
         }
         let mut record: EntryRecord = dec("entries", &bytes)?;
         record.entry.id = id;
@@ -1280,12 +1464,17 @@ impl JetStreamStore {
             }
         }
         let (entry_bytes, dlq_bytes) = self.fit_records(&mut record, dlq.as_mut())?;
+        let entry_bytes = bytes::Bytes::from(entry_bytes);
         if let (Some(d), Some(bytes)) = (&dlq, dlq_bytes) {
             writes.push(Write::put(dlq_key(d.id), bytes, Expect::Revision(0)));
         }
         writes.insert(
             0,
-            Write::put(entry_key(id), entry_bytes, Expect::Revision(revision)),
+            Write::put(
+                entry_key(id),
+                entry_bytes.clone(),
+                Expect::Revision(revision),
+            ),
         );
         // A held key's record goes before the entry's: views apply a batch in order, and one
         // that saw the entry gone before the key held proposed the key's next entry, which
@@ -1315,8 +1504,17 @@ impl JetStreamStore {
                 {
                     // Still ours: an outbox record changed; `finish` tries again.
                     Some(v) if v.revision == revision => Err(FinishError::Contended),
-                    _ => Err(FinishError::Fenced),
+                    // An earlier try, unanswered, may have been applied in the meantime.
+                    Some(v) => sent
+                        .iter()
+                        .find(|(b, _)| v.value.as_ref() == Some(b))
+                        .map_or(Err(FinishError::Fenced), |(_, f)| Ok(f.clone())),
+                    None => Err(FinishError::Fenced),
                 }
+            }
+            Err(e @ RecordsError::Unanswered(_)) => {
+                sent.push((entry_bytes, Finished { overflowed }));
+                Err(StoreError::from(e).into())
             }
             Err(e) => Err(StoreError::from(e).into()),
         }

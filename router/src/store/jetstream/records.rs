@@ -16,7 +16,7 @@
 //! must expect.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -128,6 +128,17 @@ pub enum RecordsError {
     /// The server timed out or could not be reached.
     #[error("NATS JetStream: {0}")]
     Server(String),
+    /// The client is not connected to the server (it lost the connection and is trying to
+    /// reconnect): nothing was sent. Refused at once rather than handed to the client, which
+    /// would buffer the message and send it once it reconnects, long after its caller gave up
+    /// on it (a lease recorded 40 s after the worker saw it fail, a pause applied after the
+    /// operator was told 503).
+    #[error("NATS JetStream unreachable, nothing sent: {0}")]
+    Unavailable(String),
+    /// A commit was sent but its answer never came (a timeout, a connection lost after the
+    /// send): it may or may not have been applied. Read the records again to know.
+    #[error("NATS JetStream did not answer, the write may or may not have been applied: {0}")]
+    Unanswered(String),
 }
 
 impl RecordsError {
@@ -143,8 +154,21 @@ impl RecordsError {
             | Self::RecordTooLarge { .. }
             | Self::TooLarge(_)
             | Self::SameRecordTwice(_) => true,
-            Self::Unsupported(_) | Self::Busy(_) | Self::Server(_) => false,
+            Self::Unsupported(_)
+            | Self::Busy(_)
+            | Self::Server(_)
+            | Self::Unavailable(_)
+            | Self::Unanswered(_) => false,
         }
+    }
+
+    /// Whether this says the server is out of reach or not answering (as opposed to an answer
+    /// refusing the request): what `Records::writable` goes by.
+    fn is_outage(&self) -> bool {
+        matches!(
+            self,
+            Self::Server(_) | Self::Unavailable(_) | Self::Unanswered(_)
+        )
     }
 }
 
@@ -272,9 +296,17 @@ pub struct Records {
     /// still asked for real (`Records::lag_behind`).
     #[cfg(test)]
     lagging: Mutex<HashMap<String, Option<Versioned>>>,
+    /// Whether the last commit failed for want of the server (unreachable, no answer): then
+    /// the store does not take writes, whatever the connection's state says, until a commit
+    /// succeeds again (`Records::writable`).
+    commits_failing: AtomicBool,
     /// For tests: how many commits the server refused as busy (`Records::commit_now`).
     #[cfg(test)]
     busy_refusals: AtomicU64,
+    /// For tests: how many of the next commits have their answer lost after the server
+    /// applied them, as when the connection drops between the send and the answer.
+    #[cfg(test)]
+    lose_answers: AtomicUsize,
 }
 
 /// A transaction waiting for the group committer, and where its answer goes.
@@ -456,10 +488,13 @@ impl Records {
             group: tx,
             written: Mutex::new(HashMap::new()),
             stream_max_msg,
+            commits_failing: AtomicBool::new(false),
             #[cfg(test)]
             lagging: Mutex::default(),
             #[cfg(test)]
             busy_refusals: AtomicU64::new(0),
+            #[cfg(test)]
+            lose_answers: AtomicUsize::new(0),
         });
         tokio::spawn(group_commits(Arc::downgrade(&records), rx));
         Ok(records)
@@ -478,6 +513,40 @@ impl Records {
     /// The bound on each request to the server.
     pub fn timeout(&self) -> Duration {
         self.config.timeout
+    }
+
+    /// Whether the client is connected to a server now.
+    pub fn connected(&self) -> bool {
+        self.client.connection_state() == async_nats::connection::State::Connected
+    }
+
+    /// Whether writes can be expected to succeed now: the client is connected and the last
+    /// commit did not fail for want of the server (a connected server whose stream has no
+    /// leader answers no write either).
+    pub fn writable(&self) -> bool {
+        self.connected() && !self.commits_failing.load(Ordering::Relaxed)
+    }
+
+    /// `Unavailable` unless the client is connected: every request checks this first, so a
+    /// request made during an outage fails at once and is never sent later (see
+    /// `RecordsError::Unavailable`). A connection lost between this check and the send can
+    /// still hold a message back until it reconnects: that is a commit `Unanswered`.
+    fn ensure_connected(&self, what: &str) -> Result<(), RecordsError> {
+        if self.connected() {
+            Ok(())
+        } else {
+            Err(RecordsError::Unavailable(format!(
+                "{what}: not connected to {}",
+                self.config.url
+            )))
+        }
+    }
+
+    /// For tests: the answers of the next `n` commits are lost after the server applied
+    /// them (`lose_answers`).
+    #[cfg(test)]
+    pub fn lose_next_answers(&self, n: usize) {
+        self.lose_answers.store(n, Ordering::Relaxed);
     }
 
     /// The subject of record `key`.
@@ -529,6 +598,7 @@ impl Records {
         {
             return Ok(read.clone());
         }
+        self.ensure_connected(&format!("read {key}"))?;
         match self
             .stream
             .direct_get_last_for_subject(self.subject(key))
@@ -569,6 +639,7 @@ impl Records {
     /// cannot be checked by a compare-and-set (an operator's purge or release, a fate), or a
     /// read again after a conflict.
     pub async fn get_leader(&self, key: &str) -> Result<Option<Versioned>, RecordsError> {
+        self.ensure_connected(&format!("read {key} from the leader"))?;
         match self
             .stream
             .get_last_raw_message_by_subject(&self.subject(key))
@@ -632,6 +703,7 @@ impl Records {
 
     /// Reads the stream's `max_msg_size` again (an operator may have lowered it since open).
     async fn refresh_limits(&self) -> Result<(), RecordsError> {
+        self.ensure_connected("stream info")?;
         let info = self
             .stream
             .get_info()
@@ -680,6 +752,7 @@ impl Records {
     ) -> Result<(), RecordsError> {
         use futures::StreamExt;
         let err = |e: &dyn std::fmt::Display| RecordsError::Server(format!("scan {kind}: {e}"));
+        self.ensure_connected(&format!("scan {kind}"))?;
         let deliver_policy = match from {
             ScanFrom::Start | ScanFrom::Revision(0) => jetstream::consumer::DeliverPolicy::All,
             ScanFrom::Revision(start_sequence) => {
@@ -742,6 +815,7 @@ impl Records {
 
     /// Bytes the records' stream holds on the server.
     pub async fn stream_bytes(&self) -> Result<u64, RecordsError> {
+        self.ensure_connected("stream info")?;
         self.stream
             .get_info()
             .await
@@ -774,6 +848,7 @@ impl Records {
         // left the batch open on the server (holding one of the stream's few batch places
         // until the server's batch timeout) and, in a group, failed every transaction of it.
         self.check_sizes(&writes)?;
+        self.ensure_connected("commit")?;
         if writes.len() == 1 {
             return self.commit_now(writes).await;
         }
@@ -856,9 +931,16 @@ impl Records {
                     tokio::time::sleep(wait).await;
                     tries += 1;
                 }
-                other => break other?,
+                Err(e) => {
+                    if e.is_outage() {
+                        self.commits_failing.store(true, Ordering::Relaxed);
+                    }
+                    return Err(e);
+                }
+                Ok(revisions) => break revisions,
             }
         };
+        self.commits_failing.store(false, Ordering::Relaxed);
         self.remember(keys, &revisions);
         Ok(revisions)
     }
@@ -876,6 +958,8 @@ impl Records {
                     .map_err(|_| RecordsError::Server("the record store is closed".into()))?,
             ),
         };
+        // Checked here, after the wait for a batch place, which can be long.
+        self.ensure_connected("commit")?;
         let batch = format!(
             "{}-{}",
             self.node,
@@ -925,11 +1009,31 @@ impl Records {
                     self.client
                         .send_request(subject, request)
                         .await
-                        .map_err(|e| RecordsError::Server(format!("commit: {e}")))?,
+                        .map_err(|e| match e.kind() {
+                            // Sent, or held by the client to be sent once it reconnects: the
+                            // server may apply it still.
+                            async_nats::RequestErrorKind::TimedOut
+                            | async_nats::RequestErrorKind::Other => {
+                                RecordsError::Unanswered(format!("commit: {e}"))
+                            }
+                            // Refused before it was sent, or nobody took it (no stream leader
+                            // listens on the subject now).
+                            _ => RecordsError::Server(format!("commit: {e}")),
+                        })?,
                 );
             }
         }
         let reply = reply.ok_or_else(|| RecordsError::Server("no commit reply".into()))?;
+        #[cfg(test)]
+        if self
+            .lose_answers
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(RecordsError::Unanswered(
+                "commit: the answer was lost (test)".into(),
+            ));
+        }
         let ack: BatchAck = serde_json::from_slice(&reply.payload)
             .map_err(|e| RecordsError::Server(format!("commit reply: {e}")))?;
         if let Some(err) = ack.error {

@@ -305,9 +305,20 @@ impl Store for JetStreamStore {
         JetStreamStore::sweep(self, now, dedup_window_ms, retention_ms).boxed()
     }
 
-    fn disk_bytes(&self) -> BoxFuture<'_, u64> {
-        // What the server holds for this store (its own disk, not this node's).
-        async move { self.records.stream_bytes().await.unwrap_or(0) }.boxed()
+    fn disk_bytes(&self) -> BoxFuture<'_, Option<u64>> {
+        // What the server holds for this store (its own disk, not this node's); unknown, not
+        // 0, while the server cannot say.
+        async move { self.records.stream_bytes().await.ok() }.boxed()
+    }
+
+    fn node_id(&self) -> Option<String> {
+        Some(self.node.clone())
+    }
+
+    fn writable(&self) -> bool {
+        // Connected, and the last commit did not fail for want of the server: during an
+        // outage every write answers 503, so `/readyz` must say not ready.
+        self.records.writable()
     }
 
     fn compacting(&self) -> bool {

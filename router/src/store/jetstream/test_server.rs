@@ -218,6 +218,33 @@ impl TestServer {
         }
     }
 
+    /// Freezes the server (SIGSTOP): its connections stay open and nothing is answered, as a
+    /// server that hangs or a network that drops packets without closing anything.
+    pub fn stop_answering(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Undoes `stop_answering` (SIGCONT).
+    pub fn answer_again(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("the server runs").id();
+        let ok = Command::new("kill")
+            .arg(signal)
+            .arg(pid.to_string())
+            .status()
+            .expect("run kill");
+        assert!(ok.success(), "kill {signal} {pid}");
+    }
+
+    /// Starts a server stopped by `kill` again, on the same store directory and port.
+    pub fn start_again(&mut self) {
+        assert!(self.child.is_none(), "the server is still running");
+        self.spawn();
+    }
+
     /// Kills the server with SIGKILL (no shutdown of its own) and starts it again on the same
     /// store directory and port.
     pub fn kill_and_restart(&mut self) {

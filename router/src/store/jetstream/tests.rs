@@ -870,6 +870,170 @@ async fn an_expired_lease_is_taken_over_and_the_late_worker_is_fenced() {
     assert!(matches!(r, Err(FinishError::Fenced)), "{r:?}");
 }
 
+/// Polls `ok` every 20 ms for up to `secs` seconds; panics with `what` if it never holds.
+async fn eventually(secs: u64, what: &str, mut ok: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while !ok() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: not within {secs} s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// Leases one entry of `target` at `now`, trying for up to `secs` seconds (while the view
+/// follows again after a reconnect, or an entry is given back).
+async fn lease_within(s: &JetStreamStore, target: &str, now: Millis, secs: u64) -> Leased {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        if let Ok(mut got) = s.lease(target, now, 1, 30_000).await
+            && !got.is_empty()
+        {
+            return got.remove(0);
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "nothing of {target} could be leased within {secs} s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+/// While the server is down, a lease fails at once as unavailable, and is not sent once the
+/// client reconnects. Handed to the client, it waited out the request timeout and was then
+/// sent on the reconnect: the entry stayed leased to a worker that had given up on it for a
+/// whole lease period, and that attempt, never made, counted (`retries_exhausted` for
+/// deliveries that had succeeded). The store says it takes no writes meanwhile, and its size
+/// is unknown, not 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_while_the_server_is_down_fails_at_once_and_never_lands_later() {
+    use crate::store::Store as _;
+    let mut server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![new_event("/o", "e1", &["a"], 1_000)])
+        .await
+        .expect("accept");
+    s.settled().await;
+    assert!(s.writable());
+    server.kill();
+    eventually(10, "the client sees the server gone", || {
+        !s.records.connected()
+    })
+    .await;
+    assert!(!s.writable(), "writable with the server down");
+    let started = std::time::Instant::now();
+    let r = s.lease("a", 2_000, 1, 30_000).await;
+    assert!(matches!(r, Err(StoreError::Unavailable(_))), "{r:?}");
+    let r = s.accept(vec![new_event("/o", "e2", &["a"], 2_000)]).await;
+    assert!(matches!(r, Err(StoreError::Unavailable(_))), "{r:?}");
+    assert_eq!(s.disk_bytes().await, None, "the stream's size is unknown");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(1),
+        "took {:?} to fail",
+        started.elapsed()
+    );
+    server.start_again();
+    eventually(20, "the client reconnects", || s.records.connected()).await;
+    let l = lease_within(&s, "a", 2_000, 10).await;
+    assert_eq!(l.entry.attempts.len(), 1, "{:?}", l.entry.attempts);
+    assert!(s.writable());
+    assert!(s.disk_bytes().await.is_some_and(|b| b > 0));
+}
+
+/// A lease the server applied but whose answer was lost (the connection dropped between the
+/// send and the answer) was seen by its worker as failed: the entry is given back at once,
+/// without the attempt that was never sent. It stayed leased to nobody for a whole lease
+/// period, then its take-over counted that attempt as interrupted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_applied_but_unanswered_is_given_back_without_its_attempt() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![new_event("/o", "e1", &["a"], 1_000)])
+        .await
+        .expect("accept");
+    s.settled().await;
+    s.records.lose_next_answers(1);
+    let r = s.lease("a", 2_000, 1, 30_000).await;
+    assert!(matches!(r, Err(StoreError::Unanswered(_))), "{r:?}");
+    // Within the lease's 30 s, and with no attempt counted.
+    let l = lease_within(&s, "a", 2_000, 10).await;
+    assert_eq!(l.entry.attempts.len(), 1, "{:?}", l.entry.attempts);
+    assert_eq!(l.entry.attempts[0].started_at, 2_000);
+    deliver(&s, &l, 2_100).await.expect("deliver");
+}
+
+/// A delivered finish whose answer was lost is tried again and recognised as applied, instead
+/// of failing: failed, the delivered entry was taken over once its lease expired, sent again
+/// and its first attempt counted as interrupted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finish_applied_but_unanswered_is_recognised_as_done() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![new_event("/o", "e1", &["a"], 1_000)])
+        .await
+        .expect("accept");
+    let l = lease_ok(&s, "a", 2_000, 1, 30_000).await.remove(0);
+    s.records.lose_next_answers(1);
+    deliver(&s, &l, 2_100).await.expect("deliver");
+    let fate = s.fate("/o", "e1").await.expect("fate").expect("known");
+    assert_eq!(fate.entries[0].state, EntryState::Delivered);
+    assert_eq!(fate.entries[0].attempts.len(), 1);
+}
+
+/// A finish made while the server is down is tried again while the lease lasts, and recorded
+/// once the server is back: the attempt happened, and giving up on it sent the event again
+/// after the lease expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finish_during_a_short_outage_is_recorded_once_the_server_is_back() {
+    let mut server = TestServer::start();
+    let s = Arc::new(store(&server).await);
+    s.accept(vec![new_event("/o", "e1", &["a"], 1_000)])
+        .await
+        .expect("accept");
+    let l = lease_ok(&s, "a", 2_000, 1, 30_000).await.remove(0);
+    server.kill();
+    eventually(10, "the client sees the server gone", || {
+        !s.records.connected()
+    })
+    .await;
+    let finishing = {
+        let s = s.clone();
+        tokio::spawn(async move { deliver(&s, &l, 2_100).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    assert!(!finishing.is_finished(), "the finish gave up");
+    server.start_again();
+    finishing
+        .await
+        .expect("task")
+        .expect("the finish was recorded");
+    let fate = s.fate("/o", "e1").await.expect("fate").expect("known");
+    assert_eq!(fate.entries[0].state, EntryState::Delivered);
+    assert_eq!(fate.entries[0].attempts.len(), 1);
+}
+
+/// A server that stops answering without closing its connection (the client still counts
+/// itself connected) holds each request for the store's timeout: a scrape's store reads go
+/// together within their bound (they took a timeout each, one after another, past
+/// Prometheus' scrape timeout), and the store's size is left out rather than shown as 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scrape_of_a_store_that_does_not_answer_ends_within_its_bound() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let metrics = crate::telemetry::Metrics::new();
+    let text = metrics.render(&s, 1_000).await;
+    assert!(text.contains("\nrouter_store_bytes "), "{text}");
+    server.stop_answering();
+    let started = std::time::Instant::now();
+    let text = metrics.render(&s, 2_000).await;
+    let took = started.elapsed();
+    server.answer_again();
+    // The bound is 2 s; the store's timeout here is 10 s a read.
+    assert!(took < std::time::Duration::from_secs(5), "took {took:?}");
+    assert!(!text.contains("\nrouter_store_bytes "), "{text}");
+}
+
 /// A retry waits on the server, not in memory: after the server's kill -9 and a new node, the
 /// entry is due at the time set, with its attempt counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
