@@ -686,10 +686,40 @@ async fn hold_off(
     }
     let id = &rt.spec.id;
     tracing::warn!(target_id = %id, until = %crate::clock::rfc3339(until), "the receiver asked to hold off (Retry-After); nothing is sent to it until then");
-    let state = serde_json::to_value(rt.persisted()).unwrap_or_default();
+    let state = if ctx.store.shared() {
+        // The record is every node's: only the pause is this node's to write. Its whole
+        // state would put its breaker over the record's, a half-open over another node's
+        // close among them (see `persists`).
+        match ctx.store.target_states().await {
+            Ok(states) => with_retry_after(&states, id, until),
+            Err(e) => {
+                tracing::warn!(target_id = %id, error = %e, "could not read the target's stored state to add the Retry-After pause; this node holds off until a restart, the others do not follow it");
+                return;
+            }
+        }
+    } else {
+        rt.persisted()
+    };
+    let state = serde_json::to_value(state).unwrap_or_default();
     if let Err(e) = ctx.store.put_target_state(id, state).await {
         tracing::warn!(target_id = %id, error = %e, "could not persist the Retry-After pause; it holds until a restart");
     }
+}
+
+/// Target `id`'s stored state (among `states`) with the receiver's pause until `until` added:
+/// what a node sharing its store writes for a Retry-After, the rest left as stored.
+fn with_retry_after(
+    states: &[(String, serde_json::Value)],
+    id: &str,
+    until: Millis,
+) -> crate::deliver::PersistedState {
+    let mut state: crate::deliver::PersistedState = states
+        .iter()
+        .find(|(k, _)| k == id)
+        .and_then(|(_, v)| serde_json::from_value(v.clone()).ok())
+        .unwrap_or_default();
+    state.retry_after_until = Some(state.retry_after_until.map_or(until, |u| u.max(until)));
+    state
 }
 
 /// What follows for `leased` from the outcome of the request that carried it.
@@ -1548,6 +1578,38 @@ pub fn system_event(ty: &str, target: &str, now: i64) -> CloudEvent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// On a shared store a Retry-After pause is written into the target's stored state and
+    /// nothing else of this node's: another node's open breaker in the record stays, and a
+    /// longer pause already there is kept.
+    #[test]
+    fn a_retry_after_on_a_shared_store_keeps_the_rest_of_the_record() {
+        let open = BreakerState::Open { until: 50_000 };
+        let stored = crate::deliver::PersistedState {
+            breaker: Some((open, 1_000)),
+            paused: false,
+            retry_after_until: Some(9_000),
+        };
+        let states = vec![
+            ("other".to_string(), serde_json::json!({})),
+            (
+                "t".to_string(),
+                serde_json::to_value(&stored).expect("json"),
+            ),
+        ];
+        let s = with_retry_after(&states, "t", 20_000);
+        assert_eq!(s.breaker, Some((open, 1_000)));
+        assert_eq!(s.retry_after_until, Some(20_000));
+        assert_eq!(
+            with_retry_after(&states, "t", 5_000).retry_after_until,
+            Some(9_000)
+        );
+        let fresh = with_retry_after(&states, "new", 7_000);
+        assert_eq!(
+            (fresh.breaker, fresh.retry_after_until),
+            (None, Some(7_000))
+        );
+    }
 
     /// On a shared store a half-open is not written into the target's record (it wrote over
     /// another node's close); opens and closes are, and everything on a store of one node.
