@@ -13,6 +13,10 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
+/// The lowest `rate_per_sec` a token may have: one event in 1000 s. Below it a refusal's
+/// Retry-After runs to days or years, which is a lock-out, not a rate.
+pub const MIN_TOKEN_RATE: f64 = 0.001;
+
 /// One configured token (`[[auth.tokens]]`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -313,11 +317,12 @@ impl Tokens {
             // A rate of zero or less (or NaN) is no rate: the limiter let a first request
             // through and answered the next ones 429 with a Retry-After of 1000000 s (11
             // days). An infinite one built no limiter at all.
+            // Nor is one below a thousandth (1e-9 made every refusal a Retry-After of years).
             if let Some(rate) = t.rate_per_sec
-                && !(rate.is_finite() && rate > 0.0)
+                && !(rate.is_finite() && rate >= MIN_TOKEN_RATE)
             {
                 return Err(err(format!(
-                    "rate_per_sec = {rate} is not a rate: give a number of events per second above 0, or leave it out for no limit"
+                    "rate_per_sec = {rate} is not a rate: give a number of events per second of at least {MIN_TOKEN_RATE} (one event in 1000 s), or leave it out for no limit"
                 )));
             }
             let bytes =
@@ -694,7 +699,16 @@ mod tests {
                 team: None,
             }])
         };
-        for rate in [0.0, -0.0, -5.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+        for rate in [
+            0.0,
+            -0.0,
+            -5.0,
+            1e-9,
+            0.0009,
+            f64::NAN,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+        ] {
             let e = load(rate).expect_err(&rate.to_string()).to_string();
             assert!(
                 e.contains("auth.tokens[0] (shop)") && e.contains("rate_per_sec"),
