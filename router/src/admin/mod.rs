@@ -1732,15 +1732,16 @@ mod tests {
             let body = r.into_body().collect().await.expect("body").to_bytes();
             serde_json::from_slice(&body).expect("JSON")
         }
-        for query in [
-            "target=a&target=b",
-            "reason=x&since=2026-01-01T00:00:00Z&reason=y",
+        for (query, pointer) in [
+            ("target=a&target=b", "/target"),
+            ("reason=x&since=2026-01-01T00:00:00Z&reason=y", "/reason"),
         ] {
             let list = refusal(ApiQuery::<DlqQuery>::parse(query).unwrap_err()).await;
             let summary = refusal(ApiQuery::<SummaryQuery>::parse(query).unwrap_err()).await;
             assert_eq!(summary, list, "{query}");
             let message = summary["errors"][0]["message"].as_str().unwrap_or_default();
             assert!(message.contains("duplicate field"), "{summary}");
+            assert_eq!(summary["errors"][0]["pointer"], pointer, "{summary}");
         }
         assert!(ApiQuery::<SummaryQuery>::parse("bucket=1h&bucket=2h").is_err());
         assert!(

@@ -18,8 +18,11 @@ use crate::ingest::error_response;
 pub(crate) fn error_pointer<E: std::fmt::Display>(e: &serde_path_to_error::Error<E>) -> String {
     let mut out = pointer(e.path());
     let message = e.inner().to_string();
-    let missing = message
-        .strip_prefix("missing field `")
+    // serde names a missing or repeated field only in its message (the path stops at the
+    // object holding it); a query parameter given twice is a repeated field.
+    let missing = ["missing field `", "duplicate field `"]
+        .iter()
+        .find_map(|p| message.strip_prefix(p))
         .and_then(|rest| rest.split_once('`'))
         .map(|(name, _)| crate::event::pointer_token(name));
     if let Some(name) = missing {
