@@ -1289,6 +1289,17 @@ mod tests {
     }
 
     /// An app on `test_config` (one target, `hook`) over a redb store on `disk`.
+    /// Event `id` from `/s`, quarantined as a contract violation: a dead letter without a
+    /// target once accepted, what a redrive of the whole DLQ moves.
+    fn quarantined(id: &str) -> crate::store::NewEvent {
+        let mut ne = new_event("/s", id, &[], 0);
+        ne.quarantine = Some(Quarantine {
+            reason: DlqReason::ContractViolation,
+            errors: Vec::new(),
+        });
+        ne
+    }
+
     fn app_on(disk: &SimulatedDisk) -> (tempfile::TempDir, Arc<App>) {
         let dir = tempfile::tempdir().expect("tempdir");
         let d = disk.clone();
@@ -1763,14 +1774,6 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_redrive_counts_what_another_job_took_first_as_skipped() {
         let (_dir, app) = app_on(&SimulatedDisk::new());
-        let quarantined = |id: &str| {
-            let mut ne = new_event("/s", id, &[], 0);
-            ne.quarantine = Some(Quarantine {
-                reason: DlqReason::ContractViolation,
-                errors: Vec::new(),
-            });
-            ne
-        };
         app.store
             .accept(vec![quarantined("a"), quarantined("b")])
             .await
@@ -1852,14 +1855,6 @@ mod tests {
     async fn a_step_the_store_fails_waits_shows_its_error_and_goes_on() {
         let disk = SimulatedDisk::new();
         let (_dir, app) = app_on(&disk);
-        let quarantined = |id: &str| {
-            let mut ne = new_event("/s", id, &[], 0);
-            ne.quarantine = Some(Quarantine {
-                reason: DlqReason::ContractViolation,
-                errors: Vec::new(),
-            });
-            ne
-        };
         app.store
             .accept(vec![quarantined("a"), quarantined("b")])
             .await
