@@ -1665,6 +1665,37 @@ async fn a_request_head_over_max_header_bytes_is_431() {
     assert_eq!(status(70_000).await, 431);
 }
 
+/// No body is decoded: a handler upload or an API change sent with a `Content-Encoding` is
+/// refused as such (415, pointer `/content-encoding`), not as an invalid component or
+/// malformed JSON, and nothing changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compressed_change_is_refused_as_such() {
+    let r = RouterProc::start(&[], &[]);
+    let upload = client()
+        .put(r.url("/v1/handlers/noop"))
+        .header("content-type", "application/wasm")
+        .header("content-encoding", "gzip")
+        .body(crate::handlers::plugin("noop"))
+        .send()
+        .await
+        .expect("upload");
+    assert_eq!(upload.status().as_u16(), 415);
+    let body: Value = upload.json().await.expect("json");
+    assert_eq!(body["errors"][0]["pointer"], "/content-encoding", "{body}");
+    assert_eq!(get_json(&r, "/v1/handlers/noop").await.0, 404);
+    let purge = client()
+        .post(r.url("/v1/dlq/purge"))
+        .header("content-type", "application/json")
+        .header("content-encoding", "br")
+        .body(r#"{"filter": {"all": true}}"#)
+        .send()
+        .await
+        .expect("purge");
+    assert_eq!(purge.status().as_u16(), 415);
+    let body: Value = purge.json().await.expect("json");
+    assert_eq!(body["errors"][0]["pointer"], "/content-encoding", "{body}");
+}
+
 /// A job list's `after=<job id>` resolves only among the caller's jobs: another team's job
 /// answers exactly as one that does not exist, so paging does not tell a team which jobs
 /// other teams run.

@@ -300,7 +300,7 @@ fn media_essence(ct: &str) -> String {
 
 /// The request's content coding when it is not `identity` (every `Content-Encoding` value,
 /// as sent), or `None`.
-fn content_coding(headers: &HeaderMap) -> Option<String> {
+pub(crate) fn content_coding(headers: &HeaderMap) -> Option<String> {
     let values = headers.get_all(http::header::CONTENT_ENCODING);
     let identity = values.iter().all(|v| {
         v.to_str().is_ok_and(|v| {
