@@ -432,6 +432,13 @@ impl std::fmt::Debug for Records {
     }
 }
 
+/// How often the client pings the server. A server that stops answering without closing the
+/// connection (hung, or a network dropping packets) is given up after three unanswered pings,
+/// and only then does the store refuse at once (`RecordsError::Unavailable`) and `/readyz`
+/// say so: with async-nats' default of 60 s that took three minutes, every write meanwhile
+/// waiting out its timeout.
+const PING_INTERVAL: Duration = Duration::from_secs(5);
+
 impl Records {
     /// Connects, checks the server, and creates the stream (or checks an existing one has
     /// the settings this layer relies on).
@@ -441,6 +448,7 @@ impl Records {
         let client = async_nats::ConnectOptions::new()
             .connection_timeout(config.timeout)
             .request_timeout(Some(config.timeout))
+            .ping_interval(PING_INTERVAL)
             .name("router-store")
             .connect(servers.as_slice())
             .await

@@ -1034,6 +1034,39 @@ async fn a_scrape_of_a_store_that_does_not_answer_ends_within_its_bound() {
     assert!(!text.contains("\nrouter_store_bytes "), "{text}");
 }
 
+/// A server that stops answering without closing the connection is noticed within a few
+/// pings: the store then says it is not writable (`/readyz` 503) and refuses at once, instead
+/// of every write waiting out its timeout until async-nats' default 60 s pings gave up on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_stops_answering_is_noticed_within_a_few_pings() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    assert!(crate::store::Store::writable(&s));
+    server.stop_answering();
+    let started = std::time::Instant::now();
+    // Three pings 5 s apart, and a margin for a loaded machine (the default took 180 s).
+    while crate::store::Store::writable(&s)
+        && started.elapsed() < std::time::Duration::from_secs(40)
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let noticed = started.elapsed();
+    // Read before the server is let go: once it answers, the client's pending reconnect can
+    // complete within the few milliseconds `answer_again` takes.
+    let frozen_writable = crate::store::Store::writable(&s);
+    server.answer_again();
+    assert!(!frozen_writable, "still writable after {noticed:?}");
+    let back = std::time::Instant::now();
+    while !crate::store::Store::writable(&s) && back.elapsed() < std::time::Duration::from_secs(40)
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    assert!(
+        crate::store::Store::writable(&s),
+        "not writable again after the server answered"
+    );
+}
+
 /// A retry waits on the server, not in memory: after the server's kill -9 and a new node, the
 /// entry is due at the time set, with its attempt counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
