@@ -679,16 +679,10 @@ impl Dispatcher {
     /// and logged here, not persisted or raised as a system event again (that node did both).
     /// Returns whether it opened.
     pub fn follow_breaker_open(&self, id: &str, until: i64) -> bool {
-        let Some(rt) = self.runtime(id) else {
+        let Some(t) = self.follow_breaker(id, |b, now| b.follow_open(until, now)) else {
             return false;
         };
-        let now = self.ctx.clock.now_ms();
-        let Some(t) = rt.breaker().and_then(|mut b| b.follow_open(until, now)) else {
-            return false;
-        };
-        worker::count_transition(&self.ctx, id, &t);
         tracing::warn!(target_id = %id, failure_rate = t.failure_rate, requests = t.requests, open_until = %crate::clock::rfc3339(until), "circuit breaker opened: another node's breaker for this target opened, and this node has seen it fail too");
-        self.ctx.store.notifier(id).notify_one();
         true
     }
 
@@ -698,20 +692,33 @@ impl Dispatcher {
     /// logged here as a followed transition, not persisted or raised again (that node did
     /// both). Returns whether it closed.
     pub fn follow_breaker_close(&self, id: &str, closed_at: i64) -> bool {
-        let Some(rt) = self.runtime(id) else {
+        if self
+            .follow_breaker(id, |b, now| b.follow_close(closed_at, now))
+            .is_none()
+        {
             return false;
-        };
-        let now = self.ctx.clock.now_ms();
-        let Some(t) = rt
-            .breaker()
-            .and_then(|mut b| b.follow_close(closed_at, now))
-        else {
-            return false;
-        };
-        worker::count_transition(&self.ctx, id, &t);
+        }
         tracing::warn!(target_id = %id, closed_at = %crate::clock::rfc3339(closed_at), "circuit breaker closed: another node's breaker for this target closed (its probe succeeded) after this one opened");
-        self.ctx.store.notifier(id).notify_one();
         true
+    }
+
+    /// What following another node's breaker transition shares: `change` applied to target
+    /// `id`'s breaker at the clock's now, and a transition it made counted (not persisted or
+    /// raised as a system event: the other node did both) with the worker woken.
+    fn follow_breaker(
+        &self,
+        id: &str,
+        change: impl FnOnce(
+            &mut crate::policy::breaker::Breaker,
+            i64,
+        ) -> Option<crate::policy::breaker::Transition>,
+    ) -> Option<crate::policy::breaker::Transition> {
+        let rt = self.runtime(id)?;
+        let now = self.ctx.clock.now_ms();
+        let t = rt.breaker().and_then(|mut b| change(&mut b, now))?;
+        worker::count_transition(&self.ctx, id, &t);
+        self.ctx.store.notifier(id).notify_one();
+        Some(t)
     }
 
     /// Holds target `id` off until `until` because another node's request was answered 429
