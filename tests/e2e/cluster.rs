@@ -602,23 +602,12 @@ async fn a_pause_or_a_disabled_rule_on_one_router_holds_on_every_router() {
 /// attempt per entry on the 429s the receiver announced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_after_answered_to_one_router_holds_off_every_router() {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
     if !RouterProc::on_jetstream() {
         eprintln!("skipped: needs the JetStream pass (scripts/jetstream-e2e.sh)");
         return;
     }
-    let answered = Arc::new(AtomicUsize::new(0));
-    let a2 = answered.clone();
     // The first request ever: 429 with Retry-After: 8. Every other: 200.
-    let rcv = Receiver::scripted(Arc::new(move |_, _| {
-        if a2.fetch_add(1, Ordering::SeqCst) == 0 {
-            (429, Duration::ZERO, vec![("retry-after", "8".to_string())])
-        } else {
-            (200, Duration::ZERO, vec![])
-        }
-    }))
-    .await;
+    let rcv = Receiver::retry_after_first(Duration::ZERO, 8).await;
     let policy =
         "  p:\n    retry: { max_attempts: 2, base_delay: 10ms, max_delay: 10ms, jitter: none }";
     let rules = rules_yaml(

@@ -345,6 +345,20 @@ impl Receiver {
         Self::scripted(Arc::new(move |_, _| (status, Duration::ZERO, vec![]))).await
     }
 
+    /// A receiver that answers its first request ever 429 with `Retry-After: seconds`, after
+    /// `delay`, and every other request 200.
+    pub async fn retry_after_first(delay: Duration, seconds: u32) -> Self {
+        let answered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        Self::scripted(Arc::new(move |_, _| {
+            if answered.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                (429, delay, vec![("retry-after", seconds.to_string())])
+            } else {
+                (200, Duration::ZERO, vec![])
+            }
+        }))
+        .await
+    }
+
     pub async fn scripted(script: Script) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await

@@ -619,22 +619,9 @@ async fn retry_after_is_honoured_in_both_forms() {
 /// receiver still refusing, all of them would have gone to the DLQ).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_after_holds_off_the_whole_target() {
-    let answered = Arc::new(AtomicUsize::new(0));
-    let a2 = answered.clone();
     // The first request ever: 429, Retry-After: 3, answered after 1 s so that the backlog is
     // queued behind it. Every other: 200.
-    let rcv = Receiver::scripted(Arc::new(move |_, _| {
-        if a2.fetch_add(1, Ordering::SeqCst) == 0 {
-            (
-                429,
-                Duration::from_secs(1),
-                vec![("retry-after", "3".to_string())],
-            )
-        } else {
-            (200, Duration::ZERO, vec![])
-        }
-    }))
-    .await;
+    let rcv = Receiver::retry_after_first(Duration::from_secs(1), 3).await;
     let policy = "  p:\n    timeout: 5s\n    retry: { max_attempts: 2, base_delay: 10ms, max_delay: 10ms, jitter: none }\n    throttle: { max_concurrency: 1 }";
     let rules = rules_yaml(
         policy,
