@@ -1855,16 +1855,11 @@ async fn bounded_body(
     }
     // No body is decoded, here as at ingest: a compressed component or contract would be
     // refused as invalid, saying nothing of the real cause.
-    if let Some(coding) = crate::ingest::parse::content_coding(req.headers()) {
+    if let Some(refused) = crate::ingest::parse::coding_refused(req.headers()) {
         return crate::ingest::error_response(
             axum::http::StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported content encoding",
-            vec![crate::event::FieldError::new(
-                "/content-encoding",
-                format!(
-                    "Content-Encoding {coding:?} is not supported: send the body uncompressed (no Content-Encoding, or identity)"
-                ),
-            )],
+            crate::ingest::parse::UNSUPPORTED_CODING,
+            vec![refused],
         );
     }
     let upload = req.method() == axum::http::Method::PUT && route == "/v1/handlers/{name}";

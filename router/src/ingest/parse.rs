@@ -168,16 +168,11 @@ fn parse_body(
 ) -> Result<(Mode, Vec<CloudEvent>), ParseError> {
     // Nothing decodes a body: a compressed one would be stored as its compressed bytes
     // (binary mode) or refused as malformed JSON, neither what the producer sent.
-    if let Some(coding) = content_coding(headers) {
+    if let Some(refused) = coding_refused(headers) {
         return Err(ParseError {
-            summary: "unsupported content encoding",
-            ..ParseError::one(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "/content-encoding",
-                format!(
-                    "Content-Encoding {coding:?} is not supported: send the body uncompressed (no Content-Encoding, or identity)"
-                ),
-            )
+            status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            summary: UNSUPPORTED_CODING,
+            errors: vec![refused],
         });
     }
     if body.len() > limits.max_body_bytes {
@@ -298,9 +293,25 @@ fn media_essence(ct: &str) -> String {
         .to_ascii_lowercase()
 }
 
+/// The summary of a 415 for a body sent with a content coding ([`coding_refused`]).
+pub(crate) const UNSUPPORTED_CODING: &str = "unsupported content encoding";
+
+/// The error of a request whose body has a content coding other than `identity`, or `None`:
+/// the router decodes no body, at ingest or anywhere else in the API.
+pub(crate) fn coding_refused(headers: &HeaderMap) -> Option<FieldError> {
+    content_coding(headers).map(|coding| {
+        FieldError::new(
+            "/content-encoding",
+            format!(
+                "Content-Encoding {coding:?} is not supported: send the body uncompressed (no Content-Encoding, or identity)"
+            ),
+        )
+    })
+}
+
 /// The request's content coding when it is not `identity` (every `Content-Encoding` value,
 /// as sent), or `None`.
-pub(crate) fn content_coding(headers: &HeaderMap) -> Option<String> {
+fn content_coding(headers: &HeaderMap) -> Option<String> {
     let values = headers.get_all(http::header::CONTENT_ENCODING);
     let identity = values.iter().all(|v| {
         v.to_str().is_ok_and(|v| {
