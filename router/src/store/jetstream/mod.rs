@@ -220,6 +220,10 @@ struct UnansweredLease {
     key: String,
     expected: u64,
     written: bytes::Bytes,
+    /// For an entry leased in an unanswered accept, which creates it: until when a record
+    /// still absent may yet land (the client may hold the batch until it reconnects). Past
+    /// it, the lease it would carry has expired and the entry is taken over as usual.
+    absent_until: Option<std::time::Instant>,
 }
 
 /// The leases this node could not tell the outcome of, by entry.
@@ -280,7 +284,10 @@ async fn settle_unanswered_lease(
     lease: &UnansweredLease,
 ) -> Result<Option<u64>, RecordsError> {
     let Some(read) = records.get_leader(&lease.key).await? else {
-        return Ok(None);
+        return match lease.absent_until {
+            Some(until) if std::time::Instant::now() < until => Err(RecordsError::Conflict),
+            _ => Ok(None),
+        };
     };
     let write = if read.value.as_ref() == Some(&lease.written) {
         // Applied: the lease is this node's, and the worker that asked for it is gone.
@@ -653,6 +660,12 @@ impl JetStreamStore {
                     }
                     // Another node changed one of the dedup keys: read again.
                     Err(RecordsError::Conflict) => {}
+                    Err(e @ RecordsError::Unanswered(_)) => {
+                        // The caller is told it failed, and its leases are never finished;
+                        // if the batch lands after all, they are given back.
+                        self.remember_unanswered_accept(&chunk);
+                        return Err(e.into());
+                    }
                     Err(e) => return Err(e.into()),
                 }
             }
@@ -684,6 +697,37 @@ impl JetStreamStore {
             })
             .collect::<Result<_, _>>()?;
         Ok((outcomes, handed))
+    }
+
+    /// Remembers the entries an unanswered accept of `chunk` wrote leased, for
+    /// `settle_unanswered_leases`: applied later (the client held the batch while it
+    /// reconnected), each stayed leased to a worker that was told the accept failed, for a
+    /// whole lease period, and its take-over counted the attempt never made as interrupted.
+    fn remember_unanswered_accept(&self, chunk: &[Prepared]) {
+        let mut unanswered = self.unanswered.lock().unwrap_or_else(|p| p.into_inner());
+        for p in chunk {
+            for (pos, entry) in &p.leased {
+                let (Some(write), Some(lease)) = (p.writes.get(*pos), entry.lease) else {
+                    continue;
+                };
+                let Some(written) = write.value.clone() else {
+                    continue;
+                };
+                let lasts = u64::try_from(lease.until.saturating_sub(entry.accepted_at))
+                    .unwrap_or_default();
+                unanswered.insert(
+                    entry.id,
+                    UnansweredLease {
+                        key: write.key.clone(),
+                        expected: 0,
+                        written,
+                        absent_until: Some(
+                            std::time::Instant::now() + std::time::Duration::from_millis(lasts),
+                        ),
+                    },
+                );
+            }
+        }
     }
 
     /// The stored copy's sequence when `read` is a live dedup key of `ne`'s (source, id).
@@ -1075,6 +1119,7 @@ impl JetStreamStore {
                             key,
                             expected: revision,
                             written: bytes,
+                            absent_until: None,
                         },
                     );
                 Err(e.into())

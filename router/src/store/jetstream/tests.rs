@@ -963,6 +963,32 @@ async fn a_lease_applied_but_unanswered_is_given_back_without_its_attempt() {
     deliver(&s, &l, 2_100).await.expect("deliver");
 }
 
+/// An accept that leased its entries (delivery's hand-off) and whose answer was lost failed
+/// for its caller, so nothing will finish those leases: once the batch is found stored, they
+/// are given back at once, without the attempt never sent. They stayed leased to nobody for
+/// a whole lease period, and their take-over counted that attempt as interrupted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_leased_by_an_unanswered_accept_are_given_back_without_their_attempt() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    // Reserves this node's block of event numbers, whose commit would take the lost answer.
+    s.accept(vec![new_event("/o", "e0", &["b"], 1_000)])
+        .await
+        .expect("accept");
+    let mut ne = new_event("/o", "e1", &["a"], 1_000);
+    ne.targets[0].lease_ms = Some(30_000);
+    s.records.lose_next_answers(1);
+    let r = s.accept_leased(vec![ne]).await;
+    assert!(matches!(r, Err(StoreError::Unanswered(_))), "{r:?}");
+    // Within the accept's 30 s lease, and with no attempt counted.
+    let l = lease_within(&s, "a", 2_000, 10).await;
+    assert_eq!(l.entry.attempts.len(), 1, "{:?}", l.entry.attempts);
+    assert_eq!(l.entry.attempts[0].started_at, 2_000);
+    deliver(&s, &l, 2_100).await.expect("deliver");
+    let fate = s.fate("/o", "e1").await.expect("fate").expect("known");
+    assert_eq!(fate.entries[0].state, EntryState::Delivered);
+}
+
 /// A delivered finish whose answer was lost is tried again and recognised as applied, instead
 /// of failing: failed, the delivered entry was taken over once its lease expired, sent again
 /// and its first attempt counted as interrupted.
