@@ -498,8 +498,9 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 let s = shutdown.clone();
                 tokio::spawn(async move {
                     wait_for_signal().await;
-                    tracing::info!("signal received: stopping ingest");
+                    // Cancelled first: nothing a log line can do may keep the router running.
                     s.cancel();
+                    tracing::info!("signal received: stopping ingest");
                 });
                 router::app::run(cfg, listener, shutdown).await?;
                 Ok::<_, anyhow::Error>(())

@@ -135,6 +135,18 @@ pub struct Metrics {
     pub store_max_bytes: Gauge,
     /// 1 while ingest is refused past the disk high-water mark.
     pub ingest_refused: Gauge,
+    /// Ingest requests answered 503 because ingest stayed full (`ingest.max_in_flight_bytes`).
+    pub ingest_saturated: Counter,
+    /// Request bytes ingest holds now (bodies read, checked or waiting for their commit).
+    pub ingest_in_flight_bytes: Gauge,
+    /// `ingest.max_in_flight_bytes`.
+    pub ingest_max_in_flight_bytes: Gauge,
+    /// Open client connections.
+    pub http_connections: Gauge,
+    /// `server.max_connections` as applied.
+    pub http_max_connections: Gauge,
+    /// Connections answered 503 and closed past `server.max_connections`.
+    pub http_connections_refused: Counter,
     /// 1 while the store takes writes (0: reopening after a write error).
     pub store_up: Gauge,
     /// 1 when the last reload (file change, SIGHUP, API) was refused: the live rules are
@@ -229,6 +241,12 @@ impl Metrics {
             store_bytes: Family::default(),
             store_max_bytes: Gauge::default(),
             ingest_refused: Gauge::default(),
+            ingest_saturated: Counter::default(),
+            ingest_in_flight_bytes: Gauge::default(),
+            ingest_max_in_flight_bytes: Gauge::default(),
+            http_connections: Gauge::default(),
+            http_max_connections: Gauge::default(),
+            http_connections_refused: Counter::default(),
             store_up: Gauge::default(),
             reload_failing: Gauge::default(),
             breaker_transitions: Family::default(),
@@ -352,6 +370,36 @@ impl Metrics {
             "router_ingest_refused",
             "1 while ingest answers 503 past the disk high-water mark",
             m.ingest_refused.clone(),
+        );
+        registry.register(
+            "router_ingest_saturated",
+            "Ingest requests answered 503 because the request bytes in flight stayed at ingest.max_in_flight_bytes for ingest.admission_wait (the router is saturated: producers back off)",
+            m.ingest_saturated.clone(),
+        );
+        registry.register(
+            "router_ingest_in_flight_bytes",
+            "Request bytes ingest holds now: bodies being read, checked or waiting for their commit",
+            m.ingest_in_flight_bytes.clone(),
+        );
+        registry.register(
+            "router_ingest_max_in_flight_bytes",
+            "ingest.max_in_flight_bytes: past it requests wait, then get 503",
+            m.ingest_max_in_flight_bytes.clone(),
+        );
+        registry.register(
+            "router_http_connections",
+            "Open client connections",
+            m.http_connections.clone(),
+        );
+        registry.register(
+            "router_http_max_connections",
+            "server.max_connections as applied (0 in the file: half the open-file limit)",
+            m.http_max_connections.clone(),
+        );
+        registry.register(
+            "router_http_connections_refused",
+            "Connections answered 503 and closed because server.max_connections were open",
+            m.http_connections_refused.clone(),
         );
         registry.register(
             "router_store_up",
@@ -676,9 +724,15 @@ pub fn init_tracing(json: bool) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
         && std::env::var_os("NO_COLOR").is_none();
+    // A log line that cannot be written (the reader of a piped stderr gone: a log shipper
+    // restarted, a `| tee` killed) is dropped. By default the subscriber reported the write
+    // error with `eprintln!`, which panics on that same broken pipe and killed whichever task
+    // was logging: the signal handler among them, after which SIGTERM no longer stopped the
+    // router (audited).
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(ansi)
+        .log_internal_errors(false)
         .with_writer(std::io::stderr);
     let _ = if json {
         builder.json().try_init()

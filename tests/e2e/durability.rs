@@ -230,6 +230,56 @@ async fn sigterm_stops_cleanly_and_the_next_start_resumes() {
     assert_eq!(f["targets"][0]["state"], "delivered");
 }
 
+/// A router whose stderr reader went away (a log shipper restarted, a `| tee` killed) still
+/// stops on SIGTERM, and delivers meanwhile. Its log lines then met a broken pipe, which the
+/// log subscriber reported with a panicking `eprintln!`: the signal task died logging
+/// "signal received", and SIGTERM and SIGINT no longer stopped it (only kill -9 did).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_whose_log_pipe_closed_still_delivers_and_stops_on_sigterm() {
+    let rcv = Receiver::ok().await;
+    let failing = Receiver::status(500).await;
+    let policy = "  quick:\n    retry: { max_attempts: 3, base_delay: 100ms, max_delay: 100ms }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[
+                format!("webhook: {}", rcv.url()),
+                format!("webhook: {}\n        policy: quick", failing.url()),
+            ],
+        )],
+    );
+    let mut r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    r.hang_up_log();
+    // Reloads log a line at info: the first is the reader's last, the next ones meet the
+    // closed pipe.
+    for _ in 0..3 {
+        r.signal("HUP");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(post_event(&r, &event("e1", "t", json!({}))).await.0, 202);
+    assert!(
+        rcv.wait_for(Duration::from_secs(10), |s| s.len() == 1)
+            .await,
+        "not delivered after the log pipe closed"
+    );
+    // A failed attempt logs a warning: its task went on to schedule the retry, where it died
+    // logging and the entry stayed in flight until its lease expired (35 s).
+    let retried = eventually(Duration::from_secs(10), || async {
+        let f = fate(&r, "e1").await;
+        f["targets"]
+            .as_array()?
+            .iter()
+            .any(|t| t["state"] == "dlq")
+            .then_some(())
+    })
+    .await;
+    assert!(retried.is_some(), "{}", fate(&r, "e1").await);
+    let status = r.sigterm();
+    assert!(status.success(), "exit status {status:?}\n{}", r.log_text());
+}
+
 /// Runs the router in-process on `store` (tests that need a simulated disk under it), with one
 /// rule sending type `t` to `rcv`. Returns its temp dir (keep it alive), the ingest URL, the
 /// shutdown token and the server task.

@@ -21,6 +21,8 @@ pub struct RouterProc {
     pub addr: SocketAddr,
     child: Option<Child>,
     log: Arc<Mutex<Vec<String>>>,
+    /// Set: the log reader stops reading at the next line and closes its end of the pipe.
+    hang_up: Arc<std::sync::atomic::AtomicBool>,
     extra_env: Vec<(String, String)>,
 }
 
@@ -64,6 +66,7 @@ impl RouterProc {
             addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             child: None,
             log: Arc::new(Mutex::new(Vec::new())),
+            hang_up: Arc::default(),
             extra_env: env
                 .iter()
                 .map(|(a, b)| (a.to_string(), b.to_string()))
@@ -97,10 +100,16 @@ impl RouterProc {
         let stderr = child.stderr.take().expect("stderr");
         let (tx, rx) = std::sync::mpsc::channel();
         let log = self.log.clone();
+        let hang_up = self.hang_up.clone();
+        hang_up.store(false, std::sync::atomic::Ordering::SeqCst);
         std::thread::spawn(move || {
             let mut tx = Some(tx);
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
+                if hang_up.load(std::sync::atomic::Ordering::SeqCst) {
+                    log.lock().expect("log").push(line);
+                    break;
+                }
                 if let Some(addr) = line
                     .find("router listening")
                     .and_then(|i| line[i..].split("listen=").nth(1))
@@ -214,6 +223,21 @@ impl RouterProc {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    /// Closes the reading end of the router's stderr at its next log line, as a log shipper
+    /// that goes away does: the router's later log lines meet a broken pipe.
+    pub fn hang_up_log(&self) {
+        self.hang_up
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Sends `signal` (`HUP`, `TERM`, …) to the router.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.pid().to_string();
+        let _ = Command::new("kill")
+            .args([format!("-{signal}").as_str(), &pid])
+            .status();
     }
 
     /// SIGTERM and wait for the exit status.
