@@ -59,6 +59,10 @@ pub struct App {
     pub ingest_limiters: std::collections::HashMap<String, crate::deliver::Limiter>,
     /// Set while the store is past its disk high-water mark (ingest answers 503).
     pub disk_full: AtomicBool,
+    /// The request bytes ingest holds at once (`ingest.max_in_flight_bytes`).
+    pub ingest_admission: crate::ingest::admission::Admission,
+    /// The client connections the HTTP server holds (`server.max_connections`).
+    pub connections: Arc<ConnectionSlots>,
     /// Handler uploads whose body is being read or compiled at once: each may hold
     /// `handlers.max_upload_bytes` in memory.
     pub upload_slots: tokio::sync::Semaphore,
@@ -1593,6 +1597,14 @@ pub async fn run_with_store(
         ..Default::default()
     };
     let data_dir = cfg.data_dir.clone();
+    let ingest_admission = crate::ingest::admission::Admission::new(
+        cfg.ingest.max_in_flight_bytes,
+        cfg.ingest.admission_wait,
+    );
+    let connections = Arc::new(ConnectionSlots::new(
+        cfg.server.connection_limit(),
+        metrics.http_connections_refused.clone(),
+    ));
     let app = Arc::new(App {
         started_at: clock.now_ms(),
         cfg,
@@ -1616,6 +1628,8 @@ pub async fn run_with_store(
         tokens,
         ingest_limiters,
         disk_full: AtomicBool::new(false),
+        ingest_admission,
+        connections,
         upload_slots: tokio::sync::Semaphore::new(UPLOAD_SLOTS),
         handlers: handlers.clone(),
         shared_contracts: store
@@ -1754,7 +1768,14 @@ pub async fn run_with_store(
 
     app.ready.store(true, Ordering::SeqCst);
     tracing::info!(listen = %listener.local_addr()?, "router listening");
-    serve(listener, router, &app.cfg.server, shutdown.clone()).await;
+    serve(
+        listener,
+        router,
+        &app.cfg.server,
+        app.connections.clone(),
+        shutdown.clone(),
+    )
+    .await;
 
     // Ingest has stopped. Let in-flight attempts finish within the grace period, then stop.
     app.ready.store(false, Ordering::SeqCst);
@@ -1820,18 +1841,18 @@ async fn bounded_body(
 ) -> axum::response::Response {
     let route = matched.as_ref().map_or("", |m| m.as_str());
     // HEAD is answered by the GET route: no body, and the GET's query parameters.
-    if route == "/v1/events"
-        || matches!(
-            *req.method(),
-            axum::http::Method::GET | axum::http::Method::HEAD
-        )
-    {
+    if matches!(
+        *req.method(),
+        axum::http::Method::GET | axum::http::Method::HEAD
+    ) {
         return next.run(req).await;
     }
     // The API's changes take no query parameters but `release` on a handler's delete and
     // `team` on its upload (whose body is the component; each handler checks its own): one
     // sent anyway (`?dry_run=true` on a purge) would be ignored and the change made as if it
-    // were not there, so it is refused and nothing changes.
+    // were not there, so it is refused and nothing changes. Ingest takes none either (the
+    // CloudEvents binding carries everything in headers and body): a producer's
+    // `?dry_run=true` or `?validate=true` stored real events.
     let takes_query = route == "/v1/handlers/{name}"
         && matches!(
             *req.method(),
@@ -1846,12 +1867,20 @@ async fn bounded_body(
             "invalid query",
             vec![crate::event::FieldError::new(
                 format!("/{name}"),
-                format!(
-                    "{} {route} takes no query parameters; put options in the JSON body",
-                    req.method()
-                ),
+                if route == "/v1/events" {
+                    "POST /v1/events takes no query parameters: an event's attributes go in its JSON (or its ce-* headers)".to_string()
+                } else {
+                    format!(
+                        "{} {route} takes no query parameters; put options in the JSON body",
+                        req.method()
+                    )
+                },
             )],
         );
+    }
+    // Ingest reads its own body, under its own limit and admission.
+    if route == "/v1/events" {
+        return next.run(req).await;
     }
     // No body is decoded, here as at ingest: a compressed component or contract would be
     // refused as invalid, saying nothing of the real cause.
@@ -1987,7 +2016,10 @@ impl http_body::Body for WatchedBody {
 /// plain text; every error of the API is the JSON error shape, so they are converted.
 /// So are axum's own answers without a body: an unknown path (404) and a method the route
 /// does not have (405, whose `Allow` header is kept).
-async fn json_rejections(resp: axum::response::Response) -> axum::response::Response {
+async fn json_rejections(
+    method: axum::http::Method,
+    resp: axum::response::Response,
+) -> axum::response::Response {
     let content_type = resp
         .headers()
         .get(axum::http::header::CONTENT_TYPE)
@@ -2006,15 +2038,16 @@ async fn json_rejections(resp: axum::response::Response) -> axum::response::Resp
             "no such route",
             "see schemas/openapi.yaml for the API".to_string(),
         ),
+        // The route's `Allow` header is added by axum around this layer, after it: the
+        // message names the method refused and points at that header.
         axum::http::StatusCode::METHOD_NOT_ALLOWED if body.is_empty() => (
             "method not allowed",
-            format!(
-                "this route takes {}",
-                allow
-                    .as_ref()
-                    .and_then(|a| a.to_str().ok())
-                    .unwrap_or("other methods")
-            ),
+            match allow.as_ref().and_then(|a| a.to_str().ok()) {
+                Some(allowed) => format!("this route takes {allowed}, not {method}"),
+                None => format!(
+                    "this route does not take {method}; its Allow header lists the methods it takes"
+                ),
+            },
         ),
         _ => (
             "invalid request",
@@ -2032,12 +2065,94 @@ async fn json_rejections(resp: axum::response::Response) -> axum::response::Resp
     r
 }
 
-/// The HTTP accept loop: HTTP/1.1 with a header read timeout (slow-loris) and a bounded
-/// request head; on shutdown, stops accepting and lets open requests finish.
+/// The client connections the HTTP server holds, against `server.max_connections`: one
+/// client could otherwise open connections until the process ran out of file descriptors
+/// (audited: 20,000 slow-body connections, then `accept failed: Too many open files`), and
+/// the store and the deliveries with it.
+#[derive(Debug)]
+pub struct ConnectionSlots {
+    permits: Arc<tokio::sync::Semaphore>,
+    limit: usize,
+    /// Connections answered 503 and closed for want of a slot (`router_http_connections_refused`).
+    refused: prometheus_client::metrics::counter::Counter,
+    /// Refusals being written: bounded too, or a flood of refused connections would hold
+    /// the descriptors the limit keeps.
+    refusing: Arc<tokio::sync::Semaphore>,
+}
+
+/// Refused connections answered at once; past it a refused connection is closed unanswered.
+const REFUSALS_AT_ONCE: usize = 256;
+
+impl ConnectionSlots {
+    /// Room for `limit` connections (at least 1); refusals count in `refused`.
+    pub fn new(limit: usize, refused: prometheus_client::metrics::counter::Counter) -> Self {
+        let limit = limit.clamp(1, tokio::sync::Semaphore::MAX_PERMITS);
+        Self {
+            permits: Arc::new(tokio::sync::Semaphore::new(limit)),
+            limit,
+            refused,
+            refusing: Arc::new(tokio::sync::Semaphore::new(REFUSALS_AT_ONCE)),
+        }
+    }
+
+    /// `server.max_connections` as applied.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Connections open now.
+    pub fn open(&self) -> usize {
+        self.limit.saturating_sub(self.permits.available_permits())
+    }
+
+    /// Connections refused since the start.
+    pub fn refused(&self) -> u64 {
+        self.refused.get()
+    }
+}
+
+/// Answers a connection past `server.max_connections`: 503 with `Retry-After` and a JSON body,
+/// then closes it. What the client sent is read (and discarded) briefly after the answer, so
+/// that closing over unread bytes does not reset the connection before the client reads it.
+async fn refuse_connection(mut stream: tokio::net::TcpStream, limit: usize) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let body = serde_json::json!({
+        "error": "too many open connections",
+        "errors": [{
+            "pointer": "",
+            "message": format!("the router holds its limit of {limit} connections (server.max_connections); retry after the indicated time, or reuse a keep-alive connection"),
+        }],
+    })
+    .to_string();
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let answer = async {
+        stream.write_all(head.as_bytes()).await?;
+        stream.write_all(body.as_bytes()).await?;
+        stream.shutdown().await?;
+        let mut sink = [0u8; 8192];
+        let mut read = 0usize;
+        while read < 64 * 1024 {
+            match stream.read(&mut sink).await? {
+                0 => break,
+                n => read += n,
+            }
+        }
+        Ok::<_, std::io::Error>(())
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), answer).await;
+}
+
+/// The HTTP accept loop: HTTP/1.1 with a header read timeout (slow-loris), a bounded
+/// request head and a bounded number of connections; on shutdown, stops accepting and lets
+/// open requests finish.
 async fn serve(
     listener: TcpListener,
     router: Router,
     cfg: &crate::config::ServerConfig,
+    slots: Arc<ConnectionSlots>,
     shutdown: CancellationToken,
 ) {
     use hyper_util::rt::{TokioIo, TokioTimer};
@@ -2054,6 +2169,24 @@ async fn serve(
                     continue;
                 }
             },
+        };
+        let Ok(slot) = slots.permits.clone().try_acquire_owned() else {
+            let refused = slots.refused.inc();
+            if refused.is_multiple_of(1000) {
+                tracing::warn!(
+                    limit = slots.limit,
+                    refused = refused + 1,
+                    "connection refused: server.max_connections reached (503); logged once per 1000"
+                );
+            }
+            if let Ok(refusing) = slots.refusing.clone().try_acquire_owned() {
+                let limit = slots.limit;
+                tokio::spawn(async move {
+                    refuse_connection(stream, limit).await;
+                    drop(refusing);
+                });
+            }
+            continue;
         };
         let _ = stream.set_nodelay(true);
         let svc = hyper_util::service::TowerToHyperService::new(router.clone());
@@ -2072,6 +2205,7 @@ async fn serve(
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             let _ = conn.await;
+            drop(slot);
         });
     }
     if tokio::time::timeout(Duration::from_secs(10), graceful.shutdown())
@@ -2275,6 +2409,14 @@ fn test_app_with(
         unannounced: Default::default(),
     });
     let now = clock.now_ms();
+    let ingest_admission = crate::ingest::admission::Admission::new(
+        cfg.ingest.max_in_flight_bytes,
+        cfg.ingest.admission_wait,
+    );
+    let connections = Arc::new(ConnectionSlots::new(
+        cfg.server.connection_limit(),
+        metrics.http_connections_refused.clone(),
+    ));
     Arc::new(App {
         started_at: now,
         reload_status: Mutex::new(ReloadStatus {
@@ -2299,6 +2441,8 @@ fn test_app_with(
         tokens: crate::auth::Tokens::new(&[]).expect("no tokens"),
         ingest_limiters: std::collections::HashMap::new(),
         disk_full: AtomicBool::new(false),
+        ingest_admission,
+        connections,
         upload_slots: tokio::sync::Semaphore::new(UPLOAD_SLOTS),
         handlers: None,
         shared_contracts,

@@ -259,6 +259,10 @@ pub struct ServerConfig {
     pub request_timeout: Duration,
     /// Largest request head (request line + headers) accepted.
     pub max_header_bytes: usize,
+    /// Open client connections at most; past it a new connection is answered 503 with
+    /// `Retry-After` and closed, so that the router keeps file descriptors for its store and
+    /// deliveries. 0 (default): half the process's open-file limit, at least 64.
+    pub max_connections: usize,
 }
 
 impl Default for ServerConfig {
@@ -267,7 +271,25 @@ impl Default for ServerConfig {
             header_read_timeout: Duration::from_secs(10),
             request_timeout: Duration::from_secs(30),
             max_header_bytes: 64 * 1024,
+            max_connections: 0,
         }
+    }
+}
+
+impl ServerConfig {
+    /// `max_connections` as applied: the configured value, or half the process's soft
+    /// open-file limit (at least 64) when it is 0.
+    pub fn connection_limit(&self) -> usize {
+        if self.max_connections > 0 {
+            return self.max_connections;
+        }
+        #[cfg(unix)]
+        let files = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
+        #[cfg(not(unix))]
+        let files: Option<u64> = None;
+        // No limit (or none known): a bound all the same, as a soft limit of 2^17 gives.
+        let files = files.unwrap_or(1 << 17);
+        usize::try_from(files / 2).unwrap_or(usize::MAX).max(64)
     }
 }
 
@@ -312,6 +334,16 @@ pub struct IngestConfig {
     /// How long (`source`, `id`) is remembered for dedup. Default 24h.
     #[serde(with = "humantime_serde")]
     pub dedup_window: Duration,
+    /// Request bytes ingest holds at once: bodies being read, checked or waiting for their
+    /// commit (each counted at its `Content-Length`, or `max_body_bytes` when chunked). A
+    /// request that finds no room waits up to `admission_wait`, then is answered 503 with
+    /// `Retry-After`: back-pressure instead of latency that grows with the producers. One
+    /// request larger than this passes alone. Default 16 MiB.
+    pub max_in_flight_bytes: usize,
+    /// How long a request waits for room under `max_in_flight_bytes` before its 503.
+    /// Default 1s.
+    #[serde(with = "humantime_serde")]
+    pub admission_wait: Duration,
 }
 
 /// `[delivery]`
@@ -506,6 +538,8 @@ impl Default for IngestConfig {
             max_json_depth: 64,
             max_batch: 1000,
             dedup_window: Duration::from_secs(24 * 3600),
+            max_in_flight_bytes: 16 << 20,
+            admission_wait: Duration::from_secs(1),
         }
     }
 }
@@ -649,6 +683,9 @@ impl Config {
         }
         if self.ingest.max_batch == 0 {
             return bad("ingest.max_batch must be > 0");
+        }
+        if self.ingest.max_in_flight_bytes == 0 {
+            return bad("ingest.max_in_flight_bytes must be > 0");
         }
         if self.ingest.max_json_depth == 0 || self.ingest.max_json_depth > MAX_JSON_DEPTH {
             return bad(&format!(

@@ -424,3 +424,70 @@ async fn an_event_too_large_for_the_jetstream_store_is_refused_alone_with_413() 
     let (status, _) = get_json(&r, "/v1/events/big?source=/big").await;
     assert_eq!(status, 404, "nothing of it was stored");
 }
+
+/// A body declared past the limit with `Expect: 100-continue` is refused at once (413), before
+/// the client sends it: the router answered `100 Continue`, read the whole body, and only then
+/// refused it (up to 8 MiB sent for nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_body_awaiting_100_continue_is_refused_before_it_is_sent() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let r = RouterProc::start(&[], &[]);
+    let mut s = tokio::net::TcpStream::connect(r.addr)
+        .await
+        .expect("connect");
+    let head = format!(
+        "POST /v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/cloudevents+json\r\ncontent-length: {}\r\nexpect: 100-continue\r\n\r\n",
+        2 << 20
+    );
+    s.write_all(head.as_bytes()).await.expect("write head");
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+        .await
+        .expect("answered without the body")
+        .expect("read");
+    let answer = String::from_utf8_lossy(&buf[..n]);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(
+        answer.contains("body exceeds the limit of 1048576 bytes"),
+        "{answer}"
+    );
+}
+
+/// Ingest takes no query parameters: a producer's `?dry_run=true` stored the event for real.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingest_refuses_query_parameters_and_stores_nothing() {
+    let r = RouterProc::start(&[], &[]);
+    let resp = client()
+        .post(r.url("/v1/events?dry_run=true"))
+        .header("content-type", "application/cloudevents+json")
+        .body(event("q1", "t", json!({})).to_string())
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(resp.status().as_u16(), 400);
+    let body: Value = resp.json().await.expect("json");
+    assert_eq!(body["errors"][0]["pointer"], "/dry_run", "{body}");
+    assert!(
+        body["errors"][0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("takes no query parameters")),
+        "{body}"
+    );
+    assert_eq!(get_json(&r, "/v1/events/q1?source=/test").await.0, 404);
+}
+
+/// A method a route does not take: 405 whose message names the method, with the route's
+/// `Allow` header (the message said "this route takes other methods").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_method_is_named_in_the_405() {
+    let r = RouterProc::start(&[], &[]);
+    let resp = client().get(r.url("/v1/events")).send().await.expect("get");
+    assert_eq!(resp.status().as_u16(), 405);
+    assert_eq!(
+        resp.headers().get("allow").and_then(|v| v.to_str().ok()),
+        Some("POST")
+    );
+    let body: Value = resp.json().await.expect("json");
+    let msg = body["errors"][0]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("GET") && msg.contains("Allow"), "{msg}");
+}

@@ -621,6 +621,17 @@ async fn past_the_disk_high_water_mark_ingest_answers_503_and_delivery_goes_on()
         "no 503 with Retry-After past the high-water mark"
     );
     assert_eq!(get_json(&r, "/healthz").await.0, 200);
+    // The status says why ingest refuses, in its warnings too (the alerting path).
+    let (_, status) = get_json(&r, "/v1/status").await;
+    assert_eq!(status["store"]["ingest_refused"], true, "{status}");
+    assert!(
+        status["warnings"]
+            .as_array()
+            .is_some_and(|w| w.iter().any(|w| w
+                .as_str()
+                .is_some_and(|w| w.contains("past its disk high-water mark")))),
+        "{status}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2005,4 +2016,135 @@ async fn an_out_of_scope_event_is_refused_pointing_at_its_attribute() {
             get_json_as(&r, &format!("/v1/events/{id}?source={source}"), "ops-token").await;
         assert_eq!(s, 404, "{id} of a refused batch was stored");
     }
+}
+
+/// A saturated ingest answers 503 with `Retry-After` instead of making producers wait until
+/// their own timeouts: past `ingest.max_in_flight_bytes` a request waits `admission_wait`
+/// for room, then is refused, nothing stored; once room is free it passes. Before, nothing
+/// bounded the requests in flight (64 producers of 1 MB batches waited 5-7 s each, audited).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saturated_ingest_answers_503_with_retry_after_and_recovers() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let r = RouterProc::start_with_env(
+        &[],
+        &[],
+        &[
+            ("ROUTER_INGEST__MAX_IN_FLIGHT_BYTES", "2000"),
+            ("ROUTER_INGEST__ADMISSION_WAIT", "300ms"),
+        ],
+    );
+    // A request holding 1,500 bytes of room: its body arrives slowly.
+    let held = event("held", "t", json!({ "pad": "x".repeat(1_300) })).to_string();
+    assert!(held.len() > 1_300 && held.len() < 2_000, "{}", held.len());
+    let mut slow = tokio::net::TcpStream::connect(r.addr)
+        .await
+        .expect("connect");
+    let head = format!(
+        "POST /v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/cloudevents+json\r\ncontent-length: {}\r\n\r\n",
+        held.len()
+    );
+    slow.write_all(head.as_bytes()).await.expect("write head");
+    slow.write_all(&held.as_bytes()[..10])
+        .await
+        .expect("write some of the body");
+    // Held once the server read its head: the metric shows it.
+    let in_flight = eventually(Duration::from_secs(10), || async {
+        let m = metrics_text(&r).await;
+        (counter(&m, "router_ingest_in_flight_bytes") >= held.len() as u64).then_some(())
+    })
+    .await;
+    assert!(in_flight.is_some(), "{}", metrics_text(&r).await);
+    // Another producer's event finds no room within the wait: 503, Retry-After.
+    let other = event("other", "t", json!({ "pad": "y".repeat(700) }));
+    assert!(held.len() + other.to_string().len() > 2_000);
+    let started = std::time::Instant::now();
+    let resp = send_raw(&r, "application/cloudevents+json", other.to_string()).await;
+    assert_eq!(resp.status().as_u16(), 503);
+    assert!(
+        started.elapsed() >= Duration::from_millis(250),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(retry_after_header(&resp).as_deref(), Some("1"));
+    let body: Value = resp.json().await.expect("json");
+    assert_eq!(
+        body["error"],
+        "the router is saturated; retry after the indicated time"
+    );
+    let msg = body["errors"][0]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("ingest.max_in_flight_bytes"), "{msg}");
+    assert_eq!(
+        get_json(&r, "/v1/events/other?source=/test").await.0,
+        404,
+        "nothing stored"
+    );
+    let (_, status) = get_json(&r, "/v1/status").await;
+    assert_eq!(status["ingest"]["saturated_total"], 1, "{status}");
+    assert_eq!(status["ingest"]["max_in_flight_bytes"], 2000);
+    let m = metrics_text(&r).await;
+    assert_eq!(counter(&m, "router_ingest_saturated_total"), 1, "{m}");
+    // The held request completes, and the room is free again.
+    slow.write_all(&held.as_bytes()[10..])
+        .await
+        .expect("write the rest");
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(10), slow.read(&mut answer))
+        .await
+        .expect("answered")
+        .expect("read");
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 202"), "{answer}");
+    assert_eq!(post_event(&r, &other).await.0, 202);
+}
+
+/// Past `server.max_connections` a new connection is answered 503 with `Retry-After` and a
+/// JSON body and closed; once a connection closes, new ones are served again. Before, one
+/// client could open connections until the process ran out of file descriptors (audited:
+/// 20,000 slow-body connections, `accept failed: Too many open files`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_limit_are_answered_503_and_closed() {
+    let r = RouterProc::start_with_env(&[], &[], &[("ROUTER_SERVER__MAX_CONNECTIONS", "3")]);
+    // The harness's readiness check has closed its connection by now; three idle ones hold
+    // every slot (until the header read timeout, 10 s).
+    let mut idle = Vec::new();
+    for _ in 0..3 {
+        idle.push(
+            tokio::net::TcpStream::connect(r.addr)
+                .await
+                .expect("connect"),
+        );
+    }
+    let refused = eventually(Duration::from_secs(5), || async {
+        let resp = client().get(r.url("/healthz")).send().await.ok()?;
+        (resp.status().as_u16() == 503).then_some(resp)
+    })
+    .await
+    .expect("a fourth connection refused");
+    assert_eq!(retry_after_header(&refused).as_deref(), Some("1"));
+    assert_eq!(
+        refused
+            .headers()
+            .get("connection")
+            .and_then(|v| v.to_str().ok()),
+        Some("close")
+    );
+    let body: Value = refused.json().await.expect("json");
+    assert_eq!(body["error"], "too many open connections");
+    let msg = body["errors"][0]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("server.max_connections"), "{msg}");
+    drop(idle.pop());
+    // Served again once the server has seen the close (`client()` is a new client each
+    // time: no pooled connection).
+    let served = eventually(Duration::from_secs(5), || async {
+        let resp = client().get(r.url("/v1/status")).send().await.ok()?;
+        (resp.status().as_u16() == 200).then_some(resp)
+    })
+    .await
+    .expect("served after a slot was freed");
+    let status: Value = served.json().await.expect("json");
+    assert_eq!(status["connections"]["max"], 3, "{status}");
+    assert!(
+        status["connections"]["refused_total"].as_u64() >= Some(1),
+        "{status}"
+    );
 }

@@ -744,6 +744,18 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
         "rules": { "version": rules.version, "files": rules.files, "rules": rules.rules.len(), "dir": app.cfg.rules_dir },
         "reload": *app.reload_status.lock().unwrap_or_else(|p| p.into_inner()),
         "contracts": { "version": contracts.version(), "count": contracts.contracts().len(), "dir": app.cfg.contracts_dir },
+        // Back-pressure: past `max_in_flight_bytes` producers wait, then get 503; past
+        // `connections.max` a new connection gets 503 and is closed.
+        "ingest": {
+            "in_flight_bytes": app.ingest_admission.in_flight_bytes(),
+            "max_in_flight_bytes": app.ingest_admission.capacity(),
+            "saturated_total": app.ingest_admission.refused(),
+        },
+        "connections": {
+            "open": app.connections.open(),
+            "max": app.connections.limit(),
+            "refused_total": app.connections.refused(),
+        },
         "store": {
             "backend": app.cfg.store.backend,
             // On JetStream: what the server holds for this store's stream (null while the
@@ -797,6 +809,10 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             .chain(app.rule_warnings.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned())
             .chain(missing_handler_warnings(&app, &rules))
             .chain(removed_targets)
+            .chain(app.disk_full.load(Ordering::Relaxed).then(|| format!(
+                "ingest answers 503: the store is past its disk high-water mark (store.max_disk_bytes = {}); delivery continues, ingest resumes below the low-water mark (docs/operations.md has the runbook)",
+                app.cfg.store.max_disk_bytes
+            )))
             .collect::<Vec<_>>(),
     }))
     .into_response()
@@ -926,6 +942,19 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
     app.metrics
         .ingest_refused
         .set(i64::from(app.disk_full.load(Ordering::Relaxed)));
+    let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+    app.metrics
+        .ingest_in_flight_bytes
+        .set(gauge(app.ingest_admission.in_flight_bytes()));
+    app.metrics
+        .ingest_max_in_flight_bytes
+        .set(gauge(app.ingest_admission.capacity()));
+    app.metrics
+        .http_connections
+        .set(gauge(app.connections.open()));
+    app.metrics
+        .http_max_connections
+        .set(gauge(app.connections.limit()));
     app.metrics.store_up.set(i64::from(app.store.writable()));
     let failing = app
         .reload_status

@@ -3,6 +3,7 @@
 //! envelope check (400) → contract (422 enforce / quarantine) → rule match → durable accept
 //! with fan-out (202 only after the group commit that holds it is on disk).
 
+pub mod admission;
 pub mod parse;
 #[cfg(test)]
 mod schema_tests;
@@ -142,6 +143,43 @@ pub(crate) fn with_retry_after(mut r: Response, secs: u64) -> Response {
     r
 }
 
+/// Whether the request asked for `100 Continue` before sending its body.
+fn expects_continue(headers: &HeaderMap) -> bool {
+    headers
+        .get(axum::http::header::EXPECT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("100-continue"))
+}
+
+/// `Retry-After` of a request refused because ingest stayed full (`admission`): the
+/// requests ahead of it are committed within about a second.
+pub(crate) const SATURATED_RETRY_AFTER_S: u64 = 1;
+
+/// The 503 of a request that found no room under `ingest.max_in_flight_bytes`.
+fn saturated(app: &App, s: &admission::Saturated) -> Response {
+    app.metrics.ingest_saturated.inc();
+    tracing::debug!(
+        asked = s.asked,
+        in_flight = s.in_flight,
+        capacity = s.capacity,
+        "ingest saturated: request refused with 503"
+    );
+    with_retry_after(
+        error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the router is saturated; retry after the indicated time",
+            vec![FieldError::new(
+                "",
+                format!(
+                    "ingest holds {} of its {} bytes of requests in flight (ingest.max_in_flight_bytes) and found no room for {} bytes within {:?}",
+                    s.in_flight, s.capacity, s.asked, s.waited
+                ),
+            )],
+        ),
+        SATURATED_RETRY_AFTER_S,
+    )
+}
+
 async fn handle(
     app: &App,
     principal: &crate::auth::Principal,
@@ -171,6 +209,21 @@ async fn handle(
         // Far too large to be worth reading: answer now (the connection is closed after it).
         return body_too_large(limits.max_body_bytes);
     }
+    if declared.is_some_and(|n| n > limits.max_body_bytes) && expects_continue(headers) {
+        // The client waits for a 100 Continue before it sends the body: nothing of it is on
+        // the wire, so the answer cannot be lost to a reset over unread bytes.
+        return body_too_large(limits.max_body_bytes);
+    }
+    // Held until the answer is built: the body, the parsed events and the wait for their
+    // commit are what a saturated router has too many of.
+    let _admitted = match app
+        .ingest_admission
+        .admit(declared, limits.max_body_bytes)
+        .await
+    {
+        Ok(a) => a,
+        Err(s) => return saturated(app, &s),
+    };
     let bytes =
         match read_bounded(body, limits.max_body_bytes, app.cfg.server.request_timeout).await {
             Ok(b) => b,
