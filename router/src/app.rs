@@ -934,6 +934,7 @@ async fn start_handlers(
         max_emitted: h.max_emitted,
         max_output_bytes: h.max_output_bytes,
         max_log_bytes: h.max_log_bytes,
+        max_kv_ops: h.max_kv_ops,
         ..Default::default()
     };
     engine.check_limits(&limits).map_err(|e| e.to_string())?;

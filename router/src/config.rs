@@ -99,6 +99,11 @@ pub struct HandlersConfig {
     pub max_output_bytes: usize,
     /// Most log bytes captured per invocation.
     pub max_log_bytes: usize,
+    /// Most key-value operations per invocation (default 1,000): keys written or deleted,
+    /// each counted once however often it is rewritten, plus compare-and-set checks. Each is
+    /// one operation of the commit that acks the delivery, on the store's single writer that
+    /// ingest shares: past it the invocation fails as `handler_limit` (not retried).
+    pub max_kv_ops: usize,
     /// Emitted events past this many handler hops go to the DLQ as `loop_detected`.
     pub hop_limit: u32,
     /// Invocations alive at once (the pooling allocator holds two more instances, for the
@@ -115,8 +120,8 @@ pub struct HandlersConfig {
     /// is not run again. The age bound of the idempotency records.
     #[serde(with = "humantime_serde")]
     pub completed_ttl: Duration,
-    /// Bound on each handler's key-value namespace, in bytes of keys plus values (default
-    /// 64 MiB). A write that would pass it fails the invocation (retried; deleting keys or
+    /// Bound on each handler's key-value namespace, in bytes of keys plus values plus 64 per
+    /// key for what an entry costs the store beyond them (default 64 MiB). A write that would pass it fails the invocation (retried; deleting keys or
     /// letting TTLs expire makes room). Usage: `router_handler_kv_bytes`, `/v1/status`.
     pub kv_max_bytes: u64,
     /// Bytes of captured log lines kept on disk per handler (`GET /v1/handlers/{name}/logs`);
@@ -144,6 +149,7 @@ impl Default for HandlersConfig {
             max_emitted: 100,
             max_output_bytes: 1 << 20,
             max_log_bytes: 64 << 10,
+            max_kv_ops: 1_000,
             hop_limit: 8,
             max_instances: 64,
             preload_dir: None,
@@ -749,6 +755,9 @@ impl Config {
         }
         if self.handlers.timeout.is_zero() {
             return bad("handlers.timeout must be > 0");
+        }
+        if self.handlers.max_kv_ops == 0 {
+            return bad("handlers.max_kv_ops must be at least 1");
         }
         Ok(())
     }

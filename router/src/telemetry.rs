@@ -420,7 +420,7 @@ impl Metrics {
         );
         registry.register(
             "router_handler_kv_bytes",
-            "Bytes of keys plus values in a handler's key-value namespace",
+            "Bytes a handler's key-value namespace counts against handlers.kv_max_bytes: keys plus values plus 64 per key",
             m.handler_kv_bytes.clone(),
         );
         registry.register(

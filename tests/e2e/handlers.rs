@@ -1526,8 +1526,9 @@ async fn a_full_kv_namespace_fails_the_growing_write_and_shows_its_size() {
             &["handler: invoice\n        id: invoice\n        policy: fast".to_string()],
         )],
     );
-    // One invoice record is ~90 bytes (key plus a JSON value with two ids): one fits, two do not.
-    let config = "[handlers]\nkv_max_bytes = 150\n";
+    // One invoice record counts ~155 bytes (key plus a JSON value with two ids, plus 64 for
+    // the entry): one fits, two do not.
+    let config = "[handlers]\nkv_max_bytes = 250\n";
     let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(config));
     assert_eq!(put_handler(&r, "invoice", plugin("invoice")).await.0, 201);
     assert_eq!(
@@ -1561,8 +1562,8 @@ async fn a_full_kv_namespace_fails_the_growing_write_and_shows_its_size() {
     let ns = &status["handler_kv"]["namespaces"]["invoice"];
     assert_eq!(ns["keys"], 1, "{status}");
     let bytes = ns["bytes"].as_u64().unwrap_or(0);
-    assert!((50..=150).contains(&bytes), "{status}");
-    assert_eq!(status["handler_kv"]["max_bytes"], 150);
+    assert!((50 + 64..=250).contains(&bytes), "{status}");
+    assert_eq!(status["handler_kv"]["max_bytes"], 250);
     // The other bounded records show beside it: the first payment left a COMPLETED record.
     assert_eq!(status["records"]["completed"]["count"], 1, "{status}");
     // The two payments (and, once routed, the router.dlq.added system event of the second).
@@ -1650,13 +1651,14 @@ async fn a_lease_lost_under_a_stalled_worker_refuses_the_late_ack() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(rcv.count(), 1, "exactly one emission: {:?}", rcv.received());
     // One key, holding the winner's value (one `x` per attempt): key "slow:slow-1" (11 bytes)
-    // plus `winner` bytes. A fenced attempt's write would make it longer or shorter.
+    // plus `winner` bytes, plus the 64 each entry counts. A fenced attempt's write would make
+    // it longer or shorter.
     let metrics = metrics_text(&r).await;
     assert!(
         metrics.contains("router_handler_kv_keys{handler=\"hostile\"} 1")
             && metrics.contains(&format!(
                 "router_handler_kv_bytes{{handler=\"hostile\"}} {}\n",
-                11 + winner
+                11 + winner + 64
             )),
         "winner {winner}: {}",
         metric_lines(&metrics, "handler_kv")

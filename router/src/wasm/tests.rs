@@ -518,6 +518,32 @@ fn kv_writes_over_the_limit_cost_the_invocation_and_return_nothing() {
     assert!(inv.kv_writes.is_empty() && inv.cas_checks.is_empty());
 }
 
+/// Tiny writes by the thousand were each an operation of the store's single writer (140,000
+/// of them held one commit, and every producer's ingest, for 8 s): past `max_kv_ops` the
+/// invocation is a `handler_limit` and hands nothing to the commit.
+#[test]
+fn kv_operations_past_the_cap_cost_the_invocation_and_return_nothing() {
+    let limits = HandlerLimits::default();
+    let n = limits.max_kv_ops as u64;
+    let at_cap = run(
+        "hostile",
+        &event("k", "t", json!({"mode": "kv", "n": n})),
+        &limits,
+    );
+    assert_eq!(at_cap.outcome, InvocationOutcome::Emitted(vec![]));
+    assert_eq!(at_cap.kv_writes.len(), limits.max_kv_ops);
+    let past = run(
+        "hostile",
+        &event("k", "t", json!({"mode": "kv", "n": n + 1})),
+        &limits,
+    );
+    match past.outcome {
+        InvocationOutcome::LimitExceeded(m) => assert!(m.contains("handlers.max_kv_ops"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(past.kv_writes.is_empty());
+}
+
 #[test]
 fn a_memory_cap_below_the_initial_memory_is_oom() {
     let limits = HandlerLimits {
