@@ -88,50 +88,17 @@ pub async fn upload(
     crate::admin::ApiQuery(q): crate::admin::ApiQuery<UploadQuery>,
     body: axum::body::Bytes,
 ) -> Response {
-    let mut uploader = who.uploader();
-    if let Some(team) = q.team {
-        // Only an administrator uploads for a team; a team token's handlers are its own.
-        if !uploader.admin {
-            return error_response(
-                StatusCode::FORBIDDEN,
-                "only an administrator uploads a handler for a team",
-                vec![FieldError::new(
-                    "/team",
-                    format!(
-                        "token {:?} uploads for its own team {:?}",
-                        who.name, who.team
-                    ),
-                )],
-            );
-        }
-        if team.is_empty() {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "invalid team",
-                vec![FieldError::new("/team", "must not be empty")],
-            );
-        }
-        uploader.for_team = Some(team);
+    // Checked before the body was read too (`refuse_upload_early`); again here, with the
+    // index as it is now.
+    if let Some(refused) = upload_refused(&app, &who, &name, q.team.as_deref(), None) {
+        return refused;
     }
     let rt = match runtime(&app) {
         Ok(rt) => rt.clone(),
         Err(r) => return *r,
     };
-    if app.disk_full.load(std::sync::atomic::Ordering::Relaxed) {
-        // The disk the store needs to drain its queues is not spent on new components.
-        return crate::ingest::with_retry_after(
-            error_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the store is past its disk high-water mark; handler uploads resume below its low-water mark",
-                Vec::new(),
-            ),
-            DISK_FULL_RETRY_AFTER_S,
-        );
-    }
-    // Before compiling it: the index written checks again.
-    if let Err(r) = owner_check(&rt, &who, &name) {
-        return *r;
-    }
+    let mut uploader = who.uploader();
+    uploader.for_team = q.team;
     match rt.changes.upload(&name, body, uploader).await {
         Ok(v) => {
             tracing::warn!(handler = %name, version = v.version, sha256 = %v.sha256, uploader = %who.name, "handler uploaded and activated");
@@ -176,6 +143,91 @@ pub async fn upload(
             vec![FieldError::new("", e.to_string())],
         ),
     }
+}
+
+/// Why an upload of `name` by `who` (for `team`, declaring a body of `declared_len` bytes) is
+/// refused, from its path, token, query and headers alone: `None` when it may go on.
+///
+/// `app::bounded_body` asks before the upload waits for one of the upload slots or its body is
+/// read ([`refuse_upload_early`]): a token that the owner check refuses, or a body declared
+/// past `handlers.max_upload_bytes`, was otherwise answered only once its body had arrived,
+/// so any `handlers:` token could hold both slots for a request timeout, and a declared 70 MB
+/// body waited out that timeout for a 408 instead of an immediate 413. The route asks again
+/// once it has the body (the index may have changed meanwhile; the index write checks once
+/// more).
+pub(crate) fn upload_refused(
+    app: &App,
+    who: &Principal,
+    name: &str,
+    team: Option<&str>,
+    declared_len: Option<u64>,
+) -> Option<Response> {
+    if let Some(team) = team {
+        // Only an administrator uploads a handler for a team; a team token's handlers are its
+        // own.
+        if !who.allows(&crate::auth::Scope::Admin) {
+            return Some(error_response(
+                StatusCode::FORBIDDEN,
+                "only an administrator uploads a handler for a team",
+                vec![FieldError::new(
+                    "/team",
+                    format!(
+                        "token {:?} uploads for its own team {:?}",
+                        who.name, who.team
+                    ),
+                )],
+            ));
+        }
+        if team.is_empty() {
+            return Some(error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid team",
+                vec![FieldError::new("/team", "must not be empty")],
+            ));
+        }
+    }
+    let rt = match runtime(app) {
+        Ok(rt) => rt,
+        Err(r) => return Some(*r),
+    };
+    if let Err(r) = owner_check(rt, who, name) {
+        return Some(*r);
+    }
+    let limit = app.cfg.handlers.max_upload_bytes;
+    if declared_len.is_some_and(|n| n > limit as u64) {
+        return Some(crate::ingest::body_too_large(limit));
+    }
+    if app.disk_full.load(std::sync::atomic::Ordering::Relaxed) {
+        // The disk the store needs to drain its queues is not spent on new components.
+        return Some(crate::ingest::with_retry_after(
+            error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the store is past its disk high-water mark; handler uploads resume below its low-water mark",
+                Vec::new(),
+            ),
+            DISK_FULL_RETRY_AFTER_S,
+        ));
+    }
+    None
+}
+
+/// [`upload_refused`] for an upload request whose body is not read yet (the auth layer has
+/// put its principal in the request).
+pub(crate) fn refuse_upload_early(app: &App, req: &axum::extract::Request) -> Option<Response> {
+    let who = req.extensions().get::<Principal>()?;
+    // `/v1/handlers/{name}`, as the auth layer reads it.
+    let name = req.uri().path().split('/').nth(3).unwrap_or_default();
+    let team = req.uri().query().and_then(|q| {
+        form_urlencoded::parse(q.as_bytes())
+            .find(|(k, _)| k == "team")
+            .map(|(_, v)| v.into_owned())
+    });
+    let declared_len = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    upload_refused(app, who, name, team.as_deref(), declared_len)
 }
 
 /// The 403 for a change to a handler another team owns: the API's 403 shape (the token, and
