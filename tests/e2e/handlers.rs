@@ -712,6 +712,40 @@ async fn a_policy_timeout_bounds_a_handler_invocation() {
     assert!(latency < 3_000, "{latency} ms: {f}");
 }
 
+/// Each captured log line keeps the time the handler logged it: a line before a slow step
+/// reads as before it. Every line of an invocation was stamped with the time it ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_log_lines_keep_the_time_they_were_logged() {
+    let rules = rules_yaml(
+        FAST,
+        &[(
+            "to-hostile",
+            "hostile",
+            &["handler: hostile\n        id: hostile\n        policy: fast".to_string()],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(put_handler(&r, "hostile", plugin("hostile")).await.0, 201);
+    let ev = event("spin-1", "hostile", json!({"mode": "spin", "ms": 1500}));
+    assert_eq!(post_event(&r, &ev).await.0, 202);
+    let at = |lines: &[Value], message: &str| {
+        lines
+            .iter()
+            .find(|l| l["message"] == message)
+            .and_then(|l| l["at"].as_str())
+            .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+    };
+    let (start, end) = eventually(Duration::from_secs(30), || async {
+        let lines = logs(&r, "hostile").await;
+        at(&lines, "spin: start").zip(at(&lines, "spin: end"))
+    })
+    .await
+    .expect("both lines logged");
+    // The handler was busy 1.5 s between them (a loaded machine only stretches that).
+    let apart = (end - start).num_milliseconds();
+    assert!(apart >= 1_400, "{start} .. {end}: {apart} ms apart");
+}
+
 /// `order.created` → handler `enrich`; its `order.created.enriched` emissions → `rcv`.
 fn enrich_then_webhook(rcv: &Receiver) -> String {
     format!(
