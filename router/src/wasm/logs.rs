@@ -212,10 +212,18 @@ impl HandlerLogs {
         };
         let min = q.min_level.as_deref().map_or(0, level_rank);
         let mut out = std::collections::VecDeque::with_capacity(q.limit.min(4096));
+        let mut line = Vec::new();
         for file in files {
-            for line in BufReader::new(file).lines() {
-                // A line cut short by a crash mid-write is skipped, not an error.
-                let Ok(rec) = serde_json::from_str::<LogRecord>(&line?) else {
+            let mut reader = BufReader::new(file);
+            loop {
+                line.clear();
+                if reader.read_until(b'\n', &mut line)? == 0 {
+                    break;
+                }
+                // A line cut short by a crash mid-write is skipped, not an error: read as
+                // bytes, since one torn inside a character is not UTF-8 (`lines()` failed the
+                // whole read on it, and every read after it until the file rotated).
+                let Ok(rec) = serde_json::from_slice::<LogRecord>(&line) else {
                     continue;
                 };
                 if q.event_id.as_ref().is_some_and(|id| *id != rec.event_id)
@@ -339,6 +347,30 @@ mod tests {
         logs.push("../escape", &rec(1, "info"));
         assert!(!dir.path().join("escape.log").exists());
         assert!(logs.recent("../escape", &all(10)).unwrap().is_empty());
+    }
+
+    /// A line torn inside a multi-byte character (or damaged on disk) is not UTF-8: it is
+    /// skipped like any other torn line, where it made every read fail.
+    #[test]
+    fn a_line_that_is_not_utf8_is_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let logs = HandlerLogs::open(dir.path(), 1 << 20).unwrap();
+        logs.push("h", &rec(1, "info"));
+        drop(logs);
+        let mut f = OpenOptions::new()
+            .append(true)
+            .open(dir.path().join("h.log"))
+            .unwrap();
+        f.write_all(b"{\"at\":\"2026\xe2\x82\n").unwrap();
+        let logs = HandlerLogs::open(dir.path(), 1 << 20).unwrap();
+        logs.push("h", &rec(2, "info"));
+        let msgs: Vec<_> = logs
+            .recent("h", &all(10))
+            .unwrap()
+            .into_iter()
+            .map(|r| r.message)
+            .collect();
+        assert_eq!(msgs, ["line 1", "line 2"]);
     }
 
     #[test]
