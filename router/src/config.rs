@@ -753,6 +753,14 @@ impl Config {
         if self.handlers.memory_bytes < 64 << 10 {
             return bad("handlers.memory_bytes must be at least 65536 (one wasm page)");
         }
+        // Above it the engine refuses its pool, and the router would serve with no handler
+        // runtime at all (every handler target waiting): refused here, at start, instead.
+        if self.handlers.memory_bytes as u64 > crate::wasm::limits::MAX_MEMORY_BYTES {
+            return bad(&format!(
+                "handlers.memory_bytes must be at most {} (4 GiB: what the engine reserves per handler memory, and all a 32-bit wasm memory can address)",
+                crate::wasm::limits::MAX_MEMORY_BYTES
+            ));
+        }
         if self.handlers.timeout.is_zero() {
             return bad("handlers.timeout must be > 0");
         }
@@ -998,12 +1006,27 @@ mod tests {
             ("ROUTER_STORE__LOW_WATER_FRACTION", "0"),
             ("ROUTER_STORE__LOW_WATER_FRACTION", "1.5"),
             ("ROUTER_HANDLERS__MEMORY_BYTES", "0"),
+            ("ROUTER_HANDLERS__MEMORY_BYTES", "8589934592"),
+            ("ROUTER_HANDLERS__MEMORY_BYTES", "4294967297"),
             ("ROUTER_HANDLERS__TIMEOUT", "0s"),
+            ("ROUTER_HANDLERS__MAX_KV_OPS", "0"),
         ] {
             let e = Config::load(None, env(&[(k, v)])).expect_err(k);
             let key = k["ROUTER_".len()..].to_ascii_lowercase().replace("__", ".");
             assert!(e.to_string().contains(&key), "{k}={v}: {e}");
         }
+        let e = Config::load(
+            None,
+            env(&[("ROUTER_HANDLERS__MEMORY_BYTES", "8589934592")]),
+        )
+        .expect_err("past the engine's reservation");
+        assert!(e.to_string().contains("at most 4294967296"), "{e}");
+        let ok = Config::load(
+            None,
+            env(&[("ROUTER_HANDLERS__MEMORY_BYTES", "4294967296")]),
+        )
+        .expect("4 GiB is the most");
+        assert_eq!(ok.handlers.memory_bytes as u64, 1 << 32);
         let e = Config::load(None, env(&[("ROUTER_DELIVERY__NICE", "20")])).expect_err("nice");
         assert!(
             e.to_string().contains("delivery.nice must be in 0..=19"),

@@ -5,6 +5,12 @@ use std::time::Duration;
 
 use thiserror::Error;
 
+/// The largest memory cap a handler may have (`handlers.memory_bytes`), 4 GiB: what the
+/// engine's pooling allocator reserves per linear memory on a 64-bit host (wasmtime's
+/// `memory_reservation`), and the most a 32-bit wasm memory can address anyway. A larger cap
+/// makes the engine refuse to start, and with it every handler target waits.
+pub const MAX_MEMORY_BYTES: u64 = 1 << 32;
+
 /// What one handler invocation may use. Every breach costs that invocation only: the store is
 /// dropped and the outcome says which limit was hit.
 ///

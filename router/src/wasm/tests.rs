@@ -518,6 +518,24 @@ fn kv_writes_over_the_limit_cost_the_invocation_and_return_nothing() {
     assert!(inv.kv_writes.is_empty() && inv.cas_checks.is_empty());
 }
 
+/// `limits::MAX_MEMORY_BYTES` is the engine's own bound: the configuration refuses more at
+/// start, since past it the engine refuses its pool and the router ran with no handler
+/// runtime at all.
+#[test]
+fn the_largest_memory_cap_is_what_the_engine_reserves() {
+    let engine_with = |max_memory_bytes: usize| {
+        WasmEngine::new(EngineConfig {
+            max_instances: 1,
+            max_memory_bytes,
+            ..EngineConfig::default()
+        })
+    };
+    let max = usize::try_from(limits::MAX_MEMORY_BYTES).expect("a 64-bit host");
+    assert!(engine_with(max).is_ok());
+    let err = engine_with(max + (64 << 10)).expect_err("past the reservation");
+    assert!(err.to_string().contains("memory reservation"), "{err}");
+}
+
 /// Tiny writes by the thousand were each an operation of the store's single writer (140,000
 /// of them held one commit, and every producer's ingest, for 8 s): past `max_kv_ops` the
 /// invocation is a `handler_limit` and hands nothing to the commit.
