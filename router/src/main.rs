@@ -369,6 +369,10 @@ enum HandlersCmd {
         /// An administrator's upload for a team: the handler becomes that team's.
         #[arg(long)]
         team: Option<String>,
+        /// How long to wait for the router's answer: it compiles and checks the component
+        /// first, which for a large one (a Python handler) on a busy machine takes minutes.
+        #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+        timeout: std::time::Duration,
     },
     /// Every handler with its active version.
     List,
@@ -951,20 +955,31 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
     use reqwest::Method;
     let c = api.client();
     let v = match &cmd {
-        HandlersCmd::Push { name, file, team } => {
+        HandlersCmd::Push {
+            name,
+            file,
+            team,
+            timeout,
+        } => {
             let bytes =
                 std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
-            c.call_bytes(
-                Method::PUT,
-                &format!(
-                    "/v1/handlers/{}{}",
-                    router::cli::seg(name),
-                    router::cli::query(&[("team", team)])
-                ),
-                "application/wasm",
-                bytes,
-            )
-            .await?
+            // Whoever gives up first, the router goes on: the component may still activate.
+            api.client()
+                .with_timeout(
+                    *timeout,
+                    "the upload may still complete: check `router handlers list`",
+                )
+                .call_bytes(
+                    Method::PUT,
+                    &format!(
+                        "/v1/handlers/{}{}",
+                        router::cli::seg(name),
+                        router::cli::query(&[("team", team)])
+                    ),
+                    "application/wasm",
+                    bytes,
+                )
+                .await?
         }
         HandlersCmd::List => c.call(Method::GET, "/v1/handlers", None).await?,
         HandlersCmd::Rollback { name, version } => {
