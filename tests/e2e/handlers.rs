@@ -217,6 +217,77 @@ async fn uploads_are_validated_versioned_and_rolled_back() {
     assert_eq!(get_json(&r, "/v1/handlers/nope").await.0, 404);
 }
 
+/// The version answers say what happened: uploading bytes already stored creates nothing
+/// (200, not 201), a version that cannot be one is a 400 naming the accepted forms (not a
+/// 404), a name that is not one is refused as a percent-encoded one is, and the listing says
+/// who switched the active version and when.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn version_answers_say_what_happened_and_who_switched() {
+    let r = RouterProc::start(&[], &[]);
+    let listed = || async {
+        let (_, list) = get_json(&r, "/v1/handlers").await;
+        list["handlers"][0].clone()
+    };
+    let (s, v1) = put_handler(&r, "noop", plugin("noop")).await;
+    assert_eq!((s, &v1["version"]), (201, &json!(1)), "{v1}");
+    let h = listed().await;
+    assert_eq!(h["activated_by"], "local", "{h}");
+    let first_at = h["activated_at"].as_str().unwrap_or_default().to_string();
+    assert!(first_at.ends_with('Z'), "{h}");
+    // The active version's bytes again: nothing created or switched.
+    let (s, again) = put_handler(&r, "noop", plugin("noop")).await;
+    assert_eq!((s, &again["version"]), (200, &json!(1)), "{again}");
+    assert_eq!(listed().await["activated_at"], first_at.as_str());
+    let mut bytes = plugin("noop");
+    bytes.extend_from_slice(&[0, 9, 4, b'n', b'o', b't', b'e', 1, 2, 3, 4]);
+    let (s, v2) = put_handler(&r, "noop", bytes).await;
+    assert_eq!((s, &v2["version"]), (201, &json!(2)), "{v2}");
+    // An older version's bytes re-activate it: still nothing created, but a switch.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let (s, back) = put_handler(&r, "noop", plugin("noop")).await;
+    assert_eq!((s, &back["version"]), (200, &json!(1)), "{back}");
+    let h = listed().await;
+    assert_eq!(h["active"]["version"], 1, "{h}");
+    assert!(
+        h["activated_at"].as_str().unwrap_or_default() > first_at.as_str(),
+        "{h}"
+    );
+    for malformed in ["abc", "abcdef1", "v"] {
+        let (s, b) = post_json(
+            &r,
+            "/v1/handlers/noop/rollback",
+            json!({ "version": malformed }),
+        )
+        .await;
+        assert_eq!(
+            (s, &b["errors"][0]["pointer"]),
+            (400, &json!("/version")),
+            "{b}"
+        );
+        let msg = b["errors"][0]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains("at least 8 hex digits"), "{malformed}: {b}");
+    }
+    let (s, b) = post_json(&r, "/v1/handlers/noop/rollback", json!({"version": "9"})).await;
+    assert_eq!(s, 404, "{b}");
+    let (s, b) = post_json(&r, "/v1/handlers/noop/rollback", json!({"version": "v2"})).await;
+    assert_eq!(s, 200, "{b}");
+    let h = listed().await;
+    assert_eq!(
+        (&h["active"]["version"], &h["activated_by"]),
+        (&json!(2), &json!("local")),
+        "{h}"
+    );
+    // A name that is not one: the same answer, encoded or not.
+    for name in ["UPPER", "%41"] {
+        let (s, b) = put_handler(&r, name, plugin("noop")).await;
+        assert_eq!(
+            (s, &b["error"], &b["errors"][0]["pointer"]),
+            (400, &json!("invalid handler name"), &json!("/name")),
+            "{name}: {b}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn emitted_events_re_enter_the_pipeline_from_rust_and_python_handlers() {
     let sink = Receiver::ok().await;

@@ -65,17 +65,26 @@ fn registry_error(who: &Principal, name: &str, e: RegistryError) -> Response {
         RegistryError::UnknownHandler(_) | RegistryError::UnknownVersion { .. } => {
             StatusCode::NOT_FOUND
         }
-        RegistryError::AmbiguousVersion(_) => StatusCode::BAD_REQUEST,
+        RegistryError::AmbiguousVersion(_) | RegistryError::InvalidVersion(_) => {
+            StatusCode::BAD_REQUEST
+        }
         RegistryError::CorruptIndex { .. } => StatusCode::CONFLICT,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     if status == StatusCode::INTERNAL_SERVER_ERROR {
         tracing::error!(error = %e, "handler registry failure");
     }
+    // The version asked for is the request body's `version`.
+    let pointer = match &e {
+        RegistryError::AmbiguousVersion(_)
+        | RegistryError::InvalidVersion(_)
+        | RegistryError::UnknownVersion { .. } => "/version",
+        _ => "",
+    };
     error_response(
         status,
         "handler operation failed",
-        vec![FieldError::new("", e.to_string())],
+        vec![FieldError::new(pointer, e.to_string())],
     )
 }
 
@@ -99,11 +108,23 @@ pub async fn upload(
     };
     let mut uploader = who.uploader();
     uploader.for_team = q.team;
+    // Bytes of a version already stored create nothing: they re-activate it (or leave it
+    // active), answered 200 rather than 201.
+    let stored: Vec<String> = rt
+        .registry
+        .get(&name)
+        .map(|info| info.versions.into_iter().map(|v| v.sha256).collect())
+        .unwrap_or_default();
     match rt.changes.upload(&name, body, uploader).await {
+        Ok(v) if stored.contains(&v.sha256) => {
+            tracing::warn!(handler = %name, version = v.version, sha256 = %v.sha256, uploader = %who.name, "handler upload matched a stored version, which is active");
+            (StatusCode::OK, axum::Json(json!(v))).into_response()
+        }
         Ok(v) => {
             tracing::warn!(handler = %name, version = v.version, sha256 = %v.sha256, uploader = %who.name, "handler uploaded and activated");
             (StatusCode::CREATED, axum::Json(json!(v))).into_response()
         }
+        Err(UploadError::InvalidName(_)) => invalid_name(&name),
         Err(UploadError::Io(e)) => {
             // Nothing was activated: a full or failing disk, which may pass.
             tracing::error!(handler = %name, error = %e, "storing a handler failed");
@@ -162,6 +183,9 @@ pub(crate) fn upload_refused(
     team: Option<&str>,
     declared_len: Option<u64>,
 ) -> Option<Response> {
+    if !crate::wasm::valid_handler_name(name) {
+        return Some(invalid_name(name));
+    }
     if let Some(team) = team {
         // Only an administrator uploads a handler for a team; a team token's handlers are its
         // own.
@@ -209,6 +233,19 @@ pub(crate) fn upload_refused(
         ));
     }
     None
+}
+
+/// The 400 for a handler name that is not one, in the shape the auth layer gives a
+/// percent-encoded one (`invalid handler name`, pointer `/name`).
+fn invalid_name(name: &str) -> Response {
+    error_response(
+        StatusCode::BAD_REQUEST,
+        "invalid handler name",
+        vec![FieldError::new(
+            "/name",
+            UploadError::InvalidName(name.to_owned()).to_string(),
+        )],
+    )
 }
 
 /// [`upload_refused`] for an upload request whose body is not read yet (the auth layer has
