@@ -1017,6 +1017,7 @@ async fn start_handlers(
         kv_max_bytes: Some(h.kv_max_bytes),
         completed_hits: metrics.completed_hits.clone(),
         invocations: metrics.handler_invocations.clone(),
+        log_lines_dropped: metrics.handler_log_lines_dropped.clone(),
         store: store.clone(),
         clock: clock.clone(),
         prepare: std::sync::OnceLock::new(),

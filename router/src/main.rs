@@ -390,6 +390,13 @@ enum HandlersCmd {
         /// At most this many of the most recent matching lines (server default 200).
         #[arg(long)]
         limit: Option<String>,
+        /// Only lines of this attempt.
+        #[arg(long)]
+        attempt: Option<String>,
+        /// Only lines older than this position: the `--before` printed after the page before
+        /// (`next_before` with --json).
+        #[arg(long)]
+        before: Option<String>,
     },
 }
 
@@ -995,9 +1002,16 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
             event_id,
             level,
             limit,
+            attempt,
+            before,
         } => {
-            let q =
-                router::cli::query(&[("event_id", event_id), ("level", level), ("limit", limit)]);
+            let q = router::cli::query(&[
+                ("event_id", event_id),
+                ("level", level),
+                ("limit", limit),
+                ("attempt", attempt),
+                ("before", before),
+            ]);
             c.call(
                 Method::GET,
                 &format!("/v1/handlers/{}/logs{q}", router::cli::seg(name)),
@@ -1022,6 +1036,11 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
                     l["message"].as_str().unwrap_or("")
                 )
             })
+            .chain(
+                v["next_before"]
+                    .as_u64()
+                    .map(|n| format!("(older lines: --before {n})")),
+            )
             .collect::<Vec<_>>()
             .join("\n"),
         _ => format!(

@@ -178,6 +178,8 @@ pub struct Metrics {
     pub completed_hits: Family<Labels, Counter>,
     /// Handler invocations by handler and outcome.
     pub handler_invocations: Family<Labels, Counter>,
+    /// Handler log lines the per-invocation cap (`handlers.max_log_bytes`) dropped, by handler.
+    pub handler_log_lines_dropped: Family<Labels, Counter>,
     /// Bytes (keys plus values) in each handler's key-value namespace.
     pub handler_kv_bytes: Family<Labels, Gauge>,
     /// Keys in each handler's key-value namespace.
@@ -247,6 +249,7 @@ impl Metrics {
             swept: Family::default(),
             completed_hits: Family::default(),
             handler_invocations: Family::default(),
+            handler_log_lines_dropped: Family::default(),
             handler_kv_bytes: Family::default(),
             handler_kv_keys: Family::default(),
             kv_handlers_shown: Default::default(),
@@ -417,6 +420,11 @@ impl Metrics {
             "router_handler_invocations",
             "Handler invocations by handler and outcome: ok (emitted), retry, fail (the handler's own answers), trap, timeout, oom, limit (an output, key-value write or fuel bound of the invocation: not retried), host_unavailable (a key-value read failed or the namespace is full: retried), invalid_emission",
             m.handler_invocations.clone(),
+        );
+        registry.register(
+            "router_handler_log_lines_dropped",
+            "Handler log lines dropped because an invocation logged past handlers.max_log_bytes (its last kept line says how many), by handler",
+            m.handler_log_lines_dropped.clone(),
         );
         registry.register(
             "router_handler_kv_bytes",

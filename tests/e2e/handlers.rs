@@ -817,6 +817,86 @@ async fn handler_log_lines_keep_the_time_they_were_logged() {
     assert!(apart >= 1_400, "{start} .. {end}: {apart} ms apart");
 }
 
+/// A handler's logs are read back to the oldest line kept, a page at a time (`before`), by
+/// attempt; an empty `event_id` is a 400 rather than a quiet empty page; the lines the
+/// per-invocation cap dropped are counted by a metric.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_logs_page_back_to_the_oldest_line_and_count_what_the_cap_dropped() {
+    let rules = rules_yaml(
+        FAST,
+        &[(
+            "to-hostile",
+            "hostile",
+            &["handler: hostile\n        id: hostile\n        policy: fast".to_string()],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(put_handler(&r, "hostile", plugin("hostile")).await.0, 201);
+    let ev = event("flood-1", "hostile", json!({"mode": "log"}));
+    assert_eq!(post_event(&r, &ev).await.0, 202);
+    eventually(Duration::from_secs(30), || async {
+        (fate(&r, "flood-1").await["targets"][0]["state"] == "delivered").then_some(())
+    })
+    .await
+    .expect("the flood is handled");
+    // Page back 100 lines at a time: every line kept, once, newest page first.
+    let mut seen: Vec<u64> = Vec::new();
+    let mut path = "/v1/handlers/hostile/logs?limit=100".to_string();
+    let mut pages = 0;
+    loop {
+        let (s, page) = get_json(&r, &path).await;
+        assert_eq!(s, 200, "{page}");
+        let seqs: Vec<u64> = page["lines"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|l| l["seq"].as_u64())
+            .collect();
+        seen.splice(0..0, seqs);
+        pages += 1;
+        match page["next_before"].as_u64() {
+            Some(before) => path = format!("/v1/handlers/hostile/logs?limit=100&before={before}"),
+            None => break,
+        }
+    }
+    let total = seen.len() as u64;
+    assert!(pages > 1 && total > 100, "{pages} pages, {total} lines");
+    assert_eq!(seen, (1..=total).collect::<Vec<_>>());
+    // The cap's note is the last line; the metric counts what it dropped.
+    let (_, last) = get_json(&r, "/v1/handlers/hostile/logs?limit=1").await;
+    let note = last["lines"][0]["message"].as_str().unwrap_or_default();
+    let dropped: u64 = note
+        .split(" more lines")
+        .next()
+        .and_then(|head| head.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count in {note:?}"));
+    let metrics = metrics_text(&r).await;
+    assert_eq!(
+        counter(
+            &metrics,
+            "router_handler_log_lines_dropped_total{handler=\"hostile\"}"
+        ),
+        dropped,
+        "{}",
+        metric_lines(&metrics, "log_lines_dropped")
+    );
+    // By attempt: all of them were the first's.
+    let (_, first) = get_json(&r, "/v1/handlers/hostile/logs?attempt=1&limit=5000").await;
+    assert_eq!(
+        first["lines"].as_array().map(Vec::len),
+        Some(total as usize)
+    );
+    let (_, second) = get_json(&r, "/v1/handlers/hostile/logs?attempt=2").await;
+    assert_eq!(second["lines"], json!([]), "{second}");
+    let (s, b) = get_json(&r, "/v1/handlers/hostile/logs?event_id=").await;
+    assert_eq!(
+        (s, &b["errors"][0]["pointer"]),
+        (400, &json!("/event_id")),
+        "{b}"
+    );
+}
+
 /// `order.created` → handler `enrich`; its `order.created.enriched` emissions → `rcv`.
 fn enrich_then_webhook(rcv: &Receiver) -> String {
     format!(

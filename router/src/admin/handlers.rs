@@ -458,6 +458,9 @@ pub struct LogsQuery {
     limit: Option<usize>,
     event_id: Option<String>,
     level: Option<LogLevelParam>,
+    /// Only lines older than this `seq` (the `next_before` of the page before).
+    before: Option<u64>,
+    attempt: Option<u32>,
 }
 
 /// Most lines one logs request returns.
@@ -474,8 +477,10 @@ enum LogLevelParam {
     Error,
 }
 
-/// `GET /v1/handlers/{name}/logs?limit=`: recent captured lines (size-capped), with event id,
-/// attempt and level; traps keep their message. They are the owning team's (and an
+/// `GET /v1/handlers/{name}/logs?limit=&event_id=&attempt=&level=&before=`: recent captured
+/// lines (size-capped), with event id, attempt and level; traps keep their message. Each line
+/// has its position (`seq`); `before=<seq>` reads the page before, back to the oldest line
+/// kept (`next_before` says where the next page starts, null when there is none). They are the owning team's (and an
 /// administrator's): what a handler logs is its team's data (event contents, its own state),
 /// which another team's `handlers:` glob covering the name does not open.
 pub async fn logs(
@@ -514,10 +519,24 @@ pub async fn logs(
             )],
         );
     }
+    if q.event_id.as_deref() == Some("") {
+        // Read as "lines of no event" it matched nothing, which looks like a quiet handler.
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid query",
+            vec![FieldError::new(
+                "/event_id",
+                "must not be empty: name an event id, or leave event_id out for every event's lines",
+            )],
+        );
+    }
+    let limit = q.limit.unwrap_or(200).min(MAX_LOG_LINES);
     let query = crate::wasm::LogQuery {
-        limit: q.limit.unwrap_or(200).min(MAX_LOG_LINES),
+        limit,
         event_id: q.event_id,
         min_level: q.level.map(|l| format!("{l:?}").to_ascii_lowercase()),
+        before: q.before,
+        attempt: q.attempt,
     };
     let (rt, read_name) = (rt.clone(), name.clone());
     let read = tokio::task::spawn_blocking(move || rt.logs.recent(&read_name, &query))
@@ -525,7 +544,16 @@ pub async fn logs(
         .map_err(std::io::Error::other)
         .and_then(|r| r);
     match read {
-        Ok(lines) => axum::Json(json!({ "handler": name, "lines": lines })).into_response(),
+        Ok(lines) => {
+            // A full page may have older lines before it; fewer than asked for means none.
+            // Lines written before positions were kept (seq 0) cannot be paged past.
+            let next_before = lines
+                .first()
+                .filter(|l| lines.len() == limit && l.seq > 1)
+                .map(|l| l.seq);
+            axum::Json(json!({ "handler": name, "lines": lines, "next_before": next_before }))
+                .into_response()
+        }
         Err(e) => {
             tracing::error!(handler = %name, error = %e, "reading handler logs failed");
             error_response(

@@ -74,6 +74,11 @@ pub struct HandlerRuntime {
         crate::telemetry::Labels,
         prometheus_client::metrics::counter::Counter,
     >,
+    /// Log lines the per-invocation cap dropped, per handler.
+    pub log_lines_dropped: prometheus_client::metrics::family::Family<
+        crate::telemetry::Labels,
+        prometheus_client::metrics::counter::Counter,
+    >,
     /// The store (key-value and COMPLETED reads).
     pub store: Arc<dyn Store>,
     /// Time source.
@@ -131,6 +136,7 @@ impl HandlerTarget {
         let records: Vec<LogRecord> = lines
             .into_iter()
             .map(|(at_ms, level, message)| LogRecord {
+                seq: 0,
                 at: crate::clock::rfc3339(at_ms),
                 level,
                 message,
@@ -313,6 +319,12 @@ impl HandlerTarget {
                 );
             }
         };
+        if inv.log_lines_dropped > 0 {
+            self.rt
+                .log_lines_dropped
+                .get_or_create(&vec![("handler", self.name.clone())])
+                .inc_by(inv.log_lines_dropped);
+        }
         // Each line at the time the handler logged it (`at_ms` counts from the invocation's
         // start, which is `now` give or take the thread hand-over), not when the invocation
         // ended: a line before a slow step must read as before it.

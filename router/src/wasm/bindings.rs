@@ -309,6 +309,11 @@ impl LogBuffer {
         });
     }
 
+    /// Lines the cap dropped whole (a line cut short is kept, and not counted).
+    pub(crate) fn dropped_lines(&self) -> u64 {
+        self.dropped_lines
+    }
+
     /// The captured lines, plus a closing note when the cap dropped some.
     pub(crate) fn finish(mut self) -> Vec<LogLine> {
         if self.dropped_lines > 0 || self.dropped_bytes > 0 {

@@ -459,6 +459,20 @@ fn hostile_log_flood_is_capped_and_the_call_completes() {
         "{}",
         last.message
     );
+    // The count the router's metric adds, as the closing note says it.
+    let kept_lines = inv.logs.len() as u64 - 1;
+    assert_eq!(
+        inv.log_lines_dropped + kept_lines,
+        20_000,
+        "{}",
+        last.message
+    );
+    assert!(
+        last.message
+            .contains(&format!("{} more lines", inv.log_lines_dropped)),
+        "{}",
+        last.message
+    );
 }
 
 #[test]
