@@ -938,6 +938,7 @@ async fn start_handlers(
         max_emitted: h.max_emitted,
         max_output_bytes: h.max_output_bytes,
         max_log_bytes: h.max_log_bytes,
+        max_kv_ops: h.max_kv_ops,
         ..Default::default()
     };
     engine.check_limits(&limits).map_err(|e| e.to_string())?;
@@ -1020,6 +1021,7 @@ async fn start_handlers(
         kv_max_bytes: Some(h.kv_max_bytes),
         completed_hits: metrics.completed_hits.clone(),
         invocations: metrics.handler_invocations.clone(),
+        log_lines_dropped: metrics.handler_log_lines_dropped.clone(),
         store: store.clone(),
         clock: clock.clone(),
         prepare: std::sync::OnceLock::new(),
@@ -1832,7 +1834,9 @@ const API_BODY_LIMIT: usize = 2 << 20;
 /// Reads the body of every API request but ingest's before its handler runs, after the auth
 /// layer let it through: at most the route's limit (413), within `server.request_timeout`
 /// (408), so that a slow or huge body holds neither a task nor memory for long. Handler
-/// uploads also wait for one of `UPLOAD_SLOTS`, held until the upload is compiled.
+/// uploads also wait for one of `UPLOAD_SLOTS`, held until the upload is compiled, once what
+/// their path, token and headers decide has let them through
+/// (`admin::handlers::refuse_upload_early`).
 async fn bounded_body(
     axum::extract::State(app): axum::extract::State<Arc<App>>,
     matched: Option<axum::extract::MatchedPath>,
@@ -1896,6 +1900,12 @@ async fn bounded_body(
     // web page can send without a CORS preflight is never JSON (`guard`).
     if !upload && let Err(r) = crate::guard::check_body_type(req.headers(), None) {
         return *r;
+    }
+    // What an upload is refused for from its path, token and headers is answered before it
+    // takes a slot or its body is read: a token the owner check refuses, or a body declared
+    // too large, must not hold a slot (or the connection) for a request timeout.
+    if upload && let Some(refused) = crate::admin::handlers::refuse_upload_early(&app, &req) {
+        return refused;
     }
     // An upload waits for a slot at most as long as its body may take to arrive: past that,
     // the slots are held by other uploads (slow bodies, long compilations), and the uploader

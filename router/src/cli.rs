@@ -55,11 +55,39 @@ macro_rules! errln {
     };
 }
 
+/// How long a request waits for its answer unless the command says otherwise (an upload,
+/// which the router compiles before it answers, waits longer: `router handlers push
+/// --timeout`).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long a connection to the router may take to open: a router that is there answers its
+/// connections at once, so past this it is not (or not reachable).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Error talking to the router API.
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
-    /// Transport failure.
-    #[error("cannot reach the router at {url}: {source}")]
+    /// No connection could be made: nothing listens there, or it is not reachable.
+    #[error("could not connect to the router at {url}: {source}")]
+    Connect {
+        /// URL.
+        url: String,
+        /// Why.
+        source: reqwest::Error,
+    },
+    /// The request was sent but no answer came within the client's timeout: the router may
+    /// still be working on it (`hint` says what to check).
+    #[error("no answer from the router at {url} within {}{}", humantime::format_duration(*.after), .hint.as_deref().map(|h| format!(" ({h})")).unwrap_or_default())]
+    NoAnswer {
+        /// URL.
+        url: String,
+        /// The timeout that passed.
+        after: Duration,
+        /// What may have happened meanwhile, and how to find out.
+        hint: Option<String>,
+    },
+    /// Any other transport failure (the connection dropped before the answer).
+    #[error("the request to the router at {url} failed: {source}")]
     Http {
         /// URL.
         url: String,
@@ -82,6 +110,10 @@ pub struct Client {
     http: reqwest::Client,
     /// Sent as `Authorization: Bearer …` when set.
     token: Option<String>,
+    /// How long each request waits for its answer.
+    timeout: Duration,
+    /// Told with a [`CliError::NoAnswer`]: what may have happened anyway.
+    timeout_hint: Option<String>,
 }
 
 fn describe_error(v: &Value) -> String {
@@ -104,11 +136,21 @@ impl Client {
         Self {
             base: base.trim_end_matches('/').to_string(),
             http: reqwest::Client::builder()
-                .timeout(Duration::from_secs(60))
+                .connect_timeout(CONNECT_TIMEOUT)
                 .build()
                 .unwrap_or_default(),
             token: token.filter(|t| !t.is_empty()).map(str::to_string),
+            timeout: DEFAULT_TIMEOUT,
+            timeout_hint: None,
         }
+    }
+
+    /// Waits `timeout` for each answer (instead of [`DEFAULT_TIMEOUT`]); past it the error
+    /// says `hint`: what may still happen, and how to find out.
+    pub fn with_timeout(mut self, timeout: Duration, hint: &str) -> Self {
+        self.timeout = timeout;
+        self.timeout_hint = Some(hint.to_string());
+        self
     }
 
     fn api_error(&self, status: u16, v: &Value) -> CliError {
@@ -163,12 +205,31 @@ impl Client {
         self.send(rb, url).await
     }
 
+    /// What a failed request's transport error means to the operator: the router was not
+    /// there, or it did not answer in time (and may still be working on the request). One
+    /// "cannot reach the router" for both sent an operator whose upload was compiling and
+    /// about to activate looking for a router that was up.
+    fn transport_error(&self, url: String, source: reqwest::Error) -> CliError {
+        if source.is_connect() {
+            CliError::Connect { url, source }
+        } else if source.is_timeout() {
+            CliError::NoAnswer {
+                url,
+                after: self.timeout,
+                hint: self.timeout_hint.clone(),
+            }
+        } else {
+            CliError::Http { url, source }
+        }
+    }
+
     /// Sends `rb` (a request to `url`) and returns the JSON answer, or the API's error.
     async fn send(&self, rb: reqwest::RequestBuilder, url: String) -> Result<Value, CliError> {
         let resp = rb
+            .timeout(self.timeout)
             .send()
             .await
-            .map_err(|source| CliError::Http { url, source })?;
+            .map_err(|source| self.transport_error(url, source))?;
         let status = resp.status().as_u16();
         let v: Value = resp.json().await.unwrap_or(Value::Null);
         if status >= 400 {
@@ -607,6 +668,58 @@ pub fn targets_table(v: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A router that is not there and one that does not answer in time are told apart; the
+    /// latter with what may still happen (an upload activating after the client gave up).
+    #[tokio::test]
+    async fn no_connection_and_no_answer_in_time_are_told_apart() {
+        let gone = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let gone_url = format!("http://{}", gone.local_addr().expect("addr"));
+        drop(gone);
+        let err = Client::new(&gone_url, None)
+            .call(reqwest::Method::GET, "/v1/handlers", None)
+            .await
+            .expect_err("nothing listens");
+        assert!(matches!(err, CliError::Connect { .. }), "{err:?}");
+        assert!(
+            err.to_string()
+                .starts_with("could not connect to the router at"),
+            "{err}"
+        );
+
+        // Accepts, reads, never answers.
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let url = format!("http://{}", silent.local_addr().expect("addr"));
+        let held = tokio::spawn(async move {
+            let mut conns = Vec::new();
+            while let Ok((c, _)) = silent.accept().await {
+                conns.push(c);
+            }
+        });
+        let err = Client::new(&url, None)
+            .with_timeout(
+                Duration::from_millis(300),
+                "the upload may still complete: check `router handlers list`",
+            )
+            .call_bytes(
+                reqwest::Method::PUT,
+                "/v1/handlers/h",
+                "application/wasm",
+                vec![0; 8],
+            )
+            .await
+            .expect_err("no answer");
+        held.abort();
+        assert!(matches!(err, CliError::NoAnswer { .. }), "{err:?}");
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "no answer from the router at {url}/v1/handlers/h within 300ms (the upload may still complete: check `router handlers list`)"
+            )
+        );
+    }
 
     #[test]
     fn path_segments_are_encoded() {

@@ -99,6 +99,11 @@ pub struct HandlersConfig {
     pub max_output_bytes: usize,
     /// Most log bytes captured per invocation.
     pub max_log_bytes: usize,
+    /// Most key-value operations per invocation (default 1,000): keys written or deleted,
+    /// each counted once however often it is rewritten, plus compare-and-set checks. Each is
+    /// one operation of the commit that acks the delivery, on the store's single writer that
+    /// ingest shares: past it the invocation fails as `handler_limit` (not retried).
+    pub max_kv_ops: usize,
     /// Emitted events past this many handler hops go to the DLQ as `loop_detected`.
     pub hop_limit: u32,
     /// Invocations alive at once (the pooling allocator holds two more instances, for the
@@ -115,8 +120,8 @@ pub struct HandlersConfig {
     /// is not run again. The age bound of the idempotency records.
     #[serde(with = "humantime_serde")]
     pub completed_ttl: Duration,
-    /// Bound on each handler's key-value namespace, in bytes of keys plus values (default
-    /// 64 MiB). A write that would pass it fails the invocation (retried; deleting keys or
+    /// Bound on each handler's key-value namespace, in bytes of keys plus values plus 64 per
+    /// key for what an entry costs the store beyond them (default 64 MiB). A write that would pass it fails the invocation (retried; deleting keys or
     /// letting TTLs expire makes room). Usage: `router_handler_kv_bytes`, `/v1/status`.
     pub kv_max_bytes: u64,
     /// Bytes of captured log lines kept on disk per handler (`GET /v1/handlers/{name}/logs`);
@@ -144,6 +149,7 @@ impl Default for HandlersConfig {
             max_emitted: 100,
             max_output_bytes: 1 << 20,
             max_log_bytes: 64 << 10,
+            max_kv_ops: 1_000,
             hop_limit: 8,
             max_instances: 64,
             preload_dir: None,
@@ -784,8 +790,19 @@ impl Config {
         if self.handlers.memory_bytes < 64 << 10 {
             return bad("handlers.memory_bytes must be at least 65536 (one wasm page)");
         }
+        // Above it the engine refuses its pool, and the router would serve with no handler
+        // runtime at all (every handler target waiting): refused here, at start, instead.
+        if self.handlers.memory_bytes as u64 > crate::wasm::limits::MAX_MEMORY_BYTES {
+            return bad(&format!(
+                "handlers.memory_bytes must be at most {} (4 GiB: what the engine reserves per handler memory, and all a 32-bit wasm memory can address)",
+                crate::wasm::limits::MAX_MEMORY_BYTES
+            ));
+        }
         if self.handlers.timeout.is_zero() {
             return bad("handlers.timeout must be > 0");
+        }
+        if self.handlers.max_kv_ops == 0 {
+            return bad("handlers.max_kv_ops must be at least 1");
         }
         Ok(())
     }
@@ -1026,12 +1043,27 @@ mod tests {
             ("ROUTER_STORE__LOW_WATER_FRACTION", "0"),
             ("ROUTER_STORE__LOW_WATER_FRACTION", "1.5"),
             ("ROUTER_HANDLERS__MEMORY_BYTES", "0"),
+            ("ROUTER_HANDLERS__MEMORY_BYTES", "8589934592"),
+            ("ROUTER_HANDLERS__MEMORY_BYTES", "4294967297"),
             ("ROUTER_HANDLERS__TIMEOUT", "0s"),
+            ("ROUTER_HANDLERS__MAX_KV_OPS", "0"),
         ] {
             let e = Config::load(None, env(&[(k, v)])).expect_err(k);
             let key = k["ROUTER_".len()..].to_ascii_lowercase().replace("__", ".");
             assert!(e.to_string().contains(&key), "{k}={v}: {e}");
         }
+        let e = Config::load(
+            None,
+            env(&[("ROUTER_HANDLERS__MEMORY_BYTES", "8589934592")]),
+        )
+        .expect_err("past the engine's reservation");
+        assert!(e.to_string().contains("at most 4294967296"), "{e}");
+        let ok = Config::load(
+            None,
+            env(&[("ROUTER_HANDLERS__MEMORY_BYTES", "4294967296")]),
+        )
+        .expect("4 GiB is the most");
+        assert_eq!(ok.handlers.memory_bytes as u64, 1 << 32);
         let e = Config::load(None, env(&[("ROUTER_DELIVERY__NICE", "20")])).expect_err("nice");
         assert!(
             e.to_string().contains("delivery.nice must be in 0..=19"),

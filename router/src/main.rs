@@ -369,6 +369,10 @@ enum HandlersCmd {
         /// An administrator's upload for a team: the handler becomes that team's.
         #[arg(long)]
         team: Option<String>,
+        /// How long to wait for the router's answer: it compiles and checks the component
+        /// first, which for a large one (a Python handler) on a busy machine takes minutes.
+        #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+        timeout: std::time::Duration,
     },
     /// Every handler with its active version.
     List,
@@ -386,6 +390,13 @@ enum HandlersCmd {
         /// At most this many of the most recent matching lines (server default 200).
         #[arg(long)]
         limit: Option<String>,
+        /// Only lines of this attempt.
+        #[arg(long)]
+        attempt: Option<String>,
+        /// Only lines older than this position: the `--before` printed after the page before
+        /// (`next_before` with --json).
+        #[arg(long)]
+        before: Option<String>,
     },
 }
 
@@ -952,20 +963,31 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
     use reqwest::Method;
     let c = api.client();
     let v = match &cmd {
-        HandlersCmd::Push { name, file, team } => {
+        HandlersCmd::Push {
+            name,
+            file,
+            team,
+            timeout,
+        } => {
             let bytes =
                 std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
-            c.call_bytes(
-                Method::PUT,
-                &format!(
-                    "/v1/handlers/{}{}",
-                    router::cli::seg(name),
-                    router::cli::query(&[("team", team)])
-                ),
-                "application/wasm",
-                bytes,
-            )
-            .await?
+            // Whoever gives up first, the router goes on: the component may still activate.
+            api.client()
+                .with_timeout(
+                    *timeout,
+                    "the upload may still complete: check `router handlers list`",
+                )
+                .call_bytes(
+                    Method::PUT,
+                    &format!(
+                        "/v1/handlers/{}{}",
+                        router::cli::seg(name),
+                        router::cli::query(&[("team", team)])
+                    ),
+                    "application/wasm",
+                    bytes,
+                )
+                .await?
         }
         HandlersCmd::List => c.call(Method::GET, "/v1/handlers", None).await?,
         HandlersCmd::Rollback { name, version } => {
@@ -981,9 +1003,16 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
             event_id,
             level,
             limit,
+            attempt,
+            before,
         } => {
-            let q =
-                router::cli::query(&[("event_id", event_id), ("level", level), ("limit", limit)]);
+            let q = router::cli::query(&[
+                ("event_id", event_id),
+                ("level", level),
+                ("limit", limit),
+                ("attempt", attempt),
+                ("before", before),
+            ]);
             c.call(
                 Method::GET,
                 &format!("/v1/handlers/{}/logs{q}", router::cli::seg(name)),
@@ -1008,6 +1037,11 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
                     l["message"].as_str().unwrap_or("")
                 )
             })
+            .chain(
+                v["next_before"]
+                    .as_u64()
+                    .map(|n| format!("(older lines: --before {n})")),
+            )
             .collect::<Vec<_>>()
             .join("\n"),
         _ => format!(

@@ -190,6 +190,8 @@ pub struct Metrics {
     pub completed_hits: Family<Labels, Counter>,
     /// Handler invocations by handler and outcome.
     pub handler_invocations: Family<Labels, Counter>,
+    /// Handler log lines the per-invocation cap (`handlers.max_log_bytes`) dropped, by handler.
+    pub handler_log_lines_dropped: Family<Labels, Counter>,
     /// Bytes (keys plus values) in each handler's key-value namespace.
     pub handler_kv_bytes: Family<Labels, Gauge>,
     /// Keys in each handler's key-value namespace.
@@ -265,6 +267,7 @@ impl Metrics {
             swept: Family::default(),
             completed_hits: Family::default(),
             handler_invocations: Family::default(),
+            handler_log_lines_dropped: Family::default(),
             handler_kv_bytes: Family::default(),
             handler_kv_keys: Family::default(),
             kv_handlers_shown: Default::default(),
@@ -467,8 +470,13 @@ impl Metrics {
             m.handler_invocations.clone(),
         );
         registry.register(
+            "router_handler_log_lines_dropped",
+            "Handler log lines dropped because an invocation logged past handlers.max_log_bytes (its last kept line says how many), by handler",
+            m.handler_log_lines_dropped.clone(),
+        );
+        registry.register(
             "router_handler_kv_bytes",
-            "Bytes of keys plus values in a handler's key-value namespace",
+            "Bytes a handler's key-value namespace counts against handlers.kv_max_bytes: keys plus values plus 64 per key",
             m.handler_kv_bytes.clone(),
         );
         registry.register(

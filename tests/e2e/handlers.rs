@@ -217,6 +217,77 @@ async fn uploads_are_validated_versioned_and_rolled_back() {
     assert_eq!(get_json(&r, "/v1/handlers/nope").await.0, 404);
 }
 
+/// The version answers say what happened: uploading bytes already stored creates nothing
+/// (200, not 201), a version that cannot be one is a 400 naming the accepted forms (not a
+/// 404), a name that is not one is refused as a percent-encoded one is, and the listing says
+/// who switched the active version and when.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn version_answers_say_what_happened_and_who_switched() {
+    let r = RouterProc::start(&[], &[]);
+    let listed = || async {
+        let (_, list) = get_json(&r, "/v1/handlers").await;
+        list["handlers"][0].clone()
+    };
+    let (s, v1) = put_handler(&r, "noop", plugin("noop")).await;
+    assert_eq!((s, &v1["version"]), (201, &json!(1)), "{v1}");
+    let h = listed().await;
+    assert_eq!(h["activated_by"], "local", "{h}");
+    let first_at = h["activated_at"].as_str().unwrap_or_default().to_string();
+    assert!(first_at.ends_with('Z'), "{h}");
+    // The active version's bytes again: nothing created or switched.
+    let (s, again) = put_handler(&r, "noop", plugin("noop")).await;
+    assert_eq!((s, &again["version"]), (200, &json!(1)), "{again}");
+    assert_eq!(listed().await["activated_at"], first_at.as_str());
+    let mut bytes = plugin("noop");
+    bytes.extend_from_slice(&[0, 9, 4, b'n', b'o', b't', b'e', 1, 2, 3, 4]);
+    let (s, v2) = put_handler(&r, "noop", bytes).await;
+    assert_eq!((s, &v2["version"]), (201, &json!(2)), "{v2}");
+    // An older version's bytes re-activate it: still nothing created, but a switch.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let (s, back) = put_handler(&r, "noop", plugin("noop")).await;
+    assert_eq!((s, &back["version"]), (200, &json!(1)), "{back}");
+    let h = listed().await;
+    assert_eq!(h["active"]["version"], 1, "{h}");
+    assert!(
+        h["activated_at"].as_str().unwrap_or_default() > first_at.as_str(),
+        "{h}"
+    );
+    for malformed in ["abc", "abcdef1", "v"] {
+        let (s, b) = post_json(
+            &r,
+            "/v1/handlers/noop/rollback",
+            json!({ "version": malformed }),
+        )
+        .await;
+        assert_eq!(
+            (s, &b["errors"][0]["pointer"]),
+            (400, &json!("/version")),
+            "{b}"
+        );
+        let msg = b["errors"][0]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains("at least 8 hex digits"), "{malformed}: {b}");
+    }
+    let (s, b) = post_json(&r, "/v1/handlers/noop/rollback", json!({"version": "9"})).await;
+    assert_eq!(s, 404, "{b}");
+    let (s, b) = post_json(&r, "/v1/handlers/noop/rollback", json!({"version": "v2"})).await;
+    assert_eq!(s, 200, "{b}");
+    let h = listed().await;
+    assert_eq!(
+        (&h["active"]["version"], &h["activated_by"]),
+        (&json!(2), &json!("local")),
+        "{h}"
+    );
+    // A name that is not one: the same answer, encoded or not.
+    for name in ["UPPER", "%41"] {
+        let (s, b) = put_handler(&r, name, plugin("noop")).await;
+        assert_eq!(
+            (s, &b["error"], &b["errors"][0]["pointer"]),
+            (400, &json!("invalid handler name"), &json!("/name")),
+            "{name}: {b}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn emitted_events_re_enter_the_pipeline_from_rust_and_python_handlers() {
     let sink = Receiver::ok().await;
@@ -710,6 +781,120 @@ async fn a_policy_timeout_bounds_a_handler_invocation() {
     // Epoch interruption ticks and a loaded machine add to 400 ms, but nowhere near 5 s.
     let latency = attempt["latency_ms"].as_u64().unwrap_or(u64::MAX);
     assert!(latency < 3_000, "{latency} ms: {f}");
+}
+
+/// Each captured log line keeps the time the handler logged it: a line before a slow step
+/// reads as before it. Every line of an invocation was stamped with the time it ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_log_lines_keep_the_time_they_were_logged() {
+    let rules = rules_yaml(
+        FAST,
+        &[(
+            "to-hostile",
+            "hostile",
+            &["handler: hostile\n        id: hostile\n        policy: fast".to_string()],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(put_handler(&r, "hostile", plugin("hostile")).await.0, 201);
+    let ev = event("spin-1", "hostile", json!({"mode": "spin", "ms": 1500}));
+    assert_eq!(post_event(&r, &ev).await.0, 202);
+    let at = |lines: &[Value], message: &str| {
+        lines
+            .iter()
+            .find(|l| l["message"] == message)
+            .and_then(|l| l["at"].as_str())
+            .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+    };
+    let (start, end) = eventually(Duration::from_secs(30), || async {
+        let lines = logs(&r, "hostile").await;
+        at(&lines, "spin: start").zip(at(&lines, "spin: end"))
+    })
+    .await
+    .expect("both lines logged");
+    // The handler was busy 1.5 s between them (a loaded machine only stretches that).
+    let apart = (end - start).num_milliseconds();
+    assert!(apart >= 1_400, "{start} .. {end}: {apart} ms apart");
+}
+
+/// A handler's logs are read back to the oldest line kept, a page at a time (`before`), by
+/// attempt; an empty `event_id` is a 400 rather than a quiet empty page; the lines the
+/// per-invocation cap dropped are counted by a metric.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_logs_page_back_to_the_oldest_line_and_count_what_the_cap_dropped() {
+    let rules = rules_yaml(
+        FAST,
+        &[(
+            "to-hostile",
+            "hostile",
+            &["handler: hostile\n        id: hostile\n        policy: fast".to_string()],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(put_handler(&r, "hostile", plugin("hostile")).await.0, 201);
+    let ev = event("flood-1", "hostile", json!({"mode": "log"}));
+    assert_eq!(post_event(&r, &ev).await.0, 202);
+    eventually(Duration::from_secs(30), || async {
+        (fate(&r, "flood-1").await["targets"][0]["state"] == "delivered").then_some(())
+    })
+    .await
+    .expect("the flood is handled");
+    // Page back 100 lines at a time: every line kept, once, newest page first.
+    let mut seen: Vec<u64> = Vec::new();
+    let mut path = "/v1/handlers/hostile/logs?limit=100".to_string();
+    let mut pages = 0;
+    loop {
+        let (s, page) = get_json(&r, &path).await;
+        assert_eq!(s, 200, "{page}");
+        let seqs: Vec<u64> = page["lines"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|l| l["seq"].as_u64())
+            .collect();
+        seen.splice(0..0, seqs);
+        pages += 1;
+        match page["next_before"].as_u64() {
+            Some(before) => path = format!("/v1/handlers/hostile/logs?limit=100&before={before}"),
+            None => break,
+        }
+    }
+    let total = seen.len() as u64;
+    assert!(pages > 1 && total > 100, "{pages} pages, {total} lines");
+    assert_eq!(seen, (1..=total).collect::<Vec<_>>());
+    // The cap's note is the last line; the metric counts what it dropped.
+    let (_, last) = get_json(&r, "/v1/handlers/hostile/logs?limit=1").await;
+    let note = last["lines"][0]["message"].as_str().unwrap_or_default();
+    let dropped: u64 = note
+        .split(" more lines")
+        .next()
+        .and_then(|head| head.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count in {note:?}"));
+    let metrics = metrics_text(&r).await;
+    assert_eq!(
+        counter(
+            &metrics,
+            "router_handler_log_lines_dropped_total{handler=\"hostile\"}"
+        ),
+        dropped,
+        "{}",
+        metric_lines(&metrics, "log_lines_dropped")
+    );
+    // By attempt: all of them were the first's.
+    let (_, first) = get_json(&r, "/v1/handlers/hostile/logs?attempt=1&limit=5000").await;
+    assert_eq!(
+        first["lines"].as_array().map(Vec::len),
+        Some(total as usize)
+    );
+    let (_, second) = get_json(&r, "/v1/handlers/hostile/logs?attempt=2").await;
+    assert_eq!(second["lines"], json!([]), "{second}");
+    let (s, b) = get_json(&r, "/v1/handlers/hostile/logs?event_id=").await;
+    assert_eq!(
+        (s, &b["errors"][0]["pointer"]),
+        (400, &json!("/event_id")),
+        "{b}"
+    );
 }
 
 /// `order.created` → handler `enrich`; its `order.created.enriched` emissions → `rcv`.
@@ -1526,8 +1711,9 @@ async fn a_full_kv_namespace_fails_the_growing_write_and_shows_its_size() {
             &["handler: invoice\n        id: invoice\n        policy: fast".to_string()],
         )],
     );
-    // One invoice record is ~90 bytes (key plus a JSON value with two ids): one fits, two do not.
-    let config = "[handlers]\nkv_max_bytes = 150\n";
+    // One invoice record counts ~155 bytes (key plus a JSON value with two ids, plus 64 for
+    // the entry): one fits, two do not.
+    let config = "[handlers]\nkv_max_bytes = 250\n";
     let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(config));
     assert_eq!(put_handler(&r, "invoice", plugin("invoice")).await.0, 201);
     assert_eq!(
@@ -1561,8 +1747,8 @@ async fn a_full_kv_namespace_fails_the_growing_write_and_shows_its_size() {
     let ns = &status["handler_kv"]["namespaces"]["invoice"];
     assert_eq!(ns["keys"], 1, "{status}");
     let bytes = ns["bytes"].as_u64().unwrap_or(0);
-    assert!((50..=150).contains(&bytes), "{status}");
-    assert_eq!(status["handler_kv"]["max_bytes"], 150);
+    assert!((50 + 64..=250).contains(&bytes), "{status}");
+    assert_eq!(status["handler_kv"]["max_bytes"], 250);
     // The other bounded records show beside it: the first payment left a COMPLETED record.
     assert_eq!(status["records"]["completed"]["count"], 1, "{status}");
     // The two payments (and, once routed, the router.dlq.added system event of the second).
@@ -1650,13 +1836,14 @@ async fn a_lease_lost_under_a_stalled_worker_refuses_the_late_ack() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(rcv.count(), 1, "exactly one emission: {:?}", rcv.received());
     // One key, holding the winner's value (one `x` per attempt): key "slow:slow-1" (11 bytes)
-    // plus `winner` bytes. A fenced attempt's write would make it longer or shorter.
+    // plus `winner` bytes, plus the 64 each entry counts. A fenced attempt's write would make
+    // it longer or shorter.
     let metrics = metrics_text(&r).await;
     assert!(
         metrics.contains("router_handler_kv_keys{handler=\"hostile\"} 1")
             && metrics.contains(&format!(
                 "router_handler_kv_bytes{{handler=\"hostile\"}} {}\n",
-                11 + winner
+                11 + winner + 64
             )),
         "winner {winner}: {}",
         metric_lines(&metrics, "handler_kv")

@@ -1901,8 +1901,9 @@ async fn handler_responses_validate_against_the_document() {
         )
         .await;
     assert_eq!(v["version"], 1, "{v}");
+    // The same bytes again create nothing.
     api.expect(
-        201,
+        200,
         "PUT",
         "/v1/handlers/noop",
         admin().raw("application/octet-stream", component.clone()),
@@ -1929,6 +1930,13 @@ async fn handler_responses_validate_against_the_document() {
         "POST",
         "/v1/handlers/noop/rollback",
         admin().json(&json!({})),
+    )
+    .await;
+    api.expect(
+        400,
+        "POST",
+        "/v1/handlers/noop/rollback",
+        admin().json(&json!({"version": "abcdef1"})),
     )
     .await;
 

@@ -1564,6 +1564,75 @@ async fn another_team_cannot_read_a_teams_handler_logs() {
     assert!(s == 200 && lines(&l) > 0, "{s} {l}");
 }
 
+/// Sends the head of a handler upload declaring `len` bytes of body, and none of it: the
+/// answer's head, which must come within 5 s (the router's request timeout is longer).
+async fn upload_head_answer(r: &RouterProc, name: &str, token: &str, len: u64) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(r.addr)
+        .await
+        .expect("connect");
+    let head = format!(
+        "PUT /v1/handlers/{name} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\nContent-Type: application/wasm\r\nContent-Length: {len}\r\n\r\n"
+    );
+    s.write_all(head.as_bytes()).await.expect("write");
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .expect("answered without waiting for the body or an upload slot")
+        .expect("read");
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+/// An upload is refused from its path, token and headers before it takes one of the two
+/// upload slots or its body is read. Another team's token, whose `handlers:*` glob passes the
+/// scope check, took a slot and waited for its body before the owner check answered 403: two
+/// such requests held both slots for a request timeout. A body declared past
+/// `handlers.max_upload_bytes` waited out that timeout for a 408 instead of a 413.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_is_refused_from_its_headers_before_it_takes_a_slot() {
+    let auth = tokens_config(&[
+        ("billing-ci", Some("billing"), "handlers:*"),
+        ("crm-ci", None, "handlers:*"),
+    ]);
+    let config = format!("[server]\nrequest_timeout = \"30s\"\n\n{auth}");
+    let r = RouterProc::start_full(&[], &[], &[], Some(&config));
+    let (s, b) = send_as(
+        &r,
+        "PUT",
+        "/v1/handlers/noop",
+        "billing-ci",
+        Some(("application/wasm", crate::handlers::plugin("noop"))),
+    )
+    .await;
+    assert_eq!(s, 201, "{b}");
+    // Three at once: more than the slots, each answered at once (none holds one).
+    let refused =
+        futures::future::join_all((0..3).map(|_| upload_head_answer(&r, "noop", "crm-ci", 1000)))
+            .await;
+    for head in refused {
+        assert!(head.starts_with("HTTP/1.1 403"), "{head}");
+        assert!(head.contains("billing"), "{head}");
+        assert!(
+            head.to_ascii_lowercase().contains("connection: close"),
+            "{head}"
+        );
+    }
+    // The owner's upload declared past max_upload_bytes (64 MiB by default): 413 at once.
+    let head = upload_head_answer(&r, "noop", "billing-ci", 70_000_000).await;
+    assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+    assert!(head.contains("67108864"), "{head}");
+    // The owner's next upload finds the slots free.
+    let (s, b) = send_as(
+        &r,
+        "PUT",
+        "/v1/handlers/hostile",
+        "billing-ci",
+        Some(("application/wasm", crate::handlers::plugin("hostile"))),
+    )
+    .await;
+    assert_eq!(s, 201, "{b}");
+}
+
 /// Starts `router serve` with `config`; the process's stderr once it exited, or `None` if it
 /// was still serving after 30 s (then it is killed).
 fn serve_exit_output(config: &str) -> Option<String> {

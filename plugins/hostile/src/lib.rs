@@ -10,7 +10,10 @@
 //! `sleep` (asks to sleep an hour: the router traps a guest that waits on a clock, since the
 //! wait would block in the host where epoch interruption cannot reach it, so this ends at once
 //! as `handler_trap`), `forge` (emits one event of type `data.type` with `data.data`, e.g. a
-//! fake `router.dlq.added`: the router holds emissions to the uploader's ingest scope).
+//! fake `router.dlq.added`: the router holds emissions to the uploader's ingest scope), `kv`
+//! (writes `data.n` keys, `data.prefix` (default `k`) and a number of 5 digits or more, with
+//! empty values: the operations cap), `spin` (logs `spin: start`, is busy for `data.ms`
+//! milliseconds, logs `spin: end`: each log line keeps its own time).
 //! Anything else: returns nothing.
 
 use std::hint::black_box;
@@ -113,6 +116,30 @@ impl Handler for Hostile {
                     .unwrap_or("hostile.forged");
                 let body = data.get("data").cloned().unwrap_or(serde_json::Value::Null);
                 Ok(vec![Emit::json(ty, &body)?])
+            }
+            "spin" => {
+                let ms = data
+                    .get("ms")
+                    .and_then(serde_json::Value::as_u64)
+                    .unwrap_or(0);
+                log::info!("spin: start");
+                let until = std::time::Instant::now() + std::time::Duration::from_millis(ms);
+                while std::time::Instant::now() < until {
+                    black_box(0u64);
+                }
+                log::info!("spin: end");
+                Ok(Vec::new())
+            }
+            "kv" => {
+                let n = data.get("n").and_then(serde_json::Value::as_u64).unwrap_or(0);
+                let prefix = data
+                    .get("prefix")
+                    .and_then(serde_json::Value::as_str)
+                    .unwrap_or("k");
+                for i in 0..n {
+                    kv::set(&format!("{prefix}{i:05}"), b"", None);
+                }
+                Ok(Vec::new())
             }
             _ => Ok(Vec::new()),
         }

@@ -65,17 +65,26 @@ fn registry_error(who: &Principal, name: &str, e: RegistryError) -> Response {
         RegistryError::UnknownHandler(_) | RegistryError::UnknownVersion { .. } => {
             StatusCode::NOT_FOUND
         }
-        RegistryError::AmbiguousVersion(_) => StatusCode::BAD_REQUEST,
+        RegistryError::AmbiguousVersion(_) | RegistryError::InvalidVersion(_) => {
+            StatusCode::BAD_REQUEST
+        }
         RegistryError::CorruptIndex { .. } => StatusCode::CONFLICT,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     if status == StatusCode::INTERNAL_SERVER_ERROR {
         tracing::error!(error = %e, "handler registry failure");
     }
+    // The version asked for is the request body's `version`.
+    let pointer = match &e {
+        RegistryError::AmbiguousVersion(_)
+        | RegistryError::InvalidVersion(_)
+        | RegistryError::UnknownVersion { .. } => "/version",
+        _ => "",
+    };
     error_response(
         status,
         "handler operation failed",
-        vec![FieldError::new("", e.to_string())],
+        vec![FieldError::new(pointer, e.to_string())],
     )
 }
 
@@ -88,55 +97,34 @@ pub async fn upload(
     crate::admin::ApiQuery(q): crate::admin::ApiQuery<UploadQuery>,
     body: axum::body::Bytes,
 ) -> Response {
-    let mut uploader = who.uploader();
-    if let Some(team) = q.team {
-        // Only an administrator uploads for a team; a team token's handlers are its own.
-        if !uploader.admin {
-            return error_response(
-                StatusCode::FORBIDDEN,
-                "only an administrator uploads a handler for a team",
-                vec![FieldError::new(
-                    "/team",
-                    format!(
-                        "token {:?} uploads for its own team {:?}",
-                        who.name, who.team
-                    ),
-                )],
-            );
-        }
-        if team.is_empty() {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "invalid team",
-                vec![FieldError::new("/team", "must not be empty")],
-            );
-        }
-        uploader.for_team = Some(team);
+    // Checked before the body was read too (`refuse_upload_early`); again here, with the
+    // index as it is now.
+    if let Some(refused) = upload_refused(&app, &who, &name, q.team.as_deref(), None) {
+        return refused;
     }
     let rt = match runtime(&app) {
         Ok(rt) => rt.clone(),
         Err(r) => return *r,
     };
-    if app.disk_full.load(std::sync::atomic::Ordering::Relaxed) {
-        // The disk the store needs to drain its queues is not spent on new components.
-        return crate::ingest::with_retry_after(
-            error_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the store is past its disk high-water mark; handler uploads resume below its low-water mark",
-                Vec::new(),
-            ),
-            DISK_FULL_RETRY_AFTER_S,
-        );
-    }
-    // Before compiling it: the index written checks again.
-    if let Err(r) = owner_check(&rt, &who, &name) {
-        return *r;
-    }
+    let mut uploader = who.uploader();
+    uploader.for_team = q.team;
+    // Bytes of a version already stored create nothing: they re-activate it (or leave it
+    // active), answered 200 rather than 201.
+    let stored: Vec<String> = rt
+        .registry
+        .get(&name)
+        .map(|info| info.versions.into_iter().map(|v| v.sha256).collect())
+        .unwrap_or_default();
     match rt.changes.upload(&name, body, uploader).await {
+        Ok(v) if stored.contains(&v.sha256) => {
+            tracing::warn!(handler = %name, version = v.version, sha256 = %v.sha256, uploader = %who.name, "handler upload matched a stored version, which is active");
+            (StatusCode::OK, axum::Json(json!(v))).into_response()
+        }
         Ok(v) => {
             tracing::warn!(handler = %name, version = v.version, sha256 = %v.sha256, uploader = %who.name, "handler uploaded and activated");
             (StatusCode::CREATED, axum::Json(json!(v))).into_response()
         }
+        Err(UploadError::InvalidName(_)) => invalid_name(&name),
         Err(UploadError::Io(e)) => {
             // Nothing was activated: a full or failing disk, which may pass.
             tracing::error!(handler = %name, error = %e, "storing a handler failed");
@@ -176,6 +164,107 @@ pub async fn upload(
             vec![FieldError::new("", e.to_string())],
         ),
     }
+}
+
+/// Why an upload of `name` by `who` (for `team`, declaring a body of `declared_len` bytes) is
+/// refused, from its path, token, query and headers alone: `None` when it may go on.
+///
+/// `app::bounded_body` asks before the upload waits for one of the upload slots or its body is
+/// read ([`refuse_upload_early`]): a token that the owner check refuses, or a body declared
+/// past `handlers.max_upload_bytes`, was otherwise answered only once its body had arrived,
+/// so any `handlers:` token could hold both slots for a request timeout, and a declared 70 MB
+/// body waited out that timeout for a 408 instead of an immediate 413. The route asks again
+/// once it has the body (the index may have changed meanwhile; the index write checks once
+/// more).
+pub(crate) fn upload_refused(
+    app: &App,
+    who: &Principal,
+    name: &str,
+    team: Option<&str>,
+    declared_len: Option<u64>,
+) -> Option<Response> {
+    if !crate::wasm::valid_handler_name(name) {
+        return Some(invalid_name(name));
+    }
+    if let Some(team) = team {
+        // Only an administrator uploads a handler for a team; a team token's handlers are its
+        // own.
+        if !who.allows(&crate::auth::Scope::Admin) {
+            return Some(error_response(
+                StatusCode::FORBIDDEN,
+                "only an administrator uploads a handler for a team",
+                vec![FieldError::new(
+                    "/team",
+                    format!(
+                        "token {:?} uploads for its own team {:?}",
+                        who.name, who.team
+                    ),
+                )],
+            ));
+        }
+        if team.is_empty() {
+            return Some(error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid team",
+                vec![FieldError::new("/team", "must not be empty")],
+            ));
+        }
+    }
+    let rt = match runtime(app) {
+        Ok(rt) => rt,
+        Err(r) => return Some(*r),
+    };
+    if let Err(r) = owner_check(rt, who, name) {
+        return Some(*r);
+    }
+    let limit = app.cfg.handlers.max_upload_bytes;
+    if declared_len.is_some_and(|n| n > limit as u64) {
+        return Some(crate::ingest::body_too_large(limit));
+    }
+    if app.disk_full.load(std::sync::atomic::Ordering::Relaxed) {
+        // The disk the store needs to drain its queues is not spent on new components.
+        return Some(crate::ingest::with_retry_after(
+            error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the store is past its disk high-water mark; handler uploads resume below its low-water mark",
+                Vec::new(),
+            ),
+            DISK_FULL_RETRY_AFTER_S,
+        ));
+    }
+    None
+}
+
+/// The 400 for a handler name that is not one, in the shape the auth layer gives a
+/// percent-encoded one (`invalid handler name`, pointer `/name`).
+fn invalid_name(name: &str) -> Response {
+    error_response(
+        StatusCode::BAD_REQUEST,
+        "invalid handler name",
+        vec![FieldError::new(
+            "/name",
+            UploadError::InvalidName(name.to_owned()).to_string(),
+        )],
+    )
+}
+
+/// [`upload_refused`] for an upload request whose body is not read yet (the auth layer has
+/// put its principal in the request).
+pub(crate) fn refuse_upload_early(app: &App, req: &axum::extract::Request) -> Option<Response> {
+    let who = req.extensions().get::<Principal>()?;
+    // `/v1/handlers/{name}`, as the auth layer reads it.
+    let name = req.uri().path().split('/').nth(3).unwrap_or_default();
+    let team = req.uri().query().and_then(|q| {
+        form_urlencoded::parse(q.as_bytes())
+            .find(|(k, _)| k == "team")
+            .map(|(_, v)| v.into_owned())
+    });
+    let declared_len = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    upload_refused(app, who, name, team.as_deref(), declared_len)
 }
 
 /// The 403 for a change to a handler another team owns: the API's 403 shape (the token, and
@@ -369,6 +458,9 @@ pub struct LogsQuery {
     limit: Option<usize>,
     event_id: Option<String>,
     level: Option<LogLevelParam>,
+    /// Only lines older than this `seq` (the `next_before` of the page before).
+    before: Option<u64>,
+    attempt: Option<u32>,
 }
 
 /// Most lines one logs request returns.
@@ -385,8 +477,10 @@ enum LogLevelParam {
     Error,
 }
 
-/// `GET /v1/handlers/{name}/logs?limit=`: recent captured lines (size-capped), with event id,
-/// attempt and level; traps keep their message. They are the owning team's (and an
+/// `GET /v1/handlers/{name}/logs?limit=&event_id=&attempt=&level=&before=`: recent captured
+/// lines (size-capped), with event id, attempt and level; traps keep their message. Each line
+/// has its position (`seq`); `before=<seq>` reads the page before, back to the oldest line
+/// kept (`next_before` says where the next page starts, null when there is none). They are the owning team's (and an
 /// administrator's): what a handler logs is its team's data (event contents, its own state),
 /// which another team's `handlers:` glob covering the name does not open.
 pub async fn logs(
@@ -425,10 +519,24 @@ pub async fn logs(
             )],
         );
     }
+    if q.event_id.as_deref() == Some("") {
+        // Read as "lines of no event" it matched nothing, which looks like a quiet handler.
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid query",
+            vec![FieldError::new(
+                "/event_id",
+                "must not be empty: name an event id, or leave event_id out for every event's lines",
+            )],
+        );
+    }
+    let limit = q.limit.unwrap_or(200).min(MAX_LOG_LINES);
     let query = crate::wasm::LogQuery {
-        limit: q.limit.unwrap_or(200).min(MAX_LOG_LINES),
+        limit,
         event_id: q.event_id,
         min_level: q.level.map(|l| format!("{l:?}").to_ascii_lowercase()),
+        before: q.before,
+        attempt: q.attempt,
     };
     let (rt, read_name) = (rt.clone(), name.clone());
     let read = tokio::task::spawn_blocking(move || rt.logs.recent(&read_name, &query))
@@ -436,7 +544,16 @@ pub async fn logs(
         .map_err(std::io::Error::other)
         .and_then(|r| r);
     match read {
-        Ok(lines) => axum::Json(json!({ "handler": name, "lines": lines })).into_response(),
+        Ok(lines) => {
+            // A full page may have older lines before it; fewer than asked for means none.
+            // Lines written before positions were kept (seq 0) cannot be paged past.
+            let next_before = lines
+                .first()
+                .filter(|l| lines.len() == limit && l.seq > 1)
+                .map(|l| l.seq);
+            axum::Json(json!({ "handler": name, "lines": lines, "next_before": next_before }))
+                .into_response()
+        }
         Err(e) => {
             tracing::error!(handler = %name, error = %e, "reading handler logs failed");
             error_response(

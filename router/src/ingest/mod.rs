@@ -51,7 +51,7 @@ async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, ()> {
 }
 
 /// The 413 for a body past `limit` bytes.
-fn body_too_large(limit: usize) -> Response {
+pub(crate) fn body_too_large(limit: usize) -> Response {
     error_response(
         StatusCode::PAYLOAD_TOO_LARGE,
         "request body too large",

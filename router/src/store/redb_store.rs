@@ -65,7 +65,8 @@ const KV: TableDefinition<(&str, &str), (i64, &[u8])> = TableDefinition::new("ha
 /// (expires_at, handler, key): KV entries with a TTL in expiry order, for the sweeper.
 const KV_EXP: TableDefinition<(i64, &str, &str), ()> = TableDefinition::new("handler_kv_exp");
 /// handler → (bytes of keys plus values, keys): each namespace's size, kept with every write,
-/// which its bound (`handlers.kv_max_bytes`) is checked against.
+/// which its bound (`handlers.kv_max_bytes`) is checked against, with the per-entry overhead
+/// added from the key count (`KvUsage::from_counters`).
 const KV_USAGE: TableDefinition<&str, (u64, u64)> = TableDefinition::new("handler_kv_usage");
 /// (handler, delivery idempotency key) → (expires_at, stored result): the COMPLETED table.
 const COMPLETED: TableDefinition<(&str, &str), (i64, &[u8])> =
@@ -1523,7 +1524,7 @@ impl RedbStore {
             .map(|row| {
                 let (k, v) = row?;
                 let (bytes, keys) = v.value();
-                Ok((k.value().to_string(), KvUsage { bytes, keys }))
+                Ok((k.value().to_string(), KvUsage::from_counters(bytes, keys)))
             })
             .collect()
     }
@@ -2027,7 +2028,7 @@ impl Store for RedbStore {
         let t = r.open_table(KV_USAGE)?;
         Ok(t.get(namespace)?.map_or_else(KvUsage::default, |v| {
             let (bytes, keys) = v.value();
-            KvUsage { bytes, keys }
+            KvUsage::from_counters(bytes, keys)
         }))
     }
 
@@ -3996,16 +3997,16 @@ impl Committer {
                     let old = kv
                         .get((op.namespace.as_str(), op.key.as_str()))
                         .map_err(StoreError::from)?
-                        .map_or(0, |v| kv_size(&op.key, v.value().1));
-                    let new = op.value.as_deref().map_or(0, |v| kv_size(&op.key, v));
+                        .map_or(0, |v| kv_counted(&op.key, v.value().1));
+                    let new = op.value.as_deref().map_or(0, |v| kv_counted(&op.key, v));
                     *growth.entry(op.namespace.as_str()).or_default() += new - old;
                 }
                 let usage = txn.open_table(KV_USAGE).map_err(StoreError::from)?;
                 for (ns, grow) in growth.into_iter().filter(|(_, g)| *g > 0) {
-                    let held = usage
-                        .get(ns)
-                        .map_err(StoreError::from)?
-                        .map_or(0, |v| v.value().0);
+                    let held = usage.get(ns).map_err(StoreError::from)?.map_or(0, |v| {
+                        let (bytes, keys) = v.value();
+                        KvUsage::from_counters(bytes, keys).bytes
+                    });
                     let would_hold = held.saturating_add(grow.unsigned_abs());
                     if would_hold > max {
                         return Err(FinishError::KvQuota {
@@ -5011,8 +5012,14 @@ fn expired_batch(
     Ok(rows)
 }
 
-/// What one key-value entry counts against its namespace's bound.
+/// What one key-value entry adds to its namespace's counter of key and value bytes
+/// (`KV_USAGE`; the per-entry overhead is added from the key count when read).
 fn kv_size(key: &str, value: &[u8]) -> i64 {
+    i64::try_from(KvUsage::data_bytes(key, value)).unwrap_or(i64::MAX)
+}
+
+/// What one key-value entry counts against its namespace's bound (`handlers.kv_max_bytes`).
+fn kv_counted(key: &str, value: &[u8]) -> i64 {
     i64::try_from(KvUsage::entry_bytes(key, value)).unwrap_or(i64::MAX)
 }
 

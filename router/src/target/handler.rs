@@ -74,6 +74,11 @@ pub struct HandlerRuntime {
         crate::telemetry::Labels,
         prometheus_client::metrics::counter::Counter,
     >,
+    /// Log lines the per-invocation cap dropped, per handler.
+    pub log_lines_dropped: prometheus_client::metrics::family::Family<
+        crate::telemetry::Labels,
+        prometheus_client::metrics::counter::Counter,
+    >,
     /// The store (key-value and COMPLETED reads).
     pub store: Arc<dyn Store>,
     /// Time source.
@@ -120,18 +125,19 @@ impl HandlerTarget {
         Self { rt, name }
     }
 
-    /// Writes the lines `(level, message)` of one delivery to the handler's log, stamped now.
+    /// Writes the lines `(at_ms, level, message)` of one delivery to the handler's log, each
+    /// stamped with its own time.
     fn log_all(
         &self,
         req: &DeliveryRequest,
         version: &str,
-        lines: impl IntoIterator<Item = (String, String)>,
+        lines: impl IntoIterator<Item = (i64, String, String)>,
     ) {
-        let at = crate::clock::rfc3339(self.rt.clock.now_ms());
         let records: Vec<LogRecord> = lines
             .into_iter()
-            .map(|(level, message)| LogRecord {
-                at: at.clone(),
+            .map(|(at_ms, level, message)| LogRecord {
+                seq: 0,
+                at: crate::clock::rfc3339(at_ms),
                 level,
                 message,
                 event_id: req.event_id.clone(),
@@ -144,8 +150,10 @@ impl HandlerTarget {
         }
     }
 
+    /// Writes one line of the router's own about a delivery to the handler's log, stamped now.
     fn log(&self, req: &DeliveryRequest, version: &str, level: &str, message: String) {
-        self.log_all(req, version, [(level.to_string(), message)]);
+        let now = self.rt.clock.now_ms();
+        self.log_all(req, version, [(now, level.to_string(), message)]);
     }
 
     async fn run(&self, req: &DeliveryRequest) -> (AttemptOutcome, Option<Box<Effects>>) {
@@ -311,11 +319,21 @@ impl HandlerTarget {
                 );
             }
         };
+        if inv.log_lines_dropped > 0 {
+            self.rt
+                .log_lines_dropped
+                .get_or_create(&vec![("handler", self.name.clone())])
+                .inc_by(inv.log_lines_dropped);
+        }
+        // Each line at the time the handler logged it (`at_ms` counts from the invocation's
+        // start, which is `now` give or take the thread hand-over), not when the invocation
+        // ended: a line before a slow step must read as before it.
         self.log_all(
             req,
             &version,
             inv.logs.iter().map(|line| {
                 (
+                    now.saturating_add(i64::try_from(line.at_ms).unwrap_or(i64::MAX)),
                     format!("{:?}", line.level).to_lowercase(),
                     line.message.clone(),
                 )

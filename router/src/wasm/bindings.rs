@@ -309,6 +309,11 @@ impl LogBuffer {
         });
     }
 
+    /// Lines the cap dropped whole (a line cut short is kept, and not counted).
+    pub(crate) fn dropped_lines(&self) -> u64 {
+        self.dropped_lines
+    }
+
     /// The captured lines, plus a closing note when the cap dropped some.
     pub(crate) fn finish(mut self) -> Vec<LogLine> {
         if self.dropped_lines > 0 || self.dropped_bytes > 0 {
@@ -341,6 +346,8 @@ pub(crate) struct KvSession {
     /// keep (both held in memory until commit), against `cap`.
     written_bytes: usize,
     cap: usize,
+    /// Most entries of `writes` plus `cas_checks`: what the commit applies one by one.
+    max_ops: usize,
     /// Committed size (key plus value, 0 when absent) of each key this invocation wrote.
     committed_sizes: HashMap<String, u64>,
     /// How much the buffered writes grow the namespace (negative: they shrink it).
@@ -350,7 +357,7 @@ pub(crate) struct KvSession {
 }
 
 impl KvSession {
-    fn new(reader: Arc<dyn KvReader>, cap: usize) -> Self {
+    fn new(reader: Arc<dyn KvReader>, cap: usize, max_ops: usize) -> Self {
         Self {
             reader,
             overlay: HashMap::new(),
@@ -359,6 +366,7 @@ impl KvSession {
             cas_keys: HashSet::new(),
             written_bytes: 0,
             cap,
+            max_ops,
             committed_sizes: HashMap::new(),
             growth: 0,
             room: None,
@@ -434,6 +442,20 @@ impl KvSession {
         Ok(())
     }
 
+    /// Refuses one more operation for the commit (a key not written yet, or a compare-and-set
+    /// check) past the invocation's cap. The bytes cap alone let tiny entries through by the
+    /// hundred thousand, each an operation of the store's single writer: one invocation's
+    /// commit then held up every producer's ingest for seconds.
+    fn count_op(&self) -> Result<(), HostLimitBreach> {
+        if self.writes.len() + self.cas_checks.len() >= self.max_ops {
+            return Err(HostLimitBreach::Invocation(format!(
+                "kv operations of this invocation exceed the limit of {} (handlers.max_kv_ops: keys written or deleted plus compare-and-set checks, each key counted once)",
+                self.max_ops
+            )));
+        }
+        Ok(())
+    }
+
     /// Counts `bytes` more of writes or compare-and-set checks against the invocation's cap.
     fn count(&mut self, bytes: usize) -> Result<(), HostLimitBreach> {
         self.written_bytes = self.written_bytes.saturating_add(bytes);
@@ -453,6 +475,9 @@ impl KvSession {
         ttl_ms: Option<u64>,
     ) -> Result<(), HostLimitBreach> {
         Self::check_key(&key)?;
+        if !self.overlay.contains_key(&key) {
+            self.count_op()?;
+        }
         self.account(&key, value.as_deref())?;
         self.count(key.len() + value.as_ref().map_or(0, Vec::len))?;
         match self.overlay.get(&key) {
@@ -479,6 +504,7 @@ impl KvSession {
         // until the commit, it counts against the cap like a write (a failing compare-and-set
         // on ever new keys would otherwise grow the invocation's memory without bound).
         if !written_here && !self.cas_keys.contains(&key) {
+            self.count_op()?;
             self.count(key.len() + current.as_ref().map_or(0, Vec::len))?;
             self.cas_keys.insert(key.clone());
             self.cas_checks.push((key.clone(), current.clone()));
@@ -530,7 +556,7 @@ impl HostState {
                 memory_exhausted: false,
             },
             logs: LogBuffer::new(limits.max_log_bytes, Instant::now()),
-            kv: KvSession::new(kv, limits.max_kv_write_bytes),
+            kv: KvSession::new(kv, limits.max_kv_write_bytes, limits.max_kv_ops),
             console,
             breach: None,
             hostcall_fuel: 0,
@@ -660,8 +686,11 @@ mod tests {
         }
     }
 
+    /// Most operations a session of these tests may buffer (the byte caps are what they test).
+    const OPS: usize = 100_000;
+
     fn session() -> KvSession {
-        KvSession::new(Arc::new(Fixed(vec![("a", b"1")], None)), 1 << 10)
+        KvSession::new(Arc::new(Fixed(vec![("a", b"1")], None)), 1 << 10, OPS)
     }
 
     fn current(kv: &KvSession, key: &str) -> Option<Vec<u8>> {
@@ -670,30 +699,70 @@ mod tests {
 
     #[test]
     fn a_bounded_namespace_refuses_growth_past_its_room_but_never_shrinking() {
-        // "a" (key 1 + value 1 = 2 bytes) is committed; 10 more bytes fit.
-        let mut kv = KvSession::new(Arc::new(Fixed(vec![("a", b"1")], Some(10))), 1 << 10);
-        kv.write("b".into(), Some(vec![0; 8]), None).unwrap(); // +9
-        let err = kv.write("c".into(), Some(vec![0; 1]), None).unwrap_err(); // +2 > 1 left
+        // Each entry counts its key, its value and the overhead.
+        const O: u64 = KvUsage::ENTRY_OVERHEAD;
+        const IO: i64 = O as i64;
+        // "a" (key 1 + value 1 + O) is committed; O + 10 more bytes fit.
+        let reader = Fixed(vec![("a", b"1")], Some(O + 10));
+        let mut kv = KvSession::new(Arc::new(reader), 1 << 10, OPS);
+        kv.write("b".into(), Some(vec![0; 8]), None).unwrap(); // +9 + O: 1 left
+        let err = kv.write("c".into(), Some(vec![0; 1]), None).unwrap_err(); // +2 + O
         // A full namespace may have room again later: retried, not a breach of the handler's.
         assert!(
-            matches!(&err, HostLimitBreach::Transient(m) if m.contains("needs 1 more bytes")),
+            matches!(&err, HostLimitBreach::Transient(m) if m.contains(&format!("needs {} more bytes", O + 1))),
             "{err:?}"
         );
         // Replacing a value counts only the difference; deleting gives room back.
         kv.write("a".into(), Some(vec![0; 2]), None).unwrap(); // +1: exactly full
-        kv.write("a".into(), None, None).unwrap(); // -3
-        kv.write("c".into(), Some(vec![0; 1]), None).unwrap(); // +2
-        assert_eq!(kv.growth, 9);
+        kv.write("a".into(), None, None).unwrap(); // -(3 + O)
+        kv.write("c".into(), Some(vec![0; 1]), None).unwrap(); // +(2 + O)
+        assert_eq!(kv.growth, 9 + IO);
         // A full namespace refuses growth but accepts deletes, whose room then serves.
-        let mut full = KvSession::new(Arc::new(Fixed(vec![("a", b"123")], Some(0))), 1 << 10);
+        let reader = Fixed(vec![("a", b"123")], Some(0));
+        let mut full = KvSession::new(Arc::new(reader), 1 << 10, OPS);
         assert!(full.write("b".into(), Some(vec![1]), None).is_err());
         full.write("a".into(), None, None).unwrap();
         full.write("b".into(), Some(vec![1]), None).unwrap();
     }
 
+    /// Empty values on tiny keys cost the store far more than their bytes: each entry
+    /// counts the overhead, so they fill a namespace's bound long before their bytes would.
+    #[test]
+    fn each_entry_counts_its_overhead_against_the_namespace_bound() {
+        let room = 10 * (6 + KvUsage::ENTRY_OVERHEAD);
+        let mut kv = KvSession::new(Arc::new(Fixed(Vec::new(), Some(room))), 1 << 20, OPS);
+        let refused = (0..1_000)
+            .map(|i| kv.write(format!("k{i:05}"), Some(Vec::new()), None))
+            .position(|r| r.is_err());
+        // Six bytes of key each: the eleventh is refused (by its bytes alone, 116 fit).
+        assert_eq!(refused, Some(10));
+    }
+
+    /// Every key written and every compare-and-set check is one operation of the commit:
+    /// past the cap the invocation is refused as a breach of its own (not retried), however
+    /// small the entries; rewriting a key already written costs nothing more.
+    #[test]
+    fn kv_operations_are_capped_per_invocation() {
+        let mut kv = KvSession::new(Arc::new(EmptyKv), 1 << 20, 3);
+        for _ in 0..10 {
+            kv.write("same".into(), Some(vec![1]), None).unwrap();
+        }
+        kv.write("b".into(), None, None).unwrap();
+        assert!(!kv.compare_and_set("c".into(), Some(vec![1]), None).unwrap());
+        let err = kv.write("d".into(), Some(Vec::new()), None).unwrap_err();
+        assert!(
+            matches!(&err, HostLimitBreach::Invocation(m) if m.contains("limit of 3 (handlers.max_kv_ops")),
+            "{err:?}"
+        );
+        assert!(kv.compare_and_set("e".into(), None, None).is_err());
+        // Keys already in the invocation's hands are still written.
+        kv.write("b".into(), Some(vec![2]), None).unwrap();
+        assert_eq!(kv.writes.len() + kv.cas_checks.len(), 3);
+    }
+
     #[test]
     fn a_failed_kv_read_fails_the_call_instead_of_reading_as_absent() {
-        let mut kv = KvSession::new(Arc::new(Broken), 1 << 10);
+        let mut kv = KvSession::new(Arc::new(Broken), 1 << 10, OPS);
         assert!(matches!(
             kv.current("a").unwrap_err(),
             HostLimitBreach::Transient(m) if m.contains("disk on fire")
@@ -755,7 +824,7 @@ mod tests {
     /// grow the invocation without bound.
     #[test]
     fn compare_and_set_checks_count_against_the_write_cap() {
-        let mut kv = KvSession::new(Arc::new(Fixed(vec![("a", b"0123456789")], None)), 40);
+        let mut kv = KvSession::new(Arc::new(Fixed(vec![("a", b"0123456789")], None)), 40, OPS);
         // A failing check of "a" keeps 1 + 10 bytes; asking again keeps nothing more.
         assert!(!kv.compare_and_set("a".into(), None, None).unwrap());
         assert!(!kv.compare_and_set("a".into(), None, None).unwrap());
@@ -773,7 +842,7 @@ mod tests {
             matches!(&err, HostLimitBreach::Invocation(m) if m.contains("exceed the limit of 40 bytes")),
             "{err:?}"
         );
-        let mut flood = KvSession::new(Arc::new(EmptyKv), 1 << 10);
+        let mut flood = KvSession::new(Arc::new(EmptyKv), 1 << 10, OPS);
         let breached = (0..1_000)
             .map(|i| flood.compare_and_set(format!("key-{i:04}"), Some(vec![1]), None))
             .position(|r| r.is_err());
@@ -783,7 +852,7 @@ mod tests {
 
     #[test]
     fn write_limits_are_enforced() {
-        let mut kv = KvSession::new(Arc::new(EmptyKv), 10);
+        let mut kv = KvSession::new(Arc::new(EmptyKv), 10, OPS);
         assert!(kv.write("k".into(), Some(vec![0; 9]), None).is_ok());
         assert!(kv.write("k".into(), Some(vec![0; 9]), None).is_err());
         assert!(KvSession::check_key(&"k".repeat(MAX_KEY_BYTES + 1)).is_err());

@@ -86,6 +86,8 @@ pub struct Invocation {
     pub outcome: InvocationOutcome,
     /// Captured log lines (capped), plus the guest's console output when it wrote any.
     pub logs: Vec<LogLine>,
+    /// Log lines the per-invocation cap dropped.
+    pub log_lines_dropped: u64,
     /// Key-value writes to commit with the ack (last write per key, in first-write order).
     /// Empty unless [`InvocationOutcome::is_handler_result`].
     pub kv_writes: Vec<KvWrite>,
@@ -127,6 +129,7 @@ pub fn invoke(
     let early = |outcome| Invocation {
         outcome,
         logs: Vec::new(),
+        log_lines_dropped: 0,
         kv_writes: Vec::new(),
         cas_checks: Vec::new(),
         duration: started.elapsed(),
@@ -290,6 +293,7 @@ pub(super) fn new_store(
 fn finish(outcome: InvocationOutcome, state: HostState, started: Instant) -> Invocation {
     let console = state.console.text();
     let at_ms = state.logs.at_ms();
+    let log_lines_dropped = state.logs.dropped_lines();
     let mut logs = state.logs.finish();
     if !console.is_empty() {
         logs.push(LogLine {
@@ -306,6 +310,7 @@ fn finish(outcome: InvocationOutcome, state: HostState, started: Instant) -> Inv
     Invocation {
         outcome,
         logs,
+        log_lines_dropped,
         kv_writes,
         cas_checks,
         duration: started.elapsed(),

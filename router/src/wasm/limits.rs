@@ -5,6 +5,12 @@ use std::time::Duration;
 
 use thiserror::Error;
 
+/// The largest memory cap a handler may have (`handlers.memory_bytes`), 4 GiB: what the
+/// engine's pooling allocator reserves per linear memory on a 64-bit host (wasmtime's
+/// `memory_reservation`), and the most a 32-bit wasm memory can address anyway. A larger cap
+/// makes the engine refuse to start, and with it every handler target waits.
+pub const MAX_MEMORY_BYTES: u64 = 1 << 32;
+
 /// What one handler invocation may use. Every breach costs that invocation only: the store is
 /// dropped and the outcome says which limit was hit.
 ///
@@ -33,6 +39,11 @@ pub struct HandlerLimits {
     /// committed value each compare-and-set depended on (kept until the commit re-checks
     /// them). Default 1 MiB.
     pub max_kv_write_bytes: usize,
+    /// Key-value operations per invocation: keys written or deleted (each key once, however
+    /// often it is rewritten) plus compare-and-set checks, each one operation of the commit
+    /// that acks the delivery (on the store's single writer, which every producer's ingest
+    /// shares). Default 1,000.
+    pub max_kv_ops: usize,
     /// Bytes of the guest's stdout/stderr kept per invocation (panic messages land there).
     /// Default 16 KiB.
     pub max_stderr_bytes: usize,
@@ -48,6 +59,7 @@ impl Default for HandlerLimits {
             max_output_bytes: 1 << 20,
             max_log_bytes: 64 << 10,
             max_kv_write_bytes: 1 << 20,
+            max_kv_ops: 1_000,
             max_stderr_bytes: 16 << 10,
         }
     }

@@ -7,6 +7,10 @@
 //! on disk however much it logs (the per-invocation cap bounds each line burst). Appends go to
 //! the page cache without an fsync: logs are for reading, not a durability promise, and an
 //! fsync per line would cost more than the invocation.
+//!
+//! Every line gets the handler's next sequence number (`seq`), continued across restarts from
+//! the files, so a reader pages back through everything kept with `before=<seq>` instead of
+//! seeing only the newest lines.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -19,6 +23,10 @@ use serde::{Deserialize, Serialize};
 /// One captured handler log line.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LogRecord {
+    /// Position in the handler's log, from 1, assigned when the line is written (what is
+    /// handed in is ignored); 0 for lines written before positions were kept.
+    #[serde(default)]
+    pub seq: u64,
     /// RFC 3339.
     pub at: String,
     /// Level.
@@ -42,6 +50,10 @@ pub struct LogQuery {
     pub event_id: Option<String>,
     /// Only lines at this level or above (`trace` < `debug` < `info` < `warn` < `error`).
     pub min_level: Option<String>,
+    /// Only lines older than this position (`seq`): the page before one that started there.
+    pub before: Option<u64>,
+    /// Only lines of this attempt.
+    pub attempt: Option<u32>,
 }
 
 fn level_rank(level: &str) -> u8 {
@@ -67,8 +79,17 @@ pub struct HandlerLogs {
     dir: PathBuf,
     /// Bytes kept per handler on disk (current plus rotated file).
     budget: u64,
-    /// Open current files and their sizes, by handler.
-    open: Mutex<HashMap<String, (File, u64)>>,
+    /// Open current files and their sizes, and the next line positions, by handler.
+    open: Mutex<Writers>,
+}
+
+/// What the writers keep per handler, under one lock.
+#[derive(Default)]
+struct Writers {
+    /// Open current files and their sizes.
+    files: HashMap<String, (File, u64)>,
+    /// The next line's `seq`, once read from the files (kept across rotations).
+    next_seq: HashMap<String, u64>,
 }
 
 impl HandlerLogs {
@@ -78,7 +99,7 @@ impl HandlerLogs {
         Ok(Self {
             dir: dir.to_path_buf(),
             budget: budget.max(2),
-            open: Mutex::new(HashMap::new()),
+            open: Mutex::new(Writers::default()),
         })
     }
 
@@ -96,23 +117,37 @@ impl HandlerLogs {
         self.push_all(handler, std::slice::from_ref(rec));
     }
 
-    /// Appends the lines of one invocation to `handler`'s log, in order: one lock and as few
-    /// writes as the rotation allows (a chatty handler's 64 KiB of lines was a write call per
-    /// line on the delivery's thread). Failures as for `push`.
+    /// Appends the lines of one invocation to `handler`'s log, in order, numbering them: one
+    /// lock and as few writes as the rotation allows (a chatty handler's 64 KiB of lines was a
+    /// write call per line on the delivery's thread). Failures as for `push`.
     pub fn push_all(&self, handler: &str, recs: &[LogRecord]) {
-        if !crate::wasm::valid_handler_name(handler) {
+        if !crate::wasm::valid_handler_name(handler) || recs.is_empty() {
             // Names reach here from the registry or rule files; never let one pick a path.
             return;
         }
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        // Numbered (so serialized) under the lock, for the numbers to follow the file's order.
+        let mut seq = match open.next_seq.get(handler) {
+            Some(&n) => n,
+            None => match self.last_seq(handler) {
+                Ok(last) => last + 1,
+                Err(e) => {
+                    tracing::warn!(handler, error = %e, "could not read handler log positions; not writing its lines");
+                    return;
+                }
+            },
+        };
         // Chunks never exceed half the budget, so one always fits in a freshly rotated file
         // and disk use stays within the budget.
         let half = usize::try_from(self.budget / 2).unwrap_or(usize::MAX);
         let mut chunks: Vec<Vec<u8>> = Vec::new();
         let mut chunk = Vec::new();
         for rec in recs {
-            let Ok(mut line) = serde_json::to_vec(rec) else {
+            let numbered = LogRecord { seq, ..rec.clone() };
+            let Ok(mut line) = serde_json::to_vec(&numbered) else {
                 continue;
             };
+            seq += 1;
             line.push(b'\n');
             if !chunk.is_empty() && chunk.len() + line.len() > half {
                 chunks.push(std::mem::take(&mut chunk));
@@ -122,14 +157,31 @@ impl HandlerLogs {
         if !chunk.is_empty() {
             chunks.push(chunk);
         }
-        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        // Numbers handed out stay used even if a write fails: a gap, never a repeat.
+        open.next_seq.insert(handler.to_string(), seq);
         for chunk in &chunks {
-            if let Err(e) = self.append(&mut open, handler, chunk) {
-                open.remove(handler);
+            if let Err(e) = self.append(&mut open.files, handler, chunk) {
+                open.files.remove(handler);
                 tracing::warn!(handler, error = %e, "could not write handler log lines");
                 return;
             }
         }
+    }
+
+    /// The highest `seq` in `handler`'s files (0 when there are none): where numbering goes
+    /// on after a restart. Read once per handler per process (the files hold at most the
+    /// budget).
+    fn last_seq(&self, handler: &str) -> std::io::Result<u64> {
+        let mut last = 0;
+        for path in [self.rotated(handler), self.current(handler)] {
+            let file = match File::open(&path) {
+                Ok(f) => f,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(e),
+            };
+            for_each_record(file, |rec| last = last.max(rec.seq))?;
+        }
+        Ok(last)
     }
 
     fn append(
@@ -180,7 +232,8 @@ impl HandlerLogs {
             return Ok(());
         }
         let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        open.remove(handler);
+        open.files.remove(handler);
+        open.next_seq.remove(handler);
         for path in [self.current(handler), self.rotated(handler)] {
             match std::fs::remove_file(&path) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
@@ -213,23 +266,39 @@ impl HandlerLogs {
         let min = q.min_level.as_deref().map_or(0, level_rank);
         let mut out = std::collections::VecDeque::with_capacity(q.limit.min(4096));
         for file in files {
-            for line in BufReader::new(file).lines() {
-                // A line cut short by a crash mid-write is skipped, not an error.
-                let Ok(rec) = serde_json::from_str::<LogRecord>(&line?) else {
-                    continue;
-                };
+            for_each_record(file, |rec| {
                 if q.event_id.as_ref().is_some_and(|id| *id != rec.event_id)
+                    || q.attempt.is_some_and(|a| a != rec.attempt)
+                    || q.before.is_some_and(|b| rec.seq >= b)
                     || level_rank(&rec.level) < min
                 {
-                    continue;
+                    return;
                 }
                 if out.len() == q.limit {
                     out.pop_front();
                 }
                 out.push_back(rec);
-            }
+            })?;
         }
         Ok(out.into())
+    }
+}
+
+/// Calls `f` with every record of a log file, in order. A line that does not parse (cut short
+/// by a crash mid-write) is skipped, not an error: read as bytes, since one torn inside a
+/// character is not UTF-8 (`lines()` failed the whole read on it, and every read after it
+/// until the file rotated).
+fn for_each_record(file: File, mut f: impl FnMut(LogRecord)) -> std::io::Result<()> {
+    let mut reader = BufReader::new(file);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        if reader.read_until(b'\n', &mut line)? == 0 {
+            return Ok(());
+        }
+        if let Ok(rec) = serde_json::from_slice::<LogRecord>(&line) {
+            f(rec);
+        }
     }
 }
 
@@ -239,6 +308,7 @@ mod tests {
 
     fn rec(i: usize, level: &str) -> LogRecord {
         LogRecord {
+            seq: 0,
             at: "2026-11-30T00:00:00Z".into(),
             level: level.into(),
             message: format!("line {i}"),
@@ -281,6 +351,7 @@ mod tests {
             limit: 100,
             event_id: Some("e1".into()),
             min_level: Some("warn".into()),
+            ..LogQuery::default()
         };
         let msgs: Vec<_> = logs
             .recent("h", &q)
@@ -339,6 +410,81 @@ mod tests {
         logs.push("../escape", &rec(1, "info"));
         assert!(!dir.path().join("escape.log").exists());
         assert!(logs.recent("../escape", &all(10)).unwrap().is_empty());
+    }
+
+    fn seqs(lines: &[LogRecord]) -> Vec<u64> {
+        lines.iter().map(|r| r.seq).collect()
+    }
+
+    /// Every line is numbered, on across a restart and a rotation, so that a reader pages
+    /// back through all that is kept (`before`), not only the newest lines.
+    #[test]
+    fn lines_are_numbered_across_restarts_and_paged_back() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let logs = HandlerLogs::open(dir.path(), 1 << 20).unwrap();
+            let batch: Vec<LogRecord> = (0..10).map(|i| rec(i, "info")).collect();
+            logs.push_all("h", &batch);
+        }
+        let logs = HandlerLogs::open(dir.path(), 1 << 20).unwrap();
+        let mut attempt2 = rec(10, "info");
+        attempt2.attempt = 2;
+        logs.push_all("h", &[attempt2, rec(11, "info")]);
+        let page = |before: Option<u64>| {
+            let q = LogQuery {
+                limit: 5,
+                before,
+                ..LogQuery::default()
+            };
+            seqs(&logs.recent("h", &q).unwrap())
+        };
+        assert_eq!(page(None), [8, 9, 10, 11, 12]);
+        assert_eq!(page(Some(8)), [3, 4, 5, 6, 7]);
+        assert_eq!(page(Some(3)), [1, 2]);
+        assert!(page(Some(1)).is_empty());
+        let q = LogQuery {
+            limit: 10,
+            attempt: Some(2),
+            ..LogQuery::default()
+        };
+        assert_eq!(seqs(&logs.recent("h", &q).unwrap()), [11]);
+        // A rotation keeps the numbering going; what is kept stays contiguous.
+        let small = tempfile::tempdir().unwrap();
+        let logs = HandlerLogs::open(small.path(), 4096).unwrap();
+        for i in 0..300 {
+            logs.push("h", &rec(i, "info"));
+        }
+        let kept = seqs(&logs.recent("h", &all(10_000)).unwrap());
+        assert_eq!(kept.last(), Some(&300));
+        assert_eq!(kept[0] + kept.len() as u64 - 1, 300, "{kept:?}");
+        drop(logs);
+        let logs = HandlerLogs::open(small.path(), 4096).unwrap();
+        logs.push("h", &rec(300, "info"));
+        assert_eq!(seqs(&logs.recent("h", &all(1)).unwrap()), [301]);
+    }
+
+    /// A line torn inside a multi-byte character (or damaged on disk) is not UTF-8: it is
+    /// skipped like any other torn line, where it made every read fail.
+    #[test]
+    fn a_line_that_is_not_utf8_is_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let logs = HandlerLogs::open(dir.path(), 1 << 20).unwrap();
+        logs.push("h", &rec(1, "info"));
+        drop(logs);
+        let mut f = OpenOptions::new()
+            .append(true)
+            .open(dir.path().join("h.log"))
+            .unwrap();
+        f.write_all(b"{\"at\":\"2026\xe2\x82\n").unwrap();
+        let logs = HandlerLogs::open(dir.path(), 1 << 20).unwrap();
+        logs.push("h", &rec(2, "info"));
+        let msgs: Vec<_> = logs
+            .recent("h", &all(10))
+            .unwrap()
+            .into_iter()
+            .map(|r| r.message)
+            .collect();
+        assert_eq!(msgs, ["line 1", "line 2"]);
     }
 
     #[test]

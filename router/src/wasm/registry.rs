@@ -118,6 +118,11 @@ pub struct HandlerInfo {
     pub owner: Option<String>,
     /// Why the active version could not be loaded at open, if it could not.
     pub load_error: Option<String>,
+    /// When the active version became active (RFC 3339, UTC): by its upload, a rollback, or
+    /// an upload of its bytes again. `None` when that predates this record.
+    pub activated_at: Option<String>,
+    /// Who made it active (the token's name); `None` as for `activated_at`.
+    pub activated_by: Option<String>,
 }
 
 /// Who uploads a version: the token's name, its team, and whether it may change a handler
@@ -199,6 +204,14 @@ pub(crate) struct HandlerIndex {
     /// deleted record with neither `owner` nor `kept` is a freed name. (Format 2.)
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub(crate) kept: bool,
+    /// When `active` last changed (RFC 3339, UTC), and by whom (the token's name): an upload,
+    /// a rollback, or bytes of a stored version uploaded again. Absent in indexes written
+    /// before it was kept (older routers ignore it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) activated_at: Option<String>,
+    /// See `activated_at`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) activated_by: Option<String>,
 }
 
 impl HandlerIndex {
@@ -213,7 +226,21 @@ impl HandlerIndex {
             preloaded: None,
             deleted: false,
             kept: false,
+            activated_at: None,
+            activated_by: None,
         }
+    }
+
+    /// Makes the version with `sha256` active, recording when and by whom when that changes
+    /// which version is active (the same one again changes nothing).
+    fn activate(&mut self, sha256: &str, by: &str) {
+        if self.active.as_deref() == Some(sha256) {
+            return;
+        }
+        self.active = Some(sha256.to_owned());
+        self.activated_at =
+            Some(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true));
+        self.activated_by = Some(by.to_owned());
     }
 
     /// A deleted handler's name that nothing holds any more: no team keeps it and its data
@@ -295,7 +322,7 @@ impl HandlerIndex {
                 info
             }
         };
-        self.active = Some(v.sha256.clone());
+        self.activate(&v.sha256, &uploader.token);
         if uploader.preload {
             self.preloaded = Some(v.sha256.clone());
         }
@@ -327,7 +354,7 @@ impl HandlerIndex {
         }
         self.check_owner(who)?;
         let info = find_version(&self, &self.name, version)?.clone();
-        self.active = Some(info.sha256.clone());
+        self.activate(&info.sha256, &who.token);
         Ok((self, info))
     }
 
@@ -541,6 +568,12 @@ pub enum RegistryError {
         /// What was asked for.
         version: String,
     },
+    /// Words that cannot name a version at all (neither a number nor a hash prefix long
+    /// enough to mean one).
+    #[error(
+        "{0:?} is not a version: give its number (e.g. \"3\" or \"v3\") or a prefix of its sha256 of at least 8 hex digits"
+    )]
+    InvalidVersion(String),
     /// A hash prefix matching more than one version.
     #[error("{0:?} matches more than one version; give more of the hash")]
     AmbiguousVersion(String),
@@ -719,6 +752,8 @@ impl Entry {
             versions: self.index.versions.clone(),
             owner: self.index.effective_owner(),
             load_error: self.load_error.clone(),
+            activated_at: self.index.activated_at.clone(),
+            activated_by: self.index.activated_by.clone(),
         }
     }
 }
@@ -1380,7 +1415,8 @@ fn find_version<'a>(
     }
     let prefix = version.to_ascii_lowercase();
     if prefix.len() < 8 || !prefix.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(unknown());
+        // Not a miss: nothing could ever match it (a 404 sent callers looking for a version).
+        return Err(RegistryError::InvalidVersion(version.to_owned()));
     }
     let mut matches = index
         .versions
@@ -1438,6 +1474,8 @@ mod tests {
             preloaded: None,
             deleted: false,
             kept: false,
+            activated_at: None,
+            activated_by: None,
         };
         assert_eq!(find_version(&index, "h", "2").unwrap().version, 2);
         assert_eq!(find_version(&index, "h", "v12").unwrap().version, 12);
@@ -1451,9 +1489,19 @@ mod tests {
             Err(RegistryError::UnknownVersion { .. })
         ));
         assert!(matches!(
-            find_version(&index, "h", "zz"),
+            find_version(&index, "h", "cccccccc"),
             Err(RegistryError::UnknownVersion { .. })
         ));
+        // What cannot name a version is said so, not looked for.
+        for malformed in ["zz", "abc", "abcdef1", "", "v", "bbbbbbb"] {
+            assert!(
+                matches!(
+                    find_version(&index, "h", malformed),
+                    Err(RegistryError::InvalidVersion(_))
+                ),
+                "{malformed:?}"
+            );
+        }
     }
 
     #[test]

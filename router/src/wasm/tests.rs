@@ -459,6 +459,20 @@ fn hostile_log_flood_is_capped_and_the_call_completes() {
         "{}",
         last.message
     );
+    // The count the router's metric adds, as the closing note says it.
+    let kept_lines = inv.logs.len() as u64 - 1;
+    assert_eq!(
+        inv.log_lines_dropped + kept_lines,
+        20_000,
+        "{}",
+        last.message
+    );
+    assert!(
+        last.message
+            .contains(&format!("{} more lines", inv.log_lines_dropped)),
+        "{}",
+        last.message
+    );
 }
 
 #[test]
@@ -516,6 +530,50 @@ fn kv_writes_over_the_limit_cost_the_invocation_and_return_nothing() {
         other => panic!("{other:?}"),
     }
     assert!(inv.kv_writes.is_empty() && inv.cas_checks.is_empty());
+}
+
+/// `limits::MAX_MEMORY_BYTES` is the engine's own bound: the configuration refuses more at
+/// start, since past it the engine refuses its pool and the router ran with no handler
+/// runtime at all.
+#[test]
+fn the_largest_memory_cap_is_what_the_engine_reserves() {
+    let engine_with = |max_memory_bytes: usize| {
+        WasmEngine::new(EngineConfig {
+            max_instances: 1,
+            max_memory_bytes,
+            ..EngineConfig::default()
+        })
+    };
+    let max = usize::try_from(limits::MAX_MEMORY_BYTES).expect("a 64-bit host");
+    assert!(engine_with(max).is_ok());
+    let err = engine_with(max + (64 << 10)).expect_err("past the reservation");
+    assert!(err.to_string().contains("memory reservation"), "{err}");
+}
+
+/// Tiny writes by the thousand were each an operation of the store's single writer (140,000
+/// of them held one commit, and every producer's ingest, for 8 s): past `max_kv_ops` the
+/// invocation is a `handler_limit` and hands nothing to the commit.
+#[test]
+fn kv_operations_past_the_cap_cost_the_invocation_and_return_nothing() {
+    let limits = HandlerLimits::default();
+    let n = limits.max_kv_ops as u64;
+    let at_cap = run(
+        "hostile",
+        &event("k", "t", json!({"mode": "kv", "n": n})),
+        &limits,
+    );
+    assert_eq!(at_cap.outcome, InvocationOutcome::Emitted(vec![]));
+    assert_eq!(at_cap.kv_writes.len(), limits.max_kv_ops);
+    let past = run(
+        "hostile",
+        &event("k", "t", json!({"mode": "kv", "n": n + 1})),
+        &limits,
+    );
+    match past.outcome {
+        InvocationOutcome::LimitExceeded(m) => assert!(m.contains("handlers.max_kv_ops"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(past.kv_writes.is_empty());
 }
 
 #[test]

@@ -1670,7 +1670,7 @@ impl JetStreamStore {
                 }
                 None => None,
             };
-            let new = op.value.as_ref().map(|v| KvUsage::entry_bytes(k, v) as i64);
+            let new = op.value.as_ref().map(|v| KvUsage::data_bytes(k, v) as i64);
             let u = usage
                 .entry((ns.clone(), ops::usage_shard(ns, k)))
                 .or_default();
@@ -1696,8 +1696,9 @@ impl JetStreamStore {
         // at once can pass the bound by what they add together (the embedded store's check
         // is exact).
         let mut growth: HashMap<String, i64> = HashMap::new();
-        for ((ns, _), (bytes, _)) in &usage {
-            *growth.entry(ns.clone()).or_default() += bytes;
+        for ((ns, _), (bytes, keys)) in &usage {
+            // What the bound counts: each key added or removed also counts its overhead.
+            *growth.entry(ns.clone()).or_default() += bytes + keys * KvUsage::ENTRY_OVERHEAD as i64;
         }
         if let Some(max) = outbox.kv_max_bytes {
             for (ns, grows) in &growth {

@@ -70,9 +70,10 @@ impl KvRecord {
         unb64("kv", &self.value)
     }
 
-    /// What the entry counts against its namespace's bound.
+    /// What the entry adds to its namespace's usage record (key and value bytes; the
+    /// per-entry overhead is added from the key count when the usage is read).
     pub fn usage_bytes(&self) -> Result<u64, StoreError> {
-        Ok(KvUsage::entry_bytes(&self.key, &self.decoded()?))
+        Ok(KvUsage::data_bytes(&self.key, &self.decoded()?))
     }
 }
 
@@ -94,7 +95,7 @@ pub(super) struct CompletedHead {
 }
 
 /// What a handler's namespace holds (`ku.<fingerprint>`), changed in the same batch as its
-/// key-value writes.
+/// key-value writes: the bytes of its keys and values, and its keys.
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]
 pub(super) struct UsageRecord {
     pub namespace: String,
@@ -491,27 +492,29 @@ impl JetStreamStore {
             async move { self.read::<UsageRecord>("kv usage", &key).await }
         }))
         .await?;
-        Ok(shards
+        let (bytes, keys) = shards
             .into_iter()
             .flatten()
-            .fold(KvUsage::default(), |a, (u, _)| KvUsage {
-                bytes: a.bytes + u.bytes,
-                keys: a.keys + u.keys,
-            }))
+            .fold((0u64, 0u64), |(b, k), (u, _)| (b + u.bytes, k + u.keys));
+        Ok(KvUsage::from_counters(bytes, keys))
     }
 
     /// What each handler's key-value namespace holds (namespaces never written are absent).
     pub async fn kv_usage(&self) -> Result<BTreeMap<String, KvUsage>, StoreError> {
-        self.records.scan("ku").await?.into_iter().try_fold(
-            BTreeMap::<String, KvUsage>::new(),
+        let counters = self.records.scan("ku").await?.into_iter().try_fold(
+            BTreeMap::<String, (u64, u64)>::new(),
             |mut all, (_, _, bytes)| {
                 let u = dec::<UsageRecord>("kv usage", &bytes)?;
                 let slot = all.entry(u.namespace).or_default();
-                slot.bytes += u.bytes;
-                slot.keys += u.keys;
-                Ok(all)
+                slot.0 += u.bytes;
+                slot.1 += u.keys;
+                Ok::<_, StoreError>(all)
             },
-        )
+        )?;
+        Ok(counters
+            .into_iter()
+            .map(|(ns, (bytes, keys))| (ns, KvUsage::from_counters(bytes, keys)))
+            .collect())
     }
 
     /// The stored result of a handler's completed delivery `key`, unless expired.

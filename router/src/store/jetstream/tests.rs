@@ -1886,10 +1886,7 @@ async fn concurrent_key_value_finishes_of_one_namespace_all_commit() {
     eprintln!("{N} finishes in {:?}", started.elapsed());
     assert_eq!(
         s.kv_usage_of("h").await.expect("usage"),
-        KvUsage {
-            bytes: (N * (4 + 2)) as u64,
-            keys: N as u64
-        }
+        KvUsage::from_counters((N * (4 + 2)) as u64, N as u64)
     );
 }
 
@@ -1917,7 +1914,7 @@ async fn an_outbox_commits_with_the_ack_all_or_nothing() {
             result: b"{\"ok\":true}".to_vec(),
             expires_at: 9_000,
         }),
-        kv_max_bytes: Some(20),
+        kv_max_bytes: Some(20 + KvUsage::ENTRY_OVERHEAD),
     };
     let end_with = |o: Outbox| AttemptEnd {
         finished_at: 1_500,
@@ -1946,7 +1943,7 @@ async fn an_outbox_commits_with_the_ack_all_or_nothing() {
     );
     assert_eq!(
         s.kv_usage_of("h").await.expect("usage"),
-        KvUsage { bytes: 8, keys: 1 }
+        KvUsage::from_counters(8, 1)
     );
     assert_eq!(
         s.completed_get("h", "done-out1", 1_600)
@@ -1985,7 +1982,7 @@ async fn an_outbox_commits_with_the_ack_all_or_nothing() {
         "{r:?}"
     );
     assert_eq!(s.fate("/handler", "out2").await.expect("fate"), None);
-    // Past the namespace's bound (20 bytes): refused, nothing written.
+    // Past the namespace's bound (20 bytes and one entry's overhead): refused, nothing written.
     let r = s
         .finish(
             leased[1].entry.id,
@@ -1996,7 +1993,7 @@ async fn an_outbox_commits_with_the_ack_all_or_nothing() {
         )
         .await;
     assert!(
-        matches!(r, Err(FinishError::KvQuota { max: 20, .. })),
+        matches!(r, Err(FinishError::KvQuota { max, .. }) if max == 20 + KvUsage::ENTRY_OVERHEAD),
         "{r:?}"
     );
     assert_eq!(s.kv_get("h", "big", 1_600).await.expect("kv"), None);
@@ -2028,7 +2025,7 @@ async fn an_outbox_commits_with_the_ack_all_or_nothing() {
         "expired"
     );
     let usage = s.kv_usage().await.expect("usage");
-    assert_eq!(usage["h"], KvUsage { bytes: 8, keys: 1 });
+    assert_eq!(usage["h"], KvUsage::from_counters(8, 1));
     assert_eq!(
         s.fate("/handler", "out1")
             .await

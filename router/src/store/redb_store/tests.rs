@@ -1665,33 +1665,48 @@ async fn clearing_a_namespace_removes_its_entries_alone_with_their_expiry_and_si
 async fn kv_namespaces_are_sized_bounded_at_commit_and_swept_at_expiry() {
     let s = RedbStore::in_memory().expect("store");
     let usage = |s: &RedbStore| s.kv_usage_of("h").expect("usage");
+    // Every entry counts its overhead besides its key and value.
+    const O: u64 = KvUsage::ENTRY_OVERHEAD;
+    let bound = 40 + 4 * O;
     // Two keys: 1 + 9 and 1 + 19 bytes; "b" expires at 3000.
     ack_with_kv(
         &s,
         "1",
         vec![put("a", 9, None), put("b", 19, Some(3000))],
-        Some(40),
+        Some(bound),
         1000,
     )
     .await
     .expect("fits");
-    assert_eq!(usage(&s), KvUsage { bytes: 30, keys: 2 });
+    assert_eq!(
+        usage(&s),
+        KvUsage {
+            bytes: 30 + 2 * O,
+            keys: 2
+        }
+    );
     // Growing past the bound is refused as a whole: nothing of the outbox is written, and
     // the entry's lease still holds (the worker records a retry).
     let r = ack_with_kv(
         &s,
         "2",
         vec![put("c", 4, None), put("d", 9, None)],
-        Some(40),
+        Some(bound),
         1100,
     )
     .await;
     assert!(
-        matches!(&r, Err(FinishError::KvQuota { namespace, would_hold: 45, max: 40 }) if namespace == "h"),
+        matches!(&r, Err(FinishError::KvQuota { namespace, would_hold, max }) if namespace == "h" && *would_hold == 45 + 4 * O && *max == bound),
         "{r:?}"
     );
     assert_eq!(s.kv_get("h", "c", 1100).expect("read"), None);
-    assert_eq!(usage(&s), KvUsage { bytes: 30, keys: 2 });
+    assert_eq!(
+        usage(&s),
+        KvUsage {
+            bytes: 30 + 2 * O,
+            keys: 2
+        }
+    );
     // Replacing and deleting count only the difference, and shrinking always passes even
     // when the bound was lowered below what the namespace holds.
     let del = KvOp {
@@ -1701,7 +1716,13 @@ async fn kv_namespaces_are_sized_bounded_at_commit_and_swept_at_expiry() {
     ack_with_kv(&s, "3", vec![put("b", 9, Some(3000)), del], Some(5), 1200)
         .await
         .expect("shrinks");
-    assert_eq!(usage(&s), KvUsage { bytes: 10, keys: 1 });
+    assert_eq!(
+        usage(&s),
+        KvUsage {
+            bytes: 10 + O,
+            keys: 1
+        }
+    );
     // The sweep removes "b" once expired (reads already skip it) and gives its bytes back.
     assert_eq!(
         s.sweep(2999, 86_400_000, 86_400_000)
@@ -1738,7 +1759,13 @@ async fn kv_namespaces_are_sized_bounded_at_commit_and_swept_at_expiry() {
         s.kv_get("h", "e", 5000).expect("read").map(|v| v.len()),
         Some(2)
     );
-    assert_eq!(usage(&s), KvUsage { bytes: 3, keys: 1 });
+    assert_eq!(
+        usage(&s),
+        KvUsage {
+            bytes: 3 + O,
+            keys: 1
+        }
+    );
 }
 
 #[tokio::test]
@@ -1771,7 +1798,7 @@ async fn kv_sizes_are_rebuilt_for_a_store_written_before_they_were_kept() {
     let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("reopen");
     assert_eq!(
         s.kv_usage_of("h").expect("usage"),
-        KvUsage { bytes: 15, keys: 2 }
+        KvUsage::from_counters(15, 2)
     );
     assert_eq!(
         s.sweep(9001, 86_400_000, 86_400_000)
@@ -1782,7 +1809,7 @@ async fn kv_sizes_are_rebuilt_for_a_store_written_before_they_were_kept() {
     );
     assert_eq!(
         s.kv_usage_of("h").expect("usage"),
-        KvUsage { bytes: 10, keys: 1 }
+        KvUsage::from_counters(10, 1)
     );
 }
 
