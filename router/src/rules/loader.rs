@@ -531,13 +531,15 @@ impl Cx<'_> {
             self.policies.insert(name, PolicyConfig::default());
             return;
         };
-        for problem in policy.validate() {
-            let at = problem_node(node, key, &problem);
+        let problems = policy.validate();
+        for problem in &problems {
+            let at = problem_node(node, key, problem);
             self.err(file, at, format!("policy `{name}`: {problem}"));
         }
         self.warn_month_durations(file, node);
+        // The worst case of a refused policy is not worth a warning beside its errors.
         let (attempts, _) = policy.worst_case();
-        if attempts > WORST_CASE_ATTEMPTS_SMELL {
+        if problems.is_empty() && attempts > WORST_CASE_ATTEMPTS_SMELL {
             let at = node
                 .get("retry")
                 .and_then(|r| r.get("max_attempts"))

@@ -867,6 +867,27 @@ rules:
     assert_eq!(set.policies["stubborn"].retry.max_attempts, 20);
 }
 
+/// `max_attempts: 4294967295` passed the check (and `config explain` walked every attempt):
+/// past 1000 it is an error at the value.
+#[test]
+fn max_attempts_past_the_cap_is_an_error_at_its_line() {
+    let src = "\
+policies:
+  stubborn:
+    retry:
+      max_attempts: 4294967295
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets: [{handler: h, policy: stubborn}]
+";
+    one_err(
+        &[("r.yaml", src)],
+        "r.yaml:4:21: ",
+        "policy `stubborn`: retry.max_attempts must be at most 1000, not 4294967295",
+    );
+}
+
 #[test]
 fn handler_targets_are_checked_against_the_known_handlers() {
     let src = "\
