@@ -101,7 +101,7 @@ pub struct HandlersConfig {
     pub max_log_bytes: usize,
     /// Emitted events past this many handler hops go to the DLQ as `loop_detected`.
     pub hop_limit: u32,
-    /// Invocations alive at once (the pooling allocator holds two more instances, for the
+    /// Invocations alive at once, at least 1 (the pooling allocator holds two more instances, for the
     /// `describe` checks of uploads and rollbacks).
     pub max_instances: u32,
     /// At start, upload every `<name>.wasm` of this directory as handler `<name>`, unless
@@ -750,6 +750,11 @@ impl Config {
         if self.handlers.timeout.is_zero() {
             return bad("handlers.timeout must be > 0");
         }
+        // No invocation slot: every handler delivery would wait for one until its max_age,
+        // with nothing in the API to say why.
+        if self.handlers.max_instances == 0 {
+            return bad("handlers.max_instances must be at least 1");
+        }
         Ok(())
     }
 }
@@ -990,6 +995,7 @@ mod tests {
             ("ROUTER_STORE__LOW_WATER_FRACTION", "1.5"),
             ("ROUTER_HANDLERS__MEMORY_BYTES", "0"),
             ("ROUTER_HANDLERS__TIMEOUT", "0s"),
+            ("ROUTER_HANDLERS__MAX_INSTANCES", "0"),
         ] {
             let e = Config::load(None, env(&[(k, v)])).expect_err(k);
             let key = k["ROUTER_".len()..].to_ascii_lowercase().replace("__", ".");
