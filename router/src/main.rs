@@ -464,7 +464,8 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             contracts,
         } => {
             let env = Config::env_vars();
-            let mut cfg = Config::load(config.as_deref(), env.clone())?;
+            let (mut cfg, config_warnings) =
+                Config::load_with_warnings(config.as_deref(), env.clone())?;
             if let Some(l) = listen {
                 cfg.listen = l;
             }
@@ -478,6 +479,9 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 cfg.contracts_dir = c;
             }
             router::telemetry::init_tracing(cfg.log_format == router::config::LogFormat::Json);
+            for w in &config_warnings {
+                tracing::warn!("config: {w}");
+            }
             let links = router::config::kubernetes_service_links(&env);
             if !links.is_empty() {
                 tracing::info!(variables = ?links, "ignored as Kubernetes service links of a Service named `router`, not configuration keys");
@@ -734,7 +738,11 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Config {
             cmd: ConfigCmd::Explain { dir, config },
         } => {
-            let cfg = Config::load(config.as_deref(), Config::env_vars())?;
+            let (cfg, config_warnings) =
+                Config::load_with_warnings(config.as_deref(), Config::env_vars())?;
+            for w in &config_warnings {
+                router::errln!("warning: config: {w}");
+            }
             let dir = dir.unwrap_or(cfg.rules_dir);
             let (set, _) = RuleSet::load_dir(&dir).map_err(|errors| {
                 anyhow::anyhow!(

@@ -73,6 +73,15 @@ pub fn format_duration(d: Duration) -> String {
     parts.join(" ")
 }
 
+/// Whether a humantime duration has a term in months (`5M`, `1 M 2d`): the unit `M` alone.
+/// humantime reads `M` as a month and `m` as a minute, so `5M` is valid and almost certainly
+/// not what was meant; rule files and the configuration warn about it.
+pub fn uses_month_unit(duration: &str) -> bool {
+    duration
+        .split(|c: char| c.is_ascii_digit() || c == '.' || c.is_whitespace())
+        .any(|unit| unit == "M")
+}
+
 /// One named delivery policy: everything that governs how a target's queue entries are
 /// delivered. `PolicyConfig::default()` is the policy of targets that name none.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
