@@ -759,8 +759,11 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 "TARGET", "RULE", "POLICY", "ATTEMPTS", "WORST CASE", "WITH RETRY-AFTER"
             );
             for t in set.targets.values() {
-                let (attempts, time) = t.policy.worst_case();
-                let with_retry_after = t.worst_case_with_retry_after();
+                let router::rules::WorstCase {
+                    attempts,
+                    time,
+                    with_retry_after,
+                } = t.worst_case();
                 let mut notes = Vec::new();
                 if attempts > router::policy::WORST_CASE_ATTEMPTS_SMELL {
                     notes.push(format!(
@@ -779,6 +782,12 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
                 if t.policy.breaker.is_some() {
                     notes.push("waiting while the breaker is open spends no attempt (up to max_age)".to_string());
+                }
+                if let Some(b) = t.kind.batch().filter(|b| !b.window.is_zero()) {
+                    notes.push(format!(
+                        "each attempt may first wait the batch window ({})",
+                        humantime::format_duration(b.window)
+                    ));
                 }
                 outln!(
                     "{:<32} {:<28} {:<12} {:>8} {:>14} {:>18}  {}",

@@ -481,8 +481,20 @@ impl PolicyConfig {
     /// answers with `Retry-After` can stretch every wait: see
     /// [`PolicyConfig::worst_case_with_retry_after`].
     pub fn worst_case(&self) -> (u32, Duration) {
+        self.worst_case_lingering(Duration::ZERO)
+    }
+
+    /// [`PolicyConfig::worst_case`] when each attempt may first wait up to `linger` (a
+    /// batching webhook's `window`, which a due entry may wait out for more to fill its
+    /// batch): that much more per attempt, and the cap is `max_age` plus the longer of
+    /// `timeout` and `linger` (an entry still waiting in the window at `max_age` goes to the
+    /// DLQ unsent when the window ends).
+    pub fn worst_case_lingering(&self, linger: Duration) -> (u32, Duration) {
         let attempts = self.attempts_within_max_age();
-        (attempts, self.total_time(attempts, |backoff| backoff))
+        (
+            attempts,
+            self.total_time(attempts, linger, |backoff| backoff),
+        )
     }
 
     /// The worst case's time when every wait is stretched by a `Retry-After` (a webhook's
@@ -490,8 +502,16 @@ impl PolicyConfig {
     /// waits the longer of that and the backoff. Capped by `max_age + timeout`. Waiting behind an open
     /// breaker or a pause spends no attempt and can last until `max_age` too.
     pub fn worst_case_with_retry_after(&self) -> Duration {
+        self.worst_case_with_retry_after_lingering(Duration::ZERO)
+    }
+
+    /// [`PolicyConfig::worst_case_with_retry_after`] with `linger` before each attempt, as
+    /// [`PolicyConfig::worst_case_lingering`].
+    pub fn worst_case_with_retry_after_lingering(&self, linger: Duration) -> Duration {
         let attempts = self.attempts_within_max_age();
-        self.total_time(attempts, |backoff| backoff.max(self.retry.retry_after_max))
+        self.total_time(attempts, linger, |backoff| {
+            backoff.max(self.retry.retry_after_max)
+        })
     }
 
     /// Attempts that can start by `max_age` (the worker sends a retry due at `max_age` itself,
@@ -532,17 +552,23 @@ impl PolicyConfig {
         u32::try_from(runs.min(u128::from(max))).unwrap_or(max)
     }
 
-    /// `attempts` attempts that each run their whole timeout, with `wait(max_backoff(n))`
-    /// between attempts `n` and `n + 1`, capped by `max_age + timeout` (the last attempt starts
-    /// by `max_age` at the latest and may run its whole timeout). `wait` sees only the backoff,
-    /// so it is constant once the backoff is, and the waits past [`BACKOFF_STEPS`] are summed
-    /// by one multiplication.
-    fn total_time(&self, attempts: u32, wait: impl Fn(Duration) -> Duration) -> Duration {
-        let cap = self.retry.max_age.saturating_add(self.timeout);
+    /// `attempts` attempts that each wait up to `linger` and then run their whole timeout,
+    /// with `wait(max_backoff(n))` between attempts `n` and `n + 1`, capped by `max_age` plus
+    /// the longer of `timeout` and `linger` (the last attempt starts by `max_age` at the
+    /// latest and may run its whole timeout; one still lingering then is dead-lettered unsent
+    /// when it stops). `wait` sees only the backoff, so it is constant once the backoff is,
+    /// and the waits past [`BACKOFF_STEPS`] are summed by one multiplication.
+    fn total_time(
+        &self,
+        attempts: u32,
+        linger: Duration,
+        wait: impl Fn(Duration) -> Duration,
+    ) -> Duration {
+        let cap = self.retry.max_age.saturating_add(self.timeout.max(linger));
         let Some(waits) = attempts.checked_sub(1) else {
             return Duration::ZERO;
         };
-        let mut total = self.timeout.saturating_mul(attempts);
+        let mut total = self.timeout.saturating_add(linger).saturating_mul(attempts);
         let steady = BACKOFF_STEPS.min(waits);
         for n in 0..steady {
             total = total.saturating_add(wait(self.retry.max_backoff(n)));
@@ -965,6 +991,30 @@ mod tests {
             "{:?}",
             started.elapsed()
         );
+    }
+
+    /// A batching webhook's window may hold each attempt back for more events: `config
+    /// explain` and `/v1/targets` left it out.
+    #[test]
+    fn a_batch_window_is_added_to_every_attempt() {
+        // The default policy: 5 attempts of 10 s, waits of 3 s in all; with a 1 m window,
+        // each of the 5 attempts may wait a minute first.
+        let p = PolicyConfig::default();
+        let window = Duration::from_secs(60);
+        assert_eq!(
+            p.worst_case_lingering(window),
+            (5, Duration::from_secs(53 + 5 * 60))
+        );
+        assert_eq!(
+            p.worst_case_with_retry_after_lingering(window),
+            Duration::from_secs(4 * 3600 + 50 + 5 * 60)
+        );
+        assert_eq!(p.worst_case_lingering(Duration::ZERO), p.worst_case());
+        // Capped by max_age plus the longer of the timeout and the window: an entry still in
+        // the window at max_age is dead-lettered unsent when it ends.
+        let mut p = PolicyConfig::default();
+        p.retry.max_age = Duration::from_secs(100);
+        assert_eq!(p.worst_case_lingering(window).1, Duration::from_secs(160));
     }
 
     #[test]

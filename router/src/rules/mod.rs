@@ -181,15 +181,39 @@ pub struct TargetSpec {
     pub policy: PolicyConfig,
 }
 
+/// What one event can cost a target at worst: what `router config explain` prints and
+/// `/v1/targets` shows as `worst_case`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorstCase {
+    /// Attempts ([`PolicyConfig::worst_case`]).
+    pub attempts: u32,
+    /// Time before the DLQ on backoff alone, every attempt running into its timeout (and
+    /// first waiting out a batching webhook's `window`).
+    pub time: std::time::Duration,
+    /// The same with every wait stretched by a `Retry-After` up to `retry_after_max`
+    /// ([`PolicyConfig::worst_case_with_retry_after`]).
+    pub with_retry_after: std::time::Duration,
+}
+
 impl TargetSpec {
-    /// The policy's worst-case time when the target stretches every wait with a
-    /// `Retry-After` ([`PolicyConfig::worst_case_with_retry_after`]): webhooks (429/503) and
-    /// handlers (a retry with a delay) can; a NATS publish cannot, so its worst case is the
-    /// backoff's.
-    pub fn worst_case_with_retry_after(&self) -> std::time::Duration {
-        match self.kind {
-            TargetKind::Nats { .. } => self.policy.worst_case().1,
-            _ => self.policy.worst_case_with_retry_after(),
+    /// The target's worst case. A batching webhook's `window` may hold each attempt back
+    /// ([`PolicyConfig::worst_case_lingering`]). Webhooks (429/503) and handlers (a retry
+    /// with a delay) can stretch every wait with a `Retry-After`; a NATS publish cannot, so
+    /// its `with_retry_after` is the backoff's.
+    pub fn worst_case(&self) -> WorstCase {
+        let window = self
+            .kind
+            .batch()
+            .map_or(std::time::Duration::ZERO, |b| b.window);
+        let (attempts, time) = self.policy.worst_case_lingering(window);
+        let with_retry_after = match self.kind {
+            TargetKind::Nats { .. } => time,
+            _ => self.policy.worst_case_with_retry_after_lingering(window),
+        };
+        WorstCase {
+            attempts,
+            time,
+            with_retry_after,
         }
     }
 }

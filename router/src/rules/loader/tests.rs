@@ -867,6 +867,43 @@ rules:
     assert_eq!(set.policies["stubborn"].retry.max_attempts, 20);
 }
 
+/// A batching webhook's `window` may hold each attempt back: the target's worst case (what
+/// `config explain` and `/v1/targets` show) counts it; the same policy without a window, or
+/// on a handler, does not.
+#[test]
+fn a_batching_webhooks_window_counts_in_its_worst_case() {
+    let src = "\
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - webhook: http://127.0.0.1:9/a
+        id: batched
+        batch: { window: 1m }
+      - webhook: http://127.0.0.1:9/b
+        id: plain
+      - nats: s
+        id: bus
+        policy: fast
+policies:
+  fast: {}
+";
+    let (set, _) = ok(&[("r.yaml", src)]);
+    let batched = set.targets["batched"].worst_case();
+    let plain = set.targets["plain"].worst_case();
+    assert_eq!(plain.attempts, 5);
+    assert_eq!(plain.time, Duration::from_secs(53));
+    assert_eq!(batched.attempts, 5);
+    assert_eq!(batched.time, Duration::from_secs(53 + 5 * 60));
+    assert_eq!(
+        batched.with_retry_after,
+        plain.with_retry_after + Duration::from_secs(5 * 60)
+    );
+    // A NATS publish has no Retry-After.
+    let bus = set.targets["bus"].worst_case();
+    assert_eq!(bus.with_retry_after, bus.time);
+}
+
 /// `max_attempts: 4294967295` passed the check (and `config explain` walked every attempt):
 /// past 1000 it is an error at the value.
 #[test]
