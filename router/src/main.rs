@@ -755,14 +755,15 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 )
             })?;
             outln!(
-                "{:<32} {:<28} {:<12} {:>8} {:>14} {:>18}  notes",
-                "TARGET", "RULE", "POLICY", "ATTEMPTS", "WORST CASE", "WITH RETRY-AFTER"
+                "{:<32} {:<28} {:<12} {:>8} {:>14} {:>18} {:>14}  notes",
+                "TARGET", "RULE", "POLICY", "ATTEMPTS", "WORST CASE", "WITH RETRY-AFTER", "IF BLOCKED"
             );
             for t in set.targets.values() {
                 let router::rules::WorstCase {
                     attempts,
                     time,
                     with_retry_after,
+                    if_blocked,
                 } = t.worst_case();
                 let mut notes = Vec::new();
                 if attempts > router::policy::WORST_CASE_ATTEMPTS_SMELL {
@@ -783,6 +784,11 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 if t.policy.breaker.is_some() {
                     notes.push("waiting while the breaker is open spends no attempt (up to max_age)".to_string());
                 }
+                if if_blocked.is_some() {
+                    // Nothing is leased while the target is stopped, and max_age is checked
+                    // when an entry is leased.
+                    notes.push("past max_age while the breaker is open or a Retry-After holds the target off: to the DLQ when that ends (IF BLOCKED)".to_string());
+                }
                 if let Some(b) = t.kind.batch().filter(|b| !b.window.is_zero()) {
                     notes.push(format!(
                         "each attempt may first wait the batch window ({})",
@@ -790,13 +796,14 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     ));
                 }
                 outln!(
-                    "{:<32} {:<28} {:<12} {:>8} {:>14} {:>18}  {}",
+                    "{:<32} {:<28} {:<12} {:>8} {:>14} {:>18} {:>14}  {}",
                     t.id,
                     t.rule,
                     t.policy_name.as_deref().unwrap_or("(default)"),
                     attempts,
                     humantime::format_duration(time).to_string(),
                     humantime::format_duration(with_retry_after).to_string(),
+                    if_blocked.map_or_else(|| "-".to_string(), |d| humantime::format_duration(d).to_string()),
                     notes.join("; ")
                 );
             }

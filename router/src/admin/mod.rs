@@ -465,6 +465,7 @@ fn target_json(app: &App, id: &str, stats: Option<&crate::store::QueueStats>, no
             "attempts": worst.attempts,
             "seconds": worst.time.as_secs_f64(),
             "seconds_with_retry_after": worst.with_retry_after.as_secs_f64(),
+            "seconds_if_blocked": worst.if_blocked.map(|d| d.as_secs_f64()),
         });
         if let Value::Object(m) = rt.snapshot(now) {
             for (k, x) in m {

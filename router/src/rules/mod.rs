@@ -193,6 +193,12 @@ pub struct WorstCase {
     /// The same with every wait stretched by a `Retry-After` up to `retry_after_max`
     /// ([`PolicyConfig::worst_case_with_retry_after`]).
     pub with_retry_after: std::time::Duration,
+    /// When something can stop the whole target (its breaker open, a receiver's
+    /// `Retry-After` holding it off): nothing is leased meanwhile, so an entry whose
+    /// `max_age` passes then goes to the DLQ only when leasing resumes — `max_age` plus the
+    /// longest of `timeout`, the window, `breaker.open_for` and (webhooks) `retry_after_max`.
+    /// `None` when nothing can (no breaker, and no Retry-After the target honours).
+    pub if_blocked: Option<std::time::Duration>,
 }
 
 impl TargetSpec {
@@ -210,10 +216,25 @@ impl TargetSpec {
             TargetKind::Nats { .. } => time,
             _ => self.policy.worst_case_with_retry_after_lingering(window),
         };
+        // Only a webhook's 429/503 holds the whole target off; a handler's delay is its
+        // event's own retry, scheduled within max_age.
+        let hold_off = match self.kind {
+            TargetKind::Webhook { .. } => Some(self.policy.retry.retry_after_max),
+            _ => None,
+        }
+        .filter(|d| !d.is_zero());
+        let open_for = self.policy.breaker.as_ref().map(|b| b.open_for);
+        let if_blocked = open_for.max(hold_off).map(|block| {
+            self.policy
+                .retry
+                .max_age
+                .saturating_add(block.max(self.policy.timeout).max(window))
+        });
         WorstCase {
             attempts,
             time,
             with_retry_after,
+            if_blocked,
         }
     }
 }
