@@ -579,7 +579,7 @@ impl Config {
             None => toml::Table::new(),
         };
         // Which variable set which key, to name it when the key's value is refused.
-        let mut from_env: Vec<(String, String)> = Vec::new();
+        let mut from_env: Vec<EnvKey> = Vec::new();
         for (k, v) in env {
             let Some(rest) = k.strip_prefix("ROUTER_") else {
                 continue;
@@ -599,15 +599,23 @@ impl Config {
                 .split("__")
                 .map(str::to_string)
                 .collect();
-            set_path(&mut table, &path, parse_env_value(&v))
+            let value = parse_env_value(&v);
+            let typed = !value.is_str();
+            set_path(&mut table, &path, value)
                 .map_err(|m| ConfigError::Invalid(format!("{k}: {m}")))?;
-            from_env.push((path.join("."), k));
+            from_env.push(EnvKey {
+                key: path.join("."),
+                path,
+                var: k,
+                raw: v,
+                typed,
+            });
         }
         let set_by = |key: &str| {
             from_env
                 .iter()
-                .find(|(p, _)| *p == key)
-                .map(|(_, var)| format!(" (set by {var})"))
+                .find(|e| e.key == key)
+                .map(|e| format!(" (set by {})", e.var))
                 .unwrap_or_default()
         };
         let warnings: Vec<String> = DURATION_KEYS
@@ -624,23 +632,67 @@ impl Config {
             .collect();
         // Through serde_path_to_error, so a refused value names its key (`ingest.max_batch:
         // invalid type …`), and the variable when one set it.
-        let cfg: Config =
-            serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
-                let key = e.path().to_string();
-                let message = e.inner().message().to_string();
-                let var = from_env
+        let cfg: Config = loop {
+            let e = match serde_path_to_error::deserialize(toml::Value::Table(table.clone())) {
+                Ok(cfg) => break cfg,
+                Err(e) => e,
+            };
+            let key = e.path().to_string();
+            let message = e.inner().message().to_string();
+            // A variable's value that looks like a number or a boolean is read as one, but
+            // the key may want text (`ROUTER_DATA_DIR=2024`): read it as the text it was.
+            if message.starts_with("invalid type")
+                && let Some(env) = from_env.iter_mut().find(|e| e.key == key && e.typed)
+            {
+                env.typed = false;
+                set_path(&mut table, &env.path, toml::Value::String(env.raw.clone()))
+                    .map_err(|m| ConfigError::Invalid(format!("{}: {m}", env.var)))?;
+                continue;
+            }
+            // The variable that set the key, a table above it (`ROUTER_INGEST=1`) or a key
+            // below it (`ROUTER_INGEST__MAX_BATCH__X=5` makes `max_batch` a table), or the
+            // unknown key itself.
+            let unknown = message
+                .strip_prefix("unknown field `")
+                .and_then(|m| m.split('`').next())
+                .map(|field| match key.as_str() {
+                    "." => field.to_string(),
+                    parent => format!("{parent}.{field}"),
+                });
+            let var = from_env
+                .iter()
+                .find(|e| {
+                    Some(&e.key) == unknown.as_ref()
+                        || (key != "."
+                            && (e.key == key
+                                || key.starts_with(&format!("{}.", e.key))
+                                || e.key.starts_with(&format!("{key}."))))
+                })
+                .map(|e| format!(" (set by {})", e.var))
+                .unwrap_or_default();
+            let key = if key == "." {
+                String::new()
+            } else {
+                format!("{key}: ")
+            };
+            return Err(ConfigError::Invalid(format!("{key}{message}{var}")));
+        };
+        // A refused value names the variables that set the keys it is about.
+        cfg.validate().map_err(|e| match e {
+            ConfigError::Invalid(message) => {
+                let vars: Vec<&str> = from_env
                     .iter()
-                    .find(|(p, _)| *p == key || key.starts_with(&format!("{p}.")))
-                    .map(|(_, var)| format!(" (set by {var})"))
-                    .unwrap_or_default();
-                let key = if key == "." {
-                    String::new()
+                    .filter(|e| mentions(&message, &e.key))
+                    .map(|e| e.var.as_str())
+                    .collect();
+                if vars.is_empty() {
+                    ConfigError::Invalid(message)
                 } else {
-                    format!("{key}: ")
-                };
-                ConfigError::Invalid(format!("{key}{message}{var}"))
-            })?;
-        cfg.validate()?;
+                    ConfigError::Invalid(format!("{message} (set by {})", vars.join(", ")))
+                }
+            }
+            other => other,
+        })?;
         Ok((cfg, warnings))
     }
 
@@ -939,6 +991,35 @@ pub fn kubernetes_service_links(env: &[(String, String)]) -> Vec<String> {
         .collect()
 }
 
+/// A configuration key a `ROUTER_*` variable set.
+struct EnvKey {
+    /// The key's path (`["ingest", "max_batch"]`) and its dotted form.
+    path: Vec<String>,
+    key: String,
+    /// The variable's name and value as given.
+    var: String,
+    raw: String,
+    /// Whether the value was read as a number or a boolean rather than text.
+    typed: bool,
+}
+
+/// Whether `message` is about the dotted `key`: names it whole, not as part of a longer key
+/// (`store.jetstream.url` does not mention `store.jetstream`, nor `url`).
+fn mentions(message: &str, key: &str) -> bool {
+    let word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    message.match_indices(key).any(|(i, _)| {
+        let before = message[..i].chars().next_back();
+        let mut after = message[i + key.len()..].chars();
+        let continues = match after.next() {
+            None => false,
+            // A sentence's full stop, or a longer key.
+            Some('.') => after.next().is_some_and(word),
+            Some(c) => word(c),
+        };
+        before.is_none_or(|c| !(word(c) || c == '.')) && !continues
+    })
+}
+
 fn parse_env_value(raw: &str) -> toml::Value {
     // Numbers and booleans keep their type; anything else (paths, durations, addresses) is a
     // string, so `ROUTER_LISTEN=127.0.0.1:9000` needs no quoting.
@@ -1057,6 +1138,79 @@ mod tests {
         assert!(
             e.to_string().contains("shutdown_grace: ")
                 && e.to_string().contains("(set by ROUTER_SHUTDOWN_GRACE)"),
+            "{e}"
+        );
+    }
+
+    /// Every refusal of a value from the environment names the variable, and a value that
+    /// looks like a number is text where the key wants text.
+    #[test]
+    fn environment_overrides_name_their_variable_and_keep_text_as_text() {
+        let e = Config::load(None, env(&[("ROUTER_INGEST__MAX_BATCH", "0")])).expect_err("zero");
+        assert_eq!(
+            e.to_string(),
+            "invalid configuration: ingest.max_batch must be > 0 (set by ROUTER_INGEST__MAX_BATCH)"
+        );
+        let e = Config::load(None, env(&[("ROUTER_INGEST__MAX_BATCH__X", "5")]))
+            .expect_err("a key below a number");
+        assert!(
+            e.to_string().contains("ingest.max_batch: ")
+                && e.to_string()
+                    .contains("(set by ROUTER_INGEST__MAX_BATCH__X)"),
+            "{e}"
+        );
+        let e = Config::load(None, env(&[("ROUTER_INGEST__NOPE", "5")])).expect_err("unknown");
+        assert!(
+            e.to_string().contains("nope")
+                && e.to_string().contains("(set by ROUTER_INGEST__NOPE)"),
+            "{e}"
+        );
+        let e = Config::load(None, env(&[("ROUTER_NOPE", "1")])).expect_err("unknown top key");
+        assert!(e.to_string().contains("(set by ROUTER_NOPE)"), "{e}");
+        // Two keys in one message: both variables.
+        let e = Config::load(
+            None,
+            env(&[
+                ("ROUTER_NATS__TOKEN_ENV", "T"),
+                ("ROUTER_NATS__CREDENTIALS_FILE", "/x.creds"),
+            ]),
+        )
+        .expect_err("both");
+        assert!(
+            e.to_string()
+                .ends_with("(set by ROUTER_NATS__TOKEN_ENV, ROUTER_NATS__CREDENTIALS_FILE)"),
+            "{e}"
+        );
+        // A longer key is not this one: store.jetstream.url is not store.jetstream.
+        assert!(mentions(
+            "store.jetstream.url `x`: bad",
+            "store.jetstream.url"
+        ));
+        assert!(!mentions("store.jetstream.url `x`: bad", "store.jetstream"));
+        assert!(mentions(
+            "must be set: ingest.max_batch.",
+            "ingest.max_batch"
+        ));
+        assert!(!mentions("ingest.max_batches", "ingest.max_batch"));
+        // Text that looks like a number or a boolean, for keys that want text.
+        let c = Config::load(
+            None,
+            env(&[
+                ("ROUTER_DATA_DIR", "2024"),
+                ("ROUTER_RULES_DIR", "true"),
+                ("ROUTER_NATS__TOKEN_ENV", "42"),
+                ("ROUTER_INGEST__MAX_BATCH", "7"),
+            ]),
+        )
+        .expect("text keys take number-looking text");
+        assert_eq!(c.data_dir, PathBuf::from("2024"));
+        assert_eq!(c.rules_dir, PathBuf::from("true"));
+        assert_eq!(c.nats.token_env.as_deref(), Some("42"));
+        assert_eq!(c.ingest.max_batch, 7);
+        // A number key still refuses text, naming the variable.
+        let e = Config::load(None, env(&[("ROUTER_INGEST__MAX_BATCH", "many")])).expect_err("text");
+        assert!(
+            e.to_string().contains("(set by ROUTER_INGEST__MAX_BATCH)"),
             "{e}"
         );
     }
