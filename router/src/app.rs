@@ -1420,6 +1420,39 @@ fn auth_off_warning(local: std::net::SocketAddr, insecure: bool) -> String {
     }
 }
 
+/// What a start checks before anything runs on the store.
+struct StartChecked {
+    tokens: crate::auth::Tokens,
+    local: std::net::SocketAddr,
+    rules: RuleSet,
+    rule_warnings: Vec<String>,
+    contracts: ContractSet,
+}
+
+/// The checks that can refuse a start before anything runs on the open store: tokens, the
+/// listen address without them, the rules and contracts directories and what they hold.
+fn start_checks(
+    cfg: &Config,
+    listener: &TcpListener,
+    store: &dyn Store,
+) -> Result<StartChecked, RunError> {
+    let tokens = crate::auth::Tokens::new(&cfg.auth.tokens)?;
+    let local = listener.local_addr()?;
+    if !tokens.enabled() && !local.ip().is_loopback() && !cfg.auth.insecure {
+        return Err(RunError::Insecure(local));
+    }
+    let (rules, rule_warnings) = load_rules(cfg)?;
+    check_dirs_at_start(cfg, &rules, store)?;
+    let contracts = load_contracts(cfg)?;
+    Ok(StartChecked {
+        tokens,
+        local,
+        rules,
+        rule_warnings,
+        contracts,
+    })
+}
+
 /// Runs the router on a given store (tests hand in fault-injecting ones).
 pub async fn run_with_store(
     cfg: Config,
@@ -1428,11 +1461,24 @@ pub async fn run_with_store(
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) -> Result<(), RunError> {
-    let tokens = crate::auth::Tokens::new(&cfg.auth.tokens)?;
-    let local = listener.local_addr()?;
-    if !tokens.enabled() && !local.ip().is_loopback() && !cfg.auth.insecure {
-        return Err(RunError::Insecure(local));
-    }
+    let StartChecked {
+        tokens,
+        local,
+        rules,
+        mut rule_warnings,
+        contracts,
+    } = match start_checks(&cfg, &listener, store.as_ref()) {
+        Ok(checked) => checked,
+        Err(e) => {
+            // Nothing runs on the store yet: closing it spares the next start a check of
+            // every page (a refused start on a missing rules directory, or invalid rules, left
+            // the file marked as not closed cleanly).
+            if let Err(close) = store.close().await {
+                tracing::warn!(error = %close, "the store did not close cleanly; it is checked at the next start");
+            }
+            return Err(e);
+        }
+    };
     let guard = crate::guard::RequestGuard::new(tokens.enabled(), cfg.auth.insecure, local);
     let ingest_limiters = cfg
         .auth
@@ -1446,15 +1492,12 @@ pub async fn run_with_store(
             Some((t.name.clone(), governor::RateLimiter::direct(q)))
         })
         .collect();
-    let (rules, mut rule_warnings) = load_rules(&cfg)?;
-    check_dirs_at_start(&cfg, &rules, store.as_ref())?;
     let mut warnings = Vec::new();
     if !tokens.enabled() {
         let w = auth_off_warning(local, cfg.auth.insecure);
         tracing::warn!("{w}");
         warnings.push(w);
     }
-    let contracts = load_contracts(&cfg)?;
     rule_warnings.extend(contracts.warnings_against(&ContractSet::empty()));
     for w in &rule_warnings {
         tracing::warn!("{w}");

@@ -363,15 +363,18 @@ pub fn dlq_table(v: &Value) -> String {
         .into_iter()
         .flatten()
         .map(|e| {
-            let last_error = e["attempts"]
+            // The error that decided the entry's fate (a max_age_exceeded entry's "not sent:
+            // event older than max_age", not the HTTP 500 of the attempt before it); the last
+            // attempt's error for entries that keep none of their own.
+            let last_error = e["errors"]
                 .as_array()
-                .and_then(|a| a.last())
-                .map(|a| s(&a["error"]))
+                .and_then(|x| x.first())
+                .map(|x| s(&x["message"]))
                 .unwrap_or_else(|| {
-                    e["errors"]
+                    e["attempts"]
                         .as_array()
-                        .and_then(|x| x.first())
-                        .map(|x| s(&x["message"]))
+                        .and_then(|a| a.last())
+                        .map(|a| s(&a["error"]))
                         .unwrap_or_default()
                 });
             vec![
@@ -845,6 +848,26 @@ mod tests {
     fn tables_align_columns() {
         let t = table(&["A", "LONGER"], &[vec!["xxxx".into(), "1".into()]]);
         assert_eq!(t, "A     LONGER\nxxxx  1");
+    }
+
+    /// An entry dead-lettered unsent for its age shows why it went to the DLQ, not the
+    /// error of the attempt before (an HTTP 500 said nothing about max_age).
+    #[test]
+    fn the_dlq_tables_last_error_is_the_one_that_decided_the_entrys_fate() {
+        let v = serde_json::json!({"entries": [{
+            "id": 8, "target": "w", "reason": "max_age_exceeded",
+            "event": {"type": "t", "id": "e2"}, "attempt_count": 1,
+            "last_failure_at": "2026-01-01T00:00:00Z",
+            "attempts": [{"error": "HTTP 500"}],
+            "errors": [{"pointer": "", "message": "not sent: event older than max_age 3s"}]
+        }]});
+        let t = dlq_table(&v);
+        assert!(
+            t.lines()
+                .nth(1)
+                .is_some_and(|l| l.ends_with("not sent: event older than max_age 3s")),
+            "{t}"
+        );
     }
 
     /// A handler trap's error runs over many lines (guest stderr, wasm backtrace): the DLQ

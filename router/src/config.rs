@@ -106,7 +106,7 @@ pub struct HandlersConfig {
     pub max_kv_ops: usize,
     /// Emitted events past this many handler hops go to the DLQ as `loop_detected`.
     pub hop_limit: u32,
-    /// Invocations alive at once (the pooling allocator holds two more instances, for the
+    /// Invocations alive at once, at least 1 (the pooling allocator holds two more instances, for the
     /// `describe` checks of uploads and rollbacks).
     pub max_instances: u32,
     /// At start, upload every `<name>.wasm` of this directory as handler `<name>`, unless
@@ -598,6 +598,15 @@ impl Config {
         file: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
+        Self::load_with_warnings(file, env).map(|(cfg, _)| cfg)
+    }
+
+    /// [`Config::load`], with what looks wrong but is valid, one line each (a duration in
+    /// months: humantime's `M`, where minutes are `m`), for the caller to log or print.
+    pub fn load_with_warnings(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<(Self, Vec<String>), ConfigError> {
         let mut table = match file {
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
@@ -610,7 +619,7 @@ impl Config {
             None => toml::Table::new(),
         };
         // Which variable set which key, to name it when the key's value is refused.
-        let mut from_env: Vec<(String, String)> = Vec::new();
+        let mut from_env: Vec<EnvKey> = Vec::new();
         for (k, v) in env {
             let Some(rest) = k.strip_prefix("ROUTER_") else {
                 continue;
@@ -630,30 +639,101 @@ impl Config {
                 .split("__")
                 .map(str::to_string)
                 .collect();
-            set_path(&mut table, &path, parse_env_value(&v))
+            let value = parse_env_value(&v);
+            let typed = !value.is_str();
+            set_path(&mut table, &path, value)
                 .map_err(|m| ConfigError::Invalid(format!("{k}: {m}")))?;
-            from_env.push((path.join("."), k));
+            from_env.push(EnvKey {
+                key: path.join("."),
+                path,
+                var: k,
+                raw: v,
+                typed,
+            });
         }
+        let set_by = |key: &str| {
+            from_env
+                .iter()
+                .find(|e| e.key == key)
+                .map(|e| format!(" (set by {})", e.var))
+                .unwrap_or_default()
+        };
+        let warnings: Vec<String> = DURATION_KEYS
+            .iter()
+            .filter_map(|key| {
+                let text = lookup(&table, key)?.as_str()?;
+                crate::policy::config::uses_month_unit(text).then(|| {
+                    format!(
+                        "{key} = \"{text}\" counts in months (`M`); minutes are `m` or `min`{}",
+                        set_by(key)
+                    )
+                })
+            })
+            .collect();
         // Through serde_path_to_error, so a refused value names its key (`ingest.max_batch:
         // invalid type …`), and the variable when one set it.
-        let cfg: Config =
-            serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
-                let key = e.path().to_string();
-                let message = e.inner().message().to_string();
-                let var = from_env
+        let cfg: Config = loop {
+            let e = match serde_path_to_error::deserialize(toml::Value::Table(table.clone())) {
+                Ok(cfg) => break cfg,
+                Err(e) => e,
+            };
+            let key = e.path().to_string();
+            let message = e.inner().message().to_string();
+            // A variable's value that looks like a number or a boolean is read as one, but
+            // the key may want text (`ROUTER_DATA_DIR=2024`): read it as the text it was.
+            if message.starts_with("invalid type")
+                && let Some(env) = from_env.iter_mut().find(|e| e.key == key && e.typed)
+            {
+                env.typed = false;
+                set_path(&mut table, &env.path, toml::Value::String(env.raw.clone()))
+                    .map_err(|m| ConfigError::Invalid(format!("{}: {m}", env.var)))?;
+                continue;
+            }
+            // The variable that set the key, a table above it (`ROUTER_INGEST=1`) or a key
+            // below it (`ROUTER_INGEST__MAX_BATCH__X=5` makes `max_batch` a table), or the
+            // unknown key itself.
+            let unknown = message
+                .strip_prefix("unknown field `")
+                .and_then(|m| m.split('`').next())
+                .map(|field| match key.as_str() {
+                    "." => field.to_string(),
+                    parent => format!("{parent}.{field}"),
+                });
+            let var = from_env
+                .iter()
+                .find(|e| {
+                    Some(&e.key) == unknown.as_ref()
+                        || (key != "."
+                            && (e.key == key
+                                || key.starts_with(&format!("{}.", e.key))
+                                || e.key.starts_with(&format!("{key}."))))
+                })
+                .map(|e| format!(" (set by {})", e.var))
+                .unwrap_or_default();
+            let key = if key == "." {
+                String::new()
+            } else {
+                format!("{key}: ")
+            };
+            return Err(ConfigError::Invalid(format!("{key}{message}{var}")));
+        };
+        // A refused value names the variables that set the keys it is about.
+        cfg.validate().map_err(|e| match e {
+            ConfigError::Invalid(message) => {
+                let vars: Vec<&str> = from_env
                     .iter()
-                    .find(|(p, _)| *p == key || key.starts_with(&format!("{p}.")))
-                    .map(|(_, var)| format!(" (set by {var})"))
-                    .unwrap_or_default();
-                let key = if key == "." {
-                    String::new()
+                    .filter(|e| mentions(&message, &e.key))
+                    .map(|e| e.var.as_str())
+                    .collect();
+                if vars.is_empty() {
+                    ConfigError::Invalid(message)
                 } else {
-                    format!("{key}: ")
-                };
-                ConfigError::Invalid(format!("{key}{message}{var}"))
-            })?;
-        cfg.validate()?;
-        Ok(cfg)
+                    ConfigError::Invalid(format!("{message} (set by {})", vars.join(", ")))
+                }
+            }
+            other => other,
+        })?;
+        Ok((cfg, warnings))
     }
 
     /// The process's `ROUTER_*` variables for [`Config::load`]. Variables whose name or value
@@ -681,9 +761,43 @@ impl Config {
             .max(self.ingest.dedup_window)
     }
 
+    /// Every duration key with its value, named as [`DURATION_KEYS`] names them.
+    fn durations(&self) -> [(&'static str, Duration); DURATION_KEYS.len()] {
+        let d = &self.delivery;
+        let values = [
+            self.shutdown_grace,
+            self.ingest.dedup_window,
+            d.lease_margin,
+            d.sweep_interval,
+            d.retention,
+            d.job_retention,
+            self.archive.retention,
+            self.store.checkpoint_interval,
+            self.store.commit_delay,
+            self.store.jetstream.timeout,
+            self.handlers.timeout,
+            self.handlers.completed_ttl,
+            self.server.header_read_timeout,
+            self.server.request_timeout,
+            self.nats.connect_timeout,
+        ];
+        std::array::from_fn(|i| (DURATION_KEYS[i], values[i]))
+    }
+
     /// Checks values that the types alone do not rule out.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: &str| Err(ConfigError::Invalid(m.to_string()));
+        // Durations are added to timestamps in milliseconds (a dedup key's expiry, a lease's
+        // end): far past any need, a typo such as `dedup_window = "99999999999d"` would
+        // overflow them. The same ten years as a policy's durations.
+        for (key, d) in self.durations() {
+            if d > crate::policy::config::MAX_POLICY_DURATION {
+                return bad(&format!(
+                    "{key} must be at most 10 years (3650d), not {}",
+                    crate::policy::config::format_duration(d)
+                ));
+            }
+        }
         if self.ingest.max_body_bytes == 0 {
             return bad("ingest.max_body_bytes must be > 0");
         }
@@ -707,8 +821,35 @@ impl Config {
         if self.handlers.keep_versions == 0 {
             return bad("handlers.keep_versions must be at least 1");
         }
-        if self.delivery.sweep_interval.is_zero() {
-            return bad("delivery.sweep_interval must be > 0");
+        // Each sweep reads the expiry indexes whether or not anything expired: "1ns" kept a
+        // core 28 % busy on an idle router. Tests and demos sweep every 200ms.
+        if self.delivery.sweep_interval < MIN_INTERVAL {
+            return bad("delivery.sweep_interval must be at least 100ms");
+        }
+        // The lease must outlive the attempt's timeout by the time its ack takes to commit,
+        // or a worker loses every lease it holds to a slow commit.
+        if self.delivery.lease_margin < MIN_INTERVAL {
+            return bad("delivery.lease_margin must be at least 100ms");
+        }
+        // Below these every request fails: 0 bytes of head answered each one 431, and a
+        // zero timeout gives no client the time to send anything.
+        if self.server.max_header_bytes < MIN_HEADER_BYTES {
+            return bad(&format!(
+                "server.max_header_bytes must be at least {MIN_HEADER_BYTES}"
+            ));
+        }
+        if self.server.header_read_timeout < MIN_INTERVAL {
+            return bad("server.header_read_timeout must be at least 100ms");
+        }
+        if self.server.request_timeout < MIN_INTERVAL {
+            return bad("server.request_timeout must be at least 100ms");
+        }
+        // 0 would refuse every upload (413) and every invocation (out of fuel at once).
+        if self.handlers.max_upload_bytes == 0 {
+            return bad("handlers.max_upload_bytes must be > 0");
+        }
+        if self.handlers.fuel == Some(0) {
+            return bad("handlers.fuel must be > 0 (leave it out for no fuel limit)");
         }
         if self.delivery.nice > 19 {
             return bad("delivery.nice must be in 0..=19");
@@ -804,8 +945,49 @@ impl Config {
         if self.handlers.max_kv_ops == 0 {
             return bad("handlers.max_kv_ops must be at least 1");
         }
+        // No invocation slot: every handler delivery would wait for one until its max_age,
+        // with nothing in the API to say why.
+        if self.handlers.max_instances == 0 {
+            return bad("handlers.max_instances must be at least 1");
+        }
         Ok(())
     }
+}
+
+/// The duration keys of the configuration (dotted paths), in [`Config::durations`]'s order:
+/// their bounds are checked together, and a value written in months (`M`) is warned about.
+pub const DURATION_KEYS: [&str; 15] = [
+    "shutdown_grace",
+    "ingest.dedup_window",
+    "delivery.lease_margin",
+    "delivery.sweep_interval",
+    "delivery.retention",
+    "delivery.job_retention",
+    "archive.retention",
+    "store.checkpoint_interval",
+    "store.commit_delay",
+    "store.jetstream.timeout",
+    "handlers.timeout",
+    "handlers.completed_ttl",
+    "server.header_read_timeout",
+    "server.request_timeout",
+    "nats.connect_timeout",
+];
+
+/// The shortest `delivery.sweep_interval`, `delivery.lease_margin` and server timeouts.
+pub const MIN_INTERVAL: Duration = Duration::from_millis(100);
+
+/// The smallest `server.max_header_bytes`: a request line and a few ordinary headers.
+pub const MIN_HEADER_BYTES: usize = 1024;
+
+/// The value at dotted `key` of `table`.
+fn lookup<'a>(table: &'a toml::Table, key: &str) -> Option<&'a toml::Value> {
+    let mut parts = key.split('.');
+    let mut cur = table.get(parts.next()?)?;
+    for part in parts {
+        cur = cur.as_table()?.get(part)?;
+    }
+    Some(cur)
 }
 
 /// The deepest `ingest.max_json_depth`: serde_json refuses a document's 128th level of nesting
@@ -861,6 +1043,35 @@ pub fn kubernetes_service_links(env: &[(String, String)]) -> Vec<String> {
         .filter(|(k, v)| is_kubernetes_service_link(k, v))
         .map(|(k, _)| k.clone())
         .collect()
+}
+
+/// A configuration key a `ROUTER_*` variable set.
+struct EnvKey {
+    /// The key's path (`["ingest", "max_batch"]`) and its dotted form.
+    path: Vec<String>,
+    key: String,
+    /// The variable's name and value as given.
+    var: String,
+    raw: String,
+    /// Whether the value was read as a number or a boolean rather than text.
+    typed: bool,
+}
+
+/// Whether `message` is about the dotted `key`: names it whole, not as part of a longer key
+/// (`store.jetstream.url` does not mention `store.jetstream`, nor `url`).
+fn mentions(message: &str, key: &str) -> bool {
+    let word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    message.match_indices(key).any(|(i, _)| {
+        let before = message[..i].chars().next_back();
+        let mut after = message[i + key.len()..].chars();
+        let continues = match after.next() {
+            None => false,
+            // A sentence's full stop, or a longer key.
+            Some('.') => after.next().is_some_and(word),
+            Some(c) => word(c),
+        };
+        before.is_none_or(|c| !(word(c) || c == '.')) && !continues
+    })
 }
 
 fn parse_env_value(raw: &str) -> toml::Value {
@@ -985,6 +1196,79 @@ mod tests {
         );
     }
 
+    /// Every refusal of a value from the environment names the variable, and a value that
+    /// looks like a number is text where the key wants text.
+    #[test]
+    fn environment_overrides_name_their_variable_and_keep_text_as_text() {
+        let e = Config::load(None, env(&[("ROUTER_INGEST__MAX_BATCH", "0")])).expect_err("zero");
+        assert_eq!(
+            e.to_string(),
+            "invalid configuration: ingest.max_batch must be > 0 (set by ROUTER_INGEST__MAX_BATCH)"
+        );
+        let e = Config::load(None, env(&[("ROUTER_INGEST__MAX_BATCH__X", "5")]))
+            .expect_err("a key below a number");
+        assert!(
+            e.to_string().contains("ingest.max_batch: ")
+                && e.to_string()
+                    .contains("(set by ROUTER_INGEST__MAX_BATCH__X)"),
+            "{e}"
+        );
+        let e = Config::load(None, env(&[("ROUTER_INGEST__NOPE", "5")])).expect_err("unknown");
+        assert!(
+            e.to_string().contains("nope")
+                && e.to_string().contains("(set by ROUTER_INGEST__NOPE)"),
+            "{e}"
+        );
+        let e = Config::load(None, env(&[("ROUTER_NOPE", "1")])).expect_err("unknown top key");
+        assert!(e.to_string().contains("(set by ROUTER_NOPE)"), "{e}");
+        // Two keys in one message: both variables.
+        let e = Config::load(
+            None,
+            env(&[
+                ("ROUTER_NATS__TOKEN_ENV", "T"),
+                ("ROUTER_NATS__CREDENTIALS_FILE", "/x.creds"),
+            ]),
+        )
+        .expect_err("both");
+        assert!(
+            e.to_string()
+                .ends_with("(set by ROUTER_NATS__TOKEN_ENV, ROUTER_NATS__CREDENTIALS_FILE)"),
+            "{e}"
+        );
+        // A longer key is not this one: store.jetstream.url is not store.jetstream.
+        assert!(mentions(
+            "store.jetstream.url `x`: bad",
+            "store.jetstream.url"
+        ));
+        assert!(!mentions("store.jetstream.url `x`: bad", "store.jetstream"));
+        assert!(mentions(
+            "must be set: ingest.max_batch.",
+            "ingest.max_batch"
+        ));
+        assert!(!mentions("ingest.max_batches", "ingest.max_batch"));
+        // Text that looks like a number or a boolean, for keys that want text.
+        let c = Config::load(
+            None,
+            env(&[
+                ("ROUTER_DATA_DIR", "2024"),
+                ("ROUTER_RULES_DIR", "true"),
+                ("ROUTER_NATS__TOKEN_ENV", "42"),
+                ("ROUTER_INGEST__MAX_BATCH", "7"),
+            ]),
+        )
+        .expect("text keys take number-looking text");
+        assert_eq!(c.data_dir, PathBuf::from("2024"));
+        assert_eq!(c.rules_dir, PathBuf::from("true"));
+        assert_eq!(c.nats.token_env.as_deref(), Some("42"));
+        assert_eq!(c.ingest.max_batch, 7);
+        // A number key still refuses text, naming the variable.
+        let e = Config::load(None, env(&[("ROUTER_INGEST__MAX_BATCH", "many")])).expect_err("text");
+        assert!(
+            e.to_string().contains("(set by ROUTER_INGEST__MAX_BATCH)"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn the_cli_clients_variables_are_not_configuration_keys() {
         let c = Config::load(
@@ -1047,6 +1331,7 @@ mod tests {
             ("ROUTER_HANDLERS__MEMORY_BYTES", "4294967297"),
             ("ROUTER_HANDLERS__TIMEOUT", "0s"),
             ("ROUTER_HANDLERS__MAX_KV_OPS", "0"),
+            ("ROUTER_HANDLERS__MAX_INSTANCES", "0"),
         ] {
             let e = Config::load(None, env(&[(k, v)])).expect_err(k);
             let key = k["ROUTER_".len()..].to_ascii_lowercase().replace("__", ".");
@@ -1088,6 +1373,101 @@ mod tests {
         let ok = Config::load(None, env(&[("ROUTER_STORE__CHECKPOINT_INTERVAL", "50ms")]))
             .expect("50ms");
         assert_eq!(ok.store.checkpoint_interval, Duration::from_millis(50));
+    }
+
+    /// Values that made every request or every sweep misbehave were accepted: 0 header bytes
+    /// (every request 431), a sweep every nanosecond (28 % of a core idle), zero timeouts.
+    #[test]
+    fn limits_that_break_every_request_or_sweep_are_refused_at_their_bound() {
+        for (k, v, message) in [
+            (
+                "ROUTER_SERVER__MAX_HEADER_BYTES",
+                "0",
+                "server.max_header_bytes must be at least 1024",
+            ),
+            (
+                "ROUTER_SERVER__MAX_HEADER_BYTES",
+                "1023",
+                "server.max_header_bytes must be at least 1024",
+            ),
+            (
+                "ROUTER_DELIVERY__SWEEP_INTERVAL",
+                "1ns",
+                "delivery.sweep_interval must be at least 100ms",
+            ),
+            (
+                "ROUTER_DELIVERY__LEASE_MARGIN",
+                "0s",
+                "delivery.lease_margin must be at least 100ms",
+            ),
+            (
+                "ROUTER_SERVER__REQUEST_TIMEOUT",
+                "0s",
+                "server.request_timeout must be at least 100ms",
+            ),
+            (
+                "ROUTER_SERVER__HEADER_READ_TIMEOUT",
+                "0s",
+                "server.header_read_timeout must be at least 100ms",
+            ),
+            (
+                "ROUTER_HANDLERS__MAX_UPLOAD_BYTES",
+                "0",
+                "handlers.max_upload_bytes must be > 0",
+            ),
+            ("ROUTER_HANDLERS__FUEL", "0", "handlers.fuel must be > 0"),
+            (
+                "ROUTER_INGEST__DEDUP_WINDOW",
+                "99999999999d",
+                "ingest.dedup_window must be at most 10 years",
+            ),
+            (
+                "ROUTER_ARCHIVE__RETENTION",
+                "3651d",
+                "archive.retention must be at most 10 years",
+            ),
+        ] {
+            let e = Config::load(None, env(&[(k, v)])).expect_err(k);
+            assert!(e.to_string().contains(message), "{k}={v}: {e}");
+        }
+        for (k, v) in [
+            ("ROUTER_SERVER__MAX_HEADER_BYTES", "1024"),
+            ("ROUTER_DELIVERY__SWEEP_INTERVAL", "100ms"),
+            ("ROUTER_DELIVERY__LEASE_MARGIN", "100ms"),
+            ("ROUTER_SERVER__REQUEST_TIMEOUT", "100ms"),
+            ("ROUTER_ARCHIVE__RETENTION", "3650d"),
+        ] {
+            Config::load(None, env(&[(k, v)])).unwrap_or_else(|e| panic!("{k}={v}: {e}"));
+        }
+        // The names checked together are the configuration's duration keys.
+        let table = toml::Table::try_from(Config::default()).expect("serializes");
+        for key in DURATION_KEYS {
+            assert!(lookup(&table, key).is_some(), "{key}");
+        }
+    }
+
+    #[test]
+    fn a_duration_in_months_is_valid_and_warned_about() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let f = dir.path().join("router.toml");
+        std::fs::write(&f, "[ingest]\ndedup_window = \"1M\"\n").expect("write");
+        let (c, warnings) =
+            Config::load_with_warnings(Some(&f), env(&[("ROUTER_DELIVERY__RETENTION", "2M")]))
+                .expect("valid");
+        assert_eq!(c.ingest.dedup_window, Duration::from_secs(2_630_016));
+        assert_eq!(
+            warnings,
+            vec![
+                "ingest.dedup_window = \"1M\" counts in months (`M`); minutes are `m` or `min`"
+                    .to_string(),
+                "delivery.retention = \"2M\" counts in months (`M`); minutes are `m` or `min` (set by ROUTER_DELIVERY__RETENTION)"
+                    .to_string(),
+            ]
+        );
+        let (_, none) =
+            Config::load_with_warnings(None, env(&[("ROUTER_INGEST__DEDUP_WINDOW", "10m")]))
+                .expect("valid");
+        assert!(none.is_empty(), "{none:?}");
     }
 
     #[test]

@@ -475,7 +475,8 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             contracts,
         } => {
             let env = Config::env_vars();
-            let mut cfg = Config::load(config.as_deref(), env.clone())?;
+            let (mut cfg, config_warnings) =
+                Config::load_with_warnings(config.as_deref(), env.clone())?;
             if let Some(l) = listen {
                 cfg.listen = l;
             }
@@ -489,6 +490,9 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 cfg.contracts_dir = c;
             }
             router::telemetry::init_tracing(cfg.log_format == router::config::LogFormat::Json);
+            for w in &config_warnings {
+                tracing::warn!("config: {w}");
+            }
             let links = router::config::kubernetes_service_links(&env);
             if !links.is_empty() {
                 tracing::info!(variables = ?links, "ignored as Kubernetes service links of a Service named `router`, not configuration keys");
@@ -746,7 +750,11 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Config {
             cmd: ConfigCmd::Explain { dir, config },
         } => {
-            let cfg = Config::load(config.as_deref(), Config::env_vars())?;
+            let (cfg, config_warnings) =
+                Config::load_with_warnings(config.as_deref(), Config::env_vars())?;
+            for w in &config_warnings {
+                router::errln!("warning: config: {w}");
+            }
             let dir = dir.unwrap_or(cfg.rules_dir);
             let (set, _) = RuleSet::load_dir(&dir).map_err(|errors| {
                 anyhow::anyhow!(
@@ -759,12 +767,16 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 )
             })?;
             outln!(
-                "{:<32} {:<28} {:<12} {:>8} {:>14} {:>18}  notes",
-                "TARGET", "RULE", "POLICY", "ATTEMPTS", "WORST CASE", "WITH RETRY-AFTER"
+                "{:<32} {:<28} {:<12} {:>8} {:>14} {:>18} {:>14}  notes",
+                "TARGET", "RULE", "POLICY", "ATTEMPTS", "WORST CASE", "WITH RETRY-AFTER", "IF BLOCKED"
             );
             for t in set.targets.values() {
-                let (attempts, time) = t.policy.worst_case();
-                let with_retry_after = t.worst_case_with_retry_after();
+                let router::rules::WorstCase {
+                    attempts,
+                    time,
+                    with_retry_after,
+                    if_blocked,
+                } = t.worst_case();
                 let mut notes = Vec::new();
                 if attempts > router::policy::WORST_CASE_ATTEMPTS_SMELL {
                     notes.push(format!(
@@ -784,14 +796,26 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 if t.policy.breaker.is_some() {
                     notes.push("waiting while the breaker is open spends no attempt (up to max_age)".to_string());
                 }
+                if if_blocked.is_some() {
+                    // Nothing is leased while the target is stopped, and max_age is checked
+                    // when an entry is leased.
+                    notes.push("past max_age while the breaker is open or a Retry-After holds the target off: to the DLQ when that ends (IF BLOCKED)".to_string());
+                }
+                if let Some(b) = t.kind.batch().filter(|b| !b.window.is_zero()) {
+                    notes.push(format!(
+                        "each attempt may first wait the batch window ({})",
+                        humantime::format_duration(b.window)
+                    ));
+                }
                 outln!(
-                    "{:<32} {:<28} {:<12} {:>8} {:>14} {:>18}  {}",
+                    "{:<32} {:<28} {:<12} {:>8} {:>14} {:>18} {:>14}  {}",
                     t.id,
                     t.rule,
                     t.policy_name.as_deref().unwrap_or("(default)"),
                     attempts,
                     humantime::format_duration(time).to_string(),
                     humantime::format_duration(with_retry_after).to_string(),
+                    if_blocked.map_or_else(|| "-".to_string(), |d| humantime::format_duration(d).to_string()),
                     notes.join("; ")
                 );
             }

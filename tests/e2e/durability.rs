@@ -873,3 +873,44 @@ async fn a_graceful_stop_leaves_a_store_that_opens_without_a_repair() {
     );
     assert_eq!(fate(&r, "g0").await["id"], "g0");
 }
+
+/// A start refused on its rules (a missing rules directory, invalid rule files) closes the
+/// store it had opened: it left the file marked as not closed cleanly, so the next start
+/// checked every page of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_refused_on_its_rules_leaves_the_store_closed_cleanly() {
+    if RouterProc::on_jetstream() {
+        return;
+    }
+    const REPAIR: &str = "the store file was not closed cleanly";
+    let rules = rules_yaml(
+        "",
+        &[("r", "t", &["webhook: http://127.0.0.1:9/x".to_string()])],
+    );
+    let mut r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(post_event(&r, &event("c1", "t", json!({}))).await.0, 202);
+    assert!(r.sigterm().success());
+    let contracts = r.dir.path().join("contracts");
+    let missing = r.dir.path().join("rulez");
+    let bad = tempfile::tempdir().expect("tempdir");
+    std::fs::write(bad.path().join("r.yaml"), "rules: [{ name: x }]\n").expect("bad rules");
+    // Whether the file was left marked depended on whether the process exited before the
+    // store's thread let go of it: a few refused starts in a row, each checked by the next.
+    for i in 0..6 {
+        let rules = if i % 2 == 0 {
+            missing.as_path()
+        } else {
+            bad.path()
+        };
+        let (code, err) = r.serve_refused(rules, &contracts);
+        assert_eq!(code, Some(2), "{err}");
+        assert!(
+            !err.contains(REPAIR),
+            "start {i}: the refused start before left the store marked: {err}"
+        );
+    }
+    r.restart();
+    assert_eq!(get_json(&r, "/healthz").await.0, 200);
+    assert!(!r.log_text().contains(REPAIR), "{}", r.log_text());
+    assert_eq!(fate(&r, "c1").await["id"], "c1");
+}

@@ -460,12 +460,12 @@ fn target_json(app: &App, id: &str, stats: Option<&crate::store::QueueStats>, no
         v["rule"] = json!(spec.rule);
         v["kind"] = json!(spec.kind);
         v["policy"] = json!(spec.policy_name);
-        let (attempts, max_time) = spec.policy.worst_case();
-        let with_retry_after = spec.worst_case_with_retry_after();
+        let worst = spec.worst_case();
         v["worst_case"] = json!({
-            "attempts": attempts,
-            "seconds": max_time.as_secs_f64(),
-            "seconds_with_retry_after": with_retry_after.as_secs_f64(),
+            "attempts": worst.attempts,
+            "seconds": worst.time.as_secs_f64(),
+            "seconds_with_retry_after": worst.with_retry_after.as_secs_f64(),
+            "seconds_if_blocked": worst.if_blocked.map(|d| d.as_secs_f64()),
         });
         if let Value::Object(m) = rt.snapshot(now) {
             for (k, x) in m {

@@ -14,6 +14,16 @@ use serde_json::Value;
 /// Worst-case attempts per event above which the loader warns ("more than 15 is a smell").
 pub const WORST_CASE_ATTEMPTS_SMELL: u32 = 15;
 
+/// Most `retry.max_attempts` a policy may set (as SQS's `maxReceiveCount`). Far past any
+/// sane schedule (more than 15 is already a smell); unbounded, `4294967295` passed `rules
+/// check`, and every worst-case computation that walked the attempts took minutes.
+pub const MAX_ATTEMPTS: u32 = 1000;
+
+/// From this retry on, [`RetryPolicy::max_backoff`] no longer changes: its factor `2^n`
+/// saturates at `u32::MAX` (and the wait at `max_delay` sooner), so sums over the waits
+/// past it are a multiplication.
+const BACKOFF_STEPS: u32 = 32;
+
 /// Longest duration a policy may set (ten years). Policy durations are added to timestamps
 /// (an open breaker's end, a retry's due time, an event's `max_age` limit) in milliseconds: far
 /// past any real need, a typo such as `open_for: 99999999999999d` overflowed that sum and
@@ -61,6 +71,15 @@ pub fn format_duration(d: Duration) -> String {
         }
     }
     parts.join(" ")
+}
+
+/// Whether a humantime duration has a term in months (`5M`, `1 M 2d`): the unit `M` alone.
+/// humantime reads `M` as a month and `m` as a minute, so `5M` is valid and almost certainly
+/// not what was meant; rule files and the configuration warn about it.
+pub fn uses_month_unit(duration: &str) -> bool {
+    duration
+        .split(|c: char| c.is_ascii_digit() || c == '.' || c.is_whitespace())
+        .any(|unit| unit == "M")
 }
 
 /// One named delivery policy: everything that governs how a target's queue entries are
@@ -378,6 +397,12 @@ impl PolicyConfig {
         if r.max_attempts == 0 {
             p.push("retry.max_attempts must be at least 1".to_string());
         }
+        if r.max_attempts > MAX_ATTEMPTS {
+            p.push(format!(
+                "retry.max_attempts must be at most {MAX_ATTEMPTS}, not {}",
+                r.max_attempts
+            ));
+        }
         if r.base_delay.is_zero() {
             p.push("retry.base_delay must be greater than 0".to_string());
         }
@@ -456,10 +481,19 @@ impl PolicyConfig {
     /// answers with `Retry-After` can stretch every wait: see
     /// [`PolicyConfig::worst_case_with_retry_after`].
     pub fn worst_case(&self) -> (u32, Duration) {
+        self.worst_case_lingering(Duration::ZERO)
+    }
+
+    /// [`PolicyConfig::worst_case`] when each attempt may first wait up to `linger` (a
+    /// batching webhook's `window`, which a due entry may wait out for more to fill its
+    /// batch): that much more per attempt, and the cap is `max_age` plus the longer of
+    /// `timeout` and `linger` (an entry still waiting in the window at `max_age` goes to the
+    /// DLQ unsent when the window ends).
+    pub fn worst_case_lingering(&self, linger: Duration) -> (u32, Duration) {
         let attempts = self.attempts_within_max_age();
         (
             attempts,
-            self.total_time(attempts, |n| self.retry.max_backoff(n)),
+            self.total_time(attempts, linger, |backoff| backoff),
         )
     }
 
@@ -468,45 +502,79 @@ impl PolicyConfig {
     /// waits the longer of that and the backoff. Capped by `max_age + timeout`. Waiting behind an open
     /// breaker or a pause spends no attempt and can last until `max_age` too.
     pub fn worst_case_with_retry_after(&self) -> Duration {
+        self.worst_case_with_retry_after_lingering(Duration::ZERO)
+    }
+
+    /// [`PolicyConfig::worst_case_with_retry_after`] with `linger` before each attempt, as
+    /// [`PolicyConfig::worst_case_lingering`].
+    pub fn worst_case_with_retry_after_lingering(&self, linger: Duration) -> Duration {
         let attempts = self.attempts_within_max_age();
-        self.total_time(attempts, |n| {
-            self.retry.max_backoff(n).max(self.retry.retry_after_max)
+        self.total_time(attempts, linger, |backoff| {
+            backoff.max(self.retry.retry_after_max)
         })
     }
 
     /// Attempts that can start by `max_age` (the worker sends a retry due at `max_age` itself,
-    /// not one due after it), at most `max_attempts`.
+    /// not one due after it), at most `max_attempts`. Walks the waits only until the backoff
+    /// stops growing ([`BACKOFF_STEPS`]) and counts the rest by division, so a stored policy
+    /// from before [`MAX_ATTEMPTS`] (or any `max_attempts`) costs the same.
     fn attempts_within_max_age(&self) -> u32 {
+        let max = self.retry.max_attempts;
+        let max_age = self.retry.max_age;
         let shortest_wait = |n: u32| match self.retry.jitter {
             Jitter::Full => Duration::ZERO,
             Jitter::Equal => self.retry.max_backoff(n) / 2,
             Jitter::None => self.retry.max_backoff(n),
         };
+        // `start` is when attempt `n` may start at the earliest: the sum of the waits before it.
         let mut start = Duration::ZERO;
-        for n in 0..self.retry.max_attempts {
-            // The first attempt always runs; a later one only if it is due before max_age.
-            if n > 0 && start > self.retry.max_age {
+        let steady = BACKOFF_STEPS.min(max);
+        for n in 0..steady {
+            // The first attempt always runs; a later one only if it is due by max_age.
+            if n > 0 && start > max_age {
                 return n;
             }
             start = start.saturating_add(shortest_wait(n));
         }
-        self.retry.max_attempts
+        if steady == max {
+            return max;
+        }
+        if start > max_age {
+            return steady;
+        }
+        // Attempt `steady + j` starts at `start + j * wait`: it runs while that is by max_age.
+        let wait = shortest_wait(steady).as_nanos();
+        if wait == 0 {
+            return max;
+        }
+        let more = (max_age - start).as_nanos() / wait;
+        let runs = u128::from(steady) + more + 1;
+        u32::try_from(runs.min(u128::from(max))).unwrap_or(max)
     }
 
-    fn total_time(&self, attempts: u32, wait: impl Fn(u32) -> Duration) -> Duration {
-        // The last attempt starts by `max_age` at the latest and may run its whole timeout.
-        let cap = self.retry.max_age.saturating_add(self.timeout);
-        let mut total = Duration::ZERO;
-        for n in 0..attempts {
-            total = total.saturating_add(self.timeout);
-            if n + 1 < attempts {
-                total = total.saturating_add(wait(n));
-            }
-            if total >= cap {
-                return cap;
-            }
+    /// `attempts` attempts that each wait up to `linger` and then run their whole timeout,
+    /// with `wait(max_backoff(n))` between attempts `n` and `n + 1`, capped by `max_age` plus
+    /// the longer of `timeout` and `linger` (the last attempt starts by `max_age` at the
+    /// latest and may run its whole timeout; one still lingering then is dead-lettered unsent
+    /// when it stops). `wait` sees only the backoff, so it is constant once the backoff is,
+    /// and the waits past [`BACKOFF_STEPS`] are summed by one multiplication.
+    fn total_time(
+        &self,
+        attempts: u32,
+        linger: Duration,
+        wait: impl Fn(Duration) -> Duration,
+    ) -> Duration {
+        let cap = self.retry.max_age.saturating_add(self.timeout.max(linger));
+        let Some(waits) = attempts.checked_sub(1) else {
+            return Duration::ZERO;
+        };
+        let mut total = self.timeout.saturating_add(linger).saturating_mul(attempts);
+        let steady = BACKOFF_STEPS.min(waits);
+        for n in 0..steady {
+            total = total.saturating_add(wait(self.retry.max_backoff(n)));
         }
-        total
+        let rest = wait(self.retry.max_backoff(steady)).saturating_mul(waits - steady);
+        total.saturating_add(rest).min(cap)
     }
 }
 
@@ -817,6 +885,136 @@ mod tests {
         // Equal jitter waits at least half: 0, 0.5, 1, 1.5, 2, 2.5, 3 s.
         p.retry.jitter = Jitter::Equal;
         assert_eq!(p.worst_case().0, 7);
+    }
+
+    /// The worst case by walking every attempt, as it was computed before: the reference the
+    /// closed form must agree with.
+    fn walked_worst_case(p: &PolicyConfig, retry_after: bool) -> (u32, Duration) {
+        let r = &p.retry;
+        let shortest_wait = |n: u32| match r.jitter {
+            Jitter::Full => Duration::ZERO,
+            Jitter::Equal => r.max_backoff(n) / 2,
+            Jitter::None => r.max_backoff(n),
+        };
+        let mut attempts = r.max_attempts;
+        let mut start = Duration::ZERO;
+        for n in 0..r.max_attempts {
+            if n > 0 && start > r.max_age {
+                attempts = n;
+                break;
+            }
+            start = start.saturating_add(shortest_wait(n));
+        }
+        let cap = r.max_age.saturating_add(p.timeout);
+        let mut total = Duration::ZERO;
+        for n in 0..attempts {
+            total = total.saturating_add(p.timeout);
+            if n + 1 < attempts {
+                let wait = r.max_backoff(n);
+                let wait = if retry_after {
+                    wait.max(r.retry_after_max)
+                } else {
+                    wait
+                };
+                total = total.saturating_add(wait);
+            }
+        }
+        (attempts, total.min(cap))
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_worst_case_without_walking_every_attempt_agrees_with_the_walk(
+            max_attempts in 0u32..3000,
+            timeout_ms in 1u64..20_000,
+            base_ns in 1u64..5_000_000_000,
+            max_delay_factor in 1u64..100_000,
+            max_age_ms in 1u64..100_000_000,
+            retry_after_ms in 0u64..100_000,
+            jitter in proptest::sample::select(vec![Jitter::Full, Jitter::Equal, Jitter::None]),
+        ) {
+            let p = PolicyConfig {
+                timeout: ms(timeout_ms),
+                retry: RetryPolicy {
+                    max_attempts,
+                    base_delay: Duration::from_nanos(base_ns),
+                    max_delay: Duration::from_nanos(base_ns.saturating_mul(max_delay_factor)),
+                    jitter,
+                    max_age: ms(max_age_ms),
+                    retry_after_max: ms(retry_after_ms),
+                },
+                ..PolicyConfig::default()
+            };
+            let walked = walked_worst_case(&p, false);
+            proptest::prop_assert_eq!(p.worst_case(), walked);
+            proptest::prop_assert_eq!(
+                p.worst_case_with_retry_after(),
+                walked_worst_case(&p, true).1
+            );
+        }
+    }
+
+    /// `max_attempts: 4294967295` made `config explain` walk every attempt (4 minutes), and
+    /// `GET /v1/targets` took 11 s with 10^8; now such a policy is refused, and the worst case
+    /// of one (a target's stored last configuration) is computed without the walk.
+    #[test]
+    fn max_attempts_is_capped_and_a_huge_one_costs_no_walk() {
+        let mut p = PolicyConfig::default();
+        p.retry.max_attempts = MAX_ATTEMPTS;
+        assert!(p.validate().is_empty(), "{:?}", p.validate());
+        p.retry.max_attempts = MAX_ATTEMPTS + 1;
+        assert_eq!(
+            p.validate(),
+            vec![format!(
+                "retry.max_attempts must be at most {MAX_ATTEMPTS}, not {}",
+                MAX_ATTEMPTS + 1
+            )]
+        );
+        p.retry.max_attempts = u32::MAX;
+        p.retry.jitter = Jitter::Full;
+        let started = std::time::Instant::now();
+        // Full jitter may wait nothing: every attempt can run, each bounded by max_age.
+        assert_eq!(
+            p.worst_case(),
+            (u32::MAX, Duration::from_secs(24 * 3600 + 10))
+        );
+        p.retry.jitter = Jitter::None;
+        // 200ms doubling to 30 s (7.8 s of waits before the cap), then one every 30 s.
+        assert_eq!(p.worst_case().0, 2887);
+        assert_eq!(
+            p.worst_case_with_retry_after(),
+            Duration::from_secs(24 * 3600 + 10)
+        );
+        // The walk took minutes; generously bounded for a loaded machine.
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
+    /// A batching webhook's window may hold each attempt back for more events: `config
+    /// explain` and `/v1/targets` left it out.
+    #[test]
+    fn a_batch_window_is_added_to_every_attempt() {
+        // The default policy: 5 attempts of 10 s, waits of 3 s in all; with a 1 m window,
+        // each of the 5 attempts may wait a minute first.
+        let p = PolicyConfig::default();
+        let window = Duration::from_secs(60);
+        assert_eq!(
+            p.worst_case_lingering(window),
+            (5, Duration::from_secs(53 + 5 * 60))
+        );
+        assert_eq!(
+            p.worst_case_with_retry_after_lingering(window),
+            Duration::from_secs(4 * 3600 + 50 + 5 * 60)
+        );
+        assert_eq!(p.worst_case_lingering(Duration::ZERO), p.worst_case());
+        // Capped by max_age plus the longer of the timeout and the window: an entry still in
+        // the window at max_age is dead-lettered unsent when it ends.
+        let mut p = PolicyConfig::default();
+        p.retry.max_age = Duration::from_secs(100);
+        assert_eq!(p.worst_case_lingering(window).1, Duration::from_secs(160));
     }
 
     #[test]

@@ -14,6 +14,7 @@ use super::source::{self, Node, NodeKind, SourceError};
 use super::{
     Diagnostic, Rule, RuleSet, Severity, TargetKind, TargetSpec, WebhookBatch, version_of,
 };
+use crate::policy::config::uses_month_unit;
 use crate::policy::{PolicyConfig, WORST_CASE_ATTEMPTS_SMELL};
 
 /// Whether `c` cannot be in an HTTP header value: what `http::HeaderValue::from_str` refuses
@@ -531,13 +532,15 @@ impl Cx<'_> {
             self.policies.insert(name, PolicyConfig::default());
             return;
         };
-        for problem in policy.validate() {
-            let at = problem_node(node, key, &problem);
+        let problems = policy.validate();
+        for problem in &problems {
+            let at = problem_node(node, key, problem);
             self.err(file, at, format!("policy `{name}`: {problem}"));
         }
         self.warn_month_durations(file, node);
+        // The worst case of a refused policy is not worth a warning beside its errors.
         let (attempts, _) = policy.worst_case();
-        if attempts > WORST_CASE_ATTEMPTS_SMELL {
+        if problems.is_empty() && attempts > WORST_CASE_ATTEMPTS_SMELL {
             let at = node
                 .get("retry")
                 .and_then(|r| r.get("max_attempts"))
@@ -1307,13 +1310,6 @@ fn problem_node<'a>(policy: &'a Node, key: &'a Node, problem: &str) -> &'a Node 
         }
     }
     found
-}
-
-/// Whether a humantime duration has a term in months (`5M`, `1 M 2d`): the unit `M` alone.
-fn uses_month_unit(duration: &str) -> bool {
-    duration
-        .split(|c: char| c.is_ascii_digit() || c == '.' || c.is_whitespace())
-        .any(|unit| unit == "M")
 }
 
 /// Names of rules, targets, policies and handlers: non-empty, at most 200 bytes, no

@@ -181,15 +181,60 @@ pub struct TargetSpec {
     pub policy: PolicyConfig,
 }
 
+/// What one event can cost a target at worst: what `router config explain` prints and
+/// `/v1/targets` shows as `worst_case`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorstCase {
+    /// Attempts ([`PolicyConfig::worst_case`]).
+    pub attempts: u32,
+    /// Time before the DLQ on backoff alone, every attempt running into its timeout (and
+    /// first waiting out a batching webhook's `window`).
+    pub time: std::time::Duration,
+    /// The same with every wait stretched by a `Retry-After` up to `retry_after_max`
+    /// ([`PolicyConfig::worst_case_with_retry_after`]).
+    pub with_retry_after: std::time::Duration,
+    /// When something can stop the whole target (its breaker open, a receiver's
+    /// `Retry-After` holding it off): nothing is leased meanwhile, so an entry whose
+    /// `max_age` passes then goes to the DLQ only when leasing resumes — `max_age` plus the
+    /// longest of `timeout`, the window, `breaker.open_for` and (webhooks) `retry_after_max`.
+    /// `None` when nothing can (no breaker, and no Retry-After the target honours).
+    pub if_blocked: Option<std::time::Duration>,
+}
+
 impl TargetSpec {
-    /// The policy's worst-case time when the target stretches every wait with a
-    /// `Retry-After` ([`PolicyConfig::worst_case_with_retry_after`]): webhooks (429/503) and
-    /// handlers (a retry with a delay) can; a NATS publish cannot, so its worst case is the
-    /// backoff's.
-    pub fn worst_case_with_retry_after(&self) -> std::time::Duration {
-        match self.kind {
-            TargetKind::Nats { .. } => self.policy.worst_case().1,
-            _ => self.policy.worst_case_with_retry_after(),
+    /// The target's worst case. A batching webhook's `window` may hold each attempt back
+    /// ([`PolicyConfig::worst_case_lingering`]). Webhooks (429/503) and handlers (a retry
+    /// with a delay) can stretch every wait with a `Retry-After`; a NATS publish cannot, so
+    /// its `with_retry_after` is the backoff's.
+    pub fn worst_case(&self) -> WorstCase {
+        let window = self
+            .kind
+            .batch()
+            .map_or(std::time::Duration::ZERO, |b| b.window);
+        let (attempts, time) = self.policy.worst_case_lingering(window);
+        let with_retry_after = match self.kind {
+            TargetKind::Nats { .. } => time,
+            _ => self.policy.worst_case_with_retry_after_lingering(window),
+        };
+        // Only a webhook's 429/503 holds the whole target off; a handler's delay is its
+        // event's own retry, scheduled within max_age.
+        let hold_off = match self.kind {
+            TargetKind::Webhook { .. } => Some(self.policy.retry.retry_after_max),
+            _ => None,
+        }
+        .filter(|d| !d.is_zero());
+        let open_for = self.policy.breaker.as_ref().map(|b| b.open_for);
+        let if_blocked = open_for.max(hold_off).map(|block| {
+            self.policy
+                .retry
+                .max_age
+                .saturating_add(block.max(self.policy.timeout).max(window))
+        });
+        WorstCase {
+            attempts,
+            time,
+            with_retry_after,
+            if_blocked,
         }
     }
 }

@@ -355,6 +355,8 @@ const POLICIES: &[(&str, &str, bool)] = &[
     ("retry max_attempts negative", "{ retry: { max_attempts: -1 } }", false),
     ("retry max_attempts as a string", "{ retry: { max_attempts: \"3\" } }", false),
     ("more than 15 worst-case attempts (a warning)", "{ retry: { max_attempts: 20 } }", true),
+    ("retry max_attempts 1000", "{ retry: { max_attempts: 1000 } }", true),
+    ("retry max_attempts past 1000", "{ retry: { max_attempts: 1001 } }", false),
     ("null retry", "{ retry: }", false),
     ("jitter none", "{ retry: { jitter: none } }", true),
     ("unknown jitter", "{ retry: { jitter: random } }", false),

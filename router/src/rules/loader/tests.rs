@@ -867,6 +867,114 @@ rules:
     assert_eq!(set.policies["stubborn"].retry.max_attempts, 20);
 }
 
+/// A batching webhook's `window` may hold each attempt back: the target's worst case (what
+/// `config explain` and `/v1/targets` show) counts it; the same policy without a window, or
+/// on a handler, does not.
+#[test]
+fn a_batching_webhooks_window_counts_in_its_worst_case() {
+    let src = "\
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - webhook: http://127.0.0.1:9/a
+        id: batched
+        batch: { window: 1m }
+      - webhook: http://127.0.0.1:9/b
+        id: plain
+      - nats: s
+        id: bus
+        policy: fast
+policies:
+  fast: {}
+";
+    let (set, _) = ok(&[("r.yaml", src)]);
+    let batched = set.targets["batched"].worst_case();
+    let plain = set.targets["plain"].worst_case();
+    assert_eq!(plain.attempts, 5);
+    assert_eq!(plain.time, Duration::from_secs(53));
+    assert_eq!(batched.attempts, 5);
+    assert_eq!(batched.time, Duration::from_secs(53 + 5 * 60));
+    assert_eq!(
+        batched.with_retry_after,
+        plain.with_retry_after + Duration::from_secs(5 * 60)
+    );
+    // A NATS publish has no Retry-After.
+    let bus = set.targets["bus"].worst_case();
+    assert_eq!(bus.with_retry_after, bus.time);
+}
+
+/// An open breaker or a receiver's Retry-After stops the whole target, and max_age is checked
+/// when an entry is leased: an entry that outlives it meanwhile goes to the DLQ when leasing
+/// resumes. With `open_for: 30s` and `max_age: 3s` that was 30 s after acceptance while
+/// `config explain` said 4 s; the worst case now says so.
+#[test]
+fn the_worst_case_says_how_long_a_stopped_target_holds_entries_past_max_age() {
+    let src = "\
+policies:
+  tripping:
+    timeout: 1s
+    retry: { max_age: 3s, retry_after_max: 2s }
+    breaker: { consecutive_failures: 1, open_for: 30s }
+  short:
+    retry: { max_age: 5s, retry_after_max: 30s }
+  deaf:
+    retry: { retry_after_max: 0s }
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - { webhook: http://127.0.0.1:9/a, id: tripping, policy: tripping }
+      - { webhook: http://127.0.0.1:9/b, id: held, policy: short }
+      - { webhook: http://127.0.0.1:9/c, id: deaf, policy: deaf }
+      - { handler: h, id: handler, policy: short }
+      - { nats: s, id: bus, policy: tripping }
+";
+    let (set, _) = ok(&[("r.yaml", src)]);
+    let blocked = |id: &str| set.targets[id].worst_case().if_blocked;
+    assert_eq!(
+        set.targets["tripping"].worst_case().time,
+        Duration::from_secs(4)
+    );
+    assert_eq!(blocked("tripping"), Some(Duration::from_secs(33)));
+    assert_eq!(blocked("held"), Some(Duration::from_secs(35)));
+    // Nothing stops a webhook that honours no Retry-After and has no breaker, nor a handler
+    // (its retry delays are its event's own, within max_age).
+    assert_eq!(blocked("deaf"), None);
+    assert_eq!(blocked("handler"), None);
+    assert_eq!(blocked("bus"), Some(Duration::from_secs(33)));
+    // A webhook honours Retry-After up to retry_after_max (default 1 h) whatever its breaker.
+    assert_eq!(
+        ok(&[("r.yaml", &src.replace(", retry_after_max: 2s", ""))])
+            .0
+            .targets["tripping"]
+            .worst_case()
+            .if_blocked,
+        Some(Duration::from_secs(3603))
+    );
+}
+
+/// `max_attempts: 4294967295` passed the check (and `config explain` walked every attempt):
+/// past 1000 it is an error at the value.
+#[test]
+fn max_attempts_past_the_cap_is_an_error_at_its_line() {
+    let src = "\
+policies:
+  stubborn:
+    retry:
+      max_attempts: 4294967295
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets: [{handler: h, policy: stubborn}]
+";
+    one_err(
+        &[("r.yaml", src)],
+        "r.yaml:4:21: ",
+        "policy `stubborn`: retry.max_attempts must be at most 1000, not 4294967295",
+    );
+}
+
 #[test]
 fn handler_targets_are_checked_against_the_known_handlers() {
     let src = "\
