@@ -34,8 +34,9 @@ pub struct IngestBench {
     #[arg(long, default_value_t = 1024)]
     pub size: usize,
     /// Fixed rate in events/s (open loop: requests go out on schedule, and latency counts from
-    /// when each was due, so a stall is not hidden); default: as fast as possible.
-    #[arg(long)]
+    /// when each was due, so a stall is not hidden); default: as fast as possible. A finite
+    /// number from 0.001 to 1000000000 (fractions allowed: 0.5 is one event every 2 s).
+    #[arg(long, value_parser = parse_rate, allow_negative_numbers = true)]
     pub rate: Option<f64>,
     /// Event type to send.
     #[arg(long = "type", default_value = "bench.event")]
@@ -150,6 +151,72 @@ fn make_event(run: &str, n: u64, size: usize, ty: &str, random_id: bool) -> serd
         ev["data"]["pad"] = json!("x".repeat(size - len));
     }
     ev
+}
+
+/// The slowest `--rate` accepted, in events/s: one event every 1,000 s. Slower would make a
+/// connection's period (`batch × concurrency / rate`) too long to schedule sensibly.
+pub const MIN_RATE: f64 = 0.001;
+/// The fastest `--rate` accepted, in events/s: far above what one machine sends, so a bound
+/// that only keeps the arithmetic finite.
+pub const MAX_RATE: f64 = 1e9;
+/// The shortest period between a connection's requests: a faster rate would round it to
+/// zero, which a timer cannot tick at (and no connection sends a request per microsecond).
+const MIN_PERIOD: Duration = Duration::from_micros(1);
+/// The longest period between a connection's requests (only reached with `--rate` near
+/// [`MIN_RATE`] and a huge batch × concurrency); keeps the timer's deadline representable.
+const MAX_PERIOD: Duration = Duration::from_secs(365 * 86_400);
+
+/// Parses `--rate`: a finite number of events/s from [`MIN_RATE`] to [`MAX_RATE`]. Zero,
+/// negative, NaN and infinite rates have no schedule to send at.
+fn parse_rate(s: &str) -> Result<f64, String> {
+    let r: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of events/s"))?;
+    if r.is_finite() && (MIN_RATE..=MAX_RATE).contains(&r) {
+        Ok(r)
+    } else {
+        Err(format!(
+            "the rate must be a finite number of events/s from {MIN_RATE} to {MAX_RATE:e}, not {s}"
+        ))
+    }
+}
+
+/// How often one connection sends, for `rate` events/s shared by `concurrency` connections
+/// sending `batch` events a request; clamped to [`MIN_PERIOD`]..=[`MAX_PERIOD`] so any
+/// rate, even one `parse_rate` would refuse, gives a period a timer can tick at.
+fn per_connection_period(rate: f64, batch: u64, concurrency: usize) -> Duration {
+    let secs = batch as f64 * concurrency as f64 / rate;
+    Duration::try_from_secs_f64(secs)
+        .unwrap_or(MAX_PERIOD)
+        .clamp(MIN_PERIOD, MAX_PERIOD)
+}
+
+/// Waits for every load task. One that panicked fails the run: its requests and latencies
+/// are missing from the tally, so a report would be wrong (and with all of them panicking,
+/// a run that sent nothing would look like one that measured something).
+async fn join_tasks(tasks: Vec<tokio::task::JoinHandle<()>>) -> Result<(), String> {
+    let total = tasks.len();
+    let mut failed = Vec::new();
+    for t in tasks {
+        if let Err(e) = t.await {
+            failed.push(match e.try_into_panic() {
+                Ok(p) => p
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_string())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "(no message)".to_string()),
+                Err(e) => e.to_string(),
+            });
+        }
+    }
+    match failed.first() {
+        None => Ok(()),
+        Some(first) => Err(format!(
+            "{} of {total} load tasks failed, so the report would be wrong; the first: {first}",
+            failed.len()
+        )),
+    }
 }
 
 fn latency_histogram() -> Result<hdrhistogram::Histogram<u64>, String> {
@@ -305,7 +372,7 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
     // Open loop: each connection sends at its share of the rate.
     let per_conn_interval = b
         .rate
-        .map(|r| Duration::from_secs_f64(batch as f64 * b.concurrency as f64 / r));
+        .map(|r| per_connection_period(r, batch, b.concurrency));
     for conn in 0..b.concurrency {
         let (client, uri, run, next, tally, ty, authorization) = (
             client.clone(),
@@ -382,9 +449,7 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
             tally.merge(local);
         }));
     }
-    for t in tasks {
-        let _ = t.await;
-    }
+    join_tasks(tasks).await?;
     tally.report(started.elapsed())
 }
 
@@ -517,9 +582,7 @@ pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
             tally.merge(local);
         }));
     }
-    for t in tasks {
-        let _ = t.await;
-    }
+    join_tasks(tasks).await?;
     tally.report(started.elapsed())
 }
 
@@ -750,5 +813,64 @@ mod tests {
         let random = make_event("r", 3, 512, "bench.event", true);
         assert_eq!(random["id"], event_id("r", 3, true));
         assert!(random.to_string().len() >= 512);
+    }
+
+    /// `router bench ingest`'s arguments as the command line gives them.
+    #[derive(Debug, clap::Parser)]
+    struct IngestCli {
+        #[command(flatten)]
+        b: IngestBench,
+    }
+
+    fn ingest_args(args: &[&str]) -> Result<IngestBench, clap::Error> {
+        use clap::Parser;
+        IngestCli::try_parse_from(std::iter::once("ingest").chain(args.iter().copied()))
+            .map(|c| c.b)
+    }
+
+    #[test]
+    fn a_rate_must_be_finite_positive_and_bounded() {
+        for bad in ["0", "-5", "NaN", "inf", "-inf", "1e300", "0.0001", "fast"] {
+            let e = ingest_args(&[&format!("--rate={bad}")]).expect_err(bad);
+            assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation, "{bad}");
+        }
+        // As a person types it: a value of its own after the option.
+        let e = ingest_args(&["--rate", "-5"]).expect_err("negative");
+        assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation);
+        for good in ["0.5", "3000", "1e9"] {
+            let b = ingest_args(&["--rate", good]).expect(good);
+            assert_eq!(b.rate, good.parse().ok());
+        }
+    }
+
+    #[tokio::test]
+    async fn a_connections_period_is_never_zero_nor_unrepresentable() {
+        assert_eq!(per_connection_period(MAX_RATE, 1, 1), MIN_PERIOD);
+        assert_eq!(per_connection_period(f64::INFINITY, 1, 64), MIN_PERIOD);
+        assert_eq!(per_connection_period(1e-300, 100, 64), MAX_PERIOD);
+        assert_eq!(per_connection_period(0.0, 1, 1), MAX_PERIOD);
+        assert_eq!(
+            per_connection_period(4000.0, 1, 64),
+            Duration::from_millis(16)
+        );
+        // The timer takes it (a zero period panics there).
+        let _ = tokio::time::interval_at(
+            tokio::time::Instant::now(),
+            per_connection_period(MAX_RATE, 1, 1),
+        );
+    }
+
+    #[tokio::test]
+    async fn a_load_task_that_panics_fails_the_run() {
+        let ok = tokio::spawn(async {});
+        let broken = tokio::spawn(async { panic!("the period was zero") });
+        let e = join_tasks(vec![ok, broken])
+            .await
+            .expect_err("a task panicked");
+        assert!(
+            e.contains("1 of 2") && e.contains("the period was zero"),
+            "{e}"
+        );
+        assert!(join_tasks(vec![tokio::spawn(async {})]).await.is_ok());
     }
 }
