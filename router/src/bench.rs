@@ -219,8 +219,24 @@ async fn join_tasks(tasks: Vec<tokio::task::JoinHandle<()>>) -> Result<(), Strin
     }
 }
 
+/// A histogram of latencies in microseconds, sized for a minute and growing past it: a
+/// request slower than its bound was refused by `record` (and with the error ignored, missing
+/// from every percentile and the maximum), and a run against a stalled router is the one
+/// whose slow requests matter.
 fn latency_histogram() -> Result<hdrhistogram::Histogram<u64>, String> {
-    hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).map_err(|e| e.to_string())
+    let mut h = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)
+        .map_err(|e| e.to_string())?;
+    h.auto(true);
+    Ok(h)
+}
+
+/// Records `us` in `h`: it grows to hold any value, and should growing fail (only when its
+/// counts no longer fit in memory's address space) the value is counted at the highest one it
+/// holds rather than not at all.
+fn record_latency(h: &mut hdrhistogram::Histogram<u64>, us: u64) {
+    if h.record(us).is_err() {
+        h.saturating_record(us);
+    }
 }
 
 /// What a run's tasks count: events acknowledged, requests failed, and each request's latency
@@ -295,11 +311,30 @@ impl Tally {
         let us = u64::try_from(t0.elapsed().as_micros())
             .unwrap_or(u64::MAX)
             .max(1);
+        self.record_us(
+            local,
+            us,
+            t0.saturating_duration_since(self.started),
+            first_event,
+            ok_events,
+        );
+    }
+
+    /// [`Tally::record`] of a request that took `us` microseconds, sent at `sent_at` into the
+    /// run.
+    fn record_us(
+        &self,
+        local: &mut Option<hdrhistogram::Histogram<u64>>,
+        us: u64,
+        sent_at: Duration,
+        first_event: u64,
+        ok_events: Option<u64>,
+    ) {
         if let Some(h) = local.as_mut() {
-            let _ = h.record(us);
+            record_latency(h, us);
         }
         if let Some(Ok(mut w)) = self.window.as_ref().map(|w| w.lock()) {
-            let _ = w.record(us);
+            record_latency(&mut w, us);
         }
         // The lock is taken only by a new maximum: rare after the first requests.
         if us > self.max_us.fetch_max(us, Ordering::Relaxed)
@@ -308,7 +343,7 @@ impl Tally {
         {
             *w = Some(Slowest {
                 latency_us: us,
-                sent_at: t0.saturating_duration_since(self.started),
+                sent_at,
                 first_event,
                 failed: ok_events.is_none(),
             });
@@ -321,7 +356,12 @@ impl Tally {
 
     fn merge(&self, local: Option<hdrhistogram::Histogram<u64>>) {
         if let (Some(l), Ok(mut h)) = (local, self.hist.lock()) {
-            let _ = h.add(l);
+            // Both grow to any value recorded, so adding cannot fail for want of range.
+            if h.add(&l).is_err() {
+                for v in l.iter_recorded() {
+                    h.saturating_record_n(v.value_iterated_to(), v.count_at_value());
+                }
+            }
         }
     }
 
@@ -338,7 +378,9 @@ impl Tally {
                 h.value_at_quantile(0.5),
                 h.value_at_quantile(0.99),
                 h.value_at_quantile(0.999),
-                h.max(),
+                // The exact maximum: the histogram's is the top of its bucket (3 significant
+                // digits), and the slowest request's line below prints the exact one.
+                self.max_us.load(Ordering::Relaxed),
             ],
             slowest: self.slowest.lock().ok().and_then(|w| *w),
         })
@@ -703,7 +745,7 @@ pub async fn run_sweep(b: SweepBench) -> Result<SweepReport, String> {
             .sweep(now, 60_000, 60_000)
             .await
             .map_err(|e| e.to_string())?;
-        let _ = hist.record(t0.elapsed().as_micros().max(1) as u64);
+        record_latency(&mut hist, t0.elapsed().as_micros().max(1) as u64);
         if std::env::var_os("SWEEP_TRACE").is_some() {
             crate::errln!(
                 "call {calls}: {:?} removed {}",
@@ -858,6 +900,27 @@ mod tests {
             tokio::time::Instant::now(),
             per_connection_period(MAX_RATE, 1, 1),
         );
+    }
+
+    #[test]
+    fn requests_slower_than_a_minute_count_in_every_percentile_and_the_maximum() {
+        let tally = Tally::build().expect("tally");
+        let mut local = latency_histogram().ok();
+        for n in 0..99 {
+            tally.record_us(&mut local, 1_000, Duration::ZERO, n, Some(1));
+        }
+        // A request that waited on a router stalled for two minutes (past the histogram's
+        // initial bound, a minute rounded up to 67 s).
+        let stalled = 125_000_321;
+        tally.record_us(&mut local, stalled, Duration::ZERO, 99, Some(1));
+        tally.merge(local);
+        let r = tally.report(Duration::from_secs(130)).expect("report");
+        assert_eq!(r.latency_us[3], stalled, "{r}");
+        // 1 of 100 requests: past the 99th percentile, at the 99.9th (within the histogram's
+        // 3 significant digits).
+        assert_eq!(r.latency_us[1], 1_000, "{r}");
+        assert!(r.latency_us[2].abs_diff(stalled) < stalled / 1000, "{r}");
+        assert_eq!(r.ok_events, 100);
     }
 
     #[tokio::test]
