@@ -55,11 +55,95 @@ pub struct IngestBench {
     pub report_every: Option<u64>,
 }
 
+/// What the 2xx answers said about their events.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EventCounts {
+    /// Answered `accepted`: stored and routed.
+    pub accepted: u64,
+    /// Answered `duplicate`: accepted before inside the dedup window, not routed again.
+    pub duplicate: u64,
+    /// Answered `quarantined`: put in the DLQ by their contract, never routed.
+    pub quarantined: u64,
+    /// Acknowledged by an answer without per-event results (an endpoint other than the
+    /// router's, such as `bench sink`), or with a status this tool does not know: counted as
+    /// accepted, since the endpoint took them and said nothing more.
+    pub unreported: u64,
+}
+
+impl EventCounts {
+    /// Events the endpoint took: accepted, or acknowledged without a per-event result. What
+    /// the throughput counts: a duplicate or a quarantined event costs the router less than
+    /// an accepted one (no routing, no queue entries), so counting them would flatter it.
+    pub fn taken(&self) -> u64 {
+        self.accepted + self.unreported
+    }
+
+    /// Reads the router's 202 (`{"results": [{"status": "accepted" | "duplicate" |
+    /// "quarantined", …}, …]}`) to a request of `events` events. Events the body gives no
+    /// known result for are `unreported`.
+    fn from_answer(body: &[u8], events: u64) -> Self {
+        /// The part of the router's 202 this reads.
+        #[derive(serde::Deserialize)]
+        struct Answer<'a> {
+            #[serde(borrow)]
+            results: Vec<EventResult<'a>>,
+        }
+        #[derive(serde::Deserialize)]
+        struct EventResult<'a> {
+            #[serde(borrow)]
+            status: std::borrow::Cow<'a, str>,
+        }
+        let mut c = Self::default();
+        if let Ok(a) = serde_json::from_slice::<Answer<'_>>(body) {
+            for r in a
+                .results
+                .iter()
+                .take(usize::try_from(events).unwrap_or(usize::MAX))
+            {
+                match r.status.as_ref() {
+                    "accepted" => c.accepted += 1,
+                    "duplicate" => c.duplicate += 1,
+                    "quarantined" => c.quarantined += 1,
+                    _ => c.unreported += 1,
+                }
+            }
+        }
+        c.unreported +=
+            events.saturating_sub(c.accepted + c.duplicate + c.quarantined + c.unreported);
+        c
+    }
+}
+
+impl std::fmt::Display for EventCounts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.accepted + self.duplicate + self.quarantined == 0 && self.unreported > 0 {
+            return write!(
+                f,
+                "{} acknowledged (the answers had no per-event results)",
+                self.unreported
+            );
+        }
+        write!(
+            f,
+            "{} accepted, {} duplicate, {} quarantined",
+            self.accepted, self.duplicate, self.quarantined
+        )?;
+        if self.unreported > 0 {
+            write!(
+                f,
+                ", {} acknowledged without a result (counted as accepted)",
+                self.unreported
+            )?;
+        }
+        Ok(())
+    }
+}
+
 /// Result of a run.
 #[derive(Debug, Clone)]
 pub struct BenchReport {
-    /// Events acknowledged with 2xx.
-    pub ok_events: u64,
+    /// Events of the requests answered 2xx, by what the answer said of each.
+    pub events: EventCounts,
     /// Requests that failed (non-2xx or transport error).
     pub failed_requests: u64,
     /// Wall time.
@@ -87,13 +171,13 @@ pub struct Slowest {
 impl std::fmt::Display for BenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let secs = self.elapsed.as_secs_f64();
-        writeln!(f, "events ok:      {}", self.ok_events)?;
+        writeln!(f, "events ok:      {}", self.events)?;
         writeln!(f, "failed reqs:    {}", self.failed_requests)?;
         writeln!(f, "elapsed:        {secs:.2} s")?;
         writeln!(
             f,
             "throughput:     {:.0} events/s",
-            self.ok_events as f64 / secs
+            self.events.taken() as f64 / secs
         )?;
         let ms = |us: u64| us as f64 / 1000.0;
         write!(
@@ -239,10 +323,22 @@ fn record_latency(h: &mut hdrhistogram::Histogram<u64>, us: u64) {
     }
 }
 
-/// What a run's tasks count: events acknowledged, requests failed, and each request's latency
-/// (in a histogram per task, merged into this one when the task ends).
+/// How one request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// Answered 2xx, with what the answer said of its events.
+    Acked(EventCounts),
+    /// Not answered 2xx.
+    Failed,
+}
+
+/// What a run's tasks count: events by what their answers said, requests failed, and each
+/// request's latency (in a histogram per task, merged into this one when the task ends).
 struct Tally {
-    ok: AtomicU64,
+    accepted: AtomicU64,
+    duplicate: AtomicU64,
+    quarantined: AtomicU64,
+    unreported: AtomicU64,
     failed: AtomicU64,
     hist: std::sync::Mutex<hdrhistogram::Histogram<u64>>,
     started: Instant,
@@ -259,7 +355,10 @@ impl Tally {
 
     fn build() -> Result<Self, String> {
         Ok(Self {
-            ok: AtomicU64::new(0),
+            accepted: AtomicU64::new(0),
+            duplicate: AtomicU64::new(0),
+            quarantined: AtomicU64::new(0),
+            unreported: AtomicU64::new(0),
             failed: AtomicU64::new(0),
             hist: std::sync::Mutex::new(latency_histogram()?),
             started: Instant::now(),
@@ -299,14 +398,13 @@ impl Tally {
         Ok(t)
     }
 
-    /// One request sent at `t0` carrying events from `first_event` on: `ok_events`
-    /// acknowledged, or `None` when it failed.
+    /// One request sent at `t0` carrying events from `first_event` on, and how it ended.
     fn record(
         &self,
         local: &mut Option<hdrhistogram::Histogram<u64>>,
         t0: Instant,
         first_event: u64,
-        ok_events: Option<u64>,
+        outcome: Outcome,
     ) {
         let us = u64::try_from(t0.elapsed().as_micros())
             .unwrap_or(u64::MAX)
@@ -316,7 +414,7 @@ impl Tally {
             us,
             t0.saturating_duration_since(self.started),
             first_event,
-            ok_events,
+            outcome,
         );
     }
 
@@ -328,7 +426,7 @@ impl Tally {
         us: u64,
         sent_at: Duration,
         first_event: u64,
-        ok_events: Option<u64>,
+        outcome: Outcome,
     ) {
         if let Some(h) = local.as_mut() {
             record_latency(h, us);
@@ -345,13 +443,26 @@ impl Tally {
                 latency_us: us,
                 sent_at,
                 first_event,
-                failed: ok_events.is_none(),
+                failed: outcome == Outcome::Failed,
             });
         }
-        match ok_events {
-            Some(n) => self.ok.fetch_add(n, Ordering::Relaxed),
-            None => self.failed.fetch_add(1, Ordering::Relaxed),
-        };
+        match outcome {
+            Outcome::Acked(c) => {
+                for (n, counter) in [
+                    (c.accepted, &self.accepted),
+                    (c.duplicate, &self.duplicate),
+                    (c.quarantined, &self.quarantined),
+                    (c.unreported, &self.unreported),
+                ] {
+                    if n > 0 {
+                        counter.fetch_add(n, Ordering::Relaxed);
+                    }
+                }
+            }
+            Outcome::Failed => {
+                self.failed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
     }
 
     fn merge(&self, local: Option<hdrhistogram::Histogram<u64>>) {
@@ -371,7 +482,12 @@ impl Tally {
             .lock()
             .map_err(|_| "histogram poisoned".to_string())?;
         Ok(BenchReport {
-            ok_events: self.ok.load(Ordering::Relaxed),
+            events: EventCounts {
+                accepted: self.accepted.load(Ordering::Relaxed),
+                duplicate: self.duplicate.load(Ordering::Relaxed),
+                quarantined: self.quarantined.load(Ordering::Relaxed),
+                unreported: self.unreported.load(Ordering::Relaxed),
+            },
             failed_requests: self.failed.load(Ordering::Relaxed),
             elapsed,
             latency_us: [
@@ -478,15 +594,20 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
                 };
                 let t0 = due.unwrap_or_else(Instant::now);
                 let res = client.request(req).await;
-                let good = match res {
+                let outcome = match res {
                     Ok(resp) => {
                         let s = resp.status();
-                        let _ = resp.into_body().collect().await;
-                        s.is_success()
+                        match resp.into_body().collect().await {
+                            Ok(body) if s.is_success() => Outcome::Acked(EventCounts::from_answer(
+                                &body.to_bytes(),
+                                end - start,
+                            )),
+                            _ => Outcome::Failed,
+                        }
                     }
-                    Err(_) => false,
+                    Err(_) => Outcome::Failed,
                 };
-                tally.record(&mut local, t0, start, good.then_some(end - start));
+                tally.record(&mut local, t0, start, outcome);
             }
             tally.merge(local);
         }));
@@ -608,7 +729,15 @@ pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
                 let res = store.accept(events).await;
                 let took = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
                 stretch_max.fetch_max(took, Ordering::Relaxed);
-                tally.record(&mut local, t0, start, res.is_ok().then_some(n));
+                // The store's own accept: every event is taken, none reported apart.
+                let outcome = match res {
+                    Ok(_) => Outcome::Acked(EventCounts {
+                        accepted: n,
+                        ..EventCounts::default()
+                    }),
+                    Err(_) => Outcome::Failed,
+                };
+                tally.record(&mut local, t0, start, outcome);
                 if let Some(every) = stretch
                     && start / every != end / every
                 {
@@ -902,17 +1031,80 @@ mod tests {
         );
     }
 
+    fn one_accepted() -> Outcome {
+        Outcome::Acked(EventCounts {
+            accepted: 1,
+            ..EventCounts::default()
+        })
+    }
+
+    #[test]
+    fn the_routers_answer_is_counted_per_event() {
+        let body = br#"{"results": [
+            {"id": "r-0", "source": "/s", "status": "accepted"},
+            {"id": "r-1", "source": "/s", "status": "duplicate"},
+            {"id": "r-2", "source": "/s", "status": "quarantined", "reason": "contract_violation",
+             "errors": [{"pointer": "/data", "message": "no"}]},
+            {"id": "r-3", "source": "/s", "status": "accepted"}
+        ]}"#;
+        let c = EventCounts::from_answer(body, 4);
+        assert_eq!(
+            c,
+            EventCounts {
+                accepted: 2,
+                duplicate: 1,
+                quarantined: 1,
+                unreported: 0
+            }
+        );
+        assert_eq!(c.taken(), 2);
+        assert_eq!(c.to_string(), "2 accepted, 1 duplicate, 1 quarantined");
+        // `bench sink` answers `{}`: its events are taken, with no more said.
+        let sink = EventCounts::from_answer(b"{}", 3);
+        assert_eq!((sink.unreported, sink.taken()), (3, 3));
+        assert_eq!(
+            sink.to_string(),
+            "3 acknowledged (the answers had no per-event results)"
+        );
+        // A status this tool does not know, and results missing: not called accepted.
+        let odd = EventCounts::from_answer(br#"{"results": [{"status": "deferred"}]}"#, 2);
+        assert_eq!((odd.accepted, odd.unreported), (0, 2));
+    }
+
+    #[test]
+    fn a_report_counts_only_accepted_events_as_ok_and_in_the_throughput() {
+        let tally = Tally::build().expect("tally");
+        let mut local = latency_histogram().ok();
+        let answer = Outcome::Acked(EventCounts {
+            accepted: 10,
+            duplicate: 5,
+            quarantined: 5,
+            unreported: 0,
+        });
+        tally.record_us(&mut local, 1_000, Duration::ZERO, 0, answer);
+        tally.merge(local);
+        let text = tally
+            .report(Duration::from_secs(1))
+            .expect("report")
+            .to_string();
+        assert!(
+            text.contains("events ok:      10 accepted, 5 duplicate, 5 quarantined"),
+            "{text}"
+        );
+        assert!(text.contains("throughput:     10 events/s"), "{text}");
+    }
+
     #[test]
     fn requests_slower_than_a_minute_count_in_every_percentile_and_the_maximum() {
         let tally = Tally::build().expect("tally");
         let mut local = latency_histogram().ok();
         for n in 0..99 {
-            tally.record_us(&mut local, 1_000, Duration::ZERO, n, Some(1));
+            tally.record_us(&mut local, 1_000, Duration::ZERO, n, one_accepted());
         }
         // A request that waited on a router stalled for two minutes (past the histogram's
         // initial bound, a minute rounded up to 67 s).
         let stalled = 125_000_321;
-        tally.record_us(&mut local, stalled, Duration::ZERO, 99, Some(1));
+        tally.record_us(&mut local, stalled, Duration::ZERO, 99, one_accepted());
         tally.merge(local);
         let r = tally.report(Duration::from_secs(130)).expect("report");
         assert_eq!(r.latency_us[3], stalled, "{r}");
@@ -920,7 +1112,7 @@ mod tests {
         // 3 significant digits).
         assert_eq!(r.latency_us[1], 1_000, "{r}");
         assert!(r.latency_us[2].abs_diff(stalled) < stalled / 1000, "{r}");
-        assert_eq!(r.ok_events, 100);
+        assert_eq!(r.events.accepted, 100);
     }
 
     #[tokio::test]

@@ -794,7 +794,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             outln!("{report}");
             // Some refusals (429/503) are what a saturating run measures; none accepted at all
             // is a run that measured nothing (a wrong URL or token), and says so.
-            if report.ok_events == 0 && report.failed_requests > 0 {
+            if report.events.taken() == 0 && report.failed_requests > 0 {
                 router::errln!("every request failed: nothing was measured");
                 return Ok(ExitCode::from(1));
             }
