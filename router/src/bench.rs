@@ -53,6 +53,11 @@ pub struct IngestBench {
     /// latency percentiles (to stderr), to see when a stall happened.
     #[arg(long)]
     pub report_every: Option<u64>,
+    /// Exit 0 even when requests failed (a run that measures how a saturated router refuses
+    /// with 429/503, say), as long as one succeeded. Without it any failed request makes the
+    /// exit status 1.
+    #[arg(long)]
+    pub allow_failures: bool,
 }
 
 /// What the 2xx answers said about their events.
@@ -139,20 +144,224 @@ impl std::fmt::Display for EventCounts {
     }
 }
 
+/// Why a request failed: what the report groups failures by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FailureKind {
+    /// Answered with this status, not 2xx.
+    Status(u16),
+    /// No connection could be made (refused, unreachable, …), with the system's reason when
+    /// it gave one.
+    Connect(Option<std::io::ErrorKind>),
+    /// The connection broke, or the answer was not HTTP or was cut off, with the system's
+    /// reason when it gave one.
+    Transport(Option<std::io::ErrorKind>),
+    /// (`bench store`) The store failed the accept.
+    Store,
+}
+
+impl std::fmt::Display for FailureKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Status(code) => {
+                match hyper::StatusCode::from_u16(*code)
+                    .ok()
+                    .and_then(|s| s.canonical_reason())
+                {
+                    Some(reason) => write!(f, "{code} {reason}"),
+                    None => write!(f, "{code}"),
+                }
+            }
+            Self::Connect(Some(k)) => write!(f, "connect: {k}"),
+            Self::Connect(None) => f.write_str("connect failed"),
+            Self::Transport(Some(k)) => write!(f, "{k}"),
+            Self::Transport(None) => f.write_str("connection failed"),
+            Self::Store => f.write_str("store error"),
+        }
+    }
+}
+
+/// One failed request, as its task saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Failure {
+    kind: FailureKind,
+    /// The answer's `Retry-After`, when it had one.
+    retry_after: Option<String>,
+    /// What went wrong, in the endpoint's or the system's words.
+    message: String,
+}
+
+/// The longest sample message a report prints: enough for the router's `error` or a system
+/// error's chain, short enough for one line.
+const SAMPLE_CHARS: usize = 200;
+
+impl Failure {
+    /// A request that got no answer: the client's error, its causes joined.
+    fn transport(e: &hyper_util::client::legacy::Error) -> Self {
+        let io = io_error_kind(e);
+        Self {
+            kind: if e.is_connect() {
+                FailureKind::Connect(io)
+            } else {
+                FailureKind::Transport(io)
+            },
+            retry_after: None,
+            message: error_chain(e),
+        }
+    }
+
+    /// A request answered `status` (not 2xx) with `body`: the router's `error`, or the body's
+    /// first characters.
+    fn answered(status: hyper::StatusCode, retry_after: Option<String>, body: &[u8]) -> Self {
+        let message = serde_json::from_slice::<serde_json::Value>(body)
+            .ok()
+            .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
+            .unwrap_or_else(|| String::from_utf8_lossy(body).trim().to_string());
+        Self {
+            kind: FailureKind::Status(status.as_u16()),
+            retry_after,
+            message: if message.is_empty() {
+                "(empty body)".to_string()
+            } else {
+                message
+            },
+        }
+    }
+}
+
+/// The first [`std::io::ErrorKind`] among `e` and its causes: why a connection failed, in
+/// the system's words ("connection refused"), when it was the system that said so.
+fn io_error_kind(e: &(dyn std::error::Error + 'static)) -> Option<std::io::ErrorKind> {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            return Some(io.kind());
+        }
+        cur = err.source();
+    }
+    None
+}
+
+/// `e` and its causes, joined by ": " (hyper's own message is only "client error (Connect)").
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts = Vec::new();
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        parts.push(err.to_string());
+        cur = err.source();
+    }
+    parts.join(": ")
+}
+
+/// The failed requests of one kind.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failures {
+    /// Why they failed.
+    pub kind: FailureKind,
+    /// How many requests.
+    pub requests: u64,
+    /// How many events those requests carried.
+    pub events: u64,
+    /// How many of them were answered with `Retry-After` (the load is open or closed loop
+    /// regardless: the tool measures, it does not back off).
+    pub with_retry_after: u64,
+    /// The first `Retry-After` value seen.
+    pub retry_after: Option<String>,
+    /// The first one's message.
+    pub sample: String,
+}
+
+impl Failures {
+    fn new(f: Failure, events: u64) -> Self {
+        Self {
+            kind: f.kind,
+            requests: 1,
+            events,
+            with_retry_after: u64::from(f.retry_after.is_some()),
+            retry_after: f.retry_after,
+            sample: f.message,
+        }
+    }
+
+    fn add(&mut self, other: Self) {
+        self.requests += other.requests;
+        self.events += other.events;
+        self.with_retry_after += other.with_retry_after;
+        if self.retry_after.is_none() {
+            self.retry_after = other.retry_after;
+        }
+    }
+}
+
+impl std::fmt::Display for Failures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} × {} ({} events)",
+            self.requests, self.kind, self.events
+        )?;
+        if let Some(ra) = &self.retry_after {
+            write!(
+                f,
+                ", {} with Retry-After (first: {ra:?})",
+                self.with_retry_after
+            )?;
+        }
+        let mut sample: String = self.sample.chars().take(SAMPLE_CHARS).collect();
+        if sample.len() < self.sample.len() {
+            sample.push('…');
+        }
+        // Debug-quoted: a body's newlines and quotes stay on the line.
+        write!(f, ": {sample:?}")
+    }
+}
+
+/// Latency percentiles in microseconds: p50, p99, p99.9 and the exact maximum.
+pub type Percentiles = [u64; 4];
+
 /// Result of a run.
 #[derive(Debug, Clone)]
 pub struct BenchReport {
     /// Events of the requests answered 2xx, by what the answer said of each.
     pub events: EventCounts,
-    /// Requests that failed (non-2xx or transport error).
+    /// Requests finished (answered, or failed without an answer).
+    pub requests: u64,
+    /// Requests that failed (not 2xx, or no answer).
     pub failed_requests: u64,
+    /// Events those requests carried.
+    pub failed_events: u64,
+    /// The failed requests by kind, the most frequent first.
+    pub failures: Vec<Failures>,
     /// Wall time.
     pub elapsed: Duration,
-    /// Request latency percentiles in microseconds: p50, p99, p99.9, max.
-    pub latency_us: [u64; 4],
-    /// The slowest request: when it was sent and what it carried, so an outlier can be found
-    /// in the router's log and metrics.
+    /// Latency of the requests that succeeded (2xx); `None` when none did. A failure's
+    /// latency says little about the endpoint (a refused connection takes microseconds), so
+    /// it is kept apart.
+    pub latency_us: Option<Percentiles>,
+    /// Latency of the failed requests; `None` when none failed.
+    pub failed_latency_us: Option<Percentiles>,
+    /// The slowest request, failed or not: when it was sent and what it carried, so an
+    /// outlier can be found in the router's log and metrics.
     pub slowest: Option<Slowest>,
+}
+
+impl BenchReport {
+    /// Why the run should end with a non-zero exit status, if it should: any failed request,
+    /// or with `allow_failures` only a run where none succeeded (it measured nothing: a
+    /// wrong URL or token).
+    pub fn problem(&self, allow_failures: bool) -> Option<String> {
+        if self.failed_requests == 0 {
+            None
+        } else if self.failed_requests == self.requests {
+            Some("every request failed: nothing was measured".to_string())
+        } else if allow_failures {
+            None
+        } else {
+            Some(format!(
+                "{} of {} requests failed (--allow-failures to exit 0 all the same)",
+                self.failed_requests, self.requests
+            ))
+        }
+    }
 }
 
 /// The slowest request of a run.
@@ -172,7 +381,18 @@ impl std::fmt::Display for BenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let secs = self.elapsed.as_secs_f64();
         writeln!(f, "events ok:      {}", self.events)?;
-        writeln!(f, "failed reqs:    {}", self.failed_requests)?;
+        if self.failed_requests == 0 {
+            writeln!(f, "failed reqs:    0")?;
+        } else {
+            writeln!(
+                f,
+                "failed reqs:    {} of {} requests, {} events",
+                self.failed_requests, self.requests, self.failed_events
+            )?;
+            for kind in &self.failures {
+                writeln!(f, "  {kind}")?;
+            }
+        }
         writeln!(f, "elapsed:        {secs:.2} s")?;
         writeln!(
             f,
@@ -180,14 +400,22 @@ impl std::fmt::Display for BenchReport {
             self.events.taken() as f64 / secs
         )?;
         let ms = |us: u64| us as f64 / 1000.0;
-        write!(
-            f,
-            "latency (req):  p50 {:.2} ms  p99 {:.2} ms  p99.9 {:.2} ms  max {:.2} ms",
-            ms(self.latency_us[0]),
-            ms(self.latency_us[1]),
-            ms(self.latency_us[2]),
-            ms(self.latency_us[3])
-        )?;
+        let line = |p: &Percentiles| {
+            format!(
+                "p50 {:.2} ms  p99 {:.2} ms  p99.9 {:.2} ms  max {:.2} ms",
+                ms(p[0]),
+                ms(p[1]),
+                ms(p[2]),
+                ms(p[3])
+            )
+        };
+        match &self.latency_us {
+            Some(p) => write!(f, "latency (req):  {}", line(p))?,
+            None => write!(f, "latency (req):  no request succeeded")?,
+        }
+        if let Some(p) = &self.failed_latency_us {
+            write!(f, "\nlatency (fail): {}", line(p))?;
+        }
         if let Some(w) = &self.slowest {
             write!(
                 f,
@@ -324,28 +552,108 @@ fn record_latency(h: &mut hdrhistogram::Histogram<u64>, us: u64) {
 }
 
 /// How one request ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Outcome {
     /// Answered 2xx, with what the answer said of its events.
     Acked(EventCounts),
     /// Not answered 2xx.
-    Failed,
+    Failed(Failure),
 }
 
-/// What a run's tasks count: events by what their answers said, requests failed, and each
-/// request's latency (in a histogram per task, merged into this one when the task ends).
+/// The latencies of one class of requests: a histogram for the percentiles, and the exact
+/// maximum.
+struct Latencies {
+    hist: hdrhistogram::Histogram<u64>,
+    max_us: u64,
+}
+
+impl Latencies {
+    fn new() -> Result<Self, String> {
+        Ok(Self {
+            hist: latency_histogram()?,
+            max_us: 0,
+        })
+    }
+
+    fn record(&mut self, us: u64) {
+        record_latency(&mut self.hist, us);
+        self.max_us = self.max_us.max(us);
+    }
+
+    fn add(&mut self, other: &Self) {
+        // Both grow to any value recorded, so adding cannot fail for want of range.
+        if self.hist.add(&other.hist).is_err() {
+            for v in other.hist.iter_recorded() {
+                self.hist
+                    .saturating_record_n(v.value_iterated_to(), v.count_at_value());
+            }
+        }
+        self.max_us = self.max_us.max(other.max_us);
+    }
+
+    fn percentiles(&self) -> Option<Percentiles> {
+        // A percentile is the top of its bucket (3 significant digits), which can lie past
+        // the exact maximum: capped there, p99 never reads above max.
+        let at = |q| self.hist.value_at_quantile(q).min(self.max_us);
+        (!self.hist.is_empty()).then(|| [at(0.5), at(0.99), at(0.999), self.max_us])
+    }
+}
+
+/// One load task's share of the tally, kept without locks while it runs and merged into the
+/// run's when it ends.
+struct Local {
+    ok: Latencies,
+    failed: Latencies,
+    failures: std::collections::HashMap<FailureKind, Failures>,
+}
+
+impl Local {
+    fn new() -> Result<Self, String> {
+        Ok(Self {
+            ok: Latencies::new()?,
+            failed: Latencies::new()?,
+            failures: std::collections::HashMap::new(),
+        })
+    }
+
+    fn add(&mut self, other: Self) {
+        self.ok.add(&other.ok);
+        self.failed.add(&other.failed);
+        for (kind, f) in other.failures {
+            match self.failures.entry(kind) {
+                std::collections::hash_map::Entry::Occupied(mut e) => e.get_mut().add(f),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(f);
+                }
+            }
+        }
+    }
+}
+
+/// A request as it was sent: when (from the start of the run), its first event's number and
+/// how many events it carried.
+#[derive(Debug, Clone, Copy)]
+struct Sent {
+    at: Duration,
+    first_event: u64,
+    events: u64,
+}
+
+/// What a run's tasks count: events by what their answers said, failures by kind, and the
+/// latencies of successful and failed requests (per task, merged into this when it ends).
 struct Tally {
     accepted: AtomicU64,
     duplicate: AtomicU64,
     quarantined: AtomicU64,
     unreported: AtomicU64,
-    failed: AtomicU64,
-    hist: std::sync::Mutex<hdrhistogram::Histogram<u64>>,
+    merged: std::sync::Mutex<Local>,
     started: Instant,
     max_us: AtomicU64,
     slowest: std::sync::Mutex<Option<Slowest>>,
-    /// Latencies of the current reporting interval (`--report-every`).
+    /// Latencies of the current reporting interval's successful requests (`--report-every`).
     window: Option<std::sync::Mutex<hdrhistogram::Histogram<u64>>>,
+    /// Failed requests of the current reporting interval.
+    window_failed: AtomicU64,
 }
 
 impl Tally {
@@ -359,12 +667,12 @@ impl Tally {
             duplicate: AtomicU64::new(0),
             quarantined: AtomicU64::new(0),
             unreported: AtomicU64::new(0),
-            failed: AtomicU64::new(0),
-            hist: std::sync::Mutex::new(latency_histogram()?),
+            merged: std::sync::Mutex::new(Local::new()?),
             started: Instant::now(),
             max_us: AtomicU64::new(0),
             slowest: std::sync::Mutex::new(None),
             window: None,
+            window_failed: AtomicU64::new(0),
         })
     }
 
@@ -384,8 +692,12 @@ impl Tally {
                 let Some(Ok(mut w)) = t.window.as_ref().map(|w| w.lock()) else {
                     break;
                 };
+                let failed = match t.window_failed.swap(0, Ordering::Relaxed) {
+                    0 => String::new(),
+                    n => format!("  {n} failed"),
+                };
                 crate::errln!(
-                    "+{:>5.0}s  {:>7} req  p50 {:>8.2} ms  p99 {:>8.2} ms  max {:>8.2} ms",
+                    "+{:>5.0}s  {:>7} req  p50 {:>8.2} ms  p99 {:>8.2} ms  max {:>8.2} ms{failed}",
                     t.started.elapsed().as_secs_f64(),
                     w.len(),
                     w.value_at_quantile(0.5) as f64 / 1e3,
@@ -398,42 +710,29 @@ impl Tally {
         Ok(t)
     }
 
-    /// One request sent at `t0` carrying events from `first_event` on, and how it ended.
+    /// One request sent at `t0` carrying `events` events from `first_event` on, and how it
+    /// ended.
     fn record(
         &self,
-        local: &mut Option<hdrhistogram::Histogram<u64>>,
+        local: &mut Local,
         t0: Instant,
         first_event: u64,
+        events: u64,
         outcome: Outcome,
     ) {
         let us = u64::try_from(t0.elapsed().as_micros())
             .unwrap_or(u64::MAX)
             .max(1);
-        self.record_us(
-            local,
-            us,
-            t0.saturating_duration_since(self.started),
+        let sent = Sent {
+            at: t0.saturating_duration_since(self.started),
             first_event,
-            outcome,
-        );
+            events,
+        };
+        self.record_us(local, us, sent, outcome);
     }
 
-    /// [`Tally::record`] of a request that took `us` microseconds, sent at `sent_at` into the
-    /// run.
-    fn record_us(
-        &self,
-        local: &mut Option<hdrhistogram::Histogram<u64>>,
-        us: u64,
-        sent_at: Duration,
-        first_event: u64,
-        outcome: Outcome,
-    ) {
-        if let Some(h) = local.as_mut() {
-            record_latency(h, us);
-        }
-        if let Some(Ok(mut w)) = self.window.as_ref().map(|w| w.lock()) {
-            record_latency(&mut w, us);
-        }
+    /// [`Tally::record`] of a request that took `us` microseconds.
+    fn record_us(&self, local: &mut Local, us: u64, sent: Sent, outcome: Outcome) {
         // The lock is taken only by a new maximum: rare after the first requests.
         if us > self.max_us.fetch_max(us, Ordering::Relaxed)
             && let Ok(mut w) = self.slowest.lock()
@@ -441,13 +740,17 @@ impl Tally {
         {
             *w = Some(Slowest {
                 latency_us: us,
-                sent_at,
-                first_event,
-                failed: outcome == Outcome::Failed,
+                sent_at: sent.at,
+                first_event: sent.first_event,
+                failed: matches!(outcome, Outcome::Failed(_)),
             });
         }
         match outcome {
             Outcome::Acked(c) => {
+                local.ok.record(us);
+                if let Some(Ok(mut w)) = self.window.as_ref().map(|w| w.lock()) {
+                    record_latency(&mut w, us);
+                }
                 for (n, counter) in [
                     (c.accepted, &self.accepted),
                     (c.duplicate, &self.duplicate),
@@ -459,28 +762,35 @@ impl Tally {
                     }
                 }
             }
-            Outcome::Failed => {
-                self.failed.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-    }
-
-    fn merge(&self, local: Option<hdrhistogram::Histogram<u64>>) {
-        if let (Some(l), Ok(mut h)) = (local, self.hist.lock()) {
-            // Both grow to any value recorded, so adding cannot fail for want of range.
-            if h.add(&l).is_err() {
-                for v in l.iter_recorded() {
-                    h.saturating_record_n(v.value_iterated_to(), v.count_at_value());
+            Outcome::Failed(f) => {
+                local.failed.record(us);
+                if self.window.is_some() {
+                    self.window_failed.fetch_add(1, Ordering::Relaxed);
+                }
+                match local.failures.get_mut(&f.kind) {
+                    Some(k) => k.add(Failures::new(f, sent.events)),
+                    None => {
+                        local.failures.insert(f.kind, Failures::new(f, sent.events));
+                    }
                 }
             }
         }
     }
 
+    fn merge(&self, local: Local) {
+        if let Ok(mut m) = self.merged.lock() {
+            m.add(local);
+        }
+    }
+
     fn report(&self, elapsed: Duration) -> Result<BenchReport, String> {
-        let h = self
-            .hist
+        let m = self
+            .merged
             .lock()
-            .map_err(|_| "histogram poisoned".to_string())?;
+            .map_err(|_| "tally poisoned".to_string())?;
+        let mut failures: Vec<Failures> = m.failures.values().cloned().collect();
+        failures.sort_by(|a, b| b.requests.cmp(&a.requests).then(a.kind.cmp(&b.kind)));
+        let failed_requests = failures.iter().map(|f| f.requests).sum();
         Ok(BenchReport {
             events: EventCounts {
                 accepted: self.accepted.load(Ordering::Relaxed),
@@ -488,18 +798,39 @@ impl Tally {
                 quarantined: self.quarantined.load(Ordering::Relaxed),
                 unreported: self.unreported.load(Ordering::Relaxed),
             },
-            failed_requests: self.failed.load(Ordering::Relaxed),
+            requests: m.ok.hist.len() + m.failed.hist.len(),
+            failed_requests,
+            failed_events: failures.iter().map(|f| f.events).sum(),
+            failures,
             elapsed,
-            latency_us: [
-                h.value_at_quantile(0.5),
-                h.value_at_quantile(0.99),
-                h.value_at_quantile(0.999),
-                // The exact maximum: the histogram's is the top of its bucket (3 significant
-                // digits), and the slowest request's line below prints the exact one.
-                self.max_us.load(Ordering::Relaxed),
-            ],
+            latency_us: m.ok.percentiles(),
+            failed_latency_us: m.failed.percentiles(),
             slowest: self.slowest.lock().ok().and_then(|w| *w),
         })
+    }
+}
+
+/// How a request answered with `resp` ended: the answer read whole, and for a 2xx its
+/// `events` events counted by what it said of each.
+async fn answer_outcome(resp: Response<Incoming>, events: u64) -> Outcome {
+    let status = resp.status();
+    let retry_after = resp
+        .headers()
+        .get(hyper::header::RETRY_AFTER)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    match (status.is_success(), resp.into_body().collect().await) {
+        (true, Ok(b)) => Outcome::Acked(EventCounts::from_answer(&b.to_bytes(), events)),
+        (false, Ok(b)) => Outcome::Failed(Failure::answered(status, retry_after, &b.to_bytes())),
+        (true, Err(e)) => Outcome::Failed(Failure {
+            kind: FailureKind::Transport(io_error_kind(&e)),
+            retry_after: None,
+            message: format!("the {status} answer was cut off: {}", error_chain(&e)),
+        }),
+        (false, Err(e)) => Outcome::Failed(Failure {
+            kind: FailureKind::Status(status.as_u16()),
+            retry_after,
+            message: format!("(its body was cut off: {})", error_chain(&e)),
+        }),
     }
 }
 
@@ -532,6 +863,7 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
         .rate
         .map(|r| per_connection_period(r, batch, b.concurrency));
     for conn in 0..b.concurrency {
+        let mut local = Local::new()?;
         let (client, uri, run, next, tally, ty, authorization) = (
             client.clone(),
             uri.clone(),
@@ -544,7 +876,6 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
         let (total, size, concurrency, random_ids) =
             (b.events, b.size, b.concurrency, b.random_ids);
         tasks.push(tokio::spawn(async move {
-            let mut local = latency_histogram().ok();
             // Connections start a share of the interval apart, so requests arrive evenly
             // spaced at the rate. All starting at once sent them in bursts of `concurrency`
             // every interval, and the last of a burst waited for the whole burst: at 4,000/s
@@ -593,21 +924,11 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
                     Err(_) => break,
                 };
                 let t0 = due.unwrap_or_else(Instant::now);
-                let res = client.request(req).await;
-                let outcome = match res {
-                    Ok(resp) => {
-                        let s = resp.status();
-                        match resp.into_body().collect().await {
-                            Ok(body) if s.is_success() => Outcome::Acked(EventCounts::from_answer(
-                                &body.to_bytes(),
-                                end - start,
-                            )),
-                            _ => Outcome::Failed,
-                        }
-                    }
-                    Err(_) => Outcome::Failed,
+                let outcome = match client.request(req).await {
+                    Ok(resp) => answer_outcome(resp, end - start).await,
+                    Err(e) => Outcome::Failed(Failure::transport(&e)),
                 };
-                tally.record(&mut local, t0, start, outcome);
+                tally.record(&mut local, t0, start, end - start, outcome);
             }
             tally.merge(local);
         }));
@@ -710,8 +1031,8 @@ pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
         let stretch_max = stretch_max.clone();
         let (total, size, targets, random_ids) = (b.events, b.size, b.targets, b.random_ids);
         let stretch_start = stretch_start.clone();
+        let mut local = Local::new()?;
         tasks.push(tokio::spawn(async move {
-            let mut local = latency_histogram().ok();
             loop {
                 let start = next.fetch_add(batch, Ordering::Relaxed);
                 if start >= total {
@@ -735,9 +1056,13 @@ pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
                         accepted: n,
                         ..EventCounts::default()
                     }),
-                    Err(_) => Outcome::Failed,
+                    Err(e) => Outcome::Failed(Failure {
+                        kind: FailureKind::Store,
+                        retry_after: None,
+                        message: e.to_string(),
+                    }),
                 };
-                tally.record(&mut local, t0, start, outcome);
+                tally.record(&mut local, t0, start, n, outcome);
                 if let Some(every) = stretch
                     && start / every != end / every
                 {
@@ -1031,6 +1356,186 @@ mod tests {
         );
     }
 
+    fn sent(first_event: u64, events: u64) -> Sent {
+        Sent {
+            at: Duration::ZERO,
+            first_event,
+            events,
+        }
+    }
+
+    fn failed(kind: FailureKind, retry_after: Option<&str>, message: &str) -> Outcome {
+        Outcome::Failed(Failure {
+            kind,
+            retry_after: retry_after.map(str::to_string),
+            message: message.to_string(),
+        })
+    }
+
+    #[test]
+    fn failed_requests_are_counted_by_kind_with_their_events_and_a_sample() {
+        let tally = Tally::build().expect("tally");
+        let (mut a, mut b) = (Local::new().expect("local"), Local::new().expect("local"));
+        let busy = FailureKind::Status(429);
+        let refused = FailureKind::Connect(Some(std::io::ErrorKind::ConnectionRefused));
+        tally.record_us(
+            &mut a,
+            900,
+            sent(0, 10),
+            failed(busy, Some("1"), "ingest is saturated"),
+        );
+        tally.record_us(
+            &mut b,
+            800,
+            sent(10, 10),
+            failed(busy, Some("2"), "saturated again"),
+        );
+        tally.record_us(&mut b, 700, sent(20, 10), failed(busy, None, "no header"));
+        tally.record_us(
+            &mut a,
+            5,
+            sent(30, 10),
+            failed(refused, None, "tcp connect error"),
+        );
+        tally.record_us(&mut a, 1_000, sent(40, 10), one_accepted());
+        tally.merge(a);
+        tally.merge(b);
+        let r = tally.report(Duration::from_secs(1)).expect("report");
+        assert_eq!((r.requests, r.failed_requests, r.failed_events), (5, 4, 40));
+        assert_eq!(r.failures.len(), 2, "{r}");
+        let f = &r.failures[0];
+        assert_eq!((f.kind, f.requests, f.events), (busy, 3, 30));
+        assert_eq!(f.with_retry_after, 2);
+        assert!(f.retry_after.is_some() && !f.sample.is_empty(), "{f:?}");
+        let text = r.to_string();
+        assert!(
+            text.contains("failed reqs:    4 of 5 requests, 40 events"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  3 × 429 Too Many Requests (30 events), 2 with Retry-After"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  1 × connect: connection refused (10 events): \"tcp connect error\""),
+            "{text}"
+        );
+    }
+
+    /// A refused connection is answered in microseconds: counted with the successful
+    /// requests, it pulled their percentiles down.
+    #[test]
+    fn failed_requests_are_left_out_of_the_latency_of_successful_ones() {
+        let tally = Tally::build().expect("tally");
+        let mut local = Local::new().expect("local");
+        let refused = FailureKind::Connect(Some(std::io::ErrorKind::ConnectionRefused));
+        for n in 0..90 {
+            tally.record_us(&mut local, 3, sent(n, 1), failed(refused, None, "refused"));
+        }
+        for n in 90..100 {
+            tally.record_us(&mut local, 10_000, sent(n, 1), one_accepted());
+        }
+        tally.merge(local);
+        let r = tally.report(Duration::from_secs(1)).expect("report");
+        let ok = r.latency_us.expect("some succeeded");
+        assert_eq!((ok[0], ok[3]), (10_000, 10_000), "{r}");
+        let fail = r.failed_latency_us.expect("some failed");
+        assert_eq!((fail[0], fail[3]), (3, 3), "{r}");
+        let text = r.to_string();
+        assert!(text.contains("latency (req):  p50 10.00 ms"), "{text}");
+        assert!(text.contains("latency (fail): p50 0.00 ms"), "{text}");
+    }
+
+    #[test]
+    fn any_failed_request_fails_the_run_unless_allowed() {
+        let tally = Tally::build().expect("tally");
+        let mut local = Local::new().expect("local");
+        tally.record_us(&mut local, 10, sent(0, 1), one_accepted());
+        tally.merge(local);
+        let clean = tally.report(Duration::from_secs(1)).expect("report");
+        assert_eq!(clean.problem(false), None);
+
+        let mut local = Local::new().expect("local");
+        let unavailable = FailureKind::Status(503);
+        tally.record_us(
+            &mut local,
+            10,
+            sent(1, 1),
+            failed(unavailable, Some("1"), "compacting"),
+        );
+        tally.merge(local);
+        let some = tally.report(Duration::from_secs(1)).expect("report");
+        let p = some.problem(false).expect("a request failed");
+        assert!(p.contains("1 of 2 requests failed"), "{p}");
+        assert_eq!(some.problem(true), None);
+
+        let none = Tally::build().expect("tally");
+        let mut local = Local::new().expect("local");
+        none.record_us(
+            &mut local,
+            10,
+            sent(0, 1),
+            failed(unavailable, None, "down"),
+        );
+        none.merge(local);
+        let all = none.report(Duration::from_secs(1)).expect("report");
+        assert!(all.latency_us.is_none());
+        assert!(
+            all.to_string()
+                .contains("latency (req):  no request succeeded")
+        );
+        // Allowing failures is for a run that measured something.
+        assert!(
+            all.problem(true)
+                .expect("all failed")
+                .contains("every request failed")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_is_named_as_such() {
+        // A port that was just free: nothing listens on it.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let client: Client<HttpConnector, Full<Bytes>> =
+            Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+        let req = Request::post(format!("http://127.0.0.1:{port}/v1/events"))
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .expect("request");
+        let e = client.request(req).await.expect_err("nothing listens");
+        let f = Failure::transport(&e);
+        assert_eq!(
+            f.kind,
+            FailureKind::Connect(Some(std::io::ErrorKind::ConnectionRefused))
+        );
+        assert_eq!(f.kind.to_string(), "connect: connection refused");
+        assert!(f.message.contains("refused"), "{}", f.message);
+    }
+
+    #[test]
+    fn an_error_answer_is_sampled_by_the_routers_error_or_its_body() {
+        let json = Failure::answered(
+            hyper::StatusCode::PAYLOAD_TOO_LARGE,
+            None,
+            br#"{"error": "the body is larger than 1048576 bytes", "errors": []}"#,
+        );
+        assert_eq!(json.kind.to_string(), "413 Payload Too Large");
+        assert_eq!(json.message, "the body is larger than 1048576 bytes");
+        let text = Failure::answered(hyper::StatusCode::NOT_FOUND, None, b"no route\n");
+        assert_eq!(text.message, "no route");
+        let empty = Failure::answered(
+            hyper::StatusCode::SERVICE_UNAVAILABLE,
+            Some("5".into()),
+            b"",
+        );
+        assert_eq!(
+            (empty.message.as_str(), empty.retry_after.as_deref()),
+            ("(empty body)", Some("5"))
+        );
+    }
+
     fn one_accepted() -> Outcome {
         Outcome::Acked(EventCounts {
             accepted: 1,
@@ -1074,14 +1579,14 @@ mod tests {
     #[test]
     fn a_report_counts_only_accepted_events_as_ok_and_in_the_throughput() {
         let tally = Tally::build().expect("tally");
-        let mut local = latency_histogram().ok();
+        let mut local = Local::new().expect("local");
         let answer = Outcome::Acked(EventCounts {
             accepted: 10,
             duplicate: 5,
             quarantined: 5,
             unreported: 0,
         });
-        tally.record_us(&mut local, 1_000, Duration::ZERO, 0, answer);
+        tally.record_us(&mut local, 1_000, sent(0, 20), answer);
         tally.merge(local);
         let text = tally
             .report(Duration::from_secs(1))
@@ -1097,21 +1602,22 @@ mod tests {
     #[test]
     fn requests_slower_than_a_minute_count_in_every_percentile_and_the_maximum() {
         let tally = Tally::build().expect("tally");
-        let mut local = latency_histogram().ok();
+        let mut local = Local::new().expect("local");
         for n in 0..99 {
-            tally.record_us(&mut local, 1_000, Duration::ZERO, n, one_accepted());
+            tally.record_us(&mut local, 1_000, sent(n, 1), one_accepted());
         }
         // A request that waited on a router stalled for two minutes (past the histogram's
         // initial bound, a minute rounded up to 67 s).
         let stalled = 125_000_321;
-        tally.record_us(&mut local, stalled, Duration::ZERO, 99, one_accepted());
+        tally.record_us(&mut local, stalled, sent(99, 1), one_accepted());
         tally.merge(local);
         let r = tally.report(Duration::from_secs(130)).expect("report");
-        assert_eq!(r.latency_us[3], stalled, "{r}");
+        let latency = r.latency_us.expect("requests succeeded");
+        assert_eq!(latency[3], stalled, "{r}");
         // 1 of 100 requests: past the 99th percentile, at the 99.9th (within the histogram's
         // 3 significant digits).
-        assert_eq!(r.latency_us[1], 1_000, "{r}");
-        assert!(r.latency_us[2].abs_diff(stalled) < stalled / 1000, "{r}");
+        assert_eq!(latency[1], 1_000, "{r}");
+        assert!(latency[2].abs_diff(stalled) < stalled / 1000, "{r}");
         assert_eq!(r.events.accepted, 100);
     }
 

@@ -421,7 +421,8 @@ enum ConfigCmd {
 
 #[derive(Subcommand)]
 enum BenchCmd {
-    /// Send events to POST /v1/events and report events/s and latency percentiles.
+    /// Send events to POST /v1/events and report events/s and latency percentiles. Exits 1
+    /// when any request failed (see --allow-failures), 130 when interrupted, 2 on an error.
     Ingest(router::bench::IngestBench),
     /// Accept events straight into a store in DIR (no HTTP): the store's group commit alone.
     Store(router::bench::StoreBench),
@@ -788,14 +789,15 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Bench {
             cmd: BenchCmd::Ingest(b),
         } => {
+            let allow_failures = b.allow_failures;
             let report = rt
                 .block_on(router::bench::run_ingest(b))
                 .map_err(anyhow::Error::msg)?;
             outln!("{report}");
-            // Some refusals (429/503) are what a saturating run measures; none accepted at all
-            // is a run that measured nothing (a wrong URL or token), and says so.
-            if report.events.taken() == 0 && report.failed_requests > 0 {
-                router::errln!("every request failed: nothing was measured");
+            // A failed request is a run that did not measure what it was asked to, unless the
+            // refusals (429/503 of a saturating run) are the point and --allow-failures says so.
+            if let Some(problem) = report.problem(allow_failures) {
+                router::errln!("{problem}");
                 return Ok(ExitCode::from(1));
             }
             Ok(ExitCode::SUCCESS)

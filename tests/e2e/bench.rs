@@ -52,3 +52,78 @@ async fn quarantined_events_are_counted_apart_from_accepted_ones() {
     );
     assert!(out.contains("throughput:     0 events/s"), "{out}");
 }
+
+/// A receiver answering some requests 503 with `Retry-After`: the report names the failures
+/// by status with a count, their events and the header; the latency line counts the
+/// successful requests; the run exits 1 unless `--allow-failures`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_requests_are_broken_down_and_fail_the_run_unless_allowed() {
+    let rcv = Receiver::scripted(std::sync::Arc::new(|ev, _| {
+        if ev["data"]["order_id"].as_u64().unwrap_or(0) % 4 == 0 {
+            (503, Duration::ZERO, vec![("retry-after", "7".to_string())])
+        } else {
+            (202, Duration::ZERO, vec![])
+        }
+    }))
+    .await;
+    let url = rcv.url();
+    let args = [
+        "--url",
+        &url,
+        "--events",
+        "40",
+        "--concurrency",
+        "2",
+        "--size",
+        "256",
+    ];
+    let (code, out, err) = bench_ingest(&args).await;
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert!(out.contains("events ok:      30 acknowledged"), "{out}");
+    assert!(
+        out.contains("failed reqs:    10 of 40 requests, 10 events"),
+        "{out}"
+    );
+    assert!(
+        out.contains(
+            "  10 × 503 Service Unavailable (10 events), 10 with Retry-After (first: \"7\")"
+        ),
+        "{out}"
+    );
+    assert!(out.contains("latency (fail): "), "{out}");
+    assert!(err.contains("10 of 40 requests failed"), "{err}");
+
+    let (code, out, err) = bench_ingest(&[&args[..], &["--allow-failures"]].concat()).await;
+    assert_eq!(code, Some(0), "{out}{err}");
+}
+
+/// Nothing listening: every request fails as a refused connection, which the report says,
+/// and even `--allow-failures` exits 1 (the run measured nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_connection_is_reported_as_such_and_fails_the_run() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let url = format!("http://127.0.0.1:{port}/v1/events");
+    let (code, out, err) = bench_ingest(&[
+        "--url",
+        &url,
+        "--events",
+        "6",
+        "--concurrency",
+        "2",
+        "--allow-failures",
+    ])
+    .await;
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert!(
+        out.contains("6 × connect: connection refused (6 events)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("latency (req):  no request succeeded"),
+        "{out}"
+    );
+    assert!(err.contains("every request failed"), "{err}");
+}
