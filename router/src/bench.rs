@@ -21,16 +21,17 @@ pub struct IngestBench {
     /// Full URL of the ingest endpoint.
     #[arg(long, default_value = "http://127.0.0.1:8080/v1/events")]
     pub url: String,
-    /// Events to send in total.
-    #[arg(long, default_value_t = 100_000)]
+    /// Events to send in total (at least 1).
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub events: u64,
-    /// Concurrent connections.
-    #[arg(long, default_value_t = 64)]
+    /// Concurrent connections (1 to 10000).
+    #[arg(long, default_value_t = 64, value_parser = concurrency_parser())]
     pub concurrency: usize,
-    /// Events per request (1 = structured mode, more = batch mode).
-    #[arg(long, default_value_t = 1)]
+    /// Events per request (1 = structured mode, more = batch mode; at most 1000000).
+    #[arg(long, default_value_t = 1, value_parser = batch_parser())]
     pub batch: usize,
-    /// Approximate bytes per event.
+    /// Approximate bytes per event: the data is padded up to it. Below the smallest envelope
+    /// (about 200 bytes) events are sent unpadded, and a note says so.
     #[arg(long, default_value_t = 1024)]
     pub size: usize,
     /// Fixed rate in events/s (open loop: requests go out on schedule, and latency counts from
@@ -465,6 +466,36 @@ fn make_event(run: &str, n: u64, size: usize, ty: &str, random_id: bool) -> serd
     ev
 }
 
+/// The most concurrent connections or writers: past this one machine runs out of ephemeral
+/// ports or file descriptors, and each connection keeps a latency histogram.
+pub const MAX_CONCURRENCY: u64 = 10_000;
+/// The most events per request or accept call: far past any router's `ingest.max_batch`
+/// (1000 by default), and small enough that event numbers cannot overflow.
+pub const MAX_BATCH: u64 = 1_000_000;
+
+/// `--concurrency`: 1 to [`MAX_CONCURRENCY`]. Zero sent nothing and printed a report of
+/// zeros that exited 0.
+fn concurrency_parser() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_CONCURRENCY)
+}
+
+/// `--batch`: 1 to [`MAX_BATCH`]. Zero was sent as 1 without a word.
+fn batch_parser() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_BATCH)
+}
+
+/// A note when `size` is below the smallest event this run sends (event 0 of `run`, unpadded):
+/// the events go out bigger than asked, which a reader of the throughput should know.
+fn size_note(size: usize, run: &str, ty: &str, random_ids: bool) -> Option<String> {
+    let smallest = make_event(run, 0, 0, ty, random_ids).to_string().len();
+    (size < smallest).then(|| {
+        format!(
+            "note: --size {size} is below the smallest event this run sends ({smallest} bytes \
+             unpadded): events are sent unpadded, at least {smallest} bytes each"
+        )
+    })
+}
+
 /// The slowest `--rate` accepted, in events/s: one event every 1,000 s. Slower would make a
 /// connection's period (`batch × concurrency / rate`) too long to schedule sensibly.
 pub const MIN_RATE: f64 = 0.001;
@@ -850,6 +881,9 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
         .pool_max_idle_per_host(b.concurrency)
         .build(connector);
     let run = format!("{:x}", rand::random::<u64>());
+    if let Some(note) = size_note(b.size, &run, &b.event_type, b.random_ids) {
+        crate::errln!("{note}");
+    }
     let next = Arc::new(AtomicU64::new(0));
     let tally = match b.report_every {
         Some(secs) => Tally::with_intervals(Duration::from_secs(secs.max(1)))?,
@@ -857,7 +891,7 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
     };
     let started = Instant::now();
     let mut tasks = Vec::new();
-    let batch = b.batch.max(1) as u64;
+    let batch = b.batch as u64;
     // Open loop: each connection sends at its share of the rate.
     let per_conn_interval = b
         .rate
@@ -896,7 +930,7 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
                 if start >= total {
                     break;
                 }
-                let end = (start + batch).min(total);
+                let end = start.saturating_add(batch).min(total);
                 let due = match tick.as_mut() {
                     Some(t) => Some(t.tick().await.into_std()),
                     None => None,
@@ -943,14 +977,14 @@ pub struct StoreBench {
     /// Data directory of the store (created; should be empty).
     #[arg(long)]
     pub dir: std::path::PathBuf,
-    /// Events to accept in total.
-    #[arg(long, default_value_t = 100_000)]
+    /// Events to accept in total (at least 1).
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub events: u64,
-    /// Concurrent writers.
-    #[arg(long, default_value_t = 64)]
+    /// Concurrent writers (1 to 10000).
+    #[arg(long, default_value_t = 64, value_parser = concurrency_parser())]
     pub concurrency: usize,
-    /// Events per accept call.
-    #[arg(long, default_value_t = 1)]
+    /// Events per accept call (1 to 1000000).
+    #[arg(long, default_value_t = 1, value_parser = batch_parser())]
     pub batch: usize,
     /// Approximate bytes per event.
     #[arg(long, default_value_t = 1024)]
@@ -1019,7 +1053,7 @@ pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
     let run = format!("{:x}", rand::random::<u64>());
     let next = Arc::new(AtomicU64::new(0));
     let tally = Tally::new()?;
-    let batch = b.batch.max(1) as u64;
+    let batch = b.batch as u64;
     let started = Instant::now();
     let mut tasks = Vec::new();
     let stretch = b.report_every.filter(|&n| n > 0);
@@ -1038,7 +1072,7 @@ pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
                 if start >= total {
                     break;
                 }
-                let end = (start + batch).min(total);
+                let end = start.saturating_add(batch).min(total);
                 let now = chrono::Utc::now().timestamp_millis();
                 let events = (start..end)
                     .filter_map(|n| {
@@ -1322,6 +1356,45 @@ mod tests {
         use clap::Parser;
         IngestCli::try_parse_from(std::iter::once("ingest").chain(args.iter().copied()))
             .map(|c| c.b)
+    }
+
+    #[test]
+    fn events_concurrency_and_batch_must_be_at_least_one() {
+        for (opt, bad) in [
+            ("--events", "0"),
+            ("--concurrency", "0"),
+            ("--concurrency", "10001"),
+            ("--batch", "0"),
+            ("--batch", "1000001"),
+        ] {
+            let e = ingest_args(&[opt, bad]).expect_err(opt);
+            assert_eq!(
+                e.kind(),
+                clap::error::ErrorKind::ValueValidation,
+                "{opt} {bad}"
+            );
+        }
+        let b = ingest_args(&["--events", "1", "--concurrency", "1", "--batch", "1"])
+            .expect("the smallest run");
+        assert_eq!((b.events, b.concurrency, b.batch), (1, 1, 1));
+        let d = ingest_args(&[]).expect("defaults");
+        assert_eq!((d.events, d.concurrency, d.batch), (100_000, 64, 1));
+    }
+
+    #[test]
+    fn a_size_below_the_envelope_is_noted() {
+        let smallest = make_event("ab12", 0, 0, "bench.event", false)
+            .to_string()
+            .len();
+        let note = size_note(10, "ab12", "bench.event", false).expect("below the envelope");
+        assert!(
+            note.contains("--size 10") && note.contains(&format!("{smallest} bytes")),
+            "{note}"
+        );
+        assert_eq!(size_note(smallest, "ab12", "bench.event", false), None);
+        assert_eq!(size_note(1024, "ab12", "bench.event", true), None);
+        // Random ids are longer: the smallest event too.
+        assert!(size_note(smallest, "ab12", "bench.event", true).is_some());
     }
 
     #[test]
