@@ -59,6 +59,22 @@ pub struct IngestBench {
     /// exit status 1.
     #[arg(long)]
     pub allow_failures: bool,
+    /// How long a request may take, from sending it to the end of its answer (e.g. `500ms`,
+    /// `60s`, `2m`); one that takes longer is abandoned and counted as a failed request
+    /// (`timed out`).
+    #[arg(long, default_value = "60s", value_parser = parse_timeout)]
+    pub timeout: Duration,
+}
+
+/// Parses `--timeout`: a duration such as `500ms` or `2m`, more than zero.
+fn parse_timeout(s: &str) -> Result<Duration, String> {
+    match humantime::parse_duration(s) {
+        Ok(d) if !d.is_zero() => Ok(d),
+        Ok(_) => Err("the timeout must be more than zero".to_string()),
+        Err(e) => Err(format!(
+            "`{s}` is not a duration (e.g. 500ms, 60s, 2m): {e}"
+        )),
+    }
 }
 
 /// What the 2xx answers said about their events.
@@ -156,6 +172,8 @@ pub enum FailureKind {
     /// The connection broke, or the answer was not HTTP or was cut off, with the system's
     /// reason when it gave one.
     Transport(Option<std::io::ErrorKind>),
+    /// No complete answer within `--timeout`.
+    Timeout,
     /// (`bench store`) The store failed the accept.
     Store,
 }
@@ -176,6 +194,7 @@ impl std::fmt::Display for FailureKind {
             Self::Connect(None) => f.write_str("connect failed"),
             Self::Transport(Some(k)) => write!(f, "{k}"),
             Self::Transport(None) => f.write_str("connection failed"),
+            Self::Timeout => f.write_str("timed out"),
             Self::Store => f.write_str("store error"),
         }
     }
@@ -322,6 +341,16 @@ pub type Percentiles = [u64; 4];
 /// Result of a run.
 #[derive(Debug, Clone)]
 pub struct BenchReport {
+    /// The run's id: every event id is `<run>-<number>`, or with `random_ids`
+    /// `<32 hex digits>-<run>-<number>`, so the run's events can be found in the router's log.
+    pub run: String,
+    /// Whether the event ids had a random prefix (`--random-ids`).
+    pub random_ids: bool,
+    /// Whether the run was stopped (Ctrl-C) before it sent every event: the report covers the
+    /// requests finished until then.
+    pub interrupted: bool,
+    /// Requests in flight when the run was stopped, abandoned unanswered, and their events.
+    pub abandoned: (u64, u64),
     /// Events of the requests answered 2xx, by what the answer said of each.
     pub events: EventCounts,
     /// Requests finished (answered, or failed without an answer).
@@ -378,9 +407,35 @@ pub struct Slowest {
     pub failed: bool,
 }
 
+/// Events per second as a report prints it: whole numbers from 100 on, one decimal below,
+/// three below 1/s (a slow fixed-rate run is not "0 events/s").
+fn events_per_sec(n: u64, secs: f64) -> String {
+    let r = if secs > 0.0 { n as f64 / secs } else { 0.0 };
+    if r == 0.0 || r >= 100.0 {
+        format!("{r:.0}")
+    } else if r >= 1.0 {
+        format!("{r:.1}")
+    } else {
+        format!("{r:.3}")
+    }
+}
+
 impl std::fmt::Display for BenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let secs = self.elapsed.as_secs_f64();
+        let ids = if self.random_ids {
+            format!("<hex>-{}-<n>", self.run)
+        } else {
+            format!("{}-<n>", self.run)
+        };
+        writeln!(f, "run id:         {} (event ids {ids})", self.run)?;
+        if self.interrupted {
+            writeln!(
+                f,
+                "interrupted:    stopped before the end; {} requests in flight abandoned ({} events)",
+                self.abandoned.0, self.abandoned.1
+            )?;
+        }
         writeln!(f, "events ok:      {}", self.events)?;
         if self.failed_requests == 0 {
             writeln!(f, "failed reqs:    0")?;
@@ -397,8 +452,8 @@ impl std::fmt::Display for BenchReport {
         writeln!(f, "elapsed:        {secs:.2} s")?;
         writeln!(
             f,
-            "throughput:     {:.0} events/s",
-            self.events.taken() as f64 / secs
+            "throughput:     {} events/s",
+            events_per_sec(self.events.taken(), secs)
         )?;
         let ms = |us: u64| us as f64 / 1000.0;
         let line = |p: &Percentiles| {
@@ -420,10 +475,11 @@ impl std::fmt::Display for BenchReport {
         if let Some(w) = &self.slowest {
             write!(
                 f,
-                "\nslowest req:    {:.2} ms, sent at +{:.3} s, first event #{}{}",
+                "\nslowest req:    {:.2} ms, sent at +{:.3} s, first event #{} (id {}){}",
                 ms(w.latency_us),
                 w.sent_at.as_secs_f64(),
                 w.first_event,
+                event_id(&self.run, w.first_event, self.random_ids),
                 if w.failed { " (failed)" } else { "" }
             )?;
         }
@@ -685,6 +741,10 @@ struct Tally {
     window: Option<std::sync::Mutex<hdrhistogram::Histogram<u64>>>,
     /// Failed requests of the current reporting interval.
     window_failed: AtomicU64,
+    /// Requests abandoned in flight when the run was stopped, and their events.
+    abandoned: (AtomicU64, AtomicU64),
+    /// Whether a task stopped before the run's events ran out.
+    cut_short: std::sync::atomic::AtomicBool,
 }
 
 impl Tally {
@@ -704,6 +764,8 @@ impl Tally {
             slowest: std::sync::Mutex::new(None),
             window: None,
             window_failed: AtomicU64::new(0),
+            abandoned: (AtomicU64::new(0), AtomicU64::new(0)),
+            cut_short: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -808,13 +870,27 @@ impl Tally {
         }
     }
 
+    /// A task stopped by Ctrl-C, abandoning a request of `events` events in flight (or none).
+    fn stopped(&self, in_flight: Option<u64>) {
+        self.cut_short.store(true, Ordering::Relaxed);
+        if let Some(events) = in_flight {
+            self.abandoned.0.fetch_add(1, Ordering::Relaxed);
+            self.abandoned.1.fetch_add(events, Ordering::Relaxed);
+        }
+    }
+
     fn merge(&self, local: Local) {
         if let Ok(mut m) = self.merged.lock() {
             m.add(local);
         }
     }
 
-    fn report(&self, elapsed: Duration) -> Result<BenchReport, String> {
+    fn report(
+        &self,
+        elapsed: Duration,
+        run: &str,
+        random_ids: bool,
+    ) -> Result<BenchReport, String> {
         let m = self
             .merged
             .lock()
@@ -823,6 +899,13 @@ impl Tally {
         failures.sort_by(|a, b| b.requests.cmp(&a.requests).then(a.kind.cmp(&b.kind)));
         let failed_requests = failures.iter().map(|f| f.requests).sum();
         Ok(BenchReport {
+            run: run.to_string(),
+            random_ids,
+            interrupted: self.cut_short.load(Ordering::Relaxed),
+            abandoned: (
+                self.abandoned.0.load(Ordering::Relaxed),
+                self.abandoned.1.load(Ordering::Relaxed),
+            ),
             events: EventCounts {
                 accepted: self.accepted.load(Ordering::Relaxed),
                 duplicate: self.duplicate.load(Ordering::Relaxed),
@@ -865,8 +948,13 @@ async fn answer_outcome(resp: Response<Incoming>, events: u64) -> Outcome {
     }
 }
 
-/// Runs the ingest load and returns the report.
-pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
+/// Runs the ingest load and returns the report. Cancelling `stop` (Ctrl-C) ends the run
+/// early: no new request goes out, those in flight are abandoned, and the report covers the
+/// requests finished until then.
+pub async fn run_ingest(
+    b: IngestBench,
+    stop: tokio_util::sync::CancellationToken,
+) -> Result<BenchReport, String> {
     let uri: hyper::Uri = b.url.parse().map_err(|e| format!("bad url: {e}"))?;
     let authorization = match b.token.as_deref().filter(|t| !t.is_empty()) {
         Some(t) => Some(
@@ -907,8 +995,9 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
             b.event_type.clone(),
             authorization.clone(),
         );
-        let (total, size, concurrency, random_ids) =
-            (b.events, b.size, b.concurrency, b.random_ids);
+        let (total, size, concurrency, random_ids, timeout) =
+            (b.events, b.size, b.concurrency, b.random_ids, b.timeout);
+        let stop = stop.clone();
         tasks.push(tokio::spawn(async move {
             // Connections start a share of the interval apart, so requests arrive evenly
             // spaced at the rate. All starting at once sent them in bursts of `concurrency`
@@ -932,7 +1021,17 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
                 }
                 let end = start.saturating_add(batch).min(total);
                 let due = match tick.as_mut() {
-                    Some(t) => Some(t.tick().await.into_std()),
+                    Some(t) => tokio::select! {
+                        () = stop.cancelled() => {
+                            tally.stopped(None);
+                            break;
+                        }
+                        due = t.tick() => Some(due.into_std()),
+                    },
+                    None if stop.is_cancelled() => {
+                        tally.stopped(None);
+                        break;
+                    }
                     None => None,
                 };
                 let (body, ct) = if batch == 1 {
@@ -958,9 +1057,27 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
                     Err(_) => break,
                 };
                 let t0 = due.unwrap_or_else(Instant::now);
-                let outcome = match client.request(req).await {
-                    Ok(resp) => answer_outcome(resp, end - start).await,
-                    Err(e) => Outcome::Failed(Failure::transport(&e)),
+                let exchange = async {
+                    match client.request(req).await {
+                        Ok(resp) => answer_outcome(resp, end - start).await,
+                        Err(e) => Outcome::Failed(Failure::transport(&e)),
+                    }
+                };
+                let outcome = tokio::select! {
+                    () = stop.cancelled() => {
+                        tally.stopped(Some(end - start));
+                        break;
+                    }
+                    o = tokio::time::timeout(timeout, exchange) => o.unwrap_or_else(|_| {
+                        Outcome::Failed(Failure {
+                            kind: FailureKind::Timeout,
+                            retry_after: None,
+                            message: format!(
+                                "no complete answer within {}",
+                                humantime::format_duration(timeout)
+                            ),
+                        })
+                    }),
                 };
                 tally.record(&mut local, t0, start, end - start, outcome);
             }
@@ -968,7 +1085,7 @@ pub async fn run_ingest(b: IngestBench) -> Result<BenchReport, String> {
         }));
     }
     join_tasks(tasks).await?;
-    tally.report(started.elapsed())
+    tally.report(started.elapsed(), &run, b.random_ids)
 }
 
 /// Parameters of `router bench store` (its command-line arguments).
@@ -1113,7 +1230,7 @@ pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
         }));
     }
     join_tasks(tasks).await?;
-    tally.report(started.elapsed())
+    tally.report(started.elapsed(), &run, b.random_ids)
 }
 
 /// Parameters of `router bench sweep` (its command-line arguments).
@@ -1473,7 +1590,9 @@ mod tests {
         tally.record_us(&mut a, 1_000, sent(40, 10), one_accepted());
         tally.merge(a);
         tally.merge(b);
-        let r = tally.report(Duration::from_secs(1)).expect("report");
+        let r = tally
+            .report(Duration::from_secs(1), "ab12", false)
+            .expect("report");
         assert_eq!((r.requests, r.failed_requests, r.failed_events), (5, 4, 40));
         assert_eq!(r.failures.len(), 2, "{r}");
         let f = &r.failures[0];
@@ -1509,7 +1628,9 @@ mod tests {
             tally.record_us(&mut local, 10_000, sent(n, 1), one_accepted());
         }
         tally.merge(local);
-        let r = tally.report(Duration::from_secs(1)).expect("report");
+        let r = tally
+            .report(Duration::from_secs(1), "ab12", false)
+            .expect("report");
         let ok = r.latency_us.expect("some succeeded");
         assert_eq!((ok[0], ok[3]), (10_000, 10_000), "{r}");
         let fail = r.failed_latency_us.expect("some failed");
@@ -1525,7 +1646,9 @@ mod tests {
         let mut local = Local::new().expect("local");
         tally.record_us(&mut local, 10, sent(0, 1), one_accepted());
         tally.merge(local);
-        let clean = tally.report(Duration::from_secs(1)).expect("report");
+        let clean = tally
+            .report(Duration::from_secs(1), "ab12", false)
+            .expect("report");
         assert_eq!(clean.problem(false), None);
 
         let mut local = Local::new().expect("local");
@@ -1537,7 +1660,9 @@ mod tests {
             failed(unavailable, Some("1"), "compacting"),
         );
         tally.merge(local);
-        let some = tally.report(Duration::from_secs(1)).expect("report");
+        let some = tally
+            .report(Duration::from_secs(1), "ab12", false)
+            .expect("report");
         let p = some.problem(false).expect("a request failed");
         assert!(p.contains("1 of 2 requests failed"), "{p}");
         assert_eq!(some.problem(true), None);
@@ -1551,7 +1676,9 @@ mod tests {
             failed(unavailable, None, "down"),
         );
         none.merge(local);
-        let all = none.report(Duration::from_secs(1)).expect("report");
+        let all = none
+            .report(Duration::from_secs(1), "ab12", false)
+            .expect("report");
         assert!(all.latency_us.is_none());
         assert!(
             all.to_string()
@@ -1609,6 +1736,133 @@ mod tests {
         );
     }
 
+    /// A server that takes connections and requests and never answers: a hung router.
+    async fn hung_server() -> (String, tokio::task::JoinHandle<()>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let url = format!("http://{}/v1/events", listener.local_addr().expect("addr"));
+        let server = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((conn, _)) = listener.accept().await {
+                held.push(conn);
+            }
+        });
+        (url, server)
+    }
+
+    #[tokio::test]
+    async fn a_request_without_an_answer_times_out_as_a_failure() {
+        let (url, server) = hung_server().await;
+        let b = ingest_args(&[
+            "--url",
+            &url,
+            "--events",
+            "3",
+            "--concurrency",
+            "1",
+            "--timeout",
+            "200ms",
+        ])
+        .expect("args");
+        let stop = tokio_util::sync::CancellationToken::new();
+        let r = tokio::time::timeout(Duration::from_secs(30), run_ingest(b, stop))
+            .await
+            .expect("the timeout ends every request")
+            .expect("report");
+        server.abort();
+        assert_eq!((r.requests, r.failed_requests), (3, 3), "{r}");
+        assert_eq!(r.failures[0].kind, FailureKind::Timeout, "{r}");
+        assert!(
+            r.to_string()
+                .contains("3 × timed out (3 events): \"no complete answer within 200ms\""),
+            "{r}"
+        );
+        assert!(!r.interrupted);
+    }
+
+    #[tokio::test]
+    async fn a_stopped_run_reports_what_it_did_and_what_it_abandoned() {
+        let (url, server) = hung_server().await;
+        let b = ingest_args(&[
+            "--url",
+            &url,
+            "--events",
+            "100",
+            "--concurrency",
+            "4",
+            "--batch",
+            "2",
+        ])
+        .expect("args");
+        let stop = tokio_util::sync::CancellationToken::new();
+        let run = tokio::spawn(run_ingest(b, stop.clone()));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        stop.cancel();
+        let r = tokio::time::timeout(Duration::from_secs(10), run)
+            .await
+            .expect("stopping is prompt")
+            .expect("joined")
+            .expect("report");
+        server.abort();
+        assert!(r.interrupted, "{r}");
+        assert_eq!(r.abandoned, (4, 8), "{r}");
+        assert_eq!(r.requests, 0, "{r}");
+        assert!(
+            r.to_string().contains(
+                "interrupted:    stopped before the end; 4 requests in flight abandoned (8 events)"
+            ),
+            "{r}"
+        );
+    }
+
+    #[test]
+    fn the_report_names_the_run_and_the_slowest_events_id() {
+        let tally = Tally::build().expect("tally");
+        let mut local = Local::new().expect("local");
+        tally.record_us(&mut local, 1_000, sent(7, 1), one_accepted());
+        tally.merge(local);
+        let r = tally
+            .report(Duration::from_secs(2), "ab12", false)
+            .expect("report");
+        let text = r.to_string();
+        assert!(
+            text.starts_with("run id:         ab12 (event ids ab12-<n>)\n"),
+            "{text}"
+        );
+        assert!(text.contains("first event #7 (id ab12-7)"), "{text}");
+        // Below 1/s, with decimals.
+        assert!(text.contains("throughput:     0.500 events/s"), "{text}");
+        let random = tally
+            .report(Duration::from_secs(2), "ab12", true)
+            .expect("report");
+        let text = random.to_string();
+        assert!(text.contains("(event ids <hex>-ab12-<n>)"), "{text}");
+        assert!(
+            text.contains(&format!("(id {})", event_id("ab12", 7, true))),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn throughput_keeps_decimals_below_one_hundred_per_second() {
+        assert_eq!(events_per_sec(0, 1.0), "0");
+        assert_eq!(events_per_sec(1, 4.0), "0.250");
+        assert_eq!(events_per_sec(15, 2.0), "7.5");
+        assert_eq!(events_per_sec(16_071, 1.0), "16071");
+        assert_eq!(events_per_sec(5, 0.0), "0");
+        let t = ingest_args(&["--timeout", "1500ms"]).expect("a timeout");
+        assert_eq!(t.timeout, Duration::from_millis(1500));
+        assert_eq!(
+            ingest_args(&[]).expect("defaults").timeout,
+            Duration::from_secs(60)
+        );
+        for bad in ["0s", "soon"] {
+            let e = ingest_args(&["--timeout", bad]).expect_err(bad);
+            assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation, "{bad}");
+        }
+    }
+
     fn one_accepted() -> Outcome {
         Outcome::Acked(EventCounts {
             accepted: 1,
@@ -1662,14 +1916,14 @@ mod tests {
         tally.record_us(&mut local, 1_000, sent(0, 20), answer);
         tally.merge(local);
         let text = tally
-            .report(Duration::from_secs(1))
+            .report(Duration::from_secs(1), "ab12", false)
             .expect("report")
             .to_string();
         assert!(
             text.contains("events ok:      10 accepted, 5 duplicate, 5 quarantined"),
             "{text}"
         );
-        assert!(text.contains("throughput:     10 events/s"), "{text}");
+        assert!(text.contains("throughput:     10.0 events/s"), "{text}");
     }
 
     #[test]
@@ -1684,7 +1938,9 @@ mod tests {
         let stalled = 125_000_321;
         tally.record_us(&mut local, stalled, sent(99, 1), one_accepted());
         tally.merge(local);
-        let r = tally.report(Duration::from_secs(130)).expect("report");
+        let r = tally
+            .report(Duration::from_secs(130), "ab12", false)
+            .expect("report");
         let latency = r.latency_us.expect("requests succeeded");
         assert_eq!(latency[3], stalled, "{r}");
         // 1 of 100 requests: past the 99th percentile, at the 99.9th (within the histogram's

@@ -790,10 +790,26 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             cmd: BenchCmd::Ingest(b),
         } => {
             let allow_failures = b.allow_failures;
+            // Ctrl-C stops the run and prints what it did; a second one ends the process.
+            let stop = tokio_util::sync::CancellationToken::new();
+            let on_signal = stop.clone();
+            rt.spawn(async move {
+                if tokio::signal::ctrl_c().await.is_ok() {
+                    router::errln!("interrupted: stopping (Ctrl-C again to quit at once)");
+                    on_signal.cancel();
+                }
+                if tokio::signal::ctrl_c().await.is_ok() {
+                    std::process::exit(130);
+                }
+            });
             let report = rt
-                .block_on(router::bench::run_ingest(b))
+                .block_on(router::bench::run_ingest(b, stop))
                 .map_err(anyhow::Error::msg)?;
             outln!("{report}");
+            if report.interrupted {
+                router::errln!("interrupted: the report covers the requests finished before");
+                return Ok(ExitCode::from(130));
+            }
             // A failed request is a run that did not measure what it was asked to, unless the
             // refusals (429/503 of a saturating run) are the point and --allow-failures says so.
             if let Some(problem) = report.problem(allow_failures) {

@@ -127,3 +127,103 @@ async fn a_refused_connection_is_reported_as_such_and_fails_the_run() {
     );
     assert!(err.contains("every request failed"), "{err}");
 }
+
+/// A router that takes requests and never answers: Ctrl-C stops the run, which prints what it
+/// did (and what it abandoned) and exits 130, instead of hanging until the timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_stops_a_hung_run_and_prints_its_report() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}/v1/events", listener.local_addr().expect("addr"));
+    let hung = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = listener.accept().await {
+            held.push(conn);
+        }
+    });
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_router"))
+        .args([
+            "bench",
+            "ingest",
+            "--url",
+            &url,
+            "--events",
+            "50",
+            "--concurrency",
+            "3",
+        ])
+        .env_remove("ROUTER_TOKEN")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn bench ingest");
+    let pid = child.id().expect("pid").to_string();
+    // Time to connect and send its first requests (generous: a loaded machine).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let sent = tokio::process::Command::new("kill")
+        .args(["-INT", &pid])
+        .status()
+        .await
+        .expect("kill -INT");
+    assert!(sent.success());
+    let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
+        .await
+        .expect("stopped within 30 s of Ctrl-C (its request timeout is 60 s)")
+        .expect("output");
+    hung.abort();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(130), "{stdout}{stderr}");
+    assert!(stdout.starts_with("run id:         "), "{stdout}");
+    assert!(
+        stdout.contains(
+            "interrupted:    stopped before the end; 3 requests in flight abandoned (3 events)"
+        ),
+        "{stdout}"
+    );
+    assert!(stdout.contains("failed reqs:    0"), "{stdout}");
+    assert!(stderr.contains("interrupted"), "{stderr}");
+}
+
+/// `--timeout`: a request a router does not answer in time is a failure of its own kind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_past_the_timeout_is_a_failure_of_its_own_kind() {
+    let rcv = Receiver::scripted(std::sync::Arc::new(|ev, _| {
+        let slow = ev["data"]["order_id"].as_u64() == Some(0);
+        (
+            202,
+            if slow {
+                Duration::from_secs(5)
+            } else {
+                Duration::ZERO
+            },
+            vec![],
+        )
+    }))
+    .await;
+    let url = rcv.url();
+    let (code, out, err) = bench_ingest(&[
+        "--url",
+        &url,
+        "--events",
+        "4",
+        "--concurrency",
+        "1",
+        "--timeout",
+        "300ms",
+    ])
+    .await;
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert!(
+        out.contains("failed reqs:    1 of 4 requests, 1 events"),
+        "{out}"
+    );
+    assert!(
+        out.contains("  1 × timed out (1 events): \"no complete answer within 300ms\""),
+        "{out}"
+    );
+    assert!(out.contains("events ok:      3 acknowledged"), "{out}");
+}
