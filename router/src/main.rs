@@ -432,7 +432,8 @@ enum ConfigCmd {
 
 #[derive(Subcommand)]
 enum BenchCmd {
-    /// Send events to POST /v1/events and report events/s and latency percentiles.
+    /// Send events to POST /v1/events and report events/s and latency percentiles. Exits 1
+    /// when any request failed (see --allow-failures), 130 when interrupted, 2 on an error.
     Ingest(router::bench::IngestBench),
     /// Accept events straight into a store in DIR (no HTTP): the store's group commit alone.
     Store(router::bench::StoreBench),
@@ -824,14 +825,31 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Bench {
             cmd: BenchCmd::Ingest(b),
         } => {
+            let allow_failures = b.allow_failures;
+            // Ctrl-C stops the run and prints what it did; a second one ends the process.
+            let stop = tokio_util::sync::CancellationToken::new();
+            let on_signal = stop.clone();
+            rt.spawn(async move {
+                if tokio::signal::ctrl_c().await.is_ok() {
+                    router::errln!("interrupted: stopping (Ctrl-C again to quit at once)");
+                    on_signal.cancel();
+                }
+                if tokio::signal::ctrl_c().await.is_ok() {
+                    std::process::exit(130);
+                }
+            });
             let report = rt
-                .block_on(router::bench::run_ingest(b))
+                .block_on(router::bench::run_ingest(b, stop))
                 .map_err(anyhow::Error::msg)?;
             outln!("{report}");
-            // Some refusals (429/503) are what a saturating run measures; none accepted at all
-            // is a run that measured nothing (a wrong URL or token), and says so.
-            if report.ok_events == 0 && report.failed_requests > 0 {
-                router::errln!("every request failed: nothing was measured");
+            if report.interrupted {
+                router::errln!("interrupted: the report covers the requests finished before");
+                return Ok(ExitCode::from(130));
+            }
+            // A failed request is a run that did not measure what it was asked to, unless the
+            // refusals (429/503 of a saturating run) are the point and --allow-failures says so.
+            if let Some(problem) = report.problem(allow_failures) {
+                router::errln!("{problem}");
                 return Ok(ExitCode::from(1));
             }
             Ok(ExitCode::SUCCESS)

@@ -387,7 +387,10 @@ async fn the_load_tool_sends_its_token_and_reports_what_was_accepted() {
     let run = |token| run_router(token, &bench_args);
     let (ok, text, _) = run(Some("load-token")).await;
     assert!(ok, "{text}");
-    assert!(text.contains("events ok:      300"), "{text}");
+    assert!(
+        text.contains("events ok:      300 accepted, 0 duplicate, 0 quarantined"),
+        "{text}"
+    );
     assert!(text.contains("failed reqs:    0"), "{text}");
     assert!(text.contains("events/s"), "{text}");
     let metrics: String = client()

@@ -1,6 +1,7 @@
 //! End-to-end tests: the real `router` binary, real HTTP receivers, temp data dirs.
 
 mod batch;
+mod bench;
 mod chaos;
 mod cli;
 mod cluster;
