@@ -1507,6 +1507,7 @@ pub async fn run_with_store(
         handlers: handlers.clone(),
         log_gates: Default::default(),
         unannounced: Default::default(),
+        store_faults: Default::default(),
     });
     if let Some(h) = &handlers {
         h.changes
@@ -2273,6 +2274,7 @@ fn test_app_with(
         handlers: None,
         log_gates: Default::default(),
         unannounced: Default::default(),
+        store_faults: Default::default(),
     });
     let now = clock.now_ms();
     Arc::new(App {
