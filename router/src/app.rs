@@ -1556,6 +1556,7 @@ pub async fn run_with_store(
         handlers: handlers.clone(),
         log_gates: Default::default(),
         unannounced: Default::default(),
+        store_faults: Default::default(),
     });
     if let Some(h) = &handlers {
         h.changes
@@ -2460,6 +2461,7 @@ fn test_app_with(
         handlers: None,
         log_gates: Default::default(),
         unannounced: Default::default(),
+        store_faults: Default::default(),
     });
     let now = clock.now_ms();
     let ingest_admission = crate::ingest::admission::Admission::new(

@@ -162,6 +162,9 @@ pub struct Metrics {
     pub throttled: Family<Labels, Counter>,
     /// Leases that failed (the store refused the write) by target; the worker pauses a second.
     pub lease_failures: Family<Labels, Counter>,
+    /// Leased entries whose event's stored record could not be read, set aside in the DLQ as
+    /// `corrupt_record`, by target.
+    pub corrupt_records: Family<Labels, Counter>,
     /// Entries leased at acceptance and sent at once (`delivery.handoff`), by target.
     pub handoffs: Family<Labels, Counter>,
     /// Requests made to a batching webhook, by target.
@@ -256,6 +259,7 @@ impl Metrics {
             budget_deferred: Family::default(),
             throttled: Family::default(),
             lease_failures: Family::default(),
+            corrupt_records: Family::default(),
             handoffs: Family::default(),
             delivery_batches: Family::default(),
             delivery_batch_events: Family::default(),
@@ -438,6 +442,11 @@ impl Metrics {
             "router_lease_failures",
             "Leases the store failed to record, by target (the worker pauses 1 s after each)",
             m.lease_failures.clone(),
+        );
+        registry.register(
+            "router_store_corrupt_records",
+            "Leased entries whose event's stored record could not be read, set aside in the DLQ as corrupt_record, by target",
+            m.corrupt_records.clone(),
         );
         registry.register(
             "router_delivery_handoffs",

@@ -29,6 +29,16 @@ fn store_error(e: &crate::store::StoreError) -> Response {
         // Planned, and over in seconds: say so, and when to come back.
         return crate::ingest::compacting_response("the store is compacting its file; retry later");
     }
+    if matches!(e, crate::store::StoreError::Corrupt { .. }) {
+        // A record that does not decode stays so: a 503 with a Retry-After sent the caller
+        // back for ever, and said nothing of what is wrong.
+        tracing::error!(error = %e, "a stored record cannot be read");
+        return error_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "a stored record cannot be read (the store file is damaged; see docs/operations.md, \"A damaged store file\")",
+            vec![FieldError::new("", e.to_string())],
+        );
+    }
     tracing::error!(error = %e, "store read failed");
     crate::ingest::with_retry_after(
         error_response(
@@ -783,6 +793,9 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
                 "after_bytes": c.after_bytes,
                 "error": c.error,
             })),
+            // What delivery met in the store since start: deliveries set aside because their
+            // event's record cannot be read, and targets whose leases fail now.
+            "faults": app.dispatcher.store_faults().status(),
         },
         "delivery": app.delivery_threads,
         // The connection nats: targets share; null until one starts it.
@@ -813,6 +826,7 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
                 "ingest answers 503: the store is past its disk high-water mark (store.max_disk_bytes = {}); delivery continues, ingest resumes below the low-water mark (docs/operations.md has the runbook)",
                 app.cfg.store.max_disk_bytes
             )))
+            .chain(app.dispatcher.store_faults().warnings())
             .collect::<Vec<_>>(),
     }))
     .into_response()

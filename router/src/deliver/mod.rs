@@ -6,6 +6,7 @@
 
 mod handoff;
 mod runtime;
+mod store_faults;
 mod threads;
 mod worker;
 
@@ -26,6 +27,7 @@ use crate::telemetry::Metrics;
 
 pub use handoff::Reservation;
 pub use runtime::{Limiter, PersistedState, TargetRuntime};
+pub use store_faults::StoreFaults;
 pub use threads::{DeliveryThreads, DeliveryThreadsStatus};
 pub use worker::{
     DeadEvent, count_dead_letters, dead_lettered, dead_lettered_in_bulk, decide, slot_count,
@@ -68,6 +70,9 @@ pub struct DeliveryContext {
     pub log_gates: crate::telemetry::LogGates,
     /// New dead letters whose `router.dlq.added` was dropped, to be announced in a summary.
     pub unannounced: crate::system_events::Unannounced,
+    /// What the workers met in the store (unreadable records, failing leases), for
+    /// `/v1/status`.
+    pub store_faults: StoreFaults,
 }
 
 /// Takes a worker's semaphore of `from` slots to `to`: more are added at once; fewer are taken
@@ -255,6 +260,11 @@ impl Dispatcher {
         } else if let (Ok(_), Some(since)) = (result, since) {
             tracing::info!(failing_since = %since, "reading the operators' target and rule states again");
         }
+    }
+
+    /// What the workers met in the store (`/v1/status`).
+    pub fn store_faults(&self) -> &StoreFaults {
+        &self.ctx.store_faults
     }
 
     /// See [`Self::record_containment_sync`].

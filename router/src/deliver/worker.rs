@@ -23,7 +23,7 @@ use crate::policy::breaker::{Admission, BreakerState, Transition};
 use crate::policy::config::{OnDeadLetter, RetryPolicy};
 use crate::rules::{TargetKind, WebhookBatch};
 use crate::store::{
-    AttemptEnd, AttemptResult, Disposition, DlqReason, FinishError, Leased, Millis,
+    AttemptEnd, AttemptResult, Disposition, DlqReason, FinishError, Leased, Millis, Unreadable,
 };
 use crate::target::{AttemptOutcome, DeliveryRequest, Target};
 
@@ -336,7 +336,7 @@ async fn lease_and_start(
     let spec = &rt.spec;
     match ctx
         .store
-        .lease(
+        .lease_batch(
             &spec.id,
             now,
             permits.len().saturating_mul(per_slot),
@@ -345,9 +345,14 @@ async fn lease_and_start(
         .await
     {
         Ok(batch) => {
+            ctx.store_faults.lease_ok(&spec.id);
+            // Set aside first, taking no slot: they are never sent.
+            for u in batch.unreadable {
+                set_aside_unreadable(&ctx, &rt, u, now).await;
+            }
             let batching = rt.batch().filter(|_| per_slot > 1);
             let mut to_batch = Vec::new();
-            for leased in batch {
+            for leased in batch.leased {
                 if batching.is_none() && permits.is_empty() {
                     break;
                 }
@@ -403,6 +408,10 @@ async fn lease_and_start(
                 .lease_failures
                 .get_or_create(&vec![("target", spec.id.clone())])
                 .inc();
+            if !matches!(e, crate::store::StoreError::Compacting) {
+                ctx.store_faults
+                    .lease_failed(&spec.id, &e.to_string(), failed_at);
+            }
             // Leases in flight together fail together: one line per pause. A compaction is
             // planned maintenance, not a failure.
             if before <= failed_at {
@@ -412,6 +421,79 @@ async fn lease_and_start(
                     tracing::error!(target_id = %spec.id, error = %e, "lease failed; retrying in 1s");
                 }
             }
+        }
+    }
+}
+
+/// Sets aside a leased entry whose event's stored record cannot be read: to the DLQ as
+/// `corrupt_record`, nothing sent (its attempt is not counted), under the target's
+/// `on_dead_letter` like any dead letter. Failing the whole lease for it, as the store did,
+/// stopped the target's queue for good behind the one record. Logged with the entry and the
+/// event's sequence number, counted (`router_store_corrupt_records_total`, and as a dead
+/// letter), announced (`router.dlq.added`) and listed in `/v1/status`.
+async fn set_aside_unreadable(
+    ctx: &DeliveryContext,
+    rt: &TargetRuntime,
+    u: Unreadable,
+    now: Millis,
+) {
+    let spec = &rt.spec;
+    let seq = u.entry.id.event;
+    let error = format!(
+        "the stored record of event {seq} cannot be read: {}",
+        u.error
+    );
+    tracing::error!(
+        target_id = %spec.id,
+        entry = %u.entry.id,
+        event_seq = seq,
+        error = %u.error,
+        "an event's stored record cannot be read; its delivery is set aside in the DLQ as corrupt_record"
+    );
+    ctx.metrics
+        .corrupt_records
+        .get_or_create(&vec![("target", spec.id.clone())])
+        .inc();
+    ctx.store_faults
+        .corrupt_record(&spec.id, u.entry.id, &u.error, now);
+    let end = AttemptEnd {
+        finished_at: now,
+        result: AttemptResult::NotSent,
+        status: None,
+        error: Some(error.clone()),
+        outbox: None,
+    };
+    let reason = DlqReason::CorruptRecord;
+    let disposition = Disposition::DeadLetter {
+        reason,
+        hold: spec.policy.on_dead_letter == OnDeadLetter::Hold,
+    };
+    match ctx
+        .store
+        .finish(u.entry.id, u.lease, end, disposition, now)
+        .await
+    {
+        Ok(_) => {
+            ctx.metrics
+                .deliveries
+                .get_or_create(&vec![
+                    ("target", spec.id.clone()),
+                    ("result", "dead_lettered".to_string()),
+                ])
+                .inc();
+            rt.counters.dead_lettered.fetch_add(1, Ordering::Relaxed);
+            // The event's id, source and type are in the record that cannot be read.
+            let unknown = DeadEvent {
+                id: "",
+                source: "",
+                ty: "",
+                hops: u.entry.hops,
+                emitted_by: None,
+            };
+            dead_lettered(ctx, Some(&spec.id), unknown, reason, Some(&error), now);
+        }
+        Err(e) => {
+            tracing::error!(target_id = %spec.id, entry = %u.entry.id, error = %e, "could not set the entry aside; it is leased again when its lease expires");
         }
     }
 }
@@ -2041,6 +2123,109 @@ mod tests {
                 .map(|i| i.leased.entry.id.event)
                 .collect::<Vec<_>>(),
             vec![1, 2, 3]
+        );
+    }
+}
+
+#[cfg(test)]
+mod unreadable_tests {
+    use super::*;
+    use crate::store::{AcceptOutcome, DlqFilter, RedbStore, Store as _};
+
+    /// A target that takes every event.
+    struct Takes;
+
+    impl Target for Takes {
+        fn deliver<'a>(
+            &'a self,
+            _req: &'a DeliveryRequest,
+        ) -> futures::future::BoxFuture<'a, AttemptOutcome> {
+            Box::pin(async { AttemptOutcome::Delivered { status: Some(200) } })
+        }
+    }
+
+    /// One event whose stored record does not decode: its delivery goes to the DLQ as
+    /// `corrupt_record` (nothing sent, the reason naming the event's sequence number), is
+    /// counted and shown in `/v1/status`, and the rest of the lease is delivered. The lease
+    /// used to fail whole, every second, for ever: nothing of the target was delivered again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unreadable_event_is_set_aside_and_the_rest_of_its_lease_delivered() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = crate::app::test_config(dir.path());
+        std::fs::write(
+            cfg.rules_dir.join("r.yaml"),
+            "rules:\n  - name: r\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/a\n        id: a\n",
+        )
+        .expect("rules");
+        let store = RedbStore::in_memory().expect("store");
+        let app = crate::app::test_app(cfg, store.clone(), None);
+        let ctx = app.dispatcher.context().clone();
+        let now = ctx.clock.now_ms();
+        let outcomes = store
+            .accept(
+                (1..=3)
+                    .map(|i| {
+                        crate::store::test_events::new_event("/s", &i.to_string(), &["a"], now)
+                    })
+                    .collect(),
+            )
+            .await
+            .expect("accept");
+        let AcceptOutcome::Accepted { seq: bad, .. } = outcomes[1] else {
+            panic!("{outcomes:?}")
+        };
+        store.damage_event(bad, b"garbage");
+        let spec = app.rules.load().targets["a"].clone();
+        let rt = Arc::new(TargetRuntime::new(spec, None, now));
+        let slots = Arc::new(Semaphore::new(4));
+        let mut permits = Vec::new();
+        for _ in 0..4 {
+            permits.push(slots.clone().acquire_owned().await.expect("permit"));
+        }
+        lease_and_start(
+            ctx.clone(),
+            rt.clone(),
+            Arc::new(Takes),
+            (permits, 1),
+            now,
+            60_000,
+            false,
+            Arc::new(AtomicI64::new(0)),
+        )
+        .await;
+        ctx.tracker.close();
+        ctx.tracker.wait().await;
+        let dlq = store
+            .dlq_list(&DlqFilter::default(), None, 10)
+            .expect("dlq");
+        assert_eq!(dlq.len(), 1, "{dlq:?}");
+        assert_eq!(dlq[0].reason, DlqReason::CorruptRecord);
+        assert_eq!(dlq[0].event_seq, bad);
+        assert!(
+            dlq[0].errors[0]
+                .message
+                .contains(&format!("stored record of event {bad} cannot be read")),
+            "{:?}",
+            dlq[0].errors
+        );
+        assert_eq!(rt.counters.delivered.load(Ordering::Relaxed), 2);
+        let stats = store.queue_stats();
+        assert_eq!(
+            (stats["a"].queued, stats["a"].in_flight),
+            (0, 0),
+            "{stats:?}"
+        );
+        assert_eq!(
+            ctx.metrics
+                .corrupt_records
+                .get_or_create(&vec![("target", "a".to_string())])
+                .get(),
+            1
+        );
+        let warnings = app.dispatcher.store_faults().warnings();
+        assert!(
+            warnings.len() == 1 && warnings[0].contains(&format!("event {bad} cannot be read")),
+            "{warnings:?}"
         );
     }
 }

@@ -252,14 +252,30 @@ pub trait Store: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<AcceptedLeased, StoreError>>;
 
     /// Leases up to `max` entries of `target` due at `now`, records the start of an attempt
-    /// on each durably, and returns them with their events.
+    /// on each durably, and returns them with their events. An entry whose event's record
+    /// cannot be read (it does not decode, or it is missing) is returned apart, leased, in
+    /// [`LeaseBatch::unreadable`], instead of failing the whole lease: one bad record failed
+    /// every lease of its target, whose queue then stood still for good.
+    fn lease_batch(
+        &self,
+        target: &str,
+        now: Millis,
+        max: usize,
+        lease_ms: i64,
+    ) -> BoxFuture<'_, Result<LeaseBatch, StoreError>>;
+
+    /// [`Store::lease_batch`]'s readable entries. The unreadable ones stay leased until their
+    /// lease expires: for callers (tests, benchmarks) that do not set them aside.
     fn lease(
         &self,
         target: &str,
         now: Millis,
         max: usize,
         lease_ms: i64,
-    ) -> BoxFuture<'_, Result<Vec<Leased>, StoreError>>;
+    ) -> BoxFuture<'_, Result<Vec<Leased>, StoreError>> {
+        let batch = self.lease_batch(target, now, max, lease_ms);
+        Box::pin(async move { Ok(batch.await?.leased) })
+    }
 
     /// Records the end of an attempt and moves the entry on (delivered, retry, DLQ),
     /// atomically, if the lease is still held.

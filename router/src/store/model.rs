@@ -322,6 +322,11 @@ pub enum DlqReason {
     /// team may claim the name, and a delivery queued for the old handler must not run on its
     /// code. A redrive sends it to whatever handler has the name then, deliberately.
     HandlerReleased,
+    /// The event's stored record could not be read (it does not decode, or it is missing):
+    /// set aside when a lease found it, so the rest of the target's queue goes on. Its
+    /// `errors` carry the decoder's message and the event's sequence number; the entry's
+    /// event id, source and type are empty (they are in the unreadable record).
+    CorruptRecord,
 }
 
 impl DlqReason {
@@ -338,11 +343,12 @@ impl DlqReason {
             Self::TargetOverflow => "target_overflow",
             Self::ScopeViolation => "scope_violation",
             Self::HandlerReleased => "handler_released",
+            Self::CorruptRecord => "corrupt_record",
         }
     }
 
     /// Every reason, for metrics and parsing.
-    pub const ALL: [DlqReason; 10] = [
+    pub const ALL: [DlqReason; 11] = [
         Self::ContractViolation,
         Self::UnknownVersion,
         Self::PermanentError,
@@ -353,6 +359,7 @@ impl DlqReason {
         Self::TargetOverflow,
         Self::ScopeViolation,
         Self::HandlerReleased,
+        Self::CorruptRecord,
     ];
 }
 
@@ -799,6 +806,29 @@ pub struct Leased {
     pub event: std::sync::Arc<StoredEvent>,
     /// The lease (token + expiry) to present when finishing.
     pub lease: Lease,
+}
+
+/// What one lease took: the entries to attempt with their events, and those whose event's
+/// record could not be read.
+#[derive(Debug, Default)]
+pub struct LeaseBatch {
+    /// Entries to attempt.
+    pub leased: Vec<Leased>,
+    /// Entries leased (their attempt started) whose event cannot be read: the caller sets
+    /// them aside (`DlqReason::CorruptRecord`) under their lease, so that one bad record does
+    /// not stop its target's queue.
+    pub unreadable: Vec<Unreadable>,
+}
+
+/// A leased entry whose event's record cannot be read ([`LeaseBatch::unreadable`]).
+#[derive(Debug, Clone)]
+pub struct Unreadable {
+    /// The entry as written at lease time.
+    pub entry: QueueEntry,
+    /// Its lease, to present when finishing it.
+    pub lease: Lease,
+    /// Why the event could not be read (the entry's id names the event).
+    pub error: String,
 }
 
 /// Per-target numbers for `/v1/targets` and metrics.

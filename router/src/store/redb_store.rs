@@ -285,6 +285,21 @@ fn dec_event(seq: u64, b: &[u8]) -> Result<StoredEvent, StoreError> {
     Ok(ev)
 }
 
+/// The id, source and type a DLQ entry copies from event `seq`: empty when the event is gone
+/// or its record cannot be read. The entry is written all the same (and listed: listings do
+/// not read events), an unreadable event being what sends one there as `corrupt_record`.
+fn dlq_names(
+    events: &impl ReadableTable<u64, &'static [u8]>,
+    seq: u64,
+) -> Result<(String, String, String), StoreError> {
+    Ok(match events.get(seq)? {
+        Some(raw) => dec_event(seq, raw.value())
+            .map(|ev| (ev.event.id, ev.event.source, ev.event.ty))
+            .unwrap_or_default(),
+        None => Default::default(),
+    })
+}
+
 /// Whether event `seq` was quarantined at acceptance (and so never routed). Read only for a
 /// duplicate: an event with a fan-out was routed, and its JSON is not decoded.
 fn was_quarantined(
@@ -1004,6 +1019,24 @@ impl RedbStore {
         Self::start(db, log, opts, Some(path), Some(reopen))
     }
 
+    /// Writes `json` over the event's JSON in event `seq`'s record (its fan-out kept), as
+    /// damage outside the router would: for tests of what an unreadable event does.
+    #[cfg(test)]
+    pub(crate) fn damage_event(&self, seq: u64, json: &[u8]) {
+        let slot = self.db.read().expect("slot");
+        let db = slot.as_ref().expect("open");
+        let txn = db.begin_write().expect("write");
+        {
+            let mut t = txn.open_table(EVENTS).expect("events");
+            let mut record = t.get(seq).expect("get").expect("stored").value().to_vec();
+            let json_len = EventRecord::split(seq, &record).expect("split").json.len();
+            record.truncate(record.len() - json_len);
+            record.extend_from_slice(json);
+            t.insert(seq, record.as_slice()).expect("insert");
+        }
+        txn.commit().expect("commit");
+    }
+
     /// An in-memory store (nothing survives the process): for unit tests.
     pub fn in_memory() -> Result<Arc<Self>, StoreError> {
         let db = Database::builder().create_with_backend(redb::backends::InMemoryBackend::new())?;
@@ -1261,40 +1294,57 @@ impl RedbStore {
     }
 
     /// Reads the events of freshly leased entries, here on the caller's thread rather than on
-    /// the committer (decoding them is most of a lease's CPU). An entry whose event is missing
-    /// would be a corrupt store: said so, not skipped, since its lease is already recorded.
+    /// the committer (decoding them is most of a lease's CPU). An entry whose event does not
+    /// decode, or is missing, is returned apart as unreadable (its lease is recorded): failing
+    /// the whole lease for it stopped the target's queue for good, each new lease meeting the
+    /// same record.
     fn with_events(
         &self,
         entries: Vec<QueueEntry>,
         lease: Lease,
-    ) -> Result<Vec<Leased>, StoreError> {
+    ) -> Result<LeaseBatch, StoreError> {
         if entries.is_empty() {
-            return Ok(Vec::new());
+            return Ok(LeaseBatch::default());
         }
         let db = self.read_db();
         let r = db.begin_read()?;
         let t = r.open_table(EVENTS)?;
-        let mut cache: FxHashMap<u64, Arc<StoredEvent>> = FxHashMap::default();
-        let mut out = Vec::with_capacity(entries.len());
+        let mut cache: FxHashMap<u64, Result<Arc<StoredEvent>, String>> = FxHashMap::default();
+        let mut out = LeaseBatch {
+            leased: Vec::with_capacity(entries.len()),
+            unreadable: Vec::new(),
+        };
         for entry in entries {
             let seq = entry.id.event;
             let event = match cache.get(&seq) {
                 Some(ev) => ev.clone(),
                 None => {
-                    let raw = t.get(seq)?.ok_or_else(|| StoreError::Corrupt {
-                        table: "entries",
-                        message: format!("entry {} refers to missing event {seq}", entry.id),
-                    })?;
-                    let ev = Arc::new(dec_event(seq, raw.value())?);
+                    // A storage error (I/O) fails the lease: it is not this record's fault.
+                    let ev = match t.get(seq)? {
+                        Some(raw) => dec_event(seq, raw.value())
+                            .map(Arc::new)
+                            .map_err(|e| e.to_string()),
+                        None => Err(format!(
+                            "entry {} refers to event {seq}, which is missing",
+                            entry.id
+                        )),
+                    };
                     cache.insert(seq, ev.clone());
                     ev
                 }
             };
-            out.push(Leased {
-                entry,
-                event,
-                lease,
-            });
+            match event {
+                Ok(event) => out.leased.push(Leased {
+                    entry,
+                    event,
+                    lease,
+                }),
+                Err(error) => out.unreadable.push(Unreadable {
+                    entry,
+                    lease,
+                    error,
+                }),
+            }
         }
         Ok(out)
     }
@@ -1305,7 +1355,7 @@ impl RedbStore {
         now: Millis,
         max: usize,
         lease_ms: i64,
-    ) -> Result<Vec<Leased>, StoreError> {
+    ) -> Result<LeaseBatch, StoreError> {
         self.not_compacting()?;
         let lease = Lease {
             token: self.new_token(),
@@ -1323,7 +1373,7 @@ impl RedbStore {
             ids
         };
         if ids.is_empty() {
-            return Ok(Vec::new());
+            return Ok(LeaseBatch::default());
         }
         let target_s = target.to_string();
         let res = self
@@ -1339,8 +1389,13 @@ impl RedbStore {
         match res.and_then(|entries| self.with_events(entries, lease)) {
             Ok(leased) => {
                 // Entries the committer skipped (no longer queued) leave the index.
-                if leased.len() != ids.len() {
-                    let got: BTreeSet<EntryId> = leased.iter().map(|l| l.entry.id).collect();
+                if leased.leased.len() + leased.unreadable.len() != ids.len() {
+                    let got: BTreeSet<EntryId> = leased
+                        .leased
+                        .iter()
+                        .map(|l| l.entry.id)
+                        .chain(leased.unreadable.iter().map(|u| u.entry.id))
+                        .collect();
                     let mut idx = self.index();
                     let t = idx.target(target);
                     for id in ids.iter().filter(|id| !got.contains(id)) {
@@ -1565,9 +1620,18 @@ impl RedbStore {
         // not the key), and one whose event the sweep removed is skipped.
         let events = r.open_table(EVENTS)?;
         let mut found = None;
+        // A candidate whose record does not decode cannot be confirmed; it is the event
+        // asked for unless a later candidate is (fingerprints of 128 bits do not collide).
+        let mut unreadable = None;
         for seq in seqs {
             if let Some(raw) = events.get(seq)? {
-                let ev = dec_event(seq, raw.value())?;
+                let ev = match dec_event(seq, raw.value()) {
+                    Ok(ev) => ev,
+                    Err(e) => {
+                        unreadable.get_or_insert((seq, e));
+                        continue;
+                    }
+                };
                 if ev.event.source == source && ev.event.id == id {
                     // Entries queued at acceptance and unchanged since are its fan-out.
                     let fanout: Vec<QueueEntry> = EventRecord::split(seq, raw.value())?
@@ -1580,7 +1644,31 @@ impl RedbStore {
             }
         }
         let Some((event, fanout)) = found else {
-            return Ok(None);
+            let Some((seq, e)) = unreadable else {
+                return Ok(None);
+            };
+            // Answered as what it is, with where its deliveries went (their DLQ entries
+            // are read without the event).
+            let mut dlq = Vec::new();
+            for row in r
+                .open_table(DLQ_BY_EVENT)?
+                .range((seq, 0)..=(seq, u64::MAX))?
+            {
+                dlq.push(row?.0.value().1.to_string());
+            }
+            let set_aside = if dlq.is_empty() {
+                "none of its deliveries is in the DLQ yet (each goes there as corrupt_record when \
+                 its target leases it)"
+                    .to_string()
+            } else {
+                format!("its DLQ entries: {}", dlq.join(", "))
+            };
+            return Err(StoreError::Corrupt {
+                table: "events",
+                message: format!(
+                    "the stored record of this event (sequence {seq}) cannot be read: {e}; {set_aside}"
+                ),
+            });
         };
         let seq = event.seq;
         let entries_t = r.open_table(ENTRIES)?;
@@ -1775,13 +1863,13 @@ impl Store for RedbStore {
         .boxed()
     }
 
-    fn lease(
+    fn lease_batch(
         &self,
         target: &str,
         now: Millis,
         max: usize,
         lease_ms: i64,
-    ) -> BoxFuture<'_, Result<Vec<Leased>, StoreError>> {
+    ) -> BoxFuture<'_, Result<LeaseBatch, StoreError>> {
         let target = target.to_string();
         async move { self.lease_impl(&target, now, max, lease_ms).await }.boxed()
     }
@@ -4165,7 +4253,7 @@ impl Committer {
         let mut last = None;
         for row in events.range(self.floor..)?.take(self.sweep_batch) {
             let (k, v) = row?;
-            if sweep_view(k.value(), v.value())? >= cut {
+            if sweep_view(k.value(), v.value()).is_some_and(|at| at >= cut) {
                 return Ok(k.value());
             }
             last = Some(k.value());
@@ -4404,13 +4492,7 @@ impl Committer {
             e.lease = None;
             e.state = EntryState::Dead;
             e.finished_at = Some(now);
-            let (eid, esrc, ety) = match txn.open_table(EVENTS)?.get(id.event)? {
-                Some(raw) => {
-                    let ev = dec_event(id.event, raw.value())?;
-                    (ev.event.id, ev.event.source, ev.event.ty)
-                }
-                None => Default::default(),
-            };
+            let (eid, esrc, ety) = dlq_names(&*txn.open_table(EVENTS)?, id.event)?;
             let d = DlqEntry {
                 id: 0,
                 event_seq: id.event,
@@ -4531,13 +4613,7 @@ impl Committer {
                     .map_err(StoreError::from)?;
             }
             let ev_t = txn.open_table(EVENTS).map_err(StoreError::from)?;
-            let (eid, esrc, ety) = match ev_t.get(id.event).map_err(StoreError::from)? {
-                Some(raw) => {
-                    let ev = dec_event(id.event, raw.value())?;
-                    (ev.event.id, ev.event.source, ev.event.ty)
-                }
-                None => Default::default(),
-            };
+            let (eid, esrc, ety) = dlq_names(&*ev_t, id.event)?;
             drop(ev_t);
             let d = DlqEntry::of_given_up(&e, (eid, esrc, ety), reason, &end, now);
             self.add_dlq(txn, d, effects)?;
@@ -4778,14 +4854,15 @@ fn record_fp(seq: u64, b: &[u8]) -> Result<dedup::Fp, StoreError> {
     )))
 }
 
-fn sweep_view(seq: u64, b: &[u8]) -> Result<Millis, StoreError> {
-    let v: SweepView = serde_json::from_slice(EventRecord::split(seq, b)?.json).map_err(|e| {
-        StoreError::Corrupt {
-            table: "events",
-            message: format!("event {seq}: {e}"),
-        }
-    })?;
-    Ok(v.accepted_at)
+/// Event `seq`'s acceptance time, for the sweep; `None` when its record does not decode. The
+/// sweep then takes it for as old as its neighbours in sequence order: failing on it failed
+/// every sweep from then on (the file grew without bound), and with it every request of the
+/// commit group the sweep was in.
+fn sweep_view(seq: u64, b: &[u8]) -> Option<Millis> {
+    let json = EventRecord::split(seq, b).ok()?.json;
+    serde_json::from_slice::<SweepView>(json)
+        .ok()
+        .map(|v| v.accepted_at)
 }
 
 /// The tables a sweep writes, opened once per sweep call: opening a table and closing it
@@ -4816,9 +4893,12 @@ impl<'a> SweepTables<'a> {
     /// be dropped) into `DEDUP_KEPT`, for its fate.
     fn keep(&mut self, seq: u64) -> Result<(), StoreError> {
         self.pending_gc.insert(seq, ())?;
-        if let Some(raw) = self.events.get(seq)? {
-            let fp = record_fp(seq, raw.value())?;
-            drop(raw);
+        // An unreadable record's key is unknown: it cannot be asked for by key anyway.
+        let fp = match self.events.get(seq)? {
+            Some(raw) => record_fp(seq, raw.value()).ok(),
+            None => None,
+        };
+        if let Some(fp) = fp {
             self.dedup_kept.insert((fp, seq), ())?;
         }
         Ok(())
@@ -4898,7 +4978,7 @@ fn sweep(
     let mut candidates = Vec::new();
     for row in t.events.range(cursor..floor.max(cursor))?.take(batch) {
         let (k, v) = row?;
-        if sweep_view(k.value(), v.value())? >= cut {
+        if sweep_view(k.value(), v.value()).is_some_and(|at| at >= cut) {
             break;
         }
         candidates.push(k.value());
@@ -4939,12 +5019,15 @@ fn sweep(
         t.pending_gc.remove(seq)?;
         // Only the sweep removes events, and it drops them from `pending_gc` in the same
         // transaction; a missing record would still be nothing to remove.
-        let fp = match t.events.get(seq)? {
-            Some(raw) => Some(record_fp(seq, raw.value())?),
-            None => None,
-        };
+        // An unreadable record goes too, without the key it was kept under (unknown).
+        let fp = t
+            .events
+            .get(seq)?
+            .map(|raw| record_fp(seq, raw.value()).ok());
         if let Some(fp) = fp {
-            t.dedup_kept.remove((fp, seq))?;
+            if let Some(fp) = fp {
+                t.dedup_kept.remove((fp, seq))?;
+            }
             gone.push(seq);
         }
     }

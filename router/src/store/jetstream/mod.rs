@@ -46,8 +46,9 @@ use self::records::{Expect, Records, RecordsConfig, RecordsError, Versioned, Wri
 use super::redb_store::idempotency_key;
 use super::{
     AcceptOutcome, AttemptEnd, AttemptResult, Disposition, DlqEntry, DlqReason, EntryId,
-    EntryState, Fate, FinishError, Finished, KvOp, KvUsage, Lease, Leased, LeasedAtAccept, Millis,
-    NewEntry, NewEvent, Outbox, QueueEntry, StoreError, StoredEvent,
+    EntryState, Fate, FinishError, Finished, KvOp, KvUsage, Lease, LeaseBatch, Leased,
+    LeasedAtAccept, Millis, NewEntry, NewEvent, Outbox, QueueEntry, StoreError, StoredEvent,
+    Unreadable,
 };
 
 /// How long a read from the view waits for the view to have this node's writes before it
@@ -954,6 +955,19 @@ impl JetStreamStore {
         max: usize,
         lease_ms: i64,
     ) -> Result<Vec<Leased>, StoreError> {
+        Ok(self.lease_batch(target, now, max, lease_ms).await?.leased)
+    }
+
+    /// See [`Store::lease_batch`]. An event whose record does not decode comes back as
+    /// unreadable, for the worker to set aside; one that could not be read now (the server
+    /// out of reach) is given back to its queue as before.
+    pub async fn lease_batch(
+        &self,
+        target: &str,
+        now: Millis,
+        max: usize,
+        lease_ms: i64,
+    ) -> Result<LeaseBatch, StoreError> {
         self.caught_up().await?;
         let candidates = self.view.candidates(target, now, max);
         let attempts = futures::future::join_all(candidates.into_iter().map(|live| async move {
@@ -999,11 +1013,17 @@ impl JetStreamStore {
         )
         .await;
         let mut events: HashMap<u64, Arc<StoredEvent>> = HashMap::new();
+        // Records that do not decode: given back, they were leased again at once, for ever
+        // (first in their queue by due time), and a lease of one slot failed every time.
+        let mut corrupt: HashMap<u64, String> = HashMap::new();
         let mut unread = None;
         for (seq, r) in reads {
             match r {
                 Ok(Some(e)) => {
                     events.insert(seq, Arc::new(e.stored));
+                }
+                Err(e @ StoreError::Corrupt { .. }) => {
+                    corrupt.insert(seq, e.to_string());
                 }
                 Ok(None) => {
                     unread.get_or_insert(StoreError::Corrupt {
@@ -1017,15 +1037,21 @@ impl JetStreamStore {
             }
         }
         let mut out = Vec::with_capacity(won.len());
+        let mut unreadable = Vec::new();
         let mut release = Vec::new();
         for (entry, lease) in won {
-            match events.get(&entry.id.event) {
-                Some(event) => out.push(Leased {
+            match (events.get(&entry.id.event), corrupt.get(&entry.id.event)) {
+                (Some(event), _) => out.push(Leased {
                     entry,
                     event: event.clone(),
                     lease,
                 }),
-                None => release.push((entry.id, lease)),
+                (None, Some(error)) => unreadable.push(Unreadable {
+                    entry,
+                    lease,
+                    error: error.clone(),
+                }),
+                (None, None) => release.push((entry.id, lease)),
             }
         }
         if let Some(e) = unread {
@@ -1044,12 +1070,15 @@ impl JetStreamStore {
                     tracing::warn!(target_id = target, entry = %id, error = %err, "a lease without its event could not be released; it expires");
                 }
             }
-            if out.is_empty() {
+            if out.is_empty() && unreadable.is_empty() {
                 return Err(e);
             }
             tracing::warn!(target_id = target, error = %e, "some leased entries' events could not be read; released");
         }
-        Ok(out)
+        Ok(LeaseBatch {
+            leased: out,
+            unreadable,
+        })
     }
 
     /// Leases one entry seen at `revision`; `None` when another worker changed it first.
@@ -1276,8 +1305,7 @@ impl JetStreamStore {
             let names = match names.get(&e.id.event) {
                 Some(n) => n.clone(),
                 None => {
-                    let ev = self.event_record(e.id.event).await?.map(|r| r.stored.event);
-                    let v = ev.map(|ev| (ev.id, ev.source, ev.ty)).unwrap_or_default();
+                    let v = self.dlq_names(e.id.event).await?;
                     names.insert(e.id.event, v.clone());
                     v
                 }
@@ -1498,8 +1526,7 @@ impl JetStreamStore {
                 e.state = EntryState::Dead;
                 e.finished_at = Some(now);
                 hold_write = Self::key_hold(e, hold);
-                let ev = self.event_record(id.event).await?.map(|r| r.stored.event);
-                let names = ev.map(|ev| (ev.id, ev.source, ev.ty)).unwrap_or_default();
+                let names = self.dlq_names(id.event).await?;
                 let dlq_id = self.next_number("dlq").await?;
                 dlq = Some(DlqEntry {
                     id: dlq_id,
@@ -1796,6 +1823,17 @@ impl JetStreamStore {
     /// exists: a replica that does not have it yet is not believed, and the leader is asked.
     async fn event_record(&self, seq: u64) -> Result<Option<EventRecord>, StoreError> {
         self.event_record_from(seq, false).await
+    }
+
+    /// The id, source and type a DLQ entry copies from event `seq`: empty when the event is
+    /// gone or its record does not decode (the entry is written all the same, an unreadable
+    /// event being what sends one there as `corrupt_record`).
+    async fn dlq_names(&self, seq: u64) -> Result<(String, String, String), StoreError> {
+        match self.event_record(seq).await {
+            Ok(Some(r)) => Ok((r.stored.event.id, r.stored.event.source, r.stored.event.ty)),
+            Ok(None) | Err(StoreError::Corrupt { .. }) => Ok(Default::default()),
+            Err(e) => Err(e),
+        }
     }
 
     /// `event_record`, from the leader with `leader`.

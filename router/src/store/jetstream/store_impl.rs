@@ -17,7 +17,7 @@ use tokio::sync::Notify;
 use super::JetStreamStore;
 use crate::store::{
     AcceptOutcome, AcceptedLeased, AttemptEnd, Disposition, DlqEntry, DlqFilter, DlqReason,
-    EntryId, Fate, FinishError, Finished, Job, KvUsage, Lease, Leased, Millis, NewEvent,
+    EntryId, Fate, FinishError, Finished, Job, KvUsage, Lease, LeaseBatch, Millis, NewEvent,
     QueueStats, RecordCounts, RedriveAction, ReplayItem, ReplayStepped, Store, StoreError,
     StoredEvent, SummaryRow, SweepStats,
 };
@@ -74,15 +74,15 @@ impl Store for JetStreamStore {
         JetStreamStore::accept_leased(self, events).boxed()
     }
 
-    fn lease(
+    fn lease_batch(
         &self,
         target: &str,
         now: Millis,
         max: usize,
         lease_ms: i64,
-    ) -> BoxFuture<'_, Result<Vec<Leased>, StoreError>> {
+    ) -> BoxFuture<'_, Result<LeaseBatch, StoreError>> {
         let target = target.to_string();
-        async move { JetStreamStore::lease(self, &target, now, max, lease_ms).await }.boxed()
+        async move { JetStreamStore::lease_batch(self, &target, now, max, lease_ms).await }.boxed()
     }
 
     fn finish(

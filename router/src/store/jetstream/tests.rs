@@ -3593,3 +3593,62 @@ async fn a_namespace_is_cleared_in_transactions_within_the_batch_limit() {
     assert_eq!((usage.keys, usage.bytes), (0, 0), "{usage:?}");
     assert_eq!(s.kv_get("h", "k07", 2_000).await.expect("get"), None);
 }
+
+/// An event whose record does not decode comes back from a lease as unreadable (leased) for
+/// the worker to set aside, the others as usual. It was given back to its queue instead, due
+/// at once: leased again first at every lease, for ever, and a lease of one slot failed
+/// every time, so nothing behind it was delivered. Its dead letter is written and listed
+/// without the event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_that_does_not_decode_is_leased_apart_and_set_aside() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let out = s
+        .accept(vec![
+            new_event("/o", "e1", &["a"], 1_000),
+            new_event("/o", "e2", &["a"], 1_000),
+        ])
+        .await
+        .expect("accept");
+    let bad = seq_of(&out[0]);
+    s.records
+        .commit(vec![Write::put(
+            event_key(bad),
+            Bytes::from_static(b"{oops"),
+            Expect::Any,
+        )])
+        .await
+        .expect("damage");
+    s.settled().await;
+    let batch = s.lease_batch("a", 2_000, 1, 30_000).await.expect("lease");
+    assert!(batch.leased.is_empty(), "{batch:?}");
+    assert_eq!(batch.unreadable.len(), 1, "{batch:?}");
+    let u = &batch.unreadable[0];
+    assert_eq!(u.entry.id.event, bad);
+    let end = AttemptEnd {
+        finished_at: 2_001,
+        result: AttemptResult::NotSent,
+        status: None,
+        error: Some("unreadable".into()),
+        outbox: None,
+    };
+    let dead = Disposition::DeadLetter {
+        reason: DlqReason::CorruptRecord,
+        hold: false,
+    };
+    s.finish(u.entry.id, u.lease, end, dead, 2_001)
+        .await
+        .expect("set aside");
+    s.settled().await;
+    let l = lease_within(&s, "a", 2_002, 10).await;
+    assert_eq!(l.event.event.id, "e2", "the next one goes");
+    let dlq = s
+        .dlq_list(&crate::store::DlqFilter::default(), None, 10)
+        .await
+        .expect("listed");
+    assert_eq!(dlq.len(), 1, "{dlq:?}");
+    assert_eq!(
+        (dlq[0].reason, dlq[0].event_seq),
+        (DlqReason::CorruptRecord, bad)
+    );
+}

@@ -458,7 +458,7 @@ async fn an_entry_leased_at_accept_is_in_flight_with_its_attempt_and_acks_under_
     let read = s
         .with_events(vec![l.leased.entry.clone()], l.leased.lease)
         .expect("read back");
-    assert_eq!(*read[0].event, *l.leased.event);
+    assert_eq!(*read.leased[0].event, *l.leased.event);
     // What is durable says the same: leased, attempt started.
     let fate = s.fate("/s", "1").expect("fate").expect("known");
     assert_eq!(fate.entries[0], l.leased.entry);
@@ -3139,4 +3139,118 @@ async fn a_redrive_step_counts_entries_already_gone_as_skipped() {
     assert_eq!(progress("redrive-2"), (0, 0, 1));
     let fate = s.fate("/s", "1").expect("fate").expect("known");
     assert_eq!(fate.entries.len(), 1, "routed once");
+}
+
+/// One event whose record does not decode no longer fails every lease of its target: the
+/// lease gives the others, and that one apart (leased, with the decoder's error and its
+/// sequence number), for the worker to set aside. Its dead letter is written and listed
+/// without its event, and its fate answers that the record cannot be read, naming that
+/// dead letter, instead of a storage failure.
+#[tokio::test]
+async fn an_unreadable_event_is_leased_apart_and_its_dead_letter_is_listed() {
+    let s = RedbStore::in_memory().expect("store");
+    let r = s
+        .accept(
+            (1..=3)
+                .map(|i| new_event("/s", &i.to_string(), &["a"], 1000))
+                .collect(),
+        )
+        .await
+        .expect("accept");
+    let AcceptOutcome::Accepted { seq: bad, .. } = r[1] else {
+        panic!("{r:?}")
+    };
+    s.damage_event(bad, b"{not json");
+    let batch = s.lease_batch("a", 2000, 10, 60_000).await.expect("lease");
+    assert_eq!(batch.leased.len(), 2, "{batch:?}");
+    assert_eq!(batch.unreadable.len(), 1, "{batch:?}");
+    let u = &batch.unreadable[0];
+    assert_eq!(u.entry.id.event, bad);
+    assert!(u.error.contains("corrupt record in events"), "{}", u.error);
+    // Set aside under its lease, as the worker does.
+    let end = AttemptEnd {
+        finished_at: 2001,
+        result: AttemptResult::NotSent,
+        status: None,
+        error: Some(format!("the stored record of event {bad} cannot be read")),
+        outbox: None,
+    };
+    let dead = Disposition::DeadLetter {
+        reason: DlqReason::CorruptRecord,
+        hold: false,
+    };
+    s.finish(u.entry.id, u.lease, end, dead, 2001)
+        .await
+        .expect("set aside");
+    let list = s
+        .dlq_list(&DlqFilter::default(), None, 10)
+        .expect("listed without its event");
+    assert_eq!(list.len(), 1, "{list:?}");
+    assert_eq!(list[0].reason, DlqReason::CorruptRecord);
+    assert_eq!(list[0].event_seq, bad);
+    assert!(list[0].attempts.is_empty(), "nothing was sent: {list:?}");
+    assert_eq!(
+        s.queue_stats()["a"].in_flight,
+        2,
+        "the others are in flight"
+    );
+    match s.fate("/s", "2") {
+        Err(StoreError::Corrupt { message, .. }) => {
+            assert!(message.contains(&format!("sequence {bad}")), "{message}");
+            assert!(
+                message.contains(&format!("DLQ entries: {}", list[0].id)),
+                "{message}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        s.fate("/s", "1").expect("fate").is_some(),
+        "the others read"
+    );
+}
+
+/// A sweep passes an event whose record does not decode: kept while an entry refers to it,
+/// removed once nothing does. It failed every sweep from the moment it was reached (its
+/// acceptance time, then its dedup key, could not be read), and with it every request of the
+/// commit group the sweep was in.
+#[tokio::test]
+async fn a_sweep_passes_an_unreadable_event() {
+    let s = RedbStore::in_memory().expect("store");
+    s.accept(
+        (1..=3)
+            .map(|i| new_event("/s", &i.to_string(), &["a"], 1000))
+            .collect(),
+    )
+    .await
+    .expect("accept");
+    s.damage_event(2, b"{not json");
+    let stats = s.sweep(11_000, 5_000, 5_000).await.expect("sweep");
+    assert_eq!((stats.events_removed, stats.pending), (0, 3), "{stats:?}");
+    let batch = s.lease_batch("a", 11_000, 10, 60_000).await.expect("lease");
+    for l in &batch.leased {
+        ack(&s, l, 11_001).await.expect("ack");
+    }
+    let u = &batch.unreadable[0];
+    let end = AttemptEnd {
+        finished_at: 11_001,
+        result: AttemptResult::NotSent,
+        status: None,
+        error: Some("unreadable".into()),
+        outbox: None,
+    };
+    let dead = Disposition::DeadLetter {
+        reason: DlqReason::CorruptRecord,
+        hold: false,
+    };
+    s.finish(u.entry.id, u.lease, end, dead, 11_001)
+        .await
+        .expect("set aside");
+    let stats = s.sweep(12_000, 5_000, 5_000).await.expect("sweep");
+    assert_eq!(stats.events_removed, 2, "{stats:?}");
+    let dlq = s.dlq_list(&DlqFilter::default(), None, 10).expect("dlq");
+    assert_eq!(s.purge_dlq(vec![dlq[0].id]).await.expect("purge"), 1);
+    let stats = s.sweep(13_000, 5_000, 5_000).await.expect("sweep");
+    assert_eq!(stats.events_removed, 1, "{stats:?}");
+    assert_eq!(s.record_counts().expect("counts").events, 0);
 }
