@@ -241,7 +241,7 @@ fn fingerprint(engine: &Engine) -> [u8; 32] {
 static WRITES: AtomicU64 = AtomicU64::new(0);
 
 /// Writes `parts` to `path` whole: a temp file beside it, fsync, rename, fsync of the
-/// directory. The temp file's name ends in `.tmp` and starts with a dot.
+/// directory. The temp file's name ends in `.tmp` and starts with a dot (see [`is_leftover`]).
 fn write_atomic(path: &Path, parts: &[&[u8]]) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let tmp = dir.join(format!(
@@ -262,7 +262,7 @@ fn write_atomic(path: &Path, parts: &[&[u8]]) -> std::io::Result<()> {
         fs::File::open(dir)?.sync_all()
     })();
     if written.is_err() {
-        // Best effort: nothing reads a temp file.
+        // Best effort: a temp file left over is removed at the next start.
         let _ = fs::remove_file(&tmp);
     }
     written
@@ -274,6 +274,14 @@ pub(crate) fn artifact_of(file_name: &str) -> Option<&str> {
         .strip_suffix(EXTENSION)
         .and_then(|f| f.strip_suffix('.'))
         .filter(|f| !f.starts_with('.'))
+}
+
+/// Whether `file_name` is the temp file of an artifact write that never finished (a crash, or
+/// a failed write): removed at the registry's open, when no write can be running.
+pub(crate) fn is_leftover(file_name: &str) -> bool {
+    file_name.starts_with('.')
+        && file_name.ends_with(".tmp")
+        && file_name.contains(&format!(".{EXTENSION}."))
 }
 
 /// Removes the compilation cache of routers before this one (wasmtime's own cache, in
@@ -373,7 +381,11 @@ mod tests {
         assert_eq!(artifact_of(&format!("{SHA}.cwasm")), Some(SHA));
         assert_eq!(artifact_of(&format!("{SHA}.wasm")), None);
         assert_eq!(artifact_of("index.json"), None);
-        assert_eq!(artifact_of(&format!(".{SHA}.cwasm.123-4.tmp")), None);
+        let leftover = format!(".{SHA}.cwasm.123-4.tmp");
+        assert_eq!(artifact_of(&leftover), None);
+        assert!(is_leftover(&leftover));
+        assert!(!is_leftover(&format!(".{SHA}.wasm.tmp")));
+        assert!(!is_leftover(".index.json.tmp"));
     }
 
     #[test]

@@ -853,6 +853,9 @@ impl HandlerRegistry {
                     continue;
                 }
             };
+            // Compiled code that no kept version refers to (left by a crash between an index
+            // write and the removal, or by a write that raced a removal) goes now.
+            registry.prune_artifacts(&index, true);
             let active_version = index
                 .active
                 .as_ref()
@@ -1107,10 +1110,10 @@ impl HandlerRegistry {
     /// Removes the component files of `index`'s handler that its index no longer names
     /// (versions past `keep_versions`), and their compiled code. Called with the write lock
     /// held, after the index is written: a crash in between leaves files no index names,
-    /// removed by the next change. A file that cannot be removed is logged and tried again
-    /// then.
+    /// removed by the next change (compiled code also by the next start). A file that cannot
+    /// be removed is logged and tried again then.
     fn prune_components(&self, index: &HandlerIndex) {
-        self.prune_artifacts(index);
+        self.prune_artifacts(index, false);
         let dir = self.dir.join(&index.name);
         let Ok(listing) = fs::read_dir(&dir) else {
             return;
@@ -1138,8 +1141,10 @@ impl HandlerRegistry {
         }
     }
 
-    /// Removes the compiled code of `index`'s handler that no version it keeps refers to.
-    fn prune_artifacts(&self, index: &HandlerIndex) {
+    /// Removes the compiled code of `index`'s handler that no version it keeps refers to and,
+    /// with `leftovers` (at open, when no write can be running), the temp files of writes that
+    /// never finished.
+    fn prune_artifacts(&self, index: &HandlerIndex, leftovers: bool) {
         let Ok(listing) = fs::read_dir(self.dir.join(&index.name)) else {
             return;
         };
@@ -1148,8 +1153,10 @@ impl HandlerRegistry {
             let Some(file_name) = file_name.to_str() else {
                 continue;
             };
-            let unused = artifact::artifact_of(file_name)
-                .is_some_and(|sha| !index.versions.iter().any(|v| v.sha256 == sha));
+            let unused = match artifact::artifact_of(file_name) {
+                Some(sha) => !index.versions.iter().any(|v| v.sha256 == sha),
+                None => leftovers && artifact::is_leftover(file_name),
+            };
             if !unused {
                 continue;
             }
@@ -1159,7 +1166,7 @@ impl HandlerRegistry {
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => {
-                    tracing::warn!(handler = %index.name, file = file_name, error = %e, "cannot remove compiled code no kept version refers to; the next change tries again");
+                    tracing::warn!(handler = %index.name, file = file_name, error = %e, "cannot remove compiled code no kept version refers to; the next change or start tries again");
                 }
             }
         }

@@ -1170,6 +1170,92 @@ fn damaged_compiled_code_is_compiled_again_not_loaded() {
     }
 }
 
+/// The `*.cwasm` files (stored compiled code) under `dir`, by file name.
+fn compiled_code_files(dir: &Path) -> Vec<String> {
+    let mut files = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if e.path().is_dir() {
+                dirs.push(e.path());
+            } else if name.ends_with(".cwasm") || name.contains(".cwasm.") {
+                files.push(name);
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+/// Compiled code goes with its version: an upload past `keep_versions` removes the dropped
+/// version's, a deleted handler's and a released name's go, a rejected upload stores none, and
+/// an open removes any that no kept version refers to. Before, wasmtime's cache kept them all,
+/// its size bounded by nothing the router controlled.
+#[test]
+fn compiled_code_is_removed_with_its_version() {
+    let dir = tempfile::tempdir().unwrap();
+    let handlers = dir.path().join("handlers");
+    let registry = HandlerRegistry::open(&handlers, engine())
+        .unwrap()
+        .with_keep_versions(2);
+    let noop = plugin("noop");
+    let versions: Vec<Vec<u8>> = (1..=3)
+        .map(|i| variant_of(&noop, &format!("v{i}")))
+        .collect();
+    let cwasm = |bytes: &[u8]| {
+        use sha2::Digest;
+        format!("{}.cwasm", hex::encode(sha2::Sha256::digest(bytes)))
+    };
+    let kept = |v: &[&Vec<u8>]| {
+        let mut names: Vec<String> = v.iter().map(|b| cwasm(b)).collect();
+        names.sort();
+        names
+    };
+    for v in &versions {
+        registry.upload("noop", v, "t").unwrap();
+    }
+    assert_eq!(
+        compiled_code_files(&handlers),
+        kept(&[&versions[1], &versions[2]]),
+        "v1, dropped by keep_versions, took its compiled code along"
+    );
+    // A rejected upload (describe names another handler) stores nothing.
+    assert!(matches!(
+        registry.upload("other", &plugin("enrich"), "t"),
+        Err(UploadError::NameMismatch { .. })
+    ));
+    assert_eq!(compiled_code_files(&handlers).len(), 2);
+    // Left over by a crash between the index write and the removal, or a write that raced
+    // one: removed at the next open, along with a temp file of an unfinished write.
+    std::fs::copy(
+        handlers.join("noop").join(cwasm(&versions[2])),
+        handlers.join("noop").join(cwasm(&versions[0])),
+    )
+    .unwrap();
+    let leftover = format!(".{}.12-3.tmp", cwasm(&versions[2]));
+    std::fs::write(handlers.join("noop").join(&leftover), b"half").unwrap();
+    drop(registry);
+    let registry = HandlerRegistry::open(&handlers, engine()).unwrap();
+    assert_eq!(registry.compilations(), 0);
+    assert_eq!(
+        compiled_code_files(&handlers),
+        kept(&[&versions[1], &versions[2]])
+    );
+    // A delete removes the versions and their compiled code; the name stays kept.
+    registry.upload("enrich", &plugin("enrich"), "t").unwrap();
+    assert!(registry.delete("noop").unwrap());
+    assert_eq!(compiled_code_files(&handlers), kept(&[&plugin("enrich")]));
+    // A release removes the handler's directory, compiled code and all.
+    assert_eq!(
+        registry
+            .delete_as("enrich", &Uploader::from("ops"), true)
+            .unwrap(),
+        Deletion::Deleted { kept_by: None }
+    );
+    assert!(compiled_code_files(&handlers).is_empty());
+}
+
 #[test]
 fn a_corrupt_stored_version_is_reported_not_fatal() {
     let (dir, registry) = registry_with(&["noop", "strict"]);
