@@ -68,11 +68,7 @@ fn native_enrich(event: &Value) -> Option<Value> {
 fn benches(c: &mut Criterion) {
     let dir = plugins();
     let tmp = tempfile::tempdir().expect("tempdir");
-    let engine = WasmEngine::new(EngineConfig {
-        cache_dir: Some(tmp.path().join("cache")),
-        ..EngineConfig::default()
-    })
-    .expect("engine");
+    let engine = WasmEngine::new(EngineConfig::default()).expect("engine");
     let registry = HandlerRegistry::open(tmp.path().join("handlers"), engine).expect("registry");
     for name in ["noop", "enrich", "enrich_py"] {
         let bytes = std::fs::read(dir.join(format!("{name}.wasm"))).expect("plugin");

@@ -923,11 +923,27 @@ async fn start_handlers(
         .clone()
         .unwrap_or_else(|| cfg.data_dir.join("handlers"));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    // Routers before this one let wasmtime cache compiled code here, and loaded its files
+    // unchecked (a damaged one crashed the router); the registry now keeps checked compiled
+    // code beside each component.
+    let legacy = dir.join("compiled");
+    match crate::wasm::artifact::remove_legacy_cache(&legacy) {
+        Ok(Some(bytes)) => tracing::info!(
+            dir = %legacy.display(),
+            bytes,
+            "removed wasmtime's unchecked compilation cache of an earlier router version; each handler is compiled once more at its first load, and its compiled code then kept, checked, beside its component"
+        ),
+        Ok(None) => {}
+        Err(e) => tracing::warn!(
+            dir = %legacy.display(),
+            error = %e,
+            "cannot remove the compilation cache of an earlier router version (no longer used); remove it by hand"
+        ),
+    }
     let engine = crate::wasm::WasmEngine::new(crate::wasm::EngineConfig {
         max_instances: h.max_instances,
         max_memory_bytes: h.memory_bytes,
         fuel: h.fuel.is_some(),
-        cache_dir: Some(dir.join("compiled")),
         ..Default::default()
     })
     .map_err(|e| e.to_string())?;

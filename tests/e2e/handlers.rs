@@ -375,6 +375,84 @@ async fn emitted_events_re_enter_the_pipeline_from_rust_and_python_handlers() {
     );
 }
 
+/// The stored compiled code of a handler damaged while the router is stopped (one flipped bit
+/// used to crash the whole router at the handler's first delivery, or at every start) is
+/// caught at the next start: removed with a warning, the component compiled again, and the
+/// handler delivers. The compilation cache of an earlier router version (wasmtime's own,
+/// unchecked) is removed at that start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn damaged_compiled_code_is_compiled_again_at_the_next_start() {
+    let sink = Receiver::ok().await;
+    let rules = format!(
+        "{}  - name: enriched-out\n    pattern:\n      type: [{{ suffix: .enriched }}]\n    targets:\n      - webhook: {}\n        id: out\n",
+        rules_yaml(
+            FAST,
+            &[(
+                "to-rust",
+                "order.created",
+                &["handler: enrich\n        policy: fast".to_string()]
+            )]
+        ),
+        sink.url()
+    );
+    let mut r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(put_handler(&r, "enrich", plugin("enrich")).await.0, 201);
+    let enrich = r.data_dir().join("handlers/registry/enrich");
+    let compiled: Vec<PathBuf> = std::fs::read_dir(&enrich)
+        .expect("enrich's directory")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "cwasm"))
+        .collect();
+    assert_eq!(compiled.len(), 1, "enrich's compiled code: {compiled:?}");
+    r.kill9();
+    // A bit flipped in the middle of the machine code.
+    let mut bytes = std::fs::read(&compiled[0]).expect("compiled code");
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x10;
+    std::fs::write(&compiled[0], &bytes).expect("write");
+    // What an earlier router version left.
+    let legacy = r
+        .data_dir()
+        .join("handlers/compiled/modules/wasmtime-48.0.8");
+    std::fs::create_dir_all(&legacy).expect("mkdir");
+    std::fs::write(legacy.join("key"), b"unchecked").expect("write");
+    r.restart();
+    let log = r.log_text();
+    assert!(
+        log.contains("stored compiled code of a handler version failed its check; removed it and compiling the component again handler=\"enrich\"")
+            && log.contains("fails its check: its SHA-256 does not match its contents"),
+        "{log}"
+    );
+    assert!(
+        log.contains("removed wasmtime's unchecked compilation cache of an earlier router version"),
+        "{log}"
+    );
+    assert!(!r.data_dir().join("handlers/compiled").exists());
+    let (_, list) = get_json(&r, "/v1/handlers").await;
+    assert_eq!(list["compilations"], 1, "{list}");
+    assert_eq!(
+        post_event(&r, &event("d1", "order.created", json!({"total": 1})))
+            .await
+            .0,
+        202
+    );
+    assert!(
+        sink.wait_for(Duration::from_secs(30), |s| s.len() == 1)
+            .await,
+        "enrich did not deliver after the restart"
+    );
+    assert_eq!(sink.received()[0].body["data"]["enriched"], true);
+    assert!(
+        r.wait_exit(Duration::from_millis(200)).is_none(),
+        "the router exited"
+    );
+    // Stored again, checked: the next start loads it.
+    r.restart();
+    let (_, list) = get_json(&r, "/v1/handlers").await;
+    assert_eq!(list["compilations"], 0, "{list}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handler_failures_follow_the_delivery_policies() {
     let r = RouterProc::start(

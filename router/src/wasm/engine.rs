@@ -1,8 +1,8 @@
 //! The one wasmtime engine all handlers share: pooling allocator, epoch interruption driven by a
-//! background ticker thread, an on-disk compilation cache, and the linker handlers are checked
-//! and instantiated against.
+//! background ticker thread, and the linker handlers are checked and instantiated against.
+//! (Compiled code is kept on disk by the handler registry, checked before each load: see
+//! [`artifact`](super::artifact).)
 
-use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -10,9 +10,7 @@ use std::time::{Duration, Instant};
 
 use thiserror::Error;
 use wasmtime::component::Linker;
-use wasmtime::{
-    Cache, CacheConfig, Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig,
-};
+use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
 use super::bindings::{self, HostState};
 use super::limits::{HandlerLimits, LimitsError};
@@ -50,10 +48,6 @@ pub struct EngineConfig {
     pub epoch_tick: Duration,
     /// Turn on fuel metering so [`HandlerLimits::fuel`] can be used (costs some speed).
     pub fuel: bool,
-    /// Directory of wasmtime's compilation cache (keyed by the component's hash, the compiler
-    /// settings and the wasmtime version), so a restart deserializes instead of compiling.
-    /// `None`: every load compiles.
-    pub cache_dir: Option<PathBuf>,
 }
 
 impl Default for EngineConfig {
@@ -66,7 +60,6 @@ impl Default for EngineConfig {
             max_wasm_stack: 512 << 10,
             epoch_tick: Duration::from_millis(10),
             fuel: false,
-            cache_dir: None,
         }
     }
 }
@@ -74,7 +67,7 @@ impl Default for EngineConfig {
 /// Failure to build the engine.
 #[derive(Debug, Error)]
 pub enum EngineError {
-    /// Wasmtime refused the configuration (or the cache directory).
+    /// Wasmtime refused the configuration.
     #[error("cannot configure the wasm engine: {0}")]
     Config(String),
     /// The epoch ticker thread could not start.
@@ -86,7 +79,6 @@ pub enum EngineError {
 pub struct WasmEngine {
     engine: Engine,
     linker: Linker<HostState>,
-    cache: Option<Cache>,
     config: EngineConfig,
     describe_slots: DescribeSlots,
     ticker: Option<Ticker>,
@@ -129,19 +121,6 @@ impl WasmEngine {
             .epoch_interruption(true)
             .consume_fuel(config.fuel)
             .max_wasm_stack(config.max_wasm_stack);
-        let cache = match &config.cache_dir {
-            Some(dir) => {
-                let dir = absolute(dir).map_err(|e| {
-                    EngineError::Config(format!("cache dir {}: {e}", dir.display()))
-                })?;
-                let mut cc = CacheConfig::new();
-                cc.with_directory(dir);
-                let cache = Cache::new(cc).map_err(cfg_err)?;
-                wasm.cache(Some(cache.clone()));
-                Some(cache)
-            }
-            None => None,
-        };
         let engine = Engine::new(&wasm).map_err(cfg_err)?;
         let linker = bindings::linker(&engine).map_err(cfg_err)?;
         let ticker =
@@ -149,7 +128,6 @@ impl WasmEngine {
         Ok(Arc::new(Self {
             engine,
             linker,
-            cache,
             config,
             describe_slots: DescribeSlots::new(DESCRIBE_INSTANCES),
             ticker: Some(ticker),
@@ -168,11 +146,6 @@ impl WasmEngine {
 
     pub(crate) fn linker(&self) -> &Linker<HostState> {
         &self.linker
-    }
-
-    /// Compilations that missed the on-disk cache since start (every load when there is none).
-    pub(crate) fn cache_misses(&self) -> Option<usize> {
-        self.cache.as_ref().map(Cache::cache_misses)
     }
 
     /// One of the pool's [`DESCRIBE_INSTANCES`], held until the guard drops; `None` when none
@@ -251,11 +224,6 @@ impl Drop for DescribeSlot<'_> {
             .unwrap_or_else(PoisonError::into_inner) += 1;
         self.slots.freed.notify_one();
     }
-}
-
-fn absolute(dir: &Path) -> std::io::Result<PathBuf> {
-    std::fs::create_dir_all(dir)?;
-    std::path::absolute(dir)
 }
 
 /// Background thread advancing the engine's epoch every tick; stopping it is dropping the sender.

@@ -1,8 +1,9 @@
 //! The wasmtime host for WASM handlers: one shared engine ([`engine`]), per-invocation limits
 //! ([`limits`]), the `router:handler` world's host side ([`bindings`]), uploaded handlers and
-//! their versions ([`registry`]) and how the nodes sharing a store share them ([`catalog`]), running one delivery through a handler ([`invoke`]), and the
+//! their versions ([`registry`]) with their checked compiled code ([`artifact`]) and how the nodes sharing a store share them ([`catalog`]), running one delivery through a handler ([`invoke`]), and the
 //! handlers' own logs, kept on disk for their teams ([`logs`]).
 
+pub(crate) mod artifact;
 pub mod bindings;
 pub mod catalog;
 pub mod engine;

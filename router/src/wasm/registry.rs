@@ -1,11 +1,14 @@
 //! Uploaded handlers: validation at upload, versions on disk with an index, rollback, and the
 //! active pre-instantiated component per handler name.
 //!
-//! Layout under the registry directory: `<name>/index.json` (versions, which one is active) and
-//! `<name>/<sha256>.wasm` (the uploaded bytes). Compiled code is cached by the engine's
-//! compilation cache (see [`EngineConfig::cache_dir`](super::engine::EngineConfig)), keyed by the
-//! component's hash, the compiler settings and the wasmtime version, so reopening the registry
-//! after a restart loads machine code instead of compiling.
+//! Layout under the registry directory: `<name>/index.json` (versions, which one is active),
+//! `<name>/<sha256>.wasm` (the uploaded bytes) and `<name>/<sha256>.cwasm` (the version's
+//! compiled code, see [`artifact`](super::artifact)), so reopening the registry after a restart,
+//! or rolling back, loads machine code instead of compiling. Compiled code is checked before
+//! every load; a file that fails its check is removed (with a warning) and the component
+//! compiled again. It is written when a version is stored or first loaded here, and removed
+//! with its component: a version past `keep_versions`, a deleted handler's versions, a
+//! released name's directory. A rejected upload writes nothing.
 //!
 //! All methods block (file I/O, compilation): async callers use `spawn_blocking`.
 
@@ -21,6 +24,7 @@ use sha2::{Digest, Sha256};
 use thiserror::Error;
 use wasmtime::component::Component;
 
+use super::artifact::{self, ArtifactError, Artifacts};
 use super::bindings::{HandlerPre, HostState, wit};
 use super::engine::WasmEngine;
 use super::invoke;
@@ -446,6 +450,7 @@ pub struct Validated {
     size: u64,
     descriptor: HandlerDescriptor,
     pre: HandlerPre<HostState>,
+    compiled: Compiled,
 }
 
 impl std::fmt::Debug for Validated {
@@ -764,15 +769,25 @@ pub struct HandlerRegistry {
     engine: Arc<WasmEngine>,
     entries: RwLock<HashMap<String, Entry>>,
     /// Serialises changes (upload's commit, rollback, delete) so index writes never interleave.
+    /// Compilations are not serialised by it: an upload of a large component compiling for
+    /// seconds must not hold up a rollback, whose version's compiled code is usually stored.
     write_lock: Mutex<()>,
-    /// The engine's cache misses when the registry opened (`None`: the engine has no cache,
-    /// and every compilation counts in `uncached_compilations`). Compilations are not
-    /// serialised: an upload of a large component compiling for seconds must not hold up a
-    /// rollback, whose version the cache usually has.
-    misses_at_open: Option<usize>,
-    uncached_compilations: AtomicU64,
+    /// Reads and writes the versions' compiled code for this registry's engine.
+    artifacts: Artifacts,
+    /// Components compiled since the registry opened (not loaded from their compiled code).
+    compilations: AtomicU64,
     /// Versions kept per handler (`handlers.keep_versions`).
     keep_versions: usize,
+}
+
+/// The warning logged when a version's stored compiled code fails its check (and is removed,
+/// and the component compiled again).
+pub(crate) const UNUSABLE_COMPILED_CODE: &str = "stored compiled code of a handler version failed its check; removed it and compiling the component again";
+
+/// A component's compiled code, and whether it was compiled now (so not stored yet).
+struct Compiled {
+    component: Component,
+    fresh: bool,
 }
 
 /// Versions kept per handler unless configured (`handlers.keep_versions`).
@@ -830,14 +845,13 @@ impl HandlerRegistry {
     pub fn open(dir: impl Into<PathBuf>, engine: Arc<WasmEngine>) -> Result<Self, RegistryError> {
         let dir = dir.into();
         fs::create_dir_all(&dir)?;
-        let misses_at_open = engine.cache_misses();
         let registry = Self {
             dir,
+            artifacts: Artifacts::new(engine.engine()),
             engine,
             entries: RwLock::new(HashMap::new()),
             write_lock: Mutex::new(()),
-            misses_at_open,
-            uncached_compilations: AtomicU64::new(0),
+            compilations: AtomicU64::new(0),
             keep_versions: DEFAULT_KEEP_VERSIONS,
         };
         let mut entries = HashMap::new();
@@ -874,6 +888,9 @@ impl HandlerRegistry {
                     continue;
                 }
             };
+            // Compiled code that no kept version refers to (left by a crash between an index
+            // write and the removal, or by a write that raced a removal) goes now.
+            registry.prune_artifacts(&index, true);
             let active_version = index
                 .active
                 .as_ref()
@@ -918,12 +935,10 @@ impl HandlerRegistry {
         self.keep_versions
     }
 
-    /// Components compiled (not found in the compilation cache) by this registry since it opened.
+    /// Components compiled by this registry since it opened: those whose compiled code was not
+    /// stored, or failed its check.
     pub fn compilations(&self) -> u64 {
-        match (self.misses_at_open, self.engine.cache_misses()) {
-            (Some(base), Some(now)) => now.saturating_sub(base) as u64,
-            _ => self.uncached_compilations.load(Ordering::Relaxed),
-        }
+        self.compilations.load(Ordering::Relaxed)
     }
 
     /// Checks `bytes` as a handler named `name` (see [`Validated`]) without storing anything.
@@ -942,9 +957,12 @@ impl HandlerRegistry {
                 "this is a core WebAssembly module, not a component".into(),
             ));
         }
-        let component = self.compile(bytes).map_err(UploadError::NotComponent)?;
+        let sha256 = sha256_hex(bytes);
+        let compiled = self
+            .compiled(name, &sha256, bytes)
+            .map_err(UploadError::NotComponent)?;
         let pre = self
-            .pre_instantiate(&component)
+            .pre_instantiate(&compiled.component)
             .map_err(UploadError::WrongWorld)?;
         let descriptor = invoke::describe(&self.engine, &pre).map_err(|e| match e {
             invoke::DescribeError::Busy(m) => UploadError::Busy(m),
@@ -958,10 +976,11 @@ impl HandlerRegistry {
         }
         Ok(Validated {
             name: name.to_owned(),
-            sha256: sha256_hex(bytes),
+            sha256,
             size: bytes.len() as u64,
             descriptor,
             pre,
+            compiled,
         })
     }
 
@@ -989,6 +1008,7 @@ impl HandlerRegistry {
         self.store_component(name, &info.sha256, bytes)?;
         self.write_index(&index)?;
         self.prune_components(&index);
+        self.keep_compiled(name, &info.sha256, &validated.compiled);
         self.install(
             index,
             Some(Arc::new(LoadedHandler {
@@ -1027,11 +1047,14 @@ impl HandlerRegistry {
             return Ok(None);
         };
         let loaded = match validated {
-            Some(v) if v.sha256 == info.sha256 => Ok(LoadedHandler {
-                info: info.clone(),
-                pre: v.pre,
-                engine: self.engine.clone(),
-            }),
+            Some(v) if v.sha256 == info.sha256 => {
+                self.keep_compiled(&index.name, &info.sha256, &v.compiled);
+                Ok(LoadedHandler {
+                    info: info.clone(),
+                    pre: v.pre,
+                    engine: self.engine.clone(),
+                })
+            }
             _ => self.load_version(&index.name, info.clone()),
         };
         match loaded {
@@ -1120,10 +1143,12 @@ impl HandlerRegistry {
     }
 
     /// Removes the component files of `index`'s handler that its index no longer names
-    /// (versions past `keep_versions`). Called with the write lock held, after the index is
-    /// written: a crash in between leaves files no index names, removed by the next change.
-    /// A file that cannot be removed is logged and tried again then.
+    /// (versions past `keep_versions`), and their compiled code. Called with the write lock
+    /// held, after the index is written: a crash in between leaves files no index names,
+    /// removed by the next change (compiled code also by the next start). A file that cannot
+    /// be removed is logged and tried again then.
     fn prune_components(&self, index: &HandlerIndex) {
+        self.prune_artifacts(index, false);
         let dir = self.dir.join(&index.name);
         let Ok(listing) = fs::read_dir(&dir) else {
             return;
@@ -1151,8 +1176,45 @@ impl HandlerRegistry {
         }
     }
 
+    /// Removes the compiled code of `index`'s handler that no version it keeps refers to and,
+    /// with `leftovers` (at open, when no write can be running), the temp files of writes that
+    /// never finished.
+    fn prune_artifacts(&self, index: &HandlerIndex, leftovers: bool) {
+        let Ok(listing) = fs::read_dir(self.dir.join(&index.name)) else {
+            return;
+        };
+        for dirent in listing.flatten() {
+            let file_name = dirent.file_name();
+            let Some(file_name) = file_name.to_str() else {
+                continue;
+            };
+            let unused = match artifact::artifact_of(file_name) {
+                Some(sha) => !index.versions.iter().any(|v| v.sha256 == sha),
+                None => leftovers && artifact::is_leftover(file_name),
+            };
+            if !unused {
+                continue;
+            }
+            match fs::remove_file(dirent.path()) {
+                Ok(()) => {
+                    tracing::info!(handler = %index.name, file = file_name, "compiled code no kept version refers to removed");
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(handler = %index.name, file = file_name, error = %e, "cannot remove compiled code no kept version refers to; the next change or start tries again");
+                }
+            }
+        }
+    }
+
     fn component_path(&self, name: &str, sha256: &str) -> PathBuf {
         self.dir.join(name).join(format!("{sha256}.wasm"))
+    }
+
+    fn artifact_path(&self, name: &str, sha256: &str) -> PathBuf {
+        self.dir
+            .join(name)
+            .join(format!("{sha256}.{}", artifact::EXTENSION))
     }
 
     /// Activates an earlier version, named by its number (`3` or `v3`) or its SHA-256 (or a
@@ -1353,13 +1415,53 @@ impl HandlerRegistry {
         )
     }
 
-    fn compile(&self, bytes: &[u8]) -> Result<Component, String> {
+    /// The compiled code of component `sha256` of `name` (whose bytes are `bytes`): its stored
+    /// compiled code when that passes its checks, else compiled now. Stored compiled code that
+    /// fails a check is removed, with a warning, and never loaded: a damaged file would run as
+    /// garbage machine code (a crash of the whole router) or as another handler's code.
+    fn compiled(&self, name: &str, sha256: &str, bytes: &[u8]) -> Result<Compiled, String> {
+        let path = self.artifact_path(name, sha256);
+        match self.artifacts.load(self.engine.engine(), &path, sha256) {
+            Ok(component) => {
+                return Ok(Compiled {
+                    component,
+                    fresh: false,
+                });
+            }
+            Err(ArtifactError::Missing(_)) => {}
+            Err(e) => {
+                if e.is_damage() {
+                    tracing::warn!(handler = name, sha256, error = %e, "{UNUSABLE_COMPILED_CODE}");
+                } else {
+                    tracing::info!(handler = name, sha256, reason = %e, "stored compiled code is of no use to this engine; compiling the component again");
+                }
+                if let Err(e) = fs::remove_file(&path)
+                    && e.kind() != std::io::ErrorKind::NotFound
+                {
+                    tracing::warn!(handler = name, sha256, error = %e, "cannot remove unusable compiled code; it is checked and refused again at each load");
+                }
+            }
+        }
         let component =
             Component::new(self.engine.engine(), bytes).map_err(|e| format!("{e:#}"))?;
-        if self.misses_at_open.is_none() {
-            self.uncached_compilations.fetch_add(1, Ordering::Relaxed);
+        self.compilations.fetch_add(1, Ordering::Relaxed);
+        Ok(Compiled {
+            component,
+            fresh: true,
+        })
+    }
+
+    /// Stores `compiled` as the compiled code of component `sha256` of `name`, when it was
+    /// compiled now (not loaded from there). A failure costs only speed: the next start
+    /// compiles the component again.
+    fn keep_compiled(&self, name: &str, sha256: &str, compiled: &Compiled) {
+        if !compiled.fresh {
+            return;
         }
-        Ok(component)
+        let path = self.artifact_path(name, sha256);
+        if let Err(e) = self.artifacts.store(&path, sha256, &compiled.component) {
+            tracing::warn!(handler = name, sha256, error = %e, "cannot store a version's compiled code; it is compiled again at its next load");
+        }
     }
 
     fn pre_instantiate(&self, component: &Component) -> Result<HandlerPre<HostState>, String> {
@@ -1385,8 +1487,13 @@ impl HandlerRegistry {
                 path.display()
             )));
         }
-        let component = self.compile(&bytes).map_err(&load_err)?;
-        let pre = self.pre_instantiate(&component).map_err(&load_err)?;
+        let compiled = self
+            .compiled(name, &info.sha256, &bytes)
+            .map_err(&load_err)?;
+        let pre = self
+            .pre_instantiate(&compiled.component)
+            .map_err(&load_err)?;
+        self.keep_compiled(name, &info.sha256, &compiled);
         Ok(LoadedHandler {
             info,
             pre,

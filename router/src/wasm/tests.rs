@@ -48,19 +48,12 @@ fn plugin(name: &str) -> Vec<u8> {
     std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-/// One engine for the whole test binary, with a compilation cache that survives test runs (the
-/// Python component takes a while to compile the first time).
+/// One engine for the whole test binary. (Compiled code is kept per registry: each test's
+/// registry compiles what it uploads.)
 fn engine() -> Arc<WasmEngine> {
     static ENGINE: OnceLock<Arc<WasmEngine>> = OnceLock::new();
     ENGINE
-        .get_or_init(|| {
-            let cache = plugins_dir().join("../wasmtime-test-cache");
-            WasmEngine::new(EngineConfig {
-                cache_dir: Some(cache),
-                ..EngineConfig::default()
-            })
-            .expect("engine")
-        })
+        .get_or_init(|| WasmEngine::new(EngineConfig::default()).expect("engine"))
         .clone()
 }
 
@@ -480,7 +473,6 @@ fn fuel_exhaustion_is_a_limit() {
     let dir = tempfile::tempdir().unwrap();
     let fuel_engine = WasmEngine::new(EngineConfig {
         fuel: true,
-        cache_dir: Some(plugins_dir().join("../wasmtime-test-cache")),
         ..EngineConfig::default()
     })
     .unwrap();
@@ -1107,10 +1099,7 @@ fn preloaded_bytes_are_remembered_after_their_version_is_no_longer_kept() {
 #[test]
 fn reopening_loads_compiled_code_from_the_cache() {
     let dir = tempfile::tempdir().unwrap();
-    let config = EngineConfig {
-        cache_dir: Some(dir.path().join("compiled")),
-        ..EngineConfig::default()
-    };
+    let config = EngineConfig::default();
     let handlers = dir.path().join("handlers");
     {
         let engine = WasmEngine::new(config.clone()).unwrap();
@@ -1132,6 +1121,197 @@ fn reopening_loads_compiled_code_from_the_cache() {
         &HandlerLimits::default(),
     );
     assert!(matches!(inv.outcome, InvocationOutcome::Emitted(ref v) if v.len() == 1));
+}
+
+/// What the tracing events of `f` (on this thread) wrote, as the router's log would show them.
+fn logged<T>(f: impl FnOnce() -> T) -> (T, String) {
+    #[derive(Clone, Default)]
+    struct Buf(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Buf::default();
+    let writer = buf.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .with_writer(move || writer.clone())
+        .finish();
+    let out = tracing::subscriber::with_default(subscriber, f);
+    let text = String::from_utf8_lossy(&buf.0.lock().unwrap()).into_owned();
+    (out, text)
+}
+
+/// The stored compiled code of `name`'s active version.
+fn compiled_code_path(handlers: &Path, registry: &HandlerRegistry, name: &str) -> PathBuf {
+    let sha = registry.active(name).unwrap().version().sha256.clone();
+    handlers.join(name).join(format!("{sha}.cwasm"))
+}
+
+/// Stored compiled code is machine code the router maps executable: one flipped bit in it
+/// used to run as garbage (a SIGSEGV of the whole router at the handler's first delivery, or
+/// SIGILL at every start), and another handler's file copied over it ran as that handler.
+/// Each of those is now caught by its check at the next open: the file is removed with a
+/// warning and the component compiled again, and the handler runs its own code.
+#[test]
+fn damaged_compiled_code_is_compiled_again_not_loaded() {
+    let dir = tempfile::tempdir().unwrap();
+    let handlers = dir.path().join("handlers");
+    let (path, noop_path) = {
+        let registry = HandlerRegistry::open(&handlers, engine()).unwrap();
+        registry.upload("enrich", &plugin("enrich"), "t").unwrap();
+        registry.upload("noop", &plugin("noop"), "t").unwrap();
+        (
+            compiled_code_path(&handlers, &registry, "enrich"),
+            compiled_code_path(&handlers, &registry, "noop"),
+        )
+    };
+    let good = std::fs::read(&path).unwrap();
+    let mut flipped = good.clone();
+    flipped[good.len() / 2] ^= 0x10;
+    let damages: [(&str, Vec<u8>, &str); 4] = [
+        (
+            "a flipped bit",
+            flipped,
+            "its SHA-256 does not match its contents",
+        ),
+        (
+            "a truncated file",
+            good[..good.len() - 4096].to_vec(),
+            "its SHA-256 does not match its contents",
+        ),
+        (
+            "another handler's compiled code",
+            std::fs::read(&noop_path).unwrap(),
+            "it holds the code of another component",
+        ),
+        ("an empty file", Vec::new(), "shorter than its header"),
+    ];
+    for (what, bytes, reason) in damages {
+        std::fs::write(&path, &bytes).unwrap();
+        let (registry, log) = logged(|| HandlerRegistry::open(&handlers, engine()).unwrap());
+        assert_eq!(registry.compilations(), 1, "{what}: enrich compiled again");
+        assert!(
+            log.contains(&format!(
+                "WARN router::wasm::registry: {} handler=\"enrich\"",
+                registry::UNUSABLE_COMPILED_CODE
+            )) && log.contains(&format!(
+                "error=compiled code {} fails its check: {reason}",
+                path.display()
+            )),
+            "{what}: {log}"
+        );
+        // It runs enrich's code, not the damaged file's.
+        let inv = invoke(
+            &registry.active("enrich").unwrap(),
+            &event("d", "order.created", json!({"a": 1})),
+            &delivery(),
+            Arc::new(EmptyKv),
+            &HandlerLimits::default(),
+        );
+        assert!(
+            matches!(&inv.outcome, InvocationOutcome::Emitted(v) if v.len() == 1 && v[0]["data"]["enriched"] == true),
+            "{what}: {:?}",
+            inv.outcome
+        );
+        // Compiled again and stored again, checked: the next open loads it.
+        assert_eq!(std::fs::read(&path).unwrap().len(), good.len(), "{what}");
+        drop(registry);
+        let registry = HandlerRegistry::open(&handlers, engine()).unwrap();
+        assert_eq!(registry.compilations(), 0, "{what}: stored again");
+    }
+}
+
+/// The `*.cwasm` files (stored compiled code) under `dir`, by file name.
+fn compiled_code_files(dir: &Path) -> Vec<String> {
+    let mut files = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if e.path().is_dir() {
+                dirs.push(e.path());
+            } else if name.ends_with(".cwasm") || name.contains(".cwasm.") {
+                files.push(name);
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+/// Compiled code goes with its version: an upload past `keep_versions` removes the dropped
+/// version's, a deleted handler's and a released name's go, a rejected upload stores none, and
+/// an open removes any that no kept version refers to. Before, wasmtime's cache kept them all,
+/// its size bounded by nothing the router controlled.
+#[test]
+fn compiled_code_is_removed_with_its_version() {
+    let dir = tempfile::tempdir().unwrap();
+    let handlers = dir.path().join("handlers");
+    let registry = HandlerRegistry::open(&handlers, engine())
+        .unwrap()
+        .with_keep_versions(2);
+    let noop = plugin("noop");
+    let versions: Vec<Vec<u8>> = (1..=3)
+        .map(|i| variant_of(&noop, &format!("v{i}")))
+        .collect();
+    let cwasm = |bytes: &[u8]| {
+        use sha2::Digest;
+        format!("{}.cwasm", hex::encode(sha2::Sha256::digest(bytes)))
+    };
+    let kept = |v: &[&Vec<u8>]| {
+        let mut names: Vec<String> = v.iter().map(|b| cwasm(b)).collect();
+        names.sort();
+        names
+    };
+    for v in &versions {
+        registry.upload("noop", v, "t").unwrap();
+    }
+    assert_eq!(
+        compiled_code_files(&handlers),
+        kept(&[&versions[1], &versions[2]]),
+        "v1, dropped by keep_versions, took its compiled code along"
+    );
+    // A rejected upload (describe names another handler) stores nothing.
+    assert!(matches!(
+        registry.upload("other", &plugin("enrich"), "t"),
+        Err(UploadError::NameMismatch { .. })
+    ));
+    assert_eq!(compiled_code_files(&handlers).len(), 2);
+    // Left over by a crash between the index write and the removal, or a write that raced
+    // one: removed at the next open, along with a temp file of an unfinished write.
+    std::fs::copy(
+        handlers.join("noop").join(cwasm(&versions[2])),
+        handlers.join("noop").join(cwasm(&versions[0])),
+    )
+    .unwrap();
+    let leftover = format!(".{}.12-3.tmp", cwasm(&versions[2]));
+    std::fs::write(handlers.join("noop").join(&leftover), b"half").unwrap();
+    drop(registry);
+    let registry = HandlerRegistry::open(&handlers, engine()).unwrap();
+    assert_eq!(registry.compilations(), 0);
+    assert_eq!(
+        compiled_code_files(&handlers),
+        kept(&[&versions[1], &versions[2]])
+    );
+    // A delete removes the versions and their compiled code; the name stays kept.
+    registry.upload("enrich", &plugin("enrich"), "t").unwrap();
+    assert!(registry.delete("noop").unwrap());
+    assert_eq!(compiled_code_files(&handlers), kept(&[&plugin("enrich")]));
+    // A release removes the handler's directory, compiled code and all.
+    assert_eq!(
+        registry
+            .delete_as("enrich", &Uploader::from("ops"), true)
+            .unwrap(),
+        Deletion::Deleted { kept_by: None }
+    );
+    assert!(compiled_code_files(&handlers).is_empty());
 }
 
 #[test]
@@ -1729,7 +1909,6 @@ fn a_corrupt_index_does_not_stop_the_registry_from_opening() {
 fn one_instance_engine() -> (tempfile::TempDir, HandlerRegistry, Arc<LoadedHandler>) {
     let small = WasmEngine::new(EngineConfig {
         max_instances: 1,
-        cache_dir: Some(plugins_dir().join("../wasmtime-test-cache")),
         ..EngineConfig::default()
     })
     .unwrap();
@@ -1833,17 +2012,13 @@ fn a_result_over_the_hostcall_fuel_is_a_limit() {
     assert!(invoke::hostcall_fuel(&HandlerLimits::default()) > (2 << 20) + 2);
 }
 
-/// A rollback (the 3 a.m. fix) loads its version from the compilation cache; it must not wait
+/// A rollback (the 3 a.m. fix) loads its version's stored compiled code; it must not wait
 /// while another handler's large upload compiles. Before, every compilation took one lock, and
 /// a rollback waited out the whole compilation of a Python component.
 #[test]
 fn a_rollback_does_not_wait_for_another_handlers_compilation() {
     let dir = tempfile::tempdir().unwrap();
-    let engine = WasmEngine::new(EngineConfig {
-        cache_dir: Some(dir.path().join("compiled")),
-        ..EngineConfig::default()
-    })
-    .unwrap();
+    let engine = WasmEngine::new(EngineConfig::default()).unwrap();
     let registry = HandlerRegistry::open(dir.path().join("handlers"), engine).unwrap();
     let noop = plugin("noop");
     registry.upload("noop", &noop, "t").unwrap();
@@ -1851,7 +2026,7 @@ fn a_rollback_does_not_wait_for_another_handlers_compilation() {
         .upload("noop", &variant_of(&noop, "v2"), "t")
         .unwrap();
     assert_eq!(registry.compilations(), 2);
-    // Not in this engine's (fresh) cache: a full compilation, seconds for the Python runtime.
+    // Not stored in this (fresh) registry: a full compilation, seconds for the Python runtime.
     let big = plugin("enrich_py");
     std::thread::scope(|s| {
         let upload = s.spawn(|| {
