@@ -1376,13 +1376,28 @@ pub async fn run_sweep(b: SweepBench) -> Result<SweepReport, String> {
     })
 }
 
+/// Parameters of `router bench sink` (its command-line arguments).
+#[derive(Debug, Clone, clap::Args)]
+pub struct SinkBench {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:9999")]
+    pub listen: SocketAddr,
+    /// Status to answer every request with: 200 to 599, a final answer (a 1xx is an interim
+    /// one a client keeps waiting past, and hyper would send 600 to 999, which no HTTP class
+    /// defines).
+    #[arg(long, default_value_t = 202, value_parser = clap::value_parser!(u16).range(200..=599))]
+    pub status: u16,
+}
+
 /// Runs a sink on `addr`: every request's body is read and parsed as JSON, then answered
-/// with `status`. Counts events received (array elements count one each) in `counter`.
+/// with `status` (checked by [`SinkBench`]; anything outside 200..=599 is refused here too).
+/// Counts events received (array elements count one each) in `counter`.
 pub async fn run_sink(
     addr: SocketAddr,
     status: u16,
     counter: Arc<AtomicU64>,
 ) -> std::io::Result<()> {
+    let code = sink_status(status)?;
     let listener = tokio::net::TcpListener::bind(addr).await?;
     crate::errln!("sink listening on {}", listener.local_addr()?);
     loop {
@@ -1405,8 +1420,6 @@ pub async fn run_sink(
                         Err(_) => 0,
                     };
                     counter.fetch_add(n, Ordering::Relaxed);
-                    let code =
-                        hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::ACCEPTED);
                     Response::builder()
                         .status(code)
                         .body(Full::new(Bytes::from_static(b"{}")))
@@ -1417,6 +1430,20 @@ pub async fn run_sink(
                 .await;
         });
     }
+}
+
+/// The sink's answer for `status`: a final status, 200 to 599. It was answered 202 without a
+/// word for anything `hyper` refused (42, 1000), and an interim 1xx for 100 to 199.
+fn sink_status(status: u16) -> std::io::Result<hyper::StatusCode> {
+    hyper::StatusCode::from_u16(status)
+        .ok()
+        .filter(|_| (200..=599).contains(&status))
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("the sink's status must be 200 to 599, not {status}"),
+            )
+        })
 }
 
 #[cfg(test)]
@@ -1512,6 +1539,32 @@ mod tests {
         assert_eq!(size_note(1024, "ab12", "bench.event", true), None);
         // Random ids are longer: the smallest event too.
         assert!(size_note(smallest, "ab12", "bench.event", true).is_some());
+    }
+
+    #[test]
+    fn the_sinks_status_must_be_a_final_answer() {
+        #[derive(Debug, clap::Parser)]
+        struct SinkCli {
+            #[command(flatten)]
+            b: SinkBench,
+        }
+        use clap::Parser;
+        let parse = |status: &str| SinkCli::try_parse_from(["sink", "--status", status]);
+        for bad in ["42", "99", "100", "199", "600", "1000", "x"] {
+            let e = parse(bad).expect_err(bad);
+            assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation, "{bad}");
+            assert!(bad == "x" || sink_status(bad.parse().expect("a number")).is_err());
+        }
+        for good in ["200", "202", "429", "503", "599"] {
+            let b = parse(good).expect(good).b;
+            assert_eq!(b.status.to_string(), good);
+            assert_eq!(sink_status(b.status).expect(good).as_str(), good);
+        }
+        let d = SinkCli::try_parse_from(["sink"]).expect("defaults").b;
+        assert_eq!(
+            (d.status, d.listen.to_string().as_str()),
+            (202, "127.0.0.1:9999")
+        );
     }
 
     #[test]
