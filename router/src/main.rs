@@ -441,12 +441,7 @@ enum BenchCmd {
     /// and per commit.
     Sweep(router::bench::SweepBench),
     /// A receiver that parses and discards (baseline endpoint and fast webhook).
-    Sink {
-        #[arg(long, default_value = "127.0.0.1:9999")]
-        listen: SocketAddr,
-        #[arg(long, default_value_t = 202)]
-        status: u16,
-    },
+    Sink(router::bench::SinkBench),
 }
 
 fn main() -> ExitCode {
@@ -876,11 +871,11 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Bench {
-            cmd: BenchCmd::Sink { listen, status },
+            cmd: BenchCmd::Sink(b),
         } => {
             rt.block_on(router::bench::run_sink(
-                listen,
-                status,
+                b.listen,
+                b.status,
                 Arc::new(AtomicU64::new(0)),
             ))?;
             Ok(ExitCode::SUCCESS)
