@@ -442,7 +442,8 @@ fn main() -> ExitCode {
     match real_main(cli) {
         Ok(code) => code,
         Err(e) => {
-            router::errln!("error: {e:#}");
+            let cause: &(dyn std::error::Error + 'static) = e.as_ref();
+            router::errln!("error: {}", router::cli::error_chain(cause));
             ExitCode::from(2)
         }
     }
