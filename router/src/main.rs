@@ -646,6 +646,14 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     },
                     None => None,
                 };
+                // As the server warns at start and reload, and as `rules check` prints its
+                // warnings: said, exit 0.
+                for t in set.modes_without_contract() {
+                    outln!(
+                        "{}: warning: sets a mode for type {t}, which has no contract; it has no effect",
+                        dir.join(router::contract::MODES_FILE).display()
+                    );
+                }
                 for d in set.compatibility_report() {
                     outln!("note: {d} (a new version may break; its consumers must accept it)");
                 }

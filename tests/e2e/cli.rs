@@ -484,6 +484,34 @@ async fn contracts_check_fails_on_in_place_changes_to_deployed_versions_only() {
     assert!(!ok && err.contains("no such directory"), "{err}");
 }
 
+/// A `modes.toml` entry for a type without a contract does nothing: the server warns at
+/// start, and `contracts check` said nothing. It is a warning there too (exit 0), as `rules
+/// check` prints its warnings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contracts_check_warns_about_a_mode_for_a_type_without_a_contract() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir_all(dir.path().join("order")).expect("mkdir");
+    std::fs::write(dir.path().join("order/v1.json"), r#"{"type": "object"}"#).expect("contract");
+    std::fs::write(
+        dir.path().join("modes.toml"),
+        "\"order\" = \"enforce\"\n\"ordr\" = \"enforce\"\n",
+    )
+    .expect("modes");
+    let (ok, out, err) = run_router(
+        None,
+        &["contracts", "check", &dir.path().display().to_string()],
+    )
+    .await;
+    assert!(ok, "a warning, not an error: {out}{err}");
+    let warnings: Vec<&str> = out.lines().filter(|l| l.contains("warning:")).collect();
+    assert_eq!(warnings.len(), 1, "{out}");
+    assert!(
+        warnings[0]
+            .contains("modes.toml: warning: sets a mode for type ordr, which has no contract"),
+        "{out}"
+    );
+}
+
 /// A reader that closes the pipe early (`router rules test … | head`, `router dlq jobs | true`)
 /// ends the command quietly with 141 (what a shell shows for a command a closed pipe ended):
 /// `println!` panicked on the failed write, with a backtrace and status 101. The pipe's read
