@@ -540,19 +540,8 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
                 (None, None) => None,
             };
-            // Unknown handlers fail the check like the loader's own errors, after its warnings.
-            let checked = RuleSet::check_dir(&dir).and_then(|(set, warnings)| {
-                let unknown = known
-                    .as_ref()
-                    .map(|k| set.unknown_handlers(&dir, k))
-                    .unwrap_or_default();
-                if unknown.is_empty() {
-                    Ok((set, warnings))
-                } else {
-                    Err(warnings.into_iter().chain(unknown).collect())
-                }
-            });
-            match checked {
+            // Unknown handlers are errors of the same pass as the loader's own.
+            match RuleSet::check_dir(&dir, known.as_ref()) {
                 Ok((set, warnings)) => {
                     for w in &warnings {
                         outln!("{w}");
@@ -567,11 +556,18 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     );
                     Ok(ExitCode::SUCCESS)
                 }
-                Err(errors) => {
-                    for e in &errors {
-                        outln!("{e}");
+                Err(diagnostics) => {
+                    for d in &diagnostics {
+                        outln!("{d}");
                     }
-                    router::errln!("{} problem(s)", errors.len());
+                    // Warnings are printed among the errors but are not problems.
+                    let errors = diagnostics.iter().filter(|d| d.is_error()).count();
+                    let warnings = diagnostics.len() - errors;
+                    if warnings == 0 {
+                        router::errln!("{errors} error(s)");
+                    } else {
+                        router::errln!("{errors} error(s), {warnings} warning(s)");
+                    }
                     Ok(ExitCode::from(1))
                 }
             }
