@@ -1066,6 +1066,32 @@ rules:
     );
 }
 
+/// Policies and targets share settings through YAML anchors and merge keys, as they are
+/// written in other tools' YAML: `<<: *base` was "unknown field `<<`".
+#[test]
+fn merge_keys_share_settings_between_policies_and_targets() {
+    let src = "\
+policies:
+  base: &base
+    timeout: 2s
+    retry: { max_attempts: 3 }
+  fast:
+    <<: *base
+    timeout: 1s
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - &hook { webhook: \"http://127.0.0.1:9/a\", policy: base, id: one }
+      - { <<: *hook, id: two, policy: fast }
+";
+    let (set, _) = ok(&[("r.yaml", src)]);
+    assert_eq!(set.policies["fast"].timeout, Duration::from_secs(1));
+    assert_eq!(set.policies["fast"].retry.max_attempts, 3);
+    assert_eq!(set.targets["two"].policy_name.as_deref(), Some("fast"));
+    assert_eq!(set.targets["two"].kind, set.targets["one"].kind);
+}
+
 /// A rule without a name still has its targets checked, but gives them no derived ids: two
 /// such rules said "duplicate target id `<unnamed>-0`" besides the missing names.
 #[test]
