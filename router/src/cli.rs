@@ -64,9 +64,38 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// connections at once, so past this it is not (or not reachable).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// `error` and its causes on one line, `: `-separated, each said once: a cause whose text
+/// is already on the line (an error that quotes its source, as `CliError::Http` and
+/// `ConfigError::Read` do) is left out. Printing every cause of the chain said the same
+/// clause twice ("No such file or directory (os error 2): No such file or directory (os
+/// error 2)").
+pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut line = error.to_string();
+    let mut cause = error.source();
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !text.is_empty() && !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+        cause = c.source();
+    }
+    line
+}
+
 /// Error talking to the router API.
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
+    /// The API's base URL (`--api`, `ROUTER_API`) is not one.
+    #[error(
+        "the router API URL {base:?} (--api or ROUTER_API) is not usable: {reason}; give one like http://127.0.0.1:8080"
+    )]
+    BadApiUrl {
+        /// The URL as given.
+        base: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// No connection could be made: nothing listens there, or it is not reachable.
     #[error("could not connect to the router at {url}: {source}")]
     Connect {
@@ -107,6 +136,8 @@ pub enum CliError {
 /// A small client of the router API.
 pub struct Client {
     base: String,
+    /// Why `base` is not an API URL (checked once, reported by every call).
+    base_error: Option<String>,
     http: reqwest::Client,
     /// Sent as `Authorization: Bearer …` when set.
     token: Option<String>,
@@ -133,8 +164,25 @@ impl Client {
     /// `token` when given.
     pub fn new(base: &str, token: Option<&str>) -> Self {
         crate::target::webhook::install_crypto_provider();
+        let base = base.trim_end_matches('/').to_string();
+        // Checked here: reqwest only says "builder error: relative URL without a base".
+        let base_error = match reqwest::Url::parse(&base) {
+            _ if base.is_empty() => Some("it is empty".to_string()),
+            // `localhost:8080` parses, as scheme `localhost`.
+            Ok(u) if !matches!(u.scheme(), "http" | "https") => Some(format!(
+                "it must start with http:// or https://, not {}:",
+                u.scheme()
+            )),
+            Ok(u) if u.host_str().is_none_or(str::is_empty) => Some("it names no host".to_string()),
+            Ok(_) => None,
+            Err(_) if !base.contains("://") => {
+                Some("it must start with http:// or https://".to_string())
+            }
+            Err(e) => Some(e.to_string()),
+        };
         Self {
-            base: base.trim_end_matches('/').to_string(),
+            base,
+            base_error,
             http: reqwest::Client::builder()
                 .connect_timeout(CONNECT_TIMEOUT)
                 .build()
@@ -225,6 +273,12 @@ impl Client {
 
     /// Sends `rb` (a request to `url`) and returns the JSON answer, or the API's error.
     async fn send(&self, rb: reqwest::RequestBuilder, url: String) -> Result<Value, CliError> {
+        if let Some(reason) = &self.base_error {
+            return Err(CliError::BadApiUrl {
+                base: self.base.clone(),
+                reason: reason.clone(),
+            });
+        }
         let resp = rb
             .timeout(self.timeout)
             .send()
@@ -867,6 +921,58 @@ mod tests {
                 .nth(1)
                 .is_some_and(|l| l.ends_with("not sent: event older than max_age 3s")),
             "{t}"
+        );
+    }
+
+    /// An API URL without a scheme, or empty, is said to be one; reqwest said "builder error:
+    /// builder error: relative URL without a base".
+    #[tokio::test]
+    async fn a_bad_api_url_is_named_before_any_request() {
+        for (base, why) in [
+            ("", "it is empty"),
+            ("127.0.0.1:8080", "must start with http:// or https://"),
+            (
+                "localhost:8080",
+                "must start with http:// or https://, not localhost:",
+            ),
+            ("ftp://x", "not ftp:"),
+        ] {
+            let e = Client::new(base, None)
+                .call(reqwest::Method::GET, "/v1/status", None)
+                .await
+                .expect_err(base);
+            let text = error_chain(&e);
+            assert!(
+                text.contains("(--api or ROUTER_API) is not usable") && text.contains(why),
+                "{base}: {text}"
+            );
+            assert!(!text.contains("builder error"), "{text}");
+        }
+    }
+
+    /// A router that is down: each cause once (the clause \"error sending request for url\"
+    /// was said twice, once quoted by CliError::Http and once as the chain's next cause).
+    #[tokio::test]
+    async fn an_unreachable_router_is_said_once() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let e = Client::new(&format!("http://127.0.0.1:{port}"), None)
+            .call(reqwest::Method::GET, "/v1/status", None)
+            .await
+            .expect_err("nothing listens");
+        let text = error_chain(&e);
+        assert_eq!(text.matches("error sending request").count(), 1, "{text}");
+        assert!(text.starts_with("could not connect to the router at"), "{text}");
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory");
+        let read = crate::config::ConfigError::Read {
+            path: "/nonexistent.toml".into(),
+            source: io,
+        };
+        assert_eq!(
+            error_chain(&read),
+            "cannot read config file /nonexistent.toml: No such file or directory"
         );
     }
 

@@ -449,7 +449,8 @@ fn main() -> ExitCode {
     match real_main(cli) {
         Ok(code) => code,
         Err(e) => {
-            router::errln!("error: {e:#}");
+            let cause: &(dyn std::error::Error + 'static) = e.as_ref();
+            router::errln!("error: {}", router::cli::error_chain(cause));
             ExitCode::from(2)
         }
     }
@@ -547,19 +548,8 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
                 (None, None) => None,
             };
-            // Unknown handlers fail the check like the loader's own errors, after its warnings.
-            let checked = RuleSet::check_dir(&dir).and_then(|(set, warnings)| {
-                let unknown = known
-                    .as_ref()
-                    .map(|k| set.unknown_handlers(&dir, k))
-                    .unwrap_or_default();
-                if unknown.is_empty() {
-                    Ok((set, warnings))
-                } else {
-                    Err(warnings.into_iter().chain(unknown).collect())
-                }
-            });
-            match checked {
+            // Unknown handlers are errors of the same pass as the loader's own.
+            match RuleSet::check_dir(&dir, known.as_ref()) {
                 Ok((set, warnings)) => {
                     for w in &warnings {
                         outln!("{w}");
@@ -574,11 +564,18 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     );
                     Ok(ExitCode::SUCCESS)
                 }
-                Err(errors) => {
-                    for e in &errors {
-                        outln!("{e}");
+                Err(diagnostics) => {
+                    for d in &diagnostics {
+                        outln!("{d}");
                     }
-                    router::errln!("{} problem(s)", errors.len());
+                    // Warnings are printed among the errors but are not problems.
+                    let errors = diagnostics.iter().filter(|d| d.is_error()).count();
+                    let warnings = diagnostics.len() - errors;
+                    if warnings == 0 {
+                        router::errln!("{errors} error(s)");
+                    } else {
+                        router::errln!("{errors} error(s), {warnings} warning(s)");
+                    }
                     Ok(ExitCode::from(1))
                 }
             }
@@ -653,6 +650,14 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     },
                     None => None,
                 };
+                // As the server warns at start and reload, and as `rules check` prints its
+                // warnings: said, exit 0.
+                for t in set.modes_without_contract() {
+                    outln!(
+                        "{}: warning: sets a mode for type {t}, which has no contract; it has no effect",
+                        dir.join(router::contract::MODES_FILE).display()
+                    );
+                }
                 for d in set.compatibility_report() {
                     outln!("note: {d} (a new version may break; its consumers must accept it)");
                 }

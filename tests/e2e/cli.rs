@@ -344,7 +344,7 @@ async fn the_operator_cli_authenticates_with_router_token() {
     let (ok, text, _) = check(Some("ops-token")).await;
     assert!(!ok, "{text}");
     assert!(
-        text.contains("r.yaml:2:1: rule `enrich`, target `enrich-1`: no handler named `invoicing` (known: noop)"),
+        text.contains("r.yaml:6:18: rule `enrich`, target `enrich-1`: no handler named `invoicing` (known: noop)"),
         "{text}"
     );
     assert!(!text.contains("`noop` (known"), "{text}");
@@ -485,6 +485,52 @@ async fn contracts_check_fails_on_in_place_changes_to_deployed_versions_only() {
     )
     .await;
     assert!(!ok && err.contains("no such directory"), "{err}");
+}
+
+/// A `modes.toml` entry for a type without a contract does nothing: the server warns at
+/// start, and `contracts check` said nothing. It is a warning there too (exit 0), as `rules
+/// check` prints its warnings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contracts_check_warns_about_a_mode_for_a_type_without_a_contract() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir_all(dir.path().join("order")).expect("mkdir");
+    std::fs::write(dir.path().join("order/v1.json"), r#"{"type": "object"}"#).expect("contract");
+    std::fs::write(
+        dir.path().join("modes.toml"),
+        "\"order\" = \"enforce\"\n\"ordr\" = \"enforce\"\n",
+    )
+    .expect("modes");
+    let (ok, out, err) = run_router(
+        None,
+        &["contracts", "check", &dir.path().display().to_string()],
+    )
+    .await;
+    assert!(ok, "a warning, not an error: {out}{err}");
+    let warnings: Vec<&str> = out.lines().filter(|l| l.contains("warning:")).collect();
+    assert_eq!(warnings.len(), 1, "{out}");
+    assert!(
+        warnings[0]
+            .contains("modes.toml: warning: sets a mode for type ordr, which has no contract"),
+        "{out}"
+    );
+}
+
+/// `rules check` counts its errors, not its warnings: one error beside an unused policy's
+/// warning said "2 problem(s)".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rules_check_counts_errors_and_warnings_apart() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(
+        dir.path().join("r.yaml"),
+        "policies:\n  spare: {}\nrules:\n  - name: a\n    pattern: {type: [x]}\n    targets: [{handler: h, policy: nope}]\n",
+    )
+    .expect("rules");
+    let (ok, out, err) =
+        run_router(None, &["rules", "check", &dir.path().display().to_string()]).await;
+    assert!(!ok, "{out}");
+    assert!(out.contains("warning: policy `spare` is not used"), "{out}");
+    assert!(out.contains("unknown policy `nope`"), "{out}");
+    assert_eq!(err.trim(), "1 error(s), 1 warning(s)", "{err}");
 }
 
 /// A reader that closes the pipe early (`router rules test … | head`, `router dlq jobs | true`)

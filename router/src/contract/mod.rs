@@ -505,16 +505,21 @@ impl ContractSet {
                     "contracts: every version of type {t} was removed; its events are no longer checked"
                 )
             });
-        let idle = self
-            .modes
+        let idle = self.modes_without_contract().map(|t| {
+            format!(
+                "contracts: {MODES_FILE} sets a mode for type {t}, which has no contract; it has no effect"
+            )
+        });
+        gone.chain(idle).collect()
+    }
+
+    /// The types `modes.toml` sets a mode for that have no contract (the mode does nothing:
+    /// a misspelt type, or one whose contracts were removed).
+    pub fn modes_without_contract(&self) -> impl Iterator<Item = &str> {
+        self.modes
             .keys()
             .filter(|t| !self.types.contains_key(*t))
-            .map(|t| {
-                format!(
-                    "contracts: {MODES_FILE} sets a mode for type {t}, which has no contract; it has no effect"
-                )
-            });
-        gone.chain(idle).collect()
+            .map(String::as_str)
     }
 
     /// The contract of `ty` at `version`, if loaded.

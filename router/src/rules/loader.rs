@@ -102,6 +102,7 @@ pub(crate) enum Dangling {
 pub(crate) fn load_dir(
     dir: &Path,
     dangling: Dangling,
+    known_handlers: Option<&std::collections::BTreeSet<String>>,
 ) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Diagnostic>> {
     let dir_display = dir.display().to_string();
     let mut found = Vec::new();
@@ -154,7 +155,7 @@ pub(crate) fn load_dir(
             }),
         }
     }
-    load(&inputs, diags)
+    load(&inputs, diags, known_handlers)
 }
 
 /// The version (see [`crate::rules::version_of`]) of the rule files under `dir` as they are
@@ -273,13 +274,16 @@ impl Walk<'_> {
     }
 }
 
-/// Loads already-read files; `diags` holds problems found before parsing.
+/// Loads already-read files; `diags` holds problems found before parsing. With
+/// `known_handlers`, a handler target naming none of them is an error at its `handler:`.
 pub(crate) fn load(
     files: &[SourceFile],
     diags: Vec<Diagnostic>,
+    known_handlers: Option<&std::collections::BTreeSet<String>>,
 ) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Diagnostic>> {
     let mut cx = Cx {
         diags,
+        known_handlers,
         policies: BTreeMap::new(),
         policy_locs: HashMap::new(),
         used_policies: HashSet::new(),
@@ -431,6 +435,15 @@ pub(crate) fn load(
 /// A location: display file, line, col.
 type Loc = (String, usize, usize);
 
+/// A policy as decoded from its node.
+enum Decoded {
+    /// Every field decoded.
+    Whole(PolicyConfig),
+    /// Some did not (each reported): the policy made of the fields that did, if they make
+    /// one, to check those too.
+    Partly(Option<PolicyConfig>),
+}
+
 fn loc_str((file, line, col): &Loc) -> String {
     format!("{file}:{line}:{col}")
 }
@@ -438,6 +451,8 @@ fn loc_str((file, line, col): &Loc) -> String {
 /// Loader state across all files.
 struct Cx<'a> {
     diags: Vec<Diagnostic>,
+    /// The handlers the deployment has (`rules check --handlers`), when known.
+    known_handlers: Option<&'a std::collections::BTreeSet<String>>,
     policies: BTreeMap<String, PolicyConfig>,
     policy_locs: HashMap<String, Loc>,
     used_policies: HashSet<String>,
@@ -527,10 +542,23 @@ impl Cx<'_> {
         }
         self.policy_locs
             .insert(name.clone(), (file.to_string(), key.line, key.col));
-        let Some(policy) = self.decode_policy(file, node) else {
-            // Keep the name known so targets using it do not add "unknown policy" noise.
-            self.policies.insert(name, PolicyConfig::default());
-            return;
+        let policy = match self.decode_policy(file, &name, node) {
+            Decoded::Whole(p) => p,
+            Decoded::Partly(rest) => {
+                // The fields that did decode are still checked, so one round of `rules
+                // check` reports both kinds of problem.
+                for problem in rest
+                    .as_ref()
+                    .map(PolicyConfig::validate)
+                    .unwrap_or_default()
+                {
+                    let at = problem_node(node, key, &problem);
+                    self.err(file, at, format!("policy `{name}`: {problem}"));
+                }
+                // Keep the name known so targets using it do not add "unknown policy" noise.
+                self.policies.insert(name, PolicyConfig::default());
+                return;
+            }
         };
         let problems = policy.validate();
         for problem in &problems {
@@ -583,9 +611,9 @@ impl Cx<'_> {
         }
     }
 
-    fn decode_policy(&mut self, file: &str, node: &Node) -> Option<PolicyConfig> {
+    fn decode_policy(&mut self, file: &str, name: &str, node: &Node) -> Decoded {
         match node.kind {
-            NodeKind::Null => return Some(PolicyConfig::default()),
+            NodeKind::Null => return Decoded::Whole(PolicyConfig::default()),
             NodeKind::Map(_) => {}
             _ => {
                 self.err(
@@ -593,16 +621,17 @@ impl Cx<'_> {
                     node,
                     format!("a policy must be a mapping, not {}", node.type_name()),
                 );
-                return None;
+                return Decoded::Partly(None);
             }
         }
-        let json = node.to_json();
-        let whole = match serde_json::from_value::<PolicyConfig>(json) {
-            Ok(p) => return Some(p),
+        let mut json = node.to_json();
+        let whole = match serde_json::from_value::<PolicyConfig>(json.clone()) {
+            Ok(p) => return Decoded::Whole(p),
             Err(e) => e,
         };
         // Locate the problem(s): decode each field (and each field of the nested sections)
-        // on its own; every field has a default, so only the bad ones fail.
+        // on its own; every field has a default, so only the bad ones fail. What fails is
+        // taken out of `json`, which then holds the fields that decode.
         let before = self.diags.len();
         for (k, v) in node.as_map().unwrap_or_default() {
             let key = k.as_str().unwrap_or_default();
@@ -618,33 +647,48 @@ impl Cx<'_> {
                     let v2j = v2.to_json();
                     let nested = serde_json::json!({ key: { key2: v2j } });
                     if let Err(e2) = serde_json::from_value::<PolicyConfig>(nested) {
-                        self.serde_err(file, k2, v2, &format!("{key}.{key2}"), &e2);
+                        self.serde_err(file, name, (k2, v2), Some(key), &e2);
+                        if let Some(section) = json.get_mut(key).and_then(Value::as_object_mut) {
+                            section.remove(key2);
+                        }
                     }
                 }
             }
             if self.diags.len() == inner_before {
-                self.serde_err(file, k, v, key, &e);
+                self.serde_err(file, name, (k, v), None, &e);
+                if let Some(fields) = json.as_object_mut() {
+                    fields.remove(key);
+                }
             }
         }
         if self.diags.len() == before {
-            self.err(file, node, format!("invalid policy: {whole}"));
+            self.err(file, node, format!("policy `{name}`: {whole}"));
+            return Decoded::Partly(None);
         }
-        None
+        Decoded::Partly(serde_json::from_value(json).ok())
     }
 
+    /// A field of policy `name` that does not decode (`section` is its section, e.g.
+    /// `retry`, when nested): the error at the value, or at the key for an unknown one.
     fn serde_err(
         &mut self,
         file: &str,
-        key: &Node,
-        value: &Node,
-        path: &str,
+        name: &str,
+        (key, value): (&Node, &Node),
+        section: Option<&str>,
         e: &serde_json::Error,
     ) {
         let msg = e.to_string();
+        let field = key.as_str().unwrap_or_default();
         if msg.starts_with("unknown field") {
-            self.err(file, key, format!("policy: {msg}"));
+            let within = section.map(|s| format!("{s}: ")).unwrap_or_default();
+            self.err(file, key, format!("policy `{name}`: {within}{msg}"));
         } else {
-            self.err(file, value, format!("policy `{path}`: {msg}"));
+            let path = match section {
+                Some(s) => format!("{s}.{field}"),
+                None => field.to_string(),
+            };
+            self.err(file, value, format!("policy `{name}`: {path}: {msg}"));
         }
     }
 
@@ -726,7 +770,6 @@ impl Cx<'_> {
             }
             Some(p) => self.pattern(file, p),
         };
-        let rule_name = name.clone().unwrap_or_else(|| "<unnamed>".to_string());
         let mut target_ids = Vec::new();
         match node.get("targets") {
             None => self.err(file, node, "rule is missing `targets`"),
@@ -736,7 +779,7 @@ impl Cx<'_> {
                 }
                 NodeKind::Seq(items) => {
                     for (i, item) in items.iter().enumerate() {
-                        if let Some(id) = self.target(file, &rule_name, i, item) {
+                        if let Some(id) = self.target(file, name.as_deref(), i, item) {
                             target_ids.push(id);
                         }
                     }
@@ -787,7 +830,15 @@ impl Cx<'_> {
         }
     }
 
-    fn target(&mut self, file: &str, rule: &str, index: usize, node: &Node) -> Option<String> {
+    /// Target `index` of rule `rule` (`None`: the rule has no valid name, already reported;
+    /// its targets are checked, but one without an `id` has none to register under).
+    fn target(
+        &mut self,
+        file: &str,
+        rule: Option<&str>,
+        index: usize,
+        node: &Node,
+    ) -> Option<String> {
         if node.as_map().is_none() {
             self.err(
                 file,
@@ -841,7 +892,10 @@ impl Cx<'_> {
             }
         }
         let (id, id_node) = match node.get("id") {
-            None => (format!("{rule}-{index}"), node),
+            // A rule without a name gives its targets no derived ids (`<unnamed>-0` for two
+            // such rules cascaded into "duplicate target id"): the rest is still checked.
+            None if rule.is_none() => (String::new(), node),
+            None => (format!("{}-{index}", rule.unwrap_or_default()), node),
             Some(n) => match self.string(file, n, "id") {
                 Some(s) if valid_name(s) => (s.to_string(), n),
                 Some(s) => {
@@ -886,7 +940,33 @@ impl Cx<'_> {
             );
             ok = false;
         }
-        if let Some(first) = self.target_locs.get(&id) {
+        if let (Some(TargetKind::Handler { name }), Some(known), Some((_, at))) =
+            (&kind, self.known_handlers, kinds.first())
+            && !known.contains(name)
+        {
+            let known_list = if known.is_empty() {
+                "none".to_string()
+            } else {
+                known
+                    .iter()
+                    .map(String::as_str)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            let target = match (rule, id.is_empty()) {
+                (Some(rule), false) => format!("rule `{rule}`, target `{id}`: "),
+                _ => String::new(),
+            };
+            self.err(
+                file,
+                at,
+                format!("{target}no handler named `{name}` (known: {known_list})"),
+            );
+            ok = false;
+        }
+        if id.is_empty() {
+            // No id to register (an unnamed rule's).
+        } else if let Some(first) = self.target_locs.get(&id) {
             let first = loc_str(first);
             self.err(
                 file,
@@ -935,7 +1015,7 @@ impl Cx<'_> {
             id.clone(),
             TargetSpec {
                 id: id.clone(),
-                rule: rule.to_string(),
+                rule: rule?.to_string(),
                 kind,
                 policy_name,
                 policy,

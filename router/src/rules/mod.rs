@@ -363,13 +363,21 @@ impl RuleSet {
     /// On success returns the set and its warnings. On failure returns every diagnostic
     /// found — all errors, not just the first — with the warnings among them.
     pub fn load_dir(dir: &Path) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Diagnostic>> {
-        loader::load_dir(dir, loader::Dangling::Warn)
+        loader::load_dir(dir, loader::Dangling::Warn, None)
     }
 
     /// [`RuleSet::load_dir`] for `router rules check`: a symlink that leads nowhere is an
-    /// error (a rule file the set was meant to have), not a warning.
-    pub fn check_dir(dir: &Path) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Diagnostic>> {
-        loader::load_dir(dir, loader::Dangling::Error)
+    /// error (a rule file the set was meant to have), not a warning. With `known_handlers`
+    /// (the handlers the deployment will have, e.g. the `*.wasm` files of
+    /// `handlers.preload_dir`), a handler target naming none of them is an error at its
+    /// `handler:`, found in the same pass as every other problem. Rule files alone cannot
+    /// say which handlers exist, since teams upload them over the API; the live router
+    /// instead keeps such a target's queue waiting until the handler is uploaded.
+    pub fn check_dir(
+        dir: &Path,
+        known_handlers: Option<&std::collections::BTreeSet<String>>,
+    ) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Diagnostic>> {
+        loader::load_dir(dir, loader::Dangling::Error, known_handlers)
     }
 
     /// The version of the rule files under `dir` as they are on disk now (no parsing): equal
@@ -379,50 +387,6 @@ impl RuleSet {
     /// The directory or a file in it cannot be read.
     pub fn disk_version(dir: &Path) -> std::io::Result<String> {
         loader::disk_version(dir)
-    }
-
-    /// Handler targets whose handler is not among `known` (the handlers the deployment will
-    /// have, e.g. the `*.wasm` files of `handlers.preload_dir`): one error per target, at its
-    /// rule in `dir`. Rule files alone cannot say which handlers exist, since teams upload
-    /// them over the API; `router rules check --handlers DIR` asks this, and the live router
-    /// instead keeps such a target's queue waiting until the handler is uploaded.
-    pub fn unknown_handlers(
-        &self,
-        dir: &Path,
-        known: &std::collections::BTreeSet<String>,
-    ) -> Vec<Diagnostic> {
-        let known_list = if known.is_empty() {
-            "none".to_string()
-        } else {
-            known
-                .iter()
-                .map(String::as_str)
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        let mut out = Vec::new();
-        for rule in &self.rules {
-            for id in &rule.target_ids {
-                let Some(TargetKind::Handler { name }) = self.targets.get(id).map(|t| &t.kind)
-                else {
-                    continue;
-                };
-                if known.contains(name) {
-                    continue;
-                }
-                out.push(Diagnostic {
-                    file: dir.join(&rule.file).display().to_string(),
-                    line: rule.line,
-                    col: 1,
-                    message: format!(
-                        "rule `{}`, target `{id}`: no handler named `{name}` (known: {known_list})",
-                        rule.name
-                    ),
-                    severity: Severity::Error,
-                });
-            }
-        }
-        out
     }
 
     /// Loads a set from in-memory files: `(path, text)` pairs, where `path` is both what
@@ -439,7 +403,7 @@ impl RuleSet {
                 text: (*text).to_string(),
             })
             .collect();
-        loader::load(&inputs, Vec::new())
+        loader::load(&inputs, Vec::new(), None)
     }
 
     /// The enabled rules whose pattern matches `event` (structured CloudEvent JSON), in

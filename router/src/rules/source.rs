@@ -315,6 +315,8 @@ fn convert(
         ),
         YamlDataOwned::Mapping(m) => {
             let mut entries = Vec::with_capacity(m.len());
+            // `<<: *anchor` entries, merged once the mapping's own keys are known.
+            let mut merged = Vec::new();
             for (k, v) in m {
                 let key_kind = match &k.data {
                     YamlDataOwned::Value(s) => match scalar(s) {
@@ -346,7 +348,15 @@ fn convert(
                     kind: key_kind,
                 };
                 let key_at = (key.line, key.col);
-                entries.push((key, convert(v, key_at, lines, errors)));
+                let value = convert(v, key_at, lines, errors);
+                if key.as_str() == Some(MERGE_KEY) && is_plain(k) {
+                    merged.push((key, value));
+                } else {
+                    entries.push((key, value));
+                }
+            }
+            for (key, value) in merged {
+                merge_into(&mut entries, &key, value, errors);
             }
             NodeKind::Map(entries)
         }
@@ -362,6 +372,65 @@ fn convert(
         }
     };
     Node { line, col, kind }
+}
+
+/// The YAML 1.1 merge key: `<<: *common` (or `<<: [*a, *b]`) copies the entries of the
+/// anchored mappings that the mapping does not set itself. YAML 1.2 (the parser's) dropped
+/// it, but it is how rule files share policy and target settings, and read as a plain key
+/// it was refused as "unknown field `<<`".
+const MERGE_KEY: &str = "<<";
+
+/// Whether the key was written plain (`<<`), not quoted (`"<<"`, an ordinary key).
+fn is_plain(k: &MarkedYamlOwned) -> bool {
+    k.span.end.index().saturating_sub(k.span.start.index()) == MERGE_KEY.len()
+}
+
+/// Merges `value` (a mapping, or a list of mappings whose earlier ones win) of merge key
+/// `key` into `entries`: keys already there stay as they are.
+fn merge_into(
+    entries: &mut Vec<(Node, Node)>,
+    key: &Node,
+    value: Node,
+    errors: &mut Vec<SourceError>,
+) {
+    let sources = match value.kind {
+        NodeKind::Map(m) => vec![m],
+        NodeKind::Seq(items) => {
+            let mut maps = Vec::with_capacity(items.len());
+            for item in items {
+                match item.kind {
+                    NodeKind::Map(m) => maps.push(m),
+                    _ => errors.push(SourceError {
+                        line: item.line,
+                        col: item.col,
+                        message: format!(
+                            "a merge key (`{MERGE_KEY}`) merges mappings, not {}",
+                            item.type_name()
+                        ),
+                    }),
+                }
+            }
+            maps
+        }
+        _ => {
+            errors.push(SourceError {
+                line: key.line,
+                col: key.col,
+                message: format!(
+                    "a merge key (`{MERGE_KEY}: *anchor`) needs a mapping or a list of mappings, not {}",
+                    value.type_name()
+                ),
+            });
+            return;
+        }
+    };
+    for source in sources {
+        for (k, v) in source {
+            if !entries.iter().any(|(e, _)| e.as_str() == k.as_str()) {
+                entries.push((k, v));
+            }
+        }
+    }
 }
 
 fn scalar(s: &ScalarOwned) -> NodeKind {
@@ -387,6 +456,32 @@ mod tests {
             Ok(Some(n)) => n,
             other => panic!("{text:?}: {other:?}"),
         }
+    }
+
+    /// `<<: *common` merges the anchored mapping's entries the mapping does not set itself
+    /// (YAML 1.1's merge key): it was refused as "unknown field `<<`".
+    #[test]
+    fn yaml_merge_keys_merge_anchored_mappings() {
+        let n = must(
+            "base: &base { timeout: 2s, retry: { max_attempts: 3 } }\n\
+             other: &other { timeout: 9s, ordering: partitionkey }\n\
+             fast:\n  timeout: 1s\n  <<: [*base, *other]\n\
+             quoted: { \"<<\": x }\n",
+            false,
+        );
+        assert_eq!(
+            n.get("fast").map(Node::to_json),
+            Some(
+                json!({"timeout": "1s", "retry": {"max_attempts": 3}, "ordering": "partitionkey"})
+            )
+        );
+        // A merged value points where it is written (the anchor's mapping).
+        let retry = n.at_pointer("/fast/retry");
+        assert_eq!((retry.line, retry.col), (1, 35));
+        // A quoted `"<<"` is an ordinary key.
+        assert_eq!(n.at_pointer("/quoted").to_json(), json!({"<<": "x"}));
+        let e = parse("a: { <<: 5 }\n", false).expect_err("not a mapping");
+        assert!(e[0].message.contains("needs a mapping"), "{e:?}");
     }
 
     #[test]

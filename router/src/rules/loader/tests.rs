@@ -301,11 +301,11 @@ rules:
         "{e:#?}"
     );
     assert!(
-        e[1].starts_with("r.yaml:4:5: policy: unknown field `timeot`"),
+        e[1].starts_with("r.yaml:4:5: policy `p`: unknown field `timeot`"),
         "{e:#?}"
     );
     assert!(
-        e[2].starts_with("r.yaml:5:14: policy: unknown field `max_attempt`"),
+        e[2].starts_with("r.yaml:5:14: policy `p`: retry: unknown field `max_attempt`"),
         "{e:#?}"
     );
     assert!(
@@ -765,23 +765,23 @@ policies:
         .collect();
     assert_eq!(e.len(), 5, "{e:#?}");
     assert!(
-        e[0].starts_with("r.yaml:3:14: policy `timeout`: "),
+        e[0].starts_with("r.yaml:3:14: policy `p`: timeout: "),
         "{e:#?}"
     );
     assert!(
-        e[1].starts_with("r.yaml:5:21: policy `retry.max_attempts`: invalid type"),
+        e[1].starts_with("r.yaml:5:21: policy `p`: retry.max_attempts: invalid type"),
         "{e:#?}"
     );
     assert!(
-        e[2].starts_with("r.yaml:6:15: policy `retry.jitter`: unknown variant"),
+        e[2].starts_with("r.yaml:6:15: policy `p`: retry.jitter: unknown variant"),
         "{e:#?}"
     );
     assert!(
-        e[3].starts_with("r.yaml:7:19: policy `retry_budget`: invalid type"),
+        e[3].starts_with("r.yaml:7:19: policy `p`: retry_budget: invalid type"),
         "{e:#?}"
     );
     assert!(
-        e[4].starts_with("r.yaml:8:15: policy `ordering`: ordering must be"),
+        e[4].starts_with("r.yaml:8:15: policy `p`: ordering: ordering must be"),
         "{e:#?}"
     );
 }
@@ -975,6 +975,26 @@ rules:
     );
 }
 
+/// Loads `files` as `rules check --handlers` does, with `known` the handlers there.
+fn check_with_handlers(
+    files: &[(&str, &str)],
+    known: &[&str],
+) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Diagnostic>> {
+    let inputs: Vec<super::SourceFile> = files
+        .iter()
+        .map(|(path, text)| super::SourceFile {
+            display: (*path).to_string(),
+            rel: (*path).to_string(),
+            text: (*text).to_string(),
+        })
+        .collect();
+    let known: std::collections::BTreeSet<String> = known.iter().map(|s| s.to_string()).collect();
+    super::load(&inputs, Vec::new(), Some(&known))
+}
+
+/// An unknown handler is an error at the target's `handler:` (it pointed at the rule's
+/// line), found in the same pass as the set's other errors (the check ran only once
+/// everything else loaded, so CI needed two rounds).
 #[test]
 fn handler_targets_are_checked_against_the_known_handlers() {
     let src = "\
@@ -984,28 +1004,113 @@ rules:
     targets: [{handler: enrich}, {webhook: \"http://127.0.0.1:9/h\"}]
   - name: b
     pattern: {type: [y]}
-    targets: [{handler: invocing, id: inv}]
+    targets:
+      - id: inv
+        handler: invocing
+      - handler: enrich
+        policy: missing
 ";
-    let (set, _) = ok(&[("r.yaml", src)]);
-    let known: std::collections::BTreeSet<String> = ["enrich", "invoice"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    let errors: Vec<String> = set
-        .unknown_handlers(std::path::Path::new("rules"), &known)
+    let errors: Vec<String> = check_with_handlers(&[("r.yaml", src)], &["enrich", "invoice"])
+        .expect_err("unknown handler and policy")
         .iter()
         .map(ToString::to_string)
         .collect();
     assert_eq!(
         errors,
-        vec![format!(
-            "{}:5:1: rule `b`, target `inv`: no handler named `invocing` (known: enrich, invoice)",
-            std::path::Path::new("rules").join("r.yaml").display()
-        )]
+        vec![
+            "r.yaml:9:18: rule `b`, target `inv`: no handler named `invocing` (known: enrich, invoice)",
+            "r.yaml:11:17: unknown policy `missing` (no policies are defined)",
+        ]
     );
-    let none = set.unknown_handlers(std::path::Path::new("rules"), &Default::default());
-    assert_eq!(none.len(), 2, "{none:?}");
+    let src_ok =
+        "rules:\n  - name: a\n    pattern: {type: [x]}\n    targets: [{handler: enrich}]\n";
+    assert!(check_with_handlers(&[("r.yaml", src_ok)], &["enrich"]).is_ok());
+    let none = check_with_handlers(&[("r.yaml", src_ok)], &[]).expect_err("none known");
     assert!(none[0].message.ends_with("(known: none)"), "{none:?}");
+    // Without a list of handlers, any name goes (teams upload them over the API).
+    assert!(RuleSet::from_sources(&[("r.yaml", src_ok)]).is_ok());
+}
+
+/// A policy with a field that does not decode still has its other fields checked: the
+/// check stopped at the decoding errors, and their validation problems came a round later.
+#[test]
+fn a_policy_field_that_does_not_decode_leaves_the_others_checked() {
+    let src = "\
+policies:
+  p:
+    timeout: soon
+    retry: { max_attempts: 0, jitter: sometimes }
+    throttle: { burst: 0, rate_per_sec: 5 }
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets: [{handler: h, policy: p}]
+";
+    let e = errs(&[("r.yaml", src)]);
+    assert_eq!(e.len(), 4, "{e:#?}");
+    assert!(
+        e[0].starts_with("r.yaml:3:14: policy `p`: timeout: "),
+        "{e:#?}"
+    );
+    assert_eq!(
+        e[1],
+        "r.yaml:4:28: policy `p`: retry.max_attempts must be at least 1"
+    );
+    assert!(
+        e[2].starts_with("r.yaml:4:39: policy `p`: retry.jitter: unknown variant"),
+        "{e:#?}"
+    );
+    assert_eq!(
+        e[3],
+        "r.yaml:5:24: policy `p`: throttle.burst must be at least 1"
+    );
+}
+
+/// Policies and targets share settings through YAML anchors and merge keys, as they are
+/// written in other tools' YAML: `<<: *base` was "unknown field `<<`".
+#[test]
+fn merge_keys_share_settings_between_policies_and_targets() {
+    let src = "\
+policies:
+  base: &base
+    timeout: 2s
+    retry: { max_attempts: 3 }
+  fast:
+    <<: *base
+    timeout: 1s
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - &hook { webhook: \"http://127.0.0.1:9/a\", policy: base, id: one }
+      - { <<: *hook, id: two, policy: fast }
+";
+    let (set, _) = ok(&[("r.yaml", src)]);
+    assert_eq!(set.policies["fast"].timeout, Duration::from_secs(1));
+    assert_eq!(set.policies["fast"].retry.max_attempts, 3);
+    assert_eq!(set.targets["two"].policy_name.as_deref(), Some("fast"));
+    assert_eq!(set.targets["two"].kind, set.targets["one"].kind);
+}
+
+/// A rule without a name still has its targets checked, but gives them no derived ids: two
+/// such rules said "duplicate target id `<unnamed>-0`" besides the missing names.
+#[test]
+fn a_rule_without_a_name_causes_no_duplicate_target_ids() {
+    let src = "\
+rules:
+  - pattern: {type: [x]}
+    targets: [{webhook: \"http://127.0.0.1:9/a\"}]
+  - pattern: {type: [y]}
+    targets: [{webhook: \"http://127.0.0.1:9/b\", policy: nope}]
+";
+    assert_eq!(
+        errs(&[("r.yaml", src)]),
+        vec![
+            "r.yaml:2:5: rule is missing `name`",
+            "r.yaml:4:5: rule is missing `name`",
+            "r.yaml:5:57: unknown policy `nope` (no policies are defined)",
+        ]
+    );
 }
 
 #[test]
@@ -1247,7 +1352,7 @@ fn load_dir_follows_symlinks_and_reports_dangling_ones() {
     symlink("../team", root.join("team")).expect("link");
     // A loop back to the root: left out, with a warning.
     symlink("../rules", team.join("up")).expect("link");
-    let (set, warnings) = match RuleSet::check_dir(&root) {
+    let (set, warnings) = match RuleSet::check_dir(&root, None) {
         Ok(r) => r,
         Err(d) => panic!("{}", lines(&d)),
     };
@@ -1262,7 +1367,7 @@ fn load_dir_follows_symlinks_and_reports_dangling_ones() {
     symlink("../nowhere/shared.yaml", root.join("shared.yaml")).expect("link");
     symlink("../gone", root.join("gone")).expect("link");
     symlink("../nowhere/README.md", root.join("README.md")).expect("link");
-    let d = RuleSet::check_dir(&root).expect_err("a dangling link fails the check");
+    let d = RuleSet::check_dir(&root, None).expect_err("a dangling link fails the check");
     let dangling: Vec<_> = d
         .iter()
         .filter(|x| x.message.contains("leads nowhere"))
