@@ -964,7 +964,10 @@ mod tests {
             .expect_err("nothing listens");
         let text = error_chain(&e);
         assert_eq!(text.matches("error sending request").count(), 1, "{text}");
-        assert!(text.starts_with("could not connect to the router at"), "{text}");
+        assert!(
+            text.starts_with("could not connect to the router at"),
+            "{text}"
+        );
         let io = std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory");
         let read = crate::config::ConfigError::Read {
             path: "/nonexistent.toml".into(),
