@@ -22,6 +22,7 @@ use futures::future::BoxFuture;
 use tokio::sync::Notify;
 
 pub use model::*;
+pub use redb_store::check::{CheckError, CheckReport, Verdict, check_dir};
 pub use redb_store::{RedbStore, StoreOptions};
 
 /// A storage failure. Clone so one failed group commit can answer every request in it.

@@ -883,6 +883,31 @@ enum Op {
 }
 
 impl Op {
+    /// Answers the op with `e`: its group failed before reaching it (a panic of redb while
+    /// the group was read). Dropped unanswered, its caller was told the store is closed.
+    fn fail(self, e: &StoreError) {
+        let e = e.clone();
+        match self {
+            Op::Accept { reply, .. } => drop(reply.send(Err(e))),
+            Op::Lease { reply, .. } => drop(reply.send(Err(e))),
+            Op::Finish { reply, .. } => drop(reply.send(Err(FinishError::Store(e)))),
+            Op::SaveTargets { reply, .. } | Op::PutTargetState { reply, .. } => {
+                drop(reply.send(Err(e)))
+            }
+            Op::ReleaseKey { reply, .. } => drop(reply.send(Err(e))),
+            Op::PutJob { reply, .. }
+            | Op::DeleteJobs { reply, .. }
+            | Op::PurgeDlq { reply, .. }
+            | Op::KvClear { reply, .. } => drop(reply.send(Err(e))),
+            Op::RedriveStep { reply, .. } => drop(reply.send(Err(e))),
+            Op::ReplayStep { reply, .. } => drop(reply.send(Err(e))),
+            Op::DeadLetterQueued { reply, .. } => drop(reply.send(Err(e))),
+            Op::Sweep { reply, .. } => drop(reply.send(Err(e))),
+            Op::Close { reply } => drop(reply.send(Err(e))),
+            Op::Wake => {}
+        }
+    }
+
     /// Events this op accepts (what `MAX_GROUP_EVENTS` counts).
     fn accepted_events(&self) -> usize {
         match self {
@@ -949,8 +974,17 @@ pub struct RedbStore {
 }
 
 impl RedbStore {
-    /// Opens (or creates) the store in `dir` (file `router.redb`).
+    /// Opens (or creates) the store in `dir` (file `router.redb`). A file damaged outside redb
+    /// can make the open, or the recovery's reads, panic: that is an error naming the file and
+    /// the check to run, not a crash with a backtrace (exit 101).
     pub fn open_dir(dir: &Path, opts: StoreOptions) -> Result<Arc<Self>, StoreError> {
+        catching(|| Self::open_dir_inner(dir, opts)).unwrap_or_else(|p| {
+            let what = format!("the store file {}", dir.join("router.redb").display());
+            Err(read_panicked(&what, p.as_ref()))
+        })
+    }
+
+    fn open_dir_inner(dir: &Path, opts: StoreOptions) -> Result<Arc<Self>, StoreError> {
         std::fs::create_dir_all(dir)
             .map_err(|e| StoreError::Backend(format!("create {}: {e}", dir.display())))?;
         let path = dir.join("router.redb");
@@ -1286,7 +1320,19 @@ impl RedbStore {
             .send(make(reply))
             .await
             .map_err(|_| StoreError::Closed)?;
-        rx.await.map_err(|_| StoreError::Closed)
+        rx.await.map_err(|_| {
+            // Unanswered by a committer still running: its group failed part-way (a panic
+            // of redb on a damaged page) and nothing of it was committed.
+            if self.tx.is_closed() {
+                StoreError::Closed
+            } else {
+                StoreError::Backend(
+                    "the store's commit failed before it answered this request (see the log); \
+                     nothing of it was stored"
+                        .into(),
+                )
+            }
+        })
     }
 
     fn new_token(&self) -> u64 {
@@ -1297,7 +1343,9 @@ impl RedbStore {
     /// the committer (decoding them is most of a lease's CPU). An entry whose event does not
     /// decode, or is missing, is returned apart as unreadable (its lease is recorded): failing
     /// the whole lease for it stopped the target's queue for good, each new lease meeting the
-    /// same record.
+    /// same record. A panic of redb reading the file (a page damaged outside redb, which a
+    /// cleanly closed file is not checked for) fails the lease like a failing store: it killed
+    /// the delivery task with the entries held in flight, and every later lease met it again.
     fn with_events(
         &self,
         entries: Vec<QueueEntry>,
@@ -1306,6 +1354,16 @@ impl RedbStore {
         if entries.is_empty() {
             return Ok(LeaseBatch::default());
         }
+        catching(|| self.read_events(entries, lease))
+            .unwrap_or_else(|p| Err(read_panicked("the events of a lease", p.as_ref())))
+    }
+
+    /// `with_events`' reads.
+    fn read_events(
+        &self,
+        entries: Vec<QueueEntry>,
+        lease: Lease,
+    ) -> Result<LeaseBatch, StoreError> {
         let db = self.read_db();
         let r = db.begin_read()?;
         let t = r.open_table(EVENTS)?;
@@ -1415,6 +1473,57 @@ impl RedbStore {
                 Err(e)
             }
         }
+    }
+}
+
+thread_local! {
+    /// Set while `catching` runs a call: a panic in it is reported by its caller as an error.
+    static CATCHING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Where the last panic caught by `catching` on this thread was raised.
+    static CAUGHT_AT: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f`, a call into redb, catching a panic of it (see `read_panicked`). Such a panic is
+/// not printed with its backtrace by the default hook: its caller reports it as an error, once
+/// (a lease that met a damaged page every second printed a backtrace every second).
+fn catching<T>(f: impl FnOnce() -> T) -> std::thread::Result<T> {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if CATCHING.with(std::cell::Cell::get) {
+                let at = info.location().map(ToString::to_string);
+                CAUGHT_AT.with(|c| *c.borrow_mut() = at);
+            } else {
+                previous(info);
+            }
+        }));
+    });
+    let was = CATCHING.with(|c| c.replace(true));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    CATCHING.with(|c| c.set(was));
+    r
+}
+
+/// The error of a redb call that panicked (`what` it was doing): redb trusts the pages of a
+/// cleanly closed file, and one damaged outside it (a bad disk, a stray write) can make it
+/// index out of a page's bounds. Said as a damaged file, with what to run.
+pub(crate) fn read_panicked(what: &str, payload: &(dyn std::any::Any + Send)) -> StoreError {
+    let mut msg = payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "no message".into());
+    if let Some(at) = CAUGHT_AT.with(|c| c.borrow_mut().take()) {
+        msg = format!("{msg}, at {at}");
+    }
+    StoreError::Corrupt {
+        table: "file",
+        message: format!(
+            "redb panicked reading {what} ({msg}): a page of the store file may be damaged; stop \
+             the router and run `router store check --data-dir DIR` (docs/operations.md, \"A \
+             damaged store file\")"
+        ),
     }
 }
 
@@ -2917,19 +3026,25 @@ impl Committer {
         // The failed handle holds the file lock: drop it before opening again.
         *slot = None;
         let sync = self.sync.clone();
-        let reopened = reopen().map_err(StoreError::from).and_then(|db| {
-            let log_seq = match &images {
-                Some(images) => {
-                    let seq = replay_log(&db, images)?;
-                    // The log starts over its records below: their replay must be durable.
-                    sync.wait_all()
-                        .map_err(|e| StoreError::Backend(format!("sync the store file: {e}")))?;
-                    seq
-                }
-                None => 0,
-            };
-            recover(&db, cold_before(self.dedup_window)).map(|r| (db, log_seq, r))
-        });
+        // A damaged page can make the reopen's recovery panic, as at start: an error, the
+        // store staying closed, not a dead committer.
+        let reopened = catching(|| {
+            reopen().map_err(StoreError::from).and_then(|db| {
+                let log_seq = match &images {
+                    Some(images) => {
+                        let seq = replay_log(&db, images)?;
+                        // The log starts over its records below: their replay must be durable.
+                        sync.wait_all().map_err(|e| {
+                            StoreError::Backend(format!("sync the store file: {e}"))
+                        })?;
+                        seq
+                    }
+                    None => 0,
+                };
+                recover(&db, cold_before(self.dedup_window)).map(|r| (db, log_seq, r))
+            })
+        })
+        .unwrap_or_else(|p| Err(read_panicked("the store file, reopening it", p.as_ref())));
         match reopened {
             Ok((
                 db,
@@ -3361,7 +3476,10 @@ impl Committer {
         let mut mutations = std::cell::RefCell::new(std::mem::take(&mut self.mutations));
         mutations.get_mut().clear();
         let mut durable = true;
-        let result = (|| -> Result<(), StoreError> {
+        // A panic of redb inside the group (a page damaged outside it) fails the group like a
+        // failing disk, and the store is reopened: it killed the committer, after which every
+        // call answered "store is closed" for good.
+        let result = catching(|| -> Result<(), StoreError> {
             let db_lock = self.db.clone();
             let slot = db_lock.read().unwrap_or_else(|p| p.into_inner());
             let db = slot.as_ref().ok_or_else(unavailable)?;
@@ -3498,7 +3616,8 @@ impl Committer {
             })?;
             txn.commit()?;
             Ok(())
-        })();
+        })
+        .unwrap_or_else(|p| Err(read_panicked("a commit group", p.as_ref())));
         match &result {
             Ok(()) => {
                 self.meta_counters = (self.next_seq, self.next_dlq);
@@ -3524,7 +3643,12 @@ impl Committer {
             }
         }
         // Both buffers go back empty (a failed group leaves ops it did not reach, and effects
-        // it did not apply).
+        // it did not apply). Those it did not reach get its error.
+        if let Err(e) = &result {
+            for op in batch.drain(..) {
+                op.fail(e);
+            }
+        }
         batch.clear();
         *ops = batch;
         effects.clear();
@@ -5175,6 +5299,7 @@ fn rebuild_kv_accounting(txn: &Tx<'_>) -> Result<(), StoreError> {
     Ok(())
 }
 
+pub mod check;
 mod dedup;
 mod logged;
 use logged::{LTable, Tx};

@@ -60,7 +60,7 @@ fn ack<'a>(
 
 /// Opens the file of a store dropped a moment ago with `open`, once its committer thread has
 /// let go of it (it does shortly after the store is dropped); fails after 10 s.
-async fn when_free<T, E: std::fmt::Debug>(mut open: impl FnMut() -> Result<T, E>) -> T {
+pub(super) async fn when_free<T, E: std::fmt::Debug>(mut open: impl FnMut() -> Result<T, E>) -> T {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
         match open() {
@@ -3253,4 +3253,134 @@ async fn a_sweep_passes_an_unreadable_event() {
     let stats = s.sweep(13_000, 5_000, 5_000).await.expect("sweep");
     assert_eq!(stats.events_removed, 1, "{stats:?}");
     assert_eq!(s.record_counts().expect("counts").events, 0);
+}
+
+/// A page of the events table damaged in a cleanly closed file (which redb does not verify
+/// at open) makes redb panic reading it. A lease that meets it fails like a failing store,
+/// its entries back in their queue: the panic killed the delivery task with them held in
+/// flight for good. (`router store check` finds the page.)
+#[tokio::test]
+async fn a_panic_reading_a_damaged_page_fails_the_lease_and_gives_its_entries_back() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let opts = || StoreOptions {
+        floor_every: Some(std::time::Duration::ZERO),
+        ..StoreOptions::default()
+    };
+    {
+        let s = RedbStore::open_dir(dir.path(), opts()).expect("open");
+        accept_padded(&s, 0).await.expect("accept");
+        // Two more groups: the floor passes every padded event, so the recovery at open does
+        // not read their records (the lease is the first to).
+        for id in ["a", "b"] {
+            s.accept(vec![new_event("/s", id, &[], 1000)])
+                .await
+                .expect("accept");
+        }
+        s.close().await.expect("close");
+    }
+    let path = dir.path().join("router.redb");
+    when_free(|| check::check_dir(dir.path())).await;
+    let mut bytes = std::fs::read(&path).expect("read");
+    // Every page holding the event (redb writes pages anew: older copies stay in free ones).
+    let pages: Vec<usize> = memchr::memmem::find_iter(&bytes, b"\"0-100\"")
+        .map(|at| at / 4096 * 4096)
+        .collect();
+    assert!(!pages.is_empty(), "the event's page");
+    // Its entry count: the reads past it index out of the page.
+    for page in pages {
+        bytes[page + 2] = 0xff;
+        bytes[page + 3] = 0xff;
+    }
+    std::fs::write(&path, &bytes).expect("write");
+    let s = RedbStore::open_dir(dir.path(), opts()).expect("a clean file opens unverified");
+    let r = s.lease("a", 2000, 500, 60_000).await;
+    match r {
+        Err(StoreError::Corrupt { message, .. }) => {
+            assert!(message.contains("redb panicked"), "{message}");
+            assert!(message.contains("router store check"), "{message}");
+        }
+        other => panic!("{:?}", other.map(|l| l.len())),
+    }
+    let q = s.queue_stats();
+    assert_eq!((q["a"].queued, q["a"].in_flight), (200, 0), "{q:?}");
+}
+
+/// The same damage where the recovery at open reads it (events above the entry floor): the
+/// open is an error naming the file and the check to run, not a panic (exit 101 with a
+/// backtrace).
+#[tokio::test]
+async fn a_panic_opening_a_damaged_file_is_an_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+        accept_padded(&s, 0).await.expect("accept");
+        s.close().await.expect("close");
+    }
+    let path = dir.path().join("router.redb");
+    when_free(|| check::check_dir(dir.path())).await;
+    let mut bytes = std::fs::read(&path).expect("read");
+    let pages: Vec<usize> = memchr::memmem::find_iter(&bytes, b"\"0-100\"")
+        .map(|at| at / 4096 * 4096)
+        .collect();
+    for page in pages {
+        bytes[page + 2] = 0xff;
+        bytes[page + 3] = 0xff;
+    }
+    std::fs::write(&path, &bytes).expect("write");
+    let Err(e) = RedbStore::open_dir(dir.path(), StoreOptions::default()) else {
+        panic!("opened")
+    };
+    let msg = e.to_string();
+    assert!(
+        msg.contains("redb panicked reading the store file"),
+        "{msg}"
+    );
+    assert!(msg.contains("router store check"), "{msg}");
+    let r = check::check_dir(dir.path()).expect("checked");
+    assert!(matches!(r.verdict, check::Verdict::Damaged(_)), "{r:?}");
+}
+
+/// The same damage where the committer reads it (a sweep going through the events in
+/// order): the group fails like one on a failing disk and the store is reopened (which, the
+/// file failing its check, it refuses: calls answer errors meanwhile). The panic killed the
+/// committer, after which every call answered "store is closed" for good.
+#[tokio::test]
+async fn a_panic_in_a_commit_group_fails_the_group_and_the_store_stays_up() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let opts = || StoreOptions {
+        floor_every: Some(std::time::Duration::ZERO),
+        ..StoreOptions::default()
+    };
+    {
+        let s = RedbStore::open_dir(dir.path(), opts()).expect("open");
+        accept_padded(&s, 0).await.expect("accept");
+        for id in ["a", "b"] {
+            s.accept(vec![new_event("/s", id, &[], 1000)])
+                .await
+                .expect("accept");
+        }
+        s.close().await.expect("close");
+    }
+    let path = dir.path().join("router.redb");
+    when_free(|| check::check_dir(dir.path())).await;
+    let mut bytes = std::fs::read(&path).expect("read");
+    let pages: Vec<usize> = memchr::memmem::find_iter(&bytes, b"\"0-100\"")
+        .map(|at| at / 4096 * 4096)
+        .collect();
+    for page in pages {
+        bytes[page + 2] = 0xff;
+        bytes[page + 3] = 0xff;
+    }
+    std::fs::write(&path, &bytes).expect("write");
+    let s = RedbStore::open_dir(dir.path(), opts()).expect("a clean file opens unverified");
+    let r = s.sweep(10_000_000, 1000, 1000).await;
+    assert!(
+        matches!(&r, Err(StoreError::Backend(m)) if m.contains("nothing of it was stored")),
+        "{r:?}"
+    );
+    let r = s.accept(vec![new_event("/s", "c", &["a"], 3000)]).await;
+    assert!(
+        matches!(&r, Err(e) if !matches!(e, StoreError::Closed)),
+        "{r:?}"
+    );
 }
