@@ -1040,7 +1040,7 @@ impl RedbStore {
                 // given up, or the groups only it made durable would be lost.
                 let images = super::group_log::read_images(&open_logs()?)
                     .map_err(|e| StoreError::Backend(format!("read the group log: {e}")))?;
-                replay_log(&db, &images)?;
+                replay_log(&db, &images, Some(dir))?;
                 for p in paths.iter().filter(|p| p.exists()) {
                     std::fs::remove_file(p)
                         .map_err(|e| StoreError::Backend(format!("remove {}: {e}", p.display())))?;
@@ -1131,7 +1131,7 @@ impl RedbStore {
             Some(l) => {
                 let images = super::group_log::read_images(&l.files)
                     .map_err(|e| StoreError::Backend(format!("read the group log: {e}")))?;
-                let seq = replay_log(&db, &images)?;
+                let seq = replay_log(&db, &images, path.as_deref().and_then(Path::parent))?;
                 // The writer starts over the records just replayed: their replay must be
                 // durable first.
                 l.sync
@@ -2426,7 +2426,47 @@ fn read_u64(
 
 /// Applies the group log's records that the durable state does not hold yet, in one durable
 /// commit; returns the sequence number of the last group the store now holds.
-fn replay_log(db: &Database, images: &super::group_log::Images) -> Result<u64, StoreError> {
+///
+/// A log file whose records stop at a record that does not check, with records of later
+/// groups past it, is damage, not a torn tail: refused (nothing applied), naming the file and
+/// the offset, since applying the groups before it and dropping the rest lost acknowledged
+/// groups without a word (and the writer then wrote over them). `dir` names the files.
+fn replay_log(
+    db: &Database,
+    images: &super::group_log::Images,
+    dir: Option<&Path>,
+) -> Result<u64, StoreError> {
+    let held = {
+        let r = db.begin_read()?;
+        match r.open_table(META) {
+            Ok(meta) => read_u64(&meta, "log_seq")?.unwrap_or(0),
+            Err(redb::TableError::TableDoesNotExist(_)) => 0,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    if let Some(d) = super::group_log::damage(images, held) {
+        let name = FILE_NAMES[d.file];
+        let file = dir.map_or_else(
+            || name.to_string(),
+            |dir| dir.join(name).display().to_string(),
+        );
+        let (first, last) = d.seqs;
+        return Err(StoreError::Corrupt {
+            table: "group log",
+            message: format!(
+                "{file} is damaged at offset {offset}: the record there does not check, and \
+                 {n} groups written after it follow (sequence numbers {first} to {last}), \
+                 acknowledged unless a power cut tore the last write before its sync. Opening \
+                 would apply only the groups before the damage and lose those, so the store \
+                 refuses to open. Keep a copy of the data directory, then restore it from a \
+                 backup, or accept the loss of the groups past the damage by cutting the file \
+                 there: truncate -s {offset} {file} (docs/operations.md, \"A damaged group \
+                 log\")",
+                offset = d.offset,
+                n = d.later_groups,
+            ),
+        });
+    }
     let records = super::group_log::records_of(images);
     let mut txn = db.begin_write()?;
     txn.set_durability(Durability::Immediate)?;
@@ -3031,7 +3071,7 @@ impl Committer {
             reopen().map_err(StoreError::from).and_then(|db| {
                 let log_seq = match &images {
                     Some(images) => {
-                        let seq = replay_log(&db, images)?;
+                        let seq = replay_log(&db, images, None)?;
                         // The log starts over its records below: their replay must be durable.
                         sync.wait_all().map_err(|e| {
                             StoreError::Backend(format!("sync the store file: {e}"))
