@@ -945,6 +945,35 @@ fn done<T: Send + 'static>(reply: Reply<Result<T, StoreError>>, r: Result<T, Sto
     })
 }
 
+/// Why the store file at `path` did not open, with what to do: redb's own words ("File
+/// truncated below stored layout", "All roots are corrupted") said nothing of it.
+fn open_refused(path: &Path, e: &redb::DatabaseError) -> StoreError {
+    let damaged = matches!(
+        e,
+        redb::DatabaseError::Storage(redb::StorageError::Corrupted(_))
+    ) || matches!(
+        e,
+        redb::DatabaseError::Storage(redb::StorageError::Io(io))
+            if io.kind() == std::io::ErrorKind::InvalidData
+    );
+    let hint = if damaged {
+        format!(
+            "; the file is damaged: stop here, keep a copy of the data directory, run `router \
+             store check --data-dir {}`, then restore the data directory from a backup or move \
+             router.redb aside to start with an empty store (docs/operations.md, \"A damaged \
+             store file\")",
+            path.parent().unwrap_or(path).display()
+        )
+    } else if matches!(e, redb::DatabaseError::DatabaseAlreadyOpen) {
+        "; another process has it open (a router already running on this data directory, or \
+         `router store check`)"
+            .to_string()
+    } else {
+        String::new()
+    };
+    StoreError::Backend(format!("open the store file {}: {e}{hint}", path.display()))
+}
+
 // ---------------------------------------------------------------------------------------------
 // The store
 
@@ -984,9 +1013,45 @@ impl RedbStore {
     }
 
     fn open_dir_inner(dir: &Path, opts: StoreOptions) -> Result<Arc<Self>, StoreError> {
+        if dir.exists() && !dir.is_dir() {
+            return Err(StoreError::Backend(format!(
+                "the data directory {} is not a directory (it is a file): set data_dir to a \
+                 directory, or move the file aside",
+                dir.display()
+            )));
+        }
         std::fs::create_dir_all(dir)
             .map_err(|e| StoreError::Backend(format!("create {}: {e}", dir.display())))?;
         let path = dir.join("router.redb");
+        let found = std::fs::metadata(&path).ok().map(|m| m.len());
+        let store = Self::open_file(dir, &path, opts).map_err(|e| match e {
+            StoreError::FormatVersion {
+                found, expected, ..
+            } => StoreError::FormatVersion {
+                found,
+                expected,
+                file: Some(path.display().to_string()),
+            },
+            e => e,
+        })?;
+        // Said at every start, so that an empty store where one was expected shows (a
+        // zero-length file is a new store to redb). The count is kept by redb: no scan.
+        let file = path.display().to_string();
+        let events = store.record_counts().map_or(0, |c| c.events);
+        match found {
+            None => tracing::info!(file, "store created"),
+            Some(0) => tracing::warn!(
+                file,
+                "the store file was empty (0 bytes): a new store was created in it; if it held events (a file truncated by a bad copy or a full disk), stop the router and restore the data directory from a backup"
+            ),
+            Some(bytes) => tracing::info!(file, bytes, events, "store opened"),
+        }
+        Ok(store)
+    }
+
+    /// `open_dir` past the directory's checks.
+    fn open_file(dir: &Path, path: &Path, opts: StoreOptions) -> Result<Arc<Self>, StoreError> {
+        let path = path.to_path_buf();
         let paths = FILE_NAMES.map(|n| dir.join(n));
         let open_logs = || -> Result<LogFiles, StoreError> {
             let open = |p: &Path| -> Result<Box<dyn redb::StorageBackend>, StoreError> {
@@ -1026,15 +1091,13 @@ impl RedbStore {
                 let backend = SyncBehind::new(redb::backends::FileBackend::new(file)?, &s2)?;
                 builder().create_with_backend(backend)
             };
-            let db = open_db().map_err(|e| {
-                StoreError::Backend(format!("open the store file {}: {e}", path.display()))
-            })?;
+            let db = open_db().map_err(|e| open_refused(&path, &e))?;
             let files = open_logs()?;
             (db, Some(Logged { files, sync }), Arc::new(open_db))
         } else {
-            let db = builder().create(&path).map_err(|e| {
-                StoreError::Backend(format!("open the store file {}: {e}", path.display()))
-            })?;
+            let db = builder()
+                .create(&path)
+                .map_err(|e| open_refused(&path, &e))?;
             if paths.iter().any(|p| p.exists()) {
                 // Left by a run with the log on: what it holds is applied before the log is
                 // given up, or the groups only it made durable would be lost.
@@ -2480,6 +2543,7 @@ fn replay_log(
         return Err(StoreError::FormatVersion {
             found: u32::try_from(v).unwrap_or(u32::MAX),
             expected: FORMAT_VERSION,
+            file: None,
         });
     }
     let after = read_u64(&txn.open_table(META)?, "log_seq")?.unwrap_or(0);
@@ -2557,6 +2621,7 @@ fn recover(db: &Database, cold_before: Option<i64>) -> Result<Recovered, StoreEr
                 return Err(StoreError::FormatVersion {
                     found: u32::try_from(v).unwrap_or(u32::MAX),
                     expected: FORMAT_VERSION,
+                    file: None,
                 });
             }
         }

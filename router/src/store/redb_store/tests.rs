@@ -1881,9 +1881,76 @@ async fn a_store_of_an_unknown_format_is_refused() {
     txn.commit().expect("commit");
     drop(db);
     match RedbStore::open_dir(dir.path(), StoreOptions::default()) {
-        Err(StoreError::FormatVersion { found: 99, .. }) => {}
+        Err(e @ StoreError::FormatVersion { found: 99, .. }) => {
+            // Which file, which versions this build reads, and what to do.
+            let msg = e.to_string();
+            assert!(msg.contains(&path.display().to_string()), "{msg}");
+            assert!(
+                msg.contains(&format!(
+                    "this build reads versions {OLDEST_READABLE_FORMAT} to {FORMAT_VERSION}"
+                )),
+                "{msg}"
+            );
+            assert!(msg.contains("a newer build wrote it"), "{msg}");
+        }
         other => panic!("expected a format version error, got {:?}", other.err()),
     }
+}
+
+/// Version 0 is no build's: said as a damaged file, not as "this build reads 7" (it reads 1
+/// to 7).
+#[test]
+fn a_format_version_no_build_writes_is_said_damaged() {
+    let msg = StoreError::FormatVersion {
+        found: 0,
+        expected: FORMAT_VERSION,
+        file: Some("d/router.redb".into()),
+    }
+    .to_string();
+    assert!(
+        msg.contains("store format version 0 of d/router.redb"),
+        "{msg}"
+    );
+    assert!(msg.contains("router store check"), "{msg}");
+}
+
+/// A data directory that is a file is said so, not "File exists (os error 17)".
+#[test]
+fn a_data_directory_that_is_a_file_is_said_so() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("data");
+    std::fs::write(&file, b"x").expect("write");
+    let Err(e) = RedbStore::open_dir(&file, StoreOptions::default()) else {
+        panic!("opened")
+    };
+    assert!(e.to_string().contains("is not a directory"), "{e}");
+}
+
+/// A store file damaged so that redb refuses it ("File truncated below stored layout"): the
+/// refusal says the file is damaged and what to do.
+#[tokio::test]
+async fn a_damaged_store_file_is_refused_with_what_to_do() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+        accept_padded(&s, 0).await.expect("accept");
+        s.close().await.expect("close");
+    }
+    let path = dir.path().join("router.redb");
+    when_free(|| check::check_dir(dir.path())).await;
+    let len = std::fs::metadata(&path).expect("meta").len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .expect("open")
+        .set_len(len - 8192)
+        .expect("truncate");
+    let Err(e) = RedbStore::open_dir(dir.path(), StoreOptions::default()) else {
+        panic!("opened")
+    };
+    let msg = e.to_string();
+    assert!(msg.contains("the file is damaged"), "{msg}");
+    assert!(msg.contains("router store check --data-dir"), "{msg}");
 }
 
 // ---------------------------------------------------------------------------------------------
