@@ -1089,9 +1089,13 @@ pub async fn run_ingest(
 /// Parameters of `router bench store` (its command-line arguments).
 #[derive(Debug, Clone, clap::Args)]
 pub struct StoreBench {
-    /// Data directory of the store (created; should be empty).
+    /// Data directory of the store (created; must be empty or new: see `allow_existing`).
     #[arg(long)]
     pub dir: std::path::PathBuf,
+    /// Write into a directory that already holds files (a store from an earlier run). Never
+    /// a production data directory: its router would find the bench's events and queues.
+    #[arg(long)]
+    pub allow_existing: bool,
     /// Events to accept in total (at least 1).
     #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub events: u64,
@@ -1155,8 +1159,30 @@ fn store_event(
 /// The store alone, without HTTP: `concurrency` writers accept events (each with `targets`
 /// queue entries) as fast as the committer makes them durable, which is what an ingest
 /// request waits for. Isolates the store's group commit from the HTTP and delivery work.
+/// Refuses a `--dir` that holds anything (unless `allow`): the store benches write their
+/// events, queue entries and dead letters into the store there, and pointed at a production
+/// data directory they left hundreds of fake dead letters for its router's next start.
+fn bench_dir(dir: &std::path::Path, allow: bool) -> Result<(), String> {
+    let first = match std::fs::read_dir(dir) {
+        Ok(mut entries) => entries.next().and_then(Result::ok),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(format!("{}: {e}", dir.display())),
+    };
+    match first {
+        Some(entry) if !allow => Err(format!(
+            "{} is not empty (it holds {}): the bench writes its own events, queues and dead \
+             letters into the store there. Give it a new directory, or pass --allow-existing \
+             to write into this one (never a router's data directory)",
+            dir.display(),
+            entry.file_name().to_string_lossy()
+        )),
+        _ => Ok(()),
+    }
+}
+
 pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
     use crate::store::{RedbStore, Store, StoreOptions};
+    bench_dir(&b.dir, b.allow_existing)?;
     let store = RedbStore::open_dir(
         &b.dir,
         StoreOptions {
@@ -1234,9 +1260,12 @@ pub async fn run_store(b: StoreBench) -> Result<BenchReport, String> {
 /// Parameters of `router bench sweep` (its command-line arguments).
 #[derive(Debug, Clone, clap::Args)]
 pub struct SweepBench {
-    /// Data directory of the store (created; should be empty).
+    /// Data directory of the store (created; must be empty or new: see `allow_existing`).
     #[arg(long)]
     pub dir: std::path::PathBuf,
+    /// Write into a directory that already holds files (see `StoreBench::allow_existing`).
+    #[arg(long)]
+    pub allow_existing: bool,
     /// Events to accept, deliver and then sweep.
     #[arg(long, default_value_t = 50_000)]
     pub events: u64,
@@ -1296,6 +1325,7 @@ pub async fn run_sweep(b: SweepBench) -> Result<SweepReport, String> {
         sweep_batch: b.batch,
         ..StoreOptions::default()
     };
+    bench_dir(&b.dir, b.allow_existing)?;
     let store = RedbStore::open_dir(&b.dir, opts).map_err(|e| e.to_string())?;
     let run = format!("{:x}", rand::random::<u64>());
     let now = chrono::Utc::now().timestamp_millis();
@@ -1447,6 +1477,42 @@ fn sink_status(status: u16) -> std::io::Result<hyper::StatusCode> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A directory holding a store (a router's data directory) is refused unless the flag
+    /// says otherwise; a new or empty one is used. The bench wrote into a production store:
+    /// 400 fake dead letters on its next start.
+    #[tokio::test]
+    async fn the_store_bench_refuses_a_directory_that_holds_a_store() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = dir.path().join("data");
+        let bench = |allow_existing| StoreBench {
+            dir: data.clone(),
+            allow_existing,
+            events: 10,
+            concurrency: 2,
+            batch: 1,
+            size: 64,
+            targets: 1,
+            group_log: false,
+            random_ids: false,
+            report_every: None,
+        };
+        run_store(bench(false)).await.expect("a new directory");
+        let e = run_store(bench(false)).await.expect_err("refused");
+        assert!(e.contains("is not empty (it holds router.redb)"), "{e}");
+        assert!(e.contains("--allow-existing"), "{e}");
+        // Once the first run's committer has let go of the file.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match run_store(bench(true)).await {
+                Ok(_) => break,
+                Err(e) if e.contains("already open") && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => panic!("allowed: {e}"),
+            }
+        }
+    }
 
     #[test]
     fn sequential_ids_name_the_run_and_the_number() {

@@ -1069,6 +1069,14 @@ fn job_error(e: crate::dlq::JobError) -> Response {
             )],
         ),
         JobError::UnknownTarget { target, .. } => unknown_redrive_target(&target, None),
+        JobError::DiskFull => crate::ingest::with_retry_after(
+            error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the store is past its disk high-water mark; replays can be started again below its low-water mark",
+                Vec::new(),
+            ),
+            crate::ingest::DISK_FULL_RETRY_AFTER_S,
+        ),
         JobError::Store(e) => store_error(&e),
     }
 }
@@ -1699,6 +1707,20 @@ mod tests {
         j.spec = json!({ "filter": { "target": target } });
         j.created_at = at;
         j
+    }
+
+    /// A replay refused past the disk's high-water mark: 503 with a Retry-After and a JSON
+    /// error saying why, as ingest's.
+    #[tokio::test]
+    async fn a_replay_refused_past_the_disk_mark_is_a_503_with_retry_after() {
+        let r = job_error(crate::dlq::JobError::DiskFull);
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(r.headers().get("retry-after").is_some());
+        let b = axum::body::to_bytes(r.into_body(), 1 << 16)
+            .await
+            .expect("body");
+        let v: Value = serde_json::from_slice(&b).expect("json");
+        assert!(v.to_string().contains("disk high-water mark"), "{v}");
     }
 
     /// An operator's change whose write went unanswered may still apply: its 503 says so and

@@ -122,6 +122,12 @@ pub(super) struct Record<'a> {
 }
 
 impl<'a> Record<'a> {
+    /// The length of its payload (the record is the header and the payload).
+    #[cfg(test)]
+    pub(super) fn payload_len(&self) -> usize {
+        self.payload.len()
+    }
+
     /// The record's writes, in the order they were made.
     pub(super) fn mutations(&self) -> Result<Vec<Mutation<'a>>, StoreError> {
         let corrupt = || StoreError::Corrupt {
@@ -180,33 +186,14 @@ impl<'a> Reader<'a> {
 /// sequence number following the previous one's. What follows the first invalid one is a
 /// torn tail or an earlier lap's leftovers.
 pub(super) fn records(image: &[u8]) -> Vec<Record<'_>> {
+    records_to(image).0
+}
+
+/// `records`, and the offset where they end (where the first invalid record, if any, starts).
+fn records_to(image: &[u8]) -> (Vec<Record<'_>>, usize) {
     let mut out: Vec<Record<'_>> = Vec::new();
     let mut at = 0usize;
-    while image.len() >= at + HEADER {
-        let h = &image[at..at + HEADER];
-        let word = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
-        let long = |i: usize| {
-            let mut b = [0u8; 8];
-            b.copy_from_slice(&h[i..i + 8]);
-            u64::from_le_bytes(b)
-        };
-        if word(0) != MAGIC {
-            break;
-        }
-        let crc = word(4);
-        let Some(end) = usize::try_from(long(8))
-            .ok()
-            .and_then(|len| (at + HEADER).checked_add(len))
-        else {
-            break;
-        };
-        let seq = long(16);
-        let Some(payload) = image.get(at + HEADER..end) else {
-            break;
-        };
-        if checksum(seq, payload) != crc {
-            break;
-        }
+    while let Some((seq, payload, end)) = record_at(image, at) {
         if let Some(prev) = out.last()
             && prev.seq.checked_add(1) != Some(seq)
         {
@@ -215,7 +202,76 @@ pub(super) fn records(image: &[u8]) -> Vec<Record<'_>> {
         out.push(Record { seq, payload });
         at = end;
     }
-    out
+    (out, at)
+}
+
+/// The record at `at` when it is whole and its checksum matches: its sequence number,
+/// payload and where it ends.
+fn record_at(image: &[u8], at: usize) -> Option<(u64, &[u8], usize)> {
+    let h = image.get(at..at.checked_add(HEADER)?)?;
+    let word = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
+    let long = |i: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&h[i..i + 8]);
+        u64::from_le_bytes(b)
+    };
+    if word(0) != MAGIC {
+        return None;
+    }
+    let end = usize::try_from(long(8))
+        .ok()
+        .and_then(|len| (at + HEADER).checked_add(len))?;
+    let seq = long(16);
+    let payload = image.get(at + HEADER..end)?;
+    (checksum(seq, payload) == crc_of(h)).then_some((seq, payload, end))
+}
+
+fn crc_of(header: &[u8]) -> u32 {
+    u32::from_le_bytes([header[4], header[5], header[6], header[7]])
+}
+
+/// Where a log file's records stop at a record that does not check, with valid records of
+/// later groups past it: damage in the middle of the file, not a torn tail. A write torn by
+/// a crash is the last one made, so what lies past it is an earlier lap's leftovers, of
+/// lower sequence numbers; a later group past a bad record was written after it, and was
+/// acknowledged once synced. (One exception: the groups the writer queued together share a
+/// write and a sync, and a power cut before that sync may keep a later page of the write and
+/// not an earlier one. Those groups were never acknowledged; the refusal says so, and cutting
+/// the file at the damage, what it says to do to go on, loses nothing acknowledged then.)
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct LogDamage {
+    /// Which file (index into the log's files).
+    pub file: usize,
+    /// Where the record that does not check starts.
+    pub offset: usize,
+    /// How many valid records of groups the store does not hold lie past it.
+    pub later_groups: usize,
+    /// The first and last of their sequence numbers.
+    pub seqs: (u64, u64),
+}
+
+/// The damage of each log file whose records stop before records of groups past `held` (the
+/// last group the store file holds), if any: applying what comes before it and dropping the
+/// rest would lose acknowledged groups without a word.
+pub(super) fn damage(images: &Images, held: u64) -> Option<LogDamage> {
+    images.iter().enumerate().find_map(|(file, image)| {
+        let (good, offset) = records_to(image);
+        let above = good.last().map_or(held, |r| r.seq.max(held));
+        // Records are not aligned: every place the magic number appears is looked at.
+        let magic = MAGIC.to_le_bytes();
+        let later: Vec<u64> = memchr::memmem::find_iter(image.get(offset + 1..)?, &magic)
+            .filter_map(|i| record_at(image, offset + 1 + i))
+            .map(|(seq, _, _)| seq)
+            .filter(|&seq| seq > above)
+            .collect();
+        let (first, last) = (*later.iter().min()?, *later.iter().max()?);
+        Some(LogDamage {
+            file,
+            offset,
+            later_groups: later.len(),
+            seqs: (first, last),
+        })
+    })
 }
 
 /// The log on a file of the data directory. (The directory is already locked by redb's

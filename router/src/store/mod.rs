@@ -42,12 +42,14 @@ pub enum StoreError {
     #[error("storage did not answer, the write may or may not have been applied: {0}")]
     Unanswered(String),
     /// The store was written by another on-disk format version.
-    #[error("store format version {found} is not supported (this build reads {expected})")]
+    #[error("{}", format_version_refusal(*found, *expected, file.as_deref()))]
     FormatVersion {
         /// Version found on disk.
         found: u32,
         /// Version this build writes.
         expected: u32,
+        /// The store file, when known.
+        file: Option<String>,
     },
     /// The store is shutting down.
     #[error("store is closed")]
@@ -85,6 +87,24 @@ pub enum StoreError {
         /// Decoder message.
         message: String,
     },
+}
+
+/// `StoreError::FormatVersion`'s message: which file, which versions this build reads (all
+/// from `OLDEST_READABLE_FORMAT`, not only the one it writes), and what to do.
+fn format_version_refusal(found: u32, expected: u32, file: Option<&str>) -> String {
+    let of = file.map(|f| format!(" of {f}")).unwrap_or_default();
+    let what = if found > expected {
+        "a newer build wrote it: run that build (or a newer one), or restore the copy of the \
+         data directory kept from before the upgrade"
+    } else {
+        "no build writes that version: the file is damaged or not a router store; run `router \
+         store check --data-dir DIR`, then restore the data directory from a backup \
+         (docs/operations.md, \"A damaged store file\")"
+    };
+    format!(
+        "store format version {found}{of} is not supported: this build reads versions \
+         {OLDEST_READABLE_FORMAT} to {expected}; {what}"
+    )
 }
 
 impl StoreError {

@@ -946,6 +946,35 @@ fn done<T: Send + 'static>(reply: Reply<Result<T, StoreError>>, r: Result<T, Sto
     })
 }
 
+/// Why the store file at `path` did not open, with what to do: redb's own words ("File
+/// truncated below stored layout", "All roots are corrupted") said nothing of it.
+fn open_refused(path: &Path, e: &redb::DatabaseError) -> StoreError {
+    let damaged = matches!(
+        e,
+        redb::DatabaseError::Storage(redb::StorageError::Corrupted(_))
+    ) || matches!(
+        e,
+        redb::DatabaseError::Storage(redb::StorageError::Io(io))
+            if io.kind() == std::io::ErrorKind::InvalidData
+    );
+    let hint = if damaged {
+        format!(
+            "; the file is damaged: stop here, keep a copy of the data directory, run `router \
+             store check --data-dir {}`, then restore the data directory from a backup or move \
+             router.redb aside to start with an empty store (docs/operations.md, \"A damaged \
+             store file\")",
+            path.parent().unwrap_or(path).display()
+        )
+    } else if matches!(e, redb::DatabaseError::DatabaseAlreadyOpen) {
+        "; another process has it open (a router already running on this data directory, or \
+         `router store check`)"
+            .to_string()
+    } else {
+        String::new()
+    };
+    StoreError::Backend(format!("open the store file {}: {e}{hint}", path.display()))
+}
+
 // ---------------------------------------------------------------------------------------------
 // The store
 
@@ -985,9 +1014,45 @@ impl RedbStore {
     }
 
     fn open_dir_inner(dir: &Path, opts: StoreOptions) -> Result<Arc<Self>, StoreError> {
+        if dir.exists() && !dir.is_dir() {
+            return Err(StoreError::Backend(format!(
+                "the data directory {} is not a directory (it is a file): set data_dir to a \
+                 directory, or move the file aside",
+                dir.display()
+            )));
+        }
         std::fs::create_dir_all(dir)
             .map_err(|e| StoreError::Backend(format!("create {}: {e}", dir.display())))?;
         let path = dir.join("router.redb");
+        let found = std::fs::metadata(&path).ok().map(|m| m.len());
+        let store = Self::open_file(dir, &path, opts).map_err(|e| match e {
+            StoreError::FormatVersion {
+                found, expected, ..
+            } => StoreError::FormatVersion {
+                found,
+                expected,
+                file: Some(path.display().to_string()),
+            },
+            e => e,
+        })?;
+        // Said at every start, so that an empty store where one was expected shows (a
+        // zero-length file is a new store to redb). The count is kept by redb: no scan.
+        let file = path.display().to_string();
+        let events = store.record_counts().map_or(0, |c| c.events);
+        match found {
+            None => tracing::info!(file, "store created"),
+            Some(0) => tracing::warn!(
+                file,
+                "the store file was empty (0 bytes): a new store was created in it; if it held events (a file truncated by a bad copy or a full disk), stop the router and restore the data directory from a backup"
+            ),
+            Some(bytes) => tracing::info!(file, bytes, events, "store opened"),
+        }
+        Ok(store)
+    }
+
+    /// `open_dir` past the directory's checks.
+    fn open_file(dir: &Path, path: &Path, opts: StoreOptions) -> Result<Arc<Self>, StoreError> {
+        let path = path.to_path_buf();
         let paths = FILE_NAMES.map(|n| dir.join(n));
         let open_logs = || -> Result<LogFiles, StoreError> {
             let open = |p: &Path| -> Result<Box<dyn redb::StorageBackend>, StoreError> {
@@ -1027,21 +1092,19 @@ impl RedbStore {
                 let backend = SyncBehind::new(redb::backends::FileBackend::new(file)?, &s2)?;
                 builder().create_with_backend(backend)
             };
-            let db = open_db().map_err(|e| {
-                StoreError::Backend(format!("open the store file {}: {e}", path.display()))
-            })?;
+            let db = open_db().map_err(|e| open_refused(&path, &e))?;
             let files = open_logs()?;
             (db, Some(Logged { files, sync }), Arc::new(open_db))
         } else {
-            let db = builder().create(&path).map_err(|e| {
-                StoreError::Backend(format!("open the store file {}: {e}", path.display()))
-            })?;
+            let db = builder()
+                .create(&path)
+                .map_err(|e| open_refused(&path, &e))?;
             if paths.iter().any(|p| p.exists()) {
                 // Left by a run with the log on: what it holds is applied before the log is
                 // given up, or the groups only it made durable would be lost.
                 let images = super::group_log::read_images(&open_logs()?)
                     .map_err(|e| StoreError::Backend(format!("read the group log: {e}")))?;
-                replay_log(&db, &images)?;
+                replay_log(&db, &images, Some(dir))?;
                 for p in paths.iter().filter(|p| p.exists()) {
                     std::fs::remove_file(p)
                         .map_err(|e| StoreError::Backend(format!("remove {}: {e}", p.display())))?;
@@ -1132,7 +1195,7 @@ impl RedbStore {
             Some(l) => {
                 let images = super::group_log::read_images(&l.files)
                     .map_err(|e| StoreError::Backend(format!("read the group log: {e}")))?;
-                let seq = replay_log(&db, &images)?;
+                let seq = replay_log(&db, &images, path.as_deref().and_then(Path::parent))?;
                 // The writer starts over the records just replayed: their replay must be
                 // durable first.
                 l.sync
@@ -2427,7 +2490,47 @@ fn read_u64(
 
 /// Applies the group log's records that the durable state does not hold yet, in one durable
 /// commit; returns the sequence number of the last group the store now holds.
-fn replay_log(db: &Database, images: &super::group_log::Images) -> Result<u64, StoreError> {
+///
+/// A log file whose records stop at a record that does not check, with records of later
+/// groups past it, is damage, not a torn tail: refused (nothing applied), naming the file and
+/// the offset, since applying the groups before it and dropping the rest lost acknowledged
+/// groups without a word (and the writer then wrote over them). `dir` names the files.
+fn replay_log(
+    db: &Database,
+    images: &super::group_log::Images,
+    dir: Option<&Path>,
+) -> Result<u64, StoreError> {
+    let held = {
+        let r = db.begin_read()?;
+        match r.open_table(META) {
+            Ok(meta) => read_u64(&meta, "log_seq")?.unwrap_or(0),
+            Err(redb::TableError::TableDoesNotExist(_)) => 0,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    if let Some(d) = super::group_log::damage(images, held) {
+        let name = FILE_NAMES[d.file];
+        let file = dir.map_or_else(
+            || name.to_string(),
+            |dir| dir.join(name).display().to_string(),
+        );
+        let (first, last) = d.seqs;
+        return Err(StoreError::Corrupt {
+            table: "group log",
+            message: format!(
+                "{file} is damaged at offset {offset}: the record there does not check, and \
+                 {n} groups written after it follow (sequence numbers {first} to {last}), \
+                 acknowledged unless a power cut tore the last write before its sync. Opening \
+                 would apply only the groups before the damage and lose those, so the store \
+                 refuses to open. Keep a copy of the data directory, then restore it from a \
+                 backup, or accept the loss of the groups past the damage by cutting the file \
+                 there: truncate -s {offset} {file} (docs/operations.md, \"A damaged group \
+                 log\")",
+                offset = d.offset,
+                n = d.later_groups,
+            ),
+        });
+    }
     let records = super::group_log::records_of(images);
     let mut txn = db.begin_write()?;
     txn.set_durability(Durability::Immediate)?;
@@ -2441,6 +2544,7 @@ fn replay_log(db: &Database, images: &super::group_log::Images) -> Result<u64, S
         return Err(StoreError::FormatVersion {
             found: u32::try_from(v).unwrap_or(u32::MAX),
             expected: FORMAT_VERSION,
+            file: None,
         });
     }
     let after = read_u64(&txn.open_table(META)?, "log_seq")?.unwrap_or(0);
@@ -2518,6 +2622,7 @@ fn recover(db: &Database, cold_before: Option<i64>) -> Result<Recovered, StoreEr
                 return Err(StoreError::FormatVersion {
                     found: u32::try_from(v).unwrap_or(u32::MAX),
                     expected: FORMAT_VERSION,
+                    file: None,
                 });
             }
         }
@@ -3032,7 +3137,7 @@ impl Committer {
             reopen().map_err(StoreError::from).and_then(|db| {
                 let log_seq = match &images {
                     Some(images) => {
-                        let seq = replay_log(&db, images)?;
+                        let seq = replay_log(&db, images, None)?;
                         // The log starts over its records below: their replay must be durable.
                         sync.wait_all().map_err(|e| {
                             StoreError::Backend(format!("sync the store file: {e}"))

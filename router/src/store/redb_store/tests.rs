@@ -1908,9 +1908,76 @@ async fn a_store_of_an_unknown_format_is_refused() {
     txn.commit().expect("commit");
     drop(db);
     match RedbStore::open_dir(dir.path(), StoreOptions::default()) {
-        Err(StoreError::FormatVersion { found: 99, .. }) => {}
+        Err(e @ StoreError::FormatVersion { found: 99, .. }) => {
+            // Which file, which versions this build reads, and what to do.
+            let msg = e.to_string();
+            assert!(msg.contains(&path.display().to_string()), "{msg}");
+            assert!(
+                msg.contains(&format!(
+                    "this build reads versions {OLDEST_READABLE_FORMAT} to {FORMAT_VERSION}"
+                )),
+                "{msg}"
+            );
+            assert!(msg.contains("a newer build wrote it"), "{msg}");
+        }
         other => panic!("expected a format version error, got {:?}", other.err()),
     }
+}
+
+/// Version 0 is no build's: said as a damaged file, not as "this build reads 7" (it reads 1
+/// to 7).
+#[test]
+fn a_format_version_no_build_writes_is_said_damaged() {
+    let msg = StoreError::FormatVersion {
+        found: 0,
+        expected: FORMAT_VERSION,
+        file: Some("d/router.redb".into()),
+    }
+    .to_string();
+    assert!(
+        msg.contains("store format version 0 of d/router.redb"),
+        "{msg}"
+    );
+    assert!(msg.contains("router store check"), "{msg}");
+}
+
+/// A data directory that is a file is said so, not "File exists (os error 17)".
+#[test]
+fn a_data_directory_that_is_a_file_is_said_so() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("data");
+    std::fs::write(&file, b"x").expect("write");
+    let Err(e) = RedbStore::open_dir(&file, StoreOptions::default()) else {
+        panic!("opened")
+    };
+    assert!(e.to_string().contains("is not a directory"), "{e}");
+}
+
+/// A store file damaged so that redb refuses it ("File truncated below stored layout"): the
+/// refusal says the file is damaged and what to do.
+#[tokio::test]
+async fn a_damaged_store_file_is_refused_with_what_to_do() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+        accept_padded(&s, 0).await.expect("accept");
+        s.close().await.expect("close");
+    }
+    let path = dir.path().join("router.redb");
+    when_free(|| check::check_dir(dir.path())).await;
+    let len = std::fs::metadata(&path).expect("meta").len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .expect("open")
+        .set_len(len - 8192)
+        .expect("truncate");
+    let Err(e) = RedbStore::open_dir(dir.path(), StoreOptions::default()) else {
+        panic!("opened")
+    };
+    let msg = e.to_string();
+    assert!(msg.contains("the file is damaged"), "{msg}");
+    assert!(msg.contains("router store check --data-dir"), "{msg}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -3383,4 +3450,76 @@ async fn a_panic_in_a_commit_group_fails_the_group_and_the_store_stays_up() {
         matches!(&r, Err(e) if !matches!(e, StoreError::Closed)),
         "{r:?}"
     );
+}
+
+/// The offsets where the records of a log image start (each whole and checked).
+fn record_offsets(image: &[u8]) -> Vec<usize> {
+    let mut at = 0;
+    let mut out = Vec::new();
+    for r in crate::store::group_log::records(image) {
+        out.push(at);
+        at += 24 + r.payload_len();
+    }
+    out
+}
+
+/// A byte changed in the middle of the group log (not its tail): the records past it are
+/// groups that were acknowledged, so the store refuses to open, naming the file, the offset
+/// and how many groups follow, instead of applying the groups before it and losing the rest
+/// without a word. Cut at that offset (what the refusal says to do to accept the loss), it
+/// opens with the groups before it; a torn tail alone ends the log quietly.
+#[tokio::test]
+async fn a_damaged_group_log_is_refused_and_a_torn_tail_is_not() {
+    let (db, log) = (SimulatedDisk::new(), LogDisks::new());
+    let s = on_disks(&db, &log, logged(std::time::Duration::from_secs(3600)));
+    for i in 0..20 {
+        s.accept(vec![new_event("/s", &i.to_string(), &["a"], 1000)])
+            .await
+            .expect("accept");
+    }
+    let (db_image, log_images) = cut(&db, &log);
+    drop(s);
+    let offsets = record_offsets(&log_images[0]);
+    assert!(offsets.len() >= 20, "{} records", offsets.len());
+    let bad = offsets[5];
+    let end = offsets[offsets.len() - 1] + 24 + 8;
+    let mut damaged = log_images.clone();
+    damaged[0][bad + 30] ^= 0x01;
+    let opened = RedbStore::with_backends(
+        {
+            let d = SimulatedDisk::from_image(db_image.clone());
+            move || d.backend()
+        },
+        LogDisks::from_images(damaged.clone()).backends(),
+        logged(std::time::Duration::from_secs(3600)),
+    );
+    let Err(e) = opened else {
+        panic!("opened over a damaged log")
+    };
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&format!("router.log is damaged at offset {bad}")),
+        "{msg}"
+    );
+    assert!(
+        msg.contains(&format!("{} groups written after it", offsets.len() - 6)),
+        "{msg}"
+    );
+    assert!(msg.contains(&format!("truncate -s {bad}")), "{msg}");
+    // Cut there: the operator accepts the loss.
+    let mut cut_there = damaged;
+    cut_there[0].truncate(bad);
+    let s = on_images(
+        db_image.clone(),
+        cut_there,
+        logged(std::time::Duration::from_secs(3600)),
+    );
+    assert!(s.fate("/s", "0").expect("fate").is_some());
+    assert!(s.fate("/s", "19").expect("fate").is_none());
+    drop(s);
+    // A torn last record (its tail not written): quietly the end of the log.
+    let mut torn = log_images;
+    torn[0].truncate(end);
+    let s = on_images(db_image, torn, logged(std::time::Duration::from_secs(3600)));
+    assert!(s.fate("/s", "18").expect("fate").is_some());
 }
