@@ -1662,6 +1662,7 @@ pub async fn run_with_store(
     let ingest_admission = crate::ingest::admission::Admission::new(
         cfg.ingest.max_in_flight_bytes,
         cfg.ingest.admission_wait,
+        metrics.ingest_saturated.clone(),
     );
     let connections = Arc::new(ConnectionSlots::new(
         cfg.server.connection_limit(),
@@ -2483,6 +2484,7 @@ fn test_app_with(
     let ingest_admission = crate::ingest::admission::Admission::new(
         cfg.ingest.max_in_flight_bytes,
         cfg.ingest.admission_wait,
+        metrics.ingest_saturated.clone(),
     );
     let connections = Arc::new(ConnectionSlots::new(
         cfg.server.connection_limit(),

@@ -767,6 +767,7 @@ impl Config {
         let values = [
             self.shutdown_grace,
             self.ingest.dedup_window,
+            self.ingest.admission_wait,
             d.lease_margin,
             d.sweep_interval,
             d.retention,
@@ -956,9 +957,10 @@ impl Config {
 
 /// The duration keys of the configuration (dotted paths), in [`Config::durations`]'s order:
 /// their bounds are checked together, and a value written in months (`M`) is warned about.
-pub const DURATION_KEYS: [&str; 15] = [
+pub const DURATION_KEYS: [&str; 16] = [
     "shutdown_grace",
     "ingest.dedup_window",
+    "ingest.admission_wait",
     "delivery.lease_margin",
     "delivery.sweep_interval",
     "delivery.retention",

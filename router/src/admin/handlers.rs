@@ -259,11 +259,7 @@ pub(crate) fn refuse_upload_early(app: &App, req: &axum::extract::Request) -> Op
             .find(|(k, _)| k == "team")
             .map(|(_, v)| v.into_owned())
     });
-    let declared_len = req
-        .headers()
-        .get(axum::http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok());
+    let declared_len = crate::ingest::declared_length(req.headers());
     upload_refused(app, who, name, team.as_deref(), declared_len)
 }
 

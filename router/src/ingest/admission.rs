@@ -9,9 +9,9 @@
 //! before its body is read, and waits at most `ingest.admission_wait` for room.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// The bytes ingest may hold at once, and how long a request waits for its share.
@@ -20,7 +20,8 @@ pub struct Admission {
     permits: Arc<Semaphore>,
     capacity: usize,
     wait: Duration,
-    refused: AtomicU64,
+    /// Requests refused as saturated (`router_ingest_saturated_total`).
+    refused: Counter,
 }
 
 /// Room held by one admitted request; given back when dropped (its answer is sent).
@@ -43,14 +44,15 @@ pub struct Saturated {
 }
 
 impl Admission {
-    /// Room for `capacity` bytes (at least 1); a request waits up to `wait` for its share.
-    pub fn new(capacity: usize, wait: Duration) -> Self {
+    /// Room for `capacity` bytes (at least 1); a request waits up to `wait` for its share,
+    /// and a refusal counts in `refused`.
+    pub fn new(capacity: usize, wait: Duration, refused: Counter) -> Self {
         let capacity = capacity.clamp(1, Semaphore::MAX_PERMITS);
         Self {
             permits: Arc::new(Semaphore::new(capacity)),
             capacity,
             wait,
-            refused: AtomicU64::new(0),
+            refused,
         }
     }
 
@@ -74,7 +76,7 @@ impl Admission {
             Ok(Ok(permit)) => Ok(Admitted { _permit: permit }),
             // Timed out (or, never, closed): full for the whole wait.
             _ => {
-                self.refused.fetch_add(1, Ordering::Relaxed);
+                self.refused.inc();
                 Err(Saturated {
                     asked,
                     in_flight: self.in_flight_bytes(),
@@ -98,7 +100,7 @@ impl Admission {
 
     /// Requests refused as saturated since the start.
     pub fn refused(&self) -> u64 {
-        self.refused.load(Ordering::Relaxed)
+        self.refused.get()
     }
 }
 
@@ -108,7 +110,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_request_waits_for_room_then_is_refused_with_what_held_it() {
-        let a = Admission::new(1_000, Duration::from_millis(500));
+        let a = Admission::new(1_000, Duration::from_millis(500), Counter::default());
         let first = a
             .admit(Some(600), 10_000)
             .await
@@ -139,7 +141,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn sizes_are_declared_or_the_largest_body_and_never_past_the_capacity() {
-        let a = Admission::new(1_000, Duration::from_millis(10));
+        let a = Admission::new(1_000, Duration::from_millis(10), Counter::default());
         // Chunked: the largest body allowed is reserved.
         let chunked = a.admit(None, 300).await.expect("admitted");
         assert_eq!(a.in_flight_bytes(), 300);

@@ -143,6 +143,15 @@ pub(crate) fn with_retry_after(mut r: Response, secs: u64) -> Response {
     r
 }
 
+/// The body length a request's `Content-Length` declares (`None`: absent, chunked, or not a
+/// number, which hyper answers itself).
+pub(crate) fn declared_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+}
+
 /// Whether the request asked for `100 Continue` before sending its body.
 fn expects_continue(headers: &HeaderMap) -> bool {
     headers
@@ -156,8 +165,7 @@ fn expects_continue(headers: &HeaderMap) -> bool {
 pub(crate) const SATURATED_RETRY_AFTER_S: u64 = 1;
 
 /// The 503 of a request that found no room under `ingest.max_in_flight_bytes`.
-fn saturated(app: &App, s: &admission::Saturated) -> Response {
-    app.metrics.ingest_saturated.inc();
+fn saturated(s: &admission::Saturated) -> Response {
     tracing::debug!(
         asked = s.asked,
         in_flight = s.in_flight,
@@ -201,10 +209,7 @@ async fn handle(
         max_json_depth: app.cfg.ingest.max_json_depth,
         max_batch: app.cfg.ingest.max_batch,
     };
-    let declared = headers
-        .get(axum::http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok());
+    let declared = declared_length(headers).and_then(|n| usize::try_from(n).ok());
     if declared.is_some_and(|n| n > limits.max_body_bytes.saturating_mul(DRAIN_FACTOR)) {
         // Far too large to be worth reading: answer now (the connection is closed after it).
         return body_too_large(limits.max_body_bytes);
@@ -222,7 +227,7 @@ async fn handle(
         .await
     {
         Ok(a) => a,
-        Err(s) => return saturated(app, &s),
+        Err(s) => return saturated(&s),
     };
     let bytes =
         match read_bounded(body, limits.max_body_bytes, app.cfg.server.request_timeout).await {
