@@ -3496,3 +3496,13 @@ async fn a_damaged_group_log_is_refused_and_a_torn_tail_is_not() {
     let s = on_images(db_image, torn, logged(std::time::Duration::from_secs(3600)));
     assert!(s.fate("/s", "18").expect("fate").is_some());
 }
+
+/// The check of every page when the committer reopens the file after a failed write is said
+/// as that, not as a crash ("not closed cleanly (a crash or a kill)", which nothing was).
+#[test]
+fn a_reopen_after_a_write_error_is_not_said_to_be_a_crash() {
+    let reopen = repair_notice(true);
+    assert!(reopen.contains("after a write error"), "{reopen}");
+    assert!(!reopen.contains("crash"), "{reopen}");
+    assert!(repair_notice(false).contains("a crash or a kill"));
+}
