@@ -1010,6 +1010,9 @@ pub struct RedbStore {
     /// The group log's failure flag (with a log): set from a failed log write until the
     /// committer has reopened the store; reads are refused meanwhile.
     log_failed: Option<Arc<AtomicBool>>,
+    /// The ingest dedup window (`StoreOptions::dedup_window`), for the count of dedup keys
+    /// inside it.
+    dedup_window: Option<Duration>,
 }
 
 impl RedbStore {
@@ -1234,6 +1237,7 @@ impl RedbStore {
             }
             None => 0,
         };
+        let dedup_window = opts.dedup_window;
         let cold_before = cold_before(opts.dedup_window);
         let Recovered {
             boot,
@@ -1338,6 +1342,7 @@ impl RedbStore {
             compacting,
             last_compaction,
             log_failed,
+            dedup_window,
         }))
     }
 
@@ -1962,10 +1967,12 @@ impl RedbStore {
         let db = self.read_db();
         let r = db.begin_read()?;
         // One look at the index, not held while the tables are read.
-        let (dedup_keys, dedup_runs, dedup_filter_bytes, dedup_cold_runs) = {
+        let window_start = cold_before(self.dedup_window);
+        let (dedup_keys, dedup_keys_in_window, dedup_runs, dedup_filter_bytes, dedup_cold_runs) = {
             let d = self.dedup_state();
             (
                 d.keys(),
+                window_start.map(|at| d.keys_since(at)),
                 d.runs.len() as u64,
                 d.filter_bytes() as u64,
                 d.cold_runs() as u64,
@@ -1986,6 +1993,7 @@ impl RedbStore {
             // Keys of the memtable and the runs: a kept event's key may be in both a run and
             // `DEDUP_KEPT` until its run is dropped, and is counted with its event.
             dedup_keys,
+            dedup_keys_in_window,
             dedup_runs,
             dedup_filter_bytes,
             dedup_cold_runs,
