@@ -899,7 +899,10 @@ async fn records_status(app: &App) -> serde_json::Value {
                 "above_floor": n.events_above_floor,
             },
             "dedup_keys": {
+                // Every key held: for as long as its event is kept, and on the embedded store
+                // until its whole run goes (docs/operations.md), so well past the window.
                 "count": n.dedup_keys,
+                "in_window": n.dedup_keys_in_window,
                 "window_seconds": secs(c.ingest.dedup_window),
                 "runs": n.dedup_runs,
                 "filter_bytes": n.dedup_filter_bytes,

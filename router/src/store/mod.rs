@@ -211,8 +211,14 @@ pub struct RecordCounts {
     /// events' records for their queued entries (about two seconds' worth; more only while a
     /// backlog crosses the floor). Zero on other backends.
     pub events_above_floor: u64,
-    /// Ingest dedup keys (kept for the dedup window, and as long as their events are).
+    /// Ingest dedup keys held: kept for as long as their events are (the longest of the
+    /// fate retention, the archive retention and the dedup window), and on the embedded store
+    /// until the sweep drops their whole run (an hour's keys, or `store.dedup_memtable_keys`),
+    /// so well past the dedup window.
     pub dedup_keys: u64,
+    /// Of them, those that may be inside the dedup window now (an upper bound: a run that
+    /// straddles the window's start counts whole). `None` where the backend cannot say.
+    pub dedup_keys_in_window: Option<u64>,
     /// Sorted runs of dedup keys on disk (one an hour, or per `store.dedup_memtable_keys`);
     /// each is a Bloom-filter probe per accept while it is inside the window.
     pub dedup_runs: u64,

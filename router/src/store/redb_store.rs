@@ -946,6 +946,17 @@ fn done<T: Send + 'static>(reply: Reply<Result<T, StoreError>>, r: Result<T, Sto
     })
 }
 
+/// What the store says when redb checks every page of its file before opening it: at start, a
+/// file not closed cleanly (a crash, a kill); when the committer reopens it after a failed
+/// write, that write (a full or failing disk), not a crash, which the first said wrongly.
+fn repair_notice(reopening: bool) -> &'static str {
+    if reopening {
+        "reopening the store after a write error (a full or failing disk): the failed write left the file not closed cleanly, so every page is checked before it opens; on a large file this takes a while"
+    } else {
+        "the store file was not closed cleanly (a crash or a kill): checking every page before it opens; on a large file this takes a while"
+    }
+}
+
 /// Why the store file at `path` did not open, with what to do: redb's own words ("File
 /// truncated below stored layout", "All roots are corrupted") said nothing of it.
 fn open_refused(path: &Path, e: &redb::DatabaseError) -> StoreError {
@@ -1000,6 +1011,9 @@ pub struct RedbStore {
     /// The group log's failure flag (with a log): set from a failed log write until the
     /// committer has reopened the store; reads are refused meanwhile.
     log_failed: Option<Arc<AtomicBool>>,
+    /// The ingest dedup window (`StoreOptions::dedup_window`), for the count of dedup keys
+    /// inside it.
+    dedup_window: Option<Duration>,
 }
 
 impl RedbStore {
@@ -1063,18 +1077,36 @@ impl RedbStore {
             Ok([open(&paths[0])?, open(&paths[1])?])
         };
         let cache = opts.cache_bytes;
+        // Set once the first open is done: every later open is the committer's reopen after a
+        // failed write, whose check is no sign of a crash.
+        let opened = Arc::new(AtomicBool::new(false));
+        let opened_b = opened.clone();
+        // The committer tries again every 200 ms while the disk stays full: said once a
+        // minute, not at each try.
+        let last_reopen_notice: Arc<Mutex<Option<Instant>>> = Arc::default();
         let builder = move || {
             let mut b = Database::builder();
             if let Some(c) = cache {
                 b.set_cache_size(c);
             }
-            // Said once per open: a file not closed cleanly (a crash, kill -9, power loss) is
-            // checked page by page before it opens, which takes a while on a large one.
+            // Said once per open: a file not closed cleanly (a crash, kill -9, power loss, or
+            // a write that failed) is checked page by page before it opens, which takes a
+            // while on a large one.
             let said = std::sync::atomic::AtomicBool::new(false);
+            let reopening = opened_b.load(Ordering::Acquire);
+            let last = last_reopen_notice.clone();
             b.set_repair_callback(move |_| {
-                if !said.swap(true, Ordering::Relaxed) {
-                    tracing::warn!("the store file was not closed cleanly (a crash or a kill): checking every page before it opens; on a large file this takes a while");
+                if said.swap(true, Ordering::Relaxed) {
+                    return;
                 }
+                if reopening {
+                    let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
+                    if last.is_some_and(|t| t.elapsed() < Duration::from_secs(60)) {
+                        return;
+                    }
+                    *last = Some(Instant::now());
+                }
+                tracing::warn!("{}", repair_notice(reopening));
             });
             b
         };
@@ -1113,6 +1145,7 @@ impl RedbStore {
             let p2 = path.clone();
             (db, None, Arc::new(move || builder().create(&p2)))
         };
+        opened.store(true, Ordering::Release);
         Self::start(db, log, opts, Some(path), Some(reopen))
     }
 
@@ -1205,6 +1238,7 @@ impl RedbStore {
             }
             None => 0,
         };
+        let dedup_window = opts.dedup_window;
         let cold_before = cold_before(opts.dedup_window);
         let Recovered {
             boot,
@@ -1309,6 +1343,7 @@ impl RedbStore {
             compacting,
             last_compaction,
             log_failed,
+            dedup_window,
         }))
     }
 
@@ -1933,10 +1968,12 @@ impl RedbStore {
         let db = self.read_db();
         let r = db.begin_read()?;
         // One look at the index, not held while the tables are read.
-        let (dedup_keys, dedup_runs, dedup_filter_bytes, dedup_cold_runs) = {
+        let window_start = cold_before(self.dedup_window);
+        let (dedup_keys, dedup_keys_in_window, dedup_runs, dedup_filter_bytes, dedup_cold_runs) = {
             let d = self.dedup_state();
             (
                 d.keys(),
+                window_start.map(|at| d.keys_since(at)),
                 d.runs.len() as u64,
                 d.filter_bytes() as u64,
                 d.cold_runs() as u64,
@@ -1957,6 +1994,7 @@ impl RedbStore {
             // Keys of the memtable and the runs: a kept event's key may be in both a run and
             // `DEDUP_KEPT` until its run is dropped, and is counted with its event.
             dedup_keys,
+            dedup_keys_in_window,
             dedup_runs,
             dedup_filter_bytes,
             dedup_cold_runs,

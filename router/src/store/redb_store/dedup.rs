@@ -399,6 +399,23 @@ impl DedupState {
         self.mem_keys as u64 + sealed + frozen + self.runs.iter().map(|r| r.keys).sum::<u64>()
     }
 
+    /// Keys that may have been accepted at or after `at` (the start of the dedup window): those
+    /// in memory and in the runs whose latest key is that recent. A run that straddles `at`
+    /// counts whole, so this is an upper bound, off by at most one run's keys.
+    pub(super) fn keys_since(&self, at: i64) -> u64 {
+        let frozen = self.frozen.as_ref().map_or(0, |f| f.run.keys);
+        let sealed = self.sealed.as_ref().map_or(0, |s| s.keys as u64);
+        self.mem_keys as u64
+            + sealed
+            + frozen
+            + self
+                .runs
+                .iter()
+                .filter(|r| r.max_at >= at)
+                .map(|r| r.keys)
+                .sum::<u64>()
+    }
+
     /// Heap bytes of the filters (what every run inside the dedup window keeps in memory).
     pub(super) fn filter_bytes(&self) -> usize {
         self.runs
