@@ -19,7 +19,10 @@ $BIN bench sink --listen 127.0.0.1:19999 2>/dev/null &   # baseline endpoint
 $BIN bench sink --listen 127.0.0.1:19998 2>/dev/null &   # webhook receiver for delivery
 serve() { RUST_LOG=warn $BIN serve --listen 127.0.0.1:18080 --data-dir "$WORK/$1" --rules "$WORK/rules" --contracts "$WORK/none" 2>>"$WORK/router.log" & ROUTER=$!; sleep 1; }
 serve data
-run() { echo "== $1"; shift; $BIN bench ingest "$@"; echo; }
+# A run with failed requests (429/503 from a saturated router, say) prints its report and the
+# script goes on to the next run; it exits 1 at the end so the failures are not missed.
+FAILED=0
+run() { echo "== $1"; shift; $BIN bench ingest "$@" || { echo "(this run had failures: exit $?)"; FAILED=1; }; echo; }
 # Both baselines first, while the router is idle: after its single-event run the router drains
 # a delivery backlog for a while, which took CPU from a baseline run made then.
 run "baseline, single events"   --url http://127.0.0.1:19999/ --events "$N" --concurrency 64 --size 1024
@@ -42,3 +45,4 @@ if [ -n "${RATE:-}" ]; then
 for t in json.load(sys.stdin)['targets']:
     print('%s: delivered %d, queued %d, in flight %d' % (t['id'], t['delivered'], t['queued'], t['in_flight']))"
 fi
+exit "$FAILED"
