@@ -79,13 +79,16 @@ const COMPLETED_EXP: TableDefinition<(i64, &str, &str), ()> =
 const MAX_GROUP: usize = 4096;
 /// A commit at least this slow is logged (every request in its group waited for it).
 const SLOW_COMMIT: Duration = Duration::from_secs(1);
-/// Most accepted events in one transaction. Past it, accepts wait for the next commit while
-/// the other ops (leases, acks) still join this one: a flood of large ingest batches must not
-/// stretch every commit and starve delivery, whose every attempt needs two commits.
-const MAX_GROUP_EVENTS: usize = 1024;
-/// Most events held back by `MAX_GROUP_EVENTS` before the committer stops draining its channel
+/// Most weight ([`Op::group_weight`]: accepted events, and a handler's emitted events and
+/// key-value writes) in one transaction. Past it, heavy ops wait for the next commit while the
+/// light ones (leases, plain acks) still join this one: a flood of large ingest batches, or of
+/// handler acks each carrying a thousand key-value writes, must not stretch every commit and
+/// starve delivery, whose every attempt needs two commits (eight such acks in one group made
+/// a commit of 1.6 s in a debug build, every ingest request of the group waiting for it).
+const MAX_GROUP_WEIGHT: usize = 1024;
+/// Most weight held back by `MAX_GROUP_WEIGHT` before the committer stops draining its channel
 /// (then everyone waits in the channel, which is bounded, and ingest feels the back-pressure).
-const MAX_DEFERRED_EVENTS: usize = 8 * MAX_GROUP_EVENTS;
+const MAX_DEFERRED_WEIGHT: usize = 8 * MAX_GROUP_WEIGHT;
 /// How often a database closed by a write error is reopened while nothing else is written.
 const REOPEN_RETRY: Duration = Duration::from_millis(200);
 /// Files smaller than this are never compacted.
@@ -908,10 +911,17 @@ impl Op {
         }
     }
 
-    /// Events this op accepts (what `MAX_GROUP_EVENTS` counts).
-    fn accepted_events(&self) -> usize {
+    /// What this op weighs against `MAX_GROUP_WEIGHT`: the events it accepts, or for a
+    /// handler's ack the events it emits and its key-value writes and checks (each costs the
+    /// commit a few B-tree writes, as an accepted event does). Other ops weigh nothing: they
+    /// write a bounded few rows each.
+    fn group_weight(&self) -> usize {
         match self {
             Op::Accept { events, .. } => events.len(),
+            Op::Finish { end, .. } => end
+                .outbox
+                .as_ref()
+                .map_or(0, |o| o.emitted.len() + o.kv.len() + o.cas.len()),
             _ => 0,
         }
     }
@@ -3256,7 +3266,7 @@ impl Committer {
 
     fn run(mut self, mut rx: mpsc::Receiver<Op>) {
         let mut deferred: std::collections::VecDeque<Op> = std::collections::VecDeque::new();
-        let mut deferred_events = 0usize;
+        let mut deferred_weight = 0usize;
         // One buffer for every group: a fresh vector per group grew by reallocation into
         // freshly faulted memory each time (measured ~7 % of the committer's CPU).
         let mut ops: Vec<Op> = Vec::with_capacity(MAX_GROUP);
@@ -3266,7 +3276,7 @@ impl Committer {
         loop {
             let first = match deferred.pop_front() {
                 Some(op) => {
-                    deferred_events -= op.accepted_events();
+                    deferred_weight -= op.group_weight();
                     op
                 }
                 None => match rx.try_recv() {
@@ -3313,30 +3323,30 @@ impl Committer {
                 std::thread::sleep(wait);
             }
             last_start = Some(Instant::now());
-            let mut events = first.accepted_events();
+            let mut weight = first.group_weight();
             ops.push(first);
-            // Accepts held back last time go first, in arrival order.
+            // Ops held back last time go first, in arrival order.
             while ops.len() < MAX_GROUP
                 && let Some(op) = deferred.front()
-                && events + op.accepted_events() <= MAX_GROUP_EVENTS
+                && weight + op.group_weight() <= MAX_GROUP_WEIGHT
             {
-                let n = op.accepted_events();
-                events += n;
-                deferred_events -= n;
+                let n = op.group_weight();
+                weight += n;
+                deferred_weight -= n;
                 ops.extend(deferred.pop_front());
             }
-            while ops.len() < MAX_GROUP && deferred_events < MAX_DEFERRED_EVENTS {
+            while ops.len() < MAX_GROUP && deferred_weight < MAX_DEFERRED_WEIGHT {
                 let Ok(op) = rx.try_recv() else { break };
                 if let Op::Close { reply } = op {
                     closing = Some(reply);
                     break;
                 }
-                let n = op.accepted_events();
-                if n > 0 && events + n > MAX_GROUP_EVENTS {
-                    deferred_events += n;
+                let n = op.group_weight();
+                if n > 0 && weight + n > MAX_GROUP_WEIGHT {
+                    deferred_weight += n;
                     deferred.push_back(op);
                 } else {
-                    events += n;
+                    weight += n;
                     ops.push(op);
                 }
             }
@@ -3354,7 +3364,7 @@ impl Committer {
                 self.compact_due = false;
                 self.compact(&mut rx, &mut deferred);
                 // The accepts it held back were refused.
-                deferred_events = deferred.iter().map(Op::accepted_events).sum();
+                deferred_weight = deferred.iter().map(Op::group_weight).sum();
             }
             if let Some(reply) = closing.take() {
                 let _ = reply.send(self.close());

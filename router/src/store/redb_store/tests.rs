@@ -241,6 +241,62 @@ async fn the_commit_delay_gathers_ops_into_one_commit_but_not_after_a_quiet_spel
     assert_eq!(s.queue_stats()["a"].queued, 22);
 }
 
+/// Handler acks weigh their key-value writes against the group bound, as accepts weigh their
+/// events: four acks of 600 writes each, sent within one commit delay, commit one per group
+/// (two would weigh 1,200, past the bound of 1,024), while a plain ack sent with them joins
+/// the first group. Without the weight all five shared one commit.
+#[tokio::test]
+async fn handler_acks_heavy_with_key_value_writes_do_not_share_a_commit() {
+    use std::sync::Mutex;
+    let groups = Arc::new(Mutex::new(Vec::<usize>::new()));
+    let seen = groups.clone();
+    let opts = StoreOptions {
+        commit_delay: std::time::Duration::from_millis(300),
+        on_commit: Some(Arc::new(move |_, n| {
+            seen.lock().expect("lock").push(n);
+        })),
+        ..StoreOptions::default()
+    };
+    let s = RedbStore::with_backend(redb::backends::InMemoryBackend::new(), opts).expect("open");
+    let events = (0..5)
+        .map(|i| new_event("/s", &format!("e{i}"), &["h"], 1000))
+        .collect();
+    s.accept(events).await.expect("accept");
+    let mut leased = s.lease("h", 1000, 5, 60_000).await.expect("lease");
+    leased.sort_by_key(|l| l.entry.id);
+    assert_eq!(leased.len(), 5);
+    groups.lock().expect("lock").clear();
+    let mut calls = Vec::new();
+    for (i, l) in leased.iter().enumerate() {
+        let mut end = delivered(1010);
+        if i < 4 {
+            let kv = (0..600)
+                .map(|k| put(&format!("{i}-{k}"), 8, None))
+                .collect();
+            end.outbox = Some(Box::new(Outbox {
+                kv,
+                ..Outbox::default()
+            }));
+        }
+        calls.push(s.finish(l.entry.id, l.lease, end, Disposition::Delivered, 1010));
+    }
+    for r in futures::future::join_all(calls).await {
+        r.expect("finish");
+    }
+    assert_eq!(s.kv_usage_of("h").expect("usage").keys, 2400);
+    // Groups of no op (the dedup index's own work, between others) do not count.
+    let groups: Vec<usize> = groups
+        .lock()
+        .expect("lock")
+        .iter()
+        .copied()
+        .filter(|&n| n > 0)
+        .collect();
+    // The four heavy acks in four commits; the plain one in one of them.
+    assert_eq!(groups.iter().sum::<usize>(), 5, "{groups:?}");
+    assert_eq!(groups.len(), 4, "{groups:?}");
+}
+
 /// Finishes that share a commit each get their own answer and effect, whichever path they
 /// take: plain ones (delivered, retry, release) are applied together, dead letters one by
 /// one; a stale lease and a second finish of an entry finished in the same group are fenced.
