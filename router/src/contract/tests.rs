@@ -663,3 +663,115 @@ fn a_contract_file_with_a_byte_order_mark_loads() {
     .expect("loads");
     assert!(set.get("order.created", 1).is_some());
 }
+
+fn one(ty: &str, schema: &str) -> ContractSet {
+    ContractSet::from_files(&[(&format!("{ty}/v1.json"), schema)], None).unwrap()
+}
+
+#[test]
+fn errors_are_capped_per_event_with_a_summary() {
+    let s = one(
+        "big.arr",
+        r#"{"type":"object","properties":{"xs":{"type":"array","maxItems":5,"items":{"type":"integer"}}}}"#,
+    );
+    let xs: Vec<Value> = (0..300).map(|_| json!("s".repeat(80))).collect();
+    let (_, _, errs) = errors(s.check(&ev("big.arr", Some(json!({ "xs": xs })))));
+    assert_eq!(errs.len(), MAX_ERRORS_PER_EVENT + 1, "{errs:?}");
+    let (p, last) = errs.last().unwrap();
+    assert_eq!(p, "/data");
+    // 300 item errors and the maxItems one, 20 of them kept.
+    assert!(
+        last.contains("and 281 more errors") && last.contains("first 20"),
+        "{last}"
+    );
+    for (_, m) in &errs {
+        assert!(m.chars().count() <= MAX_ERROR_MESSAGE_CHARS, "{m}");
+    }
+    // The maxItems message quotes an excerpt of the array, not the 25 KB array.
+    let max_items = errs
+        .iter()
+        .find(|(p, m)| p == "/data/xs" && m.contains("more than 5 items"))
+        .expect("the maxItems error is among the first");
+    assert!(
+        max_items.1.starts_with("[\"sss") && max_items.1.len() < 120,
+        "{max_items:?}"
+    );
+}
+
+#[test]
+fn small_values_are_still_quoted_whole() {
+    let s = set(None);
+    let (_, _, errs) = errors(s.check(&ev(
+        "order.created",
+        Some(json!({"id": "o1", "total": "ten"})),
+    )));
+    assert_eq!(
+        errs,
+        [(
+            "/data/total".to_owned(),
+            "\"ten\" is not of type \"number\"".to_owned()
+        )]
+    );
+}
+
+#[test]
+fn long_messages_are_cut_at_a_char_boundary() {
+    let cut = truncate_chars("é".repeat(400), 300);
+    assert_eq!(cut.chars().count(), 300);
+    assert!(cut.ends_with('…'));
+    assert_eq!(truncate_chars("abc".into(), 3), "abc");
+    let (excerpt, whole) = json_excerpt(&json!("ééééééé"), 6);
+    assert!(!whole);
+    assert_eq!(excerpt, "\"éé"); // 5 bytes: the third é would straddle the limit.
+    assert_eq!(json_excerpt(&json!([1, 2]), 60), ("[1,2]".to_owned(), true));
+}
+
+#[test]
+fn exponential_schema_fan_out_is_cut_off_by_the_step_budget() {
+    // D0 = allOf [D1, D1], … D21 likewise: 2^22 (4 million) errors for one wrong value,
+    // 35 s and half a GB when every error was collected.
+    let mut defs = Map::new();
+    for i in 0..22 {
+        let next = format!("#/$defs/D{}", i + 1);
+        defs.insert(
+            format!("D{i}"),
+            json!({"allOf": [{"$ref": next}, {"$ref": next}]}),
+        );
+    }
+    defs.insert("D22".into(), json!({"type": "object"}));
+    let schema = json!({"$ref": "#/$defs/D0", "$defs": defs}).to_string();
+    let s = one("expo.t", &schema);
+    let started = std::time::Instant::now();
+    let (_, reason, errs) = errors(s.check(&ev("expo.t", Some(json!(5)))));
+    // Generous for a debug build on a shared machine; unbounded, this took 35 s.
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    assert_eq!(reason, ViolationReason::ContractViolation);
+    assert_eq!(errs.len(), 2, "{errs:?}");
+    assert_eq!(errs[0].0, "/data");
+    assert!(errs[0].1.contains("not of type \"object\""), "{errs:?}");
+    assert!(errs[1].1.contains("schema steps"), "{errs:?}");
+    // The budget is per check: the next event gets its own, and valid data still passes.
+    assert_eq!(
+        s.check(&ev("expo.t", Some(json!({})))),
+        ContractOutcome::Pass
+    );
+    assert_eq!(errors(s.check(&ev("expo.t", Some(json!(6))))).2.len(), 2);
+}
+
+#[test]
+fn step_counters_leave_data_values_alone() {
+    let schema = json!({
+        "properties": {"a": {"enum": [{"k": 1}]}, "b": {"const": {"x": 1}}},
+        "dependencies": {"a": ["b"]},
+        "items": [{"type": "string"}],
+        "$defs": {"d": {"default": {}}}
+    });
+    let counted = with_step_counters(&schema);
+    assert_eq!(counted["properties"]["a"]["enum"], json!([{"k": 1}]));
+    assert_eq!(counted["properties"]["b"]["const"], json!({"x": 1}));
+    assert_eq!(counted["properties"]["a"][STEP_KEYWORD], json!(true));
+    assert!(counted["properties"].get(STEP_KEYWORD).is_none());
+    assert_eq!(counted["dependencies"]["a"], json!(["b"]));
+    assert_eq!(counted["items"][0][STEP_KEYWORD], json!(true));
+    assert_eq!(counted["$defs"]["d"]["default"], json!({}));
+}
