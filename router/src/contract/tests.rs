@@ -775,3 +775,35 @@ fn step_counters_leave_data_values_alone() {
     assert_eq!(counted["items"][0][STEP_KEYWORD], json!(true));
     assert_eq!(counted["$defs"]["d"]["default"], json!({}));
 }
+
+#[test]
+fn backtracking_patterns_are_refused_at_load_with_their_pointer() {
+    // Lookahead made this a ReDoS: 8 s of CPU per 9 KB event on fancy-regex.
+    let text = "{\"type\": \"object\",\n \"properties\": {\"s\": {\"type\": \"array\",\n  \"items\": {\"type\": \"string\", \"pattern\": \"^(a|a)*(?!a)b$\"}}}}";
+    let d = err_at(&[("redos.p5/v1.json", text)], None);
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert_eq!(d[0].pointer, "/properties/s/items/pattern", "{d:?}");
+    assert_eq!(d[0].line, 3, "{}", d[0]);
+    assert!(d[0].message.contains("lookaround"), "{}", d[0]);
+    for backtracking in [r"^(\w)\1$", "(?<=a)b", "a(?=b)"] {
+        let text = json!({"patternProperties": {backtracking: {}}}).to_string();
+        let d = err_at(&[("t/v1.json", &text)], None);
+        assert_eq!(d.len(), 1, "{backtracking}: {d:?}");
+    }
+    // The usual patterns still load and apply, `(a+)+$` included (linear here).
+    let s = one(
+        "ok.p",
+        r#"{"properties": {"s": {"pattern": "^(a+)+$"}, "id": {"pattern": "^[A-Z]{2}-\\d{4}$"}}}"#,
+    );
+    assert_eq!(
+        s.check(&ev("ok.p", Some(json!({"s": "aaaa", "id": "AB-1234"})))),
+        ContractOutcome::Pass
+    );
+    let long = format!("{}!", "a".repeat(50_000));
+    let started = std::time::Instant::now();
+    assert_eq!(
+        pointers(s.check(&ev("ok.p", Some(json!({"s": long, "id": "A-1"}))))),
+        ["/data/id", "/data/s"]
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+}

@@ -188,6 +188,42 @@ fn saturated(s: &admission::Saturated) -> Response {
     )
 }
 
+/// Request bodies from this size up have their contract checks run on the blocking pool: a
+/// large event against a demanding schema is milliseconds to seconds of CPU (a debug build
+/// took seconds for 1 MB) that would otherwise stall the reactor, `/healthz` included. Below
+/// it a check is microseconds, less than the hand-off to another thread would cost.
+const BLOCKING_CHECK_BYTES: usize = 64 * 1024;
+
+/// Each event with its contract outcome, checked where [`BLOCKING_CHECK_BYTES`] says.
+async fn check_contracts(
+    contracts: Arc<crate::contract::ContractSet>,
+    events: Vec<CloudEvent>,
+    body_len: usize,
+) -> Result<Vec<(CloudEvent, ContractOutcome)>, tokio::task::JoinError> {
+    off_reactor_if_large(body_len, move || {
+        events
+            .into_iter()
+            .map(|ev| {
+                let outcome = contracts.check(&ev);
+                (ev, outcome)
+            })
+            .collect()
+    })
+    .await
+}
+
+/// Runs `work` here for a small request, on the blocking pool from [`BLOCKING_CHECK_BYTES`].
+async fn off_reactor_if_large<T: Send + 'static>(
+    body_len: usize,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, tokio::task::JoinError> {
+    if body_len < BLOCKING_CHECK_BYTES {
+        Ok(work())
+    } else {
+        tokio::task::spawn_blocking(work).await
+    }
+}
+
 async fn handle(
     app: &App,
     principal: &crate::auth::Principal,
@@ -321,22 +357,32 @@ async fn handle(
         }
     }
     let batch = matches!(mode, parse::Mode::Batch);
-    let contracts = app.contracts.load();
+    let checked = match check_contracts(app.contracts.load_full(), events, bytes.len()).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "contract checks of an ingest request failed");
+            return error_response(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal error while checking contracts; nothing was stored",
+                Vec::new(),
+            );
+        }
+    };
     let rules = app.rules.load();
     let now = app.clock.now_ms();
     let dedup_window_ms =
         i64::try_from(app.cfg.ingest.dedup_window.as_millis()).unwrap_or(i64::MAX);
 
     let mut enforce_errors = Vec::new();
-    let mut new_events = Vec::with_capacity(events.len());
+    let mut new_events = Vec::with_capacity(checked.len());
     let mut quarantined: Vec<Option<(&'static str, Vec<FieldError>)>> =
-        Vec::with_capacity(events.len());
+        Vec::with_capacity(checked.len());
     // The events move into what the store accepts (a 1 KB event copied per request was
     // measurable); the answer and a quarantined one's `dlq.added` need only their names.
-    let mut answered: Vec<Answered> = Vec::with_capacity(events.len());
-    for (i, ev) in events.into_iter().enumerate() {
+    let mut answered: Vec<Answered> = Vec::with_capacity(checked.len());
+    for (i, (ev, outcome)) in checked.into_iter().enumerate() {
         let _span = tracing::debug_span!("ingest_event", event_id = %ev.id, source = %ev.source, ty = %ev.ty).entered();
-        match contracts.check(&ev) {
+        match outcome {
             ContractOutcome::Violation {
                 mode: ContractMode::Enforce,
                 errors,
@@ -777,4 +823,20 @@ pub fn match_targets(
         matched_rules.push(m.rule);
     }
     (matched_rules, targets)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A large request's contract checks leave the reactor thread; a small one's stay on it
+    /// (a hand-off would cost more than the check).
+    #[tokio::test(flavor = "current_thread")]
+    async fn large_requests_are_checked_off_the_reactor() {
+        let here = std::thread::current().id();
+        let small = off_reactor_if_large(BLOCKING_CHECK_BYTES - 1, || std::thread::current().id());
+        assert_eq!(small.await.expect("ran"), here);
+        let large = off_reactor_if_large(BLOCKING_CHECK_BYTES, || std::thread::current().id());
+        assert_ne!(large.await.expect("ran"), here);
+    }
 }
