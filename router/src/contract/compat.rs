@@ -570,11 +570,54 @@ fn newly_named(old: &Value, new: &Value, path: &str, ptr: &str, out: &mut Vec<Is
             }
         }
     }
-    if let (Some(o), Some(n)) = (old.get("items"), new.get("items"))
-        && o.is_object()
-        && n.is_object()
-    {
-        newly_named(o, n, &format!("{path}[]"), &format!("{ptr}/items"), out);
+    // Items: an array the old schema left without `items` (or without a position of a tuple)
+    // held any value there, so a property named under it now narrows that as much as one
+    // named in an open object. A changed form (tuple against one schema) is [`items`]'s.
+    let open = Value::Object(Map::new());
+    match (old.get("items"), new.get("items")) {
+        (Some(Value::Array(o)), Some(Value::Array(n))) => {
+            tuple_named(o, n, path, ptr, "items", out)
+        }
+        (None, Some(Value::Array(n))) => tuple_named(&[], n, path, ptr, "items", out),
+        (Some(o), Some(n)) if o.is_object() && n.is_object() => {
+            newly_named(o, n, &format!("{path}[]"), &format!("{ptr}/items"), out);
+        }
+        (None, Some(n)) if n.is_object() => {
+            newly_named(&open, n, &format!("{path}[]"), &format!("{ptr}/items"), out);
+        }
+        _ => {}
+    }
+    match (old.get("prefixItems"), new.get("prefixItems")) {
+        (Some(Value::Array(o)), Some(Value::Array(n))) => {
+            tuple_named(o, n, path, ptr, "prefixItems", out);
+        }
+        (None, Some(Value::Array(n))) => tuple_named(&[], n, path, ptr, "prefixItems", out),
+        _ => {}
+    }
+}
+
+/// [`newly_named`] position by position of a tuple (`items` in draft-07, `prefixItems`); a
+/// position the old tuple did not have held any value.
+fn tuple_named(
+    old: &[Value],
+    new: &[Value],
+    path: &str,
+    ptr: &str,
+    key: &str,
+    out: &mut Vec<Issue>,
+) {
+    let open = Value::Object(Map::new());
+    for (i, n) in new.iter().enumerate() {
+        let o = old.get(i).unwrap_or(&open);
+        if o.is_object() && n.is_object() {
+            newly_named(
+                o,
+                n,
+                &format!("{path}[{i}]"),
+                &format!("{ptr}/{key}/{i}"),
+                out,
+            );
+        }
     }
 }
 
@@ -1344,6 +1387,59 @@ mod tests {
         let mut wrapped = open.clone();
         wrapped["allOf"] = json!([{"properties": {"a": {"type": "string", "minLength": 1}}}]);
         assert!(!flagged(open, wrapped).is_empty());
+    }
+
+    /// The audit's four in-place edits that quarantined events the live version accepted:
+    /// a property named under items that were unconstrained, or under a tuple position.
+    #[test]
+    fn in_place_a_new_property_under_items_or_a_tuple_is_flagged() {
+        let x = json!({"properties": {"x": {"type": "integer"}}});
+        let obj_x = json!({"type": "object", "properties": {"x": {"type": "integer"}}});
+        let cases = [
+            // `items` added where the array had none.
+            (
+                json!({"type": "object", "properties": {"l": {"type": "array"}}}),
+                json!({"type": "object", "properties": {"l": {"type": "array", "items": x}}}),
+                "/properties/l/items/properties/x",
+            ),
+            // The same at the root, with no `type` beside it.
+            (
+                json!({"type": "array"}),
+                json!({"type": "array", "items": x}),
+                "/items/properties/x",
+            ),
+            // A `prefixItems` position.
+            (
+                json!({"type": "object", "properties": {"l": {"type": "array",
+                       "prefixItems": [{"type": "object"}]}}}),
+                json!({"type": "object", "properties": {"l": {"type": "array",
+                       "prefixItems": [obj_x]}}}),
+                "/properties/l/prefixItems/0/properties/x",
+            ),
+            // A draft-07 tuple (`items` as an array).
+            (
+                json!({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+                       "properties": {"l": {"type": "array", "items": [{"type": "object"}]}}}),
+                json!({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+                       "properties": {"l": {"type": "array", "items": [obj_x]}}}),
+                "/properties/l/items/0/properties/x",
+            ),
+        ];
+        for (old, new, at) in cases {
+            assert!(
+                compat_issues(&old, &new).is_empty(),
+                "a new version may: {new}"
+            );
+            let issues = in_place_issues(&old, &new);
+            assert_eq!(issues.len(), 1, "{new}: {issues:?}");
+            assert_eq!(issues[0].pointer, at);
+            // Annotating only, or naming it in a closed item object, narrows nothing.
+            let annotated = new
+                .to_string()
+                .replace(r#"{"type":"integer"}"#, r#"{"title":"x"}"#);
+            let annotated: Value = serde_json::from_str(&annotated).unwrap();
+            assert!(in_place_issues(&old, &annotated).is_empty(), "{annotated}");
+        }
     }
 
     /// In place, a property named where the object was open narrows what the live version
