@@ -77,6 +77,59 @@ fn contract_path(ty: &str, version: &str) -> Result<u32, Box<Response>> {
 }
 
 /// Each incompatibility as an error located by its pointer into the new schema.
+/// An upload compared with the live versions of its type.
+struct Comparison {
+    /// The live version it replaces, if any.
+    replaced: Option<crate::contract::ContractInfo>,
+    /// What it breaks of the version it replaces (409 when not empty).
+    in_place: Vec<FieldError>,
+    /// The version before it (`v<N>`), which `breaking` is against.
+    compared_with: Option<String>,
+    /// What it breaks for producers moving up from the version before.
+    breaking: Vec<FieldError>,
+    /// The version after it, and what that one breaks against it.
+    next: Option<(u32, Vec<FieldError>)>,
+}
+
+impl Comparison {
+    fn against(live: &ContractSet, ty: &str, v: u32, schema: &Value) -> Self {
+        let replaced = live.get(ty, v);
+        let in_place = replaced
+            .as_ref()
+            .map(|old| field_errors(in_place_issues(&old.schema, schema)))
+            .unwrap_or_default();
+        if !in_place.is_empty() {
+            // Refused: the rest would not be answered.
+            return Comparison {
+                replaced,
+                in_place,
+                compared_with: None,
+                breaking: Vec::new(),
+                next: None,
+            };
+        }
+        let (compared_with, breaking) = match live.previous(ty, v) {
+            Some((pv, prev)) => (
+                Some(format!("v{pv}")),
+                field_errors(compat_issues(&prev, schema)),
+            ),
+            None => (None, Vec::new()),
+        };
+        // An upload between two versions is also the version the next one now follows; the
+        // chain stays compatible only if the next one accepts what this one does.
+        let next = live
+            .next(ty, v)
+            .map(|(nv, next_schema)| (nv, field_errors(compat_issues(schema, &next_schema))));
+        Comparison {
+            replaced,
+            in_place,
+            compared_with,
+            breaking,
+            next,
+        }
+    }
+}
+
 fn field_errors(issues: Vec<CompatIssue>) -> Vec<FieldError> {
     issues
         .into_iter()
@@ -207,30 +260,37 @@ pub async fn upload(
 
     let _one = UPLOADS.lock().await;
     let live = app.contracts.load_full();
-    let replaced = live.get(&ty, v);
-    if let Some(old) = &replaced {
-        let issues = in_place_issues(&old.schema, &schema);
-        if !issues.is_empty() {
-            let next = live.latest_version(&ty).unwrap_or(v).saturating_add(1);
+    // Comparing schemas is CPU work too (seconds for a schema of thousands of properties):
+    // off the async workers, like the compile.
+    let compared = {
+        let (live, ty) = (Arc::clone(&live), ty.clone());
+        tokio::task::spawn_blocking(move || Comparison::against(&live, &ty, v, &schema)).await
+    };
+    let Comparison {
+        replaced,
+        in_place,
+        compared_with,
+        breaking,
+        next,
+    } = match compared {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(contract = %rel, error = %e, "comparing an uploaded contract failed");
             return error_response(
-                StatusCode::CONFLICT,
-                &format!("incompatible change to v{v}, which is live: publish it as v{next}"),
-                field_errors(issues),
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the contract could not be checked (details are in the router's log)",
+                Vec::new(),
             );
         }
-    }
-    let (compared_with, breaking) = match live.previous(&ty, v) {
-        Some((pv, prev)) => (
-            Some(format!("v{pv}")),
-            field_errors(compat_issues(&prev, &schema)),
-        ),
-        None => (None, Vec::new()),
     };
-    // An upload between two versions is also the version the next one now follows; the
-    // chain stays compatible only if the next one accepts what this one does.
-    let next = live
-        .next(&ty, v)
-        .map(|(nv, next_schema)| (nv, field_errors(compat_issues(&schema, &next_schema))));
+    if !in_place.is_empty() {
+        let next = live.latest_version(&ty).unwrap_or(v).saturating_add(1);
+        return error_response(
+            StatusCode::CONFLICT,
+            &format!("incompatible change to v{v}, which is live: publish it as v{next}"),
+            in_place,
+        );
+    }
 
     let path = app.cfg.contracts_dir.join(&ty).join(format!("v{v}.json"));
     let placed = match &app.shared_contracts {
