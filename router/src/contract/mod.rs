@@ -736,6 +736,10 @@ fn compile(src: &Source, schema: &Value) -> Result<(Validator, Validator), Contr
     };
     let build = |schema: &Value| options().build(schema);
     let refused = |e: jsonschema::ValidationError<'_>| {
+        if let Some((pointer, message)) = external_reference(&e, schema) {
+            return ContractDiagnostic::new(&src.display, at(&pointer), message)
+                .at_pointer(&pointer);
+        }
         let pointer = e.instance_path().as_str();
         let message = if let Some(why) = unsupported_pattern(&e) {
             format!("schema does not compile at {pointer}: {why}")
@@ -762,6 +766,73 @@ fn compile(src: &Source, schema: &Value) -> Result<(Validator, Validator), Contr
         .build(&with_step_counters(schema))
         .map_err(refused)?;
     Ok((validator, counted))
+}
+
+/// A `$ref` to another document (a URL, a sibling file) that the compile could not resolve:
+/// where it is (its pointer, `/properties/b/$ref`) and what to do, for an error that says
+/// neither (jsonschema reports it at the root, naming a build feature). `None` for any
+/// other compile error.
+fn external_reference(
+    e: &jsonschema::ValidationError<'_>,
+    schema: &Value,
+) -> Option<(String, String)> {
+    let jsonschema::error::ValidationErrorKind::Referencing(
+        jsonschema::ReferencingError::Unretrievable { uri, .. },
+    ) = e.kind()
+    else {
+        return None;
+    };
+    // The failing URI is the `$ref` resolved against its base: the `$ref` it ends with (the
+    // longest, the most specific), else the first that leaves the document.
+    let mut refs = Vec::new();
+    collect_external_refs(schema, String::new(), &mut refs);
+    let target = uri.split('#').next().unwrap_or(uri);
+    let found = refs
+        .iter()
+        .filter(|(_, r)| {
+            let doc = r.split('#').next().unwrap_or(r);
+            !doc.is_empty() && target.ends_with(doc.trim_start_matches("./"))
+        })
+        .max_by_key(|(_, r)| r.len())
+        .or_else(|| refs.first());
+    let (pointer, reference) = match found {
+        Some((pointer, r)) => (pointer.clone(), r.as_str()),
+        None => (String::new(), uri.as_str()),
+    };
+    Some((
+        pointer,
+        format!(
+            "$ref {} points outside this contract: contracts must be self-contained; only \
+             local references (\"#/$defs/...\", \"#anchor\", or an $id within this file) \
+             are resolved, never other files or URLs; copy what it refers to into \"$defs\"",
+            truncate_chars(Value::String(reference.to_owned()).to_string(), 200)
+        ),
+    ))
+}
+
+/// Every `$ref`/`$dynamicRef` in `schema` that does not start with `#`, with its pointer, in
+/// document order. Values under `enum`, `const` and the like are data and are skipped.
+fn collect_external_refs(v: &Value, at: String, out: &mut Vec<(String, String)>) {
+    match v {
+        Value::Object(map) => {
+            for (k, v) in map {
+                let here = format!("{at}/{}", crate::event::pointer_token(k));
+                match (k.as_str(), v) {
+                    ("$ref" | "$dynamicRef", Value::String(r)) if !r.starts_with('#') => {
+                        out.push((here, r.clone()));
+                    }
+                    ("enum" | "const" | "default" | "examples", _) => {}
+                    _ => collect_external_refs(v, here, out),
+                }
+            }
+        }
+        Value::Array(items) => {
+            for (i, v) in items.iter().enumerate() {
+                collect_external_refs(v, format!("{at}/{i}"), out);
+            }
+        }
+        _ => {}
+    }
 }
 
 /// Why a `pattern` (or `patternProperties` name) is refused, in words a schema author can act

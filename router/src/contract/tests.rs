@@ -807,3 +807,39 @@ fn backtracking_patterns_are_refused_at_load_with_their_pointer() {
     );
     assert!(started.elapsed() < std::time::Duration::from_secs(5));
 }
+
+#[test]
+fn a_reference_to_another_document_is_located_and_explained() {
+    let text = "{\n  \"type\": \"object\",\n  \"properties\": {\n    \"a\": {\"type\": \"string\"},\n    \"b\": {\"$ref\": \"https://example.com/b.json\"}\n  }\n}";
+    let d = err_at(&[("rref.t/v1.json", text)], None);
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert_eq!(d[0].pointer, "/properties/b/$ref", "{d:?}");
+    assert_eq!(d[0].line, 5, "{}", d[0]);
+    assert!(d[0].message.contains("self-contained"), "{}", d[0]);
+    assert!(
+        d[0].message.contains("https://example.com/b.json"),
+        "{}",
+        d[0]
+    );
+    assert!(!d[0].message.contains("resolve-http"), "{}", d[0]);
+    // Sibling files, at any depth, are refused the same way.
+    for sibling in ["v1.json", "../order.created/v1.json#/$defs/x"] {
+        let text = json!({"allOf": [{"type": "object"}, {"properties": {"c": {"$ref": sibling}}}]})
+            .to_string();
+        let d = err_at(&[("t/v2.json", &text)], None);
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert_eq!(
+            d[0].pointer, "/allOf/1/properties/c/$ref",
+            "{sibling}: {d:?}"
+        );
+        assert!(d[0].message.contains("self-contained"), "{}", d[0]);
+    }
+    // A reference through an $id of this file still resolves.
+    let by_id = r#"{"$id": "https://example.com/root.json", "$defs": {"n": {"$id": "n.json", "type": "integer"}}, "properties": {"n": {"$ref": "n.json"}}}"#;
+    let s =
+        ContractSet::from_files(&[("t/v1.json", by_id)], None).expect("resolves within the file");
+    assert_eq!(
+        pointers(s.check(&versioned("t", 1, json!({"n": "x"})))),
+        ["/data/n"]
+    );
+}
