@@ -1034,7 +1034,7 @@ fn bounded_errors(counted: &Validator, data: &Value) -> Vec<FieldError> {
                 FieldError::new(
                     "/data",
                     format!(
-                        "… and possibly more errors: listing them stopped at the limit of                          {MAX_VALIDATION_STEPS} schema steps"
+                        "… and possibly more errors: listing them stopped at the limit of {MAX_VALIDATION_STEPS} schema steps"
                     ),
                 ),
             ]
