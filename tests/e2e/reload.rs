@@ -1256,3 +1256,86 @@ async fn the_rules_commit_follows_a_commit_of_the_live_files() {
         "the commit, not the stale -dirty"
     );
 }
+
+/// Rule `r` with targets `r-0` (to `a`, retried slowly) and `r-1` (to `b`), or `b`'s alone
+/// (which then takes the id `r-0`).
+fn two_then_one(a: &Receiver, b: &Receiver, both: bool) -> String {
+    let policy = "  slow:\n    retry: { max_attempts: 50, base_delay: 500ms, max_delay: 500ms }";
+    let mut targets = Vec::new();
+    if both {
+        targets.push(format!("webhook: {}\n        policy: slow", a.url()));
+    }
+    targets.push(format!("webhook: {}\n        policy: slow", b.url()));
+    rules_yaml(policy, &[("r", "t", &targets)])
+}
+
+/// A restart on files that move an id with queued entries to another target's destination
+/// (a deploy that drops a rule's first target) is refused as the reload is, naming the
+/// target, its file and line and what to do: it used to overwrite the id's saved
+/// configuration and deliver the first target's queue to the second's receiver.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_that_moves_a_queue_to_another_targets_destination_is_refused() {
+    let a = Receiver::status(503).await;
+    let b = Receiver::ok().await;
+    let mut r = RouterProc::start(&[("r.yaml", &two_then_one(&a, &b, true))], &[]);
+    assert_eq!(post_event(&r, &event("e1", "t", json!({}))).await.0, 202);
+    assert!(b.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
+    assert!(a.wait_for(Duration::from_secs(10), |s| !s.is_empty()).await);
+    r.kill9();
+    write_rules(&r, "r.yaml", &two_then_one(&a, &b, false));
+    let (rules_dir, contracts_dir) = (r.dir.path().join("rules"), r.dir.path().join("contracts"));
+    let (code, err) = r.serve_refused(&rules_dir, &contracts_dir);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("target r-0 (r.yaml:")
+            && err.contains("1 entries wait for webhook")
+            && err.contains("explicit ids"),
+        "{err}"
+    );
+    // The previous files back: a's entry is still a's, and b never saw it.
+    write_rules(&r, "r.yaml", &two_then_one(&a, &b, true));
+    r.restart();
+    let seen = a.count();
+    assert!(
+        a.wait_for(Duration::from_secs(10), |s| s.len() > seen)
+            .await,
+        "a's entry is no longer retried to a"
+    );
+    assert_eq!(b.count(), 1, "b received a's waiting event");
+}
+
+/// The move is refused when it comes in two reloads too (the file removed, then put back
+/// with the first target dropped): the check compares with what the store knows of the id
+/// (its saved configuration while it has dead letters), not only with the live set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_in_two_reloads_is_refused_too() {
+    let a = Receiver::status(400).await;
+    let b = Receiver::ok().await;
+    let other = Receiver::ok().await;
+    let r = RouterProc::start(
+        &[
+            ("r.yaml", &two_then_one(&a, &b, true)),
+            ("other.yaml", &webhook_rule("o", "o", &other.url(), "o")),
+        ],
+        &[],
+    );
+    assert_eq!(post_event(&r, &event("e1", "t", json!({}))).await.0, 202);
+    assert!(b.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
+    eventually(Duration::from_secs(10), || async {
+        let (_, dlq) = get_json(&r, "/v1/dlq?target=r-0").await;
+        (dlq["entries"].as_array().map_or(0, Vec::len) == 1).then_some(())
+    })
+    .await
+    .expect("a's event is a dead letter of r-0");
+    std::fs::remove_file(r.dir.path().join("rules/r.yaml")).expect("remove r.yaml");
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    write_rules(&r, "r.yaml", &two_then_one(&a, &b, false));
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 422, "{body}");
+    let err = status(&r).await["reload"]["last_error"].to_string();
+    assert!(
+        err.contains("target r-0") && err.contains("1 dead letters"),
+        "{err}"
+    );
+}
