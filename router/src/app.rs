@@ -83,6 +83,14 @@ impl App {
         self.disabled.load_full()
     }
 
+    /// Whether `id` is neither in the live rules nor run by a worker here: a target removed
+    /// from the rules whose worker was stopped once its queue drained (or never ran). With
+    /// nothing queued or in flight for it, `/metrics` and `/v1/targets` leave it out (the
+    /// store goes on listing it); its dead letters stay in `/v1/dlq` and `router_dlq_depth`.
+    pub fn retired(&self, id: &str) -> bool {
+        !self.rules.load().targets.contains_key(id) && self.dispatcher.runtime(id).is_none()
+    }
+
     /// Disables or enables a rule (persisted). Returns false for a rule not in the live set,
     /// except when enabling clears an operator's switch left on a name no live rule has (the
     /// rule renamed or removed since): that one is cleared.
@@ -446,6 +454,55 @@ pub fn removed_target_warnings(app: &App) -> Vec<String> {
             }
         })
         .collect()
+}
+
+/// How often the workers of removed targets are looked at, to stop those drained.
+const RETIRE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The running workers of targets no longer in the live rules with nothing queued or in
+/// flight.
+fn drained_removed(app: &App) -> std::collections::BTreeSet<String> {
+    let rules = app.rules.load();
+    let stats = app.store.queue_stats();
+    app.dispatcher
+        .running()
+        .into_iter()
+        .map(|s| s.id)
+        .filter(|id| {
+            !rules.targets.contains_key(id)
+                && stats.get(id).is_none_or(|s| s.queued + s.in_flight == 0)
+        })
+        .collect()
+}
+
+/// Stops the worker of a target removed from the rules once its queue has drained: before,
+/// it ran until a restart, and with it its `/v1/targets` row and its paused, breaker and
+/// queue series (an open-breaker alert for a target long gone never cleared; a file of 1000
+/// targets added and removed left 1000 idle workers). A target must be seen drained at two
+/// looks in a row: an entry a redrive put back into its queue meanwhile (it checks that the
+/// worker runs, then commits) shows at the second look. Under the reload lock, so a reload
+/// bringing the target back does not race the stop; a reload in progress skips the turn.
+fn spawn_retirer(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToken) {
+    let app = app.clone();
+    tracker.spawn(async move {
+        let mut seen = std::collections::BTreeSet::new();
+        loop {
+            tokio::select! {
+                () = cancel.cancelled() => break,
+                () = tokio::time::sleep(RETIRE_INTERVAL) => {}
+            }
+            let Ok(_one) = app.reload_lock.try_lock() else {
+                continue;
+            };
+            let drained = drained_removed(&app);
+            for id in drained.intersection(&seen) {
+                if app.dispatcher.stop(id) {
+                    tracing::info!(target_id = %id, "target removed from the rules has drained; its worker stopped and it is no longer listed");
+                }
+            }
+            seen = drained.difference(&seen).cloned().collect();
+        }
+    });
 }
 
 /// How long a removed target's entries in flight may take to come back to its queue: one
@@ -1815,6 +1872,7 @@ pub async fn run_with_store(
     spawn_operator_state_follower(&app, &tracker, workers_cancel.clone());
     spawn_node_announcer(&app, &tracker, workers_cancel.clone());
     spawn_sweeper(&app, &tracker, workers_cancel.clone());
+    spawn_retirer(&app, &tracker, workers_cancel.clone());
     spawn_disk_monitor(&app, &tracker, workers_cancel.clone());
     // System events outlive delivery: the attempts that end during the shutdown's grace
     // period still raise theirs, and the task announces what is left when it is cancelled,

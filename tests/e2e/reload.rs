@@ -1339,3 +1339,95 @@ async fn a_move_in_two_reloads_is_refused_too() {
         "{err}"
     );
 }
+
+/// A target removed from the rules is forgotten once drained: its worker stops, and its
+/// `/v1/targets` row and its paused, breaker and queue series go (an alert on an open breaker
+/// of a target long gone never cleared). Its dead letters stay: `router_dlq_depth`, `/v1/dlq`
+/// and `/v1/targets/{id}` still show them. Put back, it runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_target_is_forgotten_once_drained_but_its_dead_letters_stay() {
+    let down = Receiver::status(500).await;
+    let other = Receiver::ok().await;
+    let policy = "  p:\n    retry: { max_attempts: 1 }\n    breaker: { failure_rate: 0.5, min_requests: 3, window: 30s, open_for: 600s }";
+    let d = rules_yaml(
+        policy,
+        &[(
+            "rd",
+            "t.d",
+            &[format!(
+                "webhook: {}\n        id: d\n        policy: p",
+                down.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start(
+        &[
+            ("d.yaml", &d),
+            ("other.yaml", &webhook_rule("o", "o", &other.url(), "o")),
+        ],
+        &[],
+    );
+    for i in 0..3 {
+        assert_eq!(
+            post_event(&r, &event(&format!("d{i}"), "t.d", json!({})))
+                .await
+                .0,
+            202
+        );
+    }
+    eventually(Duration::from_secs(15), || async {
+        let (_, t) = get_json(&r, "/v1/targets/d").await;
+        (t["dlq"] == 3 && t["breaker"]["state"] == "open").then_some(())
+    })
+    .await
+    .expect("d has 3 dead letters and its breaker open");
+    assert!(
+        metrics_text(&r)
+            .await
+            .contains("router_breaker_state{target=\"d\"} 1")
+    );
+
+    std::fs::remove_file(r.dir.path().join("rules/d.yaml")).expect("remove d.yaml");
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    let listed = || async {
+        let (_, l) = get_json(&r, "/v1/targets").await;
+        l["targets"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|t| t["id"] == "d"))
+    };
+    eventually(Duration::from_secs(10), || async {
+        (!listed().await).then_some(())
+    })
+    .await
+    .expect("the removed, drained target is still listed in /v1/targets");
+    let m = metrics_text(&r).await;
+    for gone in [
+        "router_breaker_state{target=\"d\"}",
+        "router_target_paused{target=\"d\"}",
+        "router_queue_depth{target=\"d\"}",
+        "router_queue_in_flight{target=\"d\"}",
+    ] {
+        assert!(!m.contains(gone), "{gone} still in:\n{m}");
+    }
+    assert!(m.contains("router_dlq_depth{target=\"d\"} 3"), "{m}");
+    let (s, t) = get_json(&r, "/v1/targets/d").await;
+    assert_eq!((s, t["dlq"].as_u64()), (200, Some(3)), "{t}");
+    assert!(
+        t["worker"]
+            .as_str()
+            .is_some_and(|w| w.starts_with("not running")),
+        "{t}"
+    );
+
+    // Put back: its worker runs again (under its saved breaker state).
+    write_rules(&r, "d.yaml", &d);
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    assert!(listed().await);
+    assert!(
+        metrics_text(&r)
+            .await
+            .contains("router_target_paused{target=\"d\"} 0")
+    );
+}

@@ -514,7 +514,13 @@ fn target_json(app: &App, id: &str, stats: Option<&crate::store::QueueStats>, no
 pub async fn targets(State(app): State<Arc<App>>) -> Response {
     let now = app.clock.now_ms();
     let stats = app.store.queue_stats();
-    let mut ids: std::collections::BTreeSet<String> = stats.keys().cloned().collect();
+    // A target removed from the rules goes once drained and its worker stopped (the store
+    // lists every target it ever had); its dead letters stay in `/v1/dlq`.
+    let mut ids: std::collections::BTreeSet<String> = stats
+        .iter()
+        .filter(|(id, s)| s.queued + s.in_flight > 0 || !app.retired(id))
+        .map(|(id, _)| id.clone())
+        .collect();
     ids.extend(app.dispatcher.running().into_iter().map(|s| s.id));
     // Targets of the rules that are not running (could not start) are listed too: with no
     // entries queued yet they were nowhere to be seen.
@@ -530,9 +536,12 @@ pub async fn targets(State(app): State<Arc<App>>) -> Response {
 pub async fn target(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
     let now = app.clock.now_ms();
     let stats = app.store.queue_stats();
-    if app.dispatcher.runtime(&id).is_none()
-        && !stats.contains_key(&id)
-        && !app.rules.load().targets.contains_key(&id)
+    // A retired target (removed, drained, its worker stopped) is still answered while it
+    // has dead letters: their count is what is left to see of it.
+    if app.retired(&id)
+        && stats
+            .get(&id)
+            .is_none_or(|s| s.queued + s.in_flight + s.dlq == 0)
     {
         return error_response(
             StatusCode::NOT_FOUND,
@@ -982,7 +991,7 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
     app.metrics.reload_failing.set(i64::from(failing));
     let body = app
         .metrics
-        .render(app.store.as_ref(), app.clock.now_ms())
+        .render_without(app.store.as_ref(), app.clock.now_ms(), &|t| app.retired(t))
         .await;
     (
         [(
