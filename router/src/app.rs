@@ -140,6 +140,10 @@ pub struct ReloadStatus {
     pub reloads: u64,
     /// Refused reloads since start.
     pub failed_reloads: u64,
+    /// When `rules_git_commit` was last read from the checkout (`/v1/status` reads it again
+    /// at most every few seconds).
+    #[serde(skip)]
+    pub git_checked_at: Option<std::time::Instant>,
 }
 
 /// Why a reload was refused: the previous rules and contracts stay live.
@@ -720,6 +724,7 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
         let mut st = app.reload_status.lock().unwrap_or_else(|p| p.into_inner());
         st.rules_version = rules_version.clone();
         st.rules_git_commit = git;
+        st.git_checked_at = Some(std::time::Instant::now());
         st.contracts_version = contracts_version.clone();
         st.loaded_at = crate::clock::rfc3339(now);
         st.last_attempt_at = crate::clock::rfc3339(now);

@@ -1431,3 +1431,64 @@ async fn a_removed_target_is_forgotten_once_drained_but_its_dead_letters_stay() 
             .contains("router_target_paused{target=\"d\"} 0")
     );
 }
+
+/// `/v1/status` shows the same commit as `/v1/rules`: a commit of the live files shows
+/// there within a few seconds (it stayed `<old>-dirty` until someone read `/v1/rules`), and an
+/// editor's swap file beside the rules (which the loader skips) does not make it `-dirty`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_commit_follows_a_commit_and_ignores_swap_files() {
+    let a = Receiver::ok().await;
+    let r = RouterProc::start(
+        &[("r.yaml", &webhook_rule("to-a", "t", &a.url(), "a"))],
+        &[],
+    );
+    let dir = r.dir.path().join("rules");
+    let git = |args: &[&str]| {
+        let out = std::process::Command::new("git")
+            .arg("-C")
+            .arg(&dir)
+            .args(["-c", "user.name=t", "-c", "user.email=t@example.com"])
+            .args(args)
+            .output()
+            .expect("git runs");
+        assert!(out.status.success(), "git {args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    git(&["init", "-q"]);
+    git(&["add", "-A"]);
+    git(&["commit", "-q", "-m", "first"]);
+    let first = git(&["rev-parse", "HEAD"]);
+    let status_commit = |want: String| {
+        let r = &r;
+        async move {
+            eventually(Duration::from_secs(10), || async {
+                let c = status(r).await["reload"]["rules_git_commit"].clone();
+                (c == want.as_str()).then_some(())
+            })
+            .await
+            .is_some()
+        }
+    };
+    assert!(status_commit(first.clone()).await, "{}", status(&r).await);
+    std::fs::write(dir.join(".r.yaml.swp"), "swap").expect("swap file");
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        status(&r).await["reload"]["rules_git_commit"],
+        first.as_str(),
+        "a swap file made the live set dirty"
+    );
+    let v1 = status(&r).await["rules"]["version"]
+        .as_str()
+        .expect("version")
+        .to_string();
+    write_rules(&r, "r.yaml", &webhook_rule("to-a2", "t", &a.url(), "a"));
+    wait_version_change(&r, &v1).await;
+    assert!(status_commit(format!("{first}-dirty")).await);
+    git(&["commit", "-q", "-am", "second"]);
+    let second = git(&["rev-parse", "HEAD"]);
+    assert!(
+        status_commit(second).await,
+        "the status kept the stale commit: {}",
+        status(&r).await
+    );
+}

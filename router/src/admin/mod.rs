@@ -603,8 +603,13 @@ pub async fn release_key(
 /// are still the live set's (same version): the one noted at the last reload went stale when
 /// the edit it called `-dirty` was committed, since a commit changes only `.git/`, which the
 /// watcher ignores. Once the files differ (an edit not loaded yet, or refused), the commit
-/// noted at the reload is the one that describes the live set.
-async fn live_git_commit(app: &Arc<App>, version: &str) -> Option<String> {
+/// noted at the reload is the one that describes the live set. Read at most once per
+/// `max_age` (two `git` runs and a hash of the rule files): within it, the commit noted last.
+async fn live_git_commit(
+    app: &Arc<App>,
+    version: &str,
+    max_age: std::time::Duration,
+) -> Option<String> {
     let noted = || {
         app.reload_status
             .lock()
@@ -612,6 +617,15 @@ async fn live_git_commit(app: &Arc<App>, version: &str) -> Option<String> {
             .rules_git_commit
             .clone()
     };
+    {
+        let mut st = app.reload_status.lock().unwrap_or_else(|p| p.into_inner());
+        if st.git_checked_at.is_some_and(|at| at.elapsed() < max_age) {
+            return st.rules_git_commit.clone();
+        }
+        // Noted before the read: concurrent callers within `max_age` take the noted commit
+        // instead of each starting `git`.
+        st.git_checked_at = Some(std::time::Instant::now());
+    }
     let dir = app.cfg.rules_dir.clone();
     let version = version.to_owned();
     let fresh = tokio::task::spawn_blocking(move || {
@@ -631,11 +645,14 @@ async fn live_git_commit(app: &Arc<App>, version: &str) -> Option<String> {
     }
 }
 
+/// How old the git commit `/v1/status` shows may be.
+const STATUS_GIT_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// `GET /v1/rules`: the live rule set.
 pub async fn rules(State(app): State<Arc<App>>) -> Response {
     let r = app.rules.load();
     let disabled = app.disabled_rules();
-    let git_commit = live_git_commit(&app, &r.version).await;
+    let git_commit = live_git_commit(&app, &r.version, std::time::Duration::ZERO).await;
     axum::Json(json!({
         "version": r.version,
         "files": r.files,
@@ -727,6 +744,11 @@ pub(crate) fn problems_as_errors(problems: &[String]) -> Vec<FieldError> {
 
 /// `GET /v1/status`.
 pub async fn status(State(app): State<Arc<App>>) -> Response {
+    // The commit as `/v1/rules` says it (an edit committed since the last reload changes
+    // only `.git/`, which no reload follows); read again at most every few seconds, since
+    // dashboards poll this.
+    let version = app.rules.load().version.clone();
+    live_git_commit(&app, &version, STATUS_GIT_MAX_AGE).await;
     let rules = app.rules.load();
     let contracts = app.contracts.load();
     let now = app.clock.now_ms();

@@ -253,8 +253,8 @@ fn listing(dirs: &[PathBuf]) -> Vec<(PathBuf, u64, Option<std::time::SystemTime>
     out
 }
 
-/// The git commit of `dir` when it is inside a git checkout (with `-dirty` when it has
-/// uncommitted changes), else `None`.
+/// The git commit of `dir` when it is inside a git checkout (with `-dirty` when a file the
+/// loader reads has uncommitted changes), else `None`. Two `git` runs.
 pub fn git_commit(dir: &std::path::Path) -> Option<String> {
     let run = |args: &[&str]| {
         // Without optional locks: `git status` would otherwise refresh the index, writing
@@ -267,11 +267,47 @@ pub fn git_commit(dir: &std::path::Path) -> Option<String> {
             .output()
             .ok()
             .filter(|o| o.status.success())
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
     };
-    let head = run(&["rev-parse", "HEAD"])?;
-    let dirty = run(&["status", "--porcelain", "--", "."]).is_some_and(|s| !s.is_empty());
+    // The directory's place in the checkout (`rules/`, or empty at its top), then HEAD.
+    let out = run(&["rev-parse", "--show-prefix", "HEAD"])?;
+    let mut lines = out.lines();
+    let prefix = lines.next()?.to_owned();
+    let head = lines.next()?.trim().to_owned();
+    let status = run(&[
+        "status",
+        "--porcelain=v1",
+        "-z",
+        "--untracked-files=all",
+        "--",
+        ".",
+    ]);
+    let dirty = status.is_some_and(|s| dirty_rule_files(&s, &prefix));
     Some(if dirty { format!("{head}-dirty") } else { head })
+}
+
+/// Whether `git status --porcelain=v1 -z` output names a file the rules loader reads: one
+/// under `prefix` (the directory's path in the checkout), with no hidden name on the way (an
+/// editor's `.main.yaml.swp`, which the loader and the watcher skip, made the live set
+/// `-dirty`) and a rule file's extension. A rename or copy names both paths.
+fn dirty_rule_files(status: &str, prefix: &str) -> bool {
+    let loaded = |path: &str| {
+        let rel = path.strip_prefix(prefix).unwrap_or(path);
+        let name = rel.rsplit('/').next().unwrap_or(rel);
+        !rel.split('/').any(|c| c.starts_with('.')) && super::loader::is_rule_file(name)
+    };
+    let mut entries = status.split('\0').filter(|e| !e.is_empty());
+    while let Some(entry) = entries.next() {
+        let (code, path) = (entry.get(..2).unwrap_or(""), entry.get(3..).unwrap_or(""));
+        if loaded(path) {
+            return true;
+        }
+        // `R  new\0old`: the next entry is the path it came from.
+        if code.contains(['R', 'C']) && entries.next().is_some_and(loaded) {
+            return true;
+        }
+    }
+    false
 }
 
 #[cfg(test)]
@@ -388,6 +424,59 @@ mod tests {
             signalled(&mut rx, Duration::from_secs(5)).await,
             "no reload once the writer closed the file"
         );
+    }
+
+    /// Only files the loader reads make the live set `-dirty`: not an editor's swap file nor
+    /// any other hidden or non-rule file.
+    #[test]
+    fn hidden_and_non_rule_files_do_not_make_the_commit_dirty() {
+        assert!(!dirty_rule_files("", "rules/"));
+        assert!(!dirty_rule_files("?? rules/.main.yaml.swp\0", "rules/"));
+        assert!(!dirty_rule_files(
+            "?? rules/team/.x.yaml\0?? rules/README.md\0",
+            "rules/"
+        ));
+        assert!(dirty_rule_files(" M rules/main.yaml\0", "rules/"));
+        assert!(dirty_rule_files("?? team/b.yml\0", ""));
+        // A hidden directory above the rules directory does not hide it.
+        assert!(dirty_rule_files(
+            " M .config/rules/a.json\0",
+            ".config/rules/"
+        ));
+        assert!(dirty_rule_files(
+            "R  rules/notes.txt\0rules/a.yaml\0",
+            "rules/"
+        ));
+        assert!(!dirty_rule_files("R  rules/b.txt\0rules/a.txt\0", "rules/"));
+    }
+
+    /// In a checkout, a swap file leaves the commit clean and an edit of a rule file does not.
+    #[test]
+    fn the_commit_of_a_checkout_ignores_swap_files() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let d = root.path().join("rules");
+        std::fs::create_dir(&d).expect("mkdir");
+        std::fs::write(d.join("main.yaml"), "rules: []\n").expect("write");
+        let git = |args: &[&str]| {
+            std::process::Command::new("git")
+                .arg("-C")
+                .arg(root.path())
+                .args(["-c", "user.name=t", "-c", "user.email=t@example.com"])
+                .args(args)
+                .output()
+                .is_ok_and(|o| o.status.success())
+        };
+        if !git(&["init", "-q"]) {
+            eprintln!("git not available: skipped");
+            return;
+        }
+        assert!(git(&["add", "-A"]) && git(&["commit", "-q", "-m", "c"]));
+        let clean = git_commit(&d).expect("a commit");
+        assert!(!clean.ends_with("-dirty"), "{clean}");
+        std::fs::write(d.join(".main.yaml.swp"), "x").expect("swap");
+        assert_eq!(git_commit(&d).as_deref(), Some(clean.as_str()));
+        std::fs::write(d.join("main.yaml"), "rules: []\n# edit\n").expect("edit");
+        assert_eq!(git_commit(&d), Some(format!("{clean}-dirty")));
     }
 
     #[test]
