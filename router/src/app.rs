@@ -447,14 +447,17 @@ pub fn removed_target_warnings(app: &App) -> Vec<String> {
         .filter(|(id, s)| s.queued + s.in_flight > 0 && !rules.targets.contains_key(id))
         .map(|(id, s)| {
             let n = s.queued + s.in_flight;
-            if app.dispatcher.runtime(&id).is_some() {
-                format!(
+            match app.dispatcher.runtime(&id) {
+                // Paused, nothing drains: saying "drain" had the operator wait for it.
+                Some(rt) if rt.paused.load(Ordering::SeqCst) => format!(
+                    "target {id} is no longer in the rules and is paused: its {n} queued entries wait until it is resumed (POST /v1/targets/{id}/resume), then drain under its last configuration"
+                ),
+                Some(_) => format!(
                     "target {id} is no longer in the rules; its {n} queued entries drain under its last configuration"
-                )
-            } else {
-                format!(
+                ),
+                None => format!(
                     "target {id} is no longer in the rules and no worker runs for it; its {n} entries go to the DLQ as target_removed"
-                )
+                ),
             }
         })
         .collect()

@@ -1492,3 +1492,43 @@ async fn the_status_commit_follows_a_commit_and_ignores_swap_files() {
         status(&r).await
     );
 }
+
+/// A removed target that is paused is listed in `/v1/status` as paused, waiting for a
+/// resume: it said its entries drained, and the operator waited for a drain that never came.
+/// Resumed, it drains, and the warning goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_says_a_removed_paused_target_waits_for_a_resume() {
+    let a = Receiver::ok().await;
+    let r = RouterProc::start(&[("r.yaml", &webhook_rule("r", "t", &a.url(), "p"))], &[]);
+    let (s, body) = post_json(&r, "/v1/targets/p/pause", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    post_batch(
+        &r,
+        &(0..3)
+            .map(|i| event(&format!("p{i}"), "t", json!({})))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    write_rules(&r, "r.yaml", "rules: []\n");
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    let warnings = status(&r).await["warnings"].to_string();
+    assert!(
+        warnings.contains("target p is no longer in the rules and is paused")
+            && warnings.contains("/v1/targets/p/resume")
+            && !warnings.contains("entries drain under"),
+        "{warnings}"
+    );
+    // Still paused a few seconds later: not forgotten while entries wait.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(a.count(), 0);
+    let (s, body) = post_json(&r, "/v1/targets/p/resume", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    assert!(a.wait_for(Duration::from_secs(10), |s| s.len() == 3).await);
+    let gone = eventually(Duration::from_secs(15), || async {
+        let w = status(&r).await["warnings"].to_string();
+        (!w.contains("target p ")).then_some(())
+    })
+    .await;
+    assert!(gone.is_some(), "{}", status(&r).await["warnings"]);
+}
