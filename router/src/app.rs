@@ -83,6 +83,14 @@ impl App {
         self.disabled.load_full()
     }
 
+    /// Whether `id` is neither in the live rules nor run by a worker here: a target removed
+    /// from the rules whose worker was stopped once its queue drained (or never ran). With
+    /// nothing queued or in flight for it, `/metrics` and `/v1/targets` leave it out (the
+    /// store goes on listing it); its dead letters stay in `/v1/dlq` and `router_dlq_depth`.
+    pub fn retired(&self, id: &str) -> bool {
+        !self.rules.load().targets.contains_key(id) && self.dispatcher.runtime(id).is_none()
+    }
+
     /// Disables or enables a rule (persisted). Returns false for a rule not in the live set,
     /// except when enabling clears an operator's switch left on a name no live rule has (the
     /// rule renamed or removed since): that one is cleared.
@@ -132,6 +140,10 @@ pub struct ReloadStatus {
     pub reloads: u64,
     /// Refused reloads since start.
     pub failed_reloads: u64,
+    /// When `rules_git_commit` was last read from the checkout (`/v1/status` reads it again
+    /// at most every few seconds).
+    #[serde(skip)]
+    pub git_checked_at: Option<std::time::Instant>,
 }
 
 /// Why a reload was refused: the previous rules and contracts stay live.
@@ -330,6 +342,22 @@ async fn move_queue_to_dlq(
     Ok(n)
 }
 
+/// The configuration each target id last had as far as this router knows: the store's saved
+/// configurations (every target a rule set had, removed ones included: a removed target's
+/// queue drains, and its dead letters are redriven, under it), with the live set's over them.
+/// A saved configuration this build cannot read is left out.
+fn known_targets(
+    live: &RuleSet,
+    saved: Vec<(String, serde_json::Value)>,
+) -> std::collections::BTreeMap<String, TargetSpec> {
+    let mut known: std::collections::BTreeMap<String, TargetSpec> = saved
+        .into_iter()
+        .filter_map(|(id, v)| serde_json::from_value(v).ok().map(|s| (id, s)))
+        .collect();
+    known.extend(live.targets.iter().map(|(id, t)| (id.clone(), t.clone())));
+    known
+}
+
 /// Targets whose id now names another one's destination while entries wait for the old
 /// one: a target without an explicit `id` is `<rule>-<index>`, so removing or reordering one
 /// of a rule's targets moves the ids of those after it, and their queues would be delivered
@@ -338,25 +366,36 @@ async fn move_queue_to_dlq(
 /// queue goes to the new destination, as an edited URL should. Dead letters count as entries
 /// here: an id that moved with only dead letters was let through, and redriving them then
 /// delivered them to the neighbour.
-fn moved_ids(old: &RuleSet, new: &RuleSet, store: &dyn Store) -> Option<String> {
+///
+/// `known` is what the store knows ([`known_targets`]), not only the live set: compared
+/// with the live set alone, the move went through in two reloads (the file removed, then put
+/// back with a target fewer), and at a start (no live set) it was never checked at all.
+fn moved_ids(
+    known: &std::collections::BTreeMap<String, TargetSpec>,
+    new: &RuleSet,
+    store: &dyn Store,
+) -> Option<String> {
     let stats = store.queue_stats();
-    let old_by_dest: std::collections::HashMap<String, &str> = old
-        .targets
-        .values()
-        .map(|t| (t.kind.destination(), t.id.as_str()))
-        .collect();
+    let mut by_dest: std::collections::HashMap<String, Vec<&str>> =
+        std::collections::HashMap::new();
+    for t in known.values() {
+        by_dest
+            .entry(t.kind.destination())
+            .or_default()
+            .push(t.id.as_str());
+    }
     let moved: Vec<String> = new
         .targets
         .values()
         .filter_map(|t| {
-            let before = old.targets.get(&t.id)?;
+            let before = known.get(&t.id)?;
             let (was, now) = (before.kind.destination(), t.kind.destination());
-            let from = *old_by_dest.get(&now)?;
+            let from = *by_dest.get(&now)?.iter().find(|id| **id != t.id)?;
             let s = stats.get(&t.id);
             let live = s.map_or(0, |s| s.queued + s.in_flight);
             // Dead letters move with the id too: a redrive would deliver them to `now`.
             let dead = s.map_or(0, |s| s.dlq);
-            (was != now && from != t.id && live + dead > 0).then(|| {
+            (was != now && live + dead > 0).then(|| {
                 let mut held = Vec::new();
                 if live > 0 {
                     held.push(format!("{live} entries wait for {was}"));
@@ -366,8 +405,14 @@ fn moved_ids(old: &RuleSet, new: &RuleSet, store: &dyn Store) -> Option<String> 
                         "{dead} dead letters of {was} would be redriven there"
                     ));
                 }
+                let at = new
+                    .rules
+                    .iter()
+                    .find(|r| r.name == t.rule)
+                    .map(|r| format!(" ({}:{}, rule {})", r.file, r.line, r.name))
+                    .unwrap_or_default();
                 format!(
-                    "target {} now names {now} (target {from}'s until this reload) while {}",
+                    "target {}{at} now names {now} (target {from}'s before) while {}",
                     t.id,
                     held.join(" and ")
                 )
@@ -402,17 +447,69 @@ pub fn removed_target_warnings(app: &App) -> Vec<String> {
         .filter(|(id, s)| s.queued + s.in_flight > 0 && !rules.targets.contains_key(id))
         .map(|(id, s)| {
             let n = s.queued + s.in_flight;
-            if app.dispatcher.runtime(&id).is_some() {
-                format!(
+            match app.dispatcher.runtime(&id) {
+                // Paused, nothing drains: saying "drain" had the operator wait for it.
+                Some(rt) if rt.paused.load(Ordering::SeqCst) => format!(
+                    "target {id} is no longer in the rules and is paused: its {n} queued entries wait until it is resumed (POST /v1/targets/{id}/resume), then drain under its last configuration"
+                ),
+                Some(_) => format!(
                     "target {id} is no longer in the rules; its {n} queued entries drain under its last configuration"
-                )
-            } else {
-                format!(
+                ),
+                None => format!(
                     "target {id} is no longer in the rules and no worker runs for it; its {n} entries go to the DLQ as target_removed"
-                )
+                ),
             }
         })
         .collect()
+}
+
+/// How often the workers of removed targets are looked at, to stop those drained.
+const RETIRE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The running workers of targets no longer in the live rules with nothing queued or in
+/// flight.
+fn drained_removed(app: &App) -> std::collections::BTreeSet<String> {
+    let rules = app.rules.load();
+    let stats = app.store.queue_stats();
+    app.dispatcher
+        .running()
+        .into_iter()
+        .map(|s| s.id)
+        .filter(|id| {
+            !rules.targets.contains_key(id)
+                && stats.get(id).is_none_or(|s| s.queued + s.in_flight == 0)
+        })
+        .collect()
+}
+
+/// Stops the worker of a target removed from the rules once its queue has drained: before,
+/// it ran until a restart, and with it its `/v1/targets` row and its paused, breaker and
+/// queue series (an open-breaker alert for a target long gone never cleared; a file of 1000
+/// targets added and removed left 1000 idle workers). A target must be seen drained at two
+/// looks in a row: an entry a redrive put back into its queue meanwhile (it checks that the
+/// worker runs, then commits) shows at the second look. Under the reload lock, so a reload
+/// bringing the target back does not race the stop; a reload in progress skips the turn.
+fn spawn_retirer(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToken) {
+    let app = app.clone();
+    tracker.spawn(async move {
+        let mut seen = std::collections::BTreeSet::new();
+        loop {
+            tokio::select! {
+                () = cancel.cancelled() => break,
+                () = tokio::time::sleep(RETIRE_INTERVAL) => {}
+            }
+            let Ok(_one) = app.reload_lock.try_lock() else {
+                continue;
+            };
+            let drained = drained_removed(&app);
+            for id in drained.intersection(&seen) {
+                if app.dispatcher.stop(id) {
+                    tracing::info!(target_id = %id, "target removed from the rules has drained; its worker stopped and it is no longer listed");
+                }
+            }
+            seen = drained.difference(&seen).cloned().collect();
+        }
+    });
 }
 
 /// How long a removed target's entries in flight may take to come back to its queue: one
@@ -439,6 +536,12 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
     .map_err(|e| ReloadError::Invalid(vec![format!("reload task failed: {e}")]))?;
     let old = app.rules.load_full();
     let (rules_loaded, contracts_loaded, git) = loaded;
+    // What the store knows of every target id (removed ones too), for the moved-id check.
+    let known = app
+        .store
+        .saved_targets()
+        .await
+        .map(|saved| known_targets(&old, saved));
     // The contracts side. A set that does not load, or a directory gone, refuses the whole
     // reload (the rules could name types whose contracts just failed).
     let contracts_side: Result<ContractSet, ReloadError> = match contracts_loaded {
@@ -478,7 +581,17 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
             "rules directory {} holds no rule file (emptied, or a sync caught half-way?); the previous rules stay live. To remove every rule, leave a file that says `rules: []`",
             app.cfg.rules_dir.display()
         )]),
-        Ok(r) if let Some(e) = moved_ids(&old, &r.0, app.store.as_ref()) => Err(vec![e]),
+        Ok(_) if let Err(e) = &known => Err(vec![format!(
+            "cannot read the saved target configurations to check the new set against: {e}"
+        )]),
+        Ok(r)
+            if let Some(e) = known
+                .as_ref()
+                .ok()
+                .and_then(|k| moved_ids(k, &r.0, app.store.as_ref())) =>
+        {
+            Err(vec![e])
+        }
         Ok(mut r) => {
             // A target added or changed must be able to start (its signing secret set, its
             // URL valid, the WASM runtime up for a handler) before the set goes live: else
@@ -614,6 +727,7 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
         let mut st = app.reload_status.lock().unwrap_or_else(|p| p.into_inner());
         st.rules_version = rules_version.clone();
         st.rules_git_commit = git;
+        st.git_checked_at = Some(std::time::Instant::now());
         st.contracts_version = contracts_version.clone();
         st.loaded_at = crate::clock::rfc3339(now);
         st.last_attempt_at = crate::clock::rfc3339(now);
@@ -854,6 +968,12 @@ pub enum RunError {
         /// The targets with entries (a few named, and how many).
         targets: String,
     },
+    /// The rules give a target id with queued entries or dead letters another target's
+    /// destination ([`moved_ids`]): starting would deliver them there.
+    #[error(
+        "the rules move queued entries or dead letters to another target's destination, so the router does not start (a reload would refuse this set and keep the previous one live; a start has none to keep): {0}. To start now, deploy the previous rule files (their queues drain; then deploy this set), or give the targets explicit ids"
+    )]
+    MovedTargets(String),
     /// Another router runs on this data dir (a shared store's node identity).
     #[error(
         "data dir {0} is in use by another router on this host (its node.lock is held); give each node its own --data-dir"
@@ -1469,6 +1589,20 @@ fn start_checks(
     })
 }
 
+/// Refuses a start whose rules move a target id with entries or dead letters to another
+/// target's destination ([`moved_ids`]), as a reload refuses it. A start has no previous set
+/// to keep live, and going on would overwrite the id's saved configuration: its queue would
+/// be delivered to the neighbour (a data leak when they belong to different consumers) and
+/// its old destination forgotten, past any drain. A router that does not start is loud and
+/// loses nothing (producers are refused, not answered 202); one that starts here is silent.
+async fn check_moved_at_start(rules: &RuleSet, store: &dyn Store) -> Result<(), RunError> {
+    let known = known_targets(&RuleSet::empty(), store.saved_targets().await?);
+    match moved_ids(&known, rules, store) {
+        Some(moved) => Err(RunError::MovedTargets(moved)),
+        None => Ok(()),
+    }
+}
+
 /// Runs the router on a given store (tests hand in fault-injecting ones).
 pub async fn run_with_store(
     cfg: Config,
@@ -1484,7 +1618,15 @@ pub async fn run_with_store(
         mut rule_warnings,
         contracts,
     } = match start_checks(&cfg, &listener, store.as_ref()) {
-        Ok(checked) => checked,
+        Ok(checked) => match check_moved_at_start(&checked.rules, store.as_ref()).await {
+            Ok(()) => checked,
+            Err(e) => {
+                if let Err(close) = store.close().await {
+                    tracing::warn!(error = %close, "the store did not close cleanly; it is checked at the next start");
+                }
+                return Err(e);
+            }
+        },
         Err(e) => {
             // Nothing runs on the store yet: closing it spares the next start a check of
             // every page (a refused start on a missing rules directory, or invalid rules, left
@@ -1738,6 +1880,7 @@ pub async fn run_with_store(
     spawn_operator_state_follower(&app, &tracker, workers_cancel.clone());
     spawn_node_announcer(&app, &tracker, workers_cancel.clone());
     spawn_sweeper(&app, &tracker, workers_cancel.clone());
+    spawn_retirer(&app, &tracker, workers_cancel.clone());
     spawn_disk_monitor(&app, &tracker, workers_cancel.clone());
     // System events outlive delivery: the attempts that end during the shutdown's grace
     // period still raise theirs, and the task announces what is left when it is cancelled,

@@ -585,9 +585,31 @@ impl Metrics {
         );
     }
 
+    /// Removes a target's queue series (depth, in flight, oldest age).
+    fn remove_queue_series(&self, target: &str) {
+        let l = vec![("target", target.to_string())];
+        self.queue_depth.remove(&l);
+        self.queue_in_flight.remove(&l);
+        self.queue_oldest_age_seconds.remove(&l);
+    }
+
     /// Refreshes gauges from the store and renders the text exposition.
     pub async fn render(&self, store: &dyn Store, now_ms: i64) -> String {
-        let stats = store.queue_stats();
+        self.render_without(store, now_ms, &|_| false).await
+    }
+
+    /// [`Self::render`], leaving out the queue series of the targets `forgotten` names (a
+    /// target removed from the rules whose queue drained: the store goes on listing it).
+    /// Their `router_dlq_depth` stays while they have dead letters: an alert on the DLQ must
+    /// see them.
+    pub async fn render_without(
+        &self,
+        store: &dyn Store,
+        now_ms: i64,
+        forgotten: &(dyn Fn(&str) -> bool + Sync),
+    ) -> String {
+        let mut stats = store.queue_stats();
+        stats.retain(|t, s| s.dlq > 0 || !forgotten(t));
         {
             // A target whose queue the store no longer lists (removed, and drained) loses its
             // series instead of keeping its last depth.
@@ -595,27 +617,33 @@ impl Metrics {
                 .queue_targets_shown
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
-            for gone in shown.iter().filter(|t| !stats.contains_key(*t)) {
-                let l = vec![("target", gone.clone())];
-                self.queue_depth.remove(&l);
-                self.queue_in_flight.remove(&l);
-                self.queue_oldest_age_seconds.remove(&l);
-                self.dlq_depth.remove(&l);
+            for gone in shown.iter() {
+                let Some(s) = stats.get(gone) else {
+                    self.dlq_depth.remove(&vec![("target", gone.clone())]);
+                    self.remove_queue_series(gone);
+                    continue;
+                };
+                if s.queued + s.in_flight == 0 && forgotten(gone) {
+                    self.remove_queue_series(gone);
+                }
             }
             *shown = stats.keys().cloned().collect();
         }
         for (target, s) in stats {
+            let live = s.queued + s.in_flight > 0 || !forgotten(&target);
             let l = vec![("target", target)];
-            self.queue_depth
-                .get_or_create(&l)
-                .set(i64::try_from(s.queued).unwrap_or(i64::MAX));
-            self.queue_in_flight
-                .get_or_create(&l)
-                .set(i64::try_from(s.in_flight).unwrap_or(i64::MAX));
-            let age = s
-                .oldest_accepted_at
-                .map_or(0.0, |a| (now_ms - a).max(0) as f64 / 1000.0);
-            self.queue_oldest_age_seconds.get_or_create(&l).set(age);
+            if live {
+                self.queue_depth
+                    .get_or_create(&l)
+                    .set(i64::try_from(s.queued).unwrap_or(i64::MAX));
+                self.queue_in_flight
+                    .get_or_create(&l)
+                    .set(i64::try_from(s.in_flight).unwrap_or(i64::MAX));
+                let age = s
+                    .oldest_accepted_at
+                    .map_or(0.0, |a| (now_ms - a).max(0) as f64 / 1000.0);
+                self.queue_oldest_age_seconds.get_or_create(&l).set(age);
+            }
             self.dlq_depth
                 .get_or_create(&l)
                 .set(i64::try_from(s.dlq).unwrap_or(i64::MAX));

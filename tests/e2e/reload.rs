@@ -1256,3 +1256,279 @@ async fn the_rules_commit_follows_a_commit_of_the_live_files() {
         "the commit, not the stale -dirty"
     );
 }
+
+/// Rule `r` with targets `r-0` (to `a`, retried slowly) and `r-1` (to `b`), or `b`'s alone
+/// (which then takes the id `r-0`).
+fn two_then_one(a: &Receiver, b: &Receiver, both: bool) -> String {
+    let policy = "  slow:\n    retry: { max_attempts: 50, base_delay: 500ms, max_delay: 500ms }";
+    let mut targets = Vec::new();
+    if both {
+        targets.push(format!("webhook: {}\n        policy: slow", a.url()));
+    }
+    targets.push(format!("webhook: {}\n        policy: slow", b.url()));
+    rules_yaml(policy, &[("r", "t", &targets)])
+}
+
+/// A restart on files that move an id with queued entries to another target's destination
+/// (a deploy that drops a rule's first target) is refused as the reload is, naming the
+/// target, its file and line and what to do: it used to overwrite the id's saved
+/// configuration and deliver the first target's queue to the second's receiver.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_that_moves_a_queue_to_another_targets_destination_is_refused() {
+    let a = Receiver::status(503).await;
+    let b = Receiver::ok().await;
+    let mut r = RouterProc::start(&[("r.yaml", &two_then_one(&a, &b, true))], &[]);
+    assert_eq!(post_event(&r, &event("e1", "t", json!({}))).await.0, 202);
+    assert!(b.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
+    assert!(a.wait_for(Duration::from_secs(10), |s| !s.is_empty()).await);
+    r.kill9();
+    write_rules(&r, "r.yaml", &two_then_one(&a, &b, false));
+    let (rules_dir, contracts_dir) = (r.dir.path().join("rules"), r.dir.path().join("contracts"));
+    let (code, err) = r.serve_refused(&rules_dir, &contracts_dir);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("target r-0 (r.yaml:")
+            && err.contains("1 entries wait for webhook")
+            && err.contains("explicit ids"),
+        "{err}"
+    );
+    // The previous files back: a's entry is still a's, and b never saw it.
+    write_rules(&r, "r.yaml", &two_then_one(&a, &b, true));
+    r.restart();
+    let seen = a.count();
+    assert!(
+        a.wait_for(Duration::from_secs(10), |s| s.len() > seen)
+            .await,
+        "a's entry is no longer retried to a"
+    );
+    assert_eq!(b.count(), 1, "b received a's waiting event");
+}
+
+/// The move is refused when it comes in two reloads too (the file removed, then put back
+/// with the first target dropped): the check compares with what the store knows of the id
+/// (its saved configuration while it has dead letters), not only with the live set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_in_two_reloads_is_refused_too() {
+    let a = Receiver::status(400).await;
+    let b = Receiver::ok().await;
+    let other = Receiver::ok().await;
+    let r = RouterProc::start(
+        &[
+            ("r.yaml", &two_then_one(&a, &b, true)),
+            ("other.yaml", &webhook_rule("o", "o", &other.url(), "o")),
+        ],
+        &[],
+    );
+    assert_eq!(post_event(&r, &event("e1", "t", json!({}))).await.0, 202);
+    assert!(b.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
+    eventually(Duration::from_secs(10), || async {
+        let (_, dlq) = get_json(&r, "/v1/dlq?target=r-0").await;
+        (dlq["entries"].as_array().map_or(0, Vec::len) == 1).then_some(())
+    })
+    .await
+    .expect("a's event is a dead letter of r-0");
+    std::fs::remove_file(r.dir.path().join("rules/r.yaml")).expect("remove r.yaml");
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    write_rules(&r, "r.yaml", &two_then_one(&a, &b, false));
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 422, "{body}");
+    let err = status(&r).await["reload"]["last_error"].to_string();
+    assert!(
+        err.contains("target r-0") && err.contains("1 dead letters"),
+        "{err}"
+    );
+}
+
+/// A target removed from the rules is forgotten once drained: its worker stops, and its
+/// `/v1/targets` row and its paused, breaker and queue series go (an alert on an open breaker
+/// of a target long gone never cleared). Its dead letters stay: `router_dlq_depth`, `/v1/dlq`
+/// and `/v1/targets/{id}` still show them. Put back, it runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_target_is_forgotten_once_drained_but_its_dead_letters_stay() {
+    let down = Receiver::status(500).await;
+    let other = Receiver::ok().await;
+    let policy = "  p:\n    retry: { max_attempts: 1 }\n    breaker: { failure_rate: 0.5, min_requests: 3, window: 30s, open_for: 600s }";
+    let d = rules_yaml(
+        policy,
+        &[(
+            "rd",
+            "t.d",
+            &[format!(
+                "webhook: {}\n        id: d\n        policy: p",
+                down.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start(
+        &[
+            ("d.yaml", &d),
+            ("other.yaml", &webhook_rule("o", "o", &other.url(), "o")),
+        ],
+        &[],
+    );
+    for i in 0..3 {
+        assert_eq!(
+            post_event(&r, &event(&format!("d{i}"), "t.d", json!({})))
+                .await
+                .0,
+            202
+        );
+    }
+    eventually(Duration::from_secs(15), || async {
+        let (_, t) = get_json(&r, "/v1/targets/d").await;
+        (t["dlq"] == 3 && t["breaker"]["state"] == "open").then_some(())
+    })
+    .await
+    .expect("d has 3 dead letters and its breaker open");
+    assert!(
+        metrics_text(&r)
+            .await
+            .contains("router_breaker_state{target=\"d\"} 1")
+    );
+
+    std::fs::remove_file(r.dir.path().join("rules/d.yaml")).expect("remove d.yaml");
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    let listed = || async {
+        let (_, l) = get_json(&r, "/v1/targets").await;
+        l["targets"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|t| t["id"] == "d"))
+    };
+    eventually(Duration::from_secs(10), || async {
+        (!listed().await).then_some(())
+    })
+    .await
+    .expect("the removed, drained target is still listed in /v1/targets");
+    let m = metrics_text(&r).await;
+    for gone in [
+        "router_breaker_state{target=\"d\"}",
+        "router_target_paused{target=\"d\"}",
+        "router_queue_depth{target=\"d\"}",
+        "router_queue_in_flight{target=\"d\"}",
+    ] {
+        assert!(!m.contains(gone), "{gone} still in:\n{m}");
+    }
+    assert!(m.contains("router_dlq_depth{target=\"d\"} 3"), "{m}");
+    let (s, t) = get_json(&r, "/v1/targets/d").await;
+    assert_eq!((s, t["dlq"].as_u64()), (200, Some(3)), "{t}");
+    assert!(
+        t["worker"]
+            .as_str()
+            .is_some_and(|w| w.starts_with("not running")),
+        "{t}"
+    );
+
+    // Put back: its worker runs again (under its saved breaker state).
+    write_rules(&r, "d.yaml", &d);
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    assert!(listed().await);
+    assert!(
+        metrics_text(&r)
+            .await
+            .contains("router_target_paused{target=\"d\"} 0")
+    );
+}
+
+/// `/v1/status` shows the same commit as `/v1/rules`: a commit of the live files shows
+/// there within a few seconds (it stayed `<old>-dirty` until someone read `/v1/rules`), and an
+/// editor's swap file beside the rules (which the loader skips) does not make it `-dirty`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_commit_follows_a_commit_and_ignores_swap_files() {
+    let a = Receiver::ok().await;
+    let r = RouterProc::start(
+        &[("r.yaml", &webhook_rule("to-a", "t", &a.url(), "a"))],
+        &[],
+    );
+    let dir = r.dir.path().join("rules");
+    let git = |args: &[&str]| {
+        let out = std::process::Command::new("git")
+            .arg("-C")
+            .arg(&dir)
+            .args(["-c", "user.name=t", "-c", "user.email=t@example.com"])
+            .args(args)
+            .output()
+            .expect("git runs");
+        assert!(out.status.success(), "git {args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    git(&["init", "-q"]);
+    git(&["add", "-A"]);
+    git(&["commit", "-q", "-m", "first"]);
+    let first = git(&["rev-parse", "HEAD"]);
+    let status_commit = |want: String| {
+        let r = &r;
+        async move {
+            eventually(Duration::from_secs(10), || async {
+                let c = status(r).await["reload"]["rules_git_commit"].clone();
+                (c == want.as_str()).then_some(())
+            })
+            .await
+            .is_some()
+        }
+    };
+    assert!(status_commit(first.clone()).await, "{}", status(&r).await);
+    std::fs::write(dir.join(".r.yaml.swp"), "swap").expect("swap file");
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        status(&r).await["reload"]["rules_git_commit"],
+        first.as_str(),
+        "a swap file made the live set dirty"
+    );
+    let v1 = status(&r).await["rules"]["version"]
+        .as_str()
+        .expect("version")
+        .to_string();
+    write_rules(&r, "r.yaml", &webhook_rule("to-a2", "t", &a.url(), "a"));
+    wait_version_change(&r, &v1).await;
+    assert!(status_commit(format!("{first}-dirty")).await);
+    git(&["commit", "-q", "-am", "second"]);
+    let second = git(&["rev-parse", "HEAD"]);
+    assert!(
+        status_commit(second).await,
+        "the status kept the stale commit: {}",
+        status(&r).await
+    );
+}
+
+/// A removed target that is paused is listed in `/v1/status` as paused, waiting for a
+/// resume: it said its entries drained, and the operator waited for a drain that never came.
+/// Resumed, it drains, and the warning goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_says_a_removed_paused_target_waits_for_a_resume() {
+    let a = Receiver::ok().await;
+    let r = RouterProc::start(&[("r.yaml", &webhook_rule("r", "t", &a.url(), "p"))], &[]);
+    let (s, body) = post_json(&r, "/v1/targets/p/pause", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    post_batch(
+        &r,
+        &(0..3)
+            .map(|i| event(&format!("p{i}"), "t", json!({})))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    write_rules(&r, "r.yaml", "rules: []\n");
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    let warnings = status(&r).await["warnings"].to_string();
+    assert!(
+        warnings.contains("target p is no longer in the rules and is paused")
+            && warnings.contains("/v1/targets/p/resume")
+            && !warnings.contains("entries drain under"),
+        "{warnings}"
+    );
+    // Still paused a few seconds later: not forgotten while entries wait.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(a.count(), 0);
+    let (s, body) = post_json(&r, "/v1/targets/p/resume", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    assert!(a.wait_for(Duration::from_secs(10), |s| s.len() == 3).await);
+    let gone = eventually(Duration::from_secs(15), || async {
+        let w = status(&r).await["warnings"].to_string();
+        (!w.contains("target p ")).then_some(())
+    })
+    .await;
+    assert!(gone.is_some(), "{}", status(&r).await["warnings"]);
+}

@@ -514,7 +514,13 @@ fn target_json(app: &App, id: &str, stats: Option<&crate::store::QueueStats>, no
 pub async fn targets(State(app): State<Arc<App>>) -> Response {
     let now = app.clock.now_ms();
     let stats = app.store.queue_stats();
-    let mut ids: std::collections::BTreeSet<String> = stats.keys().cloned().collect();
+    // A target removed from the rules goes once drained and its worker stopped (the store
+    // lists every target it ever had); its dead letters stay in `/v1/dlq`.
+    let mut ids: std::collections::BTreeSet<String> = stats
+        .iter()
+        .filter(|(id, s)| s.queued + s.in_flight > 0 || !app.retired(id))
+        .map(|(id, _)| id.clone())
+        .collect();
     ids.extend(app.dispatcher.running().into_iter().map(|s| s.id));
     // Targets of the rules that are not running (could not start) are listed too: with no
     // entries queued yet they were nowhere to be seen.
@@ -530,9 +536,12 @@ pub async fn targets(State(app): State<Arc<App>>) -> Response {
 pub async fn target(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
     let now = app.clock.now_ms();
     let stats = app.store.queue_stats();
-    if app.dispatcher.runtime(&id).is_none()
-        && !stats.contains_key(&id)
-        && !app.rules.load().targets.contains_key(&id)
+    // A retired target (removed, drained, its worker stopped) is still answered while it
+    // has dead letters: their count is what is left to see of it.
+    if app.retired(&id)
+        && stats
+            .get(&id)
+            .is_none_or(|s| s.queued + s.in_flight + s.dlq == 0)
     {
         return error_response(
             StatusCode::NOT_FOUND,
@@ -594,8 +603,13 @@ pub async fn release_key(
 /// are still the live set's (same version): the one noted at the last reload went stale when
 /// the edit it called `-dirty` was committed, since a commit changes only `.git/`, which the
 /// watcher ignores. Once the files differ (an edit not loaded yet, or refused), the commit
-/// noted at the reload is the one that describes the live set.
-async fn live_git_commit(app: &Arc<App>, version: &str) -> Option<String> {
+/// noted at the reload is the one that describes the live set. Read at most once per
+/// `max_age` (two `git` runs and a hash of the rule files): within it, the commit noted last.
+async fn live_git_commit(
+    app: &Arc<App>,
+    version: &str,
+    max_age: std::time::Duration,
+) -> Option<String> {
     let noted = || {
         app.reload_status
             .lock()
@@ -603,6 +617,15 @@ async fn live_git_commit(app: &Arc<App>, version: &str) -> Option<String> {
             .rules_git_commit
             .clone()
     };
+    {
+        let mut st = app.reload_status.lock().unwrap_or_else(|p| p.into_inner());
+        if st.git_checked_at.is_some_and(|at| at.elapsed() < max_age) {
+            return st.rules_git_commit.clone();
+        }
+        // Noted before the read: concurrent callers within `max_age` take the noted commit
+        // instead of each starting `git`.
+        st.git_checked_at = Some(std::time::Instant::now());
+    }
     let dir = app.cfg.rules_dir.clone();
     let version = version.to_owned();
     let fresh = tokio::task::spawn_blocking(move || {
@@ -622,11 +645,14 @@ async fn live_git_commit(app: &Arc<App>, version: &str) -> Option<String> {
     }
 }
 
+/// How old the git commit `/v1/status` shows may be.
+const STATUS_GIT_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// `GET /v1/rules`: the live rule set.
 pub async fn rules(State(app): State<Arc<App>>) -> Response {
     let r = app.rules.load();
     let disabled = app.disabled_rules();
-    let git_commit = live_git_commit(&app, &r.version).await;
+    let git_commit = live_git_commit(&app, &r.version, std::time::Duration::ZERO).await;
     axum::Json(json!({
         "version": r.version,
         "files": r.files,
@@ -718,6 +744,11 @@ pub(crate) fn problems_as_errors(problems: &[String]) -> Vec<FieldError> {
 
 /// `GET /v1/status`.
 pub async fn status(State(app): State<Arc<App>>) -> Response {
+    // The commit as `/v1/rules` says it (an edit committed since the last reload changes
+    // only `.git/`, which no reload follows); read again at most every few seconds, since
+    // dashboards poll this.
+    let version = app.rules.load().version.clone();
+    live_git_commit(&app, &version, STATUS_GIT_MAX_AGE).await;
     let rules = app.rules.load();
     let contracts = app.contracts.load();
     let now = app.clock.now_ms();
@@ -982,7 +1013,7 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
     app.metrics.reload_failing.set(i64::from(failing));
     let body = app
         .metrics
-        .render(app.store.as_ref(), app.clock.now_ms())
+        .render_without(app.store.as_ref(), app.clock.now_ms(), &|t| app.retired(t))
         .await;
     (
         [(

@@ -628,6 +628,26 @@ impl Dispatcher {
         &self.ctx.nats
     }
 
+    /// Stops the worker of `id`, if one runs: a target removed from the rules whose queue has
+    /// drained (the caller checks that nothing is queued or in flight for it). Its runtime
+    /// goes with it, and with it its `router_target_paused` and `router_breaker_state` series
+    /// and its `/v1/targets` row; its saved configuration and states stay in the store, for a
+    /// reload that brings it back. Returns whether one ran.
+    pub fn stop(&self, id: &str) -> bool {
+        let stopped = self
+            .running
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+        match stopped {
+            Some(r) => {
+                r.stop.cancel();
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Every running target's runtime.
     pub fn runtimes(&self) -> Vec<Arc<TargetRuntime>> {
         let running = self.running.lock().unwrap_or_else(|p| p.into_inner());

@@ -182,7 +182,8 @@ pub(crate) fn disk_version(dir: &Path) -> io::Result<String> {
     Ok(version_of(&hashed))
 }
 
-fn is_rule_file(name: &str) -> bool {
+/// Whether `name` has a rule file's extension (`.yaml`, `.yml`, `.json`).
+pub(crate) fn is_rule_file(name: &str) -> bool {
     let lower = name.to_ascii_lowercase();
     lower.ends_with(".yaml") || lower.ends_with(".yml") || lower.ends_with(".json")
 }

@@ -12,6 +12,12 @@ use tokio::sync::mpsc;
 /// Quiet time after the last change before a reload is requested.
 pub const DEBOUNCE: Duration = Duration::from_millis(250);
 
+/// How long a reload waits, past the debounce, for a file being written in place to be closed
+/// by its writer (seen as a change of its data not yet followed by its close). Past it, the
+/// files are loaded as they are: a writer that holds a rule file open for ever must not stop
+/// reloads.
+pub const WRITE_WAIT: Duration = Duration::from_secs(10);
+
 /// How often the directories' listing (names, sizes, modification times, where a symlinked
 /// directory points) is compared with the last one: the fallback for changes the OS watcher
 /// does not report (a file system without inotify, such as some network mounts).
@@ -25,7 +31,7 @@ pub struct DirWatcher {
 /// Watches each of `dirs` recursively; a directory that does not exist yet is found through
 /// its parent once it is created. Sends `()` on `tx` after each debounced burst of changes.
 pub fn watch(dirs: &[PathBuf], tx: mpsc::Sender<()>) -> notify::Result<DirWatcher> {
-    let (raw_tx, mut raw_rx) = mpsc::unbounded_channel::<()>();
+    let (raw_tx, mut raw_rx) = mpsc::unbounded_channel::<Raw>();
     let raw_tx_for_poll = raw_tx.clone();
     // Only changes inside the watched directories count: a missing directory is watched
     // through its parent, whose other entries (e.g. the data directory) change all the time.
@@ -35,11 +41,37 @@ pub fn watch(dirs: &[PathBuf], tx: mpsc::Sender<()>) -> notify::Result<DirWatche
         .collect();
     let dirs: Vec<PathBuf> = roots.clone();
     let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-        if let Ok(ev) = res
-            && !ev.kind.is_access()
-            && ev.paths.iter().any(|p| counts(&roots, p))
-        {
-            let _ = raw_tx.send(());
+        let Ok(ev) = res else {
+            return;
+        };
+        let paths = || ev.paths.iter().filter(|p| counts(&roots, p)).cloned();
+        use notify::event::{AccessKind, AccessMode, EventKind, ModifyKind};
+        match ev.kind {
+            // A writer closed a file it wrote: what it wrote is all there. (Other accesses,
+            // the reload's own reads among them, change nothing.)
+            EventKind::Access(AccessKind::Close(AccessMode::Write)) => {
+                for p in paths() {
+                    let _ = raw_tx.send(Raw::Closed(p));
+                }
+            }
+            EventKind::Access(_) => {}
+            // Data written into a file: it may be half there until its writer closes it (a
+            // `cp`, `cat >`, `kubectl cp` or an editor saving in place write in chunks).
+            EventKind::Modify(ModifyKind::Data(_)) => {
+                for p in paths() {
+                    let _ = raw_tx.send(Raw::Writing(p));
+                }
+            }
+            EventKind::Remove(_) => {
+                for p in paths() {
+                    let _ = raw_tx.send(Raw::Gone(p));
+                }
+            }
+            _ => {
+                if paths().next().is_some() {
+                    let _ = raw_tx.send(Raw::Changed);
+                }
+            }
         }
     })?;
     // Each directory's parent is watched too: a directory replaced as a whole (a symlink
@@ -78,20 +110,37 @@ pub fn watch(dirs: &[PathBuf], tx: mpsc::Sender<()>) -> notify::Result<DirWatche
                 *seen = now;
                 changed
             };
-            if changed && poll_tx.send(()).is_err() {
+            if changed && poll_tx.send(Raw::Changed).is_err() {
                 return;
             }
         }
     });
     tokio::spawn(async move {
-        while raw_rx.recv().await.is_some() {
-            // Debounce: wait until no event arrived for DEBOUNCE.
+        // Files written into and not closed yet by their writer.
+        let mut writing = std::collections::HashSet::new();
+        while let Some(first) = raw_rx.recv().await {
+            let mut changed = first.apply(&mut writing);
+            let burst = tokio::time::Instant::now();
+            // Debounce: wait until no event arrived for DEBOUNCE and every file written into
+            // has been closed by its writer: loaded at the debounce alone, a file written in
+            // two chunks half a second apart went live cut after its first (its cut-off
+            // targets removed, their queues dead-lettered with `on_target_removed =
+            // "dead_letter"`, matching events routed nowhere meanwhile). Bounded by WRITE_WAIT.
             loop {
                 match tokio::time::timeout(DEBOUNCE, raw_rx.recv()).await {
-                    Ok(Some(())) => continue,
+                    Ok(Some(ev)) => changed |= ev.apply(&mut writing),
                     Ok(None) => return,
-                    Err(_) => break,
+                    Err(_) if writing.is_empty() => break,
+                    Err(_) if burst.elapsed() >= WRITE_WAIT => {
+                        tracing::warn!(files = ?writing, wait = ?WRITE_WAIT, "rule or contract files are still open for writing; loading them as they are");
+                        writing.clear();
+                        break;
+                    }
+                    Err(_) => {}
                 }
+            }
+            if !changed {
+                continue;
             }
             // A directory created or replaced since needs its own (recursive) watch now:
             // watching the path again follows it to what it is now.
@@ -111,6 +160,42 @@ pub fn watch(dirs: &[PathBuf], tx: mpsc::Sender<()>) -> notify::Result<DirWatche
         }
     });
     Ok(DirWatcher { _watcher: watcher })
+}
+
+/// What the OS watcher (or the poll) reports, for the debounce.
+#[derive(Debug)]
+enum Raw {
+    /// Something changed (a file created, renamed, its metadata; the poll's listing).
+    Changed,
+    /// Data was written into this file.
+    Writing(PathBuf),
+    /// A writer closed this file.
+    Closed(PathBuf),
+    /// This file was removed.
+    Gone(PathBuf),
+}
+
+impl Raw {
+    /// Notes what `self` says of the files being written; returns whether it is a change.
+    fn apply(self, writing: &mut std::collections::HashSet<PathBuf>) -> bool {
+        match self {
+            Raw::Changed => true,
+            Raw::Writing(p) => {
+                writing.insert(p);
+                true
+            }
+            // Closed after writing: the change was the writing. A file opened for writing
+            // and closed without a write changed nothing.
+            Raw::Closed(p) => {
+                writing.remove(&p);
+                false
+            }
+            Raw::Gone(p) => {
+                writing.remove(&p);
+                true
+            }
+        }
+    }
 }
 
 /// Whether a change at `path` can change what is loaded: inside one of `roots`, and not under
@@ -168,8 +253,8 @@ fn listing(dirs: &[PathBuf]) -> Vec<(PathBuf, u64, Option<std::time::SystemTime>
     out
 }
 
-/// The git commit of `dir` when it is inside a git checkout (with `-dirty` when it has
-/// uncommitted changes), else `None`.
+/// The git commit of `dir` when it is inside a git checkout (with `-dirty` when a file the
+/// loader reads has uncommitted changes), else `None`. Two `git` runs.
 pub fn git_commit(dir: &std::path::Path) -> Option<String> {
     let run = |args: &[&str]| {
         // Without optional locks: `git status` would otherwise refresh the index, writing
@@ -182,11 +267,47 @@ pub fn git_commit(dir: &std::path::Path) -> Option<String> {
             .output()
             .ok()
             .filter(|o| o.status.success())
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
     };
-    let head = run(&["rev-parse", "HEAD"])?;
-    let dirty = run(&["status", "--porcelain", "--", "."]).is_some_and(|s| !s.is_empty());
+    // The directory's place in the checkout (`rules/`, or empty at its top), then HEAD.
+    let out = run(&["rev-parse", "--show-prefix", "HEAD"])?;
+    let mut lines = out.lines();
+    let prefix = lines.next()?.to_owned();
+    let head = lines.next()?.trim().to_owned();
+    let status = run(&[
+        "status",
+        "--porcelain=v1",
+        "-z",
+        "--untracked-files=all",
+        "--",
+        ".",
+    ]);
+    let dirty = status.is_some_and(|s| dirty_rule_files(&s, &prefix));
     Some(if dirty { format!("{head}-dirty") } else { head })
+}
+
+/// Whether `git status --porcelain=v1 -z` output names a file the rules loader reads: one
+/// under `prefix` (the directory's path in the checkout), with no hidden name on the way (an
+/// editor's `.main.yaml.swp`, which the loader and the watcher skip, made the live set
+/// `-dirty`) and a rule file's extension. A rename or copy names both paths.
+fn dirty_rule_files(status: &str, prefix: &str) -> bool {
+    let loaded = |path: &str| {
+        let rel = path.strip_prefix(prefix).unwrap_or(path);
+        let name = rel.rsplit('/').next().unwrap_or(rel);
+        !rel.split('/').any(|c| c.starts_with('.')) && super::loader::is_rule_file(name)
+    };
+    let mut entries = status.split('\0').filter(|e| !e.is_empty());
+    while let Some(entry) = entries.next() {
+        let (code, path) = (entry.get(..2).unwrap_or(""), entry.get(3..).unwrap_or(""));
+        if loaded(path) {
+            return true;
+        }
+        // `R  new\0old`: the next entry is the path it came from.
+        if code.contains(['R', 'C']) && entries.next().is_some_and(loaded) {
+            return true;
+        }
+    }
+    false
 }
 
 #[cfg(test)]
@@ -275,6 +396,87 @@ mod tests {
             signalled(&mut rx, Duration::from_secs(5)).await,
             "the ConfigMap update"
         );
+    }
+
+    /// A file written in place in two chunks with a pause longer than the debounce between
+    /// them is reloaded once, after its writer closed it, not after the first chunk.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_file_written_in_chunks_is_loaded_once_its_writer_closes_it() {
+        use std::io::Write as _;
+        let root = tempfile::tempdir().expect("tempdir");
+        let d = root.path().join("rules");
+        std::fs::create_dir(&d).expect("mkdir");
+        std::fs::write(d.join("r.yaml"), "rules: []\n").expect("write");
+        let (tx, mut rx) = mpsc::channel(4);
+        let _w = watch(std::slice::from_ref(&d), tx).expect("watch");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut f = std::fs::File::create(d.join("r.yaml")).expect("open");
+        f.write_all(b"rules:\n  - name: a\n").expect("write");
+        f.flush().expect("flush");
+        assert!(
+            !signalled(&mut rx, DEBOUNCE * 4).await,
+            "reloaded while the file was still being written"
+        );
+        f.write_all(b"    pattern: {}\n").expect("write");
+        drop(f);
+        assert!(
+            signalled(&mut rx, Duration::from_secs(5)).await,
+            "no reload once the writer closed the file"
+        );
+    }
+
+    /// Only files the loader reads make the live set `-dirty`: not an editor's swap file nor
+    /// any other hidden or non-rule file.
+    #[test]
+    fn hidden_and_non_rule_files_do_not_make_the_commit_dirty() {
+        assert!(!dirty_rule_files("", "rules/"));
+        assert!(!dirty_rule_files("?? rules/.main.yaml.swp\0", "rules/"));
+        assert!(!dirty_rule_files(
+            "?? rules/team/.x.yaml\0?? rules/README.md\0",
+            "rules/"
+        ));
+        assert!(dirty_rule_files(" M rules/main.yaml\0", "rules/"));
+        assert!(dirty_rule_files("?? team/b.yml\0", ""));
+        // A hidden directory above the rules directory does not hide it.
+        assert!(dirty_rule_files(
+            " M .config/rules/a.json\0",
+            ".config/rules/"
+        ));
+        assert!(dirty_rule_files(
+            "R  rules/notes.txt\0rules/a.yaml\0",
+            "rules/"
+        ));
+        assert!(!dirty_rule_files("R  rules/b.txt\0rules/a.txt\0", "rules/"));
+    }
+
+    /// In a checkout, a swap file leaves the commit clean and an edit of a rule file does not.
+    #[test]
+    fn the_commit_of_a_checkout_ignores_swap_files() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let d = root.path().join("rules");
+        std::fs::create_dir(&d).expect("mkdir");
+        std::fs::write(d.join("main.yaml"), "rules: []\n").expect("write");
+        let git = |args: &[&str]| {
+            std::process::Command::new("git")
+                .arg("-C")
+                .arg(root.path())
+                .args(["-c", "user.name=t", "-c", "user.email=t@example.com"])
+                .args(args)
+                .output()
+                .is_ok_and(|o| o.status.success())
+        };
+        if !git(&["init", "-q"]) {
+            eprintln!("git not available: skipped");
+            return;
+        }
+        assert!(git(&["add", "-A"]) && git(&["commit", "-q", "-m", "c"]));
+        let clean = git_commit(&d).expect("a commit");
+        assert!(!clean.ends_with("-dirty"), "{clean}");
+        std::fs::write(d.join(".main.yaml.swp"), "x").expect("swap");
+        assert_eq!(git_commit(&d).as_deref(), Some(clean.as_str()));
+        std::fs::write(d.join("main.yaml"), "rules: []\n# edit\n").expect("edit");
+        assert_eq!(git_commit(&d), Some(format!("{clean}-dirty")));
     }
 
     #[test]
