@@ -221,14 +221,28 @@ async fn a_burst_of_dead_letters_does_not_silence_the_breaker() {
         .into_iter()
         .filter(|a| a.body["data"]["unannounced"] == true)
         .collect();
-    // On the embedded store the 290 overflows are announced within milliseconds, far past
-    // the burst. On JetStream each announcement is a store round trip, which can pace them
-    // under the limit: there the test checks that whatever was dropped was summarised.
-    let strict = !RouterProc::on_jetstream();
-    assert!(
-        !strict || !summaries.is_empty(),
-        "the burst was not rate-limited"
-    );
+    // The limit itself: at most a burst of 100 plus 20/s one by one. Routing each
+    // announcement is a store commit, so a busy machine (or JetStream's round trips) can pace
+    // them under the limit and nothing is summarised; what must hold either way is the bound
+    // over the span in which they arrived, with 5 s of slack for delivery catching up after a
+    // stall (which packs arrivals closer than their admissions). With no limit, all 300 arrive
+    // within a second or two; asserting "some were summarised" failed on a loaded machine.
+    let singles: Vec<_> = of_type(&got, "router.dlq.added")
+        .into_iter()
+        .filter(|a| a.body["data"]["unannounced"] != true)
+        .collect();
+    if let (Some(first), Some(last)) = (
+        singles.iter().map(|a| a.at).min(),
+        singles.iter().map(|a| a.at).max(),
+    ) {
+        let span = last.duration_since(first).as_secs_f64();
+        let bound = 100.0 + 20.0 * (span + 5.0);
+        assert!(
+            singles.len() as f64 <= bound,
+            "the burst was not rate-limited: {} announced one by one within {span:.1} s (at most {bound:.0})",
+            singles.len()
+        );
+    }
     // A summary counts its entries by reason (here mostly overflows).
     for summary in &summaries {
         let data = &summary.body["data"];
@@ -270,8 +284,9 @@ async fn a_burst_of_dead_letters_does_not_silence_the_breaker() {
         "{dropped} announcements dropped, {} summaries, {lines} log lines",
         summaries.len()
     );
+    // (At most 20 lines: fewer than the drops whenever there are more than 20 of them.)
     assert!(
-        lines <= 20 && (!strict || (lines as u64) < dropped),
+        lines <= 20,
         "{lines} log lines for {dropped} dropped system events"
     );
 }
