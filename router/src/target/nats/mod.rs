@@ -10,8 +10,9 @@
 //! - `auto`: where a stream captures the subject (JetStream's API says which, asked at most
 //!   every few seconds per target), a JetStream publish: a request answered by the stream's
 //!   PubAck, delivered once stored. Where none does (or the server has no JetStream), the
-//!   message is published as core NATS and flushed instead: delivered then means the server
-//!   has it, with no promise that anyone received it. Only a definite answer selects core:
+//!   message is published as core NATS instead: delivered then means the server took it (a
+//!   round trip after the publish shows that it did not refuse it), with no promise that
+//!   anyone received it. Only a definite answer selects core:
 //!   the API's "no such stream" or "JetStream not enabled", or no responders on a server whose
 //!   INFO says it runs no JetStream. JetStream not answering on a server that runs it (it
 //!   stops before client connections close at shutdown) and a publish to a found stream that
@@ -19,11 +20,13 @@
 //!   should have stored but did not.
 //! - `jetstream`: the same, but no stream is a retryable failure, so entries wait in their
 //!   queue until an operator creates the stream.
-//! - `core`: core publish and flush only.
+//! - `core`: core publish and the round trip only.
 //!
 //! Failures are classified by the client's error kinds: not connected, timeouts, a failed
 //! flush and every JetStream error answer (stream full, storage limits, ...) are retryable and
-//! count for the breaker; a message larger than the server's `max_payload` is permanent.
+//! count for the breaker; a message larger than the server's `max_payload` is permanent. So is
+//! a publish the server refuses (its user may not publish to the subject, `refusals`): it is
+//! not answered at all, and only the refusal the server sends instead tells.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -40,6 +43,10 @@ use tokio_util::task::TaskTracker;
 use super::{AttemptOutcome, DeliveryRequest, Target};
 use crate::config::{NatsAck, NatsConfig};
 use crate::deliver::SecretResolver;
+
+mod refusals;
+
+use refusals::{INBOX_PREFIX, Refusal, Refusals, Watch};
 
 /// How long the JetStream context waits for a PubAck on its own. Longer than any attempt:
 /// the attempt's deadline (`req.timeout`, the policy's timeout) is what ends the wait, and
@@ -91,6 +98,8 @@ pub struct NatsConnection {
     client: tokio::sync::OnceCell<Connected>,
     /// The client's last connection event (e.g. why the last connect failed), for error texts.
     last_event: Arc<Mutex<Option<String>>>,
+    /// What the server refused (permission violations), reported by the event callback.
+    refusals: Arc<Refusals>,
     warmed: AtomicBool,
 }
 
@@ -107,6 +116,7 @@ impl NatsConnection {
             spawner,
             client: tokio::sync::OnceCell::new(),
             last_event: Arc::default(),
+            refusals: Arc::default(),
             warmed: AtomicBool::new(false),
         })
     }
@@ -138,6 +148,7 @@ impl NatsConnection {
 
     fn options(&self) -> Result<async_nats::ConnectOptions, NatsError> {
         let last = self.last_event.clone();
+        let refusals = self.refusals.clone();
         let url = self.cfg.url.clone();
         let mut opts = async_nats::ConnectOptions::new()
             .name(concat!("router/", env!("CARGO_PKG_VERSION")))
@@ -147,7 +158,7 @@ impl NatsConnection {
             .retry_on_initial_connect()
             .max_reconnects(None)
             .event_callback(move |event| {
-                let (last, url) = (last.clone(), url.clone());
+                let (last, refusals, url) = (last.clone(), refusals.clone(), url.clone());
                 async move {
                     let text = event.to_string();
                     let previous = last
@@ -156,7 +167,16 @@ impl NatsConnection {
                         .replace(text.clone());
                     match event {
                         async_nats::Event::Connected => {
+                            refusals.connected();
                             tracing::info!(url = %url, "NATS connected")
+                        }
+                        // A refused publish fails its attempt (which logs it with the event
+                        // id); the refusal is recorded for that attempt to find.
+                        async_nats::Event::ServerError(async_nats::ServerError::Other(e)) => {
+                            tracing::debug!(url = %url, event = %text, "NATS connection");
+                            if let Some(refusal) = Refusal::parse(&e) {
+                                refusals.record(refusal);
+                            }
                         }
                         // While the server is down the client fails a connect every few
                         // seconds: one warning when that starts, not one per try (the client
@@ -243,6 +263,117 @@ impl NatsConnection {
                 "connection failed: not connected to NATS at {} ({state})",
                 self.cfg.url
             ),
+        }
+    }
+
+    /// Waits for `op` (a publish waiting for its answer) unless the server refuses, after
+    /// `watch.since`, a publish to one of `subjects` or the client's inbox subscription (no
+    /// answer can come then).
+    async fn unless_refused<F: std::future::Future>(
+        &self,
+        watch: &mut Watch,
+        subjects: &[&str],
+        op: F,
+    ) -> Result<F::Output, Refused> {
+        tokio::pin!(op);
+        loop {
+            if let Some(s) = subjects
+                .iter()
+                .find(|s| self.refusals.refused_publish(watch.since, s))
+            {
+                return Err(Refused::Publish((*s).to_string()));
+            }
+            if let Some(sub) = self.refusals.inbox_refused() {
+                return Err(Refused::Inbox(sub));
+            }
+            tokio::select! {
+                out = &mut op => return Ok(out),
+                changed = watch.changed.changed() => {
+                    // The sender lives as long as the connection: only `op` is left to wait for.
+                    if changed.is_err() {
+                        return Ok(op.await);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A round trip to the server after a core publish to `subject`, so that a refusal of
+    /// that publish (which the server sends before it handles anything later on the
+    /// connection) has arrived when it returns: `Err` only when the round trip itself fails.
+    ///
+    /// async-nats' `flush` only writes the buffer out (no PING), and the client offers no
+    /// PING of its own, so the round trip is a request to an inbox subject nobody subscribes
+    /// to, which the server answers "no responders" (or refuses, when the user may not publish
+    /// there: that refusal then follows the one of `subject`, in order, through the callback).
+    async fn round_trip(
+        &self,
+        client: &async_nats::Client,
+        watch: &mut Watch,
+        subject: &str,
+    ) -> Result<(), AttemptOutcome> {
+        let ping = client.new_inbox();
+        let request = client.send_request(ping.clone(), async_nats::Request::new().timeout(None));
+        match self.unless_refused(watch, &[subject, &ping], request).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {}
+            Ok(Err(e)) => {
+                return Err(retryable(format!(
+                    "connection failed: confirming the publish to {subject} with the server: {e}"
+                )));
+            }
+            // The ping refused: the callback has recorded every refusal before it.
+            Err(Refused::Publish(_)) => return Ok(()),
+            Err(refused) => return Err(refused.outcome()),
+        }
+        // The answer came through a subscription, not through the callback: a refusal the
+        // server sent before it may still be on its way to the callback's task (woken
+        // earlier, but not necessarily run yet). It is given a moment.
+        tokio::task::yield_now().await;
+        let _ = tokio::time::timeout(CALLBACK_GRACE, async {
+            while !self.refusals.refused_publish(watch.since, subject) {
+                if watch.changed.changed().await.is_err() {
+                    return;
+                }
+            }
+        })
+        .await;
+        Ok(())
+    }
+}
+
+/// How long a core publish confirmed by a round trip waits, after the answer, for the event
+/// callback to record a refusal the server sent before that answer. The callback's task was
+/// woken before the attempt's, so this is a bound on scheduling, not on the network.
+const CALLBACK_GRACE: Duration = Duration::from_millis(2);
+
+/// Why a publish or the wait for its answer ended without an answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Refused {
+    /// The server refused a publish to this subject.
+    Publish(String),
+    /// The server refused the client's inbox subscription (this subject).
+    Inbox(String),
+}
+
+impl Refused {
+    /// The attempt's outcome. Permanent: retrying changes nothing until an operator changes
+    /// the NATS user's permissions, and then the DLQ entry is redriven (a retryable failure
+    /// would wait out the whole retry policy, count for the breaker and end in the DLQ all
+    /// the same).
+    fn outcome(&self) -> AttemptOutcome {
+        match self {
+            Self::Publish(subject) => permanent(format!(
+                "permission denied: the NATS server refused the publish to {subject} \
+                 (Permissions Violation: the router's NATS user may not publish there); \
+                 redrive from the DLQ once it may"
+            )),
+            Self::Inbox(sub) => permanent(format!(
+                "permission denied: the NATS server refused the router's subscription to \
+                 {sub}: its NATS user needs subscribe permission on {INBOX_PREFIX}> to get \
+                 JetStream's answers and confirm core publishes (the message may have been \
+                 published); redrive from the DLQ once it may"
+            )),
         }
     }
 }
@@ -593,7 +724,17 @@ impl NatsTarget {
                 .await?
                 .await
         };
-        match acked.await {
+        // A refused publish is never answered: its refusal ends the wait.
+        let mut watch = self.conn.refusals.watch();
+        let acked = match self
+            .conn
+            .unless_refused(&mut watch, &[&self.subject], acked)
+            .await
+        {
+            Ok(acked) => acked,
+            Err(refused) => return refused.outcome(),
+        };
+        match acked {
             // A duplicate PubAck: the stream has this message id already (an earlier
             // attempt's message got there): delivered all the same.
             Ok(ack) => {
@@ -606,24 +747,45 @@ impl NatsTarget {
         }
     }
 
-    /// Core NATS: publish, then flush, so the message has left for the server before the
-    /// attempt counts as delivered.
+    /// Core NATS: publish, flush, and a round trip to the server, so the attempt counts as
+    /// delivered only once the server has handled the message without refusing it. A core
+    /// publish is otherwise unanswered: the server's one word on it is a permission refusal,
+    /// which was missed, and the event was recorded delivered though the server dropped it.
     async fn publish_core(
         &self,
         client: &async_nats::Client,
         headers: HeaderMap,
         req: &DeliveryRequest,
     ) -> AttemptOutcome {
+        let mut watch = self.conn.refusals.watch();
         if let Err(e) = client
             .publish_with_headers(self.subject.clone(), headers, req.body.clone())
             .await
         {
             return classify_core_publish(e.kind(), &e.to_string());
         }
-        match client.flush().await {
-            Ok(()) => AttemptOutcome::Delivered { status: None },
-            Err(e) => classify_flush(&e.to_string()),
+        if let Err(e) = client.flush().await {
+            return classify_flush(&e.to_string());
         }
+        if let Err(outcome) = self
+            .conn
+            .round_trip(client, &mut watch, &self.subject)
+            .await
+        {
+            return outcome;
+        }
+        let refusals = &self.conn.refusals;
+        if refusals.refused_publish(watch.since, &self.subject) {
+            return Refused::Publish(self.subject.to_string()).outcome();
+        }
+        if refusals.lost_since(watch.since) {
+            return retryable(format!(
+                "NATS: could not confirm the publish to {}: too many refusals of the server \
+                 to tell whether it was among them",
+                self.subject
+            ));
+        }
+        AttemptOutcome::Delivered { status: None }
     }
 }
 
@@ -868,6 +1030,144 @@ mod tests {
             .expect("a message");
         assert!(msg.reply.is_none(), "a core publish: {msg:?}");
         assert_eq!(&msg.payload[..], b"{\"id\":\"e-1\"}");
+    }
+
+    /// A private server whose one user (taken by every connection, `no_auth_user`) may
+    /// publish to `publish` and subscribe to `subscribe` (lists of subjects, TOML-quoted).
+    fn server_allowing(
+        jetstream: bool,
+        publish: &str,
+        subscribe: &str,
+    ) -> crate::store::jetstream::test_server::TestServer {
+        crate::store::jetstream::test_server::TestServer::start_configured(
+            jetstream,
+            &format!(
+                "authorization {{\n  users = [\n    {{ user: limited, password: limitedpw, \
+                 permissions: {{ publish: {{ allow: [{publish}] }}, subscribe: {{ allow: \
+                 [{subscribe}] }} }} }}\n  ]\n}}\nno_auth_user: limited\n"
+            ),
+        )
+    }
+
+    fn target_on(url: String, ack: NatsAck, subject: &str) -> NatsTarget {
+        let cfg = NatsConfig {
+            url,
+            ack,
+            ..NatsConfig::default()
+        };
+        let conn = NatsConnection::new(cfg, no_secrets(), tokio::runtime::Handle::current());
+        NatsTarget::new(conn, subject)
+    }
+
+    fn is_refused(o: &AttemptOutcome, subject: &str) -> bool {
+        matches!(o, AttemptOutcome::Permanent { .. })
+            && o.error().is_some_and(|e| {
+                e.starts_with("permission denied")
+                    && e.contains(&format!("refused the publish to {subject} "))
+            })
+    }
+
+    /// The loss of the audit: a core publish the server refuses (its user may not publish to
+    /// the subject) was recorded delivered, as the flush succeeded. It is a permanent failure
+    /// naming the refusal, under `core` and under `auto` where no stream captures the subject;
+    /// an allowed subject is delivered, and the subscriber gets it once. Both with a user that
+    /// may publish to the inbox (the round trip is answered "no responders") and with one that
+    /// may not (the round trip's own publish is refused, after the message's).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_core_publish_the_server_refuses_is_a_permanent_failure_not_delivered() {
+        use futures::StreamExt;
+        for (jetstream, publish) in [
+            (false, r#""orders.>", "_INBOX.>""#),
+            (false, r#""orders.>""#),
+            (false, r#""orders.>", "$JS.API.>""#),
+            (true, r#""orders.>", "$JS.API.>""#),
+        ] {
+            let server = server_allowing(jetstream, publish, r#""_INBOX.>", "orders.>""#);
+            let watcher = async_nats::connect(server.url()).await.expect("connect");
+            let mut seen = watcher.subscribe("orders.paid").await.expect("subscribe");
+            watcher.flush().await.expect("flush");
+            // `auto` asks JetStream's API first, which takes a user that may.
+            let acks: &[NatsAck] = if publish.contains("$JS.API") {
+                &[NatsAck::Core, NatsAck::Auto]
+            } else {
+                &[NatsAck::Core]
+            };
+            for &ack in acks {
+                let case = format!("{ack:?}, publish allowed to {publish}");
+                let denied = target_on(server.url(), ack, "denied.x");
+                for _ in 0..3 {
+                    let o = denied.attempt(&request(Duration::from_secs(5), None)).await;
+                    assert!(is_refused(&o, "denied.x"), "{case}: {o:?}");
+                    assert!(!o.counts_for_breaker());
+                }
+                let allowed = target_on(server.url(), ack, "orders.paid");
+                let o = allowed
+                    .attempt(&request(Duration::from_secs(5), None))
+                    .await;
+                assert!(
+                    matches!(o, AttemptOutcome::Delivered { .. }),
+                    "{case}: {o:?}"
+                );
+                let msg = tokio::time::timeout(Duration::from_secs(10), seen.next())
+                    .await
+                    .expect("the message within 10 s")
+                    .expect("a message");
+                assert_eq!(&msg.payload[..], b"{\"id\":\"e-1\"}", "{case}");
+                // The refused one again, after an allowed one on the same connection.
+                let o = denied.attempt(&request(Duration::from_secs(5), None)).await;
+                assert!(is_refused(&o, "denied.x"), "{case}: {o:?}");
+            }
+        }
+    }
+
+    /// A stream captures the subject but the user may not publish to it: the JetStream
+    /// publish is refused and never answered; the refusal fails the attempt at once, not the
+    /// attempt's timeout.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_jetstream_publish_the_server_refuses_fails_at_once() {
+        let server = server_allowing(true, r#""orders.paid", "$JS.API.>""#, r#""_INBOX.>""#);
+        let client = async_nats::connect(server.url()).await.expect("connect");
+        jetstream::new(client)
+            .create_stream(jetstream::stream::Config {
+                name: "ORDERS".into(),
+                subjects: vec!["orders.>".into()],
+                ..Default::default()
+            })
+            .await
+            .expect("stream");
+        let denied = target_on(server.url(), NatsAck::JetStream, "orders.secret");
+        let started = std::time::Instant::now();
+        let o = denied
+            .attempt(&request(Duration::from_secs(20), None))
+            .await;
+        assert!(is_refused(&o, "orders.secret"), "{o:?}");
+        assert!(started.elapsed() < Duration::from_secs(10), "not a timeout");
+        let allowed = target_on(server.url(), NatsAck::JetStream, "orders.paid");
+        let o = allowed
+            .attempt(&request(Duration::from_secs(20), None))
+            .await;
+        assert!(matches!(o, AttemptOutcome::Delivered { .. }), "{o:?}");
+    }
+
+    /// A user that may not subscribe to the inbox gets no answer to anything: the attempt
+    /// says so (permanent), not a timeout.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refused_inbox_subscription_is_named() {
+        let server = server_allowing(false, r#"">""#, r#""orders.>""#);
+        let target = target_on(server.url(), NatsAck::Core, "orders.paid");
+        for _ in 0..2 {
+            let started = std::time::Instant::now();
+            let o = target
+                .attempt(&request(Duration::from_secs(20), None))
+                .await;
+            assert!(matches!(o, AttemptOutcome::Permanent { .. }), "{o:?}");
+            assert!(
+                o.error()
+                    .is_some_and(|e| e.contains("subscribe permission on _INBOX.>")),
+                "{o:?}"
+            );
+            assert!(started.elapsed() < Duration::from_secs(10), "not a timeout");
+        }
     }
 
     #[tokio::test]
