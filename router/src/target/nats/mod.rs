@@ -427,6 +427,29 @@ async fn wait_connected(
 /// goes away shows at once (the publish fails, and a failed attempt forgets the answer).
 const CAPTURE_TTL: Duration = Duration::from_secs(5);
 
+/// The subject of JetStream's API that says which stream captures a subject.
+const STREAM_NAMES_API: &str = "$JS.API.STREAM.NAMES";
+
+/// How long the stream lookup may take: a few seconds at most (JetStream answers in
+/// milliseconds when it answers at all), and at most half the attempt's timeout, which leaves
+/// the publish the rest.
+fn lookup_wait(attempt_timeout: Duration) -> Duration {
+    const LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
+    LOOKUP_TIMEOUT.min(attempt_timeout / 2)
+}
+
+/// The error of a stream lookup the server refused. Permanent, as any refusal (`Refused`).
+/// Not core NATS instead: a stream may capture the subject, and a core publish would be
+/// recorded delivered without the stream's acknowledgement, which `auto` promises.
+fn lookup_refused() -> AttemptOutcome {
+    permanent(format!(
+        "permission denied: the NATS server refused the router's JetStream stream lookup \
+         (a publish to {STREAM_NAMES_API}): nats.ack = \"auto\" and \"jetstream\" need that \
+         permission, or set nats.ack = \"core\" if no stream must acknowledge; redrive from \
+         the DLQ once it may"
+    ))
+}
+
 /// Whether a JetStream stream captures a target's subject, as the server last said.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Capture {
@@ -654,17 +677,38 @@ impl NatsTarget {
     /// subscriber gets the request, nobody acknowledges, and every retry would hand it another
     /// copy. So the target asks JetStream's API first, and publishes as core NATS where no
     /// stream is.
-    async fn capture(&self, conn: &Connected) -> Result<Capture, AttemptOutcome> {
+    ///
+    /// The lookup is a request to `$JS.API.STREAM.NAMES`, bounded by `within`: the JetStream
+    /// context's own timeout is the PubAck's (an hour), and a lookup the server refuses (a
+    /// user without that permission) is never answered, so every attempt waited out its whole
+    /// timeout and failed as a bare "timeout".
+    async fn capture(&self, conn: &Connected, within: Duration) -> Result<Capture, AttemptOutcome> {
         if let Some(c) = self.remembered() {
             return Ok(c);
         }
-        let found = match conn
-            .jetstream
-            .stream_by_subject(self.subject.to_string())
-            .await
-        {
-            Ok(name) => Capture::Stream(name),
-            Err(e) => lookup_failed(&e, conn.client.server_info().jetstream, &self.subject)?,
+        let mut watch = self.conn.refusals.watch();
+        let lookup = conn.jetstream.stream_by_subject(self.subject.to_string());
+        let answer = tokio::time::timeout(
+            within,
+            self.conn
+                .unless_refused(&mut watch, &[STREAM_NAMES_API], lookup),
+        )
+        .await;
+        let found = match answer {
+            Ok(Ok(Ok(name))) => Capture::Stream(name),
+            Ok(Ok(Err(e))) => {
+                lookup_failed(&e, conn.client.server_info().jetstream, &self.subject)?
+            }
+            Ok(Err(Refused::Publish(_))) => return Err(lookup_refused()),
+            Ok(Err(refused)) => return Err(refused.outcome()),
+            Err(_) => {
+                return Err(retryable(format!(
+                    "timeout: JetStream: looking up the stream of subject {} ({STREAM_NAMES_API}): \
+                     no answer within {}",
+                    self.subject,
+                    humantime::format_duration(within)
+                )));
+            }
         };
         self.remember(Some(found.clone()));
         Ok(found)
@@ -706,7 +750,7 @@ impl NatsTarget {
         if self.ack == NatsAck::Core {
             return self.publish_core(&conn.client, headers, req).await;
         }
-        let capture = match self.capture(conn).await {
+        let capture = match self.capture(conn, lookup_wait(req.timeout)).await {
             Ok(c) => c,
             Err(outcome) => return outcome,
         };
@@ -1147,6 +1191,41 @@ mod tests {
             .attempt(&request(Duration::from_secs(20), None))
             .await;
         assert!(matches!(o, AttemptOutcome::Delivered { .. }), "{o:?}");
+    }
+
+    /// A user that may publish to the subject but not ask JetStream's API which stream
+    /// captures it: under `auto` and `jetstream` every attempt waited out its timeout and
+    /// failed as a bare "timeout". The refusal fails it at once, naming the permission.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refused_stream_lookup_names_the_missing_permission_at_once() {
+        assert_eq!(lookup_wait(Duration::from_secs(30)), Duration::from_secs(5));
+        assert_eq!(lookup_wait(Duration::from_secs(2)), Duration::from_secs(1));
+        for jetstream in [true, false] {
+            let server = server_allowing(jetstream, r#""orders.>""#, r#""_INBOX.>""#);
+            for ack in [NatsAck::Auto, NatsAck::JetStream] {
+                let target = target_on(server.url(), ack, "orders.paid");
+                let started = std::time::Instant::now();
+                let o = target
+                    .attempt(&request(Duration::from_secs(20), None))
+                    .await;
+                assert!(
+                    matches!(o, AttemptOutcome::Permanent { .. }),
+                    "{ack:?}: {o:?}"
+                );
+                assert!(
+                    o.error().is_some_and(|e| e.starts_with("permission denied")
+                        && e.contains("$JS.API.STREAM.NAMES")),
+                    "{ack:?}: {o:?}"
+                );
+                assert!(started.elapsed() < Duration::from_secs(10), "not a timeout");
+            }
+            // `core` does not ask.
+            let target = target_on(server.url(), NatsAck::Core, "orders.paid");
+            let o = target
+                .attempt(&request(Duration::from_secs(20), None))
+                .await;
+            assert!(matches!(o, AttemptOutcome::Delivered { .. }), "{o:?}");
+        }
     }
 
     /// A user that may not subscribe to the inbox gets no answer to anything: the attempt
