@@ -9,7 +9,8 @@
 //! When an attempt counts as delivered is `nats.ack`:
 //! - `auto`: where a stream captures the subject (JetStream's API says which, asked at most
 //!   every few seconds per target), a JetStream publish: a request answered by the stream's
-//!   PubAck, delivered once stored. Where none does (or the server has no JetStream), the
+//!   PubAck, delivered once stored (a stream with `no_ack: true` acknowledges nothing: its
+//!   subjects are published as core NATS, which it stores all the same). Where none does (or the server has no JetStream), the
 //!   message is published as core NATS instead: delivered then means the server took it (a
 //!   round trip after the publish shows that it did not refuse it), with no promise that
 //!   anyone received it. Only a definite answer selects core:
@@ -455,6 +456,9 @@ fn lookup_refused() -> AttemptOutcome {
 enum Capture {
     /// This stream does.
     Stream(String),
+    /// This stream does, but it acknowledges nothing (`no_ack: true`): the message is
+    /// published as core NATS, which the stream stores all the same.
+    NoAckStream(String),
     /// No stream does.
     NoStream,
     /// The server (or the account) has no JetStream at all.
@@ -663,7 +667,8 @@ impl NatsTarget {
         let (at, capture) = cached.as_ref()?;
         // Under `jetstream` a missing stream fails the attempt anyway, so it is asked again
         // each time: the first retry after an operator creates the stream delivers.
-        let trusted = matches!(capture, Capture::Stream(_)) || self.ack == NatsAck::Auto;
+        let trusted = matches!(capture, Capture::Stream(_) | Capture::NoAckStream(_))
+            || self.ack == NatsAck::Auto;
         (trusted && at.elapsed() < CAPTURE_TTL).then(|| capture.clone())
     }
 
@@ -686,16 +691,20 @@ impl NatsTarget {
         if let Some(c) = self.remembered() {
             return Ok(c);
         }
+        let deadline = tokio::time::Instant::now() + within;
         let mut watch = self.conn.refusals.watch();
         let lookup = conn.jetstream.stream_by_subject(self.subject.to_string());
-        let answer = tokio::time::timeout(
-            within,
+        let answer = tokio::time::timeout_at(
+            deadline,
             self.conn
                 .unless_refused(&mut watch, &[STREAM_NAMES_API], lookup),
         )
         .await;
         let found = match answer {
-            Ok(Ok(Ok(name))) => Capture::Stream(name),
+            Ok(Ok(Ok(name))) if self.acknowledges(conn, &name, deadline).await => {
+                Capture::Stream(name)
+            }
+            Ok(Ok(Ok(name))) => Capture::NoAckStream(name),
             Ok(Ok(Err(e))) => {
                 lookup_failed(&e, conn.client.server_info().jetstream, &self.subject)?
             }
@@ -712,6 +721,38 @@ impl NatsTarget {
         };
         self.remember(Some(found.clone()));
         Ok(found)
+    }
+
+    /// Whether stream `name` acknowledges what it stores: not with `no_ack: true`, where a
+    /// JetStream publish waited for a PubAck that never came and every attempt failed as a
+    /// timeout though the stream had stored the message. Asked of JetStream's API
+    /// (`$JS.API.STREAM.INFO.<name>`, by `deadline`); without an answer (no permission, no
+    /// time left) the stream is taken to acknowledge, as most do.
+    async fn acknowledges(
+        &self,
+        conn: &Connected,
+        name: &str,
+        deadline: tokio::time::Instant,
+    ) -> bool {
+        let api = format!("$JS.API.STREAM.INFO.{name}");
+        let mut watch = self.conn.refusals.watch();
+        let info = conn.jetstream.get_stream(name);
+        let answer = tokio::time::timeout_at(
+            deadline,
+            self.conn.unless_refused(&mut watch, &[&api], info),
+        )
+        .await;
+        match answer {
+            Ok(Ok(Ok(stream))) => !stream.cached_info().config.no_ack,
+            Ok(Err(Refused::Publish(_))) => {
+                tracing::warn!(stream = name, subject = %self.subject, "the NATS server refused {api}: the router cannot tell whether the stream acknowledges (no_ack) and takes it to");
+                true
+            }
+            other => {
+                tracing::debug!(stream = name, answer = ?other.map(|a| a.map(|s| s.map(|_| ()))), "stream info unknown: taken to acknowledge");
+                true
+            }
+        }
     }
 
     async fn attempt(&self, req: &DeliveryRequest) -> AttemptOutcome {
@@ -756,6 +797,10 @@ impl NatsTarget {
         };
         let stream = match (&capture, self.ack) {
             (Capture::Stream(stream), _) => stream,
+            (Capture::NoAckStream(stream), _) => {
+                tracing::debug!(event_id = %req.event_id, stream, "no_ack stream: published as core NATS");
+                return self.publish_core(&conn.client, headers, req).await;
+            }
             (_, NatsAck::JetStream) => return no_stream(&self.subject, &capture),
             _ => return self.publish_core(&conn.client, headers, req).await,
         };
@@ -1246,6 +1291,42 @@ mod tests {
                 "{o:?}"
             );
             assert!(started.elapsed() < Duration::from_secs(10), "not a timeout");
+        }
+    }
+
+    /// A stream with `no_ack: true` stores the message and acknowledges nothing: each attempt
+    /// waited for a PubAck and failed as a timeout. The lookup sees `no_ack` and the message
+    /// goes out as core NATS: delivered at the first attempt, stored once (the second
+    /// publish, with the same `Nats-Msg-Id`, is the stream's duplicate).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_no_ack_stream_is_published_to_without_waiting_for_an_ack() {
+        let server = crate::store::jetstream::test_server::TestServer::start();
+        let client = async_nats::connect(server.url()).await.expect("connect");
+        let js = jetstream::new(client);
+        js.create_stream(jetstream::stream::Config {
+            name: "NOACK".into(),
+            subjects: vec!["noack.>".into()],
+            no_ack: true,
+            ..Default::default()
+        })
+        .await
+        .expect("stream");
+        for ack in [NatsAck::Auto, NatsAck::JetStream] {
+            let target = target_on(server.url(), ack, "noack.x");
+            let started = std::time::Instant::now();
+            let o = target.attempt(&request(Duration::from_secs(3), None)).await;
+            assert!(
+                matches!(o, AttemptOutcome::Delivered { .. }),
+                "{ack:?}: {o:?}"
+            );
+            assert!(started.elapsed() < Duration::from_secs(2), "not a timeout");
+            assert_eq!(
+                target.remembered(),
+                Some(Capture::NoAckStream("NOACK".into()))
+            );
+            let mut stream = js.get_stream("NOACK").await.expect("stream");
+            let stored = stream.info().await.expect("info").state.messages;
+            assert_eq!(stored, 1, "{ack:?}");
         }
     }
 
