@@ -559,7 +559,7 @@ pub fn classify_jetstream(e: &async_nats::jetstream::context::PublishError) -> A
             retryable(format!("connection failed: JetStream: {error}"))
         }
         // Error answers of the stream (stream full, storage or account limits, a cluster
-        // without quorum, a message over the stream's own max_msg_size...) are the operator's
+        // without quorum...; not a message over its max_msg_size, above) are the operator's
         // to fix, and entries wait for that; MaxAckPending is this client's own backpressure.
         JetStreamErrorKind::StreamNotFound
         | JetStreamErrorKind::MaxAckPending
