@@ -71,6 +71,9 @@ pub enum NatsError {
     /// `nats.token_env` names a variable that is not set.
     #[error("nats.token_env {0}: not set in the environment or the secrets file")]
     Token(String),
+    /// `nats.password_env` names a variable that is not set.
+    #[error("nats.password_env {0}: not set in the environment or the secrets file")]
+    Password(String),
     /// The client refused its options.
     #[error("connect: {0}")]
     Connect(#[from] async_nats::ConnectError),
@@ -202,6 +205,10 @@ impl NatsConnection {
         if let Some(name) = &self.cfg.token_env {
             let token = (self.secrets)(name).ok_or_else(|| NatsError::Token(name.clone()))?;
             opts = opts.token(token);
+        }
+        if let (Some(user), Some(name)) = (&self.cfg.user, &self.cfg.password_env) {
+            let password = (self.secrets)(name).ok_or_else(|| NatsError::Password(name.clone()))?;
+            opts = opts.user_and_password(user.clone(), password);
         }
         Ok(opts)
     }
@@ -1477,6 +1484,57 @@ mod tests {
         let status = conn.status().expect("started");
         assert!(!status.connected, "{status:?}");
         assert_eq!(status.url, format!("nats://127.0.0.1:{port}"));
+    }
+
+    /// `nats.user` with the password from `nats.password_env` authenticates (a URL with them
+    /// is refused by the config, and async-nats would not have sent them).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_user_and_password_from_the_environment_authenticate() {
+        let server = crate::store::jetstream::test_server::TestServer::start_configured(
+            false,
+            "authorization {\n  users = [ { user: router, password: S3cretPassw0rd } ]\n}\n",
+        );
+        let secrets: SecretResolver =
+            Arc::new(|name| (name == "NATS_PASSWORD").then(|| "S3cretPassw0rd".to_string()));
+        for (password_env, delivered) in [("NATS_PASSWORD", true), ("NO_SUCH_VAR", false)] {
+            let cfg = NatsConfig {
+                url: server.url(),
+                ack: NatsAck::Core,
+                user: Some("router".into()),
+                password_env: Some(password_env.into()),
+                connect_timeout: Duration::from_millis(500),
+                ..NatsConfig::default()
+            };
+            let conn = NatsConnection::new(cfg, secrets.clone(), tokio::runtime::Handle::current());
+            let o = NatsTarget::new(conn, "a.b")
+                .attempt(&request(Duration::from_secs(5), None))
+                .await;
+            if delivered {
+                assert!(matches!(o, AttemptOutcome::Delivered { .. }), "{o:?}");
+            } else {
+                assert!(
+                    o.error()
+                        .is_some_and(|e| e.contains("nats.password_env NO_SUCH_VAR")),
+                    "{o:?}"
+                );
+            }
+        }
+        // Without the password the server refuses the connection.
+        let cfg = NatsConfig {
+            url: server.url(),
+            ack: NatsAck::Core,
+            connect_timeout: Duration::from_millis(500),
+            ..NatsConfig::default()
+        };
+        let conn = NatsConnection::new(cfg, secrets, tokio::runtime::Handle::current());
+        let o = NatsTarget::new(conn, "a.b")
+            .attempt(&request(Duration::from_secs(2), None))
+            .await;
+        assert!(
+            o.error()
+                .is_some_and(|e| e.starts_with("connection failed")),
+            "{o:?}"
+        );
     }
 
     #[tokio::test]
