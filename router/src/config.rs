@@ -191,6 +191,13 @@ pub struct NatsConfig {
     pub user: Option<String>,
     /// Name of the environment variable (or `secrets_file` entry) holding `user`'s password.
     pub password_env: Option<String>,
+    /// PEM file of the CA(s) the server's certificate must chain to, instead of the system's
+    /// roots. Any `tls_*` key makes TLS required (as a `tls://` URL does). Unset = the system's.
+    pub tls_ca_file: Option<PathBuf>,
+    /// PEM client certificate for servers that verify clients (mTLS), with `tls_key_file`.
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of `tls_cert_file`.
+    pub tls_key_file: Option<PathBuf>,
 }
 
 impl Default for NatsConfig {
@@ -203,6 +210,9 @@ impl Default for NatsConfig {
             token_env: None,
             user: None,
             password_env: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
         }
     }
 }
@@ -916,6 +926,27 @@ impl Config {
         }
         if n.user.as_deref().is_some_and(str::is_empty) {
             return bad("nats.user must not be empty");
+        }
+        if n.tls_cert_file.is_some() != n.tls_key_file.is_some() {
+            return bad(
+                "nats.tls_cert_file and nats.tls_key_file go together: set both or neither",
+            );
+        }
+        // Checked at start: the client would read them only when it connects, and fail every
+        // connect in the background from then on.
+        for (key, file) in [
+            ("nats.tls_ca_file", &n.tls_ca_file),
+            ("nats.tls_cert_file", &n.tls_cert_file),
+            ("nats.tls_key_file", &n.tls_key_file),
+        ] {
+            if let Some(path) = file
+                && let Err(e) = std::fs::File::open(path)
+            {
+                return Err(ConfigError::Invalid(format!(
+                    "{key} {}: {e}",
+                    path.display()
+                )));
+            }
         }
         for (key, var) in [
             ("nats.token_env", &n.token_env),
@@ -1639,6 +1670,37 @@ mod tests {
         .expect("user and password_env");
         assert_eq!(c.nats.user.as_deref(), Some("router"));
         assert_eq!(c.nats.password_env.as_deref(), Some("NATS_PASSWORD"));
+    }
+
+    #[test]
+    fn nats_tls_files_must_exist_and_cert_and_key_go_together() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let pem = dir.path().join("ca.pem");
+        std::fs::write(&pem, "x").expect("write");
+        let pem = pem.display().to_string();
+        let c = Config::load(
+            None,
+            env(&[
+                ("ROUTER_NATS__TLS_CA_FILE", &pem),
+                ("ROUTER_NATS__TLS_CERT_FILE", &pem),
+                ("ROUTER_NATS__TLS_KEY_FILE", &pem),
+            ]),
+        )
+        .expect("files exist");
+        assert_eq!(c.nats.tls_ca_file.as_deref(), Some(Path::new(&pem)));
+        let e = Config::load(
+            None,
+            env(&[("ROUTER_NATS__TLS_CA_FILE", "/nonexistent/ca.pem")]),
+        )
+        .expect_err("missing");
+        assert!(
+            e.to_string()
+                .contains("nats.tls_ca_file /nonexistent/ca.pem"),
+            "{e}"
+        );
+        let e =
+            Config::load(None, env(&[("ROUTER_NATS__TLS_CERT_FILE", &pem)])).expect_err("no key");
+        assert!(e.to_string().contains("go together"), "{e}");
     }
 
     /// A URL with a user and password was accepted, never sent to the server, and shown in

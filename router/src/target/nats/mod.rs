@@ -206,6 +206,17 @@ impl NatsConnection {
             let token = (self.secrets)(name).ok_or_else(|| NatsError::Token(name.clone()))?;
             opts = opts.token(token);
         }
+        if let Some(ca) = &self.cfg.tls_ca_file {
+            opts = opts.add_root_certificates(ca.clone());
+        }
+        if let (Some(cert), Some(key)) = (&self.cfg.tls_cert_file, &self.cfg.tls_key_file) {
+            opts = opts.add_client_certificate(cert.clone(), key.clone());
+        }
+        // A CA or client certificate is meant for TLS: never fall back to plain text on a
+        // server that does not offer it.
+        if self.cfg.tls_ca_file.is_some() || self.cfg.tls_cert_file.is_some() {
+            opts = opts.require_tls(true);
+        }
         if let (Some(user), Some(name)) = (&self.cfg.user, &self.cfg.password_env) {
             let password = (self.secrets)(name).ok_or_else(|| NatsError::Password(name.clone()))?;
             opts = opts.user_and_password(user.clone(), password);
@@ -1535,6 +1546,72 @@ mod tests {
                 .is_some_and(|e| e.starts_with("connection failed")),
             "{o:?}"
         );
+    }
+
+    /// A server that requires TLS and verifies clients (mTLS) against a private CA: the
+    /// `nats.tls_*` files get the router in; without the client certificate the server
+    /// refuses it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tls_files_reach_a_server_that_verifies_clients() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let ca_key = rcgen::KeyPair::generate().expect("ca key");
+        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("ca");
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key).expect("ca");
+        let write = |name: &str, text: String| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, text).expect("write");
+            path
+        };
+        let issue = |name: &str, sans: &[&str]| {
+            let key = rcgen::KeyPair::generate().expect("key");
+            let cert = rcgen::CertificateParams::new(
+                sans.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+            )
+            .expect("params")
+            .signed_by(&key, &ca)
+            .expect("sign");
+            (
+                write(&format!("{name}.pem"), cert.pem()),
+                write(&format!("{name}-key.pem"), key.serialize_pem()),
+            )
+        };
+        let (server_cert, server_key) = issue("server", &["127.0.0.1", "localhost"]);
+        let (client_cert, client_key) = issue("client", &["router"]);
+        let ca_file = write("ca.pem", ca.pem());
+        let server = crate::store::jetstream::test_server::TestServer::start_configured(
+            false,
+            &format!(
+                "tls {{\n  cert_file: {:?}\n  key_file: {:?}\n  ca_file: {:?}\n  verify: true\n  timeout: 2\n}}\n",
+                server_cert.display().to_string(),
+                server_key.display().to_string(),
+                ca_file.display().to_string()
+            ),
+        );
+        for with_client_cert in [true, false] {
+            let cfg = NatsConfig {
+                url: server.url(),
+                ack: NatsAck::Core,
+                connect_timeout: Duration::from_secs(2),
+                tls_ca_file: Some(ca_file.clone()),
+                tls_cert_file: with_client_cert.then(|| client_cert.clone()),
+                tls_key_file: with_client_cert.then(|| client_key.clone()),
+                ..NatsConfig::default()
+            };
+            let conn = NatsConnection::new(cfg, no_secrets(), tokio::runtime::Handle::current());
+            let o = NatsTarget::new(conn, "a.b")
+                .attempt(&request(Duration::from_secs(8), None))
+                .await;
+            if with_client_cert {
+                assert!(matches!(o, AttemptOutcome::Delivered { .. }), "{o:?}");
+            } else {
+                assert!(
+                    o.error()
+                        .is_some_and(|e| e.starts_with("connection failed")),
+                    "{o:?}"
+                );
+            }
+        }
     }
 
     #[tokio::test]
