@@ -185,6 +185,19 @@ pub struct NatsConfig {
     /// Name of the environment variable (or `secrets_file` entry) holding a token to
     /// authenticate with; the token itself is never in a config or rule file. Unset = none.
     pub token_env: Option<String>,
+    /// User name to authenticate with, together with `password_env`. Unset = none. (A user
+    /// and password in `url` are refused: the client would not send them, and the URL is
+    /// shown in `/v1/status`, metric labels and logs.)
+    pub user: Option<String>,
+    /// Name of the environment variable (or `secrets_file` entry) holding `user`'s password.
+    pub password_env: Option<String>,
+    /// PEM file of the CA(s) the server's certificate must chain to, instead of the system's
+    /// roots. Any `tls_*` key makes TLS required (as a `tls://` URL does). Unset = the system's.
+    pub tls_ca_file: Option<PathBuf>,
+    /// PEM client certificate for servers that verify clients (mTLS), with `tls_key_file`.
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of `tls_cert_file`.
+    pub tls_key_file: Option<PathBuf>,
 }
 
 impl Default for NatsConfig {
@@ -195,6 +208,11 @@ impl Default for NatsConfig {
             connect_timeout: Duration::from_secs(2),
             credentials_file: None,
             token_env: None,
+            user: None,
+            password_env: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
         }
     }
 }
@@ -212,17 +230,45 @@ pub fn server_addrs(key: &str, urls: &str) -> Result<Vec<async_nats::ServerAddr>
     urls.split(',')
         .map(str::trim)
         .map(|u| {
+            let shown = without_userinfo(u);
             let addr: async_nats::ServerAddr =
-                u.parse().map_err(|e| format!("{key} `{u}`: {e}"))?;
+                u.parse().map_err(|e| format!("{key} `{shown}`: {e}"))?;
+            // async-nats parses a URL's user and password but never sends them, and the URL
+            // is shown in /v1/status, metric labels, logs and attempt errors (which teams read
+            // in the DLQ): refused rather than redacted everywhere.
+            if addr.has_user_pass() || u.contains('@') {
+                let instead = if key == "nats.url" {
+                    "set nats.user and nats.password_env (or nats.token_env, nats.credentials_file)"
+                } else {
+                    "the server must let the router in without them"
+                };
+                return Err(format!(
+                    "{key} `{shown}`: credentials in the URL are refused (they would be shown in \
+                     status, metrics and logs, and are not sent); {instead}"
+                ));
+            }
             // The client is built without websocket support.
             if !matches!(addr.scheme(), "nats" | "tls") {
                 return Err(format!(
-                    "{key} `{u}`: only nats:// and tls:// servers are supported"
+                    "{key} `{shown}`: only nats:// and tls:// servers are supported"
                 ));
             }
             Ok(addr)
         })
         .collect()
+}
+
+/// `url` with any user information (`user:password@`) replaced by `***@`, for error texts.
+fn without_userinfo(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => {
+            let sep = if scheme.is_empty() { "" } else { "://" };
+            format!("{scheme}{sep}***{}", &rest[at..])
+        }
+        None => url.to_string(),
+    }
 }
 
 /// `nats.ack`: when a `nats:` attempt counts as delivered.
@@ -864,26 +910,61 @@ impl Config {
         if self.nats.connect_timeout.is_zero() {
             return bad("nats.connect_timeout must be > 0");
         }
-        if self.nats.credentials_file.is_some() && self.nats.token_env.is_some() {
-            return bad("nats.credentials_file and nats.token_env are exclusive: set one");
+        let n = &self.nats;
+        let ways = [
+            n.credentials_file.is_some(),
+            n.token_env.is_some(),
+            n.user.is_some() || n.password_env.is_some(),
+        ];
+        if ways.iter().filter(|w| **w).count() > 1 {
+            return bad(
+                "nats.credentials_file, nats.token_env and nats.user (with nats.password_env) are exclusive: set one",
+            );
+        }
+        if n.user.is_some() != n.password_env.is_some() {
+            return bad("nats.user and nats.password_env go together: set both or neither");
+        }
+        if n.user.as_deref().is_some_and(str::is_empty) {
+            return bad("nats.user must not be empty");
+        }
+        if n.tls_cert_file.is_some() != n.tls_key_file.is_some() {
+            return bad(
+                "nats.tls_cert_file and nats.tls_key_file go together: set both or neither",
+            );
+        }
+        // Checked at start: the client would read them only when it connects, and fail every
+        // connect in the background from then on.
+        for (key, file) in [
+            ("nats.tls_ca_file", &n.tls_ca_file),
+            ("nats.tls_cert_file", &n.tls_cert_file),
+            ("nats.tls_key_file", &n.tls_key_file),
+        ] {
+            if let Some(path) = file
+                && let Err(e) = std::fs::File::open(path)
+            {
+                return Err(ConfigError::Invalid(format!(
+                    "{key} {}: {e}",
+                    path.display()
+                )));
+            }
+        }
+        for (key, var) in [
+            ("nats.token_env", &n.token_env),
+            ("nats.password_env", &n.password_env),
+        ] {
+            if var.as_deref().is_some_and(|v| v.starts_with("ROUTER_")) {
+                return Err(ConfigError::Invalid(format!(
+                    "{key} must not name a ROUTER_ variable: those are read as configuration keys"
+                )));
+            }
+            if var.as_deref().is_some_and(str::is_empty) {
+                return Err(ConfigError::Invalid(format!("{key} must name a variable")));
+            }
         }
         if self.secrets_env_prefix.starts_with("ROUTER_") {
             return bad(
                 "secrets_env_prefix must not start with ROUTER_ (those variables are configuration keys)",
             );
-        }
-        if self
-            .nats
-            .token_env
-            .as_deref()
-            .is_some_and(|v| v.starts_with("ROUTER_"))
-        {
-            return bad(
-                "nats.token_env must not name a ROUTER_ variable: those are read as configuration keys",
-            );
-        }
-        if self.nats.token_env.as_deref().is_some_and(str::is_empty) {
-            return bad("nats.token_env must name a variable");
         }
         let js = &self.store.jetstream;
         let token_ok = |t: &str| {
@@ -1558,7 +1639,102 @@ mod tests {
         )
         .expect_err("both");
         assert!(e.to_string().contains("exclusive"), "{e}");
-        let e = Config::load(None, env(&[("ROUTER_NATS__USER", "x")])).expect_err("unknown");
-        assert!(e.to_string().contains("user"), "{e}");
+        let e = Config::load(None, env(&[("ROUTER_NATS__USER", "x")])).expect_err("no password");
+        assert!(e.to_string().contains("go together"), "{e}");
+        let e = Config::load(
+            None,
+            env(&[
+                ("ROUTER_NATS__USER", "x"),
+                ("ROUTER_NATS__PASSWORD_ENV", "P"),
+                ("ROUTER_NATS__TOKEN_ENV", "T"),
+            ]),
+        )
+        .expect_err("both");
+        assert!(e.to_string().contains("exclusive"), "{e}");
+        let e = Config::load(
+            None,
+            env(&[
+                ("ROUTER_NATS__USER", "x"),
+                ("ROUTER_NATS__PASSWORD_ENV", "ROUTER_P"),
+            ]),
+        )
+        .expect_err("ROUTER_");
+        assert!(e.to_string().contains("nats.password_env"), "{e}");
+        let c = Config::load(
+            None,
+            env(&[
+                ("ROUTER_NATS__USER", "router"),
+                ("ROUTER_NATS__PASSWORD_ENV", "NATS_PASSWORD"),
+            ]),
+        )
+        .expect("user and password_env");
+        assert_eq!(c.nats.user.as_deref(), Some("router"));
+        assert_eq!(c.nats.password_env.as_deref(), Some("NATS_PASSWORD"));
+    }
+
+    #[test]
+    fn nats_tls_files_must_exist_and_cert_and_key_go_together() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let pem = dir.path().join("ca.pem");
+        std::fs::write(&pem, "x").expect("write");
+        let pem = pem.display().to_string();
+        let c = Config::load(
+            None,
+            env(&[
+                ("ROUTER_NATS__TLS_CA_FILE", &pem),
+                ("ROUTER_NATS__TLS_CERT_FILE", &pem),
+                ("ROUTER_NATS__TLS_KEY_FILE", &pem),
+            ]),
+        )
+        .expect("files exist");
+        assert_eq!(c.nats.tls_ca_file.as_deref(), Some(Path::new(&pem)));
+        let e = Config::load(
+            None,
+            env(&[("ROUTER_NATS__TLS_CA_FILE", "/nonexistent/ca.pem")]),
+        )
+        .expect_err("missing");
+        assert!(
+            e.to_string()
+                .contains("nats.tls_ca_file /nonexistent/ca.pem"),
+            "{e}"
+        );
+        let e =
+            Config::load(None, env(&[("ROUTER_NATS__TLS_CERT_FILE", &pem)])).expect_err("no key");
+        assert!(e.to_string().contains("go together"), "{e}");
+    }
+
+    /// A URL with a user and password was accepted, never sent to the server, and shown in
+    /// /v1/status, metric labels, logs and DLQ entries. It is refused, naming the key and the
+    /// options to use, without repeating the password.
+    #[test]
+    fn credentials_in_a_nats_url_are_refused_without_being_repeated() {
+        for (key, var) in [
+            ("nats.url", "ROUTER_NATS__URL"),
+            ("store.jetstream.url", "ROUTER_STORE__JETSTREAM__URL"),
+        ] {
+            for url in [
+                "nats://routeruser:S3cretPassw0rd@127.0.0.1:4222",
+                "nats://127.0.0.1:4223, tls://routeruser:S3cretPassw0rd@10.0.0.2:4222",
+                "nats://S3cretPassw0rd@127.0.0.1:4222",
+                "nats://routeruser:S3cretPassw0rd@127.0.0.1:notaport",
+            ] {
+                let e = Config::load(None, env(&[(var, url)])).expect_err(url);
+                let text = e.to_string();
+                assert!(text.contains(key), "{text}");
+                assert!(!text.contains("S3cretPassw0rd"), "{text}");
+                if !url.ends_with("notaport") {
+                    assert!(
+                        text.contains("credentials in the URL are refused"),
+                        "{text}"
+                    );
+                }
+                if key == "nats.url" && !url.ends_with("notaport") {
+                    assert!(text.contains("nats.password_env"), "{text}");
+                }
+            }
+        }
+        assert_eq!(without_userinfo("nats://u:p@h:1/x@y"), "nats://***@h:1/x@y");
+        assert_eq!(without_userinfo("h:1"), "h:1");
+        assert_eq!(without_userinfo("u:p@h:1"), "***@h:1");
     }
 }

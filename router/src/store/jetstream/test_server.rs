@@ -23,6 +23,8 @@ pub struct TestServer {
     limits: Limits,
     /// Whether the server runs JetStream (all but `start_core_only`).
     jetstream: bool,
+    /// More server configuration (`start_configured`): users and permissions, TLS.
+    extra: String,
 }
 
 /// Server settings a test sets other than the default (`TestServer::start_with`).
@@ -91,6 +93,7 @@ impl TestServer {
             cluster: None,
             limits,
             jetstream: true,
+            extra: String::new(),
         };
         s.spawn();
         s
@@ -106,6 +109,25 @@ impl TestServer {
             cluster: None,
             limits: Limits::default(),
             jetstream: false,
+            extra: String::new(),
+        };
+        s.spawn();
+        s
+    }
+
+    /// A single server (with JetStream or without) whose configuration ends with `extra`, e.g.
+    /// an `authorization { … }` block with users and permissions, or a `tls { … }` block; for
+    /// the `nats:` target's tests.
+    pub fn start_configured(jetstream: bool, extra: &str) -> Self {
+        let mut s = Self {
+            child: None,
+            port: free_port(),
+            dir: tempfile::tempdir().expect("temp dir"),
+            bin: binary(),
+            cluster: None,
+            limits: Limits::default(),
+            jetstream,
+            extra: extra.to_string(),
         };
         s.spawn();
         s
@@ -125,6 +147,7 @@ impl TestServer {
                 cluster: Some((format!("n{i}"), routes[i], routes.clone())),
                 limits: Limits::default(),
                 jetstream: true,
+                extra: String::new(),
             })
             .collect();
         for s in &mut servers {
@@ -173,6 +196,7 @@ impl TestServer {
                 )
             }
         };
+        let config = format!("{config}{}\n", self.extra);
         std::fs::write(&conf, config).expect("write server config");
         let log = std::fs::File::create(self.dir.path().join("server.log")).expect("log file");
         let child = Command::new(&self.bin)

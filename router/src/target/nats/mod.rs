@@ -9,9 +9,11 @@
 //! When an attempt counts as delivered is `nats.ack`:
 //! - `auto`: where a stream captures the subject (JetStream's API says which, asked at most
 //!   every few seconds per target), a JetStream publish: a request answered by the stream's
-//!   PubAck, delivered once stored. Where none does (or the server has no JetStream), the
-//!   message is published as core NATS and flushed instead: delivered then means the server
-//!   has it, with no promise that anyone received it. Only a definite answer selects core:
+//!   PubAck, delivered once stored (a stream with `no_ack: true` acknowledges nothing: its
+//!   subjects are published as core NATS, which it stores all the same). Where none does (or the server has no JetStream), the
+//!   message is published as core NATS instead: delivered then means the server took it (a
+//!   round trip after the publish shows that it did not refuse it), with no promise that
+//!   anyone received it. Only a definite answer selects core:
 //!   the API's "no such stream" or "JetStream not enabled", or no responders on a server whose
 //!   INFO says it runs no JetStream. JetStream not answering on a server that runs it (it
 //!   stops before client connections close at shutdown) and a publish to a found stream that
@@ -19,11 +21,13 @@
 //!   should have stored but did not.
 //! - `jetstream`: the same, but no stream is a retryable failure, so entries wait in their
 //!   queue until an operator creates the stream.
-//! - `core`: core publish and flush only.
+//! - `core`: core publish and the round trip only.
 //!
 //! Failures are classified by the client's error kinds: not connected, timeouts, a failed
 //! flush and every JetStream error answer (stream full, storage limits, ...) are retryable and
-//! count for the breaker; a message larger than the server's `max_payload` is permanent.
+//! count for the breaker; a message larger than the server's `max_payload` is permanent. So is
+//! a publish the server refuses (its user may not publish to the subject, `refusals`): it is
+//! not answered at all, and only the refusal the server sends instead tells.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -40,6 +44,10 @@ use tokio_util::task::TaskTracker;
 use super::{AttemptOutcome, DeliveryRequest, Target};
 use crate::config::{NatsAck, NatsConfig};
 use crate::deliver::SecretResolver;
+
+mod refusals;
+
+use refusals::{INBOX_PREFIX, Refusal, Refusals, Watch};
 
 /// How long the JetStream context waits for a PubAck on its own. Longer than any attempt:
 /// the attempt's deadline (`req.timeout`, the policy's timeout) is what ends the wait, and
@@ -63,6 +71,9 @@ pub enum NatsError {
     /// `nats.token_env` names a variable that is not set.
     #[error("nats.token_env {0}: not set in the environment or the secrets file")]
     Token(String),
+    /// `nats.password_env` names a variable that is not set.
+    #[error("nats.password_env {0}: not set in the environment or the secrets file")]
+    Password(String),
     /// The client refused its options.
     #[error("connect: {0}")]
     Connect(#[from] async_nats::ConnectError),
@@ -91,6 +102,8 @@ pub struct NatsConnection {
     client: tokio::sync::OnceCell<Connected>,
     /// The client's last connection event (e.g. why the last connect failed), for error texts.
     last_event: Arc<Mutex<Option<String>>>,
+    /// What the server refused (permission violations), reported by the event callback.
+    refusals: Arc<Refusals>,
     warmed: AtomicBool,
 }
 
@@ -107,6 +120,7 @@ impl NatsConnection {
             spawner,
             client: tokio::sync::OnceCell::new(),
             last_event: Arc::default(),
+            refusals: Arc::default(),
             warmed: AtomicBool::new(false),
         })
     }
@@ -138,6 +152,7 @@ impl NatsConnection {
 
     fn options(&self) -> Result<async_nats::ConnectOptions, NatsError> {
         let last = self.last_event.clone();
+        let refusals = self.refusals.clone();
         let url = self.cfg.url.clone();
         let mut opts = async_nats::ConnectOptions::new()
             .name(concat!("router/", env!("CARGO_PKG_VERSION")))
@@ -147,7 +162,7 @@ impl NatsConnection {
             .retry_on_initial_connect()
             .max_reconnects(None)
             .event_callback(move |event| {
-                let (last, url) = (last.clone(), url.clone());
+                let (last, refusals, url) = (last.clone(), refusals.clone(), url.clone());
                 async move {
                     let text = event.to_string();
                     let previous = last
@@ -156,7 +171,16 @@ impl NatsConnection {
                         .replace(text.clone());
                     match event {
                         async_nats::Event::Connected => {
+                            refusals.connected();
                             tracing::info!(url = %url, "NATS connected")
+                        }
+                        // A refused publish fails its attempt (which logs it with the event
+                        // id); the refusal is recorded for that attempt to find.
+                        async_nats::Event::ServerError(async_nats::ServerError::Other(e)) => {
+                            tracing::debug!(url = %url, event = %text, "NATS connection");
+                            if let Some(refusal) = Refusal::parse(&e) {
+                                refusals.record(refusal);
+                            }
                         }
                         // While the server is down the client fails a connect every few
                         // seconds: one warning when that starts, not one per try (the client
@@ -181,6 +205,21 @@ impl NatsConnection {
         if let Some(name) = &self.cfg.token_env {
             let token = (self.secrets)(name).ok_or_else(|| NatsError::Token(name.clone()))?;
             opts = opts.token(token);
+        }
+        if let Some(ca) = &self.cfg.tls_ca_file {
+            opts = opts.add_root_certificates(ca.clone());
+        }
+        if let (Some(cert), Some(key)) = (&self.cfg.tls_cert_file, &self.cfg.tls_key_file) {
+            opts = opts.add_client_certificate(cert.clone(), key.clone());
+        }
+        // A CA or client certificate is meant for TLS: never fall back to plain text on a
+        // server that does not offer it.
+        if self.cfg.tls_ca_file.is_some() || self.cfg.tls_cert_file.is_some() {
+            opts = opts.require_tls(true);
+        }
+        if let (Some(user), Some(name)) = (&self.cfg.user, &self.cfg.password_env) {
+            let password = (self.secrets)(name).ok_or_else(|| NatsError::Password(name.clone()))?;
+            opts = opts.user_and_password(user.clone(), password);
         }
         Ok(opts)
     }
@@ -245,6 +284,117 @@ impl NatsConnection {
             ),
         }
     }
+
+    /// Waits for `op` (a publish waiting for its answer) unless the server refuses, after
+    /// `watch.since`, a publish to one of `subjects` or the client's inbox subscription (no
+    /// answer can come then).
+    async fn unless_refused<F: std::future::Future>(
+        &self,
+        watch: &mut Watch,
+        subjects: &[&str],
+        op: F,
+    ) -> Result<F::Output, Refused> {
+        tokio::pin!(op);
+        loop {
+            if let Some(s) = subjects
+                .iter()
+                .find(|s| self.refusals.refused_publish(watch.since, s))
+            {
+                return Err(Refused::Publish((*s).to_string()));
+            }
+            if let Some(sub) = self.refusals.inbox_refused() {
+                return Err(Refused::Inbox(sub));
+            }
+            tokio::select! {
+                out = &mut op => return Ok(out),
+                changed = watch.changed.changed() => {
+                    // The sender lives as long as the connection: only `op` is left to wait for.
+                    if changed.is_err() {
+                        return Ok(op.await);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A round trip to the server after a core publish to `subject`, so that a refusal of
+    /// that publish (which the server sends before it handles anything later on the
+    /// connection) has arrived when it returns: `Err` only when the round trip itself fails.
+    ///
+    /// async-nats' `flush` only writes the buffer out (no PING), and the client offers no
+    /// PING of its own, so the round trip is a request to an inbox subject nobody subscribes
+    /// to, which the server answers "no responders" (or refuses, when the user may not publish
+    /// there: that refusal then follows the one of `subject`, in order, through the callback).
+    async fn round_trip(
+        &self,
+        client: &async_nats::Client,
+        watch: &mut Watch,
+        subject: &str,
+    ) -> Result<(), AttemptOutcome> {
+        let ping = client.new_inbox();
+        let request = client.send_request(ping.clone(), async_nats::Request::new().timeout(None));
+        match self.unless_refused(watch, &[subject, &ping], request).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {}
+            Ok(Err(e)) => {
+                return Err(retryable(format!(
+                    "connection failed: confirming the publish to {subject} with the server: {e}"
+                )));
+            }
+            // The ping refused: the callback has recorded every refusal before it.
+            Err(Refused::Publish(_)) => return Ok(()),
+            Err(refused) => return Err(refused.outcome()),
+        }
+        // The answer came through a subscription, not through the callback: a refusal the
+        // server sent before it may still be on its way to the callback's task (woken
+        // earlier, but not necessarily run yet). It is given a moment.
+        tokio::task::yield_now().await;
+        let _ = tokio::time::timeout(CALLBACK_GRACE, async {
+            while !self.refusals.refused_publish(watch.since, subject) {
+                if watch.changed.changed().await.is_err() {
+                    return;
+                }
+            }
+        })
+        .await;
+        Ok(())
+    }
+}
+
+/// How long a core publish confirmed by a round trip waits, after the answer, for the event
+/// callback to record a refusal the server sent before that answer. The callback's task was
+/// woken before the attempt's, so this is a bound on scheduling, not on the network.
+const CALLBACK_GRACE: Duration = Duration::from_millis(2);
+
+/// Why a publish or the wait for its answer ended without an answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Refused {
+    /// The server refused a publish to this subject.
+    Publish(String),
+    /// The server refused the client's inbox subscription (this subject).
+    Inbox(String),
+}
+
+impl Refused {
+    /// The attempt's outcome. Permanent: retrying changes nothing until an operator changes
+    /// the NATS user's permissions, and then the DLQ entry is redriven (a retryable failure
+    /// would wait out the whole retry policy, count for the breaker and end in the DLQ all
+    /// the same).
+    fn outcome(&self) -> AttemptOutcome {
+        match self {
+            Self::Publish(subject) => permanent(format!(
+                "permission denied: the NATS server refused the publish to {subject} \
+                 (Permissions Violation: the router's NATS user may not publish there); \
+                 redrive from the DLQ once it may"
+            )),
+            Self::Inbox(sub) => permanent(format!(
+                "permission denied: the NATS server refused the router's subscription to \
+                 {sub}: its NATS user needs subscribe permission on {INBOX_PREFIX}> to get \
+                 JetStream's answers and confirm core publishes (the message may have been \
+                 published); redrive from the DLQ once it may"
+            )),
+        }
+    }
 }
 
 /// The shared connection's state, for `/v1/status` (`nats`) and `router_nats_connected`.
@@ -296,11 +446,37 @@ async fn wait_connected(
 /// goes away shows at once (the publish fails, and a failed attempt forgets the answer).
 const CAPTURE_TTL: Duration = Duration::from_secs(5);
 
+/// The subject of JetStream's API that says which stream captures a subject.
+const STREAM_NAMES_API: &str = "$JS.API.STREAM.NAMES";
+
+/// How long the stream lookup may take: a few seconds at most (JetStream answers in
+/// milliseconds when it answers at all), and at most half the attempt's timeout, which leaves
+/// the publish the rest.
+fn lookup_wait(attempt_timeout: Duration) -> Duration {
+    const LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
+    LOOKUP_TIMEOUT.min(attempt_timeout / 2)
+}
+
+/// The error of a stream lookup the server refused. Permanent, as any refusal (`Refused`).
+/// Not core NATS instead: a stream may capture the subject, and a core publish would be
+/// recorded delivered without the stream's acknowledgement, which `auto` promises.
+fn lookup_refused() -> AttemptOutcome {
+    permanent(format!(
+        "permission denied: the NATS server refused the router's JetStream stream lookup \
+         (a publish to {STREAM_NAMES_API}): nats.ack = \"auto\" and \"jetstream\" need that \
+         permission, or set nats.ack = \"core\" if no stream must acknowledge; redrive from \
+         the DLQ once it may"
+    ))
+}
+
 /// Whether a JetStream stream captures a target's subject, as the server last said.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Capture {
     /// This stream does.
     Stream(String),
+    /// This stream does, but it acknowledges nothing (`no_ack: true`): the message is
+    /// published as core NATS, which the stream stores all the same.
+    NoAckStream(String),
     /// No stream does.
     NoStream,
     /// The server (or the account) has no JetStream at all.
@@ -401,7 +577,7 @@ pub fn classify_jetstream(e: &async_nats::jetstream::context::PublishError) -> A
             retryable(format!("connection failed: JetStream: {error}"))
         }
         // Error answers of the stream (stream full, storage or account limits, a cluster
-        // without quorum, a message over the stream's own max_msg_size...) are the operator's
+        // without quorum...; not a message over its max_msg_size, above) are the operator's
         // to fix, and entries wait for that; MaxAckPending is this client's own backpressure.
         JetStreamErrorKind::StreamNotFound
         | JetStreamErrorKind::MaxAckPending
@@ -509,7 +685,8 @@ impl NatsTarget {
         let (at, capture) = cached.as_ref()?;
         // Under `jetstream` a missing stream fails the attempt anyway, so it is asked again
         // each time: the first retry after an operator creates the stream delivers.
-        let trusted = matches!(capture, Capture::Stream(_)) || self.ack == NatsAck::Auto;
+        let trusted = matches!(capture, Capture::Stream(_) | Capture::NoAckStream(_))
+            || self.ack == NatsAck::Auto;
         (trusted && at.elapsed() < CAPTURE_TTL).then(|| capture.clone())
     }
 
@@ -523,20 +700,77 @@ impl NatsTarget {
     /// subscriber gets the request, nobody acknowledges, and every retry would hand it another
     /// copy. So the target asks JetStream's API first, and publishes as core NATS where no
     /// stream is.
-    async fn capture(&self, conn: &Connected) -> Result<Capture, AttemptOutcome> {
+    ///
+    /// The lookup is a request to `$JS.API.STREAM.NAMES`, bounded by `within`: the JetStream
+    /// context's own timeout is the PubAck's (an hour), and a lookup the server refuses (a
+    /// user without that permission) is never answered, so every attempt waited out its whole
+    /// timeout and failed as a bare "timeout".
+    async fn capture(&self, conn: &Connected, within: Duration) -> Result<Capture, AttemptOutcome> {
         if let Some(c) = self.remembered() {
             return Ok(c);
         }
-        let found = match conn
-            .jetstream
-            .stream_by_subject(self.subject.to_string())
-            .await
-        {
-            Ok(name) => Capture::Stream(name),
-            Err(e) => lookup_failed(&e, conn.client.server_info().jetstream, &self.subject)?,
+        let deadline = tokio::time::Instant::now() + within;
+        let mut watch = self.conn.refusals.watch();
+        let lookup = conn.jetstream.stream_by_subject(self.subject.to_string());
+        let answer = tokio::time::timeout_at(
+            deadline,
+            self.conn
+                .unless_refused(&mut watch, &[STREAM_NAMES_API], lookup),
+        )
+        .await;
+        let found = match answer {
+            Ok(Ok(Ok(name))) if self.acknowledges(conn, &name, deadline).await => {
+                Capture::Stream(name)
+            }
+            Ok(Ok(Ok(name))) => Capture::NoAckStream(name),
+            Ok(Ok(Err(e))) => {
+                lookup_failed(&e, conn.client.server_info().jetstream, &self.subject)?
+            }
+            Ok(Err(Refused::Publish(_))) => return Err(lookup_refused()),
+            Ok(Err(refused)) => return Err(refused.outcome()),
+            Err(_) => {
+                return Err(retryable(format!(
+                    "timeout: JetStream: looking up the stream of subject {} ({STREAM_NAMES_API}): \
+                     no answer within {}",
+                    self.subject,
+                    humantime::format_duration(within)
+                )));
+            }
         };
         self.remember(Some(found.clone()));
         Ok(found)
+    }
+
+    /// Whether stream `name` acknowledges what it stores: not with `no_ack: true`, where a
+    /// JetStream publish waited for a PubAck that never came and every attempt failed as a
+    /// timeout though the stream had stored the message. Asked of JetStream's API
+    /// (`$JS.API.STREAM.INFO.<name>`, by `deadline`); without an answer (no permission, no
+    /// time left) the stream is taken to acknowledge, as most do.
+    async fn acknowledges(
+        &self,
+        conn: &Connected,
+        name: &str,
+        deadline: tokio::time::Instant,
+    ) -> bool {
+        let api = format!("$JS.API.STREAM.INFO.{name}");
+        let mut watch = self.conn.refusals.watch();
+        let info = conn.jetstream.get_stream(name);
+        let answer = tokio::time::timeout_at(
+            deadline,
+            self.conn.unless_refused(&mut watch, &[&api], info),
+        )
+        .await;
+        match answer {
+            Ok(Ok(Ok(stream))) => !stream.cached_info().config.no_ack,
+            Ok(Err(Refused::Publish(_))) => {
+                tracing::warn!(stream = name, subject = %self.subject, "the NATS server refused {api}: the router cannot tell whether the stream acknowledges (no_ack) and takes it to");
+                true
+            }
+            other => {
+                tracing::debug!(stream = name, answer = ?other.map(|a| a.map(|s| s.map(|_| ()))), "stream info unknown: taken to acknowledge");
+                true
+            }
+        }
     }
 
     async fn attempt(&self, req: &DeliveryRequest) -> AttemptOutcome {
@@ -575,12 +809,16 @@ impl NatsTarget {
         if self.ack == NatsAck::Core {
             return self.publish_core(&conn.client, headers, req).await;
         }
-        let capture = match self.capture(conn).await {
+        let capture = match self.capture(conn, lookup_wait(req.timeout)).await {
             Ok(c) => c,
             Err(outcome) => return outcome,
         };
         let stream = match (&capture, self.ack) {
             (Capture::Stream(stream), _) => stream,
+            (Capture::NoAckStream(stream), _) => {
+                tracing::debug!(event_id = %req.event_id, stream, "no_ack stream: published as core NATS");
+                return self.publish_core(&conn.client, headers, req).await;
+            }
             (_, NatsAck::JetStream) => return no_stream(&self.subject, &capture),
             _ => return self.publish_core(&conn.client, headers, req).await,
         };
@@ -593,7 +831,17 @@ impl NatsTarget {
                 .await?
                 .await
         };
-        match acked.await {
+        // A refused publish is never answered: its refusal ends the wait.
+        let mut watch = self.conn.refusals.watch();
+        let acked = match self
+            .conn
+            .unless_refused(&mut watch, &[&self.subject], acked)
+            .await
+        {
+            Ok(acked) => acked,
+            Err(refused) => return refused.outcome(),
+        };
+        match acked {
             // A duplicate PubAck: the stream has this message id already (an earlier
             // attempt's message got there): delivered all the same.
             Ok(ack) => {
@@ -606,24 +854,45 @@ impl NatsTarget {
         }
     }
 
-    /// Core NATS: publish, then flush, so the message has left for the server before the
-    /// attempt counts as delivered.
+    /// Core NATS: publish, flush, and a round trip to the server, so the attempt counts as
+    /// delivered only once the server has handled the message without refusing it. A core
+    /// publish is otherwise unanswered: the server's one word on it is a permission refusal,
+    /// which was missed, and the event was recorded delivered though the server dropped it.
     async fn publish_core(
         &self,
         client: &async_nats::Client,
         headers: HeaderMap,
         req: &DeliveryRequest,
     ) -> AttemptOutcome {
+        let mut watch = self.conn.refusals.watch();
         if let Err(e) = client
             .publish_with_headers(self.subject.clone(), headers, req.body.clone())
             .await
         {
             return classify_core_publish(e.kind(), &e.to_string());
         }
-        match client.flush().await {
-            Ok(()) => AttemptOutcome::Delivered { status: None },
-            Err(e) => classify_flush(&e.to_string()),
+        if let Err(e) = client.flush().await {
+            return classify_flush(&e.to_string());
         }
+        if let Err(outcome) = self
+            .conn
+            .round_trip(client, &mut watch, &self.subject)
+            .await
+        {
+            return outcome;
+        }
+        let refusals = &self.conn.refusals;
+        if refusals.refused_publish(watch.since, &self.subject) {
+            return Refused::Publish(self.subject.to_string()).outcome();
+        }
+        if refusals.lost_since(watch.since) {
+            return retryable(format!(
+                "NATS: could not confirm the publish to {}: too many refusals of the server \
+                 to tell whether it was among them",
+                self.subject
+            ));
+        }
+        AttemptOutcome::Delivered { status: None }
     }
 }
 
@@ -870,6 +1139,215 @@ mod tests {
         assert_eq!(&msg.payload[..], b"{\"id\":\"e-1\"}");
     }
 
+    /// A private server whose one user (taken by every connection, `no_auth_user`) may
+    /// publish to `publish` and subscribe to `subscribe` (lists of subjects, TOML-quoted).
+    fn server_allowing(
+        jetstream: bool,
+        publish: &str,
+        subscribe: &str,
+    ) -> crate::store::jetstream::test_server::TestServer {
+        crate::store::jetstream::test_server::TestServer::start_configured(
+            jetstream,
+            &format!(
+                "authorization {{\n  users = [\n    {{ user: limited, password: limitedpw, \
+                 permissions: {{ publish: {{ allow: [{publish}] }}, subscribe: {{ allow: \
+                 [{subscribe}] }} }} }}\n  ]\n}}\nno_auth_user: limited\n"
+            ),
+        )
+    }
+
+    fn target_on(url: String, ack: NatsAck, subject: &str) -> NatsTarget {
+        let cfg = NatsConfig {
+            url,
+            ack,
+            ..NatsConfig::default()
+        };
+        let conn = NatsConnection::new(cfg, no_secrets(), tokio::runtime::Handle::current());
+        NatsTarget::new(conn, subject)
+    }
+
+    fn is_refused(o: &AttemptOutcome, subject: &str) -> bool {
+        matches!(o, AttemptOutcome::Permanent { .. })
+            && o.error().is_some_and(|e| {
+                e.starts_with("permission denied")
+                    && e.contains(&format!("refused the publish to {subject} "))
+            })
+    }
+
+    /// The loss of the audit: a core publish the server refuses (its user may not publish to
+    /// the subject) was recorded delivered, as the flush succeeded. It is a permanent failure
+    /// naming the refusal, under `core` and under `auto` where no stream captures the subject;
+    /// an allowed subject is delivered, and the subscriber gets it once. Both with a user that
+    /// may publish to the inbox (the round trip is answered "no responders") and with one that
+    /// may not (the round trip's own publish is refused, after the message's).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_core_publish_the_server_refuses_is_a_permanent_failure_not_delivered() {
+        use futures::StreamExt;
+        for (jetstream, publish) in [
+            (false, r#""orders.>", "_INBOX.>""#),
+            (false, r#""orders.>""#),
+            (false, r#""orders.>", "$JS.API.>""#),
+            (true, r#""orders.>", "$JS.API.>""#),
+        ] {
+            let server = server_allowing(jetstream, publish, r#""_INBOX.>", "orders.>""#);
+            let watcher = async_nats::connect(server.url()).await.expect("connect");
+            let mut seen = watcher.subscribe("orders.paid").await.expect("subscribe");
+            watcher.flush().await.expect("flush");
+            // `auto` asks JetStream's API first, which takes a user that may.
+            let acks: &[NatsAck] = if publish.contains("$JS.API") {
+                &[NatsAck::Core, NatsAck::Auto]
+            } else {
+                &[NatsAck::Core]
+            };
+            for &ack in acks {
+                let case = format!("{ack:?}, publish allowed to {publish}");
+                let denied = target_on(server.url(), ack, "denied.x");
+                for _ in 0..3 {
+                    let o = denied.attempt(&request(Duration::from_secs(5), None)).await;
+                    assert!(is_refused(&o, "denied.x"), "{case}: {o:?}");
+                    assert!(!o.counts_for_breaker());
+                }
+                let allowed = target_on(server.url(), ack, "orders.paid");
+                let o = allowed
+                    .attempt(&request(Duration::from_secs(5), None))
+                    .await;
+                assert!(
+                    matches!(o, AttemptOutcome::Delivered { .. }),
+                    "{case}: {o:?}"
+                );
+                let msg = tokio::time::timeout(Duration::from_secs(10), seen.next())
+                    .await
+                    .expect("the message within 10 s")
+                    .expect("a message");
+                assert_eq!(&msg.payload[..], b"{\"id\":\"e-1\"}", "{case}");
+                // The refused one again, after an allowed one on the same connection.
+                let o = denied.attempt(&request(Duration::from_secs(5), None)).await;
+                assert!(is_refused(&o, "denied.x"), "{case}: {o:?}");
+            }
+        }
+    }
+
+    /// A stream captures the subject but the user may not publish to it: the JetStream
+    /// publish is refused and never answered; the refusal fails the attempt at once, not the
+    /// attempt's timeout.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_jetstream_publish_the_server_refuses_fails_at_once() {
+        let server = server_allowing(true, r#""orders.paid", "$JS.API.>""#, r#""_INBOX.>""#);
+        let client = async_nats::connect(server.url()).await.expect("connect");
+        jetstream::new(client)
+            .create_stream(jetstream::stream::Config {
+                name: "ORDERS".into(),
+                subjects: vec!["orders.>".into()],
+                ..Default::default()
+            })
+            .await
+            .expect("stream");
+        let denied = target_on(server.url(), NatsAck::JetStream, "orders.secret");
+        let started = std::time::Instant::now();
+        let o = denied
+            .attempt(&request(Duration::from_secs(20), None))
+            .await;
+        assert!(is_refused(&o, "orders.secret"), "{o:?}");
+        assert!(started.elapsed() < Duration::from_secs(10), "not a timeout");
+        let allowed = target_on(server.url(), NatsAck::JetStream, "orders.paid");
+        let o = allowed
+            .attempt(&request(Duration::from_secs(20), None))
+            .await;
+        assert!(matches!(o, AttemptOutcome::Delivered { .. }), "{o:?}");
+    }
+
+    /// A user that may publish to the subject but not ask JetStream's API which stream
+    /// captures it: under `auto` and `jetstream` every attempt waited out its timeout and
+    /// failed as a bare "timeout". The refusal fails it at once, naming the permission.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refused_stream_lookup_names_the_missing_permission_at_once() {
+        assert_eq!(lookup_wait(Duration::from_secs(30)), Duration::from_secs(5));
+        assert_eq!(lookup_wait(Duration::from_secs(2)), Duration::from_secs(1));
+        for jetstream in [true, false] {
+            let server = server_allowing(jetstream, r#""orders.>""#, r#""_INBOX.>""#);
+            for ack in [NatsAck::Auto, NatsAck::JetStream] {
+                let target = target_on(server.url(), ack, "orders.paid");
+                let started = std::time::Instant::now();
+                let o = target
+                    .attempt(&request(Duration::from_secs(20), None))
+                    .await;
+                assert!(
+                    matches!(o, AttemptOutcome::Permanent { .. }),
+                    "{ack:?}: {o:?}"
+                );
+                assert!(
+                    o.error().is_some_and(|e| e.starts_with("permission denied")
+                        && e.contains("$JS.API.STREAM.NAMES")),
+                    "{ack:?}: {o:?}"
+                );
+                assert!(started.elapsed() < Duration::from_secs(10), "not a timeout");
+            }
+            // `core` does not ask.
+            let target = target_on(server.url(), NatsAck::Core, "orders.paid");
+            let o = target
+                .attempt(&request(Duration::from_secs(20), None))
+                .await;
+            assert!(matches!(o, AttemptOutcome::Delivered { .. }), "{o:?}");
+        }
+    }
+
+    /// A user that may not subscribe to the inbox gets no answer to anything: the attempt
+    /// says so (permanent), not a timeout.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refused_inbox_subscription_is_named() {
+        let server = server_allowing(false, r#"">""#, r#""orders.>""#);
+        let target = target_on(server.url(), NatsAck::Core, "orders.paid");
+        for _ in 0..2 {
+            let started = std::time::Instant::now();
+            let o = target
+                .attempt(&request(Duration::from_secs(20), None))
+                .await;
+            assert!(matches!(o, AttemptOutcome::Permanent { .. }), "{o:?}");
+            assert!(
+                o.error()
+                    .is_some_and(|e| e.contains("subscribe permission on _INBOX.>")),
+                "{o:?}"
+            );
+            assert!(started.elapsed() < Duration::from_secs(10), "not a timeout");
+        }
+    }
+
+    /// A stream with `no_ack: true` stores the message and acknowledges nothing: each attempt
+    /// waited for a PubAck and failed as a timeout. The lookup sees `no_ack` and the message
+    /// goes out as core NATS: delivered at the first attempt, stored once (the second
+    /// publish, with the same `Nats-Msg-Id`, is the stream's duplicate).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_no_ack_stream_is_published_to_without_waiting_for_an_ack() {
+        let server = crate::store::jetstream::test_server::TestServer::start();
+        let client = async_nats::connect(server.url()).await.expect("connect");
+        let js = jetstream::new(client);
+        js.create_stream(jetstream::stream::Config {
+            name: "NOACK".into(),
+            subjects: vec!["noack.>".into()],
+            no_ack: true,
+            ..Default::default()
+        })
+        .await
+        .expect("stream");
+        for ack in [NatsAck::Auto, NatsAck::JetStream] {
+            let target = target_on(server.url(), ack, "noack.x");
+            let started = std::time::Instant::now();
+            let o = target.attempt(&request(Duration::from_secs(3), None)).await;
+            assert!(
+                matches!(o, AttemptOutcome::Delivered { .. }),
+                "{ack:?}: {o:?}"
+            );
+            assert!(started.elapsed() < Duration::from_secs(2), "not a timeout");
+            assert_eq!(
+                target.remembered(),
+                Some(Capture::NoAckStream("NOACK".into()))
+            );
+            let mut stream = js.get_stream("NOACK").await.expect("stream");
+            let stored = stream.info().await.expect("info").state.messages;
+            assert_eq!(stored, 1, "{ack:?}");
+        }
+    }
+
     #[tokio::test]
     async fn a_remembered_missing_stream_is_trusted_only_under_auto() {
         let conn = NatsConnection::new(
@@ -1017,6 +1495,123 @@ mod tests {
         let status = conn.status().expect("started");
         assert!(!status.connected, "{status:?}");
         assert_eq!(status.url, format!("nats://127.0.0.1:{port}"));
+    }
+
+    /// `nats.user` with the password from `nats.password_env` authenticates (a URL with them
+    /// is refused by the config, and async-nats would not have sent them).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_user_and_password_from_the_environment_authenticate() {
+        let server = crate::store::jetstream::test_server::TestServer::start_configured(
+            false,
+            "authorization {\n  users = [ { user: router, password: S3cretPassw0rd } ]\n}\n",
+        );
+        let secrets: SecretResolver =
+            Arc::new(|name| (name == "NATS_PASSWORD").then(|| "S3cretPassw0rd".to_string()));
+        for (password_env, delivered) in [("NATS_PASSWORD", true), ("NO_SUCH_VAR", false)] {
+            let cfg = NatsConfig {
+                url: server.url(),
+                ack: NatsAck::Core,
+                user: Some("router".into()),
+                password_env: Some(password_env.into()),
+                connect_timeout: Duration::from_millis(500),
+                ..NatsConfig::default()
+            };
+            let conn = NatsConnection::new(cfg, secrets.clone(), tokio::runtime::Handle::current());
+            let o = NatsTarget::new(conn, "a.b")
+                .attempt(&request(Duration::from_secs(5), None))
+                .await;
+            if delivered {
+                assert!(matches!(o, AttemptOutcome::Delivered { .. }), "{o:?}");
+            } else {
+                assert!(
+                    o.error()
+                        .is_some_and(|e| e.contains("nats.password_env NO_SUCH_VAR")),
+                    "{o:?}"
+                );
+            }
+        }
+        // Without the password the server refuses the connection.
+        let cfg = NatsConfig {
+            url: server.url(),
+            ack: NatsAck::Core,
+            connect_timeout: Duration::from_millis(500),
+            ..NatsConfig::default()
+        };
+        let conn = NatsConnection::new(cfg, secrets, tokio::runtime::Handle::current());
+        let o = NatsTarget::new(conn, "a.b")
+            .attempt(&request(Duration::from_secs(2), None))
+            .await;
+        assert!(
+            o.error()
+                .is_some_and(|e| e.starts_with("connection failed")),
+            "{o:?}"
+        );
+    }
+
+    /// A server that requires TLS and verifies clients (mTLS) against a private CA: the
+    /// `nats.tls_*` files get the router in; without the client certificate the server
+    /// refuses it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tls_files_reach_a_server_that_verifies_clients() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let ca_key = rcgen::KeyPair::generate().expect("ca key");
+        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("ca");
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key).expect("ca");
+        let write = |name: &str, text: String| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, text).expect("write");
+            path
+        };
+        let issue = |name: &str, sans: &[&str]| {
+            let key = rcgen::KeyPair::generate().expect("key");
+            let cert = rcgen::CertificateParams::new(
+                sans.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+            )
+            .expect("params")
+            .signed_by(&key, &ca)
+            .expect("sign");
+            (
+                write(&format!("{name}.pem"), cert.pem()),
+                write(&format!("{name}-key.pem"), key.serialize_pem()),
+            )
+        };
+        let (server_cert, server_key) = issue("server", &["127.0.0.1", "localhost"]);
+        let (client_cert, client_key) = issue("client", &["router"]);
+        let ca_file = write("ca.pem", ca.pem());
+        let server = crate::store::jetstream::test_server::TestServer::start_configured(
+            false,
+            &format!(
+                "tls {{\n  cert_file: {:?}\n  key_file: {:?}\n  ca_file: {:?}\n  verify: true\n  timeout: 2\n}}\n",
+                server_cert.display().to_string(),
+                server_key.display().to_string(),
+                ca_file.display().to_string()
+            ),
+        );
+        for with_client_cert in [true, false] {
+            let cfg = NatsConfig {
+                url: server.url(),
+                ack: NatsAck::Core,
+                connect_timeout: Duration::from_secs(2),
+                tls_ca_file: Some(ca_file.clone()),
+                tls_cert_file: with_client_cert.then(|| client_cert.clone()),
+                tls_key_file: with_client_cert.then(|| client_key.clone()),
+                ..NatsConfig::default()
+            };
+            let conn = NatsConnection::new(cfg, no_secrets(), tokio::runtime::Handle::current());
+            let o = NatsTarget::new(conn, "a.b")
+                .attempt(&request(Duration::from_secs(8), None))
+                .await;
+            if with_client_cert {
+                assert!(matches!(o, AttemptOutcome::Delivered { .. }), "{o:?}");
+            } else {
+                assert!(
+                    o.error()
+                        .is_some_and(|e| e.starts_with("connection failed")),
+                    "{o:?}"
+                );
+            }
+        }
     }
 
     #[tokio::test]
