@@ -1983,6 +1983,7 @@ mod tests {
             ordering_key: None,
             max_depth: None,
             lease_ms: None,
+            hold_key: false,
         };
         let id = crate::store::EntryId { event: n, idx: 0 };
         Leased {

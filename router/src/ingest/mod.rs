@@ -761,17 +761,18 @@ pub fn match_targets(
         .filter(|m| !disabled.contains(&m.rule))
     {
         for tid in &m.target_ids {
-            let ordering_key = rules
-                .targets
-                .get(tid)
+            let spec = rules.targets.get(tid);
+            let ordering_key = spec
                 .and_then(|spec| spec.policy.ordering.as_ref())
                 .and_then(|o| o.extract_event(ev));
             targets.push(NewEntry {
                 target_id: tid.clone(),
                 rule: m.rule.clone(),
                 ordering_key,
-                max_depth: rules.targets.get(tid).map(|s| s.policy.max_queue_depth),
+                max_depth: spec.map(|s| s.policy.max_queue_depth),
                 lease_ms: None,
+                hold_key: spec
+                    .is_some_and(|s| s.policy.on_dead_letter == crate::policy::OnDeadLetter::Hold),
             });
         }
         matched_rules.push(m.rule);

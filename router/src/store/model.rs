@@ -586,6 +586,10 @@ pub struct NewEntry {
     /// which holds a free delivery slot of the target, sends it at once — no lease commit, no
     /// read of the event back from the store. `None`: the entry waits in its queue.
     pub lease_ms: Option<i64>,
+    /// The target's policy is `on_dead_letter: hold`: when this copy goes to the DLQ at
+    /// acceptance (`target_overflow`), its ordering key is held as after any dead letter, so
+    /// that later events of the key do not overtake it.
+    pub hold_key: bool,
 }
 
 /// Contract quarantine of an event about to be accepted.
@@ -1280,6 +1284,7 @@ mod tests {
             ordering_key: None,
             max_depth: None,
             lease_ms: None,
+            hold_key: false,
         };
         let mut e = QueueEntry::queued(EntryId { event: 1, idx: 0 }, target, "k".into(), 0, 0, 0);
         e.attempts.push(failed(1, 1_000));

@@ -608,6 +608,24 @@ impl TargetIndex {
         }
     }
 
+    /// Holds `key`: its first entry, if waiting in `ready`, is parked (the later ones are).
+    fn hold(&mut self, key: String) {
+        let Some(&first) = self.keys.get(&key).and_then(|s| s.first()) else {
+            self.held.insert(key);
+            return;
+        };
+        if !self.held.insert(key) || self.parked.contains_key(&first) {
+            return;
+        }
+        // `ready` is ordered by due time, so finding the entry is a scan; it runs once per
+        // key newly held at acceptance (an overflow), not per event, and left in `ready` the
+        // entry would be passed over by every lease scan until a release.
+        if let Some(&(due, id)) = self.ready.iter().find(|(_, id)| *id == first) {
+            self.ready.remove(&(due, id));
+            self.parked.insert(id, due);
+        }
+    }
+
     /// Parks every entry in `ready` that ordering does not let go (after a rebuild that
     /// filled `ready` before the keys and holds were known).
     fn park_blocked(&mut self) {
@@ -744,6 +762,7 @@ impl Index {
                 t.unpark_first(&key);
                 self.notify(&target);
             }
+            Effect::Hold { target, key } => self.target(&target).hold(key),
             Effect::DlqAdded { target } => match target {
                 Some(target) => self.target(&target).dlq += 1,
                 None => self.dlq_without_target += 1,
@@ -782,6 +801,12 @@ enum Effect {
         hold: bool,
     },
     Release {
+        target: String,
+        key: String,
+    },
+    /// Hold an ordering key with no live entry of its own to dead-letter: a copy refused at
+    /// acceptance by the depth cap (`target_overflow`) under `on_dead_letter: hold`.
+    Hold {
         target: String,
         key: String,
     },
@@ -4289,6 +4314,7 @@ impl Committer {
                         let d =
                             p.dead_letter(seq, Some(&t), DlqReason::TargetOverflow, vec![error]);
                         self.add_dlq(txn, d, effects)?;
+                        hold_overflowed_key(txn, &t, effects)?;
                         refused.push(id.idx);
                         overflowed.push(t.target_id.clone());
                         continue;
@@ -4661,6 +4687,21 @@ impl Committer {
                             ..QueueEntry::queued(id, t, key, now, now, ev.event.hops())
                         };
                         self.insert_entry(txn, &entry, effects)?;
+                        // A copy refused at acceptance (`target_overflow`) held its key like
+                        // any dead letter; back in the queue, it sorts by its event (before
+                        // the key's later events), so the hold has done its work, as for a
+                        // requeued one.
+                        if let Some(key) = entry.ordering_key
+                            && txn
+                                .open_table(HELD)?
+                                .remove((entry.target_id.as_str(), key.as_str()))?
+                                .is_some()
+                        {
+                            effects.push(Effect::Release {
+                                target: entry.target_id,
+                                key,
+                            });
+                        }
                     }
                 }
                 RedriveAction::Keep {
@@ -4721,6 +4762,7 @@ impl Committer {
                     );
                     let d = DlqEntry::replay_overflow(item.seq, names, &t, &job.id, cap, now);
                     self.add_dlq(txn, d, effects)?;
+                    hold_overflowed_key(txn, &t, effects)?;
                     overflowed.push((item.seq, t.target_id));
                     continue;
                 }
@@ -4909,6 +4951,26 @@ impl Committer {
             .map_err(StoreError::from)?;
         Ok(finished)
     }
+}
+
+/// Under `on_dead_letter: hold`, holds the ordering key of `t`, a copy the depth cap refused
+/// (`target_overflow`): a dead letter like any other, which later events of the key must not
+/// overtake. The key's entries accepted before it wait too: the hold is per key.
+fn hold_overflowed_key(
+    txn: &Tx<'_>,
+    t: &NewEntry,
+    effects: &mut Vec<Effect>,
+) -> Result<(), StoreError> {
+    let Some(key) = t.ordering_key.as_ref().filter(|_| t.hold_key) else {
+        return Ok(());
+    };
+    txn.open_table(HELD)?
+        .insert((t.target_id.as_str(), key.as_str()), ())?;
+    effects.push(Effect::Hold {
+        target: t.target_id.clone(),
+        key: key.clone(),
+    });
+    Ok(())
 }
 
 /// Applies a group's plain finishes (`PlainFinish`) with the entries table and the live index

@@ -800,6 +800,7 @@ impl JetStreamStore {
                             ..blank(DlqReason::TargetOverflow, Vec::new(), Some(t))
                         };
                         writes.push(Write::put(dlq_key(id), enc(&d), Expect::Revision(0)));
+                        writes.extend(Self::overflow_hold(t));
                         dlq.push(id);
                         overflowed.push(t.target_id.clone());
                         continue;
@@ -1242,6 +1243,22 @@ impl JetStreamStore {
         };
         Some(Write::put(
             held_key(&e.target_id, key),
+            enc(&record),
+            Expect::Any,
+        ))
+    }
+
+    /// Under `on_dead_letter: hold`, the write that holds the ordering key of `t`, a copy the
+    /// depth cap refused (`target_overflow`): a dead letter like any other, which later events
+    /// of the key must not overtake (as on redb).
+    pub(super) fn overflow_hold(t: &NewEntry) -> Option<Write> {
+        let key = t.ordering_key.as_ref().filter(|_| t.hold_key)?;
+        let record = HeldRecord {
+            target: t.target_id.clone(),
+            key: key.clone(),
+        };
+        Some(Write::put(
+            held_key(&t.target_id, key),
             enc(&record),
             Expect::Any,
         ))

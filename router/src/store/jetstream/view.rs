@@ -770,6 +770,7 @@ mod tests {
                 ordering_key: None,
                 max_depth: None,
                 lease_ms: None,
+                hold_key: false,
             },
             "k".into(),
             0,
@@ -928,6 +929,7 @@ mod tests {
             ordering_key: None,
             max_depth: None,
             lease_ms: None,
+            hold_key: false,
         };
         let mut d = DlqEntry::at_acceptance(
             1,

@@ -1477,6 +1477,79 @@ async fn a_redriven_keyed_entry_waits_for_its_keys_flight_and_releases_its_hold(
     assert_eq!(ids(&next), ["4"]);
 }
 
+/// Under `on_dead_letter: hold`, a copy the depth cap refused (`target_overflow`) holds its
+/// key like any dead letter: the key's entries wait (a later event overtook it before), the
+/// hold survives a restart, and its redrive releases the key with the copy back in its
+/// event's place, before the events of the key accepted after it.
+#[tokio::test]
+async fn an_overflowed_copy_holds_its_key_until_redriven() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let capped = |id: &str, key: &str, at| {
+        let mut ne = keyed(id, key, at);
+        ne.targets[0].max_depth = Some(2);
+        ne.targets[0].hold_key = true;
+        ne
+    };
+    let ids =
+        |v: &[Leased]| -> Vec<String> { v.iter().map(|l| l.event.event.id.clone()).collect() };
+    let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+    s.accept(vec![
+        capped("x", "X", 1000),
+        capped("o1", "K", 1001),
+        capped("o2", "K", 1002),
+    ])
+    .await
+    .expect("accept");
+    let fate = s.fate("/s", "o2").expect("fate").expect("known");
+    assert_eq!(fate.dlq[0].reason, DlqReason::TargetOverflow);
+    let dlq_id = fate.dlq[0].id;
+    assert_eq!(s.held_keys("a"), vec!["K".to_string()]);
+    let first = s.lease("a", 2000, 10, 60_000).await.expect("lease");
+    assert_eq!(ids(&first), ["x"], "o1 waits: its key is held");
+    ack(&s, &first[0], 2001).await.expect("ack");
+    s.accept(vec![capped("o3", "K", 3000)])
+        .await
+        .expect("accept");
+    assert!(
+        s.index().target("a").ready.is_empty(),
+        "o1, ready before the hold, is parked with the rest of its key"
+    );
+    drop(s);
+    let s = when_free(|| RedbStore::open_dir(dir.path(), StoreOptions::default())).await;
+    assert_eq!(s.held_keys("a"), vec!["K".to_string()]);
+    assert!(
+        s.lease("a", 3100, 10, 60_000)
+            .await
+            .expect("lease")
+            .is_empty()
+    );
+    let j = job("redrive-overflow", JobKind::Redrive);
+    let rev = s.put_job(j.clone()).await.expect("create");
+    s.redrive_step(
+        Job { rev, ..j },
+        vec![RedriveAction::Route {
+            dlq_id,
+            matched_rules: vec!["r".into()],
+            targets: vec![NewEntry {
+                max_depth: None,
+                ..capped("o2", "K", 0).targets.remove(0)
+            }],
+        }],
+        4000,
+    )
+    .await
+    .expect("redrive");
+    assert!(s.held_keys("a").is_empty(), "released by the redrive");
+    let mut order = Vec::new();
+    for at in [4000, 4100, 4200] {
+        let next = s.lease("a", at, 10, 60_000).await.expect("lease");
+        assert_eq!(next.len(), 1, "one at a time: {order:?}");
+        order.push(next[0].event.event.id.clone());
+        ack(&s, &next[0], at + 1).await.expect("ack");
+    }
+    assert_eq!(order, ["o1", "o2", "o3"]);
+}
+
 /// A key with more entries behind its retrying first one than a lease scans: other keys and
 /// unkeyed entries still go, and the next due time is the first one's retry, not one of the
 /// waiting entries' past due times (which had the worker poll every millisecond). The same
@@ -3012,6 +3085,7 @@ async fn a_replay_past_a_targets_depth_cap_overflows_to_the_dlq() {
                 ordering_key: None,
                 max_depth: Some(4),
                 lease_ms: None,
+                hold_key: false,
             }],
         })
         .collect();
@@ -3051,6 +3125,7 @@ async fn a_replay_past_a_targets_depth_cap_overflows_to_the_dlq() {
                 ordering_key: None,
                 max_depth: None,
                 lease_ms: None,
+                hold_key: false,
             }],
         }],
         3000,
