@@ -1051,6 +1051,60 @@ async fn purging_the_dead_letter_that_holds_a_key_releases_it() {
     );
 }
 
+/// An ordering key longer than 256 bytes is kept as its digest (`sha256:<hex>`): a held key
+/// of 70,000 characters could not be released before (the release URL went past the
+/// request head's bound, 431), and each queued entry kept the whole key in memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_held_key_is_shown_and_released_as_its_digest() {
+    let rcv = Receiver::scripted(Arc::new(|ev, _| {
+        let status = if ev["data"]["fail"] == true { 400 } else { 200 };
+        (status, Duration::ZERO, vec![])
+    }))
+    .await;
+    let policy = "  held:\n    ordering: partitionkey\n    on_dead_letter: hold";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: ordered\n        policy: held",
+                rcv.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let long = "k".repeat(70_000);
+    let keyed = |id: &str, fail: bool| {
+        let mut e = event(id, "t", json!({ "fail": fail }));
+        e["partitionkey"] = json!(long);
+        e
+    };
+    post_batch(&r, &[keyed("first", true), keyed("behind", false)]).await;
+    let key = eventually(Duration::from_secs(15), || async {
+        let (_, t) = get_json(&r, "/v1/targets/ordered").await;
+        t["held_keys"][0].as_str().map(str::to_owned)
+    })
+    .await
+    .expect("the dead letter holds its key");
+    assert!(key.starts_with("sha256:") && key.len() == 71, "{key}");
+    assert_eq!(fate(&r, "behind").await["targets"][0]["ordering_key"], key);
+    let (status, b) = post_json(
+        &r,
+        &format!("/v1/targets/ordered/keys/{key}/release"),
+        json!({}),
+    )
+    .await;
+    assert_eq!(status, 200, "{b}");
+    assert!(
+        rcv.wait_for(Duration::from_secs(15), |s| s
+            .iter()
+            .any(|x| x.event_id() == "behind"))
+            .await,
+        "the event behind the released key was delivered"
+    );
+}
+
 /// A contract that no `data` meets (it needs a field nobody sends).
 const NEVER_VALID: &str = r#"{
   "$schema": "https://json-schema.org/draft/2020-12/schema",

@@ -288,7 +288,7 @@ impl OrderingKey {
                 cur
             }
         };
-        key_text(v)
+        key_text(v).map(bounded_key)
     }
 
     /// [`OrderingKey::extract`] on `event.to_json()`, read from the fields without building it.
@@ -303,15 +303,37 @@ impl OrderingKey {
             },
         };
         let mut cur = match event.member(first)? {
-            Member::Str(s) if rest.is_empty() => return Some(s.to_string()),
+            Member::Str(s) if rest.is_empty() => return Some(bounded_key(s.to_string())),
             Member::Str(_) => return None,
             Member::Json(v) => v,
         };
         for seg in rest {
             cur = cur.get(seg.as_str())?;
         }
-        key_text(cur)
+        key_text(cur).map(bounded_key)
     }
+}
+
+/// The longest ordering key kept as its text, in bytes; a longer one is replaced by
+/// [`bounded_key`]'s digest. Every queued entry of an ordered target keeps its key in memory
+/// (the store's index) and on disk, and an operator releases a held key by naming it in a
+/// URL: 1,000 queued entries with 400 KB keys took over 1 GB, and a key past ~64 KB could not
+/// be released (431). 256 bytes fits any identifier (AWS caps MessageGroupId at 128).
+pub const MAX_ORDERING_KEY_BYTES: usize = 256;
+
+/// `key` itself up to [`MAX_ORDERING_KEY_BYTES`]; past it `sha256:<64 hex digits>` of it.
+/// A digest rather than a refusal: equal keys still give equal digests, so ordering holds,
+/// and no event is refused at ingest for one target's policy (a producer does not know
+/// which targets order by which field, and the same event may be fine for the others).
+pub fn bounded_key(key: String) -> String {
+    if key.len() <= MAX_ORDERING_KEY_BYTES {
+        return key;
+    }
+    use sha2::Digest;
+    format!(
+        "sha256:{}",
+        hex::encode(sha2::Sha256::digest(key.as_bytes()))
+    )
 }
 
 /// An ordering key's text: strings as they are, other scalars as JSON text; none for null.
@@ -1038,5 +1060,49 @@ mod tests {
         let m = OrderingKey::try_from("$.data.missing".to_string()).expect("path");
         assert_eq!(m.extract(&ev), None);
         assert_eq!(OrderingKey::PartitionKey.extract(&json!({})), None);
+    }
+
+    /// A key past `MAX_ORDERING_KEY_BYTES` is its digest (fixed size, equal for equal keys,
+    /// short enough for a release URL), read from fields or from the structured form; one
+    /// at the limit stays as it is.
+    #[test]
+    fn a_long_ordering_key_is_replaced_by_its_digest() {
+        let at_limit = "k".repeat(MAX_ORDERING_KEY_BYTES);
+        let long = format!("{at_limit}+");
+        let other = format!("{at_limit}-");
+        assert_eq!(bounded_key(at_limit.clone()), at_limit);
+        let digest = bounded_key(long.clone());
+        assert_eq!(digest.len(), "sha256:".len() + 64, "{digest}");
+        assert!(digest.starts_with("sha256:"), "{digest}");
+        assert_eq!(
+            bounded_key(long.clone()),
+            digest,
+            "the same key, the same digest"
+        );
+        assert_ne!(bounded_key(other), digest);
+        let ev: crate::event::CloudEvent = serde_json::from_value(json!({
+            "id": "1", "source": "/s", "type": "t", "extensions": {"partitionkey": long},
+            "data": {"order_id": long, "customer": {"name": long}}
+        }))
+        .expect("event");
+        for path in ["partitionkey", "$.data.order_id"] {
+            let k = OrderingKey::try_from(path.to_string()).expect("key");
+            assert_eq!(
+                k.extract_event(&ev).as_deref(),
+                Some(digest.as_str()),
+                "{path}"
+            );
+            assert_eq!(
+                k.extract(&ev.to_json()).as_deref(),
+                Some(digest.as_str()),
+                "{path}"
+            );
+        }
+        let object = OrderingKey::try_from("$.data.customer".to_string()).expect("key");
+        let key = object.extract_event(&ev).expect("a key");
+        assert!(
+            key.starts_with("sha256:"),
+            "an object's long text too: {key}"
+        );
     }
 }

@@ -538,11 +538,13 @@ struct TargetIndex {
     /// B-trees, like the maps above, not hash maps: these grow with a backlog, on the
     /// committer under the index lock, and a hash map doubles its table in one go (the dedup
     /// memtable's one took 75–280 ms at 917,504 keys).
-    keys: BTreeMap<String, BTreeSet<EntryId>>,
+    /// A key's text is one allocation shared (`Arc<str>`) by this map, `entry_keys`, `flying`
+    /// and `held`: a copy per entry in each cost over twice the key's size per queued entry.
+    keys: BTreeMap<Arc<str>, BTreeSet<EntryId>>,
     /// Ordering key of each live keyed entry.
-    entry_keys: BTreeMap<EntryId, String>,
+    entry_keys: BTreeMap<EntryId, Arc<str>>,
     /// Keys held after a dead letter (`on_dead_letter: hold`) until an operator releases them.
-    held: BTreeSet<String>,
+    held: BTreeSet<Arc<str>>,
     /// Waiting keyed entries that ordering does not let go yet (behind their key's first
     /// entry, or of a held key), with their due times. Kept out of `ready`: there, a key with
     /// thousands of entries behind a retrying first one filled every lease's scan (other keys
@@ -552,7 +554,7 @@ struct TargetIndex {
     /// The entry of each ordering key that is leased (in flight). A redriven or replayed
     /// entry sorts before the key's later ones, so being first is not enough: without this
     /// it was leased while a later entry of its key was still being delivered.
-    flying: BTreeMap<String, EntryId>,
+    flying: BTreeMap<Arc<str>, EntryId>,
 }
 
 impl TargetIndex {
@@ -581,8 +583,20 @@ impl TargetIndex {
     fn insert_live(&mut self, id: EntryId, accepted_at: Millis, key: Option<String>) {
         self.live.insert(id, accepted_at);
         if let Some(k) = key {
+            let k = self.shared_key(&k);
             self.keys.entry(k.clone()).or_default().insert(id);
             self.entry_keys.insert(id, k);
+        }
+    }
+
+    /// The index's one copy of key `k`'s text (a new one if the key has no entry or hold).
+    fn shared_key(&self, k: &str) -> Arc<str> {
+        match self.keys.get_key_value(k) {
+            Some((shared, _)) => shared.clone(),
+            None => match self.held.get(k) {
+                Some(shared) => shared.clone(),
+                None => Arc::from(k),
+            },
         }
     }
 
@@ -609,7 +623,8 @@ impl TargetIndex {
     }
 
     /// Holds `key`: its first entry, if waiting in `ready`, is parked (the later ones are).
-    fn hold(&mut self, key: String) {
+    fn hold(&mut self, key: &str) {
+        let key = self.shared_key(key);
         let Some(&first) = self.keys.get(&key).and_then(|s| s.first()) else {
             self.held.insert(key);
             return;
@@ -758,11 +773,11 @@ impl Index {
             }
             Effect::Release { target, key } => {
                 let t = self.target(&target);
-                t.held.remove(&key);
+                t.held.remove(key.as_str());
                 t.unpark_first(&key);
                 self.notify(&target);
             }
-            Effect::Hold { target, key } => self.target(&target).hold(key),
+            Effect::Hold { target, key } => self.target(&target).hold(&key),
             Effect::DlqAdded { target } => match target {
                 Some(target) => self.target(&target).dlq += 1,
                 None => self.dlq_without_target += 1,
@@ -2366,7 +2381,12 @@ impl Store for RedbStore {
     }
 
     fn held_keys(&self, target: &str) -> Vec<String> {
-        self.index().target(target).held.iter().cloned().collect()
+        self.index()
+            .target(target)
+            .held
+            .iter()
+            .map(|k| k.to_string())
+            .collect()
     }
 
     fn next_due(&self, target: &str) -> Option<Millis> {
@@ -2836,7 +2856,7 @@ fn recover(db: &Database, cold_before: Option<i64>) -> Result<Recovered, StoreEr
         for row in txn.open_table(HELD)?.iter()? {
             let (k, _) = row?;
             let (t, key) = k.value();
-            index.target(t).held.insert(key.to_string());
+            index.target(t).held.insert(Arc::from(key));
         }
         // Every entry went to `ready` above, before its key's order and holds were known.
         for t in index.targets.values_mut() {
