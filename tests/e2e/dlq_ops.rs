@@ -1105,6 +1105,75 @@ async fn a_long_held_key_is_shown_and_released_as_its_digest() {
     );
 }
 
+/// Releasing a held key whose waiting entries are past max_age moves them all to the DLQ
+/// (`max_age_exceeded`, unsent) and lets the key go on: before, each release dead-lettered one
+/// of them, which held the key again, so a backlog of N took N releases. Their fates said so
+/// beforehand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releasing_a_held_key_moves_its_expired_entries_to_the_dlq_at_once() {
+    let rcv = Receiver::scripted(Arc::new(|ev, _| {
+        let status = if ev["data"]["fail"] == true { 400 } else { 200 };
+        (status, Duration::ZERO, vec![])
+    }))
+    .await;
+    let policy = "  held:\n    ordering: partitionkey\n    on_dead_letter: hold\n    retry: { max_attempts: 1, max_age: 1s }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: aged\n        policy: held",
+                rcv.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let keyed = |id: &str, fail: bool| {
+        let mut e = event(id, "t", json!({ "fail": fail }));
+        e["partitionkey"] = json!("AG");
+        e
+    };
+    let mut batch = vec![keyed("ag-1", true)];
+    batch.extend((2..=6).map(|i| keyed(&format!("ag-{i}"), false)));
+    post_batch(&r, &batch).await;
+    eventually(Duration::from_secs(15), || async {
+        let (_, t) = get_json(&r, "/v1/targets/aged").await;
+        (t["held_keys"] == json!(["AG"])).then_some(())
+    })
+    .await
+    .expect("the dead letter holds AG");
+    // Past max_age (1 s) with a margin for a slow machine.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let waiting = fate(&r, "ag-2").await["targets"][0]["waiting_on"].clone();
+    assert!(
+        waiting
+            .as_str()
+            .is_some_and(|w| w.contains("held") && w.contains("past its max_age")),
+        "{waiting}"
+    );
+    let (status, b) = post_json(&r, "/v1/targets/aged/keys/AG/release", json!({})).await;
+    assert_eq!(status, 200, "{b}");
+    assert_eq!(b["dead_lettered_past_max_age"], 5, "{b}");
+    let (_, t) = get_json(&r, "/v1/targets/aged").await;
+    assert_eq!(t["held_keys"], json!([]), "not held again: {t}");
+    let (_, l) = get_json(&r, "/v1/dlq?target=aged&reason=max_age_exceeded").await;
+    assert_eq!(l["entries"].as_array().map(Vec::len), Some(5), "{l}");
+    // The key goes on: a new event of it is delivered.
+    post_batch(&r, &[keyed("ag-7", false)]).await;
+    assert!(
+        rcv.wait_for(Duration::from_secs(15), |s| s
+            .iter()
+            .any(|x| x.event_id() == "ag-7"))
+            .await,
+        "the released key's next event was delivered"
+    );
+    assert!(
+        !rcv.distinct_ids().contains("ag-2"),
+        "expired entries are not sent"
+    );
+}
+
 /// A contract that no `data` meets (it needs a field nobody sends).
 const NEVER_VALID: &str = r#"{
   "$schema": "https://json-schema.org/draft/2020-12/schema",

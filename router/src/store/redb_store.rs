@@ -701,6 +701,13 @@ impl TargetIndex {
     }
 }
 
+/// The lease (token 0) under which `Store::dead_letter_queued` and
+/// `Store::dead_letter_expired_of_key` keep the entries they move out of workers' reach.
+const PSEUDO_LEASE: Lease = Lease {
+    token: 0,
+    until: i64::MAX,
+};
+
 /// Maps keyed by target ids and entry ids use FxHash: the committer looks them up once per
 /// queue entry of every group, the keys are the router's own (rule files, sequence numbers),
 /// not an attacker's, and SipHash showed on its profile.
@@ -1555,6 +1562,43 @@ impl RedbStore {
         Ok(out)
     }
 
+    /// Moves the waiting entries `taken` (id, due), which the caller took out of the index
+    /// under `PSEUDO_LEASE` so that no worker leases them meanwhile, to the DLQ without an
+    /// attempt; whatever the op does not move goes back, due as it was.
+    fn dead_letter_taken(
+        &self,
+        target: &str,
+        taken: Vec<(EntryId, Millis)>,
+        reason: DlqReason,
+        message: &str,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<usize, StoreError>> {
+        let message = message.to_string();
+        let target = target.to_string();
+        async move {
+            let r = self
+                .call(|reply| Op::DeadLetterQueued {
+                    ids: taken.iter().map(|(id, _)| *id).collect(),
+                    reason,
+                    message,
+                    now,
+                    reply,
+                })
+                .await
+                .and_then(|r| r);
+            let mut idx = self.index();
+            let t = idx.target(&target);
+            for (id, due) in taken {
+                if t.in_flight.get(&id) == Some(&PSEUDO_LEASE) {
+                    t.in_flight.remove(&id);
+                    t.enqueue(id, due);
+                }
+            }
+            r
+        }
+        .boxed()
+    }
+
     async fn lease_impl(
         &self,
         target: &str,
@@ -2194,49 +2238,65 @@ impl Store for RedbStore {
         message: &str,
         now: Millis,
     ) -> BoxFuture<'_, Result<usize, StoreError>> {
-        // Take the waiting entries out of the ready set (as if leased by a pseudo-lease with
-        // token 0) so no worker leases them meanwhile; whatever the op does not move goes back.
-        const PSEUDO: Lease = Lease {
-            token: 0,
-            until: i64::MAX,
-        };
-        let ids: Vec<EntryId> = {
+        let taken: Vec<(EntryId, Millis)> = {
             let mut idx = self.index();
             let t = idx.target(target);
-            let mut taken: Vec<EntryId> = std::mem::take(&mut t.ready)
+            let mut taken: Vec<(EntryId, Millis)> = std::mem::take(&mut t.ready)
                 .into_iter()
-                .map(|(_, id)| id)
+                .map(|(due, id)| (id, due))
                 .collect();
-            taken.extend(std::mem::take(&mut t.parked).into_keys());
-            for id in &taken {
-                t.in_flight.insert(*id, PSEUDO);
+            taken.extend(std::mem::take(&mut t.parked));
+            for (id, _) in &taken {
+                t.in_flight.insert(*id, PSEUDO_LEASE);
             }
             taken
         };
-        let message = message.to_string();
-        let target = target.to_string();
-        async move {
-            let r = self
-                .call(|reply| Op::DeadLetterQueued {
-                    ids: ids.clone(),
-                    reason,
-                    message,
-                    now,
-                    reply,
-                })
-                .await
-                .and_then(|r| r);
+        self.dead_letter_taken(target, taken, reason, message, now)
+    }
+
+    fn dead_letter_expired_of_key(
+        &self,
+        target: &str,
+        key: &str,
+        accepted_before: Millis,
+        message: &str,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<usize, StoreError>> {
+        let taken: Vec<(EntryId, Millis)> = {
             let mut idx = self.index();
-            let t = idx.target(&target);
-            for id in ids {
-                if t.in_flight.get(&id) == Some(&PSEUDO) {
-                    t.in_flight.remove(&id);
-                    t.enqueue(id, now);
+            let t = idx.target(target);
+            let expired: Vec<EntryId> = t.keys.get(key).map_or_else(Vec::new, |ids| {
+                ids.iter()
+                    .copied()
+                    .filter(|id| {
+                        !t.in_flight.contains_key(id)
+                            && t.live.get(id).is_some_and(|at| *at < accepted_before)
+                    })
+                    .collect()
+            });
+            let mut taken = Vec::with_capacity(expired.len());
+            for id in expired {
+                // A held key's entries are parked; one in `ready` (the key's first, held since)
+                // is found by a scan, as `TargetIndex::hold` does.
+                let due = match t.parked.remove(&id) {
+                    Some(due) => Some(due),
+                    None => t
+                        .ready
+                        .iter()
+                        .find(|(_, r)| *r == id)
+                        .map(|&(due, _)| due)
+                        .inspect(|due| {
+                            t.ready.remove(&(*due, id));
+                        }),
+                };
+                if let Some(due) = due {
+                    t.in_flight.insert(id, PSEUDO_LEASE);
+                    taken.push((id, due));
                 }
             }
-            r
-        }
-        .boxed()
+            taken
+        };
+        self.dead_letter_taken(target, taken, DlqReason::MaxAgeExceeded, message, now)
     }
 
     fn put_job(&self, job: Job) -> BoxFuture<'_, Result<u64, StoreError>> {

@@ -1315,9 +1315,43 @@ impl JetStreamStore {
         message: &str,
         now: Millis,
     ) -> Result<usize, StoreError> {
+        self.dead_letter_waiting(self.view.waiting(target, now), reason, message, now)
+            .await
+    }
+
+    /// Moves the waiting entries of `target` with ordering key `key` accepted before
+    /// `accepted_before` (past their max_age) to the DLQ as `max_age_exceeded`, without an
+    /// attempt and without holding the key. Returns how many.
+    pub async fn dead_letter_expired_of_key(
+        &self,
+        target: &str,
+        key: &str,
+        accepted_before: Millis,
+        message: &str,
+        now: Millis,
+    ) -> Result<usize, StoreError> {
+        let expired = self
+            .view
+            .waiting_of_key(target, key, now)
+            .into_iter()
+            .filter(|l| l.entry.accepted_at < accepted_before)
+            .collect();
+        self.dead_letter_waiting(expired, DlqReason::MaxAgeExceeded, message, now)
+            .await
+    }
+
+    /// Moves `waiting` (as the view had them) to the DLQ with `reason`, without an attempt;
+    /// one leased or finished by any node meanwhile stays theirs.
+    async fn dead_letter_waiting(
+        &self,
+        waiting: Vec<view::Live>,
+        reason: DlqReason,
+        message: &str,
+        now: Millis,
+    ) -> Result<usize, StoreError> {
         let mut n = 0;
         let mut names: HashMap<u64, (String, String, String)> = HashMap::new();
-        for live in self.view.waiting(target, now) {
+        for live in waiting {
             let mut e = live.entry;
             let names = match names.get(&e.id.event) {
                 Some(n) => n.clone(),

@@ -1326,6 +1326,45 @@ async fn a_redriven_dead_letter_goes_first_when_its_held_key_is_released() {
     assert_eq!(order, ["r1", "r2", "r3"]);
 }
 
+/// Releasing a held key first moves its waiting entries past max_age to the DLQ together
+/// (`dead_letter_expired_of_key`): younger ones and the hold stay as they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keys_expired_entries_go_to_the_dlq_together() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![
+        keyed("x1", "K", 1_000),
+        keyed("x2", "K", 1_100),
+        keyed("x3", "K", 1_200),
+        keyed("x4", "K", 5_000),
+    ])
+    .await
+    .expect("accept");
+    let l = lease_ok(&s, "t", 2_000, 10, 30_000).await.remove(0);
+    dead_letter(&s, &l, true, 2_100).await;
+    assert_eq!(s.held_keys("t"), vec!["K".to_string()]);
+    let n = s
+        .dead_letter_expired_of_key("t", "K", 4_000, "expired", 6_000)
+        .await
+        .expect("dead letter");
+    assert_eq!(n, 2, "x2 and x3; x4 is younger");
+    for id in ["x2", "x3"] {
+        let fate = s.fate("/o", id).await.expect("fate").expect("known");
+        assert_eq!(fate.dlq[0].reason, DlqReason::MaxAgeExceeded, "{id}");
+    }
+    assert_eq!(s.held_keys("t"), vec!["K".to_string()], "the hold stays");
+    assert!(s.release_key("t", "K").await.expect("release"));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !s.held_keys("t").is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the release never reached the view"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert_eq!(deliver_one_at_a_time(&s, &[6_000]).await, ["x4"]);
+}
+
 /// Under `on_dead_letter: hold`, a copy the depth cap refused (`target_overflow`) holds its
 /// key like any dead letter: the key's entries wait (a later event overtook it before), and
 /// its redrive releases the key with the copy back in its event's place, before the events

@@ -444,6 +444,20 @@ impl View {
         })
     }
 
+    /// The waiting (not leased) entries of `target` with ordering key `key`.
+    pub fn waiting_of_key(&self, target: &str, key: &str, now: Millis) -> Vec<Live> {
+        let st = self.state();
+        st.keys
+            .get(&(target.to_string(), key.to_string()))
+            .map_or_else(Vec::new, |set| {
+                set.iter()
+                    .filter_map(|(_, id)| st.live.get(id))
+                    .filter(|l| l.entry.lease.is_none_or(|lease| lease.until < now))
+                    .cloned()
+                    .collect()
+            })
+    }
+
     /// When the next entry of `target` may be leased: the soonest that ordering lets go.
     /// Entries waiting behind their key's first one are passed over: their due times are
     /// past, and returning one had the worker poll every millisecond while a key was blocked.

@@ -1477,6 +1477,63 @@ async fn a_redriven_keyed_entry_waits_for_its_keys_flight_and_releases_its_hold(
     assert_eq!(ids(&next), ["4"]);
 }
 
+/// Releasing a held key first moves its waiting entries past max_age to the DLQ together
+/// (`dead_letter_expired_of_key`): younger ones, other keys and the hold stay as they are,
+/// and what it leaves goes back due as it was.
+#[tokio::test]
+async fn a_keys_expired_entries_go_to_the_dlq_together() {
+    let s = RedbStore::in_memory().expect("store");
+    s.accept(vec![
+        keyed("1", "k", 1000),
+        keyed("2", "k", 1100),
+        keyed("3", "k", 1200),
+        keyed("4", "k", 5000),
+        keyed("5", "other", 1000),
+    ])
+    .await
+    .expect("accept");
+    let l = s.lease("a", 1000, 10, 60_000).await.expect("lease");
+    let head = l.iter().find(|l| l.event.event.id == "1").expect("head");
+    s.finish(
+        head.entry.id,
+        head.lease,
+        delivered(1001),
+        Disposition::DeadLetter {
+            reason: DlqReason::PermanentError,
+            hold: true,
+        },
+        1001,
+    )
+    .await
+    .expect("dead letter");
+    let other = l.iter().find(|l| l.event.event.id == "5").expect("other");
+    s.finish(
+        other.entry.id,
+        other.lease,
+        delivered(1001),
+        Disposition::Retry { due_at: 1500 },
+        1001,
+    )
+    .await
+    .expect("retry");
+    assert_eq!(s.held_keys("a"), vec!["k".to_string()]);
+    let n = s
+        .dead_letter_expired_of_key("a", "k", 4000, "expired", 6000)
+        .await
+        .expect("dead letter");
+    assert_eq!(n, 2, "2 and 3; 4 is younger");
+    for id in ["2", "3"] {
+        let fate = s.fate("/s", id).expect("fate").expect("known");
+        assert_eq!(fate.dlq[0].reason, DlqReason::MaxAgeExceeded, "{id}");
+    }
+    assert_eq!(s.held_keys("a"), vec!["k".to_string()], "the hold stays");
+    assert!(s.release_key("a", "k").await.expect("release"));
+    let next = s.lease("a", 6000, 10, 60_000).await.expect("lease");
+    let mut ids: Vec<String> = next.iter().map(|l| l.event.event.id.clone()).collect();
+    ids.sort();
+    assert_eq!(ids, ["4", "5"], "the key goes on with its younger entry");
+}
+
 /// Under `on_dead_letter: hold`, a copy the depth cap refused (`target_overflow`) holds its
 /// key like any dead letter: the key's entries wait (a later event overtook it before), the
 /// hold survives a restart, and its redrive releases the key with the copy back in its
