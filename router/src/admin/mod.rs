@@ -368,10 +368,10 @@ const LIVE_HOLD_MS: i64 = 3_000;
 
 /// What a queued entry waits for besides its due time, if anything an operator can act on:
 /// its target paused (and whether its max_age runs out meanwhile), the target's breaker open,
-/// its handler not uploaded, its ordering key held after a dead letter, its target not
-/// running; and, once it is due, the target's retry budget, throttle or concurrency, which
-/// hold a backlog that drains slower than it came (a fate that said nothing there read as a
-/// stuck entry). (Entries behind another of their key wait for that one.)
+/// its handler not uploaded, its ordering key held after a dead letter, an earlier entry of
+/// its ordering key (which may be retrying for hours: a due entry that said nothing there read
+/// as a stuck router), its target not running; and, once it is due, the target's retry
+/// budget, throttle or concurrency, which hold a backlog that drains slower than it came.
 fn waiting_on(app: &App, e: &crate::store::QueueEntry, in_flight: u64, now: i64) -> Option<String> {
     let Some(rt) = app.dispatcher.runtime(&e.target_id) else {
         return Some("the target is not running (see /v1/targets)".into());
@@ -435,6 +435,21 @@ fn waiting_on(app: &App, e: &crate::store::QueueEntry, in_flight: u64, now: i64)
             .unwrap_or_default()
         ));
     }
+    // Read from the store's memory (no record is read), so a fate stays cheap.
+    if let Some(key) = &e.ordering_key
+        && let Some(head) = app.store.key_head(&e.target_id, key)
+        && head.entry != e.id
+    {
+        return Some(format!(
+            "waiting behind entry {} of its ordering key {key:?} ({}): a key's entries go one at a time, in order",
+            head.entry,
+            if head.in_flight {
+                "being delivered now"
+            } else {
+                "not delivered yet: its own fate says what it waits for"
+            }
+        ));
+    }
     // A retry the budget deferred is put back due at its turn: it may show a next attempt
     // in the future or, in a long backlog, one already past.
     let deferred_at = rt.counters.last_budget_deferred_at.load(Ordering::Relaxed);
@@ -475,6 +490,7 @@ fn target_json(app: &App, id: &str, stats: Option<&crate::store::QueueStats>, no
         v["rule"] = json!(spec.rule);
         v["kind"] = json!(spec.kind);
         v["policy"] = json!(spec.policy_name);
+        v["ordering"] = json!(spec.policy.ordering.as_ref().map(ToString::to_string));
         let worst = spec.worst_case();
         v["worst_case"] = json!({
             "attempts": worst.attempts,
@@ -511,6 +527,7 @@ fn target_json(app: &App, id: &str, stats: Option<&crate::store::QueueStats>, no
             .map(|a| (now - a).max(0) as f64 / 1000.0)
     );
     v["dlq"] = json!(s.dlq);
+    v["queued_behind_keys"] = json!(s.queued_behind_keys);
     v["held_keys"] = json!(app.store.held_keys(id));
     v
 }

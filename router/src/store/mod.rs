@@ -456,6 +456,10 @@ pub trait Store: Send + Sync + 'static {
     /// Ordering keys of `target` held after a dead letter.
     fn held_keys(&self, target: &str) -> Vec<String>;
 
+    /// The entry of `target`'s ordering key `key` that goes first (leased, or the first
+    /// waiting), from memory: `None` when the key has no live entry.
+    fn key_head(&self, target: &str, key: &str) -> Option<KeyHead>;
+
     /// Earliest due time among `target`'s waiting entries.
     fn next_due(&self, target: &str) -> Option<Millis>;
 

@@ -846,6 +846,18 @@ pub struct QueueStats {
     pub oldest_accepted_at: Option<Millis>,
     /// Entries in the DLQ for this target.
     pub dlq: u64,
+    /// Waiting entries (of `queued`) that ordering holds back: behind the entry of their key
+    /// that goes first, or of a held key.
+    pub queued_behind_keys: u64,
+}
+
+/// The entry of an ordering key that goes first (the one its other entries wait behind).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyHead {
+    /// The entry.
+    pub entry: EntryId,
+    /// Whether it is being delivered (leased) now.
+    pub in_flight: bool,
 }
 
 /// The target filter that selects dead letters without a target (events quarantined at

@@ -2449,6 +2449,21 @@ impl Store for RedbStore {
             .collect()
     }
 
+    fn key_head(&self, target: &str, key: &str) -> Option<KeyHead> {
+        let mut idx = self.index();
+        let t = idx.target(target);
+        match t.flying.get(key) {
+            Some(&entry) => Some(KeyHead {
+                entry,
+                in_flight: true,
+            }),
+            None => t.keys.get(key)?.first().map(|&entry| KeyHead {
+                entry,
+                in_flight: t.in_flight.contains_key(&entry),
+            }),
+        }
+    }
+
     fn next_due(&self, target: &str) -> Option<Millis> {
         // Blocked entries are parked; one can be in `ready` only when a redriven entry took
         // the front of its key (`TargetIndex::due`), so the first is nearly always the answer.
@@ -2562,6 +2577,7 @@ impl Store for RedbStore {
                         in_flight: t.in_flight.len() as u64,
                         oldest_accepted_at: t.live.values().min().copied(),
                         dlq: t.dlq,
+                        queued_behind_keys: t.parked.len() as u64,
                     },
                 )
             })

@@ -255,6 +255,10 @@ impl Store for JetStreamStore {
         JetStreamStore::held_keys(self, target)
     }
 
+    fn key_head(&self, target: &str, key: &str) -> Option<crate::store::KeyHead> {
+        self.view.key_head(target, key)
+    }
+
     fn next_due(&self, target: &str) -> Option<Millis> {
         JetStreamStore::next_due(self, target)
     }

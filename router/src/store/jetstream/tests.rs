@@ -1326,6 +1326,36 @@ async fn a_redriven_dead_letter_goes_first_when_its_held_key_is_released() {
     assert_eq!(order, ["r1", "r2", "r3"]);
 }
 
+/// The entry a key's others wait behind (`key_head`), and how many wait so
+/// (`queued_behind_keys`), as the view has them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keys_head_and_the_entries_behind_it_are_known() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![
+        keyed("h1", "K", 1_000),
+        keyed("h2", "K", 1_001),
+        keyed("h3", "K", 1_002),
+    ])
+    .await
+    .expect("accept");
+    s.settled().await;
+    let first = s
+        .fate("/o", "h1")
+        .await
+        .expect("fate")
+        .expect("known")
+        .entries[0]
+        .id;
+    let head = s.view.key_head("t", "K").expect("a head");
+    assert_eq!((head.entry, head.in_flight), (first, false));
+    assert_eq!(s.queue_stats(1_000)["t"].queued_behind_keys, 2);
+    let l = lease_ok(&s, "t", 2_000, 10, 30_000).await;
+    assert_eq!(l.len(), 1);
+    s.settled().await;
+    assert_eq!(s.view.key_head("t", "K").map(|h| h.in_flight), Some(true));
+}
+
 /// Releasing a held key first moves its waiting entries past max_age to the DLQ together
 /// (`dead_letter_expired_of_key`): younger ones and the hold stay as they are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

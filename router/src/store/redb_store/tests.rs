@@ -1477,6 +1477,29 @@ async fn a_redriven_keyed_entry_waits_for_its_keys_flight_and_releases_its_hold(
     assert_eq!(ids(&next), ["4"]);
 }
 
+/// The entry a key's others wait behind (`key_head`), and how many wait so
+/// (`queued_behind_keys`), read from the index.
+#[tokio::test]
+async fn a_keys_head_and_the_entries_behind_it_are_known() {
+    let s = RedbStore::in_memory().expect("store");
+    s.accept(vec![
+        keyed("1", "k", 1000),
+        keyed("2", "k", 1000),
+        keyed("3", "k", 1000),
+        new_event("/s", "4", &["a"], 1000),
+    ])
+    .await
+    .expect("accept");
+    let first = s.fate("/s", "1").expect("fate").expect("known").entries[0].id;
+    let head = s.key_head("a", "k").expect("a head");
+    assert_eq!((head.entry, head.in_flight), (first, false));
+    assert_eq!(s.queue_stats()["a"].queued_behind_keys, 2);
+    let l = s.lease("a", 1000, 10, 60_000).await.expect("lease");
+    assert_eq!(l.len(), 2, "1 and the unkeyed 4");
+    assert_eq!(s.key_head("a", "k").map(|h| h.in_flight), Some(true));
+    assert!(s.key_head("a", "none").is_none());
+}
+
 /// Releasing a held key first moves its waiting entries past max_age to the DLQ together
 /// (`dead_letter_expired_of_key`): younger ones, other keys and the hold stay as they are,
 /// and what it leaves goes back due as it was.
