@@ -336,12 +336,70 @@ pub fn bounded_key(key: String) -> String {
     )
 }
 
-/// An ordering key's text: strings as they are, other scalars as JSON text; none for null.
+/// An ordering key's text: strings as they are, other values as canonical JSON text
+/// ([`canonical_json`]); none for null.
 fn key_text(v: &Value) -> Option<String> {
     match v {
         Value::Null => None,
         Value::String(s) => Some(s.clone()),
-        other => Some(other.to_string()),
+        other => {
+            let mut out = String::new();
+            canonical_json(other, &mut out);
+            Some(out)
+        }
+    }
+}
+
+/// `v` as compact JSON in which equal values read the same: object members sorted by name
+/// (at every depth) and numbers of equal value written alike (`1.0` and `1e0` as `1`). Written
+/// as received, `{"a":1,"b":2}` and `{"b":2,"a":1}`, or `1.0` and `1`, were two keys, and
+/// their events were not kept in order. Integers and fractional numbers are written as
+/// before, so the keys of those (and of strings, the common case) did not change.
+fn canonical_json(v: &Value, out: &mut String) {
+    match v {
+        Value::Number(n) => out.push_str(&canonical_number(n)),
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                canonical_json(item, out);
+            }
+            out.push(']');
+        }
+        Value::Object(members) => {
+            let mut sorted: Vec<(&String, &Value)> = members.iter().collect();
+            sorted.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            out.push('{');
+            for (i, (name, item)) in sorted.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&Value::String(name.clone()).to_string());
+                out.push(':');
+                canonical_json(item, out);
+            }
+            out.push('}');
+        }
+        scalar => out.push_str(&scalar.to_string()),
+    }
+}
+
+/// A number's canonical text: an integer as its digits; a float with no fractional part
+/// that an `f64` holds exactly as an integer (`1.0`, `1e2`) as that integer; any other float
+/// as its shortest round-trip form (what `serde_json` writes).
+fn canonical_number(n: &serde_json::Number) -> String {
+    /// 2^53: past it an `f64` no longer holds every integer.
+    const EXACT: f64 = 9_007_199_254_740_992.0;
+    if n.is_i64() || n.is_u64() {
+        return n.to_string();
+    }
+    match n.as_f64() {
+        #[allow(clippy::cast_possible_truncation)] // checked: integral and below 2^53
+        Some(f) if f.fract() == 0.0 && f.abs() < EXACT => format!("{}", f as i64),
+        Some(f) => serde_json::Number::from_f64(f).map_or_else(|| n.to_string(), |x| x.to_string()),
+        None => n.to_string(),
     }
 }
 
@@ -1060,6 +1118,45 @@ mod tests {
         let m = OrderingKey::try_from("$.data.missing".to_string()).expect("path");
         assert_eq!(m.extract(&ev), None);
         assert_eq!(OrderingKey::PartitionKey.extract(&json!({})), None);
+    }
+
+    /// Equal JSON values give equal keys: object members in any order, numbers in any
+    /// spelling of one value. Strings, integers and fractional numbers keep the text they had
+    /// (keys of entries queued across an upgrade stay the same).
+    #[test]
+    fn ordering_keys_of_equal_json_values_are_equal() {
+        let k = OrderingKey::try_from("$.data.k".to_string()).expect("path");
+        let key = |raw: &str| {
+            let ev: crate::event::CloudEvent = serde_json::from_str(&format!(
+                r#"{{"id":"1","source":"/s","type":"t","data":{{"k":{raw}}}}}"#
+            ))
+            .expect("event");
+            let from_fields = k.extract_event(&ev);
+            assert_eq!(from_fields, k.extract(&ev.to_json()), "{raw}");
+            from_fields.expect("a key")
+        };
+        for (a, b) in [
+            (r#"{"a":1,"b":2}"#, r#"{"b":2,"a":1}"#),
+            (
+                r#"{"x":{"b":[1,{"d":1,"c":2}],"a":null}}"#,
+                r#"{"x":{"a":null,"b":[1.0,{"c":2,"d":1}]}}"#,
+            ),
+            ("1.0", "1"),
+            ("1e2", "100"),
+            ("-0.0", "0"),
+            ("2.50", "2.5"),
+        ] {
+            assert_eq!(key(a), key(b), "{a} and {b}");
+        }
+        assert_eq!(key(r#"{"a":1,"b":2}"#), r#"{"a":1,"b":2}"#);
+        assert_ne!(key("[1,2]"), key("[2,1]"), "an array's order is its value");
+        // As before: strings exactly as sent, integers and fractions as JSON writes them.
+        assert_eq!(key(r#""Ab 1.0 ""#), "Ab 1.0 ");
+        assert_eq!(key("42"), "42");
+        assert_eq!(key("-7"), "-7");
+        assert_eq!(key("18446744073709551615"), "18446744073709551615");
+        assert_eq!(key("1.5"), "1.5");
+        assert_eq!(key("true"), "true");
     }
 
     /// A key past `MAX_ORDERING_KEY_BYTES` is its digest (fixed size, equal for equal keys,
