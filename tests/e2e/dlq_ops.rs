@@ -1174,6 +1174,66 @@ async fn releasing_a_held_key_moves_its_expired_entries_to_the_dlq_at_once() {
     );
 }
 
+/// `router.dlq.added` says which ordering key the dead letter is of, whether it now holds
+/// that key, and its DLQ entry's id: an alert route could not tell that a key had stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_announcement_names_its_key_the_hold_and_its_entry() {
+    let rcv = Receiver::status(400).await;
+    let alerts = Receiver::ok().await;
+    let policy = "  held:\n    ordering: partitionkey\n    on_dead_letter: hold";
+    let rules = format!(
+        "{}  - name: page-on-dlq\n    pattern:\n      type: [router.dlq.added]\n    targets:\n      - webhook: {}\n        id: pager\n",
+        rules_yaml(
+            policy,
+            &[(
+                "r",
+                "t",
+                &[format!(
+                    "webhook: {}\n        id: ordered\n        policy: held",
+                    rcv.url()
+                )]
+            )]
+        ),
+        alerts.url()
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let mut e = event("k-1", "t", json!({}));
+    e["partitionkey"] = json!("K");
+    post_batch(&r, &[e, event("plain", "t", json!({}))]).await;
+    assert!(
+        alerts
+            .wait_for(Duration::from_secs(15), |s| s.len() >= 2)
+            .await,
+        "two router.dlq.added alerts"
+    );
+    let (_, l) = get_json(&r, "/v1/dlq?target=ordered").await;
+    let dlq_id_of = |id: &str| {
+        l["entries"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|d| d["event"]["id"] == id)
+            .map(|d| d["id"].clone())
+            .unwrap_or_default()
+    };
+    let data_of = |id: &str| {
+        alerts
+            .received()
+            .into_iter()
+            .map(|a| a.body["data"].clone())
+            .find(|d| d["event"]["id"] == id)
+            .unwrap_or_default()
+    };
+    let keyed = data_of("k-1");
+    assert_eq!(keyed["ordering_key"], "K", "{keyed}");
+    assert_eq!(keyed["key_held"], true, "{keyed}");
+    assert_eq!(keyed["dlq_id"], dlq_id_of("k-1"), "{keyed} {l}");
+    let plain = data_of("plain");
+    assert_eq!(plain["ordering_key"], Value::Null, "{plain}");
+    assert_eq!(plain["key_held"], false, "{plain}");
+    assert_eq!(plain["dlq_id"], dlq_id_of("plain"), "{plain} {l}");
+}
+
 /// A contract that no `data` meets (it needs a field nobody sends).
 const NEVER_VALID: &str = r#"{
   "$schema": "https://json-schema.org/draft/2020-12/schema",

@@ -638,6 +638,9 @@ pub struct Finished {
     /// because their target's queue was at its depth cap: (index in `Outbox::emitted`,
     /// target id). The caller counts and announces them like any other new dead letter.
     pub overflowed: Vec<(usize, String)>,
+    /// The id of the DLQ entry a dead-letter disposition made (its `router.dlq.added` names
+    /// it).
+    pub dlq_id: Option<u64>,
 }
 
 /// Answer to accepting one event.

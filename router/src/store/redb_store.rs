@@ -5031,7 +5031,7 @@ impl Committer {
             let (eid, esrc, ety) = dlq_names(&*ev_t, id.event)?;
             drop(ev_t);
             let d = DlqEntry::of_given_up(&e, (eid, esrc, ety), reason, &end, now);
-            self.add_dlq(txn, d, effects)?;
+            finished.dlq_id = Some(self.add_dlq(txn, d, effects)?);
             let hold = hold && e.ordering_key.is_some();
             if hold && let Some(k) = &e.ordering_key {
                 txn.open_table(HELD)

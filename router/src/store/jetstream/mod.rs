@@ -1614,7 +1614,10 @@ impl JetStreamStore {
             .into());
         }
         match self.commit(writes).await {
-            Ok(_) => Ok(Finished { overflowed }),
+            Ok(_) => Ok(Finished {
+                overflowed,
+                dlq_id: dlq.as_ref().map(|d| d.id),
+            }),
             Err(RecordsError::Conflict) => {
                 // Taken over between the read and the write, or an outbox record changed:
                 // the leader tells which (a replica could still show the lease's revision
@@ -1636,7 +1639,13 @@ impl JetStreamStore {
                 }
             }
             Err(e @ RecordsError::Unanswered(_)) => {
-                sent.push((entry_bytes, Finished { overflowed }));
+                sent.push((
+                    entry_bytes,
+                    Finished {
+                        overflowed,
+                        dlq_id: dlq.as_ref().map(|d| d.id),
+                    },
+                ));
                 Err(StoreError::from(e).into())
             }
             Err(e) => Err(StoreError::from(e).into()),
