@@ -37,6 +37,7 @@ fn dead_letter(id: u64, target: &str, rule: &str, at: i64) -> NewEvent {
             ordering_key: None,
             max_depth: Some(0),
             lease_ms: None,
+            hold_key: false,
         }],
         quarantine: None,
         dedup_window_ms: 86_400_000,

@@ -1149,6 +1149,7 @@ fn store_event(
                 ordering_key: None,
                 max_depth: None,
                 lease_ms: None,
+                hold_key: false,
             })
             .collect(),
         quarantine: None,

@@ -1051,6 +1051,189 @@ async fn purging_the_dead_letter_that_holds_a_key_releases_it() {
     );
 }
 
+/// An ordering key longer than 256 bytes is kept as its digest (`sha256:<hex>`): a held key
+/// of 70,000 characters could not be released before (the release URL went past the
+/// request head's bound, 431), and each queued entry kept the whole key in memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_held_key_is_shown_and_released_as_its_digest() {
+    let rcv = Receiver::scripted(Arc::new(|ev, _| {
+        let status = if ev["data"]["fail"] == true { 400 } else { 200 };
+        (status, Duration::ZERO, vec![])
+    }))
+    .await;
+    let policy = "  held:\n    ordering: partitionkey\n    on_dead_letter: hold";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: ordered\n        policy: held",
+                rcv.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let long = "k".repeat(70_000);
+    let keyed = |id: &str, fail: bool| {
+        let mut e = event(id, "t", json!({ "fail": fail }));
+        e["partitionkey"] = json!(long);
+        e
+    };
+    post_batch(&r, &[keyed("first", true), keyed("behind", false)]).await;
+    let key = eventually(Duration::from_secs(15), || async {
+        let (_, t) = get_json(&r, "/v1/targets/ordered").await;
+        t["held_keys"][0].as_str().map(str::to_owned)
+    })
+    .await
+    .expect("the dead letter holds its key");
+    assert!(key.starts_with("sha256:") && key.len() == 71, "{key}");
+    assert_eq!(fate(&r, "behind").await["targets"][0]["ordering_key"], key);
+    let (status, b) = post_json(
+        &r,
+        &format!("/v1/targets/ordered/keys/{key}/release"),
+        json!({}),
+    )
+    .await;
+    assert_eq!(status, 200, "{b}");
+    assert!(
+        rcv.wait_for(Duration::from_secs(15), |s| s
+            .iter()
+            .any(|x| x.event_id() == "behind"))
+            .await,
+        "the event behind the released key was delivered"
+    );
+}
+
+/// Releasing a held key whose waiting entries are past max_age moves them all to the DLQ
+/// (`max_age_exceeded`, unsent) and lets the key go on: before, each release dead-lettered one
+/// of them, which held the key again, so a backlog of N took N releases. Their fates said so
+/// beforehand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releasing_a_held_key_moves_its_expired_entries_to_the_dlq_at_once() {
+    let rcv = Receiver::scripted(Arc::new(|ev, _| {
+        let status = if ev["data"]["fail"] == true { 400 } else { 200 };
+        (status, Duration::ZERO, vec![])
+    }))
+    .await;
+    let policy = "  held:\n    ordering: partitionkey\n    on_dead_letter: hold\n    retry: { max_attempts: 1, max_age: 1s }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: aged\n        policy: held",
+                rcv.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let keyed = |id: &str, fail: bool| {
+        let mut e = event(id, "t", json!({ "fail": fail }));
+        e["partitionkey"] = json!("AG");
+        e
+    };
+    let mut batch = vec![keyed("ag-1", true)];
+    batch.extend((2..=6).map(|i| keyed(&format!("ag-{i}"), false)));
+    post_batch(&r, &batch).await;
+    eventually(Duration::from_secs(15), || async {
+        let (_, t) = get_json(&r, "/v1/targets/aged").await;
+        (t["held_keys"] == json!(["AG"])).then_some(())
+    })
+    .await
+    .expect("the dead letter holds AG");
+    // Past max_age (1 s) with a margin for a slow machine.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let waiting = fate(&r, "ag-2").await["targets"][0]["waiting_on"].clone();
+    assert!(
+        waiting
+            .as_str()
+            .is_some_and(|w| w.contains("held") && w.contains("past its max_age")),
+        "{waiting}"
+    );
+    let (status, b) = post_json(&r, "/v1/targets/aged/keys/AG/release", json!({})).await;
+    assert_eq!(status, 200, "{b}");
+    assert_eq!(b["dead_lettered_past_max_age"], 5, "{b}");
+    let (_, t) = get_json(&r, "/v1/targets/aged").await;
+    assert_eq!(t["held_keys"], json!([]), "not held again: {t}");
+    let (_, l) = get_json(&r, "/v1/dlq?target=aged&reason=max_age_exceeded").await;
+    assert_eq!(l["entries"].as_array().map(Vec::len), Some(5), "{l}");
+    // The key goes on: a new event of it is delivered.
+    post_batch(&r, &[keyed("ag-7", false)]).await;
+    assert!(
+        rcv.wait_for(Duration::from_secs(15), |s| s
+            .iter()
+            .any(|x| x.event_id() == "ag-7"))
+            .await,
+        "the released key's next event was delivered"
+    );
+    assert!(
+        !rcv.distinct_ids().contains("ag-2"),
+        "expired entries are not sent"
+    );
+}
+
+/// `router.dlq.added` says which ordering key the dead letter is of, whether it now holds
+/// that key, and its DLQ entry's id: an alert route could not tell that a key had stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_announcement_names_its_key_the_hold_and_its_entry() {
+    let rcv = Receiver::status(400).await;
+    let alerts = Receiver::ok().await;
+    let policy = "  held:\n    ordering: partitionkey\n    on_dead_letter: hold";
+    let rules = format!(
+        "{}  - name: page-on-dlq\n    pattern:\n      type: [router.dlq.added]\n    targets:\n      - webhook: {}\n        id: pager\n",
+        rules_yaml(
+            policy,
+            &[(
+                "r",
+                "t",
+                &[format!(
+                    "webhook: {}\n        id: ordered\n        policy: held",
+                    rcv.url()
+                )]
+            )]
+        ),
+        alerts.url()
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let mut e = event("k-1", "t", json!({}));
+    e["partitionkey"] = json!("K");
+    post_batch(&r, &[e, event("plain", "t", json!({}))]).await;
+    assert!(
+        alerts
+            .wait_for(Duration::from_secs(15), |s| s.len() >= 2)
+            .await,
+        "two router.dlq.added alerts"
+    );
+    let (_, l) = get_json(&r, "/v1/dlq?target=ordered").await;
+    let dlq_id_of = |id: &str| {
+        l["entries"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|d| d["event"]["id"] == id)
+            .map(|d| d["id"].clone())
+            .unwrap_or_default()
+    };
+    let data_of = |id: &str| {
+        alerts
+            .received()
+            .into_iter()
+            .map(|a| a.body["data"].clone())
+            .find(|d| d["event"]["id"] == id)
+            .unwrap_or_default()
+    };
+    let keyed = data_of("k-1");
+    assert_eq!(keyed["ordering_key"], "K", "{keyed}");
+    assert_eq!(keyed["key_held"], true, "{keyed}");
+    assert_eq!(keyed["dlq_id"], dlq_id_of("k-1"), "{keyed} {l}");
+    let plain = data_of("plain");
+    assert_eq!(plain["ordering_key"], Value::Null, "{plain}");
+    assert_eq!(plain["key_held"], false, "{plain}");
+    assert_eq!(plain["dlq_id"], dlq_id_of("plain"), "{plain} {l}");
+}
+
 /// A contract that no `data` meets (it needs a field nobody sends).
 const NEVER_VALID: &str = r#"{
   "$schema": "https://json-schema.org/draft/2020-12/schema",

@@ -1003,3 +1003,56 @@ async fn a_due_entry_held_by_the_throttle_says_so() {
         fate(&r, "th2").await
     );
 }
+
+/// An entry waiting behind its key's first one, which is retrying, says so in its fate
+/// (`waiting_on` names the entry and the key; it was null, reading as a stuck router), and
+/// `/v1/targets` shows that the target is ordered and how many entries wait behind keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_behind_its_keys_retrying_first_one_says_so() {
+    let rcv = Receiver::scripted(Arc::new(|ev, _| {
+        let status = if ev["data"]["fail"] == true { 500 } else { 200 };
+        (status, Duration::ZERO, vec![])
+    }))
+    .await;
+    // Long waits between attempts: the first entry stays retrying while the test looks.
+    let policy = "  ordered:\n    ordering: partitionkey\n    retry: { max_attempts: 5, base_delay: 30s, max_delay: 30s, jitter: none }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: ord\n        policy: ordered",
+                rcv.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let keyed = |id: &str, fail: bool| {
+        let mut e = event(id, "t", json!({ "fail": fail }));
+        e["partitionkey"] = json!("A2");
+        e
+    };
+    post_batch(&r, &[keyed("r2-A-1", true), keyed("r2-A-2", false)]).await;
+    let head = eventually(Duration::from_secs(15), || async {
+        let f = fate(&r, "r2-A-1").await;
+        (f["targets"][0]["state"] == "retrying").then(|| f["targets"][0]["entry"].clone())
+    })
+    .await
+    .expect("the first entry retries");
+    let behind = fate(&r, "r2-A-2").await;
+    let waiting = behind["targets"][0]["waiting_on"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        waiting.contains(&format!(
+            "waiting behind entry {}",
+            head.as_str().unwrap_or("?")
+        )) && waiting.contains("\"A2\""),
+        "{behind}"
+    );
+    let (_, t) = get_json(&r, "/v1/targets/ord").await;
+    assert_eq!(t["ordering"], "partitionkey", "{t}");
+    assert_eq!(t["queued_behind_keys"], 1, "{t}");
+}

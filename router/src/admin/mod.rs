@@ -368,10 +368,10 @@ const LIVE_HOLD_MS: i64 = 3_000;
 
 /// What a queued entry waits for besides its due time, if anything an operator can act on:
 /// its target paused (and whether its max_age runs out meanwhile), the target's breaker open,
-/// its handler not uploaded, its ordering key held after a dead letter, its target not
-/// running; and, once it is due, the target's retry budget, throttle or concurrency, which
-/// hold a backlog that drains slower than it came (a fate that said nothing there read as a
-/// stuck entry). (Entries behind another of their key wait for that one.)
+/// its handler not uploaded, its ordering key held after a dead letter, an earlier entry of
+/// its ordering key (which may be retrying for hours: a due entry that said nothing there read
+/// as a stuck router), its target not running; and, once it is due, the target's retry
+/// budget, throttle or concurrency, which hold a backlog that drains slower than it came.
 fn waiting_on(app: &App, e: &crate::store::QueueEntry, in_flight: u64, now: i64) -> Option<String> {
     let Some(rt) = app.dispatcher.runtime(&e.target_id) else {
         return Some("the target is not running (see /v1/targets)".into());
@@ -382,14 +382,15 @@ fn waiting_on(app: &App, e: &crate::store::QueueEntry, in_flight: u64, now: i64)
         .saturating_add(i64::try_from(max_age.as_millis()).unwrap_or(i64::MAX));
     // A pause or an open breaker does not stop max_age (it counts from acceptance): say so
     // once it has run out, since the entry then goes to the DLQ unsent at the resume.
-    let past_max_age = || {
+    let past_max_age_until = |when: &str| {
         (now > expires).then(|| {
             format!(
-                "; it is past its max_age ({}) and goes to the DLQ as max_age_exceeded, unsent, once the target resumes",
+                "; it is past its max_age ({}) and goes to the DLQ as max_age_exceeded, unsent, {when}",
                 humantime::format_duration(max_age)
             )
         })
     };
+    let past_max_age = || past_max_age_until("once the target resumes");
     if rt.paused.load(Ordering::SeqCst) {
         return Some(format!(
             "the target is paused by an operator{}",
@@ -426,8 +427,27 @@ fn waiting_on(app: &App, e: &crate::store::QueueEntry, in_flight: u64, now: i64)
         && app.store.held_keys(&e.target_id).contains(key)
     {
         return Some(format!(
-            "its ordering key {key:?} is held after a dead letter (release it: POST /v1/targets/{}/keys/{{key}}/release)",
-            e.target_id
+            "its ordering key {key:?} is held after a dead letter (release it: POST /v1/targets/{}/keys/{{key}}/release){}",
+            e.target_id,
+            past_max_age_until(
+                "when the key is released (with the key's other entries past max_age, without holding the key again)"
+            )
+            .unwrap_or_default()
+        ));
+    }
+    // Read from the store's memory (no record is read), so a fate stays cheap.
+    if let Some(key) = &e.ordering_key
+        && let Some(head) = app.store.key_head(&e.target_id, key)
+        && head.entry != e.id
+    {
+        return Some(format!(
+            "waiting behind entry {} of its ordering key {key:?} ({}): a key's entries go one at a time, in order",
+            head.entry,
+            if head.in_flight {
+                "being delivered now"
+            } else {
+                "not delivered yet: its own fate says what it waits for"
+            }
         ));
     }
     // A retry the budget deferred is put back due at its turn: it may show a next attempt
@@ -470,6 +490,7 @@ fn target_json(app: &App, id: &str, stats: Option<&crate::store::QueueStats>, no
         v["rule"] = json!(spec.rule);
         v["kind"] = json!(spec.kind);
         v["policy"] = json!(spec.policy_name);
+        v["ordering"] = json!(spec.policy.ordering.as_ref().map(ToString::to_string));
         let worst = spec.worst_case();
         v["worst_case"] = json!({
             "attempts": worst.attempts,
@@ -506,6 +527,7 @@ fn target_json(app: &App, id: &str, stats: Option<&crate::store::QueueStats>, no
             .map(|a| (now - a).max(0) as f64 / 1000.0)
     );
     v["dlq"] = json!(s.dlq);
+    v["queued_behind_keys"] = json!(s.queued_behind_keys);
     v["held_keys"] = json!(app.store.held_keys(id));
     v
 }
@@ -578,15 +600,52 @@ pub async fn resume_target(State(app): State<Arc<App>>, Path(id): Path<String>) 
 }
 
 /// `POST /v1/targets/{id}/keys/{key}/release`: lets an ordering key held after a dead letter
-/// (`on_dead_letter: hold`) proceed.
+/// (`on_dead_letter: hold`) proceed. The key's waiting entries already past their max_age go
+/// to the DLQ first, together (`max_age_exceeded`, unsent): each would be dead-lettered unsent
+/// at its turn anyway, and under `hold` each such dead letter held the key again, so a
+/// backlog of N expired entries took N releases. The answer counts them.
 pub async fn release_key(
     State(app): State<Arc<App>>,
     Path((id, key)): Path<(String, String)>,
 ) -> Response {
-    match app.store.release_key(&id, &key).await {
-        Ok(true) => {
-            axum::Json(json!({ "target": id, "key": key, "released": true })).into_response()
+    let mut expired = 0;
+    if let Some(rt) = app.dispatcher.runtime(&id)
+        && app.store.held_keys(&id).contains(&key)
+    {
+        let max_age = rt.spec.policy.retry.max_age;
+        let now = app.clock.now_ms();
+        let before = now.saturating_sub(i64::try_from(max_age.as_millis()).unwrap_or(i64::MAX));
+        let why = format!(
+            "not sent: event older than max_age {}; moved to the DLQ with its key's other expired entries when the key was released",
+            humantime::format_duration(max_age)
+        );
+        match app
+            .store
+            .dead_letter_expired_of_key(&id, &key, before, &why, now)
+            .await
+        {
+            Ok(n) => {
+                crate::deliver::dead_lettered_in_bulk(
+                    app.dispatcher.context(),
+                    &id,
+                    crate::store::DlqReason::MaxAgeExceeded,
+                    n as u64,
+                    &why,
+                    now,
+                );
+                expired = n;
+            }
+            Err(e) => return store_error(&e),
         }
+    }
+    match app.store.release_key(&id, &key).await {
+        Ok(true) => axum::Json(json!({
+            "target": id,
+            "key": key,
+            "released": true,
+            "dead_lettered_past_max_age": expired,
+        }))
+        .into_response(),
         Ok(false) => error_response(
             StatusCode::NOT_FOUND,
             "key not held",

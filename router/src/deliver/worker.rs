@@ -468,12 +468,13 @@ async fn set_aside_unreadable(
         reason,
         hold: spec.policy.on_dead_letter == OnDeadLetter::Hold,
     };
+    let held = matches!(disposition, Disposition::DeadLetter { hold: true, .. });
     match ctx
         .store
         .finish(u.entry.id, u.lease, end, disposition, now)
         .await
     {
-        Ok(_) => {
+        Ok(finished) => {
             ctx.metrics
                 .deliveries
                 .get_or_create(&vec![
@@ -489,7 +490,11 @@ async fn set_aside_unreadable(
                 ty: "",
                 hops: u.entry.hops,
                 emitted_by: None,
-            };
+                ordering_key: None,
+                key_held: false,
+                dlq_id: None,
+            }
+            .of_entry(&u.entry, held, finished.dlq_id);
             dead_lettered(ctx, Some(&spec.id), unknown, reason, Some(&error), now);
         }
         Err(e) => {
@@ -1166,9 +1171,9 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
         disposition,
         label: outcome_label,
     } = s;
-    let dlq_reason = match &disposition {
-        Disposition::DeadLetter { reason, .. } => Some(*reason),
-        _ => None,
+    let (dlq_reason, held) = match &disposition {
+        Disposition::DeadLetter { reason, hold } => (Some(*reason), *hold),
+        _ => (None, false),
     };
     let finished_at = end.finished_at;
     let end_error = end.error.clone();
@@ -1219,7 +1224,11 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
                 dead_lettered(
                     ctx,
                     Some(&spec.id),
-                    DeadEvent::of(&leased.event.event),
+                    DeadEvent::of(&leased.event.event).of_entry(
+                        &leased.entry,
+                        held,
+                        finished.dlq_id,
+                    ),
                     r,
                     end_error.as_deref(),
                     finished_at,
@@ -1316,16 +1325,14 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
                 outbox: None,
             };
             let reason = DlqReason::PermanentError;
-            let disposition = Disposition::DeadLetter {
-                reason,
-                hold: spec.policy.on_dead_letter == OnDeadLetter::Hold,
-            };
+            let held = spec.policy.on_dead_letter == OnDeadLetter::Hold;
+            let disposition = Disposition::DeadLetter { reason, hold: held };
             match ctx
                 .store
                 .finish(leased.entry.id, leased.lease, end, disposition, finished_at)
                 .await
             {
-                Ok(_) => {
+                Ok(finished) => {
                     ctx.metrics
                         .deliveries
                         .get_or_create(&labels("dead_lettered"))
@@ -1334,7 +1341,11 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
                     dead_lettered(
                         ctx,
                         Some(&spec.id),
-                        DeadEvent::of(&leased.event.event),
+                        DeadEvent::of(&leased.event.event).of_entry(
+                            &leased.entry,
+                            held,
+                            finished.dlq_id,
+                        ),
                         reason,
                         Some(&error),
                         finished_at,
@@ -1488,6 +1499,9 @@ impl Emitted {
             ty: &self.ty,
             hops: self.hops,
             emitted_by: None,
+            ordering_key: None,
+            key_held: false,
+            dlq_id: None,
         }
     }
 }
@@ -1507,6 +1521,14 @@ pub struct DeadEvent<'a> {
     /// target of its own (past the hop limit, out of scope, failing its contract): the
     /// announcement is about that target.
     pub emitted_by: Option<&'a str>,
+    /// The dead copy's ordering key, on an ordered target.
+    pub ordering_key: Option<&'a str>,
+    /// Whether this dead letter holds its ordering key (`on_dead_letter: hold`): the key's
+    /// later events wait until an operator releases it or redrives this dead letter.
+    pub key_held: bool,
+    /// The id of its DLQ entry, where the store answered it (not for copies refused at
+    /// acceptance).
+    pub dlq_id: Option<u64>,
 }
 
 impl<'a> DeadEvent<'a> {
@@ -1518,6 +1540,25 @@ impl<'a> DeadEvent<'a> {
             ty: &ev.ty,
             hops: ev.hops(),
             emitted_by: None,
+            ordering_key: None,
+            key_held: false,
+            dlq_id: None,
+        }
+    }
+
+    /// With the leased entry's ordering key, whether `disposition` holds it, and the DLQ
+    /// entry the finish made.
+    pub fn of_entry(
+        self,
+        entry: &'a crate::store::QueueEntry,
+        disposition_held: bool,
+        dlq_id: Option<u64>,
+    ) -> Self {
+        Self {
+            ordering_key: entry.ordering_key.as_deref(),
+            key_held: disposition_held && entry.ordering_key.is_some(),
+            dlq_id,
+            ..self
         }
     }
 }
@@ -1546,6 +1587,9 @@ pub fn dead_lettered(
         ty,
         hops,
         emitted_by,
+        ordering_key,
+        key_held,
+        dlq_id,
     } = event;
     count_dead_letters(&ctx.metrics, target, reason, 1);
     // Every path into the DLQ (an attempt, max_age before one, the depth cap at acceptance,
@@ -1585,6 +1629,10 @@ pub fn dead_lettered(
         "reason": reason.as_str(),
         "event": { "id": id, "source": source, "type": ty },
         "error": error,
+        "ordering_key": ordering_key,
+        "key_held": key_held,
+        // A string, as the DLQ API writes entry ids (`GET /v1/dlq/{id}`).
+        "dlq_id": dlq_id.map(|i| i.to_string()),
     });
     if let Some(by) = emitted_by {
         data["emitted_by"] = serde_json::Value::from(by);
@@ -1983,6 +2031,7 @@ mod tests {
             ordering_key: None,
             max_depth: None,
             lease_ms: None,
+            hold_key: false,
         };
         let id = crate::store::EntryId { event: n, idx: 0 };
         Leased {

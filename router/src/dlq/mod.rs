@@ -1132,6 +1132,7 @@ async fn redrive_step(
                         ordering_key,
                         max_depth: None,
                         lease_ms: None,
+                        hold_key: false,
                     }],
                 });
                 job.moved += 1;

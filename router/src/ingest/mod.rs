@@ -418,14 +418,10 @@ async fn handle(
             }
             ContractOutcome::Pass => {
                 quarantined.push(None);
-                answered.push(Answered::of(&ev));
-                new_events.push(route(
-                    &rules,
-                    &app.disabled_rules(),
-                    ev,
-                    now,
-                    dedup_window_ms,
-                ));
+                let answer = Answered::of(&ev);
+                let ne = route(&rules, &app.disabled_rules(), ev, now, dedup_window_ms);
+                answered.push(answer.with_keys(&ne));
+                new_events.push(ne);
             }
         }
     }
@@ -576,7 +572,7 @@ async fn handle(
                 crate::deliver::dead_lettered(
                     app.dispatcher.context(),
                     Some(target),
-                    ev.dead(),
+                    ev.dead_for(target),
                     DlqReason::TargetOverflow,
                     Some("the target's queue is at its depth cap"),
                     now,
@@ -749,6 +745,9 @@ struct Answered {
     source: String,
     ty: String,
     hops: u32,
+    /// (target, ordering key, held on a dead letter) of its ordered copies: a copy the depth
+    /// cap refuses is announced with its key, and whether that holds the key.
+    keys: Vec<(String, String, bool)>,
 }
 
 impl Answered {
@@ -758,7 +757,21 @@ impl Answered {
             source: ev.source.clone(),
             ty: ev.ty.clone(),
             hops: ev.hops(),
+            keys: Vec::new(),
         }
+    }
+
+    /// Notes the ordered copies of `ne` (routed from this event).
+    fn with_keys(mut self, ne: &NewEvent) -> Self {
+        self.keys = ne
+            .targets
+            .iter()
+            .filter_map(|t| {
+                let key = t.ordering_key.clone()?;
+                Some((t.target_id.clone(), key, t.hold_key))
+            })
+            .collect();
+        self
     }
 
     /// The event as its dead letters name it.
@@ -769,6 +782,21 @@ impl Answered {
             ty: &self.ty,
             hops: self.hops,
             emitted_by: None,
+            ordering_key: None,
+            key_held: false,
+            dlq_id: None,
+        }
+    }
+
+    /// The event as the dead letter of its copy for `target` names it.
+    fn dead_for(&self, target: &str) -> crate::deliver::DeadEvent<'_> {
+        match self.keys.iter().find(|(t, _, _)| t == target) {
+            Some((_, key, held)) => crate::deliver::DeadEvent {
+                ordering_key: Some(key),
+                key_held: *held,
+                ..self.dead()
+            },
+            None => self.dead(),
         }
     }
 }
@@ -807,17 +835,18 @@ pub fn match_targets(
         .filter(|m| !disabled.contains(&m.rule))
     {
         for tid in &m.target_ids {
-            let ordering_key = rules
-                .targets
-                .get(tid)
+            let spec = rules.targets.get(tid);
+            let ordering_key = spec
                 .and_then(|spec| spec.policy.ordering.as_ref())
                 .and_then(|o| o.extract_event(ev));
             targets.push(NewEntry {
                 target_id: tid.clone(),
                 rule: m.rule.clone(),
                 ordering_key,
-                max_depth: rules.targets.get(tid).map(|s| s.policy.max_queue_depth),
+                max_depth: spec.map(|s| s.policy.max_queue_depth),
                 lease_ms: None,
+                hold_key: spec
+                    .is_some_and(|s| s.policy.on_dead_letter == crate::policy::OnDeadLetter::Hold),
             });
         }
         matched_rules.push(m.rule);

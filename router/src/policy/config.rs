@@ -288,7 +288,7 @@ impl OrderingKey {
                 cur
             }
         };
-        key_text(v)
+        key_text(v).map(bounded_key)
     }
 
     /// [`OrderingKey::extract`] on `event.to_json()`, read from the fields without building it.
@@ -303,23 +303,103 @@ impl OrderingKey {
             },
         };
         let mut cur = match event.member(first)? {
-            Member::Str(s) if rest.is_empty() => return Some(s.to_string()),
+            Member::Str(s) if rest.is_empty() => return Some(bounded_key(s.to_string())),
             Member::Str(_) => return None,
             Member::Json(v) => v,
         };
         for seg in rest {
             cur = cur.get(seg.as_str())?;
         }
-        key_text(cur)
+        key_text(cur).map(bounded_key)
     }
 }
 
-/// An ordering key's text: strings as they are, other scalars as JSON text; none for null.
+/// The longest ordering key kept as its text, in bytes; a longer one is replaced by
+/// [`bounded_key`]'s digest. Every queued entry of an ordered target keeps its key in memory
+/// (the store's index) and on disk, and an operator releases a held key by naming it in a
+/// URL: 1,000 queued entries with 400 KB keys took over 1 GB, and a key past ~64 KB could not
+/// be released (431). 256 bytes fits any identifier (AWS caps MessageGroupId at 128).
+pub const MAX_ORDERING_KEY_BYTES: usize = 256;
+
+/// `key` itself up to [`MAX_ORDERING_KEY_BYTES`]; past it `sha256:<64 hex digits>` of it.
+/// A digest rather than a refusal: equal keys still give equal digests, so ordering holds,
+/// and no event is refused at ingest for one target's policy (a producer does not know
+/// which targets order by which field, and the same event may be fine for the others).
+pub fn bounded_key(key: String) -> String {
+    if key.len() <= MAX_ORDERING_KEY_BYTES {
+        return key;
+    }
+    use sha2::Digest;
+    format!(
+        "sha256:{}",
+        hex::encode(sha2::Sha256::digest(key.as_bytes()))
+    )
+}
+
+/// An ordering key's text: strings as they are, other values as canonical JSON text
+/// ([`canonical_json`]); none for null.
 fn key_text(v: &Value) -> Option<String> {
     match v {
         Value::Null => None,
         Value::String(s) => Some(s.clone()),
-        other => Some(other.to_string()),
+        other => {
+            let mut out = String::new();
+            canonical_json(other, &mut out);
+            Some(out)
+        }
+    }
+}
+
+/// `v` as compact JSON in which equal values read the same: object members sorted by name
+/// (at every depth) and numbers of equal value written alike (`1.0` and `1e0` as `1`). Written
+/// as received, `{"a":1,"b":2}` and `{"b":2,"a":1}`, or `1.0` and `1`, were two keys, and
+/// their events were not kept in order. Integers and fractional numbers are written as
+/// before, so the keys of those (and of strings, the common case) did not change.
+fn canonical_json(v: &Value, out: &mut String) {
+    match v {
+        Value::Number(n) => out.push_str(&canonical_number(n)),
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                canonical_json(item, out);
+            }
+            out.push(']');
+        }
+        Value::Object(members) => {
+            let mut sorted: Vec<(&String, &Value)> = members.iter().collect();
+            sorted.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            out.push('{');
+            for (i, (name, item)) in sorted.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&Value::String(name.clone()).to_string());
+                out.push(':');
+                canonical_json(item, out);
+            }
+            out.push('}');
+        }
+        scalar => out.push_str(&scalar.to_string()),
+    }
+}
+
+/// A number's canonical text: an integer as its digits; a float with no fractional part
+/// that an `f64` holds exactly as an integer (`1.0`, `1e2`) as that integer; any other float
+/// as its shortest round-trip form (what `serde_json` writes).
+fn canonical_number(n: &serde_json::Number) -> String {
+    /// 2^53: past it an `f64` no longer holds every integer.
+    const EXACT: f64 = 9_007_199_254_740_992.0;
+    if n.is_i64() || n.is_u64() {
+        return n.to_string();
+    }
+    match n.as_f64() {
+        #[allow(clippy::cast_possible_truncation)] // checked: integral and below 2^53
+        Some(f) if f.fract() == 0.0 && f.abs() < EXACT => format!("{}", f as i64),
+        Some(f) => serde_json::Number::from_f64(f).map_or_else(|| n.to_string(), |x| x.to_string()),
+        None => n.to_string(),
     }
 }
 
@@ -1038,5 +1118,88 @@ mod tests {
         let m = OrderingKey::try_from("$.data.missing".to_string()).expect("path");
         assert_eq!(m.extract(&ev), None);
         assert_eq!(OrderingKey::PartitionKey.extract(&json!({})), None);
+    }
+
+    /// Equal JSON values give equal keys: object members in any order, numbers in any
+    /// spelling of one value. Strings, integers and fractional numbers keep the text they had
+    /// (keys of entries queued across an upgrade stay the same).
+    #[test]
+    fn ordering_keys_of_equal_json_values_are_equal() {
+        let k = OrderingKey::try_from("$.data.k".to_string()).expect("path");
+        let key = |raw: &str| {
+            let ev: crate::event::CloudEvent = serde_json::from_str(&format!(
+                r#"{{"id":"1","source":"/s","type":"t","data":{{"k":{raw}}}}}"#
+            ))
+            .expect("event");
+            let from_fields = k.extract_event(&ev);
+            assert_eq!(from_fields, k.extract(&ev.to_json()), "{raw}");
+            from_fields.expect("a key")
+        };
+        for (a, b) in [
+            (r#"{"a":1,"b":2}"#, r#"{"b":2,"a":1}"#),
+            (
+                r#"{"x":{"b":[1,{"d":1,"c":2}],"a":null}}"#,
+                r#"{"x":{"a":null,"b":[1.0,{"c":2,"d":1}]}}"#,
+            ),
+            ("1.0", "1"),
+            ("1e2", "100"),
+            ("-0.0", "0"),
+            ("2.50", "2.5"),
+        ] {
+            assert_eq!(key(a), key(b), "{a} and {b}");
+        }
+        assert_eq!(key(r#"{"a":1,"b":2}"#), r#"{"a":1,"b":2}"#);
+        assert_ne!(key("[1,2]"), key("[2,1]"), "an array's order is its value");
+        // As before: strings exactly as sent, integers and fractions as JSON writes them.
+        assert_eq!(key(r#""Ab 1.0 ""#), "Ab 1.0 ");
+        assert_eq!(key("42"), "42");
+        assert_eq!(key("-7"), "-7");
+        assert_eq!(key("18446744073709551615"), "18446744073709551615");
+        assert_eq!(key("1.5"), "1.5");
+        assert_eq!(key("true"), "true");
+    }
+
+    /// A key past `MAX_ORDERING_KEY_BYTES` is its digest (fixed size, equal for equal keys,
+    /// short enough for a release URL), read from fields or from the structured form; one
+    /// at the limit stays as it is.
+    #[test]
+    fn a_long_ordering_key_is_replaced_by_its_digest() {
+        let at_limit = "k".repeat(MAX_ORDERING_KEY_BYTES);
+        let long = format!("{at_limit}+");
+        let other = format!("{at_limit}-");
+        assert_eq!(bounded_key(at_limit.clone()), at_limit);
+        let digest = bounded_key(long.clone());
+        assert_eq!(digest.len(), "sha256:".len() + 64, "{digest}");
+        assert!(digest.starts_with("sha256:"), "{digest}");
+        assert_eq!(
+            bounded_key(long.clone()),
+            digest,
+            "the same key, the same digest"
+        );
+        assert_ne!(bounded_key(other), digest);
+        let ev: crate::event::CloudEvent = serde_json::from_value(json!({
+            "id": "1", "source": "/s", "type": "t", "extensions": {"partitionkey": long},
+            "data": {"order_id": long, "customer": {"name": long}}
+        }))
+        .expect("event");
+        for path in ["partitionkey", "$.data.order_id"] {
+            let k = OrderingKey::try_from(path.to_string()).expect("key");
+            assert_eq!(
+                k.extract_event(&ev).as_deref(),
+                Some(digest.as_str()),
+                "{path}"
+            );
+            assert_eq!(
+                k.extract(&ev.to_json()).as_deref(),
+                Some(digest.as_str()),
+                "{path}"
+            );
+        }
+        let object = OrderingKey::try_from("$.data.customer".to_string()).expect("key");
+        let key = object.extract_event(&ev).expect("a key");
+        assert!(
+            key.starts_with("sha256:"),
+            "an object's long text too: {key}"
+        );
     }
 }

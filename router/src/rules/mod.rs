@@ -147,10 +147,18 @@ impl WebhookBatch {
 
 impl TargetKind {
     /// Where it delivers, in one line (`webhook http://…`, `handler name`, `nats subject`):
-    /// two targets with the same destination deliver to the same place.
+    /// two targets with the same destination deliver to the same place. A webhook's URL is
+    /// in its parsed form (scheme and host lower case, a default port dropped, an empty path
+    /// as `/`), as the HTTP client sends it: `HTTP://Host:80` is `http://host/`, and compared
+    /// as written the check that keeps a system event from the place it is about let an
+    /// alert about a failing receiver go to that same receiver.
     pub fn destination(&self) -> String {
         match self {
-            Self::Webhook { url, .. } => format!("webhook {url}"),
+            Self::Webhook { url, .. } => match reqwest::Url::parse(url) {
+                Ok(parsed) => format!("webhook {parsed}"),
+                // The loader refuses such a URL; as written is the best there is.
+                Err(_) => format!("webhook {url}"),
+            },
             Self::Handler { name } => format!("handler {name}"),
             Self::Nats { subject } => format!("nats {subject}"),
         }
@@ -512,6 +520,50 @@ pub fn version_of(files: &[(&str, &[u8])]) -> String {
 
 #[cfg(test)]
 mod schema_tests;
+
+#[cfg(test)]
+mod destination_tests {
+    use super::*;
+
+    fn webhook(url: &str) -> TargetKind {
+        TargetKind::Webhook {
+            url: url.into(),
+            headers: BTreeMap::new(),
+            secret_env: None,
+            headers_env: BTreeMap::new(),
+            batch: None,
+        }
+    }
+
+    /// Spellings of one URL are one destination; a different path or port is another.
+    #[test]
+    fn spellings_of_one_webhook_url_are_one_destination() {
+        let d = webhook("http://127.0.0.1:19310/hold").destination();
+        for same in [
+            "HTTP://127.0.0.1:19310/hold",
+            "http://127.0.0.1:19310/hold",
+            "Http://127.0.0.1:19310/hold",
+        ] {
+            assert_eq!(webhook(same).destination(), d, "{same}");
+        }
+        assert_eq!(
+            webhook("https://Hooks.Example.COM:443").destination(),
+            webhook("https://hooks.example.com/").destination()
+        );
+        assert_eq!(
+            webhook("http://example.com:80/a").destination(),
+            webhook("http://example.com/a").destination()
+        );
+        for other in [
+            "http://127.0.0.1:19311/hold",
+            "http://127.0.0.1:19310/hold/",
+            "http://127.0.0.1:19310/Hold",
+            "https://127.0.0.1:19310/hold",
+        ] {
+            assert_ne!(webhook(other).destination(), d, "{other}");
+        }
+    }
+}
 
 #[cfg(test)]
 mod test_event_tests {

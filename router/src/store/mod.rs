@@ -342,6 +342,19 @@ pub trait Store: Send + Sync + 'static {
         now: Millis,
     ) -> BoxFuture<'_, Result<usize, StoreError>>;
 
+    /// Moves the waiting (not leased) entries of `target` with ordering key `key` accepted
+    /// before `accepted_before` (past their max_age) to the DLQ as `max_age_exceeded`,
+    /// without an attempt and without holding the key. Returns how many. Used when a held
+    /// key is released: each would be dead-lettered unsent at its turn, holding the key again.
+    fn dead_letter_expired_of_key(
+        &self,
+        target: &str,
+        key: &str,
+        accepted_before: Millis,
+        message: &str,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<usize, StoreError>>;
+
     /// Creates or updates a background job, if it is still at `job.rev` (no stored job counts
     /// as revision 0); returns its new revision. [`StoreError::JobChanged`] when it was
     /// written since.
@@ -442,6 +455,10 @@ pub trait Store: Send + Sync + 'static {
 
     /// Ordering keys of `target` held after a dead letter.
     fn held_keys(&self, target: &str) -> Vec<String>;
+
+    /// The entry of `target`'s ordering key `key` that goes first (leased, or the first
+    /// waiting), from memory: `None` when the key has no live entry.
+    fn key_head(&self, target: &str, key: &str) -> Option<KeyHead>;
 
     /// Earliest due time among `target`'s waiting entries.
     fn next_due(&self, target: &str) -> Option<Millis>;

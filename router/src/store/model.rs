@@ -586,6 +586,10 @@ pub struct NewEntry {
     /// which holds a free delivery slot of the target, sends it at once — no lease commit, no
     /// read of the event back from the store. `None`: the entry waits in its queue.
     pub lease_ms: Option<i64>,
+    /// The target's policy is `on_dead_letter: hold`: when this copy goes to the DLQ at
+    /// acceptance (`target_overflow`), its ordering key is held as after any dead letter, so
+    /// that later events of the key do not overtake it.
+    pub hold_key: bool,
 }
 
 /// Contract quarantine of an event about to be accepted.
@@ -634,6 +638,9 @@ pub struct Finished {
     /// because their target's queue was at its depth cap: (index in `Outbox::emitted`,
     /// target id). The caller counts and announces them like any other new dead letter.
     pub overflowed: Vec<(usize, String)>,
+    /// The id of the DLQ entry a dead-letter disposition made (its `router.dlq.added` names
+    /// it).
+    pub dlq_id: Option<u64>,
 }
 
 /// Answer to accepting one event.
@@ -842,6 +849,18 @@ pub struct QueueStats {
     pub oldest_accepted_at: Option<Millis>,
     /// Entries in the DLQ for this target.
     pub dlq: u64,
+    /// Waiting entries (of `queued`) that ordering holds back: behind the entry of their key
+    /// that goes first, or of a held key.
+    pub queued_behind_keys: u64,
+}
+
+/// The entry of an ordering key that goes first (the one its other entries wait behind).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyHead {
+    /// The entry.
+    pub entry: EntryId,
+    /// Whether it is being delivered (leased) now.
+    pub in_flight: bool,
 }
 
 /// The target filter that selects dead letters without a target (events quarantined at
@@ -1280,6 +1299,7 @@ mod tests {
             ordering_key: None,
             max_depth: None,
             lease_ms: None,
+            hold_key: false,
         };
         let mut e = QueueEntry::queued(EntryId { event: 1, idx: 0 }, target, "k".into(), 0, 0, 0);
         e.attempts.push(failed(1, 1_000));

@@ -538,11 +538,13 @@ struct TargetIndex {
     /// B-trees, like the maps above, not hash maps: these grow with a backlog, on the
     /// committer under the index lock, and a hash map doubles its table in one go (the dedup
     /// memtable's one took 75–280 ms at 917,504 keys).
-    keys: BTreeMap<String, BTreeSet<EntryId>>,
+    /// A key's text is one allocation shared (`Arc<str>`) by this map, `entry_keys`, `flying`
+    /// and `held`: a copy per entry in each cost over twice the key's size per queued entry.
+    keys: BTreeMap<Arc<str>, BTreeSet<EntryId>>,
     /// Ordering key of each live keyed entry.
-    entry_keys: BTreeMap<EntryId, String>,
+    entry_keys: BTreeMap<EntryId, Arc<str>>,
     /// Keys held after a dead letter (`on_dead_letter: hold`) until an operator releases them.
-    held: BTreeSet<String>,
+    held: BTreeSet<Arc<str>>,
     /// Waiting keyed entries that ordering does not let go yet (behind their key's first
     /// entry, or of a held key), with their due times. Kept out of `ready`: there, a key with
     /// thousands of entries behind a retrying first one filled every lease's scan (other keys
@@ -552,7 +554,7 @@ struct TargetIndex {
     /// The entry of each ordering key that is leased (in flight). A redriven or replayed
     /// entry sorts before the key's later ones, so being first is not enough: without this
     /// it was leased while a later entry of its key was still being delivered.
-    flying: BTreeMap<String, EntryId>,
+    flying: BTreeMap<Arc<str>, EntryId>,
 }
 
 impl TargetIndex {
@@ -581,8 +583,20 @@ impl TargetIndex {
     fn insert_live(&mut self, id: EntryId, accepted_at: Millis, key: Option<String>) {
         self.live.insert(id, accepted_at);
         if let Some(k) = key {
+            let k = self.shared_key(&k);
             self.keys.entry(k.clone()).or_default().insert(id);
             self.entry_keys.insert(id, k);
+        }
+    }
+
+    /// The index's one copy of key `k`'s text (a new one if the key has no entry or hold).
+    fn shared_key(&self, k: &str) -> Arc<str> {
+        match self.keys.get_key_value(k) {
+            Some((shared, _)) => shared.clone(),
+            None => match self.held.get(k) {
+                Some(shared) => shared.clone(),
+                None => Arc::from(k),
+            },
         }
     }
 
@@ -605,6 +619,25 @@ impl TargetIndex {
             && let Some(due) = self.parked.remove(&first)
         {
             self.ready.insert((due, first));
+        }
+    }
+
+    /// Holds `key`: its first entry, if waiting in `ready`, is parked (the later ones are).
+    fn hold(&mut self, key: &str) {
+        let key = self.shared_key(key);
+        let Some(&first) = self.keys.get(&key).and_then(|s| s.first()) else {
+            self.held.insert(key);
+            return;
+        };
+        if !self.held.insert(key) || self.parked.contains_key(&first) {
+            return;
+        }
+        // `ready` is ordered by due time, so finding the entry is a scan; it runs once per
+        // key newly held at acceptance (an overflow), not per event, and left in `ready` the
+        // entry would be passed over by every lease scan until a release.
+        if let Some(&(due, id)) = self.ready.iter().find(|(_, id)| *id == first) {
+            self.ready.remove(&(due, id));
+            self.parked.insert(id, due);
         }
     }
 
@@ -667,6 +700,13 @@ impl TargetIndex {
         out
     }
 }
+
+/// The lease (token 0) under which `Store::dead_letter_queued` and
+/// `Store::dead_letter_expired_of_key` keep the entries they move out of workers' reach.
+const PSEUDO_LEASE: Lease = Lease {
+    token: 0,
+    until: i64::MAX,
+};
 
 /// Maps keyed by target ids and entry ids use FxHash: the committer looks them up once per
 /// queue entry of every group, the keys are the router's own (rule files, sequence numbers),
@@ -740,10 +780,11 @@ impl Index {
             }
             Effect::Release { target, key } => {
                 let t = self.target(&target);
-                t.held.remove(&key);
+                t.held.remove(key.as_str());
                 t.unpark_first(&key);
                 self.notify(&target);
             }
+            Effect::Hold { target, key } => self.target(&target).hold(&key),
             Effect::DlqAdded { target } => match target {
                 Some(target) => self.target(&target).dlq += 1,
                 None => self.dlq_without_target += 1,
@@ -782,6 +823,12 @@ enum Effect {
         hold: bool,
     },
     Release {
+        target: String,
+        key: String,
+    },
+    /// Hold an ordering key with no live entry of its own to dead-letter: a copy refused at
+    /// acceptance by the depth cap (`target_overflow`) under `on_dead_letter: hold`.
+    Hold {
         target: String,
         key: String,
     },
@@ -1515,6 +1562,43 @@ impl RedbStore {
         Ok(out)
     }
 
+    /// Moves the waiting entries `taken` (id, due), which the caller took out of the index
+    /// under `PSEUDO_LEASE` so that no worker leases them meanwhile, to the DLQ without an
+    /// attempt; whatever the op does not move goes back, due as it was.
+    fn dead_letter_taken(
+        &self,
+        target: &str,
+        taken: Vec<(EntryId, Millis)>,
+        reason: DlqReason,
+        message: &str,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<usize, StoreError>> {
+        let message = message.to_string();
+        let target = target.to_string();
+        async move {
+            let r = self
+                .call(|reply| Op::DeadLetterQueued {
+                    ids: taken.iter().map(|(id, _)| *id).collect(),
+                    reason,
+                    message,
+                    now,
+                    reply,
+                })
+                .await
+                .and_then(|r| r);
+            let mut idx = self.index();
+            let t = idx.target(&target);
+            for (id, due) in taken {
+                if t.in_flight.get(&id) == Some(&PSEUDO_LEASE) {
+                    t.in_flight.remove(&id);
+                    t.enqueue(id, due);
+                }
+            }
+            r
+        }
+        .boxed()
+    }
+
     async fn lease_impl(
         &self,
         target: &str,
@@ -2154,49 +2238,65 @@ impl Store for RedbStore {
         message: &str,
         now: Millis,
     ) -> BoxFuture<'_, Result<usize, StoreError>> {
-        // Take the waiting entries out of the ready set (as if leased by a pseudo-lease with
-        // token 0) so no worker leases them meanwhile; whatever the op does not move goes back.
-        const PSEUDO: Lease = Lease {
-            token: 0,
-            until: i64::MAX,
-        };
-        let ids: Vec<EntryId> = {
+        let taken: Vec<(EntryId, Millis)> = {
             let mut idx = self.index();
             let t = idx.target(target);
-            let mut taken: Vec<EntryId> = std::mem::take(&mut t.ready)
+            let mut taken: Vec<(EntryId, Millis)> = std::mem::take(&mut t.ready)
                 .into_iter()
-                .map(|(_, id)| id)
+                .map(|(due, id)| (id, due))
                 .collect();
-            taken.extend(std::mem::take(&mut t.parked).into_keys());
-            for id in &taken {
-                t.in_flight.insert(*id, PSEUDO);
+            taken.extend(std::mem::take(&mut t.parked));
+            for (id, _) in &taken {
+                t.in_flight.insert(*id, PSEUDO_LEASE);
             }
             taken
         };
-        let message = message.to_string();
-        let target = target.to_string();
-        async move {
-            let r = self
-                .call(|reply| Op::DeadLetterQueued {
-                    ids: ids.clone(),
-                    reason,
-                    message,
-                    now,
-                    reply,
-                })
-                .await
-                .and_then(|r| r);
+        self.dead_letter_taken(target, taken, reason, message, now)
+    }
+
+    fn dead_letter_expired_of_key(
+        &self,
+        target: &str,
+        key: &str,
+        accepted_before: Millis,
+        message: &str,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<usize, StoreError>> {
+        let taken: Vec<(EntryId, Millis)> = {
             let mut idx = self.index();
-            let t = idx.target(&target);
-            for id in ids {
-                if t.in_flight.get(&id) == Some(&PSEUDO) {
-                    t.in_flight.remove(&id);
-                    t.enqueue(id, now);
+            let t = idx.target(target);
+            let expired: Vec<EntryId> = t.keys.get(key).map_or_else(Vec::new, |ids| {
+                ids.iter()
+                    .copied()
+                    .filter(|id| {
+                        !t.in_flight.contains_key(id)
+                            && t.live.get(id).is_some_and(|at| *at < accepted_before)
+                    })
+                    .collect()
+            });
+            let mut taken = Vec::with_capacity(expired.len());
+            for id in expired {
+                // A held key's entries are parked; one in `ready` (the key's first, held since)
+                // is found by a scan, as `TargetIndex::hold` does.
+                let due = match t.parked.remove(&id) {
+                    Some(due) => Some(due),
+                    None => t
+                        .ready
+                        .iter()
+                        .find(|(_, r)| *r == id)
+                        .map(|&(due, _)| due)
+                        .inspect(|due| {
+                            t.ready.remove(&(*due, id));
+                        }),
+                };
+                if let Some(due) = due {
+                    t.in_flight.insert(id, PSEUDO_LEASE);
+                    taken.push((id, due));
                 }
             }
-            r
-        }
-        .boxed()
+            taken
+        };
+        self.dead_letter_taken(target, taken, DlqReason::MaxAgeExceeded, message, now)
     }
 
     fn put_job(&self, job: Job) -> BoxFuture<'_, Result<u64, StoreError>> {
@@ -2341,7 +2441,27 @@ impl Store for RedbStore {
     }
 
     fn held_keys(&self, target: &str) -> Vec<String> {
-        self.index().target(target).held.iter().cloned().collect()
+        self.index()
+            .target(target)
+            .held
+            .iter()
+            .map(|k| k.to_string())
+            .collect()
+    }
+
+    fn key_head(&self, target: &str, key: &str) -> Option<KeyHead> {
+        let mut idx = self.index();
+        let t = idx.target(target);
+        match t.flying.get(key) {
+            Some(&entry) => Some(KeyHead {
+                entry,
+                in_flight: true,
+            }),
+            None => t.keys.get(key)?.first().map(|&entry| KeyHead {
+                entry,
+                in_flight: t.in_flight.contains_key(&entry),
+            }),
+        }
     }
 
     fn next_due(&self, target: &str) -> Option<Millis> {
@@ -2457,6 +2577,7 @@ impl Store for RedbStore {
                         in_flight: t.in_flight.len() as u64,
                         oldest_accepted_at: t.live.values().min().copied(),
                         dlq: t.dlq,
+                        queued_behind_keys: t.parked.len() as u64,
                     },
                 )
             })
@@ -2811,7 +2932,7 @@ fn recover(db: &Database, cold_before: Option<i64>) -> Result<Recovered, StoreEr
         for row in txn.open_table(HELD)?.iter()? {
             let (k, _) = row?;
             let (t, key) = k.value();
-            index.target(t).held.insert(key.to_string());
+            index.target(t).held.insert(Arc::from(key));
         }
         // Every entry went to `ready` above, before its key's order and holds were known.
         for t in index.targets.values_mut() {
@@ -4289,6 +4410,7 @@ impl Committer {
                         let d =
                             p.dead_letter(seq, Some(&t), DlqReason::TargetOverflow, vec![error]);
                         self.add_dlq(txn, d, effects)?;
+                        hold_overflowed_key(txn, &t, effects)?;
                         refused.push(id.idx);
                         overflowed.push(t.target_id.clone());
                         continue;
@@ -4661,6 +4783,21 @@ impl Committer {
                             ..QueueEntry::queued(id, t, key, now, now, ev.event.hops())
                         };
                         self.insert_entry(txn, &entry, effects)?;
+                        // A copy refused at acceptance (`target_overflow`) held its key like
+                        // any dead letter; back in the queue, it sorts by its event (before
+                        // the key's later events), so the hold has done its work, as for a
+                        // requeued one.
+                        if let Some(key) = entry.ordering_key
+                            && txn
+                                .open_table(HELD)?
+                                .remove((entry.target_id.as_str(), key.as_str()))?
+                                .is_some()
+                        {
+                            effects.push(Effect::Release {
+                                target: entry.target_id,
+                                key,
+                            });
+                        }
                     }
                 }
                 RedriveAction::Keep {
@@ -4721,6 +4858,7 @@ impl Committer {
                     );
                     let d = DlqEntry::replay_overflow(item.seq, names, &t, &job.id, cap, now);
                     self.add_dlq(txn, d, effects)?;
+                    hold_overflowed_key(txn, &t, effects)?;
                     overflowed.push((item.seq, t.target_id));
                     continue;
                 }
@@ -4893,7 +5031,7 @@ impl Committer {
             let (eid, esrc, ety) = dlq_names(&*ev_t, id.event)?;
             drop(ev_t);
             let d = DlqEntry::of_given_up(&e, (eid, esrc, ety), reason, &end, now);
-            self.add_dlq(txn, d, effects)?;
+            finished.dlq_id = Some(self.add_dlq(txn, d, effects)?);
             let hold = hold && e.ordering_key.is_some();
             if hold && let Some(k) = &e.ordering_key {
                 txn.open_table(HELD)
@@ -4909,6 +5047,26 @@ impl Committer {
             .map_err(StoreError::from)?;
         Ok(finished)
     }
+}
+
+/// Under `on_dead_letter: hold`, holds the ordering key of `t`, a copy the depth cap refused
+/// (`target_overflow`): a dead letter like any other, which later events of the key must not
+/// overtake. The key's entries accepted before it wait too: the hold is per key.
+fn hold_overflowed_key(
+    txn: &Tx<'_>,
+    t: &NewEntry,
+    effects: &mut Vec<Effect>,
+) -> Result<(), StoreError> {
+    let Some(key) = t.ordering_key.as_ref().filter(|_| t.hold_key) else {
+        return Ok(());
+    };
+    txn.open_table(HELD)?
+        .insert((t.target_id.as_str(), key.as_str()), ())?;
+    effects.push(Effect::Hold {
+        target: t.target_id.clone(),
+        key: key.clone(),
+    });
+    Ok(())
 }
 
 /// Applies a group's plain finishes (`PlainFinish`) with the entries table and the live index

@@ -27,6 +27,7 @@ pub fn new_event(source: &str, id: &str, targets: &[&str], at: Millis) -> NewEve
                 ordering_key: None,
                 max_depth: None,
                 lease_ms: None,
+                hold_key: false,
             })
             .collect(),
         quarantine: None,

@@ -143,13 +143,33 @@ impl JetStreamStore {
                                 // entry.
                                 ..QueueEntry::queued(id, t.clone(), key, now, now, stored.hops())
                             };
+                            // Among its key's entries it goes where its event's acceptance puts
+                            // it (redb orders a key by entry id, whose event part is the
+                            // same): a copy refused at acceptance goes before the key's later
+                            // events.
+                            let key_at = entry.ordering_key.as_ref().map(|_| ev.stored.accepted_at);
+                            // A copy refused at acceptance held its key like any dead letter:
+                            // back in the queue, the hold has done its work (released after
+                            // the entry in the batch, as for a requeued one).
+                            let release = match &entry.ordering_key {
+                                Some(key) => {
+                                    let hk = held_key(&entry.target_id, key);
+                                    self.records
+                                        .get(&hk)
+                                        .await?
+                                        .filter(|v| v.value.is_some())
+                                        .map(|v| Write::delete(hk, Expect::Revision(v.revision)))
+                                }
+                                None => None,
+                            };
                             let r = EntryRecord {
                                 entry,
                                 dlq: None,
                                 node: None,
-                                key_at: None,
+                                key_at,
                             };
                             writes.push(Write::put(entry_key(id), enc(&r), Expect::Revision(0)));
+                            writes.extend(release);
                         }
                     }
                     RedriveAction::Keep { note, errors, .. } => {
@@ -248,6 +268,7 @@ impl JetStreamStore {
                                 ..DlqEntry::replay_overflow(item.seq, names, t, &job.id, cap, now)
                             };
                             writes.push(Write::put(dlq_key(id), enc(&d), Expect::Revision(0)));
+                            writes.extend(Self::overflow_hold(t));
                             // The event's record lists its dead letters (its fate reads them).
                             ev.dlq.push(id);
                             overflowed.push((item.seq, t.target_id.clone()));

@@ -800,6 +800,7 @@ impl JetStreamStore {
                             ..blank(DlqReason::TargetOverflow, Vec::new(), Some(t))
                         };
                         writes.push(Write::put(dlq_key(id), enc(&d), Expect::Revision(0)));
+                        writes.extend(Self::overflow_hold(t));
                         dlq.push(id);
                         overflowed.push(t.target_id.clone());
                         continue;
@@ -1247,6 +1248,22 @@ impl JetStreamStore {
         ))
     }
 
+    /// Under `on_dead_letter: hold`, the write that holds the ordering key of `t`, a copy the
+    /// depth cap refused (`target_overflow`): a dead letter like any other, which later events
+    /// of the key must not overtake (as on redb).
+    pub(super) fn overflow_hold(t: &NewEntry) -> Option<Write> {
+        let key = t.ordering_key.as_ref().filter(|_| t.hold_key)?;
+        let record = HeldRecord {
+            target: t.target_id.clone(),
+            key: key.clone(),
+        };
+        Some(Write::put(
+            held_key(&t.target_id, key),
+            enc(&record),
+            Expect::Any,
+        ))
+    }
+
     /// Releases an ordering key held after a dead letter; `false` if it was not held.
     pub async fn release_key(&self, target: &str, key: &str) -> Result<bool, StoreError> {
         let k = held_key(target, key);
@@ -1298,9 +1315,43 @@ impl JetStreamStore {
         message: &str,
         now: Millis,
     ) -> Result<usize, StoreError> {
+        self.dead_letter_waiting(self.view.waiting(target, now), reason, message, now)
+            .await
+    }
+
+    /// Moves the waiting entries of `target` with ordering key `key` accepted before
+    /// `accepted_before` (past their max_age) to the DLQ as `max_age_exceeded`, without an
+    /// attempt and without holding the key. Returns how many.
+    pub async fn dead_letter_expired_of_key(
+        &self,
+        target: &str,
+        key: &str,
+        accepted_before: Millis,
+        message: &str,
+        now: Millis,
+    ) -> Result<usize, StoreError> {
+        let expired = self
+            .view
+            .waiting_of_key(target, key, now)
+            .into_iter()
+            .filter(|l| l.entry.accepted_at < accepted_before)
+            .collect();
+        self.dead_letter_waiting(expired, DlqReason::MaxAgeExceeded, message, now)
+            .await
+    }
+
+    /// Moves `waiting` (as the view had them) to the DLQ with `reason`, without an attempt;
+    /// one leased or finished by any node meanwhile stays theirs.
+    async fn dead_letter_waiting(
+        &self,
+        waiting: Vec<view::Live>,
+        reason: DlqReason,
+        message: &str,
+        now: Millis,
+    ) -> Result<usize, StoreError> {
         let mut n = 0;
         let mut names: HashMap<u64, (String, String, String)> = HashMap::new();
-        for live in self.view.waiting(target, now) {
+        for live in waiting {
             let mut e = live.entry;
             let names = match names.get(&e.id.event) {
                 Some(n) => n.clone(),
@@ -1563,7 +1614,10 @@ impl JetStreamStore {
             .into());
         }
         match self.commit(writes).await {
-            Ok(_) => Ok(Finished { overflowed }),
+            Ok(_) => Ok(Finished {
+                overflowed,
+                dlq_id: dlq.as_ref().map(|d| d.id),
+            }),
             Err(RecordsError::Conflict) => {
                 // Taken over between the read and the write, or an outbox record changed:
                 // the leader tells which (a replica could still show the lease's revision
@@ -1585,7 +1639,13 @@ impl JetStreamStore {
                 }
             }
             Err(e @ RecordsError::Unanswered(_)) => {
-                sent.push((entry_bytes, Finished { overflowed }));
+                sent.push((
+                    entry_bytes,
+                    Finished {
+                        overflowed,
+                        dlq_id: dlq.as_ref().map(|d| d.id),
+                    },
+                ));
                 Err(StoreError::from(e).into())
             }
             Err(e) => Err(StoreError::from(e).into()),

@@ -132,6 +132,29 @@ impl Store for JetStreamStore {
         .boxed()
     }
 
+    fn dead_letter_expired_of_key(
+        &self,
+        target: &str,
+        key: &str,
+        accepted_before: Millis,
+        message: &str,
+        now: Millis,
+    ) -> BoxFuture<'_, Result<usize, StoreError>> {
+        let (target, key, message) = (target.to_string(), key.to_string(), message.to_string());
+        async move {
+            JetStreamStore::dead_letter_expired_of_key(
+                self,
+                &target,
+                &key,
+                accepted_before,
+                &message,
+                now,
+            )
+            .await
+        }
+        .boxed()
+    }
+
     fn put_job(&self, job: Job) -> BoxFuture<'_, Result<u64, StoreError>> {
         JetStreamStore::put_job(self, job).boxed()
     }
@@ -230,6 +253,10 @@ impl Store for JetStreamStore {
 
     fn held_keys(&self, target: &str) -> Vec<String> {
         JetStreamStore::held_keys(self, target)
+    }
+
+    fn key_head(&self, target: &str, key: &str) -> Option<crate::store::KeyHead> {
+        self.view.key_head(target, key)
     }
 
     fn next_due(&self, target: &str) -> Option<Millis> {

@@ -1326,6 +1326,136 @@ async fn a_redriven_dead_letter_goes_first_when_its_held_key_is_released() {
     assert_eq!(order, ["r1", "r2", "r3"]);
 }
 
+/// The entry a key's others wait behind (`key_head`), and how many wait so
+/// (`queued_behind_keys`), as the view has them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keys_head_and_the_entries_behind_it_are_known() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![
+        keyed("h1", "K", 1_000),
+        keyed("h2", "K", 1_001),
+        keyed("h3", "K", 1_002),
+    ])
+    .await
+    .expect("accept");
+    s.settled().await;
+    let first = s
+        .fate("/o", "h1")
+        .await
+        .expect("fate")
+        .expect("known")
+        .entries[0]
+        .id;
+    let head = s.view.key_head("t", "K").expect("a head");
+    assert_eq!((head.entry, head.in_flight), (first, false));
+    assert_eq!(s.queue_stats(1_000)["t"].queued_behind_keys, 2);
+    let l = lease_ok(&s, "t", 2_000, 10, 30_000).await;
+    assert_eq!(l.len(), 1);
+    s.settled().await;
+    assert_eq!(s.view.key_head("t", "K").map(|h| h.in_flight), Some(true));
+}
+
+/// Releasing a held key first moves its waiting entries past max_age to the DLQ together
+/// (`dead_letter_expired_of_key`): younger ones and the hold stay as they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keys_expired_entries_go_to_the_dlq_together() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![
+        keyed("x1", "K", 1_000),
+        keyed("x2", "K", 1_100),
+        keyed("x3", "K", 1_200),
+        keyed("x4", "K", 5_000),
+    ])
+    .await
+    .expect("accept");
+    let l = lease_ok(&s, "t", 2_000, 10, 30_000).await.remove(0);
+    dead_letter(&s, &l, true, 2_100).await;
+    assert_eq!(s.held_keys("t"), vec!["K".to_string()]);
+    let n = s
+        .dead_letter_expired_of_key("t", "K", 4_000, "expired", 6_000)
+        .await
+        .expect("dead letter");
+    assert_eq!(n, 2, "x2 and x3; x4 is younger");
+    for id in ["x2", "x3"] {
+        let fate = s.fate("/o", id).await.expect("fate").expect("known");
+        assert_eq!(fate.dlq[0].reason, DlqReason::MaxAgeExceeded, "{id}");
+    }
+    assert_eq!(s.held_keys("t"), vec!["K".to_string()], "the hold stays");
+    assert!(s.release_key("t", "K").await.expect("release"));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !s.held_keys("t").is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the release never reached the view"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert_eq!(deliver_one_at_a_time(&s, &[6_000]).await, ["x4"]);
+}
+
+/// Under `on_dead_letter: hold`, a copy the depth cap refused (`target_overflow`) holds its
+/// key like any dead letter: the key's entries wait (a later event overtook it before), and
+/// its redrive releases the key with the copy back in its event's place, before the events
+/// of the key accepted after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overflowed_copy_holds_its_key_until_redriven() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let capped = |id: &str, key: &str, at| {
+        let mut ne = keyed(id, key, at);
+        ne.targets[0].max_depth = Some(2);
+        ne.targets[0].hold_key = true;
+        ne
+    };
+    s.accept(vec![
+        capped("x", "X", 1_000),
+        capped("o1", "K", 1_001),
+        capped("o2", "K", 1_002),
+    ])
+    .await
+    .expect("accept");
+    let fate = s.fate("/o", "o2").await.expect("fate").expect("known");
+    assert_eq!(fate.dlq[0].reason, DlqReason::TargetOverflow);
+    let dlq_id = fate.dlq[0].id;
+    let ids =
+        |v: &[Leased]| -> Vec<String> { v.iter().map(|l| l.event.event.id.clone()).collect() };
+    let first = lease_ok(&s, "t", 2_000, 10, 30_000).await;
+    assert_eq!(ids(&first), ["x"], "o1 waits: its key is held");
+    assert_eq!(s.held_keys("t"), vec!["K".to_string()]);
+    deliver(&s, &first[0], 2_050).await.expect("deliver");
+    s.settled().await;
+    s.accept(vec![capped("o3", "K", 3_000)])
+        .await
+        .expect("accept");
+    assert!(lease_ok(&s, "t", 3_100, 10, 30_000).await.is_empty());
+    s.redrive_step(
+        job("redrive-overflow", JobKind::Redrive),
+        vec![RedriveAction::Route {
+            dlq_id,
+            matched_rules: vec!["r".into()],
+            targets: vec![NewEntry {
+                max_depth: None,
+                ..capped("o2", "K", 0).targets.remove(0)
+            }],
+        }],
+        4_000,
+    )
+    .await
+    .expect("redrive");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !s.held_keys("t").is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the redrive's release never reached the view"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let order = deliver_one_at_a_time(&s, &[4_000, 4_100, 4_200]).await;
+    assert_eq!(order, ["o1", "o2", "o3"]);
+}
+
 /// A dead letter redriven while a later entry of its key is in flight waits for that
 /// delivery, then goes before the key's other entries; one redriven while a later entry waits
 /// for its retry goes first, that entry's lock notwithstanding.

@@ -403,6 +403,26 @@ impl View {
             .unwrap_or_default()
     }
 
+    /// The entry of `target`'s key `key` that goes first: the one leased, else the first.
+    pub fn key_head(&self, target: &str, key: &str) -> Option<super::super::KeyHead> {
+        let st = self.state();
+        let slot = (target.to_string(), key.to_string());
+        match st.leased.get(&slot) {
+            Some(&entry) => Some(super::super::KeyHead {
+                entry,
+                in_flight: true,
+            }),
+            None => st
+                .keys
+                .get(&slot)?
+                .first()
+                .map(|&(_, entry)| super::super::KeyHead {
+                    entry,
+                    in_flight: false,
+                }),
+        }
+    }
+
     /// Per-target numbers: waiting, leased at `now`, oldest acceptance, DLQ entries.
     pub fn stats(&self, now: Millis) -> std::collections::BTreeMap<String, QueueStats> {
         let st = self.state();
@@ -425,6 +445,12 @@ impl View {
                     .map_or(l.entry.accepted_at, |o| o.min(l.entry.accepted_at)),
             );
         }
+        // Every entry is in `ready`; those ordering holds back are not in `leasable`.
+        for (t, s) in &mut out {
+            let all = st.ready.get(t).map_or(0, BTreeSet::len);
+            let leasable = st.leasable.get(t).map_or(0, BTreeSet::len);
+            s.queued_behind_keys = all.saturating_sub(leasable) as u64;
+        }
         drop(st);
         for (t, n) in self.dlq().per_target.iter().filter(|(_, n)| **n > 0) {
             out.entry(t.clone()).or_default().dlq += n;
@@ -442,6 +468,20 @@ impl View {
                 .cloned()
                 .collect()
         })
+    }
+
+    /// The waiting (not leased) entries of `target` with ordering key `key`.
+    pub fn waiting_of_key(&self, target: &str, key: &str, now: Millis) -> Vec<Live> {
+        let st = self.state();
+        st.keys
+            .get(&(target.to_string(), key.to_string()))
+            .map_or_else(Vec::new, |set| {
+                set.iter()
+                    .filter_map(|(_, id)| st.live.get(id))
+                    .filter(|l| l.entry.lease.is_none_or(|lease| lease.until < now))
+                    .cloned()
+                    .collect()
+            })
     }
 
     /// When the next entry of `target` may be leased: the soonest that ordering lets go.
@@ -770,6 +810,7 @@ mod tests {
                 ordering_key: None,
                 max_depth: None,
                 lease_ms: None,
+                hold_key: false,
             },
             "k".into(),
             0,
@@ -928,6 +969,7 @@ mod tests {
             ordering_key: None,
             max_depth: None,
             lease_ms: None,
+            hold_key: false,
         };
         let mut d = DlqEntry::at_acceptance(
             1,

@@ -498,6 +498,7 @@ fn new_event(id: &str, mask: u8, key: Option<u8>, handoff: bool, at: Millis) -> 
                     .flatten(),
                 max_depth: (t == CAPPED).then_some(CAP),
                 lease_ms: (handoff && t != ORDERED).then_some(LEASE_MS),
+                hold_key: false,
             })
             .collect(),
         quarantine: None,
@@ -882,6 +883,7 @@ async fn run(store: Arc<RedbStore>, op: Op) -> Answer {
                         ordering_key: None,
                         max_depth: None,
                         lease_ms: None,
+                        hold_key: false,
                     }],
                 })
                 .collect();

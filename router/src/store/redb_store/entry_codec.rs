@@ -261,6 +261,7 @@ mod tests {
                 ordering_key: None,
                 max_depth: None,
                 lease_ms: None,
+                hold_key: false,
             },
             "0123456789abcdef0123456789abcdef".into(),
             1_764_000_000_000,

@@ -1477,6 +1477,159 @@ async fn a_redriven_keyed_entry_waits_for_its_keys_flight_and_releases_its_hold(
     assert_eq!(ids(&next), ["4"]);
 }
 
+/// The entry a key's others wait behind (`key_head`), and how many wait so
+/// (`queued_behind_keys`), read from the index.
+#[tokio::test]
+async fn a_keys_head_and_the_entries_behind_it_are_known() {
+    let s = RedbStore::in_memory().expect("store");
+    s.accept(vec![
+        keyed("1", "k", 1000),
+        keyed("2", "k", 1000),
+        keyed("3", "k", 1000),
+        new_event("/s", "4", &["a"], 1000),
+    ])
+    .await
+    .expect("accept");
+    let first = s.fate("/s", "1").expect("fate").expect("known").entries[0].id;
+    let head = s.key_head("a", "k").expect("a head");
+    assert_eq!((head.entry, head.in_flight), (first, false));
+    assert_eq!(s.queue_stats()["a"].queued_behind_keys, 2);
+    let l = s.lease("a", 1000, 10, 60_000).await.expect("lease");
+    assert_eq!(l.len(), 2, "1 and the unkeyed 4");
+    assert_eq!(s.key_head("a", "k").map(|h| h.in_flight), Some(true));
+    assert!(s.key_head("a", "none").is_none());
+}
+
+/// Releasing a held key first moves its waiting entries past max_age to the DLQ together
+/// (`dead_letter_expired_of_key`): younger ones, other keys and the hold stay as they are,
+/// and what it leaves goes back due as it was.
+#[tokio::test]
+async fn a_keys_expired_entries_go_to_the_dlq_together() {
+    let s = RedbStore::in_memory().expect("store");
+    s.accept(vec![
+        keyed("1", "k", 1000),
+        keyed("2", "k", 1100),
+        keyed("3", "k", 1200),
+        keyed("4", "k", 5000),
+        keyed("5", "other", 1000),
+    ])
+    .await
+    .expect("accept");
+    let l = s.lease("a", 1000, 10, 60_000).await.expect("lease");
+    let head = l.iter().find(|l| l.event.event.id == "1").expect("head");
+    s.finish(
+        head.entry.id,
+        head.lease,
+        delivered(1001),
+        Disposition::DeadLetter {
+            reason: DlqReason::PermanentError,
+            hold: true,
+        },
+        1001,
+    )
+    .await
+    .expect("dead letter");
+    let other = l.iter().find(|l| l.event.event.id == "5").expect("other");
+    s.finish(
+        other.entry.id,
+        other.lease,
+        delivered(1001),
+        Disposition::Retry { due_at: 1500 },
+        1001,
+    )
+    .await
+    .expect("retry");
+    assert_eq!(s.held_keys("a"), vec!["k".to_string()]);
+    let n = s
+        .dead_letter_expired_of_key("a", "k", 4000, "expired", 6000)
+        .await
+        .expect("dead letter");
+    assert_eq!(n, 2, "2 and 3; 4 is younger");
+    for id in ["2", "3"] {
+        let fate = s.fate("/s", id).expect("fate").expect("known");
+        assert_eq!(fate.dlq[0].reason, DlqReason::MaxAgeExceeded, "{id}");
+    }
+    assert_eq!(s.held_keys("a"), vec!["k".to_string()], "the hold stays");
+    assert!(s.release_key("a", "k").await.expect("release"));
+    let next = s.lease("a", 6000, 10, 60_000).await.expect("lease");
+    let mut ids: Vec<String> = next.iter().map(|l| l.event.event.id.clone()).collect();
+    ids.sort();
+    assert_eq!(ids, ["4", "5"], "the key goes on with its younger entry");
+}
+
+/// Under `on_dead_letter: hold`, a copy the depth cap refused (`target_overflow`) holds its
+/// key like any dead letter: the key's entries wait (a later event overtook it before), the
+/// hold survives a restart, and its redrive releases the key with the copy back in its
+/// event's place, before the events of the key accepted after it.
+#[tokio::test]
+async fn an_overflowed_copy_holds_its_key_until_redriven() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let capped = |id: &str, key: &str, at| {
+        let mut ne = keyed(id, key, at);
+        ne.targets[0].max_depth = Some(2);
+        ne.targets[0].hold_key = true;
+        ne
+    };
+    let ids =
+        |v: &[Leased]| -> Vec<String> { v.iter().map(|l| l.event.event.id.clone()).collect() };
+    let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+    s.accept(vec![
+        capped("x", "X", 1000),
+        capped("o1", "K", 1001),
+        capped("o2", "K", 1002),
+    ])
+    .await
+    .expect("accept");
+    let fate = s.fate("/s", "o2").expect("fate").expect("known");
+    assert_eq!(fate.dlq[0].reason, DlqReason::TargetOverflow);
+    let dlq_id = fate.dlq[0].id;
+    assert_eq!(s.held_keys("a"), vec!["K".to_string()]);
+    let first = s.lease("a", 2000, 10, 60_000).await.expect("lease");
+    assert_eq!(ids(&first), ["x"], "o1 waits: its key is held");
+    ack(&s, &first[0], 2001).await.expect("ack");
+    s.accept(vec![capped("o3", "K", 3000)])
+        .await
+        .expect("accept");
+    assert!(
+        s.index().target("a").ready.is_empty(),
+        "o1, ready before the hold, is parked with the rest of its key"
+    );
+    drop(s);
+    let s = when_free(|| RedbStore::open_dir(dir.path(), StoreOptions::default())).await;
+    assert_eq!(s.held_keys("a"), vec!["K".to_string()]);
+    assert!(
+        s.lease("a", 3100, 10, 60_000)
+            .await
+            .expect("lease")
+            .is_empty()
+    );
+    let j = job("redrive-overflow", JobKind::Redrive);
+    let rev = s.put_job(j.clone()).await.expect("create");
+    s.redrive_step(
+        Job { rev, ..j },
+        vec![RedriveAction::Route {
+            dlq_id,
+            matched_rules: vec!["r".into()],
+            targets: vec![NewEntry {
+                max_depth: None,
+                ..capped("o2", "K", 0).targets.remove(0)
+            }],
+        }],
+        4000,
+    )
+    .await
+    .expect("redrive");
+    assert!(s.held_keys("a").is_empty(), "released by the redrive");
+    let mut order = Vec::new();
+    for at in [4000, 4100, 4200] {
+        let next = s.lease("a", at, 10, 60_000).await.expect("lease");
+        assert_eq!(next.len(), 1, "one at a time: {order:?}");
+        order.push(next[0].event.event.id.clone());
+        ack(&s, &next[0], at + 1).await.expect("ack");
+    }
+    assert_eq!(order, ["o1", "o2", "o3"]);
+}
+
 /// A key with more entries behind its retrying first one than a lease scans: other keys and
 /// unkeyed entries still go, and the next due time is the first one's retry, not one of the
 /// waiting entries' past due times (which had the worker poll every millisecond). The same
@@ -3012,6 +3165,7 @@ async fn a_replay_past_a_targets_depth_cap_overflows_to_the_dlq() {
                 ordering_key: None,
                 max_depth: Some(4),
                 lease_ms: None,
+                hold_key: false,
             }],
         })
         .collect();
@@ -3051,6 +3205,7 @@ async fn a_replay_past_a_targets_depth_cap_overflows_to_the_dlq() {
                 ordering_key: None,
                 max_depth: None,
                 lease_ms: None,
+                hold_key: false,
             }],
         }],
         3000,
