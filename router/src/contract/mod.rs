@@ -3,6 +3,7 @@
 //! `<type>/v<N>.json` files plus an optional `modes.toml`, and checked per event.
 
 mod compat;
+mod fanout;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -751,6 +752,25 @@ fn compile(src: &Source, schema: &Value) -> Result<(Validator, Validator), Contr
         ContractDiagnostic::new(&src.display, at(pointer), message).at_pointer(pointer)
     };
     let validator = build(schema).map_err(refused)?;
+    if let Some(f) = fanout::excessive_fan_out(schema) {
+        return Err(ContractDiagnostic::new(
+            &src.display,
+            at(&f.pointer),
+            format!(
+                "schema fans out too much: the subschema at {} applies to one value in more \
+                 than {} ways (allOf/anyOf/oneOf branches that refer to the same subschemas, \
+                 level after level), so checking one small event could take millions of \
+                 steps; refer to each subschema from one branch",
+                if f.pointer.is_empty() {
+                    "the root"
+                } else {
+                    &f.pointer
+                },
+                fanout::MAX_PATHS
+            ),
+        )
+        .at_pointer(&f.pointer));
+    }
     if let Some(probe) = referring_to_every_definition(schema)
         && let Err(e) = build(&probe)
     {

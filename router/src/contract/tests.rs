@@ -728,8 +728,47 @@ fn long_messages_are_cut_at_a_char_boundary() {
 
 #[test]
 fn exponential_schema_fan_out_is_cut_off_by_the_step_budget() {
-    // D0 = allOf [D1, D1], … D21 likewise: 2^22 (4 million) errors for one wrong value,
-    // 35 s and half a GB when every error was collected.
+    // D0 = allOf [D1, D1], … D12 likewise: 2^13 (8,192) errors for each wrong item, under the
+    // load-time fan-out bound (10,000 ways), but ten wrong items are 80,000 errors and over
+    // 160,000 schema steps: the listing stops at its budget.
+    let mut defs = Map::new();
+    for i in 0..13 {
+        let next = format!("#/$defs/D{}", i + 1);
+        defs.insert(
+            format!("D{i}"),
+            json!({"allOf": [{"$ref": next}, {"$ref": next}]}),
+        );
+    }
+    defs.insert("D13".into(), json!({"type": "object"}));
+    let schema = json!({"items": {"$ref": "#/$defs/D0"}, "$defs": defs}).to_string();
+    let s = one("expo.t", &schema);
+    let started = std::time::Instant::now();
+    let (_, reason, errs) = errors(s.check(&ev("expo.t", Some(json!(vec![5; 10])))));
+    // Generous for a debug build on a shared machine.
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    assert_eq!(reason, ViolationReason::ContractViolation);
+    assert_eq!(errs.len(), 2, "{errs:?}");
+    assert_eq!(errs[0].0, "/data/0");
+    assert!(errs[0].1.contains("not of type \"object\""), "{errs:?}");
+    assert!(errs[1].1.contains("schema steps"), "{errs:?}");
+    // The budget is per check: the next event gets its own, and valid data still passes.
+    assert_eq!(
+        s.check(&ev("expo.t", Some(json!([{}])))),
+        ContractOutcome::Pass
+    );
+    assert_eq!(
+        errors(s.check(&ev("expo.t", Some(json!(vec![6; 10])))))
+            .2
+            .len(),
+        2
+    );
+}
+
+/// Deciding validity has no step budget, so a schema that fans out level after level is
+/// refused at load: the audit's 1.5 KB schema (22 levels of two references each) checked a
+/// 70-byte event's data 4 million times.
+#[test]
+fn a_schema_that_fans_out_exponentially_is_refused_at_load() {
     let mut defs = Map::new();
     for i in 0..22 {
         let next = format!("#/$defs/D{}", i + 1);
@@ -739,23 +778,13 @@ fn exponential_schema_fan_out_is_cut_off_by_the_step_budget() {
         );
     }
     defs.insert("D22".into(), json!({"type": "object"}));
-    let schema = json!({"$ref": "#/$defs/D0", "$defs": defs}).to_string();
-    let s = one("expo.t", &schema);
-    let started = std::time::Instant::now();
-    let (_, reason, errs) = errors(s.check(&ev("expo.t", Some(json!(5)))));
-    // Generous for a debug build on a shared machine; unbounded, this took 35 s.
-    assert!(started.elapsed() < std::time::Duration::from_secs(5));
-    assert_eq!(reason, ViolationReason::ContractViolation);
-    assert_eq!(errs.len(), 2, "{errs:?}");
-    assert_eq!(errs[0].0, "/data");
-    assert!(errs[0].1.contains("not of type \"object\""), "{errs:?}");
-    assert!(errs[1].1.contains("schema steps"), "{errs:?}");
-    // The budget is per check: the next event gets its own, and valid data still passes.
-    assert_eq!(
-        s.check(&ev("expo.t", Some(json!({})))),
-        ContractOutcome::Pass
-    );
-    assert_eq!(errors(s.check(&ev("expo.t", Some(json!(6))))).2.len(), 2);
+    let text =
+        serde_json::to_string_pretty(&json!({"$ref": "#/$defs/D0", "$defs": defs})).expect("json");
+    let d = err_at(&[("expo.t/v1.json", &text)], None);
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert!(d[0].pointer.starts_with("/$defs/D"), "{d:?}");
+    assert!(d[0].line > 1, "{}", d[0]);
+    assert!(d[0].message.contains("fans out"), "{}", d[0]);
 }
 
 #[test]
