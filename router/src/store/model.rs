@@ -1032,6 +1032,11 @@ pub struct Job {
     /// removed, before this one reached them.
     #[serde(default)]
     pub skipped: u64,
+    /// Of `skipped`, a replay's events that were handlers' emissions (source `handler://…`),
+    /// left out because the replay runs the handlers again, which emit them anew (the
+    /// request's `include_emitted` replays them too).
+    #[serde(default)]
+    pub skipped_emitted: u64,
     /// A replay's events that the archive sweep removed (past the archive's retention) before
     /// the job reached them: counted when the job ends, as the part of `total` it never saw.
     /// `moved`, `failed`, `skipped` and `expired` count distinct items.
