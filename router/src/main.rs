@@ -179,7 +179,7 @@ struct DlqFilterArgs {
     target: Option<String>,
     /// Only entries with this reason: contract_violation, unknown_version, permanent_error,
     /// retries_exhausted, max_age_exceeded, loop_detected, target_removed, target_overflow,
-    /// scope_violation, handler_released or corrupt_record.
+    /// scope_violation, handler_released, corrupt_record or not_accepted.
     #[arg(long)]
     reason: Option<String>,
     /// Only entries of this rule.

@@ -595,7 +595,7 @@ async fn handler_failures_follow_the_delivery_policies() {
 }
 
 /// A type a handler does not accept (its descriptor) is dead-lettered at once as
-/// `unknown_version`, and a redrive gives it back to that handler alone: the other targets of
+/// `not_accepted` (not `unknown_version`, the contracts' reason), and a redrive gives it back to that handler alone: the other targets of
 /// the event, which had it already, do not get it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_type_the_handler_does_not_accept_is_redriven_to_that_handler_alone() {
@@ -632,7 +632,7 @@ async fn a_type_the_handler_does_not_accept_is_redriven_to_that_handler_alone() 
     .await
     .expect("invoice dead-letters it, books gets it");
     let dead = &f["dlq"][0];
-    assert_eq!(dead["reason"], "unknown_version", "{f}");
+    assert_eq!(dead["reason"], "not_accepted", "{f}");
     let inv = f["targets"]
         .as_array()
         .and_then(|ts| ts.iter().find(|x| x["target"] == "invoice"))

@@ -1056,8 +1056,9 @@ async fn redrive_step(
         match d.reason {
             // Quarantined at ingest (no queue entry): re-validated against the current
             // contracts, routed by the current rules. A handler's "does not accept this
-            // version" has an entry, and goes back to that handler alone (below): routed
-            // again, the event would reach every other target a second time.
+            // version" (`not_accepted`, `unknown_version` before) has an entry, and goes back
+            // to that handler alone (below): routed again, the event would reach every other
+            // target a second time.
             DlqReason::ContractViolation | DlqReason::UnknownVersion if d.entry.is_none() => {
                 let Some((_, ev)) = app.store.dlq_get(d.id).await? else {
                     continue;
