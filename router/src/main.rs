@@ -91,6 +91,10 @@ enum Cmd {
         /// Events per second.
         #[arg(long, default_value_t = 10.0)]
         rate: f64,
+        /// Replay the handlers' archived emissions too (by default they are skipped: the
+        /// replay runs the handlers again, which emit them anew).
+        #[arg(long)]
+        include_emitted: bool,
         /// Follow the job's progress until it ends.
         #[arg(long)]
         wait: bool,
@@ -175,7 +179,7 @@ struct DlqFilterArgs {
     target: Option<String>,
     /// Only entries with this reason: contract_violation, unknown_version, permanent_error,
     /// retries_exhausted, max_age_exceeded, loop_detected, target_removed, target_overflow,
-    /// scope_violation, handler_released or corrupt_record.
+    /// scope_violation, handler_released, corrupt_record or not_accepted.
     #[arg(long)]
     reason: Option<String>,
     /// Only entries of this rule.
@@ -725,6 +729,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             to,
             filter,
             rate,
+            include_emitted,
             wait,
         } => rt.block_on(async move {
             let c = api.client();
@@ -733,7 +738,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 None => None,
             };
             let job = c
-                .call(reqwest::Method::POST, "/v1/replay", Some(serde_json::json!({ "from": from, "to": to, "filter": filter, "rate_per_sec": rate })))
+                .call(reqwest::Method::POST, "/v1/replay", Some(serde_json::json!({ "from": from, "to": to, "filter": filter, "rate_per_sec": rate, "include_emitted": include_emitted })))
                 .await?;
             router::cli::job_warnings(&job);
             if !wait {

@@ -595,7 +595,7 @@ async fn handler_failures_follow_the_delivery_policies() {
 }
 
 /// A type a handler does not accept (its descriptor) is dead-lettered at once as
-/// `unknown_version`, and a redrive gives it back to that handler alone: the other targets of
+/// `not_accepted` (not `unknown_version`, the contracts' reason), and a redrive gives it back to that handler alone: the other targets of
 /// the event, which had it already, do not get it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_type_the_handler_does_not_accept_is_redriven_to_that_handler_alone() {
@@ -632,7 +632,7 @@ async fn a_type_the_handler_does_not_accept_is_redriven_to_that_handler_alone() 
     .await
     .expect("invoice dead-letters it, books gets it");
     let dead = &f["dlq"][0];
-    assert_eq!(dead["reason"], "unknown_version", "{f}");
+    assert_eq!(dead["reason"], "not_accepted", "{f}");
     let inv = f["targets"]
         .as_array()
         .and_then(|ts| ts.iter().find(|x| x["target"] == "invoice"))
@@ -1021,6 +1021,71 @@ async fn events_a_handler_emits_during_a_replay_carry_its_marker() {
     assert_eq!(again["type"], "order.created.enriched", "{again}");
     assert_eq!(again["replay"], id.as_str(), "{again}");
     assert_ne!(again["id"], first["id"], "{again}");
+}
+
+/// A replay of a window without a filter holds the parent and the handler's archived
+/// emission: it replays the parent (the handler runs again and emits anew) and skips the
+/// archived emission, so the receiver gets one replayed copy of the derived event, not two.
+/// `include_emitted` replays the archived emission too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_delivers_each_handler_emission_once() {
+    let rcv = Receiver::ok().await;
+    let r = RouterProc::start(&[("r.yaml", &enrich_then_webhook(&rcv))], &[]);
+    assert_eq!(put_handler(&r, "enrich", plugin("enrich")).await.0, 201);
+    let from = chrono::Utc::now() - chrono::Duration::seconds(1);
+    let ev = event("o-rp", "order.created", json!({"total": 6, "sku": "a"}));
+    assert_eq!(post_event(&r, &ev).await.0, 202);
+    assert!(
+        rcv.wait_for(Duration::from_secs(15), |s| s.len() == 1)
+            .await
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let to = chrono::Utc::now();
+    let replay = |include: bool| json!({"from": from.to_rfc3339(), "to": to.to_rfc3339(), "rate_per_sec": 100, "include_emitted": include});
+    let (s, job) = post_json(&r, "/v1/replay", replay(false)).await;
+    assert_eq!(s, 201, "{job}");
+    let id = job["id"].as_str().expect("job id").to_string();
+    let done = job_done(&r, &format!("/v1/replay/{id}"), Duration::from_secs(20)).await;
+    assert_eq!(
+        (
+            &done["total"],
+            &done["moved"],
+            &done["skipped"],
+            &done["skipped_emitted"]
+        ),
+        (&json!(2), &json!(1), &json!(1), &json!(1)),
+        "{done}"
+    );
+    assert!(
+        rcv.wait_for(Duration::from_secs(15), |s| s.len() == 2)
+            .await
+    );
+    // Time for a second copy, had the archived emission been replayed.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let got = rcv.received();
+    assert_eq!(
+        got.len(),
+        2,
+        "{:?}",
+        got.iter().map(|g| &g.body).collect::<Vec<_>>()
+    );
+    assert_eq!(got[1].body["replay"], id.as_str(), "{}", got[1].body);
+    // Asked for, the archived emission is replayed as well: two more copies.
+    let (s, job) = post_json(&r, "/v1/replay", replay(true)).await;
+    assert_eq!(s, 201, "{job}");
+    let id = job["id"].as_str().expect("job id").to_string();
+    let done = job_done(&r, &format!("/v1/replay/{id}"), Duration::from_secs(20)).await;
+    assert_eq!(
+        (&done["moved"], &done["skipped_emitted"]),
+        (&json!(2), &json!(0)),
+        "{done}"
+    );
+    assert!(
+        rcv.wait_for(Duration::from_secs(15), |s| s.len() == 4)
+            .await,
+        "{:?}",
+        rcv.received().iter().map(|g| &g.body).collect::<Vec<_>>()
+    );
 }
 
 /// A handler belongs to its first uploader's team: another team's token whose `handlers:` glob

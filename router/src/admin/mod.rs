@@ -1203,6 +1203,7 @@ fn job_json(j: &crate::store::Job) -> Value {
         "moved": j.moved,
         "failed": j.failed,
         "skipped": j.skipped,
+        "skipped_emitted": j.skipped_emitted,
         "expired": j.expired,
         "warnings": j.warnings,
         "last_item_at": j.last_item_at.map(rfc3339),

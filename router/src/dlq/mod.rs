@@ -134,6 +134,12 @@ pub struct ReplayRequest {
     /// Events replayed per second at most (default 10).
     #[serde(default = "default_rate")]
     pub rate_per_sec: f64,
+    /// Replay the handlers' archived emissions (source `handler://…`) too. Off by default:
+    /// the replay runs the handlers again on their parents, which emit them anew, so each
+    /// derived event would reach its receivers twice. On for a replay whose rules no longer
+    /// send the parents to the handler that made them.
+    #[serde(default)]
+    pub include_emitted: bool,
 }
 
 fn default_rate() -> f64 {
@@ -439,6 +445,7 @@ pub async fn create_redrive(app: &Arc<App>, req: RedriveRequest) -> Result<Job, 
         moved: 0,
         failed: 0,
         skipped: 0,
+        skipped_emitted: 0,
         expired: 0,
         warnings: Vec::new(),
         last_item_at: None,
@@ -518,11 +525,12 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
         id: next_job_id(app, JobKind::Replay).await?,
         kind: JobKind::Replay,
         state: JobState::Running,
-        spec: serde_json::json!({ "from": req.from, "to": req.to, "filter": req.filter, "rate_per_sec": req.rate_per_sec, "from_ms": from, "to_ms": to }),
+        spec: serde_json::json!({ "from": req.from, "to": req.to, "filter": req.filter, "rate_per_sec": req.rate_per_sec, "include_emitted": req.include_emitted, "from_ms": from, "to_ms": to }),
         total,
         moved: 0,
         failed: 0,
         skipped: 0,
+        skipped_emitted: 0,
         expired: 0,
         warnings,
         last_item_at: None,
@@ -1048,8 +1056,9 @@ async fn redrive_step(
         match d.reason {
             // Quarantined at ingest (no queue entry): re-validated against the current
             // contracts, routed by the current rules. A handler's "does not accept this
-            // version" has an entry, and goes back to that handler alone (below): routed
-            // again, the event would reach every other target a second time.
+            // version" (`not_accepted`, `unknown_version` before) has an entry, and goes back
+            // to that handler alone (below): routed again, the event would reach every other
+            // target a second time.
             DlqReason::ContractViolation | DlqReason::UnknownVersion if d.entry.is_none() => {
                 let Some((_, ev)) = app.store.dlq_get(d.id).await? else {
                     continue;
@@ -1188,6 +1197,12 @@ async fn redrive_step(
     Ok(n)
 }
 
+/// Whether `ev` is a handler's emission (source `handler://<name>`): ingest refuses that
+/// source from producers not granted it, so on one router it marks what its handlers emitted.
+fn is_emission(ev: &crate::event::CloudEvent) -> bool {
+    crate::auth::reserved_source_prefix(&ev.source) == Some("handler://")
+}
+
 async fn replay_step(
     app: &App,
     job: &mut Job,
@@ -1228,6 +1243,8 @@ async fn replay_step(
         return Ok(0);
     }
     let rules = app.rules.load();
+    // A job created before the field existed has none: it skips emissions, like a new one.
+    let include_emitted = job.spec["include_emitted"].as_bool().unwrap_or(false);
     let mut items = Vec::new();
     for ev in &events {
         job.cursor = ev.seq;
@@ -1235,6 +1252,15 @@ async fn replay_step(
         // would page again, and could reach the very target they are about.
         if ev.event.ty.starts_with("router.") {
             job.skipped += 1;
+            continue;
+        }
+        // A handler's emission is derived too: the replay re-runs the handler on its parent,
+        // which emits it again (under a new id, with the replay marker). Replaying the
+        // archived copy as well sent each derived event downstream twice, under two ids a
+        // receiver cannot match.
+        if !include_emitted && is_emission(&ev.event) {
+            job.skipped += 1;
+            job.skipped_emitted += 1;
             continue;
         }
         let json = ev.event.to_json();
@@ -1362,6 +1388,11 @@ mod tests {
 
     /// A replay of the 5 s before `now`, once done.
     async fn replay_last_seconds(app: &Arc<App>, now: i64) -> Job {
+        replay_last_seconds_with(app, now, false).await
+    }
+
+    /// As `replay_last_seconds`, with the request's `include_emitted`.
+    async fn replay_last_seconds_with(app: &Arc<App>, now: i64, include_emitted: bool) -> Job {
         let job = create_replay(
             app,
             ReplayRequest {
@@ -1369,6 +1400,7 @@ mod tests {
                 to: crate::clock::rfc3339(now),
                 filter: None,
                 rate_per_sec: 1000.0,
+                include_emitted,
             },
         )
         .await
@@ -1652,6 +1684,41 @@ mod tests {
         assert_eq!((done.moved, done.skipped), (1, 1), "{done:?}");
     }
 
+    /// A replay leaves the handlers' archived emissions out by default (re-running the
+    /// handler on the parent emits them again: replaying them too delivered each twice), says
+    /// how many in `skipped_emitted`, and replays them with `include_emitted`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replay_skips_handler_emissions_unless_asked() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = crate::app::test_config(dir.path());
+        std::fs::write(
+            cfg.rules_dir.join("r.yaml"),
+            "rules:\n  - name: r\n    pattern:\n      type: [{ prefix: \"\" }]\n    targets:\n      - webhook: http://127.0.0.1:9/\n        id: hook\n",
+        )
+        .expect("rules");
+        let store = RedbStore::in_memory().expect("store");
+        let app = crate::app::test_app(cfg, store, None);
+        let now = app.clock.now_ms();
+        let parent = new_event("/shop", "parent", &["hook"], now - 1000);
+        let emitted = new_event("handler://enrich", "parent-key-0", &["hook"], now - 1000);
+        app.store
+            .accept(vec![parent, emitted])
+            .await
+            .expect("accepted");
+        let done = replay_last_seconds(&app, now).await;
+        assert_eq!(
+            (done.moved, done.skipped, done.skipped_emitted),
+            (1, 1, 1),
+            "{done:?}"
+        );
+        let done = replay_last_seconds_with(&app, app.clock.now_ms(), true).await;
+        assert_eq!(
+            (done.moved, done.skipped, done.skipped_emitted),
+            (2, 0, 0),
+            "{done:?}"
+        );
+    }
+
     /// Replayed copies that meet their target's full queue go to the DLQ as
     /// `target_overflow`: new dead letters, counted in `router_dlq_entries_total` like those
     /// at acceptance (they used to count only as the job's `failed`).
@@ -1716,6 +1783,7 @@ mod tests {
                 to: crate::clock::rfc3339(now),
                 filter: None,
                 rate_per_sec: 0.5,
+                include_emitted: false,
             },
         )
         .await
@@ -1780,6 +1848,7 @@ mod tests {
                     to: crate::clock::rfc3339(app.clock.now_ms()),
                     filter: None,
                     rate_per_sec: 1000.0,
+                    include_emitted: false,
                 },
             )
         };
@@ -1868,6 +1937,7 @@ mod tests {
                     to: crate::clock::rfc3339(now),
                     filter: None,
                     rate_per_sec: rate,
+                    include_emitted: false,
                 },
             )
             .await;
@@ -1960,6 +2030,7 @@ mod tests {
             to: crate::clock::rfc3339(now),
             filter: None,
             rate_per_sec: 1000.0,
+            include_emitted: false,
         };
         app.disk_full.store(true, Relaxed);
         assert!(matches!(

@@ -327,6 +327,11 @@ pub enum DlqReason {
     /// `errors` carry the decoder's message and the event's sequence number; the entry's
     /// event id, source and type are empty (they are in the unreadable record).
     CorruptRecord,
+    /// Delivered to a handler whose descriptor does not accept the event's type (or that
+    /// type's `dataversion`): a routing mistake or a handler behind its inputs, not a
+    /// contract-versioning problem (it used to be filed as `unknown_version`). A redrive sends
+    /// it back to that handler, for once it accepts it.
+    NotAccepted,
 }
 
 impl DlqReason {
@@ -344,11 +349,12 @@ impl DlqReason {
             Self::ScopeViolation => "scope_violation",
             Self::HandlerReleased => "handler_released",
             Self::CorruptRecord => "corrupt_record",
+            Self::NotAccepted => "not_accepted",
         }
     }
 
     /// Every reason, for metrics and parsing.
-    pub const ALL: [DlqReason; 11] = [
+    pub const ALL: [DlqReason; 12] = [
         Self::ContractViolation,
         Self::UnknownVersion,
         Self::PermanentError,
@@ -360,6 +366,7 @@ impl DlqReason {
         Self::ScopeViolation,
         Self::HandlerReleased,
         Self::CorruptRecord,
+        Self::NotAccepted,
     ];
 }
 
@@ -1032,6 +1039,11 @@ pub struct Job {
     /// removed, before this one reached them.
     #[serde(default)]
     pub skipped: u64,
+    /// Of `skipped`, a replay's events that were handlers' emissions (source `handler://…`),
+    /// left out because the replay runs the handlers again, which emit them anew (the
+    /// request's `include_emitted` replays them too).
+    #[serde(default)]
+    pub skipped_emitted: u64,
     /// A replay's events that the archive sweep removed (past the archive's retention) before
     /// the job reached them: counted when the job ends, as the part of `total` it never saw.
     /// `moved`, `failed`, `skipped` and `expired` count distinct items.

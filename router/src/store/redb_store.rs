@@ -4982,6 +4982,17 @@ impl Committer {
             if e.state != EntryState::Queued || e.target_id != target {
                 continue;
             }
+            // Leased again under a lease that expired while its attempt ran (the live reclaim
+            // re-queues it in memory only): that attempt is closed here as interrupted, as a
+            // restart's reclaim and JetStream's take-over close it. It stayed open for good,
+            // even in the entry's dead letter, with no result and no error.
+            if let Some(old) = e.lease
+                && let Some(a) = e.attempts.last_mut().filter(|a| a.result.is_none())
+            {
+                a.finished_at = Some(old.until.min(now));
+                a.result = Some(AttemptResult::Interrupted);
+                a.error = Some("the lease expired during this attempt; taken over".into());
+            }
             e.start_attempt(lease, now);
             entries_t.insert((id.event, id.idx), enc_entry(&e).as_slice())?;
             out.push(e);

@@ -46,6 +46,7 @@ pub fn job(id: &str, kind: JobKind) -> Job {
         moved: 0,
         failed: 0,
         skipped: 0,
+        skipped_emitted: 0,
         expired: 0,
         warnings: Vec::new(),
         last_item_at: None,

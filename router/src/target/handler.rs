@@ -193,7 +193,10 @@ impl HandlerTarget {
                 },
                 Some(Box::new(Effects {
                     outbox: Outbox::default(),
-                    dlq_reason: Some(DlqReason::UnknownVersion),
+                    // Its own reason: `unknown_version` is the contracts' (a type with
+                    // contracts, but not for this dataversion), and a wrong type routed here
+                    // is no versioning problem.
+                    dlq_reason: Some(DlqReason::NotAccepted),
                 })),
             );
         }

@@ -1398,6 +1398,7 @@ fn job(store: &RedbStore, id: &str, moved: u64, now: Millis) -> Job {
         moved,
         failed: 0,
         skipped: 0,
+        skipped_emitted: 0,
         expired: 0,
         warnings: Vec::new(),
         last_item_at: None,

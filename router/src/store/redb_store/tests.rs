@@ -420,6 +420,21 @@ async fn an_expired_lease_cannot_ack_and_the_entry_is_released() {
     assert_eq!(s.reclaim_expired(1200), 1);
     let fast = s.lease("a", 1200, 1, 100).await.expect("lease").remove(0);
     assert_eq!(fast.entry.attempts.len(), 2);
+    // The expired attempt is closed when the entry is leased again, not left open for good.
+    let first = &fast.entry.attempts[0];
+    assert_eq!(
+        (first.result, first.finished_at),
+        (Some(AttemptResult::Interrupted), Some(1100)),
+        "{first:?}"
+    );
+    assert!(
+        first
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("lease expired")),
+        "{first:?}"
+    );
+    assert_eq!(fast.entry.attempts[1].result, None);
     let late = ack(&s, &slow, 1250).await;
     assert!(matches!(late, Err(FinishError::Fenced)), "{late:?}");
     ack(&s, &fast, 1250).await.expect("current lease acks");
