@@ -1372,6 +1372,8 @@ async fn a_keys_expired_entries_go_to_the_dlq_together() {
     .expect("accept");
     let l = lease_ok(&s, "t", 2_000, 10, 30_000).await.remove(0);
     dead_letter(&s, &l, true, 2_100).await;
+    // The hold reaches the view by following the stream.
+    s.settled().await;
     assert_eq!(s.held_keys("t"), vec!["K".to_string()]);
     let n = s
         .dead_letter_expired_of_key("t", "K", 4_000, "expired", 6_000)
