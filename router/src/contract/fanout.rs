@@ -23,6 +23,8 @@ use std::collections::HashMap;
 
 use serde_json::Value;
 
+use crate::event::pointer_token as token;
+
 /// Most ways one subschema may be reached on one value.
 pub(super) const MAX_PATHS: u64 = 10_000;
 
@@ -58,11 +60,6 @@ struct Node {
 struct Graph {
     nodes: Vec<Node>,
     by_pointer: HashMap<String, usize>,
-}
-
-/// Escapes a name for a JSON pointer token.
-fn token(name: &str) -> String {
-    name.replace('~', "~0").replace('/', "~1")
 }
 
 impl Graph {
