@@ -215,7 +215,7 @@ async fn dead_letter_removed(app: &Arc<App>, id: &str, why: String, grace: Durat
                 .store
                 .queue_stats()
                 .get(&id)
-                .map_or(0, |s| s.queued + s.in_flight);
+                .map_or(0, |s| s.live());
             if left == 0 || tokio::time::Instant::now() >= deadline {
                 if left > 0 {
                     tracing::warn!(target_id = %id, left, "removed target still has entries after its grace period; they drain under its last configuration");
@@ -392,7 +392,7 @@ fn moved_ids(
             let (was, now) = (before.kind.destination(), t.kind.destination());
             let from = *by_dest.get(&now)?.iter().find(|id| **id != t.id)?;
             let s = stats.get(&t.id);
-            let live = s.map_or(0, |s| s.queued + s.in_flight);
+            let live = s.map_or(0, |s| s.live());
             // Dead letters move with the id too: a redrive would deliver them to `now`.
             let dead = s.map_or(0, |s| s.dlq);
             (was != now && live + dead > 0).then(|| {
@@ -432,7 +432,7 @@ fn has_live_entries(app: &App, id: &str) -> bool {
     app.store
         .queue_stats()
         .get(id)
-        .is_some_and(|s| s.queued + s.in_flight > 0)
+        .is_some_and(|s| s.live() > 0)
 }
 
 /// One warning per target no longer in the live rules that still has entries, from the live
@@ -444,9 +444,9 @@ pub fn removed_target_warnings(app: &App) -> Vec<String> {
     app.store
         .queue_stats()
         .into_iter()
-        .filter(|(id, s)| s.queued + s.in_flight > 0 && !rules.targets.contains_key(id))
+        .filter(|(id, s)| s.live() > 0 && !rules.targets.contains_key(id))
         .map(|(id, s)| {
-            let n = s.queued + s.in_flight;
+            let n = s.live();
             match app.dispatcher.runtime(&id) {
                 // Paused, nothing drains: saying "drain" had the operator wait for it.
                 Some(rt) if rt.paused.load(Ordering::SeqCst) => format!(
@@ -475,10 +475,7 @@ fn drained_removed(app: &App) -> std::collections::BTreeSet<String> {
         .running()
         .into_iter()
         .map(|s| s.id)
-        .filter(|id| {
-            !rules.targets.contains_key(id)
-                && stats.get(id).is_none_or(|s| s.queued + s.in_flight == 0)
-        })
+        .filter(|id| !rules.targets.contains_key(id) && stats.get(id).is_none_or(|s| s.live() == 0))
         .collect()
 }
 

@@ -623,14 +623,14 @@ impl Metrics {
                     self.remove_queue_series(gone);
                     continue;
                 };
-                if s.queued + s.in_flight == 0 && forgotten(gone) {
+                if s.live() == 0 && forgotten(gone) {
                     self.remove_queue_series(gone);
                 }
             }
             *shown = stats.keys().cloned().collect();
         }
         for (target, s) in stats {
-            let live = s.queued + s.in_flight > 0 || !forgotten(&target);
+            let live = s.live() > 0 || !forgotten(&target);
             let l = vec![("target", target)];
             if live {
                 self.queue_depth

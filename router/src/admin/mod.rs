@@ -540,7 +540,7 @@ pub async fn targets(State(app): State<Arc<App>>) -> Response {
     // lists every target it ever had); its dead letters stay in `/v1/dlq`.
     let mut ids: std::collections::BTreeSet<String> = stats
         .iter()
-        .filter(|(id, s)| s.queued + s.in_flight > 0 || !app.retired(id))
+        .filter(|(id, s)| s.live() > 0 || !app.retired(id))
         .map(|(id, _)| id.clone())
         .collect();
     ids.extend(app.dispatcher.running().into_iter().map(|s| s.id));
@@ -560,11 +560,7 @@ pub async fn target(State(app): State<Arc<App>>, Path(id): Path<String>) -> Resp
     let stats = app.store.queue_stats();
     // A retired target (removed, drained, its worker stopped) is still answered while it
     // has dead letters: their count is what is left to see of it.
-    if app.retired(&id)
-        && stats
-            .get(&id)
-            .is_none_or(|s| s.queued + s.in_flight + s.dlq == 0)
-    {
+    if app.retired(&id) && stats.get(&id).is_none_or(|s| s.live() + s.dlq == 0) {
         return error_response(
             StatusCode::NOT_FOUND,
             "unknown target",

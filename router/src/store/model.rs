@@ -861,6 +861,13 @@ pub struct QueueStats {
     pub queued_behind_keys: u64,
 }
 
+impl QueueStats {
+    /// Entries still to be delivered: queued plus in flight (a target with none has drained).
+    pub fn live(&self) -> u64 {
+        self.queued + self.in_flight
+    }
+}
+
 /// The entry of an ordering key that goes first (the one its other entries wait behind).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeyHead {
