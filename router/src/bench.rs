@@ -1812,11 +1812,13 @@ mod tests {
 
     #[tokio::test]
     async fn a_refused_connection_is_named_as_such() {
-        // A port that was just free: nothing listens on it.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
+        // A port held by a socket that is bound but never listens: connecting is refused,
+        // and no other test can take the port meanwhile (a port merely found free was taken
+        // by a parallel test's server once, which reset the connection instead).
+        let held = tokio::net::TcpSocket::new_v4().expect("socket");
+        held.bind("127.0.0.1:0".parse().expect("addr"))
+            .expect("bind");
+        let port = held.local_addr().expect("a bound port").port();
         let client: Client<HttpConnector, Full<Bytes>> =
             Client::builder(TokioExecutor::new()).build(HttpConnector::new());
         let req = Request::post(format!("http://127.0.0.1:{port}/v1/events"))
