@@ -59,6 +59,12 @@ const TARGETS: TableDefinition<&str, &[u8]> = TableDefinition::new("targets");
 const PENDING_GC: TableDefinition<u64, ()> = TableDefinition::new("pending_gc");
 const TARGET_STATE: TableDefinition<&str, &[u8]> = TableDefinition::new("target_state");
 const HELD: TableDefinition<(&str, &str), ()> = TableDefinition::new("held_keys");
+/// (target, key) → the DLQ id of the dead letter that holds the key (the latest to hold it).
+/// A redrive releases the key only with that dead letter (or once it has left the DLQ):
+/// redriving an older dead letter of the key released a hold a later one had put, and the
+/// key's entries overtook it. Keys held by older builds have no row here; any redrive of
+/// theirs releases them, as before.
+const HELD_BY: TableDefinition<(&str, &str), u64> = TableDefinition::new("held_by");
 const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
 /// (handler, key) → (expires_at or i64::MAX, value).
 const KV: TableDefinition<(&str, &str), (i64, &[u8])> = TableDefinition::new("handler_kv");
@@ -4219,10 +4225,9 @@ impl Committer {
             }
             Op::ReleaseKey { target, key, reply } => {
                 let r = (|| -> Result<bool, StoreError> {
-                    let was = txn
-                        .open_table(HELD)?
-                        .remove((target.as_str(), key.as_str()))?
-                        .is_some();
+                    let k = (target.as_str(), key.as_str());
+                    let was = txn.open_table(HELD)?.remove(k)?.is_some();
+                    txn.open_table(HELD_BY)?.remove(k)?;
                     if was {
                         effects.push(Effect::Release { target, key });
                     }
@@ -4409,8 +4414,8 @@ impl Committer {
                         );
                         let d =
                             p.dead_letter(seq, Some(&t), DlqReason::TargetOverflow, vec![error]);
-                        self.add_dlq(txn, d, effects)?;
-                        hold_overflowed_key(txn, &t, effects)?;
+                        let dlq_id = self.add_dlq(txn, d, effects)?;
+                        hold_overflowed_key(txn, &t, dlq_id, effects)?;
                         refused.push(id.idx);
                         overflowed.push(t.target_id.clone());
                         continue;
@@ -4727,16 +4732,8 @@ impl Committer {
                     // The dead letter that held its key goes back at the head of the key
                     // (it sorts first): the hold has done its work. Left held, the job said
                     // "done" while the key, this entry included, stayed stopped.
-                    if let Some(key) = e.ordering_key.clone()
-                        && txn
-                            .open_table(HELD)?
-                            .remove((e.target_id.as_str(), key.as_str()))?
-                            .is_some()
-                    {
-                        effects.push(Effect::Release {
-                            target: e.target_id.clone(),
-                            key,
-                        });
+                    if let Some(key) = e.ordering_key.clone() {
+                        release_hold_of(txn, &e.target_id, key, dlq_id, effects)?;
                     }
                 }
                 RedriveAction::Route {
@@ -4787,16 +4784,8 @@ impl Committer {
                         // any dead letter; back in the queue, it sorts by its event (before
                         // the key's later events), so the hold has done its work, as for a
                         // requeued one.
-                        if let Some(key) = entry.ordering_key
-                            && txn
-                                .open_table(HELD)?
-                                .remove((entry.target_id.as_str(), key.as_str()))?
-                                .is_some()
-                        {
-                            effects.push(Effect::Release {
-                                target: entry.target_id,
-                                key,
-                            });
+                        if let Some(key) = entry.ordering_key {
+                            release_hold_of(txn, &entry.target_id, key, dlq_id, effects)?;
                         }
                     }
                 }
@@ -4857,8 +4846,8 @@ impl Committer {
                         ev.event.ty.clone(),
                     );
                     let d = DlqEntry::replay_overflow(item.seq, names, &t, &job.id, cap, now);
-                    self.add_dlq(txn, d, effects)?;
-                    hold_overflowed_key(txn, &t, effects)?;
+                    let dlq_id = self.add_dlq(txn, d, effects)?;
+                    hold_overflowed_key(txn, &t, dlq_id, effects)?;
                     overflowed.push((item.seq, t.target_id));
                     continue;
                 }
@@ -5044,11 +5033,8 @@ impl Committer {
             let d = DlqEntry::of_given_up(&e, (eid, esrc, ety), reason, &end, now);
             finished.dlq_id = Some(self.add_dlq(txn, d, effects)?);
             let hold = hold && e.ordering_key.is_some();
-            if hold && let Some(k) = &e.ordering_key {
-                txn.open_table(HELD)
-                    .map_err(StoreError::from)?
-                    .insert((target.as_str(), k.as_str()), ())
-                    .map_err(StoreError::from)?;
+            if hold && let (Some(k), Some(dlq_id)) = (&e.ordering_key, finished.dlq_id) {
+                hold_key(txn, &target, k, dlq_id)?;
             }
             effects.push(Effect::Remove { target, id, hold });
         }
@@ -5060,19 +5046,58 @@ impl Committer {
     }
 }
 
+/// Holds `key` of `target` for dead letter `dlq_id`, which becomes its holder (the latest
+/// dead letter of a key is the one whose redrive releases it).
+fn hold_key(txn: &Tx<'_>, target: &str, key: &str, dlq_id: u64) -> Result<(), StoreError> {
+    txn.open_table(HELD)?.insert((target, key), ())?;
+    txn.open_table(HELD_BY)?.insert((target, key), dlq_id)?;
+    Ok(())
+}
+
+/// A redrive of dead letter `dlq_id` (already out of the DLQ) releases `key` of `target`
+/// if it holds it: the dead letter is the key's holder, or the holder has left the DLQ, or
+/// the hold predates holders. Redriving another dead letter of a held key leaves the hold,
+/// so the key's later entries still wait for its holder. Returns whether it released.
+fn release_hold_of(
+    txn: &Tx<'_>,
+    target: &str,
+    key: String,
+    dlq_id: u64,
+    effects: &mut Vec<Effect>,
+) -> Result<bool, StoreError> {
+    let k = (target, key.as_str());
+    if txn.open_table(HELD)?.get(k)?.is_none() {
+        return Ok(false);
+    }
+    let holder = txn.open_table(HELD_BY)?.get(k)?.map(|v| v.value());
+    if let Some(h) = holder
+        && h != dlq_id
+        && txn.open_table(DLQ)?.get(h)?.is_some()
+    {
+        return Ok(false);
+    }
+    txn.open_table(HELD)?.remove(k)?;
+    txn.open_table(HELD_BY)?.remove(k)?;
+    effects.push(Effect::Release {
+        target: target.to_string(),
+        key,
+    });
+    Ok(true)
+}
+
 /// Under `on_dead_letter: hold`, holds the ordering key of `t`, a copy the depth cap refused
 /// (`target_overflow`): a dead letter like any other, which later events of the key must not
 /// overtake. The key's entries accepted before it wait too: the hold is per key.
 fn hold_overflowed_key(
     txn: &Tx<'_>,
     t: &NewEntry,
+    dlq_id: u64,
     effects: &mut Vec<Effect>,
 ) -> Result<(), StoreError> {
     let Some(key) = t.ordering_key.as_ref().filter(|_| t.hold_key) else {
         return Ok(());
     };
-    txn.open_table(HELD)?
-        .insert((t.target_id.as_str(), key.as_str()), ())?;
+    hold_key(txn, &t.target_id, key, dlq_id)?;
     effects.push(Effect::Hold {
         target: t.target_id.clone(),
         key: key.clone(),

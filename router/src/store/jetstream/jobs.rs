@@ -1,11 +1,11 @@
 //! The JetStream store's redrive and replay steps, archive reads, sweeps and record counts.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use super::records::{Expect, MAX_BATCH, RecordsError, ScanFrom, Write};
 use super::{
     EntryRecord, EventRecord, JetStreamStore, KeyLock, MAX_RETRIES, dec, dedup_record_key, dlq_key,
-    enc, entry_key, event_key, held_key, lock_key, ops,
+    enc, entry_key, event_key, lock_key, ops,
 };
 use crate::store::redb_store::delivery_key;
 use crate::store::{
@@ -64,6 +64,8 @@ impl JetStreamStore {
             // Events changed by several actions of this step: their latest record.
             let mut events: HashMap<u64, (EventRecord, u64)> = HashMap::new();
             let mut gone = RedriveGone::default();
+            // Held keys this step releases (once each).
+            let mut released = HashSet::new();
             for action in &actions {
                 let dlq_id = action.dlq_id();
                 let Some((mut d, drev)) = self
@@ -95,12 +97,8 @@ impl JetStreamStore {
                         // the key's next entry take the lock first).
                         let hold = match &r.entry.ordering_key {
                             Some(key) => {
-                                let hk = held_key(&r.entry.target_id, key);
-                                self.records
-                                    .get(&hk)
+                                self.redrive_release(&r.entry.target_id, key, dlq_id, &mut released)
                                     .await?
-                                    .filter(|v| v.value.is_some())
-                                    .map(|v| Write::delete(hk, Expect::Revision(v.revision)))
                             }
                             None => None,
                         };
@@ -153,12 +151,13 @@ impl JetStreamStore {
                             // the entry in the batch, as for a requeued one).
                             let release = match &entry.ordering_key {
                                 Some(key) => {
-                                    let hk = held_key(&entry.target_id, key);
-                                    self.records
-                                        .get(&hk)
-                                        .await?
-                                        .filter(|v| v.value.is_some())
-                                        .map(|v| Write::delete(hk, Expect::Revision(v.revision)))
+                                    self.redrive_release(
+                                        &entry.target_id,
+                                        key,
+                                        dlq_id,
+                                        &mut released,
+                                    )
+                                    .await?
                                 }
                                 None => None,
                             };
@@ -268,7 +267,7 @@ impl JetStreamStore {
                                 ..DlqEntry::replay_overflow(item.seq, names, t, &job.id, cap, now)
                             };
                             writes.push(Write::put(dlq_key(id), enc(&d), Expect::Revision(0)));
-                            writes.extend(Self::overflow_hold(t));
+                            writes.extend(Self::overflow_hold(t, id));
                             // The event's record lists its dead letters (its fate reads them).
                             ev.dlq.push(id);
                             overflowed.push((item.seq, t.target_id.clone()));

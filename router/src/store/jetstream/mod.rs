@@ -34,7 +34,7 @@ pub use catalog::JetStreamCatalog;
 mod store_impl;
 mod view;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
@@ -134,6 +134,11 @@ struct EntryRecord {
 struct HeldRecord {
     target: String,
     key: String,
+    /// The DLQ id of the dead letter that holds the key (the latest to hold it): a redrive
+    /// releases the key only with it, or once it has left the DLQ. None in records of older
+    /// builds, which any redrive of the key releases.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    holder: Option<u64>,
 }
 
 /// Which entry of an ordering key is being delivered (`kl.<fingerprint>`): leases of the
@@ -800,7 +805,7 @@ impl JetStreamStore {
                             ..blank(DlqReason::TargetOverflow, Vec::new(), Some(t))
                         };
                         writes.push(Write::put(dlq_key(id), enc(&d), Expect::Revision(0)));
-                        writes.extend(Self::overflow_hold(t));
+                        writes.extend(Self::overflow_hold(t, id));
                         dlq.push(id);
                         overflowed.push(t.target_id.clone());
                         continue;
@@ -1235,11 +1240,12 @@ impl JetStreamStore {
     /// With `hold`, the write that holds `e`'s ordering key until an operator releases it (a
     /// dead letter under `on_dead_letter: hold`). The key's lock record is left as it is: it
     /// names an entry that is no longer queued, which the next lease of the key takes over.
-    fn key_hold(e: &QueueEntry, hold: bool) -> Option<Write> {
+    fn key_hold(e: &QueueEntry, hold: bool, dlq_id: u64) -> Option<Write> {
         let key = e.ordering_key.as_ref().filter(|_| hold)?;
         let record = HeldRecord {
             target: e.target_id.clone(),
             key: key.clone(),
+            holder: Some(dlq_id),
         };
         Some(Write::put(
             held_key(&e.target_id, key),
@@ -1251,17 +1257,58 @@ impl JetStreamStore {
     /// Under `on_dead_letter: hold`, the write that holds the ordering key of `t`, a copy the
     /// depth cap refused (`target_overflow`): a dead letter like any other, which later events
     /// of the key must not overtake (as on redb).
-    pub(super) fn overflow_hold(t: &NewEntry) -> Option<Write> {
+    pub(super) fn overflow_hold(t: &NewEntry, dlq_id: u64) -> Option<Write> {
         let key = t.ordering_key.as_ref().filter(|_| t.hold_key)?;
         let record = HeldRecord {
             target: t.target_id.clone(),
             key: key.clone(),
+            holder: Some(dlq_id),
         };
         Some(Write::put(
             held_key(&t.target_id, key),
             enc(&record),
             Expect::Any,
         ))
+    }
+
+    /// The write that releases `key` of `target` for a redrive of dead letter `dlq_id`, if
+    /// the key is held and the dead letter may release it: it is the key's holder, or the
+    /// holder has left the DLQ, or the hold predates holders. Redriving another dead letter
+    /// of a held key leaves the hold, so the key's later entries still wait for its holder.
+    /// `released` keeps a step from releasing one key twice (the second delete's expected
+    /// revision would fail the whole batch).
+    pub(super) async fn redrive_release(
+        &self,
+        target: &str,
+        key: &str,
+        dlq_id: u64,
+        released: &mut HashSet<String>,
+    ) -> Result<Option<Write>, StoreError> {
+        let hk = held_key(target, key);
+        if released.contains(&hk) {
+            return Ok(None);
+        }
+        let Some(read) = self.records.get(&hk).await? else {
+            return Ok(None);
+        };
+        let Some(bytes) = read.value.as_ref() else {
+            return Ok(None);
+        };
+        let holder = serde_json::from_slice::<HeldRecord>(bytes)
+            .ok()
+            .and_then(|h| h.holder);
+        if let Some(h) = holder
+            && h != dlq_id
+            && self
+                .records
+                .get_at_least(&dlq_key(h), 1)
+                .await?
+                .is_some_and(|v| v.value.is_some())
+        {
+            return Ok(None);
+        }
+        released.insert(hk.clone());
+        Ok(Some(Write::delete(hk, Expect::Revision(read.revision))))
     }
 
     /// Releases an ordering key held after a dead letter; `false` if it was not held.
@@ -1576,9 +1623,9 @@ impl JetStreamStore {
             Disposition::DeadLetter { reason, hold } => {
                 e.state = EntryState::Dead;
                 e.finished_at = Some(now);
-                hold_write = Self::key_hold(e, hold);
                 let names = self.dlq_names(id.event).await?;
                 let dlq_id = self.next_number("dlq").await?;
+                hold_write = Self::key_hold(e, hold, dlq_id);
                 dlq = Some(DlqEntry {
                     id: dlq_id,
                     ..DlqEntry::of_given_up(e, names, reason, end, now)

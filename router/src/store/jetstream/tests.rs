@@ -1334,6 +1334,84 @@ async fn a_redriven_dead_letter_goes_first_when_its_held_key_is_released() {
     assert_eq!(order, ["r1", "r2", "r3"]);
 }
 
+/// A held key is released by the redrive of the dead letter that holds it, not of an older
+/// dead letter of the key (whose redrive released the later one's hold, and the key's next
+/// entries overtook it); a hold whose dead letter has been purged is released by any.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_dead_letter_holding_a_key_releases_it() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![
+        keyed("o1", "A", 1_000),
+        keyed("o2", "A", 1_001),
+        keyed("o3", "A", 1_002),
+    ])
+    .await
+    .expect("accept");
+    let l = lease_ok(&s, "t", 2_000, 10, 30_000).await.remove(0);
+    assert_eq!(l.event.event.id, "o1");
+    dead_letter(&s, &l, false, 2_100).await;
+    let l = lease_ok(&s, "t", 2_200, 10, 30_000).await.remove(0);
+    assert_eq!(l.event.event.id, "o2");
+    dead_letter(&s, &l, true, 2_300).await;
+    let dlq_of = |id: &'static str| {
+        let s = &s;
+        async move { s.fate("/o", id).await.expect("fate").expect("known").dlq[0].id }
+    };
+    let (d1, d2) = (dlq_of("o1").await, dlq_of("o2").await);
+    s.redrive_step(
+        job("redrive-older", JobKind::Redrive),
+        vec![RedriveAction::Requeue { dlq_id: d1 }],
+        3_000,
+    )
+    .await
+    .expect("redrive");
+    s.settled().await;
+    assert_eq!(s.held_keys("t"), vec!["A".to_string()], "o2 still holds A");
+    assert!(
+        lease_ok(&s, "t", 3_100, 10, 30_000).await.is_empty(),
+        "neither the redriven o1 nor o3 goes while o2 is dead"
+    );
+    s.redrive_step(
+        job("redrive-holder", JobKind::Redrive),
+        vec![RedriveAction::Requeue { dlq_id: d2 }],
+        3_200,
+    )
+    .await
+    .expect("redrive");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !s.held_keys("t").is_empty() {
+        assert!(std::time::Instant::now() < deadline, "never released");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let order = deliver_one_at_a_time(&s, &[4_000, 4_100, 4_200]).await;
+    assert_eq!(order, ["o1", "o2", "o3"]);
+
+    // A hold whose dead letter was purged: the redrive of another releases it.
+    s.accept(vec![keyed("p1", "B", 5_000), keyed("p2", "B", 5_001)])
+        .await
+        .expect("accept");
+    let l = lease_ok(&s, "t", 5_100, 10, 30_000).await.remove(0);
+    dead_letter(&s, &l, false, 5_200).await;
+    let l = lease_ok(&s, "t", 5_300, 10, 30_000).await.remove(0);
+    dead_letter(&s, &l, true, 5_400).await;
+    let (p1, p2) = (dlq_of("p1").await, dlq_of("p2").await);
+    assert_eq!(s.purge_dlq(vec![p2]).await.expect("purge"), 1);
+    s.redrive_step(
+        job("redrive-after-purge", JobKind::Redrive),
+        vec![RedriveAction::Requeue { dlq_id: p1 }],
+        6_000,
+    )
+    .await
+    .expect("redrive");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !s.held_keys("t").is_empty() {
+        assert!(std::time::Instant::now() < deadline, "never released");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert_eq!(deliver_one_at_a_time(&s, &[7_000]).await, ["p1"]);
+}
+
 /// The entry a key's others wait behind (`key_head`), and how many wait so
 /// (`queued_behind_keys`), as the view has them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

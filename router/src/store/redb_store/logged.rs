@@ -16,7 +16,7 @@ use super::*;
 use crate::store::group_log::{Mutation, Mutations, Record};
 
 /// Every table's number in the group log. Append only: numbers are on disk.
-const TABLE_IDS: [&str; 22] = [
+const TABLE_IDS: [&str; 23] = [
     "meta",
     "events",
     "dedup",
@@ -39,6 +39,7 @@ const TABLE_IDS: [&str; 22] = [
     "dedup_runs",
     "dlq_by_target",
     "dedup_kept",
+    "held_by",
 ];
 
 fn table_id(name: &str) -> u8 {
@@ -172,6 +173,7 @@ struct AllTables<'a> {
     pending_gc: Table<'a, u64, ()>,
     target_state: Table<'a, &'static str, &'static [u8]>,
     held: Table<'a, (&'static str, &'static str), ()>,
+    held_by: Table<'a, (&'static str, &'static str), u64>,
     jobs: Table<'a, &'static str, &'static [u8]>,
     kv: Table<'a, (&'static str, &'static str), (i64, &'static [u8])>,
     kv_exp: Table<'a, (i64, &'static str, &'static str), ()>,
@@ -215,6 +217,7 @@ impl<'a> AllTables<'a> {
             pending_gc: txn.open_table(PENDING_GC)?,
             target_state: txn.open_table(TARGET_STATE)?,
             held: txn.open_table(HELD)?,
+            held_by: txn.open_table(HELD_BY)?,
             jobs: txn.open_table(JOBS)?,
             kv: txn.open_table(KV)?,
             kv_exp: txn.open_table(KV_EXP)?,
@@ -262,6 +265,7 @@ impl<'a> AllTables<'a> {
             19 => put(&mut self.dedup_runs, m)?,
             20 => put(&mut self.dlq_by_target, m)?,
             21 => put(&mut self.dedup_kept, m)?,
+            22 => put(&mut self.held_by, m)?,
             other => {
                 return Err(StoreError::Corrupt {
                     table: "group log",
@@ -302,6 +306,7 @@ mod tests {
             DEDUP_RUNS.name(),
             DLQ_BY_TARGET.name(),
             DEDUP_KEPT.name(),
+            HELD_BY.name(),
         ];
         // The order of `AllTables::apply`'s arms.
         for (i, n) in names.iter().enumerate() {

@@ -1492,6 +1492,86 @@ async fn a_redriven_keyed_entry_waits_for_its_keys_flight_and_releases_its_hold(
     assert_eq!(ids(&next), ["4"]);
 }
 
+/// A held key is released by the redrive of the dead letter that holds it, not of an older
+/// dead letter of the key (whose redrive released the later one's hold, and the key's next
+/// entries overtook it); a hold whose dead letter has been purged is released by any.
+#[tokio::test]
+async fn only_the_dead_letter_holding_a_key_releases_it() {
+    let s = RedbStore::in_memory().expect("store");
+    s.accept(vec![
+        keyed("1", "k", 1000),
+        keyed("2", "k", 1000),
+        keyed("3", "k", 1000),
+    ])
+    .await
+    .expect("accept");
+    let ids =
+        |v: &[Leased]| -> Vec<String> { v.iter().map(|l| l.event.event.id.clone()).collect() };
+    let dead_letter = |l: Leased, hold: bool, at: Millis| {
+        let s = &s;
+        async move {
+            let dead = Disposition::DeadLetter {
+                reason: DlqReason::PermanentError,
+                hold,
+            };
+            s.finish(l.entry.id, l.lease, delivered(at), dead, at)
+                .await
+                .expect("dead letter");
+        }
+    };
+    let redrive = |dlq_id: u64, n: u64, at: Millis| {
+        let s = &s;
+        async move {
+            let j = job(&format!("redrive-{n}"), JobKind::Redrive);
+            let rev = s.put_job(j.clone()).await.expect("create");
+            s.redrive_step(
+                Job { rev, ..j },
+                vec![RedriveAction::Requeue { dlq_id }],
+                at,
+            )
+            .await
+            .expect("redrive");
+        }
+    };
+    let dlq_of = |id: &str| s.fate("/s", id).expect("fate").expect("known").dlq[0].id;
+    let l = s.lease("a", 1000, 10, 60_000).await.expect("lease");
+    assert_eq!(ids(&l), ["1"]);
+    dead_letter(l.into_iter().next().expect("1"), false, 1001).await;
+    let l = s.lease("a", 1100, 10, 60_000).await.expect("lease");
+    assert_eq!(ids(&l), ["2"]);
+    dead_letter(l.into_iter().next().expect("2"), true, 1101).await;
+    redrive(dlq_of("1"), 1, 2000).await;
+    assert_eq!(s.held_keys("a"), vec!["k".to_string()], "2 still holds k");
+    assert!(
+        s.lease("a", 2100, 10, 60_000)
+            .await
+            .expect("lease")
+            .is_empty(),
+        "neither the redriven 1 nor 3 goes while 2 is dead"
+    );
+    redrive(dlq_of("2"), 2, 2200).await;
+    assert!(s.held_keys("a").is_empty(), "released with its holder");
+    for (want, at) in [("1", 3000), ("2", 3100), ("3", 3200)] {
+        let l = s.lease("a", at, 10, 60_000).await.expect("lease");
+        assert_eq!(ids(&l), [want]);
+        ack(&s, &l[0], at + 1).await.expect("ack");
+    }
+
+    // Its holder purged, the hold goes with the redrive of another dead letter of the key.
+    s.accept(vec![keyed("4", "h", 4000), keyed("5", "h", 4000)])
+        .await
+        .expect("accept");
+    let l = s.lease("a", 4000, 10, 60_000).await.expect("lease");
+    dead_letter(l.into_iter().next().expect("4"), false, 4001).await;
+    let l = s.lease("a", 4100, 10, 60_000).await.expect("lease");
+    dead_letter(l.into_iter().next().expect("5"), true, 4101).await;
+    assert_eq!(s.purge_dlq(vec![dlq_of("5")]).await.expect("purge"), 1);
+    redrive(dlq_of("4"), 3, 5000).await;
+    assert!(s.held_keys("a").is_empty(), "its holder is gone");
+    let l = s.lease("a", 5100, 10, 60_000).await.expect("lease");
+    assert_eq!(ids(&l), ["4"]);
+}
+
 /// The entry a key's others wait behind (`key_head`), and how many wait so
 /// (`queued_behind_keys`), read from the index.
 #[tokio::test]
