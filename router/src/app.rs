@@ -1691,17 +1691,21 @@ pub async fn run_with_store(
     // The operator's configuration (nats.token_env) names any variable; rule files only those
     // within secrets_env_prefix.
     let secrets = secret_resolver(&cfg, cfg.rule_secrets_prefix())?;
+    let nats = crate::target::nats::NatsConnection::new(
+        cfg.nats.clone(),
+        secret_resolver(&cfg, None)?,
+        delivery_threads.handle(),
+    );
+    if cfg.store.backend == crate::config::StoreBackend::Jetstream {
+        nats.reserve(&cfg.store.jetstream.prefix);
+    }
     let dispatcher = Dispatcher::new(DeliveryContext {
         store: store.clone(),
         metrics: metrics.clone(),
         clock: clock.clone(),
         cfg: cfg.delivery.clone(),
         http: crate::target::webhook::shared_clients(cfg.delivery.tls_ca_file.as_deref())?,
-        nats: crate::target::nats::NatsConnection::new(
-            cfg.nats.clone(),
-            secret_resolver(&cfg, None)?,
-            delivery_threads.handle(),
-        ),
+        nats,
         cancel: workers_cancel.clone(),
         tracker: tracker.clone(),
         spawner: delivery_threads.handle(),

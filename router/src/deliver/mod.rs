@@ -186,6 +186,15 @@ pub enum StartError {
         /// Kind name.
         kind: &'static str,
     },
+    /// A `nats:` target's subject is one the router must not publish to (the JetStream
+    /// store's records).
+    #[error("target {id}: {why}")]
+    Reserved {
+        /// Target id.
+        id: String,
+        /// What is wrong.
+        why: String,
+    },
 }
 
 /// A target built and ready to run ([`Dispatcher::prepare`]).
@@ -388,6 +397,12 @@ impl Dispatcher {
                 }),
             },
             TargetKind::Nats { subject } => {
+                if let Some(why) = self.ctx.nats.refuses(subject) {
+                    return Err(StartError::Reserved {
+                        id: spec.id.clone(),
+                        why,
+                    });
+                }
                 // The first nats target opens the shared connection; without one the router
                 // never connects to NATS.
                 self.ctx.nats.warm(&self.ctx.tracker);

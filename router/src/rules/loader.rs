@@ -1521,10 +1521,25 @@ fn check_url(url: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// A NATS subject to publish to: dot-separated non-empty tokens, no whitespace, no wildcards.
+/// A NATS subject to publish to: dot-separated non-empty tokens, no whitespace, no wildcards,
+/// and none of the server's own namespaces: a first token starting with `$` (`$JS.API.…`
+/// is the JetStream API, where an event published to `$JS.API.STREAM.DELETE.X` deletes a
+/// stream; `$KV.…` writes a key-value bucket; `$SYS.…` the system account) or `_INBOX`
+/// (other clients' reply subjects, where an event would answer someone else's request).
 fn check_subject(s: &str) -> Result<(), String> {
     if s.is_empty() || s.chars().any(|c| c.is_whitespace() || c.is_control()) {
         return Err(format!("invalid NATS subject `{s}`"));
+    }
+    let first = s.split('.').next().unwrap_or_default();
+    if first.starts_with('$') {
+        return Err(format!(
+            "NATS subject `{s}` is in the server's reserved `$` namespace (the JetStream API, key-value buckets, the system account): a target publishes to an application subject"
+        ));
+    }
+    if first == "_INBOX" {
+        return Err(format!(
+            "NATS subject `{s}` is a reply inbox (`_INBOX.…`): a target publishes to an application subject, not into other clients' replies"
+        ));
     }
     for token in s.split('.') {
         if token.is_empty() {

@@ -679,6 +679,21 @@ fn nats_and_handler_names() {
         "r.yaml:5:15: ",
         "empty token",
     );
+    // The server's own namespaces: an event published to `$JS.API.STREAM.DELETE.X` would
+    // delete a stream, one to `_INBOX.…` answer another client's request.
+    for (subject, why) in [
+        ("$JS.API.STREAM.DELETE.ORDERS", "reserved `$` namespace"),
+        ("$KV.config.x", "reserved `$` namespace"),
+        ("$SYS.REQ.SERVER.PING", "reserved `$` namespace"),
+        ("_INBOX.abc", "reply inbox"),
+    ] {
+        one_err(&[("r.yaml", &t("nats", subject))], "r.yaml:5:15: ", why);
+    }
+    let (set, _) = ok(&[("r.yaml", &t("nats", "inbox._INBOX.x$"))]);
+    assert!(
+        set.targets.contains_key("a-0"),
+        "only the first token decides"
+    );
     one_err(
         &[("r.yaml", &t("handler", "has space"))],
         "r.yaml:5:18: ",

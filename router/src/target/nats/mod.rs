@@ -105,6 +105,8 @@ pub struct NatsConnection {
     /// What the server refused (permission violations), reported by the event callback.
     refusals: Arc<Refusals>,
     warmed: AtomicBool,
+    /// Subjects no target may publish to: the JetStream store's records (`reserve`).
+    reserved: std::sync::OnceLock<String>,
 }
 
 impl NatsConnection {
@@ -122,6 +124,28 @@ impl NatsConnection {
             last_event: Arc::default(),
             refusals: Arc::default(),
             warmed: AtomicBool::new(false),
+            reserved: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// Reserves the subjects under `prefix` (the JetStream store's records): a stream
+    /// captures them, and an event published there would overwrite one of the store's
+    /// records. Set once, at start.
+    pub fn reserve(&self, prefix: &str) {
+        let _ = self.reserved.set(prefix.to_string());
+    }
+
+    /// Why `subject` may not be published to, if it is under the reserved prefix.
+    pub fn refuses(&self, subject: &str) -> Option<String> {
+        let prefix = self.reserved.get()?;
+        let inside = subject == prefix
+            || subject
+                .strip_prefix(prefix.as_str())
+                .is_some_and(|rest| rest.starts_with('.'));
+        inside.then(|| {
+            format!(
+                "subject {subject} is under store.jetstream.prefix {prefix:?}: the store's stream captures it, and an event published there would overwrite one of the store's records"
+            )
         })
     }
 
@@ -938,6 +962,31 @@ mod tests {
 
     fn no_secrets() -> SecretResolver {
         Arc::new(|_| None)
+    }
+
+    /// With the JetStream store, the subjects of its records are refused to targets (the
+    /// store's stream captures them: an event published there overwrote a record); subjects
+    /// that merely share the prefix's text are not.
+    #[tokio::test]
+    async fn the_stores_subjects_are_reserved() {
+        let conn = NatsConnection::new(
+            NatsConfig::default(),
+            no_secrets(),
+            tokio::runtime::Handle::current(),
+        );
+        assert_eq!(
+            conn.refuses("router.store.ev.1"),
+            None,
+            "nothing reserved yet"
+        );
+        conn.reserve("router.store");
+        for subject in ["router.store", "router.store.ev.1"] {
+            let why = conn.refuses(subject).expect(subject);
+            assert!(why.contains("store.jetstream.prefix"), "{why}");
+        }
+        for subject in ["router.storex", "router", "orders.router.store"] {
+            assert_eq!(conn.refuses(subject), None, "{subject}");
+        }
     }
 
     #[test]
