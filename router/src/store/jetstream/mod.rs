@@ -1330,7 +1330,14 @@ impl JetStreamStore {
                 )])
                 .await
             {
-                Ok(_) => return Ok(true),
+                Ok(_) => {
+                    // The operator reads the key's state next (`/v1/targets/{id}`
+                    // `held_keys`, from this node's view): it must not still say "held".
+                    if let Err(e) = self.caught_up().await {
+                        tracing::warn!(target, key, error = %e, "ordering key released; this node's view has not caught up yet");
+                    }
+                    return Ok(true);
+                }
                 Err(RecordsError::Conflict) => continue,
                 Err(e) => return Err(e.into()),
             }
