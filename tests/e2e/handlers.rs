@@ -1295,6 +1295,13 @@ async fn a_released_handler_name_leaves_no_key_value_entries_or_logs() {
         "{}",
         status["handler_kv"]
     );
+    // Its COMPLETED record too: the next team's handler would get the stored result of a
+    // key the old one completed (an event sent again past the dedup window) and never run.
+    assert_eq!(
+        status["records"]["completed"]["count"], 0,
+        "{}",
+        status["records"]
+    );
     let (s, b) = send_as(&r, "PUT", "/v1/handlers/invoice", "crm-ci", invoice()).await;
     assert_eq!(s, 201, "{b}");
     let (s, l) = send_as(&r, "GET", "/v1/handlers/invoice/logs", "crm-ci", None).await;

@@ -453,6 +453,11 @@ pub trait Store: Send + Sync + 'static {
     /// another team). Returns how many.
     fn kv_clear<'a>(&'a self, namespace: &'a str) -> BoxFuture<'a, Result<u64, StoreError>>;
 
+    /// Removes every COMPLETED record of `handler` (a handler whose name is freed for another
+    /// team: a delivery of a key the old handler completed would otherwise get its stored
+    /// result, and the new team's handler would never run for it). Returns how many.
+    fn completed_clear<'a>(&'a self, handler: &'a str) -> BoxFuture<'a, Result<u64, StoreError>>;
+
     /// Ordering keys of `target` held after a dead letter.
     fn held_keys(&self, target: &str) -> Vec<String>;
 

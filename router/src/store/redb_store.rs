@@ -915,6 +915,12 @@ enum Op {
         max: usize,
         reply: Reply<Result<u64, StoreError>>,
     },
+    /// Removes at most `max` COMPLETED records of `handler`.
+    CompletedClear {
+        handler: String,
+        max: usize,
+        reply: Reply<Result<u64, StoreError>>,
+    },
     DeadLetterQueued {
         ids: Vec<EntryId>,
         reason: DlqReason,
@@ -954,7 +960,8 @@ impl Op {
             Op::PutJob { reply, .. }
             | Op::DeleteJobs { reply, .. }
             | Op::PurgeDlq { reply, .. }
-            | Op::KvClear { reply, .. } => drop(reply.send(Err(e))),
+            | Op::KvClear { reply, .. }
+            | Op::CompletedClear { reply, .. } => drop(reply.send(Err(e))),
             Op::RedriveStep { reply, .. } => drop(reply.send(Err(e))),
             Op::ReplayStep { reply, .. } => drop(reply.send(Err(e))),
             Op::DeadLetterQueued { reply, .. } => drop(reply.send(Err(e))),
@@ -2367,6 +2374,29 @@ impl Store for RedbStore {
                 let n = self
                     .call(|reply| Op::KvClear {
                         namespace,
+                        max,
+                        reply,
+                    })
+                    .await??;
+                removed += n;
+                if n < max as u64 {
+                    return Ok(removed);
+                }
+            }
+        }
+        .boxed()
+    }
+
+    fn completed_clear<'a>(&'a self, handler: &'a str) -> BoxFuture<'a, Result<u64, StoreError>> {
+        async move {
+            // In bounded groups, as `kv_clear`.
+            let mut removed = 0;
+            loop {
+                let handler = handler.to_owned();
+                let max = KV_CLEAR_BATCH;
+                let n = self
+                    .call(|reply| Op::CompletedClear {
+                        handler,
                         max,
                         reply,
                     })
@@ -4298,6 +4328,34 @@ impl Committer {
                         kv_put(txn, &namespace, key, None, i64::MAX)?;
                     }
                     Ok(keys.len() as u64)
+                })();
+                answer(dones, reply, r)
+            }
+            Op::CompletedClear {
+                handler,
+                max,
+                reply,
+            } => {
+                let r = (|| -> Result<u64, StoreError> {
+                    let rows = txn
+                        .open_table(COMPLETED)?
+                        .range((handler.as_str(), "")..)?
+                        .map(|r| {
+                            r.map(|(k, v)| {
+                                let (h, key) = k.value();
+                                (h.to_owned(), key.to_owned(), v.value().0)
+                            })
+                        })
+                        .take_while(|r| r.as_ref().map_or(true, |(h, _, _)| *h == handler))
+                        .take(max)
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let mut completed = txn.open_table(COMPLETED)?;
+                    let mut exp = txn.open_table(COMPLETED_EXP)?;
+                    for (_, key, expires_at) in &rows {
+                        completed.remove((handler.as_str(), key.as_str()))?;
+                        exp.remove((*expires_at, handler.as_str(), key.as_str()))?;
+                    }
+                    Ok(rows.len() as u64)
                 })();
                 answer(dones, reply, r)
             }

@@ -448,11 +448,20 @@ impl HandlerChanges {
                 name: name.to_owned(),
                 message: format!("removing its key-value entries failed: {e}"),
             })?;
+        let completed =
+            data.store
+                .completed_clear(name)
+                .await
+                .map_err(|e| RegistryError::Store {
+                    name: name.to_owned(),
+                    message: format!("removing its COMPLETED records failed: {e}"),
+                })?;
         data.logs.forget(name)?;
         tracing::info!(
             handler = name,
             kv_entries = removed,
-            "a freed handler name's key-value entries and logs removed"
+            completed_records = completed,
+            "a freed handler name's key-value entries, COMPLETED records and logs removed"
         );
         Ok(())
     }

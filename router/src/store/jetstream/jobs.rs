@@ -606,6 +606,54 @@ impl JetStreamStore {
         Ok((n, full))
     }
 
+    /// Removes every COMPLETED record of `handler` (see
+    /// [`crate::store::Store::completed_clear`]), in batches below the atomic batch limit.
+    /// Records written by older builds do not name their handler: those only expire.
+    pub async fn completed_clear(&self, handler: &str) -> Result<u64, StoreError> {
+        let mut removed = 0;
+        // A batch that met a concurrent write (a delivery storing a new result) is read
+        // again; a name being freed has no deliveries left, so this settles quickly.
+        for _ in 0..8 {
+            let mut picked = Vec::new();
+            let mut bad = None;
+            self.records
+                .scan_with("cd", ScanFrom::Revision(0), false, |r| {
+                    let Some(bytes) = r.value else { return true };
+                    match serde_json::from_slice::<ops::CompletedHead>(&bytes) {
+                        Ok(c) if c.handler.as_deref() == Some(handler) => {
+                            picked.push(Write::delete(r.key, Expect::Revision(r.revision)));
+                            true
+                        }
+                        Ok(_) => true,
+                        Err(e) => {
+                            bad = Some(corrupt("completed", &e));
+                            false
+                        }
+                    }
+                })
+                .await?;
+            if let Some(e) = bad {
+                return Err(e);
+            }
+            let mut conflicted = false;
+            while !picked.is_empty() {
+                let batch: Vec<Write> = picked.drain(..picked.len().min(MAX_BATCH - 1)).collect();
+                let n = batch.len() as u64;
+                match self.commit(batch).await {
+                    Ok(_) => removed += n,
+                    Err(RecordsError::Conflict) => conflicted = true,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            if !conflicted {
+                return Ok(removed);
+            }
+        }
+        Err(StoreError::Backend(format!(
+            "the COMPLETED records of {handler:?} kept changing while they were removed; try again"
+        )))
+    }
+
     /// Removes expired key-value entries, each usage shard's with its record in one batch;
     /// how many, and whether the batch was full. Goes on from where the last call stopped
     /// (`kv_from`).

@@ -1885,6 +1885,7 @@ impl JetStreamStore {
                 enc(&ops::CompletedRecord {
                     result: ops::b64(&c.result),
                     expires_at: c.expires_at,
+                    handler: Some(c.handler.clone()),
                 }),
                 Expect::Any,
             ));

@@ -92,6 +92,8 @@ pub(super) struct KvHead {
 #[derive(Debug, Deserialize)]
 pub(super) struct CompletedHead {
     pub expires_at: Millis,
+    #[serde(default)]
+    pub handler: Option<String>,
 }
 
 /// What a handler's namespace holds (`ku.<fingerprint>`), changed in the same batch as its
@@ -109,6 +111,10 @@ pub(super) struct CompletedRecord {
     /// Base64 of the stored result.
     pub result: String,
     pub expires_at: Millis,
+    /// The handler whose delivery completed, so that freeing its name can find its records
+    /// (`completed_clear`). None in records of older builds, which only expire.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handler: Option<String>,
 }
 
 /// A fingerprint of `parts` for record keys (subjects cannot hold arbitrary text).

@@ -251,6 +251,17 @@ impl Store for JetStreamStore {
         JetStreamStore::kv_clear(self, namespace).boxed()
     }
 
+    fn completed_clear<'a>(&'a self, handler: &'a str) -> BoxFuture<'a, Result<u64, StoreError>> {
+        async move {
+            let n = JetStreamStore::completed_clear(self, handler).await?;
+            // The counts /v1/status shows are cached: a freed name's records must not seem
+            // to linger for the cache's lifetime.
+            *self.counts.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            Ok(n)
+        }
+        .boxed()
+    }
+
     fn held_keys(&self, target: &str) -> Vec<String> {
         JetStreamStore::held_keys(self, target)
     }

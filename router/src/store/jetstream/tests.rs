@@ -2109,6 +2109,56 @@ async fn concurrent_key_value_finishes_of_one_namespace_all_commit() {
     );
 }
 
+/// Freeing a handler's name removes its COMPLETED records (`completed_clear`), and only its:
+/// a new team's handler under the name would otherwise get the old one's stored result for
+/// a key it completed, and never run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completed_clear_removes_one_handlers_records() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![
+        new_event("/h", "c1", &["handler"], 1_000),
+        new_event("/h", "c2", &["handler"], 1_000),
+        new_event("/h", "c3", &["handler"], 1_000),
+    ])
+    .await
+    .expect("accept");
+    let leased = lease_ok(&s, "handler", 1_000, 10, 60_000).await;
+    assert_eq!(leased.len(), 3);
+    for (l, handler) in leased.iter().zip(["h", "h", "h2"]) {
+        let end = AttemptEnd {
+            finished_at: 1_500,
+            result: AttemptResult::Delivered,
+            status: None,
+            error: None,
+            outbox: Some(Box::new(Outbox {
+                completed: Some(CompletedRecord {
+                    handler: handler.into(),
+                    key: l.entry.idempotency_key.clone(),
+                    result: b"{}".to_vec(),
+                    expires_at: 9_000,
+                }),
+                ..Outbox::default()
+            })),
+        };
+        s.finish(l.entry.id, l.lease, end, Disposition::Delivered, 1_500)
+            .await
+            .expect("finish");
+    }
+    assert_eq!(s.completed_clear("h").await.expect("clear"), 2);
+    for l in &leased[..2] {
+        let key = &l.entry.idempotency_key;
+        assert_eq!(s.completed_get("h", key, 2_000).await.expect("read"), None);
+    }
+    let kept = &leased[2].entry.idempotency_key;
+    assert_eq!(
+        s.completed_get("h2", kept, 2_000).await.expect("read"),
+        Some(b"{}".to_vec()),
+        "another handler's record stays"
+    );
+    assert_eq!(s.completed_clear("h").await.expect("again"), 0);
+}
+
 /// A handler's outbox commits with the ack, all or nothing: emitted events routed once even
 /// when the handler runs again, key-value writes guarded by compare-and-set, the namespace's
 /// bound, and the COMPLETED record.
@@ -3211,6 +3261,7 @@ async fn the_sweep_goes_on_while_its_batches_of_expired_records_are_full() {
                 enc(&ops::CompletedRecord {
                     result: ops::b64(b"{}"),
                     expires_at,
+                    handler: Some("h".into()),
                 }),
                 Expect::Any,
             )

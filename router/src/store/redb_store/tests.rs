@@ -1875,6 +1875,54 @@ async fn completed_records_commit_with_the_ack_and_expire() {
     assert_eq!(stats.completed_expired, 0);
 }
 
+/// Freeing a handler's name removes its COMPLETED records (`completed_clear`), and only its
+/// (a handler whose name shares its prefix keeps its own): a new team's handler under the
+/// name would otherwise get the old one's stored result for a key it completed, and never
+/// run. Their expiry index goes with them.
+#[tokio::test]
+async fn completed_clear_removes_one_handlers_records() {
+    let s = RedbStore::in_memory().expect("store");
+    s.accept(vec![
+        new_event("/s", "1", &["h"], 1000),
+        new_event("/s", "2", &["h"], 1000),
+        new_event("/s", "3", &["h"], 1000),
+    ])
+    .await
+    .expect("accept");
+    let leased = s.lease("h", 1000, 10, 5000).await.expect("lease");
+    assert_eq!(leased.len(), 3);
+    for (l, handler) in leased.iter().zip(["h", "h", "h2"]) {
+        let mut end = delivered(1001);
+        end.outbox = Some(Box::new(Outbox {
+            completed: Some(CompletedRecord {
+                handler: handler.into(),
+                key: l.entry.idempotency_key.clone(),
+                result: b"{}".to_vec(),
+                expires_at: 5000,
+            }),
+            ..Outbox::default()
+        }));
+        s.finish(l.entry.id, l.lease, end, Disposition::Delivered, 1001)
+            .await
+            .expect("finish");
+    }
+    assert_eq!(s.completed_clear("h").await.expect("clear"), 2);
+    for l in &leased[..2] {
+        let key = &l.entry.idempotency_key;
+        assert_eq!(s.completed_get("h", key, 1002).expect("read"), None);
+    }
+    let kept = &leased[2].entry.idempotency_key;
+    assert_eq!(
+        s.completed_get("h2", kept, 1002).expect("read").as_deref(),
+        Some(&b"{}"[..]),
+        "another handler's record stays"
+    );
+    assert_eq!(s.completed_clear("h").await.expect("again"), 0);
+    // Only h2's expiry row is left for the sweep.
+    let stats = s.sweep(6000, 86_400_000, 86_400_000).await.expect("sweep");
+    assert_eq!(stats.completed_expired, 1);
+}
+
 #[tokio::test]
 async fn an_ack_refused_by_its_fence_writes_no_completed_record() {
     let s = RedbStore::in_memory().expect("store");
