@@ -1378,6 +1378,9 @@ async fn responses_validate_against_the_document() {
     .await;
     api.expect(400, "GET", "/v1/dlq/summary?bucket=10ms", admin())
         .await;
+    // Whole seconds only: the answer's `bucket_seconds` is the width.
+    api.expect(400, "GET", "/v1/dlq/summary?bucket=1500ms", admin())
+        .await;
     api.expect(400, "GET", "/v1/dlq/summary?colour=red", admin())
         .await;
     api.expect(403, "GET", "/v1/dlq/summary", Req::token(TEAM))
