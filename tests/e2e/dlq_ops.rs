@@ -905,6 +905,49 @@ async fn quarantined_events_are_revalidated_when_redriven() {
     assert_eq!(fate(&r, "q1").await["quarantined"], false);
 }
 
+/// A redriven entry waiting again (its target paused) shows the attempts it failed before the
+/// redrive, as `history`, and their last error: the fate said no attempt, no error, and its
+/// DLQ entry, which had them, was gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redriven_entrys_fate_shows_the_attempts_before_the_redrive() {
+    let refusing = Receiver::status(400).await;
+    let rules = webhook_rule("r", "order", &refusing.url(), "hook");
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    post_event(&r, &event("h1", "order", json!({"id": 1}))).await;
+    let dead = eventually(Duration::from_secs(15), || async {
+        let f = fate(&r, "h1").await;
+        (f["targets"][0]["state"] == "dlq").then_some(f)
+    })
+    .await
+    .expect("the permanent failure is dead-lettered");
+    let failed = dead["targets"][0]["attempts"].clone();
+    assert_eq!(failed.as_array().map(Vec::len), Some(1), "{dead}");
+    let (s, _) = post_json(&r, "/v1/targets/hook/pause", json!({})).await;
+    assert_eq!(s, 200);
+    let (_, job) = post_json(
+        &r,
+        "/v1/dlq/redrive",
+        json!({"filter": {"target": "hook"}, "rate_per_sec": 50}),
+    )
+    .await;
+    let done = job_done(
+        &r,
+        &format!("/v1/dlq/redrive/{}", job["id"].as_str().unwrap_or("")),
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(done["moved"], 1, "{done}");
+    let f = fate(&r, "h1").await;
+    let t = &f["targets"][0];
+    assert_eq!(t["state"], "queued", "{f}");
+    assert_eq!(t["attempts"], json!([]), "{f}");
+    assert_eq!(t["history"], failed, "{f}");
+    assert_eq!(t["last_error"], failed[0]["error"], "{f}");
+    assert!(t["last_error"].is_string(), "{f}");
+    assert_eq!(t["redrive_count"], 1, "{f}");
+    assert_eq!(f["dlq"], json!([]), "{f}");
+}
+
 /// The job list is newest first and paged; bad query values are 400s naming the parameter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_job_list_is_newest_first_paged_and_filtered() {

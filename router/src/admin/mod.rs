@@ -176,7 +176,14 @@ pub async fn event_fate(
         .entries
         .iter()
         .map(|e| {
-            let last_error = e.attempts.iter().rev().find_map(|a| a.error.clone());
+            // A redriven entry's failures before its redrive count too: waiting again (its
+            // target paused, say), it showed no error at all, and no reason why it had failed.
+            let last_error = e
+                .history
+                .iter()
+                .chain(&e.attempts)
+                .rev()
+                .find_map(|a| a.error.clone());
             let mut t = json!({
                 "target": e.target_id,
                 "rule": e.rule,
@@ -184,6 +191,9 @@ pub async fn event_fate(
                 "state": entry_state(e, &fate.dlq, now),
                 "attempt_count": e.attempts.len(),
                 "attempts": e.attempts.iter().map(attempt_json).collect::<Vec<_>>(),
+                // The attempts of the rounds before its redrives ("attempts reset, history
+                // kept"): its DLQ entry, which showed them, is gone once it is redriven.
+                "history": e.history.iter().map(attempt_json).collect::<Vec<_>>(),
                 "next_attempt_at": (e.state == EntryState::Queued).then(|| rfc3339(e.due_at)),
                 "waiting_on": (e.state == EntryState::Queued && e.lease.is_none())
                     .then(|| waiting_on(&app, e, in_flight(&e.target_id), now))
