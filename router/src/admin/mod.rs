@@ -222,6 +222,10 @@ pub async fn event_fate(
         "quarantined": ev.quarantined,
         "targets": targets,
         "dlq": fate.dlq.iter().map(dlq_json).collect::<Vec<_>>(),
+        "previous_copies": fate.previous.iter().map(|p| json!({
+            "accepted_at": rfc3339(p.event.accepted_at),
+            "dlq": p.dlq.iter().map(dlq_json).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
     });
     with_event(fields, &ev.event)
 }
