@@ -261,7 +261,7 @@ enum DlqCmd {
     Summary {
         #[command(flatten)]
         filter: DlqFilterArgs,
-        /// Bucket size, e.g. 5m, 1h, 1d.
+        /// Bucket width, whole seconds (at least 1s), e.g. 90s, 5m, 1h, 1d.
         #[arg(long)]
         bucket: Option<String>,
     },

@@ -905,6 +905,123 @@ async fn quarantined_events_are_revalidated_when_redriven() {
     assert_eq!(fate(&r, "q1").await["quarantined"], false);
 }
 
+/// A quarantined event its producer has since sent again, fixed, is not routed by a redrive
+/// once the contract is relaxed: the receiver got the fixed copy, and the redrive delivered the
+/// stale one after it, under the same idempotency key. It stays in the DLQ saying why, and the
+/// event's fate lists it (the fate showed the fixed copy alone, no trace of the quarantine).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quarantined_copy_sent_again_fixed_is_not_redriven() {
+    let rcv = Receiver::ok().await;
+    let rules = rules_yaml("", &[("r", "order", &[format!("webhook: {}", rcv.url())])]);
+    let strict =
+        r#"{"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}}"#;
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[("order/v1.json", strict)]);
+    let (_, b) = post_event(&r, &event("dup1", "order", json!({"n": "5"}))).await;
+    assert_eq!(b["results"][0]["status"], "quarantined", "{b}");
+    let (_, b) = post_event(&r, &event("dup1", "order", json!({"n": 5}))).await;
+    assert_eq!(b["results"][0]["status"], "accepted", "{b}");
+    assert!(
+        rcv.wait_for(Duration::from_secs(10), |s| s.len() == 1)
+            .await,
+        "the fixed copy was not delivered"
+    );
+    let f = fate(&r, "dup1").await;
+    assert_eq!(f["quarantined"], false, "{f}");
+    let previous = f["previous_copies"].as_array().expect("previous copies");
+    assert_eq!(previous.len(), 1, "{f}");
+    let dead = previous[0]["dlq"][0].clone();
+    assert_eq!(dead["reason"], "contract_violation", "{f}");
+    // The contract now takes strings too: the quarantined copy would pass it.
+    std::fs::write(
+        r.dir.path().join("contracts/order/v1.json"),
+        r#"{"type": "object", "required": ["n"], "properties": {"n": {"type": ["integer", "string"]}}}"#,
+    )
+    .expect("write");
+    let _ = client().post(r.url("/v1/admin/reload")).send().await;
+    let (_, job) = post_json(
+        &r,
+        "/v1/dlq/redrive",
+        json!({"filter": {"reason": "contract_violation"}, "rate_per_sec": 50}),
+    )
+    .await;
+    let done = job_done(
+        &r,
+        &format!("/v1/dlq/redrive/{}", job["id"].as_str().unwrap_or("")),
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(
+        (done["moved"].clone(), done["failed"].clone()),
+        (json!(0), json!(1)),
+        "{done}"
+    );
+    // Nothing was queued for the receiver (a routed copy is queued in the job's own step).
+    let (_, targets) = get_json(&r, "/v1/targets").await;
+    let depth: u64 = targets["targets"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|t| t["queued"].as_u64().unwrap_or(0) + t["in_flight"].as_u64().unwrap_or(0))
+        .sum();
+    assert_eq!(depth, 0, "{targets}");
+    assert_eq!(rcv.count(), 1, "the stale copy was delivered");
+    let (_, kept) = get_json(
+        &r,
+        &format!("/v1/dlq/{}", dead["id"].as_str().unwrap_or("")),
+    )
+    .await;
+    let why = kept["not_redriven"]["message"].as_str().unwrap_or_default();
+    assert!(why.contains("a later copy of this event"), "{kept}");
+    let f = fate(&r, "dup1").await;
+    assert_eq!(
+        f["previous_copies"][0]["dlq"][0]["not_redriven"]["message"], why,
+        "{f}"
+    );
+}
+
+/// A redriven entry waiting again (its target paused) shows the attempts it failed before the
+/// redrive, as `history`, and their last error: the fate said no attempt, no error, and its
+/// DLQ entry, which had them, was gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redriven_entrys_fate_shows_the_attempts_before_the_redrive() {
+    let refusing = Receiver::status(400).await;
+    let rules = webhook_rule("r", "order", &refusing.url(), "hook");
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    post_event(&r, &event("h1", "order", json!({"id": 1}))).await;
+    let dead = eventually(Duration::from_secs(15), || async {
+        let f = fate(&r, "h1").await;
+        (f["targets"][0]["state"] == "dlq").then_some(f)
+    })
+    .await
+    .expect("the permanent failure is dead-lettered");
+    let failed = dead["targets"][0]["attempts"].clone();
+    assert_eq!(failed.as_array().map(Vec::len), Some(1), "{dead}");
+    let (s, _) = post_json(&r, "/v1/targets/hook/pause", json!({})).await;
+    assert_eq!(s, 200);
+    let (_, job) = post_json(
+        &r,
+        "/v1/dlq/redrive",
+        json!({"filter": {"target": "hook"}, "rate_per_sec": 50}),
+    )
+    .await;
+    let done = job_done(
+        &r,
+        &format!("/v1/dlq/redrive/{}", job["id"].as_str().unwrap_or("")),
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(done["moved"], 1, "{done}");
+    let f = fate(&r, "h1").await;
+    let t = &f["targets"][0];
+    assert_eq!(t["state"], "queued", "{f}");
+    assert_eq!(t["attempts"], json!([]), "{f}");
+    assert_eq!(t["history"], failed, "{f}");
+    assert_eq!(t["last_error"], failed[0]["error"], "{f}");
+    assert!(t["last_error"].is_string(), "{f}");
+    assert_eq!(t["redrive_count"], 1, "{f}");
+    assert_eq!(f["dlq"], json!([]), "{f}");
+}
+
 /// The job list is newest first and paged; bad query values are 400s naming the parameter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_job_list_is_newest_first_paged_and_filtered() {

@@ -1378,6 +1378,9 @@ async fn responses_validate_against_the_document() {
     .await;
     api.expect(400, "GET", "/v1/dlq/summary?bucket=10ms", admin())
         .await;
+    // Whole seconds only: the answer's `bucket_seconds` is the width.
+    api.expect(400, "GET", "/v1/dlq/summary?bucket=1500ms", admin())
+        .await;
     api.expect(400, "GET", "/v1/dlq/summary?colour=red", admin())
         .await;
     api.expect(403, "GET", "/v1/dlq/summary", Req::token(TEAM))
@@ -2001,6 +2004,39 @@ async fn handler_responses_validate_against_the_document() {
     assert!(
         missing.is_empty(),
         "handler operations without a checked 2xx: {missing:?}"
+    );
+}
+
+/// The DLQ routes' descriptions say what the server does about the two rules a client cannot
+/// guess (the behaviour itself is pinned by security.rs,
+/// `a_dead_letter_without_a_target_is_not_a_teams_to_show` and
+/// `a_redrive_over_the_dead_letters_without_a_target_is_no_teams`): quarantined entries are
+/// no `dlq:` scope's, and a token without `read` gets 403, not 404, for a job that does not
+/// exist. The document promised `dlq:*` the quarantined entries, and a 404 for an unknown job
+/// "for any valid token".
+#[test]
+fn the_dlq_scope_descriptions_say_what_the_server_does() {
+    let doc = Doc::load();
+    let text = |path: &str, method: &str| {
+        let t = doc.root["paths"][path][method]["description"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{method} {path} description"));
+        // Line breaks and indentation are the YAML's.
+        t.split_whitespace().collect::<Vec<_>>().join(" ")
+    };
+    let show = text("/v1/dlq/{id}", "get");
+    assert!(!show.contains("matching the empty string"), "{show}");
+    assert!(
+        show.contains("no `dlq:` scope covers them, not even `dlq:*`"),
+        "{show}"
+    );
+    let control = text("/v1/dlq/redrive/{job}/{action}", "post");
+    assert!(!control.contains("404 for any valid token"), "{control}");
+    assert!(
+        control.contains(
+            "A token without `read` gets the same 403 for another team's job and for a job that does not exist"
+        ),
+        "{control}"
     );
 }
 

@@ -176,7 +176,14 @@ pub async fn event_fate(
         .entries
         .iter()
         .map(|e| {
-            let last_error = e.attempts.iter().rev().find_map(|a| a.error.clone());
+            // A redriven entry's failures before its redrive count too: waiting again (its
+            // target paused, say), it showed no error at all, and no reason why it had failed.
+            let last_error = e
+                .history
+                .iter()
+                .chain(&e.attempts)
+                .rev()
+                .find_map(|a| a.error.clone());
             let mut t = json!({
                 "target": e.target_id,
                 "rule": e.rule,
@@ -184,6 +191,9 @@ pub async fn event_fate(
                 "state": entry_state(e, &fate.dlq, now),
                 "attempt_count": e.attempts.len(),
                 "attempts": e.attempts.iter().map(attempt_json).collect::<Vec<_>>(),
+                // The attempts of the rounds before its redrives ("attempts reset, history
+                // kept"): its DLQ entry, which showed them, is gone once it is redriven.
+                "history": e.history.iter().map(attempt_json).collect::<Vec<_>>(),
                 "next_attempt_at": (e.state == EntryState::Queued).then(|| rfc3339(e.due_at)),
                 "waiting_on": (e.state == EntryState::Queued && e.lease.is_none())
                     .then(|| waiting_on(&app, e, in_flight(&e.target_id), now))
@@ -212,6 +222,10 @@ pub async fn event_fate(
         "quarantined": ev.quarantined,
         "targets": targets,
         "dlq": fate.dlq.iter().map(dlq_json).collect::<Vec<_>>(),
+        "previous_copies": fate.previous.iter().map(|p| json!({
+            "accepted_at": rfc3339(p.event.accepted_at),
+            "dlq": p.dlq.iter().map(dlq_json).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
     });
     with_event(fields, &ev.event)
 }
@@ -1234,6 +1248,23 @@ pub struct SummaryQuery {
     bucket: Option<String>,
 }
 
+/// The summary's bucket width in milliseconds: `bucket` (default 1h), a whole number of
+/// seconds, at least one. A width with a fraction of a second (`1500ms`) is refused: the
+/// answer gives the width as `bucket_seconds`, which then said 1 while the buckets were 1.5 s
+/// apart, and the CLI counted spans and gaps from it.
+fn summary_bucket_ms(bucket: Option<&str>) -> Result<i64, FieldError> {
+    match bucket.map(humantime::parse_duration) {
+        None => Ok(3_600_000),
+        Some(Ok(d)) if d.as_secs() >= 1 && d.subsec_nanos() == 0 => {
+            Ok(i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        }
+        Some(_) => Err(FieldError::new(
+            "/bucket",
+            "a duration of whole seconds, at least 1s, e.g. 90s, 5m or 1h",
+        )),
+    }
+}
+
 /// `GET /v1/dlq/summary`: counts by target × reason with first/last time and a histogram.
 pub async fn dlq_summary(
     State(app): State<Arc<App>>,
@@ -1252,20 +1283,9 @@ pub async fn dlq_summary(
         since: q.since,
         until: q.until,
     };
-    let bucket = q.bucket;
-    let bucket_ms = match bucket.as_deref().map(humantime::parse_duration) {
-        None => 3_600_000,
-        Some(Ok(d)) if d.as_secs() >= 1 => i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
-        Some(_) => {
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "invalid query",
-                vec![FieldError::new(
-                    "/bucket",
-                    "a duration of at least 1s, e.g. 5m or 1h",
-                )],
-            );
-        }
+    let bucket_ms = match summary_bucket_ms(q.bucket.as_deref()) {
+        Ok(ms) => ms,
+        Err(e) => return error_response(StatusCode::BAD_REQUEST, "invalid query", vec![e]),
     };
     let filter = match spec.to_filter("") {
         Ok(f) => f,
@@ -1907,6 +1927,30 @@ mod tests {
             ApiQuery::<SummaryQuery>::parse("limit=5").is_err(),
             "no limit"
         );
+    }
+
+    /// A bucket width with a fraction of a second is refused: the answer's `bucket_seconds`
+    /// said 1 for `1500ms` buckets, and the CLI's spans and gaps were wrong.
+    #[test]
+    fn a_summary_bucket_is_whole_seconds() {
+        for (bucket, ms) in [
+            (None, 3_600_000),
+            (Some("1s"), 1_000),
+            (Some("90s"), 90_000),
+            (Some("1h 30m"), 5_400_000),
+            (Some("2000ms"), 2_000),
+        ] {
+            assert_eq!(summary_bucket_ms(bucket), Ok(ms), "{bucket:?}");
+        }
+        for bucket in ["1500ms", "1s 1ns", "999ms", "0s", "abc"] {
+            let e = summary_bucket_ms(Some(bucket)).expect_err(bucket);
+            assert_eq!(e.pointer, "/bucket");
+            assert!(
+                e.message.contains("whole seconds"),
+                "{bucket}: {}",
+                e.message
+            );
+        }
     }
 
     /// A job id is a cursor only for a caller who may see that job: another team's answers as a

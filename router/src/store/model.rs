@@ -1088,16 +1088,23 @@ pub struct Job {
     pub rev: u64,
 }
 
-/// A redrive step's actions whose dead letter was gone when the step was applied (purged, or
-/// moved by another job or node since the step read it). The job had counted them as moved or
-/// failed; they are skipped instead, so two jobs over the same entries do not both report
-/// every entry moved.
+/// A redrive step's actions that the store applied otherwise than the job counted them. Most
+/// are those whose dead letter was gone when the step was applied (purged, or moved by another
+/// job or node since the step read it): the job had counted them as moved or failed; they are
+/// skipped instead, so two jobs over the same entries do not both report every entry moved.
+/// The others are `superseded`: routes the store turned into keeps.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct RedriveGone {
-    /// Counted as moved (`Requeue`, `Route`).
+    /// Gone, counted as moved (`Requeue`, `Route`).
     pub moved: u64,
-    /// Counted as failed (`Keep`).
+    /// Gone, counted as failed (`Keep`).
     pub failed: u64,
+    /// `Route`s of a quarantined copy of (source, id) that a later copy of the same
+    /// (source, id) had replaced by the time the step was applied: kept in the DLQ (with
+    /// [`superseded_note`]) instead of routed, so failed rather than moved. Decided by the
+    /// store, in the step's own commit, because the later copy may arrive between the job's
+    /// read and that commit.
+    pub superseded: u64,
 }
 
 impl RedriveGone {
@@ -1109,12 +1116,30 @@ impl RedriveGone {
         }
     }
 
-    /// `job`'s progress with these actions skipped rather than moved or failed.
+    /// `job`'s progress with the gone actions skipped rather than moved or failed, and the
+    /// superseded ones failed rather than moved.
     pub fn apply(&self, job: &mut Job) {
-        job.moved = job.moved.saturating_sub(self.moved);
-        job.failed = job.failed.saturating_sub(self.failed);
+        job.moved = job.moved.saturating_sub(self.moved + self.superseded);
+        job.failed = job.failed.saturating_sub(self.failed) + self.superseded;
         job.skipped += self.moved + self.failed;
     }
+}
+
+/// Why a redrive keeps a quarantined copy of an event whose (source, id) a later copy, accepted
+/// at `later_at`, holds now (see [`RedriveGone::superseded`]). The producer sent the event
+/// again and that copy was routed (or, sent after the dedup window, quarantined in its turn):
+/// routed now, this older copy would reach the targets after it, with its older data and
+/// under the same idempotency key. Only the latest copy of an event is ever routed.
+pub fn superseded_note(later_at: Millis, later_quarantined: bool) -> String {
+    let later = if later_quarantined {
+        "is quarantined too: only that latest copy can be redriven"
+    } else {
+        "was accepted and routed in its place"
+    };
+    format!(
+        "not redriven: a later copy of this event (same source and id, accepted at {}) {later}; purge this one",
+        crate::clock::rfc3339(later_at)
+    )
 }
 
 /// What a redrive step does with one DLQ entry.
@@ -1288,6 +1313,20 @@ pub struct Fate {
     /// Its queue entries (live and finished, until swept).
     pub entries: Vec<QueueEntry>,
     /// Its DLQ entries.
+    pub dlq: Vec<DlqEntry>,
+    /// Older stored copies of the same (source, id) that were quarantined, newest first: a
+    /// producer fixed the data and sent the event again, and the copy accepted then (`event`)
+    /// took their place. They stay in the DLQ until purged, and without them the fate showed
+    /// no trace of the quarantine.
+    pub previous: Vec<PreviousCopy>,
+}
+
+/// An older, quarantined copy of an event ([`Fate::previous`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreviousCopy {
+    /// The copy as stored.
+    pub event: StoredEvent,
+    /// Its DLQ entries (none once purged).
     pub dlq: Vec<DlqEntry>,
 }
 

@@ -1937,24 +1937,39 @@ impl RedbStore {
         // A candidate whose record does not decode cannot be confirmed; it is the event
         // asked for unless a later candidate is (fingerprints of 128 bits do not collide).
         let mut unreadable = None;
+        // Older copies that were quarantined: a fixed copy took their place.
+        let mut previous = Vec::new();
+        let mut seen = BTreeSet::new();
         for seq in seqs {
+            // A key may be in two layers of the index for a while (a run being written).
+            if !seen.insert(seq) {
+                continue;
+            }
             if let Some(raw) = events.get(seq)? {
                 let ev = match dec_event(seq, raw.value()) {
                     Ok(ev) => ev,
                     Err(e) => {
-                        unreadable.get_or_insert((seq, e));
+                        if found.is_none() {
+                            unreadable.get_or_insert((seq, e));
+                        }
                         continue;
                     }
                 };
-                if ev.event.source == source && ev.event.id == id {
-                    // Entries queued at acceptance and unchanged since are its fan-out.
-                    let fanout: Vec<QueueEntry> = EventRecord::split(seq, raw.value())?
-                        .entries()
-                        .map(|(idx, record)| dec_entry((seq, idx), record))
-                        .collect::<Result<_, _>>()?;
-                    found = Some((ev, fanout));
-                    break;
+                if ev.event.source != source || ev.event.id != id {
+                    continue;
                 }
+                if found.is_some() {
+                    if ev.quarantined {
+                        previous.push(ev);
+                    }
+                    continue;
+                }
+                // Entries queued at acceptance and unchanged since are its fan-out.
+                let fanout: Vec<QueueEntry> = EventRecord::split(seq, raw.value())?
+                    .entries()
+                    .map(|(idx, record)| dec_entry((seq, idx), record))
+                    .collect::<Result<_, _>>()?;
+                found = Some((ev, fanout));
             }
         }
         let Some((event, fanout)) = found else {
@@ -2001,17 +2016,33 @@ impl RedbStore {
         entries.sort_by_key(|e| e.id.idx);
         let by_ev = r.open_table(DLQ_BY_EVENT)?;
         let dlq_t = r.open_table(DLQ)?;
-        let mut dlq = Vec::new();
-        for row in by_ev.range((seq, 0)..=(seq, u64::MAX))? {
-            let (k, _) = row?;
-            if let Some(d) = dlq_t.get(k.value().1)? {
-                dlq.push(dec("dlq", d.value())?);
+        let dlq_of = |seq: u64| -> Result<Vec<DlqEntry>, StoreError> {
+            let mut dlq = Vec::new();
+            for row in by_ev.range((seq, 0)..=(seq, u64::MAX))? {
+                let (k, _) = row?;
+                if let Some(d) = dlq_t.get(k.value().1)? {
+                    dlq.push(dec("dlq", d.value())?);
+                }
             }
-        }
+            Ok(dlq)
+        };
+        let dlq = dlq_of(seq)?;
+        // Newest first, as the fate's own copy is the newest.
+        previous.sort_by_key(|p: &StoredEvent| std::cmp::Reverse(p.seq));
+        let previous = previous
+            .into_iter()
+            .map(|event| {
+                Ok(PreviousCopy {
+                    dlq: dlq_of(event.seq)?,
+                    event,
+                })
+            })
+            .collect::<Result<_, StoreError>>()?;
         Ok(Some(Fate {
             event,
             entries,
             dlq,
+            previous,
         }))
     }
 
@@ -4757,6 +4788,53 @@ impl Committer {
         Ok(stored_entry(&*entries, &*events, self.floor, id)?.map(|(e, _)| e))
     }
 
+    /// The latest copy of `ev`'s (source, id) stored after it, as this transaction has it
+    /// (this group's accepts included): what replaced a quarantined copy when its producer
+    /// sent the event again. The candidates are found as the fate finds them.
+    fn later_copy(
+        &self,
+        txn: &Tx<'_>,
+        ev: &StoredEvent,
+    ) -> Result<Option<StoredEvent>, StoreError> {
+        let fp = dedup::fingerprint(&crate::event::dedup_key(&ev.event.source, &ev.event.id));
+        let (mut seqs, runs) = {
+            let state = self.dedup.read().unwrap_or_else(|p| p.into_inner());
+            state.candidates(fp)
+        };
+        seqs.extend(self.dedup_group.get(&fp).map(|&(seq, _)| seq));
+        if !runs.is_empty() {
+            let keys = txn.open_table(DEDUP_RUN_KEYS)?;
+            for run in runs {
+                for row in keys.range((run, fp, ev.seq + 1)..=(run, fp, u64::MAX))? {
+                    seqs.push(row?.0.value().2);
+                }
+            }
+        }
+        for row in txn
+            .open_table(DEDUP_KEPT)?
+            .range((fp, ev.seq + 1)..=(fp, u64::MAX))?
+        {
+            seqs.push(row?.0.value().1);
+        }
+        seqs.retain(|&s| s > ev.seq);
+        seqs.sort_unstable_by(|a, b| b.cmp(a));
+        seqs.dedup();
+        let events = txn.open_table(EVENTS)?;
+        for seq in seqs {
+            let Some(raw) = events.get(seq)? else {
+                continue;
+            };
+            // One that does not decode cannot be confirmed (and is not routed either).
+            if let Ok(later) = dec_event(seq, raw.value())
+                && later.event.source == ev.event.source
+                && later.event.id == ev.event.id
+            {
+                return Ok(Some(later));
+            }
+        }
+        Ok(None)
+    }
+
     fn redrive_step(
         &mut self,
         txn: &Tx<'_>,
@@ -4799,16 +4877,42 @@ impl Committer {
                     matched_rules,
                     targets,
                 } => {
+                    let event_seq = {
+                        let t = txn.open_table(DLQ)?;
+                        let raw = t.get(dlq_id)?.map(|v| v.value().to_vec());
+                        let Some(raw) = raw else { continue };
+                        dec::<DlqEntry>("dlq", &raw)?.event_seq
+                    };
+                    let raw = txn
+                        .open_table(EVENTS)?
+                        .get(event_seq)?
+                        .map(|v| v.value().to_vec());
+                    let ev = raw
+                        .as_deref()
+                        .map(|raw| dec_event(event_seq, raw))
+                        .transpose()?;
+                    // A quarantined copy whose producer has since sent the event again: the
+                    // later copy took its place (accepted and routed, or quarantined in its
+                    // turn). Checked here, in the step's commit, as a copy accepted after
+                    // the job read the entry is as much a later copy.
+                    if let Some(ev) = ev.as_ref().filter(|ev| ev.quarantined)
+                        && let Some(later) = self.later_copy(txn, ev)?
+                    {
+                        let note = superseded_note(later.accepted_at, later.quarantined);
+                        keep_dlq(txn, dlq_id, &job.id, now, &note, None)?;
+                        gone.superseded += 1;
+                        continue;
+                    }
                     let Some(d) = take_dlq(txn, dlq_id)? else {
                         continue;
                     };
                     effects.push(Effect::DlqRemoved {
                         target: d.target_id.clone(),
                     });
+                    let (Some(raw), Some(mut ev)) = (raw, ev) else {
+                        continue;
+                    };
                     let mut ev_t = txn.open_table(EVENTS)?;
-                    let raw = ev_t.get(d.event_seq)?.map(|v| v.value().to_vec());
-                    let Some(raw) = raw else { continue };
-                    let mut ev = dec_event(d.event_seq, &raw)?;
                     if ev.quarantined {
                         ev.quarantined = false;
                         ev.matched_rules = matched_rules;
@@ -4851,17 +4955,7 @@ impl Committer {
                     dlq_id,
                     note,
                     errors,
-                } => {
-                    let mut t = txn.open_table(DLQ)?;
-                    let raw = t.get(dlq_id)?.map(|v| v.value().to_vec());
-                    if let Some(raw) = raw {
-                        let mut d: DlqEntry = dec("dlq", &raw)?;
-                        // Not a new failure: the time of the last one stays (the summary's
-                        // histogram and `until` filters go by it).
-                        d.kept_by_redrive(&job.id, now, &note, errors.as_ref());
-                        t.insert(dlq_id, enc(&d).as_slice())?;
-                    }
-                }
+                } => keep_dlq(txn, dlq_id, &job.id, now, &note, errors.as_ref())?,
             }
         }
         let mut job = job.clone();
@@ -5337,6 +5431,27 @@ fn scan_dlq(
 }
 
 /// Removes a DLQ entry (and its index rows); returns it.
+/// Redrive job `job`'s keep of DLQ entry `id` at `now` ([`DlqEntry::kept_by_redrive`]).
+fn keep_dlq(
+    txn: &Tx<'_>,
+    id: u64,
+    job: &str,
+    now: Millis,
+    note: &str,
+    errors: Option<&Vec<crate::event::FieldError>>,
+) -> Result<(), StoreError> {
+    let mut t = txn.open_table(DLQ)?;
+    let raw = t.get(id)?.map(|v| v.value().to_vec());
+    if let Some(raw) = raw {
+        let mut d: DlqEntry = dec("dlq", &raw)?;
+        // Not a new failure: the time of the last one stays (the summary's histogram and
+        // `until` filters go by it).
+        d.kept_by_redrive(job, now, note, errors);
+        t.insert(id, enc(&d).as_slice())?;
+    }
+    Ok(())
+}
+
 fn take_dlq(txn: &Tx<'_>, id: u64) -> Result<Option<DlqEntry>, StoreError> {
     let raw = txn.open_table(DLQ)?.remove(id)?.map(|v| v.value().to_vec());
     let Some(raw) = raw else { return Ok(None) };

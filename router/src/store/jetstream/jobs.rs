@@ -2,15 +2,15 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::records::{Expect, MAX_BATCH, RecordsError, ScanFrom, Write};
+use super::records::{Expect, MAX_BATCH, RecordsError, ScanFrom, Versioned, Write};
 use super::{
-    EntryRecord, EventRecord, JetStreamStore, KeyLock, MAX_RETRIES, dec, dedup_record_key, dlq_key,
-    enc, entry_key, event_key, lock_key, ops,
+    DedupRecord, EntryRecord, EventRecord, JetStreamStore, KeyLock, MAX_RETRIES, dec,
+    dedup_record_key, dlq_key, enc, entry_key, event_key, lock_key, ops,
 };
 use crate::store::redb_store::delivery_key;
 use crate::store::{
     DlqEntry, EntryId, EntryState, Job, Millis, QueueEntry, RecordCounts, RedriveAction,
-    RedriveGone, ReplayItem, ReplayStepped, StoreError, StoredEvent, SweepStats,
+    RedriveGone, ReplayItem, ReplayStepped, StoreError, StoredEvent, SweepStats, superseded_note,
 };
 
 /// Events removed (or examined and kept) per sweep batch, so one call stays short.
@@ -111,11 +111,57 @@ impl JetStreamStore {
                         targets,
                         ..
                     } => {
-                        writes.push(Write::delete(dlq_key(dlq_id), Expect::Revision(drev)));
                         let seq = d.event_seq;
                         let Some((ev, _)) = self.event_for(&mut events, seq).await? else {
+                            writes.push(Write::delete(dlq_key(dlq_id), Expect::Revision(drev)));
                             continue;
                         };
+                        if ev.stored.quarantined {
+                            // Its dedup record says whether a later copy of (source, id)
+                            // took its place (the producer sent it again): then it stays,
+                            // as on redb. Written in the same commit, quarantined no more,
+                            // so that a copy accepted meanwhile fails the commit (read
+                            // again: kept), and one sent after it is a duplicate.
+                            let stored = &ev.stored.event;
+                            let dd = dedup_record_key(&stored.source, &stored.id);
+                            let read = self.records.get_leader(&dd).await?;
+                            let (rec, rev) = match read {
+                                Some(Versioned {
+                                    value: Some(bytes),
+                                    revision,
+                                }) => (Some(dec::<DedupRecord>("dedup", &bytes)?), revision),
+                                _ => (None, 0),
+                            };
+                            match rec {
+                                Some(r)
+                                    if r.seq != seq
+                                        && r.source == stored.source
+                                        && r.id == stored.id =>
+                                {
+                                    d.kept_by_redrive(
+                                        &job.id,
+                                        now,
+                                        &superseded_note(r.accepted_at, r.quarantined),
+                                        None,
+                                    );
+                                    writes.push(Write::put(
+                                        dlq_key(dlq_id),
+                                        enc(&d),
+                                        Expect::Revision(drev),
+                                    ));
+                                    gone.superseded += 1;
+                                    continue;
+                                }
+                                Some(mut r) if r.seq == seq => {
+                                    r.quarantined = false;
+                                    writes.push(Write::put(dd, enc(&r), Expect::Revision(rev)));
+                                }
+                                // Removed with a later copy the sweep removed (this one,
+                                // in the DLQ, is kept): nothing to hold or to update.
+                                _ => {}
+                            }
+                        }
+                        writes.push(Write::delete(dlq_key(dlq_id), Expect::Revision(drev)));
                         if ev.stored.quarantined {
                             ev.stored.quarantined = false;
                             ev.stored.matched_rules = matched_rules.clone();

@@ -47,8 +47,8 @@ use super::redb_store::idempotency_key;
 use super::{
     AcceptOutcome, AttemptEnd, AttemptResult, Disposition, DlqEntry, DlqReason, EntryId,
     EntryState, Fate, FinishError, Finished, KvOp, KvUsage, Lease, LeaseBatch, Leased,
-    LeasedAtAccept, Millis, NewEntry, NewEvent, Outbox, QueueEntry, StoreError, StoredEvent,
-    Unreadable,
+    LeasedAtAccept, Millis, NewEntry, NewEvent, Outbox, PreviousCopy, QueueEntry, StoreError,
+    StoredEvent, Unreadable,
 };
 
 /// How long a read from the view waits for the view to have this node's writes before it
@@ -105,10 +105,20 @@ struct DedupRecord {
     source: String,
     id: String,
     /// The event was quarantined (never routed): a copy that passes its contract is accepted
-    /// in its place.
+    /// in its place. A redrive that routes it clears this, as a copy sent after that is a
+    /// duplicate like any other.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     quarantined: bool,
+    /// Older quarantined copies of (source, id) whose place a later copy took, newest first
+    /// (at most `MAX_PREVIOUS_COPIES`): the fate lists them, as only this record leads from
+    /// (source, id) to its events.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    previous: Vec<u64>,
 }
+
+/// Most older copies a dedup record names: each is a quarantined copy its producer sent again,
+/// so a handful at most in practice; the bound keeps a record small whatever a producer does.
+const MAX_PREVIOUS_COPIES: usize = 16;
 
 /// A queue entry as stored, with the DLQ entry it became (if it did).
 #[derive(Debug, Serialize, Deserialize)]
@@ -860,12 +870,26 @@ impl JetStreamStore {
             enc(&record),
             Expect::Revision(0),
         ));
+        // The record this copy replaces (a quarantined copy, or one past the dedup window)
+        // hands on the older copies it names, and its own when it was quarantined.
+        let mut previous = Vec::new();
+        if let Some(bytes) = read.and_then(|v| v.value.as_ref()) {
+            let old: DedupRecord = dec("dedup", bytes)?;
+            if old.source == ev.source && old.id == ev.id {
+                if old.quarantined {
+                    previous.push(old.seq);
+                }
+                previous.extend(old.previous);
+                previous.truncate(MAX_PREVIOUS_COPIES);
+            }
+        }
         let dedup = DedupRecord {
             seq,
             accepted_at: at,
             source: ev.source.clone(),
             id: ev.id.clone(),
             quarantined: ne.quarantine.is_some(),
+            previous,
         };
         writes.push(Write::put(dedup_key, enc(&dedup), Expect::unchanged(read)));
         let event = (!leased.is_empty()).then(|| Arc::new(record.stored));
@@ -2015,10 +2039,34 @@ impl JetStreamStore {
                 dlq.push(e);
             }
         }
+        let mut previous = Vec::new();
+        for seq in d.previous {
+            // Swept since (its DLQ entries purged): nothing left to show.
+            // (A copy routed by a redrive all the same, by a build before the check that
+            // keeps it, is no longer quarantined and not shown, as on redb.)
+            let Some(copy) = self
+                .event_record_from(seq, true)
+                .await?
+                .filter(|c| c.stored.quarantined)
+            else {
+                continue;
+            };
+            let mut dlq = Vec::new();
+            for id in copy.dlq {
+                if let Some(e) = self.dlq_entry_from(id, true).await? {
+                    dlq.push(e);
+                }
+            }
+            previous.push(PreviousCopy {
+                event: copy.stored,
+                dlq,
+            });
+        }
         Ok(Some(Fate {
             event: ev.stored,
             entries,
             dlq,
+            previous,
         }))
     }
 

@@ -2415,6 +2415,86 @@ async fn a_redrive_step_requeues_routes_and_keeps() {
     assert_eq!((kept.redrive_count, kept.last_failure_at), (0, 1_000));
 }
 
+/// As on redb: a redrive does not route a quarantined copy whose producer has since sent the
+/// event again (the later copy was routed in its place); it stays in the DLQ saying so, the
+/// step counts it failed, and the event's fate lists it as a previous copy. A quarantined event
+/// a redrive routes holds its key: a copy sent after it is a duplicate (its dedup record said
+/// quarantined for ever, and such a copy was accepted and routed a second time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_keeps_a_quarantined_copy_that_a_later_copy_replaced() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    let poison = |id: &str| {
+        let mut ne = new_event("/s", id, &[], 7_000);
+        ne.quarantine = Some(Quarantine {
+            reason: DlqReason::ContractViolation,
+            errors: vec![],
+        });
+        ne
+    };
+    let out = s
+        .accept(vec![poison("1"), poison("2")])
+        .await
+        .expect("accept");
+    let (stale_seq, alone_seq) = (seq_of(&out[0]), seq_of(&out[1]));
+    let mut dlq = Vec::new();
+    for id in ["1", "2"] {
+        dlq.push(s.fate("/s", id).await.expect("fate").expect("known").dlq[0].id);
+    }
+    let (stale, alone) = (dlq[0], dlq[1]);
+    let later = s
+        .accept(vec![new_event("/s", "1", &["a"], 7_001)])
+        .await
+        .expect("accept");
+    assert!(
+        matches!(later[0], AcceptOutcome::Accepted { .. }),
+        "{later:?}"
+    );
+    let route = |dlq_id| RedriveAction::Route {
+        dlq_id,
+        matched_rules: vec!["r".into()],
+        targets: new_event("/s", "x", &["a"], 0).targets,
+    };
+    let j = Job {
+        moved: 2,
+        ..job("redrive-1", JobKind::Redrive)
+    };
+    let (_, gone) = s
+        .redrive_step(j, vec![route(stale), route(alone)], 8_000)
+        .await
+        .expect("redrive step");
+    assert_eq!(
+        gone,
+        crate::store::RedriveGone {
+            superseded: 1,
+            ..Default::default()
+        }
+    );
+    let stored = s.jobs().await.expect("jobs").remove(0);
+    assert_eq!((stored.moved, stored.failed, stored.skipped), (1, 1, 0));
+    let kept = s.dlq_get(stale).await.expect("get").expect("kept").0;
+    let note = kept.not_redriven.expect("a note").message;
+    assert!(
+        note.contains("a later copy of this event") && note.contains("routed in its place"),
+        "{note}"
+    );
+    let fate = s.fate("/s", "1").await.expect("fate").expect("known");
+    assert_eq!(fate.event.seq, seq_of(&later[0]));
+    assert_eq!(fate.previous.len(), 1);
+    assert_eq!(fate.previous[0].event.seq, stale_seq);
+    let ids: Vec<u64> = fate.previous[0].dlq.iter().map(|d| d.id).collect();
+    assert_eq!(ids, vec![stale]);
+    let routed = s.fate("/s", "2").await.expect("fate").expect("known");
+    assert!(!routed.event.quarantined && routed.previous.is_empty());
+    assert_eq!(
+        s.accept(vec![new_event("/s", "2", &["a"], 8_001)])
+            .await
+            .expect("accept"),
+        vec![AcceptOutcome::Duplicate { seq: alone_seq }],
+        "routed by the redrive, it is no longer replaced by a copy sent again"
+    );
+}
+
 /// Replay re-routes archived events with their own idempotency keys and the job's marker;
 /// the archive is read by acceptance time and paged by sequence.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3506,6 +3506,86 @@ async fn a_fixed_copy_of_a_quarantined_event_is_accepted_in_its_place() {
     assert_eq!(dlq.len(), 2, "the quarantined copies stay in the DLQ");
 }
 
+/// A redrive does not route a quarantined copy whose producer has since sent the event again
+/// (the later copy was routed in its place): routed too, it reached the targets after the
+/// later copy, with the older data, under the same idempotency key. It stays in the DLQ saying
+/// so, the step counts it failed rather than moved, and the event's fate lists it as a
+/// previous copy. A quarantined event sent once is routed, and a copy sent after that is a
+/// duplicate.
+#[tokio::test]
+async fn a_redrive_keeps_a_quarantined_copy_that_a_later_copy_replaced() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = RedbStore::open_dir(dir.path(), StoreOptions::default()).expect("open");
+    s.accept(vec![poison("1", 1000), poison("2", 1000)])
+        .await
+        .expect("accept");
+    let dlq_of = |id| s.fate("/s", id).expect("fate").expect("known").dlq[0].id;
+    let (stale, alone) = (dlq_of("1"), dlq_of("2"));
+    assert_eq!(
+        s.accept(vec![new_event("/s", "1", &["a"], 1001)])
+            .await
+            .expect("accept"),
+        vec![AcceptOutcome::accepted(3)]
+    );
+    let j = job("redrive-1", JobKind::Redrive);
+    s.put_job(j.clone()).await.expect("create");
+    let route = |dlq_id| RedriveAction::Route {
+        dlq_id,
+        matched_rules: vec!["r".into()],
+        targets: new_event("/s", "x", &["a"], 0).targets,
+    };
+    let planned = Job {
+        moved: 2,
+        cursor: alone,
+        rev: 1,
+        ..j
+    };
+    let (_, gone) = s
+        .redrive_step(planned, vec![route(stale), route(alone)], 2000)
+        .await
+        .expect("step");
+    assert_eq!(
+        gone,
+        RedriveGone {
+            superseded: 1,
+            ..RedriveGone::default()
+        }
+    );
+    let stored = s.jobs().expect("jobs").remove(0);
+    assert_eq!((stored.moved, stored.failed, stored.skipped), (1, 1, 0));
+    assert_eq!(
+        s.queue_stats()["a"].queued,
+        2,
+        "the later copy of 1, and 2 routed"
+    );
+    let kept = s.dlq_get(stale).expect("get").expect("kept").0;
+    let note = kept.not_redriven.expect("a note").message;
+    assert!(
+        note.contains("a later copy of this event") && note.contains("routed in its place"),
+        "{note}"
+    );
+    let fate = s.fate("/s", "1").expect("fate").expect("known");
+    assert_eq!(fate.event.seq, 3);
+    assert_eq!(fate.previous.len(), 1);
+    assert_eq!(fate.previous[0].event.seq, 1);
+    let ids: Vec<u64> = fate.previous[0].dlq.iter().map(|d| d.id).collect();
+    assert_eq!(ids, vec![stale]);
+    assert_eq!(
+        s.accept(vec![new_event("/s", "2", &["a"], 2001)])
+            .await
+            .expect("accept"),
+        vec![AcceptOutcome::Duplicate { seq: 2 }],
+        "routed by the redrive, it is no longer replaced by a copy sent again"
+    );
+    assert!(
+        s.fate("/s", "2")
+            .expect("fate")
+            .expect("known")
+            .previous
+            .is_empty()
+    );
+}
+
 /// Two redrive jobs planned over the same dead letters: the step applied second finds them
 /// gone and its stored progress counts them as skipped, not moved (each job reported every
 /// entry moved: two jobs over 60 entries said 120).
@@ -3548,7 +3628,7 @@ async fn a_redrive_step_counts_entries_already_gone_as_skipped() {
         gone,
         RedriveGone {
             moved: 1,
-            failed: 0
+            ..RedriveGone::default()
         }
     );
     let jobs = s.jobs().expect("jobs");
