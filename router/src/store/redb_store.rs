@@ -5430,7 +5430,6 @@ fn scan_dlq(
     Ok(())
 }
 
-/// Removes a DLQ entry (and its index rows); returns it.
 /// Redrive job `job`'s keep of DLQ entry `id` at `now` ([`DlqEntry::kept_by_redrive`]).
 fn keep_dlq(
     txn: &Tx<'_>,
@@ -5452,6 +5451,7 @@ fn keep_dlq(
     Ok(())
 }
 
+/// Removes a DLQ entry (and its index rows); returns it.
 fn take_dlq(txn: &Tx<'_>, id: u64) -> Result<Option<DlqEntry>, StoreError> {
     let raw = txn.open_table(DLQ)?.remove(id)?.map(|v| v.value().to_vec());
     let Some(raw) = raw else { return Ok(None) };
