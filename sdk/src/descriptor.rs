@@ -19,7 +19,7 @@ pub struct Descriptor {
     pub version: String,
     /// Accepted event types and contract versions. Empty: every type and version is accepted.
     /// Otherwise a delivery of a type or `dataversion` not listed is dead-lettered as
-    /// `unknown_version` without running the handler.
+    /// `not_accepted` without running the handler.
     pub accepts: Vec<Accept>,
 }
 
