@@ -519,9 +519,17 @@ pub enum UploadError {
         "invalid handler name {0:?}: use 1-64 characters of a-z, 0-9, '_' and '-', starting with a letter or digit"
     )]
     InvalidName(String),
-    /// Not a WebAssembly component at all (or one that does not validate).
+    /// Not a WebAssembly component at all.
     #[error("not a WebAssembly component: {0}")]
     NotComponent(String),
+    /// Wasmtime did not compile it: bytes that do not validate as a component, or a valid
+    /// component that needs more than the handler pool gives an instance (its memory
+    /// minimum past `handlers.memory_bytes`, ...). Wasmtime's error says which; it is not
+    /// parsed here, so the message names both possibilities.
+    #[error(
+        "the component cannot be compiled for this router: {0} (either it is not a valid component, or it needs more than an instance may have here: {1})"
+    )]
+    Uncompilable(String, String),
     /// A component (or core module) that does not implement the `router:handler/handler` world.
     #[error("the component does not implement the router:handler@0.1.0 `handler` world: {0}")]
     WrongWorld(String),
@@ -958,9 +966,16 @@ impl HandlerRegistry {
             ));
         }
         let sha256 = sha256_hex(bytes);
-        let compiled = self
-            .compiled(name, &sha256, bytes)
-            .map_err(UploadError::NotComponent)?;
+        let compiled = self.compiled(name, &sha256, bytes).map_err(|e| {
+            let c = self.engine.config();
+            UploadError::Uncompilable(
+                e,
+                format!(
+                    "{} bytes of linear memory (handlers.memory_bytes), {} core instances, {} table elements",
+                    c.max_memory_bytes, c.max_core_instances_per_component, c.table_elements
+                ),
+            )
+        })?;
         let pre = self
             .pre_instantiate(&compiled.component)
             .map_err(UploadError::WrongWorld)?;

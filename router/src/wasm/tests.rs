@@ -604,8 +604,21 @@ fn upload_refuses_what_is_not_a_handler() {
     truncated.truncate(truncated.len() / 2);
     assert!(matches!(
         registry.upload("noop", &truncated, "t"),
-        Err(UploadError::NotComponent(_))
+        Err(UploadError::Uncompilable(..))
     ));
+    // A valid component whose memory minimum is past the pool's slot (1 GiB here) is no
+    // less a component: the answer says what it needs more of, not "not a component".
+    let big_memory = wat::parse_str(
+        "(component (core module $m (memory 16384)) (core instance (instantiate $m)))",
+    )
+    .unwrap();
+    let err = registry.upload("x", &big_memory, "t").unwrap_err();
+    assert!(matches!(err, UploadError::Uncompilable(..)), "{err}");
+    let text = err.to_string();
+    assert!(
+        !text.contains("not a WebAssembly component") && text.contains("handlers.memory_bytes"),
+        "{text}"
+    );
 
     let core = wat::parse_str("(module (func (export \"handle\")))").unwrap();
     let err = registry.upload("x", &core, "t").unwrap_err();
@@ -1703,7 +1716,7 @@ async fn an_unreachable_catalog_refuses_changes_and_is_shown_until_it_returns() 
     assert!(matches!(
         a.upload("noop", b"\0asm junk".to_vec().into(), "alice")
             .await,
-        Err(UploadError::NotComponent(_))
+        Err(UploadError::Uncompilable(..))
     ));
 
     // A sync fails, and the status says so until one succeeds.
