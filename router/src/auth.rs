@@ -145,6 +145,11 @@ impl Principal {
         }
     }
 
+    /// Whether this caller holds `handlers:` scopes (lists the handlers they cover).
+    pub fn has_handler_scopes(&self) -> bool {
+        self.scopes.iter().any(|s| s.starts_with("handlers:"))
+    }
+
     /// Whether this caller holds `dlq:` scopes (reads its own targets' dead letters and jobs).
     pub fn has_dlq_scopes(&self) -> bool {
         self.scopes.iter().any(|s| s.starts_with("dlq:"))
@@ -872,7 +877,9 @@ pub fn route_need(method: &http::Method, route: &str) -> Need {
         (&M::GET | &M::PUT | &M::DELETE, "/v1/handlers/{name}")
         | (&M::POST, "/v1/handlers/{name}/rollback")
         | (&M::GET, "/v1/handlers/{name}/logs") => Need::Handler,
-        (&M::GET, "/v1/handlers") => Need::Read,
+        // `read`, or a team's `handlers:` scopes for the handlers they cover (the list is
+        // filtered by the route).
+        (&M::GET, "/v1/handlers") => Need::Token,
         (
             &M::GET,
             "/v1/events/{id}"

@@ -405,6 +405,9 @@ enum HandlersCmd {
         /// Only lines written while handling this event id.
         #[arg(long = "event")]
         event_id: Option<String>,
+        /// Only lines of events from this source (with --event: that one event).
+        #[arg(long)]
+        source: Option<String>,
         /// Only lines at this level or above (trace, debug, info, warn, error).
         #[arg(long)]
         level: Option<String>,
@@ -1120,6 +1123,7 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
         HandlersCmd::Logs {
             name,
             event_id,
+            source,
             level,
             limit,
             attempt,
@@ -1127,6 +1131,7 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
         } => {
             let q = router::cli::query(&[
                 ("event_id", event_id),
+                ("source", source),
                 ("level", level),
                 ("limit", limit),
                 ("attempt", attempt),
@@ -1148,9 +1153,10 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
             .flatten()
             .map(|l| {
                 format!(
-                    "{} {:5} {} #{} {}",
+                    "{} {:5} {} {} #{} {}",
                     l["at"].as_str().unwrap_or(""),
                     l["level"].as_str().unwrap_or(""),
+                    l["source"].as_str().unwrap_or("-"),
                     l["event_id"].as_str().unwrap_or(""),
                     l["attempt"],
                     l["message"].as_str().unwrap_or("")

@@ -803,9 +803,18 @@ async fn hostile_handlers_are_contained() {
     let panic_lines = panic_lines["lines"].as_array().cloned().unwrap_or_default();
     assert!(!panic_lines.is_empty(), "the panic's lines are kept");
     assert!(
-        panic_lines.iter().all(|l| l["event_id"] == "h-panic"),
+        panic_lines
+            .iter()
+            .all(|l| l["event_id"] == "h-panic" && l["source"] == "/test"),
         "{panic_lines:?}"
     );
+    // An event is (source, id): the same id from another source is another event.
+    let (_, other) = get_json(
+        &r,
+        "/v1/handlers/hostile/logs?event_id=h-panic&source=/elsewhere",
+    )
+    .await;
+    assert_eq!(other["lines"], json!([]), "{other}");
     let (_, errors) = get_json(&r, "/v1/handlers/hostile/logs?level=error&limit=5000").await;
     let errors = errors["lines"].as_array().cloned().unwrap_or_default();
     assert!(
@@ -2084,4 +2093,39 @@ async fn a_delivery_waiting_for_a_missing_handler_says_so() {
                 .is_some_and(|w| w.contains("target h: handler \"absent\" has no active version"))),
         "{status}"
     );
+}
+
+/// A team's `handlers:` token lists the handlers its glob covers (`router handlers list`,
+/// which `push` points a team to when it stops waiting): it was refused for lacking `read`.
+/// `read` lists every handler; a token with neither scope is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_team_token_lists_the_handlers_it_covers() {
+    let tokens = [
+        ("ops", None, "admin"),
+        ("viewer", None, "read"),
+        ("billing-ci", Some("billing"), "handlers:inv*"),
+        ("producer", None, "ingest:*"),
+    ];
+    let auth = tokens_config(&tokens);
+    let r = RouterProc::start_full(&[], &[], &[], Some(&auth));
+    for name in ["invoice", "noop"] {
+        let body = Some(("application/wasm", plugin(name)));
+        let (s, b) = send_as(&r, "PUT", &format!("/v1/handlers/{name}"), "ops", body).await;
+        assert_eq!(s, 201, "{b}");
+    }
+    let names = |b: &Value| -> Vec<String> {
+        b["handlers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|h| h["name"].as_str().map(str::to_string))
+            .collect()
+    };
+    let (s, b) = send_as(&r, "GET", "/v1/handlers", "billing-ci", None).await;
+    assert_eq!((s, names(&b)), (200, vec!["invoice".to_string()]), "{b}");
+    let (s, b) = send_as(&r, "GET", "/v1/handlers", "viewer", None).await;
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(names(&b), ["invoice", "noop"]);
+    let (s, b) = send_as(&r, "GET", "/v1/handlers", "producer", None).await;
+    assert_eq!(s, 403, "{b}");
 }

@@ -968,7 +968,11 @@ fn example(op_id: &str, dlq_id: &str, redrive_job: &str, replay_job: &str) -> Op
         "reload" => plain("/v1/admin/reload"),
         "getStatus" => plain("/v1/status"),
         "getMetrics" => plain("/metrics"),
-        "listHandlers" => plain("/v1/handlers"),
+        // `read` lists them all, a team's `handlers:` token those it covers.
+        "listHandlers" => Example {
+            tokens: Some((HANDLER_TEAM, PRODUCER)),
+            ..plain("/v1/handlers")
+        },
         // A team's handlers need handlers:<name>; reading one is also open to `read`.
         "getHandler" => Example {
             tokens: Some((HANDLER_TEAM, PRODUCER)),

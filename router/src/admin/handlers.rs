@@ -303,12 +303,28 @@ fn catalog_unavailable(name: &str, e: &dyn std::fmt::Display) -> Response {
 }
 
 /// `GET /v1/handlers`.
-pub async fn list(State(app): State<Arc<App>>) -> Response {
+///
+/// `read` lists every handler; a token with `handlers:` scopes only those they cover (a team
+/// checks its own uploads with `router handlers list`, which `push` points it to).
+pub async fn list(
+    State(app): State<Arc<App>>,
+    axum::Extension(who): axum::Extension<Principal>,
+) -> Response {
+    let everything = who.allows(&crate::auth::Scope::Read);
+    if !everything && !who.has_handler_scopes() {
+        return crate::auth::forbidden(&who, "read");
+    }
     match runtime(&app) {
-        Ok(rt) => axum::Json(
-            json!({ "handlers": rt.registry.list(), "compilations": rt.registry.compilations() }),
-        )
-        .into_response(),
+        Ok(rt) => {
+            let handlers: Vec<_> = rt
+                .registry
+                .list()
+                .into_iter()
+                .filter(|h| everything || who.allows(&crate::auth::Scope::Handlers(h.name.clone())))
+                .collect();
+            axum::Json(json!({ "handlers": handlers, "compilations": rt.registry.compilations() }))
+                .into_response()
+        }
         Err(r) => *r,
     }
 }
@@ -453,6 +469,8 @@ pub async fn delete(
 pub struct LogsQuery {
     limit: Option<usize>,
     event_id: Option<String>,
+    /// With `event_id`: only the lines of the event from this source.
+    source: Option<String>,
     level: Option<LogLevelParam>,
     /// Only lines older than this `seq` (the `next_before` of the page before).
     before: Option<u64>,
@@ -473,8 +491,8 @@ enum LogLevelParam {
     Error,
 }
 
-/// `GET /v1/handlers/{name}/logs?limit=&event_id=&attempt=&level=&before=`: recent captured
-/// lines (size-capped), with event id, attempt and level; traps keep their message. Each line
+/// `GET /v1/handlers/{name}/logs?limit=&event_id=&source=&attempt=&level=&before=`: recent
+/// captured lines (size-capped), with event id and source, attempt and level; traps keep their message. Each line
 /// has its position (`seq`); `before=<seq>` reads the page before, back to the oldest line
 /// kept (`next_before` says where the next page starts, null when there is none). They are the owning team's (and an
 /// administrator's): what a handler logs is its team's data (event contents, its own state),
@@ -526,10 +544,21 @@ pub async fn logs(
             )],
         );
     }
+    if q.source.as_deref() == Some("") {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid query",
+            vec![FieldError::new(
+                "/source",
+                "must not be empty: name an event source, or leave source out for every source's lines",
+            )],
+        );
+    }
     let limit = q.limit.unwrap_or(200).min(MAX_LOG_LINES);
     let query = crate::wasm::LogQuery {
         limit,
         event_id: q.event_id,
+        source: q.source,
         min_level: q.level.map(|l| format!("{l:?}").to_ascii_lowercase()),
         before: q.before,
         attempt: q.attempt,

@@ -141,6 +141,7 @@ impl HandlerTarget {
                 level,
                 message,
                 event_id: req.event_id.clone(),
+                source: Some(req.event.event.source.clone()),
                 attempt: req.attempt,
                 version: version.to_string(),
             })

@@ -35,6 +35,10 @@ pub struct LogRecord {
     pub message: String,
     /// The event being handled.
     pub event_id: String,
+    /// Its source: with `event_id`, what identifies the event (two producers may use one
+    /// id). None in lines written before it was kept.
+    #[serde(default)]
+    pub source: Option<String>,
     /// Attempt number.
     pub attempt: u32,
     /// Handler version (sha256 prefix).
@@ -48,6 +52,9 @@ pub struct LogQuery {
     pub limit: usize,
     /// Only lines of this event.
     pub event_id: Option<String>,
+    /// Only lines of events from this source (lines written before sources were kept have
+    /// none, and do not match).
+    pub source: Option<String>,
     /// Only lines at this level or above (`trace` < `debug` < `info` < `warn` < `error`).
     pub min_level: Option<String>,
     /// Only lines older than this position (`seq`): the page before one that started there.
@@ -268,6 +275,7 @@ impl HandlerLogs {
         for file in files {
             for_each_record(file, |rec| {
                 if q.event_id.as_ref().is_some_and(|id| *id != rec.event_id)
+                    || q.source.is_some() && q.source != rec.source
                     || q.attempt.is_some_and(|a| a != rec.attempt)
                     || q.before.is_some_and(|b| rec.seq >= b)
                     || level_rank(&rec.level) < min
@@ -313,6 +321,7 @@ mod tests {
             level: level.into(),
             message: format!("line {i}"),
             event_id: format!("e{}", i % 3),
+            source: Some(format!("/s{}", i % 2)),
             attempt: 1,
             version: "abc".into(),
         }
@@ -360,6 +369,20 @@ mod tests {
             .map(|r| r.message)
             .collect();
         assert_eq!(msgs, ["line 1", "line 7"]);
+        // One id from two sources is two events: `source` tells their lines apart.
+        let q = LogQuery {
+            limit: 100,
+            event_id: Some("e1".into()),
+            source: Some("/s0".into()),
+            ..LogQuery::default()
+        };
+        let msgs: Vec<_> = logs
+            .recent("h", &q)
+            .unwrap()
+            .into_iter()
+            .map(|r| r.message)
+            .collect();
+        assert_eq!(msgs, ["line 4"]);
         assert_eq!(logs.recent("other", &all(10)).unwrap().len(), 1);
         assert!(logs.recent("nobody", &all(10)).unwrap().is_empty());
     }
