@@ -1468,29 +1468,39 @@ fn looks_secret(header: &str) -> bool {
 /// Minimal absolute-URL check: `http`/`https` scheme, a host, an optional numeric port, no
 /// credentials and no whitespace.
 fn check_url(url: &str) -> Result<(), String> {
+    // Every message shows the URL with its credentials cut out: they land in CI logs, the
+    // router's log and `/v1/status`, whichever other mistake the URL has.
+    let shown = redact_userinfo(url);
     if url.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err(format!("webhook URL `{url}` contains whitespace"));
+        return Err(format!("webhook URL `{shown}` contains whitespace"));
     }
     let Some((scheme, rest)) = url.split_once("://") else {
         return Err(format!(
-            "webhook URL `{url}` must be an absolute http:// or https:// URL"
+            "webhook URL `{shown}` must be an absolute http:// or https:// URL"
         ));
     };
     if !scheme.eq_ignore_ascii_case("http") && !scheme.eq_ignore_ascii_case("https") {
-        return Err(format!(
-            "webhook URL `{url}` must use http or https, not `{scheme}`"
-        ));
+        // The scheme is echoed only when it looks like one: in `user:pw@host://…` it is the
+        // credentials.
+        let looks_like_scheme = scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+            && scheme
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c));
+        return Err(if looks_like_scheme {
+            format!("webhook URL `{shown}` must use http or https, not `{scheme}`")
+        } else {
+            format!("webhook URL `{shown}` must use http or https")
+        });
     }
     let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
-    if let Some((_, host)) = authority.rsplit_once('@') {
-        // Not echoed: the error lands in CI logs. `secret_env` is the signing secret, not a
-        // credential the receiver checks; the hint named it.
-        let path = &rest[authority.len()..];
+    if authority.contains('@') {
+        // `secret_env` is the signing secret, not a credential the receiver checks; the hint
+        // names the header way.
         return Err(format!(
-            "webhook URL `{scheme}://…@{host}{path}` must not contain credentials (a rule file is kept in git); send them as a header from the environment or the secrets file, e.g. `headers_env: {{ Authorization: WEBHOOK_SECRET_… }}` holding `Basic <base64 of user:password>`"
+            "webhook URL `{shown}` must not contain credentials (a rule file is kept in git); send them as a header from the environment or the secrets file, e.g. `headers_env: {{ Authorization: WEBHOOK_SECRET_… }}` holding `Basic <base64 of user:password>`"
         ));
     }
-    let bad_host = || format!("webhook URL `{url}` has an invalid host");
+    let bad_host = || format!("webhook URL `{shown}` has an invalid host");
     let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
         match v6.split_once(']') {
             Some((h, "")) if h.parse::<std::net::Ipv6Addr>().is_ok() => (h, None),
@@ -1506,19 +1516,37 @@ fn check_url(url: &str) -> Result<(), String> {
         }
     };
     if host.is_empty() {
-        return Err(format!("webhook URL `{url}` has no host"));
+        return Err(format!("webhook URL `{shown}` has no host"));
     }
     if let Some(p) = port
         && (p.is_empty() || !p.chars().all(|c| c.is_ascii_digit()) || p.parse::<u16>().is_err())
     {
-        return Err(format!("webhook URL `{url}` has an invalid port"));
+        return Err(format!("webhook URL `{shown}` has an invalid port"));
     }
     // What the HTTP client will parse it with: a host it refuses (`exa<mple.com`, `bad%host`)
     // is refused here rather than failing every attempt.
     if let Err(e) = reqwest::Url::parse(url) {
-        return Err(format!("webhook URL `{url}` is not a valid URL: {e}"));
+        return Err(format!("webhook URL `{shown}` is not a valid URL: {e}"));
     }
     Ok(())
+}
+
+/// `url` as messages show it: from after the scheme's `://` (or from the start, without one)
+/// to its last `@` replaced by `…`. The last `@` of the whole URL, not of the authority as a
+/// parser would cut it: a password written with an unescaped `/`, `?` or `#` moves where the
+/// authority ends (`http://erp:pa/ss@host/` reads as host `erp`, port `pa`), and its tail
+/// would be echoed by the "invalid port" message. An `@` in a path or query hides more of a
+/// URL than needed, in a message that still says what is wrong.
+fn redact_userinfo(url: &str) -> std::borrow::Cow<'_, str> {
+    let Some(at) = url.rfind('@') else {
+        return url.into();
+    };
+    let start = url
+        .find("://")
+        .map(|i| i + "://".len())
+        .filter(|&s| s <= at)
+        .unwrap_or(0);
+    format!("{}…{}", &url[..start], &url[at..]).into()
 }
 
 /// A NATS subject to publish to: dot-separated non-empty tokens, no whitespace, no wildcards,

@@ -487,6 +487,68 @@ fn webhook_urls() {
     assert!(e[0].contains("headers_env: { Authorization:"), "{}", e[0]);
 }
 
+/// Whatever else is wrong with a URL holding credentials, its message never shows them (they
+/// land in CI logs, the router's log and `/v1/status`).
+#[test]
+fn webhook_url_credentials_are_redacted_in_every_message() {
+    let t = |url: &str| {
+        format!(
+            "rules:\n  - name: a\n    pattern: {{type: [x]}}\n    targets:\n      - webhook: \"{url}\"\n"
+        )
+    };
+    for (bad, why, shown) in [
+        (
+            "http://erp:Pa55word@127.0.0.1:21301/ok ",
+            "contains whitespace",
+            "`http://…@127.0.0.1:21301/ok `",
+        ),
+        (
+            "htps://erp:Pa55word@127.0.0.1/ok",
+            "must use http or https, not `htps`",
+            "`htps://…@127.0.0.1/ok`",
+        ),
+        (
+            "erp:Pa55word@127.0.0.1/ok",
+            "absolute http",
+            "`…@127.0.0.1/ok`",
+        ),
+        // The credentials before `://`: the scheme is not echoed.
+        (
+            "erp:Pa55word@host://x",
+            "must use http or https",
+            "`…@host://x`",
+        ),
+        (
+            "http://erp:Pa55word@[zz]/",
+            "credentials",
+            "`http://…@[zz]/`",
+        ),
+        // An unescaped `/` in the password ends the authority early: host `erp`, port `Pa5`.
+        (
+            "http://erp:Pa5/5word@host/",
+            "invalid port",
+            "`http://…@host/`",
+        ),
+        (
+            "http://erp:Pa5#5word@host/",
+            "invalid port",
+            "`http://…@host/`",
+        ),
+        (
+            "https://erp:Pa55word@exa<mple.com/hook",
+            "credentials",
+            "`https://…@exa<mple.com/hook`",
+        ),
+    ] {
+        let e = errs(&[("r.yaml", &t(bad))]);
+        assert_eq!(e.len(), 1, "{bad}: {e:#?}");
+        assert!(e[0].contains(why), "{bad}: {}", e[0]);
+        assert!(e[0].contains(shown), "{bad}: {}", e[0]);
+        assert!(!e[0].contains("Pa5"), "{bad}: {}", e[0]);
+        assert!(!e[0].contains("erp"), "{bad}: {}", e[0]);
+    }
+}
+
 #[test]
 fn webhook_only_fields_and_secrets() {
     let src = "\
