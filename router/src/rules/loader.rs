@@ -65,6 +65,11 @@ const RESERVED_HEADERS: &[&str] = &[
     "webhook-timestamp",
     "webhook-signature",
 ];
+/// The Standard Webhooks header namespace (lower case): the router sets `webhook-id`,
+/// `-timestamp` and `-signature`, and the rest of the namespace is the specification's to
+/// grow; a rule file's `webhook-version` or `webhook-signature-alg` would read, to a
+/// receiver, as part of the signature's contract.
+const RESERVED_HEADER_PREFIX: &str = "webhook-";
 /// Header names (lower case) that carry credentials and so do not belong in git.
 const SECRET_HEADERS: &[&str] = &["authorization", "proxy-authorization", "cookie"];
 const SECRET_WORDS: &[&str] = &[
@@ -1454,6 +1459,13 @@ fn header_name_problem(name: &str) -> Option<String> {
     } else if RESERVED_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
         Some(format!(
             "header `{name}` is set by the router (or frames the request) and cannot be set in a rule file"
+        ))
+    } else if name
+        .to_ascii_lowercase()
+        .starts_with(RESERVED_HEADER_PREFIX)
+    {
+        Some(format!(
+            "header `{name}` is in the Standard Webhooks namespace (`webhook-*`), which the router's signature headers own, and cannot be set in a rule file"
         ))
     } else {
         None

@@ -594,6 +594,32 @@ rules:
     assert!(e[1].contains("`transfer-encoding`"), "{e:#?}");
     assert!(e[2].contains("`Idempotency-Key`"), "{e:#?}");
 
+    // The whole Standard Webhooks namespace, not only the three names the router sets today,
+    // in `headers` and in `headers_env`.
+    let standard_webhooks = "\
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - webhook: http://h/
+        headers: { webhook-version: '2', Webhook-Signature-Alg: x, X-Webhook-Ok: y }
+        headers_env: { WEBHOOK-KEY: WEBHOOK_SECRET_K }
+";
+    let e = errs(&[("r.yaml", standard_webhooks)]);
+    assert_eq!(e.len(), 3, "{e:#?}");
+    assert!(
+        e[0].starts_with("r.yaml:6:20: header `webhook-version` is in the Standard Webhooks namespace (`webhook-*`)"),
+        "{e:#?}"
+    );
+    assert!(
+        e[1].contains("`Webhook-Signature-Alg` is in the Standard Webhooks namespace"),
+        "{e:#?}"
+    );
+    assert!(
+        e[2].starts_with("r.yaml:7:24: header `WEBHOOK-KEY` is in the Standard"),
+        "{e:#?}"
+    );
+
     // A credential written in the file is refused, and says where it goes instead.
     let literal = "\
 rules:
