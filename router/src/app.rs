@@ -594,20 +594,32 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
             // URL valid, the WASM runtime up for a handler) before the set goes live: else
             // its entries would queue with no worker, or its old worker would go on under the
             // old configuration while the API showed the new one. One unchanged since the
-            // live set that still cannot start (it could not at start-up either) stays a
-            // warning: it must not hold back every other change.
+            // live set that still cannot start and has no worker (it could not at start-up
+            // either) stays a warning: it must not hold back every other change.
             let mut prepared = Vec::new();
             let mut cannot_start = Vec::new();
             for spec in r.0.targets.values() {
                 if !app.dispatcher.is_current(spec) {
                     match app.dispatcher.prepare(spec.clone()) {
                         Ok(p) => prepared.push(p),
+                        // The error does not say what becomes of the entries: that depends
+                        // on where it arises (a removed target's go to the DLQ).
                         Err(e) if old.targets.get(&spec.id) == Some(spec) => {
-                            // The error does not say what becomes of the entries: that
-                            // depends on where it arises (a removed target's go to the DLQ).
-                            r.1.push(format!(
-                                "{e}; the target is unchanged by this reload and still has no worker: its entries wait in its queue"
-                            ));
+                            if app.dispatcher.runtime(&spec.id).is_none() {
+                                r.1.push(format!(
+                                    "{e}; the target is unchanged by this reload and still has no worker: its entries wait in its queue"
+                                ));
+                            } else {
+                                // Its rule is unchanged and a worker runs, so what changed is
+                                // a secret it reads (revoked, emptied, a placeholder): refused
+                                // like any target that cannot start. Going live would leave
+                                // that worker sending with the old secret while the reload
+                                // reported success, and a restart on the same files would
+                                // not start the target at all.
+                                cannot_start.push(format!(
+                                    "{e}; its worker goes on with the secrets it started with until this is fixed"
+                                ));
+                            }
                         }
                         Err(e) => cannot_start.push(e.to_string()),
                     }
