@@ -1410,7 +1410,7 @@ pub fn load_rules(cfg: &Config) -> Result<(RuleSet, Vec<String>), RunError> {
             )],
         ));
     }
-    match RuleSet::load_dir(&cfg.rules_dir) {
+    match RuleSet::load_dir_for_config(&cfg.rules_dir, &cfg.operator_secrets()) {
         Ok((set, warnings)) => Ok((set, warnings.iter().map(ToString::to_string).collect())),
         Err(errors) => Err(RunError::Rules {
             dir: cfg.rules_dir.display().to_string(),
@@ -2909,6 +2909,31 @@ mod tests {
         // The operator's own configuration (nats.token_env) names any variable.
         let operator = secret_resolver(&cfg, None).expect("resolver");
         assert!((operator.as_ref())("PATH").is_some());
+    }
+
+    /// The start and every reload load the rules with the configuration's secret names: a
+    /// rule file naming `nats.token_env`'s variable is refused, at its line.
+    #[test]
+    fn the_rules_of_a_start_or_reload_cannot_name_the_configurations_secrets() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut cfg = test_config(dir.path());
+        std::fs::write(
+            cfg.rules_dir.join("copy.yaml"),
+            "rules:\n  - name: copy\n    pattern: { type: [c] }\n    targets:\n      - webhook: https://team.example/x\n        headers_env: { X-Copy: UNIT_TEST_NATS_TOKEN }\n",
+        )
+        .expect("rule");
+        assert!(load_rules(&cfg).is_ok(), "no NATS token configured");
+        cfg.nats.token_env = Some("UNIT_TEST_NATS_TOKEN".into());
+        let Err(RunError::Rules { errors, .. }) = load_rules(&cfg) else {
+            panic!("the NATS token's variable was accepted in a rule file");
+        };
+        assert_eq!(errors.len(), 1, "{errors:#?}");
+        assert!(
+            errors[0].ends_with(
+                "copy.yaml:6:32: `headers_env.X-Copy` names `UNIT_TEST_NATS_TOKEN`, which the router's configuration uses (`nats.token_env`): a rule file cannot send the router's own credentials to a webhook"
+            ),
+            "{errors:#?}"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1092,7 +1092,7 @@ fn check_with_handlers(
         })
         .collect();
     let known: std::collections::BTreeSet<String> = known.iter().map(|s| s.to_string()).collect();
-    super::load(&inputs, Vec::new(), Some(&known))
+    super::load(&inputs, Vec::new(), Some(&known), &[])
 }
 
 /// An unknown handler is an error at the target's `handler:` (it pointed at the rule's
@@ -1726,4 +1726,97 @@ rules:
             "{b:#04x}"
         );
     }
+}
+
+/// A rule file cannot name a secret the router's configuration uses (the NATS token and
+/// password): its author chooses the URL, and would receive the router's credentials. Only
+/// the running router knows its configuration; without one (`rules check`) the names load.
+#[test]
+fn a_rule_file_cannot_name_the_routers_own_secrets() {
+    let src = "\
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - webhook: https://team.example/hook
+        headers_env: { X-Copy: NATS_TOKEN, X-Ok: TEAM_KEY }
+      - webhook: https://team.example/other
+        secret_env: NATS_PASSWORD
+";
+    let inputs = [super::SourceFile {
+        display: "r.yaml".to_string(),
+        rel: "r.yaml".to_string(),
+        text: src.to_string(),
+    }];
+    let operator = [
+        ("nats.token_env", "NATS_TOKEN".to_string()),
+        ("nats.password_env", "NATS_PASSWORD".to_string()),
+    ];
+    let e: Vec<String> = match super::load(&inputs, Vec::new(), None, &operator) {
+        Ok(_) => panic!("the router's secrets were accepted"),
+        Err(d) => d.iter().map(ToString::to_string).collect(),
+    };
+    assert_eq!(e.len(), 2, "{e:#?}");
+    assert!(
+        e[0].starts_with("r.yaml:6:32: `headers_env.X-Copy` names `NATS_TOKEN`, which the router's configuration uses (`nats.token_env`)"),
+        "{e:#?}"
+    );
+    assert!(
+        e[1].starts_with("r.yaml:8:21: `secret_env` names `NATS_PASSWORD`, which the router's configuration uses (`nats.password_env`)"),
+        "{e:#?}"
+    );
+    ok(&[("r.yaml", src)]);
+}
+
+/// One secret name goes to one destination (URL origin): another team's rule file cannot
+/// copy a target's signing secret or credential into a header to a URL of its choice. Paths
+/// of one origin, however spelled, may share a secret.
+#[test]
+fn one_secret_goes_to_one_destination() {
+    let erp = "\
+rules:
+  - name: erp
+    pattern: {type: [x]}
+    targets:
+      - webhook: https://erp.example:8443/hook
+        id: erp
+        secret_env: WEBHOOK_SECRET_ERP
+        headers_env: { Authorization: ERP_API_KEY }
+      - webhook: HTTPS://ERP.example:8443/other
+        id: erp-other
+        secret_env: WEBHOOK_SECRET_ERP
+        headers_env: { Authorization: WEBHOOK_SECRET_ERP_AUTH }
+      - webhook: https://erp.example:8443
+        id: erp-root
+        headers_env: { Authorization: WEBHOOK_SECRET_ERP_AUTH }
+";
+    ok(&[("erp.yaml", erp)]);
+    let team = "\
+rules:
+  - name: team
+    pattern: {type: [y]}
+    targets:
+      - webhook: https://team.example/x
+        id: team
+        headers_env: { X-Copy-Erp: WEBHOOK_SECRET_ERP, X-Copy-File: ERP_API_KEY, X-Own: TEAM_KEY }
+      - webhook: https://erp.example/hook
+        id: other-port
+        secret_env: WEBHOOK_SECRET_ERP
+";
+    let e = errs(&[("erp.yaml", erp), ("team.yaml", team)]);
+    assert_eq!(e.len(), 3, "{e:#?}");
+    assert!(
+        e[0].starts_with("team.yaml:7:36: `headers_env.X-Copy-Erp` names `WEBHOOK_SECRET_ERP`, which target `erp` already sends to https://erp.example:8443 (`secret_env` at erp.yaml:7:21): a secret goes to one destination only, and target `team` sends to https://team.example"),
+        "{e:#?}"
+    );
+    assert!(
+        e[1].starts_with("team.yaml:7:69: `headers_env.X-Copy-File` names `ERP_API_KEY`, which target `erp` already sends to https://erp.example:8443 (`headers_env.Authorization` at erp.yaml:8:39)"),
+        "{e:#?}"
+    );
+    // Another port of the same host is another destination.
+    assert!(
+        e[2].starts_with("team.yaml:10:21: `secret_env` names `WEBHOOK_SECRET_ERP`")
+            && e[2].contains("target `other-port` sends to https://erp.example;"),
+        "{e:#?}"
+    );
 }
