@@ -594,20 +594,32 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
             // URL valid, the WASM runtime up for a handler) before the set goes live: else
             // its entries would queue with no worker, or its old worker would go on under the
             // old configuration while the API showed the new one. One unchanged since the
-            // live set that still cannot start (it could not at start-up either) stays a
-            // warning: it must not hold back every other change.
+            // live set that still cannot start and has no worker (it could not at start-up
+            // either) stays a warning: it must not hold back every other change.
             let mut prepared = Vec::new();
             let mut cannot_start = Vec::new();
             for spec in r.0.targets.values() {
                 if !app.dispatcher.is_current(spec) {
                     match app.dispatcher.prepare(spec.clone()) {
                         Ok(p) => prepared.push(p),
+                        // The error does not say what becomes of the entries: that depends
+                        // on where it arises (a removed target's go to the DLQ).
                         Err(e) if old.targets.get(&spec.id) == Some(spec) => {
-                            // The error does not say what becomes of the entries: that
-                            // depends on where it arises (a removed target's go to the DLQ).
-                            r.1.push(format!(
-                                "{e}; the target is unchanged by this reload and still has no worker: its entries wait in its queue"
-                            ));
+                            if app.dispatcher.runtime(&spec.id).is_none() {
+                                r.1.push(format!(
+                                    "{e}; the target is unchanged by this reload and still has no worker: its entries wait in its queue"
+                                ));
+                            } else {
+                                // Its rule is unchanged and a worker runs, so what changed is
+                                // a secret it reads (revoked, emptied, a placeholder): refused
+                                // like any target that cannot start. Going live would leave
+                                // that worker sending with the old secret while the reload
+                                // reported success, and a restart on the same files would
+                                // not start the target at all.
+                                cannot_start.push(format!(
+                                    "{e}; its worker goes on with the secrets it started with until this is fixed"
+                                ));
+                            }
                         }
                         Err(e) => cannot_start.push(e.to_string()),
                     }
@@ -1398,7 +1410,7 @@ pub fn load_rules(cfg: &Config) -> Result<(RuleSet, Vec<String>), RunError> {
             )],
         ));
     }
-    match RuleSet::load_dir(&cfg.rules_dir) {
+    match RuleSet::load_dir_for_config(&cfg.rules_dir, &cfg.operator_secrets()) {
         Ok((set, warnings)) => Ok((set, warnings.iter().map(ToString::to_string).collect())),
         Err(errors) => Err(RunError::Rules {
             dir: cfg.rules_dir.display().to_string(),
@@ -2897,6 +2909,31 @@ mod tests {
         // The operator's own configuration (nats.token_env) names any variable.
         let operator = secret_resolver(&cfg, None).expect("resolver");
         assert!((operator.as_ref())("PATH").is_some());
+    }
+
+    /// The start and every reload load the rules with the configuration's secret names: a
+    /// rule file naming `nats.token_env`'s variable is refused, at its line.
+    #[test]
+    fn the_rules_of_a_start_or_reload_cannot_name_the_configurations_secrets() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut cfg = test_config(dir.path());
+        std::fs::write(
+            cfg.rules_dir.join("copy.yaml"),
+            "rules:\n  - name: copy\n    pattern: { type: [c] }\n    targets:\n      - webhook: https://team.example/x\n        headers_env: { X-Copy: UNIT_TEST_NATS_TOKEN }\n",
+        )
+        .expect("rule");
+        assert!(load_rules(&cfg).is_ok(), "no NATS token configured");
+        cfg.nats.token_env = Some("UNIT_TEST_NATS_TOKEN".into());
+        let Err(RunError::Rules { errors, .. }) = load_rules(&cfg) else {
+            panic!("the NATS token's variable was accepted in a rule file");
+        };
+        assert_eq!(errors.len(), 1, "{errors:#?}");
+        assert!(
+            errors[0].ends_with(
+                "copy.yaml:6:32: `headers_env.X-Copy` names `UNIT_TEST_NATS_TOKEN`, which the router's configuration uses (`nats.token_env`): a rule file cannot send the router's own credentials to a webhook"
+            ),
+            "{errors:#?}"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -68,8 +68,9 @@ pub struct Config {
     /// A rule file's `secret_env` and `headers_env` names are read from the environment only
     /// if they start with it (names outside it resolve in `secrets_file` only), so that
     /// whoever edits rule files cannot have the router send the rest of its environment
-    /// (cloud credentials, the NATS token, another team's signing secret) as a header to a
-    /// URL they name. Default [`DEFAULT_SECRETS_ENV_PREFIX`]; empty: any name (the rule
+    /// (cloud credentials) as a header to a URL they name. (The loader adds two fences: no
+    /// secret the configuration names, see [`Config::operator_secrets`], and one URL origin
+    /// per secret name, so another target's secret cannot be copied to another URL.) Default [`DEFAULT_SECRETS_ENV_PREFIX`]; empty: any name (the rule
     /// files' authors are trusted with the router's whole environment).
     pub secrets_env_prefix: String,
 }
@@ -639,6 +640,19 @@ impl Config {
         Some(self.secrets_env_prefix.clone()).filter(|p| !p.is_empty())
     }
 
+    /// The secret variables this configuration names (config key, variable name): rule files
+    /// may not name them, since a rule file's author chooses the URL a webhook's secrets go
+    /// to. Every config key that names a secret variable belongs here.
+    pub fn operator_secrets(&self) -> Vec<(&'static str, String)> {
+        [
+            ("nats.token_env", &self.nats.token_env),
+            ("nats.password_env", &self.nats.password_env),
+        ]
+        .into_iter()
+        .filter_map(|(key, var)| var.clone().map(|var| (key, var)))
+        .collect()
+    }
+
     /// Loads defaults, then `file` (if any), then `ROUTER_*` variables from `env`.
     pub fn load(
         file: Option<&Path>,
@@ -948,16 +962,13 @@ impl Config {
                 )));
             }
         }
-        for (key, var) in [
-            ("nats.token_env", &n.token_env),
-            ("nats.password_env", &n.password_env),
-        ] {
-            if var.as_deref().is_some_and(|v| v.starts_with("ROUTER_")) {
+        for (key, var) in self.operator_secrets() {
+            if var.starts_with("ROUTER_") {
                 return Err(ConfigError::Invalid(format!(
                     "{key} must not name a ROUTER_ variable: those are read as configuration keys"
                 )));
             }
-            if var.as_deref().is_some_and(str::is_empty) {
+            if var.is_empty() {
                 return Err(ConfigError::Invalid(format!("{key} must name a variable")));
             }
         }

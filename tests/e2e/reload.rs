@@ -1544,3 +1544,104 @@ async fn status_says_a_removed_paused_target_waits_for_a_resume() {
     .await;
     assert!(gone.is_some(), "{}", status(&r).await["warnings"]);
 }
+
+/// A reload that revokes or breaks the secret of a running target (its rule unchanged) is
+/// refused like one whose target cannot start: the old worker goes on with the secrets it
+/// started with, `/v1/status` and the metrics show the refusal, and the message names a
+/// `headers_env` credential as a header, not a signing secret. It used to answer 200 with a
+/// warning that the target "still has no worker" while that worker kept sending the revoked
+/// credential, and a restart on the same files would not start the target at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_breaks_a_running_targets_secret_is_refused_and_the_worker_goes_on() {
+    let rcv = Receiver::ok().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let secrets = dir.path().join("secrets.toml");
+    let write_secrets = |signing: &str, auth: Option<&str>| {
+        let mut text = format!("E2E_LIVE_SECRET = \"{signing}\"\n");
+        if let Some(auth) = auth {
+            text.push_str(&format!("E2E_LIVE_AUTH = \"{auth}\"\n"));
+        }
+        std::fs::write(&secrets, text).expect("secrets");
+    };
+    let key = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    write_secrets(key, Some("Bearer old-token"));
+    let config = format!("secrets_file = {:?}\n", secrets.display().to_string());
+    let rules = rules_yaml(
+        "",
+        &[(
+            "signed",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: signed\n        secret_env: E2E_LIVE_SECRET\n        headers_env: {{ Authorization: E2E_LIVE_AUTH }}",
+                rcv.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&config));
+    let delivered = |n: usize| rcv.wait_for(Duration::from_secs(10), move |s| s.len() == n);
+    assert_eq!(post_event(&r, &event("e1", "t", json!({}))).await.0, 202);
+    assert!(delivered(1).await);
+
+    // A placeholder signing secret, then the credential revoked: each reload is refused.
+    for (signing, auth, names) in [
+        (
+            "changeme",
+            Some("Bearer old-token"),
+            "signing secret E2E_LIVE_SECRET",
+        ),
+        (
+            key,
+            None,
+            "header Authorization from E2E_LIVE_AUTH (headers_env)",
+        ),
+    ] {
+        write_secrets(signing, auth);
+        let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+        assert_eq!(s, 422, "{body}");
+        let err = status(&r).await["reload"]["last_error"].to_string();
+        assert!(
+            err.contains("target signed")
+                && err.contains(names)
+                && err.contains("its worker goes on with the secrets it started with"),
+            "{err}"
+        );
+        assert!(!err.contains("signing secret E2E_LIVE_AUTH"), "{err}");
+    }
+    let st = status(&r).await;
+    assert_eq!(st["reload"]["failed_reloads"], 2, "{st}");
+    let m = metrics_text(&r).await;
+    assert_eq!(
+        counter(&m, "router_reloads_total{result=\"error\"}"),
+        2,
+        "{}",
+        metric_lines(&m, "reload")
+    );
+    assert!(
+        m.contains("router_reload_failing 1"),
+        "{}",
+        metric_lines(&m, "reload")
+    );
+    // The worker runs on, with the secrets it started with (`worker` is set only for a
+    // target with none).
+    let (_, t) = get_json(&r, "/v1/targets/signed").await;
+    assert!(t.get("worker").is_none() && t["delivered"] == 1, "{t}");
+    assert_eq!(post_event(&r, &event("e2", "t", json!({}))).await.0, 202);
+    assert!(delivered(2).await);
+    assert_eq!(
+        rcv.received()[1].header("authorization").as_deref(),
+        Some("Bearer old-token")
+    );
+
+    // Fixed: the reload goes through and rebuilds the target with the new credential.
+    write_secrets(key, Some("Bearer new-token"));
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(body["targets_started"], json!(["signed"]), "{body}");
+    assert_eq!(status(&r).await["reload"]["last_error"], Value::Null);
+    assert_eq!(post_event(&r, &event("e3", "t", json!({}))).await.0, 202);
+    assert!(delivered(3).await);
+    assert_eq!(
+        rcv.received()[2].header("authorization").as_deref(),
+        Some("Bearer new-token")
+    );
+}

@@ -175,6 +175,19 @@ pub enum StartError {
         /// What is wrong.
         why: String,
     },
+    /// A `headers_env` credential is missing or cannot be sent: nothing is sent without the
+    /// credential the receiver expects. (Not "signing secret": it is a header's value.)
+    #[error("target {id}: header {header} from {name} (headers_env): {why}")]
+    HeaderSecret {
+        /// Target id.
+        id: String,
+        /// The header it is sent as.
+        header: String,
+        /// The `headers_env` variable (or secrets-file entry) name.
+        name: String,
+        /// What is wrong.
+        why: String,
+    },
     /// The target kind is not available in this process (handler targets while the WASM
     /// runtime could not start).
     #[error(
@@ -340,18 +353,18 @@ impl Dispatcher {
                 // starting (nothing is sent without the credential the receiver expects).
                 let mut headers = headers.clone();
                 for (header, var, value) in &secrets.headers {
-                    let value = value.as_ref().ok_or_else(|| StartError::Secret {
+                    let value = value.as_ref().ok_or_else(|| StartError::HeaderSecret {
                         id: spec.id.clone(),
+                        header: header.clone(),
                         name: var.clone(),
-                        why: format!("header {header} (headers_env): {}", self.not_set(var)),
+                        why: self.not_set(var),
                     })?;
                     if value.contains(['\r', '\n']) {
-                        return Err(StartError::Secret {
+                        return Err(StartError::HeaderSecret {
                             id: spec.id.clone(),
+                            header: header.clone(),
                             name: var.clone(),
-                            why: format!(
-                                "header {header} (headers_env): the value contains a line break"
-                            ),
+                            why: "the value contains a line break".to_string(),
                         });
                     }
                     headers.insert(header.clone(), value.clone());

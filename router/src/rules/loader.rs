@@ -65,6 +65,11 @@ const RESERVED_HEADERS: &[&str] = &[
     "webhook-timestamp",
     "webhook-signature",
 ];
+/// The Standard Webhooks header namespace (lower case): the router sets `webhook-id`,
+/// `-timestamp` and `-signature`, and the rest of the namespace is the specification's to
+/// grow; a rule file's `webhook-version` or `webhook-signature-alg` would read, to a
+/// receiver, as part of the signature's contract.
+const RESERVED_HEADER_PREFIX: &str = "webhook-";
 /// Header names (lower case) that carry credentials and so do not belong in git.
 const SECRET_HEADERS: &[&str] = &["authorization", "proxy-authorization", "cookie"];
 const SECRET_WORDS: &[&str] = &[
@@ -103,6 +108,7 @@ pub(crate) fn load_dir(
     dir: &Path,
     dangling: Dangling,
     known_handlers: Option<&std::collections::BTreeSet<String>>,
+    operator_secrets: &[(&'static str, String)],
 ) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Diagnostic>> {
     let dir_display = dir.display().to_string();
     let mut found = Vec::new();
@@ -155,7 +161,7 @@ pub(crate) fn load_dir(
             }),
         }
     }
-    load(&inputs, diags, known_handlers)
+    load(&inputs, diags, known_handlers, operator_secrets)
 }
 
 /// The version (see [`crate::rules::version_of`]) of the rule files under `dir` as they are
@@ -277,14 +283,20 @@ impl Walk<'_> {
 
 /// Loads already-read files; `diags` holds problems found before parsing. With
 /// `known_handlers`, a handler target naming none of them is an error at its `handler:`.
+/// `operator_secrets` (config key, variable) are the secrets the router's configuration
+/// names: a webhook naming one is an error (see [`crate::config::Config::operator_secrets`]).
 pub(crate) fn load(
     files: &[SourceFile],
     diags: Vec<Diagnostic>,
     known_handlers: Option<&std::collections::BTreeSet<String>>,
+    operator_secrets: &[(&'static str, String)],
 ) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Diagnostic>> {
     let mut cx = Cx {
         diags,
         known_handlers,
+        operator_secrets,
+        secret_uses: Vec::new(),
+        pending_secret_uses: Vec::new(),
         policies: BTreeMap::new(),
         policy_locs: HashMap::new(),
         used_policies: HashSet::new(),
@@ -369,6 +381,7 @@ pub(crate) fn load(
             }
         }
     }
+    cx.check_secret_destinations();
     let mut unused: Vec<(String, String, usize, usize)> = cx
         .policy_locs
         .iter()
@@ -449,11 +462,30 @@ fn loc_str((file, line, col): &Loc) -> String {
     format!("{file}:{line}:{col}")
 }
 
+/// Where a webhook reads a secret (`secret_env` or a `headers_env` entry).
+struct SecretUse {
+    /// The variable (or secrets-file entry) name.
+    name: String,
+    /// `secret_env` or `headers_env.<header>`.
+    field: String,
+    loc: Loc,
+    /// The target's id (set once it is known).
+    target: String,
+    /// The origin (scheme, host, port) of the URL the secret is sent to.
+    origin: String,
+}
+
 /// Loader state across all files.
 struct Cx<'a> {
     diags: Vec<Diagnostic>,
     /// The handlers the deployment has (`rules check --handlers`), when known.
     known_handlers: Option<&'a std::collections::BTreeSet<String>>,
+    /// The secrets the router's configuration names (config key, variable), when known.
+    operator_secrets: &'a [(&'static str, String)],
+    /// Every secret a loaded webhook reads, for [`Cx::check_secret_destinations`].
+    secret_uses: Vec<SecretUse>,
+    /// The uses of the target being read, kept once it loads and its id is known.
+    pending_secret_uses: Vec<SecretUse>,
     policies: BTreeMap<String, PolicyConfig>,
     policy_locs: HashMap<String, Loc>,
     used_policies: HashSet<String>,
@@ -478,6 +510,66 @@ impl Cx<'_> {
 
     fn err(&mut self, file: &str, at: &Node, message: impl Into<String>) {
         self.push(file, at.line, at.col, message.into(), Severity::Error);
+    }
+
+    /// Records that the target being read sends the secret `var` (its `field`, at `at`);
+    /// false, after reporting it, when `var` is one the router's configuration uses: a rule
+    /// file's author chooses the URL, and would have the router send its NATS credentials
+    /// there.
+    fn secret_use(&mut self, file: &str, at: &Node, var: &str, field: String) -> bool {
+        if let Some((key, _)) = self.operator_secrets.iter().find(|(_, v)| v == var) {
+            self.err(
+                file,
+                at,
+                format!(
+                    "`{field}` names `{var}`, which the router's configuration uses (`{key}`): a rule file cannot send the router's own credentials to a webhook"
+                ),
+            );
+            return false;
+        }
+        self.pending_secret_uses.push(SecretUse {
+            name: var.to_string(),
+            field,
+            loc: (file.to_string(), at.line, at.col),
+            target: String::new(),
+            origin: String::new(),
+        });
+        true
+    }
+
+    /// One secret, one destination: a secret name read by webhooks whose URLs have different
+    /// origins is an error at each use whose origin differs from the first use's, naming
+    /// both. Without it, any rule file could copy another target's signing secret or
+    /// credential (`headers_env: { X-Copy: WEBHOOK_SECRET_ERP }`) into a header to a URL of
+    /// its choice. Targets at one origin (paths of one receiver) may share a secret.
+    fn check_secret_destinations(&mut self) {
+        let mut first: HashMap<&str, &SecretUse> = HashMap::new();
+        let mut problems = Vec::new();
+        for u in &self.secret_uses {
+            match first.get(u.name.as_str()) {
+                None => {
+                    first.insert(&u.name, u);
+                }
+                Some(f) if f.origin != u.origin => problems.push((
+                    u.loc.clone(),
+                    format!(
+                        "`{}` names `{}`, which target `{}` already sends to {} (`{}` at {}): a secret goes to one destination only, and target `{}` sends to {}; give each receiver its own secret",
+                        u.field,
+                        u.name,
+                        f.target,
+                        f.origin,
+                        f.field,
+                        loc_str(&f.loc),
+                        u.target,
+                        u.origin
+                    ),
+                )),
+                Some(_) => {}
+            }
+        }
+        for ((file, line, col), message) in problems {
+            self.push(&file, line, col, message, Severity::Error);
+        }
     }
 
     /// The policies a target may name, for its error messages.
@@ -840,6 +932,7 @@ impl Cx<'_> {
         index: usize,
         node: &Node,
     ) -> Option<String> {
+        self.pending_secret_uses.clear();
         if node.as_map().is_none() {
             self.err(
                 file,
@@ -1011,6 +1104,10 @@ impl Cx<'_> {
         let kind = kind?;
         if !ok {
             return None;
+        }
+        for mut u in std::mem::take(&mut self.pending_secret_uses) {
+            u.target.clone_from(&id);
+            self.secret_uses.push(u);
         }
         self.targets.insert(
             id.clone(),
@@ -1279,6 +1376,11 @@ impl Cx<'_> {
                                 }
                                 match hv.as_str() {
                                     Some(var) if valid_env_name(var) => {
+                                        let field = format!("headers_env.{name}");
+                                        if !self.secret_use(file, hv, var, field) {
+                                            ok = false;
+                                            continue;
+                                        }
                                         headers_env.insert(name.to_string(), var.to_string());
                                     }
                                     _ => {
@@ -1310,7 +1412,10 @@ impl Cx<'_> {
                 let secret_env = match target.get("secret_env") {
                     None => None,
                     Some(n) => match self.string(file, n, "secret_env") {
-                        Some(s) if valid_env_name(s) => Some(s.to_string()),
+                        Some(s) if valid_env_name(s) => {
+                            ok &= self.secret_use(file, n, s, "secret_env".to_string());
+                            Some(s.to_string())
+                        }
                         Some(s) => {
                             self.err(
                                 file,
@@ -1336,6 +1441,16 @@ impl Cx<'_> {
                         parsed
                     }
                 };
+                // Where the secrets go: the URL's origin, as the HTTP client parses it.
+                match reqwest::Url::parse(value) {
+                    Ok(parsed) if ok => {
+                        let origin = parsed.origin().ascii_serialization();
+                        for u in &mut self.pending_secret_uses {
+                            u.origin.clone_from(&origin);
+                        }
+                    }
+                    _ => ok = false,
+                }
                 ok.then(|| TargetKind::Webhook {
                     url: value.to_string(),
                     headers,
@@ -1455,6 +1570,13 @@ fn header_name_problem(name: &str) -> Option<String> {
         Some(format!(
             "header `{name}` is set by the router (or frames the request) and cannot be set in a rule file"
         ))
+    } else if name
+        .to_ascii_lowercase()
+        .starts_with(RESERVED_HEADER_PREFIX)
+    {
+        Some(format!(
+            "header `{name}` is in the Standard Webhooks namespace (`webhook-*`), which the router's signature headers own, and cannot be set in a rule file"
+        ))
     } else {
         None
     }
@@ -1468,29 +1590,39 @@ fn looks_secret(header: &str) -> bool {
 /// Minimal absolute-URL check: `http`/`https` scheme, a host, an optional numeric port, no
 /// credentials and no whitespace.
 fn check_url(url: &str) -> Result<(), String> {
+    // Every message shows the URL with its credentials cut out: they land in CI logs, the
+    // router's log and `/v1/status`, whichever other mistake the URL has.
+    let shown = redact_userinfo(url);
     if url.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err(format!("webhook URL `{url}` contains whitespace"));
+        return Err(format!("webhook URL `{shown}` contains whitespace"));
     }
     let Some((scheme, rest)) = url.split_once("://") else {
         return Err(format!(
-            "webhook URL `{url}` must be an absolute http:// or https:// URL"
+            "webhook URL `{shown}` must be an absolute http:// or https:// URL"
         ));
     };
     if !scheme.eq_ignore_ascii_case("http") && !scheme.eq_ignore_ascii_case("https") {
-        return Err(format!(
-            "webhook URL `{url}` must use http or https, not `{scheme}`"
-        ));
+        // The scheme is echoed only when it looks like one: in `user:pw@host://…` it is the
+        // credentials.
+        let looks_like_scheme = scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+            && scheme
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c));
+        return Err(if looks_like_scheme {
+            format!("webhook URL `{shown}` must use http or https, not `{scheme}`")
+        } else {
+            format!("webhook URL `{shown}` must use http or https")
+        });
     }
     let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
-    if let Some((_, host)) = authority.rsplit_once('@') {
-        // Not echoed: the error lands in CI logs. `secret_env` is the signing secret, not a
-        // credential the receiver checks; the hint named it.
-        let path = &rest[authority.len()..];
+    if authority.contains('@') {
+        // `secret_env` is the signing secret, not a credential the receiver checks; the hint
+        // names the header way.
         return Err(format!(
-            "webhook URL `{scheme}://…@{host}{path}` must not contain credentials (a rule file is kept in git); send them as a header from the environment or the secrets file, e.g. `headers_env: {{ Authorization: WEBHOOK_SECRET_… }}` holding `Basic <base64 of user:password>`"
+            "webhook URL `{shown}` must not contain credentials (a rule file is kept in git); send them as a header from the environment or the secrets file, e.g. `headers_env: {{ Authorization: WEBHOOK_SECRET_… }}` holding `Basic <base64 of user:password>`"
         ));
     }
-    let bad_host = || format!("webhook URL `{url}` has an invalid host");
+    let bad_host = || format!("webhook URL `{shown}` has an invalid host");
     let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
         match v6.split_once(']') {
             Some((h, "")) if h.parse::<std::net::Ipv6Addr>().is_ok() => (h, None),
@@ -1506,19 +1638,37 @@ fn check_url(url: &str) -> Result<(), String> {
         }
     };
     if host.is_empty() {
-        return Err(format!("webhook URL `{url}` has no host"));
+        return Err(format!("webhook URL `{shown}` has no host"));
     }
     if let Some(p) = port
         && (p.is_empty() || !p.chars().all(|c| c.is_ascii_digit()) || p.parse::<u16>().is_err())
     {
-        return Err(format!("webhook URL `{url}` has an invalid port"));
+        return Err(format!("webhook URL `{shown}` has an invalid port"));
     }
     // What the HTTP client will parse it with: a host it refuses (`exa<mple.com`, `bad%host`)
     // is refused here rather than failing every attempt.
     if let Err(e) = reqwest::Url::parse(url) {
-        return Err(format!("webhook URL `{url}` is not a valid URL: {e}"));
+        return Err(format!("webhook URL `{shown}` is not a valid URL: {e}"));
     }
     Ok(())
+}
+
+/// `url` as messages show it: from after the scheme's `://` (or from the start, without one)
+/// to its last `@` replaced by `…`. The last `@` of the whole URL, not of the authority as a
+/// parser would cut it: a password written with an unescaped `/`, `?` or `#` moves where the
+/// authority ends (`http://erp:pa/ss@host/` reads as host `erp`, port `pa`), and its tail
+/// would be echoed by the "invalid port" message. An `@` in a path or query hides more of a
+/// URL than needed, in a message that still says what is wrong.
+fn redact_userinfo(url: &str) -> std::borrow::Cow<'_, str> {
+    let Some(at) = url.rfind('@') else {
+        return url.into();
+    };
+    let start = url
+        .find("://")
+        .map(|i| i + "://".len())
+        .filter(|&s| s <= at)
+        .unwrap_or(0);
+    format!("{}…{}", &url[..start], &url[at..]).into()
 }
 
 /// A NATS subject to publish to: dot-separated non-empty tokens, no whitespace, no wildcards,

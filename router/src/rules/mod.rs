@@ -371,7 +371,18 @@ impl RuleSet {
     /// On success returns the set and its warnings. On failure returns every diagnostic
     /// found — all errors, not just the first — with the warnings among them.
     pub fn load_dir(dir: &Path) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Diagnostic>> {
-        loader::load_dir(dir, loader::Dangling::Warn, None)
+        loader::load_dir(dir, loader::Dangling::Warn, None, &[])
+    }
+
+    /// [`RuleSet::load_dir`] for the running router: with `operator_secrets`, the secrets its
+    /// configuration names (config key, variable:
+    /// [`crate::config::Config::operator_secrets`]), a webhook naming one of them in
+    /// `secret_env` or `headers_env` is an error at that name.
+    pub fn load_dir_for_config(
+        dir: &Path,
+        operator_secrets: &[(&'static str, String)],
+    ) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Diagnostic>> {
+        loader::load_dir(dir, loader::Dangling::Warn, None, operator_secrets)
     }
 
     /// [`RuleSet::load_dir`] for `router rules check`: a symlink that leads nowhere is an
@@ -385,7 +396,7 @@ impl RuleSet {
         dir: &Path,
         known_handlers: Option<&std::collections::BTreeSet<String>>,
     ) -> Result<(RuleSet, Vec<Diagnostic>), Vec<Diagnostic>> {
-        loader::load_dir(dir, loader::Dangling::Error, known_handlers)
+        loader::load_dir(dir, loader::Dangling::Error, known_handlers, &[])
     }
 
     /// The version of the rule files under `dir` as they are on disk now (no parsing): equal
@@ -411,7 +422,7 @@ impl RuleSet {
                 text: (*text).to_string(),
             })
             .collect();
-        loader::load(&inputs, Vec::new(), None)
+        loader::load(&inputs, Vec::new(), None, &[])
     }
 
     /// The enabled rules whose pattern matches `event` (structured CloudEvent JSON), in

@@ -212,6 +212,8 @@ const TARGETS: &[(&str, &str, bool)] = &[
     ("header name with a space", "{ webhook: \"http://h/\", headers: { \"X A\": b } }", false),
     ("a framing header", "{ webhook: \"http://h/\", headers: { Content-Length: \"5\" } }", false),
     ("a header the router sets, any case", "{ webhook: \"http://h/\", headers: { IDEMPOTENCY-KEY: k } }", false),
+    ("a header in the Standard Webhooks namespace", "{ webhook: \"http://h/\", headers: { webhook-version: \"2\" } }", false),
+    ("a Standard Webhooks header from the environment, any case", "{ webhook: \"http://h/\", headers_env: { Webhook-Signature-Alg: WEBHOOK_SECRET_A } }", false),
     ("a header named like a reserved one", "{ webhook: \"http://h/\", headers: { X-Content-Length: \"5\" } }", true),
     ("headers as a list", "{ webhook: \"http://h/\", headers: [a] }", false),
     ("batch", "{ webhook: \"http://h/\", batch: { max_events: 100, max_bytes: 65536 } }", true),

@@ -625,8 +625,12 @@ pub fn classify(
 /// Parses `Retry-After`: delay-seconds or an HTTP-date (relative to `now`).
 pub fn parse_retry_after(v: &str, now: SystemTime) -> Option<Duration> {
     let v = v.trim();
-    if let Ok(secs) = v.parse::<u64>() {
-        return Some(Duration::from_secs(secs));
+    // RFC 9110 delay-seconds is `1*DIGIT`, of any length: a number too large for u64 means
+    // "as long as you may", so it is `Duration::MAX` (the caller caps it at
+    // `retry_after_max`), not an unparsable header that falls back to the short backoff and
+    // hammers the receiver. Only digits: `u64::from_str` would also take a leading `+`.
+    if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) {
+        return Some(v.parse::<u64>().map_or(Duration::MAX, Duration::from_secs));
     }
     let at = httpdate::parse_http_date(v).ok()?;
     Some(at.duration_since(now).unwrap_or(Duration::ZERO))
@@ -1022,5 +1026,28 @@ mod tests {
         assert_eq!(parse_retry_after("soon", now), None);
         let past = httpdate::fmt_http_date(now - Duration::from_secs(30));
         assert_eq!(parse_retry_after(&past, now), Some(Duration::ZERO));
+    }
+
+    #[test]
+    fn retry_after_too_large_for_u64_is_the_longest_wait_and_a_sign_is_refused() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        // 2^64 and far beyond: the longest wait, which the worker caps at `retry_after_max`.
+        assert_eq!(
+            parse_retry_after("18446744073709551616", now),
+            Some(Duration::MAX)
+        );
+        assert_eq!(
+            parse_retry_after(&"9".repeat(100), now),
+            Some(Duration::MAX)
+        );
+        assert_eq!(
+            parse_retry_after("18446744073709551615", now),
+            Some(Duration::from_secs(u64::MAX))
+        );
+        // Not delay-seconds (RFC 9110: `1*DIGIT`) nor an HTTP-date.
+        assert_eq!(parse_retry_after("+5", now), None);
+        assert_eq!(parse_retry_after("-5", now), None);
+        assert_eq!(parse_retry_after("", now), None);
+        assert_eq!(parse_retry_after(" 7 ", now), Some(Duration::from_secs(7)));
     }
 }

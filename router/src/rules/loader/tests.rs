@@ -487,6 +487,68 @@ fn webhook_urls() {
     assert!(e[0].contains("headers_env: { Authorization:"), "{}", e[0]);
 }
 
+/// Whatever else is wrong with a URL holding credentials, its message never shows them (they
+/// land in CI logs, the router's log and `/v1/status`).
+#[test]
+fn webhook_url_credentials_are_redacted_in_every_message() {
+    let t = |url: &str| {
+        format!(
+            "rules:\n  - name: a\n    pattern: {{type: [x]}}\n    targets:\n      - webhook: \"{url}\"\n"
+        )
+    };
+    for (bad, why, shown) in [
+        (
+            "http://erp:Pa55word@127.0.0.1:21301/ok ",
+            "contains whitespace",
+            "`http://…@127.0.0.1:21301/ok `",
+        ),
+        (
+            "htps://erp:Pa55word@127.0.0.1/ok",
+            "must use http or https, not `htps`",
+            "`htps://…@127.0.0.1/ok`",
+        ),
+        (
+            "erp:Pa55word@127.0.0.1/ok",
+            "absolute http",
+            "`…@127.0.0.1/ok`",
+        ),
+        // The credentials before `://`: the scheme is not echoed.
+        (
+            "erp:Pa55word@host://x",
+            "must use http or https",
+            "`…@host://x`",
+        ),
+        (
+            "http://erp:Pa55word@[zz]/",
+            "credentials",
+            "`http://…@[zz]/`",
+        ),
+        // An unescaped `/` in the password ends the authority early: host `erp`, port `Pa5`.
+        (
+            "http://erp:Pa5/5word@host/",
+            "invalid port",
+            "`http://…@host/`",
+        ),
+        (
+            "http://erp:Pa5#5word@host/",
+            "invalid port",
+            "`http://…@host/`",
+        ),
+        (
+            "https://erp:Pa55word@exa<mple.com/hook",
+            "credentials",
+            "`https://…@exa<mple.com/hook`",
+        ),
+    ] {
+        let e = errs(&[("r.yaml", &t(bad))]);
+        assert_eq!(e.len(), 1, "{bad}: {e:#?}");
+        assert!(e[0].contains(why), "{bad}: {}", e[0]);
+        assert!(e[0].contains(shown), "{bad}: {}", e[0]);
+        assert!(!e[0].contains("Pa5"), "{bad}: {}", e[0]);
+        assert!(!e[0].contains("erp"), "{bad}: {}", e[0]);
+    }
+}
+
 #[test]
 fn webhook_only_fields_and_secrets() {
     let src = "\
@@ -531,6 +593,32 @@ rules:
     );
     assert!(e[1].contains("`transfer-encoding`"), "{e:#?}");
     assert!(e[2].contains("`Idempotency-Key`"), "{e:#?}");
+
+    // The whole Standard Webhooks namespace, not only the three names the router sets today,
+    // in `headers` and in `headers_env`.
+    let standard_webhooks = "\
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - webhook: http://h/
+        headers: { webhook-version: '2', Webhook-Signature-Alg: x, X-Webhook-Ok: y }
+        headers_env: { WEBHOOK-KEY: WEBHOOK_SECRET_K }
+";
+    let e = errs(&[("r.yaml", standard_webhooks)]);
+    assert_eq!(e.len(), 3, "{e:#?}");
+    assert!(
+        e[0].starts_with("r.yaml:6:20: header `webhook-version` is in the Standard Webhooks namespace (`webhook-*`)"),
+        "{e:#?}"
+    );
+    assert!(
+        e[1].contains("`Webhook-Signature-Alg` is in the Standard Webhooks namespace"),
+        "{e:#?}"
+    );
+    assert!(
+        e[2].starts_with("r.yaml:7:24: header `WEBHOOK-KEY` is in the Standard"),
+        "{e:#?}"
+    );
 
     // A credential written in the file is refused, and says where it goes instead.
     let literal = "\
@@ -1004,7 +1092,7 @@ fn check_with_handlers(
         })
         .collect();
     let known: std::collections::BTreeSet<String> = known.iter().map(|s| s.to_string()).collect();
-    super::load(&inputs, Vec::new(), Some(&known))
+    super::load(&inputs, Vec::new(), Some(&known), &[])
 }
 
 /// An unknown handler is an error at the target's `handler:` (it pointed at the rule's
@@ -1638,4 +1726,97 @@ rules:
             "{b:#04x}"
         );
     }
+}
+
+/// A rule file cannot name a secret the router's configuration uses (the NATS token and
+/// password): its author chooses the URL, and would receive the router's credentials. Only
+/// the running router knows its configuration; without one (`rules check`) the names load.
+#[test]
+fn a_rule_file_cannot_name_the_routers_own_secrets() {
+    let src = "\
+rules:
+  - name: a
+    pattern: {type: [x]}
+    targets:
+      - webhook: https://team.example/hook
+        headers_env: { X-Copy: NATS_TOKEN, X-Ok: TEAM_KEY }
+      - webhook: https://team.example/other
+        secret_env: NATS_PASSWORD
+";
+    let inputs = [super::SourceFile {
+        display: "r.yaml".to_string(),
+        rel: "r.yaml".to_string(),
+        text: src.to_string(),
+    }];
+    let operator = [
+        ("nats.token_env", "NATS_TOKEN".to_string()),
+        ("nats.password_env", "NATS_PASSWORD".to_string()),
+    ];
+    let e: Vec<String> = match super::load(&inputs, Vec::new(), None, &operator) {
+        Ok(_) => panic!("the router's secrets were accepted"),
+        Err(d) => d.iter().map(ToString::to_string).collect(),
+    };
+    assert_eq!(e.len(), 2, "{e:#?}");
+    assert!(
+        e[0].starts_with("r.yaml:6:32: `headers_env.X-Copy` names `NATS_TOKEN`, which the router's configuration uses (`nats.token_env`)"),
+        "{e:#?}"
+    );
+    assert!(
+        e[1].starts_with("r.yaml:8:21: `secret_env` names `NATS_PASSWORD`, which the router's configuration uses (`nats.password_env`)"),
+        "{e:#?}"
+    );
+    ok(&[("r.yaml", src)]);
+}
+
+/// One secret name goes to one destination (URL origin): another team's rule file cannot
+/// copy a target's signing secret or credential into a header to a URL of its choice. Paths
+/// of one origin, however spelled, may share a secret.
+#[test]
+fn one_secret_goes_to_one_destination() {
+    let erp = "\
+rules:
+  - name: erp
+    pattern: {type: [x]}
+    targets:
+      - webhook: https://erp.example:8443/hook
+        id: erp
+        secret_env: WEBHOOK_SECRET_ERP
+        headers_env: { Authorization: ERP_API_KEY }
+      - webhook: HTTPS://ERP.example:8443/other
+        id: erp-other
+        secret_env: WEBHOOK_SECRET_ERP
+        headers_env: { Authorization: WEBHOOK_SECRET_ERP_AUTH }
+      - webhook: https://erp.example:8443
+        id: erp-root
+        headers_env: { Authorization: WEBHOOK_SECRET_ERP_AUTH }
+";
+    ok(&[("erp.yaml", erp)]);
+    let team = "\
+rules:
+  - name: team
+    pattern: {type: [y]}
+    targets:
+      - webhook: https://team.example/x
+        id: team
+        headers_env: { X-Copy-Erp: WEBHOOK_SECRET_ERP, X-Copy-File: ERP_API_KEY, X-Own: TEAM_KEY }
+      - webhook: https://erp.example/hook
+        id: other-port
+        secret_env: WEBHOOK_SECRET_ERP
+";
+    let e = errs(&[("erp.yaml", erp), ("team.yaml", team)]);
+    assert_eq!(e.len(), 3, "{e:#?}");
+    assert!(
+        e[0].starts_with("team.yaml:7:36: `headers_env.X-Copy-Erp` names `WEBHOOK_SECRET_ERP`, which target `erp` already sends to https://erp.example:8443 (`secret_env` at erp.yaml:7:21): a secret goes to one destination only, and target `team` sends to https://team.example"),
+        "{e:#?}"
+    );
+    assert!(
+        e[1].starts_with("team.yaml:7:69: `headers_env.X-Copy-File` names `ERP_API_KEY`, which target `erp` already sends to https://erp.example:8443 (`headers_env.Authorization` at erp.yaml:8:39)"),
+        "{e:#?}"
+    );
+    // Another port of the same host is another destination.
+    assert!(
+        e[2].starts_with("team.yaml:10:21: `secret_env` names `WEBHOOK_SECRET_ERP`")
+            && e[2].contains("target `other-port` sends to https://erp.example;"),
+        "{e:#?}"
+    );
 }
