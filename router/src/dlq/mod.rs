@@ -276,6 +276,10 @@ pub enum JobError {
     /// is below its low-water mark.
     #[error("the store is past its disk high-water mark")]
     DiskFull,
+    /// So many jobs of its kind were created at the same moment that this one found no free
+    /// number (see `NEW_JOB_NUMBERS`): nothing was created; the same request may be sent again.
+    #[error("too many jobs were created at once; nothing was created, try again")]
+    CreationRace,
     /// Storage failure.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -291,37 +295,50 @@ fn job_number(id: &str) -> Option<u64> {
 /// part of its deliveries' idempotency keys (a reused one would have receivers take a new
 /// replay's deliveries for the old one's).
 async fn next_job_id(app: &App, kind: JobKind) -> Result<String, StoreError> {
-    let prefix = kind.as_str();
     let jobs = app.store.jobs().await?;
     let of_kind = jobs.iter().filter(|j| j.kind == kind);
     let highest = of_kind.clone().filter_map(|j| job_number(&j.id)).max();
     let n = highest.unwrap_or(0).max(of_kind.count() as u64) + 1;
+    Ok(job_id(app, kind, n))
+}
+
+/// The id of job number `n` of `kind`.
+fn job_id(app: &App, kind: JobKind, n: u64) -> String {
+    let prefix = kind.as_str();
     if app.jobs.node.is_some() {
         // Two nodes creating a job at once would count the same jobs: a random part keeps
         // their ids apart.
-        return Ok(format!("{prefix}-{n}-{:04x}", rand::random::<u16>()));
+        return format!("{prefix}-{n}-{:04x}", rand::random::<u16>());
     }
-    Ok(format!("{prefix}-{n}"))
+    format!("{prefix}-{n}")
 }
 
-/// Stores a new job. Two jobs of a kind created at once take the same next number: the one
-/// that loses (its put is refused, nothing written) takes the number after, a few times over,
-/// rather than answering the operator with a store error.
-async fn put_new_job(app: &App, job: &mut Job) -> Result<(), StoreError> {
-    let mut retries = 8;
-    loop {
+/// How many numbers a new job tries before its creation is refused as
+/// [`JobError::CreationRace`]. Each refusal means another job took that number, so N
+/// creations at once need at most N − 1 tries each; past this many, the operator is told to
+/// try again rather than the creations going on for ever.
+const NEW_JOB_NUMBERS: u32 = 1024;
+
+/// Stores a new job. Jobs of a kind created at once read the same highest number: each one
+/// that loses the race for a number (its put is refused, nothing written) takes the next
+/// number up. It does not read the jobs again: a read that raced the other creations' commits
+/// took the same lost number again, and 8 such tries answered 5 of 16 creations at once with
+/// a 503 "storage unavailable".
+async fn put_new_job(app: &App, job: &mut Job) -> Result<(), JobError> {
+    for _ in 0..NEW_JOB_NUMBERS {
         match app.store.put_job(job.clone()).await {
             Ok(rev) => {
                 job.rev = rev;
                 return Ok(());
             }
-            Err(StoreError::JobChanged(_)) if retries > 0 => {
-                retries -= 1;
-                job.id = next_job_id(app, job.kind).await?;
+            Err(StoreError::JobChanged(_)) => {
+                let n = job_number(&job.id).unwrap_or(0) + 1;
+                job.id = job_id(app, job.kind, n);
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         }
     }
+    Err(JobError::CreationRace)
 }
 
 /// Removes the jobs that ended (done or cancelled) more than `retention` before `now`, except
@@ -1498,6 +1515,75 @@ mod tests {
             0
         );
     }
+
+    /// An app on `test_config` with the rules `rules` (YAML) over the JetStream store on
+    /// `server`.
+    async fn jetstream_app(
+        server: &crate::store::jetstream::test_server::TestServer,
+        rules: &str,
+    ) -> (tempfile::TempDir, Arc<App>) {
+        use crate::store::jetstream::{JetStreamOptions, JetStreamStore};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = crate::app::test_config(dir.path());
+        std::fs::write(cfg.rules_dir.join("r.yaml"), rules).expect("rules");
+        let store = JetStreamStore::open(JetStreamOptions {
+            records: server.records("ROUTER"),
+            node: format!("{:016x}", rand::random::<u64>()),
+        })
+        .await
+        .expect("open the JetStream store");
+        let app = crate::app::test_app(cfg, Arc::new(store), None);
+        (dir, app)
+    }
+
+    /// `n` replays of the last 5 s created at the same moment (each in its own task): every one is created, each
+    /// under its own number.
+    async fn replays_created_at_once(app: &Arc<App>, n: usize) {
+        let now = app.clock.now_ms();
+        let creations = (0..n).map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move {
+                create_replay(
+                    &app,
+                    ReplayRequest {
+                        from: crate::clock::rfc3339(now - 5000),
+                        to: crate::clock::rfc3339(now),
+                        filter: None,
+                        rate_per_sec: 10.0,
+                        include_emitted: false,
+                    },
+                )
+                .await
+            })
+        });
+        let mut ids = HashSet::new();
+        for created in futures::future::join_all(creations).await {
+            let job = created.expect("joined").expect("every creation succeeds");
+            assert!(ids.insert(job.id.clone()), "{} given twice", job.id);
+        }
+        let numbers: HashSet<u64> = ids.iter().filter_map(|id| job_number(id)).collect();
+        assert_eq!(numbers.len(), n, "{ids:?}");
+    }
+
+    /// Jobs created at once all read the same highest number; the losers of each race took
+    /// the next after reading again, 8 times at most, and 5 of 16 creations at once were
+    /// answered 503 "storage unavailable".
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn many_jobs_created_at_once_are_all_created() {
+        let (_dir, app) = app_on(&SimulatedDisk::new());
+        replays_created_at_once(&app, 32).await;
+    }
+
+    /// As `many_jobs_created_at_once_are_all_created`, on the JetStream store.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn many_jobs_created_at_once_are_all_created_on_jetstream() {
+        let server = crate::store::jetstream::test_server::TestServer::start();
+        let (_dir, app) = jetstream_app(&server, RULE_T_TO_HOOK).await;
+        replays_created_at_once(&app, 32).await;
+    }
+
+    /// `test_config`'s rules: type `t` to webhook `hook`.
+    const RULE_T_TO_HOOK: &str = "rules:\n  - name: r\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/\n        id: hook\n";
 
     #[test]
     fn job_numbers_are_read_from_ids_with_or_without_a_node_suffix() {
