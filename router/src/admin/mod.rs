@@ -1227,6 +1227,7 @@ fn job_json(j: &crate::store::Job) -> Value {
         "failed": j.failed,
         "skipped": j.skipped,
         "skipped_emitted": j.skipped_emitted,
+        "skipped_contract": j.skipped_contract,
         "expired": j.expired,
         "warnings": j.warnings,
         "last_item_at": j.last_item_at.map(rfc3339),

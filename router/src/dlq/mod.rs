@@ -140,6 +140,13 @@ pub struct ReplayRequest {
     /// send the parents to the handler that made them.
     #[serde(default)]
     pub include_emitted: bool,
+    /// Replay the events that fail their type's current contract too. Off by default: the
+    /// replay goes through the pipeline as ingest does today (contract, then rules), and an
+    /// event the current contract refuses is skipped (`skipped_contract`) rather than sent
+    /// to receivers that ingest would now keep it from. On for an operator who wants the
+    /// raw archive back.
+    #[serde(default)]
+    pub ignore_contracts: bool,
 }
 
 fn default_rate() -> f64 {
@@ -463,6 +470,7 @@ pub async fn create_redrive(app: &Arc<App>, req: RedriveRequest) -> Result<Job, 
         failed: 0,
         skipped: 0,
         skipped_emitted: 0,
+        skipped_contract: 0,
         expired: 0,
         warnings: Vec::new(),
         last_item_at: None,
@@ -542,12 +550,13 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
         id: next_job_id(app, JobKind::Replay).await?,
         kind: JobKind::Replay,
         state: JobState::Running,
-        spec: serde_json::json!({ "from": req.from, "to": req.to, "filter": req.filter, "rate_per_sec": req.rate_per_sec, "include_emitted": req.include_emitted, "from_ms": from, "to_ms": to }),
+        spec: serde_json::json!({ "from": req.from, "to": req.to, "filter": req.filter, "rate_per_sec": req.rate_per_sec, "include_emitted": req.include_emitted, "ignore_contracts": req.ignore_contracts, "from_ms": from, "to_ms": to }),
         total,
         moved: 0,
         failed: 0,
         skipped: 0,
         skipped_emitted: 0,
+        skipped_contract: 0,
         expired: 0,
         warnings,
         last_item_at: None,
@@ -1260,8 +1269,10 @@ async fn replay_step(
         return Ok(0);
     }
     let rules = app.rules.load();
+    let contracts = app.contracts.load();
     // A job created before the field existed has none: it skips emissions, like a new one.
     let include_emitted = job.spec["include_emitted"].as_bool().unwrap_or(false);
+    let ignore_contracts = job.spec["ignore_contracts"].as_bool().unwrap_or(false);
     let mut items = Vec::new();
     for ev in &events {
         job.cursor = ev.seq;
@@ -1283,6 +1294,19 @@ async fn replay_step(
         let json = ev.event.to_json();
         if pattern.is_some_and(|p| !p.matches(&json)) {
             job.skipped += 1;
+            continue;
+        }
+        // The current contracts, as at ingest (contract, then rules) and as a redrive of a
+        // quarantined event checks them: an event archived before its type's contract was
+        // added or tightened was replayed to receivers that ingest now keeps it from.
+        if !ignore_contracts
+            && matches!(
+                contracts.check(&ev.event),
+                ContractOutcome::Violation { .. }
+            )
+        {
+            job.skipped += 1;
+            job.skipped_contract += 1;
             continue;
         }
         let (_, targets) = crate::ingest::match_targets(&rules, &app.disabled_rules(), &ev.event);
@@ -1418,6 +1442,7 @@ mod tests {
                 filter: None,
                 rate_per_sec: 1000.0,
                 include_emitted,
+                ignore_contracts: false,
             },
         )
         .await
@@ -1551,6 +1576,7 @@ mod tests {
                         filter: None,
                         rate_per_sec: 10.0,
                         include_emitted: false,
+                        ignore_contracts: false,
                     },
                 )
                 .await
@@ -1805,6 +1831,65 @@ mod tests {
         );
     }
 
+    /// A replay checks the current contracts, as ingest does: an event archived before its
+    /// type's contract refused it is skipped and counted in `skipped_contract` (it was
+    /// replayed to receivers ingest now keeps it from), and replayed with `ignore_contracts`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replay_skips_events_the_current_contract_refuses_unless_asked() {
+        let (dir, app) = app_on(&SimulatedDisk::new());
+        let now = app.clock.now_ms();
+        let mut passing = new_event("/s", "passing", &["hook"], now - 1000);
+        passing.event = serde_json::from_value(
+            serde_json::json!({"id": "passing", "source": "/s", "type": "t", "data": {"n": "one"}}),
+        )
+        .expect("valid event");
+        // Accepted before the contract below existed: `n` is a number.
+        let failing = new_event("/s", "failing", &["hook"], now - 1000);
+        app.store
+            .accept(vec![passing, failing])
+            .await
+            .expect("accepted");
+        let contract = dir.path().join("contracts/t");
+        std::fs::create_dir_all(&contract).expect("contract dir");
+        std::fs::write(
+            contract.join("v1.json"),
+            r#"{"type": "object", "properties": {"n": {"type": "string"}}}"#,
+        )
+        .expect("contract");
+        let cfg = crate::app::test_config(dir.path());
+        app.contracts.store(Arc::new(
+            crate::app::load_contracts(&cfg).expect("contracts"),
+        ));
+        let done = replay_last_seconds(&app, now).await;
+        assert_eq!(
+            (done.moved, done.skipped, done.skipped_contract),
+            (1, 1, 1),
+            "{done:?}"
+        );
+        let job = create_replay(
+            &app,
+            ReplayRequest {
+                from: crate::clock::rfc3339(now - 5000),
+                to: crate::clock::rfc3339(now),
+                filter: None,
+                rate_per_sec: 1000.0,
+                include_emitted: false,
+                ignore_contracts: true,
+            },
+        )
+        .await
+        .expect("created");
+        let done = wait_for(&app, &job.id, Duration::from_secs(30), |j| {
+            j.state == JobState::Done
+        })
+        .await;
+        assert_eq!(
+            (done.moved, done.skipped, done.skipped_contract),
+            (2, 0, 0),
+            "{done:?}"
+        );
+    }
+
     /// Replayed copies that meet their target's full queue go to the DLQ as
     /// `target_overflow`: new dead letters, counted in `router_dlq_entries_total` like those
     /// at acceptance (they used to count only as the job's `failed`).
@@ -1870,6 +1955,7 @@ mod tests {
                 filter: None,
                 rate_per_sec: 0.5,
                 include_emitted: false,
+                ignore_contracts: false,
             },
         )
         .await
@@ -1935,6 +2021,7 @@ mod tests {
                     filter: None,
                     rate_per_sec: 1000.0,
                     include_emitted: false,
+                    ignore_contracts: false,
                 },
             )
         };
@@ -2024,6 +2111,7 @@ mod tests {
                     filter: None,
                     rate_per_sec: rate,
                     include_emitted: false,
+                    ignore_contracts: false,
                 },
             )
             .await;
@@ -2117,6 +2205,7 @@ mod tests {
             filter: None,
             rate_per_sec: 1000.0,
             include_emitted: false,
+            ignore_contracts: false,
         };
         app.disk_full.store(true, Relaxed);
         assert!(matches!(

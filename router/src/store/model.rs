@@ -1042,8 +1042,8 @@ pub struct Job {
     /// cap sent to the DLQ.
     pub failed: u64,
     /// Items skipped: a replay's events that did not match its filter or any rule (or were
-    /// the router's own system events); a redrive's entries another job moved, or a purge
-    /// removed, before this one reached them.
+    /// the router's own system events, or failed their type's current contract); a
+    /// redrive's entries another job moved, or a purge removed, before this one reached them.
     #[serde(default)]
     pub skipped: u64,
     /// Of `skipped`, a replay's events that were handlers' emissions (source `handler://…`),
@@ -1051,6 +1051,10 @@ pub struct Job {
     /// request's `include_emitted` replays them too).
     #[serde(default)]
     pub skipped_emitted: u64,
+    /// Of `skipped`, a replay's events that fail their type's current contract (the request's
+    /// `ignore_contracts` replays them too).
+    #[serde(default)]
+    pub skipped_contract: u64,
     /// A replay's events that the archive sweep removed (past the archive's retention) before
     /// the job reached them: counted when the job ends, as the part of `total` it never saw.
     /// `moved`, `failed`, `skipped` and `expired` count distinct items.
