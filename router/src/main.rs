@@ -95,6 +95,10 @@ enum Cmd {
         /// replay runs the handlers again, which emit them anew).
         #[arg(long)]
         include_emitted: bool,
+        /// Replay the events that fail their type's current contract too (by default they
+        /// are skipped, counted as `skipped_contract`, as ingest would quarantine them now).
+        #[arg(long)]
+        ignore_contracts: bool,
         /// Follow the job's progress until it ends.
         #[arg(long)]
         wait: bool,
@@ -733,6 +737,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             filter,
             rate,
             include_emitted,
+            ignore_contracts,
             wait,
         } => rt.block_on(async move {
             let c = api.client();
@@ -741,7 +746,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 None => None,
             };
             let job = c
-                .call(reqwest::Method::POST, "/v1/replay", Some(serde_json::json!({ "from": from, "to": to, "filter": filter, "rate_per_sec": rate, "include_emitted": include_emitted })))
+                .call(reqwest::Method::POST, "/v1/replay", Some(serde_json::json!({ "from": from, "to": to, "filter": filter, "rate_per_sec": rate, "include_emitted": include_emitted, "ignore_contracts": ignore_contracts })))
                 .await?;
             router::cli::job_warnings(&job);
             if !wait {

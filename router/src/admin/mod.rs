@@ -1180,6 +1180,19 @@ fn job_error(e: crate::dlq::JobError) -> Response {
             ),
             crate::ingest::DISK_FULL_RETRY_AFTER_S,
         ),
+        // Not the store's fault (it refused each number another job had just taken): a
+        // warning, and a 503 that says to send the request again.
+        JobError::CreationRace => {
+            tracing::warn!("a job creation lost the race for a number too many times");
+            crate::ingest::with_retry_after(
+                error_response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "too many jobs were created at once; nothing was created, send the request again",
+                    Vec::new(),
+                ),
+                1,
+            )
+        }
         JobError::Store(e) => store_error(&e),
     }
 }
@@ -1214,6 +1227,7 @@ fn job_json(j: &crate::store::Job) -> Value {
         "failed": j.failed,
         "skipped": j.skipped,
         "skipped_emitted": j.skipped_emitted,
+        "skipped_contract": j.skipped_contract,
         "expired": j.expired,
         "warnings": j.warnings,
         "last_item_at": j.last_item_at.map(rfc3339),

@@ -49,8 +49,25 @@ fn pointer(path: &serde_path_to_error::Path) -> String {
     out
 }
 
-/// A JSON request body as `T`, or the 400 naming the field that does not fit.
+/// A JSON request body as `T` (a struct: every admin body is a JSON object), or the 400
+/// naming the field that does not fit.
 pub(crate) fn parse_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, Box<Response>> {
+    // serde's derived structs also take a JSON array, its elements read as the fields in
+    // declaration order (`deny_unknown_fields` does not stop it): `["2026-…", "2026-…", null,
+    // 100, false]` made a replay. Anything but an object is refused here, before serde. (An
+    // empty body is left to serde, whose "EOF" error points at "" too.)
+    if let Some(&first) = body.trim_ascii_start().first()
+        && first != b'{'
+    {
+        return Err(Box::new(error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid request body",
+            vec![FieldError::new(
+                "",
+                "the body must be a JSON object ({…}), not an array, string, number, boolean or null",
+            )],
+        )));
+    }
     let mut de = serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(&mut de).map_err(|e| {
         Box::new(error_response(
@@ -165,6 +182,29 @@ mod tests {
             assert!(message.contains(want_message), "{body}: {json}");
         }
         assert!(parse_body::<Body>(br#"{"filter": {"since": "1h"}}"#).is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_body_that_is_not_an_object_is_refused_as_a_whole() {
+        // A derived struct takes an array in field order: this one parsed as a `Body`.
+        assert!(serde_json::from_str::<Body>(r#"[null, 5]"#).is_ok());
+        for body in [
+            r#"[null, 5]"#,
+            "[]",
+            " \n[{}]",
+            "null",
+            "5",
+            r#""{}""#,
+            "true",
+        ] {
+            let err = parse_body::<Body>(body.as_bytes()).expect_err(body);
+            let (status, json) = error_of(err).await;
+            assert_eq!(status, 400, "{body}");
+            assert_eq!(json["errors"][0]["pointer"], "", "{body}: {json}");
+            let message = json["errors"][0]["message"].as_str().unwrap_or_default();
+            assert!(message.contains("must be a JSON object"), "{body}: {json}");
+        }
+        assert!(parse_body::<Body>(b" \n {\"rate_per_sec\": 1}").is_ok());
     }
 
     #[tokio::test]

@@ -140,6 +140,13 @@ pub struct ReplayRequest {
     /// send the parents to the handler that made them.
     #[serde(default)]
     pub include_emitted: bool,
+    /// Replay the events that fail their type's current contract too. Off by default: the
+    /// replay goes through the pipeline as ingest does today (contract, then rules), and an
+    /// event the current contract refuses is skipped (`skipped_contract`) rather than sent
+    /// to receivers that ingest would now keep it from. On for an operator who wants the
+    /// raw archive back.
+    #[serde(default)]
+    pub ignore_contracts: bool,
 }
 
 fn default_rate() -> f64 {
@@ -276,6 +283,10 @@ pub enum JobError {
     /// is below its low-water mark.
     #[error("the store is past its disk high-water mark")]
     DiskFull,
+    /// So many jobs of its kind were created at the same moment that this one found no free
+    /// number (see `NEW_JOB_NUMBERS`): nothing was created; the same request may be sent again.
+    #[error("too many jobs were created at once; nothing was created, try again")]
+    CreationRace,
     /// Storage failure.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -291,37 +302,50 @@ fn job_number(id: &str) -> Option<u64> {
 /// part of its deliveries' idempotency keys (a reused one would have receivers take a new
 /// replay's deliveries for the old one's).
 async fn next_job_id(app: &App, kind: JobKind) -> Result<String, StoreError> {
-    let prefix = kind.as_str();
     let jobs = app.store.jobs().await?;
     let of_kind = jobs.iter().filter(|j| j.kind == kind);
     let highest = of_kind.clone().filter_map(|j| job_number(&j.id)).max();
     let n = highest.unwrap_or(0).max(of_kind.count() as u64) + 1;
+    Ok(job_id(app, kind, n))
+}
+
+/// The id of job number `n` of `kind`.
+fn job_id(app: &App, kind: JobKind, n: u64) -> String {
+    let prefix = kind.as_str();
     if app.jobs.node.is_some() {
         // Two nodes creating a job at once would count the same jobs: a random part keeps
         // their ids apart.
-        return Ok(format!("{prefix}-{n}-{:04x}", rand::random::<u16>()));
+        return format!("{prefix}-{n}-{:04x}", rand::random::<u16>());
     }
-    Ok(format!("{prefix}-{n}"))
+    format!("{prefix}-{n}")
 }
 
-/// Stores a new job. Two jobs of a kind created at once take the same next number: the one
-/// that loses (its put is refused, nothing written) takes the number after, a few times over,
-/// rather than answering the operator with a store error.
-async fn put_new_job(app: &App, job: &mut Job) -> Result<(), StoreError> {
-    let mut retries = 8;
-    loop {
+/// How many numbers a new job tries before its creation is refused as
+/// [`JobError::CreationRace`]. Each refusal means another job took that number, so N
+/// creations at once need at most N − 1 tries each; past this many, the operator is told to
+/// try again rather than the creations going on for ever.
+const NEW_JOB_NUMBERS: u32 = 1024;
+
+/// Stores a new job. Jobs of a kind created at once read the same highest number: each one
+/// that loses the race for a number (its put is refused, nothing written) takes the next
+/// number up. It does not read the jobs again: a read that raced the other creations' commits
+/// took the same lost number again, and 8 such tries answered 5 of 16 creations at once with
+/// a 503 "storage unavailable".
+async fn put_new_job(app: &App, job: &mut Job) -> Result<(), JobError> {
+    for _ in 0..NEW_JOB_NUMBERS {
         match app.store.put_job(job.clone()).await {
             Ok(rev) => {
                 job.rev = rev;
                 return Ok(());
             }
-            Err(StoreError::JobChanged(_)) if retries > 0 => {
-                retries -= 1;
-                job.id = next_job_id(app, job.kind).await?;
+            Err(StoreError::JobChanged(_)) => {
+                let n = job_number(&job.id).unwrap_or(0) + 1;
+                job.id = job_id(app, job.kind, n);
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         }
     }
+    Err(JobError::CreationRace)
 }
 
 /// Removes the jobs that ended (done or cancelled) more than `retention` before `now`, except
@@ -446,6 +470,7 @@ pub async fn create_redrive(app: &Arc<App>, req: RedriveRequest) -> Result<Job, 
         failed: 0,
         skipped: 0,
         skipped_emitted: 0,
+        skipped_contract: 0,
         expired: 0,
         warnings: Vec::new(),
         last_item_at: None,
@@ -525,12 +550,13 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
         id: next_job_id(app, JobKind::Replay).await?,
         kind: JobKind::Replay,
         state: JobState::Running,
-        spec: serde_json::json!({ "from": req.from, "to": req.to, "filter": req.filter, "rate_per_sec": req.rate_per_sec, "include_emitted": req.include_emitted, "from_ms": from, "to_ms": to }),
+        spec: serde_json::json!({ "from": req.from, "to": req.to, "filter": req.filter, "rate_per_sec": req.rate_per_sec, "include_emitted": req.include_emitted, "ignore_contracts": req.ignore_contracts, "from_ms": from, "to_ms": to }),
         total,
         moved: 0,
         failed: 0,
         skipped: 0,
         skipped_emitted: 0,
+        skipped_contract: 0,
         expired: 0,
         warnings,
         last_item_at: None,
@@ -778,6 +804,9 @@ const MAX_STEP_ITEMS: usize = 1000;
 /// takes): a step held up to `MAX_STEP_ITEMS` whole events, those its filter skips too
 /// (200 events of 900 KB took 170 MB), and jobs are not limited in number.
 const MAX_STEP_BYTES: usize = 8 << 20;
+
+/// Most warnings a job keeps (events a replay could not take, past its creation warnings).
+const MAX_JOB_WARNINGS: usize = 20;
 
 /// The highest `rate_per_sec` a job takes: what `MAX_STEP_ITEMS` a `TICK` allows.
 const MAX_RATE: f64 = 10_000.0;
@@ -1050,146 +1079,185 @@ async fn redrive_step(
         (!rules.targets.contains_key(target) && !draining.contains(target))
             .then(|| not_in_rules(target))
     };
+    // The records the step writes, its job's first: it stops before the store's limit
+    // (`Store::max_step_writes`) and the next step goes on from its cursor.
+    let budget = app.store.max_step_writes();
+    let mut writes = 1usize;
+    let mut taken = 0;
     let mut actions = Vec::with_capacity(page.len());
     for d in &page {
+        let before = (job.cursor, job.moved, job.failed, job.skipped);
+        let pushed = actions.len();
         job.cursor = d.id;
-        match d.reason {
-            // Quarantined at ingest (no queue entry): re-validated against the current
-            // contracts, routed by the current rules. A handler's "does not accept this
-            // version" (`not_accepted`, `unknown_version` before) has an entry, and goes back
-            // to that handler alone (below): routed again, the event would reach every other
-            // target a second time.
-            DlqReason::ContractViolation | DlqReason::UnknownVersion if d.entry.is_none() => {
-                let Some((_, ev)) = app.store.dlq_get(d.id).await? else {
-                    continue;
-                };
-                match contracts.check(&ev.event) {
-                    ContractOutcome::Pass => {
-                        let (matched_rules, targets) =
-                            crate::ingest::match_targets(&rules, &app.disabled_rules(), &ev.event);
-                        if targets.is_empty() {
-                            // Taken out of the DLQ it would go nowhere, and its record with it
-                            // (its rule may be disabled for containment): it stays.
+        'entry: {
+            match d.reason {
+                // Quarantined at ingest (no queue entry): re-validated against the current
+                // contracts, routed by the current rules. A handler's "does not accept this
+                // version" (`not_accepted`, `unknown_version` before) has an entry, and goes back
+                // to that handler alone (below): routed again, the event would reach every other
+                // target a second time.
+                DlqReason::ContractViolation | DlqReason::UnknownVersion if d.entry.is_none() => {
+                    let Some((_, ev)) = app.store.dlq_get(d.id).await? else {
+                        break 'entry;
+                    };
+                    match contracts.check(&ev.event) {
+                        ContractOutcome::Pass => {
+                            let (matched_rules, targets) = crate::ingest::match_targets(
+                                &rules,
+                                &app.disabled_rules(),
+                                &ev.event,
+                            );
+                            if targets.is_empty() {
+                                // Taken out of the DLQ it would go nowhere, and its record with it
+                                // (its rule may be disabled for containment): it stays.
+                                actions.push(RedriveAction::Keep {
+                                    dlq_id: d.id,
+                                    note: "not redriven: its data passes the contract now, but no enabled rule matches it; enable or add a rule and redrive again (or purge it)".into(),
+                                    errors: None,
+                                });
+                                job.failed += 1;
+                                break 'entry;
+                            }
+                            actions.push(RedriveAction::Route {
+                                dlq_id: d.id,
+                                matched_rules,
+                                targets,
+                            });
+                            job.moved += 1;
+                        }
+                        ContractOutcome::Violation { reason, errors, .. } => {
+                            let note = match reason {
+                                ViolationReason::UnknownVersion => {
+                                    "not redriven: its dataversion still has no contract"
+                                }
+                                ViolationReason::ContractViolation => {
+                                    "not redriven: its data still fails the current contract"
+                                }
+                            };
+                            // The errors are the current contract's verdict: they replace those
+                            // of the contract it was quarantined under.
                             actions.push(RedriveAction::Keep {
                                 dlq_id: d.id,
-                                note: "not redriven: its data passes the contract now, but no enabled rule matches it; enable or add a rule and redrive again (or purge it)".into(),
-                                errors: None,
+                                note: note.into(),
+                                errors: Some(errors),
                             });
                             job.failed += 1;
-                            continue;
                         }
-                        actions.push(RedriveAction::Route {
-                            dlq_id: d.id,
-                            matched_rules,
-                            targets,
-                        });
-                        job.moved += 1;
                     }
-                    ContractOutcome::Violation { reason, errors, .. } => {
-                        let note = match reason {
-                            ViolationReason::UnknownVersion => {
-                                "not redriven: its dataversion still has no contract"
-                            }
-                            ViolationReason::ContractViolation => {
-                                "not redriven: its data still fails the current contract"
-                            }
-                        };
-                        // The errors are the current contract's verdict: they replace those
-                        // of the contract it was quarantined under.
+                }
+                DlqReason::TargetOverflow => {
+                    // It never got a queue entry: give it one now, for the same target.
+                    let (Some(target), Some(rule)) = (d.target_id.clone(), d.rule.clone()) else {
+                        job.skipped += 1;
+                        break 'entry;
+                    };
+                    if let Some(note) = gone(&target) {
                         actions.push(RedriveAction::Keep {
                             dlq_id: d.id,
-                            note: note.into(),
-                            errors: Some(errors),
+                            note,
+                            errors: None,
                         });
                         job.failed += 1;
+                        break 'entry;
                     }
+                    // Queued under the target's ordering, its key read from the event as at
+                    // acceptance. The depth cap is not applied: an operator's redrive, at the
+                    // job's rate, may take the queue past it.
+                    let spec = rules.targets.get(&target);
+                    let ordering_key = match spec.and_then(|s| s.policy.ordering.as_ref()) {
+                        Some(o) => app
+                            .store
+                            .dlq_get(d.id)
+                            .await?
+                            .and_then(|(_, ev)| o.extract_event(&ev.event)),
+                        None => None,
+                    };
+                    actions.push(RedriveAction::Route {
+                        dlq_id: d.id,
+                        matched_rules: vec![rule.clone()],
+                        targets: vec![crate::store::NewEntry {
+                            target_id: target,
+                            rule,
+                            ordering_key,
+                            max_depth: None,
+                            lease_ms: None,
+                            hold_key: false,
+                        }],
+                    });
+                    job.moved += 1;
                 }
-            }
-            DlqReason::TargetOverflow => {
-                // It never got a queue entry: give it one now, for the same target.
-                let (Some(target), Some(rule)) = (d.target_id.clone(), d.rule.clone()) else {
-                    job.skipped += 1;
-                    continue;
-                };
-                if let Some(note) = gone(&target) {
+                _ if d.entry.is_some() => {
+                    // A removed target's entries dead-lettered for its removal go back only to a
+                    // target in the rules: its worker may still run here (it is never stopped),
+                    // which would deliver them under the configuration they were removed with,
+                    // and only until a restart.
+                    let gone_now = d.target_id.as_deref().and_then(|t| {
+                        if d.reason == DlqReason::TargetRemoved {
+                            (!rules.targets.contains_key(t)).then(|| not_in_rules(t))
+                        } else {
+                            gone(t)
+                        }
+                    });
+                    if let Some(note) = gone_now {
+                        actions.push(RedriveAction::Keep {
+                            dlq_id: d.id,
+                            note,
+                            errors: None,
+                        });
+                        job.failed += 1;
+                        break 'entry;
+                    }
+                    actions.push(RedriveAction::Requeue { dlq_id: d.id });
+                    job.moved += 1;
+                }
+                // An emission past the hop limit or outside its handler's scope: routed again it
+                // would loop, or break the scope, again. It stays, saying so, and counts as
+                // failed (it used to be skipped without a word, the job reporting success).
+                _ => {
                     actions.push(RedriveAction::Keep {
                         dlq_id: d.id,
-                        note,
+                        note: format!(
+                            "not redriven: a {} dead letter is not routed again; fix its handler, then purge it",
+                            d.reason.as_str()
+                        ),
                         errors: None,
                     });
                     job.failed += 1;
-                    continue;
                 }
-                // Queued under the target's ordering, its key read from the event as at
-                // acceptance. The depth cap is not applied: an operator's redrive, at the
-                // job's rate, may take the queue past it.
-                let spec = rules.targets.get(&target);
-                let ordering_key = match spec.and_then(|s| s.policy.ordering.as_ref()) {
-                    Some(o) => app
-                        .store
-                        .dlq_get(d.id)
-                        .await?
-                        .and_then(|(_, ev)| o.extract_event(&ev.event)),
-                    None => None,
-                };
-                actions.push(RedriveAction::Route {
-                    dlq_id: d.id,
-                    matched_rules: vec![rule.clone()],
-                    targets: vec![crate::store::NewEntry {
-                        target_id: target,
-                        rule,
-                        ordering_key,
-                        max_depth: None,
-                        lease_ms: None,
-                        hold_key: false,
-                    }],
-                });
-                job.moved += 1;
-            }
-            _ if d.entry.is_some() => {
-                // A removed target's entries dead-lettered for its removal go back only to a
-                // target in the rules: its worker may still run here (it is never stopped),
-                // which would deliver them under the configuration they were removed with,
-                // and only until a restart.
-                let gone_now = d.target_id.as_deref().and_then(|t| {
-                    if d.reason == DlqReason::TargetRemoved {
-                        (!rules.targets.contains_key(t)).then(|| not_in_rules(t))
-                    } else {
-                        gone(t)
-                    }
-                });
-                if let Some(note) = gone_now {
-                    actions.push(RedriveAction::Keep {
-                        dlq_id: d.id,
-                        note,
-                        errors: None,
-                    });
-                    job.failed += 1;
-                    continue;
-                }
-                actions.push(RedriveAction::Requeue { dlq_id: d.id });
-                job.moved += 1;
-            }
-            // An emission past the hop limit or outside its handler's scope: routed again it
-            // would loop, or break the scope, again. It stays, saying so, and counts as
-            // failed (it used to be skipped without a word, the job reporting success).
-            _ => {
-                actions.push(RedriveAction::Keep {
-                    dlq_id: d.id,
-                    note: format!(
-                        "not redriven: a {} dead letter is not routed again; fix its handler, then purge it",
-                        d.reason.as_str()
-                    ),
-                    errors: None,
-                });
-                job.failed += 1;
             }
         }
+        let cost: usize = actions[pushed..]
+            .iter()
+            .map(RedriveAction::max_writes)
+            .sum();
+        if writes + cost > budget {
+            (job.cursor, job.moved, job.failed, job.skipped) = before;
+            actions.truncate(pushed);
+            if writes > 1 {
+                break;
+            }
+            // Alone it is more than one step writes: routed, it would go to more targets
+            // than the store takes in one transaction. It stays, saying so (the step would
+            // otherwise be refused, and tried again as large, for ever).
+            job.cursor = d.id;
+            actions.push(RedriveAction::Keep {
+                dlq_id: d.id,
+                note: format!(
+                    "not redriven: its event would go to more targets than one step of the store writes ({budget} records); narrow the rules that match it, then redrive it again"
+                ),
+                errors: None,
+            });
+            job.failed += 1;
+            writes += 1;
+        } else {
+            writes += cost;
+        }
+        taken += 1;
     }
     job.updated_at = now;
     job.heartbeat_at = now;
     job.last_item_at = Some(now);
-    let n = page.len();
+    let n = taken;
     let (rev, gone) = app.store.redrive_step(job.clone(), actions, now).await?;
     // Entries another job (or a purge) took first: this job did not move them.
     gone.apply(job);
@@ -1243,11 +1311,20 @@ async fn replay_step(
         return Ok(0);
     }
     let rules = app.rules.load();
+    let contracts = app.contracts.load();
     // A job created before the field existed has none: it skips emissions, like a new one.
     let include_emitted = job.spec["include_emitted"].as_bool().unwrap_or(false);
+    let ignore_contracts = job.spec["ignore_contracts"].as_bool().unwrap_or(false);
+    // The records the step writes, its job's first: it stops before the store's limit
+    // (`Store::max_step_writes`) and the next step goes on from its cursor.
+    let budget = app.store.max_step_writes();
+    let mut writes = 1usize;
+    let mut taken = 0;
     let mut items = Vec::new();
     for ev in &events {
+        let cursor_before = job.cursor;
         job.cursor = ev.seq;
+        taken += 1;
         // System events are the router's records of its past state: replayed, old alerts
         // would page again, and could reach the very target they are about.
         if ev.event.ty.starts_with("router.") {
@@ -1268,15 +1345,54 @@ async fn replay_step(
             job.skipped += 1;
             continue;
         }
+        // The current contracts, as at ingest (contract, then rules) and as a redrive of a
+        // quarantined event checks them: an event archived before its type's contract was
+        // added or tightened was replayed to receivers that ingest now keeps it from.
+        if !ignore_contracts
+            && matches!(
+                contracts.check(&ev.event),
+                ContractOutcome::Violation { .. }
+            )
+        {
+            job.skipped += 1;
+            job.skipped_contract += 1;
+            continue;
+        }
         let (_, targets) = crate::ingest::match_targets(&rules, &app.disabled_rules(), &ev.event);
         if targets.is_empty() {
             job.skipped += 1;
             continue;
         }
-        items.push(ReplayItem {
+        let item = ReplayItem {
             seq: ev.seq,
             targets,
-        });
+        };
+        let cost = item.max_writes();
+        if writes + cost > budget {
+            if writes > 1 {
+                // The next step takes it.
+                job.cursor = cursor_before;
+                taken -= 1;
+                break;
+            }
+            // Alone it is more than one step writes (its copies for more targets than the
+            // store takes in one transaction): not replayed, and said, rather than the step
+            // refused and tried again as large for ever.
+            let why = format!(
+                "event {} from {} was not replayed: it goes to {} targets now, more copies than one step of the store writes ({budget} records)",
+                ev.event.id,
+                ev.event.source,
+                item.targets.len()
+            );
+            tracing::warn!(job = %job.id, seq = ev.seq, "{why}");
+            if job.warnings.len() < MAX_JOB_WARNINGS {
+                job.warnings.push(why);
+            }
+            job.failed += 1;
+            continue;
+        }
+        writes += cost;
+        items.push(item);
         job.moved += 1;
     }
     // An event accepted inside the range while the job was being created (it had its time
@@ -1287,7 +1403,7 @@ async fn replay_step(
     job.updated_at = now;
     job.heartbeat_at = now;
     job.last_item_at = Some(now);
-    let n = events.len();
+    let n = taken;
     // Copies refused by their queue's depth cap went to the DLQ: their events count as
     // failed, not moved (the job said all was moved, and `--wait` exited 0; then it said
     // "60/60 moved, 55 failed"), and, as new dead letters, in router_dlq_entries_total and
@@ -1401,6 +1517,7 @@ mod tests {
                 filter: None,
                 rate_per_sec: 1000.0,
                 include_emitted,
+                ignore_contracts: false,
             },
         )
         .await
@@ -1498,6 +1615,176 @@ mod tests {
             0
         );
     }
+
+    /// An app on `test_config` with the rules `rules` (YAML) over the JetStream store on
+    /// `server`.
+    async fn jetstream_app(
+        server: &crate::store::jetstream::test_server::TestServer,
+        rules: &str,
+    ) -> (tempfile::TempDir, Arc<App>) {
+        use crate::store::jetstream::{JetStreamOptions, JetStreamStore};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = crate::app::test_config(dir.path());
+        std::fs::write(cfg.rules_dir.join("r.yaml"), rules).expect("rules");
+        let store = JetStreamStore::open(JetStreamOptions {
+            records: server.records("ROUTER"),
+            node: format!("{:016x}", rand::random::<u64>()),
+        })
+        .await
+        .expect("open the JetStream store");
+        let app = crate::app::test_app(cfg, Arc::new(store), None);
+        (dir, app)
+    }
+
+    /// `n` replays of the last 5 s created at the same moment (each in its own task): every one is created, each
+    /// under its own number.
+    async fn replays_created_at_once(app: &Arc<App>, n: usize) {
+        let now = app.clock.now_ms();
+        let creations = (0..n).map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move {
+                create_replay(
+                    &app,
+                    ReplayRequest {
+                        from: crate::clock::rfc3339(now - 5000),
+                        to: crate::clock::rfc3339(now),
+                        filter: None,
+                        rate_per_sec: 10.0,
+                        include_emitted: false,
+                        ignore_contracts: false,
+                    },
+                )
+                .await
+            })
+        });
+        let mut ids = HashSet::new();
+        for created in futures::future::join_all(creations).await {
+            let job = created.expect("joined").expect("every creation succeeds");
+            assert!(ids.insert(job.id.clone()), "{} given twice", job.id);
+        }
+        let numbers: HashSet<u64> = ids.iter().filter_map(|id| job_number(id)).collect();
+        assert_eq!(numbers.len(), n, "{ids:?}");
+    }
+
+    /// Jobs created at once all read the same highest number; the losers of each race took
+    /// the next after reading again, 8 times at most, and 5 of 16 creations at once were
+    /// answered 503 "storage unavailable".
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn many_jobs_created_at_once_are_all_created() {
+        let (_dir, app) = app_on(&SimulatedDisk::new());
+        replays_created_at_once(&app, 32).await;
+    }
+
+    /// As `many_jobs_created_at_once_are_all_created`, on the JetStream store.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn many_jobs_created_at_once_are_all_created_on_jetstream() {
+        let server = crate::store::jetstream::test_server::TestServer::start();
+        let (_dir, app) = jetstream_app(&server, RULE_T_TO_HOOK).await;
+        replays_created_at_once(&app, 32).await;
+    }
+
+    /// Job steps on JetStream are one atomic batch each, capped at 1000 writes: a replay of
+    /// 300 events to 10 targets each (an entry per copy and the event's record: 3301 writes)
+    /// at the highest rate was refused at every step and never moved. Steps now stop before
+    /// the cap and the job completes; an event whose copies alone would pass it (1000
+    /// targets) is counted as failed, with a warning, instead of stalling the job.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replay_larger_than_the_jetstream_batch_limit_completes() {
+        use std::fmt::Write as _;
+        let mut rules =
+            String::from("rules:\n  - name: r\n    pattern:\n      type: [t]\n    targets:\n");
+        for i in 0..10 {
+            let _ = write!(
+                rules,
+                "      - webhook: http://127.0.0.1:9/\n        id: h{i}\n"
+            );
+        }
+        rules.push_str("  - name: wide\n    pattern:\n      type: [wide]\n    targets:\n");
+        for i in 0..1000 {
+            let _ = write!(
+                rules,
+                "      - webhook: http://127.0.0.1:9/\n        id: w{i}\n"
+            );
+        }
+        let server = crate::store::jetstream::test_server::TestServer::start();
+        let (_dir, app) = jetstream_app(&server, &rules).await;
+        let now = app.clock.now_ms();
+        // Accepted with no targets (no queue entries): the replay makes the copies.
+        let mut events: Vec<_> = (0..300)
+            .map(|i| new_event("/s", &format!("e{i}"), &[], now - 1000))
+            .collect();
+        let mut wide = new_event("/s", "wide", &[], now - 1000);
+        wide.event.ty = "wide".into();
+        events.push(wide);
+        app.store.accept(events).await.expect("accepted");
+        let job = create_replay(
+            &app,
+            ReplayRequest {
+                from: crate::clock::rfc3339(now - 5000),
+                to: crate::clock::rfc3339(now),
+                filter: None,
+                rate_per_sec: MAX_RATE,
+                include_emitted: false,
+                ignore_contracts: false,
+            },
+        )
+        .await
+        .expect("created");
+        // About four steps of a few hundred writes each: seconds. A step refused by the
+        // server is tried again only after 1 s, 2 s, 4 s...: a minute is far past done.
+        let done = wait_for(&app, &job.id, Duration::from_secs(60), |j| {
+            j.state == JobState::Done
+        })
+        .await;
+        assert_eq!(done.state, JobState::Done, "{done:?}");
+        assert_eq!((done.moved, done.failed), (300, 1), "{done:?}");
+        assert!(
+            done.warnings
+                .iter()
+                .any(|w| w.contains("event wide from /s was not replayed")),
+            "{done:?}"
+        );
+        let failures = app
+            .metrics
+            .job_step_failures
+            .get_or_create(&vec![("kind", "replay".to_owned())])
+            .get();
+        assert_eq!(failures, 0, "no step was refused");
+    }
+
+    /// As `a_replay_larger_than_the_jetstream_batch_limit_completes`, for a redrive: 700
+    /// dead letters refused by a depth cap of 0 (each one a route: its DLQ record, a new
+    /// entry and its event's record, 2101 writes at once) all go back to their queue.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_redrive_larger_than_the_jetstream_batch_limit_completes() {
+        let server = crate::store::jetstream::test_server::TestServer::start();
+        let (_dir, app) = jetstream_app(&server, RULE_T_TO_HOOK).await;
+        let now = app.clock.now_ms();
+        let events: Vec<_> = (0..700)
+            .map(|i| {
+                let mut ne = new_event("/s", &format!("e{i}"), &["hook"], now - 1000);
+                ne.targets[0].max_depth = Some(0);
+                ne
+            })
+            .collect();
+        app.store.accept(events).await.expect("accepted");
+        let job = redrive_all(&app, MAX_RATE).await;
+        let done = wait_for(&app, &job.id, Duration::from_secs(60), |j| {
+            j.state == JobState::Done
+        })
+        .await;
+        assert_eq!(done.state, JobState::Done, "{done:?}");
+        assert_eq!((done.moved, done.failed), (700, 0), "{done:?}");
+        let failures = app
+            .metrics
+            .job_step_failures
+            .get_or_create(&vec![("kind", "redrive".to_owned())])
+            .get();
+        assert_eq!(failures, 0, "no step was refused");
+    }
+
+    /// `test_config`'s rules: type `t` to webhook `hook`.
+    const RULE_T_TO_HOOK: &str = "rules:\n  - name: r\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/\n        id: hook\n";
 
     #[test]
     fn job_numbers_are_read_from_ids_with_or_without_a_node_suffix() {
@@ -1719,6 +2006,65 @@ mod tests {
         );
     }
 
+    /// A replay checks the current contracts, as ingest does: an event archived before its
+    /// type's contract refused it is skipped and counted in `skipped_contract` (it was
+    /// replayed to receivers ingest now keeps it from), and replayed with `ignore_contracts`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replay_skips_events_the_current_contract_refuses_unless_asked() {
+        let (dir, app) = app_on(&SimulatedDisk::new());
+        let now = app.clock.now_ms();
+        let mut passing = new_event("/s", "passing", &["hook"], now - 1000);
+        passing.event = serde_json::from_value(
+            serde_json::json!({"id": "passing", "source": "/s", "type": "t", "data": {"n": "one"}}),
+        )
+        .expect("valid event");
+        // Accepted before the contract below existed: `n` is a number.
+        let failing = new_event("/s", "failing", &["hook"], now - 1000);
+        app.store
+            .accept(vec![passing, failing])
+            .await
+            .expect("accepted");
+        let contract = dir.path().join("contracts/t");
+        std::fs::create_dir_all(&contract).expect("contract dir");
+        std::fs::write(
+            contract.join("v1.json"),
+            r#"{"type": "object", "properties": {"n": {"type": "string"}}}"#,
+        )
+        .expect("contract");
+        let cfg = crate::app::test_config(dir.path());
+        app.contracts.store(Arc::new(
+            crate::app::load_contracts(&cfg).expect("contracts"),
+        ));
+        let done = replay_last_seconds(&app, now).await;
+        assert_eq!(
+            (done.moved, done.skipped, done.skipped_contract),
+            (1, 1, 1),
+            "{done:?}"
+        );
+        let job = create_replay(
+            &app,
+            ReplayRequest {
+                from: crate::clock::rfc3339(now - 5000),
+                to: crate::clock::rfc3339(now),
+                filter: None,
+                rate_per_sec: 1000.0,
+                include_emitted: false,
+                ignore_contracts: true,
+            },
+        )
+        .await
+        .expect("created");
+        let done = wait_for(&app, &job.id, Duration::from_secs(30), |j| {
+            j.state == JobState::Done
+        })
+        .await;
+        assert_eq!(
+            (done.moved, done.skipped, done.skipped_contract),
+            (2, 0, 0),
+            "{done:?}"
+        );
+    }
+
     /// Replayed copies that meet their target's full queue go to the DLQ as
     /// `target_overflow`: new dead letters, counted in `router_dlq_entries_total` like those
     /// at acceptance (they used to count only as the job's `failed`).
@@ -1784,6 +2130,7 @@ mod tests {
                 filter: None,
                 rate_per_sec: 0.5,
                 include_emitted: false,
+                ignore_contracts: false,
             },
         )
         .await
@@ -1849,6 +2196,7 @@ mod tests {
                     filter: None,
                     rate_per_sec: 1000.0,
                     include_emitted: false,
+                    ignore_contracts: false,
                 },
             )
         };
@@ -1938,6 +2286,7 @@ mod tests {
                     filter: None,
                     rate_per_sec: rate,
                     include_emitted: false,
+                    ignore_contracts: false,
                 },
             )
             .await;
@@ -2031,6 +2380,7 @@ mod tests {
             filter: None,
             rate_per_sec: 1000.0,
             include_emitted: false,
+            ignore_contracts: false,
         };
         app.disk_full.store(true, Relaxed);
         assert!(matches!(

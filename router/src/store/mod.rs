@@ -384,6 +384,16 @@ pub trait Store: Send + Sync + 'static {
         now: Millis,
     ) -> BoxFuture<'_, Result<(u64, RedriveGone), StoreError>>;
 
+    /// The most records one job step ([`Store::redrive_step`], [`Store::replay_step`]) may
+    /// write: the job's own record, and what [`RedriveAction::max_writes`] and
+    /// [`ReplayItem::max_writes`] count for each action or item. A job's runner stops adding
+    /// to a step before it would pass this. The JetStream store commits a step as one atomic
+    /// batch, which the server caps (a step over it was refused, and tried again as large for
+    /// ever); redb's transactions have no such cap.
+    fn max_step_writes(&self) -> usize {
+        usize::MAX
+    }
+
     /// Adds replayed deliveries and the job's new progress atomically, if the job is still at
     /// `job.rev` (as [`Store::redrive_step`]); returns the job's new revision, the copies
     /// that went to the DLQ instead (their queue at its depth cap) and the items whose event

@@ -1042,8 +1042,8 @@ pub struct Job {
     /// cap sent to the DLQ.
     pub failed: u64,
     /// Items skipped: a replay's events that did not match its filter or any rule (or were
-    /// the router's own system events); a redrive's entries another job moved, or a purge
-    /// removed, before this one reached them.
+    /// the router's own system events, or failed their type's current contract); a
+    /// redrive's entries another job moved, or a purge removed, before this one reached them.
     #[serde(default)]
     pub skipped: u64,
     /// Of `skipped`, a replay's events that were handlers' emissions (source `handler://…`),
@@ -1051,6 +1051,10 @@ pub struct Job {
     /// request's `include_emitted` replays them too).
     #[serde(default)]
     pub skipped_emitted: u64,
+    /// Of `skipped`, a replay's events that fail their type's current contract (the request's
+    /// `ignore_contracts` replays them too).
+    #[serde(default)]
+    pub skipped_contract: u64,
     /// A replay's events that the archive sweep removed (past the archive's retention) before
     /// the job reached them: counted when the job ends, as the part of `total` it never saw.
     /// `moved`, `failed`, `skipped` and `expired` count distinct items.
@@ -1173,7 +1177,26 @@ pub enum RedriveAction {
     },
 }
 
+/// The most records a job step writes for one copy of an event: its queue entry (or, refused
+/// by its queue's depth cap, its dead letter), and the record of its ordering key's hold
+/// (released by a redrive, or taken by a dead letter that holds its key).
+fn copy_writes(t: &NewEntry) -> usize {
+    1 + usize::from(t.ordering_key.is_some())
+}
+
 impl RedriveAction {
+    /// The most records a redrive step writes for this action (see
+    /// [`crate::store::Store::max_step_writes`]): the dead letter's, and for a requeue its
+    /// queue entry and its key's hold; for a route its event's, its dedup record and each
+    /// copy's ([`copy_writes`]).
+    pub fn max_writes(&self) -> usize {
+        match self {
+            Self::Requeue { .. } => 3,
+            Self::Route { targets, .. } => 3 + targets.iter().map(copy_writes).sum::<usize>(),
+            Self::Keep { .. } => 1,
+        }
+    }
+
     /// The DLQ entry the action is about.
     pub fn dlq_id(&self) -> u64 {
         match self {
@@ -1191,6 +1214,14 @@ pub struct ReplayItem {
     pub seq: u64,
     /// Targets under the current rules.
     pub targets: Vec<NewEntry>,
+}
+
+impl ReplayItem {
+    /// The most records a replay step writes for this item (see
+    /// [`crate::store::Store::max_step_writes`]): its event's, and each copy's.
+    pub fn max_writes(&self) -> usize {
+        1 + self.targets.iter().map(copy_writes).sum::<usize>()
+    }
 }
 
 /// What a replay step did ([`crate::store::Store::replay_step`]).

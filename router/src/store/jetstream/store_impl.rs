@@ -181,6 +181,10 @@ impl Store for JetStreamStore {
         JetStreamStore::redrive_step(self, job, actions, now).boxed()
     }
 
+    fn max_step_writes(&self) -> usize {
+        super::records::MAX_BATCH
+    }
+
     fn replay_step(
         &self,
         job: Job,

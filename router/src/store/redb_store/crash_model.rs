@@ -1399,6 +1399,7 @@ fn job(store: &RedbStore, id: &str, moved: u64, now: Millis) -> Job {
         failed: 0,
         skipped: 0,
         skipped_emitted: 0,
+        skipped_contract: 0,
         expired: 0,
         warnings: Vec::new(),
         last_item_at: None,
