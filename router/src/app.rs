@@ -64,8 +64,9 @@ pub struct App {
     /// The client connections the HTTP server holds (`server.max_connections`).
     pub connections: Arc<ConnectionSlots>,
     /// Handler uploads whose body is being read or compiled at once: each may hold
-    /// `handlers.max_upload_bytes` in memory.
-    pub upload_slots: tokio::sync::Semaphore,
+    /// `handlers.max_upload_bytes` in memory. A slot is held until the compilation ends, even
+    /// when the client gave up before ([`UploadSlot`]).
+    pub upload_slots: Arc<tokio::sync::Semaphore>,
     /// The WASM handler runtime.
     pub handlers: Option<Arc<crate::target::handler::HandlerRuntime>>,
     /// Contracts put over the API, shared with the other nodes (on a store they share).
@@ -1060,7 +1061,7 @@ async fn start_handlers(
         Ok(Some(bytes)) => tracing::info!(
             dir = %legacy.display(),
             bytes,
-            "removed wasmtime's unchecked compilation cache of an earlier router version; each handler is compiled once more at its first load, and its compiled code then kept, checked, beside its component"
+            "removed wasmtime's unchecked compilation cache of an earlier router version; each handler is compiled once more (in the background, after the start), and its compiled code then kept, checked, beside its component"
         ),
         Ok(None) => {}
         Err(e) => tracing::warn!(
@@ -1087,11 +1088,18 @@ async fn start_handlers(
         ..Default::default()
     };
     engine.check_limits(&limits).map_err(|e| e.to_string())?;
-    let registry = Arc::new(
-        crate::wasm::HandlerRegistry::open(dir.join("registry"), engine)
-            .map_err(|e| e.to_string())?
-            .with_keep_versions(h.keep_versions),
-    );
+    // Versions whose stored compiled code is of no use (a router upgrade, `handlers.fuel`
+    // switched) are compiled after the start, in the background (`compile_deferred`): the API
+    // and ingest do not wait for them, and their deliveries wait as for a handler not loaded.
+    let registry_dir = dir.join("registry");
+    let registry = tokio::task::spawn_blocking(move || {
+        crate::wasm::HandlerRegistry::open_deferred(registry_dir, engine)
+    })
+    .await
+    .map_err(|e| e.to_string())?
+    .map_err(|e| e.to_string())?
+    .with_keep_versions(h.keep_versions);
+    let registry = Arc::new(registry);
     let logs = Arc::new(
         crate::wasm::HandlerLogs::open(&dir.join("logs"), h.log_retain_bytes)
             .map_err(|e| format!("{}: {e}", dir.join("logs").display()))?,
@@ -1148,6 +1156,11 @@ async fn start_handlers(
     tracing::info!(
         handlers = registry.list().len(),
         compilations = registry.compilations(),
+        compiling_in_background = registry
+            .list()
+            .iter()
+            .filter(|i| i.state == crate::wasm::HandlerState::Loading)
+            .count(),
         "WASM handler runtime started"
     );
     Ok(Arc::new(crate::target::handler::HandlerRuntime {
@@ -1171,6 +1184,27 @@ async fn start_handlers(
         clock: clock.clone(),
         prepare: std::sync::OnceLock::new(),
     }))
+}
+
+/// Compiles the handler versions the registry's open left for later
+/// (`HandlerRegistry::load_deferred`), one at a time on a blocking thread, until done or
+/// `cancel`. On cancel it returns at once: a compilation cannot be interrupted, so the one
+/// running finishes on its thread (it activates nothing once the shutdown has closed the
+/// registry, and `main` does not wait for it).
+async fn compile_deferred(registry: Arc<crate::wasm::HandlerRegistry>, cancel: CancellationToken) {
+    if !registry.loading() {
+        return;
+    }
+    let stop = cancel.clone();
+    let work = tokio::task::spawn_blocking(move || registry.load_deferred(&|| stop.is_cancelled()));
+    tokio::select! {
+        () = cancel.cancelled() => {}
+        done = work => {
+            if let Err(e) = done {
+                tracing::error!(error = %e, "compiling handler versions in the background failed; those not loaded stay `loading` until the next start");
+            }
+        }
+    }
 }
 
 /// Why an emitted event is outside its handler owner's ingest scope, if it is. With auth off
@@ -1677,6 +1711,10 @@ pub async fn run_with_store(
     let handlers = match start_handlers(&cfg, &store, &clock, &metrics).await {
         Ok(rt) => {
             tracker.spawn(rt.changes.clone().follow(workers_cancel.clone()));
+            tracker.spawn(compile_deferred(
+                rt.registry.clone(),
+                workers_cancel.clone(),
+            ));
             Some(rt)
         }
         Err(e) => {
@@ -1848,7 +1886,7 @@ pub async fn run_with_store(
         disk_full: AtomicBool::new(false),
         ingest_admission,
         connections,
-        upload_slots: tokio::sync::Semaphore::new(UPLOAD_SLOTS),
+        upload_slots: Arc::new(tokio::sync::Semaphore::new(UPLOAD_SLOTS)),
         handlers: handlers.clone(),
         shared_contracts: store
             .contract_catalog()
@@ -2007,6 +2045,20 @@ pub async fn run_with_store(
     {
         tracing::warn!("grace period over; unfinished attempts will be retried after restart");
     }
+    // No handler change after this: an upload whose client gave up may still be compiling on
+    // a blocking thread, and activated itself after `stopped` (`main` does not wait for it).
+    // `close` waits only for a change being written (file writes, or a catalog version being
+    // loaded), bounded all the same.
+    if let Some(h) = &app.handlers {
+        let registry = h.registry.clone();
+        let close = tokio::task::spawn_blocking(move || registry.close());
+        if tokio::time::timeout(Duration::from_secs(5), close)
+            .await
+            .is_err()
+        {
+            tracing::warn!("a handler change still being written did not finish within 5 s");
+        }
+    }
     sys_cancel.cancel();
     sys_tracker.close();
     if tokio::time::timeout(Duration::from_secs(10), sys_tracker.wait())
@@ -2040,6 +2092,24 @@ pub async fn run_with_store(
 
 /// Handler uploads read or compiled at once (`App::upload_slots`).
 const UPLOAD_SLOTS: usize = 2;
+
+/// One of `App::upload_slots`, in an upload request's extensions: the request holds it while
+/// its body is read (a client that goes away then frees it), and the upload route takes it
+/// ([`Self::take`]) into the compilation, which holds it to its end whether or not the client
+/// still waits (`HandlerChanges::upload_holding`).
+#[derive(Clone)]
+pub struct UploadSlot(Arc<Mutex<Option<tokio::sync::OwnedSemaphorePermit>>>);
+
+impl UploadSlot {
+    fn new(permit: tokio::sync::OwnedSemaphorePermit) -> Self {
+        Self(Arc::new(Mutex::new(Some(permit))))
+    }
+
+    /// The permit, once (`None` after).
+    pub fn take(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
 
 /// `Retry-After` of an upload that found every slot taken for a whole request timeout.
 const UPLOAD_BUSY_RETRY_AFTER_S: u64 = 5;
@@ -2127,10 +2197,18 @@ async fn bounded_body(
     // An upload waits for a slot at most as long as its body may take to arrive: past that,
     // the slots are held by other uploads (slow bodies, long compilations), and the uploader
     // is told to come back rather than left hanging. The semaphore is never closed.
-    let _slot = if upload {
-        match tokio::time::timeout(app.cfg.server.request_timeout, app.upload_slots.acquire()).await
+    let mut req = req;
+    if upload {
+        match tokio::time::timeout(
+            app.cfg.server.request_timeout,
+            app.upload_slots.clone().acquire_owned(),
+        )
+        .await
         {
-            Ok(Ok(slot)) => Some(slot),
+            // Held by the request while its body is read, then handed to the compilation.
+            Ok(Ok(slot)) => {
+                req.extensions_mut().insert(UploadSlot::new(slot));
+            }
             _ => {
                 return crate::ingest::with_retry_after(
                     crate::ingest::error_response(
@@ -2148,9 +2226,7 @@ async fn bounded_body(
                 );
             }
         }
-    } else {
-        None
-    };
+    }
     let limit = if upload {
         app.cfg.handlers.max_upload_bytes
     } else {
@@ -2672,7 +2748,7 @@ fn test_app_with(
         disk_full: AtomicBool::new(false),
         ingest_admission,
         connections,
-        upload_slots: tokio::sync::Semaphore::new(UPLOAD_SLOTS),
+        upload_slots: Arc::new(tokio::sync::Semaphore::new(UPLOAD_SLOTS)),
         handlers: None,
         shared_contracts,
         delivery_threads: crate::deliver::DeliveryThreadsStatus {

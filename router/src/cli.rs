@@ -305,15 +305,19 @@ pub fn active_handlers(v: &Value) -> std::collections::BTreeSet<String> {
         .collect()
 }
 
-/// `router handlers list` as a table.
+/// `router handlers list` as a table: STATE says whether the active version runs here
+/// (`loaded`, `loading`, `failed`), and why each failed one did follows the table.
 pub fn handlers_table(v: &Value) -> String {
-    let rows: Vec<Vec<String>> = v["handlers"]
+    let handlers = v["handlers"]
         .as_array()
-        .into_iter()
-        .flatten()
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    let rows: Vec<Vec<String>> = handlers
+        .iter()
         .map(|h| {
             vec![
                 s(&h["name"]),
+                s(&h["state"]),
                 s(&h["active"]["version"]),
                 h["active"]["sha256"]
                     .as_str()
@@ -329,12 +333,18 @@ pub fn handlers_table(v: &Value) -> String {
             ]
         })
         .collect();
-    table(
+    let mut out = table(
         &[
-            "HANDLER", "ACTIVE", "SHA256", "UPLOADER", "UPLOADED", "VERSIONS",
+            "HANDLER", "STATE", "ACTIVE", "SHA256", "UPLOADER", "UPLOADED", "VERSIONS",
         ],
         &rows,
-    )
+    );
+    for h in handlers {
+        if let Some(e) = h["load_error"].as_str() {
+            out.push_str(&format!("\n{}: {e}", s(&h["name"])));
+        }
+    }
+    out
 }
 
 /// Builds a query string from (name, value) pairs, skipping empty ones.
@@ -896,6 +906,26 @@ mod tests {
         assert_eq!(job_row(&done), job_line(&done));
         let embedded = serde_json::json!({"id": "redrive-3", "state": "running", "runner": null});
         assert_eq!(job_row(&embedded), job_line(&embedded));
+    }
+
+    /// A handler whose active version failed to load read as running: the table says so,
+    /// and why.
+    #[test]
+    fn the_handlers_table_shows_which_handlers_run_and_why_not() {
+        let v = serde_json::json!({"handlers": [
+            {"name": "noop", "state": "failed", "active": {"version": 1, "sha256": "ca1097cb01a9ff", "uploader": "t", "uploaded_at": "x"}, "versions": [{}], "load_error": "cannot load \"noop\" version 1: damaged"},
+            {"name": "ok", "state": "loaded", "active": {"version": 2, "sha256": "aa", "uploader": "t", "uploaded_at": "x"}, "versions": [{}], "load_error": null}
+        ]});
+        let t = handlers_table(&v);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].starts_with("HANDLER  STATE"), "{t}");
+        assert!(lines[1].starts_with("noop     failed  1"), "{t}");
+        assert!(lines[2].starts_with("ok       loaded  2"), "{t}");
+        assert_eq!(
+            lines[3], "noop: cannot load \"noop\" version 1: damaged",
+            "{t}"
+        );
+        assert_eq!(lines.len(), 4, "{t}");
     }
 
     #[test]

@@ -57,7 +57,10 @@ pub fn delay_point(point: &str) -> Option<std::time::Duration> {
 /// started with `EVENT_ROUTER_DELAY_AT=<point>:<detail>:<ms>`, and never after. Points:
 /// `before_ack:<target id>` — an attempt has finished and its result waits that long before
 /// it is committed: a worker that stalls past its lease, which a live attempt (bounded by its
-/// policy timeout, inside the lease) does not otherwise do.
+/// policy timeout, inside the lease) does not otherwise do; `deferred_compile:<handler>` — a
+/// start's background compilation of that handler (`HandlerRegistry::load_deferred`) begins
+/// that much later; `upload_compile:<handler>` — the validation of an upload of that handler
+/// (its compilation) takes that much longer.
 pub fn delay_once(point: &str, detail: &str) -> Option<std::time::Duration> {
     static FIRED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let (p, d, ms) = delay_armed()?;

@@ -522,7 +522,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             if !links.is_empty() {
                 tracing::info!(variables = ?links, "ignored as Kubernetes service links of a Service named `router`, not configuration keys");
             }
-            rt.block_on(async move {
+            let served = rt.block_on(async move {
                 // SIGHUP's default action ends the process: until the reload trigger listens
                 // (after the store opens and the handlers load, seconds on a large store), a
                 // HUP sent to reload would have killed the router. A handler registered now
@@ -544,7 +544,14 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 });
                 router::app::run(cfg, listener, shutdown).await?;
                 Ok::<_, anyhow::Error>(())
-            })?;
+            });
+            // `run` has finished its shutdown within its grace period. What a drop of the
+            // runtime would still wait for is blocking work nobody awaits any more: above all
+            // a handler compilation whose upload's client gave up (tens of seconds for a large
+            // component, and it can activate nothing once `run` closed the registry). A short
+            // bound, not none: a file write finishing on a blocking thread gets its moment.
+            rt.shutdown_timeout(std::time::Duration::from_secs(1));
+            served?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Rules {

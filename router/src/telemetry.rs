@@ -80,15 +80,23 @@ fn retain_series<'a>(
     shown: &mut std::collections::BTreeSet<String>,
     current: impl Iterator<Item = (&'a String, i64)>,
 ) {
+    retain_series_by(family, "target", shown, current);
+}
+
+/// [`retain_series`] with the series keyed by `label` instead of `target`.
+fn retain_series_by<'a>(
+    family: &Family<Labels, Gauge>,
+    label: &'static str,
+    shown: &mut std::collections::BTreeSet<String>,
+    current: impl Iterator<Item = (&'a String, i64)>,
+) {
     let mut now_shown = std::collections::BTreeSet::new();
-    for (target, value) in current {
-        family
-            .get_or_create(&vec![("target", target.clone())])
-            .set(value);
-        now_shown.insert(target.clone());
+    for (key, value) in current {
+        family.get_or_create(&vec![(label, key.clone())]).set(value);
+        now_shown.insert(key.clone());
     }
     for gone in shown.difference(&now_shown) {
-        family.remove(&vec![("target", gone.clone())]);
+        family.remove(&vec![(label, gone.clone())]);
     }
     *shown = now_shown;
 }
@@ -211,6 +219,11 @@ pub struct Metrics {
     )>,
     /// The bound on each namespace (`handlers.kv_max_bytes`).
     pub handler_kv_max_bytes: Gauge,
+    /// 1 when a handler's active version runs here, 0 while it is compiled after a start or
+    /// when it failed to load (its deliveries wait), by handler.
+    pub handler_loaded: Family<Labels, Gauge>,
+    /// Handlers whose `router_handler_loaded` the last scrape showed.
+    handler_loaded_shown: std::sync::Mutex<std::collections::BTreeSet<String>>,
     /// Reads of the shared handler catalog (result ok, error) and the handler changes they
     /// brought (installed, removed, published), on stores several nodes share.
     pub handler_catalog: Family<Labels, Counter>,
@@ -278,6 +291,8 @@ impl Metrics {
             queue_targets_shown: Default::default(),
             worker_gauges_shown: Default::default(),
             handler_kv_max_bytes: Gauge::default(),
+            handler_loaded: Family::default(),
+            handler_loaded_shown: Default::default(),
             handler_catalog: Family::default(),
             store_records: Family::default(),
             nats_connected: Family::default(),
@@ -499,6 +514,11 @@ impl Metrics {
             m.handler_catalog.clone(),
         );
         registry.register(
+            "router_handler_loaded",
+            "1 when the handler's active version runs on this node; 0 while it is being compiled after a start, or when it failed to load (GET /v1/handlers/{name} says why): its deliveries wait, up to their max_age",
+            m.handler_loaded.clone(),
+        );
+        registry.register(
             "router_handler_kv_max_bytes",
             "Bound on each handler's key-value namespace (handlers.kv_max_bytes)",
             m.handler_kv_max_bytes.clone(),
@@ -582,6 +602,21 @@ impl Metrics {
             &self.breaker_state,
             breakers_shown,
             breakers.iter().map(|(t, g)| (t, *g)),
+        );
+    }
+
+    /// Sets `router_handler_loaded` to `handlers` (name, loaded), removing the series of
+    /// handlers no longer listed (deleted).
+    pub fn set_handler_loaded(&self, handlers: &[(String, bool)]) {
+        let mut shown = self
+            .handler_loaded_shown
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        retain_series_by(
+            &self.handler_loaded,
+            "handler",
+            &mut shown,
+            handlers.iter().map(|(h, l)| (h, i64::from(*l))),
         );
     }
 
@@ -837,5 +872,23 @@ mod tests {
         // A breaker added back shows again.
         m.set_worker_gauges(&[("a".into(), false)], &[("a".into(), 2)]);
         assert!(exposition(&m).contains("router_breaker_state{target=\"a\"} 2"));
+    }
+
+    /// A handler that does not run shows 0; a deleted one loses its series.
+    #[test]
+    fn handler_loaded_follows_the_handlers() {
+        let m = Metrics::new();
+        m.set_handler_loaded(&[("noop".into(), true), ("broken".into(), false)]);
+        let t = exposition(&m);
+        assert!(
+            t.contains("router_handler_loaded{handler=\"noop\"} 1"),
+            "{t}"
+        );
+        assert!(
+            t.contains("router_handler_loaded{handler=\"broken\"} 0"),
+            "{t}"
+        );
+        m.set_handler_loaded(&[("noop".into(), true)]);
+        assert!(!exposition(&m).contains("handler=\"broken\""));
     }
 }

@@ -429,7 +429,13 @@ async fn damaged_compiled_code_is_compiled_again_at_the_next_start() {
         "{log}"
     );
     assert!(!r.data_dir().join("handlers/compiled").exists());
-    let (_, list) = get_json(&r, "/v1/handlers").await;
+    // Compiled in the background, after the router started listening.
+    let list = eventually(Duration::from_secs(120), || async {
+        let (_, list) = get_json(&r, "/v1/handlers").await;
+        (list["handlers"][0]["state"] == "loaded").then_some(list)
+    })
+    .await
+    .expect("enrich compiled again");
     assert_eq!(list["compilations"], 1, "{list}");
     assert_eq!(
         post_event(&r, &event("d1", "order.created", json!({"total": 1})))
@@ -2088,9 +2094,9 @@ async fn a_delivery_waiting_for_a_missing_handler_says_so() {
             .as_array()
             .into_iter()
             .flatten()
-            .any(|w| w
-                .as_str()
-                .is_some_and(|w| w.contains("target h: handler \"absent\" has no active version"))),
+            .any(|w| w.as_str().is_some_and(|w| w.contains(
+                "target h: handler \"absent\" is not uploaded (or was deleted): its deliveries wait"
+            ))),
         "{status}"
     );
 }
@@ -2128,4 +2134,220 @@ async fn a_team_token_lists_the_handlers_it_covers() {
     assert_eq!(names(&b), ["invoice", "noop"]);
     let (s, b) = send_as(&r, "GET", "/v1/handlers", "producer", None).await;
     assert_eq!(s, 403, "{b}");
+}
+
+/// A start whose handlers must be compiled again (here `handlers.fuel` switched on, as a
+/// router upgrade does) serves at once: the compilation runs in the background (stretched
+/// here by a delay point), and meanwhile the handler is listed as `loading`, its deliveries
+/// wait saying so, `/v1/status` and `router_handler_loaded` show it, and ingest answers.
+/// Before, the router listened only once every such handler was compiled (45 s for the 18 MB
+/// Python example). A stop does not wait for the compilation either; the next start compiles
+/// it and the waiting event is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handlers_compiled_again_at_start_do_not_hold_up_the_api() {
+    let sink = Receiver::ok().await;
+    let rules = format!(
+        "{}  - name: enriched-out\n    pattern:\n      type: [{{ suffix: .enriched }}]\n    targets:\n      - webhook: {}\n        id: out\n",
+        rules_yaml(
+            FAST,
+            &[(
+                "to-rust",
+                "order.created",
+                &["handler: enrich\n        id: h\n        policy: fast".to_string()]
+            )]
+        ),
+        sink.url()
+    );
+    let mut r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(put_handler(&r, "enrich", plugin("enrich")).await.0, 201);
+    r.sigterm();
+    r.set_env("ROUTER_HANDLERS__FUEL", Some("100000000"));
+    // Far longer than this part of the test: the compilation is pending throughout.
+    r.set_env(
+        "EVENT_ROUTER_DELAY_AT",
+        Some("deferred_compile:enrich:600000"),
+    );
+    r.restart();
+    assert!(
+        r.log_text().contains("compiling_in_background=1"),
+        "{}",
+        r.log_text()
+    );
+    assert_eq!(get_json(&r, "/healthz").await.0, 200);
+    assert_eq!(get_json(&r, "/readyz").await.0, 200, "ready for events");
+    assert_eq!(
+        post_event(&r, &event("c1", "order.created", json!({"total": 1})))
+            .await
+            .0,
+        202
+    );
+    let (_, h) = get_json(&r, "/v1/handlers/enrich").await;
+    assert_eq!(h["state"], "loading", "{h}");
+    let f = eventually(Duration::from_secs(20), || async {
+        let f = fate(&r, "c1").await;
+        f["targets"][0]["waiting_on"]
+            .as_str()
+            .is_some_and(|w| w.contains("handler \"enrich\" version 1 is being compiled"))
+            .then_some(f)
+    })
+    .await;
+    assert!(f.is_some(), "{}", fate(&r, "c1").await);
+    let (_, status) = get_json(&r, "/v1/status").await;
+    assert!(
+        status["warnings"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|w| w.as_str().is_some_and(
+                |w| w.starts_with("target h: handler \"enrich\" version 1 is being compiled")
+            )),
+        "{status}"
+    );
+    let m = metrics_text(&r).await;
+    assert!(
+        m.contains("router_handler_loaded{handler=\"enrich\"} 0"),
+        "{}",
+        metric_lines(&m, "handler_loaded")
+    );
+    // The stop does not wait for the compilation (a blocking thread nobody awaits): the
+    // harness gives it 30 s, the delay is ten minutes.
+    let stopping = std::time::Instant::now();
+    assert!(r.sigterm().success());
+    assert!(
+        stopping.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        stopping.elapsed()
+    );
+    r.set_env("EVENT_ROUTER_DELAY_AT", None);
+    r.restart();
+    // Compiling the 188 KB example takes about a second; generous for a loaded machine.
+    let loaded = eventually(Duration::from_secs(120), || async {
+        let (_, h) = get_json(&r, "/v1/handlers/enrich").await;
+        (h["state"] == "loaded").then_some(h)
+    })
+    .await;
+    assert!(loaded.is_some(), "{}", r.log_text());
+    assert!(
+        sink.wait_for(Duration::from_secs(60), |s| s.len() == 1)
+            .await,
+        "the waiting event was not delivered once loaded"
+    );
+    let m = metrics_text(&r).await;
+    assert!(
+        m.contains("router_handler_loaded{handler=\"enrich\"} 1"),
+        "{}",
+        metric_lines(&m, "handler_loaded")
+    );
+}
+
+/// A handler whose stored component is damaged is listed as `failed` with why, its
+/// deliveries and `/v1/status` give that cause (they said "not uploaded"), and
+/// `router_handler_loaded` is 0. Uploading the same bytes again repairs it for good: the
+/// damaged file was kept before, and the next start failed the handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_failed_to_load_says_why_and_a_reupload_repairs_it() {
+    let rules = rules_yaml(
+        "",
+        &[("r", "t", &["handler: noop\n        id: h".to_string()])],
+    );
+    let mut r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let (_, v) = put_handler(&r, "noop", plugin("noop")).await;
+    let sha = v["sha256"].as_str().expect("sha256").to_string();
+    r.sigterm();
+    let component = r
+        .data_dir()
+        .join(format!("handlers/registry/noop/{sha}.wasm"));
+    let mut bytes = std::fs::read(&component).expect("component");
+    let middle = bytes.len() / 2;
+    bytes[middle..middle + 4].copy_from_slice(b"XXXX");
+    std::fs::write(&component, bytes).expect("write");
+    r.restart();
+    let (_, h) = get_json(&r, "/v1/handlers/noop").await;
+    assert_eq!(h["state"], "failed", "{h}");
+    assert!(
+        h["load_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("does not match its SHA-256")),
+        "{h}"
+    );
+    assert_eq!(post_event(&r, &event("w1", "t", json!({}))).await.0, 202);
+    let f = eventually(Duration::from_secs(20), || async {
+        let f = fate(&r, "w1").await;
+        f["targets"][0]["waiting_on"]
+            .as_str()
+            .is_some_and(|w| {
+                w.contains("handler \"noop\" could not be loaded (cannot load \"noop\" version 1")
+            })
+            .then_some(f)
+    })
+    .await;
+    assert!(f.is_some(), "{}", fate(&r, "w1").await);
+    let (_, status) = get_json(&r, "/v1/status").await;
+    assert!(
+        status["warnings"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|w| w
+                .as_str()
+                .is_some_and(|w| w.starts_with("target h: handler \"noop\" could not be loaded"))),
+        "{status}"
+    );
+    let m = metrics_text(&r).await;
+    assert!(
+        m.contains("router_handler_loaded{handler=\"noop\"} 0"),
+        "{}",
+        metric_lines(&m, "handler_loaded")
+    );
+    assert_eq!(put_handler(&r, "noop", plugin("noop")).await.0, 200);
+    r.sigterm();
+    r.restart();
+    let (_, h) = get_json(&r, "/v1/handlers/noop").await;
+    assert_eq!(
+        (&h["state"], &h["load_error"]),
+        (&json!("loaded"), &Value::Null),
+        "{h}"
+    );
+    let done = eventually(Duration::from_secs(30), || async {
+        let f = fate(&r, "w1").await;
+        (f["targets"][0]["state"] == "delivered").then_some(f)
+    })
+    .await;
+    assert!(done.is_some(), "{}", fate(&r, "w1").await);
+}
+
+/// An upload whose client gave up while it compiled neither holds the router's exit nor
+/// activates itself after the router stopped (its compilation is stretched here, as a large
+/// component's is). Before, the process waited for it and, on a node alone, committed it after
+/// logging `stopped`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_abandoned_by_its_client_neither_holds_the_exit_nor_activates_after_it() {
+    let mut r = RouterProc::start_with_env(
+        &[],
+        &[],
+        &[("EVENT_ROUTER_DELAY_AT", "upload_compile:noop:20000")],
+    );
+    let gave_up = client()
+        .put(r.url("/v1/handlers/noop"))
+        .body(plugin("noop"))
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await;
+    assert!(gave_up.is_err(), "{gave_up:?}");
+    let stopping = std::time::Instant::now();
+    assert!(r.sigterm().success());
+    // Within the grace period (10 s by default), not after the 20 s stall.
+    assert!(
+        stopping.elapsed() < Duration::from_secs(12),
+        "{:?}",
+        stopping.elapsed()
+    );
+    assert!(
+        !r.log_text().contains("handler version activated"),
+        "{}",
+        r.log_text()
+    );
+    r.set_env("EVENT_ROUTER_DELAY_AT", None);
+    r.restart();
+    assert_eq!(get_json(&r, "/v1/handlers/noop").await.0, 404);
 }

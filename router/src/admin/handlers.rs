@@ -51,6 +51,9 @@ fn registry_error(who: &Principal, name: &str, e: RegistryError) -> Response {
     if let RegistryError::OwnedByAnotherTeam(e) = &e {
         return owned_elsewhere(who, e);
     }
+    if matches!(e, RegistryError::ShuttingDown) {
+        return shutting_down(&e);
+    }
     if let RegistryError::Busy(why) = &e {
         return crate::ingest::with_retry_after(
             error_response(
@@ -95,6 +98,7 @@ pub async fn upload(
     axum::Extension(who): axum::Extension<Principal>,
     Path(name): Path<String>,
     crate::admin::ApiQuery(q): crate::admin::ApiQuery<UploadQuery>,
+    slot: Option<axum::Extension<crate::app::UploadSlot>>,
     body: axum::body::Bytes,
 ) -> Response {
     // Checked before the body was read too (`refuse_upload_early`); again here, with the
@@ -115,7 +119,10 @@ pub async fn upload(
         .get(&name)
         .map(|info| info.versions.into_iter().map(|v| v.sha256).collect())
         .unwrap_or_default();
-    match rt.changes.upload(&name, body, uploader).await {
+    // The upload slot goes with the compilation, which outlives this request when the client
+    // gives up (`HandlerChanges::upload_holding`).
+    let slot = slot.and_then(|s| s.take());
+    match rt.changes.upload_holding(&name, body, uploader, slot).await {
         Ok(v) if stored.contains(&v.sha256) => {
             tracing::warn!(handler = %name, version = v.version, sha256 = %v.sha256, uploader = %who.name, "handler upload matched a stored version, which is active");
             (StatusCode::OK, axum::Json(json!(v))).into_response()
@@ -138,6 +145,7 @@ pub async fn upload(
             )
         }
         Err(e @ UploadError::Catalog(_)) => catalog_unavailable(&name, &e),
+        Err(e @ UploadError::ShuttingDown) => shutting_down(&e),
         Err(UploadError::OwnedByAnotherTeam(e)) => owned_elsewhere(&who, &e),
         // Every instance that checks uploads was in use: the component was not judged.
         Err(UploadError::Busy(why)) => {
@@ -291,6 +299,22 @@ fn owner_check(
     index
         .check_owner(&who.uploader())
         .map_err(|e| Box::new(owned_elsewhere(who, &e)))
+}
+
+/// `Retry-After` of a change refused because the router is stopping: another node (or this
+/// one, restarted) takes it.
+const SHUTTING_DOWN_RETRY_AFTER_S: u64 = 5;
+
+/// 503 with a `Retry-After`: the router is stopping, nothing changed.
+fn shutting_down(e: &dyn std::fmt::Display) -> Response {
+    crate::ingest::with_retry_after(
+        error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the router is shutting down; nothing was changed",
+            vec![FieldError::new("", e.to_string())],
+        ),
+        SHUTTING_DOWN_RETRY_AFTER_S,
+    )
 }
 
 /// 503 with a `Retry-After`: the shared catalog is out of reach, nothing changed.

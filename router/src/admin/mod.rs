@@ -428,13 +428,10 @@ fn waiting_on(app: &App, e: &crate::store::QueueEntry, in_flight: u64, now: i64)
         ));
     }
     if let crate::rules::TargetKind::Handler { name } = &rt.spec.kind
-        && app
-            .handlers
-            .as_ref()
-            .is_some_and(|h| h.registry.active(name).is_none())
+        && let Some(Err(why)) = app.handlers.as_ref().map(|h| h.registry.lookup(name))
     {
         return Some(format!(
-            "handler {name:?} is not uploaded (or was deleted): the delivery waits for it, without spending attempts, up to its max_age"
+            "{why}: the delivery waits for it, without spending attempts, up to its max_age"
         ));
     }
     if let Some(key) = &e.ordering_key
@@ -932,9 +929,10 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
     .into_response()
 }
 
-/// One warning per live rule target whose handler has no active version, read from the
-/// registry at each request: the one the loader gave at start went stale after an upload, and
-/// a handler deleted later had none at all, while its deliveries waited without a word.
+/// One warning per live rule target whose handler does not run here (not uploaded or
+/// deleted, being compiled after the start, or failed to load, each said as such), read from
+/// the registry at each request: the one the loader gave at start went stale after an upload,
+/// and a handler deleted later had none at all, while its deliveries waited without a word.
 fn missing_handler_warnings(app: &App, rules: &crate::rules::RuleSet) -> Vec<String> {
     let Some(h) = app.handlers.as_ref() else {
         return Vec::new();
@@ -943,11 +941,13 @@ fn missing_handler_warnings(app: &App, rules: &crate::rules::RuleSet) -> Vec<Str
         .targets
         .values()
         .filter_map(|t| match &t.kind {
-            crate::rules::TargetKind::Handler { name } if h.registry.active(name).is_none() => {
-                Some(format!(
-                    "target {}: handler {name:?} has no active version (not uploaded, or deleted): its deliveries wait for it, up to their max_age",
-                    t.id
-                ))
+            crate::rules::TargetKind::Handler { name } => {
+                h.registry.lookup(name).err().map(|why| {
+                    format!(
+                        "target {}: {why}: its deliveries wait for it, up to their max_age",
+                        t.id
+                    )
+                })
             }
             _ => None,
         })
@@ -1080,6 +1080,15 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
         .last_error
         .is_some();
     app.metrics.reload_failing.set(i64::from(failing));
+    if let Some(h) = &app.handlers {
+        let loaded: Vec<(String, bool)> = h
+            .registry
+            .list()
+            .into_iter()
+            .map(|i| (i.name, i.state == crate::wasm::HandlerState::Loaded))
+            .collect();
+        app.metrics.set_handler_loaded(&loaded);
+    }
     let body = app
         .metrics
         .render_without(app.store.as_ref(), app.clock.now_ms(), &|t| app.retired(t))

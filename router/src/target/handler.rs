@@ -165,19 +165,20 @@ impl HandlerTarget {
         if !self.wait_for_wiring().await {
             return (not_wired(), None);
         }
-        // Not uploaded (yet, or again after a delete): the delivery waits for the upload
-        // without spending attempts or counting for the breaker, up to its max_age.
-        let Some(h) = self.rt.registry.active(&self.name) else {
-            return (
-                AttemptOutcome::Deferred {
-                    reason: format!(
-                        "handler {:?} is not uploaded (or was deleted); waiting for it",
-                        self.name
-                    ),
-                    retry_after: Duration::from_secs(5),
-                },
-                None,
-            );
+        // Not uploaded (yet, or again after a delete), being compiled after the start, or
+        // failed to load: the delivery waits for it without spending attempts or counting for
+        // the breaker, up to its max_age; the reason says which.
+        let h = match self.rt.registry.lookup(&self.name) {
+            Ok(h) => h,
+            Err(why) => {
+                return (
+                    AttemptOutcome::Deferred {
+                        reason: format!("{why}; waiting for it"),
+                        retry_after: Duration::from_secs(5),
+                    },
+                    None,
+                );
+            }
         };
         let version = h.version().sha256.chars().take(12).collect::<String>();
         let ty = req.event.event.ty.clone();

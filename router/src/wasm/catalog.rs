@@ -233,14 +233,38 @@ impl HandlerChanges {
         bytes: Bytes,
         uploader: impl Into<Uploader>,
     ) -> Result<VersionInfo, UploadError> {
+        self.upload_holding(name, bytes, uploader, None).await
+    }
+
+    /// [`Self::upload`] holding `slot` (one of the API's upload slots) until the component's
+    /// compilation has ended, whether or not this future is still awaited. A client that
+    /// gives up drops the future, but not the compilation running on a blocking thread (nor,
+    /// on this node alone, the commit after it): released with the future, the slot let any
+    /// number of such compilations run at once, each holding its component and its compiler's
+    /// memory (six 18 MB components took 1 GB).
+    pub async fn upload_holding(
+        &self,
+        name: &str,
+        bytes: Bytes,
+        uploader: impl Into<Uploader>,
+        slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> Result<VersionInfo, UploadError> {
         let uploader = uploader.into();
         let registry = self.registry.clone();
         let Some(catalog) = self.catalog.clone() else {
             let name = name.to_owned();
-            return blocking(move || registry.upload(&name, &bytes, uploader)).await;
+            return blocking(move || {
+                let _slot = slot;
+                registry.upload(&name, &bytes, uploader)
+            })
+            .await;
         };
         let (n, b) = (name.to_owned(), bytes.clone());
-        let validated = blocking(move || registry.validate(&n, &b)).await?;
+        let validated = blocking(move || {
+            let _slot = slot;
+            registry.validate(&n, &b)
+        })
+        .await?;
         catalog
             .put_component(name, validated.sha256(), bytes.clone())
             .await
@@ -252,6 +276,10 @@ impl HandlerChanges {
                 .map_err(catalog_upload_error)?;
             let (index, info) =
                 index.with_upload(&validated, &uploader, self.registry.keep_versions())?;
+            // A shutdown started while it compiled: it is not made live anywhere.
+            if self.registry.is_closed() {
+                return Err(UploadError::ShuttingDown);
+            }
             let written = catalog
                 .put_index(name, index.to_bytes().into(), revision)
                 .await
@@ -549,11 +577,11 @@ impl HandlerChanges {
     ) -> Result<(), String> {
         let (registry, n, sha) = (self.registry.clone(), name.to_owned(), sha.to_owned());
         blocking(move || {
-            if !registry.has_component(&n, &sha) {
-                registry
-                    .store_component(&n, &sha, bytes.as_ref())
-                    .map_err(|e| e.to_string())?;
-            }
+            // Kept when intact, else written again (a damaged copy would fail the version at
+            // the next start).
+            registry
+                .store_component(&n, &sha, bytes.as_ref())
+                .map_err(|e| e.to_string())?;
             registry
                 .apply(index, Some(validated))
                 .map(|_| ())
@@ -713,8 +741,13 @@ impl HandlerChanges {
         if local.as_ref() == Some(&index) {
             return Ok(None);
         }
+        let intact = |info: &VersionInfo| {
+            let (registry, n, sha) = (self.registry.clone(), name.to_owned(), info.sha256.clone());
+            // Reads and hashes the file: off the reactor.
+            blocking(move || registry.has_component(&n, &sha))
+        };
         if let Some(info) = index.active_version().cloned()
-            && !self.registry.has_component(name, &info.sha256)
+            && !intact(&info).await
         {
             // A missing component is retried too: its upload may still be writing it.
             let bytes = catalog

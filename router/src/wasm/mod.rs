@@ -22,9 +22,9 @@ pub use invoke::{DeliveryInfo, Invocation, InvocationOutcome, invoke};
 pub use limits::{HandlerLimits, LimitsError};
 pub use logs::{HandlerLogs, LogQuery, LogRecord};
 pub use registry::{
-    AcceptedType, Deletion, HandlerDescriptor, HandlerInfo, HandlerRegistry, LoadedHandler,
-    OwnedByAnotherTeam, RegistryError, UploadError, Uploader, Validated, VersionInfo,
-    valid_handler_name,
+    AcceptedType, Deletion, HandlerDescriptor, HandlerInfo, HandlerRegistry, HandlerState,
+    LoadedHandler, NotLoaded, OwnedByAnotherTeam, RegistryError, UploadError, Uploader, Validated,
+    VersionInfo, valid_handler_name,
 };
 
 /// The components in a directory of handlers (`handlers.preload_dir`, or what `router rules

@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use serde::{Deserialize, Serialize};
@@ -120,13 +120,73 @@ pub struct HandlerInfo {
     pub versions: Vec<VersionInfo>,
     /// The team that owns it (the first uploader's), if known.
     pub owner: Option<String>,
-    /// Why the active version could not be loaded at open, if it could not.
+    /// Whether `active` runs here: deliveries to a handler in any other state wait (without
+    /// spending attempts) until it is loaded.
+    pub state: HandlerState,
+    /// Why the active version could not be loaded (state `failed`), if it could not.
     pub load_error: Option<String>,
     /// When the active version became active (RFC 3339, UTC): by its upload, a rollback, or
     /// an upload of its bytes again. `None` when that predates this record.
     pub activated_at: Option<String>,
     /// Who made it active (the token's name); `None` as for `activated_at`.
     pub activated_by: Option<String>,
+}
+
+/// Whether a handler's active version runs on this node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HandlerState {
+    /// Its active version is compiled and runs.
+    Loaded,
+    /// Its active version's stored compiled code was missing or of no use to this engine (a
+    /// router upgrade, `handlers.fuel` switched): it is being compiled in the background,
+    /// after the start, so the API and ingest do not wait for it.
+    Loading,
+    /// Its active version (or its index) could not be loaded: `load_error` says why. An
+    /// upload or a rollback replaces it.
+    Failed,
+    /// No version is active.
+    Inactive,
+}
+
+/// Why a handler's deliveries cannot run here now ([`HandlerRegistry::lookup`]); its
+/// `Display` is the cause an operator reads in a delivery's fate and in `/v1/status`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotLoaded {
+    /// No such handler, it was deleted, or no version of it is active.
+    NotUploaded(String),
+    /// Its active version is being compiled (see [`HandlerState::Loading`]).
+    Loading {
+        /// The handler.
+        name: String,
+        /// The version being compiled.
+        version: u32,
+    },
+    /// Its active version could not be loaded.
+    Failed {
+        /// The handler.
+        name: String,
+        /// Why (its `load_error`).
+        error: String,
+    },
+}
+
+impl std::fmt::Display for NotLoaded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NotUploaded(name) => {
+                write!(f, "handler {name:?} is not uploaded (or was deleted)")
+            }
+            Self::Loading { name, version } => write!(
+                f,
+                "handler {name:?} version {version} is being compiled (its stored compiled code was missing or of no use to this router)"
+            ),
+            Self::Failed { name, error } => write!(
+                f,
+                "handler {name:?} could not be loaded ({error}); upload it again or roll it back"
+            ),
+        }
+    }
 }
 
 /// Who uploads a version: the token's name, its team, and whether it may change a handler
@@ -565,6 +625,9 @@ pub enum UploadError {
     /// Another team owns a handler of that name.
     #[error(transparent)]
     OwnedByAnotherTeam(#[from] OwnedByAnotherTeam),
+    /// The router is stopping ([`HandlerRegistry::close`]): nothing was stored or activated.
+    #[error("the router is shutting down; nothing was changed")]
+    ShuttingDown,
 }
 
 /// Failure of a registry operation other than upload.
@@ -634,6 +697,9 @@ pub enum RegistryError {
     /// Another team owns the handler.
     #[error(transparent)]
     OwnedByAnotherTeam(#[from] OwnedByAnotherTeam),
+    /// The router is stopping ([`HandlerRegistry::close`]): nothing was changed.
+    #[error("the router is shutting down; nothing was changed")]
+    ShuttingDown,
 }
 
 /// A change refused because another team owns the handler (uploads, rollbacks and deletes
@@ -729,6 +795,9 @@ struct Entry {
     index: HandlerIndex,
     active: Option<Arc<LoadedHandler>>,
     load_error: Option<String>,
+    /// Its active version is left for [`HandlerRegistry::load_deferred`] to compile (set at
+    /// open only; any change to the handler installs a new entry without it).
+    loading: bool,
     /// The handler's `index.json` could not be read at open, and why: `index` is only a
     /// placeholder with its name, and the handler is changed here by nothing but a shared
     /// catalog's record (which is the truth there) until an operator fixes or removes the file.
@@ -752,6 +821,39 @@ impl UnreadableIndex {
 }
 
 impl Entry {
+    fn state(&self) -> HandlerState {
+        if self.active.is_some() {
+            HandlerState::Loaded
+        } else if self.loading {
+            HandlerState::Loading
+        } else if self.load_error.is_some() {
+            HandlerState::Failed
+        } else {
+            HandlerState::Inactive
+        }
+    }
+
+    /// The loaded handler, or why there is none.
+    fn lookup(&self, name: &str) -> Result<Arc<LoadedHandler>, NotLoaded> {
+        if let Some(active) = &self.active {
+            return Ok(active.clone());
+        }
+        if self.index.deleted {
+            return Err(NotLoaded::NotUploaded(name.to_owned()));
+        }
+        match (self.loading, &self.load_error, self.index.active_version()) {
+            (true, _, Some(v)) => Err(NotLoaded::Loading {
+                name: name.to_owned(),
+                version: v.version,
+            }),
+            (_, Some(error), _) => Err(NotLoaded::Failed {
+                name: name.to_owned(),
+                error: error.clone(),
+            }),
+            _ => Err(NotLoaded::NotUploaded(name.to_owned())),
+        }
+    }
+
     fn info(&self) -> HandlerInfo {
         HandlerInfo {
             name: self.index.name.clone(),
@@ -764,6 +866,7 @@ impl Entry {
             }),
             versions: self.index.versions.clone(),
             owner: self.index.effective_owner(),
+            state: self.state(),
             load_error: self.load_error.clone(),
             activated_at: self.index.activated_at.clone(),
             activated_by: self.index.activated_by.clone(),
@@ -786,6 +889,8 @@ pub struct HandlerRegistry {
     compilations: AtomicU64,
     /// Versions kept per handler (`handlers.keep_versions`).
     keep_versions: usize,
+    /// Set by [`Self::close`] (with the write lock held): no change is made any more.
+    closed: AtomicBool,
 }
 
 /// The warning logged when a version's stored compiled code fails its check (and is removed,
@@ -843,7 +948,9 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 }
 
 impl HandlerRegistry {
-    /// Opens (or creates) the registry in `dir` and loads every handler's active version.
+    /// Opens (or creates) the registry in `dir` and loads every handler's active version,
+    /// compiling those whose stored compiled code is missing or unusable
+    /// ([`Self::open_deferred`] then [`Self::load_deferred`]).
     ///
     /// A handler whose active version cannot be loaded, or whose index cannot be read (corrupt,
     /// or of a newer format), stays listed with a `load_error` and no active version; the
@@ -851,6 +958,21 @@ impl HandlerRegistry {
     /// rollbacks and deletes are refused with [`RegistryError::CorruptIndex`]) until the file
     /// is fixed or removed, since writing over it would lose what it holds.
     pub fn open(dir: impl Into<PathBuf>, engine: Arc<WasmEngine>) -> Result<Self, RegistryError> {
+        let registry = Self::open_deferred(dir, engine)?;
+        registry.load_deferred(&|| false);
+        Ok(registry)
+    }
+
+    /// [`Self::open`] without compiling: a handler whose active version has usable stored
+    /// compiled code is loaded from it (milliseconds), any other is left
+    /// [`HandlerState::Loading`] for [`Self::load_deferred`]. A start compiled them all before
+    /// serving: one 18 MB component kept ingest and `/healthz` from answering for 45 s after a
+    /// router upgrade or a `handlers.fuel` switch (every compiled code of no use), N handlers N
+    /// times that.
+    pub fn open_deferred(
+        dir: impl Into<PathBuf>,
+        engine: Arc<WasmEngine>,
+    ) -> Result<Self, RegistryError> {
         let dir = dir.into();
         fs::create_dir_all(&dir)?;
         let registry = Self {
@@ -861,6 +983,7 @@ impl HandlerRegistry {
             write_lock: Mutex::new(()),
             compilations: AtomicU64::new(0),
             keep_versions: DEFAULT_KEEP_VERSIONS,
+            closed: AtomicBool::new(false),
         };
         let mut entries = HashMap::new();
         for dirent in fs::read_dir(&registry.dir)? {
@@ -890,6 +1013,7 @@ impl HandlerRegistry {
                             index: HandlerIndex::empty(&name),
                             active: None,
                             load_error: Some(error.to_string()),
+                            loading: false,
                             unreadable: Some(unreadable),
                         },
                     );
@@ -903,15 +1027,16 @@ impl HandlerRegistry {
                 .active
                 .as_ref()
                 .and_then(|sha| index.versions.iter().find(|v| &v.sha256 == sha).cloned());
-            let (active, load_error) = match active_version {
-                Some(info) => match registry.load_version(&name, info) {
-                    Ok(loaded) => (Some(Arc::new(loaded)), None),
+            let (active, load_error, loading) = match active_version {
+                Some(info) => match registry.load_stored(&name, info) {
+                    Ok(Some(loaded)) => (Some(Arc::new(loaded)), None, false),
+                    Ok(None) => (None, None, true),
                     Err(e) => {
                         tracing::error!(handler = %name, error = %e, "cannot load the active handler version");
-                        (None, Some(e.to_string()))
+                        (None, Some(e.to_string()), false)
                     }
                 },
-                None => (None, None),
+                None => (None, None, false),
             };
             entries.insert(
                 name,
@@ -919,6 +1044,7 @@ impl HandlerRegistry {
                     index,
                     active,
                     load_error,
+                    loading,
                     unreadable: None,
                 },
             );
@@ -928,6 +1054,101 @@ impl HandlerRegistry {
             .write()
             .unwrap_or_else(PoisonError::into_inner) = entries;
         Ok(registry)
+    }
+
+    /// Compiles, one at a time, the active versions [`Self::open_deferred`] left
+    /// [`HandlerState::Loading`], and makes each live as it is done, until none is left or
+    /// `cancelled` says to stop (checked between compilations: one cannot be interrupted). A
+    /// handler changed meanwhile (an upload, rollback or delete loads what it activates) keeps
+    /// that change. One at a time: a start must not take every core from ingest and delivery.
+    pub fn load_deferred(&self, cancelled: &dyn Fn() -> bool) {
+        loop {
+            if cancelled() {
+                return;
+            }
+            let next = self
+                .entries
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .iter()
+                .filter(|(_, e)| e.loading)
+                .map(|(name, e)| (name.clone(), e.index.active_version().cloned()))
+                .min_by(|a, b| a.0.cmp(&b.0));
+            let Some((name, info)) = next else {
+                return;
+            };
+            let loaded = info.map(|info| {
+                tracing::info!(handler = %name, version = info.version, "compiling a handler's active version in the background; its deliveries wait until it is loaded");
+                // Tests stretch a compilation (milliseconds for a small one) to watch the
+                // router while it runs.
+                if let Some(stall) = crate::failpoint::delay_once("deferred_compile", &name) {
+                    std::thread::sleep(stall);
+                }
+                let sha = info.sha256.clone();
+                (sha, self.load_version(&name, info))
+            });
+            let mut entries = self.entries.write().unwrap_or_else(PoisonError::into_inner);
+            let Some(entry) = entries.get_mut(&name).filter(|e| e.loading) else {
+                continue;
+            };
+            entry.loading = false;
+            match loaded {
+                Some((sha, Ok(handler))) if entry.index.active.as_deref() == Some(sha.as_str()) => {
+                    tracing::info!(handler = %name, version = handler.info.version, "handler version loaded");
+                    entry.active = Some(Arc::new(handler));
+                }
+                Some((_, Err(e))) => {
+                    tracing::error!(handler = %name, error = %e, "cannot load the active handler version");
+                    entry.load_error = Some(e.to_string());
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Whether some active version still waits for [`Self::load_deferred`].
+    pub fn loading(&self) -> bool {
+        self.entries
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .any(|e| e.loading)
+    }
+
+    /// Stops every change: once this returns, no upload, rollback, delete or catalog change
+    /// writes or activates anything here (each is refused as
+    /// [`RegistryError::ShuttingDown`]). A shutdown calls it: an upload whose client gave up
+    /// still compiles on a blocking thread, and used to activate itself after the router had
+    /// logged `stopped`. Waits for a change being written to finish.
+    pub fn close(&self) {
+        let _write = self
+            .write_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        self.closed.store(true, Ordering::SeqCst);
+    }
+
+    /// Holds the lock every change takes to commit (tests: to keep an upload between its
+    /// compilation and its commit).
+    #[cfg(test)]
+    pub(crate) fn hold_changes(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.write_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether [`Self::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    /// Refused once closed; called with the write lock held, so a change either finishes
+    /// before `close` returns or is refused.
+    fn check_open(&self) -> Result<(), RegistryError> {
+        if self.is_closed() {
+            return Err(RegistryError::ShuttingDown);
+        }
+        Ok(())
     }
 
     /// The registry keeping at most `n` versions per handler (at least 1; the active one is
@@ -989,6 +1210,11 @@ impl HandlerRegistry {
                 described: descriptor.name,
             });
         }
+        // Tests stretch a compilation (as a large component's is: tens of seconds) to stop
+        // the router, or let its client give up, while it runs.
+        if let Some(stall) = crate::failpoint::delay_once("upload_compile", name) {
+            std::thread::sleep(stall);
+        }
         Ok(Validated {
             name: name.to_owned(),
             sha256,
@@ -1014,6 +1240,9 @@ impl HandlerRegistry {
             .write_lock
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        if self.is_closed() {
+            return Err(UploadError::ShuttingDown);
+        }
         self.check_readable(name)
             .map_err(|e| UploadError::UnreadableIndex(Box::new(e)))?;
         let index = self
@@ -1050,6 +1279,7 @@ impl HandlerRegistry {
             .write_lock
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        self.check_open()?;
         if index.deleted {
             self.remove(index)?;
             return Ok(None);
@@ -1093,12 +1323,17 @@ impl HandlerRegistry {
         }
     }
 
-    /// Whether the component `sha256` of `name` is stored here.
+    /// Whether the component `sha256` of `name` is stored here, intact (its bytes hash to
+    /// `sha256`): a damaged copy is as good as none, and is fetched again.
     pub(crate) fn has_component(&self, name: &str, sha256: &str) -> bool {
-        self.component_path(name, sha256).is_file()
+        fs::read(self.component_path(name, sha256))
+            .is_ok_and(|stored| sha256_hex(&stored) == sha256)
     }
 
-    /// Stores a component's bytes (kept if already there), after checking they match `sha256`.
+    /// Stores a component's bytes, after checking they match `sha256`. A file already there is
+    /// kept only when it holds these bytes; any other (damaged on disk, cut short) is replaced.
+    /// Kept unchecked before, a damaged one outlived an upload of the right bytes (answered
+    /// 200, and live from memory) and failed the version again at the next start.
     pub(crate) fn store_component(
         &self,
         name: &str,
@@ -1111,12 +1346,11 @@ impl HandlerRegistry {
                 format!("component of {name:?} does not match its SHA-256 {sha256}"),
             ));
         }
-        let path = self.component_path(name, sha256);
-        if path.is_file() {
+        if self.has_component(name, sha256) {
             return Ok(());
         }
         fs::create_dir_all(self.dir.join(name))?;
-        write_atomic(&path, bytes)
+        write_atomic(&self.component_path(name, sha256), bytes)
     }
 
     /// A stored component's bytes.
@@ -1260,6 +1494,7 @@ impl HandlerRegistry {
             .write_lock
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        self.check_open()?;
         let (index, info) = chosen()?;
         if info != loaded.info {
             // A change in between made the same words name another version (a hash prefix
@@ -1316,6 +1551,7 @@ impl HandlerRegistry {
             .write_lock
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        self.check_open()?;
         self.check_readable(name)?;
         let Some(before) = self.index_of(name) else {
             return Ok((None, false));
@@ -1375,11 +1611,20 @@ impl HandlerRegistry {
 
     /// The active version of `name`, ready to invoke.
     pub fn active(&self, name: &str) -> Option<Arc<LoadedHandler>> {
+        self.lookup(name).ok()
+    }
+
+    /// The active version of `name`, ready to invoke, or why there is none (read at once, so
+    /// the cause is that of the same moment).
+    pub fn lookup(&self, name: &str) -> Result<Arc<LoadedHandler>, NotLoaded> {
         self.entries
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .get(name)
-            .and_then(|e| e.active.clone())
+            .map_or_else(
+                || Err(NotLoaded::NotUploaded(name.to_owned())),
+                |e| e.lookup(name),
+            )
     }
 
     /// The index of `name`; `None` when there is none or it could not be read.
@@ -1418,6 +1663,7 @@ impl HandlerRegistry {
                     index,
                     active,
                     load_error: None,
+                    loading: false,
                     unreadable: None,
                 },
             );
@@ -1435,14 +1681,27 @@ impl HandlerRegistry {
     /// fails a check is removed, with a warning, and never loaded: a damaged file would run as
     /// garbage machine code (a crash of the whole router) or as another handler's code.
     fn compiled(&self, name: &str, sha256: &str, bytes: &[u8]) -> Result<Compiled, String> {
+        if let Some(component) = self.stored_compiled(name, sha256) {
+            return Ok(Compiled {
+                component,
+                fresh: false,
+            });
+        }
+        let component =
+            Component::new(self.engine.engine(), bytes).map_err(|e| format!("{e:#}"))?;
+        self.compilations.fetch_add(1, Ordering::Relaxed);
+        Ok(Compiled {
+            component,
+            fresh: true,
+        })
+    }
+
+    /// The stored compiled code of component `sha256` of `name` when it passes its checks;
+    /// `None` when there is none or it failed (then removed, with a warning).
+    fn stored_compiled(&self, name: &str, sha256: &str) -> Option<Component> {
         let path = self.artifact_path(name, sha256);
         match self.artifacts.load(self.engine.engine(), &path, sha256) {
-            Ok(component) => {
-                return Ok(Compiled {
-                    component,
-                    fresh: false,
-                });
-            }
+            Ok(component) => return Some(component),
             Err(ArtifactError::Missing(_)) => {}
             Err(e) => {
                 if e.is_damage() {
@@ -1457,13 +1716,7 @@ impl HandlerRegistry {
                 }
             }
         }
-        let component =
-            Component::new(self.engine.engine(), bytes).map_err(|e| format!("{e:#}"))?;
-        self.compilations.fetch_add(1, Ordering::Relaxed);
-        Ok(Compiled {
-            component,
-            fresh: true,
-        })
+        None
     }
 
     /// Stores `compiled` as the compiled code of component `sha256` of `name`, when it was
@@ -1488,7 +1741,8 @@ impl HandlerRegistry {
         HandlerPre::new(pre).map_err(|e| format!("{e:#}"))
     }
 
-    fn load_version(&self, name: &str, info: VersionInfo) -> Result<LoadedHandler, RegistryError> {
+    /// The bytes of `info`'s component, checked against its hash.
+    fn version_bytes(&self, name: &str, info: &VersionInfo) -> Result<Vec<u8>, RegistryError> {
         let load_err = |message: String| RegistryError::Load {
             name: name.to_owned(),
             version: info.version,
@@ -1502,6 +1756,41 @@ impl HandlerRegistry {
                 path.display()
             )));
         }
+        Ok(bytes)
+    }
+
+    /// [`Self::load_version`] from stored compiled code only: `None` when it would have to
+    /// compile. The component is checked all the same, so a damaged one fails here, at once.
+    fn load_stored(
+        &self,
+        name: &str,
+        info: VersionInfo,
+    ) -> Result<Option<LoadedHandler>, RegistryError> {
+        self.version_bytes(name, &info)?;
+        let Some(component) = self.stored_compiled(name, &info.sha256) else {
+            return Ok(None);
+        };
+        let pre = self
+            .pre_instantiate(&component)
+            .map_err(|message| RegistryError::Load {
+                name: name.to_owned(),
+                version: info.version,
+                message,
+            })?;
+        Ok(Some(LoadedHandler {
+            info,
+            pre,
+            engine: self.engine.clone(),
+        }))
+    }
+
+    fn load_version(&self, name: &str, info: VersionInfo) -> Result<LoadedHandler, RegistryError> {
+        let load_err = |message: String| RegistryError::Load {
+            name: name.to_owned(),
+            version: info.version,
+            message,
+        };
+        let bytes = self.version_bytes(name, &info)?;
         let compiled = self
             .compiled(name, &info.sha256, &bytes)
             .map_err(&load_err)?;

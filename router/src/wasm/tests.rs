@@ -1350,6 +1350,209 @@ fn a_corrupt_stored_version_is_reported_not_fatal() {
     assert!(reopened.active("strict").is_some());
 }
 
+/// Overwrites 4 bytes in the middle of `noop`'s stored component (a disk that damaged it).
+fn damage_component(handlers: &Path, name: &str, sha: &str) {
+    let path = handlers.join(name).join(format!("{sha}.wasm"));
+    let mut bytes = std::fs::read(&path).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle..middle + 4].copy_from_slice(b"XXXX");
+    std::fs::write(&path, bytes).unwrap();
+}
+
+/// A stored component damaged on disk fails its version at the next open, shown as such
+/// (`failed`, with why, and the same cause for its deliveries), not as a running handler.
+/// Uploading the right bytes again repairs the file: it was kept unchecked before, so the 200
+/// answer held only until the next start, which failed the handler again.
+#[test]
+fn a_reupload_repairs_a_damaged_component_and_a_failed_load_says_so() {
+    let (dir, registry) = registry_with(&["noop"]);
+    let handlers = dir.path().join("handlers");
+    let sha = registry.active("noop").unwrap().version().sha256.clone();
+    drop(registry);
+    damage_component(&handlers, "noop", &sha);
+    let registry = HandlerRegistry::open(&handlers, engine()).unwrap();
+    let info = registry.get("noop").unwrap();
+    assert_eq!(info.state, HandlerState::Failed);
+    assert!(
+        info.load_error
+            .unwrap()
+            .contains("does not match its SHA-256")
+    );
+    match registry.lookup("noop") {
+        Err(why @ NotLoaded::Failed { .. }) => {
+            let why = why.to_string();
+            assert!(
+                why.starts_with(
+                    "handler \"noop\" could not be loaded (cannot load \"noop\" version 1: "
+                ) && why.ends_with("does not match its SHA-256); upload it again or roll it back"),
+                "{why}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        registry.lookup("nothing").unwrap_err(),
+        NotLoaded::NotUploaded("nothing".into())
+    );
+    // The same bytes again: the stored version, re-activated, and its file repaired.
+    let v = registry.upload("noop", &plugin("noop"), "t").unwrap();
+    assert_eq!(v.version, 1);
+    assert_eq!(registry.get("noop").unwrap().state, HandlerState::Loaded);
+    drop(registry);
+    let registry = HandlerRegistry::open(&handlers, engine()).unwrap();
+    let info = registry.get("noop").unwrap();
+    assert_eq!(
+        (info.state, info.load_error),
+        (HandlerState::Loaded, None),
+        "the repair outlives a restart"
+    );
+}
+
+/// On a shared catalog, a node whose copy of the active component is damaged fetches it
+/// again rather than keeping it (it failed the version at its next start).
+#[tokio::test]
+async fn a_node_replaces_a_damaged_copy_of_a_catalog_component() {
+    let catalog = Arc::new(MemCatalog::default());
+    let (_a_dir, a) = node(&catalog);
+    let (b_dir, b) = node(&catalog);
+    let v = a
+        .upload("noop", plugin("noop").into(), "alice")
+        .await
+        .unwrap();
+    b.sync().await.unwrap();
+    let handlers = b_dir.path().join("handlers");
+    damage_component(&handlers, "noop", &v.sha256);
+    assert!(!b.registry().has_component("noop", &v.sha256));
+    // An upload made on this node stores the component: the damaged copy is replaced.
+    b.upload("noop", plugin("noop").into(), "alice")
+        .await
+        .unwrap();
+    assert!(b.registry().has_component("noop", &v.sha256));
+    let reopened = HandlerRegistry::open(&handlers, engine()).unwrap();
+    assert_eq!(reopened.get("noop").unwrap().state, HandlerState::Loaded);
+}
+
+/// A start whose stored compiled code is of no use (here `handlers.fuel` switched on, as a
+/// router upgrade does) opens without compiling: those handlers are `loading`, and their
+/// deliveries say so, until `load_deferred` compiles them. Before, the open compiled them all
+/// while the API and ingest waited (45 s for one 18 MB component).
+#[test]
+fn an_open_leaves_compilations_for_later() {
+    let dir = tempfile::tempdir().unwrap();
+    let handlers = dir.path().join("handlers");
+    {
+        let registry = HandlerRegistry::open(&handlers, engine()).unwrap();
+        registry.upload("noop", &plugin("noop"), "t").unwrap();
+        registry.upload("enrich", &plugin("enrich"), "t").unwrap();
+    }
+    let fueled = || {
+        WasmEngine::new(EngineConfig {
+            fuel: true,
+            ..EngineConfig::default()
+        })
+        .unwrap()
+    };
+    let registry = HandlerRegistry::open_deferred(&handlers, fueled()).unwrap();
+    assert_eq!(registry.compilations(), 0, "nothing compiled at open");
+    assert!(registry.loading());
+    for name in ["noop", "enrich"] {
+        assert_eq!(registry.get(name).unwrap().state, HandlerState::Loading);
+    }
+    assert_eq!(
+        registry.lookup("noop").unwrap_err(),
+        NotLoaded::Loading {
+            name: "noop".into(),
+            version: 1
+        }
+    );
+    // A shutdown before it began compiles nothing.
+    registry.load_deferred(&|| true);
+    assert_eq!(registry.compilations(), 0);
+    // A change meanwhile stands: the upload loaded what it activates.
+    let v2 = variant_of(&plugin("noop"), "v2");
+    assert_eq!(registry.upload("noop", &v2, "t").unwrap().version, 2);
+    registry.load_deferred(&|| false);
+    assert!(!registry.loading());
+    assert_eq!(registry.get("enrich").unwrap().state, HandlerState::Loaded);
+    assert_eq!(registry.active("noop").unwrap().version().version, 2);
+    assert_eq!(
+        registry.compilations(),
+        2,
+        "enrich, and the upload of noop v2"
+    );
+    // Its compiled code was stored: the next open loads it at once.
+    drop(registry);
+    let registry = HandlerRegistry::open_deferred(&handlers, fueled()).unwrap();
+    assert!(!registry.loading());
+    assert_eq!(registry.get("enrich").unwrap().state, HandlerState::Loaded);
+}
+
+/// An upload whose caller gave up (a client that disconnects drops the request's future)
+/// keeps its upload slot until its compilation has ended: released with the future, any
+/// number of compilations ran at once. Here the upload is held between its compilation and
+/// its commit; the slot stays taken until it is let go and commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_upload_holds_its_slot_until_its_compilation_ends() {
+    use futures::FutureExt;
+    let (_dir, registry) = registry_with(&[]);
+    let registry = Arc::new(registry);
+    let changes = HandlerChanges::new(registry.clone(), None, Default::default());
+    let slots = Arc::new(tokio::sync::Semaphore::new(1));
+    let slot = slots.clone().acquire_owned().await.unwrap();
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let holder = {
+        let registry = registry.clone();
+        std::thread::spawn(move || {
+            let _changes = registry.hold_changes();
+            held_tx.send(()).unwrap();
+            release_rx.recv().unwrap();
+        })
+    };
+    held_rx.recv().unwrap();
+    // Polled once (the compilation starts on a blocking thread), then dropped.
+    let upload = changes.upload_holding("noop", plugin("noop").into(), "t", Some(slot));
+    assert!(upload.now_or_never().is_none());
+    assert_eq!(
+        slots.available_permits(),
+        0,
+        "the slot is free while the compilation still runs"
+    );
+    release_tx.send(()).unwrap();
+    holder.join().unwrap();
+    // Compiling noop takes well under a second; the bound only keeps a broken build from
+    // hanging the suite.
+    let freed = tokio::time::timeout(Duration::from_secs(120), slots.acquire()).await;
+    assert!(freed.is_ok(), "the slot never came back");
+    // Its commit ran after its caller left (the CLI says such an upload may still complete).
+    assert!(registry.active("noop").is_some());
+}
+
+/// A closed registry (the router is stopping) changes nothing: an upload that was compiling
+/// when the shutdown began used to activate itself after the router logged `stopped`.
+#[tokio::test]
+async fn a_closed_registry_changes_nothing() {
+    let (dir, registry) = registry_with(&["noop"]);
+    let registry = Arc::new(registry);
+    let changes = HandlerChanges::new(registry.clone(), None, Default::default());
+    registry.close();
+    assert!(matches!(
+        changes.upload("enrich", plugin("enrich").into(), "t").await,
+        Err(UploadError::ShuttingDown)
+    ));
+    assert!(registry.get("enrich").is_none());
+    assert!(!dir.path().join("handlers/enrich").exists());
+    assert!(matches!(
+        changes.rollback("noop", "1").await,
+        Err(RegistryError::ShuttingDown)
+    ));
+    assert!(matches!(
+        changes.delete("noop").await,
+        Err(RegistryError::ShuttingDown)
+    ));
+    assert!(registry.active("noop").is_some());
+}
+
 /// A component in a [`MemCatalog`]: its bytes, revision and when it was written.
 type MemComponent = (Vec<u8>, u64, i64);
 
