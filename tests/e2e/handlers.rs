@@ -1015,6 +1015,23 @@ async fn events_a_handler_emits_during_a_replay_carry_its_marker() {
     );
     let first = rcv.received()[0].body.clone();
     assert!(first.get("replay").is_none(), "{first}");
+    // The parent's fate leads to what its handler emitted, and that to its own fate.
+    let parent = fate(&r, "o1").await;
+    let emitted = &parent["targets"][0]["emitted"];
+    assert_eq!(
+        emitted,
+        &json!([{"source": "handler://enrich", "id": first["id"]}]),
+        "{parent}"
+    );
+    let (s, child) = get_json(
+        &r,
+        &format!(
+            "/v1/events/{}?source=handler://enrich",
+            first["id"].as_str().unwrap_or_default()
+        ),
+    )
+    .await;
+    assert_eq!(s, 200, "{child}");
     tokio::time::sleep(Duration::from_millis(50)).await;
     let to = chrono::Utc::now();
     let (s, job) = post_json(

@@ -172,6 +172,7 @@ pub async fn event_fate(
     let now = app.clock.now_ms();
     let stats = app.store.queue_stats();
     let in_flight = |target: &str| stats.get(target).map_or(0, |s| s.in_flight);
+    let emitted = emitted_by(&app, &fate.entries, now).await;
     let targets: Vec<Value> = fate
         .entries
         .iter()
@@ -208,6 +209,9 @@ pub async fn event_fate(
             if let Some(job) = &e.replay {
                 t["replay"] = json!(job);
             }
+            if let Some(events) = emitted.get(&e.id) {
+                t["emitted"] = json!(events);
+            }
             t
         })
         .collect();
@@ -228,6 +232,52 @@ pub async fn event_fate(
         })).collect::<Vec<_>>(),
     });
     with_event(fields, &ev.event)
+}
+
+/// The events each delivered handler entry of `entries` emitted, as `{source, id}` (what
+/// their own fates are read by), from the delivery's COMPLETED record: an operator following
+/// an event through a handler had no way from the parent to its emissions (a dead-lettered
+/// emission's own fate and DLQ entry name the parent's handler, not the parent). Absent for
+/// entries whose record has expired (`handlers.completed_ttl`) or whose target is no longer a
+/// handler in the rules.
+async fn emitted_by(
+    app: &App,
+    entries: &[crate::store::QueueEntry],
+    now: i64,
+) -> HashMap<crate::store::EntryId, Vec<Value>> {
+    let rules = app.rules.load();
+    let mut out = HashMap::new();
+    for e in entries {
+        if e.state != EntryState::Delivered {
+            continue;
+        }
+        let Some(crate::rules::TargetKind::Handler { name }) =
+            rules.targets.get(&e.target_id).map(|t| &t.kind)
+        else {
+            continue;
+        };
+        let result = match app.store.completed_get(name, &e.idempotency_key, now).await {
+            Ok(Some(r)) => r,
+            Ok(None) => continue,
+            Err(err) => {
+                tracing::warn!(target = %e.target_id, error = %err, "cannot read a handler delivery's stored result for its fate");
+                continue;
+            }
+        };
+        let ids = serde_json::from_slice::<Value>(&result)
+            .ok()
+            .and_then(|v| v.get("emitted").cloned())
+            .and_then(|v| serde_json::from_value::<Vec<String>>(v).ok())
+            .unwrap_or_default();
+        let source = format!("handler://{name}");
+        out.insert(
+            e.id,
+            ids.into_iter()
+                .map(|id| json!({ "source": source, "id": id }))
+                .collect(),
+        );
+    }
+    out
 }
 
 /// An answer whose `event` member is the stored event as it is delivered: its `data` is the
