@@ -18,7 +18,8 @@
 //! - numbers written with a fraction where an integer is required (`max_attempts: 6.0`): JSON
 //!   Schema counts 6.0 as an integer, serde does not;
 //! - pattern size: `$or` expanding to more than 256 combinations, more than 4096 field tests in
-//!   one rule, the automaton-state cap of the whole set;
+//!   one rule, the automaton-state cap of the whole set, and the wildcard cap of a field (256
+//!   matcher states active at once, over the wildcards of every rule there);
 //! - YAML-only content: syntax errors, duplicate keys, several documents in one file, aliases,
 //!   non-finite floats (`.inf`, `.nan`), none of which reach a JSON instance.
 //!

@@ -924,3 +924,48 @@ fn trusted_bytes_stop_early_but_agree_on_valid_input() {
     );
     assert_eq!(m.matches_bytes_trusted(br#"{"a":1,"c":0}"#), Ok(vec![0]));
 }
+
+/// Every cap that refuses a rule set is documented for operators, with its value
+/// (docs/configuration.md, "Pattern limits"); before, only the 5-star limit was written down.
+#[test]
+fn pattern_caps_are_documented() {
+    let doc = include_str!("../../../../docs/configuration.md");
+    let section = doc
+        .split("**Pattern limits.**")
+        .nth(1)
+        .and_then(|s| s.split("**Ordering.**").next())
+        .unwrap_or_default();
+    let million = format!("{},{:03},{:03}", MAX_TOTAL_STATES / 1_000_000, 0, 0);
+    for (cap, text) in [
+        ("MAX_OR_EXPANSION", format!("| {MAX_OR_EXPANSION} |")),
+        ("MAX_TESTS_PER_RULE", format!("| {MAX_TESTS_PER_RULE} |")),
+        ("MAX_TOTAL_STATES", million),
+        ("MAX_WILDCARD_STARS", format!("| {MAX_WILDCARD_STARS} |")),
+        (
+            "MAX_WILDCARD_ACTIVE_STATES",
+            format!("| {MAX_WILDCARD_ACTIVE_STATES} active at once |"),
+        ),
+        (
+            "MAX_NUMERIC_OPERAND",
+            format!("±{}", crate::rules::pattern::MAX_NUMERIC_OPERAND as u64),
+        ),
+    ] {
+        assert!(
+            section.contains(&text),
+            "{cap}: `{text}` not in the section"
+        );
+    }
+    let schema = include_str!("../../../../schemas/rules.schema.json");
+    for text in [
+        "256 combinations",
+        "4096 field tests",
+        "5 `*`",
+        "256 wildcard matcher states",
+        "±9007199254740991",
+    ] {
+        assert!(
+            schema.contains(text),
+            "`{text}` not in the rule-file schema"
+        );
+    }
+}
