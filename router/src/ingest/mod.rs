@@ -191,33 +191,58 @@ fn saturated(s: &admission::Saturated) -> Response {
 /// Request bodies from this size up have their contract checks run on the blocking pool: a
 /// large event against a demanding schema is milliseconds to seconds of CPU (a debug build
 /// took seconds for 1 MB) that would otherwise stall the reactor, `/healthz` included. Below
-/// it a check is microseconds, less than the hand-off to another thread would cost.
-const BLOCKING_CHECK_BYTES: usize = 64 * 1024;
+/// it a check is microseconds, less than the hand-off to another thread would cost. Rule
+/// matching is weighed the same way, with the body's size multiplied by the rules' matching
+/// cost per byte ([`crate::rules::RuleSet::match_cost`]): with wildcards that may keep many
+/// matcher states active, a 10 KB event is as much work as a 1 MB one without.
+pub(crate) const BLOCKING_CHECK_BYTES: usize = 64 * 1024;
 
-/// Each event with its contract outcome, checked where [`BLOCKING_CHECK_BYTES`] says.
-async fn check_contracts(
-    contracts: Arc<crate::contract::ContractSet>,
+/// An event with its contract outcome and, when it passed, what it matched: the rules and a
+/// queue entry per target.
+type Checked = (CloudEvent, ContractOutcome, Option<Routed>);
+
+/// Matched rules and their queue entries.
+type Routed = (Vec<String>, Vec<NewEntry>);
+
+/// Each event's contract check and, for those that pass, its rule matching, run where
+/// [`BLOCKING_CHECK_BYTES`] says. Matching is timed and counted per event
+/// (`router_rule_match_seconds`, `router_rule_match_steps`).
+async fn check_and_route(
+    app: &App,
+    rules: Arc<crate::rules::RuleSet>,
     events: Vec<CloudEvent>,
     body_len: usize,
-) -> Result<Vec<(CloudEvent, ContractOutcome)>, tokio::task::JoinError> {
-    off_reactor_if_large(body_len, move || {
+) -> Result<Vec<Checked>, tokio::task::JoinError> {
+    let contracts = app.contracts.load_full();
+    let disabled = app.disabled_rules();
+    let metrics = app.metrics.clone();
+    let weight = rules.match_cost(body_len);
+    off_reactor_if_large(weight, move || {
         events
             .into_iter()
             .map(|ev| {
                 let outcome = contracts.check(&ev);
-                (ev, outcome)
+                let routed = matches!(outcome, ContractOutcome::Pass).then(|| {
+                    let started = std::time::Instant::now();
+                    let mut steps = 0;
+                    let routed = match_targets_counting(&rules, &disabled, &ev, &mut steps);
+                    metrics.observe_rule_match(started.elapsed(), steps);
+                    routed
+                });
+                (ev, outcome, routed)
             })
             .collect()
     })
     .await
 }
 
-/// Runs `work` here for a small request, on the blocking pool from [`BLOCKING_CHECK_BYTES`].
-async fn off_reactor_if_large<T: Send + 'static>(
-    body_len: usize,
+/// Runs `work` here when its `weight` (bytes, or matching cost in bytes) is small, on the
+/// blocking pool from [`BLOCKING_CHECK_BYTES`].
+pub(crate) async fn off_reactor_if_large<T: Send + 'static>(
+    weight: usize,
     work: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, tokio::task::JoinError> {
-    if body_len < BLOCKING_CHECK_BYTES {
+    if weight < BLOCKING_CHECK_BYTES {
         Ok(work())
     } else {
         tokio::task::spawn_blocking(work).await
@@ -357,18 +382,19 @@ async fn handle(
         }
     }
     let batch = matches!(mode, parse::Mode::Batch);
-    let checked = match check_contracts(app.contracts.load_full(), events, bytes.len()).await {
+    // One snapshot of the rules for matching and for what is stored with the events.
+    let rules = app.rules.load_full();
+    let checked = match check_and_route(app, rules.clone(), events, bytes.len()).await {
         Ok(c) => c,
         Err(e) => {
-            tracing::error!(error = %e, "contract checks of an ingest request failed");
+            tracing::error!(error = %e, "contract checks and rule matching of an ingest request failed");
             return error_response(
                 StatusCode::INTERNAL_SERVER_ERROR,
-                "internal error while checking contracts; nothing was stored",
+                "internal error while checking contracts and matching rules; nothing was stored",
                 Vec::new(),
             );
         }
     };
-    let rules = app.rules.load();
     let now = app.clock.now_ms();
     let dedup_window_ms =
         i64::try_from(app.cfg.ingest.dedup_window.as_millis()).unwrap_or(i64::MAX);
@@ -380,7 +406,7 @@ async fn handle(
     // The events move into what the store accepts (a 1 KB event copied per request was
     // measurable); the answer and a quarantined one's `dlq.added` need only their names.
     let mut answered: Vec<Answered> = Vec::with_capacity(checked.len());
-    for (i, (ev, outcome)) in checked.into_iter().enumerate() {
+    for (i, (ev, outcome, routed)) in checked.into_iter().enumerate() {
         let _span = tracing::debug_span!("ingest_event", event_id = %ev.id, source = %ev.source, ty = %ev.ty).entered();
         match outcome {
             ContractOutcome::Violation {
@@ -419,7 +445,16 @@ async fn handle(
             ContractOutcome::Pass => {
                 quarantined.push(None);
                 let answer = Answered::of(&ev);
-                let ne = route(&rules, &app.disabled_rules(), ev, now, dedup_window_ms);
+                let (matched_rules, targets) = routed.unwrap_or_default();
+                let ne = NewEvent {
+                    event: ev,
+                    accepted_at: now,
+                    ruleset_version: rules.version.clone(),
+                    matched_rules,
+                    targets,
+                    quarantine: None,
+                    dedup_window_ms,
+                };
                 answered.push(answer.with_keys(&ne));
                 new_events.push(ne);
             }
@@ -827,10 +862,20 @@ pub fn match_targets(
     disabled: &std::collections::HashSet<String>,
     ev: &CloudEvent,
 ) -> (Vec<String>, Vec<NewEntry>) {
+    match_targets_counting(rules, disabled, ev, &mut 0)
+}
+
+/// [`match_targets`], adding the matcher's work to `steps`.
+fn match_targets_counting(
+    rules: &crate::rules::RuleSet,
+    disabled: &std::collections::HashSet<String>,
+    ev: &CloudEvent,
+    steps: &mut u64,
+) -> (Vec<String>, Vec<NewEntry>) {
     let mut matched_rules = Vec::new();
     let mut targets = Vec::new();
     for m in rules
-        .matches_event(ev)
+        .matches_event_counting(ev, steps)
         .into_iter()
         .filter(|m| !disabled.contains(&m.rule))
     {
@@ -854,6 +899,36 @@ pub fn match_targets(
     (matched_rules, targets)
 }
 
+/// Rules whose wildcards keep `n` matcher states active (`*x*y*q` for `n` letter pairs),
+/// and an event of `len` letters that half-matches them all without matching.
+#[cfg(test)]
+pub(crate) fn costly(dir: &std::path::Path, pairs: usize, len: usize) -> (Arc<App>, CloudEvent) {
+    let cfg = crate::app::test_config(dir);
+    let mut text = String::from("rules:\n");
+    let letters: Vec<char> = ('a'..='p').collect();
+    for i in 0..pairs {
+        let (x, y) = (letters[i / 16], letters[i % 16]);
+        text.push_str(&format!(
+            "  - name: w{i}\n    pattern: {{data: {{s: [{{wildcard: '*{x}*{y}*q'}}]}}}}\n    targets: [{{webhook: 'http://127.0.0.1:9/', id: 'h{i}'}}]\n"
+        ));
+    }
+    std::fs::write(cfg.rules_dir.join("r.yaml"), text).expect("rules");
+    let disk = crate::store::fault::SimulatedDisk::new();
+    let store = crate::store::RedbStore::with_backend_factory(
+        move || disk.backend(),
+        crate::store::StoreOptions::default(),
+    )
+    .expect("store");
+    let app = crate::app::test_app(cfg, store, None);
+    let s: String = letters.iter().cycle().take(len).collect();
+    let ev = parse::event_from_json(
+        json!({"specversion": "1.0", "id": "1", "source": "/s", "type": "t", "data": {"s": s}}),
+        "",
+    )
+    .expect("valid event");
+    (app, ev)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -867,5 +942,62 @@ mod tests {
         assert_eq!(small.await.expect("ran"), here);
         let large = off_reactor_if_large(BLOCKING_CHECK_BYTES, || std::thread::current().id());
         assert_ne!(large.await.expect("ran"), here);
+    }
+
+    use super::costly;
+
+    /// The audit's stall: matching ran inline on the reactor whatever it cost, so events whose
+    /// values half-matched many wildcards held it for seconds (`/healthz` included). A 10 KB
+    /// request against such rules now leaves the reactor, and its matching is measured.
+    #[tokio::test(flavor = "current_thread")]
+    async fn costly_matching_leaves_the_reactor_and_is_measured() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (app, ev) = costly(dir.path(), 100, 10_000);
+        let rules = app.rules.load_full();
+        assert!(rules.match_cost(10_000) >= BLOCKING_CHECK_BYTES);
+        // On a current-thread runtime another task runs only while this one waits: inline
+        // matching never waits, matching on the blocking pool does (for the whole match).
+        let ran = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counter = ran.clone();
+        let ticker = tokio::spawn(async move {
+            loop {
+                counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tokio::task::yield_now().await;
+            }
+        });
+        tokio::task::yield_now().await;
+        let before = ran.load(std::sync::atomic::Ordering::Relaxed);
+        let checked = check_and_route(&app, rules, vec![ev], 10_000)
+            .await
+            .expect("ran");
+        let during = ran.load(std::sync::atomic::Ordering::Relaxed) - before;
+        ticker.abort();
+        assert!(
+            during > 0,
+            "the reactor ran nothing while the event was matched"
+        );
+        assert!(matches!(
+            checked.as_slice(),
+            [(_, ContractOutcome::Pass, Some((matched, _)))] if matched.is_empty()
+        ));
+        let text = app.metrics.render(app.store.as_ref(), 0).await;
+        assert!(
+            text.contains("router_rule_match_seconds_count 1")
+                && text.contains("router_rule_match_steps_count 1"),
+            "{text}"
+        );
+    }
+
+    /// Cheap rules keep small requests on the reactor (the hand-off would cost more).
+    #[tokio::test(flavor = "current_thread")]
+    async fn cheap_matching_stays_on_the_reactor() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (app, ev) = costly(dir.path(), 0, 10_000);
+        let rules = app.rules.load_full();
+        assert!(rules.match_cost(10_000) < BLOCKING_CHECK_BYTES);
+        let checked = check_and_route(&app, rules, vec![ev], 10_000)
+            .await
+            .expect("ran");
+        assert_eq!(checked.len(), 1);
     }
 }

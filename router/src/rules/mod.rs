@@ -472,6 +472,20 @@ impl RuleSet {
         self.rule_matches(self.matcher.matches_event(event))
     }
 
+    /// [`RuleSet::matches_event`], adding the matcher's work to `steps` (see
+    /// [`CompiledMatcher::matches_counting`]).
+    pub fn matches_event_counting(&self, event: &CloudEvent, steps: &mut u64) -> Vec<RuleMatch> {
+        self.rule_matches(self.matcher.matches_event_counting(event, steps))
+    }
+
+    /// Bytes of matching work an event of `len` bytes may cost, in units of reading one byte
+    /// (see [`CompiledMatcher::cost_per_byte`]): what decides whether its matching leaves the
+    /// async reactor.
+    pub fn match_cost(&self, len: usize) -> usize {
+        let per_byte = usize::try_from(self.matcher.cost_per_byte()).unwrap_or(usize::MAX);
+        len.saturating_mul(per_byte)
+    }
+
     /// What `rules test` answers for `event` (structured CloudEvent JSON): the event is
     /// checked as ingest checks it, then matched as the live router matches it. Before, any
     /// JSON was matched as it was: `{"id":"x"}` fired the rules with `exists: false`, `data:

@@ -45,7 +45,9 @@
 //!   `\\` a literal backslash; any other escape, a trailing backslash, two consecutive
 //!   unescaped `*` and more than [`MAX_WILDCARD_STARS`] stars are errors.
 //! * `numeric`: `[op, n]` with `op` one of `=`, `<`, `<=`, `>`, `>=`, or a lower bound then
-//!   an upper bound (`[">", 0, "<=", 5]`); an empty range is an error.
+//!   an upper bound (`[">", 0, "<=", 5]`); an empty range is an error, and so is an operand
+//!   outside ±[`MAX_NUMERIC_OPERAND`] (2^53 - 1), where `f64` comparison would give inexact
+//!   answers (EventBridge allows only ±5e9).
 //! * `cidr`: `addr/len`, IPv4 or IPv6 (via `std::net`); host bits are ignored. Event values
 //!   are parsed as IP addresses of the same family.
 
@@ -57,6 +59,14 @@ use serde_json::{Map, Number, Value};
 /// Most unescaped `*` allowed in one wildcard. Each star multiplies the work of an automaton
 /// matcher (EventBridge also limits wildcard complexity), and real patterns need few.
 pub const MAX_WILDCARD_STARS: usize = 5;
+
+/// Largest magnitude of a `numeric` operand: 2^53 - 1, up to which every integer is exact as
+/// an `f64`. Ranges compare as `f64`; with operands inside this bound the answer for any
+/// integer event value, however large, is the exact one (rounding is monotone, and an
+/// integer on the other side of an operand inside the bound rounds to the other side of it
+/// or onto a representable neighbour that still is), so `numeric: ["=", n]` and the exact
+/// matcher `[n]` agree. Past it, 9007199254740993 and 9007199254740992 compare equal.
+pub const MAX_NUMERIC_OPERAND: f64 = 9_007_199_254_740_991.0;
 
 /// Matcher names; they (and [`RESERVED_IN_OR`]) cannot be field names inside `$or`
 /// alternatives.
@@ -962,6 +972,16 @@ impl Compiler {
                 }
             };
             let value = match pair.get(1).and_then(Value::as_f64) {
+                Some(v) if v.abs() > MAX_NUMERIC_OPERAND => {
+                    self.err(
+                        &val_ptr,
+                        format!(
+                            "`numeric`: {} is outside ±{MAX_NUMERIC_OPERAND} (2^53 - 1): beyond it numbers are compared as rounded doubles, and 9007199254740993 would equal 9007199254740992 (EventBridge allows ±5e9); match such values exactly, e.g. [9007199254740993]",
+                            pair.get(1).map(Value::to_string).unwrap_or_default()
+                        ),
+                    );
+                    None
+                }
                 Some(v) => Some(v),
                 None => {
                     let got = pair.get(1).map_or("nothing", kind);
@@ -1042,6 +1062,46 @@ mod tests {
         match serde_json::from_str(s) {
             Ok(v) => v,
             Err(e) => panic!("bad JSON in test table: {s}: {e}"),
+        }
+    }
+
+    /// The audit's inexact answers came from operands past 2^53; they are refused where they
+    /// are written, and the largest exact operands still compile.
+    #[test]
+    fn numeric_operands_past_2_pow_53_are_refused_with_their_pointer() {
+        for (pattern, pointer) in [
+            (
+                json!({"n": [{"numeric": ["=", 9_007_199_254_740_993u64]}]}),
+                "/n/0/numeric/1",
+            ),
+            (
+                json!({"n": [{"numeric": [">", 9_007_199_254_740_992u64]}]}),
+                "/n/0/numeric/1",
+            ),
+            (
+                json!({"n": [{"numeric": ["=", 1_234_567_890_123_456_789u64]}]}),
+                "/n/0/numeric/1",
+            ),
+            (
+                json!({"n": [{"numeric": [">", 0, "<", 1e300]}]}),
+                "/n/0/numeric/3",
+            ),
+            (
+                json!({"n": [{"numeric": ["<", -9_007_199_254_740_992i64]}]}),
+                "/n/0/numeric/1",
+            ),
+        ] {
+            let errors = Pattern::compile(&pattern).expect_err("refused");
+            assert_eq!(errors.len(), 1, "{errors:?}");
+            assert_eq!(errors[0].pointer, pointer);
+            assert!(errors[0].message.contains("2^53"), "{}", errors[0].message);
+        }
+        for ok in [
+            json!({"n": [{"numeric": ["=", 9_007_199_254_740_991u64]}]}),
+            json!({"n": [{"numeric": [">=", -9_007_199_254_740_991i64, "<", 9.0e15]}]}),
+            json!({"n": [{"numeric": [">", 1.7e12]}]}),
+        ] {
+            assert!(Pattern::compile(&ok).is_ok(), "{ok}");
         }
     }
 
@@ -1204,6 +1264,53 @@ mod tests {
                 .expect("valid");
             let want = (if lo_inc { x >= lo } else { x > lo }) && (if hi_inc { x <= hi } else { x < hi });
             prop_assert_eq!(pat.matches(&json!({"k": x})), want);
+        }
+
+        /// Integer event values, however large, get the exact answer from `numeric` with an
+        /// operand inside the bound; `=` agrees with the exact matcher; the compiled matcher
+        /// agrees with both. (Before, operands past 2^53 were taken rounded:
+        /// `["=", 1234567890123456789]` matched 1234567890123456788.)
+        #[test]
+        fn numeric_on_integers_is_exact_and_agrees_with_exact(
+            op in prop::sample::select(vec!["=", "<", "<=", ">", ">="]),
+            c in prop_oneof![
+                -9_007_199_254_740_991i64..=9_007_199_254_740_991,
+                9_007_199_254_740_980i64..=9_007_199_254_740_991,
+                -9_007_199_254_740_991i64..=-9_007_199_254_740_980,
+                -1000i64..1000,
+            ],
+            v in prop_oneof![
+                any::<i64>().prop_map(i128::from),
+                any::<u64>().prop_map(i128::from),
+                -4i128..4,
+            ],
+            near in any::<bool>(),
+        ) {
+            // Half the time the event value sits next to the operand, where rounding bites.
+            let v = if near { i128::from(c) + v.rem_euclid(7) - 3 } else { v };
+            let value = if v >= 0 {
+                json!(u64::try_from(v).unwrap_or(u64::MAX))
+            } else {
+                json!(i64::try_from(v).unwrap_or(i64::MIN))
+            };
+            let v = value.as_i64().map(i128::from).or(value.as_u64().map(i128::from)).unwrap_or(0);
+            let c128 = i128::from(c);
+            let want = match op {
+                "=" => v == c128,
+                "<" => v < c128,
+                "<=" => v <= c128,
+                ">" => v > c128,
+                _ => v >= c128,
+            };
+            let numeric = Pattern::compile(&json!({"n": [{"numeric": [op, c]}]})).expect("in range");
+            let event = json!({"n": value});
+            prop_assert_eq!(numeric.matches(&event), want, "{} {} vs {}", op, c, v);
+            if op == "=" {
+                let exact = Pattern::compile(&json!({"n": [c]})).expect("valid");
+                prop_assert_eq!(exact.matches(&event), want);
+            }
+            let m = crate::rules::automaton::CompiledMatcher::build(&[(0, &numeric)]).expect("builds");
+            prop_assert_eq!(m.matches(&event) == vec![0], want);
         }
 
         #[test]

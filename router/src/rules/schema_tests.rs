@@ -18,7 +18,8 @@
 //! - numbers written with a fraction where an integer is required (`max_attempts: 6.0`): JSON
 //!   Schema counts 6.0 as an integer, serde does not;
 //! - pattern size: `$or` expanding to more than 256 combinations, more than 4096 field tests in
-//!   one rule, the automaton-state cap of the whole set;
+//!   one rule, the automaton-state cap of the whole set, and the wildcard cap of a field (256
+//!   matcher states active at once, over the wildcards of every rule there);
 //! - YAML-only content: syntax errors, duplicate keys, several documents in one file, aliases,
 //!   non-finite floats (`.inf`, `.nan`), none of which reach a JSON instance.
 //!
@@ -311,6 +312,9 @@ const PATTERNS: &[(&str, &str, bool)] = &[
     ("anything-but with numeric", "{ t: [{ anything-but: { numeric: ['>', 1] } }] }", false),
     ("numeric", r#"{ n: [{ numeric: ["<=", 5] }] }"#, true),
     ("numeric range", r#"{ n: [{ numeric: [">", 0, "<=", 5] }] }"#, true),
+    ("numeric operand at 2^53 - 1", r#"{ n: [{ numeric: [">=", -9007199254740991, "<", 9007199254740991] }] }"#, true),
+    ("numeric operand past 2^53 - 1", r#"{ n: [{ numeric: ["=", 9007199254740993] }] }"#, false),
+    ("numeric upper bound past 2^53 - 1", r#"{ n: [{ numeric: [">", 0, "<", 1.0e300] }] }"#, false),
     ("numeric with a bad operator", r#"{ n: [{ numeric: ["=>", 1] }] }"#, false),
     ("numeric range in the wrong order", r#"{ n: [{ numeric: ["<", 5, ">", 0] }] }"#, false),
     ("numeric with three elements", r#"{ n: [{ numeric: [">", 1, "<"] }] }"#, false),

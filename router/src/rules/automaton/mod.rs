@@ -46,6 +46,9 @@
 //! * [`MAX_TESTS_PER_RULE`] field tests per rule, summed over its conjunctions.
 //! * [`MAX_TOTAL_STATES`] states plus value-index nodes for the whole set (an upper bound
 //!   computed before a rule is added).
+//! * [`MAX_WILDCARD_ACTIVE_STATES`] wildcard NFA nodes active at once on one field: the
+//!   first caps bound the automaton's size, this one the work per byte of a string value
+//!   (checked once the set is built; every rule with a wildcard on the field is named).
 //!
 //! A rule over a cap is rejected at build time with a message naming the cap.
 
@@ -78,6 +81,17 @@ pub const MAX_TESTS_PER_RULE: usize = 4096;
 /// Most automaton states plus value-index nodes (trie/NFA nodes, hash entries) in one set,
 /// counted as an upper bound before each rule is added (about 100 bytes each at most).
 pub const MAX_TOTAL_STATES: usize = 4_000_000;
+
+/// Most wildcard NFA nodes that may be active at once on one field (of one automaton state),
+/// as computed when the set is built (see the module docs). Matching a string value costs up
+/// to this many steps per byte, so this bounds the wildcard work per event by the event's
+/// size, whatever the number of rules. EventBridge refuses such sets too ("Rule is too
+/// complex"), with its own measure. A few wildcards per field stay far below it (`*a*b*c*`
+/// alone needs 7; a thousand `arn:aws:s3:::bucket-N/*.json`, whose literal heads differ, 7;
+/// twenty thousand `*-N-*`, whose trailing star settles them, 9). Many wildcards whose middle
+/// parts can all be half-matched by one value are refused: a thousand `arn:*:bucket-N/*.json`
+/// need about 6,000, the audit's 2,000 `*x*y*z*q` about 5,000.
+pub const MAX_WILDCARD_ACTIVE_STATES: u64 = 256;
 
 /// Raw JSON given to [`CompiledMatcher::matches_bytes`] could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -128,6 +142,8 @@ pub struct CompiledMatcher {
     relevant: Vec<u32>,
     fields: Vec<FieldIndex>,
     stats: MatcherStats,
+    /// Largest [`FieldIndex::wildcard_bound`] of the set (0 without wildcard NFAs).
+    wildcard_bound: u64,
 }
 
 fn range<T>(v: &[T], r: (u32, u32)) -> &[T] {
@@ -252,7 +268,55 @@ impl CompiledMatcher {
                 sub_patterns += 1;
             }
         }
-        Ok(b.finish(trie, rules.len(), sub_patterns))
+        let wildcard_users = std::mem::take(&mut b.wildcard_users);
+        let m = b.finish(trie, rules.len(), sub_patterns);
+        let errors = m.wildcard_errors(&wildcard_users);
+        if errors.is_empty() {
+            Ok(m)
+        } else {
+            Err(errors)
+        }
+    }
+
+    /// Every rule with a wildcard on a field whose NFA can have more than
+    /// [`MAX_WILDCARD_ACTIVE_STATES`] nodes active at once, with the reason.
+    fn wildcard_errors(&self, users: &WildcardUsers) -> Vec<(usize, String)> {
+        let mut errors = Vec::new();
+        let mut over: Vec<(u32, u64)> = users
+            .keys()
+            .filter_map(|fi| {
+                let bound = self.fields.get(*fi as usize)?.wildcard_bound();
+                (bound > MAX_WILDCARD_ACTIVE_STATES).then_some((*fi, bound))
+            })
+            .collect();
+        over.sort_unstable();
+        for (fi, bound) in over {
+            let Some((leaf, rules)) = users.get(&fi) else {
+                continue;
+            };
+            let field = self.trie.leaf_name(*leaf);
+            let mut rules = rules.clone();
+            rules.sort_unstable();
+            rules.dedup();
+            let others = rules.len() - 1;
+            for &r in &rules {
+                errors.push((
+                    r,
+                    format!(
+                        "wildcards too complex: the wildcards on `{field}` of this rule and {others} other rule(s) (each listed) can keep up to {bound} matcher states active at once, and matching a value costs that many steps per byte (the limit is {MAX_WILDCARD_ACTIVE_STATES}); use fewer `*` per wildcard, a literal start (`abc*`) instead of a leading `*`, or a distinguishing exact test on another field"
+                    ),
+                ));
+            }
+        }
+        errors.sort_by_key(|(r, _)| *r);
+        errors
+    }
+
+    /// Upper bound of the matching work per byte of a string value, relative to reading it:
+    /// 1 plus the most wildcard NFA nodes that can be active at once on one field. What a
+    /// caller weighs an event's size with to decide whether matching it may stall a thread.
+    pub fn cost_per_byte(&self) -> u64 {
+        1 + self.wildcard_bound
     }
 
     /// Indices of the rules whose pattern matches `event`, sorted and deduplicated.
@@ -274,9 +338,19 @@ impl CompiledMatcher {
 
     /// [`CompiledMatcher::matches`] on `event.to_json()`, reading the event's fields in place.
     pub fn matches_event(&self, event: &crate::event::CloudEvent) -> Vec<usize> {
+        self.matches_event_counting(event, &mut 0)
+    }
+
+    /// [`CompiledMatcher::matches_event`] with step counting as in
+    /// [`CompiledMatcher::matches_counting`].
+    pub fn matches_event_counting(
+        &self,
+        event: &crate::event::CloudEvent,
+        steps: &mut u64,
+    ) -> Vec<usize> {
         let mut flat = Flat::default();
         flatten_event(&self.trie, event, &mut flat);
-        self.run(&mut flat, &mut 0)
+        self.run(&mut flat, steps)
     }
 
     /// Like [`CompiledMatcher::matches`] on `serde_json::from_slice(json)`, reading the bytes
@@ -522,6 +596,23 @@ struct StateBuild {
 struct Builder {
     states: Vec<StateBuild>,
     fields: Vec<FieldIndex>,
+    /// Field index → (leaf path, rules with a wildcard there that goes to the NFA), so a
+    /// field over [`MAX_WILDCARD_ACTIVE_STATES`] can name its rules.
+    wildcard_users: WildcardUsers,
+}
+
+/// Field index → (leaf path, rules with a wildcard there that goes to the NFA).
+type WildcardUsers = FxHashMap<u32, (u32, Vec<usize>)>;
+
+/// Whether a matcher puts a wildcard into a field's NFA.
+fn feeds_nfa(m: &Matcher) -> bool {
+    match m {
+        Matcher::Wildcard(w) => value_matchers::uses_nfa(w),
+        Matcher::AnythingBut(crate::rules::pattern::AnythingBut::Wildcard(list)) => {
+            list.iter().any(value_matchers::uses_nfa)
+        }
+        _ => false,
+    }
 }
 
 impl Builder {
@@ -533,6 +624,7 @@ impl Builder {
     fn add(&mut self, conj: &Conjunction, rule: usize) {
         let mut s = 0u32;
         for t in conj {
+            let from = s;
             let existing = self.states[s as usize]
                 .children
                 .get(&t.leaf)
@@ -558,6 +650,15 @@ impl Builder {
                     n
                 }
             };
+            if t.matchers.iter().any(feeds_nfa)
+                && let Some(&fi) = self.states[from as usize].trans.get(&t.leaf)
+            {
+                let users = self
+                    .wildcard_users
+                    .entry(fi)
+                    .or_insert_with(|| (t.leaf, Vec::new()));
+                users.1.push(rule);
+            }
         }
         self.states[s as usize].accepts.push(rule);
     }
@@ -619,6 +720,12 @@ impl Builder {
             fields: trie.leaves.len(),
             value_nodes: self.fields.iter().map(FieldIndex::nodes).sum(),
         };
+        let wildcard_bound = self
+            .fields
+            .iter()
+            .map(FieldIndex::wildcard_bound)
+            .max()
+            .unwrap_or(0);
         CompiledMatcher {
             trie,
             states,
@@ -627,6 +734,7 @@ impl Builder {
             relevant: all_relevant,
             fields: self.fields,
             stats,
+            wildcard_bound,
         }
     }
 }

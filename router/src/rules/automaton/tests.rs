@@ -275,6 +275,75 @@ fn total_state_cap_is_enforced() {
     );
 }
 
+/// The audit's set: 2,000 rules `{"data":{"s":[{"wildcard":"*x*y*z*q"}]}}` with distinct
+/// letter triples passed every cap, and a 10 KB string without `q` took 8.6 s to match (the
+/// active set held every half-matched star). The set is now refused, naming each rule and the
+/// field; a few such rules, and wildcards spread over states an event cannot all reach, pass.
+#[test]
+fn wildcard_work_cap_is_enforced_per_field() {
+    let letters: Vec<char> = ('a'..='p').collect();
+    let mut triples = Vec::new();
+    for x in &letters {
+        for y in &letters {
+            for z in &letters {
+                triples.push(format!("*{x}*{y}*{z}*q"));
+            }
+        }
+    }
+    let rule = |w: &str| compile(&json!({"data": {"s": [{"wildcard": w}]}}));
+    let ps: Vec<Pattern> = triples.iter().take(2000).map(|w| rule(w)).collect();
+    // A rule without wildcards in the same set is not named.
+    let mut with_plain = ps.clone();
+    with_plain.push(compile(&json!({"data": {"s": ["plain"]}})));
+    let refs: Vec<(usize, &Pattern)> = with_plain.iter().enumerate().collect();
+    let err = match CompiledMatcher::build(&refs) {
+        Ok(m) => panic!("accepted, {} steps per byte", m.cost_per_byte()),
+        Err(e) => e,
+    };
+    assert_eq!(
+        err.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+        (0..2000).collect::<Vec<_>>()
+    );
+    assert!(
+        err[0].1.contains("`data.s`")
+            && err[0].1.contains("1999 other rule(s)")
+            && err[0]
+                .1
+                .contains(&format!("limit is {MAX_WILDCARD_ACTIVE_STATES}")),
+        "{}",
+        err[0].1
+    );
+    // An `anything-but` wildcard list is run the same way.
+    let ab: Vec<Pattern> = triples
+        .chunks(8)
+        .take(250)
+        .map(|ws| compile(&json!({"data": {"s": [{"anything-but": {"wildcard": ws}}]}})))
+        .collect();
+    let refs: Vec<(usize, &Pattern)> = ab.iter().enumerate().collect();
+    assert!(CompiledMatcher::build(&refs).is_err());
+    // Twenty of them are fine, and so is each behind its own exact test: an event reaches
+    // one `type`, so one small NFA.
+    let few: Vec<Pattern> = triples.iter().take(20).map(|w| rule(w)).collect();
+    let m = build(&few);
+    assert!(m.cost_per_byte() <= MAX_WILDCARD_ACTIVE_STATES + 1);
+    let separate: Vec<Pattern> = triples
+        .iter()
+        .take(2000)
+        .enumerate()
+        .map(|(i, w)| {
+            compile(&json!({"type": [format!("t{i}")], "data": {"s": [{"wildcard": w}]}}))
+        })
+        .collect();
+    let m = build(&separate);
+    assert!(m.cost_per_byte() < 16, "{}", m.cost_per_byte());
+    // What a value costs is then bounded by its length times the bound.
+    let value: String = letters.iter().cycle().take(10_000).collect();
+    let mut steps = 0;
+    let event = json!({"type": "t5", "data": {"s": value}});
+    assert!(m.matches_counting(&event, &mut steps).is_empty());
+    assert!(steps <= 10_000 * m.cost_per_byte() + 100, "{steps}");
+}
+
 #[test]
 fn bytes_duplicate_keys_follow_serde_json() {
     let p = compile(&json!({"type": ["b"]}));
@@ -854,4 +923,49 @@ fn trusted_bytes_stop_early_but_agree_on_valid_input() {
         Ok(vec![])
     );
     assert_eq!(m.matches_bytes_trusted(br#"{"a":1,"c":0}"#), Ok(vec![0]));
+}
+
+/// Every cap that refuses a rule set is documented for operators, with its value
+/// (docs/configuration.md, "Pattern limits"); before, only the 5-star limit was written down.
+#[test]
+fn pattern_caps_are_documented() {
+    let doc = include_str!("../../../../docs/configuration.md");
+    let section = doc
+        .split("**Pattern limits.**")
+        .nth(1)
+        .and_then(|s| s.split("**Ordering.**").next())
+        .unwrap_or_default();
+    let million = format!("{},{:03},{:03}", MAX_TOTAL_STATES / 1_000_000, 0, 0);
+    for (cap, text) in [
+        ("MAX_OR_EXPANSION", format!("| {MAX_OR_EXPANSION} |")),
+        ("MAX_TESTS_PER_RULE", format!("| {MAX_TESTS_PER_RULE} |")),
+        ("MAX_TOTAL_STATES", million),
+        ("MAX_WILDCARD_STARS", format!("| {MAX_WILDCARD_STARS} |")),
+        (
+            "MAX_WILDCARD_ACTIVE_STATES",
+            format!("| {MAX_WILDCARD_ACTIVE_STATES} active at once |"),
+        ),
+        (
+            "MAX_NUMERIC_OPERAND",
+            format!("±{}", crate::rules::pattern::MAX_NUMERIC_OPERAND as u64),
+        ),
+    ] {
+        assert!(
+            section.contains(&text),
+            "{cap}: `{text}` not in the section"
+        );
+    }
+    let schema = include_str!("../../../../schemas/rules.schema.json");
+    for text in [
+        "256 combinations",
+        "4096 field tests",
+        "5 `*`",
+        "256 wildcard matcher states",
+        "±9007199254740991",
+    ] {
+        assert!(
+            schema.contains(text),
+            "`{text}` not in the rule-file schema"
+        );
+    }
 }

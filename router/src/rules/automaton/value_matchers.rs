@@ -290,6 +290,13 @@ const NO_NODE: u32 = u32::MAX;
 
 /// All wildcards of a field as one NFA whose states are shared by common prefixes (up to and
 /// across stars): a trie of literal bytes in which a star is a node looping on every byte.
+///
+/// A run costs, per input byte, one step per active node, so the number of nodes that can be
+/// active at once is what bounds the work; [`WildcardNfa::active_bound`] computes it when the
+/// set is built and the builder refuses a field over [`MAX_WILDCARD_ACTIVE_STATES`]. A trailing
+/// star that nothing follows (`*error*`) never enters the active set: once reached, its
+/// wildcards match whatever comes after, so they are settled at once. Without that, 20,000
+/// `*-N-*` wildcards would keep up to 20,000 nodes active on a value that contains them all.
 #[derive(Debug, Default)]
 struct WildcardNfa {
     build: Vec<WildcardNode>,
@@ -298,6 +305,11 @@ struct WildcardNfa {
     star: Vec<u32>,
     /// Per node: whether it is a star node (loops on any byte).
     self_loop: Vec<bool>,
+    /// Per node: a star node without edges or a further star (a trailing `*`), settled when
+    /// reached instead of being carried along.
+    sink: Vec<bool>,
+    /// Most nodes that can be active at once, over every input (an upper bound).
+    bound: u64,
 }
 
 #[derive(Debug)]
@@ -354,27 +366,54 @@ impl WildcardNfa {
 
     fn freeze(&mut self) {
         let build = std::mem::take(&mut self.build);
+        self.bound = active_bound(&build);
         self.frozen = Compact::from_nodes(build.iter().map(|n| (&n.edges[..], &n.out[..])));
         self.star = build.iter().map(|n| n.star).collect();
         self.self_loop = build.iter().map(|n| n.self_loop).collect();
+        self.sink = build.iter().map(is_sink).collect();
     }
 
-    fn add_closure(&self, mut node: u32, set: &mut SmallVec<[u32; 16]>) {
+    /// Pushes `node` and the stars it reaches without input: to `set` to be carried along, or
+    /// to `done` when it is a sink (settled).
+    fn add_closure(&self, mut node: u32, set: &mut SmallVec<[u32; 16]>, done: &mut Vec<u32>) {
         while node != NO_NODE {
-            set.push(node);
+            if self.sink.get(node as usize).copied().unwrap_or(false) {
+                done.push(node);
+            } else {
+                set.push(node);
+            }
             node = self.star.get(node as usize).copied().unwrap_or(NO_NODE);
         }
     }
 
     /// Emits the payload of every wildcard that matches all of `input`.
     fn run(&self, input: &[u8], steps: &mut u64, f: &mut impl FnMut(u32)) {
+        self.run_observing(input, steps, f, &mut |_| {});
+    }
+
+    /// [`WildcardNfa::run`], telling `observe` the size of the active set after each byte
+    /// (for the tests of [`WildcardNfa::active_bound`]).
+    fn run_observing(
+        &self,
+        input: &[u8],
+        steps: &mut u64,
+        f: &mut impl FnMut(u32),
+        observe: &mut impl FnMut(usize),
+    ) {
         if self.frozen.len() == 0 {
             return;
         }
         let mut cur: SmallVec<[u32; 16]> = SmallVec::new();
         let mut next: SmallVec<[u32; 16]> = SmallVec::new();
-        self.add_closure(0, &mut cur);
+        // Sinks reached so far; the same sink may be reached again and again (`*a*` on
+        // "aaaa"), so the list is deduplicated whenever it has doubled.
+        let mut done: Vec<u32> = Vec::new();
+        let mut done_dedup = 0;
+        self.add_closure(0, &mut cur, &mut done);
         for &b in input {
+            if cur.is_empty() {
+                break;
+            }
             next.clear();
             for &n in &cur {
                 *steps += 1;
@@ -382,7 +421,7 @@ impl WildcardNfa {
                     next.push(n);
                 }
                 if let Some(child) = self.frozen.next(n, b) {
-                    self.add_closure(child, &mut next);
+                    self.add_closure(child, &mut next, &mut done);
                 }
             }
             if next.len() > 1 {
@@ -390,13 +429,70 @@ impl WildcardNfa {
                 next.dedup();
             }
             std::mem::swap(&mut cur, &mut next);
-            if cur.is_empty() {
-                return;
+            observe(cur.len());
+            if done.len() > 2 * done_dedup + 16 {
+                done.sort_unstable();
+                done.dedup();
+                done_dedup = done.len();
             }
         }
-        for &n in &cur {
+        for &n in cur.iter().chain(done.iter()) {
             self.frozen.outs(n).iter().copied().for_each(&mut *f);
         }
+    }
+}
+
+fn is_sink(n: &WildcardNode) -> bool {
+    n.self_loop && n.edges.is_empty() && n.star == NO_NODE
+}
+
+/// Most nodes of a wildcard NFA (given as its build nodes) that can be active at once, over
+/// every input: an upper bound, exact enough to tell a few wildcards from many interleaved
+/// ones. The nodes form a tree (literal edges and star links), children after parents.
+///
+/// * A star node, once reached, stays active, and each input byte starts a new walk down the
+///   literal trie below it (up to its next stars). Walks that started at different times are
+///   at different depths, so at most one node per depth is active: the trie's height (or its
+///   node count, if smaller). Every star below can be reached by some walk, and stays: they
+///   all count. A sink (a trailing star) is settled when reached and counts nothing.
+/// * The root is active only before the first byte, so one walk goes down its literal trie,
+///   reaching the stars on its path: the worst path counts.
+fn active_bound(nodes: &[WildcardNode]) -> u64 {
+    let n = nodes.len();
+    // Per node, over its literal subtree (the node and its literal descendants, not crossing
+    // star links): the height below it, the number of literal nodes below it, the summed
+    // bound of the stars linked from it, and the largest such sum along one path down.
+    let mut height = vec![0u64; n];
+    let mut below = vec![0u64; n];
+    let mut star_sum = vec![0u64; n];
+    let mut path_max = vec![0u64; n];
+    // Bound of a star node's whole region (0 for a sink).
+    let mut region = vec![0u64; n];
+    for i in (0..n).rev() {
+        let node = &nodes[i];
+        let linked = match node.star {
+            NO_NODE => 0,
+            s => region.get(s as usize).copied().unwrap_or(0),
+        };
+        let (mut h, mut cnt, mut sum, mut best) = (0u64, 0u64, linked, 0u64);
+        for &(_, c) in &node.edges {
+            let c = c as usize;
+            h = h.max(1 + height[c]);
+            cnt = cnt.saturating_add(1 + below[c]);
+            sum = sum.saturating_add(star_sum[c]);
+            best = best.max(path_max[c]);
+        }
+        height[i] = h;
+        below[i] = cnt;
+        star_sum[i] = sum;
+        path_max[i] = linked.saturating_add(best);
+        if node.self_loop && !is_sink(node) {
+            region[i] = 1u64.saturating_add(h.min(cnt)).saturating_add(sum);
+        }
+    }
+    match n {
+        0 => 0,
+        _ => 1u64.saturating_add(path_max[0]),
     }
 }
 
@@ -630,6 +726,16 @@ impl CidrIndex {
     }
 }
 
+/// Whether `w` goes to a field's wildcard NFA rather than to the exact, prefix or suffix
+/// index (as [`StrIndex::wildcard`] decides).
+pub(crate) fn uses_nfa(w: &Wildcard) -> bool {
+    match w.parts.as_slice() {
+        [_] => false,
+        [first, last] => !first.is_empty() && !last.is_empty(),
+        _ => true,
+    }
+}
+
 /// Every string test of a field.
 #[derive(Debug, Default)]
 struct StrIndex {
@@ -685,7 +791,7 @@ impl StrIndex {
     }
 
     /// Wildcards without stars are exact values, `x*` prefixes, `*x` suffixes (`*` is the
-    /// empty prefix); only the rest go to the NFA.
+    /// empty prefix); only the rest go to the NFA (see [`uses_nfa`]).
     fn wildcard(&mut self, w: &Wildcard, p: u32) {
         match w.parts.as_slice() {
             [only] => self.exact(only, p),
@@ -700,6 +806,11 @@ impl StrIndex {
 
     fn cidr(&mut self, c: &Cidr, p: u32) {
         self.cidr.get_or_insert_with(Box::default).insert(c, p);
+    }
+
+    /// Most wildcard NFA nodes active at once (0 without wildcards); valid once frozen.
+    fn wildcard_bound(&self) -> u64 {
+        self.wildcard.as_ref().map_or(0, |w| w.bound)
     }
 
     fn lookup(&self, s: &str, steps: &mut u64, f: &mut impl FnMut(u32)) {
@@ -917,6 +1028,17 @@ impl FieldIndex {
         }
     }
 
+    /// Most wildcard NFA nodes that can be active at once while one value is looked up (its
+    /// wildcards and its `anything-but` wildcards), over every value: the per-byte cost of
+    /// the wildcards of this field. Valid once frozen.
+    pub(crate) fn wildcard_bound(&self) -> u64 {
+        self.strings.wildcard_bound().saturating_add(
+            self.anything_but
+                .as_ref()
+                .map_or(0, |a| a.strings.wildcard_bound()),
+        )
+    }
+
     /// Index nodes (hash entries, trie and NFA nodes, numeric tree entries), for statistics.
     pub(crate) fn nodes(&self) -> usize {
         self.strings.nodes()
@@ -1039,6 +1161,97 @@ mod tests {
                     "x = {x}, tree {tree}"
                 );
             }
+        }
+    }
+
+    fn nfa(wildcards: &[&str]) -> WildcardNfa {
+        let mut n = WildcardNfa::default();
+        for (i, w) in wildcards.iter().enumerate() {
+            let w = Wildcard::parse(w).expect("valid");
+            n.insert(&w.parts, i as u32);
+        }
+        n.freeze();
+        n
+    }
+
+    /// Largest active set over every prefix of `input`, and the wildcards that matched.
+    fn observe(n: &WildcardNfa, input: &[u8]) -> (usize, Vec<u32>) {
+        let (mut most, mut out, mut steps) = (0, Vec::new(), 0);
+        n.run_observing(input, &mut steps, &mut |p| out.push(p), &mut |len| {
+            most = most.max(len)
+        });
+        out.sort_unstable();
+        out.dedup();
+        (most, out)
+    }
+
+    #[test]
+    fn wildcard_bound_of_typical_and_audited_shapes() {
+        // One wildcard: stars plus one literal walk each.
+        assert_eq!(nfa(&["*a*b*c*"]).bound, 7);
+        // Trailing stars are settled when reached: 20,000 `*-N-*` keep one walk per depth of
+        // `-N-` active, not 20,000 stars.
+        let many: Vec<String> = (0..20_000).map(|i| format!("*-{i}-*")).collect();
+        let refs: Vec<&str> = many.iter().map(String::as_str).collect();
+        assert_eq!(nfa(&refs).bound, 1 + 1 + 7);
+        // A literal head is one walk: a thousand buckets cost what one does.
+        let arns: Vec<String> = (0..1000)
+            .map(|i| format!("arn:aws:s3:::bucket-{i}/*.json"))
+            .collect();
+        let refs: Vec<&str> = arns.iter().map(String::as_str).collect();
+        assert_eq!(nfa(&refs).bound, 1 + 1 + 5);
+        // Behind a shared star they are not: a value holding every `:bucket-N/` keeps all
+        // thousand second stars active.
+        let arns: Vec<String> = (0..1000)
+            .map(|i| format!("arn:*:bucket-{i}/*.json"))
+            .collect();
+        let refs: Vec<&str> = arns.iter().map(String::as_str).collect();
+        let n = nfa(&refs);
+        let input: String = (0..1000).map(|i| format!(":bucket-{i}/")).collect();
+        let (most, _) = observe(&n, format!("arn:{input}").as_bytes());
+        assert!(most > 1000 && n.bound >= most as u64, "{most} {}", n.bound);
+        // The audit's set: 2,000 `*x*y*z*q` that a value using every letter half-matches
+        // all at once (its active set measured ~2,700 nodes).
+        let letters: Vec<char> = ('a'..='p').collect();
+        let mut audit = Vec::new();
+        'outer: for x in &letters {
+            for y in &letters {
+                for z in &letters {
+                    if audit.len() == 2000 {
+                        break 'outer;
+                    }
+                    audit.push(format!("*{x}*{y}*{z}*q"));
+                }
+            }
+        }
+        let refs: Vec<&str> = audit.iter().map(String::as_str).collect();
+        let n = nfa(&refs);
+        let input: Vec<u8> = letters.iter().cycle().take(64).map(|c| *c as u8).collect();
+        let (most, _) = observe(&n, &input);
+        assert!(most > 2000, "active set {most}");
+        assert!(n.bound >= most as u64, "bound {} < {most}", n.bound);
+    }
+
+    proptest::proptest! {
+        /// The bound holds for every input, and settling trailing stars early changes no
+        /// answer (checked against the interpreter's `Wildcard::matches`).
+        #[test]
+        fn wildcard_bound_is_an_upper_bound_and_sinks_keep_answers(
+            ws in proptest::collection::vec("[ab*]{1,6}", 1..8),
+            input in "[ab]{0,16}",
+        ) {
+            let parsed: Vec<Wildcard> = ws.iter().filter_map(|w| Wildcard::parse(w).ok()).collect();
+            let mut n = WildcardNfa::default();
+            for (i, w) in parsed.iter().enumerate() {
+                n.insert(&w.parts, i as u32);
+            }
+            n.freeze();
+            let (most, got) = observe(&n, input.as_bytes());
+            proptest::prop_assert!(most as u64 <= n.bound, "active {most} > bound {}", n.bound);
+            let want: Vec<u32> = (0..parsed.len() as u32)
+                .filter(|i| parsed[*i as usize].matches(&input))
+                .collect();
+            proptest::prop_assert_eq!(got, want);
         }
     }
 
