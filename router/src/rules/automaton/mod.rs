@@ -88,10 +88,13 @@ pub const MAX_TOTAL_STATES: usize = 4_000_000;
 /// size, whatever the number of rules. EventBridge refuses such sets too ("Rule is too
 /// complex"), with its own measure. A few wildcards per field stay far below it (`*a*b*c*`
 /// alone needs 7; a thousand `arn:aws:s3:::bucket-N/*.json`, whose literal heads differ, 7;
-/// twenty thousand `*-N-*`, whose trailing star settles them, 9). Many wildcards whose middle
-/// parts can all be half-matched by one value are refused: a thousand `arn:*:bucket-N/*.json`
-/// need about 6,000, the audit's 2,000 `*x*y*z*q` about 5,000.
-pub const MAX_WILDCARD_ACTIVE_STATES: u64 = 256;
+/// twenty thousand `*-N-*`, whose trailing star settles them, 9; three hundred
+/// `arn:*:s3:::bucket-N/*.json`, about 1,800). Many wildcards whose middle parts can all be
+/// half-matched by one value are refused: a thousand `arn:*:bucket-N/*.json` need about
+/// 6,000, the audit's 2,000 `*x*y*z*q` about 5,000. The bound is generous because costly
+/// matching runs on the blocking pool, off the threads that answer `/healthz`; it bounds the
+/// CPU one event can cost, not availability.
+pub const MAX_WILDCARD_ACTIVE_STATES: u64 = 4096;
 
 /// Raw JSON given to [`CompiledMatcher::matches_bytes`] could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -960,7 +960,7 @@ fn pattern_caps_are_documented() {
         "256 combinations",
         "4096 field tests",
         "5 `*`",
-        "256 wildcard matcher states",
+        "4096 wildcard matcher states",
         "±9007199254740991",
     ] {
         assert!(
