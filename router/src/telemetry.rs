@@ -224,8 +224,9 @@ pub struct Metrics {
     )>,
     /// The bound on each namespace (`handlers.kv_max_bytes`).
     pub handler_kv_max_bytes: Gauge,
-    /// 1 when a handler's active version runs here, 0 while it is compiled after a start or
-    /// when it failed to load (its deliveries wait), by handler.
+    /// 1 when a handler's active version runs here, 0 while it is compiled after a start,
+    /// when it failed to load, or when a live rule routes to it and it has no version (its
+    /// deliveries wait), by handler.
     pub handler_loaded: Family<Labels, Gauge>,
     /// Handlers whose `router_handler_loaded` the last scrape showed.
     handler_loaded_shown: std::sync::Mutex<std::collections::BTreeSet<String>>,
@@ -535,7 +536,7 @@ impl Metrics {
         );
         registry.register(
             "router_handler_loaded",
-            "1 when the handler's active version runs on this node; 0 while it is being compiled after a start, or when it failed to load (GET /v1/handlers/{name} says why): its deliveries wait, up to their max_age",
+            "1 when the handler's active version runs on this node; 0 while it is being compiled after a start, when it failed to load (GET /v1/handlers/{name} says why), or when a live rule routes to it and it is not uploaded or was deleted: its deliveries wait, up to their max_age",
             m.handler_loaded.clone(),
         );
         registry.register(

@@ -2074,6 +2074,13 @@ async fn a_delivery_to_a_handler_not_uploaded_waits_visibly_without_attempts() {
             .contains("delivery put back without spending an attempt"),
         "the wait is logged"
     );
+    // The documented alert (`router_handler_loaded == 0`) sees a handler the rules route to
+    // but that is not uploaded: the series used to be absent until the first upload.
+    assert!(
+        m.contains("router_handler_loaded{handler=\"noop\"} 0"),
+        "{}",
+        metric_lines(&m, "handler_loaded")
+    );
     assert_eq!(put_handler(&r, "noop", plugin("noop")).await.0, 201);
     let done = eventually(Duration::from_secs(30), || async {
         let f = fate(&r, "w1").await;
@@ -2082,6 +2089,25 @@ async fn a_delivery_to_a_handler_not_uploaded_waits_visibly_without_attempts() {
     .await
     .expect("delivered once uploaded");
     assert_eq!(done["targets"][0]["attempt_count"], 1, "{done}");
+    let m = metrics_text(&r).await;
+    assert!(
+        m.contains("router_handler_loaded{handler=\"noop\"} 1"),
+        "{}",
+        metric_lines(&m, "handler_loaded")
+    );
+    // A delete (a mistaken one, say) shows as 0 again, not as no series.
+    let resp = client()
+        .delete(r.url("/v1/handlers/noop"))
+        .send()
+        .await
+        .expect("delete");
+    assert!(resp.status().is_success(), "{}", resp.status());
+    let m = metrics_text(&r).await;
+    assert!(
+        m.contains("router_handler_loaded{handler=\"noop\"} 0"),
+        "{}",
+        metric_lines(&m, "handler_loaded")
+    );
 }
 
 /// A delivery to a handler that has no active version says why it waits, in its fate and in

@@ -1143,12 +1143,22 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
         .is_some();
     app.metrics.reload_failing.set(i64::from(failing));
     if let Some(h) = &app.handlers {
-        let loaded: Vec<(String, bool)> = h
+        let mut loaded: std::collections::BTreeMap<String, bool> = h
             .registry
             .list()
             .into_iter()
             .map(|i| (i.name, i.state == crate::wasm::HandlerState::Loaded))
             .collect();
+        // A handler the live rules route to but that has no version here (never uploaded,
+        // or deleted) is 0 too: its deliveries wait as they do for one that failed to load,
+        // and an alert on `router_handler_loaded == 0` must see a mistaken delete, which
+        // used to remove the series instead.
+        for t in app.rules.load().targets.values() {
+            if let crate::rules::TargetKind::Handler { name } = &t.kind {
+                loaded.entry(name.clone()).or_insert(false);
+            }
+        }
+        let loaded: Vec<(String, bool)> = loaded.into_iter().collect();
         app.metrics.set_handler_loaded(&loaded);
     }
     let body = app
