@@ -850,17 +850,55 @@ fn conclude(
         Disposition::Release { .. } => "deferred",
         Disposition::DeadLetter { .. } => "dead_lettered",
     };
+    let mut error = outcome.error().map(|e| truncate(e, MAX_ERROR_CHARS));
+    if let Disposition::DeadLetter {
+        reason: DlqReason::MaxAgeExceeded,
+        ..
+    } = disposition
+        && let Some(why) = not_retried_past_max_age(outcome, retry)
+    {
+        error = Some(match error {
+            Some(e) => format!("{e}; {why}"),
+            None => why,
+        });
+    }
     Settled {
         end: AttemptEnd {
             finished_at: finished,
             result,
             status: outcome.status(),
-            error: outcome.error().map(|e| truncate(e, MAX_ERROR_CHARS)),
+            error,
             outbox,
         },
         disposition,
         label,
     }
+}
+
+/// Why a retryable failure went to the DLQ as `max_age_exceeded` although the event may be
+/// young ([`decide`]): its next attempt would come after `max_age`. Said with the wait and the
+/// bound, the receiver's `Retry-After` named when it set the wait: an entry dead-lettered a
+/// few milliseconds after acceptance with only "HTTP 503" as its error read as a bug.
+fn not_retried_past_max_age(outcome: &AttemptOutcome, retry: &RetryPolicy) -> Option<String> {
+    let AttemptOutcome::Retryable { retry_after, .. } = outcome else {
+        return None;
+    };
+    let fmt = |d: std::time::Duration| humantime::format_duration(d).to_string();
+    let max_age = fmt(retry.max_age);
+    Some(match retry_after {
+        Some(ra) if !ra.is_zero() => {
+            let capped = if *ra > retry.retry_after_max {
+                format!(", capped at retry_after_max {}", fmt(retry.retry_after_max))
+            } else {
+                String::new()
+            };
+            format!(
+                "not retried: the receiver's Retry-After ({}{capped}) would pass max_age {max_age}",
+                fmt(*ra)
+            )
+        }
+        _ => format!("not retried: the next attempt's backoff would pass max_age {max_age}"),
+    })
 }
 
 /// The log line of one entry's settled attempt.
@@ -2082,6 +2120,67 @@ mod tests {
             window_gate(Duration::from_secs(60), 1, 100, Some(1_000), 1_000),
             WindowGate::Wait(wait_ms(IDLE_MS))
         );
+    }
+
+    /// A Retry-After past max_age dead-letters at once: the entry's error names the wait and
+    /// the bound, not only the receiver's answer.
+    #[test]
+    fn a_retry_after_past_max_age_says_so_in_the_dead_letters_error() {
+        let spec = crate::rules::TargetSpec {
+            id: "bulk".into(),
+            rule: "r".into(),
+            kind: crate::rules::TargetKind::Handler { name: "h".into() },
+            policy_name: None,
+            policy: crate::policy::config::PolicyConfig {
+                retry: RetryPolicy {
+                    max_age: Duration::from_secs(60),
+                    ..RetryPolicy::default()
+                },
+                ..crate::policy::config::PolicyConfig::default()
+            },
+        };
+        let rt = TargetRuntime::new(spec, None, 0);
+        let answer = AttemptOutcome::Retryable {
+            error: "HTTP 503: busy".into(),
+            status: Some(503),
+            retry_after: Some(Duration::from_secs(900)),
+        };
+        let one = leased(1, 0);
+        let s = conclude(&rt, &one, &answer, None, 5);
+        assert!(matches!(
+            s.disposition,
+            Disposition::DeadLetter {
+                reason: DlqReason::MaxAgeExceeded,
+                ..
+            }
+        ));
+        assert_eq!(
+            s.end.error.as_deref(),
+            Some(
+                "HTTP 503: busy; not retried: the receiver's Retry-After (15m) would pass max_age 1m"
+            )
+        );
+        // Past retry_after_max (default 1h), the cap is named too.
+        let long = AttemptOutcome::Retryable {
+            error: "HTTP 429".into(),
+            status: Some(429),
+            retry_after: Some(Duration::from_secs(7200)),
+        };
+        assert_eq!(
+            not_retried_past_max_age(&long, &rt.spec.policy.retry).as_deref(),
+            Some(
+                "not retried: the receiver's Retry-After (2h, capped at retry_after_max 1h) would pass max_age 1m"
+            )
+        );
+        // A retry that stays within max_age keeps the answer as its error.
+        let short = AttemptOutcome::Retryable {
+            error: "HTTP 503: busy".into(),
+            status: Some(503),
+            retry_after: Some(Duration::from_secs(5)),
+        };
+        let s = conclude(&rt, &one, &short, None, 5);
+        assert!(matches!(s.disposition, Disposition::Retry { .. }));
+        assert_eq!(s.end.error.as_deref(), Some("HTTP 503: busy"));
     }
 
     #[test]
