@@ -420,6 +420,16 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     out.join("\n")
 }
 
+/// A dead letter's target as its filter names it: `none` for the events quarantined at ingest
+/// (no target), which `--target none` selects and the metrics label `target="none"`. Shown as
+/// `-`, it sent an operator to `--target -`, which matched nothing.
+fn dlq_target(v: &Value) -> String {
+    match v {
+        Value::Null => crate::store::NO_TARGET.to_string(),
+        other => s(other),
+    }
+}
+
 /// `router dlq ls` as a table.
 pub fn dlq_table(v: &Value) -> String {
     let rows: Vec<Vec<String>> = v["entries"]
@@ -443,7 +453,7 @@ pub fn dlq_table(v: &Value) -> String {
                 });
             vec![
                 s(&e["id"]),
-                s(&e["target"]),
+                dlq_target(&e["target"]),
                 s(&e["reason"]),
                 s(&e["event"]["type"]),
                 s(&e["event"]["id"]),
@@ -506,7 +516,7 @@ pub fn summary_table(v: &Value) -> String {
                 _ => 0,
             };
             vec![
-                s(&g["target"]),
+                dlq_target(&g["target"]),
                 s(&g["reason"]),
                 s(&g["count"]),
                 s(&g["first_failure_at"]),
@@ -528,7 +538,11 @@ pub fn summary_table(v: &Value) -> String {
         let hist = histogram(g);
         let most = hist.iter().map(|b| b.2).max().unwrap_or(1).max(1);
         let width = hist.iter().map(|b| b.1.len()).max().unwrap_or(0);
-        out.push_str(&format!("\n\n{} {}:", s(&g["target"]), s(&g["reason"])));
+        out.push_str(&format!(
+            "\n\n{} {}:",
+            dlq_target(&g["target"]),
+            s(&g["reason"])
+        ));
         let mut prev: Option<i64> = None;
         for (i, (ms, at, n)) in hist.iter().enumerate() {
             if i == MAX_BUCKET_LINES {

@@ -1665,6 +1665,36 @@ async fn responses_validate_against_the_document() {
             .is_some_and(|m| m.contains("did you mean \"broken\"")),
         "{b}"
     );
+    // DLQ reads and purges refuse the same typo the same way (they answered "no dead
+    // letters", 200, while the redrive refused it).
+    for (method, path, body) in [
+        ("GET", "/v1/dlq?target=brokne", None),
+        ("GET", "/v1/dlq/summary?target=brokne", None),
+        (
+            "POST",
+            "/v1/dlq/purge",
+            Some(json!({"filter": {"target": "brokne"}, "dry_run": true})),
+        ),
+    ] {
+        let req = match body {
+            Some(b) => admin().json(&b),
+            None => admin(),
+        };
+        let b = api.expect(404, method, path, req).await;
+        let pointer = if method == "POST" {
+            "/filter/target"
+        } else {
+            "/target"
+        };
+        assert_eq!(b["errors"][0]["pointer"], pointer, "{path}: {b}");
+        assert!(
+            b["errors"][0]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("did you mean \"broken\"")),
+            "{path}: {b}"
+        );
+    }
+    api.expect(200, "GET", "/v1/dlq?target=none", admin()).await;
     api.expect(200, "GET", "/v1/events/o-3?source=/test", admin())
         .await;
 

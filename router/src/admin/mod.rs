@@ -341,6 +341,13 @@ pub async fn dlq_list(
     if let Err(r) = dlq_read_scope(&who, q.target.as_deref()) {
         return *r;
     }
+    if let Some(r) = refuse_unknown_dlq_target(&app, q.target.as_deref(), "/target", |id| {
+        dlq_read_scope(&who, Some(id)).is_ok()
+    })
+    .await
+    {
+        return r;
+    }
     let spec = crate::dlq::FilterSpec {
         target: q.target,
         reason: q.reason,
@@ -1281,6 +1288,36 @@ fn job_error(e: crate::dlq::JobError) -> Response {
 /// 404 for a redrive naming a target the router does not know, with the closest known id the
 /// caller may redrive (`suggestion`) when there is one.
 fn unknown_redrive_target(target: &str, suggestion: Option<&str>) -> Response {
+    unknown_dlq_target("/filter/target", target, suggestion)
+}
+
+/// A DLQ read or purge whose `target` filter names a target the router does not know answers
+/// 404 as a redrive does, with the closest id `allowed` lets the caller see (a team token
+/// must not learn other teams' target ids from its typos). A typo used to answer "no dead
+/// letters", exit 0, while the redrive of the same typo was refused. `None`: known, or an
+/// error response to give as is.
+async fn refuse_unknown_dlq_target(
+    app: &App,
+    target: Option<&str>,
+    pointer: &str,
+    allowed: impl Fn(&str) -> bool,
+) -> Option<Response> {
+    match crate::dlq::check_target(app, target?).await {
+        Ok(()) => None,
+        Err(crate::dlq::JobError::UnknownTarget { target, known }) => {
+            let suggestion = known.iter().find(|id| allowed(id));
+            Some(unknown_dlq_target(
+                pointer,
+                &target,
+                suggestion.map(String::as_str),
+            ))
+        }
+        Err(e) => Some(job_error(e)),
+    }
+}
+
+/// 404 for a DLQ request whose target (at `pointer`) the router does not know.
+fn unknown_dlq_target(pointer: &str, target: &str, suggestion: Option<&str>) -> Response {
     let hint = match suggestion {
         Some(id) => format!("; did you mean {id:?}?"),
         None => String::new(),
@@ -1289,7 +1326,7 @@ fn unknown_redrive_target(target: &str, suggestion: Option<&str>) -> Response {
         StatusCode::NOT_FOUND,
         "unknown target",
         vec![FieldError::new(
-            "/filter/target",
+            pointer,
             format!(
                 "no target {target:?} in the live rules, running, or with dead letters{hint} (`none` selects the dead letters without a target; GET /v1/targets lists them)"
             ),
@@ -1368,6 +1405,13 @@ pub async fn dlq_summary(
 ) -> Response {
     if let Err(r) = dlq_read_scope(&who, q.target.as_deref()) {
         return *r;
+    }
+    if let Some(r) = refuse_unknown_dlq_target(&app, q.target.as_deref(), "/target", |id| {
+        dlq_read_scope(&who, Some(id)).is_ok()
+    })
+    .await
+    {
+        return r;
     }
     let spec = crate::dlq::FilterSpec {
         target: q.target,
@@ -1522,6 +1566,14 @@ pub async fn dlq_purge(
     };
     if let Err(r) = dlq_write_scope(&who, req.filter.target.as_deref()) {
         return *r;
+    }
+    if let Some(r) =
+        refuse_unknown_dlq_target(&app, req.filter.target.as_deref(), "/filter/target", |id| {
+            dlq_write_scope(&who, Some(id)).is_ok()
+        })
+        .await
+    {
+        return r;
     }
     let filter = match req.filter.to_filter("/filter") {
         Ok(f) => f,

@@ -405,7 +405,7 @@ fn closest_targets(app: &App, wanted: &str) -> Vec<String> {
 /// Refuses a filter naming a target the router does not know: one not in the live rules, not
 /// running (a removed target still draining is) and with no dead letters. `none` (the
 /// dead letters without a target) is always known.
-async fn check_target(app: &App, target: &str) -> Result<(), JobError> {
+pub(crate) async fn check_target(app: &App, target: &str) -> Result<(), JobError> {
     if target == crate::store::NO_TARGET
         || app.rules.load().targets.contains_key(target)
         || app.dispatcher.runtime(target).is_some()
