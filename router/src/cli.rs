@@ -706,7 +706,58 @@ pub fn job_exit(job: &Value) -> std::process::ExitCode {
     std::process::ExitCode::from(1)
 }
 
-/// `router targets ls` as a table.
+/// Held keys a note names before it says how many more there are.
+const NOTE_KEYS: usize = 3;
+
+/// Why a target's queue may not move, as `router targets ls` prints it under the table: the
+/// causes a QUEUED number that does not move hides (a worker that could not start, the
+/// receiver's Retry-After, an open breaker, held ordering keys), each with what lifts it.
+/// Without them three different incidents looked the same in the table.
+fn target_notes(t: &Value) -> Vec<String> {
+    let id = s(&t["id"]);
+    let mut notes = Vec::new();
+    if let Some(w) = t["worker"].as_str() {
+        notes.push(w.to_string());
+    }
+    if let Some(until) = t["retry_after_until"].as_str() {
+        notes.push(format!(
+            "held off until {until}: the receiver answered 429/503 with Retry-After (`router targets resume {id}` lifts it)"
+        ));
+    }
+    if t["breaker"]["state"] == "open" {
+        notes.push(format!(
+            "breaker open since {} until {}",
+            s(&t["breaker"]["since"]),
+            s(&t["breaker"]["open_until"])
+        ));
+    }
+    let held: Vec<String> = t["held_keys"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(s)
+        .collect();
+    if !held.is_empty() {
+        let mut shown = held
+            .iter()
+            .take(NOTE_KEYS)
+            .map(|k| format!("{k:?}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        if held.len() > NOTE_KEYS {
+            shown.push_str(&format!(" and {} more", held.len() - NOTE_KEYS));
+        }
+        notes.push(format!(
+            "{} ordering key(s) held after a dead letter ({shown}), {} entries queued behind them (`router targets release-key {id} <key>`, or redrive the dead letter)",
+            held.len(),
+            s(&t["queued_behind_keys"])
+        ));
+    }
+    notes
+}
+
+/// `router targets ls` as a table, with a note per target whose queue waits for something an
+/// operator can act on ([`target_notes`]).
 pub fn targets_table(v: &Value) -> String {
     let rows: Vec<Vec<String>> = v["targets"]
         .as_array()
@@ -730,7 +781,7 @@ pub fn targets_table(v: &Value) -> String {
             ]
         })
         .collect();
-    table(
+    let table = table(
         &[
             "TARGET",
             "QUEUED",
@@ -743,7 +794,23 @@ pub fn targets_table(v: &Value) -> String {
             "DLQ",
         ],
         &rows,
-    )
+    );
+    let notes: Vec<String> = v["targets"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|t| {
+            let id = s(&t["id"]);
+            target_notes(t)
+                .into_iter()
+                .map(move |n| format!("  {id}: {n}"))
+        })
+        .collect();
+    if notes.is_empty() {
+        table
+    } else {
+        format!("{table}\n\nwhy queues wait:\n{}", notes.join("\n"))
+    }
 }
 
 #[cfg(test)]
@@ -1021,6 +1088,71 @@ mod tests {
             error_chain(&read),
             "cannot read config file /nonexistent.toml: No such file or directory"
         );
+    }
+
+    /// Quarantined events (no target) show as `none`, the name `--target` selects them by
+    /// and the metrics' label, in both DLQ tables.
+    #[test]
+    fn targetless_dead_letters_show_as_none() {
+        let v = serde_json::json!({"entries": [{
+            "id": 3, "target": null, "reason": "contract_violation",
+            "event": {"type": "t", "id": "q1"}, "attempt_count": 0,
+            "last_failure_at": "2026-01-01T00:00:00Z", "attempts": []
+        }]});
+        let t = dlq_table(&v);
+        assert!(
+            t.lines()
+                .nth(1)
+                .is_some_and(|l| l.starts_with("3   none  ")),
+            "{t}"
+        );
+        let v = serde_json::json!({"total": 1, "bucket_seconds": 3600, "groups": [{
+            "target": null, "reason": "contract_violation", "count": 1,
+            "first_failure_at": "2026-01-01T00:00:00Z", "last_failure_at": "2026-01-01T00:00:00Z",
+            "histogram": [{"bucket": "2026-01-01T00:00:00Z", "count": 1}]
+        }]});
+        let t = summary_table(&v);
+        assert!(
+            t.lines().nth(1).is_some_and(|l| l.starts_with("none  ")),
+            "{t}"
+        );
+        assert!(t.contains("\n\nnone contract_violation:"), "{t}");
+    }
+
+    /// The table says why a queue does not move: a worker that could not start, the
+    /// receiver's Retry-After, an open breaker, held keys; a target with none gets no note.
+    #[test]
+    fn the_targets_table_says_why_a_queue_waits() {
+        let v = serde_json::json!({"targets": [
+            {"id": "fine", "queued": 0, "held_keys": [], "breaker": {"state": "closed"}},
+            {"id": "signed", "queued": 1, "held_keys": [],
+             "worker": "not running: signing secret S: not set"},
+            {"id": "ship", "queued": 4, "held_keys": [],
+             "retry_after_until": "2026-01-01T00:15:00Z",
+             "breaker": {"state": "open", "since": "2026-01-01T00:00:00Z",
+                         "open_until": "2026-01-01T00:00:30Z"}},
+            {"id": "ledger", "queued": 9, "held_keys": ["A", "B", "C", "D"],
+             "queued_behind_keys": 7},
+        ]});
+        let t = targets_table(&v);
+        let notes: Vec<&str> = t
+            .split("\n\nwhy queues wait:\n")
+            .nth(1)
+            .expect("notes")
+            .lines()
+            .collect();
+        assert_eq!(
+            notes,
+            [
+                "  signed: not running: signing secret S: not set",
+                "  ship: held off until 2026-01-01T00:15:00Z: the receiver answered 429/503 with Retry-After (`router targets resume ship` lifts it)",
+                "  ship: breaker open since 2026-01-01T00:00:00Z until 2026-01-01T00:00:30Z",
+                "  ledger: 4 ordering key(s) held after a dead letter (\"A\", \"B\", \"C\" and 1 more), 7 entries queued behind them (`router targets release-key ledger <key>`, or redrive the dead letter)",
+            ],
+            "{t}"
+        );
+        let quiet = targets_table(&serde_json::json!({"targets": [v["targets"][0].clone()]}));
+        assert!(!quiet.contains("why"), "{quiet}");
     }
 
     /// A handler trap's error runs over many lines (guest stderr, wasm backtrace): the DLQ

@@ -320,6 +320,9 @@ enum TargetsCmd {
     Pause { id: String },
     /// Resume a paused target.
     Resume { id: String },
+    /// Let an ordering key held after a dead letter (`on_dead_letter: hold`) proceed; the
+    /// key's waiting entries already past max_age go to the DLQ first.
+    ReleaseKey { id: String, key: String },
 }
 
 #[derive(Subcommand)]
@@ -1211,9 +1214,27 @@ async fn targets(api: Api, cmd: TargetsCmd) -> anyhow::Result<ExitCode> {
             )
             .await?
         }
+        TargetsCmd::ReleaseKey { id, key } => {
+            c.call(
+                reqwest::Method::POST,
+                &format!(
+                    "/v1/targets/{}/keys/{}/release",
+                    router::cli::seg(id),
+                    router::cli::seg(key)
+                ),
+                None,
+            )
+            .await?
+        }
     };
     match cmd {
         TargetsCmd::Ls => print_value(&api, &v, router::cli::targets_table),
+        TargetsCmd::ReleaseKey { .. } => print_value(&api, &v, |r| {
+            format!(
+                "released key {} of {} ({} waiting entries past max_age moved to the DLQ)",
+                r["key"], r["target"], r["dead_lettered_past_max_age"]
+            )
+        }),
         _ => print_value(&api, &v, |t| {
             router::cli::targets_table(&serde_json::json!({ "targets": [t] }))
         }),

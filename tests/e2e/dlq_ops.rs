@@ -1168,6 +1168,91 @@ async fn purging_the_dead_letter_that_holds_a_key_releases_it() {
     );
 }
 
+/// Runs `router ARGS… --api <router>`; returns (exit code, stdout).
+async fn router_cli_out(r: &RouterProc, args: &[&str]) -> (Option<i32>, String) {
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_router"))
+            .args(args)
+            .args(["--api", &r.url("")])
+            .env_remove("ROUTER_TOKEN")
+            .env_remove("ROUTER_API")
+            .output(),
+    )
+    .await
+    .expect("the command finished")
+    .expect("run the command");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+/// A held key is visible where an operator looks first (`router targets ls` says it, with
+/// the command that releases it), the fate of an entry behind it names the key itself in the
+/// release path (it printed the literal `{key}`), and `router targets release-key` lets the
+/// entry go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_key_shows_in_targets_ls_and_the_cli_releases_it() {
+    let rcv = Receiver::scripted(Arc::new(|ev, _| {
+        let status = if ev["data"]["fail"] == true { 400 } else { 200 };
+        (status, Duration::ZERO, vec![])
+    }))
+    .await;
+    let policy = "  held:\n    ordering: partitionkey\n    on_dead_letter: hold";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: ordered\n        policy: held",
+                rcv.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let keyed = |id: &str, fail: bool| {
+        let mut e = event(id, "t", json!({ "fail": fail }));
+        e["partitionkey"] = json!("K/1");
+        e
+    };
+    post_batch(&r, &[keyed("first", true), keyed("behind", false)]).await;
+    let waiting = eventually(Duration::from_secs(15), || async {
+        let f = fate(&r, "behind").await;
+        f["targets"][0]["waiting_on"]
+            .as_str()
+            .filter(|w| w.contains("held after a dead letter"))
+            .map(str::to_owned)
+    })
+    .await
+    .expect("the entry behind the dead letter waits for its key");
+    assert!(
+        waiting.contains("`router targets release-key ordered \"K/1\"`")
+            && waiting.contains("POST /v1/targets/ordered/keys/K%2F1/release"),
+        "{waiting}"
+    );
+    let (code, out) = router_cli_out(&r, &["targets", "ls"]).await;
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains("ordered: 1 ordering key(s) held after a dead letter (\"K/1\")")
+            && out.contains("`router targets release-key ordered <key>`"),
+        "{out}"
+    );
+    let (code, out) = router_cli_out(&r, &["targets", "release-key", "ordered", "K/1"]).await;
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("released key \"K/1\" of \"ordered\""), "{out}");
+    assert!(
+        rcv.wait_for(Duration::from_secs(15), |s| s
+            .iter()
+            .any(|x| x.event_id() == "behind"))
+            .await,
+        "the event behind the released key was delivered"
+    );
+    let (code, _) = router_cli_out(&r, &["targets", "release-key", "ordered", "K/1"]).await;
+    assert_ne!(code, Some(0), "a key no longer held is refused (404)");
+}
+
 /// An ordering key longer than 256 bytes is kept as its digest (`sha256:<hex>`): a held key
 /// of 70,000 characters could not be released before (the release URL went past the
 /// request head's bound, 431), and each queued entry kept the whole key in memory.

@@ -495,8 +495,10 @@ fn waiting_on(app: &App, e: &crate::store::QueueEntry, in_flight: u64, now: i64)
         && app.store.held_keys(&e.target_id).contains(key)
     {
         return Some(format!(
-            "its ordering key {key:?} is held after a dead letter (release it: POST /v1/targets/{}/keys/{{key}}/release){}",
+            "its ordering key {key:?} is held after a dead letter (release it: `router targets release-key {} {key:?}`, POST /v1/targets/{}/keys/{}/release){}",
             e.target_id,
+            crate::cli::seg(&e.target_id),
+            crate::cli::seg(key),
             past_max_age_until(
                 "when the key is released (with the key's other entries past max_age, without holding the key again)"
             )
