@@ -106,6 +106,13 @@ pub struct Metrics {
     registry: Registry,
     /// Events by ingest result: accepted, duplicate, quarantined, rejected.
     pub ingest_events: Family<Labels, Counter>,
+    /// Accepted events routed to no target, by cause (`no_match`, `rule_disabled`).
+    pub ingest_unrouted: Family<Labels, Counter>,
+    /// Until when (Unix seconds) each running target is held off by its receiver's
+    /// `Retry-After`; 0 when it is not.
+    pub target_held_off_until: Family<Labels, Gauge>,
+    /// Targets whose `router_target_held_off_until_seconds` the last scrape showed.
+    held_off_shown: std::sync::Mutex<std::collections::BTreeSet<String>>,
     /// Ingest HTTP requests by status code.
     pub ingest_requests: Family<Labels, Counter>,
     /// Delivery attempts by target and result (delivered, retried, dead_lettered, fenced).
@@ -246,6 +253,9 @@ impl Metrics {
         let mut registry = Registry::default();
         let m = Self {
             ingest_events: Family::default(),
+            ingest_unrouted: Family::default(),
+            target_held_off_until: Family::default(),
+            held_off_shown: Default::default(),
             ingest_requests: Family::default(),
             deliveries: Family::default(),
             attempt_seconds: Family::new_with_constructor(latency_histogram),
@@ -313,6 +323,16 @@ impl Metrics {
             "router_ingest_events",
             "Events received, by result",
             m.ingest_events.clone(),
+        );
+        registry.register(
+            "router_ingest_unrouted",
+            "Events accepted and routed to no target, by cause: no_match (no rule of the live set matched) or rule_disabled (only rules an operator disabled matched); only the archive keeps them, and a replay routes them again",
+            m.ingest_unrouted.clone(),
+        );
+        registry.register(
+            "router_target_held_off_until_seconds",
+            "Until when (Unix time) the target's receiver asked to be left alone with Retry-After on a 429 or 503 (nothing is sent before it; an operator's resume lifts it); 0 when it did not",
+            m.target_held_off_until.clone(),
         );
         registry.register(
             "router_ingest_requests",

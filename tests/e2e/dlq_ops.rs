@@ -774,6 +774,64 @@ async fn pause_and_disable_contain_without_losing_anything() {
     );
 }
 
+/// Events a disabled rule would have routed, and events no rule matches, are accepted and go
+/// to no target: that is counted by cause, logged, and their fate names the rule that matches
+/// them and that it is disabled. Before, nothing but the archive knew of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_routed_nowhere_are_counted_and_their_fate_says_why() {
+    let rcv = Receiver::ok().await;
+    let rules = rules_yaml(
+        "",
+        &[(
+            "only",
+            "t",
+            &[format!("webhook: {}\n        id: main", rcv.url())],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(
+        post_event(&r, &event("routed", "t", json!({}))).await.0,
+        202
+    );
+    assert_eq!(
+        post_json(&r, "/v1/rules/only/disable", json!({})).await.0,
+        200
+    );
+    assert_eq!(
+        post_event(&r, &event("during", "t", json!({}))).await.0,
+        202
+    );
+    assert_eq!(
+        post_event(&r, &event("typo", "t.other", json!({}))).await.0,
+        202
+    );
+    let m = metrics_text(&r).await;
+    assert_eq!(
+        (
+            counter(&m, "router_ingest_unrouted_total{cause=\"rule_disabled\"}"),
+            counter(&m, "router_ingest_unrouted_total{cause=\"no_match\"}"),
+        ),
+        (1, 1),
+        "{}",
+        metric_lines(&m, "unrouted")
+    );
+    let f = fate(&r, "during").await;
+    assert_eq!(f["matched_rules"], json!([]), "{f}");
+    assert_eq!(
+        f["unrouted_matches_now"],
+        json!([{ "rule": "only", "disabled_by_operator": true }]),
+        "{f}"
+    );
+    let f = fate(&r, "typo").await;
+    assert_eq!(f["unrouted_matches_now"], json!([]), "{f}");
+    let f = fate(&r, "routed").await;
+    assert!(f["unrouted_matches_now"].is_null(), "{f}");
+    assert!(
+        r.log_text().contains("routed to no target"),
+        "a WARN line says so"
+    );
+}
+
 /// Pausing a target mid-backlog: once the attempts in flight end, no entry stays leased and
 /// every undelivered event still has zero attempts; after resuming, each is delivered once,
 /// on its first attempt. (Also the guard for any leasing ahead of free slots, which must give

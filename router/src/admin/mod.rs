@@ -216,6 +216,24 @@ pub async fn event_fate(
         })
         .collect();
     let ev = &fate.event;
+    // An accepted event that went to no target: which live rules match it now, and whether
+    // an operator disabled them. Its fate said `matched_rules: []` and nothing else, whether
+    // no rule matched or a rule disabled at its acceptance did (then nothing is queued for
+    // its targets: `router replay` over the window routes it again).
+    let matches_now = (!ev.quarantined && fate.entries.is_empty()).then(|| {
+        let rules = app.rules.load();
+        let disabled = app.disabled_rules();
+        rules
+            .matches_event_counting(&ev.event, &mut 0)
+            .into_iter()
+            .map(|m| {
+                json!({
+                    "rule": m.rule,
+                    "disabled_by_operator": disabled.contains(&m.rule),
+                })
+            })
+            .collect::<Vec<_>>()
+    });
     let fields = json!({
         "id": ev.event.id,
         "source": ev.event.source,
@@ -223,6 +241,7 @@ pub async fn event_fate(
         "accepted_at": rfc3339(ev.accepted_at),
         "ruleset_version": ev.ruleset_version,
         "matched_rules": ev.matched_rules,
+        "unrouted_matches_now": matches_now,
         "quarantined": ev.quarantined,
         "targets": targets,
         "dlq": fate.dlq.iter().map(dlq_json).collect::<Vec<_>>(),

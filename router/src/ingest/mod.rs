@@ -202,7 +202,31 @@ pub(crate) const BLOCKING_CHECK_BYTES: usize = 64 * 1024;
 type Checked = (CloudEvent, ContractOutcome, Option<Routed>);
 
 /// Matched rules and their queue entries.
-type Routed = (Vec<String>, Vec<NewEntry>);
+type Routed = (Vec<String>, Vec<NewEntry>, Unrouted);
+
+/// Why an accepted event went to no target, counted in `router_ingest_unrouted_total{cause}`
+/// and logged: from a target's side such events are lost (only the archive and a replay have
+/// them), and nothing said so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unrouted {
+    /// It was routed (to at least one target), or quarantined.
+    No,
+    /// It matched no rule of the live set.
+    NoMatch,
+    /// The only rules it matched are disabled by an operator.
+    RuleDisabled,
+}
+
+impl Unrouted {
+    /// The `cause` label.
+    fn cause(self) -> Option<&'static str> {
+        match self {
+            Unrouted::No => None,
+            Unrouted::NoMatch => Some("no_match"),
+            Unrouted::RuleDisabled => Some("rule_disabled"),
+        }
+    }
+}
 
 /// Each event's contract check and, for those that pass, its rule matching, run where
 /// [`BLOCKING_CHECK_BYTES`] says. Matching is timed and counted per event
@@ -225,9 +249,21 @@ async fn check_and_route(
                 let routed = matches!(outcome, ContractOutcome::Pass).then(|| {
                     let started = std::time::Instant::now();
                     let mut steps = 0;
-                    let routed = match_targets_counting(&rules, &disabled, &ev, &mut steps);
+                    let mut disabled_hit = false;
+                    let (matched, targets) = match_targets_counting(
+                        &rules,
+                        &disabled,
+                        &ev,
+                        &mut steps,
+                        &mut disabled_hit,
+                    );
                     metrics.observe_rule_match(started.elapsed(), steps);
-                    routed
+                    let unrouted = match (targets.is_empty(), disabled_hit) {
+                        (false, _) => Unrouted::No,
+                        (true, true) => Unrouted::RuleDisabled,
+                        (true, false) => Unrouted::NoMatch,
+                    };
+                    (matched, targets, unrouted)
                 });
                 (ev, outcome, routed)
             })
@@ -444,8 +480,10 @@ async fn handle(
             }
             ContractOutcome::Pass => {
                 quarantined.push(None);
-                let answer = Answered::of(&ev);
-                let (matched_rules, targets) = routed.unwrap_or_default();
+                let mut answer = Answered::of(&ev);
+                let (matched_rules, targets, unrouted) =
+                    routed.unwrap_or((Vec::new(), Vec::new(), Unrouted::NoMatch));
+                answer.unrouted = unrouted;
                 let ne = NewEvent {
                     event: ev,
                     accepted_at: now,
@@ -625,6 +663,15 @@ async fn handle(
             .ingest_events
             .get_or_create(&vec![("status", status.to_string())])
             .inc();
+        if let ("accepted", Some(cause)) = (status, ev.unrouted.cause()) {
+            app.metrics
+                .ingest_unrouted
+                .get_or_create(&vec![("cause", cause.to_string())])
+                .inc();
+            if let Some(suppressed) = app.dispatcher.context().log_gates.admit("(unrouted)") {
+                tracing::warn!(event_id = %ev.id, source = %ev.source, ty = %ev.ty, cause, suppressed, "event accepted and routed to no target: it matched no enabled rule (only the archive keeps it; `router replay` routes it again)");
+            }
+        }
         if let Some(reason) = reason.and_then(|r| r.parse::<DlqReason>().ok()) {
             // The first validation error, with how many more: the log line says why.
             let detail = errors.first().map(|e| {
@@ -783,6 +830,8 @@ struct Answered {
     /// (target, ordering key, held on a dead letter) of its ordered copies: a copy the depth
     /// cap refuses is announced with its key, and whether that holds the key.
     keys: Vec<(String, String, bool)>,
+    /// Why it went to no target, if it did not.
+    unrouted: Unrouted,
 }
 
 impl Answered {
@@ -793,6 +842,7 @@ impl Answered {
             ty: ev.ty.clone(),
             hops: ev.hops(),
             keys: Vec::new(),
+            unrouted: Unrouted::No,
         }
     }
 
@@ -862,23 +912,25 @@ pub fn match_targets(
     disabled: &std::collections::HashSet<String>,
     ev: &CloudEvent,
 ) -> (Vec<String>, Vec<NewEntry>) {
-    match_targets_counting(rules, disabled, ev, &mut 0)
+    match_targets_counting(rules, disabled, ev, &mut 0, &mut false)
 }
 
-/// [`match_targets`], adding the matcher's work to `steps`.
+/// [`match_targets`], adding the matcher's work to `steps`, and setting `disabled_hit` when
+/// a rule an operator disabled matched.
 fn match_targets_counting(
     rules: &crate::rules::RuleSet,
     disabled: &std::collections::HashSet<String>,
     ev: &CloudEvent,
     steps: &mut u64,
+    disabled_hit: &mut bool,
 ) -> (Vec<String>, Vec<NewEntry>) {
     let mut matched_rules = Vec::new();
     let mut targets = Vec::new();
-    for m in rules
-        .matches_event_counting(ev, steps)
-        .into_iter()
-        .filter(|m| !disabled.contains(&m.rule))
-    {
+    for m in rules.matches_event_counting(ev, steps) {
+        if !disabled.is_empty() && disabled.contains(&m.rule) {
+            *disabled_hit = true;
+            continue;
+        }
         for tid in &m.target_ids {
             let spec = rules.targets.get(tid);
             let ordering_key = spec
@@ -978,7 +1030,7 @@ mod tests {
         );
         assert!(matches!(
             checked.as_slice(),
-            [(_, ContractOutcome::Pass, Some((matched, _)))] if matched.is_empty()
+            [(_, ContractOutcome::Pass, Some((matched, _, Unrouted::NoMatch)))] if matched.is_empty()
         ));
         let text = app.metrics.render(app.store.as_ref(), 0).await;
         assert!(
