@@ -821,7 +821,18 @@ fn spawn_operator_state_follower(app: &Arc<App>, tracker: &TaskTracker, cancel: 
                     _ => {}
                 }
                 if let Some(until) = state.retry_after_until {
-                    app.dispatcher.follow_retry_after(id, until);
+                    app.dispatcher
+                        .follow_retry_after(id, until, state.retry_after_since);
+                }
+            }
+            // Retry-After pauses lifted by an operator's resume on another node. Not subject
+            // to the check below: a lift only ever moves forward in time.
+            for (k, v) in &states {
+                if let (Some(id), Some(at)) = (
+                    k.strip_prefix(crate::deliver::PAUSE_STATE_PREFIX),
+                    v[crate::deliver::HOLD_LIFTED_AT].as_i64(),
+                ) {
+                    app.dispatcher.follow_lift(id, at);
                 }
             }
             let disabled = disabled_in(&states);

@@ -652,6 +652,20 @@ impl Metrics {
         );
     }
 
+    /// Sets `router_target_held_off_until_seconds` to `held` (target, Unix seconds or 0),
+    /// removing the series of targets no longer running.
+    pub fn set_held_off(&self, held: &[(String, i64)]) {
+        let mut shown = self
+            .held_off_shown
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        retain_series(
+            &self.target_held_off_until,
+            &mut shown,
+            held.iter().map(|(t, s)| (t, *s)),
+        );
+    }
+
     /// Sets `router_handler_loaded` to `handlers` (name, loaded), removing the series of
     /// handlers no longer listed (deleted).
     pub fn set_handler_loaded(&self, handlers: &[(String, bool)]) {

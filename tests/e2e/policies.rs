@@ -707,6 +707,97 @@ async fn retry_after_holds_off_the_whole_target() {
     assert!(t["retry_after_until"].is_null(), "{t}");
 }
 
+/// A receiver's long `Retry-After` (15 min) is visible (gauge, `/v1/status` warning, the
+/// target's `retry_after_until`), survives a restart, and an operator's resume lifts it: the
+/// queue behind it goes at once, and the lift itself survives a restart. Before, nothing an
+/// operator did (pause and resume, a reload, a restart) ended it, and no metric or warning
+/// said the target was held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_resume_lifts_a_receivers_retry_after_hold() {
+    // The first request ever: 429 with Retry-After: 900. Every other: 200.
+    let rcv = Receiver::retry_after_first(Duration::ZERO, 900).await;
+    let policy =
+        "  p:\n    retry: { max_attempts: 5, base_delay: 10ms, max_delay: 10ms, jitter: none }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: ra\n        policy: p",
+                rcv.url()
+            )],
+        )],
+    );
+    let mut r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    assert_eq!(post_event(&r, &event("first", "t", json!({}))).await.0, 202);
+    async fn held(r: &RouterProc) -> Option<String> {
+        target_state(r, "ra").await["retry_after_until"]
+            .as_str()
+            .map(str::to_string)
+    }
+    eventually(Duration::from_secs(10), || held(&r))
+        .await
+        .expect("the 429 holds the target off");
+    assert_eq!(post_event(&r, &event("next", "t", json!({}))).await.0, 202);
+    // Visible where alerts and the first look go.
+    let m = metrics_text(&r).await;
+    let gauge = counter(&m, "router_target_held_off_until_seconds{target=\"ra\"}");
+    let now_s = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs();
+    // The hold ends 900 s after the answer; a minute's slack for a slow machine.
+    assert!(
+        gauge > now_s + 800 && gauge <= now_s + 900,
+        "{gauge} vs now {now_s}"
+    );
+    let (_, status) = get_json(&r, "/v1/status").await;
+    assert!(
+        status["warnings"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|w| w.as_str().is_some_and(|w| w
+                .starts_with("target ra: its receiver asked to be left alone")
+                && w.contains("router targets resume ra"))),
+        "{status}"
+    );
+    // A restart keeps the hold (the receiver asked for it, not the process).
+    r.restart();
+    assert!(held(&r).await.is_some(), "the hold survives a restart");
+    assert_eq!(rcv.received().len(), 1, "nothing sent while held");
+    // The receiver's team says it is back: a resume (the target was never paused) lifts it.
+    let (s, t) = post_json(&r, "/v1/targets/ra/resume", json!({})).await;
+    assert_eq!(s, 200, "{t}");
+    assert!(t["retry_after_until"].is_null(), "{t}");
+    // The worker looks again at least every second once the hold is gone.
+    assert!(
+        rcv.wait_for(Duration::from_secs(15), |s| s
+            .iter()
+            .any(|x| x.event_id() == "next"))
+            .await,
+        "the queue behind the hold is delivered after the resume"
+    );
+    let m = metrics_text(&r).await;
+    assert_eq!(
+        counter(&m, "router_target_held_off_until_seconds{target=\"ra\"}"),
+        0,
+        "{}",
+        metric_lines(&m, "held_off")
+    );
+    let (_, status) = get_json(&r, "/v1/status").await;
+    assert!(
+        !status["warnings"]
+            .to_string()
+            .contains("target ra: its receiver"),
+        "{status}"
+    );
+    // The lift is persisted: a restart does not bring the hold back.
+    r.restart();
+    assert!(held(&r).await.is_none(), "{}", target_state(&r, "ra").await);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_age_ends_in_the_dlq_with_its_reason() {
     let rcv = Receiver::status(500).await;

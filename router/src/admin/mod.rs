@@ -1008,6 +1008,7 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             .cloned()
             .chain(app.rule_warnings.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned())
             .chain(missing_handler_warnings(&app, &rules))
+            .chain(held_off_warnings(&app, now))
             .chain(removed_targets)
             .chain(app.disk_full.load(Ordering::Relaxed).then(|| format!(
                 "ingest answers 503: the store is past its disk high-water mark (store.max_disk_bytes = {}); delivery continues, ingest resumes below the low-water mark (docs/operations.md has the runbook)",
@@ -1017,6 +1018,24 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             .collect::<Vec<_>>(),
     }))
     .into_response()
+}
+
+/// One warning per target its receiver holds off with `Retry-After`: the whole queue waits
+/// for it, and it said so only in an event's fate and `GET /v1/targets/{id}`.
+fn held_off_warnings(app: &App, now: i64) -> Vec<String> {
+    let mut held: Vec<(String, i64)> = app
+        .dispatcher
+        .runtimes()
+        .iter()
+        .filter_map(|rt| Some((rt.spec.id.clone(), rt.retry_after_until(now)?)))
+        .collect();
+    held.sort();
+    held.into_iter()
+        .map(|(id, until)| format!(
+            "target {id}: its receiver asked to be left alone (429/503 with Retry-After): nothing is sent to it until {}; `router targets resume {id}` (POST /v1/targets/{id}/resume) lifts it once the receiver is back",
+            rfc3339(until)
+        ))
+        .collect()
 }
 
 /// One warning per live rule target whose handler does not run here (not uploaded or
@@ -1128,8 +1147,14 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
     // removed lose their series.
     let mut paused = Vec::new();
     let mut breakers = Vec::new();
+    let mut held = Vec::new();
     for rt in app.dispatcher.runtimes() {
         paused.push((rt.spec.id.clone(), rt.paused.load(Ordering::SeqCst)));
+        held.push((
+            rt.spec.id.clone(),
+            rt.retry_after_until(app.clock.now_ms())
+                .map_or(0, |until| until.div_euclid(1000)),
+        ));
         // In effect now: an open period that ended during a pause is over (half-open), and
         // an alert on 1 must not go on firing for a contained target.
         if let Some(b) = rt.breaker() {
@@ -1137,6 +1162,7 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
         }
     }
     app.metrics.set_worker_gauges(&paused, &breakers);
+    app.metrics.set_held_off(&held);
     if let Some(nats) = app.dispatcher.nats().status() {
         app.metrics
             .nats_connected

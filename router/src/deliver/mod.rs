@@ -136,6 +136,10 @@ struct TargetSecrets {
 /// the target's own record, which breakers on every node also write).
 pub const PAUSE_STATE_PREFIX: &str = "pause:";
 
+/// Field of an operator's pause record: when the operator last lifted the receiver's
+/// Retry-After pause (clock ms), which every node follows.
+pub const HOLD_LIFTED_AT: &str = "hold_lifted_at";
+
 /// Starts, updates and stops target workers.
 pub struct Dispatcher {
     ctx: Arc<DeliveryContext>,
@@ -584,12 +588,22 @@ impl Dispatcher {
                 let pause_key = format!("{PAUSE_STATE_PREFIX}{id}");
                 let mut state: Option<PersistedState> = None;
                 let mut paused = None;
+                let mut lifted_at = None;
                 for (k, v) in states {
                     if k == id {
                         state = serde_json::from_value(v).ok();
                     } else if k == pause_key {
                         paused = v["paused"].as_bool();
+                        lifted_at = v[HOLD_LIFTED_AT].as_i64();
                     }
+                }
+                // A Retry-After pause an operator lifted stays lifted across a restart, even
+                // if the target's record could not be written without it at the lift.
+                if let (Some(s), Some(at)) = (state.as_mut(), lifted_at)
+                    && s.retry_after_since.is_none_or(|since| since <= at)
+                {
+                    s.retry_after_until = None;
+                    s.retry_after_since = None;
                 }
                 // The operator's own record wins: on a shared store the target's record is
                 // also written by other nodes' breakers, with their view of the pause.
@@ -693,31 +707,94 @@ impl Dispatcher {
         running.get(id).map(|r| r.runtime.clone())
     }
 
-    /// Pauses or resumes a target (persisted). Returns false for an unknown target.
+    /// Pauses or resumes a target (persisted). A resume also lifts the receiver's
+    /// Retry-After pause (persisted, and followed by every node): an operator whose receiver
+    /// is back had no way to end a pause of up to `retry_after_max` (1 h by default), through
+    /// which the whole queue waited, or aged past `max_age` into the DLQ. Returns false for
+    /// an unknown target.
     pub async fn set_paused(
         &self,
         id: &str,
         paused: bool,
     ) -> Result<bool, crate::store::StoreError> {
-        if self.runtime(id).is_none() {
+        let Some(rt) = self.runtime(id) else {
             return Ok(false);
-        }
+        };
         // One operator's pause or resume at a time: two at once could store theirs and set
         // the worker's flag in opposite orders, leaving the worker unlike the store.
         let _one_at_a_time = self.pausing.lock().await;
+        let now = self.ctx.clock.now_ms();
+        let lifted_at = if paused {
+            rt.hold_lifted_at()
+        } else {
+            Some(now)
+        };
+        if !paused {
+            // The target's record first: a restart reads the lift from the pause record too,
+            // but other nodes' followers take up the record's pause until it is gone.
+            self.store_lift(&rt, id, now).await?;
+        }
         // Only the operator's own record: the target's record holds the breaker, which
         // other nodes also write, and the pause record wins over it wherever it is read.
+        let mut record = serde_json::json!({ "paused": paused });
+        if let Some(at) = lifted_at {
+            record[HOLD_LIFTED_AT] = serde_json::json!(at);
+        }
         self.ctx
             .store
-            .put_target_state(
-                &format!("{PAUSE_STATE_PREFIX}{id}"),
-                serde_json::json!({ "paused": paused }),
-            )
+            .put_target_state(&format!("{PAUSE_STATE_PREFIX}{id}"), record)
             .await?;
-        self.operator_change(|| self.set_pause_flag(id, paused));
+        let lifted = self.operator_change(|| {
+            self.set_pause_flag(id, paused);
+            if paused {
+                None
+            } else {
+                self.runtime(id).and_then(|rt| rt.lift_hold(now))
+            }
+        });
         self.ctx.store.notifier(id).notify_one();
         tracing::warn!(target_id = %id, paused, "target pause state changed by an operator");
+        if let Some(until) = lifted {
+            tracing::warn!(target_id = %id, was_until = %crate::clock::rfc3339(until), "the receiver's Retry-After pause lifted by an operator's resume; entries are sent again");
+        }
         Ok(true)
+    }
+
+    /// Writes target `id`'s record without the receiver's pause an operator lifts at `now`.
+    async fn store_lift(
+        &self,
+        rt: &TargetRuntime,
+        id: &str,
+        now: i64,
+    ) -> Result<(), crate::store::StoreError> {
+        let state = if self.ctx.store.shared() {
+            // The record is every node's: only the pause is this one's to change.
+            let states = self.ctx.store.target_states().await?;
+            worker::without_retry_after(&states, id, now)
+        } else {
+            let mut s = rt.persisted();
+            s.retry_after_until = None;
+            s.retry_after_since = None;
+            s
+        };
+        self.ctx
+            .store
+            .put_target_state(id, serde_json::to_value(state).unwrap_or_default())
+            .await
+    }
+
+    /// Lifts target `id`'s Retry-After pause because an operator lifted it at `lifted_at` on
+    /// another node sharing the store (a resume there). Returns whether one was in effect here.
+    pub fn follow_lift(&self, id: &str, lifted_at: i64) -> bool {
+        let Some(rt) = self.runtime(id) else {
+            return false;
+        };
+        if !rt.follow_lift(lifted_at, self.ctx.clock.now_ms()) {
+            return false;
+        }
+        self.ctx.store.notifier(id).notify_one();
+        tracing::warn!(target_id = %id, "the receiver's Retry-After pause lifted by an operator on another node; entries are sent again");
+        true
     }
 
     /// Sets the pause flag of the worker running `id` now, under the lock a reload replaces
@@ -783,12 +860,12 @@ impl Dispatcher {
     /// or 503 with `Retry-After` (that node persisted the pause with its breaker's record): the
     /// receiver asked the service, not one node, to wait. Not persisted again. Returns whether
     /// it started a pause here or extended this node's by a second or more.
-    pub fn follow_retry_after(&self, id: &str, until: i64) -> bool {
+    pub fn follow_retry_after(&self, id: &str, until: i64, since: Option<i64>) -> bool {
         let Some(rt) = self.runtime(id) else {
             return false;
         };
         let now = self.ctx.clock.now_ms();
-        if until <= now || !rt.hold_off_until(until) {
+        if until <= now || !rt.hold_off_until(until, since.unwrap_or(now)) {
             return false;
         }
         tracing::warn!(target_id = %id, until = %crate::clock::rfc3339(until), "the receiver asked another node to hold off (Retry-After); nothing is sent to it from this node either until then");

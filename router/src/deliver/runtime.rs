@@ -33,6 +33,24 @@ pub struct PersistedState {
     /// The receiver's `Retry-After` pause: no entry is sent before this time (clock ms).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_after_until: Option<i64>,
+    /// When that pause was set (clock ms): an operator's lift ends every pause set before it
+    /// (other nodes' included), and a lowered `retry_after_max` caps it from this time.
+    /// Absent in records written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_since: Option<i64>,
+}
+
+/// The receiver's `Retry-After` pause of a target, shared by the runtimes a reload makes for
+/// it ([`TargetRuntime::carry_over`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Hold {
+    /// No request before this (clock ms); 0: none.
+    until: i64,
+    /// When `until` was last set.
+    since: i64,
+    /// When an operator last lifted the pause (clock ms); 0: never. A pause set at or before
+    /// it, read back from another node's record, is not taken up again.
+    lifted_at: i64,
 }
 
 /// Counters since start (of the process: a reload that replaces the target's worker carries
@@ -56,6 +74,11 @@ pub struct Counters {
     pub last_budget_deferred_at: AtomicI64,
     /// Until when (ms) the worker waits for the rate limiter's next token; 0: never.
     pub throttled_until: AtomicI64,
+}
+
+/// The policy's `retry_after_max` in ms.
+fn cap_ms(spec: &TargetSpec) -> i64 {
+    i64::try_from(spec.policy.retry.retry_after_max.as_millis()).unwrap_or(i64::MAX)
 }
 
 /// The token bucket for `nodes`' share of `spec`'s throttle rate and burst (the burst rounded
@@ -101,8 +124,9 @@ pub struct TargetRuntime {
     /// the whole target: entries wait in the queue, no attempt is spent. Setting only the
     /// answered entry's due time let every other queued entry go at once, get the same 429
     /// and spend an attempt, and a backlog went to the DLQ while the receiver asked for a
-    /// pause.
-    retry_after_until: Arc<AtomicI64>,
+    /// pause. An operator's resume lifts it ([`Self::lift_hold`]); a lowered
+    /// `retry_after_max` caps it ([`Self::carry_over`]).
+    hold: Arc<Mutex<Hold>>,
     /// A batching webhook's lowered `max_events` after its receiver refused a batch as too
     /// large (413); 0: none. In memory: after a restart one more refusal finds it again.
     batch_cap: AtomicU32,
@@ -191,14 +215,27 @@ impl TargetRuntime {
             .unwrap_or(crate::policy::budget::DEFAULT_RATIO);
         let budget = Mutex::new(RetryBudget::new(ratio));
         let limiter = ArcSwapOption::from(limiter_for(&spec, 1).map(Arc::new));
-        let retry_after_until = persisted
-            .as_ref()
-            .and_then(|s| s.retry_after_until)
-            .filter(|&until| until > now)
-            .unwrap_or(0);
+        // Restored under the policy in force: a `retry_after_max` lowered while the router was
+        // down caps the pause as a reload does. A record older than `retry_after_since`
+        // counts the cap from now.
+        let hold = match persisted.as_ref() {
+            Some(PersistedState {
+                retry_after_until: Some(until),
+                retry_after_since: since,
+                ..
+            }) if *until > now => {
+                let since = since.unwrap_or(now);
+                Hold {
+                    until: (*until).min(since.saturating_add(cap_ms(&spec))),
+                    since,
+                    lifted_at: 0,
+                }
+            }
+            _ => Hold::default(),
+        };
         Self {
             paused: AtomicBool::new(persisted.as_ref().is_some_and(|s| s.paused)),
-            retry_after_until: Arc::new(AtomicI64::new(retry_after_until)),
+            hold: Arc::new(Mutex::new(hold)),
             spec,
             breaker,
             budget,
@@ -222,8 +259,17 @@ impl TargetRuntime {
     pub fn carry_over(&mut self, old: &TargetRuntime) {
         self.counters = old.counters.clone();
         // The receiver's pause is about the receiver, not the configuration; shared so that
-        // the old worker's attempts still in flight extend the new worker's pause.
-        self.retry_after_until = old.retry_after_until.clone();
+        // the old worker's attempts still in flight extend the new worker's pause. A lowered
+        // `retry_after_max` caps it, counted from when it was set: a limit an operator
+        // lowers to get a stuck target going applies to the pause already taken, not only
+        // to the next one.
+        self.hold = old.hold.clone();
+        {
+            let mut h = self.hold();
+            if h.until > 0 {
+                h.until = h.until.min(h.since.saturating_add(cap_ms(&self.spec)));
+            }
+        }
         if let (Some(policy), Some(shared)) = (&self.spec.policy.breaker, &old.breaker) {
             shared
                 .lock()
@@ -233,16 +279,67 @@ impl TargetRuntime {
         }
     }
 
-    /// Until when the receiver asked to be left alone (`Retry-After`), if that is after `now`.
-    pub fn retry_after_until(&self, now: i64) -> Option<i64> {
-        Some(self.retry_after_until.load(Ordering::SeqCst)).filter(|&until| until > now)
+    fn hold(&self) -> MutexGuard<'_, Hold> {
+        self.hold.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The receiver asked for no request before `until` (clock ms). Returns whether this
-    /// started a pause or extended it by a second or more (worth persisting and logging).
-    pub fn hold_off_until(&self, until: i64) -> bool {
-        let before = self.retry_after_until.fetch_max(until, Ordering::SeqCst);
+    /// Until when the receiver asked to be left alone (`Retry-After`), if that is after `now`.
+    pub fn retry_after_until(&self, now: i64) -> Option<i64> {
+        Some(self.hold().until).filter(|&until| until > now)
+    }
+
+    /// The receiver asked, at `since`, for no request before `until` (clock ms), capped by
+    /// the policy's `retry_after_max` from `since`. Returns whether this started a pause or
+    /// extended it by a second or more (worth persisting and logging). A pause set before an
+    /// operator lifted the target's (another node's record read late) is not taken up.
+    pub fn hold_off_until(&self, until: i64, since: i64) -> bool {
+        let mut h = self.hold();
+        if h.lifted_at > 0 && since <= h.lifted_at {
+            return false;
+        }
+        let until = until.min(since.saturating_add(cap_ms(&self.spec)));
+        if until <= h.until {
+            return false;
+        }
+        let before = h.until;
+        h.until = until;
+        h.since = since;
         until >= before.saturating_add(1000)
+    }
+
+    /// An operator lifts the receiver's pause at `now` (a resume): entries go again at once.
+    /// Returns the end of the pause lifted, if one was in effect.
+    pub fn lift_hold(&self, now: i64) -> Option<i64> {
+        let mut h = self.hold();
+        let was = Some(h.until).filter(|&until| until > now);
+        *h = Hold {
+            until: 0,
+            since: 0,
+            lifted_at: h.lifted_at.max(now),
+        };
+        was
+    }
+
+    /// When an operator last lifted the receiver's pause here, if ever.
+    pub fn hold_lifted_at(&self) -> Option<i64> {
+        Some(self.hold().lifted_at).filter(|&at| at > 0)
+    }
+
+    /// Another node's operator lifted the receiver's pause at `lifted_at`: a pause set before
+    /// it ends here too. Returns whether one was in effect here.
+    pub fn follow_lift(&self, lifted_at: i64, now: i64) -> bool {
+        let mut h = self.hold();
+        if lifted_at <= h.lifted_at {
+            return false;
+        }
+        h.lifted_at = lifted_at;
+        if h.since > lifted_at {
+            return false;
+        }
+        let was = h.until > now;
+        h.until = 0;
+        h.since = 0;
+        was
     }
 
     /// This node's token bucket, if the policy sets a rate.
@@ -324,11 +421,12 @@ impl TargetRuntime {
 
     /// What to persist now.
     pub fn persisted(&self) -> PersistedState {
+        let hold = *self.hold();
         PersistedState {
             breaker: self.breaker().map(|b| (b.state(), b.since())),
             paused: self.paused.load(Ordering::SeqCst),
-            retry_after_until: Some(self.retry_after_until.load(Ordering::SeqCst))
-                .filter(|&until| until > 0),
+            retry_after_until: Some(hold.until).filter(|&until| until > 0),
+            retry_after_since: Some(hold.since).filter(|&s| s > 0),
         }
     }
 
@@ -510,6 +608,7 @@ mod tests {
             breaker: Some((BreakerState::Open { until: 30_000 }, 0)),
             paused: true,
             retry_after_until: None,
+            retry_after_since: None,
         };
         let rt = TargetRuntime::new(spec, Some(persisted), 0);
         let open = rt.snapshot(10_000);
@@ -546,6 +645,62 @@ mod tests {
         again.carry_over(&none);
         assert_eq!(again.snapshot(0)["breaker"]["window_requests"], 0);
         assert_eq!(again.snapshot(0)["delivered"], 7);
+    }
+
+    /// The receiver's pause: an operator's lift ends it (and one set before the lift, read
+    /// late from another node, is not taken up again), a lowered `retry_after_max` caps it
+    /// from when it was set, at a reload and at a restart, and it persists with its time.
+    #[test]
+    fn a_retry_after_hold_is_lifted_by_an_operator_and_capped_by_a_lowered_maximum() {
+        let mut spec = throttled(1.0, 1).spec;
+        spec.policy.retry.retry_after_max = Duration::from_secs(3600);
+        let rt = TargetRuntime::new(spec.clone(), None, 0);
+        assert!(rt.hold_off_until(900_000, 1_000), "a 15 min pause");
+        assert_eq!(rt.retry_after_until(2_000), Some(900_000));
+        assert_eq!(
+            (
+                rt.persisted().retry_after_until,
+                rt.persisted().retry_after_since
+            ),
+            (Some(900_000), Some(1_000))
+        );
+        assert_eq!(
+            rt.snapshot(2_000)["retry_after_until"],
+            crate::clock::rfc3339(900_000)
+        );
+        // A reload that lowers retry_after_max to 1 s caps it at 1 s after it was set.
+        let long = spec.clone();
+        spec.policy.retry.retry_after_max = Duration::from_secs(1);
+        let before = TargetRuntime::new(long, Some(rt.persisted()), 1_000);
+        let mut lowered = TargetRuntime::new(spec.clone(), None, 0);
+        lowered.carry_over(&before);
+        assert_eq!(lowered.retry_after_until(1_500), Some(2_000));
+        assert_eq!(lowered.retry_after_until(2_000), None);
+        // So does a restart under the lowered policy (a record without its time: from now).
+        let restored = TargetRuntime::new(spec.clone(), Some(rt.persisted()), 1_200);
+        assert_eq!(restored.retry_after_until(1_200), Some(2_000));
+        let legacy = PersistedState {
+            retry_after_until: Some(900_000),
+            ..PersistedState::default()
+        };
+        let restored = TargetRuntime::new(spec, Some(legacy), 5_000);
+        assert_eq!(restored.retry_after_until(5_000), Some(6_000));
+        // An operator's resume lifts it at once.
+        assert_eq!(rt.lift_hold(3_000), Some(900_000));
+        assert_eq!(rt.retry_after_until(3_000), None);
+        assert_eq!(rt.persisted().retry_after_until, None);
+        // Another node's record of the pause lifted, read late, is not taken up again; a new
+        // 503 after the lift is.
+        assert!(!rt.hold_off_until(900_000, 1_000));
+        assert_eq!(rt.retry_after_until(3_000), None);
+        assert!(rt.hold_off_until(40_000, 10_000));
+        assert_eq!(rt.retry_after_until(10_000), Some(40_000));
+        // A lift made on another node ends a pause set before it, not one set after.
+        assert!(!rt.follow_lift(5_000, 11_000), "set after that lift");
+        assert_eq!(rt.retry_after_until(11_000), Some(40_000));
+        assert!(rt.follow_lift(20_000, 21_000));
+        assert_eq!(rt.retry_after_until(21_000), None);
+        assert!(!rt.follow_lift(20_000, 21_000), "once");
     }
 
     /// Tokens the bucket hands out at once (its burst; at these rates no token is added

@@ -768,7 +768,7 @@ async fn hold_off(
     let Some(until) = retry_after_pause(outcome, &rt.spec.policy.retry, finished) else {
         return;
     };
-    if !rt.hold_off_until(until) {
+    if !rt.hold_off_until(until, finished) {
         return;
     }
     let id = &rt.spec.id;
@@ -778,7 +778,7 @@ async fn hold_off(
         // state would put its breaker over the record's, a half-open over another node's
         // close among them (see `persists`).
         match ctx.store.target_states().await {
-            Ok(states) => with_retry_after(&states, id, until),
+            Ok(states) => with_retry_after(&states, id, until, finished),
             Err(e) => {
                 tracing::warn!(target_id = %id, error = %e, "could not read the target's stored state to add the Retry-After pause; this node holds off until a restart, the others do not follow it");
                 return;
@@ -793,19 +793,48 @@ async fn hold_off(
     }
 }
 
-/// Target `id`'s stored state (among `states`) with the receiver's pause until `until` added:
-/// what a node sharing its store writes for a Retry-After, the rest left as stored.
+/// Target `id`'s stored state (among `states`), or a default one.
+fn stored_state(
+    states: &[(String, serde_json::Value)],
+    id: &str,
+) -> crate::deliver::PersistedState {
+    states
+        .iter()
+        .find(|(k, _)| k == id)
+        .and_then(|(_, v)| serde_json::from_value(v.clone()).ok())
+        .unwrap_or_default()
+}
+
+/// Target `id`'s stored state (among `states`) with the receiver's pause until `until`, set at
+/// `since`, added: what a node sharing its store writes for a Retry-After, the rest left as
+/// stored.
 fn with_retry_after(
     states: &[(String, serde_json::Value)],
     id: &str,
     until: Millis,
+    since: Millis,
 ) -> crate::deliver::PersistedState {
-    let mut state: crate::deliver::PersistedState = states
-        .iter()
-        .find(|(k, _)| k == id)
-        .and_then(|(_, v)| serde_json::from_value(v.clone()).ok())
-        .unwrap_or_default();
-    state.retry_after_until = Some(state.retry_after_until.map_or(until, |u| u.max(until)));
+    let mut state = stored_state(states, id);
+    if state.retry_after_until.is_none_or(|u| until > u) {
+        state.retry_after_until = Some(until);
+        state.retry_after_since = Some(since);
+    }
+    state
+}
+
+/// Target `id`'s stored state (among `states`) without the receiver's pause an operator lifted
+/// at `lifted_at` (one set later stays): what a node sharing its store writes for a lift, the
+/// rest left as stored.
+pub(super) fn without_retry_after(
+    states: &[(String, serde_json::Value)],
+    id: &str,
+    lifted_at: Millis,
+) -> crate::deliver::PersistedState {
+    let mut state = stored_state(states, id);
+    if state.retry_after_since.is_none_or(|s| s <= lifted_at) {
+        state.retry_after_until = None;
+        state.retry_after_since = None;
+    }
     state
 }
 
@@ -1757,6 +1786,7 @@ mod tests {
             breaker: Some((open, 1_000)),
             paused: false,
             retry_after_until: Some(9_000),
+            retry_after_since: Some(500),
         };
         let states = vec![
             ("other".to_string(), serde_json::json!({})),
@@ -1765,18 +1795,30 @@ mod tests {
                 serde_json::to_value(&stored).expect("json"),
             ),
         ];
-        let s = with_retry_after(&states, "t", 20_000);
+        let s = with_retry_after(&states, "t", 20_000, 2_000);
         assert_eq!(s.breaker, Some((open, 1_000)));
-        assert_eq!(s.retry_after_until, Some(20_000));
         assert_eq!(
-            with_retry_after(&states, "t", 5_000).retry_after_until,
-            Some(9_000)
+            (s.retry_after_until, s.retry_after_since),
+            (Some(20_000), Some(2_000))
         );
-        let fresh = with_retry_after(&states, "new", 7_000);
+        let shorter = with_retry_after(&states, "t", 5_000, 2_000);
+        assert_eq!(
+            (shorter.retry_after_until, shorter.retry_after_since),
+            (Some(9_000), Some(500))
+        );
+        let fresh = with_retry_after(&states, "new", 7_000, 2_000);
         assert_eq!(
             (fresh.breaker, fresh.retry_after_until),
             (None, Some(7_000))
         );
+        // An operator's lift removes a pause set before it, and keeps the rest.
+        let lifted = without_retry_after(&states, "t", 600);
+        assert_eq!(
+            (lifted.breaker, lifted.retry_after_until),
+            (Some((open, 1_000)), None)
+        );
+        let kept = without_retry_after(&states, "t", 400);
+        assert_eq!(kept.retry_after_until, Some(9_000), "set after the lift");
     }
 
     /// On a shared store a half-open is not written into the target's record (it wrote over
