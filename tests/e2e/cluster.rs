@@ -671,6 +671,79 @@ async fn a_retry_after_answered_to_one_router_holds_off_every_router() {
     );
 }
 
+/// An operator's resume through one router lifts a receiver's Retry-After hold on every
+/// router: the others read the lift from the operator's record (within their 2 s interval)
+/// and do not take the lifted hold up again from the target's record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_on_one_router_lifts_a_retry_after_hold_on_every_router() {
+    if !RouterProc::on_jetstream() {
+        eprintln!("skipped: needs the JetStream pass (scripts/jetstream-e2e.sh)");
+        return;
+    }
+    // The first request ever: 429 with Retry-After: 900. Every other: 200.
+    let rcv = Receiver::retry_after_first(Duration::ZERO, 900).await;
+    let policy =
+        "  p:\n    retry: { max_attempts: 5, base_delay: 10ms, max_delay: 10ms, jitter: none }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: ra\n        policy: p",
+                rcv.url()
+            )],
+        )],
+    );
+    let (a, b) = two_routers("LIFT", &rules, &[]);
+    assert_eq!(post_event(&a, &event("first", "t", json!({}))).await.0, 202);
+    async fn held(r: &RouterProc) -> bool {
+        get_json(r, "/v1/targets/ra").await.1["retry_after_until"].is_string()
+    }
+    for r in [&a, &b] {
+        assert!(
+            eventually(Duration::from_secs(10), || async {
+                held(r).await.then_some(())
+            })
+            .await
+            .is_some(),
+            "a router never showed the Retry-After hold"
+        );
+    }
+    let (s, t) = post_json(&a, "/v1/targets/ra/resume", json!({})).await;
+    assert_eq!(s, 200, "{t}");
+    // The follower's interval is 2 s; 10 s for a loaded machine.
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            (!held(&b).await).then_some(())
+        })
+        .await
+        .is_some(),
+        "the other router still holds off after the resume"
+    );
+    for i in 0..4 {
+        let r = if i % 2 == 0 { &a } else { &b };
+        assert_eq!(
+            post_event(r, &event(&format!("next-{i}"), "t", json!({})))
+                .await
+                .0,
+            202
+        );
+    }
+    assert!(
+        rcv.wait_for(Duration::from_secs(20), |s| s
+            .iter()
+            .filter(|x| x.event_id().starts_with("next-"))
+            .count()
+            == 4)
+            .await,
+        "the events after the resume were delivered through both routers"
+    );
+    // A few follower rounds later neither router has taken the lifted hold up again.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(!held(&a).await && !held(&b).await);
+}
+
 /// A redrive job runs on one router of a cluster: an operator pauses it through another router
 /// and it stops everywhere; resumed, it goes on; when the router running it dies, another takes
 /// it over and finishes it, moving each entry once.
