@@ -69,6 +69,9 @@ pub struct App {
     pub upload_slots: Arc<tokio::sync::Semaphore>,
     /// The WASM handler runtime.
     pub handlers: Option<Arc<crate::target::handler::HandlerRuntime>>,
+    /// Why the WASM handler runtime did not start (`handlers` is `None`): `/readyz` and
+    /// `/v1/status` say so. A start whose rules have handler targets stops instead.
+    pub handlers_error: Option<String>,
     /// Contracts put over the API, shared with the other nodes (on a store they share).
     pub shared_contracts: Option<Arc<crate::admin::contracts::SharedContracts>>,
     /// The delivery runtime's threads and priority, as started.
@@ -1021,6 +1024,16 @@ pub enum RunError {
     /// The secrets file is unreadable or not a TOML table of strings.
     #[error("secrets file {0}")]
     Secrets(String),
+    /// The WASM handler runtime did not start, and the configuration needs it.
+    #[error(
+        "the WASM handler runtime cannot start ({error}), and {needed_by}: their events would be accepted and wait until a restart. Fix the [handlers] configuration"
+    )]
+    HandlerRuntime {
+        /// Why it did not start.
+        error: String,
+        /// What needs it.
+        needed_by: String,
+    },
     /// Refusing to serve without tokens on a non-loopback address.
     #[error(
         "refusing to listen on {0} without auth tokens: configure [[auth.tokens]] or set auth.insecure = true"
@@ -1063,7 +1076,14 @@ async fn start_handlers(
         .dir
         .clone()
         .unwrap_or_else(|| cfg.data_dir.join("handlers"));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    std::fs::create_dir_all(&dir).map_err(|e| {
+        let key = if h.dir.is_some() {
+            "handlers.dir"
+        } else {
+            "handlers.dir (default: <data_dir>/handlers)"
+        };
+        format!("{key} {}: {e}", dir.display())
+    })?;
     // Routers before this one let wasmtime cache compiled code here, and loaded its files
     // unchecked (a damaged one crashed the router); the registry now keeps checked compiled
     // code beside each component.
@@ -1317,47 +1337,6 @@ fn prepare_emitted(
         .collect()
 }
 
-/// The secrets file's `NAME = "value"` pairs. A file that does not parse is reported by
-/// position only: the TOML parser's own message quotes the offending line, which is a secret
-/// (`HOOK_AUTH = "Bearer …` with its closing quote missing), and went to stderr at start and
-/// to the log at every reload.
-fn read_secrets(
-    path: &std::path::Path,
-) -> Result<std::collections::HashMap<String, String>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    toml::from_str(&text).map_err(|e| {
-        let at = e.span().map_or_else(String::new, |span| {
-            let (line, col) = crate::text_pos::Lines::new(&text).at(span.start);
-            format!(":{line}:{col}")
-        });
-        format!(
-            "{}{at}: not a TOML table of NAME = \"value\" strings ({}; the file's text is not shown, it holds secrets)",
-            path.display(),
-            without_quoted(e.message())
-        )
-    })
-}
-
-/// `message` with every fragment quoted in backticks or double quotes left out: parser and
-/// serde messages quote the text they stumbled on (`invalid type: integer `1234``).
-fn without_quoted(message: &str) -> String {
-    let mut out = String::new();
-    let mut quote = None;
-    for c in message.chars() {
-        match (quote, c) {
-            (None, '`' | '"') => {
-                quote = Some(c);
-                out.push('…');
-            }
-            (None, '\n') => out.push(' '),
-            (None, c) => out.push(c),
-            (Some(q), c) if c == q => quote = None,
-            (Some(_), _) => {}
-        }
-    }
-    out.trim().to_string()
-}
-
 /// Secrets come from the environment first, then the optional secrets file (a TOML table of
 /// name = "value"); never from the rule files.
 /// Resolves secrets by name: the environment, then `cfg.secrets_file`. With `env_prefix` (the
@@ -1369,7 +1348,7 @@ fn secret_resolver(
 ) -> Result<crate::deliver::SecretResolver, RunError> {
     let file = match &cfg.secrets_file {
         None => Default::default(),
-        Some(p) => read_secrets(p).map_err(RunError::Secrets)?,
+        Some(p) => crate::config::read_secrets(p).map_err(RunError::Secrets)?,
     };
     // Read again at each use (a target's start, at a start or a reload): a secret added to
     // the file for a new signed webhook takes effect with the reload that adds the webhook.
@@ -1392,7 +1371,7 @@ fn secret_resolver(
         }
         let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(p) = &path {
-            match read_secrets(p) {
+            match crate::config::read_secrets(p) {
                 Ok(now) => *last = now,
                 Err(e) => {
                     tracing::warn!(error = %e, "secrets file unreadable; using the values last read from it");
@@ -1719,21 +1698,56 @@ pub async fn run_with_store(
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let tracker = TaskTracker::new();
     let workers_cancel = CancellationToken::new();
-    let handlers = match start_handlers(&cfg, &store, &clock, &metrics).await {
+    let (handlers, handlers_error) = match start_handlers(&cfg, &store, &clock, &metrics).await {
         Ok(rt) => {
             tracker.spawn(rt.changes.clone().follow(workers_cancel.clone()));
             tracker.spawn(compile_deferred(
                 rt.registry.clone(),
                 workers_cancel.clone(),
             ));
-            Some(rt)
+            (Some(rt), None)
         }
         Err(e) => {
-            tracing::error!(error = %e, "the WASM handler runtime could not start; handler targets stay queued until it is fixed and the router restarted");
-            warnings.push(format!(
-                "WASM handler runtime unavailable (handler targets stay queued until it is fixed and the router restarted): {e}"
-            ));
-            None
+            // With handler targets in the rules (or handlers to preload), serving would
+            // answer 202 to events that then wait, with no worker to apply their max_age,
+            // until a restart: a start that stops is loud and loses nothing. Without any, the
+            // router serves its other targets and says what is missing in /readyz and
+            // /v1/status (a reload that adds a handler target is refused: it cannot start).
+            let handler_targets: Vec<&str> = rules
+                .targets
+                .values()
+                .filter(|t| matches!(t.kind, crate::rules::TargetKind::Handler { .. }))
+                .map(|t| t.id.as_str())
+                .collect();
+            if !handler_targets.is_empty() || cfg.handlers.preload_dir.is_some() {
+                if let Err(close) = store.close().await {
+                    tracing::warn!(error = %close, "the store did not close cleanly; it is checked at the next start");
+                }
+                let needed_by = if handler_targets.is_empty() {
+                    "handlers.preload_dir is set".to_string()
+                } else {
+                    let mut shown = handler_targets
+                        .iter()
+                        .take(5)
+                        .copied()
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    if handler_targets.len() > 5 {
+                        shown.push_str(&format!(" and {} more", handler_targets.len() - 5));
+                    }
+                    format!("the rules have handler targets ({shown})")
+                };
+                return Err(RunError::HandlerRuntime {
+                    error: e,
+                    needed_by,
+                });
+            }
+            tracing::error!(error = %e, "the WASM handler runtime could not start; the rules have no handler target, so the router serves without it (handler uploads are refused, and so is a reload that adds a handler target, until it is fixed and the router restarted)");
+            let why = format!(
+                "WASM handler runtime unavailable (uploads refused, and reloads that add a handler target, until it is fixed and the router restarted): {e}"
+            );
+            warnings.push(why.clone());
+            (None, Some(why))
         }
     };
     let (sys_tx, sys_rx) = tokio::sync::mpsc::channel(1024);
@@ -1899,6 +1913,7 @@ pub async fn run_with_store(
         connections,
         upload_slots: Arc::new(tokio::sync::Semaphore::new(UPLOAD_SLOTS)),
         handlers: handlers.clone(),
+        handlers_error,
         shared_contracts: store
             .contract_catalog()
             .map(|c| Arc::new(crate::admin::contracts::SharedContracts::open(c, &data_dir))),
@@ -2761,6 +2776,7 @@ fn test_app_with(
         connections,
         upload_slots: Arc::new(tokio::sync::Semaphore::new(UPLOAD_SLOTS)),
         handlers: None,
+        handlers_error: None,
         shared_contracts,
         delivery_threads: crate::deliver::DeliveryThreadsStatus {
             threads: 1,
@@ -3023,6 +3039,49 @@ mod tests {
         );
     }
 
+    /// `nats.token_env` naming a variable that is not set: every connect failed and every
+    /// attempt was spent on that (the DLQ in seconds). The `nats:` target now cannot start, as
+    /// a webhook without its secret: a reload adding it is refused naming the variable, and
+    /// the one after the secret is set starts it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_nats_target_does_not_start_while_its_token_is_not_set() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let secrets = dir.path().join("secrets.toml");
+        std::fs::write(&secrets, "").expect("secrets file");
+        let mut cfg = test_config(dir.path());
+        cfg.secrets_file = Some(secrets.clone());
+        cfg.nats.token_env = Some("UNIT_TEST_NATS_TOKEN_NEVER_SET".into());
+        // Nothing listens there: the started target's background connect fails quietly.
+        cfg.nats.url = "nats://127.0.0.1:9".into();
+        let disk = SimulatedDisk::new();
+        let store =
+            RedbStore::with_backend_factory(move || disk.backend(), StoreOptions::default())
+                .expect("store");
+        let app = test_app(cfg.clone(), store, None);
+        std::fs::write(
+            cfg.rules_dir.join("bus.yaml"),
+            "rules:\n  - name: bus\n    pattern: { type: [t] }\n    targets:\n      - nats: orders.paid\n        id: bus\n",
+        )
+        .expect("rule");
+        let message = reload(&app, "test")
+            .await
+            .expect_err("its token is not set")
+            .to_string();
+        assert!(
+            message.contains("target bus")
+                && message.contains("nats.token_env UNIT_TEST_NATS_TOKEN_NEVER_SET: not set"),
+            "{message}"
+        );
+        assert!(!app.dispatcher.running().iter().any(|s| s.id == "bus"));
+        std::fs::write(&secrets, "UNIT_TEST_NATS_TOKEN_NEVER_SET = \"t0ken\"\n")
+            .expect("secrets file");
+        let report = reload(&app, "test").await.expect("the token is there now");
+        assert!(
+            report.targets_started.contains(&"bus".to_owned()),
+            "{report:?}"
+        );
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_reload_whose_new_target_cannot_start_is_refused_until_it_can() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -3126,7 +3185,7 @@ mod tests {
             ),
         ] {
             std::fs::write(&path, text).expect("secrets file");
-            let e = read_secrets(&path).expect_err(text);
+            let e = crate::config::read_secrets(&path).expect_err(text);
             assert!(
                 !e.contains("SUPERSECRET") && !e.contains("4561234") && !e.contains("c2Vj"),
                 "{e}"

@@ -123,6 +123,20 @@ pub enum CliError {
         /// Why.
         source: reqwest::Error,
     },
+    /// A success status with an answer that is not the router API's JSON: something else
+    /// answers at that URL (a proxy's default page, another service, a stale `ROUTER_API`),
+    /// and nothing was done.
+    #[error(
+        "the answer from {url} is not the router API (got {status} {got}): check --api / ROUTER_API; nothing was done by a router there"
+    )]
+    NotTheRouter {
+        /// URL.
+        url: String,
+        /// HTTP status.
+        status: u16,
+        /// What came instead (its content type, and why it is not the API's answer).
+        got: String,
+    },
     /// The API answered with an error.
     #[error("{status}: {body}")]
     Api {
@@ -283,14 +297,60 @@ impl Client {
             .timeout(self.timeout)
             .send()
             .await
-            .map_err(|source| self.transport_error(url, source))?;
+            .map_err(|source| self.transport_error(url.clone(), source))?;
         let status = resp.status().as_u16();
-        let v: Value = resp.json().await.unwrap_or(Value::Null);
+        let content_type = resp
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
         if status >= 400 {
+            let v: Value = resp.json().await.unwrap_or(Value::Null);
             return Err(self.api_error(status, &v));
         }
-        Ok(v)
+        // Every success the router sends these commands is a JSON object or array. Anything
+        // else (a 200 HTML page from an ingress's default backend) was taken for success, and
+        // `targets pause` printed a table and exited 0 with nothing paused.
+        let not_router = |got: String| CliError::NotTheRouter {
+            url: url.clone(),
+            status,
+            got,
+        };
+        let json_type = content_type.as_deref().is_some_and(is_json_media_type);
+        if !json_type {
+            return Err(not_router(
+                content_type.unwrap_or_else(|| "no content type".to_string()),
+            ));
+        }
+        let bytes = resp
+            .bytes()
+            .await
+            .map_err(|source| self.transport_error(url.clone(), source))?;
+        match serde_json::from_slice::<Value>(&bytes) {
+            Ok(v @ (Value::Object(_) | Value::Array(_))) => Ok(v),
+            Ok(_) => Err(not_router(format!(
+                "{}, but not a JSON object",
+                content_type.unwrap_or_default()
+            ))),
+            Err(e) => Err(not_router(format!(
+                "{}, but not JSON: {e}",
+                content_type.unwrap_or_default()
+            ))),
+        }
     }
+}
+
+/// Whether a `Content-Type` value is JSON (`application/json`, or a `+json` type), whatever
+/// its parameters.
+fn is_json_media_type(value: &str) -> bool {
+    let essence = value
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    essence == "application/json"
+        || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
 /// The handlers of a `GET /v1/handlers` answer that have an active version (what a handler
@@ -1033,6 +1093,107 @@ mod tests {
                 .is_some_and(|l| l.ends_with("not sent: event older than max_age 3s")),
             "{t}"
         );
+    }
+
+    /// Serves every request on `listener` with a 200 of `content_type` and `body`, as an
+    /// ingress's default backend does.
+    async fn answer_everything(
+        listener: tokio::net::TcpListener,
+        content_type: &'static str,
+        body: &'static str,
+    ) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        while let Ok((mut c, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 << 10];
+                let mut head = Vec::new();
+                // Read up to the end of the head, then the body by its length.
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match c.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let text = String::from_utf8_lossy(&head).to_ascii_lowercase();
+                let end = text.find("\r\n\r\n").unwrap_or(0) + 4;
+                let len: usize = text
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0);
+                let mut have = head.len() - end;
+                while have < len {
+                    match c.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => have += n,
+                    }
+                }
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = c.write_all(answer.as_bytes()).await;
+            });
+        }
+    }
+
+    /// A 200 that is not the router's JSON (an HTML welcome page of a proxy, JSON of another
+    /// kind, no content type) is an error naming the URL, not a success: `targets pause`
+    /// against it printed a table and exited 0 with nothing paused.
+    #[tokio::test]
+    async fn a_success_that_is_not_the_routers_json_is_an_error() {
+        for (content_type, body, got) in [
+            (
+                "text/html",
+                "<html><body>Welcome to nginx!</body></html>",
+                "got 200 text/html",
+            ),
+            ("application/json", "null", "but not a JSON object"),
+            ("application/json", "<html>", "but not JSON"),
+            ("text/plain", "{}", "got 200 text/plain"),
+        ] {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            let base = format!("http://{}", listener.local_addr().expect("addr"));
+            let server = tokio::spawn(answer_everything(listener, content_type, body));
+            let e = Client::new(&base, None)
+                .call(
+                    reqwest::Method::POST,
+                    "/v1/targets/erp/pause",
+                    Some(serde_json::json!({})),
+                )
+                .await
+                .expect_err(body);
+            server.abort();
+            assert!(matches!(e, CliError::NotTheRouter { .. }), "{e:?}");
+            let text = e.to_string();
+            assert!(
+                text.starts_with(&format!(
+                    "the answer from {base}/v1/targets/erp/pause is not the router API"
+                )) && text.contains(got)
+                    && text.contains("ROUTER_API"),
+                "{text}"
+            );
+        }
+        // The router's own answers pass, parameters and all.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let base = format!("http://{}", listener.local_addr().expect("addr"));
+        let server = tokio::spawn(answer_everything(
+            listener,
+            "application/json; charset=utf-8",
+            r#"{"id":"erp","paused":true}"#,
+        ));
+        let v = Client::new(&base, None)
+            .call(reqwest::Method::POST, "/v1/targets/erp/pause", None)
+            .await
+            .expect("the router's answer");
+        server.abort();
+        assert_eq!(v["paused"], true);
+        assert!(is_json_media_type("application/problem+json"));
+        assert!(!is_json_media_type("application/jsonx"));
     }
 
     /// An API URL without a scheme, or empty, is said to be one; reqwest said "builder error:

@@ -182,15 +182,20 @@ pub struct NatsConfig {
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
     /// A NATS `.creds` file (user JWT and NKey seed) to authenticate with. Unset = none.
+    /// Must exist at start, as the `tls_*` files must.
     pub credentials_file: Option<PathBuf>,
     /// Name of the environment variable (or `secrets_file` entry) holding a token to
     /// authenticate with; the token itself is never in a config or rule file. Unset = none.
+    /// A variable not set keeps every `nats:` target from starting, as a webhook's missing
+    /// secret does: their entries wait in their queues (no attempt spent) until a reload
+    /// after it is set.
     pub token_env: Option<String>,
     /// User name to authenticate with, together with `password_env`. Unset = none. (A user
     /// and password in `url` are refused: the client would not send them, and the URL is
     /// shown in `/v1/status`, metric labels and logs.)
     pub user: Option<String>,
     /// Name of the environment variable (or `secrets_file` entry) holding `user`'s password.
+    /// Not set: as for `token_env`, the `nats:` targets do not start and their entries wait.
     pub password_env: Option<String>,
     /// PEM file of the CA(s) the server's certificate must chain to, instead of the system's
     /// roots. Any `tls_*` key makes TLS required (as a `tls://` URL does). Unset = the system's.
@@ -766,6 +771,9 @@ impl Config {
                         || (key != "."
                             && (e.key == key
                                 || key.starts_with(&format!("{}.", e.key))
+                                // An element of an array the variable set
+                                // (`auth.tokens[0].rate` of `ROUTER_AUTH__TOKENS`).
+                                || key.starts_with(&format!("{}[", e.key))
                                 || e.key.starts_with(&format!("{key}."))))
                 })
                 .map(|e| format!(" (set by {})", e.var))
@@ -873,11 +881,30 @@ impl Config {
                 "ingest.max_json_depth must be in 1..={MAX_JSON_DEPTH} (the JSON parser refuses deeper documents itself)"
             ));
         }
-        if self.delivery.concurrency == 0 {
-            return bad("delivery.concurrency must be > 0");
+        // A bound on top: each is the width of a semaphore, and past tokio's MAX_PERMITS (2^61)
+        // building it panicked (at start for the first two, in every handler delivery for
+        // `running_per_handler`). Far below that, no receiver or host is served better.
+        for (key, value, max) in [
+            (
+                "delivery.concurrency",
+                self.delivery.concurrency,
+                MAX_CONCURRENCY,
+            ),
+            (
+                "delivery.handler_concurrency",
+                self.delivery.handler_concurrency,
+                MAX_CONCURRENCY,
+            ),
+        ] {
+            if value == 0 || value > max {
+                return bad(&format!("{key} must be in 1..={max}, not {value}"));
+            }
         }
-        if self.delivery.handler_concurrency == 0 {
-            return bad("delivery.handler_concurrency must be > 0");
+        if self.handlers.running_per_handler > MAX_HANDLER_INSTANCES as usize {
+            return bad(&format!(
+                "handlers.running_per_handler must be in 0..={MAX_HANDLER_INSTANCES} (0 = the number of CPUs; no more invocations than handlers.max_instances can run), not {}",
+                self.handlers.running_per_handler
+            ));
         }
         if self.handlers.keep_versions == 0 {
             return bad("handlers.keep_versions must be at least 1");
@@ -949,6 +976,7 @@ impl Config {
         // Checked at start: the client would read them only when it connects, and fail every
         // connect in the background from then on.
         for (key, file) in [
+            ("nats.credentials_file", &n.credentials_file),
             ("nats.tls_ca_file", &n.tls_ca_file),
             ("nats.tls_cert_file", &n.tls_cert_file),
             ("nats.tls_key_file", &n.tls_key_file),
@@ -1043,6 +1071,73 @@ impl Config {
         if self.handlers.max_instances == 0 {
             return bad("handlers.max_instances must be at least 1");
         }
+        // The pooling allocator reserves address space for every instance at start (two
+        // linear memories of 4 GiB plus guards, about 8 GiB): about 16,000 instances fill a
+        // 64-bit host's 128 TiB and the engine refused to start, leaving the router with no
+        // handler runtime at all.
+        if self.handlers.max_instances > MAX_HANDLER_INSTANCES {
+            return bad(&format!(
+                "handlers.max_instances must be at most {MAX_HANDLER_INSTANCES} (the engine reserves about 8 GiB of address space per instance at start), not {}",
+                self.handlers.max_instances
+            ));
+        }
+        self.check_handler_dirs()?;
+        // Checked here rather than when the router uses them, so that a refusal names the
+        // key and the variable that set it, and `config explain` refuses what serve would.
+        crate::auth::Tokens::new(&self.auth.tokens)
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        if let Some(path) = &self.secrets_file {
+            read_secrets(path).map_err(|e| ConfigError::Invalid(format!("secrets_file {e}")))?;
+        }
+        if let Some(path) = &self.delivery.tls_ca_file {
+            crate::target::webhook::read_ca_file(path)
+                .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// The handler runtime's directories, which the runtime would otherwise find wrong only
+    /// after the start: a `preload_dir` that is not a directory (a typo), a `dir` that is a
+    /// file or under one. Permissions are left to the start, which names the key too.
+    fn check_handler_dirs(&self) -> Result<(), ConfigError> {
+        let h = &self.handlers;
+        if let Some(pre) = &h.preload_dir {
+            match std::fs::metadata(pre) {
+                Ok(m) if m.is_dir() => {}
+                Ok(_) => {
+                    return Err(ConfigError::Invalid(format!(
+                        "handlers.preload_dir {} is not a directory",
+                        pre.display()
+                    )));
+                }
+                Err(e) => {
+                    return Err(ConfigError::Invalid(format!(
+                        "handlers.preload_dir {}: {e}",
+                        pre.display()
+                    )));
+                }
+            }
+        }
+        if let Some(dir) = &h.dir {
+            // The directory, or the nearest ancestor that exists, must be a directory: the
+            // runtime creates what is missing below it.
+            let existing = dir
+                .ancestors()
+                .find(|a| !a.as_os_str().is_empty() && std::fs::symlink_metadata(a).is_ok());
+            if let Some(found) = existing
+                && !found.is_dir()
+            {
+                let what = if found == dir.as_path() {
+                    "exists and is not a directory".to_string()
+                } else {
+                    format!("cannot be created: {} is not a directory", found.display())
+                };
+                return Err(ConfigError::Invalid(format!(
+                    "handlers.dir {} {what}",
+                    dir.display()
+                )));
+            }
+        }
         Ok(())
     }
 }
@@ -1067,6 +1162,53 @@ pub const DURATION_KEYS: [&str; 16] = [
     "server.request_timeout",
     "nats.connect_timeout",
 ];
+
+/// The largest `delivery.concurrency` and `delivery.handler_concurrency`.
+pub const MAX_CONCURRENCY: usize = 1_000_000;
+
+/// The largest `handlers.max_instances` (and `handlers.running_per_handler`): the pooling
+/// allocator reserves about 8 GiB of address space per instance at start, and 4096 of them
+/// (32 TiB) leave most of a 64-bit host's 128 TiB to everything else.
+pub const MAX_HANDLER_INSTANCES: u32 = 4096;
+
+/// The secrets file's `NAME = "value"` pairs. A file that does not parse is reported by
+/// position only: the TOML parser's own message quotes the offending line, which is a secret
+/// (`HOOK_AUTH = "Bearer …` with its closing quote missing), and went to stderr at start and
+/// to the log at every reload.
+pub fn read_secrets(path: &Path) -> Result<std::collections::HashMap<String, String>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    toml::from_str(&text).map_err(|e| {
+        let at = e.span().map_or_else(String::new, |span| {
+            let (line, col) = crate::text_pos::Lines::new(&text).at(span.start);
+            format!(":{line}:{col}")
+        });
+        format!(
+            "{}{at}: not a TOML table of NAME = \"value\" strings ({}; the file's text is not shown, it holds secrets)",
+            path.display(),
+            without_quoted(e.message())
+        )
+    })
+}
+
+/// `message` with every fragment quoted in backticks or double quotes left out: parser and
+/// serde messages quote the text they stumbled on (`invalid type: integer `1234``).
+fn without_quoted(message: &str) -> String {
+    let mut out = String::new();
+    let mut quote = None;
+    for c in message.chars() {
+        match (quote, c) {
+            (None, '`' | '"') => {
+                quote = Some(c);
+                out.push('…');
+            }
+            (None, '\n') => out.push(' '),
+            (None, c) => out.push(c),
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), _) => {}
+        }
+    }
+    out.trim().to_string()
+}
 
 /// The shortest `delivery.sweep_interval`, `delivery.lease_margin` and server timeouts.
 pub const MIN_INTERVAL: Duration = Duration::from_millis(100);
@@ -1572,18 +1714,21 @@ mod tests {
         assert_eq!(c.nats.connect_timeout, Duration::from_secs(2));
         let dir = tempfile::tempdir().expect("tmp");
         let f = dir.path().join("router.toml");
+        // The credentials file must exist at start.
+        let creds = dir.path().join("nats.creds");
+        std::fs::write(&creds, "x").expect("write");
         std::fs::write(
             &f,
-            "[nats]\nurl = \"nats://10.0.0.1:4222, tls://10.0.0.2:4222\"\nack = \"core\"\ncredentials_file = \"/etc/router/nats.creds\"\n",
+            format!(
+                "[nats]\nurl = \"nats://10.0.0.1:4222, tls://10.0.0.2:4222\"\nack = \"core\"\ncredentials_file = {:?}\n",
+                creds.display().to_string()
+            ),
         )
         .expect("write");
         let c = Config::load(Some(&f), env(&[])).expect("file");
         assert_eq!(c.nats.ack, NatsAck::Core);
         assert_eq!(c.nats.server_addrs().map(|a| a.len()), Ok(2));
-        assert_eq!(
-            c.nats.credentials_file.as_deref(),
-            Some(Path::new("/etc/router/nats.creds"))
-        );
+        assert_eq!(c.nats.credentials_file.as_deref(), Some(creds.as_path()));
         let c = Config::load(
             None,
             env(&[
@@ -1712,6 +1857,214 @@ mod tests {
         let e =
             Config::load(None, env(&[("ROUTER_NATS__TLS_CERT_FILE", &pem)])).expect_err("no key");
         assert!(e.to_string().contains("go together"), "{e}");
+    }
+
+    /// `nats.credentials_file` is checked at start like the TLS files: a typo was accepted,
+    /// and every attempt failed on it until the entries were dead-lettered.
+    #[test]
+    fn a_missing_nats_credentials_file_is_refused_at_start() {
+        let e = Config::load(
+            None,
+            env(&[("ROUTER_NATS__CREDENTIALS_FILE", "/nonexistent/nats.cred")]),
+        )
+        .expect_err("missing");
+        assert!(
+            e.to_string()
+                .contains("nats.credentials_file /nonexistent/nats.cred: No such file")
+                && e.to_string()
+                    .contains("(set by ROUTER_NATS__CREDENTIALS_FILE)"),
+            "{e}"
+        );
+        let dir = tempfile::tempdir().expect("tmp");
+        let creds = dir.path().join("router.creds");
+        std::fs::write(&creds, "x").expect("write");
+        let c = Config::load(
+            None,
+            env(&[(
+                "ROUTER_NATS__CREDENTIALS_FILE",
+                &creds.display().to_string(),
+            )]),
+        )
+        .expect("exists");
+        assert_eq!(c.nats.credentials_file.as_deref(), Some(creds.as_path()));
+    }
+
+    /// The handler runtime's settings that made it fail after the start (the router then
+    /// served with no handler runtime, ready, every handler event waiting): a `preload_dir`
+    /// typo, a `dir` that is a file, a `max_instances` the pool cannot reserve.
+    #[test]
+    fn handler_runtime_settings_it_cannot_start_with_are_refused_naming_the_key() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let file = dir.path().join("afile");
+        std::fs::write(&file, "x").expect("write");
+        let file = file.display().to_string();
+        let missing = dir.path().join("plugin").display().to_string();
+        let under_file = format!("{file}/handlers");
+        for (k, v, message) in [
+            (
+                "ROUTER_HANDLERS__PRELOAD_DIR",
+                missing.as_str(),
+                format!("handlers.preload_dir {missing}: No such file"),
+            ),
+            (
+                "ROUTER_HANDLERS__PRELOAD_DIR",
+                file.as_str(),
+                format!("handlers.preload_dir {file} is not a directory"),
+            ),
+            (
+                "ROUTER_HANDLERS__DIR",
+                file.as_str(),
+                format!("handlers.dir {file} exists and is not a directory"),
+            ),
+            (
+                "ROUTER_HANDLERS__DIR",
+                under_file.as_str(),
+                format!("handlers.dir {under_file} cannot be created: {file} is not a directory"),
+            ),
+            (
+                "ROUTER_HANDLERS__MAX_INSTANCES",
+                "4097",
+                "handlers.max_instances must be at most 4096".to_string(),
+            ),
+            (
+                "ROUTER_HANDLERS__MAX_INSTANCES",
+                "4294967295",
+                "handlers.max_instances must be at most 4096".to_string(),
+            ),
+        ] {
+            let e = Config::load(None, env(&[(k, v)])).expect_err(k);
+            let text = e.to_string();
+            assert!(
+                text.contains(&message) && text.ends_with(&format!("(set by {k})")),
+                "{k}={v}: {text}"
+            );
+        }
+        let ok_dir = dir.path().join("new").join("handlers");
+        let c = Config::load(
+            None,
+            env(&[
+                ("ROUTER_HANDLERS__MAX_INSTANCES", "4096"),
+                ("ROUTER_HANDLERS__DIR", &ok_dir.display().to_string()),
+                (
+                    "ROUTER_HANDLERS__PRELOAD_DIR",
+                    &dir.path().display().to_string(),
+                ),
+            ]),
+        )
+        .expect("the bound, a creatable dir, an existing preload dir");
+        assert_eq!(c.handlers.max_instances, MAX_HANDLER_INSTANCES);
+        assert!(!ok_dir.exists(), "checking creates nothing");
+    }
+
+    /// Concurrency keys are semaphore widths: from tokio's MAX_PERMITS up the start panicked
+    /// (exit 101) or, for `running_per_handler`, every handler delivery did.
+    #[test]
+    fn concurrency_keys_have_an_upper_bound() {
+        let huge = "2305843009213693952";
+        for (k, v, message) in [
+            (
+                "ROUTER_DELIVERY__CONCURRENCY",
+                huge,
+                "delivery.concurrency must be in 1..=1000000",
+            ),
+            (
+                "ROUTER_DELIVERY__CONCURRENCY",
+                "1000001",
+                "delivery.concurrency must be in 1..=1000000",
+            ),
+            (
+                "ROUTER_DELIVERY__CONCURRENCY",
+                "0",
+                "delivery.concurrency must be in 1..=1000000",
+            ),
+            (
+                "ROUTER_DELIVERY__HANDLER_CONCURRENCY",
+                huge,
+                "delivery.handler_concurrency must be in 1..=1000000",
+            ),
+            (
+                "ROUTER_HANDLERS__RUNNING_PER_HANDLER",
+                huge,
+                "handlers.running_per_handler must be in 0..=4096",
+            ),
+            (
+                "ROUTER_HANDLERS__RUNNING_PER_HANDLER",
+                "4097",
+                "handlers.running_per_handler must be in 0..=4096",
+            ),
+        ] {
+            let e = Config::load(None, env(&[(k, v)])).expect_err(k);
+            let text = e.to_string();
+            assert!(
+                text.contains(message) && text.ends_with(&format!("(set by {k})")),
+                "{k}={v}: {text}"
+            );
+        }
+        let c = Config::load(
+            None,
+            env(&[
+                ("ROUTER_DELIVERY__CONCURRENCY", "1000000"),
+                ("ROUTER_DELIVERY__HANDLER_CONCURRENCY", "1000000"),
+                ("ROUTER_HANDLERS__RUNNING_PER_HANDLER", "4096"),
+            ]),
+        )
+        .expect("at the bounds");
+        assert_eq!(c.delivery.concurrency, MAX_CONCURRENCY);
+    }
+
+    /// Refusals of values that only the token check, the secrets file read or the CA file
+    /// read found (after loading, knowing nothing of the environment), and errors inside an
+    /// array a variable set, named no variable.
+    #[test]
+    fn refusals_found_past_the_schema_name_the_variable_too() {
+        let hash = "a".repeat(64);
+        for (k, v, message) in [
+            (
+                "ROUTER_AUTH__TOKENS",
+                format!("[{{name=\"a\",sha256=\"{hash}\",scopes=[\"admin\"],rate=5}}]"),
+                "auth.tokens[0].rate: unknown field `rate`",
+            ),
+            (
+                "ROUTER_AUTH__TOKENS",
+                format!("[{{name=\"a\",sha256=\"{hash}\",scopes=\"admin\"}}]"),
+                "auth.tokens[0].scopes: invalid type",
+            ),
+            (
+                "ROUTER_AUTH__TOKENS",
+                "[{name=\"a\",sha256=\"zz\",scopes=[\"admin\"]}]".to_string(),
+                "auth.tokens[0] (a): ",
+            ),
+            (
+                "ROUTER_SECRETS_FILE",
+                "/nonexistent/secrets.toml".to_string(),
+                "secrets_file /nonexistent/secrets.toml: No such file",
+            ),
+            (
+                "ROUTER_DELIVERY__TLS_CA_FILE",
+                "/nonexistent/ca.pem".to_string(),
+                "delivery.tls_ca_file /nonexistent/ca.pem: No such file",
+            ),
+        ] {
+            let e = Config::load(None, env(&[(k, &v)])).expect_err(k);
+            let text = e.to_string();
+            assert!(
+                text.contains(message) && text.ends_with(&format!("(set by {k})")),
+                "{k}={v}: {text}"
+            );
+        }
+        // The secrets file is still never quoted.
+        let dir = tempfile::tempdir().expect("tmp");
+        let secrets = dir.path().join("secrets.toml");
+        std::fs::write(&secrets, "HOOK = \"Bearer s3cr3t\n").expect("write");
+        let e = Config::load(
+            None,
+            env(&[("ROUTER_SECRETS_FILE", &secrets.display().to_string())]),
+        )
+        .expect_err("not TOML");
+        assert!(
+            !e.to_string().contains("s3cr3t") && e.to_string().contains("secrets_file "),
+            "{e}"
+        );
     }
 
     /// A URL with a user and password was accepted, never sent to the server, and shown in

@@ -451,7 +451,10 @@ enum TokenCmd {
 #[derive(Subcommand)]
 enum ConfigCmd {
     /// Per target: the worst-case number of attempts an event can receive and the longest time
-    /// before it reaches the DLQ, from its policy.
+    /// before it reaches the DLQ, from its policy. The numbers are per entry from its first
+    /// attempt; what holds an entry before that, or between attempts without spending one
+    /// (ordering, on_dead_letter: hold, a handler not uploaded, a target that cannot start),
+    /// is in the notes.
     Explain {
         /// Rules directory (default: the configured rules_dir).
         dir: Option<PathBuf>,
@@ -796,17 +799,35 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             for w in &config_warnings {
                 router::errln!("warning: config: {w}");
             }
-            let dir = dir.unwrap_or(cfg.rules_dir);
-            let (set, _) = RuleSet::load_dir(&dir).map_err(|errors| {
-                anyhow::anyhow!(
-                    "rules are invalid:\n{}",
-                    errors
-                        .iter()
-                        .map(ToString::to_string)
-                        .collect::<Vec<_>>()
-                        .join("\n")
-                )
-            })?;
+            // As `router serve` reads the same configuration: the built-in default `./rules`
+            // may be absent (no rules), a directory named by the configuration or the DIR
+            // argument may not.
+            let explicit = dir.is_some();
+            let dir = dir.unwrap_or_else(|| cfg.rules_dir.clone());
+            let set = if !dir.exists() && !explicit && dir == Config::default().rules_dir {
+                router::errln!("note: rules directory {} does not exist: no rules loaded, as `router serve` starts with none", dir.display());
+                RuleSet::empty()
+            } else if !dir.exists() {
+                return Err(router::app::RunError::MissingDir {
+                    what: "rules",
+                    dir: dir.display().to_string(),
+                    flag: if explicit { "the DIR argument" } else { "--rules (rules_dir)" },
+                }
+                .into());
+            } else {
+                RuleSet::load_dir_for_config(&dir, &cfg.operator_secrets())
+                    .map_err(|errors| {
+                        anyhow::anyhow!(
+                            "rules are invalid:\n{}",
+                            errors
+                                .iter()
+                                .map(ToString::to_string)
+                                .collect::<Vec<_>>()
+                                .join("\n")
+                        )
+                    })?
+                    .0
+            };
             outln!(
                 "{:<32} {:<28} {:<12} {:>8} {:>14} {:>18} {:>14}  notes",
                 "TARGET", "RULE", "POLICY", "ATTEMPTS", "WORST CASE", "WITH RETRY-AFTER", "IF BLOCKED"
@@ -841,6 +862,31 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     // Nothing is leased while the target is stopped, and max_age is checked
                     // when an entry is leased.
                     notes.push("past max_age while the breaker is open or a Retry-After holds the target off: to the DLQ when that ends (IF BLOCKED)".to_string());
+                }
+                // What holds an entry back without spending attempts, and so is not in the
+                // numbers (which count from an entry's first attempt).
+                if let Some(key) = &t.policy.ordering {
+                    notes.push(format!("ordered by {key}: an entry first waits behind the earlier entries of its key"));
+                    if t.policy.on_dead_letter == router::policy::OnDeadLetter::Hold {
+                        notes.push("on_dead_letter: hold: after a dead letter the key's later entries wait for an operator's release, without bound".to_string());
+                    }
+                }
+                let max_age = humantime::format_duration(t.policy.retry.max_age);
+                match &t.kind {
+                    router::rules::TargetKind::Handler { name } => notes.push(format!(
+                        "while handler {name} is not uploaded (or not loaded) the target waits, spending no attempt, up to max_age ({max_age})"
+                    )),
+                    router::rules::TargetKind::Webhook { secret_env, headers_env, .. }
+                        if secret_env.is_some() || !headers_env.is_empty() =>
+                    {
+                        notes.push("while a secret it names is not set the target cannot start: its entries wait, without bound".to_string())
+                    }
+                    router::rules::TargetKind::Nats { .. }
+                        if cfg.nats.token_env.is_some() || cfg.nats.password_env.is_some() =>
+                    {
+                        notes.push("while nats.token_env / nats.password_env is not set the target cannot start: its entries wait, without bound".to_string())
+                    }
+                    _ => {}
                 }
                 if let Some(b) = t.kind.batch().filter(|b| !b.window.is_zero()) {
                     notes.push(format!(

@@ -599,3 +599,120 @@ async fn token_new_refuses_an_empty_name() {
     let (ok, out, err) = run_router(None, &["token", "new", "ci", "--scope", "read"]).await;
     assert!(ok && out.starts_with("rtr_"), "{out}{err}");
 }
+
+/// Runs `router ARGS…` in `cwd` with no `ROUTER_*` configuration; returns (exit code,
+/// stdout, stderr).
+async fn run_router_in(cwd: &std::path::Path, args: &[&str]) -> (Option<i32>, String, String) {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_router"));
+    cmd.args(args).current_dir(cwd);
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("ROUTER_") {
+            cmd.env_remove(k);
+        }
+    }
+    let out = tokio::time::timeout(Duration::from_secs(60), cmd.output())
+        .await
+        .expect("the command finished")
+        .expect("run the command");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `router config explain` reads the configuration as `router serve` does: with no config
+/// and no `./rules` it prints an empty table (serve runs with no rules); it failed with
+/// "cannot read rules directory". A configured directory that does not exist is refused with
+/// serve's own message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_explain_reads_the_setup_serve_reads() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (code, out, err) = run_router_in(dir.path(), &["config", "explain"]).await;
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert_eq!(out.lines().count(), 1, "only the header: {out}");
+    assert!(out.starts_with("TARGET"), "{out}");
+    assert!(
+        err.contains("rules directory ./rules does not exist: no rules loaded"),
+        "{err}"
+    );
+    std::fs::write(dir.path().join("router.toml"), "rules_dir = \"./rulez\"\n").expect("config");
+    let (code, out, err) = run_router_in(
+        dir.path(),
+        &["config", "explain", "--config", "router.toml"],
+    )
+    .await;
+    assert_eq!(code, Some(2), "{out}{err}");
+    assert!(
+        err.contains(
+            "rules directory ./rulez does not exist (a typo, or a volume not mounted?): point --rules (rules_dir) at the right one"
+        ),
+        "{err}"
+    );
+    let (code, _, err) = run_router_in(dir.path(), &["config", "explain", "nope"]).await;
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("rules directory nope does not exist") && err.contains("the DIR argument"),
+        "{err}"
+    );
+}
+
+/// What holds an entry back without spending attempts is not in explain's numbers: ordering,
+/// `on_dead_letter: hold`, a handler not uploaded, a secret not set. Each gets a note where it
+/// applies (an ordered key's fifth event reached the DLQ after twice the printed worst case;
+/// a held key's entries waited far past max_age), and none where it does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_explain_notes_what_holds_entries_without_spending_attempts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rules = dir.path().join("rules");
+    std::fs::create_dir_all(&rules).expect("rules dir");
+    std::fs::write(
+        rules.join("r.yaml"),
+        [
+            "policies:",
+            "  ordered:",
+            "    ordering: partitionkey",
+            "    on_dead_letter: hold",
+            "    retry: { max_attempts: 3, base_delay: 1s, max_delay: 1s, jitter: none, max_age: 1h }",
+            "rules:",
+            "  - name: r",
+            "    pattern: { type: [t] }",
+            "    targets:",
+            "      - { webhook: \"http://127.0.0.1:9/a\", id: ordered, policy: ordered }",
+            "      - { handler: invoicing, id: handler }",
+            "      - { webhook: \"http://127.0.0.1:9/b\", id: signed, secret_env: WEBHOOK_SECRET_X }",
+            "      - { webhook: \"http://127.0.0.1:9/c\", id: plain }",
+        ]
+        .join("\n"),
+    )
+    .expect("rules");
+    let (code, out, err) = run_router_in(dir.path(), &["config", "explain"]).await;
+    assert_eq!(code, Some(0), "{out}{err}");
+    let row = |id: &str| {
+        out.lines()
+            .find(|l| l.starts_with(&format!("{id} ")))
+            .unwrap_or_else(|| panic!("no row for {id}: {out}"))
+            .to_string()
+    };
+    let ordered = row("ordered");
+    assert!(
+        ordered.contains("ordered by partitionkey: an entry first waits behind the earlier entries of its key")
+            && ordered.contains("on_dead_letter: hold: after a dead letter the key's later entries wait for an operator's release, without bound"),
+        "{ordered}"
+    );
+    assert!(
+        row("handler").contains(
+            "while handler invoicing is not uploaded (or not loaded) the target waits, spending no attempt, up to max_age (1day)"
+        ),
+        "{out}"
+    );
+    assert!(
+        row("signed").contains("while a secret it names is not set the target cannot start"),
+        "{out}"
+    );
+    let plain = row("plain");
+    assert!(
+        !plain.contains("ordered") && !plain.contains("cannot start") && !plain.contains("handler"),
+        "{plain}"
+    );
+}

@@ -1238,7 +1238,14 @@ pub async fn healthz() -> Response {
 pub async fn readyz(State(app): State<Arc<App>>) -> Response {
     // Not ready while the store takes no writes: a balancer then sends producers elsewhere.
     if app.ready.load(Ordering::SeqCst) && app.store.writable() {
-        axum::Json(json!({ "status": "ready" })).into_response()
+        match &app.handlers_error {
+            // Ready for what its rules deliver to (a start with handler targets stops
+            // instead), but not for handlers: said here, where a deploy looks.
+            Some(why) => {
+                axum::Json(json!({ "status": "ready", "degraded": [why] })).into_response()
+            }
+            None => axum::Json(json!({ "status": "ready" })).into_response(),
+        }
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,

@@ -203,6 +203,15 @@ pub enum StartError {
         /// Kind name.
         kind: &'static str,
     },
+    /// The NATS token or password variable the configuration names is not set: every
+    /// connect would fail, so the target waits instead of spending its entries' attempts.
+    #[error("target {id}: {why}")]
+    NatsSecret {
+        /// Target id.
+        id: String,
+        /// What is missing.
+        why: String,
+    },
     /// A `nats:` target's subject is one the router must not publish to (the JetStream
     /// store's records).
     #[error("target {id}: {why}")]
@@ -420,6 +429,12 @@ impl Dispatcher {
                         why,
                     });
                 }
+                if let Some(why) = self.ctx.nats.missing_secret() {
+                    return Err(StartError::NatsSecret {
+                        id: spec.id.clone(),
+                        why,
+                    });
+                }
                 // The first nats target opens the shared connection; without one the router
                 // never connects to NATS.
                 self.ctx.nats.warm(&self.ctx.tracker);
@@ -461,6 +476,12 @@ impl Dispatcher {
                     .iter()
                     .map(|(header, var)| (header.clone(), var.clone(), (self.ctx.secrets)(var)))
                     .collect(),
+            },
+            // The connection's token or password: a reload notices it set since (the target
+            // could not start without it) or changed.
+            TargetKind::Nats { .. } => TargetSecrets {
+                signing: self.ctx.nats.credential_secret().flatten(),
+                headers: Vec::new(),
             },
             _ => TargetSecrets::default(),
         }

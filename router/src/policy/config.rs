@@ -483,8 +483,13 @@ impl PolicyConfig {
                 r.max_attempts
             ));
         }
-        if r.base_delay.is_zero() {
-            p.push("retry.base_delay must be greater than 0".to_string());
+        // The worker counts waits in whole milliseconds: below one, every retry went out at
+        // once while `config explain` counted the nanoseconds.
+        if r.base_delay < Duration::from_millis(1) {
+            p.push(format!(
+                "retry.base_delay must be at least 1ms, not {}",
+                format_duration(r.base_delay)
+            ));
         }
         if r.base_delay > r.max_delay {
             p.push(format!(
@@ -846,6 +851,26 @@ mod tests {
             p.validate(),
             vec!["timeout must be greater than 0".to_string()]
         );
+    }
+
+    /// The worker's backoff counts whole milliseconds: a `base_delay` of `500us` passed and
+    /// every retry went out at once, while `config explain` counted the microseconds.
+    #[test]
+    fn a_base_delay_below_a_millisecond_is_refused() {
+        let mut p = PolicyConfig::default();
+        p.retry.base_delay = Duration::from_micros(500);
+        assert_eq!(
+            p.validate(),
+            vec!["retry.base_delay must be at least 1ms, not 500us".to_string()]
+        );
+        p.retry.base_delay = Duration::ZERO;
+        assert_eq!(
+            p.validate(),
+            vec!["retry.base_delay must be at least 1ms, not 0s".to_string()]
+        );
+        p.retry.base_delay = ms(1);
+        assert!(p.validate().is_empty(), "{:?}", p.validate());
+        assert_eq!(super::super::backoff::cap(&p.retry, 1), ms(1));
     }
 
     /// Every policy duration is bounded: `open_for: 99999999999999d` passed `rules check`

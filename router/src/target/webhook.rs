@@ -204,6 +204,21 @@ fn plain_client() -> PlainClient {
         .build(connector)
 }
 
+/// The certificates of `delivery.tls_ca_file` (a PEM bundle): at least one, or an error that
+/// names the key.
+pub fn read_ca_file(path: &std::path::Path) -> Result<Vec<reqwest::Certificate>, WebhookError> {
+    let ca_err = |message: String| WebhookError::CaFile {
+        path: path.display().to_string(),
+        message,
+    };
+    let pem = std::fs::read(path).map_err(|e| ca_err(e.to_string()))?;
+    let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| ca_err(e.to_string()))?;
+    if certs.is_empty() {
+        return Err(ca_err("no PEM certificate in the file".into()));
+    }
+    Ok(certs)
+}
+
 /// Builds the reqwest client (one connection pool). HTTPS uses rustls (ring) with the
 /// system's roots, plus the certificates of `ca_file` when set.
 pub fn shared_client(ca_file: Option<&std::path::Path>) -> Result<reqwest::Client, WebhookError> {
@@ -215,17 +230,7 @@ pub fn shared_client(ca_file: Option<&std::path::Path>) -> Result<reqwest::Clien
         .https_only(false)
         .user_agent(USER_AGENT);
     if let Some(path) = ca_file {
-        let ca_err = |message: String| WebhookError::CaFile {
-            path: path.display().to_string(),
-            message,
-        };
-        let pem = std::fs::read(path).map_err(|e| ca_err(e.to_string()))?;
-        let certs =
-            reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| ca_err(e.to_string()))?;
-        if certs.is_empty() {
-            return Err(ca_err("no PEM certificate in the file".into()));
-        }
-        builder = builder.tls_certs_merge(certs);
+        builder = builder.tls_certs_merge(read_ca_file(path)?);
     }
     Ok(builder.build()?)
 }

@@ -282,6 +282,20 @@ mod tests {
         });
     }
 
+    /// The configuration's bound on `handlers.max_instances` is one the pool can reserve,
+    /// with the largest memory cap (20,000 instances failed: the mmap of their memories did
+    /// not fit in the address space).
+    #[test]
+    fn the_largest_configurable_pool_can_be_reserved() {
+        let engine = WasmEngine::new(EngineConfig {
+            max_instances: crate::config::MAX_HANDLER_INSTANCES,
+            max_memory_bytes: usize::try_from(super::super::limits::MAX_MEMORY_BYTES)
+                .expect("64-bit host"),
+            ..EngineConfig::default()
+        });
+        assert!(engine.is_ok(), "{:?}", engine.err());
+    }
+
     #[test]
     fn limits_are_checked_against_the_pool() {
         let engine = WasmEngine::new(EngineConfig {

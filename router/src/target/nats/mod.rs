@@ -135,6 +135,32 @@ impl NatsConnection {
         let _ = self.reserved.set(prefix.to_string());
     }
 
+    /// The secret `nats.token_env` or `nats.password_env` names, as it resolves now: `None`
+    /// when neither is configured, `Some(None)` when the one configured is not set.
+    pub fn credential_secret(&self) -> Option<Option<String>> {
+        let name = self
+            .cfg
+            .token_env
+            .as_ref()
+            .or(self.cfg.password_env.as_ref())?;
+        Some((self.secrets)(name))
+    }
+
+    /// Why no `nats:` target can start: the variable `nats.token_env` or `nats.password_env`
+    /// names is not set (in the environment or the secrets file). Without it every connect
+    /// would fail and every attempt be spent on that; like a webhook's missing secret, the
+    /// targets wait instead, and a reload after the secret is set starts them.
+    pub fn missing_secret(&self) -> Option<String> {
+        match self.credential_secret() {
+            Some(None) => Some(match (&self.cfg.token_env, &self.cfg.password_env) {
+                (Some(name), _) => NatsError::Token(name.clone()).to_string(),
+                (None, Some(name)) => NatsError::Password(name.clone()).to_string(),
+                (None, None) => unreachable!("credential_secret found a configured name"),
+            }),
+            _ => None,
+        }
+    }
+
     /// Why `subject` may not be published to, if it is under the reserved prefix.
     pub fn refuses(&self, subject: &str) -> Option<String> {
         let prefix = self.reserved.get()?;
