@@ -669,7 +669,9 @@ async fn handle(
                 .get_or_create(&vec![("cause", cause.to_string())])
                 .inc();
             if let Some(suppressed) = app.dispatcher.context().log_gates.admit("(unrouted)") {
-                tracing::warn!(event_id = %ev.id, source = %ev.source, ty = %ev.ty, cause, suppressed, "event accepted and routed to no target: it matched no enabled rule (only the archive keeps it; `router replay` routes it again)");
+                // Info, not warn: in an event bus, events no rule wants are often normal (a
+                // producer ahead of its consumers); the counter is what to alert on.
+                tracing::info!(event_id = %ev.id, source = %ev.source, ty = %ev.ty, cause, suppressed, "event accepted and routed to no target: it matched no enabled rule (only the archive keeps it; `router replay` routes it again)");
             }
         }
         if let Some(reason) = reason.and_then(|r| r.parse::<DlqReason>().ok()) {
