@@ -1482,6 +1482,24 @@ impl RedbStore {
         self.dedup.read().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Runs the removal `op` makes (at most `max` rows each) until one removes fewer: in
+    /// bounded groups, so one large namespace does not make one huge commit. Returns how many
+    /// rows went.
+    async fn clear_in_groups(
+        &self,
+        op: impl Fn(usize, Reply<Result<u64, StoreError>>) -> Op,
+    ) -> Result<u64, StoreError> {
+        let mut removed = 0;
+        loop {
+            let max = KV_CLEAR_BATCH;
+            let n = self.call(|reply| op(max, reply)).await??;
+            removed += n;
+            if n < max as u64 {
+                return Ok(removed);
+            }
+        }
+    }
+
     async fn call<T>(&self, make: impl FnOnce(Reply<T>) -> Op) -> Result<T, StoreError> {
         let (reply, rx) = oneshot::channel();
         self.tx
@@ -2396,48 +2414,20 @@ impl Store for RedbStore {
     }
 
     fn kv_clear<'a>(&'a self, namespace: &'a str) -> BoxFuture<'a, Result<u64, StoreError>> {
-        async move {
-            // In bounded groups, so one large namespace does not make one huge commit.
-            let mut removed = 0;
-            loop {
-                let namespace = namespace.to_owned();
-                let max = KV_CLEAR_BATCH;
-                let n = self
-                    .call(|reply| Op::KvClear {
-                        namespace,
-                        max,
-                        reply,
-                    })
-                    .await??;
-                removed += n;
-                if n < max as u64 {
-                    return Ok(removed);
-                }
-            }
-        }
+        self.clear_in_groups(move |max, reply| Op::KvClear {
+            namespace: namespace.to_owned(),
+            max,
+            reply,
+        })
         .boxed()
     }
 
     fn completed_clear<'a>(&'a self, handler: &'a str) -> BoxFuture<'a, Result<u64, StoreError>> {
-        async move {
-            // In bounded groups, as `kv_clear`.
-            let mut removed = 0;
-            loop {
-                let handler = handler.to_owned();
-                let max = KV_CLEAR_BATCH;
-                let n = self
-                    .call(|reply| Op::CompletedClear {
-                        handler,
-                        max,
-                        reply,
-                    })
-                    .await??;
-                removed += n;
-                if n < max as u64 {
-                    return Ok(removed);
-                }
-            }
-        }
+        self.clear_in_groups(move |max, reply| Op::CompletedClear {
+            handler: handler.to_owned(),
+            max,
+            reply,
+        })
         .boxed()
     }
 
