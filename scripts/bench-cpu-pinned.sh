@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release/router}
 N=${N:-60000}; BATCH=${BATCH:-1}; MODE=${MODE:-deliver}
 WORK=$(mktemp -d)
+mkdir -p "$WORK/none"   # an empty contracts directory (a missing one stops the start)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$WORK"' EXIT
 # shellcheck source=scripts/bench-rules.sh
 source scripts/bench-rules.sh

@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=target/release/router
 WORK=$(mktemp -d)
+mkdir -p "$WORK/none"   # an empty contracts directory (a missing one stops the start)
 trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/rules"
 cat > "$WORK/rules/bench.yaml" <<YAML

@@ -33,6 +33,8 @@ bench_setup() {
     BIN=$PWD/target/release/router
   fi
   WORK=$(mktemp -d)
+  # An empty contracts directory: the router refuses to start on one that does not exist.
+  mkdir -p "$WORK/none"
   trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$WORK"' EXIT
 }
 

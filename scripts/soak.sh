@@ -16,6 +16,7 @@ if [ -z "${BIN:-}" ]; then
   BIN=$PWD/target/release/router
 fi
 WORK=$(mktemp -d)
+mkdir -p "$WORK/none"   # an empty contracts directory (a missing one stops the start)
 if [ -n "${KEEP:-}" ]; then
   trap 'kill $(jobs -p) 2>/dev/null; echo "work directory kept: $WORK"' EXIT
 else
