@@ -297,6 +297,41 @@ fn dec_event(seq: u64, b: &[u8]) -> Result<StoredEvent, StoreError> {
 /// The id, source and type a DLQ entry copies from event `seq`: empty when the event is gone
 /// or its record cannot be read. The entry is written all the same (and listed: listings do
 /// not read events), an unreadable event being what sends one there as `corrupt_record`.
+/// The events of dedup fingerprint `fp` from sequence number `from` on that the dedup
+/// index's runs `runs` hold (in the order given), each run's newest first: candidates to be
+/// confirmed against the event (a fingerprint is not the key).
+fn run_candidates(
+    run_keys: &impl ReadableTable<(u64, u128, u64), i64>,
+    runs: &[u64],
+    fp: u128,
+    from: u64,
+) -> Result<Vec<u64>, StoreError> {
+    let mut seqs = Vec::new();
+    for &run in runs {
+        let start = seqs.len();
+        for row in run_keys.range((run, fp, from)..=(run, fp, u64::MAX))? {
+            seqs.push(row?.0.value().2);
+        }
+        seqs[start..].reverse();
+    }
+    Ok(seqs)
+}
+
+/// The events of dedup fingerprint `fp` from sequence number `from` on that were kept past
+/// their run (`DEDUP_KEPT`: older than every run's), newest first.
+fn kept_candidates(
+    kept: &impl ReadableTable<(u128, u64), ()>,
+    fp: u128,
+    from: u64,
+) -> Result<Vec<u64>, StoreError> {
+    let mut seqs = Vec::new();
+    for row in kept.range((fp, from)..=(fp, u64::MAX))? {
+        seqs.push(row?.0.value().1);
+    }
+    seqs.reverse();
+    Ok(seqs)
+}
+
 fn dlq_names(
     events: &impl ReadableTable<u64, &'static [u8]>,
     seq: u64,
@@ -1934,20 +1969,9 @@ impl RedbStore {
         };
         if !runs.is_empty() {
             let keys = r.open_table(DEDUP_RUN_KEYS)?;
-            for run in runs {
-                let mut found: Vec<u64> = Vec::new();
-                for row in keys.range((run, fp, 0)..=(run, fp, u64::MAX))? {
-                    found.push(row?.0.value().2);
-                }
-                seqs.extend(found.into_iter().rev());
-            }
+            seqs.extend(run_candidates(&keys, &runs, fp, 0)?);
         }
-        // Events kept past their run (older than every run's), newest first.
-        let mut kept: Vec<u64> = Vec::new();
-        for row in r.open_table(DEDUP_KEPT)?.range((fp, 0)..=(fp, u64::MAX))? {
-            kept.push(row?.0.value().1);
-        }
-        seqs.extend(kept.into_iter().rev());
+        seqs.extend(kept_candidates(&r.open_table(DEDUP_KEPT)?, fp, 0)?);
         // Newest first; each candidate is confirmed against the event (a fingerprint is
         // not the key), and one whose event the sweep removed is skipped.
         let events = r.open_table(EVENTS)?;
@@ -4794,18 +4818,13 @@ impl Committer {
         seqs.extend(self.dedup_group.get(&fp).map(|&(seq, _)| seq));
         if !runs.is_empty() {
             let keys = txn.open_table(DEDUP_RUN_KEYS)?;
-            for run in runs {
-                for row in keys.range((run, fp, ev.seq + 1)..=(run, fp, u64::MAX))? {
-                    seqs.push(row?.0.value().2);
-                }
-            }
+            seqs.extend(run_candidates(&*keys, &runs, fp, ev.seq + 1)?);
         }
-        for row in txn
-            .open_table(DEDUP_KEPT)?
-            .range((fp, ev.seq + 1)..=(fp, u64::MAX))?
-        {
-            seqs.push(row?.0.value().1);
-        }
+        seqs.extend(kept_candidates(
+            &*txn.open_table(DEDUP_KEPT)?,
+            fp,
+            ev.seq + 1,
+        )?);
         seqs.retain(|&s| s > ev.seq);
         seqs.sort_unstable_by(|a, b| b.cmp(a));
         seqs.dedup();
