@@ -376,6 +376,16 @@ fn dlq_key(id: u64) -> String {
     format!("dl.{id}")
 }
 
+/// The write that holds `key` of `target` for dead letter `dlq_id`, its holder.
+fn hold_write(target: &str, key: &str, dlq_id: u64) -> Write {
+    let record = HeldRecord {
+        target: target.to_string(),
+        key: key.to_string(),
+        holder: Some(dlq_id),
+    };
+    Write::put(held_key(target, key), enc(&record), Expect::Any)
+}
+
 fn held_key(target: &str, key: &str) -> String {
     format!("hk.{}", ops::fp(&[target, key]))
 }
@@ -1266,16 +1276,7 @@ impl JetStreamStore {
     /// names an entry that is no longer queued, which the next lease of the key takes over.
     fn key_hold(e: &QueueEntry, hold: bool, dlq_id: u64) -> Option<Write> {
         let key = e.ordering_key.as_ref().filter(|_| hold)?;
-        let record = HeldRecord {
-            target: e.target_id.clone(),
-            key: key.clone(),
-            holder: Some(dlq_id),
-        };
-        Some(Write::put(
-            held_key(&e.target_id, key),
-            enc(&record),
-            Expect::Any,
-        ))
+        Some(hold_write(&e.target_id, key, dlq_id))
     }
 
     /// Under `on_dead_letter: hold`, the write that holds the ordering key of `t`, a copy the
@@ -1283,16 +1284,7 @@ impl JetStreamStore {
     /// of the key must not overtake (as on redb).
     pub(super) fn overflow_hold(t: &NewEntry, dlq_id: u64) -> Option<Write> {
         let key = t.ordering_key.as_ref().filter(|_| t.hold_key)?;
-        let record = HeldRecord {
-            target: t.target_id.clone(),
-            key: key.clone(),
-            holder: Some(dlq_id),
-        };
-        Some(Write::put(
-            held_key(&t.target_id, key),
-            enc(&record),
-            Expect::Any,
-        ))
+        Some(hold_write(&t.target_id, key, dlq_id))
     }
 
     /// The write that releases `key` of `target` for a redrive of dead letter `dlq_id`, if
