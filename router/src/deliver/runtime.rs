@@ -76,9 +76,11 @@ pub struct Counters {
     pub throttled_until: AtomicI64,
 }
 
-/// The policy's `retry_after_max` in ms.
-fn cap_ms(spec: &TargetSpec) -> i64 {
-    i64::try_from(spec.policy.retry.retry_after_max.as_millis()).unwrap_or(i64::MAX)
+/// `until`, a hold set by an answer at `since`, capped by `spec`'s `retry_after_max` after
+/// that answer (a lowered maximum caps a hold already set, at a reload or a restart too).
+fn capped_until(spec: &TargetSpec, until: i64, since: i64) -> i64 {
+    let cap = i64::try_from(spec.policy.retry.retry_after_max.as_millis()).unwrap_or(i64::MAX);
+    until.min(since.saturating_add(cap))
 }
 
 /// The token bucket for `nodes`' share of `spec`'s throttle rate and burst (the burst rounded
@@ -226,7 +228,7 @@ impl TargetRuntime {
             }) if *until > now => {
                 let since = since.unwrap_or(now);
                 Hold {
-                    until: (*until).min(since.saturating_add(cap_ms(&spec))),
+                    until: capped_until(&spec, *until, since),
                     since,
                     lifted_at: 0,
                 }
@@ -267,7 +269,7 @@ impl TargetRuntime {
         {
             let mut h = self.hold();
             if h.until > 0 {
-                h.until = h.until.min(h.since.saturating_add(cap_ms(&self.spec)));
+                h.until = capped_until(&self.spec, h.until, h.since);
             }
         }
         if let (Some(policy), Some(shared)) = (&self.spec.policy.breaker, &old.breaker) {
@@ -297,7 +299,7 @@ impl TargetRuntime {
         if h.lifted_at > 0 && since <= h.lifted_at {
             return false;
         }
-        let until = until.min(since.saturating_add(cap_ms(&self.spec)));
+        let until = capped_until(&self.spec, until, since);
         if until <= h.until {
             return false;
         }
