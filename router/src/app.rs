@@ -82,6 +82,12 @@ pub struct App {
 pub const RULE_STATE_PREFIX: &str = "rule:";
 
 impl App {
+    /// Held by reloads, the retirer of drained removed targets, and each redrive or replay
+    /// step: what a step routes to stays served until its commit.
+    pub(crate) async fn routing_guard(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.reload_lock.lock().await
+    }
+
     /// Rules currently disabled by an operator.
     pub fn disabled_rules(&self) -> Arc<std::collections::HashSet<String>> {
         self.disabled.load_full()
@@ -701,6 +707,8 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
         .cloned()
         .collect();
     let (rules_version, contracts_version) = (rules.version.clone(), contracts.version());
+    app.metrics
+        .forget_rules(|name| rules.rules.iter().any(|rule| rule.name == name));
     app.rules.store(Arc::new(rules));
     app.contracts.store(Arc::new(contracts));
     for id in &removed {

@@ -816,6 +816,56 @@ fn target_notes(t: &Value) -> Vec<String> {
     notes
 }
 
+/// `router rules ls`: the live rules (`GET /v1/rules`), one row each, with the operator
+/// switches that name no live rule below.
+pub fn rules_table(v: &Value) -> String {
+    let rows: Vec<Vec<String>> = v["rules"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| {
+            let state = if r["disabled_by_operator"] == json!(true) {
+                "disabled (operator)"
+            } else if r["enabled"] == json!(true) {
+                "enabled"
+            } else {
+                "disabled (file)"
+            };
+            vec![
+                s(&r["name"]),
+                format!("{}:{}", s(&r["file"]), s(&r["line"])),
+                state.to_string(),
+                s(&r["matched_events"]),
+                s(&r["last_matched_at"]),
+                r["targets"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(s)
+                    .collect::<Vec<_>>()
+                    .join(","),
+            ]
+        })
+        .collect();
+    let mut out = table(
+        &["RULE", "FILE", "STATE", "MATCHED", "LAST MATCH", "TARGETS"],
+        &rows,
+    );
+    let absent: Vec<String> = v["disabled_absent"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(s)
+        .collect();
+    if !absent.is_empty() {
+        out.push_str(&format!(
+            "\ndisabled by an operator, no live rule of that name (it would stay off if it came back; `router rules enable NAME` clears it): {}",
+            absent.join(", ")
+        ));
+    }
+    out
+}
+
 /// `router targets ls` as a table, with a note per target whose queue waits for something an
 /// operator can act on ([`target_notes`]).
 pub fn targets_table(v: &Value) -> String {
@@ -876,6 +926,37 @@ pub fn targets_table(v: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_rules_table_shows_each_rule_s_state_and_matches_and_the_stray_switches() {
+        let v = json!({
+            "rules": [
+                {"name": "a", "file": "r.yaml", "line": 3, "enabled": true,
+                 "disabled_by_operator": false, "targets": ["a-0", "a-1"],
+                 "matched_events": 12, "last_matched_at": "2026-12-07T10:00:00Z"},
+                {"name": "b", "file": "r.yaml", "line": 9, "enabled": false,
+                 "disabled_by_operator": true, "targets": ["b-0"],
+                 "matched_events": 0, "last_matched_at": null},
+                {"name": "c", "file": "s.yaml", "line": 1, "enabled": false,
+                 "disabled_by_operator": false, "targets": [],
+                 "matched_events": 0, "last_matched_at": null}
+            ],
+            "disabled_absent": ["old"]
+        });
+        let text = rules_table(&v);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[0].starts_with("RULE"), "{text}");
+        assert!(
+            lines[1].contains("r.yaml:3")
+                && lines[1].contains("enabled")
+                && lines[1].contains("12")
+                && lines[1].contains("a-0,a-1"),
+            "{text}"
+        );
+        assert!(lines[2].contains("disabled (operator)"), "{text}");
+        assert!(lines[3].contains("disabled (file)"), "{text}");
+        assert!(lines[4].contains("old"), "{text}");
+    }
 
     /// A router that is not there and one that does not answer in time are told apart; the
     /// latter with what may still happen (an upload activating after the client gave up).

@@ -345,6 +345,12 @@ enum RulesCmd {
     },
     /// Print, as JSON, the rules and targets in DIR that EVENT (a structured CloudEvent JSON file) matches.
     Test { dir: PathBuf, event: PathBuf },
+    /// List the live rules: file:line, enabled, targets, and the events each matched on the
+    /// router (since it started) with the last match. Client of the API.
+    Ls {
+        #[command(flatten)]
+        api: Api,
+    },
     /// Disable a live rule (persisted; overrides the files until enabled). Client of the API.
     Disable {
         name: String,
@@ -735,6 +741,16 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     api,
                 },
         } => rt.block_on(contract_push(&api, &ty, &version, &file)),
+        Cmd::Rules {
+            cmd: RulesCmd::Ls { api },
+        } => rt.block_on(async move {
+            let v = api
+                .client()
+                .call(reqwest::Method::GET, "/v1/rules", None)
+                .await?;
+            print_value(&api, &v, router::cli::rules_table);
+            Ok(ExitCode::SUCCESS)
+        }),
         Cmd::Rules {
             cmd: RulesCmd::Disable { name, api },
         } => rt.block_on(rule_toggle(&api, &name, "disable")),

@@ -344,6 +344,15 @@ async fn route(app: &App, ev: CloudEvent, cancel: &CancellationToken) {
             Ok(outcomes) => {
                 for outcome in &outcomes {
                     if let AcceptOutcome::Accepted { overflowed, .. } = outcome {
+                        // The rules that still route it here (a target it is about was
+                        // taken out above).
+                        app.metrics.count_rule_matches(
+                            ne.matched_rules
+                                .iter()
+                                .filter(|r| ne.targets.iter().any(|t| &t.rule == *r))
+                                .map(String::as_str),
+                            app.clock.now_ms(),
+                        );
                         for target in overflowed {
                             crate::deliver::dead_lettered(
                                 ctx,

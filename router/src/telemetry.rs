@@ -108,6 +108,10 @@ pub struct Metrics {
     pub ingest_events: Family<Labels, Counter>,
     /// Accepted events routed to no target, by cause (`no_match`, `rule_disabled`).
     pub ingest_unrouted: Family<Labels, Counter>,
+    /// Events each rule matched and routed, by `rule`: see [`Metrics::count_rule_matches`].
+    pub rule_matched: Family<Labels, Counter>,
+    /// When each rule last matched a routed event (Unix ms), for `GET /v1/rules`.
+    rule_last_matched: std::sync::Mutex<std::collections::HashMap<String, i64>>,
     /// Until when (Unix seconds) each running target is held off by its receiver's
     /// `Retry-After`; 0 when it is not.
     pub target_held_off_until: Family<Labels, Gauge>,
@@ -254,6 +258,8 @@ impl Metrics {
         let m = Self {
             ingest_events: Family::default(),
             ingest_unrouted: Family::default(),
+            rule_matched: Family::default(),
+            rule_last_matched: Default::default(),
             target_held_off_until: Family::default(),
             held_off_shown: Default::default(),
             ingest_requests: Family::default(),
@@ -328,6 +334,11 @@ impl Metrics {
             "router_ingest_unrouted",
             "Events accepted and routed to no target, by cause: no_match (no rule of the live set matched) or rule_disabled (only rules an operator disabled matched); only the archive keeps them, and a replay routes them again",
             m.ingest_unrouted.clone(),
+        );
+        registry.register(
+            "router_rule_matched_events",
+            "Events the rule matched and routed to its targets: accepted at ingest (a duplicate does not count), emitted by a handler, or a router system event; replays and redrives do not count again. Counted since the router started; a rule removed by a reload loses its series",
+            m.rule_matched.clone(),
         );
         registry.register(
             "router_target_held_off_until_seconds",
@@ -612,6 +623,73 @@ impl Metrics {
     pub fn observe_rule_match(&self, took: Duration, steps: u64) {
         self.rule_match_seconds.observe(took.as_secs_f64());
         self.rule_match_steps.observe(steps as f64);
+    }
+
+    /// Counts one routed event for each rule in `rules` (names may repeat: one per event),
+    /// at `now` (Unix ms): `router_rule_matched_events_total` and the rule's last match.
+    /// Called once per request or commit with all its events' rules, so the shared map is
+    /// locked once, not per event.
+    pub fn count_rule_matches<'a>(&self, rules: impl IntoIterator<Item = &'a str>, now: i64) {
+        // A request's events mostly match the same few rules: a short list beats a map.
+        let mut counts: Vec<(&str, u64)> = Vec::new();
+        for rule in rules {
+            match counts.iter_mut().find(|(r, _)| *r == rule) {
+                Some((_, n)) => *n += 1,
+                None => counts.push((rule, 1)),
+            }
+        }
+        if counts.is_empty() {
+            return;
+        }
+        for (rule, n) in &counts {
+            self.rule_matched
+                .get_or_create(&vec![("rule", (*rule).to_string())])
+                .inc_by(*n);
+        }
+        let mut last = self
+            .rule_last_matched
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        for (rule, _) in counts {
+            match last.get_mut(rule) {
+                Some(at) => *at = (*at).max(now),
+                None => {
+                    last.insert(rule.to_string(), now);
+                }
+            }
+        }
+    }
+
+    /// Events `rule` matched and routed since the router started, and when it last did
+    /// (Unix ms).
+    pub fn rule_matches(&self, rule: &str) -> (u64, Option<i64>) {
+        let count = self
+            .rule_matched
+            .get(&vec![("rule", rule.to_string())])
+            .map_or(0, |c| c.get());
+        let last = self
+            .rule_last_matched
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(rule)
+            .copied();
+        (count, last)
+    }
+
+    /// Drops the match counts of rules for which `live` is false (removed by a reload), so
+    /// `/metrics` does not keep a series per rule that ever existed.
+    pub fn forget_rules(&self, live: impl Fn(&str) -> bool) {
+        let mut last = self
+            .rule_last_matched
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        last.retain(|rule, _| {
+            let keep = live(rule);
+            if !keep {
+                self.rule_matched.remove(&vec![("rule", rule.clone())]);
+            }
+            keep
+        });
     }
 
     /// Records one compaction of the store file.
@@ -910,6 +988,30 @@ mod tests {
         let mut out = String::new();
         encode(&mut out, &m.registry).expect("encode");
         out
+    }
+
+    #[test]
+    fn rule_matches_are_counted_per_rule_with_the_latest_time_and_forgotten_when_removed() {
+        let m = Metrics::new();
+        m.count_rule_matches(["a", "b", "a"], 2_000);
+        m.count_rule_matches(["a"], 1_000);
+        m.count_rule_matches(std::iter::empty(), 9_000);
+        assert_eq!(m.rule_matches("a"), (3, Some(2_000)));
+        assert_eq!(m.rule_matches("b"), (1, Some(2_000)));
+        assert_eq!(m.rule_matches("c"), (0, None));
+        let text = exposition(&m);
+        assert!(
+            text.contains("router_rule_matched_events_total{rule=\"a\"} 3"),
+            "{text}"
+        );
+        m.forget_rules(|name| name == "a");
+        assert_eq!(m.rule_matches("b"), (0, None));
+        let text = exposition(&m);
+        assert!(!text.contains("rule=\"b\""), "{text}");
+        assert!(
+            text.contains("router_rule_matched_events_total{rule=\"a\"} 3"),
+            "{text}"
+        );
     }
 
     /// A reload that removes a target's breaker, or the target, removes its series: an

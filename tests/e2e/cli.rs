@@ -74,6 +74,21 @@ async fn the_cli_contains_rules_and_targets_whose_names_a_url_would_cut() {
     assert_eq!(resumed["paused"], false, "{resumed}");
     let off = cli_json(&r, &["rules", "disable", "orders#v2"]).await;
     assert_eq!(off["enabled"], false, "{off}");
+    // `rules ls` shows both, each with its state.
+    let (ok, table, err) = cli(&r, Some("ops-token"), &["rules", "ls"]).await;
+    assert!(ok, "{err}");
+    let row = |name: &str| {
+        table
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert!(
+        row("orders#v2").contains("disabled (operator)") && row("orders#v2").contains("erp?eu%1"),
+        "{table}"
+    );
+    assert!(row("off ").contains("disabled (file)"), "{table}");
 }
 
 /// The DLQ runbook of `docs/operations.md`, by CLI: see the dead letter, contain the target,

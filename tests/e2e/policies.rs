@@ -771,13 +771,20 @@ async fn an_operators_resume_lifts_a_receivers_retry_after_hold() {
     let (s, t) = post_json(&r, "/v1/targets/ra/resume", json!({})).await;
     assert_eq!(s, 200, "{t}");
     assert!(t["retry_after_until"].is_null(), "{t}");
-    // The worker looks again at least every second once the hold is gone.
+    // The worker looks again at least every second once the hold is gone. The answered
+    // event goes too: it waited for the hold, not for its own 15 minutes (before, it stayed
+    // behind until then).
     assert!(
         rcv.wait_for(Duration::from_secs(15), |s| s
             .iter()
-            .any(|x| x.event_id() == "next"))
+            .any(|x| x.event_id() == "next")
+            && s.iter().filter(|x| x.event_id() == "first").count() == 2)
             .await,
-        "the queue behind the hold is delivered after the resume"
+        "the queue behind the hold, and the answered event, are delivered after the resume: {:?}",
+        rcv.received()
+            .iter()
+            .map(|x| x.event_id())
+            .collect::<Vec<_>>()
     );
     let m = metrics_text(&r).await;
     assert_eq!(

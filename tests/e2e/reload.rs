@@ -1645,3 +1645,82 @@ async fn a_reload_that_breaks_a_running_targets_secret_is_refused_and_the_worker
         Some("Bearer new-token")
     );
 }
+
+/// Each rule counts the events it matched and routed, as EventBridge's `MatchedEvents`:
+/// duplicates, unmatched events and matches of a disabled rule do not count; the count and
+/// the last match show in `/v1/rules` and `/metrics`, and a rule removed by a reload loses
+/// its series.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_rule_counts_the_events_it_matched_and_a_removed_rule_loses_its_series() {
+    let a = Receiver::ok().await;
+    let r = RouterProc::start(
+        &[(
+            "r.yaml",
+            &rules_yaml(
+                "",
+                &[
+                    ("r1", "t", &[format!("webhook: {}", a.url())]),
+                    ("r2", "u", &[format!("webhook: {}", a.url())]),
+                ],
+            ),
+        )],
+        &[],
+    );
+    for (id, ty) in [
+        ("e1", "t"),
+        ("e1", "t"),
+        ("e2", "t"),
+        ("e3", "u"),
+        ("e4", "x"),
+    ] {
+        assert_eq!(post_event(&r, &event(id, ty, json!({}))).await.0, 202);
+    }
+    post_batch(
+        &r,
+        &[event("e5", "t", json!({})), event("e6", "t", json!({}))],
+    )
+    .await;
+    assert_eq!(
+        post_json(&r, "/v1/rules/r2/disable", json!({})).await.0,
+        200
+    );
+    assert_eq!(post_event(&r, &event("e7", "u", json!({}))).await.0, 202);
+    let (_, rules) = get_json(&r, "/v1/rules").await;
+    let rule = |name: &str| {
+        rules["rules"]
+            .as_array()
+            .and_then(|rs| rs.iter().find(|x| x["name"] == name))
+            .cloned()
+            .unwrap_or_default()
+    };
+    assert_eq!(rule("r1")["matched_events"], 4, "{rules}");
+    assert_eq!(rule("r2")["matched_events"], 1, "{rules}");
+    assert!(rule("r1")["last_matched_at"].is_string(), "{rules}");
+    let metrics = metrics_text(&r).await;
+    assert_eq!(
+        counter(&metrics, "router_rule_matched_events_total{rule=\"r1\"}"),
+        4,
+        "{}",
+        metric_lines(&metrics, "router_rule_matched")
+    );
+    assert_eq!(
+        counter(&metrics, "router_rule_matched_events_total{rule=\"r2\"}"),
+        1
+    );
+    write_rules(
+        &r,
+        "r.yaml",
+        &rules_yaml("", &[("r1", "t", &[format!("webhook: {}", a.url())])]),
+    );
+    assert_eq!(post_json(&r, "/v1/admin/reload", json!({})).await.0, 200);
+    let metrics = metrics_text(&r).await;
+    assert!(
+        !metrics.contains("router_rule_matched_events_total{rule=\"r2\"}"),
+        "{}",
+        metric_lines(&metrics, "router_rule_matched")
+    );
+    assert_eq!(
+        counter(&metrics, "router_rule_matched_events_total{rule=\"r1\"}"),
+        4
+    );
+}

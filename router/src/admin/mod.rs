@@ -801,15 +801,21 @@ pub async fn rules(State(app): State<Arc<App>>) -> Response {
         "version": r.version,
         "files": r.files,
         "git_commit": git_commit,
-        "rules": r.rules.iter().map(|rule| json!({
-            "name": rule.name,
-            "file": rule.file,
-            "line": rule.line,
-            "enabled": rule.enabled && !disabled.contains(&rule.name),
-            "disabled_by_operator": disabled.contains(&rule.name),
-            "pattern": rule.pattern_json,
-            "targets": rule.target_ids,
-        })).collect::<Vec<_>>(),
+        "rules": r.rules.iter().map(|rule| {
+            let (matched, last) = app.metrics.rule_matches(&rule.name);
+            json!({
+                "name": rule.name,
+                "file": rule.file,
+                "line": rule.line,
+                "enabled": rule.enabled && !disabled.contains(&rule.name),
+                "disabled_by_operator": disabled.contains(&rule.name),
+                "pattern": rule.pattern_json,
+                "targets": rule.target_ids,
+                // This node's count since it started (router_rule_matched_events_total).
+                "matched_events": matched,
+                "last_matched_at": last.map(rfc3339),
+            })
+        }).collect::<Vec<_>>(),
         // Operator switches naming no live rule (renamed or removed since): each would stop a
         // rule of that name the moment one came back. `rules enable NAME` clears one.
         "disabled_absent": disabled

@@ -759,17 +759,24 @@ fn retry_after_pause(
 /// the worker leases nothing until then, so the rest of the queue waits instead of spending
 /// attempts on answers the receiver announced. Persisted with the breaker's record, so a
 /// restart keeps the pause.
+///
+/// True when the outcome asked for a pause and the target's hold (kept on disk, or lifted by
+/// an operator meanwhile) stands for it: then the entries that got the answer need not wait
+/// for the `Retry-After` themselves ([`conclude`]), so a resume that lifts the hold, or a
+/// reload that shortens it, lets them go with the rest of the queue.
 async fn hold_off(
     ctx: &DeliveryContext,
     rt: &TargetRuntime,
     outcome: &AttemptOutcome,
     finished: Millis,
-) {
+) -> bool {
     let Some(until) = retry_after_pause(outcome, &rt.spec.policy.retry, finished) else {
-        return;
+        return false;
     };
     if !rt.hold_off_until(until, finished) {
-        return;
+        // A later hold (persisted when it was set), one extended by under a second (within
+        // a second of the stored one), or lifted by an operator since the attempt started.
+        return true;
     }
     let id = &rt.spec.id;
     tracing::warn!(target_id = %id, until = %crate::clock::rfc3339(until), "the receiver asked to hold off (Retry-After); nothing is sent to it until then");
@@ -781,15 +788,19 @@ async fn hold_off(
             Ok(states) => with_retry_after(&states, id, until, finished),
             Err(e) => {
                 tracing::warn!(target_id = %id, error = %e, "could not read the target's stored state to add the Retry-After pause; this node holds off until a restart, the others do not follow it");
-                return;
+                return false;
             }
         }
     } else {
         rt.persisted()
     };
     let state = serde_json::to_value(state).unwrap_or_default();
-    if let Err(e) = ctx.store.put_target_state(id, state).await {
-        tracing::warn!(target_id = %id, error = %e, "could not persist the Retry-After pause; it holds until a restart");
+    match ctx.store.put_target_state(id, state).await {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(target_id = %id, error = %e, "could not persist the Retry-After pause; it holds until a restart (the entries that got it wait for it themselves)");
+            false
+        }
     }
 }
 
@@ -845,19 +856,29 @@ fn conclude(
     outcome: &AttemptOutcome,
     effects: Option<Box<crate::target::handler::Effects>>,
     finished: Millis,
+    target_held: bool,
 ) -> Settled {
     let retry = &rt.spec.policy.retry;
     let hold = rt.spec.policy.on_dead_letter == OnDeadLetter::Hold;
     let n = u32::try_from(leased.entry.attempts.len()).unwrap_or(u32::MAX);
+    let jitter = rand::random::<f64>();
     let mut disposition = decide(
         outcome,
         n,
         leased.entry.accepted_at,
         finished,
         retry,
-        rand::random::<f64>(),
+        jitter,
         hold,
     );
+    // The target's hold keeps the receiver's Retry-After for the whole queue ([`hold_off`]):
+    // this entry is due after its backoff, as any retry, and goes when the hold ends, is
+    // lifted by a resume or is shortened by a reload. Due at the Retry-After itself, it stayed
+    // behind after a resume (up to `retry_after_max`), alone and out of its queue's order.
+    // (Whether the wait would pass `max_age` was decided with the Retry-After.)
+    if target_held && let Disposition::Retry { due_at } = &mut disposition {
+        *due_at = finished.saturating_add(ms(backoff::delay(retry, n, jitter)));
+    }
     // A handler can name a more specific DLQ reason (unknown_version).
     if let (Disposition::DeadLetter { reason, .. }, Some(r)) = (
         &mut disposition,
@@ -1017,8 +1038,8 @@ async fn attempt(
             }
             let finished = ctx.clock.now_ms();
             breaker_record(&ctx, &rt, &outcome, probe, finished).await;
-            hold_off(&ctx, &rt, &outcome, finished).await;
-            let s = conclude(&rt, &leased, &outcome, effects, finished);
+            let held = hold_off(&ctx, &rt, &outcome, finished).await;
+            let s = conclude(&rt, &leased, &outcome, effects, finished, held);
             log_settled(&ctx, &rt.spec.id, &outcome, &s);
             s
         }
@@ -1183,10 +1204,10 @@ async fn attempt_batch(
             tracing::info!(target_id = %spec_id, max_events = cap, "batches were delivered under a lowered size for a while; trying larger batches ({cap} events)");
         }
         breaker_record(&ctx, &rt, &outcome, probe, finished).await;
-        hold_off(&ctx, &rt, &outcome, finished).await;
+        let held = hold_off(&ctx, &rt, &outcome, finished).await;
         let mut retried = 0usize;
         for BatchItem { leased, .. } in send {
-            let s = conclude(&rt, &leased, &outcome, None, finished);
+            let s = conclude(&rt, &leased, &outcome, None, finished, held);
             match s.disposition {
                 Disposition::Retry { .. } => retried += 1,
                 Disposition::DeadLetter { .. } => {
@@ -1262,6 +1283,7 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
                         ty: ev.ty.clone(),
                         hops: ev.hops(),
                         quarantine: ne.quarantine.as_ref().map(|q| q.reason),
+                        rules: ne.matched_rules.clone(),
                     }
                 })
                 .collect()
@@ -1301,6 +1323,15 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
                     finished_at,
                 );
             }
+            // A re-run's emissions (same ids) are dropped by ingest dedup in the store but
+            // counted here again: rare (a crash between handling and acking), and the count
+            // is of routing decisions committed.
+            ctx.metrics.count_rule_matches(
+                emitted
+                    .iter()
+                    .flat_map(|e| e.rules.iter().map(String::as_str)),
+                finished_at,
+            );
             let why = format!("emitted by handler target {}", spec.id);
             for e in &emitted {
                 if let Some(reason) = e.quarantine {
@@ -1556,6 +1587,8 @@ struct Emitted {
     ty: String,
     hops: u32,
     quarantine: Option<DlqReason>,
+    /// The rules that routed it (counted once the finish commits).
+    rules: Vec<String>,
 }
 
 impl Emitted {
@@ -2164,31 +2197,36 @@ mod tests {
         );
     }
 
-    /// A Retry-After past max_age dead-letters at once: the entry's error names the wait and
-    /// the bound, not only the receiver's answer.
-    #[test]
-    fn a_retry_after_past_max_age_says_so_in_the_dead_letters_error() {
+    /// A handler target's runtime under `retry`.
+    fn handler_runtime(retry: RetryPolicy) -> TargetRuntime {
         let spec = crate::rules::TargetSpec {
-            id: "bulk".into(),
+            id: "t".into(),
             rule: "r".into(),
             kind: crate::rules::TargetKind::Handler { name: "h".into() },
             policy_name: None,
             policy: crate::policy::config::PolicyConfig {
-                retry: RetryPolicy {
-                    max_age: Duration::from_secs(60),
-                    ..RetryPolicy::default()
-                },
+                retry,
                 ..crate::policy::config::PolicyConfig::default()
             },
         };
-        let rt = TargetRuntime::new(spec, None, 0);
+        TargetRuntime::new(spec, None, 0)
+    }
+
+    /// A Retry-After past max_age dead-letters at once: the entry's error names the wait and
+    /// the bound, not only the receiver's answer.
+    #[test]
+    fn a_retry_after_past_max_age_says_so_in_the_dead_letters_error() {
+        let rt = handler_runtime(RetryPolicy {
+            max_age: Duration::from_secs(60),
+            ..RetryPolicy::default()
+        });
         let answer = AttemptOutcome::Retryable {
             error: "HTTP 503: busy".into(),
             status: Some(503),
             retry_after: Some(Duration::from_secs(900)),
         };
         let one = leased(1, 0);
-        let s = conclude(&rt, &one, &answer, None, 5);
+        let s = conclude(&rt, &one, &answer, None, 5, true);
         assert!(matches!(
             s.disposition,
             Disposition::DeadLetter {
@@ -2220,9 +2258,39 @@ mod tests {
             status: Some(503),
             retry_after: Some(Duration::from_secs(5)),
         };
-        let s = conclude(&rt, &one, &short, None, 5);
+        let s = conclude(&rt, &one, &short, None, 5, false);
         assert!(matches!(s.disposition, Disposition::Retry { .. }));
         assert_eq!(s.end.error.as_deref(), Some("HTTP 503: busy"));
+    }
+
+    /// The entry that got a 429 or 503 with Retry-After waits for it itself only when the
+    /// target's hold could not be kept; held, it is due after its backoff (the hold keeps it
+    /// back until then, and a resume that lifts the hold lets it go with the rest).
+    #[test]
+    fn an_entry_the_target_s_hold_covers_is_due_after_its_backoff_not_the_retry_after() {
+        let rt = handler_runtime(RetryPolicy {
+            max_age: Duration::from_secs(86_400),
+            max_delay: Duration::from_secs(10),
+            ..RetryPolicy::default()
+        });
+        let answer = AttemptOutcome::Retryable {
+            error: "HTTP 429".into(),
+            status: Some(429),
+            retry_after: Some(Duration::from_secs(600)),
+        };
+        let one = leased(1, 0);
+        let due = |held| match conclude(&rt, &one, &answer, None, 1_000, held).disposition {
+            Disposition::Retry { due_at } => due_at,
+            other => panic!("{other:?}"),
+        };
+        for _ in 0..20 {
+            assert!(due(true) <= 11_000, "backoff is at most max_delay");
+            assert_eq!(
+                due(false),
+                601_000,
+                "the entry waits the Retry-After itself"
+            );
+        }
     }
 
     #[test]

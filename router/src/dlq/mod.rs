@@ -901,6 +901,11 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
                 0
             })
         } else {
+            // A step routes into the queues of live targets, or of removed ones still
+            // draining: a reload must not remove (or dead-letter the queue of) a target, nor
+            // the retirer stop a drained one's worker, between the step's look at them and
+            // its commit, or its entries would wait in a queue no worker serves.
+            let _routing = app.routing_guard().await;
             match job.kind {
                 JobKind::Redrive => redrive_step(app, &mut job, &filter, take, now).await,
                 JobKind::Replay => replay_step(app, &mut job, pattern.as_ref(), take, now).await,

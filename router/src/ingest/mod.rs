@@ -484,6 +484,7 @@ async fn handle(
                 let (matched_rules, targets, unrouted) =
                     routed.unwrap_or((Vec::new(), Vec::new(), Unrouted::NoMatch));
                 answer.unrouted = unrouted;
+                answer.rules.clone_from(&matched_rules);
                 let ne = NewEvent {
                     event: ev,
                     accepted_at: now,
@@ -636,6 +637,14 @@ async fn handle(
             );
         }
     };
+    app.metrics.count_rule_matches(
+        answered
+            .iter()
+            .zip(&outcomes)
+            .filter(|(_, o)| matches!(o, AcceptOutcome::Accepted { .. }))
+            .flat_map(|(a, _)| a.rules.iter().map(String::as_str)),
+        now,
+    );
     let mut results = Vec::with_capacity(answered.len());
     for ((ev, outcome), q) in answered.into_iter().zip(outcomes).zip(quarantined) {
         if let AcceptOutcome::Accepted { overflowed, .. } = &outcome {
@@ -834,6 +843,8 @@ struct Answered {
     keys: Vec<(String, String, bool)>,
     /// Why it went to no target, if it did not.
     unrouted: Unrouted,
+    /// The rules it matched (counted per rule once it is accepted).
+    rules: Vec<String>,
 }
 
 impl Answered {
@@ -845,6 +856,7 @@ impl Answered {
             hops: ev.hops(),
             keys: Vec::new(),
             unrouted: Unrouted::No,
+            rules: Vec::new(),
         }
     }
 
