@@ -1042,6 +1042,11 @@ pub enum RunError {
         /// What needs it.
         needed_by: String,
     },
+    /// A credential of `[store.jetstream]` cannot be used: the variable `token_env` or
+    /// `password_env` names is not set, or the credentials file is unreadable. The store is
+    /// not optional, so the router does not start (a `nats:` target waits instead).
+    #[error(transparent)]
+    StoreCredentials(crate::nats_auth::NatsAuthError),
     /// Refusing to serve without tokens on a non-loopback address.
     #[error(
         "refusing to listen on {0} without auth tokens: configure [[auth.tokens]] or set auth.insecure = true"
@@ -1480,6 +1485,13 @@ pub async fn run(
         // Held until the router stops (the kernel lets go of a dead process's lock).
         let _node_lock = lock_node(&cfg.data_dir)?;
         let js = &cfg.store.jetstream;
+        // The operator's configuration names any variable (rule files only those within
+        // secrets_env_prefix).
+        let secrets = secret_resolver(&cfg, None)?;
+        let auth = js
+            .auth()
+            .resolve(&*secrets)
+            .map_err(RunError::StoreCredentials)?;
         let store = crate::store::jetstream::JetStreamStore::open(
             crate::store::jetstream::JetStreamOptions {
                 records: crate::store::jetstream::records::RecordsConfig {
@@ -1491,6 +1503,7 @@ pub async fn run(
                     // The body limit plus room for the envelope and the stored record's
                     // fields.
                     max_record_bytes: cfg.ingest.max_body_bytes.saturating_add(64 << 10),
+                    auth,
                 },
                 node: node_id(&cfg.data_dir)?,
             },

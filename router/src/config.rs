@@ -228,6 +228,20 @@ impl NatsConfig {
     pub fn server_addrs(&self) -> Result<Vec<async_nats::ServerAddr>, String> {
         server_addrs("nats.url", &self.url)
     }
+
+    /// The authentication and TLS keys, validated and applied as `[store.jetstream]`'s are.
+    pub fn auth(&self) -> crate::nats_auth::NatsAuth {
+        crate::nats_auth::NatsAuth {
+            section: "nats",
+            credentials_file: self.credentials_file.clone(),
+            token_env: self.token_env.clone(),
+            user: self.user.clone(),
+            password_env: self.password_env.clone(),
+            tls_ca_file: self.tls_ca_file.clone(),
+            tls_cert_file: self.tls_cert_file.clone(),
+            tls_key_file: self.tls_key_file.clone(),
+        }
+    }
 }
 
 /// The server addresses of a comma-separated list of NATS URLs (config key `key`, named in
@@ -243,14 +257,11 @@ pub fn server_addrs(key: &str, urls: &str) -> Result<Vec<async_nats::ServerAddr>
             // is shown in /v1/status, metric labels, logs and attempt errors (which teams read
             // in the DLQ): refused rather than redacted everywhere.
             if addr.has_user_pass() || u.contains('@') {
-                let instead = if key == "nats.url" {
-                    "set nats.user and nats.password_env (or nats.token_env, nats.credentials_file)"
-                } else {
-                    "the server must let the router in without them"
-                };
+                let s = key.strip_suffix(".url").unwrap_or(key);
                 return Err(format!(
                     "{key} `{shown}`: credentials in the URL are refused (they would be shown in \
-                     status, metrics and logs, and are not sent); {instead}"
+                     status, metrics and logs, and are not sent); set {s}.user and \
+                     {s}.password_env (or {s}.token_env, {s}.credentials_file)"
                 ));
             }
             // The client is built without websocket support.
@@ -503,6 +514,26 @@ pub struct JetStreamStoreConfig {
     /// Bound on each request to the server. Default 5s.
     #[serde(with = "humantime_serde")]
     pub timeout: Duration,
+    /// A NATS `.creds` file (user JWT and NKey seed) to authenticate with. Unset = none.
+    /// Must exist at start. The authentication and TLS keys mean what `[nats]`'s do.
+    pub credentials_file: Option<PathBuf>,
+    /// Name of the environment variable (or `secrets_file` entry) holding a token to
+    /// authenticate with. Unset = none. Not set at start: the router does not start (the
+    /// store is not optional), naming this key and the variable.
+    pub token_env: Option<String>,
+    /// User name to authenticate with, together with `password_env`. Unset = none. (A user
+    /// and password in `url` are refused, as in `nats.url`.)
+    pub user: Option<String>,
+    /// Name of the environment variable (or `secrets_file` entry) holding `user`'s password.
+    /// Not set at start: the router does not start, as for `token_env`.
+    pub password_env: Option<String>,
+    /// PEM file of the CA(s) the server's certificate must chain to, instead of the system's
+    /// roots. Any `tls_*` key makes TLS required (as a `tls://` URL does).
+    pub tls_ca_file: Option<PathBuf>,
+    /// PEM client certificate for servers that verify clients (mTLS), with `tls_key_file`.
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of `tls_cert_file`.
+    pub tls_key_file: Option<PathBuf>,
 }
 
 impl Default for JetStreamStoreConfig {
@@ -513,6 +544,29 @@ impl Default for JetStreamStoreConfig {
             prefix: "router.store".into(),
             replicas: 1,
             timeout: Duration::from_secs(5),
+            credentials_file: None,
+            token_env: None,
+            user: None,
+            password_env: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+        }
+    }
+}
+
+impl JetStreamStoreConfig {
+    /// The authentication and TLS keys, validated and applied as `[nats]`'s are.
+    pub fn auth(&self) -> crate::nats_auth::NatsAuth {
+        crate::nats_auth::NatsAuth {
+            section: "store.jetstream",
+            credentials_file: self.credentials_file.clone(),
+            token_env: self.token_env.clone(),
+            user: self.user.clone(),
+            password_env: self.password_env.clone(),
+            tls_ca_file: self.tls_ca_file.clone(),
+            tls_cert_file: self.tls_cert_file.clone(),
+            tls_key_file: self.tls_key_file.clone(),
         }
     }
 }
@@ -652,6 +706,11 @@ impl Config {
         [
             ("nats.token_env", &self.nats.token_env),
             ("nats.password_env", &self.nats.password_env),
+            ("store.jetstream.token_env", &self.store.jetstream.token_env),
+            (
+                "store.jetstream.password_env",
+                &self.store.jetstream.password_env,
+            ),
         ]
         .into_iter()
         .filter_map(|(key, var)| var.clone().map(|var| (key, var)))
@@ -951,45 +1010,14 @@ impl Config {
         if self.nats.connect_timeout.is_zero() {
             return bad("nats.connect_timeout must be > 0");
         }
-        let n = &self.nats;
-        let ways = [
-            n.credentials_file.is_some(),
-            n.token_env.is_some(),
-            n.user.is_some() || n.password_env.is_some(),
-        ];
-        if ways.iter().filter(|w| **w).count() > 1 {
-            return bad(
-                "nats.credentials_file, nats.token_env and nats.user (with nats.password_env) are exclusive: set one",
-            );
-        }
-        if n.user.is_some() != n.password_env.is_some() {
-            return bad("nats.user and nats.password_env go together: set both or neither");
-        }
-        if n.user.as_deref().is_some_and(str::is_empty) {
-            return bad("nats.user must not be empty");
-        }
-        if n.tls_cert_file.is_some() != n.tls_key_file.is_some() {
-            return bad(
-                "nats.tls_cert_file and nats.tls_key_file go together: set both or neither",
-            );
-        }
-        // Checked at start: the client would read them only when it connects, and fail every
-        // connect in the background from then on.
-        for (key, file) in [
-            ("nats.credentials_file", &n.credentials_file),
-            ("nats.tls_ca_file", &n.tls_ca_file),
-            ("nats.tls_cert_file", &n.tls_cert_file),
-            ("nats.tls_key_file", &n.tls_key_file),
-        ] {
-            if let Some(path) = file
-                && let Err(e) = std::fs::File::open(path)
-            {
-                return Err(ConfigError::Invalid(format!(
-                    "{key} {}: {e}",
-                    path.display()
-                )));
-            }
-        }
+        // Checked at start: the client would read the files only when it connects, and fail
+        // every connect from then on.
+        self.nats.auth().validate().map_err(ConfigError::Invalid)?;
+        self.store
+            .jetstream
+            .auth()
+            .validate()
+            .map_err(ConfigError::Invalid)?;
         for (key, var) in self.operator_secrets() {
             if var.starts_with("ROUTER_") {
                 return Err(ConfigError::Invalid(format!(
@@ -1889,6 +1917,96 @@ mod tests {
         assert_eq!(c.nats.credentials_file.as_deref(), Some(creds.as_path()));
     }
 
+    /// `[store.jetstream]` takes `[nats]`'s authentication and TLS keys with the same
+    /// validation, each refusal naming the store's key and the variable that set it; its
+    /// secret variables are the operator's (no `ROUTER_` name, none a rule file may use).
+    #[test]
+    fn the_store_takes_the_nats_auth_keys_with_the_same_validation() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let pem = dir.path().join("ca.pem");
+        std::fs::write(&pem, "x").expect("write");
+        let pem = pem.display().to_string();
+        let file = dir.path().join("router.toml");
+        std::fs::write(
+            &file,
+            format!(
+                "[store]\nbackend = \"jetstream\"\n[store.jetstream]\nuser = \"router\"\npassword_env = \"STORE_PASSWORD\"\ntls_ca_file = {pem:?}\ntls_cert_file = {pem:?}\ntls_key_file = {pem:?}\n"
+            ),
+        )
+        .expect("write");
+        let c = Config::load(Some(&file), env(&[])).expect("valid");
+        let js = &c.store.jetstream;
+        assert_eq!(js.user.as_deref(), Some("router"));
+        assert_eq!(js.password_env.as_deref(), Some("STORE_PASSWORD"));
+        assert_eq!(js.tls_key_file.as_deref(), Some(Path::new(&pem)));
+        assert!(
+            c.operator_secrets()
+                .contains(&("store.jetstream.password_env", "STORE_PASSWORD".to_string()))
+        );
+        for (vars, want) in [
+            (
+                vec![
+                    ("ROUTER_STORE__JETSTREAM__TOKEN_ENV", "T"),
+                    ("ROUTER_STORE__JETSTREAM__CREDENTIALS_FILE", pem.as_str()),
+                ],
+                "store.jetstream.credentials_file, store.jetstream.token_env and store.jetstream.user (with store.jetstream.password_env) are exclusive: set one (set by ROUTER_STORE__JETSTREAM__TOKEN_ENV, ROUTER_STORE__JETSTREAM__CREDENTIALS_FILE)",
+            ),
+            (
+                vec![("ROUTER_STORE__JETSTREAM__PASSWORD_ENV", "P")],
+                "store.jetstream.user and store.jetstream.password_env go together: set both or neither (set by ROUTER_STORE__JETSTREAM__PASSWORD_ENV)",
+            ),
+            (
+                vec![("ROUTER_STORE__JETSTREAM__TLS_CERT_FILE", pem.as_str())],
+                "store.jetstream.tls_cert_file and store.jetstream.tls_key_file go together: set both or neither (set by ROUTER_STORE__JETSTREAM__TLS_CERT_FILE)",
+            ),
+            (
+                vec![(
+                    "ROUTER_STORE__JETSTREAM__CREDENTIALS_FILE",
+                    "/nonexistent/s.creds",
+                )],
+                "store.jetstream.credentials_file /nonexistent/s.creds: No such file",
+            ),
+            (
+                vec![(
+                    "ROUTER_STORE__JETSTREAM__TLS_CA_FILE",
+                    "/nonexistent/ca.pem",
+                )],
+                "store.jetstream.tls_ca_file /nonexistent/ca.pem: No such file",
+            ),
+            (
+                vec![("ROUTER_STORE__JETSTREAM__TOKEN_ENV", "ROUTER_TOKEN_X")],
+                "store.jetstream.token_env must not name a ROUTER_ variable",
+            ),
+            (
+                vec![
+                    ("ROUTER_STORE__JETSTREAM__USER", ""),
+                    ("ROUTER_STORE__JETSTREAM__PASSWORD_ENV", "P"),
+                ],
+                "store.jetstream.user must not be empty",
+            ),
+        ] {
+            let e = Config::load(None, env(&vars)).expect_err(want);
+            let text = e.to_string();
+            assert!(
+                text.starts_with(&format!("invalid configuration: {want}")),
+                "{text}"
+            );
+        }
+        let e = Config::load(
+            None,
+            env(&[(
+                "ROUTER_STORE__JETSTREAM__CREDENTIALS_FILE",
+                "/nonexistent/s.creds",
+            )]),
+        )
+        .expect_err("missing");
+        assert!(
+            e.to_string()
+                .contains("(set by ROUTER_STORE__JETSTREAM__CREDENTIALS_FILE)"),
+            "{e}"
+        );
+    }
+
     /// The handler runtime's settings that made it fail after the start (the router then
     /// served with no handler runtime, ready, every handler event waiting): a `preload_dir`
     /// typo, a `dir` that is a file, a `max_instances` the pool cannot reserve.
@@ -2092,8 +2210,12 @@ mod tests {
                         "{text}"
                     );
                 }
-                if key == "nats.url" && !url.ends_with("notaport") {
-                    assert!(text.contains("nats.password_env"), "{text}");
+                if !url.ends_with("notaport") {
+                    let section = key.trim_end_matches(".url");
+                    assert!(
+                        text.contains(&format!("set {section}.user and {section}.password_env")),
+                        "{text}"
+                    );
                 }
             }
         }

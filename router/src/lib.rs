@@ -19,6 +19,7 @@ pub mod event;
 pub mod failpoint;
 pub mod guard;
 pub mod ingest;
+pub mod nats_auth;
 pub mod policy;
 pub mod rules;
 pub mod store;

@@ -922,6 +922,45 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     notes.join("; ")
                 );
             }
+            // How the router's NATS clients connect: the keys and the variables they name,
+            // and whether each is set now (never a secret's value).
+            let secrets_file = cfg
+                .secrets_file
+                .as_deref()
+                .and_then(|p| router::config::read_secrets(p).ok())
+                .unwrap_or_default();
+            let is_set =
+                |name: &str| std::env::var_os(name).is_some() || secrets_file.contains_key(name);
+            if cfg.store.backend == router::config::StoreBackend::Jetstream {
+                let js = &cfg.store.jetstream;
+                let auth = js.auth();
+                // The store is not optional: serve refuses to start without its secret.
+                let unset = auth.missing_secret(&|n: &str| is_set(n).then(String::new));
+                let stops = if unset.is_some() {
+                    " (`router serve` does not start until it is set)"
+                } else {
+                    ""
+                };
+                outln!(
+                    "\nstore: jetstream at {} (stream {}, prefix {}, replicas {}); {}{stops}",
+                    js.url,
+                    js.stream,
+                    js.prefix,
+                    js.replicas,
+                    auth.describe(&is_set)
+                );
+            }
+            if set
+                .targets
+                .values()
+                .any(|t| matches!(t.kind, router::rules::TargetKind::Nats { .. }))
+            {
+                outln!(
+                    "\nnats targets: {}; {}",
+                    cfg.nats.url,
+                    cfg.nats.auth().describe(&is_set)
+                );
+            }
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Store {

@@ -731,3 +731,79 @@ async fn config_explain_notes_what_holds_entries_without_spending_attempts() {
         "{plain}"
     );
 }
+
+/// With the JetStream store, `router config explain` shows how the store connects: its
+/// credential and TLS keys, the variable a secret comes from and whether it is set (from the
+/// secrets file here), never the secret; a variable not set is flagged as stopping the start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_explain_shows_the_stores_credential_keys_but_never_a_secret() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(
+        dir.path().join("secrets.toml"),
+        "E2E_EXPLAIN_STORE_TOKEN = \"Sup3rS3cretT0ken\"\n",
+    )
+    .expect("secrets");
+    std::fs::write(dir.path().join("ca.pem"), "x").expect("ca");
+    let config = |keys: &str| {
+        format!(
+            "secrets_file = \"secrets.toml\"\n[store]\nbackend = \"jetstream\"\n[store.jetstream]\nurl = \"nats://nats.example:4222\"\n{keys}"
+        )
+    };
+    std::fs::write(
+        dir.path().join("router.toml"),
+        config("token_env = \"E2E_EXPLAIN_STORE_TOKEN\"\ntls_ca_file = \"ca.pem\"\n"),
+    )
+    .expect("config");
+    let (code, out, err) = run_router_in(
+        dir.path(),
+        &["config", "explain", "--config", "router.toml"],
+    )
+    .await;
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(
+        out.contains("store: jetstream at nats://nats.example:4222 (stream ROUTER_STORE")
+            && out.contains(
+                "auth: store.jetstream.token_env = \"E2E_EXPLAIN_STORE_TOKEN\" (set); TLS required: store.jetstream.tls_ca_file = \"ca.pem\""
+            ),
+        "{out}"
+    );
+    assert!(
+        !out.contains("Sup3rS3cretT0ken") && !err.contains("Sup3rS3cretT0ken"),
+        "{out}{err}"
+    );
+    std::fs::write(
+        dir.path().join("router.toml"),
+        config("user = \"router\"\npassword_env = \"E2E_EXPLAIN_NEVER_SET\"\n"),
+    )
+    .expect("config");
+    let (code, out, err) = run_router_in(
+        dir.path(),
+        &["config", "explain", "--config", "router.toml"],
+    )
+    .await;
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(
+        out.contains(
+            "auth: store.jetstream.user = \"router\", store.jetstream.password_env = \"E2E_EXPLAIN_NEVER_SET\" (NOT SET)"
+        ) && out.contains("(`router serve` does not start until it is set)"),
+        "{out}"
+    );
+    assert!(!out.contains("nats targets:"), "no nats: target: {out}");
+    // With a `nats:` target, `[nats]` is shown the same way.
+    std::fs::create_dir_all(dir.path().join("rules")).expect("rules dir");
+    std::fs::write(
+        dir.path().join("rules/r.yaml"),
+        "rules:\n  - name: r\n    pattern: { type: [t] }\n    targets:\n      - nats: orders.paid\n",
+    )
+    .expect("rules");
+    let (code, out, err) = run_router_in(
+        dir.path(),
+        &["config", "explain", "--config", "router.toml"],
+    )
+    .await;
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(
+        out.contains("nats targets: nats://127.0.0.1:4222; auth: no credentials; TLS when the URL is tls:// or the server requires it"),
+        "{out}"
+    );
+}

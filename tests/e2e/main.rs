@@ -16,3 +16,4 @@ mod openapi;
 mod policies;
 mod reload;
 mod security;
+mod store_auth;

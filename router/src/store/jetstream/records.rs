@@ -79,6 +79,9 @@ pub struct RecordsConfig {
     /// The largest record this store will write (an event as accepted, with its envelope):
     /// a server whose `max_payload` is smaller is refused at open, not at the first big event.
     pub max_record_bytes: usize,
+    /// Credentials and TLS settings (`store.jetstream.user`, `tls_ca_file`, …), resolved
+    /// before the open (a variable not set stops the start there). Default: none.
+    pub auth: crate::nats_auth::NatsCredentials,
 }
 
 /// Why a records operation failed.
@@ -128,6 +131,11 @@ pub enum RecordsError {
     /// The server timed out or could not be reached.
     #[error("NATS JetStream: {0}")]
     Server(String),
+    /// The connection could not be made as configured: the server refused the credentials,
+    /// TLS failed, a credentials file does not parse. The text names the `store.jetstream`
+    /// key to check.
+    #[error("{0}")]
+    Connect(String),
     /// The client is not connected to the server (it lost the connection and is trying to
     /// reconnect): nothing was sent. Refused at once rather than handed to the client, which
     /// would buffer the message and send it once it reconnects, long after its caller gave up
@@ -155,6 +163,7 @@ impl RecordsError {
             | Self::TooLarge(_)
             | Self::SameRecordTwice(_) => true,
             Self::Unsupported(_)
+            | Self::Connect(_)
             | Self::Busy(_)
             | Self::Server(_)
             | Self::Unavailable(_)
@@ -445,14 +454,31 @@ impl Records {
     pub async fn open(config: RecordsConfig) -> Result<Arc<Self>, RecordsError> {
         let servers = crate::config::server_addrs("store.jetstream.url", &config.url)
             .map_err(RecordsError::Server)?;
-        let client = async_nats::ConnectOptions::new()
+        let options = async_nats::ConnectOptions::new()
             .connection_timeout(config.timeout)
             .request_timeout(Some(config.timeout))
             .ping_interval(PING_INTERVAL)
-            .name("router-store")
-            .connect(servers.as_slice())
-            .await
-            .map_err(|e| RecordsError::Server(format!("connect to {}: {e}", config.url)))?;
+            .name("router-store");
+        let options = config
+            .auth
+            .apply(options)
+            .map_err(|e| RecordsError::Connect(e.to_string()))?;
+        let client = options.connect(servers.as_slice()).await.map_err(|e| {
+            use async_nats::ConnectErrorKind as Kind;
+            let hint = match e.kind() {
+                Kind::Authentication | Kind::AuthorizationViolation => {
+                    format!(" ({})", config.auth.refusal_hint())
+                }
+                Kind::Tls => {
+                    " (check store.jetstream.url and the store.jetstream.tls_* files)".to_string()
+                }
+                _ => String::new(),
+            };
+            RecordsError::Connect(format!(
+                "store.jetstream: connect to {}: {e}{hint}",
+                config.url
+            ))
+        })?;
         let info = client.server_info();
         check_server_version(&info.version)?;
         if info.max_payload < config.max_record_bytes {

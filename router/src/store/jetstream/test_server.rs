@@ -239,6 +239,7 @@ impl TestServer {
             replicas: 1,
             timeout: Duration::from_secs(10),
             max_record_bytes: (1 << 20) + (64 << 10),
+            auth: Default::default(),
         }
     }
 

@@ -44,6 +44,7 @@ use tokio_util::task::TaskTracker;
 use super::{AttemptOutcome, DeliveryRequest, Target};
 use crate::config::{NatsAck, NatsConfig};
 use crate::deliver::SecretResolver;
+use crate::nats_auth::{NatsAuth, NatsAuthError};
 
 mod refusals;
 
@@ -60,20 +61,10 @@ pub enum NatsError {
     /// `nats.url` does not parse (the config's validation normally catches it first).
     #[error("{0}")]
     Address(String),
-    /// `nats.credentials_file` could not be read or parsed.
-    #[error("nats.credentials_file {path}: {source}")]
-    Credentials {
-        /// The configured path.
-        path: String,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// `nats.token_env` names a variable that is not set.
-    #[error("nats.token_env {0}: not set in the environment or the secrets file")]
-    Token(String),
-    /// `nats.password_env` names a variable that is not set.
-    #[error("nats.password_env {0}: not set in the environment or the secrets file")]
-    Password(String),
+    /// A credential the `nats.*` keys name could not be used: the credentials file, or the
+    /// variable `nats.token_env` or `nats.password_env` names is not set.
+    #[error(transparent)]
+    Auth(#[from] NatsAuthError),
     /// The client refused its options.
     #[error("connect: {0}")]
     Connect(#[from] async_nats::ConnectError),
@@ -95,6 +86,8 @@ struct Connected {
 /// the background for as long as the router runs.
 pub struct NatsConnection {
     cfg: NatsConfig,
+    /// `cfg`'s authentication and TLS keys.
+    auth: NatsAuth,
     secrets: SecretResolver,
     /// The delivery runtime: the client's connection task and the JetStream acker are spawned
     /// where the client is built, so it is built there.
@@ -117,6 +110,7 @@ impl NatsConnection {
         spawner: tokio::runtime::Handle,
     ) -> Arc<Self> {
         Arc::new(Self {
+            auth: cfg.auth(),
             cfg,
             secrets,
             spawner,
@@ -138,11 +132,7 @@ impl NatsConnection {
     /// The secret `nats.token_env` or `nats.password_env` names, as it resolves now: `None`
     /// when neither is configured, `Some(None)` when the one configured is not set.
     pub fn credential_secret(&self) -> Option<Option<String>> {
-        let name = self
-            .cfg
-            .token_env
-            .as_ref()
-            .or(self.cfg.password_env.as_ref())?;
+        let name = self.auth.secret_var()?;
         Some((self.secrets)(name))
     }
 
@@ -151,14 +141,9 @@ impl NatsConnection {
     /// would fail and every attempt be spent on that; like a webhook's missing secret, the
     /// targets wait instead, and a reload after the secret is set starts them.
     pub fn missing_secret(&self) -> Option<String> {
-        match self.credential_secret() {
-            Some(None) => Some(match (&self.cfg.token_env, &self.cfg.password_env) {
-                (Some(name), _) => NatsError::Token(name.clone()).to_string(),
-                (None, Some(name)) => NatsError::Password(name.clone()).to_string(),
-                (None, None) => unreachable!("credential_secret found a configured name"),
-            }),
-            _ => None,
-        }
+        self.auth
+            .missing_secret(&*self.secrets)
+            .map(|e| e.to_string())
     }
 
     /// Why `subject` may not be published to, if it is under the reserved prefix.
@@ -204,7 +189,7 @@ impl NatsConnection {
         let last = self.last_event.clone();
         let refusals = self.refusals.clone();
         let url = self.cfg.url.clone();
-        let mut opts = async_nats::ConnectOptions::new()
+        let opts = async_nats::ConnectOptions::new()
             .name(concat!("router/", env!("CARGO_PKG_VERSION")))
             .connection_timeout(self.cfg.connect_timeout)
             // The router must start and ingest while NATS is down: the client is returned at
@@ -244,34 +229,7 @@ impl NatsConnection {
                     }
                 }
             });
-        if let Some(path) = &self.cfg.credentials_file {
-            let creds_err = |source| NatsError::Credentials {
-                path: path.display().to_string(),
-                source,
-            };
-            let text = std::fs::read_to_string(path).map_err(creds_err)?;
-            opts = opts.credentials(&text).map_err(creds_err)?;
-        }
-        if let Some(name) = &self.cfg.token_env {
-            let token = (self.secrets)(name).ok_or_else(|| NatsError::Token(name.clone()))?;
-            opts = opts.token(token);
-        }
-        if let Some(ca) = &self.cfg.tls_ca_file {
-            opts = opts.add_root_certificates(ca.clone());
-        }
-        if let (Some(cert), Some(key)) = (&self.cfg.tls_cert_file, &self.cfg.tls_key_file) {
-            opts = opts.add_client_certificate(cert.clone(), key.clone());
-        }
-        // A CA or client certificate is meant for TLS: never fall back to plain text on a
-        // server that does not offer it.
-        if self.cfg.tls_ca_file.is_some() || self.cfg.tls_cert_file.is_some() {
-            opts = opts.require_tls(true);
-        }
-        if let (Some(user), Some(name)) = (&self.cfg.user, &self.cfg.password_env) {
-            let password = (self.secrets)(name).ok_or_else(|| NatsError::Password(name.clone()))?;
-            opts = opts.user_and_password(user.clone(), password);
-        }
-        Ok(opts)
+        Ok(self.auth.resolve(&*self.secrets)?.apply(opts)?)
     }
 
     /// The shared client, built on the first call.
