@@ -1154,3 +1154,50 @@ async fn an_entry_behind_its_keys_retrying_first_one_says_so() {
     assert_eq!(t["ordering"], "partitionkey", "{t}");
     assert_eq!(t["queued_behind_keys"], 1, "{t}");
 }
+
+/// Retries the retry budget defers still end at `max_age`: an entry past it is dead-lettered
+/// when leased, spending no budget token, and a deferral never outlasts it. Before, the budget
+/// deferred such entries again and again; with the receiver down they were dead-lettered only
+/// at the budget's floor rate (10/s), so 600 events with a 3 s `max_age` took a minute, and
+/// under steady load queues filled with entries many times older than their `max_age`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_the_budget_defers_still_end_at_max_age() {
+    let down = Receiver::status(500).await;
+    let policy = "  p:\n    retry: { max_attempts: 100, base_delay: 10ms, max_delay: 50ms, jitter: none, max_age: 3s }";
+    let rules = rules_yaml(
+        policy,
+        &[(
+            "r",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: down\n        policy: p",
+                down.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    for b in 0..6 {
+        let batch: Vec<Value> = (0..100)
+            .map(|i| event(&format!("e-{b}-{i}"), "t", json!({})))
+            .collect();
+        post_batch(&r, &batch).await;
+    }
+    // 3 s of max_age, then a lease cycle or two; 20 s for a loaded machine (a third of what
+    // the budget's floor rate alone would take).
+    let drained = eventually(Duration::from_secs(20), || async {
+        let t = target_state(&r, "down").await;
+        (t["queued"] == 0 && t["dlq"] == 600).then_some(t)
+    })
+    .await;
+    let t = target_state(&r, "down").await;
+    assert!(drained.is_some(), "still queued past max_age: {t}");
+    let (_, summary) = get_json(&r, "/v1/dlq/summary?target=down").await;
+    assert!(
+        summary.to_string().contains("max_age_exceeded"),
+        "{summary}"
+    );
+    assert!(
+        t["budget_deferred"].as_u64().unwrap_or(0) > 0,
+        "the budget deferred retries, as the scenario needs: {t}"
+    );
+}

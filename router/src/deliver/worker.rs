@@ -356,6 +356,20 @@ async fn lease_and_start(
                 if batching.is_none() && permits.is_empty() {
                     break;
                 }
+                // Out of attempts or past max_age: a dead letter now, taking no slot and no
+                // budget token. Checked only at the attempt, such a retry was deferred by the
+                // budget like any other, again and again: with the receiver down, a queue
+                // filled with entries many times older than max_age, drained at the budget's
+                // floor rate.
+                if let Some(settled) = not_sendable(&rt, &leased, now) {
+                    let span = tracing::info_span!("attempt", event_id = %leased.event.event.id, source = %leased.event.event.source, target_id = %spec.id, attempt = leased.entry.attempts.len());
+                    let (c, r) = (ctx.clone(), rt.clone());
+                    ctx.tracker.spawn_on(
+                        async move { record(&c, &r, &leased, settled).await }.instrument(span),
+                        &ctx.spawner,
+                    );
+                    continue;
+                }
                 // 2. Budget: retries beyond it wait, unattempted, each until its own slot at
                 // the rate the budget grants them. Probes bypass it.
                 let is_retry = leased.entry.attempts.len() > 1;
@@ -379,7 +393,15 @@ async fn lease_and_start(
                         .budget_deferred
                         .get_or_create(&vec![("target", spec.id.clone())])
                         .inc();
-                    defer(&ctx, &leased, now, until).await;
+                    // Not past the entry's max_age: a deferral far behind a long backlog of
+                    // retries would keep it queued long after; back at its deadline it is
+                    // dead-lettered above.
+                    let deadline = leased
+                        .entry
+                        .accepted_at
+                        .saturating_add(ms(spec.policy.retry.max_age))
+                        .saturating_add(1);
+                    defer(&ctx, &leased, now, until.min(deadline)).await;
                     continue;
                 }
                 if batching.is_some() {
@@ -404,11 +426,13 @@ async fn lease_and_start(
             drop(permits);
             let failed_at = ctx.clock.now_ms();
             let before = lease_pause.fetch_max(failed_at + LEASE_RETRY_MS, Ordering::SeqCst);
-            ctx.metrics
-                .lease_failures
-                .get_or_create(&vec![("target", spec.id.clone())])
-                .inc();
+            // A compaction's refusal is planned maintenance: not counted where a failing
+            // disk is (an alert on the counter paged for every compaction).
             if !matches!(e, crate::store::StoreError::Compacting) {
+                ctx.metrics
+                    .lease_failures
+                    .get_or_create(&vec![("target", spec.id.clone())])
+                    .inc();
                 ctx.store_faults
                     .lease_failed(&spec.id, &e.to_string(), failed_at);
             }
