@@ -845,6 +845,95 @@ async fn a_redrive_job_runs_on_one_router_and_outlives_it() {
     }
 }
 
+/// A redrive moves the dead letters that existed when it was created, each once, and no
+/// others. Each router numbers its dead letters from a block of its own, so a dead letter made
+/// after the job by the router with the older block has a lower id than the job's newest
+/// entries: the job moved those too, among them its own entries failing again, moving an entry
+/// twice and counting past its total. (An audit saw it as "moved 207 of total 200" after a
+/// takeover: entries a router killed -9 held were dead-lettered again by the other when their
+/// leases ran out.) Here each router's dead letters are made while the other is stopped
+/// (SIGSTOP), and the job runs on A, with the older block, against a receiver still refusing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redrive_moves_only_the_dead_letters_there_were_each_once() {
+    if !RouterProc::on_jetstream() {
+        eprintln!("skipped: needs the JetStream pass (scripts/jetstream-e2e.sh)");
+        return;
+    }
+    let rcv = Receiver::status(400).await;
+    let rules = webhook_rule("r", "t", &rcv.url(), "hook");
+    let (a, b) = two_routers("REMARK", &rules, &[]);
+    /// Waits until `r` lists `n` dead letters of `hook`.
+    async fn dead(r: &RouterProc, n: usize) {
+        let listed = eventually(Duration::from_secs(60), || async {
+            let (_, l) = get_json(r, "/v1/dlq?target=hook&limit=1000").await;
+            (l["entries"].as_array().map(Vec::len) == Some(n)).then_some(())
+        })
+        .await;
+        assert!(
+            listed.is_some(),
+            "{} never listed {n} dead letters",
+            r.url("")
+        );
+    }
+    let batch = |prefix: &str| -> Vec<Value> {
+        (0..10)
+            .map(|i| event(&format!("{prefix}{i}"), "t", json!({})))
+            .collect()
+    };
+    // A's dead letters first (its block of ids), then B's (the next block, above).
+    b.signal("STOP");
+    post_batch(&a, &batch("x")).await;
+    dead(&a, 10).await;
+    b.signal("CONT");
+    a.signal("STOP");
+    post_batch(&b, &batch("y")).await;
+    dead(&b, 20).await;
+    a.signal("CONT");
+    // The job on A, delivering alone: what fails again is numbered from A's block.
+    b.signal("STOP");
+    dead(&a, 20).await;
+    let (s, job) = post_json(
+        &a,
+        "/v1/dlq/redrive",
+        json!({"filter": {"target": "hook"}, "rate_per_sec": 4}),
+    )
+    .await;
+    assert_eq!(s, 201, "{job}");
+    assert_eq!(job["total"], 20, "{job}");
+    let path = format!("/v1/dlq/redrive/{}", job["id"].as_str().expect("job id"));
+    // 20 entries at 4/s take 5 s; a job chasing what fails again went on well past 20.
+    let ended = eventually(Duration::from_secs(90), || async {
+        let (_, j) = get_json(&a, &path).await;
+        let past = j["moved"].as_u64().unwrap_or(0) > 20;
+        (j["state"] == "done" || past).then_some(j)
+    })
+    .await
+    .expect("the job did not finish");
+    assert_eq!(ended["state"], "done", "{ended}");
+    assert_eq!(
+        (&ended["moved"], &ended["failed"], &ended["skipped"]),
+        (&json!(20), &json!(0), &json!(0)),
+        "{ended}"
+    );
+    // Each event sent twice: refused, then redriven once and refused again, back in the DLQ
+    // for the operator to redrive after the fix.
+    assert!(
+        rcv.wait_for(Duration::from_secs(30), |r| r.len() >= 40)
+            .await,
+        "only {} deliveries",
+        rcv.count()
+    );
+    dead(&a, 20).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut per_id: HashMap<String, usize> = HashMap::new();
+    for r in rcv.received() {
+        *per_id.entry(r.event_id()).or_default() += 1;
+    }
+    assert_eq!(per_id.len(), 20, "{per_id:?}");
+    assert!(per_id.values().all(|&n| n == 2), "{per_id:?}");
+    b.signal("CONT");
+}
+
 /// A replay job paused through one router and resumed at once through the router running it,
 /// before that router's runner has read the pause (at 0.5/s it reads the stored job only before
 /// a step, the first due after 2 s), still has one runner: each archived event is replayed

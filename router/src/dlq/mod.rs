@@ -442,6 +442,14 @@ fn check_rate(rate: f64) -> Result<(), FieldError> {
 
 /// Creates and starts a redrive job.
 pub async fn create_redrive(app: &Arc<App>, req: RedriveRequest) -> Result<Job, JobError> {
+    let job = new_redrive(app, &req).await?;
+    spawn(app, job.clone());
+    tracing::warn!(job = %job.id, total = job.total, rate = req.rate_per_sec, "redrive job created");
+    Ok(job)
+}
+
+/// Checks `req` and stores its redrive job, claimed by this node, not yet started.
+async fn new_redrive(app: &App, req: &RedriveRequest) -> Result<Job, JobError> {
     let filter = req.filter.to_filter("/filter").map_err(JobError::Invalid)?;
     check_rate(req.rate_per_sec).map_err(|e| JobError::Invalid(vec![e]))?;
     if filter == DlqFilter::default() && !req.all {
@@ -455,16 +463,24 @@ pub async fn create_redrive(app: &Arc<App>, req: RedriveRequest) -> Result<Job, 
     if let Some(target) = &filter.target {
         check_target(app, target).await?;
     }
-    let total = count_matching(app, &filter).await?;
-    // Entries that fail again come back with new ids: the job stops at the highest id that
-    // existed when it was created, so it never chases its own failures.
-    let max_id = app.store.dlq_max_id().await?;
+    // The job takes the dead letters made by now, and only those: one made later (one of its
+    // own entries failing again, at once or when a node that died holding it comes back) is
+    // not its to move, or it would move an entry twice and count past its total. The mark is
+    // read first, and the total counts only what it covers. `max_id` (its highest id) also
+    // bounds the jobs of versions that read no mark.
+    let mark = app.store.dlq_mark().await?;
+    let total = count_matching(app, &filter, mark.made).await?;
     let now = app.clock.now_ms();
     let mut job = Job {
         id: next_job_id(app, JobKind::Redrive).await?,
         kind: JobKind::Redrive,
         state: JobState::Running,
-        spec: serde_json::json!({ "filter": req.filter, "rate_per_sec": req.rate_per_sec, "max_id": max_id }),
+        spec: serde_json::json!({
+            "filter": req.filter,
+            "rate_per_sec": req.rate_per_sec,
+            "max_id": mark.max_id,
+            "made_by": mark.made,
+        }),
         total,
         moved: 0,
         failed: 0,
@@ -484,8 +500,6 @@ pub async fn create_redrive(app: &Arc<App>, req: RedriveRequest) -> Result<Job, 
     };
     claim(app, &mut job);
     put_new_job(app, &mut job).await?;
-    spawn(app, job.clone());
-    tracing::warn!(job = %job.id, total, rate = req.rate_per_sec, "redrive job created");
     Ok(job)
 }
 
@@ -601,12 +615,13 @@ fn retention_note(cfg: &crate::config::Config) -> String {
     }
 }
 
-async fn count_matching(app: &App, filter: &DlqFilter) -> Result<u64, StoreError> {
+/// How many dead letters match `filter` among those made by `made_by` (a [`DlqMark::made`](crate::store::DlqMark::made)).
+async fn count_matching(app: &App, filter: &DlqFilter, made_by: u64) -> Result<u64, StoreError> {
     let mut n = 0;
     let mut after = None;
     loop {
         let page = app.store.dlq_list(filter, after, 1000).await?;
-        n += page.len() as u64;
+        n += page.iter().filter(|d| d.made() <= made_by).count() as u64;
         match page.last() {
             Some(d) if page.len() == 1000 => after = Some(d.id),
             _ => return Ok(n),
@@ -1052,6 +1067,8 @@ async fn redrive_step(
     now: i64,
 ) -> Result<usize, StoreError> {
     let max_id = job.spec["max_id"].as_u64().unwrap_or(u64::MAX);
+    // A job stored before jobs had a mark goes by its ids alone, as it did.
+    let made_by = job.spec["made_by"].as_u64().unwrap_or(u64::MAX);
     let mut page = app.store.dlq_list(filter, Some(job.cursor), take).await?;
     page.retain(|d| d.id <= max_id);
     if page.is_empty() {
@@ -1091,6 +1108,12 @@ async fn redrive_step(
     let mut taken = 0;
     let mut actions = Vec::with_capacity(page.len());
     for d in &page {
+        if d.made() > made_by {
+            // Made after the job (on a shared store, under a lower id than some of the job's):
+            // not the job's, not counted, and no part of its rate.
+            job.cursor = d.id;
+            continue;
+        }
         let before = (job.cursor, job.moved, job.failed, job.skipped);
         let pushed = actions.len();
         job.cursor = d.id;
@@ -1790,6 +1813,141 @@ mod tests {
 
     /// `test_config`'s rules: type `t` to webhook `hook`.
     const RULE_T_TO_HOOK: &str = "rules:\n  - name: r\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/\n        id: hook\n";
+
+    /// Accepts event `id` for `hook` through `store` and dead-letters it there at once (HTTP
+    /// 400): a DLQ entry numbered by that store's node.
+    async fn dead_letter_on(store: &dyn crate::store::Store, id: &str, now: i64) {
+        store
+            .accept(vec![new_event("/s", id, &["hook"], now)])
+            .await
+            .expect("accepted");
+        dead_letter_queued(store, id, now).await;
+    }
+
+    /// Leases `hook`'s queued entry of event `id` through `store` and dead-letters it (HTTP
+    /// 400), as a worker whose receiver refuses it does. On a store shared with other nodes
+    /// this node's view may take a moment to see the entry.
+    async fn dead_letter_queued(store: &dyn crate::store::Store, id: &str, now: i64) {
+        use crate::store::{AttemptEnd, AttemptResult, Disposition};
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let leased = loop {
+            let mut leased = store.lease("hook", now, 10, 60_000).await.expect("lease");
+            assert!(leased.len() <= 1, "one entry queued at a time");
+            if let Some(l) = leased.pop() {
+                break l;
+            }
+            assert!(Instant::now() < deadline, "{id} was not queued");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(leased.event.event.id, id);
+        let end = AttemptEnd {
+            finished_at: now,
+            result: AttemptResult::Permanent,
+            status: Some(400),
+            error: Some("HTTP 400".into()),
+            outbox: None,
+        };
+        let dead = Disposition::DeadLetter {
+            reason: DlqReason::PermanentError,
+            hold: false,
+        };
+        store
+            .finish(leased.entry.id, leased.lease, end, dead, now)
+            .await
+            .expect("dead-lettered");
+    }
+
+    /// A redrive takes the dead letters made before it, each once, whatever their ids: one of
+    /// its own entries failing again after it moved it, and another event's failure, made
+    /// after its creation, stay in the DLQ, and its counts end at its total. `app` runs the
+    /// job; `other` is the store of a second node (or `app`'s own).
+    async fn a_redrive_takes_only_what_was_dead_at_its_creation(
+        app: &Arc<App>,
+        other: &dyn crate::store::Store,
+    ) {
+        let now = app.clock.now_ms();
+        dead_letter_on(&*app.store, "a", now).await;
+        dead_letter_on(other, "b", now).await;
+        let by_event = |list: &[crate::store::DlqEntry], id: &str| -> Vec<u64> {
+            list.iter()
+                .filter(|d| d.event_id == id)
+                .map(|d| d.id)
+                .collect()
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while dlq_entries(app).await.len() < 2 {
+            assert!(
+                Instant::now() < deadline,
+                "the other node's dead letter never showed"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let req = RedriveRequest {
+            filter: FilterSpec::default(),
+            rate_per_sec: 1.0,
+            all: true,
+        };
+        let mut job = new_redrive(app, &req).await.expect("created");
+        assert_eq!(job.total, 2, "{job:?}");
+        let filter = DlqFilter::default();
+        // The first step moves `a` (the lowest id); its entry fails again at once.
+        redrive_step(app, &mut job, &filter, 1, now)
+            .await
+            .expect("step");
+        assert_eq!(job.moved, 1, "{job:?}");
+        dead_letter_queued(&*app.store, "a", now).await;
+        dead_letter_on(&*app.store, "c", now).await;
+        let list = dlq_entries(app).await;
+        let (a, b) = (by_event(&list, "a"), by_event(&list, "b"));
+        assert_eq!((a.len(), b.len()), (1, 1), "{list:?}");
+        for _ in 0..10 {
+            if job.state == JobState::Done {
+                break;
+            }
+            redrive_step(app, &mut job, &filter, 10, now)
+                .await
+                .expect("step");
+        }
+        assert_eq!(job.state, JobState::Done, "{job:?}");
+        assert_eq!((job.moved, job.failed, job.skipped), (2, 0, 0), "{job:?}");
+        let left = dlq_entries(app).await;
+        let mut events: Vec<&str> = left.iter().map(|d| d.event_id.as_str()).collect();
+        events.sort_unstable();
+        assert_eq!(events, ["a", "c"], "{left:?}");
+        // What the test is about on a shared store: the later dead letters were numbered
+        // below the job's highest id (`b`'s), by the node with the older block.
+        if !std::ptr::addr_eq(other, &*app.store) {
+            assert!(left.iter().all(|d| d.id < b[0]), "a={a:?} b={b:?} {left:?}");
+        }
+    }
+
+    /// On one redb file the ids follow the order dead letters were made in: the job stops at
+    /// its highest id, under which nothing later is numbered (after a crash either: the
+    /// number goes on from the file's).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_redrive_takes_only_what_was_dead_at_its_creation_on_redb() {
+        let (_dir, app) = app_on(&SimulatedDisk::new());
+        a_redrive_takes_only_what_was_dead_at_its_creation(&app, &*app.store).await;
+    }
+
+    /// Two JetStream nodes number dead letters from blocks of their own (A's first, B's
+    /// after): A's dead letters made after the job (one of the job's own entries failing
+    /// again, another event's) had ids below B's older ones, above the job's cursor, and the
+    /// job moved them too: the same entry twice, past its total (an audit's "moved 207 of
+    /// total 200" after a kill -9 and a takeover).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_redrive_takes_only_what_was_dead_at_its_creation_on_two_jetstream_nodes() {
+        use crate::store::jetstream::{JetStreamOptions, JetStreamStore};
+        let server = crate::store::jetstream::test_server::TestServer::start();
+        let (_dir, app) = jetstream_app(&server, RULE_T_TO_HOOK).await;
+        let other = JetStreamStore::open(JetStreamOptions {
+            records: server.records("ROUTER"),
+            node: format!("{:016x}", rand::random::<u64>()),
+        })
+        .await
+        .expect("open the second node's store");
+        a_redrive_takes_only_what_was_dead_at_its_creation(&app, &other).await;
+    }
 
     #[test]
     fn job_numbers_are_read_from_ids_with_or_without_a_node_suffix() {

@@ -513,8 +513,12 @@ pub trait Store: Send + Sync + 'static {
         limit: usize,
     ) -> BoxFuture<'a, Result<Vec<DlqEntry>, StoreError>>;
 
-    /// The highest DLQ entry id (0 when empty).
-    fn dlq_max_id(&self) -> BoxFuture<'_, Result<u64, StoreError>>;
+    /// The DLQ as it stands now: its highest id, and the mark that tells the dead letters made
+    /// by now from those made after ([`DlqEntry::made`]). A redrive takes only the first: a
+    /// dead letter made after its creation (one of its own entries failing again, after a
+    /// crash too) is not its to move. Ids alone do not tell them apart on a store shared by
+    /// nodes, each of which numbers from a block of its own.
+    fn dlq_mark(&self) -> BoxFuture<'_, Result<DlqMark, StoreError>>;
 
     /// One DLQ entry with its event.
     fn dlq_get(

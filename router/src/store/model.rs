@@ -430,6 +430,25 @@ pub struct DlqEntry {
     /// refusal written over them lost the failure the operator needs to fix.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_redriven: Option<NotRedriven>,
+    /// Where the dead letter stands in the order the store made dead letters in (see
+    /// [`DlqEntry::made`]), when its id does not say it: on JetStream the stream sequence of
+    /// its first record, which a store fills in when it reads the entry and writes into the
+    /// record when it rewrites it (the rewrite's own sequence is later). Ids there come from
+    /// each node's block of numbers, so across nodes a newer dead letter can have a lower
+    /// id. `None` on redb, whose ids follow that order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub made: Option<u64>,
+}
+
+/// The DLQ as it stood at one moment ([`Store::dlq_mark`](crate::store::Store::dlq_mark)):
+/// what a redrive job takes, and nothing made after.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DlqMark {
+    /// The highest DLQ entry id then (0 when empty): no entry of the mark has a higher one.
+    pub max_id: u64,
+    /// Every dead letter made by then has [`DlqEntry::made`] at or below this, every one made
+    /// after above it.
+    pub made: u64,
 }
 
 /// A redrive's refusal to move a DLQ entry ([`DlqEntry::not_redriven`]).
@@ -444,6 +463,12 @@ pub struct NotRedriven {
 }
 
 impl DlqEntry {
+    /// Where the dead letter stands in the order the store made dead letters in, to compare
+    /// with a [`DlqMark::made`]: its `made` where the store keeps one, else its id.
+    pub fn made(&self) -> u64 {
+        self.made.unwrap_or(self.id)
+    }
+
     /// What redrive job `job`'s `Keep` at `at` does to the entry: records why it stays, and
     /// takes a re-check's `errors` in place of its own. The redrive count and the time of the
     /// last failure stay: neither a redrive nor a new failure happened.
@@ -496,6 +521,7 @@ impl DlqEntry {
             replay: None,
             ordering_key: target.and_then(|t| t.ordering_key.clone()),
             not_redriven: None,
+            made: None,
         }
     }
 
@@ -572,6 +598,7 @@ impl DlqEntry {
             replay: e.replay.clone(),
             ordering_key: e.ordering_key.clone(),
             not_redriven: None,
+            made: None,
         }
     }
 }

@@ -2106,12 +2106,18 @@ impl RedbStore {
         Ok(out)
     }
 
-    /// See [`Store::dlq_max_id`] (answered here synchronously, from the file).
-    pub fn dlq_max_id(&self) -> Result<u64, StoreError> {
+    /// See [`Store::dlq_mark`] (answered here synchronously, from the file). One writer
+    /// numbers dead letters in the order it commits them (after a crash it goes on from the
+    /// number committed last), so the highest id is the mark too.
+    pub fn dlq_mark(&self) -> Result<DlqMark, StoreError> {
         let db = self.read_db();
         let r = db.begin_read()?;
         let t = r.open_table(DLQ)?;
-        Ok(t.last()?.map_or(0, |(k, _)| k.value()))
+        let max_id = t.last()?.map_or(0, |(k, _)| k.value());
+        Ok(DlqMark {
+            max_id,
+            made: max_id,
+        })
     }
 
     /// See [`Store::dlq_get`] (answered here synchronously, from the file).
@@ -2631,8 +2637,8 @@ impl Store for RedbStore {
         async move { off_reactor(|| RedbStore::dlq_list(self, filter, after, limit)) }.boxed()
     }
 
-    fn dlq_max_id(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
-        async move { RedbStore::dlq_max_id(self) }.boxed()
+    fn dlq_mark(&self) -> BoxFuture<'_, Result<DlqMark, StoreError>> {
+        async move { RedbStore::dlq_mark(self) }.boxed()
     }
 
     fn dlq_get(
@@ -5077,6 +5083,7 @@ impl Committer {
                 replay: e.replay.clone(),
                 ordering_key: e.ordering_key.clone(),
                 not_redriven: None,
+                made: None,
             };
             self.add_dlq(txn, d, effects)?;
             if id.event < self.floor {

@@ -144,6 +144,8 @@ impl JetStreamStore {
                                         &superseded_note(r.accepted_at, r.quarantined),
                                         None,
                                     );
+                                    // Rewritten, it keeps when it was made.
+                                    d.made.get_or_insert(drev);
                                     writes.push(Write::put(
                                         dlq_key(dlq_id),
                                         enc(&d),
@@ -220,6 +222,9 @@ impl JetStreamStore {
                     RedriveAction::Keep { note, errors, .. } => {
                         // Not a new failure: the time of the last one stays.
                         d.kept_by_redrive(&job.id, now, note, errors.as_ref());
+                        // Rewritten, it keeps when it was made: a later redrive
+                        // (created before this step) still takes it.
+                        d.made.get_or_insert(drev);
                         writes.push(Write::put(dlq_key(dlq_id), enc(&d), Expect::Revision(drev)));
                     }
                 }

@@ -2078,8 +2078,14 @@ impl JetStreamStore {
         };
         match read {
             Some(Versioned {
-                value: Some(bytes), ..
-            }) => Ok(Some(dec("dlq", &bytes)?)),
+                value: Some(bytes),
+                revision,
+            }) => {
+                let mut d: DlqEntry = dec("dlq", &bytes)?;
+                // A record never rewritten was made at its own revision.
+                d.made.get_or_insert(revision);
+                Ok(Some(d))
+            }
             _ => Ok(None),
         }
     }

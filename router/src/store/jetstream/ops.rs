@@ -16,7 +16,7 @@ use super::records::{Expect, Versioned, Write};
 use super::{JetStreamStore, dec, dlq_key, enc};
 use futures::{StreamExt, TryStreamExt};
 
-use crate::store::{DlqEntry, DlqFilter, Job, KvUsage, Millis, StoreError, SummaryRow};
+use crate::store::{DlqEntry, DlqFilter, DlqMark, Job, KvUsage, Millis, StoreError, SummaryRow};
 
 /// The record key of job `id`.
 pub(super) fn job_key(id: &str) -> String {
@@ -445,10 +445,17 @@ impl JetStreamStore {
         Ok(self.view.dlq_summary(filter, bucket_ms))
     }
 
-    /// The highest DLQ entry id (0 when empty).
-    pub async fn dlq_max_id(&self) -> Result<u64, StoreError> {
+    /// See [`Store::dlq_mark`](crate::store::Store::dlq_mark): the view's revision, read
+    /// before its highest id. A dead letter's first record is in the view when its sequence is
+    /// at most that revision, and every later one comes after it; the DLQ entry ids, taken
+    /// from each node's block of numbers, follow no such order across nodes.
+    pub async fn dlq_mark(&self) -> Result<DlqMark, StoreError> {
         self.caught_up().await?;
-        Ok(self.view.dlq_max_id())
+        let made = self.view.applied();
+        Ok(DlqMark {
+            max_id: self.view.dlq_max_id(),
+            made,
+        })
     }
 
     /// Deletes DLQ entries. Returns how many existed.

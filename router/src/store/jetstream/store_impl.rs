@@ -16,10 +16,10 @@ use tokio::sync::Notify;
 
 use super::JetStreamStore;
 use crate::store::{
-    AcceptOutcome, AcceptedLeased, AttemptEnd, Disposition, DlqEntry, DlqFilter, DlqReason,
-    EntryId, Fate, FinishError, Finished, Job, KvUsage, Lease, LeaseBatch, Millis, NewEvent,
-    QueueStats, RecordCounts, RedriveAction, ReplayItem, ReplayStepped, Store, StoreError,
-    StoredEvent, SummaryRow, SweepStats,
+    AcceptOutcome, AcceptedLeased, AttemptEnd, Disposition, DlqEntry, DlqFilter, DlqMark,
+    DlqReason, EntryId, Fate, FinishError, Finished, Job, KvUsage, Lease, LeaseBatch, Millis,
+    NewEvent, QueueStats, RecordCounts, RedriveAction, ReplayItem, ReplayStepped, Store,
+    StoreError, StoredEvent, SummaryRow, SweepStats,
 };
 
 /// How long record counts (a pass over the records) are reused.
@@ -319,8 +319,8 @@ impl Store for JetStreamStore {
         JetStreamStore::dlq_list(self, filter, after, limit).boxed()
     }
 
-    fn dlq_max_id(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
-        JetStreamStore::dlq_max_id(self).boxed()
+    fn dlq_mark(&self) -> BoxFuture<'_, Result<DlqMark, StoreError>> {
+        JetStreamStore::dlq_mark(self).boxed()
     }
 
     fn dlq_get(

@@ -1976,7 +1976,7 @@ async fn the_dlq_lists_pages_summarises_and_purges() {
         rows.iter()
             .all(|r| r.count == 4 && r.reason == DlqReason::PermanentError)
     );
-    assert_eq!(s.dlq_max_id().await.expect("max"), all[7].id);
+    assert_eq!(s.dlq_mark().await.expect("mark").max_id, all[7].id);
     let n = s
         .purge_dlq(vec![all[0].id, all[1].id, 999_999])
         .await
@@ -2346,6 +2346,87 @@ async fn a_restarted_node_reclaims_the_leases_it_died_with() {
 // Redrive, replay, archive reads, sweeps
 
 use crate::store::{RedriveAction, ReplayItem};
+
+/// Where a dead letter stands in the order dead letters were made (`DlqEntry::made`), against
+/// `Store::dlq_mark`: ids come from each node's block of numbers, so node A's dead letter made
+/// after the mark has an id below node B's older one, while its `made` is above the mark (a
+/// redrive created at the mark took it by its id, and moved an entry twice). A redrive's
+/// `Keep`, which rewrites the record, leaves it where it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_marked_in_the_order_they_were_made_whatever_their_node() {
+    let server = TestServer::start();
+    let (a, b) = (store(&server).await, store(&server).await);
+    let quarantined = |id: &str| {
+        let mut e = new_event("/m", id, &[], 1_000);
+        e.quarantine = Some(Quarantine {
+            reason: DlqReason::ContractViolation,
+            errors: vec![],
+        });
+        e
+    };
+    let listed = |n: usize| {
+        let a = &a;
+        async move {
+            // B's writes reach A's view through the stream: milliseconds, 10 s allowed.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            loop {
+                let all = a
+                    .dlq_list(&DlqFilter::default(), None, 10)
+                    .await
+                    .expect("list");
+                if all.len() == n {
+                    return all;
+                }
+                assert!(std::time::Instant::now() < deadline, "{all:?}");
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        }
+    };
+    a.accept(vec![quarantined("a1")]).await.expect("accept");
+    b.accept(vec![quarantined("b1")]).await.expect("accept");
+    listed(2).await;
+    let mark = a.dlq_mark().await.expect("mark");
+    a.accept(vec![quarantined("a2")]).await.expect("accept");
+    let all = listed(3).await;
+    let of = |id: &str| {
+        all.iter()
+            .find(|d| d.event_id == id)
+            .cloned()
+            .unwrap_or_else(|| panic!("{id} in {all:?}"))
+    };
+    let (a1, b1, a2) = (of("a1"), of("b1"), of("a2"));
+    assert!(a1.id < a2.id && a2.id < b1.id, "{all:?}");
+    assert_eq!(mark.max_id, b1.id);
+    assert!(
+        a1.made() <= mark.made && b1.made() <= mark.made,
+        "{mark:?} {all:?}"
+    );
+    assert!(a2.made() > mark.made, "{mark:?} {all:?}");
+
+    a.redrive_step(
+        job("redrive-1", JobKind::Redrive),
+        vec![RedriveAction::Keep {
+            dlq_id: a1.id,
+            note: "kept".into(),
+            errors: None,
+        }],
+        2_000,
+    )
+    .await
+    .expect("redrive step");
+    let kept = a
+        .dlq_list(&DlqFilter::default(), None, 10)
+        .await
+        .expect("list")
+        .into_iter()
+        .find(|d| d.id == a1.id)
+        .expect("kept");
+    assert_eq!(
+        kept.not_redriven.as_ref().map(|n| n.message.as_str()),
+        Some("kept")
+    );
+    assert_eq!(kept.made(), a1.made(), "{kept:?}");
+}
 
 /// Redrive: a dead letter goes back to its queue with its attempts as history; a quarantined
 /// event that passes now is routed (new fan-out indexes); one still failing stays with fresh

@@ -569,6 +569,12 @@ impl View {
         summary.rows()
     }
 
+    /// The highest revision the view has applied: it holds every record of the stream up to
+    /// it (the records follow in stream order), and none written after.
+    pub fn applied(&self) -> u64 {
+        *self.applied.borrow()
+    }
+
     /// The highest DLQ entry id in the view (0 when none).
     pub fn dlq_max_id(&self) -> u64 {
         self.dlq().entries.keys().next_back().copied().unwrap_or(0)
