@@ -1904,9 +1904,9 @@ impl JetStreamStore {
                 bytes: (old.bytes as i64 + bytes).max(0) as u64,
                 keys: (old.keys as i64 + keys).max(0) as u64,
             };
-            writes.push(Write::put(
-                ukey,
-                enc(&record),
+            writes.push(ops::usage_write(
+                &ukey,
+                &record,
                 Expect::unchanged(read.as_ref()),
             ));
         }

@@ -4031,6 +4031,91 @@ async fn a_namespace_is_cleared_in_transactions_within_the_batch_limit() {
     let usage = s.kv_usage_of("h").await.expect("usage");
     assert_eq!((usage.keys, usage.bytes), (0, 0), "{usage:?}");
     assert_eq!(s.kv_get("h", "k07", 2_000).await.expect("get"), None);
+    // Its usage records are deleted with the last entry: the namespace is no longer listed
+    // (`/v1/status` `handler_kv`), as in the embedded store.
+    let all = s.kv_usage().await.expect("usage");
+    assert!(!all.contains_key("h"), "{all:?}");
+}
+
+/// A namespace whose handler deleted its last keys is no longer listed (its usage records are
+/// deleted with them), as in the embedded store; one that still holds a key is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespace_emptied_by_its_handler_is_no_longer_listed() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![
+        new_event("/h", "in1", &["handler"], 1_000),
+        new_event("/h", "in2", &["handler"], 1_000),
+    ])
+    .await
+    .expect("accept");
+    let with_kv = |kv: Vec<KvOp>, at: Millis| AttemptEnd {
+        finished_at: at,
+        result: AttemptResult::Delivered,
+        status: None,
+        error: None,
+        outbox: Some(Box::new(Outbox {
+            emitted: Vec::new(),
+            kv,
+            cas: Vec::new(),
+            completed: None,
+            kv_max_bytes: Some(1_000_000),
+        })),
+    };
+    let mut leased = lease_ok(&s, "handler", 1_000, 2, 60_000).await;
+    assert_eq!(leased.len(), 2);
+    let other = KvOp {
+        namespace: "h2".into(),
+        ..put_kv("kept", b"v", None)
+    };
+    let writes = vec![put_kv("a", b"1", None), put_kv("b", b"2", None), other];
+    let l = leased.remove(0);
+    s.finish(
+        l.entry.id,
+        l.lease,
+        with_kv(writes, 1_500),
+        Disposition::Delivered,
+        1_500,
+    )
+    .await
+    .expect("finish");
+    let all = s.kv_usage().await.expect("usage");
+    assert_eq!(all.get("h").map(|u| u.keys), Some(2), "{all:?}");
+    let deletes = ["a", "b"]
+        .map(|k| KvOp {
+            value: None,
+            ..put_kv(k, b"", None)
+        })
+        .to_vec();
+    let l = leased.remove(0);
+    s.finish(
+        l.entry.id,
+        l.lease,
+        with_kv(deletes, 1_600),
+        Disposition::Delivered,
+        1_600,
+    )
+    .await
+    .expect("finish");
+    let all = s.kv_usage().await.expect("usage");
+    assert!(!all.contains_key("h"), "{all:?}");
+    assert_eq!(all.get("h2").map(|u| u.keys), Some(1), "{all:?}");
+    assert_eq!(s.kv_usage_of("h").await.expect("usage").keys, 0);
+    // Written again from nothing, it is counted as before.
+    s.accept(vec![new_event("/h", "in3", &["handler"], 2_000)])
+        .await
+        .expect("accept");
+    let l = lease_ok(&s, "handler", 2_000, 1, 60_000).await.remove(0);
+    s.finish(
+        l.entry.id,
+        l.lease,
+        with_kv(vec![put_kv("c", b"3", None)], 2_100),
+        Disposition::Delivered,
+        2_100,
+    )
+    .await
+    .expect("finish");
+    assert_eq!(s.kv_usage_of("h").await.expect("usage").keys, 1);
 }
 
 /// An event whose record does not decode comes back from a lease as unreadable (leased) for
