@@ -136,6 +136,10 @@ pub(crate) const DISK_FULL_RETRY_AFTER_S: u64 = 30;
 /// connection to a shared store, which may pass.
 pub(crate) const STORE_RETRY_AFTER_S: u64 = 1;
 
+/// The log gate (`LogGates`) of ingest's refusals for a failing store: one for the process,
+/// in parentheses so that no target id (the other gates' subjects) can take it.
+const STORE_REFUSAL_GATE: &str = "(ingest: store unavailable)";
+
 pub(crate) fn with_retry_after(mut r: Response, secs: u64) -> Response {
     if let Ok(v) = axum::http::HeaderValue::from_str(&secs.max(1).to_string()) {
         r.headers_mut().insert("retry-after", v);
@@ -621,7 +625,12 @@ async fn handle(
             );
         }
         Err(e) => {
-            tracing::error!(error = %e, events = answered.len(), "accept failed: store unavailable");
+            // A warning: the producer is told to retry, and nothing is lost. Limited: while
+            // the store is out of reach every request is refused, and a line each (224 in
+            // 32 s at 7 requests a second, an audit counted) buried everything else.
+            if let Some(suppressed) = app.dispatcher.context().log_gates.admit(STORE_REFUSAL_GATE) {
+                tracing::warn!(error = %e, events = answered.len(), suppressed, "accept failed: store unavailable; the producer is told to retry");
+            }
             // A redb commit that fails is not applied. A JetStream publish whose answer was
             // lost (a timeout) may have been: its events may be stored, and delivered. The
             // producer must send the same ids again (a stored one answers `duplicate`), never
@@ -1052,6 +1061,94 @@ mod tests {
                 && text.contains("router_rule_match_steps_count 1"),
             "{text}"
         );
+    }
+
+    /// While the store fails, every request is refused: its log line is a warning (the
+    /// producer is told to retry, nothing is lost) limited to `LogGates::PER_WINDOW` per
+    /// window, where each refused request wrote an error line of its own (224 in 32 s at 7
+    /// requests a second during an audit's NATS outage).
+    #[tokio::test(flavor = "current_thread")]
+    async fn refusals_while_the_store_fails_log_a_limited_warning() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let disk = crate::store::fault::SimulatedDisk::new();
+        let d = disk.clone();
+        let store = crate::store::RedbStore::with_backend_factory(
+            move || d.backend(),
+            crate::store::StoreOptions::default(),
+        )
+        .expect("store");
+        let app = crate::app::test_app(crate::app::test_config(dir.path()), store, None);
+        disk.set_failing(true);
+        let log = LogBuf::default();
+        let writer = log.clone();
+        let _logging = tracing::subscriber::set_default(
+            tracing_subscriber::fmt()
+                .with_ansi(false)
+                .with_max_level(tracing::Level::INFO)
+                .with_writer(move || writer.clone())
+                .finish(),
+        );
+        let principal = crate::auth::Principal::with_scopes(&["admin"]);
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            axum::http::header::CONTENT_TYPE,
+            axum::http::HeaderValue::from_static("application/cloudevents+json"),
+        );
+        let gates = crate::telemetry::LogGates::PER_WINDOW as usize;
+        let requests = 2 * gates;
+        let started = std::time::Instant::now();
+        for i in 0..requests {
+            let body =
+                json!({"specversion": "1.0", "id": i.to_string(), "source": "/s", "type": "t"});
+            let r = handle(&app, &principal, &headers, Body::from(body.to_string())).await;
+            assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        }
+        // Each refusal takes the failing store about 0.2 s here, so the requests fit in one
+        // 10 s window; on a machine slow enough to take longer, a new window lets another
+        // `gates` lines through.
+        let windows =
+            1 + started.elapsed().as_secs() / crate::telemetry::LogGates::WINDOW.as_secs();
+        let allowed = (gates * windows as usize).min(requests);
+        let text = log.text();
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains("accept failed"))
+            .collect();
+        assert!(
+            !lines.is_empty() && lines.len() <= allowed,
+            "{} lines for {requests} refusals (at most {allowed}): {text}",
+            lines.len()
+        );
+        assert!(
+            lines
+                .iter()
+                .all(|l| l.contains(" WARN ") && l.contains("suppressed=")),
+            "{text}"
+        );
+        assert!(!text.contains("ERROR"), "{text}");
+    }
+
+    /// What a test's tracing subscriber writes, as the router's log would show it.
+    #[derive(Clone, Default)]
+    struct LogBuf(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl LogBuf {
+        fn text(&self) -> String {
+            String::from_utf8_lossy(&self.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned()
+        }
+    }
+
+    impl std::io::Write for LogBuf {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
     }
 
     /// Cheap rules keep small requests on the reactor (the hand-off would cost more).

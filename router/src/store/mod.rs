@@ -31,9 +31,11 @@ pub enum StoreError {
     /// The backend failed (I/O, corruption, full disk). Ingest answers 503.
     #[error("storage failure: {0}")]
     Backend(String),
-    /// The store cannot be reached now (a shared store's server is down, or the connection to
-    /// it is being made again): nothing was sent, so nothing of the call was applied. Refused
-    /// at once instead of waiting out a timeout. Ingest answers 503.
+    /// The store cannot be reached now or did not take the call: a shared store's server is
+    /// down or the connection to it is being made again (nothing was sent: refused at once
+    /// instead of waiting out a timeout), or a read or a write not taken timed out, found no
+    /// one to answer (a server stopping, a stream electing its leader) or found the stream
+    /// too busy. Nothing of the call was applied. Ingest answers 503.
     #[error("storage unavailable: {0}")]
     Unavailable(String),
     /// A write was sent and its answer never came (a timeout, a connection lost after the

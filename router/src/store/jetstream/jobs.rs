@@ -826,7 +826,7 @@ impl JetStreamStore {
                     left.keys = left.keys.saturating_sub(1);
                     writes.push(Write::delete(key.clone(), Expect::Revision(*rev)));
                 }
-                writes.push(Write::put(ukey.clone(), enc(&left), Expect::Revision(urev)));
+                writes.push(ops::usage_write(&ukey, &left, Expect::Revision(urev)));
                 match self.commit(writes).await {
                     Ok(revs) => {
                         out.removed += chunk.len() as u64;

@@ -75,11 +75,26 @@ const SEQ_BLOCK: u64 = 256;
 const MAX_RETRIES: usize = 16;
 
 impl From<RecordsError> for StoreError {
+    /// Every transient failure of the server is an outage (`StoreError::is_outage`), so the
+    /// callers that wait one out (a finish, for as long as its lease lasts) do: a read or
+    /// commit that timed out or found no one to answer (`Server`), or a commit refused as
+    /// busy for a whole request timeout, applied nothing and is `Unavailable`; a commit whose
+    /// fate is unknown stays `Unanswered`. Taken as a backend failure, a finish that met a
+    /// server stopping ("no responders") or not answering gave up at once, and its delivery,
+    /// which had succeeded, was sent again once its lease expired.
     fn from(e: RecordsError) -> Self {
         match e {
             RecordsError::Unavailable(why) => StoreError::Unavailable(why),
             RecordsError::Unanswered(why) => StoreError::Unanswered(why),
-            e => StoreError::Backend(e.to_string()),
+            e @ (RecordsError::Server(_) | RecordsError::Busy(_)) => {
+                StoreError::Unavailable(e.to_string())
+            }
+            e @ (RecordsError::Conflict
+            | RecordsError::Unsupported(_)
+            | RecordsError::TooLarge(_)
+            | RecordsError::SameRecordTwice(_)
+            | RecordsError::RecordTooLarge { .. }
+            | RecordsError::Refused { .. }) => StoreError::Backend(e.to_string()),
         }
     }
 }
@@ -1889,9 +1904,9 @@ impl JetStreamStore {
                 bytes: (old.bytes as i64 + bytes).max(0) as u64,
                 keys: (old.keys as i64 + keys).max(0) as u64,
             };
-            writes.push(Write::put(
-                ukey,
-                enc(&record),
+            writes.push(ops::usage_write(
+                &ukey,
+                &record,
                 Expect::unchanged(read.as_ref()),
             ));
         }

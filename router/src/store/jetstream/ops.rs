@@ -148,6 +148,18 @@ pub(super) fn usage_key(namespace: &str, shard: u8) -> String {
     format!("ku.{}.{shard}", fp(&[namespace]))
 }
 
+/// The write of a usage shard as `usage` leaves it: a shard left without keys is deleted, so
+/// a namespace emptied (its keys deleted or expired, or its handler's name released) is no
+/// longer listed in `kv_usage` (`/v1/status` `handler_kv`), as in the embedded store. Kept
+/// at 0 keys, every released or renamed handler stayed listed for good.
+pub(super) fn usage_write(ukey: &str, usage: &UsageRecord, expect: Expect) -> Write {
+    if usage.keys == 0 {
+        Write::delete(ukey, expect)
+    } else {
+        Write::put(ukey, enc(usage), expect)
+    }
+}
+
 pub(super) fn completed_key(handler: &str, key: &str) -> String {
     format!("cd.{}", fp(&[handler, key]))
 }

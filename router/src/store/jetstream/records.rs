@@ -128,7 +128,10 @@ pub enum RecordsError {
     /// nothing was written. Transient.
     #[error("the stream's atomic batches stayed busy: {0}")]
     Busy(String),
-    /// The server timed out or could not be reached.
+    /// The server timed out, could not be reached or found no one to answer (no stream
+    /// leader, a server stopping): nothing was applied (a read, or a commit that was not
+    /// taken; one whose fate is unknown is `Unanswered`). Transient: the store counts it as
+    /// unavailable.
     #[error("NATS JetStream: {0}")]
     Server(String),
     /// The connection could not be made as configured: the server refused the credentials,
@@ -893,7 +896,8 @@ impl Records {
             .map_err(|_| RecordsError::Server("the record store is closed".into()))?;
         answer
             .await
-            .map_err(|_| RecordsError::Server("the group committer stopped".into()))?
+            // It may have sent the transaction before it stopped.
+            .map_err(|_| RecordsError::Unanswered("the group committer stopped".into()))?
     }
 
     /// Whether `writes` expects an older revision of a record than one this node has
@@ -1069,7 +1073,8 @@ impl Records {
             ));
         }
         let ack: BatchAck = serde_json::from_slice(&reply.payload)
-            .map_err(|e| RecordsError::Server(format!("commit reply: {e}")))?;
+            // An answer that cannot be read says nothing of what was applied.
+            .map_err(|e| RecordsError::Unanswered(format!("commit reply: {e}")))?;
         if let Some(err) = ack.error {
             return Err(match err.err_code {
                 // JSStreamWrongLastSequenceErr, and its batch form (two expectations on
@@ -1087,7 +1092,7 @@ impl Records {
         // A plain publish's ack has no count.
         let count = if n == 1 { ack.count.max(1) } else { ack.count };
         if count != n as u64 || ack.seq < n as u64 {
-            return Err(RecordsError::Server(format!(
+            return Err(RecordsError::Unanswered(format!(
                 "commit acknowledged {count} of {n} writes"
             )));
         }

@@ -1039,6 +1039,94 @@ async fn a_finish_during_a_short_outage_is_recorded_once_the_server_is_back() {
     assert_eq!(fate.entries[0].attempts.len(), 1);
 }
 
+/// A finish that meets a server not answering (SIGSTOP past the store's request timeout: its
+/// reads time out on a connection the client still counts as up, a server error rather than
+/// a lost connection) is tried again while the lease lasts and recorded once the server
+/// answers again. Taken as a backend failure, it gave up at once, and the delivery, which
+/// had succeeded, was sent again once its lease expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finish_that_meets_a_server_not_answering_is_recorded_once_it_answers() {
+    let server = TestServer::start();
+    let mut records = server.records("ROUTER");
+    // Short, so that the stop below outlasts a few requests, well within the lease.
+    records.timeout = std::time::Duration::from_secs(1);
+    let s = Arc::new(
+        JetStreamStore::open(JetStreamOptions {
+            records,
+            node: format!("{:016x}", rand::random::<u64>()),
+        })
+        .await
+        .expect("open the JetStream store"),
+    );
+    s.accept(vec![new_event("/o", "e1", &["a"], 1_000)])
+        .await
+        .expect("accept");
+    let l = lease_ok(&s, "a", 2_000, 1, 30_000).await.remove(0);
+    server.stop_answering();
+    let finishing = {
+        let s = s.clone();
+        tokio::spawn(async move { deliver(&s, &l, 2_100).await })
+    };
+    // Three request timeouts: past the first read's, and short of the client giving the
+    // connection up (three unanswered pings 5 s apart), which would make it `Unavailable`.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let gave_up = finishing.is_finished();
+    server.answer_again();
+    let answer = finishing.await.expect("task");
+    assert!(
+        !gave_up,
+        "the finish gave up while the server did not answer: {answer:?}"
+    );
+    answer.expect("the finish was recorded");
+    let fate = s.fate("/o", "e1").await.expect("fate").expect("known");
+    assert_eq!(fate.entries[0].state, EntryState::Delivered);
+    assert_eq!(fate.entries[0].attempts.len(), 1);
+    // Not sent again once its lease has expired.
+    assert!(lease_ok(&s, "a", 40_000, 1, 30_000).await.is_empty());
+}
+
+/// Every transient failure of the server is an outage, which a finish waits out while its
+/// lease lasts: a read or a commit not taken (timed out, no one answering, batches busy) as
+/// unavailable, a commit whose answer was lost as unanswered. The server's refusals of a
+/// call's content are not, as the same call would be refused again.
+#[test]
+fn transient_server_failures_are_outages_and_refusals_are_not() {
+    let outages = [
+        RecordsError::Server("read en.25.0: unable to get message: 503 no responders".into()),
+        RecordsError::Server("read en.25.0 from the leader: timed out".into()),
+        RecordsError::Busy("too many open batches (10210)".into()),
+        RecordsError::Unavailable("read en.25.0: not connected".into()),
+    ];
+    for e in outages {
+        let s = StoreError::from(e.clone());
+        assert!(matches!(s, StoreError::Unavailable(_)), "{e:?} -> {s:?}");
+        assert!(s.is_outage(), "{e:?}");
+    }
+    let s = StoreError::from(RecordsError::Unanswered("commit: timed out".into()));
+    assert!(matches!(s, StoreError::Unanswered(_)), "{s:?}");
+    assert!(s.is_outage());
+    let refusals = [
+        RecordsError::Conflict,
+        RecordsError::Unsupported("nats-server 2.10".into()),
+        RecordsError::TooLarge(1001),
+        RecordsError::SameRecordTwice("en.1.0".into()),
+        RecordsError::RecordTooLarge {
+            key: "ev.1".into(),
+            bytes: 9 << 20,
+            max: 8 << 20,
+        },
+        RecordsError::Refused {
+            code: 10060,
+            description: "expected stream does not match".into(),
+        },
+    ];
+    for e in refusals {
+        let s = StoreError::from(e.clone());
+        assert!(matches!(s, StoreError::Backend(_)), "{e:?} -> {s:?}");
+        assert!(!s.is_outage(), "{e:?}");
+    }
+}
+
 /// A server that stops answering without closing its connection (the client still counts
 /// itself connected) holds each request for the store's timeout: a scrape's store reads go
 /// together within their bound (they took a timeout each, one after another, past
@@ -4024,6 +4112,91 @@ async fn a_namespace_is_cleared_in_transactions_within_the_batch_limit() {
     let usage = s.kv_usage_of("h").await.expect("usage");
     assert_eq!((usage.keys, usage.bytes), (0, 0), "{usage:?}");
     assert_eq!(s.kv_get("h", "k07", 2_000).await.expect("get"), None);
+    // Its usage records are deleted with the last entry: the namespace is no longer listed
+    // (`/v1/status` `handler_kv`), as in the embedded store.
+    let all = s.kv_usage().await.expect("usage");
+    assert!(!all.contains_key("h"), "{all:?}");
+}
+
+/// A namespace whose handler deleted its last keys is no longer listed (its usage records are
+/// deleted with them), as in the embedded store; one that still holds a key is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespace_emptied_by_its_handler_is_no_longer_listed() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![
+        new_event("/h", "in1", &["handler"], 1_000),
+        new_event("/h", "in2", &["handler"], 1_000),
+    ])
+    .await
+    .expect("accept");
+    let with_kv = |kv: Vec<KvOp>, at: Millis| AttemptEnd {
+        finished_at: at,
+        result: AttemptResult::Delivered,
+        status: None,
+        error: None,
+        outbox: Some(Box::new(Outbox {
+            emitted: Vec::new(),
+            kv,
+            cas: Vec::new(),
+            completed: None,
+            kv_max_bytes: Some(1_000_000),
+        })),
+    };
+    let mut leased = lease_ok(&s, "handler", 1_000, 2, 60_000).await;
+    assert_eq!(leased.len(), 2);
+    let other = KvOp {
+        namespace: "h2".into(),
+        ..put_kv("kept", b"v", None)
+    };
+    let writes = vec![put_kv("a", b"1", None), put_kv("b", b"2", None), other];
+    let l = leased.remove(0);
+    s.finish(
+        l.entry.id,
+        l.lease,
+        with_kv(writes, 1_500),
+        Disposition::Delivered,
+        1_500,
+    )
+    .await
+    .expect("finish");
+    let all = s.kv_usage().await.expect("usage");
+    assert_eq!(all.get("h").map(|u| u.keys), Some(2), "{all:?}");
+    let deletes = ["a", "b"]
+        .map(|k| KvOp {
+            value: None,
+            ..put_kv(k, b"", None)
+        })
+        .to_vec();
+    let l = leased.remove(0);
+    s.finish(
+        l.entry.id,
+        l.lease,
+        with_kv(deletes, 1_600),
+        Disposition::Delivered,
+        1_600,
+    )
+    .await
+    .expect("finish");
+    let all = s.kv_usage().await.expect("usage");
+    assert!(!all.contains_key("h"), "{all:?}");
+    assert_eq!(all.get("h2").map(|u| u.keys), Some(1), "{all:?}");
+    assert_eq!(s.kv_usage_of("h").await.expect("usage").keys, 0);
+    // Written again from nothing, it is counted as before.
+    s.accept(vec![new_event("/h", "in3", &["handler"], 2_000)])
+        .await
+        .expect("accept");
+    let l = lease_ok(&s, "handler", 2_000, 1, 60_000).await.remove(0);
+    s.finish(
+        l.entry.id,
+        l.lease,
+        with_kv(vec![put_kv("c", b"3", None)], 2_100),
+        Disposition::Delivered,
+        2_100,
+    )
+    .await
+    .expect("finish");
+    assert_eq!(s.kv_usage_of("h").await.expect("usage").keys, 1);
 }
 
 /// An event whose record does not decode comes back from a lease as unreadable (leased) for
