@@ -94,7 +94,9 @@ impl From<RecordsError> for StoreError {
             | RecordsError::TooLarge(_)
             | RecordsError::SameRecordTwice(_)
             | RecordsError::RecordTooLarge { .. }
-            | RecordsError::Refused { .. }) => StoreError::Backend(e.to_string()),
+            | RecordsError::Refused { .. }
+            // Credentials or TLS the server refuses: the configuration, not an outage.
+            | RecordsError::Connect(_)) => StoreError::Backend(e.to_string()),
         }
     }
 }
