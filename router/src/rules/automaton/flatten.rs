@@ -5,19 +5,26 @@
 //! Each entry carries its *trail*: for every array of objects crossed on the way (not counting
 //! an array at the leaf itself), which element it came from. Two entries can serve tests of
 //! the same pattern object only if their trails agree on the arrays they share (array
-//! consistency). Fields tested with `exists: false` produce an explicit `Absent` entry in each
-//! object context where they have no leaf value, so absence is matched like any value, with
-//! the same trails; a context without an object (missing, scalar, empty array, scalar array
-//! element) makes every such field below it absent.
+//! consistency).
+//!
+//! Absence is not flattened into entries: with many rules testing `exists: false` on
+//! different fields, an entry per absent field per object would cost rules × objects even
+//! when no rule gets that far. Instead, at the object levels above such fields, the flattener
+//! records each *context* (an object, with which of the relevant keys it holds, or a place
+//! without an object: missing, scalar, empty array, scalar array element), at a cost bounded
+//! by the event. The matcher asks [`Absences`] for a field's absent contexts only when a
+//! state it reached tests that field with `exists: false`; they come with the same trails
+//! as the explicit entries they replace.
 
 use std::borrow::Cow;
 use std::sync::OnceLock;
 
+use rustc_hash::FxHashMap;
 use serde_json::{Map, Value};
 use smallvec::SmallVec;
 
 use super::MatchError;
-use super::paths::{MissingCheck, PathTrie, ROOT, Slot};
+use super::paths::{PathNode, PathTrie, ROOT, Slot};
 use super::value_matchers::{Num, Scalar};
 use crate::event::{CloudEvent, Member};
 
@@ -40,6 +47,18 @@ pub(crate) struct Entry<'a> {
     pub(crate) value: Scalar<'a>,
 }
 
+/// One place of an object level above some `exists: false` field (see the module docs).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Context {
+    /// The path-trie node (object level).
+    node: u32,
+    /// `(start, len)` of the place's trail in [`Flat::trails`].
+    trail: (u32, u32),
+    /// For an object: `(start, len)` in [`Flat::present`] of the relevant keys it holds.
+    /// `None`: no object here, every field at or below this level is absent.
+    present: Option<(u32, u32)>,
+}
+
 /// The flattened event. Inline capacities cover typical events without allocating.
 #[derive(Debug, Default)]
 pub(crate) struct Flat<'a> {
@@ -49,9 +68,17 @@ pub(crate) struct Flat<'a> {
     pub(crate) trails: SmallVec<[(u32, u32); 16]>,
     /// The path-trie node of each array id.
     pub(crate) array_node: SmallVec<[u32; 8]>,
+    /// Contexts of the object levels above `exists: false` fields, in no particular order.
+    contexts: SmallVec<[Context; 4]>,
+    /// Present-key arena of the contexts: (slot index, whether the key's value held a
+    /// scalar), sorted by slot within one object.
+    present: SmallVec<[(u32, bool); 8]>,
     /// The trail of the context being visited.
     stack: SmallVec<[(u32, u32); 8]>,
 }
+
+/// The relevant keys one object holds, gathered while it is read.
+type Present = SmallVec<[(u32, bool); 8]>;
 
 impl<'a> Flat<'a> {
     /// Stores the current context's trail once; its entries all refer to it.
@@ -68,10 +95,31 @@ impl<'a> Flat<'a> {
         self.entries.push(Entry { leaf, trail, value });
     }
 
-    /// Every `exists: false` leaf at or below `node` is absent in the current context.
-    fn absent_below(&mut self, trie: &PathTrie, node: u32, trail: (u32, u32)) {
-        for &leaf in trie.nodes[node as usize].absent_closure.iter() {
-            self.push(leaf, trail, Scalar::Absent);
+    /// Records an object at `node` holding the relevant keys `present`, when some field at
+    /// or below the level is tested with `exists: false`.
+    fn object_context(&mut self, pn: &PathNode, node: u32, trail: (u32, u32), present: &Present) {
+        if !pn.absence {
+            return;
+        }
+        let start = self.present.len() as u32;
+        self.present.extend_from_slice(present);
+        self.present[start as usize..].sort_unstable_by_key(|p| p.0);
+        self.contexts.push(Context {
+            node,
+            trail,
+            present: Some((start, present.len() as u32)),
+        });
+    }
+
+    /// `node`'s place in the current context holds no object (missing member, scalar).
+    fn no_object(&mut self, trie: &PathTrie, node: u32) {
+        if trie.nodes[node as usize].absence {
+            let trail = self.context_trail();
+            self.contexts.push(Context {
+                node,
+                trail,
+                present: None,
+            });
         }
     }
 
@@ -82,13 +130,81 @@ impl<'a> Flat<'a> {
 
     /// An array at `node` offered no object (empty, or had a scalar element).
     fn no_object_element(&mut self, trie: &PathTrie, node: u32, array: u32) {
-        if trie.nodes[node as usize].absent_closure.is_empty() {
+        if !trie.nodes[node as usize].absence {
             return;
         }
         self.stack.push((array, NO_OBJECT));
-        let trail = self.context_trail();
-        self.absent_below(trie, node, trail);
+        self.no_object(trie, node);
         self.stack.pop();
+    }
+}
+
+/// Notes a mentioned key of an object: `scalars` is whether its value held a scalar (for
+/// its own leaf; the levels below record their own contexts).
+fn note_present(slot: &Slot, scalars: bool, present: &mut Present) {
+    if slot.absence {
+        present.push((slot.index, scalars));
+    }
+}
+
+/// The absent contexts of `exists: false` fields, made per field on first demand from the
+/// contexts the flattener recorded, so that fields no reached state tests cost nothing.
+#[derive(Debug, Default)]
+pub(crate) struct Absences {
+    /// Context ids sorted by node (made at the first demand).
+    by_node: Vec<u32>,
+    /// Trails (in [`Flat::trails`]) of the contexts where a field is absent, grouped by field.
+    pub(crate) trails: Vec<(u32, u32)>,
+    /// Field (leaf) → its range in `trails`.
+    made: FxHashMap<u32, (u32, u32)>,
+}
+
+impl Absences {
+    /// The range of `trails` holding the contexts in which `leaf` has no scalar value: the
+    /// places without an object at or above its level, the objects above it lacking the key
+    /// that leads to it, and the objects of its level lacking a scalar under its key.
+    pub(crate) fn of(&mut self, trie: &PathTrie, flat: &Flat<'_>, leaf: u32) -> (u32, u32) {
+        if let Some(r) = self.made.get(&leaf) {
+            return *r;
+        }
+        if self.by_node.len() != flat.contexts.len() {
+            self.by_node = (0..flat.contexts.len() as u32).collect();
+            self.by_node
+                .sort_by_key(|i| flat.contexts[*i as usize].node);
+        }
+        let start = self.trails.len() as u32;
+        let path = trie
+            .leaves
+            .get(leaf as usize)
+            .map_or(&[][..], |l| &l.absent_path[..]);
+        for (j, &(node, slot)) in path.iter().enumerate() {
+            let own_key = j + 1 == path.len();
+            let from = self
+                .by_node
+                .partition_point(|i| flat.contexts[*i as usize].node < node);
+            for i in &self.by_node[from..] {
+                let c = &flat.contexts[*i as usize];
+                if c.node != node {
+                    break;
+                }
+                let absent = match c.present {
+                    None => true,
+                    Some((a, n)) => {
+                        let keys = &flat.present[a as usize..(a + n) as usize];
+                        match keys.binary_search_by_key(&slot, |p| p.0) {
+                            Err(_) => true,
+                            Ok(k) => own_key && !keys[k].1,
+                        }
+                    }
+                };
+                if absent {
+                    self.trails.push(c.trail);
+                }
+            }
+        }
+        let r = (start, self.trails.len() as u32);
+        self.made.insert(leaf, r);
+        r
     }
 }
 
@@ -111,15 +227,7 @@ fn visit_node<'a>(trie: &PathTrie, node: u32, v: &'a Value, flat: &mut Flat<'a>)
                 flat.no_object_element(trie, node, array);
             }
         }
-        _ => scalar_at(trie, node, flat),
-    }
-}
-
-/// `node`'s place holds a scalar: every `exists: false` field below it is absent.
-fn scalar_at(trie: &PathTrie, node: u32, flat: &mut Flat<'_>) {
-    if !trie.nodes[node as usize].absent_closure.is_empty() {
-        let trail = flat.context_trail();
-        flat.absent_below(trie, node, trail);
+        _ => flat.no_object(trie, node),
     }
 }
 
@@ -156,24 +264,21 @@ fn visit_object<'a>(trie: &PathTrie, node: u32, m: &'a Map<String, Value>, flat:
         return;
     }
     let trail = flat.context_trail();
+    let mut present = Present::new();
     if pn.keys.len() < m.len() {
         for (key, slot) in pn.keys.iter().zip(&pn.slots) {
             if let Some(v) = m.get(&**key) {
-                visit_slot(trie, slot, v, trail, flat);
+                visit_slot(trie, slot, v, trail, &mut present, flat);
             }
         }
     } else {
         for (k, v) in m {
             if let Some(slot) = pn.get(k.as_bytes()) {
-                visit_slot(trie, slot, v, trail, flat);
+                visit_slot(trie, slot, v, trail, &mut present, flat);
             }
         }
     }
-    for mc in pn.missing.iter() {
-        if !m.contains_key(&*mc.key) {
-            missing_member(trie, mc, trail, flat);
-        }
-    }
+    flat.object_context(pn, node, trail, &present);
 }
 
 /// The member under `slot` has value `val`.
@@ -182,26 +287,15 @@ fn visit_slot<'a>(
     slot: &Slot,
     val: &'a Value,
     trail: (u32, u32),
+    present: &mut Present,
     flat: &mut Flat<'a>,
 ) {
-    if let Some(leaf) = slot.leaf {
-        let n = collect_value(leaf, val, trail, flat);
-        if n == 0 && trie.leaves[leaf as usize].absence {
-            flat.push(leaf, trail, Scalar::Absent);
-        }
-    }
+    let scalars = slot
+        .leaf
+        .is_some_and(|leaf| collect_value(leaf, val, trail, flat) > 0);
+    note_present(slot, scalars, present);
     for &child in &slot.nodes {
         visit_node(trie, child, val, flat);
-    }
-}
-
-/// The member `mc` names is missing from the object.
-fn missing_member(trie: &PathTrie, mc: &MissingCheck, trail: (u32, u32), flat: &mut Flat<'_>) {
-    if let Some(leaf) = mc.absent_leaf {
-        flat.push(leaf, trail, Scalar::Absent);
-    }
-    for &child in &mc.nodes {
-        flat.absent_below(trie, child, trail);
     }
 }
 
@@ -216,25 +310,23 @@ pub(crate) fn flatten_event<'a>(trie: &PathTrie, event: &'a CloudEvent, flat: &m
         return;
     }
     let trail = flat.context_trail();
+    let mut present = Present::new();
     for (key, slot) in pn.keys.iter().zip(&pn.slots) {
         match event.member(key) {
             None => {}
-            Some(Member::Json(v)) => visit_slot(trie, slot, v, trail, flat),
+            Some(Member::Json(v)) => visit_slot(trie, slot, v, trail, &mut present, flat),
             Some(Member::Str(s)) => {
                 if let Some(leaf) = slot.leaf {
                     flat.push(leaf, trail, Scalar::Str(Cow::Borrowed(s)));
                 }
+                note_present(slot, slot.leaf.is_some(), &mut present);
                 for &child in &slot.nodes {
-                    scalar_at(trie, child, flat);
+                    flat.no_object(trie, child);
                 }
             }
         }
     }
-    for mc in pn.missing.iter() {
-        if event.member(&mc.key).is_none() {
-            missing_member(trie, mc, trail, flat);
-        }
-    }
+    flat.object_context(pn, ROOT, trail, &present);
 }
 
 /// Pushes every scalar of `v` (arrays flattened, objects ignored); returns how many.
@@ -449,10 +541,7 @@ impl<'a> Parser<'a, '_> {
             }
             _ => {
                 self.skip_scalar()?;
-                if !self.trie.nodes[node as usize].absent_closure.is_empty() {
-                    let trail = flat.context_trail();
-                    flat.absent_below(self.trie, node, trail);
-                }
+                flat.no_object(self.trie, node);
                 Ok(())
             }
         }
@@ -515,6 +604,7 @@ impl<'a> Parser<'a, '_> {
         self.pending += pn.keys.len();
         let trail = flat.context_trail();
         let mut seen: SmallVec<[u32; 8]> = SmallVec::new();
+        let mut present = Present::new();
         self.ws();
         if self.peek() == Some(b'}') {
             self.i += 1;
@@ -546,18 +636,18 @@ impl<'a> Parser<'a, '_> {
                             self.pending -= 1;
                         }
                         let start = self.i;
+                        let mut scalars = false;
                         if let Some(leaf) = slot.leaf {
-                            let n = self.collect(leaf, trail, flat)?;
-                            if n == 0 && trie.leaves[leaf as usize].absence {
-                                flat.push(leaf, trail, Scalar::Absent);
-                            }
+                            scalars = self.collect(leaf, trail, flat)? > 0;
                         }
+                        note_present(slot, scalars, &mut present);
                         // A value read by several consumers (a leaf and object levels, or
                         // aliases) is re-read from its start by each.
                         for &child in &slot.nodes {
                             self.i = start;
                             self.node(child, flat)?;
                             if self.done {
+                                flat.object_context(pn, node, trail, &present);
                                 return Ok(());
                             }
                         }
@@ -566,6 +656,7 @@ impl<'a> Parser<'a, '_> {
                         }
                         if self.stop_early && self.pending == 0 {
                             self.done = true;
+                            flat.object_context(pn, node, trail, &present);
                             return Ok(());
                         }
                     }
@@ -587,16 +678,7 @@ impl<'a> Parser<'a, '_> {
         }
         self.depth -= 1;
         self.pending -= pn.keys.len() - seen.len();
-        for mc in pn.missing.iter() {
-            if !seen.contains(&mc.slot) {
-                if let Some(leaf) = mc.absent_leaf {
-                    flat.push(leaf, trail, Scalar::Absent);
-                }
-                for &child in &mc.nodes {
-                    flat.absent_below(trie, child, trail);
-                }
-            }
-        }
+        flat.object_context(pn, node, trail, &present);
         Ok(())
     }
 

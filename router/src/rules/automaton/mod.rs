@@ -24,8 +24,11 @@
 //!   being parsed into values). Each entry carries the array elements it came from, and a
 //!   step may only use entries consistent with those already used (array consistency, as
 //!   event-ruler's `ArrayMembership`): tests under one pattern object are satisfied inside the
-//!   same element. `exists: false` is matched against explicit absent entries emitted by the
-//!   flattener per object context, so it gets the same per-element semantics.
+//!   same element. `exists: false` is matched against the field's absent contexts (objects
+//!   lacking it, places without an object above it), each with its trail, so it gets the
+//!   same per-element semantics. They are worked out from contexts the flattener recorded
+//!   only when a reached state tests that field for absence: `exists: false` on fields no
+//!   reached state tests costs nothing per rule.
 //! * **From raw bytes** ([`CompiledMatcher::matches_bytes`]) the flattener is a streaming
 //!   parser driven by the path trie: mentioned values are parsed exactly as serde_json would
 //!   (same number representation, escapes, UTF-8 checks), unmentioned subtrees are skipped by
@@ -65,9 +68,9 @@ use serde::Serialize;
 use serde_json::Value;
 use smallvec::SmallVec;
 
-use self::flatten::{BytesError, Flat, flatten_bytes, flatten_event, flatten_value};
+use self::flatten::{Absences, BytesError, Flat, flatten_bytes, flatten_event, flatten_value};
 use self::paths::{Conjunction, PathTrie};
-use self::value_matchers::FieldIndex;
+use self::value_matchers::{FieldIndex, Scalar};
 use crate::rules::pattern::{Matcher, Pattern};
 
 pub use crate::rules::pattern::MAX_WILDCARD_STARS;
@@ -129,6 +132,9 @@ pub struct MatcherStats {
 struct State {
     /// (leaf path, field index) pairs in `trans`, sorted by leaf path.
     trans: (u32, u32),
+    /// The pairs of `trans` whose index has an `exists: false` test, in `trans` too: they
+    /// are also looked up with the leaf's absent contexts.
+    absent: (u32, u32),
     /// Rules accepted here, in `accepts`.
     accepts: (u32, u32),
     /// Path-trie nodes whose array elements tests from here on depend on, in `relevant`
@@ -437,13 +443,12 @@ impl CompiledMatcher {
                 _ => groups.push((e.leaf, i as u32, i as u32 + 1)),
             }
         }
-        let has_arrays = !flat.array_node.is_empty();
-        let mut stack: SmallVec<[(u32, Pins); 8]> = SmallVec::new();
-        stack.push((0, Pins::new()));
-        let mut visited = Visited::default();
-        visited.insert(0, &Pins::new());
-        let mut targets: SmallVec<[u32; 8]> = SmallVec::new();
-        while let Some((s, pins)) = stack.pop() {
+        let flat = &*flat;
+        let mut search = Search::default();
+        let mut absences = Absences::default();
+        search.stack.push((0, Pins::new()));
+        search.visited.insert(0, &Pins::new());
+        while let Some((s, pins)) = search.stack.pop() {
             *steps += 1;
             let state = self.states[s as usize];
             out.extend_from_slice(range(&self.accepts, state.accepts));
@@ -466,42 +471,88 @@ impl CompiledMatcher {
                     }
                 }
             }
+            let step = Step {
+                pins: &pins,
+                array_node: &flat.array_node,
+            };
             for (fi, a, b) in pairs {
                 let index = &self.fields[fi as usize];
                 for e in &flat.entries[a as usize..b as usize] {
-                    *steps += 1;
                     let trail = &flat.trails[e.trail.0 as usize..(e.trail.0 + e.trail.1) as usize];
-                    if !consistent(trail, &pins) {
-                        continue;
-                    }
-                    targets.clear();
-                    index.lookup(&e.value, steps, &mut |t| targets.push(t));
-                    if targets.is_empty() {
-                        continue;
-                    }
-                    targets.sort_unstable();
-                    targets.dedup();
-                    for &t in &targets {
-                        let next = if has_arrays {
-                            pin(
-                                &pins,
-                                trail,
-                                range(&self.relevant, self.states[t as usize].relevant),
-                                &flat.array_node,
-                            )
-                        } else {
-                            Pins::new()
-                        };
-                        if visited.insert(t, &next) {
-                            stack.push((t, next));
-                        }
-                    }
+                    search.advance(self, index, &e.value, trail, &step, steps);
+                }
+            }
+            for &(leaf, fi) in range(&self.trans, state.absent) {
+                let index = &self.fields[fi as usize];
+                let (a, b) = absences.of(&self.trie, flat, leaf);
+                for t in &absences.trails[a as usize..b as usize] {
+                    let trail = &flat.trails[t.0 as usize..(t.0 + t.1) as usize];
+                    search.advance(self, index, &Scalar::Absent, trail, &step, steps);
                 }
             }
         }
         out.sort_unstable();
         out.dedup();
         out
+    }
+}
+
+/// What a step from one reached (state, pins) pair needs besides the entry.
+struct Step<'p> {
+    /// The pinned array elements of the state being left.
+    pins: &'p Pins,
+    /// The path-trie node of each array id (empty when the event crosses no array of
+    /// objects: nothing is pinned then).
+    array_node: &'p [u32],
+}
+
+/// The search's frontier and memory.
+#[derive(Default)]
+struct Search {
+    stack: SmallVec<[(u32, Pins); 8]>,
+    visited: Visited,
+    targets: SmallVec<[u32; 8]>,
+}
+
+impl Search {
+    /// Follows every transition of `index` that accepts `value`, found in the element
+    /// context `trail`, when that context agrees with the pins.
+    fn advance(
+        &mut self,
+        m: &CompiledMatcher,
+        index: &FieldIndex,
+        value: &Scalar<'_>,
+        trail: &[(u32, u32)],
+        step: &Step<'_>,
+        steps: &mut u64,
+    ) {
+        *steps += 1;
+        if !consistent(trail, step.pins) {
+            return;
+        }
+        self.targets.clear();
+        let targets = &mut self.targets;
+        index.lookup(value, steps, &mut |t| targets.push(t));
+        if self.targets.is_empty() {
+            return;
+        }
+        self.targets.sort_unstable();
+        self.targets.dedup();
+        for &t in &self.targets {
+            let next = if step.array_node.is_empty() {
+                Pins::new()
+            } else {
+                pin(
+                    step.pins,
+                    trail,
+                    range(&m.relevant, m.states[t as usize].relevant),
+                    step.array_node,
+                )
+            };
+            if self.visited.insert(t, &next) {
+                self.stack.push((t, next));
+            }
+        }
     }
 }
 
@@ -591,6 +642,8 @@ fn pin(pins: &[(u32, u32)], trail: &[(u32, u32)], relevant: &[u32], array_node: 
 #[derive(Default)]
 struct StateBuild {
     trans: FxHashMap<u32, u32>,
+    /// Leaves of `trans` tested with `exists: false`.
+    absent: FxHashSet<u32>,
     children: FxHashMap<u32, FxHashMap<String, u32>>,
     accepts: Vec<usize>,
 }
@@ -650,6 +703,12 @@ impl Builder {
                     for m in &t.matchers {
                         self.fields[fi as usize].insert(m, n);
                     }
+                    if t.matchers
+                        .iter()
+                        .any(|m| matches!(m, Matcher::Exists(false)))
+                    {
+                        st.absent.insert(t.leaf);
+                    }
                     n
                 }
             };
@@ -700,11 +759,17 @@ impl Builder {
             .map(|(sb, rel)| {
                 let mut trans: Vec<(u32, u32)> = sb.trans.into_iter().collect();
                 trans.sort_unstable();
+                let absent: Vec<(u32, u32)> = trans
+                    .iter()
+                    .copied()
+                    .filter(|(leaf, _)| sb.absent.contains(leaf))
+                    .collect();
                 let mut accepts = sb.accepts;
                 accepts.sort_unstable();
                 accepts.dedup();
                 State {
                     trans: put(&mut all_trans, &trans),
+                    absent: put(&mut all_trans, &absent),
                     accepts: put(&mut all_accepts, &accepts),
                     // Accepting states without transitions need no pins.
                     relevant: if trans.is_empty() && rel.is_empty() {

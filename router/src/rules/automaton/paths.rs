@@ -33,11 +33,11 @@ pub(crate) struct PathNode {
     pub(crate) slots: Vec<Slot>,
     /// Key to position, for levels with many keys.
     index: FxHashMap<Box<[u8]>, u32>,
-    /// Leaves tested with `exists: false` at or below this level: when the level has no
-    /// object here (missing, scalar, empty array), they are all absent.
-    pub(crate) absent_closure: Box<[u32]>,
-    /// Keys whose absence from an object at this level produces absent leaves.
-    pub(crate) missing: Box<[MissingCheck]>,
+    /// Whether some leaf at or below this level is tested with `exists: false` (some slot
+    /// has `absence`). The flattener then records each context of this level: an object,
+    /// with which of those slots' keys it holds, or a place without an object (missing,
+    /// scalar, empty array), in which all of those leaves are absent.
+    pub(crate) absence: bool,
     parent: u32,
     key: Box<str>,
     alias: u32,
@@ -73,19 +73,9 @@ pub(crate) struct Slot {
     pub(crate) leaf: Option<u32>,
     /// The object levels below this key (more than one only with aliases).
     pub(crate) nodes: SmallVec<[u32; 1]>,
-}
-
-/// A key whose absence matters.
-#[derive(Debug)]
-pub(crate) struct MissingCheck {
-    /// The key.
-    pub(crate) key: Box<str>,
-    /// Its slot index.
-    pub(crate) slot: u32,
-    /// The key's own leaf, when tested with `exists: false`.
-    pub(crate) absent_leaf: Option<u32>,
-    /// Object levels below the key with a non-empty absent closure.
-    pub(crate) nodes: SmallVec<[u32; 1]>,
+    /// Whether this key leads to a leaf tested with `exists: false` (its own, or one below):
+    /// the flattener notes its presence in each object context.
+    pub(crate) absence: bool,
 }
 
 /// One leaf field path.
@@ -95,11 +85,16 @@ pub(crate) struct LeafInfo {
     pub(crate) node: u32,
     /// The field name.
     pub(crate) key: Box<str>,
-    /// Whether some test is `exists: false` (the flattener then emits absent entries).
+    /// Whether some test is `exists: false` (the matcher then looks for contexts lacking it).
     pub(crate) absence: bool,
     /// The object levels from the root down to `node`, sorted: the arrays whose element
     /// choice a test on this leaf depends on.
     pub(crate) chain: Box<[u32]>,
+    /// For a leaf with `absence`: (object level, slot index of the key followed) from the
+    /// root down to the leaf's own key. The leaf is absent in a context of one of these
+    /// levels without an object, or in an object lacking the key followed from it (lacking
+    /// a scalar value, for the leaf's own key). Empty for other leaves.
+    pub(crate) absent_path: Box<[(u32, u32)]>,
 }
 
 /// One field test of a conjunction.
@@ -253,6 +248,7 @@ impl PathTrie {
             key: key.into(),
             absence: false,
             chain: Box::new([]),
+            absent_path: Box::new([]),
         });
         self.slot(node, key).leaf = Some(id);
         id
@@ -374,38 +370,42 @@ impl PathTrie {
             chain.sort_unstable();
             self.leaves[i].chain = chain.into();
         }
+        for i in 0..self.leaves.len() {
+            if !self.leaves[i].absence {
+                continue;
+            }
+            let mut path = Vec::new();
+            let (mut node, mut key) = (self.leaves[i].node, self.leaves[i].key.clone());
+            loop {
+                let n = &self.nodes[node as usize];
+                if let Some(slot) = n.get(key.as_bytes()) {
+                    path.push((node, slot.index));
+                }
+                if node == ROOT {
+                    break;
+                }
+                key = n.key.clone();
+                node = n.parent;
+            }
+            path.reverse();
+            self.leaves[i].absent_path = path.into();
+        }
         // Children are created after their parents: a reverse sweep sees children first.
         for id in (0..self.nodes.len()).rev() {
-            let mut closure = Vec::new();
-            let mut missing = Vec::new();
             let node = &self.nodes[id];
-            for (key, slot) in node.keys.iter().zip(&node.slots) {
-                let absent_leaf = slot.leaf.filter(|l| self.leaves[*l as usize].absence);
-                closure.extend(absent_leaf);
-                let nodes: SmallVec<[u32; 1]> = slot
-                    .nodes
-                    .iter()
-                    .copied()
-                    .filter(|c| !self.nodes[*c as usize].absent_closure.is_empty())
-                    .collect();
-                for c in &nodes {
-                    closure.extend_from_slice(&self.nodes[*c as usize].absent_closure);
-                }
-                if absent_leaf.is_some() || !nodes.is_empty() {
-                    missing.push(MissingCheck {
-                        key: key.clone(),
-                        slot: slot.index,
-                        absent_leaf,
-                        nodes,
-                    });
-                }
-            }
-            closure.sort_unstable();
-            closure.dedup();
-            missing.sort_by_key(|m| m.slot);
+            let absence: Vec<bool> = node
+                .slots
+                .iter()
+                .map(|slot| {
+                    slot.leaf.is_some_and(|l| self.leaves[l as usize].absence)
+                        || slot.nodes.iter().any(|c| self.nodes[*c as usize].absence)
+                })
+                .collect();
             let n = &mut self.nodes[id];
-            n.absent_closure = closure.into();
-            n.missing = missing.into();
+            for (slot, a) in n.slots.iter_mut().zip(&absence) {
+                slot.absence = *a;
+            }
+            n.absence = absence.contains(&true);
         }
         remap
     }

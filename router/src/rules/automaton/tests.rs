@@ -480,6 +480,44 @@ fn array_fanout_does_not_explode() {
     assert!(steps < 1_000, "{steps} steps");
 }
 
+/// `exists: false` on a different field per rule under an array of objects, behind a test
+/// that fails for the event: the flattened event and the search must not grow with the rules
+/// (the flattener used to emit an absent entry per rule per element lacking its field).
+#[test]
+fn absence_under_arrays_costs_nothing_per_rule() {
+    let items: Vec<Value> = (0..50).map(|i| json!({"sku": i, "f3": 1})).collect();
+    let ev = json!({"source": "/s", "data": {"items": items}});
+    let bytes = serde_json::to_vec(&ev).expect("serialize");
+    let mut work = Vec::new();
+    for rules in [10, 1_000] {
+        let ps: Vec<Pattern> = (0..rules)
+            .map(|i| {
+                compile(&json!({
+                    "source": [format!("nope-{i}")],
+                    "data": {"items": {format!("f{i}"): [{"exists": false}]}}
+                }))
+            })
+            .collect();
+        let m = build(&ps);
+        let mut steps = 0;
+        assert_eq!(m.matches_counting(&ev, &mut steps), Vec::<usize>::new());
+        let mut from_value = Flat::default();
+        flatten_value(&m.trie, &ev, &mut from_value);
+        let mut from_bytes = Flat::default();
+        assert!(flatten_bytes(&m.trie, &bytes, &mut from_bytes, false).is_ok());
+        work.push((
+            steps,
+            from_value.entries.len(),
+            from_bytes.entries.len(),
+            from_value.trails.len(),
+        ));
+    }
+    assert_eq!(
+        work[0], work[1],
+        "(steps, entries from a value, entries from bytes, trail pairs) at 10 and 1,000 rules"
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // Property tests: random patterns and events from a small vocabulary, so that matches happen.
 
@@ -707,6 +745,79 @@ proptest! {
         let r2 = m.matches_counting(&e, &mut s2);
         prop_assert_eq!(r1, r2);
         prop_assert_eq!(s1, s2);
+    }
+}
+
+/// Matchers weighted towards absence: `exists: false` alone or beside other tests.
+fn absence_matcher() -> impl Strategy<Value = Value> {
+    prop_oneof![
+        4 => Just(json!([{"exists": false}])),
+        1 => Just(json!([{"exists": true}])),
+        1 => Just(json!(["x"])),
+        1 => Just(json!([{"exists": false}, "x"])),
+        1 => Just(json!([{"anything-but": "x"}])),
+    ]
+}
+
+/// Patterns of up to three object levels with `$or` at any level, mostly testing absence.
+fn absence_pattern() -> impl Strategy<Value = Value> {
+    let object = |field: BoxedStrategy<Value>| {
+        let fields = prop::collection::btree_map(prop::sample::select(KEYS), field, 1..3);
+        (
+            fields.clone(),
+            prop::option::weighted(0.3, prop::collection::vec(fields, 2..3)),
+        )
+            .prop_map(|(m, or)| {
+                let obj = |m: std::collections::BTreeMap<&str, Value>| {
+                    Value::Object(m.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+                };
+                let mut out = obj(m);
+                if let (Value::Object(o), Some(alts)) = (&mut out, or) {
+                    o.insert(
+                        "$or".to_string(),
+                        Value::Array(alts.into_iter().map(obj).collect()),
+                    );
+                }
+                out
+            })
+            .boxed()
+    };
+    let level1 = object(absence_matcher().boxed());
+    let level2 = object(prop_oneof![2 => absence_matcher(), 1 => level1].boxed());
+    object(prop_oneof![1 => absence_matcher(), 2 => level2].boxed())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(512),
+        ..ProptestConfig::default()
+    })]
+
+    /// `exists: false` under arrays of objects (nested arrays, scalar and empty elements,
+    /// sibling tests, `$or`), many rules at once: every reading of the event gives the
+    /// interpreter's answer.
+    #[test]
+    fn absence_under_arrays_agrees_with_interpreter(
+        ps in prop::collection::vec(absence_pattern(), 1..12),
+        mut events in prop::collection::vec(event(), 1..4),
+        seed in any::<u64>(),
+    ) {
+        let mut r = Rng(seed | 1);
+        for p in ps.iter().take(4) {
+            events.push(guided_event(p, &mut r));
+        }
+        let ps: Vec<Pattern> = ps.iter().filter_map(compiled).collect();
+        let m = build(&ps);
+        for e in &events {
+            let want = oracle(&ps, e);
+            prop_assert_eq!(&m.matches(e), &want, "event {}", e);
+            let bytes = serde_json::to_vec(e).expect("serialize");
+            prop_assert_eq!(m.matches_bytes_trusted(&bytes), Ok(want.clone()), "trusted bytes {}", e);
+            prop_assert_eq!(m.matches_bytes(&bytes), Ok(want), "event bytes {}", e);
+            if let Some(ce) = as_cloud_event(e) {
+                prop_assert_eq!(m.matches_event(&ce), oracle(&ps, &ce.to_json()), "cloud event {}", e);
+            }
+        }
     }
 }
 
