@@ -511,7 +511,8 @@ fn spawn_retirer(app: &Arc<App>, tracker: &TaskTracker, cancel: CancellationToke
             let drained = drained_removed(&app);
             for id in drained.intersection(&seen) {
                 if app.dispatcher.stop(id) {
-                    tracing::info!(target_id = %id, "target removed from the rules has drained; its worker stopped and it is no longer listed");
+                    app.metrics.forget_target(id);
+                    tracing::info!(target_id = %id, "target removed from the rules has drained; its worker stopped, it is no longer listed and its metrics series are removed");
                 }
             }
             seen = drained.difference(&seen).cloned().collect();

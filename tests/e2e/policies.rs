@@ -773,12 +773,15 @@ async fn an_operators_resume_lifts_a_receivers_retry_after_hold() {
     assert!(t["retry_after_until"].is_null(), "{t}");
     // The worker looks again at least every second once the hold is gone. The answered
     // event goes too: it waited for the hold, not for its own 15 minutes (before, it stayed
-    // behind until then).
+    // behind until then). Not on a store nodes share: there it waits for its own time, since
+    // another node could send it before following the hold.
+    let answered_again = if RouterProc::on_jetstream() { 1 } else { 2 };
     assert!(
         rcv.wait_for(Duration::from_secs(15), |s| s
             .iter()
             .any(|x| x.event_id() == "next")
-            && s.iter().filter(|x| x.event_id() == "first").count() == 2)
+            && s.iter().filter(|x| x.event_id() == "first").count()
+                == answered_again)
             .await,
         "the queue behind the hold, and the answered event, are delivered after the resume: {:?}",
         rcv.received()

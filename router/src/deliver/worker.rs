@@ -787,7 +787,9 @@ fn retry_after_pause(
 /// True when the outcome asked for a pause and the target's hold (kept on disk, or lifted by
 /// an operator meanwhile) stands for it: then the entries that got the answer need not wait
 /// for the `Retry-After` themselves ([`conclude`]), so a resume that lifts the hold, or a
-/// reload that shortens it, lets them go with the rest of the queue.
+/// reload that shortens it, lets them go with the rest of the queue. Never on a store several
+/// nodes share: the others follow the hold within seconds, and meanwhile one of them would
+/// lease the answered entry at its backoff and send it at once.
 async fn hold_off(
     ctx: &DeliveryContext,
     rt: &TargetRuntime,
@@ -797,10 +799,11 @@ async fn hold_off(
     let Some(until) = retry_after_pause(outcome, &rt.spec.policy.retry, finished) else {
         return false;
     };
+    let covers = !ctx.store.shared();
     if !rt.hold_off_until(until, finished) {
         // A later hold (persisted when it was set), one extended by under a second (within
         // a second of the stored one), or lifted by an operator since the attempt started.
-        return true;
+        return covers;
     }
     let id = &rt.spec.id;
     tracing::warn!(target_id = %id, until = %crate::clock::rfc3339(until), "the receiver asked to hold off (Retry-After); nothing is sent to it until then");
@@ -820,7 +823,7 @@ async fn hold_off(
     };
     let state = serde_json::to_value(state).unwrap_or_default();
     match ctx.store.put_target_state(id, state).await {
-        Ok(()) => true,
+        Ok(()) => covers,
         Err(e) => {
             tracing::warn!(target_id = %id, error = %e, "could not persist the Retry-After pause; it holds until a restart (the entries that got it wait for it themselves)");
             false
