@@ -246,6 +246,31 @@ impl Jobs {
             .is_some_and(|l| l.try_lock().is_err())
     }
 
+    /// Drops what this node keeps in memory for `ids`, jobs whose records were removed
+    /// (ended past their retention): each job ever run left its control and run lock here
+    /// for the life of the process. A run lock still held (a runner finishing) stays.
+    fn forget(&self, ids: &[String]) {
+        let mut handles = self.handles.lock().unwrap_or_else(|p| p.into_inner());
+        let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        let mut failing = self.failing.lock().unwrap_or_else(|p| p.into_inner());
+        for id in ids {
+            if runs.get(id).is_some_and(|l| l.try_lock().is_err()) {
+                continue;
+            }
+            runs.remove(id);
+            handles.remove(id);
+            seen.remove(id);
+            failing.remove(id);
+        }
+    }
+
+    /// How many jobs this node keeps controls for (tests).
+    #[cfg(test)]
+    fn remembered(&self) -> usize {
+        self.handles.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
     fn handle(&self, id: &str) -> Option<Arc<Mutex<JobState>>> {
         self.handles
             .lock()
@@ -372,7 +397,9 @@ pub async fn sweep_jobs(app: &App, now: i64, retention: Duration) -> Result<u64,
     if expired.is_empty() {
         return Ok(0);
     }
+    let ids: Vec<String> = expired.iter().map(|j| j.id.clone()).collect();
     let removed = app.store.delete_jobs(expired).await?;
+    app.jobs.forget(&ids);
     if removed > 0 {
         tracing::info!(removed, retention = ?retention, "finished jobs past their retention removed");
     }
@@ -1611,10 +1638,21 @@ mod tests {
         ] {
             app.store.put_job(j).await.expect("put");
         }
+        // What this node kept in memory for jobs it ran: dropped with their records.
+        for id in ["redrive-1", "redrive-2", "redrive-5"] {
+            app.jobs
+                .handles
+                .lock()
+                .expect("handles")
+                .insert(id.into(), Arc::new(Mutex::new(JobState::Done)));
+            let _ = app.jobs.run_lock(id);
+        }
         let removed = sweep_jobs(&app, now, Duration::from_secs(30 * 24 * 3600))
             .await
             .expect("swept");
         assert_eq!(removed, 3);
+        assert_eq!(app.jobs.remembered(), 1, "only redrive-5's controls stay");
+        assert_eq!(app.jobs.runs.lock().expect("runs").len(), 1);
         let mut left: Vec<String> = app
             .store
             .jobs()
