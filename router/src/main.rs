@@ -630,16 +630,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Rules {
             cmd: RulesCmd::Test { dir, event },
         } => {
-            let (set, _) = RuleSet::load_dir(&dir).map_err(|errors| {
-                anyhow::anyhow!(
-                    "rules are invalid:\n{}",
-                    errors
-                        .iter()
-                        .map(ToString::to_string)
-                        .collect::<Vec<_>>()
-                        .join("\n")
-                )
-            })?;
+            let (set, _) = RuleSet::load_dir(&dir).map_err(|e| rules_invalid(&e))?;
             let text = std::fs::read_to_string(&event)
                 .with_context(|| format!("reading {}", event.display()))?;
             let ev: serde_json::Value = serde_json::from_str(&text)
@@ -832,16 +823,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 .into());
             } else {
                 RuleSet::load_dir_for_config(&dir, &cfg.operator_secrets())
-                    .map_err(|errors| {
-                        anyhow::anyhow!(
-                            "rules are invalid:\n{}",
-                            errors
-                                .iter()
-                                .map(ToString::to_string)
-                                .collect::<Vec<_>>()
-                                .join("\n")
-                        )
-                    })?
+                    .map_err(|e| rules_invalid(&e))?
                     .0
             };
             outln!(
@@ -1172,6 +1154,18 @@ fn store_check(dir: &std::path::Path) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::from(1))
         }
     }
+}
+
+/// The error of a rules directory that does not load: every problem, one a line.
+fn rules_invalid(errors: &[impl ToString]) -> anyhow::Error {
+    anyhow::anyhow!(
+        "rules are invalid:\n{}",
+        errors
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("\n")
+    )
 }
 
 async fn rule_toggle(api: &Api, name: &str, action: &str) -> anyhow::Result<ExitCode> {

@@ -2026,19 +2026,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let (app, ev) = crate::ingest::costly(dir.path(), 100, 10_000);
         let body = axum::body::Bytes::from(serde_json::to_vec(&ev.to_json()).expect("json"));
-        let ran = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let counter = ran.clone();
-        let ticker = tokio::spawn(async move {
-            loop {
-                counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                tokio::task::yield_now().await;
-            }
-        });
-        tokio::task::yield_now().await;
-        let before = ran.load(std::sync::atomic::Ordering::Relaxed);
-        let r = rules_test(State(app), body).await;
-        let during = ran.load(std::sync::atomic::Ordering::Relaxed) - before;
-        ticker.abort();
+        let (r, during) = crate::ingest::reactor_turns_during(rules_test(State(app), body)).await;
         assert_eq!(r.status(), StatusCode::OK);
         assert!(
             during > 0,

@@ -489,15 +489,7 @@ async fn handle(
                     routed.unwrap_or((Vec::new(), Vec::new(), Unrouted::NoMatch));
                 answer.unrouted = unrouted;
                 answer.rules.clone_from(&matched_rules);
-                let ne = NewEvent {
-                    event: ev,
-                    accepted_at: now,
-                    ruleset_version: rules.version.clone(),
-                    matched_rules,
-                    targets,
-                    quarantine: None,
-                    dedup_window_ms,
-                };
+                let ne = routed_event(&rules, ev, now, dedup_window_ms, (matched_rules, targets));
                 answered.push(answer.with_keys(&ne));
                 new_events.push(ne);
             }
@@ -917,7 +909,18 @@ pub fn route(
     now: i64,
     dedup_window_ms: i64,
 ) -> NewEvent {
-    let (matched_rules, targets) = match_targets(rules, disabled, &ev);
+    let matched = match_targets(rules, disabled, &ev);
+    routed_event(rules, ev, now, dedup_window_ms, matched)
+}
+
+/// What the store accepts for `ev`, routed under `rules` to the rules and entries `matched`.
+fn routed_event(
+    rules: &crate::rules::RuleSet,
+    ev: CloudEvent,
+    now: i64,
+    dedup_window_ms: i64,
+    (matched_rules, targets): (Vec<String>, Vec<NewEntry>),
+) -> NewEvent {
     NewEvent {
         event: ev,
         accepted_at: now,
@@ -972,6 +975,30 @@ fn match_targets_counting(
         matched_rules.push(m.rule);
     }
     (matched_rules, targets)
+}
+
+/// `work`'s output, and how many turns a task counting them got on this runtime while it ran:
+/// on a current-thread runtime, another task runs only while `work` waits (matching inline
+/// never waits, matching on the blocking pool does, for the whole match).
+#[cfg(test)]
+pub(crate) async fn reactor_turns_during<T>(
+    work: impl std::future::Future<Output = T>,
+) -> (T, u64) {
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    let ran = Arc::new(AtomicU64::new(0));
+    let counter = ran.clone();
+    let ticker = tokio::spawn(async move {
+        loop {
+            counter.fetch_add(1, Relaxed);
+            tokio::task::yield_now().await;
+        }
+    });
+    tokio::task::yield_now().await;
+    let before = ran.load(Relaxed);
+    let out = work.await;
+    let during = ran.load(Relaxed) - before;
+    ticker.abort();
+    (out, during)
 }
 
 /// Rules whose wildcards keep `n` matcher states active (`*x*y*q` for `n` letter pairs),
@@ -1030,23 +1057,9 @@ mod tests {
         let (app, ev) = costly(dir.path(), 100, 10_000);
         let rules = app.rules.load_full();
         assert!(rules.match_cost(10_000) >= BLOCKING_CHECK_BYTES);
-        // On a current-thread runtime another task runs only while this one waits: inline
-        // matching never waits, matching on the blocking pool does (for the whole match).
-        let ran = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let counter = ran.clone();
-        let ticker = tokio::spawn(async move {
-            loop {
-                counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                tokio::task::yield_now().await;
-            }
-        });
-        tokio::task::yield_now().await;
-        let before = ran.load(std::sync::atomic::Ordering::Relaxed);
-        let checked = check_and_route(&app, rules, vec![ev], 10_000)
-            .await
-            .expect("ran");
-        let during = ran.load(std::sync::atomic::Ordering::Relaxed) - before;
-        ticker.abort();
+        let (checked, during) =
+            reactor_turns_during(check_and_route(&app, rules, vec![ev], 10_000)).await;
+        let checked = checked.expect("ran");
         assert!(
             during > 0,
             "the reactor ran nothing while the event was matched"
