@@ -361,6 +361,13 @@ impl CloudEvent {
             .unwrap_or(0)
     }
 
+    /// The bytes of `data` (its JSON text) and `data_base64`: what makes an event large, and
+    /// what checking it against a contract or matching it costs in proportion to.
+    pub fn payload_len(&self) -> usize {
+        self.data.as_ref().map_or(0, |d| d.text().len())
+            + self.data_base64.as_ref().map_or(0, String::len)
+    }
+
     /// Whether `data` is JSON: no `datacontenttype`, `application/json`, or any `+json` type.
     pub fn data_is_json(&self) -> bool {
         match &self.datacontenttype {

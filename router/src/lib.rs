@@ -9,6 +9,7 @@ pub mod admin;
 pub mod app;
 pub mod auth;
 pub mod bench;
+mod blocking;
 pub mod cli;
 pub mod clock;
 pub mod config;

@@ -742,10 +742,12 @@ async fn hostile_handlers_are_contained() {
         ),
         sink.url()
     );
+    // The memory bomb must reach its cap before the timeout: at 1 s, on two cores loaded by
+    // other work, it timed out first (`handler_timeout` instead of `handler_oom`).
     let r = RouterProc::start_with_env(
         &[("r.yaml", &rules)],
         &[],
-        &[("ROUTER_HANDLERS__TIMEOUT", "1s")],
+        &[("ROUTER_HANDLERS__TIMEOUT", "4s")],
     );
     assert_eq!(put_handler(&r, "hostile", plugin("hostile")).await.0, 201);
     assert_eq!(put_handler(&r, "enrich", plugin("enrich")).await.0, 201);

@@ -1155,13 +1155,20 @@ async fn redrive_step(
                     let Some((_, ev)) = app.store.dlq_get(d.id).await? else {
                         break 'entry;
                     };
-                    match contracts.check(&ev.event) {
+                    // The check and the matching of a large event, away from the runtime's
+                    // other tasks (as at ingest).
+                    let disabled = app.disabled_rules();
+                    let weight = rules.match_cost(ev.event.payload_len());
+                    let checked = crate::blocking::off_reactor_if_large(weight, || match contracts
+                        .check(&ev.event)
+                    {
                         ContractOutcome::Pass => {
-                            let (matched_rules, targets) = crate::ingest::match_targets(
-                                &rules,
-                                &app.disabled_rules(),
-                                &ev.event,
-                            );
+                            Ok(crate::ingest::match_targets(&rules, &disabled, &ev.event))
+                        }
+                        ContractOutcome::Violation { reason, errors, .. } => Err((reason, errors)),
+                    });
+                    match checked {
+                        Ok((matched_rules, targets)) => {
                             if targets.is_empty() {
                                 // Taken out of the DLQ it would go nowhere, and its record with it
                                 // (its rule may be disabled for containment): it stays.
@@ -1180,7 +1187,7 @@ async fn redrive_step(
                             });
                             job.moved += 1;
                         }
-                        ContractOutcome::Violation { reason, errors, .. } => {
+                        Err((reason, errors)) => {
                             let note = match reason {
                                 ViolationReason::UnknownVersion => {
                                     "not redriven: its dataversion still has no contract"
@@ -1376,80 +1383,86 @@ async fn replay_step(
     let mut writes = 1usize;
     let mut taken = 0;
     let mut items = Vec::new();
-    for ev in &events {
-        let cursor_before = job.cursor;
-        job.cursor = ev.seq;
-        taken += 1;
-        // System events are the router's records of its past state: replayed, old alerts
-        // would page again, and could reach the very target they are about.
-        if ev.event.ty.starts_with("router.") {
-            job.skipped += 1;
-            continue;
-        }
-        // A handler's emission is derived too: the replay re-runs the handler on its parent,
-        // which emits it again (under a new id, with the replay marker). Replaying the
-        // archived copy as well sent each derived event downstream twice, under two ids a
-        // receiver cannot match.
-        if !include_emitted && is_emission(&ev.event) {
-            job.skipped += 1;
-            job.skipped_emitted += 1;
-            continue;
-        }
-        let json = ev.event.to_json();
-        if pattern.is_some_and(|p| !p.matches(&json)) {
-            job.skipped += 1;
-            continue;
-        }
-        // The current contracts, as at ingest (contract, then rules) and as a redrive of a
-        // quarantined event checks them: an event archived before its type's contract was
-        // added or tightened was replayed to receivers that ingest now keeps it from.
-        if !ignore_contracts
-            && matches!(
-                contracts.check(&ev.event),
-                ContractOutcome::Violation { .. }
-            )
-        {
-            job.skipped += 1;
-            job.skipped_contract += 1;
-            continue;
-        }
-        let (_, targets) = crate::ingest::match_targets(&rules, &app.disabled_rules(), &ev.event);
-        if targets.is_empty() {
-            job.skipped += 1;
-            continue;
-        }
-        let item = ReplayItem {
-            seq: ev.seq,
-            targets,
-        };
-        let cost = item.max_writes();
-        if writes + cost > budget {
-            if writes > 1 {
-                // The next step takes it.
-                job.cursor = cursor_before;
-                taken -= 1;
-                break;
+    // Matching, pattern and contract checks of a step's events (up to `MAX_STEP_BYTES`) away
+    // from the runtime's other tasks when they are large, as at ingest.
+    let weight = rules.match_cost(events.iter().map(|e| e.event.payload_len()).sum());
+    crate::blocking::off_reactor_if_large(weight, || {
+        for ev in &events {
+            let cursor_before = job.cursor;
+            job.cursor = ev.seq;
+            taken += 1;
+            // System events are the router's records of its past state: replayed, old alerts
+            // would page again, and could reach the very target they are about.
+            if ev.event.ty.starts_with("router.") {
+                job.skipped += 1;
+                continue;
             }
-            // Alone it is more than one step writes (its copies for more targets than the
-            // store takes in one transaction): not replayed, and said, rather than the step
-            // refused and tried again as large for ever.
-            let why = format!(
-                "event {} from {} was not replayed: it goes to {} targets now, more copies than one step of the store writes ({budget} records)",
-                ev.event.id,
-                ev.event.source,
-                item.targets.len()
-            );
-            tracing::warn!(job = %job.id, seq = ev.seq, "{why}");
-            if job.warnings.len() < MAX_JOB_WARNINGS {
-                job.warnings.push(why);
+            // A handler's emission is derived too: the replay re-runs the handler on its parent,
+            // which emits it again (under a new id, with the replay marker). Replaying the
+            // archived copy as well sent each derived event downstream twice, under two ids a
+            // receiver cannot match.
+            if !include_emitted && is_emission(&ev.event) {
+                job.skipped += 1;
+                job.skipped_emitted += 1;
+                continue;
             }
-            job.failed += 1;
-            continue;
+            let json = ev.event.to_json();
+            if pattern.is_some_and(|p| !p.matches(&json)) {
+                job.skipped += 1;
+                continue;
+            }
+            // The current contracts, as at ingest (contract, then rules) and as a redrive of a
+            // quarantined event checks them: an event archived before its type's contract was
+            // added or tightened was replayed to receivers that ingest now keeps it from.
+            if !ignore_contracts
+                && matches!(
+                    contracts.check(&ev.event),
+                    ContractOutcome::Violation { .. }
+                )
+            {
+                job.skipped += 1;
+                job.skipped_contract += 1;
+                continue;
+            }
+            let (_, targets) =
+                crate::ingest::match_targets(&rules, &app.disabled_rules(), &ev.event);
+            if targets.is_empty() {
+                job.skipped += 1;
+                continue;
+            }
+            let item = ReplayItem {
+                seq: ev.seq,
+                targets,
+            };
+            let cost = item.max_writes();
+            if writes + cost > budget {
+                if writes > 1 {
+                    // The next step takes it.
+                    job.cursor = cursor_before;
+                    taken -= 1;
+                    break;
+                }
+                // Alone it is more than one step writes (its copies for more targets than the
+                // store takes in one transaction): not replayed, and said, rather than the step
+                // refused and tried again as large for ever.
+                let why = format!(
+                    "event {} from {} was not replayed: it goes to {} targets now, more copies than one step of the store writes ({budget} records)",
+                    ev.event.id,
+                    ev.event.source,
+                    item.targets.len()
+                );
+                tracing::warn!(job = %job.id, seq = ev.seq, "{why}");
+                if job.warnings.len() < MAX_JOB_WARNINGS {
+                    job.warnings.push(why);
+                }
+                job.failed += 1;
+                continue;
+            }
+            writes += cost;
+            items.push(item);
+            job.moved += 1;
         }
-        writes += cost;
-        items.push(item);
-        job.moved += 1;
-    }
+    });
     // An event accepted inside the range while the job was being created (it had its time
     // before `to`, and its commit after the count) is replayed too.
     job.total = job

@@ -1785,19 +1785,6 @@ pub(crate) fn read_panicked(what: &str, payload: &(dyn std::any::Any + Send)) ->
     }
 }
 
-/// Runs a read that may scan many records (a DLQ summary, a listing page behind a selective
-/// filter, a replay's range) with the runtime's other tasks moved off this worker thread
-/// meanwhile, so ingest is not held up behind an operator's query. Inline where that cannot be
-/// done (a current-thread runtime, as in unit tests, or no runtime).
-fn off_reactor<T>(read: impl FnOnce() -> T) -> T {
-    match tokio::runtime::Handle::try_current() {
-        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-            tokio::task::block_in_place(read)
-        }
-        _ => read(),
-    }
-}
-
 /// The `Store` trait's reads, synchronous: a read transaction on the local file. Tests and
 /// tools call them directly; the trait wraps them in futures.
 impl RedbStore {
@@ -2466,7 +2453,7 @@ impl Store for RedbStore {
         filter: &'a DlqFilter,
         bucket_ms: i64,
     ) -> BoxFuture<'a, Result<Vec<SummaryRow>, StoreError>> {
-        async move { off_reactor(|| RedbStore::dlq_summary(self, filter, bucket_ms)) }.boxed()
+        async move { crate::blocking::off_reactor(|| RedbStore::dlq_summary(self, filter, bucket_ms)) }.boxed()
     }
 
     fn events_between(
@@ -2478,7 +2465,9 @@ impl Store for RedbStore {
         max_bytes: usize,
     ) -> BoxFuture<'_, Result<Vec<StoredEvent>, StoreError>> {
         async move {
-            off_reactor(|| RedbStore::events_between(self, from, to, after_seq, limit, max_bytes))
+            crate::blocking::off_reactor(|| {
+                RedbStore::events_between(self, from, to, after_seq, limit, max_bytes)
+            })
         }
         .boxed()
     }
@@ -2488,7 +2477,7 @@ impl Store for RedbStore {
         from: Millis,
         to: Millis,
     ) -> BoxFuture<'_, Result<u64, StoreError>> {
-        async move { off_reactor(|| RedbStore::count_events_between(self, from, to)) }.boxed()
+        async move { crate::blocking::off_reactor(|| RedbStore::count_events_between(self, from, to)) }.boxed()
     }
 
     fn completed_get<'a>(
@@ -2634,7 +2623,7 @@ impl Store for RedbStore {
         after: Option<u64>,
         limit: usize,
     ) -> BoxFuture<'a, Result<Vec<DlqEntry>, StoreError>> {
-        async move { off_reactor(|| RedbStore::dlq_list(self, filter, after, limit)) }.boxed()
+        async move { crate::blocking::off_reactor(|| RedbStore::dlq_list(self, filter, after, limit)) }.boxed()
     }
 
     fn dlq_mark(&self) -> BoxFuture<'_, Result<DlqMark, StoreError>> {

@@ -433,8 +433,12 @@ impl HandlerTarget {
                     result: serde_json::to_vec(&result).unwrap_or_default(),
                     expires_at: now.saturating_add(self.rt.completed_ttl_ms),
                 };
-                let Some(prepared) = self.rt.prepare.get().and_then(|p| p(&emitter, events, now))
-                else {
+                // Contract checks and rule matching of large emissions, away from the
+                // runtime's other tasks, as ingest does for large requests.
+                let weight = events.iter().map(CloudEvent::payload_len).sum();
+                let Some(prepared) = self.rt.prepare.get().and_then(|p| {
+                    crate::blocking::off_reactor_if_large(weight, || p(&emitter, events, now))
+                }) else {
                     // Never ack a delivery whose emissions were not routed: that would lose
                     // them. Nothing is committed; the delivery runs again.
                     return (not_wired(), None);
