@@ -1044,8 +1044,9 @@ pub enum RunError {
         needed_by: String,
     },
     /// A credential of `[store.jetstream]` cannot be used: the variable `token_env` or
-    /// `password_env` names is not set, or the credentials file is unreadable. The store is
-    /// not optional, so the router does not start (a `nats:` target waits instead).
+    /// `password_env` names is not set, or the credentials file is unreadable or does not
+    /// parse. The store is not optional, so the router does not start (a `nats:` target
+    /// waits instead).
     #[error(transparent)]
     StoreCredentials(crate::nats_auth::NatsAuthError),
     /// Refusing to serve without tokens on a non-loopback address.
@@ -1491,7 +1492,7 @@ pub async fn run(
         let secrets = secret_resolver(&cfg, None)?;
         let auth = js
             .auth()
-            .resolve(&*secrets)
+            .resolve(secrets)
             .map_err(RunError::StoreCredentials)?;
         let store = crate::store::jetstream::JetStreamStore::open(
             crate::store::jetstream::JetStreamOptions {

@@ -51,16 +51,34 @@ impl AuthServer {
             .expect("a free port")
             .port();
         let dir = tempfile::tempdir().expect("tempdir");
-        let conf = dir.path().join("server.conf");
+        let child = Self::spawn(port, dir.path(), extra);
+        Self { port, dir, child }
+    }
+
+    /// Stops the server and starts it again on the same port and store with `extra` in
+    /// place of its configuration's (clients are cut off and must connect again).
+    fn restart(&mut self, extra: &str) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = Self::spawn(self.port, self.dir.path(), extra);
+    }
+
+    /// A nats-server on `port` with its config, store and log in `dir`, once it listens.
+    fn spawn(port: u16, dir: &Path, extra: &str) -> std::process::Child {
+        let conf = dir.join("server.conf");
         std::fs::write(
             &conf,
             format!(
                 "listen: 127.0.0.1:{port}\nmax_payload: 8MB\njetstream {{ store_dir: {:?}, sync_interval: always }}\n{extra}\n",
-                dir.path().join("js").display().to_string()
+                dir.join("js").display().to_string()
             ),
         )
         .expect("server config");
-        let log = std::fs::File::create(dir.path().join("server.log")).expect("log");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("server.log"))
+            .expect("log");
         let child = std::process::Command::new(nats_server_binary())
             .arg("-c")
             .arg(&conf)
@@ -74,11 +92,11 @@ impl AuthServer {
             assert!(
                 Instant::now() < deadline,
                 "nats-server did not listen within 20 s: {}",
-                std::fs::read_to_string(dir.path().join("server.log")).unwrap_or_default()
+                std::fs::read_to_string(dir.join("server.log")).unwrap_or_default()
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        Self { port, dir, child }
+        child
     }
 
     fn url(&self) -> String {
@@ -265,5 +283,136 @@ async fn a_store_that_requires_tls_and_a_client_certificate() {
     assert!(
         err.contains(&format!("store.jetstream: connect to {}", server.url())),
         "{err}"
+    );
+}
+
+/// The server's users while the router's password is `password`: `router` (the router's
+/// store and its `nats:` targets) and `watcher` (the test's own client, never rotated).
+fn users(password: &str) -> String {
+    format!(
+        "authorization {{\n  users = [\n    {{ user: router, password: {password:?} }}\n    {{ user: watcher, password: \"W4tcherPassw0rd\" }}\n  ]\n}}"
+    )
+}
+
+/// Writes the secrets file as an operator's tooling would: whole, in one rename.
+fn write_secrets(path: &Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).expect("write secrets");
+    std::fs::rename(&tmp, path).expect("rename secrets");
+}
+
+/// Whether `id`'s one target shows it delivered within 30 s (a retry waiting for a
+/// reconnect included).
+async fn delivered(r: &RouterProc, id: &str) -> bool {
+    eventually(Duration::from_secs(30), || async {
+        (fate(r, id).await["targets"][0]["state"] == "delivered").then_some(())
+    })
+    .await
+    .is_some()
+}
+
+/// A password rotated on the server and in the secrets file is picked up without a restart:
+/// the store's and the `nats:` targets' connections, cut off by the server's restart with the
+/// new password, fail to log in until the secrets file has it, and then log in with it at
+/// their next reconnect. Events posted before and after both reach the stream of their
+/// subject, through the same router process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_password_rotated_in_the_secrets_file_is_used_at_the_next_reconnect() {
+    let mut server = AuthServer::start(&users("0ldPassw0rd"));
+    let watcher = async_nats::ConnectOptions::with_user_and_password(
+        "watcher".into(),
+        "W4tcherPassw0rd".into(),
+    )
+    .connect(server.url())
+    .await
+    .expect("the test's client");
+    let mut stream = async_nats::jetstream::new(watcher)
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: "ROTATED".into(),
+            subjects: vec!["rotated.>".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("stream");
+
+    let secrets_dir = tempfile::tempdir().expect("tempdir");
+    let secrets = secrets_dir.path().join("secrets.toml");
+    write_secrets(&secrets, "E2E_ROTATED_PASSWORD = \"0ldPassw0rd\"\n");
+    let url = server.url();
+    let login = "user = \"router\"\npassword_env = \"E2E_ROTATED_PASSWORD\"\n";
+    let config = format!(
+        "secrets_file = {:?}\n[store]\nbackend = \"jetstream\"\n[store.jetstream]\nurl = \"{url}\"\n{login}[nats]\nurl = \"{url}\"\n{login}",
+        secrets.display().to_string()
+    );
+    // Retries close together, so the event waiting for the reconnect goes as soon as it can.
+    let rules = rules_yaml(
+        "  fast:\n    timeout: 2s\n    retry: { max_attempts: 200, base_delay: 100ms, max_delay: 500ms, jitter: none }",
+        &[(
+            "to-nats",
+            "t",
+            &["nats: rotated.events\n        policy: fast".to_string()],
+        )],
+    );
+    // The JetStream pass points every router at its shared server through this variable,
+    // which a config file does not override: set to this test's server the same way.
+    let r = RouterProc::start_full(
+        &[("r.yaml", &rules)],
+        &[],
+        &[("ROUTER_STORE__JETSTREAM__URL", url.as_str())],
+        Some(&config),
+    );
+    let (status, body) = post_event(&r, &event("rot-1", "t", json!({"n": 1}))).await;
+    assert_eq!(status, 202, "{body}");
+    assert!(
+        delivered(&r, "rot-1").await,
+        "{}\n{}",
+        fate(&r, "rot-1").await,
+        r.log_text()
+    );
+
+    // The server now takes only the new password; the router's clients are cut off and
+    // their reconnects refused, until the secrets file has it too (some seconds later, as an
+    // operator's two steps would be).
+    server.restart(&users("N3wPassw0rd"));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    write_secrets(&secrets, "E2E_ROTATED_PASSWORD = \"N3wPassw0rd\"\n");
+
+    // The store is back once its client has logged in again: the client's reconnect delay is
+    // at most 4 s; 60 s is for a loaded machine.
+    let accepted = eventually(Duration::from_secs(60), || async {
+        let (status, body) = post_event(&r, &event("rot-2", "t", json!({"n": 2}))).await;
+        (status == 202).then_some(body)
+    })
+    .await;
+    assert!(
+        accepted.is_some(),
+        "the store did not accept an event after the rotation; log:\n{}",
+        r.log_text()
+    );
+    assert!(
+        delivered(&r, "rot-2").await,
+        "the nats: target did not deliver after the rotation: {}\n{}",
+        fate(&r, "rot-2").await,
+        r.log_text()
+    );
+    let ids: Vec<String> = {
+        let info = stream.info().await.expect("stream info");
+        let mut ids = Vec::new();
+        for seq in 1..=info.state.last_sequence {
+            let msg = stream.get_raw_message(seq).await.expect("message");
+            let ev: serde_json::Value = serde_json::from_slice(&msg.payload).expect("JSON");
+            ids.push(ev["id"].as_str().unwrap_or_default().to_string());
+        }
+        ids
+    };
+    assert_eq!(ids, ["rot-1", "rot-2"], "{ids:?}");
+    let log = r.log_text();
+    assert!(
+        log.contains("NATS login changed since the last connect"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("N3wPassw0rd") && !log.contains("0ldPassw0rd"),
+        "{log}"
     );
 }

@@ -80,7 +80,8 @@ pub struct RecordsConfig {
     /// a server whose `max_payload` is smaller is refused at open, not at the first big event.
     pub max_record_bytes: usize,
     /// Credentials and TLS settings (`store.jetstream.user`, `tls_ca_file`, …), resolved
-    /// before the open (a variable not set stops the start there). Default: none.
+    /// before the open (a variable not set stops the start there) and read again at each
+    /// reconnect. Default: none.
     pub auth: crate::nats_auth::NatsCredentials,
 }
 
@@ -457,15 +458,13 @@ impl Records {
     pub async fn open(config: RecordsConfig) -> Result<Arc<Self>, RecordsError> {
         let servers = crate::config::server_addrs("store.jetstream.url", &config.url)
             .map_err(RecordsError::Server)?;
-        let options = async_nats::ConnectOptions::new()
+        let options = config
+            .auth
+            .options()
             .connection_timeout(config.timeout)
             .request_timeout(Some(config.timeout))
             .ping_interval(PING_INTERVAL)
             .name("router-store");
-        let options = config
-            .auth
-            .apply(options)
-            .map_err(|e| RecordsError::Connect(e.to_string()))?;
         let client = options.connect(servers.as_slice()).await.map_err(|e| {
             use async_nats::ConnectErrorKind as Kind;
             let hint = match e.kind() {

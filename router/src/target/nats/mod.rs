@@ -189,7 +189,12 @@ impl NatsConnection {
         let last = self.last_event.clone();
         let refusals = self.refusals.clone();
         let url = self.cfg.url.clone();
-        let opts = async_nats::ConnectOptions::new()
+        // The login is read now (a secret not set fails this attempt, as before) and again at
+        // each reconnect: a rotated password, token or credentials file is used from then on.
+        let opts = self
+            .auth
+            .resolve(self.secrets.clone())?
+            .options()
             .name(concat!("router/", env!("CARGO_PKG_VERSION")))
             .connection_timeout(self.cfg.connect_timeout)
             // The router must start and ingest while NATS is down: the client is returned at
@@ -229,7 +234,7 @@ impl NatsConnection {
                     }
                 }
             });
-        Ok(self.auth.resolve(&*self.secrets)?.apply(opts)?)
+        Ok(opts)
     }
 
     /// The shared client, built on the first call.
