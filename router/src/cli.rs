@@ -923,9 +923,387 @@ pub fn targets_table(v: &Value) -> String {
     }
 }
 
+/// What `router status` read from the router: `/v1/status`, and the targets and the DLQ
+/// (all of it, and the part since `recent` before the router's clock), or why one of those
+/// could not be read (a token without the scope: the report says so and goes on).
+pub struct StatusInputs<'a> {
+    /// `GET /v1/status`.
+    pub status: &'a Value,
+    /// `GET /v1/targets`.
+    pub targets: Result<&'a Value, String>,
+    /// `GET /v1/dlq/summary`.
+    pub dlq: Result<&'a Value, String>,
+    /// `GET /v1/dlq/summary?since=…`: the dead letters of the last `recent`.
+    pub dlq_recent: Result<&'a Value, String>,
+    /// How far back "recent" dead letters go.
+    pub recent: Duration,
+}
+
+/// `router status`: the router at a glance, and what needs an operator now.
+pub struct StatusReport {
+    /// The lines to print.
+    pub text: String,
+    /// What needs attention, one line each (empty: nothing does; `router status` exits 0).
+    pub attention: Vec<String>,
+}
+
+/// `n` bytes the way an operator reads them (`1.5 GiB`).
+fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
+}
+
+/// Whole seconds as `3d4h`, `2h5m`, `4m10s` or `12s`: the two largest units.
+fn human_seconds(secs: u64) -> String {
+    let (d, h, m, s) = (secs / 86_400, secs / 3600 % 24, secs / 60 % 60, secs % 60);
+    match (d, h, m) {
+        (0, 0, 0) => format!("{s}s"),
+        (0, 0, _) => format!("{m}m{s}s"),
+        (0, _, _) => format!("{h}h{m}m"),
+        _ => format!("{d}d{h}h"),
+    }
+}
+
+/// The router's status (`router status`): one line per part (process, rules, ingest, store,
+/// targets, DLQ, jobs), then what needs attention — a router not ready, a store that does
+/// not write or refuses ingest, a failed reload, targets whose queues wait on something an
+/// operator can act on (the notes of `router targets ls`) or that are paused, dead letters
+/// of the last `recent`, jobs with an error, store faults, a NATS connection down — and the
+/// router's own warnings, which are shown but do not count as attention (some hold for as
+/// long as the configuration does, such as auth being off on a loopback address).
+pub fn status_report(i: &StatusInputs<'_>) -> StatusReport {
+    let st = i.status;
+    let mut attention = Vec::new();
+    let mut out = Vec::new();
+    let node = st["node"]
+        .as_str()
+        .map(|n| format!(" · node {n} of {}", s(&st["nodes"])))
+        .unwrap_or_default();
+    let ready = st["ready"] == json!(true);
+    out.push(format!(
+        "router {} · up {} · {}{node}",
+        s(&st["version"]),
+        human_seconds(st["uptime_seconds"].as_u64().unwrap_or(0)),
+        if ready { "ready" } else { "NOT READY" }
+    ));
+    if !ready {
+        attention.push(
+            "not ready: /readyz answers 503 (starting, shutting down, or the store is not open yet)"
+                .to_string(),
+        );
+    }
+    let reload = &st["reload"];
+    let commit = reload["rules_git_commit"]
+        .as_str()
+        .map(|c| format!(", commit {}", c.chars().take(12).collect::<String>()))
+        .unwrap_or_default();
+    out.push(format!(
+        "rules {} ({} rule(s) in {} file(s){commit}) · contracts {} ({}) · last reload {} by {}{}",
+        s(&st["rules"]["version"]),
+        s(&st["rules"]["rules"]),
+        st["rules"]["files"].as_array().map_or(0, Vec::len),
+        s(&st["contracts"]["version"]),
+        s(&st["contracts"]["count"]),
+        s(&reload["last_attempt_at"]),
+        s(&reload["last_trigger"]),
+        if reload["last_error"].is_null() {
+            ", ok"
+        } else {
+            ", FAILED"
+        }
+    ));
+    if let Some(e) = reload["last_error"].as_str() {
+        attention.push(format!(
+            "the last reload failed (the rules and contracts before it stay live): {e}"
+        ));
+    }
+    let ingest = &st["ingest"];
+    out.push(format!(
+        "ingest {} of {} in flight, refused {} time(s) for saturation · connections {} of {} (refused {})",
+        human_bytes(ingest["in_flight_bytes"].as_u64().unwrap_or(0)),
+        human_bytes(ingest["max_in_flight_bytes"].as_u64().unwrap_or(0)),
+        s(&ingest["saturated_total"]),
+        s(&st["connections"]["open"]),
+        s(&st["connections"]["max"]),
+        s(&st["connections"]["refused_total"]),
+    ));
+    let store = &st["store"];
+    let size = store["bytes"]
+        .as_u64()
+        .map_or_else(|| "size unknown".to_string(), human_bytes);
+    let writable = store["writable"] == json!(true);
+    out.push(format!(
+        "store {} {size} (high-water mark {}){}{}",
+        s(&store["backend"]),
+        human_bytes(store["max_bytes"].as_u64().unwrap_or(0)),
+        if writable {
+            ", writable"
+        } else {
+            ", NOT WRITABLE"
+        },
+        if store["compacting"] == json!(true) {
+            ", compacting"
+        } else {
+            ""
+        }
+    ));
+    if !writable {
+        attention.push("the store does not take writes: every write answers 503 meanwhile (a full or failing disk, or the JetStream server out of reach; docs/operations.md)".to_string());
+    }
+    if store["ingest_refused"] == json!(true) {
+        attention.push(format!(
+            "ingest answers 503: the store is past its disk high-water mark ({})",
+            human_bytes(store["max_bytes"].as_u64().unwrap_or(0))
+        ));
+    }
+    let faults = &store["faults"];
+    if faults["corrupt_records"].as_u64().unwrap_or(0) > 0 {
+        attention.push(format!(
+            "{} deliveries set aside: their event's record cannot be read (`store.faults` in /v1/status)",
+            s(&faults["corrupt_records"])
+        ));
+    }
+    if let Some(failing) = faults["failing_leases"]
+        .as_object()
+        .filter(|f| !f.is_empty())
+    {
+        attention.push(format!(
+            "leases fail for {} target(s): {} (a failing disk? /v1/status store.faults)",
+            failing.len(),
+            failing.keys().cloned().collect::<Vec<_>>().join(", ")
+        ));
+    }
+    if st["nats"]["connected"] == json!(false) {
+        attention.push(format!(
+            "the NATS connection of the nats: targets is down: {}",
+            s(&st["nats"]["last_event"])
+        ));
+    }
+    match &i.targets {
+        Ok(v) => {
+            let targets: Vec<&Value> = v["targets"].as_array().into_iter().flatten().collect();
+            let sum = |k: &str| targets.iter().filter_map(|t| t[k].as_u64()).sum::<u64>();
+            let oldest = targets
+                .iter()
+                .filter_map(|t| t["oldest_age_seconds"].as_u64())
+                .max();
+            out.push(format!(
+                "targets {} · queued {} · in flight {}{}",
+                targets.len(),
+                sum("queued"),
+                sum("in_flight"),
+                oldest
+                    .map(|o| format!(" · oldest queued {}", human_seconds(o)))
+                    .unwrap_or_default()
+            ));
+            for t in &targets {
+                let id = s(&t["id"]);
+                if t["paused"] == json!(true) {
+                    attention.push(format!(
+                        "target {id} is paused ({} queued; `router targets resume {id}`)",
+                        s(&t["queued"])
+                    ));
+                }
+                for note in target_notes(t) {
+                    attention.push(format!("target {id}: {note}"));
+                }
+            }
+        }
+        Err(why) => out.push(format!("targets: not read ({why})")),
+    }
+    match (&i.dlq, &i.dlq_recent) {
+        (Ok(all), recent) => {
+            let groups = all["groups"].as_array().map_or(0, Vec::len);
+            out.push(format!(
+                "dlq {} dead letter(s) in {groups} target × reason group(s)",
+                s(&all["total"])
+            ));
+            if let Ok(recent) = recent {
+                let n = recent["total"].as_u64().unwrap_or(0);
+                if n > 0 {
+                    let which: Vec<String> = recent["groups"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(|g| {
+                            format!(
+                                "{} {} ×{}",
+                                dlq_target(&g["target"]),
+                                s(&g["reason"]),
+                                s(&g["count"])
+                            )
+                        })
+                        .collect();
+                    attention.push(format!(
+                        "{n} new dead letter(s) in the last {}: {} (`router dlq summary --since …`)",
+                        humantime::format_duration(i.recent),
+                        which.join(", ")
+                    ));
+                }
+            }
+        }
+        (Err(why), _) => out.push(format!("dlq: not read ({why})")),
+    }
+    let jobs: Vec<&Value> = st["jobs"]["active"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .collect();
+    if jobs.is_empty() {
+        out.push("jobs none running".to_string());
+    } else {
+        out.push(format!("jobs {} running or paused:", jobs.len()));
+        for j in &jobs {
+            out.push(format!(
+                "  {} {} {}: {}/{} moved, {} failed, {} skipped, last item at {}",
+                s(&j["id"]),
+                s(&j["kind"]),
+                s(&j["state"]),
+                s(&j["moved"]),
+                s(&j["total"]),
+                s(&j["failed"]),
+                s(&j["skipped"]),
+                s(&j["last_item_at"])
+            ));
+            if let Some(e) = j["last_error"].as_str() {
+                attention.push(format!("job {}: {e}", s(&j["id"])));
+            }
+        }
+    }
+    if let Some(e) = st["jobs"]["error"].as_str() {
+        out.push(format!("  (jobs not read: {e})"));
+    }
+    let warnings: Vec<String> = st["warnings"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(s)
+        .collect();
+    if attention.is_empty() {
+        out.push("\nnothing needs attention".to_string());
+    } else {
+        out.push(format!("\nneeds attention ({}):", attention.len()));
+        out.extend(attention.iter().map(|a| format!("  - {a}")));
+    }
+    if !warnings.is_empty() {
+        out.push(format!("\nwarnings ({}):", warnings.len()));
+        out.extend(warnings.iter().map(|w| format!("  - {w}")));
+    }
+    StatusReport {
+        text: out.join("\n"),
+        attention,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A quiet router needs nothing; each kind of trouble is listed once under "needs
+    /// attention", warnings are shown without counting, and a part the token may not read is
+    /// said instead of failing the whole report.
+    #[test]
+    fn the_status_report_lists_what_needs_attention() {
+        let quiet = json!({
+            "version": "0.1.0", "uptime_seconds": 3725, "ready": true, "node": null,
+            "rules": {"version": "abc", "rules": 4, "files": ["r.yaml"]},
+            "reload": {"last_attempt_at": "2026-12-07T10:00:00Z", "last_trigger": "start",
+                       "last_error": null, "rules_git_commit": null},
+            "contracts": {"version": "def", "count": 3},
+            "ingest": {"in_flight_bytes": 0, "max_in_flight_bytes": 16777216, "saturated_total": 0},
+            "connections": {"open": 1, "max": 512, "refused_total": 0},
+            "store": {"backend": "redb", "bytes": 73728, "max_bytes": 1073741824,
+                      "writable": true, "ingest_refused": false, "compacting": false,
+                      "faults": {"corrupt_records": 0, "failing_leases": {}}},
+            "nats": null, "jobs": {"active": []},
+            "warnings": ["auth is off"]
+        });
+        let targets = json!({"targets": [
+            {"id": "erp", "queued": 3, "in_flight": 1, "oldest_age_seconds": 75,
+             "paused": false, "breaker": null, "held_keys": []}
+        ]});
+        let empty_dlq = json!({"total": 0, "groups": []});
+        let inputs = |status, targets, recent| StatusInputs {
+            status,
+            targets,
+            dlq: Ok(recent),
+            dlq_recent: Ok(recent),
+            recent: Duration::from_secs(3600),
+        };
+        let r = status_report(&inputs(&quiet, Ok(&targets), &empty_dlq));
+        assert!(r.attention.is_empty(), "{:?}", r.attention);
+        assert!(
+            r.text.starts_with("router 0.1.0 · up 1h2m · ready"),
+            "{}",
+            r.text
+        );
+        assert!(
+            r.text
+                .contains("queued 3 · in flight 1 · oldest queued 1m15s"),
+            "{}",
+            r.text
+        );
+        assert!(
+            r.text
+                .contains("store redb 72.0 KiB (high-water mark 1.0 GiB)"),
+            "{}",
+            r.text
+        );
+        assert!(r.text.contains("nothing needs attention"), "{}", r.text);
+        assert!(
+            r.text.contains("warnings (1):\n  - auth is off"),
+            "{}",
+            r.text
+        );
+
+        let mut troubled = quiet.clone();
+        troubled["ready"] = json!(false);
+        troubled["reload"]["last_error"] = json!("r.yaml:3: unknown operator");
+        troubled["store"]["writable"] = json!(false);
+        troubled["jobs"]["active"] = json!([{"id": "j1", "kind": "redrive", "state": "running",
+            "moved": 1, "total": 9, "failed": 0, "skipped": 0, "last_item_at": null,
+            "last_error": "the store is unavailable"}]);
+        let troubled_targets = json!({"targets": [
+            {"id": "erp", "queued": 3, "in_flight": 0, "paused": true,
+             "breaker": {"state": "open", "since": "t0", "open_until": "t1"}, "held_keys": []}
+        ]});
+        let recent = json!({"total": 2, "groups": [
+            {"target": "erp", "reason": "retries_exhausted", "count": 2}
+        ]});
+        let r = status_report(&inputs(&troubled, Ok(&troubled_targets), &recent));
+        let all = r.attention.join("\n");
+        for expected in [
+            "not ready",
+            "the last reload failed (the rules and contracts before it stay live): r.yaml:3",
+            "the store does not take writes",
+            "target erp is paused (3 queued; `router targets resume erp`)",
+            "target erp: breaker open since t0 until t1",
+            "2 new dead letter(s) in the last 1h: erp retries_exhausted ×2",
+            "job j1: the store is unavailable",
+        ] {
+            assert!(all.contains(expected), "{expected:?} missing from:\n{all}");
+        }
+        assert_eq!(r.attention.len(), 7, "{all}");
+        assert!(r.text.contains("needs attention (7):"), "{}", r.text);
+
+        let r = status_report(&inputs(&quiet, Err("403: out of scope".into()), &empty_dlq));
+        assert!(
+            r.text.contains("targets: not read (403: out of scope)"),
+            "{}",
+            r.text
+        );
+        assert!(r.attention.is_empty());
+    }
 
     #[test]
     fn the_rules_table_shows_each_rule_s_state_and_matches_and_the_stray_switches() {

@@ -58,6 +58,16 @@ enum Cmd {
         #[arg(long)]
         contracts: Option<PathBuf>,
     },
+    /// The router at a glance, and what needs an operator now (client of the API). Exit 0:
+    /// nothing needs attention; 1: something does (listed under "needs attention"); 2: the
+    /// router could not be asked.
+    Status {
+        #[command(flatten)]
+        api: Api,
+        /// Dead letters newer than this count as needing attention.
+        #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
+        recent: std::time::Duration,
+    },
     /// Rule files: check and test.
     Rules {
         #[command(subcommand)]
@@ -750,6 +760,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
         } => rt.block_on(rule_toggle(&api, &name, "enable")),
         Cmd::Dlq { api, cmd } => rt.block_on(dlq(api, cmd)),
         Cmd::Targets { api, cmd } => rt.block_on(targets(api, cmd)),
+        Cmd::Status { api, recent } => rt.block_on(status(api, recent)),
         Cmd::Replay {
             api,
             from,
@@ -1287,6 +1298,65 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
         ),
     });
     Ok(ExitCode::SUCCESS)
+}
+
+/// `router status`: `/v1/status`, then the targets and the DLQ (all of it, and the last
+/// `recent` of it by the router's clock) together. A part the token may not read is said in
+/// the report; only `/v1/status` must answer.
+async fn status(api: Api, recent: std::time::Duration) -> anyhow::Result<ExitCode> {
+    use reqwest::Method;
+    let c = api.client();
+    let st = c.call(Method::GET, "/v1/status", None).await?;
+    // The router's clock, not this machine's: started_at plus uptime, to the second.
+    let now = st["started_at"]
+        .as_str()
+        .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+        .map(|t| t + chrono::Duration::seconds(st["uptime_seconds"].as_i64().unwrap_or(0)))
+        .map_or_else(chrono::Utc::now, |t| t.with_timezone(&chrono::Utc));
+    let since = now - chrono::Duration::from_std(recent).unwrap_or(chrono::Duration::MAX);
+    let since = since.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    let recent_path = format!(
+        "/v1/dlq/summary{}",
+        router::cli::query(&[("since", &Some(since))])
+    );
+    let (targets, dlq, dlq_recent) = tokio::join!(
+        c.call(Method::GET, "/v1/targets", None),
+        c.call(Method::GET, "/v1/dlq/summary", None),
+        c.call(Method::GET, &recent_path, None),
+    );
+    let shown = |r: &Result<serde_json::Value, router::cli::CliError>| match r {
+        Ok(v) => Ok(v.clone()),
+        Err(e) => Err(e.to_string()),
+    };
+    let (targets, dlq, dlq_recent) = (shown(&targets), shown(&dlq), shown(&dlq_recent));
+    let report = router::cli::status_report(&router::cli::StatusInputs {
+        status: &st,
+        targets: targets.as_ref().map_err(Clone::clone),
+        dlq: dlq.as_ref().map_err(Clone::clone),
+        dlq_recent: dlq_recent.as_ref().map_err(Clone::clone),
+        recent,
+    });
+    if api.json {
+        let part = |r: &Result<serde_json::Value, String>| match r {
+            Ok(v) => v.clone(),
+            Err(e) => serde_json::json!({ "error": e }),
+        };
+        let v = serde_json::json!({
+            "status": st,
+            "targets": part(&targets),
+            "dlq": part(&dlq),
+            "dlq_recent": part(&dlq_recent),
+            "attention": report.attention,
+        });
+        outln!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+    } else {
+        outln!("{}", report.text);
+    }
+    Ok(if report.attention.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }
 
 async fn targets(api: Api, cmd: TargetsCmd) -> anyhow::Result<ExitCode> {

@@ -807,3 +807,108 @@ async fn config_explain_shows_the_stores_credential_keys_but_never_a_secret() {
         "{out}"
     );
 }
+
+/// Runs `router status ARGS… --api <router>` without a token; returns (exit code, stdout,
+/// stderr).
+async fn status_of(r: &RouterProc, args: &[&str]) -> (Option<i32>, String, String) {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_router"));
+    cmd.arg("status")
+        .args(args)
+        .args(["--api", &r.url("")])
+        .env_remove("ROUTER_TOKEN")
+        .env_remove("ROUTER_API");
+    let out = tokio::time::timeout(Duration::from_secs(60), cmd.output())
+        .await
+        .expect("the command finished")
+        .expect("run the command");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `router status` exits 0 on a quiet router, and 1 once something needs an operator, naming
+/// each thing: a new dead letter, a paused target. `--recent` says how new a dead letter must
+/// be to count; the report goes back to 0 when the pause is lifted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn router_status_says_what_needs_attention_and_exits_by_it() {
+    let refuses = Receiver::scripted(Arc::new(|_, _| (400, Duration::ZERO, vec![]))).await;
+    let takes = Receiver::ok().await;
+    let rules = rules_yaml(
+        "",
+        &[
+            (
+                "orders",
+                "order.paid",
+                &[format!("webhook: {}\n        id: erp", refuses.url())],
+            ),
+            (
+                "audit",
+                "order.shipped",
+                &[format!("webhook: {}\n        id: audit", takes.url())],
+            ),
+        ],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+
+    let (code, out, err) = status_of(&r, &[]).await;
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("nothing needs attention"), "{out}");
+    assert!(out.contains("targets 2 · queued 0"), "{out}");
+
+    // The receiver refuses it (400): a dead letter, new.
+    post_event(&r, &event("o-1", "order.paid", json!({ "total": 5 }))).await;
+    let out = eventually(Duration::from_secs(20), || async {
+        let (code, out, _) = status_of(&r, &[]).await;
+        (code == Some(1)).then_some(out)
+    })
+    .await
+    .expect("status turns to 1 with the dead letter");
+    assert!(
+        out.contains("1 new dead letter(s) in the last 1h: erp permanent_error ×1"),
+        "{out}"
+    );
+    assert!(out.contains("dlq 1 dead letter(s)"), "{out}");
+
+    let paused = client()
+        .post(r.url("/v1/targets/audit/pause"))
+        .send()
+        .await
+        .expect("pause");
+    assert_eq!(paused.status(), 200);
+    let (code, out, _) = status_of(&r, &["--json"]).await;
+    assert_eq!(code, Some(1), "{out}");
+    let v: Value = serde_json::from_str(&out).expect("json");
+    let attention: Vec<&str> = v["attention"]
+        .as_array()
+        .expect("attention")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(attention.len(), 2, "{attention:?}");
+    assert!(
+        attention
+            .iter()
+            .any(|a| a.starts_with("target audit is paused")),
+        "{attention:?}"
+    );
+    assert_eq!(v["status"]["ready"], true);
+
+    // Older than `--recent` (the router's clock read to the second: 4 s is past 1 s with
+    // room), the dead letter is history: only the pause is left, then nothing.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (code, out, _) = status_of(&r, &["--recent", "1s"]).await;
+    assert_eq!(code, Some(1), "{out}");
+    assert!(!out.contains("new dead letter"), "{out}");
+    assert!(out.contains("target audit is paused"), "{out}");
+    let resumed = client()
+        .post(r.url("/v1/targets/audit/resume"))
+        .send()
+        .await
+        .expect("resume");
+    assert_eq!(resumed.status(), 200);
+    let (code, out, _) = status_of(&r, &["--recent", "1s"]).await;
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("nothing needs attention"), "{out}");
+}
