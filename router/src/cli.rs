@@ -816,6 +816,15 @@ fn target_notes(t: &Value) -> Vec<String> {
     notes
 }
 
+/// Whether target `t` (an element of `GET /v1/targets`) needs an operator: paused, or one of
+/// [`target_notes`] holds (not running, held off by its receiver, breaker open, keys held), or
+/// its breaker is half-open (`router targets ls --problems`).
+pub fn target_has_problems(t: &Value) -> bool {
+    t["paused"] == json!(true)
+        || t["breaker"]["state"] == "half_open"
+        || !target_notes(t).is_empty()
+}
+
 /// `router rules ls`: the live rules (`GET /v1/rules`), one row each, with the operator
 /// switches that name no live rule below.
 pub fn rules_table(v: &Value) -> String {

@@ -325,7 +325,13 @@ enum DlqCmd {
 #[derive(Subcommand)]
 enum TargetsCmd {
     /// Every target with queue, breaker and counters.
-    Ls,
+    Ls {
+        /// Only the targets that need an operator: paused, held off by their receiver, breaker
+        /// open or half-open, ordering keys held, or not running (with many targets, the few
+        /// that matter).
+        #[arg(long)]
+        problems: bool,
+    },
     /// Stop attempts to a target (its queue fills).
     Pause { id: String },
     /// Resume a paused target.
@@ -1362,7 +1368,13 @@ async fn status(api: Api, recent: std::time::Duration) -> anyhow::Result<ExitCod
 async fn targets(api: Api, cmd: TargetsCmd) -> anyhow::Result<ExitCode> {
     let c = api.client();
     let v = match &cmd {
-        TargetsCmd::Ls => c.call(reqwest::Method::GET, "/v1/targets", None).await?,
+        TargetsCmd::Ls { problems } => {
+            let mut v = c.call(reqwest::Method::GET, "/v1/targets", None).await?;
+            if *problems && let Some(list) = v["targets"].as_array_mut() {
+                list.retain(router::cli::target_has_problems);
+            }
+            v
+        }
         TargetsCmd::Pause { id } => {
             c.call(
                 reqwest::Method::POST,
@@ -1393,7 +1405,7 @@ async fn targets(api: Api, cmd: TargetsCmd) -> anyhow::Result<ExitCode> {
         }
     };
     match cmd {
-        TargetsCmd::Ls => print_value(&api, &v, router::cli::targets_table),
+        TargetsCmd::Ls { .. } => print_value(&api, &v, router::cli::targets_table),
         TargetsCmd::ReleaseKey { .. } => print_value(&api, &v, |r| {
             format!(
                 "released key {} of {} ({} waiting entries past max_age moved to the DLQ)",

@@ -894,6 +894,17 @@ async fn router_status_says_what_needs_attention_and_exits_by_it() {
         "{attention:?}"
     );
     assert_eq!(v["status"]["ready"], true);
+    // `targets ls --problems` shows the paused one alone.
+    let (ok, out, err) = cli(&r, None, &["targets", "ls", "--problems", "--json"]).await;
+    assert!(ok, "{err}");
+    let listed: Value = serde_json::from_str(&out).expect("json");
+    let ids: Vec<&str> = listed["targets"]
+        .as_array()
+        .expect("targets")
+        .iter()
+        .filter_map(|t| t["id"].as_str())
+        .collect();
+    assert_eq!(ids, ["audit"], "{out}");
 
     // Older than `--recent` (the router's clock read to the second: 4 s is past 1 s with
     // room), the dead letter is history: only the pause is left, then nothing.
