@@ -1814,6 +1814,10 @@ pub async fn run_with_store(
         log_gates: Default::default(),
         unannounced: Default::default(),
         store_faults: Default::default(),
+        in_flight: crate::deliver::in_flight::InFlightCap::new(
+            cfg.delivery.in_flight_limit(),
+            Some(metrics.clone()),
+        ),
     });
     if let Some(h) = &handlers {
         h.changes
@@ -2760,6 +2764,10 @@ fn test_app_with(
         log_gates: Default::default(),
         unannounced: Default::default(),
         store_faults: Default::default(),
+        in_flight: crate::deliver::in_flight::InFlightCap::new(
+            cfg.delivery.in_flight_limit(),
+            Some(metrics.clone()),
+        ),
     });
     let now = clock.now_ms();
     let ingest_admission = crate::ingest::admission::Admission::new(

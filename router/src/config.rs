@@ -352,12 +352,8 @@ impl ServerConfig {
         if self.max_connections > 0 {
             return self.max_connections;
         }
-        #[cfg(unix)]
-        let files = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
-        #[cfg(not(unix))]
-        let files: Option<u64> = None;
         // No limit (or none known): a bound all the same, as a soft limit of 2^17 gives.
-        let files = files.unwrap_or(1 << 17);
+        let files = open_file_limit().unwrap_or(1 << 17);
         usize::try_from(files / 2).unwrap_or(usize::MAX).max(64)
     }
 }
@@ -430,6 +426,14 @@ pub struct DeliveryConfig {
     /// form and the JSON handed to the handler), so the worst case per handler target is
     /// about this many times twice the largest event. Default 128.
     pub handler_concurrency: usize,
+    /// Delivery attempts in flight at most across all webhook and NATS targets together (each
+    /// target still at most its own `concurrency`): each holds an outbound connection, so
+    /// without a bound a router with many targets takes targets × `concurrency` descriptors
+    /// and starves its own listener. Handler deliveries are not counted (no sockets; their CPU
+    /// is bounded by `handlers.running_per_handler`). A target waiting for a permit leases
+    /// nothing, so no attempt is spent waiting. Unset (default): a quarter of the process's
+    /// open-file limit, at least 64 and at most 4096 ([`Self::in_flight_limit`]).
+    pub max_in_flight: Option<usize>,
     /// Added to a target's timeout to make its lease: a worker silent for longer loses it.
     #[serde(with = "humantime_serde")]
     pub lease_margin: Duration,
@@ -656,11 +660,88 @@ impl Default for IngestConfig {
     }
 }
 
+/// The fewest and the most attempts in flight `delivery.max_in_flight` derives when unset.
+pub const DERIVED_IN_FLIGHT: (usize, usize) = (64, 4096);
+
+impl DeliveryConfig {
+    /// `max_in_flight` as applied: the configured value, or [`derived_in_flight`] of the
+    /// process's soft open-file limit.
+    pub fn in_flight_limit(&self) -> usize {
+        self.max_in_flight
+            .unwrap_or_else(|| derived_in_flight(open_file_limit()))
+    }
+}
+
+/// The process's soft open-file limit (`None`: unlimited or not known).
+pub fn open_file_limit() -> Option<u64> {
+    #[cfg(unix)]
+    let files = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
+    #[cfg(not(unix))]
+    let files: Option<u64> = None;
+    files
+}
+
+/// What [`raise_open_file_limit`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpenFileLimit {
+    /// The soft limit was raised from the first value to the second (the hard limit).
+    Raised(u64, u64),
+    /// The soft limit already was the hard limit (or unlimited).
+    Unchanged(u64),
+}
+
+/// Raises the process's soft open-file limit to its hard limit, as Go's runtime and nginx do:
+/// the soft default (1024 under systemd) is a compatibility setting for `select(2)`, which the
+/// router never uses, and at it the router ran out of descriptors with a few hundred webhook
+/// targets while the hard limit allowed twenty times more. Called at start, before
+/// `server.max_connections` and `delivery.max_in_flight` are derived from the limit. An
+/// unlimited hard limit is left alone (the kernel caps `RLIMIT_NOFILE` at `nr_open`, and
+/// raising to infinity fails).
+#[cfg(unix)]
+pub fn raise_open_file_limit() -> Result<OpenFileLimit, std::io::Error> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let now = getrlimit(Resource::Nofile);
+    let Some(current) = now.current else {
+        return Ok(OpenFileLimit::Unchanged(u64::MAX));
+    };
+    match now.maximum {
+        Some(max) if max > current => {
+            setrlimit(
+                Resource::Nofile,
+                Rlimit {
+                    current: Some(max),
+                    maximum: Some(max),
+                },
+            )
+            .map_err(std::io::Error::from)?;
+            Ok(OpenFileLimit::Raised(current, max))
+        }
+        _ => Ok(OpenFileLimit::Unchanged(current)),
+    }
+}
+
+/// The default `delivery.max_in_flight` for a soft open-file limit of `files`. The
+/// descriptors are shared out so that outbound sockets can never take the listener's:
+/// `server.max_connections` defaults to half the limit, in-flight attempts (one connection
+/// each, at most) get a quarter, and the last quarter is left for the store's files, idle
+/// pooled connections, the NATS connection, DNS and logs. At least 64 (a small limit would
+/// otherwise leave a handful of targets one attempt at a time), at most 4096 (past a few thousand
+/// requests in flight the router's CPU runs out before its descriptors do, and more
+/// concurrency only turns into attempt timeouts charged to healthy receivers). Unknown or unlimited counts as 2^17, as
+/// `server.max_connections` does.
+pub fn derived_in_flight(files: Option<u64>) -> usize {
+    let files = files.unwrap_or(1 << 17);
+    usize::try_from(files / 4)
+        .unwrap_or(usize::MAX)
+        .clamp(DERIVED_IN_FLIGHT.0, DERIVED_IN_FLIGHT.1)
+}
+
 impl Default for DeliveryConfig {
     fn default() -> Self {
         Self {
             concurrency: 32,
             handler_concurrency: 128,
+            max_in_flight: None,
             lease_margin: Duration::from_secs(30),
             max_response_bytes: 64 * 1024,
             tls_ca_file: None,
@@ -958,6 +1039,13 @@ impl Config {
             if value == 0 || value > max {
                 return bad(&format!("{key} must be in 1..={max}, not {value}"));
             }
+        }
+        if let Some(n) = self.delivery.max_in_flight
+            && (n == 0 || n > MAX_CONCURRENCY)
+        {
+            return bad(&format!(
+                "delivery.max_in_flight must be in 1..={MAX_CONCURRENCY}, not {n} (leave it out for a quarter of the open-file limit)"
+            ));
         }
         if self.handlers.running_per_handler > MAX_HANDLER_INSTANCES as usize {
             return bad(&format!(
@@ -2128,6 +2216,70 @@ mod tests {
         )
         .expect("at the bounds");
         assert_eq!(c.delivery.concurrency, MAX_CONCURRENCY);
+    }
+
+    /// At start the soft open-file limit is raised to the hard one (lowered here first, as
+    /// systemd's default 1024 is below its hard limit).
+    #[cfg(unix)]
+    #[test]
+    fn the_soft_open_file_limit_is_raised_to_the_hard_limit() {
+        use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+        let before = getrlimit(Resource::Nofile);
+        let Some(hard) = before.maximum else {
+            return; // unlimited: left alone
+        };
+        if hard <= 512 {
+            return;
+        }
+        // Lowered only as far as the other tests of this process can bear for a moment.
+        let low = (hard / 2).max(512).min(hard - 1);
+        setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: Some(low),
+                maximum: Some(hard),
+            },
+        )
+        .expect("lower the soft limit");
+        assert_eq!(
+            raise_open_file_limit().expect("raise"),
+            OpenFileLimit::Raised(low, hard)
+        );
+        assert_eq!(getrlimit(Resource::Nofile).current, Some(hard));
+        assert_eq!(
+            raise_open_file_limit().expect("again"),
+            OpenFileLimit::Unchanged(hard)
+        );
+    }
+
+    /// `delivery.max_in_flight`: at least 1 when set; unset, a quarter of the open-file limit
+    /// within 64..=4096.
+    #[test]
+    fn max_in_flight_is_validated_and_derived_from_the_open_file_limit() {
+        for v in ["0", "1000001"] {
+            let k = "ROUTER_DELIVERY__MAX_IN_FLIGHT";
+            let e = Config::load(None, env(&[(k, v)])).expect_err(v);
+            assert!(
+                e.to_string()
+                    .contains("delivery.max_in_flight must be in 1..=1000000"),
+                "{e}"
+            );
+        }
+        let c = Config::load(None, env(&[("ROUTER_DELIVERY__MAX_IN_FLIGHT", "16")]))
+            .expect("16 is fine");
+        assert_eq!(c.delivery.max_in_flight, Some(16));
+        assert_eq!(c.delivery.in_flight_limit(), 16);
+        let c = Config::load(None, env(&[])).expect("defaults");
+        assert_eq!(c.delivery.max_in_flight, None);
+        assert_eq!(
+            c.delivery.in_flight_limit(),
+            derived_in_flight(open_file_limit())
+        );
+        // The systemd default soft limit: a quarter, next to the listener's half.
+        assert_eq!(derived_in_flight(Some(1024)), 256);
+        assert_eq!(derived_in_flight(Some(20_000)), 4096);
+        assert_eq!(derived_in_flight(Some(100)), 64);
+        assert_eq!(derived_in_flight(None), 4096);
     }
 
     /// Refusals of values that only the token check, the secrets file read or the CA file

@@ -543,6 +543,19 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 cfg.contracts_dir = c;
             }
             router::telemetry::init_tracing(cfg.log_format == router::config::LogFormat::Json);
+            // Before `run` derives server.max_connections and delivery.max_in_flight from it.
+            #[cfg(unix)]
+            match router::config::raise_open_file_limit() {
+                Ok(router::config::OpenFileLimit::Raised(from, to)) => {
+                    tracing::info!(from, to, "raised the soft open-file limit to the hard limit")
+                }
+                Ok(router::config::OpenFileLimit::Unchanged(limit)) => {
+                    tracing::info!(limit, "open-file limit already at the hard limit")
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not raise the soft open-file limit to the hard limit; the descriptors the router derives its connection and delivery bounds from stay at the soft limit")
+                }
+            }
             for w in &config_warnings {
                 tracing::warn!("config: {w}");
             }

@@ -233,6 +233,15 @@ pub struct Metrics {
     pub http_max_connections: Gauge,
     /// Connections answered 503 and closed past `server.max_connections`.
     pub http_connections_refused: Counter,
+    /// Delivery attempts in flight across all webhook and NATS targets.
+    pub delivery_in_flight: Gauge,
+    /// `delivery.max_in_flight` as applied.
+    pub delivery_max_in_flight: Gauge,
+    /// Times a worker with due entries found no free global permit and waited for one.
+    pub delivery_permit_waits: Counter,
+    /// Attempts put back unsent because the router itself ran out of a resource (open files,
+    /// memory), by cause.
+    pub delivery_local_exhaustion: Family<Labels, Counter>,
     /// 1 while the store takes writes (0: reopening after a write error).
     pub store_up: Gauge,
     /// 1 when the last reload (file change, SIGHUP, API) was refused: the live rules are
@@ -354,6 +363,10 @@ impl Metrics {
             http_connections: Gauge::default(),
             http_max_connections: Gauge::default(),
             http_connections_refused: Counter::default(),
+            delivery_in_flight: Gauge::default(),
+            delivery_max_in_flight: Gauge::default(),
+            delivery_permit_waits: Counter::default(),
+            delivery_local_exhaustion: Family::default(),
             store_up: Gauge::default(),
             reload_failing: Gauge::default(),
             breaker_transitions: TargetFamily::default(),
@@ -536,6 +549,26 @@ impl Metrics {
             "router_http_connections_refused",
             "Connections answered 503 and closed because server.max_connections were open",
             m.http_connections_refused.clone(),
+        );
+        registry.register(
+            "router_delivery_in_flight",
+            "Delivery attempts in flight across all webhook and NATS targets (bounded by delivery.max_in_flight)",
+            m.delivery_in_flight.clone(),
+        );
+        registry.register(
+            "router_delivery_max_in_flight",
+            "delivery.max_in_flight as applied (unset: a quarter of the open-file limit, 64 to 4096)",
+            m.delivery_max_in_flight.clone(),
+        );
+        registry.register(
+            "router_delivery_permit_waits",
+            "Times a target's worker with due entries waited for a free delivery.max_in_flight permit (no attempt is spent waiting)",
+            m.delivery_permit_waits.clone(),
+        );
+        registry.register(
+            "router_delivery_local_exhaustion",
+            "Attempts put back unsent, no attempt spent, because the router itself ran out of a resource (cause: open_files, system_files, memory)",
+            m.delivery_local_exhaustion.clone(),
         );
         registry.register(
             "router_store_up",

@@ -398,10 +398,19 @@ async fn delivery_runs_on_its_own_threads_below_ingests_priority() {
     let want = (base + 7).min(19);
     assert!(delivery.len() >= 3, "three delivery workers in {threads:?}");
     assert!(delivery.iter().all(|n| *n == want), "{threads:?}");
+    let d = &st["delivery"];
     assert_eq!(
-        st["delivery"],
-        json!({"threads": 3, "nice": want, "error": null}),
+        (&d["threads"], &d["nice"], &d["error"]),
+        (&json!(3), &json!(want), &json!(null)),
         "{st}"
+    );
+    // The one attempt may still be ending when the receiver has seen it.
+    assert!(d["in_flight"].as_u64().is_some_and(|n| n <= 1), "{st}");
+    assert!(
+        st["delivery"]["max_in_flight"]
+            .as_u64()
+            .is_some_and(|n| (64..=4096).contains(&n)),
+        "derived from the open-file limit: {st}"
     );
 }
 
@@ -440,5 +449,113 @@ async fn a_contended_finish_is_retried_without_counting_the_attempt() {
         m.contains("router_deliveries_total{target=\"hook\",result=\"contended\"} 1"),
         "{}",
         metric_lines(&m, "router_deliveries_total")
+    );
+}
+
+/// `delivery.max_in_flight` bounds the attempts in flight across all targets: 20 webhook
+/// targets of one rule, 8 slots each (160 in all), against slow receivers, with the cap at 16.
+/// The receivers never see more than 16 requests at once, every event reaches every target
+/// exactly once, and waiting for a permit spends no attempt (nothing is retried or put back:
+/// entries wait unleased in their queues). Before the cap the receivers saw up to 160.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_in_flight_bounds_attempts_across_all_targets() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    const TARGETS: usize = 20;
+    const EVENTS: usize = 12;
+    const CAP: usize = 16;
+    let current = Arc::new(AtomicUsize::new(0));
+    let peak = Arc::new(AtomicUsize::new(0));
+    // Long enough that the targets' 160 slots would all be busy at once without the cap.
+    let delay = Duration::from_millis(250);
+    let mut receivers = Vec::new();
+    for _ in 0..TARGETS {
+        let (current, peak) = (current.clone(), peak.clone());
+        receivers.push(
+            Receiver::scripted(Arc::new(move |_, _| {
+                let now = current.fetch_add(1, Ordering::SeqCst) + 1;
+                peak.fetch_max(now, Ordering::SeqCst);
+                // The request counts as in flight until its answer goes out, after `delay`
+                // (the receiver's own sleep); the router can send the next one only after
+                // reading that answer.
+                let current = current.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    current.fetch_sub(1, Ordering::SeqCst);
+                });
+                (200, delay, vec![])
+            }))
+            .await,
+        );
+    }
+    let targets: Vec<String> = receivers
+        .iter()
+        .enumerate()
+        .map(|(i, rc)| format!("webhook: {}\n        id: t{i}", rc.url()))
+        .collect();
+    let rules = rules_yaml("", &[("fan", "fan.out", &targets)]);
+    let r = RouterProc::start_with_env(
+        &[("r.yaml", &rules)],
+        &[],
+        &[
+            ("ROUTER_DELIVERY__CONCURRENCY", "8"),
+            ("ROUTER_DELIVERY__MAX_IN_FLIGHT", "16"),
+        ],
+    );
+    let events: Vec<_> = (0..EVENTS)
+        .map(|i| event(&format!("e{i}"), "fan.out", json!({ "i": i })))
+        .collect();
+    post_batch(&r, &events).await;
+    // 240 requests of 250 ms, 16 at a time: about 4 s; generous for a loaded machine.
+    for (i, rc) in receivers.iter().enumerate() {
+        assert!(
+            rc.wait_for(Duration::from_secs(120), |s| s.len() >= EVENTS)
+                .await,
+            "target t{i} got {} of {EVENTS}",
+            rc.count()
+        );
+    }
+    assert!(queues_drained(&r, Duration::from_secs(30)).await);
+    let peak = peak.load(Ordering::SeqCst);
+    assert!(
+        peak <= CAP,
+        "the receivers saw {peak} requests at once (cap {CAP})"
+    );
+    // The cap was reached (the test shows the bound, not an idle router).
+    assert!(peak >= CAP / 2, "peak {peak}");
+    for (i, rc) in receivers.iter().enumerate() {
+        assert_eq!(rc.count(), EVENTS, "t{i}: each event exactly once");
+        assert_eq!(rc.distinct_ids().len(), EVENTS, "t{i}");
+    }
+    let m = metrics_text(&r).await;
+    for i in 0..TARGETS {
+        assert_eq!(
+            counter(
+                &m,
+                &format!("router_deliveries_total{{target=\"t{i}\",result=\"delivered\"}}")
+            ),
+            EVENTS as u64,
+            "{}",
+            metric_lines(&m, "router_deliveries_total")
+        );
+    }
+    assert!(
+        !m.contains("result=\"retried\"") && !m.contains("result=\"deferred\""),
+        "waiting for a permit spends no attempt: {}",
+        metric_lines(&m, "router_deliveries_total")
+    );
+    assert!(counter(&m, "router_delivery_permit_waits_total") > 0, "{m}");
+    assert_eq!(counter(&m, "router_delivery_max_in_flight"), CAP as u64);
+    let (_, st) = get_json(&r, "/v1/status").await;
+    assert_eq!(st["delivery"]["max_in_flight"], json!(CAP), "{st}");
+    assert_eq!(st["delivery"]["in_flight"], json!(0), "{st}");
+    // Each entry's fate: one attempt, delivered.
+    let f = fate(&r, "e0").await;
+    let per_target = f["targets"].as_array().expect("targets");
+    assert_eq!(per_target.len(), TARGETS, "{f}");
+    assert!(
+        per_target
+            .iter()
+            .all(|t| t["attempts"].as_array().is_some_and(|a| a.len() == 1)),
+        "one attempt per target: {f}"
     );
 }

@@ -990,7 +990,15 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             // event's record cannot be read, and targets whose leases fail now.
             "faults": app.dispatcher.store_faults().status(),
         },
-        "delivery": app.delivery_threads,
+        // The delivery runtime's threads, and the attempts in flight across webhook and NATS
+        // targets against `delivery.max_in_flight`.
+        "delivery": {
+            "threads": app.delivery_threads.threads,
+            "nice": app.delivery_threads.nice,
+            "error": app.delivery_threads.error,
+            "in_flight": app.dispatcher.context().in_flight.in_flight(),
+            "max_in_flight": app.dispatcher.context().in_flight.max(),
+        },
         // The connection nats: targets share; null until one starts it.
         "nats": app.dispatcher.nats().status(),
         // Live router nodes on the store (1 on the embedded one): each target's throttle rate

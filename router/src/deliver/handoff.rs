@@ -17,7 +17,7 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 
 use super::DeliveryContext;
 use super::runtime::TargetRuntime;
@@ -33,7 +33,7 @@ pub struct Reservation {
     ctx: Arc<DeliveryContext>,
     rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
-    permit: OwnedSemaphorePermit,
+    permit: worker::Slot,
 }
 
 /// The fewest entries of one request that a batching webhook with `max_events` takes as a
@@ -88,6 +88,13 @@ pub(super) fn reserve(
     if ctx.store.due_count(&rt.spec.id, now, 1) > 0 {
         return None;
     }
+    // A place in the global pool (`delivery.max_in_flight`), if one is free now: with none, the
+    // entry waits in the queue like any other (handlers take none).
+    let global = match rt.spec.kind {
+        crate::rules::TargetKind::Handler { .. } => None,
+        _ => Some(ctx.in_flight.try_acquire(&rt.share)?),
+    };
+    let permit = worker::Slot::new(permit, global);
     if let Some(limiter) = rt.limiter()
         && limiter.check().is_err()
     {

@@ -5,6 +5,7 @@
 //! target only ever holds its own leases.
 
 mod handoff;
+pub mod in_flight;
 mod runtime;
 mod store_faults;
 mod threads;
@@ -73,6 +74,9 @@ pub struct DeliveryContext {
     /// What the workers met in the store (unreadable records, failing leases), for
     /// `/v1/status`.
     pub store_faults: StoreFaults,
+    /// The process-wide bound on webhook and NATS attempts in flight
+    /// (`delivery.max_in_flight`).
+    pub in_flight: Arc<in_flight::InFlightCap>,
 }
 
 /// Takes a worker's semaphore of `from` slots to `to`: more are added at once; fewer are taken

@@ -132,6 +132,10 @@ pub struct TargetRuntime {
     /// A batching webhook's lowered `max_events` after its receiver refused a batch as too
     /// large (413); 0: none. In memory: after a restart one more refusal finds it again.
     batch_cap: AtomicU32,
+    /// This target's permits of the global pool (`delivery.max_in_flight`), for its fair
+    /// share. A reload's new runtime starts a new account: attempts still running under the
+    /// old one count there until they end.
+    pub share: Arc<super::in_flight::Share>,
     /// Throttle tokens taken for requests that were never sent (a retry the budget deferred
     /// after the lease, entries another lease took first), and when they were given back
     /// ([`Self::refund_tokens`]).
@@ -244,6 +248,7 @@ impl TargetRuntime {
             limiter,
             nodes: AtomicUsize::new(1),
             batch_cap: AtomicU32::new(0),
+            share: Arc::default(),
             batch_ok: AtomicU32::new(0),
             throttle_credit: Mutex::new((0, None)),
             counters: Arc::default(),

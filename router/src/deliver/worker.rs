@@ -138,6 +138,9 @@ pub(super) async fn run(
     // own tasks, so without it a store outage would be a failed lease — and an error line —
     // per free slot.
     let lease_pause = Arc::new(AtomicI64::new(0));
+    // Handler deliveries take no global permit (`in_flight`: no sockets, their CPU has its
+    // own bound).
+    let capped = !matches!(spec.kind, TargetKind::Handler { .. });
     loop {
         if rt.paused.load(Ordering::SeqCst) {
             if !sleep_or_stop(&stop, wait_ms(IDLE_MS), Some(&notify)).await {
@@ -156,13 +159,46 @@ pub(super) async fn run(
             _ = stop.cancelled() => break,
             p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
         };
+        // The global pool (`delivery.max_in_flight`, see `in_flight`): one permit taken before
+        // anything is leased, so entries wait in the queue (no attempt spent, no lease running
+        // out) while the router has as many attempts in flight as it allows.
+        let mut first_global = None;
+        if capped {
+            match ctx.in_flight.try_acquire(&rt.share) {
+                Some(g) => first_global = Some(g),
+                None => {
+                    // Only a worker with something to send queues for a permit: an idle target
+                    // in the queue would hold a permit back from one that has work.
+                    let now = ctx.clock.now_ms();
+                    if ctx.store.due_count(&spec.id, now, 1) == 0 {
+                        drop(first);
+                        let wait = ctx.store.next_due(&spec.id).map_or(IDLE_MS, |d| d - now);
+                        if !sleep_or_stop(&stop, wait_ms(wait), Some(&notify)).await {
+                            break;
+                        }
+                        continue;
+                    }
+                    first_global = tokio::select! {
+                        _ = stop.cancelled() => break,
+                        g = ctx.in_flight.acquire(&rt.share) => g,
+                    };
+                    if first_global.is_none() {
+                        break;
+                    }
+                    // Paused while it waited: the permit goes to others.
+                    if rt.paused.load(Ordering::SeqCst) {
+                        continue;
+                    }
+                }
+            }
+        }
         let now = ctx.clock.now_ms();
 
         // 0. The receiver's Retry-After pause: like an open breaker, nothing is leased. Asked
         // once a slot is held: with a backlog the loop waits for a slot, and the attempt that
         // got the 429 sets the pause before it frees its slot.
         if let Some(until) = rt.retry_after_until(now) {
-            drop(first);
+            drop((first, first_global));
             if !sleep_or_stop(&stop, wait_ms(until - now), None).await {
                 break;
             }
@@ -180,7 +216,7 @@ pub(super) async fn run(
         let max = match admission {
             Admission::Open => usize::MAX,
             Admission::Probes(0) => {
-                drop(first);
+                drop((first, first_global));
                 if !sleep_or_stop(&stop, wait_ms(100), None).await {
                     break;
                 }
@@ -188,7 +224,7 @@ pub(super) async fn run(
             }
             Admission::Probes(n) => n as usize,
             Admission::WaitUntil(until) => {
-                drop(first);
+                drop((first, first_global));
                 if !sleep_or_stop(&stop, wait_ms(until - now), None).await {
                     break;
                 }
@@ -212,7 +248,7 @@ pub(super) async fn run(
             .store
             .due_count(&spec.id, now, permits.len().saturating_mul(per_slot));
         if due == 0 {
-            drop(permits);
+            drop((permits, first_global));
             let wait = ctx.store.next_due(&spec.id).map_or(IDLE_MS, |d| d - now);
             if !sleep_or_stop(&stop, wait_ms(wait), Some(&notify)).await {
                 break;
@@ -233,7 +269,7 @@ pub(super) async fn run(
                     await_lease = true;
                 }
                 WindowGate::Wait(wait) => {
-                    drop(permits);
+                    drop((permits, first_global));
                     if !sleep_or_stop(&stop, wait, Some(&notify)).await {
                         break;
                     }
@@ -241,6 +277,12 @@ pub(super) async fn run(
                 }
             }
         }
+
+        // Each slot taken needs its place in the global pool too: the first was taken above,
+        // the rest only if free now (and the target is under its fair share of a contended
+        // pool). Slots without one are given back: a target never holds more than its own
+        // slots, nor waits here holding them.
+        let mut permits = pair_with_global(&ctx, &rt, capped, permits, first_global);
 
         // 3. Throttle: take as many tokens as there are requests of due work (the budget
         // check comes per entry, after the lease; the tokens of requests it stops are given
@@ -318,6 +360,53 @@ pub(super) async fn run(
     tracing::info!(target_id = %spec.id, "delivery worker stopped");
 }
 
+/// What one attempt (or batch request) holds while it runs: a slot of its target and, for
+/// webhook and NATS targets, a permit of the global pool (`delivery.max_in_flight`). Both are
+/// given back on drop.
+pub(super) struct Slot {
+    _target: OwnedSemaphorePermit,
+    _global: Option<super::in_flight::GlobalPermit>,
+}
+
+impl Slot {
+    /// A slot of `target` with its global permit (`None` for a handler target).
+    pub(super) fn new(
+        target: OwnedSemaphorePermit,
+        global: Option<super::in_flight::GlobalPermit>,
+    ) -> Self {
+        Self {
+            _target: target,
+            _global: global,
+        }
+    }
+}
+
+/// Pairs the target slots a worker took with global permits: `first` for the first, a free
+/// one (under the target's fair share) for each further one; slots left without one are
+/// freed. Uncapped (handler) targets take none.
+fn pair_with_global(
+    ctx: &DeliveryContext,
+    rt: &TargetRuntime,
+    capped: bool,
+    permits: Vec<OwnedSemaphorePermit>,
+    mut first: Option<super::in_flight::GlobalPermit>,
+) -> Vec<Slot> {
+    let mut slots = Vec::with_capacity(permits.len());
+    for p in permits {
+        let global = if !capped {
+            None
+        } else if let Some(g) = first.take() {
+            Some(g)
+        } else if let Some(g) = ctx.in_flight.try_acquire(&rt.share) {
+            Some(g)
+        } else {
+            break;
+        };
+        slots.push(Slot::new(p, global));
+    }
+    slots
+}
+
 /// Leases up to `permits.len() × per_slot` due entries of the target and starts an attempt
 /// for each (each taking one slot), or for a batching webhook one request per batch of them
 /// (each batch taking one slot); slots left over are given back. Budget checks happen here,
@@ -327,7 +416,7 @@ async fn lease_and_start(
     ctx: Arc<DeliveryContext>,
     rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
-    (mut permits, per_slot): (Vec<OwnedSemaphorePermit>, usize),
+    (mut permits, per_slot): (Vec<Slot>, usize),
     now: Millis,
     lease_ms: i64,
     probing: bool,
@@ -534,7 +623,7 @@ pub(super) fn spawn_attempt(
     rt: &Arc<TargetRuntime>,
     target: &Arc<dyn Target>,
     leased: Leased,
-    permit: OwnedSemaphorePermit,
+    permit: Slot,
     probing: bool,
 ) {
     if let Some(b) = rt.batch() {
@@ -572,7 +661,7 @@ pub(super) async fn send_batches(
     target: &Arc<dyn Target>,
     leased: Vec<Leased>,
     batch: &WebhookBatch,
-    mut permits: Vec<OwnedSemaphorePermit>,
+    mut permits: Vec<Slot>,
 ) -> usize {
     let mut put_back = Vec::new();
     for items in split_batches(leased, batch) {
@@ -597,7 +686,7 @@ fn spawn_batch(
     rt: &Arc<TargetRuntime>,
     target: &Arc<dyn Target>,
     items: Vec<BatchItem>,
-    permit: OwnedSemaphorePermit,
+    permit: Slot,
     probing: bool,
 ) {
     let first = items.first().map(|i| i.leased.event.event.id.clone());
@@ -1011,6 +1100,31 @@ fn log_settled(ctx: &DeliveryContext, target: &str, outcome: &AttemptOutcome, s:
     }
 }
 
+/// Counts and logs (at most one WARN per `in_flight::EXHAUSTION_LOG_EVERY` for the whole
+/// router) an attempt the router's own resources stopped: the entry goes back unattempted.
+fn local_exhaustion(ctx: &DeliveryContext, rt: &TargetRuntime, outcome: &AttemptOutcome) {
+    if let AttemptOutcome::Deferred {
+        local: Some(local),
+        reason,
+        ..
+    } = outcome
+    {
+        ctx.metrics
+            .delivery_local_exhaustion
+            .get_or_create(&vec![("cause", local.label().to_string())])
+            .inc();
+        if let Some(suppressed) = ctx.in_flight.admit_exhaustion_log(ctx.clock.now_ms()) {
+            tracing::warn!(
+                target_id = %rt.spec.id,
+                cause = local.label(),
+                error = %reason,
+                suppressed,
+                "the router ran out of its own resources starting an attempt; the entry waits without spending an attempt (raise the open-file limit or lower delivery.max_in_flight)"
+            );
+        }
+    }
+}
+
 /// The request of one attempt on one entry.
 fn request_for(rt: &TargetRuntime, leased: &Leased) -> DeliveryRequest {
     // Replayed deliveries say so, so receivers can tell them from live traffic.
@@ -1038,7 +1152,7 @@ async fn attempt(
     rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
     leased: Leased,
-    permit: OwnedSemaphorePermit,
+    permit: Slot,
     probe: bool,
 ) {
     let now = ctx.clock.now_ms();
@@ -1056,6 +1170,7 @@ async fn attempt(
             let req = request_for(&rt, &leased);
             let started = Instant::now();
             let (outcome, effects) = target.deliver_with_effects(&req).await;
+            local_exhaustion(&ctx, &rt, &outcome);
             // A delivery put back unattempted is no attempt's latency.
             if !matches!(outcome, AttemptOutcome::Deferred { .. }) {
                 ctx.metrics
@@ -1158,7 +1273,7 @@ async fn attempt_batch(
     rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
     batch: Vec<BatchItem>,
-    permit: OwnedSemaphorePermit,
+    permit: Slot,
     probe: bool,
 ) {
     let now = ctx.clock.now_ms();
@@ -1193,6 +1308,7 @@ async fn attempt_batch(
         };
         let started = Instant::now();
         let (outcome, _) = target.deliver_with_effects(&req).await;
+        local_exhaustion(&ctx, &rt, &outcome);
         let spec_id = &rt.spec.id;
         ctx.metrics
             .attempt_seconds
@@ -2080,6 +2196,7 @@ mod tests {
         let busy = AttemptOutcome::Deferred {
             reason: "handler_busy".into(),
             retry_after: Duration::from_secs(1),
+            local: None,
         };
         assert!(!busy.counts_for_breaker());
         // Past max_attempts a failure would dead-letter; a deferral only waits.
@@ -2429,6 +2546,65 @@ mod unreadable_tests {
         }
     }
 
+    /// A worker whose target has due entries leases nothing while the global pool
+    /// (`delivery.max_in_flight`) has no free permit: the entry stays queued, unleased, with
+    /// no attempt recorded, and the wait is counted. Once a permit comes back it is leased
+    /// and attempted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn no_entry_is_leased_without_a_global_permit() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut cfg = crate::app::test_config(dir.path());
+        cfg.delivery.max_in_flight = Some(1);
+        let store = RedbStore::in_memory().expect("store");
+        let app = crate::app::test_app(cfg, store.clone(), None);
+        let ctx = app.dispatcher.context().clone();
+        assert_eq!(ctx.in_flight.max(), 1);
+        // Another target's attempt holds the only permit.
+        let other = Arc::new(super::super::in_flight::Share::default());
+        let held = ctx.in_flight.try_acquire(&other).expect("the one permit");
+        let now = ctx.clock.now_ms();
+        store
+            .accept(vec![crate::store::test_events::new_event(
+                "/s",
+                "1",
+                &["hook"],
+                now,
+            )])
+            .await
+            .expect("accept");
+        let spec = app.rules.load().targets["hook"].clone();
+        app.dispatcher.ensure(spec).await.expect("worker");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let stats = store.queue_stats();
+        assert_eq!(
+            (stats["hook"].queued, stats["hook"].in_flight),
+            (1, 0),
+            "waits unleased: {stats:?}"
+        );
+        assert!(ctx.metrics.delivery_permit_waits.get() >= 1);
+        assert_eq!(ctx.in_flight.in_flight(), 1);
+        let attempted = || {
+            ["retried", "delivered", "dead_lettered"].iter().any(|r| {
+                ctx.metrics
+                    .deliveries
+                    .get_or_create(&vec![
+                        ("target", "hook".to_string()),
+                        ("result", r.to_string()),
+                    ])
+                    .get()
+                    > 0
+            })
+        };
+        assert!(!attempted(), "no attempt while waiting");
+        drop(held);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !attempted() {
+            assert!(Instant::now() < deadline, "attempted once a permit is free");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(ctx.in_flight.in_flight() <= 1);
+    }
+
     /// One event whose stored record does not decode: its delivery goes to the DLQ as
     /// `corrupt_record` (nothing sent, the reason naming the event's sequence number), is
     /// counted and shown in `/v1/status`, and the rest of the lease is delivered. The lease
@@ -2465,7 +2641,10 @@ mod unreadable_tests {
         let slots = Arc::new(Semaphore::new(4));
         let mut permits = Vec::new();
         for _ in 0..4 {
-            permits.push(slots.clone().acquire_owned().await.expect("permit"));
+            permits.push(Slot::new(
+                slots.clone().acquire_owned().await.expect("permit"),
+                None,
+            ));
         }
         lease_and_start(
             ctx.clone(),

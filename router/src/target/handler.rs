@@ -175,6 +175,7 @@ impl HandlerTarget {
                     AttemptOutcome::Deferred {
                         reason: format!("{why}; waiting for it"),
                         retry_after: Duration::from_secs(5),
+                        local: None,
                     },
                     None,
                 );
@@ -637,6 +638,7 @@ fn busy(why: String) -> (AttemptOutcome, Option<Box<Effects>>) {
         AttemptOutcome::Deferred {
             reason: format!("handler_busy: {why}"),
             retry_after: Duration::from_secs(1),
+            local: None,
         },
         None,
     )

@@ -83,7 +83,72 @@ pub enum AttemptOutcome {
         reason: String,
         /// When to try again.
         retry_after: Duration,
+        /// Set when the router itself ran out of a resource (descriptors, memory) starting
+        /// the attempt: nothing about the target, counted and logged as the router's own.
+        local: Option<LocalExhaustion>,
     },
+}
+
+/// A resource of the router's own process or host that ran out under an attempt (an
+/// `EMFILE` on connect): the receiver was never reached, so the attempt is not spent and its
+/// breaker learns nothing. Charged to the receiver, such failures spent the attempts of
+/// healthy receivers, opened their breakers and dead-lettered their events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LocalExhaustion {
+    /// This process's open-file limit (`EMFILE`).
+    OpenFiles,
+    /// The host's open-file table (`ENFILE`).
+    SystemFiles,
+    /// Memory or socket buffers (`ENOMEM`, `ENOBUFS`, [`std::io::ErrorKind::OutOfMemory`]).
+    Memory,
+}
+
+impl LocalExhaustion {
+    /// The `cause` label of `router_delivery_local_exhaustion_total`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::OpenFiles => "open_files",
+            Self::SystemFiles => "system_files",
+            Self::Memory => "memory",
+        }
+    }
+
+    /// Which local resource ran out, if `e` or an error in its source chain is an I/O error
+    /// that says so (by its OS error number or kind, never its message).
+    pub fn of_error(e: &(dyn std::error::Error + 'static)) -> Option<Self> {
+        let mut cur = Some(e);
+        while let Some(err) = cur {
+            if let Some(io) = err.downcast_ref::<std::io::Error>()
+                && let Some(x) = Self::of_io(io)
+            {
+                return Some(x);
+            }
+            cur = err.source();
+        }
+        None
+    }
+
+    /// Which local resource `e` says ran out, if any.
+    pub fn of_io(e: &std::io::Error) -> Option<Self> {
+        if e.kind() == std::io::ErrorKind::OutOfMemory {
+            return Some(Self::Memory);
+        }
+        #[cfg(unix)]
+        {
+            use rustix::io::Errno;
+            let code = e.raw_os_error()?;
+            if code == Errno::MFILE.raw_os_error() {
+                return Some(Self::OpenFiles);
+            }
+            if code == Errno::NFILE.raw_os_error() {
+                return Some(Self::SystemFiles);
+            }
+            if code == Errno::NOMEM.raw_os_error() || code == Errno::NOBUFS.raw_os_error() {
+                return Some(Self::Memory);
+            }
+        }
+        None
+    }
 }
 
 impl AttemptOutcome {

@@ -21,7 +21,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 
-use super::{AttemptOutcome, DeliveryRequest, Target};
+use super::{AttemptOutcome, DeliveryRequest, LocalExhaustion, Target};
 
 /// Error building a webhook target from its configuration.
 #[derive(Debug, thiserror::Error)]
@@ -293,7 +293,28 @@ fn retry_after_of(headers: &HeaderMap) -> Option<Duration> {
         .and_then(|v| parse_retry_after(v, SystemTime::now()))
 }
 
+/// How long an attempt the router's own exhaustion stopped waits, unattempted.
+const LOCAL_EXHAUSTION_WAIT: Duration = Duration::from_secs(1);
+
+/// The outcome of a request that got no answer: retryable, unless the router itself ran out
+/// of a resource ([`LocalExhaustion`]: an `EMFILE` opening the socket), which is no failure
+/// of the receiver's: then the entry is put back without spending an attempt.
 fn transport_error(kind: &str, e: &(dyn std::error::Error + 'static)) -> AttemptOutcome {
+    if let Some(local) = LocalExhaustion::of_error(e) {
+        return AttemptOutcome::Deferred {
+            reason: format!(
+                "the router ran out of {} ({kind}: {}); put back without spending an attempt",
+                match local {
+                    LocalExhaustion::OpenFiles => "open files",
+                    LocalExhaustion::SystemFiles => "the host's open files",
+                    LocalExhaustion::Memory => "memory",
+                },
+                error_chain(e)
+            ),
+            retry_after: LOCAL_EXHAUSTION_WAIT,
+            local: Some(local),
+        };
+    }
     AttemptOutcome::Retryable {
         error: format!("{kind}: {}", error_chain(e)),
         status: None,
@@ -649,6 +670,67 @@ impl Target for Webhook {
 
 #[cfg(test)]
 mod tests {
+    /// An error whose source is an I/O error, as hyper's and reqwest's connect errors are.
+    #[derive(Debug)]
+    struct Wrapped(std::io::Error);
+
+    impl std::fmt::Display for Wrapped {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("client error (Connect)")
+        }
+    }
+
+    impl std::error::Error for Wrapped {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    /// The router's own EMFILE (or ENFILE, ENOMEM) on connect is put back unattempted, not
+    /// charged to the receiver: decided from the error chain's OS error number, whatever the
+    /// message says. A refusal stays the receiver's retryable failure.
+    #[cfg(unix)]
+    #[test]
+    fn the_routers_own_exhaustion_is_deferred_not_charged_to_the_receiver() {
+        use super::super::LocalExhaustion;
+        use super::{AttemptOutcome, transport_error};
+        for (errno, local) in [
+            (rustix::io::Errno::MFILE, LocalExhaustion::OpenFiles),
+            (rustix::io::Errno::NFILE, LocalExhaustion::SystemFiles),
+            (rustix::io::Errno::NOMEM, LocalExhaustion::Memory),
+            (rustix::io::Errno::NOBUFS, LocalExhaustion::Memory),
+        ] {
+            let e = Wrapped(std::io::Error::from_raw_os_error(errno.raw_os_error()));
+            assert_eq!(LocalExhaustion::of_error(&e), Some(local));
+            let outcome = transport_error("connection failed", &e);
+            assert!(
+                matches!(&outcome, AttemptOutcome::Deferred { local: Some(l), reason, .. }
+                    if *l == local && reason.contains("put back without spending an attempt")),
+                "{outcome:?}"
+            );
+            assert!(!outcome.counts_for_breaker());
+        }
+        // Nested deeper (an I/O error wrapping another error that holds the OS error).
+        let deep = Wrapped(std::io::Error::other(Wrapped(
+            std::io::Error::from_raw_os_error(rustix::io::Errno::MFILE.raw_os_error()),
+        )));
+        assert_eq!(
+            LocalExhaustion::of_error(&deep),
+            Some(LocalExhaustion::OpenFiles)
+        );
+        // The message alone decides nothing.
+        let lookalike = Wrapped(std::io::Error::other("Too many open files (os error 24)"));
+        assert_eq!(LocalExhaustion::of_error(&lookalike), None);
+        let refused = Wrapped(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        let outcome = transport_error("connection failed", &refused);
+        assert!(
+            matches!(outcome, AttemptOutcome::Retryable { .. }),
+            "{outcome:?}"
+        );
+        assert!(outcome.counts_for_breaker());
+        let oom = std::io::Error::from(std::io::ErrorKind::OutOfMemory);
+        assert_eq!(LocalExhaustion::of_io(&oom), Some(LocalExhaustion::Memory));
+    }
     use super::*;
     use std::sync::{Arc, Mutex};
 
