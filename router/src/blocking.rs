@@ -66,18 +66,37 @@ mod tests {
         let busy = || std::thread::sleep(Duration::from_millis(200));
         // Inline, the one worker is held: the ticker cannot run at all.
         assert_eq!(turns_while(busy).await, 0);
-        // Past the threshold the worker's tasks move to another thread for the duration.
-        let moved = turns_while(|| {
-            off_reactor_if_large(crate::ingest::BLOCKING_CHECK_BYTES, busy);
-        })
-        .await;
-        assert!(moved > 0, "the ticker never ran while the work blocked");
-        // Below it, inline: a hand-off would cost more than the work.
+        // Below the threshold, inline too: a hand-off would cost more than the work.
         let small = turns_while(|| {
             off_reactor_if_large(crate::ingest::BLOCKING_CHECK_BYTES - 1, busy);
         })
         .await;
         assert_eq!(small, 0);
+        // Past it, the worker's tasks move to another thread for the duration: the work
+        // waits (up to a bound far past any scheduling delay of a loaded machine) until the
+        // ticker has run. Last, since the thread this task ends on may no longer be the one
+        // that holds the worker.
+        let ran = Arc::new(AtomicU64::new(0));
+        let seen = ran.clone();
+        let ticker = tokio::spawn(async move {
+            loop {
+                seen.fetch_add(1, Relaxed);
+                tokio::task::yield_now().await;
+            }
+        });
+        while ran.load(Relaxed) == 0 {
+            tokio::task::yield_now().await;
+        }
+        let before = ran.load(Relaxed);
+        let moved = off_reactor_if_large(crate::ingest::BLOCKING_CHECK_BYTES, || {
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            while ran.load(Relaxed) == before && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            ran.load(Relaxed) > before
+        });
+        ticker.abort();
+        assert!(moved, "the ticker never ran while the work blocked");
     }
 
     #[tokio::test(flavor = "current_thread")]

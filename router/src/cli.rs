@@ -1046,6 +1046,12 @@ pub fn status_report(i: &StatusInputs<'_>) -> StatusReport {
         s(&st["connections"]["max"]),
         s(&st["connections"]["refused_total"]),
     ));
+    if let Some(max) = st["delivery"]["max_in_flight"].as_u64() {
+        out.push(format!(
+            "delivery {} of {max} attempts in flight (webhook and NATS targets)",
+            s(&st["delivery"]["in_flight"])
+        ));
+    }
     let store = &st["store"];
     let size = store["bytes"]
         .as_u64()
