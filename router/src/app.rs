@@ -697,9 +697,11 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
         .await
         .map_err(|e| refused(e.into()))?;
     let mut started = Vec::new();
+    // The saved states are read once for the targets started here, not once each.
+    let states = crate::deliver::StoredStates::default();
     for target in prepared {
         started.push(target.id().to_string());
-        app.dispatcher.start(target).await;
+        app.dispatcher.start_with(target, &states).await;
     }
     let removed: Vec<String> = old
         .targets
@@ -723,9 +725,15 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                 if app.dispatcher.runtime(id).is_none() && has_live_entries(app, id) =>
             {
                 let started = match old.targets.get(id) {
-                    Some(spec) => app.dispatcher.ensure(spec.clone()).await.map_err(|e| {
-                        format!("{TARGET_REMOVED}, and its last configuration cannot start: {e}")
-                    }),
+                    Some(spec) => app
+                        .dispatcher
+                        .ensure_with(spec.clone(), &states)
+                        .await
+                        .map_err(|e| {
+                            format!(
+                                "{TARGET_REMOVED}, and its last configuration cannot start: {e}"
+                            )
+                        }),
                     None => Err(format!(
                         "{TARGET_REMOVED}, and no configuration of it is known to drain its queue under"
                     )),
@@ -1871,10 +1879,12 @@ pub async fn run_with_store(
             }
         }
     }
+    // The saved states are read once for every target started here, not once each.
+    let states = crate::deliver::StoredStates::default();
     for spec in to_start {
         let id = spec.id.clone();
         let last = (!rules.targets.contains_key(&id)).then(|| spec.clone());
-        if let Err(e) = dispatcher.ensure(spec).await {
+        if let Err(e) = dispatcher.ensure_with(spec, &states).await {
             match last {
                 Some(spec) => {
                     removed.push((
@@ -3111,6 +3121,52 @@ mod tests {
             report.targets_started.contains(&"bus".to_owned()),
             "{report:?}"
         );
+    }
+
+    /// A reload starting many targets reads the stored target states once, not once per
+    /// target: each read returns every record, so starting N targets after an outage (every
+    /// target with a record) cost N × N. Each new worker still starts from its own record.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reload_reads_the_saved_target_states_once_for_all_its_starts() {
+        const N: usize = 40;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = test_config(dir.path());
+        let store =
+            RedbStore::open_dir(&dir.path().join("store"), StoreOptions::default()).expect("store");
+        let mut rules = String::from("rules:\n");
+        for i in 0..N {
+            rules.push_str(&format!(
+                "  - name: r{i}\n    pattern: {{ source: [/c{i}] }}\n    targets:\n      - webhook: http://127.0.0.1:9/{i}\n        id: c{i}\n"
+            ));
+            // Every other one paused by an operator, the rest with a breaker record only.
+            let state = if i % 2 == 0 {
+                (format!("pause:c{i}"), serde_json::json!({ "paused": true }))
+            } else {
+                (format!("c{i}"), serde_json::json!({ "paused": false }))
+            };
+            store
+                .put_target_state(&state.0, state.1)
+                .await
+                .expect("state");
+        }
+        let app = test_app(cfg.clone(), store.clone(), None);
+        std::fs::write(cfg.rules_dir.join("many.yaml"), rules).expect("rules");
+        let before = store.target_state_reads();
+        let report = reload(&app, "test").await.expect("reloaded");
+        assert_eq!(report.targets_started.len(), N + 1, "{report:?}");
+        assert_eq!(
+            store.target_state_reads() - before,
+            1,
+            "one read for {N} starts"
+        );
+        for i in 0..N {
+            let rt = app.dispatcher.runtime(&format!("c{i}")).expect("running");
+            assert_eq!(
+                rt.paused.load(std::sync::atomic::Ordering::SeqCst),
+                i % 2 == 0,
+                "c{i} starts from its own record"
+            );
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,13 +2,18 @@
 //! then routed here through the live rules like any event, with three differences: they are
 //! rate-limited, so an alert path that fails cannot become a storm; one about a target is
 //! never delivered to that target; and what is dropped is counted by type and target, a
-//! dropped `router.dlq.added` being announced later in one summary per target.
+//! dropped `router.dlq.added` being announced later in one summary per target, a dropped
+//! `router.breaker.opened` or `closed` in a summary naming the targets it was about.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use governor::{DefaultDirectRateLimiter, DefaultKeyedRateLimiter, Quota, RateLimiter};
+use governor::clock::{Clock, DefaultClock};
+use governor::middleware::NoOpMiddleware;
+use governor::state::keyed::HashMapStateStore;
+use governor::state::{InMemoryState, NotKeyed};
+use governor::{Quota, RateLimiter};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -22,12 +27,17 @@ use crate::store::{AcceptOutcome, DlqReason};
 pub const DLQ_ADDED: &str = "router.dlq.added";
 
 /// How often dead letters whose announcement was dropped are summarised (when their target's
-/// rate limit allows).
+/// rate limit allows), and dropped breaker transitions.
 const SUMMARY_EVERY: Duration = Duration::from_secs(1);
+
+/// The most targets one summary of dropped breaker transitions names; the others wait for
+/// the next summary (`data.pending` says how many), so each is named in time and no event
+/// grows with the number of targets.
+const TRANSITION_SUMMARY_TARGETS: usize = 100;
 
 /// The kinds of system event: the `type` label of `router_system_events_dropped_total`, a
 /// fixed set whatever a type says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kind {
     /// `router.dlq.added`.
     DlqAdded,
@@ -64,23 +74,35 @@ impl Kind {
         }
     }
 
-    fn is_breaker(self) -> bool {
-        matches!(
-            self,
-            Self::BreakerOpened | Self::BreakerHalfOpened | Self::BreakerClosed
-        )
+    /// Whether a dropped event of this kind is announced later in a summary naming its
+    /// target: the transitions an alert route acts on (page at `opened`, resolve at
+    /// `closed`). A dropped `half_opened` is churn (a failing breaker has one every
+    /// `open_for`) and is counted only.
+    fn is_summarised_transition(self) -> bool {
+        matches!(self, Self::BreakerOpened | Self::BreakerClosed)
     }
 }
 
+/// A governor limiter over `C`, one state per key.
+type KeyedLimiter<C> =
+    RateLimiter<String, HashMapStateStore<String>, C, NoOpMiddleware<<C as Clock>::Instant>>;
+/// A governor limiter over `C`, one state.
+type DirectLimiter<C> =
+    RateLimiter<NotKeyed, InMemoryState, C, NoOpMiddleware<<C as Clock>::Instant>>;
+
 /// A token bucket per target the events are about (events about no target share one), and
 /// one over all of them.
-struct Bucket {
-    per_target: DefaultKeyedRateLimiter<String>,
-    total: DefaultDirectRateLimiter,
+struct Bucket<C: Clock> {
+    per_target: KeyedLimiter<C>,
+    total: DirectLimiter<C>,
 }
 
-impl Bucket {
-    fn new((per_second, burst): (u32, u32), (total_per_second, total_burst): (u32, u32)) -> Self {
+impl<C: Clock + Clone> Bucket<C> {
+    fn new(
+        (per_second, burst): (u32, u32),
+        (total_per_second, total_burst): (u32, u32),
+        clock: &C,
+    ) -> Self {
         let quota = |per_second: u32, burst: u32| {
             Quota::per_second(
                 std::num::NonZeroU32::new(per_second).unwrap_or(std::num::NonZeroU32::MIN),
@@ -88,8 +110,11 @@ impl Bucket {
             .allow_burst(std::num::NonZeroU32::new(burst).unwrap_or(std::num::NonZeroU32::MIN))
         };
         Self {
-            per_target: RateLimiter::keyed(quota(per_second, burst)),
-            total: RateLimiter::direct(quota(total_per_second, total_burst)),
+            per_target: RateLimiter::hashmap_with_clock(quota(per_second, burst), clock.clone()),
+            total: RateLimiter::direct_with_clock(
+                quota(total_per_second, total_burst),
+                clock.clone(),
+            ),
         }
     }
 
@@ -105,29 +130,42 @@ impl Bucket {
 /// The rate limits on system events. Breaker transitions have buckets of their own: sharing
 /// one with `router.dlq.added`, a burst of dead letters used it up and the breaker's
 /// `opened` that followed was dropped for good (an alert route saw `closed` with no
-/// `opened`). Transitions are few by nature (one cycle per `open_for`); theirs only bounds a
-/// breaker that flaps. Dead-letter announcements (and any other type): 20/s per target,
-/// bursts of 100, so one failing target cannot use up the alerts of the others, and 100/s,
-/// bursts of 500, in total, so many together still cannot make a storm.
-pub(crate) struct Limits {
-    announcements: Bucket,
-    transitions: Bucket,
+/// `opened`). And `opened` has its own apart from `half_opened` and `closed`: in a mass
+/// outage every failing breaker half-opens again each `open_for`, and that churn used up the
+/// budget they shared, so the `opened` of a target failing later was dropped (3,803 of them
+/// with 1,000 targets down, in an audit). Transitions are few per target (one cycle per
+/// `open_for`); the per-target bound only holds a breaker that flaps. Dead-letter
+/// announcements (and any other type): 20/s per target, bursts of 100, so one failing target
+/// cannot use up the alerts of the others, and 100/s, bursts of 500, in total, so many
+/// together still cannot make a storm.
+pub(crate) struct Limits<C: Clock = DefaultClock> {
+    announcements: Bucket<C>,
+    opened: Bucket<C>,
+    churn: Bucket<C>,
 }
 
 impl Limits {
     pub(crate) fn new() -> Self {
+        Self::with_clock(&DefaultClock::default())
+    }
+}
+
+impl<C: Clock + Clone> Limits<C> {
+    /// The limits, timed by `clock` (a fake one in tests).
+    fn with_clock(clock: &C) -> Self {
         Self {
-            announcements: Bucket::new((20, 100), (100, 500)),
-            transitions: Bucket::new((5, 20), (50, 200)),
+            announcements: Bucket::new((20, 100), (100, 500), clock),
+            opened: Bucket::new((5, 20), (50, 200), clock),
+            churn: Bucket::new((5, 20), (50, 200), clock),
         }
     }
 
     /// Whether an event of `kind` about `about` (a target id) may go now.
     pub(crate) fn admit(&self, kind: Kind, about: Option<&str>) -> bool {
-        if kind.is_breaker() {
-            self.transitions.admit(about)
-        } else {
-            self.announcements.admit(about)
+        match kind {
+            Kind::BreakerOpened => self.opened.admit(about),
+            Kind::BreakerHalfOpened | Kind::BreakerClosed => self.churn.admit(about),
+            Kind::DlqAdded | Kind::Other => self.announcements.admit(about),
         }
     }
 }
@@ -142,12 +180,23 @@ struct Pending {
     hops: u32,
 }
 
+/// The targets whose breaker transitions of one kind were dropped, until a summary names
+/// them: by target id, the order it was first dropped in (the longest waiting are named
+/// first) and how many of its transitions were dropped.
+#[derive(Debug, Default)]
+struct PendingTransitions {
+    targets: HashMap<String, (u64, u64)>,
+    next: u64,
+}
+
 /// New DLQ entries whose `router.dlq.added` was dropped (past the rate limit, the routing
 /// channel full, the store refusing it), by the target they were about, until a summary
-/// announces them.
+/// announces them; and the targets whose `router.breaker.opened` or `closed` was dropped,
+/// until a summary names them.
 #[derive(Default)]
 pub struct Unannounced {
     pending: Mutex<HashMap<Option<String>, Pending>>,
+    transitions: Mutex<HashMap<Kind, PendingTransitions>>,
 }
 
 impl Unannounced {
@@ -155,10 +204,20 @@ impl Unannounced {
         self.pending.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Notes `ev`, a dropped system event, if it announced dead letters: one, or the `count`
-    /// of a bulk announcement or a summary.
+    fn lock_transitions(&self) -> std::sync::MutexGuard<'_, HashMap<Kind, PendingTransitions>> {
+        self.transitions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Notes `ev`, a dropped system event, if it announced dead letters (one, or the `count`
+    /// of a bulk announcement or a summary) or a breaker's `opened` or `closed` (of its
+    /// target, or a summary's targets).
     fn add(&self, ev: &CloudEvent) {
-        if ev.ty != DLQ_ADDED {
+        let kind = Kind::of(&ev.ty);
+        if kind.is_summarised_transition() {
+            self.add_transition(kind, ev);
+            return;
+        }
+        if kind != Kind::DlqAdded {
             return;
         }
         let data = ev.data.as_ref().map(|d| d.value());
@@ -179,6 +238,71 @@ impl Unannounced {
                 *p.reasons.entry(reason.to_owned()).or_default() += n;
             }
         }
+    }
+
+    /// Notes a dropped breaker transition of `kind`: its target's, or, for a summary dropped
+    /// in its turn, its targets again with its count (spread over them: only the total is
+    /// ever told).
+    fn add_transition(&self, kind: Kind, ev: &CloudEvent) {
+        let named = summarised_targets(ev);
+        let dropped: Vec<(String, u64)> = if named.is_empty() {
+            match &ev.subject {
+                Some(id) => vec![(id.clone(), 1)],
+                None => return,
+            }
+        } else {
+            let k = named.len() as u64;
+            let count = ev
+                .data
+                .as_ref()
+                .and_then(|d| d.value().get("count").and_then(Value::as_u64))
+                .unwrap_or(k)
+                .max(k);
+            named
+                .into_iter()
+                .zip(0..)
+                .map(|(id, i)| (id, count / k + u64::from(i < count % k)))
+                .collect()
+        };
+        let mut transitions = self.lock_transitions();
+        let pending = transitions.entry(kind).or_default();
+        for (id, n) in dropped {
+            let seq = pending.next;
+            pending.next += 1;
+            pending.targets.entry(id).or_insert((seq, 0)).1 += n;
+        }
+    }
+
+    /// The summary of the dropped transitions of `kind` of the targets that waited longest (at
+    /// most `TRANSITION_SUMMARY_TARGETS`), which are no longer pending; `None` when none is.
+    fn take_transitions(&self, kind: Kind, now: i64) -> Option<CloudEvent> {
+        let mut transitions = self.lock_transitions();
+        let pending = transitions.get_mut(&kind)?;
+        if pending.targets.is_empty() {
+            return None;
+        }
+        let mut oldest: Vec<(u64, String)> = pending
+            .targets
+            .iter()
+            .map(|(id, (seq, _))| (*seq, id.clone()))
+            .collect();
+        oldest.sort_unstable();
+        oldest.truncate(TRANSITION_SUMMARY_TARGETS);
+        let mut count = 0;
+        let mut named = Vec::with_capacity(oldest.len());
+        for (_, id) in oldest {
+            if let Some((_, n)) = pending.targets.remove(&id) {
+                count += n;
+                named.push(id);
+            }
+        }
+        Some(transition_summary(
+            kind,
+            &named,
+            count,
+            pending.targets.len(),
+            now,
+        ))
     }
 
     /// The targets with dead letters not yet announced.
@@ -215,6 +339,58 @@ fn summary(about: Option<&str>, p: &Pending, now: i64) -> CloudEvent {
         "unannounced": true,
     })));
     ev
+}
+
+/// The `router.breaker.opened` (or `closed`, per `kind`) that names the targets whose own
+/// event of that type was dropped: `count` transitions of `targets` (at most
+/// `TRANSITION_SUMMARY_TARGETS`), `pending` more targets to be named by the next summary,
+/// marked `unannounced`. It is about no single target (no `subject`), and is never delivered
+/// to a target it names. So an alert route on the type knows it saw a fraction, and which
+/// targets it missed.
+fn transition_summary(
+    kind: Kind,
+    targets: &[String],
+    count: u64,
+    pending: usize,
+    now: i64,
+) -> CloudEvent {
+    let mut ev = crate::deliver::system_event(kind.as_str(), "unannounced", now);
+    ev.subject = None;
+    ev.source = "router://breakers".into();
+    let to = match kind {
+        Kind::BreakerClosed => "closed",
+        _ => "open",
+    };
+    ev.data = Some(crate::event::Data::from(json!({
+        "unannounced": true,
+        "to": to,
+        "targets": targets,
+        "count": count,
+        "pending": pending,
+    })));
+    ev
+}
+
+/// The targets a summary of dropped breaker transitions names (none for any other event).
+fn summarised_targets(ev: &CloudEvent) -> Vec<String> {
+    if !Kind::of(&ev.ty).is_summarised_transition() {
+        return Vec::new();
+    }
+    let Some(data) = ev.data.as_ref().map(|d| d.value()) else {
+        return Vec::new();
+    };
+    if data.get("unannounced") != Some(&Value::Bool(true)) {
+        return Vec::new();
+    }
+    data.get("targets")
+        .and_then(Value::as_array)
+        .map(|ids| {
+            ids.iter()
+                .filter_map(Value::as_str)
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// A system event dropped because `why`: counted by type and target, noted for the summary
@@ -285,11 +461,19 @@ pub(crate) fn spawn_router(
                 route(&app, ev, &cancel).await;
             }
         }
+        for kind in [Kind::BreakerOpened, Kind::BreakerClosed] {
+            while let Some(ev) = unannounced.take_transitions(kind, app.clock.now_ms()) {
+                route(&app, ev, &cancel).await;
+            }
+        }
     });
 }
 
 /// Routes a summary for each target with unannounced dead letters whose rate limit allows
-/// one now (the others wait for a later turn, their counts growing).
+/// one now (the others wait for a later turn, their counts growing), and one summary of
+/// dropped `opened`, one of dropped `closed`. Those two take no token: they are at most two
+/// a turn by construction, and drawing from the buckets whose exhaustion dropped what they
+/// announce would hold them back for as long as the storm lasts.
 async fn announce_unannounced(app: &App, limits: &Limits, cancel: &CancellationToken) {
     let unannounced = &app.dispatcher.context().unannounced;
     for about in unannounced.targets() {
@@ -297,6 +481,11 @@ async fn announce_unannounced(app: &App, limits: &Limits, cancel: &CancellationT
             continue;
         }
         if let Some(ev) = unannounced.take(&about, app.clock.now_ms()) {
+            route(app, ev, cancel).await;
+        }
+    }
+    for kind in [Kind::BreakerOpened, Kind::BreakerClosed] {
+        if let Some(ev) = unannounced.take_transitions(kind, app.clock.now_ms()) {
             route(app, ev, cancel).await;
         }
     }
@@ -328,6 +517,7 @@ async fn route(app: &App, ev: CloudEvent, cancel: &CancellationToken) {
     let rules = app.rules.load();
     let window = i64::try_from(app.cfg.ingest.dedup_window.as_millis()).unwrap_or(i64::MAX);
     let about = ev.subject.clone();
+    let named = summarised_targets(&ev);
     let mut ne = crate::ingest::route(
         &rules,
         &app.disabled_rules(),
@@ -335,8 +525,12 @@ async fn route(app: &App, ev: CloudEvent, cancel: &CancellationToken) {
         app.clock.now_ms(),
         window,
     );
-    ne.targets
-        .retain(|t| deliverable(&rules, about.as_deref(), &t.target_id));
+    ne.targets.retain(|t| {
+        deliverable(&rules, about.as_deref(), &t.target_id)
+            && named
+                .iter()
+                .all(|id| deliverable(&rules, Some(id), &t.target_id))
+    });
     let ctx = app.dispatcher.context();
     let mut retry_in = Duration::from_secs(1);
     loop {
@@ -428,6 +622,176 @@ mod tests {
             .filter(|_| limits.admit(Kind::BreakerHalfOpened, Some("flapping")))
             .count();
         assert!((20..40).contains(&flaps), "{flaps}");
+    }
+
+    /// A mass outage: 1,000 targets already down half-open again and again (1,000 a second)
+    /// while 1,000 others open, 100 a second for 10 s, past even `opened`'s own budget. The
+    /// churn does not use up that budget (before, they shared one and nearly every `opened`
+    /// was dropped), and every `opened` is either routed or named, once, by a summary of at
+    /// most `TRANSITION_SUMMARY_TARGETS` targets, one a second as the router makes them.
+    #[test]
+    fn in_a_mass_outage_every_opened_is_routed_or_named_in_a_summary() {
+        let clock = governor::clock::FakeRelativeClock::default();
+        let limits = Limits::with_clock(&clock);
+        let u = Unannounced::default();
+        let opened = |id: &str| {
+            let mut ev = crate::deliver::system_event("router.breaker.opened", id, 0);
+            ev.data = Some(crate::event::Data::from(
+                json!({"target": id, "to": "open"}),
+            ));
+            ev
+        };
+        let mut routed = std::collections::BTreeSet::new();
+        let mut named: Vec<String> = Vec::new();
+        let mut summaries = 0;
+        let mut summarise = |u: &Unannounced, named: &mut Vec<String>| {
+            let Some(s) = u.take_transitions(Kind::BreakerOpened, 0) else {
+                return false;
+            };
+            let data = s.data.as_ref().expect("data").value().clone();
+            let ids = summarised_targets(&s);
+            assert!(
+                (1..=TRANSITION_SUMMARY_TARGETS).contains(&ids.len()),
+                "{data}"
+            );
+            assert_eq!(data["count"], ids.len(), "one drop each: {data}");
+            assert_eq!(s.subject, None, "about no single target");
+            named.extend(ids);
+            summaries += 1;
+            true
+        };
+        let mut churn_admitted = 0;
+        for step in 0..100 {
+            // 100 ms a step: 100 half-opens of the targets down, then 10 targets open.
+            for h in 0..100 {
+                let id = format!("h{}", (step * 100 + h) % 1_000);
+                churn_admitted += usize::from(limits.admit(Kind::BreakerHalfOpened, Some(&id)));
+            }
+            for o in 0..10 {
+                let id = format!("o{}", step * 10 + o);
+                if limits.admit(Kind::BreakerOpened, Some(&id)) {
+                    routed.insert(id);
+                } else {
+                    u.add(&opened(&id));
+                }
+            }
+            clock.advance(Duration::from_millis(100));
+            if step % 10 == 9 {
+                summarise(&u, &mut named);
+            }
+        }
+        // The half-opens stay bounded: their burst, then 50 a second.
+        assert!((600..=750).contains(&churn_admitted), "{churn_admitted}");
+        // `opened` had its own: its burst of 200 and 50 a second.
+        assert!((600..=750).contains(&routed.len()), "{}", routed.len());
+        // After the outage the rest comes out, the summaries going on a second apart.
+        while summarise(&u, &mut named) {}
+        assert!(summaries >= 4, "{summaries}");
+        let named_set: std::collections::BTreeSet<String> = named.iter().cloned().collect();
+        assert_eq!(named_set.len(), named.len(), "each named once");
+        assert!(routed.is_disjoint(&named_set));
+        let all: std::collections::BTreeSet<String> = routed.union(&named_set).cloned().collect();
+        assert_eq!(all.len(), 1_000, "every opened routed or named");
+    }
+
+    /// Dropped `opened` come back, oldest first, at most `TRANSITION_SUMMARY_TARGETS` a
+    /// summary, with how many more wait; a summary dropped in turn is pending again whole;
+    /// `closed` has its own summaries and `half_opened` none.
+    #[test]
+    fn dropped_transitions_are_named_oldest_first_and_kept_if_the_summary_is_dropped() {
+        let u = Unannounced::default();
+        let transition = |ty: &str, id: &str| crate::deliver::system_event(ty, id, 0);
+        for i in 0..150 {
+            u.add(&transition("router.breaker.opened", &format!("t{i:03}")));
+        }
+        // t000 opened again before it was named: counted, not named twice.
+        u.add(&transition("router.breaker.opened", "t000"));
+        u.add(&transition("router.breaker.half_opened", "t001"));
+        u.add(&transition("router.breaker.closed", "t002"));
+        let first = u.take_transitions(Kind::BreakerOpened, 0).expect("pending");
+        let data = first.data.as_ref().expect("data").value().clone();
+        let expected: Vec<String> = (0..100).map(|i| format!("t{i:03}")).collect();
+        assert_eq!(summarised_targets(&first), expected);
+        assert_eq!(
+            (&data["count"], &data["pending"], &data["to"]),
+            (&json!(101), &json!(50), &json!("open"))
+        );
+        assert_eq!(first.ty, "router.breaker.opened");
+        // Dropped in its turn: its targets wait again, its count whole.
+        u.add(&first);
+        let mut count = 0;
+        let mut seen = Vec::new();
+        while let Some(s) = u.take_transitions(Kind::BreakerOpened, 0) {
+            count += s.data.as_ref().expect("data").value()["count"]
+                .as_u64()
+                .expect("count");
+            seen.extend(summarised_targets(&s));
+        }
+        seen.sort();
+        assert_eq!(count, 151);
+        assert_eq!(seen.len(), 150);
+        let closed = u.take_transitions(Kind::BreakerClosed, 0).expect("pending");
+        assert_eq!(summarised_targets(&closed), ["t002"]);
+        assert_eq!(closed.data.as_ref().expect("data").value()["to"], "closed");
+        assert!(u.take_transitions(Kind::BreakerHalfOpened, 0).is_none());
+        assert!(u.targets().is_empty(), "no dead letters among them");
+    }
+
+    /// Rules: `router.breaker.opened` to `pager` and to `o1`, a target the summary names.
+    const BREAKER_RULES: &str = "rules:\n  - name: alerts\n    pattern:\n      type: [router.breaker.opened]\n    targets:\n      - webhook: http://127.0.0.1:9/pager\n        id: pager\n      - webhook: http://127.0.0.1:9/o1\n        id: o1\n";
+
+    /// Dropped `router.breaker.opened` of 150 targets reach the alert route as summaries
+    /// (100 named, then 50, a second later), never delivered to a target they name: `o1`,
+    /// named by the first, gets the second only.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dropped_opened_reach_the_alert_route_in_summaries() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = crate::app::test_config(dir.path());
+        std::fs::write(cfg.rules_dir.join("r.yaml"), BREAKER_RULES).expect("rules");
+        let store = crate::store::RedbStore::in_memory().expect("store");
+        let (app, rx) = crate::app::test_app_raising(cfg, store);
+        for i in 0..150 {
+            let ev = crate::deliver::system_event("router.breaker.opened", &format!("o{i}"), 0);
+            dropped(app.dispatcher.context(), &ev, "past its rate limit");
+        }
+        let (tracker, cancel) = (TaskTracker::new(), CancellationToken::new());
+        spawn_router(&app, &tracker, cancel.clone(), rx);
+        // Two summaries a second apart; generous for a loaded machine.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let summaries = loop {
+            let stored = app
+                .store
+                .events_between(0, i64::MAX, 0, 100, usize::MAX)
+                .await
+                .expect("archive");
+            let summaries: Vec<Value> = stored
+                .iter()
+                .filter(|e| e.event.ty == "router.breaker.opened")
+                .map(|e| e.event.data.as_ref().expect("data").value().clone())
+                .collect();
+            if summaries.len() >= 2 || std::time::Instant::now() > deadline {
+                break summaries;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        cancel.cancel();
+        assert_eq!(summaries.len(), 2, "{summaries:?}");
+        let mut named: Vec<String> = summaries
+            .iter()
+            .flat_map(|d| d["targets"].as_array().cloned().unwrap_or_default())
+            .filter_map(|id| id.as_str().map(str::to_owned))
+            .collect();
+        named.sort();
+        named.dedup();
+        assert_eq!(named.len(), 150);
+        assert!(summaries.iter().all(|d| d["unannounced"] == true));
+        let stats = app.store.queue_stats();
+        assert_eq!(stats["pager"].queued, 2);
+        assert_eq!(
+            stats.get("o1").map_or(0, |s| s.queued),
+            1,
+            "only the summary that does not name it"
+        );
     }
 
     /// Rules: `t` to the webhook `hook`; `router.dlq.added` to `pager` (its queue capped at

@@ -3,8 +3,14 @@
 //! Counters are updated where things happen; queue gauges are read from the store when
 //! `/metrics` is scraped, so they are never stale.
 
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
+
+use governor::clock::{Clock, DefaultClock, Reference};
+use governor::middleware::NoOpMiddleware;
+use governor::state::{InMemoryState, NotKeyed};
+use governor::{Quota, RateLimiter};
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -89,16 +95,67 @@ where
 /// counted and reported on the next line that goes through (`suppressed = N`). A target
 /// failing every attempt wrote one line per attempt (630 lines in 8 s for 500 events, a
 /// helper measured), burying everything else in the log; the metrics keep the full counts.
-#[derive(Default)]
-pub struct LogGates {
-    gates: std::sync::Mutex<std::collections::HashMap<String, LogGate>>,
+///
+/// On top of them, a process-wide ceiling ([`LogGates::CEILING_PER_SECOND`], bursts of
+/// [`LogGates::CEILING_BURST`]): the per-subject limits alone let the total grow with the
+/// number of failing subjects (1,000 targets down wrote ~1,000 lines/s, 77 MB in 10 min in
+/// an audit), just when the log must stay readable. A line the ceiling drops counts as
+/// suppressed for its subject like any other (its next line says so, and it does not use up
+/// the subject's own lines), and once per window one line says how many lines of how many
+/// subjects the ceiling dropped, for subjects that log nothing more.
+pub struct LogGates<C: Clock = DefaultClock> {
+    clock: C,
+    ceiling: RateLimiter<NotKeyed, InMemoryState, C, NoOpMiddleware<<C as Clock>::Instant>>,
+    state: std::sync::Mutex<GatesState<C::Instant>>,
 }
 
-#[derive(Default)]
-struct LogGate {
-    window_start: Option<std::time::Instant>,
+struct GatesState<I> {
+    subjects: std::collections::HashMap<String, LogGate<I>>,
+    /// The ceiling's drops in the current window, for its summary line.
+    ceiling_window: Option<I>,
+    ceiling_lines: u64,
+    ceiling_subjects: std::collections::HashSet<String>,
+}
+
+impl<I> Default for GatesState<I> {
+    fn default() -> Self {
+        Self {
+            subjects: Default::default(),
+            ceiling_window: None,
+            ceiling_lines: 0,
+            ceiling_subjects: Default::default(),
+        }
+    }
+}
+
+struct LogGate<I> {
+    window_start: Option<I>,
     used: u32,
     suppressed: u64,
+}
+
+impl<I> Default for LogGate<I> {
+    fn default() -> Self {
+        Self {
+            window_start: None,
+            used: 0,
+            suppressed: 0,
+        }
+    }
+}
+
+/// What the process-wide ceiling dropped in one window: `lines` lines of `subjects`
+/// subjects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct CeilingSummary {
+    lines: u64,
+    subjects: usize,
+}
+
+impl Default for LogGates {
+    fn default() -> Self {
+        Self::with_clock(DefaultClock::default())
+    }
 }
 
 impl LogGates {
@@ -106,32 +163,101 @@ impl LogGates {
     pub const PER_WINDOW: u32 = 10;
     /// The window.
     pub const WINDOW: Duration = Duration::from_secs(10);
+    /// Lines per second for the whole process, whatever their subjects.
+    pub const CEILING_PER_SECOND: u32 = 50;
+    /// The process-wide ceiling's burst.
+    pub const CEILING_BURST: u32 = 200;
+}
+
+impl<C: Clock + Clone> LogGates<C> {
+    /// Gates timed by `clock` (a fake one in tests).
+    fn with_clock(clock: C) -> Self {
+        let quota = Quota::per_second(
+            NonZeroU32::new(LogGates::CEILING_PER_SECOND).unwrap_or(NonZeroU32::MIN),
+        )
+        .allow_burst(NonZeroU32::new(LogGates::CEILING_BURST).unwrap_or(NonZeroU32::MIN));
+        Self {
+            ceiling: RateLimiter::direct_with_clock(quota, clock.clone()),
+            clock,
+            state: Default::default(),
+        }
+    }
 
     /// Whether a line about `subject` may be written now: `Some(n)` with the number of its
     /// lines suppressed since the last one written, or `None` to suppress this one.
     pub fn admit(&self, subject: &str) -> Option<u64> {
-        self.admit_at(subject, std::time::Instant::now())
+        let (admitted, summary) = self.admit_now(subject);
+        if let Some(CeilingSummary { lines, subjects }) = summary {
+            tracing::warn!(
+                lines,
+                subjects,
+                window_secs = LogGates::WINDOW.as_secs(),
+                per_second = LogGates::CEILING_PER_SECOND,
+                "log lines suppressed by the process-wide ceiling in the last window; each subject's next line counts its own in suppressed=N, the metrics count every one"
+            );
+        }
+        admitted
     }
 
-    fn admit_at(&self, subject: &str, now: std::time::Instant) -> Option<u64> {
-        let mut gates = self.gates.lock().unwrap_or_else(|p| p.into_inner());
-        if !gates.contains_key(subject) {
-            gates.insert(subject.to_string(), LogGate::default());
+    /// [`Self::admit`]'s decision, and the ceiling's summary of the window that ended, if
+    /// one did with lines dropped (the caller logs it, outside the lock).
+    fn admit_now(&self, subject: &str) -> (Option<u64>, Option<CeilingSummary>) {
+        let now = self.clock.now();
+        let window_over = |start: Option<C::Instant>| {
+            start.is_none_or(|s| Duration::from(now.duration_since(s)) >= LogGates::WINDOW)
+        };
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut summary = None;
+        if window_over(state.ceiling_window) {
+            if state.ceiling_lines > 0 {
+                summary = Some(CeilingSummary {
+                    lines: state.ceiling_lines,
+                    subjects: state.ceiling_subjects.len(),
+                });
+            }
+            state.ceiling_window = Some(now);
+            state.ceiling_lines = 0;
+            state.ceiling_subjects.clear();
         }
-        let g = gates.get_mut(subject)?;
-        if g.window_start
-            .is_none_or(|s| now.duration_since(s) >= Self::WINDOW)
-        {
+        if !state.subjects.contains_key(subject) {
+            state
+                .subjects
+                .insert(subject.to_string(), LogGate::default());
+        }
+        let GatesState {
+            subjects,
+            ceiling_lines,
+            ceiling_subjects,
+            ..
+        } = &mut *state;
+        let Some(g) = subjects.get_mut(subject) else {
+            return (None, summary);
+        };
+        if window_over(g.window_start) {
             g.window_start = Some(now);
             g.used = 0;
         }
-        if g.used < Self::PER_WINDOW {
-            g.used += 1;
-            Some(std::mem::take(&mut g.suppressed))
-        } else {
+        if g.used >= LogGates::PER_WINDOW {
             g.suppressed += 1;
-            None
+            return (None, summary);
         }
+        if self.ceiling.check().is_err() {
+            g.suppressed += 1;
+            *ceiling_lines += 1;
+            if !ceiling_subjects.contains(subject) {
+                ceiling_subjects.insert(subject.to_string());
+            }
+            return (None, summary);
+        }
+        g.used += 1;
+        (Some(std::mem::take(&mut g.suppressed)), summary)
+    }
+
+    /// The lines of `subject` suppressed and not yet reported.
+    #[cfg(test)]
+    fn pending(&self, subject: &str) -> u64 {
+        let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.subjects.get(subject).map_or(0, |g| g.suppressed)
     }
 }
 
@@ -1077,19 +1203,78 @@ pub fn init_tracing(json: bool) {
 mod log_gate_tests {
     use super::*;
 
+    use governor::clock::FakeRelativeClock;
+
     #[test]
     fn a_subject_gets_its_lines_per_window_then_a_count_of_the_rest() {
-        let gates = LogGates::default();
-        let t0 = std::time::Instant::now();
-        let admitted = (0..25)
-            .filter(|_| gates.admit_at("erp", t0).is_some())
-            .count();
+        let clock = FakeRelativeClock::default();
+        let gates = LogGates::with_clock(clock.clone());
+        let admitted = (0..25).filter(|_| gates.admit("erp").is_some()).count();
         assert_eq!(admitted, LogGates::PER_WINDOW as usize);
         // Another subject has its own lines.
-        assert_eq!(gates.admit_at("crm", t0), Some(0));
+        assert_eq!(gates.admit("crm"), Some(0));
         // The next window's first line says how many were left out.
-        assert_eq!(gates.admit_at("erp", t0 + LogGates::WINDOW), Some(15));
-        assert_eq!(gates.admit_at("erp", t0 + LogGates::WINDOW), Some(0));
+        clock.advance(LogGates::WINDOW);
+        assert_eq!(gates.admit("erp"), Some(15));
+        assert_eq!(gates.admit("erp"), Some(0));
+    }
+
+    /// 1,000 subjects failing together: each alone is within its own limit, but the process
+    /// writes at most the ceiling (its burst, then `CEILING_PER_SECOND`), where the
+    /// per-subject limits alone let 10,000 lines through in the window. Every line is
+    /// written, or counted for its subject (reported on its next line, or still pending),
+    /// and the window's end brings one summary of what the ceiling dropped.
+    #[test]
+    fn the_ceiling_holds_over_many_subjects_and_every_line_is_counted() {
+        let clock = FakeRelativeClock::default();
+        let gates = LogGates::with_clock(clock.clone());
+        let subjects: Vec<String> = (0..1_000).map(|i| format!("t{i}")).collect();
+        let mut written = std::collections::HashMap::<&str, u64>::new();
+        let mut reported = std::collections::HashMap::<&str, u64>::new();
+        let mut tried = 0u64;
+        let mut admitted_total = 0u64;
+        let mut summaries = Vec::new();
+        // 10 s, each subject trying a line every 100 ms (100 in its window).
+        for _ in 0..100 {
+            for s in &subjects {
+                tried += 1;
+                let (admitted, summary) = gates.admit_now(s);
+                summaries.extend(summary);
+                if let Some(n) = admitted {
+                    admitted_total += 1;
+                    *written.entry(s).or_default() += 1;
+                    *reported.entry(s).or_default() += n;
+                }
+            }
+            clock.advance(Duration::from_millis(100));
+        }
+        let ceiling =
+            u64::from(LogGates::CEILING_BURST) + u64::from(LogGates::CEILING_PER_SECOND) * 10;
+        assert!(
+            admitted_total <= ceiling && admitted_total >= ceiling - 60,
+            "{admitted_total} of {tried}"
+        );
+        for s in &subjects {
+            let w = written.get(s.as_str()).copied().unwrap_or(0);
+            let r = reported.get(s.as_str()).copied().unwrap_or(0);
+            assert_eq!(w + r + gates.pending(s), 100, "{s}: every line counted");
+            assert!(w <= u64::from(LogGates::PER_WINDOW), "{s}: {w}");
+        }
+        assert!(summaries.is_empty(), "the first window has not ended");
+        // The next window's first admit brings the summary of the one that ended.
+        clock.advance(Duration::from_secs(1));
+        let (_, summary) = gates.admit_now("t0");
+        let summary = summary.expect("a summary");
+        // All but the few the refills always reached first (until their own limit).
+        assert!((900..=1_000).contains(&summary.subjects), "{summary:?}");
+        // The ceiling's drops: all lines but those written or held by the subjects' own
+        // limits (each subject's 10 a window, and it only ever got fewer through).
+        assert!(
+            summary.lines > tried - ceiling - 10_000 && summary.lines <= tried - admitted_total,
+            "{summary:?}"
+        );
+        let (_, again) = gates.admit_now("t1");
+        assert_eq!(again, None, "once per window");
     }
 }
 

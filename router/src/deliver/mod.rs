@@ -227,6 +227,35 @@ pub enum StartError {
     },
 }
 
+/// The store's target-state records (breakers, pauses), read at most once for a batch of
+/// worker starts ([`Dispatcher::start_with`]): on the first start that needs them, not at all
+/// when every start replaces a running worker (which hands its state over itself).
+#[derive(Default)]
+pub struct StoredStates {
+    read: tokio::sync::OnceCell<Result<HashMap<String, serde_json::Value>, ()>>,
+}
+
+impl StoredStates {
+    /// The records by key, read from `store` on the first call. A read that fails is logged
+    /// once here: the batch's new workers start without their saved state, as one would
+    /// have alone.
+    async fn get(&self, store: &dyn Store) -> Option<&HashMap<String, serde_json::Value>> {
+        self.read
+            .get_or_init(|| async {
+                match store.target_states().await {
+                    Ok(states) => Ok(states.into_iter().collect()),
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot read the persisted target states: the workers starting now begin without their saved breaker and pause");
+                        Err(())
+                    }
+                }
+            })
+            .await
+            .as_ref()
+            .ok()
+    }
+}
+
 /// A target built and ready to run ([`Dispatcher::prepare`]).
 pub struct PreparedTarget {
     spec: TargetSpec,
@@ -505,19 +534,38 @@ impl Dispatcher {
 
     /// Runs a worker for `spec`, replacing one with an older configuration.
     pub async fn ensure(&self, spec: TargetSpec) -> Result<(), StartError> {
+        self.ensure_with(spec, &StoredStates::default()).await
+    }
+
+    /// [`Self::ensure`], a new worker reading its saved state from `states` (see
+    /// [`Self::start_with`]).
+    pub async fn ensure_with(
+        &self,
+        spec: TargetSpec,
+        states: &StoredStates,
+    ) -> Result<(), StartError> {
         let prepared = self.prepare(spec)?;
-        self.start(prepared).await;
+        self.start_with(prepared, states).await;
         Ok(())
     }
 
     /// Runs a worker for a prepared target, replacing one with an older configuration (a
     /// worker with the same configuration stays as it is).
     pub async fn start(&self, prepared: PreparedTarget) {
+        self.start_with(prepared, &StoredStates::default()).await;
+    }
+
+    /// [`Self::start`] as one of a batch (the start-up's targets, a reload's): a new worker's
+    /// saved state comes from `states`, which reads the store's target-state records once for
+    /// the whole batch. Each read returns every record (the table, or the JetStream view), so
+    /// reading it per target made starting N targets after an outage cost N × records.
+    pub async fn start_with(&self, prepared: PreparedTarget, states: &StoredStates) {
         let PreparedTarget {
             spec,
             target,
             secret,
         } = prepared;
+        let mut fresh = false;
         // A new worker's saved state is read before the lock is taken: on the JetStream store
         // the read is a round trip, and ingest takes this lock on every accept (`reserve`). A
         // runtime thread blocked on the lock behind that read can starve the very task that
@@ -532,8 +580,12 @@ impl Dispatcher {
             };
             let stored = if was_running {
                 None
+            } else if fresh {
+                // Stopped since the batch's records were read: its worker may have saved a
+                // newer state since.
+                Some(self.persisted(&spec.id, &StoredStates::default()).await)
             } else {
-                Some(self.persisted(&spec.id).await)
+                Some(self.persisted(&spec.id, states).await)
             };
             let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
             match (running.get(&spec.id), stored) {
@@ -542,7 +594,7 @@ impl Dispatcher {
                 (None, Some(stored)) => break (running, Some(stored)),
                 // Stopped between the two looks (rare): look again, reading its saved state
                 // outside the lock.
-                (None, None) => {}
+                (None, None) => fresh = true,
             }
         };
         let count = worker::slot_count(&spec, &self.ctx.cfg);
@@ -607,21 +659,18 @@ impl Dispatcher {
         );
     }
 
-    async fn persisted(&self, id: &str) -> Option<PersistedState> {
-        match self.ctx.store.target_states().await {
-            Ok(states) => {
+    /// The saved state a new worker of `id` starts from: its record and its operator's pause
+    /// record, as `states` holds them (read now if not yet).
+    async fn persisted(&self, id: &str, states: &StoredStates) -> Option<PersistedState> {
+        match states.get(self.ctx.store.as_ref()).await {
+            Some(states) => {
                 let pause_key = format!("{PAUSE_STATE_PREFIX}{id}");
-                let mut state: Option<PersistedState> = None;
-                let mut paused = None;
-                let mut lifted_at = None;
-                for (k, v) in states {
-                    if k == id {
-                        state = serde_json::from_value(v).ok();
-                    } else if k == pause_key {
-                        paused = v["paused"].as_bool();
-                        lifted_at = v[HOLD_LIFTED_AT].as_i64();
-                    }
-                }
+                let mut state: Option<PersistedState> = states
+                    .get(id)
+                    .and_then(|v| serde_json::from_value(v.clone()).ok());
+                let pause = states.get(&pause_key);
+                let paused = pause.and_then(|v| v["paused"].as_bool());
+                let lifted_at = pause.and_then(|v| v[HOLD_LIFTED_AT].as_i64());
                 // A Retry-After pause an operator lifted stays lifted across a restart, even
                 // if the target's record could not be written without it at the lift.
                 if let (Some(s), Some(at)) = (state.as_mut(), lifted_at)
@@ -659,10 +708,8 @@ impl Dispatcher {
                     }
                 }
             }
-            Err(e) => {
-                tracing::error!(target_id = %id, error = %e, "cannot read persisted target state");
-                None
-            }
+            // Said once, by the read.
+            None => None,
         }
     }
 

@@ -1119,6 +1119,10 @@ pub struct RedbStore {
     /// The ingest dedup window (`StoreOptions::dedup_window`), for the count of dedup keys
     /// inside it.
     dedup_window: Option<Duration>,
+    /// Reads of every target-state record, for tests that a batch of worker starts reads
+    /// them once.
+    #[cfg(test)]
+    target_state_reads: AtomicU64,
 }
 
 impl RedbStore {
@@ -1449,6 +1453,8 @@ impl RedbStore {
             last_compaction,
             log_failed,
             dedup_window,
+            #[cfg(test)]
+            target_state_reads: AtomicU64::new(0),
         }))
     }
 
@@ -1790,7 +1796,15 @@ pub(crate) fn read_panicked(what: &str, payload: &(dyn std::any::Any + Send)) ->
 impl RedbStore {
     /// See [`Store::target_states`] (answered here synchronously, from the file).
     pub fn target_states(&self) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+        #[cfg(test)]
+        self.target_state_reads.fetch_add(1, Ordering::Relaxed);
         self.read_named_json(TARGET_STATE, "target_state")
+    }
+
+    /// How many times [`Self::target_states`] read the table.
+    #[cfg(test)]
+    pub(crate) fn target_state_reads(&self) -> u64 {
+        self.target_state_reads.load(Ordering::Relaxed)
     }
 
     /// See [`Store::jobs`] (answered here synchronously, from the file).
