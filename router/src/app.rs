@@ -59,7 +59,8 @@ pub struct App {
     pub ingest_limiters: std::collections::HashMap<String, crate::deliver::Limiter>,
     /// Set while the store is past its disk high-water mark (ingest answers 503).
     pub disk_full: AtomicBool,
-    /// The request bytes ingest holds at once (`ingest.max_in_flight_bytes`).
+    /// The request bytes and events ingest holds at once (`ingest.max_in_flight_bytes`,
+    /// `ingest.max_in_flight_events`).
     pub ingest_admission: crate::ingest::admission::Admission,
     /// The client connections the HTTP server holds (`server.max_connections`).
     pub connections: Arc<ConnectionSlots>,
@@ -1915,9 +1916,13 @@ pub async fn run_with_store(
     };
     let data_dir = cfg.data_dir.clone();
     let ingest_admission = crate::ingest::admission::Admission::new(
-        cfg.ingest.max_in_flight_bytes,
-        cfg.ingest.admission_wait,
-        metrics.ingest_saturated.clone(),
+        crate::ingest::admission::Bounds {
+            bytes: cfg.ingest.max_in_flight_bytes,
+            events: cfg.ingest.max_in_flight_events,
+            max_body: cfg.ingest.max_body_bytes,
+            wait: cfg.ingest.admission_wait,
+        },
+        metrics.ingest_refusals(),
     );
     let connections = Arc::new(ConnectionSlots::new(
         cfg.server.connection_limit(),
@@ -2781,9 +2786,13 @@ fn test_app_with(
     });
     let now = clock.now_ms();
     let ingest_admission = crate::ingest::admission::Admission::new(
-        cfg.ingest.max_in_flight_bytes,
-        cfg.ingest.admission_wait,
-        metrics.ingest_saturated.clone(),
+        crate::ingest::admission::Bounds {
+            bytes: cfg.ingest.max_in_flight_bytes,
+            events: cfg.ingest.max_in_flight_events,
+            max_body: cfg.ingest.max_body_bytes,
+            wait: cfg.ingest.admission_wait,
+        },
+        metrics.ingest_refusals(),
     );
     let connections = Arc::new(ConnectionSlots::new(
         cfg.server.connection_limit(),

@@ -347,12 +347,17 @@ pub struct Metrics {
     pub store_max_bytes: Gauge,
     /// 1 while ingest is refused past the disk high-water mark.
     pub ingest_refused: Gauge,
-    /// Ingest requests answered 503 because ingest stayed full (`ingest.max_in_flight_bytes`).
-    pub ingest_saturated: Counter,
+    /// Ingest requests answered 503 because ingest stayed full, by `bound` (`bytes`:
+    /// `ingest.max_in_flight_bytes`, `events`: `ingest.max_in_flight_events`).
+    pub ingest_saturated: Family<Labels, Counter>,
     /// Request bytes ingest holds now (bodies read, checked or waiting for their commit).
     pub ingest_in_flight_bytes: Gauge,
     /// `ingest.max_in_flight_bytes`.
     pub ingest_max_in_flight_bytes: Gauge,
+    /// Events ingest holds now (parsed, checked or waiting for their commit).
+    pub ingest_in_flight_events: Gauge,
+    /// `ingest.max_in_flight_events`.
+    pub ingest_max_in_flight_events: Gauge,
     /// Open client connections.
     pub http_connections: Gauge,
     /// `server.max_connections` as applied.
@@ -483,9 +488,11 @@ impl Metrics {
             store_bytes: Family::default(),
             store_max_bytes: Gauge::default(),
             ingest_refused: Gauge::default(),
-            ingest_saturated: Counter::default(),
+            ingest_saturated: Family::default(),
             ingest_in_flight_bytes: Gauge::default(),
             ingest_max_in_flight_bytes: Gauge::default(),
+            ingest_in_flight_events: Gauge::default(),
+            ingest_max_in_flight_events: Gauge::default(),
             http_connections: Gauge::default(),
             http_max_connections: Gauge::default(),
             http_connections_refused: Counter::default(),
@@ -648,7 +655,7 @@ impl Metrics {
         );
         registry.register(
             "router_ingest_saturated",
-            "Ingest requests answered 503 because the request bytes in flight stayed at ingest.max_in_flight_bytes for ingest.admission_wait (the router is saturated: producers back off)",
+            "Ingest requests answered 503 because what ingest holds stayed at a bound for ingest.admission_wait (the router is saturated: producers back off), by bound: bytes (ingest.max_in_flight_bytes) or events (ingest.max_in_flight_events)",
             m.ingest_saturated.clone(),
         );
         registry.register(
@@ -660,6 +667,16 @@ impl Metrics {
             "router_ingest_max_in_flight_bytes",
             "ingest.max_in_flight_bytes: past it requests wait, then get 503",
             m.ingest_max_in_flight_bytes.clone(),
+        );
+        registry.register(
+            "router_ingest_in_flight_events",
+            "Events ingest holds now: parsed, checked or waiting for their commit",
+            m.ingest_in_flight_events.clone(),
+        );
+        registry.register(
+            "router_ingest_max_in_flight_events",
+            "ingest.max_in_flight_events: past it requests wait, then get 503",
+            m.ingest_max_in_flight_events.clone(),
         );
         registry.register(
             "router_http_connections",
@@ -832,6 +849,21 @@ impl Metrics {
             m.target_paused.clone(),
         );
         Arc::new(Self { registry, ..m })
+    }
+
+    /// The refusal counters of ingest admission, one per bound (both series exist from the
+    /// start, at 0).
+    pub fn ingest_refusals(&self) -> crate::ingest::admission::Refusals {
+        use crate::ingest::admission::Bound;
+        let of = |b: Bound| {
+            self.ingest_saturated
+                .get_or_create(&vec![("bound", b.as_str().to_string())])
+                .clone()
+        };
+        crate::ingest::admission::Refusals {
+            bytes: of(Bound::Bytes),
+            events: of(Bound::Events),
+        }
     }
 
     /// Records one group commit.

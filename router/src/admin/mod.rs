@@ -947,12 +947,18 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
         "rules": { "version": rules.version, "files": rules.files, "rules": rules.rules.len(), "dir": app.cfg.rules_dir },
         "reload": *app.reload_status.lock().unwrap_or_else(|p| p.into_inner()),
         "contracts": { "version": contracts.version(), "count": contracts.contracts().len(), "dir": app.cfg.contracts_dir },
-        // Back-pressure: past `max_in_flight_bytes` producers wait, then get 503; past
-        // `connections.max` a new connection gets 503 and is closed.
+        // Back-pressure: past `max_in_flight_bytes` or `max_in_flight_events` producers
+        // wait, then get 503; past `connections.max` a new connection gets 503 and is closed.
         "ingest": {
             "in_flight_bytes": app.ingest_admission.in_flight_bytes(),
             "max_in_flight_bytes": app.ingest_admission.capacity(),
+            "in_flight_events": app.ingest_admission.in_flight_events(),
+            "max_in_flight_events": app.ingest_admission.events_capacity(),
             "saturated_total": app.ingest_admission.refused(),
+            "saturated": {
+                "bytes": app.ingest_admission.refused_by(crate::ingest::admission::Bound::Bytes),
+                "events": app.ingest_admission.refused_by(crate::ingest::admission::Bound::Events),
+            },
         },
         "connections": {
             "open": app.connections.open(),
@@ -1196,6 +1202,12 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
     app.metrics
         .ingest_max_in_flight_bytes
         .set(gauge(app.ingest_admission.capacity()));
+    app.metrics
+        .ingest_in_flight_events
+        .set(gauge(app.ingest_admission.in_flight_events()));
+    app.metrics
+        .ingest_max_in_flight_events
+        .set(gauge(app.ingest_admission.events_capacity()));
     app.metrics
         .http_connections
         .set(gauge(app.connections.open()));

@@ -26,25 +26,46 @@ use crate::store::{AcceptOutcome, DlqReason, NewEntry, NewEvent, Quarantine};
 /// the client, still writing, reads the answer instead of a connection reset.
 const DRAIN_FACTOR: usize = 8;
 
+/// Why a body was not read whole.
+enum BodyError {
+    /// Past the limit (413), or the connection failed.
+    TooLarge,
+    /// No room under ingest's admission for the next piece (503).
+    Saturated(admission::Saturated),
+}
+
 /// Reads the body up to `limit` bytes. Past it, keeps reading and discarding up to
-/// `DRAIN_FACTOR × limit` (then gives up) and returns `Err` for a 413.
-async fn read_body(body: Body, limit: usize) -> Result<bytes::Bytes, ()> {
+/// `DRAIN_FACTOR × limit` (then gives up) and returns `Err` for a 413. With `admitted`, each
+/// piece is accounted under ingest's admission before it is kept (a discarded one is not).
+async fn read_body(
+    body: Body,
+    limit: usize,
+    mut admitted: Option<&mut admission::Admitted<'_>>,
+) -> Result<bytes::Bytes, BodyError> {
     use futures::StreamExt;
     let mut stream = body.into_data_stream();
     let mut buf = bytes::BytesMut::new();
     let mut seen = 0usize;
     while let Some(chunk) = stream.next().await {
-        let Ok(chunk) = chunk else { return Err(()) };
+        let Ok(chunk) = chunk else {
+            return Err(BodyError::TooLarge);
+        };
         seen = seen.saturating_add(chunk.len());
         if seen > limit.saturating_mul(DRAIN_FACTOR) {
-            return Err(());
+            return Err(BodyError::TooLarge);
         }
         if seen <= limit {
+            if let Some(admitted) = admitted.as_deref_mut() {
+                admitted
+                    .take_bytes(chunk.len())
+                    .await
+                    .map_err(BodyError::Saturated)?;
+            }
             buf.extend_from_slice(&chunk);
         }
     }
     if seen > limit {
-        Err(())
+        Err(BodyError::TooLarge)
     } else {
         Ok(buf.freeze())
     }
@@ -69,9 +90,20 @@ pub(crate) async fn read_bounded(
     limit: usize,
     timeout: std::time::Duration,
 ) -> Result<bytes::Bytes, Box<Response>> {
-    match tokio::time::timeout(timeout, read_body(body, limit)).await {
+    read_timed(body, limit, timeout, None).await
+}
+
+/// [`read_bounded`], accounting each piece kept under `admitted` (a 503 when no room came).
+async fn read_timed(
+    body: Body,
+    limit: usize,
+    timeout: std::time::Duration,
+    admitted: Option<&mut admission::Admitted<'_>>,
+) -> Result<bytes::Bytes, Box<Response>> {
+    match tokio::time::timeout(timeout, read_body(body, limit, admitted)).await {
         Ok(Ok(b)) => Ok(b),
-        Ok(Err(())) => Err(Box::new(body_too_large(limit))),
+        Ok(Err(BodyError::TooLarge)) => Err(Box::new(body_too_large(limit))),
+        Ok(Err(BodyError::Saturated(s))) => Err(Box::new(saturated(&s))),
         Err(_) => Err(Box::new(error_response(
             StatusCode::REQUEST_TIMEOUT,
             "the request body did not arrive in time",
@@ -168,25 +200,39 @@ fn expects_continue(headers: &HeaderMap) -> bool {
 /// requests ahead of it are committed within about a second.
 pub(crate) const SATURATED_RETRY_AFTER_S: u64 = 1;
 
-/// The 503 of a request that found no room under `ingest.max_in_flight_bytes`.
+/// The 503 of a request that found no room under `ingest.max_in_flight_bytes` or
+/// `ingest.max_in_flight_events`.
 fn saturated(s: &admission::Saturated) -> Response {
     tracing::debug!(
+        bound = s.bound.as_str(),
         asked = s.asked,
         in_flight = s.in_flight,
         capacity = s.capacity,
         "ingest saturated: request refused with 503"
     );
+    let message = match s.bound {
+        admission::Bound::Bytes => format!(
+            "ingest holds {} of its {} bytes of requests in flight ({}) and found no room for {} more bytes of this request within {:?}",
+            s.in_flight,
+            s.capacity,
+            s.bound.key(),
+            s.asked,
+            s.waited
+        ),
+        admission::Bound::Events => format!(
+            "ingest holds {} of its {} events in flight ({}) and found no room for this request's {} within {:?}",
+            s.in_flight,
+            s.capacity,
+            s.bound.key(),
+            s.asked,
+            s.waited
+        ),
+    };
     with_retry_after(
         error_response(
             StatusCode::SERVICE_UNAVAILABLE,
             "the router is saturated; retry after the indicated time",
-            vec![FieldError::new(
-                "",
-                format!(
-                    "ingest holds {} of its {} bytes of requests in flight (ingest.max_in_flight_bytes) and found no room for {} bytes within {:?}",
-                    s.in_flight, s.capacity, s.asked, s.waited
-                ),
-            )],
+            vec![FieldError::new("", message)],
         ),
         SATURATED_RETRY_AFTER_S,
     )
@@ -321,20 +367,20 @@ async fn handle(
         return body_too_large(limits.max_body_bytes);
     }
     // Held until the answer is built: the body, the parsed events and the wait for their
-    // commit are what a saturated router has too many of.
-    let _admitted = match app
-        .ingest_admission
-        .admit(declared, limits.max_body_bytes)
-        .await
+    // commit are what a saturated router has too many of. Bytes are taken as they arrive
+    // (a slow body holds what it sent), events once they are parsed.
+    let mut admitted = app.ingest_admission.begin();
+    let bytes = match read_timed(
+        body,
+        limits.max_body_bytes,
+        app.cfg.server.request_timeout,
+        Some(&mut admitted),
+    )
+    .await
     {
-        Ok(a) => a,
-        Err(s) => return saturated(&s),
+        Ok(b) => b,
+        Err(resp) => return *resp,
     };
-    let bytes =
-        match read_bounded(body, limits.max_body_bytes, app.cfg.server.request_timeout).await {
-            Ok(b) => b,
-            Err(resp) => return *resp,
-        };
     let (mode, events) = match parse::parse_request(headers, &bytes, &limits) {
         Ok(x) => x,
         Err(e) => {
@@ -420,6 +466,9 @@ async fn handle(
                 wait.as_secs_f64().ceil() as u64,
             );
         }
+    }
+    if let Err(s) = admitted.take_events(events.len()).await {
+        return saturated(&s);
     }
     let batch = matches!(mode, parse::Mode::Batch);
     // One snapshot of the rules for matching and for what is stored with the events.
