@@ -1037,8 +1037,12 @@ pub fn status_report(i: &StatusInputs<'_>) -> StatusReport {
         ));
     }
     let ingest = &st["ingest"];
+    let events = ingest["max_in_flight_events"]
+        .as_u64()
+        .map(|max| format!(" and {} of {max} events", s(&ingest["in_flight_events"])))
+        .unwrap_or_default();
     out.push(format!(
-        "ingest {} of {} in flight, refused {} time(s) for saturation · connections {} of {} (refused {})",
+        "ingest {} of {}{events} in flight, refused {} time(s) for saturation · connections {} of {} (refused {})",
         human_bytes(ingest["in_flight_bytes"].as_u64().unwrap_or(0)),
         human_bytes(ingest["max_in_flight_bytes"].as_u64().unwrap_or(0)),
         s(&ingest["saturated_total"]),
