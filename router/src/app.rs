@@ -1916,12 +1916,7 @@ pub async fn run_with_store(
     };
     let data_dir = cfg.data_dir.clone();
     let ingest_admission = crate::ingest::admission::Admission::new(
-        crate::ingest::admission::Bounds {
-            bytes: cfg.ingest.max_in_flight_bytes,
-            events: cfg.ingest.max_in_flight_events,
-            max_body: cfg.ingest.max_body_bytes,
-            wait: cfg.ingest.admission_wait,
-        },
+        crate::ingest::admission::Bounds::of(&cfg.ingest),
         metrics.ingest_refusals(),
     );
     let connections = Arc::new(ConnectionSlots::new(
@@ -2786,12 +2781,7 @@ fn test_app_with(
     });
     let now = clock.now_ms();
     let ingest_admission = crate::ingest::admission::Admission::new(
-        crate::ingest::admission::Bounds {
-            bytes: cfg.ingest.max_in_flight_bytes,
-            events: cfg.ingest.max_in_flight_events,
-            max_body: cfg.ingest.max_body_bytes,
-            wait: cfg.ingest.admission_wait,
-        },
+        crate::ingest::admission::Bounds::of(&cfg.ingest),
         metrics.ingest_refusals(),
     );
     let connections = Arc::new(ConnectionSlots::new(

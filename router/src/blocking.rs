@@ -36,23 +36,9 @@ mod tests {
     /// How many turns a ticking task got on a one-worker runtime while `work` ran inline in
     /// this task.
     async fn turns_while(work: impl FnOnce()) -> u64 {
-        let ran = Arc::new(AtomicU64::new(0));
-        let counter = ran.clone();
-        let ticker = tokio::spawn(async move {
-            loop {
-                counter.fetch_add(1, Relaxed);
-                tokio::task::yield_now().await;
-            }
-        });
-        // Until the ticker has run once, it sits in this worker's queue.
-        while ran.load(Relaxed) == 0 {
-            tokio::task::yield_now().await;
-        }
-        let before = ran.load(Relaxed);
-        work();
-        let during = ran.load(Relaxed) - before;
-        ticker.abort();
-        during
+        crate::ingest::reactor_turns_during(async { work() })
+            .await
+            .1
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 1)]

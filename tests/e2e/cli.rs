@@ -808,24 +808,12 @@ async fn config_explain_shows_the_stores_credential_keys_but_never_a_secret() {
     );
 }
 
-/// Runs `router status ARGS… --api <router>` without a token; returns (exit code, stdout,
-/// stderr).
+/// Runs `router status ARGS… --api <router>` without a token (nor any other `ROUTER_*`
+/// variable); returns (exit code, stdout, stderr).
 async fn status_of(r: &RouterProc, args: &[&str]) -> (Option<i32>, String, String) {
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_router"));
-    cmd.arg("status")
-        .args(args)
-        .args(["--api", &r.url("")])
-        .env_remove("ROUTER_TOKEN")
-        .env_remove("ROUTER_API");
-    let out = tokio::time::timeout(Duration::from_secs(60), cmd.output())
-        .await
-        .expect("the command finished")
-        .expect("run the command");
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let api = r.url("");
+    let args = [&["status"], args, &["--api", &api]].concat();
+    run_router_in(std::path::Path::new("."), &args).await
 }
 
 /// `router status` exits 0 on a quiet router, and 1 once something needs an operator, naming

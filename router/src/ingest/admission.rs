@@ -199,6 +199,19 @@ pub struct Saturated {
     pub waited: Duration,
 }
 
+impl Bounds {
+    /// The bounds `[ingest]` sets: `max_in_flight_bytes`, `max_in_flight_events`,
+    /// `max_body_bytes` and `admission_wait`.
+    pub fn of(cfg: &crate::config::IngestConfig) -> Self {
+        Self {
+            bytes: cfg.max_in_flight_bytes,
+            events: cfg.max_in_flight_events,
+            max_body: cfg.max_body_bytes,
+            wait: cfg.admission_wait,
+        }
+    }
+}
+
 impl Admission {
     /// Room for `bounds.bytes` bytes and `bounds.events` events (each at least 1); a share
     /// waits up to `bounds.wait` for room, and a refusal counts in `refused`.
