@@ -327,11 +327,48 @@ pub(super) async fn run(
         }
         permits.truncate(allowed);
 
+        // The bytes of what is leased (`delivery.max_in_flight_bytes`, see `bytes`): the
+        // first slot waits for its share of the pool, further slots take theirs only if free
+        // now, and slots without are given back. Before the lease, as the count permits: an
+        // entry never waits for room while its lease runs out.
+        let per_request = rt
+            .bytes_estimate
+            .load(Ordering::Relaxed)
+            .saturating_mul(u64::try_from(per_slot).unwrap_or(u64::MAX));
+        let mut reserved = match ctx.bytes.try_take(per_request) {
+            Some(g) => g,
+            None => {
+                let more = permits.len().saturating_sub(1);
+                permits.truncate(1);
+                rt.refund_tokens(more);
+                let got = tokio::select! {
+                    _ = stop.cancelled() => break,
+                    g = ctx.bytes.take(per_request) => g,
+                };
+                match got {
+                    Some(g) => g,
+                    None => break,
+                }
+            }
+        };
+        let mut covered = 1;
+        while covered < permits.len() {
+            match ctx.bytes.try_take(per_request) {
+                Some(g) => reserved.merge(g),
+                None => break,
+            }
+            covered += 1;
+        }
+        if covered < permits.len() {
+            rt.refund_tokens(permits.len() - covered);
+            permits.truncate(covered);
+        }
+
         let step = lease_and_start(
             ctx.clone(),
             rt.clone(),
             target.clone(),
-            (permits, per_slot),
+            (permits, per_slot, reserved),
             now,
             lease_ms,
             probing,
@@ -362,10 +399,13 @@ pub(super) async fn run(
 
 /// What one attempt (or batch request) holds while it runs: a slot of its target and, for
 /// webhook and NATS targets, a permit of the global pool (`delivery.max_in_flight`). Both are
-/// given back on drop.
+/// given back on drop. Once its entries are known, also their bytes
+/// (`delivery.max_in_flight_bytes`), which the attempt takes out to hold until its result is
+/// recorded ([`Slot::take_bytes`]).
 pub(super) struct Slot {
     _target: OwnedSemaphorePermit,
     _global: Option<super::in_flight::GlobalPermit>,
+    bytes: Option<super::bytes::ByteGrant>,
 }
 
 impl Slot {
@@ -377,8 +417,26 @@ impl Slot {
         Self {
             _target: target,
             _global: global,
+            bytes: None,
         }
     }
+
+    /// This slot, holding `bytes` of the byte pool for its entries.
+    pub(super) fn with_bytes(mut self, bytes: super::bytes::ByteGrant) -> Self {
+        self.bytes = Some(bytes);
+        self
+    }
+
+    /// The bytes this slot's entries hold: kept past the slot, until the attempt's result is
+    /// recorded (the events are held until then).
+    fn take_bytes(&mut self) -> Option<super::bytes::ByteGrant> {
+        self.bytes.take()
+    }
+}
+
+/// The KiB of the byte pool a leased entry is charged.
+fn charge(leased: &Leased) -> u64 {
+    super::bytes::charge_kib(leased.event.event.payload_len())
 }
 
 /// Pairs the target slots a worker took with global permits: `first` for the first, a free
@@ -416,7 +474,7 @@ async fn lease_and_start(
     ctx: Arc<DeliveryContext>,
     rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
-    (mut permits, per_slot): (Vec<Slot>, usize),
+    (mut permits, per_slot, mut bytes): (Vec<Slot>, usize, super::bytes::ByteGrant),
     now: Millis,
     lease_ms: i64,
     probing: bool,
@@ -438,6 +496,10 @@ async fn lease_and_start(
             // Set aside first, taking no slot: they are never sent.
             for u in batch.unreadable {
                 set_aside_unreadable(&ctx, &rt, u, now).await;
+            }
+            // The next lease reserves per entry what the largest event of this one weighed.
+            if let Some(largest) = batch.leased.iter().map(charge).max() {
+                rt.bytes_estimate.store(largest, Ordering::Relaxed);
             }
             let batching = rt.batch().filter(|_| per_slot > 1);
             let mut to_batch = Vec::new();
@@ -497,14 +559,23 @@ async fn lease_and_start(
                     to_batch.push(leased);
                     continue;
                 }
+                if permits.is_empty() {
+                    break;
+                }
+                // Its bytes: out of the reservation, or what the pool has free; with neither
+                // (the events are larger than the last lease's), back to the queue unattempted.
+                let Some(held) = bytes.split_or_take(charge(&leased)) else {
+                    defer(&ctx, &leased, now, now).await;
+                    continue;
+                };
                 let Some(permit) = permits.pop() else { break };
                 if probing && let Some(mut b) = rt.breaker() {
                     b.probes_started(1);
                 }
-                spawn_attempt(&ctx, &rt, &target, leased, permit, probing);
+                spawn_attempt(&ctx, &rt, &target, leased, permit.with_bytes(held), probing);
             }
             let unused = match batching {
-                Some(b) => send_batches(&ctx, &rt, &target, to_batch, &b, permits).await,
+                Some(b) => send_batches(&ctx, &rt, &target, to_batch, &b, permits, bytes).await,
                 None => permits.len(),
             };
             // Each slot taken stood for a throttle token: those not used by a request
@@ -662,14 +733,38 @@ pub(super) async fn send_batches(
     leased: Vec<Leased>,
     batch: &WebhookBatch,
     mut permits: Vec<Slot>,
+    mut bytes: super::bytes::ByteGrant,
 ) -> usize {
-    let mut put_back = Vec::new();
-    for items in split_batches(leased, batch) {
-        match permits.pop() {
-            Some(permit) => spawn_batch(ctx, rt, target, items, permit, false),
-            None => put_back.extend(items.into_iter().map(|i| i.leased)),
+    // Each request takes its events' bytes out of what the lease reserved (and the slots
+    // hold), or what the pool has free; a request finding no room goes back like one
+    // finding no slot.
+    for p in &mut permits {
+        if let Some(b) = p.take_bytes() {
+            bytes.merge(b);
         }
     }
+    let mut put_back = Vec::new();
+    for items in split_batches(leased, batch) {
+        let weight = items
+            .iter()
+            .map(|i| charge(&i.leased))
+            .fold(0u64, u64::saturating_add);
+        let held = if permits.is_empty() {
+            None
+        } else {
+            bytes.split_or_take(weight)
+        };
+        match (held, permits.pop()) {
+            (Some(held), Some(permit)) => {
+                spawn_batch(ctx, rt, target, items, permit.with_bytes(held), false);
+            }
+            (_, permit) => {
+                permits.extend(permit);
+                put_back.extend(items.into_iter().map(|i| i.leased));
+            }
+        }
+    }
+    drop(bytes);
     if !put_back.is_empty() {
         let now = ctx.clock.now_ms();
         tracing::debug!(target_id = %rt.spec.id, entries = put_back.len(), "more batches than slots; the rest go back to the queue");
@@ -1152,7 +1247,7 @@ async fn attempt(
     rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
     leased: Leased,
-    permit: Slot,
+    mut permit: Slot,
     probe: bool,
 ) {
     let now = ctx.clock.now_ms();
@@ -1190,13 +1285,15 @@ async fn attempt(
     // is: recording it waits for a commit (one or two group-commit cycles), and holding the slot
     // through that wait capped a target's throughput at `concurrency` per commit cycle. The
     // entry stays leased in the index until the commit lands, so it cannot be leased twice, and
-    // its ordering key stays held.
+    // its ordering key stays held. Its bytes stay held too: the event is, until recorded.
+    let bytes = permit.take_bytes();
     drop(permit);
     crate::failpoint::crash_point("before_ack", &rt.spec.id);
     if let Some(stall) = crate::failpoint::delay_once("before_ack", &rt.spec.id) {
         tokio::time::sleep(stall).await;
     }
     record(&ctx, &rt, &leased, settled).await;
+    drop(bytes);
 }
 
 /// One entry of a batch request, with its structured event as sent.
@@ -1273,7 +1370,7 @@ async fn attempt_batch(
     rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
     batch: Vec<BatchItem>,
-    permit: Slot,
+    mut permit: Slot,
     probe: bool,
 ) {
     let now = ctx.clock.now_ms();
@@ -1380,6 +1477,8 @@ async fn attempt_batch(
             b.record(None, true, now);
         }
     }
+    // The events' bytes are held until their results are recorded.
+    let bytes = permit.take_bytes();
     drop(permit);
     crate::failpoint::crash_point("before_ack", &rt.spec.id);
     // Recorded together, so the finishes share a commit.
@@ -1389,6 +1488,7 @@ async fn attempt_batch(
         async move { record(ctx, rt, &leased, s).await }.instrument(span)
     }))
     .await;
+    drop(bytes);
 }
 
 /// Records a settled attempt: the store's finish, then its metrics and, for a new dead
@@ -2650,7 +2750,7 @@ mod unreadable_tests {
             ctx.clone(),
             rt.clone(),
             Arc::new(Takes),
-            (permits, 1),
+            (permits, 1, ctx.bytes.empty()),
             now,
             60_000,
             false,
