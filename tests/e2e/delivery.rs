@@ -654,3 +654,42 @@ async fn max_in_flight_bytes_bounds_the_events_held_across_all_targets() {
     assert_eq!(st["delivery"]["max_in_flight_bytes"], json!(CAP), "{st}");
     assert_eq!(st["delivery"]["in_flight_bytes"], json!(0), "{st}");
 }
+
+/// An attempt's event counts against `delivery.max_in_flight_bytes` until its result is
+/// recorded, not only while it is sent: the event is held until then. With the commit of the
+/// result stalled (a delay point before the ack), the attempt has given back its slot and its
+/// `delivery.max_in_flight` permit, and still holds the event's bytes; once recorded, none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_holds_its_event_s_bytes_until_its_result_is_recorded() {
+    let rc = Receiver::ok().await;
+    let rules = rules_yaml(
+        "",
+        &[(
+            "r",
+            "held.bytes",
+            &[format!("webhook: {}\n        id: hook", rc.url())],
+        )],
+    );
+    let r = RouterProc::start_with_env(
+        &[("r.yaml", &rules)],
+        &[],
+        &[("EVENT_ROUTER_DELAY_AT", "before_ack:hook:4000")],
+    );
+    let ev = event("e1", "held.bytes", json!("x".repeat(200 << 10)));
+    let (status, body) = post_event(&r, &ev).await;
+    assert_eq!(status, 202, "{body}");
+    assert!(
+        rc.wait_for(Duration::from_secs(30), |s| !s.is_empty())
+            .await
+    );
+    // Answered; its result waits to be committed.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (_, st) = get_json(&r, "/v1/status").await;
+    assert_eq!(st["delivery"]["in_flight"], json!(0), "{st}");
+    let held = st["delivery"]["in_flight_bytes"].as_u64().unwrap_or(0);
+    assert!(held >= 200 << 10, "{st}");
+    assert!(queues_drained(&r, Duration::from_secs(30)).await);
+    let (_, st) = get_json(&r, "/v1/status").await;
+    assert_eq!(st["delivery"]["in_flight_bytes"], json!(0), "{st}");
+    assert_eq!(rc.count(), 1);
+}
