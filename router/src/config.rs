@@ -2280,6 +2280,33 @@ mod tests {
         );
     }
 
+    /// `delivery.max_in_flight_bytes`: 256 MiB by default; at least 1 MiB and at least
+    /// `ingest.max_body_bytes`, so that the largest event ingest accepts is deliverable.
+    #[test]
+    fn max_in_flight_bytes_is_at_least_a_mib_and_the_largest_body() {
+        let k = "ROUTER_DELIVERY__MAX_IN_FLIGHT_BYTES";
+        let c = Config::load(None, env(&[])).expect("defaults");
+        assert_eq!(c.delivery.max_in_flight_bytes, 256 << 20);
+        let e = Config::load(None, env(&[(k, "1048575")])).expect_err("under 1 MiB");
+        assert!(
+            e.to_string()
+                .contains("delivery.max_in_flight_bytes must be at least 1048576"),
+            "{e}"
+        );
+        let e = Config::load(
+            None,
+            env(&[(k, "2097152"), ("ROUTER_INGEST__MAX_BODY_BYTES", "4194304")]),
+        )
+        .expect_err("under the largest body");
+        assert!(
+            e.to_string()
+                .contains("delivery.max_in_flight_bytes must be at least 4194304"),
+            "{e}"
+        );
+        let c = Config::load(None, env(&[(k, "1048576")])).expect("1 MiB is fine");
+        assert_eq!(c.delivery.max_in_flight_bytes, 1 << 20);
+    }
+
     /// `delivery.max_in_flight`: at least 1 when set; unset, a quarter of the open-file limit
     /// within 64..=4096.
     #[test]
