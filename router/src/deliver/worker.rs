@@ -1220,11 +1220,28 @@ fn local_exhaustion(ctx: &DeliveryContext, rt: &TargetRuntime, outcome: &Attempt
     }
 }
 
-/// The request of one attempt on one entry.
-fn request_for(rt: &TargetRuntime, leased: &Leased) -> DeliveryRequest {
+/// The request of one attempt on one entry. A webhook or NATS target sends only `body`, so
+/// once it is built the leased event's payload is dropped (when the lease alone holds the
+/// event): the attempt then holds one copy of a large payload, not two. A handler target
+/// reads the event itself and gets no `body`.
+fn request_for(rt: &TargetRuntime, leased: &mut Leased) -> DeliveryRequest {
+    if matches!(rt.spec.kind, TargetKind::Handler { .. }) {
+        return request_with_body(rt, leased, bytes::Bytes::new());
+    }
+    let replay = leased.entry.replay.as_deref();
+    let body = bytes::Bytes::from(leased.event.event.structured_bytes(replay));
+    // What is used of the event after this is its attributes (logs, dead letters, fate).
+    if let Some(ev) = Arc::get_mut(&mut leased.event) {
+        ev.event.data = None;
+        ev.event.data_base64 = None;
+    }
+    request_with_body(rt, leased, body)
+}
+
+/// The request of one attempt on one entry, sending `body`.
+fn request_with_body(rt: &TargetRuntime, leased: &Leased, body: bytes::Bytes) -> DeliveryRequest {
     // Replayed deliveries say so, so receivers can tell them from live traffic.
     let replay = leased.entry.replay.clone();
-    let body = bytes::Bytes::from(leased.event.event.structured_bytes(replay.as_deref()));
     DeliveryRequest {
         body,
         idempotency_key: leased.entry.idempotency_key.clone(),
@@ -1246,7 +1263,7 @@ async fn attempt(
     ctx: Arc<DeliveryContext>,
     rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
-    leased: Leased,
+    mut leased: Leased,
     mut permit: Slot,
     probe: bool,
 ) {
@@ -1262,7 +1279,7 @@ async fn attempt(
             s
         }
         None => {
-            let req = request_for(&rt, &leased);
+            let req = request_for(&rt, &mut leased);
             let started = Instant::now();
             let (outcome, effects) = target.deliver_with_effects(&req).await;
             local_exhaustion(&ctx, &rt, &outcome);
@@ -1401,7 +1418,7 @@ async fn attempt_batch(
             // Each event of the body carries its own `traceparent`.
             traceparent: None,
             tracestate: None,
-            ..request_for(&rt, &first.leased)
+            ..request_with_body(&rt, &first.leased, bytes::Bytes::new())
         };
         let started = Instant::now();
         let (outcome, _) = target.deliver_with_effects(&req).await;
@@ -2454,6 +2471,54 @@ mod tests {
             },
         };
         TargetRuntime::new(spec, None, 0)
+    }
+
+    /// A webhook attempt holds its payload once: in the body it sends, the leased event
+    /// keeping only its attributes (when the lease alone holds it). A handler attempt reads the
+    /// event and gets no body. Both used to hold the payload twice.
+    #[test]
+    fn an_attempt_holds_one_copy_of_its_payload() {
+        let webhook = TargetRuntime::new(
+            crate::rules::TargetSpec {
+                id: "t".into(),
+                rule: "r".into(),
+                kind: crate::rules::TargetKind::Webhook {
+                    url: "http://127.0.0.1:9/".into(),
+                    headers: Default::default(),
+                    secret_env: None,
+                    headers_env: Default::default(),
+                    batch: None,
+                },
+                policy_name: None,
+                policy: crate::policy::config::PolicyConfig::default(),
+            },
+            None,
+            0,
+        );
+        let mut one = leased(1, 10_000);
+        let sent = one.event.event.structured_bytes(None);
+        let req = request_for(&webhook, &mut one);
+        assert_eq!(
+            req.body.as_ref(),
+            sent.as_slice(),
+            "the body is the whole event"
+        );
+        assert!(
+            one.event.event.data.is_none(),
+            "the payload is in the body only"
+        );
+        assert_eq!(req.event.event.id, "e-1", "the attributes stay");
+        assert_eq!(one.event.event.payload_len(), 0);
+        // Shared (a handoff's event is ingest's too): left as it is.
+        let mut shared = leased(2, 10_000);
+        let other = shared.event.clone();
+        let req = request_for(&webhook, &mut shared);
+        assert!(req.event.event.data.is_some() && other.event.data.is_some());
+        // A handler reads the event; no body is built for it.
+        let mut h = leased(3, 10_000);
+        let req = request_for(&handler_runtime(policy()), &mut h);
+        assert!(req.body.is_empty());
+        assert!(req.event.event.payload_len() > 10_000);
     }
 
     /// A Retry-After past max_age dead-letters at once: the entry's error names the wait and
