@@ -1827,6 +1827,10 @@ pub async fn run_with_store(
             cfg.delivery.in_flight_limit(),
             Some(metrics.clone()),
         ),
+        bytes: crate::deliver::bytes::BytePool::new(
+            u64::try_from(cfg.delivery.max_in_flight_bytes).unwrap_or(u64::MAX),
+            Some(metrics.clone()),
+        ),
     });
     if let Some(h) = &handlers {
         h.changes
@@ -2776,6 +2780,10 @@ fn test_app_with(
         store_faults: Default::default(),
         in_flight: crate::deliver::in_flight::InFlightCap::new(
             cfg.delivery.in_flight_limit(),
+            Some(metrics.clone()),
+        ),
+        bytes: crate::deliver::bytes::BytePool::new(
+            u64::try_from(cfg.delivery.max_in_flight_bytes).unwrap_or(u64::MAX),
             Some(metrics.clone()),
         ),
     });

@@ -1051,8 +1051,18 @@ pub fn status_report(i: &StatusInputs<'_>) -> StatusReport {
         s(&st["connections"]["refused_total"]),
     ));
     if let Some(max) = st["delivery"]["max_in_flight"].as_u64() {
+        let bytes = st["delivery"]["max_in_flight_bytes"]
+            .as_u64()
+            .map(|max| {
+                format!(
+                    ", {} of {} of events held",
+                    human_bytes(st["delivery"]["in_flight_bytes"].as_u64().unwrap_or(0)),
+                    human_bytes(max)
+                )
+            })
+            .unwrap_or_default();
         out.push(format!(
-            "delivery {} of {max} attempts in flight (webhook and NATS targets)",
+            "delivery {} of {max} attempts in flight (webhook and NATS targets){bytes}",
             s(&st["delivery"]["in_flight"])
         ));
     }

@@ -442,6 +442,12 @@ pub struct DeliveryConfig {
     /// nothing, so no attempt is spent waiting. Unset (default): a quarter of the process's
     /// open-file limit, at least 64 and at most 4096 ([`Self::in_flight_limit`]).
     pub max_in_flight: Option<usize>,
+    /// Bytes of events that deliveries hold at once across all targets (webhook, NATS and
+    /// handler): each leased entry holds its event until its attempt is recorded. A target
+    /// whose next lease would pass it waits, leasing nothing (no attempt is spent waiting).
+    /// One event is charged at most all of it, so the largest event is always deliverable.
+    /// At least 1 MiB and at least `ingest.max_body_bytes`. Default 256 MiB.
+    pub max_in_flight_bytes: usize,
     /// Added to a target's timeout to make its lease: a worker silent for longer loses it.
     #[serde(with = "humantime_serde")]
     pub lease_margin: Duration,
@@ -751,6 +757,7 @@ impl Default for DeliveryConfig {
             concurrency: 32,
             handler_concurrency: 128,
             max_in_flight: None,
+            max_in_flight_bytes: 256 << 20,
             lease_margin: Duration::from_secs(30),
             max_response_bytes: 64 * 1024,
             tls_ca_file: None,
@@ -1057,6 +1064,15 @@ impl Config {
         {
             return bad(&format!(
                 "delivery.max_in_flight must be in 1..={MAX_CONCURRENCY}, not {n} (leave it out for a quarter of the open-file limit)"
+            ));
+        }
+        // Smaller than the largest event ingest accepts, it would not bound that event's
+        // delivery (one entry is charged at most the cap) but say something false.
+        let min_bytes = (crate::deliver::bytes::MIN_BYTES as usize).max(self.ingest.max_body_bytes);
+        if self.delivery.max_in_flight_bytes < min_bytes {
+            return bad(&format!(
+                "delivery.max_in_flight_bytes must be at least {min_bytes} (1 MiB and ingest.max_body_bytes: the largest event must be deliverable), not {}",
+                self.delivery.max_in_flight_bytes
             ));
         }
         if self.handlers.running_per_handler > MAX_HANDLER_INSTANCES as usize {
@@ -2262,6 +2278,33 @@ mod tests {
             raise_open_file_limit().expect("again"),
             OpenFileLimit::Unchanged(hard)
         );
+    }
+
+    /// `delivery.max_in_flight_bytes`: 256 MiB by default; at least 1 MiB and at least
+    /// `ingest.max_body_bytes`, so that the largest event ingest accepts is deliverable.
+    #[test]
+    fn max_in_flight_bytes_is_at_least_a_mib_and_the_largest_body() {
+        let k = "ROUTER_DELIVERY__MAX_IN_FLIGHT_BYTES";
+        let c = Config::load(None, env(&[])).expect("defaults");
+        assert_eq!(c.delivery.max_in_flight_bytes, 256 << 20);
+        let e = Config::load(None, env(&[(k, "1048575")])).expect_err("under 1 MiB");
+        assert!(
+            e.to_string()
+                .contains("delivery.max_in_flight_bytes must be at least 1048576"),
+            "{e}"
+        );
+        let e = Config::load(
+            None,
+            env(&[(k, "2097152"), ("ROUTER_INGEST__MAX_BODY_BYTES", "4194304")]),
+        )
+        .expect_err("under the largest body");
+        assert!(
+            e.to_string()
+                .contains("delivery.max_in_flight_bytes must be at least 4194304"),
+            "{e}"
+        );
+        let c = Config::load(None, env(&[(k, "1048576")])).expect("1 MiB is fine");
+        assert_eq!(c.delivery.max_in_flight_bytes, 1 << 20);
     }
 
     /// `delivery.max_in_flight`: at least 1 when set; unset, a quarter of the open-file limit

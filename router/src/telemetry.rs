@@ -370,6 +370,10 @@ pub struct Metrics {
     pub delivery_max_in_flight: Gauge,
     /// Times a worker with due entries found no free global permit and waited for one.
     pub delivery_permit_waits: Counter,
+    /// Bytes of events held by leased entries across all targets.
+    pub delivery_in_flight_bytes: Gauge,
+    /// `delivery.max_in_flight_bytes` as applied.
+    pub delivery_max_in_flight_bytes: Gauge,
     /// Attempts put back unsent because the router itself ran out of a resource (open files,
     /// memory), by cause.
     pub delivery_local_exhaustion: Family<Labels, Counter>,
@@ -498,6 +502,8 @@ impl Metrics {
             http_connections_refused: Counter::default(),
             delivery_in_flight: Gauge::default(),
             delivery_max_in_flight: Gauge::default(),
+            delivery_in_flight_bytes: Gauge::default(),
+            delivery_max_in_flight_bytes: Gauge::default(),
             delivery_permit_waits: Counter::default(),
             delivery_local_exhaustion: Family::default(),
             store_up: Gauge::default(),
@@ -702,6 +708,16 @@ impl Metrics {
             "router_delivery_max_in_flight",
             "delivery.max_in_flight as applied (unset: a quarter of the open-file limit, 64 to 4096)",
             m.delivery_max_in_flight.clone(),
+        );
+        registry.register(
+            "router_delivery_in_flight_bytes",
+            "Bytes of events held by leased deliveries across all targets, counted from the lease until the attempt's result is recorded (bounded by delivery.max_in_flight_bytes)",
+            m.delivery_in_flight_bytes.clone(),
+        );
+        registry.register(
+            "router_delivery_max_in_flight_bytes",
+            "delivery.max_in_flight_bytes as applied",
+            m.delivery_max_in_flight_bytes.clone(),
         );
         registry.register(
             "router_delivery_permit_waits",

@@ -559,3 +559,137 @@ async fn max_in_flight_bounds_attempts_across_all_targets() {
         "one attempt per target: {f}"
     );
 }
+
+/// `delivery.max_in_flight_bytes` bounds the bytes of events that leased deliveries hold
+/// across all targets: 10 webhook targets with slow receivers, 4 events of 512 KiB each,
+/// the cap at 4 MiB. The receivers never see more than 8 requests at once (4 MiB / 512 KiB;
+/// each target's 32 slots and the count cap would let all 40 go together, as they did before
+/// the byte bound), and every event is delivered exactly once, none of them retried: waiting
+/// for room spends no attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_in_flight_bytes_bounds_the_events_held_across_all_targets() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    const TARGETS: usize = 10;
+    const PER_TARGET: usize = 4;
+    const CAP: usize = 4 << 20;
+    const SIZE: usize = 512 << 10;
+    let current = Arc::new(AtomicUsize::new(0));
+    let peak = Arc::new(AtomicUsize::new(0));
+    // Long enough that the requests would overlap without the bound.
+    let delay = Duration::from_millis(500);
+    let mut receivers = Vec::new();
+    for _ in 0..TARGETS {
+        let (current, peak) = (current.clone(), peak.clone());
+        receivers.push(
+            Receiver::scripted(Arc::new(move |_, _| {
+                let now = current.fetch_add(1, Ordering::SeqCst) + 1;
+                peak.fetch_max(now, Ordering::SeqCst);
+                let current = current.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    current.fetch_sub(1, Ordering::SeqCst);
+                });
+                (200, delay, vec![])
+            }))
+            .await,
+        );
+    }
+    let targets: Vec<Vec<String>> = receivers
+        .iter()
+        .enumerate()
+        .map(|(i, rc)| vec![format!("webhook: {}\n        id: t{i}", rc.url())])
+        .collect();
+    let names: Vec<(String, String)> = (0..TARGETS)
+        .map(|i| (format!("r{i}"), format!("big.t{i}")))
+        .collect();
+    let rules: Vec<(&str, &str, &[String])> = names
+        .iter()
+        .zip(&targets)
+        .map(|((n, t), ts)| (n.as_str(), t.as_str(), ts.as_slice()))
+        .collect();
+    let r = RouterProc::start_with_env(
+        &[("r.yaml", &rules_yaml("", &rules))],
+        &[],
+        &[("ROUTER_DELIVERY__MAX_IN_FLIGHT_BYTES", &CAP.to_string())],
+    );
+    let data = "x".repeat(SIZE);
+    for n in 0..PER_TARGET {
+        for i in 0..TARGETS {
+            let ev = event(&format!("e{i}-{n}"), &format!("big.t{i}"), json!(data));
+            let (status, body) = post_event(&r, &ev).await;
+            assert_eq!(status, 202, "{body}");
+        }
+    }
+    for (i, rc) in receivers.iter().enumerate() {
+        assert!(
+            rc.wait_for(Duration::from_secs(120), |s| s.len() >= PER_TARGET)
+                .await,
+            "target t{i} got {} of {PER_TARGET}",
+            rc.count()
+        );
+    }
+    assert!(queues_drained(&r, Duration::from_secs(30)).await);
+    let peak = peak.load(Ordering::SeqCst);
+    assert!(
+        peak <= CAP / SIZE,
+        "the receivers saw {peak} requests of 512 KiB at once (cap 4 MiB)"
+    );
+    assert!(peak >= 2, "peak {peak}: the bound, not an idle router");
+    for (i, rc) in receivers.iter().enumerate() {
+        assert_eq!(rc.count(), PER_TARGET, "t{i}: each event exactly once");
+        assert_eq!(rc.distinct_ids().len(), PER_TARGET, "t{i}");
+    }
+    let m = metrics_text(&r).await;
+    assert!(
+        !m.contains("result=\"retried\""),
+        "waiting for room spends no attempt: {}",
+        metric_lines(&m, "router_deliveries_total")
+    );
+    assert_eq!(
+        counter(&m, "router_delivery_max_in_flight_bytes"),
+        CAP as u64
+    );
+    assert_eq!(counter(&m, "router_delivery_in_flight_bytes"), 0);
+    let (_, st) = get_json(&r, "/v1/status").await;
+    assert_eq!(st["delivery"]["max_in_flight_bytes"], json!(CAP), "{st}");
+    assert_eq!(st["delivery"]["in_flight_bytes"], json!(0), "{st}");
+}
+
+/// An attempt's event counts against `delivery.max_in_flight_bytes` until its result is
+/// recorded, not only while it is sent: the event is held until then. With the commit of the
+/// result stalled (a delay point before the ack), the attempt has given back its slot and its
+/// `delivery.max_in_flight` permit, and still holds the event's bytes; once recorded, none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_holds_its_event_s_bytes_until_its_result_is_recorded() {
+    let rc = Receiver::ok().await;
+    let rules = rules_yaml(
+        "",
+        &[(
+            "r",
+            "held.bytes",
+            &[format!("webhook: {}\n        id: hook", rc.url())],
+        )],
+    );
+    let r = RouterProc::start_with_env(
+        &[("r.yaml", &rules)],
+        &[],
+        &[("EVENT_ROUTER_DELAY_AT", "before_ack:hook:4000")],
+    );
+    let ev = event("e1", "held.bytes", json!("x".repeat(200 << 10)));
+    let (status, body) = post_event(&r, &ev).await;
+    assert_eq!(status, 202, "{body}");
+    assert!(
+        rc.wait_for(Duration::from_secs(30), |s| !s.is_empty())
+            .await
+    );
+    // Answered; its result waits to be committed.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (_, st) = get_json(&r, "/v1/status").await;
+    assert_eq!(st["delivery"]["in_flight"], json!(0), "{st}");
+    let held = st["delivery"]["in_flight_bytes"].as_u64().unwrap_or(0);
+    assert!(held >= 200 << 10, "{st}");
+    assert!(queues_drained(&r, Duration::from_secs(30)).await);
+    let (_, st) = get_json(&r, "/v1/status").await;
+    assert_eq!(st["delivery"]["in_flight_bytes"], json!(0), "{st}");
+    assert_eq!(rc.count(), 1);
+}

@@ -1004,6 +1004,9 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             "error": app.delivery_threads.error,
             "in_flight": app.dispatcher.context().in_flight.in_flight(),
             "max_in_flight": app.dispatcher.context().in_flight.max(),
+            // Bytes of events leased deliveries hold, against `delivery.max_in_flight_bytes`.
+            "in_flight_bytes": app.dispatcher.context().bytes.in_flight_bytes(),
+            "max_in_flight_bytes": app.dispatcher.context().bytes.max_bytes(),
         },
         // The connection nats: targets share; null until one starts it.
         "nats": app.dispatcher.nats().status(),

@@ -47,14 +47,15 @@ fn min_batch_handoff(max_events: u32) -> usize {
 /// doubt leaves the entry to the queue, where the worker applies them in full. Cheap checks
 /// first: ingest asks once per target of every event, and in a batch most of them find the
 /// slots taken. (Stopping is checked by the caller, on the worker's own token.) `entries` is
-/// how many entries of the request the reservation is for: one, except for a batching webhook.
+/// how many entries of the request the reservation is for: one, except for a batching webhook;
+/// `kib` what their events weigh in the byte pool ([`super::bytes::charge_kib`]).
 pub(super) fn reserve(
     ctx: &Arc<DeliveryContext>,
     rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
     slots: &Arc<Semaphore>,
     now: Millis,
-    entries: usize,
+    (entries, kib): (usize, u64),
 ) -> Option<Reservation> {
     if rt.paused.load(Ordering::SeqCst) || rt.retry_after_until(now).is_some() {
         return None;
@@ -94,7 +95,9 @@ pub(super) fn reserve(
         crate::rules::TargetKind::Handler { .. } => None,
         _ => Some(ctx.in_flight.try_acquire(&rt.share)?),
     };
-    let permit = worker::Slot::new(permit, global);
+    // Room for the events' bytes (`delivery.max_in_flight_bytes`), if there is some now.
+    let bytes = ctx.bytes.try_take(kib)?;
+    let permit = worker::Slot::new(permit, global).with_bytes(bytes);
     if let Some(limiter) = rt.limiter()
         && limiter.check().is_err()
     {
@@ -156,7 +159,8 @@ impl Reservation {
         let (tracker, spawner) = (ctx.tracker.clone(), ctx.spawner.clone());
         tracker.spawn_on(
             async move {
-                worker::send_batches(&ctx, &rt, &target, leased, &batch, vec![permit]).await;
+                let bytes = ctx.bytes.empty();
+                worker::send_batches(&ctx, &rt, &target, leased, &batch, vec![permit], bytes).await;
             },
             &spawner,
         );

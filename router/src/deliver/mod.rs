@@ -4,6 +4,7 @@
 //! Isolation: every target has its own worker, concurrency limit and queue, so a slow or dead
 //! target only ever holds its own leases.
 
+pub mod bytes;
 mod handoff;
 pub mod in_flight;
 mod runtime;
@@ -77,6 +78,9 @@ pub struct DeliveryContext {
     /// The process-wide bound on webhook and NATS attempts in flight
     /// (`delivery.max_in_flight`).
     pub in_flight: Arc<in_flight::InFlightCap>,
+    /// The process-wide bound on the bytes of events leased by all targets
+    /// (`delivery.max_in_flight_bytes`).
+    pub bytes: Arc<bytes::BytePool>,
 }
 
 /// Takes a worker's semaphore of `from` slots to `to`: more are added at once; fewer are taken
@@ -716,12 +720,14 @@ impl Dispatcher {
     /// A free attempt slot of target `id` for `entries` entries of one request being accepted
     /// at `now` (one, or a batching webhook's several), when the target could send them at
     /// once (see `delivery.handoff`); `None` leaves them to its queue. The slot is held until
-    /// the reservation is started or dropped.
+    /// the reservation is started or dropped. `kib` is what the entries' events weigh in the
+    /// byte pool (`delivery.max_in_flight_bytes`): with no room for them now, `None`.
     pub fn reserve(
         &self,
         id: &str,
         now: crate::store::Millis,
         entries: usize,
+        kib: u64,
     ) -> Option<Reservation> {
         if !self.ctx.cfg.handoff {
             return None;
@@ -734,7 +740,7 @@ impl Dispatcher {
             }
             (r.runtime.clone(), r.target.clone(), r.slots.clone())
         };
-        handoff::reserve(&self.ctx, rt, target, &slots, now, entries)
+        handoff::reserve(&self.ctx, rt, target, &slots, now, (entries, kib))
     }
 
     /// The NATS connection `nats:` targets share (its state, for status and metrics).

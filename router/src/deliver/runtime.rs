@@ -136,6 +136,10 @@ pub struct TargetRuntime {
     /// share. A reload's new runtime starts a new account: attempts still running under the
     /// old one count there until they end.
     pub share: Arc<super::in_flight::Share>,
+    /// What one of this target's entries is expected to weigh, in KiB of the byte pool
+    /// (`delivery.max_in_flight_bytes`): the largest event of its last lease. A lease
+    /// reserves this much per entry before it knows the real sizes.
+    pub bytes_estimate: std::sync::atomic::AtomicU64,
     /// Throttle tokens taken for requests that were never sent (a retry the budget deferred
     /// after the lease, entries another lease took first), and when they were given back
     /// ([`Self::refund_tokens`]).
@@ -249,6 +253,9 @@ impl TargetRuntime {
             nodes: AtomicUsize::new(1),
             batch_cap: AtomicU32::new(0),
             share: Arc::default(),
+            bytes_estimate: std::sync::atomic::AtomicU64::new(
+                super::bytes::INITIAL_ESTIMATE.div_ceil(1024),
+            ),
             batch_ok: AtomicU32::new(0),
             throttle_credit: Mutex::new((0, None)),
             counters: Arc::default(),

@@ -327,11 +327,48 @@ pub(super) async fn run(
         }
         permits.truncate(allowed);
 
+        // The bytes of what is leased (`delivery.max_in_flight_bytes`, see `bytes`): the
+        // first slot waits for its share of the pool, further slots take theirs only if free
+        // now, and slots without are given back. Before the lease, as the count permits: an
+        // entry never waits for room while its lease runs out.
+        let per_request = rt
+            .bytes_estimate
+            .load(Ordering::Relaxed)
+            .saturating_mul(u64::try_from(per_slot).unwrap_or(u64::MAX));
+        let mut reserved = match ctx.bytes.try_take(per_request) {
+            Some(g) => g,
+            None => {
+                let more = permits.len().saturating_sub(1);
+                permits.truncate(1);
+                rt.refund_tokens(more);
+                let got = tokio::select! {
+                    _ = stop.cancelled() => break,
+                    g = ctx.bytes.take(per_request) => g,
+                };
+                match got {
+                    Some(g) => g,
+                    None => break,
+                }
+            }
+        };
+        let mut covered = 1;
+        while covered < permits.len() {
+            match ctx.bytes.try_take(per_request) {
+                Some(g) => reserved.merge(g),
+                None => break,
+            }
+            covered += 1;
+        }
+        if covered < permits.len() {
+            rt.refund_tokens(permits.len() - covered);
+            permits.truncate(covered);
+        }
+
         let step = lease_and_start(
             ctx.clone(),
             rt.clone(),
             target.clone(),
-            (permits, per_slot),
+            (permits, per_slot, reserved),
             now,
             lease_ms,
             probing,
@@ -362,10 +399,13 @@ pub(super) async fn run(
 
 /// What one attempt (or batch request) holds while it runs: a slot of its target and, for
 /// webhook and NATS targets, a permit of the global pool (`delivery.max_in_flight`). Both are
-/// given back on drop.
+/// given back on drop. Once its entries are known, also their bytes
+/// (`delivery.max_in_flight_bytes`), which the attempt takes out to hold until its result is
+/// recorded ([`Slot::take_bytes`]).
 pub(super) struct Slot {
     _target: OwnedSemaphorePermit,
     _global: Option<super::in_flight::GlobalPermit>,
+    bytes: Option<super::bytes::ByteGrant>,
 }
 
 impl Slot {
@@ -377,8 +417,26 @@ impl Slot {
         Self {
             _target: target,
             _global: global,
+            bytes: None,
         }
     }
+
+    /// This slot, holding `bytes` of the byte pool for its entries.
+    pub(super) fn with_bytes(mut self, bytes: super::bytes::ByteGrant) -> Self {
+        self.bytes = Some(bytes);
+        self
+    }
+
+    /// The bytes this slot's entries hold: kept past the slot, until the attempt's result is
+    /// recorded (the events are held until then).
+    fn take_bytes(&mut self) -> Option<super::bytes::ByteGrant> {
+        self.bytes.take()
+    }
+}
+
+/// The KiB of the byte pool a leased entry is charged.
+fn charge(leased: &Leased) -> u64 {
+    super::bytes::charge_kib(leased.event.event.payload_len())
 }
 
 /// Pairs the target slots a worker took with global permits: `first` for the first, a free
@@ -416,7 +474,7 @@ async fn lease_and_start(
     ctx: Arc<DeliveryContext>,
     rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
-    (mut permits, per_slot): (Vec<Slot>, usize),
+    (mut permits, per_slot, mut bytes): (Vec<Slot>, usize, super::bytes::ByteGrant),
     now: Millis,
     lease_ms: i64,
     probing: bool,
@@ -438,6 +496,10 @@ async fn lease_and_start(
             // Set aside first, taking no slot: they are never sent.
             for u in batch.unreadable {
                 set_aside_unreadable(&ctx, &rt, u, now).await;
+            }
+            // The next lease reserves per entry what the largest event of this one weighed.
+            if let Some(largest) = batch.leased.iter().map(charge).max() {
+                rt.bytes_estimate.store(largest, Ordering::Relaxed);
             }
             let batching = rt.batch().filter(|_| per_slot > 1);
             let mut to_batch = Vec::new();
@@ -497,14 +559,23 @@ async fn lease_and_start(
                     to_batch.push(leased);
                     continue;
                 }
+                if permits.is_empty() {
+                    break;
+                }
+                // Its bytes: out of the reservation, or what the pool has free; with neither
+                // (the events are larger than the last lease's), back to the queue unattempted.
+                let Some(held) = bytes.split_or_take(charge(&leased)) else {
+                    defer(&ctx, &leased, now, now).await;
+                    continue;
+                };
                 let Some(permit) = permits.pop() else { break };
                 if probing && let Some(mut b) = rt.breaker() {
                     b.probes_started(1);
                 }
-                spawn_attempt(&ctx, &rt, &target, leased, permit, probing);
+                spawn_attempt(&ctx, &rt, &target, leased, permit.with_bytes(held), probing);
             }
             let unused = match batching {
-                Some(b) => send_batches(&ctx, &rt, &target, to_batch, &b, permits).await,
+                Some(b) => send_batches(&ctx, &rt, &target, to_batch, &b, permits, bytes).await,
                 None => permits.len(),
             };
             // Each slot taken stood for a throttle token: those not used by a request
@@ -662,14 +733,38 @@ pub(super) async fn send_batches(
     leased: Vec<Leased>,
     batch: &WebhookBatch,
     mut permits: Vec<Slot>,
+    mut bytes: super::bytes::ByteGrant,
 ) -> usize {
-    let mut put_back = Vec::new();
-    for items in split_batches(leased, batch) {
-        match permits.pop() {
-            Some(permit) => spawn_batch(ctx, rt, target, items, permit, false),
-            None => put_back.extend(items.into_iter().map(|i| i.leased)),
+    // Each request takes its events' bytes out of what the lease reserved (and the slots
+    // hold), or what the pool has free; a request finding no room goes back like one
+    // finding no slot.
+    for p in &mut permits {
+        if let Some(b) = p.take_bytes() {
+            bytes.merge(b);
         }
     }
+    let mut put_back = Vec::new();
+    for items in split_batches(leased, batch) {
+        let weight = items
+            .iter()
+            .map(|i| charge(&i.leased))
+            .fold(0u64, u64::saturating_add);
+        let held = if permits.is_empty() {
+            None
+        } else {
+            bytes.split_or_take(weight)
+        };
+        match (held, permits.pop()) {
+            (Some(held), Some(permit)) => {
+                spawn_batch(ctx, rt, target, items, permit.with_bytes(held), false);
+            }
+            (_, permit) => {
+                permits.extend(permit);
+                put_back.extend(items.into_iter().map(|i| i.leased));
+            }
+        }
+    }
+    drop(bytes);
     if !put_back.is_empty() {
         let now = ctx.clock.now_ms();
         tracing::debug!(target_id = %rt.spec.id, entries = put_back.len(), "more batches than slots; the rest go back to the queue");
@@ -1125,11 +1220,28 @@ fn local_exhaustion(ctx: &DeliveryContext, rt: &TargetRuntime, outcome: &Attempt
     }
 }
 
-/// The request of one attempt on one entry.
-fn request_for(rt: &TargetRuntime, leased: &Leased) -> DeliveryRequest {
+/// The request of one attempt on one entry. A webhook or NATS target sends only `body`, so
+/// once it is built the leased event's payload is dropped (when the lease alone holds the
+/// event): the attempt then holds one copy of a large payload, not two. A handler target
+/// reads the event itself and gets no `body`.
+fn request_for(rt: &TargetRuntime, leased: &mut Leased) -> DeliveryRequest {
+    if matches!(rt.spec.kind, TargetKind::Handler { .. }) {
+        return request_with_body(rt, leased, bytes::Bytes::new());
+    }
+    let replay = leased.entry.replay.as_deref();
+    let body = bytes::Bytes::from(leased.event.event.structured_bytes(replay));
+    // What is used of the event after this is its attributes (logs, dead letters, fate).
+    if let Some(ev) = Arc::get_mut(&mut leased.event) {
+        ev.event.data = None;
+        ev.event.data_base64 = None;
+    }
+    request_with_body(rt, leased, body)
+}
+
+/// The request of one attempt on one entry, sending `body`.
+fn request_with_body(rt: &TargetRuntime, leased: &Leased, body: bytes::Bytes) -> DeliveryRequest {
     // Replayed deliveries say so, so receivers can tell them from live traffic.
     let replay = leased.entry.replay.clone();
-    let body = bytes::Bytes::from(leased.event.event.structured_bytes(replay.as_deref()));
     DeliveryRequest {
         body,
         idempotency_key: leased.entry.idempotency_key.clone(),
@@ -1151,8 +1263,8 @@ async fn attempt(
     ctx: Arc<DeliveryContext>,
     rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
-    leased: Leased,
-    permit: Slot,
+    mut leased: Leased,
+    mut permit: Slot,
     probe: bool,
 ) {
     let now = ctx.clock.now_ms();
@@ -1167,7 +1279,7 @@ async fn attempt(
             s
         }
         None => {
-            let req = request_for(&rt, &leased);
+            let req = request_for(&rt, &mut leased);
             let started = Instant::now();
             let (outcome, effects) = target.deliver_with_effects(&req).await;
             local_exhaustion(&ctx, &rt, &outcome);
@@ -1190,13 +1302,15 @@ async fn attempt(
     // is: recording it waits for a commit (one or two group-commit cycles), and holding the slot
     // through that wait capped a target's throughput at `concurrency` per commit cycle. The
     // entry stays leased in the index until the commit lands, so it cannot be leased twice, and
-    // its ordering key stays held.
+    // its ordering key stays held. Its bytes stay held too: the event is, until recorded.
+    let bytes = permit.take_bytes();
     drop(permit);
     crate::failpoint::crash_point("before_ack", &rt.spec.id);
     if let Some(stall) = crate::failpoint::delay_once("before_ack", &rt.spec.id) {
         tokio::time::sleep(stall).await;
     }
     record(&ctx, &rt, &leased, settled).await;
+    drop(bytes);
 }
 
 /// One entry of a batch request, with its structured event as sent.
@@ -1273,7 +1387,7 @@ async fn attempt_batch(
     rt: Arc<TargetRuntime>,
     target: Arc<dyn Target>,
     batch: Vec<BatchItem>,
-    permit: Slot,
+    mut permit: Slot,
     probe: bool,
 ) {
     let now = ctx.clock.now_ms();
@@ -1304,7 +1418,7 @@ async fn attempt_batch(
             // Each event of the body carries its own `traceparent`.
             traceparent: None,
             tracestate: None,
-            ..request_for(&rt, &first.leased)
+            ..request_with_body(&rt, &first.leased, bytes::Bytes::new())
         };
         let started = Instant::now();
         let (outcome, _) = target.deliver_with_effects(&req).await;
@@ -1380,6 +1494,8 @@ async fn attempt_batch(
             b.record(None, true, now);
         }
     }
+    // The events' bytes are held until their results are recorded.
+    let bytes = permit.take_bytes();
     drop(permit);
     crate::failpoint::crash_point("before_ack", &rt.spec.id);
     // Recorded together, so the finishes share a commit.
@@ -1389,6 +1505,7 @@ async fn attempt_batch(
         async move { record(ctx, rt, &leased, s).await }.instrument(span)
     }))
     .await;
+    drop(bytes);
 }
 
 /// Records a settled attempt: the store's finish, then its metrics and, for a new dead
@@ -2356,6 +2473,54 @@ mod tests {
         TargetRuntime::new(spec, None, 0)
     }
 
+    /// A webhook attempt holds its payload once: in the body it sends, the leased event
+    /// keeping only its attributes (when the lease alone holds it). A handler attempt reads the
+    /// event and gets no body. Both used to hold the payload twice.
+    #[test]
+    fn an_attempt_holds_one_copy_of_its_payload() {
+        let webhook = TargetRuntime::new(
+            crate::rules::TargetSpec {
+                id: "t".into(),
+                rule: "r".into(),
+                kind: crate::rules::TargetKind::Webhook {
+                    url: "http://127.0.0.1:9/".into(),
+                    headers: Default::default(),
+                    secret_env: None,
+                    headers_env: Default::default(),
+                    batch: None,
+                },
+                policy_name: None,
+                policy: crate::policy::config::PolicyConfig::default(),
+            },
+            None,
+            0,
+        );
+        let mut one = leased(1, 10_000);
+        let sent = one.event.event.structured_bytes(None);
+        let req = request_for(&webhook, &mut one);
+        assert_eq!(
+            req.body.as_ref(),
+            sent.as_slice(),
+            "the body is the whole event"
+        );
+        assert!(
+            one.event.event.data.is_none(),
+            "the payload is in the body only"
+        );
+        assert_eq!(req.event.event.id, "e-1", "the attributes stay");
+        assert_eq!(one.event.event.payload_len(), 0);
+        // Shared (a handoff's event is ingest's too): left as it is.
+        let mut shared = leased(2, 10_000);
+        let other = shared.event.clone();
+        let req = request_for(&webhook, &mut shared);
+        assert!(req.event.event.data.is_some() && other.event.data.is_some());
+        // A handler reads the event; no body is built for it.
+        let mut h = leased(3, 10_000);
+        let req = request_for(&handler_runtime(policy()), &mut h);
+        assert!(req.body.is_empty());
+        assert!(req.event.event.payload_len() > 10_000);
+    }
+
     /// A Retry-After past max_age dead-letters at once: the entry's error names the wait and
     /// the bound, not only the receiver's answer.
     #[test]
@@ -2650,7 +2815,7 @@ mod unreadable_tests {
             ctx.clone(),
             rt.clone(),
             Arc::new(Takes),
-            (permits, 1),
+            (permits, 1, ctx.bytes.empty()),
             now,
             60_000,
             false,

@@ -573,14 +573,23 @@ async fn handle(
                     Some((_, keys)) => keys.push((i, j)),
                     None => batching.push((t.target_id.clone(), vec![(i, j)])),
                 }
-            } else if let Some(r) = app.dispatcher.reserve(&t.target_id, now, 1) {
+            } else if let Some(r) = app.dispatcher.reserve(
+                &t.target_id,
+                now,
+                1,
+                crate::deliver::bytes::charge_kib(ne.event.payload_len()),
+            ) {
                 t.lease_ms = Some(r.lease_ms());
                 reservations.push((vec![(i, j)], r));
             }
         }
     }
     for (id, keys) in batching {
-        if let Some(r) = app.dispatcher.reserve(&id, now, keys.len()) {
+        let kib = keys
+            .iter()
+            .map(|&(i, _)| crate::deliver::bytes::charge_kib(new_events[i].event.payload_len()))
+            .fold(0u64, u64::saturating_add);
+        if let Some(r) = app.dispatcher.reserve(&id, now, keys.len(), kib) {
             let lease_ms = r.lease_ms();
             for &(i, j) in &keys {
                 new_events[i].targets[j].lease_ms = Some(lease_ms);
