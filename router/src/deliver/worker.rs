@@ -1781,12 +1781,17 @@ pub(super) fn count_transition(ctx: &DeliveryContext, id: &str, t: &Transition) 
 async fn on_transition(ctx: &DeliveryContext, rt: &TargetRuntime, t: Transition, now: i64) {
     let id = &rt.spec.id;
     let to = t.to.name();
-    match t.to {
-        BreakerState::Open { until } => {
-            tracing::warn!(target_id = %id, failure_rate = t.failure_rate, requests = t.requests, open_until = %crate::clock::rfc3339(until), "circuit breaker opened")
-        }
-        _ => {
-            tracing::info!(target_id = %id, from = t.from.name(), to, "circuit breaker state changed")
+    // Under the log gates like attempt lines: one target's transitions are a few a minute,
+    // but a thousand failing targets cycling open → half-open made most of the log in a mass
+    // outage, past the process-wide ceiling. The metric and the system event count every one.
+    if let Some(suppressed) = ctx.log_gates.admit(&format!("breaker:{id}")) {
+        match t.to {
+            BreakerState::Open { until } => {
+                tracing::warn!(target_id = %id, failure_rate = t.failure_rate, requests = t.requests, open_until = %crate::clock::rfc3339(until), suppressed, "circuit breaker opened")
+            }
+            _ => {
+                tracing::info!(target_id = %id, from = t.from.name(), to, suppressed, "circuit breaker state changed")
+            }
         }
     }
     count_transition(ctx, id, &t);
@@ -2709,6 +2714,98 @@ mod unreadable_tests {
         ) -> futures::future::BoxFuture<'a, AttemptOutcome> {
             Box::pin(async { AttemptOutcome::Delivered { status: Some(200) } })
         }
+    }
+
+    /// Breaker transition lines pass the log gates: a mass outage's thousand targets opening
+    /// at once log at most the process-wide ceiling's burst, not a line each (the metric
+    /// counts every transition).
+    #[tokio::test(flavor = "current_thread")]
+    async fn breaker_transition_lines_are_under_the_log_ceiling() {
+        #[derive(Clone, Default)]
+        struct Buf(Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Buf {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.0
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let app = crate::app::test_app(
+            crate::app::test_config(dir.path()),
+            RedbStore::in_memory().expect("store"),
+            None,
+        );
+        let ctx = app.dispatcher.context().clone();
+        let buf = Buf::default();
+        let writer = buf.clone();
+        let _logging = tracing::subscriber::set_default(
+            tracing_subscriber::fmt()
+                .with_ansi(false)
+                .with_max_level(tracing::Level::INFO)
+                .with_writer(move || writer.clone())
+                .finish(),
+        );
+        let targets = 1000;
+        for i in 0..targets {
+            let rt = TargetRuntime::new(
+                crate::rules::TargetSpec {
+                    id: format!("c{i}"),
+                    rule: "r".into(),
+                    kind: crate::rules::TargetKind::Webhook {
+                        url: "http://127.0.0.1:9/".into(),
+                        headers: Default::default(),
+                        secret_env: None,
+                        headers_env: Default::default(),
+                        batch: None,
+                    },
+                    policy_name: None,
+                    policy: crate::policy::config::PolicyConfig::default(),
+                },
+                None,
+                0,
+            );
+            // Followed from another node: counted and logged only (nothing persisted or
+            // raised), which is all this test looks at.
+            let t = Transition {
+                from: BreakerState::Closed,
+                to: BreakerState::Open { until: 60_000 },
+                failure_rate: 1.0,
+                requests: 20,
+                followed: true,
+            };
+            on_transition(&ctx, &rt, t, 0).await;
+        }
+        let text =
+            String::from_utf8_lossy(&buf.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned();
+        let logged = text.matches("circuit breaker opened").count();
+        assert!(logged > 0, "{text}");
+        // The ceiling's burst, and what it refills while the loop runs (a slow machine: at
+        // most a few seconds at its rate).
+        assert!(
+            logged < targets / 2,
+            "{logged} of {targets} transitions logged"
+        );
+        let counted: f64 = (0..targets)
+            .map(|i| {
+                ctx.metrics
+                    .breaker_transitions
+                    .get_or_create(&vec![
+                        ("target", format!("c{i}")),
+                        ("to", "open".to_string()),
+                    ])
+                    .get() as f64
+            })
+            .sum();
+        assert_eq!(
+            counted, targets as f64,
+            "the metric counts every transition"
+        );
     }
 
     /// A worker whose target has due entries leases nothing while the global pool
