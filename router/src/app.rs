@@ -1823,14 +1823,8 @@ pub async fn run_with_store(
         log_gates: Default::default(),
         unannounced: Default::default(),
         store_faults: Default::default(),
-        in_flight: crate::deliver::in_flight::InFlightCap::new(
-            cfg.delivery.in_flight_limit(),
-            Some(metrics.clone()),
-        ),
-        bytes: crate::deliver::bytes::BytePool::new(
-            u64::try_from(cfg.delivery.max_in_flight_bytes).unwrap_or(u64::MAX),
-            Some(metrics.clone()),
-        ),
+        in_flight: crate::deliver::in_flight::InFlightCap::of(&cfg.delivery, &metrics),
+        bytes: crate::deliver::bytes::BytePool::of(&cfg.delivery, &metrics),
     });
     if let Some(h) = &handlers {
         h.changes
@@ -2778,14 +2772,8 @@ fn test_app_with(
         log_gates: Default::default(),
         unannounced: Default::default(),
         store_faults: Default::default(),
-        in_flight: crate::deliver::in_flight::InFlightCap::new(
-            cfg.delivery.in_flight_limit(),
-            Some(metrics.clone()),
-        ),
-        bytes: crate::deliver::bytes::BytePool::new(
-            u64::try_from(cfg.delivery.max_in_flight_bytes).unwrap_or(u64::MAX),
-            Some(metrics.clone()),
-        ),
+        in_flight: crate::deliver::in_flight::InFlightCap::of(&cfg.delivery, &metrics),
+        bytes: crate::deliver::bytes::BytePool::of(&cfg.delivery, &metrics),
     });
     let now = clock.now_ms();
     let ingest_admission = crate::ingest::admission::Admission::new(

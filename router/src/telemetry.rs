@@ -1247,6 +1247,51 @@ pub fn init_tracing(json: bool) {
     };
 }
 
+/// What a test's tracing subscriber writes, as the router's log would show it (INFO and up,
+/// no colours), for tests that count or read log lines.
+#[cfg(test)]
+pub(crate) mod test_log {
+    use std::sync::{Arc, Mutex};
+
+    /// The captured lines.
+    #[derive(Clone, Default)]
+    pub(crate) struct LogBuf(Arc<Mutex<Vec<u8>>>);
+
+    impl LogBuf {
+        /// Everything written so far.
+        pub(crate) fn text(&self) -> String {
+            String::from_utf8_lossy(&self.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned()
+        }
+    }
+
+    impl std::io::Write for LogBuf {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Captures this thread's log from now until the guard drops.
+    pub(crate) fn capture() -> (LogBuf, tracing::subscriber::DefaultGuard) {
+        let log = LogBuf::default();
+        let writer = log.clone();
+        let guard = tracing::subscriber::set_default(
+            tracing_subscriber::fmt()
+                .with_ansi(false)
+                .with_max_level(tracing::Level::INFO)
+                .with_writer(move || writer.clone())
+                .finish(),
+        );
+        (log, guard)
+    }
+}
+
 #[cfg(test)]
 mod log_gate_tests {
     use super::*;

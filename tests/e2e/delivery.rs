@@ -452,31 +452,24 @@ async fn a_contended_finish_is_retried_without_counting_the_attempt() {
     );
 }
 
-/// `delivery.max_in_flight` bounds the attempts in flight across all targets: 20 webhook
-/// targets of one rule, 8 slots each (160 in all), against slow receivers, with the cap at 16.
-/// The receivers never see more than 16 requests at once, every event reaches every target
-/// exactly once, and waiting for a permit spends no attempt (nothing is retried or put back:
-/// entries wait unleased in their queues). Before the cap the receivers saw up to 160.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn max_in_flight_bounds_attempts_across_all_targets() {
+/// `count` receivers that answer 200 after `delay`, and the most requests all of them had in
+/// flight at once. A request counts as in flight until its answer goes out, after `delay`
+/// (the receiver's own sleep); the router can send the next one only after reading that
+/// answer.
+async fn receivers_counting_overlap(
+    count: usize,
+    delay: Duration,
+) -> (Vec<Receiver>, Arc<std::sync::atomic::AtomicUsize>) {
     use std::sync::atomic::{AtomicUsize, Ordering};
-    const TARGETS: usize = 20;
-    const EVENTS: usize = 12;
-    const CAP: usize = 16;
     let current = Arc::new(AtomicUsize::new(0));
     let peak = Arc::new(AtomicUsize::new(0));
-    // Long enough that the targets' 160 slots would all be busy at once without the cap.
-    let delay = Duration::from_millis(250);
     let mut receivers = Vec::new();
-    for _ in 0..TARGETS {
+    for _ in 0..count {
         let (current, peak) = (current.clone(), peak.clone());
         receivers.push(
             Receiver::scripted(Arc::new(move |_, _| {
                 let now = current.fetch_add(1, Ordering::SeqCst) + 1;
                 peak.fetch_max(now, Ordering::SeqCst);
-                // The request counts as in flight until its answer goes out, after `delay`
-                // (the receiver's own sleep); the router can send the next one only after
-                // reading that answer.
                 let current = current.clone();
                 tokio::spawn(async move {
                     tokio::time::sleep(delay).await;
@@ -487,6 +480,22 @@ async fn max_in_flight_bounds_attempts_across_all_targets() {
             .await,
         );
     }
+    (receivers, peak)
+}
+
+/// `delivery.max_in_flight` bounds the attempts in flight across all targets: 20 webhook
+/// targets of one rule, 8 slots each (160 in all), against slow receivers, with the cap at 16.
+/// The receivers never see more than 16 requests at once, every event reaches every target
+/// exactly once, and waiting for a permit spends no attempt (nothing is retried or put back:
+/// entries wait unleased in their queues). Before the cap the receivers saw up to 160.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_in_flight_bounds_attempts_across_all_targets() {
+    use std::sync::atomic::Ordering;
+    const TARGETS: usize = 20;
+    const EVENTS: usize = 12;
+    const CAP: usize = 16;
+    // Long enough that the targets' 160 slots would all be busy at once without the cap.
+    let (receivers, peak) = receivers_counting_overlap(TARGETS, Duration::from_millis(250)).await;
     let targets: Vec<String> = receivers
         .iter()
         .enumerate()
@@ -568,32 +577,13 @@ async fn max_in_flight_bounds_attempts_across_all_targets() {
 /// for room spends no attempt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_in_flight_bytes_bounds_the_events_held_across_all_targets() {
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::Ordering;
     const TARGETS: usize = 10;
     const PER_TARGET: usize = 4;
     const CAP: usize = 4 << 20;
     const SIZE: usize = 512 << 10;
-    let current = Arc::new(AtomicUsize::new(0));
-    let peak = Arc::new(AtomicUsize::new(0));
     // Long enough that the requests would overlap without the bound.
-    let delay = Duration::from_millis(500);
-    let mut receivers = Vec::new();
-    for _ in 0..TARGETS {
-        let (current, peak) = (current.clone(), peak.clone());
-        receivers.push(
-            Receiver::scripted(Arc::new(move |_, _| {
-                let now = current.fetch_add(1, Ordering::SeqCst) + 1;
-                peak.fetch_max(now, Ordering::SeqCst);
-                let current = current.clone();
-                tokio::spawn(async move {
-                    tokio::time::sleep(delay).await;
-                    current.fetch_sub(1, Ordering::SeqCst);
-                });
-                (200, delay, vec![])
-            }))
-            .await,
-        );
-    }
+    let (receivers, peak) = receivers_counting_overlap(TARGETS, Duration::from_millis(500)).await;
     let targets: Vec<Vec<String>> = receivers
         .iter()
         .enumerate()

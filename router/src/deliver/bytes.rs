@@ -73,6 +73,14 @@ pub fn charge_kib(payload: usize) -> u64 {
 }
 
 impl BytePool {
+    /// The pool `[delivery]` sets (`max_in_flight_bytes`), reporting to `metrics`.
+    pub fn of(cfg: &crate::config::DeliveryConfig, metrics: &Arc<Metrics>) -> Arc<Self> {
+        Self::new(
+            u64::try_from(cfg.max_in_flight_bytes).unwrap_or(u64::MAX),
+            Some(metrics.clone()),
+        )
+    }
+
     /// A pool of `max_bytes` (at least 1 KiB), reporting to `metrics` when given.
     pub fn new(max_bytes: u64, metrics: Option<Arc<Metrics>>) -> Arc<Self> {
         let cap = u64::try_from(Semaphore::MAX_PERMITS).unwrap_or(u64::MAX);

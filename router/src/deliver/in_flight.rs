@@ -114,6 +114,12 @@ impl Drop for GlobalPermit {
 }
 
 impl InFlightCap {
+    /// The cap `[delivery]` sets (`max_in_flight`, or its default from the open-file limit),
+    /// reporting to `metrics`.
+    pub fn of(cfg: &crate::config::DeliveryConfig, metrics: &Arc<Metrics>) -> Arc<Self> {
+        Self::new(cfg.in_flight_limit(), Some(metrics.clone()))
+    }
+
     /// A pool of `max` permits (at least 1), reporting to `metrics` when given.
     pub fn new(max: usize, metrics: Option<Arc<Metrics>>) -> Arc<Self> {
         let max = max.clamp(1, Semaphore::MAX_PERMITS);

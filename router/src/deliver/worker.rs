@@ -2463,6 +2463,24 @@ mod tests {
         );
     }
 
+    /// The runtime of webhook target `id` (to a closed port) under the default policy.
+    pub(super) fn webhook_runtime(id: &str) -> TargetRuntime {
+        let spec = crate::rules::TargetSpec {
+            id: id.into(),
+            rule: "r".into(),
+            kind: crate::rules::TargetKind::Webhook {
+                url: "http://127.0.0.1:9/".into(),
+                headers: Default::default(),
+                secret_env: None,
+                headers_env: Default::default(),
+                batch: None,
+            },
+            policy_name: None,
+            policy: crate::policy::config::PolicyConfig::default(),
+        };
+        TargetRuntime::new(spec, None, 0)
+    }
+
     /// A handler target's runtime under `retry`.
     fn handler_runtime(retry: RetryPolicy) -> TargetRuntime {
         let spec = crate::rules::TargetSpec {
@@ -2483,23 +2501,7 @@ mod tests {
     /// event and gets no body. Both used to hold the payload twice.
     #[test]
     fn an_attempt_holds_one_copy_of_its_payload() {
-        let webhook = TargetRuntime::new(
-            crate::rules::TargetSpec {
-                id: "t".into(),
-                rule: "r".into(),
-                kind: crate::rules::TargetKind::Webhook {
-                    url: "http://127.0.0.1:9/".into(),
-                    headers: Default::default(),
-                    secret_env: None,
-                    headers_env: Default::default(),
-                    batch: None,
-                },
-                policy_name: None,
-                policy: crate::policy::config::PolicyConfig::default(),
-            },
-            None,
-            0,
-        );
+        let webhook = webhook_runtime("t");
         let mut one = leased(1, 10_000);
         let sent = one.event.event.structured_bytes(None);
         let req = request_for(&webhook, &mut one);
@@ -2721,20 +2723,6 @@ mod unreadable_tests {
     /// counts every transition).
     #[tokio::test(flavor = "current_thread")]
     async fn breaker_transition_lines_are_under_the_log_ceiling() {
-        #[derive(Clone, Default)]
-        struct Buf(Arc<std::sync::Mutex<Vec<u8>>>);
-        impl std::io::Write for Buf {
-            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-                self.0
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .extend_from_slice(bytes);
-                Ok(bytes.len())
-            }
-            fn flush(&mut self) -> std::io::Result<()> {
-                Ok(())
-            }
-        }
         let dir = tempfile::tempdir().expect("tempdir");
         let app = crate::app::test_app(
             crate::app::test_config(dir.path()),
@@ -2742,34 +2730,10 @@ mod unreadable_tests {
             None,
         );
         let ctx = app.dispatcher.context().clone();
-        let buf = Buf::default();
-        let writer = buf.clone();
-        let _logging = tracing::subscriber::set_default(
-            tracing_subscriber::fmt()
-                .with_ansi(false)
-                .with_max_level(tracing::Level::INFO)
-                .with_writer(move || writer.clone())
-                .finish(),
-        );
+        let (log, _logging) = crate::telemetry::test_log::capture();
         let targets = 1000;
         for i in 0..targets {
-            let rt = TargetRuntime::new(
-                crate::rules::TargetSpec {
-                    id: format!("c{i}"),
-                    rule: "r".into(),
-                    kind: crate::rules::TargetKind::Webhook {
-                        url: "http://127.0.0.1:9/".into(),
-                        headers: Default::default(),
-                        secret_env: None,
-                        headers_env: Default::default(),
-                        batch: None,
-                    },
-                    policy_name: None,
-                    policy: crate::policy::config::PolicyConfig::default(),
-                },
-                None,
-                0,
-            );
+            let rt = super::tests::webhook_runtime(&format!("c{i}"));
             // Followed from another node: counted and logged only (nothing persisted or
             // raised), which is all this test looks at.
             let t = Transition {
@@ -2781,8 +2745,7 @@ mod unreadable_tests {
             };
             on_transition(&ctx, &rt, t, 0).await;
         }
-        let text =
-            String::from_utf8_lossy(&buf.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned();
+        let text = log.text();
         let logged = text.matches("circuit breaker opened").count();
         assert!(logged > 0, "{text}");
         // The ceiling's burst, and what it refills while the loop runs (a slow machine: at

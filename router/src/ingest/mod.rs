@@ -1150,15 +1150,7 @@ mod tests {
         .expect("store");
         let app = crate::app::test_app(crate::app::test_config(dir.path()), store, None);
         disk.set_failing(true);
-        let log = LogBuf::default();
-        let writer = log.clone();
-        let _logging = tracing::subscriber::set_default(
-            tracing_subscriber::fmt()
-                .with_ansi(false)
-                .with_max_level(tracing::Level::INFO)
-                .with_writer(move || writer.clone())
-                .finish(),
-        );
+        let (log, _logging) = crate::telemetry::test_log::capture();
         let principal = crate::auth::Principal::with_scopes(&["admin"]);
         let mut headers = HeaderMap::new();
         headers.insert(
@@ -1197,29 +1189,6 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("ERROR"), "{text}");
-    }
-
-    /// What a test's tracing subscriber writes, as the router's log would show it.
-    #[derive(Clone, Default)]
-    struct LogBuf(Arc<std::sync::Mutex<Vec<u8>>>);
-
-    impl LogBuf {
-        fn text(&self) -> String {
-            String::from_utf8_lossy(&self.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned()
-        }
-    }
-
-    impl std::io::Write for LogBuf {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .extend_from_slice(bytes);
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
     }
 
     /// Cheap rules keep small requests on the reactor (the hand-off would cost more).
