@@ -2385,15 +2385,22 @@ mod tests {
                 && why.contains("archive.retention = 7days"),
             "{why}"
         );
-        let expired = app
-            .metrics
-            .job_items
-            .get_or_create(&vec![
-                ("kind", "replay".to_owned()),
-                ("outcome", "expired".to_owned()),
-            ])
-            .get();
-        assert_eq!(expired, 3);
+        // The runner counts a step's items after the step's commit, which `wait_for` may
+        // see first: wait (bounded) for the count, then check it.
+        let expired = || {
+            app.metrics
+                .job_items
+                .get_or_create(&vec![
+                    ("kind", "replay".to_owned()),
+                    ("outcome", "expired".to_owned()),
+                ])
+                .get()
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while expired() < 3 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(expired(), 3);
     }
 
     /// A replay of a range that starts before what the archive still holds is accepted, and
