@@ -64,6 +64,8 @@ pub struct App {
     pub ingest_admission: crate::ingest::admission::Admission,
     /// The client connections the HTTP server holds (`server.max_connections`).
     pub connections: Arc<ConnectionSlots>,
+    /// The probes-and-scrapes address (`server.ops_listen`) and its connections, when set.
+    pub ops: Option<OpsEndpoint>,
     /// Handler uploads whose body is being read or compiled at once: each may hold
     /// `handlers.max_upload_bytes` in memory. A slot is held until the compilation ends, even
     /// when the client gave up before ([`UploadSlot`]).
@@ -1058,6 +1060,14 @@ pub enum RunError {
     /// waits instead).
     #[error(transparent)]
     StoreCredentials(crate::nats_auth::NatsAuthError),
+    /// `server.ops_listen` could not be bound.
+    #[error("cannot listen on {addr} (server.ops_listen)")]
+    OpsListen {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
     /// Refusing to serve without tokens on a non-loopback address.
     #[error(
         "refusing to listen on {0} without auth tokens: configure [[auth.tokens]] or set auth.insecure = true"
@@ -1703,6 +1713,20 @@ pub async fn run_with_store(
         }
     };
     let guard = crate::guard::RequestGuard::new(tokens.enabled(), cfg.auth.insecure, local);
+    // Bound before anything else starts: an address that is taken stops the start, loud.
+    let ops = match bind_ops(&cfg, tokens.enabled(), &metrics).await {
+        Ok(ops) => ops.map(|(listener, endpoint)| {
+            let guard =
+                crate::guard::RequestGuard::new(tokens.enabled(), cfg.auth.insecure, endpoint.addr);
+            (listener, endpoint, guard)
+        }),
+        Err(e) => {
+            if let Err(close) = store.close().await {
+                tracing::warn!(error = %close, "the store did not close cleanly; it is checked at the next start");
+            }
+            return Err(e);
+        }
+    };
     let ingest_limiters = cfg
         .auth
         .tokens
@@ -1919,6 +1943,7 @@ pub async fn run_with_store(
     );
     let connections = Arc::new(ConnectionSlots::new(
         cfg.server.connection_limit(),
+        "server.max_connections",
         metrics.http_connections_refused.clone(),
     ));
     let app = Arc::new(App {
@@ -1946,6 +1971,7 @@ pub async fn run_with_store(
         disk_full: AtomicBool::new(false),
         ingest_admission,
         connections,
+        ops: ops.as_ref().map(|(_, endpoint, _)| endpoint.clone()),
         upload_slots: Arc::new(tokio::sync::Semaphore::new(UPLOAD_SLOTS)),
         handlers: handlers.clone(),
         handlers_error,
@@ -2065,24 +2091,26 @@ pub async fn run_with_store(
             get(crate::admin::handlers::logs),
         )
         .route("/healthz", get(crate::admin::healthz))
-        .route("/readyz", get(crate::admin::readyz))
-        // Inner layer: runs after auth, so a body is only read for a caller allowed to send it.
-        .route_layer(axum::middleware::from_fn_with_state(
-            app.clone(),
-            bounded_body,
-        ))
-        .route_layer(axum::middleware::from_fn_with_state(
-            app.clone(),
-            crate::auth::layer,
-        ))
-        // Outer: a web page's request is refused before anything else looks at it.
-        .route_layer(axum::middleware::from_fn_with_state(
-            Arc::new(guard),
-            crate::guard::layer,
-        ))
-        .layer(axum::middleware::map_response(json_rejections))
-        .layer(axum::middleware::from_fn(close_if_body_unread))
-        .with_state(app.clone());
+        .route("/readyz", get(crate::admin::readyz));
+    let router = with_api_layers(router, &app, guard);
+    // `server.ops_listen`: the probes and the scrape on their own connections, served until
+    // `run` returns (through the shutdown's grace period, where /readyz answers 503).
+    let _ops_stop = ops.map(|(listener, endpoint, guard)| {
+        let routes = Router::new()
+            .route("/healthz", get(crate::admin::healthz))
+            .route("/readyz", get(crate::admin::readyz))
+            .route("/metrics", get(crate::admin::metrics));
+        let router = with_api_layers(routes, &app, guard);
+        let stop = CancellationToken::new();
+        let (app, cancel) = (app.clone(), stop.clone());
+        // Before the main address's line, which tells a supervisor (and the tests) the router
+        // is up.
+        tracing::info!(listen = %endpoint.addr, "ops address listening (/healthz, /readyz, /metrics)");
+        tokio::spawn(async move {
+            serve(listener, router, &app.cfg.server, endpoint.connections, cancel).await;
+        });
+        stop.drop_guard()
+    });
 
     app.ready.store(true, Ordering::SeqCst);
     tracing::info!(listen = %listener.local_addr()?, "router listening");
@@ -2429,6 +2457,73 @@ async fn json_rejections(
     r
 }
 
+/// The API's middleware around `routes`, outermost first: JSON rejections and unread bodies;
+/// the web-page guard; authentication; the bounded body (after auth, so a body is only read
+/// for a caller allowed to send it).
+fn with_api_layers(
+    routes: Router<Arc<App>>,
+    app: &Arc<App>,
+    guard: crate::guard::RequestGuard,
+) -> Router {
+    routes
+        .route_layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            bounded_body,
+        ))
+        .route_layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            crate::auth::layer,
+        ))
+        // Outer: a web page's request is refused before anything else looks at it.
+        .route_layer(axum::middleware::from_fn_with_state(
+            Arc::new(guard),
+            crate::guard::layer,
+        ))
+        .layer(axum::middleware::map_response(json_rejections))
+        .layer(axum::middleware::from_fn(close_if_body_unread))
+        .with_state(app.clone())
+}
+
+/// The probes-and-scrapes address (`server.ops_listen`) as bound, and its connections.
+#[derive(Debug, Clone)]
+pub struct OpsEndpoint {
+    /// The address as bound (its port when the configured one was 0).
+    pub addr: std::net::SocketAddr,
+    /// Its connections, against `server.ops_max_connections`.
+    pub connections: Arc<ConnectionSlots>,
+}
+
+/// Binds `server.ops_listen` when set. Like the main address, a non-loopback one needs tokens
+/// or `auth.insecure`: `/metrics` names every target.
+async fn bind_ops(
+    cfg: &Config,
+    auth_on: bool,
+    metrics: &Metrics,
+) -> Result<Option<(TcpListener, OpsEndpoint)>, RunError> {
+    let Some(addr) = cfg.server.ops_listen else {
+        return Ok(None);
+    };
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|source| RunError::OpsListen { addr, source })?;
+    let local = listener.local_addr()?;
+    if !auth_on && !local.ip().is_loopback() && !cfg.auth.insecure {
+        return Err(RunError::Insecure(local));
+    }
+    let connections = Arc::new(ConnectionSlots::new(
+        cfg.server.ops_max_connections,
+        "server.ops_max_connections",
+        metrics.http_ops_connections_refused.clone(),
+    ));
+    Ok(Some((
+        listener,
+        OpsEndpoint {
+            addr: local,
+            connections,
+        },
+    )))
+}
+
 /// The client connections the HTTP server holds, against `server.max_connections`: one
 /// client could otherwise open connections until the process ran out of file descriptors
 /// (audited: 20,000 slow-body connections, then `accept failed: Too many open files`), and
@@ -2437,6 +2532,8 @@ async fn json_rejections(
 pub struct ConnectionSlots {
     permits: Arc<tokio::sync::Semaphore>,
     limit: usize,
+    /// The configuration key of `limit`, which a refusal names.
+    key: &'static str,
     /// Connections answered 503 and closed for want of a slot (`router_http_connections_refused`).
     refused: prometheus_client::metrics::counter::Counter,
     /// Refusals being written: bounded too, or a flood of refused connections would hold
@@ -2448,12 +2545,18 @@ pub struct ConnectionSlots {
 const REFUSALS_AT_ONCE: usize = 256;
 
 impl ConnectionSlots {
-    /// Room for `limit` connections (at least 1); refusals count in `refused`.
-    pub fn new(limit: usize, refused: prometheus_client::metrics::counter::Counter) -> Self {
+    /// Room for `limit` connections (at least 1), set by the configuration key `key`;
+    /// refusals count in `refused`.
+    pub fn new(
+        limit: usize,
+        key: &'static str,
+        refused: prometheus_client::metrics::counter::Counter,
+    ) -> Self {
         let limit = limit.clamp(1, tokio::sync::Semaphore::MAX_PERMITS);
         Self {
             permits: Arc::new(tokio::sync::Semaphore::new(limit)),
             limit,
+            key,
             refused,
             refusing: Arc::new(tokio::sync::Semaphore::new(REFUSALS_AT_ONCE)),
         }
@@ -2478,13 +2581,13 @@ impl ConnectionSlots {
 /// Answers a connection past `server.max_connections`: 503 with `Retry-After` and a JSON body,
 /// then closes it. What the client sent is read (and discarded) briefly after the answer, so
 /// that closing over unread bytes does not reset the connection before the client reads it.
-async fn refuse_connection(mut stream: tokio::net::TcpStream, limit: usize) {
+async fn refuse_connection(mut stream: tokio::net::TcpStream, limit: usize, key: &'static str) {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let body = serde_json::json!({
         "error": "too many open connections",
         "errors": [{
             "pointer": "",
-            "message": format!("the router holds its limit of {limit} connections (server.max_connections); retry after the indicated time, or reuse a keep-alive connection"),
+            "message": format!("the router holds its limit of {limit} connections ({key}); retry after the indicated time, or reuse a keep-alive connection"),
         }],
     })
     .to_string();
@@ -2539,14 +2642,15 @@ async fn serve(
             if refused.is_multiple_of(1000) {
                 tracing::warn!(
                     limit = slots.limit,
+                    key = slots.key,
                     refused = refused + 1,
-                    "connection refused: server.max_connections reached (503); logged once per 1000"
+                    "connection refused: limit of open connections reached (503); logged once per 1000"
                 );
             }
             if let Ok(refusing) = slots.refusing.clone().try_acquire_owned() {
-                let limit = slots.limit;
+                let (limit, key) = (slots.limit, slots.key);
                 tokio::spawn(async move {
-                    refuse_connection(stream, limit).await;
+                    refuse_connection(stream, limit, key).await;
                     drop(refusing);
                 });
             }
@@ -2782,6 +2886,7 @@ fn test_app_with(
     );
     let connections = Arc::new(ConnectionSlots::new(
         cfg.server.connection_limit(),
+        "server.max_connections",
         metrics.http_connections_refused.clone(),
     ));
     Arc::new(App {
@@ -2810,6 +2915,7 @@ fn test_app_with(
         disk_full: AtomicBool::new(false),
         ingest_admission,
         connections,
+        ops: None,
         upload_slots: Arc::new(tokio::sync::Semaphore::new(UPLOAD_SLOTS)),
         handlers: None,
         handlers_error: None,

@@ -332,6 +332,16 @@ pub struct ServerConfig {
     /// `Retry-After` and closed, so that the router keeps file descriptors for its store and
     /// deliveries. 0 (default): half the process's open-file limit, at least 64.
     pub max_connections: usize,
+    /// A second address (default none) that answers only `/healthz`, `/readyz` and `/metrics`,
+    /// with its own connection cap (`ops_max_connections`), so that liveness probes and
+    /// scrapes are never refused because producers hold every one of `max_connections`, and
+    /// an orchestrator does not restart a router that is only busy. The main address answers
+    /// them as well. Auth applies as on the main address (`/metrics` needs `read` when tokens
+    /// are set), and a non-loopback address without tokens needs `auth.insecure`, as `listen`.
+    pub ops_listen: Option<SocketAddr>,
+    /// Open connections at most on `ops_listen` (default 64); past it a new connection gets
+    /// 503 and is closed, as on the main address.
+    pub ops_max_connections: usize,
 }
 
 impl Default for ServerConfig {
@@ -341,6 +351,8 @@ impl Default for ServerConfig {
             request_timeout: Duration::from_secs(30),
             max_header_bytes: 64 * 1024,
             max_connections: 0,
+            ops_listen: None,
+            ops_max_connections: 64,
         }
     }
 }
@@ -1106,6 +1118,18 @@ impl Config {
         }
         if self.server.request_timeout < MIN_INTERVAL {
             return bad("server.request_timeout must be at least 100ms");
+        }
+        if self.server.ops_max_connections == 0 {
+            return bad("server.ops_max_connections must be at least 1");
+        }
+        // The same fixed address twice could never bind; say which keys collide.
+        if let Some(ops) = self.server.ops_listen
+            && ops == self.listen
+            && ops.port() != 0
+        {
+            return bad(&format!(
+                "server.ops_listen must differ from listen (both {ops})"
+            ));
         }
         // 0 would refuse every upload (413) and every invocation (out of fuel at once).
         if self.handlers.max_upload_bytes == 0 {

@@ -364,6 +364,10 @@ pub struct Metrics {
     pub http_max_connections: Gauge,
     /// Connections answered 503 and closed past `server.max_connections`.
     pub http_connections_refused: Counter,
+    /// Open connections on `server.ops_listen`.
+    pub http_ops_connections: Gauge,
+    /// Connections answered 503 and closed past `server.ops_max_connections`.
+    pub http_ops_connections_refused: Counter,
     /// Delivery attempts in flight across all webhook and NATS targets.
     pub delivery_in_flight: Gauge,
     /// `delivery.max_in_flight` as applied.
@@ -500,6 +504,8 @@ impl Metrics {
             http_connections: Gauge::default(),
             http_max_connections: Gauge::default(),
             http_connections_refused: Counter::default(),
+            http_ops_connections: Gauge::default(),
+            http_ops_connections_refused: Counter::default(),
             delivery_in_flight: Gauge::default(),
             delivery_max_in_flight: Gauge::default(),
             delivery_in_flight_bytes: Gauge::default(),
@@ -698,6 +704,16 @@ impl Metrics {
             "router_http_connections_refused",
             "Connections answered 503 and closed because server.max_connections were open",
             m.http_connections_refused.clone(),
+        );
+        registry.register(
+            "router_http_ops_connections",
+            "Open connections on server.ops_listen (the /healthz, /readyz and /metrics address; 0 when it is not set)",
+            m.http_ops_connections.clone(),
+        );
+        registry.register(
+            "router_http_ops_connections_refused",
+            "Connections answered 503 and closed because server.ops_max_connections were open on server.ops_listen",
+            m.http_ops_connections_refused.clone(),
         );
         registry.register(
             "router_delivery_in_flight",

@@ -2223,3 +2223,130 @@ async fn connections_past_the_limit_are_answered_503_and_closed() {
         "{status}"
     );
 }
+
+/// With `server.ops_listen`, probes and the scrape have connections of their own: while
+/// producers hold every one of `server.max_connections` (and the main address answers its
+/// own `/healthz` 503, as above), the ops address still answers `/healthz`, `/readyz` and
+/// `/metrics`, and nothing else. Before, a liveness probe at the cap got the producers' 503
+/// and an orchestrator restarted a router that was only busy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ops_address_answers_probes_while_producers_hold_every_connection() {
+    let r = RouterProc::start_with_env(
+        &[],
+        &[],
+        &[
+            ("ROUTER_SERVER__MAX_CONNECTIONS", "3"),
+            ("ROUTER_SERVER__OPS_LISTEN", "127.0.0.1:0"),
+            ("ROUTER_SERVER__OPS_MAX_CONNECTIONS", "2"),
+        ],
+    );
+    // From the log, not /v1/status: a request to the main address now could still hold its
+    // slot when the idle connections below arrive, and one of them would be the refused one.
+    let log = r.log_text();
+    let ops_addr: std::net::SocketAddr = log
+        .lines()
+        .find(|l| l.contains("ops address listening"))
+        .and_then(|l| l.split("listen=").nth(1))
+        .and_then(|a| a.split_whitespace().next())
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("ops address in the log:\n{log}"));
+    let ops_url = |path: &str| format!("http://{ops_addr}{path}");
+    let mut idle = Vec::new();
+    for _ in 0..3 {
+        idle.push(
+            tokio::net::TcpStream::connect(r.addr)
+                .await
+                .expect("connect"),
+        );
+    }
+    eventually(Duration::from_secs(5), || async {
+        let resp = client().get(r.url("/healthz")).send().await.ok()?;
+        (resp.status().as_u16() == 503).then_some(())
+    })
+    .await
+    .expect("the main address refuses a fourth connection");
+    for path in ["/healthz", "/readyz", "/metrics"] {
+        let resp = client().get(ops_url(path)).send().await.expect(path);
+        assert_eq!(resp.status().as_u16(), 200, "{path} on the ops address");
+        if path == "/metrics" {
+            let text = resp.text().await.expect("metrics");
+            let refused = text
+                .lines()
+                .find_map(|l| l.strip_prefix("router_http_connections_refused_total "))
+                .and_then(|v| v.trim().parse::<f64>().ok());
+            assert!(refused >= Some(1.0), "the main address's refusals:\n{text}");
+            assert!(text.contains("router_http_ops_connections "), "{text}");
+        }
+    }
+    // Nothing else: not the API, not ingest.
+    let resp = client()
+        .get(ops_url("/v1/status"))
+        .send()
+        .await
+        .expect("status");
+    assert_eq!(resp.status().as_u16(), 404);
+    let resp = client()
+        .post(ops_url("/v1/events"))
+        .header("content-type", "application/cloudevents+json")
+        .body(r#"{"specversion":"1.0","id":"1","source":"s","type":"t"}"#)
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(resp.status().as_u16(), 404);
+    // Its own cap: two idle connections hold it, a third gets the 503 naming its key.
+    let mut ops_idle = Vec::new();
+    for _ in 0..2 {
+        ops_idle.push(
+            tokio::net::TcpStream::connect(ops_addr)
+                .await
+                .expect("connect"),
+        );
+    }
+    let refused = eventually(Duration::from_secs(5), || async {
+        let resp = client().get(ops_url("/healthz")).send().await.ok()?;
+        (resp.status().as_u16() == 503).then_some(resp)
+    })
+    .await
+    .expect("a third ops connection refused");
+    let body: Value = refused.json().await.expect("json");
+    let msg = body["errors"][0]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("server.ops_max_connections"), "{msg}");
+    // Both counts in /v1/status once the main address has a slot again.
+    drop(idle);
+    let status: Value = eventually(Duration::from_secs(5), || async {
+        let resp = client().get(r.url("/v1/status")).send().await.ok()?;
+        if resp.status().as_u16() != 200 {
+            return None;
+        }
+        resp.json::<Value>().await.ok()
+    })
+    .await
+    .expect("status once the producers' connections closed");
+    let ops = &status["connections"]["ops"];
+    assert_eq!(ops["listen"], ops_addr.to_string(), "{status}");
+    assert_eq!(ops["max"], 2, "{status}");
+    assert!(ops["refused_total"].as_u64() >= Some(1), "{status}");
+}
+
+/// An ops address that is taken stops the start, naming the key.
+#[test]
+fn a_taken_ops_address_stops_the_start_naming_its_key() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = taken.local_addr().expect("addr");
+    let dir = tempfile::tempdir().expect("tmp");
+    std::fs::create_dir_all(dir.path().join("rules")).expect("rules");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_router"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path().join("data"))
+        .arg("--rules")
+        .arg(dir.path().join("rules"))
+        .env("ROUTER_SERVER__OPS_LISTEN", addr.to_string())
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("cannot listen on {addr} (server.ops_listen)")),
+        "{err}"
+    );
+}

@@ -964,6 +964,13 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             "open": app.connections.open(),
             "max": app.connections.limit(),
             "refused_total": app.connections.refused(),
+            // `server.ops_listen`: probes and scrapes, apart from producers. Null when unset.
+            "ops": app.ops.as_ref().map(|ops| json!({
+                "listen": ops.addr.to_string(),
+                "open": ops.connections.open(),
+                "max": ops.connections.limit(),
+                "refused_total": ops.connections.refused(),
+            })),
         },
         "store": {
             "backend": app.cfg.store.backend,
@@ -1217,6 +1224,9 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
     app.metrics
         .http_max_connections
         .set(gauge(app.connections.limit()));
+    app.metrics.http_ops_connections.set(gauge(
+        app.ops.as_ref().map_or(0, |ops| ops.connections.open()),
+    ));
     app.metrics.store_up.set(i64::from(app.store.writable()));
     let failing = app
         .reload_status
