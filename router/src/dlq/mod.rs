@@ -2311,16 +2311,28 @@ mod tests {
                 ])
                 .get()
         };
+        let counted = || {
+            app.metrics
+                .dlq_entries
+                .get_or_create(&vec![
+                    ("target", "hook".to_owned()),
+                    ("reason", "target_overflow".to_owned()),
+                ])
+                .get()
+        };
+        // Counted after the step's commit, which `wait_for` may see first.
+        settle(|| items("failed") >= 3 && counted() >= 3).await;
         assert_eq!((items("moved"), items("failed")), (0, 3));
-        let counted = app
-            .metrics
-            .dlq_entries
-            .get_or_create(&vec![
-                ("target", "hook".to_owned()),
-                ("reason", "target_overflow".to_owned()),
-            ])
-            .get();
-        assert_eq!(counted, 3, "every replayed copy in the DLQ is counted");
+        assert_eq!(counted(), 3, "every replayed copy in the DLQ is counted");
+    }
+
+    /// Waits (at most 10 s) until `done` holds: the job runner counts a step's items in the
+    /// metrics after the step's commit, which a test reading the job may see first.
+    async fn settle(done: impl Fn() -> bool) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !done() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// The archive sweep does not wait for jobs: events of a replay's range it removes before
@@ -2385,8 +2397,6 @@ mod tests {
                 && why.contains("archive.retention = 7days"),
             "{why}"
         );
-        // The runner counts a step's items after the step's commit, which `wait_for` may
-        // see first: wait (bounded) for the count, then check it.
         let expired = || {
             app.metrics
                 .job_items
@@ -2396,10 +2406,7 @@ mod tests {
                 ])
                 .get()
         };
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while expired() < 3 && std::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        settle(|| expired() >= 3).await;
         assert_eq!(expired(), 3);
     }
 
