@@ -303,7 +303,9 @@ impl MEvent {
 #[derive(Debug, Default)]
 struct Model {
     events: BTreeMap<u64, MEvent>,
-    held: BTreeSet<String>,
+    /// Held keys of the ordered target, each with its holder: the entry whose dead letter put
+    /// the hold last (a redrive releases the key only with it, or once it has left the DLQ).
+    held: BTreeMap<String, EntryId>,
     next_id: u64,
     /// Entries whose ack carried an outbox: when its key-value write and COMPLETED record
     /// expire.
@@ -402,7 +404,7 @@ impl Model {
             .filter(|(_, id, key)| match key {
                 None => true,
                 Some(k) => {
-                    !self.held.contains(k)
+                    !self.held.contains_key(k)
                         && !flying.contains(k.as_str())
                         && first_of_key.get(k.as_str()) == Some(id)
                 }
@@ -691,7 +693,7 @@ fn plan(model: &mut Model, store: &RedbStore, round: &Round, now: Millis) -> Vec
     if let (Some(pick), false) = (round.release, model.held.is_empty()) {
         let key = model
             .held
-            .iter()
+            .keys()
             .nth(pick.index(model.held.len()))
             .expect("picked")
             .clone();
@@ -1019,14 +1021,19 @@ fn apply(model: &mut Model, store: &RedbStore, op: &Op, answer: Answer) {
 fn redrive_model(model: &mut Model, moves: &[(u64, EntryId)], job: &Job, now: Millis) {
     for &(_, id) in moves {
         let e = model.entry(id);
-        // The key a dead letter held is released with its redrive.
-        let released = e.key.clone().filter(|_| e.target == ORDERED);
+        let key = e.key.clone().filter(|_| e.target == ORDERED);
         e.state = MState::Queued;
         e.in_dlq = false;
         e.attempts = 0;
         e.due = now;
         e.redrives += 1;
-        if let Some(k) = released {
+        // A redrive releases its key if this dead letter holds it, or if the holder has
+        // left the DLQ (redriven earlier, in this step too, or purged); a redrive of an older
+        // dead letter of the key leaves the hold of a later one.
+        if let Some(k) = key
+            && let Some(&holder) = model.held.get(&k)
+            && (holder == id || !model.entry(holder).in_dlq)
+        {
             model.held.remove(&k);
         }
     }
@@ -1159,7 +1166,7 @@ fn finish_model(model: &mut Model, store: &RedbStore, id: EntryId, how: How, now
             e.in_dlq = true;
             let key = e.key.clone();
             if hold && let Some(k) = key {
-                model.held.insert(k);
+                model.held.insert(k, id);
             }
         }
     }
@@ -1524,7 +1531,7 @@ fn check(model: &Model, store: &RedbStore) {
                     assert_eq!(s.due_at, m.due, "due time of {at}");
                     st.queued += 1;
                     let may_go = m.key.as_deref().is_none_or(|k| {
-                        !model.held.contains(k)
+                        !model.held.contains_key(k)
                             && !flying.contains(&(m.target, k))
                             && first_of_key.get(&(m.target, k)) == Some(&(seq, m.idx))
                     });
@@ -1558,7 +1565,8 @@ fn check(model: &Model, store: &RedbStore) {
         );
     }
     let held: BTreeSet<String> = store.held_keys(ORDERED).into_iter().collect();
-    assert_eq!(held, model.held, "held keys");
+    let want: BTreeSet<String> = model.held.keys().cloned().collect();
+    assert_eq!(held, want, "held keys");
     for id in &model.swept {
         assert!(
             store.fate(SOURCE, id).expect("fate").is_none(),
