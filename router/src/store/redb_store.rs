@@ -1393,6 +1393,7 @@ impl RedbStore {
             compact_next_check: Arc::new(Mutex::new(Instant::now())),
             compact_wanted: Arc::new(AtomicBool::new(false)),
             compact_peak_live: Arc::new(AtomicU64::new(0)),
+            compact_wake: tx.downgrade(),
             path: path.clone(),
             compact_due: false,
             closing: false,
@@ -3142,6 +3143,11 @@ struct Committer {
     compact_wanted: Arc<AtomicBool>,
     /// The most live data any check has seen since the last compaction.
     compact_peak_live: Arc<AtomicU64>,
+    /// Wakes the committer when a check finds a compaction worthwhile: the compaction runs
+    /// after the next group, and a router with nothing to commit (its ingest refused past the
+    /// disk's high-water mark, its queues drained) would otherwise start one only at the next
+    /// sweep, a `sweep_interval` later, with ingest refused all that time.
+    compact_wake: mpsc::WeakSender<Op>,
     path: Option<std::path::PathBuf>,
     compact_due: bool,
     /// Set by a `Close`: the group that follows is a checkpoint (durable in the file).
@@ -3650,12 +3656,13 @@ impl Committer {
         {
             return;
         }
-        let (db, wanted, checking, peak, next_check) = (
+        let (db, wanted, checking, peak, next_check, wake) = (
             self.db.clone(),
             self.compact_wanted.clone(),
             self.compact_checking.clone(),
             self.compact_peak_live.clone(),
             self.compact_next_check.clone(),
+            self.compact_wake.clone(),
         );
         let spawned = std::thread::Builder::new()
             .name("store-compact-check".into())
@@ -3678,6 +3685,11 @@ impl Committer {
                         let very_free = file_len > used.saturating_mul(8);
                         if file_len > used.saturating_mul(2) && (drained || very_free) {
                             wanted.store(true, Ordering::Release);
+                            // This thread's read transaction has ended (live_bytes), so the
+                            // compaction the woken committer starts is not refused by it.
+                            if let Some(tx) = wake.upgrade() {
+                                let _ = tx.try_send(Op::Wake);
+                            }
                         }
                     }
                     Err(e) => tracing::warn!(error = %e, "could not size the store's live data"),

@@ -3992,3 +3992,43 @@ async fn the_dedup_keys_inside_the_window_are_counted_apart() {
     assert_eq!(c.dedup_keys, 15);
     assert_eq!(c.dedup_keys_in_window, Some(5));
 }
+
+/// A compaction that a check finds worthwhile starts without waiting for more work. Before, it
+/// ran after the committer's next group: a router with nothing to commit (its ingest refused
+/// past the disk's high-water mark, its queues drained) compacted only after the next sweep, a
+/// `sweep_interval` (60 s by default) later, and refused ingest all that time (a runbook
+/// audit measured it).
+#[tokio::test]
+async fn a_worthwhile_compaction_starts_without_further_work() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let compactions = Arc::new(AtomicU64::new(0));
+    let counter = compactions.clone();
+    let opts = StoreOptions {
+        compact_min_bytes: Some(1 << 20),
+        // One sweep removes the whole backlog: its group is the last one before the wait.
+        sweep_batch: Some(1 << 20),
+        on_compact: Some(Arc::new(move |_| {
+            counter.fetch_add(1, Ordering::SeqCst);
+        })),
+        ..Default::default()
+    };
+    let s = RedbStore::open_dir(dir.path(), opts).expect("open");
+    for chunk in 0..20 {
+        accept_padded(&s, chunk).await.expect("accept");
+    }
+    deliver_all(&s).await;
+    let stats = s.sweep(1_000_000, 1000, 1000).await.expect("sweep");
+    assert!(!stats.more && stats.events_removed == 4000, "{stats:?}");
+    // Nothing else is sent to the store from here. The check runs on its own thread (a read of
+    // every page: well under a second here); 20 s is far past it.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while compactions.load(Ordering::SeqCst) == 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        compactions.load(Ordering::SeqCst),
+        1,
+        "no compaction without another op (file {} bytes)",
+        s.disk_bytes()
+    );
+}
