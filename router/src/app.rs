@@ -1848,7 +1848,7 @@ pub async fn run_with_store(
         unannounced: Default::default(),
         store_faults: Default::default(),
         in_flight: crate::deliver::in_flight::InFlightCap::of(&cfg.delivery, &metrics),
-        bytes: crate::deliver::bytes::BytePool::of(&cfg.delivery, &metrics),
+        bytes: crate::deliver::bytes::BytePool::of(&cfg, &metrics),
     });
     if let Some(h) = &handlers {
         h.changes
@@ -2877,7 +2877,7 @@ fn test_app_with(
         unannounced: Default::default(),
         store_faults: Default::default(),
         in_flight: crate::deliver::in_flight::InFlightCap::of(&cfg.delivery, &metrics),
-        bytes: crate::deliver::bytes::BytePool::of(&cfg.delivery, &metrics),
+        bytes: crate::deliver::bytes::BytePool::of(&cfg, &metrics),
     });
     let now = clock.now_ms();
     let ingest_admission = crate::ingest::admission::Admission::new(

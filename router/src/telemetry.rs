@@ -378,6 +378,9 @@ pub struct Metrics {
     pub delivery_in_flight_bytes: Gauge,
     /// `delivery.max_in_flight_bytes` as applied.
     pub delivery_max_in_flight_bytes: Gauge,
+    /// Times a target's worker waited for bytes because it held its fair share of a
+    /// contended byte pool.
+    pub delivery_byte_share_waits: TargetFamily<Counter>,
     /// Attempts put back unsent because the router itself ran out of a resource (open files,
     /// memory), by cause.
     pub delivery_local_exhaustion: Family<Labels, Counter>,
@@ -511,6 +514,7 @@ impl Metrics {
             delivery_in_flight_bytes: Gauge::default(),
             delivery_max_in_flight_bytes: Gauge::default(),
             delivery_permit_waits: Counter::default(),
+            delivery_byte_share_waits: TargetFamily::default(),
             delivery_local_exhaustion: Family::default(),
             store_up: Gauge::default(),
             reload_failing: Gauge::default(),
@@ -734,6 +738,11 @@ impl Metrics {
             "router_delivery_max_in_flight_bytes",
             "delivery.max_in_flight_bytes as applied",
             m.delivery_max_in_flight_bytes.clone(),
+        );
+        registry.register(
+            "router_delivery_byte_share_waits",
+            "Times a target's worker waited for delivery.max_in_flight_bytes room because the target held its fair share of the contended pool (the pool split among the targets holding or waiting for bytes); no attempt is spent waiting",
+            m.delivery_byte_share_waits.family(),
         );
         registry.register(
             "router_delivery_permit_waits",
@@ -1054,6 +1063,7 @@ impl Metrics {
         self.breaker_transitions.forget(target);
         self.budget_deferred.forget(target);
         self.throttled.forget(target);
+        self.delivery_byte_share_waits.forget(target);
         self.lease_failures.forget(target);
         self.corrupt_records.forget(target);
         self.handoffs.forget(target);

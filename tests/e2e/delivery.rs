@@ -645,6 +645,153 @@ async fn max_in_flight_bytes_bounds_the_events_held_across_all_targets() {
     assert_eq!(st["delivery"]["in_flight_bytes"], json!(0), "{st}");
 }
 
+/// A few targets whose receivers never answer cannot hold the byte pool against a healthy
+/// target: 4 webhook targets with 6 events of 512 KiB each (12 MiB) fill an 8 MiB
+/// `delivery.max_in_flight_bytes` and hold their events for their 30 s timeout; the healthy
+/// target's small events, sent once they do, are delivered within seconds. Before the fair
+/// share the stuck targets' workers queued for bytes in FIFO order, every KiB that came back
+/// went to them, and the healthy target waited for their timeouts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn targets_stuck_on_large_events_do_not_hold_the_byte_pool_against_a_healthy_one() {
+    const STUCK: usize = 4;
+    const PER_STUCK: usize = 6;
+    const CAP: u64 = 8 << 20;
+    const SIZE: usize = 512 << 10;
+    const HEALTHY: usize = 20;
+    // They accept the request and answer long after the 30 s timeout.
+    let mut stuck = Vec::new();
+    for _ in 0..STUCK {
+        stuck.push(
+            Receiver::scripted(Arc::new(|_, _| (200, Duration::from_secs(120), vec![]))).await,
+        );
+    }
+    let healthy = Receiver::ok().await;
+    let policy =
+        "  stuck:\n    timeout: 30s\n    retry: { max_attempts: 3, base_delay: 1s, max_delay: 1s }";
+    let targets: Vec<Vec<String>> = stuck
+        .iter()
+        .enumerate()
+        .map(|(i, rc)| {
+            vec![format!(
+                "webhook: {}\n        id: stuck{i}\n        policy: stuck",
+                rc.url()
+            )]
+        })
+        .chain([vec![format!(
+            "webhook: {}\n        id: healthy",
+            healthy.url()
+        )]])
+        .collect();
+    let names: Vec<(String, String)> = (0..STUCK)
+        .map(|i| (format!("r{i}"), format!("big.t{i}")))
+        .chain([("small".to_string(), "small".to_string())])
+        .collect();
+    let rules: Vec<(&str, &str, &[String])> = names
+        .iter()
+        .zip(&targets)
+        .map(|((n, t), ts)| (n.as_str(), t.as_str(), ts.as_slice()))
+        .collect();
+    let r = RouterProc::start_with_env(
+        &[("r.yaml", &rules_yaml(policy, &rules))],
+        &[],
+        &[("ROUTER_DELIVERY__MAX_IN_FLIGHT_BYTES", &CAP.to_string())],
+    );
+    let data = "x".repeat(SIZE);
+    for n in 0..PER_STUCK {
+        for i in 0..STUCK {
+            let ev = event(&format!("big{i}-{n}"), &format!("big.t{i}"), json!(data));
+            let (status, body) = post_event(&r, &ev).await;
+            assert_eq!(status, 202, "{body}");
+        }
+    }
+    // The stuck targets hold what they can: at least 12 of their events (of 24; 15 fit),
+    // each held until its timeout.
+    let filled = eventually(Duration::from_secs(30), || async {
+        let sent: usize = stuck.iter().map(Receiver::count).sum();
+        let (_, st) = get_json(&r, "/v1/status").await;
+        let held = st["delivery"]["in_flight_bytes"].as_u64()?;
+        (sent >= 12 && held >= 12 * (SIZE as u64 + 1024)).then_some(held)
+    })
+    .await;
+    assert!(
+        filled.is_some(),
+        "the stuck targets did not fill the pool: {} requests",
+        stuck.iter().map(Receiver::count).sum::<usize>()
+    );
+    let started = Instant::now();
+    let small: Vec<_> = (0..HEALTHY)
+        .map(|i| event(&format!("small{i}"), "small", json!({ "i": i })))
+        .collect();
+    post_batch(&r, &small).await;
+    // 20 small events to a receiver answering at once: well under a second; 10 s is
+    // generous for a loaded machine and a third of the stuck targets' timeout.
+    assert!(
+        healthy
+            .wait_for(Duration::from_secs(10), |s| s.len() >= HEALTHY)
+            .await,
+        "the healthy target got {} of {HEALTHY} in {:?} while the stuck ones held the byte pool",
+        healthy.count(),
+        started.elapsed()
+    );
+    eprintln!(
+        "healthy target received {HEALTHY} events in {:?} with the byte pool held by stuck targets",
+        started.elapsed()
+    );
+    let (_, st) = get_json(&r, "/v1/status").await;
+    let held = st["delivery"]["in_flight_bytes"].as_u64().unwrap_or(0);
+    assert!(held <= CAP, "{st}");
+    assert!(held >= 12 * (SIZE as u64 + 1024), "{st}");
+    assert!(
+        st["delivery"]["byte_fair_share"].as_u64().unwrap_or(0) > 0,
+        "{st}"
+    );
+    // Each stuck target shows the bytes it holds; the stuck ones waited at their share.
+    let (_, t) = get_json(&r, "/v1/targets").await;
+    let listed = t["targets"].as_array().expect("targets");
+    let by_id = |id: &str| {
+        listed
+            .iter()
+            .find(|x| x["id"] == id)
+            .unwrap_or_else(|| panic!("{id} listed: {t}"))
+            .clone()
+    };
+    let stuck_held: u64 = (0..STUCK)
+        .map(|i| {
+            by_id(&format!("stuck{i}"))["in_flight_bytes"]
+                .as_u64()
+                .unwrap_or(0)
+        })
+        .sum();
+    assert!(
+        stuck_held >= 12 * (SIZE as u64 + 1024) && stuck_held <= CAP,
+        "the stuck targets hold their events: {t}"
+    );
+    let waits: u64 = (0..STUCK)
+        .map(|i| {
+            by_id(&format!("stuck{i}"))["byte_share_waits"]
+                .as_u64()
+                .unwrap_or(0)
+        })
+        .sum();
+    assert!(waits > 0, "{t}");
+    let m = metrics_text(&r).await;
+    let metric_waits: u64 = (0..STUCK)
+        .map(|i| {
+            counter(
+                &m,
+                &format!("router_delivery_byte_share_waits_total{{target=\"stuck{i}\"}}"),
+            )
+        })
+        .sum();
+    assert_eq!(
+        metric_waits,
+        waits,
+        "{}",
+        metric_lines(&m, "router_delivery_byte_share_waits")
+    );
+    assert_eq!(by_id("healthy")["byte_share_waits"], json!(0), "{t}");
+}
+
 /// An attempt's event counts against `delivery.max_in_flight_bytes` until its result is
 /// recorded, not only while it is sent: the event is held until then. With the commit of the
 /// result stalled (a delay point before the ack), the attempt has given back its slot and its

@@ -1014,6 +1014,9 @@ pub async fn status(State(app): State<Arc<App>>) -> Response {
             // Bytes of events leased deliveries hold, against `delivery.max_in_flight_bytes`.
             "in_flight_bytes": app.dispatcher.context().bytes.in_flight_bytes(),
             "max_in_flight_bytes": app.dispatcher.context().bytes.max_bytes(),
+            // The most bytes one target holds while others wait for room (each target's
+            // `in_flight_bytes` is in /v1/targets).
+            "byte_fair_share": app.dispatcher.context().bytes.fair_share_bytes(),
         },
         // The connection nats: targets share; null until one starts it.
         "nats": app.dispatcher.nats().status(),

@@ -95,8 +95,9 @@ pub(super) fn reserve(
         crate::rules::TargetKind::Handler { .. } => None,
         _ => Some(ctx.in_flight.try_acquire(&rt.share)?),
     };
-    // Room for the events' bytes (`delivery.max_in_flight_bytes`), if there is some now.
-    let bytes = ctx.bytes.try_take(kib)?;
+    // Room for the events' bytes (`delivery.max_in_flight_bytes`), if there is some now and
+    // the target may take it (its fair share).
+    let bytes = ctx.bytes.try_take(&rt.byte_share, kib)?;
     let permit = worker::Slot::new(permit, global).with_bytes(bytes);
     if let Some(limiter) = rt.limiter()
         && limiter.check().is_err()
@@ -159,7 +160,7 @@ impl Reservation {
         let (tracker, spawner) = (ctx.tracker.clone(), ctx.spawner.clone());
         tracker.spawn_on(
             async move {
-                let bytes = ctx.bytes.empty();
+                let bytes = ctx.bytes.empty(&rt.byte_share);
                 worker::send_batches(&ctx, &rt, &target, leased, &batch, vec![permit], bytes).await;
             },
             &spawner,

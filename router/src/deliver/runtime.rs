@@ -74,6 +74,9 @@ pub struct Counters {
     pub last_budget_deferred_at: AtomicI64,
     /// Until when (ms) the worker waits for the rate limiter's next token; 0: never.
     pub throttled_until: AtomicI64,
+    /// Times the worker waited for bytes because its target held its fair share of a
+    /// contended byte pool (`delivery.max_in_flight_bytes`).
+    pub byte_share_waits: AtomicU64,
 }
 
 /// `until`, a hold set by an answer at `since`, capped by `spec`'s `retry_after_max` after
@@ -136,6 +139,9 @@ pub struct TargetRuntime {
     /// share. A reload's new runtime starts a new account: attempts still running under the
     /// old one count there until they end.
     pub share: Arc<super::in_flight::Share>,
+    /// This target's bytes of the byte pool (`delivery.max_in_flight_bytes`), for its fair
+    /// share. Like `share`, a reload's new runtime starts a new account.
+    pub byte_share: Arc<super::bytes::ByteShare>,
     /// What one of this target's entries is expected to weigh, in KiB of the byte pool
     /// (`delivery.max_in_flight_bytes`): the largest event of its last lease. A lease
     /// reserves this much per entry before it knows the real sizes.
@@ -253,6 +259,7 @@ impl TargetRuntime {
             nodes: AtomicUsize::new(1),
             batch_cap: AtomicU32::new(0),
             share: Arc::default(),
+            byte_share: Arc::default(),
             bytes_estimate: std::sync::atomic::AtomicU64::new(
                 super::bytes::INITIAL_ESTIMATE.div_ceil(1024),
             ),
@@ -485,6 +492,11 @@ impl TargetRuntime {
             "deferred": c.deferred.load(Ordering::Relaxed),
             "budget_deferred": c.budget_deferred.load(Ordering::Relaxed),
             "throttled": c.throttled.load(Ordering::Relaxed),
+            // Bytes of the byte pool this target's deliveries hold now (under this runtime:
+            // after a reload, attempts still running under the replaced one are not counted
+            // here), and how often it waited for bytes at its fair share.
+            "in_flight_bytes": self.byte_share.held_bytes(),
+            "byte_share_waits": c.byte_share_waits.load(Ordering::Relaxed),
             // A batching webhook's batches after a 413 lowered them (null: as configured).
             "batch_max_events": match self.batch_cap.load(Ordering::Relaxed) {
                 0 => None,

@@ -328,22 +328,32 @@ pub(super) async fn run(
         permits.truncate(allowed);
 
         // The bytes of what is leased (`delivery.max_in_flight_bytes`, see `bytes`): the
-        // first slot waits for its share of the pool, further slots take theirs only if free
-        // now, and slots without are given back. Before the lease, as the count permits: an
-        // entry never waits for room while its lease runs out.
+        // first slot waits for its reservation, further slots take theirs only if free now
+        // (both within the target's fair share of a contended pool), and slots without are
+        // given back. Before the lease, as the count permits: an entry never waits for room
+        // while its lease runs out.
         let per_request = rt
             .bytes_estimate
             .load(Ordering::Relaxed)
             .saturating_mul(u64::try_from(per_slot).unwrap_or(u64::MAX));
-        let mut reserved = match ctx.bytes.try_take(per_request) {
+        let mut reserved = match ctx.bytes.try_take(&rt.byte_share, per_request) {
             Some(g) => g,
             None => {
                 let more = permits.len().saturating_sub(1);
                 permits.truncate(1);
                 rt.refund_tokens(more);
+                // Over its fair share of a contended pool, the target waits for its own bytes
+                // to come back (see `bytes`): counted once per wait.
+                let held_back = || {
+                    rt.counters.byte_share_waits.fetch_add(1, Ordering::Relaxed);
+                    ctx.metrics
+                        .delivery_byte_share_waits
+                        .get_or_create(&vec![("target", spec.id.clone())])
+                        .inc();
+                };
                 let got = tokio::select! {
                     _ = stop.cancelled() => break,
-                    g = ctx.bytes.take(per_request) => g,
+                    g = ctx.bytes.take(&rt.byte_share, per_request, held_back) => g,
                 };
                 match got {
                     Some(g) => g,
@@ -353,7 +363,7 @@ pub(super) async fn run(
         };
         let mut covered = 1;
         while covered < permits.len() {
-            match ctx.bytes.try_take(per_request) {
+            match ctx.bytes.try_take(&rt.byte_share, per_request) {
                 Some(g) => reserved.merge(g),
                 None => break,
             }
@@ -2875,7 +2885,7 @@ mod unreadable_tests {
             ctx.clone(),
             rt.clone(),
             Arc::new(Takes),
-            (permits, 1, ctx.bytes.empty()),
+            (permits, 1, ctx.bytes.empty(&rt.byte_share)),
             now,
             60_000,
             false,
