@@ -60,6 +60,17 @@ def get(path):
         return r.read()
 
 
+def all_targets():
+    # `/v1/targets` answers 1000 targets a page: follow `next`.
+    targets, after = [], None
+    while True:
+        page = json.loads(get("/v1/targets" + (f"?after={after}" if after else "")))
+        targets += page["targets"]
+        after = page.get("next")
+        if not after:
+            return targets
+
+
 def send(n_targets, total):
     batches = (total + 999) // 1000
     counter = iter(range(batches))
@@ -128,7 +139,7 @@ def main():
             ss = subprocess.run(["ss", "-Htn", "state", "established", f"( dport = :{SINK} )"],
                                 capture_output=True, text=True).stdout
             most["conns"] = max(most["conns"], len(ss.splitlines()))
-            targets = json.loads(get("/v1/targets"))["targets"]
+            targets = all_targets()
             delivered = sum(t["delivered"] for t in targets)
             dead = sum(t["dlq"] for t in targets)
             if delivered + dead >= total or time.time() - started > 300:

@@ -2054,7 +2054,7 @@ pub async fn run_with_store(
             post(crate::admin::rule_control),
         )
         .route("/v1/dlq/{id}", get(crate::admin::dlq_show))
-        .route("/v1/targets", get(crate::admin::targets))
+        .route("/v1/targets", get(crate::admin::targets::targets))
         .route("/v1/targets/{id}", get(crate::admin::target))
         .route("/v1/targets/{id}/pause", post(crate::admin::pause_target))
         .route("/v1/targets/{id}/resume", post(crate::admin::resume_target))

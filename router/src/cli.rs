@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
+use crate::admin::targets::target_notes;
+
 /// Exit status when stdout's reader went away: 128 + SIGPIPE, what a shell shows for a command
 /// a closed pipe ended (`yes | head` under `set -o pipefail`).
 pub const BROKEN_PIPE_EXIT: i32 = 141;
@@ -137,6 +139,17 @@ pub enum CliError {
         /// What came instead (its content type, and why it is not the API's answer).
         got: String,
     },
+    /// A paged list changed between its pages every time it was read (rules reloaded while
+    /// `router rules ls` read them).
+    #[error(
+        "the list at {url} changed while it was read page by page ({reads} times in a row); try again"
+    )]
+    ListChanging {
+        /// URL of the list.
+        url: String,
+        /// How many times it was read.
+        reads: u32,
+    },
     /// The API answered with an error.
     #[error("{status}: {body}")]
     Api {
@@ -146,6 +159,10 @@ pub enum CliError {
         body: String,
     },
 }
+
+/// How many times [`Client::all_pages`] reads a list that changes between its pages before it
+/// gives up.
+pub const PAGED_READS: u32 = 3;
 
 /// A small client of the router API.
 pub struct Client {
@@ -248,6 +265,66 @@ impl Client {
             rb = rb.json(&b);
         }
         self.send(rb, url).await
+    }
+
+    /// Every page of the cursor-paged list `list` of `GET path` (with the query `pairs`,
+    /// passing each page's `next` as `after`): the first page's answer with `list` holding
+    /// the items of every page and `next` null, so a command shows everything. An answer that
+    /// carries a `version` (`/v1/rules`) is read again from the start when a later page comes
+    /// from another version, or refuses its cursor (the rule it named went in a reload), up to
+    /// [`PAGED_READS`] times: pages of two rule sets joined showed a set that never was.
+    pub async fn all_pages(
+        &self,
+        path: &str,
+        pairs: &[(&str, &Option<String>)],
+        list: &str,
+    ) -> Result<Value, CliError> {
+        let mut reads = 0;
+        'read: loop {
+            reads += 1;
+            let again = reads < PAGED_READS;
+            let mut whole: Option<Value> = None;
+            let mut after: Option<String> = None;
+            loop {
+                let mut q = pairs.to_vec();
+                q.push(("after", &after));
+                let url = format!("{path}{}", query(&q));
+                let page = match self.call(reqwest::Method::GET, &url, None).await {
+                    Ok(page) => page,
+                    Err(CliError::Api { status: 400, .. })
+                        if again && whole.as_ref().is_some_and(|w| w.get("version").is_some()) =>
+                    {
+                        continue 'read;
+                    }
+                    Err(e) => return Err(e),
+                };
+                let next = page["next"].as_str().map(str::to_string);
+                match &mut whole {
+                    None => whole = Some(page),
+                    Some(w) if w.get("version") != page.get("version") => {
+                        if again {
+                            continue 'read;
+                        }
+                        return Err(CliError::ListChanging {
+                            url: format!("{}{path}", self.base),
+                            reads,
+                        });
+                    }
+                    Some(w) => {
+                        let items = page[list].as_array().cloned().unwrap_or_default();
+                        if let Some(all) = w[list].as_array_mut() {
+                            all.extend(items);
+                        }
+                    }
+                }
+                if next.is_none() {
+                    let mut w = whole.unwrap_or_default();
+                    w["next"] = Value::Null;
+                    return Ok(w);
+                }
+                after = next;
+            }
+        }
     }
 
     /// Sends raw bytes of `content_type` as they are (a component, or a file the server keeps
@@ -764,65 +841,6 @@ pub fn job_exit(job: &Value) -> std::process::ExitCode {
         crate::errln!("  {e}");
     }
     std::process::ExitCode::from(1)
-}
-
-/// Held keys a note names before it says how many more there are.
-const NOTE_KEYS: usize = 3;
-
-/// Why a target's queue may not move, as `router targets ls` prints it under the table: the
-/// causes a QUEUED number that does not move hides (a worker that could not start, the
-/// receiver's Retry-After, an open breaker, held ordering keys), each with what lifts it.
-/// Without them three different incidents looked the same in the table.
-fn target_notes(t: &Value) -> Vec<String> {
-    let id = s(&t["id"]);
-    let mut notes = Vec::new();
-    if let Some(w) = t["worker"].as_str() {
-        notes.push(w.to_string());
-    }
-    if let Some(until) = t["retry_after_until"].as_str() {
-        notes.push(format!(
-            "held off until {until}: the receiver answered 429/503 with Retry-After (`router targets resume {id}` lifts it)"
-        ));
-    }
-    if t["breaker"]["state"] == "open" {
-        notes.push(format!(
-            "breaker open since {} until {}",
-            s(&t["breaker"]["since"]),
-            s(&t["breaker"]["open_until"])
-        ));
-    }
-    let held: Vec<String> = t["held_keys"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(s)
-        .collect();
-    if !held.is_empty() {
-        let mut shown = held
-            .iter()
-            .take(NOTE_KEYS)
-            .map(|k| format!("{k:?}"))
-            .collect::<Vec<_>>()
-            .join(", ");
-        if held.len() > NOTE_KEYS {
-            shown.push_str(&format!(" and {} more", held.len() - NOTE_KEYS));
-        }
-        notes.push(format!(
-            "{} ordering key(s) held after a dead letter ({shown}), {} entries queued behind them (`router targets release-key {id} <key>`, or redrive the dead letter)",
-            held.len(),
-            s(&t["queued_behind_keys"])
-        ));
-    }
-    notes
-}
-
-/// Whether target `t` (an element of `GET /v1/targets`) needs an operator: paused, or one of
-/// [`target_notes`] holds (not running, held off by its receiver, breaker open, keys held), or
-/// its breaker is half-open (`router targets ls --problems`).
-pub fn target_has_problems(t: &Value) -> bool {
-    t["paused"] == json!(true)
-        || t["breaker"]["state"] == "half_open"
-        || !target_notes(t).is_empty()
 }
 
 /// `router rules ls`: the live rules (`GET /v1/rules`), one row each, with the operator
@@ -1581,6 +1599,104 @@ mod tests {
                 .is_some_and(|l| l.ends_with("not sent: event older than max_age 3s")),
             "{t}"
         );
+    }
+
+    /// A client of a list at `/l` whose answer `answer` gives for (the request's `after`,
+    /// how many requests came before it).
+    async fn paged_list(
+        answer: impl Fn(Option<String>, usize) -> (u16, Value) + Send + Sync + 'static,
+    ) -> Client {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let seen = std::sync::Arc::new(AtomicUsize::new(0));
+        let answer = std::sync::Arc::new(answer);
+        let app = axum::Router::new().route(
+            "/l",
+            axum::routing::get(
+                move |q: axum::extract::Query<std::collections::HashMap<String, String>>| {
+                    let n = seen.fetch_add(1, Ordering::SeqCst);
+                    let (status, v) = answer(q.get("after").cloned(), n);
+                    async move {
+                        (
+                            axum::http::StatusCode::from_u16(status).expect("status"),
+                            axum::Json(v),
+                        )
+                    }
+                },
+            ),
+        );
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        Client::new(&format!("http://{addr}"), None)
+    }
+
+    /// The pages of a list join in order, with the first page's other members and no `next`.
+    #[tokio::test]
+    async fn all_pages_joins_every_page() {
+        let c = paged_list(|after, _| {
+            let v = match after.as_deref() {
+                None => json!({"items": [1, 2], "next": "2", "other": "x"}),
+                Some("2") => json!({"items": [3, 4], "next": "4", "other": "x"}),
+                Some("4") => json!({"items": [5], "next": null, "other": "x"}),
+                Some(_) => return (400, json!({"error": "bad cursor"})),
+            };
+            (200, v)
+        })
+        .await;
+        let v = c.all_pages("/l", &[], "items").await.expect("pages");
+        assert_eq!(
+            v,
+            json!({"items": [1, 2, 3, 4, 5], "next": null, "other": "x"})
+        );
+    }
+
+    /// A versioned list (`/v1/rules`) that changes between its pages is read again from the
+    /// start, whether a later page says another version or refuses the cursor; one that keeps
+    /// changing is an error, not a list of two versions.
+    #[tokio::test]
+    async fn all_pages_reads_a_list_that_changed_again() {
+        // Requests 0 and 1: version a, then b on the second page; 2 and 3: version b whole.
+        let c = paged_list(|after, n| match (n, after.as_deref()) {
+            (0, None) => (200, json!({"version": "a", "items": [1], "next": "1"})),
+            (1, Some("1")) => (200, json!({"version": "b", "items": [9], "next": null})),
+            (2, None) => (200, json!({"version": "b", "items": [7], "next": "7"})),
+            (3, Some("7")) => (200, json!({"version": "b", "items": [9], "next": null})),
+            _ => (500, json!({"error": "unexpected"})),
+        })
+        .await;
+        let v = c.all_pages("/l", &[], "items").await.expect("pages");
+        assert_eq!(v["items"], json!([7, 9]));
+        // The cursor refused (its rule went), then the whole list.
+        let c = paged_list(|after, n| match (n, after.as_deref()) {
+            (0, None) => (200, json!({"version": "a", "items": [1], "next": "1"})),
+            (1, Some("1")) => (400, json!({"error": "invalid query"})),
+            (2, None) => (200, json!({"version": "b", "items": [2], "next": null})),
+            _ => (500, json!({"error": "unexpected"})),
+        })
+        .await;
+        let v = c.all_pages("/l", &[], "items").await.expect("pages");
+        assert_eq!(v["items"], json!([2]));
+        // A new version at every second page.
+        let c = paged_list(|after, n| match after {
+            None => (200, json!({"version": n, "items": [1], "next": "1"})),
+            Some(_) => (200, json!({"version": n, "items": [2], "next": null})),
+        })
+        .await;
+        let e = c.all_pages("/l", &[], "items").await.expect_err("changing");
+        assert!(
+            matches!(e, CliError::ListChanging { reads, .. } if reads == PAGED_READS),
+            "{e}"
+        );
+        // An unversioned list's refusal is the error it is.
+        let c = paged_list(|after, _| match after {
+            None => (200, json!({"items": [1], "next": "1"})),
+            Some(_) => (400, json!({"error": "invalid query"})),
+        })
+        .await;
+        let e = c.all_pages("/l", &[], "items").await.expect_err("refused");
+        assert!(matches!(e, CliError::Api { status: 400, .. }), "{e}");
     }
 
     /// Serves every request on `listener` with a 200 of `content_type` and `body`, as an

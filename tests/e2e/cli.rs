@@ -911,3 +911,67 @@ async fn router_status_says_what_needs_attention_and_exits_by_it() {
     assert_eq!(code, Some(0), "{out}");
     assert!(out.contains("nothing needs attention"), "{out}");
 }
+
+/// Past a thousand targets and rules the API answers a page at a time: `router targets ls`
+/// (and `--problems`, which the router filters), `router rules ls` and `router status` follow
+/// the pages and show every one, the paused target on the second page included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_shows_targets_and_rules_past_the_first_page() {
+    const N: usize = 1_005;
+    let rcv = Receiver::ok().await;
+    let mut rules = String::from("rules:\n");
+    for i in 0..N {
+        rules.push_str(&format!(
+            "  - name: r{i:04}\n    pattern: {{ type: [r.{i}] }}\n    targets:\n      - webhook: {}\n        id: c{i}\n",
+            rcv.url()
+        ));
+    }
+    let r = RouterProc::start(&[("many.yaml", &rules)], &[]);
+    // By id `c999` sorts last (after `c1004`): on the second page of 1000.
+    let (status, v) = post_json(&r, "/v1/targets/c999/pause", json!({})).await;
+    assert_eq!(status, 200, "{v}");
+    let (_, first) = get_json(&r, "/v1/targets").await;
+    assert_eq!(first["targets"].as_array().map(Vec::len), Some(1000));
+
+    let (ok, out, err) = cli(&r, None, &["targets", "ls"]).await;
+    assert!(ok, "{err}");
+    let rows = out.lines().filter(|l| l.starts_with('c')).count();
+    assert_eq!(rows, N, "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("c999 ") && l.contains("paused")),
+        "{out}"
+    );
+    let (ok, out, err) = cli(&r, None, &["targets", "ls", "--json"]).await;
+    assert!(ok, "{err}");
+    let listed: Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(listed["targets"].as_array().map(Vec::len), Some(N));
+    assert_eq!(listed["next"], Value::Null);
+    let (ok, out, err) = cli(&r, None, &["targets", "ls", "--problems", "--json"]).await;
+    assert!(ok, "{err}");
+    let problems: Value = serde_json::from_str(&out).expect("json");
+    let ids: Vec<&str> = problems["targets"]
+        .as_array()
+        .expect("targets")
+        .iter()
+        .filter_map(|t| t["id"].as_str())
+        .collect();
+    assert_eq!(ids, ["c999"], "{out}");
+
+    let (ok, out, err) = cli(&r, None, &["rules", "ls", "--json"]).await;
+    assert!(ok, "{err}");
+    let rules: Value = serde_json::from_str(&out).expect("json");
+    let names: Vec<&str> = rules["rules"]
+        .as_array()
+        .expect("rules")
+        .iter()
+        .filter_map(|x| x["name"].as_str())
+        .collect();
+    assert_eq!(names.len(), N);
+    assert_eq!(names.last(), Some(&"r1004"));
+
+    let (code, out, _) = status_of(&r, &[]).await;
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains(&format!("targets {N} ")), "{out}");
+    assert!(out.contains("target c999 is paused"), "{out}");
+}

@@ -781,12 +781,46 @@ pub async fn fate(r: &RouterProc, id: &str) -> Value {
         .1
 }
 
+/// Every item of the cursor-paged list `key` at `path` (which may carry a query), following
+/// each page's `next` as `after`; `None` when a page is not a 200 with that list.
+pub async fn all_pages(r: &RouterProc, path: &str, key: &str) -> Option<Vec<Value>> {
+    let mut items = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let sep = if path.contains('?') { '&' } else { '?' };
+        let url = match &after {
+            Some(a) => format!("{path}{sep}after={}", urlencoding(a)),
+            None => path.to_string(),
+        };
+        let (status, page) = get_json(r, &url).await;
+        if status != 200 {
+            return None;
+        }
+        items.extend(page[key].as_array()?.iter().cloned());
+        match page["next"].as_str() {
+            Some(next) => after = Some(next.to_string()),
+            None => return Some(items),
+        }
+    }
+}
+
+/// `s` percent-encoded for a query value.
+pub fn urlencoding(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
 /// Waits until no target has an entry queued or in flight, up to `timeout`; whether it did.
 pub async fn queues_drained(r: &RouterProc, timeout: Duration) -> bool {
     eventually(timeout, || async {
-        let (_, t) = get_json(r, "/v1/targets").await;
-        let busy = t["targets"]
-            .as_array()?
+        let targets = all_pages(r, "/v1/targets", "targets").await?;
+        let busy = targets
             .iter()
             .any(|x| x["queued"] != 0 || x["in_flight"] != 0);
         (!busy).then_some(())

@@ -13,6 +13,7 @@ mod harness;
 mod ingest;
 mod nats;
 mod openapi;
+mod paging;
 mod policies;
 mod reload;
 mod security;

@@ -1400,6 +1400,13 @@ async fn responses_validate_against_the_document() {
         .await;
     }
     api.expect(400, "GET", "/v1/events/o-1", admin()).await;
+    // Paged: one target a page, with the totals; a cursor that is no entry of it is refused.
+    let f = api
+        .expect(200, "GET", "/v1/events/o-1?source=/test&limit=1", admin())
+        .await;
+    assert_eq!(f["targets"].as_array().map(Vec::len), Some(1), "{f}");
+    api.expect(400, "GET", "/v1/events/o-1?source=/test&after=x", admin())
+        .await;
     api.expect(404, "GET", "/v1/events/none?source=/test", admin())
         .await;
 
@@ -1417,6 +1424,11 @@ async fn responses_validate_against_the_document() {
         .await;
     assert_eq!(f["targets"][0]["state"], "queued", "{f}");
     api.expect(200, "GET", "/v1/targets", admin()).await;
+    let p = api
+        .expect(200, "GET", "/v1/targets?problems=true&limit=1", admin())
+        .await;
+    assert_eq!(p["targets"].as_array().map(Vec::len), Some(1), "{p}");
+    api.expect(400, "GET", "/v1/targets?limit=0", admin()).await;
     api.expect(200, "GET", "/v1/targets/erp", admin()).await;
     api.expect(200, "GET", "/v1/targets/broken", admin()).await;
     api.expect(404, "GET", "/v1/targets/nope", admin()).await;
@@ -1433,6 +1445,12 @@ async fn responses_validate_against_the_document() {
 
     // --- Rules ---
     api.expect(200, "GET", "/v1/rules", admin()).await;
+    let page = api.expect(200, "GET", "/v1/rules?limit=1", admin()).await;
+    let after = page["next"].as_str().expect("more than one rule");
+    api.expect(200, "GET", &format!("/v1/rules?after={after}"), admin())
+        .await;
+    api.expect(400, "GET", "/v1/rules?after=no-such-rule", admin())
+        .await;
     let m = api
         .expect(
             200,
@@ -1833,6 +1851,8 @@ async fn responses_validate_against_the_document() {
         ("postEvents", &[400, 401, 403, 413, 415, 422][..]),
         ("getEventFate", &[400, 404][..]),
         ("listDlq", &[400][..]),
+        ("listTargets", &[400][..]),
+        ("getRules", &[400][..]),
         ("getDlqEntry", &[400, 404][..]),
         ("getDlqSummary", &[400, 403][..]),
         ("controlRedriveJob", &[404, 409][..]),

@@ -3,7 +3,9 @@
 
 pub mod contracts;
 pub mod handlers;
+pub mod page;
 pub(crate) mod request;
+pub mod targets;
 
 pub use request::ApiQuery;
 use request::parse_body;
@@ -82,23 +84,118 @@ fn attempt_json(a: &AttemptRecord) -> Value {
     })
 }
 
-/// The state the fate shows for `e`; `dlq` are the event's DLQ entries. A dead entry whose DLQ
+/// The state an event's fate shows for one of its queue entries. A dead entry whose DLQ
 /// entry an operator purged is `purged`: "dlq" with no DLQ entry had the reader look for one
 /// that is gone.
-fn entry_state(e: &QueueEntry, dlq: &[DlqEntry], now: i64) -> &'static str {
-    match e.state {
-        EntryState::Delivered => "delivered",
-        EntryState::Dead if dlq.iter().any(|d| refers_to(d, e)) => "dlq",
-        EntryState::Dead => "purged",
-        EntryState::Queued if e.lease.is_some_and(|l| l.until >= now) => "in_flight",
-        EntryState::Queued if e.attempts.is_empty() => "queued",
-        EntryState::Queued => "retrying",
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FateState {
+    Queued,
+    InFlight,
+    Retrying,
+    Delivered,
+    Dlq,
+    Purged,
+}
+
+impl FateState {
+    /// Every state: each is a key of the fate's `targets_by_state`, 0 or not.
+    const ALL: [Self; 6] = [
+        Self::Queued,
+        Self::InFlight,
+        Self::Retrying,
+        Self::Delivered,
+        Self::Dlq,
+        Self::Purged,
+    ];
+
+    /// Its name in the API.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::InFlight => "in_flight",
+            Self::Retrying => "retrying",
+            Self::Delivered => "delivered",
+            Self::Dlq => "dlq",
+            Self::Purged => "purged",
+        }
+    }
+
+    /// The state of `e`; `dead` are the queue entries the event's DLQ entries refer to.
+    fn of(e: &QueueEntry, dead: &EntryRefs<'_>, now: i64) -> Self {
+        match e.state {
+            EntryState::Delivered => Self::Delivered,
+            EntryState::Dead if dead.holds(e) => Self::Dlq,
+            EntryState::Dead => Self::Purged,
+            EntryState::Queued if e.lease.is_some_and(|l| l.until >= now) => Self::InFlight,
+            EntryState::Queued if e.attempts.is_empty() => Self::Queued,
+            EntryState::Queued => Self::Retrying,
+        }
     }
 }
 
-/// Whether DLQ entry `d` is the dead letter of queue entry `e`: by its entry id, or (refused
-/// at acceptance by the queue's depth cap, before the entry had an attempt) by its event and
-/// target.
+/// Queue entries as DLQ entries refer to them, looked up at once (an event fanned out to
+/// thousands of targets compared each entry with each DLQ entry): a DLQ entry refers to its
+/// queue entry by the entry's id or, refused at acceptance by the queue's depth cap before the
+/// entry had an attempt, by its event and target.
+struct EntryRefs<'a> {
+    ids: std::collections::HashSet<crate::store::EntryId>,
+    targets: std::collections::HashSet<(u64, &'a str)>,
+}
+
+impl<'a> EntryRefs<'a> {
+    /// The entries `dlq` refer to.
+    fn of_dlq(dlq: &'a [DlqEntry]) -> Self {
+        let mut refs = Self {
+            ids: Default::default(),
+            targets: Default::default(),
+        };
+        for d in dlq {
+            match (d.entry, d.target_id.as_deref()) {
+                (Some(id), _) => {
+                    refs.ids.insert(id);
+                }
+                (None, Some(t)) => {
+                    refs.targets.insert((d.event_seq, t));
+                }
+                (None, None) => {}
+            }
+        }
+        refs
+    }
+
+    /// `entries` themselves, for the DLQ entries that refer to one of them.
+    fn of_entries(entries: impl IntoIterator<Item = &'a QueueEntry>) -> Self {
+        let mut refs = Self {
+            ids: Default::default(),
+            targets: Default::default(),
+        };
+        for e in entries {
+            refs.ids.insert(e.id);
+            refs.targets.insert((e.id.event, e.target_id.as_str()));
+        }
+        refs
+    }
+
+    /// Whether entry `e` is one referred to (built with [`Self::of_dlq`]).
+    fn holds(&self, e: &QueueEntry) -> bool {
+        self.ids.contains(&e.id) || self.targets.contains(&(e.id.event, e.target_id.as_str()))
+    }
+
+    /// Whether DLQ entry `d` refers to one of the entries (built with [`Self::of_entries`]).
+    fn referred_by(&self, d: &DlqEntry) -> bool {
+        match d.entry {
+            Some(id) => self.ids.contains(&id),
+            None => d
+                .target_id
+                .as_deref()
+                .is_some_and(|t| self.targets.contains(&(d.event_seq, t))),
+        }
+    }
+}
+
+/// Whether DLQ entry `d` is the dead letter of queue entry `e`, one pair at a time: what
+/// [`EntryRefs`] answers for many.
+#[cfg(test)]
 fn refers_to(d: &DlqEntry, e: &QueueEntry) -> bool {
     match d.entry {
         Some(id) => id == e.id,
@@ -137,14 +234,23 @@ fn dlq_json(d: &DlqEntry) -> Value {
 #[serde(deny_unknown_fields)]
 pub struct FateQuery {
     source: Option<String>,
+    /// Cursor: the event's targets after this queue entry (the `targets_next` of the previous
+    /// page).
+    after: Option<String>,
+    /// Page size of the event's targets (default and maximum [`page::MAX_PAGE`]).
+    limit: Option<usize>,
 }
 
-/// `GET /v1/events/{id}?source=`: where the event stands at every target.
+/// `GET /v1/events/{id}?source=`: where the event stands at every target, its targets a page
+/// at a time in fan-out order, with how many there are in each state across all pages (an
+/// event fanned out to thousands of targets answered megabytes at once). Only the page's
+/// targets are read in full: what each waits on, and a handler's emissions from the store.
 pub async fn event_fate(
     State(app): State<Arc<App>>,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<FateQuery>,
 ) -> Response {
+    let mut errors = Vec::new();
     let Some(source) = q.source.filter(|s| !s.is_empty()) else {
         return error_response(
             StatusCode::BAD_REQUEST,
@@ -155,7 +261,28 @@ pub async fn event_fate(
             )],
         );
     };
-    let fate = match app.store.fate(&source, &id).await {
+    let limit = page::page_limit(q.limit).unwrap_or_else(|e| {
+        errors.push(e);
+        0
+    });
+    let not_a_cursor = || {
+        FieldError::new(
+            "/after",
+            "cursor must be the `entry` of one of this event's targets (the `targets_next` of the previous page)",
+        )
+    };
+    let after = match q.after.as_deref().map(str::parse::<crate::store::EntryId>) {
+        None => None,
+        Some(Ok(a)) => Some(a),
+        Some(Err(())) => {
+            errors.push(not_a_cursor());
+            None
+        }
+    };
+    if !errors.is_empty() {
+        return error_response(StatusCode::BAD_REQUEST, "invalid query", errors);
+    }
+    let mut fate = match app.store.fate(&source, &id).await {
         Ok(Some(f)) => f,
         Ok(None) => {
             return error_response(
@@ -169,12 +296,35 @@ pub async fn event_fate(
         }
         Err(e) => return store_error(&e),
     };
+    if after.is_some_and(|a| a.event != fate.event.seq) {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid query",
+            vec![not_a_cursor()],
+        );
+    }
     let now = app.clock.now_ms();
+    // Fan-out order (the stores read entries so; sorted here all the same, as the cursor
+    // counts on it). A position: the page goes on after an entry that is gone since.
+    fate.entries.sort_by_key(|e| e.id.idx);
+    let dead = EntryRefs::of_dlq(&fate.dlq);
+    let mut by_state: BTreeMap<&'static str, usize> =
+        FateState::ALL.iter().map(|s| (s.name(), 0)).collect();
+    for e in &fate.entries {
+        *by_state
+            .entry(FateState::of(e, &dead, now).name())
+            .or_default() += 1;
+    }
+    let rest = fate
+        .entries
+        .iter()
+        .filter(|e| after.is_none_or(|a| e.id.idx > a.idx));
+    let page = page::take_page(rest, limit, |e| e.id.to_string());
     let stats = app.store.queue_stats();
     let in_flight = |target: &str| stats.get(target).map_or(0, |s| s.in_flight);
-    let emitted = emitted_by(&app, &fate.entries, now).await;
-    let targets: Vec<Value> = fate
-        .entries
+    let emitted = emitted_by(&app, &page.items, now).await;
+    let targets: Vec<Value> = page
+        .items
         .iter()
         .map(|e| {
             // A redriven entry's failures before its redrive count too: waiting again (its
@@ -189,7 +339,7 @@ pub async fn event_fate(
                 "target": e.target_id,
                 "rule": e.rule,
                 "entry": e.id.to_string(),
-                "state": entry_state(e, &fate.dlq, now),
+                "state": FateState::of(e, &dead, now).name(),
                 "attempt_count": e.attempts.len(),
                 "attempts": e.attempts.iter().map(attempt_json).collect::<Vec<_>>(),
                 // The attempts of the rounds before its redrives ("attempts reset, history
@@ -214,6 +364,16 @@ pub async fn event_fate(
             }
             t
         })
+        .collect();
+    // The page's DLQ entries: those of its targets, and on the first page those of no target
+    // of the event (a quarantine; a dead letter whose queue entry was swept).
+    let on_page = EntryRefs::of_entries(page.items.iter().copied());
+    let of_any = EntryRefs::of_entries(fate.entries.iter());
+    let dlq: Vec<Value> = fate
+        .dlq
+        .iter()
+        .filter(|d| on_page.referred_by(d) || (after.is_none() && !of_any.referred_by(d)))
+        .map(dlq_json)
         .collect();
     let ev = &fate.event;
     // An accepted event that went to no target: which live rules match it now, and whether
@@ -243,8 +403,11 @@ pub async fn event_fate(
         "matched_rules": ev.matched_rules,
         "unrouted_matches_now": matches_now,
         "quarantined": ev.quarantined,
+        "targets_total": fate.entries.len(),
+        "targets_by_state": by_state,
         "targets": targets,
-        "dlq": fate.dlq.iter().map(dlq_json).collect::<Vec<_>>(),
+        "targets_next": page.next,
+        "dlq": dlq,
         "previous_copies": fate.previous.iter().map(|p| json!({
             "accepted_at": rfc3339(p.event.accepted_at),
             "dlq": p.dlq.iter().map(dlq_json).collect::<Vec<_>>(),
@@ -261,7 +424,7 @@ pub async fn event_fate(
 /// handler in the rules.
 async fn emitted_by(
     app: &App,
-    entries: &[crate::store::QueueEntry],
+    entries: &[&crate::store::QueueEntry],
     now: i64,
 ) -> HashMap<crate::store::EntryId, Vec<Value>> {
     let rules = app.rules.load();
@@ -621,28 +784,6 @@ fn target_json(app: &App, id: &str, stats: Option<&crate::store::QueueStats>, no
     v
 }
 
-/// `GET /v1/targets`: every target with its queue numbers, breaker, throttle and budget.
-pub async fn targets(State(app): State<Arc<App>>) -> Response {
-    let now = app.clock.now_ms();
-    let stats = app.store.queue_stats();
-    // A target removed from the rules goes once drained and its worker stopped (the store
-    // lists every target it ever had); its dead letters stay in `/v1/dlq`.
-    let mut ids: std::collections::BTreeSet<String> = stats
-        .iter()
-        .filter(|(id, s)| s.live() > 0 || !app.retired(id))
-        .map(|(id, _)| id.clone())
-        .collect();
-    ids.extend(app.dispatcher.running().into_iter().map(|s| s.id));
-    // Targets of the rules that are not running (could not start) are listed too: with no
-    // entries queued yet they were nowhere to be seen.
-    ids.extend(app.rules.load().targets.keys().cloned());
-    let list: Vec<Value> = ids
-        .iter()
-        .map(|id| target_json(&app, id, stats.get(id), now))
-        .collect();
-    axum::Json(json!({ "targets": list })).into_response()
-}
-
 /// `GET /v1/targets/{id}`.
 pub async fn target(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
     let now = app.clock.now_ms();
@@ -792,16 +933,56 @@ async fn live_git_commit(
 /// How old the git commit `/v1/status` shows may be.
 const STATUS_GIT_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// `GET /v1/rules`: the live rule set.
-pub async fn rules(State(app): State<Arc<App>>) -> Response {
+/// Query of `GET /v1/rules`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RulesQuery {
+    /// Cursor: the rules after the one of this name, in file order (the `next` of the
+    /// previous page).
+    after: Option<String>,
+    /// Page size (default and maximum [`page::MAX_PAGE`]).
+    limit: Option<usize>,
+}
+
+/// `GET /v1/rules`: the live rule set, its rules a page at a time in file order (matching
+/// costs the same at thousands of rules as at a few, so a set may hold thousands, each with
+/// its pattern and targets). Each page carries the set's `version`: pages of two versions (a
+/// reload between them) do not make one list.
+pub async fn rules(State(app): State<Arc<App>>, ApiQuery(q): ApiQuery<RulesQuery>) -> Response {
     let r = app.rules.load();
+    let limit = match page::page_limit(q.limit) {
+        Ok(l) => l,
+        Err(e) => return error_response(StatusCode::BAD_REQUEST, "invalid query", vec![e]),
+    };
+    // Names are unique in a rule set; the page goes on after the named rule's position.
+    let start = match q.after.as_deref() {
+        None => 0,
+        Some(name) => match r.rules.iter().position(|rule| rule.name == name) {
+            Some(i) => i + 1,
+            None => {
+                return error_response(
+                    StatusCode::BAD_REQUEST,
+                    "invalid query",
+                    vec![FieldError::new(
+                        "/after",
+                        format!(
+                            "no rule {name:?} in the live rule set (version {}): give the `next` of the previous page; when the rules were reloaded since, read them again from the first page",
+                            r.version
+                        ),
+                    )],
+                );
+            }
+        },
+    };
+    let page = page::take_page(&r.rules[start..], limit, |rule| rule.name.clone());
     let disabled = app.disabled_rules();
     let git_commit = live_git_commit(&app, &r.version, std::time::Duration::ZERO).await;
     axum::Json(json!({
         "version": r.version,
         "files": r.files,
         "git_commit": git_commit,
-        "rules": r.rules.iter().map(|rule| {
+        "next": page.next,
+        "rules": page.items.iter().map(|rule| {
             let (matched, last) = app.metrics.rule_matches(&rule.name);
             json!({
                 "name": rule.name,
@@ -2244,5 +2425,116 @@ mod tests {
             cursor(&who("read"), "redrive-2"),
             Some((20, "redrive-2".to_string()))
         );
+    }
+
+    fn entry(idx: u32, target: &str, state: EntryState) -> QueueEntry {
+        let mut e = QueueEntry::queued(
+            crate::store::EntryId { event: 7, idx },
+            crate::store::NewEntry {
+                target_id: target.into(),
+                rule: "r".into(),
+                ordering_key: None,
+                max_depth: None,
+                lease_ms: None,
+                hold_key: false,
+            },
+            format!("k{idx}"),
+            0,
+            0,
+            0,
+        );
+        e.state = state;
+        e
+    }
+
+    fn dead_letter(entry: Option<u32>, target: Option<&str>) -> DlqEntry {
+        let mut d = DlqEntry::at_acceptance(
+            7,
+            ("e".into(), "/s".into(), "t".into()),
+            None,
+            crate::store::DlqReason::PermanentError,
+            Vec::new(),
+            0,
+        );
+        d.entry = entry.map(|idx| crate::store::EntryId { event: 7, idx });
+        d.target_id = target.map(str::to_string);
+        d
+    }
+
+    /// Each entry's state in the fate, and which DLQ entries belong to which entries, looked
+    /// up at once as the pairwise test (by entry id, or by event and target for a copy refused
+    /// at acceptance) answers them.
+    #[test]
+    fn the_fates_states_and_dead_letters_match_the_pairwise_test() {
+        let now = 1_000;
+        let attempt = AttemptRecord {
+            n: 1,
+            started_at: 0,
+            finished_at: Some(1),
+            result: None,
+            status: Some(500),
+            error: Some("boom".into()),
+        };
+        let mut retrying = entry(5, "f", EntryState::Queued);
+        retrying.attempts.push(attempt.clone());
+        let mut leased = entry(6, "g", EntryState::Queued);
+        leased.attempts.push(attempt);
+        leased.lease = Some(crate::store::Lease {
+            token: 1,
+            until: now + 10,
+        });
+        let entries = vec![
+            entry(0, "a", EntryState::Delivered),
+            entry(1, "b", EntryState::Dead),
+            entry(2, "c", EntryState::Dead),
+            entry(3, "d", EntryState::Dead),
+            entry(4, "e", EntryState::Queued),
+            retrying,
+            leased,
+        ];
+        let dlq = vec![
+            dead_letter(Some(1), Some("b")),
+            // Refused by c's depth cap at acceptance: no entry id.
+            dead_letter(None, Some("c")),
+            // Quarantined: no target.
+            dead_letter(None, None),
+            // Of an entry swept since.
+            dead_letter(Some(9), Some("z")),
+        ];
+        let dead = EntryRefs::of_dlq(&dlq);
+        let states: Vec<&str> = entries
+            .iter()
+            .map(|e| FateState::of(e, &dead, now).name())
+            .collect();
+        assert_eq!(
+            states,
+            [
+                "delivered",
+                "dlq",
+                "dlq",
+                "purged",
+                "queued",
+                "retrying",
+                "in_flight"
+            ]
+        );
+        for e in &entries {
+            assert_eq!(
+                dead.holds(e),
+                dlq.iter().any(|d| refers_to(d, e)),
+                "{}",
+                e.id
+            );
+        }
+        for page in [&entries[..], &entries[..2], &entries[2..3], &entries[..0]] {
+            let on_page = EntryRefs::of_entries(page);
+            for d in &dlq {
+                assert_eq!(
+                    on_page.referred_by(d),
+                    page.iter().any(|e| refers_to(d, e)),
+                    "{d:?}"
+                );
+            }
+        }
     }
 }

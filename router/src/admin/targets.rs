@@ -1,0 +1,190 @@
+//! `GET /v1/targets`: every target, by id, one page at a time; and the one test of whether a
+//! target needs an operator, which the `problems` filter applies here and `router targets ls`
+//! and `router status` read the same way.
+
+use std::collections::BTreeSet;
+use std::ops::Bound;
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::page::{page_limit, take_page};
+use super::{ApiQuery, target_json};
+use crate::app::App;
+use crate::event::FieldError;
+use crate::ingest::error_response;
+
+/// Held keys a note names before it says how many more there are.
+const NOTE_KEYS: usize = 3;
+
+/// A view's value as text: a string as it is, null as `-`, anything else as JSON.
+fn text(v: &Value) -> String {
+    match v {
+        Value::Null => "-".into(),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// Why a target's queue may not move, read off its view (an element of `GET /v1/targets`), as
+/// `router targets ls` prints it under the table: the causes a QUEUED number that does not
+/// move hides (a worker that could not start, the receiver's Retry-After, an open breaker,
+/// held ordering keys), each with what lifts it. Without them three different incidents
+/// looked the same in the table.
+pub fn target_notes(t: &Value) -> Vec<String> {
+    let id = text(&t["id"]);
+    let mut notes = Vec::new();
+    if let Some(w) = t["worker"].as_str() {
+        notes.push(w.to_string());
+    }
+    if let Some(until) = t["retry_after_until"].as_str() {
+        notes.push(format!(
+            "held off until {until}: the receiver answered 429/503 with Retry-After (`router targets resume {id}` lifts it)"
+        ));
+    }
+    if t["breaker"]["state"] == "open" {
+        notes.push(format!(
+            "breaker open since {} until {}",
+            text(&t["breaker"]["since"]),
+            text(&t["breaker"]["open_until"])
+        ));
+    }
+    let held: Vec<String> = t["held_keys"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(text)
+        .collect();
+    if !held.is_empty() {
+        let mut shown = held
+            .iter()
+            .take(NOTE_KEYS)
+            .map(|k| format!("{k:?}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        if held.len() > NOTE_KEYS {
+            shown.push_str(&format!(" and {} more", held.len() - NOTE_KEYS));
+        }
+        notes.push(format!(
+            "{} ordering key(s) held after a dead letter ({shown}), {} entries queued behind them (`router targets release-key {id} <key>`, or redrive the dead letter)",
+            held.len(),
+            text(&t["queued_behind_keys"])
+        ));
+    }
+    notes
+}
+
+/// Whether target view `t` (an element of `GET /v1/targets`) needs an operator: paused, or
+/// one of [`target_notes`] holds (not running, held off by its receiver, breaker open, keys
+/// held), or its breaker is half-open. `GET /v1/targets?problems=true` lists these alone
+/// (`router targets ls --problems`).
+pub fn target_has_problems(t: &Value) -> bool {
+    t["paused"] == json!(true)
+        || t["breaker"]["state"] == "half_open"
+        || !target_notes(t).is_empty()
+}
+
+/// Query of `GET /v1/targets`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TargetsQuery {
+    /// Cursor: the targets whose id sorts after it (the `next` of the previous page).
+    after: Option<String>,
+    /// Page size (default and maximum [`super::page::MAX_PAGE`]).
+    limit: Option<usize>,
+    /// Only the targets that need an operator ([`target_has_problems`]).
+    problems: Option<bool>,
+}
+
+/// Every target id `GET /v1/targets` lists, sorted: the targets of the live rules (also those
+/// that could not start: with no entries queued yet they were nowhere to be seen), the running
+/// ones, and those the store still has entries of, except a target removed from the rules once
+/// it is drained and its worker stopped (the store lists every target it ever had; its dead
+/// letters stay in `/v1/dlq`).
+fn listed_ids(
+    app: &App,
+    stats: &std::collections::BTreeMap<String, crate::store::QueueStats>,
+) -> BTreeSet<String> {
+    let mut ids: BTreeSet<String> = stats
+        .iter()
+        .filter(|(id, s)| s.live() > 0 || !app.retired(id))
+        .map(|(id, _)| id.clone())
+        .collect();
+    ids.extend(app.dispatcher.runtimes().iter().map(|r| r.spec.id.clone()));
+    ids.extend(app.rules.load().targets.keys().cloned());
+    ids
+}
+
+/// `GET /v1/targets`: the targets by id with their queue numbers, breaker, throttle and
+/// budget, a page at a time. Only the page's targets are read in full (a view reads the
+/// target's runtime, its held keys and warnings); with `problems=true`, the targets after the
+/// cursor are read until the page is full of those that need an operator.
+pub async fn targets(State(app): State<Arc<App>>, ApiQuery(q): ApiQuery<TargetsQuery>) -> Response {
+    let mut errors = Vec::new();
+    let limit = page_limit(q.limit).unwrap_or_else(|e| {
+        errors.push(e);
+        0
+    });
+    if q.after.as_deref() == Some("") {
+        errors.push(FieldError::new(
+            "/after",
+            "cursor must be a target id (the `next` of the previous page)",
+        ));
+    }
+    if !errors.is_empty() {
+        return error_response(StatusCode::BAD_REQUEST, "invalid query", errors);
+    }
+    let now = app.clock.now_ms();
+    let stats = app.store.queue_stats();
+    let ids = listed_ids(&app, &stats);
+    // A position, not a target: the list goes on after it when that target has gone since.
+    let from = q
+        .after
+        .as_ref()
+        .map_or(Bound::Unbounded, |a| Bound::Excluded(a.clone()));
+    let rest = ids.range((from, Bound::Unbounded));
+    let view = |id: &String| target_json(&app, id, stats.get(id), now);
+    let by_id = |t: &Value| text(&t["id"]);
+    let page = if q.problems == Some(true) {
+        take_page(rest.map(view).filter(target_has_problems), limit, by_id)
+    } else {
+        let page = take_page(rest, limit, |id| (*id).clone());
+        super::page::Page {
+            items: page.items.into_iter().map(view).collect(),
+            next: page.next,
+        }
+    };
+    axum::Json(json!({ "targets": page.items, "next": page.next })).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The test `--problems` and the server's filter share: paused, half-open, or any note.
+    #[test]
+    fn a_target_needs_an_operator_when_paused_half_open_or_noted() {
+        let fine =
+            json!({"id": "a", "paused": false, "breaker": {"state": "closed"}, "held_keys": []});
+        assert!(!target_has_problems(&fine));
+        for (k, v) in [
+            ("paused", json!(true)),
+            ("breaker", json!({"state": "half_open"})),
+            (
+                "breaker",
+                json!({"state": "open", "since": "x", "open_until": "y"}),
+            ),
+            ("held_keys", json!(["k"])),
+            ("retry_after_until", json!("2026-01-01T00:00:00Z")),
+            ("worker", json!("not running: secret S not set")),
+        ] {
+            let mut t = fine.clone();
+            t[k] = v;
+            assert!(target_has_problems(&t), "{t}");
+        }
+    }
+}
