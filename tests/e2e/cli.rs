@@ -1051,7 +1051,18 @@ async fn a_rule_disabled_by_an_operator_says_since_when_and_by_whom() {
     let mut r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&config));
     let off = cli_json(&r, &["rules", "disable", "orders-to-erp"]).await;
     assert_eq!(off["enabled"], false, "{off}");
-    post_event(&r, &event("o-1", "order.paid", json!({}))).await;
+    let body = event("o-1", "order.paid", json!({}))
+        .to_string()
+        .into_bytes();
+    let (status, b) = send_as(
+        &r,
+        "POST",
+        "/v1/events",
+        "ops-token",
+        Some(("application/cloudevents+json", body)),
+    )
+    .await;
+    assert_eq!(b["results"][0]["status"], "accepted", "{status}: {b}");
     let rule = |v: &Value| v["rules"][0].clone();
     let listed = cli_json(&r, &["rules", "ls"]).await;
     let at = rule(&listed)["disabled_at"]
