@@ -85,7 +85,8 @@ async fn the_cli_contains_rules_and_targets_whose_names_a_url_would_cut() {
             .to_string()
     };
     assert!(
-        row("orders#v2").contains("disabled (operator)") && row("orders#v2").contains("erp?eu%1"),
+        row("orders#v2").contains("disabled (operator: ops, ")
+            && row("orders#v2").contains("erp?eu%1"),
         "{table}"
     );
     assert!(row("off ").contains("disabled (file)"), "{table}");
