@@ -104,18 +104,29 @@ impl App {
         !self.rules.load().targets.contains_key(id) && self.dispatcher.runtime(id).is_none()
     }
 
-    /// Disables or enables a rule (persisted). Returns false for a rule not in the live set,
-    /// except when enabling clears an operator's switch left on a name no live rule has (the
-    /// rule renamed or removed since): that one is cleared.
-    pub async fn set_rule_enabled(&self, name: &str, enabled: bool) -> Result<bool, StoreError> {
+    /// Disables or enables a rule (persisted, with when and by whom: `by` is the token's
+    /// name, `None` with auth off). Returns false for a rule not in the live set, except when
+    /// enabling clears an operator's switch left on a name no live rule has (the rule renamed
+    /// or removed since): that one is cleared.
+    pub async fn set_rule_enabled(
+        &self,
+        name: &str,
+        enabled: bool,
+        by: Option<String>,
+    ) -> Result<bool, StoreError> {
         let stale_switch = enabled && self.disabled.load().contains(name);
         if !stale_switch && !self.rules.load().rules.iter().any(|r| r.name == name) {
             return Ok(false);
         }
+        let switch = RuleSwitch {
+            disabled: !enabled,
+            disabled_at: (!enabled).then(|| crate::clock::rfc3339(self.clock.now_ms())),
+            disabled_by: if enabled { None } else { by },
+        };
         self.store
             .put_target_state(
                 &format!("{RULE_STATE_PREFIX}{name}"),
-                serde_json::json!({ "disabled": !enabled }),
+                serde_json::to_value(&switch).unwrap_or_default(),
             )
             .await?;
         self.dispatcher.operator_change(|| {
@@ -130,6 +141,38 @@ impl App {
         tracing::warn!(rule = %name, enabled, "rule state changed by an operator");
         Ok(true)
     }
+}
+
+/// An operator's rule switch as stored (`rule:<name>` among the target states, on both
+/// backends): a containment left on was a boolean, with neither when nor who.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RuleSwitch {
+    /// Whether the operator disabled the rule.
+    pub disabled: bool,
+    /// When it was disabled (RFC 3339); `None` for a switch stored before this was kept.
+    #[serde(default)]
+    pub disabled_at: Option<String>,
+    /// The token that disabled it; `None` with auth off or in a switch stored before.
+    #[serde(default)]
+    pub disabled_by: Option<String>,
+}
+
+/// The operators' rule switches as stored, by rule name (`Err`: the store did not answer
+/// within `bound`).
+pub async fn rule_switches(
+    app: &App,
+    bound: Duration,
+) -> Result<std::collections::HashMap<String, RuleSwitch>, StoreError> {
+    let states = tokio::time::timeout(bound, app.store.target_states())
+        .await
+        .map_err(|_| StoreError::Unavailable(format!("no answer within {bound:?}")))??;
+    Ok(states
+        .into_iter()
+        .filter_map(|(k, v)| {
+            let name = k.strip_prefix(RULE_STATE_PREFIX)?.to_string();
+            Some((name, serde_json::from_value(v).ok()?))
+        })
+        .collect())
 }
 
 /// The state of rules and contracts as loaded, for `/v1/status`.
@@ -460,10 +503,21 @@ pub fn removed_target_warnings(app: &App) -> Vec<String> {
         .filter(|(id, s)| s.live() > 0 && !rules.targets.contains_key(id))
         .map(|(id, s)| {
             let n = s.live();
-            match app.dispatcher.runtime(&id) {
+            let runtime = app.dispatcher.runtime(&id);
+            // Its last configuration delivers to a handler that does not run here (a
+            // compilation under way aside): nothing drains, the entries wait out their max_age
+            // and then go to the DLQ, while "drain" had the operator wait for it.
+            let stuck = runtime
+                .as_ref()
+                .and_then(|rt| handler_not_loaded(app, &rt.spec.kind))
+                .filter(|why| !matches!(why, crate::wasm::NotLoaded::Loading { .. }));
+            match runtime {
                 // Paused, nothing drains: saying "drain" had the operator wait for it.
                 Some(rt) if rt.paused.load(Ordering::SeqCst) => format!(
                     "target {id} is no longer in the rules and is paused: its {n} queued entries wait until it is resumed (POST /v1/targets/{id}/resume), then drain under its last configuration"
+                ),
+                Some(_) if let Some(why) = &stuck => format!(
+                    "target {id} is no longer in the rules and its {n} queued entries cannot drain under its last configuration ({why}): they wait up to their max_age, then go to the DLQ. Restore the target or upload its handler to deliver them, or set delivery.on_target_removed = \"dead_letter\" and restart to dead-letter them now"
                 ),
                 Some(_) => format!(
                     "target {id} is no longer in the rules; its {n} queued entries drain under its last configuration"
@@ -474,6 +528,19 @@ pub fn removed_target_warnings(app: &App) -> Vec<String> {
             }
         })
         .collect()
+}
+
+/// Why the handler a target of `kind` delivers to cannot run here now (not uploaded or
+/// deleted, being compiled, failed to load); `None` for a loaded handler, another kind of
+/// target, or no WASM runtime (then no handler target runs at all, which its worker says).
+pub fn handler_not_loaded(
+    app: &App,
+    kind: &crate::rules::TargetKind,
+) -> Option<crate::wasm::NotLoaded> {
+    let crate::rules::TargetKind::Handler { name } = kind else {
+        return None;
+    };
+    app.handlers.as_ref()?.registry.lookup(name).err()
 }
 
 /// How often the workers of removed targets are looked at, to stop those drained.

@@ -852,16 +852,25 @@ pub fn rules_table(v: &Value) -> String {
         .flatten()
         .map(|r| {
             let state = if r["disabled_by_operator"] == json!(true) {
-                "disabled (operator)"
+                // By whom and since when, where the switch says (one stored before did not).
+                let who = [r["disabled_by"].as_str(), r["disabled_at"].as_str()]
+                    .into_iter()
+                    .flatten()
+                    .collect::<Vec<_>>();
+                if who.is_empty() {
+                    "disabled (operator)".to_string()
+                } else {
+                    format!("disabled (operator: {})", who.join(", "))
+                }
             } else if r["enabled"] == json!(true) {
-                "enabled"
+                "enabled".to_string()
             } else {
-                "disabled (file)"
+                "disabled (file)".to_string()
             };
             vec![
                 s(&r["name"]),
                 format!("{}:{}", s(&r["file"]), s(&r["line"])),
-                state.to_string(),
+                state,
                 s(&r["matched_events"]),
                 s(&r["last_matched_at"]),
                 r["targets"]
@@ -904,6 +913,7 @@ pub fn targets_table(v: &Value) -> String {
             vec![
                 s(&t["id"]),
                 s(&t["queued"]),
+                s(&t["max_queue_depth"]),
                 s(&t["in_flight"]),
                 s(&t["oldest_age_seconds"]),
                 t["breaker"]["state"].as_str().unwrap_or("-").to_string(),
@@ -922,6 +932,7 @@ pub fn targets_table(v: &Value) -> String {
         &[
             "TARGET",
             "QUEUED",
+            "CAP",
             "IN FLIGHT",
             "OLDEST (s)",
             "BREAKER",
@@ -958,6 +969,8 @@ pub struct StatusInputs<'a> {
     pub status: &'a Value,
     /// `GET /v1/targets`.
     pub targets: Result<&'a Value, String>,
+    /// `GET /v1/rules`: the rules an operator disabled are attention items.
+    pub rules: Result<&'a Value, String>,
     /// `GET /v1/dlq/summary`.
     pub dlq: Result<&'a Value, String>,
     /// `GET /v1/dlq/summary?since=…`: the dead letters of the last `recent`.
@@ -1168,6 +1181,31 @@ pub fn status_report(i: &StatusInputs<'_>) -> StatusReport {
         }
         Err(why) => out.push(format!("targets: not read ({why})")),
     }
+    match &i.rules {
+        // A containment left on routes the rule's events nowhere, unlike a pause nothing
+        // queues them: it is forgotten easily and costs a replay.
+        Ok(v) => {
+            for r in v["rules"].as_array().into_iter().flatten() {
+                if r["disabled_by_operator"] != json!(true) {
+                    continue;
+                }
+                let name = s(&r["name"]);
+                let by = r["disabled_by"]
+                    .as_str()
+                    .map(|b| format!(" ({b})"))
+                    .unwrap_or_default();
+                let since = r["disabled_at"]
+                    .as_str()
+                    .map(|t| format!(" since {t}"))
+                    .unwrap_or_default();
+                attention.push(format!(
+                    "rule {name} disabled by an operator{by}{since}: the events only it matches are routed nowhere ({} such event(s) since the router started, all disabled rules together; `router rules enable {name}`)",
+                    s(&v["unrouted_rule_disabled_events"])
+                ));
+            }
+        }
+        Err(why) => out.push(format!("rules: not read ({why})")),
+    }
     match (&i.dlq, &i.dlq_recent) {
         (Ok(all), recent) => {
             let groups = all["groups"].as_array().map_or(0, Vec::len);
@@ -1280,9 +1318,11 @@ mod tests {
              "paused": false, "breaker": null, "held_keys": []}
         ]});
         let empty_dlq = json!({"total": 0, "groups": []});
+        let no_rules = json!({"rules": [], "unrouted_rule_disabled_events": 0});
         let inputs = |status, targets, recent| StatusInputs {
             status,
             targets,
+            rules: Ok(&no_rules),
             dlq: Ok(recent),
             dlq_recent: Ok(recent),
             recent: Duration::from_secs(3600),
@@ -1379,6 +1419,16 @@ mod tests {
             "{text}"
         );
         assert!(lines[2].contains("disabled (operator)"), "{text}");
+        let mut by = v.clone();
+        by["rules"][1]["disabled_by"] = json!("ops");
+        by["rules"][1]["disabled_at"] = json!("2026-12-07T09:00:00.000Z");
+        let text = rules_table(&by);
+        assert!(
+            text.lines()
+                .nth(2)
+                .is_some_and(|l| l.contains("disabled (operator: ops, 2026-12-07T09:00:00.000Z)")),
+            "{text}"
+        );
         assert!(lines[3].contains("disabled (file)"), "{text}");
         assert!(lines[4].contains("old"), "{text}");
     }
@@ -1918,6 +1968,157 @@ mod tests {
         );
         let quiet = targets_table(&serde_json::json!({"targets": [v["targets"][0].clone()]}));
         assert!(!quiet.contains("why"), "{quiet}");
+    }
+
+    /// A handler target whose handler is not uploaded or failed to load gets a note (so a
+    /// `--problems` row and an attention item of `router status`); one active or being
+    /// compiled gets none. The rows are as `GET /v1/targets` sends them.
+    #[test]
+    fn a_handler_target_without_its_handler_is_a_problem() {
+        let row = |id: &str, state: &str, reason: Option<&str>| {
+            serde_json::json!({"id": id, "kind": "handler", "queued": 3, "in_flight": 0,
+                "paused": false, "breaker": null, "held_keys": [], "queued_behind_keys": 0,
+                "handler": {"name": "enrich", "state": state, "reason": reason}})
+        };
+        let missing = row(
+            "typo",
+            "not_uploaded",
+            Some("handler \"enrichh\" is not uploaded (or was deleted)"),
+        );
+        let failed = row(
+            "broken",
+            "failed",
+            Some(
+                "handler \"enrich\" could not be loaded (bad magic); upload it again or roll it back",
+            ),
+        );
+        let fine = row("fine", "active", None);
+        let compiling = row(
+            "soon",
+            "compiling",
+            Some("handler \"enrich\" version 2 is being compiled"),
+        );
+        assert_eq!(
+            target_notes(&missing),
+            [
+                "handler \"enrichh\" is not uploaded (or was deleted): its deliveries wait for it, up to their max_age, then go to the DLQ (`router handlers push enrich FILE`, or fix the handler name in the rule)"
+            ]
+        );
+        assert!(crate::admin::targets::target_has_problems(&missing));
+        assert!(
+            target_notes(&failed)[0]
+                .starts_with("handler \"enrich\" could not be loaded (bad magic)")
+        );
+        assert!(
+            !crate::admin::targets::target_has_problems(&fine)
+                && !crate::admin::targets::target_has_problems(&compiling)
+        );
+
+        let status = json!({"ready": true, "reload": {}, "store": {"writable": true},
+            "jobs": {"active": []}, "warnings": []});
+        let targets = json!({"targets": [missing, fine]});
+        let dlq = json!({"total": 0, "groups": []});
+        let no_rules = json!({"rules": [], "unrouted_rule_disabled_events": 0});
+        let r = status_report(&StatusInputs {
+            status: &status,
+            targets: Ok(&targets),
+            rules: Ok(&no_rules),
+            dlq: Ok(&dlq),
+            dlq_recent: Ok(&dlq),
+            recent: Duration::from_secs(3600),
+        });
+        assert_eq!(r.attention.len(), 1, "{:?}", r.attention);
+        assert!(
+            r.attention[0].starts_with("target typo: handler \"enrichh\" is not uploaded"),
+            "{:?}",
+            r.attention
+        );
+    }
+
+    /// A rule an operator disabled is an attention item of `router status`, naming who and
+    /// since when where the switch says, and how to undo it; a rule its file turns off is
+    /// not. The rules are as `GET /v1/rules` sends them.
+    #[test]
+    fn a_rule_disabled_by_an_operator_needs_attention() {
+        let status = json!({"ready": true, "reload": {}, "store": {"writable": true},
+            "jobs": {"active": []}, "warnings": []});
+        let targets = json!({"targets": []});
+        let dlq = json!({"total": 0, "groups": []});
+        let rules = json!({"unrouted_rule_disabled_events": 3, "rules": [
+            {"name": "orders-to-erp", "enabled": false, "disabled_by_operator": true,
+             "disabled_at": "2026-12-07T09:00:00.000Z", "disabled_by": "ops"},
+            {"name": "old", "enabled": false, "disabled_by_operator": true,
+             "disabled_at": null, "disabled_by": null},
+            {"name": "off-in-file", "enabled": false, "disabled_by_operator": false,
+             "disabled_at": null, "disabled_by": null},
+            {"name": "on", "enabled": true, "disabled_by_operator": false,
+             "disabled_at": null, "disabled_by": null}
+        ]});
+        let r = status_report(&StatusInputs {
+            status: &status,
+            targets: Ok(&targets),
+            rules: Ok(&rules),
+            dlq: Ok(&dlq),
+            dlq_recent: Ok(&dlq),
+            recent: Duration::from_secs(3600),
+        });
+        assert_eq!(
+            r.attention,
+            [
+                "rule orders-to-erp disabled by an operator (ops) since 2026-12-07T09:00:00.000Z: the events only it matches are routed nowhere (3 such event(s) since the router started, all disabled rules together; `router rules enable orders-to-erp`)",
+                "rule old disabled by an operator: the events only it matches are routed nowhere (3 such event(s) since the router started, all disabled rules together; `router rules enable old`)",
+            ]
+        );
+        let r = status_report(&StatusInputs {
+            status: &status,
+            targets: Ok(&targets),
+            rules: Err("403: out of scope".into()),
+            dlq: Ok(&dlq),
+            dlq_recent: Ok(&dlq),
+            recent: Duration::from_secs(3600),
+        });
+        assert!(r.attention.is_empty());
+        assert!(
+            r.text.contains("rules: not read (403: out of scope)"),
+            "{}",
+            r.text
+        );
+    }
+
+    /// A queue at its depth cap gets a note (new entries are being dead-lettered), one at
+    /// 90 % of it a warning note; below that, or with no cap known, none. QUEUED and IN
+    /// FLIGHT count together, as the store's cap does.
+    #[test]
+    fn a_queue_at_or_near_its_depth_cap_is_noted() {
+        let row = |queued: u64, in_flight: u64, cap: Value| {
+            json!({"id": "crm", "queued": queued, "in_flight": in_flight, "paused": false,
+                "breaker": null, "held_keys": [], "queued_behind_keys": 0,
+                "max_queue_depth": cap})
+        };
+        assert_eq!(
+            target_notes(&row(4, 1, json!(5))),
+            ["queue at its depth cap (5): new entries go to the DLQ as target_overflow"]
+        );
+        assert_eq!(
+            target_notes(&row(85, 5, json!(100))),
+            [
+                "queue near its depth cap (90 of 100): at it, new entries go to the DLQ as target_overflow"
+            ]
+        );
+        assert!(target_notes(&row(89, 0, json!(100))).is_empty());
+        assert!(target_notes(&row(7, 0, Value::Null)).is_empty());
+        let table = targets_table(&json!({"targets": [row(4, 1, json!(5))]}));
+        assert!(
+            table.starts_with("TARGET  QUEUED  CAP  IN FLIGHT"),
+            "{table}"
+        );
+        assert!(
+            table
+                .lines()
+                .nth(1)
+                .is_some_and(|l| l.starts_with("crm     4       5    1 ")),
+            "{table}"
+        );
     }
 
     /// A handler trap's error runs over many lines (guest stderr, wasm backtrace): the DLQ

@@ -854,8 +854,8 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     .0
             };
             outln!(
-                "{:<32} {:<28} {:<12} {:>8} {:>14} {:>18} {:>14}  notes",
-                "TARGET", "RULE", "POLICY", "ATTEMPTS", "WORST CASE", "WITH RETRY-AFTER", "IF BLOCKED"
+                "{:<32} {:<28} {:<12} {:>8} {:>14} {:>18} {:>14} {:>10}  notes",
+                "TARGET", "RULE", "POLICY", "ATTEMPTS", "WORST CASE", "WITH RETRY-AFTER", "IF BLOCKED", "QUEUE CAP"
             );
             for t in set.targets.values() {
                 let router::rules::WorstCase {
@@ -920,7 +920,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     ));
                 }
                 outln!(
-                    "{:<32} {:<28} {:<12} {:>8} {:>14} {:>18} {:>14}  {}",
+                    "{:<32} {:<28} {:<12} {:>8} {:>14} {:>18} {:>14} {:>10}  {}",
                     t.id,
                     t.rule,
                     t.policy_name.as_deref().unwrap_or("(default)"),
@@ -928,6 +928,8 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     humantime::format_duration(time).to_string(),
                     humantime::format_duration(with_retry_after).to_string(),
                     if_blocked.map_or_else(|| "-".to_string(), |d| humantime::format_duration(d).to_string()),
+                    // max_queue_depth: past it new entries go to the DLQ as target_overflow.
+                    t.policy.max_queue_depth,
                     notes.join("; ")
                 );
             }
@@ -1335,8 +1337,9 @@ async fn status(api: Api, recent: std::time::Duration) -> anyhow::Result<ExitCod
         "/v1/dlq/summary{}",
         router::cli::query(&[("since", &Some(since))])
     );
-    let (targets, dlq, dlq_recent) = tokio::join!(
+    let (targets, rules, dlq, dlq_recent) = tokio::join!(
         c.all_pages("/v1/targets", &[], "targets"),
+        c.all_pages("/v1/rules", &[], "rules"),
         c.call(Method::GET, "/v1/dlq/summary", None),
         c.call(Method::GET, &recent_path, None),
     );
@@ -1344,10 +1347,16 @@ async fn status(api: Api, recent: std::time::Duration) -> anyhow::Result<ExitCod
         Ok(v) => Ok(v.clone()),
         Err(e) => Err(e.to_string()),
     };
-    let (targets, dlq, dlq_recent) = (shown(&targets), shown(&dlq), shown(&dlq_recent));
+    let (targets, rules, dlq, dlq_recent) = (
+        shown(&targets),
+        shown(&rules),
+        shown(&dlq),
+        shown(&dlq_recent),
+    );
     let report = router::cli::status_report(&router::cli::StatusInputs {
         status: &st,
         targets: targets.as_ref().map_err(Clone::clone),
+        rules: rules.as_ref().map_err(Clone::clone),
         dlq: dlq.as_ref().map_err(Clone::clone),
         dlq_recent: dlq_recent.as_ref().map_err(Clone::clone),
         recent,
@@ -1360,6 +1369,7 @@ async fn status(api: Api, recent: std::time::Duration) -> anyhow::Result<ExitCod
         let v = serde_json::json!({
             "status": st,
             "targets": part(&targets),
+            "rules": part(&rules),
             "dlq": part(&dlq),
             "dlq_recent": part(&dlq_recent),
             "attention": report.attention,
@@ -1516,7 +1526,16 @@ async fn dlq(api: Api, cmd: DlqCmd) -> anyhow::Result<ExitCode> {
                 .await?;
             print_value(&api, &v, |v| {
                 if v["dry_run"] == true {
-                    format!("{} entries match (dry run: nothing purged)", v["matched"])
+                    let mut out =
+                        format!("{} entries match (dry run: nothing purged)", v["matched"]);
+                    for k in v["would_release_keys"].as_array().into_iter().flatten() {
+                        out.push_str(&format!(
+                            "
+ordering key {} of {} would be released (its holding dead letter matches): the entries queued behind it go out at once",
+                            k["key"], k["target"]
+                        ));
+                    }
+                    out
                 } else {
                     let mut out = format!("{} entries purged", v["purged"]);
                     for k in v["released_keys"].as_array().into_iter().flatten() {

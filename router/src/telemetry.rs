@@ -305,6 +305,11 @@ pub struct Metrics {
     pub target_held_off_until: Family<Labels, Gauge>,
     /// Targets whose `router_target_held_off_until_seconds` the last scrape showed.
     held_off_shown: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    /// Each running target's queue-depth cap (`max_queue_depth`): past it new entries go to
+    /// the DLQ as `target_overflow`.
+    pub queue_max_depth: Family<Labels, Gauge>,
+    /// Targets whose `router_queue_max_depth` the last scrape showed.
+    queue_max_depth_shown: std::sync::Mutex<std::collections::BTreeSet<String>>,
     /// Ingest HTTP requests by status code.
     pub ingest_requests: Family<Labels, Counter>,
     /// Delivery attempts by target and result (delivered, retried, dead_lettered, fenced).
@@ -475,6 +480,8 @@ impl Metrics {
             rule_last_matched: Default::default(),
             target_held_off_until: Family::default(),
             held_off_shown: Default::default(),
+            queue_max_depth: Family::default(),
+            queue_max_depth_shown: Default::default(),
             ingest_requests: Family::default(),
             deliveries: TargetFamily::default(),
             attempt_seconds: TargetFamily::new(Family::new_with_constructor(latency_histogram)),
@@ -633,6 +640,11 @@ impl Metrics {
             "router_queue_depth",
             "Entries waiting, by target",
             m.queue_depth.clone(),
+        );
+        registry.register(
+            "router_queue_max_depth",
+            "The queue-depth cap of each running target (its policy's max_queue_depth): at it, new entries for the target go to the DLQ as target_overflow; alert on router_queue_depth + router_queue_in_flight nearing it",
+            m.queue_max_depth.clone(),
         );
         registry.register(
             "router_queue_in_flight",
@@ -1035,6 +1047,21 @@ impl Metrics {
             &self.target_held_off_until,
             &mut shown,
             held.iter().map(|(t, s)| (t, *s)),
+        );
+    }
+
+    /// Sets `router_queue_max_depth` to `caps` (target, max_queue_depth) of the running
+    /// targets, removing the series of targets no longer running (removed and drained).
+    pub fn set_queue_max_depth(&self, caps: &[(String, u64)]) {
+        let mut shown = self
+            .queue_max_depth_shown
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        retain_series(
+            &self.queue_max_depth,
+            &mut shown,
+            caps.iter()
+                .map(|(t, c)| (t, i64::try_from(*c).unwrap_or(i64::MAX))),
         );
     }
 
@@ -1473,6 +1500,23 @@ mod tests {
             text.contains("router_rule_matched_events_total{rule=\"a\"} 3"),
             "{text}"
         );
+    }
+
+    /// Each running target's queue-depth cap is a series; a target no longer running
+    /// (removed, drained) loses it, as its `router_queue_depth` does.
+    #[test]
+    fn the_queue_depth_cap_is_a_gauge_per_running_target() {
+        let m = Metrics::new();
+        m.set_queue_max_depth(&[("a".into(), 5), ("b".into(), 100_000)]);
+        let t = exposition(&m);
+        assert!(t.contains("router_queue_max_depth{target=\"a\"} 5"), "{t}");
+        assert!(
+            t.contains("router_queue_max_depth{target=\"b\"} 100000"),
+            "{t}"
+        );
+        m.set_queue_max_depth(&[("a".into(), 5)]);
+        let t = exposition(&m);
+        assert!(!t.contains("router_queue_max_depth{target=\"b\"}"), "{t}");
     }
 
     /// A reload that removes a target's breaker, or the target, removes its series: an

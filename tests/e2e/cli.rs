@@ -85,7 +85,8 @@ async fn the_cli_contains_rules_and_targets_whose_names_a_url_would_cut() {
             .to_string()
     };
     assert!(
-        row("orders#v2").contains("disabled (operator)") && row("orders#v2").contains("erp?eu%1"),
+        row("orders#v2").contains("disabled (operator: ops, ")
+            && row("orders#v2").contains("erp?eu%1"),
         "{table}"
     );
     assert!(row("off ").contains("disabled (file)"), "{table}");
@@ -974,4 +975,195 @@ async fn the_cli_shows_targets_and_rules_past_the_first_page() {
     assert_eq!(code, Some(1), "{out}");
     assert!(out.contains(&format!("targets {N} ")), "{out}");
     assert!(out.contains("target c999 is paused"), "{out}");
+}
+
+/// A handler target whose handler is not uploaded (a typo in the rule) is a problem: its
+/// `/v1/targets` row says the handler's state, `router status` lists it under "needs
+/// attention" and exits 1, and `targets ls --problems` lists it. Once a reload removes the
+/// target, `/v1/status` says its entries cannot drain instead of "drain under its last
+/// configuration". Before, all of this was one `/v1/status` warning and exit 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_target_whose_handler_is_not_uploaded_needs_attention() {
+    let rules = rules_yaml(
+        "",
+        &[(
+            "enrich",
+            "t",
+            &["handler: enrichh\n        id: h".to_string()],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let (_, b) = post_event(&r, &event("m-1", "t", json!({}))).await;
+    assert_eq!(b["results"][0]["status"], "accepted", "{b}");
+    let (_, t) = get_json(&r, "/v1/targets/h").await;
+    assert_eq!(t["handler"]["name"], "enrichh", "{t}");
+    assert_eq!(t["handler"]["state"], "not_uploaded", "{t}");
+
+    let (code, out, err) = status_of(&r, &[]).await;
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert!(
+        out.contains("needs attention (1):\n  - target h: handler \"enrichh\" is not uploaded (or was deleted): its deliveries wait for it"),
+        "{out}"
+    );
+    let (ok, out, err) = cli(&r, None, &["targets", "ls", "--problems"]).await;
+    assert!(ok, "{err}");
+    assert!(
+        out.lines().nth(1).is_some_and(|l| l.starts_with("h ")),
+        "{out}"
+    );
+    assert!(
+        out.contains("why queues wait:\n  h: handler \"enrichh\""),
+        "{out}"
+    );
+
+    // The rule goes; its queued entry has nothing to drain it.
+    let old = get_json(&r, "/v1/status").await.1["rules"]["version"].clone();
+    let other = "rules:\n  - name: other\n    pattern: { type: [u] }\n    targets:\n      - webhook: http://127.0.0.1:9/x\n        id: other\n";
+    let dir = r.dir.path().join("rules");
+    std::fs::write(dir.join(".r.yaml.tmp"), other).expect("write");
+    std::fs::rename(dir.join(".r.yaml.tmp"), dir.join("r.yaml")).expect("rename");
+    let warning = eventually(Duration::from_secs(15), || async {
+        let (_, st) = get_json(&r, "/v1/status").await;
+        if st["rules"]["version"] == old {
+            return None;
+        }
+        st["warnings"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .find(|w| w.starts_with("target h "))
+            .map(str::to_string)
+    })
+    .await
+    .expect("a warning for the removed target");
+    assert!(
+        warning.starts_with("target h is no longer in the rules and its 1 queued entries cannot drain under its last configuration (handler \"enrichh\" is not uploaded (or was deleted)): they wait up to their max_age"),
+        "{warning}"
+    );
+    assert!(
+        warning.contains("delivery.on_target_removed = \"dead_letter\""),
+        "{warning}"
+    );
+}
+
+/// The queue-depth cap shows before it dead-letters anything: `max_queue_depth` in
+/// `/v1/targets`, the `router_queue_max_depth` gauge, a CAP column in `router targets ls`,
+/// and once the queue reaches it a note that new entries go to the DLQ as
+/// `target_overflow`, which `router status` lists. Before, the cap appeared nowhere until
+/// events were already being dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_queue_depth_cap_shows_before_it_dead_letters() {
+    let rcv = Receiver::ok().await;
+    let rules = rules_yaml(
+        "  capped:\n    max_queue_depth: 5",
+        &[(
+            "to-crm",
+            "t",
+            &[format!(
+                "webhook: {}\n        id: crm\n        policy: capped",
+                rcv.url()
+            )],
+        )],
+    );
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let (_, t) = get_json(&r, "/v1/targets/crm").await;
+    assert_eq!(t["max_queue_depth"], 5, "{t}");
+    let m = metrics_text(&r).await;
+    assert!(
+        m.contains("router_queue_max_depth{target=\"crm\"} 5"),
+        "{}",
+        metric_lines(&m, "max_depth")
+    );
+    let (ok, out, err) = cli(&r, None, &["targets", "ls"]).await;
+    assert!(ok, "{err}");
+    assert!(out.starts_with("TARGET  QUEUED  CAP "), "{out}");
+    assert!(!out.contains("why queues wait"), "{out}");
+
+    // Paused and forgotten: the queue fills to its cap.
+    let (status, _) = post_json(&r, "/v1/targets/crm/pause", json!({})).await;
+    assert_eq!(status, 200);
+    for i in 0..5 {
+        post_event(&r, &event(&format!("c-{i}"), "t", json!({}))).await;
+    }
+    let (code, out, err) = status_of(&r, &[]).await;
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert!(
+        out.contains("  - target crm: queue at its depth cap (5): new entries go to the DLQ as target_overflow"),
+        "{out}"
+    );
+    let (ok, out, err) = cli(&r, None, &["targets", "ls", "--problems"]).await;
+    assert!(ok, "{err}");
+    assert!(
+        out.contains(
+            "  crm: queue at its depth cap (5): new entries go to the DLQ as target_overflow"
+        ),
+        "{out}"
+    );
+}
+
+/// A rule an operator disabled says since when and by which token, in `GET /v1/rules` and
+/// `router rules ls`, and still does after a restart (stored with the switch); `router
+/// status` lists it under "needs attention" and exits 1 until it is enabled. Before, the
+/// switch was a bare boolean and `router status` said nothing needs attention.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rule_disabled_by_an_operator_says_since_when_and_by_whom() {
+    let rules = webhook_rule("orders-to-erp", "order.paid", "http://127.0.0.1:9/x", "erp");
+    let config = format!(
+        "[[auth.tokens]]\nname = \"ops\"\nsha256 = \"{}\"\nscopes = [\"admin\"]\n",
+        token_sha256("ops-token")
+    );
+    let mut r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&config));
+    let off = cli_json(&r, &["rules", "disable", "orders-to-erp"]).await;
+    assert_eq!(off["enabled"], false, "{off}");
+    let body = event("o-1", "order.paid", json!({}))
+        .to_string()
+        .into_bytes();
+    let (status, b) = send_as(
+        &r,
+        "POST",
+        "/v1/events",
+        "ops-token",
+        Some(("application/cloudevents+json", body)),
+    )
+    .await;
+    assert_eq!(b["results"][0]["status"], "accepted", "{status}: {b}");
+    let rule = |v: &Value| v["rules"][0].clone();
+    let listed = cli_json(&r, &["rules", "ls"]).await;
+    let at = rule(&listed)["disabled_at"]
+        .as_str()
+        .expect("disabled_at")
+        .to_string();
+    assert!(
+        chrono::DateTime::parse_from_rfc3339(&at).is_ok(),
+        "{listed}"
+    );
+    assert_eq!(rule(&listed)["disabled_by"], "ops", "{listed}");
+    assert_eq!(listed["unrouted_rule_disabled_events"], 1, "{listed}");
+
+    r.restart();
+    let listed = cli_json(&r, &["rules", "ls"]).await;
+    assert_eq!(rule(&listed)["disabled_by_operator"], true, "{listed}");
+    assert_eq!(rule(&listed)["disabled_at"], at.as_str(), "{listed}");
+    assert_eq!(rule(&listed)["disabled_by"], "ops", "{listed}");
+    let (ok, out, err) = cli(&r, Some("ops-token"), &["rules", "ls"]).await;
+    assert!(ok, "{err}");
+    assert!(
+        out.contains(&format!("disabled (operator: ops, {at})")),
+        "{out}"
+    );
+    let (ok, out, err) = cli(&r, Some("ops-token"), &["status"]).await;
+    assert!(!ok, "status exits 1: {out}{err}");
+    assert!(
+        out.contains(&format!(
+            "  - rule orders-to-erp disabled by an operator (ops) since {at}: the events only it matches are routed nowhere"
+        )),
+        "{out}"
+    );
+    // Enabled again: nothing is left to say.
+    cli_json(&r, &["rules", "enable", "orders-to-erp"]).await;
+    let listed = cli_json(&r, &["rules", "ls"]).await;
+    assert_eq!(rule(&listed)["disabled_at"], Value::Null, "{listed}");
+    let (ok, out, err) = cli(&r, Some("ops-token"), &["status"]).await;
+    assert!(ok, "{out}{err}");
 }

@@ -1221,6 +1221,33 @@ async fn purging_the_dead_letter_that_holds_a_key_releases_it() {
     let (_, l) = get_json(&r, "/v1/dlq?target=ordered").await;
     assert_eq!(l["entries"][0]["ordering_key"], "K", "{l}");
 
+    // A dry run names the keys the purge would release, and releases nothing: the older dead
+    // letter holds nothing; the newer one holds K, and so does a purge of both (the later
+    // one it matches would be purged too). Before, a dry run said `released_keys: []`.
+    for (filter, expected) in [
+        (json!({ "target": "ordered", "source": "/old" }), json!([])),
+        (
+            json!({ "target": "ordered", "source": "/new" }),
+            json!([{ "target": "ordered", "key": "K" }]),
+        ),
+        (
+            json!({ "target": "ordered" }),
+            json!([{ "target": "ordered", "key": "K" }]),
+        ),
+    ] {
+        let (status, p) = post_json(
+            &r,
+            "/v1/dlq/purge",
+            json!({ "filter": filter, "dry_run": true }),
+        )
+        .await;
+        assert_eq!(status, 200, "{p}");
+        assert_eq!(p["purged"], 0, "{p}");
+        assert_eq!(p["released_keys"], json!([]), "{p}");
+        assert_eq!(p["would_release_keys"], expected, "{filter}: {p}");
+    }
+    assert_eq!(held().await, json!(["K"]));
+
     // The older dead letter holds nothing: purging it keeps the hold, and `behind` waits.
     assert_eq!(purge("/old").await, json!([]));
     assert_eq!(held().await, json!(["K"]));

@@ -771,6 +771,33 @@ fn target_json(app: &App, id: &str, stats: Option<&crate::store::QueueStats>, no
             None => "not running: the target is unknown or could not start (see the warnings in /v1/status)".to_string(),
         });
     }
+    // A handler target's handler, as the registry has it now: one not uploaded (a typo, a
+    // delete) or failed to load held every delivery with only a /v1/status warning to say so.
+    let spec = rules
+        .targets
+        .get(id)
+        .cloned()
+        .or_else(|| app.dispatcher.runtime(id).map(|rt| rt.spec.clone()));
+    if let Some(spec) = &spec
+        && let crate::rules::TargetKind::Handler { name } = &spec.kind
+        && app.handlers.is_some()
+    {
+        let why = crate::app::handler_not_loaded(app, &spec.kind);
+        let state = match &why {
+            None => "active",
+            Some(crate::wasm::NotLoaded::NotUploaded(_)) => "not_uploaded",
+            Some(crate::wasm::NotLoaded::Loading { .. }) => "compiling",
+            Some(crate::wasm::NotLoaded::Failed { .. }) => "failed",
+        };
+        v["handler"] = json!({
+            "name": name,
+            "state": state,
+            "reason": why.map(|w| w.to_string()),
+        });
+    }
+    // Past it new entries for the target go to the DLQ as target_overflow: seen only once
+    // they did.
+    v["max_queue_depth"] = json!(spec.as_ref().map(|s| s.policy.max_queue_depth));
     let s = stats.cloned().unwrap_or_default();
     v["queued"] = json!(s.queued);
     v["in_flight"] = json!(s.in_flight);
@@ -977,6 +1004,26 @@ pub async fn rules(State(app): State<Arc<App>>, ApiQuery(q): ApiQuery<RulesQuery
     let page = page::take_page(&r.rules[start..], limit, |rule| rule.name.clone());
     let disabled = app.disabled_rules();
     let git_commit = live_git_commit(&app, &r.version, std::time::Duration::ZERO).await;
+    // When and by whom each switch was set, as stored: a store that does not answer leaves
+    // them null rather than the rules unlisted.
+    let switches = crate::app::rule_switches(&app, std::time::Duration::from_secs(2))
+        .await
+        .unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "the rule switches could not be read");
+            Default::default()
+        });
+    let switch = |name: &str| {
+        switches
+            .get(name)
+            .filter(|_| disabled.contains(name))
+            .cloned()
+            .unwrap_or_default()
+    };
+    let unrouted = app
+        .metrics
+        .ingest_unrouted
+        .get_or_create(&vec![("cause", "rule_disabled".to_string())])
+        .get();
     axum::Json(json!({
         "version": r.version,
         "files": r.files,
@@ -990,6 +1037,10 @@ pub async fn rules(State(app): State<Arc<App>>, ApiQuery(q): ApiQuery<RulesQuery
                 "line": rule.line,
                 "enabled": rule.enabled && !disabled.contains(&rule.name),
                 "disabled_by_operator": disabled.contains(&rule.name),
+                // When and by whom (null: not disabled by an operator, a switch stored before
+                // these were kept, or auth off for `disabled_by`).
+                "disabled_at": switch(&rule.name).disabled_at,
+                "disabled_by": switch(&rule.name).disabled_by,
                 "pattern": rule.pattern_json,
                 "targets": rule.target_ids,
                 // This node's count since it started (router_rule_matched_events_total).
@@ -997,6 +1048,9 @@ pub async fn rules(State(app): State<Arc<App>>, ApiQuery(q): ApiQuery<RulesQuery
                 "last_matched_at": last.map(rfc3339),
             })
         }).collect::<Vec<_>>(),
+        // Events accepted since start whose only matching rules an operator disabled
+        // (router_ingest_unrouted_total{cause="rule_disabled"}): routed nowhere.
+        "unrouted_rule_disabled_events": unrouted,
         // Operator switches naming no live rule (renamed or removed since): each would stop a
         // rule of that name the moment one came back. `rules enable NAME` clears one.
         "disabled_absent": disabled
@@ -1362,8 +1416,10 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
     let mut paused = Vec::new();
     let mut breakers = Vec::new();
     let mut held = Vec::new();
+    let mut caps = Vec::new();
     for rt in app.dispatcher.runtimes() {
         paused.push((rt.spec.id.clone(), rt.paused.load(Ordering::SeqCst)));
+        caps.push((rt.spec.id.clone(), rt.spec.policy.max_queue_depth));
         held.push((
             rt.spec.id.clone(),
             rt.retry_after_until(app.clock.now_ms())
@@ -1377,6 +1433,7 @@ pub async fn metrics(State(app): State<Arc<App>>) -> Response {
     }
     app.metrics.set_worker_gauges(&paused, &breakers);
     app.metrics.set_held_off(&held);
+    app.metrics.set_queue_max_depth(&caps);
     if let Some(nats) = app.dispatcher.nats().status() {
         app.metrics
             .nats_connected
@@ -1795,6 +1852,24 @@ impl PurgedHolders {
         self,
         store: &dyn crate::store::Store,
     ) -> Result<Vec<(String, String)>, crate::store::StoreError> {
+        let mut released = Vec::new();
+        for (target, key) in self.unheld(store, None).await? {
+            if store.release_key(&target, &key).await? {
+                tracing::info!(target = %target, key = %key, "ordering key released: the dead letter that held it was purged");
+                released.push((target, key));
+            }
+        }
+        Ok(released)
+    }
+
+    /// The noted keys no later dead letter of their target and key would hold once the
+    /// purge is done. A dry run names `purged_too`, its filter: the later dead letters it
+    /// matches are still there but the purge would take them as well.
+    async fn unheld(
+        self,
+        store: &dyn crate::store::Store,
+        purged_too: Option<&crate::store::DlqFilter>,
+    ) -> Result<Vec<(String, String)>, crate::store::StoreError> {
         let mut by_target: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
         for ((target, key), id) in self.purged {
             by_target.entry(target).or_default().insert(key, id);
@@ -1811,6 +1886,7 @@ impl PurgedHolders {
                 for d in &page {
                     if let Some(key) = &d.ordering_key
                         && keys.get(key).is_some_and(|purged| d.id > *purged)
+                        && !purged_too.is_some_and(|f| f.matches(d))
                     {
                         keys.remove(key);
                     }
@@ -1820,12 +1896,7 @@ impl PurgedHolders {
                     _ => break,
                 }
             }
-            for key in keys.into_keys() {
-                if store.release_key(&target, &key).await? {
-                    tracing::info!(target = %target, key = %key, "ordering key released: the dead letter that held it was purged");
-                    released.push((target.clone(), key));
-                }
-            }
+            released.extend(keys.into_keys().map(|key| (target.clone(), key)));
         }
         Ok(released)
     }
@@ -1882,8 +1953,10 @@ pub async fn dlq_purge(
             let page = app.store.dlq_list(&filter, after, 1000).await?;
             matched += page.len() as u64;
             let last = page.last().map(|d| d.id);
+            // A dry run notes them too: the keys it would release are what an operator
+            // must know before purging (what waits behind them goes out at once).
+            holders.note(app.store.as_ref(), &page);
             if !dry_run && !page.is_empty() {
-                holders.note(app.store.as_ref(), &page);
                 purged += app
                     .store
                     .purge_dlq(page.iter().map(|d| d.id).collect())
@@ -1895,25 +1968,35 @@ pub async fn dlq_purge(
                 _ => break,
             }
         }
-        let released = holders.release(app.store.as_ref()).await?;
-        if !dry_run {
+        let (released, would_release) = if dry_run {
+            (
+                Vec::new(),
+                holders.unheld(app.store.as_ref(), Some(&filter)).await?,
+            )
+        } else {
+            let released = holders.release(app.store.as_ref()).await?;
             tracing::warn!(purged, released_keys = released.len(), by = %by, filter = ?spec, "DLQ purge done");
-        }
-        Ok::<_, crate::store::StoreError>((matched, purged, released))
+            (released, Vec::new())
+        };
+        Ok::<_, crate::store::StoreError>((matched, purged, released, would_release))
     });
+    let keys = |keys: Vec<(String, String)>| -> Vec<Value> {
+        keys.into_iter()
+            .map(|(target, key)| json!({ "target": target, "key": key }))
+            .collect()
+    };
     match purge.await {
-        Ok(Ok((matched, purged, released))) => {
-            let released: Vec<Value> = released
-                .into_iter()
-                .map(|(target, key)| json!({ "target": target, "key": key }))
-                .collect();
-            axum::Json(json!({
+        Ok(Ok((matched, purged, released, would_release))) => {
+            let mut body = json!({
                 "dry_run": dry_run,
                 "matched": matched,
                 "purged": purged,
-                "released_keys": released,
-            }))
-            .into_response()
+                "released_keys": keys(released),
+            });
+            if dry_run {
+                body["would_release_keys"] = json!(keys(would_release));
+            }
+            axum::Json(body).into_response()
         }
         Ok(Err(e)) => store_error(&e),
         Err(e) => {
@@ -2183,6 +2266,7 @@ pub async fn job_control(
 /// `POST /v1/rules/{name}/disable|enable`: persisted, overrides the files until enabled.
 pub async fn rule_control(
     State(app): State<Arc<App>>,
+    axum::Extension(who): axum::Extension<crate::auth::Principal>,
     Path((name, action)): Path<(String, String)>,
 ) -> Response {
     let enabled = match action.as_str() {
@@ -2218,7 +2302,8 @@ pub async fn rule_control(
             )],
         );
     }
-    match app.set_rule_enabled(&name, enabled).await {
+    let by = app.tokens.enabled().then(|| who.name.clone());
+    match app.set_rule_enabled(&name, enabled, by).await {
         Ok(true) => axum::Json(json!({ "rule": name, "enabled": enabled })).into_response(),
         Ok(false) => error_response(
             StatusCode::NOT_FOUND,

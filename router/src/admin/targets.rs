@@ -41,6 +41,19 @@ pub fn target_notes(t: &Value) -> Vec<String> {
     if let Some(w) = t["worker"].as_str() {
         notes.push(w.to_string());
     }
+    // A handler that is not uploaded (a typo, a delete) or failed to load holds every
+    // delivery until their max_age sends them to the DLQ; one being compiled is on its way.
+    let handler = &t["handler"];
+    if matches!(handler["state"].as_str(), Some("not_uploaded" | "failed")) {
+        notes.push(format!(
+            "{}: its deliveries wait for it, up to their max_age, then go to the DLQ (`router handlers push {} FILE`, or fix the handler name in the rule)",
+            handler["reason"].as_str().map_or_else(
+                || format!("handler {:?} is {}", text(&handler["name"]), text(&handler["state"])),
+                str::to_string
+            ),
+            text(&handler["name"])
+        ));
+    }
     if let Some(until) = t["retry_after_until"].as_str() {
         notes.push(format!(
             "held off until {until}: the receiver answered 429/503 with Retry-After (`router targets resume {id}` lifts it)"
@@ -52,6 +65,20 @@ pub fn target_notes(t: &Value) -> Vec<String> {
             text(&t["breaker"]["since"]),
             text(&t["breaker"]["open_until"])
         ));
+    }
+    // At the cap new entries are dead-lettered as they arrive (ingest still answers
+    // accepted): said first at 90 %, while there is time to act.
+    if let Some(cap) = t["max_queue_depth"].as_u64().filter(|&c| c > 0) {
+        let live = t["queued"].as_u64().unwrap_or(0) + t["in_flight"].as_u64().unwrap_or(0);
+        if live >= cap {
+            notes.push(format!(
+                "queue at its depth cap ({cap}): new entries go to the DLQ as target_overflow"
+            ));
+        } else if live.saturating_mul(10) >= cap.saturating_mul(9) {
+            notes.push(format!(
+                "queue near its depth cap ({live} of {cap}): at it, new entries go to the DLQ as target_overflow"
+            ));
+        }
     }
     let held: Vec<String> = t["held_keys"]
         .as_array()
