@@ -228,11 +228,11 @@ impl InFlightCap {
         if let Some(m) = &self.metrics {
             m.delivery_permit_waits.inc();
         }
-        // Waiting makes the target active, so the share others get already counts it.
-        self.claim(share);
-        let got = self.wait(share).await;
-        self.unclaim(share);
-        got
+        // Waiting makes the target active, so the share others get already counts it. Undone
+        // on drop: a worker told to stop while it waits (a reload, a shutdown) drops this
+        // future, and a claim left behind shrank every target's share for good.
+        let _claim = Claimed::new(self, share);
+        self.wait(share).await
     }
 
     async fn wait(self: &Arc<Self>, share: &Arc<Share>) -> Option<GlobalPermit> {
@@ -240,7 +240,7 @@ impl InFlightCap {
             if self.over_share(share) {
                 let own = share.released.notified();
                 let freed = self.freed.notified();
-                self.held_back.fetch_add(1, Ordering::SeqCst);
+                let _held_back = HeldBack::new(&self.held_back);
                 // Looked at again once registered: a permit given back in between is seen.
                 if self.over_share(share) {
                     tokio::select! {
@@ -249,7 +249,6 @@ impl InFlightCap {
                         _ = tokio::time::sleep(HELD_BACK_RECHECK) => {}
                     }
                 }
-                self.held_back.fetch_sub(1, Ordering::SeqCst);
                 continue;
             }
             // In the semaphore's queue: FIFO among the targets waiting, one permit each.
@@ -259,9 +258,75 @@ impl InFlightCap {
     }
 }
 
+/// A waiting worker's claim on the pool ([`InFlightCap::claim`]), given up on drop.
+struct Claimed<'a> {
+    cap: &'a InFlightCap,
+    share: &'a Share,
+}
+
+impl<'a> Claimed<'a> {
+    fn new(cap: &'a InFlightCap, share: &'a Share) -> Self {
+        cap.claim(share);
+        Self { cap, share }
+    }
+}
+
+impl Drop for Claimed<'_> {
+    fn drop(&mut self) {
+        self.cap.unclaim(self.share);
+    }
+}
+
+/// One worker counted in `held_back` while it exists.
+struct HeldBack<'a>(&'a AtomicUsize);
+
+impl<'a> HeldBack<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count)
+    }
+}
+
+impl Drop for HeldBack<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A worker stopped while it waits (its future dropped) leaves the pool as it found it.
+    /// Before, its claim stayed: `active` one too high for good, and every target's fair
+    /// share smaller, after each reload or stop that met a waiting worker.
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_given_up_leaves_no_claim_behind() {
+        let cap = InFlightCap::new(2, None);
+        let (a, b) = (Arc::new(Share::default()), Arc::new(Share::default()));
+        let held: Vec<_> = std::iter::from_fn(|| cap.try_acquire(&a)).take(2).collect();
+        assert_eq!(cap.active.load(Ordering::SeqCst), 1);
+        // `a` at its share of a full pool is held back; `b` queues in the semaphore.
+        for share in [&a, &b] {
+            let waiting = cap.acquire(share);
+            tokio::pin!(waiting);
+            assert!(
+                tokio::time::timeout(Duration::from_millis(10), &mut waiting)
+                    .await
+                    .is_err()
+            );
+            assert_eq!(
+                cap.active.load(Ordering::SeqCst),
+                if Arc::ptr_eq(share, &a) { 1 } else { 2 }
+            );
+        }
+        assert_eq!(cap.active.load(Ordering::SeqCst), 1, "b's claim given up");
+        assert_eq!(cap.held_back.load(Ordering::SeqCst), 0);
+        drop(held);
+        assert_eq!(cap.active.load(Ordering::SeqCst), 0);
+        assert_eq!(a.claims.load(Ordering::SeqCst), 0);
+        assert_eq!(b.claims.load(Ordering::SeqCst), 0);
+    }
 
     #[test]
     fn the_exhaustion_warning_is_written_once_per_interval_with_the_count_suppressed() {
