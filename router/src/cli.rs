@@ -715,6 +715,18 @@ pub fn job_scope(j: &Value) -> String {
         if !spec["filter"].is_null() {
             out.push_str(&format!(" matching {}", spec["filter"]));
         }
+        // The restriction: which copies the replay makes (without it, every target's).
+        for (key, word) in [("rules", "rules"), ("targets", "targets")] {
+            let names: Vec<&str> = spec[key]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .collect();
+            if !names.is_empty() {
+                out.push_str(&format!(" only {word} {}", names.join(",")));
+            }
+        }
         return out;
     }
     let parts: Vec<String> = spec["filter"]
@@ -1507,6 +1519,20 @@ mod tests {
         assert_eq!(job_route("replay-3"), "/v1/replay");
         assert_eq!(job_route("replay-12-1a2b"), "/v1/replay");
         assert_eq!(job_route("redrive-4"), "/v1/dlq/redrive");
+    }
+
+    /// A restricted replay's line says which copies it makes.
+    #[test]
+    fn a_restricted_replays_scope_names_its_rules_and_targets() {
+        let replay = serde_json::json!({"kind": "replay", "spec": {"from": "a", "to": "b",
+            "filter": null, "rules": ["to-erp"], "targets": ["erp", "erp2"]}});
+        assert_eq!(
+            job_scope(&replay),
+            "a to b only rules to-erp only targets erp,erp2"
+        );
+        let all = serde_json::json!({"kind": "replay", "spec": {"from": "a", "to": "b",
+            "filter": null, "rules": null}});
+        assert_eq!(job_scope(&all), "a to b");
     }
 
     #[test]

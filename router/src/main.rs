@@ -109,6 +109,15 @@ enum Cmd {
         /// are skipped, counted as `skipped_contract`, as ingest would quarantine them now).
         #[arg(long)]
         ignore_contracts: bool,
+        /// Queue copies only for this rule's targets (repeatable). Without it every rule the
+        /// events match now gets them, and targets that already had them get them again under
+        /// new idempotency keys: after `rules disable`/`enable`, name the rule.
+        #[arg(long = "rule", value_name = "NAME")]
+        rules: Vec<String>,
+        /// Queue copies only for this target (repeatable; with --rule, only those of the
+        /// rules' targets).
+        #[arg(long = "target", value_name = "ID")]
+        targets: Vec<String>,
         /// Follow the job's progress until it ends.
         #[arg(long)]
         wait: bool,
@@ -785,6 +794,8 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             rate,
             include_emitted,
             ignore_contracts,
+            rules,
+            targets,
             wait,
         } => rt.block_on(async move {
             let c = api.client();
@@ -792,8 +803,10 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 Some(f) => Some(serde_json::from_str(&f).context("--filter is not JSON")?),
                 None => None,
             };
+            // Not given: no restriction (an empty list is refused by the API).
+            let names = |v: Vec<String>| (!v.is_empty()).then_some(v);
             let job = c
-                .call(reqwest::Method::POST, "/v1/replay", Some(serde_json::json!({ "from": from, "to": to, "filter": filter, "rate_per_sec": rate, "include_emitted": include_emitted, "ignore_contracts": ignore_contracts })))
+                .call(reqwest::Method::POST, "/v1/replay", Some(serde_json::json!({ "from": from, "to": to, "filter": filter, "rate_per_sec": rate, "include_emitted": include_emitted, "ignore_contracts": ignore_contracts, "rules": names(rules), "targets": names(targets) })))
                 .await?;
             router::cli::job_warnings(&job);
             if !wait {

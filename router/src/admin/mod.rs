@@ -1652,10 +1652,7 @@ async fn refuse_unknown_dlq_target(
 
 /// 404 for a DLQ request whose target (at `pointer`) the router does not know.
 fn unknown_dlq_target(pointer: &str, target: &str, suggestion: Option<&str>) -> Response {
-    let hint = match suggestion {
-        Some(id) => format!("; did you mean {id:?}?"),
-        None => String::new(),
-    };
+    let hint = crate::dlq::did_you_mean(suggestion);
     error_response(
         StatusCode::NOT_FOUND,
         "unknown target",
@@ -1680,6 +1677,7 @@ fn job_json(j: &crate::store::Job) -> Value {
         "skipped": j.skipped,
         "skipped_emitted": j.skipped_emitted,
         "skipped_contract": j.skipped_contract,
+        "skipped_restricted": j.skipped_restricted,
         "expired": j.expired,
         "warnings": j.warnings,
         "last_item_at": j.last_item_at.map(rfc3339),

@@ -147,6 +147,145 @@ pub struct ReplayRequest {
     /// raw archive back.
     #[serde(default)]
     pub ignore_contracts: bool,
+    /// Only these rules' targets get copies (with `targets` too, only those of its targets
+    /// that are named there). Absent: every rule the event matches now. A replay through
+    /// every rule sends each event again to the targets that already had it (under new
+    /// idempotency keys): after a rule was disabled for a while, name that rule.
+    #[serde(default)]
+    pub rules: Option<Vec<String>>,
+    /// Only these targets get copies (of those the event matches now). Absent: every target.
+    #[serde(default)]
+    pub targets: Option<Vec<String>>,
+}
+
+/// A replay's restriction to some rules and/or targets (its request's `rules` and `targets`,
+/// kept in the job's spec): a replayed event is queued only for the targets it matches now
+/// through one of the rules and among the targets named. `None` on either side: no
+/// restriction on that side.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct ReplayRestriction {
+    rules: Option<HashSet<String>>,
+    targets: Option<HashSet<String>>,
+}
+
+impl ReplayRestriction {
+    /// The restriction a job's stored spec holds. A `rules` or `targets` there that is not a
+    /// list of names is an error, never "no restriction": that would widen the job to every
+    /// target, the duplicates the restriction is there to avoid.
+    fn of_spec(spec: &Value) -> Result<Self, String> {
+        let names = |key: &str| -> Result<Option<HashSet<String>>, String> {
+            match spec.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => serde_json::from_value::<Vec<String>>(v.clone())
+                    .map(|names| Some(names.into_iter().collect()))
+                    .map_err(|e| format!("the replay's {key} no longer read: {e}")),
+            }
+        };
+        Ok(Self {
+            rules: names("rules")?,
+            targets: names("targets")?,
+        })
+    }
+
+    /// Whether it restricts anything.
+    fn is_some(&self) -> bool {
+        self.rules.is_some() || self.targets.is_some()
+    }
+
+    /// Whether a copy for `entry` (a target matched through a rule) is the job's to queue.
+    fn allows(&self, entry: &crate::store::NewEntry) -> bool {
+        self.rules.as_ref().is_none_or(|r| r.contains(&entry.rule))
+            && self
+                .targets
+                .as_ref()
+                .is_none_or(|t| t.contains(&entry.target_id))
+    }
+}
+
+/// The "did you mean" part of an error naming an unknown id: empty without a suggestion.
+pub(crate) fn did_you_mean(suggestion: Option<&str>) -> String {
+    match suggestion {
+        Some(id) => format!("; did you mean {id:?}?"),
+        None => String::new(),
+    }
+}
+
+/// Checks a replay's `rules` and `targets` against the live rules: an empty list, or a name
+/// the live rules do not have (a typo would make a job that skips every event and ends
+/// `done`), is refused at its element (`/rules/0`) with the closest name. Returns the
+/// warnings the job carries (a named rule that is disabled now queues nothing until enabled).
+fn check_restriction(app: &App, req: &ReplayRequest, errors: &mut Vec<FieldError>) -> Vec<String> {
+    let rules = app.rules.load();
+    let disabled = app.disabled_rules();
+    let mut warnings = Vec::new();
+    if let Some(names) = &req.rules {
+        if names.is_empty() {
+            errors.push(FieldError::new(
+                "/rules",
+                "names no rule: name at least one, or leave it out to replay through every rule",
+            ));
+        }
+        for (i, name) in names.iter().enumerate() {
+            match rules.rules.iter().find(|r| &r.name == name) {
+                Some(rule) if !rule.enabled => warnings.push(format!(
+                    "rule {name:?} has `enabled: false` in {}:{}: the replay queues nothing through it (its events are skipped) unless it is enabled there before the job reaches them",
+                    rule.file, rule.line
+                )),
+                Some(_) if disabled.contains(name) => warnings.push(format!(
+                    "rule {name:?} is disabled (router rules enable {name}): the replay queues nothing through it (its events are skipped) unless it is enabled before the job reaches them"
+                )),
+                Some(_) => {}
+                None => {
+                    let known = closest(name, rules.rules.iter().map(|r| r.name.clone()));
+                    errors.push(FieldError::new(
+                        format!("/rules/{i}"),
+                        format!(
+                            "no live rule {name:?}{} (GET /v1/rules lists them)",
+                            did_you_mean(known.first().map(String::as_str))
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    if let Some(ids) = &req.targets {
+        if ids.is_empty() {
+            errors.push(FieldError::new(
+                "/targets",
+                "names no target: name at least one, or leave it out to replay to every target",
+            ));
+        }
+        for (i, id) in ids.iter().enumerate() {
+            if rules.targets.contains_key(id) {
+                continue;
+            }
+            // Only the live rules' targets: a replay routes through them, so a target removed
+            // from the rules (even one still draining) can get no copy.
+            let known = closest(id, rules.targets.keys().cloned());
+            errors.push(FieldError::new(
+                format!("/targets/{i}"),
+                format!(
+                    "no target {id:?} in the live rules{}; a replay queues only for targets the live rules name (GET /v1/targets lists them)",
+                    did_you_mean(known.first().map(String::as_str))
+                ),
+            ));
+        }
+    }
+    // Both known, but no named rule sends to a named target: the job would queue nothing.
+    if let (Some(names), Some(ids)) = (&req.rules, &req.targets)
+        && errors.is_empty()
+        && !rules
+            .rules
+            .iter()
+            .filter(|r| names.contains(&r.name))
+            .any(|r| r.target_ids.iter().any(|t| ids.contains(t)))
+    {
+        errors.push(FieldError::new(
+            "/targets",
+            "none of these targets is a target of the rules named in `rules`: the replay would queue nothing",
+        ));
+    }
+    warnings
 }
 
 fn default_rate() -> f64 {
@@ -419,7 +558,14 @@ fn closest_targets(app: &App, wanted: &str) -> Vec<String> {
             .filter(|(_, s)| s.dlq > 0)
             .map(|(id, _)| id),
     );
-    let mut scored: Vec<(f64, String)> = ids
+    closest(wanted, ids)
+}
+
+/// Of `names`, those like `wanted`, most like it first (then by name); those too unlike it
+/// to be a typo of it are left out.
+fn closest(wanted: &str, names: impl IntoIterator<Item = String>) -> Vec<String> {
+    let names: std::collections::BTreeSet<String> = names.into_iter().collect();
+    let mut scored: Vec<(f64, String)> = names
         .into_iter()
         .map(|id| (strsim::normalized_damerau_levenshtein(wanted, &id), id))
         // Below half alike it is another name, not a typo: suggesting it would mislead.
@@ -514,6 +660,7 @@ async fn new_redrive(app: &App, req: &RedriveRequest) -> Result<Job, JobError> {
         skipped: 0,
         skipped_emitted: 0,
         skipped_contract: 0,
+        skipped_restricted: 0,
         expired: 0,
         warnings: Vec::new(),
         last_item_at: None,
@@ -552,6 +699,7 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
     if let Err(e) = check_rate(req.rate_per_sec) {
         errors.push(e);
     }
+    let restriction_warnings = check_restriction(app, &req, &mut errors);
     let now = app.clock.now_ms();
     // Events accepted after the job is created are not replayed: a `to` in the future would
     // have the job follow ingest for ever (and deliver each new event twice).
@@ -587,17 +735,19 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
             retention_note(&app.cfg)
         ));
     }
+    warnings.extend(restriction_warnings);
     let mut job = Job {
         id: next_job_id(app, JobKind::Replay).await?,
         kind: JobKind::Replay,
         state: JobState::Running,
-        spec: serde_json::json!({ "from": req.from, "to": req.to, "filter": req.filter, "rate_per_sec": req.rate_per_sec, "include_emitted": req.include_emitted, "ignore_contracts": req.ignore_contracts, "from_ms": from, "to_ms": to }),
+        spec: serde_json::json!({ "from": req.from, "to": req.to, "filter": req.filter, "rate_per_sec": req.rate_per_sec, "include_emitted": req.include_emitted, "ignore_contracts": req.ignore_contracts, "rules": req.rules, "targets": req.targets, "from_ms": from, "to_ms": to }),
         total,
         moved: 0,
         failed: 0,
         skipped: 0,
         skipped_emitted: 0,
         skipped_contract: 0,
+        skipped_restricted: 0,
         expired: 0,
         warnings,
         last_item_at: None,
@@ -612,7 +762,7 @@ pub async fn create_replay(app: &Arc<App>, req: ReplayRequest) -> Result<Job, Jo
     claim(app, &mut job);
     put_new_job(app, &mut job).await?;
     spawn(app, job.clone());
-    tracing::warn!(job = %job.id, from = %req.from, to = %req.to, total, warnings = ?job.warnings, "replay job created");
+    tracing::warn!(job = %job.id, from = %req.from, to = %req.to, rules = ?req.rules, targets = ?req.targets, total, warnings = ?job.warnings, "replay job created");
     Ok(job)
 }
 
@@ -881,6 +1031,23 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
             return app.store.put_job(job).await.map(|_| ());
         }
     };
+    let restriction = match job.kind {
+        JobKind::Replay => ReplayRestriction::of_spec(&job.spec),
+        JobKind::Redrive => Ok(ReplayRestriction::default()),
+    };
+    let (pattern, filter, restriction) = match (pattern, filter, restriction) {
+        (p, f, Ok(r)) => (p, f, r),
+        (_, _, Err(why)) => {
+            tracing::error!(job = %job.id, error = %why, "a replay's stored restriction does not read; the job is paused");
+            job.state = JobState::Paused;
+            job.last_error = Some(format!(
+                "{why}; paused: cancel it and start a new job with rules and targets this version reads"
+            ));
+            job.updated_at = app.clock.now_ms();
+            *handle.lock().unwrap_or_else(|p| p.into_inner()) = JobState::Paused;
+            return app.store.put_job(job).await.map(|_| ());
+        }
+    };
     let running = || *handle.lock().unwrap_or_else(|p| p.into_inner()) == JobState::Running;
     // On a shared store: the claim, before the first step (which may be a while at a low rate).
     let mut claim_due = app.jobs.node.is_some();
@@ -950,7 +1117,9 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
             let _routing = app.routing_guard().await;
             match job.kind {
                 JobKind::Redrive => redrive_step(app, &mut job, &filter, take, now).await,
-                JobKind::Replay => replay_step(app, &mut job, pattern.as_ref(), take, now).await,
+                JobKind::Replay => {
+                    replay_step(app, &mut job, pattern.as_ref(), &restriction, take, now).await
+                }
             }
         };
         match step {
@@ -1337,6 +1506,7 @@ async fn replay_step(
     app: &App,
     job: &mut Job,
     pattern: Option<&Pattern>,
+    restriction: &ReplayRestriction,
     take: usize,
     now: i64,
 ) -> Result<usize, StoreError> {
@@ -1424,11 +1594,21 @@ async fn replay_step(
                 job.skipped_contract += 1;
                 continue;
             }
-            let (_, targets) =
+            let (_, mut targets) =
                 crate::ingest::match_targets(&rules, &app.disabled_rules(), &ev.event);
             if targets.is_empty() {
                 job.skipped += 1;
                 continue;
+            }
+            // Only the named rules' / targets' copies: the others had the event already,
+            // and a copy would reach them again under a new idempotency key.
+            if restriction.is_some() {
+                targets.retain(|t| restriction.allows(t));
+                if targets.is_empty() {
+                    job.skipped += 1;
+                    job.skipped_restricted += 1;
+                    continue;
+                }
             }
             let item = ReplayItem {
                 seq: ev.seq,
@@ -1586,6 +1766,8 @@ mod tests {
                 rate_per_sec: 1000.0,
                 include_emitted,
                 ignore_contracts: false,
+                rules: None,
+                targets: None,
             },
         )
         .await
@@ -1731,6 +1913,8 @@ mod tests {
                         rate_per_sec: 10.0,
                         include_emitted: false,
                         ignore_contracts: false,
+                        rules: None,
+                        targets: None,
                     },
                 )
                 .await
@@ -1805,6 +1989,8 @@ mod tests {
                 rate_per_sec: MAX_RATE,
                 include_emitted: false,
                 ignore_contracts: false,
+                rules: None,
+                targets: None,
             },
         )
         .await
@@ -2185,6 +2371,238 @@ mod tests {
         assert_eq!((done.moved, done.skipped), (1, 1), "{done:?}");
     }
 
+    /// Two rules for type `t`, to `erp` and to `audit` (which takes type `u` too): the
+    /// runbook's case, a rule (`to-erp`) disabled for a while beside another that delivered.
+    const TWO_RULES: &str = "rules:\n  - name: to-erp\n    pattern:\n      type: [t]\n    targets:\n      - webhook: http://127.0.0.1:9/\n        id: erp\n  - name: to-audit\n    pattern:\n      type: [t, u]\n    targets:\n      - webhook: http://127.0.0.1:9/\n        id: audit\n";
+
+    /// A replay of the 5 s before `now` restricted to `rules` / `targets`.
+    fn restricted(now: i64, rules: Option<&[&str]>, targets: Option<&[&str]>) -> ReplayRequest {
+        let names = |n: Option<&[&str]>| n.map(|n| n.iter().map(|s| (*s).to_owned()).collect());
+        ReplayRequest {
+            from: crate::clock::rfc3339(now - 5000),
+            to: crate::clock::rfc3339(now),
+            filter: None,
+            rate_per_sec: 1000.0,
+            include_emitted: false,
+            ignore_contracts: false,
+            rules: names(rules),
+            targets: names(targets),
+        }
+    }
+
+    /// The targets of `id`'s copies made by replay `job`, sorted.
+    async fn replayed_to(app: &App, id: &str, job: &str) -> Vec<String> {
+        let fate = app
+            .store
+            .fate("/s", id)
+            .await
+            .expect("fate")
+            .expect("known");
+        let mut to: Vec<String> = fate
+            .entries
+            .into_iter()
+            .filter(|e| e.replay.as_deref() == Some(job))
+            .map(|e| e.target_id)
+            .collect();
+        to.sort();
+        to
+    }
+
+    /// `rules` and `targets` narrow a replay to the copies they name, on `app` (rules
+    /// `TWO_RULES`): without them every other target that had the events got each again
+    /// under a new idempotency key. Events that go only elsewhere are `skipped_restricted`.
+    async fn a_restricted_replay_queues_only_the_named_copies_on(app: &Arc<App>) {
+        let now = app.clock.now_ms();
+        let mut u = new_event("/s", "u1", &["audit"], now - 1000);
+        u.event.ty = "u".into();
+        app.store
+            .accept(vec![
+                new_event("/s", "t1", &["audit"], now - 1000),
+                new_event("/s", "t2", &["audit"], now - 1000),
+                u,
+            ])
+            .await
+            .expect("accepted");
+        let run = |req: ReplayRequest| async move {
+            let job = create_replay(app, req).await.expect("created");
+            wait_for(app, &job.id, Duration::from_secs(30), |j| {
+                j.state == JobState::Done
+            })
+            .await
+        };
+        // Through every rule: erp and audit each get t1 and t2, audit u1 (the duplicates).
+        let all = run(restricted(now, None, None)).await;
+        assert_eq!((all.moved, all.skipped), (3, 0), "{all:?}");
+        assert_eq!(replayed_to(app, "t1", &all.id).await, ["audit", "erp"]);
+
+        let by_rule = run(restricted(now, Some(&["to-erp"]), None)).await;
+        assert_eq!(
+            (
+                by_rule.moved,
+                by_rule.skipped,
+                by_rule.skipped_restricted,
+                by_rule.total
+            ),
+            (2, 1, 1, 3),
+            "{by_rule:?}"
+        );
+        assert_eq!(by_rule.spec["rules"], serde_json::json!(["to-erp"]));
+        for id in ["t1", "t2"] {
+            assert_eq!(replayed_to(app, id, &by_rule.id).await, ["erp"], "{id}");
+        }
+        assert!(replayed_to(app, "u1", &by_rule.id).await.is_empty());
+
+        // By target: audit gets t1, t2 and u1.
+        let by_target = run(restricted(now, None, Some(&["audit"]))).await;
+        assert_eq!(
+            (by_target.moved, by_target.skipped_restricted),
+            (3, 0),
+            "{by_target:?}"
+        );
+        for id in ["t1", "t2", "u1"] {
+            assert_eq!(replayed_to(app, id, &by_target.id).await, ["audit"], "{id}");
+        }
+
+        // Both: a copy must pass both.
+        let both = run(restricted(
+            now,
+            Some(&["to-erp", "to-audit"]),
+            Some(&["erp"]),
+        ))
+        .await;
+        assert_eq!((both.moved, both.skipped_restricted), (2, 1), "{both:?}");
+        assert_eq!(replayed_to(app, "t1", &both.id).await, ["erp"]);
+        assert!(replayed_to(app, "u1", &both.id).await.is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_restricted_replay_queues_only_the_named_copies() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = crate::app::test_config(dir.path());
+        std::fs::write(cfg.rules_dir.join("r.yaml"), TWO_RULES).expect("rules");
+        let app = crate::app::test_app(cfg, RedbStore::in_memory().expect("store"), None);
+        a_restricted_replay_queues_only_the_named_copies_on(&app).await;
+    }
+
+    /// As `a_restricted_replay_queues_only_the_named_copies`, on the JetStream store.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_restricted_replay_queues_only_the_named_copies_on_jetstream() {
+        let server = crate::store::jetstream::test_server::TestServer::start();
+        let (_dir, app) = jetstream_app(&server, TWO_RULES).await;
+        a_restricted_replay_queues_only_the_named_copies_on(&app).await;
+    }
+
+    /// A restricted replay stored as running (what a restart finds) resumes with its
+    /// restriction: it is in the job's stored spec, which both stores keep whole.
+    async fn a_restricted_replay_resumes_with_its_restriction_on(app: &Arc<App>) {
+        let now = app.clock.now_ms();
+        app.store
+            .accept(vec![new_event("/s", "t1", &["audit"], now - 1000)])
+            .await
+            .expect("accepted");
+        let job = Job {
+            state: JobState::Running,
+            spec: serde_json::json!({
+                "from": "", "to": "", "filter": null, "rate_per_sec": 1000.0,
+                "rules": ["to-erp"], "targets": null,
+                "from_ms": now - 5000, "to_ms": now,
+            }),
+            total: 1,
+            created_at: now,
+            updated_at: now,
+            ..crate::store::test_events::job("replay-7", JobKind::Replay)
+        };
+        app.store.put_job(job).await.expect("put");
+        let stored = app.store.jobs().await.expect("jobs");
+        assert_eq!(stored[0].spec["rules"], serde_json::json!(["to-erp"]));
+        start_due(app).await.expect("resumed");
+        let done = wait_for(app, "replay-7", Duration::from_secs(30), |j| {
+            j.state == JobState::Done
+        })
+        .await;
+        assert_eq!(done.moved, 1, "{done:?}");
+        assert_eq!(replayed_to(app, "t1", "replay-7").await, ["erp"]);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_restricted_replay_resumes_with_its_restriction() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = crate::app::test_config(dir.path());
+        std::fs::write(cfg.rules_dir.join("r.yaml"), TWO_RULES).expect("rules");
+        let app = crate::app::test_app(cfg, RedbStore::in_memory().expect("store"), None);
+        a_restricted_replay_resumes_with_its_restriction_on(&app).await;
+    }
+
+    /// As `a_restricted_replay_resumes_with_its_restriction`, on the JetStream store.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_restricted_replay_resumes_with_its_restriction_on_jetstream() {
+        let server = crate::store::jetstream::test_server::TestServer::start();
+        let (_dir, app) = jetstream_app(&server, TWO_RULES).await;
+        a_restricted_replay_resumes_with_its_restriction_on(&app).await;
+    }
+
+    /// Unknown names are refused at their element with the closest name, empty lists and
+    /// a restriction that can queue nothing too; nothing is created. A stored restriction
+    /// that does not read is an error, never "every target".
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replay_restriction_names_live_rules_and_targets() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = crate::app::test_config(dir.path());
+        std::fs::write(cfg.rules_dir.join("r.yaml"), TWO_RULES).expect("rules");
+        let app = crate::app::test_app(cfg, RedbStore::in_memory().expect("store"), None);
+        let now = app.clock.now_ms();
+        let refused = |req: ReplayRequest| {
+            let app = app.clone();
+            async move {
+                match create_replay(&app, req).await {
+                    Err(JobError::Invalid(errors)) => errors
+                        .into_iter()
+                        .map(|e| (e.pointer, e.message))
+                        .collect::<Vec<_>>(),
+                    other => panic!("not refused: {other:?}"),
+                }
+            }
+        };
+        let e = refused(restricted(
+            now,
+            Some(&["to-erp", "to-erpp"]),
+            Some(&["erp", "adit"]),
+        ))
+        .await;
+        assert_eq!(e.len(), 2, "{e:?}");
+        assert_eq!(e[0].0, "/rules/1");
+        assert!(e[0].1.contains("did you mean \"to-erp\"?"), "{e:?}");
+        assert_eq!(e[1].0, "/targets/1");
+        assert!(e[1].1.contains("did you mean \"audit\"?"), "{e:?}");
+        let e = refused(restricted(now, Some(&[]), Some(&[]))).await;
+        let pointers: Vec<&str> = e.iter().map(|(p, _)| p.as_str()).collect();
+        assert_eq!(pointers, ["/rules", "/targets"]);
+        let e = refused(restricted(now, Some(&["to-audit"]), Some(&["erp"]))).await;
+        assert_eq!(e[0].0, "/targets", "{e:?}");
+        assert!(app.store.jobs().await.expect("jobs").is_empty());
+
+        // A disabled rule is accepted (it may be enabled before the job reaches its events),
+        // with a warning.
+        app.set_rule_enabled("to-erp", false, None)
+            .await
+            .expect("disabled");
+        let job = create_replay(&app, restricted(now, Some(&["to-erp"]), None))
+            .await
+            .expect("created");
+        assert!(
+            job.warnings
+                .iter()
+                .any(|w| w.contains("rule \"to-erp\" is disabled")),
+            "{:?}",
+            job.warnings
+        );
+
+        assert!(ReplayRestriction::of_spec(&serde_json::json!({"rules": "to-erp"})).is_err());
+        assert!(ReplayRestriction::of_spec(&serde_json::json!({"targets": [1]})).is_err());
+        let none = ReplayRestriction::of_spec(&serde_json::json!({"rules": null})).expect("reads");
+        assert!(!none.is_some());
+    }
+
     /// A replay leaves the handlers' archived emissions out by default (re-running the
     /// handler on the parent emits them again: replaying them too delivered each twice), says
     /// how many in `skipped_emitted`, and replays them with `include_emitted`.
@@ -2264,6 +2682,8 @@ mod tests {
                 rate_per_sec: 1000.0,
                 include_emitted: false,
                 ignore_contracts: true,
+                rules: None,
+                targets: None,
             },
         )
         .await
@@ -2357,6 +2777,8 @@ mod tests {
                 rate_per_sec: 0.5,
                 include_emitted: false,
                 ignore_contracts: false,
+                rules: None,
+                targets: None,
             },
         )
         .await
@@ -2425,6 +2847,8 @@ mod tests {
                     rate_per_sec: 1000.0,
                     include_emitted: false,
                     ignore_contracts: false,
+                    rules: None,
+                    targets: None,
                 },
             )
         };
@@ -2515,6 +2939,8 @@ mod tests {
                     rate_per_sec: rate,
                     include_emitted: false,
                     ignore_contracts: false,
+                    rules: None,
+                    targets: None,
                 },
             )
             .await;
@@ -2609,6 +3035,8 @@ mod tests {
             rate_per_sec: 1000.0,
             include_emitted: false,
             ignore_contracts: false,
+            rules: None,
+            targets: None,
         };
         app.disk_full.store(true, Relaxed);
         assert!(matches!(

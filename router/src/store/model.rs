@@ -1082,6 +1082,10 @@ pub struct Job {
     /// `ignore_contracts` replays them too).
     #[serde(default)]
     pub skipped_contract: u64,
+    /// Of `skipped`, a replay's events that its `rules`/`targets` restriction left without a
+    /// copy: they match the current rules, but only through other rules or to other targets.
+    #[serde(default)]
+    pub skipped_restricted: u64,
     /// A replay's events that the archive sweep removed (past the archive's retention) before
     /// the job reached them: counted when the job ends, as the part of `total` it never saw.
     /// `moved`, `failed`, `skipped` and `expired` count distinct items.

@@ -48,6 +48,7 @@ pub fn job(id: &str, kind: JobKind) -> Job {
         skipped: 0,
         skipped_emitted: 0,
         skipped_contract: 0,
+        skipped_restricted: 0,
         expired: 0,
         warnings: Vec::new(),
         last_item_at: None,

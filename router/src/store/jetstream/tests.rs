@@ -1969,6 +1969,7 @@ async fn target_states_saved_targets_and_jobs_keep_the_last_write() {
         skipped: 0,
         skipped_emitted: 0,
         skipped_contract: 0,
+        skipped_restricted: 0,
         expired: 0,
         warnings: Vec::new(),
         last_item_at: None,

@@ -1407,6 +1407,7 @@ fn job(store: &RedbStore, id: &str, moved: u64, now: Millis) -> Job {
         skipped: 0,
         skipped_emitted: 0,
         skipped_contract: 0,
+        skipped_restricted: 0,
         expired: 0,
         warnings: Vec::new(),
         last_item_at: None,
