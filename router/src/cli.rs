@@ -989,6 +989,9 @@ pub struct StatusInputs<'a> {
     pub dlq_recent: Result<&'a Value, String>,
     /// How far back "recent" dead letters go.
     pub recent: Duration,
+    /// The RFC 3339 time `recent` goes back to (`dlq_recent`'s `since`), which the hint to
+    /// the dead letters names so that it can be run as printed.
+    pub since: &'a str,
 }
 
 /// `router status`: the router at a glance, and what needs an operator now.
@@ -1165,10 +1168,12 @@ pub fn status_report(i: &StatusInputs<'_>) -> StatusReport {
         Ok(v) => {
             let targets: Vec<&Value> = v["targets"].as_array().into_iter().flatten().collect();
             let sum = |k: &str| targets.iter().filter_map(|t| t[k].as_u64()).sum::<u64>();
+            // Seconds with a fraction, as the API sends them.
             let oldest = targets
                 .iter()
-                .filter_map(|t| t["oldest_age_seconds"].as_u64())
-                .max();
+                .filter_map(|t| t["oldest_age_seconds"].as_f64())
+                .fold(None, |m: Option<f64>, a| Some(m.map_or(a, |m| m.max(a))))
+                .map(|o| o as u64);
             out.push(format!(
                 "targets {} · queued {} · in flight {}{}",
                 targets.len(),
@@ -1188,6 +1193,13 @@ pub fn status_report(i: &StatusInputs<'_>) -> StatusReport {
                 }
                 for note in target_notes(t) {
                     attention.push(format!("target {id}: {note}"));
+                }
+                // As `targets ls --problems` counts it: a half-open breaker waits for a probe
+                // to succeed, and one with nothing to probe with stays so.
+                if t["breaker"]["state"] == "half_open" {
+                    attention.push(format!(
+                        "target {id}: breaker half-open, probing whether the receiver is back (`router targets ls` shows its failures)"
+                    ));
                 }
             }
         }
@@ -1242,9 +1254,10 @@ pub fn status_report(i: &StatusInputs<'_>) -> StatusReport {
                         })
                         .collect();
                     attention.push(format!(
-                        "{n} new dead letter(s) in the last {}: {} (`router dlq summary --since …`)",
+                        "{n} new dead letter(s) in the last {}: {} (`router dlq summary --since {}`)",
                         humantime::format_duration(i.recent),
-                        which.join(", ")
+                        which.join(", "),
+                        i.since
                     ));
                 }
             }
@@ -1274,6 +1287,14 @@ pub fn status_report(i: &StatusInputs<'_>) -> StatusReport {
             ));
             if let Some(e) = j["last_error"].as_str() {
                 attention.push(format!("job {}: {e}", s(&j["id"])));
+            } else if j["state"] == "paused" {
+                // Left paused, a redrive's dead letters stay where they are once they are
+                // older than `--recent`, and nothing else would say so.
+                attention.push(format!(
+                    "job {} is paused (`router dlq jobs {} resume`, or `cancel`)",
+                    s(&j["id"]),
+                    s(&j["id"])
+                ));
             }
         }
     }
@@ -1326,7 +1347,7 @@ mod tests {
             "warnings": ["auth is off"]
         });
         let targets = json!({"targets": [
-            {"id": "erp", "queued": 3, "in_flight": 1, "oldest_age_seconds": 75,
+            {"id": "erp", "queued": 3, "in_flight": 1, "oldest_age_seconds": 75.482,
              "paused": false, "breaker": null, "held_keys": []}
         ]});
         let empty_dlq = json!({"total": 0, "groups": []});
@@ -1338,6 +1359,7 @@ mod tests {
             dlq: Ok(recent),
             dlq_recent: Ok(recent),
             recent: Duration::from_secs(3600),
+            since: "2026-12-07T10:00:00.000Z",
         };
         let r = status_report(&inputs(&quiet, Ok(&targets), &empty_dlq));
         assert!(r.attention.is_empty(), "{:?}", r.attention);
@@ -1371,10 +1393,14 @@ mod tests {
         troubled["store"]["writable"] = json!(false);
         troubled["jobs"]["active"] = json!([{"id": "j1", "kind": "redrive", "state": "running",
             "moved": 1, "total": 9, "failed": 0, "skipped": 0, "last_item_at": null,
-            "last_error": "the store is unavailable"}]);
+            "last_error": "the store is unavailable"},
+            {"id": "j2", "kind": "redrive", "state": "paused", "moved": 0, "total": 3,
+             "failed": 0, "skipped": 0, "last_item_at": null, "last_error": null}]);
         let troubled_targets = json!({"targets": [
             {"id": "erp", "queued": 3, "in_flight": 0, "paused": true,
-             "breaker": {"state": "open", "since": "t0", "open_until": "t1"}, "held_keys": []}
+             "breaker": {"state": "open", "since": "t0", "open_until": "t1"}, "held_keys": []},
+            {"id": "crm", "queued": 0, "in_flight": 0, "paused": false,
+             "breaker": {"state": "half_open"}, "held_keys": []}
         ]});
         let recent = json!({"total": 2, "groups": [
             {"target": "erp", "reason": "retries_exhausted", "count": 2}
@@ -1387,13 +1413,15 @@ mod tests {
             "the store does not take writes",
             "target erp is paused (3 queued; `router targets resume erp`)",
             "target erp: breaker open since t0 until t1",
-            "2 new dead letter(s) in the last 1h: erp retries_exhausted ×2",
+            "2 new dead letter(s) in the last 1h: erp retries_exhausted ×2 (`router dlq summary --since 2026-12-07T10:00:00.000Z`)",
             "job j1: the store is unavailable",
+            "job j2 is paused (`router dlq jobs j2 resume`",
+            "target crm: breaker half-open",
         ] {
             assert!(all.contains(expected), "{expected:?} missing from:\n{all}");
         }
-        assert_eq!(r.attention.len(), 7, "{all}");
-        assert!(r.text.contains("needs attention (7):"), "{}", r.text);
+        assert_eq!(r.attention.len(), 9, "{all}");
+        assert!(r.text.contains("needs attention (9):"), "{}", r.text);
 
         let r = status_report(&inputs(&quiet, Err("403: out of scope".into()), &empty_dlq));
         assert!(
@@ -2052,6 +2080,7 @@ mod tests {
             dlq: Ok(&dlq),
             dlq_recent: Ok(&dlq),
             recent: Duration::from_secs(3600),
+            since: "2026-12-07T10:00:00.000Z",
         });
         assert_eq!(r.attention.len(), 1, "{:?}", r.attention);
         assert!(
@@ -2087,6 +2116,7 @@ mod tests {
             dlq: Ok(&dlq),
             dlq_recent: Ok(&dlq),
             recent: Duration::from_secs(3600),
+            since: "2026-12-07T10:00:00.000Z",
         });
         assert_eq!(
             r.attention,
@@ -2102,6 +2132,7 @@ mod tests {
             dlq: Ok(&dlq),
             dlq_recent: Ok(&dlq),
             recent: Duration::from_secs(3600),
+            since: "2026-12-07T10:00:00.000Z",
         });
         assert!(r.attention.is_empty());
         assert!(

@@ -68,7 +68,8 @@ enum Cmd {
         #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
         recent: std::time::Duration,
     },
-    /// Rule files: check and test.
+    /// Rules: check and test rule files; list, enable and disable the live rules (`ls`,
+    /// `enable`, `disable`: client of the API).
     Rules {
         #[command(subcommand)]
         cmd: RulesCmd,
@@ -122,14 +123,15 @@ enum Cmd {
         #[arg(long)]
         wait: bool,
     },
-    /// Targets: list, pause, resume (client of the API).
+    /// Targets: list, pause, resume, release an ordering key held after a dead letter (client
+    /// of the API).
     Targets {
         #[command(flatten)]
         api: Api,
         #[command(subcommand)]
         cmd: TargetsCmd,
     },
-    /// WASM handlers: push, list, rollback (client of the API).
+    /// WASM handlers: push, list, rollback, read a handler's logs (client of the API).
     Handlers {
         #[command(flatten)]
         api: Api,
@@ -316,7 +318,7 @@ enum DlqCmd {
         #[arg(long)]
         all: bool,
     },
-    /// Redrive jobs: list (newest first), or show/pause/resume/cancel one.
+    /// Redrive and replay jobs: list (newest first), or show/pause/resume/cancel one.
     Jobs {
         /// A job's id (without it: the list).
         id: Option<String>,
@@ -343,7 +345,7 @@ enum TargetsCmd {
     },
     /// Stop attempts to a target (its queue fills).
     Pause { id: String },
-    /// Resume a paused target.
+    /// Resume a paused target; also lifts a receiver's Retry-After hold (paused or not).
     Resume { id: String },
     /// Let an ordering key held after a dead letter (`on_dead_letter: hold`) proceed; the
     /// key's waiting entries already past max_age go to the DLQ first.
@@ -1304,10 +1306,16 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
             .into_iter()
             .flatten()
             .map(|l| {
+                // The version that wrote the line (its content hash, as `handlers list`
+                // shows it): after a bad upload and a rollback, which lines are whose is the
+                // question.
                 format!(
-                    "{} {:5} {} {} #{} {}",
+                    "{} {:5} [{}] {} {} #{} {}",
                     l["at"].as_str().unwrap_or(""),
                     l["level"].as_str().unwrap_or(""),
+                    l["version"]
+                        .as_str()
+                        .map_or("-", |v| v.get(..12).unwrap_or(v)),
                     l["source"].as_str().unwrap_or("-"),
                     l["event_id"].as_str().unwrap_or(""),
                     l["attempt"],
@@ -1348,7 +1356,7 @@ async fn status(api: Api, recent: std::time::Duration) -> anyhow::Result<ExitCod
     let since = since.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
     let recent_path = format!(
         "/v1/dlq/summary{}",
-        router::cli::query(&[("since", &Some(since))])
+        router::cli::query(&[("since", &Some(since.clone()))])
     );
     let (targets, rules, dlq, dlq_recent) = tokio::join!(
         c.all_pages("/v1/targets", &[], "targets"),
@@ -1373,6 +1381,7 @@ async fn status(api: Api, recent: std::time::Duration) -> anyhow::Result<ExitCod
         dlq: dlq.as_ref().map_err(Clone::clone),
         dlq_recent: dlq_recent.as_ref().map_err(Clone::clone),
         recent,
+        since: &since,
     });
     if api.json {
         let part = |r: &Result<serde_json::Value, String>| match r {
