@@ -238,3 +238,44 @@ async fn fate_summary(r: &RouterProc) -> String {
     let f = fate(r, "fan-1").await;
     format!("{} {}", f["targets_total"], f["targets_by_state"])
 }
+
+/// An event matched by more targets than the JetStream store commits in one atomic batch is
+/// refused on its own with a 422 naming it (in a batch, its index), and nothing of the request
+/// is stored. Before, the store's refusal was a 503, and its producer retried the event for
+/// ever. The embedded store takes the same event (202).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fan_out_over_the_store_s_atomic_limit_is_refused_not_retried() {
+    let rcv = Receiver::ok().await;
+    let r = RouterProc::start(&[("many.yaml", &many_targets(&rcv.url(), 0, 1_200))], &[]);
+    // Paused: the 202 case delivers nothing, which keeps the test short.
+    for i in 0..1_200 {
+        let (status, v) = post_json(&r, &format!("/v1/targets/f{i}/pause"), json!({})).await;
+        assert_eq!(status, 200, "{v}");
+    }
+    let small = json!({"specversion": "1.0", "id": "ok-1", "source": "/s", "type": "other"});
+    let wide = json!({"specversion": "1.0", "id": "wide-1", "source": "/s", "type": "fan.evt"});
+    let resp = client()
+        .post(r.url("/v1/events"))
+        .header("content-type", "application/cloudevents-batch+json")
+        .body(json!([small, wide]).to_string())
+        .send()
+        .await
+        .expect("post");
+    let status = resp.status().as_u16();
+    let body: Value = resp.json().await.expect("json");
+    let (fate_status, _) = get_json(&r, "/v1/events/ok-1?source=/s").await;
+    if RouterProc::on_jetstream() {
+        assert_eq!(status, 422, "{body}");
+        assert_eq!(body["errors"][0]["pointer"], "/1", "{body}");
+        let msg = body["errors"][0]["message"].as_str().unwrap_or_default();
+        assert!(
+            msg.contains("atomic") && msg.contains("nothing was stored"),
+            "{msg}"
+        );
+        assert_eq!(fate_status, 404, "nothing of the request is stored");
+    } else {
+        assert_eq!(status, 202, "{body}");
+        assert_eq!(body["results"][1]["status"], "accepted", "{body}");
+        assert_eq!(fate_status, 200);
+    }
+}

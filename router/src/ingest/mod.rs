@@ -664,6 +664,38 @@ async fn handle(
                 )],
             );
         }
+        Err(crate::store::StoreError::FanOutTooLarge { index, writes, max }) => {
+            // Matched by more targets than the store writes in one atomic commit: sent again
+            // it would fail again, so a 422 naming the event, not a 503 retried for ever.
+            app.metrics
+                .ingest_events
+                .get_or_create(&vec![("status", "rejected".to_string())])
+                .inc_by(answered.len() as u64);
+            let ev = answered.get(index);
+            tracing::warn!(
+                event_id = ev.map_or("", |a| a.id.as_str()),
+                source = ev.map_or("", |a| a.source.as_str()),
+                writes,
+                max,
+                "event refused: its fan-out is over what the store commits atomically"
+            );
+            let pointer = if batch {
+                format!("/{index}")
+            } else {
+                String::new()
+            };
+            return error_response(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "fan-out too large for the store",
+                vec![FieldError::new(
+                    pointer,
+                    format!(
+                        "the event matches so many targets that storing it with one queue entry each takes {writes} writes, over the {max} the store commits atomically (the JetStream store: an event and its fan-out are one atomic batch, so an event may match at most about {} targets): nothing was stored; narrow the rules that match it or split its targets",
+                        max.saturating_sub(3)
+                    ),
+                )],
+            );
+        }
         Err(crate::store::StoreError::Compacting) => {
             // Planned and short-lived: back-pressure, not an error.
             tracing::info!(

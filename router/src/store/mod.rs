@@ -81,6 +81,21 @@ pub enum StoreError {
         /// The largest record the store takes.
         max: usize,
     },
+    /// An event whose fan-out is over what the store commits in one atomic write (the
+    /// JetStream store: one atomic batch of at most 1000 messages holds the event and one
+    /// entry per target). Nothing of the call was stored; sent again it would fail again.
+    /// Ingest answers 422.
+    #[error(
+        "event {index} of the request needs {writes} writes to be stored with its fan-out, over the {max} the store commits atomically"
+    )]
+    FanOutTooLarge {
+        /// The event's position in the call.
+        index: usize,
+        /// The writes it needs (its record, dedup key and one entry per matched target).
+        writes: usize,
+        /// The most one atomic commit takes.
+        max: usize,
+    },
     /// A record could not be decoded.
     #[error("corrupt record in {table}: {message}")]
     Corrupt {
@@ -116,7 +131,9 @@ impl StoreError {
     pub fn is_refusal(&self) -> bool {
         matches!(
             self,
-            StoreError::JobChanged(_) | StoreError::EventTooLarge { .. }
+            StoreError::JobChanged(_)
+                | StoreError::EventTooLarge { .. }
+                | StoreError::FanOutTooLarge { .. }
         )
     }
 }

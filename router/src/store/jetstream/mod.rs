@@ -665,6 +665,16 @@ impl JetStreamStore {
             // server is refused on its own (413 at ingest), where its commit failed and
             // failed the transactions grouped with it.
             for p in &prepared {
+                // An event and its fan-out are one atomic batch: past the server's limit it
+                // could never commit, and a 503 had its producer retry it for ever (an event
+                // matching more than about 997 targets).
+                if p.writes.len() > records::MAX_BATCH {
+                    return Err(StoreError::FanOutTooLarge {
+                        index: p.index,
+                        writes: p.writes.len(),
+                        max: records::MAX_BATCH,
+                    });
+                }
                 if let Some((_, bytes)) = self.records.oversized(&p.writes) {
                     return Err(StoreError::EventTooLarge {
                         index: p.index,
