@@ -139,6 +139,36 @@ struct Answer {
 }
 
 /// A JSON error answer: `{"error": summary, "errors": [{pointer, message}]}`.
+/// The answer to a request with an event the store can never take (sent again it would fail
+/// again: a 4xx naming the event, not a 503 its producer retries for ever). Nothing of the
+/// request is stored; its events count as rejected, and the event is logged with `message`.
+fn refused_by_the_store(
+    app: &App,
+    answered: &[Answered],
+    batch: bool,
+    index: usize,
+    status: StatusCode,
+    summary: &str,
+    message: String,
+) -> Response {
+    app.metrics
+        .ingest_events
+        .get_or_create(&vec![("status", "rejected".to_string())])
+        .inc_by(answered.len() as u64);
+    let ev = answered.get(index);
+    tracing::warn!(
+        event_id = ev.map_or("", |a| a.id.as_str()),
+        source = ev.map_or("", |a| a.source.as_str()),
+        "event refused: {summary}: {message}"
+    );
+    let pointer = if batch {
+        format!("/{index}")
+    } else {
+        String::new()
+    };
+    error_response(status, summary, vec![FieldError::new(pointer, message)])
+}
+
 pub fn error_response(status: StatusCode, summary: &str, errors: Vec<FieldError>) -> Response {
     (
         status,
@@ -632,68 +662,32 @@ async fn handle(
         Err(crate::store::StoreError::EventTooLarge { index, bytes, max }) => {
             // The event's stored form is over what one record of the store holds (a text
             // body is stored JSON-escaped, binary data as base64, so it can be several times
-            // the body): sent again it would fail again, so a 413, not a 503.
-            app.metrics
-                .ingest_events
-                .get_or_create(&vec![("status", "rejected".to_string())])
-                .inc_by(answered.len() as u64);
-            let ev = answered.get(index);
-            tracing::warn!(
-                event_id = ev.map_or("", |a| a.id.as_str()),
-                source = ev.map_or("", |a| a.source.as_str()),
-                bytes,
-                max,
-                "event refused: too large for one record of the store"
-            );
-            let pointer = if batch {
-                format!("/{index}")
-            } else {
-                String::new()
-            };
-            return error_response(
+            // the body).
+            return refused_by_the_store(
+                app,
+                &answered,
+                batch,
+                index,
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "event too large for the store",
-                vec![FieldError::new(
-                    pointer,
-                    format!(
-                        "stored with its envelope the event takes {bytes} bytes (text is stored \
-                         JSON-escaped, so control characters take six bytes each; binary data \
-                         as base64), over the {max} bytes the store takes in one record: \
-                         nothing was stored"
-                    ),
-                )],
+                format!(
+                    "stored with its envelope the event takes {bytes} bytes (text is stored JSON-escaped, so control characters take six bytes each; binary data as base64), over the {max} bytes the store takes in one record: nothing was stored"
+                ),
             );
         }
         Err(crate::store::StoreError::FanOutTooLarge { index, writes, max }) => {
-            // Matched by more targets than the store writes in one atomic commit: sent again
-            // it would fail again, so a 422 naming the event, not a 503 retried for ever.
-            app.metrics
-                .ingest_events
-                .get_or_create(&vec![("status", "rejected".to_string())])
-                .inc_by(answered.len() as u64);
-            let ev = answered.get(index);
-            tracing::warn!(
-                event_id = ev.map_or("", |a| a.id.as_str()),
-                source = ev.map_or("", |a| a.source.as_str()),
-                writes,
-                max,
-                "event refused: its fan-out is over what the store commits atomically"
-            );
-            let pointer = if batch {
-                format!("/{index}")
-            } else {
-                String::new()
-            };
-            return error_response(
+            // Matched by more targets than the store writes in one atomic commit.
+            return refused_by_the_store(
+                app,
+                &answered,
+                batch,
+                index,
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "fan-out too large for the store",
-                vec![FieldError::new(
-                    pointer,
-                    format!(
-                        "the event matches so many targets that storing it with one queue entry each takes {writes} writes, over the {max} the store commits atomically (the JetStream store: an event and its fan-out are one atomic batch, so an event may match at most about {} targets): nothing was stored; narrow the rules that match it or split its targets",
-                        max.saturating_sub(3)
-                    ),
-                )],
+                format!(
+                    "the event matches so many targets that storing it with one queue entry each takes {writes} writes, over the {max} the store commits atomically (the JetStream store: an event and its fan-out are one atomic batch, so an event may match at most about {} targets): nothing was stored; narrow the rules that match it or split its targets",
+                    max.saturating_sub(3)
+                ),
             );
         }
         Err(crate::store::StoreError::Compacting) => {
