@@ -1877,6 +1877,15 @@ mod tests {
         );
     }
 
+    /// An app on `test_config` with the rules `rules` (YAML) over an in-memory redb store.
+    fn redb_app(rules: &str) -> (tempfile::TempDir, Arc<App>) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = crate::app::test_config(dir.path());
+        std::fs::write(cfg.rules_dir.join("r.yaml"), rules).expect("rules");
+        let app = crate::app::test_app(cfg, RedbStore::in_memory().expect("store"), None);
+        (dir, app)
+    }
+
     /// An app on `test_config` with the rules `rules` (YAML) over the JetStream store on
     /// `server`.
     async fn jetstream_app(
@@ -2477,10 +2486,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_restricted_replay_queues_only_the_named_copies() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let cfg = crate::app::test_config(dir.path());
-        std::fs::write(cfg.rules_dir.join("r.yaml"), TWO_RULES).expect("rules");
-        let app = crate::app::test_app(cfg, RedbStore::in_memory().expect("store"), None);
+        let (_dir, app) = redb_app(TWO_RULES);
         a_restricted_replay_queues_only_the_named_copies_on(&app).await;
     }
 
@@ -2526,10 +2532,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_restricted_replay_resumes_with_its_restriction() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let cfg = crate::app::test_config(dir.path());
-        std::fs::write(cfg.rules_dir.join("r.yaml"), TWO_RULES).expect("rules");
-        let app = crate::app::test_app(cfg, RedbStore::in_memory().expect("store"), None);
+        let (_dir, app) = redb_app(TWO_RULES);
         a_restricted_replay_resumes_with_its_restriction_on(&app).await;
     }
 
@@ -2546,10 +2549,7 @@ mod tests {
     /// that does not read is an error, never "every target".
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_replay_restriction_names_live_rules_and_targets() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let cfg = crate::app::test_config(dir.path());
-        std::fs::write(cfg.rules_dir.join("r.yaml"), TWO_RULES).expect("rules");
-        let app = crate::app::test_app(cfg, RedbStore::in_memory().expect("store"), None);
+        let (_dir, app) = redb_app(TWO_RULES);
         let now = app.clock.now_ms();
         let refused = |req: ReplayRequest| {
             let app = app.clone();
