@@ -60,6 +60,10 @@ struct Node {
 struct Graph {
     nodes: Vec<Node>,
     by_pointer: HashMap<String, usize>,
+    /// Plain-name fragments (`$anchor`, `$dynamicAnchor`, draft 7's `"$id": "#name"`): every
+    /// subschema that declares the name, since embedded resources may each have one (all are
+    /// followed: an upper bound).
+    by_anchor: HashMap<String, Vec<usize>>,
 }
 
 impl Graph {
@@ -76,9 +80,19 @@ impl Graph {
         for (key, value) in map {
             let at = format!("{pointer}/{}", token(key));
             match key.as_str() {
-                "$ref" => {
+                "$ref" | "$dynamicRef" => {
                     if let Value::String(r) = value {
                         self.nodes[id].refs.push(r.clone());
+                    }
+                }
+                "$anchor" | "$dynamicAnchor" => {
+                    if let Value::String(name) = value {
+                        self.by_anchor.entry(name.clone()).or_default().push(id);
+                    }
+                }
+                "$id" => {
+                    if let Some(name) = value.as_str().and_then(|v| v.strip_prefix('#')) {
+                        self.by_anchor.entry(name.to_string()).or_default().push(id);
                     }
                 }
                 "not" | "if" | "then" | "else" => {
@@ -152,8 +166,9 @@ impl Graph {
         id
     }
 
-    /// Resolves the document-local references (`#`, `#/json/pointer`); others are not
-    /// followed (contracts allow no other document, and anchors are rare in fan-out).
+    /// Resolves the document-local references (`#`, `#/json/pointer`, `#name` of an anchor);
+    /// others are not followed (contracts allow no other document; a reference through an
+    /// embedded resource's `$id` URI is not resolved either).
     fn resolve(&mut self) {
         for id in 0..self.nodes.len() {
             let refs = std::mem::take(&mut self.nodes[id].refs);
@@ -162,8 +177,13 @@ impl Graph {
                     continue;
                 };
                 let pointer = percent_encoding::percent_decode_str(fragment).decode_utf8_lossy();
-                if let Some(&target) = self.by_pointer.get(pointer.as_ref()) {
-                    self.nodes[id].same.push(target);
+                if pointer.is_empty() || pointer.starts_with('/') {
+                    if let Some(&target) = self.by_pointer.get(pointer.as_ref()) {
+                        self.nodes[id].same.push(target);
+                    }
+                } else if let Some(targets) = self.by_anchor.get(pointer.as_ref()) {
+                    let targets = targets.clone();
+                    self.nodes[id].same.extend(targets);
                 }
             }
         }
@@ -220,6 +240,7 @@ pub(super) fn excessive_fan_out(schema: &Value) -> Option<FanOut> {
     let mut g = Graph {
         nodes: Vec::new(),
         by_pointer: HashMap::new(),
+        by_anchor: HashMap::new(),
     };
     let root = g.add(schema, String::new());
     g.resolve();
@@ -329,6 +350,38 @@ mod tests {
         assert_eq!(excessive_fan_out(&doubling(10, 2)), None);
         // A chain of single references is one way however long.
         assert_eq!(excessive_fan_out(&doubling(60, 1)), None);
+    }
+
+    /// The same doubling through anchors (`"$ref": "#d3"`) instead of pointers: before, the
+    /// check followed pointers only and let it through.
+    #[test]
+    fn doubling_through_anchors_is_refused_too() {
+        let by_anchor = |levels: usize, key: &str| {
+            let mut defs = serde_json::Map::new();
+            for i in 0..levels {
+                let next = json!({"$ref": format!("#d{}", i + 1)});
+                let mut d = json!({"allOf": [next.clone(), next]});
+                d[key] = json!(if key == "$id" {
+                    format!("#d{i}")
+                } else {
+                    format!("d{i}")
+                });
+                defs.insert(format!("D{i}"), d);
+            }
+            let mut last = json!({"type": "integer"});
+            last[key] = json!(if key == "$id" {
+                format!("#d{levels}")
+            } else {
+                format!("d{levels}")
+            });
+            defs.insert(format!("D{levels}"), last);
+            json!({"$ref": "#d0", "$defs": defs})
+        };
+        for key in ["$anchor", "$dynamicAnchor", "$id"] {
+            let f = excessive_fan_out(&by_anchor(22, key)).expect(key);
+            assert!(f.paths > MAX_PATHS, "{key}: {f:?}");
+            assert_eq!(excessive_fan_out(&by_anchor(10, key)), None, "{key}");
+        }
     }
 
     #[test]
