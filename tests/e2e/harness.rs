@@ -804,16 +804,10 @@ pub async fn all_pages(r: &RouterProc, path: &str, key: &str) -> Option<Vec<Valu
     }
 }
 
-/// `s` percent-encoded for a query value.
+/// `s` percent-encoded for a query value: the CLI's own encoder (every byte outside the
+/// unreserved set).
 pub fn urlencoding(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
+    router::cli::seg(s)
 }
 
 /// Waits until no target has an entry queued or in flight, up to `timeout`; whether it did.
