@@ -52,7 +52,7 @@ pub struct App {
     /// Running redrive and replay jobs.
     pub jobs: crate::dlq::Jobs,
     /// Rules disabled by an operator (persisted; override the files until enabled).
-    pub disabled: ArcSwap<std::collections::HashSet<String>>,
+    pub disabled: ArcSwap<DisabledRules>,
     /// Configured bearer tokens.
     pub tokens: crate::auth::Tokens,
     /// Per-token ingest rate limiters.
@@ -92,7 +92,7 @@ impl App {
     }
 
     /// Rules currently disabled by an operator.
-    pub fn disabled_rules(&self) -> Arc<std::collections::HashSet<String>> {
+    pub fn disabled_rules(&self) -> Arc<DisabledRules> {
         self.disabled.load_full()
     }
 
@@ -132,9 +132,9 @@ impl App {
         self.dispatcher.operator_change(|| {
             let mut set = (*self.disabled.load_full()).clone();
             if enabled {
-                set.remove(name);
+                set.0.remove(name);
             } else {
-                set.insert(name.to_string());
+                set.0.insert(name.to_string(), switch);
             }
             self.disabled.store(Arc::new(set));
         });
@@ -157,22 +157,47 @@ pub struct RuleSwitch {
     pub disabled_by: Option<String>,
 }
 
-/// The operators' rule switches as stored, by rule name (`Err`: the store did not answer
-/// within `bound`).
-pub async fn rule_switches(
-    app: &App,
-    bound: Duration,
-) -> Result<std::collections::HashMap<String, RuleSwitch>, StoreError> {
-    let states = tokio::time::timeout(bound, app.store.target_states())
-        .await
-        .map_err(|_| StoreError::Unavailable(format!("no answer within {bound:?}")))??;
-    Ok(states
-        .into_iter()
-        .filter_map(|(k, v)| {
-            let name = k.strip_prefix(RULE_STATE_PREFIX)?.to_string();
-            Some((name, serde_json::from_value(v).ok()?))
-        })
-        .collect())
+/// The rules an operator disabled, each with its switch (when, by whom), as this node knows
+/// them: read from the store at start, changed by the API, and followed from the store on a
+/// store several nodes share. Kept in memory so that routing and `GET /v1/rules` read no
+/// store.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DisabledRules(std::collections::HashMap<String, RuleSwitch>);
+
+impl DisabledRules {
+    /// The switches of the stored target states (`rule:<name>` records that say disabled).
+    pub fn from_states(states: &[(String, serde_json::Value)]) -> Self {
+        Self(
+            states
+                .iter()
+                .filter_map(|(k, v)| {
+                    let name = k.strip_prefix(RULE_STATE_PREFIX)?;
+                    let switch = serde_json::from_value::<RuleSwitch>(v.clone()).ok()?;
+                    switch.disabled.then(|| (name.to_string(), switch))
+                })
+                .collect(),
+        )
+    }
+
+    /// Whether an operator disabled the rule.
+    pub fn contains(&self, name: &str) -> bool {
+        self.0.contains_key(name)
+    }
+
+    /// Whether no rule is disabled.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The switch that disabled the rule, if one did.
+    pub fn get(&self, name: &str) -> Option<&RuleSwitch> {
+        self.0.get(name)
+    }
+
+    /// The names of the disabled rules (in no order).
+    pub fn names(&self) -> impl Iterator<Item = &String> {
+        self.0.keys()
+    }
 }
 
 /// The state of rules and contracts as loaded, for `/v1/status`.
@@ -857,20 +882,6 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
 /// (paused targets, disabled rules) set on any node.
 const OPERATOR_STATE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// The rules disabled by operators, as the stored rule records say.
-fn disabled_in(states: &[(String, serde_json::Value)]) -> std::collections::HashSet<String> {
-    states
-        .iter()
-        .filter_map(|(k, v)| {
-            let name = k.strip_prefix(RULE_STATE_PREFIX)?;
-            v["disabled"]
-                .as_bool()
-                .filter(|d| *d)
-                .map(|_| name.to_string())
-        })
-        .collect()
-}
-
 /// On a store several nodes share: applies the pauses and rule switches made on other nodes
 /// (each node's API persists them; without this, pausing a target at 3 a.m. through a load
 /// balancer would stop one node's deliveries and leave the others hammering the dependency).
@@ -925,7 +936,7 @@ fn spawn_operator_state_follower(app: &Arc<App>, tracker: &TaskTracker, cancel: 
                     app.dispatcher.follow_lift(id, at);
                 }
             }
-            let disabled = disabled_in(&states);
+            let disabled = DisabledRules::from_states(&states);
             // Skipped when this node changed something meanwhile: what was read may predate
             // it, and the next round reads it.
             app.dispatcher.if_no_operator_change(since, || {
@@ -938,7 +949,7 @@ fn spawn_operator_state_follower(app: &Arc<App>, tracker: &TaskTracker, cancel: 
                     }
                 }
                 if *app.disabled.load_full() != disabled {
-                    tracing::warn!(disabled = ?disabled, "rules enabled or disabled by an operator on another node");
+                    tracing::warn!(disabled = ?disabled.names().collect::<Vec<_>>(), "rules enabled or disabled by an operator on another node");
                     app.disabled.store(Arc::new(disabled));
                 }
             });
@@ -1993,7 +2004,7 @@ pub async fn run_with_store(
     }
     dispatcher.start_reaper();
 
-    let disabled = disabled_in(&store.target_states().await?);
+    let disabled = DisabledRules::from_states(&store.target_states().await?);
     let initial_status = ReloadStatus {
         rules_version: rules.version.clone(),
         rules_git_commit: crate::rules::watch::git_commit(&cfg.rules_dir),
@@ -2976,7 +2987,7 @@ fn test_app_with(
         rule_warnings: Mutex::new(warnings),
         reload_lock: tokio::sync::Mutex::new(()),
         jobs: crate::dlq::Jobs::default(),
-        disabled: ArcSwap::from_pointee(std::collections::HashSet::new()),
+        disabled: ArcSwap::from_pointee(DisabledRules::default()),
         tokens: crate::auth::Tokens::new(&[]).expect("no tokens"),
         ingest_limiters: std::collections::HashMap::new(),
         disk_full: AtomicBool::new(false),
@@ -3000,6 +3011,51 @@ mod tests {
     use super::*;
     use crate::store::fault::SimulatedDisk;
     use crate::store::{DlqReason, RedbStore, StoreOptions};
+
+    /// The operators' switches read back from the stored target states: a disabled rule with
+    /// its when and who, an old boolean-only record, and neither an enabled switch nor a
+    /// paused target's record nor an unreadable value.
+    #[test]
+    fn disabled_rules_are_read_from_the_stored_switches() {
+        let states = vec![
+            (
+                "rule:orders".to_string(),
+                serde_json::json!({"disabled": true, "disabled_at": "2026-12-07T09:00:00.000Z", "disabled_by": "ops"}),
+            ),
+            (
+                "rule:old".to_string(),
+                serde_json::json!({"disabled": true}),
+            ),
+            (
+                "rule:back".to_string(),
+                serde_json::json!({"disabled": false}),
+            ),
+            ("rule:junk".to_string(), serde_json::json!("disabled")),
+            (
+                "pause:orders".to_string(),
+                serde_json::json!({"paused": true}),
+            ),
+        ];
+        let d = DisabledRules::from_states(&states);
+        let mut names: Vec<_> = d.names().cloned().collect();
+        names.sort();
+        assert_eq!(names, ["old", "orders"]);
+        assert!(d.contains("orders") && !d.contains("back") && !d.contains("junk"));
+        let orders = d.get("orders").expect("orders");
+        assert_eq!(orders.disabled_by.as_deref(), Some("ops"));
+        assert_eq!(
+            orders.disabled_at.as_deref(),
+            Some("2026-12-07T09:00:00.000Z")
+        );
+        assert_eq!(
+            d.get("old"),
+            Some(&RuleSwitch {
+                disabled: true,
+                ..Default::default()
+            })
+        );
+        assert!(DisabledRules::from_states(&[]).is_empty());
+    }
 
     /// `main` prints a start error with its sources (`{e:#}`): every variant that has a
     /// source says its message once. Before, `Auth`, `Store`, `Serve` and `Client` put their

@@ -1004,21 +1004,7 @@ pub async fn rules(State(app): State<Arc<App>>, ApiQuery(q): ApiQuery<RulesQuery
     let page = page::take_page(&r.rules[start..], limit, |rule| rule.name.clone());
     let disabled = app.disabled_rules();
     let git_commit = live_git_commit(&app, &r.version, std::time::Duration::ZERO).await;
-    // When and by whom each switch was set, as stored: a store that does not answer leaves
-    // them null rather than the rules unlisted.
-    let switches = crate::app::rule_switches(&app, std::time::Duration::from_secs(2))
-        .await
-        .unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "the rule switches could not be read");
-            Default::default()
-        });
-    let switch = |name: &str| {
-        switches
-            .get(name)
-            .filter(|_| disabled.contains(name))
-            .cloned()
-            .unwrap_or_default()
-    };
+    let switch = |name: &str| disabled.get(name).cloned().unwrap_or_default();
     let unrouted = app
         .metrics
         .ingest_unrouted
@@ -1054,7 +1040,7 @@ pub async fn rules(State(app): State<Arc<App>>, ApiQuery(q): ApiQuery<RulesQuery
         // Operator switches naming no live rule (renamed or removed since): each would stop a
         // rule of that name the moment one came back. `rules enable NAME` clears one.
         "disabled_absent": disabled
-            .iter()
+            .names()
             .filter(|n| !r.rules.iter().any(|rule| &rule.name == *n))
             .collect::<std::collections::BTreeSet<_>>(),
     }))

@@ -988,7 +988,7 @@ impl Answered {
 /// Matches `ev` against `rules` and builds what the store accepts.
 pub fn route(
     rules: &crate::rules::RuleSet,
-    disabled: &std::collections::HashSet<String>,
+    disabled: &crate::app::DisabledRules,
     ev: CloudEvent,
     now: i64,
     dedup_window_ms: i64,
@@ -1019,7 +1019,7 @@ fn routed_event(
 /// The rules (not disabled) that `ev` matches, and a queue entry for each of their targets.
 pub fn match_targets(
     rules: &crate::rules::RuleSet,
-    disabled: &std::collections::HashSet<String>,
+    disabled: &crate::app::DisabledRules,
     ev: &CloudEvent,
 ) -> (Vec<String>, Vec<NewEntry>) {
     match_targets_counting(rules, disabled, ev, &mut 0, &mut false)
@@ -1029,7 +1029,7 @@ pub fn match_targets(
 /// a rule an operator disabled matched.
 fn match_targets_counting(
     rules: &crate::rules::RuleSet,
-    disabled: &std::collections::HashSet<String>,
+    disabled: &crate::app::DisabledRules,
     ev: &CloudEvent,
     steps: &mut u64,
     disabled_hit: &mut bool,
