@@ -902,7 +902,13 @@ impl Cx<'_> {
         let json = p.to_json();
         match Pattern::compile(&json) {
             Ok(pattern) => match automaton::check_pattern(&pattern) {
-                Ok(()) => Some((pattern, json)),
+                Ok(()) => {
+                    for w in crate::rules::pattern::warnings(&json) {
+                        let at = p.at_pointer(&w.pointer);
+                        self.warn(file, at, format!("pattern {}: {}", w.pointer, w.message));
+                    }
+                    Some((pattern, json))
+                }
                 Err(msg) => {
                     self.err(file, p, format!("pattern: {msg}"));
                     None

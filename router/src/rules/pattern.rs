@@ -31,8 +31,11 @@
 //!   (or an empty array) is an object without fields, so `exists: false` inside a nested
 //!   pattern holds for it.
 //! * Exact values: strings match equal strings, numbers match numerically equal numbers
-//!   (`300`, `3e2` and `300.0` are equal; integers are compared exactly), `true`/`false`
-//!   and `null` match themselves. A string never matches a number and vice versa.
+//!   (`300`, `3e2` and `300.0` are equal; integers are compared exactly, also against a
+//!   float: 9007199254740993 does not equal 9007199254740992.0), `true`/`false` and `null`
+//!   match themselves. A string never matches a number and vice versa. A number operand
+//!   (exact or in `anything-but`) past ±2^53 - 1 must be a 64-bit integer: others were read
+//!   as rounded doubles and are refused.
 //! * `prefix`, `suffix`, `equals-ignore-case`, `wildcard` and `cidr` match string values only;
 //!   `numeric` matches number values only (compared as `f64`). Case-insensitive comparisons
 //!   map every character to its Unicode lowercase (`char::to_lowercase`) on both sides.
@@ -510,15 +513,16 @@ fn fold(s: &str) -> String {
     s.chars().flat_map(char::to_lowercase).collect()
 }
 
+/// Numbers that are integers compare as exact integers, whichever representation they were
+/// read into (`300`, `300.0`, `3e2`); fractions compare as `f64`.
 fn num_eq(a: &Number, b: &Number) -> bool {
-    if let (Some(x), Some(y)) = (a.as_i64(), b.as_i64()) {
-        return x == y;
-    }
-    if let (Some(x), Some(y)) = (a.as_u64(), b.as_u64()) {
-        return x == y;
-    }
-    match (a.as_f64(), b.as_f64()) {
+    use crate::rules::automaton::Num;
+    match (
+        Num::from_number(a).exact_int(),
+        Num::from_number(b).exact_int(),
+    ) {
         (Some(x), Some(y)) => x == y,
+        (None, None) => matches!((a.as_f64(), b.as_f64()), (Some(x), Some(y)) if x == y),
         _ => false,
     }
 }
@@ -602,6 +606,58 @@ fn kind(v: &Value) -> &'static str {
 }
 
 /// Appends one reference token to a JSON pointer.
+/// What to say of a matcher written as a field name, `{"state": {"anything-but": "init"}}`
+/// (`ptr` is the pointer of the object holding it): the matcher object belongs in the
+/// field's list. Telling the writer to wrap the operand instead (`{"anything-but":
+/// ["init"]}`) led to a pattern that is valid and tests a field named `anything-but`.
+fn misplaced_matcher(ptr: &str, key: &str, value: &Value) -> String {
+    let field = ptr
+        .rsplit('/')
+        .next()
+        .filter(|f| !f.is_empty())
+        .map_or_else(
+            || "<field>".to_string(),
+            |f| f.replace("~1", "/").replace("~0", "~"),
+        );
+    let mut matcher = Map::new();
+    matcher.insert(key.to_string(), value.clone());
+    format!(
+        "`{key}` is a matcher, not a field name: a matcher object goes in the field's list, write {}: [{}]",
+        Value::String(field),
+        Value::Object(matcher)
+    )
+}
+
+/// Warnings about a pattern that compiles: a matcher's name used as a field name outside
+/// `$or` (`{"n": {"numeric": [">", 0]}}`). EventBridge reads it as a field name too, so it
+/// is valid, but it tests a field called `numeric` and matches nothing its writer meant.
+/// (Inside `$or` it is an error, as in EventBridge.)
+pub fn warnings(pattern: &Value) -> Vec<PatternError> {
+    fn walk(v: &Value, ptr: &str, out: &mut Vec<PatternError>) {
+        let Value::Object(map) = v else { return };
+        for (key, value) in map {
+            // Under `$or` a matcher's name is already an error.
+            if key == "$or" {
+                continue;
+            }
+            let p = pointer_push(ptr, key);
+            if OPERATORS.contains(&key.as_str()) {
+                out.push(PatternError {
+                    pointer: p.clone(),
+                    message: format!(
+                        "{} (as written, this tests a field named `{key}`)",
+                        misplaced_matcher(ptr, key, value)
+                    ),
+                });
+            }
+            walk(value, &p, out);
+        }
+    }
+    let mut out = Vec::new();
+    walk(pattern, "", &mut out);
+    out
+}
+
 pub(crate) fn pointer_push(base: &str, token: &str) -> String {
     format!("{base}/{}", crate::event::pointer_token(token))
 }
@@ -657,6 +713,10 @@ impl Compiler {
             let test = match value {
                 Value::Object(inner) => FieldTest::Object(self.object(inner, &p, false, in_or)),
                 Value::Array(items) => FieldTest::Matchers(self.matchers(items, &p)),
+                other if OPERATORS.contains(&key.as_str()) => {
+                    self.err(&p, misplaced_matcher(ptr, key, other));
+                    continue;
+                }
                 other => {
                     self.err(
                         &p,
@@ -719,10 +779,32 @@ impl Compiler {
                         out.push(matcher);
                     }
                 }
+                Value::Number(n) if !self.exact_number(n, &p) => {}
                 scalar => out.push(Matcher::Exact(scalar.clone())),
             }
         }
         out
+    }
+
+    /// Whether `n` can be matched exactly; refuses it where it is written when not: a
+    /// number past ±2^53 - 1 that is not a 64-bit integer was read as a rounded double, so
+    /// it would equal the numbers near it (123456789012345678901234567890 would match
+    /// ...891, and an `anything-but` of it would drop that one). EventBridge compares such
+    /// numbers by their digits.
+    fn exact_number(&mut self, n: &Number, ptr: &str) -> bool {
+        let too_large = matches!(
+            crate::rules::automaton::Num::from_number(n),
+            crate::rules::automaton::Num::Float(x) if x.abs() > MAX_NUMERIC_OPERAND
+        );
+        if too_large {
+            self.err(
+                ptr,
+                format!(
+                    "this number cannot be matched exactly (it reads as the double {n}): past ±{MAX_NUMERIC_OPERAND} (2^53 - 1) only 64-bit integers (from -9223372036854775808 to 18446744073709551615) keep their digits, other numbers are rounded and would equal their neighbours; send such values as strings and match them as strings"
+                ),
+            );
+        }
+        !too_large
     }
 
     fn matcher_object(&mut self, m: &Map<String, Value>, ptr: &str) -> Option<Matcher> {
@@ -820,6 +902,7 @@ impl Compiler {
     fn anything_but(&mut self, arg: &Value, ptr: &str) -> Result<AnythingBut, String> {
         match arg {
             Value::String(s) => Ok(AnythingBut::Strings(vec![s.clone()])),
+            Value::Number(n) if !self.exact_number(n, ptr) => Err(String::new()),
             Value::Number(n) => Ok(AnythingBut::Numbers(vec![n.clone()])),
             Value::Array(items) => {
                 if items.is_empty() {
@@ -831,7 +914,10 @@ impl Compiler {
                 for (i, item) in items.iter().enumerate() {
                     match item {
                         Value::String(s) => strings.push(s.clone()),
-                        Value::Number(n) => numbers.push(n.clone()),
+                        Value::Number(n) => {
+                            bad |= !self.exact_number(n, &pointer_push(ptr, &i.to_string()));
+                            numbers.push(n.clone());
+                        }
                         other => {
                             self.err(
                                 &pointer_push(ptr, &i.to_string()),
@@ -1103,6 +1189,96 @@ mod tests {
         ] {
             assert!(Pattern::compile(&ok).is_ok(), "{ok}");
         }
+    }
+
+    /// An exact number past 2^53 that is not a 64-bit integer was read as a rounded double:
+    /// refused where it is written (exact and `anything-but`), as the audit's
+    /// `[123456789012345678901234567890]` matched ...891. 64-bit integers stay exact.
+    #[test]
+    fn exact_numbers_that_lost_their_digits_are_refused() {
+        for (pattern, pointer) in [
+            (r#"{"n": [123456789012345678901234567890]}"#, "/n/0"),
+            (r#"{"n": ["a", 1e20]}"#, "/n/1"),
+            (r#"{"n": [-9223372036854775809]}"#, "/n/0"),
+            (
+                r#"{"n": [{"anything-but": 18446744073709551616}]}"#,
+                "/n/0/anything-but",
+            ),
+            (
+                r#"{"n": [{"anything-but": [1, 9007199254740993.0]}]}"#,
+                "/n/0/anything-but/1",
+            ),
+        ] {
+            let errors = Pattern::compile(&parse(pattern)).expect_err(pattern);
+            assert_eq!(errors.len(), 1, "{errors:?}");
+            assert_eq!(errors[0].pointer, pointer, "{pattern}");
+            assert!(
+                errors[0].message.contains("cannot be matched exactly"),
+                "{}",
+                errors[0].message
+            );
+        }
+        for ok in [
+            r#"{"n": [18446744073709551615, -9223372036854775808, 9007199254740991.0]}"#,
+            r#"{"n": [{"anything-but": [9007199254740993, 1.5e15, -2.5]}]}"#,
+            r#"{"n": [{"numeric": [">", 0]}, 1e-300]}"#,
+        ] {
+            assert!(Pattern::compile(&parse(ok)).is_ok(), "{ok}");
+        }
+    }
+
+    /// A matcher written as a field name: the error shows the matcher object inside the
+    /// field's list (it showed the operand wrapped, a valid pattern testing a field named
+    /// `anything-but`), and where the form is valid (an array or object under it) a warning
+    /// says what it tests. Inside `$or` it stays an error (not a warning as well).
+    #[test]
+    fn a_matcher_written_as_a_field_name_is_explained() {
+        let errors = Pattern::compile(&json!({"data": {"state": {"anything-but": "init"}}}))
+            .expect_err("refused");
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(errors[0].pointer, "/data/state/anything-but");
+        assert!(
+            errors[0]
+                .message
+                .contains(r#"write "state": [{"anything-but":"init"}]"#),
+            "{}",
+            errors[0].message
+        );
+        let errors = Pattern::compile(&json!({"exists": true})).expect_err("refused at the top");
+        assert!(
+            errors[0]
+                .message
+                .contains(r#""<field>": [{"exists":true}]"#),
+            "{}",
+            errors[0].message
+        );
+
+        let valid = json!({"data": {"n": {"numeric": [">", 0]}, "s": {"anything-but": ["a"]}},
+                           "$or": [{"a": ["x"]}, {"b": ["y"]}], "exists": {"x": ["y"]}});
+        assert!(Pattern::compile(&valid).is_ok());
+        let w = warnings(&valid);
+        let pointers: Vec<&str> = w.iter().map(|w| w.pointer.as_str()).collect();
+        assert_eq!(
+            pointers,
+            ["/data/n/numeric", "/data/s/anything-but", "/exists"]
+        );
+        assert!(
+            w[0].message.contains(r#"write "n": [{"numeric":[">",0]}]"#),
+            "{}",
+            w[0].message
+        );
+        assert!(
+            w[2].message
+                .contains(r#"write "<field>": [{"exists":{"x":["y"]}}]"#),
+            "{}",
+            w[2].message
+        );
+        assert!(warnings(&json!({"data": {"n": [{"numeric": [">", 0]}]}})).is_empty());
+        let in_or = json!({"$or": [{"a": ["x"]}, {"b": {"prefix": {"x": ["y"]}}}]});
+        assert_eq!(
+            Pattern::compile(&in_or).expect_err("an error in $or").len(),
+            1
+        );
     }
 
     #[test]

@@ -61,6 +61,8 @@ mod paths;
 mod tests;
 mod value_matchers;
 
+pub(crate) use value_matchers::Num;
+
 use std::fmt;
 
 use rustc_hash::{FxHashMap, FxHashSet};

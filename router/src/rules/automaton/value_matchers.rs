@@ -62,10 +62,23 @@ impl Num {
         }
     }
 
-    fn int(self) -> Option<i128> {
+    /// The exact integer this number is, whichever representation serde_json chose: `300`,
+    /// `300.0` and `3e2` are all 300. `None` for a fraction, NaN, or a float past `i128`.
+    ///
+    /// Exact equality compares these: comparing an integer with a float as `f64` made
+    /// 9007199254740993 equal to 9007199254740992.0 (the integer rounds on its way to a
+    /// double). A float past 2^53 has lost the digits it was written with; patterns refuse
+    /// such operands (`rules::pattern`), so an event's never meets one written alike.
+    pub(crate) fn exact_int(self) -> Option<i128> {
+        // 2^126: every f64 below it in magnitude converts to i128 without saturating.
+        const LIMIT: f64 = 85_070_591_730_234_615_865_843_651_857_942_052_864.0;
         match self {
             Num::Pos(u) => Some(i128::from(u)),
             Num::Neg(i) => Some(i128::from(i)),
+            Num::Float(x) if x.fract() == 0.0 && x.abs() < LIMIT => {
+                #[allow(clippy::cast_possible_truncation)] // integral and inside i128, above
+                Some(x as i128)
+            }
             Num::Float(_) => None,
         }
     }
@@ -105,25 +118,18 @@ fn fold_bytes(s: &str) -> SmallVec<[u8; 48]> {
     }
 }
 
-/// Exact numeric equality with the interpreter's `num_eq` semantics: two integers compare
-/// exactly, any comparison involving a float compares as `f64`.
+/// Exact numeric equality with the interpreter's `num_eq` semantics: numbers that are
+/// integers (whatever their representation) compare as exact integers, fractions as `f64`.
 #[derive(Debug, Default)]
 struct NumEq {
     ints: FxHashMap<i128, Payloads>,
     floats: FxHashMap<u64, Payloads>,
-    /// Integer operands keyed by their `f64` image, for float event values.
-    ints_as_f64: FxHashMap<u64, Payloads>,
 }
 
 impl NumEq {
     fn insert(&mut self, n: Num, p: u32) {
-        match n.int() {
-            Some(i) => {
-                self.ints.entry(i).or_default().push(p);
-                if let Some(k) = f64_key(n.f64()) {
-                    self.ints_as_f64.entry(k).or_default().push(p);
-                }
-            }
+        match n.exact_int() {
+            Some(i) => self.ints.entry(i).or_default().push(p),
             None => {
                 if let Some(k) = f64_key(n.f64()) {
                     self.floats.entry(k).or_default().push(p);
@@ -134,25 +140,18 @@ impl NumEq {
 
     fn lookup(&self, n: Num, steps: &mut u64, f: &mut impl FnMut(u32)) {
         *steps += 1;
-        let key = f64_key(n.f64());
-        match n.int() {
-            Some(i) => {
-                emit(self.ints.get(&i), f);
-                if let Some(k) = key {
-                    emit(self.floats.get(&k), f);
-                }
-            }
+        match n.exact_int() {
+            Some(i) => emit(self.ints.get(&i), f),
             None => {
-                if let Some(k) = key {
+                if let Some(k) = f64_key(n.f64()) {
                     emit(self.floats.get(&k), f);
-                    emit(self.ints_as_f64.get(&k), f);
                 }
             }
         }
     }
 
     fn nodes(&self) -> usize {
-        self.ints.len() + self.floats.len() + self.ints_as_f64.len()
+        self.ints.len() + self.floats.len()
     }
 }
 
