@@ -1194,9 +1194,10 @@ pub fn status_report(i: &StatusInputs<'_>) -> StatusReport {
                 for note in target_notes(t) {
                     attention.push(format!("target {id}: {note}"));
                 }
-                // As `targets ls --problems` counts it: a half-open breaker waits for a probe
-                // to succeed, and one with nothing to probe with stays so.
-                if t["breaker"]["state"] == "half_open" {
+                // As `targets ls --problems` counts it: a half-open breaker with entries waits
+                // for a probe to succeed. One with none waits for the next event to probe with:
+                // nothing to do there.
+                if crate::admin::targets::breaker_probing(t) {
                     attention.push(format!(
                         "target {id}: breaker half-open, probing whether the receiver is back (`router targets ls` shows its failures)"
                     ));
@@ -1399,7 +1400,10 @@ mod tests {
         let troubled_targets = json!({"targets": [
             {"id": "erp", "queued": 3, "in_flight": 0, "paused": true,
              "breaker": {"state": "open", "since": "t0", "open_until": "t1"}, "held_keys": []},
-            {"id": "crm", "queued": 0, "in_flight": 0, "paused": false,
+            {"id": "crm", "queued": 1, "in_flight": 0, "paused": false,
+             "breaker": {"state": "half_open"}, "held_keys": []},
+            // Half-open with nothing to probe with: the next event is the probe.
+            {"id": "quiet", "queued": 0, "in_flight": 0, "paused": false,
              "breaker": {"state": "half_open"}, "held_keys": []}
         ]});
         let recent = json!({"total": 2, "groups": [
@@ -1420,6 +1424,7 @@ mod tests {
         ] {
             assert!(all.contains(expected), "{expected:?} missing from:\n{all}");
         }
+        assert!(!all.contains("quiet"), "{all}");
         assert_eq!(r.attention.len(), 9, "{all}");
         assert!(r.text.contains("needs attention (9):"), "{}", r.text);
 

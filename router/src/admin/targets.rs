@@ -107,12 +107,20 @@ pub fn target_notes(t: &Value) -> Vec<String> {
 
 /// Whether target view `t` (an element of `GET /v1/targets`) needs an operator: paused, or
 /// one of [`target_notes`] holds (not running, held off by its receiver, breaker open, keys
-/// held), or its breaker is half-open. `GET /v1/targets?problems=true` lists these alone
-/// (`router targets ls --problems`).
+/// held), or its breaker is half-open and probing ([`breaker_probing`]). `GET
+/// /v1/targets?problems=true` lists these alone (`router targets ls --problems`).
 pub fn target_has_problems(t: &Value) -> bool {
-    t["paused"] == json!(true)
-        || t["breaker"]["state"] == "half_open"
-        || !target_notes(t).is_empty()
+    t["paused"] == json!(true) || breaker_probing(t) || !target_notes(t).is_empty()
+}
+
+/// Whether target view `t`'s breaker is half-open with entries to probe with (queued or in
+/// flight). One with none stays half-open until the next event, which is the probe (an
+/// event is needed to probe a receiver with): nothing is failing then, and counting it as a
+/// problem kept `router status` at exit 1, "probing", for as long as the target had no
+/// traffic (the policies audit).
+pub fn breaker_probing(t: &Value) -> bool {
+    t["breaker"]["state"] == "half_open"
+        && t["queued"].as_u64().unwrap_or(0) + t["in_flight"].as_u64().unwrap_or(0) > 0
 }
 
 /// Query of `GET /v1/targets`.
@@ -192,15 +200,25 @@ pub async fn targets(State(app): State<Arc<App>>, ApiQuery(q): ApiQuery<TargetsQ
 mod tests {
     use super::*;
 
-    /// The test `--problems` and the server's filter share: paused, half-open, or any note.
+    /// The test `--problems` and the server's filter share: paused, half-open with work to
+    /// probe with, or any note.
     #[test]
     fn a_target_needs_an_operator_when_paused_half_open_or_noted() {
         let fine =
             json!({"id": "a", "paused": false, "breaker": {"state": "closed"}, "held_keys": []});
         assert!(!target_has_problems(&fine));
+        // Half-open with nothing to probe with: the next event is the probe.
+        let mut idle = fine.clone();
+        idle["breaker"] = json!({"state": "half_open"});
+        assert!(!target_has_problems(&idle));
+        let mut probing = idle.clone();
+        probing["in_flight"] = json!(1);
+        assert!(target_has_problems(&probing));
+        probing["in_flight"] = json!(0);
+        probing["queued"] = json!(2);
+        assert!(target_has_problems(&probing));
         for (k, v) in [
             ("paused", json!(true)),
-            ("breaker", json!({"state": "half_open"})),
             (
                 "breaker",
                 json!({"state": "open", "since": "x", "open_until": "y"}),
