@@ -948,6 +948,40 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     notes.join("; ")
                 );
             }
+            // Per dependency (SPEC): targets sharing a receiver each show their own worst case
+            // above; one event matching several of them costs the receiver their sum.
+            let shared = set.shared_dependencies();
+            if !shared.is_empty() {
+                outln!(
+                    "\nDependencies with several targets (what one event matching all of them costs it):\n{:<44} {:>8} {:>8} {:>14}  notes",
+                    "DEPENDENCY", "TARGETS", "ATTEMPTS", "WORST CASE"
+                );
+            }
+            for d in &shared {
+                let mut notes = vec![format!(
+                    "{} ({} {})",
+                    d.targets.join(", "),
+                    if d.rules.len() == 1 { "rule" } else { "rules" },
+                    d.rules.iter().cloned().collect::<Vec<_>>().join(", ")
+                )];
+                if d.rules.len() > 1 {
+                    notes.push("if one event matches all these rules".to_string());
+                }
+                if d.attempts > router::policy::WORST_CASE_ATTEMPTS_SMELL {
+                    notes.push(format!(
+                        "more than {} attempts is a smell",
+                        router::policy::WORST_CASE_ATTEMPTS_SMELL
+                    ));
+                }
+                outln!(
+                    "{:<44} {:>8} {:>8} {:>14}  {}",
+                    d.dependency,
+                    d.targets.len(),
+                    d.attempts,
+                    humantime::format_duration(d.time).to_string(),
+                    notes.join("; ")
+                );
+            }
             // How the router's NATS clients connect: the keys and the variables they name,
             // and whether each is set now (never a secret's value).
             let secrets_file = cfg

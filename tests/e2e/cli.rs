@@ -731,6 +731,30 @@ async fn config_explain_notes_what_holds_entries_without_spending_attempts() {
         !plain.contains("ordered") && !plain.contains("cannot start") && !plain.contains("handler"),
         "{plain}"
     );
+    // Per dependency: the three webhooks on 127.0.0.1:9 are one receiver, whose row sums
+    // their worst-case attempts.
+    let dep = out
+        .lines()
+        .find(|l| l.starts_with("webhook http://127.0.0.1:9 "))
+        .unwrap_or_else(|| panic!("no dependency row: {out}"));
+    let cols: Vec<&str> = dep.split_whitespace().collect();
+    let sum: u32 = ["ordered", "signed", "plain"]
+        .iter()
+        .map(|id| {
+            row(id)
+                .split_whitespace()
+                .nth(3)
+                .and_then(|n| n.parse::<u32>().ok())
+                .expect("attempts")
+        })
+        .sum();
+    assert_eq!(cols[2], "3", "{dep}");
+    assert_eq!(cols[3], sum.to_string(), "{dep}");
+    assert!(dep.contains("ordered, plain, signed (rule r)"), "{dep}");
+    assert!(
+        !out.contains("handler invoicing  "),
+        "a dependency of one target has no row: {out}"
+    );
 }
 
 /// With the JetStream store, `router config explain` shows how the store connects: its

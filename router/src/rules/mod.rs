@@ -164,6 +164,19 @@ impl TargetKind {
         }
     }
 
+    /// The service it depends on, in one line: a webhook's origin (`webhook
+    /// http://host:port`, its paths being one service's endpoints), a handler, a NATS
+    /// subject. What `router config explain` sums worst cases over.
+    pub fn dependency(&self) -> String {
+        match self {
+            Self::Webhook { url, .. } => match reqwest::Url::parse(url) {
+                Ok(parsed) => format!("webhook {}", parsed.origin().ascii_serialization()),
+                Err(_) => format!("webhook {url}"),
+            },
+            other => other.destination(),
+        }
+    }
+
     /// The batching of a webhook that batches.
     pub fn batch(&self) -> Option<&WebhookBatch> {
         match self {
@@ -318,7 +331,50 @@ impl PartialEq for RuleSet {
     }
 }
 
+/// A dependency that several targets deliver to, and what one event that matched all of
+/// them could cost it at worst (`router config explain`): the SPEC counts worst cases per
+/// dependency, and three targets with 10 attempts each on one receiver are 30 attempts of
+/// it per event, each target's own row showing 10.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DependencyCost {
+    /// [`TargetKind::dependency`].
+    pub dependency: String,
+    /// The ids of the targets delivering there (in id order).
+    pub targets: Vec<String>,
+    /// The rules those targets belong to.
+    pub rules: std::collections::BTreeSet<String>,
+    /// The sum of their worst-case attempts.
+    pub attempts: u32,
+    /// The longest of their worst-case times (they deliver in parallel).
+    pub time: std::time::Duration,
+}
+
 impl RuleSet {
+    /// The dependencies that two or more targets deliver to, with their summed worst cases,
+    /// by dependency. Whether one event can match every one of them depends on the
+    /// patterns; targets of one rule always get the same events.
+    pub fn shared_dependencies(&self) -> Vec<DependencyCost> {
+        let mut by: BTreeMap<String, DependencyCost> = BTreeMap::new();
+        for t in self.targets.values() {
+            let dependency = t.kind.dependency();
+            let worst = t.worst_case();
+            let d = by
+                .entry(dependency.clone())
+                .or_insert_with(|| DependencyCost {
+                    dependency,
+                    targets: Vec::new(),
+                    rules: Default::default(),
+                    attempts: 0,
+                    time: std::time::Duration::ZERO,
+                });
+            d.targets.push(t.id.clone());
+            d.rules.insert(t.rule.clone());
+            d.attempts = d.attempts.saturating_add(worst.attempts);
+            d.time = d.time.max(worst.time);
+        }
+        by.into_values().filter(|d| d.targets.len() > 1).collect()
+    }
+
     /// A set with no files, rules or targets (what runs before any rules are loaded).
     pub fn empty() -> Self {
         let (set, errors) = RuleSet::assemble(

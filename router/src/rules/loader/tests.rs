@@ -1820,3 +1820,65 @@ rules:
         "{e:#?}"
     );
 }
+
+/// Worst cases per dependency: targets delivering to one webhook origin (any path), one
+/// handler or one subject are summed (attempts) and maxed (time); a dependency of one target
+/// is left out (its own row says it all).
+#[test]
+fn targets_sharing_a_dependency_sum_their_worst_cases() {
+    let (set, _) = ok(&[(
+        "r.yaml",
+        "\
+policies:
+  ten:
+    retry: { max_attempts: 10, base_delay: 1s, max_delay: 1s, jitter: none, max_age: 1h }
+rules:
+  - name: r
+    pattern: { type: [t] }
+    targets:
+      - { webhook: \"http://ERP.example:80/a\", id: a, policy: ten }
+      - { webhook: \"http://erp.example/b?x=1\", id: b, policy: ten }
+      - { webhook: \"http://erp.example:8080/a\", id: other-port }
+      - { handler: inv, id: h1 }
+  - name: r2
+    pattern: { type: [u] }
+    targets:
+      - { webhook: \"http://erp.example/c\", id: c }
+      - { handler: inv, id: h2 }
+      - { nats: orders.paid, id: n1 }
+",
+    )]);
+    let shared = set.shared_dependencies();
+    let deps: Vec<(&str, Vec<&str>, u32)> = shared
+        .iter()
+        .map(|d| {
+            (
+                d.dependency.as_str(),
+                d.targets.iter().map(String::as_str).collect(),
+                d.attempts,
+            )
+        })
+        .collect();
+    let default_attempts = PolicyConfig::default().worst_case().0;
+    assert_eq!(
+        deps,
+        [
+            ("handler inv", vec!["h1", "h2"], 2 * default_attempts),
+            (
+                "webhook http://erp.example",
+                vec!["a", "b", "c"],
+                20 + default_attempts
+            ),
+        ]
+    );
+    let erp = &shared[1];
+    assert_eq!(
+        erp.rules.iter().map(String::as_str).collect::<Vec<_>>(),
+        ["r", "r2"]
+    );
+    let longest = ["a", "b", "c"]
+        .iter()
+        .map(|id| set.targets[*id].worst_case().time)
+        .max();
+    assert_eq!(Some(erp.time), longest);
+}
