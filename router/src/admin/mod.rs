@@ -703,12 +703,14 @@ fn waiting_on(app: &App, e: &crate::store::QueueEntry, in_flight: u64, now: i64)
         ));
     }
     // A retry the budget deferred is put back due at its turn: it may show a next attempt
-    // in the future or, in a long backlog, one already past.
+    // in the future or, in a long backlog, one already past. Which retry was deferred is not
+    // kept per entry, so this says what holds for every retry of the target now, not that
+    // this one was deferred (one waiting out its backoff reads the same).
     let deferred_at = rt.counters.last_budget_deferred_at.load(Ordering::Relaxed);
     if !e.attempts.is_empty() && deferred_at > 0 && now.saturating_sub(deferred_at) <= LIVE_HOLD_MS
     {
         return Some(format!(
-            "due, deferred by the target's retry budget (ratio {}, plus {}/s): retries beyond it wait their turn (budget_deferred in /v1/targets)",
+            "a retry, while the target's retry budget (ratio {}, plus {}/s) is deferring retries: past its next attempt time it waits its turn (budget_deferred in /v1/targets)",
             rt.budget().ratio(),
             crate::policy::budget::MIN_RETRIES_PER_SEC
         ));
