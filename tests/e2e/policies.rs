@@ -1204,3 +1204,58 @@ async fn retries_the_budget_defers_still_end_at_max_age() {
         "the budget deferred retries, as the scenario needs: {t}"
     );
 }
+
+/// A reload's retry policy applies from an entry's next attempt: a retry scheduled before a
+/// reload shortened `max_age` keeps its time and is then found past it. Its fate says so
+/// (before, `waiting_on` said nothing and the entry read as an ordinary retry until it went
+/// to the DLQ unsent at its old time: the day-2 audit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_past_a_max_age_a_reload_shortened_says_so_in_its_fate() {
+    let receiver = Receiver::status(503).await;
+    let policy = |max_age: &str| {
+        format!(
+            "  p:\n    retry: {{ max_attempts: 5, base_delay: 60s, max_delay: 60s, jitter: none, max_age: {max_age} }}"
+        )
+    };
+    let rules = |max_age: &str| {
+        rules_yaml(
+            &policy(max_age),
+            &[(
+                "r",
+                "t",
+                &[format!("webhook: {}\n        policy: p", receiver.url())],
+            )],
+        )
+    };
+    let r = RouterProc::start(&[("r.yaml", &rules("1h"))], &[]);
+    assert_eq!(post_event(&r, &event("m1", "t", json!({}))).await.0, 202);
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            (fate(&r, "m1").await["targets"][0]["state"] == "retrying").then_some(())
+        })
+        .await
+        .is_some(),
+        "the first attempt failed and a retry was scheduled 60 s out"
+    );
+    assert_eq!(
+        fate(&r, "m1").await["targets"][0]["waiting_on"],
+        Value::Null
+    );
+    // The reload goes through the rules directory, as an operator's edit does.
+    let path = r.dir.path().join("rules").join("r.yaml");
+    std::fs::write(&path, rules("1s")).expect("rules");
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    let waiting = eventually(Duration::from_secs(20), || async {
+        let w = fate(&r, "m1").await["targets"][0]["waiting_on"].clone();
+        w.as_str().map(str::to_string)
+    })
+    .await
+    .expect("waiting_on names the max_age it is past");
+    assert!(
+        waiting.contains("past its max_age (1s)")
+            && waiting.contains("max_age_exceeded, unsent, at its next attempt time"),
+        "{waiting}"
+    );
+    assert_eq!(receiver.count(), 1, "nothing sent past the new max_age");
+}

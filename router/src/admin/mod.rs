@@ -716,7 +716,10 @@ fn waiting_on(app: &App, e: &crate::store::QueueEntry, in_flight: u64, now: i64)
         ));
     }
     if e.due_at > now {
-        return None;
+        // A retry scheduled before a reload shortened max_age keeps its time (a reload's
+        // policy applies from an entry's next attempt), and is then found past max_age: said
+        // here, or the entry read as an ordinary retry until it went to the DLQ unsent.
+        return past_max_age_until(&format!("at its next attempt time, {}", rfc3339(e.due_at)));
     }
     if now <= rt.counters.throttled_until.load(Ordering::Relaxed) + LIVE_HOLD_MS {
         let rate = rt
