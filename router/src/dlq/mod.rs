@@ -192,6 +192,24 @@ impl ReplayRestriction {
         self.rules.is_some() || self.targets.is_some()
     }
 
+    /// What it names that the live rules no longer have (a reload removed or renamed it
+    /// since the job was created, when every name was checked), if anything.
+    fn gone(&self, live: &crate::rules::RuleSet) -> Option<String> {
+        let mut gone: Vec<String> = Vec::new();
+        let mut names = |what: &str,
+                         set: &Option<HashSet<String>>,
+                         known: &dyn Fn(&str) -> bool| {
+            let mut missing: Vec<&String> = set.iter().flatten().filter(|n| !known(n)).collect();
+            missing.sort();
+            gone.extend(missing.into_iter().map(|n| format!("{what} {n:?}")));
+        };
+        names("rule", &self.rules, &|n| {
+            live.rules.iter().any(|r| r.name == n)
+        });
+        names("target", &self.targets, &|n| live.targets.contains_key(n));
+        (!gone.is_empty()).then(|| gone.join(", "))
+    }
+
     /// Whether a copy for `entry` (a target matched through a rule) is the job's to queue.
     fn allows(&self, entry: &crate::store::NewEntry) -> bool {
         self.rules.as_ref().is_none_or(|r| r.contains(&entry.rule))
@@ -1022,13 +1040,10 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
         Ok(f) => f,
         Err(why) => {
             tracing::error!(job = %job.id, error = %why, "a job's stored filter does not read; the job is paused");
-            job.state = JobState::Paused;
-            job.last_error = Some(format!(
+            let why = format!(
                 "{why}; paused: cancel it and start a new job with a filter this version reads"
-            ));
-            job.updated_at = app.clock.now_ms();
-            *handle.lock().unwrap_or_else(|p| p.into_inner()) = JobState::Paused;
-            return app.store.put_job(job).await.map(|_| ());
+            );
+            return pause_for(app, &mut job, &handle, why).await;
         }
     };
     let restriction = match job.kind {
@@ -1039,13 +1054,10 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
         (p, f, Ok(r)) => (p, f, r),
         (_, _, Err(why)) => {
             tracing::error!(job = %job.id, error = %why, "a replay's stored restriction does not read; the job is paused");
-            job.state = JobState::Paused;
-            job.last_error = Some(format!(
+            let why = format!(
                 "{why}; paused: cancel it and start a new job with rules and targets this version reads"
-            ));
-            job.updated_at = app.clock.now_ms();
-            *handle.lock().unwrap_or_else(|p| p.into_inner()) = JobState::Paused;
-            return app.store.put_job(job).await.map(|_| ());
+            );
+            return pause_for(app, &mut job, &handle, why).await;
         }
     };
     let running = || *handle.lock().unwrap_or_else(|p| p.into_inner()) == JobState::Running;
@@ -1115,6 +1127,23 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
             // the retirer stop a drained one's worker, between the step's look at them and
             // its commit, or its entries would wait in a queue no worker serves.
             let _routing = app.routing_guard().await;
+            // A restriction naming what a reload removed since would skip the rest of the
+            // range as `skipped_restricted` and end `done` (13 of 30 events in the audit's
+            // case): the job stops for an operator instead, until the names are back.
+            if job.kind == JobKind::Replay
+                && let Some(gone) = restriction.gone(&app.rules.load())
+            {
+                tracing::warn!(job = %job.id, gone = %gone, "a restricted replay names what the live rules no longer have; the job is paused");
+                break pause_for(
+                    app,
+                    &mut job,
+                    &handle,
+                    format!(
+                        "{gone} is no longer in the live rules (a reload removed or renamed it): its events would be skipped; paused: resume it once the rules have it again, or cancel it and start a replay that names what they have now"
+                    ),
+                )
+                .await;
+            }
             match job.kind {
                 JobKind::Redrive => redrive_step(app, &mut job, &filter, take, now).await,
                 JobKind::Replay => {
@@ -1178,6 +1207,21 @@ async fn run(app: &Arc<App>, mut job: Job, handle: Arc<Mutex<JobState>>) -> Resu
     };
     app.jobs.set_failing(&job.id, None);
     result
+}
+
+/// Pauses a job for something an operator must act on, with the reason as its `last_error`
+/// (stored; `Err` when the job changed in the store since).
+async fn pause_for(
+    app: &App,
+    job: &mut Job,
+    handle: &Mutex<JobState>,
+    why: String,
+) -> Result<(), StoreError> {
+    job.state = JobState::Paused;
+    job.last_error = Some(why);
+    job.updated_at = app.clock.now_ms();
+    *handle.lock().unwrap_or_else(|p| p.into_inner()) = JobState::Paused;
+    app.store.put_job(job.clone()).await.map(|_| ())
 }
 
 /// A job's stored filter as it runs: a replay's event pattern, a redrive's DLQ filter. An
@@ -2542,6 +2586,51 @@ mod tests {
         let server = crate::store::jetstream::test_server::TestServer::start();
         let (_dir, app) = jetstream_app(&server, TWO_RULES).await;
         a_restricted_replay_resumes_with_its_restriction_on(&app).await;
+    }
+
+    /// A restricted replay whose named target or rule a reload removed since it was created
+    /// (what a restart or a running job meets) pauses, saying which and what to do: it went on
+    /// and skipped the rest of its range as `skipped_restricted`, ending `done` (the day-2
+    /// audit: 13 of 30 events never replayed, nothing said).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_restricted_replay_whose_names_were_removed_pauses_saying_so() {
+        let (_dir, app) = redb_app(TWO_RULES);
+        let now = app.clock.now_ms();
+        app.store
+            .accept(vec![new_event("/s", "t1", &["audit"], now - 1000)])
+            .await
+            .expect("accepted");
+        let job = Job {
+            state: JobState::Running,
+            spec: serde_json::json!({
+                "from": "", "to": "", "filter": null, "rate_per_sec": 1000.0,
+                "rules": ["to-erp", "renamed-since"], "targets": ["gone"],
+                "from_ms": now - 5000, "to_ms": now,
+            }),
+            total: 1,
+            created_at: now,
+            updated_at: now,
+            ..crate::store::test_events::job("replay-8", JobKind::Replay)
+        };
+        app.store.put_job(job).await.expect("put");
+        start_due(&app).await.expect("started");
+        let paused = wait_for(&app, "replay-8", Duration::from_secs(30), |j| {
+            j.state == JobState::Paused
+        })
+        .await;
+        let why = paused.last_error.clone().unwrap_or_default();
+        assert!(
+            why.starts_with(
+                r#"rule "renamed-since", target "gone" is no longer in the live rules"#
+            ) && why.contains("resume it once the rules have it again"),
+            "{why}"
+        );
+        assert_eq!(
+            (paused.moved, paused.skipped, paused.skipped_restricted),
+            (0, 0, 0),
+            "{paused:?}"
+        );
+        assert!(replayed_to(&app, "t1", "replay-8").await.is_empty());
     }
 
     /// Unknown names are refused at their element with the closest name, empty lists and
