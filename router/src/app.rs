@@ -53,10 +53,11 @@ pub struct App {
     pub jobs: crate::dlq::Jobs,
     /// Rules disabled by an operator (persisted; override the files until enabled).
     pub disabled: ArcSwap<DisabledRules>,
-    /// Configured bearer tokens.
-    pub tokens: crate::auth::Tokens,
-    /// Per-token ingest rate limiters.
-    pub ingest_limiters: std::collections::HashMap<String, crate::deliver::Limiter>,
+    /// Configured bearer tokens (`auth.tokens`; a reload reads them again from the
+    /// configuration file, [`reload_tokens`]).
+    pub tokens: ArcSwap<crate::auth::Tokens>,
+    /// Per-token ingest rate limiters, by token name.
+    pub ingest_limiters: ArcSwap<IngestLimiters>,
     /// Set while the store is past its disk high-water mark (ingest answers 503).
     pub disk_full: AtomicBool,
     /// The request bytes and events ingest holds at once (`ingest.max_in_flight_bytes`,
@@ -623,11 +624,114 @@ fn removal_grace(cfg: &Config, spec: Option<&TargetSpec>) -> Duration {
         + Duration::from_secs(5)
 }
 
+/// Per-token ingest rate limiters, by token name.
+pub type IngestLimiters = std::collections::HashMap<String, Arc<crate::deliver::Limiter>>;
+
+/// The ingest limiters of `tokens` (those with a `rate_per_sec`). A token whose rate is the
+/// same in `before` (its tokens and limiters) keeps its limiter, and with it what it spent.
+fn ingest_limiters(
+    tokens: &[crate::auth::TokenConfig],
+    before: Option<(&crate::auth::Tokens, &IngestLimiters)>,
+) -> IngestLimiters {
+    tokens
+        .iter()
+        .filter_map(|t| {
+            let rate = t.rate_per_sec?;
+            if let Some((old_tokens, old)) = before
+                && old_tokens.config(&t.name).map(|c| c.rate_per_sec) == Some(t.rate_per_sec)
+                && let Some(limiter) = old.get(&t.name)
+            {
+                return Some((t.name.clone(), limiter.clone()));
+            }
+            let period = std::time::Duration::from_secs_f64(1.0 / rate.max(1e-6));
+            let burst = std::num::NonZeroU32::new((rate.ceil() as u32).max(1))?;
+            let q = governor::Quota::with_period(period)?.allow_burst(burst);
+            Some((t.name.clone(), Arc::new(governor::RateLimiter::direct(q))))
+        })
+        .collect()
+}
+
+/// A reload's look at the configuration file (`router serve`'s, read again as at the start:
+/// the file, the environment, the flags). `auth.tokens` is applied: a token revoked or
+/// rotated in the file (a leaked one) stops working at the reload, not at the next restart,
+/// which it silently waited for. Every other key is read at the start only: one changed
+/// since is listed in the returned warnings, with the next restart as when it applies. Auth
+/// cannot be turned on or off here (the start chooses how the listener guards requests).
+fn reload_tokens(app: &App) -> Vec<String> {
+    let Some(origin) = &app.cfg.origin else {
+        return Vec::new();
+    };
+    let mut warnings = Vec::new();
+    let new = match origin.load() {
+        Ok((new, _)) => new,
+        Err(e) => {
+            let w = format!(
+                "the configuration file was not read again ({e}): auth.tokens are as before, the rules and contracts reload"
+            );
+            tracing::warn!("{w}");
+            return vec![w];
+        }
+    };
+    let live = app.tokens.load_full();
+    if new.auth.tokens != live.configs() {
+        let auth_on = !new.auth.tokens.is_empty();
+        if auth_on != live.enabled() {
+            warnings.push(format!(
+                "auth.tokens: a reload cannot turn auth {} (the start decides how requests are guarded): restart to apply; the tokens are as before",
+                if live.enabled() { "off" } else { "on" }
+            ));
+        } else {
+            match crate::auth::Tokens::new(&new.auth.tokens) {
+                Ok(tokens) => {
+                    let names = |t: &crate::auth::Tokens| -> std::collections::BTreeSet<String> {
+                        t.configs().into_iter().map(|c| c.name).collect()
+                    };
+                    let (was, now) = (names(&live), names(&tokens));
+                    let limiters = ingest_limiters(
+                        &new.auth.tokens,
+                        Some((&live, &app.ingest_limiters.load())),
+                    );
+                    app.ingest_limiters.store(Arc::new(limiters));
+                    app.tokens.store(Arc::new(tokens));
+                    tracing::warn!(
+                        added = ?now.difference(&was).collect::<Vec<_>>(),
+                        removed = ?was.difference(&now).collect::<Vec<_>>(),
+                        "auth.tokens reloaded from the configuration file: a removed token is refused from now on"
+                    );
+                }
+                Err(e) => warnings.push(format!(
+                    "auth.tokens not applied ({e}): the tokens are as before"
+                )),
+            }
+        }
+    }
+    let mut start = app.cfg.clone();
+    start.auth.tokens.clone_from(&new.auth.tokens);
+    let later = crate::config::changed_keys(&start, &new);
+    if !later.is_empty() {
+        warnings.push(format!(
+            "the configuration file changed since the start: {} apply at the next restart (a reload applies auth.tokens only)",
+            later.join(", ")
+        ));
+    }
+    for w in &warnings {
+        tracing::warn!("{w}");
+    }
+    warnings
+}
+
 /// Loads the rules and contracts directories again and swaps them in atomically. An invalid
 /// set is refused and the old one stays live. Compilation happens off the request path.
 pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, ReloadError> {
     let _one = app.reload_lock.lock().await;
     let now = app.clock.now_ms();
+    // Before the rules: a revoked token must not wait for a rule file to be fixed.
+    let config_warnings = {
+        let app = app.clone();
+        tokio::task::spawn_blocking(move || reload_tokens(&app))
+            .await
+            .unwrap_or_else(|e| vec![format!("the configuration file was not read again: {e}")])
+    };
     let cfg = app.cfg.clone();
     let loaded = tokio::task::spawn_blocking(move || {
         let rules = load_rules(&cfg);
@@ -781,6 +885,7 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
     };
     let ((rules, mut warnings), contracts, git, prepared) = result.map_err(refused)?;
     warnings.extend(contracts.warnings_against(&app.contracts.load()));
+    warnings.extend(config_warnings);
     app.store
         .save_targets(
             rules
@@ -1416,7 +1521,7 @@ fn prepare_emitted(
                         format!("{} hops is past the limit of {hop_limit}", ev.hops()),
                     )],
                 })
-            } else if let Some(why) = emit_scope_error(&app.tokens, emitter, &ev.ty) {
+            } else if let Some(why) = emit_scope_error(&app.tokens.load(), emitter, &ev.ty) {
                 Some(Quarantine {
                     reason: DlqReason::ScopeViolation,
                     errors: vec![crate::event::FieldError::new("/type", why)],
@@ -1805,18 +1910,7 @@ pub async fn run_with_store(
             return Err(e);
         }
     };
-    let ingest_limiters = cfg
-        .auth
-        .tokens
-        .iter()
-        .filter_map(|t| {
-            let rate = t.rate_per_sec?;
-            let period = std::time::Duration::from_secs_f64(1.0 / rate.max(1e-6));
-            let burst = std::num::NonZeroU32::new((rate.ceil() as u32).max(1))?;
-            let q = governor::Quota::with_period(period)?.allow_burst(burst);
-            Some((t.name.clone(), governor::RateLimiter::direct(q)))
-        })
-        .collect();
+    let ingest_limiters = ingest_limiters(&cfg.auth.tokens, None);
     let mut warnings = Vec::new();
     if !tokens.enabled() {
         let w = auth_off_warning(local, cfg.auth.insecure);
@@ -2044,8 +2138,8 @@ pub async fn run_with_store(
             crate::dlq::Jobs::default()
         },
         disabled: ArcSwap::from_pointee(disabled),
-        tokens,
-        ingest_limiters,
+        tokens: ArcSwap::from_pointee(tokens),
+        ingest_limiters: ArcSwap::from_pointee(ingest_limiters),
         disk_full: AtomicBool::new(false),
         ingest_admission,
         connections,
@@ -2988,8 +3082,8 @@ fn test_app_with(
         reload_lock: tokio::sync::Mutex::new(()),
         jobs: crate::dlq::Jobs::default(),
         disabled: ArcSwap::from_pointee(DisabledRules::default()),
-        tokens: crate::auth::Tokens::new(&[]).expect("no tokens"),
-        ingest_limiters: std::collections::HashMap::new(),
+        tokens: ArcSwap::from_pointee(crate::auth::Tokens::new(&[]).expect("no tokens")),
+        ingest_limiters: ArcSwap::from_pointee(IngestLimiters::new()),
         disk_full: AtomicBool::new(false),
         ingest_admission,
         connections,

@@ -360,6 +360,11 @@ impl Tokens {
         Ok(Self { tokens })
     }
 
+    /// The configured tokens, in their configuration's order.
+    pub fn configs(&self) -> Vec<TokenConfig> {
+        self.tokens.iter().map(|(_, c)| c.clone()).collect()
+    }
+
     /// Whether any token is configured (auth is on).
     pub fn enabled(&self) -> bool {
         !self.tokens.is_empty()
@@ -1008,7 +1013,8 @@ pub async fn layer(
     if need == Need::Nothing {
         return next.run(req).await;
     }
-    let principal = if app.tokens.enabled() {
+    let tokens = app.tokens.load();
+    let principal = if tokens.enabled() {
         let header = req
             .headers()
             .get(http::header::AUTHORIZATION)
@@ -1021,7 +1027,7 @@ pub async fn layer(
         let Some(token) = token else {
             return unauthorized("send `Authorization: Bearer <token>`");
         };
-        match app.tokens.authenticate(token.trim()) {
+        match tokens.authenticate(token.trim()) {
             Some(p) => p,
             None => {
                 tracing::warn!(route, "request with an unknown token");

@@ -73,6 +73,85 @@ pub struct Config {
     /// per secret name, so another target's secret cannot be copied to another URL.) Default [`DEFAULT_SECRETS_ENV_PREFIX`]; empty: any name (the rule
     /// files' authors are trusted with the router's whole environment).
     pub secrets_env_prefix: String,
+    /// Where this configuration was read from, so that a reload can read it again (`router
+    /// serve` sets it; a configuration built in code has none). Not a key.
+    #[serde(skip)]
+    pub origin: Option<ConfigOrigin>,
+}
+
+/// Where `router serve` read its configuration: the file, and the command-line flags that
+/// override it (the environment is read again as it is).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ConfigOrigin {
+    /// `--config`.
+    pub file: Option<PathBuf>,
+    /// `--listen`.
+    pub listen: Option<SocketAddr>,
+    /// `--data-dir`.
+    pub data_dir: Option<PathBuf>,
+    /// `--rules`.
+    pub rules_dir: Option<PathBuf>,
+    /// `--contracts`.
+    pub contracts_dir: Option<PathBuf>,
+}
+
+impl ConfigOrigin {
+    /// Reads the configuration: the file (or the defaults), the `ROUTER_*` environment, then
+    /// the flags. Returns it with its warnings.
+    pub fn load(&self) -> Result<(Config, Vec<String>), ConfigError> {
+        let (mut cfg, warnings) =
+            Config::load_with_warnings(self.file.as_deref(), Config::env_vars())?;
+        if let Some(l) = self.listen {
+            cfg.listen = l;
+        }
+        if let Some(d) = &self.data_dir {
+            cfg.data_dir.clone_from(d);
+        }
+        if let Some(r) = &self.rules_dir {
+            cfg.rules_dir.clone_from(r);
+        }
+        if let Some(c) = &self.contracts_dir {
+            cfg.contracts_dir.clone_from(c);
+        }
+        cfg.origin = Some(self.clone());
+        Ok((cfg, warnings))
+    }
+}
+
+/// The keys whose values differ between two configurations (`delivery.max_in_flight`,
+/// `auth.tokens`): arrays and values compared whole, never printed (a key's value may be a
+/// credential's hash).
+pub fn changed_keys(a: &Config, b: &Config) -> Vec<String> {
+    fn walk(a: &serde_json::Value, b: &serde_json::Value, path: &str, out: &mut Vec<String>) {
+        match (a, b) {
+            (serde_json::Value::Object(x), serde_json::Value::Object(y)) => {
+                let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+                for k in keys {
+                    let p = if path.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{path}.{k}")
+                    };
+                    let null = serde_json::Value::Null;
+                    walk(
+                        x.get(k).unwrap_or(&null),
+                        y.get(k).unwrap_or(&null),
+                        &p,
+                        out,
+                    );
+                }
+            }
+            (x, y) if x != y => out.push(path.to_string()),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    match (serde_json::to_value(a), serde_json::to_value(b)) {
+        (Ok(x), Ok(y)) => walk(&x, &y, "", &mut out),
+        // Not expected (a configuration always serializes): said rather than hidden.
+        _ => out.push("(the configuration could not be compared)".to_string()),
+    }
+    out
 }
 
 /// The default `secrets_env_prefix`. Not `ROUTER_…`: those variables are configuration keys.
@@ -669,6 +748,7 @@ impl Default for Config {
             nats: NatsConfig::default(),
             secrets_file: None,
             secrets_env_prefix: DEFAULT_SECRETS_ENV_PREFIX.to_string(),
+            origin: None,
         }
     }
 }
@@ -1511,6 +1591,23 @@ fn set_path(table: &mut toml::Table, path: &[String], value: toml::Value) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a reload lists as applying at the next restart: the dotted keys that differ,
+    /// never their values; none between equal configurations (the origin is not a key).
+    #[test]
+    fn changed_keys_name_the_keys_that_differ() {
+        let a = Config::default();
+        assert!(changed_keys(&a, &a.clone()).is_empty());
+        let mut b = a.clone();
+        b.delivery.max_in_flight = Some(77);
+        b.listen = "127.0.0.1:9".parse().expect("addr");
+        b.secrets_file = Some(PathBuf::from("/run/secrets"));
+        b.origin = Some(ConfigOrigin::default());
+        assert_eq!(
+            changed_keys(&a, &b),
+            ["delivery.max_in_flight", "listen", "secrets_file"]
+        );
+    }
 
     fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         pairs

@@ -539,20 +539,15 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             contracts,
         } => {
             let env = Config::env_vars();
-            let (mut cfg, config_warnings) =
-                Config::load_with_warnings(config.as_deref(), env.clone())?;
-            if let Some(l) = listen {
-                cfg.listen = l;
-            }
-            if let Some(d) = data_dir {
-                cfg.data_dir = d;
-            }
-            if let Some(r) = rules {
-                cfg.rules_dir = r;
-            }
-            if let Some(c) = contracts {
-                cfg.contracts_dir = c;
-            }
+            // Kept in the configuration: a reload reads it again the same way.
+            let origin = router::config::ConfigOrigin {
+                file: config,
+                listen,
+                data_dir,
+                rules_dir: rules,
+                contracts_dir: contracts,
+            };
+            let (cfg, config_warnings) = origin.load()?;
             router::telemetry::init_tracing(cfg.log_format == router::config::LogFormat::Json);
             // Before `run` derives server.max_connections and delivery.max_in_flight from it.
             #[cfg(unix)]

@@ -2350,3 +2350,78 @@ fn a_taken_ops_address_stops_the_start_naming_its_key() {
         "{err}"
     );
 }
+
+/// A token removed from the configuration file (a leaked one) is refused after a reload,
+/// SIGHUP or `POST /v1/admin/reload`: before, the reload re-read only rules and contracts,
+/// reported success, and the token worked until a restart (the day-2 audit). Other keys
+/// changed since the start are named in the reload's warnings as applying at the next
+/// restart; a file that does not read leaves the tokens as they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_removed_from_the_config_file_is_refused_after_a_reload() {
+    let both = tokens_config(&[("ops-admin", None, "admin"), ("leaked", None, "read")]);
+    let r = RouterProc::start_full(&[], &[], &[], Some(&both));
+    assert_eq!(
+        send_as(&r, "GET", "/v1/targets", "leaked", None).await.0,
+        200
+    );
+    let config = r.dir.path().join("router.toml");
+    let only_admin = tokens_config(&[("ops-admin", None, "admin")]);
+    std::fs::write(
+        &config,
+        format!("{only_admin}[delivery]\nmax_in_flight = 77\n"),
+    )
+    .expect("config");
+    r.signal("HUP");
+    let refused = eventually(Duration::from_secs(20), || async {
+        (send_as(&r, "GET", "/v1/targets", "leaked", None).await.0 == 401).then_some(())
+    })
+    .await;
+    assert!(
+        refused.is_some(),
+        "the removed token still works after SIGHUP"
+    );
+    let reload = |body: &'static str| {
+        let r = &r;
+        async move {
+            send_as(
+                r,
+                "POST",
+                "/v1/admin/reload",
+                "ops-admin",
+                Some(("application/json", body.as_bytes().to_vec())),
+            )
+            .await
+        }
+    };
+    let (s, body) = reload("{}").await;
+    assert_eq!(s, 200, "{body}");
+    let warnings = body["warnings"].to_string();
+    assert!(
+        warnings.contains(
+            "the configuration file changed since the start: delivery.max_in_flight apply at the next restart"
+        ) && !warnings.contains("auth.tokens:"),
+        "{warnings}"
+    );
+    // A file that does not read: the tokens stay, the reload says why.
+    std::fs::write(
+        &config,
+        format!("{only_admin}[delivery]\nmax_in_fligth = 1\n"),
+    )
+    .expect("config");
+    let (s, body) = reload("{}").await;
+    assert_eq!(s, 200, "{body}");
+    assert!(
+        body["warnings"]
+            .to_string()
+            .contains("the configuration file was not read again"),
+        "{body}"
+    );
+    assert_eq!(
+        send_as(&r, "GET", "/v1/targets", "ops-admin", None).await.0,
+        200
+    );
+    assert_eq!(
+        send_as(&r, "GET", "/v1/targets", "leaked", None).await.0,
+        401
+    );
+}

@@ -2291,7 +2291,7 @@ pub async fn rule_control(
             )],
         );
     }
-    let by = app.tokens.enabled().then(|| who.name.clone());
+    let by = app.tokens.load().enabled().then(|| who.name.clone());
     match app.set_rule_enabled(&name, enabled, by).await {
         Ok(true) => axum::Json(json!({ "rule": name, "enabled": enabled })).into_response(),
         Ok(false) => error_response(

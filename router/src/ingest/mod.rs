@@ -446,7 +446,7 @@ async fn handle(
             return scope_refused(principal, mode, i, &needed);
         }
     }
-    if let Some(limiter) = app.ingest_limiters.get(&principal.name) {
+    if let Some(limiter) = app.ingest_limiters.load().get(&principal.name) {
         let n = std::num::NonZeroU32::new(u32::try_from(events.len()).unwrap_or(u32::MAX))
             .unwrap_or(std::num::NonZeroU32::MIN);
         let refused = match limiter.check_n(n) {
