@@ -2542,9 +2542,9 @@ mod tests {
         a_restricted_replay_queues_only_the_named_copies_on(&app).await;
     }
 
-    /// A restricted replay stored as running (what a restart finds) resumes with its
-    /// restriction: it is in the job's stored spec, which both stores keep whole.
-    async fn a_restricted_replay_resumes_with_its_restriction_on(app: &Arc<App>) {
+    /// Stores event t1 (matched by `audit`) and a replay job `id` over it, as running (what a
+    /// restart finds), with the restriction `rules` and `targets`.
+    async fn stored_running_replay(app: &Arc<App>, id: &str, rules: Value, targets: Value) {
         let now = app.clock.now_ms();
         app.store
             .accept(vec![new_event("/s", "t1", &["audit"], now - 1000)])
@@ -2554,15 +2554,21 @@ mod tests {
             state: JobState::Running,
             spec: serde_json::json!({
                 "from": "", "to": "", "filter": null, "rate_per_sec": 1000.0,
-                "rules": ["to-erp"], "targets": null,
+                "rules": rules, "targets": targets,
                 "from_ms": now - 5000, "to_ms": now,
             }),
             total: 1,
             created_at: now,
             updated_at: now,
-            ..crate::store::test_events::job("replay-7", JobKind::Replay)
+            ..crate::store::test_events::job(id, JobKind::Replay)
         };
         app.store.put_job(job).await.expect("put");
+    }
+
+    /// A restricted replay stored as running (what a restart finds) resumes with its
+    /// restriction: it is in the job's stored spec, which both stores keep whole.
+    async fn a_restricted_replay_resumes_with_its_restriction_on(app: &Arc<App>) {
+        stored_running_replay(app, "replay-7", serde_json::json!(["to-erp"]), Value::Null).await;
         let stored = app.store.jobs().await.expect("jobs");
         assert_eq!(stored[0].spec["rules"], serde_json::json!(["to-erp"]));
         start_due(app).await.expect("resumed");
@@ -2595,24 +2601,13 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_restricted_replay_whose_names_were_removed_pauses_saying_so() {
         let (_dir, app) = redb_app(TWO_RULES);
-        let now = app.clock.now_ms();
-        app.store
-            .accept(vec![new_event("/s", "t1", &["audit"], now - 1000)])
-            .await
-            .expect("accepted");
-        let job = Job {
-            state: JobState::Running,
-            spec: serde_json::json!({
-                "from": "", "to": "", "filter": null, "rate_per_sec": 1000.0,
-                "rules": ["to-erp", "renamed-since"], "targets": ["gone"],
-                "from_ms": now - 5000, "to_ms": now,
-            }),
-            total: 1,
-            created_at: now,
-            updated_at: now,
-            ..crate::store::test_events::job("replay-8", JobKind::Replay)
-        };
-        app.store.put_job(job).await.expect("put");
+        stored_running_replay(
+            &app,
+            "replay-8",
+            serde_json::json!(["to-erp", "renamed-since"]),
+            serde_json::json!(["gone"]),
+        )
+        .await;
         start_due(&app).await.expect("started");
         let paused = wait_for(&app, "replay-8", Duration::from_secs(30), |j| {
             j.state == JobState::Paused
