@@ -545,6 +545,21 @@ pub fn removed_target_warnings(app: &App) -> Vec<String> {
                 Some(_) if let Some(why) = &stuck => format!(
                     "target {id} is no longer in the rules and its {n} queued entries cannot drain under its last configuration ({why}): they wait up to their max_age, then go to the DLQ. Restore the target or upload its handler to deliver them, or set delivery.on_target_removed = \"dead_letter\" and restart to dead-letter them now"
                 ),
+                // A held key's entries wait for a release, whatever the removal: "drain"
+                // alone had the operator wait for them (the day-2 audit).
+                Some(_) if let held = app.store.held_keys(&id)
+                    && !held.is_empty() =>
+                {
+                    format!(
+                        "target {id} is no longer in the rules; its {n} queued entries drain under its last configuration, except the {} behind its held ordering key(s) {}: they wait for `router targets release-key {id} <key>` (or a redrive of the key's dead letter)",
+                        s.queued_behind_keys,
+                        held.iter()
+                            .take(5)
+                            .map(|k| format!("{k:?}"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                }
                 Some(_) => format!(
                     "target {id} is no longer in the rules; its {n} queued entries drain under its last configuration"
                 ),

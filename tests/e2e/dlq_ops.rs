@@ -1923,3 +1923,64 @@ async fn the_fate_and_the_dlq_show_data_as_sent() {
     let v: Value = serde_json::from_str(&entry).expect("JSON");
     assert_eq!(v["event"]["id"], "big", "{v}");
 }
+
+/// A removed target's entries behind a held ordering key do not drain: `/v1/status` says so
+/// and names the key (before, its warning said only that the queue drains under the last
+/// configuration, and the operator waited for entries that wait for a release: the day-2
+/// audit). Released, they drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_targets_entries_behind_a_held_key_are_said_to_wait_for_a_release() {
+    let rcv = Receiver::scripted(Arc::new(|ev, _| {
+        let status = if ev["data"]["fail"] == true { 400 } else { 200 };
+        (status, Duration::ZERO, vec![])
+    }))
+    .await;
+    let policy = "  held:\n    ordering: partitionkey\n    on_dead_letter: hold";
+    let target = format!(
+        "webhook: {}\n        id: ordered\n        policy: held",
+        rcv.url()
+    );
+    let rules = rules_yaml(policy, &[("r", "t", std::slice::from_ref(&target))]);
+    let r = RouterProc::start(&[("r.yaml", &rules)], &[]);
+    let keyed = |id: &str, fail: bool| {
+        let mut e = event(id, "t", json!({ "fail": fail }));
+        e["partitionkey"] = json!("K");
+        e
+    };
+    post_batch(&r, &[keyed("first", true), keyed("behind", false)]).await;
+    eventually(Duration::from_secs(15), || async {
+        let (_, t) = get_json(&r, "/v1/targets/ordered").await;
+        (t["held_keys"] == json!(["K"]) && t["queued"] == 1).then_some(())
+    })
+    .await
+    .expect("the dead letter holds K with one entry behind it");
+    // The rule goes; the target stays only to drain.
+    std::fs::write(
+        r.dir.path().join("rules").join("r.yaml"),
+        rules_yaml(
+            policy,
+            &[(
+                "other",
+                "u",
+                std::slice::from_ref(&target.replace("id: ordered", "id: other")),
+            )],
+        ),
+    )
+    .expect("rules");
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    let warnings = get_json(&r, "/v1/status").await.1["warnings"].to_string();
+    assert!(
+        warnings.contains("target ordered is no longer in the rules; its 1 queued entries drain under its last configuration, except the 1 behind its held ordering key(s) \\\"K\\\": they wait for `router targets release-key ordered <key>`"),
+        "{warnings}"
+    );
+    let (s, _) = post_json(&r, "/v1/targets/ordered/keys/K/release", json!({})).await;
+    assert_eq!(s, 200);
+    assert!(
+        rcv.wait_for(Duration::from_secs(15), |s| s
+            .iter()
+            .any(|x| x.event_id() == "behind"))
+            .await,
+        "released, the entry behind drains"
+    );
+}
