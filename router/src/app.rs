@@ -509,6 +509,80 @@ fn moved_ids(
     })
 }
 
+/// At most this many keys are named in one target's notice of keys released
+/// ([`release_keys_no_longer_held`]); the log line and `held_keys` before it have them all.
+const RELEASED_KEYS_NAMED: usize = 10;
+
+/// Releases the ordering keys still held on targets whose live policy holds none: `ordering`
+/// removed (its entries are delivered unordered, `Store::set_ordered`), or `on_dead_letter`
+/// changed from `hold` to `proceed`. Left held, they kept the key's entries waiting for an
+/// operator's release, without bound, behind a policy that says nothing waits. Each release
+/// is the store's, as `POST /v1/targets/{id}/keys/{key}/release` makes it (durable; a key
+/// another node released first is skipped), and is logged. Called after a start or a reload
+/// has started the targets' workers; returns one notice per target, for the reload's answer
+/// and the warnings of `/v1/status`. Targets no longer in the rules are left alone: they
+/// drain under their last configuration.
+pub(crate) async fn release_keys_no_longer_held<'a>(
+    store: &dyn Store,
+    targets: impl IntoIterator<Item = &'a TargetSpec>,
+) -> Vec<String> {
+    let mut notices = Vec::new();
+    for spec in targets {
+        if spec.policy.holds_keys() {
+            continue;
+        }
+        let held = store.held_keys(&spec.id);
+        if held.is_empty() {
+            continue;
+        }
+        let why = if spec.policy.ordering.is_none() {
+            "its policy no longer has `ordering`: its entries are delivered unordered"
+        } else {
+            "its policy's on_dead_letter is no longer `hold`: a dead letter no longer holds its key"
+        };
+        let (mut released, mut failed) = (Vec::new(), Vec::new());
+        for key in held {
+            match store.release_key(&spec.id, &key).await {
+                Ok(true) => released.push(key),
+                // Released meanwhile (by an operator, or by another node's start or reload).
+                Ok(false) => {}
+                Err(e) => failed.push((key, e)),
+            }
+        }
+        let named = |keys: &[String]| {
+            let mut s = keys
+                .iter()
+                .take(RELEASED_KEYS_NAMED)
+                .map(|k| format!("{k:?}"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            if keys.len() > RELEASED_KEYS_NAMED {
+                s.push_str(&format!(" and {} more", keys.len() - RELEASED_KEYS_NAMED));
+            }
+            s
+        };
+        if !released.is_empty() {
+            tracing::warn!(target_id = %spec.id, keys = ?released, "ordering keys held after a dead letter released: {why}");
+            notices.push(format!(
+                "ordering keys of target {} held after a dead letter were released ({}): {why}; their dead letters stay in the DLQ",
+                spec.id,
+                named(&released)
+            ));
+        }
+        if let Some((_, e)) = failed.first() {
+            let keys: Vec<String> = failed.iter().map(|(k, _)| k.clone()).collect();
+            tracing::error!(target_id = %spec.id, keys = ?keys, error = %e, "ordering keys held after a dead letter could not be released: {why}");
+            notices.push(format!(
+                "ordering keys of target {} held after a dead letter could not be released ({}): {e}. {why}, but until they are released their entries may wait: reload again, or release each (POST /v1/targets/{}/keys/{{key}}/release)",
+                spec.id,
+                named(&keys),
+                crate::cli::seg(&spec.id)
+            ));
+        }
+    }
+    notices
+}
+
 /// Whether `id` has entries queued or in flight.
 fn has_live_entries(app: &App, id: &str) -> bool {
     app.store
@@ -987,6 +1061,9 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
     for w in &warnings {
         tracing::warn!(trigger, "{w}");
     }
+    // After the workers started (their ordering set): logged by the call.
+    let live = app.rules.load_full();
+    warnings.extend(release_keys_no_longer_held(app.store.as_ref(), live.targets.values()).await);
     *app.rule_warnings.lock().unwrap_or_else(|p| p.into_inner()) = warnings.clone();
     tracing::info!(trigger, version = %rules_version, contracts = %contracts_version, started = started.len(), removed = removed.len(), "rules and contracts reloaded");
     Ok(ReloadReport {
@@ -2111,6 +2188,9 @@ pub async fn run_with_store(
             }
         }
     }
+    // A policy changed while the router was down applies as at a reload: the workers are
+    // started (their ordering set), the keys the live policies no longer hold are released.
+    rule_warnings.extend(release_keys_no_longer_held(store.as_ref(), rules.targets.values()).await);
     dispatcher.start_reaper();
 
     let disabled = DisabledRules::from_states(&store.target_states().await?);

@@ -1259,3 +1259,240 @@ async fn a_retry_past_a_max_age_a_reload_shortened_says_so_in_its_fate() {
     );
     assert_eq!(receiver.count(), 1, "nothing sent past the new max_age");
 }
+
+/// How a key-ordering policy is changed in `a_policy_that_no_longer_holds_keys_frees_them`.
+#[derive(Clone, Copy, Debug)]
+enum KeysFreed {
+    /// `ordering` and `on_dead_letter` removed: the target delivers unordered.
+    OrderingOff,
+    /// `on_dead_letter: hold` changed to `proceed`, ordering kept.
+    Proceed,
+}
+
+/// Audit day 2, finding 2: a policy that no longer holds keys (ordering removed, or
+/// `on_dead_letter: hold` changed to `proceed`) left key K held after its dead letter, the
+/// events behind it stuck with no time limit, while `/v1/targets` said `ordering: null`.
+/// Given K held with k2 and k3 behind it, the change made by a reload or, while the router is
+/// down, by a restart: the key is released (durably, logged, named in `/v1/status`'s
+/// warnings), k2 and k3 are delivered, and an event of K sent after goes at once.
+async fn a_policy_that_no_longer_holds_keys_frees_them(change: KeysFreed, restart: bool) {
+    // Events whose data says `fail` are refused for good (400: dead-lettered at once).
+    let rcv = Receiver::scripted(Arc::new(|ev, _| {
+        let status = if ev["data"]["fail"] == true { 400 } else { 200 };
+        (status, Duration::ZERO, vec![])
+    }))
+    .await;
+    let rules = |policy: &str| {
+        rules_yaml(
+            policy,
+            &[(
+                "r",
+                "t",
+                &[format!(
+                    "webhook: {}\n        id: ordered\n        policy: p",
+                    rcv.url()
+                )],
+            )],
+        )
+    };
+    let held = "  p:\n    ordering: partitionkey\n    on_dead_letter: hold";
+    let mut r = RouterProc::start(&[("r.yaml", &rules(held))], &[]);
+    let keyed = |id: &str, fail: bool| {
+        let mut e = event(id, "t", json!({ "fail": fail }));
+        e["partitionkey"] = json!("K");
+        e
+    };
+    post_batch(&r, &[keyed("k1", true)]).await;
+    eventually(Duration::from_secs(15), || async {
+        (target_state(&r, "ordered").await["held_keys"] == json!(["K"])).then_some(())
+    })
+    .await
+    .expect("k1's dead letter holds K");
+    post_batch(&r, &[keyed("k2", false), keyed("k3", false)]).await;
+    let t = eventually(Duration::from_secs(15), || async {
+        let t = target_state(&r, "ordered").await;
+        (t["queued_behind_keys"] == 2).then_some(t)
+    })
+    .await;
+    assert!(t.is_some(), "{}", target_state(&r, "ordered").await);
+
+    let changed = match change {
+        KeysFreed::OrderingOff => "  p:\n    timeout: 5s".to_string(),
+        KeysFreed::Proceed => held.replace("hold", "proceed"),
+    };
+    let v1 = get_json(&r, "/v1/status").await.1["rules"]["version"].clone();
+    if restart {
+        r.kill9();
+    }
+    // Renamed into place, as an editor or `git checkout` does: a reload never reads half.
+    let dir = r.dir.path().join("rules");
+    std::fs::write(dir.join(".r.yaml.tmp"), rules(&changed)).expect("write");
+    std::fs::rename(dir.join(".r.yaml.tmp"), dir.join("r.yaml")).expect("rename");
+    if restart {
+        r.restart();
+    } else {
+        eventually(Duration::from_secs(15), || async {
+            (get_json(&r, "/v1/status").await.1["rules"]["version"] != v1).then_some(())
+        })
+        .await
+        .expect("the watcher reloaded the rules");
+    }
+    let delivered = rcv
+        .wait_for(Duration::from_secs(15), |s| {
+            let ok: Vec<String> = s
+                .iter()
+                .filter(|x| x.body["data"]["fail"] != true)
+                .map(Received::event_id)
+                .collect();
+            ok.contains(&"k2".to_string()) && ok.contains(&"k3".to_string())
+        })
+        .await;
+    let t = target_state(&r, "ordered").await;
+    assert!(delivered, "k2 and k3 still wait after {change:?}: {t}");
+    assert_eq!(t["held_keys"], json!([]), "{t}");
+    let ordering = match change {
+        KeysFreed::OrderingOff => json!(null),
+        KeysFreed::Proceed => json!("partitionkey"),
+    };
+    assert_eq!(t["ordering"], ordering, "{t}");
+    if let KeysFreed::Proceed = change {
+        // Ordering kept: the key's entries still went one at a time, in order.
+        let order: Vec<String> = rcv
+            .received()
+            .iter()
+            .filter(|x| x.body["data"]["fail"] != true)
+            .map(Received::event_id)
+            .collect();
+        assert_eq!(order[..2], ["k2", "k3"], "{order:?}");
+    }
+    let (_, st) = get_json(&r, "/v1/status").await;
+    let notice = st["warnings"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .find(|w| w.contains("ordering keys of target ordered"))
+        .map(str::to_string);
+    assert!(
+        notice
+            .as_deref()
+            .is_some_and(|w| w.contains("released (\"K\")")),
+        "no warning says K was released: {st}"
+    );
+    assert!(
+        r.log_text()
+            .contains("ordering keys held after a dead letter released"),
+        "no log line says K was released"
+    );
+    // The dead letter stays where it is, for its team.
+    let (_, l) = get_json(&r, "/v1/dlq?target=ordered").await;
+    assert_eq!(l["entries"].as_array().map(Vec::len), Some(1), "{l}");
+
+    // Nothing holds K any more: a later event of K goes at once.
+    post_batch(&r, &[keyed("k4", false)]).await;
+    assert!(
+        rcv.wait_for(Duration::from_secs(15), |s| s
+            .iter()
+            .any(|x| x.event_id() == "k4"))
+            .await,
+        "{}",
+        target_state(&r, "ordered").await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_turns_ordering_off_releases_held_keys() {
+    a_policy_that_no_longer_holds_keys_frees_them(KeysFreed::OrderingOff, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_that_turns_ordering_off_releases_held_keys() {
+    a_policy_that_no_longer_holds_keys_frees_them(KeysFreed::OrderingOff, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_from_hold_to_proceed_releases_held_keys() {
+    a_policy_that_no_longer_holds_keys_frees_them(KeysFreed::Proceed, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_from_hold_to_proceed_releases_held_keys() {
+    a_policy_that_no_longer_holds_keys_frees_them(KeysFreed::Proceed, true).await;
+}
+
+/// Audit day 2, finding 2 (b): with ordering removed by a reload, the entries behind a key's
+/// retrying first one (its next attempt 30 s away) are delivered at once, and their fate no
+/// longer says they wait behind it; the head retries on its own schedule.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_behind_a_retrying_head_go_once_ordering_is_removed() {
+    let rcv = Receiver::scripted(Arc::new(|ev, _| {
+        let status = if ev["data"]["fail"] == true { 500 } else { 200 };
+        (status, Duration::ZERO, vec![])
+    }))
+    .await;
+    let rules = |ordering: &str| {
+        rules_yaml(
+            &format!(
+                "  p:\n    retry: {{ max_attempts: 10, base_delay: 30s, max_delay: 30s, jitter: none }}{ordering}"
+            ),
+            &[(
+                "r",
+                "t",
+                &[format!(
+                    "webhook: {}\n        id: wa\n        policy: p",
+                    rcv.url()
+                )],
+            )],
+        )
+    };
+    let r = RouterProc::start(&[("r.yaml", &rules("\n    ordering: $.data.order"))], &[]);
+    let ordered = |id: &str, fail: bool| event(id, "t", json!({ "order": "O1", "fail": fail }));
+    post_batch(&r, &[ordered("h1", true)]).await;
+    eventually(Duration::from_secs(15), || async {
+        (fate(&r, "h1").await["targets"][0]["state"] == "retrying").then_some(())
+    })
+    .await
+    .expect("h1 retries");
+    post_batch(&r, &[ordered("h2", false), ordered("h3", false)]).await;
+    let behind = eventually(Duration::from_secs(15), || async {
+        let f = fate(&r, "h2").await;
+        f["targets"][0]["waiting_on"]
+            .as_str()
+            .is_some_and(|w| w.contains("waiting behind entry"))
+            .then_some(f)
+    })
+    .await;
+    assert!(behind.is_some(), "{}", fate(&r, "h2").await);
+
+    let v1 = get_json(&r, "/v1/status").await.1["rules"]["version"].clone();
+    let dir = r.dir.path().join("rules");
+    std::fs::write(dir.join(".r.yaml.tmp"), rules("")).expect("write");
+    std::fs::rename(dir.join(".r.yaml.tmp"), dir.join("r.yaml")).expect("rename");
+    eventually(Duration::from_secs(15), || async {
+        (get_json(&r, "/v1/status").await.1["rules"]["version"] != v1).then_some(())
+    })
+    .await
+    .expect("the watcher reloaded the rules");
+    // Well inside h1's 30 s backoff.
+    let went = rcv
+        .wait_for(Duration::from_secs(15), |s| {
+            ["h2", "h3"]
+                .iter()
+                .all(|id| s.iter().any(|x| x.event_id() == *id))
+        })
+        .await;
+    let t = target_state(&r, "wa").await;
+    assert!(went, "h2 and h3 still wait behind h1: {t}");
+    assert_eq!(t["ordering"], json!(null), "{t}");
+    assert_eq!(t["queued_behind_keys"], 0, "{t}");
+    let f = fate(&r, "h2").await;
+    assert_eq!(f["targets"][0]["state"], "delivered", "{f}");
+    let h1 = fate(&r, "h1").await;
+    assert_eq!(h1["targets"][0]["state"], "retrying", "{h1}");
+    assert!(
+        h1["targets"][0]["waiting_on"]
+            .as_str()
+            .is_none_or(|w| !w.contains("ordering key")),
+        "{h1}"
+    );
+}

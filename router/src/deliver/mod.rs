@@ -569,6 +569,12 @@ impl Dispatcher {
             target,
             secret,
         } = prepared;
+        // The live policy decides whether the queue's keyed entries wait for one another, not
+        // the key each was accepted with: ordering removed lets them all go at once. Set
+        // before the worker (re)starts, so its first lease already sees it.
+        self.ctx
+            .store
+            .set_ordered(&spec.id, spec.policy.ordering.is_some());
         let mut fresh = false;
         // A new worker's saved state is read before the lock is taken: on the JetStream store
         // the read is a round trip, and ingest takes this lock on every accept (`reserve`). A

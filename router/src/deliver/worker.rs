@@ -20,7 +20,7 @@ use super::runtime::TargetRuntime;
 use crate::event::CloudEvent;
 use crate::policy::backoff;
 use crate::policy::breaker::{Admission, BreakerState, Transition};
-use crate::policy::config::{OnDeadLetter, RetryPolicy};
+use crate::policy::config::RetryPolicy;
 use crate::rules::{TargetKind, WebhookBatch};
 use crate::store::{
     AttemptEnd, AttemptResult, Disposition, DlqReason, FinishError, Leased, Millis, Unreadable,
@@ -660,7 +660,7 @@ async fn set_aside_unreadable(
     let reason = DlqReason::CorruptRecord;
     let disposition = Disposition::DeadLetter {
         reason,
-        hold: spec.policy.on_dead_letter == OnDeadLetter::Hold,
+        hold: spec.policy.holds_keys(),
     };
     let held = matches!(disposition, Disposition::DeadLetter { hold: true, .. });
     match ctx
@@ -923,7 +923,7 @@ fn not_sendable(rt: &TargetRuntime, leased: &Leased, now: Millis) -> Option<Sett
         },
         disposition: Disposition::DeadLetter {
             reason,
-            hold: rt.spec.policy.on_dead_letter == OnDeadLetter::Hold,
+            hold: rt.spec.policy.holds_keys(),
         },
         label: "dead_lettered",
     })
@@ -1080,7 +1080,7 @@ fn conclude(
     target_held: bool,
 ) -> Settled {
     let retry = &rt.spec.policy.retry;
-    let hold = rt.spec.policy.on_dead_letter == OnDeadLetter::Hold;
+    let hold = rt.spec.policy.holds_keys();
     let n = u32::try_from(leased.entry.attempts.len()).unwrap_or(u32::MAX);
     let jitter = rand::random::<f64>();
     let mut disposition = decide(
@@ -1693,7 +1693,7 @@ async fn record(ctx: &Arc<DeliveryContext>, rt: &TargetRuntime, leased: &Leased,
                 outbox: None,
             };
             let reason = DlqReason::PermanentError;
-            let held = spec.policy.on_dead_letter == OnDeadLetter::Hold;
+            let held = spec.policy.holds_keys();
             let disposition = Disposition::DeadLetter { reason, hold: held };
             match ctx
                 .store

@@ -1052,8 +1052,7 @@ fn match_targets_counting(
                 ordering_key,
                 max_depth: spec.map(|s| s.policy.max_queue_depth),
                 lease_ms: None,
-                hold_key: spec
-                    .is_some_and(|s| s.policy.on_dead_letter == crate::policy::OnDeadLetter::Hold),
+                hold_key: spec.is_some_and(|s| s.policy.holds_keys()),
             });
         }
         matched_rules.push(m.rule);

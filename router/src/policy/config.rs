@@ -444,6 +444,14 @@ impl fmt::Display for OrderingKey {
 }
 
 impl PolicyConfig {
+    /// Whether a dead letter holds its ordering key (`on_dead_letter: hold`). Only with
+    /// `ordering`: a target whose policy lost it delivers the keyed entries accepted before
+    /// unordered, and a dead letter among them must not hold their key (nothing would wait
+    /// for the hold, and it would come back when ordering is turned on again).
+    pub fn holds_keys(&self) -> bool {
+        self.ordering.is_some() && self.on_dead_letter == OnDeadLetter::Hold
+    }
+
     /// Sanity problems of this policy, one message per problem (empty when sane). The rules
     /// loader reports each one as an error.
     pub fn validate(&self) -> Vec<String> {

@@ -494,6 +494,14 @@ pub trait Store: Send + Sync + 'static {
     /// waiting), from memory: `None` when the key has no live entry.
     fn key_head(&self, target: &str, key: &str) -> Option<KeyHead>;
 
+    /// Whether `target`'s live policy orders its entries by key (`ordering`). Entries keep
+    /// the key they were accepted with; with `false` they go as if they had none: none waits
+    /// behind another of its key (a retrying or in-flight first one, a held key), and
+    /// `key_head` answers `None`. In memory, not stored: the dispatcher sets it from the live
+    /// rules whenever it starts a worker (every start, every reload that changes the
+    /// target). Until set, a target is ordered, as its entries' keys say.
+    fn set_ordered(&self, target: &str, ordered: bool);
+
     /// Earliest due time among `target`'s waiting entries.
     fn next_due(&self, target: &str) -> Option<Millis>;
 

@@ -596,6 +596,10 @@ struct TargetIndex {
     /// entry sorts before the key's later ones, so being first is not enough: without this
     /// it was leased while a later entry of its key was still being delivered.
     flying: BTreeMap<Arc<str>, EntryId>,
+    /// The target's live policy has no `ordering` (`Store::set_ordered`): its entries go as
+    /// if they had no key, whatever key they were accepted with. The keys above are still
+    /// kept, so that ordering turned on again applies to the entries still waiting.
+    unordered: bool,
 }
 
 impl TargetIndex {
@@ -664,8 +668,14 @@ impl TargetIndex {
     }
 
     /// Holds `key`: its first entry, if waiting in `ready`, is parked (the later ones are).
+    /// On an unordered target the key is only noted as held (a hold made by an acceptance
+    /// under the previous rules): nothing is parked, and the next start or reload releases it.
     fn hold(&mut self, key: &str) {
         let key = self.shared_key(key);
+        if self.unordered {
+            self.held.insert(key);
+            return;
+        }
         let Some(&first) = self.keys.get(&key).and_then(|s| s.first()) else {
             self.held.insert(key);
             return;
@@ -712,9 +722,29 @@ impl TargetIndex {
         }
     }
 
-    /// Whether `id` may be leased now as far as ordering goes: unkeyed, or the first live
-    /// entry of a key that is not held.
+    /// Whether ordering lets the target's entries go as their keys say (its live policy
+    /// orders them), or every entry goes as if unkeyed. Turned off, every parked entry is let
+    /// go; turned on again, those that ordering holds back are parked.
+    fn set_ordered(&mut self, ordered: bool) {
+        if self.unordered != ordered {
+            return;
+        }
+        self.unordered = !ordered;
+        if ordered {
+            self.park_blocked();
+        } else {
+            for (id, due) in std::mem::take(&mut self.parked) {
+                self.ready.insert((due, id));
+            }
+        }
+    }
+
+    /// Whether `id` may be leased now as far as ordering goes: unkeyed, the target's policy
+    /// without ordering, or the first live entry of a key that is not held.
     fn ordering_allows(&self, id: EntryId) -> bool {
+        if self.unordered {
+            return true;
+        }
         match self.entry_keys.get(&id) {
             None => true,
             Some(k) => {
@@ -758,6 +788,10 @@ struct Index {
     notifiers: FxHashMap<String, Arc<Notify>>,
     /// DLQ entries of no target (events quarantined at ingest).
     dlq_without_target: u64,
+    /// Targets whose live policy has no `ordering` (`Store::set_ordered`). Kept apart from
+    /// `targets`: a target's index is made on its first entry, and the index is rebuilt from
+    /// the tables when the store reopens after a write error; both take the flag from here.
+    unordered: BTreeSet<String>,
 }
 
 impl Index {
@@ -765,9 +799,29 @@ impl Index {
         // Looked up first: `entry` would allocate the key on every call, and the committer
         // calls this once per queue entry of every group while holding the index lock.
         if !self.targets.contains_key(t) {
-            self.targets.insert(t.to_string(), TargetIndex::default());
+            let index = TargetIndex {
+                unordered: self.unordered.contains(t),
+                ..TargetIndex::default()
+            };
+            self.targets.insert(t.to_string(), index);
         }
         self.targets.get_mut(t).expect("inserted above")
+    }
+
+    /// `Store::set_ordered`: notes the flag and applies it to the target's entries.
+    fn set_ordered(&mut self, t: &str, ordered: bool) {
+        let changed = if ordered {
+            self.unordered.remove(t)
+        } else {
+            self.unordered.insert(t.to_string())
+        };
+        if let Some(index) = self.targets.get_mut(t) {
+            index.set_ordered(ordered);
+        }
+        if changed {
+            // Entries let go by the change are due now, maybe before the worker's next wake.
+            self.notify(t);
+        }
     }
 
     fn notify(&mut self, t: &str) {
@@ -2543,6 +2597,10 @@ impl Store for RedbStore {
     fn key_head(&self, target: &str, key: &str) -> Option<KeyHead> {
         let mut idx = self.index();
         let t = idx.target(target);
+        if t.unordered {
+            // No entry waits for another of its key.
+            return None;
+        }
         match t.flying.get(key) {
             Some(&entry) => Some(KeyHead {
                 entry,
@@ -2553,6 +2611,10 @@ impl Store for RedbStore {
                 in_flight: t.in_flight.contains_key(&entry),
             }),
         }
+    }
+
+    fn set_ordered(&self, target: &str, ordered: bool) {
+        self.index().set_ordered(target, ordered);
     }
 
     fn next_due(&self, target: &str) -> Option<Millis> {
@@ -3447,10 +3509,18 @@ impl Committer {
                     log.send(LogMsg::Restart);
                 }
                 let mut idx = self.index.lock().unwrap_or_else(|p| p.into_inner());
-                // Workers keep their wake-up handles.
+                // Workers keep their wake-up handles, and targets their live ordering (the
+                // tables know only the keys entries were accepted with).
                 let notifiers = std::mem::take(&mut idx.notifiers);
+                let unordered = std::mem::take(&mut idx.unordered);
                 *idx = index;
                 idx.notifiers = notifiers;
+                for t in &unordered {
+                    if let Some(index) = idx.targets.get_mut(t) {
+                        index.set_ordered(false);
+                    }
+                }
+                idx.unordered = unordered;
                 for t in idx.targets.keys().cloned().collect::<Vec<_>>() {
                     idx.notify(&t);
                 }

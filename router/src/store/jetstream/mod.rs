@@ -1167,7 +1167,13 @@ impl JetStreamStore {
         let until = now.saturating_add(lease_ms);
         // The record carries the expiry; the token is its revision, known once written.
         entry.start_attempt(Lease { token: 0, until }, now);
-        if let Some(key) = &entry.ordering_key {
+        // A target whose live policy has no ordering delivers its keyed entries (accepted
+        // under an earlier policy) without the key's lock, as if they had no key.
+        if let Some(key) = entry
+            .ordering_key
+            .as_ref()
+            .filter(|_| self.view.ordered(&entry.target_id))
+        {
             // The key's lock first, as a write of its own (an atomic batch costs the server
             // ~5 ms, a single write ~0.5; only a lock taken from a waiting holder is a batch):
             // if the entry's lease then loses its race, the lock names an entry that is first

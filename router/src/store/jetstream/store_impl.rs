@@ -274,6 +274,10 @@ impl Store for JetStreamStore {
         self.view.key_head(target, key)
     }
 
+    fn set_ordered(&self, target: &str, ordered: bool) {
+        self.view.set_ordered(target, ordered);
+    }
+
     fn next_due(&self, target: &str) -> Option<Millis> {
         JetStreamStore::next_due(self, target)
     }

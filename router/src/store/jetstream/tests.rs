@@ -1380,6 +1380,82 @@ async fn a_held_key_waits_for_its_release() {
     assert_eq!(next[0].event.event.id, "h2");
 }
 
+/// A target whose policy lost `ordering` (`Store::set_ordered(.., false)`, set by the
+/// dispatcher at a start or reload) delivers its keyed entries unordered at once: those behind
+/// a retrying head, leased without the key's lock (which the head held: a lease that took it
+/// was refused), and those of a held key; the key's head does not show as anything to wait
+/// for. Turned on again, the keys order what still waits (audit day 2, finding 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_without_ordering_delivers_its_keyed_entries_at_once() {
+    let server = TestServer::start();
+    let s = store(&server).await;
+    s.accept(vec![
+        keyed("k1", "A", 1_000),
+        keyed("k2", "A", 1_001),
+        keyed("k3", "A", 1_002),
+        keyed("h1", "H", 1_003),
+        keyed("h2", "H", 1_004),
+    ])
+    .await
+    .expect("accept");
+    let mut first = lease_ok(&s, "t", 2_000, 10, 30_000).await;
+    first.sort_by(|a, b| a.event.event.id.cmp(&b.event.event.id));
+    let ids: Vec<&str> = first.iter().map(|l| l.event.event.id.as_str()).collect();
+    assert_eq!(ids, ["h1", "k1"], "one per key");
+    finish(
+        &s,
+        &first[1],
+        AttemptResult::Retryable,
+        Some("HTTP 500"),
+        Disposition::Retry { due_at: 50_000 },
+        2_100,
+    )
+    .await
+    .expect("retry");
+    dead_letter(&s, &first[0], true, 2_100).await;
+    // The hold and the retry reach the view through the stream: milliseconds, 10 s allowed.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while s.held_keys("t").is_empty() || s.queue_stats(3_000)["t"].queued_behind_keys != 3 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the view never showed H held and k2, k3, h2 waiting behind their keys: {:?}, {:?}",
+            s.held_keys("t"),
+            s.queue_stats(3_000).get("t")
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+
+    crate::store::Store::set_ordered(&s, "t", false);
+    assert_eq!(s.queue_stats(3_000)["t"].queued_behind_keys, 0);
+    assert!(crate::store::Store::key_head(&s, "t", "A").is_none());
+    let leased = lease_ok(&s, "t", 3_000, 10, 30_000).await;
+    let mut went: Vec<String> = leased.iter().map(|l| l.event.event.id.clone()).collect();
+    went.sort();
+    assert_eq!(
+        went,
+        ["h2", "k2", "k3"],
+        "behind the retrying head, and of the held key (the hold is released apart)"
+    );
+    assert!(s.release_key("t", "H").await.expect("release"));
+    for l in &leased {
+        deliver(&s, l, 3_100).await.expect("deliver");
+    }
+
+    // Ordering on again: a new entry of A waits for the retrying head, which goes first.
+    crate::store::Store::set_ordered(&s, "t", true);
+    s.accept(vec![keyed("k4", "A", 4_000)])
+        .await
+        .expect("accept");
+    assert!(lease_ok(&s, "t", 40_000, 10, 30_000).await.is_empty());
+    let head = lease_ok(&s, "t", 50_000, 10, 30_000).await;
+    assert_eq!(head.len(), 1);
+    assert_eq!(head[0].event.event.id, "k1");
+    deliver(&s, &head[0], 50_100).await.expect("deliver k1");
+    let next = lease_ok(&s, "t", 50_100, 10, 30_000).await;
+    assert_eq!(next.len(), 1);
+    assert_eq!(next[0].event.event.id, "k4");
+}
+
 /// The runbook for a held key: the dead letter is redriven, which releases the key. The
 /// redriven entry goes first, before the entries that waited behind it (as on redb). Its
 /// redrive restarts its `max_age`, and sorting it by that new acceptance time put it last

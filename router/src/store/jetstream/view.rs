@@ -6,7 +6,7 @@
 //! one is held. It only proposes candidates: the lease's compare-and-set on the record decides,
 //! so a view that lags behind another node's writes costs a conflict, never a double delivery.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -75,6 +75,10 @@ struct State {
     /// Entries this node is leasing right now, at the revision it saw: not proposed again
     /// until the view moves past that revision (or the lease gives up).
     claimed: HashMap<EntryId, u64>,
+    /// Targets whose live policy on this node has no `ordering` (`Store::set_ordered`): their
+    /// entries are indexed as if they had no key (in `leasable` at once, absent from `keys`),
+    /// whatever key they were accepted with.
+    unordered: HashSet<String>,
 }
 
 impl State {
@@ -85,6 +89,7 @@ impl State {
         self.claimed.remove(&id);
         let old = self.live.remove(&id)?;
         let order = old.key_order();
+        let key = self.key_of(&old.entry);
         let target = old.entry.target_id;
         if let Some(set) = self.ready.get_mut(&target) {
             set.remove(&(old.available_at, id));
@@ -92,8 +97,7 @@ impl State {
         if let Some(set) = self.leasable.get_mut(&target) {
             set.remove(&(old.available_at, id));
         }
-        let k = old.entry.ordering_key?;
-        let slot = (target, k);
+        let slot = (target, key?);
         if let Some(set) = self.keys.get_mut(&slot) {
             set.remove(&order);
             if set.is_empty() {
@@ -110,9 +114,21 @@ impl State {
         Some(slot.0)
     }
 
+    /// The ordering key `e` goes by: the one it was accepted with, unless its target's live
+    /// policy has no ordering.
+    fn key_of(&self, e: &QueueEntry) -> Option<String> {
+        e.ordering_key
+            .clone()
+            .filter(|_| !self.unordered.contains(&e.target_id))
+    }
+
     /// Puts the entry of key `slot` that may be leased (its first, unless the key is held)
     /// in `leasable`, and takes out the one there before if that changed.
     fn promote(&mut self, slot: &(String, String)) {
+        if self.unordered.contains(&slot.0) {
+            // Its entries are in `leasable` already, key or not.
+            return;
+        }
         let held = self.held.get(&slot.0).is_some_and(|h| h.contains(&slot.1));
         let desired = if held {
             None
@@ -182,29 +198,66 @@ impl State {
             available_at,
             key_at,
         };
-        let slot = live.entry.ordering_key.clone().map(|k| (target.clone(), k));
-        match &slot {
-            Some(slot) => {
-                self.keys
-                    .entry(slot.clone())
-                    .or_default()
-                    .insert(live.key_order());
-                if live.entry.lease.is_some() {
+        self.live.insert(id, live);
+        self.index_ordering(id);
+        self.notify(&target);
+    }
+
+    /// Puts live entry `id` where its ordering key says: unkeyed (or of an unordered
+    /// target) in `leasable`, keyed among its key's entries, where `promote` decides.
+    fn index_ordering(&mut self, id: EntryId) {
+        let Some(live) = self.live.get(&id) else {
+            return;
+        };
+        let (target, available_at, order) = (
+            live.entry.target_id.clone(),
+            live.available_at,
+            live.key_order(),
+        );
+        let leased = live.entry.lease.is_some();
+        match self.key_of(&live.entry) {
+            Some(k) => {
+                let slot = (target, k);
+                self.keys.entry(slot.clone()).or_default().insert(order);
+                if leased {
                     self.leased.insert(slot.clone(), id);
                 }
+                self.promote(&slot);
             }
             None => {
                 self.leasable
-                    .entry(target.clone())
+                    .entry(target)
                     .or_default()
                     .insert((available_at, id));
             }
         }
-        self.live.insert(id, live);
-        if let Some(slot) = slot {
-            self.promote(&slot);
+    }
+
+    /// `Store::set_ordered`: a change indexes the target's live entries again, as their keys
+    /// now count or not.
+    fn set_ordered(&mut self, target: &str, ordered: bool) {
+        let changed = if ordered {
+            self.unordered.remove(target)
+        } else {
+            self.unordered.insert(target.to_string())
+        };
+        if !changed {
+            return;
         }
-        self.notify(&target);
+        self.leasable.remove(target);
+        self.keys.retain(|(t, _), _| t != target);
+        self.promoted.retain(|(t, _), _| t != target);
+        self.leased.retain(|(t, _), _| t != target);
+        let ids: Vec<EntryId> = self
+            .ready
+            .get(target)
+            .map(|set| set.iter().map(|(_, id)| *id).collect())
+            .unwrap_or_default();
+        for id in ids {
+            self.index_ordering(id);
+        }
+        // Entries let go by the change are due now, maybe before the worker's next wake.
+        self.notify(target);
     }
 
     fn notify(&self, target: &str) {
@@ -223,6 +276,9 @@ impl State {
         let Some(k) = &e.ordering_key else {
             return true;
         };
+        if self.unordered.contains(&e.target_id) {
+            return true;
+        }
         if self.held.get(&e.target_id).is_some_and(|h| h.contains(k)) {
             return false;
         }
@@ -392,6 +448,16 @@ impl View {
     /// Live entries of `target` (waiting or leased): what its depth cap counts.
     pub fn depth(&self, target: &str) -> u64 {
         self.state().ready.get(target).map_or(0, |s| s.len() as u64)
+    }
+
+    /// See `Store::set_ordered`.
+    pub fn set_ordered(&self, target: &str, ordered: bool) {
+        self.state().set_ordered(target, ordered);
+    }
+
+    /// Whether `target`'s entries go in the order of their keys (see `Store::set_ordered`).
+    pub fn ordered(&self, target: &str) -> bool {
+        !self.state().unordered.contains(target)
     }
 
     /// Ordering keys of `target` held after a dead letter.
