@@ -2006,20 +2006,37 @@ async fn a_new_url_does_not_inherit_the_old_receivers_retry_after() {
             )],
         )
     };
+    // On a store several nodes share (JetStream), the entry that got the Retry-After waits
+    // for it itself (its next attempt time is the hold's end, as documented for a resume):
+    // there only the target's hold is cleared, and the events after the switch go at once.
+    let own_wait = RouterProc::on_jetstream();
+    let got = |b: &Receiver, ids: &[&str]| {
+        let b = b.clone();
+        let ids: Vec<String> = ids
+            .iter()
+            .filter(|id| !own_wait || id.ends_with('b'))
+            .map(|id| id.to_string())
+            .collect();
+        async move {
+            b.wait_for(Duration::from_secs(10), |s| {
+                ids.iter().all(|id| s.iter().any(|a| a.event_id() == *id))
+            })
+            .await
+        }
+    };
     let mut r = RouterProc::start(&[("r.yaml", &to(&primary.url()))], &[]);
     assert_eq!(post_event(&r, &event("e1", "t", json!({}))).await.0, 202);
     retry_after_held(&r).await;
     write_rules(&r, "r.yaml", &to(&backup.url()));
     let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
     assert_eq!(s, 200, "{body}");
-    assert!(
-        backup
-            .wait_for(Duration::from_secs(10), |s| s.len() == 1)
-            .await,
-        "the backup got nothing: the old receiver's Retry-After held it"
-    );
     let (_, t) = get_json(&r, "/v1/targets/w").await;
     assert!(t["retry_after_until"].is_null(), "{t}");
+    assert_eq!(post_event(&r, &event("e1b", "t", json!({}))).await.0, 202);
+    assert!(
+        got(&backup, &["e1", "e1b"]).await,
+        "the backup got nothing: the old receiver's Retry-After held it"
+    );
     // Back to the primary, held again; then switched while the router is down.
     write_rules(&r, "r.yaml", &to(&primary.url()));
     let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
@@ -2029,10 +2046,11 @@ async fn a_new_url_does_not_inherit_the_old_receivers_retry_after() {
     r.kill9();
     write_rules(&r, "r.yaml", &to(&backup.url()));
     r.restart();
+    let (_, t) = get_json(&r, "/v1/targets/w").await;
+    assert!(t["retry_after_until"].is_null(), "{t}");
+    assert_eq!(post_event(&r, &event("e2b", "t", json!({}))).await.0, 202);
     assert!(
-        backup
-            .wait_for(Duration::from_secs(10), |s| s.len() == 2)
-            .await,
+        got(&backup, &["e2", "e2b"]).await,
         "after a start the backup got nothing: the old receiver's Retry-After held it"
     );
 }
