@@ -268,18 +268,22 @@ const TARGET_REMOVED: &str = "the target was removed from the rules";
 /// (one lease and a little more), unless a reload brings the target back first — then its
 /// queue is live again and what is left of it delivers (a quick revert, or a rule moved
 /// between two files in two saves, used to dead-letter new events of a live target).
-async fn dead_letter_removed(app: &Arc<App>, id: &str, why: String, grace: Duration) {
+async fn dead_letter_removed(app: &Arc<App>, id: &str, why: String, grace: Duration) -> usize {
     let ctx = app.dispatcher.context().clone();
-    match move_queue_to_dlq(&ctx, id, crate::store::DlqReason::TargetRemoved, &why).await {
+    let moved = match move_queue_to_dlq(&ctx, id, crate::store::DlqReason::TargetRemoved, &why)
+        .await
+    {
         Ok(n) => {
             tracing::warn!(target_id = %id, entries = n, reason = %why, "target not in the rules; its queued entries moved to the DLQ");
+            n
         }
         // The new set is live already: a store failure here is not a refused reload
         // (callers take a refusal to mean nothing changed). The loop below keeps moving them.
         Err(e) => {
             tracing::warn!(target_id = %id, error = %e, "target not in the rules; moving its queued entries to the DLQ failed, tried again");
+            0
         }
-    }
+    };
     let app = Arc::downgrade(app);
     let id = id.to_owned();
     let back = move |id: &str| {
@@ -316,6 +320,49 @@ async fn dead_letter_removed(app: &Arc<App>, id: &str, why: String, grace: Durat
             }
         }
     });
+    moved
+}
+
+/// The reload answer's word on `n` entries of removed target `id` sent to the DLQ
+/// (`on_target_removed = "dead_letter"`): without it a rule rename emptied a queue into the
+/// DLQ with `warnings: []`. When the target's destination is live under exactly one id (the
+/// rule renamed, the receiver kept), a redrive of `id`'s dead letters delivers them there.
+fn dead_lettered_removed_warning(
+    rules: &RuleSet,
+    id: &str,
+    n: usize,
+    last: Option<&TargetSpec>,
+) -> String {
+    let head = format!(
+        "target {id} is no longer in the rules and delivery.on_target_removed = \"dead_letter\": its {n} queued entries went to the DLQ as target_removed"
+    );
+    let Some(dest) = last.map(|t| t.kind.destination()) else {
+        return head;
+    };
+    match targets_sending_to(rules, &dest)[..] {
+        [live] => format!(
+            "{head}. Its destination {dest} is live as target {live} (a renamed rule?): redrive them (router dlq redrive --target {id}, or POST /v1/dlq/redrive with {{\"filter\": {{\"target\": \"{id}\"}}}}) and they are delivered there"
+        ),
+        [] => format!(
+            "{head}. No target sends to its destination {dest} now: put the target back and redrive them, or purge them"
+        ),
+        ref several => format!(
+            "{head}. Its destination {dest} is live as several targets ({}): a redrive cannot tell which should take them; replay the events restricted to one (POST /v1/replay with \"targets\"), or give that target `id: {id}` and redrive",
+            several.join(", ")
+        ),
+    }
+}
+
+/// The targets of `rules` that send to `destination` (`TargetKind::destination`): where a
+/// removed target's queue and dead letters belong when its id changed but its receiver did
+/// not (a rule renamed).
+pub fn targets_sending_to<'a>(rules: &'a RuleSet, destination: &str) -> Vec<&'a str> {
+    rules
+        .targets
+        .values()
+        .filter(|t| t.kind.destination() == destination)
+        .map(|t| t.id.as_str())
+        .collect()
 }
 
 /// What a handler's release does to its queued deliveries ([`crate::wasm::ReleasedQueues`]):
@@ -440,14 +487,25 @@ fn known_targets(
     known
 }
 
-/// Targets whose id now names another one's destination while entries wait for the old
-/// one: a target without an explicit `id` is `<rule>-<index>`, so removing or reordering one
-/// of a rule's targets moves the ids of those after it, and their queues would be delivered
-/// to their neighbour (an event of `/a` posted to `/b`). Such a set is refused, naming the
-/// targets; a destination edited in place (one no other target had) is not a move, and its
-/// queue goes to the new destination, as an edited URL should. Dead letters count as entries
-/// here: an id that moved with only dead letters was let through, and redriving them then
-/// delivered them to the neighbour.
+/// Targets whose id now names another destination while entries wait for the old one, in a
+/// way that sends them to another target's receiver: a target without an explicit `id` is
+/// `<rule>-<index>`, so removing, inserting or reordering one of a rule's targets (or
+/// renaming a rule and giving its old name to a new one) moves the ids, and a queue would be
+/// delivered to a receiver it was never meant for (an event of `/a` posted to `/b`). Two
+/// shapes of the move are caught:
+/// - the id now names a destination another id had (target `r-0` now sends to what `r-1`
+///   did: a target removed before it);
+/// - the id's old destination is still in the new set, under another id that did not send
+///   there before (a target inserted before it: `r-0` now sends to the new `/audit` while
+///   `/erp`, its receiver, is now `r-1`'s). Only a new destination was looked at before, so
+///   this passed as an in-place edit and the waiting entries went to `/audit`.
+///
+/// Such a set is refused, naming the targets; a destination edited in place (its old one no
+/// longer in the set, the new one no other target's) is not a move, and its queue goes to the
+/// new destination, as an edited URL should. Nor is a target whose old destination another
+/// target of the set already shared. Dead letters count as entries here: an id that moved
+/// with only dead letters was let through, and redriving them then delivered them to the
+/// neighbour.
 ///
 /// `known` is what the store knows ([`known_targets`]), not only the live set: compared
 /// with the live set alone, the move went through in two reloads (the file removed, then put
@@ -466,44 +524,86 @@ fn moved_ids(
             .or_default()
             .push(t.id.as_str());
     }
+    let mut suggested = Vec::new();
     let moved: Vec<String> = new
         .targets
         .values()
         .filter_map(|t| {
             let before = known.get(&t.id)?;
             let (was, now) = (before.kind.destination(), t.kind.destination());
-            let from = *by_dest.get(&now)?.iter().find(|id| **id != t.id)?;
+            if was == now {
+                return None;
+            }
+            // Another id whose destination this one takes over.
+            let from = by_dest
+                .get(&now)
+                .and_then(|ids| ids.iter().find(|id| **id != t.id))
+                .copied();
+            // Another target of the new set that now has this one's old destination and did
+            // not before: the receiver's queue should have gone with it.
+            let kept_by = new
+                .targets
+                .values()
+                .find(|o| {
+                    o.id != t.id
+                        && o.kind.destination() == was
+                        && known.get(&o.id).is_none_or(|k| k.kind.destination() != was)
+                })
+                .map(|o| o.id.as_str());
+            if from.is_none() && kept_by.is_none() {
+                return None;
+            }
             let s = stats.get(&t.id);
             let live = s.map_or(0, |s| s.live());
             // Dead letters move with the id too: a redrive would deliver them to `now`.
             let dead = s.map_or(0, |s| s.dlq);
-            (was != now && live + dead > 0).then(|| {
-                let mut held = Vec::new();
-                if live > 0 {
-                    held.push(format!("{live} entries wait for {was}"));
+            if live + dead == 0 {
+                return None;
+            }
+            let mut held = Vec::new();
+            if live > 0 {
+                held.push(format!("{live} entries wait for {was}"));
+            }
+            if dead > 0 {
+                held.push(format!(
+                    "{dead} dead letters of {was} would be redriven there"
+                ));
+            }
+            let at = new
+                .rules
+                .iter()
+                .find(|r| r.name == t.rule)
+                .map(|r| format!(" ({}:{}, rule {})", r.file, r.line, r.name))
+                .unwrap_or_default();
+            let whose = match (from, kept_by) {
+                (Some(from), Some(kept)) => {
+                    format!(" (target {from}'s before), and its own {was} is now target {kept}'s,")
                 }
-                if dead > 0 {
-                    held.push(format!(
-                        "{dead} dead letters of {was} would be redriven there"
-                    ));
-                }
-                let at = new
-                    .rules
-                    .iter()
-                    .find(|r| r.name == t.rule)
-                    .map(|r| format!(" ({}:{}, rule {})", r.file, r.line, r.name))
-                    .unwrap_or_default();
-                format!(
-                    "target {}{at} now names {now} (target {from}'s before) while {}",
-                    t.id,
-                    held.join(" and ")
-                )
-            })
+                (Some(from), None) => format!(" (target {from}'s before)"),
+                (None, Some(kept)) => format!(", and its own {was} is now target {kept}'s,"),
+                (None, None) => String::new(),
+            };
+            if let Some(kept) = kept_by {
+                suggested.push(format!(
+                    "`id: {}` on the target now numbered {kept} keeps that queue with its receiver",
+                    t.id
+                ));
+            }
+            Some(format!(
+                "target {}{at} now names {now}{whose} while {}",
+                t.id,
+                held.join(" and ")
+            ))
         })
         .collect();
     (!moved.is_empty()).then(|| {
+        let hint = if suggested.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", suggested.join("; "))
+        };
         format!(
-            "{}: targets without an explicit `id` are numbered by position in their rule, and removing or reordering one moved them; give the rule's targets explicit ids (keeping a target's current id keeps its queue and its dead letters), or let the queues drain and redrive or purge the dead letters first",
+            "{}: targets without an explicit `id` are numbered by position in their rule, and removing, inserting or reordering one (or giving a renamed rule's name to another rule) moved them; give the rule's targets explicit ids{hint} (keeping a target's current id keeps its queue and its dead letters), or let the queues drain and redrive or purge the dead letters first",
             moved.join("; ")
         )
     })
@@ -581,6 +681,59 @@ pub(crate) async fn release_keys_no_longer_held<'a>(
         }
     }
     notices
+}
+
+/// Keeps an operator's pause when a reload changes the paused target's id (its rule
+/// renamed, an explicit `id` edited): a target this reload adds whose destination is that of
+/// a paused target it removes starts paused (persisted as an operator's pause, so a restart
+/// and other nodes keep it), saying so in `warnings`. Without it the new id started unpaused
+/// and new events went at once to the receiver the operator had paused, ahead of the old
+/// id's entries still waiting behind the pause. Written before the workers start, which
+/// read it as their saved state.
+async fn pause_renamed(
+    app: &App,
+    old: &RuleSet,
+    new: &RuleSet,
+    prepared: &[crate::deliver::PreparedTarget],
+    warnings: &mut Vec<String>,
+) {
+    let paused_removed: std::collections::HashMap<String, &str> = old
+        .targets
+        .values()
+        .filter(|t| !new.targets.contains_key(&t.id))
+        .filter(|t| {
+            app.dispatcher
+                .runtime(&t.id)
+                .is_some_and(|rt| rt.paused.load(Ordering::SeqCst))
+        })
+        .map(|t| (t.kind.destination(), t.id.as_str()))
+        .collect();
+    if paused_removed.is_empty() {
+        return;
+    }
+    for p in prepared {
+        let id = p.id();
+        if old.targets.contains_key(id) {
+            continue;
+        }
+        let Some(dest) = new.targets.get(id).map(|t| t.kind.destination()) else {
+            continue;
+        };
+        let Some(from) = paused_removed.get(&dest) else {
+            continue;
+        };
+        let record = serde_json::json!({ "paused": true });
+        let key = format!("{}{id}", crate::deliver::PAUSE_STATE_PREFIX);
+        let w = match app.store.put_target_state(&key, record).await {
+            Ok(()) => format!(
+                "target {id} starts paused: it sends to {dest}, the destination of paused target {from}, which this reload removes (a rule renamed or an id edited); the pause follows the receiver. Resume both when the receiver may get events again (POST /v1/targets/{id}/resume, and /v1/targets/{from}/resume for {from}'s waiting entries)"
+            ),
+            Err(e) => format!(
+                "target {id} sends to {dest}, the destination of paused target {from}, which this reload removes, but its pause could not be stored ({e}): it is NOT paused; pause it now (POST /v1/targets/{id}/pause)"
+            ),
+        };
+        warnings.push(w);
+    }
 }
 
 /// Whether `id` has entries queued or in flight.
@@ -985,6 +1138,7 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
         )
         .await
         .map_err(|e| refused(e.into()))?;
+    pause_renamed(app, &old, &rules, &prepared, &mut warnings).await;
     let mut started = Vec::new();
     // The saved states are read once for the targets started here, not once each.
     let states = crate::deliver::StoredStates::default();
@@ -1031,14 +1185,24 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
                     Ok(()) => {
                         tracing::warn!(target_id = %id, "target removed from the rules; its worker started under its last configuration to drain its queued entries");
                     }
-                    Err(why) => dead_letter_removed(app, id, why, grace).await,
+                    Err(why) => {
+                        dead_letter_removed(app, id, why, grace).await;
+                    }
                 }
             }
             crate::config::OnTargetRemoved::Drain => {
                 tracing::warn!(target_id = %id, "target removed from the rules; its queued entries drain under its last configuration");
             }
             crate::config::OnTargetRemoved::DeadLetter => {
-                dead_letter_removed(app, id, TARGET_REMOVED.to_string(), grace).await;
+                let n = dead_letter_removed(app, id, TARGET_REMOVED.to_string(), grace).await;
+                if n > 0 {
+                    warnings.push(dead_lettered_removed_warning(
+                        &app.rules.load(),
+                        id,
+                        n,
+                        old.targets.get(id),
+                    ));
+                }
             }
         }
     }
@@ -1953,6 +2117,44 @@ async fn check_moved_at_start(rules: &RuleSet, store: &dyn Store) -> Result<(), 
     }
 }
 
+/// Clears the stored Retry-After pause and breaker state of every target whose destination
+/// the rules changed while the router was down (a URL switched to a backup): they were the
+/// old receiver's, and restored they held the new one back (a reload clears them the same
+/// way, `Dispatcher::start_with`). The operator's pause stays.
+async fn forget_changed_receivers(rules: &RuleSet, store: &dyn Store) -> Result<(), StoreError> {
+    let saved = known_targets(&RuleSet::empty(), store.saved_targets().await?);
+    let changed: Vec<(&TargetSpec, String)> = rules
+        .targets
+        .values()
+        .filter_map(|t| {
+            let was = saved.get(&t.id)?.kind.destination();
+            (was != t.kind.destination()).then_some((t, was))
+        })
+        .collect();
+    if changed.is_empty() {
+        return Ok(());
+    }
+    let states = store.target_states().await?;
+    for (t, was) in changed {
+        let Some(mut state) = states.iter().find(|(k, _)| *k == t.id).and_then(|(_, v)| {
+            serde_json::from_value::<crate::deliver::PersistedState>(v.clone()).ok()
+        }) else {
+            continue;
+        };
+        if state.breaker.is_none() && state.retry_after_until.is_none() {
+            continue;
+        }
+        state.breaker = None;
+        state.retry_after_until = None;
+        state.retry_after_since = None;
+        store
+            .put_target_state(&t.id, serde_json::to_value(state).unwrap_or_default())
+            .await?;
+        tracing::warn!(target_id = %t.id, from = %was, to = %t.kind.destination(), "target's destination changed while the router was down: the old receiver's Retry-After pause and circuit breaker state are cleared, the new receiver starts with none");
+    }
+    Ok(())
+}
+
 /// Runs the router on a given store (tests hand in fault-injecting ones).
 pub async fn run_with_store(
     cfg: Config,
@@ -2133,6 +2335,9 @@ pub async fn run_with_store(
         .values()
         .map(|t| (t.id.clone(), serde_json::to_value(t).unwrap_or_default()))
         .collect();
+    // Before the saved configurations are overwritten: they say which targets' destination
+    // changed while the router was down.
+    forget_changed_receivers(&rules, store.as_ref()).await?;
     store.save_targets(current).await?;
     let saved: std::collections::HashMap<String, TargetSpec> = store
         .saved_targets()

@@ -1724,3 +1724,333 @@ async fn each_rule_counts_the_events_it_matched_and_a_removed_rule_loses_its_ser
         4
     );
 }
+
+/// A receiver answering `status` (503 or 200, switched by the test), with `Retry-After:
+/// retry_after` seconds on a 503 when given.
+async fn switchable(
+    status: &Arc<std::sync::atomic::AtomicU16>,
+    retry_after: Option<u32>,
+) -> Receiver {
+    let status = status.clone();
+    Receiver::scripted(Arc::new(move |_, _| {
+        let s = status.load(std::sync::atomic::Ordering::SeqCst);
+        let headers = match retry_after {
+            Some(secs) if s == 503 => vec![("retry-after", secs.to_string())],
+            _ => vec![],
+        };
+        (s, Duration::ZERO, headers)
+    }))
+    .await
+}
+
+const SLOW: &str = "  slow:\n    retry: { max_attempts: 50, base_delay: 500ms, max_delay: 500ms, retry_after_max: 10m }";
+
+/// Rule `payments` with webhooks to `urls`, in order, numbered `payments-0`, ... (day-2
+/// audit, finding 1).
+fn payments(urls: &[String]) -> String {
+    let targets: Vec<String> = urls
+        .iter()
+        .map(|u| format!("webhook: {u}\n        policy: slow"))
+        .collect();
+    rules_yaml(SLOW, &[("payments", "t", &targets)])
+}
+
+/// A target inserted before a waiting one takes its id: `payments-0` (to `/erp`, entries
+/// waiting) would send to the new `/audit`, its queue with it, while `/erp` becomes
+/// `payments-1`. The reload took that for a URL edited in place and delivered the waiting
+/// entries to the audit receiver; it is refused now, naming both ids and the explicit id that
+/// keeps the queue with its receiver, and a start on the same files is refused too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_inserted_before_a_waiting_one_does_not_take_its_queue() {
+    let erp = Receiver::status(503).await;
+    let audit = Receiver::ok().await;
+    let mut r = RouterProc::start(&[("r.yaml", &payments(&[erp.url()]))], &[]);
+    assert_eq!(post_event(&r, &event("pay-1", "t", json!({}))).await.0, 202);
+    assert!(
+        erp.wait_for(Duration::from_secs(10), |s| !s.is_empty())
+            .await
+    );
+    let inserted = payments(&[audit.url(), erp.url()]);
+    write_rules(&r, "r.yaml", &inserted);
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 422, "{body}");
+    let err = status(&r).await["reload"]["last_error"].to_string();
+    assert!(
+        err.contains("target payments-0 (r.yaml:")
+            && err.contains("is now target payments-1's")
+            && err.contains("1 entries wait for webhook")
+            && err.contains("`id: payments-0` on the target now numbered payments-1"),
+        "{err}"
+    );
+    // Not one of erp's retries reached the audit receiver meanwhile (two backoffs' worth).
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(
+        audit.count(),
+        0,
+        "the audit receiver got erp's waiting event"
+    );
+    // The same files at a start: refused, the entry still erp's.
+    r.kill9();
+    let (rules_dir, contracts_dir) = (r.dir.path().join("rules"), r.dir.path().join("contracts"));
+    let (code, err) = r.serve_refused(&rules_dir, &contracts_dir);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("is now target payments-1's"), "{err}");
+    // The fix the message suggests: the erp target keeps its id, the audit one is new.
+    let explicit = rules_yaml(
+        SLOW,
+        &[(
+            "payments",
+            "t",
+            &[
+                format!(
+                    "webhook: {}\n        policy: slow\n        id: audit",
+                    audit.url()
+                ),
+                format!(
+                    "webhook: {}\n        policy: slow\n        id: payments-0",
+                    erp.url()
+                ),
+            ],
+        )],
+    );
+    write_rules(&r, "r.yaml", &explicit);
+    r.restart();
+    let seen = erp.count();
+    assert!(
+        erp.wait_for(Duration::from_secs(10), |s| s.len() > seen)
+            .await,
+        "erp's entry is no longer retried to erp"
+    );
+    assert_eq!(
+        audit.count(),
+        0,
+        "the audit receiver got erp's waiting event"
+    );
+}
+
+/// A pause follows its receiver through a rename: the reload that renames a paused target's
+/// rule starts the new id paused, says so in its warnings, and the pause holds across a
+/// restart (day-2 audit, finding 3). The new id used to start unpaused: new events went at
+/// once to the receiver the operator had paused, ahead of the old id's waiting ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_follows_the_receiver_when_a_reload_renames_the_target() {
+    let rcv = Receiver::ok().await;
+    let rule = |name: &str| rules_yaml("", &[(name, "t", &[format!("webhook: {}", rcv.url())])]);
+    let mut r = RouterProc::start(&[("r.yaml", &rule("erp"))], &[]);
+    let (s, body) = post_json(&r, "/v1/targets/erp-0/pause", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(post_event(&r, &event("q1", "t", json!({}))).await.0, 202);
+    write_rules(&r, "r.yaml", &rule("orders-to-erp"));
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    let warnings = body["warnings"].to_string();
+    assert!(
+        warnings.contains("target orders-to-erp-0 starts paused")
+            && warnings.contains("paused target erp-0"),
+        "{body}"
+    );
+    assert_eq!(post_event(&r, &event("q2", "t", json!({}))).await.0, 202);
+    let (_, t) = get_json(&r, "/v1/targets/orders-to-erp-0").await;
+    assert_eq!(t["paused"], true, "{t}");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(rcv.count(), 0, "the paused receiver got an event");
+    // Persisted like any pause.
+    r.restart();
+    let (_, t) = get_json(&r, "/v1/targets/orders-to-erp-0").await;
+    assert_eq!(t["paused"], true, "{t}");
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(
+        rcv.count(),
+        0,
+        "the paused receiver got an event after a restart"
+    );
+    for id in ["erp-0", "orders-to-erp-0"] {
+        let (s, body) = post_json(&r, &format!("/v1/targets/{id}/resume"), json!({})).await;
+        assert_eq!(s, 200, "{body}");
+    }
+    assert!(
+        rcv.wait_for(Duration::from_secs(10), |s| s.len() == 2)
+            .await,
+        "both events delivered after the resumes"
+    );
+}
+
+/// With `on_target_removed = "dead_letter"`, a rule renamed (same receiver) sends the old
+/// id's queue to the DLQ: the reload answer now says how many and where the destination is
+/// live, and a redrive of the old id's dead letters delivers them to the live target with its
+/// destination, saying so in the job (day-2 audit, finding 4). They used to stay in the DLQ
+/// for good ("no longer in the rules") and the reload said nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_of_a_renamed_target_are_redriven_to_its_receiver() {
+    let answer = Arc::new(std::sync::atomic::AtomicU16::new(503));
+    let erp = switchable(&answer, None).await;
+    let rule = |name: &str| {
+        rules_yaml(
+            SLOW,
+            &[(
+                name,
+                "t",
+                &[format!("webhook: {}\n        policy: slow", erp.url())],
+            )],
+        )
+    };
+    let r = RouterProc::start_with_env(
+        &[("r.yaml", &rule("payments"))],
+        &[],
+        &[("ROUTER_DELIVERY__ON_TARGET_REMOVED", "dead_letter")],
+    );
+    for id in ["p1", "p2"] {
+        assert_eq!(post_event(&r, &event(id, "t", json!({}))).await.0, 202);
+    }
+    assert!(
+        erp.wait_for(Duration::from_secs(10), |s| s.len() >= 2)
+            .await
+    );
+    write_rules(&r, "r.yaml", &rule("payments-to-erp"));
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    let warnings = body["warnings"].to_string();
+    assert!(
+        warnings.contains("target payments-0 is no longer in the rules")
+            && warnings.contains("went to the DLQ as target_removed")
+            && warnings.contains("is live as target payments-to-erp-0"),
+        "{body}"
+    );
+    let dead = eventually(Duration::from_secs(10), || async {
+        let (_, l) = get_json(&r, "/v1/dlq?target=payments-0").await;
+        (l["entries"].as_array().map(Vec::len) == Some(2)).then_some(())
+    })
+    .await;
+    assert!(
+        dead.is_some(),
+        "the renamed target's queue is not in the DLQ"
+    );
+    answer.store(200, std::sync::atomic::Ordering::SeqCst);
+    let seen = erp.count();
+    let (s, job) = post_json(
+        &r,
+        "/v1/dlq/redrive",
+        json!({"filter": {"target": "payments-0"}, "rate_per_sec": 1000}),
+    )
+    .await;
+    assert_eq!(s, 201, "{job}");
+    let id = job["id"].as_str().expect("job id").to_string();
+    let done = job_done(
+        &r,
+        &format!("/v1/dlq/redrive/{id}"),
+        Duration::from_secs(15),
+    )
+    .await;
+    assert_eq!(
+        (&done["moved"], &done["failed"]),
+        (&json!(2), &json!(0)),
+        "{done}"
+    );
+    assert!(
+        done["warnings"]
+            .to_string()
+            .contains("redriven to target payments-to-erp-0"),
+        "{done}"
+    );
+    assert!(
+        erp.wait_for(Duration::from_secs(10), |s| {
+            s[seen..]
+                .iter()
+                .filter(|a| a.event_id() == "p1" || a.event_id() == "p2")
+                .count()
+                == 2
+        })
+        .await,
+        "the redriven dead letters did not reach their receiver"
+    );
+    eventually(Duration::from_secs(10), || async {
+        let f = fate(&r, "p1").await;
+        f["targets"]
+            .as_array()?
+            .iter()
+            .any(|t| t["target"] == "payments-to-erp-0" && t["state"] == "delivered")
+            .then_some(())
+    })
+    .await
+    .expect("p1 delivered under the live id");
+}
+
+/// Waits until target `w` is under its receiver's Retry-After pause.
+async fn retry_after_held(r: &RouterProc) {
+    eventually(Duration::from_secs(10), || async {
+        let (_, t) = get_json(r, "/v1/targets/w").await;
+        t["retry_after_until"].as_str().map(str::to_string)
+    })
+    .await
+    .expect("the receiver's Retry-After pause is in effect");
+}
+
+/// A webhook switched to another URL (a failover to a backup) no longer waits out the old
+/// receiver's Retry-After pause: the reload clears it (and the breaker), and so does a start
+/// on files changed while the router was down (day-2 audit, finding 5). The backup used to get
+/// nothing for up to `retry_after_max`, under a fate saying its receiver asked to wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_url_does_not_inherit_the_old_receivers_retry_after() {
+    let busy = Arc::new(std::sync::atomic::AtomicU16::new(503));
+    let primary = switchable(&busy, Some(600)).await;
+    let backup = Receiver::ok().await;
+    let to = |url: &str| {
+        rules_yaml(
+            SLOW,
+            &[(
+                "r",
+                "t",
+                &[format!(
+                    "webhook: {url}\n        policy: slow\n        id: w"
+                )],
+            )],
+        )
+    };
+    // On a store several nodes share (JetStream), the entry that got the Retry-After waits
+    // for it itself (its next attempt time is the hold's end, as documented for a resume):
+    // there only the target's hold is cleared, and the events after the switch go at once.
+    let own_wait = RouterProc::on_jetstream();
+    let got = |b: &Receiver, ids: &[&str]| {
+        let b = b.clone();
+        let ids: Vec<String> = ids
+            .iter()
+            .filter(|id| !own_wait || id.ends_with('b'))
+            .map(|id| id.to_string())
+            .collect();
+        async move {
+            b.wait_for(Duration::from_secs(10), |s| {
+                ids.iter().all(|id| s.iter().any(|a| a.event_id() == *id))
+            })
+            .await
+        }
+    };
+    let mut r = RouterProc::start(&[("r.yaml", &to(&primary.url()))], &[]);
+    assert_eq!(post_event(&r, &event("e1", "t", json!({}))).await.0, 202);
+    retry_after_held(&r).await;
+    write_rules(&r, "r.yaml", &to(&backup.url()));
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    let (_, t) = get_json(&r, "/v1/targets/w").await;
+    assert!(t["retry_after_until"].is_null(), "{t}");
+    assert_eq!(post_event(&r, &event("e1b", "t", json!({}))).await.0, 202);
+    assert!(
+        got(&backup, &["e1", "e1b"]).await,
+        "the backup got nothing: the old receiver's Retry-After held it"
+    );
+    // Back to the primary, held again; then switched while the router is down.
+    write_rules(&r, "r.yaml", &to(&primary.url()));
+    let (s, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(post_event(&r, &event("e2", "t", json!({}))).await.0, 202);
+    retry_after_held(&r).await;
+    r.kill9();
+    write_rules(&r, "r.yaml", &to(&backup.url()));
+    r.restart();
+    let (_, t) = get_json(&r, "/v1/targets/w").await;
+    assert!(t["retry_after_until"].is_null(), "{t}");
+    assert_eq!(post_event(&r, &event("e2b", "t", json!({}))).await.0, 202);
+    assert!(
+        got(&backup, &["e2", "e2b"]).await,
+        "after a start the backup got nothing: the old receiver's Retry-After held it"
+    );
+}

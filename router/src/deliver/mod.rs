@@ -580,93 +580,133 @@ impl Dispatcher {
         // the read is a round trip, and ingest takes this lock on every accept (`reserve`). A
         // runtime thread blocked on the lock behind that read can starve the very task that
         // would answer it (seen as a reload hanging until the client gave up).
-        let (mut running, stored) = loop {
-            let was_running = {
+        // In a block of its own: the lock is not held across the write below.
+        let (runtime, receiver_changed) = {
+            let (mut running, stored) = loop {
+                let was_running = {
+                    let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+                    match running.get(&spec.id) {
+                        Some(r) if r.runtime.spec == spec && r.secret == secret => return,
+                        r => r.is_some(),
+                    }
+                };
+                let stored = if was_running {
+                    None
+                } else if fresh {
+                    // Stopped since the batch's records were read: its worker may have saved a
+                    // newer state since.
+                    Some(self.persisted(&spec.id, &StoredStates::default()).await)
+                } else {
+                    Some(self.persisted(&spec.id, states).await)
+                };
                 let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-                match running.get(&spec.id) {
-                    Some(r) if r.runtime.spec == spec && r.secret == secret => return,
-                    r => r.is_some(),
+                match (running.get(&spec.id), stored) {
+                    (Some(r), _) if r.runtime.spec == spec && r.secret == secret => return,
+                    (Some(_), _) => break (running, None),
+                    (None, Some(stored)) => break (running, Some(stored)),
+                    // Stopped between the two looks (rare): look again, reading its saved state
+                    // outside the lock.
+                    (None, None) => fresh = true,
                 }
             };
-            let stored = if was_running {
-                None
-            } else if fresh {
-                // Stopped since the batch's records were read: its worker may have saved a
-                // newer state since.
-                Some(self.persisted(&spec.id, &StoredStates::default()).await)
-            } else {
-                Some(self.persisted(&spec.id, states).await)
+            let count = worker::slot_count(&spec, &self.ctx.cfg);
+            let old = running.remove(&spec.id);
+            // The receiver the old worker sent to, when this configuration sends elsewhere (a
+            // URL switched to a backup): what that receiver asked for (a Retry-After pause) and
+            // what its failures opened (the breaker) are not the new receiver's. Carried over,
+            // a failover to a healthy backup waited out the old receiver's pause, up to
+            // `retry_after_max` (1 h by default), under a fate saying the receiver asked to wait.
+            let receiver_changed = old
+                .as_ref()
+                .map(|old| old.runtime.spec.kind.destination())
+                .filter(|was| *was != spec.kind.destination());
+            let persisted = match &old {
+                Some(old) => {
+                    old.stop.cancel();
+                    let mut state = old.runtime.persisted();
+                    if receiver_changed.is_some() {
+                        // The operator's pause stays: it is about the target, not its receiver.
+                        state = PersistedState {
+                            paused: state.paused,
+                            ..PersistedState::default()
+                        };
+                    }
+                    Some(state)
+                }
+                None => stored.flatten(),
             };
-            let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-            match (running.get(&spec.id), stored) {
-                (Some(r), _) if r.runtime.spec == spec && r.secret == secret => return,
-                (Some(_), _) => break (running, None),
-                (None, Some(stored)) => break (running, Some(stored)),
-                // Stopped between the two looks (rare): look again, reading its saved state
-                // outside the lock.
-                (None, None) => fresh = true,
+            // A replaced worker's attempts in flight keep holding their slots: the new worker
+            // takes the same semaphore, resized, so a concurrency lowered to protect a struggling
+            // dependency holds at once (fresh slots let old and new attempts add up until the old
+            // ones ended, up to a timeout later).
+            let slots = match &old {
+                Some(old) => {
+                    // The configuration is fixed for the process: the old worker's count is its
+                    // spec's.
+                    let was = worker::slot_count(&old.runtime.spec, &self.ctx.cfg);
+                    resize_slots(&old.slots, was, count, &self.ctx.tracker);
+                    old.slots.clone()
+                }
+                None => Arc::new(tokio::sync::Semaphore::new(count)),
+            };
+            let mut runtime = TargetRuntime::new(spec, persisted, self.ctx.clock.now_ms());
+            // The same target id goes on with its counters and its breaker (like its slots above
+            // and its token bucket below): a reload is not a reason to forget them.
+            if let Some(old) = &old {
+                if receiver_changed.is_some() {
+                    runtime.carry_over_counters(&old.runtime);
+                } else {
+                    runtime.carry_over(&old.runtime);
+                }
             }
-        };
-        let count = worker::slot_count(&spec, &self.ctx.cfg);
-        let old = running.remove(&spec.id);
-        let persisted = match &old {
-            Some(old) => {
-                old.stop.cancel();
-                Some(old.runtime.persisted())
+            let runtime = Arc::new(runtime);
+            runtime.share_among(self.nodes());
+            // The same rate keeps its bucket: a fresh one would hand out a whole burst at once.
+            if let Some(old) = &old
+                && old.runtime.spec.policy.throttle == runtime.spec.policy.throttle
+            {
+                runtime.adopt_limiter(&old.runtime);
             }
-            None => stored.flatten(),
+            let stop = self.ctx.cancel.child_token();
+            let (ctx, rt, st, t, sl) = (
+                self.ctx.clone(),
+                runtime.clone(),
+                stop.clone(),
+                target.clone(),
+                slots.clone(),
+            );
+            self.ctx.tracker.spawn_on(
+                async move { worker::run(ctx, rt, t, sl, st).await },
+                &self.ctx.spawner,
+            );
+            tracing::info!(target_id = %runtime.spec.id, "delivery worker started");
+            running.insert(
+                runtime.spec.id.clone(),
+                Running {
+                    runtime: runtime.clone(),
+                    secret,
+                    stop,
+                    target,
+                    slots,
+                },
+            );
+            (runtime, receiver_changed)
         };
-        // A replaced worker's attempts in flight keep holding their slots: the new worker
-        // takes the same semaphore, resized, so a concurrency lowered to protect a struggling
-        // dependency holds at once (fresh slots let old and new attempts add up until the old
-        // ones ended, up to a timeout later).
-        let slots = match &old {
-            Some(old) => {
-                // The configuration is fixed for the process: the old worker's count is its
-                // spec's.
-                let was = worker::slot_count(&old.runtime.spec, &self.ctx.cfg);
-                resize_slots(&old.slots, was, count, &self.ctx.tracker);
-                old.slots.clone()
-            }
-            None => Arc::new(tokio::sync::Semaphore::new(count)),
-        };
-        let mut runtime = TargetRuntime::new(spec, persisted, self.ctx.clock.now_ms());
-        // The same target id goes on with its counters and its breaker (like its slots above
-        // and its token bucket below): a reload is not a reason to forget them.
-        if let Some(old) = &old {
-            runtime.carry_over(&old.runtime);
+        if let Some(was) = receiver_changed {
+            self.forget_receiver_state(&runtime, &was).await;
         }
-        let runtime = Arc::new(runtime);
-        runtime.share_among(self.nodes());
-        // The same rate keeps its bucket: a fresh one would hand out a whole burst at once.
-        if let Some(old) = &old
-            && old.runtime.spec.policy.throttle == runtime.spec.policy.throttle
-        {
-            runtime.adopt_limiter(&old.runtime);
+    }
+
+    /// Writes the target's record without the old receiver's Retry-After pause and breaker
+    /// state (its destination changed from `was`): a restart, or another node's follower,
+    /// reading the old record would put them back on the new receiver.
+    async fn forget_receiver_state(&self, runtime: &TargetRuntime, was: &str) {
+        let id = &runtime.spec.id;
+        tracing::warn!(target_id = %id, from = %was, to = %runtime.spec.kind.destination(), "target's destination changed: the old receiver's Retry-After pause and circuit breaker state are cleared, the new receiver starts with none");
+        let state = serde_json::to_value(runtime.persisted()).unwrap_or_default();
+        if let Err(e) = self.ctx.store.put_target_state(id, state).await {
+            tracing::warn!(target_id = %id, error = %e, "could not persist the cleared Retry-After pause and breaker of a target whose destination changed; a restart may restore the old receiver's (resume the target to lift the pause)");
         }
-        let stop = self.ctx.cancel.child_token();
-        let (ctx, rt, st, t, sl) = (
-            self.ctx.clone(),
-            runtime.clone(),
-            stop.clone(),
-            target.clone(),
-            slots.clone(),
-        );
-        self.ctx.tracker.spawn_on(
-            async move { worker::run(ctx, rt, t, sl, st).await },
-            &self.ctx.spawner,
-        );
-        tracing::info!(target_id = %runtime.spec.id, "delivery worker started");
-        running.insert(
-            runtime.spec.id.clone(),
-            Running {
-                runtime,
-                secret,
-                stop,
-                target,
-                slots,
-            },
-        );
     }
 
     /// The saved state a new worker of `id` starts from: its record and its operator's pause

@@ -300,6 +300,13 @@ impl TargetRuntime {
         }
     }
 
+    /// Goes on from `old` with its counters only: the target's destination changed, so the
+    /// old receiver's Retry-After pause and breaker (its window and state) stay behind, and
+    /// this runtime's (empty, closed) apply to the new receiver.
+    pub fn carry_over_counters(&mut self, old: &TargetRuntime) {
+        self.counters = old.counters.clone();
+    }
+
     fn hold(&self) -> MutexGuard<'_, Hold> {
         self.hold.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -1335,12 +1335,9 @@ async fn redrive_step(
     // rules, or one removed from them that still drains here. Into any other queue it would
     // wait for ever (a removed target's worker starts again only for entries it had).
     let draining: HashSet<String> = app.dispatcher.running().into_iter().map(|s| s.id).collect();
-    let not_in_rules =
-        |target: &str| format!("not redriven: target {target} is no longer in the rules");
-    let gone = |target: &str| {
-        (!rules.targets.contains_key(target) && !draining.contains(target))
-            .then(|| not_in_rules(target))
-    };
+    let gone = |target: &str| !rules.targets.contains_key(target) && !draining.contains(target);
+    // Where the dead letters of targets no longer in the rules go, looked up once per target.
+    let mut successors = Successors::default();
     // The records the step writes, its job's first: it stops before the store's limit
     // (`Store::max_step_writes`) and the next step goes on from its cursor.
     let budget = app.store.max_step_writes();
@@ -1426,15 +1423,25 @@ async fn redrive_step(
                         job.skipped += 1;
                         break 'entry;
                     };
-                    if let Some(note) = gone(&target) {
-                        actions.push(RedriveAction::Keep {
-                            dlq_id: d.id,
-                            note,
-                            errors: None,
-                        });
-                        job.failed += 1;
-                        break 'entry;
-                    }
+                    let target = if gone(&target) {
+                        match successors.of(app, &rules, &target).await? {
+                            Ok(live) => {
+                                successors.redriven(job, &target, &live);
+                                live
+                            }
+                            Err(note) => {
+                                actions.push(RedriveAction::Keep {
+                                    dlq_id: d.id,
+                                    note,
+                                    errors: None,
+                                });
+                                job.failed += 1;
+                                break 'entry;
+                            }
+                        }
+                    } else {
+                        target
+                    };
                     // Queued under the target's ordering, its key read from the event as at
                     // acceptance. The depth cap is not applied: an operator's redrive, at the
                     // job's rate, may take the queue past it.
@@ -1466,24 +1473,51 @@ async fn redrive_step(
                     // target in the rules: its worker may still run here (it is never stopped),
                     // which would deliver them under the configuration they were removed with,
                     // and only until a restart.
-                    let gone_now = d.target_id.as_deref().and_then(|t| {
+                    let gone_now = d.target_id.as_deref().filter(|t| {
                         if d.reason == DlqReason::TargetRemoved {
-                            (!rules.targets.contains_key(t)).then(|| not_in_rules(t))
+                            !rules.targets.contains_key(*t)
                         } else {
                             gone(t)
                         }
                     });
-                    if let Some(note) = gone_now {
-                        actions.push(RedriveAction::Keep {
-                            dlq_id: d.id,
-                            note,
-                            errors: None,
-                        });
-                        job.failed += 1;
+                    let Some(removed) = gone_now else {
+                        actions.push(RedriveAction::Requeue { dlq_id: d.id });
+                        job.moved += 1;
                         break 'entry;
+                    };
+                    // Its id is gone, its receiver may not be: a rule renamed keeps the
+                    // destination under a new id, which takes the dead letters.
+                    match successors.of(app, &rules, removed).await? {
+                        Ok(live) => {
+                            let ordering_key = match rules
+                                .targets
+                                .get(&live)
+                                .and_then(|s| s.policy.ordering.as_ref())
+                            {
+                                Some(o) => app
+                                    .store
+                                    .dlq_get(d.id)
+                                    .await?
+                                    .and_then(|(_, ev)| o.extract_event(&ev.event)),
+                                None => None,
+                            };
+                            successors.redriven(job, removed, &live);
+                            actions.push(RedriveAction::RequeueTo {
+                                dlq_id: d.id,
+                                target: live,
+                                ordering_key,
+                            });
+                            job.moved += 1;
+                        }
+                        Err(note) => {
+                            actions.push(RedriveAction::Keep {
+                                dlq_id: d.id,
+                                note,
+                                errors: None,
+                            });
+                            job.failed += 1;
+                        }
                     }
-                    actions.push(RedriveAction::Requeue { dlq_id: d.id });
-                    job.moved += 1;
                 }
                 // An emission past the hop limit or outside its handler's scope: routed again it
                 // would loop, or break the scope, again. It stays, saying so, and counts as
@@ -1538,6 +1572,78 @@ async fn redrive_step(
     gone.apply(job);
     job.rev = rev;
     Ok(n)
+}
+
+/// Where a redrive sends the dead letters of targets no longer in the rules: the one live
+/// target with the removed one's destination (its rule renamed, say), or nowhere, with the
+/// note the dead letter keeps. A step looks each removed target up once.
+#[derive(Default)]
+struct Successors {
+    /// Per removed target: the live id, or why there is none.
+    found: HashMap<String, Result<String, String>>,
+    /// The (removed, live) pairs the job has said it redrove.
+    said: HashSet<(String, String)>,
+}
+
+impl Successors {
+    /// The live target that takes `removed`'s dead letters, or the note why none does.
+    async fn of(
+        &mut self,
+        app: &App,
+        rules: &crate::rules::RuleSet,
+        removed: &str,
+    ) -> Result<Result<String, String>, StoreError> {
+        if let Some(found) = self.found.get(removed) {
+            return Ok(found.clone());
+        }
+        // Its last configuration: the worker's while it drains, else the store's.
+        let last = match app.dispatcher.runtime(removed) {
+            Some(rt) => Some(rt.spec.kind.destination()),
+            None => app
+                .store
+                .saved_targets()
+                .await?
+                .into_iter()
+                .find(|(id, _)| id == removed)
+                .and_then(|(_, v)| serde_json::from_value::<crate::rules::TargetSpec>(v).ok())
+                .map(|s| s.kind.destination()),
+        };
+        let found = match last {
+            None => Err(format!(
+                "not redriven: target {removed} is no longer in the rules and its last configuration is not known; put it back (or give the target that should take them `id: {removed}`) and redrive again, or replay the events (POST /v1/replay with \"targets\")"
+            )),
+            Some(dest) => match crate::app::targets_sending_to(rules, &dest)[..] {
+                [live] => Ok(live.to_string()),
+                [] => Err(format!(
+                    "not redriven: target {removed} is no longer in the rules and no target sends to its destination {dest}; put it back (or give the target that should take them `id: {removed}`) and redrive again, or purge them"
+                )),
+                ref several => Err(format!(
+                    "not redriven: target {removed} is no longer in the rules and several targets send to its destination {dest} ({}): a redrive cannot tell which should take them; give that one `id: {removed}` and redrive again, or replay the events restricted to it (POST /v1/replay with \"targets\")",
+                    several.join(", ")
+                )),
+            },
+        };
+        self.found.insert(removed.to_string(), found.clone());
+        Ok(found)
+    }
+
+    /// Says once in `job`'s warnings (and the log) that `removed`'s dead letters went to
+    /// `live`: they leave the DLQ, and the job is where an operator looks for where.
+    fn redriven(&mut self, job: &mut Job, removed: &str, live: &str) {
+        if !self.said.insert((removed.to_string(), live.to_string())) {
+            return;
+        }
+        let why = format!(
+            "dead letters of target {removed}, no longer in the rules, were redriven to target {live}, which sends to the same destination"
+        );
+        if job.warnings.contains(&why) {
+            return;
+        }
+        tracing::warn!(job = %job.id, from = %removed, to = %live, "{why}");
+        if job.warnings.len() < MAX_JOB_WARNINGS {
+            job.warnings.push(why);
+        }
+    }
 }
 
 /// Whether `ev` is a handler's emission (source `handler://<name>`): ingest refuses that

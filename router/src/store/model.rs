@@ -1146,7 +1146,9 @@ impl RedriveGone {
     /// Counts `action` (whose dead letter was gone) as it should have been.
     pub fn add(&mut self, action: &RedriveAction) {
         match action {
-            RedriveAction::Requeue { .. } | RedriveAction::Route { .. } => self.moved += 1,
+            RedriveAction::Requeue { .. }
+            | RedriveAction::RequeueTo { .. }
+            | RedriveAction::Route { .. } => self.moved += 1,
             RedriveAction::Keep { .. } => self.failed += 1,
         }
     }
@@ -1185,6 +1187,18 @@ pub enum RedriveAction {
         /// DLQ entry id.
         dlq_id: u64,
     },
+    /// A delivery failure of a target no longer in the rules whose destination is live under
+    /// another id (a rule renamed): into that target's queue, attempts reset, history kept.
+    /// Its dead letters were otherwise never redriven at all, the receiver live meanwhile.
+    RequeueTo {
+        /// DLQ entry id.
+        dlq_id: u64,
+        /// The live target that sends to the removed one's destination.
+        target: String,
+        /// The entry's ordering key under that target's ordering (read from the event as at
+        /// acceptance); `None` when it has none.
+        ordering_key: Option<String>,
+    },
     /// A quarantined event that now passes its contract: routed with these entries.
     Route {
         /// DLQ entry id.
@@ -1222,7 +1236,7 @@ impl RedriveAction {
     /// copy's ([`copy_writes`]).
     pub fn max_writes(&self) -> usize {
         match self {
-            Self::Requeue { .. } => 3,
+            Self::Requeue { .. } | Self::RequeueTo { .. } => 3,
             Self::Route { targets, .. } => 3 + targets.iter().map(copy_writes).sum::<usize>(),
             Self::Keep { .. } => 1,
         }
@@ -1231,9 +1245,10 @@ impl RedriveAction {
     /// The DLQ entry the action is about.
     pub fn dlq_id(&self) -> u64 {
         match self {
-            Self::Requeue { dlq_id } | Self::Route { dlq_id, .. } | Self::Keep { dlq_id, .. } => {
-                *dlq_id
-            }
+            Self::Requeue { dlq_id }
+            | Self::RequeueTo { dlq_id, .. }
+            | Self::Route { dlq_id, .. }
+            | Self::Keep { dlq_id, .. } => *dlq_id,
         }
     }
 }

@@ -4888,6 +4888,43 @@ impl Committer {
 
     /// Entry `id` as it stands in this transaction: its row, or, for an event at or above
     /// the floor whose entry has not changed since acceptance, the event's fan-out.
+    /// Puts dead letter `dlq_id`'s entry back into a queue for a redrive: its own target's,
+    /// or `to`'s (another target, with the entry's ordering key under that target's
+    /// ordering). Nothing when the dead letter or its entry is gone.
+    fn requeue(
+        &mut self,
+        txn: &Tx<'_>,
+        dlq_id: u64,
+        to: Option<(String, Option<String>)>,
+        now: Millis,
+        effects: &mut Vec<Effect>,
+    ) -> Result<(), StoreError> {
+        let Some(d) = take_dlq(txn, dlq_id)? else {
+            return Ok(());
+        };
+        effects.push(Effect::DlqRemoved {
+            target: d.target_id.clone(),
+        });
+        let Some(id) = d.entry else { return Ok(()) };
+        let Some(mut e) = self.load_entry(txn, id)? else {
+            return Ok(());
+        };
+        e.requeue_for_redrive(now);
+        let held = (e.target_id.clone(), e.ordering_key.clone());
+        if let Some((target, key)) = to {
+            e.target_id = target;
+            e.ordering_key = key;
+        }
+        self.insert_entry(txn, &e, effects)?;
+        // The dead letter that held its key goes back at the head of the key (it sorts
+        // first): the hold has done its work. Left held, the job said "done" while the key,
+        // this entry included, stayed stopped. The hold is the dead letter's own target's.
+        if let (target, Some(key)) = held {
+            release_hold_of(txn, &target, key, dlq_id, effects)?;
+        }
+        Ok(())
+    }
+
     fn load_entry(&self, txn: &Tx<'_>, id: EntryId) -> Result<Option<QueueEntry>, StoreError> {
         let (entries, events) = (txn.open_table(ENTRIES)?, txn.open_table(EVENTS)?);
         Ok(stored_entry(&*entries, &*events, self.floor, id)?.map(|(e, _)| e))
@@ -4953,24 +4990,14 @@ impl Committer {
             }
             match action {
                 RedriveAction::Requeue { dlq_id } => {
-                    let Some(d) = take_dlq(txn, dlq_id)? else {
-                        continue;
-                    };
-                    effects.push(Effect::DlqRemoved {
-                        target: d.target_id.clone(),
-                    });
-                    let Some(id) = d.entry else { continue };
-                    let Some(mut e) = self.load_entry(txn, id)? else {
-                        continue;
-                    };
-                    e.requeue_for_redrive(now);
-                    self.insert_entry(txn, &e, effects)?;
-                    // The dead letter that held its key goes back at the head of the key
-                    // (it sorts first): the hold has done its work. Left held, the job said
-                    // "done" while the key, this entry included, stayed stopped.
-                    if let Some(key) = e.ordering_key.clone() {
-                        release_hold_of(txn, &e.target_id, key, dlq_id, effects)?;
-                    }
+                    self.requeue(txn, dlq_id, None, now, effects)?;
+                }
+                RedriveAction::RequeueTo {
+                    dlq_id,
+                    target,
+                    ordering_key,
+                } => {
+                    self.requeue(txn, dlq_id, Some((target, ordering_key)), now, effects)?;
                 }
                 RedriveAction::Route {
                     dlq_id,

@@ -76,7 +76,7 @@ impl JetStreamStore {
                     continue;
                 };
                 match action {
-                    RedriveAction::Requeue { .. } => {
+                    RedriveAction::Requeue { .. } | RedriveAction::RequeueTo { .. } => {
                         writes.push(Write::delete(dlq_key(dlq_id), Expect::Revision(drev)));
                         let Some(id) = d.entry else { continue };
                         let Some((mut r, rev)) = self
@@ -102,6 +102,20 @@ impl JetStreamStore {
                             }
                             None => None,
                         };
+                        // A removed target's dead letter for the live target with its
+                        // destination (the hold released above is the old target's).
+                        if let RedriveAction::RequeueTo {
+                            target,
+                            ordering_key,
+                            ..
+                        } = action
+                        {
+                            r.entry.target_id.clone_from(target);
+                            r.entry.ordering_key.clone_from(ordering_key);
+                            r.key_at = ordering_key
+                                .as_ref()
+                                .map(|_| r.key_at.unwrap_or(r.entry.accepted_at));
+                        }
                         let bytes = self.fit_records(&mut r, None)?.0;
                         writes.push(Write::put(entry_key(id), bytes, Expect::Revision(rev)));
                         writes.extend(hold);
