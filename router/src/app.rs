@@ -1538,7 +1538,7 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     out
 }
 
-async fn start_handlers(
+pub(crate) async fn start_handlers(
     cfg: &Config,
     store: &Arc<dyn Store>,
     clock: &Arc<dyn Clock>,
@@ -1776,11 +1776,13 @@ fn prepare_emitted(
                         "/hops",
                         format!("{} hops is past the limit of {hop_limit}", ev.hops()),
                     )],
+                    emitted_by: Some(emitter.emitted_by()),
                 })
             } else if let Some(why) = emit_scope_error(&app.tokens.load(), emitter, &ev.ty) {
                 Some(Quarantine {
                     reason: DlqReason::ScopeViolation,
                     errors: vec![crate::event::FieldError::new("/type", why)],
+                    emitted_by: Some(emitter.emitted_by()),
                 })
             } else {
                 match contracts.check(&ev) {
@@ -1791,6 +1793,7 @@ fn prepare_emitted(
                             ViolationReason::UnknownVersion => DlqReason::UnknownVersion,
                         },
                         errors,
+                        emitted_by: Some(emitter.emitted_by()),
                     }),
                 }
             };
@@ -2797,6 +2800,10 @@ async fn bounded_body(
     let bytes = match crate::ingest::read_bounded(body, limit, app.cfg.server.request_timeout).await
     {
         Ok(b) => b,
+        // A component past the upload limit is told the key that sets it, not ingest's text.
+        Err(resp) if upload && resp.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE => {
+            return crate::admin::handlers::upload_too_large(limit);
+        }
         Err(resp) => return *resp,
     };
     if !upload && let Err(r) = crate::guard::check_body_type(&parts.headers, Some(bytes.len())) {
@@ -3519,6 +3526,8 @@ mod tests {
             handler: "custom".into(),
             owner: owner.into(),
             team: None,
+            target: "t".into(),
+            event_id: "parent".into(),
         };
         let why = emit_scope_error(&tokens, &by("team"), "router.dlq.added")
             .expect("ingest:* does not cover a system event type");
@@ -3568,6 +3577,8 @@ mod tests {
             handler: "b".into(),
             owner: crate::auth::PRELOAD_OWNER.into(),
             team: None,
+            target: "t".into(),
+            event_id: "parent".into(),
         };
         let now = app.clock.now_ms();
         let mut page = crate::store::test_events::ev("/producer", "page-0");

@@ -275,6 +275,11 @@ enum DlqCmd {
     Ls {
         #[command(flatten)]
         filter: DlqFilterArgs,
+        /// Only events this handler emitted that went to the DLQ before any target (out of
+        /// its owner's ingest scope, past the hop limit, failing a contract); the handler's
+        /// team lists them with its own token.
+        #[arg(long)]
+        emitted_by: Option<String>,
         /// Entries per page, 1 to 1000 (default 100).
         #[arg(long)]
         limit: Option<String>,
@@ -1264,6 +1269,18 @@ async fn rule_toggle(api: &Api, name: &str, action: &str) -> anyhow::Result<Exit
     Ok(ExitCode::SUCCESS)
 }
 
+/// Refuses a handler name the router would refuse, with the router's own words, before any
+/// request: an empty name made the URL `/v1/handlers/` (a 404 "no such route"), and a
+/// percent-encoded one (a space) got the router's "never percent-encoded", about an encoding
+/// the CLI itself had done.
+fn check_handler_name(name: &str) -> anyhow::Result<()> {
+    if router::wasm::valid_handler_name(name) {
+        Ok(())
+    } else {
+        Err(router::wasm::UploadError::InvalidName(name.to_owned()).into())
+    }
+}
+
 async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
     use reqwest::Method;
     let c = api.client();
@@ -1274,6 +1291,7 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
             team,
             timeout,
         } => {
+            check_handler_name(name)?;
             let bytes =
                 std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
             // Whoever gives up first, the router goes on: the component may still activate.
@@ -1296,6 +1314,7 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
         }
         HandlersCmd::List => c.call(Method::GET, "/v1/handlers", None).await?,
         HandlersCmd::Rollback { name, version } => {
+            check_handler_name(name)?;
             c.call(
                 Method::POST,
                 &format!("/v1/handlers/{}/rollback", router::cli::seg(name)),
@@ -1312,6 +1331,7 @@ async fn handlers(api: Api, cmd: HandlersCmd) -> anyhow::Result<ExitCode> {
             attempt,
             before,
         } => {
+            check_handler_name(name)?;
             let q = router::cli::query(&[
                 ("event_id", event_id),
                 ("source", source),
@@ -1501,6 +1521,7 @@ async fn dlq(api: Api, cmd: DlqCmd) -> anyhow::Result<ExitCode> {
     match cmd {
         DlqCmd::Ls {
             filter,
+            emitted_by,
             limit,
             after,
         } => {
@@ -1509,7 +1530,11 @@ async fn dlq(api: Api, cmd: DlqCmd) -> anyhow::Result<ExitCode> {
                     Method::GET,
                     &format!(
                         "/v1/dlq{}",
-                        filter.query(&[("limit", &limit), ("after", &after)])
+                        filter.query(&[
+                            ("emitted_by", &emitted_by),
+                            ("limit", &limit),
+                            ("after", &after)
+                        ])
                     ),
                     None,
                 )

@@ -13,7 +13,10 @@
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Descriptor {
-    /// Must equal the name the handler is uploaded under, or the upload is refused.
+    /// Must equal the name the handler is uploaded under, or the upload is refused. A handler
+    /// name is 1 to 64 characters of `a`-`z`, `0`-`9`, `_` and `-`, starting with a letter or
+    /// digit: no capitals, dots or spaces (`billing-v2`, not `Billing` or `billing.v2`). The
+    /// router refuses any other name at upload, and `router handlers push` before sending.
     pub name: String,
     /// The handler's own version (free text, semver recommended).
     pub version: String,

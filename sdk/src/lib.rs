@@ -63,6 +63,14 @@
 //! rustflags = ["-C", "link-arg=-zstack-size=65536"]
 //! ```
 //!
+//! The stack is part of the guest's linear memory, below its data: a recursion deeper than it
+//! holds (64 KiB is ample for serde_json's 128 levels, not for a recursive walk of a deep tree
+//! or one with large local arrays) traps before it can corrupt memory, and the router reports
+//! it as `handler_trap: wasm trap: out of bounds memory access`, not as a stack overflow, with a
+//! backtrace that repeats the recursive function. Such a trap is retried like any other, and
+//! fails again the same way: make the recursion iterative, or raise `-zstack-size` (in
+//! multiples of 64 KiB; at the cost of some of the speed above).
+//!
 //! Then `cargo build --release --target wasm32-wasip2` produces the component
 //! (`target/wasm32-wasip2/release/<crate>.wasm`) to upload with `PUT /v1/handlers/{name}`.
 //!
@@ -147,8 +155,10 @@ pub trait Handler {
     /// invocation's [`kv`] writes (see [`kv`] for why that matters).
     ///
     /// A panic is reported to the router as a trap (with the panic message) and retried like a
-    /// transient failure, with its key-value writes dropped; prefer returning an error. The
-    /// limits a handler can breach are listed with [`Emit`] and [`kv`].
+    /// transient failure, with its key-value writes dropped; prefer returning an error. A
+    /// recursion deeper than the guest's stack traps too, reported as "out of bounds memory
+    /// access" rather than a stack overflow (see "Building" in the crate docs). The limits a
+    /// handler can breach are listed with [`Emit`] and [`kv`].
     ///
     /// ```
     /// # use router_sdk::{Delivery, Emit, Event, HandlerError};

@@ -601,6 +601,47 @@ async fn a_whole_dlq_redrive_or_purge_without_all_names_the_flag() {
     assert!(ok, "a dry run only counts: {err}");
 }
 
+/// `router handlers push` checks the name with the router's rule before sending, and says it
+/// in the router's words: an empty name got a 404 "no such route", and a name with a space
+/// the router's "never percent-encoded", about the CLI's own encoding. Nothing is sent: the
+/// API address here has no router behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handlers_push_refuses_a_name_the_router_would_refuse_before_sending() {
+    let noop = crate::handlers::plugins().join("noop.wasm");
+    let noop = noop.to_str().expect("utf-8 path");
+    for name in ["", "lab x", "Lab", "billing.v2"] {
+        let (ok, out, err) = run_router(
+            None,
+            &[
+                "handlers",
+                "push",
+                name,
+                noop,
+                "--api",
+                "http://127.0.0.1:9",
+            ],
+        )
+        .await;
+        assert!(!ok, "{name:?}: {out}");
+        assert!(
+            err.contains(&format!("invalid handler name {name:?}"))
+                && err.contains("use 1-64 characters of a-z, 0-9, '_' and '-'"),
+            "{name:?}: {err}"
+        );
+    }
+    for args in [
+        &["handlers", "logs", "lab x"][..],
+        &["handlers", "rollback", "", "1"],
+    ] {
+        let (ok, _, err) =
+            run_router(None, &[args, &["--api", "http://127.0.0.1:9"]].concat()).await;
+        assert!(
+            !ok && err.contains("invalid handler name"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 /// `router token new` refuses an empty name, as the router refuses such a token at start,
 /// and prints no token: before, it printed one with `name = ""` for the config.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

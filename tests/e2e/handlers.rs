@@ -770,17 +770,19 @@ async fn hostile_handlers_are_contained() {
         "healthy handler starved: {}",
         sink.count()
     );
+    // Each limit's error names the key that sets it (what the team asks the operator to
+    // raise), after the class prefix that metrics and alerts match.
     let expect = [
-        ("loop", "handler_timeout"),
-        ("oom", "handler_oom"),
-        ("stack", "handler_trap"),
-        ("panic", "handler_trap"),
+        ("loop", "handler_timeout", Some("(handlers.timeout)")),
+        ("oom", "handler_oom", Some("(handlers.memory_bytes)")),
+        ("stack", "handler_trap", None),
+        ("panic", "handler_trap", None),
         // A breached limit is permanent: the same event breaches it again.
-        ("output", "handler_limit"),
+        ("output", "handler_limit", Some("(handlers.max_emitted)")),
         // Waiting on a clock traps (it would block where the timeout cannot reach).
-        ("sleep", "handler_trap"),
+        ("sleep", "handler_trap", None),
     ];
-    for (m, class) in expect {
+    for (m, class, key) in expect {
         let f = eventually(Duration::from_secs(30), || async {
             let f = fate(&r, &format!("h-{m}")).await;
             (f["targets"][0]["state"] == "dlq").then_some(f)
@@ -792,6 +794,12 @@ async fn hostile_handlers_are_contained() {
             .unwrap_or("")
             .to_string();
         assert!(err.starts_with(class), "{m}: {err}");
+        if let Some(key) = key {
+            assert!(
+                err.lines().next().is_some_and(|l| l.contains(key)),
+                "{m}: {err}"
+            );
+        }
         let reason = if m == "output" {
             "permanent_error"
         } else {
@@ -1637,6 +1645,110 @@ async fn emissions_outside_the_owner_scope_are_dead_lettered() {
             );
         }
     }
+}
+
+/// A handler's emission dead-lettered before any target (here outside its owner's ingest
+/// scope) is its team's to see: the delivery reads `delivered`, so the handler's log says
+/// which emission went to the DLQ and why, and the team lists and shows the dead letter with
+/// its own token (`emitted_by=`), which another team's `handlers:` glob does not open. Before,
+/// the log had only the handler's own line, and the entry (target `none`) needed `read`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handlers_team_sees_its_dead_lettered_emissions_in_its_log_and_dlq() {
+    let rcv = Receiver::ok().await;
+    let rules = enrich_then_webhook(&rcv);
+    let config = tokens_config(&[
+        ("ops", None, "admin"),
+        ("team", None, "handlers:enrich"),
+        ("other", None, "handlers:*"),
+    ]);
+    let r = RouterProc::start_full(&[("r.yaml", &rules)], &[], &[], Some(&config));
+    let (s, b) = send_as(
+        &r,
+        "PUT",
+        "/v1/handlers/enrich",
+        "team",
+        Some(("application/wasm", plugin("enrich"))),
+    )
+    .await;
+    assert_eq!(s, 201, "the team uploads its handler: {b}");
+    let ev = event("dead-emit-1", "order.created", json!({"order_id": "o1"}));
+    let (s, _) = send_as(
+        &r,
+        "POST",
+        "/v1/events",
+        "ops",
+        Some(("application/cloudevents+json", ev.to_string().into_bytes())),
+    )
+    .await;
+    assert_eq!(s, 202);
+    // The team's token has no ingest scope at all: the emission is a scope_violation.
+    let entry = eventually(Duration::from_secs(20), || async {
+        let (s, v) = send_as(&r, "GET", "/v1/dlq?emitted_by=enrich", "team", None).await;
+        assert_eq!(
+            s, 200,
+            "the handler's team lists its emissions' dead letters: {v}"
+        );
+        v["entries"].as_array()?.first().cloned()
+    })
+    .await
+    .expect("the team's listing shows the dead-lettered emission");
+    assert_eq!(entry["reason"], "scope_violation", "{entry}");
+    assert_eq!(entry["target"], Value::Null, "{entry}");
+    assert_eq!(entry["event"]["type"], "order.created.enriched", "{entry}");
+    assert_eq!(entry["emitted_by"]["handler"], "enrich", "{entry}");
+    assert_eq!(entry["emitted_by"]["event_id"], "dead-emit-1", "{entry}");
+    assert!(
+        entry["emitted_by"]["target"]
+            .as_str()
+            .is_some_and(|t| !t.is_empty()),
+        "{entry}"
+    );
+    let id = entry["id"].as_str().expect("id").to_string();
+    let (s, shown) = send_as(&r, "GET", &format!("/v1/dlq/{id}"), "team", None).await;
+    assert_eq!(s, 200, "the team shows it: {shown}");
+    assert_eq!(shown["emitted_by"], entry["emitted_by"]);
+    // The handler's log says so, on the delivery's event and attempt.
+    let (s, logs) = send_as(
+        &r,
+        "GET",
+        "/v1/handlers/enrich/logs?event_id=dead-emit-1&level=warn",
+        "team",
+        None,
+    )
+    .await;
+    assert_eq!(s, 200, "{logs}");
+    let emitted_id = entry["event"]["id"].as_str().expect("emitted id");
+    let line = logs["lines"]
+        .as_array()
+        .and_then(|l| {
+            l.iter().find(|l| {
+                l["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("dead-lettered as scope_violation"))
+            })
+        })
+        .unwrap_or_else(|| panic!("no warn line about the dead-lettered emission: {logs}"));
+    let msg = line["message"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains(emitted_id)
+            && msg.contains("order.created.enriched")
+            && msg.contains("ingest:order.created.enriched")
+            && msg.contains("--emitted-by enrich"),
+        "{msg}"
+    );
+    assert_eq!(line["level"], "warn", "{line}");
+    assert_eq!(line["attempt"], 1, "{line}");
+    // Another team's glob covering the name opens neither the listing nor the entry.
+    let (s, v) = send_as(&r, "GET", "/v1/dlq?emitted_by=enrich", "other", None).await;
+    assert_eq!(s, 403, "{v}");
+    let (s, v) = send_as(&r, "GET", &format!("/v1/dlq/{id}"), "other", None).await;
+    assert_eq!(s, 403, "{v}");
+    // The other quarantined dead letters stay closed, and the refusal says where to look.
+    let (s, v) = send_as(&r, "GET", "/v1/dlq?target=none", "team", None).await;
+    assert_eq!(s, 403, "{v}");
+    assert!(v.to_string().contains("emitted_by=<handler>"), "{v}");
+    let (s, v) = send_as(&r, "GET", "/v1/dlq?emitted_by=", "ops", None).await;
+    assert_eq!(s, 400, "an empty handler name matches nothing: {v}");
 }
 
 /// COMPLETED: a delivery whose idempotency key was handled before gets the stored result; the

@@ -856,6 +856,43 @@ async fn job_state(api: &Api<'_>, id: &str) -> String {
     j["state"].as_str().unwrap_or_default().to_string()
 }
 
+/// A handler's emission dead-lettered before any target (outside its owner's ingest scope),
+/// as its team lists it (`emitted_by=`) and shows it, validates against the document, and so
+/// does the 403 that points a team's `target=none` at it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handlers_dead_lettered_emissions_validate_against_the_document() {
+    let doc = Doc::load();
+    let rules = "rules:\n  - name: orders\n    pattern: { type: [order.created] }\n    targets:\n      - handler: enrich\n";
+    let config = tokens_config(&[
+        (ADMIN, None, "admin"),
+        (HANDLER_TEAM, None, "handlers:enrich"),
+    ]);
+    let r = RouterProc::start_full(&[("r.yaml", rules)], &[], &[], Some(&config));
+    let api = Api::new(&r, &doc);
+    let team = || Req::token(HANDLER_TEAM);
+    api.expect(
+        201,
+        "PUT",
+        "/v1/handlers/enrich",
+        team().raw("application/wasm", crate::handlers::plugin("enrich")),
+    )
+    .await;
+    let ev = ce("emit-1", "order.created", json!({"order_id": "1"}));
+    assert_eq!(ingest(&api, &ev).await, "accepted");
+    let id = eventually(Duration::from_secs(20), || async {
+        let r = api.send("GET", "/v1/dlq?emitted_by=enrich", team()).await;
+        r.json["entries"][0]["id"].as_str().map(str::to_string)
+    })
+    .await
+    .expect("the team lists its handler's dead-lettered emission");
+    let shown = api
+        .expect(200, "GET", &format!("/v1/dlq/{id}"), team())
+        .await;
+    assert_eq!(shown["emitted_by"]["handler"], "enrich", "{shown}");
+    api.expect(403, "GET", "/v1/dlq?target=none", team()).await;
+    api.assert_no_failures();
+}
+
 // ---------------------------------------------------------------------------------------------
 // b) x-scope agrees with the server
 // ---------------------------------------------------------------------------------------------

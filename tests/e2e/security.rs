@@ -1620,7 +1620,11 @@ async fn an_upload_is_refused_from_its_headers_before_it_takes_a_slot() {
     // The owner's upload declared past max_upload_bytes (64 MiB by default): 413 at once.
     let head = upload_head_answer(&r, "noop", "billing-ci", 70_000_000).await;
     assert!(head.starts_with("HTTP/1.1 413"), "{head}");
-    assert!(head.contains("67108864"), "{head}");
+    // The limit and the key that sets it (it said ingest's "request body too large").
+    assert!(
+        head.contains("67108864") && head.contains("handlers.max_upload_bytes"),
+        "{head}"
+    );
     // The owner's next upload finds the slots free.
     let (s, b) = send_as(
         &r,
@@ -1631,6 +1635,42 @@ async fn an_upload_is_refused_from_its_headers_before_it_takes_a_slot() {
     )
     .await;
     assert_eq!(s, 201, "{b}");
+}
+
+/// A component sent without a declared length (chunked) and found past
+/// `handlers.max_upload_bytes` while it is read gets the upload's 413, naming the key and the
+/// limit in force, not ingest's "request body too large".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_past_the_limit_names_handlers_max_upload_bytes() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let r = RouterProc::start_full(&[], &[], &[], Some("[handlers]\nmax_upload_bytes = 4096\n"));
+    let mut s = tokio::net::TcpStream::connect(r.addr)
+        .await
+        .expect("connect");
+    let chunk = vec![b'x'; 1024];
+    let mut req = b"PUT /v1/handlers/big HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/wasm\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+    for _ in 0..8 {
+        req.extend_from_slice(b"400\r\n");
+        req.extend_from_slice(&chunk);
+        req.extend_from_slice(b"\r\n");
+    }
+    req.extend_from_slice(b"0\r\n\r\n");
+    s.write_all(&req).await.expect("write");
+    // Until the JSON body is complete (the connection may stay open).
+    let mut answer = String::new();
+    let mut buf = vec![0u8; 4096];
+    while !answer.trim_end().ends_with('}') {
+        match tokio::time::timeout(Duration::from_secs(20), s.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => answer.push_str(&String::from_utf8_lossy(&buf[..n])),
+            _ => break,
+        }
+    }
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(
+        answer.contains("handler component too large")
+            && answer.contains("upload limit of 4096 bytes (handlers.max_upload_bytes)"),
+        "{answer}"
+    );
 }
 
 /// Starts `router serve` with `config`; the process's stderr once it exited, or `None` if it

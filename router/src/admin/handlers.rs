@@ -227,7 +227,7 @@ pub(crate) fn upload_refused(
     }
     let limit = app.cfg.handlers.max_upload_bytes;
     if declared_len.is_some_and(|n| n > limit as u64) {
-        return Some(crate::ingest::body_too_large(limit));
+        return Some(upload_too_large(limit));
     }
     if app.disk_full.load(std::sync::atomic::Ordering::Relaxed) {
         // The disk the store needs to drain its queues is not spent on new components.
@@ -241,6 +241,21 @@ pub(crate) fn upload_refused(
         ));
     }
     None
+}
+
+/// The 413 for a component past `handlers.max_upload_bytes` (`limit`): it names the key, so
+/// the team knows what to ask its operator to raise (ingest's text named neither).
+pub(crate) fn upload_too_large(limit: usize) -> Response {
+    error_response(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "handler component too large",
+        vec![FieldError::new(
+            "",
+            format!(
+                "the component exceeds the upload limit of {limit} bytes (handlers.max_upload_bytes); a smaller build (release profile, opt-level \"s\", strip = true) or a higher limit lets it in"
+            ),
+        )],
+    )
 }
 
 /// The 400 for a handler name that is not one, in the shape the auth layer gives a

@@ -226,6 +226,10 @@ fn dlq_json(d: &DlqEntry) -> Value {
     if let Some(n) = &d.not_redriven {
         v["not_redriven"] = json!({ "job": n.job, "at": rfc3339(n.at), "message": n.message });
     }
+    if let Some(by) = &d.emitted_by {
+        v["emitted_by"] =
+            json!({ "handler": by.handler, "target": by.target, "event_id": by.event_id });
+    }
     v
 }
 
@@ -512,6 +516,8 @@ pub struct DlqQuery {
     until: Option<String>,
     after: Option<String>,
     limit: Option<usize>,
+    /// Only what this handler emitted that went to the DLQ before any target.
+    emitted_by: Option<String>,
 }
 
 /// `GET /v1/dlq`: filtered, cursor-paged listing.
@@ -520,7 +526,7 @@ pub async fn dlq_list(
     axum::Extension(who): axum::Extension<crate::auth::Principal>,
     ApiQuery(q): ApiQuery<DlqQuery>,
 ) -> Response {
-    if let Err(r) = dlq_read_scope(&who, q.target.as_deref()) {
+    if let Err(r) = dlq_list_scope(&app, &who, q.target.as_deref(), q.emitted_by.as_deref()) {
         return *r;
     }
     if let Some(r) = refuse_unknown_dlq_target(&app, q.target.as_deref(), "/target", |id| {
@@ -539,10 +545,18 @@ pub async fn dlq_list(
         since: q.since,
         until: q.until,
     };
-    let (filter, mut errors) = match spec.to_filter("") {
+    let (mut filter, mut errors) = match spec.to_filter("") {
         Ok(f) => (f, Vec::new()),
         Err(errors) => (DlqFilter::default(), errors),
     };
+    if q.emitted_by.as_deref() == Some("") {
+        // Read as "emitted by no handler" it matched nothing, which looks like a clean DLQ.
+        errors.push(FieldError::new(
+            "/emitted_by",
+            "must not be empty: name the handler whose emissions to list",
+        ));
+    }
+    filter.emitted_by = q.emitted_by;
     let after = match q.after.as_deref().map(str::parse::<u64>) {
         Some(Ok(a)) => Some(a),
         Some(Err(_)) => {
@@ -597,8 +611,13 @@ pub async fn dlq_show(
     match app.store.dlq_get(n).await {
         Ok(Some((d, ev))) => {
             // An entry without a target (a quarantined event) is no team's: the same 403 as
-            // another team's entry, as `GET /v1/dlq?target=none` answers.
-            if !(reads_all || team_covers_target(&who, d.target_id.as_deref())) {
+            // another team's entry, as `GET /v1/dlq?target=none` answers; except a
+            // handler's emission, which is the handler's team's (as `?emitted_by=` lists).
+            let emitter_team = d
+                .emitted_by
+                .as_ref()
+                .is_some_and(|by| owns_handler(&app, &who, &by.handler));
+            if !(reads_all || team_covers_target(&who, d.target_id.as_deref()) || emitter_team) {
                 return not_yours();
             }
             let mut v = dlq_json(&d);
@@ -1540,6 +1559,65 @@ fn dlq_read_scope(who: &crate::auth::Principal, target: Option<&str>) -> Result<
             who,
             "read (or dlq:<target> with a target filter)",
         ))),
+    }
+}
+
+/// Listing the DLQ: as [`dlq_read_scope`]; and with an `emitted_by` filter (and no target
+/// other than `none`), the team of that handler, as it reads the handler's logs: what its
+/// handler emitted that went to the DLQ before any target (out of its owner's ingest scope,
+/// past the hop limit, failing a contract) is its team's output, with no target whose
+/// `dlq:` scope would open it.
+fn dlq_list_scope(
+    app: &App,
+    who: &crate::auth::Principal,
+    target: Option<&str>,
+    emitted_by: Option<&str>,
+) -> Result<(), Box<Response>> {
+    let Some(handler) = emitted_by else {
+        return dlq_read_scope(who, target).map_err(|r| {
+            // The team of a handler that looks for its handler's dead emissions under
+            // `target=none` is told where they are.
+            if target == Some(crate::store::NO_TARGET) && who.has_handler_scopes() {
+                Box::new(crate::auth::forbidden(
+                    who,
+                    "read (a handler's team lists what its handler emitted that went to the DLQ before any target with emitted_by=<handler>)",
+                ))
+            } else {
+                r
+            }
+        });
+    };
+    if target.is_none_or(|t| t == crate::store::NO_TARGET) && owns_handler(app, who, handler) {
+        return Ok(());
+    }
+    if who.allows(&crate::auth::Scope::Read) {
+        return Ok(());
+    }
+    match target {
+        Some(t) if t != crate::store::NO_TARGET => dlq_read_scope(who, target),
+        _ => Err(Box::new(crate::auth::forbidden(
+            who,
+            &format!(
+                "read, or handlers:{handler} as a member of the team that owns handler {handler:?} (the team whose token can read its logs)"
+            ),
+        ))),
+    }
+}
+
+/// Whether `who` is of the team of handler `name` and holds `handlers:<name>`: what reading
+/// the handler's logs takes (`GET /v1/handlers/{name}/logs`), and so its emissions'
+/// dead letters.
+fn owns_handler(app: &App, who: &crate::auth::Principal, name: &str) -> bool {
+    if !who.allows(&crate::auth::Scope::Handlers(name.to_string())) {
+        return false;
+    }
+    let Some(rt) = app.handlers.as_ref() else {
+        return false;
+    };
+    match rt.registry.index(name) {
+        Some(index) => index.check_owner(&who.uploader()).is_ok(),
+        // Loaded without a readable index: its logs are open to the scope, as here.
+        None => rt.registry.get(name).is_some(),
     }
 }
 

@@ -1148,11 +1148,23 @@ fn conclude(
 
 /// Why a retryable failure went to the DLQ as `max_age_exceeded` although the event may be
 /// young ([`decide`]): its next attempt would come after `max_age`. Said with the wait and the
-/// bound, the receiver's `Retry-After` named when it set the wait: an entry dead-lettered a
-/// few milliseconds after acceptance with only "HTTP 503" as its error read as a bug.
+/// bound, and who set the wait when one did: an entry dead-lettered a few milliseconds after
+/// acceptance with only "HTTP 503" as its error read as a bug. A wait with an HTTP status is
+/// the receiver's `Retry-After`; one without is a handler's own `retry` delay (the handler
+/// team reading "the receiver's Retry-After" went looking for a webhook).
 fn not_retried_past_max_age(outcome: &AttemptOutcome, retry: &RetryPolicy) -> Option<String> {
-    let AttemptOutcome::Retryable { retry_after, .. } = outcome else {
+    let AttemptOutcome::Retryable {
+        retry_after,
+        status,
+        ..
+    } = outcome
+    else {
         return None;
+    };
+    let asked = if status.is_some() {
+        "the receiver's Retry-After"
+    } else {
+        "the retry delay the handler asked for"
     };
     let fmt = |d: std::time::Duration| humantime::format_duration(d).to_string();
     let max_age = fmt(retry.max_age);
@@ -1164,7 +1176,7 @@ fn not_retried_past_max_age(outcome: &AttemptOutcome, retry: &RetryPolicy) -> Op
                 String::new()
             };
             format!(
-                "not retried: the receiver's Retry-After ({}{capped}) would pass max_age {max_age}",
+                "not retried: {asked} ({}{capped}) would pass max_age {max_age}",
                 fmt(*ra)
             )
         }
@@ -2576,6 +2588,18 @@ mod tests {
             not_retried_past_max_age(&long, &rt.spec.policy.retry).as_deref(),
             Some(
                 "not retried: the receiver's Retry-After (2h, capped at retry_after_max 1h) would pass max_age 1m"
+            )
+        );
+        // A handler's own retry delay is no receiver's Retry-After: said as what it is.
+        let handler = AttemptOutcome::Retryable {
+            error: "handler asked to retry: later".into(),
+            status: None,
+            retry_after: Some(Duration::from_secs(7200)),
+        };
+        assert_eq!(
+            not_retried_past_max_age(&handler, &rt.spec.policy.retry).as_deref(),
+            Some(
+                "not retried: the retry delay the handler asked for (2h, capped at retry_after_max 1h) would pass max_age 1m"
             )
         );
         // A retry that stays within max_age keeps the answer as its error.

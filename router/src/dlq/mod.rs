@@ -100,6 +100,9 @@ impl FilterSpec {
             source: self.source.clone(),
             since,
             until,
+            // Not a field of a written filter (redrive, purge, jobs): only `GET /v1/dlq`
+            // takes it, from its own query parameter.
+            emitted_by: None,
         })
     }
 }
@@ -1879,6 +1882,7 @@ mod tests {
         ne.quarantine = Some(Quarantine {
             reason: DlqReason::ContractViolation,
             errors: Vec::new(),
+            emitted_by: None,
         });
         ne
     }
@@ -2470,6 +2474,7 @@ mod tests {
         orphan.quarantine = Some(Quarantine {
             reason: DlqReason::ContractViolation,
             errors: Vec::new(),
+            emitted_by: None,
         });
         let mut old = new_event("/s", "old", &["hook"], 0);
         old.targets[0].max_depth = Some(0);

@@ -557,7 +557,11 @@ async fn handle(
                     ruleset_version: rules.version.clone(),
                     matched_rules: Vec::new(),
                     targets: Vec::new(),
-                    quarantine: Some(Quarantine { reason, errors }),
+                    quarantine: Some(Quarantine {
+                        reason,
+                        errors,
+                        emitted_by: None,
+                    }),
                     dedup_window_ms,
                 });
             }

@@ -438,6 +438,24 @@ pub struct DlqEntry {
     /// id. `None` on redb, whose ids follow that order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub made: Option<u64>,
+    /// The handler delivery that emitted the event, when the event is a handler's emission
+    /// dead-lettered before it reached any target (`loop_detected`, `scope_violation`, a
+    /// contract's quarantine): such an entry has no target, so without this only `read`
+    /// could list it, and the handler's own team never saw its output pile up here.
+    /// `None` for every other entry, and for entries stored before the field existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub emitted_by: Option<EmittedBy>,
+}
+
+/// Which handler delivery emitted a dead-lettered event ([`DlqEntry::emitted_by`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EmittedBy {
+    /// The handler's name: its owning team lists these entries (`GET /v1/dlq?emitted_by=`).
+    pub handler: String,
+    /// The target whose delivery ran the handler.
+    pub target: String,
+    /// The id of the event that delivery handled (the handler's log lines carry it).
+    pub event_id: String,
 }
 
 /// The DLQ as it stood at one moment ([`Store::dlq_mark`](crate::store::Store::dlq_mark)):
@@ -522,6 +540,7 @@ impl DlqEntry {
             ordering_key: target.and_then(|t| t.ordering_key.clone()),
             not_redriven: None,
             made: None,
+            emitted_by: None,
         }
     }
 
@@ -599,6 +618,7 @@ impl DlqEntry {
             ordering_key: e.ordering_key.clone(),
             not_redriven: None,
             made: None,
+            emitted_by: None,
         }
     }
 }
@@ -633,6 +653,9 @@ pub struct Quarantine {
     pub reason: DlqReason,
     /// Pointer-level validation errors.
     pub errors: Vec<FieldError>,
+    /// Set when the event is a handler's emission: kept on the DLQ entry so that the
+    /// handler's team finds it ([`DlqEntry::emitted_by`]).
+    pub emitted_by: Option<EmittedBy>,
 }
 
 /// An event to accept: stored once with its dedup key and fan-out, atomically.
@@ -927,6 +950,9 @@ pub struct DlqFilter {
     pub since: Option<Millis>,
     /// Only entries whose last failure is before this time.
     pub until: Option<Millis>,
+    /// Only the emissions of this handler dead-lettered before any target
+    /// ([`DlqEntry::emitted_by`]).
+    pub emitted_by: Option<String>,
 }
 
 impl DlqFilter {
@@ -950,6 +976,11 @@ impl DlqFilter {
             && self.source.as_ref().is_none_or(|s| e.event_source == *s)
             && self.since.is_none_or(|s| e.last_failure_at >= s)
             && self.until.is_none_or(|u| e.last_failure_at < u)
+            && self.emitted_by.as_ref().is_none_or(|h| {
+                e.emitted_by
+                    .as_ref()
+                    .is_some_and(|by| by.handler == h.as_str())
+            })
     }
 }
 
@@ -978,6 +1009,17 @@ pub struct DlqHead<'a> {
     pub first_failure_at: Millis,
     /// See [`DlqEntry::last_failure_at`].
     pub last_failure_at: Millis,
+    /// See [`DlqEntry::emitted_by`] (only what a filter reads of it).
+    #[serde(default, borrow)]
+    pub emitted_by: Option<EmittedByHead<'a>>,
+}
+
+/// The part of an [`EmittedBy`] that a [`DlqFilter`] reads, borrowed.
+#[derive(Debug, Clone, Deserialize)]
+pub struct EmittedByHead<'a> {
+    /// See [`EmittedBy::handler`].
+    #[serde(borrow)]
+    pub handler: std::borrow::Cow<'a, str>,
 }
 
 impl<'a> DlqHead<'a> {
@@ -992,6 +1034,9 @@ impl<'a> DlqHead<'a> {
             reason: e.reason,
             first_failure_at: e.first_failure_at,
             last_failure_at: e.last_failure_at,
+            emitted_by: e.emitted_by.as_ref().map(|by| EmittedByHead {
+                handler: Borrowed(&by.handler),
+            }),
         }
     }
 }

@@ -4589,7 +4589,10 @@ impl Committer {
             let mut refused = Vec::new();
             let mut overflowed = Vec::new();
             if let Some(q) = p.quarantine.take() {
-                let d = p.dead_letter(seq, None, q.reason, q.errors);
+                let d = DlqEntry {
+                    emitted_by: q.emitted_by,
+                    ..p.dead_letter(seq, None, q.reason, q.errors)
+                };
                 self.add_dlq(txn, d, effects)?;
             } else {
                 for (i, (t, record, lease)) in
@@ -5196,6 +5199,7 @@ impl Committer {
                 ordering_key: e.ordering_key.clone(),
                 not_redriven: None,
                 made: None,
+                emitted_by: None,
             };
             self.add_dlq(txn, d, effects)?;
             if id.event < self.floor {

@@ -38,6 +38,21 @@ pub struct EmitterOf {
     pub owner: String,
     /// That uploader's team, whose tokens stand in for it once it is gone.
     pub team: Option<String>,
+    /// The handler target whose delivery emitted them.
+    pub target: String,
+    /// The id of the event that delivery handled.
+    pub event_id: String,
+}
+
+impl EmitterOf {
+    /// What a dead letter of one of these emissions records of its emitter.
+    pub fn emitted_by(&self) -> crate::store::EmittedBy {
+        crate::store::EmittedBy {
+            handler: self.handler.clone(),
+            target: self.target.clone(),
+            event_id: self.event_id.clone(),
+        }
+    }
 }
 
 /// Shared by every handler target.
@@ -157,6 +172,37 @@ impl HandlerTarget {
         self.log_all(req, version, [(now, level.to_string(), message)]);
     }
 
+    /// Says in the handler's log which of its emissions go to the DLQ before any target (past
+    /// the hop limit, outside its owner's ingest scope, failing a contract), and why: the
+    /// delivery itself reads `delivered`, and such a dead letter has no target whose `dlq:`
+    /// scope would show it, so without this line the team saw a clean log while its output
+    /// piled up where only an administrator looked.
+    fn log_dead_emissions(&self, req: &DeliveryRequest, version: &str, prepared: &[NewEvent]) {
+        let now = self.rt.clock.now_ms();
+        // `prepare` keeps the handler's order: the index is the emission's.
+        let lines = prepared.iter().enumerate().filter_map(|(i, ne)| {
+            let q = ne.quarantine.as_ref()?;
+            let errors = q
+                .errors
+                .iter()
+                .map(|e| format!("{} {}", e.pointer, e.message).trim().to_string())
+                .collect::<Vec<_>>()
+                .join("; ");
+            Some((
+                now,
+                "warn".to_string(),
+                format!(
+                    "emitted event #{i} (id {:?}, type {:?}) dead-lettered as {} before reaching any target: {errors} (the handler's team lists these with `router dlq ls --emitted-by {}`)",
+                    ne.event.id,
+                    ne.event.ty,
+                    q.reason.as_str(),
+                    self.name
+                ),
+            ))
+        });
+        self.log_all(req, version, lines);
+    }
+
     async fn run(&self, req: &DeliveryRequest) -> (AttemptOutcome, Option<Box<Effects>>) {
         // The attempt's policy timeout bounds everything below, the invocation included (which
         // `handlers.timeout` caps for every handler): the lease (policy timeout + margin) then
@@ -182,29 +228,10 @@ impl HandlerTarget {
             }
         };
         let version = h.version().sha256.chars().take(12).collect::<String>();
-        let ty = req.event.event.ty.clone();
-        let dataversion = req.event.event.dataversion();
-        if !h.descriptor().accepts(&ty, dataversion) {
-            let error = format!(
-                "handler {:?} does not accept {ty} v{dataversion}",
-                self.name
-            );
-            return (
-                AttemptOutcome::Permanent {
-                    error,
-                    status: None,
-                },
-                Some(Box::new(Effects {
-                    outbox: Outbox::default(),
-                    // Its own reason: `unknown_version` is the contracts' (a type with
-                    // contracts, but not for this dataversion), and a wrong type routed here
-                    // is no versioning problem.
-                    dlq_reason: Some(DlqReason::NotAccepted),
-                })),
-            );
-        }
         // COMPLETED: this delivery was handled before (e.g. the same event accepted again after
-        // its dedup window): the stored result stands and the handler is not run again.
+        // its dedup window): the stored result stands and the handler is not run again. Looked
+        // up before `accepts`: a newer version that narrowed it did not handle this delivery,
+        // and must not dead-letter as `not_accepted` one an older version completed.
         match self
             .rt
             .store
@@ -232,6 +259,38 @@ impl HandlerTarget {
             Err(e) => {
                 tracing::warn!(error = %e, handler = %self.name, "COMPLETED lookup failed; running the handler")
             }
+        }
+        let ty = req.event.event.ty.clone();
+        let dataversion = req.event.event.dataversion();
+        if !h.descriptor().accepts(&ty, dataversion) {
+            let error = format!(
+                "handler {:?} does not accept {ty} v{dataversion}",
+                self.name
+            );
+            // Every other way a delivery ends is in the team's log; this one too, or a team
+            // that narrowed `accepts` in `describe()` only saw deliveries stop arriving.
+            self.log(
+                req,
+                &version,
+                "error",
+                format!(
+                    "not accepted (dead-lettered as not_accepted, handler not run): {error}; its describe() accepts {}",
+                    h.descriptor().accepts_text()
+                ),
+            );
+            return (
+                AttemptOutcome::Permanent {
+                    error,
+                    status: None,
+                },
+                Some(Box::new(Effects {
+                    outbox: Outbox::default(),
+                    // Its own reason: `unknown_version` is the contracts' (a type with
+                    // contracts, but not for this dataversion), and a wrong type routed here
+                    // is no versioning problem.
+                    dlq_reason: Some(DlqReason::NotAccepted),
+                })),
+            );
         }
         // The delivery (lease, store commits) may be in flight many times over; the CPU-bound
         // invocation passes this per-handler gate, then takes an instance slot. Both waits
@@ -425,6 +484,8 @@ impl HandlerTarget {
                     handler: self.name.clone(),
                     owner: h.version().uploader.clone(),
                     team: h.version().team.clone(),
+                    target: req.target.clone(),
+                    event_id: req.event_id.clone(),
                 };
                 let ids: Vec<&str> = events.iter().map(|e| e.id.as_str()).collect();
                 let result = serde_json::json!({ "version": version, "emitted": ids });
@@ -444,6 +505,7 @@ impl HandlerTarget {
                     // them. Nothing is committed; the delivery runs again.
                     return (not_wired(), None);
                 };
+                self.log_dead_emissions(req, &version, &prepared);
                 let mut outbox = outbox_of(&inv, prepared);
                 outbox.completed = Some(completed);
                 (AttemptOutcome::Delivered { status: None }, effects(outbox))
@@ -497,7 +559,11 @@ impl HandlerTarget {
                             "handler_timeout: no answer within {:?}",
                             Duration::from_millis(ms)
                         );
-                        if timeout < self.rt.limits.timeout {
+                        if timeout >= self.rt.limits.timeout {
+                            // Which key gives it more time (the shorter policy case below
+                            // names both).
+                            error.push_str(" (handlers.timeout)");
+                        } else {
                             error.push_str(&format!(
                                 " (handlers.timeout is {:?}; the target's policy timeout of {:?} bounds the whole attempt, and {:?} of it had passed before the handler ran)",
                                 self.rt.limits.timeout,
@@ -508,7 +574,7 @@ impl HandlerTarget {
                         error
                     }
                     InvocationOutcome::Oom => format!(
-                        "handler_oom: memory cap of {} bytes reached",
+                        "handler_oom: memory cap of {} bytes reached (handlers.memory_bytes)",
                         self.rt.limits.memory_bytes
                     ),
                     InvocationOutcome::Trap(m) => format!("handler_trap: {m}"),
@@ -684,6 +750,135 @@ mod tests {
             let least = least_run_time(s(handler), s(policy));
             assert!(least <= s(handler) && least <= s(policy) / 2 && !least.is_zero());
         }
+    }
+
+    /// A runtime with the example `invoice` handler (it accepts `order.paid` only), emissions
+    /// routed to nowhere, on `store`.
+    async fn invoice_runtime(dir: &std::path::Path, store: &Arc<dyn Store>) -> Arc<HandlerRuntime> {
+        let cfg = crate::app::test_config(dir);
+        let clock: Arc<dyn Clock> = Arc::new(crate::clock::SystemClock);
+        let metrics = crate::telemetry::Metrics::new();
+        let rt = crate::app::start_handlers(&cfg, store, &clock, &metrics)
+            .await
+            .expect("handler runtime");
+        rt.registry
+            .upload("invoice", &crate::wasm::tests::plugin("invoice"), "tests")
+            .expect("upload");
+        let prepare: Prepare = Arc::new(|_, _, _| Some(Vec::new()));
+        assert!(rt.prepare.set(prepare).is_ok());
+        rt
+    }
+
+    /// An attempt at the leased entry of event `id` (type `t`) for handler target `t-inv`.
+    async fn attempt_of(
+        store: &Arc<dyn Store>,
+        id: &str,
+    ) -> (crate::store::Leased, DeliveryRequest) {
+        let now = crate::clock::SystemClock.now_ms();
+        store
+            .accept(vec![crate::store::test_events::new_event(
+                "/s",
+                id,
+                &["t-inv"],
+                now,
+            )])
+            .await
+            .expect("accept");
+        let leased = store
+            .lease("t-inv", now, 1, 60_000)
+            .await
+            .expect("lease")
+            .remove(0);
+        let req = DeliveryRequest {
+            body: bytes::Bytes::new(),
+            idempotency_key: leased.entry.idempotency_key.clone(),
+            event_id: id.into(),
+            attempt: 1,
+            traceparent: None,
+            tracestate: None,
+            timeout: Duration::from_secs(10),
+            event: leased.event.clone(),
+            replay: None,
+            rule: "r".into(),
+            target: "t-inv".into(),
+            hops: 0,
+            batch: None,
+        };
+        (leased, req)
+    }
+
+    /// A delivery completed earlier returns its stored result even when the active version
+    /// no longer accepts its type (a newer version narrowed `accepts`): the result stands, as
+    /// for any redelivery of a completed delivery. The `accepts` check came first and
+    /// dead-lettered it as `not_accepted`. A delivery not completed is still refused, and
+    /// that refusal is in the handler's log like every other way a delivery ends.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_completed_delivery_is_answered_before_accepts_is_checked() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store: Arc<dyn Store> = crate::store::RedbStore::in_memory().expect("store");
+        let rt = invoice_runtime(dir.path(), &store).await;
+        let target = HandlerTarget::new(rt.clone(), "invoice".into());
+        let now = crate::clock::SystemClock.now_ms();
+
+        // Completed earlier (by a version that accepted `t`): its record is committed with the ack.
+        let (leased, req) = attempt_of(&store, "done-1").await;
+        let end = crate::store::AttemptEnd {
+            finished_at: now,
+            result: crate::store::AttemptResult::Delivered,
+            status: None,
+            error: None,
+            outbox: Some(Box::new(Outbox {
+                completed: Some(CompletedRecord {
+                    handler: "invoice".into(),
+                    key: req.idempotency_key.clone(),
+                    result: br#"{"version":"old","emitted":[]}"#.to_vec(),
+                    expires_at: now + 3_600_000,
+                }),
+                ..Outbox::default()
+            })),
+        };
+        store
+            .finish(
+                leased.entry.id,
+                leased.lease,
+                end,
+                crate::store::Disposition::Delivered,
+                now,
+            )
+            .await
+            .expect("finish");
+        let (outcome, effects) = target.run(&req).await;
+        assert_eq!(outcome, AttemptOutcome::Delivered { status: None });
+        assert!(effects.is_none(), "nothing to commit: {effects:?}");
+
+        // Never completed: not accepted, dead-lettered, and said in the handler's log.
+        let (_, req) = attempt_of(&store, "new-1").await;
+        let (outcome, effects) = target.run(&req).await;
+        assert!(
+            matches!(&outcome, AttemptOutcome::Permanent { error, .. } if error == "handler \"invoice\" does not accept t v1"),
+            "{outcome:?}"
+        );
+        assert_eq!(
+            effects.and_then(|e| e.dlq_reason),
+            Some(DlqReason::NotAccepted)
+        );
+        let query = crate::wasm::LogQuery {
+            limit: 10,
+            event_id: Some("new-1".into()),
+            source: None,
+            min_level: None,
+            before: None,
+            attempt: None,
+        };
+        let lines = rt.logs.recent("invoice", &query).expect("logs");
+        assert!(
+            lines.iter().any(|l| l.level == "error"
+                && l.attempt == 1
+                && l.message.contains("not accepted")
+                && l.message.contains("does not accept t v1")
+                && l.message.contains("order.paid (every version)")),
+            "{lines:?}"
+        );
     }
 
     #[test]

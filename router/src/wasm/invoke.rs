@@ -168,7 +168,7 @@ pub fn invoke(
             message: info.message,
         },
         Ok(Err(wit::HandlerError::Fail(message))) => InvocationOutcome::Fail(message),
-        Err(err) => classify_error(&err, &state),
+        Err(err) => classify_error(&err, &state, limits),
     };
     finish(outcome, state, started)
 }
@@ -220,7 +220,7 @@ pub(crate) fn describe(
     let state = store.into_data();
     match result {
         Ok(d) => Ok(HandlerDescriptor::from(d)),
-        Err(err) => Err(match classify_error(&err, &state) {
+        Err(err) => Err(match classify_error(&err, &state, &limits) {
             InvocationOutcome::Busy(m) => DescribeError::Busy(format!("the router is busy: {m}")),
             InvocationOutcome::Timeout => DescribeError::Failed(format!(
                 "describe did not return within {:?}",
@@ -335,7 +335,11 @@ fn is_hostcall_fuel_exhausted(err: &wasmtime::Error) -> bool {
 
 /// Tells which limit (or which trap) stopped the guest. Flags set by the host (memory cap,
 /// host-call limits) win over the trap code, which for them is only a consequence.
-fn classify_error(err: &wasmtime::Error, state: &HostState) -> InvocationOutcome {
+fn classify_error(
+    err: &wasmtime::Error,
+    state: &HostState,
+    limits: &HandlerLimits,
+) -> InvocationOutcome {
     // Instantiation found the pool full: the guest never ran. Wasmtime reports this with a
     // public error type (`PoolConcurrencyLimitError`: component or core instances, memories,
     // tables), found anywhere in the context chain by `is`.
@@ -366,7 +370,16 @@ fn classify_error(err: &wasmtime::Error, state: &HostState) -> InvocationOutcome
     let backtrace = err.downcast_ref::<WasmBacktrace>().map(ToString::to_string);
     let what = match err.downcast_ref::<Trap>() {
         Some(Trap::Interrupt) => return InvocationOutcome::Timeout,
-        Some(Trap::OutOfFuel) => return InvocationOutcome::LimitExceeded("fuel exhausted".into()),
+        // The budget and its key: a permanent failure on the first attempt must say what to
+        // raise (or which loop to fix).
+        Some(Trap::OutOfFuel) => {
+            let budget = limits
+                .fuel
+                .map_or_else(|| "its".to_owned(), |f| format!("its budget of {f}"));
+            return InvocationOutcome::LimitExceeded(format!(
+                "fuel exhausted: the handler used up {budget} instructions (handlers.fuel)"
+            ));
+        }
         Some(Trap::StackOverflow) => "wasm trap: stack overflow (call stack exhausted)".to_owned(),
         Some(trap) => trap.to_string(),
         None => {
@@ -417,7 +430,7 @@ fn guest_panic(console: &str) -> Option<String> {
 fn emitted_outcome(emitted: Vec<wit::Emitted>, limits: &HandlerLimits) -> InvocationOutcome {
     if emitted.len() > limits.max_emitted {
         return InvocationOutcome::LimitExceeded(format!(
-            "handler emitted {} events; the limit is {}",
+            "handler emitted {} events; the limit is {} (handlers.max_emitted)",
             emitted.len(),
             limits.max_emitted
         ));
@@ -438,7 +451,7 @@ fn emitted_outcome(emitted: Vec<wit::Emitted>, limits: &HandlerLimits) -> Invoca
         .sum();
     if bytes > limits.max_output_bytes {
         return InvocationOutcome::LimitExceeded(format!(
-            "handler emitted {bytes} bytes; the limit is {}",
+            "handler emitted {bytes} bytes; the limit is {} (handlers.max_output_bytes)",
             limits.max_output_bytes
         ));
     }

@@ -13,7 +13,7 @@ pub mod logs;
 pub mod registry;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 pub use bindings::{EmptyKv, KvReader, KvWrite, LogLevel, LogLine};
 pub use catalog::{CatalogStatus, HandlerChanges, HandlerData, ReleasedQueues, SyncReport};

@@ -69,6 +69,30 @@ impl HandlerDescriptor {
                     && (a.versions.is_empty() || a.versions.contains(&dataversion))
             })
     }
+
+    /// What the handler accepts, as a person reads it: `order.paid (v1, v2), order.created
+    /// (every version)`.
+    pub fn accepts_text(&self) -> String {
+        if self.accepts.is_empty() {
+            return "every type".into();
+        }
+        self.accepts
+            .iter()
+            .map(|a| {
+                let versions = if a.versions.is_empty() {
+                    "every version".to_string()
+                } else {
+                    a.versions
+                        .iter()
+                        .map(|v| format!("v{v}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                };
+                format!("{} ({versions})", a.event_type)
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 impl From<wit::Descriptor> for HandlerDescriptor {

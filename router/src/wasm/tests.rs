@@ -43,7 +43,8 @@ fn plugins_dir() -> &'static Path {
     })
 }
 
-fn plugin(name: &str) -> Vec<u8> {
+/// The component of example plugin `name` (built on first use).
+pub(crate) fn plugin(name: &str) -> Vec<u8> {
     let path = plugins_dir().join(format!("{name}.wasm"));
     std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
@@ -422,7 +423,10 @@ fn hostile_panic_is_a_trap_with_the_panic_message() {
 fn hostile_output_floods_exceed_the_limits() {
     let inv = hostile_with_neighbour(json!({"mode": "output"}), &HandlerLimits::default());
     match inv.outcome {
-        InvocationOutcome::LimitExceeded(m) => assert!(m.contains("emitted 10000 events"), "{m}"),
+        InvocationOutcome::LimitExceeded(m) => assert!(
+            m.contains("emitted 10000 events") && m.ends_with("(handlers.max_emitted)"),
+            "{m}"
+        ),
         other => panic!("{other:?}"),
     }
     let inv = hostile_with_neighbour(
@@ -430,7 +434,10 @@ fn hostile_output_floods_exceed_the_limits() {
         &HandlerLimits::default(),
     );
     match inv.outcome {
-        InvocationOutcome::LimitExceeded(m) => assert!(m.contains("bytes; the limit"), "{m}"),
+        InvocationOutcome::LimitExceeded(m) => assert!(
+            m.contains("bytes; the limit") && m.ends_with("(handlers.max_output_bytes)"),
+            "{m}"
+        ),
         other => panic!("{other:?}"),
     }
 }
@@ -492,9 +499,13 @@ fn fuel_exhaustion_is_a_limit() {
         Arc::new(EmptyKv),
         &limits,
     );
+    // The budget and the key that sets it, so the team knows what to raise.
     assert_eq!(
         inv.outcome,
-        InvocationOutcome::LimitExceeded("fuel exhausted".into())
+        InvocationOutcome::LimitExceeded(
+            "fuel exhausted: the handler used up its budget of 5000000 instructions (handlers.fuel)"
+                .into()
+        )
     );
     let calm = invoke(
         &h,

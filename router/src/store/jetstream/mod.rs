@@ -836,6 +836,7 @@ impl JetStreamStore {
             let id = self.next_number("dlq").await?;
             let d = DlqEntry {
                 id,
+                emitted_by: q.emitted_by.clone(),
                 ..blank(q.reason, q.errors.clone(), None)
             };
             writes.push(Write::put(dlq_key(id), enc(&d), Expect::Revision(0)));

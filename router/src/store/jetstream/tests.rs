@@ -402,6 +402,7 @@ async fn a_quarantined_event_goes_to_the_dlq_with_its_errors_and_no_entries() {
             pointer: "/data/n".into(),
             message: "must be a string".into(),
         }],
+        emitted_by: None,
     });
     let out = s.accept(vec![ne]).await.expect("accept");
     let seq = seq_of(&out[0]);
@@ -435,6 +436,7 @@ async fn a_fixed_copy_of_a_quarantined_event_is_accepted_in_its_place() {
         ne.quarantine = Some(Quarantine {
             reason: DlqReason::ContractViolation,
             errors: vec![],
+            emitted_by: None,
         });
         ne
     };
@@ -2526,6 +2528,7 @@ async fn dead_letters_are_marked_in_the_order_they_were_made_whatever_their_node
         e.quarantine = Some(Quarantine {
             reason: DlqReason::ContractViolation,
             errors: vec![],
+            emitted_by: None,
         });
         e
     };
@@ -2604,6 +2607,7 @@ async fn a_redrive_step_requeues_routes_and_keeps() {
     bad.quarantine = Some(Quarantine {
         reason: DlqReason::ContractViolation,
         errors: vec![],
+        emitted_by: None,
     });
     let mut still_bad = new_event("/r", "q2", &[], 1_000);
     still_bad.quarantine = bad.quarantine.clone();
@@ -2676,6 +2680,7 @@ async fn a_redrive_keeps_a_quarantined_copy_that_a_later_copy_replaced() {
         ne.quarantine = Some(Quarantine {
             reason: DlqReason::ContractViolation,
             errors: vec![],
+            emitted_by: None,
         });
         ne
     };

@@ -517,6 +517,7 @@ fn poison_event(id: &str, at: Millis) -> NewEvent {
         quarantine: Some(Quarantine {
             reason: DlqReason::ContractViolation,
             errors: vec![crate::event::FieldError::new("/n", "must be a string")],
+            emitted_by: None,
         }),
         ..new_event(id, 1, None, false, at)
     }

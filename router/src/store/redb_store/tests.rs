@@ -3566,6 +3566,7 @@ async fn the_archive_is_read_from_the_start_of_a_replays_range() {
     evs[603].quarantine = Some(Quarantine {
         reason: DlqReason::ContractViolation,
         errors: vec![],
+        emitted_by: None,
     });
     for chunk in evs.chunks(100) {
         s.accept(chunk.to_vec()).await.expect("accept");
@@ -3637,6 +3638,7 @@ fn poison(id: &str, at: Millis) -> NewEvent {
     ne.quarantine = Some(Quarantine {
         reason: DlqReason::ContractViolation,
         errors: vec![],
+        emitted_by: None,
     });
     ne
 }
