@@ -453,14 +453,17 @@ async fn place_shared(
     }
 }
 
-/// The answer to an upload whose reload was refused (the file was put back, nothing changed):
-/// 409 when the directory does not load with it, 503 with `Retry-After` when the store failed
-/// (the file is not at fault; trying again later may work).
+/// The answer to an upload whose reload was refused (the file was put back, the live
+/// contracts are unchanged; the rules reload apart, and went live if they loaded): 409 when
+/// the directory does not load with it, 503 with `Retry-After` when the store failed (the file
+/// is not at fault; trying again later may work).
 fn reload_refused(e: &ReloadError) -> Response {
     match e {
-        ReloadError::Invalid(msg) | ReloadError::RulesRefused(msg) => error_response(
+        ReloadError::Invalid(msg)
+        | ReloadError::RulesRefused(msg)
+        | ReloadError::ContractsRefused(msg) => error_response(
             StatusCode::CONFLICT,
-            "the contracts directory did not reload with this file; nothing changed",
+            "the contracts directory did not reload with this file; it was taken out and the live contracts are unchanged",
             super::problems_as_errors(msg),
         ),
         ReloadError::Store(e) => {
@@ -719,7 +722,9 @@ impl SharedContracts {
             // Not the files' fault: no lock-out, and the round's failure is the store's.
             ReloadError::Store(e) => Err(e),
             // (Answered above: the contracts went live.)
-            e @ (ReloadError::Invalid(_) | ReloadError::RulesRefused(_)) => {
+            e @ (ReloadError::Invalid(_)
+            | ReloadError::RulesRefused(_)
+            | ReloadError::ContractsRefused(_)) => {
                 for (rel, _, _, revision) in written {
                     tracing::error!(contract = %rel, revision, error = %e, "this node's contracts directory does not reload with a contract uploaded on another node");
                     self.contract_error(
