@@ -239,6 +239,11 @@ pub enum ReloadError {
     /// loaded, and went live if they changed.
     #[error("{}", .0.join("\n"))]
     RulesRefused(Vec<String>),
+    /// The new contracts do not load (or their directory is gone or emptied), one problem per
+    /// entry; the previous contracts stay live. The rules loaded, and went live if they
+    /// changed: a broken contract file does not hold back a rule fix.
+    #[error("{}", .0.join("\n"))]
+    ContractsRefused(Vec<String>),
     /// Saving target configurations failed: the store, not the files, is at fault.
     #[error("store: {0}")]
     Store(#[from] StoreError),
@@ -991,26 +996,29 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
         .saved_targets()
         .await
         .map(|saved| known_targets(&old, saved));
-    // The contracts side. A set that does not load, or a directory gone, refuses the whole
-    // reload (the rules could name types whose contracts just failed).
-    let contracts_side: Result<ContractSet, ReloadError> = match contracts_loaded {
-        Err(e) => Err(ReloadError::Invalid(e.problems())),
+    // The contracts side. Refused alone, it does not hold back a rules change (the docs say
+    // the two reload apart, and an urgent rule fix must not wait for someone else's broken
+    // contract): the previous contracts stay live beside the new rules. That is safe because
+    // nothing in a rule set reads the contracts: a rule matches the event as accepted, and
+    // the contracts decide only whether an event is accepted, before any rule sees it. A rule
+    // written for data a new contract would guarantee sees, meanwhile, what the live contract
+    // lets through: the same as when the rule and the contract change in separate reloads.
+    let contracts_side: Result<ContractSet, Vec<String>> = match contracts_loaded {
+        Err(e) => Err(e.problems()),
         // Not "no contracts": an empty set would let every event through unchecked.
         Ok(_) if !app.cfg.contracts_dir.exists() && !app.contracts.load().is_empty() => {
-            Err(ReloadError::Invalid(vec![format!(
+            Err(vec![format!(
                 "contracts directory {} does not exist (moved, deleted or unmounted?); the previous contracts stay live",
                 app.cfg.contracts_dir.display()
-            )]))
+            )])
         }
         // Nor is a directory emptied of contracts (a checkout or sync caught half-way): an
         // enforced type would go from 422 to accepted unchecked. Removing every contract
         // is rare enough to take a restart.
-        Ok(c) if c.is_empty() && !app.contracts.load().is_empty() => {
-            Err(ReloadError::Invalid(vec![format!(
-                "contracts directory {} holds no contract (emptied, or a sync caught half-way?); the previous contracts stay live. To remove every contract on purpose, restart the router on the empty directory",
-                app.cfg.contracts_dir.display()
-            )]))
-        }
+        Ok(c) if c.is_empty() && !app.contracts.load().is_empty() => Err(vec![format!(
+            "contracts directory {} holds no contract (emptied, or a sync caught half-way?); the previous contracts stay live. To remove every contract on purpose, restart the router on the empty directory",
+            app.cfg.contracts_dir.display()
+        )]),
         Ok(c) => Ok(c),
     };
     // The rules side. Refused alone, it does not hold back a contracts change: a broken rule
@@ -1100,6 +1108,9 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
             ReloadError::RulesRefused(_) => {
                 tracing::error!(trigger, error = %e.to_string().replace('\n', "; "), "rules refused; the previous rules stay live (contracts reload apart: the directory's are live)")
             }
+            ReloadError::ContractsRefused(_) => {
+                tracing::error!(trigger, error = %e.to_string().replace('\n', "; "), "contracts refused; the previous contracts stay live (rules reload apart: the directory's are live)")
+            }
             _ => {
                 tracing::error!(trigger, error = %e.to_string().replace('\n', "; "), "reload refused; the previous rules and contracts stay live")
             }
@@ -1107,7 +1118,14 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
         e
     };
     let result = match (rules_side, contracts_side) {
-        (_, Err(e)) => Err(e),
+        // Both refused: every problem is said, the rules' first.
+        (Err(mut rules), Err(contracts)) => {
+            rules.extend(contracts);
+            Err(ReloadError::Invalid(rules))
+        }
+        // The rules go live with the contracts that are live; the refusal is reported once
+        // they are (below).
+        (Ok((r, prepared)), Err(e)) => Ok((r, Err(e), git, prepared)),
         (Err(e), Ok(contracts)) => {
             let version = contracts.version();
             if version != app.contracts.load().version() {
@@ -1123,9 +1141,13 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
             }
             Err(ReloadError::RulesRefused(e))
         }
-        (Ok((r, prepared)), Ok(c)) => Ok((r, c, git, prepared)),
+        (Ok((r, prepared)), Ok(c)) => Ok((r, Ok(c), git, prepared)),
     };
     let ((rules, mut warnings), contracts, git, prepared) = result.map_err(refused)?;
+    let (contracts, contracts_refused) = match contracts {
+        Ok(c) => (Arc::new(c), None),
+        Err(e) => (app.contracts.load_full(), Some(e)),
+    };
     warnings.extend(contracts.warnings_against(&app.contracts.load()));
     warnings.extend(config_warnings);
     app.store
@@ -1156,7 +1178,7 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
     app.metrics
         .forget_rules(|name| rules.rules.iter().any(|rule| rule.name == name));
     app.rules.store(Arc::new(rules));
-    app.contracts.store(Arc::new(contracts));
+    app.contracts.store(contracts);
     for id in &removed {
         let grace = removal_grace(&app.cfg, old.targets.get(id));
         match app.cfg.delivery.on_target_removed {
@@ -1213,15 +1235,21 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
         st.git_checked_at = Some(std::time::Instant::now());
         st.contracts_version = contracts_version.clone();
         st.loaded_at = crate::clock::rfc3339(now);
-        st.last_attempt_at = crate::clock::rfc3339(now);
-        st.last_trigger = trigger.to_string();
-        st.last_error = None;
-        st.reloads += 1;
+        // A refused contracts side is recorded as a failed reload below, as a refused rules
+        // side is: `last_error` and `router_reload_failing` stay up until it is fixed.
+        if contracts_refused.is_none() {
+            st.last_attempt_at = crate::clock::rfc3339(now);
+            st.last_trigger = trigger.to_string();
+            st.last_error = None;
+            st.reloads += 1;
+        }
     }
-    app.metrics
-        .reloads
-        .get_or_create(&vec![("result", "ok".to_string())])
-        .inc();
+    if contracts_refused.is_none() {
+        app.metrics
+            .reloads
+            .get_or_create(&vec![("result", "ok".to_string())])
+            .inc();
+    }
     for w in &warnings {
         tracing::warn!(trigger, "{w}");
     }
@@ -1229,6 +1257,10 @@ pub async fn reload(app: &Arc<App>, trigger: &str) -> Result<ReloadReport, Reloa
     let live = app.rules.load_full();
     warnings.extend(release_keys_no_longer_held(app.store.as_ref(), live.targets.values()).await);
     *app.rule_warnings.lock().unwrap_or_else(|p| p.into_inner()) = warnings.clone();
+    if let Some(problems) = contracts_refused {
+        tracing::info!(trigger, version = %rules_version, started = started.len(), removed = removed.len(), "rules reloaded; the contracts were refused and the previous ones stay live");
+        return Err(refused(ReloadError::ContractsRefused(problems)));
+    }
     tracing::info!(trigger, version = %rules_version, contracts = %contracts_version, started = started.len(), removed = removed.len(), "rules and contracts reloaded");
     Ok(ReloadReport {
         rules_version,

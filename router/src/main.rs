@@ -1109,8 +1109,9 @@ async fn contract_push(
     let text =
         std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
     // Checked here for a clear local error, but sent as written: the router keeps the file's
-    // text, and its errors give lines and columns of it.
-    serde_json::from_str::<serde_json::Value>(&text)
+    // text, and its errors give lines and columns of it. A byte-order mark is allowed, as the
+    // contracts directory and the upload API allow it.
+    serde_json::from_str::<serde_json::Value>(router::contract::strip_bom(&text))
         .with_context(|| format!("{} is not JSON", file.display()))?;
     let version = if version.starts_with('v') {
         version.to_string()

@@ -558,7 +558,7 @@ impl Metrics {
         };
         registry.register(
             "router_ingest_events",
-            "Events received, by result",
+            "Events received, by result: accepted, quarantined, duplicate, throttled (429), rejected (every event of a request refused whole, since none is stored: each element of a refused batch, each event of an enforce 422 whether it failed its contract or not; a body that cannot be read as events counts 1)",
             m.ingest_events.clone(),
         );
         registry.register(

@@ -1235,3 +1235,97 @@ async fn a_rule_disabled_by_an_operator_says_since_when_and_by_whom() {
     let (ok, out, err) = cli(&r, Some("ops-token"), &["status"]).await;
     assert!(ok, "{out}{err}");
 }
+
+/// A contract file that starts with a UTF-8 byte-order mark (some editors write one) is taken
+/// alike by `router contracts check`, the watched directory, `router contracts push` and the
+/// upload API. The directory and the check took it while the push failed locally and the API
+/// answered 400 "the schema is not JSON".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_contract_with_a_byte_order_mark_is_taken_by_the_check_the_push_and_the_api() {
+    let repo = tempfile::tempdir().expect("tmp");
+    let bom = "\u{feff}{\"type\": \"object\", \"required\": [\"n\"]}";
+    std::fs::create_dir_all(repo.path().join("bom.t")).expect("mkdir");
+    let file = repo.path().join("bom.t/v1.json");
+    std::fs::write(&file, bom).expect("write");
+    let dir = repo.path().to_str().expect("utf-8 path");
+    let (ok, out, err) = run_router(None, &["contracts", "check", dir]).await;
+    assert!(ok && out.contains("1 contracts"), "{out}{err}");
+
+    let r = RouterProc::start(&[], &[("bom.dir/v1.json", bom)]);
+    assert_eq!(get_json(&r, "/v1/contracts/bom.dir/v1").await.0, 200);
+    let (ok, out, err) = cli(
+        &r,
+        None,
+        &[
+            "contracts",
+            "push",
+            "bom.t",
+            "v1",
+            file.to_str().expect("utf-8 path"),
+        ],
+    )
+    .await;
+    assert!(ok, "{out}{err}");
+    assert_eq!(
+        std::fs::read_to_string(r.dir.path().join("contracts/bom.t/v1.json")).ok(),
+        Some(bom.to_owned()),
+        "the router keeps the file as written"
+    );
+    let resp = client()
+        .put(r.url("/v1/contracts/bom.api/v1"))
+        .header("content-type", "application/json")
+        .body(bom)
+        .send()
+        .await
+        .expect("put");
+    let code = resp.status().as_u16();
+    let body: Value = resp.json().await.unwrap_or(Value::Null);
+    assert_eq!(code, 201, "{body}");
+    // Each of them applies.
+    for ty in ["bom.dir", "bom.t", "bom.api"] {
+        let (_, b) = post_event(&r, &event(&format!("e-{ty}"), ty, json!({}))).await;
+        assert_eq!(b["results"][0]["status"], "quarantined", "{ty}: {b}");
+    }
+}
+
+/// Contract versions are bounded to what ingest accepts as a `dataversion` (1 to 2147483647,
+/// a CloudEvents Integer): a file or an upload above it is refused naming the range (it could
+/// never apply; the API took v2147483648 with 201), and an in-place change to the highest one
+/// says no version is left instead of panicking on the overflow of "publish it as v(N+1)".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contract_versions_stop_at_the_highest_dataversion() {
+    let r = RouterProc::start(&[], &[]);
+    let (code, body) = put_json(&r, "/v1/contracts/huge/v2147483648", json!({})).await;
+    assert_eq!(code, 400, "{body}");
+    assert!(body["errors"].to_string().contains("2147483647"), "{body}");
+    let (code, body) = put_json(&r, "/v1/contracts/huge/v2147483647", json!({})).await;
+    assert_eq!(code, 201, "{body}");
+
+    let repo = tempfile::tempdir().expect("tmp");
+    let write = |rel: &str, text: &str| {
+        let p = repo.path().join(rel);
+        std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
+        std::fs::write(p, text).expect("write");
+    };
+    write("high/t/v2147483648.json", "{}");
+    let dir = |sub: &str| repo.path().join(sub).to_str().expect("utf-8").to_owned();
+    let (ok, out, err) = run_router(None, &["contracts", "check", &dir("high")]).await;
+    assert!(!ok, "{out}{err}");
+    assert!(
+        out.contains("v2147483648.json") && out.contains("1 to 2147483647"),
+        "{out}{err}"
+    );
+    write("base/t/v2147483647.json", r#"{"type": "object"}"#);
+    write("new/t/v2147483647.json", r#"{"type": "array"}"#);
+    let (ok, out, err) = run_router(
+        None,
+        &["contracts", "check", &dir("new"), "--against", &dir("base")],
+    )
+    .await;
+    assert!(!ok, "{out}{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        out.contains("no version is left above v2147483647"),
+        "{out}{err}"
+    );
+}

@@ -305,6 +305,75 @@ async fn enforce_mode_answers_422_and_stores_nothing() {
     assert_eq!(rcv.count(), 0);
 }
 
+/// `router_ingest_events_total{status="rejected"}` counts the events refused, not the requests,
+/// nor only the events beside the refused ones: an enforce 422 of one event adds 1, of a batch
+/// every event in it (none is stored, those that passed too), and a 400 batch all its
+/// elements. The 422s used to add nothing for the events `enforce` refused, and a 400 batch 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_refused_event_counts_as_rejected() {
+    let (router, _rcv) = router_with_receiver(Some("\"order.created\" = \"enforce\"\n")).await;
+    let r = &router;
+    const REJECTED: &str = "router_ingest_events_total{status=\"rejected\"}";
+    let rejected = || async { counter(&metrics_text(r).await, REJECTED) };
+    let good = |id: &str| event(id, "order.created", json!({"order_id": "A", "total": 1}));
+    let bad = |id: &str| event(id, "order.created", json!({"total": "x"}));
+    let batch = |events: Value| async move {
+        post_raw(
+            r,
+            "application/cloudevents-batch+json",
+            events.to_string().into_bytes(),
+        )
+        .await
+    };
+    let before = rejected().await;
+
+    let (s, b) = post_event(r, &bad("one")).await;
+    assert_eq!(s, 422, "{b}");
+    assert_eq!(rejected().await, before + 1, "one event refused by enforce");
+
+    let (s, b) = batch(json!([bad("b1"), bad("b2"), bad("b3")])).await;
+    assert_eq!(s, 422, "{b}");
+    assert_eq!(
+        rejected().await,
+        before + 4,
+        "three events refused by enforce"
+    );
+
+    // One element fails its contract: the whole batch is refused, all three count.
+    let (s, b) = batch(json!([good("m1"), bad("m2"), good("m3")])).await;
+    assert_eq!(s, 422, "{b}");
+    assert_eq!(rejected().await, before + 7, "a mixed batch refused whole");
+
+    // One element is not a CloudEvent: 400, nothing stored, every element refused.
+    let mut broken = good("p2");
+    broken.as_object_mut().expect("an event").remove("id");
+    let (s, b) = batch(json!([good("p1"), broken, good("p3")])).await;
+    assert_eq!(s, 400, "{b}");
+    assert_eq!(rejected().await, before + 10, "a 400 batch of three");
+
+    // A body that is not events at all is one refusal.
+    let (s, b) = post_raw(r, "application/cloudevents+json", b"{ not json".to_vec()).await;
+    assert_eq!(s, 400, "{b}");
+    assert_eq!(rejected().await, before + 11);
+
+    // What was accepted is counted as such, not as rejected.
+    let (s, b) = post_event(r, &good("fine")).await;
+    assert_eq!(s, 202, "{b}");
+    let m = metrics_text(r).await;
+    assert_eq!(
+        counter(&m, REJECTED),
+        before + 11,
+        "{}",
+        metric_lines(&m, "ingest_events")
+    );
+    assert_eq!(
+        counter(&m, "router_ingest_events_total{status=\"accepted\"}"),
+        1,
+        "{}",
+        metric_lines(&m, "ingest_events")
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_a_specific_4xx_and_stores_nothing() {
     let (r, rcv) = router_with_receiver(None).await;

@@ -232,6 +232,104 @@ async fn a_vanished_contracts_directory_never_turns_the_checks_off() {
     assert!(a.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
 }
 
+/// A broken contract file does not hold back a rule fix: rules and contracts reload apart. The
+/// new rule goes live, the previous contracts stay live (and keep checking), and the
+/// contract's error shows in `/v1/status` and the metrics until the file is fixed. The whole
+/// reload used to be refused, so an urgent rule waited for someone else's contract.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_contract_file_does_not_hold_back_a_rule_change() {
+    let a = Receiver::ok().await;
+    let b = Receiver::ok().await;
+    let r = RouterProc::start(
+        &[("r.yaml", &webhook_rule("to-a", "t", &a.url(), "a"))],
+        &[(
+            "t/v1.json",
+            r#"{"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}}"#,
+        )],
+    );
+    let contracts_version = status(&r).await["contracts"]["version"].clone();
+    write_contract(&r, "ct.broken/v1.json", r#"{"type": "objec"}"#);
+    let err = eventually(Duration::from_secs(10), || async {
+        status(&r).await["reload"]["last_error"]
+            .as_str()
+            .map(str::to_string)
+    })
+    .await
+    .expect("the broken contract is reported");
+    assert!(err.contains("ct.broken/v1.json"), "{err}");
+
+    // An urgent rule fix, while the contract file is still broken.
+    write_rules(
+        &r,
+        "urgent.yaml",
+        &webhook_rule("urgent-fix", "u", &b.url(), "b"),
+    );
+    let live = eventually(Duration::from_secs(10), || async {
+        let (_, rules) = get_json(&r, "/v1/rules").await;
+        rules["rules"]
+            .as_array()
+            .is_some_and(|l| l.iter().any(|x| x["name"] == "urgent-fix"))
+            .then_some(())
+    })
+    .await;
+    assert!(
+        live.is_some(),
+        "the new rule never went live: {}",
+        status(&r).await
+    );
+    assert_eq!(
+        post_event(&r, &event("urgent", "u", json!({}))).await.0,
+        202
+    );
+    assert!(b.wait_for(Duration::from_secs(10), |s| s.len() == 1).await);
+
+    // The contracts are as they were: `t` still checked, the broken one not loaded.
+    let s = status(&r).await;
+    assert_eq!(s["contracts"]["version"], contracts_version, "{s}");
+    let (_, body) = post_event(&r, &event("bad", "t", json!({"n": "x"}))).await;
+    assert_eq!(body["results"][0]["status"], "quarantined", "{body}");
+    let (code, _) = get_json(&r, "/v1/contracts/ct.broken/v1").await;
+    assert_eq!(code, 404);
+    // And the refusal is still shown, as for a broken rule file.
+    let err = s["reload"]["last_error"].as_str().unwrap_or("");
+    assert!(err.contains("ct.broken/v1.json"), "{s}");
+    let m = metrics_text(&r).await;
+    assert!(
+        m.contains("router_reload_failing 1"),
+        "{}",
+        metric_lines(&m, "reload")
+    );
+    let (code, body) = post_json(&r, "/v1/admin/reload", json!({})).await;
+    assert_eq!(code, 422, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("contracts refused")),
+        "{body}"
+    );
+    assert!(
+        body["errors"].to_string().contains("ct.broken/v1.json"),
+        "{body}"
+    );
+
+    // Fixed: the contract loads, the error clears.
+    write_contract(&r, "ct.broken/v1.json", r#"{"type": "object"}"#);
+    let cleared = eventually(Duration::from_secs(10), || async {
+        status(&r).await["reload"]["last_error"]
+            .is_null()
+            .then_some(())
+    })
+    .await;
+    assert!(cleared.is_some(), "{}", status(&r).await);
+    assert_eq!(get_json(&r, "/v1/contracts/ct.broken/v1").await.0, 200);
+    let m = metrics_text(&r).await;
+    assert!(
+        m.contains("router_reload_failing 0"),
+        "{}",
+        metric_lines(&m, "reload")
+    );
+}
+
 /// The contracts directory emptied (a sync caught half-way) is not "no contracts" either: the
 /// reload is refused, visibly, and an enforced type is still answered 422. It used to go live
 /// with a WARN line only, and the type's bad events were accepted.

@@ -27,7 +27,10 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
 use crate::app::{App, ReloadError};
-use crate::contract::{CompatIssue, ContractSet, compat_issues, in_place_issues, parse_version};
+use crate::contract::{
+    CompatIssue, ContractSet, MAX_VERSION, compat_issues, in_place_issues, parse_version,
+    publish_as, strip_bom,
+};
 use crate::event::FieldError;
 use crate::ingest::error_response;
 use crate::store::{ContractCatalog, SharedContract, StoreError};
@@ -63,7 +66,9 @@ fn contract_path(ty: &str, version: &str) -> Result<u32, Box<Response>> {
     if v.is_none() {
         errors.push(FieldError::new(
             "/version",
-            "the version must be v<N> with N >= 1 and no leading zeros (e.g. v2)",
+            format!(
+                "the version must be v<N> with N from 1 to {MAX_VERSION} (the dataversions an event can carry) and no leading zeros (e.g. v2)"
+            ),
         ));
     }
     match v {
@@ -214,7 +219,9 @@ pub async fn upload(
             );
         }
     };
-    let schema: Value = match serde_json::from_str(text) {
+    // Kept as sent (the directory's file is then the committed one, byte for byte); parsed
+    // without a byte-order mark, as the directory loads it.
+    let schema: Value = match serde_json::from_str(strip_bom(text)) {
         Ok(s) => s,
         Err(e) => {
             return error_response(
@@ -284,10 +291,10 @@ pub async fn upload(
         }
     };
     if !in_place.is_empty() {
-        let next = live.latest_version(&ty).unwrap_or(v).saturating_add(1);
+        let publish = publish_as(live.latest_version(&ty).unwrap_or(v));
         return error_response(
             StatusCode::CONFLICT,
-            &format!("incompatible change to v{v}, which is live: publish it as v{next}"),
+            &format!("incompatible change to v{v}, which is live: {publish}"),
             in_place,
         );
     }
@@ -446,14 +453,17 @@ async fn place_shared(
     }
 }
 
-/// The answer to an upload whose reload was refused (the file was put back, nothing changed):
-/// 409 when the directory does not load with it, 503 with `Retry-After` when the store failed
-/// (the file is not at fault; trying again later may work).
+/// The answer to an upload whose reload was refused (the file was put back, the live
+/// contracts are unchanged; the rules reload apart, and went live if they loaded): 409 when
+/// the directory does not load with it, 503 with `Retry-After` when the store failed (the file
+/// is not at fault; trying again later may work).
 fn reload_refused(e: &ReloadError) -> Response {
     match e {
-        ReloadError::Invalid(msg) | ReloadError::RulesRefused(msg) => error_response(
+        ReloadError::Invalid(msg)
+        | ReloadError::RulesRefused(msg)
+        | ReloadError::ContractsRefused(msg) => error_response(
             StatusCode::CONFLICT,
-            "the contracts directory did not reload with this file; nothing changed",
+            "the contracts directory did not reload with this file; it was taken out and the live contracts are unchanged",
             super::problems_as_errors(msg),
         ),
         ReloadError::Store(e) => {
@@ -712,7 +722,9 @@ impl SharedContracts {
             // Not the files' fault: no lock-out, and the round's failure is the store's.
             ReloadError::Store(e) => Err(e),
             // (Answered above: the contracts went live.)
-            e @ (ReloadError::Invalid(_) | ReloadError::RulesRefused(_)) => {
+            e @ (ReloadError::Invalid(_)
+            | ReloadError::RulesRefused(_)
+            | ReloadError::ContractsRefused(_)) => {
                 for (rel, _, _, revision) in written {
                     tracing::error!(contract = %rel, revision, error = %e, "this node's contracts directory does not reload with a contract uploaded on another node");
                     self.contract_error(
@@ -732,8 +744,10 @@ impl SharedContracts {
 /// Why a shared contract record cannot be a file of any node's contracts directory, if it
 /// cannot (a record written by another program or a newer node; an upload is checked).
 fn record_problem(c: &SharedContract) -> Option<&'static str> {
-    if c.version == 0 {
-        return Some("the version must be 1 or more");
+    if c.version == 0 || c.version > MAX_VERSION {
+        return Some(
+            "the version must be from 1 to 2147483647 (the dataversions an event can carry)",
+        );
     }
     type_problem(&c.ty)
 }
@@ -741,7 +755,8 @@ fn record_problem(c: &SharedContract) -> Option<&'static str> {
 /// Whether `set` holds `c` as uploaded (the same schema at its type and version).
 fn live_holds(set: &ContractSet, c: &SharedContract) -> bool {
     set.get(&c.ty, c.version).is_some_and(|live| {
-        serde_json::from_str::<Value>(&c.text).is_ok_and(|uploaded| uploaded == live.schema)
+        serde_json::from_str::<Value>(strip_bom(&c.text))
+            .is_ok_and(|uploaded| uploaded == live.schema)
     })
 }
 
@@ -860,6 +875,12 @@ mod tests {
         assert_eq!(parse_version("v12"), Some(12));
         for bad in ["1", "v0", "v01", "v", "v1.json", "v-1", "v99999999999"] {
             assert_eq!(parse_version(bad), None, "{bad:?}");
+        }
+        // Bounded to the dataversions ingest accepts (a CloudEvents Integer): a contract
+        // above them could never apply.
+        assert_eq!(parse_version("v2147483647"), Some(2_147_483_647));
+        for too_high in ["v2147483648", "v4294967295", "v4294967296"] {
+            assert_eq!(parse_version(too_high), None, "{too_high:?}");
         }
     }
 

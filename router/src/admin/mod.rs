@@ -1139,6 +1139,11 @@ pub async fn reload(State(app): State<Arc<App>>) -> Response {
             "rules refused; the previous rules stay live (contracts reload apart: the directory's are live)",
             problems_as_errors(&msg),
         ),
+        Err(crate::app::ReloadError::ContractsRefused(msg)) => error_response(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "contracts refused; the previous contracts stay live (rules reload apart: the directory's are live)",
+            problems_as_errors(&msg),
+        ),
         Err(crate::app::ReloadError::Store(e)) => store_error(&e),
     }
 }

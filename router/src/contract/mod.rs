@@ -335,7 +335,7 @@ impl ContractSet {
                         &src.display,
                         (1, 1),
                         format!(
-                            "contract file name '{name}' must be v<N>.json with N >= 1 (e.g. v1.json, no leading zeros)"
+                            "contract file name '{name}' must be v<N>.json with N from 1 to {MAX_VERSION} (the dataversions an event can carry), no leading zeros (e.g. v1.json)"
                         ),
                     ));
                     continue;
@@ -358,9 +358,13 @@ impl ContractSet {
                 continue;
             }
             // A byte-order mark (some Windows editors write one) is not JSON, but rule files
-            // accept it, so contract files do too.
-            let text = src.text.strip_prefix('\u{feff}').unwrap_or(&src.text);
-            let schema: Value = match serde_json::from_str(text) {
+            // accept it, so contract files do too (and the upload API and `contracts push`,
+            // through [`strip_bom`]); lines and columns are those of the text after it.
+            let src = Source {
+                text: strip_bom(&src.text).to_owned(),
+                ..src
+            };
+            let schema: Value = match serde_json::from_str(&src.text) {
                 Ok(v) => v,
                 Err(e) => {
                     diags.push(ContractDiagnostic::new(
@@ -445,12 +449,14 @@ impl ContractSet {
             );
         }
         let decoded;
-        let data = match (&ev.data, &ev.data_base64) {
-            (Some(d), _) => d.value(),
+        // Where the errors point: the member the data came from. Data decoded from
+        // `data_base64` is said to be so, since the event has no `data` member to look in.
+        let (data, at) = match (&ev.data, &ev.data_base64) {
+            (Some(d), _) => (d.value(), DataAt::Data),
             (None, Some(b64)) => match decode_json_base64(b64) {
                 Ok(v) => {
                     decoded = v;
-                    &decoded
+                    (&decoded, DataAt::Base64)
                 }
                 Err(msg) => {
                     return violation(
@@ -459,17 +465,28 @@ impl ContractSet {
                     );
                 }
             },
-            (None, None) => &Value::Null,
+            // Checked as `null`, as JSON Schema reads a missing instance.
+            (None, None) => (&Value::Null, DataAt::Absent),
         };
         // The plain validator answers the common case (valid data) at full speed; only data
         // that fails pays for the bounded, step-counted walk that lists what is wrong.
         if contract.validator.is_valid(data) {
             return ContractOutcome::Pass;
         }
-        violation(
-            ViolationReason::ContractViolation,
-            bounded_errors(&contract.counted, data),
-        )
+        let errors = match at {
+            // What the schema says about `null` ("null is not of type \"object\"") reads as
+            // if the producer had sent `null`; the fix is to send the data at all.
+            DataAt::Absent => vec![FieldError::new(
+                "/data",
+                format!(
+                    "no data: the event has neither `data` (or it is null) nor `data_base64`, \
+                     and the contract for type '{}' dataversion {version} requires data",
+                    ev.ty
+                ),
+            )],
+            at => bounded_errors(&contract.counted, data, at),
+        };
+        violation(ViolationReason::ContractViolation, errors)
     }
 
     /// The mode for a type (`quarantine` unless `modes.toml` says otherwise).
@@ -604,15 +621,15 @@ impl ContractSet {
                     ));
                     continue;
                 };
-                let next = versions
+                let latest = versions
                     .keys()
                     .last()
                     .copied()
                     .unwrap_or(*v)
-                    .max(self.latest_version(ty).unwrap_or(*v))
-                    + 1;
+                    .max(self.latest_version(ty).unwrap_or(*v));
+                let publish = publish_as(latest);
                 out.extend(incompatibilities(old, new, true, |m| {
-                    format!("incompatible change to v{v} in place: {m}; publish it as v{next}")
+                    format!("incompatible change to v{v} in place: {m}; {publish}")
                 }));
             }
         }
@@ -657,19 +674,42 @@ fn sorted(mut diags: Vec<ContractDiagnostic>) -> Vec<ContractDiagnostic> {
     diags
 }
 
-/// `v<N>.json` with N >= 1 and no leading zeros.
+/// `v<N>.json` with N from 1 to [`MAX_VERSION`] and no leading zeros.
 fn parse_version_name(name: &str) -> Option<u32> {
     parse_version(name.strip_suffix(".json")?)
 }
 
+/// The highest contract version: the highest `dataversion` ingest accepts (a CloudEvents
+/// Integer is 32-bit signed). A contract above it could never apply, and its type's events
+/// would be quarantined as `unknown_version` naming it.
+pub const MAX_VERSION: u32 = i32::MAX.unsigned_abs();
+
 /// `v3` → 3: a contract version as its file is named (without `.json`) and as the API takes
-/// it; N >= 1, no leading zeros.
+/// it; N from 1 to [`MAX_VERSION`], no leading zeros.
 pub fn parse_version(name: &str) -> Option<u32> {
     let digits = name.strip_prefix('v')?;
     if digits.is_empty() || digits.starts_with('0') || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
-    digits.parse().ok()
+    digits.parse().ok().filter(|v| *v <= MAX_VERSION)
+}
+
+/// What an incompatible change to a live version should be published as instead: the version
+/// after `latest`, the highest of its type.
+pub fn publish_as(latest: u32) -> String {
+    match latest.checked_add(1).filter(|v| *v <= MAX_VERSION) {
+        Some(next) => format!("publish it as v{next}"),
+        None => format!(
+            "no version is left above v{latest} (the highest dataversion an event can carry): publish it under a new event type"
+        ),
+    }
+}
+
+/// `text` without a leading UTF-8 byte-order mark, which some editors write and JSON does not
+/// allow: the contracts directory, the upload API and `router contracts push` all read a
+/// contract file through this, so they take (or refuse) the same files.
+pub fn strip_bom(text: &str) -> &str {
+    text.strip_prefix('\u{feff}').unwrap_or(text)
 }
 
 fn decode_json_base64(b64: &str) -> Result<Value, String> {
@@ -738,6 +778,10 @@ fn compile(src: &Source, schema: &Value) -> Result<(Validator, Validator), Contr
     let build = |schema: &Value| options().build(schema);
     let refused = |e: jsonschema::ValidationError<'_>| {
         if let Some((pointer, message)) = external_reference(&e, schema) {
+            return ContractDiagnostic::new(&src.display, at(&pointer), message)
+                .at_pointer(&pointer);
+        }
+        if let Some((pointer, message)) = unknown_format(&e, draft) {
             return ContractDiagnostic::new(&src.display, at(&pointer), message)
                 .at_pointer(&pointer);
         }
@@ -826,6 +870,72 @@ fn external_reference(
              local references (\"#/$defs/...\", \"#anchor\", or an $id within this file) \
              are resolved, never other files or URLs; copy what it refers to into \"$defs\"",
             truncate_chars(Value::String(reference.to_owned()).to_string(), 200)
+        ),
+    ))
+}
+
+/// Format names JSON Schema defines, of which [`known_formats`] keeps those the validator
+/// checks.
+const STANDARD_FORMATS: &[&str] = &[
+    "date",
+    "date-time",
+    "duration",
+    "email",
+    "hostname",
+    "idn-email",
+    "idn-hostname",
+    "ipv4",
+    "ipv6",
+    "iri",
+    "iri-reference",
+    "json-pointer",
+    "regex",
+    "relative-json-pointer",
+    "time",
+    "uri",
+    "uri-reference",
+    "uri-template",
+    "uuid",
+];
+
+/// The formats a contract of `draft` may name: those the validator checks (asked of it, so
+/// the list follows the library's features and the draft).
+fn known_formats(draft: Draft) -> Vec<&'static str> {
+    STANDARD_FORMATS
+        .iter()
+        .copied()
+        .filter(|f| {
+            jsonschema::options()
+                .with_draft(draft)
+                .should_validate_formats(true)
+                .should_ignore_unknown_formats(false)
+                .build(&serde_json::json!({ "format": f }))
+                .is_ok()
+        })
+        .collect()
+}
+
+/// A `format` the validator does not know: where it is and what to do, for an error that
+/// does not advise the library's "adjust configuration to ignore unrecognized formats" (the
+/// router has no such setting, on purpose: a misspelt format would check nothing). `None` for
+/// any other compile error.
+fn unknown_format(e: &jsonschema::ValidationError<'_>, draft: Draft) -> Option<(String, String)> {
+    let jsonschema::error::ValidationErrorKind::Custom { message, .. } = e.kind() else {
+        return None;
+    };
+    // "Unknown format: '<name>'. <advice>": the name may itself hold a quote.
+    let (name, _) = message
+        .strip_prefix("Unknown format: '")?
+        .rsplit_once("'. ")?;
+    let pointer = e.schema_path().as_str().to_owned();
+    Some((
+        pointer,
+        format!(
+            "unknown format {}: contracts assert `format` (a value that does not match it fails \
+             the contract), so it must be one the router checks: {}; fix the name, or use \
+             `pattern` for a format of your own",
+            truncate_chars(Value::String(name.to_owned()).to_string(), 100),
+            known_formats(draft).join(", ")
         ),
     ))
 }
@@ -1001,15 +1111,47 @@ fn add_step_counters(schema: &mut Value) {
     map.insert(STEP_KEYWORD.to_owned(), Value::Bool(true));
 }
 
+/// Where the data an event is checked by came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DataAt {
+    /// The `data` member.
+    Data,
+    /// `data_base64`, decoded as JSON (the event has no `data` member).
+    Base64,
+    /// Neither member: checked as `null`.
+    Absent,
+}
+
+impl DataAt {
+    /// The event member error pointers start at.
+    fn member(self) -> &'static str {
+        match self {
+            DataAt::Base64 => "/data_base64",
+            DataAt::Data | DataAt::Absent => "/data",
+        }
+    }
+
+    /// How a message says which data it is about.
+    fn say(self, message: String) -> String {
+        match self {
+            DataAt::Base64 => format!("decoded data_base64: {message}"),
+            DataAt::Data | DataAt::Absent => message,
+        }
+    }
+}
+
 /// What is wrong with `data`, which failed its contract, bounded: at most
 /// [`MAX_ERRORS_PER_EVENT`] errors plus one summary, each message at most
 /// [`MAX_ERROR_MESSAGE_CHARS`] long and quoting at most an excerpt of the failing value, and
-/// the walk itself at most [`MAX_VALIDATION_STEPS`] subschema visits.
-fn bounded_errors(counted: &Validator, data: &Value) -> Vec<FieldError> {
+/// the walk itself at most [`MAX_VALIDATION_STEPS`] subschema visits. Pointers start at the
+/// member the data came from (`/data`, or `/data_base64` for decoded data, whose messages say
+/// so).
+fn bounded_errors(counted: &Validator, data: &Value, at: DataAt) -> Vec<FieldError> {
+    let member = at.member();
     let field_error = |e: &jsonschema::ValidationError<'_>| {
         FieldError::new(
-            format!("/data{}", e.instance_path().as_str()),
-            short_message(e),
+            format!("{member}{}", e.instance_path().as_str()),
+            truncate_chars(at.say(short_message(e)), MAX_ERROR_MESSAGE_CHARS),
         )
     };
     let listed = with_step_budget(MAX_VALIDATION_STEPS, || {
@@ -1027,7 +1169,7 @@ fn bounded_errors(counted: &Validator, data: &Value) -> Vec<FieldError> {
         Some((mut kept, total)) => {
             if total > kept.len() {
                 kept.push(FieldError::new(
-                    "/data",
+                    member,
                     format!(
                         "… and {} more errors (only the first {MAX_ERRORS_PER_EVENT} are kept)",
                         total - kept.len()
@@ -1037,7 +1179,10 @@ fn bounded_errors(counted: &Validator, data: &Value) -> Vec<FieldError> {
             if kept.is_empty() {
                 // The two validators disagree only if the counted copy lost a keyword; say
                 // so rather than pass data the contract refuses.
-                kept.push(FieldError::new("/data", "data does not match its contract"));
+                kept.push(FieldError::new(
+                    member,
+                    at.say("data does not match its contract".to_owned()),
+                ));
             }
             kept
         }
@@ -1048,11 +1193,16 @@ fn bounded_errors(counted: &Validator, data: &Value) -> Vec<FieldError> {
                 counted.validate(data).err().map(|e| field_error(&e))
             })
             .flatten()
-            .unwrap_or_else(|| FieldError::new("/data", "data does not match its contract"));
+            .unwrap_or_else(|| {
+                FieldError::new(
+                    member,
+                    at.say("data does not match its contract".to_owned()),
+                )
+            });
             vec![
                 first,
                 FieldError::new(
-                    "/data",
+                    member,
                     format!(
                         "… and possibly more errors: listing them stopped at the limit of {MAX_VALIDATION_STEPS} schema steps"
                     ),

@@ -253,12 +253,44 @@ fn json_data_base64_is_decoded_and_validated() {
     assert_eq!(pointers(s.check(&e)), ["/data_base64"]);
 }
 
+/// Data decoded from `data_base64` that fails its contract is pointed at as such: the event
+/// has no `data` member for `/data/...` to name (it used to point there).
+#[test]
+fn errors_in_decoded_data_base64_point_at_it() {
+    let s = set(None);
+    let mut e = ev("order.created", None);
+    e.datacontenttype = Some("application/json".into());
+    e.data_base64 = Some("eyJpZCI6IDEsICJ0b3RhbCI6IDF9".into()); // {"id": 1, "total": 1}
+    let (_, reason, errs) = errors(s.check(&e));
+    assert_eq!(reason, ViolationReason::ContractViolation);
+    assert_eq!(
+        errs,
+        [(
+            "/data_base64/id".to_owned(),
+            "decoded data_base64: 1 is not of type \"string\"".to_owned()
+        )]
+    );
+}
+
+/// An event without data is told so, not `null is not of type "object"`, which reads as if
+/// the producer had sent `null`.
 #[test]
 fn missing_data_validates_as_null() {
     let s = set(None);
     let (_, _, errs) = errors(s.check(&ev("order.created", None)));
     assert_eq!(errs.len(), 1);
     assert_eq!(errs[0].0, "/data");
+    assert!(
+        errs[0]
+            .1
+            .starts_with("no data: the event has neither `data`"),
+        "{errs:?}"
+    );
+    assert!(!errs[0].1.contains("null is not"), "{errs:?}");
+    assert!(
+        errs[0].1.contains("'order.created' dataversion 1"),
+        "{errs:?}"
+    );
     let open =
         ContractSet::from_files(&[("t/v1.json", r#"{"type": ["object", "null"]}"#)], None).unwrap();
     assert_eq!(open.check(&ev("t", None)), ContractOutcome::Pass);
@@ -341,6 +373,62 @@ fn bad_file_names() {
     assert!(d.iter().all(|d| (d.line, d.col) == (1, 1)));
 }
 
+/// Versions stop at the highest `dataversion` ingest accepts: a contract above it could never
+/// apply (its type's events were quarantined as `unknown_version` naming it).
+#[test]
+fn versions_above_the_highest_dataversion_are_refused() {
+    let d = err_at(&[("t/v2147483648.json", "{}")], None);
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert!(d[0].message.contains("N from 1 to 2147483647"), "{}", d[0]);
+    assert!(ContractSet::from_files(&[("t/v2147483647.json", "{}")], None).is_ok());
+}
+
+/// An in-place change to the highest version cannot name a next one: it says so, where the
+/// `+ 1` overflowed (a panic in a debug build, "publish it as v0" in a release one).
+#[test]
+fn an_in_place_change_to_the_highest_version_says_no_version_is_left() {
+    let base = ContractSet::from_files(&[("t/v2147483647.json", r#"{"type": "object"}"#)], None)
+        .expect("loads");
+    let new = ContractSet::from_files(&[("t/v2147483647.json", r#"{"type": "array"}"#)], None)
+        .expect("loads");
+    let d = new.changes_from(&base);
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert!(
+        d[0].message
+            .ends_with("no version is left above v2147483647 (the highest dataversion an event can carry): publish it under a new event type"),
+        "{}",
+        d[0]
+    );
+    assert_eq!(publish_as(1), "publish it as v2");
+}
+
+/// The checker's messages are neutral: a new version's notes do not say it "needs a new
+/// version" (it is one), and the in-place diagnostics add what to publish instead.
+#[test]
+fn notes_for_a_new_version_do_not_ask_for_a_new_version() {
+    let v1 = r#"{"type": "object", "additionalProperties": false}"#;
+    let v2 = r#"{"type": "object", "additionalProperties": true}"#;
+    let s = ContractSet::from_files(&[("t/v1.json", v1), ("t/v2.json", v2)], None).unwrap();
+    let report = report_lines(&s);
+    assert_eq!(
+        report,
+        [
+            "t/v2.json:1:20: incompatible with v1: property `(root)`: `additionalProperties` changed; the checker cannot prove that compatible"
+        ]
+    );
+    let base = ContractSet::from_files(&[("t/v1.json", v1)], None).unwrap();
+    let edited = ContractSet::from_files(&[("t/v1.json", v2)], None).unwrap();
+    let d = edited.changes_from(&base);
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert!(
+        d[0].message
+            .ends_with("the checker cannot prove that compatible; publish it as v2"),
+        "{}",
+        d[0]
+    );
+    assert!(!d[0].message.contains("needs a new version"), "{}", d[0]);
+}
+
 #[test]
 fn invalid_json_uses_serde_position() {
     let d = err_at(
@@ -366,12 +454,52 @@ fn schema_that_does_not_compile_names_the_pointer() {
     assert_eq!(d[0].pointer, "/properties/a/type");
 }
 
+/// A misspelt format is refused where it stands, saying that formats are asserted and which
+/// ones exist; the library's own message advised a setting ("adjust configuration to ignore
+/// unrecognized formats") the router does not have.
 #[test]
 fn a_misspelt_format_is_refused_not_silently_unchecked() {
-    let text = r#"{"properties": {"mail": {"type": "string", "format": "emial"}}}"#;
+    let text = "{\"properties\": {\n  \"mail\": {\"type\": \"string\", \"format\": \"emial\"}}}";
     let d = err_at(&[("t/v1.json", text)], None);
     assert_eq!(d.len(), 1, "{d:?}");
-    assert!(d[0].message.contains("emial"), "{}", d[0]);
+    let m = &d[0].message;
+    assert!(
+        m.starts_with("unknown format \"emial\": contracts assert `format`"),
+        "{m}"
+    );
+    assert!(m.contains("date-time, ") && m.contains("email, "), "{m}");
+    assert!(!m.to_lowercase().contains("configuration"), "{m}");
+    assert_eq!(d[0].pointer, "/properties/mail/format");
+    assert_eq!((d[0].line, d[0].col), (2, 30));
+    // As docs/operations.md lists them.
+    assert_eq!(
+        known_formats(Draft::Draft202012),
+        [
+            "date",
+            "date-time",
+            "duration",
+            "email",
+            "hostname",
+            "ipv4",
+            "ipv6",
+            "iri",
+            "iri-reference",
+            "json-pointer",
+            "regex",
+            "relative-json-pointer",
+            "time",
+            "uri",
+            "uri-reference",
+            "uri-template",
+            "uuid"
+        ]
+    );
+    // The list is the draft's: draft-07 has no `uuid` or `duration` format.
+    let d7 = r#"{"$schema": "http://json-schema.org/draft-07/schema#", "format": "uuid"}"#;
+    let d = err_at(&[("t/v1.json", d7)], None);
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert!(d[0].message.contains("unknown format \"uuid\""), "{}", d[0]);
+    assert!(!d[0].message.contains("duration"), "{}", d[0]);
 }
 
 #[test]
@@ -538,7 +666,7 @@ fn compatibility_report_follows_anchors_and_dialects() {
     assert_eq!(
         report,
         [
-            "t/v2.json:1:1: incompatible with v1: property `(root)`: `$schema` changed from draft-07 to 2020-12: the drafts validate differently, so it needs a new version",
+            "t/v2.json:1:1: incompatible with v1: property `(root)`: `$schema` changed from draft-07 to 2020-12: the drafts validate differently",
             "t/v2.json:4:5: incompatible with v1: property `a`: type changed from \"string\" to \"integer\"",
         ]
     );
@@ -662,6 +790,12 @@ fn a_contract_file_with_a_byte_order_mark_loads() {
     )
     .expect("loads");
     assert!(set.get("order.created", 1).is_some());
+    assert_eq!(strip_bom("\u{feff}{}"), "{}");
+    assert_eq!(strip_bom("{}"), "{}");
+    // Positions are those of the text: the mark does not shift the columns or hide them.
+    let d = err_at(&[("t/v1.json", "\u{feff}{\"type\": 12}")], None);
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert_eq!((d[0].line, d[0].col), (1, 2), "{}", d[0]);
 }
 
 fn one(ty: &str, schema: &str) -> ContractSet {

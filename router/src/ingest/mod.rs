@@ -414,10 +414,11 @@ async fn handle(
     let (mode, events) = match parse::parse_request(headers, &bytes, &limits) {
         Ok(x) => x,
         Err(e) => {
+            // Every event of the request is refused with it (a batch's elements all count).
             app.metrics
                 .ingest_events
                 .get_or_create(&vec![("status", "rejected".to_string())])
-                .inc();
+                .inc_by(e.events as u64);
             return error_response(e.status, e.summary, e.errors);
         }
     };
@@ -525,6 +526,7 @@ async fn handle(
     // The events move into what the store accepts (a 1 KB event copied per request was
     // measurable); the answer and a quarantined one's `dlq.added` need only their names.
     let mut answered: Vec<Answered> = Vec::with_capacity(checked.len());
+    let received = checked.len();
     for (i, (ev, outcome, routed)) in checked.into_iter().enumerate() {
         let _span = tracing::debug_span!("ingest_event", event_id = %ev.id, source = %ev.source, ty = %ev.ty).entered();
         match outcome {
@@ -579,10 +581,12 @@ async fn handle(
         }
     }
     if !enforce_errors.is_empty() {
+        // The 422 refuses the whole request: each event in it, those `enforce` refused (which
+        // `answered` does not hold) and the others, is a rejected event.
         app.metrics
             .ingest_events
             .get_or_create(&vec![("status", "rejected".to_string())])
-            .inc_by(answered.len() as u64);
+            .inc_by(received as u64);
         return error_response(
             StatusCode::UNPROCESSABLE_ENTITY,
             "data violates its contract",

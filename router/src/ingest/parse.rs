@@ -73,6 +73,9 @@ pub struct ParseError {
     /// The problems, each located by a JSON pointer (or a `/ce-<name>` or `/content-type`
     /// header pointer).
     pub errors: Vec<FieldError>,
+    /// The events the request carried, all refused with it: a batch's elements, else 1 (one
+    /// event, or a body that could not be read as events at all).
+    pub events: usize,
 }
 
 impl ParseError {
@@ -85,6 +88,7 @@ impl ParseError {
                 _ => "invalid CloudEvent",
             },
             errors: vec![FieldError::new(pointer, message)],
+            events: 1,
         }
     }
 
@@ -93,7 +97,13 @@ impl ParseError {
             status: StatusCode::BAD_REQUEST,
             summary: "invalid CloudEvent",
             errors,
+            events: 1,
         }
+    }
+
+    /// The same refusal, of a batch of `n` events.
+    fn of_batch(self, n: usize) -> Self {
+        Self { events: n, ..self }
     }
 }
 
@@ -173,6 +183,7 @@ fn parse_body(
             status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
             summary: UNSUPPORTED_CODING,
             errors: vec![refused],
+            events: 1,
         });
     }
     if body.len() > limits.max_body_bytes {
@@ -483,8 +494,10 @@ fn batch_of<T>(
                 items.len(),
                 limits.max_batch
             ),
-        ));
+        )
+        .of_batch(items.len()));
     }
+    let n = items.len();
     let mut events = Vec::with_capacity(items.len());
     let mut errors = Vec::new();
     for (i, item) in items.into_iter().enumerate() {
@@ -496,7 +509,8 @@ fn batch_of<T>(
     if errors.is_empty() {
         Ok((Mode::Batch, events))
     } else {
-        Err(ParseError::bad_request(errors))
+        // One bad element refuses the whole batch: every element is a refused event.
+        Err(ParseError::bad_request(errors).of_batch(n))
     }
 }
 
