@@ -1149,12 +1149,22 @@ async fn a_scrape_of_a_store_that_does_not_answer_ends_within_its_bound() {
     }
     assert!(text.contains("\nrouter_store_bytes "), "{text}");
     server.stop_answering();
-    let started = std::time::Instant::now();
-    let text = metrics.render(&s, 2_000).await;
-    let took = started.elapsed();
+    // Each scrape ends within its bound; the size is left out by the third at the latest. On a
+    // loaded machine (a fresh clone's suite beside other builds) the first scrape after the
+    // SIGSTOP got the server's answer in two runs of the fifty-first session, as if the stop
+    // had not yet taken hold: a scrape is not the place to wait for it.
+    let mut text = String::new();
+    for _ in 0..3 {
+        let started = std::time::Instant::now();
+        text = metrics.render(&s, 2_000).await;
+        let took = started.elapsed();
+        // The bound is 2 s; the store's timeout here is 10 s a read.
+        assert!(took < std::time::Duration::from_secs(5), "took {took:?}");
+        if !text.contains("\nrouter_store_bytes ") {
+            break;
+        }
+    }
     server.answer_again();
-    // The bound is 2 s; the store's timeout here is 10 s a read.
-    assert!(took < std::time::Duration::from_secs(5), "took {took:?}");
     assert!(!text.contains("\nrouter_store_bytes "), "{text}");
 }
 
