@@ -2171,17 +2171,15 @@ async fn forget_changed_receivers(rules: &RuleSet, store: &dyn Store) -> Result<
     }
     let states = store.target_states().await?;
     for (t, was) in changed {
-        let Some(mut state) = states.iter().find(|(k, _)| *k == t.id).and_then(|(_, v)| {
+        let Some(state) = states.iter().find(|(k, _)| *k == t.id).and_then(|(_, v)| {
             serde_json::from_value::<crate::deliver::PersistedState>(v.clone()).ok()
         }) else {
             continue;
         };
-        if state.breaker.is_none() && state.retry_after_until.is_none() {
-            continue;
-        }
-        state.breaker = None;
-        state.retry_after_until = None;
-        state.retry_after_since = None;
+        let state = match state.without_receiver() {
+            kept if kept == state => continue,
+            kept => kept,
+        };
         store
             .put_target_state(&t.id, serde_json::to_value(state).unwrap_or_default())
             .await?;

@@ -623,15 +623,12 @@ impl Dispatcher {
             let persisted = match &old {
                 Some(old) => {
                     old.stop.cancel();
-                    let mut state = old.runtime.persisted();
-                    if receiver_changed.is_some() {
-                        // The operator's pause stays: it is about the target, not its receiver.
-                        state = PersistedState {
-                            paused: state.paused,
-                            ..PersistedState::default()
-                        };
-                    }
-                    Some(state)
+                    let state = old.runtime.persisted();
+                    Some(if receiver_changed.is_some() {
+                        state.without_receiver()
+                    } else {
+                        state
+                    })
                 }
                 None => stored.flatten(),
             };

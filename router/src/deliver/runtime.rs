@@ -40,6 +40,19 @@ pub struct PersistedState {
     pub retry_after_since: Option<i64>,
 }
 
+impl PersistedState {
+    /// The state without what belongs to the receiver (its `Retry-After` pause and the
+    /// breaker its failures opened): what a target whose destination changed keeps, at a
+    /// reload (`Dispatcher::start_with`) and at a start on rules changed while the router
+    /// was down. The operator's pause is about the target and stays.
+    pub fn without_receiver(&self) -> Self {
+        Self {
+            paused: self.paused,
+            ..Self::default()
+        }
+    }
+}
+
 /// The receiver's `Retry-After` pause of a target, shared by the runtimes a reload makes for
 /// it ([`TargetRuntime::carry_over`]).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
